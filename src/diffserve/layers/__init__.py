@@ -1,0 +1,1 @@
+"""Building blocks shared by the native models: CustomOp dispatch, norms, rotary, attention."""

@@ -1,0 +1,100 @@
+"""Platform detection.
+
+Detection order (first available wins), fixed and documented in docs/hardware.md:
+
+    cuda -> rocm -> musa -> xpu -> npu -> mps -> cpu
+
+`--device NAME` (or `set_platform(NAME)`) overrides detection with the named platform; asking
+for a platform whose runtime is missing is an error, never a silent fall back to the CPU.
+"""
+
+from __future__ import annotations
+
+from diffserve.platforms.base import MemoryInfo, Platform
+from diffserve.platforms.cpu import CpuPlatform
+from diffserve.platforms.cuda import CudaPlatform
+from diffserve.platforms.mps import MpsPlatform
+from diffserve.platforms.musa import MusaPlatform
+from diffserve.platforms.npu import NpuPlatform
+from diffserve.platforms.rocm import RocmPlatform
+from diffserve.platforms.xpu import XpuPlatform
+
+#: The order platforms are probed in. CPU is last because it is always available.
+DETECTION_ORDER: tuple[type[Platform], ...] = (
+    CudaPlatform,
+    RocmPlatform,
+    MusaPlatform,
+    XpuPlatform,
+    NpuPlatform,
+    MpsPlatform,
+    CpuPlatform,
+)
+
+PLATFORMS_BY_NAME: dict[str, type[Platform]] = {cls.name: cls for cls in DETECTION_ORDER}
+
+_current: Platform | None = None
+
+
+class PlatformUnavailableError(RuntimeError):
+    """The user asked for a platform this machine does not have."""
+
+
+def detect_platform() -> Platform:
+    """The first platform of `DETECTION_ORDER` whose runtime sees a device."""
+    for cls in DETECTION_ORDER:
+        if cls.is_available():
+            return cls()
+    raise AssertionError("CpuPlatform.is_available() is always True")
+
+
+def platform_by_name(name: str) -> Platform:
+    """The platform called `name`; errors when unknown or not available here."""
+    key = name.split(":", 1)[0].lower()
+    if key not in PLATFORMS_BY_NAME:
+        raise PlatformUnavailableError(
+            f"unknown device {name!r}; choose one of: {', '.join(PLATFORMS_BY_NAME)}"
+        )
+    cls = PLATFORMS_BY_NAME[key]
+    if not cls.is_available():
+        raise PlatformUnavailableError(f"device {key!r} was requested but its runtime sees no device here")
+    return cls()
+
+
+def current_platform() -> Platform:
+    """The platform the engine runs on: set explicitly, else detected once and remembered."""
+    global _current
+    if _current is None:
+        _current = detect_platform()
+    return _current
+
+
+def set_platform(platform: Platform | str | None) -> Platform:
+    """Select the platform (a name such as "cpu", a Platform, or None to re-detect)."""
+    global _current
+    if platform is None:
+        _current = detect_platform()
+    elif isinstance(platform, str):
+        _current = platform_by_name(platform)
+    else:
+        _current = platform
+    return _current
+
+
+__all__ = [
+    "DETECTION_ORDER",
+    "PLATFORMS_BY_NAME",
+    "CpuPlatform",
+    "CudaPlatform",
+    "MemoryInfo",
+    "MpsPlatform",
+    "MusaPlatform",
+    "NpuPlatform",
+    "Platform",
+    "PlatformUnavailableError",
+    "RocmPlatform",
+    "XpuPlatform",
+    "current_platform",
+    "detect_platform",
+    "platform_by_name",
+    "set_platform",
+]

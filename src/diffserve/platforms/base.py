@@ -1,0 +1,96 @@
+"""The `Platform` interface: what the engine needs to know about one kind of accelerator.
+
+Every hardware vendor gets one small subclass. The rest of the engine asks the current platform
+for its device, dtype, memory figures and defaults instead of testing `torch.cuda` itself, so a new
+vendor is one file plus one line in the detection order (see `platforms/__init__.py`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    """Memory of the platform's device, in bytes. `None` where the platform cannot tell."""
+
+    peak_bytes: int | None
+    available_bytes: int | None
+    total_bytes: int | None
+
+
+class Platform(ABC):
+    """One accelerator family. Subclasses are stateless; all methods are cheap to call."""
+
+    #: Short name used by `--device` and in logs ("cpu", "cuda", "rocm", ...).
+    name: str = ""
+    #: The torch device type tensors live on ("cpu", "cuda", "musa", "xpu", "npu", "mps").
+    device_type: str = ""
+    #: Suffix of the `CustomOp.forward_<key>` method used on this platform.
+    dispatch_key: str = "native"
+    #: torch.distributed backend for multi-device runs.
+    dist_backend: str = "gloo"
+    #: Attention backend chosen when the user does not ask for one.
+    default_attention_backend: str = "sdpa"
+
+    @classmethod
+    @abstractmethod
+    def is_available(cls) -> bool:
+        """True when this platform's runtime is importable and sees at least one device."""
+
+    @property
+    @abstractmethod
+    def default_dtype(self) -> torch.dtype:
+        """The dtype DiT/VAE weights run in when the user does not pass `--dtype`."""
+
+    def device(self, index: int = 0) -> torch.device:
+        if self.device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.device_type, index)
+
+    @abstractmethod
+    def memory_info(self, index: int = 0) -> MemoryInfo:
+        """Peak memory since the last reset, available and total memory."""
+
+    def reset_peak_memory(self, index: int = 0) -> None:
+        """Start a new peak-memory window (no-op where the runtime keeps no peak counter)."""
+
+    def synchronize(self, index: int = 0) -> None:
+        """Wait for queued device work; needed for honest stage timings on async devices."""
+
+    def device_name(self, index: int = 0) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(device_type={self.device_type!r})"
+
+
+class TorchAcceleratorPlatform(Platform):
+    """Shared logic for runtimes that mirror the `torch.cuda` memory API under `torch.<module>`."""
+
+    #: Attribute of `torch` that holds the runtime (`torch.cuda`, `torch.xpu`, `torch.musa`, ...).
+    runtime_module: str = ""
+
+    def _runtime(self):
+        return getattr(torch, self.runtime_module)
+
+    @property
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    def memory_info(self, index: int = 0) -> MemoryInfo:
+        runtime = self._runtime()
+        free, total = runtime.mem_get_info(index)
+        return MemoryInfo(peak_bytes=runtime.max_memory_allocated(index), available_bytes=free, total_bytes=total)
+
+    def reset_peak_memory(self, index: int = 0) -> None:
+        self._runtime().reset_peak_memory_stats(index)
+
+    def synchronize(self, index: int = 0) -> None:
+        self._runtime().synchronize(index)
+
+    def device_name(self, index: int = 0) -> str:
+        return str(self._runtime().get_device_name(index))

@@ -1,0 +1,37 @@
+"""Apple Metal (MPS) platform."""
+
+from __future__ import annotations
+
+import torch
+
+from diffserve.platforms.base import MemoryInfo, Platform
+
+
+class MpsPlatform(Platform):
+    name = "mps"
+    device_type = "mps"
+    dispatch_key = "mps"
+    dist_backend = "gloo"  # MPS has no collective library of its own.
+    default_attention_backend = "sdpa"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return torch.backends.mps.is_available()
+
+    @property
+    def default_dtype(self) -> torch.dtype:
+        # fp16 is the fast MPS path; bf16 support depends on the macOS version.
+        return torch.float16
+
+    def device(self, index: int = 0) -> torch.device:
+        return torch.device("mps")
+
+    def memory_info(self, index: int = 0) -> MemoryInfo:
+        allocated = torch.mps.driver_allocated_memory()
+        recommended = torch.mps.recommended_max_memory()
+        return MemoryInfo(
+            peak_bytes=allocated, available_bytes=max(recommended - allocated, 0), total_bytes=recommended
+        )
+
+    def synchronize(self, index: int = 0) -> None:
+        torch.mps.synchronize()
