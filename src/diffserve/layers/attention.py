@@ -53,7 +53,11 @@ def backend_unavailable_reason(backend: AttentionBackend, device_type: str) -> s
 def select_attention_backend(name: str | None, device_type: str, default: str = "sdpa") -> AttentionBackend:
     """Set the process-wide backend from a user choice (None: the platform default). Logs the choice."""
     global _selected
-    wanted = AttentionBackend(name or default)
+    try:
+        wanted = AttentionBackend(name or default)
+    except ValueError:
+        choices = ", ".join(b.value for b in AttentionBackend)
+        raise ValueError(f"unknown attention backend {name!r}; choose one of: {choices}") from None
     reason = backend_unavailable_reason(wanted, device_type)
     if reason is not None:
         logger.warning("%s; using torch SDPA instead", reason)
@@ -91,10 +95,10 @@ def attention(
     k: torch.Tensor,
     v: torch.Tensor,
     attn_mask: torch.Tensor | None = None,
-    backend: AttentionBackend | None = None,
+    backend: AttentionBackend | str | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention over (batch, seq, heads, head_dim) tensors; returns the same layout."""
-    chosen = backend or _selected
+    chosen = AttentionBackend(backend) if backend is not None else _selected
     if chosen is not AttentionBackend.SDPA:
         if attn_mask is not None:
             _log_once(f"{chosen.value} does not take an attention mask; using SDPA for masked calls")

@@ -49,7 +49,14 @@ def detect_platform() -> Platform:
 
 def platform_by_name(name: str) -> Platform:
     """The platform called `name`; errors when unknown or not available here."""
-    key = name.split(":", 1)[0].lower()
+    key, _, index = name.lower().partition(":")
+    if index not in ("", "0"):
+        raise PlatformUnavailableError(
+            f"device {name!r}: choosing a device index is not supported yet; "
+            f"select the device with the vendor's visibility variable (e.g. CUDA_VISIBLE_DEVICES) and pass {key!r}"
+        )
+    if key == "cuda" and RocmPlatform.is_available():
+        key = "rocm"  # torch on ROCm answers to "cuda"; users type it too.
     if key not in PLATFORMS_BY_NAME:
         raise PlatformUnavailableError(
             f"unknown device {name!r}; choose one of: {', '.join(PLATFORMS_BY_NAME)}"

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import torch
 
 from diffserve.platforms.base import TorchAcceleratorPlatform
+
+logger = logging.getLogger(__name__)
 
 
 class NpuPlatform(TorchAcceleratorPlatform):
@@ -21,6 +24,10 @@ class NpuPlatform(TorchAcceleratorPlatform):
     def is_available(cls) -> bool:
         if importlib.util.find_spec("torch_npu") is None:
             return False
-        import torch_npu  # noqa: F401  (registers torch.npu)
+        try:
+            import torch_npu  # noqa: F401  (registers torch.npu)
+        except Exception as exc:  # a broken vendor install must not stop detection elsewhere
+            logger.warning("torch_npu is installed but failed to import (%s); npu is unavailable", exc)
+            return False
 
         return hasattr(torch, "npu") and torch.npu.is_available()

@@ -1,0 +1,176 @@
+"""`DiffGenerator`: the Python entry point. Loads a Diffusers folder once, generates many times."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from diffserve.configs.engine_args import EngineArgs
+from diffserve.configs.sampling_params import SamplingParams
+from diffserve.errors import UserError
+from diffserve.layers.attention import select_attention_backend
+from diffserve.loader.component_loader import load_components
+from diffserve.loader.model_index import read_model_index
+from diffserve.outputs import output_file_name, save_image, unique_path
+from diffserve.pipelines.base import Pipeline, PipelineContext
+from diffserve.platforms import Platform, PlatformUnavailableError, set_platform
+from diffserve.registry import ModelFamily, resolve_family
+from diffserve.request import Req
+
+logger = logging.getLogger("diffserve")
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str | None, platform: Platform) -> torch.dtype:
+    if name is None:
+        return platform.default_dtype
+    if name not in _DTYPES:
+        raise UserError(f"unknown dtype {name!r}; choose one of: {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+@dataclass
+class GenerationOutput:
+    images: list[Image.Image]
+    params: SamplingParams
+    request_id: str
+    timings: dict[str, float]
+    step_times: list[float]
+    peak_memory_mb: float | None
+    output_paths: list[str] = field(default_factory=list)
+    total_seconds: float = 0.0
+
+
+class DiffGenerator:
+    """Generate images from a Diffusers-format model folder with diffserve's native pipelines."""
+
+    def __init__(self, engine_args: EngineArgs, show_progress: bool = True) -> None:
+        start = time.perf_counter()
+        self.engine_args = engine_args
+        try:
+            self.platform = set_platform(engine_args.device)
+        except PlatformUnavailableError as exc:
+            raise UserError(str(exc)) from exc
+        self.dtype = parse_dtype(engine_args.dtype, self.platform)
+        text_dtype = parse_dtype(engine_args.text_encoder_dtype or engine_args.dtype, self.platform)
+        logger.info("Platform: %s (%s), dtype: %s", self.platform.name, self.platform.device_name(), self.dtype)
+        try:
+            select_attention_backend(
+                engine_args.attention_backend, self.platform.device_type, self.platform.default_attention_backend
+            )
+        except ValueError as exc:
+            raise UserError(str(exc)) from exc
+        index = read_model_index(engine_args.model_path)
+        self.family: ModelFamily = resolve_family(index.pipeline_class_name)
+        logger.info(
+            "Resolved pipeline: %s -> diffserve %s (%s, native)",
+            index.pipeline_class_name,
+            self.family.pipeline_cls.__name__,
+            self.family.name,
+        )
+        components = load_components(
+            index, self.family.pipeline_cls.required_components, self.platform, self.dtype, text_dtype
+        )
+        self.pipeline: Pipeline = self.family.pipeline_cls(
+            PipelineContext(components, self.platform, self.dtype, show_progress=show_progress)
+        )
+        self.model_path = str(index.root)
+        logger.info("Pipeline ready in %.2f seconds", time.perf_counter() - start)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_path: str | Path,
+        device: str | None = None,
+        dtype: str | None = None,
+        attention_backend: str | None = None,
+        output_path: str = "outputs",
+        show_progress: bool = True,
+    ) -> DiffGenerator:
+        args = EngineArgs(
+            model_path=str(model_path),
+            device=device,
+            dtype=dtype,
+            attention_backend=attention_backend,
+            output_path=output_path,
+        )
+        return cls(args, show_progress=show_progress)
+
+    def generate(
+        self,
+        prompt: str = "",
+        *,
+        save_output: bool = False,
+        output_path: str | None = None,
+        output_file_name: str | None = None,
+        **params: Any,
+    ) -> GenerationOutput:
+        """Generate `num_outputs_per_prompt` images for one prompt. Keyword args are SamplingParams fields."""
+        try:
+            sampling = SamplingParams(prompt=prompt, **params)
+        except TypeError as exc:
+            raise UserError(f"unknown generation parameter: {exc}") from exc
+        return self.generate_from_params(sampling, save_output, output_path, output_file_name)
+
+    def generate_from_params(
+        self,
+        params: SamplingParams,
+        save_output: bool = False,
+        output_path: str | None = None,
+        file_name: str | None = None,
+    ) -> GenerationOutput:
+        start = time.perf_counter()
+        resolved = self.pipeline.resolve_params(params)  # fail fast, before any model work
+        log_sampling_params(resolved)
+        self.platform.reset_peak_memory()
+        req = self.pipeline.run(Req(params=params))
+        memory = self.platform.memory_info()
+        peak_mb = memory.peak_bytes / 2**20 if memory.peak_bytes is not None else None
+        if peak_mb is not None:
+            logger.info("Peak memory: %.2f MB (%s)", peak_mb, "process RSS" if self.platform.name == "cpu" else "device")
+        paths: list[str] = []
+        if save_output:
+            paths = self._save(req, Path(output_path or self.engine_args.output_path), file_name)
+        total = time.perf_counter() - start
+        logger.info("Pixel data generated in %.2f seconds", total)
+        return GenerationOutput(
+            images=req.images or [],
+            params=req.params,
+            request_id=req.request_id,
+            timings=dict(req.timings),
+            step_times=list(req.step_times),
+            peak_memory_mb=peak_mb,
+            output_paths=paths,
+            total_seconds=total,
+        )
+
+    def _save(self, req: Req, directory: Path, file_name: str | None) -> list[str]:
+        p = req.params
+        metadata = {"model": self.model_path, "pipeline": self.family.diffusers_pipeline, **p.to_dict()}
+        paths = []
+        for i, image in enumerate(req.images or []):
+            if file_name:
+                stem = Path(file_name).stem
+                suffix = f"_{i}" if len(req.images or []) > 1 else ""
+                name = f"{stem}{suffix}.{p.output_format}"
+            else:
+                name = output_file_name(p.prompt, req.request_id, i, p.output_format)
+            path = save_image(image, unique_path(directory, name), metadata, p.output_format)
+            logger.info("Output saved to %s", path)
+            paths.append(str(path))
+        return paths
+
+
+def log_sampling_params(params: SamplingParams) -> None:
+    shown = {k: v for k, v in params.to_dict().items() if k != "extra"}
+    width = max(len(k) for k in shown)
+    lines = "\n".join(f"    {k:>{width}}: {v}" for k, v in shown.items())
+    logger.info("Sampling params:\n%s", lines)

@@ -1,0 +1,42 @@
+"""`diffserve` command line: dispatches to one module per subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from diffserve.cli import generate, make_tiny
+from diffserve.cli.logging_setup import configure_logging
+
+EXIT_USER_ERROR = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="diffserve", description="A fast serving engine for diffusion models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    generate.add_parser(sub)
+    make_tiny.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = getattr(args, "log_level", "info")
+    configure_logging(level)
+    from diffserve.errors import UserError
+
+    try:
+        return args.handler(args)
+    except UserError as exc:
+        if level == "debug":
+            logging.getLogger("diffserve").exception("error")
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

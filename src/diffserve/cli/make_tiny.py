@@ -1,0 +1,33 @@
+"""`diffserve make-tiny FAMILY DIR`: write a small random-weight checkpoint in Diffusers layout."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+logger = logging.getLogger("diffserve")
+
+FAMILIES = ("flux",)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "make-tiny",
+        help="write a tiny random-weight checkpoint (for tests and trying the engine)",
+        description="Write a small random-weight checkpoint in Diffusers layout; draws noise, not pictures.",
+    )
+    p.add_argument("family", choices=FAMILIES, help="model family")
+    p.add_argument("output_dir", help="folder to write (created if missing)")
+    p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+    p.add_argument("--no-guidance-embeds", action="store_true", help="FLUX.1-schnell style: no guidance embedding")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from diffserve.testing.tiny_flux import TinyFluxSpec, build_tiny_flux
+
+    path = build_tiny_flux(
+        args.output_dir, TinyFluxSpec(seed=args.seed, guidance_embeds=not args.no_guidance_embeds)
+    )
+    logger.info("Wrote tiny %s checkpoint to %s", args.family, path)
+    return 0

@@ -1,0 +1,16 @@
+"""Errors a user can act on. The CLI prints them as one line and exits with code 2; the server maps
+them to HTTP 4xx. Anything else is a bug and keeps its traceback."""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Bad input from the user (a parameter, a path, a file). The message says what is allowed."""
+
+
+class InvalidRequestError(UserError):
+    """A sampling parameter is out of range or inconsistent with the model."""
+
+
+class ModelLoadError(UserError):
+    """The model folder is missing, not a Diffusers model, unsupported, or has broken weight files."""

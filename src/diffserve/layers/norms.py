@@ -1,0 +1,81 @@
+"""Normalisation layers as `CustomOp`s, with Diffusers' parameter names (`weight`, `bias`).
+
+`forward_native` reproduces Diffusers' numerics exactly so that checkpoints give the same outputs:
+RMSNorm accumulates the mean square in fp32 (half-precision inputs would lose the small terms) and
+LayerNorm is `torch.nn.functional.layer_norm`, which is what `diffusers.models.normalization.LayerNorm`
+resolves to on every torch this project supports. Vendor kernels (fused RMSNorm, fused
+LayerNorm + modulation) plug in by overriding `forward_<key>`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffserve.layers.custom_op import CustomOp
+from diffserve.platforms import Platform
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class RMSNorm(CustomOp):
+    """Root-mean-square norm over the last dimension (Zhang & Sennrich, 2019).
+
+    Matches `diffusers.models.normalization.RMSNorm` (and `torch.nn.RMSNorm`, which the FLUX attention
+    uses): the variance is computed in fp32, the input is scaled in fp32, and the result is cast to
+    the weight's dtype when that is fp16/bf16, or back to the input dtype when there is no weight.
+    """
+
+    def __init__(
+        self, dim: int, eps: float = 1e-6, elementwise_affine: bool = True, platform: Platform | None = None
+    ) -> None:
+        super().__init__(platform)
+        self.dim = dim
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        # `torch.ones` runs on the meta device when the loader builds the model there; the real
+        # values are assigned later by `load_state_dict(..., assign=True)`.
+        self.weight = nn.Parameter(torch.ones(dim)) if elementwise_affine else None
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        if self.weight is None:
+            return x.to(input_dtype)
+        if self.weight.dtype in _HALF_DTYPES:
+            x = x.to(self.weight.dtype)
+        return x * self.weight
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class LayerNorm(CustomOp):
+    """Layer norm over the last dimension; `weight`/`bias` exist only when `elementwise_affine`.
+
+    FLUX's blocks use it without affine parameters (the adaLN modulation supplies scale and shift),
+    so a checkpoint has no keys for those norms, exactly as with `torch.nn.LayerNorm(..., False)`.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        platform: Platform | None = None,
+    ) -> None:
+        super().__init__(platform)
+        self.dim = dim
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.weight = nn.Parameter(torch.ones(dim)) if elementwise_affine else None
+        self.bias = nn.Parameter(torch.zeros(dim)) if elementwise_affine and bias else None
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (self.dim,), self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"

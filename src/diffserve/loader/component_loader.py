@@ -1,0 +1,164 @@
+"""Loading each component of a Diffusers folder: native models, schedulers, transformers encoders
+and tokenizers, with the per-component log line users know from SGLang Diffusion."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from diffserve.errors import ModelLoadError
+from diffserve.loader.model_index import ComponentSpec, ModelIndex
+from diffserve.loader.native_classes import (
+    NATIVE_MODELS,
+    NATIVE_SCHEDULERS,
+    TRANSFORMERS_ENCODERS,
+    TRANSFORMERS_TOKENIZERS,
+)
+from diffserve.loader.safetensors_weights import find_weight_files, load_safetensors_into
+from diffserve.platforms import Platform
+
+logger = logging.getLogger("diffserve.loader")
+
+
+@dataclass
+class LoadedComponent:
+    name: str
+    class_name: str
+    value: Any
+    num_params: int
+    num_bytes: int
+    seconds: float
+
+
+def _read_json(path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ModelLoadError(f"missing {path}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def _module_size(module: nn.Module) -> tuple[int, int]:
+    tensors = list(module.parameters()) + list(module.buffers())
+    return sum(t.numel() for t in module.parameters()), sum(t.numel() * t.element_size() for t in tensors)
+
+
+def load_native_model(spec: ComponentSpec, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, int]:
+    """Build the native module on meta from config.json, then stream its safetensors in.
+    Returns the module and the bytes read from disk."""
+    cls = NATIVE_MODELS[spec.class_name]
+    config = _read_json(spec.path / "config.json")
+    try:
+        with torch.device("meta"):
+            module = cls.from_config(config)
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{spec.path / 'config.json'}: {exc}") from exc
+    num_bytes = load_safetensors_into(module, find_weight_files(spec.path), device, dtype)
+    module.eval().requires_grad_(False)
+    return module, num_bytes
+
+
+def load_scheduler(spec: ComponentSpec) -> Any:
+    cls = NATIVE_SCHEDULERS[spec.class_name]
+    config = _read_json(spec.path / "scheduler_config.json")
+    try:
+        return cls.from_config(config)
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{spec.path / 'scheduler_config.json'}: {exc}") from exc
+
+
+def load_text_encoder(spec: ComponentSpec, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    cls = getattr(transformers, spec.class_name)
+    try:
+        model = cls.from_pretrained(str(spec.path), dtype=dtype, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load {spec.class_name} from {spec.path}: {exc}") from exc
+    return model.to(device).eval().requires_grad_(False)
+
+
+def load_tokenizer(spec: ComponentSpec) -> Any:
+    for candidate in TRANSFORMERS_TOKENIZERS[spec.class_name]:
+        cls = getattr(transformers, candidate, None)
+        if cls is not None:
+            break
+    else:  # pragma: no cover - every supported transformers version has one of them
+        raise ModelLoadError(f"this transformers version has no tokenizer class for {spec.class_name}")
+    try:
+        return cls.from_pretrained(str(spec.path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load tokenizer {spec.class_name} from {spec.path}: {exc}") from exc
+
+
+def _supported_summary() -> str:
+    names = sorted(
+        set(NATIVE_MODELS) | set(NATIVE_SCHEDULERS) | TRANSFORMERS_ENCODERS | set(TRANSFORMERS_TOKENIZERS)
+    )
+    return ", ".join(names)
+
+
+def load_component(
+    spec: ComponentSpec, platform: Platform, dtype: torch.dtype, text_encoder_dtype: torch.dtype
+) -> LoadedComponent:
+    """Load one component and log it: class, parameter count, size, time, available memory."""
+    device = platform.device()
+    logger.info("Loading %s (%s) from %s", spec.name, spec.class_name, spec.path)
+    start = time.perf_counter()
+    num_params = num_bytes = 0
+    if not spec.path.is_dir():
+        raise ModelLoadError(f"component folder {spec.path} named in model_index.json does not exist")
+    if spec.class_name in NATIVE_MODELS:
+        value, _ = load_native_model(spec, device, dtype)
+        num_params, num_bytes = _module_size(value)
+    elif spec.class_name in NATIVE_SCHEDULERS:
+        value = load_scheduler(spec)
+    elif spec.library == "transformers" and spec.class_name in TRANSFORMERS_ENCODERS:
+        value = load_text_encoder(spec, device, text_encoder_dtype)
+        num_params, num_bytes = _module_size(value)
+    elif spec.library == "transformers" and spec.class_name in TRANSFORMERS_TOKENIZERS:
+        value = load_tokenizer(spec)
+    else:
+        raise ModelLoadError(
+            f"component {spec.name!r} has class {spec.library}.{spec.class_name}, which diffserve does not "
+            f"support; supported component classes: {_supported_summary()}"
+        )
+    platform.synchronize()
+    seconds = time.perf_counter() - start
+    avail = platform.memory_info().available_bytes
+    avail_text = f", avail mem: {avail / 2**30:.2f} GB" if avail is not None else ""
+    params_text = f", {num_params / 1e6:.2f}M params" if num_params else ""
+    logger.info(
+        "Loaded %s: %s (diffserve %s)%s, model size: %.3f GB, in %.2f s%s",
+        spec.name,
+        spec.class_name,
+        "native" if spec.library == "diffusers" else "via transformers",
+        params_text,
+        num_bytes / 2**30,
+        seconds,
+        avail_text,
+    )
+    return LoadedComponent(spec.name, spec.class_name, value, num_params, num_bytes, seconds)
+
+
+def load_components(
+    index: ModelIndex, required: tuple[str, ...], platform: Platform, dtype: torch.dtype,
+    text_encoder_dtype: torch.dtype,
+) -> dict[str, LoadedComponent]:
+    """Load the components a pipeline requires, in a fixed order; absent ones are an error."""
+    absent = [name for name in required if name not in index.components]
+    if absent:
+        raise ModelLoadError(
+            f"{index.root / 'model_index.json'} lacks components the {index.pipeline_class_name} pipeline "
+            f"needs: {', '.join(absent)}"
+        )
+    logger.info("Loading required components: %s", list(required))
+    return {
+        name: load_component(index.components[name], platform, dtype, text_encoder_dtype) for name in required
+    }

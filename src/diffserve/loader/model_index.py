@@ -1,0 +1,62 @@
+"""Reading a Diffusers model folder's `model_index.json`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from diffserve.errors import ModelLoadError
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """One entry of model_index.json: `"vae": ["diffusers", "AutoencoderKL"]`."""
+
+    name: str
+    library: str
+    class_name: str
+    path: Path
+
+
+@dataclass(frozen=True)
+class ModelIndex:
+    root: Path
+    pipeline_class_name: str
+    diffusers_version: str | None
+    components: dict[str, ComponentSpec]
+
+
+def read_model_index(model_path: str | Path) -> ModelIndex:
+    """Parse `model_index.json`; components set to null (optional, absent) are left out."""
+    root = Path(model_path).expanduser()
+    if not root.is_dir():
+        raise ModelLoadError(f"model path {str(root)!r} is not a directory")
+    index_file = root / "model_index.json"
+    if not index_file.is_file():
+        raise ModelLoadError(
+            f"{str(root)!r} is not a Diffusers model folder: it has no model_index.json "
+            "(expected the layout written by diffusers' save_pretrained)"
+        )
+    try:
+        raw = json.loads(index_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{index_file} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict) or "_class_name" not in raw:
+        raise ModelLoadError(f"{index_file} has no _class_name naming the pipeline")
+    components = {}
+    for name, value in raw.items():
+        if name.startswith("_"):
+            continue
+        if not (isinstance(value, list) and len(value) == 2):
+            continue  # pipeline-level options such as "requires_safety_checker"
+        library, class_name = value
+        if library is None or class_name is None:
+            continue
+        components[name] = ComponentSpec(name, str(library), str(class_name), root / name)
+    return ModelIndex(
+        root=root,
+        pipeline_class_name=str(raw["_class_name"]),
+        diffusers_version=raw.get("_diffusers_version"),
+        components=components,
+    )

@@ -1,0 +1,102 @@
+"""Streaming Diffusers safetensors weights (single file or sharded) into a module built on `meta`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from diffserve.errors import ModelLoadError
+
+_WEIGHT_NAMES = ("diffusion_pytorch_model", "model")
+
+
+def find_weight_files(component_dir: Path) -> list[Path]:
+    """The safetensors files of a component: an index's shards, or the single weights file."""
+    for stem in _WEIGHT_NAMES:
+        index = component_dir / f"{stem}.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise ModelLoadError(f"{index} is not a valid safetensors index: {exc}") from exc
+            shards = sorted({component_dir / name for name in weight_map.values()})
+            absent = [s.name for s in shards if not s.is_file()]
+            if absent:
+                raise ModelLoadError(f"{index} lists shards that are missing: {', '.join(absent)}")
+            return shards
+        single = component_dir / f"{stem}.safetensors"
+        if single.is_file():
+            return [single]
+    others = sorted(p.name for p in component_dir.glob("*.bin")) if component_dir.is_dir() else []
+    hint = f" (found {', '.join(others)}: only .safetensors weights are supported)" if others else ""
+    raise ModelLoadError(f"no safetensors weights in {component_dir}{hint}")
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {path}: the file is truncated or corrupt ({exc})") from exc
+
+
+def _describe(keys: list[str], limit: int = 8) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f", ... ({len(keys)} in all)" if len(keys) > limit else "")
+
+
+def check_keys(module: nn.Module, file_keys: set[str], where: Path) -> None:
+    """Fail loudly, naming the keys, when checkpoint and module disagree."""
+    expected = set(module.state_dict().keys())
+    missing = sorted(expected - file_keys)
+    unexpected = sorted(file_keys - expected)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing keys: {_describe(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys: {_describe(unexpected)}")
+        raise ModelLoadError(f"weights in {where} do not match {type(module).__name__}: " + "; ".join(parts))
+
+
+def load_safetensors_into(
+    module: nn.Module, files: list[Path], device: torch.device, dtype: torch.dtype
+) -> int:
+    """Assign every tensor of `files` into `module` (built on meta), shard by shard. Returns bytes read.
+
+    Floating-point tensors are cast to `dtype`; integer tensors keep theirs. Only one shard's
+    tensors are held at a time, so peak host memory stays near the largest shard.
+    """
+    file_keys: set[str] = set()
+    for path in files:
+        with _open(path) as f:
+            file_keys.update(f.keys())
+    check_keys(module, file_keys, files[0].parent)
+
+    total_bytes = 0
+    expected_shapes = {k: v.shape for k, v in module.state_dict().items()}
+    for path in files:
+        shard: dict[str, torch.Tensor] = {}
+        with _open(path) as f:
+            for key in f.keys():  # noqa: SIM118  (safe_open is not a Mapping)
+                try:
+                    tensor = f.get_tensor(key)
+                except (SafetensorError, OSError, ValueError) as exc:
+                    raise ModelLoadError(f"cannot read tensor {key!r} from {path}: {exc}") from exc
+                if tensor.shape != expected_shapes[key]:
+                    raise ModelLoadError(
+                        f"{path}: tensor {key!r} has shape {tuple(tensor.shape)}, "
+                        f"the model config expects {tuple(expected_shapes[key])}"
+                    )
+                total_bytes += tensor.numel() * tensor.element_size()
+                target_dtype = dtype if tensor.is_floating_point() else tensor.dtype
+                shard[key] = tensor.to(device=device, dtype=target_dtype)
+        module.load_state_dict(shard, strict=False, assign=True)
+        del shard
+    still_meta = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+    if still_meta:
+        raise ModelLoadError(f"{type(module).__name__}: tensors left uninitialised: {_describe(still_meta)}")
+    return total_bytes

@@ -1,0 +1,162 @@
+"""Flow-matching Euler sampler (Diffusers' `FlowMatchEulerDiscreteScheduler`), without per-request state.
+
+Diffusers' scheduler keeps the current step index on the scheduler object, which ties one
+scheduler to one request. Here the scheduler only *computes* a request's sigma schedule
+(`schedule`) and performs one Euler update for a batch whose samples may sit at different
+steps (`step`); each request carries its own sigmas and step index. Numerics follow Diffusers:
+sigmas are computed in float32 numpy, the update runs in float32 and is cast back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+_SUPPORTED_KEYS = {
+    "num_train_timesteps",
+    "shift",
+    "use_dynamic_shifting",
+    "base_shift",
+    "max_shift",
+    "base_image_seq_len",
+    "max_image_seq_len",
+    "invert_sigmas",
+    "shift_terminal",
+    "time_shift_type",
+    "use_karras_sigmas",
+    "use_exponential_sigmas",
+    "use_beta_sigmas",
+    "stochastic_sampling",
+}
+_UNSUPPORTED_WHEN_TRUE = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "stochastic_sampling")
+
+
+@dataclass(frozen=True)
+class SigmaSchedule:
+    """One request's schedule: `sigmas` has one more entry than `timesteps` (the final 0)."""
+
+    sigmas: torch.Tensor  # (num_steps + 1,) float32, on CPU
+    timesteps: torch.Tensor  # (num_steps,) float32, on CPU
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.timesteps.shape[0])
+
+
+class FlowMatchEulerScheduler:
+    """Computes flow-matching sigma schedules and Euler steps. Stateless across requests."""
+
+    diffusers_class_name = "FlowMatchEulerDiscreteScheduler"
+
+    def __init__(
+        self,
+        num_train_timesteps: int = 1000,
+        shift: float = 1.0,
+        use_dynamic_shifting: bool = False,
+        base_shift: float | None = 0.5,
+        max_shift: float | None = 1.15,
+        base_image_seq_len: int = 256,
+        max_image_seq_len: int = 4096,
+        invert_sigmas: bool = False,
+        shift_terminal: float | None = None,
+        time_shift_type: str = "exponential",
+        use_karras_sigmas: bool = False,
+        use_exponential_sigmas: bool = False,
+        use_beta_sigmas: bool = False,
+        stochastic_sampling: bool = False,
+    ) -> None:
+        if time_shift_type not in ("exponential", "linear"):
+            raise ValueError(f"time_shift_type must be 'exponential' or 'linear', got {time_shift_type!r}")
+        self.config: dict[str, Any] = {
+            "num_train_timesteps": num_train_timesteps,
+            "shift": shift,
+            "use_dynamic_shifting": use_dynamic_shifting,
+            "base_shift": base_shift,
+            "max_shift": max_shift,
+            "base_image_seq_len": base_image_seq_len,
+            "max_image_seq_len": max_image_seq_len,
+            "invert_sigmas": invert_sigmas,
+            "shift_terminal": shift_terminal,
+            "time_shift_type": time_shift_type,
+            "use_karras_sigmas": use_karras_sigmas,
+            "use_exponential_sigmas": use_exponential_sigmas,
+            "use_beta_sigmas": use_beta_sigmas,
+            "stochastic_sampling": stochastic_sampling,
+        }
+        for key in _UNSUPPORTED_WHEN_TRUE:
+            if self.config[key]:
+                raise ValueError(f"scheduler option {key}=True is not supported by diffserve yet")
+        # The training schedule's extremes bound the default inference schedule (as in Diffusers).
+        train_sigmas = np.linspace(1, num_train_timesteps, num_train_timesteps, dtype=np.float32)[::-1]
+        train_sigmas = train_sigmas / num_train_timesteps
+        if not use_dynamic_shifting:
+            train_sigmas = shift * train_sigmas / (1 + (shift - 1) * train_sigmas)
+        self.sigma_max = float(train_sigmas[0])
+        self.sigma_min = float(train_sigmas[-1])
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> FlowMatchEulerScheduler:
+        kwargs = {k: v for k, v in config.items() if not k.startswith("_")}
+        unknown = sorted(set(kwargs) - _SUPPORTED_KEYS)
+        if unknown:
+            raise ValueError(f"unknown FlowMatchEulerDiscreteScheduler config keys: {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    def resolution_shift_mu(self, image_seq_len: int) -> float:
+        """FLUX's resolution-dependent shift: `mu` grows linearly with the image token count."""
+        base_len = self.config["base_image_seq_len"]
+        max_len = self.config["max_image_seq_len"]
+        base_shift = self.config["base_shift"]
+        max_shift = self.config["max_shift"]
+        slope = (max_shift - base_shift) / (max_len - base_len)
+        return image_seq_len * slope + (base_shift - slope * base_len)
+
+    def _time_shift(self, mu: float, sigmas: np.ndarray) -> np.ndarray:
+        if self.config["time_shift_type"] == "exponential":
+            return math.exp(mu) / (math.exp(mu) + (1 / sigmas - 1) ** 1.0)
+        return mu / (mu + (1 / sigmas - 1) ** 1.0)
+
+    def schedule(
+        self, num_steps: int, mu: float | None = None, sigmas: np.ndarray | list[float] | None = None
+    ) -> SigmaSchedule:
+        """The sigma/timestep schedule for `num_steps` steps (pass `mu` when dynamic shifting is on)."""
+        if self.config["use_dynamic_shifting"] and mu is None:
+            raise ValueError("this scheduler uses dynamic shifting: pass mu (see resolution_shift_mu)")
+        if sigmas is None:
+            n_train = self.config["num_train_timesteps"]
+            timesteps = np.linspace(self.sigma_max * n_train, self.sigma_min * n_train, num_steps)
+            base = timesteps / n_train
+        else:
+            base = np.array(sigmas).astype(np.float32)
+            if len(base) != num_steps:
+                raise ValueError(f"got {len(base)} sigmas for {num_steps} steps")
+        if self.config["use_dynamic_shifting"]:
+            shifted = self._time_shift(mu, base)
+        else:
+            shift = self.config["shift"]
+            shifted = shift * base / (1 + (shift - 1) * base)
+        if self.config["shift_terminal"]:
+            one_minus = 1 - shifted
+            shifted = 1 - one_minus / (one_minus[-1] / (1 - self.config["shift_terminal"]))
+        sig = torch.from_numpy(np.asarray(shifted)).to(dtype=torch.float32)
+        if self.config["invert_sigmas"]:
+            sig = 1.0 - sig
+            return SigmaSchedule(
+                sigmas=torch.cat([sig, torch.ones(1)]), timesteps=sig * self.config["num_train_timesteps"]
+            )
+        return SigmaSchedule(
+            sigmas=torch.cat([sig, torch.zeros(1)]), timesteps=sig * self.config["num_train_timesteps"]
+        )
+
+    @staticmethod
+    def step(
+        model_output: torch.Tensor, sample: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor
+    ) -> torch.Tensor:
+        """One Euler step for a batch: `sigma`/`sigma_next` are per-sample (batch,) float32 tensors."""
+        shape = (-1,) + (1,) * (sample.dim() - 1)
+        dt = (sigma_next - sigma).to(device=sample.device, dtype=torch.float32).view(shape)
+        return (sample.to(torch.float32) + dt * model_output).to(model_output.dtype)

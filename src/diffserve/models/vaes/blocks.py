@@ -1,0 +1,297 @@
+"""Convolutional building blocks of the KL autoencoder (the SD / SDXL / SD3 / FLUX VAE family).
+
+Module and parameter names follow diffusers (`resnets.0.norm1`, `downsamplers.0.conv`,
+`attentions.0.to_out.0`, ...) so a diffusers checkpoint loads with `strict=True` and no renaming.
+Only the inference path is kept: no dropout (it is 0.0 in every released VAE), no time embedding,
+no gradient checkpointing, no spatial-norm variant.
+
+Activations that follow a norm run in place: the norm's output is a fresh tensor nobody else holds,
+so this saves one full-resolution allocation per resnet half without changing a single bit of the
+result. Nothing here computes from parameters at build time, so modules build on the meta device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffserve.layers.attention import attention
+
+
+def _silu_(x: torch.Tensor) -> torch.Tensor:
+    return F.silu(x, inplace=True)
+
+
+def _mish_(x: torch.Tensor) -> torch.Tensor:
+    return F.mish(x, inplace=True)
+
+
+def _relu_(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x, inplace=True)
+
+
+#: diffusers' get_activation names -> an op that may overwrite its input (see module docstring).
+#: Module-level functions rather than lambdas so modules stay picklable.
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": _silu_,
+    "swish": _silu_,
+    "mish": _mish_,
+    "relu": _relu_,
+    "gelu": F.gelu,
+}
+
+#: The only block types the KL autoencoder uses in released checkpoints.
+SUPPORTED_DOWN_BLOCKS = ("DownEncoderBlock2D",)
+SUPPORTED_UP_BLOCKS = ("UpDecoderBlock2D",)
+
+#: Every norm in this VAE uses diffusers' epsilon, not torch's 1e-5 default.
+NORM_EPS = 1e-6
+
+
+def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation diffusers would build for `name`, as an in-place-when-possible function."""
+    try:
+        return _ACTIVATIONS[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown act_fn {name!r}; supported: {sorted(_ACTIVATIONS)}") from None
+
+
+def _group_norm(channels: int, groups: int) -> nn.GroupNorm:
+    return nn.GroupNorm(num_groups=groups, num_channels=channels, eps=NORM_EPS, affine=True)
+
+
+class ResnetBlock2D(nn.Module):
+    """Pre-norm residual block: (GroupNorm, act, conv3x3) twice, plus a 1x1 shortcut when widths differ."""
+
+    def __init__(self, in_channels: int, out_channels: int, groups: int, act_fn: str) -> None:
+        super().__init__()
+        self.act = get_activation(act_fn)
+        self.norm1 = _group_norm(in_channels, groups)
+        self.conv1 = nn.Conv2d(in_channels, out_channels, kernel_size=3, padding=1)
+        self.norm2 = _group_norm(out_channels, groups)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, kernel_size=3, padding=1)
+        self.conv_shortcut = (
+            nn.Conv2d(in_channels, out_channels, kernel_size=1) if in_channels != out_channels else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(self.act(self.norm1(x)))
+        h = self.conv2(self.act(self.norm2(h)))
+        shortcut = x if self.conv_shortcut is None else self.conv_shortcut(x)
+        # conv2's output is ours alone, so the residual sum can reuse its memory.
+        return h.add_(shortcut)
+
+
+class Downsample2D(nn.Module):
+    """Stride-2 3x3 conv after padding one row/column on the bottom/right only.
+
+    The asymmetric padding is what the original LDM VAE was trained with; `nn.Conv2d` cannot express
+    it, hence the explicit `F.pad`.
+    """
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, kernel_size=3, stride=2, padding=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.pad(x, (0, 1, 0, 1)))
+
+
+class Upsample2D(nn.Module):
+    """Nearest-neighbour 2x upsampling followed by a 3x3 conv."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+
+
+class SpatialSelfAttention(nn.Module):
+    """Single-head self-attention over all H*W positions, with a residual (diffusers' mid-block `Attention`).
+
+    The head is as wide as the channel count, so q/k/v are (B, H*W, 1, C): the layout
+    `diffserve.layers.attention.attention` takes, obtained from the projections without a copy.
+    """
+
+    def __init__(self, channels: int, groups: int) -> None:
+        super().__init__()
+        self.group_norm = _group_norm(channels, groups)
+        self.to_q = nn.Linear(channels, channels)
+        self.to_k = nn.Linear(channels, channels)
+        self.to_v = nn.Linear(channels, channels)
+        # A list only so the weight is named `to_out.0`, as in diffusers (its `to_out.1` is a no-op dropout).
+        self.to_out = nn.ModuleList([nn.Linear(channels, channels)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, height, width = x.shape
+        # GroupNorm over (B, C, H, W) is the same maths as over (B, C, H*W); then view as tokens.
+        tokens = self.group_norm(x).flatten(2).transpose(1, 2)  # (B, S, C), a view
+        q = self.to_q(tokens).unsqueeze(2)
+        k = self.to_k(tokens).unsqueeze(2)
+        v = self.to_v(tokens).unsqueeze(2)
+        out = self.to_out[0](attention(q, k, v).flatten(2))  # (B, S, C)
+        # Back to (B, C, H, W) as a strided view; the residual add writes a fresh contiguous tensor,
+        # which saves the copy a `.reshape` would make before it.
+        return x + out.transpose(1, 2).unflatten(2, (height, width))
+
+
+class MidBlock2D(nn.Module):
+    """resnet -> (attention) -> resnet at the lowest resolution (diffusers' `UNetMidBlock2D`, one layer)."""
+
+    def __init__(self, channels: int, groups: int, act_fn: str, add_attention: bool) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList(
+            [ResnetBlock2D(channels, channels, groups, act_fn), ResnetBlock2D(channels, channels, groups, act_fn)]
+        )
+        # Empty when disabled: the diffusers list then holds `None`, which has no weights either.
+        self.attentions = nn.ModuleList([SpatialSelfAttention(channels, groups)] if add_attention else [])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.resnets[0](x)
+        for attn in self.attentions:
+            x = attn(x)
+        return self.resnets[1](x)
+
+
+class DownEncoderBlock2D(nn.Module):
+    """`num_layers` resnets, then an optional stride-2 downsample."""
+
+    def __init__(
+        self, in_channels: int, out_channels: int, num_layers: int, groups: int, act_fn: str, add_downsample: bool
+    ) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList(
+            ResnetBlock2D(in_channels if i == 0 else out_channels, out_channels, groups, act_fn)
+            for i in range(num_layers)
+        )
+        self.downsamplers = nn.ModuleList([Downsample2D(out_channels)]) if add_downsample else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for resnet in self.resnets:
+            x = resnet(x)
+        if self.downsamplers is not None:
+            x = self.downsamplers[0](x)
+        return x
+
+
+class UpDecoderBlock2D(nn.Module):
+    """`num_layers` resnets, then an optional 2x upsample."""
+
+    def __init__(
+        self, in_channels: int, out_channels: int, num_layers: int, groups: int, act_fn: str, add_upsample: bool
+    ) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList(
+            ResnetBlock2D(in_channels if i == 0 else out_channels, out_channels, groups, act_fn)
+            for i in range(num_layers)
+        )
+        self.upsamplers = nn.ModuleList([Upsample2D(out_channels)]) if add_upsample else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for resnet in self.resnets:
+            x = resnet(x)
+        if self.upsamplers is not None:
+            x = self.upsamplers[0](x)
+        return x
+
+
+def _check_block_types(kind: str, types: Sequence[str], supported: tuple[str, ...], n: int) -> None:
+    unsupported = sorted({t for t in types if t not in supported})
+    if unsupported:
+        raise ValueError(f"{kind} {unsupported} not supported by the native KL autoencoder; supported: {supported}")
+    if len(types) != n:
+        raise ValueError(f"{kind} has {len(types)} entries but block_out_channels has {n}; they must match")
+
+
+class Encoder(nn.Module):
+    """Image (B, in_channels, H, W) -> moments (B, 2 * latent_channels, H / f, W / f), f = 2 ** (levels - 1).
+
+    The moments are the Gaussian's mean and log-variance stacked on the channel axis.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        latent_channels: int,
+        down_block_types: Sequence[str],
+        block_out_channels: Sequence[int],
+        layers_per_block: int,
+        norm_num_groups: int,
+        act_fn: str,
+        mid_block_add_attention: bool,
+    ) -> None:
+        super().__init__()
+        _check_block_types("down_block_types", down_block_types, SUPPORTED_DOWN_BLOCKS, len(block_out_channels))
+        widths = list(block_out_channels)
+        self.conv_in = nn.Conv2d(in_channels, widths[0], kernel_size=3, padding=1)
+        self.down_blocks = nn.ModuleList(
+            DownEncoderBlock2D(
+                in_channels=widths[max(i - 1, 0)],
+                out_channels=width,
+                num_layers=layers_per_block,
+                groups=norm_num_groups,
+                act_fn=act_fn,
+                add_downsample=i < len(widths) - 1,
+            )
+            for i, width in enumerate(widths)
+        )
+        self.mid_block = MidBlock2D(widths[-1], norm_num_groups, act_fn, mid_block_add_attention)
+        self.conv_norm_out = _group_norm(widths[-1], norm_num_groups)
+        self.conv_out = nn.Conv2d(widths[-1], 2 * latent_channels, kernel_size=3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv_in(x)
+        for block in self.down_blocks:
+            x = block(x)
+        x = self.mid_block(x)
+        # The output activation is SiLU whatever act_fn says, as in diffusers.
+        return self.conv_out(_silu_(self.conv_norm_out(x)))
+
+
+class Decoder(nn.Module):
+    """Latents (B, latent_channels, h, w) -> image (B, out_channels, h * f, w * f).
+
+    Each up block has one more resnet than the matching down block (diffusers' `layers_per_block + 1`).
+    """
+
+    def __init__(
+        self,
+        latent_channels: int,
+        out_channels: int,
+        up_block_types: Sequence[str],
+        block_out_channels: Sequence[int],
+        layers_per_block: int,
+        norm_num_groups: int,
+        act_fn: str,
+        mid_block_add_attention: bool,
+    ) -> None:
+        super().__init__()
+        _check_block_types("up_block_types", up_block_types, SUPPORTED_UP_BLOCKS, len(block_out_channels))
+        widths = list(reversed(block_out_channels))
+        self.conv_in = nn.Conv2d(latent_channels, widths[0], kernel_size=3, padding=1)
+        self.mid_block = MidBlock2D(widths[0], norm_num_groups, act_fn, mid_block_add_attention)
+        self.up_blocks = nn.ModuleList(
+            UpDecoderBlock2D(
+                in_channels=widths[max(i - 1, 0)],
+                out_channels=width,
+                num_layers=layers_per_block + 1,
+                groups=norm_num_groups,
+                act_fn=act_fn,
+                add_upsample=i < len(widths) - 1,
+            )
+            for i, width in enumerate(widths)
+        )
+        self.conv_norm_out = _group_norm(widths[-1], norm_num_groups)
+        self.conv_out = nn.Conv2d(widths[-1], out_channels, kernel_size=3, padding=1)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        x = self.conv_in(z)
+        x = self.mid_block(x)
+        for block in self.up_blocks:
+            x = block(x)
+        return self.conv_out(_silu_(self.conv_norm_out(x)))

@@ -1,0 +1,118 @@
+"""FLUX.1 (Diffusers `FluxPipeline`): stages and the batched denoising step."""
+
+from __future__ import annotations
+
+import torch
+
+from diffserve.configs.flux import FluxPipelineConfig, flux_default_sampling_params
+from diffserve.configs.sampling_params import SamplingParams
+from diffserve.models.dits.flux import FluxTransformer2DModel
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.pipelines.base import Pipeline, PipelineContext
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+from diffserve.stages.decoding import DecodingStage
+from diffserve.stages.denoising import DenoisingStage
+from diffserve.stages.input_validation import InputValidationStage
+from diffserve.stages.latent_preparation import LatentPreparationStage
+from diffserve.stages.text_encoding import TextEncodingStage
+from diffserve.stages.timestep_preparation import TimestepPreparationStage
+
+
+class FluxDenoiser:
+    """One denoising step over a list of FLUX requests, each at its own timestep.
+
+    All requests are run as one DiT batch; a request with true CFG contributes its positive and
+    negative branches to the same batch (one forward instead of Diffusers' two). Requests in one
+    call must share the latent grid and text length (the scheduler buckets by shape).
+    """
+
+    def __init__(self, transformer: FluxTransformer2DModel, scheduler: FlowMatchEulerScheduler) -> None:
+        self.transformer = transformer
+        self.scheduler = scheduler
+
+    @torch.inference_mode()
+    def __call__(self, reqs: list[Req]) -> None:
+        latents, text, pooled, timesteps, guidance = [], [], [], [], []
+        for req in reqs:
+            branches = [(req.prompt_embeds, req.pooled_prompt_embeds)]
+            if req.do_true_cfg:
+                branches.append((req.negative_prompt_embeds, req.negative_pooled_prompt_embeds))
+            t = req.timesteps[req.step_index]
+            for seq, pool in branches:
+                latents.append(req.latents)
+                text.append(seq)
+                pooled.append(pool)
+                timesteps.append(t.expand(req.batch_size))
+                if req.guidance is not None:
+                    guidance.append(req.guidance)
+        first = reqs[0]
+        dtype = first.latents.dtype
+        device = first.latents.device
+        prediction = self.transformer(
+            hidden_states=torch.cat(latents),
+            encoder_hidden_states=torch.cat(text),
+            pooled_projections=torch.cat(pooled),
+            timestep=torch.cat(timesteps).to(device=device, dtype=dtype) / 1000,
+            img_ids=first.image_ids,
+            txt_ids=first.text_ids,
+            guidance=torch.cat(guidance).to(device) if guidance else None,
+        )
+        offset = 0
+        for req in reqs:
+            n = req.batch_size
+            noise_pred = prediction[offset : offset + n]
+            offset += n
+            if req.do_true_cfg:
+                negative = prediction[offset : offset + n]
+                offset += n
+                noise_pred = negative + req.params.true_cfg_scale * (noise_pred - negative)
+            i = req.step_index
+            req.latents = self.scheduler.step(
+                noise_pred, req.latents, req.sigmas[i].expand(n), req.sigmas[i + 1].expand(n)
+            )
+            req.step_index = i + 1
+
+
+class FluxPipeline(Pipeline):
+    required_components = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "vae", "transformer", "scheduler")
+    config = FluxPipelineConfig()
+
+    def build_stages(self, context: PipelineContext) -> list[Stage]:
+        transformer = context.get("transformer")
+        vae = context.get("vae")
+        clip_tokenizer = context.get("tokenizer")
+        self.vae_scale_factor = 2 ** (len(vae.config["block_out_channels"]) - 1)
+        self.input_validation = InputValidationStage(
+            defaults=flux_default_sampling_params(),
+            pixel_multiple=self.vae_scale_factor * self.config.latent_patch_size,
+            default_pixels=self.config.default_sample_size * self.vae_scale_factor,
+            max_sequence_length_limit=self.config.max_t5_sequence_length,
+        )
+        clip_max_length = getattr(clip_tokenizer, "model_max_length", None) or self.config.clip_max_length
+        if clip_max_length > 10_000:  # tokenizers without a recorded limit report a huge sentinel
+            clip_max_length = self.config.clip_max_length
+        self.denoiser = FluxDenoiser(transformer, context.get("scheduler"))
+        return [
+            self.input_validation,
+            TextEncodingStage(
+                clip_tokenizer,
+                context.get("text_encoder"),
+                context.get("tokenizer_2"),
+                context.get("text_encoder_2"),
+                clip_max_length=clip_max_length,
+                output_dtype=context.dtype,
+            ),
+            LatentPreparationStage(
+                latent_channels=transformer.config["in_channels"] // 4,
+                vae_scale_factor=self.vae_scale_factor,
+                device=context.platform.device(),
+                dtype=context.dtype,
+            ),
+            TimestepPreparationStage(context.get("scheduler"), transformer.config["guidance_embeds"]),
+            DenoisingStage(self.denoiser, show_progress=context.show_progress),
+            DecodingStage(vae),
+        ]
+
+    def resolve_params(self, params: SamplingParams) -> SamplingParams:
+        return self.input_validation.resolve(params)

@@ -1,0 +1,49 @@
+"""Explicit table from a Diffusers pipeline `_class_name` to diffserve's model family.
+
+No guessing from folder or model names: a folder is served only when its model_index.json names
+a pipeline listed here, and anything else is refused with the list of what is supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from diffserve.configs.flux import FluxPipelineConfig, flux_default_sampling_params
+from diffserve.configs.sampling_params import SamplingParams
+from diffserve.errors import ModelLoadError
+from diffserve.pipelines.base import Pipeline
+from diffserve.pipelines.flux import FluxPipeline
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    diffusers_pipeline: str
+    pipeline_cls: type[Pipeline]
+    pipeline_config: object
+    default_sampling_params: Callable[[], SamplingParams]
+    task: str  # "text-to-image", "image-to-image", "text-to-video", ...
+
+
+REGISTRY: dict[str, ModelFamily] = {
+    "FluxPipeline": ModelFamily(
+        name="flux",
+        diffusers_pipeline="FluxPipeline",
+        pipeline_cls=FluxPipeline,
+        pipeline_config=FluxPipelineConfig(),
+        default_sampling_params=flux_default_sampling_params,
+        task="text-to-image",
+    ),
+}
+
+
+def resolve_family(pipeline_class_name: str) -> ModelFamily:
+    """The family for a Diffusers pipeline class name, or a ModelLoadError listing the supported ones."""
+    family = REGISTRY.get(pipeline_class_name)
+    if family is None:
+        supported = ", ".join(sorted(REGISTRY))
+        raise ModelLoadError(
+            f"pipeline {pipeline_class_name!r} is not supported by diffserve; supported pipelines: {supported}"
+        )
+    return family

@@ -1,0 +1,72 @@
+"""`Req`: the one object that flows through a pipeline's stages.
+
+Every field is declared here; stages read and set them by name and declare which ones they need
+and set (see `stages/base.py`). Nothing is forwarded implicitly, so a reader can see everything a
+request carries in one place.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+from PIL import Image
+
+from diffserve.configs.sampling_params import SamplingParams
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass
+class Req:
+    params: SamplingParams
+    request_id: str = field(default_factory=new_request_id)
+
+    # Set by input validation.
+    generator: torch.Generator | None = None
+    do_true_cfg: bool | None = None
+
+    # Set by text encoding: (batch, seq, dim) sequence embeddings and (batch, dim) pooled ones.
+    prompt_embeds: torch.Tensor | None = None
+    pooled_prompt_embeds: torch.Tensor | None = None
+    negative_prompt_embeds: torch.Tensor | None = None
+    negative_pooled_prompt_embeds: torch.Tensor | None = None
+    text_ids: torch.Tensor | None = None  # (text_seq, 3) position ids for FLUX's RoPE
+
+    # Set by latent preparation: packed latents (batch, tokens, channels) and their position ids.
+    latents: torch.Tensor | None = None
+    image_ids: torch.Tensor | None = None
+    latent_height: int | None = None  # in latent pixels (before 2x2 packing)
+    latent_width: int | None = None
+
+    # Set by timestep preparation (CPU float32): sigmas has num_steps + 1 entries.
+    sigmas: torch.Tensor | None = None
+    timesteps: torch.Tensor | None = None
+    guidance: torch.Tensor | None = None  # (batch,) embedded guidance, when the DiT takes it
+
+    # Advanced by the denoising step function.
+    step_index: int = 0
+
+    # Set by decoding / output writing.
+    images: list[Image.Image] | None = None
+    output_paths: list[str] = field(default_factory=list)
+
+    # Bookkeeping.
+    timings: dict[str, float] = field(default_factory=dict)
+    step_times: list[float] = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        """Samples this request contributes to a DiT batch (before CFG doubling)."""
+        return self.params.num_outputs_per_prompt
+
+    @property
+    def num_steps(self) -> int:
+        return 0 if self.timesteps is None else int(self.timesteps.shape[0])
+
+    @property
+    def is_denoised(self) -> bool:
+        return self.timesteps is not None and self.step_index >= self.num_steps

@@ -1,0 +1,39 @@
+"""DecodingStage: unpack latents, undo the VAE's scaling/shift, decode, and convert to PIL images."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import nn
+
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+from diffserve.stages.latent_preparation import unpack_latents
+
+
+def tensor_to_pil(images: torch.Tensor) -> list[Image.Image]:
+    """(B, 3, H, W) in [-1, 1] -> PIL images, rounding as Diffusers' image processor does."""
+    array = (images / 2 + 0.5).clamp(0, 1).cpu().permute(0, 2, 3, 1).float().numpy()
+    array = (array * 255).round().astype(np.uint8)
+    return [Image.fromarray(a) for a in array]
+
+
+class DecodingStage(Stage):
+    needs = ("latents", "latent_height", "latent_width")
+    sets = ("images",)
+
+    def __init__(self, vae: nn.Module) -> None:
+        self.vae = vae
+        self.scaling_factor = float(vae.config["scaling_factor"])
+        shift = vae.config.get("shift_factor")
+        self.shift_factor = float(shift) if shift is not None else 0.0
+
+    @torch.inference_mode()
+    def forward(self, req: Req) -> Req:
+        latents = unpack_latents(req.latents, req.latent_height, req.latent_width)
+        latents = latents / self.scaling_factor + self.shift_factor
+        first_param = next(self.vae.parameters())
+        image = self.vae.decode(latents.to(device=first_param.device, dtype=first_param.dtype))
+        req.images = tensor_to_pil(image)
+        return req

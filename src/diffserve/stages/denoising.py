@@ -1,0 +1,45 @@
+"""DenoisingStage: runs a pipeline's `denoise_step` over one request until its steps are spent.
+
+The step function takes a *list* of requests so the same code serves step-level batching later;
+this stage is the single-request driver with the progress bar and per-step timings users expect.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from tqdm.auto import tqdm
+
+from diffserve.platforms import current_platform
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+
+logger = logging.getLogger("diffserve.stages")
+
+DenoiseStep = Callable[[list[Req]], None]
+
+
+class DenoisingStage(Stage):
+    needs = ("latents", "sigmas", "timesteps", "prompt_embeds")
+    sets = ("latents",)
+
+    def __init__(self, denoise_step: DenoiseStep, show_progress: bool = True) -> None:
+        self.denoise_step = denoise_step
+        self.show_progress = show_progress
+
+    def forward(self, req: Req) -> Req:
+        platform = current_platform()
+        with tqdm(total=req.num_steps, disable=not self.show_progress, unit="step") as bar:
+            while not req.is_denoised:
+                start = time.perf_counter()
+                self.denoise_step([req])
+                platform.synchronize()
+                req.step_times.append(time.perf_counter() - start)
+                bar.update(1)
+        if req.step_times:
+            logger.info(
+                "[%s] average time per step: %.4f seconds", self.name, sum(req.step_times) / len(req.step_times)
+            )
+        return req

@@ -1,0 +1,54 @@
+"""LatentPreparationStage: initial noise, packed into FLUX's 2x2 latent patches, and its position ids."""
+
+from __future__ import annotations
+
+import torch
+
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) -> (B, H/2 * W/2, C*4): each 2x2 patch becomes one token."""
+    b, c, h, w = latents.shape
+    patches = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return patches.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Inverse of `pack_latents` for a latent grid of `height` x `width` latent pixels."""
+    b, _, channels = tokens.shape
+    grid = tokens.view(b, height // 2, width // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return grid.reshape(b, channels // 4, height, width)
+
+
+def latent_image_ids(grid_height: int, grid_width: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(h*w, 3) ids (0, row, col) for FLUX's 3-axis RoPE over the packed grid."""
+    rows = torch.arange(grid_height).repeat_interleave(grid_width)
+    cols = torch.arange(grid_width).repeat(grid_height)
+    ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1)
+    return ids.to(device=device, dtype=dtype)
+
+
+class LatentPreparationStage(Stage):
+    needs = ("generator", "prompt_embeds")
+    sets = ("latents", "image_ids", "latent_height", "latent_width")
+
+    def __init__(self, latent_channels: int, vae_scale_factor: int, device: torch.device, dtype: torch.dtype):
+        self.latent_channels = latent_channels
+        self.vae_scale_factor = vae_scale_factor
+        self.device = device
+        self.dtype = dtype
+
+    def forward(self, req: Req) -> Req:
+        p = req.params
+        # Latent height/width are rounded to an even count so 2x2 packing works (as in Diffusers).
+        h = 2 * (p.height // (self.vae_scale_factor * 2))
+        w = 2 * (p.width // (self.vae_scale_factor * 2))
+        shape = (p.num_outputs_per_prompt, self.latent_channels, h, w)
+        # Drawn on the request's CPU generator, then moved: a seed means the same noise everywhere.
+        noise = torch.randn(shape, generator=req.generator, device="cpu", dtype=self.dtype)
+        req.latents = pack_latents(noise).to(self.device)
+        req.image_ids = latent_image_ids(h // 2, w // 2, self.device, self.dtype)
+        req.latent_height, req.latent_width = h, w
+        return req

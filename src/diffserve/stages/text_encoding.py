@@ -1,0 +1,72 @@
+"""TextEncodingStage for the CLIP-pooled + T5-sequence pairing FLUX.1 uses.
+
+CLIP gives the pooled vector (`pooler_output`, padded to the tokenizer's max length), T5 the
+token sequence (padded to `max_sequence_length`), exactly as Diffusers' FluxPipeline does.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+
+logger = logging.getLogger("diffserve.stages")
+
+
+def _tokenize(tokenizer, prompts: list[str], max_length: int, device: torch.device) -> torch.Tensor:
+    ids = tokenizer(
+        prompts, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt"
+    ).input_ids
+    full = tokenizer(prompts, padding="longest", return_tensors="pt").input_ids
+    if full.shape[-1] > ids.shape[-1]:
+        logger.warning("prompt truncated to %d tokens for %s", max_length, type(tokenizer).__name__)
+    return ids.to(device)
+
+
+class TextEncodingStage(Stage):
+    needs = ("do_true_cfg",)
+    sets = ("prompt_embeds", "pooled_prompt_embeds", "text_ids")
+
+    def __init__(
+        self,
+        clip_tokenizer,
+        clip_encoder: nn.Module,
+        t5_tokenizer,
+        t5_encoder: nn.Module,
+        clip_max_length: int,
+        output_dtype: torch.dtype,
+    ) -> None:
+        self.clip_tokenizer = clip_tokenizer
+        self.clip_encoder = clip_encoder
+        self.t5_tokenizer = t5_tokenizer
+        self.t5_encoder = t5_encoder
+        self.clip_max_length = clip_max_length
+        self.output_dtype = output_dtype
+
+    @torch.inference_mode()
+    def encode(self, prompts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T5 sequence embeddings (B, L, D), CLIP pooled embeddings (B, P)) for a list of prompts."""
+        clip_ids = _tokenize(self.clip_tokenizer, prompts, self.clip_max_length, self.clip_encoder.device)
+        pooled = self.clip_encoder(clip_ids, output_hidden_states=False).pooler_output
+        t5_ids = _tokenize(self.t5_tokenizer, prompts, max_sequence_length, self.t5_encoder.device)
+        sequence = self.t5_encoder(t5_ids, output_hidden_states=False)[0]
+        return sequence.to(self.output_dtype), pooled.to(self.output_dtype)
+
+    def forward(self, req: Req) -> Req:
+        p = req.params
+        n = p.num_outputs_per_prompt
+        prompts = [p.prompt]
+        if req.do_true_cfg:
+            prompts.append(p.negative_prompt)
+        sequence, pooled = self.encode(prompts, p.max_sequence_length)
+        req.prompt_embeds = sequence[:1].repeat(n, 1, 1)
+        req.pooled_prompt_embeds = pooled[:1].repeat(n, 1)
+        if req.do_true_cfg:
+            req.negative_prompt_embeds = sequence[1:].repeat(n, 1, 1)
+            req.negative_pooled_prompt_embeds = pooled[1:].repeat(n, 1)
+        req.text_ids = torch.zeros(sequence.shape[1], 3, device=sequence.device, dtype=self.output_dtype)
+        return req

@@ -1,0 +1,31 @@
+"""TimestepPreparationStage: the request's sigma schedule (with FLUX's resolution shift) and guidance."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+
+
+class TimestepPreparationStage(Stage):
+    needs = ("latents",)
+    sets = ("sigmas", "timesteps")
+
+    def __init__(self, scheduler: FlowMatchEulerScheduler, guidance_embeds: bool) -> None:
+        self.scheduler = scheduler
+        self.guidance_embeds = guidance_embeds
+
+    def forward(self, req: Req) -> Req:
+        steps = req.params.num_inference_steps
+        image_seq_len = int(req.latents.shape[1])
+        mu = self.scheduler.resolution_shift_mu(image_seq_len)
+        base_sigmas = np.linspace(1.0, 1 / steps, steps)
+        schedule = self.scheduler.schedule(steps, mu=mu, sigmas=base_sigmas)
+        req.sigmas, req.timesteps = schedule.sigmas, schedule.timesteps
+        req.step_index = 0
+        if self.guidance_embeds:
+            req.guidance = torch.full((req.batch_size,), float(req.params.guidance_scale), dtype=torch.float32)
+        return req

@@ -1,0 +1,174 @@
+"""Builder of small random-weight FLUX.1 checkpoints in the Diffusers `FluxPipeline` layout.
+
+Used by the tests, the benchmarks and `diffserve make-tiny flux`. The DiT and VAE are diffserve's
+native modules (their state dicts use Diffusers' names), the text encoders are transformers
+models; the folder loads unchanged in both diffserve and diffusers' `FluxPipeline`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+from diffserve.models.dits.flux import FluxTransformer2DModel
+from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
+from diffserve.testing.tokenizers import build_clip_tokenizer, build_t5_tokenizer
+
+#: Written as `_diffusers_version` so diffusers recognises the files; not a runtime requirement.
+DIFFUSERS_FORMAT_VERSION = "0.32.0"
+
+
+@dataclass
+class TinyFluxSpec:
+    """Shape of a tiny FLUX checkpoint. Defaults give a ~0.1M-parameter DiT that runs in milliseconds."""
+
+    num_layers: int = 1
+    num_single_layers: int = 2
+    num_attention_heads: int = 2
+    attention_head_dim: int = 16
+    axes_dims_rope: tuple[int, int, int] = (4, 6, 6)
+    guidance_embeds: bool = True
+    latent_channels: int = 16
+    vae_block_out_channels: tuple[int, ...] = (16, 32, 32, 32)
+    vae_norm_num_groups: int = 8
+    text_hidden_size: int = 32
+    text_layers: int = 2
+    t5_max_length: int = 512
+    seed: int = 0
+    extra_dit_config: dict = field(default_factory=dict)
+
+
+def _save_model_dir(module: nn.Module, directory: Path, config: dict, weights_name: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    state = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
+    save_file(state, str(directory / weights_name))
+
+
+def _diffusers_config(class_name: str, config: dict) -> dict:
+    out = {"_class_name": class_name, "_diffusers_version": DIFFUSERS_FORMAT_VERSION}
+    out.update({k: list(v) if isinstance(v, tuple) else v for k, v in config.items()})
+    return out
+
+
+def build_tiny_flux(out_dir: str | Path, spec: TinyFluxSpec | None = None) -> Path:
+    """Write a random-weight FLUX.1 folder to `out_dir` and return its path."""
+    spec = spec or TinyFluxSpec()
+    root = Path(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(spec.seed)
+
+    clip_tokenizer = build_clip_tokenizer()
+    t5_tokenizer = build_t5_tokenizer(spec.t5_max_length)
+    clip = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(clip_tokenizer),
+            hidden_size=spec.text_hidden_size,
+            intermediate_size=spec.text_hidden_size * 2,
+            num_hidden_layers=spec.text_layers,
+            num_attention_heads=2,
+            max_position_embeddings=77,
+            projection_dim=spec.text_hidden_size,
+            bos_token_id=clip_tokenizer.bos_token_id,
+            eos_token_id=clip_tokenizer.eos_token_id,
+            pad_token_id=clip_tokenizer.pad_token_id,
+        )
+    )
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(t5_tokenizer),
+            d_model=spec.text_hidden_size,
+            d_kv=8,
+            d_ff=spec.text_hidden_size * 2,
+            num_layers=spec.text_layers,
+            num_heads=4,
+            feed_forward_proj="gated-gelu",
+            dense_act_fn="gelu_new",
+            is_gated_act=True,
+            pad_token_id=t5_tokenizer.pad_token_id,
+            eos_token_id=t5_tokenizer.eos_token_id,
+        )
+    )
+    clip.save_pretrained(root / "text_encoder")
+    t5.save_pretrained(root / "text_encoder_2")
+    clip_tokenizer.save_pretrained(root / "tokenizer")
+    t5_tokenizer.save_pretrained(root / "tokenizer_2")
+
+    dit_config = {
+        "patch_size": 1,
+        "in_channels": spec.latent_channels * 4,
+        "out_channels": None,
+        "num_layers": spec.num_layers,
+        "num_single_layers": spec.num_single_layers,
+        "attention_head_dim": spec.attention_head_dim,
+        "num_attention_heads": spec.num_attention_heads,
+        "joint_attention_dim": spec.text_hidden_size,
+        "pooled_projection_dim": spec.text_hidden_size,
+        "guidance_embeds": spec.guidance_embeds,
+        "axes_dims_rope": list(spec.axes_dims_rope),
+        **spec.extra_dit_config,
+    }
+    dit = FluxTransformer2DModel.from_config(dit_config)
+    _save_model_dir(
+        dit, root / "transformer", _diffusers_config("FluxTransformer2DModel", dit_config),
+        "diffusion_pytorch_model.safetensors",
+    )
+
+    n_levels = len(spec.vae_block_out_channels)
+    vae_config = {
+        "in_channels": 3,
+        "out_channels": 3,
+        "down_block_types": ["DownEncoderBlock2D"] * n_levels,
+        "up_block_types": ["UpDecoderBlock2D"] * n_levels,
+        "block_out_channels": list(spec.vae_block_out_channels),
+        "layers_per_block": 1,
+        "act_fn": "silu",
+        "latent_channels": spec.latent_channels,
+        "norm_num_groups": spec.vae_norm_num_groups,
+        "sample_size": 64,
+        "scaling_factor": 0.3611,
+        "shift_factor": 0.1159,
+        "use_quant_conv": False,
+        "use_post_quant_conv": False,
+        "force_upcast": True,
+    }
+    vae = AutoencoderKL.from_config(vae_config)
+    _save_model_dir(
+        vae, root / "vae", _diffusers_config("AutoencoderKL", vae_config), "diffusion_pytorch_model.safetensors"
+    )
+
+    scheduler_dir = root / "scheduler"
+    scheduler_dir.mkdir(exist_ok=True)
+    scheduler_config = {
+        "_class_name": "FlowMatchEulerDiscreteScheduler",
+        "_diffusers_version": DIFFUSERS_FORMAT_VERSION,
+        "num_train_timesteps": 1000,
+        "shift": 3.0,
+        "use_dynamic_shifting": True,
+        "base_shift": 0.5,
+        "max_shift": 1.15,
+        "base_image_seq_len": 256,
+        "max_image_seq_len": 4096,
+    }
+    (scheduler_dir / "scheduler_config.json").write_text(json.dumps(scheduler_config, indent=2))
+
+    model_index = {
+        "_class_name": "FluxPipeline",
+        "_diffusers_version": DIFFUSERS_FORMAT_VERSION,
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "CLIPTextModel"],
+        "text_encoder_2": ["transformers", "T5EncoderModel"],
+        "tokenizer": ["transformers", "CLIPTokenizer"],
+        "tokenizer_2": ["transformers", "T5TokenizerFast"],
+        "transformer": ["diffusers", "FluxTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+    }
+    (root / "model_index.json").write_text(json.dumps(model_index, indent=2))
+    (root / "diffserve_tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2))
+    return root

@@ -1,0 +1,146 @@
+"""Parity of the native KL autoencoder against diffusers' `AutoencoderKL` on the same tiny random weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
+
+diffusers = pytest.importorskip("diffusers")
+
+MAX_ABS = 1e-4
+MIN_COS = 0.9999
+
+FLUX_STYLE = {
+    "in_channels": 3,
+    "out_channels": 3,
+    "down_block_types": ["DownEncoderBlock2D"] * 2,
+    "up_block_types": ["UpDecoderBlock2D"] * 2,
+    "block_out_channels": [32, 64],
+    "layers_per_block": 1,
+    "latent_channels": 16,
+    "norm_num_groups": 32,
+    "scaling_factor": 0.3611,
+    "shift_factor": 0.1159,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+}
+SD_STYLE = {
+    "down_block_types": ["DownEncoderBlock2D"] * 3,
+    "up_block_types": ["UpDecoderBlock2D"] * 3,
+    "block_out_channels": [32, 32, 64],
+    "layers_per_block": 2,
+    "latent_channels": 4,
+    "norm_num_groups": 16,
+    "scaling_factor": 0.18215,
+}
+NO_ATTENTION = {**FLUX_STYLE, "mid_block_add_attention": False, "act_fn": "mish"}
+
+CONFIGS = {"flux": FLUX_STYLE, "sd": SD_STYLE, "no_attention": NO_ATTENTION}
+
+
+def _randomize_norms(model: torch.nn.Module) -> None:
+    """diffusers initialises GroupNorm to the identity; perturb it so a misrouted norm weight shows."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.2 * torch.randn_like(p))
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def pair(request: pytest.FixtureRequest) -> tuple[torch.nn.Module, AutoencoderKL]:
+    torch.manual_seed(0)
+    ref = diffusers.AutoencoderKL(**CONFIGS[request.param]).eval()
+    _randomize_norms(ref)
+    with torch.device("meta"):
+        native = AutoencoderKL.from_config(dict(ref.config))
+    native.load_state_dict(ref.state_dict(), assign=True, strict=True)
+    return ref.eval(), native.eval()
+
+
+def _compare(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    max_abs = (got - want).abs().max().item()
+    cos = F.cosine_similarity(got.flatten().double(), want.flatten().double(), dim=0).item()
+    print(f"{name}: max_abs={max_abs:.3e} cos={cos:.8f}")
+    assert cos >= MIN_COS, f"{name}: cosine {cos}"
+    assert max_abs < MAX_ABS, f"{name}: max abs diff {max_abs:.3e}"
+
+
+def test_state_dict_keys_and_shapes(pair: tuple[torch.nn.Module, AutoencoderKL]) -> None:
+    ref, native = pair
+    want = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in native.state_dict().items()}
+    assert got.keys() == want.keys(), (sorted(got.keys() - want.keys()), sorted(want.keys() - got.keys()))
+    assert got == want
+    assert all(t.device.type == "cpu" for t in native.state_dict().values())
+
+
+def test_config_resolved(pair: tuple[torch.nn.Module, AutoencoderKL]) -> None:
+    ref, native = pair
+    for key, value in native.config.items():
+        want = ref.config[key]
+        assert value == (tuple(want) if isinstance(want, list) else want), key
+    assert native.spatial_compression_ratio == 2 ** (len(ref.config.block_out_channels) - 1)
+    assert AutoencoderKL.diffusers_class_name == "AutoencoderKL"
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("height,width", [(64, 64), (64, 48)])
+def test_encode_matches(pair: tuple[torch.nn.Module, AutoencoderKL], height: int, width: int) -> None:
+    ref, native = pair
+    x = torch.rand(2, 3, height, width, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    want = ref.encode(x).latent_dist
+    got = native.encode(x)
+    _compare("encode.mean", got.mean, want.mean)
+    _compare("encode.logvar", got.logvar, want.logvar)
+    _compare("encode.std", got.std, want.std)
+    assert torch.equal(got.mode(), got.mean)
+
+    want_sample = want.sample(generator=torch.Generator("cpu").manual_seed(0))
+    got_sample = got.sample(generator=torch.Generator("cpu").manual_seed(0))
+    _compare("encode.sample", got_sample, want_sample)
+    # The noise itself is drawn bit-identically; only the moments carry float drift.
+    want_noise = (want_sample - want.mean) / want.std
+    got_noise = (got_sample - got.mean) / got.std
+    torch.testing.assert_close(got_noise, want_noise, rtol=1e-4, atol=1e-4)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("height,width", [(16, 16), (16, 12)])
+def test_decode_matches(pair: tuple[torch.nn.Module, AutoencoderKL], height: int, width: int) -> None:
+    ref, native = pair
+    z = torch.randn(2, native.config["latent_channels"], height, width, generator=torch.Generator().manual_seed(2))
+    want = ref.decode(z).sample
+    got = native.decode(z)
+    f = native.spatial_compression_ratio
+    assert got.shape == (2, 3, height * f, width * f)
+    _compare("decode", got, want)
+
+
+def test_sample_with_generator_list_matches_per_item_draws() -> None:
+    moments = torch.randn(2, 8, 4, 3)
+    from diffserve.models.vaes.autoencoder_kl import DiagonalGaussian
+
+    dist = DiagonalGaussian.from_moments(moments)
+    ref = diffusers.models.autoencoders.vae.DiagonalGaussianDistribution(moments)
+    gens = lambda: [torch.Generator().manual_seed(s) for s in (3, 4)]  # noqa: E731
+    torch.testing.assert_close(dist.sample(gens()), ref.sample(gens()), rtol=0, atol=0)
+    torch.testing.assert_close(
+        dist.sample(torch.Generator().manual_seed(5)), ref.sample(torch.Generator().manual_seed(5)), rtol=0, atol=0
+    )
+
+
+def test_from_config_rejects_unknown_keys_and_ignores_private_ones() -> None:
+    with torch.device("meta"):
+        model = AutoencoderKL.from_config({"_class_name": "AutoencoderKL", "_diffusers_version": "0.30.0"})
+    assert model.config["latent_channels"] == 4
+    with pytest.raises(ValueError, match="unknown keys.*not_a_key"):
+        AutoencoderKL.from_config({"not_a_key": 1})
+
+
+def test_unsupported_block_type_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="AttnDownEncoderBlock2D.*not supported"), torch.device("meta"):
+        AutoencoderKL(down_block_types=("AttnDownEncoderBlock2D",))

@@ -1,0 +1,79 @@
+"""The native flow-match scheduler gives the same sigmas, timesteps and Euler updates as Diffusers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+
+FLUX_CONFIG = {
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 1.15,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 4096,
+}
+SD3_CONFIG = {"num_train_timesteps": 1000, "shift": 3.0}
+
+
+def _diffusers_flux_mu(image_seq_len: int) -> float:
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    return calculate_shift(image_seq_len, 256, 4096, 0.5, 1.15)
+
+
+@pytest.mark.parametrize("steps", [1, 4, 28, 50])
+@pytest.mark.parametrize("image_seq_len", [16, 256, 1024, 4096])
+def test_flux_schedule_equals_diffusers(steps: int, image_seq_len: int) -> None:
+    ref = FlowMatchEulerDiscreteScheduler(**FLUX_CONFIG)
+    mine = FlowMatchEulerScheduler.from_config({"_class_name": "x", **FLUX_CONFIG})
+    mu = mine.resolution_shift_mu(image_seq_len)
+    assert mu == pytest.approx(_diffusers_flux_mu(image_seq_len), abs=0, rel=1e-15)
+    base = np.linspace(1.0, 1 / steps, steps)
+    ref.set_timesteps(sigmas=base, mu=mu)
+    schedule = mine.schedule(steps, mu=mu, sigmas=base)
+    assert torch.equal(schedule.sigmas, ref.sigmas)
+    assert torch.equal(schedule.timesteps, ref.timesteps)
+
+
+@pytest.mark.parametrize("steps", [2, 20])
+def test_static_shift_schedule_equals_diffusers(steps: int) -> None:
+    ref = FlowMatchEulerDiscreteScheduler(**SD3_CONFIG)
+    mine = FlowMatchEulerScheduler.from_config(SD3_CONFIG)
+    ref.set_timesteps(steps)
+    schedule = mine.schedule(steps)
+    assert torch.equal(schedule.sigmas, ref.sigmas)
+    assert torch.equal(schedule.timesteps, ref.timesteps)
+
+
+def test_euler_step_equals_diffusers_per_sample() -> None:
+    ref = FlowMatchEulerDiscreteScheduler(**FLUX_CONFIG)
+    base = np.linspace(1.0, 1 / 6, 6)
+    ref.set_timesteps(sigmas=base, mu=0.8)
+    mine = FlowMatchEulerScheduler.from_config(FLUX_CONFIG)
+    schedule = mine.schedule(6, mu=0.8, sigmas=base)
+    gen = torch.Generator().manual_seed(0)
+    sample = torch.randn(2, 12, 8, generator=gen)
+    output = torch.randn(2, 12, 8, generator=gen)
+    # Sample 0 at step 2, sample 1 at step 4: each must equal Diffusers' step at that index.
+    idx = [2, 4]
+    batched = mine.step(output, sample, schedule.sigmas[idx], schedule.sigmas[[i + 1 for i in idx]])
+    for row, i in enumerate(idx):
+        ref.set_timesteps(sigmas=base, mu=0.8)
+        ref.set_begin_index(i)
+        expected = ref.step(output[row : row + 1], ref.timesteps[i], sample[row : row + 1]).prev_sample
+        assert torch.equal(batched[row : row + 1], expected)
+
+
+def test_unknown_and_unsupported_options_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown"):
+        FlowMatchEulerScheduler.from_config({"not_an_option": 1})
+    with pytest.raises(ValueError, match="use_karras_sigmas"):
+        FlowMatchEulerScheduler.from_config({"use_karras_sigmas": True})
+    with pytest.raises(ValueError, match="mu"):
+        FlowMatchEulerScheduler.from_config(FLUX_CONFIG).schedule(4)
