@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -13,16 +14,35 @@ from PIL import Image
 
 from diffserve.outputs import output_file_name, prompt_slug
 
+from diffserve.cli.main import main
+
 CLI = [sys.executable, "-m", "diffserve.cli.main"]
 
 
-def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+@dataclass
+class CliResult:
+    returncode: int
+    stderr: str
+
+
+@pytest.fixture
+def run_cli(capfd):
+    """Run the CLI in this process (fast); one test below runs the real console entry in a subprocess."""
+
+    def run(*args: str) -> CliResult:
+        code = main(list(args))
+        return CliResult(code, capfd.readouterr().err)
+
+    return run
+
+
+def run_cli_subprocess(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     return subprocess.run([*CLI, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
 
 
 def test_generate_writes_png_with_parameters(tiny_flux_dir, tmp_path) -> None:
-    result = run_cli(
+    result = run_cli_subprocess(
         "generate", "--model-path", str(tiny_flux_dir), "--prompt", "a red fox", "--height", "64", "--width", "48",
         "--num-inference-steps", "3", "--seed", "42", "--save-output", "--output-path", str(tmp_path),
     )
@@ -44,11 +64,12 @@ def test_generate_writes_png_with_parameters(tiny_flux_dir, tmp_path) -> None:
         "[DecodingStage] finished in",
         "Peak memory",
         "Output saved to",
+        "s/step",
     ):
         assert expected in log, f"missing {expected!r} in log"
 
 
-def test_prompt_file_and_multiple_outputs(tiny_flux_dir, tmp_path) -> None:
+def test_prompt_file_and_multiple_outputs(tiny_flux_dir, tmp_path, run_cli) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a cat\n\na dog\n")
     out_dir = tmp_path / "out"
@@ -62,7 +83,7 @@ def test_prompt_file_and_multiple_outputs(tiny_flux_dir, tmp_path) -> None:
     assert sum(n.startswith("a_cat_") for n in names) == 2
 
 
-def test_no_save_output_writes_nothing(tiny_flux_dir, tmp_path) -> None:
+def test_no_save_output_writes_nothing(tiny_flux_dir, tmp_path, run_cli) -> None:
     result = run_cli(
         "generate", "--model-path", str(tiny_flux_dir), "--prompt", "x", "--height", "32", "--width", "32",
         "--num-inference-steps", "1", "--no-save-output", "--output-path", str(tmp_path / "o"),
@@ -81,7 +102,7 @@ def test_no_save_output_writes_nothing(tiny_flux_dir, tmp_path) -> None:
         (["--device", "nonsense"], "unknown device 'nonsense'"),
     ],
 )
-def test_bad_inputs_give_one_clear_line_and_exit_2(tiny_flux_dir, tmp_path, args, message) -> None:
+def test_bad_inputs_give_one_clear_line_and_exit_2(tiny_flux_dir, tmp_path, args, message, run_cli) -> None:
     base = ["generate", "--model-path", str(tiny_flux_dir), "--height", "32", "--width", "32",
             "--num-inference-steps", "1", "--output-path", str(tmp_path)]
     if "--prompt" not in args:
@@ -93,20 +114,20 @@ def test_bad_inputs_give_one_clear_line_and_exit_2(tiny_flux_dir, tmp_path, args
     assert "Traceback" not in result.stderr
 
 
-def test_folder_that_is_not_a_diffusers_model(tmp_path) -> None:
+def test_folder_that_is_not_a_diffusers_model(tmp_path, run_cli) -> None:
     result = run_cli("generate", "--model-path", str(tmp_path), "--prompt", "x")
     assert result.returncode == 2
     assert "no model_index.json" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_unsupported_pipeline_lists_supported(tmp_path) -> None:
+def test_unsupported_pipeline_lists_supported(tmp_path, run_cli) -> None:
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "KandinskyPipeline"}))
     result = run_cli("generate", "--model-path", str(tmp_path), "--prompt", "x")
     assert result.returncode == 2
     assert "'KandinskyPipeline' is not supported" in result.stderr and "FluxPipeline" in result.stderr
 
 
-def test_truncated_safetensors_is_a_clear_error(tiny_flux_dir, tmp_path) -> None:
+def test_truncated_safetensors_is_a_clear_error(tiny_flux_dir, tmp_path, run_cli) -> None:
     import shutil
 
     broken = tmp_path / "broken"
@@ -119,13 +140,13 @@ def test_truncated_safetensors_is_a_clear_error(tiny_flux_dir, tmp_path) -> None
     assert "truncated or corrupt" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_debug_log_level_shows_traceback(tmp_path) -> None:
+def test_debug_log_level_shows_traceback(tmp_path, run_cli) -> None:
     result = run_cli("generate", "--model-path", str(tmp_path), "--prompt", "x", "--log-level", "debug")
     assert result.returncode == 2
     assert "Traceback" in result.stderr
 
 
-def test_make_tiny_writes_a_loadable_folder(tmp_path) -> None:
+def test_make_tiny_writes_a_loadable_folder(tmp_path, run_cli) -> None:
     result = run_cli("make-tiny", "flux", str(tmp_path / "tiny"), "--no-guidance-embeds")
     assert result.returncode == 0, result.stderr
     index = json.loads((tmp_path / "tiny" / "model_index.json").read_text())

@@ -52,6 +52,7 @@ def test_pixels_match_diffusers(generators, variant, height, width, steps, extra
     ref_u8 = (ref * 255).round().astype(np.uint8)
     ours_u8 = np.stack([np.asarray(im) for im in out.images])
     assert ours_u8.shape == ref_u8.shape == (1, height, width, 3)
+    assert ref_u8.std() > 5, "the reference image is flat; the comparison would prove nothing"
     value = psnr(ours_u8, ref_u8)
     print(f"{variant} {height}x{width} {extra}: PSNR {value:.2f} dB, max abs diff {np.abs(ours_u8.astype(int) - ref_u8).max()}")
     assert value >= PSNR_BAR_DB
@@ -78,8 +79,8 @@ def test_text_encoding_stage_matches_diffusers(generators) -> None:
     ref_seq, ref_pooled, ref_ids = reference.encode_prompt(
         prompt=["a red fox", "a blue bird"], prompt_2=None, max_sequence_length=24
     )
-    torch.testing.assert_close(sequence, ref_seq, rtol=0, atol=1e-6)
-    torch.testing.assert_close(pooled, ref_pooled, rtol=0, atol=1e-6)
+    torch.testing.assert_close(sequence, ref_seq, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pooled, ref_pooled, rtol=1e-5, atol=1e-5)
 
 
 def test_initial_noise_matches_diffusers_seed(generators) -> None:

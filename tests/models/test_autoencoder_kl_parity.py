@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
+from diffserve.models.vaes.autoencoder_kl import AutoencoderKL, DiagonalGaussian
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -88,7 +88,7 @@ def test_config_resolved(pair: tuple[torch.nn.Module, AutoencoderKL]) -> None:
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("height,width", [(64, 64), (64, 48)])
+@pytest.mark.parametrize("height,width", [(32, 32), (64, 48)])
 def test_encode_matches(pair: tuple[torch.nn.Module, AutoencoderKL], height: int, width: int) -> None:
     ref, native = pair
     x = torch.rand(2, 3, height, width, generator=torch.Generator().manual_seed(1)) * 2 - 1
@@ -109,10 +109,12 @@ def test_encode_matches(pair: tuple[torch.nn.Module, AutoencoderKL], height: int
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("height,width", [(16, 16), (16, 12)])
+@pytest.mark.parametrize("height,width", [(8, 8), (16, 12)])
 def test_decode_matches(pair: tuple[torch.nn.Module, AutoencoderKL], height: int, width: int) -> None:
     ref, native = pair
-    z = torch.randn(2, native.config["latent_channels"], height, width, generator=torch.Generator().manual_seed(2))
+    z = torch.randn(
+        2, native.config["latent_channels"], height, width, generator=torch.Generator().manual_seed(2)
+    )
     want = ref.decode(z).sample
     got = native.decode(z)
     f = native.spatial_compression_ratio
@@ -120,16 +122,21 @@ def test_decode_matches(pair: tuple[torch.nn.Module, AutoencoderKL], height: int
     _compare("decode", got, want)
 
 
-def test_sample_with_generator_list_matches_per_item_draws() -> None:
+def test_sample_draws_bit_identical_noise() -> None:
+    """Same moments in, same seeded sample out: one generator, and one generator per batch item."""
     moments = torch.randn(2, 8, 4, 3)
-    from diffserve.models.vaes.autoencoder_kl import DiagonalGaussian
-
     dist = DiagonalGaussian.from_moments(moments)
     ref = diffusers.models.autoencoders.vae.DiagonalGaussianDistribution(moments)
-    gens = lambda: [torch.Generator().manual_seed(s) for s in (3, 4)]  # noqa: E731
+
+    def gens() -> list[torch.Generator]:
+        return [torch.Generator().manual_seed(s) for s in (3, 4)]
+
     torch.testing.assert_close(dist.sample(gens()), ref.sample(gens()), rtol=0, atol=0)
     torch.testing.assert_close(
-        dist.sample(torch.Generator().manual_seed(5)), ref.sample(torch.Generator().manual_seed(5)), rtol=0, atol=0
+        dist.sample(torch.Generator().manual_seed(5)),
+        ref.sample(torch.Generator().manual_seed(5)),
+        rtol=0,
+        atol=0,
     )
 
 

@@ -38,11 +38,20 @@ def test_rmsnorm_matches_diffusers(affine: bool, dtype: torch.dtype) -> None:
     out, expected = ours(x), ref(x)
     assert out.dtype == expected.dtype
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
-    # torch's RMSNorm is what Diffusers' FLUX attention uses for QK-norm.
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_round_once_matches_torch(affine: bool, dtype: torch.dtype) -> None:
+    """`round_once=True` is torch.nn.RMSNorm, which Diffusers' FLUX attention uses for QK-norm."""
+    ref = torch.nn.RMSNorm(16, eps=1e-6, elementwise_affine=affine).to(dtype)
+    ours = RMSNorm(16, eps=1e-6, elementwise_affine=affine, round_once=True).to(dtype)
     if affine:
-        torch_ref = torch.nn.RMSNorm(16, eps=1e-6).to(dtype)
-        torch_ref.load_state_dict(ref.state_dict())
-        torch.testing.assert_close(out, torch_ref(x))
+        ref.weight.data.normal_()
+        ours.load_state_dict(ref.state_dict(), strict=True)
+    x = torch.randn(2, 7, 3, 16).to(dtype) * 5
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(("affine", "bias"), [(True, True), (True, False), (False, True)])
@@ -52,7 +61,9 @@ def test_layernorm_matches_torch(affine: bool, bias: bool) -> None:
         p.data.normal_()
     ours = LayerNorm(24, eps=1e-6, elementwise_affine=affine, bias=bias)
     ours.load_state_dict(ref.state_dict(), strict=True)
-    assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in ref.state_dict().items()}
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {
+        k: v.shape for k, v in ref.state_dict().items()
+    }
     x = torch.randn(3, 5, 24)
     torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=0)
 

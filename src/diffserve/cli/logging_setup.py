@@ -21,3 +21,7 @@ def configure_logging(level: str = "info") -> None:
             logging.getLogger(name).setLevel(logging.ERROR)
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
+        # transformers' own per-file "Loading weights" bars would interleave with our component log.
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()

@@ -84,7 +84,11 @@ class CombinedTimestepTextEmbedding(nn.Module):
     """
 
     def __init__(
-        self, embedding_dim: int, pooled_projection_dim: int, guidance_embeds: bool = False, num_channels: int = 256
+        self,
+        embedding_dim: int,
+        pooled_projection_dim: int,
+        guidance_embeds: bool = False,
+        num_channels: int = 256,
     ) -> None:
         super().__init__()
         self.time_proj = TimestepProjection(num_channels, flip_sin_to_cos=True, downscale_freq_shift=0.0)
@@ -99,8 +103,12 @@ class CombinedTimestepTextEmbedding(nn.Module):
         emb = self.timestep_embedder(self.time_proj(timestep).to(dtype))
         if self.guidance_embedder is not None:
             if guidance is None:
-                raise ValueError("this model embeds the guidance scale: pass `guidance` (one value per sample)")
+                raise ValueError(
+                    "this model embeds the guidance scale: pass `guidance` (one value per sample)"
+                )
             emb = emb + self.guidance_embedder(self.time_proj(guidance).to(dtype))
         elif guidance is not None:
-            raise ValueError("this model has no guidance embedding (guidance_embeds=False): pass guidance=None")
+            raise ValueError(
+                "this model has no guidance embedding (guidance_embeds=False): pass guidance=None"
+            )
         return emb + self.text_embedder(pooled_projection)

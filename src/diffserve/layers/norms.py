@@ -22,23 +22,40 @@ _HALF_DTYPES = (torch.float16, torch.bfloat16)
 class RMSNorm(CustomOp):
     """Root-mean-square norm over the last dimension (Zhang & Sennrich, 2019).
 
-    Matches `diffusers.models.normalization.RMSNorm` (and `torch.nn.RMSNorm`, which the FLUX attention
-    uses): the variance is computed in fp32, the input is scaled in fp32, and the result is cast to
-    the weight's dtype when that is fp16/bf16, or back to the input dtype when there is no weight.
+    Diffusers uses two RMSNorms whose half-precision rounding differs, and a model must use the one
+    its Diffusers counterpart uses to match it bit for bit:
+
+    - `round_once=False` (default): `diffusers.models.normalization.RMSNorm` (also BFL's reference
+      QK-norm). The mean square is taken in fp32 and the input scaled in fp32; the result is rounded
+      to the weight's dtype when that is fp16/bf16 *before* the weight multiply, or back to the input
+      dtype when there is no weight.
+    - `round_once=True`: `torch.nn.RMSNorm` / `F.rms_norm`, which Diffusers' FLUX and Wan attention
+      use for QK-norm. Normalisation and weight multiply both run in fp32 and the result is rounded
+      once (torch may run a fused kernel).
+
+    In fp32 the two are identical.
     """
 
     def __init__(
-        self, dim: int, eps: float = 1e-6, elementwise_affine: bool = True, platform: Platform | None = None
+        self,
+        dim: int,
+        eps: float = 1e-6,
+        elementwise_affine: bool = True,
+        round_once: bool = False,
+        platform: Platform | None = None,
     ) -> None:
         super().__init__(platform)
         self.dim = dim
         self.eps = eps
         self.elementwise_affine = elementwise_affine
+        self.round_once = round_once
         # `torch.ones` runs on the meta device when the loader builds the model there; the real
         # values are assigned later by `load_state_dict(..., assign=True)`.
         self.weight = nn.Parameter(torch.ones(dim)) if elementwise_affine else None
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        if self.round_once:
+            return F.rms_norm(x, (self.dim,), self.weight, self.eps)
         input_dtype = x.dtype
         variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
         x = x * torch.rsqrt(variance + self.eps)
@@ -49,7 +66,7 @@ class RMSNorm(CustomOp):
         return x * self.weight
 
     def extra_repr(self) -> str:
-        return f"{self.dim}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+        return f"{self.dim}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, round_once={self.round_once}"
 
 
 class LayerNorm(CustomOp):

@@ -20,6 +20,9 @@ logger = logging.getLogger("diffserve.stages")
 
 DenoiseStep = Callable[[list[Req]], None]
 
+#: Seconds per step (not steps per second): the figure users compare between engines.
+BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_inv_fmt}]"
+
 
 class DenoisingStage(Stage):
     needs = ("latents", "sigmas", "timesteps", "prompt_embeds")
@@ -31,7 +34,7 @@ class DenoisingStage(Stage):
 
     def forward(self, req: Req) -> Req:
         platform = current_platform()
-        with tqdm(total=req.num_steps, disable=not self.show_progress, unit="step") as bar:
+        with tqdm(total=req.num_steps, disable=not self.show_progress, unit="step", bar_format=BAR_FORMAT) as bar:
             while not req.is_denoised:
                 start = time.perf_counter()
                 self.denoise_step([req])

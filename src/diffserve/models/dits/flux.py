@@ -52,6 +52,8 @@ FLUX_CONFIG_DEFAULTS: dict[str, Any] = {
 
 ROPE_THETA = 10000.0
 NORM_EPS = 1e-6
+# Diffusers' FLUX attention uses torch.nn.RMSNorm for QK-norm (weight multiply in fp32, rounded once);
+# see `RMSNorm(round_once=True)`. BFL's original code rounds before the weight; only bf16/fp16 differ.
 
 
 def _fp16_clip(x: torch.Tensor) -> torch.Tensor:
@@ -161,14 +163,14 @@ class FluxJointAttention(_QKV):
         self.to_q = nn.Linear(dim, inner)
         self.to_k = nn.Linear(dim, inner)
         self.to_v = nn.Linear(dim, inner)
-        self.norm_q = RMSNorm(head_dim, eps=NORM_EPS)
-        self.norm_k = RMSNorm(head_dim, eps=NORM_EPS)
+        self.norm_q = RMSNorm(head_dim, eps=NORM_EPS, round_once=True)
+        self.norm_k = RMSNorm(head_dim, eps=NORM_EPS, round_once=True)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
         self.add_q_proj = nn.Linear(dim, inner)
         self.add_k_proj = nn.Linear(dim, inner)
         self.add_v_proj = nn.Linear(dim, inner)
-        self.norm_added_q = RMSNorm(head_dim, eps=NORM_EPS)
-        self.norm_added_k = RMSNorm(head_dim, eps=NORM_EPS)
+        self.norm_added_q = RMSNorm(head_dim, eps=NORM_EPS, round_once=True)
+        self.norm_added_k = RMSNorm(head_dim, eps=NORM_EPS, round_once=True)
         self.to_add_out = nn.Linear(inner, dim)
         self.rope = RotaryEmbedding()
 
@@ -177,12 +179,20 @@ class FluxJointAttention(_QKV):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v = self._project(x, self.to_q, self.to_k, self.to_v, self.norm_q, self.norm_k, self.head_dim)
         cq, ck, cv = self._project(
-            ctx, self.add_q_proj, self.add_k_proj, self.add_v_proj, self.norm_added_q, self.norm_added_k, self.head_dim
+            ctx,
+            self.add_q_proj,
+            self.add_k_proj,
+            self.add_v_proj,
+            self.norm_added_q,
+            self.norm_added_k,
+            self.head_dim,
         )
         q, k = self.rope(torch.cat([cq, q], dim=1), torch.cat([ck, k], dim=1), *rope)
         out = attention(q, k, torch.cat([cv, v], dim=1)).flatten(2)
         ctx_out, x_out = out.split([ctx.shape[1], x.shape[1]], dim=1)
-        return self.to_out[0](x_out), self.to_add_out(ctx_out)
+        # The split halves are strided views when batch > 1; CPU bf16 matmuls round differently on
+        # strided inputs, so make them contiguous as Diffusers does (free when batch == 1).
+        return self.to_out[0](x_out.contiguous()), self.to_add_out(ctx_out.contiguous())
 
 
 class FluxSelfAttention(_QKV):
@@ -195,8 +205,8 @@ class FluxSelfAttention(_QKV):
         self.to_q = nn.Linear(dim, inner)
         self.to_k = nn.Linear(dim, inner)
         self.to_v = nn.Linear(dim, inner)
-        self.norm_q = RMSNorm(head_dim, eps=NORM_EPS)
-        self.norm_k = RMSNorm(head_dim, eps=NORM_EPS)
+        self.norm_q = RMSNorm(head_dim, eps=NORM_EPS, round_once=True)
+        self.norm_k = RMSNorm(head_dim, eps=NORM_EPS, round_once=True)
         self.rope = RotaryEmbedding()
 
     def forward(self, x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
@@ -314,7 +324,10 @@ class FluxTransformer2DModel(nn.Module):
             [FluxTransformerBlock(inner, num_attention_heads, attention_head_dim) for _ in range(num_layers)]
         )
         self.single_transformer_blocks = nn.ModuleList(
-            [FluxSingleTransformerBlock(inner, num_attention_heads, attention_head_dim) for _ in range(num_single_layers)]
+            [
+                FluxSingleTransformerBlock(inner, num_attention_heads, attention_head_dim)
+                for _ in range(num_single_layers)
+            ]
         )
         self.norm_out = AdaLayerNormContinuous(inner)
         self.proj_out = nn.Linear(inner, patch_size * patch_size * out_channels)
@@ -339,7 +352,9 @@ class FluxTransformer2DModel(nn.Module):
         """
         for name, ids in (("txt_ids", txt_ids), ("img_ids", img_ids)):
             if ids.ndim != 2:
-                raise ValueError(f"{name} must be 2-D (seq, {len(self.axes_dims_rope)}), got {tuple(ids.shape)}")
+                raise ValueError(
+                    f"{name} must be 2-D (seq, {len(self.axes_dims_rope)}), got {tuple(ids.shape)}"
+                )
         return multi_axis_rope_tables(torch.cat([txt_ids, img_ids], dim=0), self.axes_dims_rope, ROPE_THETA)
 
     def forward(

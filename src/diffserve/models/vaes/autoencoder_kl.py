@@ -163,9 +163,7 @@ class AutoencoderKL(nn.Module):
         known = cls.config_keys()
         unknown = sorted(set(params) - known)
         if unknown:
-            raise ValueError(
-                f"{cls.__name__} config has unknown keys {unknown}; known keys: {sorted(known)}"
-            )
+            raise ValueError(f"{cls.__name__} config has unknown keys {unknown}; known keys: {sorted(known)}")
         return cls(**params)
 
     @classmethod

@@ -50,6 +50,13 @@ SUPPORTED_UP_BLOCKS = ("UpDecoderBlock2D",)
 #: Every norm in this VAE uses diffusers' epsilon, not torch's 1e-5 default.
 NORM_EPS = 1e-6
 
+#: Layout of every activation inside the encoder and decoder. Channels-last measured ~10-15% faster
+#: than NCHW for the decoder on CPU (oneDNN convolutions are NHWC-native), makes the mid-block
+#: attention's token view contiguous for free, and is what diffusers itself ends up running after
+#: its mid-block attention (its `.reshape` there yields a channels-last view). Convolution weights
+#: may stay NCHW: converting them too measured no faster.
+ACTIVATION_MEMORY_FORMAT = torch.channels_last
+
 
 def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """The activation diffusers would build for `name`, as an in-place-when-possible function."""
@@ -129,14 +136,15 @@ class SpatialSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, c, height, width = x.shape
-        # GroupNorm over (B, C, H, W) is the same maths as over (B, C, H*W); then view as tokens.
-        tokens = self.group_norm(x).flatten(2).transpose(1, 2)  # (B, S, C), a view
+        # GroupNorm over (B, C, H, W) is the same maths as over (B, C, H*W); then view as tokens
+        # (contiguous when x is channels-last, a strided view otherwise; never a copy).
+        tokens = self.group_norm(x).flatten(2).transpose(1, 2)  # (B, S, C)
         q = self.to_q(tokens).unsqueeze(2)
         k = self.to_k(tokens).unsqueeze(2)
         v = self.to_v(tokens).unsqueeze(2)
         out = self.to_out[0](attention(q, k, v).flatten(2))  # (B, S, C)
-        # Back to (B, C, H, W) as a strided view; the residual add writes a fresh contiguous tensor,
-        # which saves the copy a `.reshape` would make before it.
+        # Back to (B, C, H, W) as a view (channels-last strides); the residual add writes the result
+        # in x's layout, with no copy before it.
         return x + out.transpose(1, 2).unflatten(2, (height, width))
 
 
@@ -146,7 +154,10 @@ class MidBlock2D(nn.Module):
     def __init__(self, channels: int, groups: int, act_fn: str, add_attention: bool) -> None:
         super().__init__()
         self.resnets = nn.ModuleList(
-            [ResnetBlock2D(channels, channels, groups, act_fn), ResnetBlock2D(channels, channels, groups, act_fn)]
+            [
+                ResnetBlock2D(channels, channels, groups, act_fn),
+                ResnetBlock2D(channels, channels, groups, act_fn),
+            ]
         )
         # Empty when disabled: the diffusers list then holds `None`, which has no weights either.
         self.attentions = nn.ModuleList([SpatialSelfAttention(channels, groups)] if add_attention else [])
@@ -162,7 +173,13 @@ class DownEncoderBlock2D(nn.Module):
     """`num_layers` resnets, then an optional stride-2 downsample."""
 
     def __init__(
-        self, in_channels: int, out_channels: int, num_layers: int, groups: int, act_fn: str, add_downsample: bool
+        self,
+        in_channels: int,
+        out_channels: int,
+        num_layers: int,
+        groups: int,
+        act_fn: str,
+        add_downsample: bool,
     ) -> None:
         super().__init__()
         self.resnets = nn.ModuleList(
@@ -183,7 +200,13 @@ class UpDecoderBlock2D(nn.Module):
     """`num_layers` resnets, then an optional 2x upsample."""
 
     def __init__(
-        self, in_channels: int, out_channels: int, num_layers: int, groups: int, act_fn: str, add_upsample: bool
+        self,
+        in_channels: int,
+        out_channels: int,
+        num_layers: int,
+        groups: int,
+        act_fn: str,
+        add_upsample: bool,
     ) -> None:
         super().__init__()
         self.resnets = nn.ModuleList(
@@ -203,7 +226,9 @@ class UpDecoderBlock2D(nn.Module):
 def _check_block_types(kind: str, types: Sequence[str], supported: tuple[str, ...], n: int) -> None:
     unsupported = sorted({t for t in types if t not in supported})
     if unsupported:
-        raise ValueError(f"{kind} {unsupported} not supported by the native KL autoencoder; supported: {supported}")
+        raise ValueError(
+            f"{kind} {unsupported} not supported by the native KL autoencoder; supported: {supported}"
+        )
     if len(types) != n:
         raise ValueError(f"{kind} has {len(types)} entries but block_out_channels has {n}; they must match")
 
@@ -211,7 +236,8 @@ def _check_block_types(kind: str, types: Sequence[str], supported: tuple[str, ..
 class Encoder(nn.Module):
     """Image (B, in_channels, H, W) -> moments (B, 2 * latent_channels, H / f, W / f), f = 2 ** (levels - 1).
 
-    The moments are the Gaussian's mean and log-variance stacked on the channel axis.
+    The moments are the Gaussian's mean and log-variance stacked on the channel axis, returned in
+    `ACTIVATION_MEMORY_FORMAT`; call `.contiguous()` where NCHW-contiguous memory matters.
     """
 
     def __init__(
@@ -226,7 +252,9 @@ class Encoder(nn.Module):
         mid_block_add_attention: bool,
     ) -> None:
         super().__init__()
-        _check_block_types("down_block_types", down_block_types, SUPPORTED_DOWN_BLOCKS, len(block_out_channels))
+        _check_block_types(
+            "down_block_types", down_block_types, SUPPORTED_DOWN_BLOCKS, len(block_out_channels)
+        )
         widths = list(block_out_channels)
         self.conv_in = nn.Conv2d(in_channels, widths[0], kernel_size=3, padding=1)
         self.down_blocks = nn.ModuleList(
@@ -245,7 +273,7 @@ class Encoder(nn.Module):
         self.conv_out = nn.Conv2d(widths[-1], 2 * latent_channels, kernel_size=3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.conv_in(x)
+        x = self.conv_in(x.contiguous(memory_format=ACTIVATION_MEMORY_FORMAT))
         for block in self.down_blocks:
             x = block(x)
         x = self.mid_block(x)
@@ -257,6 +285,8 @@ class Decoder(nn.Module):
     """Latents (B, latent_channels, h, w) -> image (B, out_channels, h * f, w * f).
 
     Each up block has one more resnet than the matching down block (diffusers' `layers_per_block + 1`).
+    The image comes back in `ACTIVATION_MEMORY_FORMAT`, which suits the NHWC permute that image
+    writers do; call `.contiguous()` where NCHW-contiguous memory matters.
     """
 
     def __init__(
@@ -290,7 +320,7 @@ class Decoder(nn.Module):
         self.conv_out = nn.Conv2d(widths[-1], out_channels, kernel_size=3, padding=1)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        x = self.conv_in(z)
+        x = self.conv_in(z.contiguous(memory_format=ACTIVATION_MEMORY_FORMAT))
         x = self.mid_block(x)
         for block in self.up_blocks:
             x = block(x)
