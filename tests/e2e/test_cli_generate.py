@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from diffserve.outputs import output_file_name, prompt_slug
-
 from diffserve.cli.main import main
+from diffserve.outputs import output_file_name, prompt_slug
 
 CLI = [sys.executable, "-m", "diffserve.cli.main"]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from diffserve.configs.flux import FluxPipelineConfig, flux_default_sampling_params
@@ -27,9 +29,30 @@ class FluxDenoiser:
     call must share the latent grid and text length (the scheduler buckets by shape).
     """
 
+    #: RoPE tables kept per request shape; a handful of shapes covers a serving workload.
+    max_cached_rope_shapes = 16
+
     def __init__(self, transformer: FluxTransformer2DModel, scheduler: FlowMatchEulerScheduler) -> None:
         self.transformer = transformer
         self.scheduler = scheduler
+        self._rope_cache: OrderedDict[tuple, object] = OrderedDict()
+
+    def rope_for(self, req: Req):
+        """RoPE tables for the request's shape, computed once per shape rather than once per step.
+
+        FLUX's ids are a pure function of the shape (text ids are zeros, image ids the packed grid),
+        so (text length, latent grid, device, dtype) identifies them.
+        """
+        key = (req.text_ids.shape[0], req.latent_height, req.latent_width, req.image_ids.device, req.image_ids.dtype)
+        tables = self._rope_cache.get(key)
+        if tables is None:
+            tables = self.transformer.rope_tables(req.text_ids, req.image_ids)
+            self._rope_cache[key] = tables
+            if len(self._rope_cache) > self.max_cached_rope_shapes:
+                self._rope_cache.popitem(last=False)
+        else:
+            self._rope_cache.move_to_end(key)
+        return tables
 
     @torch.inference_mode()
     def __call__(self, reqs: list[Req]) -> None:
@@ -57,6 +80,7 @@ class FluxDenoiser:
             img_ids=first.image_ids,
             txt_ids=first.text_ids,
             guidance=torch.cat(guidance).to(device) if guidance else None,
+            rope=self.rope_for(first),
         )
         offset = 0
         for req in reqs:

@@ -55,10 +55,10 @@ class Platform(ABC):
     def memory_info(self, index: int = 0) -> MemoryInfo:
         """Peak memory since the last reset, available and total memory."""
 
-    def reset_peak_memory(self, index: int = 0) -> None:
+    def reset_peak_memory(self, index: int = 0) -> None:  # noqa: B027  (optional hook, no-op by default)
         """Start a new peak-memory window (no-op where the runtime keeps no peak counter)."""
 
-    def synchronize(self, index: int = 0) -> None:
+    def synchronize(self, index: int = 0) -> None:  # noqa: B027  (optional hook, no-op by default)
         """Wait for queued device work; needed for honest stage timings on async devices."""
 
     def device_name(self, index: int = 0) -> str:

@@ -12,6 +12,7 @@ implemented; callers that need them split the batch themselves.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -50,11 +51,11 @@ def _randn(
     return torch.cat(draws).to(device)
 
 
-@dataclass
+@dataclass(eq=False)
 class DiagonalGaussian:
     """The encoder's posterior q(z | x): an axis-aligned Gaussian per latent element.
 
-    Built from the encoder's moments with `from_moments`; `mean`/`logvar` are views into them.
+    Built from the encoder's moments with `from_moments`; `mean` is a view into them (no copy).
     """
 
     mean: torch.Tensor
@@ -169,8 +170,8 @@ class AutoencoderKL(nn.Module):
     @classmethod
     def config_keys(cls) -> frozenset[str]:
         """The config names the constructor accepts (diffusers' `AutoencoderKL` config)."""
-        code = cls.__init__.__code__
-        return frozenset(code.co_varnames[code.co_argcount : code.co_argcount + code.co_kwonlyargcount])
+        params = inspect.signature(cls.__init__).parameters.values()
+        return frozenset(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
     @property
     def spatial_compression_ratio(self) -> int:
