@@ -1,0 +1,59 @@
+"""The Stage base class: declared needs are checked before a stage runs, declared sets after,
+and every stage run is timed into the request."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffserve.configs.sampling_params import SamplingParams
+from diffserve.request import Req
+from diffserve.stages.base import Stage, StageContractError
+
+
+class SetsLatents(Stage):
+    needs = ("prompt_embeds",)
+    sets = ("latents",)
+
+    def forward(self, req: Req) -> Req:
+        req.latents = torch.zeros(1)
+        return req
+
+
+class ForgetsToSet(Stage):
+    sets = ("latents",)
+
+    def forward(self, req: Req) -> Req:
+        return req
+
+
+def _req() -> Req:
+    return Req(params=SamplingParams(prompt="x"))
+
+
+def test_missing_need_is_reported_before_running() -> None:
+    with pytest.raises(StageContractError, match="SetsLatents needs prompt_embeds"):
+        SetsLatents()(_req())
+
+
+def test_unset_promise_is_reported() -> None:
+    with pytest.raises(StageContractError, match="ForgetsToSet did not set latents"):
+        ForgetsToSet()(_req())
+
+
+def test_stage_is_timed_into_the_request() -> None:
+    req = _req()
+    req.prompt_embeds = torch.zeros(1)
+    req = SetsLatents()(req)
+    assert req.latents is not None
+    assert "SetsLatents" in req.timings and req.timings["SetsLatents"] >= 0
+
+
+def test_sampling_params_defaults_fill_only_unset_fields() -> None:
+    defaults = SamplingParams(height=1024, width=1024, num_inference_steps=28, guidance_scale=3.5)
+    mine = SamplingParams(prompt="a", height=512, num_inference_steps=None)
+    resolved = mine.with_defaults(defaults)
+    assert (resolved.height, resolved.width, resolved.num_inference_steps, resolved.guidance_scale) == (
+        512, 1024, 28, 3.5,
+    )
+    assert mine.width is None, "with_defaults must not modify the request's own params"
