@@ -16,6 +16,7 @@ from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import UserError
 from diffserve.layers.attention import select_attention_backend
 from diffserve.loader.component_loader import load_components
+from diffserve.loader.folder_defaults import read_folder_sampling_defaults
 from diffserve.loader.model_index import read_model_index
 from diffserve.outputs import output_file_name, save_image, unique_path
 from diffserve.pipelines.base import Pipeline, PipelineContext
@@ -79,8 +80,14 @@ class DiffGenerator:
         components = load_components(
             index, self.family.pipeline_cls.required_components, self.platform, self.dtype, text_dtype
         )
+        folder_defaults = read_folder_sampling_defaults(index.root)
+        if folder_defaults:
+            logger.info("Sampling defaults from the model folder's diffserve.json: %s", folder_defaults)
         self.pipeline: Pipeline = self.family.pipeline_cls(
-            PipelineContext(components, self.platform, self.dtype, show_progress=show_progress)
+            PipelineContext(
+                components, self.platform, self.dtype, show_progress=show_progress,
+                folder_sampling_defaults=folder_defaults,
+            )
         )
         self.model_path = str(index.root)
         logger.info("Pipeline ready in %.2f seconds", time.perf_counter() - start)

@@ -19,7 +19,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="generate images from a prompt",
         description="Generate images with a Diffusers-format model folder.",
     )
-    p.add_argument("--model-path", required=True, help="Diffusers model folder (with model_index.json)")
+    p.add_argument(
+        "--model-path",
+        default=None,
+        help="Diffusers model folder (with model_index.json); default: the small demo model shipped with diffserve",
+    )
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text prompt")
     prompt.add_argument("--prompt-file", help="file with one prompt per line (blank lines skipped)")
@@ -63,9 +67,15 @@ def run(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     prompts = _read_prompts(args)
+    model_path = args.model_path
+    if model_path is None:
+        from diffserve.configs.demo_model import demo_model_path
+
+        model_path = str(demo_model_path())
+        logger.info("No --model-path given: using the shipped demo model at %s", model_path)
     generator = DiffGenerator(
         EngineArgs(
-            model_path=args.model_path,
+            model_path=model_path,
             device=args.device,
             dtype=args.dtype,
             attention_backend=args.attention_backend,

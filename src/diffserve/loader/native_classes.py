@@ -33,4 +33,6 @@ TRANSFORMERS_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "CLIPTokenizerFast": ("CLIPTokenizerFast", "CLIPTokenizer"),
     "T5Tokenizer": ("T5TokenizerFast", "T5Tokenizer"),
     "T5TokenizerFast": ("T5TokenizerFast", "T5Tokenizer"),
+    # A generic tokenizer.json (e.g. a word-level vocabulary, as the shipped demo model uses).
+    "PreTrainedTokenizerFast": ("PreTrainedTokenizerFast",),
 }

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -25,6 +25,8 @@ class PipelineContext:
     platform: Platform
     dtype: torch.dtype
     show_progress: bool = True
+    #: Sampling defaults the model folder itself recommends (its diffserve.json), over the family's.
+    folder_sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     def get(self, name: str) -> Any:
         return self.components[name].value

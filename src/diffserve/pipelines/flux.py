@@ -8,6 +8,7 @@ import torch
 
 from diffserve.configs.flux import FluxPipelineConfig, flux_default_sampling_params
 from diffserve.configs.sampling_params import SamplingParams
+from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.pipelines.base import Pipeline, PipelineContext
@@ -108,7 +109,7 @@ class FluxPipeline(Pipeline):
         clip_tokenizer = context.get("tokenizer")
         self.vae_scale_factor = 2 ** (len(vae.config["block_out_channels"]) - 1)
         self.input_validation = InputValidationStage(
-            defaults=flux_default_sampling_params(),
+            defaults=apply_overrides(flux_default_sampling_params(), context.folder_sampling_defaults),
             pixel_multiple=self.vae_scale_factor * self.config.latent_patch_size,
             default_pixels=self.config.default_sample_size * self.vae_scale_factor,
             max_sequence_length_limit=self.config.max_t5_sequence_length,
