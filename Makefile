@@ -1,30 +1,40 @@
-# `make test` and `make demo` set themselves up: they create .venv when missing, install torch
-# (the CPU wheel pinned below, so pip never pulls a multi-GB CUDA build), then the package.
+# `make demo` and `make test` set themselves up: they create .venv when missing, install torch
+# (the CPU wheel pinned below when no torch is installed, so pip never pulls a multi-GB CUDA
+# build), then diffserve. `make demo` needs only the runtime; `make test` adds the test extras.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
-STAMP := $(VENV)/.diffserve-installed
+RUNTIME_STAMP := $(VENV)/.diffserve-runtime
+TEST_STAMP := $(VENV)/.diffserve-test
+DEMO_PROMPT ?= a large red circle at the center on a black background
 
-.PHONY: test lint install clean-venv
+.PHONY: demo test lint install clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-$(STAMP): pyproject.toml | $(PY)
+$(RUNTIME_STAMP): pyproject.toml | $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e .
+	@touch $(RUNTIME_STAMP)
+
+$(TEST_STAMP): $(RUNTIME_STAMP)
 	$(PY) -m pip install -q -e ".[test]"
-	@touch $(STAMP)
+	@touch $(TEST_STAMP)
 
-install: $(STAMP)
+install: $(RUNTIME_STAMP)
 
-test: $(STAMP)
-	$(PY) -m ruff check src tests benchmarks
+demo: $(RUNTIME_STAMP)
+	$(VENV)/bin/diffserve generate --prompt "$(DEMO_PROMPT)" --seed 0 --output-path outputs
+
+test: $(TEST_STAMP)
+	$(PY) -m ruff check src tests benchmarks tools
 	$(PY) -m pytest -q tests
 
-lint: $(STAMP)
-	$(PY) -m ruff check src tests benchmarks
+lint: $(TEST_STAMP)
+	$(PY) -m ruff check src tests benchmarks tools
 
 clean-venv:
 	rm -rf $(VENV)
