@@ -7,6 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 RUNTIME_STAMP := $(VENV)/.diffserve-runtime
 TEST_STAMP := $(VENV)/.diffserve-test
+LINT_PATHS := $(wildcard src tests benchmarks tools)
 DEMO_PROMPT ?= a large red circle at the center on a black background
 
 .PHONY: demo test lint install clean-venv
@@ -30,11 +31,11 @@ demo: $(RUNTIME_STAMP)
 	$(VENV)/bin/diffserve generate --prompt "$(DEMO_PROMPT)" --seed 0 --output-path outputs
 
 test: $(TEST_STAMP)
-	$(PY) -m ruff check src tests benchmarks tools
+	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m pytest -q tests
 
 lint: $(TEST_STAMP)
-	$(PY) -m ruff check src tests benchmarks tools
+	$(PY) -m ruff check $(LINT_PATHS)
 
 clean-venv:
 	rm -rf $(VENV)
