@@ -133,12 +133,15 @@ class DiffGenerator:
         save_output: bool = False,
         output_path: str | None = None,
         file_name: str | None = None,
+        request: Req | None = None,
     ) -> GenerationOutput:
+        """Run one request. Pass `request` (a `Req` over `params`) to control it from another thread:
+        its `cancel_event` stops it at the next step boundary, its `on_step` reports progress."""
         start = time.perf_counter()
         resolved = self.pipeline.resolve_params(params)  # fail fast, before any model work
         log_sampling_params(resolved)
         self.platform.reset_peak_memory()
-        req = self.pipeline.run(Req(params=params))
+        req = self.pipeline.run(request if request is not None else Req(params=params))
         memory = self.platform.memory_info()
         peak_mb = memory.peak_bytes / 2**20 if memory.peak_bytes is not None else None
         if peak_mb is not None:

@@ -14,3 +14,7 @@ class InvalidRequestError(UserError):
 
 class ModelLoadError(UserError):
     """The model folder is missing, not a Diffusers model, unsupported, or has broken weight files."""
+
+
+class RequestCancelledError(Exception):
+    """The request was cancelled (client gone, DELETE, shutdown) before it finished. Not a failure."""

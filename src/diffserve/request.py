@@ -7,7 +7,9 @@ request carries in one place.
 
 from __future__ import annotations
 
+import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +59,15 @@ class Req:
     # Bookkeeping.
     timings: dict[str, float] = field(default_factory=dict)
     step_times: list[float] = field(default_factory=list)
+
+    # Control from outside the pipeline (the server's engine loop): set `cancel_event` to stop the
+    # request at the next step boundary; `on_step(req)` is called after every denoising step.
+    cancel_event: threading.Event | None = None
+    on_step: Callable[[Req], None] | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_event is not None and self.cancel_event.is_set()
 
     @property
     def batch_size(self) -> int:

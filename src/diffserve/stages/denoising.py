@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from tqdm.auto import tqdm
 
+from diffserve.errors import RequestCancelledError
 from diffserve.platforms import current_platform
 from diffserve.request import Req
 from diffserve.stages.base import Stage
@@ -36,11 +37,15 @@ class DenoisingStage(Stage):
         platform = current_platform()
         with tqdm(total=req.num_steps, disable=not self.show_progress, unit="step", bar_format=BAR_FORMAT) as bar:
             while not req.is_denoised:
+                if req.cancelled:
+                    raise RequestCancelledError(f"request {req.request_id} cancelled at step {req.step_index}")
                 start = time.perf_counter()
                 self.denoise_step([req])
                 platform.synchronize()
                 req.step_times.append(time.perf_counter() - start)
                 bar.update(1)
+                if req.on_step is not None:
+                    req.on_step(req)
         if req.step_times:
             logger.info(
                 "[%s] average time per step: %.4f seconds", self.name, sum(req.step_times) / len(req.step_times)
