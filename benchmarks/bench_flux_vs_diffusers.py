@@ -31,6 +31,9 @@ from pathlib import Path
 ENGINES = ("diffserve", "diffusers")
 RESULT_MARKER = "BENCH_RESULT "
 PSNR_BAR_DB = 40.0  # DESIGN.md correctness bar for whole generations
+#: A worker keeps about `torch_threads` cores busy; a 1-min load average above that plus this margin
+#: means other processes competed for the CPU during its measurement.
+CONTENTION_MARGIN = 1.0
 
 
 def checkpoint_spec():
@@ -238,6 +241,7 @@ def run_worker(args: argparse.Namespace, engine: str, size: int, image_out: Path
         "--max-sequence-length", str(args.max_sequence_length), "--image-out", str(image_out),
     ]
     print(f"  {engine:9s} {size}x{size} ...", end="", flush=True, file=sys.stderr)
+    load_before = os.getloadavg()[0]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_MARKER)]
@@ -245,7 +249,10 @@ def run_worker(args: argparse.Namespace, engine: str, size: int, image_out: Path
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
         raise SystemExit(f"worker {engine} {size} failed with exit code {proc.returncode}")
     print(f" {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    return json.loads(lines[-1][len(RESULT_MARKER):])
+    result = json.loads(lines[-1][len(RESULT_MARKER):])
+    # The worker itself keeps ~torch_threads cores busy; a higher load means other processes competed.
+    result["loadavg_1m"] = [load_before, os.getloadavg()[0]]
+    return result
 
 
 def psnr(a, b) -> float:
@@ -274,6 +281,7 @@ def merge_rounds(results: list[dict]) -> dict:
         "image_std": results[0]["image_std"],
         "image": results[0]["image"],
         "workers": len(results),
+        "loadavg_1m": [x for r in results for x in r["loadavg_1m"]],
     }
 
 
@@ -317,16 +325,32 @@ def render(info: dict, dit_params: int, args: argparse.Namespace, rows: dict, pa
                 f"- {res} {r['engine']}: load = import {r['import_s']:.2f} s + from_pretrained "
                 f"{r['from_pretrained_s']:.2f} s; end-to-end s per run [{runs}]; s per step [{steps}]"
             )
+            loads = ", ".join(f"{x:.1f}" for x in r["loadavg_1m"])
+            notes.append(f"  - 1-min load average before/after its worker: {loads}")
             if not r["repeats_identical"]:
                 notes.append(f"  - WARNING: {r['engine']} produced different images across repeats with one seed")
             if r["image_std"] <= 5:
                 notes.append(f"  - WARNING: {r['engine']} image is nearly flat; the PSNR comparison proves little")
+    contended = [
+        f"{r['resolution']}x{r['resolution']} {r['engine']} (1-min load up to {max(r['loadavg_1m']):.1f})"
+        for size in args.sizes
+        for r in rows[size].values()
+        if max(r["loadavg_1m"]) > info["torch_threads"] + CONTENTION_MARGIN
+    ]
+    if contended:
+        out += [
+            "",
+            f"**WARNING: CPU contention** (load above {info['torch_threads']} torch threads + "
+            f"{CONTENTION_MARGIN:g}) during: {'; '.join(contended)}. These timings and ratios are unreliable; "
+            "rerun on an idle machine.",
+        ]
     out += [
         "",
         "Ratios are diffusers / diffserve: >1 means diffserve is faster (load, s/step, end-to-end) or smaller "
         f"(RSS). PSNR compares the two engines' images for the same seed (bar: {PSNR_BAR_DB:.0f} dB). "
         "Load is a cold start in a fresh process with torch already imported: the engine's imports plus "
-        "from_pretrained.",
+        "from_pretrained. A load average well above the torch thread count means other processes "
+        "competed for the CPU during that measurement; rerun on an idle machine (or with --rounds 2+).",
         "",
         "Raw timings:",
         *notes,
