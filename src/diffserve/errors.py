@@ -9,7 +9,11 @@ class UserError(Exception):
 
 
 class InvalidRequestError(UserError):
-    """A sampling parameter is out of range or inconsistent with the model."""
+    """A sampling parameter is out of range or inconsistent with the model. `param` names it."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelLoadError(UserError):

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from diffserve.cli import generate, make_tiny
+from diffserve.cli import generate, make_tiny, serve
 from diffserve.cli.logging_setup import configure_logging
 
 EXIT_USER_ERROR = 2
@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     generate.add_parser(sub)
     make_tiny.add_parser(sub)
+    serve.add_parser(sub)
     return parser
 
 

@@ -36,36 +36,42 @@ class SamplingParams:
     def validate(self, pixel_multiple: int, max_sequence_length_limit: int | None = None) -> None:
         """Raise `InvalidRequestError` with an actionable message for any bad field."""
         if not isinstance(self.prompt, str) or not self.prompt.strip():
-            raise InvalidRequestError("prompt must be a non-empty string")
+            raise InvalidRequestError("prompt must be a non-empty string", param="prompt")
         for name in ("height", "width"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
+                raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param=name)
             if value % pixel_multiple:
                 lower = max(pixel_multiple, value - value % pixel_multiple)
                 raise InvalidRequestError(
                     f"{name}={value} is not a multiple of {pixel_multiple} (this model's pixel granularity); "
-                    f"try {lower} or {lower + pixel_multiple}"
+                    f"try {lower} or {lower + pixel_multiple}",
+                    param=name,
                 )
         if not isinstance(self.num_inference_steps, int) or self.num_inference_steps < 1:
-            raise InvalidRequestError(f"num_inference_steps must be >= 1, got {self.num_inference_steps!r}")
+            raise InvalidRequestError(f"num_inference_steps must be >= 1, got {self.num_inference_steps!r}", param="num_inference_steps"
+            )
         if self.num_outputs_per_prompt < 1:
-            raise InvalidRequestError(f"num_outputs_per_prompt must be >= 1, got {self.num_outputs_per_prompt}")
+            raise InvalidRequestError(f"num_outputs_per_prompt must be >= 1, got {self.num_outputs_per_prompt}", param="num_outputs_per_prompt"
+            )
         if self.guidance_scale is not None and self.guidance_scale < 0:
-            raise InvalidRequestError(f"guidance_scale must be >= 0, got {self.guidance_scale}")
+            raise InvalidRequestError(f"guidance_scale must be >= 0, got {self.guidance_scale}", param="guidance_scale")
         if self.true_cfg_scale is not None and self.true_cfg_scale < 0:
-            raise InvalidRequestError(f"true_cfg_scale must be >= 0, got {self.true_cfg_scale}")
+            raise InvalidRequestError(f"true_cfg_scale must be >= 0, got {self.true_cfg_scale}", param="true_cfg_scale")
         if not 0 <= self.seed < 2**63:
-            raise InvalidRequestError(f"seed must be in [0, 2**63), got {self.seed}")
+            raise InvalidRequestError(f"seed must be in [0, 2**63), got {self.seed}", param="seed")
         if self.max_sequence_length is not None:
             if self.max_sequence_length < 1:
-                raise InvalidRequestError(f"max_sequence_length must be >= 1, got {self.max_sequence_length}")
+                raise InvalidRequestError(f"max_sequence_length must be >= 1, got {self.max_sequence_length}", param="max_sequence_length"
+                )
             if max_sequence_length_limit is not None and self.max_sequence_length > max_sequence_length_limit:
                 raise InvalidRequestError(
-                    f"max_sequence_length must be <= {max_sequence_length_limit}, got {self.max_sequence_length}"
+                    f"max_sequence_length must be <= {max_sequence_length_limit}, got {self.max_sequence_length}",
+                    param="max_sequence_length",
                 )
         if self.output_format not in ("png", "jpeg", "webp"):
-            raise InvalidRequestError(f"output_format must be png, jpeg or webp, got {self.output_format!r}")
+            raise InvalidRequestError(f"output_format must be png, jpeg or webp, got {self.output_format!r}", param="output_format"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

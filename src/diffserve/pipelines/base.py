@@ -36,6 +36,8 @@ class Pipeline:
     """Subclasses list their required components and build their stages in `build_stages`."""
 
     required_components: ClassVar[tuple[str, ...]] = ()
+    #: Height and width must be multiples of this (set by `build_stages` from the loaded VAE).
+    pixel_multiple: int
 
     def __init__(self, context: PipelineContext) -> None:
         self.context = context

@@ -108,9 +108,10 @@ class FluxPipeline(Pipeline):
         vae = context.get("vae")
         clip_tokenizer = context.get("tokenizer")
         self.vae_scale_factor = 2 ** (len(vae.config["block_out_channels"]) - 1)
+        self.pixel_multiple = self.vae_scale_factor * self.config.latent_patch_size
         self.input_validation = InputValidationStage(
             defaults=apply_overrides(flux_default_sampling_params(), context.folder_sampling_defaults),
-            pixel_multiple=self.vae_scale_factor * self.config.latent_patch_size,
+            pixel_multiple=self.pixel_multiple,
             default_pixels=self.config.default_sample_size * self.vae_scale_factor,
             max_sequence_length_limit=self.config.max_t5_sequence_length,
         )

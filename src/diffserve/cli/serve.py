@@ -1,0 +1,101 @@
+"""`diffserve serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over an engine process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from diffserve.cli.logging_setup import LEVELS
+
+logger = logging.getLogger("diffserve")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a Diffusers-format model over HTTP: POST /v1/images/generations (OpenAI schema), "
+        "GET /v1/models, /health, /health_generate, /server_info, /metrics. The model runs in its own "
+        "engine process; the HTTP front end never blocks on it.",
+    )
+    p.add_argument(
+        "--model-path",
+        default=None,
+        help="Diffusers model folder (with model_index.json); default: the small demo model shipped with diffserve",
+    )
+    p.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
+                   help="model name(s) clients pass as 'model'; the first is what /v1/models lists "
+                   "(default: the model path; its folder name is always accepted too)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=30000, help="port to listen on (default: 30000)")
+    p.add_argument("--api-key", default=os.environ.get("DIFFSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /health_generate and "
+                   "/metrics (default: $DIFFSERVE_API_KEY; unset: no auth). Image URLs carry their own token")
+    p.add_argument("--max-queue-size", type=int, default=64,
+                   help="requests allowed to wait for the engine; more get 429 (default: 64)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="largest request body; larger ones get 413 (default: 1048576)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests get to finish before they are cancelled (default: 30)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="run a 1-step generation before reporting ready (default: on)")
+    p.add_argument("--output-path", default="outputs",
+                   help="directory for images returned as response_format='url' (default: outputs/)")
+    p.add_argument("--device", default=None, help="platform: cpu, cuda, rocm, musa, xpu, npu, mps (default: detect)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the platform's)")
+    p.add_argument("--text-encoder-dtype", default=None, help="dtype of the text encoders (default: --dtype)")
+    p.add_argument("--attention-backend", default=None, help="sdpa, flash_attn or sage_attn (default: sdpa)")
+    p.add_argument("--log-level", default="info", choices=LEVELS)
+    p.set_defaults(handler=run)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    from diffserve.errors import UserError
+
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_queue_size < 0:
+        raise UserError(f"--max-queue-size must be >= 0, got {args.max_queue_size}")
+    if args.max_body_bytes < 1:
+        raise UserError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    if args.shutdown_timeout < 0:
+        raise UserError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UserError("--api-key must not be empty")
+
+
+def run(args: argparse.Namespace) -> int:
+    from diffserve.configs.engine_args import EngineArgs
+    from diffserve.loader.model_index import read_model_index
+    from diffserve.server.args import ServerArgs
+    from diffserve.server.runner import serve
+
+    _check_args(args)
+    model_path = args.model_path
+    if model_path is None:
+        from diffserve.configs.demo_model import demo_model_path
+
+        model_path = str(demo_model_path())
+        logger.info("No --model-path given: serving the shipped demo model at %s", model_path)
+    read_model_index(model_path)  # a wrong path fails here, before the server starts listening
+    server_args = ServerArgs(
+        engine_args=EngineArgs(
+            model_path=model_path,
+            device=args.device,
+            dtype=args.dtype,
+            text_encoder_dtype=args.text_encoder_dtype,
+            attention_backend=args.attention_backend,
+            output_path=args.output_path,
+        ),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_names=list(args.served_model_name),
+        max_queue_size=args.max_queue_size,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_timeout=args.shutdown_timeout,
+        warmup=args.warmup,
+        log_level=args.log_level,
+    )
+    return serve(server_args)

@@ -1,0 +1,9 @@
+"""`diffserve serve`: the OpenAI-compatible HTTP server.
+
+Front end (this process, asyncio):  app.py routes -> schemas.py -> engine_client.py
+Engine (its own process):           engine_process.py -> request_queue.py -> DiffGenerator
+Link: one ZeroMQ PUSH/PULL pair each way over IPC, messages in protocol.py.
+Around them: errors.py (OpenAI error shape), middleware.py (request id, access log, API key, body
+limit), metrics.py (Prometheus), image_encoding.py (PNG/JPEG/WEBP bytes and url files), runner.py
+(uvicorn, graceful shutdown), args.py (server settings). See docs/serving.md.
+"""

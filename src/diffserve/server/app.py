@@ -1,0 +1,261 @@
+"""The HTTP front end: FastAPI routes over the engine client. Nothing here waits on model work.
+
+A request's path: `POST /v1/images/generations` -> `ImageGenerationRequest` (schemas.py) ->
+`SamplingParams` -> `EngineClient.generate` (engine_client.py) -> ZeroMQ -> the engine process
+(engine_process.py: validate, queue, `DiffGenerator.generate_from_params`, encode) -> back here as
+`JobFinished` -> OpenAI's `ImagesResponse`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import os
+import platform
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import FileResponse, JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import diffserve
+from diffserve.configs.sampling_params import SamplingParams
+from diffserve.server.args import ServerArgs
+from diffserve.server.engine_client import (
+    EngineClient,
+    EngineUnavailableError,
+    JobFailedError,
+    JobRejectedError,
+    QueueFullError,
+)
+from diffserve.server.errors import ApiError, error_response, install_error_handlers
+from diffserve.server.image_encoding import CONTENT_TYPES, find_image
+from diffserve.server.metrics import ServerMetrics
+from diffserve.server.middleware import (
+    CLIENT_CLOSED_REQUEST,
+    ApiKeyMiddleware,
+    BodySizeLimitMiddleware,
+    RequestContextMiddleware,
+    content_token,
+)
+from diffserve.server.protocol import GenerateJob, JobFinished
+from diffserve.server.schemas import (
+    ApiParamError,
+    ErrorResponse,
+    ImageGenerationRequest,
+    ImagesResponse,
+    ModelCard,
+    ModelList,
+)
+
+logger = logging.getLogger("diffserve.server")
+
+HEALTH_GENERATE_TIMEOUT_S = 120.0
+T = TypeVar("T")
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)
+}
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its response was ready."""
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and raising ClientDisconnected) when the client goes away."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ClientDisconnected
+    finally:
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+
+
+def outcome_of(exc: Exception) -> str:
+    """The `diffserve_generation_requests_total` outcome of a request that raised `exc`."""
+    if isinstance(exc, (ApiError, ApiParamError, JobRejectedError)):
+        return "invalid"
+    if isinstance(exc, JobFailedError):
+        return "invalid" if exc.user_error else "failed"
+    if isinstance(exc, QueueFullError):
+        return "queue_full"
+    if isinstance(exc, EngineUnavailableError):
+        return "unavailable"
+    return "failed"
+
+
+def images_response(job: GenerateJob, result: JobFinished, base_url: str, api_key: str | None) -> dict[str, Any]:
+    """OpenAI's ImagesResponse, plus the seed used (a diffserve extension)."""
+    if job.response_format == "url":
+        data = []
+        for image in result.images:
+            url = f"{base_url.rstrip('/')}/v1/images/{image.image_id}/content"
+            if api_key:
+                url += f"?token={content_token(api_key, image.image_id)}"
+            data.append({"url": url})
+    else:
+        data = [{"b64_json": base64.b64encode(image.data).decode("ascii")} for image in result.images]
+    p = result.params
+    return {
+        "created": int(time.time()),
+        "data": data,
+        "output_format": p.output_format,
+        "size": f"{p.width}x{p.height}",
+        "seed": p.seed,
+    }
+
+
+def _versions() -> dict[str, str]:
+    out = {"diffserve": diffserve.__version__, "python": platform.python_version()}
+    for name in ("fastapi", "uvicorn", "pyzmq", "pydantic", "prometheus-client"):
+        with contextlib.suppress(PackageNotFoundError):
+            out[name] = version(name)
+    return out
+
+
+def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = None) -> FastAPI:
+    """The app; its lifespan starts and stops the engine process. `on_fatal(exit_code, message)` is
+    called when the engine cannot start (the CLI then stops the server with that exit code)."""
+    metrics = ServerMetrics()
+
+    def default_on_fatal(code: int, message: str) -> None:
+        logger.error("Engine failed: %s", message)
+
+    engine = EngineClient(args, metrics, on_fatal or default_on_fatal)
+    metrics.track_engine(lambda: engine.num_waiting, lambda: engine.num_running, lambda: float(engine.ready))
+    started_at = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        yield
+        await engine.stop()
+
+    app = FastAPI(title="diffserve", version=diffserve.__version__, lifespan=lifespan,
+                  description="OpenAI-compatible image generation with diffserve")
+    app.state.args = args
+    app.state.engine = engine
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    # Added innermost first: the request-context layer wraps everything, so every answer is logged.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=args.max_body_bytes)
+    if args.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+    app.add_middleware(RequestContextMiddleware, metrics=metrics)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in args.model_aliases:
+            raise ApiError(404, f"model {name!r} is not served here; this server serves {args.model_id!r}",
+                           param="model", code="model_not_found")
+
+    def model_card() -> ModelCard:
+        return ModelCard(id=args.model_id, created=started_at)
+
+    @app.post("/v1/images/generations", response_model=ImagesResponse, responses=_ERRORS)
+    async def create_images(body: ImageGenerationRequest, request: Request) -> Response:
+        arrived = time.monotonic()
+        try:
+            check_model(body.model)
+            job = GenerateJob(request.state.request_id, body.to_sampling_params(),
+                              body.response_format or "b64_json", body.output_compression)
+            result = await run_unless_disconnected(request, engine.generate(job))
+        except ClientDisconnected:
+            metrics.generation_requests.labels("cancelled").inc()
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except Exception as exc:
+            metrics.generation_requests.labels(outcome_of(exc)).inc()
+            raise
+        metrics.generation_requests.labels("success").inc()
+        metrics.observe_finished(result, time.monotonic() - arrived)
+        return JSONResponse(images_response(job, result, str(request.base_url), args.api_key))
+
+    @app.get("/v1/images/{image_id}/content", responses=_ERRORS)
+    async def image_content(image_id: str) -> FileResponse:
+        path = find_image(args.output_dir, image_id)
+        if path is None:
+            raise ApiError(404, f"no image with id {image_id!r} on this server", param="image_id",
+                           code="image_not_found")
+        return FileResponse(path, media_type=CONTENT_TYPES[path.suffix.lstrip(".")])
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
+    async def get_model(model_id: str) -> ModelCard:
+        check_model(model_id)
+        return model_card()
+
+    @app.get("/health", responses=_ERRORS)
+    async def health() -> Response:
+        if not engine.ready:
+            err = engine.unavailable_error()
+            return error_response(503, str(err), None, err.code)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/health_generate", responses=_ERRORS)
+    async def health_generate(request: Request) -> Response:
+        size = engine.probe_size
+        params = SamplingParams(prompt="health check", height=size, width=size, num_inference_steps=1)
+        job = GenerateJob(request.state.request_id, params, internal=True)
+        start = time.monotonic()
+        try:
+            result = await asyncio.wait_for(engine.generate(job), HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return error_response(503, f"the health-check generation did not finish in {HEALTH_GENERATE_TIMEOUT_S:g} s",
+                                  None, "health_check_timeout")
+        except (JobFailedError, JobRejectedError) as exc:
+            return error_response(503, f"the health-check generation failed: {exc}", None, "health_check_failed")
+        return JSONResponse({
+            "status": "ok",
+            "seconds": round(time.monotonic() - start, 4),
+            "engine_seconds": round(result.engine_seconds, 4),
+            "size": f"{size}x{size}",
+            "num_inference_steps": 1,
+        })
+
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        return {
+            "model": args.model_id,
+            "server_args": args.to_dict(),
+            "engine": {
+                "state": engine.state.value,
+                "detail": engine.state_detail,
+                "pid": engine.engine_pid,
+                "restarts": engine.restarts,
+                "waiting": engine.num_waiting,
+                "running": engine.num_running,
+                **{k: v for k, v in engine.engine_info.items() if k != "versions"},
+            },
+            "versions": {**_versions(), **engine.engine_info.get("versions", {})},
+            "front_end_pid": os.getpid(),
+            "python_executable": sys.executable,
+        }
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

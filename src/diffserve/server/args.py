@@ -1,0 +1,49 @@
+"""Server-wide settings of `diffserve serve`, next to the engine's own `EngineArgs`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from diffserve.configs.engine_args import EngineArgs
+
+
+@dataclass
+class ServerArgs:
+    engine_args: EngineArgs
+    host: str = "127.0.0.1"
+    port: int = 30000
+    #: Required as `Authorization: Bearer KEY` on every route but /health, /health_generate, /metrics.
+    api_key: str | None = None
+    #: Names clients may pass as `model`; the first is the id /v1/models reports. Empty: the model path.
+    served_model_names: list[str] = field(default_factory=list)
+    #: Requests waiting for the engine (not counting the running one) before new ones get 429.
+    max_queue_size: int = 64
+    max_body_bytes: int = 1 << 20
+    #: Seconds in-flight requests get to finish after SIGTERM before they are cancelled.
+    shutdown_timeout: float = 30.0
+    warmup: bool = True
+    log_level: str = "info"
+    #: Consecutive failed engine restarts before the server gives up (and /health stays 503).
+    max_engine_restarts: int = 5
+
+    @property
+    def model_id(self) -> str:
+        return self.served_model_names[0] if self.served_model_names else self.engine_args.model_path
+
+    @property
+    def model_aliases(self) -> set[str]:
+        """Every `model` value a request may name: the served names, the model path and its folder name."""
+        path = self.engine_args.model_path
+        return {*self.served_model_names, path, Path(path).name}
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.engine_args.output_path)
+
+    def to_dict(self) -> dict[str, Any]:
+        """For /server_info: everything but the API key itself."""
+        out = asdict(self)
+        out["api_key"] = "set" if self.api_key else None
+        return out

@@ -1,0 +1,374 @@
+"""The front end's side of the engine link: the engine process, its sockets and the requests in flight.
+
+`generate(job)` registers an asyncio future under the request id, pushes the job to the engine and
+awaits the answer; the receive task resolves futures as the engine's messages arrive. Cancelling the
+awaiting task (the client went away) sends CancelJob. A watch task notices when the engine process
+dies: every request in flight fails with EngineUnavailableError (503) and a new engine is started.
+No call here blocks on model work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from diffserve.server.args import ServerArgs
+from diffserve.server.engine_process import EngineProcessConfig, run_engine_process
+from diffserve.server.metrics import ServerMetrics
+from diffserve.server.protocol import (
+    CancelJob,
+    EngineFatal,
+    EngineReady,
+    GenerateJob,
+    JobCancelled,
+    JobFailed,
+    JobFinished,
+    JobRejected,
+    JobStarted,
+    ShutdownEngine,
+)
+
+logger = logging.getLogger("diffserve.server")
+
+WATCH_INTERVAL_S = 0.2
+ENGINE_STOP_TIMEOUT_S = 10.0
+
+
+class EngineState(str, Enum):
+    STARTING = "starting"
+    READY = "ready"
+    RESTARTING = "restarting"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class EngineUnavailableError(Exception):
+    """Not ready, restarting, died mid-request or shutting down (-> 503)."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class QueueFullError(Exception):
+    """--max-queue-size requests are already waiting (-> 429)."""
+
+
+class JobRejectedError(Exception):
+    """The engine found the parameters invalid before queueing (-> 400)."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class JobFailedError(Exception):
+    """The request failed inside the engine (-> 500, or 400 when `user_error`)."""
+
+    def __init__(self, message: str, user_error: bool) -> None:
+        super().__init__(message)
+        self.user_error = user_error
+
+
+@dataclass
+class PendingRequest:
+    job: GenerateJob
+    future: asyncio.Future
+    submitted_at: float
+    started_at: float | None = None
+
+    @property
+    def waiting(self) -> bool:
+        return self.started_at is None
+
+
+class EngineClient:
+    def __init__(
+        self,
+        args: ServerArgs,
+        metrics: ServerMetrics,
+        on_fatal: Callable[[int, str], None],
+    ) -> None:
+        self.args = args
+        self.metrics = metrics
+        self.on_fatal = on_fatal
+        self.state = EngineState.STOPPED
+        self.state_detail = ""
+        self.incarnation = 0
+        self.restarts = 0
+        self.engine_pid: int | None = None
+        self.engine_info: dict[str, Any] = {}
+        self.probe_size = 64
+        self._pending: dict[str, PendingRequest] = {}
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._fatal: EngineFatal | None = None
+        self._engine_ready = False  # the current engine process has reported ready
+        self._ever_ready = False
+        self._failed_starts = 0
+        self._tasks: list[asyncio.Task] = []
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._ipc_dir = Path(tempfile.mkdtemp(prefix="diffserve-"))  # 0700: only this user reaches the sockets
+        self._to_engine = f"ipc://{self._ipc_dir}/to_engine"
+        self._from_engine = f"ipc://{self._ipc_dir}/from_engine"
+        self._context = zmq.asyncio.Context()
+        self._push = zmq.Socket(self._context, zmq.PUSH)  # sync socket: every send is NOBLOCK
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.bind(self._to_engine)
+        self._pull = self._context.socket(zmq.PULL)
+        self._pull.bind(self._from_engine)
+        self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._watch_loop())]
+        await self._spawn(EngineState.STARTING)
+
+    async def _spawn(self, state: EngineState) -> None:
+        self.incarnation += 1
+        self._fatal = None
+        self._engine_ready = False
+        self.state = state
+        self.state_detail = "loading the model" if state == EngineState.STARTING else "restarting the engine"
+        config = EngineProcessConfig(
+            engine_args=self.args.engine_args,
+            to_engine_address=self._to_engine,
+            from_engine_address=self._from_engine,
+            incarnation=self.incarnation,
+            warmup=self.args.warmup,
+            log_level=self.args.log_level,
+        )
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_process, args=(config,), name=f"diffserve-engine-{self.incarnation}"
+        )
+        await asyncio.to_thread(process.start)
+        self._process = process
+        self.engine_pid = process.pid
+        logger.info("Engine process started (pid %d)", process.pid)
+
+    def begin_drain(self, timeout: float) -> None:
+        """SIGTERM: refuse new requests, give in-flight ones `timeout` seconds, then cancel the rest."""
+        if self.state in (EngineState.STOPPING, EngineState.STOPPED):
+            return
+        self.state = EngineState.STOPPING
+        self.state_detail = "the server is shutting down"
+        self._tasks.append(asyncio.create_task(self._drain(timeout)))
+
+    async def _drain(self, timeout: float) -> None:
+        n = len(self._pending)
+        if n:
+            logger.info("Shutting down: waiting up to %.1f seconds for %d request(s) in flight", timeout, n)
+        deadline = time.monotonic() + timeout
+        while self._pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._pending:
+            logger.warning("Shutdown timeout: cancelling %d request(s)", len(self._pending))
+            for rid in list(self._pending):
+                self._send_nowait(CancelJob(rid))
+            self._fail_all(EngineUnavailableError(
+                f"the server is shutting down and cancelled this request after its {timeout:g} s shutdown timeout",
+                code="shutting_down",
+            ))
+
+    async def stop(self) -> None:
+        self.state = EngineState.STOPPED
+        self.state_detail = "the server has stopped"
+        process = self._process
+        if process is not None and process.is_alive():
+            if self._engine_ready:  # it listens: let it finish its step and exit cleanly
+                self._send_nowait(ShutdownEngine())
+                await asyncio.to_thread(process.join, ENGINE_STOP_TIMEOUT_S)
+                if process.is_alive():
+                    logger.warning("Engine did not stop within %.0f s; terminating it", ENGINE_STOP_TIMEOUT_S)
+            if process.is_alive():  # still loading (nothing to lose), or stuck
+                process.terminate()
+                await asyncio.to_thread(process.join, 5)
+            if process.is_alive():
+                process.kill()
+                await asyncio.to_thread(process.join, 5)
+        self._fail_all(EngineUnavailableError("the server has stopped", code="shutting_down"))
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._push.close(linger=0)
+        self._pull.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        logger.info("Engine stopped")
+
+    # -- requests --------------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self.state == EngineState.READY
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for p in self._pending.values() if p.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return sum(1 for p in self._pending.values() if not p.waiting)
+
+    def unavailable_error(self) -> EngineUnavailableError:
+        messages = {
+            EngineState.STARTING: ("the engine is not ready yet (loading the model and warming up); retry shortly",
+                                   "engine_starting"),
+            EngineState.RESTARTING: ("the engine is restarting after its process died; retry shortly",
+                                     "engine_restarting"),
+            EngineState.STOPPING: ("the server is shutting down", "shutting_down"),
+            EngineState.STOPPED: ("the server has stopped", "shutting_down"),
+            EngineState.FAILED: (f"the engine failed and will not be restarted: {self.state_detail}", "engine_failed"),
+        }
+        message, code = messages.get(self.state, ("the engine is not available", "engine_unavailable"))
+        return EngineUnavailableError(message, code)
+
+    async def generate(self, job: GenerateJob) -> JobFinished:
+        """Run one job; raises EngineUnavailableError, QueueFullError, JobRejectedError, JobFailedError."""
+        if not self.ready:
+            raise self.unavailable_error()
+        if not job.internal and self.num_waiting >= self.args.max_queue_size:
+            raise QueueFullError(
+                f"the queue is full ({self.num_waiting} requests waiting, --max-queue-size "
+                f"{self.args.max_queue_size}); retry later"
+            )
+        future = asyncio.get_running_loop().create_future()
+        pending = PendingRequest(job, future, time.monotonic())
+        self._pending[job.request_id] = pending
+        try:
+            self._push.send_pyobj(job, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self._pending.pop(job.request_id, None)
+            raise EngineUnavailableError("the engine is not accepting requests right now", code="engine_busy") from None
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if job.request_id in self._pending:  # the engine has not answered: tell it to stop
+                self._send_nowait(CancelJob(job.request_id))
+            raise
+        finally:
+            self._pending.pop(job.request_id, None)
+
+    def _send_nowait(self, message: Any) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self._push.send_pyobj(message, flags=zmq.NOBLOCK)
+
+    def _resolve(self, request_id: str, result: JobFinished | None = None, error: Exception | None = None) -> None:
+        pending = self._pending.pop(request_id, None)
+        if pending is None or pending.future.done():
+            return
+        if error is not None:
+            pending.future.set_exception(error)
+        else:
+            pending.future.set_result(result)
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid in list(self._pending):
+            self._resolve(rid, error=error)
+
+    # -- background tasks ------------------------------------------------------------------------
+    async def _receive_loop(self) -> None:
+        while True:
+            try:
+                incarnation, message = await self._pull.recv_pyobj()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("Could not read a message from the engine")
+                continue
+            if incarnation != self.incarnation:
+                continue  # from an engine that has since died
+            try:
+                self._dispatch(message)
+            except Exception:
+                logger.exception("Could not handle the engine's %s", type(message).__name__)
+
+    def _dispatch(self, message: Any) -> None:
+        if isinstance(message, JobStarted):
+            pending = self._pending.get(message.request_id)
+            if pending is not None:
+                pending.started_at = time.monotonic()
+                if not pending.job.internal:
+                    self.metrics.queue_time.observe(pending.started_at - pending.submitted_at)
+        elif isinstance(message, JobFinished):
+            self._resolve(message.request_id, result=message)
+        elif isinstance(message, JobRejected):
+            self._resolve(message.request_id, error=JobRejectedError(message.message, message.param))
+        elif isinstance(message, JobCancelled):
+            self._resolve(message.request_id, error=EngineUnavailableError(
+                "the engine cancelled this request (the server is shutting down)", code="cancelled"
+            ))
+        elif isinstance(message, JobFailed):
+            self._resolve(message.request_id, error=JobFailedError(message.message, message.user_error))
+        elif isinstance(message, EngineReady):
+            if self.state not in (EngineState.STARTING, EngineState.RESTARTING):
+                return
+            self.state = EngineState.READY
+            self.state_detail = ""
+            self.engine_pid = message.pid
+            self.engine_info = message.info
+            self.probe_size = message.probe_size
+            self._engine_ready = self._ever_ready = True
+            self._failed_starts = 0
+            logger.info("Engine ready (pid %d): accepting requests on http://%s:%d",
+                        message.pid, self.args.host, self.args.port)
+        elif isinstance(message, EngineFatal):
+            self._fatal = message
+            logger.error("Engine failed to start: %s", message.message)
+        else:
+            logger.warning("Ignoring unknown engine message %r", message)
+
+    async def _watch_loop(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            process = self._process
+            if process is None or process.is_alive() or self.state == EngineState.STOPPED:
+                continue
+            await self._on_engine_exit(process)
+
+    async def _on_engine_exit(self, process: multiprocessing.process.BaseProcess) -> None:
+        self._process = None
+        self._engine_ready = False
+        code, pid = process.exitcode, process.pid
+        fatal = self._fatal
+        message = f"the engine process (pid {pid}) exited with code {code} while this request was in flight"
+        if self.state == EngineState.STOPPING:
+            self._fail_all(EngineUnavailableError(f"{message}; the server is shutting down", code="engine_died"))
+            logger.warning("Engine process (pid %s) exited with code %s during shutdown", pid, code)
+            return
+        self._fail_all(EngineUnavailableError(f"{message}; the server is restarting it, retry shortly",
+                                              code="engine_died"))
+        if not self._ever_ready:
+            message = fatal.message if fatal else f"the engine process exited with code {code} while starting"
+            self.state, self.state_detail = EngineState.FAILED, message
+            self.on_fatal(2 if fatal is not None and fatal.user_error else 1, message)
+            return
+        self._failed_starts += 1 if self.state == EngineState.RESTARTING else 0
+        if self._failed_starts >= self.args.max_engine_restarts:
+            message = (f"the engine failed to restart {self._failed_starts} times in a row"
+                       + (f"; last error: {fatal.message}" if fatal else f"; last exit code {code}"))
+            self.state, self.state_detail = EngineState.FAILED, message
+            self.on_fatal(1, message)
+            return
+        delay = 0.0 if self._failed_starts == 0 else min(30.0, 2.0 ** (self._failed_starts - 1))
+        logger.error("Engine process (pid %s) exited with code %s; restarting it%s",
+                     pid, code, f" in {delay:g} s" if delay else "")
+        self.state, self.state_detail = EngineState.RESTARTING, "restarting the engine"
+        self.restarts += 1
+        self.metrics.engine_restarts.inc()
+        if delay:
+            await asyncio.sleep(delay)
+        if self.state == EngineState.RESTARTING:
+            await self._spawn(EngineState.RESTARTING)

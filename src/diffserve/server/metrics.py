@@ -1,0 +1,75 @@
+"""Prometheus metrics of the server, in a registry of their own (served by GET /metrics)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from diffserve.server.protocol import JobFinished
+
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.http_requests = Counter(
+            "diffserve_http_requests", "HTTP requests by method, route and status code",
+            ["method", "route", "status"], registry=r,
+        )
+        self.generation_requests = Counter(
+            "diffserve_generation_requests",
+            "Image generation requests by outcome: success, invalid, queue_full, unavailable, failed, cancelled",
+            ["outcome"], registry=r,
+        )
+        self.queue_depth = Gauge("diffserve_queue_depth", "Requests waiting for the engine", registry=r)
+        self.running = Gauge("diffserve_running_requests", "Requests the engine is running", registry=r)
+        self.engine_ready = Gauge("diffserve_engine_ready", "1 when the engine is loaded and accepting requests",
+                                  registry=r)
+        self.engine_restarts = Counter("diffserve_engine_restarts", "Engine process restarts after a crash", registry=r)
+        self.request_latency = Histogram(
+            "diffserve_request_latency_seconds", "Successful generation requests, arrival to response",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.queue_time = Histogram(
+            "diffserve_queue_time_seconds", "Time requests waited before the engine started them",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.stage_seconds = Histogram(
+            "diffserve_stage_seconds", "Time per pipeline stage", ["stage"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.step_seconds = Histogram(
+            "diffserve_step_seconds", "Time per denoising step", buckets=_STEP_BUCKETS, registry=r,
+        )
+        self.images_generated = Counter("diffserve_images_generated", "Images returned to clients", registry=r)
+        self.peak_memory = Gauge(
+            "diffserve_peak_memory_bytes",
+            "Peak memory of the last request (device memory; process RSS on CPU)", registry=r,
+        )
+        self.max_peak_memory = Gauge(
+            "diffserve_peak_memory_max_bytes", "Highest peak memory of any request since start", registry=r,
+        )
+        self._max_peak = 0
+
+    def track_engine(self, waiting: Callable[[], float], running: Callable[[], float],
+                     ready: Callable[[], float]) -> None:
+        self.queue_depth.set_function(waiting)
+        self.running.set_function(running)
+        self.engine_ready.set_function(ready)
+
+    def observe_finished(self, result: JobFinished, latency: float) -> None:
+        self.request_latency.observe(latency)
+        self.images_generated.inc(len(result.images))
+        for stage, seconds in result.timings.items():
+            self.stage_seconds.labels(stage).observe(seconds)
+        for seconds in result.step_times:
+            self.step_seconds.observe(seconds)
+        if result.peak_memory_bytes is not None:
+            self.peak_memory.set(result.peak_memory_bytes)
+            self._max_peak = max(self._max_peak, result.peak_memory_bytes)
+            self.max_peak_memory.set(self._max_peak)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,140 @@
+"""HTTP concerns before routing, as plain ASGI middleware (they never buffer or break disconnects):
+request id + access log + per-route metrics, API-key check, request-body size limit."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import time
+import uuid
+from urllib.parse import parse_qs
+
+from starlette.datastructures import MutableHeaders
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from diffserve.server.errors import error_response
+from diffserve.server.metrics import ServerMetrics
+
+access_logger = logging.getLogger("diffserve.access")
+
+#: Status logged when the client went away before a response was sent (nginx's convention).
+CLIENT_CLOSED_REQUEST = 499
+
+#: Paths that never need the API key: probes of load balancers and Prometheus.
+OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
+_IMAGE_CONTENT_PREFIX = "/v1/images/"
+_IMAGE_CONTENT_SUFFIX = "/content"
+
+
+def content_token(api_key: str, image_id: str) -> str:
+    """The `?token=` that lets a `url` response be fetched without the API key (a browser, an <img>)."""
+    return hmac.new(api_key.encode(), image_id.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+class RequestContextMiddleware:
+    """Outermost layer: gives each request an id (X-Request-Id), counts it and logs one access line."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        start = time.perf_counter()
+        status: int | None = None
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                MutableHeaders(scope=message).append("x-request-id", request_id)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            code = status if status is not None else CLIENT_CLOSED_REQUEST
+            route = scope.get("route")
+            route_path = getattr(route, "path", None) or "unmatched"
+            self.metrics.http_requests.labels(scope["method"], route_path, str(code)).inc()
+            client = scope.get("client")
+            access_logger.info(
+                "%s %s %s %d %.3fs client=%s", request_id, scope["method"], scope["path"], code,
+                time.perf_counter() - start, f"{client[0]}:{client[1]}" if client else "-",
+            )
+
+
+class ApiKeyMiddleware:
+    """`Authorization: Bearer KEY` on everything but OPEN_PATHS, compared in constant time.
+    Image URLs handed out by the server also work with their `?token=`."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        problem = self._problem(scope)
+        if problem is None:
+            await self.app(scope, receive, send)
+            return
+        response = error_response(401, problem, None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+    def _problem(self, scope: Scope) -> str | None:
+        """None when authorised, else what is wrong."""
+        headers = dict(scope.get("headers") or [])
+        auth = headers.get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = auth.partition(" ")
+        if auth and scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            return None
+        path = scope["path"]
+        if path.startswith(_IMAGE_CONTENT_PREFIX) and path.endswith(_IMAGE_CONTENT_SUFFIX):
+            image_id = path[len(_IMAGE_CONTENT_PREFIX) : -len(_IMAGE_CONTENT_SUFFIX)]
+            given = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token", [""])[0]
+            if given and hmac.compare_digest(given.encode(), content_token(self.api_key, image_id).encode()):
+                return None
+        if not auth:
+            return "missing API key: send it as 'Authorization: Bearer <key>'"
+        return "invalid API key"
+
+
+class BodySizeLimitMiddleware:
+    """413 for bodies over `max_bytes`: at once from Content-Length, or while a chunked body streams in."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _message(self, size: str) -> str:
+        return f"request body of {size} exceeds the server's limit of {self.max_bytes} bytes (--max-body-bytes)"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            response = error_response(413, self._message(f"{int(length)} bytes"), None, "request_too_large")
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise HTTPException(413, self._message(f"more than {self.max_bytes} bytes"))
+            return message
+
+        await self.app(scope, limited_receive, send)

@@ -1,0 +1,110 @@
+"""Messages between the HTTP front end and the engine process (pickled over ZeroMQ).
+
+Front end -> engine: `GenerateJob`, `CancelJob`, `ShutdownEngine`.
+Engine -> front end: every message is sent as `(incarnation, message)`, where `incarnation` counts engine
+(re)starts, so a message still in flight from an engine that died is recognised and dropped.
+
+    GenerateJob ──► JobRejected (bad parameters, never queued)
+                └─► JobStarted ──► JobFinished | JobCancelled | JobFailed
+                └─► JobCancelled (cancelled while still waiting)
+
+Both ends run the same code version and the sockets live in a private temporary directory, so pickle
+is safe here and keeps `SamplingParams` and bytes intact without a schema layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from diffserve.configs.sampling_params import SamplingParams
+
+
+# Front end -> engine.
+@dataclass
+class GenerateJob:
+    request_id: str
+    params: SamplingParams
+    #: "b64_json": encoded bytes come back in the message; "url": the engine writes files to the output dir.
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    #: Quality (0-100) for jpeg and webp; None: 100, OpenAI's default.
+    output_compression: int | None = None
+    #: /health_generate's probe: exempt from --max-queue-size and the queue-time metric.
+    internal: bool = False
+
+
+@dataclass
+class CancelJob:
+    request_id: str
+
+
+@dataclass
+class ShutdownEngine:
+    pass
+
+
+# Engine -> front end.
+@dataclass
+class EngineReady:
+    """The model is loaded and warmed up; `info` is shown by /server_info."""
+
+    pid: int
+    info: dict[str, Any]
+    #: Side in pixels of the small image warm-up and /health_generate draw (a valid size for this model).
+    probe_size: int
+
+
+@dataclass
+class EngineFatal:
+    """The engine cannot start (model folder, device, ...). `user_error`: the user can fix it."""
+
+    message: str
+    user_error: bool
+
+
+@dataclass
+class JobRejected:
+    """Invalid parameters, found before queueing; the message says which and what is allowed."""
+
+    request_id: str
+    message: str
+    param: str | None = None
+
+
+@dataclass
+class JobStarted:
+    request_id: str
+
+
+@dataclass
+class EncodedImage:
+    data: bytes | None  # the encoded file (b64_json); None when written to disk (url)
+    image_id: str  # `{request_id}-{index}`: the file name stem under the output dir
+    content_type: str
+
+
+@dataclass
+class JobFinished:
+    request_id: str
+    images: list[EncodedImage]
+    params: SamplingParams  # resolved: family defaults applied
+    timings: dict[str, float]  # seconds per stage
+    step_times: list[float]
+    peak_memory_bytes: int | None
+    engine_seconds: float  # start of generation to encoded images
+    encode_seconds: float
+
+
+@dataclass
+class JobCancelled:
+    request_id: str
+    at_step: int | None = None  # None: cancelled before it started
+
+
+@dataclass
+class JobFailed:
+    """An unexpected error inside one request; the engine logged the traceback and carries on."""
+
+    request_id: str
+    message: str
+    user_error: bool = False

@@ -1,0 +1,152 @@
+"""OpenAI-compatible request and response bodies, and the request -> `SamplingParams` mapping."""
+
+from __future__ import annotations
+
+import re
+import secrets
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from diffserve.configs.sampling_params import SamplingParams
+
+
+class ApiParamError(ValueError):
+    """A request field the schema accepts but whose value cannot be served (-> 400 naming `param`)."""
+
+    def __init__(self, message: str, param: str, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+#: OpenAI fields diffserve cannot honour yet, with the values that change nothing (accepted).
+NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
+    "quality": (None, "auto"),
+    "background": (None, "auto"),
+    "style": (None,),
+    "moderation": (None, "auto"),
+    "stream": (None, False),
+    "partial_images": (None, 0),
+}
+
+_SIZE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+
+
+class ImageGenerationRequest(BaseModel):
+    """`POST /v1/images/generations`. OpenAI's fields, then diffserve's extensions; nothing else."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str
+    model: str | None = Field(None, description="the served model's id or an alias (--served-model-name)")
+    n: int | None = Field(1, ge=1, le=10, description="images to generate (1-10), all from one request")
+    size: str | None = Field(None, description="'WIDTHxHEIGHT' or 'auto' (the model's default)")
+    response_format: Literal["b64_json", "url"] | None = "b64_json"
+    output_format: Literal["png", "jpeg", "webp"] | None = "png"
+    output_compression: int | None = Field(None, ge=0, le=100, description="jpeg/webp quality, 0-100 (default 100)")
+    user: str | None = Field(None, description="end-user id; accepted for compatibility, not used")
+    # OpenAI fields accepted only with a value that changes nothing (see NO_OP_VALUES).
+    quality: str | None = None
+    background: str | None = None
+    style: str | None = None
+    moderation: str | None = None
+    stream: bool | None = None
+    partial_images: int | None = None
+    # diffserve extensions (SamplingParams fields); unset: the model's defaults.
+    width: int | None = Field(None, gt=0)
+    height: int | None = Field(None, gt=0)
+    seed: int | None = Field(None, ge=0, lt=2**63, description="unset: a random seed, returned in the response")
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = Field(None, ge=1)
+    guidance_scale: float | None = Field(None, ge=0)
+    true_cfg_scale: float | None = Field(None, ge=0)
+    max_sequence_length: int | None = Field(None, ge=1)
+
+    def check_supported(self) -> None:
+        for name, allowed in NO_OP_VALUES.items():
+            value = getattr(self, name)
+            if value is not None and not any(value == a and type(value) is type(a) for a in allowed if a is not None):
+                accepted = " or ".join(repr(a) for a in allowed if a is not None)
+                hint = f"omit it or pass {accepted}" if accepted else "omit it"
+                raise ApiParamError(
+                    f"{name}={value!r} is not supported yet by diffserve; {hint}", param=name, code="unsupported_value"
+                )
+        if self.output_compression not in (None, 100) and (self.output_format or "png") == "png":
+            raise ApiParamError(
+                "output_compression applies to output_format 'jpeg' and 'webp' only (png is lossless)",
+                param="output_compression",
+            )
+
+    def image_size(self) -> tuple[int | None, int | None]:
+        """(width, height) from `size` or `width`/`height`; (None, None): the model's default."""
+        if self.size is None or self.size.strip() == "auto":
+            return self.width, self.height
+        match = _SIZE.match(self.size)
+        if match is None:
+            raise ApiParamError(
+                f"size must be 'WIDTHxHEIGHT' (for example '1024x1024') or 'auto', got {self.size!r}", param="size"
+            )
+        width, height = int(match.group(1)), int(match.group(2))
+        if (self.width is not None and self.width != width) or (self.height is not None and self.height != height):
+            raise ApiParamError(
+                f"size={self.size!r} conflicts with width/height; pass either size or width and height", param="size"
+            )
+        return width, height
+
+    def to_sampling_params(self) -> SamplingParams:
+        """The engine's parameters (raises ApiParamError). Range checks against the model happen in the engine."""
+        self.check_supported()
+        width, height = self.image_size()
+        return SamplingParams(
+            prompt=self.prompt,
+            negative_prompt=self.negative_prompt,
+            height=height,
+            width=width,
+            num_inference_steps=self.num_inference_steps,
+            guidance_scale=self.guidance_scale,
+            true_cfg_scale=self.true_cfg_scale,
+            seed=self.seed if self.seed is not None else secrets.randbelow(2**32),
+            num_outputs_per_prompt=self.n or 1,
+            max_sequence_length=self.max_sequence_length,
+            output_format=self.output_format or "png",
+        )
+
+
+ACCEPTED_FIELDS: tuple[str, ...] = tuple(ImageGenerationRequest.model_fields)
+
+
+class ImageObject(BaseModel):
+    b64_json: str | None = None
+    url: str | None = None
+
+
+class ImagesResponse(BaseModel):
+    created: int
+    data: list[ImageObject]
+    output_format: str
+    size: str
+    seed: int = Field(description="diffserve extension: the seed used; the n images come from one generator seeded with it")
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "diffserve"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
