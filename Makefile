@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 RUNTIME_STAMP := $(VENV)/.diffserve-runtime
 TEST_STAMP := $(VENV)/.diffserve-test
 LINT_PATHS := $(wildcard src tests benchmarks tools)
-DEMO_PROMPT ?= a large red circle at the center on a black background
+DEMO_PROMPT ?= a large red circle in the center on a black background
 
 .PHONY: demo test lint install clean-venv
 
