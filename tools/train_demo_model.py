@@ -38,7 +38,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors
 from torch import nn
 from transformers import CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerFast, T5Config, T5EncoderModel
@@ -49,10 +48,10 @@ from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
 from diffserve.stages.latent_preparation import latent_image_ids, pack_latents, unpack_latents
+from diffserve.testing.tiny_flux import diffusers_config, flux_model_index, save_diffusers_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "src" / "diffserve" / "assets" / "shapes-demo"
-DIFFUSERS_FORMAT_VERSION = "0.32.0"
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>")  # ids 0..3; CLIP's eos id must not be 2 (legacy path)
 
 
@@ -116,7 +115,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path, bool, Pat
         else:
             p.add_argument(flag, type=type(value), default=value)
     ns = p.parse_args(argv)
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(ns).items() if k not in ("out", "smoke", "vae_from")}
+    not_settings = ("out", "smoke", "vae_from", "rewrite_card", "reevaluate")  # handled in main()
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(ns).items() if k not in not_settings}
     settings = Settings(**values)
     if ns.smoke:
         settings.num_images, settings.vae_steps, settings.dit_steps, settings.dit_warmup = 512, 20, 30, 5
@@ -507,17 +507,6 @@ def adherence(images: np.ndarray, attrs: list[Attributes]) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------ writing
 
 
-def _diffusers_config(class_name: str, config: dict) -> dict:
-    return {"_class_name": class_name, "_diffusers_version": DIFFUSERS_FORMAT_VERSION, **config}
-
-
-def save_model(module: nn.Module, directory: Path, config: dict, class_name: str) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(_diffusers_config(class_name, config), indent=2) + "\n")
-    state = {k: v.detach().float().contiguous() for k, v in module.state_dict().items()}
-    save_file(state, str(directory / "diffusion_pytorch_model.safetensors"))
-
-
 def scheduler_config(s: Settings) -> dict:
     return {
         "num_train_timesteps": 1000,
@@ -538,23 +527,13 @@ def write_folder(out: Path, s: Settings, parts: dict, defaults: dict, report: di
     parts["t5"].save_pretrained(out / "text_encoder_2")
     save_tokenizer(parts["clip_tok"], out / "tokenizer")
     save_tokenizer(parts["t5_tok"], out / "tokenizer_2")
-    save_model(parts["dit"], out / "transformer", dit_config(s), "FluxTransformer2DModel")
-    save_model(parts["vae"], out / "vae", parts["vae_config"], "AutoencoderKL")
+    save_diffusers_model(parts["dit"], out / "transformer", "FluxTransformer2DModel", dit_config(s))
+    save_diffusers_model(parts["vae"], out / "vae", "AutoencoderKL", parts["vae_config"])
     (out / "scheduler").mkdir()
     (out / "scheduler" / "scheduler_config.json").write_text(
-        json.dumps(_diffusers_config("FlowMatchEulerDiscreteScheduler", scheduler_config(s)), indent=2) + "\n"
+        json.dumps(diffusers_config("FlowMatchEulerDiscreteScheduler", scheduler_config(s)), indent=2) + "\n"
     )
-    model_index = {
-        "_class_name": "FluxPipeline",
-        "_diffusers_version": DIFFUSERS_FORMAT_VERSION,
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "CLIPTextModel"],
-        "text_encoder_2": ["transformers", "T5EncoderModel"],
-        "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
-        "tokenizer_2": ["transformers", "PreTrainedTokenizerFast"],
-        "transformer": ["diffusers", "FluxTransformer2DModel"],
-        "vae": ["diffusers", "AutoencoderKL"],
-    }
+    model_index = flux_model_index("PreTrainedTokenizerFast", "PreTrainedTokenizerFast")
     (out / "model_index.json").write_text(json.dumps(model_index, indent=2) + "\n")
     (out / "diffserve.json").write_text(json.dumps({"sampling_defaults": defaults}, indent=2) + "\n")
     (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")

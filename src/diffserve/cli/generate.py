@@ -67,12 +67,9 @@ def run(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     prompts = _read_prompts(args)
-    model_path = args.model_path
-    if model_path is None:
-        from diffserve.configs.demo_model import demo_model_path
+    from diffserve.configs.demo_model import model_path_or_demo
 
-        model_path = str(demo_model_path())
-        logger.info("No --model-path given: using the shipped demo model at %s", model_path)
+    model_path = model_path_or_demo(args.model_path)
     generator = DiffGenerator(
         EngineArgs(
             model_path=model_path,

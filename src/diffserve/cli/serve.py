@@ -72,12 +72,9 @@ def run(args: argparse.Namespace) -> int:
     from diffserve.server.runner import serve
 
     _check_args(args)
-    model_path = args.model_path
-    if model_path is None:
-        from diffserve.configs.demo_model import demo_model_path
+    from diffserve.configs.demo_model import model_path_or_demo
 
-        model_path = str(demo_model_path())
-        logger.info("No --model-path given: serving the shipped demo model at %s", model_path)
+    model_path = model_path_or_demo(args.model_path)
     read_model_index(model_path)  # a wrong path fails here, before the server starts listening
     server_args = ServerArgs(
         engine_args=EngineArgs(

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from importlib import resources
 from pathlib import Path
 
 from diffserve.errors import ModelLoadError
+
+logger = logging.getLogger("diffserve")
 
 DEMO_MODEL_NAME = "shapes-demo"
 
@@ -18,4 +21,13 @@ def demo_model_path() -> Path:
             f"no --model-path given and the shipped demo model is missing from this install ({path}); "
             "pass --model-path DIR with a Diffusers model folder"
         )
+    return path
+
+
+def model_path_or_demo(model_path: str | None) -> str:
+    """`model_path` as given, or the shipped demo model's path (logged) when it is None."""
+    if model_path is not None:
+        return model_path
+    path = str(demo_model_path())
+    logger.info("No --model-path given: using the shipped demo model at %s", path)
     return path

@@ -44,17 +44,34 @@ class TinyFluxSpec:
     extra_dit_config: dict = field(default_factory=dict)
 
 
-def _save_model_dir(module: nn.Module, directory: Path, config: dict, weights_name: str) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    state = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
-    save_file(state, str(directory / weights_name))
-
-
-def _diffusers_config(class_name: str, config: dict) -> dict:
+def diffusers_config(class_name: str, config: dict) -> dict:
+    """A Diffusers config.json body: the class and format version first, tuples written as lists."""
     out = {"_class_name": class_name, "_diffusers_version": DIFFUSERS_FORMAT_VERSION}
     out.update({k: list(v) if isinstance(v, tuple) else v for k, v in config.items()})
     return out
+
+
+def save_diffusers_model(module: nn.Module, directory: Path, class_name: str, config: dict) -> None:
+    """Write `config.json` and `diffusion_pytorch_model.safetensors` as Diffusers' save_pretrained does."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(diffusers_config(class_name, config), indent=2) + "\n")
+    state = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
+    save_file(state, str(directory / "diffusion_pytorch_model.safetensors"))
+
+
+def flux_model_index(clip_tokenizer_class: str = "CLIPTokenizer", t5_tokenizer_class: str = "T5TokenizerFast") -> dict:
+    """The `model_index.json` of a FluxPipeline folder."""
+    return {
+        "_class_name": "FluxPipeline",
+        "_diffusers_version": DIFFUSERS_FORMAT_VERSION,
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "CLIPTextModel"],
+        "text_encoder_2": ["transformers", "T5EncoderModel"],
+        "tokenizer": ["transformers", clip_tokenizer_class],
+        "tokenizer_2": ["transformers", t5_tokenizer_class],
+        "transformer": ["diffusers", "FluxTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+    }
 
 
 def build_tiny_flux(out_dir: str | Path, spec: TinyFluxSpec | None = None) -> Path:
@@ -115,10 +132,7 @@ def build_tiny_flux(out_dir: str | Path, spec: TinyFluxSpec | None = None) -> Pa
         **spec.extra_dit_config,
     }
     dit = FluxTransformer2DModel.from_config(dit_config)
-    _save_model_dir(
-        dit, root / "transformer", _diffusers_config("FluxTransformer2DModel", dit_config),
-        "diffusion_pytorch_model.safetensors",
-    )
+    save_diffusers_model(dit, root / "transformer", "FluxTransformer2DModel", dit_config)
 
     n_levels = len(spec.vae_block_out_channels)
     vae_config = {
@@ -139,9 +153,7 @@ def build_tiny_flux(out_dir: str | Path, spec: TinyFluxSpec | None = None) -> Pa
         "force_upcast": True,
     }
     vae = AutoencoderKL.from_config(vae_config)
-    _save_model_dir(
-        vae, root / "vae", _diffusers_config("AutoencoderKL", vae_config), "diffusion_pytorch_model.safetensors"
-    )
+    save_diffusers_model(vae, root / "vae", "AutoencoderKL", vae_config)
 
     scheduler_dir = root / "scheduler"
     scheduler_dir.mkdir(exist_ok=True)
@@ -158,17 +170,7 @@ def build_tiny_flux(out_dir: str | Path, spec: TinyFluxSpec | None = None) -> Pa
     }
     (scheduler_dir / "scheduler_config.json").write_text(json.dumps(scheduler_config, indent=2))
 
-    model_index = {
-        "_class_name": "FluxPipeline",
-        "_diffusers_version": DIFFUSERS_FORMAT_VERSION,
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "CLIPTextModel"],
-        "text_encoder_2": ["transformers", "T5EncoderModel"],
-        "tokenizer": ["transformers", "CLIPTokenizer"],
-        "tokenizer_2": ["transformers", "T5TokenizerFast"],
-        "transformer": ["diffusers", "FluxTransformer2DModel"],
-        "vae": ["diffusers", "AutoencoderKL"],
-    }
+    model_index = flux_model_index()
     (root / "model_index.json").write_text(json.dumps(model_index, indent=2))
     (root / "diffserve_tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2))
     return root
