@@ -29,7 +29,8 @@ class Req:
 
     # Set by input validation.
     generator: torch.Generator | None = None
-    do_true_cfg: bool | None = None
+    do_cfg: bool | None = None  # run a negative branch: FLUX's true CFG, SD3's classic CFG
+    cfg_scale: float = 1.0  # prediction = negative + cfg_scale * (positive - negative)
 
     # Set by text encoding: (batch, seq, dim) sequence embeddings and (batch, dim) pooled ones.
     prompt_embeds: torch.Tensor | None = None

@@ -12,6 +12,7 @@ from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.pipelines.base import Pipeline, PipelineContext
+from diffserve.pipelines.cfg_batch import euler_update, gather_branches, split_guided
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.decoding import DecodingStage
@@ -57,46 +58,21 @@ class FluxDenoiser:
 
     @torch.inference_mode()
     def __call__(self, reqs: list[Req]) -> None:
-        latents, text, pooled, timesteps, guidance = [], [], [], [], []
-        for req in reqs:
-            branches = [(req.prompt_embeds, req.pooled_prompt_embeds)]
-            if req.do_true_cfg:
-                branches.append((req.negative_prompt_embeds, req.negative_pooled_prompt_embeds))
-            t = req.timesteps[req.step_index]
-            for seq, pool in branches:
-                latents.append(req.latents)
-                text.append(seq)
-                pooled.append(pool)
-                timesteps.append(t.expand(req.batch_size))
-                if req.guidance is not None:
-                    guidance.append(req.guidance)
+        batch = gather_branches(reqs)
+        guidance = [r.guidance for r in reqs for _ in range(2 if r.do_cfg else 1) if r.guidance is not None]
         first = reqs[0]
-        dtype = first.latents.dtype
-        device = first.latents.device
+        dtype, device = first.latents.dtype, first.latents.device
         prediction = self.transformer(
-            hidden_states=torch.cat(latents),
-            encoder_hidden_states=torch.cat(text),
-            pooled_projections=torch.cat(pooled),
-            timestep=torch.cat(timesteps).to(device=device, dtype=dtype) / 1000,
+            hidden_states=torch.cat(batch.latents),
+            encoder_hidden_states=torch.cat(batch.text),
+            pooled_projections=torch.cat(batch.pooled),
+            timestep=torch.cat(batch.timesteps).to(device=device, dtype=dtype) / 1000,
             img_ids=first.image_ids,
             txt_ids=first.text_ids,
             guidance=torch.cat(guidance).to(device) if guidance else None,
             rope=self.rope_for(first),
         )
-        offset = 0
-        for req in reqs:
-            n = req.batch_size
-            noise_pred = prediction[offset : offset + n]
-            offset += n
-            if req.do_true_cfg:
-                negative = prediction[offset : offset + n]
-                offset += n
-                noise_pred = negative + req.params.true_cfg_scale * (noise_pred - negative)
-            i = req.step_index
-            req.latents = self.scheduler.step(
-                noise_pred, req.latents, req.sigmas[i].expand(n), req.sigmas[i + 1].expand(n)
-            )
-            req.step_index = i + 1
+        euler_update(self.scheduler, reqs, split_guided(prediction, reqs))
 
 
 class FluxPipeline(Pipeline):

@@ -23,15 +23,18 @@ class DecodingStage(Stage):
     needs = ("latents", "latent_height", "latent_width")
     sets = ("images",)
 
-    def __init__(self, vae: nn.Module) -> None:
+    def __init__(self, vae: nn.Module, packed_latents: bool = True) -> None:
         self.vae = vae
+        self.packed_latents = packed_latents  # FLUX packs 2x2 patches into tokens; SD3 keeps an image
         self.scaling_factor = float(vae.config["scaling_factor"])
         shift = vae.config.get("shift_factor")
         self.shift_factor = float(shift) if shift is not None else 0.0
 
     @torch.inference_mode()
     def forward(self, req: Req) -> Req:
-        latents = unpack_latents(req.latents, req.latent_height, req.latent_width)
+        latents = req.latents
+        if self.packed_latents:
+            latents = unpack_latents(latents, req.latent_height, req.latent_width)
         latents = latents / self.scaling_factor + self.shift_factor
         first_param = next(self.vae.parameters())
         image = self.vae.decode(latents.to(device=first_param.device, dtype=first_param.dtype))

@@ -30,7 +30,36 @@ def latent_image_ids(grid_height: int, grid_width: int, device: torch.device, dt
     return ids.to(device=device, dtype=dtype)
 
 
+def initial_noise(req: Req, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Noise drawn on the request's CPU generator: a seed means the same noise on every device,
+    and the same noise as Diffusers' `randn_tensor` with `generator=torch.Generator("cpu")`."""
+    return torch.randn(shape, generator=req.generator, device="cpu", dtype=dtype)
+
+
+class SpatialLatentPreparationStage(Stage):
+    """Initial noise as a (batch, channels, h, w) latent image, for DiTs that patchify it themselves (SD3)."""
+
+    needs = ("generator", "prompt_embeds")
+    sets = ("latents", "latent_height", "latent_width")
+
+    def __init__(self, latent_channels: int, vae_scale_factor: int, device: torch.device, dtype: torch.dtype):
+        self.latent_channels = latent_channels
+        self.vae_scale_factor = vae_scale_factor
+        self.device = device
+        self.dtype = dtype
+
+    def forward(self, req: Req) -> Req:
+        p = req.params
+        h, w = p.height // self.vae_scale_factor, p.width // self.vae_scale_factor
+        noise = initial_noise(req, (p.num_outputs_per_prompt, self.latent_channels, h, w), self.dtype)
+        req.latents = noise.to(self.device)
+        req.latent_height, req.latent_width = h, w
+        return req
+
+
 class LatentPreparationStage(Stage):
+    """Initial noise packed into FLUX's 2x2 latent patches, with the packed grid's position ids."""
+
     needs = ("generator", "prompt_embeds")
     sets = ("latents", "image_ids", "latent_height", "latent_width")
 
@@ -46,8 +75,7 @@ class LatentPreparationStage(Stage):
         h = 2 * (p.height // (self.vae_scale_factor * 2))
         w = 2 * (p.width // (self.vae_scale_factor * 2))
         shape = (p.num_outputs_per_prompt, self.latent_channels, h, w)
-        # Drawn on the request's CPU generator, then moved: a seed means the same noise everywhere.
-        noise = torch.randn(shape, generator=req.generator, device="cpu", dtype=self.dtype)
+        noise = initial_noise(req, shape, self.dtype)
         req.latents = pack_latents(noise).to(self.device)
         req.image_ids = latent_image_ids(h // 2, w // 2, self.device, self.dtype)
         req.latent_height, req.latent_width = h, w

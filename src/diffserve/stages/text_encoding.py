@@ -17,7 +17,7 @@ from diffserve.stages.base import Stage
 logger = logging.getLogger("diffserve.stages")
 
 
-def _tokenize(tokenizer, prompts: list[str], max_length: int, device: torch.device) -> torch.Tensor:
+def tokenize(tokenizer, prompts: list[str], max_length: int, device: torch.device) -> torch.Tensor:
     ids = tokenizer(
         prompts, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt"
     ).input_ids
@@ -28,7 +28,7 @@ def _tokenize(tokenizer, prompts: list[str], max_length: int, device: torch.devi
 
 
 class TextEncodingStage(Stage):
-    needs = ("do_true_cfg",)
+    needs = ("do_cfg",)
     sets = ("prompt_embeds", "pooled_prompt_embeds", "text_ids")
 
     def __init__(
@@ -50,9 +50,9 @@ class TextEncodingStage(Stage):
     @torch.inference_mode()
     def encode(self, prompts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(T5 sequence embeddings (B, L, D), CLIP pooled embeddings (B, P)) for a list of prompts."""
-        clip_ids = _tokenize(self.clip_tokenizer, prompts, self.clip_max_length, self.clip_encoder.device)
+        clip_ids = tokenize(self.clip_tokenizer, prompts, self.clip_max_length, self.clip_encoder.device)
         pooled = self.clip_encoder(clip_ids, output_hidden_states=False).pooler_output
-        t5_ids = _tokenize(self.t5_tokenizer, prompts, max_sequence_length, self.t5_encoder.device)
+        t5_ids = tokenize(self.t5_tokenizer, prompts, max_sequence_length, self.t5_encoder.device)
         sequence = self.t5_encoder(t5_ids, output_hidden_states=False)[0]
         return sequence.to(self.output_dtype), pooled.to(self.output_dtype)
 
@@ -60,12 +60,12 @@ class TextEncodingStage(Stage):
         p = req.params
         n = p.num_outputs_per_prompt
         prompts = [p.prompt]
-        if req.do_true_cfg:
+        if req.do_cfg:
             prompts.append(p.negative_prompt)
         sequence, pooled = self.encode(prompts, p.max_sequence_length)
         req.prompt_embeds = sequence[:1].repeat(n, 1, 1)
         req.pooled_prompt_embeds = pooled[:1].repeat(n, 1)
-        if req.do_true_cfg:
+        if req.do_cfg:
             req.negative_prompt_embeds = sequence[1:].repeat(n, 1, 1)
             req.negative_pooled_prompt_embeds = pooled[1:].repeat(n, 1)
         req.text_ids = torch.zeros(sequence.shape[1], 3, device=sequence.device, dtype=self.output_dtype)

@@ -11,6 +11,8 @@ from diffserve.stages.base import Stage
 
 
 class TimestepPreparationStage(Stage):
+    """FLUX semantics: sigmas linspace(1, 1/n) shifted by `mu` from the packed image token count."""
+
     needs = ("latents",)
     sets = ("sigmas", "timesteps")
 
@@ -28,4 +30,26 @@ class TimestepPreparationStage(Stage):
         req.step_index = 0
         if self.guidance_embeds:
             req.guidance = torch.full((req.batch_size,), float(req.params.guidance_scale), dtype=torch.float32)
+        return req
+
+
+class DefaultTimestepPreparationStage(Stage):
+    """SD3 semantics: the scheduler's own schedule over its training range (static shift), or the
+    resolution shift when the scheduler config enables dynamic shifting (SD3.5 variants)."""
+
+    needs = ("latents", "latent_height", "latent_width")
+    sets = ("sigmas", "timesteps")
+
+    def __init__(self, scheduler: FlowMatchEulerScheduler, patch_size: int) -> None:
+        self.scheduler = scheduler
+        self.patch_size = patch_size
+
+    def forward(self, req: Req) -> Req:
+        mu = None
+        if self.scheduler.config["use_dynamic_shifting"]:
+            tokens = (req.latent_height // self.patch_size) * (req.latent_width // self.patch_size)
+            mu = self.scheduler.resolution_shift_mu(tokens)
+        schedule = self.scheduler.schedule(req.params.num_inference_steps, mu=mu)
+        req.sigmas, req.timesteps = schedule.sigmas, schedule.timesteps
+        req.step_index = 0
         return req

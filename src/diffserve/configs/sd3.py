@@ -1,0 +1,19 @@
+"""Stable Diffusion 3 / 3.5 family: pipeline constants and sampling defaults (Diffusers semantics)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from diffserve.configs.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SD3PipelineConfig:
+    clip_max_length: int = 77
+    #: Diffusers' StableDiffusion3Pipeline rejects T5 sequences longer than this.
+    max_t5_sequence_length: int = 512
+
+
+def sd3_default_sampling_params() -> SamplingParams:
+    """Defaults of Diffusers' StableDiffusion3Pipeline.__call__ (height/width follow the checkpoint)."""
+    return SamplingParams(num_inference_steps=28, guidance_scale=7.0, max_sequence_length=256)

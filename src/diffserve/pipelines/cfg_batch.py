@@ -1,0 +1,61 @@
+"""Building one DiT batch from several requests, each with an optional negative (CFG) branch.
+
+A request contributes `batch_size` rows for its prompt and, when `do_cfg`, `batch_size` more for
+its negative prompt, right after. `split_guided` undoes this and applies each request's own CFG
+scale, so requests with and without CFG, at different steps, share one forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from diffserve.request import Req
+
+
+@dataclass
+class BranchBatch:
+    latents: list[torch.Tensor] = field(default_factory=list)
+    text: list[torch.Tensor] = field(default_factory=list)
+    pooled: list[torch.Tensor] = field(default_factory=list)
+    timesteps: list[torch.Tensor] = field(default_factory=list)
+
+
+def gather_branches(reqs: list[Req]) -> BranchBatch:
+    """Per-row inputs for `reqs`, positive then negative branch per request, at each request's step."""
+    batch = BranchBatch()
+    for req in reqs:
+        branches = [(req.prompt_embeds, req.pooled_prompt_embeds)]
+        if req.do_cfg:
+            branches.append((req.negative_prompt_embeds, req.negative_pooled_prompt_embeds))
+        t = req.timesteps[req.step_index]
+        for text, pooled in branches:
+            batch.latents.append(req.latents)
+            batch.text.append(text)
+            batch.pooled.append(pooled)
+            batch.timesteps.append(t.expand(req.batch_size))
+    return batch
+
+
+def split_guided(prediction: torch.Tensor, reqs: list[Req]) -> list[torch.Tensor]:
+    """Each request's prediction, with CFG applied (`negative + scale * (positive - negative)`)."""
+    out, offset = [], 0
+    for req in reqs:
+        n = req.batch_size
+        positive = prediction[offset : offset + n]
+        offset += n
+        if req.do_cfg:
+            negative = prediction[offset : offset + n]
+            offset += n
+            positive = negative + req.cfg_scale * (positive - negative)
+        out.append(positive)
+    return out
+
+
+def euler_update(scheduler, reqs: list[Req], predictions: list[torch.Tensor]) -> None:
+    """Advance every request one step with its own sigmas."""
+    for req, noise_pred in zip(reqs, predictions, strict=True):
+        i, n = req.step_index, req.batch_size
+        req.latents = scheduler.step(noise_pred, req.latents, req.sigmas[i].expand(n), req.sigmas[i + 1].expand(n))
+        req.step_index = i + 1

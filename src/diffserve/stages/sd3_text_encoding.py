@@ -1,0 +1,65 @@
+"""SD3TextEncodingStage: two CLIP encoders (penultimate hidden states + projected pooled output)
+and T5, combined as Diffusers' StableDiffusion3Pipeline does.
+
+Sequence embeddings: [CLIP-L ; CLIP-G] concatenated on channels, zero-padded to T5's width, then
+followed by T5's tokens. Pooled: [CLIP-L pooled ; CLIP-G pooled].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+from diffserve.stages.text_encoding import tokenize
+
+
+class SD3TextEncodingStage(Stage):
+    needs = ("do_cfg",)
+    sets = ("prompt_embeds", "pooled_prompt_embeds")
+
+    def __init__(
+        self,
+        clip_tokenizers: tuple,
+        clip_encoders: tuple[nn.Module, nn.Module],
+        t5_tokenizer,
+        t5_encoder: nn.Module,
+        clip_max_length: int,
+        output_dtype: torch.dtype,
+    ) -> None:
+        self.clip_tokenizers = clip_tokenizers
+        self.clip_encoders = clip_encoders
+        self.t5_tokenizer = t5_tokenizer
+        self.t5_encoder = t5_encoder
+        self.clip_max_length = clip_max_length
+        self.output_dtype = output_dtype
+
+    @torch.inference_mode()
+    def encode(self, prompts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sequence embeddings (B, 2*77 + L, D_t5), pooled embeddings (B, P_l + P_g))."""
+        sequences, pooled = [], []
+        for tokenizer, encoder in zip(self.clip_tokenizers, self.clip_encoders, strict=True):
+            ids = tokenize(tokenizer, prompts, self.clip_max_length, encoder.device)
+            out = encoder(ids, output_hidden_states=True)
+            pooled.append(out[0])
+            sequences.append(out.hidden_states[-2])
+        t5_ids = tokenize(self.t5_tokenizer, prompts, max_sequence_length, self.t5_encoder.device)
+        t5 = self.t5_encoder(t5_ids)[0]
+        clip = torch.cat(sequences, dim=-1)
+        clip = F.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+        sequence = torch.cat([clip, t5], dim=-2)
+        return sequence.to(self.output_dtype), torch.cat(pooled, dim=-1).to(self.output_dtype)
+
+    def forward(self, req: Req) -> Req:
+        p = req.params
+        n = p.num_outputs_per_prompt
+        prompts = [p.prompt] + ([p.negative_prompt] if req.do_cfg else [])
+        sequence, pooled = self.encode(prompts, p.max_sequence_length)
+        req.prompt_embeds = sequence[:1].repeat(n, 1, 1)
+        req.pooled_prompt_embeds = pooled[:1].repeat(n, 1)
+        if req.do_cfg:
+            req.negative_prompt_embeds = sequence[1:].repeat(n, 1, 1)
+            req.negative_pooled_prompt_embeds = pooled[1:].repeat(n, 1)
+        return req
