@@ -11,9 +11,11 @@ from dataclasses import dataclass
 
 from diffserve.configs.flux import FluxPipelineConfig, flux_default_sampling_params
 from diffserve.configs.sampling_params import SamplingParams
+from diffserve.configs.sd3 import SD3PipelineConfig, sd3_default_sampling_params
 from diffserve.errors import ModelLoadError
 from diffserve.pipelines.base import Pipeline
 from diffserve.pipelines.flux import FluxPipeline
+from diffserve.pipelines.sd3 import SD3Pipeline
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,14 @@ REGISTRY: dict[str, ModelFamily] = {
         pipeline_cls=FluxPipeline,
         pipeline_config=FluxPipelineConfig(),
         default_sampling_params=flux_default_sampling_params,
+        task="text-to-image",
+    ),
+    "StableDiffusion3Pipeline": ModelFamily(
+        name="sd3",
+        diffusers_pipeline="StableDiffusion3Pipeline",
+        pipeline_cls=SD3Pipeline,
+        pipeline_config=SD3PipelineConfig(),
+        default_sampling_params=sd3_default_sampling_params,
         task="text-to-image",
     ),
 }

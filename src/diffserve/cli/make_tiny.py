@@ -7,7 +7,7 @@ import logging
 
 logger = logging.getLogger("diffserve")
 
-FAMILIES = ("flux",)
+FAMILIES = ("flux", "sd3")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -19,15 +19,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("family", choices=FAMILIES, help="model family")
     p.add_argument("output_dir", help="folder to write (created if missing)")
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
-    p.add_argument("--no-guidance-embeds", action="store_true", help="FLUX.1-schnell style: no guidance embedding")
+    p.add_argument("--no-guidance-embeds", action="store_true", help="flux: FLUX.1-schnell style, no guidance embedding")
+    p.add_argument("--sd35", action="store_true", help="sd3: SD3.5 style (qk RMSNorm, dual attention in block 0)")
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from diffserve.testing.tiny_flux import TinyFluxSpec, build_tiny_flux
+    if args.family == "sd3":
+        from diffserve.testing.tiny_sd3 import TinySD3Spec, build_tiny_sd3
 
-    path = build_tiny_flux(
-        args.output_dir, TinyFluxSpec(seed=args.seed, guidance_embeds=not args.no_guidance_embeds)
-    )
+        spec = TinySD3Spec(seed=args.seed)
+        if args.sd35:
+            spec = TinySD3Spec(seed=args.seed, qk_norm="rms_norm", dual_attention_layers=(0,))
+        path = build_tiny_sd3(args.output_dir, spec)
+    else:
+        from diffserve.testing.tiny_flux import TinyFluxSpec, build_tiny_flux
+
+        path = build_tiny_flux(
+            args.output_dir, TinyFluxSpec(seed=args.seed, guidance_embeds=not args.no_guidance_embeds)
+        )
     logger.info("Wrote tiny %s checkpoint to %s", args.family, path)
     return 0

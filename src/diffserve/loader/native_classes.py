@@ -7,12 +7,14 @@ supported; diffserve never hands a component to diffusers behind the user's back
 from __future__ import annotations
 
 from diffserve.models.dits.flux import FluxTransformer2DModel
+from diffserve.models.dits.sd3 import SD3Transformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
 
 #: Diffusers `_class_name` -> native module class (weights-bearing models).
 NATIVE_MODELS: dict[str, type] = {
     "FluxTransformer2DModel": FluxTransformer2DModel,
+    "SD3Transformer2DModel": SD3Transformer2DModel,
     "AutoencoderKL": AutoencoderKL,
 }
 

@@ -19,7 +19,7 @@ from diffserve.stages.decoding import DecodingStage
 from diffserve.stages.denoising import DenoisingStage
 from diffserve.stages.input_validation import InputValidationStage
 from diffserve.stages.latent_preparation import LatentPreparationStage
-from diffserve.stages.text_encoding import TextEncodingStage
+from diffserve.stages.text_encoding import TextEncodingStage, clip_context_length
 from diffserve.stages.timestep_preparation import TimestepPreparationStage
 
 
@@ -91,9 +91,7 @@ class FluxPipeline(Pipeline):
             default_pixels=self.config.default_sample_size * self.vae_scale_factor,
             max_sequence_length_limit=self.config.max_t5_sequence_length,
         )
-        clip_max_length = getattr(clip_tokenizer, "model_max_length", None) or self.config.clip_max_length
-        if clip_max_length > 10_000:  # tokenizers without a recorded limit report a huge sentinel
-            clip_max_length = self.config.clip_max_length
+        clip_max_length = clip_context_length(clip_tokenizer, self.config.clip_max_length)
         self.denoiser = FluxDenoiser(transformer, context.get("scheduler"))
         return [
             self.input_validation,

@@ -27,6 +27,12 @@ def tokenize(tokenizer, prompts: list[str], max_length: int, device: torch.devic
     return ids.to(device)
 
 
+def clip_context_length(tokenizer, default: int = 77) -> int:
+    """The CLIP tokenizer's context length; tokenizers without a recorded limit report a huge sentinel."""
+    length = getattr(tokenizer, "model_max_length", None) or default
+    return default if length > 10_000 else int(length)
+
+
 class TextEncodingStage(Stage):
     needs = ("do_cfg",)
     sets = ("prompt_embeds", "pooled_prompt_embeds", "text_ids")

@@ -1,0 +1,427 @@
+"""Stable Diffusion 3 / 3.5 transformer (MMDiT), native, loading Diffusers `SD3Transformer2DModel` weights unchanged.
+
+Architecture:
+
+    x    = patchify(latents) + crop(sincos position table)    (batch, img_seq, inner)
+    ctx  = context_embedder(CLIP-L/G + T5 states)            (batch, txt_seq, inner)
+    temb = MLP(t) + MLP(pooled CLIP)                          (batch, inner)        one per sample
+    num_layers x joint block: text and image keep separate weights, attend jointly over [image; text];
+        SD3.5 "dual attention" blocks (`dual_attention_layers`) add an image-only self-attention (`attn2`);
+        the last block is `context_pre_only`: the text stream is only read (keys/values), never updated
+    out  = unpatchify(proj_out(adaLN(x, temb)))               (batch, out_channels, H, W)
+
+Every block is conditioned through adaLN on `temb`, which has one row per sample, so one forward can
+serve requests at different timesteps (the engine's step-level batching). Unlike FLUX there is no RoPE:
+positions come from a learned-size sincos table stored in the checkpoint (`pos_embed.pos_embed`),
+centre-cropped to the latent grid.
+
+Differences from Diffusers that do not change the numbers: SiLU(temb) is computed once per forward
+instead of once per block. In fp32 and bf16 (CPU) the outputs are bit-identical to Diffusers'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffserve.layers.attention import attention
+from diffserve.layers.embeddings import CombinedTimestepTextEmbedding
+from diffserve.layers.modulation import Modulate
+from diffserve.layers.norms import LayerNorm, RMSNorm
+from diffserve.models.dits.flux import AdaLayerNormContinuous, AdaLayerNormZero, FeedForward
+
+#: Diffusers' config keys and defaults. SD3-medium: 24 layers, 24 heads, pos_embed_max_size 192;
+#: SD3.5-large: 38 layers, 38 heads, qk_norm "rms_norm"; SD3.5-medium adds dual_attention_layers 0..12.
+SD3_CONFIG_DEFAULTS: dict[str, Any] = {
+    "sample_size": 128,
+    "patch_size": 2,
+    "in_channels": 16,
+    "num_layers": 18,
+    "attention_head_dim": 64,
+    "num_attention_heads": 18,
+    "joint_attention_dim": 4096,
+    "caption_projection_dim": 1152,
+    "pooled_projection_dim": 2048,
+    "out_channels": 16,
+    "pos_embed_max_size": 96,
+    "dual_attention_layers": (),
+    "qk_norm": None,
+}
+
+NORM_EPS = 1e-6
+QK_NORMS = (None, "rms_norm", "layer_norm")
+
+
+def sincos_2d_table(
+    dim: int, height: int, width: int, base_size: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """(height * width, dim) float32 2-D sincos position table, row-major over the grid (Diffusers' PatchEmbed).
+
+    Positions are scaled by `base_size / grid_size` per axis. The first half of the channels encodes
+    the column, the second half the row; each half is [sin, cos] with frequencies computed in float64.
+    """
+    if dim % 4:
+        raise ValueError(f"the sincos position table needs a hidden size divisible by 4, got {dim}")
+    quarter = dim // 4
+    omega = 1.0 / 10000 ** (torch.arange(quarter, device=device, dtype=torch.float64) / quarter)
+
+    def axis(n: int) -> torch.Tensor:
+        pos = torch.arange(n, device=device, dtype=torch.float32) / (n / base_size)
+        out = torch.outer(pos.to(torch.float64), omega)
+        return torch.cat([out.sin(), out.cos()], dim=1)  # (n, dim / 2)
+
+    cols = axis(width)[None, :, :].expand(height, width, 2 * quarter)
+    rows = axis(height)[:, None, :].expand(height, width, 2 * quarter)
+    return torch.cat([cols, rows], dim=-1).reshape(height * width, dim).float()
+
+
+class PatchEmbed(nn.Module):
+    """Conv patchify plus the sincos position table, centre-cropped to the latent grid (SD3's PatchEmbed).
+
+    With `pos_embed_max_size` (every SD3 checkpoint) the (1, max*max, dim) table is a persistent buffer, as
+    in Diffusers, so the checkpoint's copy is what the model uses; it is also computed here so a model built
+    without a checkpoint is complete. Without it the table is computed per grid shape and cached.
+    """
+
+    def __init__(
+        self, in_channels: int, dim: int, patch_size: int, base_size: int, pos_embed_max_size: int | None
+    ) -> None:
+        super().__init__()
+        self.patch_size = patch_size
+        self.base_size = base_size
+        self.pos_embed_max_size = pos_embed_max_size
+        self.dim = dim
+        self.proj = nn.Conv2d(in_channels, dim, kernel_size=patch_size, stride=patch_size)
+        if pos_embed_max_size:
+            m = pos_embed_max_size
+            self.register_buffer(
+                "pos_embed", sincos_2d_table(dim, m, m, base_size).unsqueeze(0), persistent=True
+            )
+        else:
+            self.pos_embed = None
+        self._tables: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+    def position_table(self, height: int, width: int, device: torch.device) -> torch.Tensor:
+        """(1, height * width, dim) position embedding for a grid of patches."""
+        if self.pos_embed is None:
+            key = (height, width, device)
+            if key not in self._tables:
+                self._tables[key] = sincos_2d_table(
+                    self.dim, height, width, self.base_size, device
+                ).unsqueeze(0)
+            return self._tables[key]
+        m = self.pos_embed_max_size
+        if height > m or width > m:
+            raise ValueError(
+                f"latent grid {height}x{width} patches exceeds pos_embed_max_size ({m}); "
+                f"the largest image this model supports is {m * self.patch_size} latent pixels per side"
+            )
+        top, left = (m - height) // 2, (m - width) // 2
+        table = self.pos_embed.reshape(1, m, m, -1)[:, top : top + height, left : left + width]
+        return table.reshape(1, height * width, -1)
+
+    def forward(self, latents: torch.Tensor) -> torch.Tensor:
+        x = self.proj(latents)  # (batch, dim, h, w)
+        h, w = x.shape[-2:]
+        x = x.flatten(2).transpose(1, 2)
+        # Diffusers adds the (fp32) table and rounds back to the activation dtype.
+        return (x + self.position_table(h, w, x.device)).to(x.dtype)
+
+
+def _qk_norm(kind: str | None, head_dim: int) -> nn.Module | None:
+    if kind is None:
+        return None
+    if kind == "rms_norm":
+        # Diffusers' own RMSNorm here (rounds before the weight in half precision), not torch.nn.RMSNorm.
+        return RMSNorm(head_dim, eps=NORM_EPS)
+    return LayerNorm(head_dim, eps=NORM_EPS)
+
+
+def _heads(x: torch.Tensor, proj: nn.Linear, norm: nn.Module | None, head_dim: int) -> torch.Tensor:
+    """Project to (batch, seq, heads, head_dim) and apply the optional per-head QK-norm."""
+    x = proj(x).unflatten(-1, (-1, head_dim))
+    return norm(x) if norm is not None else x
+
+
+class SD3JointAttention(nn.Module):
+    """Joint attention over [image; text] with separate projections per stream.
+
+    With `context_pre_only` (the last block) there is no `to_add_out` and the text half of the output is
+    dropped. Its text queries are still computed, as in Diffusers: skipping them saves little (text is a
+    small part of the sequence, in one block) and changes the half-precision rounding of the image half.
+    """
+
+    def __init__(
+        self, dim: int, num_heads: int, head_dim: int, qk_norm: str | None, context_pre_only: bool
+    ) -> None:
+        super().__init__()
+        inner = num_heads * head_dim
+        self.head_dim = head_dim
+        self.context_pre_only = context_pre_only
+        self.to_q = nn.Linear(dim, inner)
+        self.to_k = nn.Linear(dim, inner)
+        self.to_v = nn.Linear(dim, inner)
+        self.norm_q = _qk_norm(qk_norm, head_dim)
+        self.norm_k = _qk_norm(qk_norm, head_dim)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
+        self.add_q_proj = nn.Linear(dim, inner)
+        self.add_k_proj = nn.Linear(dim, inner)
+        self.add_v_proj = nn.Linear(dim, inner)
+        self.norm_added_q = _qk_norm(qk_norm, head_dim)
+        self.norm_added_k = _qk_norm(qk_norm, head_dim)
+        self.to_add_out = None if context_pre_only else nn.Linear(inner, dim)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hd = self.head_dim
+        q = _heads(x, self.to_q, self.norm_q, hd)
+        k = torch.cat(
+            [_heads(x, self.to_k, self.norm_k, hd), _heads(ctx, self.add_k_proj, self.norm_added_k, hd)], 1
+        )
+        v = torch.cat([_heads(x, self.to_v, None, hd), _heads(ctx, self.add_v_proj, None, hd)], 1)
+        q = torch.cat([q, _heads(ctx, self.add_q_proj, self.norm_added_q, hd)], dim=1)
+        out = attention(q, k, v).flatten(2)
+        # The halves are strided views when batch > 1. Diffusers projects them as such, and CPU
+        # half-precision matmuls round differently on strided and contiguous inputs, so no `.contiguous()`.
+        x_out, ctx_out = out.split([x.shape[1], ctx.shape[1]], dim=1)
+        return self.to_out[0](x_out), None if self.to_add_out is None else self.to_add_out(ctx_out)
+
+
+class SD3SelfAttention(nn.Module):
+    """Image-only self-attention of SD3.5's dual-attention blocks (`attn2`)."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int, qk_norm: str | None) -> None:
+        super().__init__()
+        inner = num_heads * head_dim
+        self.head_dim = head_dim
+        self.to_q = nn.Linear(dim, inner)
+        self.to_k = nn.Linear(dim, inner)
+        self.to_v = nn.Linear(dim, inner)
+        self.norm_q = _qk_norm(qk_norm, head_dim)
+        self.norm_k = _qk_norm(qk_norm, head_dim)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hd = self.head_dim
+        q = _heads(x, self.to_q, self.norm_q, hd)
+        k = _heads(x, self.to_k, self.norm_k, hd)
+        v = _heads(x, self.to_v, None, hd)
+        return self.to_out[0](attention(q, k, v).flatten(2))
+
+
+class AdaLayerNormZeroX(nn.Module):
+    """SD3.5 adaLN-Zero with a second (shift, scale, gate) triple for `attn2`, from one shared LayerNorm.
+
+    Returns (x for attn, gate_msa, shift_mlp, scale_mlp, gate_mlp, x for attn2, gate_msa2).
+    """
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, 9 * dim)
+        self.norm = LayerNorm(dim, eps=NORM_EPS, elementwise_affine=False)
+        self.modulate = Modulate()
+
+    def forward(self, x: torch.Tensor, temb_act: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        shift, scale, gate, shift_mlp, scale_mlp, gate_mlp, shift2, scale2, gate2 = self.linear(
+            temb_act
+        ).chunk(9, dim=1)
+        normed = self.norm(x)
+        x1 = self.modulate(normed, scale=scale, shift=shift)
+        x2 = self.modulate(normed, scale=scale2, shift=shift2)
+        return x1, gate, shift_mlp, scale_mlp, gate_mlp, x2, gate2
+
+
+def _gated_add(residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return residual + gate.unsqueeze(1) * x
+
+
+class JointTransformerBlock(nn.Module):
+    """MMDiT block: separate adaLN, attention projections and MLPs for image and text, joint attention."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        head_dim: int,
+        context_pre_only: bool = False,
+        qk_norm: str | None = None,
+        use_dual_attention: bool = False,
+    ) -> None:
+        super().__init__()
+        self.context_pre_only = context_pre_only
+        self.use_dual_attention = use_dual_attention
+        self.norm1 = AdaLayerNormZeroX(dim) if use_dual_attention else AdaLayerNormZero(dim)
+        self.norm1_context = AdaLayerNormContinuous(dim) if context_pre_only else AdaLayerNormZero(dim)
+        self.attn = SD3JointAttention(dim, num_heads, head_dim, qk_norm, context_pre_only)
+        self.attn2 = SD3SelfAttention(dim, num_heads, head_dim, qk_norm) if use_dual_attention else None
+        self.norm2 = LayerNorm(dim, eps=NORM_EPS, elementwise_affine=False)
+        self.ff = FeedForward(dim)
+        if context_pre_only:
+            self.norm2_context = None
+            self.ff_context = None
+        else:
+            self.norm2_context = LayerNorm(dim, eps=NORM_EPS, elementwise_affine=False)
+            self.ff_context = FeedForward(dim)
+        self.modulate = Modulate()
+
+    def forward(
+        self, x: torch.Tensor, ctx: torch.Tensor, temb_act: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        if self.attn2 is not None:
+            norm_x, gate_msa, shift_mlp, scale_mlp, gate_mlp, norm_x2, gate_msa2 = self.norm1(x, temb_act)
+        else:
+            norm_x, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(x, temb_act)
+        if self.context_pre_only:
+            norm_ctx = self.norm1_context(ctx, temb_act)
+        else:
+            norm_ctx, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(ctx, temb_act)
+
+        attn_x, attn_ctx = self.attn(norm_x, norm_ctx)
+        x = _gated_add(x, gate_msa, attn_x)
+        if self.attn2 is not None:
+            x = _gated_add(x, gate_msa2, self.attn2(norm_x2))
+        ff_in = self.modulate(self.norm2(x), scale=scale_mlp, shift=shift_mlp)
+        x = _gated_add(x, gate_mlp, self.ff(ff_in))
+
+        if self.context_pre_only:
+            return None, x
+        ctx = _gated_add(ctx, c_gate_msa, attn_ctx)
+        ff_in = self.modulate(self.norm2_context(ctx), scale=c_scale_mlp, shift=c_shift_mlp)
+        ctx = _gated_add(ctx, c_gate_mlp, self.ff_context(ff_in))
+        return ctx, x
+
+
+class SD3Transformer2DModel(nn.Module):
+    """SD3 / SD3.5 MMDiT with Diffusers' config keys and state-dict names.
+
+    Build it with keyword config values (or `from_config(config_json_dict)`); under
+    `torch.device("meta")` it allocates nothing, and `load_state_dict(sd, assign=True, strict=True)`
+    fills it. Its one buffer, `pos_embed.pos_embed`, is persistent (in every SD3 checkpoint).
+    """
+
+    diffusers_class_name: ClassVar[str] = "SD3Transformer2DModel"
+
+    def __init__(
+        self,
+        sample_size: int = 128,
+        patch_size: int = 2,
+        in_channels: int = 16,
+        num_layers: int = 18,
+        attention_head_dim: int = 64,
+        num_attention_heads: int = 18,
+        joint_attention_dim: int = 4096,
+        caption_projection_dim: int = 1152,
+        pooled_projection_dim: int = 2048,
+        out_channels: int | None = 16,
+        pos_embed_max_size: int | None = 96,
+        dual_attention_layers: Sequence[int] = (),
+        qk_norm: str | None = None,
+    ) -> None:
+        super().__init__()
+        inner = num_attention_heads * attention_head_dim
+        if caption_projection_dim != inner:
+            raise ValueError(
+                f"caption_projection_dim ({caption_projection_dim}) must equal num_attention_heads * "
+                f"attention_head_dim ({inner}): the projected text joins the image stream"
+            )
+        if qk_norm not in QK_NORMS:
+            raise ValueError(f"unsupported qk_norm {qk_norm!r}; supported: {list(QK_NORMS)}")
+        dual_attention_layers = tuple(int(i) for i in dual_attention_layers)
+        bad = [i for i in dual_attention_layers if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(f"dual_attention_layers {bad} are outside 0..{num_layers - 1}")
+        out_channels = out_channels if out_channels is not None else in_channels
+        self.config: dict[str, Any] = {
+            "sample_size": sample_size,
+            "patch_size": patch_size,
+            "in_channels": in_channels,
+            "num_layers": num_layers,
+            "attention_head_dim": attention_head_dim,
+            "num_attention_heads": num_attention_heads,
+            "joint_attention_dim": joint_attention_dim,
+            "caption_projection_dim": caption_projection_dim,
+            "pooled_projection_dim": pooled_projection_dim,
+            "out_channels": out_channels,
+            "pos_embed_max_size": pos_embed_max_size,
+            "dual_attention_layers": dual_attention_layers,
+            "qk_norm": qk_norm,
+        }
+        self.patch_size = patch_size
+        self.out_channels = out_channels
+        self.inner_dim = inner
+
+        self.pos_embed = PatchEmbed(
+            in_channels, inner, patch_size, sample_size // patch_size, pos_embed_max_size
+        )
+        self.time_text_embed = CombinedTimestepTextEmbedding(inner, pooled_projection_dim)
+        self.context_embedder = nn.Linear(joint_attention_dim, caption_projection_dim)
+        self.transformer_blocks = nn.ModuleList(
+            [
+                JointTransformerBlock(
+                    inner,
+                    num_attention_heads,
+                    attention_head_dim,
+                    context_pre_only=i == num_layers - 1,
+                    qk_norm=qk_norm,
+                    use_dual_attention=i in dual_attention_layers,
+                )
+                for i in range(num_layers)
+            ]
+        )
+        self.norm_out = AdaLayerNormContinuous(inner)
+        self.proj_out = nn.Linear(inner, patch_size * patch_size * out_channels)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> SD3Transformer2DModel:
+        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
+        kwargs = {k: v for k, v in config.items() if not k.startswith("_")}
+        unknown = sorted(set(kwargs) - set(SD3_CONFIG_DEFAULTS))
+        if unknown:
+            raise ValueError(
+                f"unknown {cls.diffusers_class_name} config key(s) {unknown}; "
+                f"known keys: {sorted(SD3_CONFIG_DEFAULTS)}"
+            )
+        return cls(**kwargs)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        pooled_projections: torch.Tensor,
+        timestep: torch.Tensor,
+    ) -> torch.Tensor:
+        """Predict the flow-matching velocity for latents.
+
+        Args:
+            hidden_states: latents (batch, in_channels, H, W); H and W divisible by `patch_size`.
+            encoder_hidden_states: joint CLIP + T5 states (batch, txt_seq, joint_attention_dim).
+            pooled_projections: pooled CLIP-L + CLIP-G embedding (batch, pooled_projection_dim).
+            timestep: (batch,) or (1,) in Diffusers' units (sigma * 1000), used as given.
+
+        Returns:
+            (batch, out_channels, H, W).
+        """
+        batch, _, height, width = hidden_states.shape
+        p = self.patch_size
+        if height % p or width % p:
+            raise ValueError(
+                f"latent height and width must be divisible by patch_size {p}, got {height}x{width}"
+            )
+        if timestep.ndim != 1 or timestep.shape[0] not in (1, batch):
+            raise ValueError(f"timestep must have shape ({batch},) or (1,), got {tuple(timestep.shape)}")
+
+        x = self.pos_embed(hidden_states)
+        temb = self.time_text_embed(timestep, pooled_projections)
+        temb_act = F.silu(temb)  # every adaLN projects SiLU(temb); compute it once
+        ctx = self.context_embedder(encoder_hidden_states)
+
+        for block in self.transformer_blocks:
+            ctx, x = block(x, ctx, temb_act)
+
+        x = self.proj_out(self.norm_out(x, temb_act))  # (batch, h * w, p * p * out_channels)
+        h, w = height // p, width // p
+        x = x.reshape(batch, h, w, p, p, self.out_channels).permute(0, 5, 1, 3, 2, 4)
+        return x.reshape(batch, self.out_channels, height, width)

@@ -1,0 +1,90 @@
+"""Stable Diffusion 3 / 3.5 (Diffusers `StableDiffusion3Pipeline`): stages and the batched denoising step."""
+
+from __future__ import annotations
+
+import torch
+
+from diffserve.configs.sampling_params import SamplingParams
+from diffserve.configs.sd3 import SD3PipelineConfig, sd3_default_sampling_params
+from diffserve.loader.folder_defaults import apply_overrides
+from diffserve.models.dits.sd3 import SD3Transformer2DModel
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.pipelines.base import Pipeline, PipelineContext
+from diffserve.pipelines.cfg_batch import euler_update, gather_branches, split_guided
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+from diffserve.stages.decoding import DecodingStage
+from diffserve.stages.denoising import DenoisingStage
+from diffserve.stages.input_validation import InputValidationStage
+from diffserve.stages.latent_preparation import SpatialLatentPreparationStage
+from diffserve.stages.sd3_text_encoding import SD3TextEncodingStage
+from diffserve.stages.text_encoding import clip_context_length
+from diffserve.stages.timestep_preparation import DefaultTimestepPreparationStage
+
+
+class SD3Denoiser:
+    """One step over a list of SD3 requests; classic CFG's two branches share the forward."""
+
+    def __init__(self, transformer: SD3Transformer2DModel, scheduler: FlowMatchEulerScheduler) -> None:
+        self.transformer = transformer
+        self.scheduler = scheduler
+
+    @torch.inference_mode()
+    def __call__(self, reqs: list[Req]) -> None:
+        batch = gather_branches(reqs)
+        dtype = reqs[0].latents.dtype
+        prediction = self.transformer(
+            hidden_states=torch.cat(batch.latents),
+            encoder_hidden_states=torch.cat(batch.text),
+            pooled_projections=torch.cat(batch.pooled),
+            timestep=torch.cat(batch.timesteps).to(device=reqs[0].latents.device, dtype=dtype),
+        )
+        euler_update(self.scheduler, reqs, split_guided(prediction, reqs))
+
+
+class SD3Pipeline(Pipeline):
+    required_components = (
+        "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3",
+        "vae", "transformer", "scheduler",
+    )
+    config = SD3PipelineConfig()
+
+    def build_stages(self, context: PipelineContext) -> list[Stage]:
+        transformer = context.get("transformer")
+        vae = context.get("vae")
+        scheduler = context.get("scheduler")
+        patch = int(transformer.config["patch_size"])
+        self.vae_scale_factor = 2 ** (len(vae.config["block_out_channels"]) - 1)
+        self.pixel_multiple = self.vae_scale_factor * patch
+        self.input_validation = InputValidationStage(
+            defaults=apply_overrides(sd3_default_sampling_params(), context.folder_sampling_defaults),
+            pixel_multiple=self.pixel_multiple,
+            default_pixels=int(transformer.config["sample_size"]) * self.vae_scale_factor,
+            max_sequence_length_limit=self.config.max_t5_sequence_length,
+            classic_cfg=True,
+        )
+        clip_tokenizer = context.get("tokenizer")
+        clip_max_length = clip_context_length(clip_tokenizer, self.config.clip_max_length)
+        return [
+            self.input_validation,
+            SD3TextEncodingStage(
+                (clip_tokenizer, context.get("tokenizer_2")),
+                (context.get("text_encoder"), context.get("text_encoder_2")),
+                context.get("tokenizer_3"),
+                context.get("text_encoder_3"),
+                clip_max_length=clip_max_length,
+                output_dtype=context.dtype,
+            ),
+            SpatialLatentPreparationStage(
+                latent_channels=int(transformer.config["in_channels"]),
+                vae_scale_factor=self.vae_scale_factor,
+                device=context.platform.device(),
+                dtype=context.dtype,
+            ),
+            DefaultTimestepPreparationStage(scheduler, patch_size=patch),
+            DenoisingStage(SD3Denoiser(transformer, scheduler), show_progress=context.show_progress),
+            DecodingStage(vae, packed_latents=False),
+        ]
+
+    def resolve_params(self, params: SamplingParams) -> SamplingParams:
+        return self.input_validation.resolve(params)
