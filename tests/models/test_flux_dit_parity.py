@@ -127,7 +127,7 @@ def test_from_config_rejects_unknown_keys_and_ignores_metadata() -> None:
         )
         assert model.config["out_channels"] == TINY_CONFIG["in_channels"]
         assert model.config["axes_dims_rope"] == (4, 6, 6)
-        with pytest.raises(ValueError, match="unknown FluxTransformer2DModel config key"):
+        with pytest.raises(ValueError, match="FluxTransformer2DModel config has unknown keys"):
             FluxTransformer2DModel.from_config({**TINY_CONFIG, "num_layer": 3})
         with pytest.raises(ValueError, match="axes_dims_rope"):
             FluxTransformer2DModel.from_config({**TINY_CONFIG, "axes_dims_rope": (4, 4, 4)})

@@ -106,7 +106,7 @@ def test_parity_non_square_latent(config: dict[str, Any]) -> None:
 
 
 def test_from_config_rejects_unknown_keys() -> None:
-    with pytest.raises(ValueError, match="unknown SD3Transformer2DModel config key"):
+    with pytest.raises(ValueError, match="SD3Transformer2DModel config has unknown keys"):
         SD3Transformer2DModel.from_config({**SD3_MEDIUM_LIKE, "num_single_layers": 3})
 
 

@@ -32,6 +32,7 @@ from diffserve.layers.embeddings import CombinedTimestepTextEmbedding
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.rotary import RotaryEmbedding, multi_axis_rope_tables
+from diffserve.models.config_keys import checked_config_kwargs
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 
@@ -335,14 +336,7 @@ class FluxTransformer2DModel(nn.Module):
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> FluxTransformer2DModel:
         """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
-        kwargs = {k: v for k, v in config.items() if not k.startswith("_")}
-        unknown = sorted(set(kwargs) - set(FLUX_CONFIG_DEFAULTS))
-        if unknown:
-            raise ValueError(
-                f"unknown {cls.diffusers_class_name} config key(s) {unknown}; "
-                f"known keys: {sorted(FLUX_CONFIG_DEFAULTS)}"
-            )
-        return cls(**kwargs)
+        return cls(**checked_config_kwargs(config, FLUX_CONFIG_DEFAULTS, cls.diffusers_class_name))
 
     def rope_tables(self, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> RopeTables:
         """Half-width (cos, sin) tables for the joint sequence [text; image].

@@ -32,6 +32,7 @@ from diffserve.layers.attention import attention
 from diffserve.layers.embeddings import CombinedTimestepTextEmbedding
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
+from diffserve.models.config_keys import checked_config_kwargs
 from diffserve.models.dits.flux import AdaLayerNormContinuous, AdaLayerNormZero, FeedForward
 
 #: Diffusers' config keys and defaults. SD3-medium: 24 layers, 24 heads, pos_embed_max_size 192;
@@ -377,14 +378,7 @@ class SD3Transformer2DModel(nn.Module):
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> SD3Transformer2DModel:
         """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
-        kwargs = {k: v for k, v in config.items() if not k.startswith("_")}
-        unknown = sorted(set(kwargs) - set(SD3_CONFIG_DEFAULTS))
-        if unknown:
-            raise ValueError(
-                f"unknown {cls.diffusers_class_name} config key(s) {unknown}; "
-                f"known keys: {sorted(SD3_CONFIG_DEFAULTS)}"
-            )
-        return cls(**kwargs)
+        return cls(**checked_config_kwargs(config, SD3_CONFIG_DEFAULTS, cls.diffusers_class_name))
 
     def forward(
         self,

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from diffserve.models.config_keys import checked_config_kwargs
+
 _SUPPORTED_KEYS = {
     "num_train_timesteps",
     "shift",
@@ -100,11 +102,7 @@ class FlowMatchEulerScheduler:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> FlowMatchEulerScheduler:
-        kwargs = {k: v for k, v in config.items() if not k.startswith("_")}
-        unknown = sorted(set(kwargs) - _SUPPORTED_KEYS)
-        if unknown:
-            raise ValueError(f"unknown FlowMatchEulerDiscreteScheduler config keys: {', '.join(unknown)}")
-        return cls(**kwargs)
+        return cls(**checked_config_kwargs(config, _SUPPORTED_KEYS, cls.diffusers_class_name))
 
     def resolution_shift_mu(self, image_seq_len: int) -> float:
         """FLUX's resolution-dependent shift: `mu` grows linearly with the image token count."""

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from diffserve.models.config_keys import checked_config_kwargs
 from diffserve.models.vaes.blocks import Decoder, Encoder
 
 GeneratorArg = torch.Generator | Sequence[torch.Generator] | None
@@ -160,12 +161,7 @@ class AutoencoderKL(nn.Module):
         Unknown keys are an error rather than silently dropped: they mean the checkpoint expects
         behaviour this class does not implement.
         """
-        params = {k: v for k, v in config.items() if not k.startswith("_")}
-        known = cls.config_keys()
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise ValueError(f"{cls.__name__} config has unknown keys {unknown}; known keys: {sorted(known)}")
-        return cls(**params)
+        return cls(**checked_config_kwargs(config, cls.config_keys(), cls.__name__))
 
     @classmethod
     def config_keys(cls) -> frozenset[str]:
