@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from diffserve.testing.image_metrics import psnr_uint8 as psnr
+
 ENGINES = ("diffserve", "diffusers")
 RESULT_MARKER = "BENCH_RESULT "
 PSNR_BAR_DB = 40.0  # DESIGN.md correctness bar for whole generations
@@ -253,13 +255,6 @@ def run_worker(args: argparse.Namespace, engine: str, size: int, image_out: Path
     # The worker itself keeps ~torch_threads cores busy; a higher load means other processes competed.
     result["loadavg_1m"] = [load_before, os.getloadavg()[0]]
     return result
-
-
-def psnr(a, b) -> float:
-    import numpy as np
-
-    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
-    return float("inf") if mse == 0 else float(10 * np.log10(255.0**2 / mse))
 
 
 def merge_rounds(results: list[dict]) -> dict:

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ import torch
 from diffserve.configs.demo_model import demo_model_path
 from diffserve.demo import shapes_data as sd
 from diffserve.demo import shapes_eval
+from diffserve.testing.image_metrics import psnr_uint8 as psnr
 
 MIN_ADHERENCE = 0.80
 MIN_PARITY_PSNR_DB = 40.0
@@ -49,12 +49,6 @@ def held_out_prompts() -> list[sd.Attributes]:
         sd.Attributes(c.shape, c.colour, sizes[i % 2], c.position, c.background)
         for i, c in enumerate(sd.held_out_combinations())
     ]
-
-
-def psnr(a, b) -> float:
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    mse = ((a - b) ** 2).mean()
-    return math.inf if mse == 0 else 10 * math.log10(255**2 / mse)
 
 
 def test_folder_layout(model_dir, settings):

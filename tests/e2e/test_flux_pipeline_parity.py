@@ -8,13 +8,9 @@ import torch
 from diffusers import FluxPipeline as DiffusersFluxPipeline
 
 from diffserve import DiffGenerator
+from diffserve.testing.image_metrics import psnr_uint8 as psnr
 
 PSNR_BAR_DB = 40.0
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
-    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,10 @@ import torch
 from diffusers import StableDiffusion3Pipeline
 
 from diffserve import DiffGenerator
+from diffserve.testing.image_metrics import psnr_uint8 as psnr
 from diffserve.testing.tiny_sd3 import TinySD3Spec, build_tiny_sd3
 
 PSNR_BAR_DB = 40.0
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
-    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
 
 
 @pytest.fixture(scope="module", params=["sd3", "sd35"])
