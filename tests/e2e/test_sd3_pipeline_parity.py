@@ -46,3 +46,29 @@ def test_sd3_pixels_match_diffusers(engines, height, width, steps, extra) -> Non
     value = psnr(ours_u8, ref_u8)
     print(f"SD3 {height}x{width} {extra}: PSNR {value:.2f} dB")
     assert value >= PSNR_BAR_DB
+
+
+def test_sd3_text_encoding_matches_diffusers(engines) -> None:
+    ours, reference = engines
+    stage = ours.pipeline.stages[1]
+    sequence, pooled = stage.encode(["a red fox", "a blue bird"], max_sequence_length=20)
+    ref_seq, _, ref_pooled, _ = reference.encode_prompt(
+        prompt=["a red fox", "a blue bird"], prompt_2=None, prompt_3=None,
+        do_classifier_free_guidance=False, max_sequence_length=20,
+    )
+    torch.testing.assert_close(sequence, ref_seq, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pooled, ref_pooled, rtol=1e-5, atol=1e-5)
+
+
+def test_sd3_initial_noise_matches_diffusers(engines) -> None:
+    from diffserve.configs.sampling_params import SamplingParams
+    from diffserve.request import Req
+
+    ours, reference = engines
+    req = Req(params=SamplingParams(prompt="x", height=64, width=48, num_inference_steps=2, seed=5))
+    for stage in ours.pipeline.stages[:3]:  # validation, text encoding, latent preparation
+        req = stage(req)
+    expected = reference.prepare_latents(
+        1, 16, 64, 48, torch.float32, torch.device("cpu"), torch.Generator("cpu").manual_seed(5)
+    )
+    assert torch.equal(req.latents, expected)
