@@ -77,8 +77,10 @@ class DiffGenerator:
             self.family.pipeline_cls.__name__,
             self.family.name,
         )
+        pipeline_cls = self.family.pipeline_cls
         components = load_components(
-            index, self.family.pipeline_cls.required_components, self.platform, self.dtype, text_dtype
+            index, pipeline_cls.required_components, self.platform, self.dtype, text_dtype,
+            optional=pipeline_cls.optional_components,
         )
         folder_defaults = read_folder_sampling_defaults(index.root)
         if folder_defaults:

@@ -72,3 +72,25 @@ def test_sd3_initial_noise_matches_diffusers(engines) -> None:
         1, 16, 64, 48, torch.float32, torch.device("cpu"), torch.Generator("cpu").manual_seed(5)
     )
     assert torch.equal(req.latents, expected)
+
+
+def test_sd3_without_t5_matches_diffusers(tmp_path) -> None:
+    """model_index.json may set text_encoder_3/tokenizer_3 to null: T5's tokens are then zeros."""
+    import json
+    import shutil
+
+    root = build_tiny_sd3(tmp_path / "sd3", TinySD3Spec(seed=2))
+    index = json.loads((root / "model_index.json").read_text())
+    index["text_encoder_3"] = [None, None]
+    index["tokenizer_3"] = [None, None]
+    (root / "model_index.json").write_text(json.dumps(index))
+    shutil.rmtree(root / "text_encoder_3")
+    shutil.rmtree(root / "tokenizer_3")
+    ours = DiffGenerator.from_pretrained(root, device="cpu", show_progress=False)
+    reference = StableDiffusion3Pipeline.from_pretrained(
+        root, torch_dtype=torch.float32, text_encoder_3=None, tokenizer_3=None
+    )
+    kwargs = dict(height=64, width=48, num_inference_steps=2, guidance_scale=5.0, max_sequence_length=16)
+    out = ours.generate(prompt="a fox", seed=9, **kwargs)
+    ref = reference(prompt="a fox", generator=torch.Generator("cpu").manual_seed(9), output_type="np", **kwargs).images
+    assert psnr(np.asarray(out.images[0]), (ref[0] * 255).round().astype(np.uint8)) >= PSNR_BAR_DB

@@ -149,16 +149,20 @@ def load_component(
 
 def load_components(
     index: ModelIndex, required: tuple[str, ...], platform: Platform, dtype: torch.dtype,
-    text_encoder_dtype: torch.dtype,
+    text_encoder_dtype: torch.dtype, optional: tuple[str, ...] = (),
 ) -> dict[str, LoadedComponent]:
-    """Load the components a pipeline requires, in a fixed order; absent ones are an error."""
+    """Load the components a pipeline requires, in a fixed order; absent ones are an error.
+    `optional` components are loaded when the folder has them and logged as skipped when not."""
     absent = [name for name in required if name not in index.components]
     if absent:
         raise ModelLoadError(
             f"{index.root / 'model_index.json'} lacks components the {index.pipeline_class_name} pipeline "
             f"needs: {', '.join(absent)}"
         )
-    logger.info("Loading required components: %s", list(required))
-    return {
-        name: load_component(index.components[name], platform, dtype, text_encoder_dtype) for name in required
-    }
+    present_optional = tuple(name for name in optional if name in index.components)
+    skipped = [name for name in optional if name not in index.components]
+    if skipped:
+        logger.info("Optional components not in this folder (the pipeline runs without them): %s", skipped)
+    names = required + present_optional
+    logger.info("Loading components: %s", list(names))
+    return {name: load_component(index.components[name], platform, dtype, text_encoder_dtype) for name in names}

@@ -31,11 +31,18 @@ class PipelineContext:
     def get(self, name: str) -> Any:
         return self.components[name].value
 
+    def get_optional(self, name: str) -> Any | None:
+        """An optional component's value, or None when the folder does not have it."""
+        component = self.components.get(name)
+        return None if component is None else component.value
+
 
 class Pipeline:
     """Subclasses list their required components and build their stages in `build_stages`."""
 
     required_components: ClassVar[tuple[str, ...]] = ()
+    #: Components the pipeline uses when the folder has them (model_index.json may set them to null).
+    optional_components: ClassVar[tuple[str, ...]] = ()
     #: Height and width must be multiples of this (set by `build_stages` from the loaded VAE).
     pixel_multiple: int
 

@@ -43,10 +43,9 @@ class SD3Denoiser:
 
 
 class SD3Pipeline(Pipeline):
-    required_components = (
-        "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3",
-        "vae", "transformer", "scheduler",
-    )
+    required_components = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "vae", "transformer", "scheduler")
+    #: SD3 runs without T5 (its sequence part is then zeros, as in Diffusers), saving ~9 GB on the real model.
+    optional_components = ("text_encoder_3", "tokenizer_3")
     config = SD3PipelineConfig()
 
     def build_stages(self, context: PipelineContext) -> list[Stage]:
@@ -70,9 +69,10 @@ class SD3Pipeline(Pipeline):
             SD3TextEncodingStage(
                 (clip_tokenizer, context.get("tokenizer_2")),
                 (context.get("text_encoder"), context.get("text_encoder_2")),
-                context.get("tokenizer_3"),
-                context.get("text_encoder_3"),
+                context.get_optional("tokenizer_3"),
+                context.get_optional("text_encoder_3"),
                 clip_max_length=clip_max_length,
+                joint_attention_dim=int(transformer.config["joint_attention_dim"]),
                 output_dtype=context.dtype,
             ),
             SpatialLatentPreparationStage(

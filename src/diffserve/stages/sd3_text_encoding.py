@@ -25,16 +25,19 @@ class SD3TextEncodingStage(Stage):
         clip_tokenizers: tuple,
         clip_encoders: tuple[nn.Module, nn.Module],
         t5_tokenizer,
-        t5_encoder: nn.Module,
+        t5_encoder: nn.Module | None,
         clip_max_length: int,
         output_dtype: torch.dtype,
+        joint_attention_dim: int,
     ) -> None:
+        """`t5_encoder` may be None (a folder without text_encoder_3): its tokens are then zeros."""
         self.clip_tokenizers = clip_tokenizers
         self.clip_encoders = clip_encoders
         self.t5_tokenizer = t5_tokenizer
         self.t5_encoder = t5_encoder
         self.clip_max_length = clip_max_length
         self.output_dtype = output_dtype
+        self.joint_attention_dim = joint_attention_dim
 
     @torch.inference_mode()
     def encode(self, prompts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,9 +48,12 @@ class SD3TextEncodingStage(Stage):
             out = encoder(ids, output_hidden_states=True)
             pooled.append(out[0])
             sequences.append(out.hidden_states[-2])
-        t5_ids = tokenize(self.t5_tokenizer, prompts, max_sequence_length, self.t5_encoder.device)
-        t5 = self.t5_encoder(t5_ids)[0]
         clip = torch.cat(sequences, dim=-1)
+        if self.t5_encoder is None:
+            t5 = clip.new_zeros(len(prompts), max_sequence_length, self.joint_attention_dim)
+        else:
+            t5_ids = tokenize(self.t5_tokenizer, prompts, max_sequence_length, self.t5_encoder.device)
+            t5 = self.t5_encoder(t5_ids)[0]
         clip = F.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
         sequence = torch.cat([clip, t5], dim=-2)
         return sequence.to(self.output_dtype), torch.cat(pooled, dim=-1).to(self.output_dtype)
