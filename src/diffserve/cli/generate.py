@@ -7,6 +7,7 @@ import logging
 import time
 from pathlib import Path
 
+from diffserve.cli.engine_flags import add_engine_flags, engine_args_from
 from diffserve.cli.logging_setup import LEVELS
 from diffserve.errors import UserError
 
@@ -19,11 +20,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="generate images from a prompt",
         description="Generate images with a Diffusers-format model folder.",
     )
-    p.add_argument(
-        "--model-path",
-        default=None,
-        help="Diffusers model folder (with model_index.json); default: the small demo model shipped with diffserve",
-    )
+    add_engine_flags(p)
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text prompt")
     prompt.add_argument("--prompt-file", help="file with one prompt per line (blank lines skipped)")
@@ -41,9 +38,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--save-output", action=argparse.BooleanOptionalAction, default=True, help="write images to --output-path"
     )
-    p.add_argument("--device", default=None, help="platform: cpu, cuda, rocm, musa, xpu, npu, mps (default: detect)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the platform's)")
-    p.add_argument("--attention-backend", default=None, help="sdpa, flash_attn or sage_attn (default: sdpa)")
     p.add_argument("--log-level", default="info", choices=LEVELS)
     p.set_defaults(handler=run)
 
@@ -62,23 +56,11 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from diffserve.api import DiffGenerator
-    from diffserve.configs.engine_args import EngineArgs
     from diffserve.configs.sampling_params import SamplingParams
 
     start = time.perf_counter()
     prompts = _read_prompts(args)
-    from diffserve.configs.demo_model import model_path_or_demo
-
-    model_path = model_path_or_demo(args.model_path)
-    generator = DiffGenerator(
-        EngineArgs(
-            model_path=model_path,
-            device=args.device,
-            dtype=args.dtype,
-            attention_backend=args.attention_backend,
-            output_path=args.output_path,
-        )
-    )
+    generator = DiffGenerator(engine_args_from(args))
     params_list = [
         SamplingParams(
             prompt=prompt,

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 
+from diffserve.cli.engine_flags import add_engine_flags, engine_args_from
 from diffserve.cli.logging_setup import LEVELS
 
 logger = logging.getLogger("diffserve")
@@ -19,11 +20,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "GET /v1/models, /health, /health_generate, /server_info, /metrics. The model runs in its own "
         "engine process; the HTTP front end never blocks on it.",
     )
-    p.add_argument(
-        "--model-path",
-        default=None,
-        help="Diffusers model folder (with model_index.json); default: the small demo model shipped with diffserve",
-    )
+    add_engine_flags(p)
     p.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
                    help="model name(s) clients pass as 'model'; the first is what /v1/models lists "
                    "(default: the model path; its folder name is always accepted too)")
@@ -42,10 +39,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="run a 1-step generation before reporting ready (default: on)")
     p.add_argument("--output-path", default="outputs",
                    help="directory for images returned as response_format='url' (default: outputs/)")
-    p.add_argument("--device", default=None, help="platform: cpu, cuda, rocm, musa, xpu, npu, mps (default: detect)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the platform's)")
-    p.add_argument("--text-encoder-dtype", default=None, help="dtype of the text encoders (default: --dtype)")
-    p.add_argument("--attention-backend", default=None, help="sdpa, flash_attn or sage_attn (default: sdpa)")
     p.add_argument("--log-level", default="info", choices=LEVELS)
     p.set_defaults(handler=run)
 
@@ -66,25 +59,15 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from diffserve.configs.engine_args import EngineArgs
     from diffserve.loader.model_index import read_model_index
     from diffserve.server.args import ServerArgs
     from diffserve.server.runner import serve
 
     _check_args(args)
-    from diffserve.configs.demo_model import model_path_or_demo
-
-    model_path = model_path_or_demo(args.model_path)
-    read_model_index(model_path)  # a wrong path fails here, before the server starts listening
+    engine_args = engine_args_from(args)
+    read_model_index(engine_args.model_path)  # a wrong path fails here, before the server starts listening
     server_args = ServerArgs(
-        engine_args=EngineArgs(
-            model_path=model_path,
-            device=args.device,
-            dtype=args.dtype,
-            text_encoder_dtype=args.text_encoder_dtype,
-            attention_backend=args.attention_backend,
-            output_path=args.output_path,
-        ),
+        engine_args=engine_args,
         host=args.host,
         port=args.port,
         api_key=args.api_key,
