@@ -13,7 +13,7 @@ from torch import nn
 
 from diffserve.request import Req
 from diffserve.stages.base import Stage
-from diffserve.stages.text_encoding import tokenize
+from diffserve.stages.text_encoding import encode_request_prompts, tokenize
 
 
 class SD3TextEncodingStage(Stage):
@@ -59,13 +59,5 @@ class SD3TextEncodingStage(Stage):
         return sequence.to(self.output_dtype), torch.cat(pooled, dim=-1).to(self.output_dtype)
 
     def forward(self, req: Req) -> Req:
-        p = req.params
-        n = p.num_outputs_per_prompt
-        prompts = [p.prompt] + ([p.negative_prompt] if req.do_cfg else [])
-        sequence, pooled = self.encode(prompts, p.max_sequence_length)
-        req.prompt_embeds = sequence[:1].repeat(n, 1, 1)
-        req.pooled_prompt_embeds = pooled[:1].repeat(n, 1)
-        if req.do_cfg:
-            req.negative_prompt_embeds = sequence[1:].repeat(n, 1, 1)
-            req.negative_pooled_prompt_embeds = pooled[1:].repeat(n, 1)
+        encode_request_prompts(req, self.encode)
         return req

@@ -27,6 +27,22 @@ def tokenize(tokenizer, prompts: list[str], max_length: int, device: torch.devic
     return ids.to(device)
 
 
+def encode_request_prompts(req: Req, encode) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode the request's prompt (and negative prompt when it runs CFG) in one batch with
+    `encode(prompts, max_sequence_length) -> (sequence, pooled)`, and set the request's
+    positive/negative embeddings, one row per output. Returns the batch for callers that need it."""
+    p = req.params
+    n = p.num_outputs_per_prompt
+    prompts = [p.prompt] + ([p.negative_prompt] if req.do_cfg else [])
+    sequence, pooled = encode(prompts, p.max_sequence_length)
+    req.prompt_embeds = sequence[:1].repeat(n, 1, 1)
+    req.pooled_prompt_embeds = pooled[:1].repeat(n, 1)
+    if req.do_cfg:
+        req.negative_prompt_embeds = sequence[1:].repeat(n, 1, 1)
+        req.negative_pooled_prompt_embeds = pooled[1:].repeat(n, 1)
+    return sequence, pooled
+
+
 def clip_context_length(tokenizer, default: int = 77) -> int:
     """The CLIP tokenizer's context length; tokenizers without a recorded limit report a huge sentinel."""
     length = getattr(tokenizer, "model_max_length", None) or default
@@ -63,16 +79,6 @@ class TextEncodingStage(Stage):
         return sequence.to(self.output_dtype), pooled.to(self.output_dtype)
 
     def forward(self, req: Req) -> Req:
-        p = req.params
-        n = p.num_outputs_per_prompt
-        prompts = [p.prompt]
-        if req.do_cfg:
-            prompts.append(p.negative_prompt)
-        sequence, pooled = self.encode(prompts, p.max_sequence_length)
-        req.prompt_embeds = sequence[:1].repeat(n, 1, 1)
-        req.pooled_prompt_embeds = pooled[:1].repeat(n, 1)
-        if req.do_cfg:
-            req.negative_prompt_embeds = sequence[1:].repeat(n, 1, 1)
-            req.negative_pooled_prompt_embeds = pooled[1:].repeat(n, 1)
+        sequence, _ = encode_request_prompts(req, self.encode)
         req.text_ids = torch.zeros(sequence.shape[1], 3, device=sequence.device, dtype=self.output_dtype)
         return req
