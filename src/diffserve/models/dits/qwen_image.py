@@ -1,0 +1,492 @@
+"""Qwen-Image transformer (MMDiT), native, loading Diffusers `QwenImageTransformer2DModel` weights unchanged.
+
+Architecture (double-stream blocks only, no single-stream part):
+
+    x    = img_in(packed latents)                        (batch, img_seq, inner)
+    ctx  = txt_in(RMSNorm(Qwen2.5-VL states))            (batch, txt_seq, inner)
+    temb = MLP(sinusoids(1000 * t))                      (batch, inner)          one per sample
+    rope = complex tables from img_shapes and txt_seq    shared by every block
+    num_layers x block: text and image keep separate adaLN, projections and MLPs, and attend jointly
+        over [text; image] with per-head RMSNorm on q/k and 3-axis RoPE (frame, row, column)
+    out  = proj_out(adaLN(x, temb))                      (batch, img_seq, patch_size**2 * out_channels)
+
+RoPE positions: an image of (frames, h, w) patches gets frame positions starting at its index in the
+sample's image list (0 for the generated image, 1, 2, ... for edit conditioning images) and *centred*
+row/column positions -h//2 ... (h-1)//2 (rounded towards the lower side), so images of different sizes
+share a centre. Text tokens sit on the diagonal after the images: text token j has position
+`max(h//2, w//2 over the sample's images) + j` on all three axes. Padding text on the right therefore
+does not move any real token.
+
+Text padding: `encoder_hidden_states_mask` (batch, txt_seq) marks real tokens; masked keys are excluded
+from every query's attention, so padded text cannot reach the image (or the real text) tokens. This is
+what lets the engine run the positive and negative CFG branches of several requests, with different
+prompt lengths, in one forward.
+
+`zero_cond_t` (Qwen-Image-Edit-2511 style): conditioning-image tokens are modulated with the
+embedding of t = 0 (they are clean), the generated image and the text with that of the real t.
+
+Every block is conditioned through adaLN on `temb`, which has one row per sample, so one forward can
+serve requests at different timesteps (the engine's step-level batching).
+
+Differences from Diffusers: SiLU(temb) is computed once per forward instead of once per block; the
+joint attention mask is built once per forward; RoPE is applied once to the concatenated [text; image]
+q/k; the RoPE tables are computed only for the positions used (no 4096-entry table, so no 4096 limit)
+and cached per shape. Diffusers uses the first sample's `img_shapes` for the whole batch (it warns when
+they differ); here every sample gets its own positions, which only differs when a batch mixes shapes.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffserve.layers.attention import attention
+from diffserve.layers.embeddings import TimestepEmbedding
+from diffserve.layers.modulation import Modulate
+from diffserve.layers.norms import LayerNorm, RMSNorm
+from diffserve.layers.rotary import RotaryEmbedding
+from diffserve.models.config_keys import checked_config_kwargs
+from diffserve.models.dits.flux import AdaLayerNormContinuous, FeedForward
+
+#: (cos, sin) float32 half-width tables for the joint [text; image] sequence: (seq, head_dim // 2)
+#: when every sample has the same shapes, else (batch * seq, head_dim // 2), one block per sample.
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+#: (frames, height, width) of one image, in patches.
+ImageShape = tuple[int, int, int]
+
+#: Diffusers' config keys and defaults (Qwen-Image / Qwen-Image-Edit use these; Edit-2511 sets `zero_cond_t`).
+QWEN_IMAGE_CONFIG_DEFAULTS: dict[str, Any] = {
+    "patch_size": 2,
+    "in_channels": 64,
+    "out_channels": 16,
+    "num_layers": 60,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 3584,
+    "guidance_embeds": False,
+    "axes_dims_rope": (16, 56, 56),
+    "zero_cond_t": False,
+    "use_additional_t_cond": False,
+    "use_layer3d_rope": False,
+}
+
+ROPE_THETA = 10000
+NORM_EPS = 1e-6
+TIMESTEP_CHANNELS = 256
+#: Diffusers multiplies the sinusoid arguments (not the timestep) by this; see `_timestep_sinusoids`.
+TIMESTEP_SCALE = 1000
+#: Distinct (img_shapes, txt_seq, device) entries kept by the RoPE cache before it is emptied.
+ROPE_CACHE_SIZE = 64
+
+
+def _fp16_clip(x: torch.Tensor) -> torch.Tensor:
+    """Diffusers clamps both streams in fp16 so activation outliers do not become inf."""
+    return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
+
+
+def _gated_residual(residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`residual + gate * x` (gate already broadcastable), added in place into the fresh product."""
+    return (gate * x).add_(residual)
+
+
+def _timestep_sinusoids(timesteps: torch.Tensor, dim: int = TIMESTEP_CHANNELS) -> torch.Tensor:
+    """(batch,) t in [0, 1] -> (batch, dim) float32 [cos, sin] features of `1000 * t * freq`.
+
+    The factor 1000 multiplies the fp32 product `t * freq`, not `t`: that is Diffusers' rounding order
+    for Qwen-Image (`Timesteps(scale=1000)`), and at angles up to ~1e3 rad the order is visible in fp32.
+    """
+    half = dim // 2
+    exponent = -math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=timesteps.device)
+    freqs = torch.exp(exponent / half)
+    args = TIMESTEP_SCALE * (timesteps[:, None].float() * freqs[None, :])
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+class QwenTimestepEmbedding(nn.Module):
+    """temb = MLP(sinusoids(t)); a module of its own for the `time_text_embed.timestep_embedder` names."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.timestep_embedder = TimestepEmbedding(TIMESTEP_CHANNELS, dim)
+
+    def forward(self, timestep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.timestep_embedder(_timestep_sinusoids(timestep).to(dtype))
+
+
+def _axis_angles(positions: torch.Tensor, dim: int) -> torch.Tensor:
+    """(n,) int64 positions -> (n, dim // 2) float32 rotation angles of one RoPE axis.
+
+    Built exactly as Diffusers builds its table (fp32 inverse frequencies, int64 x fp32 outer product),
+    so every angle, and hence every cos/sin, is bit-identical to the reference.
+    """
+    inv_freq = 1.0 / torch.pow(ROPE_THETA, torch.arange(0, dim, 2).to(torch.float32).div(dim))
+    return torch.outer(positions, inv_freq)
+
+
+def _centred(n: int) -> torch.Tensor:
+    """Positions -(n - n//2) ... n//2 - 1: centred on the grid, one more on the negative side when n is odd."""
+    return torch.arange(-(n - n // 2), n // 2)
+
+
+class QwenImageRope(nn.Module):
+    """Qwen-Image's 3-axis RoPE tables (`scale_rope=True` layout), cached per shape; holds no tensors in the state dict.
+
+    Angles and cos/sin are computed on the CPU in float32 (as Diffusers computes its table at
+    construction, on the CPU) and moved to the target device once per cache entry, so repeated
+    denoising steps reuse the same device tensors and every device sees the reference bits.
+    """
+
+    def __init__(self, axes_dims: Sequence[int]) -> None:
+        super().__init__()
+        self.axes_dims = tuple(axes_dims)
+        self._cache: dict[tuple[Any, ...], RopeTables] = {}
+
+    def _sample_angles(self, shapes: tuple[ImageShape, ...], txt_len: int) -> torch.Tensor:
+        """(txt_len + image tokens, head_dim // 2) angles for one sample's [text; images]."""
+        d_frame, d_row, d_col = self.axes_dims
+        images = []
+        for index, (frames, height, width) in enumerate(shapes):
+            f = _axis_angles(torch.arange(index, index + frames), d_frame)
+            h = _axis_angles(_centred(height), d_row)
+            w = _axis_angles(_centred(width), d_col)
+            grid = (frames, height, width)
+            images.append(
+                torch.cat(
+                    [
+                        f[:, None, None].expand(*grid, -1),
+                        h[None, :, None].expand(*grid, -1),
+                        w[None, None, :].expand(*grid, -1),
+                    ],
+                    dim=-1,
+                ).reshape(frames * height * width, -1)
+            )
+        start = max(max(h // 2, w // 2) for _, h, w in shapes)
+        txt_pos = torch.arange(start, start + txt_len)
+        text = torch.cat([_axis_angles(txt_pos, d) for d in self.axes_dims], dim=-1)
+        return torch.cat([text, *images], dim=0)
+
+    def forward(
+        self, img_shapes: Sequence[tuple[ImageShape, ...]], txt_len: int, device: torch.device
+    ) -> RopeTables:
+        """Tables for a batch whose sample i has images `img_shapes[i]` and `txt_len` (padded) text tokens.
+
+        `img_shapes` of length 1 serves the whole batch with one (seq, head_dim // 2) table.
+        """
+        shared = all(s == img_shapes[0] for s in img_shapes)
+        samples = (img_shapes[0],) if shared else tuple(img_shapes)
+        key = (samples, int(txt_len), torch.device(device))
+        tables = self._cache.get(key)
+        if tables is None:
+            angles = torch.cat([self._sample_angles(s, int(txt_len)) for s in samples], dim=0)
+            # Diffusers rotates by polar(1, angle) in complex64; its real/imag parts are these cos/sin.
+            cis = torch.polar(torch.ones_like(angles), angles)
+            tables = (cis.real.contiguous().to(device), cis.imag.contiguous().to(device))
+            if len(self._cache) >= ROPE_CACHE_SIZE:
+                self._cache.clear()
+            self._cache[key] = tables
+        return tables
+
+
+class QwenDoubleStreamAttention(nn.Module):
+    """Joint attention over [text; image] with separate projections per stream, per-head RMSNorm on q/k and RoPE."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int) -> None:
+        super().__init__()
+        inner = num_heads * head_dim
+        self.head_dim = head_dim
+        self.to_q = nn.Linear(dim, inner)
+        self.to_k = nn.Linear(dim, inner)
+        self.to_v = nn.Linear(dim, inner)
+        self.norm_q = RMSNorm(head_dim, eps=NORM_EPS)
+        self.norm_k = RMSNorm(head_dim, eps=NORM_EPS)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
+        self.add_q_proj = nn.Linear(dim, inner)
+        self.add_k_proj = nn.Linear(dim, inner)
+        self.add_v_proj = nn.Linear(dim, inner)
+        self.norm_added_q = RMSNorm(head_dim, eps=NORM_EPS)
+        self.norm_added_k = RMSNorm(head_dim, eps=NORM_EPS)
+        self.to_add_out = nn.Linear(inner, dim)
+        self.rope = RotaryEmbedding()
+
+    def _rotate(
+        self, q: torch.Tensor, k: torch.Tensor, rope: RopeTables
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rope
+        batch, seq = q.shape[:2]
+        if cos.shape[0] == seq:
+            return self.rope(q, k, cos, sin)
+        # Per-sample tables (batch * seq rows): fold the batch into the sequence, a free view here.
+        q, k = self.rope(
+            q.reshape(1, batch * seq, *q.shape[2:]), k.reshape(1, batch * seq, *k.shape[2:]), cos, sin
+        )
+        return q.view(batch, seq, *q.shape[2:]), k.view(batch, seq, *k.shape[2:])
+
+    def forward(
+        self, x: torch.Tensor, ctx: torch.Tensor, rope: RopeTables, attn_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hd = self.head_dim
+        q = self.norm_q(self.to_q(x).unflatten(-1, (-1, hd)))
+        k = self.norm_k(self.to_k(x).unflatten(-1, (-1, hd)))
+        v = self.to_v(x).unflatten(-1, (-1, hd))
+        cq = self.norm_added_q(self.add_q_proj(ctx).unflatten(-1, (-1, hd)))
+        ck = self.norm_added_k(self.add_k_proj(ctx).unflatten(-1, (-1, hd)))
+        cv = self.add_v_proj(ctx).unflatten(-1, (-1, hd))
+        q, k = self._rotate(torch.cat([cq, q], dim=1), torch.cat([ck, k], dim=1), rope)
+        out = attention(q, k, torch.cat([cv, v], dim=1), attn_mask).flatten(2)
+        ctx_out, x_out = out.split([ctx.shape[1], x.shape[1]], dim=1)
+        # Contiguous as in Diffusers: CPU half-precision matmuls round differently on strided inputs.
+        return self.to_out[0](x_out.contiguous()), self.to_add_out(ctx_out.contiguous())
+
+
+class QwenImageTransformerBlock(nn.Module):
+    """Double-stream block. `img_mod`/`txt_mod` keep Diffusers' `Sequential(SiLU, Linear)` names; the model
+    passes SiLU(temb) precomputed, so only their Linear (`[1]`) runs here.
+    """
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.img_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.img_norm1 = LayerNorm(dim, eps=NORM_EPS, elementwise_affine=False)
+        self.attn = QwenDoubleStreamAttention(dim, num_heads, head_dim)
+        self.img_norm2 = LayerNorm(dim, eps=NORM_EPS, elementwise_affine=False)
+        self.img_mlp = FeedForward(dim)
+        self.txt_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.txt_norm1 = LayerNorm(dim, eps=NORM_EPS, elementwise_affine=False)
+        self.txt_norm2 = LayerNorm(dim, eps=NORM_EPS, elementwise_affine=False)
+        self.txt_mlp = FeedForward(dim)
+        self.modulate = Modulate()
+
+    def _modulate(
+        self, x: torch.Tensor, params: torch.Tensor, cond_tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(modulated x, gate broadcastable to x). `params` is (batch, 3 * dim) = [shift, scale, gate].
+
+        With `cond_tokens` (batch, seq) bool, `params` is (2 * batch, 3 * dim): rows [:batch] from the
+        real t and rows [batch:] from t = 0; each token picks its half.
+        """
+        shift, scale, gate = params.chunk(3, dim=-1)
+        if cond_tokens is None:
+            return self.modulate(x, scale=scale, shift=shift), gate.unsqueeze(1)
+        b = x.shape[0]
+        sel = cond_tokens.unsqueeze(-1)
+        shift, scale, gate = (torch.where(sel, p[b:, None], p[:b, None]) for p in (shift, scale, gate))
+        return (x * (1 + scale)).add_(shift), gate
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        temb_act: torch.Tensor,
+        rope: RopeTables,
+        attn_mask: torch.Tensor | None,
+        cond_tokens: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        img_params = self.img_mod[1](temb_act)
+        # With zero_cond_t, temb_act holds [real t; t = 0] rows; the text uses the real t only.
+        txt_params = self.txt_mod[1](temb_act[: x.shape[0]] if cond_tokens is not None else temb_act)
+        img_mod1, img_mod2 = img_params.chunk(2, dim=-1)
+        txt_mod1, txt_mod2 = txt_params.chunk(2, dim=-1)
+
+        norm_x, img_gate1 = self._modulate(self.img_norm1(x), img_mod1, cond_tokens)
+        norm_ctx, txt_gate1 = self._modulate(self.txt_norm1(ctx), txt_mod1)
+        attn_x, attn_ctx = self.attn(norm_x, norm_ctx, rope, attn_mask)
+        x = _gated_residual(x, img_gate1, attn_x)
+        ctx = _gated_residual(ctx, txt_gate1, attn_ctx)
+
+        ff_in, img_gate2 = self._modulate(self.img_norm2(x), img_mod2, cond_tokens)
+        x = _gated_residual(x, img_gate2, self.img_mlp(ff_in))
+        ff_in, txt_gate2 = self._modulate(self.txt_norm2(ctx), txt_mod2)
+        ctx = _gated_residual(ctx, txt_gate2, self.txt_mlp(ff_in))
+        return _fp16_clip(ctx), _fp16_clip(x)
+
+
+def _per_sample_shapes(img_shapes: Any, batch: int) -> list[tuple[ImageShape, ...]]:
+    """Normalise Diffusers' `img_shapes` to one tuple of (f, h, w) per sample (length 1 or `batch`).
+
+    Accepted, as the Diffusers pipelines pass them: a list with one entry per sample, each entry a list
+    of (f, h, w) (first the generated image, then any conditioning images) or a single (f, h, w); or a
+    bare (f, h, w) for every sample.
+    """
+
+    def is_shape(s: Any) -> bool:
+        return isinstance(s, Sequence) and len(s) == 3 and all(isinstance(v, numbers.Integral) for v in s)
+
+    if is_shape(img_shapes):
+        img_shapes = [img_shapes]
+    if not isinstance(img_shapes, Sequence) or len(img_shapes) not in (1, batch):
+        raise ValueError(
+            f"img_shapes must have one entry per sample ({batch}) or one for all, got {img_shapes!r}"
+        )
+    out = []
+    for entry in img_shapes:
+        shapes = [entry] if is_shape(entry) else list(entry)
+        if not shapes or not all(is_shape(s) for s in shapes):
+            raise ValueError(f"each img_shapes entry must be (frames, h, w) or a list of them, got {entry!r}")
+        out.append(tuple((int(f), int(h), int(w)) for f, h, w in shapes))
+    return out
+
+
+class QwenImageTransformer2DModel(nn.Module):
+    """Qwen-Image DiT with Diffusers' config keys and state-dict names.
+
+    Build it with keyword config values (or `from_config(config_json_dict)`); under
+    `torch.device("meta")` it allocates nothing, and `load_state_dict(sd, assign=True, strict=True)`
+    fills it. It holds no buffers; RoPE tables are built on first use per shape and cached.
+    """
+
+    diffusers_class_name: ClassVar[str] = "QwenImageTransformer2DModel"
+
+    def __init__(
+        self,
+        patch_size: int = 2,
+        in_channels: int = 64,
+        out_channels: int | None = 16,
+        num_layers: int = 60,
+        attention_head_dim: int = 128,
+        num_attention_heads: int = 24,
+        joint_attention_dim: int = 3584,
+        guidance_embeds: bool = False,
+        axes_dims_rope: Sequence[int] = (16, 56, 56),
+        zero_cond_t: bool = False,
+        use_additional_t_cond: bool = False,
+        use_layer3d_rope: bool = False,
+    ) -> None:
+        super().__init__()
+        if use_layer3d_rope or use_additional_t_cond:
+            raise NotImplementedError(
+                "QwenImageTransformer2DModel: the Qwen-Image-Layered options (use_layer3d_rope, "
+                "use_additional_t_cond) are not implemented natively"
+            )
+        if guidance_embeds:
+            # Diffusers builds no guidance embedder for this class and its forward fails when given
+            # guidance, so no working checkpoint sets this.
+            raise NotImplementedError("QwenImageTransformer2DModel: guidance_embeds=True is not supported")
+        axes_dims_rope = tuple(int(d) for d in axes_dims_rope)
+        if len(axes_dims_rope) != 3 or any(d % 2 for d in axes_dims_rope):
+            raise ValueError(
+                f"axes_dims_rope must be 3 even sizes (frame, row, column), got {axes_dims_rope}"
+            )
+        if sum(axes_dims_rope) != attention_head_dim:
+            raise ValueError(
+                f"axes_dims_rope {axes_dims_rope} must sum to attention_head_dim ({attention_head_dim})"
+            )
+        out_channels = out_channels or in_channels
+        self.config: dict[str, Any] = {
+            "patch_size": patch_size,
+            "in_channels": in_channels,
+            "out_channels": out_channels,
+            "num_layers": num_layers,
+            "attention_head_dim": attention_head_dim,
+            "num_attention_heads": num_attention_heads,
+            "joint_attention_dim": joint_attention_dim,
+            "guidance_embeds": guidance_embeds,
+            "axes_dims_rope": axes_dims_rope,
+            "zero_cond_t": zero_cond_t,
+            "use_additional_t_cond": use_additional_t_cond,
+            "use_layer3d_rope": use_layer3d_rope,
+        }
+        self.out_channels = out_channels
+        self.zero_cond_t = zero_cond_t
+        inner = num_attention_heads * attention_head_dim
+        self.inner_dim = inner
+
+        self.pos_embed = QwenImageRope(axes_dims_rope)
+        self.time_text_embed = QwenTimestepEmbedding(inner)
+        self.txt_norm = RMSNorm(joint_attention_dim, eps=NORM_EPS)
+        self.img_in = nn.Linear(in_channels, inner)
+        self.txt_in = nn.Linear(joint_attention_dim, inner)
+        self.transformer_blocks = nn.ModuleList(
+            [
+                QwenImageTransformerBlock(inner, num_attention_heads, attention_head_dim)
+                for _ in range(num_layers)
+            ]
+        )
+        self.norm_out = AdaLayerNormContinuous(inner)
+        self.proj_out = nn.Linear(inner, patch_size * patch_size * out_channels)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> QwenImageTransformer2DModel:
+        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
+        return cls(**checked_config_kwargs(config, QWEN_IMAGE_CONFIG_DEFAULTS, cls.diffusers_class_name))
+
+    def rope_tables(self, img_shapes: Any, txt_len: int, device: torch.device, batch: int = 1) -> RopeTables:
+        """(cos, sin) tables for [text; images]; cached, so calling it every step costs a dict lookup."""
+        return self.pos_embed(_per_sample_shapes(img_shapes, batch), txt_len, device)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_mask: torch.Tensor | None,
+        timestep: torch.Tensor,
+        img_shapes: Any,
+        guidance: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Predict the flow-matching velocity for packed latents.
+
+        Args:
+            hidden_states: packed latents (batch, img_seq, in_channels); for edit models the generated
+                image's tokens followed by the conditioning images' tokens, per `img_shapes`.
+            encoder_hidden_states: Qwen2.5-VL states (batch, txt_seq, joint_attention_dim), right-padded.
+            encoder_hidden_states_mask: (batch, txt_seq) bool/int, true/nonzero for real tokens; None when
+                no row is padded.
+            timestep: (batch,) or (1,) in [0, 1] (sigma, i.e. the scheduler's t / 1000), as Diffusers'
+                pipeline passes it; each row may differ.
+            img_shapes: per sample, a list of (frames, h, w) in patches (generated image first, then
+                conditioning images), as Diffusers' pipelines pass it; one entry serves the whole batch.
+            guidance: ignored (Qwen-Image is not guidance-distilled); accepted for call compatibility.
+
+        Returns:
+            (batch, img_seq, patch_size**2 * out_channels).
+        """
+        del guidance
+        batch, img_seq = hidden_states.shape[:2]
+        txt_seq = encoder_hidden_states.shape[1]
+        if timestep.ndim != 1 or timestep.shape[0] not in (1, batch):
+            raise ValueError(f"timestep must have shape ({batch},) or (1,), got {tuple(timestep.shape)}")
+        shapes = _per_sample_shapes(img_shapes, batch)
+        for sample in shapes:
+            tokens = sum(f * h * w for f, h, w in sample)
+            if tokens != img_seq:
+                raise ValueError(
+                    f"img_shapes {list(sample)} give {tokens} image tokens, hidden_states has {img_seq}"
+                )
+
+        x = self.img_in(hidden_states)
+        # Rounded to the activation dtype first, as Diffusers does (it matters in bf16).
+        t = timestep.to(x.dtype).expand(batch)
+        cond_tokens = None
+        if self.zero_cond_t:
+            t = torch.cat([t, t * 0])
+            n_gen = torch.tensor([math.prod(s[0]) for s in shapes], device=x.device)
+            cond_tokens = (torch.arange(img_seq, device=x.device)[None, :] >= n_gen[:, None]).expand(
+                batch, -1
+            )
+        temb_act = F.silu(self.time_text_embed(t, x.dtype))  # every adaLN projects SiLU(temb)
+        ctx = self.txt_in(self.txt_norm(encoder_hidden_states))
+
+        attn_mask = None
+        if encoder_hidden_states_mask is not None:
+            if encoder_hidden_states_mask.shape != (batch, txt_seq):
+                raise ValueError(
+                    f"encoder_hidden_states_mask must be ({batch}, {txt_seq}), "
+                    f"got {tuple(encoder_hidden_states_mask.shape)}"
+                )
+            # Key mask over [text; image], broadcast over heads and queries: image keys always visible.
+            img_keys = torch.ones(batch, img_seq, dtype=torch.bool, device=x.device)
+            attn_mask = torch.cat([encoder_hidden_states_mask.to(torch.bool), img_keys], dim=1)[
+                :, None, None, :
+            ]
+
+        rope = self.pos_embed(shapes, txt_seq, x.device)
+        for block in self.transformer_blocks:
+            ctx, x = block(x, ctx, temb_act, rope, attn_mask, cond_tokens)
+
+        x = self.norm_out(x, temb_act[:batch])
+        return self.proj_out(x)

@@ -1,0 +1,582 @@
+"""Z-Image transformer (Alibaba Tongyi), native, loading Diffusers `ZImageTransformer2DModel` weights unchanged.
+
+Architecture (single-stream DiT with per-modality refiners), for the text-to-image path:
+
+    adaln = MLP(sinusoids(t * t_scale))                        (batch, min(dim, 256))   one per sample
+    x   = x_embedder(patchify(latent_i))  + pad to SEQ_MULTI_OF with `x_pad_token`     per sample
+    n_refiner_layers x noise-refiner block (adaLN-modulated) over image tokens only
+    cap = cap_embedder(caption_i)         + pad to SEQ_MULTI_OF with `cap_pad_token`   per sample
+    n_refiner_layers x context-refiner block (no modulation) over caption tokens only
+    u   = [x_i; cap_i] per sample (padded image tokens first, then padded caption tokens)
+    n_layers x main block (adaLN-modulated) over u
+    out = unpatchify(final_layer(u_image_part, adaln))
+
+Every block is pre-norm and "sandwich"-normed: RMSNorm before and after both the attention and the
+SwiGLU MLP. The modulated blocks scale the pre-norm output by `1 + scale` (there is no shift) and gate
+the residual branch by `tanh(gate)`; the modulation vectors come straight from `adaln` (no SiLU in
+front of the block projections, unlike the final layer). Attention uses per-head RMSNorm on q/k and
+a 3-axis RoPE with complex-multiply (interleaved pair) rotation.
+
+Positions (frame/caption index, row, column): caption token j sits at (1 + j, 0, 0), the tokens that pad
+the caption to a multiple of SEQ_MULTI_OF continuing the count; image token (f, h, w) sits at
+(C + 1 + f, h, w) where C is the padded caption length; image pad tokens sit at (0, 0, 0). The in-sample
+pad tokens are real tokens (they are attended to); only the batch padding that makes samples of different
+lengths rectangular is masked out of attention.
+
+Batching: every sample has its own caption length, image size and timestep. The refiners and the main
+layers each run once over the whole batch, padded to the longest sample and masked, as Diffusers does.
+The gather indices, masks and RoPE tables depend only on the sample shapes and are cached per layout.
+
+Differences from Diffusers that do not change the numbers: the padded sequences are built with one
+gather instead of per-sample concatenation, the image-token padding is inserted after `x_embedder`
+(Diffusers embeds copies of the last patch and then overwrites them with the pad token), the final layer
+runs on the image part of the sequence only, and the batch-padding rows (masked, then discarded) hold
+other finite values than Diffusers'. Omni mode (several images per sample, SigLIP features, per-token
+noise masks) and ControlNet residuals are not implemented.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffserve.layers.attention import attention
+from diffserve.layers.embeddings import timestep_sinusoids
+from diffserve.layers.norms import LayerNorm, RMSNorm
+from diffserve.models.config_keys import checked_config_kwargs
+
+#: Diffusers' config keys and defaults (these are Z-Image-Turbo's values).
+ZIMAGE_CONFIG_DEFAULTS: dict[str, Any] = {
+    "all_patch_size": (2,),
+    "all_f_patch_size": (1,),
+    "in_channels": 16,
+    "dim": 3840,
+    "n_layers": 30,
+    "n_refiner_layers": 2,
+    "n_heads": 30,
+    "n_kv_heads": 30,
+    "norm_eps": 1e-5,
+    "qk_norm": True,
+    "cap_feat_dim": 2560,
+    "siglip_feat_dim": None,
+    "rope_theta": 256.0,
+    "t_scale": 1000.0,
+    "axes_dims": (32, 48, 48),
+    "axes_lens": (1024, 512, 512),
+}
+
+#: Sequences (image tokens, caption tokens) are padded per sample to a multiple of this.
+SEQ_MULTI_OF = 32
+#: Width of the timestep embedding that drives every adaLN projection (capped by `dim`).
+ADALN_EMBED_DIM = 256
+TIMESTEP_FREQ_DIM = 256
+TIMESTEP_MLP_DIM = 1024
+QK_NORM_EPS = 1e-5  # fixed in Diffusers, independent of `norm_eps`
+FINAL_NORM_EPS = 1e-6
+#: Layouts (gather indices, masks, RoPE tables) kept per distinct batch shape.
+LAYOUT_CACHE_SIZE = 32
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return n + (-n) % multiple
+
+
+def rope_axis_tables(
+    axes_dims: Sequence[int], axes_lens: Sequence[int], theta: float, device: torch.device
+) -> list[torch.Tensor]:
+    """Per-axis complex64 rotation tables, table[a][p] = exp(i * p * theta ** (-2k / axes_dims[a])).
+
+    The angles are formed in float64 and rounded to float32 before cos/sin are taken in float32, which is
+    how the reference builds them (so the tables match it bit for bit).
+    """
+    tables = []
+    for dim, length in zip(axes_dims, axes_lens, strict=True):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq).float()
+        tables.append(torch.polar(torch.ones_like(angles), angles).to(device))
+    return tables
+
+
+def apply_complex_rope(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (2k, 2k+1) of x (batch, seq, heads, head_dim) by cis (batch, seq, head_dim // 2).
+
+    The product runs in float32 (complex64) and is rounded back to x's dtype; the tables differ per
+    sample because each sample's image positions start after its own caption.
+    """
+    x_c = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(x_c * cis.unsqueeze(2)).flatten(3).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Everything a forward needs that depends only on the batch's shapes (cached per shape).
+
+    Gather indices read from [sample rows concatenated; pad-token row; zero row]; masks are
+    (batch, 1, 1, seq) booleans (True: attend) or None when every sample has the same length, as in
+    Diffusers (an all-true mask would select another SDPA kernel).
+    """
+
+    sizes: tuple[tuple[int, int, int], ...]  # (F, H, W) latent size per sample
+    grids: tuple[tuple[int, int, int], ...]  # (F, H, W) in patches per sample
+    image_tokens: tuple[int, ...]
+    x_index: torch.Tensor
+    x_cis: torch.Tensor
+    x_mask: torch.Tensor | None
+    cap_index: torch.Tensor
+    cap_cis: torch.Tensor
+    cap_mask: torch.Tensor | None
+    unified_index: torch.Tensor
+    unified_cis: torch.Tensor
+    unified_mask: torch.Tensor | None
+
+
+def _key_mask(lengths: Sequence[int], device: torch.device) -> torch.Tensor | None:
+    longest = max(lengths)
+    if all(n == longest for n in lengths):
+        return None
+    valid = torch.arange(longest, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+    return valid[:, None, None, :]
+
+
+def _pad_rows(rows: Sequence[torch.Tensor], length: int, fill: int | complex) -> torch.Tensor:
+    """Stack 1-D/2-D per-sample tensors along a new batch dim, padding the sequence dim with `fill`."""
+    out = rows[0].new_full((len(rows), length, *rows[0].shape[1:]), fill)
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r
+    return out
+
+
+class ZImageAttention(nn.Module):
+    """Self-attention with per-head RMSNorm on q/k and complex RoPE; no biases (`attention.*` weights)."""
+
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool) -> None:
+        super().__init__()
+        self.head_dim = dim // num_heads
+        self.to_q = nn.Linear(dim, dim, bias=False)
+        self.to_k = nn.Linear(dim, dim, bias=False)
+        self.to_v = nn.Linear(dim, dim, bias=False)
+        self.norm_q = RMSNorm(self.head_dim, eps=QK_NORM_EPS) if qk_norm else None
+        self.norm_k = RMSNorm(self.head_dim, eps=QK_NORM_EPS) if qk_norm else None
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim, bias=False)])
+
+    def forward(self, x: torch.Tensor, cis: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        q = self.to_q(x).unflatten(-1, (-1, self.head_dim))
+        k = self.to_k(x).unflatten(-1, (-1, self.head_dim))
+        v = self.to_v(x).unflatten(-1, (-1, self.head_dim))
+        if self.norm_q is not None:
+            q, k = self.norm_q(q), self.norm_k(k)
+        q, k = apply_complex_rope(q, cis), apply_complex_rope(k, cis)
+        return self.to_out[0](attention(q, k, v, attn_mask=mask).flatten(2))
+
+
+class ZImageFeedForward(nn.Module):
+    """SwiGLU MLP `w2(silu(w1 x) * w3 x)` with hidden width int(dim * 8 / 3), no biases."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        hidden = int(dim / 3 * 8)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class ZImageTransformerBlock(nn.Module):
+    """Sandwich-normed attention + SwiGLU block; with `modulation`, scaled by 1 + scale and tanh-gated from adaLN.
+
+    The context refiner uses it without modulation (captions are not conditioned on the timestep).
+    """
+
+    def __init__(self, dim: int, num_heads: int, norm_eps: float, qk_norm: bool, modulation: bool) -> None:
+        super().__init__()
+        self.attention = ZImageAttention(dim, num_heads, qk_norm)
+        self.feed_forward = ZImageFeedForward(dim)
+        self.attention_norm1 = RMSNorm(dim, eps=norm_eps)
+        self.ffn_norm1 = RMSNorm(dim, eps=norm_eps)
+        self.attention_norm2 = RMSNorm(dim, eps=norm_eps)
+        self.ffn_norm2 = RMSNorm(dim, eps=norm_eps)
+        self.modulation = modulation
+        if modulation:
+            # A Sequential of one layer only to keep Diffusers' `adaLN_modulation.0` weight names.
+            self.adaLN_modulation = nn.Sequential(nn.Linear(min(dim, ADALN_EMBED_DIM), 4 * dim))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cis: torch.Tensor,
+        mask: torch.Tensor | None,
+        adaln: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if not self.modulation:
+            x = x + self.attention_norm2(self.attention(self.attention_norm1(x), cis, mask))
+            return x + self.ffn_norm2(self.feed_forward(self.ffn_norm1(x)))
+        if adaln is None:
+            raise ValueError("a modulated Z-Image block needs the timestep embedding `adaln`")
+        scale_msa, gate_msa, scale_mlp, gate_mlp = self.adaLN_modulation(adaln).unsqueeze(1).chunk(4, dim=2)
+        scale_msa, scale_mlp = 1.0 + scale_msa, 1.0 + scale_mlp
+        gate_msa, gate_mlp = gate_msa.tanh(), gate_mlp.tanh()
+        attn = self.attention(self.attention_norm1(x) * scale_msa, cis, mask)
+        x = x + gate_msa * self.attention_norm2(attn)
+        return x + gate_mlp * self.ffn_norm2(self.feed_forward(self.ffn_norm1(x) * scale_mlp))
+
+
+class ZImageFinalLayer(nn.Module):
+    """LayerNorm scaled by 1 + Linear(SiLU(adaln)), then the projection to patch pixels."""
+
+    def __init__(self, dim: int, out_features: int) -> None:
+        super().__init__()
+        self.norm_final = LayerNorm(dim, eps=FINAL_NORM_EPS, elementwise_affine=False)
+        self.linear = nn.Linear(dim, out_features)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(min(dim, ADALN_EMBED_DIM), dim))
+
+    def forward(self, x: torch.Tensor, adaln: torch.Tensor) -> torch.Tensor:
+        scale = 1.0 + self.adaLN_modulation(adaln)
+        return self.linear(self.norm_final(x) * scale.unsqueeze(1))
+
+
+class ZImageTimestepEmbedder(nn.Module):
+    """MLP (256 -> 1024 -> out, SiLU) on [cos, sin] timestep sinusoids; `mlp.{0,2}` weight names."""
+
+    def __init__(self, out_dim: int) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(
+            nn.Linear(TIMESTEP_FREQ_DIM, TIMESTEP_MLP_DIM), nn.SiLU(), nn.Linear(TIMESTEP_MLP_DIM, out_dim)
+        )
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        freqs = timestep_sinusoids(t, TIMESTEP_FREQ_DIM, flip_sin_to_cos=True)
+        return self.mlp(freqs.to(self.mlp[0].weight.dtype))
+
+
+class ZImageTransformer2DModel(nn.Module):
+    """Z-Image DiT with Diffusers' config keys and state-dict names (text-to-image path).
+
+    Build it with keyword config values (or `from_config(config_json_dict)`); under
+    `torch.device("meta")` it allocates nothing, and `load_state_dict(sd, assign=True, strict=True)`
+    fills it. It holds no buffers; RoPE tables and batch layouts are computed on first use per device
+    and shape.
+    """
+
+    diffusers_class_name: ClassVar[str] = "ZImageTransformer2DModel"
+
+    def __init__(
+        self,
+        all_patch_size: Sequence[int] = (2,),
+        all_f_patch_size: Sequence[int] = (1,),
+        in_channels: int = 16,
+        dim: int = 3840,
+        n_layers: int = 30,
+        n_refiner_layers: int = 2,
+        n_heads: int = 30,
+        n_kv_heads: int = 30,
+        norm_eps: float = 1e-5,
+        qk_norm: bool = True,
+        cap_feat_dim: int = 2560,
+        siglip_feat_dim: int | None = None,
+        rope_theta: float = 256.0,
+        t_scale: float = 1000.0,
+        axes_dims: Sequence[int] = (32, 48, 48),
+        axes_lens: Sequence[int] = (1024, 512, 512),
+    ) -> None:
+        super().__init__()
+        all_patch_size = tuple(int(p) for p in all_patch_size)
+        all_f_patch_size = tuple(int(p) for p in all_f_patch_size)
+        axes_dims = tuple(int(d) for d in axes_dims)
+        axes_lens = tuple(int(n) for n in axes_lens)
+        if siglip_feat_dim is not None:
+            raise ValueError(
+                "ZImageTransformer2DModel: siglip_feat_dim is set, i.e. this is a Z-Image Omni checkpoint "
+                "(SigLIP image conditioning); only the text-to-image model is implemented natively"
+            )
+        if len(all_patch_size) != len(all_f_patch_size):
+            raise ValueError(
+                f"all_patch_size {all_patch_size} and all_f_patch_size {all_f_patch_size} differ in length"
+            )
+        if dim % n_heads:
+            raise ValueError(f"dim ({dim}) must be divisible by n_heads ({n_heads})")
+        head_dim = dim // n_heads
+        if sum(axes_dims) != head_dim:
+            raise ValueError(f"axes_dims {axes_dims} must sum to the head dim dim // n_heads ({head_dim})")
+        if any(d % 2 for d in axes_dims):
+            raise ValueError(f"every entry of axes_dims must be even, got {axes_dims}")
+        if len(axes_lens) != len(axes_dims) or len(axes_dims) != 3:
+            raise ValueError(f"axes_dims {axes_dims} and axes_lens {axes_lens} must both have 3 entries")
+        # `n_kv_heads` is accepted and ignored, as in Diffusers: keys and values always have n_heads heads.
+        self.config: dict[str, Any] = {
+            "all_patch_size": all_patch_size,
+            "all_f_patch_size": all_f_patch_size,
+            "in_channels": in_channels,
+            "dim": dim,
+            "n_layers": n_layers,
+            "n_refiner_layers": n_refiner_layers,
+            "n_heads": n_heads,
+            "n_kv_heads": n_kv_heads,
+            "norm_eps": norm_eps,
+            "qk_norm": qk_norm,
+            "cap_feat_dim": cap_feat_dim,
+            "siglip_feat_dim": siglip_feat_dim,
+            "rope_theta": rope_theta,
+            "t_scale": t_scale,
+            "axes_dims": axes_dims,
+            "axes_lens": axes_lens,
+        }
+        self.in_channels = in_channels
+        self.out_channels = in_channels
+        self.dim = dim
+        self.t_scale = t_scale
+        self.rope_theta = rope_theta
+        self.axes_dims = axes_dims
+        self.axes_lens = axes_lens
+
+        patch_keys = [f"{p}-{f}" for p, f in zip(all_patch_size, all_f_patch_size, strict=True)]
+        self.all_x_embedder = nn.ModuleDict(
+            {
+                k: nn.Linear(f * p * p * in_channels, dim)
+                for k, p, f in zip(patch_keys, all_patch_size, all_f_patch_size, strict=True)
+            }
+        )
+        self.all_final_layer = nn.ModuleDict(
+            {
+                k: ZImageFinalLayer(dim, p * p * f * in_channels)
+                for k, p, f in zip(patch_keys, all_patch_size, all_f_patch_size, strict=True)
+            }
+        )
+        self.noise_refiner = nn.ModuleList(
+            [ZImageTransformerBlock(dim, n_heads, norm_eps, qk_norm, True) for _ in range(n_refiner_layers)]
+        )
+        self.context_refiner = nn.ModuleList(
+            [ZImageTransformerBlock(dim, n_heads, norm_eps, qk_norm, False) for _ in range(n_refiner_layers)]
+        )
+        self.t_embedder = ZImageTimestepEmbedder(min(dim, ADALN_EMBED_DIM))
+        self.cap_embedder = nn.Sequential(RMSNorm(cap_feat_dim, eps=norm_eps), nn.Linear(cap_feat_dim, dim))
+        self.x_pad_token = nn.Parameter(torch.zeros((1, dim)))
+        self.cap_pad_token = nn.Parameter(torch.zeros((1, dim)))
+        self.layers = nn.ModuleList(
+            [ZImageTransformerBlock(dim, n_heads, norm_eps, qk_norm, True) for _ in range(n_layers)]
+        )
+        self._rope_tables: dict[torch.device, list[torch.Tensor]] = {}
+        self._layouts: dict[tuple, _Layout] = {}
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> ZImageTransformer2DModel:
+        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
+        return cls(**checked_config_kwargs(config, ZIMAGE_CONFIG_DEFAULTS, cls.diffusers_class_name))
+
+    # ----------------------------------------------------------------------------------------- layout
+
+    def _rope(self, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """(seq, 3) integer positions (on the CPU) -> (seq, head_dim // 2) complex64 rotations on `device`."""
+        for axis, length in enumerate(self.axes_lens):
+            top = int(ids[:, axis].max())
+            if top >= length:
+                raise ValueError(
+                    f"RoPE position {top} on axis {axis} exceeds axes_lens[{axis}] = {length}: "
+                    "the caption is too long or the image too large for this model"
+                )
+        if device not in self._rope_tables:
+            self._rope_tables[device] = rope_axis_tables(
+                self.axes_dims, self.axes_lens, self.rope_theta, device
+            )
+        tables = self._rope_tables[device]
+        ids = ids.to(device)
+        return torch.cat([tables[a][ids[:, a]] for a in range(len(tables))], dim=-1)
+
+    def batch_layout(
+        self,
+        sizes: Sequence[tuple[int, int, int]],
+        caption_lengths: Sequence[int],
+        patch_size: int,
+        f_patch_size: int,
+        device: torch.device,
+    ) -> _Layout:
+        """Gather indices, attention masks and RoPE tables for a batch shape (cached; cheap to call)."""
+        key = (tuple(sizes), tuple(caption_lengths), patch_size, f_patch_size, device)
+        layout = self._layouts.get(key)
+        if layout is None:
+            if len(self._layouts) >= LAYOUT_CACHE_SIZE:
+                self._layouts.pop(next(iter(self._layouts)))
+            layout = self._build_layout(sizes, caption_lengths, patch_size, f_patch_size, device)
+            self._layouts[key] = layout
+        return layout
+
+    def _build_layout(
+        self,
+        sizes: Sequence[tuple[int, int, int]],
+        caption_lengths: Sequence[int],
+        patch_size: int,
+        f_patch_size: int,
+        device: torch.device,
+    ) -> _Layout:
+        grids, image_tokens, image_padded, cap_padded = [], [], [], []
+        x_ids, cap_ids = [], []
+        for (f, h, w), n_cap in zip(sizes, caption_lengths, strict=True):
+            if f % f_patch_size or h % patch_size or w % patch_size:
+                raise ValueError(
+                    f"latent size (F={f}, H={h}, W={w}) is not divisible by the patch size "
+                    f"(f_patch_size={f_patch_size}, patch_size={patch_size})"
+                )
+            grid = (f // f_patch_size, h // patch_size, w // patch_size)
+            n_img = grid[0] * grid[1] * grid[2]
+            cap_len = _round_up(n_cap, SEQ_MULTI_OF)
+            img_len = _round_up(n_img, SEQ_MULTI_OF)
+            grids.append(grid)
+            image_tokens.append(n_img)
+            image_padded.append(img_len)
+            cap_padded.append(cap_len)
+
+            ids = torch.zeros(cap_len, 3, dtype=torch.long)
+            ids[:, 0] = torch.arange(1, cap_len + 1)
+            cap_ids.append(ids)
+            axes = [torch.arange(n) for n in grid]
+            axes[0] = axes[0] + cap_len + 1
+            ids = torch.zeros(img_len, 3, dtype=torch.long)  # pad tokens stay at (0, 0, 0)
+            ids[:n_img] = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(n_img, 3)
+            x_ids.append(ids)
+
+        batch = len(sizes)
+        x_len, c_len = max(image_padded), max(cap_padded)
+        unified_lengths = [a + b for a, b in zip(image_padded, cap_padded, strict=True)]
+        u_len = max(unified_lengths)
+
+        def padded_index(real: Sequence[int], padded: Sequence[int], longest: int) -> torch.Tensor:
+            # Rows of [real tokens of all samples; pad token; zero]: sample i's token j, else pad, else zero.
+            total = sum(real)
+            index = torch.full((batch, longest), total + 1, dtype=torch.long)
+            start = 0
+            for i, (n, p) in enumerate(zip(real, padded, strict=True)):
+                index[i, :n] = torch.arange(start, start + n)
+                index[i, n:p] = total
+                start += n
+            return index
+
+        # Unified rows come from [x (batch * x_len); cap (batch * c_len); zero].
+        unified_index = torch.full((batch, u_len), batch * (x_len + c_len), dtype=torch.long)
+        for i, (a, b) in enumerate(zip(image_padded, cap_padded, strict=True)):
+            unified_index[i, :a] = torch.arange(i * x_len, i * x_len + a)
+            unified_index[i, a : a + b] = torch.arange(
+                batch * x_len + i * c_len, batch * x_len + i * c_len + b
+            )
+
+        x_cis = [self._rope(ids, device) for ids in x_ids]
+        cap_cis = [self._rope(ids, device) for ids in cap_ids]
+        unified_cis = [torch.cat([a, b]) for a, b in zip(x_cis, cap_cis, strict=True)]
+        return _Layout(
+            sizes=tuple(tuple(s) for s in sizes),
+            grids=tuple(grids),
+            image_tokens=tuple(image_tokens),
+            x_index=padded_index(image_tokens, image_padded, x_len).to(device),
+            x_cis=_pad_rows(x_cis, x_len, 0),
+            x_mask=_key_mask(image_padded, device),
+            cap_index=padded_index(caption_lengths, cap_padded, c_len).to(device),
+            cap_cis=_pad_rows(cap_cis, c_len, 0),
+            cap_mask=_key_mask(cap_padded, device),
+            unified_index=unified_index.to(device),
+            unified_cis=_pad_rows(unified_cis, u_len, 0),
+            unified_mask=_key_mask(unified_lengths, device),
+        )
+
+    # ---------------------------------------------------------------------------------------- forward
+
+    def forward(
+        self,
+        x: Sequence[torch.Tensor],
+        t: torch.Tensor,
+        cap_feats: Sequence[torch.Tensor],
+        patch_size: int = 2,
+        f_patch_size: int = 1,
+    ) -> list[torch.Tensor]:
+        """Predict one output latent per sample (the pipeline negates it to get the flow velocity).
+
+        Args:
+            x: per-sample latents, each (in_channels, F, H, W) (F = 1 for images); sizes may differ.
+            t: (batch,) or (1,) denoising progress in [0, 1] as `ZImagePipeline` passes it:
+                t = (1000 - scheduler_timestep) / 1000 = 1 - sigma, so 0 is pure noise and 1 is clean.
+                Multiplied by `t_scale` (1000) here. Rows may be at different steps.
+            cap_feats: per-sample caption features, each (len_i, cap_feat_dim); lengths may differ.
+            patch_size, f_patch_size: spatial and temporal patch size; the pair must be one the config
+                lists (`all_patch_size`/`all_f_patch_size`).
+
+        Returns:
+            list of per-sample tensors shaped like the corresponding `x[i]` (in_channels, F, H, W).
+        """
+        key = f"{patch_size}-{f_patch_size}"
+        if key not in self.all_x_embedder:
+            raise ValueError(
+                f"patch_size={patch_size}, f_patch_size={f_patch_size} is not one of this model's patch "
+                f"sizes {sorted(self.all_x_embedder.keys())}"
+            )
+        if not x or any(not isinstance(xi, torch.Tensor) for xi in x):
+            raise TypeError(
+                "x must be a non-empty list of per-sample latent tensors (C, F, H, W); nested lists "
+                "(Z-Image Omni) are not supported"
+            )
+        batch = len(x)
+        if len(cap_feats) != batch:
+            raise ValueError(f"got {batch} latents but {len(cap_feats)} caption feature tensors")
+        for xi in x:
+            if xi.ndim != 4 or xi.shape[0] != self.in_channels:
+                raise ValueError(f"each latent must be ({self.in_channels}, F, H, W), got {tuple(xi.shape)}")
+        for ci in cap_feats:
+            if ci.ndim != 2 or ci.shape[0] == 0:
+                raise ValueError(
+                    f"each caption feature tensor must be (len > 0, cap_feat_dim), got {tuple(ci.shape)}"
+                )
+        if t.ndim != 1 or t.shape[0] not in (1, batch):
+            raise ValueError(f"t must have shape ({batch},) or (1,), got {tuple(t.shape)}")
+
+        device = x[0].device
+        layout = self.batch_layout(
+            [tuple(xi.shape[1:]) for xi in x],
+            [ci.shape[0] for ci in cap_feats],
+            patch_size,
+            f_patch_size,
+            device,
+        )
+        adaln = self.t_embedder(t * self.t_scale).type_as(x[0])
+
+        # Image tokens: patchify each sample to (tokens, pF * pH * pW * C) in (f, h, w) order, embed all at once.
+        patches = [
+            xi.reshape(xi.shape[0], gf, f_patch_size, gh, patch_size, gw, patch_size)
+            .permute(1, 3, 5, 2, 4, 6, 0)
+            .reshape(gf * gh * gw, -1)
+            for xi, (gf, gh, gw) in zip(x, layout.grids, strict=True)
+        ]
+        img = self.all_x_embedder[key](torch.cat(patches))
+        img = torch.cat([img, self.x_pad_token.to(img.dtype), img.new_zeros(1, img.shape[1])])[layout.x_index]
+        for block in self.noise_refiner:
+            img = block(img, layout.x_cis, layout.x_mask, adaln)
+
+        cap = self.cap_embedder(torch.cat(list(cap_feats)))
+        cap = torch.cat([cap, self.cap_pad_token.to(cap.dtype), cap.new_zeros(1, cap.shape[1])])[
+            layout.cap_index
+        ]
+        for block in self.context_refiner:
+            cap = block(cap, layout.cap_cis, layout.cap_mask)
+
+        h = torch.cat([img.flatten(0, 1), cap.flatten(0, 1), img.new_zeros(1, img.shape[-1])])[
+            layout.unified_index
+        ]
+        for block in self.layers:
+            h = block(h, layout.unified_cis, layout.unified_mask, adaln)
+
+        # Image tokens come first in every sample, so the final layer needs only the leading rows.
+        out = self.all_final_layer[key](h[:, : max(layout.image_tokens)], adaln)
+        c = self.out_channels
+        results = []
+        for i, ((f, hh, w), (gf, gh, gw), n) in enumerate(
+            zip(layout.sizes, layout.grids, layout.image_tokens, strict=True)
+        ):
+            results.append(
+                out[i, :n]
+                .view(gf, gh, gw, f_patch_size, patch_size, patch_size, c)
+                .permute(6, 0, 3, 1, 4, 2, 5)
+                .reshape(c, f, hh, w)
+            )
+        return results

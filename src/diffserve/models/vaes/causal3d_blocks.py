@@ -1,0 +1,348 @@
+"""Building blocks of the causal 3-D convolutional VAE (Wan 2.1 VAE, and Qwen-Image's fine-tune of it).
+
+Every convolution that looks along time is *causal*: output frame t sees input frames <= t only
+(the kernel's temporal padding all goes in front). That lets a clip be encoded or decoded a chunk of
+frames at a time, which keeps memory bounded for long videos: each causal conv remembers the last
+`CACHE_FRAMES` frames of its input from the previous chunk and puts them in front of the next one,
+so chunked processing gives the same result as processing the whole clip with that padding.
+
+That memory lives in a `CausalCache` created for one clip and passed down explicitly; each layer
+keys its entry by itself. (Diffusers keeps a flat list and a shared running index instead; the
+values stored and read are the same, so the numbers are too.)
+
+Layout: activations are (batch, channels, frames, height, width). Spatial-only pieces (up/down
+sampling convs, attention) fold frames into the batch and run 2-D ops per frame.
+
+Module and parameter names follow Diffusers (`resnets.0.norm1.gamma`, `resample.1.weight`,
+`time_conv.weight`, `to_qkv`, `proj`) so checkpoints load with `strict=True` and no renaming.
+Only inference is kept: no dropout, no gradient checkpointing. Nothing is computed from parameter
+values at construction, so everything builds on the meta device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import pairwise
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffserve.layers.attention import attention
+
+#: Frames of input each causal conv keeps for the next chunk: a temporal kernel of 3 needs 2.
+CACHE_FRAMES = 2
+
+
+class CausalCache:
+    """What every causal layer remembers of the previous chunk of one clip; start a new one per clip.
+
+    An entry can exist with value None: the layer has seen the clip's first chunk but keeps no
+    frames yet (the temporal upsampler uses that to tell "first chunk" from "later chunk").
+    """
+
+    def __init__(self) -> None:
+        self._frames: dict[nn.Module, torch.Tensor | None] = {}
+
+    def __contains__(self, layer: nn.Module) -> bool:
+        return layer in self._frames
+
+    def get(self, layer: nn.Module) -> torch.Tensor | None:
+        return self._frames.get(layer)
+
+    def put(self, layer: nn.Module, frames: torch.Tensor | None) -> None:
+        self._frames[layer] = frames
+
+
+def _per_frame(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Run a 2-D module on every frame: (B, C, T, H, W) -> (B*T, C, H, W) -> module -> (B, C', T, H', W')."""
+    b, c, t, h, w = x.shape
+    y = module(x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w))
+    return y.view(b, t, *y.shape[1:]).permute(0, 2, 1, 3, 4)
+
+
+class CausalConv3d(nn.Conv3d):
+    """3-D conv whose temporal padding is all in front; with a cache, the front comes from the last chunk.
+
+    Spatial padding is symmetric zeros, applied with `F.pad` together with the temporal one (as
+    Diffusers does, so the convolution sees the very same padded tensor).
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | tuple[int, int, int],
+        stride: int | tuple[int, int, int] = 1,
+        padding: int | tuple[int, int, int] = 0,
+    ) -> None:
+        super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=0)
+        pad_t, pad_h, pad_w = (padding,) * 3 if isinstance(padding, int) else padding
+        self.time_pad = 2 * pad_t
+        self.space_pad = (pad_w, pad_w, pad_h, pad_h)
+
+    def forward(self, x: torch.Tensor, cache: CausalCache | None = None) -> torch.Tensor:
+        time_pad = self.time_pad
+        if cache is not None and time_pad > 0:
+            previous = cache.get(self)
+            cache.put(self, self._frames_to_keep(x, previous))
+            if previous is not None:
+                x = torch.cat([previous, x], dim=2)
+                time_pad -= previous.shape[2]
+        if time_pad or any(self.space_pad):
+            x = F.pad(x, (*self.space_pad, time_pad, 0))
+        return super().forward(x)
+
+    @staticmethod
+    def _frames_to_keep(x: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+        """The last CACHE_FRAMES input frames, topped up from the previous chunk when this one is shorter."""
+        tail = x[:, :, -CACHE_FRAMES:]
+        if tail.shape[2] < CACHE_FRAMES and previous is not None:
+            return torch.cat([previous[:, :, -1:], tail], dim=2)
+        # A copy: the caller's tensor must not be kept alive (or be changed under us) through a view.
+        return tail.clone()
+
+
+class ChannelRMSNorm(nn.Module):
+    """L2-normalise over channels (dim 1), times sqrt(channels) and a learned per-channel gain `gamma`.
+
+    This equals RMS normalisation with the epsilon applied to the norm rather than the mean square
+    (`F.normalize`'s 1e-12); half-precision inputs are normalised in fp32 and rounded back, as in Diffusers.
+    `spatial_dims` is how many trailing dims follow the channels (3 for video, 2 for per-frame images);
+    it only shapes `gamma` so the checkpoint tensor loads as is.
+    """
+
+    def __init__(self, dim: int, spatial_dims: int) -> None:
+        super().__init__()
+        self.scale = dim**0.5
+        self.gamma = nn.Parameter(torch.ones(dim, *([1] * spatial_dims)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        upcast = x.dtype in (torch.float16, torch.bfloat16) or str(x.dtype).startswith(
+            ("torch.float8", "torch.float4")
+        )
+        normalized = F.normalize(x.float() if upcast else x, dim=1).to(x.dtype)
+        return normalized * self.scale * self.gamma
+
+
+class ResidualBlock(nn.Module):
+    """(RMSNorm, SiLU, causal 3x3x3 conv) twice, plus a 1x1x1 shortcut when the width changes."""
+
+    def __init__(self, in_dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.norm1 = ChannelRMSNorm(in_dim, spatial_dims=3)
+        self.conv1 = CausalConv3d(in_dim, out_dim, 3, padding=1)
+        self.norm2 = ChannelRMSNorm(out_dim, spatial_dims=3)
+        self.conv2 = CausalConv3d(out_dim, out_dim, 3, padding=1)
+        self.conv_shortcut = CausalConv3d(in_dim, out_dim, 1) if in_dim != out_dim else None
+
+    def forward(self, x: torch.Tensor, cache: CausalCache) -> torch.Tensor:
+        shortcut = x if self.conv_shortcut is None else self.conv_shortcut(x)
+        # The norms return fresh tensors, so SiLU may overwrite them (the convs cache copies, not views).
+        h = self.conv1(F.silu(self.norm1(x), inplace=True), cache)
+        h = self.conv2(F.silu(self.norm2(h), inplace=True), cache)
+        return h + shortcut
+
+
+class AttentionBlock(nn.Module):
+    """Single-head self-attention over the pixels of each frame (no attention across time), residual.
+
+    Attention never mixes frames, so it needs no cache; `cache` is accepted only so every encoder
+    layer has the same call signature.
+    """
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = ChannelRMSNorm(dim, spatial_dims=2)
+        self.to_qkv = nn.Conv2d(dim, dim * 3, 1)
+        self.proj = nn.Conv2d(dim, dim, 1)
+
+    def forward(self, x: torch.Tensor, cache: CausalCache | None = None) -> torch.Tensor:
+        # Attention output first: the sum then takes its (frame-major) memory layout, as in Diffusers,
+        # and the convolutions after it round the same way.
+        return _per_frame(self._attend, x) + x
+
+    def _attend(self, frames: torch.Tensor) -> torch.Tensor:
+        n, c, h, w = frames.shape
+        qkv = self.to_qkv(self.norm(frames)).flatten(2).transpose(1, 2).contiguous()  # (n, h*w, 3c)
+        q, k, v = (t.unsqueeze(2) for t in qkv.chunk(3, dim=-1))  # (n, h*w, 1 head, c)
+        out = attention(q, k, v).flatten(2)  # (n, h*w, c)
+        return self.proj(out.transpose(1, 2).reshape(n, c, h, w))
+
+
+class MidBlock(nn.Module):
+    """resnet -> attention -> resnet at the lowest resolution."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList([ResidualBlock(dim, dim), ResidualBlock(dim, dim)])
+        self.attentions = nn.ModuleList([AttentionBlock(dim)])
+
+    def forward(self, x: torch.Tensor, cache: CausalCache) -> torch.Tensor:
+        x = self.resnets[0](x, cache)
+        x = self.attentions[0](x)
+        return self.resnets[1](x, cache)
+
+
+class _NearestUpsample2x(nn.Module):
+    """2x nearest-neighbour upsampling, computed in fp32 and rounded back (as Diffusers does)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.interpolate(x.float(), scale_factor=(2.0, 2.0), mode="nearest-exact").type_as(x)
+
+
+class Upsample(nn.Module):
+    """2x spatial upsampling that halves the width; with `temporal`, frames are doubled first.
+
+    Temporal doubling: a causal (3, 1, 1) conv makes two channel groups per frame, interleaved into
+    two frames. The clip's first frame is not doubled (a video of 1 + 4k frames has latents of
+    1 + k frames), so the first chunk skips the conv and only marks the cache.
+    """
+
+    def __init__(self, dim: int, temporal: bool) -> None:
+        super().__init__()
+        # Sequential only for the Diffusers name `resample.1` of the conv.
+        self.resample = nn.Sequential(_NearestUpsample2x(), nn.Conv2d(dim, dim // 2, 3, padding=1))
+        self.time_conv = CausalConv3d(dim, dim * 2, (3, 1, 1), padding=(1, 0, 0)) if temporal else None
+
+    def forward(self, x: torch.Tensor, cache: CausalCache) -> torch.Tensor:
+        if self.time_conv is not None:
+            x = self._double_frames(x, cache)
+        return _per_frame(self.resample, x)
+
+    def _double_frames(self, x: torch.Tensor, cache: CausalCache) -> torch.Tensor:
+        if self.time_conv not in cache:
+            cache.put(self.time_conv, None)
+            return x
+        b, c, t, h, w = x.shape
+        pairs = self.time_conv(x, cache).view(b, 2, c, t, h, w)
+        # (b, 2, c, t, ...) -> (b, c, t, 2, ...): frame i becomes frames 2i (group 0) and 2i + 1 (group 1).
+        return pairs.permute(0, 2, 3, 1, 4, 5).reshape(b, c, t * 2, h, w)
+
+
+class Downsample(nn.Module):
+    """Stride-2 spatial downsampling (pad bottom/right, 3x3 conv); with `temporal`, also stride 2 in time.
+
+    Temporal: a (3, 1, 1) stride-2 conv over [last frame of the previous chunk, this chunk]. The
+    clip's first chunk (its first frame) passes through unchanged and is only remembered.
+    """
+
+    def __init__(self, dim: int, temporal: bool) -> None:
+        super().__init__()
+        # Sequential only for the Diffusers name `resample.1` of the conv.
+        self.resample = nn.Sequential(nn.ZeroPad2d((0, 1, 0, 1)), nn.Conv2d(dim, dim, 3, stride=(2, 2)))
+        self.time_conv = CausalConv3d(dim, dim, (3, 1, 1), stride=(2, 1, 1)) if temporal else None
+
+    def forward(self, x: torch.Tensor, cache: CausalCache) -> torch.Tensor:
+        x = _per_frame(self.resample, x)
+        if self.time_conv is None:
+            return x
+        previous = cache.get(self.time_conv)
+        cache.put(self.time_conv, x[:, :, -1:].clone())
+        if previous is None:
+            return x
+        return self.time_conv(torch.cat([previous, x], dim=2))
+
+
+class UpBlock(nn.Module):
+    """`num_res_blocks + 1` residual blocks, then an optional `Upsample` (which halves the width)."""
+
+    def __init__(self, in_dim: int, out_dim: int, num_res_blocks: int, upsample: str | None) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList(
+            ResidualBlock(in_dim if i == 0 else out_dim, out_dim) for i in range(num_res_blocks + 1)
+        )
+        self.upsamplers = (
+            None if upsample is None else nn.ModuleList([Upsample(out_dim, temporal=upsample == "temporal")])
+        )
+
+    def forward(self, x: torch.Tensor, cache: CausalCache) -> torch.Tensor:
+        for resnet in self.resnets:
+            x = resnet(x, cache)
+        if self.upsamplers is not None:
+            x = self.upsamplers[0](x, cache)
+        return x
+
+
+class Encoder3d(nn.Module):
+    """Video (B, in_channels, T, H, W) -> (B, out_channels, 1 + (T - 1) / 2^k, H / 2^n, W / 2^n).
+
+    n = len(dim_mult) - 1 downsamplings, k of them temporal (`temporal_downsample`). `down_blocks` is
+    one flat list (residual blocks, optional attention at `attn_scales`, downsamplers), as in Diffusers.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        dim: int,
+        dim_mult: Sequence[int],
+        num_res_blocks: int,
+        attn_scales: Sequence[float],
+        temporal_downsample: Sequence[bool],
+    ) -> None:
+        super().__init__()
+        dims = [dim * m for m in (1, *dim_mult)]
+        self.conv_in = CausalConv3d(in_channels, dims[0], 3, padding=1)
+        layers: list[nn.Module] = []
+        scale = 1.0
+        for level, (in_dim, out_dim) in enumerate(pairwise(dims)):
+            for _ in range(num_res_blocks):
+                layers.append(ResidualBlock(in_dim, out_dim))
+                if scale in attn_scales:
+                    layers.append(AttentionBlock(out_dim))
+                in_dim = out_dim
+            if level != len(dim_mult) - 1:
+                layers.append(Downsample(out_dim, temporal=temporal_downsample[level]))
+                scale /= 2.0
+        self.down_blocks = nn.ModuleList(layers)
+        self.mid_block = MidBlock(dims[-1])
+        self.norm_out = ChannelRMSNorm(dims[-1], spatial_dims=3)
+        self.conv_out = CausalConv3d(dims[-1], out_channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, cache: CausalCache) -> torch.Tensor:
+        x = self.conv_in(x, cache)
+        for layer in self.down_blocks:
+            x = layer(x, cache)
+        x = self.mid_block(x, cache)
+        return self.conv_out(F.silu(self.norm_out(x), inplace=True), cache)
+
+
+class Decoder3d(nn.Module):
+    """Latents (B, z_dim, t, h, w) -> video (B, out_channels, 1 + (t - 1) * 2^k, h * 2^n, w * 2^n).
+
+    Mirrors the encoder. Each upsampler halves the width, so every up block after the first starts
+    at half the previous block's width.
+    """
+
+    def __init__(
+        self,
+        z_dim: int,
+        out_channels: int,
+        dim: int,
+        dim_mult: Sequence[int],
+        num_res_blocks: int,
+        temporal_upsample: Sequence[bool],
+    ) -> None:
+        super().__init__()
+        dims = [dim * m for m in (dim_mult[-1], *reversed(dim_mult))]
+        self.conv_in = CausalConv3d(z_dim, dims[0], 3, padding=1)
+        self.mid_block = MidBlock(dims[0])
+        blocks = []
+        for level, (in_dim, out_dim) in enumerate(pairwise(dims)):
+            if level > 0:
+                in_dim //= 2
+            upsample = None
+            if level != len(dim_mult) - 1:
+                upsample = "temporal" if temporal_upsample[level] else "spatial"
+            blocks.append(UpBlock(in_dim, out_dim, num_res_blocks, upsample))
+        self.up_blocks = nn.ModuleList(blocks)
+        self.norm_out = ChannelRMSNorm(dims[-1], spatial_dims=3)
+        self.conv_out = CausalConv3d(dims[-1], out_channels, 3, padding=1)
+
+    def forward(self, z: torch.Tensor, cache: CausalCache) -> torch.Tensor:
+        x = self.conv_in(z, cache)
+        x = self.mid_block(x, cache)
+        for block in self.up_blocks:
+            x = block(x, cache)
+        return self.conv_out(F.silu(self.norm_out(x), inplace=True), cache)
