@@ -10,12 +10,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from diffserve.configs.flux import FluxPipelineConfig, flux_default_sampling_params
+from diffserve.configs.qwen_image import (
+    QwenImageEditPipelineConfig,
+    QwenImagePipelineConfig,
+    qwen_image_default_sampling_params,
+)
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.sd3 import SD3PipelineConfig, sd3_default_sampling_params
+from diffserve.configs.z_image import ZImagePipelineConfig, z_image_default_sampling_params
 from diffserve.errors import ModelLoadError
 from diffserve.pipelines.base import Pipeline
 from diffserve.pipelines.flux import FluxPipeline
+from diffserve.pipelines.qwen_image import QwenImageEditPipeline, QwenImagePipeline
 from diffserve.pipelines.sd3 import SD3Pipeline
+from diffserve.pipelines.z_image import ZImagePipeline
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,30 @@ REGISTRY: dict[str, ModelFamily] = {
         pipeline_cls=SD3Pipeline,
         pipeline_config=SD3PipelineConfig(),
         default_sampling_params=sd3_default_sampling_params,
+        task="text-to-image",
+    ),
+    "QwenImagePipeline": ModelFamily(
+        name="qwen-image",
+        diffusers_pipeline="QwenImagePipeline",
+        pipeline_cls=QwenImagePipeline,
+        pipeline_config=QwenImagePipelineConfig(),
+        default_sampling_params=qwen_image_default_sampling_params,
+        task="text-to-image",
+    ),
+    "QwenImageEditPipeline": ModelFamily(
+        name="qwen-image-edit",
+        diffusers_pipeline="QwenImageEditPipeline",
+        pipeline_cls=QwenImageEditPipeline,
+        pipeline_config=QwenImageEditPipelineConfig(),
+        default_sampling_params=qwen_image_default_sampling_params,
+        task="image-edit",
+    ),
+    "ZImagePipeline": ModelFamily(
+        name="z-image",
+        diffusers_pipeline="ZImagePipeline",
+        pipeline_cls=ZImagePipeline,
+        pipeline_config=ZImagePipelineConfig(),
+        default_sampling_params=z_image_default_sampling_params,
         task="text-to-image",
     ),
 }

@@ -32,7 +32,9 @@ class Req:
     do_cfg: bool | None = None  # run a negative branch: FLUX's true CFG, SD3's classic CFG
     cfg_scale: float = 1.0  # prediction = negative + cfg_scale * (positive - negative)
 
-    # Set by text encoding: (batch, seq, dim) sequence embeddings and (batch, dim) pooled ones.
+    # Set by text encoding: (batch, seq, dim) sequence embeddings and (batch, dim) pooled ones. For
+    # families with variable-length text (Qwen-Image, Z-Image) the positive and negative sequences
+    # keep their own lengths; the denoiser pads and masks them when it batches the branches.
     prompt_embeds: torch.Tensor | None = None
     pooled_prompt_embeds: torch.Tensor | None = None
     negative_prompt_embeds: torch.Tensor | None = None
@@ -44,6 +46,13 @@ class Req:
     image_ids: torch.Tensor | None = None
     latent_height: int | None = None  # in latent pixels (before 2x2 packing)
     latent_width: int | None = None
+
+    # Set by a family's "before denoising" stage for edits: the input images as resized for the
+    # text encoder, their packed VAE latents (batch, tokens, channels) appended to the image tokens,
+    # and each one's (frames, rows, cols) token grid.
+    condition_images: list[Image.Image] | None = None
+    condition_latents: torch.Tensor | None = None
+    condition_shapes: list[tuple[int, int, int]] = field(default_factory=list)
 
     # Set by timestep preparation (CPU float32): sigmas has num_steps + 1 entries.
     sigmas: torch.Tensor | None = None

@@ -7,7 +7,10 @@ import logging
 
 logger = logging.getLogger("diffserve")
 
-FAMILIES = ("flux", "sd3")
+FAMILIES = ("flux", "sd3", "qwen-image", "qwen-image-edit", "qwen-image-edit-plus", "zimage")
+
+#: Qwen-Image families and the builder variant each writes.
+_QWEN_IMAGE_VARIANTS = {"qwen-image": "t2i", "qwen-image-edit": "edit", "qwen-image-edit-plus": "edit_plus"}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -19,8 +22,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("family", choices=FAMILIES, help="model family")
     p.add_argument("output_dir", help="folder to write (created if missing)")
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
-    p.add_argument("--no-guidance-embeds", action="store_true", help="flux: FLUX.1-schnell style, no guidance embedding")
-    p.add_argument("--sd35", action="store_true", help="sd3: SD3.5 style (qk RMSNorm, dual attention in block 0)")
+    p.add_argument(
+        "--no-guidance-embeds", action="store_true", help="flux: FLUX.1-schnell style, no guidance embedding"
+    )
+    p.add_argument(
+        "--sd35", action="store_true", help="sd3: SD3.5 style (qk RMSNorm, dual attention in block 0)"
+    )
     p.set_defaults(handler=run)
 
 
@@ -32,6 +39,15 @@ def run(args: argparse.Namespace) -> int:
         if args.sd35:
             spec = TinySD3Spec(seed=args.seed, qk_norm="rms_norm", dual_attention_layers=(0,))
         path = build_tiny_sd3(args.output_dir, spec)
+    elif args.family in _QWEN_IMAGE_VARIANTS:
+        from diffserve.testing.tiny_qwen_image import TinyQwenImageSpec, build_tiny_qwen_image
+
+        spec = TinyQwenImageSpec(variant=_QWEN_IMAGE_VARIANTS[args.family], seed=args.seed)
+        path = build_tiny_qwen_image(args.output_dir, spec)
+    elif args.family == "zimage":
+        from diffserve.testing.tiny_zimage import TinyZImageSpec, build_tiny_zimage
+
+        path = build_tiny_zimage(args.output_dir, TinyZImageSpec(seed=args.seed))
     else:
         from diffserve.testing.tiny_flux import TinyFluxSpec, build_tiny_flux
 

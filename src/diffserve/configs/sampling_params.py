@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from diffserve.errors import InvalidRequestError
+
+#: Fields holding images rather than JSON values.
+IMAGE_FIELDS = ("input_images", "mask_image")
 
 
 @dataclass
@@ -23,6 +26,12 @@ class SamplingParams:
     num_outputs_per_prompt: int = 1
     max_sequence_length: int | None = None
     output_format: str = "png"
+    #: Input images for edit / image-to-image families, as decoded RGB `PIL.Image.Image`s. Front ends
+    #: turn paths, bytes, data URLs and (opt-in) URLs into images with `diffserve.image_inputs.load_image`
+    #: before building the params, so the engine never touches the network or the user's files.
+    input_images: list[Any] | None = None
+    #: Inpainting mask (a `PIL.Image.Image`); only families that inpaint accept it.
+    mask_image: Any | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def with_defaults(self, defaults: SamplingParams) -> SamplingParams:
@@ -74,4 +83,9 @@ class SamplingParams:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON-friendly fields (for PNG metadata and logs): input images appear as their sizes."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in IMAGE_FIELDS}
+        out["extra"] = dict(self.extra)
+        out["input_images"] = None if self.input_images is None else [list(im.size) for im in self.input_images]
+        out["mask_image"] = None if self.mask_image is None else list(self.mask_image.size)
+        return out

@@ -19,8 +19,10 @@ from diffserve.loader.native_classes import (
     NATIVE_MODELS,
     NATIVE_SCHEDULERS,
     TRANSFORMERS_ENCODERS,
+    TRANSFORMERS_PROCESSORS,
     TRANSFORMERS_TOKENIZERS,
 )
+from diffserve.loader.processors import load_image_text_processor
 from diffserve.loader.safetensors_weights import find_weight_files, load_safetensors_into
 from diffserve.platforms import Platform
 
@@ -97,9 +99,21 @@ def load_tokenizer(spec: ComponentSpec) -> Any:
         raise ModelLoadError(f"cannot load tokenizer {spec.class_name} from {spec.path}: {exc}") from exc
 
 
+def load_processor(spec: ComponentSpec) -> Any:
+    """A Qwen2-VL processor for Qwen-Image-Edit (see `loader/processors.py`: built without its video half)."""
+    try:
+        return load_image_text_processor(spec.class_name, spec.path)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load processor {spec.class_name} from {spec.path}: {exc}") from exc
+
+
 def _supported_summary() -> str:
     names = sorted(
-        set(NATIVE_MODELS) | set(NATIVE_SCHEDULERS) | TRANSFORMERS_ENCODERS | set(TRANSFORMERS_TOKENIZERS)
+        set(NATIVE_MODELS)
+        | set(NATIVE_SCHEDULERS)
+        | TRANSFORMERS_ENCODERS
+        | set(TRANSFORMERS_TOKENIZERS)
+        | TRANSFORMERS_PROCESSORS
     )
     return ", ".join(names)
 
@@ -124,6 +138,8 @@ def load_component(
         num_params, num_bytes = _module_size(value)
     elif spec.library == "transformers" and spec.class_name in TRANSFORMERS_TOKENIZERS:
         value = load_tokenizer(spec)
+    elif spec.library == "transformers" and spec.class_name in TRANSFORMERS_PROCESSORS:
+        value = load_processor(spec)
     else:
         raise ModelLoadError(
             f"component {spec.name!r} has class {spec.library}.{spec.class_name}, which diffserve does not "

@@ -6,16 +6,24 @@ supported; diffserve never hands a component to diffusers behind the user's back
 
 from __future__ import annotations
 
+from diffserve.loader.processors import IMAGE_ONLY_PROCESSORS
 from diffserve.models.dits.flux import FluxTransformer2DModel
+from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
 from diffserve.models.dits.sd3 import SD3Transformer2DModel
+from diffserve.models.dits.z_image import ZImageTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
+from diffserve.models.vaes.autoencoder_kl_qwen_image import AutoencoderKLQwenImage, AutoencoderKLWan
 
 #: Diffusers `_class_name` -> native module class (weights-bearing models).
 NATIVE_MODELS: dict[str, type] = {
     "FluxTransformer2DModel": FluxTransformer2DModel,
     "SD3Transformer2DModel": SD3Transformer2DModel,
+    "QwenImageTransformer2DModel": QwenImageTransformer2DModel,
+    "ZImageTransformer2DModel": ZImageTransformer2DModel,
     "AutoencoderKL": AutoencoderKL,
+    "AutoencoderKLQwenImage": AutoencoderKLQwenImage,
+    "AutoencoderKLWan": AutoencoderKLWan,
 }
 
 #: Diffusers scheduler `_class_name` -> native scheduler class.
@@ -25,8 +33,17 @@ NATIVE_SCHEDULERS: dict[str, type] = {
 
 #: transformers classes accepted for text encoders (loaded by transformers itself).
 TRANSFORMERS_ENCODERS: frozenset[str] = frozenset(
-    {"CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel"}
+    {
+        "CLIPTextModel",
+        "CLIPTextModelWithProjection",
+        "T5EncoderModel",
+        "Qwen2_5_VLForConditionalGeneration",  # Qwen-Image (its language model; the vision tower for edits)
+        "Qwen3Model",  # Z-Image
+    }
 )
+
+#: transformers multimodal processors (tokenizer + image preprocessing) accepted as components.
+TRANSFORMERS_PROCESSORS: frozenset[str] = frozenset(IMAGE_ONLY_PROCESSORS)
 
 #: transformers tokenizer class names accepted in model_index.json; the slow/fast spellings are
 #: both accepted and resolved to whichever class this transformers version provides.
@@ -35,6 +52,8 @@ TRANSFORMERS_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "CLIPTokenizerFast": ("CLIPTokenizerFast", "CLIPTokenizer"),
     "T5Tokenizer": ("T5TokenizerFast", "T5Tokenizer"),
     "T5TokenizerFast": ("T5TokenizerFast", "T5Tokenizer"),
+    "Qwen2Tokenizer": ("Qwen2TokenizerFast", "Qwen2Tokenizer"),
+    "Qwen2TokenizerFast": ("Qwen2TokenizerFast", "Qwen2Tokenizer"),
     # A generic tokenizer.json (e.g. a word-level vocabulary, as the shipped demo model uses).
     "PreTrainedTokenizerFast": ("PreTrainedTokenizerFast",),
 }

@@ -7,6 +7,7 @@ scale, so requests with and without CFG, at different steps, share one forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,8 +39,16 @@ def gather_branches(reqs: list[Req]) -> BranchBatch:
     return batch
 
 
-def split_guided(prediction: torch.Tensor, reqs: list[Req]) -> list[torch.Tensor]:
-    """Each request's prediction, with CFG applied (`negative + scale * (positive - negative)`)."""
+def classic_cfg(positive: torch.Tensor, negative: torch.Tensor, scale: float) -> torch.Tensor:
+    return negative + scale * (positive - negative)
+
+
+CfgCombine = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def split_guided(prediction: torch.Tensor, reqs: list[Req], combine: CfgCombine = classic_cfg) -> list[torch.Tensor]:
+    """Each request's prediction, with CFG applied by `combine(positive, negative, scale)`
+    (default `negative + scale * (positive - negative)`)."""
     out, offset = [], 0
     for req in reqs:
         n = req.batch_size
@@ -48,7 +57,7 @@ def split_guided(prediction: torch.Tensor, reqs: list[Req]) -> list[torch.Tensor
         if req.do_cfg:
             negative = prediction[offset : offset + n]
             offset += n
-            positive = negative + req.cfg_scale * (positive - negative)
+            positive = combine(positive, negative, req.cfg_scale)
         out.append(positive)
     return out
 

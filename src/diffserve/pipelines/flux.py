@@ -17,7 +17,7 @@ from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.decoding import DecodingStage
 from diffserve.stages.denoising import DenoisingStage
-from diffserve.stages.input_validation import InputValidationStage
+from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
 from diffserve.stages.latent_preparation import LatentPreparationStage
 from diffserve.stages.text_encoding import TextEncodingStage, clip_context_length
 from diffserve.stages.timestep_preparation import TimestepPreparationStage
@@ -90,6 +90,7 @@ class FluxPipeline(Pipeline):
             pixel_multiple=self.pixel_multiple,
             default_pixels=self.config.default_sample_size * self.vae_scale_factor,
             max_sequence_length_limit=self.config.max_t5_sequence_length,
+            image_inputs=ImageInputRule(pipeline_name="FluxPipeline"),
         )
         clip_max_length = clip_context_length(clip_tokenizer, self.config.clip_max_length)
         self.denoiser = FluxDenoiser(transformer, context.get("scheduler"))

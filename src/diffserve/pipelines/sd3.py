@@ -15,7 +15,7 @@ from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.decoding import DecodingStage
 from diffserve.stages.denoising import DenoisingStage
-from diffserve.stages.input_validation import InputValidationStage
+from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
 from diffserve.stages.latent_preparation import SpatialLatentPreparationStage
 from diffserve.stages.sd3_text_encoding import SD3TextEncodingStage
 from diffserve.stages.text_encoding import clip_context_length
@@ -60,7 +60,11 @@ class SD3Pipeline(Pipeline):
             pixel_multiple=self.pixel_multiple,
             default_pixels=int(transformer.config["sample_size"]) * self.vae_scale_factor,
             max_sequence_length_limit=self.config.max_t5_sequence_length,
-            classic_cfg=True,
+            image_inputs=ImageInputRule(pipeline_name="StableDiffusion3Pipeline"),
+            unsupported_params={
+                "true_cfg_scale": "SD3 runs classic CFG, set by guidance_scale (with negative_prompt)",
+            },
+            cfg_mode="classic",
         )
         clip_tokenizer = context.get("tokenizer")
         clip_max_length = clip_context_length(clip_tokenizer, self.config.clip_max_length)

@@ -2,11 +2,68 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
+from PIL import Image
 
 from diffserve.configs.sampling_params import SamplingParams
+from diffserve.errors import InvalidRequestError
 from diffserve.request import Req
 from diffserve.stages.base import Stage
+
+#: How a family runs classifier-free guidance:
+#: - "true_cfg" (FLUX, Qwen-Image): guidance_scale is embedded (when the DiT has it); a negative branch
+#:   runs only with true_cfg_scale > 1 and a negative prompt.
+#: - "classic" (SD3): CFG whenever guidance_scale > 1, "" as the default negative prompt.
+#: - "positive_gap" (Z-Image): CFG whenever guidance_scale > 0 (the family combines it as
+#:   positive + scale * (positive - negative)), "" as the default negative prompt.
+CfgMode = Literal["true_cfg", "classic", "positive_gap"]
+
+
+@dataclass(frozen=True)
+class ImageInputRule:
+    """Which input images a family takes, so a request that sends others gets a 400 naming the field.
+
+    The default (no images, no mask) is a text-to-image family. A mask is never silently ignored:
+    a family that does not inpaint refuses it.
+    """
+
+    pipeline_name: str = "this pipeline"
+    min_images: int = 0
+    max_images: int = 0
+    inpainting: bool = False
+
+    def check(self, params: SamplingParams) -> None:
+        images = params.input_images or []
+        if images and self.max_images == 0:
+            raise InvalidRequestError(
+                f"{self.pipeline_name} is a text-to-image model and takes no input image; "
+                "image edits need an edit model such as QwenImageEditPipeline",
+                param="image",
+            )
+        if len(images) < self.min_images:
+            raise InvalidRequestError(f"{self.pipeline_name} needs an input image", param="image")
+        if len(images) > self.max_images:
+            raise InvalidRequestError(
+                f"{self.pipeline_name} takes at most {self.max_images} input image(s), got {len(images)}",
+                param="image",
+            )
+        for image in images:
+            if not isinstance(image, Image.Image):
+                raise InvalidRequestError(
+                    f"input images must be decoded PIL images, got {type(image).__name__}; "
+                    "use diffserve.image_inputs.load_image for paths, bytes and data URLs",
+                    param="image",
+                )
+        if params.mask_image is not None and not self.inpainting:
+            raise InvalidRequestError(
+                f"mask is not supported by {self.pipeline_name}: it edits the whole image from the prompt "
+                "and cannot restrict the edit to a masked region; send the request without a mask",
+                param="mask",
+            )
 
 
 class InputValidationStage(Stage):
@@ -18,24 +75,40 @@ class InputValidationStage(Stage):
         pixel_multiple: int,
         default_pixels: int,
         max_sequence_length_limit: int | None,
-        classic_cfg: bool = False,
+        cfg_mode: CfgMode = "true_cfg",
+        image_inputs: ImageInputRule | None = None,
+        unsupported_params: dict[str, str] | None = None,
+        default_size: Callable[[SamplingParams], tuple[int, int]] | None = None,
     ) -> None:
-        """`classic_cfg`: CFG runs whenever guidance_scale > 1, with "" as the default negative prompt
-        (SD3). Otherwise (FLUX) guidance_scale is embedded and CFG runs only with true_cfg_scale > 1
-        and a negative prompt."""
+        """`cfg_mode`: when the negative branch runs and with which scale (see `CfgMode`). `image_inputs`: what input images the family takes (None: none).
+        `unsupported_params`: SamplingParams fields this family does not have -> why (a request that
+        sets one gets a 400 naming it rather than having it ignored). `default_size(params)`: the
+        (height, width) used when the request leaves them unset (default: `default_pixels` square)."""
         self.defaults = defaults
         self.pixel_multiple = pixel_multiple
         self.default_pixels = default_pixels
         self.max_sequence_length_limit = max_sequence_length_limit
-        self.classic_cfg = classic_cfg
+        self.cfg_mode = cfg_mode
+        self.image_inputs = image_inputs or ImageInputRule()
+        self.unsupported_params = unsupported_params or {}
+        self.default_size = default_size
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         """Family defaults applied and validated; raises InvalidRequestError on bad input."""
+        for name, why in self.unsupported_params.items():
+            if getattr(params, name) is not None:
+                raise InvalidRequestError(
+                    f"{name} is not a parameter of {self.image_inputs.pipeline_name}: {why}", param=name
+                )
         resolved = params.with_defaults(self.defaults)
+        self.image_inputs.check(resolved)
+        height, width = (
+            self.default_size(resolved) if self.default_size else (self.default_pixels, self.default_pixels)
+        )
         if resolved.height is None:
-            resolved.height = self.default_pixels
+            resolved.height = height
         if resolved.width is None:
-            resolved.width = self.default_pixels
+            resolved.width = width
         resolved.validate(self.pixel_multiple, self.max_sequence_length_limit)
         return resolved
 
@@ -45,12 +118,13 @@ class InputValidationStage(Stage):
         # and matches Diffusers called with generator=torch.Generator("cpu").manual_seed(seed).
         req.generator = torch.Generator("cpu").manual_seed(req.params.seed)
         p = req.params
-        if self.classic_cfg:
-            req.do_cfg = bool(p.guidance_scale is not None and p.guidance_scale > 1)
-            req.cfg_scale = float(p.guidance_scale or 1.0)
-            if req.do_cfg and p.negative_prompt is None:
-                p.negative_prompt = ""
-        else:
+        if self.cfg_mode == "true_cfg":
             req.do_cfg = bool(p.true_cfg_scale and p.true_cfg_scale > 1 and p.negative_prompt is not None)
             req.cfg_scale = float(p.true_cfg_scale or 1.0)
+        else:
+            threshold = 1.0 if self.cfg_mode == "classic" else 0.0
+            req.do_cfg = bool(p.guidance_scale is not None and p.guidance_scale > threshold)
+            req.cfg_scale = float(p.guidance_scale or 0.0)
+            if req.do_cfg and p.negative_prompt is None:
+                p.negative_prompt = ""
         return req

@@ -53,3 +53,25 @@ class DefaultTimestepPreparationStage(Stage):
         req.sigmas, req.timesteps = schedule.sigmas, schedule.timesteps
         req.step_index = 0
         return req
+
+
+class ZImageTimestepPreparationStage(Stage):
+    """Z-Image semantics: sigmas from a float32 torch linspace(1, 1/n) (not numpy's float64, so the
+    schedule matches Diffusers bit for bit), with the resolution shift from the 2x2-patch count when
+    the scheduler enables dynamic shifting."""
+
+    needs = ("latents", "latent_height", "latent_width")
+    sets = ("sigmas", "timesteps")
+
+    def __init__(self, scheduler: FlowMatchEulerScheduler) -> None:
+        self.scheduler = scheduler
+
+    def forward(self, req: Req) -> Req:
+        steps = req.params.num_inference_steps
+        tokens = (req.latent_height // 2) * (req.latent_width // 2)
+        mu = self.scheduler.resolution_shift_mu(tokens)
+        base_sigmas = torch.linspace(1.0, 1 / steps, steps).tolist()
+        schedule = self.scheduler.schedule(steps, mu=mu, sigmas=base_sigmas)
+        req.sigmas, req.timesteps = schedule.sigmas, schedule.timesteps
+        req.step_index = 0
+        return req

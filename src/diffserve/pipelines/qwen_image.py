@@ -1,0 +1,188 @@
+"""Qwen-Image (Diffusers `QwenImagePipeline`) and Qwen-Image-Edit (`QwenImageEditPipeline`).
+
+Both share the batched denoising step: every request's positive and (true-CFG) negative branch go
+through ONE DiT forward (Diffusers runs the two branches one after the other). The branches' text
+lengths differ, so text is right-padded to the longest and masked; the DiT's joint attention never
+sees the padding. An edit request's input-image tokens are appended to its noisy image tokens, and
+only the prediction for the noisy tokens is kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffserve.configs.qwen_image import (
+    QwenImageEditPipelineConfig,
+    QwenImagePipelineConfig,
+    qwen_image_default_sampling_params,
+)
+from diffserve.configs.sampling_params import SamplingParams
+from diffserve.loader.folder_defaults import apply_overrides
+from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.pipelines.base import Pipeline, PipelineContext
+from diffserve.pipelines.cfg_batch import euler_update, split_guided
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+from diffserve.stages.denoising import DenoisingStage
+from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
+from diffserve.stages.latent_preparation import LatentPreparationStage
+from diffserve.stages.qwen_image_edit_preparation import QwenImageEditPreparationStage, edit_output_size
+from diffserve.stages.qwen_text_encoding import QwenEditTextEncodingStage, QwenTextEncodingStage
+from diffserve.stages.timestep_preparation import TimestepPreparationStage
+from diffserve.stages.video_vae_decoding import VideoVaeImageDecodingStage
+
+
+def norm_preserving_cfg(positive: torch.Tensor, negative: torch.Tensor, scale: float) -> torch.Tensor:
+    """True CFG, rescaled so each token's prediction keeps the positive branch's norm (Qwen-Image)."""
+    combined = negative + scale * (positive - negative)
+    return combined * (positive.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
+
+
+def pad_text(texts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Right-pad (rows, len_i, dim) blocks to the longest; the (rows, len) mask is None when none is padded."""
+    longest = max(t.shape[1] for t in texts)
+    if all(t.shape[1] == longest for t in texts):
+        return torch.cat(texts), None
+    padded, masks = [], []
+    for t in texts:
+        rows, length, dim = t.shape
+        padded.append(torch.cat([t, t.new_zeros(rows, longest - length, dim)], dim=1))
+        mask = torch.zeros(rows, longest, dtype=torch.bool, device=t.device)
+        mask[:, :length] = True
+        masks.append(mask)
+    return torch.cat(padded), torch.cat(masks)
+
+
+class QwenImageDenoiser:
+    """One step over a list of Qwen-Image requests (same latent grid), each at its own timestep."""
+
+    def __init__(self, transformer: QwenImageTransformer2DModel, scheduler: FlowMatchEulerScheduler) -> None:
+        self.transformer = transformer
+        self.scheduler = scheduler
+
+    @torch.inference_mode()
+    def __call__(self, reqs: list[Req]) -> None:
+        latents, texts, timesteps, shapes, guidance = [], [], [], [], []
+        for req in reqs:
+            tokens = req.latents
+            if req.condition_latents is not None:
+                tokens = torch.cat([tokens, req.condition_latents.to(tokens.dtype)], dim=1)
+            grid = [(1, req.latent_height // 2, req.latent_width // 2), *req.condition_shapes]
+            branches = [req.prompt_embeds] + ([req.negative_prompt_embeds] if req.do_cfg else [])
+            for text in branches:
+                latents.append(tokens)
+                texts.append(text)
+                timesteps.append(req.timesteps[req.step_index].expand(req.batch_size))
+                shapes.extend([grid] * req.batch_size)
+                if req.guidance is not None:
+                    guidance.append(req.guidance)
+        first = reqs[0]
+        dtype, device = first.latents.dtype, first.latents.device
+        text, text_mask = pad_text(texts)
+        prediction = self.transformer(
+            hidden_states=torch.cat(latents),
+            encoder_hidden_states=text,
+            encoder_hidden_states_mask=text_mask,
+            timestep=torch.cat(timesteps).to(device=device, dtype=dtype) / 1000,
+            img_shapes=shapes,
+            guidance=torch.cat(guidance).to(device) if guidance else None,
+        )
+        prediction = prediction[:, : first.latents.shape[1]]
+        euler_update(self.scheduler, reqs, split_guided(prediction, reqs, combine=norm_preserving_cfg))
+
+
+def _vae_scale_factor(vae) -> int:
+    return 2 ** len(vae.config["temperal_downsample"])
+
+
+NOT_GUIDANCE_DISTILLED = "Qwen-Image is not guidance-distilled; use true_cfg_scale with a negative_prompt"
+
+
+class QwenImagePipeline(Pipeline):
+    required_components = ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
+    config = QwenImagePipelineConfig()
+    pipeline_name = "QwenImagePipeline"
+
+    def validation_stage(self, context: PipelineContext) -> InputValidationStage:
+        transformer = context.get("transformer")
+        guidance = bool(transformer.config["guidance_embeds"])
+        return InputValidationStage(
+            defaults=apply_overrides(qwen_image_default_sampling_params(), context.folder_sampling_defaults),
+            pixel_multiple=self.pixel_multiple,
+            default_pixels=self.config.default_sample_size * self.vae_scale_factor,
+            max_sequence_length_limit=self.config.max_sequence_length_limit,
+            image_inputs=ImageInputRule(pipeline_name=self.pipeline_name),
+            unsupported_params={} if guidance else {"guidance_scale": NOT_GUIDANCE_DISTILLED},
+        )
+
+    def text_stage(self, context: PipelineContext) -> Stage:
+        return QwenTextEncodingStage(
+            context.get("tokenizer"),
+            context.get("text_encoder"),
+            template=self.config.prompt_template,
+            prefix_tokens=self.config.template_prefix_tokens,
+            tokenizer_max_length=self.config.tokenizer_max_length,
+            output_dtype=context.dtype,
+        )
+
+    def before_denoising_stages(self, context: PipelineContext) -> list[Stage]:
+        return []
+
+    def build_stages(self, context: PipelineContext) -> list[Stage]:
+        transformer = context.get("transformer")
+        vae = context.get("vae")
+        scheduler = context.get("scheduler")
+        self.vae_scale_factor = _vae_scale_factor(vae)
+        self.pixel_multiple = self.vae_scale_factor * 2  # latents are packed in 2x2 patches
+        self.input_validation = self.validation_stage(context)
+        return [
+            self.input_validation,
+            *self.before_denoising_stages(context),
+            self.text_stage(context),
+            LatentPreparationStage(
+                latent_channels=int(transformer.config["in_channels"]) // 4,
+                vae_scale_factor=self.vae_scale_factor,
+                device=context.platform.device(),
+                dtype=context.dtype,
+            ),
+            TimestepPreparationStage(scheduler, guidance_embeds=bool(transformer.config["guidance_embeds"])),
+            DenoisingStage(QwenImageDenoiser(transformer, scheduler), show_progress=context.show_progress),
+            VideoVaeImageDecodingStage(vae),
+        ]
+
+    def resolve_params(self, params: SamplingParams) -> SamplingParams:
+        return self.input_validation.resolve(params)
+
+
+class QwenImageEditPipeline(QwenImagePipeline):
+    """Edits one input image; the output defaults to the input's aspect ratio at ~1 megapixel."""
+
+    required_components = ("text_encoder", "tokenizer", "processor", "vae", "transformer", "scheduler")
+    config = QwenImageEditPipelineConfig()
+    pipeline_name = "QwenImageEditPipeline"
+
+    def validation_stage(self, context: PipelineContext) -> InputValidationStage:
+        stage = super().validation_stage(context)
+        stage.image_inputs = ImageInputRule(pipeline_name=self.pipeline_name, min_images=1, max_images=1)
+        area, multiple = self.config.condition_image_area, self.pixel_multiple
+        stage.default_size = lambda params: edit_output_size(params, area, multiple)
+        return stage
+
+    def text_stage(self, context: PipelineContext) -> Stage:
+        return QwenEditTextEncodingStage(
+            context.get("tokenizer"),
+            context.get("text_encoder"),
+            template=self.config.prompt_template,
+            prefix_tokens=self.config.template_prefix_tokens,
+            tokenizer_max_length=self.config.tokenizer_max_length,
+            output_dtype=context.dtype,
+            processor=context.get("processor"),
+        )
+
+    def before_denoising_stages(self, context: PipelineContext) -> list[Stage]:
+        return [
+            QwenImageEditPreparationStage(
+                context.get("vae"), self.config.condition_image_area, vae_scale_factor=self.vae_scale_factor
+            )
+        ]

@@ -1,0 +1,97 @@
+"""Z-Image (Diffusers `ZImagePipeline`): stages and the batched denoising step.
+
+The DiT takes per-sample lists (captions of different lengths, latents of different sizes) and pads
+and masks internally, so every request's positive and CFG-negative rows go through one forward, as
+Diffusers does for one request. Z-Image predicts the negated flow velocity at "time" 1 - sigma; the
+step negates it back before the shared Euler update.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffserve.configs.sampling_params import SamplingParams
+from diffserve.configs.z_image import ZImagePipelineConfig, z_image_default_sampling_params
+from diffserve.loader.folder_defaults import apply_overrides
+from diffserve.models.dits.z_image import ZImageTransformer2DModel
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.pipelines.base import Pipeline, PipelineContext
+from diffserve.pipelines.cfg_batch import euler_update, split_guided
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+from diffserve.stages.decoding import DecodingStage
+from diffserve.stages.denoising import DenoisingStage
+from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
+from diffserve.stages.latent_preparation import SpatialLatentPreparationStage
+from diffserve.stages.timestep_preparation import ZImageTimestepPreparationStage
+from diffserve.stages.z_image_text_encoding import ZImageTextEncodingStage
+
+
+def z_image_cfg(positive: torch.Tensor, negative: torch.Tensor, scale: float) -> torch.Tensor:
+    """Z-Image's guidance: `positive + scale * (positive - negative)`, in float32."""
+    positive, negative = positive.float(), negative.float()
+    return positive + scale * (positive - negative)
+
+
+class ZImageDenoiser:
+    def __init__(self, transformer: ZImageTransformer2DModel, scheduler: FlowMatchEulerScheduler) -> None:
+        self.transformer = transformer
+        self.scheduler = scheduler
+        self.dtype = next(transformer.parameters()).dtype
+
+    @torch.inference_mode()
+    def __call__(self, reqs: list[Req]) -> None:
+        latents, captions, times = [], [], []
+        for req in reqs:
+            branches = [req.prompt_embeds] + ([req.negative_prompt_embeds] if req.do_cfg else [])
+            # The DiT's time runs from 0 (noise) to 1 (clean): 1 - t / 1000.
+            t = (1000 - req.timesteps[req.step_index]) / 1000
+            for text in branches:
+                latents.extend(req.latents.to(self.dtype).unsqueeze(2).unbind(0))
+                captions.extend(text.unbind(0))
+                times.append(t.expand(req.batch_size))
+        device = reqs[0].latents.device
+        out = self.transformer(latents, torch.cat(times).to(device), captions)
+        prediction = torch.stack([o.float() for o in out]).squeeze(2)
+        guided = split_guided(prediction, reqs, combine=z_image_cfg)
+        euler_update(self.scheduler, reqs, [-p for p in guided])
+
+
+class ZImagePipeline(Pipeline):
+    required_components = ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
+    config = ZImagePipelineConfig()
+
+    def build_stages(self, context: PipelineContext) -> list[Stage]:
+        transformer = context.get("transformer")
+        vae = context.get("vae")
+        scheduler = context.get("scheduler")
+        self.vae_scale_factor = 2 ** (len(vae.config["block_out_channels"]) - 1)
+        self.pixel_multiple = self.vae_scale_factor * 2
+        self.input_validation = InputValidationStage(
+            defaults=apply_overrides(z_image_default_sampling_params(), context.folder_sampling_defaults),
+            pixel_multiple=self.pixel_multiple,
+            default_pixels=self.config.default_pixels,
+            max_sequence_length_limit=self.config.max_sequence_length_limit,
+            image_inputs=ImageInputRule(pipeline_name="ZImagePipeline"),
+            unsupported_params={
+                "true_cfg_scale": "Z-Image's CFG is set by guidance_scale (> 0 turns it on, with negative_prompt)"
+            },
+            cfg_mode="positive_gap",
+        )
+        return [
+            self.input_validation,
+            ZImageTextEncodingStage(context.get("tokenizer"), context.get("text_encoder"), output_dtype=context.dtype),
+            # Z-Image keeps its latents in float32 whatever the DiT's dtype, as Diffusers does.
+            SpatialLatentPreparationStage(
+                latent_channels=int(transformer.config["in_channels"]),
+                vae_scale_factor=self.vae_scale_factor,
+                device=context.platform.device(),
+                dtype=torch.float32,
+            ),
+            ZImageTimestepPreparationStage(scheduler),
+            DenoisingStage(ZImageDenoiser(transformer, scheduler), show_progress=context.show_progress),
+            DecodingStage(vae, packed_latents=False),
+        ]
+
+    def resolve_params(self, params: SamplingParams) -> SamplingParams:
+        return self.input_validation.resolve(params)

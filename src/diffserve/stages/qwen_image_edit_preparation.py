@@ -1,0 +1,71 @@
+"""Qwen-Image-Edit's "before denoising" stage: size the input image and encode it into tokens.
+
+The input image is resized to about `condition_image_area` pixels at its own aspect ratio (sides
+rounded to 32, Lanczos, as Diffusers does), kept as a PIL image for the vision-language text
+encoder, and encoded by the VAE (posterior mode, normalised per channel) into packed latents that
+the denoiser appends to the image tokens at every step. The generated image defaults to the same
+size (see `edit_output_size`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import nn
+
+from diffserve.configs.sampling_params import SamplingParams
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+from diffserve.stages.latent_preparation import pack_latents
+from diffserve.stages.video_vae_decoding import normalize_latents
+
+
+def condition_size(image: Image.Image, area: int) -> tuple[int, int]:
+    """(width, height) with about `area` pixels at the image's aspect ratio, sides multiples of 32."""
+    ratio = image.width / image.height
+    width = math.sqrt(area * ratio)
+    height = width / ratio
+    return round(width / 32) * 32, round(height / 32) * 32
+
+
+def edit_output_size(params: SamplingParams, area: int, pixel_multiple: int) -> tuple[int, int]:
+    """Default (height, width) of an edit: the input image's condition size, floored to the pixel multiple."""
+    width, height = condition_size(params.input_images[0], area)
+    return height // pixel_multiple * pixel_multiple, width // pixel_multiple * pixel_multiple
+
+
+def image_to_tensor(image: Image.Image) -> torch.Tensor:
+    """RGB PIL image -> (1, 3, H, W) float32 in [-1, 1]."""
+    array = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
+    return torch.from_numpy(array).permute(2, 0, 1)[None] * 2.0 - 1.0
+
+
+class QwenImageEditPreparationStage(Stage):
+    needs = ("generator",)
+    sets = ("condition_images", "condition_latents")
+
+    def __init__(self, vae: nn.Module, condition_image_area: int, vae_scale_factor: int) -> None:
+        self.vae = vae
+        self.condition_image_area = condition_image_area
+        self.vae_scale_factor = vae_scale_factor
+
+    @torch.inference_mode()
+    def forward(self, req: Req) -> Req:
+        first_param = next(self.vae.parameters())
+        resized, latents, shapes = [], [], []
+        for image in req.params.input_images:
+            width, height = condition_size(image, self.condition_image_area)
+            image = image.resize((width, height), resample=Image.Resampling.LANCZOS)
+            resized.append(image)
+            pixels = image_to_tensor(image).unsqueeze(2).to(device=first_param.device, dtype=first_param.dtype)
+            encoded = normalize_latents(self.vae, self.vae.encode(pixels).mode())[:, :, 0]
+            latents.append(pack_latents(encoded))
+            shapes.append((1, encoded.shape[-2] // 2, encoded.shape[-1] // 2))
+        n = req.batch_size
+        req.condition_images = resized
+        req.condition_latents = torch.cat(latents, dim=1).repeat(n, 1, 1)
+        req.condition_shapes = shapes
+        return req

@@ -1,0 +1,87 @@
+"""Text (and, for edits, image) conditioning from Qwen2.5-VL, the way Qwen-Image was trained.
+
+The prompt is wrapped in the family's chat template and run through the language model (without its
+LM head: only hidden states are needed, so the vocabulary projection is skipped). The last layer's
+normed hidden states of the real tokens are kept, minus the template's fixed prefix. For edits the
+processor expands `<|image_pad|>` into the vision tokens of the (resized) input image.
+
+The positive and negative prompts are encoded in one batch; each keeps its own length.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+
+
+class QwenTextEncodingStage(Stage):
+    needs = ("do_cfg",)
+    sets = ("prompt_embeds",)
+
+    def __init__(
+        self,
+        tokenizer,
+        text_encoder: nn.Module,
+        template: str,
+        prefix_tokens: int,
+        tokenizer_max_length: int,
+        output_dtype: torch.dtype,
+        processor=None,
+    ) -> None:
+        """`processor`: the Qwen2-VL processor (edit pipelines, see `QwenEditTextEncodingStage`)."""
+        self.tokenizer = tokenizer
+        self.text_encoder = text_encoder
+        self.template = template
+        self.prefix_tokens = prefix_tokens
+        self.tokenizer_max_length = tokenizer_max_length
+        self.output_dtype = output_dtype
+        self.processor = processor
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.text_encoder.parameters()).device
+
+    @torch.inference_mode()
+    def encode(self, prompts: list[str], images: list | None = None) -> list[torch.Tensor]:
+        """One (tokens, hidden) tensor per prompt; `images` (one per prompt) only with a processor."""
+        texts = [self.template.format(p) for p in prompts]
+        if self.processor is not None:
+            inputs = self.processor(text=texts, images=images, padding=True, return_tensors="pt")
+        else:
+            inputs = self.tokenizer(
+                texts,
+                max_length=self.tokenizer_max_length + self.prefix_tokens,
+                padding=True,
+                truncation=True,
+                return_tensors="pt",
+            )
+        inputs = inputs.to(self.device)
+        extra = {}
+        if "pixel_values" in inputs:
+            extra = {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
+        mask = inputs["attention_mask"].bool()
+        hidden = self.text_encoder.model(input_ids=inputs["input_ids"], attention_mask=mask.long(), **extra)
+        states = hidden.last_hidden_state
+        return [states[i][mask[i]][self.prefix_tokens :].to(self.output_dtype) for i in range(len(prompts))]
+
+    def forward(self, req: Req) -> Req:
+        p = req.params
+        n = p.num_outputs_per_prompt
+        prompts = [p.prompt] + ([p.negative_prompt] if req.do_cfg else [])
+        images = None
+        if self.processor is not None:
+            images = [image for _ in prompts for image in req.condition_images]
+        embeds = [e[: p.max_sequence_length] for e in self.encode(prompts, images)]
+        req.prompt_embeds = embeds[0][None].repeat(n, 1, 1)
+        if req.do_cfg:
+            req.negative_prompt_embeds = embeds[1][None].repeat(n, 1, 1)
+        return req
+
+
+class QwenEditTextEncodingStage(QwenTextEncodingStage):
+    """The edit variant: the prompt is read together with the request's resized input images."""
+
+    needs = ("do_cfg", "condition_images")

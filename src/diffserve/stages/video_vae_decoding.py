@@ -1,0 +1,56 @@
+"""Decoding through a causal video VAE (Qwen-Image's, Wan's): latents are normalised per channel.
+
+These VAEs work on (batch, channels, frames, height, width); an image is a one-frame video. The DiT
+sees latents normalised with the VAE's per-channel `latents_mean` / `latents_std`, so decoding first
+undoes that normalisation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+from diffserve.stages.decoding import tensor_to_pil
+from diffserve.stages.latent_preparation import unpack_latents
+
+
+def latent_stats(vae: nn.Module, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The VAE's per-channel latent (mean, std), shaped (1, channels, 1, 1, 1) to broadcast over video latents."""
+    channels = int(vae.config["z_dim"])
+    mean = torch.tensor(vae.config["latents_mean"]).view(1, channels, 1, 1, 1)
+    std = torch.tensor(vae.config["latents_std"]).view(1, channels, 1, 1, 1)
+    return mean.to(device, dtype), std.to(device, dtype)
+
+
+def normalize_latents(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+    """VAE latents -> the DiT's normalised space (the edit pipelines' conditioning images)."""
+    mean, std = latent_stats(vae, latents.device, latents.dtype)
+    return (latents - mean) / std
+
+
+def denormalize_latents(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+    """The DiT's normalised latents -> VAE latents. Divides by 1/std, as Diffusers does, so the
+    rounding matches its decode input bit for bit."""
+    mean, std = latent_stats(vae, latents.device, latents.dtype)
+    return latents / (1.0 / std) + mean
+
+
+class VideoVaeImageDecodingStage(Stage):
+    """Packed one-frame latents -> PIL images through a video VAE."""
+
+    needs = ("latents", "latent_height", "latent_width")
+    sets = ("images",)
+
+    def __init__(self, vae: nn.Module) -> None:
+        self.vae = vae
+
+    @torch.inference_mode()
+    def forward(self, req: Req) -> Req:
+        first_param = next(self.vae.parameters())
+        latents = unpack_latents(req.latents, req.latent_height, req.latent_width).unsqueeze(2)
+        latents = denormalize_latents(self.vae, latents.to(device=first_param.device, dtype=first_param.dtype))
+        frames = self.vae.decode(latents)
+        req.images = tensor_to_pil(frames[:, :, 0])
+        return req

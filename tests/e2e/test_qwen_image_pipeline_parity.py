@@ -1,0 +1,177 @@
+"""Whole Qwen-Image and Qwen-Image-Edit generations: diffserve against Diffusers, same folder and seed.
+
+Diffusers' edit pipeline resizes the input image to ~1024x1024 pixels before encoding it; both
+sides are run here with a smaller condition area (Diffusers' `calculate_dimensions` is wrapped, and
+diffserve's pipeline config set to the same area) so the tiny checkpoint's test stays fast.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers import QwenImageEditPipeline, QwenImagePipeline
+from PIL import Image
+
+from diffserve import DiffGenerator
+from diffserve.configs.qwen_image import QwenImageEditPipelineConfig
+from diffserve.errors import InvalidRequestError
+from diffserve.pipelines import qwen_image as qwen_pipelines
+from diffserve.testing.image_metrics import psnr_uint8 as psnr
+from diffserve.testing.tiny_qwen_image import build_tiny_qwen_image, build_tiny_qwen_image_edit, load_qwen_vl_processor
+
+PSNR_BAR_DB = 40.0
+CONDITION_AREA = 96 * 64
+PROMPT = "a red fox in the snow"
+
+
+def _u8(images) -> np.ndarray:
+    return np.stack([np.asarray(im) for im in images])
+
+
+def _ref_u8(array: np.ndarray) -> np.ndarray:
+    return (array * 255).round().astype(np.uint8)
+
+
+class _CountingForward:
+    """Wraps a module's forward to count DiT calls (one per step means CFG branches were batched)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.calls = 0
+        self._forward = module.forward
+        module.forward = self
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self._forward(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def t2i(tmp_path_factory):
+    root = build_tiny_qwen_image(tmp_path_factory.mktemp("qwen-image"))
+    return (
+        DiffGenerator.from_pretrained(root, device="cpu", show_progress=False),
+        QwenImagePipeline.from_pretrained(root, torch_dtype=torch.float32),
+    )
+
+
+@pytest.mark.parametrize(
+    ("height", "width", "steps", "extra"),
+    [
+        (64, 48, 3, {"true_cfg_scale": 4.0, "negative_prompt": "blurry"}),  # true CFG, non-square
+        (48, 80, 2, {"true_cfg_scale": 1.0}),  # no CFG, non-square
+        (32, 32, 2, {"true_cfg_scale": 2.5, "negative_prompt": " ", "num_outputs_per_prompt": 2}),
+    ],
+)
+def test_qwen_image_pixels_match_diffusers(t2i, height, width, steps, extra) -> None:
+    ours, reference = t2i
+    kwargs = dict(height=height, width=width, num_inference_steps=steps, max_sequence_length=64)
+    out = ours.generate(prompt=PROMPT, seed=3, **kwargs, **extra)
+    ref_extra = dict(extra)
+    n = ref_extra.pop("num_outputs_per_prompt", 1)
+    ref = reference(
+        prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(3), output_type="np",
+        num_images_per_prompt=n, **kwargs, **ref_extra,
+    ).images
+    ours_u8, ref_u8 = _u8(out.images), _ref_u8(ref)
+    assert ours_u8.shape == ref_u8.shape == (n, height, width, 3)
+    assert ref_u8.std() > 5, "the reference image is flat; the comparison would prove nothing"
+    value = psnr(ours_u8, ref_u8)
+    print(f"Qwen-Image {height}x{width} {extra}: PSNR {value:.2f} dB")
+    assert value >= PSNR_BAR_DB
+
+
+def test_qwen_image_cfg_changes_the_image_and_runs_one_forward_per_step(t2i) -> None:
+    """True CFG must matter (else the CFG parity above proves nothing) and cost one DiT call per step."""
+    ours, _ = t2i
+    kwargs = dict(height=32, width=48, num_inference_steps=3, seed=1)
+    counter = _CountingForward(ours.pipeline.context.get("transformer"))
+    guided = ours.generate(prompt=PROMPT, true_cfg_scale=5.0, negative_prompt="ugly", **kwargs)
+    assert counter.calls == 3, "positive and negative branches should share one forward per step"
+    plain = ours.generate(prompt=PROMPT, true_cfg_scale=1.0, **kwargs)
+    assert psnr(_u8(guided.images), _u8(plain.images)) < 35
+
+
+def test_qwen_image_text_encoding_matches_diffusers(t2i) -> None:
+    ours, reference = t2i
+    stage = next(s for s in ours.pipeline.stages if s.name == "QwenTextEncodingStage")
+    prompts = ["a red fox", "a much longer prompt about a blue bird on a branch"]
+    embeds = stage.encode(prompts)
+    for prompt, ours_embeds in zip(prompts, embeds, strict=True):
+        ref_embeds, ref_mask = reference.encode_prompt(prompt=prompt, device=torch.device("cpu"))
+        assert ref_mask is None  # one prompt: Diffusers drops the all-ones mask
+        assert ours_embeds.shape == ref_embeds[0].shape
+        torch.testing.assert_close(ours_embeds, ref_embeds[0], rtol=1e-5, atol=1e-5)
+
+
+def test_qwen_image_rejects_guidance_scale(t2i) -> None:
+    ours, _ = t2i
+    with pytest.raises(InvalidRequestError, match="guidance_scale.*true_cfg_scale") as info:
+        ours.generate(prompt=PROMPT, guidance_scale=4.0, height=32, width=32, num_inference_steps=1)
+    assert info.value.param == "guidance_scale"
+
+
+@pytest.fixture(scope="module")
+def edit(tmp_path_factory):
+    root = build_tiny_qwen_image_edit(tmp_path_factory.mktemp("qwen-image-edit"))
+    patch = pytest.MonkeyPatch()
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit as diffusers_edit
+
+    full_area = diffusers_edit.calculate_dimensions
+    patch.setattr(diffusers_edit, "calculate_dimensions", lambda area, ratio: full_area(CONDITION_AREA, ratio))
+    patch.setattr(
+        qwen_pipelines.QwenImageEditPipeline, "config", QwenImageEditPipelineConfig(condition_image_area=CONDITION_AREA)
+    )
+    ours = DiffGenerator.from_pretrained(root, device="cpu", show_progress=False)
+    reference = QwenImageEditPipeline.from_pretrained(
+        root, torch_dtype=torch.float32, processor=load_qwen_vl_processor(root / "processor")
+    )
+    yield ours, reference
+    patch.undo()
+
+
+def _input_image(height: int, width: int, seed: int = 0) -> Image.Image:
+    """A smooth image with structure (gradients plus blocks), so the VAE sees more than noise."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x / width, y / height, (x + y) / (width + height)], axis=-1) * 200
+    blocks = rng.integers(0, 55, (height // 8 + 1, width // 8 + 1, 3)).repeat(8, 0).repeat(8, 1)[:height, :width]
+    return Image.fromarray((base + blocks).astype(np.uint8))
+
+
+@pytest.mark.parametrize(
+    ("size", "extra"),
+    [
+        ((60, 90), {"true_cfg_scale": 4.0, "negative_prompt": "blurry"}),  # wide input, true CFG
+        ((100, 70), {"true_cfg_scale": 1.0}),  # tall input, no CFG
+    ],
+)
+def test_qwen_image_edit_pixels_match_diffusers(edit, size, extra) -> None:
+    ours, reference = edit
+    image = _input_image(*size)
+    kwargs = dict(num_inference_steps=3, max_sequence_length=64, **extra)
+    out = ours.generate(prompt="make the sky red", image=image, seed=5, **kwargs)
+    ref = reference(
+        prompt="make the sky red", image=image, generator=torch.Generator("cpu").manual_seed(5), output_type="np",
+        **kwargs,
+    ).images
+    ours_u8, ref_u8 = _u8(out.images), _ref_u8(ref)
+    assert ours_u8.shape == ref_u8.shape
+    height, width = ours_u8.shape[1:3]
+    # The output follows the input's aspect ratio (within the 32-pixel rounding of each side).
+    assert abs(width / height - size[1] / size[0]) < 0.35
+    assert ref_u8.std() > 5
+    value = psnr(ours_u8, ref_u8)
+    print(f"Qwen-Image-Edit input {size} -> {height}x{width} {extra}: PSNR {value:.2f} dB")
+    assert value >= PSNR_BAR_DB
+
+
+def test_qwen_image_edit_needs_an_image_and_refuses_a_mask(edit) -> None:
+    ours, _ = edit
+    with pytest.raises(InvalidRequestError, match="needs an input image") as info:
+        ours.generate(prompt="make it red", num_inference_steps=1)
+    assert info.value.param == "image"
+    image = _input_image(32, 32)
+    with pytest.raises(InvalidRequestError, match="mask is not supported") as info:
+        ours.generate(prompt="make it red", image=image, mask=image, num_inference_steps=1)
+    assert info.value.param == "mask"
