@@ -18,7 +18,11 @@ from diffserve.configs.qwen_image import QwenImageEditPipelineConfig
 from diffserve.errors import InvalidRequestError
 from diffserve.pipelines import qwen_image as qwen_pipelines
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
-from diffserve.testing.tiny_qwen_image import build_tiny_qwen_image, build_tiny_qwen_image_edit, load_qwen_vl_processor
+from diffserve.testing.tiny_qwen_image import (
+    build_tiny_qwen_image,
+    build_tiny_qwen_image_edit,
+    load_qwen_vl_processor,
+)
 
 PSNR_BAR_DB = 40.0
 CONDITION_AREA = 96 * 64
