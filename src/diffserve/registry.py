@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from diffserve.configs.flux import FluxPipelineConfig, flux_default_sampling_params
 from diffserve.configs.qwen_image import (
     QwenImageEditPipelineConfig,
+    QwenImageEditPlusPipelineConfig,
     QwenImagePipelineConfig,
     qwen_image_default_sampling_params,
 )
@@ -21,7 +22,7 @@ from diffserve.configs.z_image import ZImagePipelineConfig, z_image_default_samp
 from diffserve.errors import ModelLoadError
 from diffserve.pipelines.base import Pipeline
 from diffserve.pipelines.flux import FluxPipeline
-from diffserve.pipelines.qwen_image import QwenImageEditPipeline, QwenImagePipeline
+from diffserve.pipelines.qwen_image import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline
 from diffserve.pipelines.sd3 import SD3Pipeline
 from diffserve.pipelines.z_image import ZImagePipeline
 
@@ -66,6 +67,14 @@ REGISTRY: dict[str, ModelFamily] = {
         diffusers_pipeline="QwenImageEditPipeline",
         pipeline_cls=QwenImageEditPipeline,
         pipeline_config=QwenImageEditPipelineConfig(),
+        default_sampling_params=qwen_image_default_sampling_params,
+        task="image-edit",
+    ),
+    "QwenImageEditPlusPipeline": ModelFamily(
+        name="qwen-image-edit-plus",
+        diffusers_pipeline="QwenImageEditPlusPipeline",
+        pipeline_cls=QwenImageEditPlusPipeline,
+        pipeline_config=QwenImageEditPlusPipelineConfig(),
         default_sampling_params=qwen_image_default_sampling_params,
         task="image-edit",
     ),

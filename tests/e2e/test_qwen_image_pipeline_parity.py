@@ -10,17 +10,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from diffusers import QwenImageEditPipeline, QwenImagePipeline
+from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline
 from PIL import Image
 
 from diffserve import DiffGenerator
-from diffserve.configs.qwen_image import QwenImageEditPipelineConfig
+from diffserve.configs.qwen_image import QwenImageEditPipelineConfig, QwenImageEditPlusPipelineConfig
 from diffserve.errors import InvalidRequestError
 from diffserve.pipelines import qwen_image as qwen_pipelines
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 from diffserve.testing.tiny_qwen_image import (
     build_tiny_qwen_image,
     build_tiny_qwen_image_edit,
+    build_tiny_qwen_image_edit_plus,
     load_qwen_vl_processor,
 )
 
@@ -179,3 +180,52 @@ def test_qwen_image_edit_needs_an_image_and_refuses_a_mask(edit) -> None:
     with pytest.raises(InvalidRequestError, match="mask is not supported") as info:
         ours.generate(prompt="make it red", image=image, mask=image, num_inference_steps=1)
     assert info.value.param == "mask"
+
+
+VISION_AREA = 56 * 84
+
+
+@pytest.fixture(scope="module")
+def edit_plus(tmp_path_factory):
+    root = build_tiny_qwen_image_edit_plus(tmp_path_factory.mktemp("qwen-image-edit-plus"))
+    patch = pytest.MonkeyPatch()
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as diffusers_plus
+
+    full_area = diffusers_plus.calculate_dimensions
+    patch.setattr(diffusers_plus, "VAE_IMAGE_SIZE", CONDITION_AREA)
+    patch.setattr(diffusers_plus, "CONDITION_IMAGE_SIZE", VISION_AREA)
+    # The default output size is computed from a literal 1024 * 1024 area; map it to the same small one.
+    patch.setattr(
+        diffusers_plus,
+        "calculate_dimensions",
+        lambda area, ratio: full_area(CONDITION_AREA if area == 1024 * 1024 else area, ratio),
+    )
+    patch.setattr(
+        qwen_pipelines.QwenImageEditPlusPipeline,
+        "config",
+        QwenImageEditPlusPipelineConfig(condition_image_area=CONDITION_AREA, vision_image_area=VISION_AREA),
+    )
+    ours = DiffGenerator.from_pretrained(root, device="cpu", show_progress=False)
+    reference = QwenImageEditPlusPipeline.from_pretrained(
+        root, torch_dtype=torch.float32, processor=load_qwen_vl_processor(root / "processor")
+    )
+    yield ours, reference
+    patch.undo()
+
+
+@pytest.mark.parametrize("num_images", [1, 2])
+def test_qwen_image_edit_plus_pixels_match_diffusers(edit_plus, num_images) -> None:
+    ours, reference = edit_plus
+    images = [_input_image(60, 90, seed=1), _input_image(80, 64, seed=2)][:num_images]
+    kwargs = dict(num_inference_steps=2, true_cfg_scale=4.0, negative_prompt=" ", max_sequence_length=128)
+    out = ours.generate(prompt="put the two together", image=images, seed=7, **kwargs)
+    ref = reference(
+        prompt="put the two together", image=images, generator=torch.Generator("cpu").manual_seed(7),
+        output_type="np", **kwargs,
+    ).images
+    ours_u8, ref_u8 = _u8(out.images), _ref_u8(ref)
+    assert ours_u8.shape == ref_u8.shape
+    assert ref_u8.std() > 5
+    value = psnr(ours_u8, ref_u8)
+    print(f"Qwen-Image-Edit-Plus with {num_images} image(s) -> {ours_u8.shape[1:3]}: PSNR {value:.2f} dB")
+    assert value >= PSNR_BAR_DB

@@ -24,6 +24,10 @@ EDIT_TEMPLATE = (
     "<|im_start|>assistant\n"
 )
 
+#: Qwen-Image-Edit-Plus: the user turn starts with one "Picture i:" vision block per input image.
+EDIT_PLUS_TEMPLATE = EDIT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "")
+EDIT_PLUS_IMAGE_PROMPT = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
+
 
 @dataclass(frozen=True)
 class QwenImagePipelineConfig:
@@ -45,8 +49,24 @@ class QwenImageEditPipelineConfig(QwenImagePipelineConfig):
     prompt_template: str = EDIT_TEMPLATE
     template_prefix_tokens: int = 64
     #: The input image is resized to about this many pixels at its own aspect ratio (sides rounded
-    #: to 32) before it is encoded; the output defaults to the same size.
+    #: to 32) before the VAE encodes it; the output defaults to the same size (of the last image).
     condition_image_area: int = 1024 * 1024
+    #: Pixels of the copy the vision-language encoder reads; None: the VAE's copy.
+    vision_image_area: int | None = None
+    #: Per-image text put before the prompt (with "{}" for the 1-based index); None: none.
+    image_prompt_template: str | None = None
+    max_input_images: int = 1
+
+
+@dataclass(frozen=True)
+class QwenImageEditPlusPipelineConfig(QwenImageEditPipelineConfig):
+    """Several input images; the text encoder sees each at ~384x384, the VAE at ~1024x1024."""
+
+    prompt_template: str = EDIT_PLUS_TEMPLATE
+    vision_image_area: int | None = 384 * 384
+    image_prompt_template: str | None = EDIT_PLUS_IMAGE_PROMPT
+    #: The model card recommends one to three input images.
+    max_input_images: int = 3
 
 
 def qwen_image_default_sampling_params() -> SamplingParams:

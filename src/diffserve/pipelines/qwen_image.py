@@ -13,6 +13,7 @@ import torch
 
 from diffserve.configs.qwen_image import (
     QwenImageEditPipelineConfig,
+    QwenImageEditPlusPipelineConfig,
     QwenImagePipelineConfig,
     qwen_image_default_sampling_params,
 )
@@ -164,7 +165,9 @@ class QwenImageEditPipeline(QwenImagePipeline):
 
     def validation_stage(self, context: PipelineContext) -> InputValidationStage:
         stage = super().validation_stage(context)
-        stage.image_inputs = ImageInputRule(pipeline_name=self.pipeline_name, min_images=1, max_images=1)
+        stage.image_inputs = ImageInputRule(
+            pipeline_name=self.pipeline_name, min_images=1, max_images=self.config.max_input_images
+        )
         area, multiple = self.config.condition_image_area, self.pixel_multiple
         stage.default_size = lambda params: edit_output_size(params, area, multiple)
         return stage
@@ -178,11 +181,19 @@ class QwenImageEditPipeline(QwenImagePipeline):
             tokenizer_max_length=self.config.tokenizer_max_length,
             output_dtype=context.dtype,
             processor=context.get("processor"),
+            image_prompt_template=self.config.image_prompt_template,
         )
 
     def before_denoising_stages(self, context: PipelineContext) -> list[Stage]:
         return [
             QwenImageEditPreparationStage(
-                context.get("vae"), self.config.condition_image_area, vae_scale_factor=self.vae_scale_factor
+                context.get("vae"), self.config.condition_image_area, self.config.vision_image_area
             )
         ]
+
+
+class QwenImageEditPlusPipeline(QwenImageEditPipeline):
+    """Edits from one to three input images (each becomes its own block of conditioning tokens)."""
+
+    config = QwenImageEditPlusPipelineConfig()
+    pipeline_name = "QwenImageEditPlusPipeline"

@@ -1,8 +1,8 @@
 """Qwen-Image-Edit's "before denoising" stage: size the input image and encode it into tokens.
 
-The input image is resized to about `condition_image_area` pixels at its own aspect ratio (sides
+Each input image is resized to about `condition_image_area` pixels at its own aspect ratio (sides
 rounded to 32, Lanczos, as Diffusers does), kept as a PIL image for the vision-language text
-encoder, and encoded by the VAE (posterior mode, normalised per channel) into packed latents that
+encoder (Edit-Plus gives the text encoder a smaller copy), and encoded by the VAE (posterior mode, normalised per channel) into packed latents that
 the denoiser appends to the image tokens at every step. The generated image defaults to the same
 size (see `edit_output_size`).
 """
@@ -32,8 +32,8 @@ def condition_size(image: Image.Image, area: int) -> tuple[int, int]:
 
 
 def edit_output_size(params: SamplingParams, area: int, pixel_multiple: int) -> tuple[int, int]:
-    """Default (height, width) of an edit: the input image's condition size, floored to the pixel multiple."""
-    width, height = condition_size(params.input_images[0], area)
+    """Default (height, width) of an edit: the last input image's condition size, floored to the pixel multiple."""
+    width, height = condition_size(params.input_images[-1], area)
     return height // pixel_multiple * pixel_multiple, width // pixel_multiple * pixel_multiple
 
 
@@ -47,20 +47,30 @@ class QwenImageEditPreparationStage(Stage):
     needs = ("generator",)
     sets = ("condition_images", "condition_latents")
 
-    def __init__(self, vae: nn.Module, condition_image_area: int, vae_scale_factor: int) -> None:
+    def __init__(
+        self, vae: nn.Module, condition_image_area: int, vision_image_area: int | None = None
+    ) -> None:
+        """`vision_image_area`: size of the copy the text encoder reads (Edit-Plus); None: the VAE's copy."""
         self.vae = vae
         self.condition_image_area = condition_image_area
-        self.vae_scale_factor = vae_scale_factor
+        self.vision_image_area = vision_image_area
 
     @torch.inference_mode()
     def forward(self, req: Req) -> Req:
         first_param = next(self.vae.parameters())
         resized, latents, shapes = [], [], []
-        for image in req.params.input_images:
-            width, height = condition_size(image, self.condition_image_area)
-            image = image.resize((width, height), resample=Image.Resampling.LANCZOS)
-            resized.append(image)
-            pixels = image_to_tensor(image).unsqueeze(2).to(device=first_param.device, dtype=first_param.dtype)
+        for original in req.params.input_images:
+            image = original.resize(
+                condition_size(original, self.condition_image_area), Image.Resampling.LANCZOS
+            )
+            if self.vision_image_area is None:
+                resized.append(image)
+            else:
+                size = condition_size(original, self.vision_image_area)
+                resized.append(original.resize(size, Image.Resampling.LANCZOS))
+            pixels = (
+                image_to_tensor(image).unsqueeze(2).to(device=first_param.device, dtype=first_param.dtype)
+            )
             encoded = normalize_latents(self.vae, self.vae.encode(pixels).mode())[:, :, 0]
             latents.append(pack_latents(encoded))
             shapes.append((1, encoded.shape[-2] // 2, encoded.shape[-1] // 2))

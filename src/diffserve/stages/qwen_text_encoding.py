@@ -30,8 +30,10 @@ class QwenTextEncodingStage(Stage):
         tokenizer_max_length: int,
         output_dtype: torch.dtype,
         processor=None,
+        image_prompt_template: str | None = None,
     ) -> None:
-        """`processor`: the Qwen2-VL processor (edit pipelines, see `QwenEditTextEncodingStage`)."""
+        """`processor`: the Qwen2-VL processor (edit pipelines, see `QwenEditTextEncodingStage`).
+        `image_prompt_template`: text with one vision block put before the prompt per image (Edit-Plus)."""
         self.tokenizer = tokenizer
         self.text_encoder = text_encoder
         self.template = template
@@ -39,6 +41,7 @@ class QwenTextEncodingStage(Stage):
         self.tokenizer_max_length = tokenizer_max_length
         self.output_dtype = output_dtype
         self.processor = processor
+        self.image_prompt_template = image_prompt_template
 
     @property
     def device(self) -> torch.device:
@@ -74,6 +77,9 @@ class QwenTextEncodingStage(Stage):
         images = None
         if self.processor is not None:
             images = [image for _ in prompts for image in req.condition_images]
+        if self.image_prompt_template is not None:
+            prefix = "".join(self.image_prompt_template.format(i + 1) for i in range(len(req.condition_images)))
+            prompts = [prefix + prompt for prompt in prompts]
         embeds = [e[: p.max_sequence_length] for e in self.encode(prompts, images)]
         req.prompt_embeds = embeds[0][None].repeat(n, 1, 1)
         if req.do_cfg:
