@@ -40,6 +40,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +53,7 @@ __all__ = [
     "ImageInputLimits",
     "ImageTooLargeError",
     "load_image",
+    "load_images",
 ]
 
 DEFAULT_ALLOWED_FORMATS: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "BMP", "GIF")
@@ -397,3 +399,35 @@ def _decode(data: bytes, *, param: str, limits: ImageInputLimits) -> Image.Image
         raise InvalidRequestError(
             f"{param}: image data is corrupt or truncated and could not be decoded ({e})", param=param
         ) from None
+
+
+# ------------------------------------------------------------------------------------ several sources
+
+#: What `load_images` takes for one image: anything `load_image` reads, or an already decoded image.
+ImageSource = str | Path | bytes | bytearray | memoryview | Image.Image
+
+
+def load_images(
+    sources: ImageSource | Sequence[ImageSource],
+    *,
+    param: str = "image",
+    allow_urls: bool = False,
+    limits: ImageInputLimits | None = None,
+) -> list[Image.Image]:
+    """One source or a list of them (a tuple or list) as RGB images, in order.
+
+    PIL images are passed through after `.convert("RGB")` (the caller already decoded them, so no byte
+    or pixel bound applies); everything else goes through `load_image`. With several sources an error
+    names the one at fault as `param[i]`.
+    """
+    items = list(sources) if isinstance(sources, (list, tuple)) else [sources]
+    if not items:
+        raise InvalidRequestError(f"{param}: expected at least one image, got an empty list", param=param)
+    out = []
+    for i, source in enumerate(items):
+        name = param if len(items) == 1 else f"{param}[{i}]"
+        if isinstance(source, Image.Image):
+            out.append(source.convert("RGB"))
+        else:
+            out.append(load_image(source, param=name, allow_urls=allow_urls, limits=limits))
+    return out

@@ -16,8 +16,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve a Diffusers-format model over HTTP: POST /v1/images/generations (OpenAI schema), "
-        "GET /v1/models, /health, /health_generate, /server_info, /metrics. The model runs in its own "
+        description="Serve a Diffusers-format model over HTTP: POST /v1/images/generations and "
+        "POST /v1/images/edits (OpenAI schema), GET /v1/models, /health, /health_generate, /server_info, /metrics. The model runs in its own "
         "engine process; the HTTP front end never blocks on it.",
     )
     add_engine_flags(p)
@@ -32,7 +32,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue-size", type=int, default=64,
                    help="requests allowed to wait for the engine; more get 429 (default: 64)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20,
-                   help="largest request body; larger ones get 413 (default: 1048576)")
+                   help="largest request body; larger ones get 413 (default: 1048576). /v1/images/edits "
+                   "allows 17 images at --max-image-bytes as base64 on top of it")
+    p.add_argument("--allow-url-images", action="store_true",
+                   help="let /v1/images/edits fetch input images from http(s) URLs on public hosts (default: "
+                   "off; uploads and base64 data URLs only, no outbound requests)")
+    p.add_argument("--max-image-bytes", type=int, default=20 << 20,
+                   help="largest input image (encoded: upload, decoded data URL or download); larger ones get "
+                   "413 (default: 20971520 = 20 MiB). The edits route's body limit follows from it")
+    p.add_argument("--max-image-pixels", type=int, default=4096 * 4096,
+                   help="largest input image in pixels (width * height, checked before decoding); larger ones "
+                   "get 413 (default: 16777216 = 4096x4096)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish before they are cancelled (default: 30)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
@@ -52,6 +62,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--max-queue-size must be >= 0, got {args.max_queue_size}")
     if args.max_body_bytes < 1:
         raise UserError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    if args.max_image_bytes < 1:
+        raise UserError(f"--max-image-bytes must be >= 1, got {args.max_image_bytes}")
+    if args.max_image_pixels < 1:
+        raise UserError(f"--max-image-pixels must be >= 1, got {args.max_image_pixels}")
     if args.shutdown_timeout < 0:
         raise UserError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.api_key is not None and not args.api_key.strip():
@@ -74,6 +88,9 @@ def run(args: argparse.Namespace) -> int:
         served_model_names=list(args.served_model_name),
         max_queue_size=args.max_queue_size,
         max_body_bytes=args.max_body_bytes,
+        allow_url_images=args.allow_url_images,
+        max_image_bytes=args.max_image_bytes,
+        max_image_pixels=args.max_image_pixels,
         shutdown_timeout=args.shutdown_timeout,
         warmup=args.warmup,
         log_level=args.log_level,

@@ -3,7 +3,8 @@
 A request's path: `POST /v1/images/generations` -> `ImageGenerationRequest` (schemas.py) ->
 `SamplingParams` -> `EngineClient.generate` (engine_client.py) -> ZeroMQ -> the engine process
 (engine_process.py: validate, queue, `DiffGenerator.generate_from_params`, encode) -> back here as
-`JobFinished` -> OpenAI's `ImagesResponse`.
+`JobFinished` -> OpenAI's `ImagesResponse`. `POST /v1/images/edits` is the same path once its body
+(multipart or JSON, image_edits.py) is parsed and its input images are decoded into the params.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 import diffserve
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.server.args import ServerArgs
+from diffserve.errors import InvalidRequestError
+from diffserve.server.args import MAX_INPUT_IMAGES, ServerArgs
 from diffserve.server.engine_client import (
     EngineClient,
     EngineUnavailableError,
@@ -36,6 +38,7 @@ from diffserve.server.engine_client import (
     QueueFullError,
 )
 from diffserve.server.errors import ApiError, error_response, install_error_handlers
+from diffserve.server.image_edits import read_edit_request
 from diffserve.server.image_encoding import CONTENT_TYPES, find_image
 from diffserve.server.metrics import ServerMetrics
 from diffserve.server.middleware import (
@@ -47,8 +50,10 @@ from diffserve.server.middleware import (
 )
 from diffserve.server.protocol import GenerateJob, JobFinished
 from diffserve.server.schemas import (
+    EDIT_ACCEPTED_FIELDS,
     ApiParamError,
     ErrorResponse,
+    ImageEditRequest,
     ImageGenerationRequest,
     ImagesResponse,
     ModelCard,
@@ -62,6 +67,46 @@ T = TypeVar("T")
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)
+}
+
+
+def _inline_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A pydantic JSON schema with its `$defs` references inlined (openapi_extra has no components)."""
+    defs = schema.pop("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return walk(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {key: walk(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [walk(value) for value in node]
+        return node
+
+    return walk(schema)
+
+
+#: /v1/images/edits reads its body itself (multipart or JSON); this documents both forms in /docs.
+_EDIT_REQUEST_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["image", "prompt"],
+                    "properties": {
+                        "image": {"type": "array", "items": {"type": "string", "format": "binary"},
+                                  "description": f"1-{MAX_INPUT_IMAGES} image files, as 'image' or 'image[]' parts"},
+                        "mask": {"type": "string", "format": "binary"},
+                        **{name: {"type": "string"} for name in EDIT_ACCEPTED_FIELDS
+                           if name not in ("image", "images", "mask")},
+                    },
+                }
+            },
+            "application/json": {"schema": _inline_schema(ImageEditRequest.model_json_schema())},
+        },
+    }
 }
 
 
@@ -94,7 +139,7 @@ async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 def outcome_of(exc: Exception) -> str:
     """The `diffserve_generation_requests_total` outcome of a request that raised `exc`."""
-    if isinstance(exc, (ApiError, ApiParamError, JobRejectedError)):
+    if isinstance(exc, (ApiError, ApiParamError, InvalidRequestError, JobRejectedError)):
         return "invalid"
     if isinstance(exc, JobFailedError):
         return "invalid" if exc.user_error else "failed"
@@ -159,7 +204,10 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
     app.state.metrics = metrics
     install_error_handlers(app)
     # Added innermost first: the request-context layer wraps everything, so every answer is logged.
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=args.max_body_bytes)
+    app.add_middleware(
+        BodySizeLimitMiddleware, max_bytes=args.max_body_bytes,
+        path_limits={"/v1/images/edits": (args.max_edit_body_bytes, "--max-image-bytes and --max-body-bytes")},
+    )
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
     app.add_middleware(RequestContextMiddleware, metrics=metrics)
@@ -172,13 +220,16 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
     def model_card() -> ModelCard:
         return ModelCard(id=args.model_id, created=started_at)
 
-    @app.post("/v1/images/generations", response_model=ImagesResponse, responses=_ERRORS)
-    async def create_images(body: ImageGenerationRequest, request: Request) -> Response:
+    def make_job(request: Request, body: ImageGenerationRequest, params: SamplingParams) -> GenerateJob:
+        return GenerateJob(request.state.request_id, params, body.response_format or "b64_json",
+                           body.output_compression)
+
+    async def serve_images(request: Request, build_job: Callable[[], Awaitable[GenerateJob]]) -> Response:
+        """The common part of the image routes: build the job (parsing errors count as invalid
+        requests), run it unless the client goes away, answer OpenAI's ImagesResponse."""
         arrived = time.monotonic()
         try:
-            check_model(body.model)
-            job = GenerateJob(request.state.request_id, body.to_sampling_params(),
-                              body.response_format or "b64_json", body.output_compression)
+            job = await build_job()
             result = await run_unless_disconnected(request, engine.generate(job))
         except ClientDisconnected:
             metrics.generation_requests.labels("cancelled").inc()
@@ -189,6 +240,38 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
         metrics.generation_requests.labels("success").inc()
         metrics.observe_finished(result, time.monotonic() - arrived)
         return JSONResponse(images_response(job, result, str(request.base_url), args.api_key))
+
+    @app.post("/v1/images/generations", response_model=ImagesResponse, responses=_ERRORS)
+    async def create_images(body: ImageGenerationRequest, request: Request) -> Response:
+        async def build_job() -> GenerateJob:
+            check_model(body.model)
+            return make_job(request, body, body.to_sampling_params())
+
+        return await serve_images(request, build_job)
+
+    @app.post("/v1/images/edits", response_model=ImagesResponse, responses={**_ERRORS, 415: _ERRORS[400]},
+              openapi_extra=_EDIT_REQUEST_BODY)
+    async def edit_images(request: Request) -> Response:
+        """OpenAI's image edits: the input image(s) and the prompt, as multipart/form-data (what the
+        `openai` SDK sends: files `image` or `image[]`, optional `mask`, every other field as text, the
+        `extra_body` extensions included) or as JSON (`image`: data URL string or list, or
+        `images: [{"image_url": ...}]`). The other fields are those of /v1/images/generations.
+
+        Without `size` the output size is left to the model's family, which derives it from the input
+        image as Diffusers does (edit models keep the input's aspect ratio). Whether the model takes
+        input images at all, how many, and a mask, is the engine's call (400 naming `image` or `mask`).
+        """
+
+        async def build_job() -> GenerateJob:
+            inputs = await read_edit_request(request, max_text_part_bytes=args.max_edit_body_bytes)
+            check_model(inputs.body.model)
+            params = inputs.body.to_sampling_params()
+            params.input_images, params.mask_image = await asyncio.to_thread(
+                inputs.load, args.allow_url_images, args.image_limits
+            )
+            return make_job(request, inputs.body, params)
+
+        return await serve_images(request, build_job)
 
     @app.get("/v1/images/{image_id}/content", responses=_ERRORS)
     async def image_content(image_id: str) -> FileResponse:

@@ -7,6 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from diffserve.configs.engine_args import EngineArgs
+from diffserve.image_inputs import ImageInputLimits
+
+#: Input images (plus one mask) a request of /v1/images/edits may carry; OpenAI's limit.
+MAX_INPUT_IMAGES = 16
 
 
 @dataclass
@@ -27,6 +31,13 @@ class ServerArgs:
     log_level: str = "info"
     #: Consecutive failed engine restarts before the server gives up (and /health stays 503).
     max_engine_restarts: int = 5
+    #: Let /v1/images/edits fetch input images from http(s) URLs (public hosts only). Off: data URLs and
+    #: uploads only, so the server never makes outbound requests on a client's behalf.
+    allow_url_images: bool = False
+    #: Largest encoded input image (upload, decoded data URL or download); larger ones get 413.
+    max_image_bytes: int = 20 << 20
+    #: Largest input image in pixels (width * height, read from the header before decoding); 413 above.
+    max_image_pixels: int = 4096 * 4096
 
     @property
     def model_id(self) -> str:
@@ -37,6 +48,17 @@ class ServerArgs:
         """Every `model` value a request may name: the served names, the model path and its folder name."""
         path = self.engine_args.model_path
         return {*self.served_model_names, path, Path(path).name}
+
+    @property
+    def image_limits(self) -> ImageInputLimits:
+        return ImageInputLimits(max_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels)
+
+    @property
+    def max_edit_body_bytes(self) -> int:
+        """Body limit of /v1/images/edits instead of `max_body_bytes`: room for MAX_INPUT_IMAGES images
+        and a mask at `max_image_bytes` each, as base64 data URLs in JSON (4/3 larger than uploads), plus
+        `max_body_bytes` for the other fields and the multipart framing."""
+        return (MAX_INPUT_IMAGES + 1) * -(-self.max_image_bytes * 4 // 3) + self.max_body_bytes
 
     @property
     def output_dir(self) -> Path:

@@ -15,6 +15,7 @@ this module (for the process target) and stays small and quick to start.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -27,11 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from PIL import Image
 
 from diffserve.cli.logging_setup import configure_logging
 from diffserve.configs.engine_args import EngineArgs
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.errors import RequestCancelledError, UserError
+from diffserve.errors import InvalidRequestError, RequestCancelledError, UserError
 from diffserve.server.image_encoding import CONTENT_TYPES, encode_image, image_path
 from diffserve.server.protocol import (
     CancelJob,
@@ -109,6 +111,7 @@ class Engine:
         self.stop = threading.Event()
         self.pixel_multiple = int(self.generator.pipeline.pixel_multiple)
         self.probe_size = -(-PROBE_PIXELS // self.pixel_multiple) * self.pixel_multiple
+        self.probe_images = self._probe_images()
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -123,8 +126,20 @@ class Engine:
         self.channel.send(EngineReady(pid=os.getpid(), info=self.info(warmup_seconds), probe_size=self.probe_size))
         logger.info("Engine ready (pid %d)", os.getpid())
 
+    def _probe_images(self) -> list[Image.Image] | None:
+        """A plain input image for the warm-up and /health_generate when the family requires one (edit
+        models refuse a request without it, naming `image`); None for text-to-image families."""
+        params = SamplingParams(prompt="probe", height=self.probe_size, width=self.probe_size, num_inference_steps=1)
+        try:
+            self.generator.pipeline.resolve_params(params)
+        except InvalidRequestError as exc:
+            if exc.param == "image":
+                return [Image.new("RGB", (self.probe_size, self.probe_size), (128, 128, 128))]
+        return None
+
     def probe_params(self, prompt: str) -> SamplingParams:
-        return SamplingParams(prompt=prompt, height=self.probe_size, width=self.probe_size, num_inference_steps=1)
+        return SamplingParams(prompt=prompt, height=self.probe_size, width=self.probe_size, num_inference_steps=1,
+                              input_images=self.probe_images)
 
     def info(self, warmup_seconds: float | None) -> dict[str, Any]:
         import torch
@@ -132,14 +147,17 @@ class Engine:
         import diffserve
 
         g = self.generator
-        defaults = g.pipeline.resolve_params(SamplingParams(prompt="-")).to_dict()
-        for key in ("prompt", "seed", "extra"):
+        defaults = g.pipeline.resolve_params(SamplingParams(prompt="-", input_images=self.probe_images)).to_dict()
+        for key in ("prompt", "seed", "extra", "input_images", "mask_image"):
             defaults.pop(key, None)
+        if self.probe_images:  # an edit model: its default size follows the input image
+            defaults["height"] = defaults["width"] = None
         return {
             "model_path": g.model_path,
             "family": g.family.name,
             "diffusers_pipeline": g.family.diffusers_pipeline,
             "task": g.family.task,
+            "requires_input_image": bool(self.probe_images),
             "platform": g.platform.name,
             "device_name": g.platform.device_name(),
             "dtype": str(g.dtype).removeprefix("torch."),
@@ -183,6 +201,8 @@ class Engine:
 
     def _handle(self, message: Any) -> None:
         if isinstance(message, GenerateJob):
+            if message.internal and self.probe_images and not message.params.input_images:
+                message.params.input_images = list(self.probe_images)  # /health_generate on an edit model
             try:
                 self.generator.pipeline.resolve_params(message.params)  # validate before queueing
             except UserError as exc:
@@ -232,9 +252,11 @@ class Engine:
             return
         peak = None if out.peak_memory_mb is None else int(out.peak_memory_mb * 2**20)
         logger.info("Request %s finished in %.2f seconds (%d image(s))", rid, time.perf_counter() - start, len(images))
+        # The input images are not sent back: the front end has them, and they can be large.
+        params = dataclasses.replace(out.params, input_images=None, mask_image=None)
         self.channel.send(
             JobFinished(
-                rid, images, out.params, out.timings, out.step_times, peak,
+                rid, images, params, out.timings, out.step_times, peak,
                 engine_seconds=time.perf_counter() - start, encode_seconds=encode_seconds,
             )
         )

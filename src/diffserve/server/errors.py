@@ -8,6 +8,7 @@ validation (400, never FastAPI's 422), unknown routes (404), the engine client's
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -15,6 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from diffserve.errors import InvalidRequestError
+from diffserve.image_inputs import ImageTooLargeError
 from diffserve.server.engine_client import (
     EngineUnavailableError,
     JobFailedError,
@@ -32,6 +35,7 @@ ERROR_TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
@@ -70,13 +74,16 @@ def error_response(
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
-def validation_error_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
-    """One actionable sentence (and the offending field) from pydantic's error list."""
+def validation_error_message(
+    errors: list[dict[str, Any]], accepted: Sequence[str] = ACCEPTED_FIELDS
+) -> tuple[str, str | None]:
+    """One actionable sentence (and the offending field) from pydantic's error list. `accepted`: the
+    route's fields, listed when a field is unknown."""
     unknown = [str(e["loc"][-1]) for e in errors if e.get("type") == "extra_forbidden"]
     if unknown:
         names = ", ".join(repr(n) for n in unknown)
         return (
-            f"unknown field{'s' if len(unknown) > 1 else ''} {names}; accepted fields: {', '.join(ACCEPTED_FIELDS)}",
+            f"unknown field{'s' if len(unknown) > 1 else ''} {names}; accepted fields: {', '.join(accepted)}",
             unknown[0],
         )
     first = errors[0]
@@ -107,6 +114,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _param_error(request: Request, exc: ApiParamError) -> JSONResponse:
         return error_response(400, str(exc), exc.param, exc.code)
 
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid_input(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        # Raised in the front end while decoding input images (diffserve.image_inputs.load_image).
+        if isinstance(exc, ImageTooLargeError):
+            return error_response(413, str(exc), exc.param, "image_too_large")
+        return error_response(400, str(exc), exc.param, "invalid_value")
+
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_error_message(list(exc.errors()))
@@ -120,7 +134,8 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"method {request.method} is not allowed on {request.url.path}"
         else:
             message = str(exc.detail)
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
+                415: "unsupported_media_type"}.get(exc.status_code)
         return error_response(exc.status_code, message, None, code, getattr(exc, "headers", None))
 
     @app.exception_handler(JobRejectedError)

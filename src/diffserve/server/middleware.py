@@ -108,22 +108,32 @@ class ApiKeyMiddleware:
 
 
 class BodySizeLimitMiddleware:
-    """413 for bodies over `max_bytes`: at once from Content-Length, or while a chunked body streams in."""
+    """413 for bodies over the limit: at once from Content-Length, or while a chunked body streams in.
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    `max_bytes` applies everywhere but the paths in `path_limits`, which map a path to its own limit and
+    the flag(s) that set it (the edits route carries images, so its bound follows --max-image-bytes)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, path_limits: dict[str, tuple[int, str]] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.path_limits = dict(path_limits or {})
 
-    def _message(self, size: str) -> str:
-        return f"request body of {size} exceeds the server's limit of {self.max_bytes} bytes (--max-body-bytes)"
+    def _limit(self, path: str) -> tuple[int, str]:
+        return self.path_limits.get(path, (self.max_bytes, "--max-body-bytes"))
+
+    @staticmethod
+    def _message(size: str, limit: int, flags: str) -> str:
+        return f"request body of {size} exceeds the server's limit of {limit} bytes ({flags})"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit, flags = self._limit(scope["path"])
         length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            response = error_response(413, self._message(f"{int(length)} bytes"), None, "request_too_large")
+        if length is not None and length.isdigit() and int(length) > limit:
+            response = error_response(413, self._message(f"{int(length)} bytes", limit, flags), None,
+                                      "request_too_large")
             await response(scope, receive, send)
             return
         received = 0
@@ -133,8 +143,8 @@ class BodySizeLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise HTTPException(413, self._message(f"more than {self.max_bytes} bytes"))
+                if received > limit:
+                    raise HTTPException(413, self._message(f"more than {limit} bytes", limit, flags))
             return message
 
         await self.app(scope, limited_receive, send)

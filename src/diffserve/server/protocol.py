@@ -24,6 +24,7 @@ from diffserve.configs.sampling_params import SamplingParams
 @dataclass
 class GenerateJob:
     request_id: str
+    #: For edits, `input_images` / `mask_image` hold the decoded PIL images (they pickle as raw pixels).
     params: SamplingParams
     #: "b64_json": encoded bytes come back in the message; "url": the engine writes files to the output dir.
     response_format: Literal["b64_json", "url"] = "b64_json"
@@ -87,7 +88,7 @@ class EncodedImage:
 class JobFinished:
     request_id: str
     images: list[EncodedImage]
-    params: SamplingParams  # resolved: family defaults applied
+    params: SamplingParams  # resolved: family defaults applied; input_images and mask_image left out
     timings: dict[str, float]  # seconds per stage
     step_times: list[float]
     peak_memory_bytes: int | None

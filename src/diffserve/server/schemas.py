@@ -115,6 +115,64 @@ class ImageGenerationRequest(BaseModel):
 
 ACCEPTED_FIELDS: tuple[str, ...] = tuple(ImageGenerationRequest.model_fields)
 
+class ImageReference(BaseModel):
+    """One entry of OpenAI's JSON `images: [{"image_url": ...}]` (or `mask: {"image_url": ...}`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    image_url: str | None = Field(None, description="a base64 data URL, or an http(s) URL with --allow-url-images")
+    file_id: str | None = Field(None, description="OpenAI Files API id; not supported by diffserve")
+
+    def source(self, param: str) -> str:
+        if self.file_id is not None:
+            raise ApiParamError(
+                f"{param}: file_id is not supported (diffserve has no Files API); pass image_url as a base64 "
+                "data URL (data:image/png;base64,...) instead",
+                param=param,
+                code="unsupported_value",
+            )
+        if self.image_url is None:
+            raise ApiParamError(f"{param}: image_url is required", param=param)
+        return self.image_url
+
+
+class ImageEditRequest(ImageGenerationRequest):
+    """`POST /v1/images/edits`: the generation fields plus the input images.
+
+    In a JSON body the images are strings (`image`, one or a list) or OpenAI's newer
+    `images: [{"image_url": ...}]`; in a multipart body they are uploaded files named `image` or `image[]`
+    and `mask`, which the route reads separately and never puts in these fields.
+
+    `to_sampling_params` is the generations' one: the route fills `input_images` and `mask_image` once
+    they are decoded. Without `size` (or width/height) the size stays None and the model's family
+    derives it from the input image (edit models keep its aspect ratio).
+    """
+
+    image: str | list[str] | None = Field(
+        None, description="input image(s) as base64 data URLs (or http(s) URLs with --allow-url-images)"
+    )
+    images: list[ImageReference] | None = Field(None, description="OpenAI's JSON form: [{'image_url': ...}]")
+    mask: str | ImageReference | None = Field(
+        None, description="inpainting mask; only models that inpaint accept it (none yet)"
+    )
+
+    def image_sources(self) -> list[str]:
+        """The JSON body's input images in order (raises ApiParamError when both forms are given)."""
+        if self.image is not None and self.images is not None:
+            raise ApiParamError("pass the input images as either 'image' or 'images', not both", param="images")
+        if self.images is not None:
+            return [ref.source(f"images[{i}]") for i, ref in enumerate(self.images)]
+        if isinstance(self.image, str):
+            return [self.image]
+        return list(self.image or [])
+
+    def mask_source(self) -> str | None:
+        return self.mask.source("mask") if isinstance(self.mask, ImageReference) else self.mask
+
+
+
+EDIT_ACCEPTED_FIELDS: tuple[str, ...] = tuple(ImageEditRequest.model_fields)
+
 
 class ImageObject(BaseModel):
     b64_json: str | None = None

@@ -1,0 +1,534 @@
+"""`POST /v1/images/edits` against a text-to-image model (the tiny FLUX checkpoint): every way a request
+can be wrong gets OpenAI's error shape with the right status and field, the front end parses exactly
+what the `openai` SDK sends, and the server keeps serving afterwards. Parsing and limits are also
+checked without a server. The success path on an edit model is in test_images_edits_qwen.py."""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from diffserve.configs.engine_args import EngineArgs
+from diffserve.errors import InvalidRequestError
+from diffserve.image_inputs import ImageInputLimits, ImageTooLargeError, load_images
+from diffserve.server.args import MAX_INPUT_IMAGES, ServerArgs
+from diffserve.server.errors import ApiError
+from diffserve.server.image_edits import EditInputs, from_json
+from diffserve.server.schemas import ApiParamError
+
+SIZE = 32
+MAX_IMAGE_BYTES = 4000
+MAX_IMAGE_PIXELS = 64 * 64
+MAX_BODY_BYTES = 65536
+API_KEY = "edit-key"
+NO_INPUT_IMAGE = "FluxPipeline is a text-to-image model and takes no input image"
+
+
+def _server_helpers():
+    """tests/server/conftest.py's server launcher (conftest modules cannot be imported by name)."""
+    name = "diffserve_tests_server_conftest"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("conftest.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before running it: its dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def png(width: int, height: int, noise: bool = False, seed: int = 0) -> bytes:
+    if noise:
+        pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+        image = Image.fromarray(pixels)
+    else:
+        image = Image.new("RGB", (width, height), (200, 40, 40))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def assert_error(
+    response: httpx.Response, status: int, message_part: str, param: str | None = "<any>"
+) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert message_part in body["error"]["message"], body
+    if param != "<any>":
+        assert body["error"]["param"] == param, body
+    return body["error"]
+
+
+# -- without a server -------------------------------------------------------------------------------
+def test_edit_body_limit_fits_max_images_as_base64() -> None:
+    args = ServerArgs(EngineArgs(model_path="/m"), max_image_bytes=3000, max_body_bytes=1000)
+    assert args.max_edit_body_bytes == (MAX_INPUT_IMAGES + 1) * 4000 + 1000
+    assert ServerArgs(EngineArgs(model_path="/m")).image_limits == ImageInputLimits(
+        max_bytes=20 << 20, max_pixels=4096 * 4096
+    )
+
+
+def test_json_body_forms() -> None:
+    one = data_url(png(8, 4))
+    inputs = from_json({"prompt": "p", "image": one, "size": "64x32", "n": 2, "seed": 3})
+    assert inputs.images == [("image", one)] and inputs.mask is None
+    params = inputs.body.to_sampling_params()  # the generations' size and n handling
+    assert (params.width, params.height, params.num_outputs_per_prompt, params.seed) == (64, 32, 2, 3)
+    assert params.input_images is None  # filled by the route once decoded
+    unsized = from_json({"prompt": "p", "image": one}).body.to_sampling_params()
+    assert unsized.width is None and unsized.height is None  # the engine's family decides
+
+    two = from_json({"prompt": "p", "image": [one, one], "mask": one})
+    assert [name for name, _ in two.images] == ["image[0]", "image[1]"] and two.mask == ("mask", one)
+    refs = from_json({"prompt": "p", "images": [{"image_url": one}], "mask": {"image_url": one}})
+    assert refs.images == [("images", one)] and refs.mask == ("mask", one)
+
+
+@pytest.mark.parametrize(
+    ("body", "exc", "message", "param"),
+    [
+        ({"prompt": "p"}, ApiParamError, "image is required", "image"),
+        ({"prompt": "p", "image": []}, ApiParamError, "image is required", "image"),
+        ({"image": "data:,"}, ApiError, "prompt is required", "prompt"),
+        (
+            {"prompt": "p", "image": "data:,", "colour": "red"},
+            ApiError,
+            "unknown field 'colour'; accepted fields: prompt, model, n, size",
+            "colour",
+        ),
+        (
+            {"prompt": "p", "image": "/etc/passwd"},
+            ApiParamError,
+            "the server never reads file paths",
+            "image",
+        ),
+        (
+            {"prompt": "p", "image": "data:,", "mask": "secret.png"},
+            ApiParamError,
+            "never reads file paths",
+            "mask",
+        ),
+        (
+            {"prompt": "p", "image": "data:,", "images": [{"image_url": "data:,"}]},
+            ApiParamError,
+            "either 'image' or 'images'",
+            "images",
+        ),
+        (
+            {"prompt": "p", "images": [{"file_id": "file-1"}]},
+            ApiParamError,
+            "file_id is not supported",
+            "images[0]",
+        ),
+        (
+            {"prompt": "p", "image": ["data:,"] * (MAX_INPUT_IMAGES + 1)},
+            ApiParamError,
+            f"at most {MAX_INPUT_IMAGES} input images",
+            "image",
+        ),
+        (
+            {"prompt": "p", "image": "data:,", "n": 11},
+            ApiError,
+            "n: Input should be less than or equal to 10",
+            "n",
+        ),
+        ([1, 2], ApiError, "request body must be a JSON object", None),
+    ],
+)
+def test_json_body_errors(body, exc, message, param) -> None:
+    with pytest.raises(exc, match=message.replace("[", r"\[").replace("(", r"\(")) as info:
+        from_json(body)
+    assert (info.value.param if isinstance(info.value, ApiError) else info.value.param) == param
+
+
+def test_unknown_fields_message_lists_the_edit_fields() -> None:
+    with pytest.raises(ApiError) as info:
+        from_json({"prompt": "p", "image": "data:,", "input_fidelity": "high"})
+    assert "accepted fields:" in info.value.message and "image, images, mask" in info.value.message
+
+
+def test_loading_applies_the_limits() -> None:
+    limits = ImageInputLimits(max_bytes=MAX_IMAGE_BYTES, max_pixels=MAX_IMAGE_PIXELS)
+    ok = EditInputs(from_json({"prompt": "p", "image": data_url(png(48, 16))}).body, [("image", png(48, 16))])
+    images, mask = ok.load(allow_urls=False, limits=limits)
+    assert [im.size for im in images] == [(48, 16)] and images[0].mode == "RGB" and mask is None
+    too_many_bytes = EditInputs(ok.body, [("image[1]", png(64, 64, noise=True))])
+    with pytest.raises(ImageTooLargeError, match="over the limit of 3.9 KiB") as info:
+        too_many_bytes.load(allow_urls=False, limits=limits)
+    assert info.value.param == "image[1]"
+    with pytest.raises(ImageTooLargeError, match="over the limit of 4096 pixels"):
+        EditInputs(ok.body, [("image", png(65, 64))]).load(allow_urls=False, limits=limits)
+    with pytest.raises(InvalidRequestError, match="--allow-url-images") as info:
+        EditInputs(ok.body, [("image", "https://example.com/a.png")]).load(allow_urls=False, limits=limits)
+    assert not isinstance(info.value, ImageTooLargeError)
+
+
+def test_load_images_helper(tmp_path) -> None:
+    path = tmp_path / "in.png"
+    path.write_bytes(png(10, 6))
+    rgba = Image.new("RGBA", (5, 7))
+    images = load_images([path, str(path), png(3, 2), data_url(png(4, 4)), rgba])
+    assert [im.size for im in images] == [(10, 6), (10, 6), (3, 2), (4, 4), (5, 7)]
+    assert all(im.mode == "RGB" for im in images)
+    assert load_images(rgba)[0].mode == "RGB"
+    with pytest.raises(InvalidRequestError) as info:
+        load_images([png(2, 2), b"not an image"], param="image")
+    assert info.value.param == "image[1]"
+    with pytest.raises(InvalidRequestError, match="URLs are disabled"):
+        load_images("https://example.com/a.png")
+
+
+# -- against a server -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tiny_flux_dir, tmp_path_factory):
+    helpers = _server_helpers()
+    srv = helpers.start_server(
+        tiny_flux_dir,
+        tmp_path_factory.mktemp("edits-server"),
+        "--api-key",
+        API_KEY,
+        "--max-image-bytes",
+        str(MAX_IMAGE_BYTES),
+        "--max-image-pixels",
+        str(MAX_IMAGE_PIXELS),
+        "--max-body-bytes",
+        str(MAX_BODY_BYTES),
+    )
+    srv.api_key = API_KEY
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        if srv.process.poll() is None:
+            srv.process.terminate()
+            try:
+                srv.process.wait(30)
+            except subprocess.TimeoutExpired:
+                srv.process.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def edit(server, *, files=None, data=None, json_body=None, headers=None) -> httpx.Response:
+    url = f"{server.base_url}/v1/images/edits"
+    hdrs = {**server.headers, **(headers or {})}
+    if json_body is not None:
+        return httpx.post(url, json=json_body, headers=hdrs, timeout=60)
+    return httpx.post(url, files=files, data=data, headers=hdrs, timeout=60)
+
+
+FIELDS = {"prompt": "make it blue", "num_inference_steps": "1"}
+
+
+def test_sdk_edit_on_a_text_to_image_model_is_400(server, client, tiny_flux_dir) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.images.edit(
+            model=Path(tiny_flux_dir).name,
+            image=("in.png", png(48, 16), "image/png"),
+            prompt="make it blue",
+            n=2,
+            size="32x16",
+            response_format="b64_json",
+            extra_body={"seed": 3, "num_inference_steps": 1, "guidance_scale": 2.0, "negative_prompt": "red"},
+        )
+    error = info.value.body
+    assert NO_INPUT_IMAGE in error["message"] and error["param"] == "image", error
+    assert info.value.status_code == 400 and error["type"] == "invalid_request_error"
+
+    with pytest.raises(openai.BadRequestError, match="takes no input image"):  # a list: 'image[]' parts
+        client.images.edit(
+            image=[("a.png", png(16, 16), "image/png"), ("b.png", png(16, 16), "image/png")],
+            prompt="merge them",
+            extra_body={"num_inference_steps": 1},
+        )
+
+
+def test_a_mask_is_refused(server, client) -> None:
+    # FLUX refuses the image before it looks at the mask; an edit model names the mask
+    # (test_images_edits_qwen.py). Here: the mask is decoded and checked in the front end.
+    with pytest.raises(openai.BadRequestError, match="takes no input image"):
+        client.images.edit(
+            image=("in.png", png(16, 16), "image/png"),
+            mask=("m.png", png(16, 16), "image/png"),
+            prompt="p",
+            extra_body={"num_inference_steps": 1},
+        )
+    r = edit(
+        server, files=[("image", ("in.png", png(16, 16))), ("mask", ("m.png", b"\x00garbage"))], data=FIELDS
+    )
+    assert_error(r, 400, "mask: data is not a recognised image", "mask")
+    r = edit(
+        server,
+        files=[
+            ("image", ("in.png", png(16, 16))),
+            ("mask", ("a.png", png(4, 4))),
+            ("mask", ("b.png", png(4, 4))),
+        ],
+        data=FIELDS,
+    )
+    assert_error(r, 400, "mask is given more than once", "mask")
+
+
+def test_bad_images_are_400_naming_the_field(server, client) -> None:
+    junk = np.random.default_rng(0).integers(0, 256, 500, dtype=np.uint8).tobytes()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.images.edit(image=("in.png", junk, "image/png"), prompt="p")
+    assert info.value.body["param"] == "image" and "not a recognised image" in info.value.body["message"]
+    r = edit(server, files=[("image[]", ("a.png", png(8, 8))), ("image[]", ("b.png", junk))], data=FIELDS)
+    assert_error(r, 400, "image[1]: data is not a recognised image", "image[1]")
+    r = edit(server, json_body={"prompt": "p", "image": "data:image/png;base64,@@@"})
+    assert_error(r, 400, "not valid base64", "image")
+
+
+def test_oversized_images_get_413(server) -> None:
+    big = png(64, 64, noise=True)
+    assert len(big) > MAX_IMAGE_BYTES
+    error = assert_error(
+        edit(server, files={"image": ("big.png", big)}, data=FIELDS),
+        413,
+        "over the limit of 3.9 KiB",
+        "image",
+    )
+    assert error["code"] == "image_too_large" and error["type"] == "invalid_request_error"
+    r = edit(server, json_body={"prompt": "p", "image": data_url(big)})
+    assert_error(r, 413, "decoded data URL is", "image")
+    assert_error(
+        edit(server, files={"image": ("wide.png", png(128, 64))}, data=FIELDS),
+        413,
+        "image is 128x64 (8192 pixels), over the limit of 4096 pixels",
+        "image",
+    )
+
+
+def test_edit_body_limit_replaces_max_body_bytes(server) -> None:
+    # Over --max-body-bytes (64 KiB) but within the edits bound: accepted, and refused by the engine.
+    long_prompt = {**FIELDS, "prompt": "blue " * 20_000}
+    r = edit(server, files={"image": ("in.png", png(16, 16))}, data=long_prompt)
+    assert_error(r, 400, NO_INPUT_IMAGE, "image")
+    limit = (MAX_INPUT_IMAGES + 1) * -(-MAX_IMAGE_BYTES * 4 // 3) + MAX_BODY_BYTES
+    r = edit(server, files={"image": ("in.png", png(16, 16))}, data={**FIELDS, "prompt": "x" * (limit + 1)})
+    error = assert_error(r, 413, f"exceeds the server's limit of {limit} bytes (--max-image-bytes")
+    assert error["code"] == "request_too_large"
+    # The generic limit still holds on the other routes.
+    r = httpx.post(
+        f"{server.base_url}/v1/images/generations",
+        json={"prompt": "x" * 70_000},
+        headers=server.headers,
+        timeout=30,
+    )
+    assert_error(r, 413, "limit of 65536 bytes (--max-body-bytes)")
+
+
+def test_url_images_need_allow_url_images(server) -> None:
+    for body, param in (
+        ({"prompt": "p", "image": "https://example.com/cat.png"}, "image"),
+        ({"prompt": "p", "images": [{"image_url": "http://example.com/cat.png"}]}, "images"),
+    ):
+        error = assert_error(
+            edit(server, json_body=body), 400, "image URLs are disabled on this server", param
+        )
+        assert "--allow-url-images" in error["message"]
+    r = edit(server, files={"x": ("x", b"")}, data={**FIELDS, "image": "https://example.com/cat.png"})
+    assert_error(r, 400, "unknown field 'x'", "x")
+    r = edit(server, data={**FIELDS, "image": "https://example.com/cat.png"})
+    assert_error(r, 400, "--allow-url-images", "image")
+    r = edit(server, data={**FIELDS, "image": "/etc/hostname"})
+    assert_error(r, 400, "the server never reads file paths", "image")
+
+
+def test_field_errors(server) -> None:
+    img = {"image": ("in.png", png(16, 16))}
+    r = edit(server, files=img, data={**FIELDS, "colour": "red", "input_fidelity": "high"})
+    assert_error(r, 400, "unknown fields 'colour', 'input_fidelity'; accepted fields: prompt", "colour")
+    assert_error(edit(server, data=FIELDS), 400, "image is required", "image")
+    assert_error(
+        edit(server, files=img, data={"num_inference_steps": "1"}), 400, "prompt is required", "prompt"
+    )
+    assert_error(
+        edit(server, files=img, data={**FIELDS, "size": "big"}), 400, "size must be 'WIDTHxHEIGHT'", "size"
+    )
+    assert_error(edit(server, files=img, data={**FIELDS, "n": "11"}), 400, "less than or equal to 10", "n")
+    assert_error(
+        edit(server, files=img, data={**FIELDS, "quality": "high"}), 400, "not supported yet", "quality"
+    )
+    assert_error(
+        edit(server, files=img, data={**FIELDS, "model": "dall-e-2"}),
+        404,
+        "'dall-e-2' is not served",
+        "model",
+    )
+    r = edit(server, files={**img, "prompt": ("p.txt", b"a file")}, data={"num_inference_steps": "1"})
+    assert_error(r, 400, "prompt must be a text field, not a file", "prompt")
+    r = edit(server, files=[("image", ("in.png", png(16, 16)))], data={**FIELDS, "seed": ["1", "2"]})
+    assert_error(r, 400, "seed is given more than once", "seed")
+    r = httpx.post(
+        f"{server.base_url}/v1/images/edits",
+        content=b"<xml/>",
+        headers={**server.headers, "Content-Type": "text/xml"},
+    )
+    assert_error(r, 415, "Content-Type 'text/xml' is not supported")
+    r = httpx.post(
+        f"{server.base_url}/v1/images/edits",
+        content=b"{oops",
+        headers={**server.headers, "Content-Type": "application/json"},
+    )
+    assert_error(r, 400, "request body is not valid JSON", None)
+    assert_error(
+        httpx.post(f"{server.base_url}/v1/images/edits", files=img, data=FIELDS), 401, "missing API key"
+    )
+
+
+def test_json_bodies_reach_the_engine(server) -> None:
+    """Both JSON forms parse and decode; the text-to-image engine then refuses the image (JobRejected)."""
+    url = data_url(png(16, 16))
+    for body in ({"image": url}, {"image": [url, url]}, {"images": [{"image_url": url}]}):
+        r = edit(server, json_body={"prompt": "p", "num_inference_steps": 1, **body})
+        assert_error(r, 400, NO_INPUT_IMAGE, "image")
+    r = edit(server, json_body={"prompt": "p", "image": url, "size": "40"})
+    assert_error(r, 400, "size must be 'WIDTHxHEIGHT'", "size")
+
+
+def test_server_keeps_serving(server, client) -> None:
+    response = client.images.generate(
+        prompt="a fox", size=f"{SIZE}x{SIZE}", extra_body={"num_inference_steps": 1}
+    )
+    pixels = np.asarray(Image.open(io.BytesIO(base64.b64decode(response.data[0].b64_json))))
+    assert pixels.shape == (SIZE, SIZE, 3)
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    info = httpx.get(f"{server.base_url}/server_info", headers=server.headers).json()
+    assert info["engine"]["requires_input_image"] is False and info["engine"]["restarts"] == 0
+    assert info["server_args"]["allow_url_images"] is False
+    assert info["server_args"]["max_image_bytes"] == MAX_IMAGE_BYTES
+    metrics = httpx.get(f"{server.base_url}/metrics").text
+    lines = [line for line in metrics.splitlines() if line.startswith("diffserve_http_requests_total{")]
+    assert any('route="/v1/images/edits"' in line and 'status="413"' in line for line in lines)
+    assert "Traceback" not in server.log()
+    # The docs describe both body forms.
+    schema = httpx.get(f"{server.base_url}/openapi.json", headers=server.headers).json()
+    content = schema["paths"]["/v1/images/edits"]["post"]["requestBody"]["content"]
+    assert {"multipart/form-data", "application/json"} <= set(content)
+    assert "$ref" not in json.dumps(content["application/json"])
+
+
+# -- the Python API and the CLI (same loading, no server) -------------------------------------------
+def test_api_generate_takes_image_and_mask(tiny_flux_dir, tmp_path) -> None:
+    from diffserve.api import DiffGenerator
+    from diffserve.errors import UserError
+
+    generator = DiffGenerator.from_pretrained(tiny_flux_dir, show_progress=False)
+    path = tmp_path / "in.png"
+    path.write_bytes(png(16, 16))
+    for image in (
+        path,
+        str(path),
+        png(16, 16),
+        Image.new("RGBA", (16, 16)),
+        data_url(png(16, 16)),
+        [path, path],
+    ):
+        with pytest.raises(InvalidRequestError, match=NO_INPUT_IMAGE) as info:
+            generator.generate("p", image=image, num_inference_steps=1)
+        assert info.value.param == "image"
+    with pytest.raises(InvalidRequestError, match="URLs are disabled"):
+        generator.generate("p", image="https://example.com/a.png")
+    with pytest.raises(InvalidRequestError, match="is not an existing file") as info:
+        generator.generate("p", mask=tmp_path / "missing.png")
+    assert info.value.param == "mask"
+    with pytest.raises(UserError, match="pass one mask image"):
+        generator.generate("p", mask=[path, path])
+    with pytest.raises(UserError, match="either image= or input_images="):
+        generator.generate("p", image=path, input_images=[])
+    # Without images nothing changes.
+    assert generator.generate("p", height=16, width=16, num_inference_steps=1).images[0].size == (16, 16)
+
+
+def test_cli_generate_image_flags(tiny_flux_dir, tmp_path, capsys) -> None:
+    from diffserve.cli.main import main
+
+    path = tmp_path / "in.png"
+    path.write_bytes(png(16, 16))
+    base = [
+        "generate",
+        "--model-path",
+        str(tiny_flux_dir),
+        "--prompt",
+        "p",
+        "--num-inference-steps",
+        "1",
+        "--output-path",
+        str(tmp_path / "out"),
+        "--log-level",
+        "warning",
+    ]
+    assert main([*base, "--image", str(tmp_path / "missing.png")]) == 2
+    assert "error: --image: " in capsys.readouterr().err
+    (tmp_path / "bad.png").write_bytes(b"junk")
+    assert main([*base, "--image", str(path), "--mask", str(tmp_path / "bad.png")]) == 2
+    assert "--mask: data is not a recognised image" in capsys.readouterr().err
+    assert main([*base, "--image", str(path), "--image", str(path)]) == 2
+    assert NO_INPUT_IMAGE in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+# -- the engine's probe on an edit model (warm-up, /health_generate) --------------------------------
+class _EditPipeline:
+    """Stands in for an edit family: refuses a request without exactly one input image."""
+
+    pixel_multiple = 16
+
+    def resolve_params(self, params):
+        from diffserve.configs.sampling_params import SamplingParams
+
+        if not params.input_images:
+            raise InvalidRequestError("EditPipeline needs an input image", param="image")
+        width, height = params.input_images[0].size
+        resolved = params.with_defaults(SamplingParams(num_inference_steps=3, height=height, width=width))
+        resolved.validate(16)
+        return resolved
+
+
+def test_engine_probes_edit_models_with_an_input_image(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from diffserve.configs.sampling_params import SamplingParams
+    from diffserve.server.engine_process import Engine, EngineProcessConfig
+    from diffserve.server.protocol import GenerateJob, JobRejected
+
+    sent: list = []
+    generator = SimpleNamespace(
+        pipeline=_EditPipeline(),
+        model_path="/m",
+        family=SimpleNamespace(name="edit", diffusers_pipeline="E", task="image-edit"),
+        platform=SimpleNamespace(name="cpu", device_name=lambda: "cpu"),
+        dtype="torch.float32",
+    )
+    config = EngineProcessConfig(EngineArgs(model_path="/m", output_path=str(tmp_path)), "", "", 1)
+    engine = Engine(config, SimpleNamespace(send=sent.append), generator=generator)
+    probe = engine.probe_params("warm-up")
+    assert [im.size for im in probe.input_images] == [(engine.probe_size, engine.probe_size)]
+    info = engine.info(None)
+    assert info["requires_input_image"] is True and info["default_params"]["height"] is None
+    assert "input_images" not in info["default_params"]
+    engine._handle(
+        GenerateJob("a" * 32, SamplingParams(prompt="health", num_inference_steps=1), internal=True)
+    )
+    assert engine.queue.num_waiting == 1 and not sent  # /health_generate got the probe image
+    engine._handle(GenerateJob("b" * 32, SamplingParams(prompt="user", num_inference_steps=1)))
+    assert isinstance(sent[0], JobRejected) and sent[0].param == "image"  # users' requests do not
