@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 
 from diffserve.configs.engine_args import EngineArgs
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import UserError
+from diffserve.image_inputs import ImageSource, load_images
 from diffserve.layers.attention import select_attention_backend
 from diffserve.loader.component_loader import load_components
 from diffserve.loader.folder_defaults import read_folder_sampling_defaults
@@ -23,6 +26,8 @@ from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.platforms import Platform, PlatformUnavailableError, set_platform
 from diffserve.registry import ModelFamily, resolve_family
 from diffserve.request import Req
+from diffserve.video_outputs import save_frames as save_frames_as_png
+from diffserve.video_outputs import save_video
 
 logger = logging.getLogger("diffserve")
 
@@ -48,6 +53,8 @@ class GenerationOutput:
     peak_memory_mb: float | None
     output_paths: list[str] = field(default_factory=list)
     total_seconds: float = 0.0
+    #: Video families: one uint8 array of shape (frames, height, width, 3) per output video.
+    frames: list[np.ndarray] = field(default_factory=list)
 
 
 class DiffGenerator:
@@ -117,17 +124,34 @@ class DiffGenerator:
         self,
         prompt: str = "",
         *,
+        image: ImageSource | Sequence[ImageSource] | None = None,
+        mask: ImageSource | None = None,
         save_output: bool = False,
         output_path: str | None = None,
         output_file_name: str | None = None,
+        save_frames: bool = False,
         **params: Any,
     ) -> GenerationOutput:
-        """Generate `num_outputs_per_prompt` images for one prompt. Keyword args are SamplingParams fields."""
+        """Generate `num_outputs_per_prompt` images (or videos) for one prompt. Keyword args are
+        SamplingParams fields. `save_frames` also writes each video's frames as PNGs next to it.
+
+        `image`: the input image(s) of an edit model, one or a list, each a file path, encoded bytes, a
+        PIL image or a base64 data URL (never an http(s) URL: download it yourself). `mask` likewise, one
+        image. They become `input_images` / `mask_image`; the family refuses what it does not take.
+        """
+        if image is not None:
+            if "input_images" in params:
+                raise UserError("pass the input images as either image= or input_images=, not both")
+            params["input_images"] = load_images(image, param="image")
+        if mask is not None:
+            if isinstance(mask, (list, tuple)):
+                raise UserError("mask: pass one mask image, not a list")
+            params["mask_image"] = load_images(mask, param="mask")[0]
         try:
             sampling = SamplingParams(prompt=prompt, **params)
         except TypeError as exc:
             raise UserError(f"unknown generation parameter: {exc}") from exc
-        return self.generate_from_params(sampling, save_output, output_path, output_file_name)
+        return self.generate_from_params(sampling, save_output, output_path, output_file_name, save_frames=save_frames)
 
     def generate_from_params(
         self,
@@ -136,6 +160,7 @@ class DiffGenerator:
         output_path: str | None = None,
         file_name: str | None = None,
         request: Req | None = None,
+        save_frames: bool = False,
     ) -> GenerationOutput:
         """Run one request. Pass `request` (a `Req` over `params`) to control it from another thread:
         its `cancel_event` stops it at the next step boundary, its `on_step` reports progress."""
@@ -150,11 +175,12 @@ class DiffGenerator:
             logger.info("Peak memory: %.2f MB (%s)", peak_mb, "process RSS" if self.platform.name == "cpu" else "device")
         paths: list[str] = []
         if save_output:
-            paths = self._save(req, Path(output_path or self.engine_args.output_path), file_name)
+            paths = self._save(req, Path(output_path or self.engine_args.output_path), file_name, save_frames)
         total = time.perf_counter() - start
         logger.info("Pixel data generated in %.2f seconds", total)
         return GenerationOutput(
             images=req.images or [],
+            frames=req.frames or [],
             params=req.params,
             request_id=req.request_id,
             timings=dict(req.timings),
@@ -164,18 +190,27 @@ class DiffGenerator:
             total_seconds=total,
         )
 
-    def _save(self, req: Req, directory: Path, file_name: str | None) -> list[str]:
+    def _save(self, req: Req, directory: Path, file_name: str | None, save_frames: bool = False) -> list[str]:
+        """Write each output (image, or video in `video_format`) with the generation parameters inside."""
         p = req.params
         metadata = {"model": self.model_path, "pipeline": self.family.diffusers_pipeline, **p.to_dict()}
+        outputs = req.frames if req.frames else (req.images or [])
+        extension = p.video_format if req.frames else p.output_format
         paths = []
-        for i, image in enumerate(req.images or []):
+        for i, output in enumerate(outputs):
             if file_name:
-                stem = Path(file_name).stem
-                suffix = f"_{i}" if len(req.images or []) > 1 else ""
-                name = f"{stem}{suffix}.{p.output_format}"
+                suffix = f"_{i}" if len(outputs) > 1 else ""
+                name = f"{Path(file_name).stem}{suffix}.{extension}"
             else:
-                name = output_file_name(p.prompt, req.request_id, i, p.output_format)
-            path = save_image(image, unique_path(directory, name), metadata, p.output_format)
+                name = output_file_name(p.prompt, req.request_id, i, extension)
+            path = unique_path(directory, name)
+            if req.frames:
+                save_video(output, path, p.fps, metadata, p.video_format)
+                if save_frames:
+                    frame_paths = save_frames_as_png(output, path.parent / f"{path.stem}_frames", path.stem)
+                    logger.info("Frames saved to %s (%d PNGs)", frame_paths[0].parent, len(frame_paths))
+            else:
+                save_image(output, path, metadata, p.output_format)
             logger.info("Output saved to %s", path)
             paths.append(str(path))
         return paths

@@ -18,12 +18,14 @@ from diffserve.configs.qwen_image import (
 )
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.sd3 import SD3PipelineConfig, sd3_default_sampling_params
+from diffserve.configs.wan import WanPipelineConfig, wan_default_sampling_params
 from diffserve.configs.z_image import ZImagePipelineConfig, z_image_default_sampling_params
 from diffserve.errors import ModelLoadError
 from diffserve.pipelines.base import Pipeline
 from diffserve.pipelines.flux import FluxPipeline
 from diffserve.pipelines.qwen_image import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline
 from diffserve.pipelines.sd3 import SD3Pipeline
+from diffserve.pipelines.wan import WanImageToVideoPipeline, WanPipeline
 from diffserve.pipelines.z_image import ZImagePipeline
 
 
@@ -85,6 +87,22 @@ REGISTRY: dict[str, ModelFamily] = {
         pipeline_config=ZImagePipelineConfig(),
         default_sampling_params=z_image_default_sampling_params,
         task="text-to-image",
+    ),
+    "WanPipeline": ModelFamily(
+        name="wan-t2v",
+        diffusers_pipeline="WanPipeline",
+        pipeline_cls=WanPipeline,
+        pipeline_config=WanPipelineConfig(),
+        default_sampling_params=wan_default_sampling_params,
+        task="text-to-video",
+    ),
+    "WanImageToVideoPipeline": ModelFamily(
+        name="wan-i2v",
+        diffusers_pipeline="WanImageToVideoPipeline",
+        pipeline_cls=WanImageToVideoPipeline,
+        pipeline_config=WanPipelineConfig(),
+        default_sampling_params=wan_default_sampling_params,
+        task="image-to-video",
     ),
 }
 

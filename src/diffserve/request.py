@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -53,17 +54,21 @@ class Req:
     condition_images: list[Image.Image] | None = None
     condition_latents: torch.Tensor | None = None
     condition_shapes: list[tuple[int, int, int]] = field(default_factory=list)
+    # Image-to-video: the input image's CLIP vision states (batch, tokens, dim), cross-attended by the DiT.
+    image_embeds: torch.Tensor | None = None
 
     # Set by timestep preparation (CPU float32): sigmas has num_steps + 1 entries.
     sigmas: torch.Tensor | None = None
     timesteps: torch.Tensor | None = None
     guidance: torch.Tensor | None = None  # (batch,) embedded guidance, when the DiT takes it
 
-    # Advanced by the denoising step function.
+    # Advanced by the denoising step function (with the multistep scheduler's history, if it keeps one).
     step_index: int = 0
+    scheduler_state: object | None = None
 
     # Set by decoding / output writing.
     images: list[Image.Image] | None = None
+    frames: list[np.ndarray] | None = None  # video families: (frames, height, width, 3) uint8 per output
     output_paths: list[str] = field(default_factory=list)
 
     # Bookkeeping.

@@ -24,6 +24,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text prompt")
     prompt.add_argument("--prompt-file", help="file with one prompt per line (blank lines skipped)")
+    p.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="input image of an edit model (repeat for several, in order); png, jpeg, webp, bmp or gif")
+    p.add_argument("--mask", default=None, metavar="PATH", help="inpainting mask (only models that inpaint)")
     p.add_argument("--negative-prompt", default=None, help="negative prompt (used with --true-cfg-scale > 1)")
     p.add_argument("--height", type=int, default=None, help="image height in pixels (model default if unset)")
     p.add_argument("--width", type=int, default=None, help="image width in pixels (model default if unset)")
@@ -31,6 +34,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--guidance-scale", type=float, default=None, help="embedded guidance (FLUX.1-dev: 3.5)")
     p.add_argument("--true-cfg-scale", type=float, default=None, help="true CFG scale; >1 with a negative prompt")
     p.add_argument("--max-sequence-length", type=int, default=None, help="T5 tokens (FLUX: at most 512)")
+    p.add_argument("--num-frames", type=int, default=None, help="video models: frames (Wan: 4k+1, default 81)")
+    p.add_argument("--fps", type=int, default=None, help="video models: frames per second of the file (Wan: 16)")
+    p.add_argument("--video-format", default=None, choices=("mp4", "gif", "webp"), help="video container (mp4)")
+    p.add_argument("--save-frames", action="store_true", help="video models: also write every frame as a PNG")
     p.add_argument("--seed", type=int, default=0, help="noise seed (same seed, same image on every device)")
     p.add_argument("--num-outputs-per-prompt", type=int, default=1, help="images per prompt")
     p.add_argument("--output-path", default="outputs", help="directory for output files (default: outputs/)")
@@ -57,9 +64,14 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from diffserve.api import DiffGenerator
     from diffserve.configs.sampling_params import SamplingParams
+    from diffserve.image_inputs import load_images
 
     start = time.perf_counter()
     prompts = _read_prompts(args)
+    # Read before loading the model: a wrong path fails in a second, not after the weights load.
+    # Paths only: a string that is not an existing file is an error, never a URL download.
+    images = load_images([Path(p) for p in args.image], param="--image") if args.image else None
+    mask = load_images(Path(args.mask), param="--mask")[0] if args.mask else None
     generator = DiffGenerator(engine_args_from(args))
     params_list = [
         SamplingParams(
@@ -71,8 +83,13 @@ def run(args: argparse.Namespace) -> int:
             guidance_scale=args.guidance_scale,
             true_cfg_scale=args.true_cfg_scale,
             max_sequence_length=args.max_sequence_length,
+            num_frames=args.num_frames,
+            fps=args.fps,
+            video_format=args.video_format,
             seed=args.seed,
             num_outputs_per_prompt=args.num_outputs_per_prompt,
+            input_images=images,
+            mask_image=mask,
         )
         for prompt in prompts
     ]
@@ -82,12 +99,17 @@ def run(args: argparse.Namespace) -> int:
     for i, params in enumerate(params_list, 1):
         logger.info("Processing prompt %d/%d: %s", i, len(params_list), params.prompt)
         out = generator.generate_from_params(
-            params, save_output=args.save_output, output_path=args.output_path, file_name=args.output_file_name
+            params,
+            save_output=args.save_output,
+            output_path=args.output_path,
+            file_name=args.output_file_name,
+            save_frames=args.save_frames,
         )
         if out.peak_memory_mb is not None:
             peaks.append(out.peak_memory_mb)
     n_images = len(params_list) * args.num_outputs_per_prompt
-    logger.info("Completed: generated %d image(s) in %.2f seconds", n_images, time.perf_counter() - start)
+    kind = "video(s)" if generator.family.task.endswith("video") else "image(s)"
+    logger.info("Completed: generated %d %s in %.2f seconds", n_images, kind, time.perf_counter() - start)
     if peaks:
         logger.info("Memory usage - max peak: %.2f MB", max(peaks))
     return 0

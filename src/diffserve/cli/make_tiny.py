@@ -7,7 +7,7 @@ import logging
 
 logger = logging.getLogger("diffserve")
 
-FAMILIES = ("flux", "sd3", "qwen-image", "qwen-image-edit", "qwen-image-edit-plus", "zimage")
+FAMILIES = ("flux", "sd3", "qwen-image", "qwen-image-edit", "qwen-image-edit-plus", "zimage", "wan-t2v", "wan-i2v")
 
 #: Qwen-Image families and the builder variant each writes.
 _QWEN_IMAGE_VARIANTS = {"qwen-image": "t2i", "qwen-image-edit": "edit", "qwen-image-edit-plus": "edit_plus"}
@@ -28,6 +28,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--sd35", action="store_true", help="sd3: SD3.5 style (qk RMSNorm, dual attention in block 0)"
     )
+    p.add_argument(
+        "--scheduler", choices=("flow-match-euler", "unipc"), default="flow-match-euler",
+        help="wan-*: the scheduler written (unipc is what the released Wan 2.1 checkpoints ship)",
+    )
     p.set_defaults(handler=run)
 
 
@@ -44,6 +48,11 @@ def run(args: argparse.Namespace) -> int:
 
         spec = TinyQwenImageSpec(variant=_QWEN_IMAGE_VARIANTS[args.family], seed=args.seed)
         path = build_tiny_qwen_image(args.output_dir, spec)
+    elif args.family in ("wan-t2v", "wan-i2v"):
+        from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
+
+        spec = TinyWanSpec(image_to_video=args.family == "wan-i2v", scheduler=args.scheduler, seed=args.seed)
+        path = build_tiny_wan(args.output_dir, spec)
     elif args.family == "zimage":
         from diffserve.testing.tiny_zimage import TinyZImageSpec, build_tiny_zimage
 

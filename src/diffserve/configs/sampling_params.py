@@ -25,6 +25,11 @@ class SamplingParams:
     seed: int = 0
     num_outputs_per_prompt: int = 1
     max_sequence_length: int | None = None
+    #: Video families only: frames to generate (Wan: 4k + 1), frames per second of the file, and its
+    #: container (mp4, gif or webp).
+    num_frames: int | None = None
+    fps: int | None = None
+    video_format: str | None = None
     output_format: str = "png"
     #: Input images for edit / image-to-image families, as decoded RGB `PIL.Image.Image`s. Front ends
     #: turn paths, bytes, data URLs and (opt-in) URLs into images with `diffserve.image_inputs.load_image`

@@ -19,6 +19,7 @@ from diffserve.loader.native_classes import (
     NATIVE_MODELS,
     NATIVE_SCHEDULERS,
     TRANSFORMERS_ENCODERS,
+    TRANSFORMERS_IMAGE_PROCESSORS,
     TRANSFORMERS_PROCESSORS,
     TRANSFORMERS_TOKENIZERS,
 )
@@ -107,6 +108,13 @@ def load_processor(spec: ComponentSpec) -> Any:
         raise ModelLoadError(f"cannot load processor {spec.class_name} from {spec.path}: {exc}") from exc
 
 
+def load_image_processor(spec: ComponentSpec) -> Any:
+    try:
+        return getattr(transformers, spec.class_name).from_pretrained(str(spec.path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load image processor {spec.class_name} from {spec.path}: {exc}") from exc
+
+
 def _supported_summary() -> str:
     names = sorted(
         set(NATIVE_MODELS)
@@ -114,6 +122,7 @@ def _supported_summary() -> str:
         | TRANSFORMERS_ENCODERS
         | set(TRANSFORMERS_TOKENIZERS)
         | TRANSFORMERS_PROCESSORS
+        | TRANSFORMERS_IMAGE_PROCESSORS
     )
     return ", ".join(names)
 
@@ -140,6 +149,8 @@ def load_component(
         value = load_tokenizer(spec)
     elif spec.library == "transformers" and spec.class_name in TRANSFORMERS_PROCESSORS:
         value = load_processor(spec)
+    elif spec.library == "transformers" and spec.class_name in TRANSFORMERS_IMAGE_PROCESSORS:
+        value = load_image_processor(spec)
     else:
         raise ModelLoadError(
             f"component {spec.name!r} has class {spec.library}.{spec.class_name}, which diffserve does not "

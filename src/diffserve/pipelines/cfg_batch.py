@@ -62,9 +62,11 @@ def split_guided(prediction: torch.Tensor, reqs: list[Req], combine: CfgCombine 
     return out
 
 
-def euler_update(scheduler, reqs: list[Req], predictions: list[torch.Tensor]) -> None:
-    """Advance every request one step with its own sigmas."""
+def advance_requests(scheduler, reqs: list[Req], predictions: list[torch.Tensor]) -> None:
+    """Advance every request one step along its own sigmas, with its own scheduler state (multistep
+    schedulers keep a per-request history there; Euler keeps none)."""
     for req, noise_pred in zip(reqs, predictions, strict=True):
-        i, n = req.step_index, req.batch_size
-        req.latents = scheduler.step(noise_pred, req.latents, req.sigmas[i].expand(n), req.sigmas[i + 1].expand(n))
-        req.step_index = i + 1
+        if req.step_index == 0 and req.scheduler_state is None:
+            req.scheduler_state = scheduler.new_state()
+        req.latents = scheduler.step_request(noise_pred, req.latents, req.sigmas, req.step_index, req.scheduler_state)
+        req.step_index += 1

@@ -12,7 +12,7 @@ from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.pipelines.cfg_batch import euler_update, gather_branches, split_guided
+from diffserve.pipelines.cfg_batch import advance_requests, gather_branches, split_guided
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.decoding import DecodingStage
@@ -72,7 +72,7 @@ class FluxDenoiser:
             guidance=torch.cat(guidance).to(device) if guidance else None,
             rope=self.rope_for(first),
         )
-        euler_update(self.scheduler, reqs, split_guided(prediction, reqs))
+        advance_requests(self.scheduler, reqs, split_guided(prediction, reqs))
 
 
 class FluxPipeline(Pipeline):

@@ -22,7 +22,7 @@ from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.pipelines.cfg_batch import euler_update, split_guided
+from diffserve.pipelines.cfg_batch import advance_requests, split_guided
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.denoising import DenoisingStage
@@ -90,7 +90,7 @@ class QwenImageDenoiser:
             guidance=torch.cat(guidance).to(device) if guidance else None,
         )
         prediction = prediction[:, : first.latents.shape[1]]
-        euler_update(self.scheduler, reqs, split_guided(prediction, reqs, combine=norm_preserving_cfg))
+        advance_requests(self.scheduler, reqs, split_guided(prediction, reqs, combine=norm_preserving_cfg))
 
 
 def _vae_scale_factor(vae) -> int:

@@ -10,7 +10,7 @@ from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.sd3 import SD3Transformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.pipelines.cfg_batch import euler_update, gather_branches, split_guided
+from diffserve.pipelines.cfg_batch import advance_requests, gather_branches, split_guided
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.decoding import DecodingStage
@@ -39,7 +39,7 @@ class SD3Denoiser:
             pooled_projections=torch.cat(batch.pooled),
             timestep=torch.cat(batch.timesteps).to(device=reqs[0].latents.device, dtype=dtype),
         )
-        euler_update(self.scheduler, reqs, split_guided(prediction, reqs))
+        advance_requests(self.scheduler, reqs, split_guided(prediction, reqs))
 
 
 class SD3Pipeline(Pipeline):

@@ -16,7 +16,7 @@ from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.z_image import ZImageTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.pipelines.cfg_batch import euler_update, split_guided
+from diffserve.pipelines.cfg_batch import advance_requests, split_guided
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.decoding import DecodingStage
@@ -54,7 +54,7 @@ class ZImageDenoiser:
         out = self.transformer(latents, torch.cat(times).to(device), captions)
         prediction = torch.stack([o.float() for o in out]).squeeze(2)
         guided = split_guided(prediction, reqs, combine=z_image_cfg)
-        euler_update(self.scheduler, reqs, [-p for p in guided])
+        advance_requests(self.scheduler, reqs, [-p for p in guided])
 
 
 class ZImagePipeline(Pipeline):

@@ -66,6 +66,37 @@ class ImageInputRule:
             )
 
 
+VIDEO_FIELDS = ("num_frames", "fps", "video_format")
+VIDEO_FORMATS = ("mp4", "gif", "webp")
+
+
+@dataclass(frozen=True)
+class VideoRule:
+    """What a video family accepts for frames: `num_frames` = temporal_factor * k + 1 (the causal VAE
+    keeps the first frame and compresses each following group of `temporal_factor`)."""
+
+    temporal_factor: int = 4
+    max_frames: int = 1025
+    max_fps: int = 120
+
+    def check(self, params: SamplingParams) -> None:
+        n, f = params.num_frames, self.temporal_factor
+        if not isinstance(n, int) or n < 1 or (n - 1) % f or n > self.max_frames:
+            lower = max(1, (n - 1) // f * f + 1) if isinstance(n, int) and n > 1 else 1
+            raise InvalidRequestError(
+                f"num_frames must be {f}k+1 (1, {f + 1}, {2 * f + 1}, ... up to {self.max_frames}), got {n!r}; "
+                f"try {lower} or {lower + f}",
+                param="num_frames",
+            )
+        if not isinstance(params.fps, int) or not 1 <= params.fps <= self.max_fps:
+            raise InvalidRequestError(f"fps must be an integer in [1, {self.max_fps}], got {params.fps!r}", param="fps")
+        if params.video_format not in VIDEO_FORMATS:
+            raise InvalidRequestError(
+                f"video_format must be one of {', '.join(VIDEO_FORMATS)}, got {params.video_format!r}",
+                param="video_format",
+            )
+
+
 class InputValidationStage(Stage):
     sets = ("generator", "do_cfg")
 
@@ -79,11 +110,13 @@ class InputValidationStage(Stage):
         image_inputs: ImageInputRule | None = None,
         unsupported_params: dict[str, str] | None = None,
         default_size: Callable[[SamplingParams], tuple[int, int]] | None = None,
+        video: VideoRule | None = None,
     ) -> None:
         """`cfg_mode`: when the negative branch runs and with which scale (see `CfgMode`). `image_inputs`: what input images the family takes (None: none).
         `unsupported_params`: SamplingParams fields this family does not have -> why (a request that
         sets one gets a 400 naming it rather than having it ignored). `default_size(params)`: the
-        (height, width) used when the request leaves them unset (default: `default_pixels` square)."""
+        (height, width) used when the request leaves them unset (default: `default_pixels` square).
+        `video`: the frame rules of a video family; None (an image family) refuses the video fields."""
         self.defaults = defaults
         self.pixel_multiple = pixel_multiple
         self.default_pixels = default_pixels
@@ -92,6 +125,7 @@ class InputValidationStage(Stage):
         self.image_inputs = image_inputs or ImageInputRule()
         self.unsupported_params = unsupported_params or {}
         self.default_size = default_size
+        self.video = video
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         """Family defaults applied and validated; raises InvalidRequestError on bad input."""
@@ -100,8 +134,17 @@ class InputValidationStage(Stage):
                 raise InvalidRequestError(
                     f"{name} is not a parameter of {self.image_inputs.pipeline_name}: {why}", param=name
                 )
+        if self.video is None:
+            for name in VIDEO_FIELDS:
+                if getattr(params, name) is not None:
+                    raise InvalidRequestError(
+                        f"{name} applies to video models; {self.image_inputs.pipeline_name} generates images",
+                        param=name,
+                    )
         resolved = params.with_defaults(self.defaults)
         self.image_inputs.check(resolved)
+        if self.video is not None:
+            self.video.check(resolved)
         height, width = (
             self.default_size(resolved) if self.default_size else (self.default_pixels, self.default_pixels)
         )

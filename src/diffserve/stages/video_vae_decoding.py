@@ -7,6 +7,7 @@ undoes that normalisation.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -53,4 +54,27 @@ class VideoVaeImageDecodingStage(Stage):
         latents = denormalize_latents(self.vae, latents.to(device=first_param.device, dtype=first_param.dtype))
         frames = self.vae.decode(latents)
         req.images = tensor_to_pil(frames[:, :, 0])
+        return req
+
+
+def video_to_uint8(video: torch.Tensor) -> list[np.ndarray]:
+    """(B, 3, F, H, W) in [-1, 1] -> per sample (F, H, W, 3) uint8, rounding as Diffusers' processors do."""
+    array = (video / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).float().cpu().numpy()
+    return list((array * 255).round().astype(np.uint8))
+
+
+class VideoVaeDecodingStage(Stage):
+    """(B, C, F, h, w) normalised latents -> one uint8 (frames, H, W, 3) array per output video."""
+
+    needs = ("latents",)
+    sets = ("frames",)
+
+    def __init__(self, vae: nn.Module) -> None:
+        self.vae = vae
+
+    @torch.inference_mode()
+    def forward(self, req: Req) -> Req:
+        first_param = next(self.vae.parameters())
+        latents = denormalize_latents(self.vae, req.latents.to(device=first_param.device, dtype=first_param.dtype))
+        req.frames = video_to_uint8(self.vae.decode(latents))
         return req

@@ -137,7 +137,9 @@ class FlowMatchEulerScheduler:
         else:
             shift = self.config["shift"]
             shifted = shift * base / (1 + (shift - 1) * base)
-        if self.config["shift_terminal"]:
+        if self.config["shift_terminal"] and 1 - shifted[-1] != 0:
+            # Stretch so the last sigma lands on shift_terminal. A one-step schedule ends at sigma 1,
+            # where Diffusers divides 0 by 0 and returns NaN; it is left unstretched instead.
             one_minus = 1 - shifted
             shifted = 1 - one_minus / (one_minus[-1] / (1 - self.config["shift_terminal"]))
         sig = torch.from_numpy(np.asarray(shifted)).to(dtype=torch.float32)
@@ -149,6 +151,17 @@ class FlowMatchEulerScheduler:
         return SigmaSchedule(
             sigmas=torch.cat([sig, torch.zeros(1)]), timesteps=sig * self.config["num_train_timesteps"]
         )
+
+    def new_state(self) -> None:
+        """Euler needs no per-request history (multistep schedulers return theirs here)."""
+        return None
+
+    def step_request(
+        self, model_output: torch.Tensor, sample: torch.Tensor, sigmas: torch.Tensor, step_index: int, state: None
+    ) -> torch.Tensor:
+        """One request's step (all its rows at `step_index` of its own `sigmas`)."""
+        n = sample.shape[0]
+        return self.step(model_output, sample, sigmas[step_index].expand(n), sigmas[step_index + 1].expand(n))
 
     @staticmethod
     def step(

@@ -1,0 +1,515 @@
+"""Wan 2.1 video transformer (Alibaba Wan team), native, loading Diffusers `WanTransformer3DModel` weights unchanged.
+
+Architecture (cross-attention DiT over spatio-temporal patches):
+
+    x    = patch_embedding(latents)   Conv3d, stride = patch (1, 2, 2)       (batch, F'*H'*W', inner)
+    temb = MLP(sinusoids(t))                                                 (batch, inner)   one per sample
+    mod  = time_proj(SiLU(temb)) -> 6 vectors per sample, each block adds its own `scale_shift_table`
+    ctx  = text_embedder(UMT5 states)                                        (batch, txt_seq, inner)
+    img  = image_embedder(CLIP image states)   I2V / FLF2V only              (batch, 257 or 514, inner)
+    num_layers x block:
+        x += gate * self_attn(modulate(LN(x)), 3-axis RoPE)      qk RMSNorm across all heads
+        x += cross_attn(LN_affine(x), ctx [, img])               text and image attended separately, summed
+        x += gate * FFN_gelu_tanh(modulate(LN(x)))
+    out  = unpatchify(proj_out(modulate(LN(x), temb + scale_shift_table)))  (batch, out_channels, F, H, W)
+
+RoPE: the head dimension is split into (frame, row, column) slices; the row and column slices get
+`2 * (head_dim // 6)` channels each and the frame slice the rest. Token (f, h, w) rotates channel pair
+`i` of an axis slice by `pos_axis * 10000 ** (-2i / axis_dim)`, pairs interleaved. The tables depend only
+on the latent grid, so they are cached per (grid, device).
+
+The modulation has one row per sample (or, for Wan 2.2 TI2V-style inputs, one row per token), so one
+forward serves requests at different timesteps (the engine's step-level batching and CFG branches).
+Norms, modulation and gated residual adds run in fp32 as in Diffusers, and the result is rounded back
+to the activation dtype.
+
+Differences from Diffusers that do not change the numbers for the inputs its pipelines pass: the image
+and text context are split at the known image length, not at "all but the last 512 tokens" (so any text
+length works), the split is done once per forward instead of once per block, RoPE tables are
+half width and built for the grid only (not for `rope_max_seq_len` positions), and latents whose frame
+or spatial size is not a multiple of the patch size are rejected instead of being cropped. `qk_norm`
+other than "rms_norm_across_heads" is rejected (Diffusers ignores the key and always uses that norm).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffserve.layers.attention import attention
+from diffserve.layers.embeddings import TimestepEmbedding, timestep_sinusoids
+from diffserve.layers.norms import LayerNorm, RMSNorm
+from diffserve.layers.rotary import RotaryEmbedding, multi_axis_rope_tables
+from diffserve.models.config_keys import checked_config_kwargs
+from diffserve.platforms import Platform
+
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+
+#: Diffusers' config keys and defaults. Wan2.1-T2V-14B: 40 heads x 128, 40 layers, ffn 13824;
+#: Wan2.1-T2V-1.3B: 12 heads, 30 layers, ffn 8960; I2V adds image_dim 1280, added_kv_proj_dim 5120
+#: and in_channels 36; FLF2V also sets pos_embed_seq_len 514.
+WAN_CONFIG_DEFAULTS: dict[str, Any] = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 40,
+    "attention_head_dim": 128,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 4096,
+    "freq_dim": 256,
+    "ffn_dim": 13824,
+    "num_layers": 40,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "eps": 1e-6,
+    "image_dim": None,
+    "added_kv_proj_dim": None,
+    "rope_max_seq_len": 1024,
+    "pos_embed_seq_len": None,
+}
+
+ROPE_THETA = 10000.0
+#: The image embedder's LayerNorms use torch's default eps, not the model's `eps`.
+IMAGE_NORM_EPS = 1e-5
+#: RoPE tables kept per (grid, device); a server sees a handful of video sizes.
+ROPE_CACHE_SIZE = 16
+
+
+def wan_rope_axes_dims(head_dim: int) -> tuple[int, int, int]:
+    """(frame, row, column) channel split of a head: rows and columns get 2*(head_dim//6) each, frames the rest."""
+    hw = 2 * (head_dim // 6)
+    return head_dim - 2 * hw, hw, hw
+
+
+class FP32LayerNorm(LayerNorm):
+    """LayerNorm computed in fp32 (input and affine parameters upcast), result in the input dtype.
+
+    Wan keeps its norms in fp32 even in a bf16 model; computing in fp32 here gives the same numbers
+    whatever dtype the loader stored the weights in. Always the native form: a vendor LayerNorm kernel
+    registered on the base class would not promise the fp32 upcast.
+    """
+
+    def dispatch_forward(self, platform: Platform) -> Callable[..., Any]:
+        return self.forward_native
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.float() if self.weight is not None else None
+        bias = self.bias.float() if self.bias is not None else None
+        return F.layer_norm(x.float(), (self.dim,), weight, bias, self.eps).to(x.dtype)
+
+
+class GeluProjection(nn.Module):
+    """Linear then GELU (tanh-approximated in the blocks, exact in the image embedder); `proj` keeps the weight name."""
+
+    def __init__(self, dim_in: int, dim_out: int, approximate: str) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out)
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.proj(x), approximate=self.approximate)
+
+
+class WanFeedForward(nn.Module):
+    """dim -> inner -> dim_out MLP; `net` = [GeluProjection, (dropout slot), Linear] keeps Diffusers' `net.{0,2}` names."""
+
+    def __init__(
+        self, dim: int, inner_dim: int, dim_out: int | None = None, approximate: str = "tanh"
+    ) -> None:
+        super().__init__()
+        self.net = nn.ModuleList(
+            [GeluProjection(dim, inner_dim, approximate), nn.Identity(), nn.Linear(inner_dim, dim_out or dim)]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net[2](self.net[0](x))
+
+
+class GeluTanhTextProjection(nn.Module):
+    """Two-layer tanh-GELU MLP that maps UMT5 states to the model width (Diffusers' `PixArtAlphaTextProjection`)."""
+
+    def __init__(self, in_features: int, hidden_size: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(in_features, hidden_size)
+        self.linear_2 = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.gelu(self.linear_1(x), approximate="tanh"))
+
+
+class WanImageEmbedding(nn.Module):
+    """CLIP image states -> model width: LN, GELU MLP, LN. FLF2V adds a learned position table over both images."""
+
+    def __init__(self, in_features: int, out_features: int, pos_embed_seq_len: int | None = None) -> None:
+        super().__init__()
+        self.norm1 = FP32LayerNorm(in_features, eps=IMAGE_NORM_EPS)
+        self.ff = WanFeedForward(in_features, in_features, out_features, approximate="none")
+        self.norm2 = FP32LayerNorm(out_features, eps=IMAGE_NORM_EPS)
+        self.pos_embed_seq_len = pos_embed_seq_len
+        self.pos_embed = (
+            nn.Parameter(torch.zeros(1, pos_embed_seq_len, in_features))
+            if pos_embed_seq_len is not None
+            else None
+        )
+
+    def forward(self, image_states: torch.Tensor, batch: int) -> torch.Tensor:
+        if self.pos_embed is not None:
+            # FLF2V: the first- and last-frame CLIP states form one sequence per sample. Diffusers'
+            # pipeline passes them as (2 * batch, 257, dim); (batch, 514, dim) is accepted as well.
+            image_states = image_states.reshape(batch, -1, image_states.shape[-1])
+            if image_states.shape[1] != self.pos_embed_seq_len:
+                raise ValueError(
+                    f"encoder_hidden_states_image must hold {self.pos_embed_seq_len} tokens per sample "
+                    f"(first and last frame), got {image_states.shape[1]}"
+                )
+            image_states = image_states + self.pos_embed
+        return self.norm2(self.ff(self.norm1(image_states)))
+
+
+class WanConditionEmbedding(nn.Module):
+    """Timestep, text and (I2V) image conditioning; Diffusers' `WanTimeTextImageEmbedding` names."""
+
+    def __init__(
+        self,
+        dim: int,
+        freq_dim: int,
+        text_dim: int,
+        image_dim: int | None,
+        pos_embed_seq_len: int | None,
+    ) -> None:
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.time_embedder = TimestepEmbedding(freq_dim, dim)
+        self.time_proj = nn.Linear(dim, 6 * dim)
+        self.text_embedder = GeluTanhTextProjection(text_dim, dim)
+        self.image_embedder = (
+            WanImageEmbedding(image_dim, dim, pos_embed_seq_len) if image_dim is not None else None
+        )
+
+    def time(self, timestep: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(batch, tokens) timesteps (tokens is 1 or seq) -> temb (batch, tokens, dim), block modulation (batch, tokens, 6, dim).
+
+        The sinusoids go through the MLP in its weights' dtype (fp32 in Diffusers' bf16 checkpoints),
+        and temb is rounded to the activation dtype before the block projection, as in Diffusers.
+        """
+        sinusoids = timestep_sinusoids(timestep.flatten(), self.freq_dim).unflatten(0, timestep.shape)
+        temb = self.time_embedder(sinusoids.to(self.time_embedder.linear_1.weight.dtype)).to(dtype)
+        return temb, self.time_proj(F.silu(temb)).unflatten(-1, (6, -1))
+
+
+class WanSelfAttention(nn.Module):
+    """Self-attention with RMSNorm over the full q/k width (all heads together) and 3-axis RoPE."""
+
+    def __init__(self, dim: int, num_heads: int, eps: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.to_q = nn.Linear(dim, dim)
+        self.to_k = nn.Linear(dim, dim)
+        self.to_v = nn.Linear(dim, dim)
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim), nn.Identity()])
+        self.norm_q = RMSNorm(dim, eps=eps, round_once=True)
+        self.norm_k = RMSNorm(dim, eps=eps, round_once=True)
+        self.rope = RotaryEmbedding()
+
+    def forward(self, x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+        q = self.norm_q(self.to_q(x)).unflatten(-1, (self.num_heads, -1))
+        k = self.norm_k(self.to_k(x)).unflatten(-1, (self.num_heads, -1))
+        v = self.to_v(x).unflatten(-1, (self.num_heads, -1))
+        q, k = self.rope(q, k, *rope)
+        return self.to_out[0](attention(q, k, v).flatten(2))
+
+
+class WanCrossAttention(nn.Module):
+    """Queries from the video tokens; keys/values from the text, and for I2V separately from the image.
+
+    The two attention outputs are summed before the output projection (two softmaxes, not one over
+    the concatenated context). The image branch has its own k/v projections and k-norm; q is shared.
+    """
+
+    def __init__(self, dim: int, num_heads: int, eps: float, added_kv_proj_dim: int | None) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.to_q = nn.Linear(dim, dim)
+        self.to_k = nn.Linear(dim, dim)
+        self.to_v = nn.Linear(dim, dim)
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim), nn.Identity()])
+        self.norm_q = RMSNorm(dim, eps=eps, round_once=True)
+        self.norm_k = RMSNorm(dim, eps=eps, round_once=True)
+        if added_kv_proj_dim is not None:
+            self.add_k_proj = nn.Linear(added_kv_proj_dim, dim)
+            self.add_v_proj = nn.Linear(added_kv_proj_dim, dim)
+            self.norm_added_k = RMSNorm(dim, eps=eps, round_once=True)
+        else:
+            self.add_k_proj = self.add_v_proj = self.norm_added_k = None
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, img: torch.Tensor | None) -> torch.Tensor:
+        heads = self.num_heads
+        q = self.norm_q(self.to_q(x)).unflatten(-1, (heads, -1))
+        k = self.norm_k(self.to_k(ctx)).unflatten(-1, (heads, -1))
+        v = self.to_v(ctx).unflatten(-1, (heads, -1))
+        if img is not None:
+            k_img = self.norm_added_k(self.add_k_proj(img)).unflatten(-1, (heads, -1))
+            v_img = self.add_v_proj(img).unflatten(-1, (heads, -1))
+            out_img = attention(q, k_img, v_img).flatten(2)
+            out = attention(q, k, v).flatten(2) + out_img
+        else:
+            out = attention(q, k, v).flatten(2)
+        return self.to_out[0](out)
+
+
+class WanTransformerBlock(nn.Module):
+    """Self-attention and FFN modulated by six per-sample vectors (time projection + `scale_shift_table`);
+    the cross-attention in between is not modulated."""
+
+    def __init__(
+        self,
+        dim: int,
+        ffn_dim: int,
+        num_heads: int,
+        cross_attn_norm: bool,
+        eps: float,
+        added_kv_proj_dim: int | None,
+    ) -> None:
+        super().__init__()
+        self.norm1 = FP32LayerNorm(dim, eps=eps, elementwise_affine=False)
+        self.attn1 = WanSelfAttention(dim, num_heads, eps)
+        self.attn2 = WanCrossAttention(dim, num_heads, eps, added_kv_proj_dim)
+        self.norm2 = FP32LayerNorm(dim, eps=eps) if cross_attn_norm else None
+        self.ffn = WanFeedForward(dim, ffn_dim)
+        self.norm3 = FP32LayerNorm(dim, eps=eps, elementwise_affine=False)
+        self.scale_shift_table = nn.Parameter(torch.zeros(1, 6, dim))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        img: torch.Tensor | None,
+        time_mod: torch.Tensor,
+        rope: RopeTables,
+    ) -> torch.Tensor:
+        # time_mod: (batch, 1 or seq, 6, dim); each vector broadcasts over (batch, seq, dim).
+        mod = self.scale_shift_table.float().unsqueeze(0) + time_mod.float()
+        shift_msa, scale_msa, gate_msa, shift_ff, scale_ff, gate_ff = mod.unbind(2)
+        dtype = x.dtype
+
+        h = (self.norm1(x.float()) * (1 + scale_msa)).add_(shift_msa).to(dtype)
+        x = (self.attn1(h, rope) * gate_msa).add_(x.float()).to(dtype)
+
+        h = self.norm2(x.float()).to(dtype) if self.norm2 is not None else x
+        x = x + self.attn2(h, ctx, img)
+
+        h = (self.norm3(x.float()) * (1 + scale_ff)).add_(shift_ff).to(dtype)
+        return (self.ffn(h).float() * gate_ff).add_(x.float()).to(dtype)
+
+
+class WanTransformer3DModel(nn.Module):
+    """Wan 2.1 DiT (T2V, I2V, FLF2V) with Diffusers' config keys and state-dict names.
+
+    Build it with keyword config values (or `from_config(config_json_dict)`); under
+    `torch.device("meta")` it allocates nothing, and `load_state_dict(sd, assign=True, strict=True)`
+    fills it. It holds no buffers; RoPE tables are built on first use per latent grid and cached.
+    """
+
+    diffusers_class_name: ClassVar[str] = "WanTransformer3DModel"
+
+    def __init__(
+        self,
+        patch_size: Sequence[int] = (1, 2, 2),
+        num_attention_heads: int = 40,
+        attention_head_dim: int = 128,
+        in_channels: int = 16,
+        out_channels: int | None = 16,
+        text_dim: int = 4096,
+        freq_dim: int = 256,
+        ffn_dim: int = 13824,
+        num_layers: int = 40,
+        cross_attn_norm: bool = True,
+        qk_norm: str | None = "rms_norm_across_heads",
+        eps: float = 1e-6,
+        image_dim: int | None = None,
+        added_kv_proj_dim: int | None = None,
+        rope_max_seq_len: int = 1024,
+        pos_embed_seq_len: int | None = None,
+    ) -> None:
+        super().__init__()
+        patch_size = tuple(int(p) for p in patch_size)
+        if len(patch_size) != 3:
+            raise ValueError(f"patch_size must be (frames, height, width), got {patch_size}")
+        if qk_norm != "rms_norm_across_heads":
+            raise ValueError(
+                f"qk_norm {qk_norm!r} is not supported; Wan checkpoints use 'rms_norm_across_heads'"
+            )
+        if attention_head_dim % 2:
+            raise ValueError(f"attention_head_dim must be even for RoPE, got {attention_head_dim}")
+        inner = num_attention_heads * attention_head_dim
+        if (image_dim is None) != (added_kv_proj_dim is None):
+            raise ValueError(
+                "image_dim and added_kv_proj_dim must be set together (I2V) or both be None (T2V), "
+                f"got image_dim={image_dim}, added_kv_proj_dim={added_kv_proj_dim}"
+            )
+        if added_kv_proj_dim is not None and added_kv_proj_dim != inner:
+            raise ValueError(
+                f"added_kv_proj_dim ({added_kv_proj_dim}) must equal the model width "
+                f"num_attention_heads * attention_head_dim ({inner}): it projects embedded image tokens"
+            )
+        if pos_embed_seq_len is not None and image_dim is None:
+            raise ValueError("pos_embed_seq_len (FLF2V) needs image_dim")
+        out_channels = out_channels or in_channels
+        self.config: dict[str, Any] = {
+            "patch_size": patch_size,
+            "num_attention_heads": num_attention_heads,
+            "attention_head_dim": attention_head_dim,
+            "in_channels": in_channels,
+            "out_channels": out_channels,
+            "text_dim": text_dim,
+            "freq_dim": freq_dim,
+            "ffn_dim": ffn_dim,
+            "num_layers": num_layers,
+            "cross_attn_norm": cross_attn_norm,
+            "qk_norm": qk_norm,
+            "eps": eps,
+            "image_dim": image_dim,
+            "added_kv_proj_dim": added_kv_proj_dim,
+            "rope_max_seq_len": rope_max_seq_len,
+            "pos_embed_seq_len": pos_embed_seq_len,
+        }
+        self.patch_size = patch_size
+        self.out_channels = out_channels
+        self.inner_dim = inner
+        self.rope_axes_dims = wan_rope_axes_dims(attention_head_dim)
+        self.rope_max_seq_len = rope_max_seq_len
+        self._rope_cache: dict[tuple[int, int, int, torch.device], RopeTables] = {}
+
+        self.patch_embedding = nn.Conv3d(in_channels, inner, kernel_size=patch_size, stride=patch_size)
+        self.condition_embedder = WanConditionEmbedding(
+            inner, freq_dim, text_dim, image_dim, pos_embed_seq_len
+        )
+        self.blocks = nn.ModuleList(
+            [
+                WanTransformerBlock(
+                    inner, ffn_dim, num_attention_heads, cross_attn_norm, eps, added_kv_proj_dim
+                )
+                for _ in range(num_layers)
+            ]
+        )
+        self.norm_out = FP32LayerNorm(inner, eps=eps, elementwise_affine=False)
+        self.proj_out = nn.Linear(inner, out_channels * math.prod(patch_size))
+        self.scale_shift_table = nn.Parameter(torch.zeros(1, 2, inner))
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> WanTransformer3DModel:
+        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
+        return cls(**checked_config_kwargs(config, WAN_CONFIG_DEFAULTS, cls.diffusers_class_name))
+
+    def rope_tables(self, frames: int, height: int, width: int, device: torch.device) -> RopeTables:
+        """Half-width (cos, sin) float32 tables (frames*height*width, head_dim // 2) for a post-patch grid.
+
+        Tokens are in (frame, row, column) row-major order, the order of the flattened patch embedding.
+        Cached per grid and device: every step of a request, and every same-size request, reuses them.
+        """
+        key = (frames, height, width, torch.device(device))
+        cached = self._rope_cache.get(key)
+        if cached is not None:
+            return cached
+        if max(frames, height, width) > self.rope_max_seq_len:
+            raise ValueError(
+                f"latent grid {(frames, height, width)} (after patching) exceeds rope_max_seq_len "
+                f"({self.rope_max_seq_len}) along one axis"
+            )
+        axes = [torch.arange(n, device=device) for n in (frames, height, width)]
+        ids = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
+        tables = multi_axis_rope_tables(ids, self.rope_axes_dims, ROPE_THETA)
+        if len(self._rope_cache) >= ROPE_CACHE_SIZE:
+            self._rope_cache.pop(next(iter(self._rope_cache)))  # oldest entry
+        self._rope_cache[key] = tables
+        return tables
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_image: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Predict the flow-matching velocity for video latents.
+
+        Args:
+            hidden_states: latents (batch, in_channels, frames, height, width); for I2V the pipeline's
+                channel concat [noisy latents (16); frame mask (4); condition latents (16)].
+            timestep: (batch,) or (1,), the scheduler's timestep in [0, 1000] (not sigma), one per row;
+                rows may be at different steps. A (batch, seq) tensor gives each patch token its own
+                timestep (Wan 2.2 TI2V-style inputs; seq = post-patch frames * height * width).
+            encoder_hidden_states: UMT5 states (batch, txt_seq, text_dim); Wan pads them to 512 with
+                zeros and passes no mask.
+            encoder_hidden_states_image: CLIP image states (batch, 257, image_dim) for I2V models
+                (FLF2V: (2 * batch, 257, image_dim) first/last frame pairs, or (batch, 514, image_dim));
+                must be None for T2V models.
+
+        Returns:
+            (batch, out_channels, frames, height, width), in the dtype of `hidden_states`.
+        """
+        if hidden_states.ndim != 5:
+            raise ValueError(
+                f"hidden_states must be (batch, channels, frames, height, width), got {tuple(hidden_states.shape)}"
+            )
+        batch, _, frames, height, width = hidden_states.shape
+        p_t, p_h, p_w = self.patch_size
+        if frames % p_t or height % p_h or width % p_w:
+            raise ValueError(
+                f"latent size (frames, height, width) = {(frames, height, width)} must be a multiple of "
+                f"patch_size {self.patch_size}"
+            )
+        grid = (frames // p_t, height // p_h, width // p_w)
+        seq = math.prod(grid)
+        timestep = self._timestep_rows(timestep, batch, seq)
+
+        embedder = self.condition_embedder
+        if embedder.image_embedder is None and encoder_hidden_states_image is not None:
+            raise ValueError(
+                "this is a text-to-video model (image_dim=None): pass encoder_hidden_states_image=None"
+            )
+        if embedder.image_embedder is not None and encoder_hidden_states_image is None:
+            raise ValueError(
+                "this image-to-video model needs encoder_hidden_states_image (CLIP image states)"
+            )
+
+        rope = self.rope_tables(*grid, hidden_states.device)
+        x = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
+        dtype = x.dtype
+        # Diffusers rounds temb to the text states' dtype; the pipeline passes everything in one dtype.
+        temb, time_mod = embedder.time(timestep, encoder_hidden_states.dtype)
+        ctx = embedder.text_embedder(encoder_hidden_states)
+        img = None
+        if encoder_hidden_states_image is not None:
+            img = embedder.image_embedder(encoder_hidden_states_image, batch)
+            # Diffusers concatenates [image; text] once and every block projects strided slices of it;
+            # CPU bf16 matmuls round differently on strided inputs, so keep that layout (one small copy).
+            context = torch.cat([img, ctx], dim=1)
+            img, ctx = context[:, : img.shape[1]], context[:, img.shape[1] :]
+
+        for block in self.blocks:
+            x = block(x, ctx, img, time_mod, rope)
+
+        shift, scale = (self.scale_shift_table.float().unsqueeze(0) + temb.float().unsqueeze(2)).unbind(2)
+        x = (self.norm_out(x.float()) * (1 + scale)).add_(shift).to(dtype)
+        x = self.proj_out(x)
+        # (batch, F', H', W', p_t, p_h, p_w, C) -> (batch, C, F'*p_t, H'*p_h, W'*p_w)
+        x = x.reshape(batch, *grid, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return x.reshape(batch, -1, frames, height, width)
+
+    @staticmethod
+    def _timestep_rows(timestep: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+        """Timesteps as (batch, 1) (one per sample) or (batch, seq) (one per token)."""
+        if timestep.ndim == 0:
+            timestep = timestep.reshape(1)
+        if timestep.ndim == 1 and timestep.shape[0] in (1, batch):
+            return timestep.expand(batch).unsqueeze(1)
+        if timestep.ndim == 2 and timestep.shape[0] in (1, batch) and timestep.shape[1] == seq:
+            return timestep.expand(batch, seq)
+        raise ValueError(
+            f"timestep must have shape ({batch},), (1,) or ({batch}, {seq}) (per token), got {tuple(timestep.shape)}"
+        )

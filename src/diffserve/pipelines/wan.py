@@ -1,0 +1,156 @@
+"""Wan 2.1 (Diffusers `WanPipeline`, `WanImageToVideoPipeline`): stages and the batched denoising step.
+
+Classic CFG as in Diffusers (`uncond + scale * (cond - uncond)` when guidance_scale > 1), but the two
+branches of every request share one DiT forward. Image-to-video adds the first-frame conditioning
+latents on the channel axis and the CLIP image tokens for the DiT's image cross-attention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffserve.configs.sampling_params import SamplingParams
+from diffserve.configs.wan import WanPipelineConfig, wan_default_sampling_params
+from diffserve.loader.folder_defaults import apply_overrides
+from diffserve.models.dits.wan import WanTransformer3DModel
+from diffserve.pipelines.base import Pipeline, PipelineContext
+from diffserve.pipelines.cfg_batch import advance_requests, split_guided
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+from diffserve.stages.denoising import DenoisingStage
+from diffserve.stages.input_validation import ImageInputRule, InputValidationStage, VideoRule
+from diffserve.stages.latent_preparation import initial_noise
+from diffserve.stages.timestep_preparation import DefaultTimestepPreparationStage
+from diffserve.stages.video_vae_decoding import VideoVaeDecodingStage
+from diffserve.stages.wan_image_to_video_preparation import (
+    WanImageToVideoPreparationStage,
+    image_to_video_size,
+)
+from diffserve.stages.wan_text_encoding import WanTextEncodingStage
+
+
+class VideoLatentPreparationStage(Stage):
+    """Float32 noise of shape (batch, channels, latent frames, h, w), drawn on the request's CPU generator."""
+
+    needs = ("generator", "prompt_embeds")
+    sets = ("latents", "latent_height", "latent_width")
+
+    def __init__(self, channels: int, spatial: int, temporal: int, device: torch.device) -> None:
+        self.channels, self.spatial, self.temporal, self.device = channels, spatial, temporal, device
+
+    def forward(self, req: Req) -> Req:
+        p = req.params
+        frames = (p.num_frames - 1) // self.temporal + 1
+        h, w = p.height // self.spatial, p.width // self.spatial
+        shape = (p.num_outputs_per_prompt, self.channels, frames, h, w)
+        req.latents = initial_noise(req, shape, torch.float32).to(self.device)
+        req.latent_height, req.latent_width = h, w
+        return req
+
+
+class WanDenoiser:
+    """One step over a list of Wan requests of one latent shape, each at its own timestep."""
+
+    def __init__(self, transformer: WanTransformer3DModel, scheduler) -> None:
+        self.transformer = transformer
+        self.scheduler = scheduler
+        self.dtype = next(transformer.parameters()).dtype
+
+    @torch.inference_mode()
+    def __call__(self, reqs: list[Req]) -> None:
+        latents, texts, images, timesteps = [], [], [], []
+        for req in reqs:
+            model_input = req.latents
+            if req.condition_latents is not None:
+                model_input = torch.cat([model_input, req.condition_latents], dim=1)
+            branches = [req.prompt_embeds] + ([req.negative_prompt_embeds] if req.do_cfg else [])
+            for text in branches:
+                latents.append(model_input)
+                texts.append(text)
+                timesteps.append(req.timesteps[req.step_index].expand(req.batch_size))
+                if req.image_embeds is not None:
+                    images.append(req.image_embeds)
+        device = reqs[0].latents.device
+        prediction = self.transformer(
+            hidden_states=torch.cat(latents).to(self.dtype),
+            timestep=torch.cat(timesteps).to(device),
+            encoder_hidden_states=torch.cat(texts),
+            encoder_hidden_states_image=torch.cat(images) if images else None,
+        )
+        advance_requests(self.scheduler, reqs, split_guided(prediction.float(), reqs))
+
+
+class WanPipeline(Pipeline):
+    required_components = ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
+    config = WanPipelineConfig()
+    pipeline_name = "WanPipeline"
+
+    def build_stages(self, context: PipelineContext) -> list[Stage]:
+        transformer = context.get("transformer")
+        vae = context.get("vae")
+        scheduler = context.get("scheduler")
+        self.spatial = int(vae.spatial_compression_ratio)
+        self.temporal = int(vae.temporal_compression_ratio)
+        self.pixel_multiple = self.spatial * int(transformer.config["patch_size"][1])
+        self.input_validation = InputValidationStage(
+            defaults=apply_overrides(wan_default_sampling_params(), context.folder_sampling_defaults),
+            pixel_multiple=self.pixel_multiple,
+            default_pixels=self.config.default_height,
+            max_sequence_length_limit=self.config.max_sequence_length_limit,
+            cfg_mode="classic",
+            image_inputs=self.image_input_rule(),
+            default_size=self.default_size,
+            unsupported_params={"true_cfg_scale": "Wan runs classic CFG, set by guidance_scale (> 1 turns it on)"},
+            video=VideoRule(temporal_factor=self.temporal),
+        )
+        return [
+            self.input_validation,
+            *self.before_denoising_stages(context),
+            WanTextEncodingStage(context.get("tokenizer"), context.get("text_encoder"), output_dtype=context.dtype),
+            VideoLatentPreparationStage(
+                channels=int(vae.config["z_dim"]),
+                spatial=self.spatial,
+                temporal=self.temporal,
+                device=context.platform.device(),
+            ),
+            DefaultTimestepPreparationStage(scheduler, patch_size=int(transformer.config["patch_size"][1])),
+            DenoisingStage(WanDenoiser(transformer, scheduler), show_progress=context.show_progress),
+            VideoVaeDecodingStage(vae),
+        ]
+
+    def image_input_rule(self) -> ImageInputRule:
+        return ImageInputRule(pipeline_name=self.pipeline_name)
+
+    def default_size(self, params: SamplingParams) -> tuple[int, int]:
+        return self.config.default_height, self.config.default_width
+
+    def before_denoising_stages(self, context: PipelineContext) -> list[Stage]:
+        return []
+
+    def resolve_params(self, params: SamplingParams) -> SamplingParams:
+        return self.input_validation.resolve(params)
+
+
+class WanImageToVideoPipeline(WanPipeline):
+    """Animates one input image; the output keeps its aspect ratio unless height/width are given."""
+
+    required_components = (*WanPipeline.required_components, "image_encoder", "image_processor")
+    pipeline_name = "WanImageToVideoPipeline"
+
+    def image_input_rule(self) -> ImageInputRule:
+        return ImageInputRule(pipeline_name=self.pipeline_name, min_images=1, max_images=1)
+
+    def default_size(self, params: SamplingParams) -> tuple[int, int]:
+        return image_to_video_size(params, self.config.image_to_video_area, self.pixel_multiple)
+
+    def before_denoising_stages(self, context: PipelineContext) -> list[Stage]:
+        return [
+            WanImageToVideoPreparationStage(
+                context.get("image_processor"),
+                context.get("image_encoder"),
+                context.get("vae"),
+                spatial_factor=self.spatial,
+                temporal_factor=self.temporal,
+                output_dtype=context.dtype,
+            )
+        ]

@@ -1,0 +1,71 @@
+"""Wan's text conditioning: UMT5 encoder states of the cleaned prompt, zero-padded to a fixed length.
+
+Diffusers pads the tokens to `max_sequence_length` before the encoder; UMT5 attends bidirectionally
+with a mask, so padding tokens never reach the real ones and diffserve runs the encoder on the longest
+prompt of the batch only. The DiT, however, cross-attends to all `max_sequence_length` positions
+(zeros included), so the states are zero-padded back to that length exactly as Diffusers does.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+
+import torch
+from torch import nn
+
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+
+try:  # Diffusers fixes mojibake with ftfy when it is installed; do the same so prompts match.
+    import ftfy
+except ImportError:  # pragma: no cover - depends on the environment
+    ftfy = None
+
+
+def clean_prompt(text: str) -> str:
+    """Diffusers' Wan prompt cleaning: ftfy (if installed), HTML entities unescaped twice, whitespace collapsed."""
+    if ftfy is not None:
+        text = ftfy.fix_text(text)
+    text = html.unescape(html.unescape(text)).strip()
+    return re.sub(r"\s+", " ", text).strip()
+
+
+class WanTextEncodingStage(Stage):
+    needs = ("do_cfg",)
+    sets = ("prompt_embeds",)
+
+    def __init__(self, tokenizer, text_encoder: nn.Module, output_dtype: torch.dtype) -> None:
+        self.tokenizer = tokenizer
+        self.text_encoder = text_encoder
+        self.output_dtype = output_dtype
+
+    @torch.inference_mode()
+    def encode(self, prompts: list[str], max_sequence_length: int) -> torch.Tensor:
+        """(len(prompts), max_sequence_length, dim): real tokens' states, then zeros."""
+        inputs = self.tokenizer(
+            [clean_prompt(p) for p in prompts],
+            padding="longest",
+            max_length=max_sequence_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        device = next(self.text_encoder.parameters()).device
+        mask = inputs.attention_mask.to(device)
+        states = self.text_encoder(inputs.input_ids.to(device), mask).last_hidden_state.to(self.output_dtype)
+        out = states.new_zeros(len(prompts), max_sequence_length, states.shape[-1])
+        for i, length in enumerate(mask.sum(dim=1).tolist()):
+            out[i, :length] = states[i, :length]
+        return out
+
+    def forward(self, req: Req) -> Req:
+        p = req.params
+        n = p.num_outputs_per_prompt
+        prompts = [p.prompt] + ([p.negative_prompt] if req.do_cfg else [])
+        embeds = self.encode(prompts, p.max_sequence_length)
+        req.prompt_embeds = embeds[:1].repeat(n, 1, 1)
+        if req.do_cfg:
+            req.negative_prompt_embeds = embeds[1:].repeat(n, 1, 1)
+        return req
