@@ -32,6 +32,7 @@ class TinySD3Spec:
     pos_embed_max_size: int = 16
     vae_block_out_channels: tuple[int, ...] = (16, 32, 32, 32)
     seed: int = 0
+    vae_norm_num_groups: int = 8  # must divide every VAE block width
 
 
 def _clip(tokenizer, hidden: int) -> CLIPTextModelWithProjection:
@@ -88,7 +89,7 @@ def build_tiny_sd3(out_dir: str | Path, spec: TinySD3Spec | None = None) -> Path
         "in_channels": 3, "out_channels": 3,
         "down_block_types": ["DownEncoderBlock2D"] * n, "up_block_types": ["UpDecoderBlock2D"] * n,
         "block_out_channels": list(spec.vae_block_out_channels), "layers_per_block": 1, "act_fn": "silu",
-        "latent_channels": 16, "norm_num_groups": 8, "sample_size": 64,
+        "latent_channels": 16, "norm_num_groups": spec.vae_norm_num_groups, "sample_size": 64,
         "scaling_factor": 1.5305, "shift_factor": 0.0609, "use_quant_conv": False, "use_post_quant_conv": False,
     }
     save_diffusers_model(AutoencoderKL.from_config(vae_config), root / "vae", "AutoencoderKL", vae_config)
