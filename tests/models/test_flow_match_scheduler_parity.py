@@ -77,3 +77,15 @@ def test_unknown_and_unsupported_options_are_refused() -> None:
         FlowMatchEulerScheduler.from_config({"use_karras_sigmas": True})
     with pytest.raises(ValueError, match="mu"):
         FlowMatchEulerScheduler.from_config(FLUX_CONFIG).schedule(4)
+
+
+def test_one_step_with_shift_terminal_is_finite() -> None:
+    """Diffusers stretches 1 - sigma so the last sigma lands on shift_terminal; with one step that
+    divides 0 by 0 (NaN, a black image). diffserve leaves a one-step schedule unstretched."""
+    scheduler = FlowMatchEulerScheduler.from_config(
+        {"use_dynamic_shifting": True, "shift_terminal": 0.02, "time_shift_type": "exponential",
+         "base_shift": 0.5, "max_shift": 0.9, "base_image_seq_len": 256, "max_image_seq_len": 8192}
+    )
+    schedule = scheduler.schedule(1, mu=0.7, sigmas=[1.0])
+    assert torch.isfinite(schedule.sigmas).all()
+    assert schedule.sigmas.tolist() == [1.0, 0.0]

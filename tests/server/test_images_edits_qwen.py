@@ -20,8 +20,8 @@ from PIL import Image
 
 #: A 2:1 input; the output keeps its aspect ratio when no size is given.
 INPUT_SIZE = (64, 32)
-#: Few steps, no true CFG: fast. Not 1 step: Qwen-Image's shift_terminal schedule is 0/0 (NaN, a black
-#: image) for a single step, in Diffusers too.
+#: Few steps, no true CFG: fast. (Two steps rather than one: a one-step Qwen-Image schedule is 0/0 in
+#: Diffusers' shift_terminal stretch; diffserve leaves it unstretched, see flow_match_euler.py.)
 FAST = {"num_inference_steps": 2, "true_cfg_scale": 1.0}
 
 
