@@ -13,6 +13,7 @@ from diffserve.loader.component_loader import LoadedComponent
 from diffserve.platforms import Platform
 from diffserve.request import Req
 from diffserve.stages.base import Stage
+from diffserve.stages.denoising import DenoisingStage
 
 logger = logging.getLogger("diffserve.pipeline")
 
@@ -62,3 +63,41 @@ class Pipeline:
         for stage in self.stages:
             req = stage(req)
         return req
+
+    # -- The same pipeline as three phases, for the engine's step-level batching ---------------------
+    # A request runs its pre-denoise stages alone, then shares denoising steps with every running
+    # request of the same `batch_key`, then runs its post-denoise stages (decoding) alone.
+
+    @property
+    def denoising_stage(self) -> DenoisingStage:
+        stages = [s for s in self.stages if isinstance(s, DenoisingStage)]
+        if len(stages) != 1:
+            raise RuntimeError(f"{type(self).__name__} must have exactly one DenoisingStage, has {len(stages)}")
+        return stages[0]
+
+    def run_pre_denoise(self, req: Req) -> Req:
+        """Validation, text/image encoding, latents and timesteps: everything before the first step."""
+        for stage in self.stages[: self.stages.index(self.denoising_stage)]:
+            req = stage(req)
+        return req
+
+    def denoise_step(self, reqs: list[Req]) -> None:
+        """One denoising step for every request in `reqs` (same `batch_key`), as one DiT batch."""
+        self.denoising_stage.denoise_step(reqs)
+
+    def run_post_denoise(self, req: Req) -> Req:
+        """Decoding (and any stage after it) once the request's last step is done."""
+        for stage in self.stages[self.stages.index(self.denoising_stage) + 1 :]:
+            req = stage(req)
+        return req
+
+    def batch_key(self, req: Req) -> tuple:
+        """Requests with equal keys can share a denoising step: the DiT batch concatenates their
+        latents and text along the batch axis, so those shapes must agree. Families whose DiT pads
+        text itself (Qwen-Image, Z-Image) override this with a looser key."""
+        return (
+            tuple(req.latents.shape[1:]),
+            tuple(req.prompt_embeds.shape[1:]),
+            None if req.condition_latents is None else tuple(req.condition_latents.shape[1:]),
+            req.image_embeds is not None,
+        )

@@ -155,6 +155,10 @@ class QwenImagePipeline(Pipeline):
     def resolve_params(self, params: SamplingParams) -> SamplingParams:
         return self.input_validation.resolve(params)
 
+    def batch_key(self, req: Req) -> tuple:
+        """Text lengths may differ (the denoiser pads and masks); image tokens must line up."""
+        return (tuple(req.latents.shape[1:]), tuple(req.condition_shapes))
+
 
 class QwenImageEditPipeline(QwenImagePipeline):
     """Edits one input image; the output defaults to the input's aspect ratio at ~1 megapixel."""

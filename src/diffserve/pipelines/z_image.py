@@ -95,3 +95,7 @@ class ZImagePipeline(Pipeline):
 
     def resolve_params(self, params: SamplingParams) -> SamplingParams:
         return self.input_validation.resolve(params)
+
+    def batch_key(self, req: Req) -> tuple:
+        """The DiT pads captions itself; only the latent grid has to match (predictions are stacked)."""
+        return (tuple(req.latents.shape[1:]),)
