@@ -47,6 +47,8 @@ class TinyWanSpec:
     vae_base_dim: int = 8
     clip_hidden_size: int = 32
     clip_image_size: int = 32
+    #: 8 keeps the tests' 32-pixel CLIP input at 17 image tokens; the released ViT-H/14 at 224 gives 257.
+    clip_patch_size: int = 8
     scheduler: str = "flow-match-euler"  # or "unipc" (the released checkpoints' scheduler)
     dit_weight_noise: float = 0.2
     seed: int = 0
@@ -108,7 +110,7 @@ def _write_image_encoder(root: Path, spec: TinyWanSpec) -> None:
             num_hidden_layers=2,
             num_attention_heads=2,
             image_size=spec.clip_image_size,
-            patch_size=8,
+            patch_size=spec.clip_patch_size,
             projection_dim=spec.clip_hidden_size,
         )
     )
