@@ -71,9 +71,10 @@ class ServerProcess:
         self.wait_for(ready, timeout, interval=0.1, what="/health 200")
 
 
-def start_server(model_dir: Path, work_dir: Path, *extra: str) -> ServerProcess:
+def start_server(model_dir: Path, work_dir: Path, *extra: str, output_dir: Path | None = None) -> ServerProcess:
+    """`output_dir`: default `work_dir/outputs`; pass another server's to restart on its files."""
     port = free_port()
-    output_dir = work_dir / "outputs"
+    output_dir = output_dir or work_dir / "outputs"
     log_path = work_dir / "server.log"
     cmd = [
         sys.executable, "-m", "diffserve.cli.main", "serve", "--model-path", str(model_dir), "--port", str(port),

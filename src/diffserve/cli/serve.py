@@ -17,7 +17,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a Diffusers-format model over HTTP: POST /v1/images/generations and "
-        "POST /v1/images/edits (OpenAI schema), GET /v1/models, /health, /health_generate, /server_info, /metrics. The model runs in its own "
+        "POST /v1/images/edits (OpenAI schema) for image models, the /v1/videos job API for video models, "
+        "GET /v1/models, /health, /health_generate, /server_info, /metrics. The model runs in its own "
         "engine process; the HTTP front end never blocks on it.",
     )
     add_engine_flags(p)
@@ -48,7 +49,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="run a 1-step generation before reporting ready (default: on)")
     p.add_argument("--output-path", default="outputs",
-                   help="directory for images returned as response_format='url' (default: outputs/)")
+                   help="directory for images returned as response_format='url', and for /v1/videos jobs "
+                   "(videos/<id>.mp4 and video_jobs.sqlite3) (default: outputs/)")
+    p.add_argument("--job-ttl", type=float, default=86400.0,
+                   help="seconds a finished /v1/videos job and its MP4 are kept after it finished; then both "
+                   "are deleted (default: 86400 = one day)")
     p.add_argument("--log-level", default="info", choices=LEVELS)
     p.set_defaults(handler=run)
 
@@ -66,6 +71,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--max-image-bytes must be >= 1, got {args.max_image_bytes}")
     if args.max_image_pixels < 1:
         raise UserError(f"--max-image-pixels must be >= 1, got {args.max_image_pixels}")
+    if not args.job_ttl > 0:
+        raise UserError(f"--job-ttl must be > 0 seconds, got {args.job_ttl}")
     if args.shutdown_timeout < 0:
         raise UserError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.api_key is not None and not args.api_key.strip():
@@ -91,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         allow_url_images=args.allow_url_images,
         max_image_bytes=args.max_image_bytes,
         max_image_pixels=args.max_image_pixels,
+        job_ttl=args.job_ttl,
         shutdown_timeout=args.shutdown_timeout,
         warmup=args.warmup,
         log_level=args.log_level,

@@ -119,7 +119,7 @@ class WanPipeline(Pipeline):
         ]
 
     def image_input_rule(self) -> ImageInputRule:
-        return ImageInputRule(pipeline_name=self.pipeline_name)
+        return ImageInputRule(pipeline_name=self.pipeline_name, task="text-to-video")
 
     def default_size(self, params: SamplingParams) -> tuple[int, int]:
         return self.config.default_height, self.config.default_width

@@ -5,5 +5,6 @@ Engine (its own process):           engine_process.py -> request_queue.py -> Dif
 Link: one ZeroMQ PUSH/PULL pair each way over IPC, messages in protocol.py.
 Around them: errors.py (OpenAI error shape), middleware.py (request id, access log, API key, body
 limit), metrics.py (Prometheus), image_encoding.py (PNG/JPEG/WEBP bytes and url files), runner.py
-(uvicorn, graceful shutdown), args.py (server settings). See docs/serving.md.
+(uvicorn, graceful shutdown), args.py (server settings), video_routes.py + video_jobs.py (the /v1/videos
+job API: routes, SQLite job records, progress, retention). See docs/serving.md.
 """

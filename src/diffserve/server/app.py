@@ -5,6 +5,9 @@ A request's path: `POST /v1/images/generations` -> `ImageGenerationRequest` (sch
 (engine_process.py: validate, queue, `DiffGenerator.generate_from_params`, encode) -> back here as
 `JobFinished` -> OpenAI's `ImagesResponse`. `POST /v1/images/edits` is the same path once its body
 (multipart or JSON, image_edits.py) is parsed and its input images are decoded into the params.
+`/v1/videos` (video_routes.py, jobs in video_jobs.py) answers with a job at once and runs it in the
+background; the image routes refuse video models and the video routes image models, naming the route
+to use.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ from diffserve.server.schemas import (
     ModelCard,
     ModelList,
 )
+from diffserve.server.video_jobs import VideoJobManager
+from diffserve.server.video_routes import check_image_model, video_router
 
 logger = logging.getLogger("diffserve.server")
 
@@ -189,24 +194,29 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
 
     engine = EngineClient(args, metrics, on_fatal or default_on_fatal)
     metrics.track_engine(lambda: engine.num_waiting, lambda: engine.num_running, lambda: float(engine.ready))
+    video_jobs = VideoJobManager(args.output_dir, args.job_ttl, engine, metrics)
     started_at = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        video_jobs.open()  # before the engine: jobs a previous server left unfinished are failed first
         await engine.start()
         yield
         await engine.stop()
+        await video_jobs.close()
 
     app = FastAPI(title="diffserve", version=diffserve.__version__, lifespan=lifespan,
-                  description="OpenAI-compatible image generation with diffserve")
+                  description="OpenAI-compatible image and video generation with diffserve")
     app.state.args = args
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.video_jobs = video_jobs
     install_error_handlers(app)
     # Added innermost first: the request-context layer wraps everything, so every answer is logged.
     app.add_middleware(
         BodySizeLimitMiddleware, max_bytes=args.max_body_bytes,
-        path_limits={"/v1/images/edits": (args.max_edit_body_bytes, "--max-image-bytes and --max-body-bytes")},
+        path_limits={"/v1/images/edits": (args.max_edit_body_bytes, "--max-image-bytes and --max-body-bytes"),
+                     "/v1/videos": (args.max_video_body_bytes, "--max-image-bytes and --max-body-bytes")},
     )
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
@@ -244,6 +254,7 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
     @app.post("/v1/images/generations", response_model=ImagesResponse, responses=_ERRORS)
     async def create_images(body: ImageGenerationRequest, request: Request) -> Response:
         async def build_job() -> GenerateJob:
+            check_image_model(engine)
             check_model(body.model)
             return make_job(request, body, body.to_sampling_params())
 
@@ -263,6 +274,7 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
         """
 
         async def build_job() -> GenerateJob:
+            check_image_model(engine)
             inputs = await read_edit_request(request, max_text_part_bytes=args.max_edit_body_bytes)
             check_model(inputs.body.model)
             params = inputs.body.to_sampling_params()
@@ -280,6 +292,8 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
             raise ApiError(404, f"no image with id {image_id!r} on this server", param="image_id",
                            code="image_not_found")
         return FileResponse(path, media_type=CONTENT_TYPES[path.suffix.lstrip(".")])
+
+    app.include_router(video_router(args, engine, video_jobs, metrics, check_model, outcome_of))
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:

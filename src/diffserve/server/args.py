@@ -38,6 +38,8 @@ class ServerArgs:
     max_image_bytes: int = 20 << 20
     #: Largest input image in pixels (width * height, read from the header before decoding); 413 above.
     max_image_pixels: int = 4096 * 4096
+    #: Seconds a finished /v1/videos job (and its MP4) is kept after it finished; then it is deleted.
+    job_ttl: float = 86400.0
 
     @property
     def model_id(self) -> str:
@@ -59,6 +61,12 @@ class ServerArgs:
         and a mask at `max_image_bytes` each, as base64 data URLs in JSON (4/3 larger than uploads), plus
         `max_body_bytes` for the other fields and the multipart framing."""
         return (MAX_INPUT_IMAGES + 1) * -(-self.max_image_bytes * 4 // 3) + self.max_body_bytes
+
+    @property
+    def max_video_body_bytes(self) -> int:
+        """Body limit of POST /v1/videos: one first-frame image at `max_image_bytes` as a base64 data URL
+        (4/3 larger than an upload), plus `max_body_bytes` for the other fields and multipart framing."""
+        return -(-self.max_image_bytes * 4 // 3) + self.max_body_bytes
 
     @property
     def output_dir(self) -> Path:

@@ -2,8 +2,10 @@
 
 `generate(job)` registers an asyncio future under the request id, pushes the job to the engine and
 awaits the answer; the receive task resolves futures as the engine's messages arrive. Cancelling the
-awaiting task (the client went away) sends CancelJob. A watch task notices when the engine process
-dies: every request in flight fails with EngineUnavailableError (503) and a new engine is started.
+awaiting task (the client went away) sends CancelJob. `submit(job, listener)` is the form for jobs
+that outlive their HTTP request (video jobs): it returns once the engine has accepted the job, with
+the future of its outcome, and `cancel(request_id)` stops it. A watch task notices when the engine
+process dies: every request in flight fails with EngineUnavailableError (503) and a new engine is started.
 No call here blocks on model work.
 """
 
@@ -17,7 +19,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -33,9 +35,11 @@ from diffserve.server.protocol import (
     EngineFatal,
     EngineReady,
     GenerateJob,
+    JobAccepted,
     JobCancelled,
     JobFailed,
     JobFinished,
+    JobProgress,
     JobRejected,
     JobStarted,
     ShutdownEngine,
@@ -64,6 +68,14 @@ class EngineUnavailableError(Exception):
         self.code = code
 
 
+class JobCancelledError(EngineUnavailableError):
+    """The engine cancelled the job: at the front end's request (client gone, DELETE) or shutting down."""
+
+    def __init__(self, at_step: int | None) -> None:
+        super().__init__("the engine cancelled this request (the server is shutting down)", code="cancelled")
+        self.at_step = at_step
+
+
 class QueueFullError(Exception):
     """--max-queue-size requests are already waiting (-> 429)."""
 
@@ -84,12 +96,19 @@ class JobFailedError(Exception):
         self.user_error = user_error
 
 
+#: Called with a submitted job's JobStarted and JobProgress messages, on the event loop.
+JobListener = Callable[[JobStarted | JobProgress], None]
+
+
 @dataclass
 class PendingRequest:
     job: GenerateJob
     future: asyncio.Future
     submitted_at: float
     started_at: float | None = None
+    #: `submit` only: resolved with the engine's JobAccepted (or its rejection), and the job's listener.
+    accepted: asyncio.Future | None = None
+    listener: JobListener | None = None
 
     @property
     def waiting(self) -> bool:
@@ -235,8 +254,7 @@ class EngineClient:
         message, code = messages.get(self.state, ("the engine is not available", "engine_unavailable"))
         return EngineUnavailableError(message, code)
 
-    async def generate(self, job: GenerateJob) -> JobFinished:
-        """Run one job; raises EngineUnavailableError, QueueFullError, JobRejectedError, JobFailedError."""
+    def _admit(self, job: GenerateJob) -> None:
         if not self.ready:
             raise self.unavailable_error()
         if not job.internal and self.num_waiting >= self.args.max_queue_size:
@@ -244,6 +262,46 @@ class EngineClient:
                 f"the queue is full ({self.num_waiting} requests waiting, --max-queue-size "
                 f"{self.args.max_queue_size}); retry later"
             )
+
+    async def submit(
+        self, job: GenerateJob, listener: JobListener | None = None
+    ) -> tuple[JobAccepted, asyncio.Future]:
+        """Queue a job that outlives its HTTP request: returns once the engine has validated and queued it,
+        with its JobAccepted (resolved parameters) and the future of its JobFinished. Raises what
+        `generate` raises up to acceptance; the future then fails with JobCancelledError,
+        JobFailedError or EngineUnavailableError. `listener` gets its JobStarted and JobProgress."""
+        self._admit(job)
+        job = replace(job, ack=True)
+        loop = asyncio.get_running_loop()
+        pending = PendingRequest(job, loop.create_future(), time.monotonic(), accepted=loop.create_future(),
+                                 listener=listener)
+        self._pending[job.request_id] = pending
+        try:
+            self._push.send_pyobj(job, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self._pending.pop(job.request_id, None)
+            raise EngineUnavailableError(
+                "the engine is not accepting requests right now", code="engine_busy"
+            ) from None
+        try:
+            accepted = await pending.accepted
+        except asyncio.CancelledError:
+            self.cancel(job.request_id)
+            self._pending.pop(job.request_id, None)
+            raise
+        return accepted, pending.future
+
+    def cancel(self, request_id: str) -> bool:
+        """Ask the engine to stop a job (dropped if waiting, stopped at its next step if running, its file
+        deleted if being written); its future then fails with JobCancelledError. False: not in flight."""
+        if request_id not in self._pending:
+            return False
+        self._send_nowait(CancelJob(request_id))
+        return True
+
+    async def generate(self, job: GenerateJob) -> JobFinished:
+        """Run one job; raises EngineUnavailableError, QueueFullError, JobRejectedError, JobFailedError."""
+        self._admit(job)
         future = asyncio.get_running_loop().create_future()
         pending = PendingRequest(job, future, time.monotonic())
         self._pending[job.request_id] = pending
@@ -268,6 +326,13 @@ class EngineClient:
     def _resolve(self, request_id: str, result: JobFinished | None = None, error: Exception | None = None) -> None:
         pending = self._pending.pop(request_id, None)
         if pending is None or pending.future.done():
+            return
+        if pending.accepted is not None and not pending.accepted.done():
+            # Answered before it was accepted (rejected, or the engine died): `submit` raises the error,
+            # and nobody will ever await the outcome future.
+            error = error or RuntimeError("the engine answered before accepting the job")
+            pending.accepted.set_exception(error)
+            pending.future.cancel()
             return
         if error is not None:
             pending.future.set_exception(error)
@@ -302,14 +367,22 @@ class EngineClient:
                 pending.started_at = time.monotonic()
                 if not pending.job.internal:
                     self.metrics.queue_time.observe(pending.started_at - pending.submitted_at)
+                if pending.listener is not None:
+                    pending.listener(message)
+        elif isinstance(message, JobAccepted):
+            pending = self._pending.get(message.request_id)
+            if pending is not None and pending.accepted is not None and not pending.accepted.done():
+                pending.accepted.set_result(message)
+        elif isinstance(message, JobProgress):
+            pending = self._pending.get(message.request_id)
+            if pending is not None and pending.listener is not None:
+                pending.listener(message)
         elif isinstance(message, JobFinished):
             self._resolve(message.request_id, result=message)
         elif isinstance(message, JobRejected):
             self._resolve(message.request_id, error=JobRejectedError(message.message, message.param))
         elif isinstance(message, JobCancelled):
-            self._resolve(message.request_id, error=EngineUnavailableError(
-                "the engine cancelled this request (the server is shutting down)", code="cancelled"
-            ))
+            self._resolve(message.request_id, error=JobCancelledError(message.at_step))
         elif isinstance(message, JobFailed):
             self._resolve(message.request_id, error=JobFailedError(message.message, message.user_error))
         elif isinstance(message, EngineReady):

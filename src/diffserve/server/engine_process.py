@@ -8,6 +8,10 @@ Two threads:
   applied, `SamplingParams.validate`) and queued, or answered at once with JobRejected; a CancelJob
   drops a waiting request or flags the running one, which stops at its next denoising step;
   ShutdownEngine stops the loop.
+- one video-encoder thread (a ThreadPoolExecutor) writes the MP4s of video jobs: once a video job's
+  frames are decoded, the main thread hands them over and moves on to the next job; the job finishes
+  (JobFinished) when its file is written. A cancel that arrives while the file is being written
+  deletes it and answers JobCancelled.
 
 torch and the model code are imported inside `Engine`, never at module level: the front end imports
 this module (for the process target) and stays small and quick to start.
@@ -23,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,22 +43,30 @@ from diffserve.server.image_encoding import CONTENT_TYPES, encode_image, image_p
 from diffserve.server.protocol import (
     CancelJob,
     EncodedImage,
+    EncodedVideo,
     EngineFatal,
     EngineReady,
     GenerateJob,
+    JobAccepted,
     JobCancelled,
     JobFailed,
     JobFinished,
+    JobProgress,
     JobRejected,
     JobStarted,
     ShutdownEngine,
 )
 from diffserve.server.request_queue import QueuedJob, RequestQueue
+from diffserve.video_outputs import save_video
 
 logger = logging.getLogger("diffserve.engine")
 
 #: Warm-up and /health_generate draw an image about this many pixels wide (rounded up to the model's granularity).
 PROBE_PIXELS = 64
+#: Video families draw a one-frame clip for the warm-up and /health_generate (1 = 4 * 0 + 1 is always valid).
+PROBE_FRAMES = 1
+#: Family tasks whose outputs are videos (served by /v1/videos, refused by the image routes).
+VIDEO_TASKS = ("text-to-video", "image-to-video")
 
 
 @dataclass
@@ -111,7 +124,13 @@ class Engine:
         self.stop = threading.Event()
         self.pixel_multiple = int(self.generator.pipeline.pixel_multiple)
         self.probe_size = -(-PROBE_PIXELS // self.pixel_multiple) * self.pixel_multiple
+        self.is_video = getattr(self.generator.family, "task", "") in VIDEO_TASKS
         self.probe_images = self._probe_images()
+        # One thread: MP4s are written in job order, and x264 already uses several cores per file.
+        self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="video-encoder")
+        #: Video jobs whose file is being written -> their cancel flag (the job's `cancel_event`).
+        self._encoding: dict[str, threading.Event] = {}
+        self._encoding_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -129,7 +148,8 @@ class Engine:
     def _probe_images(self) -> list[Image.Image] | None:
         """A plain input image for the warm-up and /health_generate when the family requires one (edit
         models refuse a request without it, naming `image`); None for text-to-image families."""
-        params = SamplingParams(prompt="probe", height=self.probe_size, width=self.probe_size, num_inference_steps=1)
+        params = SamplingParams(prompt="probe", height=self.probe_size, width=self.probe_size,
+                                num_inference_steps=1, num_frames=PROBE_FRAMES if self.is_video else None)
         try:
             self.generator.pipeline.resolve_params(params)
         except InvalidRequestError as exc:
@@ -139,7 +159,16 @@ class Engine:
 
     def probe_params(self, prompt: str) -> SamplingParams:
         return SamplingParams(prompt=prompt, height=self.probe_size, width=self.probe_size, num_inference_steps=1,
-                              input_images=self.probe_images)
+                              input_images=self.probe_images,
+                              num_frames=PROBE_FRAMES if self.is_video else None)
+
+    def video_limits(self) -> dict[str, int] | None:
+        """The family's frame rules for the front end (it turns `seconds` into a valid num_frames)."""
+        rule = getattr(getattr(self.generator.pipeline, "input_validation", None), "video", None)
+        if not self.is_video or rule is None:
+            return None
+        return {"temporal_factor": int(rule.temporal_factor), "max_frames": int(rule.max_frames),
+                "max_fps": int(rule.max_fps)}
 
     def info(self, warmup_seconds: float | None) -> dict[str, Any]:
         import torch
@@ -158,6 +187,7 @@ class Engine:
             "diffusers_pipeline": g.family.diffusers_pipeline,
             "task": g.family.task,
             "requires_input_image": bool(self.probe_images),
+            "video": self.video_limits(),
             "platform": g.platform.name,
             "device_name": g.platform.device_name(),
             "dtype": str(g.dtype).removeprefix("torch."),
@@ -178,6 +208,7 @@ class Engine:
                 self._run(queued)
             finally:
                 self.queue.finish(queued.request_id)
+        self.encoder.shutdown(wait=True)  # files being written are finished and reported
         self.receiver.join()  # it owns the inbox socket until it sees `stop`
         logger.info("Engine stopped")
 
@@ -199,18 +230,47 @@ class Engine:
                 if isinstance(message, GenerateJob):
                     self.channel.send(JobFailed(message.request_id, f"{type(exc).__name__}: {exc}"))
 
+    def _kind_mismatch(self, job: GenerateJob) -> str | None:
+        """Why this model cannot serve the job's kind of output (the front end checks first; this is the
+        engine's own guard), or None."""
+        if job.internal:
+            return None
+        family = self.generator.family
+        if self.is_video and job.video_path is None:
+            return (f"{family.diffusers_pipeline} is a {family.task} model and generates videos; "
+                    "use POST /v1/videos")
+        if not self.is_video and job.video_path is not None:
+            return (f"{family.diffusers_pipeline} is a {family.task} model and generates images; "
+                    "use POST /v1/images/generations")
+        return None
+
     def _handle(self, message: Any) -> None:
         if isinstance(message, GenerateJob):
             if message.internal and self.probe_images and not message.params.input_images:
                 message.params.input_images = list(self.probe_images)  # /health_generate on an edit model
+            if message.internal and self.is_video and message.params.num_frames is None:
+                message.params.num_frames = PROBE_FRAMES  # /health_generate on a video model
+            mismatch = self._kind_mismatch(message)
+            if mismatch is not None:
+                self.channel.send(JobRejected(message.request_id, mismatch, param="model"))
+                return
             try:
-                self.generator.pipeline.resolve_params(message.params)  # validate before queueing
+                resolved = self.generator.pipeline.resolve_params(message.params)  # validate before queueing
             except UserError as exc:
                 self.channel.send(JobRejected(message.request_id, str(exc), param=getattr(exc, "param", None)))
                 return
+            if message.ack:  # before queueing: the main thread's JobStarted must come after it
+                params = dataclasses.replace(resolved, input_images=None, mask_image=None)
+                self.channel.send(JobAccepted(message.request_id, params))
             self.queue.put(message)
         elif isinstance(message, CancelJob):
             where = self.queue.cancel(message.request_id)
+            if where is None:
+                with self._encoding_lock:
+                    flag = self._encoding.get(message.request_id)
+                if flag is not None:
+                    flag.set()  # the encoder thread deletes the file and answers JobCancelled
+                    where = "encoding"
             if where == "waiting":
                 self.channel.send(JobCancelled(message.request_id))
             if where is not None:
@@ -233,9 +293,14 @@ class Engine:
         self.channel.send(JobStarted(rid))
         logger.info("Request %s started (%d waiting)", rid, self.queue.num_waiting)
         req = Req(params=job.params, request_id=rid, cancel_event=queued.cancel_event)
+        if job.video_path is not None:
+            req.on_step = self._report_step
         start = time.perf_counter()
         try:
             out = self.generator.generate_from_params(job.params, request=req)
+            if job.video_path is not None:
+                self._hand_to_encoder(queued, out, start)
+                return
             encode_start = time.perf_counter()
             images = self._encode(job, out.images, out.params)
             encode_seconds = time.perf_counter() - encode_start
@@ -260,6 +325,65 @@ class Engine:
                 engine_seconds=time.perf_counter() - start, encode_seconds=encode_seconds,
             )
         )
+
+    def _report_step(self, req: Any) -> None:
+        """`Req.on_step` of video jobs: one JobProgress per denoising step; after the last one the VAE
+        decodes, so that step is reported as the start of the decoding phase."""
+        total = req.num_steps
+        phase = "decoding" if req.step_index >= total else "denoising"
+        self.channel.send(JobProgress(req.request_id, req.step_index, total, phase))
+
+    def _hand_to_encoder(self, queued: QueuedJob, out: Any, start: float) -> None:
+        """Queue the MP4 write of a finished video job on the encoder thread and return at once. The job
+        stays cancellable through its `cancel_event`, registered before the queue forgets the job."""
+        rid = queued.request_id
+        steps = len(out.step_times)
+        with self._encoding_lock:
+            self._encoding[rid] = queued.cancel_event
+        self.channel.send(JobProgress(rid, steps, steps, "encoding"))
+        self.encoder.submit(self._write_video, queued, out, start)
+
+    def _write_video(self, queued: QueuedJob, out: Any, start: float) -> None:
+        """Encoder thread: write the MP4 atomically, then JobFinished (or JobCancelled / JobFailed)."""
+        job, rid = queued.job, queued.request_id
+        path = Path(job.video_path)
+        cancelled = queued.cancel_event
+        try:
+            if cancelled.is_set():
+                self.channel.send(JobCancelled(rid, at_step=len(out.step_times)))
+                return
+            if len(out.frames) != 1:
+                raise RuntimeError(f"expected one video from the pipeline, got {len(out.frames)}")
+            frames = out.frames[0]
+            params = dataclasses.replace(out.params, input_images=None, mask_image=None)
+            metadata = {"model": self.generator.model_path,
+                        "pipeline": self.generator.family.diffusers_pipeline, **params.to_dict()}
+            encode_start = time.perf_counter()
+            save_video(frames, path, params.fps, metadata, "mp4")
+            encode_seconds = time.perf_counter() - encode_start
+            if cancelled.is_set():  # cancelled while the file was written: it must not stay
+                path.unlink(missing_ok=True)
+                logger.info("Request %s cancelled while its video was written; file removed", rid)
+                self.channel.send(JobCancelled(rid, at_step=len(out.step_times)))
+                return
+            num_frames, height, width, _ = frames.shape
+            video = EncodedVideo(str(path), path.stat().st_size, int(num_frames), int(width), int(height),
+                                 int(params.fps))
+            peak = None if out.peak_memory_mb is None else int(out.peak_memory_mb * 2**20)
+            timings = {**out.timings, "VideoEncoding": encode_seconds}
+            logger.info("Request %s finished in %.2f seconds (%d frames, %d bytes, encoded in %.2f s)", rid,
+                        time.perf_counter() - start, num_frames, video.size_bytes, encode_seconds)
+            self.channel.send(JobFinished(
+                rid, [], params, timings, list(out.step_times), peak,
+                engine_seconds=time.perf_counter() - start, encode_seconds=encode_seconds, videos=[video],
+            ))
+        except Exception as exc:
+            logger.exception("Request %s failed while writing its video", rid)
+            path.unlink(missing_ok=True)
+            self.channel.send(JobFailed(rid, f"writing the video failed: {type(exc).__name__}: {exc}"))
+        finally:
+            with self._encoding_lock:
+                self._encoding.pop(rid, None)
 
     def _encode(self, job: GenerateJob, images: list, params: SamplingParams) -> list[EncodedImage]:
         fmt = params.output_format

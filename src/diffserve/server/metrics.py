@@ -21,7 +21,8 @@ class ServerMetrics:
         )
         self.generation_requests = Counter(
             "diffserve_generation_requests",
-            "Image generation requests by outcome: success, invalid, queue_full, unavailable, failed, cancelled",
+            "Generation requests (images and video jobs) by outcome: success, invalid, queue_full, "
+            "unavailable, failed, cancelled",
             ["outcome"], registry=r,
         )
         self.queue_depth = Gauge("diffserve_queue_depth", "Requests waiting for the engine", registry=r)
@@ -44,6 +45,8 @@ class ServerMetrics:
             "diffserve_step_seconds", "Time per denoising step", buckets=_STEP_BUCKETS, registry=r,
         )
         self.images_generated = Counter("diffserve_images_generated", "Images returned to clients", registry=r)
+        self.videos_generated = Counter("diffserve_videos_generated", "Videos written by /v1/videos jobs",
+                                        registry=r)
         self.peak_memory = Gauge(
             "diffserve_peak_memory_bytes",
             "Peak memory of the last request (device memory; process RSS on CPU)", registry=r,
@@ -62,6 +65,7 @@ class ServerMetrics:
     def observe_finished(self, result: JobFinished, latency: float) -> None:
         self.request_latency.observe(latency)
         self.images_generated.inc(len(result.images))
+        self.videos_generated.inc(len(result.videos))
         for stage, seconds in result.timings.items():
             self.stage_seconds.labels(stage).observe(seconds)
         for seconds in result.step_times:

@@ -5,8 +5,12 @@ Engine -> front end: every message is sent as `(incarnation, message)`, where `i
 (re)starts, so a message still in flight from an engine that died is recognised and dropped.
 
     GenerateJob ──► JobRejected (bad parameters, never queued)
-                └─► JobStarted ──► JobFinished | JobCancelled | JobFailed
-                └─► JobCancelled (cancelled while still waiting)
+                └─► [JobAccepted] ─► JobStarted ─► [JobProgress...] ─► JobFinished | JobCancelled | JobFailed
+                                  └─► JobCancelled (cancelled while still waiting)
+
+JobAccepted is sent only for jobs with `ack` (video jobs: their POST answers once the engine has
+validated them), always before JobStarted. JobProgress is sent only for video jobs: one per denoising
+step, then one at each later phase (VAE decoding, MP4 encoding).
 
 Both ends run the same code version and the sockets live in a private temporary directory, so pickle
 is safe here and keeps `SamplingParams` and bytes intact without a schema layer.
@@ -14,7 +18,7 @@ is safe here and keeps `SamplingParams` and bytes intact without a schema layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from diffserve.configs.sampling_params import SamplingParams
@@ -32,6 +36,11 @@ class GenerateJob:
     output_compression: int | None = None
     #: /health_generate's probe: exempt from --max-queue-size and the queue-time metric.
     internal: bool = False
+    #: A /v1/videos job: the engine reports JobProgress and writes the MP4 to this path (in its encoder
+    #: thread) instead of encoding images. None: an image request.
+    video_path: str | None = None
+    #: Answer JobAccepted once the parameters are validated and the job is queued.
+    ack: bool = False
 
 
 @dataclass
@@ -73,8 +82,41 @@ class JobRejected:
 
 
 @dataclass
+class JobAccepted:
+    """Validated and queued (only for jobs with `ack`); `params` are resolved (family defaults applied,
+    input images left out), so the front end can show the size, frames and steps that will be used."""
+
+    request_id: str
+    params: SamplingParams
+
+
+@dataclass
 class JobStarted:
     request_id: str
+
+
+#: What a video job is doing: denoising steps, then VAE decoding, then MP4 encoding.
+ProgressPhase = Literal["denoising", "decoding", "encoding"]
+
+
+@dataclass
+class JobProgress:
+    """`step` of `total` denoising steps are done; `phase` is what the engine does now."""
+
+    request_id: str
+    step: int
+    total: int
+    phase: ProgressPhase
+
+
+@dataclass
+class EncodedVideo:
+    path: str  # the MP4, written atomically (complete once this message is sent)
+    size_bytes: int
+    num_frames: int
+    width: int
+    height: int
+    fps: int
 
 
 @dataclass
@@ -94,6 +136,7 @@ class JobFinished:
     peak_memory_bytes: int | None
     engine_seconds: float  # start of generation to encoded images
     encode_seconds: float
+    videos: list[EncodedVideo] = field(default_factory=list)  # video jobs (then `images` is empty)
 
 
 @dataclass

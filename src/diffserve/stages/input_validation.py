@@ -32,6 +32,7 @@ class ImageInputRule:
     """
 
     pipeline_name: str = "this pipeline"
+    task: str = "text-to-image"
     min_images: int = 0
     max_images: int = 0
     inpainting: bool = False
@@ -40,8 +41,8 @@ class ImageInputRule:
         images = params.input_images or []
         if images and self.max_images == 0:
             raise InvalidRequestError(
-                f"{self.pipeline_name} is a text-to-image model and takes no input image; "
-                "image edits need an edit model such as QwenImageEditPipeline",
+                f"{self.pipeline_name} is a {self.task} model and takes no input image; image edits need "
+                "an edit model such as QwenImageEditPipeline, image-to-video WanImageToVideoPipeline",
                 param="image",
             )
         if len(images) < self.min_images:

@@ -1,0 +1,521 @@
+"""Video jobs of `/v1/videos`: their records (a small SQLite file), their MP4 files, their runs in the engine.
+
+A video takes minutes on real models, so `/v1/videos` works as OpenAI's video API does: the POST answers
+with a job at once and the client polls it. `VideoJobManager` owns the jobs:
+
+- `create` sends the job to the engine (`EngineClient.submit`) and waits only for the engine's verdict
+  (JobAccepted, or JobRejected -> 400), so an invalid job is never recorded, never listed as queued. The
+  record is written with the resolved parameters (the model's defaults applied: size, frames, fps, seed).
+- While it runs, the engine's JobStarted / JobProgress messages update the in-memory record of the job
+  (`progress_percent` maps them to a percentage); only status changes are written to SQLite, so progress
+  costs no disk writes per step. A follower task awaits the outcome and writes the final record.
+- `delete` cancels a queued or running job through the engine (it stops at its next step boundary, or its
+  half-written file is deleted) and keeps the record as `cancelled`; deleting a finished job removes its
+  record and file.
+- Retention: a finished job (completed, failed or cancelled) and its file are deleted `--job-ttl` seconds
+  after it finished; `expires_at` always reflects the current `--job-ttl`. Expiry is checked when a job is
+  read, by a periodic sweep, and at start.
+- At start, jobs a previous server left queued or running (it crashed or was killed) are marked failed
+  with code `server_restarted`; files without a completed job (half-written `.partial` files included)
+  are deleted. Completed jobs stay listed and downloadable.
+
+SQLite is used from the event loop only (every statement is a small indexed read or write), behind a
+lock all the same; WAL journaling keeps the file consistent if the process is killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import sqlite3
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from diffserve.configs.sampling_params import SamplingParams
+from diffserve.server.engine_client import (
+    EngineClient,
+    EngineUnavailableError,
+    JobCancelledError,
+    JobFailedError,
+)
+from diffserve.server.metrics import ServerMetrics
+from diffserve.server.protocol import GenerateJob, JobFinished, JobProgress, JobStarted
+
+logger = logging.getLogger("diffserve.server")
+
+VideoStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled"]
+ACTIVE_STATUSES: tuple[str, ...] = ("queued", "in_progress")
+FINISHED_STATUSES: tuple[str, ...] = ("completed", "failed", "cancelled")
+
+DB_FILE_NAME = "video_jobs.sqlite3"
+VIDEOS_DIR_NAME = "videos"
+VIDEO_ID_PATTERN = re.compile(r"^video_[0-9a-f]{32}$")
+
+#: Progress in percent: denoising step s of n is 90 * s // n, VAE decoding 90, MP4 encoding 95,
+#: completed 100. Denoising dominates a video's time, so the bar moves steadily through it.
+DENOISING_END_PERCENT = 90
+DECODING_PERCENT = 90
+ENCODING_PERCENT = 95
+
+#: How long DELETE waits for the engine to confirm that a running job stopped (it stops within a step).
+CANCEL_WAIT_S = 30.0
+#: How long shutdown waits for followers to record the outcome of jobs the engine client failed.
+CLOSE_WAIT_S = 5.0
+
+
+def new_video_id() -> str:
+    return f"video_{uuid.uuid4().hex}"
+
+
+def videos_dir(output_dir: Path) -> Path:
+    return output_dir / VIDEOS_DIR_NAME
+
+
+def video_file(output_dir: Path, video_id: str) -> Path:
+    """The MP4 of a job; the engine writes it atomically through a hidden `.{name}.partial` sibling."""
+    return videos_dir(output_dir) / f"{video_id}.mp4"
+
+
+def progress_percent(message: JobProgress) -> int:
+    if message.phase == "denoising":
+        return DENOISING_END_PERCENT * message.step // max(message.total, 1)
+    return DECODING_PERCENT if message.phase == "decoding" else ENCODING_PERCENT
+
+
+def format_seconds(num_frames: int | None, fps: int | None) -> str | None:
+    """The clip's duration as OpenAI's string `seconds` (frames / fps, up to millisecond precision)."""
+    if not num_frames or not fps:
+        return None
+    return f"{round(num_frames / fps, 3):g}"
+
+
+@dataclass
+class VideoJob:
+    id: str
+    status: VideoStatus
+    model: str
+    prompt: str
+    created_at: float
+    progress: int = 0
+    #: What the job does now: queued, denoising, decoding, encoding, or its final status.
+    phase: str = "queued"
+    completed_at: float | None = None  # when it finished (completed, failed or cancelled)
+    error_code: str | None = None
+    error_message: str | None = None
+    file_bytes: int | None = None
+    # Resolved parameters (the model's defaults applied), known once the engine accepted the job.
+    width: int | None = None
+    height: int | None = None
+    num_frames: int | None = None
+    fps: int | None = None
+    seed: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    negative_prompt: str | None = None
+    image_to_video: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return self.status in FINISHED_STATUSES
+
+    def apply_params(self, params: SamplingParams) -> None:
+        self.width, self.height = params.width, params.height
+        self.num_frames, self.fps, self.seed = params.num_frames, params.fps, params.seed
+        self.num_inference_steps, self.guidance_scale = params.num_inference_steps, params.guidance_scale
+        self.negative_prompt = params.negative_prompt
+
+    def expires_at(self, ttl: float) -> float | None:
+        return None if self.completed_at is None else self.completed_at + ttl
+
+    def to_api(self, ttl: float) -> dict[str, Any]:
+        """OpenAI's `Video` object (what `client.videos.retrieve` parses), then diffserve's extensions."""
+        expires = self.expires_at(ttl)
+        return {
+            "id": self.id,
+            "object": "video",
+            "model": self.model,
+            "status": self.status,
+            "progress": self.progress,
+            "created_at": int(self.created_at),
+            "completed_at": None if self.completed_at is None else int(self.completed_at),
+            "expires_at": None if expires is None else int(expires),
+            "seconds": format_seconds(self.num_frames, self.fps),
+            "size": None if self.width is None else f"{self.width}x{self.height}",
+            "prompt": self.prompt,
+            "remixed_from_video_id": None,
+            "error": None
+            if self.error_code is None
+            else {"code": self.error_code, "message": self.error_message},
+            # diffserve extensions
+            "phase": self.phase,
+            "num_frames": self.num_frames,
+            "fps": self.fps,
+            "seed": self.seed,
+            "num_inference_steps": self.num_inference_steps,
+            "guidance_scale": self.guidance_scale,
+            "image_to_video": self.image_to_video,
+        }
+
+
+# Columns that are queried get their own; everything else travels in `details` (JSON).
+_COLUMNS = (
+    "id",
+    "status",
+    "progress",
+    "phase",
+    "created_at",
+    "completed_at",
+    "error_code",
+    "error_message",
+    "file_bytes",
+)
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS videos (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- creation order: list order and pagination cursor
+    id TEXT NOT NULL UNIQUE,
+    status TEXT NOT NULL,
+    progress INTEGER NOT NULL,
+    phase TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    completed_at REAL,
+    error_code TEXT,
+    error_message TEXT,
+    file_bytes INTEGER,
+    details TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS videos_completed_at ON videos (completed_at);
+"""
+
+
+class VideoJobStore:
+    """The job records in `<output dir>/video_jobs.sqlite3`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @staticmethod
+    def _values(job: VideoJob) -> dict[str, Any]:
+        data = asdict(job)
+        details = {k: v for k, v in data.items() if k not in _COLUMNS}
+        return {**{k: data[k] for k in _COLUMNS}, "details": json.dumps(details)}
+
+    @staticmethod
+    def _job(row: sqlite3.Row) -> VideoJob:
+        return VideoJob(**{k: row[k] for k in _COLUMNS}, **json.loads(row["details"]))
+
+    def insert(self, job: VideoJob) -> None:
+        values = self._values(job)
+        names = ", ".join(values)
+        with self._lock:
+            self._db.execute(
+                f"INSERT INTO videos ({names}) VALUES ({', '.join(':' + n for n in values)})", values
+            )
+
+    def update(self, job: VideoJob) -> None:
+        """Write the record back; a record deleted meanwhile stays deleted."""
+        values = self._values(job)
+        sets = ", ".join(f"{n} = :{n}" for n in values if n != "id")
+        with self._lock:
+            self._db.execute(f"UPDATE videos SET {sets} WHERE id = :id", values)
+
+    def get(self, video_id: str) -> VideoJob | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM videos WHERE id = ?", (video_id,)).fetchone()
+        return None if row is None else self._job(row)
+
+    def delete(self, video_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM videos WHERE id = ?", (video_id,))
+
+    def page(self, limit: int, after: str | None, descending: bool) -> tuple[list[VideoJob], bool]:
+        """Up to `limit` jobs in creation order (newest first when `descending`) after the job `after`,
+        and whether more follow. Raises KeyError for an unknown `after`."""
+        order, compare = ("DESC", "<") if descending else ("ASC", ">")
+        with self._lock:
+            if after is None:
+                rows = self._db.execute(
+                    f"SELECT * FROM videos ORDER BY seq {order} LIMIT ?", (limit + 1,)
+                ).fetchall()
+            else:
+                cursor = self._db.execute("SELECT seq FROM videos WHERE id = ?", (after,)).fetchone()
+                if cursor is None:
+                    raise KeyError(after)
+                rows = self._db.execute(
+                    f"SELECT * FROM videos WHERE seq {compare} ? ORDER BY seq {order} LIMIT ?",
+                    (cursor[0], limit + 1),
+                ).fetchall()
+        return [self._job(row) for row in rows[:limit]], len(rows) > limit
+
+    def finished_before(self, cutoff: float) -> list[str]:
+        """Ids of jobs that finished at or before `cutoff`."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT id FROM videos WHERE completed_at IS NOT NULL AND completed_at <= ?", (cutoff,)
+            ).fetchall()
+        return [row[0] for row in rows]
+
+    def mark_interrupted(self, now: float) -> list[str]:
+        """Fail every job left queued or running by a previous server; returns their ids."""
+        with self._lock:
+            ids = [
+                row[0]
+                for row in self._db.execute(
+                    "SELECT id FROM videos WHERE status IN (?, ?)", ACTIVE_STATUSES
+                ).fetchall()
+            ]
+            self._db.execute(
+                "UPDATE videos SET status = 'failed', phase = 'failed', completed_at = ?, error_code = ?, "
+                "error_message = ? WHERE status IN (?, ?)",
+                (
+                    now,
+                    "server_restarted",
+                    "server restarted: the server stopped before this job finished; submit it again",
+                    *ACTIVE_STATUSES,
+                ),
+            )
+        return ids
+
+    def completed_ids(self) -> set[str]:
+        with self._lock:
+            return {row[0] for row in self._db.execute("SELECT id FROM videos WHERE status = 'completed'")}
+
+
+class VideoJobManager:
+    """The jobs of `/v1/videos` (see the module docstring)."""
+
+    def __init__(
+        self, output_dir: Path, job_ttl: float, engine: EngineClient, metrics: ServerMetrics
+    ) -> None:
+        self.output_dir = output_dir
+        self.ttl = job_ttl
+        self.engine = engine
+        self.metrics = metrics
+        self.store: VideoJobStore | None = None
+        #: Jobs the engine has in flight: the live records (progress is kept here, not in SQLite).
+        self._active: dict[str, VideoJob] = {}
+        self._followers: dict[str, asyncio.Task] = {}
+        self._sweeper: asyncio.Task | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def open(self) -> None:
+        """Open the store, fail what a previous server left unfinished, apply the TTL, delete stray files."""
+        videos_dir(self.output_dir).mkdir(parents=True, exist_ok=True)
+        self.store = VideoJobStore(self.output_dir / DB_FILE_NAME)
+        interrupted = self.store.mark_interrupted(time.time())
+        if interrupted:
+            logger.warning(
+                "Marked %d video job(s) left unfinished by a previous server as failed", len(interrupted)
+            )
+        self.expire()
+        completed = self.store.completed_ids()
+        for path in videos_dir(self.output_dir).iterdir():
+            if path.is_file() and not (path.suffix == ".mp4" and path.stem in completed):
+                path.unlink(missing_ok=True)  # a cancelled/failed job's file, or a half-written .partial
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
+
+    async def close(self) -> None:
+        """After the engine client stopped: let followers record the outcome it gave, then close the store."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        followers = list(self._followers.values())
+        if followers:
+            await asyncio.wait(followers, timeout=CLOSE_WAIT_S)
+        for task in followers:
+            task.cancel()
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+    async def _sweep_loop(self) -> None:
+        interval = min(60.0, max(0.5, self.ttl / 4))
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.expire()
+            except Exception:
+                logger.exception("Could not delete expired video jobs")
+
+    def expire(self) -> int:
+        """Delete the finished jobs older than the TTL, and their files; returns how many."""
+        assert self.store is not None
+        ids = self.store.finished_before(time.time() - self.ttl)
+        for video_id in ids:
+            self._remove(video_id)
+        if ids:
+            logger.info("Deleted %d expired video job(s) (--job-ttl %g s)", len(ids), self.ttl)
+        return len(ids)
+
+    def _remove(self, video_id: str) -> None:
+        assert self.store is not None
+        self.store.delete(video_id)
+        self._remove_files(video_id)
+
+    def _remove_files(self, video_id: str) -> None:
+        path = video_file(self.output_dir, video_id)
+        path.unlink(missing_ok=True)
+        path.with_name(f".{path.name}.partial").unlink(missing_ok=True)
+
+    # -- jobs --------------------------------------------------------------------------------------
+    async def create(self, params: SamplingParams, model: str, image_to_video: bool) -> VideoJob:
+        """Submit a job and record it once the engine accepted it. Raises what `EngineClient.submit`
+        raises (JobRejectedError, QueueFullError, EngineUnavailableError)."""
+        assert self.store is not None
+        video_id = new_video_id()
+        job = VideoJob(
+            id=video_id,
+            status="queued",
+            model=model,
+            prompt=params.prompt,
+            created_at=time.time(),
+            image_to_video=image_to_video,
+        )
+        engine_job = GenerateJob(video_id, params, video_path=str(video_file(self.output_dir, video_id)))
+        self._active[video_id] = job
+        arrived = time.monotonic()
+        try:
+            accepted, outcome = await self.engine.submit(
+                engine_job, listener=lambda m: self._on_event(job, m)
+            )
+        except BaseException:
+            self._active.pop(video_id, None)
+            raise
+        job.apply_params(accepted.params)
+        self.store.insert(job)
+        self._followers[video_id] = asyncio.get_running_loop().create_task(
+            self._follow(job, outcome, arrived)
+        )
+        logger.info(
+            "Video job %s queued: %sx%s, %s frames at %s fps, %s steps",
+            video_id,
+            job.width,
+            job.height,
+            job.num_frames,
+            job.fps,
+            job.num_inference_steps,
+        )
+        return job
+
+    def _on_event(self, job: VideoJob, message: JobStarted | JobProgress) -> None:
+        if job.finished:  # cancelled by DELETE: the engine's last words change nothing
+            return
+        if isinstance(message, JobStarted):
+            job.status, job.phase = "in_progress", "denoising"
+            self._save(job)  # status changes are persisted; progress is not
+            return
+        job.progress = max(job.progress, progress_percent(message))
+        job.phase = message.phase
+
+    def _save(self, job: VideoJob) -> None:
+        if self.store is not None:
+            self.store.update(job)
+
+    async def _follow(self, job: VideoJob, outcome: asyncio.Future, arrived: float) -> None:
+        """Await the engine's outcome and record it."""
+        try:
+            result: JobFinished = await outcome
+        except asyncio.CancelledError:
+            raise
+        except JobCancelledError:
+            self.metrics.generation_requests.labels("cancelled").inc()
+            if job.status != "cancelled":  # not our DELETE: the engine was shutting down
+                self._finish(
+                    job,
+                    "failed",
+                    "cancelled",
+                    "the engine cancelled this job because the server is shutting down",
+                )
+        except JobFailedError as exc:
+            self.metrics.generation_requests.labels("invalid" if exc.user_error else "failed").inc()
+            self._finish(
+                job, "failed", "invalid_request" if exc.user_error else "generation_failed", str(exc)
+            )
+        except EngineUnavailableError as exc:
+            self.metrics.generation_requests.labels("unavailable").inc()
+            self._finish(job, "failed", exc.code, str(exc))
+        except Exception as exc:
+            logger.exception("Video job %s: unexpected error", job.id)
+            self.metrics.generation_requests.labels("failed").inc()
+            self._finish(job, "failed", "internal_error", f"{type(exc).__name__}: {exc}")
+        else:
+            self.metrics.generation_requests.labels("success").inc()
+            self.metrics.observe_finished(result, time.monotonic() - arrived)
+            if job.status == "cancelled":  # DELETE came while the file was being finished
+                self._remove_files(job.id)
+            else:
+                job.file_bytes = result.videos[0].size_bytes if result.videos else None
+                self._finish(job, "completed")
+        finally:
+            self._active.pop(job.id, None)
+            self._followers.pop(job.id, None)
+
+    def _finish(
+        self, job: VideoJob, status: VideoStatus, code: str | None = None, message: str | None = None
+    ) -> None:
+        job.status, job.phase = status, status
+        job.completed_at = time.time()
+        job.error_code, job.error_message = code, message
+        if status == "completed":
+            job.progress = 100
+        else:
+            self._remove_files(job.id)
+        self._save(job)
+        logger.info("Video job %s %s%s", job.id, status, f": {message}" if message else "")
+
+    def get(self, video_id: str) -> VideoJob | None:
+        """The job (live if in flight), or None when unknown or expired (an expired one is deleted now)."""
+        assert self.store is not None
+        job = self._active.get(video_id) or self.store.get(video_id)
+        if job is None:
+            return None
+        expires = job.expires_at(self.ttl)
+        if expires is not None and expires <= time.time() and video_id not in self._active:
+            self._remove(video_id)
+            return None
+        return job
+
+    def list(self, limit: int, after: str | None, descending: bool) -> tuple[list[VideoJob], bool]:
+        assert self.store is not None
+        self.expire()
+        jobs, has_more = self.store.page(limit, after, descending)
+        return [self._active.get(job.id, job) for job in jobs], has_more
+
+    async def delete(self, video_id: str) -> VideoJob | None:
+        """Cancel a job in flight (its record stays, `cancelled`) or delete a finished one; None: unknown."""
+        job = self.get(video_id)
+        if job is None:
+            return None
+        if job.finished or video_id not in self._active:
+            self._remove(video_id)
+            return job
+        job.status = job.phase = "cancelled"
+        job.completed_at = time.time()
+        self._save(job)
+        self.engine.cancel(video_id)
+        follower = self._followers.get(video_id)
+        if follower is not None:
+            # The engine confirms within a denoising step (or once a file being written is deleted).
+            await asyncio.wait({follower}, timeout=CANCEL_WAIT_S)
+        self._remove_files(video_id)
+        logger.info("Video job %s cancelled", video_id)
+        return job
