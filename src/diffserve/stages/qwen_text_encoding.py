@@ -15,6 +15,7 @@ from torch import nn
 
 from diffserve.request import Req
 from diffserve.stages.base import Stage
+from diffserve.stages.prompt_cache import PromptEmbeddingCache
 
 
 class QwenTextEncodingStage(Stage):
@@ -42,6 +43,8 @@ class QwenTextEncodingStage(Stage):
         self.output_dtype = output_dtype
         self.processor = processor
         self.image_prompt_template = image_prompt_template
+        #: Text-only prompts are cached; edits are not (their encoding depends on the input images).
+        self.cache = PromptEmbeddingCache() if processor is None else None
 
     @property
     def device(self) -> torch.device:
@@ -80,7 +83,11 @@ class QwenTextEncodingStage(Stage):
         if self.image_prompt_template is not None:
             prefix = "".join(self.image_prompt_template.format(i + 1) for i in range(len(req.condition_images)))
             prompts = [prefix + prompt for prompt in prompts]
-        embeds = [e[: p.max_sequence_length] for e in self.encode(prompts, images)]
+        if self.cache is not None:
+            embeds = self.cache.lookup(prompts, (p.max_sequence_length,), self.encode)
+        else:
+            embeds = self.encode(prompts, images)
+        embeds = [e[: p.max_sequence_length] for e in embeds]
         req.prompt_embeds = embeds[0][None].repeat(n, 1, 1)
         if req.do_cfg:
             req.negative_prompt_embeds = embeds[1][None].repeat(n, 1, 1)

@@ -13,6 +13,7 @@ from torch import nn
 
 from diffserve.request import Req
 from diffserve.stages.base import Stage
+from diffserve.stages.prompt_cache import PromptEmbeddingCache
 from diffserve.stages.text_encoding import encode_request_prompts, tokenize
 
 
@@ -38,6 +39,7 @@ class SD3TextEncodingStage(Stage):
         self.clip_max_length = clip_max_length
         self.output_dtype = output_dtype
         self.joint_attention_dim = joint_attention_dim
+        self.cache = PromptEmbeddingCache()
 
     @torch.inference_mode()
     def encode(self, prompts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,5 +61,5 @@ class SD3TextEncodingStage(Stage):
         return sequence.to(self.output_dtype), torch.cat(pooled, dim=-1).to(self.output_dtype)
 
     def forward(self, req: Req) -> Req:
-        encode_request_prompts(req, self.encode)
+        encode_request_prompts(req, self.encode, self.cache)
         return req

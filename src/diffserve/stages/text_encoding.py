@@ -13,6 +13,7 @@ from torch import nn
 
 from diffserve.request import Req
 from diffserve.stages.base import Stage
+from diffserve.stages.prompt_cache import PromptEmbeddingCache
 
 logger = logging.getLogger("diffserve.stages")
 
@@ -27,20 +28,25 @@ def tokenize(tokenizer, prompts: list[str], max_length: int, device: torch.devic
     return ids.to(device)
 
 
-def encode_request_prompts(req: Req, encode) -> tuple[torch.Tensor, torch.Tensor]:
-    """Encode the request's prompt (and negative prompt when it runs CFG) in one batch with
-    `encode(prompts, max_sequence_length) -> (sequence, pooled)`, and set the request's
-    positive/negative embeddings, one row per output. Returns the batch for callers that need it."""
+def encode_request_prompts(req: Req, encode, cache: PromptEmbeddingCache | None = None) -> None:
+    """Encode the request's prompt (and negative prompt when it runs CFG) with
+    `encode(prompts, max_sequence_length) -> (sequence, pooled)` in one batch, and set the request's
+    positive/negative embeddings, one row per output. With a `cache`, prompts it already holds (for
+    this max_sequence_length) skip the encoder."""
     p = req.params
     n = p.num_outputs_per_prompt
     prompts = [p.prompt] + ([p.negative_prompt] if req.do_cfg else [])
-    sequence, pooled = encode(prompts, p.max_sequence_length)
-    req.prompt_embeds = sequence[:1].repeat(n, 1, 1)
-    req.pooled_prompt_embeds = pooled[:1].repeat(n, 1)
+
+    def rows(batch: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        sequence, pooled = encode(batch, p.max_sequence_length)
+        return [(sequence[i : i + 1].clone(), pooled[i : i + 1].clone()) for i in range(len(batch))]
+
+    values = cache.lookup(prompts, (p.max_sequence_length,), rows) if cache is not None else rows(prompts)
+    req.prompt_embeds = values[0][0].repeat(n, 1, 1)
+    req.pooled_prompt_embeds = values[0][1].repeat(n, 1)
     if req.do_cfg:
-        req.negative_prompt_embeds = sequence[1:].repeat(n, 1, 1)
-        req.negative_pooled_prompt_embeds = pooled[1:].repeat(n, 1)
-    return sequence, pooled
+        req.negative_prompt_embeds = values[1][0].repeat(n, 1, 1)
+        req.negative_pooled_prompt_embeds = values[1][1].repeat(n, 1)
 
 
 def clip_context_length(tokenizer, default: int = 77) -> int:
@@ -68,6 +74,7 @@ class TextEncodingStage(Stage):
         self.t5_encoder = t5_encoder
         self.clip_max_length = clip_max_length
         self.output_dtype = output_dtype
+        self.cache = PromptEmbeddingCache()
 
     @torch.inference_mode()
     def encode(self, prompts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,6 +86,7 @@ class TextEncodingStage(Stage):
         return sequence.to(self.output_dtype), pooled.to(self.output_dtype)
 
     def forward(self, req: Req) -> Req:
-        sequence, _ = encode_request_prompts(req, self.encode)
+        encode_request_prompts(req, self.encode, self.cache)
+        sequence = req.prompt_embeds
         req.text_ids = torch.zeros(sequence.shape[1], 3, device=sequence.device, dtype=self.output_dtype)
         return req

@@ -16,6 +16,7 @@ from torch import nn
 
 from diffserve.request import Req
 from diffserve.stages.base import Stage
+from diffserve.stages.prompt_cache import PromptEmbeddingCache
 
 try:  # Diffusers fixes mojibake with ftfy when it is installed; do the same so prompts match.
     import ftfy
@@ -39,6 +40,7 @@ class WanTextEncodingStage(Stage):
         self.tokenizer = tokenizer
         self.text_encoder = text_encoder
         self.output_dtype = output_dtype
+        self.cache = PromptEmbeddingCache()
 
     @torch.inference_mode()
     def encode(self, prompts: list[str], max_sequence_length: int) -> torch.Tensor:
@@ -64,8 +66,9 @@ class WanTextEncodingStage(Stage):
         p = req.params
         n = p.num_outputs_per_prompt
         prompts = [p.prompt] + ([p.negative_prompt] if req.do_cfg else [])
-        embeds = self.encode(prompts, p.max_sequence_length)
-        req.prompt_embeds = embeds[:1].repeat(n, 1, 1)
+        msl = p.max_sequence_length
+        embeds = self.cache.lookup(prompts, (msl,), lambda batch: [row.clone() for row in self.encode(batch, msl).split(1)])
+        req.prompt_embeds = embeds[0].repeat(n, 1, 1)
         if req.do_cfg:
-            req.negative_prompt_embeds = embeds[1:].repeat(n, 1, 1)
+            req.negative_prompt_embeds = embeds[1].repeat(n, 1, 1)
         return req

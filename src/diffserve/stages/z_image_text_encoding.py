@@ -13,6 +13,7 @@ from torch import nn
 
 from diffserve.request import Req
 from diffserve.stages.base import Stage
+from diffserve.stages.prompt_cache import PromptEmbeddingCache
 
 
 class ZImageTextEncodingStage(Stage):
@@ -23,6 +24,7 @@ class ZImageTextEncodingStage(Stage):
         self.tokenizer = tokenizer
         self.text_encoder = text_encoder
         self.output_dtype = output_dtype
+        self.cache = PromptEmbeddingCache()
 
     @torch.inference_mode()
     def encode(self, prompts: list[str], max_sequence_length: int) -> list[torch.Tensor]:
@@ -46,7 +48,8 @@ class ZImageTextEncodingStage(Stage):
         p = req.params
         n = p.num_outputs_per_prompt
         prompts = [p.prompt] + ([p.negative_prompt] if req.do_cfg else [])
-        embeds = self.encode(prompts, p.max_sequence_length)
+        msl = p.max_sequence_length
+        embeds = self.cache.lookup(prompts, (msl,), lambda batch: self.encode(batch, msl))
         req.prompt_embeds = embeds[0][None].repeat(n, 1, 1)
         if req.do_cfg:
             req.negative_prompt_embeds = embeds[1][None].repeat(n, 1, 1)

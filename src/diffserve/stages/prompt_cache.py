@@ -1,0 +1,80 @@
+"""An LRU cache of text-encoder outputs per prompt, so a repeated prompt skips the text encoder.
+
+Serving workloads repeat prompts constantly: the negative prompt of every CFG request, a default
+" " or "", retries, and the same prompt at several seeds. Each text stage keys its entries by the
+prompt and every setting that changes the output (for example max_sequence_length); the encoder's
+weights never change while the engine runs, so entries never go stale. The cache is bounded in
+bytes (the tensors stay on the device they were computed on, so on a GPU this is device memory).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("diffserve.stages")
+
+#: Default bound: a few hundred prompts of a large T5/Qwen encoder's states.
+DEFAULT_MAX_BYTES = 256 * 2**20
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+class PromptEmbeddingCache:
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[Hashable, Any] = OrderedDict()
+        self._bytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    def lookup(
+        self, prompts: Sequence[str], settings: Hashable, compute: Callable[[list[str]], Sequence[Any]]
+    ) -> list[Any]:
+        """One value per prompt; `compute(missing_prompts)` runs (once, batched) only for prompts not
+        cached under `settings`, and returns one value per prompt it was given."""
+        keys = [(prompt, settings) for prompt in prompts]
+        cached = [key in self._entries for key in keys]
+        self.hits += sum(cached)
+        missing = list(dict.fromkeys(p for p, hit in zip(prompts, cached, strict=True) if not hit))
+        if missing:
+            self.misses += len(missing)
+            values = compute(missing)
+            if len(values) != len(missing):
+                raise RuntimeError(f"text encoder returned {len(values)} results for {len(missing)} prompts")
+            fresh = {(p, settings): v for p, v in zip(missing, values, strict=True)}
+        else:
+            fresh = {}
+        out = []
+        for key in keys:
+            if key in fresh:
+                out.append(fresh[key])
+            else:
+                self._entries.move_to_end(key)
+                out.append(self._entries[key])
+        for key, value in fresh.items():
+            self._store(key, value)
+        return out
+
+    def _store(self, key: Hashable, value: Any) -> None:
+        size = _nbytes(value)
+        if size > self.max_bytes:
+            return
+        self._entries[key] = value
+        self._bytes += size
+        while self._bytes > self.max_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self._bytes -= _nbytes(evicted)
+
+    def __len__(self) -> int:
+        return len(self._entries)
