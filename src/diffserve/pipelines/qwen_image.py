@@ -118,14 +118,17 @@ class QwenImagePipeline(Pipeline):
         )
 
     def text_stage(self, context: PipelineContext) -> Stage:
-        return QwenTextEncodingStage(
-            context.get("tokenizer"),
-            context.get("text_encoder"),
-            template=self.config.prompt_template,
-            prefix_tokens=self.config.template_prefix_tokens,
-            tokenizer_max_length=self.config.tokenizer_max_length,
-            output_dtype=context.dtype,
-        )
+        return QwenTextEncodingStage(**self.text_stage_kwargs(context))
+
+    def text_stage_kwargs(self, context: PipelineContext) -> dict:
+        return {
+            "tokenizer": context.get("tokenizer"),
+            "text_encoder": context.get("text_encoder"),
+            "template": self.config.prompt_template,
+            "prefix_tokens": self.config.template_prefix_tokens,
+            "tokenizer_max_length": self.config.tokenizer_max_length,
+            "output_dtype": context.dtype,
+        }
 
     def before_denoising_stages(self, context: PipelineContext) -> list[Stage]:
         return []
@@ -178,12 +181,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
 
     def text_stage(self, context: PipelineContext) -> Stage:
         return QwenEditTextEncodingStage(
-            context.get("tokenizer"),
-            context.get("text_encoder"),
-            template=self.config.prompt_template,
-            prefix_tokens=self.config.template_prefix_tokens,
-            tokenizer_max_length=self.config.tokenizer_max_length,
-            output_dtype=context.dtype,
+            **self.text_stage_kwargs(context),
             processor=context.get("processor"),
             image_prompt_template=self.config.image_prompt_template,
         )

@@ -59,6 +59,29 @@ def save_diffusers_model(module: nn.Module, directory: Path, class_name: str, co
     save_file(state, str(directory / "diffusion_pytorch_model.safetensors"))
 
 
+def write_flux_vae(directory: Path, block_out_channels: tuple[int, ...], latent_channels: int, norm_groups: int) -> None:
+    """A random FLUX-style `AutoencoderKL` (FLUX.1's scaling and shift; FLUX and Z-Image share this VAE)."""
+    n_levels = len(block_out_channels)
+    vae_config = {
+        "in_channels": 3,
+        "out_channels": 3,
+        "down_block_types": ["DownEncoderBlock2D"] * n_levels,
+        "up_block_types": ["UpDecoderBlock2D"] * n_levels,
+        "block_out_channels": list(block_out_channels),
+        "layers_per_block": 1,
+        "act_fn": "silu",
+        "latent_channels": latent_channels,
+        "norm_num_groups": norm_groups,
+        "sample_size": 64,
+        "scaling_factor": 0.3611,
+        "shift_factor": 0.1159,
+        "use_quant_conv": False,
+        "use_post_quant_conv": False,
+        "force_upcast": True,
+    }
+    save_diffusers_model(AutoencoderKL.from_config(vae_config), directory, "AutoencoderKL", vae_config)
+
+
 def flux_model_index(clip_tokenizer_class: str = "CLIPTokenizer", t5_tokenizer_class: str = "T5TokenizerFast") -> dict:
     """The `model_index.json` of a FluxPipeline folder."""
     return {
@@ -134,26 +157,7 @@ def build_tiny_flux(out_dir: str | Path, spec: TinyFluxSpec | None = None) -> Pa
     dit = FluxTransformer2DModel.from_config(dit_config)
     save_diffusers_model(dit, root / "transformer", "FluxTransformer2DModel", dit_config)
 
-    n_levels = len(spec.vae_block_out_channels)
-    vae_config = {
-        "in_channels": 3,
-        "out_channels": 3,
-        "down_block_types": ["DownEncoderBlock2D"] * n_levels,
-        "up_block_types": ["UpDecoderBlock2D"] * n_levels,
-        "block_out_channels": list(spec.vae_block_out_channels),
-        "layers_per_block": 1,
-        "act_fn": "silu",
-        "latent_channels": spec.latent_channels,
-        "norm_num_groups": spec.vae_norm_num_groups,
-        "sample_size": 64,
-        "scaling_factor": 0.3611,
-        "shift_factor": 0.1159,
-        "use_quant_conv": False,
-        "use_post_quant_conv": False,
-        "force_upcast": True,
-    }
-    vae = AutoencoderKL.from_config(vae_config)
-    save_diffusers_model(vae, root / "vae", "AutoencoderKL", vae_config)
+    write_flux_vae(root / "vae", spec.vae_block_out_channels, spec.latent_channels, spec.vae_norm_num_groups)
 
     scheduler_dir = root / "scheduler"
     scheduler_dir.mkdir(exist_ok=True)

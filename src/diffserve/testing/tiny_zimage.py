@@ -18,9 +18,13 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config, Qwen3Model
 
-from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
 from diffserve.testing.qwen_tokenizers import build_qwen_tokenizer
-from diffserve.testing.tiny_flux import DIFFUSERS_FORMAT_VERSION, diffusers_config, save_diffusers_model
+from diffserve.testing.tiny_flux import (
+    DIFFUSERS_FORMAT_VERSION,
+    diffusers_config,
+    save_diffusers_model,
+    write_flux_vae,
+)
 from diffserve.testing.tiny_qwen_image import random_native_module
 
 #: The released Z-Image-Turbo scheduler_config.json values: a fixed shift of 3, no resolution dependence.
@@ -110,25 +114,7 @@ def build_tiny_zimage(out_dir: str | Path, spec: TinyZImageSpec | None = None) -
     dit = random_native_module("ZImageTransformer2DModel", dit_config, spec.seed + 10)
     save_diffusers_model(dit, root / "transformer", "ZImageTransformer2DModel", dit_config)
 
-    n_levels = len(spec.vae_block_out_channels)
-    vae_config = {
-        "in_channels": 3,
-        "out_channels": 3,
-        "down_block_types": ["DownEncoderBlock2D"] * n_levels,
-        "up_block_types": ["UpDecoderBlock2D"] * n_levels,
-        "block_out_channels": list(spec.vae_block_out_channels),
-        "layers_per_block": 1,
-        "act_fn": "silu",
-        "latent_channels": spec.latent_channels,
-        "norm_num_groups": spec.vae_norm_num_groups,
-        "sample_size": 64,
-        "scaling_factor": 0.3611,
-        "shift_factor": 0.1159,
-        "use_quant_conv": False,
-        "use_post_quant_conv": False,
-        "force_upcast": True,
-    }
-    save_diffusers_model(AutoencoderKL.from_config(vae_config), root / "vae", "AutoencoderKL", vae_config)
+    write_flux_vae(root / "vae", spec.vae_block_out_channels, spec.latent_channels, spec.vae_norm_num_groups)
 
     (root / "scheduler").mkdir(exist_ok=True)
     (root / "scheduler" / "scheduler_config.json").write_text(
