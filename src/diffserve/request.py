@@ -65,6 +65,9 @@ class Req:
     # Advanced by the denoising step function (with the multistep scheduler's history, if it keeps one).
     step_index: int = 0
     scheduler_state: object | None = None
+    # The guided velocity the last step was taken with (after any family sign flip, as the scheduler
+    # saw it): a reference, not a copy. Previews rebuild the predicted clean latent from it.
+    last_prediction: torch.Tensor | None = None
 
     # Set by decoding / output writing.
     images: list[Image.Image] | None = None

@@ -1,4 +1,4 @@
-"""The engine loop in-process, with a stand-in generator: validation before queueing, FIFO order,
+"""The engine loop in-process, with a stand-in pipeline: validation before queueing, FIFO order,
 cancellation of waiting and running requests, and one failing request not affecting the next."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 from PIL import Image
 
 from diffserve.configs.engine_args import EngineArgs
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.errors import RequestCancelledError
 from diffserve.server.engine_process import Engine, EngineProcessConfig
 from diffserve.server.protocol import (
     CancelJob,
@@ -18,6 +18,7 @@ from diffserve.server.protocol import (
     JobCancelled,
     JobFailed,
     JobFinished,
+    JobProgress,
     JobRejected,
     JobStarted,
     ShutdownEngine,
@@ -25,17 +26,42 @@ from diffserve.server.protocol import (
 
 
 class FakePipeline:
+    """The three phases the engine's scheduler drives, without a model: `num_inference_steps` fake
+    steps; prompt "boom" fails in pre-denoise; `on_step` is called inside every step (tests cancel there)."""
+
     pixel_multiple = 16
+
+    def __init__(self) -> None:
+        self.on_step = lambda req: None
 
     def resolve_params(self, params: SamplingParams) -> SamplingParams:
         resolved = params.with_defaults(SamplingParams(num_inference_steps=3, height=32, width=32))
         resolved.validate(16)
         return resolved
 
+    def run_pre_denoise(self, req):
+        req.params = self.resolve_params(req.params)
+        if req.params.prompt == "boom":
+            raise RuntimeError("kaboom")
+        req.timesteps = torch.zeros(req.params.num_inference_steps)
+        req.timings["FakeStage"] = 0.01
+        return req
+
+    def denoise_step(self, reqs) -> None:
+        for req in reqs:
+            req.step_index += 1
+            self.on_step(req)
+
+    def run_post_denoise(self, req):
+        p = req.params
+        req.images = [Image.new("RGB", (p.width, p.height), (i * 40, 0, 0)) for i in range(p.num_outputs_per_prompt)]
+        return req
+
+    def batch_key(self, req) -> tuple:
+        return (req.params.height, req.params.width)
+
 
 class FakeGenerator:
-    """Runs `num_inference_steps` fake steps, honouring the request's cancel_event like DenoisingStage."""
-
     model_path = "/fake/model"
     family = SimpleNamespace(name="fake", diffusers_pipeline="FakePipeline", task="text-to-image")
     platform = SimpleNamespace(name="cpu", device_name=lambda: "test-cpu")
@@ -43,22 +69,6 @@ class FakeGenerator:
 
     def __init__(self) -> None:
         self.pipeline = FakePipeline()
-        self.on_step = lambda req: None
-
-    def generate_from_params(self, params: SamplingParams, request=None):
-        resolved = self.pipeline.resolve_params(params)
-        if resolved.prompt == "boom":
-            raise RuntimeError("kaboom")
-        for _ in range(resolved.num_inference_steps):
-            if request is not None and request.cancelled:
-                raise RequestCancelledError("cancelled")
-            if request is not None:
-                request.step_index += 1
-                self.on_step(request)
-        images = [Image.new("RGB", (resolved.width, resolved.height), (i * 40, 0, 0))
-                  for i in range(resolved.num_outputs_per_prompt)]
-        return SimpleNamespace(images=images, params=resolved, timings={"FakeStage": 0.01},
-                               step_times=[0.001] * resolved.num_inference_steps, peak_memory_mb=1.5)
 
 
 class FakeChannel:
@@ -83,34 +93,60 @@ def job(rid: str, prompt: str = "a cat", **kwargs) -> GenerateJob:
     return GenerateJob(request_id=rid, params=SamplingParams(prompt=prompt, **kwargs), **fields)
 
 
-def run_next(engine: Engine) -> None:
-    queued = engine.queue.pop(timeout=0)
-    assert queued is not None
-    try:
-        engine._run(queued)
-    finally:
-        engine.queue.finish(queued.request_id)
+def outcomes(engine: Engine) -> list[str]:
+    return [type(m).__name__ for m in engine.channel.sent if not isinstance(m, JobProgress)]
 
 
 def test_invalid_params_are_rejected_before_queueing(engine) -> None:
     engine._handle(job("r1", width=40))
     [rejected] = engine.channel.of(JobRejected, "r1")
     assert "width=40 is not a multiple of 16" in rejected.message and rejected.param == "width"
-    assert engine.queue.num_waiting == 0
+    assert engine.scheduler.num_waiting == 0
 
 
 def test_requests_run_in_order_and_a_failure_does_not_affect_the_next(engine) -> None:
     engine._handle(job("bad", prompt="boom"))
     engine._handle(job("good", num_outputs_per_prompt=2))
-    run_next(engine)
-    run_next(engine)
-    assert [type(m).__name__ for m in engine.channel.sent] == ["JobStarted", "JobFailed", "JobStarted", "JobFinished"]
+    engine.run_until_idle()
+    assert outcomes(engine) == ["JobStarted", "JobFailed", "JobStarted", "JobFinished"]
     [failed] = engine.channel.of(JobFailed, "bad")
     assert failed.message == "RuntimeError: kaboom" and not failed.user_error
     [finished] = engine.channel.of(JobFinished, "good")
     assert len(finished.images) == 2 and finished.images[0].content_type == "image/png"
     assert finished.images[0].data.startswith(b"\x89PNG") and finished.params.height == 32
-    assert finished.peak_memory_bytes == int(1.5 * 2**20) and finished.step_times == [0.001] * 3
+    assert finished.peak_memory_bytes > 0 and len(finished.step_times) == 3 and finished.batch_sizes == [1] * 3
+    assert [(m.step, m.total, m.phase) for m in engine.channel.of(JobProgress, "good")] == [
+        (1, 3, "denoising"), (2, 3, "denoising"), (3, 3, "decoding")]
+
+
+def test_requests_share_steps_and_finish_on_their_own_step_counts(engine) -> None:
+    engine._handle(job("a", num_inference_steps=2))
+    engine._handle(job("b", num_inference_steps=4))
+    engine._handle(job("c", num_inference_steps=3, height=48))  # another shape: its own batches
+    engine.run_until_idle()
+    by_id = {m.request_id: m for m in engine.channel.of(JobFinished)}
+    assert by_id["a"].batch_sizes == [2, 2] and by_id["b"].batch_sizes == [2, 2, 1, 1]
+    assert by_id["c"].batch_sizes == [1, 1, 1]
+    assert engine.info(None)["scheduler"]["max_running_requests"] == 8
+
+
+def test_max_running_requests_1_runs_one_at_a_time(tmp_path) -> None:
+    args = EngineArgs(model_path="/fake/model", output_path=str(tmp_path), max_running_requests=1)
+    engine = Engine(EngineProcessConfig(args, "", "", 1), FakeChannel(), generator=FakeGenerator())
+    for rid in ("r1", "r2", "r3"):
+        engine._handle(job(rid))
+    engine.run_until_idle()
+    assert outcomes(engine) == ["JobStarted", "JobFinished"] * 3
+    assert all(m.batch_sizes == [1] * 3 for m in engine.channel.of(JobFinished))
+
+
+def test_priority_jobs_start_first(tmp_path) -> None:
+    args = EngineArgs(model_path="/fake/model", output_path=str(tmp_path), max_running_requests=1)
+    engine = Engine(EngineProcessConfig(args, "", "", 1), FakeChannel(), generator=FakeGenerator())
+    engine._handle(job("low"))
+    engine._handle(GenerateJob("high", SamplingParams(prompt="p"), priority=10))
+    engine.run_until_idle()
+    assert [m.request_id for m in engine.channel.of(JobStarted)] == ["high", "low"]
 
 
 def test_cancel_while_waiting_answers_at_once(engine) -> None:
@@ -118,23 +154,28 @@ def test_cancel_while_waiting_answers_at_once(engine) -> None:
     engine._handle(job("r2"))
     engine._handle(CancelJob("r2"))
     assert [m.request_id for m in engine.channel.of(JobCancelled)] == ["r2"]
-    run_next(engine)
-    assert engine.queue.pop(timeout=0) is None
+    engine.run_until_idle()
+    assert engine.scheduler.num_waiting == 0
     assert not engine.channel.of(JobStarted, "r2")
 
 
 def test_cancel_while_running_stops_at_the_next_step(engine) -> None:
-    engine.generator.on_step = lambda req: engine._handle(CancelJob(req.request_id)) if req.step_index == 1 else None
+    cancel = {"r1"}
+    engine.generator.pipeline.on_step = (
+        lambda req: engine._handle(CancelJob(req.request_id)) if req.step_index == 1 and req.request_id in cancel else None
+    )
     engine._handle(job("r1", num_inference_steps=50))
-    run_next(engine)
+    engine._handle(job("r2", num_inference_steps=3))
+    engine.run_until_idle()
     [cancelled] = engine.channel.of(JobCancelled, "r1")
     assert cancelled.at_step == 1
-    assert not engine.channel.of(JobFinished)
+    [finished] = engine.channel.of(JobFinished)  # its batch-mate carries on
+    assert finished.request_id == "r2" and finished.batch_sizes == [2, 1, 1]
 
 
 def test_url_responses_are_written_to_the_output_dir(engine, tmp_path) -> None:
     engine._handle(job("0" * 32, response_format="url", output_format="webp", output_compression=50))
-    run_next(engine)
+    engine.run_until_idle()
     [finished] = engine.channel.of(JobFinished)
     [image] = finished.images
     assert image.data is None and image.image_id == "0" * 32 + "-0" and image.content_type == "image/webp"

@@ -529,6 +529,6 @@ def test_engine_probes_edit_models_with_an_input_image(tmp_path) -> None:
     engine._handle(
         GenerateJob("a" * 32, SamplingParams(prompt="health", num_inference_steps=1), internal=True)
     )
-    assert engine.queue.num_waiting == 1 and not sent  # /health_generate got the probe image
+    assert engine.scheduler.num_waiting == 1 and not sent  # /health_generate got the probe image
     engine._handle(GenerateJob("b" * 32, SamplingParams(prompt="user", num_inference_steps=1)))
     assert isinstance(sent[0], JobRejected) and sent[0].param == "image"  # users' requests do not

@@ -43,10 +43,11 @@ def test_unset_seed_is_random_and_in_range() -> None:
     ("body", "ok"),
     [
         ({"quality": "auto", "background": "auto", "moderation": "auto", "stream": False, "partial_images": 0}, True),
+        ({"stream": True, "partial_images": 3}, True),
         ({"quality": "high"}, False),
         ({"background": "transparent"}, False),
         ({"moderation": "low"}, False),
-        ({"partial_images": 2}, False),
+        ({"style": "vivid"}, False),
         ({"output_format": "jpeg", "output_compression": 40}, True),
         ({"output_compression": 100}, True),
     ],
@@ -59,6 +60,17 @@ def test_openai_fields_only_with_no_op_values(body, ok) -> None:
         with pytest.raises(ApiParamError, match="not supported yet") as info:
             request.to_sampling_params()
         assert info.value.param == next(iter(body))
+
+
+def test_partial_images_need_stream_and_streams_answer_b64_json() -> None:
+    with pytest.raises(ApiParamError, match="partial_images=2 needs stream=true") as info:
+        parse(partial_images=2).to_sampling_params()
+    assert info.value.param == "partial_images"
+    with pytest.raises(ApiParamError, match="response_format='url' is not available with stream=true") as info:
+        parse(stream=True, response_format="url").to_sampling_params()
+    assert info.value.param == "response_format"
+    with pytest.raises(ValidationError):
+        parse(stream=True, partial_images=4)
 
 
 def test_validation_messages_name_the_field() -> None:

@@ -215,7 +215,7 @@ BASE = {"prompt": "x", "size": f"{SIZE}x{SIZE}", "num_inference_steps": 1}
         ({**BASE, "prompt": "  "}, 400, "prompt must be a non-empty string", "prompt"),
         ({"size": "32x32"}, 400, "prompt is required", "prompt"),
         ({**BASE, "quality": "hd"}, 400, "quality='hd' is not supported yet", "quality"),
-        ({**BASE, "stream": True}, 400, "stream=True is not supported yet", "stream"),
+        ({**BASE, "partial_images": 2}, 400, "partial_images=2 needs stream=true", "partial_images"),
         ({**BASE, "style": "vivid"}, 400, "style='vivid' is not supported yet", "style"),
         ({**BASE, "response_format": "xml"}, 400, "Input should be 'b64_json' or 'url'", "response_format"),
         ({**BASE, "output_compression": 50}, 400, "output_compression applies to", "output_compression"),

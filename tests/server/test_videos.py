@@ -178,7 +178,8 @@ def test_videos_route_refuses_an_image_model() -> None:
 
 
 class FakeVideoGenerator:
-    """Stands in for a Wan DiffGenerator in the engine loop: `steps` fake steps, then black frames."""
+    """Stands in for a Wan DiffGenerator in the engine loop: its pipeline's three phases run `steps`
+    fake steps, then give black frames."""
 
     model_path = "/fake/wan"
     family = SimpleNamespace(name="fake-wan", diffusers_pipeline="WanPipeline", task="text-to-video")
@@ -192,6 +193,10 @@ class FakeVideoGenerator:
             input_validation=SimpleNamespace(
                 video=SimpleNamespace(temporal_factor=4, max_frames=1025, max_fps=120)
             ),
+            run_pre_denoise=self.pre_denoise,
+            denoise_step=self.denoise_step,
+            run_post_denoise=self.post_denoise,
+            batch_key=lambda req: (req.params.height, req.params.width, req.params.num_frames),
         )
 
     @staticmethod
@@ -203,25 +208,22 @@ class FakeVideoGenerator:
         resolved.validate(16)
         return resolved
 
-    def generate_from_params(self, params: SamplingParams, request=None):
-        from diffserve.errors import RequestCancelledError
+    def pre_denoise(self, req):
+        req.params = self.resolve(req.params)
+        req.timesteps = np.zeros(req.params.num_inference_steps)
+        req.timings["Fake"] = 0.01
+        return req
 
-        resolved = self.resolve(params)
-        request.timesteps = np.zeros(resolved.num_inference_steps)
-        for _ in range(resolved.num_inference_steps):
-            if request.cancelled:
-                raise RequestCancelledError("cancelled")
-            request.step_index += 1
-            request.on_step(request)
-        frames = np.zeros((resolved.num_frames, resolved.height, resolved.width, 3), np.uint8)
-        return SimpleNamespace(
-            images=[],
-            frames=[frames],
-            params=resolved,
-            timings={"Fake": 0.01},
-            step_times=[0.001] * resolved.num_inference_steps,
-            peak_memory_mb=None,
-        )
+    @staticmethod
+    def denoise_step(reqs) -> None:
+        for req in reqs:
+            req.step_index += 1
+
+    @staticmethod
+    def post_denoise(req):
+        p = req.params
+        req.frames = [np.zeros((p.num_frames, p.height, p.width, 3), np.uint8)]
+        return req
 
 
 @pytest.fixture
@@ -252,9 +254,7 @@ def test_engine_reports_progress_and_writes_the_video_off_the_step_loop(
     monkeypatch.setattr(engine_process, "save_video", slow_save)
     path = tmp_path / "videos" / "v1.mp4"
     video_engine._handle(GenerateJob("v1", SamplingParams(prompt="p"), video_path=str(path), ack=True))
-    queued = video_engine.queue.pop(timeout=1)
-    video_engine._run(queued)  # returns while the encoder thread still waits: the loop is free
-    video_engine.queue.finish("v1")
+    video_engine.run_until_idle()  # returns while the encoder thread still waits: the loop is free
     sent = list(video_engine.channel.sent)
     assert isinstance(sent[0], JobAccepted) and sent[0].params.num_frames == 5
     assert isinstance(sent[1], JobStarted)
@@ -289,9 +289,7 @@ def test_engine_cancel_while_writing_deletes_the_file(video_engine, tmp_path, mo
     monkeypatch.setattr(engine_process, "save_video", slow_save)
     path = tmp_path / "videos" / "v2.mp4"
     video_engine._handle(GenerateJob("v2", SamplingParams(prompt="p"), video_path=str(path)))
-    queued = video_engine.queue.pop(timeout=1)
-    video_engine._run(queued)
-    video_engine.queue.finish("v2")
+    video_engine.run_until_idle()
     assert writing.wait(10)
     video_engine._handle(CancelJob("v2"))
     release.set()
@@ -315,7 +313,12 @@ def wan_t2v_dir(tmp_path_factory):
 def t2v(wan_t2v_dir, tmp_path_factory):
     """A holder of the current text-to-video server (the restart test swaps in its successor)."""
     helpers = _server_helpers()
-    holder = SimpleNamespace(args=("--served-model-name", MODEL_NAME, "--shutdown-timeout", "2"), srv=None)
+    # One job at a time: the cancel tests need a job that waits behind a running one (batching is
+    # tested in test_batching.py and the engine loop tests).
+    holder = SimpleNamespace(
+        args=("--served-model-name", MODEL_NAME, "--shutdown-timeout", "2", "--max-running-requests", "1"),
+        srv=None,
+    )
     holder.srv = helpers.start_server(wan_t2v_dir, tmp_path_factory.mktemp("t2v"), *holder.args)
     try:
         holder.srv.wait_ready()

@@ -31,7 +31,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="require 'Authorization: Bearer KEY' on every route but /health, /health_generate and "
                    "/metrics (default: $DIFFSERVE_API_KEY; unset: no auth). Image URLs carry their own token")
     p.add_argument("--max-queue-size", type=int, default=64,
-                   help="requests allowed to wait for the engine; more get 429 (default: 64)")
+                   help="requests allowed to wait for the engine (not counting the running ones); more get "
+                   "429 (default: 64)")
+    p.add_argument("--max-running-requests", type=int, default=8,
+                   help="requests the engine runs at once, sharing denoising steps as one DiT batch per shape "
+                   "(step-level batching); 1: one request at a time (default: 8)")
+    p.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="cap on the running requests' latent tokens x CFG branches x outputs (a 1024x1024 "
+                   "FLUX image is 4096 tokens); requests beyond it wait (default: 65536 on accelerators, "
+                   "16384 on CPU)")
+    p.add_argument("--mem-fraction", type=float, default=0.9,
+                   help="share of the free memory measured after warm-up that running requests may use; a "
+                   "request is admitted only while the estimated total fits, and one that cannot fit even "
+                   "alone gets 413 (default: 0.9)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="largest request body; larger ones get 413 (default: 1048576). /v1/images/edits "
                    "allows 17 images at --max-image-bytes as base64 on top of it")
@@ -65,6 +77,12 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue_size < 0:
         raise UserError(f"--max-queue-size must be >= 0, got {args.max_queue_size}")
+    if args.max_running_requests < 1:
+        raise UserError(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
+    if args.max_batch_tokens is not None and args.max_batch_tokens < 1:
+        raise UserError(f"--max-batch-tokens must be >= 1, got {args.max_batch_tokens}")
+    if not 0 < args.mem_fraction <= 1:
+        raise UserError(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
     if args.max_body_bytes < 1:
         raise UserError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     if args.max_image_bytes < 1:
@@ -86,6 +104,9 @@ def run(args: argparse.Namespace) -> int:
 
     _check_args(args)
     engine_args = engine_args_from(args)
+    engine_args.max_running_requests = args.max_running_requests
+    engine_args.max_batch_tokens = args.max_batch_tokens
+    engine_args.mem_fraction = args.mem_fraction
     read_model_index(engine_args.model_path)  # a wrong path fails here, before the server starts listening
     server_args = ServerArgs(
         engine_args=engine_args,

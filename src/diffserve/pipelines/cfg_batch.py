@@ -68,5 +68,6 @@ def advance_requests(scheduler, reqs: list[Req], predictions: list[torch.Tensor]
     for req, noise_pred in zip(reqs, predictions, strict=True):
         if req.step_index == 0 and req.scheduler_state is None:
             req.scheduler_state = scheduler.new_state()
+        req.last_prediction = noise_pred  # kept for previews (stages/previews.py); no copy, no compute
         req.latents = scheduler.step_request(noise_pred, req.latents, req.sigmas, req.step_index, req.scheduler_state)
         req.step_index += 1

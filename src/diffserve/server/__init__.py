@@ -1,7 +1,7 @@
 """`diffserve serve`: the OpenAI-compatible HTTP server.
 
 Front end (this process, asyncio):  app.py routes -> schemas.py -> engine_client.py
-Engine (its own process):           engine_process.py -> request_queue.py -> DiffGenerator
+Engine (its own process):           engine_process.py -> runtime/scheduler.py (StepScheduler) -> pipeline phases
 Link: one ZeroMQ PUSH/PULL pair each way over IPC, messages in protocol.py.
 Around them: errors.py (OpenAI error shape), middleware.py (request id, access log, API key, body
 limit), metrics.py (Prometheus), image_encoding.py (PNG/JPEG/WEBP bytes and url files), runner.py

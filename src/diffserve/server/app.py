@@ -4,7 +4,8 @@ A request's path: `POST /v1/images/generations` -> `ImageGenerationRequest` (sch
 `SamplingParams` -> `EngineClient.generate` (engine_client.py) -> ZeroMQ -> the engine process
 (engine_process.py: validate, queue, `DiffGenerator.generate_from_params`, encode) -> back here as
 `JobFinished` -> OpenAI's `ImagesResponse`. `POST /v1/images/edits` is the same path once its body
-(multipart or JSON, image_edits.py) is parsed and its input images are decoded into the params.
+(multipart or JSON, image_edits.py) is parsed and its input images are decoded into the params. With
+`"stream": true` both answer OpenAI's server-sent events instead, previews first (streaming.py).
 `/v1/videos` (video_routes.py, jobs in video_jobs.py) answers with a job at once and runs it in the
 background; the image routes refuse video models and the video routes image models, naming the route
 to use.
@@ -62,6 +63,7 @@ from diffserve.server.schemas import (
     ModelCard,
     ModelList,
 )
+from diffserve.server.streaming import EventStreamResponse, ImageEventStream, StreamHeader, StreamKind
 from diffserve.server.video_jobs import VideoJobManager
 from diffserve.server.video_routes import check_image_model, video_router
 
@@ -72,6 +74,15 @@ T = TypeVar("T")
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)
+}
+#: The image routes answer JSON, or server-sent events with `"stream": true` (documented in /docs).
+_IMAGE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **_ERRORS,
+    200: {
+        "description": 'ImagesResponse; with "stream": true, server-sent events '
+        "(image_generation.partial_image and image_generation.completed, image_edit.* on /v1/images/edits)",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    },
 }
 
 
@@ -231,15 +242,47 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
         return ModelCard(id=args.model_id, created=started_at)
 
     def make_job(request: Request, body: ImageGenerationRequest, params: SamplingParams) -> GenerateJob:
+        partial_images = (body.partial_images or 0) if body.stream else 0
         return GenerateJob(request.state.request_id, params, body.response_format or "b64_json",
-                           body.output_compression)
+                           body.output_compression, partial_images=partial_images, priority=body.priority or 0)
 
-    async def serve_images(request: Request, build_job: Callable[[], Awaitable[GenerateJob]]) -> Response:
+    async def start_stream(request: Request, job: GenerateJob, kind: StreamKind, arrived: float) -> Response:
+        """Queue a streamed job and answer its event stream once the engine has accepted it: until then
+        every error is a plain JSON error (raised here), after it an `error` event (streaming.py)."""
+        messages: asyncio.Queue = asyncio.Queue()
+        accepted, outcome = await run_unless_disconnected(request, engine.submit(job, messages.put_nowait))
+        p = accepted.params
+        header = StreamHeader(kind, size=f"{p.width}x{p.height}", output_format=p.output_format)
+
+        def finished(result: JobFinished) -> None:
+            metrics.generation_requests.labels("success").inc()
+            metrics.observe_finished(result, time.monotonic() - arrived)
+
+        def failed(exc: BaseException) -> None:
+            outcome = outcome_of(exc) if isinstance(exc, Exception) else "failed"
+            metrics.generation_requests.labels(outcome).inc()
+
+        def abandoned() -> None:  # the client left (or an event could not be made): stop the job
+            if engine.cancel(job.request_id):
+                logger.info("Request %s: its stream ended early; cancelling it", job.request_id)
+            metrics.generation_requests.labels("cancelled").inc()
+
+        stream = ImageEventStream(header, messages, outcome, finished, failed)
+        return EventStreamResponse(stream.events(), on_abandon=abandoned)
+
+    async def serve_images(
+        request: Request,
+        build_job: Callable[[], Awaitable[tuple[GenerateJob, ImageGenerationRequest]]],
+        kind: StreamKind,
+    ) -> Response:
         """The common part of the image routes: build the job (parsing errors count as invalid
-        requests), run it unless the client goes away, answer OpenAI's ImagesResponse."""
+        requests), run it unless the client goes away, answer OpenAI's ImagesResponse, or its event
+        stream when the body asks for `stream`."""
         arrived = time.monotonic()
         try:
-            job = await build_job()
+            job, body = await build_job()
+            if body.stream:
+                return await start_stream(request, job, kind, arrived)
             result = await run_unless_disconnected(request, engine.generate(job))
         except ClientDisconnected:
             metrics.generation_requests.labels("cancelled").inc()
@@ -251,16 +294,17 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
         metrics.observe_finished(result, time.monotonic() - arrived)
         return JSONResponse(images_response(job, result, str(request.base_url), args.api_key))
 
-    @app.post("/v1/images/generations", response_model=ImagesResponse, responses=_ERRORS)
+    @app.post("/v1/images/generations", response_model=ImagesResponse, responses=_IMAGE_RESPONSES)
     async def create_images(body: ImageGenerationRequest, request: Request) -> Response:
-        async def build_job() -> GenerateJob:
+        async def build_job() -> tuple[GenerateJob, ImageGenerationRequest]:
             check_image_model(engine)
             check_model(body.model)
-            return make_job(request, body, body.to_sampling_params())
+            return make_job(request, body, body.to_sampling_params()), body
 
-        return await serve_images(request, build_job)
+        return await serve_images(request, build_job, "image_generation")
 
-    @app.post("/v1/images/edits", response_model=ImagesResponse, responses={**_ERRORS, 415: _ERRORS[400]},
+    @app.post("/v1/images/edits", response_model=ImagesResponse,
+              responses={**_IMAGE_RESPONSES, 415: _ERRORS[400]},
               openapi_extra=_EDIT_REQUEST_BODY)
     async def edit_images(request: Request) -> Response:
         """OpenAI's image edits: the input image(s) and the prompt, as multipart/form-data (what the
@@ -273,7 +317,7 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
         input images at all, how many, and a mask, is the engine's call (400 naming `image` or `mask`).
         """
 
-        async def build_job() -> GenerateJob:
+        async def build_job() -> tuple[GenerateJob, ImageGenerationRequest]:
             check_image_model(engine)
             inputs = await read_edit_request(request, max_text_part_bytes=args.max_edit_body_bytes)
             check_model(inputs.body.model)
@@ -281,9 +325,9 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
             params.input_images, params.mask_image = await asyncio.to_thread(
                 inputs.load, args.allow_url_images, args.image_limits
             )
-            return make_job(request, inputs.body, params)
+            return make_job(request, inputs.body, params), inputs.body
 
-        return await serve_images(request, build_job)
+        return await serve_images(request, build_job, "image_edit")
 
     @app.get("/v1/images/{image_id}/content", responses=_ERRORS)
     async def image_content(image_id: str) -> FileResponse:

@@ -22,7 +22,8 @@ class ServerArgs:
     api_key: str | None = None
     #: Names clients may pass as `model`; the first is the id /v1/models reports. Empty: the model path.
     served_model_names: list[str] = field(default_factory=list)
-    #: Requests waiting for the engine (not counting the running one) before new ones get 429.
+    #: Requests waiting for the engine (not counting the running ones) before new ones get 429. The engine's
+    #: own limits (--max-running-requests, --max-batch-tokens, --mem-fraction) are in `engine_args`.
     max_queue_size: int = 64
     max_body_bytes: int = 1 << 20
     #: Seconds in-flight requests get to finish after SIGTERM before they are cancelled.

@@ -3,9 +3,10 @@
 `generate(job)` registers an asyncio future under the request id, pushes the job to the engine and
 awaits the answer; the receive task resolves futures as the engine's messages arrive. Cancelling the
 awaiting task (the client went away) sends CancelJob. `submit(job, listener)` is the form for jobs
-that outlive their HTTP request (video jobs): it returns once the engine has accepted the job, with
-the future of its outcome, and `cancel(request_id)` stops it. A watch task notices when the engine
-process dies: every request in flight fails with EngineUnavailableError (503) and a new engine is started.
+that outlive their HTTP request (video jobs) and for streamed images: it returns once the engine has
+accepted the job, with the future of its outcome, and `cancel(request_id)` stops it. A watch task
+notices when the engine process dies: every request in flight fails with EngineUnavailableError (503)
+and a new engine is started.
 No call here blocks on model work.
 """
 
@@ -39,6 +40,7 @@ from diffserve.server.protocol import (
     JobCancelled,
     JobFailed,
     JobFinished,
+    JobPreview,
     JobProgress,
     JobRejected,
     JobStarted,
@@ -81,11 +83,13 @@ class QueueFullError(Exception):
 
 
 class JobRejectedError(Exception):
-    """The engine found the parameters invalid before queueing (-> 400)."""
+    """The engine found the parameters invalid before queueing (-> 400), or the request too large to
+    ever fit in memory (-> 413): `status`."""
 
-    def __init__(self, message: str, param: str | None) -> None:
+    def __init__(self, message: str, param: str | None, status: int = 400) -> None:
         super().__init__(message)
         self.param = param
+        self.status = status
 
 
 class JobFailedError(Exception):
@@ -96,8 +100,8 @@ class JobFailedError(Exception):
         self.user_error = user_error
 
 
-#: Called with a submitted job's JobStarted and JobProgress messages, on the event loop.
-JobListener = Callable[[JobStarted | JobProgress], None]
+#: Called with a submitted job's JobStarted, JobProgress and JobPreview messages, on the event loop.
+JobListener = Callable[[JobStarted | JobProgress | JobPreview], None]
 
 
 @dataclass
@@ -269,7 +273,8 @@ class EngineClient:
         """Queue a job that outlives its HTTP request: returns once the engine has validated and queued it,
         with its JobAccepted (resolved parameters) and the future of its JobFinished. Raises what
         `generate` raises up to acceptance; the future then fails with JobCancelledError,
-        JobFailedError or EngineUnavailableError. `listener` gets its JobStarted and JobProgress."""
+        JobFailedError or EngineUnavailableError. `listener` gets its JobStarted, JobProgress and
+        JobPreview messages."""
         self._admit(job)
         job = replace(job, ack=True)
         loop = asyncio.get_running_loop()
@@ -373,14 +378,15 @@ class EngineClient:
             pending = self._pending.get(message.request_id)
             if pending is not None and pending.accepted is not None and not pending.accepted.done():
                 pending.accepted.set_result(message)
-        elif isinstance(message, JobProgress):
+        elif isinstance(message, (JobProgress, JobPreview)):
             pending = self._pending.get(message.request_id)
             if pending is not None and pending.listener is not None:
                 pending.listener(message)
         elif isinstance(message, JobFinished):
             self._resolve(message.request_id, result=message)
         elif isinstance(message, JobRejected):
-            self._resolve(message.request_id, error=JobRejectedError(message.message, message.param))
+            error = JobRejectedError(message.message, message.param, message.status)
+            self._resolve(message.request_id, error=error)
         elif isinstance(message, JobCancelled):
             self._resolve(message.request_id, error=JobCancelledError(message.at_step))
         elif isinstance(message, JobFailed):

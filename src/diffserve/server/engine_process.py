@@ -1,13 +1,17 @@
-"""The engine process: loads the model once, then runs the front end's requests one at a time.
+"""The engine process: loads the model once, then runs the front end's requests with step-level batching.
 
 Two threads:
-- the main thread runs the engine loop: `queue.pop()` -> `_run(job)` -> JobFinished / JobCancelled /
-  JobFailed. Step-level batching later swaps `RequestQueue.pop` + `_run` for a scheduler that hands
-  several requests to the pipeline's step function; the messages stay the same.
+- the main thread runs the engine loop: `StepScheduler.step()` (diffserve/runtime/scheduler.py) over
+  and over. Each iteration admits waiting requests (JobStarted), runs one denoising step for one group
+  of running requests of the same shape as one DiT batch (JobProgress per request, JobPreview when a
+  job asked for partial images), and decodes the requests whose steps are done (JobFinished). Several
+  requests run at once (`--max-running-requests`, `--max-batch-tokens`, `--mem-fraction`); with
+  `--max-running-requests 1` this is the one-request-at-a-time engine.
 - the receiver thread reads the front end's messages: a GenerateJob is validated (family defaults
-  applied, `SamplingParams.validate`) and queued, or answered at once with JobRejected; a CancelJob
-  drops a waiting request or flags the running one, which stops at its next denoising step;
-  ShutdownEngine stops the loop.
+  applied, `SamplingParams.validate`), costed against the memory model, and queued, or answered at
+  once with JobRejected (400; 413 when it can never fit in memory); a CancelJob drops a waiting
+  request or flags a running one, which leaves the running set at its next step boundary (the others
+  in its batch carry on); ShutdownEngine stops the loop.
 - one video-encoder thread (a ThreadPoolExecutor) writes the MP4s of video jobs: once a video job's
   frames are decoded, the main thread hands them over and moves on to the next job; the job finishes
   (JobFinished) when its file is written. A cancel that arrives while the file is being written
@@ -51,12 +55,12 @@ from diffserve.server.protocol import (
     JobCancelled,
     JobFailed,
     JobFinished,
+    JobPreview,
     JobProgress,
     JobRejected,
     JobStarted,
     ShutdownEngine,
 )
-from diffserve.server.request_queue import QueuedJob, RequestQueue
 from diffserve.video_outputs import save_video
 
 logger = logging.getLogger("diffserve.engine")
@@ -67,6 +71,22 @@ PROBE_PIXELS = 64
 PROBE_FRAMES = 1
 #: Family tasks whose outputs are videos (served by /v1/videos, refused by the image routes).
 VIDEO_TASKS = ("text-to-video", "image-to-video")
+#: --max-batch-tokens when unset: what one DiT batch may hold (latent tokens x CFG branches x outputs).
+#: On accelerators 65536 is 8 requests of 1024x1024 FLUX images (4096 tokens) with CFG, leaving memory
+#: to the memory model; on CPU 16384, where a bigger batch only adds latency.
+DEFAULT_MAX_BATCH_TOKENS = {"cpu": 16384}
+DEFAULT_MAX_BATCH_TOKENS_ACCELERATOR = 65536
+
+
+def default_max_batch_tokens(device_type: str) -> int:
+    return DEFAULT_MAX_BATCH_TOKENS.get(device_type, DEFAULT_MAX_BATCH_TOKENS_ACCELERATOR)
+
+
+def preview_steps(total_steps: int, partial_images: int) -> list[int]:
+    """The steps after which previews 0..k-1 are sent: round((i + 1) * n / (k + 1)), at least step 1
+    (with few steps two previews can fall on the same step; each still gets its own index)."""
+    return [min(total_steps, max(1, round((i + 1) * total_steps / (partial_images + 1))))
+            for i in range(partial_images)]
 
 
 @dataclass
@@ -120,7 +140,6 @@ class Engine:
         self.generator = generator
         self.load_seconds = time.perf_counter() - start
         self.output_dir = Path(config.engine_args.output_path)
-        self.queue = RequestQueue()
         self.stop = threading.Event()
         self.pixel_multiple = int(self.generator.pipeline.pixel_multiple)
         self.probe_size = -(-PROBE_PIXELS // self.pixel_multiple) * self.pixel_multiple
@@ -131,6 +150,17 @@ class Engine:
         #: Video jobs whose file is being written -> their cancel flag (the job's `cancel_event`).
         self._encoding: dict[str, threading.Event] = {}
         self._encoding_lock = threading.Lock()
+        self.scheduler = self._make_scheduler()
+
+    def _make_scheduler(self) -> Any:
+        from diffserve.platforms import current_platform
+        from diffserve.runtime import SchedulerConfig, StepScheduler
+
+        args = self.config.engine_args
+        self.platform = current_platform()
+        max_tokens = args.max_batch_tokens or default_max_batch_tokens(self.platform.device_type)
+        config = SchedulerConfig(max_running_requests=args.max_running_requests, max_batch_tokens=max_tokens)
+        return StepScheduler(self.generator.pipeline, config, events=self, platform=self.platform)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -140,6 +170,8 @@ class Engine:
             self.generator.generate_from_params(self.probe_params("warm-up"))
             warmup_seconds = time.perf_counter() - start
             logger.info("Warm-up generation done in %.2f seconds", warmup_seconds)
+        self.scheduler.memory = self._memory_model()
+        logger.info("Scheduler: %s", self.scheduler_info())
         self.receiver = threading.Thread(target=self._receive_loop, name="engine-receiver", daemon=True)
         self.receiver.start()
         self.channel.send(EngineReady(pid=os.getpid(), info=self.info(warmup_seconds), probe_size=self.probe_size))
@@ -157,10 +189,36 @@ class Engine:
                 return [Image.new("RGB", (self.probe_size, self.probe_size), (128, 128, 128))]
         return None
 
-    def probe_params(self, prompt: str) -> SamplingParams:
-        return SamplingParams(prompt=prompt, height=self.probe_size, width=self.probe_size, num_inference_steps=1,
+    def probe_params(self, prompt: str, side: int | None = None) -> SamplingParams:
+        side = side or self.probe_size
+        return SamplingParams(prompt=prompt, height=side, width=side, num_inference_steps=1,
                               input_images=self.probe_images,
                               num_frames=PROBE_FRAMES if self.is_video else None)
+
+    def _memory_model(self) -> Any:
+        """Calibrated at warm-up where the platform can measure peaks; estimated otherwise (CPU, or
+        --no-warmup). A calibration that fails (a side the model refuses, out of memory) falls back
+        to the estimate rather than stopping the engine."""
+        from diffserve.runtime.memory import CALIBRATION_SIDES, calibrate_memory_model, estimated_memory_model
+
+        pipeline, fraction = self.generator.pipeline, self.config.engine_args.mem_fraction
+        if self.config.warmup:
+            sides = [-(-s // self.pixel_multiple) * self.pixel_multiple for s in CALIBRATION_SIDES]
+            try:
+                return calibrate_memory_model(pipeline, self.platform,
+                                              [self.probe_params("calibration", s) for s in sides], fraction)
+            except Exception as exc:
+                logger.warning("Memory calibration failed (%s: %s); using the estimated memory model",
+                               type(exc).__name__, exc)
+        return estimated_memory_model(pipeline, self.platform, fraction)
+
+    def scheduler_info(self) -> dict[str, Any]:
+        """The scheduler's limits and memory model (for /server_info and the log)."""
+        s = self.scheduler
+        memory = s.memory.describe() if s.memory is not None else None
+        return {"max_running_requests": s.config.max_running_requests,
+                "max_batch_tokens": s.config.max_batch_tokens,
+                "mem_fraction": self.config.engine_args.mem_fraction, "memory_model": memory}
 
     def video_limits(self) -> dict[str, int] | None:
         """The family's frame rules for the front end (it turns `seconds` into a valid num_frames)."""
@@ -194,6 +252,7 @@ class Engine:
             "pixel_multiple": self.pixel_multiple,
             "default_params": defaults,
             "load_seconds": round(self.load_seconds, 3),
+            "scheduler": self.scheduler_info(),
             "warmup_seconds": None if warmup_seconds is None else round(warmup_seconds, 3),
             # str(): torch's version object would make the front end import torch to unpickle it.
             "versions": {"diffserve": diffserve.__version__, "torch": str(torch.__version__)},
@@ -201,21 +260,30 @@ class Engine:
 
     def run_forever(self) -> None:
         while not self.stop.is_set():
-            queued = self.queue.pop(timeout=0.5)
-            if queued is None:
-                continue
-            try:
-                self._run(queued)
-            finally:
-                self.queue.finish(queued.request_id)
+            self.run_once(timeout=0.5)
+        # Shutdown flagged the running requests: one more pass reports them cancelled (and drops any
+        # request that arrived after the flags were set).
+        for sr in self.scheduler.cancel_all():
+            self.channel.send(JobCancelled(sr.request_id))
+        self.scheduler.step()
         self.encoder.shutdown(wait=True)  # files being written are finished and reported
         self.receiver.join()  # it owns the inbox socket until it sees `stop`
         logger.info("Engine stopped")
 
+    def run_once(self, timeout: float = 0.0) -> bool:
+        """One scheduler iteration, after waiting up to `timeout` seconds for work. False: idle."""
+        if not self.scheduler.has_work and not self.scheduler.wait_for_work(timeout):
+            return False
+        return self.scheduler.step()
+
+    def run_until_idle(self) -> None:
+        """Run until nothing waits or runs (tests drive the engine in-process with this)."""
+        self.scheduler.run_until_idle()
+
     def shutdown(self) -> None:
         self.stop.set()
-        for request_id in self.queue.cancel_all():
-            self.channel.send(JobCancelled(request_id))
+        for sr in self.scheduler.cancel_all():
+            self.channel.send(JobCancelled(sr.request_id))
 
     # -- receiver thread -------------------------------------------------------------------------
     def _receive_loop(self) -> None:
@@ -254,17 +322,27 @@ class Engine:
             if mismatch is not None:
                 self.channel.send(JobRejected(message.request_id, mismatch, param="model"))
                 return
+            from diffserve.request import Req
+            from diffserve.runtime import RequestTooLargeError
+
+            req = Req(params=message.params, request_id=message.request_id, cancel_event=threading.Event())
             try:
                 resolved = self.generator.pipeline.resolve_params(message.params)  # validate before queueing
+                scheduled = self.scheduler.prepare(req, priority=message.priority, payload=message)
+            except RequestTooLargeError as exc:
+                logger.info("Request %s refused: %s", message.request_id, exc)
+                self.channel.send(JobRejected(message.request_id, str(exc), param=exc.param, status=413))
+                return
             except UserError as exc:
                 self.channel.send(JobRejected(message.request_id, str(exc), param=getattr(exc, "param", None)))
                 return
             if message.ack:  # before queueing: the main thread's JobStarted must come after it
                 params = dataclasses.replace(resolved, input_images=None, mask_image=None)
                 self.channel.send(JobAccepted(message.request_id, params))
-            self.queue.put(message)
+            req.on_step = lambda r, job=message: self._on_step(job, r)
+            self.scheduler.enqueue(scheduled)
         elif isinstance(message, CancelJob):
-            where = self.queue.cancel(message.request_id)
+            where = self.scheduler.cancel(message.request_id)
             if where is None:
                 with self._encoding_lock:
                     flag = self._encoding.get(message.request_id)
@@ -281,73 +359,96 @@ class Engine:
         else:
             logger.warning("engine: ignoring unknown message %r", message)
 
-    # -- main thread -----------------------------------------------------------------------------
-    def _run(self, queued: QueuedJob) -> None:
-        from diffserve.request import Req
+    # -- main thread: the scheduler's events ------------------------------------------------------
+    def on_started(self, sr: Any) -> None:
+        self.channel.send(JobStarted(sr.request_id))
+        logger.info("Request %s started (%d running, %d waiting)", sr.request_id, self.scheduler.num_running,
+                    self.scheduler.num_waiting)
 
-        job = queued.job
-        rid = job.request_id
-        if queued.cancel_event.is_set():
-            self.channel.send(JobCancelled(rid))
-            return
-        self.channel.send(JobStarted(rid))
-        logger.info("Request %s started (%d waiting)", rid, self.queue.num_waiting)
-        req = Req(params=job.params, request_id=rid, cancel_event=queued.cancel_event)
+    def on_cancelled(self, sr: Any) -> None:
+        self.channel.send(JobCancelled(sr.request_id, at_step=sr.req.step_index))
+
+    def on_failed(self, sr: Any, error: BaseException) -> None:
+        rid = sr.request_id
+        if isinstance(error, RequestCancelledError):
+            self.channel.send(JobCancelled(rid, at_step=sr.req.step_index))
+        elif isinstance(error, UserError):
+            self.channel.send(JobFailed(rid, str(error), user_error=True))
+        else:
+            logger.error("Request %s failed", rid, exc_info=error)
+            self.channel.send(JobFailed(rid, f"{type(error).__name__}: {error}"))
+
+    def on_finished(self, sr: Any) -> None:
+        """Decoded: encode the images and answer, or hand a video to the encoder thread."""
+        from diffserve.api import GenerationOutput
+
+        job, req = sr.payload, sr.req
+        start = sr.started_at
+        out = GenerationOutput(
+            images=req.images or [], frames=req.frames or [], params=req.params, request_id=req.request_id,
+            timings=dict(req.timings), step_times=list(req.step_times),
+            peak_memory_mb=None if sr.peak_memory_bytes is None else sr.peak_memory_bytes / 2**20,
+        )
         if job.video_path is not None:
-            req.on_step = self._report_step
-        start = time.perf_counter()
-        try:
-            out = self.generator.generate_from_params(job.params, request=req)
-            if job.video_path is not None:
-                self._hand_to_encoder(queued, out, start)
-                return
-            encode_start = time.perf_counter()
-            images = self._encode(job, out.images, out.params)
-            encode_seconds = time.perf_counter() - encode_start
-        except RequestCancelledError:
-            logger.info("Request %s cancelled at step %d", rid, req.step_index)
-            self.channel.send(JobCancelled(rid, at_step=req.step_index))
+            self._hand_to_encoder(sr, out, start)
             return
-        except UserError as exc:
-            self.channel.send(JobFailed(rid, str(exc), user_error=True))
-            return
-        except Exception as exc:
-            logger.exception("Request %s failed", rid)
-            self.channel.send(JobFailed(rid, f"{type(exc).__name__}: {exc}"))
-            return
-        peak = None if out.peak_memory_mb is None else int(out.peak_memory_mb * 2**20)
-        logger.info("Request %s finished in %.2f seconds (%d image(s))", rid, time.perf_counter() - start, len(images))
+        encode_start = time.perf_counter()
+        images = self._encode(job, out.images, out.params)
+        encode_seconds = time.perf_counter() - encode_start
+        peak = sr.peak_memory_bytes
+        logger.info("Request %s finished in %.2f seconds (%d image(s), %d step(s), mean batch %.1f)",
+                    sr.request_id, time.perf_counter() - start, len(images), len(sr.batch_sizes),
+                    sum(sr.batch_sizes) / max(len(sr.batch_sizes), 1))
         # The input images are not sent back: the front end has them, and they can be large.
         params = dataclasses.replace(out.params, input_images=None, mask_image=None)
         self.channel.send(
             JobFinished(
-                rid, images, params, out.timings, out.step_times, peak,
+                sr.request_id, images, params, out.timings, out.step_times, peak,
                 engine_seconds=time.perf_counter() - start, encode_seconds=encode_seconds,
+                batch_sizes=list(sr.batch_sizes),
             )
         )
 
-    def _report_step(self, req: Any) -> None:
-        """`Req.on_step` of video jobs: one JobProgress per denoising step; after the last one the VAE
-        decodes, so that step is reported as the start of the decoding phase."""
+    def _on_step(self, job: GenerateJob, req: Any) -> None:
+        """`Req.on_step` of every job: one JobProgress per denoising step (after the last one the VAE
+        decodes, so that step is reported as the start of the decoding phase), and the job's previews."""
         total = req.num_steps
         phase = "decoding" if req.step_index >= total else "denoising"
         self.channel.send(JobProgress(req.request_id, req.step_index, total, phase))
+        if job.partial_images > 0:
+            indices = [i for i, step in enumerate(preview_steps(total, job.partial_images)) if step == req.step_index]
+            if indices:
+                self._send_previews(req, indices)
 
-    def _hand_to_encoder(self, queued: QueuedJob, out: Any, start: float) -> None:
+    def _send_previews(self, req: Any, indices: list[int]) -> None:
+        """Preview(s) `indices` of the request after its current step; a preview that fails is skipped
+        (logged): it must never fail the request."""
+        try:
+            from diffserve.stages.previews import preview_images
+
+            images = preview_images(self.generator.pipeline, req)
+            encoded = [encode_image(image, "png") for image in images]
+        except Exception:
+            logger.exception("Request %s: preview after step %d failed", req.request_id, req.step_index)
+            return
+        for index in indices:
+            self.channel.send(JobPreview(req.request_id, index, req.step_index, req.num_steps, encoded))
+
+    def _hand_to_encoder(self, sr: Any, out: Any, start: float) -> None:
         """Queue the MP4 write of a finished video job on the encoder thread and return at once. The job
-        stays cancellable through its `cancel_event`, registered before the queue forgets the job."""
-        rid = queued.request_id
+        stays cancellable through its `cancel_event`, registered before the scheduler frees its slot."""
+        rid = sr.request_id
         steps = len(out.step_times)
         with self._encoding_lock:
-            self._encoding[rid] = queued.cancel_event
+            self._encoding[rid] = sr.cancel_event
         self.channel.send(JobProgress(rid, steps, steps, "encoding"))
-        self.encoder.submit(self._write_video, queued, out, start)
+        self.encoder.submit(self._write_video, sr, out, start)
 
-    def _write_video(self, queued: QueuedJob, out: Any, start: float) -> None:
+    def _write_video(self, sr: Any, out: Any, start: float) -> None:
         """Encoder thread: write the MP4 atomically, then JobFinished (or JobCancelled / JobFailed)."""
-        job, rid = queued.job, queued.request_id
+        job, rid = sr.payload, sr.request_id
         path = Path(job.video_path)
-        cancelled = queued.cancel_event
+        cancelled = sr.cancel_event
         try:
             if cancelled.is_set():
                 self.channel.send(JobCancelled(rid, at_step=len(out.step_times)))

@@ -141,6 +141,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(JobRejectedError)
     async def _rejected(request: Request, exc: JobRejectedError) -> JSONResponse:
+        if exc.status == 413:  # the engine's memory admission: it can never fit, even alone
+            return error_response(413, str(exc), exc.param, "request_too_large")
         return error_response(400, str(exc), exc.param, "invalid_value")
 
     @app.exception_handler(QueueFullError)

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from diffserve.server.protocol import JobFinished
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
+_BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -44,6 +45,12 @@ class ServerMetrics:
         self.step_seconds = Histogram(
             "diffserve_step_seconds", "Time per denoising step", buckets=_STEP_BUCKETS, registry=r,
         )
+        self.batch_size = Histogram(
+            "diffserve_batch_size",
+            "Requests sharing the DiT batch of a denoising step, observed once per request per step (the "
+            "share of requests' steps that ran batched)",
+            buckets=_BATCH_BUCKETS, registry=r,
+        )
         self.images_generated = Counter("diffserve_images_generated", "Images returned to clients", registry=r)
         self.videos_generated = Counter("diffserve_videos_generated", "Videos written by /v1/videos jobs",
                                         registry=r)
@@ -70,6 +77,8 @@ class ServerMetrics:
             self.stage_seconds.labels(stage).observe(seconds)
         for seconds in result.step_times:
             self.step_seconds.observe(seconds)
+        for size in result.batch_sizes:
+            self.batch_size.observe(size)
         if result.peak_memory_bytes is not None:
             self.peak_memory.set(result.peak_memory_bytes)
             self._max_peak = max(self._max_peak, result.peak_memory_bytes)

@@ -4,13 +4,15 @@ Front end -> engine: `GenerateJob`, `CancelJob`, `ShutdownEngine`.
 Engine -> front end: every message is sent as `(incarnation, message)`, where `incarnation` counts engine
 (re)starts, so a message still in flight from an engine that died is recognised and dropped.
 
-    GenerateJob ──► JobRejected (bad parameters, never queued)
-                └─► [JobAccepted] ─► JobStarted ─► [JobProgress...] ─► JobFinished | JobCancelled | JobFailed
+    GenerateJob ──► JobRejected (bad parameters, or too large to ever fit in memory: never queued)
+                └─► [JobAccepted] ─► JobStarted ─► [JobProgress | JobPreview...] ─► JobFinished | JobCancelled | JobFailed
                                   └─► JobCancelled (cancelled while still waiting)
 
 JobAccepted is sent only for jobs with `ack` (video jobs: their POST answers once the engine has
-validated them), always before JobStarted. JobProgress is sent only for video jobs: one per denoising
-step, then one at each later phase (VAE decoding, MP4 encoding).
+validated them), always before JobStarted. JobStarted is sent when the engine's scheduler admits the
+job into its running set (several jobs run at once, sharing denoising steps). JobProgress is sent for
+every job: one per denoising step, then one at each later phase (VAE decoding; MP4 encoding for video
+jobs). JobPreview is sent only for jobs with `partial_images` > 0, at evenly spaced steps.
 
 Both ends run the same code version and the sockets live in a private temporary directory, so pickle
 is safe here and keeps `SamplingParams` and bytes intact without a schema layer.
@@ -41,6 +43,11 @@ class GenerateJob:
     video_path: str | None = None
     #: Answer JobAccepted once the parameters are validated and the job is queued.
     ack: bool = False
+    #: Scheduling priority: higher is admitted first, equal priorities in arrival order (FCFS).
+    priority: int = 0
+    #: Streamed image requests: how many previews (0-3) of the predicted clean image the engine sends
+    #: as JobPreview, at evenly spaced denoising steps.
+    partial_images: int = 0
 
 
 @dataclass
@@ -79,6 +86,9 @@ class JobRejected:
     request_id: str
     message: str
     param: str | None = None
+    #: HTTP status the front end answers: 400 (invalid), or 413 (needs more memory than the engine has,
+    #: even alone; the message gives the estimate and the budget).
+    status: int = 400
 
 
 @dataclass
@@ -110,6 +120,18 @@ class JobProgress:
 
 
 @dataclass
+class JobPreview:
+    """Preview number `index` (0-based) of a streamed job, made after denoising step `step` of
+    `total_steps` from the predicted clean latent (`diffserve.stages.previews`): one PNG per output."""
+
+    request_id: str
+    index: int
+    step: int
+    total_steps: int
+    images: list[bytes]
+
+
+@dataclass
 class EncodedVideo:
     path: str  # the MP4, written atomically (complete once this message is sent)
     size_bytes: int
@@ -137,6 +159,8 @@ class JobFinished:
     engine_seconds: float  # start of generation to encoded images
     encode_seconds: float
     videos: list[EncodedVideo] = field(default_factory=list)  # video jobs (then `images` is empty)
+    #: Requests in the DiT batch of each of this job's denoising steps (1: the step ran alone).
+    batch_sizes: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -26,9 +26,10 @@ NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "background": (None, "auto"),
     "style": (None,),
     "moderation": (None, "auto"),
-    "stream": (None, False),
-    "partial_images": (None, 0),
 }
+
+#: OpenAI's limit on partial images per streamed request.
+MAX_PARTIAL_IMAGES = 3
 
 _SIZE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
@@ -46,13 +47,18 @@ class ImageGenerationRequest(BaseModel):
     output_format: Literal["png", "jpeg", "webp"] | None = "png"
     output_compression: int | None = Field(None, ge=0, le=100, description="jpeg/webp quality, 0-100 (default 100)")
     user: str | None = Field(None, description="end-user id; accepted for compatibility, not used")
+    stream: bool | None = Field(
+        None, description="answer with server-sent events (OpenAI's image_generation.* / image_edit.* events)"
+    )
+    partial_images: int | None = Field(
+        None, ge=0, le=MAX_PARTIAL_IMAGES,
+        description="with stream=true: previews (0-3) sent while the image is made, before the final one",
+    )
     # OpenAI fields accepted only with a value that changes nothing (see NO_OP_VALUES).
     quality: str | None = None
     background: str | None = None
     style: str | None = None
     moderation: str | None = None
-    stream: bool | None = None
-    partial_images: int | None = None
     # diffserve extensions (SamplingParams fields); unset: the model's defaults.
     width: int | None = Field(None, gt=0)
     height: int | None = Field(None, gt=0)
@@ -62,6 +68,11 @@ class ImageGenerationRequest(BaseModel):
     guidance_scale: float | None = Field(None, ge=0)
     true_cfg_scale: float | None = Field(None, ge=0)
     max_sequence_length: int | None = Field(None, ge=1)
+    priority: int | None = Field(
+        None, ge=-1000, le=1000,
+        description="scheduling priority (-1000..1000, default 0): the engine admits higher first, equal "
+        "priorities first come first served",
+    )
 
     def check_supported(self) -> None:
         for name, allowed in NO_OP_VALUES.items():
@@ -72,6 +83,18 @@ class ImageGenerationRequest(BaseModel):
                 raise ApiParamError(
                     f"{name}={value!r} is not supported yet by diffserve; {hint}", param=name, code="unsupported_value"
                 )
+        if self.partial_images and not self.stream:
+            raise ApiParamError(
+                f"partial_images={self.partial_images} needs stream=true: partial images are sent as server-sent "
+                "events while the image is generated; pass stream=true, or omit partial_images",
+                param="partial_images",
+            )
+        if self.stream and self.response_format == "url":
+            raise ApiParamError(
+                "response_format='url' is not available with stream=true: streamed images come as b64_json "
+                "in the events; omit response_format or pass 'b64_json'",
+                param="response_format",
+            )
         if self.output_compression not in (None, 100) and (self.output_format or "png") == "png":
             raise ApiParamError(
                 "output_compression applies to output_format 'jpeg' and 'webp' only (png is lossless)",

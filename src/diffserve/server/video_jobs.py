@@ -377,7 +377,9 @@ class VideoJobManager:
         path.with_name(f".{path.name}.partial").unlink(missing_ok=True)
 
     # -- jobs --------------------------------------------------------------------------------------
-    async def create(self, params: SamplingParams, model: str, image_to_video: bool) -> VideoJob:
+    async def create(
+        self, params: SamplingParams, model: str, image_to_video: bool, priority: int = 0
+    ) -> VideoJob:
         """Submit a job and record it once the engine accepted it. Raises what `EngineClient.submit`
         raises (JobRejectedError, QueueFullError, EngineUnavailableError)."""
         assert self.store is not None
@@ -390,7 +392,9 @@ class VideoJobManager:
             created_at=time.time(),
             image_to_video=image_to_video,
         )
-        engine_job = GenerateJob(video_id, params, video_path=str(video_file(self.output_dir, video_id)))
+        engine_job = GenerateJob(
+            video_id, params, video_path=str(video_file(self.output_dir, video_id)), priority=priority
+        )
         self._active[video_id] = job
         arrived = time.monotonic()
         try:

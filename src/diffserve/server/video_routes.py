@@ -79,6 +79,11 @@ class VideoCreateRequest(BaseModel):
     num_inference_steps: int | None = Field(None, ge=1)
     guidance_scale: float | None = Field(None, ge=0)
     max_sequence_length: int | None = Field(None, ge=1)
+    priority: int | None = Field(
+        None, ge=-1000, le=1000,
+        description="scheduling priority (-1000..1000, default 0): the engine admits higher first, equal "
+        "priorities first come first served",
+    )
 
     def video_size(self) -> tuple[int | None, int | None]:
         if self.size is None or self.size.strip() == "auto":
@@ -303,10 +308,12 @@ def video_router(
                 )
                 params.input_images = [image]
             try:
-                job = await jobs.create(params, args.model_id, image_to_video=reference is not None)
+                job = await jobs.create(params, args.model_id, image_to_video=reference is not None,
+                                        priority=body.priority or 0)
             except JobRejectedError as exc:
                 param = _PARAM_NAMES.get(exc.param or "", exc.param)
-                raise ApiError(400, str(exc), param=param, code="invalid_value") from None
+                code = "request_too_large" if exc.status == 413 else "invalid_value"
+                raise ApiError(exc.status, str(exc), param=param, code=code) from None
         except Exception as exc:
             metrics.generation_requests.labels(outcome_of(exc)).inc()
             raise
