@@ -95,7 +95,7 @@ class DiffGenerator:
         self.pipeline: Pipeline = self.family.pipeline_cls(
             PipelineContext(
                 components, self.platform, self.dtype, show_progress=show_progress,
-                folder_sampling_defaults=folder_defaults,
+                folder_sampling_defaults=folder_defaults, pipeline_options=index.options,
             )
         )
         self.model_path = str(index.root)

@@ -114,3 +114,22 @@ def test_wan_i2v_defaults_to_the_input_aspect_ratio(i2v) -> None:
     )
     assert params.width / params.height == pytest.approx(2.0, rel=0.1)
     assert params.height % 16 == 0 and params.width % 16 == 0
+
+
+def test_wan_22_checkpoints_are_refused_not_run_half(tmp_path) -> None:
+    """A second expert (`transformer_2`) or Wan 2.2's per-token timesteps would be silently ignored."""
+    import json
+    import shutil
+
+    from diffserve.errors import ModelLoadError
+
+    root = build_tiny_wan(tmp_path / "wan")
+    index_path = root / "model_index.json"
+    index = json.loads(index_path.read_text())
+    shutil.copytree(root / "transformer", root / "transformer_2")
+    index_path.write_text(json.dumps({**index, "transformer_2": ["diffusers", "WanTransformer3DModel"]}))
+    with pytest.raises(ModelLoadError, match="transformer_2"):
+        DiffGenerator.from_pretrained(root, device="cpu")
+    index_path.write_text(json.dumps({**index, "transformer_2": [None, None], "expand_timesteps": True}))
+    with pytest.raises(ModelLoadError, match="Wan 2.2"):
+        DiffGenerator.from_pretrained(root, device="cpu")

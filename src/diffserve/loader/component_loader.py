@@ -186,6 +186,14 @@ def load_components(
             f"{index.root / 'model_index.json'} lacks components the {index.pipeline_class_name} pipeline "
             f"needs: {', '.join(absent)}"
         )
+    unused = sorted(set(index.components) - set(required) - set(optional))
+    if unused:
+        raise ModelLoadError(
+            f"{index.root / 'model_index.json'} names components diffserve's {index.pipeline_class_name} "
+            f"does not use: {', '.join(unused)}. Running without them would not give what diffusers gives "
+            "for this folder, so it is refused (for Wan, `transformer_2` marks a Wan 2.2 two-expert "
+            "checkpoint, which diffserve does not support yet)"
+        )
     present_optional = tuple(name for name in optional if name in index.components)
     skipped = [name for name in optional if name not in index.components]
     if skipped:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from diffserve.errors import ModelLoadError
 
@@ -25,6 +26,8 @@ class ModelIndex:
     pipeline_class_name: str
     diffusers_version: str | None
     components: dict[str, ComponentSpec]
+    #: Pipeline-level settings that are not components (e.g. Wan's "boundary_ratio", "expand_timesteps").
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 def read_model_index(model_path: str | Path) -> ModelIndex:
@@ -45,11 +48,13 @@ def read_model_index(model_path: str | Path) -> ModelIndex:
     if not isinstance(raw, dict) or "_class_name" not in raw:
         raise ModelLoadError(f"{index_file} has no _class_name naming the pipeline")
     components = {}
+    options = {}
     for name, value in raw.items():
         if name.startswith("_"):
             continue
         if not (isinstance(value, list) and len(value) == 2):
-            continue  # pipeline-level options such as "requires_safety_checker"
+            options[name] = value  # pipeline-level options such as "requires_safety_checker"
+            continue
         library, class_name = value
         if library is None or class_name is None:
             continue
@@ -59,4 +64,5 @@ def read_model_index(model_path: str | Path) -> ModelIndex:
         pipeline_class_name=str(raw["_class_name"]),
         diffusers_version=raw.get("_diffusers_version"),
         components=components,
+        options=options,
     )

@@ -28,6 +28,8 @@ class PipelineContext:
     show_progress: bool = True
     #: Sampling defaults the model folder itself recommends (its diffserve.json), over the family's.
     folder_sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    #: model_index.json's pipeline-level settings (not components), e.g. Wan 2.2's "expand_timesteps".
+    pipeline_options: dict[str, Any] = field(default_factory=dict)
 
     def get(self, name: str) -> Any:
         return self.components[name].value

@@ -11,6 +11,7 @@ import torch
 
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.wan import WanPipelineConfig, wan_default_sampling_params
+from diffserve.errors import ModelLoadError
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.wan import WanTransformer3DModel
 from diffserve.pipelines.base import Pipeline, PipelineContext
@@ -86,6 +87,12 @@ class WanPipeline(Pipeline):
     pipeline_name = "WanPipeline"
 
     def build_stages(self, context: PipelineContext) -> list[Stage]:
+        options = context.pipeline_options
+        if options.get("boundary_ratio") is not None or options.get("expand_timesteps"):
+            raise ModelLoadError(
+                "this is a Wan 2.2 checkpoint (model_index.json sets boundary_ratio or expand_timesteps); "
+                "diffserve supports Wan 2.1 only so far"
+            )
         transformer = context.get("transformer")
         vae = context.get("vae")
         scheduler = context.get("scheduler")
