@@ -214,7 +214,7 @@ BASE = {"prompt": "x", "size": f"{SIZE}x{SIZE}", "num_inference_steps": 1}
         ({**BASE, "size": "40x32"}, 400, "width=40 is not a multiple of 16", "width"),
         ({**BASE, "prompt": "  "}, 400, "prompt must be a non-empty string", "prompt"),
         ({"size": "32x32"}, 400, "prompt is required", "prompt"),
-        ({**BASE, "quality": "hd"}, 400, "quality='hd' is not supported yet", "quality"),
+        ({**BASE, "quality": "medium"}, 400, "quality='medium' is not supported yet", "quality"),
         ({**BASE, "partial_images": 2}, 400, "partial_images=2 needs stream=true", "partial_images"),
         ({**BASE, "style": "vivid"}, 400, "style='vivid' is not supported yet", "style"),
         ({**BASE, "response_format": "xml"}, 400, "Input should be 'b64_json' or 'url'", "response_format"),

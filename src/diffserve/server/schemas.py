@@ -22,7 +22,9 @@ class ApiParamError(ValueError):
 
 #: OpenAI fields diffserve cannot honour yet, with the values that change nothing (accepted).
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "quality": (None, "auto"),
+    # Every path is lossless today, so "lossless", OpenAI's "hd" (-> lossless) and "standard" (-> auto)
+    # all give the exact output; the approximate tiers ("high", "medium", "low") are not implemented yet.
+    "quality": (None, "auto", "lossless", "hd", "standard"),
     "background": (None, "auto"),
     "style": (None,),
     "moderation": (None, "auto"),
