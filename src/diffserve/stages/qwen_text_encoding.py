@@ -16,6 +16,7 @@ from torch import nn
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.prompt_cache import PromptEmbeddingCache
+from diffserve.stages.text_encoding import request_prompts, set_sequence_embeds
 
 
 class QwenTextEncodingStage(Stage):
@@ -75,8 +76,7 @@ class QwenTextEncodingStage(Stage):
 
     def forward(self, req: Req) -> Req:
         p = req.params
-        n = p.num_outputs_per_prompt
-        prompts = [p.prompt] + ([p.negative_prompt] if req.do_cfg else [])
+        prompts = request_prompts(req)
         images = None
         if self.processor is not None:
             images = [image for _ in prompts for image in req.condition_images]
@@ -87,10 +87,7 @@ class QwenTextEncodingStage(Stage):
             embeds = self.cache.lookup(prompts, (p.max_sequence_length,), self.encode)
         else:
             embeds = self.encode(prompts, images)
-        embeds = [e[: p.max_sequence_length] for e in embeds]
-        req.prompt_embeds = embeds[0][None].repeat(n, 1, 1)
-        if req.do_cfg:
-            req.negative_prompt_embeds = embeds[1][None].repeat(n, 1, 1)
+        set_sequence_embeds(req, [e[None, : p.max_sequence_length] for e in embeds])
         return req
 
 

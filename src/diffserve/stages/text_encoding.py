@@ -28,6 +28,21 @@ def tokenize(tokenizer, prompts: list[str], max_length: int, device: torch.devic
     return ids.to(device)
 
 
+def request_prompts(req: Req) -> list[str]:
+    """The texts a request encodes in one batch: its prompt, then its negative prompt when it runs CFG."""
+    p = req.params
+    return [p.prompt] + ([p.negative_prompt] if req.do_cfg else [])
+
+
+def set_sequence_embeds(req: Req, embeds: list[torch.Tensor]) -> None:
+    """Set the request's positive (and, with CFG, negative) sequence embeddings from one (1, L, D)
+    tensor per text of `request_prompts(req)`, repeated for each output."""
+    n = req.params.num_outputs_per_prompt
+    req.prompt_embeds = embeds[0].repeat(n, 1, 1)
+    if req.do_cfg:
+        req.negative_prompt_embeds = embeds[1].repeat(n, 1, 1)
+
+
 def encode_request_prompts(req: Req, encode, cache: PromptEmbeddingCache | None = None) -> None:
     """Encode the request's prompt (and negative prompt when it runs CFG) with
     `encode(prompts, max_sequence_length) -> (sequence, pooled)` in one batch, and set the request's
@@ -35,17 +50,16 @@ def encode_request_prompts(req: Req, encode, cache: PromptEmbeddingCache | None 
     this max_sequence_length) skip the encoder."""
     p = req.params
     n = p.num_outputs_per_prompt
-    prompts = [p.prompt] + ([p.negative_prompt] if req.do_cfg else [])
+    prompts = request_prompts(req)
 
     def rows(batch: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         sequence, pooled = encode(batch, p.max_sequence_length)
         return [(sequence[i : i + 1].clone(), pooled[i : i + 1].clone()) for i in range(len(batch))]
 
     values = cache.lookup(prompts, (p.max_sequence_length,), rows) if cache is not None else rows(prompts)
-    req.prompt_embeds = values[0][0].repeat(n, 1, 1)
+    set_sequence_embeds(req, [sequence for sequence, _ in values])
     req.pooled_prompt_embeds = values[0][1].repeat(n, 1)
     if req.do_cfg:
-        req.negative_prompt_embeds = values[1][0].repeat(n, 1, 1)
         req.negative_pooled_prompt_embeds = values[1][1].repeat(n, 1)
 
 

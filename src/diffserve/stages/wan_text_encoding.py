@@ -17,6 +17,7 @@ from torch import nn
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.prompt_cache import PromptEmbeddingCache
+from diffserve.stages.text_encoding import request_prompts, set_sequence_embeds
 
 try:  # Diffusers fixes mojibake with ftfy when it is installed; do the same so prompts match.
     import ftfy
@@ -63,12 +64,9 @@ class WanTextEncodingStage(Stage):
         return out
 
     def forward(self, req: Req) -> Req:
-        p = req.params
-        n = p.num_outputs_per_prompt
-        prompts = [p.prompt] + ([p.negative_prompt] if req.do_cfg else [])
-        msl = p.max_sequence_length
-        embeds = self.cache.lookup(prompts, (msl,), lambda batch: [row.clone() for row in self.encode(batch, msl).split(1)])
-        req.prompt_embeds = embeds[0].repeat(n, 1, 1)
-        if req.do_cfg:
-            req.negative_prompt_embeds = embeds[1].repeat(n, 1, 1)
+        msl = req.params.max_sequence_length
+        embeds = self.cache.lookup(
+            request_prompts(req), (msl,), lambda batch: [row.clone() for row in self.encode(batch, msl).split(1)]
+        )
+        set_sequence_embeds(req, embeds)
         return req

@@ -14,6 +14,7 @@ from torch import nn
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.prompt_cache import PromptEmbeddingCache
+from diffserve.stages.text_encoding import request_prompts, set_sequence_embeds
 
 
 class ZImageTextEncodingStage(Stage):
@@ -45,12 +46,7 @@ class ZImageTextEncodingStage(Stage):
         return [states[i][mask[i]].to(self.output_dtype) for i in range(len(prompts))]
 
     def forward(self, req: Req) -> Req:
-        p = req.params
-        n = p.num_outputs_per_prompt
-        prompts = [p.prompt] + ([p.negative_prompt] if req.do_cfg else [])
-        msl = p.max_sequence_length
-        embeds = self.cache.lookup(prompts, (msl,), lambda batch: self.encode(batch, msl))
-        req.prompt_embeds = embeds[0][None].repeat(n, 1, 1)
-        if req.do_cfg:
-            req.negative_prompt_embeds = embeds[1][None].repeat(n, 1, 1)
+        msl = req.params.max_sequence_length
+        embeds = self.cache.lookup(request_prompts(req), (msl,), lambda batch: self.encode(batch, msl))
+        set_sequence_embeds(req, [e[None] for e in embeds])
         return req
