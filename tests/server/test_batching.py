@@ -6,19 +6,17 @@ in memory gets 413 with the numbers."""
 from __future__ import annotations
 
 import base64
-import importlib.util
 import io
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 from PIL import Image
+from server_process import start_server
 
 #: Six requests that differ in steps, guidance, seed, CFG on/off, n and size (two shape groups).
 REQUESTS = [
@@ -38,20 +36,10 @@ REQUESTS = [
 ]
 
 
-def _server_helpers():
-    """tests/server/conftest.py's server launcher (conftest modules cannot be imported by name)."""
-    name = "diffserve_tests_server_conftest"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("conftest.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # before running it: its dataclasses look their module up
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
 
 @pytest.fixture(scope="module")
 def batching_server(tiny_flux_dir, tmp_path_factory):
-    srv = _server_helpers().start_server(
+    srv = start_server(
         tiny_flux_dir,
         tmp_path_factory.mktemp("batching"),
         "--max-running-requests",

@@ -8,13 +8,13 @@ import base64
 import importlib
 import importlib.util
 import io
-import sys
 from pathlib import Path
 
 import numpy as np
 import openai
 import pytest
 from PIL import Image
+from server_process import start_server
 
 from diffserve import DiffGenerator
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
@@ -32,16 +32,6 @@ FAMILIES = {
 WIDTH, HEIGHT = 48, 32
 
 
-def _server_helpers():
-    """tests/server/conftest.py's server launcher (conftest modules cannot be imported by name)."""
-    name = "diffserve_tests_server_conftest"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("conftest.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
 
 def _build(target: str, out_dir: Path) -> Path:
     module_name, function = target.split(":")
@@ -53,7 +43,7 @@ def served(request, tmp_path_factory):
     family = request.param
     builder, extras, refused = FAMILIES[family]
     model_dir = _build(builder, tmp_path_factory.mktemp(family))
-    srv = _server_helpers().start_server(model_dir, tmp_path_factory.mktemp(f"{family}-server"), "--no-warmup")
+    srv = start_server(model_dir, tmp_path_factory.mktemp(f"{family}-server"), "--no-warmup")
     try:
         srv.wait_ready()
         yield family, model_dir, srv, extras, refused

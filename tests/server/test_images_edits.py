@@ -6,11 +6,9 @@ checked without a server. The success path on an edit model is in test_images_ed
 from __future__ import annotations
 
 import base64
-import importlib.util
 import io
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -18,6 +16,7 @@ import numpy as np
 import openai
 import pytest
 from PIL import Image
+from server_process import start_server
 
 from diffserve.configs.engine_args import EngineArgs
 from diffserve.errors import InvalidRequestError
@@ -34,16 +33,6 @@ MAX_BODY_BYTES = 65536
 API_KEY = "edit-key"
 NO_INPUT_IMAGE = "FluxPipeline is a text-to-image model and takes no input image"
 
-
-def _server_helpers():
-    """tests/server/conftest.py's server launcher (conftest modules cannot be imported by name)."""
-    name = "diffserve_tests_server_conftest"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("conftest.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # before running it: its dataclasses look their module up
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def png(width: int, height: int, noise: bool = False, seed: int = 0) -> bytes:
@@ -195,8 +184,7 @@ def test_load_images_helper(tmp_path) -> None:
 # -- against a server -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tiny_flux_dir, tmp_path_factory):
-    helpers = _server_helpers()
-    srv = helpers.start_server(
+    srv = start_server(
         tiny_flux_dir,
         tmp_path_factory.mktemp("edits-server"),
         "--api-key",

@@ -6,10 +6,8 @@ pixels for a seed equal the in-process API's (`DiffGenerator.generate(image=...)
 from __future__ import annotations
 
 import base64
-import importlib.util
 import io
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -17,6 +15,7 @@ import numpy as np
 import openai
 import pytest
 from PIL import Image
+from server_process import start_server
 
 #: A 2:1 input; the output keeps its aspect ratio when no size is given.
 INPUT_SIZE = (64, 32)
@@ -24,16 +23,6 @@ INPUT_SIZE = (64, 32)
 #: Diffusers' shift_terminal stretch; diffserve leaves it unstretched, see flow_match_euler.py.)
 FAST = {"num_inference_steps": 2, "true_cfg_scale": 1.0}
 
-
-def _server_helpers():
-    """tests/server/conftest.py's server launcher (conftest modules cannot be imported by name)."""
-    name = "diffserve_tests_server_conftest"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("conftest.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # before running it: its dataclasses look their module up
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def input_png(size: tuple[int, int] = INPUT_SIZE, seed: int = 0) -> bytes:
@@ -57,7 +46,7 @@ def tiny_qwen_edit_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen_edit_dir, tmp_path_factory):
-    srv = _server_helpers().start_server(tiny_qwen_edit_dir, tmp_path_factory.mktemp("qwen-edit-server"))
+    srv = start_server(tiny_qwen_edit_dir, tmp_path_factory.mktemp("qwen-edit-server"))
     try:
         srv.wait_ready()
         yield srv

@@ -6,12 +6,9 @@ one completed event per image equal to the plain response, plain JSON errors bef
 from __future__ import annotations
 
 import base64
-import importlib.util
 import io
 import json
 import re
-import sys
-from pathlib import Path
 
 import httpx
 import httpx2
@@ -19,6 +16,7 @@ import numpy as np
 import openai
 import pytest
 from PIL import Image
+from server_process import start_server
 
 from diffserve.server.engine_client import EngineUnavailableError, JobFailedError
 from diffserve.server.protocol import JobPreview
@@ -178,9 +176,8 @@ def edit_server(tmp_path_factory):
     """A tiny Qwen-Image-Edit server (the FLUX one takes no input image), without warm-up."""
     from diffserve.testing.tiny_qwen_image import build_tiny_qwen_image_edit
 
-    helpers = sys.modules.get("diffserve_tests_server_conftest") or _load_conftest()
     model_dir = build_tiny_qwen_image_edit(tmp_path_factory.mktemp("tiny-qwen-edit"))
-    srv = helpers.start_server(model_dir, tmp_path_factory.mktemp("qwen-edit-server"), "--no-warmup")
+    srv = start_server(model_dir, tmp_path_factory.mktemp("qwen-edit-server"), "--no-warmup")
     try:
         srv.wait_ready()
         yield srv
@@ -188,15 +185,6 @@ def edit_server(tmp_path_factory):
         srv.process.terminate()
         srv.process.wait(30)
 
-
-def _load_conftest():
-    spec = importlib.util.spec_from_file_location(
-        "diffserve_tests_server_conftest", Path(__file__).with_name("conftest.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_streamed_edit_sends_image_edit_events_and_the_plain_image(edit_server) -> None:

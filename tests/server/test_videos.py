@@ -10,12 +10,10 @@ The parsing and bookkeeping that need no model are checked without a server firs
 from __future__ import annotations
 
 import base64
-import importlib.util
 import io
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import warnings
@@ -30,6 +28,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from PIL import Image
+from server_process import start_server
 
 from diffserve.configs.engine_args import EngineArgs
 from diffserve.configs.sampling_params import SamplingParams
@@ -52,16 +51,6 @@ I2V_TTL_S = 3
 # The SDK marks the video API deprecated (Sora's shutdown); the calls themselves are what we test.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-
-def _server_helpers():
-    """tests/server/conftest.py's server launcher (conftest modules cannot be imported by name)."""
-    name = "diffserve_tests_server_conftest"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("conftest.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # before running it: its dataclasses look their module up
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def stop(srv, sig: int = signal.SIGTERM) -> None:
@@ -312,14 +301,13 @@ def wan_t2v_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def t2v(wan_t2v_dir, tmp_path_factory):
     """A holder of the current text-to-video server (the restart test swaps in its successor)."""
-    helpers = _server_helpers()
     # One job at a time: the cancel tests need a job that waits behind a running one (batching is
     # tested in test_batching.py and the engine loop tests).
     holder = SimpleNamespace(
         args=("--served-model-name", MODEL_NAME, "--shutdown-timeout", "2", "--max-running-requests", "1"),
         srv=None,
     )
-    holder.srv = helpers.start_server(wan_t2v_dir, tmp_path_factory.mktemp("t2v"), *holder.args)
+    holder.srv = start_server(wan_t2v_dir, tmp_path_factory.mktemp("t2v"), *holder.args)
     try:
         holder.srv.wait_ready()
         yield holder
@@ -584,7 +572,7 @@ def test_restart_keeps_finished_jobs_and_fails_interrupted_ones(t2v, wan_t2v_dir
         return False
 
     srv.wait_for(engine_gone, 30, what="the orphaned engine to exit")
-    t2v.srv = new = _server_helpers().start_server(
+    t2v.srv = new = start_server(
         wan_t2v_dir, tmp_path, *t2v.args, output_dir=srv.output_dir
     )
     new.wait_ready()
@@ -609,7 +597,7 @@ def i2v(tmp_path_factory):
     from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
 
     model_dir = build_tiny_wan(tmp_path_factory.mktemp("tiny-wan-i2v"), TinyWanSpec(image_to_video=True))
-    srv = _server_helpers().start_server(
+    srv = start_server(
         model_dir, tmp_path_factory.mktemp("i2v"), "--job-ttl", str(I2V_TTL_S)
     )
     try:

@@ -1,0 +1,88 @@
+"""Launching a real `diffserve serve` subprocess on a free port, for every server test module.
+
+A plain module (not conftest.py) so test files can import `start_server` by name."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+API_KEY = "test-key-123"
+MODEL_NAME = "tiny-flux"
+STARTUP_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    base_url: str
+    port: int
+    output_dir: Path
+    log_path: Path
+    api_key: str | None = None
+    model_name: str | None = None
+    #: /health statuses seen while waiting for the server to become ready.
+    startup_health: list[tuple[int, dict]] = field(default_factory=list)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def info(self) -> dict:
+        return httpx.get(f"{self.base_url}/server_info", headers=self.headers, timeout=10).json()
+
+    def wait_for(self, predicate, timeout: float = 30, interval: float = 0.1, what: str = "condition"):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(interval)
+        log = "\n".join(line for line in self.log().splitlines() if "GET /server_info" not in line)
+        what = what() if callable(what) else what
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}\n--- server log tail ---\n" + log[-6000:])
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        def ready() -> bool:
+            if self.process.poll() is not None:
+                raise AssertionError(f"server exited with {self.process.returncode}\n{self.log()[-4000:]}")
+            try:
+                r = httpx.get(f"{self.base_url}/health", timeout=5)
+            except httpx.TransportError:
+                return False
+            self.startup_health.append((r.status_code, r.json()))
+            return r.status_code == 200
+
+        self.wait_for(ready, timeout, interval=0.1, what="/health 200")
+
+
+def start_server(model_dir: Path, work_dir: Path, *extra: str, output_dir: Path | None = None) -> ServerProcess:
+    """`output_dir`: default `work_dir/outputs`; pass another server's to restart on its files."""
+    port = free_port()
+    output_dir = output_dir or work_dir / "outputs"
+    log_path = work_dir / "server.log"
+    cmd = [
+        sys.executable, "-m", "diffserve.cli.main", "serve", "--model-path", str(model_dir), "--port", str(port),
+        "--output-path", str(output_dir), *extra,
+    ]
+    # One torch thread: the test machine is small and shared; results do not depend on the thread count.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return ServerProcess(process, f"http://127.0.0.1:{port}", port, output_dir, log_path)
