@@ -14,8 +14,9 @@ import torch
 from PIL import Image
 
 from diffserve.configs.engine_args import EngineArgs
+from diffserve.configs.quality import check_default_quality, read_calibrated_policies
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.errors import UserError
+from diffserve.errors import InvalidRequestError, UserError
 from diffserve.image_inputs import ImageSource, load_images
 from diffserve.layers.attention import select_attention_backend
 from diffserve.loader.component_loader import load_components
@@ -55,6 +56,9 @@ class GenerationOutput:
     total_seconds: float = 0.0
     #: Video families: one uint8 array of shape (frames, height, width, 3) per output video.
     frames: list[np.ndarray] = field(default_factory=list)
+    #: Denoising steps that ran the DiT's blocks in full: all of them for quality "lossless"; fewer
+    #: when an approximate tier reused the cached residual (`params.quality` names the tier run).
+    steps_computed_in_full: int = 0
 
 
 class DiffGenerator:
@@ -92,12 +96,20 @@ class DiffGenerator:
         folder_defaults = read_folder_sampling_defaults(index.root)
         if folder_defaults:
             logger.info("Sampling defaults from the model folder's diffserve.json: %s", folder_defaults)
-        self.pipeline: Pipeline = self.family.pipeline_cls(
-            PipelineContext(
-                components, self.platform, self.dtype, show_progress=show_progress,
-                folder_sampling_defaults=folder_defaults, pipeline_options=index.options,
+        try:
+            check_default_quality(engine_args.default_quality)
+            calibrated = read_calibrated_policies(index.root, self.family.name)
+            self.pipeline: Pipeline = self.family.pipeline_cls(
+                PipelineContext(
+                    components, self.platform, self.dtype, show_progress=show_progress,
+                    folder_sampling_defaults=folder_defaults, pipeline_options=index.options,
+                    default_quality=engine_args.default_quality, calibrated_step_cache=calibrated,
+                )
             )
-        )
+        except InvalidRequestError as exc:  # the default tier is one this family does not have
+            raise UserError(f"--default-quality: {exc}") from exc
+        except ValueError as exc:
+            raise UserError(str(exc)) from exc
         self.model_path = str(index.root)
         logger.info("Pipeline ready in %.2f seconds", time.perf_counter() - start)
 
@@ -110,13 +122,22 @@ class DiffGenerator:
         attention_backend: str | None = None,
         output_path: str = "outputs",
         show_progress: bool = True,
+        compile: bool = False,
+        warmup_resolutions: Sequence[tuple[int, int]] = (),
+        default_quality: str = "lossless",
     ) -> DiffGenerator:
+        """Load a Diffusers folder. `compile=True` is `--compile` (torch.compile of the DiT's repeated
+        blocks); `warmup_resolutions` are (height, width) sizes generated once now; `default_quality` is
+        what a request's quality "auto" means (see README, "Quality tiers")."""
         args = EngineArgs(
             model_path=str(model_path),
             device=device,
             dtype=dtype,
             attention_backend=attention_backend,
             output_path=output_path,
+            compile=compile,
+            warmup_resolutions=[tuple(size) for size in warmup_resolutions],
+            default_quality=default_quality,
         )
         return cls(args, show_progress=show_progress)
 
@@ -188,6 +209,7 @@ class DiffGenerator:
             peak_memory_mb=peak_mb,
             output_paths=paths,
             total_seconds=total,
+            steps_computed_in_full=steps_computed_in_full(req),
         )
 
     def _save(self, req: Req, directory: Path, file_name: str | None, save_frames: bool = False) -> list[str]:
@@ -221,3 +243,8 @@ def log_sampling_params(params: SamplingParams) -> None:
     width = max(len(k) for k in shown)
     lines = "\n".join(f"    {k:>{width}}: {v}" for k, v in shown.items())
     logger.info("Sampling params:\n%s", lines)
+
+
+def steps_computed_in_full(req: Req) -> int:
+    """How many of the request's steps ran every DiT block (reported with approximate quality tiers)."""
+    return req.num_steps if req.step_cache is None else req.step_cache.steps_computed

@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from diffserve.configs.sampling_params import SamplingParams
+from diffserve.models.step_cache import StepCacheState
 
 
 def new_request_id() -> str:
@@ -68,6 +69,8 @@ class Req:
     # The guided velocity the last step was taken with (after any family sign flip, as the scheduler
     # saw it): a reference, not a copy. Previews rebuild the predicted clean latent from it.
     last_prediction: torch.Tensor | None = None
+    # Approximate quality tiers only: this request's step cache (reused DiT residuals and counts).
+    step_cache: StepCacheState | None = None
 
     # Set by decoding / output writing.
     images: list[Image.Image] | None = None

@@ -17,6 +17,24 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the platform's)")
     p.add_argument("--text-encoder-dtype", default=None, help="dtype of the text encoders (default: --dtype)")
     p.add_argument("--attention-backend", default=None, help="sdpa, flash_attn or sage_attn (default: sdpa)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the DiT's repeated blocks (regional; compiled once per block class and "
+                   "input shape, so the first request at each size is slow; see --warmup-resolutions)")
+    p.add_argument("--warmup-resolutions", nargs="+", default=[], metavar="WxH", type=parse_resolution,
+                   help="sizes generated once at startup (e.g. 1024x1024 768x1344) so compilation happens "
+                   "before the first request (default: none)")
+    p.add_argument("--default-quality", default="lossless", choices=("lossless", "high", "medium", "low"),
+                   help="what quality='auto' (or no quality) means for a request: lossless (exact), or an "
+                   "approximate tier that reuses DiT work between steps (default: lossless)")
+
+
+def parse_resolution(text: str) -> tuple[int, int]:
+    """'WIDTHxHEIGHT' (OpenAI's size order) -> (height, width)."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(part.strip().isdigit() and int(part) > 0 for part in parts):
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT such as 1024x768, got {text!r}")
+    width, height = (int(part) for part in parts)
+    return height, width
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
@@ -30,4 +48,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         text_encoder_dtype=args.text_encoder_dtype,
         attention_backend=args.attention_backend,
         output_path=args.output_path,
+        compile=args.compile,
+        warmup_resolutions=list(args.warmup_resolutions),
+        default_quality=args.default_quality,
     )

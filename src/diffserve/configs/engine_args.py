@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -22,6 +22,13 @@ class EngineArgs:
     max_batch_tokens: int | None = None
     #: Share of the free memory measured after warm-up that running requests may use (admission budget).
     mem_fraction: float = 0.9
+    #: torch.compile the DiT's repeated blocks (regional: one compiled graph per block class).
+    compile: bool = False
+    #: (height, width) sizes generated once at startup so compilation and allocator warm-up happen
+    #: before the first request; empty: none (the server still runs its 1-step warm-up).
+    warmup_resolutions: list[tuple[int, int]] = field(default_factory=list)
+    #: What a request's `quality="auto"` (or no quality) means: "lossless", "high", "medium" or "low".
+    default_quality: str = "lossless"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

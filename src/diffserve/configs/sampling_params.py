@@ -31,6 +31,9 @@ class SamplingParams:
     fps: int | None = None
     video_format: str | None = None
     output_format: str = "png"
+    #: "lossless" (exact), "high", "medium", "low" (approximate, faster), "auto" or None (the engine's
+    #: default), or OpenAI's "hd" (= lossless) / "standard" (= auto); see `configs/quality.py`.
+    quality: str | None = None
     #: Input images for edit / image-to-image families, as decoded RGB `PIL.Image.Image`s. Front ends
     #: turn paths, bytes, data URLs and (opt-in) URLs into images with `diffserve.image_inputs.load_image`
     #: before building the params, so the engine never touches the network or the user's files.

@@ -8,12 +8,15 @@ from typing import Any, ClassVar
 
 import torch
 
+from diffserve.configs.quality import LOSSLESS, QualityRule
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.loader.component_loader import LoadedComponent
+from diffserve.models.step_cache import StepCachePolicy
 from diffserve.platforms import Platform
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.denoising import DenoisingStage
+from diffserve.stages.input_validation import InputValidationStage
 
 logger = logging.getLogger("diffserve.pipeline")
 
@@ -30,6 +33,10 @@ class PipelineContext:
     folder_sampling_defaults: dict[str, Any] = field(default_factory=dict)
     #: model_index.json's pipeline-level settings (not components), e.g. Wan 2.2's "expand_timesteps".
     pipeline_options: dict[str, Any] = field(default_factory=dict)
+    #: What quality "auto" means for this engine (`--default-quality`).
+    default_quality: str = LOSSLESS
+    #: Step-cache policies per tier from the model folder's calibration file (over the family's own).
+    calibrated_step_cache: dict[str, StepCachePolicy] = field(default_factory=dict)
 
     def get(self, name: str) -> Any:
         return self.components[name].value
@@ -48,11 +55,30 @@ class Pipeline:
     optional_components: ClassVar[tuple[str, ...]] = ()
     #: Height and width must be multiples of this (set by `build_stages` from the loaded VAE).
     pixel_multiple: int
+    #: The approximate quality tiers this family has, with its measured step-cache thresholds
+    #: (empty: its DiT does not take a step cache, and only "lossless" is served).
+    step_cache_policies: ClassVar[dict[str, StepCachePolicy]] = {}
 
     def __init__(self, context: PipelineContext) -> None:
         self.context = context
         self.stages: list[Stage] = self.build_stages(context)
         logger.info("Pipeline stages: %s", [s.name for s in self.stages])
+        self.quality_rule = self._quality_rule(context)
+        for stage in self.stages:
+            if isinstance(stage, InputValidationStage):
+                stage.quality = self.quality_rule
+
+    def _quality_rule(self, context: PipelineContext) -> QualityRule:
+        name = type(self).__name__
+        if context.calibrated_step_cache and not self.step_cache_policies:
+            raise ValueError(f"the model folder has step-cache calibration, but {name} has no step cache")
+        policies = {**self.step_cache_policies, **context.calibrated_step_cache}
+        rule = QualityRule(default_tier=context.default_quality, policies=policies, family=name)
+        rule.resolve(None)  # a default tier the family does not have fails at startup, not per request
+        if policies:
+            logger.info("Quality tiers: lossless (exact), %s; default %s", ", ".join(
+                f"{tier} (threshold {policy.threshold:g})" for tier, policy in policies.items()), rule.default_tier)
+        return rule
 
     def build_stages(self, context: PipelineContext) -> list[Stage]:
         raise NotImplementedError
@@ -64,6 +90,8 @@ class Pipeline:
     def run(self, req: Req) -> Req:
         for stage in self.stages:
             req = stage(req)
+            if isinstance(stage, DenoisingStage):
+                log_step_cache(req)
         return req
 
     # -- The same pipeline as three phases, for the engine's step-level batching ---------------------
@@ -89,6 +117,7 @@ class Pipeline:
 
     def run_post_denoise(self, req: Req) -> Req:
         """Decoding (and any stage after it) once the request's last step is done."""
+        log_step_cache(req)
         for stage in self.stages[self.stages.index(self.denoising_stage) + 1 :]:
             req = stage(req)
         return req
@@ -102,4 +131,14 @@ class Pipeline:
             tuple(req.prompt_embeds.shape[1:]),
             None if req.condition_latents is None else tuple(req.condition_latents.shape[1:]),
             req.image_embeds is not None,
+        )
+
+
+def log_step_cache(req: Req) -> None:
+    """An approximate-quality request says how many of its steps ran the DiT blocks in full."""
+    cache = req.step_cache
+    if cache is not None:
+        logger.info(
+            "[%s] quality=%s: %d of %d steps computed in full, %d reused the cached residual",
+            req.request_id[:8], req.params.quality, cache.steps_computed, req.num_steps, cache.steps_reused,
         )

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from diffserve.models.step_cache import BatchStepCache, CacheRows, batch_step_cache
 from diffserve.request import Req
 
 
@@ -71,3 +72,14 @@ def advance_requests(scheduler, reqs: list[Req], predictions: list[torch.Tensor]
         req.last_prediction = noise_pred  # kept for previews (stages/previews.py); no copy, no compute
         req.latents = scheduler.step_request(noise_pred, req.latents, req.sigmas, req.step_index, req.scheduler_state)
         req.step_index += 1
+
+
+def step_cache_for(reqs: list[Req]) -> BatchStepCache | None:
+    """The DiT's step cache for a batch built by `gather_branches` (each request's positive rows then
+    its negative rows), or None when no request in it uses an approximate quality tier."""
+    return batch_step_cache(
+        [
+            CacheRows(req.step_cache, req.batch_size * (2 if req.do_cfg else 1), req.step_index, req.num_steps)
+            for req in reqs
+        ]
+    )

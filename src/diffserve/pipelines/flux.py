@@ -11,8 +11,9 @@ from diffserve.configs.sampling_params import SamplingParams
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.models.step_cache import StepCachePolicy
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.pipelines.cfg_batch import advance_requests, gather_branches, split_guided
+from diffserve.pipelines.cfg_batch import advance_requests, gather_branches, split_guided, step_cache_for
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.decoding import DecodingStage
@@ -71,6 +72,7 @@ class FluxDenoiser:
             txt_ids=first.text_ids,
             guidance=torch.cat(guidance).to(device) if guidance else None,
             rope=self.rope_for(first),
+            step_cache=step_cache_for(reqs),
         )
         advance_requests(self.scheduler, reqs, split_guided(prediction, reqs))
 
@@ -78,6 +80,12 @@ class FluxDenoiser:
 class FluxPipeline(Pipeline):
     required_components = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "vae", "transformer", "scheduler")
     config = FluxPipelineConfig()
+    #: Measured with `diffserve calibrate-cache` on FLUX-architecture checkpoints (see README, "Quality tiers").
+    step_cache_policies = {
+        "high": StepCachePolicy(threshold=0.1, max_reuse_in_a_row=2),
+        "medium": StepCachePolicy(threshold=0.25, max_reuse_in_a_row=3),
+        "low": StepCachePolicy(threshold=0.5, max_reuse_in_a_row=5),
+    }
 
     def build_stages(self, context: PipelineContext) -> list[Stage]:
         transformer = context.get("transformer")

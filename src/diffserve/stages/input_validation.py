@@ -9,8 +9,10 @@ from typing import Literal
 import torch
 from PIL import Image
 
+from diffserve.configs.quality import LOSSLESS, QualityRule
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError
+from diffserve.models.step_cache import StepCacheState
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 
@@ -99,7 +101,7 @@ class VideoRule:
 
 
 class InputValidationStage(Stage):
-    sets = ("generator", "do_cfg")
+    sets = ("generator", "do_cfg")  # and step_cache, for an approximate quality tier
 
     def __init__(
         self,
@@ -127,6 +129,8 @@ class InputValidationStage(Stage):
         self.unsupported_params = unsupported_params or {}
         self.default_size = default_size
         self.video = video
+        #: Set by `Pipeline` from the engine's default tier and the family's step-cache policies.
+        self.quality = QualityRule(family=self.image_inputs.pipeline_name)
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         """Family defaults applied and validated; raises InvalidRequestError on bad input."""
@@ -143,6 +147,7 @@ class InputValidationStage(Stage):
                         param=name,
                     )
         resolved = params.with_defaults(self.defaults)
+        resolved.quality = self.quality.resolve(params.quality)
         self.image_inputs.check(resolved)
         if self.video is not None:
             self.video.check(resolved)
@@ -162,6 +167,8 @@ class InputValidationStage(Stage):
         # and matches Diffusers called with generator=torch.Generator("cpu").manual_seed(seed).
         req.generator = torch.Generator("cpu").manual_seed(req.params.seed)
         p = req.params
+        if p.quality != LOSSLESS:
+            req.step_cache = StepCacheState(self.quality.policies[p.quality])
         if self.cfg_mode == "true_cfg":
             req.do_cfg = bool(p.true_cfg_scale and p.true_cfg_scale > 1 and p.negative_prompt is not None)
             req.cfg_scale = float(p.true_cfg_scale or 1.0)

@@ -33,6 +33,7 @@ from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.rotary import RotaryEmbedding, multi_axis_rope_tables
 from diffserve.models.config_keys import checked_config_kwargs
+from diffserve.models.step_cache import BatchStepCache
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 
@@ -361,6 +362,7 @@ class FluxTransformer2DModel(nn.Module):
         txt_ids: torch.Tensor,
         guidance: torch.Tensor | None = None,
         rope: RopeTables | None = None,
+        step_cache: BatchStepCache | None = None,
     ) -> torch.Tensor:
         """Predict the flow-matching velocity for packed latents.
 
@@ -372,6 +374,8 @@ class FluxTransformer2DModel(nn.Module):
             img_ids, txt_ids: position ids (img_seq, 3) and (txt_seq, 3), shared by the batch.
             guidance: (batch,) or (1,) guidance scale for guidance-distilled models, else None.
             rope: precomputed `rope_tables(txt_ids, img_ids)`; computed from the ids when None.
+            step_cache: rows of approximate-quality requests, which may reuse the blocks' residual from
+                an earlier step (`models/step_cache.py`); None runs every block for every row (exact).
 
         Returns:
             (batch, img_seq, patch_size**2 * out_channels).
@@ -392,13 +396,38 @@ class FluxTransformer2DModel(nn.Module):
         temb_act = F.silu(temb)  # every adaLN projects SiLU(temb); compute it once
         ctx = self.context_embedder(encoder_hidden_states)
 
+        if step_cache is None:
+            x = self._run_blocks(x, ctx, temb_act, rope)
+        else:
+            x = step_cache.run(
+                x,
+                self._cache_signal(x, temb_act),
+                lambda rows: self._run_blocks(
+                    _take_rows(x, rows), _take_rows(ctx, rows), _take_rows(temb_act, rows), rope
+                ),
+            )
+        x = self.norm_out(x, temb_act)
+        return self.proj_out(x)
+
+    def _run_blocks(
+        self, x: torch.Tensor, ctx: torch.Tensor, temb_act: torch.Tensor, rope: RopeTables
+    ) -> torch.Tensor:
+        """Every double- and single-stream block; returns the image tokens the output head reads."""
         for block in self.transformer_blocks:
             ctx, x = block(x, ctx, temb_act, rope)
-
         txt_len = ctx.shape[1]
         h = torch.cat([ctx, x], dim=1)
         for block in self.single_transformer_blocks:
             h = block(h, temb_act, rope)
+        return h[:, txt_len:]
 
-        x = self.norm_out(h[:, txt_len:], temb_act)
-        return self.proj_out(x)
+    def _cache_signal(self, x: torch.Tensor, temb_act: torch.Tensor) -> torch.Tensor:
+        """The first block's timestep-modulated image input: what the step cache watches change."""
+        if len(self.transformer_blocks):
+            return self.transformer_blocks[0].norm1(x, temb_act)[0]
+        return self.single_transformer_blocks[0].norm(x, temb_act)[0]
+
+
+def _take_rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """`t` restricted to batch rows `rows` (None: all); a 1-row tensor broadcast over the batch stays."""
+    return t if rows is None or t.shape[0] == 1 else t.index_select(0, rows)
