@@ -209,7 +209,7 @@ class DiffGenerator:
             peak_memory_mb=peak_mb,
             output_paths=paths,
             total_seconds=total,
-            steps_computed_in_full=steps_computed_in_full(req),
+            steps_computed_in_full=req.steps_computed_in_full,
         )
 
     def _save(self, req: Req, directory: Path, file_name: str | None, save_frames: bool = False) -> list[str]:
@@ -243,8 +243,3 @@ def log_sampling_params(params: SamplingParams) -> None:
     width = max(len(k) for k in shown)
     lines = "\n".join(f"    {k:>{width}}: {v}" for k, v in shown.items())
     logger.info("Sampling params:\n%s", lines)
-
-
-def steps_computed_in_full(req: Req) -> int:
-    """How many of the request's steps ran every DiT block (reported with approximate quality tiers)."""
-    return req.num_steps if req.step_cache is None else req.step_cache.steps_computed

@@ -100,5 +100,10 @@ class Req:
         return 0 if self.timesteps is None else int(self.timesteps.shape[0])
 
     @property
+    def steps_computed_in_full(self) -> int:
+        """Steps that ran every DiT block: all of them unless an approximate quality tier reused some."""
+        return self.step_index if self.step_cache is None else self.step_cache.steps_computed
+
+    @property
     def is_denoised(self) -> bool:
         return self.timesteps is not None and self.step_index >= self.num_steps
