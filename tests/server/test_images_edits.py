@@ -354,7 +354,7 @@ def test_field_errors(server) -> None:
     )
     assert_error(edit(server, files=img, data={**FIELDS, "n": "11"}), 400, "less than or equal to 10", "n")
     assert_error(
-        edit(server, files=img, data={**FIELDS, "quality": "high"}), 400, "not supported yet", "quality"
+        edit(server, files=img, data={**FIELDS, "quality": "ultra"}), 400, "quality must be one of", "quality"
     )
     assert_error(
         edit(server, files=img, data={**FIELDS, "model": "dall-e-2"}),

@@ -199,6 +199,28 @@ def test_concurrent_requests_all_succeed_with_offline_pixels(server, offline) ->
     assert len(ids) == 8
 
 
+def test_quality_medium_is_served_and_reports_the_steps_it_computed(server, client, offline) -> None:
+    """An approximate tier through the official client: the response names the tier and how many of the
+    steps ran the DiT in full, and its pixels are the in-process API's for the same request."""
+    steps = 10
+    response = client.images.generate(
+        model=server.model_name, prompt="a red fox", size=f"{SIZE}x{SIZE}", quality="medium",
+        extra_body={"seed": 3, "num_inference_steps": steps},
+    )
+    extra = response.model_extra or {}
+    assert response.quality == "medium"
+    assert extra["num_inference_steps"] == steps and 3 <= extra["steps_computed_in_full"] < steps
+    expected = offline.generate("a red fox", height=SIZE, width=SIZE, num_inference_steps=steps, seed=3,
+                                quality="medium")
+    assert expected.steps_computed_in_full == extra["steps_computed_in_full"]
+    np.testing.assert_array_equal(b64_pixels(response.data[0].b64_json), np.asarray(expected.images[0]))
+    lossless = client.images.generate(
+        model=server.model_name, prompt="a red fox", size=f"{SIZE}x{SIZE}", quality="hd",
+        extra_body={"seed": 3, "num_inference_steps": steps},
+    )
+    assert lossless.quality == "lossless" and (lossless.model_extra or {})["steps_computed_in_full"] == steps
+
+
 # -- errors -----------------------------------------------------------------------------------------
 BASE = {"prompt": "x", "size": f"{SIZE}x{SIZE}", "num_inference_steps": 1}
 
@@ -214,7 +236,7 @@ BASE = {"prompt": "x", "size": f"{SIZE}x{SIZE}", "num_inference_steps": 1}
         ({**BASE, "size": "40x32"}, 400, "width=40 is not a multiple of 16", "width"),
         ({**BASE, "prompt": "  "}, 400, "prompt must be a non-empty string", "prompt"),
         ({"size": "32x32"}, 400, "prompt is required", "prompt"),
-        ({**BASE, "quality": "medium"}, 400, "quality='medium' is not supported yet", "quality"),
+        ({**BASE, "quality": "ultra"}, 400, "quality must be one of auto, lossless, high, medium, low, hd", "quality"),
         ({**BASE, "partial_images": 2}, 400, "partial_images=2 needs stream=true", "partial_images"),
         ({**BASE, "style": "vivid"}, 400, "style='vivid' is not supported yet", "style"),
         ({**BASE, "response_format": "xml"}, 400, "Input should be 'b64_json' or 'url'", "response_format"),

@@ -62,7 +62,7 @@ def test_partial_images_then_the_final_image_equal_to_the_plain_response(server)
         assert (event.size, event.output_format, event.quality, event.background) == (
             f"{WIDTH}x{HEIGHT}",
             "png",
-            "auto",
+            "lossless",  # the tier the request ran at ("auto" resolved to the server's default)
             "auto",
         )
         assert isinstance(event.created_at, int)
@@ -107,7 +107,7 @@ def test_n_images_give_one_completed_event_each(server) -> None:
             "response_format='url' is not available with stream=true",
             "response_format",
         ),
-        ({"quality": "high"}, "quality='high' is not supported yet", "quality"),
+        ({"quality": "best"}, "quality must be one of auto, lossless", "quality"),  # found by the engine
     ],
 )
 def test_bad_parameters_are_plain_400s_before_the_stream(server, extra, message, param) -> None:

@@ -456,11 +456,8 @@ def test_list_paginates_newest_first(srv, client, t2v) -> None:
         ({"seconds": "1", "num_frames": 5}, "either seconds or num_frames, not both", "seconds"),
         ({"seconds": 1000}, "this model makes at most 1025 frames", "seconds"),
         ({"seconds": "soon"}, "seconds: Input should be a valid number", "seconds"),
-        (
-            {"quality": "high"},
-            "unknown field 'quality'; accepted fields: prompt, model, size, seconds",
-            "quality",
-        ),
+        ({"quality": "ultra"}, "quality must be one of auto, lossless, high, medium, low", "quality"),
+        ({"shots": 3}, "unknown field 'shots'; accepted fields: prompt, model, size, seconds", "shots"),
         (
             {"input_reference": "data:image/png;base64,AAAA"},
             "text-to-video model and takes no input_reference",

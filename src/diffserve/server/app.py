@@ -183,7 +183,11 @@ def images_response(job: GenerateJob, result: JobFinished, base_url: str, api_ke
         "data": data,
         "output_format": p.output_format,
         "size": f"{p.width}x{p.height}",
+        "quality": p.quality,
         "seed": p.seed,
+        # diffserve extension: with an approximate quality, fewer steps ran the DiT in full.
+        "num_inference_steps": p.num_inference_steps,
+        "steps_computed_in_full": result.steps_computed_in_full,
     }
 
 
@@ -252,7 +256,7 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
         messages: asyncio.Queue = asyncio.Queue()
         accepted, outcome = await run_unless_disconnected(request, engine.submit(job, messages.put_nowait))
         p = accepted.params
-        header = StreamHeader(kind, size=f"{p.width}x{p.height}", output_format=p.output_format)
+        header = StreamHeader(kind, size=f"{p.width}x{p.height}", output_format=p.output_format, quality=p.quality)
 
         def finished(result: JobFinished) -> None:
             metrics.generation_requests.labels("success").inc()

@@ -405,7 +405,7 @@ class Engine:
             JobFinished(
                 sr.request_id, images, params, out.timings, out.step_times, peak,
                 engine_seconds=time.perf_counter() - start, encode_seconds=encode_seconds,
-                batch_sizes=list(sr.batch_sizes),
+                batch_sizes=list(sr.batch_sizes), steps_computed_in_full=req.steps_computed_in_full,
             )
         )
 
@@ -477,6 +477,7 @@ class Engine:
             self.channel.send(JobFinished(
                 rid, [], params, timings, list(out.step_times), peak,
                 engine_seconds=time.perf_counter() - start, encode_seconds=encode_seconds, videos=[video],
+                steps_computed_in_full=sr.req.steps_computed_in_full,
             ))
         except Exception as exc:
             logger.exception("Request %s failed while writing its video", rid)

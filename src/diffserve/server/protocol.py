@@ -161,6 +161,8 @@ class JobFinished:
     videos: list[EncodedVideo] = field(default_factory=list)  # video jobs (then `images` is empty)
     #: Requests in the DiT batch of each of this job's denoising steps (1: the step ran alone).
     batch_sizes: list[int] = field(default_factory=list)
+    #: Steps that ran every DiT block (fewer than the steps with an approximate quality tier).
+    steps_computed_in_full: int | None = None
 
 
 @dataclass

@@ -22,9 +22,6 @@ class ApiParamError(ValueError):
 
 #: OpenAI fields diffserve cannot honour yet, with the values that change nothing (accepted).
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    # Every path is lossless today, so "lossless", OpenAI's "hd" (-> lossless) and "standard" (-> auto)
-    # all give the exact output; the approximate tiers ("high", "medium", "low") are not implemented yet.
-    "quality": (None, "auto", "lossless", "hd", "standard"),
     "background": (None, "auto"),
     "style": (None,),
     "moderation": (None, "auto"),
@@ -56,8 +53,13 @@ class ImageGenerationRequest(BaseModel):
         None, ge=0, le=MAX_PARTIAL_IMAGES,
         description="with stream=true: previews (0-3) sent while the image is made, before the final one",
     )
+    quality: str | None = Field(
+        None,
+        description="'lossless' (exact), 'high', 'medium' or 'low' (approximate: reuse DiT work between steps, "
+        "faster, at least 35/30/25 dB PSNR against lossless), 'auto' (the server's --default-quality); OpenAI's "
+        "'hd' means lossless and 'standard' auto",
+    )
     # OpenAI fields accepted only with a value that changes nothing (see NO_OP_VALUES).
-    quality: str | None = None
     background: str | None = None
     style: str | None = None
     moderation: str | None = None
@@ -135,6 +137,7 @@ class ImageGenerationRequest(BaseModel):
             num_outputs_per_prompt=self.n or 1,
             max_sequence_length=self.max_sequence_length,
             output_format=self.output_format or "png",
+            quality=self.quality,
         )
 
 

@@ -79,6 +79,10 @@ class VideoCreateRequest(BaseModel):
     num_inference_steps: int | None = Field(None, ge=1)
     guidance_scale: float | None = Field(None, ge=0)
     max_sequence_length: int | None = Field(None, ge=1)
+    quality: str | None = Field(
+        None, description="'lossless' (exact), 'high', 'medium', 'low' (approximate, faster) or 'auto' (the "
+        "server's --default-quality); see /v1/images/generations",
+    )
     priority: int | None = Field(
         None, ge=-1000, le=1000,
         description="scheduling priority (-1000..1000, default 0): the engine admits higher first, equal "
@@ -129,6 +133,7 @@ class VideoCreateRequest(BaseModel):
             num_frames=num_frames,
             fps=self.fps,
             video_format="mp4",
+            quality=self.quality,
         )
 
 
