@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from diffserve.cli import generate, make_tiny, serve
+from diffserve.cli import calibrate_cache, generate, make_tiny, serve
 from diffserve.cli.logging_setup import configure_logging
 
 EXIT_USER_ERROR = 2
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffserve", description="A fast serving engine for diffusion models.")
     sub = parser.add_subparsers(dest="command", required=True)
     generate.add_parser(sub)
+    calibrate_cache.add_parser(sub)
     make_tiny.add_parser(sub)
     serve.add_parser(sub)
     return parser

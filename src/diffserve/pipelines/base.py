@@ -63,22 +63,23 @@ class Pipeline:
         self.context = context
         self.stages: list[Stage] = self.build_stages(context)
         logger.info("Pipeline stages: %s", [s.name for s in self.stages])
-        self.quality_rule = self._quality_rule(context)
-        for stage in self.stages:
-            if isinstance(stage, InputValidationStage):
-                stage.quality = self.quality_rule
-
-    def _quality_rule(self, context: PipelineContext) -> QualityRule:
         name = type(self).__name__
         if context.calibrated_step_cache and not self.step_cache_policies:
             raise ValueError(f"the model folder has step-cache calibration, but {name} has no step cache")
-        policies = {**self.step_cache_policies, **context.calibrated_step_cache}
-        rule = QualityRule(default_tier=context.default_quality, policies=policies, family=name)
-        rule.resolve(None)  # a default tier the family does not have fails at startup, not per request
-        if policies:
+        self.use_step_cache_policies({**self.step_cache_policies, **context.calibrated_step_cache})
+        if self.quality_rule.policies:
             logger.info("Quality tiers: lossless (exact), %s; default %s", ", ".join(
-                f"{tier} (threshold {policy.threshold:g})" for tier, policy in policies.items()), rule.default_tier)
-        return rule
+                f"{tier} (threshold {policy.threshold:g})" for tier, policy in self.quality_rule.policies.items()
+            ), self.quality_rule.default_tier)
+
+    def use_step_cache_policies(self, policies: dict[str, StepCachePolicy]) -> None:
+        """Serve these approximate tiers from now on (`diffserve calibrate-cache` tries candidates)."""
+        rule = QualityRule(default_tier=self.context.default_quality, policies=policies, family=type(self).__name__)
+        rule.resolve(None)  # a default tier the family does not have fails at startup, not per request
+        self.quality_rule = rule
+        for stage in self.stages:
+            if isinstance(stage, InputValidationStage):
+                stage.quality = rule
 
     def build_stages(self, context: PipelineContext) -> list[Stage]:
         raise NotImplementedError
