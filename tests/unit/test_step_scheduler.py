@@ -369,3 +369,15 @@ def test_calibration_fits_the_measured_peaks(flux) -> None:
     assert memory.source == "measured" and memory.budget_bytes == 5 * 10**8
     assert memory.bytes_per_token == pytest.approx(11.0) and memory.fixed_bytes == pytest.approx(550.0)
     assert memory.bytes_per_pixel == pytest.approx(7.7) and memory.decode_fixed_bytes == pytest.approx(0.0)
+
+
+def test_an_approximate_tier_counts_its_step_cache_memory(flux) -> None:
+    from diffserve.runtime.memory import estimated_memory_model
+
+    lossless = request_cost(flux.pipeline, params(0, num_inference_steps=2))
+    medium = request_cost(flux.pipeline, params(0, num_inference_steps=2, quality="medium"))
+    assert not lossless.step_cache and medium.step_cache
+    memory = estimated_memory_model(flux.pipeline, flux.platform, 0.9)
+    width = flux.pipeline.context.get("transformer").inner_dim
+    extra = memory.estimate(medium) - memory.estimate(lossless)
+    assert extra == 2 * width * 4 * medium.batch_tokens  # residual + last signal, fp32

@@ -14,7 +14,11 @@ so the memory of a running set is
 
     sum(denoise(r) for r in running) + max(decode(r) for r in running)
 
-and a request is admitted only while that total, with it, stays within the budget: the free memory
+An approximate-quality request also keeps its step cache (`models/step_cache.py`: the blocks' last
+residual and the last signal, two hidden states of DiT width per token) for its whole run:
+`step_cache_per_token * tokens * branches * outputs` on top of its denoising term.
+
+A request is admitted only while that total, with it, stays within the budget: the free memory
 measured once after warm-up times `--mem-fraction` (the model's weights are already resident then, so
 they are not counted twice).
 
@@ -75,6 +79,8 @@ class RequestCost:
     outputs: int
     #: Decoded pixels of one output (times its frames for a video).
     pixels: int
+    #: The request runs an approximate quality tier and holds a step cache while it runs.
+    step_cache: bool = False
 
     @property
     def batch_tokens(self) -> int:
@@ -101,9 +107,9 @@ def request_cost(pipeline: Any, params: SamplingParams) -> RequestCost:
     stage = _find_input_validation(pipeline)
     if stage is not None:
         probe = stage.forward(Req(params=dataclasses.replace(params, extra=dict(params.extra))))
-        resolved, branches = probe.params, 2 if probe.do_cfg else 1
+        resolved, branches, step_cache = probe.params, 2 if probe.do_cfg else 1, probe.step_cache is not None
     else:
-        resolved, branches = pipeline.resolve_params(params), 1
+        resolved, branches, step_cache = pipeline.resolve_params(params), 1, False
     multiple = int(getattr(pipeline, "pixel_multiple", 16))
     frames, latent_frames = 1, 1
     if resolved.num_frames is not None:
@@ -118,6 +124,7 @@ def request_cost(pipeline: Any, params: SamplingParams) -> RequestCost:
         branches=branches,
         outputs=int(resolved.num_outputs_per_prompt),
         pixels=int(resolved.height) * int(resolved.width) * frames,
+        step_cache=step_cache,
     )
 
 
@@ -134,9 +141,12 @@ class MemoryModel:
     budget_bytes: int | None
     #: "measured" (calibrated at warm-up) or "estimated" (from the DiT's width).
     source: str
+    #: What a step cache holds per batch token: two hidden states of DiT width (residual, last signal).
+    step_cache_bytes_per_token: float = 0.0
 
     def denoise_bytes(self, cost: RequestCost) -> float:
-        return self.fixed_bytes + self.bytes_per_token * cost.batch_tokens
+        cache = self.step_cache_bytes_per_token * cost.batch_tokens if cost.step_cache else 0.0
+        return self.fixed_bytes + self.bytes_per_token * cost.batch_tokens + cache
 
     def decode_bytes(self, cost: RequestCost) -> float:
         return self.decode_fixed_bytes + self.bytes_per_pixel * cost.pixels * cost.outputs
@@ -213,6 +223,10 @@ def _element_size(pipeline: Any) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def _step_cache_bytes_per_token(pipeline: Any) -> float:
+    return float(2 * _dit_width(pipeline) * _element_size(pipeline))
+
+
 def estimated_memory_model(pipeline: Any, platform: Any, mem_fraction: float) -> MemoryModel:
     """Coefficients from the DiT's width and dtype, no measurement (CPU, or warm-up turned off)."""
     element = _element_size(pipeline)
@@ -223,6 +237,7 @@ def estimated_memory_model(pipeline: Any, platform: Any, mem_fraction: float) ->
         decode_fixed_bytes=0.0,
         budget_bytes=_budget(platform, mem_fraction),
         source="estimated",
+        step_cache_bytes_per_token=_step_cache_bytes_per_token(pipeline),
     )
 
 
@@ -284,6 +299,7 @@ def calibrate_memory_model(
         decode_fixed_bytes=decode_fixed * MEASURED_HEADROOM,
         budget_bytes=_budget(platform, mem_fraction),
         source="measured",
+        step_cache_bytes_per_token=_step_cache_bytes_per_token(pipeline),
     )
     logger.info(
         "Memory model calibrated: denoising %.0f / %.0f MB at %d / %d tokens, decoding %.0f / %.0f MB; %s",
