@@ -402,6 +402,7 @@ def test_create_poll_and_download_with_the_openai_sdk(srv, client, t2v) -> None:
     assert len(denoising) >= 3, f"progress should rise step by step, saw {seen}"
     assert video.progress == 100 and video.error is None
     assert video.completed_at >= video.created_at and video.expires_at == video.completed_at + 86400
+    assert (video.model_extra["quality"], video.model_extra["steps_computed_in_full"]) == ("lossless", POLLED_STEPS)
 
     data = client.videos.download_content(video.id).read()
     assert data[4:8] == b"ftyp"

@@ -120,6 +120,8 @@ class VideoJob:
     guidance_scale: float | None = None
     negative_prompt: str | None = None
     image_to_video: bool = False
+    quality: str | None = None  # the tier run ("lossless", "high", "medium", "low")
+    steps_computed_in_full: int | None = None  # known when completed; fewer than the steps with a lossy tier
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -131,6 +133,7 @@ class VideoJob:
         self.num_frames, self.fps, self.seed = params.num_frames, params.fps, params.seed
         self.num_inference_steps, self.guidance_scale = params.num_inference_steps, params.guidance_scale
         self.negative_prompt = params.negative_prompt
+        self.quality = params.quality
 
     def expires_at(self, ttl: float) -> float | None:
         return None if self.completed_at is None else self.completed_at + ttl
@@ -162,6 +165,8 @@ class VideoJob:
             "num_inference_steps": self.num_inference_steps,
             "guidance_scale": self.guidance_scale,
             "image_to_video": self.image_to_video,
+            "quality": self.quality,
+            "steps_computed_in_full": self.steps_computed_in_full,
         }
 
 
@@ -468,6 +473,7 @@ class VideoJobManager:
                 self._remove_files(job.id)
             else:
                 job.file_bytes = result.videos[0].size_bytes if result.videos else None
+                job.steps_computed_in_full = result.steps_computed_in_full
                 self._finish(job, "completed")
         finally:
             self._active.pop(job.id, None)
