@@ -68,6 +68,7 @@ def test_partial_images_then_the_final_image_equal_to_the_plain_response(server)
         assert isinstance(event.created_at, int)
         assert pixels(event.b64_json).shape == (HEIGHT, WIDTH, 3)
     assert events[-1].usage.total_tokens == 0
+    assert events[-1].model_extra["steps_computed_in_full"] == BODY["num_inference_steps"]
     plain = generate(server, False)
     final = pixels(events[-1].b64_json)
     assert np.array_equal(final, pixels(plain.data[0].b64_json))

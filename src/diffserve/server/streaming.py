@@ -120,11 +120,12 @@ class StreamHeader:
         body["partial_image_index"] = preview.index
         return sse_event(body["type"], body)
 
-    def completed(self, data: bytes, image_index: int) -> bytes:
+    def completed(self, data: bytes, image_index: int, steps_computed_in_full: int | None = None) -> bytes:
         body = self.common(
             "completed", base64.b64encode(data).decode("ascii"), self.output_format, image_index
         )
         body["usage"] = ZERO_USAGE
+        body["steps_computed_in_full"] = steps_computed_in_full  # diffserve extension (quality tiers)
         return sse_event(body["type"], body)
 
 
@@ -193,7 +194,7 @@ class ImageEventStream:
         result: JobFinished = self.outcome.result()
         self.on_finished(result)
         for index, image in enumerate(result.images):
-            yield self.header.completed(image.data or b"", index)
+            yield self.header.completed(image.data or b"", index, result.steps_computed_in_full)
 
 
 async def _disconnected(receive: Receive) -> None:
