@@ -21,8 +21,9 @@ from diffserve.configs.sampling_params import SamplingParams
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.models.step_cache import StepCachePolicy
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.pipelines.cfg_batch import advance_requests, split_guided
+from diffserve.pipelines.cfg_batch import advance_requests, split_guided, step_cache_for
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.denoising import DenoisingStage
@@ -88,6 +89,7 @@ class QwenImageDenoiser:
             timestep=torch.cat(timesteps).to(device=device, dtype=dtype) / 1000,
             img_shapes=shapes,
             guidance=torch.cat(guidance).to(device) if guidance else None,
+            step_cache=step_cache_for(reqs),  # rows are in `gather_branches` order, as it expects
         )
         prediction = prediction[:, : first.latents.shape[1]]
         advance_requests(self.scheduler, reqs, split_guided(prediction, reqs, combine=norm_preserving_cfg))
@@ -104,6 +106,16 @@ class QwenImagePipeline(Pipeline):
     required_components = ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
     config = QwenImagePipelineConfig()
     pipeline_name = "QwenImagePipeline"
+    #: Measured on the tiny test model (20 steps, 64x64, text-to-image and edit alike): 14 / 9 / 5 steps in
+    #: full for high / medium / low at about 38 / 32 / 28 dB. Its random weights make the timestep
+    #: modulation, hence the signal, jump by ~100% every step, so thresholds above 1 leave the schedule to
+    #: `max_reuse_in_a_row` and the full first/last steps; its last steps are the most sensitive ones.
+    #: A real checkpoint moves far less per step: `diffserve calibrate-cache` should replace these.
+    step_cache_policies = {
+        "high": StepCachePolicy(threshold=1.0, max_reuse_in_a_row=2, full_last_steps=5),
+        "medium": StepCachePolicy(threshold=3.0, max_reuse_in_a_row=2, full_first_steps=1, full_last_steps=3),
+        "low": StepCachePolicy(threshold=6.0, max_reuse_in_a_row=4, full_first_steps=1, full_last_steps=1),
+    }
 
     def validation_stage(self, context: PipelineContext) -> InputValidationStage:
         transformer = context.get("transformer")

@@ -52,7 +52,8 @@ from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.rotary import RotaryEmbedding
 from diffserve.models.config_keys import checked_config_kwargs
-from diffserve.models.dits.flux import AdaLayerNormContinuous, FeedForward
+from diffserve.models.dits.flux import AdaLayerNormContinuous, FeedForward, _take_rows
+from diffserve.models.step_cache import BatchStepCache
 
 #: (cos, sin) float32 half-width tables for the joint [text; image] sequence: (seq, head_dim // 2)
 #: when every sample has the same shapes, else (batch * seq, head_dim // 2), one block per sample.
@@ -427,6 +428,7 @@ class QwenImageTransformer2DModel(nn.Module):
         timestep: torch.Tensor,
         img_shapes: Any,
         guidance: torch.Tensor | None = None,
+        step_cache: BatchStepCache | None = None,
     ) -> torch.Tensor:
         """Predict the flow-matching velocity for packed latents.
 
@@ -441,6 +443,10 @@ class QwenImageTransformer2DModel(nn.Module):
             img_shapes: per sample, a list of (frames, h, w) in patches (generated image first, then
                 conditioning images), as Diffusers' pipelines pass it; one entry serves the whole batch.
             guidance: ignored (Qwen-Image is not guidance-distilled); accepted for call compatibility.
+            step_cache: rows of approximate-quality requests, which may reuse the blocks' residual from
+                an earlier step (`models/step_cache.py`); None runs every block for every row (exact).
+                The residual covers every image token (conditioning images too); the signal only the
+                generated image's.
 
         Returns:
             (batch, img_seq, patch_size**2 * out_channels).
@@ -464,10 +470,7 @@ class QwenImageTransformer2DModel(nn.Module):
         cond_tokens = None
         if self.zero_cond_t:
             t = torch.cat([t, t * 0])
-            n_gen = torch.tensor([math.prod(s[0]) for s in shapes], device=x.device)
-            cond_tokens = (torch.arange(img_seq, device=x.device)[None, :] >= n_gen[:, None]).expand(
-                batch, -1
-            )
+            cond_tokens = _condition_token_mask(shapes, img_seq, batch, x.device)
         temb_act = F.silu(self.time_text_embed(t, x.dtype))  # every adaLN projects SiLU(temb)
         ctx = self.txt_in(self.txt_norm(encoder_hidden_states))
 
@@ -485,8 +488,86 @@ class QwenImageTransformer2DModel(nn.Module):
             ]
 
         rope = self.pos_embed(shapes, txt_seq, x.device)
-        for block in self.transformer_blocks:
-            ctx, x = block(x, ctx, temb_act, rope, attn_mask, cond_tokens)
+        if step_cache is None:
+            x = self._run_blocks(x, ctx, temb_act, rope, attn_mask, cond_tokens)
+        else:
+            x = step_cache.run(
+                x,
+                self._cache_signal(x, temb_act, cond_tokens, shapes),
+                lambda rows: self._run_blocks(
+                    _take_rows(x, rows),
+                    _take_rows(ctx, rows),
+                    _take_temb_rows(temb_act, rows, batch),
+                    _take_rope_rows(rope, rows, txt_seq + img_seq),
+                    _take_optional_rows(attn_mask, rows),
+                    _take_optional_rows(cond_tokens, rows),
+                ),
+            )
 
         x = self.norm_out(x, temb_act[:batch])
         return self.proj_out(x)
+
+    def _run_blocks(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        temb_act: torch.Tensor,
+        rope: RopeTables,
+        attn_mask: torch.Tensor | None,
+        cond_tokens: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Every double-stream block; returns the image tokens the output head reads."""
+        for block in self.transformer_blocks:
+            ctx, x = block(x, ctx, temb_act, rope, attn_mask, cond_tokens)
+        return x
+
+    def _cache_signal(
+        self,
+        x: torch.Tensor,
+        temb_act: torch.Tensor,
+        cond_tokens: torch.Tensor | None,
+        shapes: list[tuple[ImageShape, ...]],
+    ) -> torch.Tensor:
+        """The first block's timestep-modulated input of the generated image's tokens (what the step cache
+        watches change). Conditioning-image tokens are zeroed: they are the same at every step (and, with
+        `zero_cond_t`, so is their modulation), so they would only dilute the change, and an edit request
+        would then reuse more than a text-to-image one at the same threshold.
+        """
+        block = self.transformer_blocks[0]
+        img_mod1 = block.img_mod[1](temb_act).chunk(2, dim=-1)[0]
+        signal, _ = block._modulate(block.img_norm1(x), img_mod1, cond_tokens)
+        batch, img_seq = x.shape[:2]
+        if all(math.prod(sample[0]) == img_seq for sample in shapes):
+            return signal
+        condition = _condition_token_mask(shapes, img_seq, batch, x.device)
+        return signal.masked_fill(condition.unsqueeze(-1), 0)
+
+
+def _condition_token_mask(
+    shapes: list[tuple[ImageShape, ...]], img_seq: int, batch: int, device: torch.device
+) -> torch.Tensor:
+    """(batch, img_seq) bool, true for conditioning-image tokens (those after the generated image's)."""
+    n_gen = torch.tensor([math.prod(s[0]) for s in shapes], device=device)
+    return (torch.arange(img_seq, device=device)[None, :] >= n_gen[:, None]).expand(batch, -1)
+
+
+def _take_optional_rows(t: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else _take_rows(t, rows)
+
+
+def _take_temb_rows(temb_act: torch.Tensor, rows: torch.Tensor | None, batch: int) -> torch.Tensor:
+    """SiLU(temb) for batch rows `rows`; with `zero_cond_t` it holds [real t; t = 0] halves, both kept."""
+    if rows is None or temb_act.shape[0] == batch:
+        return _take_rows(temb_act, rows)
+    return torch.cat([temb_act.index_select(0, rows), temb_act.index_select(0, rows + batch)])
+
+
+def _take_rope_rows(rope: RopeTables, rows: torch.Tensor | None, seq: int) -> RopeTables:
+    """Shared (seq, d) tables stay; per-sample ones (a `seq` block per row, see `RopeTables`) keep `rows`' blocks."""
+    cos, sin = rope
+    if rows is None or cos.shape[0] == seq:
+        return rope
+    return (
+        cos.unflatten(0, (-1, seq)).index_select(0, rows).flatten(0, 1),
+        sin.unflatten(0, (-1, seq)).index_select(0, rows).flatten(0, 1),
+    )

@@ -33,7 +33,8 @@ from diffserve.layers.embeddings import CombinedTimestepTextEmbedding
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.models.config_keys import checked_config_kwargs
-from diffserve.models.dits.flux import AdaLayerNormContinuous, AdaLayerNormZero, FeedForward
+from diffserve.models.dits.flux import AdaLayerNormContinuous, AdaLayerNormZero, FeedForward, _take_rows
+from diffserve.models.step_cache import BatchStepCache
 
 #: Diffusers' config keys and defaults. SD3-medium: 24 layers, 24 heads, pos_embed_max_size 192;
 #: SD3.5-large: 38 layers, 38 heads, qk_norm "rms_norm"; SD3.5-medium adds dual_attention_layers 0..12.
@@ -386,6 +387,7 @@ class SD3Transformer2DModel(nn.Module):
         encoder_hidden_states: torch.Tensor,
         pooled_projections: torch.Tensor,
         timestep: torch.Tensor,
+        step_cache: BatchStepCache | None = None,
     ) -> torch.Tensor:
         """Predict the flow-matching velocity for latents.
 
@@ -394,6 +396,8 @@ class SD3Transformer2DModel(nn.Module):
             encoder_hidden_states: joint CLIP + T5 states (batch, txt_seq, joint_attention_dim).
             pooled_projections: pooled CLIP-L + CLIP-G embedding (batch, pooled_projection_dim).
             timestep: (batch,) or (1,) in Diffusers' units (sigma * 1000), used as given.
+            step_cache: rows of approximate-quality requests, which may reuse the blocks' residual from
+                an earlier step (`models/step_cache.py`); None runs every block for every row (exact).
 
         Returns:
             (batch, out_channels, H, W).
@@ -412,10 +416,28 @@ class SD3Transformer2DModel(nn.Module):
         temb_act = F.silu(temb)  # every adaLN projects SiLU(temb); compute it once
         ctx = self.context_embedder(encoder_hidden_states)
 
-        for block in self.transformer_blocks:
-            ctx, x = block(x, ctx, temb_act)
+        if step_cache is None:
+            x = self._run_blocks(x, ctx, temb_act)
+        else:
+            x = step_cache.run(
+                x,
+                self._cache_signal(x, temb_act),
+                lambda rows: self._run_blocks(
+                    _take_rows(x, rows), _take_rows(ctx, rows), _take_rows(temb_act, rows)
+                ),
+            )
 
         x = self.proj_out(self.norm_out(x, temb_act))  # (batch, h * w, p * p * out_channels)
         h, w = height // p, width // p
         x = x.reshape(batch, h, w, p, p, self.out_channels).permute(0, 5, 1, 3, 2, 4)
         return x.reshape(batch, self.out_channels, height, width)
+
+    def _run_blocks(self, x: torch.Tensor, ctx: torch.Tensor, temb_act: torch.Tensor) -> torch.Tensor:
+        """Every joint block; returns the image tokens the output head reads (the last block drops the text)."""
+        for block in self.transformer_blocks:
+            ctx, x = block(x, ctx, temb_act)
+        return x
+
+    def _cache_signal(self, x: torch.Tensor, temb_act: torch.Tensor) -> torch.Tensor:
+        """The first block's timestep-modulated image input: what the step cache watches change."""
+        return self.transformer_blocks[0].norm1(x, temb_act)[0]
