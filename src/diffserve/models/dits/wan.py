@@ -23,6 +23,11 @@ forward serves requests at different timesteps (the engine's step-level batching
 Norms, modulation and gated residual adds run in fp32 as in Diffusers, and the result is rounded back
 to the activation dtype.
 
+Step cache (approximate quality tiers, `models/step_cache.py`): the cached span is the blocks, from the
+patch embedding's tokens to the hidden state before `norm_out`; the watched signal is the first block's
+modulated self-attention input. Text and (I2V) image tokens, the modulation and any per-token timesteps
+are sliced per batch row; the RoPE tables are shared.
+
 Differences from Diffusers that do not change the numbers for the inputs its pipelines pass: the image
 and text context are split at the known image length, not at "all but the last 512 tokens" (so any text
 length works), the split is done once per forward instead of once per block, RoPE tables are
@@ -46,6 +51,7 @@ from diffserve.layers.embeddings import TimestepEmbedding, timestep_sinusoids
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.rotary import RotaryEmbedding, multi_axis_rope_tables
 from diffserve.models.config_keys import checked_config_kwargs
+from diffserve.models.step_cache import BatchStepCache
 from diffserve.platforms import Platform
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
@@ -296,7 +302,7 @@ class WanTransformerBlock(nn.Module):
         shift_msa, scale_msa, gate_msa, shift_ff, scale_ff, gate_ff = mod.unbind(2)
         dtype = x.dtype
 
-        h = (self.norm1(x.float()) * (1 + scale_msa)).add_(shift_msa).to(dtype)
+        h = self._modulate_attention_input(x, shift_msa, scale_msa)
         x = (self.attn1(h, rope) * gate_msa).add_(x.float()).to(dtype)
 
         h = self.norm2(x.float()).to(dtype) if self.norm2 is not None else x
@@ -304,6 +310,17 @@ class WanTransformerBlock(nn.Module):
 
         h = (self.norm3(x.float()) * (1 + scale_ff)).add_(shift_ff).to(dtype)
         return (self.ffn(h).float() * gate_ff).add_(x.float()).to(dtype)
+
+    def modulated_input(self, x: torch.Tensor, time_mod: torch.Tensor) -> torch.Tensor:
+        """The self-attention input `modulate(LN(x))`: the cheap, timestep-aware value the step cache
+        watches (one LayerNorm and a scale/shift; the block's own modulation vectors)."""
+        shift_msa, scale_msa = (self.scale_shift_table[:, :2].float().unsqueeze(0) + time_mod[:, :, :2].float()).unbind(2)
+        return self._modulate_attention_input(x, shift_msa, scale_msa)
+
+    def _modulate_attention_input(
+        self, x: torch.Tensor, shift_msa: torch.Tensor, scale_msa: torch.Tensor
+    ) -> torch.Tensor:
+        return (self.norm1(x.float()) * (1 + scale_msa)).add_(shift_msa).to(x.dtype)
 
 
 class WanTransformer3DModel(nn.Module):
@@ -434,6 +451,7 @@ class WanTransformer3DModel(nn.Module):
         timestep: torch.Tensor,
         encoder_hidden_states: torch.Tensor,
         encoder_hidden_states_image: torch.Tensor | None = None,
+        step_cache: BatchStepCache | None = None,
     ) -> torch.Tensor:
         """Predict the flow-matching velocity for video latents.
 
@@ -448,6 +466,8 @@ class WanTransformer3DModel(nn.Module):
             encoder_hidden_states_image: CLIP image states (batch, 257, image_dim) for I2V models
                 (FLF2V: (2 * batch, 257, image_dim) first/last frame pairs, or (batch, 514, image_dim));
                 must be None for T2V models.
+            step_cache: rows of approximate-quality requests, which may reuse the blocks' residual from
+                an earlier step (`models/step_cache.py`); None runs every block for every row (exact).
 
         Returns:
             (batch, out_channels, frames, height, width), in the dtype of `hidden_states`.
@@ -482,17 +502,25 @@ class WanTransformer3DModel(nn.Module):
         dtype = x.dtype
         # Diffusers rounds temb to the text states' dtype; the pipeline passes everything in one dtype.
         temb, time_mod = embedder.time(timestep, encoder_hidden_states.dtype)
-        ctx = embedder.text_embedder(encoder_hidden_states)
-        img = None
+        context = embedder.text_embedder(encoder_hidden_states)
+        image_len = 0
         if encoder_hidden_states_image is not None:
             img = embedder.image_embedder(encoder_hidden_states_image, batch)
             # Diffusers concatenates [image; text] once and every block projects strided slices of it;
             # CPU bf16 matmuls round differently on strided inputs, so keep that layout (one small copy).
-            context = torch.cat([img, ctx], dim=1)
-            img, ctx = context[:, : img.shape[1]], context[:, img.shape[1] :]
+            context = torch.cat([img, context], dim=1)
+            image_len = img.shape[1]
 
-        for block in self.blocks:
-            x = block(x, ctx, img, time_mod, rope)
+        if step_cache is None:
+            x = self._run_blocks(x, context, image_len, time_mod, rope)
+        else:
+            x = step_cache.run(
+                x,
+                self.blocks[0].modulated_input(x, time_mod),
+                lambda rows: self._run_blocks(
+                    _take_rows(x, rows), _take_rows(context, rows), image_len, _take_rows(time_mod, rows), rope
+                ),
+            )
 
         shift, scale = (self.scale_shift_table.float().unsqueeze(0) + temb.float().unsqueeze(2)).unbind(2)
         x = (self.norm_out(x.float()) * (1 + scale)).add_(shift).to(dtype)
@@ -500,6 +528,27 @@ class WanTransformer3DModel(nn.Module):
         # (batch, F', H', W', p_t, p_h, p_w, C) -> (batch, C, F'*p_t, H'*p_h, W'*p_w)
         x = x.reshape(batch, *grid, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
         return x.reshape(batch, -1, frames, height, width)
+
+    def _run_blocks(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor,
+        image_len: int,
+        time_mod: torch.Tensor,
+        rope: RopeTables,
+    ) -> torch.Tensor:
+        """Every block over the video tokens; returns the hidden state `norm_out` reads.
+
+        `context` is [image tokens (`image_len`, I2V only); text tokens] per row, split here so that a
+        subset of rows keeps the strided-slice layout the blocks see for the whole batch.
+        """
+        if image_len:
+            img, ctx = context[:, :image_len], context[:, image_len:]
+        else:
+            img, ctx = None, context
+        for block in self.blocks:
+            x = block(x, ctx, img, time_mod, rope)
+        return x
 
     @staticmethod
     def _timestep_rows(timestep: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
@@ -513,3 +562,8 @@ class WanTransformer3DModel(nn.Module):
         raise ValueError(
             f"timestep must have shape ({batch},), (1,) or ({batch}, {seq}) (per token), got {tuple(timestep.shape)}"
         )
+
+
+def _take_rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """`t` restricted to batch rows `rows` (None: all)."""
+    return t if rows is None else t.index_select(0, rows)

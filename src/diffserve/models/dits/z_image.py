@@ -27,6 +27,14 @@ Batching: every sample has its own caption length, image size and timestep. The 
 layers each run once over the whole batch, padded to the longest sample and masked, as Diffusers does.
 The gather indices, masks and RoPE tables depend only on the sample shapes and are cached per layout.
 
+Step cache (approximate quality tiers, `models/step_cache.py`): the cached span is everything between
+the embeddings and the final layer, i.e. both refiners and the main layers. Its input `x` is the
+embedded, padded image tokens (what the noise refiner transforms) and its output the image part of the
+unified sequence after the last main layer, so the reused residual is "what all the blocks add to the
+image tokens". The caption tokens do not depend on the step, so a row that reuses its residual skips the
+context refiner as well. Rows that do run are run with the layout of their own samples (as if they were
+alone in the batch), so dropping a long-caption request from a step does not pad the others.
+
 Differences from Diffusers that do not change the numbers: the padded sequences are built with one
 gather instead of per-sample concatenation, the image-token padding is inserted after `x_embedder`
 (Diffusers embeds copies of the last patch and then overwrites them with the pad token), the final layer
@@ -49,6 +57,7 @@ from diffserve.layers.attention import attention
 from diffserve.layers.embeddings import timestep_sinusoids
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.models.config_keys import checked_config_kwargs
+from diffserve.models.step_cache import BatchStepCache
 
 #: Diffusers' config keys and defaults (these are Z-Image-Turbo's values).
 ZIMAGE_CONFIG_DEFAULTS: dict[str, Any] = {
@@ -122,6 +131,9 @@ class _Layout:
     """
 
     sizes: tuple[tuple[int, int, int], ...]  # (F, H, W) latent size per sample
+    caption_lengths: tuple[int, ...]
+    patch_size: int
+    f_patch_size: int
     grids: tuple[tuple[int, int, int], ...]  # (F, H, W) in patches per sample
     image_tokens: tuple[int, ...]
     x_index: torch.Tensor
@@ -225,6 +237,14 @@ class ZImageTransformerBlock(nn.Module):
         attn = self.attention(self.attention_norm1(x) * scale_msa, cis, mask)
         x = x + gate_msa * self.attention_norm2(attn)
         return x + gate_mlp * self.ffn_norm2(self.feed_forward(self.ffn_norm1(x) * scale_mlp))
+
+    def modulated_attention_input(self, x: torch.Tensor, adaln: torch.Tensor) -> torch.Tensor:
+        """The attention input of a modulated block, `attention_norm1(x) * (1 + scale_msa)`: the cheap,
+        timestep-aware value the step cache watches (one RMSNorm and one small projection)."""
+        if not self.modulation:
+            raise ValueError("the context-refiner blocks are not modulated; the step cache watches a modulated one")
+        scale_msa = self.adaLN_modulation(adaln).unsqueeze(1).chunk(4, dim=2)[0]
+        return self.attention_norm1(x) * (1.0 + scale_msa)
 
 
 class ZImageFinalLayer(nn.Module):
@@ -469,6 +489,9 @@ class ZImageTransformer2DModel(nn.Module):
         unified_cis = [torch.cat([a, b]) for a, b in zip(x_cis, cap_cis, strict=True)]
         return _Layout(
             sizes=tuple(tuple(s) for s in sizes),
+            caption_lengths=tuple(int(n) for n in caption_lengths),
+            patch_size=patch_size,
+            f_patch_size=f_patch_size,
             grids=tuple(grids),
             image_tokens=tuple(image_tokens),
             x_index=padded_index(image_tokens, image_padded, x_len).to(device),
@@ -491,6 +514,7 @@ class ZImageTransformer2DModel(nn.Module):
         cap_feats: Sequence[torch.Tensor],
         patch_size: int = 2,
         f_patch_size: int = 1,
+        step_cache: BatchStepCache | None = None,
     ) -> list[torch.Tensor]:
         """Predict one output latent per sample (the pipeline negates it to get the flow velocity).
 
@@ -502,6 +526,8 @@ class ZImageTransformer2DModel(nn.Module):
             cap_feats: per-sample caption features, each (len_i, cap_feat_dim); lengths may differ.
             patch_size, f_patch_size: spatial and temporal patch size; the pair must be one the config
                 lists (`all_patch_size`/`all_f_patch_size`).
+            step_cache: rows of approximate-quality requests, which may reuse the blocks' residual from
+                an earlier step (`models/step_cache.py`); None runs every block for every row (exact).
 
         Returns:
             list of per-sample tensors shaped like the corresponding `x[i]` (in_channels, F, H, W).
@@ -550,21 +576,19 @@ class ZImageTransformer2DModel(nn.Module):
         ]
         img = self.all_x_embedder[key](torch.cat(patches))
         img = torch.cat([img, self.x_pad_token.to(img.dtype), img.new_zeros(1, img.shape[1])])[layout.x_index]
-        for block in self.noise_refiner:
-            img = block(img, layout.x_cis, layout.x_mask, adaln)
-
         cap = self.cap_embedder(torch.cat(list(cap_feats)))
         cap = torch.cat([cap, self.cap_pad_token.to(cap.dtype), cap.new_zeros(1, cap.shape[1])])[
             layout.cap_index
         ]
-        for block in self.context_refiner:
-            cap = block(cap, layout.cap_cis, layout.cap_mask)
 
-        h = torch.cat([img.flatten(0, 1), cap.flatten(0, 1), img.new_zeros(1, img.shape[-1])])[
-            layout.unified_index
-        ]
-        for block in self.layers:
-            h = block(h, layout.unified_cis, layout.unified_mask, adaln)
+        if step_cache is None:
+            h = self._run_blocks(img, cap, adaln, layout)
+        else:
+            h = step_cache.run(
+                img,
+                self._cache_signal(img, adaln),
+                lambda rows: self._run_blocks_for_rows(rows, img, cap, adaln, layout),
+            )
 
         # Image tokens come first in every sample, so the final layer needs only the leading rows.
         out = self.all_final_layer[key](h[:, : max(layout.image_tokens)], adaln)
@@ -580,3 +604,63 @@ class ZImageTransformer2DModel(nn.Module):
                 .reshape(c, f, hh, w)
             )
         return results
+
+    def _run_blocks(
+        self, img: torch.Tensor, cap: torch.Tensor, adaln: torch.Tensor, layout: _Layout
+    ) -> torch.Tensor:
+        """Refiners, then the main layers over [image; caption] per sample.
+
+        Returns the leading `img.shape[1]` positions of the unified sequence, shaped like `img`: every
+        sample's (padded) image tokens, which is all the final layer reads. In a sample with fewer image
+        tokens than the longest, the positions after its own come from its caption and are never read.
+        """
+        for block in self.noise_refiner:
+            img = block(img, layout.x_cis, layout.x_mask, adaln)
+        for block in self.context_refiner:
+            cap = block(cap, layout.cap_cis, layout.cap_mask)
+        h = torch.cat([img.flatten(0, 1), cap.flatten(0, 1), img.new_zeros(1, img.shape[-1])])[
+            layout.unified_index
+        ]
+        for block in self.layers:
+            h = block(h, layout.unified_cis, layout.unified_mask, adaln)
+        return h[:, : img.shape[1]]
+
+    def _run_blocks_for_rows(
+        self,
+        rows: torch.Tensor | None,
+        img: torch.Tensor,
+        cap: torch.Tensor,
+        adaln: torch.Tensor,
+        layout: _Layout,
+    ) -> torch.Tensor:
+        """`_run_blocks` for batch rows `rows` only (None: all), shaped like `img[rows]`.
+
+        The rows run with the layout of their own samples, not slices of the whole batch's: padding and
+        masks are then what those requests get alone, and the padded widths can only shrink, so the
+        slices `[:, :width]` of the batch's tokens hold every real and in-sample pad token.
+        """
+        if rows is None:
+            return self._run_blocks(img, cap, adaln, layout)
+        picked = rows.tolist()
+        own = self.batch_layout(
+            [layout.sizes[i] for i in picked],
+            [layout.caption_lengths[i] for i in picked],
+            layout.patch_size,
+            layout.f_patch_size,
+            img.device,
+        )
+        x_len, c_len = own.x_cis.shape[1], own.cap_cis.shape[1]
+        h = self._run_blocks(
+            img.index_select(0, rows)[:, :x_len].contiguous(),
+            cap.index_select(0, rows)[:, :c_len].contiguous(),
+            adaln if adaln.shape[0] == 1 else adaln.index_select(0, rows),
+            own,
+        )
+        return F.pad(h, (0, 0, 0, img.shape[1] - h.shape[1]))
+
+    def _cache_signal(self, img: torch.Tensor, adaln: torch.Tensor) -> torch.Tensor:
+        """The first modulated block's attention input on the image tokens: what the step cache watches."""
+        first = self.noise_refiner[0] if len(self.noise_refiner) else (self.layers[0] if len(self.layers) else None)
+        if first is None:
+            raise ValueError("a Z-Image model without refiner or main layers has no blocks to cache")
+        return first.modulated_attention_input(img, adaln)
