@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -148,3 +149,63 @@ def test_parity_bf16_batch2() -> None:
     for key in ("hidden_states", "encoder_hidden_states", "pooled_projections"):
         inputs[key] = inputs[key].to(torch.bfloat16)
     _compare(ref, ours, "bf16 b=2", atol=0.05, **inputs)
+
+
+# ------------------------------------------------------------------ fused projections (the loader's model)
+
+
+def test_fused_model_matches_diffusers_and_the_unfused_model() -> None:
+    """`fuse_for_inference()` (one matmul for q/k/v, for q/k/v + MLP input, for all adaLN projections)
+    changes no number: each fused output column is the same dot product as before."""
+    ref, ours = _pair(guidance_embeds=True)
+    inputs = _inputs(2, 4, 4, timestep=torch.tensor([0.9, 0.25]), guidance=torch.tensor([3.5, 1.0]))
+    with torch.no_grad():
+        unfused = ours(**inputs)
+    ours.fuse_for_inference()
+    assert ours.adaln_modulation is not None
+    _compare(ref, ours, "fused dev-like b=2", **inputs)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(**inputs), unfused, rtol=0, atol=1e-6)
+
+
+def test_fused_model_bf16_matches_diffusers() -> None:
+    ref, ours = _pair(guidance_embeds=True)
+    ours.fuse_for_inference()
+    ref.to(torch.bfloat16)
+    ours.to(torch.bfloat16)  # the fused weights convert like any parameter
+    inputs = _inputs(2, 3, 6, txt=7, timestep=torch.tensor([0.9, 0.25]), guidance=torch.tensor([3.5, 1.0]))
+    for key in ("hidden_states", "encoder_hidden_states", "pooled_projections"):
+        inputs[key] = inputs[key].to(torch.bfloat16)
+    _compare(ref, ours, "fused bf16 b=2", atol=0.05, **inputs)
+
+
+def test_loading_a_diffusers_folder_fuses_and_keeps_diffusers_names(tmp_path, caplog) -> None:
+    """The loader fuses after loading (logged once); the state dict still has Diffusers' names and values,
+    and a strict load of Diffusers' state dict into the fused model still works."""
+    from diffserve.loader.component_loader import load_native_model
+    from diffserve.loader.model_index import ComponentSpec
+
+    ref, _ = _pair(guidance_embeds=True)
+    ref.save_pretrained(tmp_path / "transformer")
+    spec = ComponentSpec("transformer", "diffusers", "FluxTransformer2DModel", tmp_path / "transformer")
+    with caplog.at_level(logging.INFO, logger="diffserve"):
+        model, _ = load_native_model(spec, torch.device("cpu"), torch.float32)
+    assert caplog.text.count("fused QKV in 4 attention layers") == 1
+    assert model.transformer_blocks[0].attn.to_qkv is not None
+    assert model.single_transformer_blocks[0].to_qkv_mlp is not None
+    assert not hasattr(model.transformer_blocks[0].attn, "to_q")  # the originals are gone, not duplicated
+
+    expected = ref.state_dict()
+    got = model.state_dict()
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in ref.parameters())
+
+    inputs = _inputs(1, 4, 4, timestep=torch.tensor([0.6]), guidance=torch.tensor([2.0]))
+    _compare(ref, model, "loaded + fused", **inputs)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(1.5)
+    model.load_state_dict(ref.state_dict(), strict=True)  # Diffusers' names into the fused layers
+    _compare(ref, model, "fused, reloaded", **inputs)

@@ -66,6 +66,11 @@ def load_native_model(spec: ComponentSpec, device: torch.device, dtype: torch.dt
         raise ModelLoadError(f"{spec.path / 'config.json'}: {exc}") from exc
     num_bytes = load_safetensors_into(module, find_weight_files(spec.path), device, dtype)
     module.eval().requires_grad_(False)
+    # Inference-only rearrangements that need the loaded weights (e.g. fused QKV projections); the
+    # model logs what it fused and keeps its checkpoint names.
+    fuse = getattr(module, "fuse_for_inference", None)
+    if fuse is not None:
+        fuse()
     return module, num_bytes
 
 

@@ -15,11 +15,16 @@ serve requests at different timesteps (the engine's step-level batching).
 
 Differences from Diffusers that do not change the numbers: SiLU(temb) is computed once per forward
 instead of once per block, the single-stream blocks run on one concatenated sequence instead of
-concatenating and splitting in every block, and RoPE tables are half width.
+concatenating and splitting in every block, RoPE tables are half width, and the single-stream GELU
+writes straight into the output projection's input. After `fuse_for_inference()` (the loader calls
+it), projections that read the same input are one matmul each: q/k/v per stream, q/k/v with the MLP
+input in single-stream blocks, and every block's adaLN projection together; checkpoints keep
+Diffusers' names.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -34,6 +39,8 @@ from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.rotary import RotaryEmbedding, multi_axis_rope_tables
 from diffserve.models.config_keys import checked_config_kwargs
 from diffserve.models.step_cache import BatchStepCache
+
+logger = logging.getLogger(__name__)
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 
@@ -68,10 +75,100 @@ def _gated_residual(residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor)
     return (gate.unsqueeze(1) * x).add_(residual)
 
 
+def _split_heads(t: torch.Tensor, parts: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """(batch, seq, parts * heads * head_dim) -> `parts` views (batch, seq, heads, head_dim), no copy."""
+    return t.unflatten(-1, (parts, -1, head_dim)).unbind(-3)
+
+
+# ------------------------------------------------------------------------------ projection fusion
+
+
+def _fuse_linears(owner: nn.Module, fused_name: str, part_names: Sequence[str]) -> nn.Linear:
+    """Replace the Linears at `part_names` (dotted paths under `owner`) by one Linear `owner.<fused_name>`.
+
+    The fused Linear's output is the parts' outputs side by side, so one matmul reads the shared
+    input once (each output column is the same dot product: on CPU the result is bit-identical).
+    The fused weight is allocated once and each part is copied in and then dropped, so peak memory
+    grows by one part, not by the whole group. State-dict hooks on `owner` keep the parts' names:
+    `state_dict()` returns (views of) the parts, and `load_state_dict` accepts them.
+    """
+    sizes, in_features, like = [], None, None
+    for name in part_names:
+        part = owner.get_submodule(name)
+        same_input = in_features in (None, part.in_features)
+        if not isinstance(part, nn.Linear) or part.bias is None or not same_input:
+            raise TypeError(f"{name}: only biased nn.Linear layers with one input width can be fused")
+        if part.weight.is_meta:
+            raise RuntimeError(f"{name} has no weights yet: fuse projections after loading the checkpoint")
+        sizes.append(part.out_features)
+        in_features, like = part.in_features, part.weight
+    weight = like.new_empty(sum(sizes), in_features)
+    bias = like.new_empty(sum(sizes))
+    requires_grad = like.requires_grad
+    del like, part
+    offset = 0
+    with torch.no_grad():
+        for name, size in zip(part_names, sizes, strict=True):
+            parent, _, leaf = name.rpartition(".")
+            holder = owner.get_submodule(parent)
+            weight[offset : offset + size].copy_(getattr(holder, leaf).weight)
+            bias[offset : offset + size].copy_(getattr(holder, leaf).bias)
+            delattr(holder, leaf)  # frees the part now (unless held elsewhere): peak memory + one part
+            offset += size
+    with torch.device("meta"):
+        fused = nn.Linear(weight.shape[1], weight.shape[0])
+    fused.weight = nn.Parameter(weight, requires_grad=requires_grad)
+    fused.bias = nn.Parameter(bias, requires_grad=requires_grad)
+    setattr(owner, fused_name, fused)
+    _keep_part_names(owner, fused_name, tuple(part_names), sizes)
+    return fused
+
+
+def _keep_part_names(
+    owner: nn.Module, fused_name: str, part_names: tuple[str, ...], sizes: list[int]
+) -> None:
+    """Checkpoints keep Diffusers' names: split the fused tensors on save, join the parts on load."""
+
+    def split_on_save(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+        for suffix in ("weight", "bias"):
+            fused = state_dict.pop(f"{prefix}{fused_name}.{suffix}")
+            for name, piece in zip(part_names, fused.split(sizes), strict=True):
+                state_dict[f"{prefix}{name}.{suffix}"] = piece
+
+    def join_on_load(
+        module: nn.Module,
+        state_dict: dict,
+        prefix: str,
+        local_metadata: dict,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        for suffix in ("weight", "bias"):
+            keys = [f"{prefix}{name}.{suffix}" for name in part_names]
+            present = [key for key in keys if key in state_dict]
+            if len(present) == len(keys):
+                joined = torch.cat([state_dict.pop(key) for key in keys])
+                state_dict[f"{prefix}{fused_name}.{suffix}"] = joined
+            elif present:
+                error_msgs.append(
+                    f"{prefix}{fused_name} fuses {', '.join(keys)}: they must be loaded together, "
+                    f"got only {', '.join(present)}"
+                )
+
+    owner.register_state_dict_post_hook(split_on_save)
+    owner.register_load_state_dict_pre_hook(join_on_load)
+
+
+# ---------------------------------------------------------------------------------------- layers
+
+
 class AdaLayerNormZero(nn.Module):
     """adaLN-Zero for a double-stream block: modulates the attention input, returns the other five vectors.
 
-    `temb_act` is SiLU(temb), computed once per forward by the model.
+    `temb_act` is SiLU(temb), computed once per forward by the model. A model that projects every
+    adaLN at once (FLUX after `fuse_for_inference`) passes the projection to `modulate_projected`.
     """
 
     def __init__(self, dim: int) -> None:
@@ -81,7 +178,11 @@ class AdaLayerNormZero(nn.Module):
         self.modulate = Modulate()
 
     def forward(self, x: torch.Tensor, temb_act: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.linear(temb_act).chunk(6, dim=1)
+        return self.modulate_projected(x, self.linear(temb_act))
+
+    def modulate_projected(self, x: torch.Tensor, emb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The same, from `emb` = `linear(temb_act)` (batch, 6 * dim)."""
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
         x = self.modulate(self.norm(x), scale=scale_msa, shift=shift_msa)
         return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
 
@@ -96,7 +197,11 @@ class AdaLayerNormZeroSingle(nn.Module):
         self.modulate = Modulate()
 
     def forward(self, x: torch.Tensor, temb_act: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        shift, scale, gate = self.linear(temb_act).chunk(3, dim=1)
+        return self.modulate_projected(x, self.linear(temb_act))
+
+    def modulate_projected(self, x: torch.Tensor, emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same, from `emb` = `linear(temb_act)` (batch, 3 * dim)."""
+        shift, scale, gate = emb.chunk(3, dim=1)
         return self.modulate(self.norm(x), scale=scale, shift=shift), gate
 
 
@@ -110,7 +215,11 @@ class AdaLayerNormContinuous(nn.Module):
         self.modulate = Modulate()
 
     def forward(self, x: torch.Tensor, temb_act: torch.Tensor) -> torch.Tensor:
-        scale, shift = self.linear(temb_act.to(x.dtype)).chunk(2, dim=1)
+        return self.modulate_projected(x, self.linear(temb_act.to(x.dtype)))
+
+    def modulate_projected(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """The same, from `emb` = `linear(temb_act)` (batch, 2 * dim)."""
+        scale, shift = emb.chunk(2, dim=1)
         return self.modulate(self.norm(x), scale=scale, shift=shift)
 
 
@@ -136,27 +245,12 @@ class FeedForward(nn.Module):
         return self.net[2](self.net[0](x))
 
 
-class _QKV(nn.Module):
-    """q/k/v projections with per-head RMSNorm on q and k (FLUX's QK-norm), heads split without a copy."""
+class FluxJointAttention(nn.Module):
+    """Double-stream attention: text and image have their own projections, attend over [text; image].
 
-    def _project(
-        self,
-        x: torch.Tensor,
-        to_q: nn.Linear,
-        to_k: nn.Linear,
-        to_v: nn.Linear,
-        norm_q: RMSNorm,
-        norm_k: RMSNorm,
-        head_dim: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q = norm_q(to_q(x).unflatten(-1, (-1, head_dim)))
-        k = norm_k(to_k(x).unflatten(-1, (-1, head_dim)))
-        v = to_v(x).unflatten(-1, (-1, head_dim))
-        return q, k, v
-
-
-class FluxJointAttention(_QKV):
-    """Double-stream attention: text and image have their own projections, attend over [text; image]."""
+    `fuse_projections()` turns each stream's q/k/v Linears into one (`to_qkv`, `to_added_qkv`, as
+    Diffusers' `fuse_qkv_projections` names them); the checkpoint names stay the unfused ones.
+    """
 
     def __init__(self, dim: int, num_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -175,20 +269,37 @@ class FluxJointAttention(_QKV):
         self.norm_added_k = RMSNorm(head_dim, eps=NORM_EPS, round_once=True)
         self.to_add_out = nn.Linear(inner, dim)
         self.rope = RotaryEmbedding()
+        self.to_qkv: nn.Linear | None = None
+        self.to_added_qkv: nn.Linear | None = None
+
+    def fuse_projections(self) -> bool:
+        """Fuse q/k/v per stream (after loading); False when already fused."""
+        if self.to_qkv is not None:
+            return False
+        self.to_qkv = _fuse_linears(self, "to_qkv", ("to_q", "to_k", "to_v"))
+        self.to_added_qkv = _fuse_linears(self, "to_added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj"))
+        return True
+
+    def _project(self, x: torch.Tensor, ctx: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """((q, k, v) of the image, (q, k, v) of the text), heads split, before QK-norm."""
+        if self.to_qkv is not None and self.to_added_qkv is not None:
+            return (
+                _split_heads(self.to_qkv(x), 3, self.head_dim),
+                _split_heads(self.to_added_qkv(ctx), 3, self.head_dim),
+            )
+        image = (self.to_q, self.to_k, self.to_v)
+        text = (self.add_q_proj, self.add_k_proj, self.add_v_proj)
+        return (
+            tuple(p(x).unflatten(-1, (-1, self.head_dim)) for p in image),
+            tuple(p(ctx).unflatten(-1, (-1, self.head_dim)) for p in text),
+        )
 
     def forward(
         self, x: torch.Tensor, ctx: torch.Tensor, rope: RopeTables
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v = self._project(x, self.to_q, self.to_k, self.to_v, self.norm_q, self.norm_k, self.head_dim)
-        cq, ck, cv = self._project(
-            ctx,
-            self.add_q_proj,
-            self.add_k_proj,
-            self.add_v_proj,
-            self.norm_added_q,
-            self.norm_added_k,
-            self.head_dim,
-        )
+        (q, k, v), (cq, ck, cv) = self._project(x, ctx)
+        q, k = self.norm_q(q), self.norm_k(k)
+        cq, ck = self.norm_added_q(cq), self.norm_added_k(ck)
         q, k = self.rope(torch.cat([cq, q], dim=1), torch.cat([ck, k], dim=1), *rope)
         out = attention(q, k, torch.cat([cv, v], dim=1)).flatten(2)
         ctx_out, x_out = out.split([ctx.shape[1], x.shape[1]], dim=1)
@@ -197,13 +308,16 @@ class FluxJointAttention(_QKV):
         return self.to_out[0](x_out.contiguous()), self.to_add_out(ctx_out.contiguous())
 
 
-class FluxSelfAttention(_QKV):
-    """Single-stream attention without an output projection (the block's `proj_out` fuses it with the MLP)."""
+class FluxSelfAttention(nn.Module):
+    """Single-stream attention's weights and its QK-norm + RoPE + attention; the block projects.
+
+    The block owns the projections' use because it fuses them with its MLP input projection (all
+    four read the same modulated input); this module keeps the q/k/v weights under Diffusers' names.
+    """
 
     def __init__(self, dim: int, num_heads: int, head_dim: int) -> None:
         super().__init__()
         inner = num_heads * head_dim
-        self.head_dim = head_dim
         self.to_q = nn.Linear(dim, inner)
         self.to_k = nn.Linear(dim, inner)
         self.to_v = nn.Linear(dim, inner)
@@ -211,9 +325,9 @@ class FluxSelfAttention(_QKV):
         self.norm_k = RMSNorm(head_dim, eps=NORM_EPS, round_once=True)
         self.rope = RotaryEmbedding()
 
-    def forward(self, x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
-        q, k, v = self._project(x, self.to_q, self.to_k, self.to_v, self.norm_q, self.norm_k, self.head_dim)
-        q, k = self.rope(q, k, *rope)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+        """Attention over projected (batch, seq, heads, head_dim) q, k, v; returns (batch, seq, inner)."""
+        q, k = self.rope(self.norm_q(q), self.norm_k(k), *rope)
         return attention(q, k, v).flatten(2)
 
 
@@ -232,10 +346,13 @@ class FluxTransformerBlock(nn.Module):
         self.modulate = Modulate()
 
     def forward(
-        self, x: torch.Tensor, ctx: torch.Tensor, temb_act: torch.Tensor, rope: RopeTables
+        self, x: torch.Tensor, ctx: torch.Tensor, emb: torch.Tensor, emb_ctx: torch.Tensor, rope: RopeTables
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        norm_x, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(x, temb_act)
-        norm_ctx, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(ctx, temb_act)
+        """`emb`/`emb_ctx`: this block's adaLN vectors for image and text (`norm1*.linear(SiLU(temb))`)."""
+        norm_x, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1.modulate_projected(x, emb)
+        norm_ctx, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context.modulate_projected(
+            ctx, emb_ctx
+        )
         attn_x, attn_ctx = self.attn(norm_x, norm_ctx, rope)
 
         x = _gated_residual(x, gate_msa, attn_x)
@@ -249,22 +366,53 @@ class FluxTransformerBlock(nn.Module):
 
 
 class FluxSingleTransformerBlock(nn.Module):
-    """Single-stream block on [text; image]: attention and MLP run in parallel from one adaLN input."""
+    """Single-stream block on [text; image]: attention and MLP run in parallel from one adaLN input.
+
+    `fuse_projections()` turns q, k, v and the MLP's input projection, which all read the modulated
+    input, into one Linear `to_qkv_mlp` (one matmul instead of four).
+    """
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, mlp_ratio: float = 4.0) -> None:
         super().__init__()
         mlp_dim = int(dim * mlp_ratio)
+        self.head_dim = head_dim
+        self.inner_dim = num_heads * head_dim
+        self.mlp_dim = mlp_dim
         self.norm = AdaLayerNormZeroSingle(dim)
         self.proj_mlp = nn.Linear(dim, mlp_dim)
         self.attn = FluxSelfAttention(dim, num_heads, head_dim)
-        self.proj_out = nn.Linear(dim + mlp_dim, dim)
+        self.proj_out = nn.Linear(self.inner_dim + mlp_dim, dim)
+        self.to_qkv_mlp: nn.Linear | None = None
 
-    def forward(self, h: torch.Tensor, temb_act: torch.Tensor, rope: RopeTables) -> torch.Tensor:
-        norm_h, gate = self.norm(h, temb_act)
-        mlp = F.gelu(self.proj_mlp(norm_h), approximate="tanh")
-        attn = self.attn(norm_h, rope)
-        out = self.proj_out(torch.cat([attn, mlp], dim=2))
-        return _fp16_clip(_gated_residual(h, gate, out))
+    def fuse_projections(self) -> bool:
+        """Fuse q/k/v and the MLP input projection (after loading); False when already fused."""
+        if self.to_qkv_mlp is not None:
+            return False
+        self.to_qkv_mlp = _fuse_linears(
+            self, "to_qkv_mlp", ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
+        )
+        return True
+
+    def _project(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q, k, v) with heads split, and the MLP's pre-activation."""
+        if self.to_qkv_mlp is not None:
+            qkv, mlp = self.to_qkv_mlp(h).split([3 * self.inner_dim, self.mlp_dim], dim=-1)
+            return (*_split_heads(qkv, 3, self.head_dim), mlp)
+        attn = self.attn
+        q, k, v = (p(h).unflatten(-1, (-1, self.head_dim)) for p in (attn.to_q, attn.to_k, attn.to_v))
+        return q, k, v, self.proj_mlp(h)
+
+    def forward(self, h: torch.Tensor, emb: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+        """`emb`: this block's adaLN vectors (`norm.linear(SiLU(temb))`)."""
+        norm_h, gate = self.norm.modulate_projected(h, emb)
+        q, k, v, mlp = self._project(norm_h)
+        attn = self.attn(q, k, v, rope)
+        # proj_out reads [attention; GELU(mlp)]: GELU writes its half of that buffer directly instead
+        # of into a tensor of its own that a concatenation would then copy (same values, one pass less).
+        joined = attn.new_empty(*attn.shape[:-1], self.inner_dim + self.mlp_dim)
+        joined[..., : self.inner_dim].copy_(attn)
+        torch.ops.aten.gelu.out(mlp, approximate="tanh", out=joined[..., self.inner_dim :])
+        return _fp16_clip(_gated_residual(h, gate, self.proj_out(joined)))
 
 
 class FluxTransformer2DModel(nn.Module):
@@ -333,6 +481,9 @@ class FluxTransformer2DModel(nn.Module):
         )
         self.norm_out = AdaLayerNormContinuous(inner)
         self.proj_out = nn.Linear(inner, patch_size * patch_size * out_channels)
+        # Set by `fuse_for_inference()`: every adaLN projection as one Linear, and its output split.
+        self.adaln_modulation: nn.Linear | None = None
+        self._adaln_sizes: list[int] = []
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> FluxTransformer2DModel:
@@ -351,6 +502,48 @@ class FluxTransformer2DModel(nn.Module):
                     f"{name} must be 2-D (seq, {len(self.axes_dims_rope)}), got {tuple(ids.shape)}"
                 )
         return multi_axis_rope_tables(torch.cat([txt_ids, img_ids], dim=0), self.axes_dims_rope, ROPE_THETA)
+
+    def _adaln_projections(self) -> list[tuple[str, nn.Linear]]:
+        """(name, Linear) of every adaLN projection of SiLU(temb), in the order the forward consumes them."""
+        named = []
+        for i, block in enumerate(self.transformer_blocks):
+            named.append((f"transformer_blocks.{i}.norm1.linear", block.norm1.linear))
+            named.append((f"transformer_blocks.{i}.norm1_context.linear", block.norm1_context.linear))
+        for i, block in enumerate(self.single_transformer_blocks):
+            named.append((f"single_transformer_blocks.{i}.norm.linear", block.norm.linear))
+        return [*named, ("norm_out.linear", self.norm_out.linear)]
+
+    def fuse_for_inference(self) -> None:
+        """Fuse projections that read the same input into one matmul each; call once the weights are loaded.
+
+        - per double-stream block, q/k/v of each stream (`attn.to_qkv`, `attn.to_added_qkv`);
+        - per single-stream block, q/k/v and the MLP input projection (`to_qkv_mlp`);
+        - every adaLN projection of the model (`adaln_modulation`): all blocks' shift/scale/gate
+          vectors come from one matmul per forward instead of one per block.
+
+        Fewer, larger matmuls (and kernel launches); on CPU each output is bit-identical to the unfused
+        one. Checkpoint names do not change (see `_fuse_linears`). A second call does nothing.
+        """
+        if self.adaln_modulation is not None:
+            return
+        attention_layers = sum(block.attn.fuse_projections() for block in self.transformer_blocks)
+        attention_layers += sum(block.fuse_projections() for block in self.single_transformer_blocks)
+        names, linears = zip(*self._adaln_projections(), strict=True)
+        self._adaln_sizes = [linear.out_features for linear in linears]
+        del linears  # so that fusing can free each projection as it is copied
+        self.adaln_modulation = _fuse_linears(self, "adaln_modulation", names)
+        logger.info(
+            "FLUX DiT: fused QKV in %d attention layers (single-stream blocks with their MLP input), "
+            "%d adaLN projections into one",
+            attention_layers,
+            len(names),
+        )
+
+    def _modulations(self, temb_act: torch.Tensor) -> list[torch.Tensor]:
+        """Each adaLN's projection of SiLU(temb), (batch, n * inner) each, in `_adaln_projections` order."""
+        if self.adaln_modulation is not None:
+            return list(self.adaln_modulation(temb_act).split(self._adaln_sizes, dim=1))
+        return [linear(temb_act) for _, linear in self._adaln_projections()]
 
     def forward(
         self,
@@ -393,39 +586,47 @@ class FluxTransformer2DModel(nn.Module):
         if guidance is not None:
             guidance = guidance.to(x.dtype) * 1000
         temb = self.time_text_embed(timestep, pooled_projections, guidance)
-        temb_act = F.silu(temb)  # every adaLN projects SiLU(temb); compute it once
+        # Every adaLN projects SiLU(temb): compute it once, and all projections at once when fused.
+        *block_mods, out_mod = self._modulations(F.silu(temb))
         ctx = self.context_embedder(encoder_hidden_states)
 
         if step_cache is None:
-            x = self._run_blocks(x, ctx, temb_act, rope)
+            x = self._run_blocks(x, ctx, block_mods, rope)
         else:
             x = step_cache.run(
                 x,
-                self._cache_signal(x, temb_act),
+                self._cache_signal(x, block_mods),
                 lambda rows: self._run_blocks(
-                    _take_rows(x, rows), _take_rows(ctx, rows), _take_rows(temb_act, rows), rope
+                    _take_rows(x, rows),
+                    _take_rows(ctx, rows),
+                    [_take_rows(m, rows) for m in block_mods],
+                    rope,
                 ),
             )
-        x = self.norm_out(x, temb_act)
+        x = self.norm_out.modulate_projected(x, out_mod)
         return self.proj_out(x)
 
     def _run_blocks(
-        self, x: torch.Tensor, ctx: torch.Tensor, temb_act: torch.Tensor, rope: RopeTables
+        self, x: torch.Tensor, ctx: torch.Tensor, mods: Sequence[torch.Tensor], rope: RopeTables
     ) -> torch.Tensor:
-        """Every double- and single-stream block; returns the image tokens the output head reads."""
+        """Every double- and single-stream block; returns the image tokens the output head reads.
+
+        `mods` are the blocks' adaLN vectors (`_modulations` without the output head's).
+        """
+        mods_iter = iter(mods)
         for block in self.transformer_blocks:
-            ctx, x = block(x, ctx, temb_act, rope)
+            ctx, x = block(x, ctx, next(mods_iter), next(mods_iter), rope)
         txt_len = ctx.shape[1]
         h = torch.cat([ctx, x], dim=1)
         for block in self.single_transformer_blocks:
-            h = block(h, temb_act, rope)
+            h = block(h, next(mods_iter), rope)
         return h[:, txt_len:]
 
-    def _cache_signal(self, x: torch.Tensor, temb_act: torch.Tensor) -> torch.Tensor:
+    def _cache_signal(self, x: torch.Tensor, mods: Sequence[torch.Tensor]) -> torch.Tensor:
         """The first block's timestep-modulated image input: what the step cache watches change."""
         if len(self.transformer_blocks):
-            return self.transformer_blocks[0].norm1(x, temb_act)[0]
-        return self.single_transformer_blocks[0].norm(x, temb_act)[0]
+            return self.transformer_blocks[0].norm1.modulate_projected(x, mods[0])[0]
+        return self.single_transformer_blocks[0].norm.modulate_projected(x, mods[0])[0]
 
 
 def _take_rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
