@@ -88,9 +88,10 @@ def _fuse_linears(owner: nn.Module, fused_name: str, part_names: Sequence[str]) 
 
     The fused Linear's output is the parts' outputs side by side, so one matmul reads the shared
     input once (each output column is the same dot product: on CPU the result is bit-identical).
-    The fused weight is allocated once and each part is copied in and then dropped, so peak memory
-    grows by one part, not by the whole group. State-dict hooks on `owner` keep the parts' names:
-    `state_dict()` returns (views of) the parts, and `load_state_dict` accepts them.
+    The fused weight is allocated once and each part is copied in and then dropped (and the device's
+    cached blocks released), so peak memory grows by one group, never by the whole model. State-dict
+    hooks on `owner` keep the parts' names: `state_dict()` returns (views of) the parts, and
+    `load_state_dict` accepts them.
     """
     sizes, in_features, like = [], None, None
     for name in part_names:
@@ -113,8 +114,9 @@ def _fuse_linears(owner: nn.Module, fused_name: str, part_names: Sequence[str]) 
             holder = owner.get_submodule(parent)
             weight[offset : offset + size].copy_(getattr(holder, leaf).weight)
             bias[offset : offset + size].copy_(getattr(holder, leaf).bias)
-            delattr(holder, leaf)  # frees the part now (unless held elsewhere): peak memory + one part
+            delattr(holder, leaf)  # frees the part now, unless something else holds it
             offset += size
+    _release_cached_blocks(weight.device)
     with torch.device("meta"):
         fused = nn.Linear(weight.shape[1], weight.shape[0])
     fused.weight = nn.Parameter(weight, requires_grad=requires_grad)
@@ -122,6 +124,17 @@ def _fuse_linears(owner: nn.Module, fused_name: str, part_names: Sequence[str]) 
     setattr(owner, fused_name, fused)
     _keep_part_names(owner, fused_name, tuple(part_names), sizes)
     return fused
+
+
+def _release_cached_blocks(device: torch.device) -> None:
+    """Hand the freed parts' memory back to the device before the next group is fused.
+
+    A caching allocator (CUDA and alike) keeps freed blocks reserved and cannot reuse a part's block
+    for a larger fused weight, so without this every fused group would stay reserved twice.
+    """
+    empty_cache = getattr(getattr(torch, device.type, None), "empty_cache", None)
+    if device.type != "cpu" and callable(empty_cache):
+        empty_cache()
 
 
 def _keep_part_names(
@@ -421,6 +434,8 @@ class FluxTransformer2DModel(nn.Module):
     Build it with keyword config values (or `from_config(config_json_dict)`); under
     `torch.device("meta")` it allocates nothing, and `load_state_dict(sd, assign=True, strict=True)`
     fills it. It holds no buffers and computes nothing from parameter values at construction.
+    `fuse_for_inference()` (the loader calls it after loading) merges projections for speed; state
+    dicts keep Diffusers' names either way.
     """
 
     diffusers_class_name: ClassVar[str] = "FluxTransformer2DModel"
