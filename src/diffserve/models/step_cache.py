@@ -201,6 +201,12 @@ class BatchStepCache:
             state.record(reused)
 
 
+def take_rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """`t` restricted to batch rows `rows` (None: all), for `run_blocks`; a 1-row tensor broadcast over
+    the batch (a shared timestep embedding, say) stays as it is."""
+    return t if rows is None or t.shape[0] == 1 else t.index_select(0, rows)
+
+
 def batch_step_cache(groups: Sequence[CacheRows]) -> BatchStepCache | None:
     """A `BatchStepCache` when any group has a cache, else None (the model's exact path)."""
     return BatchStepCache(groups) if any(g.state is not None for g in groups) else None

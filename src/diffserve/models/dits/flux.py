@@ -38,7 +38,7 @@ from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.rotary import RotaryEmbedding, multi_axis_rope_tables
 from diffserve.models.config_keys import checked_config_kwargs
-from diffserve.models.step_cache import BatchStepCache
+from diffserve.models.step_cache import BatchStepCache, take_rows
 
 logger = logging.getLogger(__name__)
 
@@ -612,9 +612,9 @@ class FluxTransformer2DModel(nn.Module):
                 x,
                 self._cache_signal(x, block_mods),
                 lambda rows: self._run_blocks(
-                    _take_rows(x, rows),
-                    _take_rows(ctx, rows),
-                    [_take_rows(m, rows) for m in block_mods],
+                    take_rows(x, rows),
+                    take_rows(ctx, rows),
+                    [take_rows(m, rows) for m in block_mods],
                     rope,
                 ),
             )
@@ -643,7 +643,3 @@ class FluxTransformer2DModel(nn.Module):
             return self.transformer_blocks[0].norm1.modulate_projected(x, mods[0])[0]
         return self.single_transformer_blocks[0].norm.modulate_projected(x, mods[0])[0]
 
-
-def _take_rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """`t` restricted to batch rows `rows` (None: all); a 1-row tensor broadcast over the batch stays."""
-    return t if rows is None or t.shape[0] == 1 else t.index_select(0, rows)

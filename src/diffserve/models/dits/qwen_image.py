@@ -52,8 +52,8 @@ from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.rotary import RotaryEmbedding
 from diffserve.models.config_keys import checked_config_kwargs
-from diffserve.models.dits.flux import AdaLayerNormContinuous, FeedForward, _take_rows
-from diffserve.models.step_cache import BatchStepCache
+from diffserve.models.dits.flux import AdaLayerNormContinuous, FeedForward
+from diffserve.models.step_cache import BatchStepCache, take_rows
 
 #: (cos, sin) float32 half-width tables for the joint [text; image] sequence: (seq, head_dim // 2)
 #: when every sample has the same shapes, else (batch * seq, head_dim // 2), one block per sample.
@@ -495,8 +495,8 @@ class QwenImageTransformer2DModel(nn.Module):
                 x,
                 self._cache_signal(x, temb_act, cond_tokens, shapes),
                 lambda rows: self._run_blocks(
-                    _take_rows(x, rows),
-                    _take_rows(ctx, rows),
+                    take_rows(x, rows),
+                    take_rows(ctx, rows),
                     _take_temb_rows(temb_act, rows, batch),
                     _take_rope_rows(rope, rows, txt_seq + img_seq),
                     _take_optional_rows(attn_mask, rows),
@@ -552,13 +552,13 @@ def _condition_token_mask(
 
 
 def _take_optional_rows(t: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else _take_rows(t, rows)
+    return None if t is None else take_rows(t, rows)
 
 
 def _take_temb_rows(temb_act: torch.Tensor, rows: torch.Tensor | None, batch: int) -> torch.Tensor:
     """SiLU(temb) for batch rows `rows`; with `zero_cond_t` it holds [real t; t = 0] halves, both kept."""
     if rows is None or temb_act.shape[0] == batch:
-        return _take_rows(temb_act, rows)
+        return take_rows(temb_act, rows)
     return torch.cat([temb_act.index_select(0, rows), temb_act.index_select(0, rows + batch)])
 
 

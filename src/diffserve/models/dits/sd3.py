@@ -33,8 +33,8 @@ from diffserve.layers.embeddings import CombinedTimestepTextEmbedding
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.models.config_keys import checked_config_kwargs
-from diffserve.models.dits.flux import AdaLayerNormContinuous, AdaLayerNormZero, FeedForward, _take_rows
-from diffserve.models.step_cache import BatchStepCache
+from diffserve.models.dits.flux import AdaLayerNormContinuous, AdaLayerNormZero, FeedForward
+from diffserve.models.step_cache import BatchStepCache, take_rows
 
 #: Diffusers' config keys and defaults. SD3-medium: 24 layers, 24 heads, pos_embed_max_size 192;
 #: SD3.5-large: 38 layers, 38 heads, qk_norm "rms_norm"; SD3.5-medium adds dual_attention_layers 0..12.
@@ -423,7 +423,7 @@ class SD3Transformer2DModel(nn.Module):
                 x,
                 self._cache_signal(x, temb_act),
                 lambda rows: self._run_blocks(
-                    _take_rows(x, rows), _take_rows(ctx, rows), _take_rows(temb_act, rows)
+                    take_rows(x, rows), take_rows(ctx, rows), take_rows(temb_act, rows)
                 ),
             )
 

@@ -51,7 +51,7 @@ from diffserve.layers.embeddings import TimestepEmbedding, timestep_sinusoids
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.rotary import RotaryEmbedding, multi_axis_rope_tables
 from diffserve.models.config_keys import checked_config_kwargs
-from diffserve.models.step_cache import BatchStepCache
+from diffserve.models.step_cache import BatchStepCache, take_rows
 from diffserve.platforms import Platform
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
@@ -518,7 +518,7 @@ class WanTransformer3DModel(nn.Module):
                 x,
                 self.blocks[0].modulated_input(x, time_mod),
                 lambda rows: self._run_blocks(
-                    _take_rows(x, rows), _take_rows(context, rows), image_len, _take_rows(time_mod, rows), rope
+                    take_rows(x, rows), take_rows(context, rows), image_len, take_rows(time_mod, rows), rope
                 ),
             )
 
@@ -563,7 +563,3 @@ class WanTransformer3DModel(nn.Module):
             f"timestep must have shape ({batch},), (1,) or ({batch}, {seq}) (per token), got {tuple(timestep.shape)}"
         )
 
-
-def _take_rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """`t` restricted to batch rows `rows` (None: all)."""
-    return t if rows is None else t.index_select(0, rows)
