@@ -113,14 +113,17 @@ def run_timed_generations(
 ) -> None:
     """The worker's measurement: one warm-up, `repeats` timed generations, then the result line.
 
-    `load` holds `import_s` and `from_pretrained_s`. With `dit_counter`, the result also carries the
-    DiT forward calls per denoising step of the timed runs (`dit_calls_per_step`).
+    `load` holds `import_s` and `from_pretrained_s`. The warm-up generation's time is recorded as
+    `warmup_s` (the first call, where torch.compile compiles). With `dit_counter`, the result also
+    carries the DiT forward calls per denoising step of the timed runs (`dit_calls_per_step`).
     """
     import numpy as np
     import torch
     from PIL import Image
 
-    generate()  # warm-up, not counted
+    warmup_start = time.perf_counter()
+    generate()  # warm-up, not counted (timed apart: with torch.compile it is where compilation happens)
+    warmup_s = time.perf_counter() - warmup_start
     e2e: list[float] = []
     step_times: list[list[float]] = []
     calls_per_step: list[float] = []
@@ -147,6 +150,7 @@ def run_timed_generations(
         "step_times_s": step_times,
         "s_per_step": statistics.fmean(flat),
         "e2e_mean_s": statistics.fmean(e2e),
+        "warmup_s": warmup_s,
         "peak_rss_mb": peak_rss_mb(),
         "repeats_identical": all(np.array_equal(images[0], im) for im in images[1:]),
         "image_std": float(images[0].std()),
@@ -240,6 +244,8 @@ def merge_rounds(results: list[dict]) -> dict:
         "workers": len(results),
         "loadavg_1m": [x for r in results for x in r["loadavg_1m"]],
     }
+    if all("warmup_s" in r for r in results):
+        merged["warmup_s"] = [r["warmup_s"] for r in results]
     if "dit_calls_per_step" in results[0]:
         merged["dit_calls_per_step"] = statistics.fmean(r["dit_calls_per_step"] for r in results)
     return merged

@@ -27,6 +27,14 @@ from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.platforms import Platform, PlatformUnavailableError, set_platform
 from diffserve.registry import ModelFamily, resolve_family
 from diffserve.request import Req
+from diffserve.runtime.compile import (
+    CompiledRegion,
+    WarmupRun,
+    cfg_mode_of,
+    compile_pipeline,
+    compile_warmup_size,
+    warm_up,
+)
 from diffserve.video_outputs import save_frames as save_frames_as_png
 from diffserve.video_outputs import save_video
 
@@ -112,6 +120,23 @@ class DiffGenerator:
             raise UserError(str(exc)) from exc
         self.model_path = str(index.root)
         logger.info("Pipeline ready in %.2f seconds", time.perf_counter() - start)
+        #: `--compile`: the block lists compiled; `--warmup-resolutions`: the warm-up generations run.
+        self.compiled_regions: list[CompiledRegion] = compile_pipeline(components) if engine_args.compile else []
+        sizes = list(engine_args.warmup_resolutions)
+        if engine_args.compile and not sizes:  # the graphs are size-generic: a small warm-up builds them all
+            sizes = [compile_warmup_size(self.pipeline.pixel_multiple)]
+        self.warmup_runs: list[WarmupRun] = self.warm_up(sizes) if sizes else []
+
+    def warm_up(self, resolutions: Sequence[tuple[int, int]]) -> list[WarmupRun]:
+        """Short generations at each (height, width), with and without CFG at the first, so compilation
+        (`--compile`) and allocator growth happen now rather than in the first requests."""
+        start = time.perf_counter()
+        runs = warm_up(
+            self.generate_from_params, self.pipeline.resolve_params, resolutions,
+            cfg_mode=cfg_mode_of(self.pipeline.stages), video=self.family.task.endswith("-to-video"),
+        )  # fmt: skip
+        logger.info("Warm-up of %d size(s) done in %.2f seconds", len(resolutions), time.perf_counter() - start)
+        return runs
 
     @classmethod
     def from_pretrained(

@@ -1,0 +1,199 @@
+"""`--compile` (regional torch.compile of the DiT blocks) and `--warmup-resolutions`.
+
+The compiled tests share one tiny FLUX (1 double + 1 single block) compiled once with inductor, so
+the whole file costs about one compilation of two block graphs for two batch kinds.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from diffserve.errors import UserError
+from diffserve.runtime.compile import cfg_overrides, compile_pipeline, find_block_lists, warmup_plan
+from diffserve.testing.image_metrics import psnr_uint8
+
+#: (height, width): a square size and a non-square one (both multiples of the tiny VAE's 16 pixels).
+WARMUP_SIZES = [(64, 64), (32, 48)]
+PROMPT = "a red square on a blue background"
+
+
+def inductor_cxx() -> str | None:
+    """The C++ compiler inductor would use on CPU, if it is installed."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    try:
+        return shutil.which(get_cpp_compiler())
+    except InvalidCxxCompiler:
+        return None
+
+
+needs_cxx = pytest.mark.skipif(
+    inductor_cxx() is None, reason="inductor needs a C++ compiler on CPU (g++ / $CXX) and none was found"
+)
+
+
+def graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+# ------------------------------------------------------------------------------ without compiling
+
+
+@pytest.mark.parametrize(
+    ("module", "cls_name", "expected"),
+    [
+        ("flux", "FluxTransformer2DModel",
+         [("transformer_blocks", "FluxTransformerBlock", 19), ("single_transformer_blocks", "FluxSingleTransformerBlock", 38)]),
+        ("sd3", "SD3Transformer2DModel", [("transformer_blocks", "JointTransformerBlock", 18)]),
+        ("qwen_image", "QwenImageTransformer2DModel", [("transformer_blocks", "QwenImageTransformerBlock", 60)]),
+        ("z_image", "ZImageTransformer2DModel",
+         [("noise_refiner", "ZImageTransformerBlock", 2), ("context_refiner", "ZImageTransformerBlock", 2),
+          ("layers", "ZImageTransformerBlock", 30)]),
+        ("wan", "WanTransformer3DModel", [("blocks", "WanTransformerBlock", 40)]),
+    ],
+)  # fmt: skip
+def test_block_lists_of_every_family(module: str, cls_name: str, expected: list) -> None:
+    """Each family's full-size DiT (built on the meta device: no memory) exposes exactly its block lists,
+    not the small ModuleLists inside blocks (`to_out`, a feed-forward's `net`)."""
+    import importlib
+
+    cls = getattr(importlib.import_module(f"diffserve.models.dits.{module}"), cls_name)
+    with torch.device("meta"):
+        model = cls()
+    found = [(name, type(blocks[0]).__name__, len(blocks)) for name, blocks in find_block_lists(model)]
+    assert found == expected
+
+
+def test_warmup_plan_covers_one_row_and_multi_row_batches() -> None:
+    """No CFG (one DiT row) and CFG (two rows) at the first size; the family default at the others."""
+    assert warmup_plan([(64, 64), (32, 48)]) == [(64, 64, False), (64, 64, True), (32, 48, None)]
+    assert warmup_plan([]) == []
+
+
+@pytest.mark.parametrize("cfg_mode", ["true_cfg", "classic", "positive_gap"])
+def test_cfg_overrides_switch_the_negative_branch(cfg_mode: str) -> None:
+    """The overrides really turn CFG off and on under each family's rule (the validation stage decides)."""
+    from diffserve.configs.sampling_params import SamplingParams
+    from diffserve.request import Req
+    from diffserve.stages.input_validation import InputValidationStage
+
+    stage = InputValidationStage(defaults=SamplingParams(num_inference_steps=2, guidance_scale=3.5),
+                                 pixel_multiple=16, default_pixels=64, max_sequence_length_limit=None,
+                                 cfg_mode=cfg_mode)  # fmt: skip
+    for cfg, overrides in cfg_overrides(cfg_mode).items():
+        req = stage(Req(params=SamplingParams(prompt="p", height=64, width=64, **overrides)))
+        assert req.do_cfg is cfg
+
+
+def test_compile_refuses_what_it_cannot_compile() -> None:
+    """--compile never silently does nothing: no DiT, or a DiT without block lists, is an error."""
+    with pytest.raises(UserError, match="no DiT component"):
+        compile_pipeline({"vae": nn.Linear(2, 2)})
+    with pytest.raises(UserError, match="no repeated block list"):
+        compile_pipeline({"transformer": nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))})
+
+
+# ---------------------------------------------------------------------------------- compiled (inductor)
+
+
+@pytest.fixture(scope="module")
+def tiny_flux_1x1(tmp_path_factory: pytest.TempPathFactory):
+    from diffserve.testing.tiny_flux import TinyFluxSpec, build_tiny_flux
+
+    return build_tiny_flux(tmp_path_factory.mktemp("tiny-flux-1x1"), TinyFluxSpec(num_layers=1, num_single_layers=1))
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_flux_1x1):
+    """A compiled generator warmed up at WARMUP_SIZES, and the number of graphs compiled meanwhile."""
+    from diffserve.api import DiffGenerator
+
+    before = graphs_compiled()
+    generator = DiffGenerator.from_pretrained(
+        tiny_flux_1x1, device="cpu", show_progress=False, compile=True, warmup_resolutions=WARMUP_SIZES
+    )
+    return generator, graphs_compiled() - before
+
+
+@pytest.fixture(scope="module")
+def eager(tiny_flux_1x1):
+    from diffserve.api import DiffGenerator
+
+    return DiffGenerator.from_pretrained(tiny_flux_1x1, device="cpu", show_progress=False)
+
+
+@needs_cxx
+def test_blocks_are_compiled(compiled) -> None:
+    generator, graphs = compiled
+    dit = generator.pipeline.context.get("transformer")
+    blocks = [*dit.transformer_blocks, *dit.single_transformer_blocks]
+    assert all(block._compiled_call_impl is not None for block in blocks)
+    assert [(r.path, r.block_class, r.blocks) for r in generator.compiled_regions] == [
+        ("transformer.transformer_blocks", "FluxTransformerBlock", 1),
+        ("transformer.single_transformer_blocks", "FluxSingleTransformerBlock", 1),
+    ]
+    # Two block classes x (one-row, multi-row) batches: at least 4 graphs (more when a block has a graph break).
+    assert graphs >= 4
+
+
+@needs_cxx
+def test_warmup_ran_the_configured_sizes(compiled) -> None:
+    generator, _ = compiled
+    runs = [(r.height, r.width, r.cfg) for r in generator.warmup_runs]
+    assert runs == [(64, 64, False), (64, 64, True), (32, 48, None)]
+    assert all(r.seconds > 0 for r in generator.warmup_runs)
+
+
+@needs_cxx
+def test_compiled_dit_matches_eager(compiled, eager) -> None:
+    """Same weights, same inputs: the compiled blocks agree with eager to float32 rounding."""
+    ours = compiled[0].pipeline.context.get("transformer")
+    ref = eager.pipeline.context.get("transformer")
+    config = ref.config
+    gen = torch.Generator().manual_seed(0)
+    batch, image_tokens, text_tokens = 2, 16, 512
+    side = int(image_tokens**0.5)
+    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    inputs = {
+        "hidden_states": torch.randn(batch, image_tokens, config["in_channels"], generator=gen),
+        "encoder_hidden_states": torch.randn(batch, text_tokens, config["joint_attention_dim"], generator=gen),
+        "pooled_projections": torch.randn(batch, config["pooled_projection_dim"], generator=gen),
+        "timestep": torch.tensor([0.9, 0.4]),
+        "img_ids": torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float(),
+        "txt_ids": torch.zeros(text_tokens, 3),
+        "guidance": torch.full((batch,), 3.5),
+    }
+    with torch.inference_mode():
+        expected, got = ref(**inputs), ours(**inputs)
+    diff = (got - expected).abs().max().item()
+    print(f"compiled vs eager DiT output: max |diff| = {diff:.2e} (output max |x| {expected.abs().max().item():.2f})")
+    assert diff <= 1e-5
+
+
+@needs_cxx
+def test_compiled_generation_matches_eager_and_does_not_recompile(compiled, eager) -> None:
+    """Requests at warmed sizes, with any number of DiT rows, reuse the warm-up's graphs; and the
+    pixels match eager's."""
+    generator, _ = compiled
+    before = graphs_compiled()
+    requests = [
+        {"height": 64, "width": 64},
+        {"height": 64, "width": 64, "num_outputs_per_prompt": 3},  # 3 rows: a batch size never seen
+        {"height": 32, "width": 48, "true_cfg_scale": 2.0, "negative_prompt": "blurry"},  # CFG: 2 rows
+    ]
+    for params in requests:
+        out = generator.generate(PROMPT, num_inference_steps=2, seed=7, **params)
+        ref = eager.generate(PROMPT, num_inference_steps=2, seed=7, **params)
+        for image, expected in zip(out.images, ref.images, strict=True):
+            psnr = psnr_uint8(np.asarray(image), np.asarray(expected))
+            print(f"{params}: compiled vs eager PSNR {psnr:.1f} dB")
+            assert psnr >= 40.0
+    assert graphs_compiled() == before, "a request at a warmed size compiled new graphs"
