@@ -79,6 +79,7 @@ class DiffGenerator:
             self.platform = set_platform(engine_args.device)
         except PlatformUnavailableError as exc:
             raise UserError(str(exc)) from exc
+        self.platform.prepare_process()
         self.dtype = parse_dtype(engine_args.dtype, self.platform)
         text_dtype = parse_dtype(engine_args.text_encoder_dtype or engine_args.dtype, self.platform)
         logger.info("Platform: %s (%s), dtype: %s", self.platform.name, self.platform.device_name(), self.dtype)

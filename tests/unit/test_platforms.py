@@ -345,3 +345,17 @@ def test_mps_memory_info_from_driver_counters(monkeypatch):
     monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 10 * 2**30)
     info = MpsPlatform().memory_info()
     assert info == MemoryInfo(peak_bytes=2 * 2**30, available_bytes=8 * 2**30, total_bytes=10 * 2**30)
+
+
+def test_cpu_prepare_process_keeps_activations_mapped_on_glibc(caplog):
+    import ctypes.util
+    import logging
+    import sys
+
+    from diffserve.platforms.cpu import CpuPlatform
+
+    with caplog.at_level(logging.INFO, logger="diffserve.platform"):
+        CpuPlatform().prepare_process()
+    glibc = sys.platform.startswith("linux") and ctypes.util.find_library("c") is not None
+    expected = "glibc mmap threshold 32 MiB" if glibc else "CPU allocator: default"
+    assert expected in caplog.text

@@ -18,8 +18,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-encoder-dtype", default=None, help="dtype of the text encoders (default: --dtype)")
     p.add_argument("--attention-backend", default=None, help="sdpa, flash_attn or sage_attn (default: sdpa)")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the DiT's repeated blocks (regional; compiled once per block class and "
-                   "input shape, so the first request at each size is slow; see --warmup-resolutions)")
+                   help="torch.compile the DiT's repeated blocks (regional, inductor, dynamic shapes): compiled "
+                   "at start-up by a short warm-up (or at --warmup-resolutions), so requests of any size run "
+                   "compiled")
     p.add_argument("--warmup-resolutions", nargs="+", default=[], metavar="WxH", type=parse_resolution,
                    help="sizes generated once at startup (e.g. 1024x1024 768x1344) so compilation happens "
                    "before the first request (default: none)")

@@ -58,6 +58,9 @@ class Platform(ABC):
     def reset_peak_memory(self, index: int = 0) -> None:  # noqa: B027  (optional hook, no-op by default)
         """Start a new peak-memory window (no-op where the runtime keeps no peak counter)."""
 
+    def prepare_process(self) -> None:  # noqa: B027  (optional hook, no-op by default)
+        """Process-wide settings that make this platform faster, applied once when an engine starts."""
+
     def synchronize(self, index: int = 0) -> None:  # noqa: B027  (optional hook, no-op by default)
         """Wait for queued device work; needed for honest stage timings on async devices."""
 

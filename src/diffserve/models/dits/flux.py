@@ -420,6 +420,11 @@ class FluxSingleTransformerBlock(nn.Module):
         norm_h, gate = self.norm.modulate_projected(h, emb)
         q, k, v, mlp = self._project(norm_h)
         attn = self.attn(q, k, v, rope)
+        if torch.compiler.is_compiling():
+            # An out= write into a strided slice breaks the graph in two; inductor fuses the GELU into
+            # the concatenation itself.
+            joined = torch.cat([attn, F.gelu(mlp, approximate="tanh")], dim=-1)
+            return _fp16_clip(_gated_residual(h, gate, self.proj_out(joined)))
         # proj_out reads [attention; GELU(mlp)]: GELU writes its half of that buffer directly instead
         # of into a tensor of its own that a concatenation would then copy (same values, one pass less).
         joined = attn.new_empty(*attn.shape[:-1], self.inner_dim + self.mlp_dim)
