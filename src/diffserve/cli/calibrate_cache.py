@@ -22,8 +22,8 @@ import numpy as np
 from diffserve.cli.engine_flags import add_engine_flags, engine_args_from
 from diffserve.cli.logging_setup import LEVELS
 from diffserve.configs.quality import APPROXIMATE_TIERS, PSNR_BARS, write_calibration
+from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.errors import UserError
-from diffserve.models.step_cache import StepCachePolicy
 
 logger = logging.getLogger("diffserve.calibrate")
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.errors import InvalidRequestError
-from diffserve.models.step_cache import StepCachePolicy
 
 logger = logging.getLogger("diffserve.quality")
 

@@ -10,8 +10,8 @@ import torch
 
 from diffserve.configs.quality import LOSSLESS, QualityRule
 from diffserve.configs.sampling_params import SamplingParams
+from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.loader.component_loader import LoadedComponent
-from diffserve.models.step_cache import StepCachePolicy
 from diffserve.platforms import Platform
 from diffserve.request import Req
 from diffserve.stages.base import Stage

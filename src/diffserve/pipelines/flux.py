@@ -8,10 +8,10 @@ import torch
 
 from diffserve.configs.flux import FluxPipelineConfig, flux_default_sampling_params
 from diffserve.configs.sampling_params import SamplingParams
+from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
-from diffserve.models.step_cache import StepCachePolicy
 from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.pipelines.cfg_batch import advance_requests, gather_branches, split_guided, step_cache_for
 from diffserve.request import Req

@@ -6,10 +6,10 @@ import torch
 
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.sd3 import SD3PipelineConfig, sd3_default_sampling_params
+from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.sd3 import SD3Transformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
-from diffserve.models.step_cache import StepCachePolicy
 from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.pipelines.cfg_batch import advance_requests, gather_branches, split_guided, step_cache_for
 from diffserve.request import Req

@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 
 from diffserve.configs.sampling_params import SamplingParams
+from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.configs.wan import WanPipelineConfig, wan_default_sampling_params
 from diffserve.errors import ModelLoadError
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.wan import WanTransformer3DModel
-from diffserve.models.step_cache import StepCachePolicy
 from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.pipelines.cfg_batch import advance_requests, split_guided, step_cache_for
 from diffserve.request import Req

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 
 from diffserve.configs.sampling_params import SamplingParams
+from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.configs.z_image import ZImagePipelineConfig, z_image_default_sampling_params
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.z_image import ZImageTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
-from diffserve.models.step_cache import StepCachePolicy
 from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.pipelines.cfg_batch import advance_requests, split_guided, step_cache_for
 from diffserve.request import Req
