@@ -30,7 +30,6 @@ from diffserve.request import Req
 from diffserve.runtime.compile import (
     CompiledRegion,
     WarmupRun,
-    cfg_mode_of,
     compile_pipeline,
     compile_warmup_size,
     warm_up,
@@ -134,7 +133,7 @@ class DiffGenerator:
         start = time.perf_counter()
         runs = warm_up(
             self.generate_from_params, self.pipeline.resolve_params, resolutions,
-            cfg_mode=cfg_mode_of(self.pipeline.stages), video=self.family.task.endswith("-to-video"),
+            cfg_mode=self.pipeline.input_validation_stage.cfg_mode, video=self.family.task.endswith("-to-video"),
         )  # fmt: skip
         logger.info("Warm-up of %d size(s) done in %.2f seconds", len(resolutions), time.perf_counter() - start)
         return runs

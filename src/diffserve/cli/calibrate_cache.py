@@ -101,7 +101,7 @@ class Calibration:
         start = time.perf_counter()
         self.reference = [_pixels(self._generate(prompt, "lossless")) for prompt in prompts]
         self.lossless_seconds = time.perf_counter() - start
-        self.num_steps = self.generator.pipeline.resolve_params(self._params(prompts[0], "lossless")).num_inference_steps
+        self.num_steps: int = request["num_inference_steps"]
 
     def _params(self, prompt: str, quality: str):
         from diffserve.configs.sampling_params import SamplingParams

@@ -47,10 +47,16 @@ class StepCacheState:
     last_signal: torch.Tensor | None = None
     residual: torch.Tensor | None = None
     reused_in_a_row: int = 0
-    steps_computed: int = 0
-    steps_reused: int = 0
-    #: Per step: True when the blocks ran, False when the residual was reused (for logs and tests).
+    #: Per step: True when the blocks ran, False when the residual was reused.
     history: list[bool] = field(default_factory=list)
+
+    @property
+    def steps_computed(self) -> int:
+        return sum(self.history)
+
+    @property
+    def steps_reused(self) -> int:
+        return len(self.history) - self.steps_computed
 
     def relative_change(self, signal: torch.Tensor) -> torch.Tensor | None:
         """Mean |signal - last| / mean |last| as a 0-d tensor (no host sync), None on the first step."""
@@ -75,10 +81,8 @@ class StepCacheState:
     def record(self, reused: bool) -> None:
         self.history.append(not reused)
         if reused:
-            self.steps_reused += 1
             self.reused_in_a_row += 1
         else:
-            self.steps_computed += 1
             self.reused_in_a_row = 0
             self.accumulated_change = 0.0
 

@@ -15,7 +15,7 @@ from diffserve.loader.component_loader import LoadedComponent
 from diffserve.platforms import Platform
 from diffserve.request import Req
 from diffserve.stages.base import Stage
-from diffserve.stages.denoising import DenoisingStage
+from diffserve.stages.denoising import DenoisingStage, log_step_cache
 from diffserve.stages.input_validation import InputValidationStage
 
 logger = logging.getLogger("diffserve.pipeline")
@@ -77,9 +77,7 @@ class Pipeline:
         rule = QualityRule(default_tier=self.context.default_quality, policies=policies, family=type(self).__name__)
         rule.resolve(None)  # a default tier the family does not have fails at startup, not per request
         self.quality_rule = rule
-        for stage in self.stages:
-            if isinstance(stage, InputValidationStage):
-                stage.quality = rule
+        self.input_validation_stage.quality = rule
 
     def build_stages(self, context: PipelineContext) -> list[Stage]:
         raise NotImplementedError
@@ -91,13 +89,19 @@ class Pipeline:
     def run(self, req: Req) -> Req:
         for stage in self.stages:
             req = stage(req)
-            if isinstance(stage, DenoisingStage):
-                log_step_cache(req)
         return req
 
     # -- The same pipeline as three phases, for the engine's step-level batching ---------------------
     # A request runs its pre-denoise stages alone, then shares denoising steps with every running
     # request of the same `batch_key`, then runs its post-denoise stages (decoding) alone.
+
+    @property
+    def input_validation_stage(self) -> InputValidationStage:
+        """The first stage of every family: defaults, validation, CFG rule and quality tier."""
+        stages = [s for s in self.stages if isinstance(s, InputValidationStage)]
+        if len(stages) != 1:
+            raise RuntimeError(f"{type(self).__name__} must have exactly one InputValidationStage, has {len(stages)}")
+        return stages[0]
 
     @property
     def denoising_stage(self) -> DenoisingStage:
@@ -134,12 +138,3 @@ class Pipeline:
             req.image_embeds is not None,
         )
 
-
-def log_step_cache(req: Req) -> None:
-    """An approximate-quality request says how many of its steps ran the DiT blocks in full."""
-    cache = req.step_cache
-    if cache is not None:
-        logger.info(
-            "[%s] quality=%s: %d of %d steps computed in full, %d reused the cached residual",
-            req.request_id[:8], req.params.quality, cache.steps_computed, req.num_steps, cache.steps_reused,
-        )

@@ -49,7 +49,7 @@ class SD3Pipeline(Pipeline):
     #: SD3 runs without T5 (its sequence part is then zeros, as in Diffusers), saving ~9 GB on the real model.
     optional_components = ("text_encoder_3", "tokenizer_3")
     config = SD3PipelineConfig()
-    #: FLUX's values: the tiny test model (20 steps, 64x64) clears every bar by 15+ dB with them (10 / 7 / 5
+    #: FLUX's provisional values from before its calibration on the demo model: the tiny test model (20 steps, 64x64) clears every bar by 15+ dB with them (10 / 7 / 5
     #: steps in full for high / medium / low) and does not tell thresholds apart (2 full steps still give
     #: 46 dB), so they stay as on the closest real family until `diffserve calibrate-cache` replaces them.
     step_cache_policies = {

@@ -63,8 +63,8 @@ Not used (measured):
       with depth, the per-request logic around the blocks breaks the graph anyway, and what it could
       fuse across block boundaries is one pass over the activations per block.
 
-First-call timing: the first DiT forward after `compile_pipeline` is timed and logged with the number
-of graphs dynamo built and a warning per graph break (a graph break splits a block into several graphs
+Compilation happens in the warm-up: each warm-up generation is timed and logged with the number of
+graphs dynamo built during it, then a warning per graph break (a graph break splits a block into several graphs
 and leaves the op that caused it eager: it points at model code to fix).
 """
 
@@ -169,7 +169,7 @@ def compile_pipeline(components: dict[str, Any]) -> list[CompiledRegion]:
     """Compile the block lists of every DiT among `components`; log what was compiled.
 
     Raises UserError when a DiT has no block list (nothing would be compiled: `--compile` would
-    silently do nothing). The first forward of each DiT is timed and logged (see module docstring).
+    silently do nothing).
     """
     dits = dit_components(components)
     if not dits:
@@ -181,52 +181,20 @@ def compile_pipeline(components: dict[str, Any]) -> list[CompiledRegion]:
         if not found:
             raise UserError(f"--compile: {name} ({type(model).__name__}) has no repeated block list to compile")
         regions += found
-        FirstCallTimer.attach(model, name)
     for region in regions:
         logger.info(
             "torch.compile (%s, dynamic shapes, regional): %s, %d x %s",
             BACKEND, region.path, region.blocks, region.block_class,
         )
-    logger.info("Blocks compile on first use (one graph per block class and batch kind); see the warm-up")
+    logger.info("Blocks compile on first use (one graph per block class and batch kind): in the warm-up")
     return regions
 
 
-class FirstCallTimer:
-    """Times a DiT's first forward after compiling (which compiles its blocks) and logs it, once.
-
-    Shadows the model's `forward` with an instance attribute, which `nn.Module.__call__` looks up
-    first; the DiT's own forward is not compiled, so this runs eagerly around the compiled blocks.
-    It removes itself after the first call when it is still the instance's `forward`.
-    """
-
-    def __init__(self, model: nn.Module, name: str) -> None:
-        self.model = model
-        self.name = name
-        self._forward = model.forward
-
-    @classmethod
-    def attach(cls, model: nn.Module, name: str) -> FirstCallTimer:
-        timer = cls(model, name)
-        model.forward = timer
-        return timer
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.model.__dict__.get("forward") is self:
-            del self.model.forward
-        graphs_before = _dynamo_count("stats", "unique_graphs")
-        start = time.perf_counter()
-        out = self._forward(*args, **kwargs)
-        seconds = time.perf_counter() - start
-        graphs = _dynamo_count("stats", "unique_graphs") - graphs_before
-        logger.info("%s: first compiled forward took %.2f s (%d graphs compiled)", self.name, seconds, graphs)
-        log_graph_breaks()
-        return out
-
-
-def _dynamo_count(group: str, key: str) -> int:
+def compiled_graph_count() -> int:
+    """Graphs dynamo has built in this process so far."""
     from torch._dynamo.utils import counters
 
-    return int(counters[group][key])
+    return int(counters["stats"]["unique_graphs"])
 
 
 def log_graph_breaks() -> dict[str, int]:
@@ -253,16 +221,6 @@ def cfg_overrides(cfg_mode: str) -> dict[bool, dict[str, Any]]:
     if cfg_mode == "positive_gap":  # Z-Image: guidance_scale > 0
         return {False: {"guidance_scale": 0.0}, True: {"guidance_scale": 2.0}}
     raise ValueError(f"unknown cfg_mode {cfg_mode!r}")
-
-
-def cfg_mode_of(stages: Sequence[Any]) -> str:
-    """The CFG rule of a pipeline, from its input-validation stage."""
-    from diffserve.stages.input_validation import InputValidationStage
-
-    modes = [stage.cfg_mode for stage in stages if isinstance(stage, InputValidationStage)]
-    if len(modes) != 1:
-        raise RuntimeError(f"expected one InputValidationStage, found {len(modes)}")
-    return modes[0]
 
 
 def compile_warmup_size(pixel_multiple: int) -> tuple[int, int]:
@@ -330,12 +288,14 @@ def warm_up(
         params = warmup_params(height, width, cfg, cfg_mode, video)
         try:
             params = with_probe_image(params, resolve)
-            start = time.perf_counter()
+            graphs_before, start = compiled_graph_count(), time.perf_counter()
             generate(params)
         except InvalidRequestError as exc:
             raise UserError(f"--warmup-resolutions {width}x{height}: {exc}") from exc
         run = WarmupRun(height, width, cfg, time.perf_counter() - start)
         label = "family default" if cfg is None else ("CFG" if cfg else "no CFG")
-        logger.info("Warm-up %dx%d (WxH), %s, %d steps: %.2f s", width, height, label, WARMUP_STEPS, run.seconds)
+        logger.info("Warm-up %dx%d (WxH), %s, %d steps: %.2f s, %d graphs compiled", width, height, label,
+                    WARMUP_STEPS, run.seconds, compiled_graph_count() - graphs_before)
         runs.append(run)
+    log_graph_breaks()
     return runs

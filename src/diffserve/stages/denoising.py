@@ -50,4 +50,16 @@ class DenoisingStage(Stage):
             logger.info(
                 "[%s] average time per step: %.4f seconds", self.name, sum(req.step_times) / len(req.step_times)
             )
+        log_step_cache(req)
         return req
+
+
+def log_step_cache(req: Req) -> None:
+    """An approximate-quality request says how many of its steps ran the DiT blocks in full (the
+    single-request driver above and the engine's `Pipeline.run_post_denoise` both call it)."""
+    cache = req.step_cache
+    if cache is not None:
+        logger.info(
+            "[%s] quality=%s: %d of %d steps computed in full, %d reused the cached residual",
+            req.request_id[:8], req.params.quality, cache.steps_computed, req.num_steps, cache.steps_reused,
+        )
