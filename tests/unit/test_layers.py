@@ -109,6 +109,30 @@ def test_rotary_apply_matches_diffusers(path: str, dtype: torch.dtype) -> None:
     torch.testing.assert_close(k_out, apply_rotary_emb(k, full, sequence_dim=1), rtol=0, atol=0)
 
 
+def test_rotary_under_compile_traces_real_arithmetic_and_matches_eager() -> None:
+    """Inductor cannot generate code for complex ops; under torch.compile the rotation must be traced
+    in real arithmetic (so it fuses with QK-norm) and give the eager complex path's values."""
+    axes = (4, 6, 6)
+    ids = torch.stack([torch.zeros(10), torch.arange(10.0), torch.arange(10.0) % 3], dim=1)
+    cos, sin = multi_axis_rope_tables(ids, axes)
+    q, k = torch.randn(2, 10, 3, 16), torch.randn(2, 10, 3, 16)
+    op = RotaryEmbedding()
+    traced_ops: list[str] = []
+
+    def recording_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        traced_ops.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    q_c, k_c = torch.compile(op, backend=recording_backend, fullgraph=True)(q, k, cos, sin)
+    assert traced_ops, "the backend saw no graph"
+    assert not [t for t in traced_ops if "complex" in t], traced_ops
+    q_e, k_e = op(q, k, cos, sin)
+    assert op.dispatched_method_name == "forward_cpu"  # eager CPU takes the complex form
+    torch.testing.assert_close(q_c, q_e, rtol=0, atol=0)
+    torch.testing.assert_close(k_c, k_e, rtol=0, atol=0)
+
+
 def test_timestep_sinusoids_match_diffusers() -> None:
     t = torch.tensor([0.0, 1.5, 250.0, 999.0])
     expected = get_timestep_embedding(t, 256, flip_sin_to_cos=True, downscale_freq_shift=0)
