@@ -58,10 +58,17 @@ class Req:
     # Image-to-video: the input image's CLIP vision states (batch, tokens, dim), cross-attended by the DiT.
     image_embeds: torch.Tensor | None = None
 
-    # Set by timestep preparation (CPU float32): sigmas has num_steps + 1 entries.
+    # Set by timestep preparation, float32 on the latents' device, so that a step indexes them without a
+    # host-to-device copy (a host sync on accelerators): sigmas has num_steps + 1 entries.
     sigmas: torch.Tensor | None = None
     timesteps: torch.Tensor | None = None
     guidance: torch.Tensor | None = None  # (batch,) embedded guidance, when the DiT takes it
+    # The same sigmas on the CPU, for host-side reads: previews, and UniPC's data prediction, which
+    # multiplies by a CPU scalar as Diffusers does (a kernel argument, neither a copy nor a sync).
+    host_sigmas: torch.Tensor | None = None
+    # Families whose DiT takes its own time axis rather than `timesteps` (Z-Image: 1 - t / 1000,
+    # computed on the CPU as before and moved with the schedule), per step, on the latents' device.
+    dit_timesteps: torch.Tensor | None = None
 
     # Advanced by the denoising step function (with the multistep scheduler's history, if it keeps one).
     step_index: int = 0

@@ -25,7 +25,8 @@ class BranchBatch:
 
 
 def gather_branches(reqs: list[Req]) -> BranchBatch:
-    """Per-row inputs for `reqs`, positive then negative branch per request, at each request's step."""
+    """Per-row inputs for `reqs`, positive then negative branch per request, at each request's step
+    (timesteps are rows of the request's device schedule: no host transfer)."""
     batch = BranchBatch()
     for req in reqs:
         branches = [(req.prompt_embeds, req.pooled_prompt_embeds)]
@@ -70,7 +71,9 @@ def advance_requests(scheduler, reqs: list[Req], predictions: list[torch.Tensor]
         if req.step_index == 0 and req.scheduler_state is None:
             req.scheduler_state = scheduler.new_state()
         req.last_prediction = noise_pred  # kept for previews (stages/previews.py); no copy, no compute
-        req.latents = scheduler.step_request(noise_pred, req.latents, req.sigmas, req.step_index, req.scheduler_state)
+        req.latents = scheduler.step_request(
+            noise_pred, req.latents, req.sigmas, req.step_index, req.scheduler_state, req.host_sigmas
+        )
         req.step_index += 1
 
 

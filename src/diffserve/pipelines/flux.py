@@ -62,15 +62,15 @@ class FluxDenoiser:
         batch = gather_branches(reqs)
         guidance = [r.guidance for r in reqs for _ in range(2 if r.do_cfg else 1) if r.guidance is not None]
         first = reqs[0]
-        dtype, device = first.latents.dtype, first.latents.device
+        # Timesteps and guidance are already on the latents' device (timestep preparation put them there).
         prediction = self.transformer(
             hidden_states=torch.cat(batch.latents),
             encoder_hidden_states=torch.cat(batch.text),
             pooled_projections=torch.cat(batch.pooled),
-            timestep=torch.cat(batch.timesteps).to(device=device, dtype=dtype) / 1000,
+            timestep=torch.cat(batch.timesteps).to(first.latents.dtype) / 1000,
             img_ids=first.image_ids,
             txt_ids=first.text_ids,
-            guidance=torch.cat(guidance).to(device) if guidance else None,
+            guidance=torch.cat(guidance) if guidance else None,
             rope=self.rope_for(first),
             step_cache=step_cache_for(reqs),
         )

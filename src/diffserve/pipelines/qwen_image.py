@@ -80,15 +80,15 @@ class QwenImageDenoiser:
                 if req.guidance is not None:
                     guidance.append(req.guidance)
         first = reqs[0]
-        dtype, device = first.latents.dtype, first.latents.device
         text, text_mask = pad_text(texts)
+        # Timesteps and guidance are already on the latents' device (timestep preparation put them there).
         prediction = self.transformer(
             hidden_states=torch.cat(latents),
             encoder_hidden_states=text,
             encoder_hidden_states_mask=text_mask,
-            timestep=torch.cat(timesteps).to(device=device, dtype=dtype) / 1000,
+            timestep=torch.cat(timesteps).to(first.latents.dtype) / 1000,
             img_shapes=shapes,
-            guidance=torch.cat(guidance).to(device) if guidance else None,
+            guidance=torch.cat(guidance) if guidance else None,
             step_cache=step_cache_for(reqs),  # rows are in `gather_branches` order, as it expects
         )
         prediction = prediction[:, : first.latents.shape[1]]

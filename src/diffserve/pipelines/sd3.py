@@ -33,12 +33,11 @@ class SD3Denoiser:
     @torch.inference_mode()
     def __call__(self, reqs: list[Req]) -> None:
         batch = gather_branches(reqs)
-        dtype = reqs[0].latents.dtype
         prediction = self.transformer(
             hidden_states=torch.cat(batch.latents),
             encoder_hidden_states=torch.cat(batch.text),
             pooled_projections=torch.cat(batch.pooled),
-            timestep=torch.cat(batch.timesteps).to(device=reqs[0].latents.device, dtype=dtype),
+            timestep=torch.cat(batch.timesteps).to(reqs[0].latents.dtype),  # already on the latents' device
             step_cache=step_cache_for(reqs),
         )
         advance_requests(self.scheduler, reqs, split_guided(prediction, reqs))

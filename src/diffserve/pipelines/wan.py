@@ -74,10 +74,9 @@ class WanDenoiser:
                 timesteps.append(req.timesteps[req.step_index].expand(req.batch_size))
                 if req.image_embeds is not None:
                     images.append(req.image_embeds)
-        device = reqs[0].latents.device
         prediction = self.transformer(
             hidden_states=torch.cat(latents).to(self.dtype),
-            timestep=torch.cat(timesteps).to(device),
+            timestep=torch.cat(timesteps),  # already on the latents' device
             encoder_hidden_states=torch.cat(texts),
             encoder_hidden_states_image=torch.cat(images) if images else None,
             step_cache=step_cache_for(reqs),

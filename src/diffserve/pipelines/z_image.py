@@ -47,14 +47,13 @@ class ZImageDenoiser:
         latents, captions, times = [], [], []
         for req in reqs:
             branches = [req.prompt_embeds] + ([req.negative_prompt_embeds] if req.do_cfg else [])
-            # The DiT's time runs from 0 (noise) to 1 (clean): 1 - t / 1000.
-            t = (1000 - req.timesteps[req.step_index]) / 1000
+            # The DiT's time runs from 0 (noise) to 1 (clean): 1 - t / 1000, prepared on the device.
+            t = req.dit_timesteps[req.step_index]
             for text in branches:
                 latents.extend(req.latents.to(self.dtype).unsqueeze(2).unbind(0))
                 captions.extend(text.unbind(0))
                 times.append(t.expand(req.batch_size))
-        device = reqs[0].latents.device
-        out = self.transformer(latents, torch.cat(times).to(device), captions, step_cache=step_cache_for(reqs))
+        out = self.transformer(latents, torch.cat(times), captions, step_cache=step_cache_for(reqs))
         prediction = torch.stack([o.float() for o in out]).squeeze(2)
         guided = split_guided(prediction, reqs, combine=z_image_cfg)
         advance_requests(self.scheduler, reqs, [-p for p in guided])

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from diffserve.platforms.step_timer import EventMark, HostMark, StepMark
+
 
 @dataclass(frozen=True)
 class MemoryInfo:
@@ -64,6 +66,14 @@ class Platform(ABC):
     def synchronize(self, index: int = 0) -> None:  # noqa: B027  (optional hook, no-op by default)
         """Wait for queued device work; needed for honest stage timings on async devices."""
 
+    def step_mark(self) -> StepMark:
+        """A mark in the device's work queue for timing denoising steps (`platforms/step_timer.py`).
+
+        This default synchronizes and reads the host clock: correct on any device, but a host sync per
+        mark. Platforms whose runtime has timing events override it so steps are timed without one."""
+        self.synchronize()
+        return HostMark()
+
     def device_name(self, index: int = 0) -> str:
         return self.name
 
@@ -94,6 +104,10 @@ class TorchAcceleratorPlatform(Platform):
 
     def synchronize(self, index: int = 0) -> None:
         self._runtime().synchronize(index)
+
+    def step_mark(self) -> StepMark:
+        """A timing event on the runtime's current stream: no host sync."""
+        return EventMark(self._runtime())
 
     def device_name(self, index: int = 0) -> str:
         return str(self._runtime().get_device_name(index))

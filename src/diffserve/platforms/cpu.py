@@ -11,6 +11,7 @@ import psutil
 import torch
 
 from diffserve.platforms.base import MemoryInfo, Platform
+from diffserve.platforms.step_timer import HostMark, StepMark
 
 logger = logging.getLogger("diffserve.platform")
 
@@ -79,6 +80,10 @@ class CpuPlatform(Platform):
                         "mapped between steps)", MMAP_THRESHOLD_BYTES >> 20, TRIM_THRESHOLD_BYTES >> 30)
         else:
             logger.info("CPU allocator: default (not glibc; activations may be re-mapped every step)")
+
+    def step_mark(self) -> StepMark:
+        """The host clock: CPU ops have finished when they return, so there is nothing to wait for."""
+        return HostMark()
 
     def memory_info(self, index: int = 0) -> MemoryInfo:
         vm = psutil.virtual_memory()

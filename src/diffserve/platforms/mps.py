@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from diffserve.platforms.base import MemoryInfo, Platform
+from diffserve.platforms.step_timer import EventMark, StepMark
 
 
 class MpsPlatform(Platform):
@@ -35,3 +36,7 @@ class MpsPlatform(Platform):
 
     def synchronize(self, index: int = 0) -> None:
         torch.mps.synchronize()
+
+    def step_mark(self) -> StepMark:
+        """A Metal timing event (`torch.mps.Event`): no host sync."""
+        return EventMark(torch.mps)

@@ -23,6 +23,11 @@ makes its decisions at denoising step boundaries. One iteration (`step()`):
 4. Every request of the group gets its step time and its `on_step(req)` call; the ones whose last step
    is done run their post-denoise phase (decoding) and complete.
 
+The loop does not wait for the device between steps: a step's time is read from marks in the device's
+work queue once the device has passed them (`platforms/step_timer.py`), and a request's remaining step
+times are waited for once, when it completes. An asynchronous device error therefore surfaces at a later
+step or at that completion rather than in the step that caused it.
+
 Requests join at the next step boundary and leave as soon as their own steps are done: nobody waits for
 a whole batch to finish. With `max_running_requests=1` this is exactly the one-request-at-a-time engine.
 
@@ -51,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from diffserve.platforms import current_platform
+from diffserve.platforms.step_timer import StepTimer
 from diffserve.request import Req
 from diffserve.runtime.memory import MemoryModel, RequestCost, request_cost
 
@@ -142,6 +148,8 @@ class StepScheduler:
         self.memory = memory
         self.platform = platform or current_platform()
         self.cost_fn = cost_fn
+        #: Step times of every group's steps, in the order they ran (one device queue).
+        self.step_timer = StepTimer(self.platform)
         self._cond = threading.Condition()
         self._seq = itertools.count()
         self._waiting: list[ScheduledRequest] = []  # kept sorted by `order`
@@ -246,6 +254,8 @@ class StepScheduler:
             dropped = [sr for sr in self._running if sr.req.cancelled]
             for sr in dropped:
                 self._running.remove(sr)
+        if dropped:
+            self.step_timer.flush()  # the steps they took keep their times
         for sr in dropped:
             sr.state = "cancelled"
             logger.info("Request %s cancelled at step %d", sr.request_id, sr.req.step_index)
@@ -312,10 +322,9 @@ class StepScheduler:
 
     def _denoise(self, group: list[ScheduledRequest]) -> None:
         reqs = [sr.req for sr in group]
-        start = time.perf_counter()
+        start = self.step_timer.start()
         try:
             self.pipeline.denoise_step(reqs)
-            self.platform.synchronize()
         except Exception as exc:
             logger.exception(
                 "A denoising step over %d request(s) failed: %s",
@@ -325,10 +334,9 @@ class StepScheduler:
             for sr in group:
                 self._fail(sr, exc)
             return
-        elapsed = time.perf_counter() - start
+        self.step_timer.stop(start, *(sr.req.step_times for sr in group))
         self.batch_size_counts[len(group)] += 1
         for sr in group:
-            sr.req.step_times.append(elapsed)
             sr.batch_sizes.append(len(group))
             if sr.req.on_step is not None:
                 try:
@@ -346,6 +354,7 @@ class StepScheduler:
             self._drop_cancelled()
             return
         try:
+            self.step_timer.flush()  # this request's last step times (waits for its last step, once)
             if req.step_times:
                 req.timings["DenoisingStage"] = sum(req.step_times)
             sr.req = self.pipeline.run_post_denoise(req)

@@ -2,18 +2,21 @@
 
 The step function takes a *list* of requests so the same code serves step-level batching later;
 this stage is the single-request driver with the progress bar and per-step timings users expect.
+The loop never waits for the device: step times come from marks in the device's work queue, read
+once the device has passed them (`platforms/step_timer.py`), so the host queues step i + 1 while
+the device still runs step i.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 from tqdm.auto import tqdm
 
 from diffserve.errors import RequestCancelledError
 from diffserve.platforms import current_platform
+from diffserve.platforms.step_timer import StepTimer
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 
@@ -34,24 +37,32 @@ class DenoisingStage(Stage):
         self.show_progress = show_progress
 
     def forward(self, req: Req) -> Req:
-        platform = current_platform()
-        with tqdm(total=req.num_steps, disable=not self.show_progress, unit="step", bar_format=BAR_FORMAT) as bar:
-            while not req.is_denoised:
-                if req.cancelled:
-                    raise RequestCancelledError(f"request {req.request_id} cancelled at step {req.step_index}")
-                start = time.perf_counter()
-                self.denoise_step([req])
-                platform.synchronize()
-                req.step_times.append(time.perf_counter() - start)
-                bar.update(1)
-                if req.on_step is not None:
-                    req.on_step(req)
+        timer = StepTimer(current_platform())
+        try:
+            self.run_steps(req, timer)
+        except RequestCancelledError:
+            timer.flush()  # the steps it took keep their times
+            raise
+        timer.flush()
         if req.step_times:
             logger.info(
                 "[%s] average time per step: %.4f seconds", self.name, sum(req.step_times) / len(req.step_times)
             )
         log_step_cache(req)
         return req
+
+    def run_steps(self, req: Req, timer: StepTimer) -> None:
+        """Step `req` until its steps are spent (or it is cancelled), with a progress bar."""
+        with tqdm(total=req.num_steps, disable=not self.show_progress, unit="step", bar_format=BAR_FORMAT) as bar:
+            while not req.is_denoised:
+                if req.cancelled:
+                    raise RequestCancelledError(f"request {req.request_id} cancelled at step {req.step_index}")
+                start = timer.start()
+                self.denoise_step([req])
+                timer.stop(start, req.step_times)
+                bar.update(1)
+                if req.on_step is not None:
+                    req.on_step(req)
 
 
 def log_step_cache(req: Req) -> None:

@@ -108,7 +108,7 @@ def predicted_clean_latents(req: Req) -> torch.Tensor:
     history = getattr(req.scheduler_state, "model_outputs", None)
     if history and history[-1] is not None:  # UniPC: the data prediction of the step it just took
         return history[-1].float()
-    sigma = float(req.sigmas[req.step_index])
+    sigma = float(req.host_sigmas[req.step_index])  # the CPU copy: reading the device schedule would sync
     return req.latents.float() - sigma * req.last_prediction.float()
 
 

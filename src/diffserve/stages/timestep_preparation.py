@@ -1,20 +1,34 @@
-"""TimestepPreparationStage: the request's sigma schedule (with FLUX's resolution shift) and guidance."""
+"""Timestep preparation: a request's sigma schedule (with FLUX's resolution shift) and guidance.
+
+The schedule is computed on the CPU (numpy / float32 torch, as Diffusers does) and put on the latents'
+device here, once per request: every denoising step then indexes device tensors, where moving a CPU
+entry to the device each step would be a host-to-device copy, which PyTorch makes synchronous.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler, SigmaSchedule
 from diffserve.request import Req
 from diffserve.stages.base import Stage
+
+
+def set_schedule(req: Req, schedule: SigmaSchedule) -> None:
+    """The request's schedule on its latents' device, with the CPU copy of its sigmas kept for the host."""
+    device = req.latents.device
+    req.host_sigmas = schedule.sigmas
+    req.sigmas = schedule.sigmas.to(device)
+    req.timesteps = schedule.timesteps.to(device)
+    req.step_index = 0
 
 
 class TimestepPreparationStage(Stage):
     """FLUX semantics: sigmas linspace(1, 1/n) shifted by `mu` from the packed image token count."""
 
     needs = ("latents",)
-    sets = ("sigmas", "timesteps")
+    sets = ("sigmas", "timesteps", "host_sigmas")
 
     def __init__(self, scheduler: FlowMatchEulerScheduler, guidance_embeds: bool) -> None:
         self.scheduler = scheduler
@@ -25,11 +39,11 @@ class TimestepPreparationStage(Stage):
         image_seq_len = int(req.latents.shape[1])
         mu = self.scheduler.resolution_shift_mu(image_seq_len)
         base_sigmas = np.linspace(1.0, 1 / steps, steps)
-        schedule = self.scheduler.schedule(steps, mu=mu, sigmas=base_sigmas)
-        req.sigmas, req.timesteps = schedule.sigmas, schedule.timesteps
-        req.step_index = 0
+        set_schedule(req, self.scheduler.schedule(steps, mu=mu, sigmas=base_sigmas))
         if self.guidance_embeds:
-            req.guidance = torch.full((req.batch_size,), float(req.params.guidance_scale), dtype=torch.float32)
+            req.guidance = torch.full(
+                (req.batch_size,), float(req.params.guidance_scale), dtype=torch.float32, device=req.latents.device
+            )
         return req
 
 
@@ -38,7 +52,7 @@ class DefaultTimestepPreparationStage(Stage):
     resolution shift when the scheduler config enables dynamic shifting (SD3.5 variants)."""
 
     needs = ("latents", "latent_height", "latent_width")
-    sets = ("sigmas", "timesteps")
+    sets = ("sigmas", "timesteps", "host_sigmas")
 
     def __init__(self, scheduler: FlowMatchEulerScheduler, patch_size: int) -> None:
         self.scheduler = scheduler
@@ -49,19 +63,18 @@ class DefaultTimestepPreparationStage(Stage):
         if self.scheduler.config["use_dynamic_shifting"]:
             tokens = (req.latent_height // self.patch_size) * (req.latent_width // self.patch_size)
             mu = self.scheduler.resolution_shift_mu(tokens)
-        schedule = self.scheduler.schedule(req.params.num_inference_steps, mu=mu)
-        req.sigmas, req.timesteps = schedule.sigmas, schedule.timesteps
-        req.step_index = 0
+        set_schedule(req, self.scheduler.schedule(req.params.num_inference_steps, mu=mu))
         return req
 
 
 class ZImageTimestepPreparationStage(Stage):
     """Z-Image semantics: sigmas from a float32 torch linspace(1, 1/n) (not numpy's float64, so the
     schedule matches Diffusers bit for bit), with the resolution shift from the 2x2-patch count when
-    the scheduler enables dynamic shifting."""
+    the scheduler enables dynamic shifting. The DiT's own time, 1 - t / 1000, is computed here on the
+    CPU in float32 (what the denoiser computed per step before) and moved with the schedule."""
 
     needs = ("latents", "latent_height", "latent_width")
-    sets = ("sigmas", "timesteps")
+    sets = ("sigmas", "timesteps", "host_sigmas", "dit_timesteps")
 
     def __init__(self, scheduler: FlowMatchEulerScheduler) -> None:
         self.scheduler = scheduler
@@ -72,6 +85,6 @@ class ZImageTimestepPreparationStage(Stage):
         mu = self.scheduler.resolution_shift_mu(tokens)
         base_sigmas = torch.linspace(1.0, 1 / steps, steps).tolist()
         schedule = self.scheduler.schedule(steps, mu=mu, sigmas=base_sigmas)
-        req.sigmas, req.timesteps = schedule.sigmas, schedule.timesteps
-        req.step_index = 0
+        set_schedule(req, schedule)
+        req.dit_timesteps = ((1000 - schedule.timesteps) / 1000).to(req.latents.device)
         return req

@@ -39,7 +39,8 @@ _UNSUPPORTED_WHEN_TRUE = ("use_karras_sigmas", "use_exponential_sigmas", "use_be
 
 @dataclass(frozen=True)
 class SigmaSchedule:
-    """One request's schedule: `sigmas` has one more entry than `timesteps` (the final 0)."""
+    """One request's schedule: `sigmas` has one more entry than `timesteps` (the final 0). Computed on
+    the CPU; timestep preparation puts it on the latents' device once per request."""
 
     sigmas: torch.Tensor  # (num_steps + 1,) float32, on CPU
     timesteps: torch.Tensor  # (num_steps,) float32, on CPU
@@ -157,9 +158,16 @@ class FlowMatchEulerScheduler:
         return None
 
     def step_request(
-        self, model_output: torch.Tensor, sample: torch.Tensor, sigmas: torch.Tensor, step_index: int, state: None
+        self,
+        model_output: torch.Tensor,
+        sample: torch.Tensor,
+        sigmas: torch.Tensor,
+        step_index: int,
+        state: None,
+        host_sigmas: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One request's step (all its rows at `step_index` of its own `sigmas`)."""
+        """One request's step (all its rows at `step_index` of its own `sigmas`, on the sample's device).
+        `host_sigmas` (the CPU copy) is part of the engine's step contract; Euler does not need it."""
         n = sample.shape[0]
         return self.step(model_output, sample, sigmas[step_index].expand(n), sigmas[step_index + 1].expand(n))
 
@@ -167,7 +175,8 @@ class FlowMatchEulerScheduler:
     def step(
         model_output: torch.Tensor, sample: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor
     ) -> torch.Tensor:
-        """One Euler step for a batch: `sigma`/`sigma_next` are per-sample (batch,) float32 tensors."""
+        """One Euler step for a batch: `sigma`/`sigma_next` are per-sample (batch,) float32 tensors on the
+        sample's device (a step never copies them there: that would be a host sync per step)."""
         shape = (-1,) + (1,) * (sample.dim() - 1)
-        dt = (sigma_next - sigma).to(device=sample.device, dtype=torch.float32).view(shape)
+        dt = (sigma_next - sigma).to(torch.float32).view(shape)
         return (sample.to(torch.float32) + dt * model_output).to(model_output.dtype)

@@ -18,8 +18,12 @@ Diffusers keeps the step index and that history (`model_outputs`, `last_sample`,
 scheduler holds configuration only: `schedule` computes a request's sigmas, `new_state` makes the
 request's history, and `step` advances one request's rows given its sigmas, step index and state,
 so the engine can interleave requests that sit at different steps. The scalar maths follows
-Diffusers operation for operation (0-d float32 tensors, the sigmas moved to the sample's device
-where Diffusers moves them, the same dtype promotions), so results match it bit for bit.
+Diffusers operation for operation (0-d float32 tensors, on the sample's device where Diffusers moves
+them there, a CPU scalar where Diffusers keeps one, the same dtype promotions), so results match it
+bit for bit. Unlike Diffusers, a step makes no host transfer and no host sync: the request's sigmas
+are on the sample's device already (moved once, at timestep preparation), the CPU copy serves the CPU
+scalar, and the small linear solves skip the error check that reads their status on the host (the
+schedule they come from is checked on the host instead, once per request).
 """
 
 from __future__ import annotations
@@ -92,6 +96,15 @@ class UniPCState:
     # Replaces Diffusers' `timestep_list` (read only by its unsupported `solver_p`): lets `step`
     # refuse out-of-order calls, which would silently pair the history with the wrong sigmas.
     last_step_index: int | None = None
+
+
+def solve_without_host_check(rows: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """`torch.linalg.solve(rows, rhs)`, bit for bit (it is `solve_ex` plus a check), without the check
+    of the factorisation's status, which reads it on the host: a device sync per step on accelerators.
+    The systems are Vandermonde matrices in the log-SNR ratios of the steps' source sigmas, singular
+    only when two of those sigmas are equal, which `schedule` refuses on the host."""
+    solution, _info = torch.linalg.solve_ex(rows, rhs, check_errors=False)
+    return solution
 
 
 class UniPCFlowScheduler:
@@ -260,6 +273,10 @@ class UniPCFlowScheduler:
         timesteps = torch.from_numpy(shifted * n_train).to(torch.int64).to(torch.float32)
         last = shifted[-1] if self.config["final_sigmas_type"] == "sigma_min" else 0
         full = np.concatenate([shifted, [last]]).astype(np.float32)
+        if self.solver_order > 1 and not np.all(np.diff(full[:-1]) < 0):
+            # The multistep updates solve Vandermonde systems in these sigmas' log-SNRs without checking
+            # the solve on the device (`solve_without_host_check`): a repeated sigma would make them singular.
+            raise ValueError(f"UniPC needs strictly decreasing sigmas over the steps, got {full[:-1].tolist()}")
         return SigmaSchedule(sigmas=torch.from_numpy(full), timesteps=timesteps)
 
     # --------------------------------------------------------------------------------------- step
@@ -283,12 +300,13 @@ class UniPCFlowScheduler:
     ) -> tuple[torch.Tensor, ...]:
         """The quantities UniP and UniC share for an update from `sigmas[target - 1]` to `sigmas[target]`.
 
-        `history` is the data predictions, newest first; its head `m0` belongs to the source sigma
-        and entry k to `sigmas[target - 1 - k]`. Returns `(alpha_t, sigma_t, sigma_s0, h_phi_1, B_h,
-        R, b, D1s)` with `D1s` the stacked scaled differences `(m_k - m0) / r_k`, or None at order 1.
+        `sigmas` is on `device` (Diffusers moves each entry there as it reads it). `history` is the data
+        predictions, newest first; its head `m0` belongs to the source sigma and entry k to
+        `sigmas[target - 1 - k]`. Returns `(alpha_t, sigma_t, sigma_s0, h_phi_1, B_h, R, b, D1s)` with
+        `D1s` the stacked scaled differences `(m_k - m0) / r_k`, or None at order 1.
         """
-        sigma_t = sigmas[target].to(device)
-        sigma_s0 = sigmas[target - 1].to(device)
+        sigma_t = sigmas[target]
+        sigma_s0 = sigmas[target - 1]
         alpha_t = 1 - sigma_t
         lambda_t = self._log_snr(sigma_t)
         lambda_s0 = self._log_snr(sigma_s0)
@@ -298,7 +316,7 @@ class UniPCFlowScheduler:
         ratios = []
         diffs = []
         for k in range(1, order):
-            lambda_sk = self._log_snr(sigmas[target - 1 - k].to(device))
+            lambda_sk = self._log_snr(sigmas[target - 1 - k])
             r_k = (lambda_sk - lambda_s0) / h
             ratios.append(r_k)
             diffs.append((history[k] - m0) / r_k)
@@ -335,7 +353,7 @@ class UniPCFlowScheduler:
                 # The 1x1 system has the closed-form solution 1/2 that Diffusers uses directly.
                 rhos = torch.ones(1, dtype=sample.dtype, device=sample.device) * 0.5
             else:
-                rhos = torch.linalg.solve(rows[:-1, :-1], rhs[:-1]).to(sample.device).to(sample.dtype)
+                rhos = solve_without_host_check(rows[:-1, :-1], rhs[:-1]).to(sample.dtype)
             residual = torch.einsum("k,bkc...->bc...", rhos, d1s)
         x_t = sigma_t / sigma_s0 * sample - alpha_t * h_phi_1 * history[0]
         x_t = x_t - alpha_t * b_h * residual
@@ -359,7 +377,7 @@ class UniPCFlowScheduler:
         if order == 1:
             rhos = torch.ones(1, dtype=last_sample.dtype, device=predicted.device) * 0.5
         else:
-            rhos = torch.linalg.solve(rows, rhs).to(predicted.device).to(last_sample.dtype)
+            rhos = solve_without_host_check(rows, rhs).to(last_sample.dtype)
         residual: torch.Tensor | int = 0
         if d1s is not None:
             residual = torch.einsum("k,bkc...->bc...", rhos[:-1], d1s)
@@ -369,10 +387,16 @@ class UniPCFlowScheduler:
         return x_t.to(last_sample.dtype)
 
     def step_request(
-        self, model_output: torch.Tensor, sample: torch.Tensor, sigmas: torch.Tensor, step_index: int, state: UniPCState
+        self,
+        model_output: torch.Tensor,
+        sample: torch.Tensor,
+        sigmas: torch.Tensor,
+        step_index: int,
+        state: UniPCState,
+        host_sigmas: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The engine's per-request step entry point (same contract as FlowMatchEulerScheduler's)."""
-        return self.step(model_output, sample, sigmas, step_index, state)
+        return self.step(model_output, sample, sigmas, step_index, state, host_sigmas)
 
     def step(
         self,
@@ -381,14 +405,23 @@ class UniPCFlowScheduler:
         sigmas: torch.Tensor,
         step_index: int,
         state: UniPCState,
+        host_sigmas: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Advance one request's rows from `sigmas[step_index]` to `sigmas[step_index + 1]`.
 
         `model_output` is the (guided) velocity prediction at `sample`, shape (batch, channels, ...);
-        all rows share `step_index`. `sigmas` is the request's `schedule(...).sigmas`. `state` comes
-        from `new_state()` and is updated in place; calls for one request must use consecutive step
-        indices. Returns the next sample in `sample`'s dtype.
+        all rows share `step_index`. `sigmas` is the request's `schedule(...).sigmas` on the sample's
+        device and `host_sigmas` the same on the CPU (it may be omitted when `sigmas` is on the CPU).
+        `state` comes from `new_state()` and is updated in place; calls for one request must use
+        consecutive step indices. Returns the next sample in `sample`'s dtype.
         """
+        if host_sigmas is None:
+            host_sigmas = sigmas
+        if sigmas.device != sample.device or host_sigmas.device.type != "cpu":
+            raise ValueError(
+                f"UniPC needs the sigmas on the sample's device ({sample.device}, got {sigmas.device}) and "
+                f"their CPU copy (got {host_sigmas.device}); timestep preparation sets both once per request"
+            )
         num_steps = int(sigmas.shape[0]) - 1
         if not 0 <= step_index < num_steps:
             raise ValueError(f"step_index {step_index} is outside a {num_steps}-step schedule")
@@ -401,7 +434,7 @@ class UniPCFlowScheduler:
             raise ValueError("state was made for a different solver_order; use this scheduler's new_state()")
 
         # Velocity -> data prediction (sigma stays a 0-d CPU tensor here, as in Diffusers).
-        x0 = sample - sigmas[step_index] * model_output
+        x0 = sample - host_sigmas[step_index] * model_output
 
         use_corrector = (
             step_index > 0
