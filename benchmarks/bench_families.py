@@ -24,10 +24,26 @@ pixels before encoding it. The real behaviour, hard-coded in diffusers, is 1024*
 both engines (diffusers' `calculate_dimensions` wrapped, diffserve's pipeline config set) and printed
 in the report; `--edit-condition-area 1048576` runs the real behaviour.
 
+`--compile` adds two engines, so four per family and size: `diffserve`, `diffserve-compiled`
+(`DiffGenerator.from_pretrained(path, compile=True)`: regional inductor compile of the DiT's block lists,
+compiled and warmed up inside from_pretrained, so in "load s"), `diffusers`, `diffusers-compiled`
+(`pipe.transformer.compile_repeated_blocks()` where diffusers' DiT class declares `_repeated_blocks`,
+Qwen-Image, Z-Image and Wan; else `pipe.transformer = torch.compile(pipe.transformer)`, SD3; torch.compile
+defaults, compiling in the worker's first generation, reported as "first call s"), the order rotating
+per round. A compiled engine whose worker fails is reported as FAILED with its error instead of
+ending the run. Per size, a `flop-count` worker first runs one step of eager diffusers with its DiT
+under torch's FLOP counter (linear layers) and an SDPA recorder (attention, counted as 4 x batch x
+heads x q_len x kv_len x head_dim per call), and the parent samples the fp32 `torch.mm` rate on the
+DiT's shapes before and after each round (roofline.py's method): each engine gets "% of matmul rate".
+The table's three ratios are diffusers eager / diffserve eager, diffusers eager / diffserve compiled and
+diffusers compiled / diffserve compiled.
+
     .venv/bin/python benchmarks/bench_families.py                                  # all six; 4 steps
     .venv/bin/python benchmarks/bench_families.py --family wan-t2v,wan-i2v --num-frames 17
     .venv/bin/python benchmarks/bench_families.py --family qwen-image --resolutions 256,512 --json out.json
     .venv/bin/python benchmarks/bench_families.py --model-dir /tmp/bench_families   # build once, reuse later
+    .venv/bin/python benchmarks/bench_families.py --compile --model-dir /tmp/bench_families --json compiled.json
+    .venv/bin/python benchmarks/bench_families.py --family zimage --compile --steps 1 --repeats 1 --resolutions 64
 
 Ratios are diffusers / diffserve: above 1 means diffserve is faster (or, for RSS, smaller).
 """
@@ -35,16 +51,20 @@ Ratios are diffusers / diffserve: above 1 means diffserve is faster (or, for RSS
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import harness
+import roofline
 
 #: The condition area diffusers' QwenImageEditPipeline hard-codes (and diffserve's config defaults to).
 REAL_EDIT_CONDITION_AREA = 1024 * 1024
@@ -58,6 +78,17 @@ SD3_NEGATIVE_PROMPT = "blurry, low quality, deformed"
 WAN_NEGATIVE_PROMPT = "static, blurry, low quality, distorted"
 #: Frames per Wan video: 4k+1 (the VAE compresses time 4x after the first frame); 17 -> 5 latent frames.
 DEFAULT_NUM_FRAMES = 17
+#: `--compile` adds each project's compiled engine next to the eager two (`harness.ENGINES`).
+COMPILE_ENGINES = ("diffserve", "diffserve-compiled", "diffusers", "diffusers-compiled")
+COMPILED_ENGINES = ("diffserve-compiled", "diffusers-compiled")
+#: The `--compile` worker that counts one denoising step's DiT FLOPs on diffusers' pipeline (not timed).
+FLOP_COUNT = "flop-count"
+#: (label, diffusers engine, diffserve engine) of the `--compile` ratios: diffusers time / diffserve time.
+RATIOS = (
+    ("diffusers eager / diffserve eager", "diffusers", "diffserve"),
+    ("diffusers eager / diffserve compiled", "diffusers", "diffserve-compiled"),
+    ("diffusers compiled / diffserve compiled", "diffusers-compiled", "diffserve-compiled"),
+)
 
 
 @dataclass(frozen=True)
@@ -322,7 +353,7 @@ def _generation_kwargs(args: argparse.Namespace, family: Family, size: int) -> d
     return kwargs
 
 
-def _run_diffserve(args: argparse.Namespace, family: Family, size: int):
+def _run_diffserve(args: argparse.Namespace, family: Family, size: int, compiled: bool = False):
     start = time.perf_counter()
     from diffserve.api import DiffGenerator
 
@@ -334,8 +365,9 @@ def _run_diffserve(args: argparse.Namespace, family: Family, size: int):
         qwen_image.QwenImageEditPipeline.config = QwenImageEditPipelineConfig(
             condition_image_area=args.edit_condition_area
         )
+    # compile=True compiles the DiT's blocks and warms up (two short generations) in here: timed as load.
     generator = DiffGenerator.from_pretrained(
-        args.model_dir / family.name, device="cpu", dtype="float32", show_progress=False
+        args.model_dir / family.name, device="cpu", dtype="float32", show_progress=False, compile=compiled
     )
     load = {"import_s": imported - start, "from_pretrained_s": time.perf_counter() - imported}
     counter = harness.ForwardCounter(generator.pipeline.context.get("transformer"))
@@ -349,7 +381,24 @@ def _run_diffserve(args: argparse.Namespace, family: Family, size: int):
     return load, generate, counter
 
 
-def _run_diffusers(args: argparse.Namespace, family: Family, size: int):
+def diffusers_compile_form(folder: Path) -> tuple[str, tuple[str, ...]]:
+    """How `diffusers-compiled` compiles this checkpoint's DiT: ("regional", its block classes) when the
+    diffusers class declares `_repeated_blocks` (then `compile_repeated_blocks()`, diffusers' own
+    recommendation), else ("full", ()) for `torch.compile(transformer)`. Read from the folder's
+    config, so the parent can name the form even when the worker fails."""
+    import diffusers
+
+    class_name = json.loads((folder / "transformer" / "config.json").read_text())["_class_name"]
+    blocks = tuple(getattr(getattr(diffusers, class_name), "_repeated_blocks", None) or ())
+    return ("regional", blocks) if blocks else ("full", ())
+
+
+def _load_diffusers(args: argparse.Namespace, family: Family, compiled: bool = False):
+    """diffusers' pipeline for the family, and its load times (imports, from_pretrained, compile setup).
+
+    `compiled` applies `diffusers_compile_form` with torch.compile's defaults; compilation itself
+    happens lazily, in the first generation.
+    """
     import torch
 
     start = time.perf_counter()
@@ -374,8 +423,22 @@ def _run_diffusers(args: argparse.Namespace, family: Family, size: int):
             diffusers_edit.calculate_dimensions = lambda target_area, ratio: full_area(area, ratio)
     pipe = pipeline_class.from_pretrained(folder, torch_dtype=torch.float32, **extra)
     pipe.to("cpu")
+    if compiled:
+        form, _blocks = diffusers_compile_form(folder)
+        if form == "regional":
+            pipe.transformer.compile_repeated_blocks()
+        else:
+            # The step timer's and the counter's hooks go on the OptimizedModule: they run eagerly around it.
+            pipe.transformer = torch.compile(pipe.transformer)
     load = {"import_s": imported - start, "from_pretrained_s": time.perf_counter() - imported}
     pipe.set_progress_bar_config(disable=True)  # diffserve runs with its progress bar off too
+    return pipe, load
+
+
+def _run_diffusers(args: argparse.Namespace, family: Family, size: int, compiled: bool = False):
+    import torch
+
+    pipe, load = _load_diffusers(args, family, compiled)
     counter = harness.ForwardCounter(pipe.transformer)
     timer = harness.DiffusersStepTimer(pipe.transformer)
     kwargs = _generation_kwargs(args, family, size)
@@ -397,6 +460,88 @@ def _run_diffusers(args: argparse.Namespace, family: Family, size: int):
     return load, generate, counter
 
 
+RUNNERS = {
+    "diffserve": _run_diffserve,
+    "diffserve-compiled": partial(_run_diffserve, compiled=True),
+    "diffusers": _run_diffusers,
+    "diffusers-compiled": partial(_run_diffusers, compiled=True),
+}
+
+
+class DitFlopMeter:
+    """Counts the work of every call of diffusers' DiT: torch's FLOP counter plus the SDPA calls.
+
+    It shadows the module's `forward` (as `harness.ForwardCounter` does), so what is counted is the
+    DiT calls the pipeline really makes, with the inputs it really builds (CFG as one batched forward
+    or two, text lengths, Wan's 3D tokens and cross-attention, the edit model's condition tokens),
+    without rebuilding every family's inputs by hand. The counter does not see attention on CPU, so
+    each SDPA call's (batch, heads, q_len, kv_len, head_dim) is recorded (roofline.py's recorder).
+    """
+
+    def __init__(self, module: Any) -> None:
+        self._forward = module.forward
+        module.forward = self
+        self._recorder_class = roofline._sdpa_recorder_class()
+        self.calls = 0
+        self.by_op: Counter[str] = Counter()
+        self.sdpa_calls: list[tuple[int, int, int, int, int]] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        counter, recorder = FlopCounterMode(display=False), self._recorder_class()
+        with counter, recorder:
+            out = self._forward(*args, **kwargs)
+        for op, flops in counter.get_flop_counts().get("Global", {}).items():
+            self.by_op[str(op)] += int(flops)
+        self.sdpa_calls += recorder.calls
+        self.calls += 1
+        return out
+
+    def summary(self, steps: int) -> dict:
+        """Per denoising step: FLOPs (linear = every counted op but attention; attention from the SDPA
+        calls, 4 x batch x heads x q_len x kv_len x head_dim each), the attention calls by shape, and the
+        matmul shape the rate probe uses (M = the rows of one step's DiT work, K = the attention width)."""
+        if not self.sdpa_calls:
+            raise RuntimeError(
+                "no SDPA call recorded in diffusers' DiT: its attention FLOPs cannot be counted"
+            )
+        linear = sum(
+            n for op, n in self.by_op.items() if "attention" not in op and "scaled_dot_product" not in op
+        )
+        attention = sum(roofline.attention_flops(*call) for call in self.sdpa_calls)
+        batch, heads, q_len, _kv_len, head_dim = max(self.sdpa_calls, key=lambda c: c[0] * c[2])
+        return {
+            "dit_calls_per_step": self.calls / steps,
+            "linear_flops": linear // steps,
+            "attention_flops": attention // steps,
+            "step_flops": (linear + attention) // steps,
+            "attention_calls_per_step": len(self.sdpa_calls) / steps,
+            "attention_shapes": {
+                "x".join(map(str, shape)): count for shape, count in Counter(self.sdpa_calls).items()
+            },
+            "counter_by_op": dict(self.by_op),
+            # diffserve batches the CFG branches: M covers every forward of the step, as its one forward does.
+            "probe_rows": batch * q_len * self.calls // steps,
+            "probe_dim": heads * head_dim,
+        }
+
+
+def count_step_flops(args: argparse.Namespace, family: Family, size: int) -> None:
+    """The `flop-count` worker: one 1-step generation of eager diffusers under `DitFlopMeter`; prints
+    the per-step work after `harness.RESULT_MARKER`. Every step of these schedulers runs the same DiT
+    shapes, so one step is the work of each."""
+    import torch
+
+    pipe, _load = _load_diffusers(args, family)
+    meter = DitFlopMeter(pipe.transformer)
+    kwargs = dict(_generation_kwargs(args, family, size), num_inference_steps=1)
+    with torch.inference_mode():
+        pipe(generator=torch.Generator("cpu").manual_seed(args.seed), output_type="latent", **kwargs)
+    result = {"engine": FLOP_COUNT, "resolution": size, **meter.summary(steps=1)}
+    print(harness.RESULT_MARKER + json.dumps(result), flush=True)
+
+
 def worker(args: argparse.Namespace, family: Family, engine: str, size: int) -> None:
     # Shared dependencies are imported before the clock starts; each engine's own imports (and the
     # libraries only it pulls in) count towards its load time: a cold start, as a user sees it.
@@ -404,11 +549,14 @@ def worker(args: argparse.Namespace, family: Family, engine: str, size: int) -> 
     import PIL.Image  # noqa: F401
     import torch  # noqa: F401
 
-    runner = {"diffserve": _run_diffserve, "diffusers": _run_diffusers}[engine]
-    load, generate, counter = runner(args, family, size)
+    if engine == FLOP_COUNT:
+        count_step_flops(args, family, size)
+        return
+    load, generate, counter = RUNNERS[engine](args, family, size)
     harness.run_timed_generations(
-        engine, size, load, generate, args.repeats, args.image_out, dit_counter=counter
-    )
+        engine, size, load, generate, args.repeats, args.image_out, dit_counter=counter,
+        after_warmup=harness.stop_compile_workers if engine in COMPILED_ENGINES else None,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------- parent
@@ -459,6 +607,21 @@ def render_family(family: Family, info: dict, dit_params: int, args: argparse.Na
     out = [
         f"## {family.name}: diffserve vs diffusers {family.pipeline}",
         "",
+        *family_setting_lines(family, dit_params, args),
+        "",
+        *table,
+        *harness.contention_lines(sizes, rows, info["torch_threads"]),
+        "",
+        "Raw timings:",
+        *notes,
+        "",
+    ]
+    return "\n".join(out)
+
+
+def family_setting_lines(family: Family, dit_params: int, args: argparse.Namespace) -> list[str]:
+    """The bullet list under a family's heading: checkpoint, CFG, and the video / edit settings."""
+    out = [
         f"- checkpoint: DiT {dit_params:,} parameters; {family.checkpoint}",
         f"- CFG: {family.cfg}",
     ]
@@ -478,16 +641,7 @@ def render_family(family: Family, info: dict, dit_params: int, args: argparse.Na
                 "a minute per 256x256 generation on 2 cores; diffusers' calculate_dimensions wrapped, "
                 "diffserve's QwenImageEditPipeline.config set; --edit-condition-area 1048576 for the real one)"
             )
-    out += [
-        "",
-        *table,
-        *harness.contention_lines(sizes, rows, info["torch_threads"]),
-        "",
-        "Raw timings:",
-        *notes,
-        "",
-    ]
-    return "\n".join(out)
+    return out
 
 
 def render_summary(args: argparse.Namespace, results: dict[str, dict]) -> str:
@@ -517,6 +671,204 @@ def render_summary(args: argparse.Namespace, results: dict[str, dict]) -> str:
     return "\n".join(out)
 
 
+# ------------------------------------------------------------------------------------------- --compile
+
+
+def measure_compiled(args: argparse.Namespace, family: Family, image_dir: Path) -> dict[int, dict]:
+    """`--compile`, per size: count one step's DiT FLOPs (a `flop-count` worker), then run the four
+    engines' workers (order rotating per round) with the matmul rate sampled before and after each
+    round; a compiled engine that fails is reported, not fatal. `{size: {"rows", "work", "matmul_rate"}}`.
+    """
+    import torch
+
+    def command(engine: str, size: int, image_out: Path) -> list[str]:
+        return worker_command(args, family, engine, size, image_out)
+
+    tag = f"{family.name} "
+    measured = {}
+    for size in family_sizes(args, family):
+        unused_image = image_dir / f"{family.name}_{FLOP_COUNT}_{size}.png"  # the FLOP worker saves none
+        work = harness.run_worker(
+            command(FLOP_COUNT, size, unused_image), FLOP_COUNT, size, args.worker_timeout, tag
+        )
+        probe = roofline.MatmulProbe(
+            roofline.dit_matmul_shapes(work["probe_rows"], work["probe_dim"]),
+            torch.float32, torch.device("cpu"), args.mm_warmup,
+        )  # fmt: skip
+        probe.sample(args.mm_repeats)
+        rows = harness.run_engines(
+            size, args.rounds, command, image_dir, args.worker_timeout,
+            engines=COMPILE_ENGINES, rotate=True, may_fail=COMPILED_ENGINES,
+            after_round=lambda probe=probe: probe.sample(args.mm_repeats), tag=tag, image_prefix=f"{family.name}_",
+        )  # fmt: skip
+        rate = probe.summary()
+        for row in rows.values():
+            if "error" in row:
+                continue
+            row["pct_of_matmul_rate"] = (
+                100.0 * work["step_flops"] / row["s_per_step"] / 1e9 / rate["best_gflops"]
+            )
+            if row["engine"] != "diffusers" and "error" not in rows["diffusers"]:
+                row["psnr_vs_diffusers_db"] = harness.image_psnr(row["image"], rows["diffusers"]["image"])
+        measured[size] = {"rows": rows, "work": work, "matmul_rate": rate}
+    return measured
+
+
+def compile_form_line(family: Family, args: argparse.Namespace) -> str:
+    form, blocks = diffusers_compile_form(args.model_dir / family.name)
+    if form == "regional":
+        how = f"`pipe.transformer.compile_repeated_blocks()` (regional: every {', '.join(blocks)})"
+    else:
+        how = (
+            f"`pipe.transformer = torch.compile(pipe.transformer)` (whole DiT: diffusers' "
+            f"{family.pipeline} transformer declares no `_repeated_blocks`)"
+        )
+    return f'- diffusers-compiled: {how}, torch.compile defaults; compiles in its first call ("first call s")'
+
+
+def _ratio(
+    rows: dict[str, dict], numerator: str, denominator: str, value: Callable[[dict], float | None]
+) -> str:
+    """`value(numerator row) / value(denominator row)` as '1.23x'; '-' when either engine failed."""
+    a, b = rows[numerator], rows[denominator]
+    if "error" in a or "error" in b:
+        return "-"
+    x, y = value(a), value(b)
+    return "-" if x is None or y is None else f"{x / y:.2f}x"
+
+
+def _engine_row(res: str, r: dict) -> str:
+    if "error" in r:
+        return f"| {res} | {r['engine']} | **FAILED** (see below) |" + " - |" * 8
+    psnr = r.get("psnr_vs_diffusers_db")
+    psnr_cell = (
+        "reference" if r["engine"] == "diffusers" else "-" if psnr is None else harness.psnr_cell(psnr)
+    )
+    return (
+        f"| {res} | {r['engine']} | {r['load_s']:.2f} | {harness.first_call_cell(r)} | {harness.ready_cell(r)} "
+        f"| {r['s_per_step']:.3f} | {r['e2e_mean_s']:.2f} | {r['peak_rss_mb']:.0f} | {r['pct_of_matmul_rate']:.1f}% "
+        f"| {_calls(r)} | {psnr_cell} |"
+    )
+
+
+def _ratio_row(res: str, rows: dict[str, dict], label: str, numerator: str, denominator: str) -> str:
+    a, b = rows[numerator], rows[denominator]
+    calls = "-" if "error" in a or "error" in b else f"{_calls(b)} vs {_calls(a)}"
+    return (
+        f"| {res} | **{label}** | {_ratio(rows, numerator, denominator, lambda r: r['load_s'])} | "
+        f"| {_ratio(rows, numerator, denominator, harness.ready_s)} "
+        f"| **{_ratio(rows, numerator, denominator, lambda r: r['s_per_step'])}** "
+        f"| **{_ratio(rows, numerator, denominator, lambda r: r['e2e_mean_s'])}** "
+        f"| {_ratio(rows, numerator, denominator, lambda r: r['peak_rss_mb'])} | | {calls} | |"
+    )
+
+
+def _work_line(res: str, size_result: dict) -> str:
+    w, rate = size_result["work"], size_result["matmul_rate"]
+    shapes = ", ".join(f"{count} x {shape}" for shape, count in w["attention_shapes"].items())
+    return (
+        f"- {res} step work (diffusers' DiT, one step): {w['step_flops'] / 1e9:.2f} GFLOP = linear "
+        f"{w['linear_flops'] / 1e9:.2f} + attention {w['attention_flops'] / 1e9:.2f} over "
+        f"{w['attention_calls_per_step']:g} SDPA calls in {w['dit_calls_per_step']:g} DiT forward(s) (batch x heads x "
+        f"q x kv x head_dim: {shapes}); matmul rate best {rate['best_gflops']:.1f} GFLOP/s (median "
+        f"{rate['median_gflops']:.1f}) on M = {w['probe_rows']}, K = {w['probe_dim']} shapes"
+    )
+
+
+def render_compiled_family(
+    family: Family, info: dict, dit_params: int, args: argparse.Namespace, measured: dict[int, dict]
+) -> str:
+    sizes = family_sizes(args, family)
+    out = [
+        f"## {family.name}: diffserve vs diffusers {family.pipeline}, eager and compiled",
+        "",
+        *family_setting_lines(family, dit_params, args),
+        "- diffserve-compiled: `DiffGenerator.from_pretrained(path, compile=True)` (regional inductor compile of "
+        'the DiT\'s block lists, dynamic shapes), compiled and warmed up inside from_pretrained ("load s")',
+        compile_form_line(family, args),
+        "",
+        "| resolution | engine | load s | first call s | load + first call s | s/step | end-to-end s | peak RSS MB "
+        "| % of matmul rate | DiT calls/step | PSNR vs diffusers dB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    notes = []
+    for size in sizes:
+        res, rows = f"{size}x{size}", measured[size]["rows"]
+        out += [_engine_row(res, rows[e]) for e in COMPILE_ENGINES]
+        out += [_ratio_row(res, rows, *ratio) for ratio in RATIOS]
+        notes.append(_work_line(res, measured[size]))
+        for r in rows.values():
+            if "error" in r:
+                notes.append(f"- {res} {r['engine']} FAILED: {r['error']}")
+            else:
+                notes += harness.raw_timing_notes(res, r)
+    rows_by_size = {size: measured[size]["rows"] for size in sizes}
+    out += [
+        *harness.contention_lines(sizes, rows_by_size, info["torch_threads"]),
+        "",
+        "Raw timings:",
+        *notes,
+        "",
+    ]
+    return "\n".join(out)
+
+
+def render_compiled_summary(args: argparse.Namespace, results: dict[str, dict]) -> str:
+    titles = " | ".join(label for label, _n, _d in RATIOS)
+    out = [
+        "## Summary, eager and compiled (diffusers time / diffserve time: > 1 means diffserve is faster)",
+        "",
+        f"| family | resolution | diffusers compile | s/step: {titles} | end-to-end: {titles} "
+        "| % of matmul rate, compiled: diffserve vs diffusers | load + first call s, compiled: diffserve vs diffusers |",
+        "|---|---|---|" + "---:|" * (2 * len(RATIOS) + 2),
+    ]
+    for name, res in results.items():
+        family = FAMILIES[name]
+        frames = f" x {args.num_frames} frames" if family.video else ""
+        form = diffusers_compile_form(args.model_dir / name)[0]
+        for size in family_sizes(args, family):
+            rows = res["measured"][size]["rows"]
+            steps = [_ratio(rows, n, d, lambda r: r["s_per_step"]) for _l, n, d in RATIOS]
+            e2e = [_ratio(rows, n, d, lambda r: r["e2e_mean_s"]) for _l, n, d in RATIOS]
+            ours, ref = rows["diffserve-compiled"], rows["diffusers-compiled"]
+            pct = " vs ".join(
+                "FAILED" if "error" in r else f"{r['pct_of_matmul_rate']:.1f}%" for r in (ours, ref)
+            )
+            ready = " vs ".join("FAILED" if "error" in r else harness.ready_cell(r) for r in (ours, ref))
+            out.append(
+                f"| {name} | {size}x{size}{frames} | {form} | "
+                + " | ".join(f"**{c}**" for c in steps)
+                + " | "
+                + " | ".join(e2e)
+                + f" | {pct} | {ready} |"
+            )
+    out += ["", compiled_legend()]
+    return "\n".join(out)
+
+
+def compiled_legend() -> str:
+    return (
+        "Engines: `diffserve` and `diffusers` eager; `diffserve-compiled` (`compile=True`: compiles and warms up "
+        'inside from_pretrained, so its compile cost is in "load s"); `diffusers-compiled` (regional '
+        "`compile_repeated_blocks()` where diffusers' DiT class declares `_repeated_blocks`, else "
+        '`torch.compile(transformer)`; it compiles in the worker\'s first, uncounted generation, "first call s"). '
+        '"load + first call s" is the time to a first image, compilation included for every engine. Each ratio '
+        "is the named diffusers engine's time over the named diffserve engine's time (load, s/step, end-to-end; "
+        "RSS: memory): > 1 means diffserve is faster or smaller. % of matmul rate = one step's FLOPs / s per step / "
+        "the best torch.mm GFLOP/s this machine showed on the DiT's shapes (measured around each size's "
+        "workers). The step's FLOPs are counted on eager diffusers' DiT as its pipeline calls it in one "
+        "step: torch's FLOP counter for the linear layers (and patch-embedding convolutions), attention "
+        "from every SDPA call the DiT made (4 x batch x heads x q_len x kv_len x head_dim each; this covers "
+        "joint attention, Wan's 3D self-attention and its text and image cross-attention); elementwise work "
+        "(norms, RoPE, modulation, activations) costs time but no matmul FLOPs, so 100% is out of reach. "
+        "The same FLOPs divide every engine's time (diffserve's batched CFG does the same work), so the "
+        "percentages compare as the speeds do. PSNR compares each engine's image with eager diffusers' (same "
+        f"seed, bar {harness.PSNR_BAR_DB:g} dB). DiT calls/step in a ratio row: diffserve's vs diffusers'. "
+        "A compiled engine whose worker failed shows FAILED with its "
+        'error under "Raw timings".'
+    )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -543,6 +895,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_NUM_FRAMES,
         help=f"frames per video of the Wan families, 4k+1 (default: {DEFAULT_NUM_FRAMES})",
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also run diffserve-compiled and diffusers-compiled, count each step's FLOPs and report "
+        "%% of this machine's matmul rate (see the module docstring)",
+    )
+    p.add_argument(
+        "--mm-repeats", type=int, default=10, help="--compile: timed torch.mm calls per shape per sample"
+    )
+    p.add_argument(
+        "--mm-warmup", type=int, default=3, help="--compile: untimed torch.mm calls per shape first"
+    )
     harness.add_output_args(p)
     p.set_defaults(resolutions=None)  # absent: each family's own default size (`Family.default_size`)
     args = p.parse_args(argv)
@@ -566,10 +930,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def family_json(args: argparse.Namespace, name: str, res: dict) -> dict:
+    """A family's measurements in the JSON output: per size the engine rows (and PSNR, or with
+    `--compile` the step's counted work, the matmul rate and the diffusers compile form)."""
+    sizes = family_sizes(args, FAMILIES[name])
+    if not args.compile:
+        return {
+            "results": {str(s): res["rows"][s] for s in sizes},
+            "psnr_db": {str(s): res["parity"][s] for s in sizes},
+        }
+    form, blocks = diffusers_compile_form(args.model_dir / name)
+    return {
+        "diffusers_compile": {"form": form, "repeated_blocks": list(blocks)},
+        "results": {str(s): res["measured"][s]["rows"] for s in sizes},
+        "step_work": {str(s): res["measured"][s]["work"] for s in sizes},
+        "matmul_rate": {str(s): res["measured"][s]["matmul_rate"] for s in sizes},
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:
-        engine, size = harness.parse_worker(args)
+        engine, size = harness.parse_worker(args, engines=(*COMPILE_ENGINES, FLOP_COUNT))
         worker(args, FAMILIES[args.families[0]], engine, size)
         return
 
@@ -587,6 +969,11 @@ def main(argv: list[str] | None = None) -> None:
                     f"- fp32, CPU, {args.steps} steps, seed {args.seed}, prompt {args.prompt!r}, "
                     f"{args.repeats} timed runs per worker after 1 warm-up, {args.rounds} worker(s) per engine "
                     "and resolution",
+                    *(
+                        [f"- engines: {', '.join(COMPILE_ENGINES)} (order rotating per round)"]
+                        if args.compile
+                        else []
+                    ),
                     "",
                 ]
             ),
@@ -605,6 +992,11 @@ def main(argv: list[str] | None = None) -> None:
             prepare_checkpoint(family, args.model_dir)
             dit_params = harness.dit_parameter_count(args.model_dir / name)
             print(f"  DiT parameters: {dit_params:,}", file=sys.stderr)
+            if args.compile:
+                measured = measure_compiled(args, family, image_dir)
+                results[name] = {"dit_parameters": dit_params, "measured": measured}
+                print(render_compiled_family(family, info, dit_params, args, measured), flush=True)
+                continue
             rows, parity = harness.compare_engines(
                 family_sizes(args, family),
                 args.rounds,
@@ -619,7 +1011,7 @@ def main(argv: list[str] | None = None) -> None:
             results[name] = {"dit_parameters": dit_params, "rows": rows, "parity": parity}
             print(render_family(family, info, dit_params, args, rows, parity), flush=True)
 
-        print(render_summary(args, results))
+        print(render_compiled_summary(args, results) if args.compile else render_summary(args, results))
         if args.json:
             payload = {
                 "machine": info,
@@ -633,8 +1025,7 @@ def main(argv: list[str] | None = None) -> None:
                         "dit_parameters": res["dit_parameters"],
                         "resolutions": family_sizes(args, FAMILIES[name]),
                         "num_frames": args.num_frames if FAMILIES[name].video else None,
-                        "results": {str(s): res["rows"][s] for s in family_sizes(args, FAMILIES[name])},
-                        "psnr_db": {str(s): res["parity"][s] for s in family_sizes(args, FAMILIES[name])},
+                        **family_json(args, name, res),
                     }
                     for name, res in results.items()
                 },

@@ -22,7 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,12 +110,14 @@ def run_timed_generations(
     image_out: Path,
     dit_counter: ForwardCounter | None = None,
     extra: dict | None = None,
+    after_warmup: Callable[[], None] | None = None,
 ) -> None:
     """The worker's measurement: one warm-up, `repeats` timed generations, then the result line.
 
     `load` holds `import_s` and `from_pretrained_s`. The warm-up generation's time is recorded as
     `warmup_s` (the first call, where torch.compile compiles). With `dit_counter`, the result also
     carries the DiT forward calls per denoising step of the timed runs (`dit_calls_per_step`).
+    `after_warmup()` runs between the warm-up and the timed runs, untimed (e.g. `stop_compile_workers`).
     """
     import numpy as np
     import torch
@@ -124,6 +126,8 @@ def run_timed_generations(
     warmup_start = time.perf_counter()
     generate()  # warm-up, not counted (timed apart: with torch.compile it is where compilation happens)
     warmup_s = time.perf_counter() - warmup_start
+    if after_warmup is not None:
+        after_warmup()
     e2e: list[float] = []
     step_times: list[list[float]] = []
     calls_per_step: list[float] = []
@@ -161,6 +165,21 @@ def run_timed_generations(
         result["dit_calls_per_step"] = statistics.fmean(calls_per_step)
     result.update(extra or {})
     print(RESULT_MARKER + json.dumps(result), flush=True)
+
+
+def stop_compile_workers() -> None:
+    """Shut down inductor's compile-worker processes (a no-op when none were started).
+
+    torch.compile starts a pool of compile-worker processes in the background on its first compile
+    and leaves it running. When the compile finishes quickly (inductor's on-disk cache hits) the pool
+    is still starting when the timed runs begin: on a 2-core machine its workers' start-up (each
+    imports torch) took the CPU from the timed steps for up to ~25 s, making a compiled step over
+    10x slower than its steady state. A compiled engine's worker calls this after its warm-up generation,
+    so its timed runs measure the compiled model alone; a later recompile would start a new pool.
+    """
+    from torch._inductor.async_compile import shutdown_compile_workers
+
+    shutdown_compile_workers()
 
 
 # --------------------------------------------------------------------------------------------- parent
@@ -206,8 +225,26 @@ def dit_parameter_count(model_dir: Path) -> int:
     return total
 
 
+class WorkerFailed(SystemExit):
+    """A worker exited non-zero or printed no result line.
+
+    A SystemExit, so a script that does not catch it ends with the same message as always; a script
+    that measures engines which may legitimately fail (a third-party torch.compile) catches it and
+    reports `error`, the worker's last stderr line (usually the exception), in its table instead.
+    """
+
+    def __init__(self, tag: str, engine: str, size: int, returncode: int, stderr: str) -> None:
+        super().__init__(f"worker {tag}{engine} {size} failed with exit code {returncode}")
+        lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+        self.engine = engine
+        self.error = lines[-1] if lines else f"exit code {returncode}, no output on stderr"
+
+
 def run_worker(cmd: list[str], engine: str, size: int, timeout: float, tag: str = "") -> dict:
-    """Run one worker subprocess (`cmd`), parse its result line, note the load average around it."""
+    """Run one worker subprocess (`cmd`), parse its result line, note the load average around it.
+
+    Raises `WorkerFailed` (after echoing the worker's output tail) when the worker fails.
+    """
     print(f"  {tag}{engine:9s} {size}x{size} ...", end="", flush=True, file=sys.stderr)
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
@@ -215,7 +252,7 @@ def run_worker(cmd: list[str], engine: str, size: int, timeout: float, tag: str 
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_MARKER)]
     if proc.returncode != 0 or not lines:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-        raise SystemExit(f"worker {tag}{engine} {size} failed with exit code {proc.returncode}")
+        raise WorkerFailed(tag, engine, size, proc.returncode, proc.stderr)
     print(f" {time.perf_counter() - start:.1f} s", file=sys.stderr)
     result = json.loads(lines[-1][len(RESULT_MARKER) :])
     # The worker itself keeps ~torch_threads cores busy; a higher load means other processes competed.
@@ -261,6 +298,54 @@ def image_psnr(path_a: str | Path, path_b: str | Path) -> float:
     return psnr(a, b)
 
 
+def run_engines(
+    size: int,
+    rounds: int,
+    worker_cmd: Callable[[str, int, Path], list[str]],
+    image_dir: Path,
+    timeout: float,
+    *,
+    engines: Sequence[str] = ENGINES,
+    rotate: bool = False,
+    may_fail: Collection[str] = (),
+    after_round: Callable[[], None] | None = None,
+    tag: str = "",
+    image_prefix: str = "",
+) -> dict[str, dict]:
+    """Every engine's workers at one size, `rounds` times, pooled per engine: `{engine: row}`.
+
+    `rotate` shifts the engine order by one each round, so with several engines no one of them always
+    runs first (or right after the same neighbour). An engine in `may_fail` whose worker fails gets the
+    row `{"engine", "resolution", "error"}` instead of ending the run, and is not retried at this size
+    (a compile error is deterministic). `after_round()` runs after each round (e.g. a matmul-rate sample).
+    """
+    per_engine: dict[str, list[dict]] = {e: [] for e in engines}
+    failed: dict[str, str] = {}
+    for round_ in range(rounds):
+        shift = round_ % len(engines) if rotate else 0
+        for engine in [*engines[shift:], *engines[:shift]]:
+            if engine in failed:
+                continue
+            image_out = image_dir / f"{image_prefix}{engine}_{size}_r{round_}.png"
+            try:
+                per_engine[engine].append(
+                    run_worker(worker_cmd(engine, size, image_out), engine, size, timeout, tag)
+                )
+            except WorkerFailed as exc:
+                if engine not in may_fail:
+                    raise
+                print(f"  {tag}{engine} FAILED, reported in the table: {exc.error}", file=sys.stderr)
+                failed[engine] = exc.error
+        if after_round is not None:
+            after_round()
+    return {
+        e: {"engine": e, "resolution": size, "error": failed[e]}
+        if e in failed
+        else merge_rounds(per_engine[e])
+        for e in engines
+    }
+
+
 def compare_engines(
     sizes: Sequence[int],
     rounds: int,
@@ -278,13 +363,9 @@ def compare_engines(
     rows: dict[int, dict[str, dict]] = {}
     parity: dict[int, float] = {}
     for size in sizes:
-        per_engine: dict[str, list[dict]] = {e: [] for e in ENGINES}
-        for round_ in range(rounds):
-            for engine in ENGINES:
-                image_out = image_dir / f"{image_prefix}{engine}_{size}_r{round_}.png"
-                cmd = worker_cmd(engine, size, image_out)
-                per_engine[engine].append(run_worker(cmd, engine, size, timeout, tag))
-        rows[size] = {e: merge_rounds(per_engine[e]) for e in ENGINES}
+        rows[size] = run_engines(
+            size, rounds, worker_cmd, image_dir, timeout, tag=tag, image_prefix=image_prefix
+        )
         parity[size] = image_psnr(rows[size]["diffserve"]["image"], rows[size]["diffusers"]["image"])
     return rows, parity
 
@@ -346,23 +427,25 @@ def results_table(
             f"| {ref['peak_rss_mb'] / ours['peak_rss_mb']:.2f}x |{extra} {psnr_cell(parity[size])} |"
         )
         for r in (ours, ref):
-            runs = ", ".join(f"{t:.2f}" for t in r["e2e_s"])
-            steps = ", ".join(f"{t:.3f}" for run in r["step_times_s"] for t in run)
-            notes.append(
-                f"- {res} {r['engine']}: load = import {r['import_s']:.2f} s + from_pretrained "
-                f"{r['from_pretrained_s']:.2f} s; end-to-end s per run [{runs}]; s per step [{steps}]"
-            )
-            loads = ", ".join(f"{x:.1f}" for x in r["loadavg_1m"])
-            notes.append(f"  - 1-min load average before/after its worker: {loads}")
-            if not r["repeats_identical"]:
-                notes.append(
-                    f"  - WARNING: {r['engine']} produced different images across repeats with one seed"
-                )
-            if r["image_std"] <= 5:
-                notes.append(
-                    f"  - WARNING: {r['engine']} image is nearly flat; the PSNR comparison proves little"
-                )
+            notes += raw_timing_notes(res, r)
     return out, notes
+
+
+def raw_timing_notes(res: str, r: dict) -> list[str]:
+    """The "Raw timings" lines of one engine row: load split, every run and step, load average, warnings."""
+    runs = ", ".join(f"{t:.2f}" for t in r["e2e_s"])
+    steps = ", ".join(f"{t:.3f}" for run in r["step_times_s"] for t in run)
+    notes = [
+        f"- {res} {r['engine']}: load = import {r['import_s']:.2f} s + from_pretrained "
+        f"{r['from_pretrained_s']:.2f} s; end-to-end s per run [{runs}]; s per step [{steps}]"
+    ]
+    loads = ", ".join(f"{x:.1f}" for x in r["loadavg_1m"])
+    notes.append(f"  - 1-min load average before/after its worker: {loads}")
+    if not r["repeats_identical"]:
+        notes.append(f"  - WARNING: {r['engine']} produced different images across repeats with one seed")
+    if r["image_std"] <= 5:
+        notes.append(f"  - WARNING: {r['engine']} image is nearly flat; the PSNR comparison proves little")
+    return notes
 
 
 def contention_lines(sizes: Sequence[int], rows: dict[int, dict[str, dict]], torch_threads: int) -> list[str]:
@@ -371,7 +454,7 @@ def contention_lines(sizes: Sequence[int], rows: dict[int, dict[str, dict]], tor
         f"{r['resolution']}x{r['resolution']} {r['engine']} (1-min load up to {max(r['loadavg_1m']):.1f})"
         for size in sizes
         for r in rows[size].values()
-        if max(r["loadavg_1m"]) > torch_threads + CONTENTION_MARGIN
+        if "error" not in r and max(r["loadavg_1m"]) > torch_threads + CONTENTION_MARGIN
     ]
     if not contended:
         return []
@@ -381,6 +464,23 @@ def contention_lines(sizes: Sequence[int], rows: dict[int, dict[str, dict]], tor
         f"{CONTENTION_MARGIN:g}) during: {'; '.join(contended)}. These timings and ratios are unreliable; "
         "rerun on an idle machine.",
     ]
+
+
+def first_call_cell(row: dict) -> str:
+    """Each worker's warm-up generation, in seconds (where diffusers' torch.compile compiles)."""
+    return ", ".join(f"{s:.1f}" for s in row.get("warmup_s", [])) or "-"
+
+
+def ready_s(row: dict) -> float | None:
+    """Load + first call, mean over workers: the time to a first image, compilation included wherever
+    the engine does it (diffserve compiles inside from_pretrained, diffusers on the first call)."""
+    warmups = row.get("warmup_s", [])
+    return row["load_s"] + sum(warmups) / len(warmups) if warmups else None
+
+
+def ready_cell(row: dict) -> str:
+    seconds = ready_s(row)
+    return "-" if seconds is None else f"{seconds:.1f}"
 
 
 def legend() -> str:
@@ -438,10 +538,10 @@ def check_run_args(p: argparse.ArgumentParser, args: argparse.Namespace, size_mu
             p.error(f"resolution {size} must be a positive multiple of {size_multiple}")
 
 
-def parse_worker(args: argparse.Namespace) -> tuple[str, int]:
-    """`--worker ENGINE RES` -> (engine, size); exits on an unknown engine."""
+def parse_worker(args: argparse.Namespace, engines: Collection[str] = ENGINES) -> tuple[str, int]:
+    """`--worker ENGINE RES` -> (engine, size); exits on an engine not in `engines`."""
     engine, size = args.worker
-    if engine not in ENGINES:
+    if engine not in engines:
         raise SystemExit(f"unknown engine {engine!r}")
     return engine, int(size)
 
