@@ -136,7 +136,8 @@ def worker(args: argparse.Namespace, engine: str, size: int) -> None:
     import torch  # noqa: F401
 
     load, generate = RUNNERS[engine](args, size)
-    harness.run_timed_generations(engine, size, load, generate, args.repeats, args.image_out)
+    after_warmup = harness.stop_compile_workers if "compiled" in engine else None
+    harness.run_timed_generations(engine, size, load, generate, args.repeats, args.image_out, after_warmup=after_warmup)
 
 
 # --------------------------------------------------------------------------------------------- parent

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import UserError
 from diffserve.runtime.compile import cfg_overrides, compile_pipeline, find_block_lists, warmup_plan
 from diffserve.testing.image_metrics import psnr_uint8
@@ -73,9 +74,24 @@ def test_block_lists_of_every_family(module: str, cls_name: str, expected: list)
 
 
 def test_warmup_plan_covers_one_row_and_multi_row_batches() -> None:
-    """No CFG (one DiT row) and CFG (two rows) at the first size; the family default at the others."""
-    assert warmup_plan([(64, 64), (32, 48)]) == [(64, 64, False), (64, 64, True), (32, 48, None)]
+    """No CFG (one DiT row) and CFG (two rows, texts of equal and of different lengths) at the first
+    size; the family default at the others."""
+    assert warmup_plan([(64, 64), (32, 48)]) == [
+        (64, 64, "no-cfg"), (64, 64, "cfg"), (64, 64, "cfg-uneven-text"), (32, 48, "default"),
+    ]  # fmt: skip
     assert warmup_plan([]) == []
+
+
+@pytest.mark.parametrize("cfg_mode", ["true_cfg", "classic", "positive_gap"])
+def test_warmup_params_of_each_kind(cfg_mode: str) -> None:
+    """The uneven-text run's negative prompt is many times the prompt's length; the others keep theirs."""
+    from diffserve.runtime.compile import WARMUP_KINDS, warmup_params
+
+    params = {kind: warmup_params(64, 64, kind, cfg_mode, video=False) for kind in (*WARMUP_KINDS, "default")}
+    uneven = params["cfg-uneven-text"]
+    assert len(uneven.negative_prompt.split()) >= 10 * len(uneven.prompt.split())
+    assert params["cfg"].negative_prompt != uneven.negative_prompt
+    assert params["default"].negative_prompt == SamplingParams().negative_prompt
 
 
 @pytest.mark.parametrize("cfg_mode", ["true_cfg", "classic", "positive_gap"])
@@ -147,8 +163,8 @@ def test_blocks_are_compiled(compiled) -> None:
 @needs_cxx
 def test_warmup_ran_the_configured_sizes(compiled) -> None:
     generator, _ = compiled
-    runs = [(r.height, r.width, r.cfg) for r in generator.warmup_runs]
-    assert runs == [(64, 64, False), (64, 64, True), (32, 48, None)]
+    runs = [(r.height, r.width, r.kind) for r in generator.warmup_runs]
+    assert runs == [(64, 64, "no-cfg"), (64, 64, "cfg"), (64, 64, "cfg-uneven-text"), (32, 48, "default")]
     assert all(r.seconds > 0 for r in generator.warmup_runs)
 
 
@@ -197,3 +213,32 @@ def test_compiled_generation_matches_eager_and_does_not_recompile(compiled, eage
             print(f"{params}: compiled vs eager PSNR {psnr:.1f} dB")
             assert psnr >= 40.0
     assert graphs_compiled() == before, "a request at a warmed size compiled new graphs"
+
+
+@pytest.fixture(scope="module")
+def compiled_zimage(tmp_path_factory: pytest.TempPathFactory):
+    from diffserve.api import DiffGenerator
+    from diffserve.testing.tiny_zimage import build_tiny_zimage
+
+    path = build_tiny_zimage(tmp_path_factory.mktemp("tiny-zimage"))
+    return DiffGenerator.from_pretrained(path, device="cpu", show_progress=False, compile=True)
+
+
+@needs_cxx
+def test_zimage_texts_of_any_lengths_reuse_the_warmup_graphs(compiled_zimage) -> None:
+    """Z-Image keeps each row's text length and masks the shorter row's padding: CFG with a negative
+    prompt much longer or shorter than the prompt, or of the same length, and no CFG, all run on
+    graphs the warm-up built (a masked one among them)."""
+    before = graphs_compiled()
+    requests = [
+        {"prompt": "a cat"},
+        {"prompt": "a cat", "guidance_scale": 3.0},  # empty negative prompt: same padded length
+        {"prompt": "a very long prompt about a cat on a mat in the sun, " * 4, "negative_prompt": "x",
+         "guidance_scale": 3.0},
+        {"prompt": "dog", "negative_prompt": "a much longer negative prompt than the prompt, " * 4,
+         "guidance_scale": 3.0},
+    ]  # fmt: skip
+    for params in requests:
+        out = compiled_zimage.generate(height=32, width=48, num_inference_steps=2, seed=1, **params)
+        assert len(out.images) == 1
+    assert graphs_compiled() == before, "a Z-Image request compiled new graphs after the warm-up"

@@ -38,15 +38,17 @@ Dynamic shapes: `dynamic=True` (the choice)
       resolution, frame count and text length: measured on all six families' tiny checkpoints, no
       recompile after the warm-up for new sizes, batch sizes, CFG on/off or prompt lengths. The
       symbolic-size kernels ran as fast as static ones (36M FLUX above; the hidden width, which the
-      vectorized loops run over, comes from the weights and stays static). One exception seen:
-      RoPE's real-arithmetic reference (`RotaryEmbedding.forward_native`, used on platforms other
-      than CPU and CUDA) compiles to a 13x slower kernel with symbolic sizes than with static ones
-      (9 ms vs 0.7 ms at 768 tokens); CPU and CUDA rotate with complex numbers, left to eager ops.
+      vectorized loops run over, comes from the weights and stays static). RoPE rotates in real
+      arithmetic under compile (`RotaryEmbedding.forward`): inductor cannot generate complex ops, and
+      with the head width static the real form fuses into the QK-norm kernel, vectorized (measured
+      as fast as the eager complex kernel it replaces, same values).
 
-    So: `dynamic=True`, and the warm-up runs a one-row (no CFG) and a two-row (CFG) batch, which
-    builds both graphs before the first request (`warmup_plan`). Since the graphs do not depend on
-    the size, `--compile` without `--warmup-resolutions` warms up at a small size
-    (`COMPILE_WARMUP_PIXELS`): the generator is compiled for every size once constructed.
+    So: `dynamic=True`, and the warm-up runs each `WARMUP_KINDS` batch (one row; two rows with texts
+    of equal length; two rows with texts of different lengths, which masked-attention families such
+    as Z-Image compile separately), building every graph before the first request (`warmup_plan`).
+    Since the graphs do not depend on the size, `--compile` without `--warmup-resolutions` warms up
+    at a small size (`COMPILE_WARMUP_PIXELS`): the generator is compiled for every size once constructed.
+    After the warm-up, inductor's compile-worker processes are shut down (`stop_compile_workers`).
     `recompile_limit` is raised to `RECOMPILE_LIMIT` (never lowered): a block class called with
     different argument kinds (Z-Image's refiners with and without modulation, Wan I2V with or
     without image tokens) has a graph per kind, and a graph break doubles them.
@@ -107,12 +109,12 @@ class CompiledRegion:
 
 @dataclass(frozen=True)
 class WarmupRun:
-    """One warm-up generation: its size, whether CFG ran (None: the family's default) and its wall
-    time (compilation included)."""
+    """One warm-up generation: its size, its kind (`WARMUP_KINDS`, or "default": the family's default
+    sampling) and its wall time (compilation included)."""
 
     height: int
     width: int
-    cfg: bool | None
+    kind: str
     seconds: float
 
 
@@ -211,6 +213,22 @@ def log_graph_breaks() -> dict[str, int]:
 # ------------------------------------------------------------------------------------------ warm-up
 
 
+#: The warm-up generations at the first size, each selecting graphs the others do not:
+#: - "no-cfg": one DiT row, the graphs specialized to a one-row batch;
+#: - "cfg": two rows whose texts have the same length, the graphs of every larger batch (several
+#:   outputs, batched requests, step-cache sub-batches) with unmasked attention;
+#: - "cfg-uneven-text": two rows whose texts differ in length, the same with masked attention (families
+#:   that keep each row's own text length, such as Z-Image, mask the padding of the shorter one).
+WARMUP_KINDS = ("no-cfg", "cfg", "cfg-uneven-text")
+#: The warm-up prompt, and the negative prompts of the "cfg" and "cfg-uneven-text" runs: the long one
+#: stays longer than the prompt after any family pads texts to a multiple (Z-Image: 32 tokens).
+WARMUP_PROMPT = "warm-up"
+WARMUP_NEGATIVE_PROMPTS = {
+    "cfg": "blurry",
+    "cfg-uneven-text": " ".join(["blurry, low quality, distorted, oversaturated, watermark"] * 12),
+}
+
+
 def cfg_overrides(cfg_mode: str) -> dict[bool, dict[str, Any]]:
     """Sampling parameters that turn the negative (CFG) branch off (False) and on (True), per
     `InputValidationStage.cfg_mode`: without it a request is one DiT row, with it two."""
@@ -229,30 +247,30 @@ def compile_warmup_size(pixel_multiple: int) -> tuple[int, int]:
     return side, side
 
 
-def warmup_plan(resolutions: Sequence[tuple[int, int]]) -> list[tuple[int, int, bool | None]]:
-    """(height, width, cfg) per warm-up generation: at the first size one without and one with CFG,
-    at every other size one with the family's default (cfg None).
+def warmup_plan(resolutions: Sequence[tuple[int, int]]) -> list[tuple[int, int, str]]:
+    """(height, width, kind) per warm-up generation: every `WARMUP_KINDS` at the first size, and one
+    with the family's default sampling ("default") at every other size.
 
-    Without CFG a request is a one-row DiT batch, which selects the graphs specialized to one row;
-    with CFG it is two rows, which selects the graphs every larger batch uses too (several outputs,
-    requests batched by the step scheduler, step-cache sub-batches). Sizes are symbolic in both, so
-    later sizes need no new graphs: their generation warms the allocator and proves the size runs.
+    Sizes are symbolic in every graph, so later sizes need no new graphs: their generation warms the
+    allocator and proves the size runs.
     """
-    plan: list[tuple[int, int, bool | None]] = []
+    plan: list[tuple[int, int, str]] = []
     for i, (height, width) in enumerate(resolutions):
-        plan += [(height, width, False), (height, width, True)] if i == 0 else [(height, width, None)]
+        plan += [(height, width, kind) for kind in WARMUP_KINDS] if i == 0 else [(height, width, "default")]
     return plan
 
 
-def warmup_params(
-    height: int, width: int, cfg: bool | None, cfg_mode: str, video: bool, prompt: str = "warm-up"
-) -> SamplingParams:
-    """A short generation at one size (`cfg` None: the family's default). A video family gets a
-    one-frame clip: the size sets its tokens per frame, and the graphs are shape-generic along the
-    frame axis as along any other."""
-    overrides = {} if cfg is None else cfg_overrides(cfg_mode)[cfg]
+def warmup_params(height: int, width: int, kind: str, cfg_mode: str, video: bool) -> SamplingParams:
+    """A short generation of one warm-up `kind` at one size. A video family gets a one-frame clip: the
+    size sets its tokens per frame, and the graphs are shape-generic along the frame axis as along
+    any other."""
+    overrides: dict[str, Any] = {}
+    if kind != "default":
+        overrides = dict(cfg_overrides(cfg_mode)[kind != "no-cfg"])
+    if kind in WARMUP_NEGATIVE_PROMPTS:
+        overrides["negative_prompt"] = WARMUP_NEGATIVE_PROMPTS[kind]
     return SamplingParams(
-        prompt=prompt, height=height, width=width, num_inference_steps=WARMUP_STEPS,
+        prompt=WARMUP_PROMPT, height=height, width=width, num_inference_steps=WARMUP_STEPS,
         num_frames=1 if video else None, **overrides,
     )  # fmt: skip
 
@@ -284,18 +302,33 @@ def warm_up(
     the first request).
     """
     runs = []
-    for height, width, cfg in warmup_plan(resolutions):
-        params = warmup_params(height, width, cfg, cfg_mode, video)
+    for height, width, kind in warmup_plan(resolutions):
+        params = warmup_params(height, width, kind, cfg_mode, video)
         try:
             params = with_probe_image(params, resolve)
             graphs_before, start = compiled_graph_count(), time.perf_counter()
             generate(params)
         except InvalidRequestError as exc:
             raise UserError(f"--warmup-resolutions {width}x{height}: {exc}") from exc
-        run = WarmupRun(height, width, cfg, time.perf_counter() - start)
-        label = "family default" if cfg is None else ("CFG" if cfg else "no CFG")
-        logger.info("Warm-up %dx%d (WxH), %s, %d steps: %.2f s, %d graphs compiled", width, height, label,
+        run = WarmupRun(height, width, kind, time.perf_counter() - start)
+        logger.info("Warm-up %dx%d (WxH), %s, %d steps: %.2f s, %d graphs compiled", width, height, kind,
                     WARMUP_STEPS, run.seconds, compiled_graph_count() - graphs_before)
         runs.append(run)
     log_graph_breaks()
+    stop_compile_workers()
     return runs
+
+
+def stop_compile_workers() -> None:
+    """Shut down inductor's pool of compile-worker processes once the warm-up has compiled everything.
+
+    torch.compile starts the pool on its first compile and leaves it running. When the compile is
+    quick (inductor's on-disk cache hits), the pool is still starting up when requests arrive: each
+    worker imports torch, and on a small CPU machine that took the CPU from the first requests'
+    denoising steps for up to ~25 s (a compiled step measured over 10x slower meanwhile). A later
+    compile, if any, starts a new pool.
+    """
+    from torch._inductor.async_compile import shutdown_compile_workers
+
+    shutdown_compile_workers()
+    logger.info("Compile warm-up done: inductor's compile workers shut down")
