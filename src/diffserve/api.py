@@ -78,7 +78,8 @@ class DiffGenerator:
             self.platform = set_platform(engine_args.device)
         except PlatformUnavailableError as exc:
             raise UserError(str(exc)) from exc
-        self.platform.prepare_process()
+        if engine_args.tune_allocator:
+            self.platform.prepare_process()
         self.dtype = parse_dtype(engine_args.dtype, self.platform)
         text_dtype = parse_dtype(engine_args.text_encoder_dtype or engine_args.dtype, self.platform)
         logger.info("Platform: %s (%s), dtype: %s", self.platform.name, self.platform.device_name(), self.dtype)
@@ -150,10 +151,12 @@ class DiffGenerator:
         compile: bool = False,
         warmup_resolutions: Sequence[tuple[int, int]] = (),
         default_quality: str = "lossless",
+        tune_allocator: bool = False,
     ) -> DiffGenerator:
         """Load a Diffusers folder. `compile=True` is `--compile` (torch.compile of the DiT's repeated
         blocks); `warmup_resolutions` are (height, width) sizes generated once now; `default_quality` is
-        what a request's quality "auto" means (see README, "Quality tiers")."""
+        what a request's quality "auto" means (see README, "Quality tiers"); `tune_allocator=True` is
+        `--tune-allocator`."""
         args = EngineArgs(
             model_path=str(model_path),
             device=device,
@@ -163,6 +166,7 @@ class DiffGenerator:
             compile=compile,
             warmup_resolutions=[tuple(size) for size in warmup_resolutions],
             default_quality=default_quality,
+            tune_allocator=tune_allocator,
         )
         return cls(args, show_progress=show_progress)
 

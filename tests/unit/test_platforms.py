@@ -359,3 +359,18 @@ def test_cpu_prepare_process_keeps_activations_mapped_on_glibc(caplog):
     glibc = sys.platform.startswith("linux") and ctypes.util.find_library("c") is not None
     expected = "glibc mmap threshold 32 MiB" if glibc else "CPU allocator: default"
     assert expected in caplog.text
+
+
+def test_allocator_tuning_is_opt_in(tmp_path, monkeypatch):
+    """An engine applies the platform's allocator tuning only with tune_allocator (`--tune-allocator`)."""
+    from diffserve.api import DiffGenerator
+    from diffserve.platforms.cpu import CpuPlatform
+    from diffserve.testing.tiny_flux import TinyFluxSpec, build_tiny_flux
+
+    calls = []
+    monkeypatch.setattr(CpuPlatform, "prepare_process", lambda self: calls.append(self.name))
+    path = build_tiny_flux(tmp_path / "flux", TinyFluxSpec(num_layers=1, num_single_layers=1))
+    DiffGenerator.from_pretrained(path, device="cpu", show_progress=False)
+    assert calls == []
+    DiffGenerator.from_pretrained(path, device="cpu", show_progress=False, tune_allocator=True)
+    assert calls == ["cpu"]

@@ -24,6 +24,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-resolutions", nargs="+", default=[], metavar="WxH", type=parse_resolution,
                    help="sizes generated once at startup (e.g. 1024x1024 768x1344) so compilation happens "
                    "before the first request (default: none)")
+    p.add_argument("--tune-allocator", action="store_true",
+                   help="CPU (glibc): keep activation buffers mapped between denoising steps instead of "
+                   "returning them to the OS; measure first, it helps on some hosts and slows others")
     p.add_argument("--default-quality", default="lossless", choices=("lossless", "high", "medium", "low"),
                    help="what quality='auto' (or no quality) means for a request: lossless (exact), or an "
                    "approximate tier that reuses DiT work between steps (default: lossless)")
@@ -52,4 +55,5 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         compile=args.compile,
         warmup_resolutions=list(args.warmup_resolutions),
         default_quality=args.default_quality,
+        tune_allocator=args.tune_allocator,
     )

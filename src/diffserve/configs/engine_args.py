@@ -29,6 +29,9 @@ class EngineArgs:
     warmup_resolutions: list[tuple[int, int]] = field(default_factory=list)
     #: What a request's `quality="auto"` (or no quality) means: "lossless", "high", "medium" or "low".
     default_quality: str = "lossless"
+    #: Platform tuning of the process's memory allocator (`Platform.prepare_process`; on glibc CPUs:
+    #: keep activation buffers mapped between steps). Off by default: its effect depends on the host.
+    tune_allocator: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

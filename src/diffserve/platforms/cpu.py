@@ -30,8 +30,10 @@ def _tune_glibc_malloc() -> bool:
 
     By default glibc serves allocations over 128 KiB-32 MiB (adaptive) with fresh mmaps and unmaps them
     on free, so every denoising step page-faults its activations back in: measured at ~5% of a FLUX
-    step's CPU time on this project's machine. Raising both thresholds keeps those pages in the heap.
-    Numerically neutral; returns whether glibc accepted the settings.
+    step's CPU time on one 2-core host (AMD EPYC). Raising both thresholds keeps those pages in the heap.
+    On another 2-core host (Intel Xeon, 2026-12-01) the same setting made eager FLUX steps 4.5% slower
+    and less steady (0.173 vs 0.1655 s/step, 5 processes each, alternating), so it is opt-in
+    (`--tune-allocator`). Numerically neutral; returns whether glibc accepted the settings.
     """
     if not sys.platform.startswith("linux"):
         return False
