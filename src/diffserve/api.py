@@ -129,8 +129,9 @@ class DiffGenerator:
         self.warmup_runs: list[WarmupRun] = self.warm_up(sizes) if sizes else []
 
     def warm_up(self, resolutions: Sequence[tuple[int, int]]) -> list[WarmupRun]:
-        """Short generations at each (height, width), with and without CFG at the first, so compilation
-        (`--compile`) and allocator growth happen now rather than in the first requests."""
+        """Short generations at each (height, width), every batch kind of `runtime.compile.WARMUP_KINDS`
+        at the first, so compilation (`--compile`) and allocator growth happen now rather than in the
+        first requests."""
         start = time.perf_counter()
         runs = warm_up(
             self.generate_from_params, self.pipeline.resolve_params, resolutions,

@@ -230,8 +230,9 @@ WARMUP_KINDS = ("no-cfg", "cfg", "cfg-uneven-text")
 #: The warm-up prompt, and the negative prompts of the "cfg" and "cfg-uneven-text" runs: the long one
 #: stays longer than the prompt after any family pads texts to a multiple (Z-Image: 32 tokens).
 WARMUP_PROMPT = "warm-up"
+WARMUP_SHORT_NEGATIVE_PROMPT = "blurry"
 WARMUP_NEGATIVE_PROMPTS = {
-    "cfg": "blurry",
+    "cfg": WARMUP_SHORT_NEGATIVE_PROMPT,
     "cfg-uneven-text": " ".join(["blurry, low quality, distorted, oversaturated, watermark"] * 12),
 }
 
@@ -240,7 +241,7 @@ def cfg_overrides(cfg_mode: str) -> dict[bool, dict[str, Any]]:
     """Sampling parameters that turn the negative (CFG) branch off (False) and on (True), per
     `InputValidationStage.cfg_mode`: without it a request is one DiT row, with it two."""
     if cfg_mode == "true_cfg":  # FLUX, Qwen-Image: a negative prompt and true_cfg_scale > 1
-        return {False: {"true_cfg_scale": 1.0}, True: {"true_cfg_scale": 2.0, "negative_prompt": "blurry"}}
+        return {False: {"true_cfg_scale": 1.0}, True: {"true_cfg_scale": 2.0, "negative_prompt": WARMUP_SHORT_NEGATIVE_PROMPT}}
     if cfg_mode == "classic":  # SD3, Wan: guidance_scale > 1
         return {False: {"guidance_scale": 1.0}, True: {"guidance_scale": 2.0}}
     if cfg_mode == "positive_gap":  # Z-Image: guidance_scale > 0
