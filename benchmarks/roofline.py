@@ -7,7 +7,9 @@ this machine multiplies matrices of the DiT's own shapes. Per resolution the scr
    3dim, 4dim, ... in the dtype in use), warm-up excluded, `--mm-repeats` timed calls per shape before
    and after each block of timed forwards (so it sees the same machine conditions), best and median;
 2. counts one step's FLOPs: the linear layers with `torch.utils.flop_counter.FlopCounterMode` on one
-   forward of diffusers' model and of diffserve's native model (the two must agree), and attention
+   forward of diffusers' model and of diffserve's native model (diffserve's is lower: its last
+   single-stream block skips the text rows' queries, MLP and output projection, whose results nothing
+   reads; both rates below are computed from diffusers' count, the same useful work), and attention
    explicitly, since the counter does not see CPU SDPA: 4 * batch * heads * q_len * kv_len * head_dim
    per attention call (QK^T and PV). The SDPA calls each forward really makes are recorded as a check;
 3. times one DiT forward (a FLUX step is one forward; `--cfg` doubles its batch) of diffserve's native
@@ -483,10 +485,13 @@ def render(info: dict, args: argparse.Namespace, dit_params: int, config: dict, 
             f"| {seen['diffserve']} / {seen['diffusers']} (expected {f['attention_calls_expected']}) "
             f"| **{_g(f['step'])}** |"
         )
-        if f["linear"]["diffserve"] != f["linear"]["diffusers"]:
-            warnings.append(f"{res}: the engines' linear FLOP counts differ")
+        if f["linear"]["diffserve"] > f["linear"]["diffusers"]:
+            warnings.append(f"{res}: diffserve counts more linear FLOPs than diffusers")
         for name in ENGINES:
-            if seen[name] and f["attention_recorded"][name] != f["attention_explicit"]:
+            recorded = f["attention_recorded"][name]
+            # diffserve's last block attends from the image rows only, so it may record less.
+            off = recorded > f["attention_explicit"] if name == "diffserve" else recorded != f["attention_explicit"]
+            if seen[name] and off:
                 warnings.append(
                     f"{res}: {name}'s recorded SDPA calls add up to {_g(f['attention_recorded'][name])} GFLOP"
                 )
@@ -535,8 +540,9 @@ def render(info: dict, args: argparse.Namespace, dit_params: int, config: dict, 
         "GFLOP/s = the step's FLOPs (diffusers' linear count + explicit attention) / median s/step; % of matmul "
         "rate = that / the resolution's reference rate (best torch.mm GFLOP/s over the DiT's shapes). The "
         "ratio is diffusers / diffserve time: >1 means diffserve is faster. Elementwise work (norms, RoPE, "
-        "activations, modulation) is not counted: it costs time but no matmul FLOPs, which is why no "
-        "engine reaches 100%.",
+        "activations, modulation) is not counted: it costs time but no matmul FLOPs. diffserve skips the "
+        "last block's unread text rows (its linear GFLOP column), so its rate can exceed what its kernels "
+        "achieve; that work saved is part of its speed.",
     ]
     return "\n".join(out)
 

@@ -56,6 +56,10 @@ class RotaryEmbedding(CustomOp):
 
     The rotation runs in float32 and the result is cast back to the input dtype, as in Diffusers'
     `apply_rotary_emb(..., use_real=True, use_real_unbind_dim=-1)`.
+
+    `q` may hold fewer positions than `k`: its rows are then the *last* `q.shape[1]` positions of the
+    tables. A DiT's final block needs outputs for the image tokens only, which follow the text tokens,
+    so it can project and rotate queries for those rows alone while keys cover the whole sequence.
     """
 
     def forward(
@@ -73,9 +77,9 @@ class RotaryEmbedding(CustomOp):
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Portable real arithmetic: out = (x_r*cos - x_i*sin, x_i*cos + x_r*sin) per channel pair.
-        cos = cos[None, :, None, :]
-        sin = sin[None, :, None, :]
-        return _rotate_real(q, cos, sin), _rotate_real(k, cos, sin)
+        q_cos, q_sin = _query_rows(q, cos, sin)
+        q_out = _rotate_real(q, q_cos[None, :, None, :], q_sin[None, :, None, :])
+        return q_out, _rotate_real(k, cos[None, :, None, :], sin[None, :, None, :])
 
     def _forward_complex(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -83,13 +87,20 @@ class RotaryEmbedding(CustomOp):
         # One complex multiply per element: the same products and sums as the real form (so the same
         # rounding) but about 3x faster on CPU, as it reads x once and writes once.
         cis = torch.complex(cos, sin)[None, :, None, :]
-        return _rotate_complex(q, cis), _rotate_complex(k, cis)
+        q_cis = cis[:, cis.shape[1] - q.shape[1] :]
+        return _rotate_complex(q, q_cis), _rotate_complex(k, cis)
 
     def forward_cpu(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         return self._forward_complex(q, k, cos, sin)
 
     def forward_cuda(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         return self._forward_complex(q, k, cos, sin)
+
+
+def _query_rows(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables' last `q.shape[1]` rows: the positions of a query tail (all of them when q covers k)."""
+    start = cos.shape[0] - q.shape[1]
+    return cos[start:], sin[start:]
 
 
 def _rotate_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
