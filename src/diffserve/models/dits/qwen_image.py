@@ -31,7 +31,8 @@ serve requests at different timesteps (the engine's step-level batching).
 Differences from Diffusers: SiLU(temb) is computed once per forward instead of once per block; the
 joint attention mask is built once per forward; RoPE is applied once to the concatenated [text; image]
 q/k; the RoPE tables are computed only for the positions used (no 4096-entry table, so no 4096 limit)
-and cached per shape. Diffusers uses the first sample's `img_shapes` for the whole batch (it warns when
+and cached per shape; the last block skips its text stream's output projection and MLP, which nothing
+reads (as Diffusers' SD3 does with `context_pre_only`). Diffusers uses the first sample's `img_shapes` for the whole batch (it warns when
 they differ); here every sample gets its own positions, which only differs when a batch mixes shapes.
 """
 
@@ -229,8 +230,14 @@ class QwenDoubleStreamAttention(nn.Module):
         return q.view(batch, seq, *q.shape[2:]), k.view(batch, seq, *k.shape[2:])
 
     def forward(
-        self, x: torch.Tensor, ctx: torch.Tensor, rope: RopeTables, attn_mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        rope: RopeTables,
+        attn_mask: torch.Tensor | None,
+        text_out: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(image output, text output); with `text_out=False` the text's output projection is skipped (None)."""
         hd = self.head_dim
         q = self.norm_q(self.to_q(x).unflatten(-1, (-1, hd)))
         k = self.norm_k(self.to_k(x).unflatten(-1, (-1, hd)))
@@ -242,7 +249,8 @@ class QwenDoubleStreamAttention(nn.Module):
         out = attention(q, k, torch.cat([cv, v], dim=1), attn_mask).flatten(2)
         ctx_out, x_out = out.split([ctx.shape[1], x.shape[1]], dim=1)
         # Contiguous as in Diffusers: CPU half-precision matmuls round differently on strided inputs.
-        return self.to_out[0](x_out.contiguous()), self.to_add_out(ctx_out.contiguous())
+        x_out = self.to_out[0](x_out.contiguous())
+        return x_out, self.to_add_out(ctx_out.contiguous()) if text_out else None
 
 
 class QwenImageTransformerBlock(nn.Module):
@@ -287,7 +295,11 @@ class QwenImageTransformerBlock(nn.Module):
         rope: RopeTables,
         attn_mask: torch.Tensor | None,
         cond_tokens: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        text_out: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(text, image) after the block. `text_out=False` is for the model's last block, whose text
+        stream nothing reads: the text then gives the attention its keys, values and queries, but its
+        output projection, residual and MLP are skipped and None is returned in its place."""
         img_params = self.img_mod[1](temb_act)
         # With zero_cond_t, temb_act holds [real t; t = 0] rows; the text uses the real t only.
         txt_params = self.txt_mod[1](temb_act[: x.shape[0]] if cond_tokens is not None else temb_act)
@@ -296,12 +308,14 @@ class QwenImageTransformerBlock(nn.Module):
 
         norm_x, img_gate1 = self._modulate(self.img_norm1(x), img_mod1, cond_tokens)
         norm_ctx, txt_gate1 = self._modulate(self.txt_norm1(ctx), txt_mod1)
-        attn_x, attn_ctx = self.attn(norm_x, norm_ctx, rope, attn_mask)
+        attn_x, attn_ctx = self.attn(norm_x, norm_ctx, rope, attn_mask, text_out=text_out)
         x = _gated_residual(x, img_gate1, attn_x)
-        ctx = _gated_residual(ctx, txt_gate1, attn_ctx)
-
         ff_in, img_gate2 = self._modulate(self.img_norm2(x), img_mod2, cond_tokens)
         x = _gated_residual(x, img_gate2, self.img_mlp(ff_in))
+        if attn_ctx is None:
+            return None, _fp16_clip(x)
+
+        ctx = _gated_residual(ctx, txt_gate1, attn_ctx)
         ff_in, txt_gate2 = self._modulate(self.txt_norm2(ctx), txt_mod2)
         ctx = _gated_residual(ctx, txt_gate2, self.txt_mlp(ff_in))
         return _fp16_clip(ctx), _fp16_clip(x)
@@ -516,9 +530,13 @@ class QwenImageTransformer2DModel(nn.Module):
         attn_mask: torch.Tensor | None,
         cond_tokens: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Every double-stream block; returns the image tokens the output head reads."""
-        for block in self.transformer_blocks:
-            ctx, x = block(x, ctx, temb_act, rope, attn_mask, cond_tokens)
+        """Every double-stream block; returns the image tokens the output head reads.
+
+        The last block skips its text stream's output (`text_out=False`): nothing reads it.
+        """
+        last = len(self.transformer_blocks) - 1
+        for i, block in enumerate(self.transformer_blocks):
+            ctx, x = block(x, ctx, temb_act, rope, attn_mask, cond_tokens, text_out=i < last)
         return x
 
     def _cache_signal(

@@ -1,0 +1,104 @@
+"""A DiT's last block computes only what the output head reads: same values, less work.
+
+FLUX's last single-stream block returns the image rows only (`text_len`); Qwen-Image's last
+double-stream block skips its text stream's output (`text_out=False`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from diffserve.layers.rotary import multi_axis_rope_tables
+from diffserve.models.dits.flux import FluxSingleTransformerBlock
+from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
+
+DIM, HEADS, HEAD_DIM = 16, 2, 8
+TEXT_LEN, IMAGE_LEN = 12, 5
+
+
+def _block(fused: bool) -> FluxSingleTransformerBlock:
+    torch.manual_seed(0)
+    block = FluxSingleTransformerBlock(DIM, HEADS, HEAD_DIM).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    if fused:
+        block.fuse_projections()
+    return block
+
+
+def _inputs(batch: int) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(batch, TEXT_LEN + IMAGE_LEN, DIM, generator=g)
+    emb = torch.randn(batch, 3 * DIM, generator=g)
+    # Text positions distinct from zero too, so a query rotated with the wrong rows would show.
+    ids = torch.randint(0, 7, (TEXT_LEN + IMAGE_LEN, 3), generator=g).float()
+    return h, emb, multi_axis_rope_tables(ids, (2, 2, 4))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_last_block_returns_the_full_blocks_image_rows(fused: bool, batch: int) -> None:
+    block = _block(fused)
+    h, emb, rope = _inputs(batch)
+    with torch.inference_mode():
+        full = block(h, emb, rope)
+        image_only = block(h, emb, rope, text_len=TEXT_LEN)
+    assert image_only.shape == (batch, IMAGE_LEN, DIM)
+    torch.testing.assert_close(image_only, full[:, TEXT_LEN:], rtol=1e-6, atol=1e-6)
+
+
+def test_last_block_skips_the_text_rows_queries_mlp_and_output_projection() -> None:
+    """Text rows cost only their keys and values: the matmul FLOPs drop by exactly the skipped work."""
+    block = _block(fused=True)
+    h, emb, rope = _inputs(1)
+    _, full_mm = _matmul_flops(lambda: block(h, emb, rope))
+    _, trimmed_mm = _matmul_flops(lambda: block(h, emb, rope, text_len=TEXT_LEN))
+    inner, mlp = HEADS * HEAD_DIM, 4 * DIM
+    linear_flops = lambda rows, width_out, width_in: 2 * rows * width_out * width_in  # noqa: E731
+    skipped = linear_flops(TEXT_LEN, inner + mlp, DIM) + linear_flops(TEXT_LEN, DIM, inner + mlp)
+    assert full_mm - trimmed_mm == skipped
+
+
+def _matmul_flops(run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """`run()`'s output and the FLOPs of its matmuls (linear layers)."""
+    with torch.inference_mode(), FlopCounterMode(display=False) as counter:
+        out = run()
+    counts = counter.get_flop_counts()["Global"]
+    return out, sum(v for k, v in counts.items() if k in (torch.ops.aten.addmm, torch.ops.aten.mm))
+
+
+def test_qwen_image_last_block_skips_the_text_output_with_the_same_image() -> None:
+    torch.manual_seed(0)
+    dim, text_len, layers = 32, 9, 3
+    model = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=layers, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=24, axes_dims_rope=(4, 6, 6),
+    ).eval()  # fmt: skip
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+    g = torch.Generator().manual_seed(2)
+    inputs = {
+        "hidden_states": torch.randn(2, 12, 16, generator=g),
+        "encoder_hidden_states": torch.randn(2, text_len, 24, generator=g),
+        "encoder_hidden_states_mask": None,
+        "timestep": torch.tensor([0.3, 0.8]),
+        "img_shapes": [[(1, 4, 3)]] * 2,
+    }
+    trimmed, trimmed_flops = _matmul_flops(lambda: model(**inputs))
+
+    def every_block_updates_the_text(x, ctx, temb_act, rope, attn_mask, cond_tokens):
+        for block in model.transformer_blocks:
+            ctx, x = block(x, ctx, temb_act, rope, attn_mask, cond_tokens)
+        return x
+
+    model._run_blocks = every_block_updates_the_text
+    full, full_flops = _matmul_flops(lambda: model(**inputs))
+    torch.testing.assert_close(trimmed, full, rtol=0, atol=0)
+    # Skipped per text row of the last block: to_add_out (dim x dim) and the MLP (dim -> 4 dim -> dim).
+    assert full_flops - trimmed_flops == 2 * 2 * text_len * (dim * dim + 2 * dim * 4 * dim)
