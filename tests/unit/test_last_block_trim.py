@@ -1,7 +1,8 @@
 """A DiT's last block computes only what the output head reads: same values, less work.
 
 FLUX's last single-stream block returns the image rows only (`text_len`); Qwen-Image's last
-double-stream block skips its text stream's output (`text_out=False`).
+double-stream block skips its text stream's output (`text_out=False`); Z-Image's last main layer
+computes the leading image positions only (`keep_rows`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from diffserve.layers.rotary import multi_axis_rope_tables
 from diffserve.models.dits.flux import FluxSingleTransformerBlock
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
+from diffserve.models.dits.z_image import ZImageTransformer2DModel
 
 DIM, HEADS, HEAD_DIM = 16, 2, 8
 TEXT_LEN, IMAGE_LEN = 12, 5
@@ -102,3 +104,45 @@ def test_qwen_image_last_block_skips_the_text_output_with_the_same_image() -> No
     torch.testing.assert_close(trimmed, full, rtol=0, atol=0)
     # Skipped per text row of the last block: to_add_out (dim x dim) and the MLP (dim -> 4 dim -> dim).
     assert full_flops - trimmed_flops == 2 * 2 * text_len * (dim * dim + 2 * dim * 4 * dim)
+
+
+def test_z_image_last_layer_computes_the_image_positions_only_with_the_same_output() -> None:
+    """Two samples with different image sizes and caption lengths (masked batch, mixed padding)."""
+    torch.manual_seed(0)
+    dim = 64
+    model = ZImageTransformer2DModel(
+        in_channels=16, dim=dim, n_layers=2, n_refiner_layers=1, n_heads=2, n_kv_heads=2,
+        cap_feat_dim=32, axes_dims=(8, 12, 12), axes_lens=(256, 64, 64),
+    ).eval()  # fmt: skip
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+    g = torch.Generator().manual_seed(3)
+    inputs = {
+        "x": [torch.randn(16, 1, h, w, generator=g) for h, w in ((8, 8), (8, 12))],
+        "t": torch.tensor([0.3, 0.7]),
+        "cap_feats": [torch.randn(n, 32, generator=g) for n in (40, 9)],
+    }
+    trimmed, trimmed_flops = _matmul_flops(lambda: torch.cat([o.flatten() for o in model(**inputs)]))
+
+    def every_position_in_every_layer(img, cap, adaln, layout):
+        for block in model.noise_refiner:
+            img = block(img, layout.x_cis, layout.x_mask, adaln)
+        for block in model.context_refiner:
+            cap = block(cap, layout.cap_cis, layout.cap_mask)
+        h = torch.cat([img.flatten(0, 1), cap.flatten(0, 1), img.new_zeros(1, img.shape[-1])])[
+            layout.unified_index
+        ]
+        for block in model.layers:
+            h = block(h, layout.unified_cis, layout.unified_mask, adaln)
+        return h[:, : img.shape[1]]
+
+    model._run_blocks = every_position_in_every_layer
+    full, full_flops = _matmul_flops(lambda: torch.cat([o.flatten() for o in model(**inputs)]))
+    torch.testing.assert_close(trimmed, full, rtol=1e-6, atol=1e-6)
+    # Image tokens (2x2 patches) pad to 32 in both samples; captions pad to 64 and 32, so the batch's
+    # unified sequence is 32 + 64 = 96 positions per row, of which the last layer keeps the first 32.
+    # Skipped per dropped position: to_q and to_out (dim x dim each) and the SwiGLU MLP (3 x dim x hidden).
+    hidden = int(dim / 3 * 8)
+    dropped = 2 * (96 - 32)
+    assert full_flops - trimmed_flops == 2 * dropped * (2 * dim * dim + 3 * dim * hidden)

@@ -38,7 +38,7 @@ alone in the batch), so dropping a long-caption request from a step does not pad
 Differences from Diffusers that do not change the numbers: the padded sequences are built with one
 gather instead of per-sample concatenation, the image-token padding is inserted after `x_embedder`
 (Diffusers embeds copies of the last patch and then overwrites them with the pad token), the final layer
-runs on the image part of the sequence only, and the batch-padding rows (masked, then discarded) hold
+and the last main layer's queries, MLP and output run on the image part of the sequence only, and the batch-padding rows (masked, then discarded) hold
 other finite values than Diffusers'. Omni mode (several images per sample, SigLIP features, per-token
 noise masks) and ControlNet residuals are not implemented.
 """
@@ -176,13 +176,18 @@ class ZImageAttention(nn.Module):
         self.norm_k = RMSNorm(self.head_dim, eps=QK_NORM_EPS) if qk_norm else None
         self.to_out = nn.ModuleList([nn.Linear(dim, dim, bias=False)])
 
-    def forward(self, x: torch.Tensor, cis: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        q = self.to_q(x).unflatten(-1, (-1, self.head_dim))
+    def forward(
+        self, x: torch.Tensor, cis: torch.Tensor, mask: torch.Tensor | None, query_rows: int | None = None
+    ) -> torch.Tensor:
+        """Attention over x; with `query_rows`, only the first `query_rows` positions query (and are returned)."""
+        # Contiguous, so the query projection is the same 2-D matmul as for the full sequence.
+        x_q, cis_q = (x, cis) if query_rows is None else (x[:, :query_rows].contiguous(), cis[:, :query_rows])
+        q = self.to_q(x_q).unflatten(-1, (-1, self.head_dim))
         k = self.to_k(x).unflatten(-1, (-1, self.head_dim))
         v = self.to_v(x).unflatten(-1, (-1, self.head_dim))
         if self.norm_q is not None:
             q, k = self.norm_q(q), self.norm_k(k)
-        q, k = apply_complex_rope(q, cis), apply_complex_rope(k, cis)
+        q, k = apply_complex_rope(q, cis_q), apply_complex_rope(k, cis)
         return self.to_out[0](attention(q, k, v, attn_mask=mask).flatten(2))
 
 
@@ -225,17 +230,26 @@ class ZImageTransformerBlock(nn.Module):
         cis: torch.Tensor,
         mask: torch.Tensor | None,
         adaln: torch.Tensor | None = None,
+        keep_rows: int | None = None,
     ) -> torch.Tensor:
+        """The block over x (batch, seq, dim).
+
+        `keep_rows` is for the model's last layer, whose caption positions nothing reads: only the first
+        `keep_rows` positions (the image tokens) are queried, passed through the MLP and returned; the
+        others give the attention their keys and values only. Each kept row is the same sums.
+        """
+        kept = x if keep_rows is None else x[:, :keep_rows]
         if not self.modulation:
-            x = x + self.attention_norm2(self.attention(self.attention_norm1(x), cis, mask))
+            attn = self.attention(self.attention_norm1(x), cis, mask, query_rows=keep_rows)
+            x = kept + self.attention_norm2(attn)
             return x + self.ffn_norm2(self.feed_forward(self.ffn_norm1(x)))
         if adaln is None:
             raise ValueError("a modulated Z-Image block needs the timestep embedding `adaln`")
         scale_msa, gate_msa, scale_mlp, gate_mlp = self.adaLN_modulation(adaln).unsqueeze(1).chunk(4, dim=2)
         scale_msa, scale_mlp = 1.0 + scale_msa, 1.0 + scale_mlp
         gate_msa, gate_mlp = gate_msa.tanh(), gate_mlp.tanh()
-        attn = self.attention(self.attention_norm1(x) * scale_msa, cis, mask)
-        x = x + gate_msa * self.attention_norm2(attn)
+        attn = self.attention(self.attention_norm1(x) * scale_msa, cis, mask, query_rows=keep_rows)
+        x = kept + gate_msa * self.attention_norm2(attn)
         return x + gate_mlp * self.ffn_norm2(self.feed_forward(self.ffn_norm1(x) * scale_mlp))
 
     def modulated_attention_input(self, x: torch.Tensor, adaln: torch.Tensor) -> torch.Tensor:
@@ -621,9 +635,12 @@ class ZImageTransformer2DModel(nn.Module):
         h = torch.cat([img.flatten(0, 1), cap.flatten(0, 1), img.new_zeros(1, img.shape[-1])])[
             layout.unified_index
         ]
-        for block in self.layers:
+        if not self.layers:
+            return h[:, : img.shape[1]]
+        *leading, last = self.layers
+        for block in leading:
             h = block(h, layout.unified_cis, layout.unified_mask, adaln)
-        return h[:, : img.shape[1]]
+        return last(h, layout.unified_cis, layout.unified_mask, adaln, keep_rows=img.shape[1])
 
     def _run_blocks_for_rows(
         self,
