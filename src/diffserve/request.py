@@ -70,6 +70,11 @@ class Req:
     # computed on the CPU as before and moved with the schedule), per step, on the latents' device.
     dit_timesteps: torch.Tensor | None = None
 
+    # Set by the denoiser at the request's first step: the DiT's embedding of its text branches
+    # (positive, then negative with CFG), which no step changes, so later steps skip the embedder.
+    # Family-specific: FLUX keeps a tensor, Wan an `EmbeddedContext` (text with I2V's image states).
+    dit_context: object | None = None
+
     # Advanced by the denoising step function (with the multistep scheduler's history, if it keeps one).
     step_index: int = 0
     scheduler_state: object | None = None

@@ -57,6 +57,17 @@ class FluxDenoiser:
             self._rope_cache.move_to_end(key)
         return tables
 
+    def context_for(self, req: Req) -> torch.Tensor:
+        """The request's text branches through the DiT's context embedder, once per request.
+
+        The T5 states do not change between steps, and embedding 512 tokens every step is a matmul
+        of the size of a block's projection (6% of a step of a 36M-parameter DiT at 256x256).
+        """
+        if req.dit_context is None:
+            texts = [req.prompt_embeds, req.negative_prompt_embeds] if req.do_cfg else [req.prompt_embeds]
+            req.dit_context = self.transformer.embed_context(torch.cat(texts))
+        return req.dit_context
+
     @torch.inference_mode()
     def __call__(self, reqs: list[Req]) -> None:
         batch = gather_branches(reqs)
@@ -65,7 +76,8 @@ class FluxDenoiser:
         # Timesteps and guidance are already on the latents' device (timestep preparation put them there).
         prediction = self.transformer(
             hidden_states=torch.cat(batch.latents),
-            encoder_hidden_states=torch.cat(batch.text),
+            encoder_hidden_states=None,
+            context=torch.cat([self.context_for(r) for r in reqs]),
             pooled_projections=torch.cat(batch.pooled),
             timestep=torch.cat(batch.timesteps).to(first.latents.dtype) / 1000,
             img_ids=first.image_ids,

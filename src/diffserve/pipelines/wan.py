@@ -14,7 +14,7 @@ from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.configs.wan import WanPipelineConfig, wan_default_sampling_params
 from diffserve.errors import ModelLoadError
 from diffserve.loader.folder_defaults import apply_overrides
-from diffserve.models.dits.wan import WanTransformer3DModel
+from diffserve.models.dits.wan import EmbeddedContext, WanTransformer3DModel
 from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.pipelines.cfg_batch import advance_requests, split_guided, step_cache_for
 from diffserve.request import Req
@@ -58,27 +58,34 @@ class WanDenoiser:
         self.scheduler = scheduler
         self.dtype = next(transformer.parameters()).dtype
 
+    def context_for(self, req: Req) -> EmbeddedContext:
+        """The request's cross-attention context (text, and the CLIP image states for I2V, of each CFG
+        branch) through the DiT's embedders, once per request: no step changes them, and the text
+        embedder alone is an MLP over 512 tokens per branch."""
+        if req.dit_context is None:
+            texts = [req.prompt_embeds] + ([req.negative_prompt_embeds] if req.do_cfg else [])
+            images = [req.image_embeds] * len(texts) if req.image_embeds is not None else None
+            req.dit_context = self.transformer.embed_context(torch.cat(texts), torch.cat(images) if images else None)
+        return req.dit_context
+
     @torch.inference_mode()
     def __call__(self, reqs: list[Req]) -> None:
         # Rows in `cfg_batch` order (per request: positive rows, then negative ones), which is what
         # `step_cache_for` and `split_guided` expect.
-        latents, texts, images, timesteps = [], [], [], []
+        latents, timesteps = [], []
         for req in reqs:
             model_input = req.latents
             if req.condition_latents is not None:
                 model_input = torch.cat([model_input, req.condition_latents], dim=1)
-            branches = [req.prompt_embeds] + ([req.negative_prompt_embeds] if req.do_cfg else [])
-            for text in branches:
+            for _branch in range(2 if req.do_cfg else 1):
                 latents.append(model_input)
-                texts.append(text)
                 timesteps.append(req.timesteps[req.step_index].expand(req.batch_size))
-                if req.image_embeds is not None:
-                    images.append(req.image_embeds)
+        contexts = [self.context_for(req) for req in reqs]
         prediction = self.transformer(
             hidden_states=torch.cat(latents).to(self.dtype),
             timestep=torch.cat(timesteps),  # already on the latents' device
-            encoder_hidden_states=torch.cat(texts),
-            encoder_hidden_states_image=torch.cat(images) if images else None,
+            encoder_hidden_states=None,
+            context=EmbeddedContext(torch.cat([c.states for c in contexts]), contexts[0].image_len),
             step_cache=step_cache_for(reqs),
         )
         advance_requests(self.scheduler, reqs, split_guided(prediction.float(), reqs))

@@ -554,6 +554,10 @@ class FluxTransformer2DModel(nn.Module):
                 )
         return multi_axis_rope_tables(torch.cat([txt_ids, img_ids], dim=0), self.axes_dims_rope, ROPE_THETA)
 
+    def embed_context(self, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+        """T5 states (batch, txt_seq, joint_attention_dim) -> the blocks' text stream (batch, txt_seq, inner)."""
+        return self.context_embedder(encoder_hidden_states)
+
     def _adaln_projections(self) -> list[tuple[str, nn.Linear]]:
         """(name, Linear) of every adaLN projection of SiLU(temb), in the order the forward consumes them."""
         named = []
@@ -599,7 +603,7 @@ class FluxTransformer2DModel(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None,
         pooled_projections: torch.Tensor,
         timestep: torch.Tensor,
         img_ids: torch.Tensor,
@@ -607,6 +611,7 @@ class FluxTransformer2DModel(nn.Module):
         guidance: torch.Tensor | None = None,
         rope: RopeTables | None = None,
         step_cache: BatchStepCache | None = None,
+        context: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Predict the flow-matching velocity for packed latents.
 
@@ -620,6 +625,9 @@ class FluxTransformer2DModel(nn.Module):
             rope: precomputed `rope_tables(txt_ids, img_ids)`; computed from the ids when None.
             step_cache: rows of approximate-quality requests, which may reuse the blocks' residual from
                 an earlier step (`models/step_cache.py`); None runs every block for every row (exact).
+            context: `embed_context(encoder_hidden_states)`, given instead of `encoder_hidden_states`
+                (then None): the T5 states are the same at every step of a request, so a caller running
+                many steps embeds them once.
 
         Returns:
             (batch, img_seq, patch_size**2 * out_channels).
@@ -639,7 +647,9 @@ class FluxTransformer2DModel(nn.Module):
         temb = self.time_text_embed(timestep, pooled_projections, guidance)
         # Every adaLN projects SiLU(temb): compute it once, and all projections at once when fused.
         *block_mods, out_mod = self._modulations(F.silu(temb))
-        ctx = self.context_embedder(encoder_hidden_states)
+        if (context is None) == (encoder_hidden_states is None):
+            raise ValueError("pass exactly one of encoder_hidden_states (T5 states) and context (embedded)")
+        ctx = self.embed_context(encoder_hidden_states) if context is None else context
 
         if step_cache is None:
             x = self._run_blocks(x, ctx, block_mods, rope)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -323,6 +323,13 @@ class WanTransformerBlock(nn.Module):
         return (self.norm1(x.float()) * (1 + scale_msa)).add_(shift_msa).to(x.dtype)
 
 
+class EmbeddedContext(NamedTuple):
+    """The cross-attention context of a batch: [image tokens; text tokens] embedded, (batch, seq, dim)."""
+
+    states: torch.Tensor
+    image_len: int  # leading image tokens (I2V's CLIP states); 0 for text-to-video
+
+
 class WanTransformer3DModel(nn.Module):
     """Wan 2.1 DiT (T2V, I2V, FLF2V) with Diffusers' config keys and state-dict names.
 
@@ -445,13 +452,35 @@ class WanTransformer3DModel(nn.Module):
         self._rope_cache[key] = tables
         return tables
 
+    def embed_context(
+        self, encoder_hidden_states: torch.Tensor, encoder_hidden_states_image: torch.Tensor | None = None
+    ) -> EmbeddedContext:
+        """What the blocks cross-attend to: [image; text] states through their embedders (see `forward`)."""
+        embedder = self.condition_embedder
+        if embedder.image_embedder is None and encoder_hidden_states_image is not None:
+            raise ValueError(
+                "this is a text-to-video model (image_dim=None): pass encoder_hidden_states_image=None"
+            )
+        if embedder.image_embedder is not None and encoder_hidden_states_image is None:
+            raise ValueError(
+                "this image-to-video model needs encoder_hidden_states_image (CLIP image states)"
+            )
+        text = embedder.text_embedder(encoder_hidden_states)
+        if encoder_hidden_states_image is None:
+            return EmbeddedContext(text, 0)
+        img = embedder.image_embedder(encoder_hidden_states_image, encoder_hidden_states.shape[0])
+        # Diffusers concatenates [image; text] once and every block projects strided slices of it;
+        # CPU bf16 matmuls round differently on strided inputs, so keep that layout (one small copy).
+        return EmbeddedContext(torch.cat([img, text], dim=1), img.shape[1])
+
     def forward(
         self,
         hidden_states: torch.Tensor,
         timestep: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None,
         encoder_hidden_states_image: torch.Tensor | None = None,
         step_cache: BatchStepCache | None = None,
+        context: EmbeddedContext | None = None,
     ) -> torch.Tensor:
         """Predict the flow-matching velocity for video latents.
 
@@ -468,6 +497,9 @@ class WanTransformer3DModel(nn.Module):
                 must be None for T2V models.
             step_cache: rows of approximate-quality requests, which may reuse the blocks' residual from
                 an earlier step (`models/step_cache.py`); None runs every block for every row (exact).
+            context: `embed_context(encoder_hidden_states, encoder_hidden_states_image)`, given instead
+                of both (then None): the text and image states are the same at every step of a request,
+                so a caller running many steps embeds them once.
 
         Returns:
             (batch, out_channels, frames, height, width), in the dtype of `hidden_states`.
@@ -487,38 +519,28 @@ class WanTransformer3DModel(nn.Module):
         seq = math.prod(grid)
         timestep = self._timestep_rows(timestep, batch, seq)
 
-        embedder = self.condition_embedder
-        if embedder.image_embedder is None and encoder_hidden_states_image is not None:
-            raise ValueError(
-                "this is a text-to-video model (image_dim=None): pass encoder_hidden_states_image=None"
-            )
-        if embedder.image_embedder is not None and encoder_hidden_states_image is None:
-            raise ValueError(
-                "this image-to-video model needs encoder_hidden_states_image (CLIP image states)"
-            )
+        if context is None:
+            if encoder_hidden_states is None:
+                raise ValueError("pass encoder_hidden_states (UMT5 states) or context (embedded)")
+            context = self.embed_context(encoder_hidden_states, encoder_hidden_states_image)
+        elif encoder_hidden_states is not None or encoder_hidden_states_image is not None:
+            raise ValueError("pass either the text/image states or their embedded context, not both")
+        ctx, image_len = context.states, context.image_len
 
         rope = self.rope_tables(*grid, hidden_states.device)
         x = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
         dtype = x.dtype
         # Diffusers rounds temb to the text states' dtype; the pipeline passes everything in one dtype.
-        temb, time_mod = embedder.time(timestep, encoder_hidden_states.dtype)
-        context = embedder.text_embedder(encoder_hidden_states)
-        image_len = 0
-        if encoder_hidden_states_image is not None:
-            img = embedder.image_embedder(encoder_hidden_states_image, batch)
-            # Diffusers concatenates [image; text] once and every block projects strided slices of it;
-            # CPU bf16 matmuls round differently on strided inputs, so keep that layout (one small copy).
-            context = torch.cat([img, context], dim=1)
-            image_len = img.shape[1]
+        temb, time_mod = self.condition_embedder.time(timestep, ctx.dtype)
 
         if step_cache is None:
-            x = self._run_blocks(x, context, image_len, time_mod, rope)
+            x = self._run_blocks(x, ctx, image_len, time_mod, rope)
         else:
             x = step_cache.run(
                 x,
                 self.blocks[0].modulated_input(x, time_mod),
                 lambda rows: self._run_blocks(
-                    take_rows(x, rows), take_rows(context, rows), image_len, take_rows(time_mod, rows), rope
+                    take_rows(x, rows), take_rows(ctx, rows), image_len, take_rows(time_mod, rows), rope
                 ),
             )
 

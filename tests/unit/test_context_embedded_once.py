@@ -1,0 +1,104 @@
+"""A request's text (and I2V image) states go through the DiT's embedders once, not once per step.
+
+FLUX's `context_embedder` and Wan's text/image embedders see the same states at every step of a
+request; the denoisers embed them at the first step (`Req.dit_context`) and pass `context=` after.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from diffserve.api import DiffGenerator
+from diffserve.models.dits.flux import FluxTransformer2DModel
+from diffserve.pipelines.wan import WanDenoiser
+from diffserve.testing.tiny_flux import build_tiny_flux
+from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
+
+STEPS = 3
+
+
+def _count_embeddings(monkeypatch: pytest.MonkeyPatch, dit: torch.nn.Module) -> list[int]:
+    """Record the batch size of every `embed_context` call on `dit`."""
+    calls: list[int] = []
+    original = dit.embed_context
+
+    def counted(states: torch.Tensor, *rest: object) -> object:
+        calls.append(states.shape[0])
+        return original(states, *rest)
+
+    monkeypatch.setattr(dit, "embed_context", counted)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def flux(tmp_path_factory: pytest.TempPathFactory) -> DiffGenerator:
+    return DiffGenerator.from_pretrained(build_tiny_flux(tmp_path_factory.mktemp("flux")), device="cpu", show_progress=False)
+
+
+@pytest.mark.parametrize("cfg", [False, True], ids=["no-cfg", "true-cfg"])
+def test_flux_embeds_each_requests_text_once(flux: DiffGenerator, monkeypatch: pytest.MonkeyPatch, cfg: bool) -> None:
+    calls = _count_embeddings(monkeypatch, flux.pipeline.context.get("transformer"))
+    extra = {"true_cfg_scale": 2.0, "negative_prompt": "blurry"} if cfg else {}
+    flux.generate("a cat", height=32, width=32, num_inference_steps=STEPS, seed=1, **extra)
+    assert calls == [2 if cfg else 1]  # one call, both CFG branches in it
+
+
+def test_flux_context_argument_gives_the_same_prediction() -> None:
+    torch.manual_seed(0)
+    dit = FluxTransformer2DModel(
+        in_channels=8, num_layers=1, num_single_layers=2, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=12, pooled_projection_dim=10, axes_dims_rope=(2, 2, 4),
+    ).eval()  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    text = torch.randn(2, 5, 12, generator=g)
+    inputs = {
+        "hidden_states": torch.randn(2, 4, 8, generator=g),
+        "pooled_projections": torch.randn(2, 10, generator=g),
+        "timestep": torch.tensor([0.2, 0.9]),
+        "img_ids": torch.zeros(4, 3),
+        "txt_ids": torch.zeros(5, 3),
+    }
+    with torch.inference_mode():
+        from_states = dit(encoder_hidden_states=text, **inputs)
+        from_context = dit(encoder_hidden_states=None, context=dit.embed_context(text), **inputs)
+        torch.testing.assert_close(from_context, from_states, rtol=0, atol=0)
+        with pytest.raises(ValueError, match="exactly one of"):
+            dit(encoder_hidden_states=text, context=dit.embed_context(text), **inputs)
+        with pytest.raises(ValueError, match="exactly one of"):
+            dit(encoder_hidden_states=None, **inputs)
+
+
+@pytest.mark.parametrize("image_to_video", [False, True], ids=["t2v", "i2v"])
+def test_wan_embeds_each_requests_context_once_with_the_same_frames(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, image_to_video: bool
+) -> None:
+    generator = DiffGenerator.from_pretrained(
+        build_tiny_wan(tmp_path / "wan", TinyWanSpec(image_to_video=image_to_video)), device="cpu", show_progress=False
+    )
+    dit = generator.pipeline.context.get("transformer")
+    kwargs = {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": STEPS, "seed": 2,
+              "guidance_scale": 4.0, "negative_prompt": "ugly"}  # fmt: skip
+    if image_to_video:
+        kwargs["image"] = Image.fromarray(np.random.default_rng(0).integers(0, 255, (32, 32, 3), dtype=np.uint8))
+    reference = generator.generate("a boat", **kwargs).frames[0]
+
+    # The same request with the embedders run at every step, as before the cache: same frames.
+    monkeypatch.setattr(WanDenoiser, "context_for", _embed_every_step)
+    every_step = generator.generate("a boat", **kwargs).frames[0]
+    np.testing.assert_array_equal(reference, every_step)
+
+    monkeypatch.undo()
+    calls = _count_embeddings(monkeypatch, dit)
+    generator.generate("a boat", **kwargs)
+    assert calls == [2]  # both CFG branches, once
+
+
+def _embed_every_step(self, req):  # noqa: ANN001, ANN202 - stands in for WanDenoiser.context_for
+    texts = [req.prompt_embeds] + ([req.negative_prompt_embeds] if req.do_cfg else [])
+    images = torch.cat([req.image_embeds] * len(texts)) if req.image_embeds is not None else None
+    return self.transformer.embed_context(torch.cat(texts), images)
