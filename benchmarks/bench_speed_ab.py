@@ -21,7 +21,6 @@ What it does not measure: load time, first-call time and peak RSS (shared by the
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 import tempfile
@@ -29,51 +28,25 @@ import time
 from pathlib import Path
 from typing import Any
 
+import alternating
 import bench_speed
 import harness
 import roofline
 
 
-def _round_robin(engines: list[str], round_: int) -> list[str]:
-    shift = round_ % len(engines)
-    return engines[shift:] + engines[:shift]
-
-
-def time_resolution(args: argparse.Namespace, size: int) -> dict[str, list[float]]:
-    """Per engine, the s/step of each round (median over that generation's denoising steps)."""
-    generators = {}
-    for engine in args.engines:
-        print(f"  {args.checkpoint} {size}x{size}: loading {engine} ...", file=sys.stderr, flush=True)
-        _load, generate = bench_speed.RUNNERS[engine](args, size)
-        generate()  # warm-up: diffusers' torch.compile compiles here
-        generators[engine] = generate
-    harness.stop_compile_workers()
-    per_round: dict[str, list[float]] = {engine: [] for engine in args.engines}
-    for round_ in range(args.rounds):
-        for engine in _round_robin(args.engines, round_):
-            _image, step_times = generators[engine]()
-            per_round[engine].append(statistics.median(step_times))
-        print(f"  round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-    del generators
-    gc.collect()
-    return per_round
-
-
-def bar_ratios(per_round: dict[str, list[float]]) -> list[dict[str, Any]]:
-    """Each bar of `bench_speed.BARS` as paired per-round ratios (numerator time / denominator time)."""
+def measure(args: argparse.Namespace, size: int) -> dict[str, Any]:
+    """All engines at one checkpoint and resolution: per-round times and each bar's paired ratios."""
+    loaders = {engine: (lambda engine=engine: bench_speed.RUNNERS[engine](args, size)[1]) for engine in args.engines}
+    times = alternating.time_alternating(loaders, args.rounds, f"{args.checkpoint} {size}x{size}")
     bars = []
     for title, numerators, denominator, bar in bench_speed.BARS:
-        present = [e for e in numerators if e in per_round]
-        if not present or denominator not in per_round:
+        present = [e for e in numerators if e in times]
+        if not present or denominator not in times:
             continue
         # Several numerator engines (diffusers' two compile modes): the faster one over the whole run.
-        reference = min(present, key=lambda e: statistics.median(per_round[e]))
-        ratios = [n / d for n, d in zip(per_round[reference], per_round[denominator], strict=True)]
-        bars.append({
-            "title": title, "reference": reference, "denominator": denominator, "bar": bar,
-            "ratios": ratios, "median": statistics.median(ratios),
-        })  # fmt: skip
-    return bars
+        reference = min(present, key=lambda e: statistics.median(times[e].s_per_step))
+        bars.append((title, bar, alternating.paired(times, reference, denominator)))
+    return {"times": times, "bars": bars}
 
 
 def render(info: dict, args: argparse.Namespace, results: dict[str, dict[str, dict]]) -> str:
@@ -91,30 +64,38 @@ def render(info: dict, args: argparse.Namespace, results: dict[str, dict[str, di
     ]
     for checkpoint, per_size in results.items():
         for size, res in per_size.items():
-            cells = [
-                f"{statistics.median(t):.3f} ({min(t):.3f}-{max(t):.3f})"
-                for t in (res["s_per_step"][e] for e in args.engines)
-            ]
+            cells = [alternating.median_cell(res["times"][e].s_per_step) for e in args.engines]
             out.append(f"| {checkpoint} | {size}x{size} | " + " | ".join(cells) + " |")
     out += [
         "",
-        "## Bars: paired per-round ratios (>1 means diffserve is faster)",
+        "## Bars: paired per-round s/step ratios (>1 means diffserve is faster)",
         "",
-        "| checkpoint | resolution | bar | median ratio | range over rounds | rounds at or above the bar |",
-        "|---|---|---|---:|---:|---:|",
+        "| checkpoint | resolution | bar | median ratio (range over rounds), verdict, rounds at the bar |",
+        "|---|---|---|---:|",
     ]
     for checkpoint, per_size in results.items():
         for size, res in per_size.items():
-            for b in res["bars"]:
-                which = f" ({b['reference']})" if b["reference"].startswith("diffusers-compiled") else ""
-                verdict = "PASS" if b["median"] >= b["bar"] else "MISS"
-                above = sum(r >= b["bar"] for r in b["ratios"])
-                out.append(
-                    f"| {checkpoint} | {size}x{size} | {b['title']}{which} (bar {b['bar']:g}x) "
-                    f"| **{b['median']:.2f}x** {verdict} | {min(b['ratios']):.2f}-{max(b['ratios']):.2f}x "
-                    f"| {above}/{len(b['ratios'])} |"
-                )
+            for title, bar, ratio in res["bars"]:
+                which = f" ({ratio.numerator})" if ratio.numerator.startswith("diffusers-compiled") else ""
+                out.append(f"| {checkpoint} | {size}x{size} | {title}{which} (bar {bar:g}x) | {ratio.cell(bar)} |")
     return "\n".join(out)
+
+
+def to_json(results: dict[str, dict[str, dict]]) -> dict:
+    return {
+        checkpoint: {
+            size: {
+                "s_per_step": {e: t.s_per_step for e, t in res["times"].items()},
+                "end_to_end_s": {e: t.end_to_end_s for e, t in res["times"].items()},
+                "bars": [
+                    {"title": title, "bar": bar, "reference": r.numerator, "ratios": list(r.per_round)}
+                    for title, bar, r in res["bars"]
+                ],
+            }
+            for size, res in per_size.items()
+        }
+        for checkpoint, per_size in results.items()
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -157,13 +138,13 @@ def main(argv: list[str] | None = None) -> None:
             args.model_dir, args.checkpoint = model_dir, name  # what bench_speed.RUNNERS read
             results[name] = {}
             for size in args.sizes:
-                per_round = time_resolution(args, size)
-                results[name][str(size)] = {"s_per_step": per_round, "bars": bar_ratios(per_round)}
+                results[name][str(size)] = measure(args, size)
             args.model_dir = parent
     print(render(info, args, results))
     print(f"\n(total {time.perf_counter() - started:.0f} s)", file=sys.stderr)
     if args.json:
-        harness.write_json(args.json, {"machine": info, "settings": harness.settings_for_json(args), "results": results})
+        payload = {"machine": info, "settings": harness.settings_for_json(args), "results": to_json(results)}
+        harness.write_json(args.json, payload)
 
 
 if __name__ == "__main__":
