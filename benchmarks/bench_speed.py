@@ -316,6 +316,21 @@ def render(info: dict, args: argparse.Namespace, results: dict[str, dict]) -> st
 # ------------------------------------------------------------------------------------------------- CLI
 
 
+def check_selection(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Split `--sizes` into `args.checkpoints` and `--engines` into a list (exits on an unknown name).
+
+    `harness.check_run_args` made `args.sizes` the resolutions, hence the separate name.
+    """
+    args.checkpoints = [s.strip() for s in args.checkpoint_sizes.split(",") if s.strip()]
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    for name in args.checkpoints:
+        if name not in roofline.CHECKPOINT_SPECS:
+            p.error(f"unknown size {name!r}; choose from {', '.join(roofline.CHECKPOINT_SPECS)}")
+    for engine in args.engines:
+        if engine not in ENGINES:
+            p.error(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     harness.add_run_args(
@@ -336,15 +351,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.worker:
         return args
     harness.check_run_args(p, args, size_multiple=roofline.PIXELS_PER_TOKEN_SIDE)
-    # check_run_args made `args.sizes` the resolutions; the checkpoints are `args.checkpoints`.
-    args.checkpoints = [s.strip() for s in args.checkpoint_sizes.split(",") if s.strip()]
-    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    for name in args.checkpoints:
-        if name not in roofline.CHECKPOINT_SPECS:
-            p.error(f"unknown size {name!r}; choose from {', '.join(roofline.CHECKPOINT_SPECS)}")
-    for engine in args.engines:
-        if engine not in ENGINES:
-            p.error(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
+    check_selection(p, args)
     return args
 
 

@@ -114,14 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.set_defaults(rounds=10)  # here: rounds in the one process, every engine once per round
     args = p.parse_args(argv)
     harness.check_run_args(p, args, size_multiple=roofline.PIXELS_PER_TOKEN_SIDE)
-    args.checkpoints = [s.strip() for s in args.checkpoint_sizes.split(",") if s.strip()]
-    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    for name in args.checkpoints:
-        if name not in roofline.CHECKPOINT_SPECS:
-            p.error(f"unknown size {name!r}; choose from {', '.join(roofline.CHECKPOINT_SPECS)}")
-    for engine in args.engines:
-        if engine not in bench_speed.RUNNERS:
-            p.error(f"unknown engine {engine!r}; choose from {', '.join(bench_speed.ENGINES)}")
+    bench_speed.check_selection(p, args)
     return args
 
 
