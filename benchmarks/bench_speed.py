@@ -331,11 +331,12 @@ def check_selection(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             p.error(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_selection_args(p: argparse.ArgumentParser, **run_args: object) -> None:
+    """Checkpoint folder, resolutions, timing, `--sizes`, `--engines` and the FLUX generation settings
+    (`run_args` go to `harness.add_run_args`)."""
     harness.add_run_args(
         p, "256,512", "parent folder of the checkpoints (one sub-folder per size, built there if missing); "
-        "default: a temporary folder",
+        "default: a temporary folder", **run_args,
     )  # fmt: skip
     p.add_argument(
         "--sizes", dest="checkpoint_sizes", default="36m,140m",
@@ -344,6 +345,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {', '.join(ENGINES)}")
     p.add_argument("--guidance-scale", type=float, default=3.5)
     p.add_argument("--max-sequence-length", type=int, default=512)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_selection_args(p)
     p.add_argument("--mm-repeats", type=int, default=10, help="timed torch.mm calls per shape per sample")
     p.add_argument("--mm-warmup", type=int, default=3, help="untimed torch.mm calls per shape first")
     harness.add_output_args(p)

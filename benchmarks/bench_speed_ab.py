@@ -100,18 +100,8 @@ def to_json(results: dict[str, dict[str, dict]]) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    harness.add_run_args(
-        p, "256,512", "parent folder of the checkpoints (one sub-folder per size, built there if missing); "
-        "default: a temporary folder",
-    )  # fmt: skip
-    p.add_argument("--sizes", dest="checkpoint_sizes", default="36m,140m", help="comma-separated: 36m, 140m")
-    p.add_argument(
-        "--engines", default=",".join(bench_speed.ENGINES), help=f"subset of {', '.join(bench_speed.ENGINES)}"
-    )
-    p.add_argument("--guidance-scale", type=float, default=3.5)
-    p.add_argument("--max-sequence-length", type=int, default=512)
+    bench_speed.add_selection_args(p, rounds=(10, "rounds in the one process, every engine once per round"))
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON to this path")
-    p.set_defaults(rounds=10)  # here: rounds in the one process, every engine once per round
     args = p.parse_args(argv)
     harness.check_run_args(p, args, size_multiple=roofline.PIXELS_PER_TOKEN_SIDE)
     bench_speed.check_selection(p, args)

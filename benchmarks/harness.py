@@ -497,8 +497,16 @@ def legend() -> str:
 # ------------------------------------------------------------------------------------------------- CLI
 
 
-def add_run_args(p: argparse.ArgumentParser, default_resolutions: str, model_dir_help: str) -> None:
-    """The options every benchmark script shares that come before its own (checkpoint, sizes, timing)."""
+def add_run_args(
+    p: argparse.ArgumentParser,
+    default_resolutions: str,
+    model_dir_help: str,
+    rounds: tuple[int, str] = (1, "worker processes per engine and resolution, alternating engines; results pooled"),
+) -> None:
+    """The options every benchmark script shares that come before its own (checkpoint, sizes, timing).
+
+    `rounds`: `--rounds`' default and meaning (the in-process scripts count rounds, not processes).
+    """
     p.add_argument("--model-dir", type=Path, default=None, help=model_dir_help)
     p.add_argument(
         "--resolutions",
@@ -509,12 +517,7 @@ def add_run_args(p: argparse.ArgumentParser, default_resolutions: str, model_dir
     p.add_argument(
         "--repeats", type=int, default=2, help="timed generations per worker, after 1 warm-up (default: 2)"
     )
-    p.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="worker processes per engine and resolution, alternating engines; results pooled (default: 1)",
-    )
+    p.add_argument("--rounds", type=int, default=rounds[0], help=f"{rounds[1]} (default: {rounds[0]})")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--prompt", default="a red fox in the snow, golden hour, highly detailed")
 
