@@ -60,8 +60,9 @@ class FluxDenoiser:
     def context_for(self, req: Req) -> torch.Tensor:
         """The request's text branches through the DiT's context embedder, once per request.
 
-        The T5 states do not change between steps, and embedding 512 tokens every step is a matmul
-        of the size of a block's projection (6% of a step of a 36M-parameter DiT at 256x256).
+        The T5 states do not change between steps; embedding them is one (text tokens x 4096) @
+        (4096 x inner) matmul per step saved. Small against FLUX.1's 57 blocks (under 0.3% of a step
+        at 256x256), but free.
         """
         if req.dit_context is None:
             texts = [req.prompt_embeds, req.negative_prompt_embeds] if req.do_cfg else [req.prompt_embeds]
