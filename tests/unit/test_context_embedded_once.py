@@ -15,6 +15,7 @@ from PIL import Image
 
 from diffserve.api import DiffGenerator
 from diffserve.models.dits.flux import FluxTransformer2DModel
+from diffserve.pipelines.cfg_batch import branch_texts
 from diffserve.pipelines.wan import WanDenoiser
 from diffserve.testing.tiny_flux import build_tiny_flux
 from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
@@ -99,6 +100,6 @@ def test_wan_embeds_each_requests_context_once_with_the_same_frames(
 
 
 def _embed_every_step(self, req):  # noqa: ANN001, ANN202 - stands in for WanDenoiser.context_for
-    texts = [req.prompt_embeds] + ([req.negative_prompt_embeds] if req.do_cfg else [])
+    texts = branch_texts(req)
     images = torch.cat([req.image_embeds] * len(texts)) if req.image_embeds is not None else None
     return self.transformer.embed_context(torch.cat(texts), images)

@@ -77,9 +77,10 @@ class RotaryEmbedding(CustomOp):
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Portable real arithmetic: out = (x_r*cos - x_i*sin, x_i*cos + x_r*sin) per channel pair.
-        q_cos, q_sin = _query_rows(q, cos, sin)
-        q_out = _rotate_real(q, q_cos[None, :, None, :], q_sin[None, :, None, :])
-        return q_out, _rotate_real(k, cos[None, :, None, :], sin[None, :, None, :])
+        cos = cos[None, :, None, :]
+        sin = sin[None, :, None, :]
+        rows = _query_rows(q, k)
+        return _rotate_real(q, cos[:, rows], sin[:, rows]), _rotate_real(k, cos, sin)
 
     def _forward_complex(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -87,8 +88,7 @@ class RotaryEmbedding(CustomOp):
         # One complex multiply per element: the same products and sums as the real form (so the same
         # rounding) but about 3x faster on CPU, as it reads x once and writes once.
         cis = torch.complex(cos, sin)[None, :, None, :]
-        q_cis = cis[:, cis.shape[1] - q.shape[1] :]
-        return _rotate_complex(q, q_cis), _rotate_complex(k, cis)
+        return _rotate_complex(q, cis[:, _query_rows(q, k)]), _rotate_complex(k, cis)
 
     def forward_cpu(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         return self._forward_complex(q, k, cos, sin)
@@ -97,10 +97,9 @@ class RotaryEmbedding(CustomOp):
         return self._forward_complex(q, k, cos, sin)
 
 
-def _query_rows(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tables' last `q.shape[1]` rows: the positions of a query tail (all of them when q covers k)."""
-    start = cos.shape[0] - q.shape[1]
-    return cos[start:], sin[start:]
+def _query_rows(q: torch.Tensor, k: torch.Tensor) -> slice:
+    """The table positions of q's rows: the last `q.shape[1]` of k's (all of them when q covers k)."""
+    return slice(k.shape[1] - q.shape[1], None)
 
 
 def _rotate_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

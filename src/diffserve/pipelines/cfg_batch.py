@@ -24,6 +24,12 @@ class BranchBatch:
     timesteps: list[torch.Tensor] = field(default_factory=list)
 
 
+def branch_texts(req: Req) -> list[torch.Tensor]:
+    """The request's text states per branch, in row order: the prompt's, then the negative prompt's
+    when it runs CFG."""
+    return [req.prompt_embeds, req.negative_prompt_embeds] if req.do_cfg else [req.prompt_embeds]
+
+
 def gather_branches(reqs: list[Req]) -> BranchBatch:
     """Per-row inputs for `reqs`, positive then negative branch per request, at each request's step
     (timesteps are rows of the request's device schedule: no host transfer)."""

@@ -13,7 +13,13 @@ from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.pipelines.cfg_batch import advance_requests, gather_branches, split_guided, step_cache_for
+from diffserve.pipelines.cfg_batch import (
+    advance_requests,
+    branch_texts,
+    gather_branches,
+    split_guided,
+    step_cache_for,
+)
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.decoding import DecodingStage
@@ -65,8 +71,7 @@ class FluxDenoiser:
         at 256x256), but free.
         """
         if req.dit_context is None:
-            texts = [req.prompt_embeds, req.negative_prompt_embeds] if req.do_cfg else [req.prompt_embeds]
-            req.dit_context = self.transformer.embed_context(torch.cat(texts))
+            req.dit_context = self.transformer.embed_context(torch.cat(branch_texts(req)))
         return req.dit_context
 
     @torch.inference_mode()

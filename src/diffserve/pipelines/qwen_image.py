@@ -23,7 +23,7 @@ from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.pipelines.cfg_batch import advance_requests, split_guided, step_cache_for
+from diffserve.pipelines.cfg_batch import advance_requests, branch_texts, split_guided, step_cache_for
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.denoising import DenoisingStage
@@ -71,8 +71,7 @@ class QwenImageDenoiser:
             if req.condition_latents is not None:
                 tokens = torch.cat([tokens, req.condition_latents.to(tokens.dtype)], dim=1)
             grid = [(1, req.latent_height // 2, req.latent_width // 2), *req.condition_shapes]
-            branches = [req.prompt_embeds] + ([req.negative_prompt_embeds] if req.do_cfg else [])
-            for text in branches:
+            for text in branch_texts(req):
                 latents.append(tokens)
                 texts.append(text)
                 timesteps.append(req.timesteps[req.step_index].expand(req.batch_size))

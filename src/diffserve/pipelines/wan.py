@@ -16,7 +16,7 @@ from diffserve.errors import ModelLoadError
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.wan import EmbeddedContext, WanTransformer3DModel
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.pipelines.cfg_batch import advance_requests, split_guided, step_cache_for
+from diffserve.pipelines.cfg_batch import advance_requests, branch_texts, split_guided, step_cache_for
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.denoising import DenoisingStage
@@ -63,7 +63,7 @@ class WanDenoiser:
         branch) through the DiT's embedders, once per request: no step changes them, and the text
         embedder alone is an MLP over 512 tokens per branch."""
         if req.dit_context is None:
-            texts = [req.prompt_embeds] + ([req.negative_prompt_embeds] if req.do_cfg else [])
+            texts = branch_texts(req)
             images = [req.image_embeds] * len(texts) if req.image_embeds is not None else None
             req.dit_context = self.transformer.embed_context(torch.cat(texts), torch.cat(images) if images else None)
         return req.dit_context

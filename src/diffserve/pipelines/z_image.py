@@ -17,7 +17,7 @@ from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.z_image import ZImageTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.pipelines.cfg_batch import advance_requests, split_guided, step_cache_for
+from diffserve.pipelines.cfg_batch import advance_requests, branch_texts, split_guided, step_cache_for
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.decoding import DecodingStage
@@ -46,10 +46,9 @@ class ZImageDenoiser:
         # `step_cache_for` and `split_guided` expect.
         latents, captions, times = [], [], []
         for req in reqs:
-            branches = [req.prompt_embeds] + ([req.negative_prompt_embeds] if req.do_cfg else [])
             # The DiT's time runs from 0 (noise) to 1 (clean): 1 - t / 1000, prepared on the device.
             t = req.dit_timesteps[req.step_index]
-            for text in branches:
+            for text in branch_texts(req):
                 latents.extend(req.latents.to(self.dtype).unsqueeze(2).unbind(0))
                 captions.extend(text.unbind(0))
                 times.append(t.expand(req.batch_size))

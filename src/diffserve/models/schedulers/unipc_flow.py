@@ -386,18 +386,6 @@ class UniPCFlowScheduler:
         x_t = x_t - alpha_t * b_h * (residual + rhos[-1] * (x0_now - m0))
         return x_t.to(last_sample.dtype)
 
-    def step_request(
-        self,
-        model_output: torch.Tensor,
-        sample: torch.Tensor,
-        sigmas: torch.Tensor,
-        step_index: int,
-        state: UniPCState,
-        host_sigmas: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The engine's per-request step entry point (same contract as FlowMatchEulerScheduler's)."""
-        return self.step(model_output, sample, sigmas, step_index, state, host_sigmas)
-
     def step(
         self,
         model_output: torch.Tensor,
@@ -456,3 +444,7 @@ class UniPCFlowScheduler:
         state.lower_order_nums = min(state.lower_order_nums + 1, self.solver_order)
         state.last_step_index = step_index
         return prev_sample
+
+    #: The engine's per-request step entry point (`cfg_batch.advance_requests`), the same contract as
+    #: FlowMatchEulerScheduler's: here it is `step` itself.
+    step_request = step
