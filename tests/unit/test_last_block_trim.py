@@ -2,7 +2,8 @@
 
 FLUX's last single-stream block returns the image rows only (`text_len`); Qwen-Image's last
 double-stream block skips its text stream's output (`text_out=False`); Z-Image's last main layer
-computes the leading image positions only (`keep_rows`).
+computes the leading image positions only (`keep_rows`); SD3's last joint block (`context_pre_only`)
+queries the image rows only.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from diffserve.layers.rotary import multi_axis_rope_tables
 from diffserve.models.dits.flux import FluxSingleTransformerBlock
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
+from diffserve.models.dits.sd3 import SD3Transformer2DModel
 from diffserve.models.dits.z_image import ZImageTransformer2DModel
 
 DIM, HEADS, HEAD_DIM = 16, 2, 8
@@ -67,11 +69,13 @@ def test_last_block_skips_the_text_rows_queries_mlp_and_output_projection() -> N
 
 
 def _matmul_flops(run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """`run()`'s output and the FLOPs of its matmuls (linear layers)."""
+    """`run()`'s output and the FLOPs of its matmuls (linear layers; a linear layer on a strided 3-d
+    view, as Diffusers' SD3 attention projects, runs as a `bmm`)."""
     with torch.inference_mode(), FlopCounterMode(display=False) as counter:
         out = run()
     counts = counter.get_flop_counts()["Global"]
-    return out, sum(v for k, v in counts.items() if k in (torch.ops.aten.addmm, torch.ops.aten.mm))
+    matmuls = (torch.ops.aten.addmm, torch.ops.aten.mm, torch.ops.aten.bmm)
+    return out, sum(v for k, v in counts.items() if k in matmuls)
 
 
 def test_qwen_image_last_block_skips_the_text_output_with_the_same_image() -> None:
@@ -140,3 +144,47 @@ def test_z_image_last_layer_computes_the_image_positions_only_with_the_same_outp
     hidden = int(dim / 3 * 8)
     dropped = 2 * (96 - 32)
     assert full_flops - trimmed_flops == 2 * dropped * (2 * dim * dim + 3 * dim * hidden)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_sd3_last_block_queries_the_image_rows_only_with_diffusers_output(batch: int) -> None:
+    """Diffusers computes the last block's text queries and drops their output; diffserve skips them.
+
+    SDPA treats query rows independently, so at batch 1 the output is bit-identical, with a text longer
+    than the image (as SD3's 333 tokens at 256x256). At batch 2 diffserve also projects contiguous
+    attention halves where Diffusers projects strided views (`SD3JointAttention`): rounding only.
+    """
+    from diffusers import SD3Transformer2DModel as DiffusersSD3
+
+    config = {
+        "sample_size": 8, "patch_size": 2, "in_channels": 4, "num_layers": 2, "attention_head_dim": 8,
+        "num_attention_heads": 2, "joint_attention_dim": 12, "caption_projection_dim": 16,
+        "pooled_projection_dim": 10, "out_channels": 4, "pos_embed_max_size": 8,
+        "dual_attention_layers": (0,), "qk_norm": "rms_norm",
+    }  # fmt: skip
+    torch.manual_seed(0)
+    ref = DiffusersSD3(**config).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ours = SD3Transformer2DModel(**config).eval()
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    text_len, height, width = 40, 8, 6
+    g = torch.Generator().manual_seed(4)
+    inputs = {
+        "hidden_states": torch.randn(batch, 4, height, width, generator=g),
+        "encoder_hidden_states": torch.randn(batch, text_len, 12, generator=g),
+        "pooled_projections": torch.randn(batch, 10, generator=g),
+        "timestep": torch.tensor([900.0, 30.0][:batch]),
+    }
+    with torch.inference_mode():
+        expected = ref(**inputs, return_dict=False)[0]
+    trimmed, trimmed_flops = _matmul_flops(lambda: ours(**inputs))
+    tolerance = 0 if batch == 1 else 1e-6
+    torch.testing.assert_close(trimmed, expected, rtol=tolerance, atol=tolerance)
+
+    last = ours.transformer_blocks[-1].attn
+    last.to_add_out = torch.nn.Identity()  # makes the attention compute (and discard) the text rows too
+    _, full_flops = _matmul_flops(lambda: ours(**inputs))
+    # Skipped: the text queries' projection (`add_q_proj`, inner x dim per text row).
+    assert full_flops - trimmed_flops == 2 * batch * text_len * 16 * 16

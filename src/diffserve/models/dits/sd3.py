@@ -16,7 +16,11 @@ positions come from a learned-size sincos table stored in the checkpoint (`pos_e
 centre-cropped to the latent grid.
 
 Differences from Diffusers that do not change the numbers: SiLU(temb) is computed once per forward
-instead of once per block. In fp32 and bf16 (CPU) the outputs are bit-identical to Diffusers'.
+instead of once per block, and the last block queries the image rows only (it never read the text
+rows' attention output). At batch 1 the outputs are bit-identical to Diffusers' in fp32 and bf16 (CPU).
+At batch > 1 (CFG) Diffusers projects each block's attention output halves as strided views, which
+CPU matmuls run more slowly and round differently from the contiguous copies diffserve projects:
+about 1e-7 relative in fp32, one ulp in bf16 (`SD3JointAttention.forward`).
 """
 
 from __future__ import annotations
@@ -152,9 +156,11 @@ def _heads(x: torch.Tensor, proj: nn.Linear, norm: nn.Module | None, head_dim: i
 class SD3JointAttention(nn.Module):
     """Joint attention over [image; text] with separate projections per stream.
 
-    With `context_pre_only` (the last block) there is no `to_add_out` and the text half of the output is
-    dropped. Its text queries are still computed, as in Diffusers: skipping them saves little (text is a
-    small part of the sequence, in one block) and changes the half-precision rounding of the image half.
+    With `context_pre_only` (the last block) there is no `to_add_out`: the text stream supplies keys and
+    values only, so its queries are not computed and attention runs for the image rows alone. Diffusers
+    computes the text queries and drops their output; SDPA treats query rows independently, so the
+    image rows are the same (`tests/unit/test_last_block_trim.py`). At SD3's 333 text tokens that is
+    over half of the last block's attention and one text projection.
     """
 
     def __init__(
@@ -184,12 +190,15 @@ class SD3JointAttention(nn.Module):
             [_heads(x, self.to_k, self.norm_k, hd), _heads(ctx, self.add_k_proj, self.norm_added_k, hd)], 1
         )
         v = torch.cat([_heads(x, self.to_v, None, hd), _heads(ctx, self.add_v_proj, None, hd)], 1)
+        if self.to_add_out is None:  # the last block: only the image rows are read
+            return self.to_out[0](attention(q, k, v).flatten(2)), None
         q = torch.cat([q, _heads(ctx, self.add_q_proj, self.norm_added_q, hd)], dim=1)
         out = attention(q, k, v).flatten(2)
-        # The halves are strided views when batch > 1. Diffusers projects them as such, and CPU
-        # half-precision matmuls round differently on strided and contiguous inputs, so no `.contiguous()`.
-        x_out, ctx_out = out.split([x.shape[1], ctx.shape[1]], dim=1)
-        return self.to_out[0](x_out), None if self.to_add_out is None else self.to_add_out(ctx_out)
+        # The halves are strided views when batch > 1, which a CPU linear layer runs as a `bmm`, about 1.5x
+        # slower than the contiguous copy's `addmm` (SD3 at 256x256, CFG). Diffusers projects the views
+        # (it rounds differently: ~2e-7 in fp32, one ulp in bf16); its compiled graph makes them contiguous.
+        x_out, ctx_out = (half.contiguous() for half in out.split([x.shape[1], ctx.shape[1]], dim=1))
+        return self.to_out[0](x_out), self.to_add_out(ctx_out)
 
 
 class SD3SelfAttention(nn.Module):
