@@ -72,7 +72,8 @@ class Req:
 
     # Set by the denoiser at the request's first step: the DiT's embedding of its text branches
     # (positive, then negative with CFG), which no step changes, so later steps skip the embedder.
-    # Family-specific: FLUX keeps a tensor, Wan an `EmbeddedContext` (text with I2V's image states).
+    # Family-specific: FLUX keeps a tensor, Wan an `EmbeddedContext` (text with I2V's image states),
+    # Z-Image a list of `RefinedCaption`s (its captions after the context refiner, one per row).
     dit_context: object | None = None
 
     # Advanced by the denoising step function (with the multistep scheduler's history, if it keeps one).

@@ -2,6 +2,8 @@
 
 FLUX's `context_embedder` and Wan's text/image embedders see the same states at every step of a
 request; the denoisers embed them at the first step (`Req.dit_context`) and pass `context=` after.
+Z-Image's caption embedder and context refiner likewise run once (`refine_captions`), and every step
+passes `refined_captions=`.
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ from PIL import Image
 
 from diffserve.api import DiffGenerator
 from diffserve.models.dits.flux import FluxTransformer2DModel
+from diffserve.models.dits.z_image import ZImageTransformer2DModel
 from diffserve.pipelines.cfg_batch import branch_texts
 from diffserve.pipelines.wan import WanDenoiser
+from diffserve.pipelines.z_image import ZImageDenoiser
 from diffserve.testing.tiny_flux import build_tiny_flux
 from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
+from diffserve.testing.tiny_zimage import build_tiny_zimage
 
 STEPS = 3
 
@@ -103,3 +108,56 @@ def _embed_every_step(self, req):  # noqa: ANN001, ANN202 - stands in for WanDen
     texts = branch_texts(req)
     images = torch.cat([req.image_embeds] * len(texts)) if req.image_embeds is not None else None
     return self.transformer.embed_context(torch.cat(texts), images)
+
+
+def test_zimage_refines_each_requests_captions_once_with_the_same_image(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    generator = DiffGenerator.from_pretrained(build_tiny_zimage(tmp_path / "zimage"), device="cpu", show_progress=False)
+    dit = generator.pipeline.context.get("transformer")
+    kwargs = {"height": 64, "width": 64, "num_inference_steps": STEPS, "seed": 3, "guidance_scale": 4.0,
+              "negative_prompt": "a long and blurry, low quality negative prompt"}  # fmt: skip
+    reference = np.asarray(generator.generate("a lighthouse", **kwargs).images[0])
+
+    # The context refiner run at every step, as before the cache: the same pixels.
+    monkeypatch.setattr(ZImageDenoiser, "context_for", _refine_every_step)
+    every_step = np.asarray(generator.generate("a lighthouse", **kwargs).images[0])
+    np.testing.assert_array_equal(reference, every_step)
+
+    monkeypatch.undo()
+    calls: list[int] = []
+    refine = dit.refine_captions
+    monkeypatch.setattr(dit, "refine_captions", lambda captions: calls.append(len(captions)) or refine(captions))
+    generator.generate("a lighthouse", **kwargs)
+    assert calls == [2]  # the prompt's and the negative prompt's captions, once
+
+
+def _refine_every_step(self, req):  # noqa: ANN001, ANN202 - stands in for ZImageDenoiser.context_for
+    return self.transformer.refine_captions([row for text in branch_texts(req) for row in text.unbind(0)])
+
+
+def test_zimage_refined_captions_give_the_same_prediction() -> None:
+    """Two captions of different lengths (masked), as one request's CFG branches are refined."""
+    torch.manual_seed(0)
+    dit = ZImageTransformer2DModel(
+        in_channels=4, dim=32, n_layers=1, n_refiner_layers=2, n_heads=2, n_kv_heads=2, cap_feat_dim=12,
+        axes_dims=(4, 6, 6), axes_lens=(128, 16, 16),
+    ).eval()  # fmt: skip
+    with torch.no_grad():
+        for p in dit.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    g = torch.Generator().manual_seed(1)
+    x = [torch.randn(4, 1, 8, 8, generator=g) for _ in range(2)]
+    captions = [torch.randn(n, 12, generator=g) for n in (7, 40)]
+    t = torch.tensor([0.2, 0.6])
+    with torch.inference_mode():
+        from_features = dit(x, t, captions)
+        refined = dit.refine_captions(captions)
+        assert [(r.states.shape[0], r.length) for r in refined] == [(32, 7), (64, 40)]
+        from_refined = dit(x, t, refined_captions=refined)
+        for a, b in zip(from_refined, from_features, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        with pytest.raises(ValueError, match="exactly one of"):
+            dit(x, t, captions, refined_captions=refined)
+        with pytest.raises(ValueError, match="exactly one of"):
+            dit(x, t)

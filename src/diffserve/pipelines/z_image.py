@@ -14,7 +14,7 @@ from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.configs.z_image import ZImagePipelineConfig, z_image_default_sampling_params
 from diffserve.loader.folder_defaults import apply_overrides
-from diffserve.models.dits.z_image import ZImageTransformer2DModel
+from diffserve.models.dits.z_image import RefinedCaption, ZImageTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.pipelines.cfg_batch import advance_requests, branch_texts, split_guided, step_cache_for
@@ -40,6 +40,17 @@ class ZImageDenoiser:
         self.scheduler = scheduler
         self.dtype = next(transformer.parameters()).dtype
 
+    def context_for(self, req: Req) -> list[RefinedCaption]:
+        """The request's captions (every row of its text branches) through the DiT's caption embedder
+        and context refiner, once per request: neither depends on the step. On the benchmark checkpoint
+        that is about 5% of a step; on Z-Image-Turbo (2 refiner layers next to 30 main layers over a
+        longer sequence) well under 1%."""
+        if req.dit_context is None:
+            req.dit_context = self.transformer.refine_captions(
+                [row for text in branch_texts(req) for row in text.unbind(0)]
+            )
+        return req.dit_context
+
     @torch.inference_mode()
     def __call__(self, reqs: list[Req]) -> None:
         # Rows in `cfg_batch` order (per request: positive rows, then negative ones), which is what
@@ -48,11 +59,13 @@ class ZImageDenoiser:
         for req in reqs:
             # The DiT's time runs from 0 (noise) to 1 (clean): 1 - t / 1000, prepared on the device.
             t = req.dit_timesteps[req.step_index]
-            for text in branch_texts(req):
+            for _ in branch_texts(req):
                 latents.extend(req.latents.to(self.dtype).unsqueeze(2).unbind(0))
-                captions.extend(text.unbind(0))
                 times.append(t.expand(req.batch_size))
-        out = self.transformer(latents, torch.cat(times), captions, step_cache=step_cache_for(reqs))
+            captions.extend(self.context_for(req))
+        out = self.transformer(
+            latents, torch.cat(times), refined_captions=captions, step_cache=step_cache_for(reqs)
+        )
         prediction = torch.stack([o.float() for o in out]).squeeze(2)
         guided = split_guided(prediction, reqs, combine=z_image_cfg)
         advance_requests(self.scheduler, reqs, [-p for p in guided])

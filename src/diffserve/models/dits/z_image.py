@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -147,12 +147,51 @@ class _Layout:
     unified_mask: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class _CaptionLayout:
+    """A batch of captions on their own (`refine_captions`): lengths padded to SEQ_MULTI_OF, the gather
+    index into [embedded tokens; pad token; zero], RoPE tables and key mask (as in `_Layout`)."""
+
+    padded: tuple[int, ...]
+    index: torch.Tensor
+    cis: torch.Tensor
+    mask: torch.Tensor | None
+
+
 def _key_mask(lengths: Sequence[int], device: torch.device) -> torch.Tensor | None:
     longest = max(lengths)
     if all(n == longest for n in lengths):
         return None
     valid = torch.arange(longest, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
     return valid[:, None, None, :]
+
+
+def _padded_index(real: Sequence[int], padded: Sequence[int], longest: int) -> torch.Tensor:
+    """(batch, longest) rows of [real tokens of all samples; pad token; zero]: sample i's token j, then
+    the pad token up to its padded length, then the zero row (batch padding)."""
+    total = sum(real)
+    index = torch.full((len(real), longest), total + 1, dtype=torch.long)
+    start = 0
+    for i, (n, p) in enumerate(zip(real, padded, strict=True)):
+        index[i, :n] = torch.arange(start, start + n)
+        index[i, n:p] = total
+        start += n
+    return index
+
+
+def _caption_position_ids(padded_length: int) -> torch.Tensor:
+    """(padded_length, 3) positions of a caption's tokens: token j at (1 + j, 0, 0), pad tokens included."""
+    ids = torch.zeros(padded_length, 3, dtype=torch.long)
+    ids[:, 0] = torch.arange(1, padded_length + 1)
+    return ids
+
+
+class RefinedCaption(NamedTuple):
+    """One caption after `cap_embedder` and the context refiner (`refine_captions`): what every step of
+    a request reuses, since neither depends on the timestep or the image."""
+
+    states: torch.Tensor  # (length padded to SEQ_MULTI_OF, dim)
+    length: int  # real tokens
 
 
 def _pad_rows(rows: Sequence[torch.Tensor], length: int, fill: int | complex) -> torch.Tensor:
@@ -397,6 +436,7 @@ class ZImageTransformer2DModel(nn.Module):
         )
         self._rope_tables: dict[torch.device, list[torch.Tensor]] = {}
         self._layouts: dict[tuple, _Layout] = {}
+        self._caption_layouts: dict[tuple, _CaptionLayout] = {}
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ZImageTransformer2DModel:
@@ -465,9 +505,7 @@ class ZImageTransformer2DModel(nn.Module):
             image_padded.append(img_len)
             cap_padded.append(cap_len)
 
-            ids = torch.zeros(cap_len, 3, dtype=torch.long)
-            ids[:, 0] = torch.arange(1, cap_len + 1)
-            cap_ids.append(ids)
+            cap_ids.append(_caption_position_ids(cap_len))
             axes = [torch.arange(n) for n in grid]
             axes[0] = axes[0] + cap_len + 1
             ids = torch.zeros(img_len, 3, dtype=torch.long)  # pad tokens stay at (0, 0, 0)
@@ -478,17 +516,6 @@ class ZImageTransformer2DModel(nn.Module):
         x_len, c_len = max(image_padded), max(cap_padded)
         unified_lengths = [a + b for a, b in zip(image_padded, cap_padded, strict=True)]
         u_len = max(unified_lengths)
-
-        def padded_index(real: Sequence[int], padded: Sequence[int], longest: int) -> torch.Tensor:
-            # Rows of [real tokens of all samples; pad token; zero]: sample i's token j, else pad, else zero.
-            total = sum(real)
-            index = torch.full((batch, longest), total + 1, dtype=torch.long)
-            start = 0
-            for i, (n, p) in enumerate(zip(real, padded, strict=True)):
-                index[i, :n] = torch.arange(start, start + n)
-                index[i, n:p] = total
-                start += n
-            return index
 
         # Unified rows come from [x (batch * x_len); cap (batch * c_len); zero].
         unified_index = torch.full((batch, u_len), batch * (x_len + c_len), dtype=torch.long)
@@ -508,10 +535,10 @@ class ZImageTransformer2DModel(nn.Module):
             f_patch_size=f_patch_size,
             grids=tuple(grids),
             image_tokens=tuple(image_tokens),
-            x_index=padded_index(image_tokens, image_padded, x_len).to(device),
+            x_index=_padded_index(image_tokens, image_padded, x_len).to(device),
             x_cis=_pad_rows(x_cis, x_len, 0),
             x_mask=_key_mask(image_padded, device),
-            cap_index=padded_index(caption_lengths, cap_padded, c_len).to(device),
+            cap_index=_padded_index(caption_lengths, cap_padded, c_len).to(device),
             cap_cis=_pad_rows(cap_cis, c_len, 0),
             cap_mask=_key_mask(cap_padded, device),
             unified_index=unified_index.to(device),
@@ -521,14 +548,61 @@ class ZImageTransformer2DModel(nn.Module):
 
     # ---------------------------------------------------------------------------------------- forward
 
+    def refine_captions(self, cap_feats: Sequence[torch.Tensor]) -> list[RefinedCaption]:
+        """The captions through `cap_embedder` and the context refiner, as `forward` would run them.
+
+        Neither depends on the timestep or the image, so a request's captions (its CFG branches
+        together, batched and masked as in its own forward) are refined once and every step passes
+        them as `refined_captions`: for a single request the states are bit-identical to `forward`'s.
+        """
+        self._check_captions(cap_feats)
+        lengths = tuple(ci.shape[0] for ci in cap_feats)
+        layout = self.caption_layout(lengths, cap_feats[0].device)
+        cap = self._embed_captions(cap_feats, layout.index)
+        for block in self.context_refiner:
+            cap = block(cap, layout.cis, layout.mask)
+        return [RefinedCaption(cap[i, :n], length) for i, (n, length) in enumerate(zip(layout.padded, lengths, strict=True))]
+
+    def caption_layout(self, lengths: Sequence[int], device: torch.device) -> _CaptionLayout:
+        """Gather index, RoPE tables and mask of a batch of captions alone (cached per lengths; cheap to call)."""
+        key = (tuple(lengths), device)
+        layout = self._caption_layouts.get(key)
+        if layout is None:
+            if len(self._caption_layouts) >= LAYOUT_CACHE_SIZE:
+                self._caption_layouts.pop(next(iter(self._caption_layouts)))
+            padded = tuple(_round_up(n, SEQ_MULTI_OF) for n in lengths)
+            longest = max(padded)
+            layout = _CaptionLayout(
+                padded=padded,
+                index=_padded_index(lengths, padded, longest).to(device),
+                cis=_pad_rows([self._rope(_caption_position_ids(n), device) for n in padded], longest, 0),
+                mask=_key_mask(padded, device),
+            )
+            self._caption_layouts[key] = layout
+        return layout
+
+    def _embed_captions(self, cap_feats: Sequence[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
+        """(batch, padded length, dim): the embedded tokens, each caption's pad tokens, zero batch padding."""
+        cap = self.cap_embedder(torch.cat(list(cap_feats)))
+        return torch.cat([cap, self.cap_pad_token.to(cap.dtype), cap.new_zeros(1, cap.shape[1])])[index]
+
+    @staticmethod
+    def _check_captions(cap_feats: Sequence[torch.Tensor]) -> None:
+        for ci in cap_feats:
+            if ci.ndim != 2 or ci.shape[0] == 0:
+                raise ValueError(
+                    f"each caption feature tensor must be (len > 0, cap_feat_dim), got {tuple(ci.shape)}"
+                )
+
     def forward(
         self,
         x: Sequence[torch.Tensor],
         t: torch.Tensor,
-        cap_feats: Sequence[torch.Tensor],
+        cap_feats: Sequence[torch.Tensor] | None = None,
         patch_size: int = 2,
         f_patch_size: int = 1,
         step_cache: BatchStepCache | None = None,
+        refined_captions: Sequence[RefinedCaption] | None = None,
     ) -> list[torch.Tensor]:
         """Predict one output latent per sample (the pipeline negates it to get the flow velocity).
 
@@ -538,6 +612,8 @@ class ZImageTransformer2DModel(nn.Module):
                 t = (1000 - scheduler_timestep) / 1000 = 1 - sigma, so 0 is pure noise and 1 is clean.
                 Multiplied by `t_scale` (1000) here. Rows may be at different steps.
             cap_feats: per-sample caption features, each (len_i, cap_feat_dim); lengths may differ.
+            refined_captions: `refine_captions(cap_feats)`, given instead of `cap_feats` (exactly one of
+                the two): the context refiner then does not run again.
             patch_size, f_patch_size: spatial and temporal patch size; the pair must be one the config
                 lists (`all_patch_size`/`all_f_patch_size`).
             step_cache: rows of approximate-quality requests, which may reuse the blocks' residual from
@@ -558,23 +634,23 @@ class ZImageTransformer2DModel(nn.Module):
                 "(Z-Image Omni) are not supported"
             )
         batch = len(x)
-        if len(cap_feats) != batch:
-            raise ValueError(f"got {batch} latents but {len(cap_feats)} caption feature tensors")
+        if (cap_feats is None) == (refined_captions is None):
+            raise ValueError("pass exactly one of cap_feats and refined_captions")
+        captions = cap_feats if cap_feats is not None else refined_captions
+        if len(captions) != batch:
+            raise ValueError(f"got {batch} latents but {len(captions)} captions")
         for xi in x:
             if xi.ndim != 4 or xi.shape[0] != self.in_channels:
                 raise ValueError(f"each latent must be ({self.in_channels}, F, H, W), got {tuple(xi.shape)}")
-        for ci in cap_feats:
-            if ci.ndim != 2 or ci.shape[0] == 0:
-                raise ValueError(
-                    f"each caption feature tensor must be (len > 0, cap_feat_dim), got {tuple(ci.shape)}"
-                )
+        if cap_feats is not None:
+            self._check_captions(cap_feats)
         if t.ndim != 1 or t.shape[0] not in (1, batch):
             raise ValueError(f"t must have shape ({batch},) or (1,), got {tuple(t.shape)}")
 
         device = x[0].device
         layout = self.batch_layout(
             [tuple(xi.shape[1:]) for xi in x],
-            [ci.shape[0] for ci in cap_feats],
+            [ci.shape[0] for ci in cap_feats] if cap_feats is not None else [r.length for r in refined_captions],
             patch_size,
             f_patch_size,
             device,
@@ -590,18 +666,19 @@ class ZImageTransformer2DModel(nn.Module):
         ]
         img = self.all_x_embedder[key](torch.cat(patches))
         img = torch.cat([img, self.x_pad_token.to(img.dtype), img.new_zeros(1, img.shape[1])])[layout.x_index]
-        cap = self.cap_embedder(torch.cat(list(cap_feats)))
-        cap = torch.cat([cap, self.cap_pad_token.to(cap.dtype), cap.new_zeros(1, cap.shape[1])])[
-            layout.cap_index
-        ]
+        refine = cap_feats is not None
+        if refine:
+            cap = self._embed_captions(cap_feats, layout.cap_index)
+        else:
+            cap = _pad_rows([r.states for r in refined_captions], layout.cap_cis.shape[1], 0)
 
         if step_cache is None:
-            h = self._run_blocks(img, cap, adaln, layout)
+            h = self._run_blocks(img, cap, adaln, layout, refine)
         else:
             h = step_cache.run(
                 img,
                 self._cache_signal(img, adaln),
-                lambda rows: self._run_blocks_for_rows(rows, img, cap, adaln, layout),
+                lambda rows: self._run_blocks_for_rows(rows, img, cap, adaln, layout, refine),
             )
 
         # Image tokens come first in every sample, so the final layer needs only the leading rows.
@@ -620,9 +697,10 @@ class ZImageTransformer2DModel(nn.Module):
         return results
 
     def _run_blocks(
-        self, img: torch.Tensor, cap: torch.Tensor, adaln: torch.Tensor, layout: _Layout
+        self, img: torch.Tensor, cap: torch.Tensor, adaln: torch.Tensor, layout: _Layout, refine: bool = True
     ) -> torch.Tensor:
-        """Refiners, then the main layers over [image; caption] per sample.
+        """Refiners (the context refiner only when `refine`: else `cap` is refined already), then the main
+        layers over [image; caption] per sample.
 
         Returns the leading `img.shape[1]` positions of the unified sequence, shaped like `img`: every
         sample's (padded) image tokens, which is all the final layer reads. In a sample with fewer image
@@ -630,7 +708,7 @@ class ZImageTransformer2DModel(nn.Module):
         """
         for block in self.noise_refiner:
             img = block(img, layout.x_cis, layout.x_mask, adaln)
-        for block in self.context_refiner:
+        for block in self.context_refiner if refine else ():
             cap = block(cap, layout.cap_cis, layout.cap_mask)
         h = torch.cat([img.flatten(0, 1), cap.flatten(0, 1), img.new_zeros(1, img.shape[-1])])[
             layout.unified_index
@@ -649,6 +727,7 @@ class ZImageTransformer2DModel(nn.Module):
         cap: torch.Tensor,
         adaln: torch.Tensor,
         layout: _Layout,
+        refine: bool = True,
     ) -> torch.Tensor:
         """`_run_blocks` for batch rows `rows` only (None: all), shaped like `img[rows]`.
 
@@ -657,7 +736,7 @@ class ZImageTransformer2DModel(nn.Module):
         slices `[:, :width]` of the batch's tokens hold every real and in-sample pad token.
         """
         if rows is None:
-            return self._run_blocks(img, cap, adaln, layout)
+            return self._run_blocks(img, cap, adaln, layout, refine)
         picked = rows.tolist()
         own = self.batch_layout(
             [layout.sizes[i] for i in picked],
@@ -672,6 +751,7 @@ class ZImageTransformer2DModel(nn.Module):
             cap.index_select(0, rows)[:, :c_len].contiguous(),
             adaln if adaln.shape[0] == 1 else adaln.index_select(0, rows),
             own,
+            refine,
         )
         return F.pad(h, (0, 0, 0, img.shape[1] - h.shape[1]))
 
