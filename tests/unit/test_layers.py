@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from diffserve.layers.embeddings import CombinedTimestepTextEmbedding, timestep_sinusoids
+from diffserve.layers.mlp import GeluProjection
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.rotary import RotaryEmbedding, multi_axis_rope_tables
+from diffserve.models.dits.z_image import ZImageFeedForward
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers.models.embeddings import (  # noqa: E402
@@ -147,3 +149,36 @@ def test_combined_timestep_guidance_text_embedding_matches_diffusers() -> None:
     torch.testing.assert_close(ours(t, pooled, g), ref(t, g, pooled), rtol=0, atol=0)
     with pytest.raises(ValueError, match="guidance"):
         ours(t, pooled)
+
+
+def _recording_output(layer: torch.nn.Linear, outputs: list[torch.Tensor]) -> None:
+    """Keep every output `layer` returns, to check later who wrote over it."""
+    layer.register_forward_hook(lambda _module, _inputs, out: outputs.append(out))
+
+
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_gelu_projection_writes_the_gelu_over_the_linear_output(approximate: str) -> None:
+    """Same values as `F.gelu(linear(x))`, in the linear layer's own buffer (no second hidden-width one)."""
+    layer = GeluProjection(16, 64, approximate)
+    x = torch.randn(2, 5, 16)
+    projected: list[torch.Tensor] = []
+    _recording_output(layer.proj, projected)
+    with torch.inference_mode():
+        out = layer(x)
+        expected = torch.nn.functional.gelu(layer.proj(x), approximate=approximate)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert out.data_ptr() == projected[0].data_ptr()
+
+
+def test_zimage_swiglu_reuses_the_first_projections_buffer() -> None:
+    ff = ZImageFeedForward(24)
+    x = torch.randn(2, 5, 24)
+    gate_outputs: list[torch.Tensor] = []
+    _recording_output(ff.w1, gate_outputs)
+    down_inputs: list[torch.Tensor] = []
+    ff.w2.register_forward_pre_hook(lambda _module, inputs: down_inputs.append(inputs[0]))
+    with torch.inference_mode():
+        out = ff(x)
+        expected = ff.w2(torch.nn.functional.silu(ff.w1(x)) * ff.w3(x))
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert down_inputs[0].data_ptr() == gate_outputs[0].data_ptr()

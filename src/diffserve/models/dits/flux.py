@@ -38,6 +38,7 @@ from torch import nn
 
 from diffserve.layers.attention import attention
 from diffserve.layers.embeddings import CombinedTimestepTextEmbedding
+from diffserve.layers.mlp import GeluProjection
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.rotary import RotaryEmbedding, multi_axis_rope_tables
@@ -238,17 +239,6 @@ class AdaLayerNormContinuous(nn.Module):
         """The same, from `emb` = `linear(temb_act)` (batch, 2 * dim)."""
         scale, shift = emb.chunk(2, dim=1)
         return self.modulate(self.norm(x), scale=scale, shift=shift)
-
-
-class GeluProjection(nn.Module):
-    """Linear followed by tanh-approximated GELU; a module of its own for the `net.0.proj` weight name."""
-
-    def __init__(self, dim_in: int, dim_out: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(dim_in, dim_out)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(self.proj(x), approximate="tanh")
 
 
 class FeedForward(nn.Module):

@@ -48,6 +48,7 @@ from torch import nn
 
 from diffserve.layers.attention import attention
 from diffserve.layers.embeddings import TimestepEmbedding, timestep_sinusoids
+from diffserve.layers.mlp import GeluProjection, gelu_in_place
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.rotary import RotaryEmbedding, multi_axis_rope_tables
 from diffserve.models.config_keys import checked_config_kwargs
@@ -108,18 +109,6 @@ class FP32LayerNorm(LayerNorm):
         return F.layer_norm(x.float(), (self.dim,), weight, bias, self.eps).to(x.dtype)
 
 
-class GeluProjection(nn.Module):
-    """Linear then GELU (tanh-approximated in the blocks, exact in the image embedder); `proj` keeps the weight name."""
-
-    def __init__(self, dim_in: int, dim_out: int, approximate: str) -> None:
-        super().__init__()
-        self.proj = nn.Linear(dim_in, dim_out)
-        self.approximate = approximate
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(self.proj(x), approximate=self.approximate)
-
-
 class WanFeedForward(nn.Module):
     """dim -> inner -> dim_out MLP; `net` = [GeluProjection, (dropout slot), Linear] keeps Diffusers' `net.{0,2}` names."""
 
@@ -144,7 +133,7 @@ class GeluTanhTextProjection(nn.Module):
         self.linear_2 = nn.Linear(hidden_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(F.gelu(self.linear_1(x), approximate="tanh"))
+        return self.linear_2(gelu_in_place(self.linear_1(x), "tanh"))
 
 
 class WanImageEmbedding(nn.Module):
