@@ -182,3 +182,22 @@ def test_zimage_swiglu_reuses_the_first_projections_buffer() -> None:
         expected = ff.w2(torch.nn.functional.silu(ff.w1(x)) * ff.w3(x))
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     assert down_inputs[0].data_ptr() == gate_outputs[0].data_ptr()
+
+
+def test_gelu_projection_under_compile_traces_the_logistic_form_with_the_same_values() -> None:
+    """Inductor's tanh is the slow part of a compiled GELU: the graph computes x * sigmoid(2u) instead."""
+    layer = GeluProjection(16, 64, "tanh")
+    x = torch.randn(3, 7, 16) * 3
+    traced_ops: list[str] = []
+
+    def recording_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        traced_ops.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        compiled = torch.compile(layer, backend=recording_backend, fullgraph=True)(x)
+        eager = layer(x)
+    assert [t for t in traced_ops if "sigmoid" in t], traced_ops
+    assert not [t for t in traced_ops if "tanh" in t or "gelu" in t], traced_ops
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)

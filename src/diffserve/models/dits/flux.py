@@ -38,7 +38,7 @@ from torch import nn
 
 from diffserve.layers.attention import attention
 from diffserve.layers.embeddings import CombinedTimestepTextEmbedding
-from diffserve.layers.mlp import GeluProjection
+from diffserve.layers.mlp import GeluProjection, gelu_tanh_logistic
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.rotary import RotaryEmbedding, multi_axis_rope_tables
@@ -445,7 +445,7 @@ class FluxSingleTransformerBlock(nn.Module):
         if torch.compiler.is_compiling():
             # An out= write into a strided slice breaks the graph in two; inductor fuses the GELU into
             # the concatenation itself.
-            joined = torch.cat([attn, F.gelu(mlp, approximate="tanh")], dim=-1)
+            joined = torch.cat([attn, gelu_tanh_logistic(mlp)], dim=-1)
             return _fp16_clip(_gated_residual(residual, gate, self.proj_out(joined)))
         # proj_out reads [attention; GELU(mlp)]: GELU writes its half of that buffer directly instead
         # of into a tensor of its own that a concatenation would then copy (same values, one pass less).
