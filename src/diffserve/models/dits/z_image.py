@@ -32,7 +32,12 @@ the embeddings and the final layer, i.e. both refiners and the main layers. Its 
 embedded, padded image tokens (what the noise refiner transforms) and its output the image part of the
 unified sequence after the last main layer, so the reused residual is "what all the blocks add to the
 image tokens". The caption tokens do not depend on the step, so a row that reuses its residual skips the
-context refiner as well. Rows that do run are run with the layout of their own samples (as if they were
+context refiner as well.
+
+Captions refined once per request: `refine_captions(cap_feats)` runs `cap_embedder` and the context
+refiner, which depend on neither the timestep nor the image, and `forward(..., refined_captions=...)`
+takes its result in place of `cap_feats`; the pipeline's denoiser does that at a request's first step
+and keeps the result in `Req.dit_context`. Rows that do run are run with the layout of their own samples (as if they were
 alone in the batch), so dropping a long-caption request from a step does not pad the others.
 
 Differences from Diffusers that do not change the numbers: the padded sequences are built with one
