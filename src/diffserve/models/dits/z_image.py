@@ -27,18 +27,19 @@ Batching: every sample has its own caption length, image size and timestep. The 
 layers each run once over the whole batch, padded to the longest sample and masked, as Diffusers does.
 The gather indices, masks and RoPE tables depend only on the sample shapes and are cached per layout.
 
-Step cache (approximate quality tiers, `models/step_cache.py`): the cached span is everything between
-the embeddings and the final layer, i.e. both refiners and the main layers. Its input `x` is the
-embedded, padded image tokens (what the noise refiner transforms) and its output the image part of the
-unified sequence after the last main layer, so the reused residual is "what all the blocks add to the
-image tokens". The caption tokens do not depend on the step, so a row that reuses its residual skips the
-context refiner as well.
-
-Captions refined once per request: `refine_captions(cap_feats)` runs `cap_embedder` and the context
+Captions are refined once per request: `refine_captions(cap_feats)` runs `cap_embedder` and the context
 refiner, which depend on neither the timestep nor the image, and `forward(..., refined_captions=...)`
-takes its result in place of `cap_feats`; the pipeline's denoiser does that at a request's first step
-and keeps the result in `Req.dit_context`. Rows that do run are run with the layout of their own samples (as if they were
-alone in the batch), so dropping a long-caption request from a step does not pad the others.
+takes its result in place of `cap_feats` (given `cap_feats`, the forward refines them itself, through
+the same method). The pipeline's denoiser refines a request's captions at its first step and keeps them
+in `Req.dit_context`.
+
+Step cache (approximate quality tiers, `models/step_cache.py`): the cached span is everything between
+the refined captions and embedded image tokens and the final layer, i.e. the noise refiner and the main
+layers. Its input `x` is the embedded, padded image tokens (what the noise refiner transforms) and its
+output the image part of the unified sequence after the last main layer, so the reused residual is
+"what all the blocks add to the image tokens". Rows that do run are run with the layout of their own
+samples (as if they were alone in the batch), so dropping a long-caption request from a step does not
+pad the others.
 
 Differences from Diffusers that do not change the numbers: the padded sequences are built with one
 gather instead of per-sample concatenation, the image-token padding is inserted after `x_embedder`
@@ -144,9 +145,7 @@ class _Layout:
     x_index: torch.Tensor
     x_cis: torch.Tensor
     x_mask: torch.Tensor | None
-    cap_index: torch.Tensor
-    cap_cis: torch.Tensor
-    cap_mask: torch.Tensor | None
+    caption_width: int  # the longest padded caption: the refined captions' padded batch width
     unified_index: torch.Tensor
     unified_cis: torch.Tensor
     unified_mask: torch.Tensor | None
@@ -547,9 +546,7 @@ class ZImageTransformer2DModel(nn.Module):
             x_index=_padded_index(image_tokens, image_padded, x_len).to(device),
             x_cis=_pad_rows(x_cis, x_len, 0),
             x_mask=_key_mask(image_padded, device),
-            cap_index=_padded_index(caption_lengths, cap_padded, c_len).to(device),
-            cap_cis=_pad_rows(cap_cis, c_len, 0),
-            cap_mask=_key_mask(cap_padded, device),
+            caption_width=c_len,
             unified_index=unified_index.to(device),
             unified_cis=_pad_rows(unified_cis, u_len, 0),
             unified_mask=_key_mask(unified_lengths, device),
@@ -564,10 +561,16 @@ class ZImageTransformer2DModel(nn.Module):
         together, batched and masked as in its own forward) are refined once and every step passes
         them as `refined_captions`: for a single request the states are bit-identical to `forward`'s.
         """
-        self._check_captions(cap_feats)
+        for ci in cap_feats:
+            if ci.ndim != 2 or ci.shape[0] == 0:
+                raise ValueError(
+                    f"each caption feature tensor must be (len > 0, cap_feat_dim), got {tuple(ci.shape)}"
+                )
         lengths = tuple(ci.shape[0] for ci in cap_feats)
         layout = self.caption_layout(lengths, cap_feats[0].device)
-        cap = self._embed_captions(cap_feats, layout.index)
+        cap = self.cap_embedder(torch.cat(list(cap_feats)))
+        # Rows of [embedded tokens; pad token; zero]: each caption's tokens, its pad tokens, batch padding.
+        cap = torch.cat([cap, self.cap_pad_token.to(cap.dtype), cap.new_zeros(1, cap.shape[1])])[layout.index]
         for block in self.context_refiner:
             cap = block(cap, layout.cis, layout.mask)
         return [RefinedCaption(cap[i, :n], length) for i, (n, length) in enumerate(zip(layout.padded, lengths, strict=True))]
@@ -590,19 +593,6 @@ class ZImageTransformer2DModel(nn.Module):
             self._caption_layouts[key] = layout
         return layout
 
-    def _embed_captions(self, cap_feats: Sequence[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
-        """(batch, padded length, dim): the embedded tokens, each caption's pad tokens, zero batch padding."""
-        cap = self.cap_embedder(torch.cat(list(cap_feats)))
-        return torch.cat([cap, self.cap_pad_token.to(cap.dtype), cap.new_zeros(1, cap.shape[1])])[index]
-
-    @staticmethod
-    def _check_captions(cap_feats: Sequence[torch.Tensor]) -> None:
-        for ci in cap_feats:
-            if ci.ndim != 2 or ci.shape[0] == 0:
-                raise ValueError(
-                    f"each caption feature tensor must be (len > 0, cap_feat_dim), got {tuple(ci.shape)}"
-                )
-
     def forward(
         self,
         x: Sequence[torch.Tensor],
@@ -622,7 +612,8 @@ class ZImageTransformer2DModel(nn.Module):
                 Multiplied by `t_scale` (1000) here. Rows may be at different steps.
             cap_feats: per-sample caption features, each (len_i, cap_feat_dim); lengths may differ.
             refined_captions: `refine_captions(cap_feats)`, given instead of `cap_feats` (exactly one of
-                the two): the context refiner then does not run again.
+                the two): the context refiner then does not run again. Given `cap_feats`, the forward
+                calls `refine_captions` itself.
             patch_size, f_patch_size: spatial and temporal patch size; the pair must be one the config
                 lists (`all_patch_size`/`all_f_patch_size`).
             step_cache: rows of approximate-quality requests, which may reuse the blocks' residual from
@@ -651,15 +642,15 @@ class ZImageTransformer2DModel(nn.Module):
         for xi in x:
             if xi.ndim != 4 or xi.shape[0] != self.in_channels:
                 raise ValueError(f"each latent must be ({self.in_channels}, F, H, W), got {tuple(xi.shape)}")
-        if cap_feats is not None:
-            self._check_captions(cap_feats)
         if t.ndim != 1 or t.shape[0] not in (1, batch):
             raise ValueError(f"t must have shape ({batch},) or (1,), got {tuple(t.shape)}")
 
+        if refined_captions is None:
+            refined_captions = self.refine_captions(cap_feats)
         device = x[0].device
         layout = self.batch_layout(
             [tuple(xi.shape[1:]) for xi in x],
-            [ci.shape[0] for ci in cap_feats] if cap_feats is not None else [r.length for r in refined_captions],
+            [r.length for r in refined_captions],
             patch_size,
             f_patch_size,
             device,
@@ -675,19 +666,15 @@ class ZImageTransformer2DModel(nn.Module):
         ]
         img = self.all_x_embedder[key](torch.cat(patches))
         img = torch.cat([img, self.x_pad_token.to(img.dtype), img.new_zeros(1, img.shape[1])])[layout.x_index]
-        refine = cap_feats is not None
-        if refine:
-            cap = self._embed_captions(cap_feats, layout.cap_index)
-        else:
-            cap = _pad_rows([r.states for r in refined_captions], layout.cap_cis.shape[1], 0)
+        cap = _pad_rows([r.states for r in refined_captions], layout.caption_width, 0)
 
         if step_cache is None:
-            h = self._run_blocks(img, cap, adaln, layout, refine)
+            h = self._run_blocks(img, cap, adaln, layout)
         else:
             h = step_cache.run(
                 img,
                 self._cache_signal(img, adaln),
-                lambda rows: self._run_blocks_for_rows(rows, img, cap, adaln, layout, refine),
+                lambda rows: self._run_blocks_for_rows(rows, img, cap, adaln, layout),
             )
 
         # Image tokens come first in every sample, so the final layer needs only the leading rows.
@@ -706,10 +693,10 @@ class ZImageTransformer2DModel(nn.Module):
         return results
 
     def _run_blocks(
-        self, img: torch.Tensor, cap: torch.Tensor, adaln: torch.Tensor, layout: _Layout, refine: bool = True
+        self, img: torch.Tensor, cap: torch.Tensor, adaln: torch.Tensor, layout: _Layout
     ) -> torch.Tensor:
-        """Refiners (the context refiner only when `refine`: else `cap` is refined already), then the main
-        layers over [image; caption] per sample.
+        """The noise refiner over the image tokens, then the main layers over [image; refined caption] per
+        sample.
 
         Returns the leading `img.shape[1]` positions of the unified sequence, shaped like `img`: every
         sample's (padded) image tokens, which is all the final layer reads. In a sample with fewer image
@@ -717,8 +704,6 @@ class ZImageTransformer2DModel(nn.Module):
         """
         for block in self.noise_refiner:
             img = block(img, layout.x_cis, layout.x_mask, adaln)
-        for block in self.context_refiner if refine else ():
-            cap = block(cap, layout.cap_cis, layout.cap_mask)
         h = torch.cat([img.flatten(0, 1), cap.flatten(0, 1), img.new_zeros(1, img.shape[-1])])[
             layout.unified_index
         ]
@@ -736,7 +721,6 @@ class ZImageTransformer2DModel(nn.Module):
         cap: torch.Tensor,
         adaln: torch.Tensor,
         layout: _Layout,
-        refine: bool = True,
     ) -> torch.Tensor:
         """`_run_blocks` for batch rows `rows` only (None: all), shaped like `img[rows]`.
 
@@ -745,7 +729,7 @@ class ZImageTransformer2DModel(nn.Module):
         slices `[:, :width]` of the batch's tokens hold every real and in-sample pad token.
         """
         if rows is None:
-            return self._run_blocks(img, cap, adaln, layout, refine)
+            return self._run_blocks(img, cap, adaln, layout)
         picked = rows.tolist()
         own = self.batch_layout(
             [layout.sizes[i] for i in picked],
@@ -754,13 +738,12 @@ class ZImageTransformer2DModel(nn.Module):
             layout.f_patch_size,
             img.device,
         )
-        x_len, c_len = own.x_cis.shape[1], own.cap_cis.shape[1]
+        x_len, c_len = own.x_cis.shape[1], own.caption_width
         h = self._run_blocks(
             img.index_select(0, rows)[:, :x_len].contiguous(),
             cap.index_select(0, rows)[:, :c_len].contiguous(),
             adaln if adaln.shape[0] == 1 else adaln.index_select(0, rows),
             own,
-            refine,
         )
         return F.pad(h, (0, 0, 0, img.shape[1] - h.shape[1]))
 
