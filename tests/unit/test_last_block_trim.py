@@ -24,12 +24,17 @@ DIM, HEADS, HEAD_DIM = 16, 2, 8
 TEXT_LEN, IMAGE_LEN = 12, 5
 
 
+def _random_weights(module: torch.nn.Module, scale: float) -> None:
+    """Every parameter drawn from N(0, scale^2), so no term of the block is trivially zero or one."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) * scale)
+
+
 def _block(fused: bool) -> FluxSingleTransformerBlock:
     torch.manual_seed(0)
     block = FluxSingleTransformerBlock(DIM, HEADS, HEAD_DIM).eval()
-    with torch.no_grad():
-        for p in block.parameters():
-            p.copy_(torch.randn_like(p) * 0.2)
+    _random_weights(block, 0.2)
     if fused:
         block.fuse_projections()
     return block
@@ -85,9 +90,7 @@ def test_qwen_image_last_block_skips_the_text_output_with_the_same_image() -> No
         patch_size=2, in_channels=16, out_channels=4, num_layers=layers, attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=24, axes_dims_rope=(4, 6, 6),
     ).eval()  # fmt: skip
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.1)
+    _random_weights(model, 0.1)
     g = torch.Generator().manual_seed(2)
     inputs = {
         "hidden_states": torch.randn(2, 12, 16, generator=g),
@@ -118,9 +121,7 @@ def test_z_image_last_layer_computes_the_image_positions_only_with_the_same_outp
         in_channels=16, dim=dim, n_layers=2, n_refiner_layers=1, n_heads=2, n_kv_heads=2,
         cap_feat_dim=32, axes_dims=(8, 12, 12), axes_lens=(256, 64, 64),
     ).eval()  # fmt: skip
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.1)
+    _random_weights(model, 0.1)
     g = torch.Generator().manual_seed(3)
     inputs = {
         "x": [torch.randn(16, 1, h, w, generator=g) for h, w in ((8, 8), (8, 12))],
