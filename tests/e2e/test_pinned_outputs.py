@@ -1,0 +1,120 @@
+"""Pixels pinned across refactors: each family's tiny checkpoint, one fixed request, compared with the
+uint8 output stored in `tests/data/pinned/` (written by the engine before the one-engine redesign).
+
+A refactor of the engine, the stages or the models must not move a pixel by more than one uint8 level
+(float rounding of a reordered sum); a real change of semantics moves many. Rewrite the references only
+for a deliberate change of output, with `python tests/e2e/test_pinned_outputs.py --write`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+PINNED_DIR = Path(__file__).resolve().parents[1] / "data" / "pinned"
+
+#: family -> (builder "module:function", builder spec kwargs or None, request params)
+CASES: dict[str, tuple[str, dict, dict]] = {
+    "flux": (
+        "diffserve.testing.tiny_flux:build_tiny_flux",
+        {},
+        {"height": 32, "width": 48, "num_inference_steps": 3, "guidance_scale": 3.5},
+    ),
+    "flux-true-cfg": (
+        "diffserve.testing.tiny_flux:build_tiny_flux",
+        {},
+        {"height": 48, "width": 32, "num_inference_steps": 2, "true_cfg_scale": 2.0, "negative_prompt": "ugly"},
+    ),
+    "sd3": (
+        "diffserve.testing.tiny_sd3:build_tiny_sd3",
+        {},
+        {"height": 32, "width": 32, "num_inference_steps": 3, "guidance_scale": 4.0},
+    ),
+    "qwen-image": (
+        "diffserve.testing.tiny_qwen_image:build_tiny_qwen_image",
+        {},
+        {"height": 32, "width": 48, "num_inference_steps": 3, "true_cfg_scale": 3.0, "negative_prompt": "blurry"},
+    ),
+    "qwen-image-edit": (
+        "diffserve.testing.tiny_qwen_image:build_tiny_qwen_image_edit",
+        {},
+        {
+            "height": 32, "width": 48, "num_inference_steps": 2, "true_cfg_scale": 2.0,
+            "negative_prompt": "dark", "input_images": "gradient",
+        },
+    ),
+    "z-image": (
+        "diffserve.testing.tiny_zimage:build_tiny_zimage",
+        {},
+        {"height": 32, "width": 32, "num_inference_steps": 3, "guidance_scale": 3.0},
+    ),
+    "wan-t2v": (
+        "diffserve.testing.tiny_wan:build_tiny_wan",
+        {},
+        {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 2, "guidance_scale": 4.0},
+    ),
+    "wan-i2v": (
+        "diffserve.testing.tiny_wan:build_tiny_wan",
+        {"image_to_video": True},
+        {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 2, "input_images": "gradient"},
+    ),
+}
+
+
+def _gradient_image() -> Image.Image:
+    y, x = np.mgrid[0:40, 0:56]
+    array = np.stack([x * 4, y * 6, (x + y) * 2], axis=-1).clip(0, 255).astype(np.uint8)
+    return Image.fromarray(array)
+
+
+def _build(name: str, out_dir: Path) -> Path:
+    target, spec_kwargs, _ = CASES[name]
+    module_name, function = target.split(":")
+    module = importlib.import_module(module_name)
+    builder = getattr(module, function)
+    if not spec_kwargs:
+        return builder(out_dir)
+    spec_cls = next(getattr(module, n) for n in dir(module) if n.startswith("Tiny") and n.endswith("Spec"))
+    return builder(out_dir, spec_cls(**spec_kwargs))
+
+
+def generate_pinned(name: str, out_dir: Path) -> np.ndarray:
+    """The case's output as one uint8 array: (outputs, H, W, 3) for images, (outputs, F, H, W, 3) for videos."""
+    from diffserve import DiffGenerator
+
+    root = _build(name, out_dir)
+    params = dict(CASES[name][2])
+    if params.pop("input_images", None) == "gradient":
+        params["image"] = _gradient_image()
+    generator = DiffGenerator.from_pretrained(root, device="cpu", show_progress=False)
+    out = generator.generate(prompt="a red fox in the snow", seed=7, **params)
+    if out.frames:
+        return np.stack(out.frames)
+    return np.stack([np.asarray(image.convert("RGB")) for image in out.images])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_output_matches_the_pinned_pixels(name: str, tmp_path: Path) -> None:
+    reference = np.load(PINNED_DIR / f"{name}.npy")
+    output = generate_pinned(name, tmp_path)
+    assert output.shape == reference.shape
+    diff = np.abs(output.astype(np.int16) - reference.astype(np.int16))
+    assert int(diff.max()) <= 1, f"{name}: max pixel difference {int(diff.max())}"
+    assert float((diff > 0).mean()) < 0.01, f"{name}: {float((diff > 0).mean()):.2%} of the values moved"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write"]:
+        sys.exit("usage: python tests/e2e/test_pinned_outputs.py --write   (rewrites the pinned references)")
+    PINNED_DIR.mkdir(parents=True, exist_ok=True)
+    for case_name in sorted(CASES):
+        with tempfile.TemporaryDirectory() as tmp:
+            array = generate_pinned(case_name, Path(tmp))
+        np.save(PINNED_DIR / f"{case_name}.npy", array)
+        print(f"{case_name}: {array.shape} written")
