@@ -43,7 +43,7 @@ diffusers compiled / diffserve compiled.
     .venv/bin/python benchmarks/bench_families.py --family qwen-image --resolutions 256,512 --json out.json
     .venv/bin/python benchmarks/bench_families.py --model-dir /tmp/bench_families   # build once, reuse later
     .venv/bin/python benchmarks/bench_families.py --compile --model-dir /tmp/bench_families --json compiled.json
-    .venv/bin/python benchmarks/bench_families.py --family zimage --compile --steps 1 --repeats 1 --resolutions 64
+    .venv/bin/python benchmarks/bench_families.py --family z-image --compile --steps 1 --repeats 1 --resolutions 64
 
 Ratios are diffusers / diffserve: above 1 means diffserve is faster (or, for RSS, smaller).
 """
@@ -166,7 +166,7 @@ def _qwen_edit_build(path: Path) -> None:
     build_tiny_qwen_image_edit(path, _qwen_spec("edit"))
 
 
-def _zimage_build(path: Path) -> None:
+def _z_image_build(path: Path) -> None:
     from diffserve.testing.tiny_zimage import TinyZImageSpec, build_tiny_zimage
 
     build_tiny_zimage(
@@ -265,14 +265,14 @@ FAMILIES: dict[str, Family] = {
             image_input=True,
         ),
         Family(
-            name="zimage",
+            name="z-image",
             pipeline="ZImagePipeline",
             checkpoint=(
                 "Z-Image layout, dim 512 (8x64 heads), 6 joint + 2 noise-refiner + 2 context-refiner blocks, "
                 "RoPE axes (16, 24, 24), caption dim 256 (a 2-layer Qwen3 text encoder), VAE (32, 64, 128, 128)"
             ),
             cfg="guidance_scale 4, default (empty) negative prompt",
-            build=_zimage_build,
+            build=_z_image_build,
             sampling={"guidance_scale": 4.0, "max_sequence_length": 512},
         ),
         Family(

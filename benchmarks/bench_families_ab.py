@@ -10,7 +10,7 @@ up once, and runs `--rounds` rounds of one generation per engine, rotating the o
 rounds with its range, for s/step and end to end.
 
     .venv/bin/python benchmarks/bench_families_ab.py --model-dir /tmp/bench_families --rounds 10
-    .venv/bin/python benchmarks/bench_families_ab.py --family zimage --resolutions 64 --steps 1 --rounds 2  # smoke
+    .venv/bin/python benchmarks/bench_families_ab.py --family z-image --resolutions 64 --steps 1 --rounds 2  # smoke
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,21 +13,23 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
+from tqdm.auto import tqdm
 
 from diffserve.configs.engine_args import EngineArgs
 from diffserve.configs.quality import check_default_quality, read_calibrated_policies
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.errors import InvalidRequestError, UserError
+from diffserve.errors import InvalidRequestError, RequestCancelledError, UserError
 from diffserve.image_inputs import ImageSource, load_images
-from diffserve.layers.attention import select_attention_backend
+from diffserve.layers.attention import AttentionBackend, resolve_attention_backend
 from diffserve.loader.component_loader import load_components
 from diffserve.loader.folder_defaults import read_folder_sampling_defaults
 from diffserve.loader.model_index import read_model_index
-from diffserve.outputs import output_file_name, save_image, unique_path
+from diffserve.outputs import output_metadata, write_outputs
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.platforms import Platform, PlatformUnavailableError, set_platform
+from diffserve.platforms import Platform, PlatformUnavailableError, resolve_platform
 from diffserve.registry import ModelFamily, resolve_family
 from diffserve.request import Req
+from diffserve.runtime import Engine, ScheduledRequest, SchedulerConfig
 from diffserve.runtime.compile import (
     CompiledRegion,
     WarmupRun,
@@ -34,8 +37,7 @@ from diffserve.runtime.compile import (
     compile_warmup_size,
     warm_up,
 )
-from diffserve.video_outputs import save_frames as save_frames_as_png
-from diffserve.video_outputs import save_video
+from diffserve.runtime.scheduler import default_max_batch_tokens
 
 logger = logging.getLogger("diffserve")
 
@@ -75,7 +77,7 @@ class DiffGenerator:
         start = time.perf_counter()
         self.engine_args = engine_args
         try:
-            self.platform = set_platform(engine_args.device)
+            self.platform = resolve_platform(engine_args.device)
         except PlatformUnavailableError as exc:
             raise UserError(str(exc)) from exc
         if engine_args.tune_allocator:
@@ -84,7 +86,7 @@ class DiffGenerator:
         text_dtype = parse_dtype(engine_args.text_encoder_dtype or engine_args.dtype, self.platform)
         logger.info("Platform: %s (%s), dtype: %s", self.platform.name, self.platform.device_name(), self.dtype)
         try:
-            select_attention_backend(
+            self.attention_backend: AttentionBackend = resolve_attention_backend(
                 engine_args.attention_backend, self.platform.device_type, self.platform.default_attention_backend
             )
         except ValueError as exc:
@@ -99,8 +101,8 @@ class DiffGenerator:
         )
         pipeline_cls = self.family.pipeline_cls
         components = load_components(
-            index, pipeline_cls.required_components, self.platform, self.dtype, text_dtype,
-            optional=pipeline_cls.optional_components,
+            index, pipeline_cls.required_components, self.family.native_classes, self.platform, self.dtype,
+            text_dtype, optional=pipeline_cls.optional_components,
         )
         folder_defaults = read_folder_sampling_defaults(index.root)
         if folder_defaults:
@@ -110,7 +112,7 @@ class DiffGenerator:
             calibrated = read_calibrated_policies(index.root, self.family.name)
             self.pipeline: Pipeline = self.family.pipeline_cls(
                 PipelineContext(
-                    components, self.platform, self.dtype, show_progress=show_progress,
+                    components, self.platform, self.dtype,
                     folder_sampling_defaults=folder_defaults, pipeline_options=index.options,
                     default_quality=engine_args.default_quality, calibrated_step_cache=calibrated,
                 )
@@ -120,12 +122,23 @@ class DiffGenerator:
         except ValueError as exc:
             raise UserError(str(exc)) from exc
         self.model_path = str(index.root)
+        self.show_progress = show_progress
+        #: The one request loop every generation runs through (shared with the server's engine process).
+        self.engine = Engine(
+            self.pipeline,
+            self.platform,
+            SchedulerConfig(
+                max_running_requests=engine_args.max_running_requests,
+                max_batch_tokens=engine_args.max_batch_tokens or default_max_batch_tokens(self.platform.device_type),
+            ),
+            attention_backend=self.attention_backend,
+        )
         logger.info("Pipeline ready in %.2f seconds", time.perf_counter() - start)
         #: `--compile`: the block lists compiled; `--warmup-resolutions`: the warm-up generations run.
         self.compiled_regions: list[CompiledRegion] = compile_pipeline(components) if engine_args.compile else []
         sizes = list(engine_args.warmup_resolutions)
         if engine_args.compile and not sizes:  # the graphs are size-generic: a small warm-up builds them all
-            sizes = [compile_warmup_size(self.pipeline.pixel_multiple)]
+            sizes = [compile_warmup_size(self.pipeline.facts.pixel_multiple)]
         self.warmup_runs: list[WarmupRun] = self.warm_up(sizes) if sizes else []
 
     def warm_up(self, resolutions: Sequence[tuple[int, int]]) -> list[WarmupRun]:
@@ -133,10 +146,7 @@ class DiffGenerator:
         at the first, so compilation (`--compile`) and allocator growth happen now rather than in the
         first requests."""
         start = time.perf_counter()
-        runs = warm_up(
-            self.generate_from_params, self.pipeline.resolve_params, resolutions,
-            cfg_mode=self.pipeline.input_validation_stage.cfg_mode, video=self.family.task.endswith("-to-video"),
-        )  # fmt: skip
+        runs = warm_up(self.generate_from_params, self.pipeline.facts, resolutions)
         logger.info("Warm-up of %d size(s) done in %.2f seconds", len(resolutions), time.perf_counter() - start)
         return runs
 
@@ -173,7 +183,7 @@ class DiffGenerator:
 
     def generate(
         self,
-        prompt: str = "",
+        prompt: str | Sequence[str] = "",
         *,
         image: ImageSource | Sequence[ImageSource] | None = None,
         mask: ImageSource | None = None,
@@ -182,13 +192,16 @@ class DiffGenerator:
         output_file_name: str | None = None,
         save_frames: bool = False,
         **params: Any,
-    ) -> GenerationOutput:
-        """Generate `num_outputs_per_prompt` images (or videos) for one prompt. Keyword args are
-        SamplingParams fields. `save_frames` also writes each video's frames as PNGs next to it.
+    ) -> GenerationOutput | list[GenerationOutput]:
+        """Generate `num_outputs_per_prompt` images (or videos) for one prompt, or for each prompt of a
+        list (then a list of outputs, in order: the prompts' requests share DiT batches). Keyword args
+        are SamplingParams fields. `save_frames` also writes each video's frames as PNGs next to it.
 
         `image`: the input image(s) of an edit model, one or a list, each a file path, encoded bytes, a
         PIL image or a base64 data URL (never an http(s) URL: download it yourself). `mask` likewise, one
         image. They become `input_images` / `mask_image`; the family refuses what it does not take.
+
+        Safe to call from several threads at once: concurrent calls share DiT batches too.
         """
         if image is not None:
             if "input_images" in params:
@@ -198,11 +211,15 @@ class DiffGenerator:
             if isinstance(mask, (list, tuple)):
                 raise UserError("mask: pass one mask image, not a list")
             params["mask_image"] = load_images(mask, param="mask")[0]
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        if not prompts or not all(isinstance(p, str) for p in prompts):
+            raise UserError("prompt: pass a string or a non-empty list of strings")
         try:
-            sampling = SamplingParams(prompt=prompt, **params)
+            sampling = [SamplingParams(prompt=p, **params) for p in prompts]
         except TypeError as exc:
             raise UserError(f"unknown generation parameter: {exc}") from exc
-        return self.generate_from_params(sampling, save_output, output_path, output_file_name, save_frames=save_frames)
+        outputs = self.generate_many(sampling, save_output, output_path, output_file_name, save_frames=save_frames)
+        return outputs[0] if isinstance(prompt, str) else outputs
 
     def generate_from_params(
         self,
@@ -215,18 +232,69 @@ class DiffGenerator:
     ) -> GenerationOutput:
         """Run one request. Pass `request` (a `Req` over `params`) to control it from another thread:
         its `cancel_event` stops it at the next step boundary, its `on_step` reports progress."""
+        requests = [request] if request is not None else None
+        return self.generate_many([params], save_output, output_path, file_name, save_frames, requests)[0]
+
+    def generate_many(
+        self,
+        params: Sequence[SamplingParams],
+        save_output: bool = False,
+        output_path: str | None = None,
+        file_name: str | None = None,
+        save_frames: bool = False,
+        requests: Sequence[Req] | None = None,
+    ) -> list[GenerationOutput]:
+        """Run several requests through the engine together (they share DiT batches where their shapes
+        allow) and return their outputs in order. Every request is validated before any model work: one
+        invalid request fails the call before the others start."""
         start = time.perf_counter()
-        resolved = self.pipeline.resolve_params(params)  # fail fast, before any model work
-        log_sampling_params(resolved)
-        self.platform.reset_peak_memory()
-        req = self.pipeline.run(request if request is not None else Req(params=params))
-        memory = self.platform.memory_info()
-        peak_mb = memory.peak_bytes / 2**20 if memory.peak_bytes is not None else None
+        reqs = list(requests) if requests is not None else [Req(params=p) for p in params]
+        if len(reqs) != len(params):
+            raise ValueError("requests and params must have the same length")
+        scheduled = [self.engine.prepare(req) for req in reqs]  # validates and costs each (fail fast)
+        for sr in scheduled:
+            log_sampling_params(sr.req.params)
+        with self._progress(scheduled):
+            for sr in scheduled:
+                self.engine.enqueue(sr)
+            self.engine.run_to_completion(scheduled)
+        outputs = []
+        for sr in scheduled:
+            if sr.state == "cancelled":
+                raise RequestCancelledError(f"request {sr.request_id} cancelled at step {sr.req.step_index}")
+            if sr.state != "finished":
+                assert sr.error is not None
+                raise sr.error
+            outputs.append(self._output(sr, start, save_output, output_path, file_name, save_frames))
+        return outputs
+
+    @contextlib.contextmanager
+    def _progress(self, scheduled: list[ScheduledRequest]) -> Iterator[None]:
+        """One seconds-per-step bar over the denoising steps of these requests (the CLI's bar)."""
+        total = sum(int(sr.req.params.num_inference_steps or 0) for sr in scheduled)
+        with tqdm(total=total, disable=not self.show_progress, unit="step", bar_format=BAR_FORMAT) as bar:
+            for sr in scheduled:
+                sr.req.on_step = _with_progress(sr.req.on_step, bar)
+            yield
+
+    def _output(
+        self, sr: ScheduledRequest, start: float, save_output: bool, output_path: str | None,
+        file_name: str | None, save_frames: bool,
+    ) -> GenerationOutput:  # fmt: skip
+        req = sr.req
+        peak_mb = sr.peak_memory_bytes / 2**20 if sr.peak_memory_bytes is not None else None
         if peak_mb is not None:
             logger.info("Peak memory: %.2f MB (%s)", peak_mb, "process RSS" if self.platform.name == "cpu" else "device")
         paths: list[str] = []
         if save_output:
-            paths = self._save(req, Path(output_path or self.engine_args.output_path), file_name, save_frames)
+            written = write_outputs(
+                Path(output_path or self.engine_args.output_path), req.params, req.request_id,
+                output_metadata(self.model_path, self.family.diffusers_pipeline, req.params),
+                images=req.images or [], videos=req.frames or [], file_name=file_name, save_frames=save_frames,
+            )  # fmt: skip
+            for path in written:
+                logger.info("Output saved to %s", path)
+            paths = [str(path) for path in written]
         total = time.perf_counter() - start
         logger.info("Pixel data generated in %.2f seconds", total)
         return GenerationOutput(
@@ -242,30 +310,18 @@ class DiffGenerator:
             steps_computed_in_full=req.steps_computed_in_full,
         )
 
-    def _save(self, req: Req, directory: Path, file_name: str | None, save_frames: bool = False) -> list[str]:
-        """Write each output (image, or video in `video_format`) with the generation parameters inside."""
-        p = req.params
-        metadata = {"model": self.model_path, "pipeline": self.family.diffusers_pipeline, **p.to_dict()}
-        outputs = req.frames if req.frames else (req.images or [])
-        extension = p.video_format if req.frames else p.output_format
-        paths = []
-        for i, output in enumerate(outputs):
-            if file_name:
-                suffix = f"_{i}" if len(outputs) > 1 else ""
-                name = f"{Path(file_name).stem}{suffix}.{extension}"
-            else:
-                name = output_file_name(p.prompt, req.request_id, i, extension)
-            path = unique_path(directory, name)
-            if req.frames:
-                save_video(output, path, p.fps, metadata, p.video_format)
-                if save_frames:
-                    frame_paths = save_frames_as_png(output, path.parent / f"{path.stem}_frames", path.stem)
-                    logger.info("Frames saved to %s (%d PNGs)", frame_paths[0].parent, len(frame_paths))
-            else:
-                save_image(output, path, metadata, p.output_format)
-            logger.info("Output saved to %s", path)
-            paths.append(str(path))
-        return paths
+
+def _with_progress(on_step: Callable[[Req], None] | None, bar: tqdm) -> Callable[[Req], None]:
+    def report(req: Req) -> None:
+        bar.update(1)
+        if on_step is not None:
+            on_step(req)
+
+    return report
+
+
+#: Seconds per step (not steps per second): the figure users compare between engines.
+BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_inv_fmt}]"
 
 
 def log_sampling_params(params: SamplingParams) -> None:

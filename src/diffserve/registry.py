@@ -1,13 +1,26 @@
-"""Explicit table from a Diffusers pipeline `_class_name` to diffserve's model family.
+"""The model families diffserve serves, one `ModelFamily` record each. Code that needs a family's
+classes, names or builders reads them from here instead of listing families itself.
 
-No guessing from folder or model names: a folder is served only when its model_index.json names
-a pipeline listed here, and anything else is refused with the list of what is supported.
+A record says everything the rest of the engine needs to know about a family: the Diffusers pipeline
+`_class_name` it serves (no guessing from folder or model names: a folder is served only when its
+model_index.json names a pipeline listed here, and anything else is refused with the list of what is
+supported), its pipeline class, the native classes that implement its Diffusers components, its
+pipeline config and sampling defaults, its task, its quality tiers, and the builder of its tiny
+random-weight checkpoint (`diffserve make-tiny`). Its `name` is the family's one spelling everywhere
+(CLI, calibration files, logs); `aliases` are other spellings accepted on input, and only
+`family_by_name` reads them.
+
+Adding a family: its DiT (and VAE, if new) under `models/`, its pipeline under `pipelines/` with its
+config under `configs/` (and any stage only it uses, as `stages/<family>_*.py`), its tiny builder under
+`testing/`, its record here, and its parity test.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 from diffserve.configs.flux import FluxPipelineConfig, flux_default_sampling_params
 from diffserve.configs.qwen_image import (
@@ -18,9 +31,21 @@ from diffserve.configs.qwen_image import (
 )
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.sd3 import SD3PipelineConfig, sd3_default_sampling_params
+from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.configs.wan import WanPipelineConfig, wan_default_sampling_params
 from diffserve.configs.z_image import ZImagePipelineConfig, z_image_default_sampling_params
-from diffserve.errors import ModelLoadError
+from diffserve.errors import ModelLoadError, UserError
+from diffserve.loader.native_classes import NativeClasses
+from diffserve.models.dits.flux import FluxTransformer2DModel
+from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
+from diffserve.models.dits.sd3 import SD3Transformer2DModel
+from diffserve.models.dits.wan import WanTransformer3DModel
+from diffserve.models.dits.z_image import ZImageTransformer2DModel
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.models.schedulers.unipc_flow import UniPCFlowScheduler
+from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
+from diffserve.models.vaes.autoencoder_kl_qwen_image import AutoencoderKLQwenImage
+from diffserve.models.vaes.autoencoder_kl_wan import AutoencoderKLWan
 from diffserve.pipelines.base import Pipeline
 from diffserve.pipelines.flux import FluxPipeline
 from diffserve.pipelines.qwen_image import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline
@@ -30,81 +55,223 @@ from diffserve.pipelines.z_image import ZImagePipeline
 
 
 @dataclass(frozen=True)
+class TinyCheckpointOptions:
+    """What `diffserve make-tiny` hands a family's tiny-checkpoint builder. Every builder reads `seed`;
+    the other fields are variants of one family each, and other families' builders ignore them."""
+
+    seed: int = 0
+    #: FLUX: False writes a FLUX.1-schnell style DiT (no guidance embedding).
+    guidance_embeds: bool = True
+    #: SD3: write the SD3.5 layout (qk RMSNorm, dual attention in block 0).
+    sd35: bool = False
+    #: Wan: the scheduler written, "flow-match-euler" or "unipc" (what the released Wan 2.1 folders ship).
+    scheduler: str = "flow-match-euler"
+
+
+class TinyCheckpointBuilder(Protocol):
+    """Writes a small random-weight checkpoint of one family in Diffusers layout to `out_dir` (created if
+    missing) and returns the folder's path."""
+
+    def __call__(self, out_dir: Path, options: TinyCheckpointOptions) -> Path: ...
+
+
+@dataclass(frozen=True)
 class ModelFamily:
+    """One model family: everything diffserve needs to load, serve and test it."""
+
+    #: The family's one spelling (CLI, calibration files, logs, metrics).
     name: str
+    #: The Diffusers pipeline `_class_name` in model_index.json that this family serves.
     diffusers_pipeline: str
     pipeline_cls: type[Pipeline]
+    #: Diffusers `_class_name` -> native class, for the DiT, the VAE and the schedulers this family loads.
+    native_classes: NativeClasses
+    #: The family's pipeline constants (a dataclass of `configs/<family>.py`).
     pipeline_config: object
     default_sampling_params: Callable[[], SamplingParams]
-    task: str  # "text-to-image", "image-to-image", "text-to-video", ...
+    #: What it makes from what: "text-to-image", "image-edit", "text-to-video", "image-to-video".
+    task: str
+    #: Writes the family's tiny random-weight checkpoint (what `diffserve make-tiny NAME DIR` runs).
+    tiny_builder: TinyCheckpointBuilder
+    #: Other spellings of `name` accepted on input (resolved by `family_by_name` only).
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def step_cache_policies(self) -> Mapping[str, StepCachePolicy]:
+        """The approximate quality tiers the family serves with their default step-cache thresholds (empty:
+        only "lossless"). They are measured per pipeline, so they live on the pipeline class; a model
+        folder's calibration file overrides them (`configs/quality.py`)."""
+        return self.pipeline_cls.step_cache_policies
 
 
-REGISTRY: dict[str, ModelFamily] = {
-    "FluxPipeline": ModelFamily(
+# --- Tiny checkpoint builders. Each imports its `testing/` module when called: those modules import
+# transformers model classes that loading the registry (every engine start) does not need.
+
+
+def _tiny_flux(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+    from diffserve.testing.tiny_flux import TinyFluxSpec, build_tiny_flux
+
+    return build_tiny_flux(out_dir, TinyFluxSpec(seed=options.seed, guidance_embeds=options.guidance_embeds))
+
+
+def _tiny_sd3(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+    from diffserve.testing.tiny_sd3 import TinySD3Spec, build_tiny_sd3
+
+    if options.sd35:
+        return build_tiny_sd3(
+            out_dir, TinySD3Spec(seed=options.seed, qk_norm="rms_norm", dual_attention_layers=(0,))
+        )
+    return build_tiny_sd3(out_dir, TinySD3Spec(seed=options.seed))
+
+
+def _tiny_qwen_image(variant: str) -> TinyCheckpointBuilder:
+    """The builder of one Qwen-Image folder kind ("t2i", "edit" or "edit_plus")."""
+
+    def build(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+        from diffserve.testing.tiny_qwen_image import TinyQwenImageSpec, build_tiny_qwen_image
+
+        return build_tiny_qwen_image(out_dir, TinyQwenImageSpec(variant=variant, seed=options.seed))
+
+    return build
+
+
+def _tiny_z_image(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+    from diffserve.testing.tiny_zimage import TinyZImageSpec, build_tiny_zimage
+
+    return build_tiny_zimage(out_dir, TinyZImageSpec(seed=options.seed))
+
+
+def _tiny_wan(image_to_video: bool) -> TinyCheckpointBuilder:
+    """The builder of a Wan 2.1 text-to-video or image-to-video folder."""
+
+    def build(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+        from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
+
+        spec = TinyWanSpec(image_to_video=image_to_video, scheduler=options.scheduler, seed=options.seed)
+        return build_tiny_wan(out_dir, spec)
+
+    return build
+
+
+# --- the families --------------------------------------------------------------------------------
+
+_FLOW_MATCH = (FlowMatchEulerScheduler,)
+_QWEN_IMAGE_CLASSES = NativeClasses.of(
+    models=(QwenImageTransformer2DModel, AutoencoderKLQwenImage), schedulers=_FLOW_MATCH
+)
+_WAN_CLASSES = NativeClasses.of(
+    models=(WanTransformer3DModel, AutoencoderKLWan), schedulers=(UniPCFlowScheduler, FlowMatchEulerScheduler)
+)
+
+FAMILIES: tuple[ModelFamily, ...] = (
+    ModelFamily(
         name="flux",
         diffusers_pipeline="FluxPipeline",
         pipeline_cls=FluxPipeline,
+        native_classes=NativeClasses.of(
+            models=(FluxTransformer2DModel, AutoencoderKL), schedulers=_FLOW_MATCH
+        ),
         pipeline_config=FluxPipelineConfig(),
         default_sampling_params=flux_default_sampling_params,
         task="text-to-image",
+        tiny_builder=_tiny_flux,
     ),
-    "StableDiffusion3Pipeline": ModelFamily(
+    ModelFamily(
         name="sd3",
         diffusers_pipeline="StableDiffusion3Pipeline",
         pipeline_cls=SD3Pipeline,
+        native_classes=NativeClasses.of(
+            models=(SD3Transformer2DModel, AutoencoderKL), schedulers=_FLOW_MATCH
+        ),
         pipeline_config=SD3PipelineConfig(),
         default_sampling_params=sd3_default_sampling_params,
         task="text-to-image",
+        tiny_builder=_tiny_sd3,
     ),
-    "QwenImagePipeline": ModelFamily(
+    ModelFamily(
         name="qwen-image",
         diffusers_pipeline="QwenImagePipeline",
         pipeline_cls=QwenImagePipeline,
+        native_classes=_QWEN_IMAGE_CLASSES,
         pipeline_config=QwenImagePipelineConfig(),
         default_sampling_params=qwen_image_default_sampling_params,
         task="text-to-image",
+        tiny_builder=_tiny_qwen_image("t2i"),
     ),
-    "QwenImageEditPipeline": ModelFamily(
+    ModelFamily(
         name="qwen-image-edit",
         diffusers_pipeline="QwenImageEditPipeline",
         pipeline_cls=QwenImageEditPipeline,
+        native_classes=_QWEN_IMAGE_CLASSES,
         pipeline_config=QwenImageEditPipelineConfig(),
         default_sampling_params=qwen_image_default_sampling_params,
         task="image-edit",
+        tiny_builder=_tiny_qwen_image("edit"),
     ),
-    "QwenImageEditPlusPipeline": ModelFamily(
+    ModelFamily(
         name="qwen-image-edit-plus",
         diffusers_pipeline="QwenImageEditPlusPipeline",
         pipeline_cls=QwenImageEditPlusPipeline,
+        native_classes=_QWEN_IMAGE_CLASSES,
         pipeline_config=QwenImageEditPlusPipelineConfig(),
         default_sampling_params=qwen_image_default_sampling_params,
         task="image-edit",
+        tiny_builder=_tiny_qwen_image("edit_plus"),
     ),
-    "ZImagePipeline": ModelFamily(
+    ModelFamily(
         name="z-image",
         diffusers_pipeline="ZImagePipeline",
         pipeline_cls=ZImagePipeline,
+        native_classes=NativeClasses.of(
+            models=(ZImageTransformer2DModel, AutoencoderKL), schedulers=_FLOW_MATCH
+        ),
         pipeline_config=ZImagePipelineConfig(),
         default_sampling_params=z_image_default_sampling_params,
         task="text-to-image",
+        tiny_builder=_tiny_z_image,
+        aliases=("zimage", "z_image"),
     ),
-    "WanPipeline": ModelFamily(
+    ModelFamily(
         name="wan-t2v",
         diffusers_pipeline="WanPipeline",
         pipeline_cls=WanPipeline,
+        native_classes=_WAN_CLASSES,
         pipeline_config=WanPipelineConfig(),
         default_sampling_params=wan_default_sampling_params,
         task="text-to-video",
+        tiny_builder=_tiny_wan(image_to_video=False),
     ),
-    "WanImageToVideoPipeline": ModelFamily(
+    ModelFamily(
         name="wan-i2v",
         diffusers_pipeline="WanImageToVideoPipeline",
         pipeline_cls=WanImageToVideoPipeline,
+        native_classes=_WAN_CLASSES,
         pipeline_config=WanPipelineConfig(),
         default_sampling_params=wan_default_sampling_params,
         task="image-to-video",
+        tiny_builder=_tiny_wan(image_to_video=True),
     ),
+)
+
+#: Diffusers pipeline `_class_name` -> family.
+REGISTRY: dict[str, ModelFamily] = {family.diffusers_pipeline: family for family in FAMILIES}
+
+_BY_NAME: dict[str, ModelFamily] = {
+    spelling: family for family in FAMILIES for spelling in (family.name, *family.aliases)
 }
+
+
+def family_names() -> tuple[str, ...]:
+    """Every family's name, in registry order (aliases not included)."""
+    return tuple(family.name for family in FAMILIES)
+
+
+def family_by_name(name: str) -> ModelFamily:
+    """The family with this name or alias (`zimage` -> `z-image`), or a UserError listing the names."""
+    family = _BY_NAME.get(name)
+    if family is None:
+        raise UserError(f"unknown model family {name!r}; families: {', '.join(family_names())}")
+    return family
 
 
 def resolve_family(pipeline_class_name: str) -> ModelFamily:
@@ -113,6 +280,7 @@ def resolve_family(pipeline_class_name: str) -> ModelFamily:
     if family is None:
         supported = ", ".join(sorted(REGISTRY))
         raise ModelLoadError(
-            f"pipeline {pipeline_class_name!r} is not supported by diffserve; supported pipelines: {supported}"
+            f"pipeline {pipeline_class_name!r} is not supported by diffserve; "
+            f"supported pipelines: {supported}"
         )
     return family

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from diffserve.cli.main import main
-from diffserve.outputs import output_file_name, prompt_slug
+from diffserve.outputs import output_file_name, prompt_slug, unique_path
 
 CLI = [sys.executable, "-m", "diffserve.cli.main"]
 
@@ -155,8 +155,6 @@ def test_make_tiny_writes_a_loadable_folder(tmp_path, run_cli) -> None:
 
 
 def test_output_names_are_slugged_and_collision_free(tmp_path) -> None:
-    from diffserve.outputs import unique_path
-
     assert prompt_slug("A red fox! (in snow)") == "A_red_fox_in_snow"
     name = output_file_name("a red fox", "req-1", 0, "png")
     parts = name[: -len(".png")].split("_")

@@ -67,7 +67,7 @@ def test_a_lossless_request_batched_with_a_medium_one_keeps_its_exact_output(gen
     pipeline = generator.pipeline
     exact = Req(SamplingParams(prompt=PROMPTS[0], num_inference_steps=STEPS, seed=4, **SIZE))
     medium = Req(SamplingParams(prompt=PROMPTS[1], num_inference_steps=STEPS, seed=4, quality="medium", **SIZE))
-    reqs = [pipeline.run_pre_denoise(r) for r in (exact, medium)]
+    reqs = [pipeline.run_pre_denoise(pipeline.validate(r)) for r in (exact, medium)]
     while not all(r.is_denoised for r in reqs):
         pipeline.denoise_step(reqs)
     exact, medium = (pipeline.run_post_denoise(r) for r in reqs)

@@ -42,7 +42,7 @@ def _input_image() -> Image.Image:
 
 #: name -> (builder of the model folder, generation kwargs; all run with the family's default CFG on)
 CASES: dict[str, tuple[Callable[[Path], Path], dict[str, Any]]] = {
-    "zimage": (build_tiny_zimage, {"height": 64, "width": 64}),
+    "z-image": (build_tiny_zimage, {"height": 64, "width": 64}),
     "wan-t2v": (build_tiny_wan, {"height": 64, "width": 64, "num_frames": 9}),
     "wan-i2v": (
         lambda root: build_tiny_wan(root, TinyWanSpec(image_to_video=True)),
@@ -99,8 +99,10 @@ def test_each_tier_keeps_its_psnr_bar_and_medium_and_low_skip_steps(family: Fami
 
 def test_a_lossless_request_batched_with_a_medium_one_gets_its_own_output(family: Family) -> None:
     pipeline = family.gen.pipeline
-    exact = pipeline.run_pre_denoise(Req(params=family.params(quality="lossless")))
-    cached = pipeline.run_pre_denoise(Req(params=family.params(prompt=OTHER_PROMPT, seed=SEED + 1, quality="medium")))
+    exact = pipeline.run_pre_denoise(pipeline.validate(Req(params=family.params(quality="lossless"))))
+    cached = pipeline.run_pre_denoise(
+        pipeline.validate(Req(params=family.params(prompt=OTHER_PROMPT, seed=SEED + 1, quality="medium")))
+    )
     assert exact.step_cache is None and cached.step_cache is not None
     assert exact.do_cfg and cached.do_cfg  # two rows per request: the groups must follow cfg_batch's order
     assert pipeline.batch_key(exact) == pipeline.batch_key(cached)
@@ -126,7 +128,7 @@ def test_dit_rows_reuse_and_run_independently(family: Family) -> None:
     residual and runs row 1 alone, which must give row 1 what it gets in a batch of its own."""
     dit = family.gen.pipeline.denoising_stage.denoise_step.transformer
     torch.manual_seed(0)
-    if family.name == "zimage":
+    if family.name == "z-image":
         _check_z_image_dit(dit)
     else:
         _check_wan_dit(dit)
@@ -136,7 +138,7 @@ def _check_z_image_dit(dit) -> None:
     # Row 0 (reused) has the larger image and the longer caption, so row 1 runs with a narrower layout
     # than the batch's and its result is padded back.
     xs = [torch.randn(16, 1, 12, 8), torch.randn(16, 1, 8, 8)]
-    caps = [torch.randn(45, dit.config["cap_feat_dim"]), torch.randn(7, dit.config["cap_feat_dim"])]
+    caps = [torch.randn(45, dit.config.cap_feat_dim), torch.randn(7, dit.config.cap_feat_dim)]
     t = torch.tensor([0.3, 0.6])
 
     def forward(cache: BatchStepCache | None) -> list[torch.Tensor]:
@@ -158,9 +160,9 @@ def _check_z_image_dit(dit) -> None:
 
 def _check_wan_dit(dit) -> None:
     config = dit.config
-    latents = torch.randn(2, config["in_channels"], 3, 8, 8)
-    text = torch.randn(2, 16, config["text_dim"])
-    image = torch.randn(2, 5, config["image_dim"]) if config["image_dim"] else None
+    latents = torch.randn(2, config.in_channels, 3, 8, 8)
+    text = torch.randn(2, 16, config.text_dim)
+    image = torch.randn(2, 5, config.image_dim) if config.image_dim else None
     t = torch.tensor([300.0, 700.0])
 
     def forward(cache: BatchStepCache | None, rows: slice = slice(None)) -> torch.Tensor:

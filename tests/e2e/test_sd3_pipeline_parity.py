@@ -67,7 +67,7 @@ def test_sd3_initial_noise_matches_diffusers(engines) -> None:
     ours, reference = engines
     req = Req(params=SamplingParams(prompt="x", height=64, width=48, num_inference_steps=2, seed=5))
     for stage in ours.pipeline.stages[:3]:  # validation, text encoding, latent preparation
-        req = stage(req)
+        req = stage(req, ours.platform)
     expected = reference.prepare_latents(
         1, 16, 64, 48, torch.float32, torch.device("cpu"), torch.Generator("cpu").manual_seed(5)
     )

@@ -29,7 +29,7 @@ CASES = {
             {"num_inference_steps": 5, "true_cfg_scale": 2.0, "negative_prompt": " a much longer negative prompt"},
         ],
     ),
-    "zimage": (
+    "z-image": (
         "diffserve.testing.tiny_zimage:build_tiny_zimage",
         [
             {"num_inference_steps": 4, "guidance_scale": 4.0},
@@ -72,7 +72,7 @@ def _run_batched(gen: DiffGenerator, params: list[SamplingParams], join_after: l
     while waiting or running:
         for req, after in [w for w in waiting if w[1] <= steps]:
             waiting.remove((req, after))
-            running.append(pipeline.run_pre_denoise(req))
+            running.append(pipeline.run_pre_denoise(pipeline.validate(req)))
         groups: dict[tuple, list[Req]] = {}
         for req in running:
             groups.setdefault(pipeline.batch_key(req), []).append(req)

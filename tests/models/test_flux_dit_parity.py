@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from diffserve.models.dits.flux import FluxTransformer2DModel
+from diffserve.models.dits.flux import FluxTransformer2DModel, FluxTransformerConfig
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import FluxTransformer2DModel as DiffusersFlux  # noqa: E402
@@ -84,7 +84,8 @@ def test_state_dict_keys_and_shapes_match_diffusers() -> None:
     for guidance_embeds in (False, True):
         ref = DiffusersFlux(**TINY_CONFIG, guidance_embeds=guidance_embeds)
         with torch.device("meta"):
-            ours = FluxTransformer2DModel(**TINY_CONFIG, guidance_embeds=guidance_embeds)
+            config = FluxTransformerConfig(**TINY_CONFIG, guidance_embeds=guidance_embeds)
+            ours = FluxTransformer2DModel(config)
         ref_shapes = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
         our_shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
         assert set(our_shapes) == set(ref_shapes), (
@@ -126,8 +127,8 @@ def test_from_config_rejects_unknown_keys_and_ignores_metadata() -> None:
         model = FluxTransformer2DModel.from_config(
             {**TINY_CONFIG, "_class_name": "FluxTransformer2DModel", "_diffusers_version": "0.42.1"}
         )
-        assert model.config["out_channels"] == TINY_CONFIG["in_channels"]
-        assert model.config["axes_dims_rope"] == (4, 6, 6)
+        assert model.config.out_channels == TINY_CONFIG["in_channels"]
+        assert model.config.axes_dims_rope == (4, 6, 6)
         with pytest.raises(ValueError, match="FluxTransformer2DModel config has unknown keys"):
             FluxTransformer2DModel.from_config({**TINY_CONFIG, "num_layer": 3})
         with pytest.raises(ValueError, match="axes_dims_rope"):
@@ -184,12 +185,13 @@ def test_loading_a_diffusers_folder_fuses_and_keeps_diffusers_names(tmp_path, ca
     and a strict load of Diffusers' state dict into the fused model still works."""
     from diffserve.loader.component_loader import load_native_model
     from diffserve.loader.model_index import ComponentSpec
+    from diffserve.platforms import CpuPlatform
 
     ref, _ = _pair(guidance_embeds=True)
     ref.save_pretrained(tmp_path / "transformer")
     spec = ComponentSpec("transformer", "diffusers", "FluxTransformer2DModel", tmp_path / "transformer")
     with caplog.at_level(logging.INFO, logger="diffserve"):
-        model, _ = load_native_model(spec, torch.device("cpu"), torch.float32)
+        model, _ = load_native_model(spec, FluxTransformer2DModel, CpuPlatform(), torch.float32)
     assert caplog.text.count("fused QKV in 4 attention layers") == 1
     assert model.transformer_blocks[0].attn.to_qkv is not None
     assert model.single_transformer_blocks[0].to_qkv_mlp is not None

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
+from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel, QwenImageTransformerConfig
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import QwenImageTransformer2DModel as DiffusersQwenImage  # noqa: E402
@@ -82,7 +82,7 @@ def _compare(
 def test_state_dict_keys_and_shapes_match_diffusers(config: dict[str, Any]) -> None:
     ref = DiffusersQwenImage(**config)
     with torch.device("meta"):
-        ours = QwenImageTransformer2DModel(**config)
+        ours = QwenImageTransformer2DModel(QwenImageTransformerConfig(**config))
     ref_shapes = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
     our_shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
     assert set(our_shapes) == set(ref_shapes), (
@@ -181,7 +181,7 @@ def test_parity_bf16() -> None:
     ref, _ = _pair(TINY)
     ref = ref.to(torch.bfloat16)
     with torch.device("meta"):
-        ours = QwenImageTransformer2DModel(**TINY)
+        ours = QwenImageTransformer2DModel(QwenImageTransformerConfig(**TINY))
     ours.load_state_dict(ref.state_dict(), strict=True, assign=True)
     inputs = _inputs(2, [GEN], [0.9, 0.013], mask=True)
     for k in ("hidden_states", "encoder_hidden_states"):
@@ -196,7 +196,7 @@ def test_config_errors() -> None:
         QwenImageTransformer2DModel.from_config({**TINY, "use_layer3d_rope": True})
     with pytest.raises(ValueError, match="img_shapes"):
         with torch.device("meta"):
-            ours = QwenImageTransformer2DModel(**TINY)
+            ours = QwenImageTransformer2DModel(QwenImageTransformerConfig(**TINY))
         ours(
             torch.zeros(1, 20, 16, device="meta"),
             torch.zeros(1, 3, 32, device="meta"),

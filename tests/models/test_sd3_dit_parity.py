@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from diffserve.models.dits.sd3 import SD3Transformer2DModel
+from diffserve.models.dits.sd3 import SD3Transformer2DModel, SD3TransformerConfig
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import SD3Transformer2DModel as DiffusersSD3  # noqa: E402
@@ -73,7 +73,7 @@ def _compare(
 def test_state_dict_keys_and_shapes_match_diffusers(config: dict[str, Any]) -> None:
     ref = DiffusersSD3(**config)
     with torch.device("meta"):
-        ours = SD3Transformer2DModel(**config)
+        ours = SD3Transformer2DModel(SD3TransformerConfig(**config))
     ref_shapes = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
     our_shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
     assert set(our_shapes) == set(ref_shapes), (
@@ -81,9 +81,8 @@ def test_state_dict_keys_and_shapes_match_diffusers(config: dict[str, Any]) -> N
     )
     assert our_shapes == ref_shapes
     # Built off the meta device, the position table equals the one Diffusers computes.
-    torch.testing.assert_close(
-        SD3Transformer2DModel(**config).pos_embed.pos_embed, ref.pos_embed.pos_embed, rtol=0, atol=1e-6
-    )
+    table = SD3Transformer2DModel(SD3TransformerConfig(**config)).pos_embed.pos_embed
+    torch.testing.assert_close(table, ref.pos_embed.pos_embed, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("config", [SD3_MEDIUM_LIKE, SD35_LIKE], ids=["sd3-medium", "sd3.5"])
@@ -112,7 +111,7 @@ def test_from_config_rejects_unknown_keys() -> None:
 
 def test_latent_larger_than_position_table_is_an_error() -> None:
     with torch.device("meta"):
-        ours = SD3Transformer2DModel(**SD3_MEDIUM_LIKE)
+        ours = SD3Transformer2DModel(SD3TransformerConfig(**SD3_MEDIUM_LIKE))
     with pytest.raises(ValueError, match="pos_embed_max_size"):
         ours.pos_embed.position_table(17, 4, torch.device("meta"))
 
@@ -122,7 +121,7 @@ def test_parity_bf16() -> None:
     ref, _ = _pair(SD35_LIKE)
     ref = ref.to(torch.bfloat16)
     with torch.device("meta"):
-        ours = SD3Transformer2DModel(**SD35_LIKE)
+        ours = SD3Transformer2DModel(SD3TransformerConfig(**SD35_LIKE))
     ours.load_state_dict(ref.state_dict(), strict=True, assign=True)
     inputs = {k: v.to(torch.bfloat16) for k, v in _inputs(SD35_LIKE, 2, 16, 8, [900.0, 3.0]).items()}
     _compare(ref, ours.eval(), "rms_norm bf16 b=2 16x8", atol=2e-2, **inputs)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from diffserve.models.dits.wan import WanTransformer3DModel, wan_rope_axes_dims
+from diffserve.models.dits.wan import WanTransformer3DModel, WanTransformerConfig, wan_rope_axes_dims
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import WanTransformer3DModel as DiffusersWan  # noqa: E402
@@ -103,7 +103,7 @@ def _compare(
 def test_state_dict_keys_and_shapes_match_diffusers(config: dict[str, Any]) -> None:
     ref = DiffusersWan(**config)
     with torch.device("meta"):
-        ours = WanTransformer3DModel(**config)
+        ours = WanTransformer3DModel(WanTransformerConfig(**config))
     ref_shapes = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
     our_shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
     assert set(our_shapes) == set(ref_shapes), (
@@ -118,7 +118,7 @@ def test_rope_tables_match_diffusers(head_dim: int) -> None:
     rope = diffusers.models.transformers.transformer_wan.WanRotaryPosEmbed(head_dim, (1, 2, 2), 32)
     ref_cos, ref_sin = rope(torch.zeros(1, 1, 3, 12, 8))
     with torch.device("meta"):
-        ours = WanTransformer3DModel(**{**T2V, "attention_head_dim": head_dim})
+        ours = WanTransformer3DModel(WanTransformerConfig(**{**T2V, "attention_head_dim": head_dim}))
     assert wan_rope_axes_dims(head_dim) == (rope.t_dim, rope.h_dim, rope.w_dim)
     cos, sin = ours.rope_tables(3, 6, 4, torch.device("cpu"))
     torch.testing.assert_close(cos, ref_cos[0, :, 0, 0::2], rtol=0, atol=0)
@@ -191,7 +191,7 @@ def test_bf16_parity(config: dict[str, Any]) -> None:
     ref, _ = _pair(config)
     ref = _bf16_like_from_pretrained(ref, config)
     with torch.device("meta"):
-        ours = WanTransformer3DModel(**config)
+        ours = WanTransformer3DModel(WanTransformerConfig(**config))
     ours.load_state_dict(ref.state_dict(), strict=True, assign=True)
     inputs = {k: v.to(torch.bfloat16) for k, v in _inputs(config, 2, [900.0, 3.0], txt=512).items()}
     inputs["timestep"] = torch.tensor([900, 3])
@@ -200,7 +200,7 @@ def test_bf16_parity(config: dict[str, Any]) -> None:
         return
 
     with torch.device("meta"):
-        all_bf16 = WanTransformer3DModel(**config)
+        all_bf16 = WanTransformer3DModel(WanTransformerConfig(**config))
     all_bf16.load_state_dict(
         {k: v.to(torch.bfloat16) for k, v in ref.state_dict().items()}, strict=True, assign=True
     )
@@ -214,12 +214,12 @@ def test_from_config_rejects_unknown_keys() -> None:
 
 def test_invalid_configs_and_inputs_are_errors() -> None:
     with pytest.raises(ValueError, match="qk_norm"):
-        WanTransformer3DModel(**{**T2V, "qk_norm": "rms_norm"})
+        WanTransformer3DModel(WanTransformerConfig(**{**T2V, "qk_norm": "rms_norm"}))
     with pytest.raises(ValueError, match="added_kv_proj_dim"):
-        WanTransformer3DModel(**{**T2V, "image_dim": 24})
+        WanTransformer3DModel(WanTransformerConfig(**{**T2V, "image_dim": 24}))
     with torch.device("meta"):
-        t2v = WanTransformer3DModel(**T2V)
-        i2v = WanTransformer3DModel(**I2V)
+        t2v = WanTransformer3DModel(WanTransformerConfig(**T2V))
+        i2v = WanTransformer3DModel(WanTransformerConfig(**I2V))
     meta = {k: v.to("meta") for k, v in _inputs(I2V, 1, [1.0]).items()}
     with pytest.raises(ValueError, match="text-to-video"):
         t2v(**{**meta, "hidden_states": meta["hidden_states"][:, :16]})

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffserve.models.vaes.autoencoder_kl_qwen_image import AutoencoderKLWan
+from diffserve.models.vaes.autoencoder_kl_wan import AutoencoderKLWan
 
 diffusers = pytest.importorskip("diffusers")
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from diffserve.models.dits.z_image import ZImageTransformer2DModel
+from diffserve.models.dits.z_image import ZImageTransformer2DModel, ZImageTransformerConfig
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import ZImageTransformer2DModel as DiffusersZImage  # noqa: E402
@@ -87,7 +87,7 @@ def _compare(label: str, atol: float = 1e-4, **inputs: Any) -> list[torch.Tensor
 def test_state_dict_keys_and_shapes_match_diffusers() -> None:
     ref, _ = _pair()
     with torch.device("meta"):
-        ours = ZImageTransformer2DModel(**TINY)
+        ours = ZImageTransformer2DModel(ZImageTransformerConfig(**TINY))
     ref_shapes = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
     our_shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
     assert set(our_shapes) == set(ref_shapes), (
@@ -139,7 +139,7 @@ def test_from_config_rejects_unknown_keys_and_omni() -> None:
     with pytest.raises(ValueError, match="ZImageTransformer2DModel config has unknown keys"):
         ZImageTransformer2DModel.from_config({**TINY, "num_single_layers": 3})
     with pytest.raises(ValueError, match="Omni"):
-        ZImageTransformer2DModel(**{**TINY, "siglip_feat_dim": 24})
+        ZImageTransformer2DModel(ZImageTransformerConfig(**{**TINY, "siglip_feat_dim": 24}))
 
 
 def test_bad_inputs_are_errors() -> None:
@@ -162,7 +162,7 @@ def test_parity_bf16() -> None:
     ref16.load_state_dict(ref.state_dict())
     ref16 = ref16.to(torch.bfloat16)
     with torch.device("meta"):
-        ours = ZImageTransformer2DModel(**TINY)
+        ours = ZImageTransformer2DModel(ZImageTransformerConfig(**TINY))
     ours.load_state_dict(ref16.state_dict(), strict=True, assign=True)
     inputs = _inputs([(8, 6), (8, 6)], [7, 40], [0.1, 0.85], seed=6)
     inputs = {**inputs, "x": [xi.bfloat16() for xi in inputs["x"]]}

@@ -3,14 +3,11 @@ cancellation of waiting and running requests, and one failing request not affect
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
-import torch
-from PIL import Image
 
 from diffserve.configs.engine_args import EngineArgs
 from diffserve.configs.sampling_params import SamplingParams
+from diffserve.runtime import SchedulerConfig
 from diffserve.server.engine_process import Engine, EngineProcessConfig
 from diffserve.server.protocol import (
     CancelJob,
@@ -23,52 +20,7 @@ from diffserve.server.protocol import (
     JobStarted,
     ShutdownEngine,
 )
-
-
-class FakePipeline:
-    """The three phases the engine's scheduler drives, without a model: `num_inference_steps` fake
-    steps; prompt "boom" fails in pre-denoise; `on_step` is called inside every step (tests cancel there)."""
-
-    pixel_multiple = 16
-
-    def __init__(self) -> None:
-        self.on_step = lambda req: None
-
-    def resolve_params(self, params: SamplingParams) -> SamplingParams:
-        resolved = params.with_defaults(SamplingParams(num_inference_steps=3, height=32, width=32))
-        resolved.validate(16)
-        return resolved
-
-    def run_pre_denoise(self, req):
-        req.params = self.resolve_params(req.params)
-        if req.params.prompt == "boom":
-            raise RuntimeError("kaboom")
-        req.timesteps = torch.zeros(req.params.num_inference_steps)
-        req.timings["FakeStage"] = 0.01
-        return req
-
-    def denoise_step(self, reqs) -> None:
-        for req in reqs:
-            req.step_index += 1
-            self.on_step(req)
-
-    def run_post_denoise(self, req):
-        p = req.params
-        req.images = [Image.new("RGB", (p.width, p.height), (i * 40, 0, 0)) for i in range(p.num_outputs_per_prompt)]
-        return req
-
-    def batch_key(self, req) -> tuple:
-        return (req.params.height, req.params.width)
-
-
-class FakeGenerator:
-    model_path = "/fake/model"
-    family = SimpleNamespace(name="fake", diffusers_pipeline="FakePipeline", task="text-to-image")
-    platform = SimpleNamespace(name="cpu", device_name=lambda: "test-cpu")
-    dtype = "torch.float32"
-
-    def __init__(self) -> None:
-        self.pipeline = FakePipeline()
+from diffserve.testing.fake_pipeline import FakeGenerator
 
 
 class FakeChannel:
@@ -132,7 +84,8 @@ def test_requests_share_steps_and_finish_on_their_own_step_counts(engine) -> Non
 
 def test_max_running_requests_1_runs_one_at_a_time(tmp_path) -> None:
     args = EngineArgs(model_path="/fake/model", output_path=str(tmp_path), max_running_requests=1)
-    engine = Engine(EngineProcessConfig(args, "", "", 1), FakeChannel(), generator=FakeGenerator())
+    generator = FakeGenerator(config=SchedulerConfig(max_running_requests=1))
+    engine = Engine(EngineProcessConfig(args, "", "", 1), FakeChannel(), generator=generator)
     for rid in ("r1", "r2", "r3"):
         engine._handle(job(rid))
     engine.run_until_idle()
@@ -142,7 +95,8 @@ def test_max_running_requests_1_runs_one_at_a_time(tmp_path) -> None:
 
 def test_priority_jobs_start_first(tmp_path) -> None:
     args = EngineArgs(model_path="/fake/model", output_path=str(tmp_path), max_running_requests=1)
-    engine = Engine(EngineProcessConfig(args, "", "", 1), FakeChannel(), generator=FakeGenerator())
+    generator = FakeGenerator(config=SchedulerConfig(max_running_requests=1))
+    engine = Engine(EngineProcessConfig(args, "", "", 1), FakeChannel(), generator=generator)
     engine._handle(job("low"))
     engine._handle(GenerateJob("high", SamplingParams(prompt="p"), priority=10))
     engine.run_until_idle()

@@ -27,7 +27,7 @@ FAMILIES = {
         {"true_cfg_scale": 4.0, "negative_prompt": "blurry"},
         "guidance_scale",
     ),
-    "zimage": ("diffserve.testing.tiny_zimage:build_tiny_zimage", {"guidance_scale": 3.0}, "true_cfg_scale"),
+    "z-image": ("diffserve.testing.tiny_zimage:build_tiny_zimage", {"guidance_scale": 3.0}, "true_cfg_scale"),
 }
 WIDTH, HEIGHT = 48, 32
 

@@ -476,37 +476,17 @@ def test_cli_generate_image_flags(tiny_flux_dir, tmp_path, capsys) -> None:
 
 
 # -- the engine's probe on an edit model (warm-up, /health_generate) --------------------------------
-class _EditPipeline:
-    """Stands in for an edit family: refuses a request without exactly one input image."""
-
-    pixel_multiple = 16
-
-    def resolve_params(self, params):
-        from diffserve.configs.sampling_params import SamplingParams
-
-        if not params.input_images:
-            raise InvalidRequestError("EditPipeline needs an input image", param="image")
-        width, height = params.input_images[0].size
-        resolved = params.with_defaults(SamplingParams(num_inference_steps=3, height=height, width=width))
-        resolved.validate(16)
-        return resolved
-
-
 def test_engine_probes_edit_models_with_an_input_image(tmp_path) -> None:
     from types import SimpleNamespace
 
     from diffserve.configs.sampling_params import SamplingParams
     from diffserve.server.engine_process import Engine, EngineProcessConfig
     from diffserve.server.protocol import GenerateJob, JobRejected
+    from diffserve.testing.fake_pipeline import FakeFamily, FakeGenerator, FakePipeline, image_facts
 
     sent: list = []
-    generator = SimpleNamespace(
-        pipeline=_EditPipeline(),
-        model_path="/m",
-        family=SimpleNamespace(name="edit", diffusers_pipeline="E", task="image-edit"),
-        platform=SimpleNamespace(name="cpu", device_name=lambda: "cpu"),
-        dtype="torch.float32",
-    )
+    pipeline = FakePipeline(image_facts("EditPipeline", min_input_images=1, max_input_images=1))
+    generator = FakeGenerator(pipeline, FakeFamily("edit", "E", "image-edit"))
     config = EngineProcessConfig(EngineArgs(model_path="/m", output_path=str(tmp_path)), "", "", 1)
     engine = Engine(config, SimpleNamespace(send=sent.append), generator=generator)
     probe = engine.probe_params("warm-up")

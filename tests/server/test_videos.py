@@ -39,6 +39,7 @@ from diffserve.server.metrics import ServerMetrics
 from diffserve.server.protocol import JobProgress
 from diffserve.server.video_jobs import VideoJob, VideoJobStore, progress_percent
 from diffserve.server.video_routes import frames_for_seconds, video_router
+from diffserve.testing.fake_pipeline import FakeFamily, FakeGenerator, FakePipeline, video_facts
 
 MODEL_NAME = "tiny-wan"
 SIZE = 32
@@ -166,53 +167,10 @@ def test_videos_route_refuses_an_image_model() -> None:
     )
 
 
-class FakeVideoGenerator:
-    """Stands in for a Wan DiffGenerator in the engine loop: its pipeline's three phases run `steps`
-    fake steps, then give black frames."""
-
-    model_path = "/fake/wan"
-    family = SimpleNamespace(name="fake-wan", diffusers_pipeline="WanPipeline", task="text-to-video")
-    platform = SimpleNamespace(name="cpu", device_name=lambda: "test-cpu")
-    dtype = "torch.float32"
-
-    def __init__(self) -> None:
-        self.pipeline = SimpleNamespace(
-            pixel_multiple=16,
-            resolve_params=self.resolve,
-            input_validation=SimpleNamespace(
-                video=SimpleNamespace(temporal_factor=4, max_frames=1025, max_fps=120)
-            ),
-            run_pre_denoise=self.pre_denoise,
-            denoise_step=self.denoise_step,
-            run_post_denoise=self.post_denoise,
-            batch_key=lambda req: (req.params.height, req.params.width, req.params.num_frames),
-        )
-
-    @staticmethod
-    def resolve(params: SamplingParams) -> SamplingParams:
-        defaults = SamplingParams(
-            num_inference_steps=3, height=32, width=32, num_frames=5, fps=8, video_format="mp4"
-        )
-        resolved = params.with_defaults(defaults)
-        resolved.validate(16)
-        return resolved
-
-    def pre_denoise(self, req):
-        req.params = self.resolve(req.params)
-        req.timesteps = np.zeros(req.params.num_inference_steps)
-        req.timings["Fake"] = 0.01
-        return req
-
-    @staticmethod
-    def denoise_step(reqs) -> None:
-        for req in reqs:
-            req.step_index += 1
-
-    @staticmethod
-    def post_denoise(req):
-        p = req.params
-        req.frames = [np.zeros((p.num_frames, p.height, p.width, 3), np.uint8)]
-        return req
+def FakeVideoGenerator() -> FakeGenerator:  # noqa: N802  (reads as the class it stands in for)
+    """Stands in for a Wan DiffGenerator in the engine loop: 3 fake steps, then black frames."""
+    family = FakeFamily("fake-wan", "WanPipeline", "text-to-video")
+    return FakeGenerator(FakePipeline(video_facts("WanPipeline")), family)
 
 
 @pytest.fixture

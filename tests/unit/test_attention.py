@@ -1,4 +1,5 @@
-"""The attention entry point: SDPA against a hand-written reference, and the backend selector."""
+"""The attention entry point: SDPA against a hand-written reference, backend resolution, and the scope
+that makes a resolved backend active."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import torch
 import diffserve.layers.attention as attention_mod
 from diffserve.layers.attention import (
     AttentionBackend,
+    active_attention_backend,
     attention,
-    select_attention_backend,
-    selected_attention_backend,
+    attention_backend_scope,
+    resolve_attention_backend,
 )
 
 LOGGER = "diffserve.layers.attention"
@@ -22,9 +24,8 @@ OPTIONAL_PACKAGES = ("flash_attn", "sageattention")
 
 
 @pytest.fixture(autouse=True)
-def _restore_backend_state(monkeypatch):
-    """select_attention_backend and the log-once set are process-wide; restore them after each test."""
-    monkeypatch.setattr(attention_mod, "_selected", attention_mod._selected)
+def _fresh_log_once_set(monkeypatch):
+    """The per-call fallback warnings are logged once per process; give each test an empty record."""
     monkeypatch.setattr(attention_mod, "_reported", set())
 
 
@@ -73,7 +74,7 @@ def test_sdpa_matches_reference_without_mask(kv_len):
 
 def test_default_backend_is_sdpa_and_matches_reference():
     q, k, v = qkv()
-    assert selected_attention_backend() is AttentionBackend.SDPA
+    assert active_attention_backend() is AttentionBackend.SDPA
     torch.testing.assert_close(attention(q, k, v), reference_attention(q, k, v), rtol=1e-5, atol=1e-5)
 
 
@@ -102,16 +103,15 @@ def test_sdpa_in_float64_is_tight():
     torch.testing.assert_close(attention(q, k, v), reference_attention(q, k, v), rtol=1e-12, atol=1e-12)
 
 
-# --- backend selection -------------------------------------------------------------------------
+# --- backend resolution -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", ["flash_attn", "sage_attn"])
 def test_requested_backend_not_installed_logs_reason_and_uses_sdpa(monkeypatch, caplog, name):
     fake_installed(monkeypatch, installed=False)
     caplog.set_level(logging.INFO, logger=LOGGER)
-    chosen = select_attention_backend(name, "cpu")
+    chosen = resolve_attention_backend(name, "cpu")
     assert chosen is AttentionBackend.SDPA
-    assert selected_attention_backend() is AttentionBackend.SDPA
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert name in warnings[0].getMessage()
@@ -123,7 +123,7 @@ def test_requested_backend_not_installed_logs_reason_and_uses_sdpa(monkeypatch, 
 def test_requested_backend_on_cpu_logs_reason_and_uses_sdpa_even_when_installed(monkeypatch, caplog, name):
     fake_installed(monkeypatch, installed=True)
     caplog.set_level(logging.INFO, logger=LOGGER)
-    assert select_attention_backend(name, "cpu") is AttentionBackend.SDPA
+    assert resolve_attention_backend(name, "cpu") is AttentionBackend.SDPA
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert name in warnings[0] and "'cpu'" in warnings[0] and "SDPA" in warnings[0]
@@ -132,15 +132,14 @@ def test_requested_backend_on_cpu_logs_reason_and_uses_sdpa_even_when_installed(
 def test_flash_attn_on_the_real_environment_cpu_falls_back(caplog):
     # Whatever is installed here, a CPU device never gets flash_attn.
     caplog.set_level(logging.WARNING, logger=LOGGER)
-    assert select_attention_backend("flash_attn", "cpu") is AttentionBackend.SDPA
+    assert resolve_attention_backend("flash_attn", "cpu") is AttentionBackend.SDPA
     assert any("flash_attn" in r.getMessage() for r in caplog.records)
 
 
 def test_installed_backend_on_cuda_is_selected_without_warning(monkeypatch, caplog):
     fake_installed(monkeypatch, installed=True)
     caplog.set_level(logging.INFO, logger=LOGGER)
-    assert select_attention_backend("flash_attn", "cuda") is AttentionBackend.FLASH_ATTN
-    assert selected_attention_backend() is AttentionBackend.FLASH_ATTN
+    assert resolve_attention_backend("flash_attn", "cuda") is AttentionBackend.FLASH_ATTN
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert any("flash_attn" in r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
 
@@ -148,21 +147,65 @@ def test_installed_backend_on_cuda_is_selected_without_warning(monkeypatch, capl
 @pytest.mark.parametrize("name", [None, "sdpa"])
 def test_sdpa_and_default_select_sdpa(caplog, name):
     caplog.set_level(logging.INFO, logger=LOGGER)
-    assert select_attention_backend(name, "cpu") is AttentionBackend.SDPA
+    assert resolve_attention_backend(name, "cpu") is AttentionBackend.SDPA
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_none_uses_the_platform_default(monkeypatch):
     fake_installed(monkeypatch, installed=True)
-    assert select_attention_backend(None, "cuda", default="sage_attn") is AttentionBackend.SAGE_ATTN
+    assert resolve_attention_backend(None, "cuda", default="sage_attn") is AttentionBackend.SAGE_ATTN
 
 
 @pytest.mark.parametrize("name", ["flash", "xformers", "bogus"])
 def test_unknown_backend_name_raises_value_error(name):
-    before = selected_attention_backend()
     with pytest.raises(ValueError, match=name):
-        select_attention_backend(name, "cpu")
-    assert selected_attention_backend() is before
+        resolve_attention_backend(name, "cpu")
+
+
+def test_resolving_changes_nothing_that_attention_reads(monkeypatch):
+    """Resolution is pure: the active backend only changes inside a scope."""
+    fake_installed(monkeypatch, installed=True)
+    assert resolve_attention_backend("flash_attn", "cuda") is AttentionBackend.FLASH_ATTN
+    assert active_attention_backend() is AttentionBackend.SDPA
+
+
+# --- the scope ----------------------------------------------------------------------------------
+
+
+def test_scope_activates_the_backend_and_restores_the_enclosing_one():
+    assert active_attention_backend() is AttentionBackend.SDPA
+    with attention_backend_scope("flash_attn") as chosen:
+        assert chosen is AttentionBackend.FLASH_ATTN
+        assert active_attention_backend() is AttentionBackend.FLASH_ATTN
+        with attention_backend_scope(AttentionBackend.SAGE_ATTN):
+            assert active_attention_backend() is AttentionBackend.SAGE_ATTN
+        assert active_attention_backend() is AttentionBackend.FLASH_ATTN
+    assert active_attention_backend() is AttentionBackend.SDPA
+
+
+def test_scope_is_left_on_error():
+    with pytest.raises(RuntimeError), attention_backend_scope("sage_attn"):
+        raise RuntimeError("model failed")
+    assert active_attention_backend() is AttentionBackend.SDPA
+
+
+def test_scope_rejects_unknown_backend():
+    with pytest.raises(ValueError), attention_backend_scope("bogus"):
+        pass
+    assert active_attention_backend() is AttentionBackend.SDPA
+
+
+def test_attention_dispatches_to_the_scope_backend(monkeypatch):
+    """Inside a scope `attention()` runs that backend (faked here: flash_attn needs CUDA)."""
+    monkeypatch.setattr(attention_mod, "_flash", lambda q, k, v: torch.full_like(q, 7.0))
+    q, k, v = qkv(dtype=torch.bfloat16)
+    with attention_backend_scope("flash_attn"):
+        assert torch.equal(attention(q, k, v), torch.full_like(q, 7.0))
+    # Outside the scope, and with an explicit per-call backend, it is SDPA again.
+    torch.testing.assert_close(attention(q, k, v).float(), reference_attention(q.float(), k.float(), v.float()),
+                               rtol=2e-2, atol=2e-2)  # fmt: skip
+    with attention_backend_scope("flash_attn"):
+        assert not torch.equal(attention(q, k, v, backend="sdpa"), torch.full_like(q, 7.0))
 
 
 # --- per-call fallbacks of a selected fast backend ---------------------------------------------------

@@ -4,33 +4,20 @@ from __future__ import annotations
 
 import threading
 
-import pytest
-
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.errors import RequestCancelledError
+from diffserve.layers.attention import AttentionBackend
+from diffserve.platforms.cpu import CpuPlatform
 from diffserve.request import Req
-from diffserve.stages.denoising import DenoisingStage
+from diffserve.runtime import Engine
+from diffserve.testing.fake_pipeline import FakePipeline
 
 
-def _req(steps: int) -> Req:
-    import torch
-
-    req = Req(params=SamplingParams(prompt="x"))
-    req.latents = torch.zeros(1)
-    req.prompt_embeds = torch.zeros(1)
-    req.sigmas = torch.linspace(1, 0, steps + 1)
-    req.timesteps = req.sigmas[:-1] * 1000
-    return req
-
-
-def _counting_step(reqs: list[Req]) -> None:
-    for r in reqs:
-        r.step_index += 1
+def _engine() -> Engine:
+    return Engine(FakePipeline(), CpuPlatform(), attention_backend=AttentionBackend.SDPA)
 
 
 def test_cancel_between_steps() -> None:
-    req = _req(10)
-    req.cancel_event = threading.Event()
+    engine = _engine()
     seen: list[int] = []
 
     def on_step(r: Req) -> None:
@@ -38,14 +25,25 @@ def test_cancel_between_steps() -> None:
         if r.step_index == 3:
             r.cancel_event.set()
 
-    req.on_step = on_step
-    with pytest.raises(RequestCancelledError, match="cancelled at step 3"):
-        DenoisingStage(_counting_step, show_progress=False)(req)
-    assert seen == [1, 2, 3]
+    sr = engine.submit(Req(params=SamplingParams(prompt="x", num_inference_steps=10), on_step=on_step))
+    engine.run_to_completion([sr])
+    assert sr.state == "cancelled" and sr.req.step_index == 3 and seen == [1, 2, 3]
+    assert sr.req.images is None  # never decoded
+
+
+def test_cancel_from_another_thread_while_waiting() -> None:
+    engine = _engine()
+    sr = engine.submit(Req(params=SamplingParams(prompt="x"), cancel_event=threading.Event()))
+    canceller = threading.Thread(target=engine.cancel, args=(sr.request_id,))
+    canceller.start()
+    canceller.join()
+    assert sr.done.is_set()  # a waiting request ends at once
+    engine.run_to_completion([sr])
+    assert sr.state == "cancelled" and sr.req.step_index == 0
 
 
 def test_uncancelled_request_runs_all_steps() -> None:
-    req = _req(4)
-    req.cancel_event = threading.Event()
-    DenoisingStage(_counting_step, show_progress=False)(req)
-    assert req.step_index == 4 and len(req.step_times) == 4
+    engine = _engine()
+    sr = engine.submit(Req(params=SamplingParams(prompt="x", num_inference_steps=4)))
+    engine.run_to_completion([sr])
+    assert sr.state == "finished" and sr.req.step_index == 4 and len(sr.req.step_times) == 4

@@ -62,13 +62,13 @@ def graphs_compiled() -> int:
     ],
 )  # fmt: skip
 def test_block_lists_of_every_family(module: str, cls_name: str, expected: list) -> None:
-    """Each family's full-size DiT (built on the meta device: no memory) exposes exactly its block lists,
-    not the small ModuleLists inside blocks (`to_out`, a feed-forward's `net`)."""
+    """Each family's full-size DiT (its config's defaults, built on the meta device: no memory) exposes
+    exactly its block lists, not the small ModuleLists inside blocks (`to_out`, a feed-forward's `net`)."""
     import importlib
 
     cls = getattr(importlib.import_module(f"diffserve.models.dits.{module}"), cls_name)
     with torch.device("meta"):
-        model = cls()
+        model = cls.from_config({})
     found = [(name, type(blocks[0]).__name__, len(blocks)) for name, blocks in find_block_lists(model)]
     assert found == expected
 
@@ -98,6 +98,7 @@ def test_warmup_params_of_each_kind(cfg_mode: str) -> None:
 def test_cfg_overrides_switch_the_negative_branch(cfg_mode: str) -> None:
     """The overrides really turn CFG off and on under each family's rule (the validation stage decides)."""
     from diffserve.configs.sampling_params import SamplingParams
+    from diffserve.platforms import CpuPlatform
     from diffserve.request import Req
     from diffserve.stages.input_validation import InputValidationStage
 
@@ -105,7 +106,7 @@ def test_cfg_overrides_switch_the_negative_branch(cfg_mode: str) -> None:
                                  pixel_multiple=16, default_pixels=64, max_sequence_length_limit=None,
                                  cfg_mode=cfg_mode)  # fmt: skip
     for cfg, overrides in cfg_overrides(cfg_mode).items():
-        req = stage(Req(params=SamplingParams(prompt="p", height=64, width=64, **overrides)))
+        req = stage(Req(params=SamplingParams(prompt="p", height=64, width=64, **overrides)), CpuPlatform())
         assert req.do_cfg is cfg
 
 
@@ -179,9 +180,9 @@ def test_compiled_dit_matches_eager(compiled, eager) -> None:
     side = int(image_tokens**0.5)
     rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
     inputs = {
-        "hidden_states": torch.randn(batch, image_tokens, config["in_channels"], generator=gen),
-        "encoder_hidden_states": torch.randn(batch, text_tokens, config["joint_attention_dim"], generator=gen),
-        "pooled_projections": torch.randn(batch, config["pooled_projection_dim"], generator=gen),
+        "hidden_states": torch.randn(batch, image_tokens, config.in_channels, generator=gen),
+        "encoder_hidden_states": torch.randn(batch, text_tokens, config.joint_attention_dim, generator=gen),
+        "pooled_projections": torch.randn(batch, config.pooled_projection_dim, generator=gen),
         "timestep": torch.tensor([0.9, 0.4]),
         "img_ids": torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float(),
         "txt_ids": torch.zeros(text_tokens, 3),

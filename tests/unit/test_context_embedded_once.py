@@ -16,8 +16,8 @@ import torch
 from PIL import Image
 
 from diffserve.api import DiffGenerator
-from diffserve.models.dits.flux import FluxTransformer2DModel
-from diffserve.models.dits.z_image import ZImageTransformer2DModel
+from diffserve.models.dits.flux import FluxTransformer2DModel, FluxTransformerConfig
+from diffserve.models.dits.z_image import ZImageTransformer2DModel, ZImageTransformerConfig
 from diffserve.pipelines.cfg_batch import branch_texts
 from diffserve.pipelines.wan import WanDenoiser
 from diffserve.pipelines.z_image import ZImageDenoiser
@@ -56,10 +56,10 @@ def test_flux_embeds_each_requests_text_once(flux: DiffGenerator, monkeypatch: p
 
 def test_flux_context_argument_gives_the_same_prediction() -> None:
     torch.manual_seed(0)
-    dit = FluxTransformer2DModel(
+    dit = FluxTransformer2DModel(FluxTransformerConfig(
         in_channels=8, num_layers=1, num_single_layers=2, attention_head_dim=8, num_attention_heads=2,
         joint_attention_dim=12, pooled_projection_dim=10, axes_dims_rope=(2, 2, 4),
-    ).eval()  # fmt: skip
+    )).eval()  # fmt: skip
     g = torch.Generator().manual_seed(1)
     text = torch.randn(2, 5, 12, generator=g)
     inputs = {
@@ -139,10 +139,10 @@ def _refine_every_step(self, req):  # noqa: ANN001, ANN202 - stands in for ZImag
 def test_zimage_refined_captions_give_the_same_prediction() -> None:
     """Two captions of different lengths (masked), as one request's CFG branches are refined."""
     torch.manual_seed(0)
-    dit = ZImageTransformer2DModel(
+    dit = ZImageTransformer2DModel(ZImageTransformerConfig(
         in_channels=4, dim=32, n_layers=1, n_refiner_layers=2, n_heads=2, n_kv_heads=2, cap_feat_dim=12,
         axes_dims=(4, 6, 6), axes_lens=(128, 16, 16),
-    ).eval()  # fmt: skip
+    )).eval()  # fmt: skip
     with torch.no_grad():
         for p in dit.parameters():
             p.add_(torch.randn_like(p) * 0.1)

@@ -1,13 +1,13 @@
-"""CustomOp dispatch: the op picks `forward_<platform.dispatch_key>` once, at build time, and every key
-without a vendor kernel falls back to `forward_native` with identical output."""
+"""CustomOp dispatch: the op picks `forward_<platform.dispatch_key>` once, for the platform it is given
+(at build time, or when a loaded model is bound), and every key without a vendor kernel falls back to
+`forward_native` with identical output."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import diffserve.platforms as platforms
-from diffserve.layers.custom_op import DISPATCH_KEYS, CustomOp
+from diffserve.layers.custom_op import DISPATCH_KEYS, CustomOp, dispatch_custom_ops
 from diffserve.platforms import (
     CpuPlatform,
     CudaPlatform,
@@ -17,8 +17,6 @@ from diffserve.platforms import (
     Platform,
     RocmPlatform,
     XpuPlatform,
-    current_platform,
-    set_platform,
 )
 
 # Every real platform and the dispatch key it declares.
@@ -31,11 +29,6 @@ PLATFORM_KEYS = {
     MpsPlatform: "mps",
     CpuPlatform: "cpu",
 }
-
-
-@pytest.fixture(autouse=True)
-def _restore_global_platform(monkeypatch):
-    monkeypatch.setattr(platforms, "_current", platforms._current)
 
 
 class FakePlatform(CpuPlatform):
@@ -125,19 +118,30 @@ def test_fallback_passes_keyword_arguments_through():
         assert torch.equal(Add(FakePlatform(key))(torch.zeros(2), bias=3.0), torch.full((2,), 3.0))
 
 
-def test_default_platform_is_the_current_one():
-    set_platform(FakePlatform("musa"))
-    assert ScaleShift().dispatched_method_name == "forward_musa"
-    set_platform("cpu")
-    assert type(current_platform()) is CpuPlatform
-    assert ScaleShift().dispatched_method_name == "forward_cpu"
+def test_op_built_without_a_platform_runs_the_reference_until_bound():
+    op = ScaleShift()
+    assert op.dispatch_platform is None
+    assert op.dispatched_method_name == "forward_native"
+    platform = FakePlatform("musa")
+    op.bind_platform(platform)
+    assert op.dispatch_platform is platform
+    assert op.dispatched_method_name == "forward_musa"
+
+
+def test_dispatch_custom_ops_binds_every_op_of_a_model():
+    model = torch.nn.Sequential(ScaleShift(), torch.nn.Sequential(torch.nn.Identity(), ScaleShift()))
+    platform = FakePlatform("musa")
+    assert dispatch_custom_ops(model, platform) == 2
+    assert [m.dispatched_method_name for m in model.modules() if isinstance(m, CustomOp)] == ["forward_musa"] * 2
+    model(torch.zeros(1))
+    assert model[0].musa_calls == 1 and model[1][1].musa_calls == 1
 
 
 def test_dispatch_is_fixed_at_build_time():
-    set_platform(FakePlatform("musa"))
-    op = ScaleShift()
-    set_platform("cpu")
+    op = ScaleShift(FakePlatform("musa"))
+    other = ScaleShift(CpuPlatform())  # another platform in the same process does not move it
     assert op.dispatched_method_name == "forward_musa"
+    assert other.dispatched_method_name == "forward_cpu"
     op(torch.zeros(1))
     assert op.musa_calls == 1
 

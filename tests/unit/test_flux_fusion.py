@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 
-from diffserve.models.dits.flux import FluxTransformer2DModel
+from diffserve.models.dits.flux import FluxTransformer2DModel, FluxTransformerConfig
 from diffserve.models.step_cache import CacheRows, StepCachePolicy, StepCacheState, batch_step_cache
 
 CONFIG = {
@@ -27,7 +27,7 @@ CONFIG = {
 
 def _model(seed: int = 0) -> FluxTransformer2DModel:
     torch.manual_seed(seed)
-    model = FluxTransformer2DModel(**CONFIG).eval()
+    model = FluxTransformer2DModel(FluxTransformerConfig(**CONFIG)).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.1)
@@ -80,7 +80,7 @@ def test_second_fuse_does_nothing_and_logs_nothing(caplog) -> None:
 
 def test_fusing_before_the_weights_are_loaded_is_refused() -> None:
     with torch.device("meta"):
-        model = FluxTransformer2DModel(**CONFIG)
+        model = FluxTransformer2DModel(FluxTransformerConfig(**CONFIG))
     with pytest.raises(RuntimeError, match="after loading the checkpoint"):
         model.fuse_for_inference()
 

@@ -16,9 +16,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from diffserve.layers.rotary import multi_axis_rope_tables
 from diffserve.models.dits.flux import FluxSingleTransformerBlock
-from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
-from diffserve.models.dits.sd3 import SD3Transformer2DModel
-from diffserve.models.dits.z_image import ZImageTransformer2DModel
+from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel, QwenImageTransformerConfig
+from diffserve.models.dits.sd3 import SD3Transformer2DModel, SD3TransformerConfig
+from diffserve.models.dits.z_image import ZImageTransformer2DModel, ZImageTransformerConfig
 
 DIM, HEADS, HEAD_DIM = 16, 2, 8
 TEXT_LEN, IMAGE_LEN = 12, 5
@@ -86,10 +86,10 @@ def _matmul_flops(run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
 def test_qwen_image_last_block_skips_the_text_output_with_the_same_image() -> None:
     torch.manual_seed(0)
     dim, text_len, layers = 32, 9, 3
-    model = QwenImageTransformer2DModel(
+    model = QwenImageTransformer2DModel(QwenImageTransformerConfig(
         patch_size=2, in_channels=16, out_channels=4, num_layers=layers, attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=24, axes_dims_rope=(4, 6, 6),
-    ).eval()  # fmt: skip
+    )).eval()  # fmt: skip
     _random_weights(model, 0.1)
     g = torch.Generator().manual_seed(2)
     inputs = {
@@ -117,10 +117,10 @@ def test_z_image_last_layer_computes_the_image_positions_only_with_the_same_outp
     """Two samples with different image sizes and caption lengths (masked batch, mixed padding)."""
     torch.manual_seed(0)
     dim = 64
-    model = ZImageTransformer2DModel(
+    model = ZImageTransformer2DModel(ZImageTransformerConfig(
         in_channels=16, dim=dim, n_layers=2, n_refiner_layers=1, n_heads=2, n_kv_heads=2,
         cap_feat_dim=32, axes_dims=(8, 12, 12), axes_lens=(256, 64, 64),
-    ).eval()  # fmt: skip
+    )).eval()  # fmt: skip
     _random_weights(model, 0.1)
     g = torch.Generator().manual_seed(3)
     inputs = {
@@ -168,7 +168,7 @@ def test_sd3_last_block_queries_the_image_rows_only_with_diffusers_output(batch:
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    ours = SD3Transformer2DModel(**config).eval()
+    ours = SD3Transformer2DModel(SD3TransformerConfig(**config)).eval()
     ours.load_state_dict(ref.state_dict(), strict=True)
     text_len, height, width = 40, 8, 6
     g = torch.Generator().manual_seed(4)

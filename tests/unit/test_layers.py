@@ -11,6 +11,7 @@ from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.rotary import RotaryEmbedding, multi_axis_rope_tables
 from diffserve.models.dits.z_image import ZImageFeedForward
+from diffserve.platforms import CpuPlatform
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers.models.embeddings import (  # noqa: E402
@@ -118,7 +119,7 @@ def test_rotary_under_compile_traces_real_arithmetic_and_matches_eager() -> None
     ids = torch.stack([torch.zeros(10), torch.arange(10.0), torch.arange(10.0) % 3], dim=1)
     cos, sin = multi_axis_rope_tables(ids, axes)
     q, k = torch.randn(2, 10, 3, 16), torch.randn(2, 10, 3, 16)
-    op = RotaryEmbedding()
+    op = RotaryEmbedding(CpuPlatform())
     traced_ops: list[str] = []
 
     def recording_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:

@@ -10,7 +10,6 @@ import psutil
 import pytest
 import torch
 
-import diffserve.platforms as platforms
 from diffserve.platforms import (
     DETECTION_ORDER,
     PLATFORMS_BY_NAME,
@@ -24,10 +23,9 @@ from diffserve.platforms import (
     PlatformUnavailableError,
     RocmPlatform,
     XpuPlatform,
-    current_platform,
     detect_platform,
     platform_by_name,
-    set_platform,
+    resolve_platform,
 )
 from diffserve.platforms.base import TorchAcceleratorPlatform
 
@@ -43,12 +41,6 @@ DOCUMENTED_ATTRIBUTES = {
     "mps": (MpsPlatform, "mps", "mps", "gloo", torch.float16),
     "cpu": (CpuPlatform, "cpu", "cpu", "gloo", torch.float32),
 }
-
-
-@pytest.fixture(autouse=True)
-def _restore_global_platform(monkeypatch):
-    """Every test may call set_platform/current_platform; put the process-wide choice back after."""
-    monkeypatch.setattr(platforms, "_current", platforms._current)
 
 
 def fake_availability(monkeypatch, available: set[type[Platform]]) -> None:
@@ -94,14 +86,15 @@ def test_cpu_is_always_available():
     assert CpuPlatform.is_available() is True
 
 
-def test_current_platform_is_detected_once_and_remembered(monkeypatch):
-    monkeypatch.setattr(platforms, "_current", None)
+def test_resolve_platform_none_detects_and_remembers_nothing(monkeypatch):
     fake_availability(monkeypatch, {NpuPlatform, CpuPlatform})
-    first = current_platform()
+    first = resolve_platform(None)
     assert type(first) is NpuPlatform
-    # Availability changing later does not silently move the engine to another platform.
+    # Each call is a fresh detection and a fresh instance: the caller keeps the one it was given.
+    assert resolve_platform(None) is not first
     fake_availability(monkeypatch, {CpuPlatform})
-    assert current_platform() is first
+    assert type(resolve_platform(None)) is CpuPlatform
+    assert type(first) is NpuPlatform
 
 
 # --- ROCm vs CUDA ----------------------------------------------------------------------------
@@ -135,7 +128,7 @@ def test_neither_cuda_nor_rocm_without_a_visible_device(monkeypatch):
         assert RocmPlatform.is_available() is False
 
 
-# --- explicit choice (--device / set_platform) -----------------------------------------------
+# --- explicit choice (--device / resolve_platform) ---------------------------------------------
 
 
 def test_platform_by_name_unknown_name_lists_the_choices():
@@ -183,38 +176,20 @@ def test_cuda_name_maps_to_rocm_on_hip_builds(monkeypatch):
     assert type(platform_by_name("cuda")) is RocmPlatform
 
 
-def test_set_platform_cpu():
-    chosen = set_platform("cpu")
-    assert type(chosen) is CpuPlatform
-    assert current_platform() is chosen
+def test_resolve_platform_cpu():
+    assert type(resolve_platform("cpu")) is CpuPlatform
 
 
-def test_set_platform_overrides_detection(monkeypatch):
+def test_resolve_platform_name_overrides_detection(monkeypatch):
     fake_availability(monkeypatch, {CudaPlatform, CpuPlatform})
-    chosen = set_platform("cpu")
-    assert type(chosen) is CpuPlatform
-    assert current_platform() is chosen
+    assert type(resolve_platform("cpu")) is CpuPlatform
+    assert type(resolve_platform(None)) is CudaPlatform
 
 
-def test_set_platform_accepts_an_instance():
-    fake = XpuPlatform()
-    assert set_platform(fake) is fake
-    assert current_platform() is fake
-
-
-def test_set_platform_none_redetects(monkeypatch):
-    set_platform("cpu")
-    fake_availability(monkeypatch, {MusaPlatform, CpuPlatform})
-    assert type(set_platform(None)) is MusaPlatform
-    assert type(current_platform()) is MusaPlatform
-
-
-def test_set_platform_unavailable_keeps_the_previous_choice(monkeypatch):
-    before = set_platform("cpu")
+def test_resolve_platform_unavailable_is_an_error(monkeypatch):
     fake_availability(monkeypatch, {CpuPlatform})
     with pytest.raises(PlatformUnavailableError):
-        set_platform("cuda")
-    assert current_platform() is before
+        resolve_platform("cuda")
 
 
 # --- declared attributes -------------------------------------------------------------------------

@@ -60,7 +60,7 @@ class _CountingEncoder(torch.nn.Module):
 
 def test_a_repeated_prompt_skips_the_text_encoders(tiny_flux_dir) -> None:
     gen = DiffGenerator.from_pretrained(tiny_flux_dir, device="cpu", show_progress=False)
-    stage = next(s for s in gen.pipeline.stages if s.name == "TextEncodingStage")
+    stage = next(s for s in gen.pipeline.stages if s.name == "FluxTextEncodingStage")
     stage.t5_encoder = _CountingEncoder(stage.t5_encoder)
     kwargs = dict(height=32, width=32, num_inference_steps=2, true_cfg_scale=2.0, negative_prompt="ugly")
     first = gen.generate(prompt="a red fox", seed=1, **kwargs)

@@ -1,5 +1,5 @@
 """The Stage base class: declared needs are checked before a stage runs, declared sets after,
-and every stage run is timed into the request."""
+and every stage run is timed into the request, waiting for the platform it is given."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from diffserve.configs.sampling_params import SamplingParams
+from diffserve.platforms import CpuPlatform
 from diffserve.request import Req
 from diffserve.stages.base import Stage, StageContractError
 
@@ -33,20 +34,37 @@ def _req() -> Req:
 
 def test_missing_need_is_reported_before_running() -> None:
     with pytest.raises(StageContractError, match="SetsLatents needs prompt_embeds"):
-        SetsLatents()(_req())
+        SetsLatents()(_req(), CpuPlatform())
 
 
 def test_unset_promise_is_reported() -> None:
     with pytest.raises(StageContractError, match="ForgetsToSet did not set latents"):
-        ForgetsToSet()(_req())
+        ForgetsToSet()(_req(), CpuPlatform())
 
 
 def test_stage_is_timed_into_the_request() -> None:
     req = _req()
     req.prompt_embeds = torch.zeros(1)
-    req = SetsLatents()(req)
+    req = SetsLatents()(req, CpuPlatform())
     assert req.latents is not None
     assert "SetsLatents" in req.timings and req.timings["SetsLatents"] >= 0
+
+
+class CountingPlatform(CpuPlatform):
+    def __init__(self) -> None:
+        self.synchronize_calls = 0
+
+    def synchronize(self, index: int = 0) -> None:
+        self.synchronize_calls += 1
+
+
+def test_stage_timing_waits_for_the_platform_it_is_given() -> None:
+    """The stage's time includes its device work: the clock stops after that platform's synchronize."""
+    mine, other = CountingPlatform(), CountingPlatform()
+    req = _req()
+    req.prompt_embeds = torch.zeros(1)
+    SetsLatents()(req, mine)
+    assert (mine.synchronize_calls, other.synchronize_calls) == (1, 0)
 
 
 def test_sampling_params_defaults_fill_only_unset_fields() -> None:

@@ -14,8 +14,8 @@ request's preparation), nothing may
 - build a tensor from host data (`torch.tensor`, `torch.as_tensor`, `torch.from_numpy`);
 - call the platform's `synchronize()` (step timing reads device events lazily instead).
 
-The single-request path (`DiffGenerator`, the DenoisingStage's loop) and the engine's batched path
-(`StepScheduler._denoise`) are both checked, each on its second run: the first step of a new shape
+The single-request path (`DiffGenerator` with its progress bar) and the engine's batched path
+(`Engine._denoise` over several requests) are both checked, each on its second run: the first step of a new shape
 builds per-shape caches (RoPE tables, Z-Image's batch layouts) once, which may move host-built
 tables to the device; that is per shape, not per step. Approximate quality tiers are not checked:
 their step cache reads one value per step on the host by design (`models/step_cache.py`).
@@ -36,9 +36,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from diffserve import DiffGenerator, SamplingParams
-from diffserve.platforms import CpuPlatform, current_platform, set_platform
+from diffserve.layers.attention import AttentionBackend
+from diffserve.platforms import CpuPlatform
 from diffserve.request import Req
-from diffserve.runtime.scheduler import SchedulerConfig, StepScheduler
+from diffserve.runtime import Engine, ModelRunner, SchedulerConfig
 
 # -- the recorder -----------------------------------------------------------------------------------
 
@@ -198,25 +199,12 @@ def test_the_recorder_sees_what_it_must() -> None:
 
 
 def _build(name: str, root: Path) -> Path:
-    if name == "flux":
-        from diffserve.testing.tiny_flux import TinyFluxSpec, build_tiny_flux
+    """The family's tiny checkpoint (`diffserve make-tiny`'s); "wan-t2v-unipc" is wan-t2v with UniPC."""
+    from diffserve.registry import TinyCheckpointOptions, family_by_name
 
-        return build_tiny_flux(root, TinyFluxSpec(seed=0, guidance_embeds=True))
-    if name == "sd3":
-        from diffserve.testing.tiny_sd3 import build_tiny_sd3
-
-        return build_tiny_sd3(root)
-    if name == "qwen-image":
-        from diffserve.testing.tiny_qwen_image import build_tiny_qwen_image
-
-        return build_tiny_qwen_image(root)
-    if name == "zimage":
-        from diffserve.testing.tiny_zimage import build_tiny_zimage
-
-        return build_tiny_zimage(root)
-    from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
-
-    return build_tiny_wan(root, TinyWanSpec(scheduler="unipc" if name == "wan-t2v-unipc" else "flow-match-euler"))
+    if name == "wan-t2v-unipc":
+        return family_by_name("wan-t2v").tiny_builder(root, TinyCheckpointOptions(scheduler="unipc"))
+    return family_by_name(name).tiny_builder(root, TinyCheckpointOptions())
 
 
 #: Per family: params with CFG on (and embedded guidance where the DiT takes it), and params with it
@@ -225,7 +213,7 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "flux": ({"guidance_scale": 3.5, "true_cfg_scale": 2.0, "negative_prompt": "ugly"}, {"true_cfg_scale": 1.0}),
     "sd3": ({"guidance_scale": 5.0}, {"guidance_scale": 1.0}),
     "qwen-image": ({"true_cfg_scale": 4.0, "negative_prompt": "blurry"}, {"true_cfg_scale": 1.0}),
-    "zimage": ({"guidance_scale": 4.0}, {"guidance_scale": 0.0}),
+    "z-image": ({"guidance_scale": 4.0}, {"guidance_scale": 0.0}),
     "wan-t2v": ({"guidance_scale": 5.0, "num_frames": 5}, {"guidance_scale": 1.0, "num_frames": 5}),
     "wan-t2v-unipc": ({"guidance_scale": 5.0, "num_frames": 5}, {"guidance_scale": 1.0, "num_frames": 5}),
 }
@@ -238,10 +226,8 @@ def family(request, tmp_path_factory) -> Iterator[tuple[str, DiffGenerator, SpyC
     gen = DiffGenerator.from_pretrained(root, device="cpu", show_progress=False)
     platform = SpyCpuPlatform()
     gen.platform = platform
-    previous = current_platform()
-    set_platform(platform)
+    gen.engine = Engine(gen.pipeline, platform, gen.engine.config, attention_backend=gen.engine.attention_backend)
     yield request.param, gen, platform
-    set_platform(previous)
 
 
 def _params(name: str, cfg: bool = True, seed: int = 0, **extra: Any) -> SamplingParams:
@@ -256,28 +242,37 @@ def _report(logs: list[HostTraffic]) -> str:
 
 
 def test_single_request_steps_make_no_host_traffic(family) -> None:
-    """`DiffGenerator` runs the DenoisingStage's loop (steps, progress, step timing) without host traffic.
+    """`DiffGenerator` runs one request's steps (progress bar, step timing) without host traffic.
 
     The request runs twice and only the second is recorded: the first fills the per-shape caches (RoPE
     tables, Z-Image's batch layouts), which are built once per shape, not per step."""
     name, gen, platform = family
-    stage = gen.pipeline.denoising_stage
+    engine = gen.engine
     gen.generate_from_params(_params(name))
     logs: list[HostTraffic] = []
-    stage.forward = recorded(stage.forward, platform, logs)  # the step loop, after every preparation stage
+    engine._denoise = recorded(engine._denoise, platform, logs)  # each step, after every preparation stage
+    complete = engine._complete
+
+    def complete_unrecorded(sr) -> None:
+        with logs[-1].pause():
+            complete(sr)
+
+    engine._complete = complete_unrecorded
     try:
         out = gen.generate_from_params(_params(name, seed=1))
     finally:
-        del stage.forward
-    assert len(logs) == 1
-    assert not logs[0].events and logs[0].synchronize_calls == 0, f"{name}:\n{_report(logs)}"
+        del engine._denoise, engine._complete
+    assert len(logs) == STEPS
+    assert not any(log.events or log.synchronize_calls for log in logs), f"{name}:\n{_report(logs)}"
     assert len(out.step_times) == STEPS and all(t > 0 for t in out.step_times)
 
 
 def _run_engine(gen: DiffGenerator, platform: SpyCpuPlatform, name: str, logs: list[HostTraffic] | None) -> list:
     """Two requests (CFG on and off, different seeds and step counts) sharing the engine's DiT batches;
     with `logs`, each batched step (and its timing) is recorded, a finished request's decoding is not."""
-    scheduler = StepScheduler(gen.pipeline, SchedulerConfig(max_running_requests=2), platform=platform)
+    scheduler = Engine(
+        gen.pipeline, platform, SchedulerConfig(max_running_requests=2), attention_backend=gen.engine.attention_backend
+    )
     if logs is not None:
         scheduler._denoise = recorded(scheduler._denoise, platform, logs)
         complete = scheduler._complete
@@ -293,12 +288,12 @@ def _run_engine(gen: DiffGenerator, platform: SpyCpuPlatform, name: str, logs: l
     ]
     scheduler.run_until_idle()
     assert [sr.state for sr in srs] == ["finished", "finished"]
-    assert max(scheduler.batch_size_counts) == 2
+    assert max(scheduler.scheduler.batch_size_counts) == 2
     return srs
 
 
 def test_batched_engine_steps_make_no_host_traffic(family) -> None:
-    """The engine's step loop (`StepScheduler._denoise`: one DiT batch over requests at different steps,
+    """The engine's step loop (`Engine._denoise`: one DiT batch over requests at different steps,
     with and without CFG, and its step timing) makes no host traffic. Run twice, the first run warming
     the per-shape caches, as above."""
     name, gen, platform = family
@@ -401,27 +396,21 @@ def test_step_timer_reads_device_events_lazily_and_never_synchronizes() -> None:
     assert device.synchronize_calls == 0
 
 
-def test_denoising_stage_fills_step_times_without_synchronizing() -> None:
-    """The single-request loop on an asynchronous platform: every step's time, from the device's marks,
-    and no `synchronize()` (the Stage base class's one per stage is not part of `forward`)."""
-    from diffserve.stages.denoising import DenoisingStage
-
+def test_runner_fills_step_times_without_synchronizing() -> None:
+    """The runner's steps on an asynchronous platform: every step's time, from the device's marks, and
+    no `synchronize()`."""
     platform, device = _fake_accelerator()
     req = Req(params=SamplingParams(prompt="x"))
-    req.latents, req.prompt_embeds = torch.zeros(1), torch.zeros(1)
-    req.sigmas = torch.linspace(1, 0, 5)
-    req.timesteps = req.sigmas[:-1] * 1000
 
-    def step(reqs: list[Req]) -> None:
-        device.queue(0.25 * (1 + reqs[0].step_index))
-        reqs[0].step_index += 1
+    class CountingPipeline:
+        def denoise_step(self, reqs: list[Req]) -> None:
+            device.queue(0.25 * (1 + reqs[0].step_index))
+            reqs[0].step_index += 1
 
-    previous = current_platform()
-    set_platform(platform)
-    try:
-        DenoisingStage(step, show_progress=False).forward(req)
-    finally:
-        set_platform(previous)
+    runner = ModelRunner(CountingPipeline(), platform, AttentionBackend.SDPA)
+    for _ in range(4):
+        runner.denoise_step([req])
+    runner.flush_step_times()
     assert req.step_times == [0.25, 0.5, 0.75, 1.0]
     assert device.synchronize_calls == 0
 

@@ -1,4 +1,4 @@
-"""`StepScheduler` in-process on tiny checkpoints: batch invariance (8 mixed requests batched vs each
+"""The engine (`Engine`: `StepScheduler` decides, `ModelRunner` runs) in-process on tiny checkpoints: batch invariance (8 mixed requests batched vs each
 alone), joining mid-way, cancellation mid-batch, fair alternation between shape groups, the
 max_running_requests / max_batch_tokens limits, priorities, memory admission and failure isolation."""
 
@@ -10,13 +10,13 @@ import pytest
 from diffserve import DiffGenerator, SamplingParams
 from diffserve.request import Req
 from diffserve.runtime import (
+    Engine,
+    EngineEvents,
     MemoryModel,
+    RequestCost,
     RequestTooLargeError,
     SchedulerConfig,
-    SchedulerEvents,
-    StepScheduler,
 )
-from diffserve.runtime.memory import request_cost
 from diffserve.testing.image_metrics import psnr_uint8
 
 H, W = 32, 48
@@ -68,7 +68,7 @@ def assert_same(got: np.ndarray, want: np.ndarray, what: str) -> None:
     assert got.shape == want.shape and diff <= 1 and value >= 45.0
 
 
-class Recorder(SchedulerEvents):
+class Recorder(EngineEvents):
     def __init__(self, scheduler_ref: list) -> None:
         self.started: list[str] = []
         self.finished: list[str] = []
@@ -80,7 +80,7 @@ class Recorder(SchedulerEvents):
 
     def on_started(self, sr) -> None:
         self.started.append(sr.request_id)
-        s = self._scheduler[0]
+        s = self._scheduler[0].scheduler
         self.running_at_start.append(s.num_running)
         self.tokens_at_start.append(s.running_tokens())
 
@@ -94,14 +94,22 @@ class Recorder(SchedulerEvents):
         self.failed[sr.request_id] = error
 
 
-def make(gen_or_pipeline, **config) -> tuple[StepScheduler, Recorder]:
-    pipeline = getattr(gen_or_pipeline, "pipeline", gen_or_pipeline)
+def make(gen: DiffGenerator, pipeline=None, **config) -> tuple[Engine, Recorder]:
+    """A fresh engine over the generator's pipeline (or `pipeline`, wrapping it), with recorded events."""
     ref: list = []
     events = Recorder(ref)
     memory = config.pop("memory", None)
-    scheduler = StepScheduler(pipeline, SchedulerConfig(**config), events, memory=memory)
-    ref.append(scheduler)
-    return scheduler, events
+    engine = Engine(
+        pipeline or gen.pipeline, gen.platform, SchedulerConfig(**config), events, memory=memory,
+        attention_backend=gen.engine.attention_backend,
+    )  # fmt: skip
+    ref.append(engine)
+    return engine, events
+
+
+def request_cost(gen: DiffGenerator, p: SamplingParams) -> RequestCost:
+    """What the engine charges for `p` (validated as at submission)."""
+    return gen.engine.cost(gen.pipeline.validate(Req(params=p)))
 
 
 # -- batch invariance ------------------------------------------------------------------------------
@@ -112,7 +120,7 @@ def test_eight_mixed_requests_batched_equal_each_alone(flux) -> None:
     srs = [scheduler.submit(Req(params=p)) for p in ps]
     scheduler.run_until_idle()
     assert sorted(events.finished) == sorted(sr.request_id for sr in srs) and not events.failed
-    assert scheduler.max_running_seen == 8 and max(scheduler.batch_size_counts) == 8
+    assert scheduler.scheduler.max_running_seen == 8 and max(scheduler.scheduler.batch_size_counts) == 8
     for i, (sr, expected) in enumerate(zip(srs, want, strict=True)):
         assert_same(pixels(sr.req.images), expected, f"flux request {i} ({MIXED[i]})")
 
@@ -129,7 +137,7 @@ def test_zimage_mixed_requests_batched_equal_each_alone(zimage) -> None:
     scheduler, _ = make(zimage, max_running_requests=8)
     srs = [scheduler.submit(Req(params=p)) for p in ps]
     scheduler.run_until_idle()
-    assert max(scheduler.batch_size_counts) == 4
+    assert max(scheduler.scheduler.batch_size_counts) == 4
     for i, (sr, expected) in enumerate(zip(srs, want, strict=True)):
         assert_same(pixels(sr.req.images), expected, f"z-image request {i}")
 
@@ -158,7 +166,7 @@ def test_cancelling_mid_batch_frees_the_slot_and_leaves_the_others_unchanged(flu
     victim.req.on_step = lambda req: req.cancel_event.set() if req.step_index == 2 else None
     scheduler.step()
     scheduler.step()
-    assert scheduler.num_running == 3 and waiting.state == "waiting"
+    assert scheduler.scheduler.num_running == 3 and waiting.state == "waiting"
     scheduler.step()  # boundary: the victim leaves, the waiting request takes its slot at once
     assert events.cancelled == [victim.request_id] and victim.req.step_index == 2
     assert waiting.state == "running" and waiting.batch_sizes == [3]
@@ -194,9 +202,9 @@ def test_two_shape_groups_alternate_fairly(flux) -> None:
         sr.req.on_step = lambda req, tag=tag: order.append(tag)
     scheduler.run_until_idle()
     groups = [order[i] for i in range(0, len(order), 2)]  # both members of a group step together
-    print("group served per iteration:", "".join(groups), dict(scheduler.steps_per_group))
+    print("group served per iteration:", "".join(groups), dict(scheduler.scheduler.steps_per_group))
     assert "".join(groups) == "SLSLSLSL"
-    assert sorted(scheduler.steps_per_group.values()) == [4, 4]
+    assert sorted(scheduler.scheduler.steps_per_group.values()) == [4, 4]
     assert all(sr.batch_sizes == [2] * 4 for sr in small + large)
 
 
@@ -205,24 +213,24 @@ def test_max_running_requests_is_respected_and_1_runs_one_at_a_time(flux) -> Non
     for i in range(5):
         scheduler.submit(Req(params=params(i, num_inference_steps=2 + i % 2)))
     scheduler.run_until_idle()
-    assert scheduler.max_running_seen == 2 and len(events.finished) == 5
+    assert scheduler.scheduler.max_running_seen == 2 and len(events.finished) == 5
     one, events1 = make(flux, max_running_requests=1)
     srs = [one.submit(Req(params=params(i, num_inference_steps=2))) for i in range(3)]
     one.run_until_idle()
-    assert one.max_running_seen == 1 and set(one.batch_size_counts) == {1}
+    assert one.scheduler.max_running_seen == 1 and set(one.scheduler.batch_size_counts) == {1}
     assert events1.finished == [sr.request_id for sr in srs]  # FCFS, each completes before the next starts
 
 
 def test_max_batch_tokens_is_respected(flux) -> None:
     cfg = {"true_cfg_scale": 2.0, "negative_prompt": "bad", "num_inference_steps": 2}
-    cost = request_cost(flux.pipeline, params(0, **cfg))
+    cost = request_cost(flux, params(0, **cfg))
     assert cost.branches == 2 and cost.tokens == (H // 16) * (W // 16)
     limit = 2 * cost.batch_tokens  # room for two CFG requests
     scheduler, events = make(flux, max_batch_tokens=limit)
     for i in range(5):
         scheduler.submit(Req(params=params(i, **cfg)))
     scheduler.run_until_idle()
-    assert scheduler.max_running_seen == 2 and len(events.finished) == 5
+    assert scheduler.scheduler.max_running_seen == 2 and len(events.finished) == 5
     assert max(events.tokens_at_start) <= limit  # measured with the new request already in
 
 
@@ -258,23 +266,23 @@ def test_admission_rejects_a_request_that_can_never_fit(flux) -> None:
     print(message)
     assert "MB" in message and "budget is 3 MB" in message and "reduce size" in message and "n" in message
     assert "needs an estimated 15 MB" in message  # 1e6 B + 1024 tokens x 4 x 1000 B + 512*512*4*10 B
-    assert scheduler.num_waiting == 0
+    assert scheduler.scheduler.num_waiting == 0
 
 
 def test_memory_budget_keeps_requests_waiting_until_memory_frees(flux) -> None:
-    one = request_cost(flux.pipeline, params(0, num_inference_steps=2))
+    one = request_cost(flux, params(0, num_inference_steps=2))
     memory = model(budget=0)
     memory.budget_bytes = memory.estimate(one) + int(memory.denoise_bytes(one)) - 1  # room for one, not two
     scheduler, events = make(flux, memory=memory)
     for i in range(3):
         scheduler.submit(Req(params=params(i, num_inference_steps=2)))
     scheduler.run_until_idle()
-    assert scheduler.max_running_seen == 1 and len(events.finished) == 3
+    assert scheduler.scheduler.max_running_seen == 1 and len(events.finished) == 3
     memory.budget_bytes += 1  # now exactly two fit
     for i in range(3):
         scheduler.submit(Req(params=params(i, num_inference_steps=2)))
     scheduler.run_until_idle()
-    assert scheduler.max_running_seen == 2
+    assert scheduler.scheduler.max_running_seen == 2
 
 
 # -- failures --------------------------------------------------------------------------------------
@@ -284,8 +292,10 @@ class FaultyPipeline:
 
     def __init__(self, pipeline) -> None:
         self.inner = pipeline
-        self.stages = pipeline.stages
-        self.pixel_multiple = pipeline.pixel_multiple
+        self.facts = pipeline.facts
+
+    def validate(self, req):
+        return self.inner.validate(req)
 
     def run_pre_denoise(self, req):
         if req.params.prompt == "boom-pre":
@@ -309,7 +319,7 @@ class FaultyPipeline:
 def test_failing_requests_do_not_take_down_the_others(flux) -> None:
     good = [params(i, num_inference_steps=3) for i in range(2)]
     want = [alone(flux, p) for p in good]
-    scheduler, events = make(FaultyPipeline(flux.pipeline))
+    scheduler, events = make(flux, FaultyPipeline(flux.pipeline))
     ok = [scheduler.submit(Req(params=p)) for p in good]
     bad = {}
     for prompt in ("boom-pre", "boom-post"):
@@ -326,7 +336,7 @@ def test_failing_requests_do_not_take_down_the_others(flux) -> None:
         "decoding failed",
         "the DiT step failed",
     }
-    assert all(sr.state == "failed" for sr in bad.values()) and scheduler.num_running == 0
+    assert all(sr.state == "failed" for sr in bad.values()) and scheduler.scheduler.num_running == 0
     for sr, expected in zip(ok, want, strict=True):
         assert sr.state == "finished"
         assert_same(pixels(sr.req.images), expected, "next to failing requests")
@@ -334,7 +344,8 @@ def test_failing_requests_do_not_take_down_the_others(flux) -> None:
 
 class ScriptedPlatform:
     """A platform whose peak counter reads `denoise(tokens)` / `decode(pixels)` above a 1000-byte
-    baseline, in the order calibration reads it (baseline, denoise peak, baseline, decode peak)."""
+    baseline, in the order a calibration request reads it (baseline, denoise peak after its last step,
+    baseline, decode peak read by the engine when the request completes)."""
 
     device_type = "scripted"
 
@@ -343,6 +354,14 @@ class ScriptedPlatform:
 
     def reset_peak_memory(self) -> None:
         pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def step_mark(self):
+        from diffserve.platforms.cpu import CpuPlatform
+
+        return CpuPlatform().step_mark()
 
     def synchronize(self) -> None:
         pass
@@ -355,7 +374,7 @@ class ScriptedPlatform:
 
 
 def test_calibration_fits_the_measured_peaks(flux) -> None:
-    from diffserve.runtime import calibrate_memory_model
+    from diffserve.runtime.calibration import calibrate_memory_model
 
     probes = [
         params(0, height=32, width=32, num_inference_steps=1),
@@ -363,9 +382,10 @@ def test_calibration_fits_the_measured_peaks(flux) -> None:
     ]
     readings = []
     for p in probes:
-        cost = request_cost(flux.pipeline, p)
+        cost = request_cost(flux, p)
         readings += [1000, 1000 + 500 + 10 * cost.batch_tokens, 1000, 1000 + 7 * cost.pixels]
-    memory = calibrate_memory_model(flux.pipeline, ScriptedPlatform(readings), probes, mem_fraction=0.5)
+    engine = Engine(flux.pipeline, ScriptedPlatform(readings), attention_backend=flux.engine.attention_backend)
+    memory = calibrate_memory_model(engine, probes, mem_fraction=0.5)
     assert memory.source == "measured" and memory.budget_bytes == 5 * 10**8
     assert memory.bytes_per_token == pytest.approx(11.0) and memory.fixed_bytes == pytest.approx(550.0)
     assert memory.bytes_per_pixel == pytest.approx(7.7) and memory.decode_fixed_bytes == pytest.approx(0.0)
@@ -374,10 +394,10 @@ def test_calibration_fits_the_measured_peaks(flux) -> None:
 def test_an_approximate_tier_counts_its_step_cache_memory(flux) -> None:
     from diffserve.runtime.memory import estimated_memory_model
 
-    lossless = request_cost(flux.pipeline, params(0, num_inference_steps=2))
-    medium = request_cost(flux.pipeline, params(0, num_inference_steps=2, quality="medium"))
+    lossless = request_cost(flux, params(0, num_inference_steps=2))
+    medium = request_cost(flux, params(0, num_inference_steps=2, quality="medium"))
     assert not lossless.step_cache and medium.step_cache
-    memory = estimated_memory_model(flux.pipeline, flux.platform, 0.9)
+    memory = estimated_memory_model(flux.pipeline.facts, flux.platform, 0.9)
     width = flux.pipeline.context.get("transformer").inner_dim
     extra = memory.estimate(medium) - memory.estimate(lossless)
     assert extra == 2 * width * 4 * medium.batch_tokens  # residual + last signal, fp32

@@ -1,4 +1,4 @@
-"""`diffserve.video_outputs`: MP4/GIF/WebP round trips, exact frame rates, metadata, odd sizes, atomic writes.
+"""`diffserve.outputs.video`: MP4/GIF/WebP round trips, exact frame rates, metadata, odd sizes, atomic writes.
 
 Every clip is decoded back (PyAV for MP4, Pillow for GIF/WebP) and compared with what was written: the
 colours and orientation must survive (a red box top-left decodes red, top-left; a blue one stays blue),
@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 from PIL import Image, ImageSequence
 
-import diffserve.video_outputs as video_outputs
-from diffserve.video_outputs import VIDEO_FORMATS, save_frames, save_video
+import diffserve.outputs.atomic as atomic
+import diffserve.outputs.video as video_outputs
+from diffserve.outputs import VIDEO_FORMATS, save_frames, save_video
 
 av = pytest.importorskip("av")
 
@@ -226,7 +227,7 @@ def test_failed_rename_removes_partial_and_keeps_old_file(
     def failing_replace(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(video_outputs.os, "replace", failing_replace)
+    monkeypatch.setattr(atomic.os, "replace", failing_replace)
     with pytest.raises(OSError, match="disk full"):
         save_video(_clip(3, 16, 16), final, fps=16, metadata={}, output_format=output_format)
     assert _all_files(tmp_path) == [final.name]

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 
 from diffserve.cli.engine_flags import add_engine_flags, engine_args_from
-from diffserve.cli.logging_setup import LEVELS
 from diffserve.configs.quality import APPROXIMATE_TIERS, PSNR_BARS, write_calibration
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.errors import UserError
+from diffserve.logging_setup import LEVELS
 
 logger = logging.getLogger("diffserve.calibrate")
 

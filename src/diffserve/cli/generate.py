@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 from diffserve.cli.engine_flags import add_engine_flags, engine_args_from
-from diffserve.cli.logging_setup import LEVELS
 from diffserve.configs.quality import ACCEPTED
 from diffserve.errors import UserError
+from diffserve.logging_setup import LEVELS
 
 logger = logging.getLogger("diffserve")
 
@@ -98,20 +98,16 @@ def run(args: argparse.Namespace) -> int:
         )
         for prompt in prompts
     ]
-    for params in params_list:  # validate every prompt before spending time on the first
-        generator.pipeline.resolve_params(params)
-    peaks = []
-    for i, params in enumerate(params_list, 1):
-        logger.info("Processing prompt %d/%d: %s", i, len(params_list), params.prompt)
-        out = generator.generate_from_params(
-            params,
-            save_output=args.save_output,
-            output_path=args.output_path,
-            file_name=args.output_file_name,
-            save_frames=args.save_frames,
-        )
-        if out.peak_memory_mb is not None:
-            peaks.append(out.peak_memory_mb)
+    if len(params_list) > 1:
+        logger.info("Processing %d prompts together (their steps share DiT batches)", len(params_list))
+    outputs = generator.generate_many(  # validates every prompt before any model work
+        params_list,
+        save_output=args.save_output,
+        output_path=args.output_path,
+        file_name=args.output_file_name,
+        save_frames=args.save_frames,
+    )
+    peaks = [out.peak_memory_mb for out in outputs if out.peak_memory_mb is not None]
     n_images = len(params_list) * args.num_outputs_per_prompt
     kind = "video(s)" if generator.family.task.endswith("video") else "image(s)"
     logger.info("Completed: generated %d %s in %.2f seconds", n_images, kind, time.perf_counter() - start)

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from diffserve.cli import calibrate_cache, generate, make_tiny, serve
-from diffserve.cli.logging_setup import configure_logging
+from diffserve.logging_setup import configure_logging
 
 EXIT_USER_ERROR = 2
 

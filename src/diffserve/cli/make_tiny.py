@@ -1,16 +1,41 @@
-"""`diffserve make-tiny FAMILY DIR`: write a small random-weight checkpoint in Diffusers layout."""
+"""`diffserve make-tiny FAMILY DIR`: write a small random-weight checkpoint in Diffusers layout.
+
+The families and their builders are the registry's (`diffserve.registry`). The registry imports torch
+and every pipeline, and the `diffserve` command line must stay free of torch (the server's HTTP process
+builds this parser too), so the family names are read from it only when make-tiny itself runs or shows
+its help.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Iterator
+from pathlib import Path
 
 logger = logging.getLogger("diffserve")
 
-FAMILIES = ("flux", "sd3", "qwen-image", "qwen-image-edit", "qwen-image-edit-plus", "zimage", "wan-t2v", "wan-i2v")
 
-#: Qwen-Image families and the builder variant each writes.
-_QWEN_IMAGE_VARIANTS = {"qwen-image": "t2i", "qwen-image-edit": "edit", "qwen-image-edit-plus": "edit_plus"}
+class _FamilyNames:
+    """argparse `choices` that ask the registry when first used: a family's name or alias is accepted,
+    and the names (without aliases) are what help and errors list."""
+
+    def __contains__(self, name: object) -> bool:
+        from diffserve.errors import UserError
+        from diffserve.registry import family_by_name
+
+        if not isinstance(name, str):
+            return False
+        try:
+            family_by_name(name)
+        except UserError:
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        from diffserve.registry import family_names
+
+        return iter(family_names())
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -19,7 +44,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="write a tiny random-weight checkpoint (for tests and trying the engine)",
         description="Write a small random-weight checkpoint in Diffusers layout; draws noise, not pictures.",
     )
-    p.add_argument("family", choices=FAMILIES, help="model family")
+    p.add_argument("family", choices=_FamilyNames(), metavar="FAMILY", help="model family: %(choices)s")
     p.add_argument("output_dir", help="folder to write (created if missing)")
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     p.add_argument(
@@ -36,32 +61,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.family == "sd3":
-        from diffserve.testing.tiny_sd3 import TinySD3Spec, build_tiny_sd3
+    from diffserve.registry import TinyCheckpointOptions, family_by_name
 
-        spec = TinySD3Spec(seed=args.seed)
-        if args.sd35:
-            spec = TinySD3Spec(seed=args.seed, qk_norm="rms_norm", dual_attention_layers=(0,))
-        path = build_tiny_sd3(args.output_dir, spec)
-    elif args.family in _QWEN_IMAGE_VARIANTS:
-        from diffserve.testing.tiny_qwen_image import TinyQwenImageSpec, build_tiny_qwen_image
-
-        spec = TinyQwenImageSpec(variant=_QWEN_IMAGE_VARIANTS[args.family], seed=args.seed)
-        path = build_tiny_qwen_image(args.output_dir, spec)
-    elif args.family in ("wan-t2v", "wan-i2v"):
-        from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
-
-        spec = TinyWanSpec(image_to_video=args.family == "wan-i2v", scheduler=args.scheduler, seed=args.seed)
-        path = build_tiny_wan(args.output_dir, spec)
-    elif args.family == "zimage":
-        from diffserve.testing.tiny_zimage import TinyZImageSpec, build_tiny_zimage
-
-        path = build_tiny_zimage(args.output_dir, TinyZImageSpec(seed=args.seed))
-    else:
-        from diffserve.testing.tiny_flux import TinyFluxSpec, build_tiny_flux
-
-        path = build_tiny_flux(
-            args.output_dir, TinyFluxSpec(seed=args.seed, guidance_embeds=not args.no_guidance_embeds)
-        )
-    logger.info("Wrote tiny %s checkpoint to %s", args.family, path)
+    family = family_by_name(args.family)
+    options = TinyCheckpointOptions(
+        seed=args.seed, guidance_embeds=not args.no_guidance_embeds, sd35=args.sd35, scheduler=args.scheduler
+    )
+    path = family.tiny_builder(Path(args.output_dir), options)
+    logger.info("Wrote tiny %s checkpoint to %s", family.name, path)
     return 0

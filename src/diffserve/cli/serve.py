@@ -7,7 +7,7 @@ import logging
 import os
 
 from diffserve.cli.engine_flags import add_engine_flags, engine_args_from
-from diffserve.cli.logging_setup import LEVELS
+from diffserve.logging_setup import LEVELS
 
 logger = logging.getLogger("diffserve")
 

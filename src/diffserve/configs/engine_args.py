@@ -14,11 +14,11 @@ class EngineArgs:
     text_encoder_dtype: str | None = None  # None: same as dtype
     attention_backend: str | None = None  # None: the platform's default
     output_path: str = "outputs"
-    # The server's step scheduler (diffserve.runtime.scheduler); `diffserve generate` runs one request.
+    # The engine's step scheduler (diffserve.runtime.scheduler), for the server, the CLI and the API alike.
     #: Requests denoising at once, sharing DiT batches (1: one request at a time).
     max_running_requests: int = 8
     #: Cap on the running requests' latent tokens x CFG branches x outputs; None: the platform's default
-    #: (`diffserve.server.engine_process.default_max_batch_tokens`).
+    #: (`diffserve.runtime.scheduler.default_max_batch_tokens`).
     max_batch_tokens: int | None = None
     #: Share of the free memory measured after warm-up that running requests may use (admission budget).
     mem_fraction: float = 0.9

@@ -1,4 +1,4 @@
-"""One attention entry point with a backend selector.
+"""One attention entry point; the backend is a per-generator setting, active only inside its scope.
 
 All native models call `attention(q, k, v)` with tensors laid out (batch, seq, heads, head_dim),
 the layout projections produce without a copy. Backends:
@@ -7,13 +7,28 @@ the layout projections produce without a copy. Backends:
 - `flash_attn`: the flash-attn package (used only when importable, asked for, and the inputs suit it).
 - `sage_attn`: the sageattention package (same rules).
 
-An unavailable backend that was asked for is not used; the reason is logged once and SDPA runs.
+Which backend runs is not process state. A generator resolves its backend once
+(`resolve_attention_backend`, a pure function of the user's choice and the device) and its engine
+runs every model call inside `attention_backend_scope(backend)`. The scope is a `ContextVar`, so it
+belongs to the thread (or asyncio task) that entered it: two generators in one process, driven from
+different threads or one after the other, each see their own backend, and code outside any scope
+gets SDPA. `attention()` reads the scope on every call, so the models need no backend argument.
+
+An unavailable backend that was asked for is not used; the reason is logged and SDPA runs.
+
+Under `torch.compile`, Dynamo cannot trace `ContextVar.get`, and a value read at trace time would be
+baked into a graph that the blocks of another generator (same code object) may reuse. So compiled
+code calls the opaque custom op `diffserve::attention` instead, which reads the scope when the graph
+runs, not when it is traced: one graph serves every backend, and no graph break is introduced.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from enum import Enum
 
 import torch
@@ -28,7 +43,11 @@ class AttentionBackend(str, Enum):
     SAGE_ATTN = "sage_attn"
 
 
-_selected: AttentionBackend = AttentionBackend.SDPA
+#: The backend of the scope the current thread/task is in; SDPA outside every scope.
+_active_backend: ContextVar[AttentionBackend] = ContextVar(
+    "diffserve_attention_backend", default=AttentionBackend.SDPA
+)
+#: Per-call fallback messages already logged. Only deduplicates warnings; it selects nothing.
 _reported: set[str] = set()
 
 
@@ -50,9 +69,11 @@ def backend_unavailable_reason(backend: AttentionBackend, device_type: str) -> s
     return None
 
 
-def select_attention_backend(name: str | None, device_type: str, default: str = "sdpa") -> AttentionBackend:
-    """Set the process-wide backend from a user choice (None: the platform default). Logs the choice."""
-    global _selected
+def resolve_attention_backend(name: str | None, device_type: str, default: str = "sdpa") -> AttentionBackend:
+    """The backend a generator on `device_type` uses for the user's choice `name` (None: `default`,
+    the platform's). Pure: it changes no state; the caller keeps the result and enters
+    `attention_backend_scope` with it. A known backend that cannot run here is logged with the reason
+    and replaced by SDPA; an unknown name raises ValueError listing the choices."""
     try:
         wanted = AttentionBackend(name or default)
     except ValueError:
@@ -62,13 +83,25 @@ def select_attention_backend(name: str | None, device_type: str, default: str = 
     if reason is not None:
         logger.warning("%s; using torch SDPA instead", reason)
         wanted = AttentionBackend.SDPA
-    _selected = wanted
-    logger.info("Attention backend: %s", _selected.value)
-    return _selected
+    logger.info("Attention backend: %s", wanted.value)
+    return wanted
 
 
-def selected_attention_backend() -> AttentionBackend:
-    return _selected
+@contextmanager
+def attention_backend_scope(backend: AttentionBackend | str) -> Iterator[AttentionBackend]:
+    """Make `backend` the one `attention()` uses in this thread/task until the block exits (scopes nest;
+    the enclosing one is restored on exit, also on error). Other threads are not affected."""
+    chosen = AttentionBackend(backend)
+    token = _active_backend.set(chosen)
+    try:
+        yield chosen
+    finally:
+        _active_backend.reset(token)
+
+
+def active_attention_backend() -> AttentionBackend:
+    """The backend `attention()` uses here and now: the innermost scope's, or SDPA outside any scope."""
+    return _active_backend.get()
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
@@ -90,15 +123,14 @@ def _sage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return sageattn(q, k, v, tensor_layout="NHD")
 
 
-def attention(
+def _run(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    backend: AttentionBackend | str | None = None,
+    attn_mask: torch.Tensor | None,
+    chosen: AttentionBackend,
 ) -> torch.Tensor:
-    """Scaled dot-product attention over (batch, seq, heads, head_dim) tensors; returns the same layout."""
-    chosen = AttentionBackend(backend) if backend is not None else _selected
+    """`chosen` over these inputs, or SDPA (logged once) when a fast backend cannot take them."""
     if chosen is not AttentionBackend.SDPA:
         if attn_mask is not None:
             _log_once(f"{chosen.value} does not take an attention mask; using SDPA for masked calls")
@@ -109,3 +141,37 @@ def attention(
         else:
             return _sage(q, k, v)
     return _sdpa(q, k, v, attn_mask)
+
+
+@torch.library.custom_op("diffserve::attention", mutates_args=())
+def _attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, backend: str | None
+) -> torch.Tensor:
+    """`attention()` as compiled graphs call it: the backend (explicit, else the active scope's) is read
+    when the graph runs. The result is contiguous, as the fake implementation declares."""
+    chosen = AttentionBackend(backend) if backend is not None else _active_backend.get()
+    return _run(q, k, v, attn_mask, chosen).contiguous()
+
+
+@_attention_op.register_fake
+def _attention_op_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, backend: str | None
+) -> torch.Tensor:
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    backend: AttentionBackend | str | None = None,
+) -> torch.Tensor:
+    """Scaled dot-product attention over (batch, seq, heads, head_dim) tensors; returns the same layout.
+
+    `backend` overrides the active scope's backend for this call (tests, kernels that need SDPA)."""
+    if torch.compiler.is_compiling():
+        name = None if backend is None else AttentionBackend(backend).value
+        return _attention_op(q, k, v, attn_mask, name)
+    chosen = AttentionBackend(backend) if backend is not None else _active_backend.get()
+    return _run(q, k, v, attn_mask, chosen)

@@ -3,8 +3,14 @@
 `forward_native` is the reference written in plain torch. Each platform has a
 `forward_<dispatch_key>` method (cuda, hip, musa, xpu, npu, mps, cpu); the base class makes each
 of them call `forward_native` explicitly, so a vendor kernel is added by overriding one method and
-nothing changes for the other vendors. The method is chosen once, when the op is built, from the
-current platform (see `diffserve.platforms`), so the hot path pays no lookup.
+nothing changes for the other vendors. The method is chosen once, so the hot path pays no lookup, from
+a platform the caller passes explicitly; nothing is read from process-wide state:
+
+- `CustomOp(platform)` dispatches for `platform` when the op is built;
+- an op built without one runs `forward_native` (the portable reference, numerically what every
+  `forward_<key>` must match) until `dispatch_custom_ops(module, platform)` binds every op of a model
+  to the platform it was loaded for. The loader does that for every native model it builds, because
+  the models build their ops without knowing the platform.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from diffserve.platforms import Platform, current_platform
+from diffserve.platforms.base import Platform
 
 #: Every dispatch key a platform may declare; a CustomOp has one forward_<key> per entry.
 DISPATCH_KEYS: tuple[str, ...] = ("cuda", "hip", "musa", "xpu", "npu", "mps", "cpu")
@@ -24,8 +30,18 @@ class CustomOp(nn.Module):
     """Base for ops that may have backend-specific kernels."""
 
     def __init__(self, platform: Platform | None = None) -> None:
+        """Dispatch for `platform`; None: `forward_native` until `bind_platform` (see the module docstring)."""
         super().__init__()
-        self._forward_impl: Callable[..., Any] = self.dispatch_forward(platform or current_platform())
+        #: The platform this op dispatched for; None while it runs the reference.
+        self.dispatch_platform: Platform | None = None
+        self._forward_impl: Callable[..., Any] = self.forward_native
+        if platform is not None:
+            self.bind_platform(platform)
+
+    def bind_platform(self, platform: Platform) -> None:
+        """Use `platform`'s `forward_<key>` from now on."""
+        self.dispatch_platform = platform
+        self._forward_impl = self.dispatch_forward(platform)
 
     def dispatch_forward(self, platform: Platform) -> Callable[..., Any]:
         """The bound `forward_<key>` for `platform` (native when the platform has no key of its own)."""
@@ -65,3 +81,11 @@ class CustomOp(nn.Module):
 
     def forward_cpu(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward_native(*args, **kwargs)
+
+
+def dispatch_custom_ops(module: nn.Module, platform: Platform) -> int:
+    """Bind every `CustomOp` in `module` (itself included) to `platform`; returns how many were bound."""
+    ops = [m for m in module.modules() if isinstance(m, CustomOp)]
+    for op in ops:
+        op.bind_platform(platform)
+    return len(ops)

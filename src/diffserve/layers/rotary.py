@@ -19,6 +19,9 @@ import torch
 
 from diffserve.layers.custom_op import CustomOp
 
+#: Half-width `(cos, sin)` rotation tables, float32, one row per position (see `RotaryEmbedding`).
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+
 #: Device types without float64 support; their angles are computed in float32 (as Diffusers does).
 _NO_FP64_DEVICE_TYPES = frozenset({"mps", "npu", "neuron"})
 
@@ -28,9 +31,7 @@ def rope_freqs_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type in _NO_FP64_DEVICE_TYPES else torch.float64
 
 
-def multi_axis_rope_tables(
-    ids: torch.Tensor, axes_dims: Sequence[int], theta: float = 10000.0
-) -> tuple[torch.Tensor, torch.Tensor]:
+def multi_axis_rope_tables(ids: torch.Tensor, axes_dims: Sequence[int], theta: float = 10000.0) -> RopeTables:
     """Half-width `(cos, sin)` tables, each (seq, sum(axes_dims) // 2) float32, for position `ids` (seq, n_axes).
 
     Mirrors Diffusers' `FluxPosEmbed` + `get_1d_rotary_pos_embed(repeat_interleave_real=True)`: ids are

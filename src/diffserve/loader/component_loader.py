@@ -14,14 +14,16 @@ import transformers
 from torch import nn
 
 from diffserve.errors import ModelLoadError
+from diffserve.layers.custom_op import dispatch_custom_ops
 from diffserve.loader.model_index import ComponentSpec, ModelIndex
 from diffserve.loader.native_classes import (
-    NATIVE_MODELS,
-    NATIVE_SCHEDULERS,
     TRANSFORMERS_ENCODERS,
     TRANSFORMERS_IMAGE_PROCESSORS,
     TRANSFORMERS_PROCESSORS,
     TRANSFORMERS_TOKENIZERS,
+    NativeClasses,
+    NativeModelClass,
+    NativeSchedulerClass,
 )
 from diffserve.loader.processors import load_image_text_processor
 from diffserve.loader.safetensors_weights import find_weight_files, load_safetensors_into
@@ -54,28 +56,32 @@ def _module_size(module: nn.Module) -> tuple[int, int]:
     return sum(t.numel() for t in module.parameters()), sum(t.numel() * t.element_size() for t in tensors)
 
 
-def load_native_model(spec: ComponentSpec, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, int]:
-    """Build the native module on meta from config.json, then stream its safetensors in.
-    Returns the module and the bytes read from disk."""
-    cls = NATIVE_MODELS[spec.class_name]
+def load_native_model(
+    spec: ComponentSpec, cls: NativeModelClass, platform: Platform, dtype: torch.dtype
+) -> tuple[nn.Module, int]:
+    """Build the native module `cls` (the family's class for `spec`) on meta from config.json, stream its
+    safetensors in onto `platform`'s device, and bind its `CustomOp`s to `platform`. Returns the module
+    and the bytes read from disk."""
     config = _read_json(spec.path / "config.json")
     try:
         with torch.device("meta"):
             module = cls.from_config(config)
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"{spec.path / 'config.json'}: {exc}") from exc
-    num_bytes = load_safetensors_into(module, find_weight_files(spec.path), device, dtype)
+    num_bytes = load_safetensors_into(module, find_weight_files(spec.path), platform.device(), dtype)
     module.eval().requires_grad_(False)
     # Inference-only rearrangements that need the loaded weights (e.g. fused QKV projections); the
     # model logs what it fused and keeps its checkpoint names.
     fuse = getattr(module, "fuse_for_inference", None)
     if fuse is not None:
         fuse()
+    # The models build their CustomOps without a platform; bind them (fused ones included) to this one.
+    dispatch_custom_ops(module, platform)
     return module, num_bytes
 
 
-def load_scheduler(spec: ComponentSpec) -> Any:
-    cls = NATIVE_SCHEDULERS[spec.class_name]
+def load_scheduler(spec: ComponentSpec, cls: NativeSchedulerClass) -> object:
+    """The native scheduler `cls` built from the component's scheduler_config.json."""
     config = _read_json(spec.path / "scheduler_config.json")
     try:
         return cls.from_config(config)
@@ -120,10 +126,21 @@ def load_image_processor(spec: ComponentSpec) -> Any:
         raise ModelLoadError(f"cannot load image processor {spec.class_name} from {spec.path}: {exc}") from exc
 
 
-def _supported_summary() -> str:
+def _is_supported(spec: ComponentSpec, native: NativeClasses) -> bool:
+    """Whether the loader has a way to load this component for this family."""
+    if spec.library == "transformers":
+        return (
+            spec.class_name in TRANSFORMERS_ENCODERS
+            or spec.class_name in TRANSFORMERS_TOKENIZERS
+            or spec.class_name in TRANSFORMERS_PROCESSORS
+            or spec.class_name in TRANSFORMERS_IMAGE_PROCESSORS
+        )
+    return spec.library == "diffusers" and spec.class_name in native.class_names()
+
+
+def _supported_summary(native: NativeClasses) -> str:
     names = sorted(
-        set(NATIVE_MODELS)
-        | set(NATIVE_SCHEDULERS)
+        native.class_names()
         | TRANSFORMERS_ENCODERS
         | set(TRANSFORMERS_TOKENIZERS)
         | TRANSFORMERS_PROCESSORS
@@ -133,20 +150,25 @@ def _supported_summary() -> str:
 
 
 def load_component(
-    spec: ComponentSpec, platform: Platform, dtype: torch.dtype, text_encoder_dtype: torch.dtype
+    spec: ComponentSpec,
+    native: NativeClasses,
+    platform: Platform,
+    dtype: torch.dtype,
+    text_encoder_dtype: torch.dtype,
 ) -> LoadedComponent:
-    """Load one component and log it: class, parameter count, size, time, available memory."""
+    """Load one component and log it: class, parameter count, size, time, available memory. A Diffusers
+    component is built from the family's `native` table; a transformers one by transformers."""
     device = platform.device()
     logger.info("Loading %s (%s) from %s", spec.name, spec.class_name, spec.path)
     start = time.perf_counter()
     num_params = num_bytes = 0
     if not spec.path.is_dir():
         raise ModelLoadError(f"component folder {spec.path} named in model_index.json does not exist")
-    if spec.class_name in NATIVE_MODELS:
-        value, _ = load_native_model(spec, device, dtype)
+    if spec.library == "diffusers" and spec.class_name in native.models:
+        value, _ = load_native_model(spec, native.models[spec.class_name], platform, dtype)
         num_params, num_bytes = _module_size(value)
-    elif spec.class_name in NATIVE_SCHEDULERS:
-        value = load_scheduler(spec)
+    elif spec.library == "diffusers" and spec.class_name in native.schedulers:
+        value = load_scheduler(spec, native.schedulers[spec.class_name])
     elif spec.library == "transformers" and spec.class_name in TRANSFORMERS_ENCODERS:
         value = load_text_encoder(spec, device, text_encoder_dtype)
         num_params, num_bytes = _module_size(value)
@@ -159,7 +181,7 @@ def load_component(
     else:
         raise ModelLoadError(
             f"component {spec.name!r} has class {spec.library}.{spec.class_name}, which diffserve does not "
-            f"support; supported component classes: {_supported_summary()}"
+            f"support for this pipeline; supported component classes: {_supported_summary(native)}"
         )
     platform.synchronize()
     seconds = time.perf_counter() - start
@@ -180,11 +202,18 @@ def load_component(
 
 
 def load_components(
-    index: ModelIndex, required: tuple[str, ...], platform: Platform, dtype: torch.dtype,
-    text_encoder_dtype: torch.dtype, optional: tuple[str, ...] = (),
+    index: ModelIndex,
+    required: tuple[str, ...],
+    native: NativeClasses,
+    platform: Platform,
+    dtype: torch.dtype,
+    text_encoder_dtype: torch.dtype,
+    optional: tuple[str, ...] = (),
 ) -> dict[str, LoadedComponent]:
     """Load the components a pipeline requires, in a fixed order; absent ones are an error.
-    `optional` components are loaded when the folder has them and logged as skipped when not."""
+    `optional` components are loaded when the folder has them and logged as skipped when not.
+    `native` is the family's table of native classes (its registry record's): every Diffusers
+    component must be in it, which is checked for all components before any is loaded."""
     absent = [name for name in required if name not in index.components]
     if absent:
         raise ModelLoadError(
@@ -204,5 +233,16 @@ def load_components(
     if skipped:
         logger.info("Optional components not in this folder (the pipeline runs without them): %s", skipped)
     names = required + present_optional
+    refused = [index.components[name] for name in names if not _is_supported(index.components[name], native)]
+    if refused:
+        classes = ", ".join(f"{spec.name!r} ({spec.library}.{spec.class_name})" for spec in refused)
+        raise ModelLoadError(
+            f"{index.root / 'model_index.json'} names component classes diffserve's "
+            f"{index.pipeline_class_name} does not support: {classes}; supported component classes: "
+            f"{_supported_summary(native)}"
+        )
     logger.info("Loading components: %s", list(names))
-    return {name: load_component(index.components[name], platform, dtype, text_encoder_dtype) for name in names}
+    return {
+        name: load_component(index.components[name], native, platform, dtype, text_encoder_dtype)
+        for name in names
+    }

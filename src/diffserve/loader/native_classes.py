@@ -1,39 +1,66 @@
-"""Which native diffserve class implements each Diffusers component class.
+"""The component classes the loader accepts: each family's native classes, and transformers' generic ones.
 
-A Diffusers component whose class is not listed here is refused with a message naming what is
-supported; diffserve never hands a component to diffusers behind the user's back.
+A family's native classes (its DiT, VAE and schedulers) are listed in its registry record
+(`diffserve.registry`) as a `NativeClasses` table and handed to the loader with the folder; the
+transformers classes below (text encoders, tokenizers, processors) are not family-specific. A component
+whose class is in neither is refused with a message naming what is supported; diffserve never hands a
+component to diffusers behind the user's back.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from torch import nn
+
 from diffserve.loader.processors import IMAGE_ONLY_PROCESSORS
-from diffserve.models.dits.flux import FluxTransformer2DModel
-from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
-from diffserve.models.dits.sd3 import SD3Transformer2DModel
-from diffserve.models.dits.wan import WanTransformer3DModel
-from diffserve.models.dits.z_image import ZImageTransformer2DModel
-from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
-from diffserve.models.schedulers.unipc_flow import UniPCFlowScheduler
-from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
-from diffserve.models.vaes.autoencoder_kl_qwen_image import AutoencoderKLQwenImage, AutoencoderKLWan
 
-#: Diffusers `_class_name` -> native module class (weights-bearing models).
-NATIVE_MODELS: dict[str, type] = {
-    "FluxTransformer2DModel": FluxTransformer2DModel,
-    "SD3Transformer2DModel": SD3Transformer2DModel,
-    "QwenImageTransformer2DModel": QwenImageTransformer2DModel,
-    "ZImageTransformer2DModel": ZImageTransformer2DModel,
-    "WanTransformer3DModel": WanTransformer3DModel,
-    "AutoencoderKL": AutoencoderKL,
-    "AutoencoderKLQwenImage": AutoencoderKLQwenImage,
-    "AutoencoderKLWan": AutoencoderKLWan,
-}
 
-#: Diffusers scheduler `_class_name` -> native scheduler class.
-NATIVE_SCHEDULERS: dict[str, type] = {
-    "FlowMatchEulerDiscreteScheduler": FlowMatchEulerScheduler,
-    "UniPCMultistepScheduler": UniPCFlowScheduler,
-}
+class NativeModelClass(Protocol):
+    """A native weights-bearing class (a DiT or a VAE) as the loader uses it: it names the Diffusers class
+    it implements and builds itself (on the meta device) from that class's config.json."""
+
+    diffusers_class_name: str
+
+    def from_config(self, config: dict[str, Any]) -> nn.Module: ...
+
+
+class NativeSchedulerClass(Protocol):
+    """A native scheduler class: it names the Diffusers scheduler it implements and builds itself from
+    that scheduler's scheduler_config.json."""
+
+    diffusers_class_name: str
+
+    def from_config(self, config: dict[str, Any]) -> object: ...
+
+
+@dataclass(frozen=True)
+class NativeClasses:
+    """One family's table from Diffusers `_class_name` to the native class that implements it: the
+    weights-bearing models (loaded from config.json and safetensors) and the schedulers (from
+    scheduler_config.json). The loader loads a Diffusers component only through this table, so a
+    folder naming a class its family does not implement is refused before anything loads."""
+
+    models: Mapping[str, NativeModelClass]
+    schedulers: Mapping[str, NativeSchedulerClass]
+
+    @classmethod
+    def of(
+        cls, models: Sequence[NativeModelClass], schedulers: Sequence[NativeSchedulerClass]
+    ) -> NativeClasses:
+        """The table of these classes, each under the Diffusers class name it declares (so the name is
+        written once, on the class)."""
+        return cls(
+            models={model.diffusers_class_name: model for model in models},
+            schedulers={scheduler.diffusers_class_name: scheduler for scheduler in schedulers},
+        )
+
+    def class_names(self) -> frozenset[str]:
+        """Every Diffusers class name in the table."""
+        return frozenset(self.models) | frozenset(self.schedulers)
+
 
 #: transformers classes accepted for text encoders (loaded by transformers itself).
 TRANSFORMERS_ENCODERS: frozenset[str] = frozenset(

@@ -1,4 +1,5 @@
-"""`Pipeline`: an ordered list of stages over one `Req`, plus the loaded components they share."""
+"""`Pipeline`: an ordered list of stages over one `Req`, plus the loaded components they share; it
+implements the engine's `EnginePipeline` contract (runtime/contract.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+from PIL import Image
 
 from diffserve.configs.quality import LOSSLESS, QualityRule
 from diffserve.configs.sampling_params import SamplingParams
@@ -14,8 +16,9 @@ from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.loader.component_loader import LoadedComponent
 from diffserve.platforms import Platform
 from diffserve.request import Req
+from diffserve.runtime.contract import PipelineFacts
 from diffserve.stages.base import Stage
-from diffserve.stages.denoising import DenoisingStage, log_step_cache
+from diffserve.stages.denoising import DenoisingStage
 from diffserve.stages.input_validation import InputValidationStage
 
 logger = logging.getLogger("diffserve.pipeline")
@@ -28,7 +31,6 @@ class PipelineContext:
     components: dict[str, LoadedComponent]
     platform: Platform
     dtype: torch.dtype
-    show_progress: bool = True
     #: Sampling defaults the model folder itself recommends (its diffserve.json), over the family's.
     folder_sampling_defaults: dict[str, Any] = field(default_factory=dict)
     #: model_index.json's pipeline-level settings (not components), e.g. Wan 2.2's "expand_timesteps".
@@ -62,11 +64,13 @@ class Pipeline:
     def __init__(self, context: PipelineContext) -> None:
         self.context = context
         self.stages: list[Stage] = self.build_stages(context)
+        self._denoising_index = self._find_denoising_stage()
         logger.info("Pipeline stages: %s", [s.name for s in self.stages])
         name = type(self).__name__
         if context.calibrated_step_cache and not self.step_cache_policies:
             raise ValueError(f"the model folder has step-cache calibration, but {name} has no step cache")
         self.use_step_cache_policies({**self.step_cache_policies, **context.calibrated_step_cache})
+        self._facts = self._declare_facts()
         if self.quality_rule.policies:
             logger.info("Quality tiers: lossless (exact), %s; default %s", ", ".join(
                 f"{tier} (threshold {policy.threshold:g})" for tier, policy in self.quality_rule.policies.items()
@@ -84,36 +88,64 @@ class Pipeline:
 
     def resolve_params(self, params: SamplingParams) -> SamplingParams:
         """The params with family defaults applied, validated (raises InvalidRequestError)."""
-        raise NotImplementedError
+        return self.input_validation_stage.resolve(params)
 
-    def run(self, req: Req) -> Req:
-        for stage in self.stages:
-            req = stage(req)
-        return req
+    # -- The engine's phases (runtime/contract.py `EnginePipeline`) ----------------------------------
+    # A request is validated once when it is submitted, runs its pre-denoise stages alone, shares
+    # denoising steps with every running request of the same `batch_key`, then runs its post-denoise
+    # stages (decoding) alone.
 
-    # -- The same pipeline as three phases, for the engine's step-level batching ---------------------
-    # A request runs its pre-denoise stages alone, then shares denoising steps with every running
-    # request of the same `batch_key`, then runs its post-denoise stages (decoding) alone.
+    @property
+    def facts(self) -> PipelineFacts:
+        return self._facts
+
+    def _declare_facts(self) -> PipelineFacts:
+        validation = self.input_validation_stage
+        video = validation.video
+        transformer = self.context.get("transformer")
+        return PipelineFacts(
+            name=validation.image_inputs.pipeline_name,
+            pixel_multiple=int(self.pixel_multiple),
+            dit_width=int(transformer.hidden_width),
+            dtype=self.context.dtype,
+            cfg_mode=validation.cfg_mode,
+            min_input_images=validation.image_inputs.min_images,
+            max_input_images=validation.image_inputs.max_images,
+            makes_video=video is not None,
+            temporal_factor=1 if video is None else video.temporal_factor,
+            max_frames=0 if video is None else video.max_frames,
+            max_fps=0 if video is None else video.max_fps,
+        )
 
     @property
     def input_validation_stage(self) -> InputValidationStage:
         """The first stage of every family: defaults, validation, CFG rule and quality tier."""
-        stages = [s for s in self.stages if isinstance(s, InputValidationStage)]
-        if len(stages) != 1:
-            raise RuntimeError(f"{type(self).__name__} must have exactly one InputValidationStage, has {len(stages)}")
-        return stages[0]
+        stage = self.stages[0]
+        if not isinstance(stage, InputValidationStage):
+            raise TypeError(f"{type(self).__name__}'s first stage must be its InputValidationStage")
+        return stage
 
     @property
     def denoising_stage(self) -> DenoisingStage:
-        stages = [s for s in self.stages if isinstance(s, DenoisingStage)]
-        if len(stages) != 1:
-            raise RuntimeError(f"{type(self).__name__} must have exactly one DenoisingStage, has {len(stages)}")
-        return stages[0]
+        return self.stages[self._denoising_index]  # type: ignore[return-value]
+
+    def _find_denoising_stage(self) -> int:
+        indices = [i for i, s in enumerate(self.stages) if isinstance(s, DenoisingStage)]
+        if len(indices) != 1:
+            raise TypeError(f"{type(self).__name__} must have exactly one DenoisingStage, has {len(indices)}")
+        return indices[0]
+
+    def validate(self, req: Req) -> Req:
+        """Defaults, validation, generator, CFG decision and quality tier: once, at submission."""
+        return self.run_stage(self.input_validation_stage, req)
+
+    def run_stage(self, stage: Stage, req: Req) -> Req:
+        return stage(req, self.context.platform)
 
     def run_pre_denoise(self, req: Req) -> Req:
-        """Validation, text/image encoding, latents and timesteps: everything before the first step."""
-        for stage in self.stages[: self.stages.index(self.denoising_stage)]:
-            req = stage(req)
+        """Text/image encoding, latents and timesteps of a validated request."""
+        for stage in self.stages[1 : self._denoising_index]:
+            req = self.run_stage(stage, req)
         return req
 
     def denoise_step(self, reqs: list[Req]) -> None:
@@ -122,10 +154,14 @@ class Pipeline:
 
     def run_post_denoise(self, req: Req) -> Req:
         """Decoding (and any stage after it) once the request's last step is done."""
-        log_step_cache(req)
-        for stage in self.stages[self.stages.index(self.denoising_stage) + 1 :]:
-            req = stage(req)
+        for stage in self.stages[self._denoising_index + 1 :]:
+            req = self.run_stage(stage, req)
         return req
+
+    def preview_images(self, req: Req) -> list[Image.Image]:
+        from diffserve.stages.previews import preview_images
+
+        return preview_images(self, req)
 
     def batch_key(self, req: Req) -> tuple:
         """Requests with equal keys can share a denoising step: the DiT batch concatenates their

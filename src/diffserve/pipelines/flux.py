@@ -24,9 +24,10 @@ from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.decoding import DecodingStage
 from diffserve.stages.denoising import DenoisingStage
+from diffserve.stages.flux_text_encoding import FluxTextEncodingStage
 from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
 from diffserve.stages.latent_preparation import LatentPreparationStage
-from diffserve.stages.text_encoding import TextEncodingStage, clip_context_length
+from diffserve.stages.text_encoding import clip_context_length
 from diffserve.stages.timestep_preparation import TimestepPreparationStage
 
 
@@ -124,7 +125,7 @@ class FluxPipeline(Pipeline):
         self.denoiser = FluxDenoiser(transformer, context.get("scheduler"))
         return [
             self.input_validation,
-            TextEncodingStage(
+            FluxTextEncodingStage(
                 clip_tokenizer,
                 context.get("text_encoder"),
                 context.get("tokenizer_2"),
@@ -133,13 +134,13 @@ class FluxPipeline(Pipeline):
                 output_dtype=context.dtype,
             ),
             LatentPreparationStage(
-                latent_channels=transformer.config["in_channels"] // 4,
+                latent_channels=transformer.config.in_channels // 4,
                 vae_scale_factor=self.vae_scale_factor,
                 device=context.platform.device(),
                 dtype=context.dtype,
             ),
-            TimestepPreparationStage(context.get("scheduler"), transformer.config["guidance_embeds"]),
-            DenoisingStage(self.denoiser, show_progress=context.show_progress),
+            TimestepPreparationStage(context.get("scheduler"), transformer.config.guidance_embeds),
+            DenoisingStage(self.denoiser),
             DecodingStage(vae),
         ]
 

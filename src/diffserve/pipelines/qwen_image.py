@@ -30,7 +30,7 @@ from diffserve.stages.denoising import DenoisingStage
 from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
 from diffserve.stages.latent_preparation import LatentPreparationStage
 from diffserve.stages.qwen_image_edit_preparation import QwenImageEditPreparationStage, edit_output_size
-from diffserve.stages.qwen_text_encoding import QwenEditTextEncodingStage, QwenTextEncodingStage
+from diffserve.stages.qwen_image_text_encoding import QwenEditTextEncodingStage, QwenTextEncodingStage
 from diffserve.stages.timestep_preparation import TimestepPreparationStage
 from diffserve.stages.video_vae_decoding import VideoVaeImageDecodingStage
 
@@ -118,7 +118,7 @@ class QwenImagePipeline(Pipeline):
 
     def validation_stage(self, context: PipelineContext) -> InputValidationStage:
         transformer = context.get("transformer")
-        guidance = bool(transformer.config["guidance_embeds"])
+        guidance = transformer.config.guidance_embeds
         return InputValidationStage(
             defaults=apply_overrides(qwen_image_default_sampling_params(), context.folder_sampling_defaults),
             pixel_multiple=self.pixel_multiple,
@@ -156,13 +156,13 @@ class QwenImagePipeline(Pipeline):
             *self.before_denoising_stages(context),
             self.text_stage(context),
             LatentPreparationStage(
-                latent_channels=int(transformer.config["in_channels"]) // 4,
+                latent_channels=transformer.config.in_channels // 4,
                 vae_scale_factor=self.vae_scale_factor,
                 device=context.platform.device(),
                 dtype=context.dtype,
             ),
-            TimestepPreparationStage(scheduler, guidance_embeds=bool(transformer.config["guidance_embeds"])),
-            DenoisingStage(QwenImageDenoiser(transformer, scheduler), show_progress=context.show_progress),
+            TimestepPreparationStage(scheduler, guidance_embeds=transformer.config.guidance_embeds),
+            DenoisingStage(QwenImageDenoiser(transformer, scheduler)),
             VideoVaeImageDecodingStage(vae),
         ]
 

@@ -61,13 +61,13 @@ class SD3Pipeline(Pipeline):
         transformer = context.get("transformer")
         vae = context.get("vae")
         scheduler = context.get("scheduler")
-        patch = int(transformer.config["patch_size"])
+        patch = transformer.config.patch_size
         self.vae_scale_factor = 2 ** (len(vae.config["block_out_channels"]) - 1)
         self.pixel_multiple = self.vae_scale_factor * patch
         self.input_validation = InputValidationStage(
             defaults=apply_overrides(sd3_default_sampling_params(), context.folder_sampling_defaults),
             pixel_multiple=self.pixel_multiple,
-            default_pixels=int(transformer.config["sample_size"]) * self.vae_scale_factor,
+            default_pixels=transformer.config.sample_size * self.vae_scale_factor,
             max_sequence_length_limit=self.config.max_t5_sequence_length,
             image_inputs=ImageInputRule(pipeline_name="StableDiffusion3Pipeline"),
             unsupported_params={
@@ -85,17 +85,17 @@ class SD3Pipeline(Pipeline):
                 context.get_optional("tokenizer_3"),
                 context.get_optional("text_encoder_3"),
                 clip_max_length=clip_max_length,
-                joint_attention_dim=int(transformer.config["joint_attention_dim"]),
+                joint_attention_dim=transformer.config.joint_attention_dim,
                 output_dtype=context.dtype,
             ),
             SpatialLatentPreparationStage(
-                latent_channels=int(transformer.config["in_channels"]),
+                latent_channels=transformer.config.in_channels,
                 vae_scale_factor=self.vae_scale_factor,
                 device=context.platform.device(),
                 dtype=context.dtype,
             ),
             DefaultTimestepPreparationStage(scheduler, patch_size=patch),
-            DenoisingStage(SD3Denoiser(transformer, scheduler), show_progress=context.show_progress),
+            DenoisingStage(SD3Denoiser(transformer, scheduler)),
             DecodingStage(vae, packed_latents=False),
         ]
 

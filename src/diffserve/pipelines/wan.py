@@ -118,7 +118,7 @@ class WanPipeline(Pipeline):
         scheduler = context.get("scheduler")
         self.spatial = int(vae.spatial_compression_ratio)
         self.temporal = int(vae.temporal_compression_ratio)
-        self.pixel_multiple = self.spatial * int(transformer.config["patch_size"][1])
+        self.pixel_multiple = self.spatial * transformer.config.patch_size[1]
         self.input_validation = InputValidationStage(
             defaults=apply_overrides(wan_default_sampling_params(), context.folder_sampling_defaults),
             pixel_multiple=self.pixel_multiple,
@@ -140,8 +140,8 @@ class WanPipeline(Pipeline):
                 temporal=self.temporal,
                 device=context.platform.device(),
             ),
-            DefaultTimestepPreparationStage(scheduler, patch_size=int(transformer.config["patch_size"][1])),
-            DenoisingStage(WanDenoiser(transformer, scheduler), show_progress=context.show_progress),
+            DefaultTimestepPreparationStage(scheduler, patch_size=transformer.config.patch_size[1]),
+            DenoisingStage(WanDenoiser(transformer, scheduler)),
             VideoVaeDecodingStage(vae),
         ]
 

@@ -106,13 +106,13 @@ class ZImagePipeline(Pipeline):
             ZImageTextEncodingStage(context.get("tokenizer"), context.get("text_encoder"), output_dtype=context.dtype),
             # Z-Image keeps its latents in float32 whatever the DiT's dtype, as Diffusers does.
             SpatialLatentPreparationStage(
-                latent_channels=int(transformer.config["in_channels"]),
+                latent_channels=transformer.config.in_channels,
                 vae_scale_factor=self.vae_scale_factor,
                 device=context.platform.device(),
                 dtype=torch.float32,
             ),
             ZImageTimestepPreparationStage(scheduler),
-            DenoisingStage(ZImageDenoiser(transformer, scheduler), show_progress=context.show_progress),
+            DenoisingStage(ZImageDenoiser(transformer, scheduler)),
             DecodingStage(vae, packed_latents=False),
         ]
 

@@ -4,8 +4,12 @@ Detection order (first available wins), fixed and documented in docs/hardware.md
 
     cuda -> rocm -> musa -> xpu -> npu -> mps -> cpu
 
-`--device NAME` (or `set_platform(NAME)`) overrides detection with the named platform; asking
+`--device NAME` (`resolve_platform(NAME)`) overrides detection with the named platform; asking
 for a platform whose runtime is missing is an error, never a silent fall back to the CPU.
+
+There is no process-wide "current" platform: each generator resolves its own `Platform` once and
+hands it to everything that needs it (loader, pipeline, stages, engine), so a CPU generator and an
+accelerator generator can live in one process.
 """
 
 from __future__ import annotations
@@ -31,8 +35,6 @@ DETECTION_ORDER: tuple[type[Platform], ...] = (
 )
 
 PLATFORMS_BY_NAME: dict[str, type[Platform]] = {cls.name: cls for cls in DETECTION_ORDER}
-
-_current: Platform | None = None
 
 
 class PlatformUnavailableError(RuntimeError):
@@ -67,24 +69,10 @@ def platform_by_name(name: str) -> Platform:
     return cls()
 
 
-def current_platform() -> Platform:
-    """The platform the engine runs on: set explicitly, else detected once and remembered."""
-    global _current
-    if _current is None:
-        _current = detect_platform()
-    return _current
-
-
-def set_platform(platform: Platform | str | None) -> Platform:
-    """Select the platform (a name such as "cpu", a Platform, or None to re-detect)."""
-    global _current
-    if platform is None:
-        _current = detect_platform()
-    elif isinstance(platform, str):
-        _current = platform_by_name(platform)
-    else:
-        _current = platform
-    return _current
+def resolve_platform(name: str | None) -> Platform:
+    """A new `Platform` for `--device NAME`, or the detected one when `name` is None. Pure: nothing is
+    remembered, so callers keep the instance they get and pass it on."""
+    return detect_platform() if name is None else platform_by_name(name)
 
 
 __all__ = [
@@ -100,8 +88,7 @@ __all__ = [
     "PlatformUnavailableError",
     "RocmPlatform",
     "XpuPlatform",
-    "current_platform",
     "detect_platform",
     "platform_by_name",
-    "set_platform",
+    "resolve_platform",
 ]

@@ -1,20 +1,26 @@
-"""The engine's runtime: the step-level request scheduler and the memory model that admits requests.
+"""The engine's runtime: one request loop (`Engine`), the scheduler that decides what runs (`StepScheduler`),
+the runner that executes it (`ModelRunner`), and the memory model that admits requests.
 
-`StepScheduler` (scheduler.py) is the loop that decides, at every denoising step boundary, which
-requests run; `MemoryModel` (memory.py) says how much memory a request needs and how much there is.
-Neither knows about ZeroMQ or HTTP: the engine process drives them, and tests drive them in-process.
+Nothing here knows about ZeroMQ, HTTP or the CLI: the API, the CLI and the server's engine process drive
+the `Engine`, and tests drive it in-process.
 """
 
-from diffserve.runtime.memory import MemoryModel, RequestCost, RequestTooLargeError, calibrate_memory_model
-from diffserve.runtime.scheduler import ScheduledRequest, SchedulerConfig, SchedulerEvents, StepScheduler
+from diffserve.runtime.contract import EnginePipeline, PipelineFacts
+from diffserve.runtime.engine import Engine, EngineEvents
+from diffserve.runtime.memory import MemoryModel, RequestCost, RequestTooLargeError
+from diffserve.runtime.runner import ModelRunner
+from diffserve.runtime.scheduler import ScheduledRequest, SchedulerConfig, StepScheduler
 
 __all__ = [
+    "Engine",
+    "EngineEvents",
+    "EnginePipeline",
     "MemoryModel",
+    "ModelRunner",
+    "PipelineFacts",
     "RequestCost",
     "RequestTooLargeError",
     "ScheduledRequest",
     "SchedulerConfig",
-    "SchedulerEvents",
     "StepScheduler",
-    "calibrate_memory_model",
 ]

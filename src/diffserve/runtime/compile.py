@@ -90,6 +90,7 @@ from torch import nn
 
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError, UserError
+from diffserve.runtime.contract import PipelineFacts
 
 logger = logging.getLogger("diffserve.compile")
 
@@ -283,26 +284,21 @@ def warmup_params(height: int, width: int, kind: str, cfg_mode: str, video: bool
     )  # fmt: skip
 
 
-def with_probe_image(params: SamplingParams, resolve: Callable[[SamplingParams], SamplingParams]) -> SamplingParams:
-    """`params`, plus a plain input image of the output size when the family requires one (edit and
-    image-to-video models refuse a request without it, naming `image`)."""
+def with_probe_image(params: SamplingParams, facts: PipelineFacts) -> SamplingParams:
+    """`params`, plus plain input images of the output size when the family requires them (edit and
+    image-to-video models)."""
     from PIL import Image
 
-    try:
-        resolve(params)
-    except InvalidRequestError as exc:
-        if exc.param != "image":
-            raise
-        params.input_images = [Image.new("RGB", (params.width, params.height), (128, 128, 128))]
+    if facts.min_input_images > 0:
+        size = (int(params.width or facts.pixel_multiple), int(params.height or facts.pixel_multiple))
+        params.input_images = [Image.new("RGB", size, (128, 128, 128)) for _ in range(facts.min_input_images)]
     return params
 
 
 def warm_up(
-    generate: Callable[[SamplingParams], Any],
-    resolve: Callable[[SamplingParams], SamplingParams],
+    generate: Callable[[SamplingParams], object],
+    facts: PipelineFacts,
     resolutions: Sequence[tuple[int, int]],
-    cfg_mode: str,
-    video: bool = False,
 ) -> list[WarmupRun]:
     """Run `warmup_plan(resolutions)` through `generate` (one request each); log and return each run.
 
@@ -311,10 +307,9 @@ def warm_up(
     """
     runs = []
     for height, width, kind in warmup_plan(resolutions):
-        params = warmup_params(height, width, kind, cfg_mode, video)
+        params = with_probe_image(warmup_params(height, width, kind, facts.cfg_mode, facts.makes_video), facts)
+        graphs_before, start = compiled_graph_count(), time.perf_counter()
         try:
-            params = with_probe_image(params, resolve)
-            graphs_before, start = compiled_graph_count(), time.perf_counter()
             generate(params)
         except InvalidRequestError as exc:
             raise UserError(f"--warmup-resolutions {width}x{height}: {exc}") from exc

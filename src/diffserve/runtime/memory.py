@@ -22,25 +22,27 @@ A request is admitted only while that total, with it, stays within the budget: t
 measured once after warm-up times `--mem-fraction` (the model's weights are already resident then, so
 they are not counted twice).
 
-Calibration (`calibrate_memory_model`): on platforms with a resettable peak counter (CUDA, ROCm, XPU,
-...) two one-step generations of different sizes are run phase by phase at warm-up; the peak above the
+Calibration (runtime/calibration.py): on platforms with a resettable peak counter (CUDA, ROCm, XPU,
+...) two one-step generations of different sizes run through the engine at warm-up; the peak above the
 resident baseline of the denoising phase and of the decoding phase at the two sizes gives the two slopes
-and intercepts (a straight-line fit, 10% headroom). On CPU the process's peak RSS cannot be reset, so the
-coefficients come from the DiT's width instead (`estimated_memory_model`): generous, and against a budget
-of the available RAM.
+and intercepts (`measured_memory_model`: a straight-line fit, 10% headroom). On CPU the process's peak
+RSS cannot be reset, so the coefficients come from the DiT's width instead (`estimated_memory_model`):
+generous, and against a budget of the available RAM.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from diffserve.configs.sampling_params import SamplingParams
+import torch
+
 from diffserve.errors import UserError
+from diffserve.platforms.base import Platform
+from diffserve.request import Req
+from diffserve.runtime.contract import PipelineFacts
 
 logger = logging.getLogger("diffserve.runtime")
 
@@ -56,8 +58,6 @@ CALIBRATION_SIDES = (256, 512)
 ESTIMATED_WIDTHS_PER_TOKEN = 24
 ESTIMATED_BYTES_PER_PIXEL_PER_ELEMENT = 4 * 128
 ESTIMATED_FIXED_BYTES = 64 * MB
-#: DiT width assumed when the transformer does not say (FLUX.1's).
-DEFAULT_DIT_WIDTH = 3072
 
 
 class RequestTooLargeError(UserError):
@@ -88,43 +88,26 @@ class RequestCost:
         return self.tokens * self.branches * self.outputs
 
 
-def _find_input_validation(pipeline: Any) -> Any | None:
-    from diffserve.stages.input_validation import InputValidationStage
-
-    for stage in getattr(pipeline, "stages", ()):
-        if isinstance(stage, InputValidationStage):
-            return stage
-    return None
-
-
-def request_cost(pipeline: Any, params: SamplingParams) -> RequestCost:
-    """The cost of `params` on `pipeline`, before any model work (raises the family's InvalidRequestError).
-
-    The family's input-validation stage is run on a throwaway request: it resolves the defaults and
-    decides CFG exactly as the real run will, and costs nothing (no tensors)."""
-    from diffserve.request import Req
-
-    stage = _find_input_validation(pipeline)
-    if stage is not None:
-        probe = stage.forward(Req(params=dataclasses.replace(params, extra=dict(params.extra))))
-        resolved, branches, step_cache = probe.params, 2 if probe.do_cfg else 1, probe.step_cache is not None
-    else:
-        resolved, branches, step_cache = pipeline.resolve_params(params), 1, False
-    multiple = int(getattr(pipeline, "pixel_multiple", 16))
+def request_cost(facts: PipelineFacts, req: Req) -> RequestCost:
+    """The cost of a validated request (`EnginePipeline.validate` resolved its params and decided CFG
+    and its quality tier), before any model work."""
+    params = req.params
+    if params.height is None or params.width is None:
+        raise ValueError("request_cost needs a validated request (height and width resolved)")
+    multiple = facts.pixel_multiple
     frames, latent_frames = 1, 1
-    if resolved.num_frames is not None:
-        frames = int(resolved.num_frames)
-        temporal = getattr(getattr(stage, "video", None), "temporal_factor", 1) or 1
-        latent_frames = (frames - 1) // int(temporal) + 1
-    area_tokens = (int(resolved.height) // multiple) * (int(resolved.width) // multiple)
+    if facts.makes_video and params.num_frames is not None:
+        frames = int(params.num_frames)
+        latent_frames = (frames - 1) // facts.temporal_factor + 1
+    area_tokens = (int(params.height) // multiple) * (int(params.width) // multiple)
     # Edit models append each input image's tokens, resized to about the output's area.
-    condition_tokens = area_tokens * len(resolved.input_images or ())
+    condition_tokens = area_tokens * len(params.input_images or ())
     return RequestCost(
         tokens=area_tokens * latent_frames + condition_tokens,
-        branches=branches,
-        outputs=int(resolved.num_outputs_per_prompt),
-        pixels=int(resolved.height) * int(resolved.width) * frames,
-        step_cache=step_cache,
+        branches=2 if req.do_cfg else 1,
+        outputs=int(params.num_outputs_per_prompt),
+        pixels=int(params.height) * int(params.width) * frames,
+        step_cache=req.step_cache is not None,
     )
 
 
@@ -198,117 +181,76 @@ class MemoryModel:
         }
 
 
-def _budget(platform: Any, mem_fraction: float) -> int | None:
+def memory_budget(platform: Platform, mem_fraction: float) -> int | None:
+    """What the running set may use: the platform's available memory now x `mem_fraction`."""
     available = platform.memory_info().available_bytes
     return None if available is None else int(available * mem_fraction)
 
 
-def _dit_width(pipeline: Any) -> int:
-    """The DiT's hidden width (heads x head_dim), from its config when it has one."""
-    context = getattr(pipeline, "context", None)
-    transformer = context.get_optional("transformer") if context is not None else None
-    config = getattr(transformer, "config", None) or {}
-    if isinstance(config, dict):
-        heads, head_dim = config.get("num_attention_heads"), config.get("attention_head_dim")
-        if heads and head_dim:
-            return int(heads) * int(head_dim)
-    return int(getattr(transformer, "inner_dim", DEFAULT_DIT_WIDTH) or DEFAULT_DIT_WIDTH)
+def _element_size(facts: PipelineFacts) -> int:
+    return torch.empty((), dtype=facts.dtype).element_size()
 
 
-def _element_size(pipeline: Any) -> int:
-    import torch
-
-    context = getattr(pipeline, "context", None)
-    dtype = getattr(context, "dtype", torch.float32)
-    return torch.empty((), dtype=dtype).element_size()
+def _step_cache_bytes_per_token(facts: PipelineFacts) -> float:
+    return float(2 * facts.dit_width * _element_size(facts))
 
 
-def _step_cache_bytes_per_token(pipeline: Any) -> float:
-    return float(2 * _dit_width(pipeline) * _element_size(pipeline))
-
-
-def estimated_memory_model(pipeline: Any, platform: Any, mem_fraction: float) -> MemoryModel:
+def estimated_memory_model(facts: PipelineFacts, platform: Platform, mem_fraction: float) -> MemoryModel:
     """Coefficients from the DiT's width and dtype, no measurement (CPU, or warm-up turned off)."""
-    element = _element_size(pipeline)
+    element = _element_size(facts)
     return MemoryModel(
-        bytes_per_token=float(ESTIMATED_WIDTHS_PER_TOKEN * _dit_width(pipeline) * element),
+        bytes_per_token=float(ESTIMATED_WIDTHS_PER_TOKEN * facts.dit_width * element),
         bytes_per_pixel=float(ESTIMATED_BYTES_PER_PIXEL_PER_ELEMENT * element),
         fixed_bytes=float(ESTIMATED_FIXED_BYTES),
         decode_fixed_bytes=0.0,
-        budget_bytes=_budget(platform, mem_fraction),
+        budget_bytes=memory_budget(platform, mem_fraction),
         source="estimated",
-        step_cache_bytes_per_token=_step_cache_bytes_per_token(pipeline),
+        step_cache_bytes_per_token=_step_cache_bytes_per_token(facts),
     )
 
 
-def _empty_cache(platform: Any) -> None:
-    """Give the allocator's cached blocks back, so free memory measured next counts them as free."""
-    import torch
-
-    runtime = getattr(torch, getattr(platform, "device_type", "cpu"), None)
-    empty = getattr(runtime, "empty_cache", None)
-    if callable(empty):
-        with contextlib.suppress(Exception):  # a runtime without a cache to empty
-            empty()
-
-
-def _fit(xs: tuple[float, float], ys: tuple[float, float]) -> tuple[float, float]:
+def fit_line(xs: tuple[float, float], ys: tuple[float, float]) -> tuple[float, float]:
     """Slope and intercept through two points, both clamped at 0 (noise must not make them negative)."""
     slope = (ys[1] - ys[0]) / (xs[1] - xs[0]) if xs[1] != xs[0] else 0.0
     slope = max(slope, 0.0)
     return slope, max(ys[0] - slope * xs[0], 0.0)
 
 
-def calibrate_memory_model(
-    pipeline: Any, platform: Any, probe_params: list[SamplingParams], mem_fraction: float
-) -> MemoryModel:
-    """Measure the model at warm-up (see the module docstring). `probe_params`: two one-step requests of
-    different sizes. Falls back to `estimated_memory_model` where peaks cannot be measured."""
-    from diffserve.request import Req
+@dataclass(frozen=True)
+class PhasePeaks:
+    """One calibration request: its cost and the peak memory above the resident baseline of its
+    denoising phase and of its decoding phase."""
 
-    if getattr(platform, "device_type", "cpu") == "cpu" or len(probe_params) < 2:
-        return estimated_memory_model(pipeline, platform, mem_fraction)
-    points = []
-    for params in probe_params:
-        cost = request_cost(pipeline, params)
-        req = Req(params=params)
-        platform.reset_peak_memory()
-        base = platform.memory_info().peak_bytes
-        if base is None:
-            return estimated_memory_model(pipeline, platform, mem_fraction)
-        req = pipeline.run_pre_denoise(req)
-        while not req.is_denoised:
-            pipeline.denoise_step([req])
-        platform.synchronize()
-        denoise_peak = platform.memory_info().peak_bytes - base
-        platform.reset_peak_memory()
-        base = platform.memory_info().peak_bytes
-        pipeline.run_post_denoise(req)
-        platform.synchronize()
-        decode_peak = platform.memory_info().peak_bytes - base
-        points.append((cost, denoise_peak, decode_peak))
-        del req
-    (c0, d0, v0), (c1, d1, v1) = points[0], points[-1]
-    per_token, fixed = _fit((c0.batch_tokens, c1.batch_tokens), (d0, d1))
-    per_pixel, decode_fixed = _fit((c0.pixels * c0.outputs, c1.pixels * c1.outputs), (v0, v1))
-    _empty_cache(platform)
+    cost: RequestCost
+    denoise_bytes: int
+    decode_bytes: int
+
+
+def measured_memory_model(
+    facts: PipelineFacts, platform: Platform, points: list[PhasePeaks], mem_fraction: float
+) -> MemoryModel:
+    """The straight-line fit through two calibration requests of different sizes (runtime/calibration.py
+    runs them through the engine), with `MEASURED_HEADROOM`."""
+    first, last = points[0], points[-1]
+    per_token, fixed = fit_line(
+        (first.cost.batch_tokens, last.cost.batch_tokens), (first.denoise_bytes, last.denoise_bytes)
+    )
+    per_pixel, decode_fixed = fit_line(
+        (first.cost.pixels * first.cost.outputs, last.cost.pixels * last.cost.outputs),
+        (first.decode_bytes, last.decode_bytes),
+    )
     model = MemoryModel(
         bytes_per_token=per_token * MEASURED_HEADROOM,
         bytes_per_pixel=per_pixel * MEASURED_HEADROOM,
         fixed_bytes=fixed * MEASURED_HEADROOM,
         decode_fixed_bytes=decode_fixed * MEASURED_HEADROOM,
-        budget_bytes=_budget(platform, mem_fraction),
+        budget_bytes=memory_budget(platform, mem_fraction),
         source="measured",
-        step_cache_bytes_per_token=_step_cache_bytes_per_token(pipeline),
+        step_cache_bytes_per_token=_step_cache_bytes_per_token(facts),
     )
     logger.info(
         "Memory model calibrated: denoising %.0f / %.0f MB at %d / %d tokens, decoding %.0f / %.0f MB; %s",
-        d0 / MB,
-        d1 / MB,
-        c0.batch_tokens,
-        c1.batch_tokens,
-        v0 / MB,
-        v1 / MB,
-        model.describe(),
-    )
+        first.denoise_bytes / MB, last.denoise_bytes / MB, first.cost.batch_tokens, last.cost.batch_tokens,
+        first.decode_bytes / MB, last.decode_bytes / MB, model.describe(),
+    )  # fmt: skip
     return model

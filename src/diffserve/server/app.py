@@ -33,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import diffserve
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError
+from diffserve.outputs import CONTENT_TYPES
 from diffserve.server.args import MAX_INPUT_IMAGES, ServerArgs
 from diffserve.server.engine_client import (
     EngineClient,
@@ -43,7 +44,7 @@ from diffserve.server.engine_client import (
 )
 from diffserve.server.errors import ApiError, error_response, install_error_handlers
 from diffserve.server.image_edits import read_edit_request
-from diffserve.server.image_encoding import CONTENT_TYPES, find_image
+from diffserve.server.image_files import find_image
 from diffserve.server.metrics import ServerMetrics
 from diffserve.server.middleware import (
     CLIENT_CLOSED_REQUEST,

@@ -1,14 +1,15 @@
 """The engine process: loads the model once, then runs the front end's requests with step-level batching.
 
 Two threads:
-- the main thread runs the engine loop: `StepScheduler.step()` (diffserve/runtime/scheduler.py) over
-  and over. Each iteration admits waiting requests (JobStarted), runs one denoising step for one group
+- the main thread drives the generator's engine: `runtime.Engine.step()` (diffserve/runtime/engine.py),
+  the same loop `DiffGenerator` and the CLI run, over and over. Each iteration admits waiting requests (JobStarted), runs one denoising step for one group
   of running requests of the same shape as one DiT batch (JobProgress per request, JobPreview when a
   job asked for partial images), and decodes the requests whose steps are done (JobFinished). Several
   requests run at once (`--max-running-requests`, `--max-batch-tokens`, `--mem-fraction`); with
   `--max-running-requests 1` this is the one-request-at-a-time engine.
-- the receiver thread reads the front end's messages: a GenerateJob is validated (family defaults
-  applied, `SamplingParams.validate`), costed against the memory model, and queued, or answered at
+- the receiver thread reads the front end's messages: a GenerateJob is validated once by the engine
+  (`Engine.prepare`: family defaults applied, `SamplingParams.validate`), costed against the memory
+  model, and queued, or answered at
   once with JobRejected (400; 413 when it can never fit in memory); a CancelJob drops a waiting
   request or flags a running one, which leaves the running set at its next step boundary (the others
   in its batch carry on); ShutdownEngine stops the loop.
@@ -34,16 +35,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 from PIL import Image
 
-from diffserve.cli.logging_setup import configure_logging
 from diffserve.configs.engine_args import EngineArgs
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.errors import InvalidRequestError, RequestCancelledError, UserError
-from diffserve.server.image_encoding import CONTENT_TYPES, encode_image, image_path
+from diffserve.errors import UserError
+from diffserve.logging_setup import configure_logging
+from diffserve.outputs import CONTENT_TYPES, encode_image, output_metadata, save_image, save_video
+from diffserve.server.image_files import image_path
 from diffserve.server.protocol import (
     CancelJob,
     EncodedImage,
@@ -61,7 +63,9 @@ from diffserve.server.protocol import (
     JobStarted,
     ShutdownEngine,
 )
-from diffserve.video_outputs import save_video
+
+if TYPE_CHECKING:
+    from diffserve.runtime import ScheduledRequest
 
 logger = logging.getLogger("diffserve.engine")
 
@@ -69,19 +73,6 @@ logger = logging.getLogger("diffserve.engine")
 PROBE_PIXELS = 64
 #: Video families draw a one-frame clip for the warm-up and /health_generate (1 = 4 * 0 + 1 is always valid).
 PROBE_FRAMES = 1
-#: Family tasks whose outputs are videos (served by /v1/videos, refused by the image routes).
-VIDEO_TASKS = ("text-to-video", "image-to-video")
-#: --max-batch-tokens when unset: what one DiT batch may hold (latent tokens x CFG branches x outputs).
-#: On accelerators 65536 is 8 requests of 1024x1024 FLUX images (4096 tokens) with CFG, leaving memory
-#: to the memory model; on CPU 16384, where a bigger batch only adds latency.
-DEFAULT_MAX_BATCH_TOKENS = {"cpu": 16384}
-DEFAULT_MAX_BATCH_TOKENS_ACCELERATOR = 65536
-
-
-def default_max_batch_tokens(device_type: str) -> int:
-    return DEFAULT_MAX_BATCH_TOKENS.get(device_type, DEFAULT_MAX_BATCH_TOKENS_ACCELERATOR)
-
-
 def preview_steps(total_steps: int, partial_images: int) -> list[int]:
     """The steps after which previews 0..k-1 are sent: round((i + 1) * n / (k + 1)), at least step 1
     (with few steps two previews can fall on the same step; each still gets its own index)."""
@@ -138,29 +129,24 @@ class Engine:
 
             generator = DiffGenerator(config.engine_args, show_progress=False)
         self.generator = generator
+        self.engine = generator.engine
+        self.platform = self.engine.platform
+        self.facts = generator.pipeline.facts
         self.load_seconds = time.perf_counter() - start
         self.output_dir = Path(config.engine_args.output_path)
         self.stop = threading.Event()
-        self.pixel_multiple = int(self.generator.pipeline.pixel_multiple)
+        self.pixel_multiple = self.facts.pixel_multiple
         self.probe_size = -(-PROBE_PIXELS // self.pixel_multiple) * self.pixel_multiple
-        self.is_video = getattr(self.generator.family, "task", "") in VIDEO_TASKS
+        self.is_video = self.facts.makes_video
         self.probe_images = self._probe_images()
         # One thread: MP4s are written in job order, and x264 already uses several cores per file.
         self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="video-encoder")
         #: Video jobs whose file is being written -> their cancel flag (the job's `cancel_event`).
         self._encoding: dict[str, threading.Event] = {}
         self._encoding_lock = threading.Lock()
-        self.scheduler = self._make_scheduler()
-
-    def _make_scheduler(self) -> Any:
-        from diffserve.platforms import current_platform
-        from diffserve.runtime import SchedulerConfig, StepScheduler
-
-        args = self.config.engine_args
-        self.platform = current_platform()
-        max_tokens = args.max_batch_tokens or default_max_batch_tokens(self.platform.device_type)
-        config = SchedulerConfig(max_running_requests=args.max_running_requests, max_batch_tokens=max_tokens)
-        return StepScheduler(self.generator.pipeline, config, events=self, platform=self.platform)
+        self.scheduler = self.engine.scheduler
+        #: The engine reports the front end's jobs here (warm-up and calibration requests have no job).
+        self.engine.events = self
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -170,7 +156,7 @@ class Engine:
             self.generator.generate_from_params(self.probe_params("warm-up"))
             warmup_seconds = time.perf_counter() - start
             logger.info("Warm-up generation done in %.2f seconds", warmup_seconds)
-        self.scheduler.memory = self._memory_model()
+        self.engine.memory = self._memory_model()
         logger.info("Scheduler: %s", self.scheduler_info())
         self.receiver = threading.Thread(target=self._receive_loop, name="engine-receiver", daemon=True)
         self.receiver.start()
@@ -178,16 +164,12 @@ class Engine:
         logger.info("Engine ready (pid %d)", os.getpid())
 
     def _probe_images(self) -> list[Image.Image] | None:
-        """A plain input image for the warm-up and /health_generate when the family requires one (edit
-        models refuse a request without it, naming `image`); None for text-to-image families."""
-        params = SamplingParams(prompt="probe", height=self.probe_size, width=self.probe_size,
-                                num_inference_steps=1, num_frames=PROBE_FRAMES if self.is_video else None)
-        try:
-            self.generator.pipeline.resolve_params(params)
-        except InvalidRequestError as exc:
-            if exc.param == "image":
-                return [Image.new("RGB", (self.probe_size, self.probe_size), (128, 128, 128))]
-        return None
+        """Plain input images for the warm-up and /health_generate when the family requires them (edit
+        and image-to-video models); None for text-to-image families."""
+        if self.facts.min_input_images == 0:
+            return None
+        side = self.probe_size
+        return [Image.new("RGB", (side, side), (128, 128, 128)) for _ in range(self.facts.min_input_images)]
 
     def probe_params(self, prompt: str, side: int | None = None) -> SamplingParams:
         side = side or self.probe_size
@@ -199,18 +181,19 @@ class Engine:
         """Calibrated at warm-up where the platform can measure peaks; estimated otherwise (CPU, or
         --no-warmup). A calibration that fails (a side the model refuses, out of memory) falls back
         to the estimate rather than stopping the engine."""
-        from diffserve.runtime.memory import CALIBRATION_SIDES, calibrate_memory_model, estimated_memory_model
+        from diffserve.runtime.calibration import calibrate_memory_model
+        from diffserve.runtime.memory import CALIBRATION_SIDES, estimated_memory_model
 
-        pipeline, fraction = self.generator.pipeline, self.config.engine_args.mem_fraction
+        fraction = self.config.engine_args.mem_fraction
         if self.config.warmup:
             sides = [-(-s // self.pixel_multiple) * self.pixel_multiple for s in CALIBRATION_SIDES]
             try:
-                return calibrate_memory_model(pipeline, self.platform,
-                                              [self.probe_params("calibration", s) for s in sides], fraction)
+                return calibrate_memory_model(self.engine, [self.probe_params("calibration", s) for s in sides],
+                                              fraction)
             except Exception as exc:
                 logger.warning("Memory calibration failed (%s: %s); using the estimated memory model",
                                type(exc).__name__, exc)
-        return estimated_memory_model(pipeline, self.platform, fraction)
+        return estimated_memory_model(self.facts, self.platform, fraction)
 
     def scheduler_info(self) -> dict[str, Any]:
         """The scheduler's limits and memory model (for /server_info and the log)."""
@@ -222,11 +205,10 @@ class Engine:
 
     def video_limits(self) -> dict[str, int] | None:
         """The family's frame rules for the front end (it turns `seconds` into a valid num_frames)."""
-        rule = getattr(getattr(self.generator.pipeline, "input_validation", None), "video", None)
-        if not self.is_video or rule is None:
+        facts = self.facts
+        if not facts.makes_video:
             return None
-        return {"temporal_factor": int(rule.temporal_factor), "max_frames": int(rule.max_frames),
-                "max_fps": int(rule.max_fps)}
+        return {"temporal_factor": facts.temporal_factor, "max_frames": facts.max_frames, "max_fps": facts.max_fps}
 
     def info(self, warmup_seconds: float | None) -> dict[str, Any]:
         import torch
@@ -234,7 +216,9 @@ class Engine:
         import diffserve
 
         g = self.generator
-        defaults = g.pipeline.resolve_params(SamplingParams(prompt="-", input_images=self.probe_images)).to_dict()
+        from diffserve.runtime.contract import resolved_params
+
+        defaults = resolved_params(g.pipeline, SamplingParams(prompt="-", input_images=self.probe_images)).to_dict()
         for key in ("prompt", "seed", "extra", "input_images", "mask_image"):
             defaults.pop(key, None)
         if self.probe_images:  # an edit model: its default size follows the input image
@@ -263,27 +247,23 @@ class Engine:
             self.run_once(timeout=0.5)
         # Shutdown flagged the running requests: one more pass reports them cancelled (and drops any
         # request that arrived after the flags were set).
-        for sr in self.scheduler.cancel_all():
-            self.channel.send(JobCancelled(sr.request_id))
-        self.scheduler.step()
+        self.engine.cancel_all()
+        self.engine.step()
         self.encoder.shutdown(wait=True)  # files being written are finished and reported
         self.receiver.join()  # it owns the inbox socket until it sees `stop`
         logger.info("Engine stopped")
 
     def run_once(self, timeout: float = 0.0) -> bool:
         """One scheduler iteration, after waiting up to `timeout` seconds for work. False: idle."""
-        if not self.scheduler.has_work and not self.scheduler.wait_for_work(timeout):
-            return False
-        return self.scheduler.step()
+        return self.engine.run_once(timeout)
 
     def run_until_idle(self) -> None:
         """Run until nothing waits or runs (tests drive the engine in-process with this)."""
-        self.scheduler.run_until_idle()
+        self.engine.run_until_idle()
 
     def shutdown(self) -> None:
         self.stop.set()
-        for sr in self.scheduler.cancel_all():
-            self.channel.send(JobCancelled(sr.request_id))
+        self.engine.cancel_all()  # the dropped waiting requests are reported through on_cancelled
 
     # -- receiver thread -------------------------------------------------------------------------
     def _receive_loop(self) -> None:
@@ -327,8 +307,7 @@ class Engine:
 
             req = Req(params=message.params, request_id=message.request_id, cancel_event=threading.Event())
             try:
-                resolved = self.generator.pipeline.resolve_params(message.params)  # validate before queueing
-                scheduled = self.scheduler.prepare(req, priority=message.priority, payload=message)
+                scheduled = self.engine.prepare(req, priority=message.priority, payload=message)  # validates once
             except RequestTooLargeError as exc:
                 logger.info("Request %s refused: %s", message.request_id, exc)
                 self.channel.send(JobRejected(message.request_id, str(exc), param=exc.param, status=413))
@@ -337,20 +316,18 @@ class Engine:
                 self.channel.send(JobRejected(message.request_id, str(exc), param=getattr(exc, "param", None)))
                 return
             if message.ack:  # before queueing: the main thread's JobStarted must come after it
-                params = dataclasses.replace(resolved, input_images=None, mask_image=None)
+                params = dataclasses.replace(scheduled.req.params, input_images=None, mask_image=None)
                 self.channel.send(JobAccepted(message.request_id, params))
             req.on_step = lambda r, job=message: self._on_step(job, r)
-            self.scheduler.enqueue(scheduled)
+            self.engine.enqueue(scheduled)
         elif isinstance(message, CancelJob):
-            where = self.scheduler.cancel(message.request_id)
+            where = self.engine.cancel(message.request_id)  # a waiting job is answered by on_cancelled
             if where is None:
                 with self._encoding_lock:
                     flag = self._encoding.get(message.request_id)
                 if flag is not None:
                     flag.set()  # the encoder thread deletes the file and answers JobCancelled
                     where = "encoding"
-            if where == "waiting":
-                self.channel.send(JobCancelled(message.request_id))
             if where is not None:
                 logger.info("Request %s cancelled while %s", message.request_id, where)
         elif isinstance(message, ShutdownEngine):
@@ -360,27 +337,34 @@ class Engine:
             logger.warning("engine: ignoring unknown message %r", message)
 
     # -- main thread: the scheduler's events ------------------------------------------------------
-    def on_started(self, sr: Any) -> None:
+    def on_started(self, sr: ScheduledRequest) -> None:
+        if not isinstance(sr.payload, GenerateJob):
+            return
         self.channel.send(JobStarted(sr.request_id))
         logger.info("Request %s started (%d running, %d waiting)", sr.request_id, self.scheduler.num_running,
                     self.scheduler.num_waiting)
 
-    def on_cancelled(self, sr: Any) -> None:
+    def on_cancelled(self, sr: ScheduledRequest) -> None:
+        if not isinstance(sr.payload, GenerateJob):
+            return
         self.channel.send(JobCancelled(sr.request_id, at_step=sr.req.step_index))
 
-    def on_failed(self, sr: Any, error: BaseException) -> None:
+    def on_failed(self, sr: ScheduledRequest, error: BaseException) -> None:
+        if not isinstance(sr.payload, GenerateJob):
+            return
         rid = sr.request_id
-        if isinstance(error, RequestCancelledError):
-            self.channel.send(JobCancelled(rid, at_step=sr.req.step_index))
-        elif isinstance(error, UserError):
+        if isinstance(error, UserError):
             self.channel.send(JobFailed(rid, str(error), user_error=True))
         else:
             logger.error("Request %s failed", rid, exc_info=error)
             self.channel.send(JobFailed(rid, f"{type(error).__name__}: {error}"))
 
-    def on_finished(self, sr: Any) -> None:
+    def on_finished(self, sr: ScheduledRequest) -> None:
         """Decoded: encode the images and answer, or hand a video to the encoder thread."""
         from diffserve.api import GenerationOutput
+
+        if not isinstance(sr.payload, GenerateJob):
+            return
 
         job, req = sr.payload, sr.req
         start = sr.started_at
@@ -424,9 +408,7 @@ class Engine:
         """Preview(s) `indices` of the request after its current step; a preview that fails is skipped
         (logged): it must never fail the request."""
         try:
-            from diffserve.stages.previews import preview_images
-
-            images = preview_images(self.generator.pipeline, req)
+            images = self.engine.runner.preview_images(req)
             encoded = [encode_image(image, "png") for image in images]
         except Exception:
             logger.exception("Request %s: preview after step %d failed", req.request_id, req.step_index)
@@ -434,7 +416,7 @@ class Engine:
         for index in indices:
             self.channel.send(JobPreview(req.request_id, index, req.step_index, req.num_steps, encoded))
 
-    def _hand_to_encoder(self, sr: Any, out: Any, start: float) -> None:
+    def _hand_to_encoder(self, sr: ScheduledRequest, out: Any, start: float) -> None:
         """Queue the MP4 write of a finished video job on the encoder thread and return at once. The job
         stays cancellable through its `cancel_event`, registered before the scheduler frees its slot."""
         rid = sr.request_id
@@ -444,7 +426,7 @@ class Engine:
         self.channel.send(JobProgress(rid, steps, steps, "encoding"))
         self.encoder.submit(self._write_video, sr, out, start)
 
-    def _write_video(self, sr: Any, out: Any, start: float) -> None:
+    def _write_video(self, sr: ScheduledRequest, out: Any, start: float) -> None:
         """Encoder thread: write the MP4 atomically, then JobFinished (or JobCancelled / JobFailed)."""
         job, rid = sr.payload, sr.request_id
         path = Path(job.video_path)
@@ -457,8 +439,7 @@ class Engine:
                 raise RuntimeError(f"expected one video from the pipeline, got {len(out.frames)}")
             frames = out.frames[0]
             params = dataclasses.replace(out.params, input_images=None, mask_image=None)
-            metadata = {"model": self.generator.model_path,
-                        "pipeline": self.generator.family.diffusers_pipeline, **params.to_dict()}
+            metadata = output_metadata(self.generator.model_path, self.generator.family.diffusers_pipeline, params)
             encode_start = time.perf_counter()
             save_video(frames, path, params.fps, metadata, "mp4")
             encode_seconds = time.perf_counter() - encode_start
@@ -489,19 +470,15 @@ class Engine:
 
     def _encode(self, job: GenerateJob, images: list, params: SamplingParams) -> list[EncodedImage]:
         fmt = params.output_format
-        metadata = {"model": self.generator.model_path, "pipeline": self.generator.family.diffusers_pipeline,
-                    **params.to_dict()}
+        metadata = output_metadata(self.generator.model_path, self.generator.family.diffusers_pipeline, params)
         encoded = []
         for i, image in enumerate(images):
-            data = encode_image(image, fmt, job.output_compression, metadata)
             image_id = f"{job.request_id}-{i}"
+            data: bytes | None = None
             if job.response_format == "url":
-                path = image_path(self.output_dir, image_id, fmt)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(".partial")
-                tmp.write_bytes(data)
-                tmp.replace(path)
-                data = None
+                save_image(image, image_path(self.output_dir, image_id, fmt), metadata, fmt, job.output_compression)
+            else:
+                data = encode_image(image, fmt, job.output_compression, metadata)
             encoded.append(EncodedImage(data=data, image_id=image_id, content_type=CONTENT_TYPES[fmt]))
         return encoded
 

@@ -42,6 +42,7 @@ from typing import Any, Literal
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from diffserve.outputs import encoded_format
 from diffserve.server.engine_client import EngineUnavailableError, JobFailedError
 from diffserve.server.errors import error_body
 from diffserve.server.protocol import JobFinished, JobPreview
@@ -65,17 +66,6 @@ ZERO_USAGE: dict[str, Any] = {
 def sse_event(event: str, data: dict[str, Any]) -> bytes:
     """One server-sent event: its name and its JSON data (a single line, so no escaping is needed)."""
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
-
-
-def image_format(data: bytes) -> str:
-    """The format of encoded image bytes, from their signature ('png', 'jpeg' or 'webp')."""
-    if data.startswith(b"\x89PNG"):
-        return "png"
-    if data.startswith(b"\xff\xd8"):
-        return "jpeg"
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "webp"
-    raise ValueError("the engine sent image bytes of an unknown format")
 
 
 def error_fields(exc: BaseException) -> tuple[int, str, str | None, str | None]:
@@ -115,7 +105,7 @@ class StreamHeader:
     def partial(self, preview: JobPreview, image_index: int) -> bytes:
         data = preview.images[image_index]
         body = self.common(
-            "partial_image", base64.b64encode(data).decode("ascii"), image_format(data), image_index
+            "partial_image", base64.b64encode(data).decode("ascii"), encoded_format(data), image_index
         )
         body["partial_image_index"] = preview.index
         return sse_event(body["type"], body)

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from diffserve.configs.sampling_params import SamplingParams
+from diffserve.outputs import partial_path
 from diffserve.server.engine_client import (
     EngineClient,
     EngineUnavailableError,
@@ -379,7 +380,7 @@ class VideoJobManager:
     def _remove_files(self, video_id: str) -> None:
         path = video_file(self.output_dir, video_id)
         path.unlink(missing_ok=True)
-        path.with_name(f".{path.name}.partial").unlink(missing_ok=True)
+        partial_path(path).unlink(missing_ok=True)
 
     # -- jobs --------------------------------------------------------------------------------------
     async def create(

@@ -1,7 +1,6 @@
-"""TextEncodingStage for the CLIP-pooled + T5-sequence pairing FLUX.1 uses.
-
-CLIP gives the pooled vector (`pooler_output`, padded to the tokenizer's max length), T5 the
-token sequence (padded to `max_sequence_length`), exactly as Diffusers' FluxPipeline does.
+"""What the families' text-encoding stages share: tokenizing, the texts a request encodes (its prompt,
+and its negative prompt under CFG), setting the request's embeddings from them through the prompt
+cache, and the CLIP context length. Each family's stage is in its own `<family>_text_encoding.py`.
 """
 
 from __future__ import annotations
@@ -9,10 +8,8 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch import nn
 
 from diffserve.request import Req
-from diffserve.stages.base import Stage
 from diffserve.stages.prompt_cache import PromptEmbeddingCache
 
 logger = logging.getLogger("diffserve.stages")
@@ -67,40 +64,3 @@ def clip_context_length(tokenizer, default: int = 77) -> int:
     """The CLIP tokenizer's context length; tokenizers without a recorded limit report a huge sentinel."""
     length = getattr(tokenizer, "model_max_length", None) or default
     return default if length > 10_000 else int(length)
-
-
-class TextEncodingStage(Stage):
-    needs = ("do_cfg",)
-    sets = ("prompt_embeds", "pooled_prompt_embeds", "text_ids")
-
-    def __init__(
-        self,
-        clip_tokenizer,
-        clip_encoder: nn.Module,
-        t5_tokenizer,
-        t5_encoder: nn.Module,
-        clip_max_length: int,
-        output_dtype: torch.dtype,
-    ) -> None:
-        self.clip_tokenizer = clip_tokenizer
-        self.clip_encoder = clip_encoder
-        self.t5_tokenizer = t5_tokenizer
-        self.t5_encoder = t5_encoder
-        self.clip_max_length = clip_max_length
-        self.output_dtype = output_dtype
-        self.cache = PromptEmbeddingCache()
-
-    @torch.inference_mode()
-    def encode(self, prompts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T5 sequence embeddings (B, L, D), CLIP pooled embeddings (B, P)) for a list of prompts."""
-        clip_ids = tokenize(self.clip_tokenizer, prompts, self.clip_max_length, self.clip_encoder.device)
-        pooled = self.clip_encoder(clip_ids, output_hidden_states=False).pooler_output
-        t5_ids = tokenize(self.t5_tokenizer, prompts, max_sequence_length, self.t5_encoder.device)
-        sequence = self.t5_encoder(t5_ids, output_hidden_states=False)[0]
-        return sequence.to(self.output_dtype), pooled.to(self.output_dtype)
-
-    def forward(self, req: Req) -> Req:
-        encode_request_prompts(req, self.encode, self.cache)
-        sequence = req.prompt_embeds
-        req.text_ids = torch.zeros(sequence.shape[1], 3, device=sequence.device, dtype=self.output_dtype)
-        return req

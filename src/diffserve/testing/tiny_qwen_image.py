@@ -27,6 +27,9 @@ from torch import nn
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from diffserve.loader.native_classes import NativeModelClass
+from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
+from diffserve.models.vaes.autoencoder_kl_qwen_image import AutoencoderKLQwenImage
 from diffserve.testing.qwen_tokenizers import build_qwen_tokenizer
 from diffserve.testing.tiny_flux import DIFFUSERS_FORMAT_VERSION, diffusers_config, save_diffusers_model
 
@@ -94,17 +97,17 @@ class TinyQwenImageSpec:
     seed: int = 0
 
 
-def random_native_module(class_name: str, config: dict, seed: int, weight_noise: float = 0.0) -> nn.Module:
-    """diffserve's native module for a Diffusers class, randomly initialised under `seed`.
+def random_native_module(
+    cls: NativeModelClass, config: dict, seed: int, weight_noise: float = 0.0
+) -> nn.Module:
+    """The native module `cls` built from a Diffusers `config`, randomly initialised under `seed`.
 
     Parameters that start at zero get small noise, so learned pad tokens and zero-initialised
     projections are not hidden from parity tests. `weight_noise` adds N(0, weight_noise) to every
     parameter: a random DiT is otherwise nearly blind to its text, and CFG parity would prove little.
     """
-    from diffserve.loader.native_classes import NATIVE_MODELS
-
     torch.manual_seed(seed)
-    module = NATIVE_MODELS[class_name].from_config(config)
+    module = cls.from_config(config)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for param in module.parameters():
@@ -260,7 +263,7 @@ def build_tiny_qwen_image(out_dir: str | Path, spec: TinyQwenImageSpec | None = 
         "use_additional_t_cond": False,
         "use_layer3d_rope": False,
     }
-    dit = random_native_module("QwenImageTransformer2DModel", dit_config, spec.seed + 10, weight_noise=0.2)
+    dit = random_native_module(QwenImageTransformer2DModel, dit_config, spec.seed + 10, weight_noise=0.2)
     save_diffusers_model(dit, root / "transformer", "QwenImageTransformer2DModel", dit_config)
 
     vae_config = {
@@ -275,7 +278,7 @@ def build_tiny_qwen_image(out_dir: str | Path, spec: TinyQwenImageSpec | None = 
         "latents_mean": list(QWEN_IMAGE_LATENTS_MEAN),
         "latents_std": list(QWEN_IMAGE_LATENTS_STD),
     }
-    vae = random_native_module("AutoencoderKLQwenImage", vae_config, spec.seed + 20)
+    vae = random_native_module(AutoencoderKLQwenImage, vae_config, spec.seed + 20)
     save_diffusers_model(vae, root / "vae", "AutoencoderKLQwenImage", vae_config)
 
     (root / "scheduler").mkdir(exist_ok=True)

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
 
+from diffserve.models.dits.wan import WanTransformer3DModel
+from diffserve.models.vaes.autoencoder_kl_wan import AutoencoderKLWan
 from diffserve.testing.tiny_flux import DIFFUSERS_FORMAT_VERSION, diffusers_config, save_diffusers_model
 from diffserve.testing.tiny_qwen_image import (
     QWEN_IMAGE_LATENTS_MEAN,
@@ -146,7 +148,7 @@ def build_tiny_wan(out_dir: str | Path, spec: TinyWanSpec | None = None) -> Path
         "added_kv_proj_dim": inner if spec.image_to_video else None,
         "rope_max_seq_len": 1024,
     }
-    dit = random_native_module("WanTransformer3DModel", dit_config, spec.seed + 10, spec.dit_weight_noise)
+    dit = random_native_module(WanTransformer3DModel, dit_config, spec.seed + 10, spec.dit_weight_noise)
     save_diffusers_model(dit, root / "transformer", "WanTransformer3DModel", dit_config)
     vae_config = {
         "base_dim": spec.vae_base_dim,
@@ -159,7 +161,7 @@ def build_tiny_wan(out_dir: str | Path, spec: TinyWanSpec | None = None) -> Path
         "latents_mean": list(WAN_LATENTS_MEAN),
         "latents_std": list(WAN_LATENTS_STD),
     }
-    vae = random_native_module("AutoencoderKLWan", vae_config, spec.seed + 20)
+    vae = random_native_module(AutoencoderKLWan, vae_config, spec.seed + 20)
     save_diffusers_model(vae, root / "vae", "AutoencoderKLWan", vae_config)
     if spec.image_to_video:
         _write_image_encoder(root, spec)

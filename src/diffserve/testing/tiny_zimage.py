@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config, Qwen3Model
 
+from diffserve.models.dits.z_image import ZImageTransformer2DModel
 from diffserve.testing.qwen_tokenizers import build_qwen_tokenizer
 from diffserve.testing.tiny_flux import (
     DIFFUSERS_FORMAT_VERSION,
@@ -111,7 +112,7 @@ def build_tiny_zimage(out_dir: str | Path, spec: TinyZImageSpec | None = None) -
         "axes_dims": list(spec.axes_dims),
         "axes_lens": list(spec.axes_lens),
     }
-    dit = random_native_module("ZImageTransformer2DModel", dit_config, spec.seed + 10)
+    dit = random_native_module(ZImageTransformer2DModel, dit_config, spec.seed + 10)
     save_diffusers_model(dit, root / "transformer", "ZImageTransformer2DModel", dit_config)
 
     write_flux_vae(root / "vae", spec.vae_block_out_channels, spec.latent_channels, spec.vae_norm_num_groups)

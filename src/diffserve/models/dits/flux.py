@@ -30,54 +30,75 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.layers.adaln import AdaLayerNormContinuous, AdaLayerNormZero
 from diffserve.layers.attention import attention
 from diffserve.layers.embeddings import CombinedTimestepTextEmbedding
-from diffserve.layers.mlp import GeluProjection, gelu_tanh_logistic
+from diffserve.layers.feedforward import FeedForward
+from diffserve.layers.joint_attention import Heads, RotaryJointAttention
+from diffserve.layers.mlp import gelu_tanh_logistic
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
-from diffserve.layers.rotary import RotaryEmbedding, multi_axis_rope_tables
-from diffserve.models.config_keys import checked_config_kwargs
+from diffserve.layers.residual import fp16_clip, gated_residual
+from diffserve.layers.rotary import RopeTables, RotaryEmbedding, multi_axis_rope_tables
+from diffserve.models.config_keys import config_from_diffusers
 from diffserve.models.step_cache import BatchStepCache, take_rows
 
 logger = logging.getLogger(__name__)
 
-RopeTables = tuple[torch.Tensor, torch.Tensor]
-
-#: Diffusers' config keys and defaults (FLUX.1-dev/schnell use these, with `guidance_embeds` on for dev).
-FLUX_CONFIG_DEFAULTS: dict[str, Any] = {
-    "patch_size": 1,
-    "in_channels": 64,
-    "out_channels": None,
-    "num_layers": 19,
-    "num_single_layers": 38,
-    "attention_head_dim": 128,
-    "num_attention_heads": 24,
-    "joint_attention_dim": 4096,
-    "pooled_projection_dim": 768,
-    "guidance_embeds": False,
-    "axes_dims_rope": (16, 56, 56),
-}
-
 ROPE_THETA = 10000.0
 NORM_EPS = 1e-6
-# Diffusers' FLUX attention uses torch.nn.RMSNorm for QK-norm (weight multiply in fp32, rounded once);
-# see `RMSNorm(round_once=True)`. BFL's original code rounds before the weight; only bf16/fp16 differ.
 
 
-def _fp16_clip(x: torch.Tensor) -> torch.Tensor:
-    """Diffusers clamps the residual stream in fp16 so activation outliers do not become inf."""
-    return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
+@dataclass(frozen=True)
+class FluxTransformerConfig:
+    """The FLUX DiT's Diffusers config (`transformer/config.json`), one field per key.
+
+    The defaults are FLUX.1-dev's and -schnell's (dev sets `guidance_embeds`). `out_channels` None
+    means `in_channels` and is resolved when the config is built; sequences become tuples.
+    """
+
+    patch_size: int = 1
+    in_channels: int = 64
+    out_channels: int | None = None
+    num_layers: int = 19
+    num_single_layers: int = 38
+    attention_head_dim: int = 128
+    num_attention_heads: int = 24
+    joint_attention_dim: int = 4096
+    pooled_projection_dim: int = 768
+    guidance_embeds: bool = False
+    axes_dims_rope: tuple[int, ...] = (16, 56, 56)
+
+    def __post_init__(self) -> None:
+        axes = tuple(int(d) for d in self.axes_dims_rope)
+        if sum(axes) != self.attention_head_dim:
+            raise ValueError(
+                f"axes_dims_rope {axes} must sum to attention_head_dim ({self.attention_head_dim})"
+            )
+        if any(d % 2 for d in axes):
+            raise ValueError(f"every entry of axes_dims_rope must be even, got {axes}")
+        # A frozen dataclass normalises its own fields through object.__setattr__.
+        object.__setattr__(self, "axes_dims_rope", axes)
+        object.__setattr__(self, "out_channels", self.out_channels or self.in_channels)
+
+    @property
+    def inner_dim(self) -> int:
+        """The blocks' width, heads x head_dim."""
+        return self.num_attention_heads * self.attention_head_dim
 
 
-def _gated_residual(residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """`residual + gate[:, None] * x`, adding in place into the fresh product (same rounding, one buffer less)."""
-    return (gate.unsqueeze(1) * x).add_(residual)
+def _qk_norm(head_dim: int) -> RMSNorm:
+    """Diffusers' FLUX attention uses torch.nn.RMSNorm for QK-norm (weight multiply in fp32, rounded
+    once), i.e. `RMSNorm(round_once=True)`. BFL's original code rounds before the weight; only bf16/fp16
+    differ."""
+    return RMSNorm(head_dim, eps=NORM_EPS, round_once=True)
 
 
 def _split_heads(t: torch.Tensor, parts: int, head_dim: int) -> tuple[torch.Tensor, ...]:
@@ -182,29 +203,6 @@ def _keep_part_names(
 # ---------------------------------------------------------------------------------------- layers
 
 
-class AdaLayerNormZero(nn.Module):
-    """adaLN-Zero for a double-stream block: modulates the attention input, returns the other five vectors.
-
-    `temb_act` is SiLU(temb), computed once per forward by the model. A model that projects every
-    adaLN at once (FLUX after `fuse_for_inference`) passes the projection to `modulate_projected`.
-    """
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(dim, 6 * dim)
-        self.norm = LayerNorm(dim, eps=NORM_EPS, elementwise_affine=False)
-        self.modulate = Modulate()
-
-    def forward(self, x: torch.Tensor, temb_act: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.modulate_projected(x, self.linear(temb_act))
-
-    def modulate_projected(self, x: torch.Tensor, emb: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The same, from `emb` = `linear(temb_act)` (batch, 6 * dim)."""
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
-        x = self.modulate(self.norm(x), scale=scale_msa, shift=shift_msa)
-        return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
-
-
 class AdaLayerNormZeroSingle(nn.Module):
     """adaLN-Zero for a single-stream block: (modulated x, gate)."""
 
@@ -223,59 +221,15 @@ class AdaLayerNormZeroSingle(nn.Module):
         return self.modulate(self.norm(x), scale=scale, shift=shift), gate
 
 
-class AdaLayerNormContinuous(nn.Module):
-    """Final adaLN before `proj_out`; note the (scale, shift) order of its projection, unlike adaLN-Zero."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(dim, 2 * dim)
-        self.norm = LayerNorm(dim, eps=NORM_EPS, elementwise_affine=False)
-        self.modulate = Modulate()
-
-    def forward(self, x: torch.Tensor, temb_act: torch.Tensor) -> torch.Tensor:
-        return self.modulate_projected(x, self.linear(temb_act.to(x.dtype)))
-
-    def modulate_projected(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-        """The same, from `emb` = `linear(temb_act)` (batch, 2 * dim)."""
-        scale, shift = emb.chunk(2, dim=1)
-        return self.modulate(self.norm(x), scale=scale, shift=shift)
-
-
-class FeedForward(nn.Module):
-    """dim -> 4*dim -> dim MLP; `net` = [GeluProjection, (dropout slot), Linear] keeps Diffusers' `ff.net.{0,2}` names."""
-
-    def __init__(self, dim: int, mult: int = 4) -> None:
-        super().__init__()
-        self.net = nn.ModuleList([GeluProjection(dim, dim * mult), nn.Identity(), nn.Linear(dim * mult, dim)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net[2](self.net[0](x))
-
-
-class FluxJointAttention(nn.Module):
-    """Double-stream attention: text and image have their own projections, attend over [text; image].
+class FluxJointAttention(RotaryJointAttention):
+    """Double-stream attention over [text; image] (`RotaryJointAttention`) with FLUX's QK-norm.
 
     `fuse_projections()` turns each stream's q/k/v Linears into one (`to_qkv`, `to_added_qkv`, as
     Diffusers' `fuse_qkv_projections` names them); the checkpoint names stay the unfused ones.
     """
 
     def __init__(self, dim: int, num_heads: int, head_dim: int) -> None:
-        super().__init__()
-        inner = num_heads * head_dim
-        self.head_dim = head_dim
-        self.to_q = nn.Linear(dim, inner)
-        self.to_k = nn.Linear(dim, inner)
-        self.to_v = nn.Linear(dim, inner)
-        self.norm_q = RMSNorm(head_dim, eps=NORM_EPS, round_once=True)
-        self.norm_k = RMSNorm(head_dim, eps=NORM_EPS, round_once=True)
-        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
-        self.add_q_proj = nn.Linear(dim, inner)
-        self.add_k_proj = nn.Linear(dim, inner)
-        self.add_v_proj = nn.Linear(dim, inner)
-        self.norm_added_q = RMSNorm(head_dim, eps=NORM_EPS, round_once=True)
-        self.norm_added_k = RMSNorm(head_dim, eps=NORM_EPS, round_once=True)
-        self.to_add_out = nn.Linear(inner, dim)
-        self.rope = RotaryEmbedding()
+        super().__init__(dim, num_heads, head_dim, lambda: _qk_norm(head_dim))
         self.to_qkv: nn.Linear | None = None
         self.to_added_qkv: nn.Linear | None = None
 
@@ -287,32 +241,17 @@ class FluxJointAttention(nn.Module):
         self.to_added_qkv = _fuse_linears(self, "to_added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj"))
         return True
 
-    def _project(self, x: torch.Tensor, ctx: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], ...]:
-        """((q, k, v) of the image, (q, k, v) of the text), heads split, before QK-norm."""
-        if self.to_qkv is not None and self.to_added_qkv is not None:
-            return (
-                _split_heads(self.to_qkv(x), 3, self.head_dim),
-                _split_heads(self.to_added_qkv(ctx), 3, self.head_dim),
-            )
-        image = (self.to_q, self.to_k, self.to_v)
-        text = (self.add_q_proj, self.add_k_proj, self.add_v_proj)
-        return (
-            tuple(p(x).unflatten(-1, (-1, self.head_dim)) for p in image),
-            tuple(p(ctx).unflatten(-1, (-1, self.head_dim)) for p in text),
-        )
+    def project_image(self, x: torch.Tensor) -> Heads:
+        if self.to_qkv is None:
+            return super().project_image(x)
+        q, k, v = _split_heads(self.to_qkv(x), 3, self.head_dim)
+        return q, k, v
 
-    def forward(
-        self, x: torch.Tensor, ctx: torch.Tensor, rope: RopeTables
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        (q, k, v), (cq, ck, cv) = self._project(x, ctx)
-        q, k = self.norm_q(q), self.norm_k(k)
-        cq, ck = self.norm_added_q(cq), self.norm_added_k(ck)
-        q, k = self.rope(torch.cat([cq, q], dim=1), torch.cat([ck, k], dim=1), *rope)
-        out = attention(q, k, torch.cat([cv, v], dim=1)).flatten(2)
-        ctx_out, x_out = out.split([ctx.shape[1], x.shape[1]], dim=1)
-        # The split halves are strided views when batch > 1; CPU bf16 matmuls round differently on
-        # strided inputs, so make them contiguous as Diffusers does (free when batch == 1).
-        return self.to_out[0](x_out.contiguous()), self.to_add_out(ctx_out.contiguous())
+    def project_text(self, ctx: torch.Tensor) -> Heads:
+        if self.to_added_qkv is None:
+            return super().project_text(ctx)
+        q, k, v = _split_heads(self.to_added_qkv(ctx), 3, self.head_dim)
+        return q, k, v
 
 
 class FluxSelfAttention(nn.Module):
@@ -328,8 +267,8 @@ class FluxSelfAttention(nn.Module):
         self.to_q = nn.Linear(dim, inner)
         self.to_k = nn.Linear(dim, inner)
         self.to_v = nn.Linear(dim, inner)
-        self.norm_q = RMSNorm(head_dim, eps=NORM_EPS, round_once=True)
-        self.norm_k = RMSNorm(head_dim, eps=NORM_EPS, round_once=True)
+        self.norm_q = _qk_norm(head_dim)
+        self.norm_k = _qk_norm(head_dim)
         self.rope = RotaryEmbedding()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeTables) -> torch.Tensor:
@@ -362,14 +301,14 @@ class FluxTransformerBlock(nn.Module):
         )
         attn_x, attn_ctx = self.attn(norm_x, norm_ctx, rope)
 
-        x = _gated_residual(x, gate_msa, attn_x)
+        x = gated_residual(x, gate_msa.unsqueeze(1), attn_x)
         ff_in = self.modulate(self.norm2(x), scale=scale_mlp, shift=shift_mlp)
-        x = _gated_residual(x, gate_mlp, self.ff(ff_in))
+        x = gated_residual(x, gate_mlp.unsqueeze(1), self.ff(ff_in))
 
-        ctx = _gated_residual(ctx, c_gate_msa, attn_ctx)
+        ctx = gated_residual(ctx, c_gate_msa.unsqueeze(1), attn_ctx)
         ff_in = self.modulate(self.norm2_context(ctx), scale=c_scale_mlp, shift=c_shift_mlp)
-        ctx = _gated_residual(ctx, c_gate_mlp, self.ff_context(ff_in))
-        return _fp16_clip(ctx), x
+        ctx = gated_residual(ctx, c_gate_mlp.unsqueeze(1), self.ff_context(ff_in))
+        return fp16_clip(ctx), x
 
 
 class FluxSingleTransformerBlock(nn.Module):
@@ -446,19 +385,19 @@ class FluxSingleTransformerBlock(nn.Module):
             # An out= write into a strided slice breaks the graph in two; inductor fuses the GELU into
             # the concatenation itself.
             joined = torch.cat([attn, gelu_tanh_logistic(mlp)], dim=-1)
-            return _fp16_clip(_gated_residual(residual, gate, self.proj_out(joined)))
+            return fp16_clip(gated_residual(residual, gate.unsqueeze(1), self.proj_out(joined)))
         # proj_out reads [attention; GELU(mlp)]: GELU writes its half of that buffer directly instead
         # of into a tensor of its own that a concatenation would then copy (same values, one pass less).
         joined = attn.new_empty(*attn.shape[:-1], self.inner_dim + self.mlp_dim)
         joined[..., : self.inner_dim].copy_(attn)
         torch.ops.aten.gelu.out(mlp, approximate="tanh", out=joined[..., self.inner_dim :])
-        return _fp16_clip(_gated_residual(residual, gate, self.proj_out(joined)))
+        return fp16_clip(gated_residual(residual, gate.unsqueeze(1), self.proj_out(joined)))
 
 
 class FluxTransformer2DModel(nn.Module):
     """FLUX.1 DiT with Diffusers' config keys and state-dict names.
 
-    Build it with keyword config values (or `from_config(config_json_dict)`); under
+    Build it from a `FluxTransformerConfig` (or `from_config(config_json_dict)`); under
     `torch.device("meta")` it allocates nothing, and `load_state_dict(sd, assign=True, strict=True)`
     fills it. It holds no buffers and computes nothing from parameter values at construction.
     `fuse_for_inference()` (the loader calls it after loading) merges projections for speed; state
@@ -467,70 +406,39 @@ class FluxTransformer2DModel(nn.Module):
 
     diffusers_class_name: ClassVar[str] = "FluxTransformer2DModel"
 
-    def __init__(
-        self,
-        patch_size: int = 1,
-        in_channels: int = 64,
-        out_channels: int | None = None,
-        num_layers: int = 19,
-        num_single_layers: int = 38,
-        attention_head_dim: int = 128,
-        num_attention_heads: int = 24,
-        joint_attention_dim: int = 4096,
-        pooled_projection_dim: int = 768,
-        guidance_embeds: bool = False,
-        axes_dims_rope: Sequence[int] = (16, 56, 56),
-    ) -> None:
+    def __init__(self, config: FluxTransformerConfig) -> None:
         super().__init__()
-        axes_dims_rope = tuple(int(d) for d in axes_dims_rope)
-        if sum(axes_dims_rope) != attention_head_dim:
-            raise ValueError(
-                f"axes_dims_rope {axes_dims_rope} must sum to attention_head_dim ({attention_head_dim})"
-            )
-        if any(d % 2 for d in axes_dims_rope):
-            raise ValueError(f"every entry of axes_dims_rope must be even, got {axes_dims_rope}")
-        out_channels = out_channels or in_channels
-        self.config: dict[str, Any] = {
-            "patch_size": patch_size,
-            "in_channels": in_channels,
-            "out_channels": out_channels,
-            "num_layers": num_layers,
-            "num_single_layers": num_single_layers,
-            "attention_head_dim": attention_head_dim,
-            "num_attention_heads": num_attention_heads,
-            "joint_attention_dim": joint_attention_dim,
-            "pooled_projection_dim": pooled_projection_dim,
-            "guidance_embeds": guidance_embeds,
-            "axes_dims_rope": axes_dims_rope,
-        }
-        self.axes_dims_rope = axes_dims_rope
-        self.guidance_embeds = guidance_embeds
-        self.out_channels = out_channels
-        inner = num_attention_heads * attention_head_dim
+        self.config = config
+        inner = config.inner_dim
+        heads, head_dim = config.num_attention_heads, config.attention_head_dim
         self.inner_dim = inner
 
-        self.time_text_embed = CombinedTimestepTextEmbedding(inner, pooled_projection_dim, guidance_embeds)
-        self.context_embedder = nn.Linear(joint_attention_dim, inner)
-        self.x_embedder = nn.Linear(in_channels, inner)
+        self.time_text_embed = CombinedTimestepTextEmbedding(
+            inner, config.pooled_projection_dim, config.guidance_embeds
+        )
+        self.context_embedder = nn.Linear(config.joint_attention_dim, inner)
+        self.x_embedder = nn.Linear(config.in_channels, inner)
         self.transformer_blocks = nn.ModuleList(
-            [FluxTransformerBlock(inner, num_attention_heads, attention_head_dim) for _ in range(num_layers)]
+            [FluxTransformerBlock(inner, heads, head_dim) for _ in range(config.num_layers)]
         )
         self.single_transformer_blocks = nn.ModuleList(
-            [
-                FluxSingleTransformerBlock(inner, num_attention_heads, attention_head_dim)
-                for _ in range(num_single_layers)
-            ]
+            [FluxSingleTransformerBlock(inner, heads, head_dim) for _ in range(config.num_single_layers)]
         )
         self.norm_out = AdaLayerNormContinuous(inner)
-        self.proj_out = nn.Linear(inner, patch_size * patch_size * out_channels)
+        self.proj_out = nn.Linear(inner, config.patch_size * config.patch_size * config.out_channels)
         # Set by `fuse_for_inference()`: every adaLN projection as one Linear, and its output split.
         self.adaln_modulation: nn.Linear | None = None
         self._adaln_sizes: list[int] = []
 
+    @property
+    def hidden_width(self) -> int:
+        """The width of the DiT's hidden states (what a latent token's activations scale with)."""
+        return self.inner_dim
+
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> FluxTransformer2DModel:
         """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
-        return cls(**checked_config_kwargs(config, FLUX_CONFIG_DEFAULTS, cls.diffusers_class_name))
+        return cls(config_from_diffusers(FluxTransformerConfig, config, cls.diffusers_class_name))
 
     def rope_tables(self, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> RopeTables:
         """Half-width (cos, sin) tables for the joint sequence [text; image].
@@ -538,12 +446,11 @@ class FluxTransformer2DModel(nn.Module):
         They depend only on the ids, i.e. on the request's shape; a caller that runs many steps (or
         many same-shape requests) can compute them once and pass them to `forward(rope=...)`.
         """
+        axes_dims = self.config.axes_dims_rope
         for name, ids in (("txt_ids", txt_ids), ("img_ids", img_ids)):
             if ids.ndim != 2:
-                raise ValueError(
-                    f"{name} must be 2-D (seq, {len(self.axes_dims_rope)}), got {tuple(ids.shape)}"
-                )
-        return multi_axis_rope_tables(torch.cat([txt_ids, img_ids], dim=0), self.axes_dims_rope, ROPE_THETA)
+                raise ValueError(f"{name} must be 2-D (seq, {len(axes_dims)}), got {tuple(ids.shape)}")
+        return multi_axis_rope_tables(torch.cat([txt_ids, img_ids], dim=0), axes_dims, ROPE_THETA)
 
     def embed_context(self, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
         """T5 states (batch, txt_seq, joint_attention_dim) -> the blocks' text stream (batch, txt_seq, inner)."""

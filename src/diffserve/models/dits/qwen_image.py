@@ -41,42 +41,29 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffserve.layers.attention import attention
+from diffserve.layers.adaln import AdaLayerNormContinuous
 from diffserve.layers.embeddings import TimestepEmbedding
+from diffserve.layers.feedforward import FeedForward
+from diffserve.layers.joint_attention import RotaryJointAttention
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
-from diffserve.layers.rotary import RotaryEmbedding
-from diffserve.models.config_keys import checked_config_kwargs
-from diffserve.models.dits.flux import AdaLayerNormContinuous, FeedForward
+from diffserve.layers.residual import fp16_clip, gated_residual
+from diffserve.layers.rotary import RopeTables
+from diffserve.models.config_keys import config_from_diffusers
 from diffserve.models.step_cache import BatchStepCache, take_rows
 
-#: (cos, sin) float32 half-width tables for the joint [text; image] sequence: (seq, head_dim // 2)
-#: when every sample has the same shapes, else (batch * seq, head_dim // 2), one block per sample.
-RopeTables = tuple[torch.Tensor, torch.Tensor]
+# Qwen-Image's `RopeTables` (`layers/rotary.py`) are (seq, head_dim // 2) when every sample has the
+# same shapes, else (batch * seq, head_dim // 2), one block of rows per sample.
+
 #: (frames, height, width) of one image, in patches.
 ImageShape = tuple[int, int, int]
-
-#: Diffusers' config keys and defaults (Qwen-Image / Qwen-Image-Edit use these; Edit-2511 sets `zero_cond_t`).
-QWEN_IMAGE_CONFIG_DEFAULTS: dict[str, Any] = {
-    "patch_size": 2,
-    "in_channels": 64,
-    "out_channels": 16,
-    "num_layers": 60,
-    "attention_head_dim": 128,
-    "num_attention_heads": 24,
-    "joint_attention_dim": 3584,
-    "guidance_embeds": False,
-    "axes_dims_rope": (16, 56, 56),
-    "zero_cond_t": False,
-    "use_additional_t_cond": False,
-    "use_layer3d_rope": False,
-}
 
 ROPE_THETA = 10000
 NORM_EPS = 1e-6
@@ -87,14 +74,52 @@ TIMESTEP_SCALE = 1000
 ROPE_CACHE_SIZE = 64
 
 
-def _fp16_clip(x: torch.Tensor) -> torch.Tensor:
-    """Diffusers clamps both streams in fp16 so activation outliers do not become inf."""
-    return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
+@dataclass(frozen=True)
+class QwenImageTransformerConfig:
+    """The Qwen-Image DiT's Diffusers config (`transformer/config.json`), one field per key.
 
+    The defaults are Qwen-Image's and Qwen-Image-Edit's (Edit-2511 sets `zero_cond_t`). `out_channels`
+    None means `in_channels` and is resolved when the config is built; sequences become tuples.
+    """
 
-def _gated_residual(residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """`residual + gate * x` (gate already broadcastable), added in place into the fresh product."""
-    return (gate * x).add_(residual)
+    patch_size: int = 2
+    in_channels: int = 64
+    out_channels: int | None = 16
+    num_layers: int = 60
+    attention_head_dim: int = 128
+    num_attention_heads: int = 24
+    joint_attention_dim: int = 3584
+    guidance_embeds: bool = False
+    axes_dims_rope: tuple[int, ...] = (16, 56, 56)
+    zero_cond_t: bool = False
+    use_additional_t_cond: bool = False
+    use_layer3d_rope: bool = False
+
+    def __post_init__(self) -> None:
+        if self.use_layer3d_rope or self.use_additional_t_cond:
+            raise NotImplementedError(
+                "QwenImageTransformer2DModel: the Qwen-Image-Layered options (use_layer3d_rope, "
+                "use_additional_t_cond) are not implemented natively"
+            )
+        if self.guidance_embeds:
+            # Diffusers builds no guidance embedder for this class and its forward fails when given
+            # guidance, so no working checkpoint sets this.
+            raise NotImplementedError("QwenImageTransformer2DModel: guidance_embeds=True is not supported")
+        axes = tuple(int(d) for d in self.axes_dims_rope)
+        if len(axes) != 3 or any(d % 2 for d in axes):
+            raise ValueError(f"axes_dims_rope must be 3 even sizes (frame, row, column), got {axes}")
+        if sum(axes) != self.attention_head_dim:
+            raise ValueError(
+                f"axes_dims_rope {axes} must sum to attention_head_dim ({self.attention_head_dim})"
+            )
+        # A frozen dataclass normalises its own fields through object.__setattr__.
+        object.__setattr__(self, "axes_dims_rope", axes)
+        object.__setattr__(self, "out_channels", self.out_channels or self.in_channels)
+
+    @property
+    def inner_dim(self) -> int:
+        """The blocks' width, heads x head_dim."""
+        return self.num_attention_heads * self.attention_head_dim
 
 
 def _timestep_sinusoids(timesteps: torch.Tensor, dim: int = TIMESTEP_CHANNELS) -> torch.Tensor:
@@ -195,28 +220,14 @@ class QwenImageRope(nn.Module):
         return tables
 
 
-class QwenDoubleStreamAttention(nn.Module):
-    """Joint attention over [text; image] with separate projections per stream, per-head RMSNorm on q/k and RoPE."""
+class QwenDoubleStreamAttention(RotaryJointAttention):
+    """Joint attention over [text; image] (`RotaryJointAttention`) with Diffusers' RMSNorm on q/k and
+    RoPE tables that may differ per sample."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int) -> None:
-        super().__init__()
-        inner = num_heads * head_dim
-        self.head_dim = head_dim
-        self.to_q = nn.Linear(dim, inner)
-        self.to_k = nn.Linear(dim, inner)
-        self.to_v = nn.Linear(dim, inner)
-        self.norm_q = RMSNorm(head_dim, eps=NORM_EPS)
-        self.norm_k = RMSNorm(head_dim, eps=NORM_EPS)
-        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
-        self.add_q_proj = nn.Linear(dim, inner)
-        self.add_k_proj = nn.Linear(dim, inner)
-        self.add_v_proj = nn.Linear(dim, inner)
-        self.norm_added_q = RMSNorm(head_dim, eps=NORM_EPS)
-        self.norm_added_k = RMSNorm(head_dim, eps=NORM_EPS)
-        self.to_add_out = nn.Linear(inner, dim)
-        self.rope = RotaryEmbedding()
+        super().__init__(dim, num_heads, head_dim, lambda: RMSNorm(head_dim, eps=NORM_EPS))
 
-    def _rotate(
+    def rotate(
         self, q: torch.Tensor, k: torch.Tensor, rope: RopeTables
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = rope
@@ -228,29 +239,6 @@ class QwenDoubleStreamAttention(nn.Module):
             q.reshape(1, batch * seq, *q.shape[2:]), k.reshape(1, batch * seq, *k.shape[2:]), cos, sin
         )
         return q.view(batch, seq, *q.shape[2:]), k.view(batch, seq, *k.shape[2:])
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        rope: RopeTables,
-        attn_mask: torch.Tensor | None,
-        text_out: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(image output, text output); with `text_out=False` the text's output projection is skipped (None)."""
-        hd = self.head_dim
-        q = self.norm_q(self.to_q(x).unflatten(-1, (-1, hd)))
-        k = self.norm_k(self.to_k(x).unflatten(-1, (-1, hd)))
-        v = self.to_v(x).unflatten(-1, (-1, hd))
-        cq = self.norm_added_q(self.add_q_proj(ctx).unflatten(-1, (-1, hd)))
-        ck = self.norm_added_k(self.add_k_proj(ctx).unflatten(-1, (-1, hd)))
-        cv = self.add_v_proj(ctx).unflatten(-1, (-1, hd))
-        q, k = self._rotate(torch.cat([cq, q], dim=1), torch.cat([ck, k], dim=1), rope)
-        out = attention(q, k, torch.cat([cv, v], dim=1), attn_mask).flatten(2)
-        ctx_out, x_out = out.split([ctx.shape[1], x.shape[1]], dim=1)
-        # Contiguous as in Diffusers: CPU half-precision matmuls round differently on strided inputs.
-        x_out = self.to_out[0](x_out.contiguous())
-        return x_out, self.to_add_out(ctx_out.contiguous()) if text_out else None
 
 
 class QwenImageTransformerBlock(nn.Module):
@@ -309,16 +297,16 @@ class QwenImageTransformerBlock(nn.Module):
         norm_x, img_gate1 = self._modulate(self.img_norm1(x), img_mod1, cond_tokens)
         norm_ctx, txt_gate1 = self._modulate(self.txt_norm1(ctx), txt_mod1)
         attn_x, attn_ctx = self.attn(norm_x, norm_ctx, rope, attn_mask, text_out=text_out)
-        x = _gated_residual(x, img_gate1, attn_x)
+        x = gated_residual(x, img_gate1, attn_x)
         ff_in, img_gate2 = self._modulate(self.img_norm2(x), img_mod2, cond_tokens)
-        x = _gated_residual(x, img_gate2, self.img_mlp(ff_in))
+        x = gated_residual(x, img_gate2, self.img_mlp(ff_in))
         if attn_ctx is None:
-            return None, _fp16_clip(x)
+            return None, fp16_clip(x)
 
-        ctx = _gated_residual(ctx, txt_gate1, attn_ctx)
+        ctx = gated_residual(ctx, txt_gate1, attn_ctx)
         ff_in, txt_gate2 = self._modulate(self.txt_norm2(ctx), txt_mod2)
-        ctx = _gated_residual(ctx, txt_gate2, self.txt_mlp(ff_in))
-        return _fp16_clip(ctx), _fp16_clip(x)
+        ctx = gated_residual(ctx, txt_gate2, self.txt_mlp(ff_in))
+        return fp16_clip(ctx), fp16_clip(x)
 
 
 def _per_sample_shapes(img_shapes: Any, batch: int) -> list[tuple[ImageShape, ...]]:
@@ -350,85 +338,42 @@ def _per_sample_shapes(img_shapes: Any, batch: int) -> list[tuple[ImageShape, ..
 class QwenImageTransformer2DModel(nn.Module):
     """Qwen-Image DiT with Diffusers' config keys and state-dict names.
 
-    Build it with keyword config values (or `from_config(config_json_dict)`); under
+    Build it from a `QwenImageTransformerConfig` (or `from_config(config_json_dict)`); under
     `torch.device("meta")` it allocates nothing, and `load_state_dict(sd, assign=True, strict=True)`
     fills it. It holds no buffers; RoPE tables are built on first use per shape and cached.
     """
 
     diffusers_class_name: ClassVar[str] = "QwenImageTransformer2DModel"
 
-    def __init__(
-        self,
-        patch_size: int = 2,
-        in_channels: int = 64,
-        out_channels: int | None = 16,
-        num_layers: int = 60,
-        attention_head_dim: int = 128,
-        num_attention_heads: int = 24,
-        joint_attention_dim: int = 3584,
-        guidance_embeds: bool = False,
-        axes_dims_rope: Sequence[int] = (16, 56, 56),
-        zero_cond_t: bool = False,
-        use_additional_t_cond: bool = False,
-        use_layer3d_rope: bool = False,
-    ) -> None:
+    def __init__(self, config: QwenImageTransformerConfig) -> None:
         super().__init__()
-        if use_layer3d_rope or use_additional_t_cond:
-            raise NotImplementedError(
-                "QwenImageTransformer2DModel: the Qwen-Image-Layered options (use_layer3d_rope, "
-                "use_additional_t_cond) are not implemented natively"
-            )
-        if guidance_embeds:
-            # Diffusers builds no guidance embedder for this class and its forward fails when given
-            # guidance, so no working checkpoint sets this.
-            raise NotImplementedError("QwenImageTransformer2DModel: guidance_embeds=True is not supported")
-        axes_dims_rope = tuple(int(d) for d in axes_dims_rope)
-        if len(axes_dims_rope) != 3 or any(d % 2 for d in axes_dims_rope):
-            raise ValueError(
-                f"axes_dims_rope must be 3 even sizes (frame, row, column), got {axes_dims_rope}"
-            )
-        if sum(axes_dims_rope) != attention_head_dim:
-            raise ValueError(
-                f"axes_dims_rope {axes_dims_rope} must sum to attention_head_dim ({attention_head_dim})"
-            )
-        out_channels = out_channels or in_channels
-        self.config: dict[str, Any] = {
-            "patch_size": patch_size,
-            "in_channels": in_channels,
-            "out_channels": out_channels,
-            "num_layers": num_layers,
-            "attention_head_dim": attention_head_dim,
-            "num_attention_heads": num_attention_heads,
-            "joint_attention_dim": joint_attention_dim,
-            "guidance_embeds": guidance_embeds,
-            "axes_dims_rope": axes_dims_rope,
-            "zero_cond_t": zero_cond_t,
-            "use_additional_t_cond": use_additional_t_cond,
-            "use_layer3d_rope": use_layer3d_rope,
-        }
-        self.out_channels = out_channels
-        self.zero_cond_t = zero_cond_t
-        inner = num_attention_heads * attention_head_dim
+        self.config = config
+        inner = config.inner_dim
         self.inner_dim = inner
 
-        self.pos_embed = QwenImageRope(axes_dims_rope)
+        self.pos_embed = QwenImageRope(config.axes_dims_rope)
         self.time_text_embed = QwenTimestepEmbedding(inner)
-        self.txt_norm = RMSNorm(joint_attention_dim, eps=NORM_EPS)
-        self.img_in = nn.Linear(in_channels, inner)
-        self.txt_in = nn.Linear(joint_attention_dim, inner)
+        self.txt_norm = RMSNorm(config.joint_attention_dim, eps=NORM_EPS)
+        self.img_in = nn.Linear(config.in_channels, inner)
+        self.txt_in = nn.Linear(config.joint_attention_dim, inner)
         self.transformer_blocks = nn.ModuleList(
             [
-                QwenImageTransformerBlock(inner, num_attention_heads, attention_head_dim)
-                for _ in range(num_layers)
+                QwenImageTransformerBlock(inner, config.num_attention_heads, config.attention_head_dim)
+                for _ in range(config.num_layers)
             ]
         )
         self.norm_out = AdaLayerNormContinuous(inner)
-        self.proj_out = nn.Linear(inner, patch_size * patch_size * out_channels)
+        self.proj_out = nn.Linear(inner, config.patch_size * config.patch_size * config.out_channels)
+
+    @property
+    def hidden_width(self) -> int:
+        """The width of the DiT's hidden states (what a latent token's activations scale with)."""
+        return self.inner_dim
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> QwenImageTransformer2DModel:
         """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
-        return cls(**checked_config_kwargs(config, QWEN_IMAGE_CONFIG_DEFAULTS, cls.diffusers_class_name))
+        return cls(config_from_diffusers(QwenImageTransformerConfig, config, cls.diffusers_class_name))
 
     def rope_tables(self, img_shapes: Any, txt_len: int, device: torch.device, batch: int = 1) -> RopeTables:
         """(cos, sin) tables for [text; images]; cached, so calling it every step costs a dict lookup."""
@@ -482,7 +427,7 @@ class QwenImageTransformer2DModel(nn.Module):
         # Rounded to the activation dtype first, as Diffusers does (it matters in bf16).
         t = timestep.to(x.dtype).expand(batch)
         cond_tokens = None
-        if self.zero_cond_t:
+        if self.config.zero_cond_t:
             t = torch.cat([t, t * 0])
             cond_tokens = _condition_token_mask(shapes, img_seq, batch, x.device)
         temb_act = F.silu(self.time_text_embed(t, x.dtype))  # every adaLN projects SiLU(temb)

@@ -25,41 +25,73 @@ about 1e-7 relative in fp32, one ulp in bf16 (`SD3JointAttention.forward`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.layers.adaln import AdaLayerNormContinuous, AdaLayerNormZero
 from diffserve.layers.attention import attention
 from diffserve.layers.embeddings import CombinedTimestepTextEmbedding
+from diffserve.layers.feedforward import FeedForward
+from diffserve.layers.joint_attention import JointAttention
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
-from diffserve.models.config_keys import checked_config_kwargs
-from diffserve.models.dits.flux import AdaLayerNormContinuous, AdaLayerNormZero, FeedForward
+from diffserve.models.config_keys import config_from_diffusers
 from diffserve.models.step_cache import BatchStepCache, take_rows
-
-#: Diffusers' config keys and defaults. SD3-medium: 24 layers, 24 heads, pos_embed_max_size 192;
-#: SD3.5-large: 38 layers, 38 heads, qk_norm "rms_norm"; SD3.5-medium adds dual_attention_layers 0..12.
-SD3_CONFIG_DEFAULTS: dict[str, Any] = {
-    "sample_size": 128,
-    "patch_size": 2,
-    "in_channels": 16,
-    "num_layers": 18,
-    "attention_head_dim": 64,
-    "num_attention_heads": 18,
-    "joint_attention_dim": 4096,
-    "caption_projection_dim": 1152,
-    "pooled_projection_dim": 2048,
-    "out_channels": 16,
-    "pos_embed_max_size": 96,
-    "dual_attention_layers": (),
-    "qk_norm": None,
-}
 
 NORM_EPS = 1e-6
 QK_NORMS = (None, "rms_norm", "layer_norm")
+
+
+@dataclass(frozen=True)
+class SD3TransformerConfig:
+    """The SD3 / SD3.5 DiT's Diffusers config (`transformer/config.json`), one field per key.
+
+    SD3-medium: 24 layers, 24 heads, pos_embed_max_size 192; SD3.5-large: 38 layers, 38 heads,
+    qk_norm "rms_norm"; SD3.5-medium adds dual_attention_layers 0..12. `out_channels` None means
+    `in_channels` and is resolved when the config is built; sequences become tuples.
+    """
+
+    sample_size: int = 128
+    patch_size: int = 2
+    in_channels: int = 16
+    num_layers: int = 18
+    attention_head_dim: int = 64
+    num_attention_heads: int = 18
+    joint_attention_dim: int = 4096
+    caption_projection_dim: int = 1152
+    pooled_projection_dim: int = 2048
+    out_channels: int | None = 16
+    pos_embed_max_size: int | None = 96
+    dual_attention_layers: tuple[int, ...] = ()
+    qk_norm: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.caption_projection_dim != self.inner_dim:
+            raise ValueError(
+                f"caption_projection_dim ({self.caption_projection_dim}) must equal num_attention_heads * "
+                f"attention_head_dim ({self.inner_dim}): the projected text joins the image stream"
+            )
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"unsupported qk_norm {self.qk_norm!r}; supported: {list(QK_NORMS)}")
+        dual = tuple(int(i) for i in self.dual_attention_layers)
+        bad = [i for i in dual if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"dual_attention_layers {bad} are outside 0..{self.num_layers - 1}")
+        # A frozen dataclass normalises its own fields through object.__setattr__.
+        object.__setattr__(self, "dual_attention_layers", dual)
+        if self.out_channels is None:
+            object.__setattr__(self, "out_channels", self.in_channels)
+
+    @property
+    def inner_dim(self) -> int:
+        """The blocks' width, heads x head_dim."""
+        return self.num_attention_heads * self.attention_head_dim
 
 
 def sincos_2d_table(
@@ -138,9 +170,8 @@ class PatchEmbed(nn.Module):
         return (x + self.position_table(h, w, x.device)).to(x.dtype)
 
 
-def _qk_norm(kind: str | None, head_dim: int) -> nn.Module | None:
-    if kind is None:
-        return None
+def _qk_norm(kind: str, head_dim: int) -> nn.Module:
+    """One per-head QK-norm of SD3.5 (`qk_norm` "rms_norm" or "layer_norm")."""
     if kind == "rms_norm":
         # Diffusers' own RMSNorm here (rounds before the weight in half precision), not torch.nn.RMSNorm.
         return RMSNorm(head_dim, eps=NORM_EPS)
@@ -153,8 +184,8 @@ def _heads(x: torch.Tensor, proj: nn.Linear, norm: nn.Module | None, head_dim: i
     return norm(x) if norm is not None else x
 
 
-class SD3JointAttention(nn.Module):
-    """Joint attention over [image; text] with separate projections per stream.
+class SD3JointAttention(JointAttention):
+    """Joint attention over [image; text], with SD3's optional QK-norm and no RoPE.
 
     With `context_pre_only` (the last block) there is no `to_add_out`: the text stream supplies keys and
     values only, so its queries are not computed and attention runs for the image rows alone. Diffusers
@@ -166,34 +197,20 @@ class SD3JointAttention(nn.Module):
     def __init__(
         self, dim: int, num_heads: int, head_dim: int, qk_norm: str | None, context_pre_only: bool
     ) -> None:
-        super().__init__()
-        inner = num_heads * head_dim
-        self.head_dim = head_dim
+        norm = None if qk_norm is None else partial(_qk_norm, qk_norm, head_dim)
+        super().__init__(dim, num_heads, head_dim, norm, context_out=not context_pre_only)
         self.context_pre_only = context_pre_only
-        self.to_q = nn.Linear(dim, inner)
-        self.to_k = nn.Linear(dim, inner)
-        self.to_v = nn.Linear(dim, inner)
-        self.norm_q = _qk_norm(qk_norm, head_dim)
-        self.norm_k = _qk_norm(qk_norm, head_dim)
-        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
-        self.add_q_proj = nn.Linear(dim, inner)
-        self.add_k_proj = nn.Linear(dim, inner)
-        self.add_v_proj = nn.Linear(dim, inner)
-        self.norm_added_q = _qk_norm(qk_norm, head_dim)
-        self.norm_added_k = _qk_norm(qk_norm, head_dim)
-        self.to_add_out = None if context_pre_only else nn.Linear(inner, dim)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         hd = self.head_dim
-        q = _heads(x, self.to_q, self.norm_q, hd)
-        k = torch.cat(
-            [_heads(x, self.to_k, self.norm_k, hd), _heads(ctx, self.add_k_proj, self.norm_added_k, hd)], 1
-        )
-        v = torch.cat([_heads(x, self.to_v, None, hd), _heads(ctx, self.add_v_proj, None, hd)], 1)
+        q, k, v = self.image_heads(x)
         if self.to_add_out is None:  # the last block: only the image rows are read
+            k = torch.cat([k, _heads(ctx, self.add_k_proj, self.norm_added_k, hd)], dim=1)
+            v = torch.cat([v, _heads(ctx, self.add_v_proj, None, hd)], dim=1)
             return self.to_out[0](attention(q, k, v).flatten(2)), None
-        q = torch.cat([q, _heads(ctx, self.add_q_proj, self.norm_added_q, hd)], dim=1)
-        out = attention(q, k, v).flatten(2)
+        cq, ck, cv = self.text_heads(ctx)
+        out = attention(torch.cat([q, cq], dim=1), torch.cat([k, ck], dim=1), torch.cat([v, cv], dim=1))
+        out = out.flatten(2)
         # The halves are strided views when batch > 1, which a CPU linear layer runs as a `bmm`, about 1.5x
         # slower than the contiguous copy's `addmm` (SD3 at 256x256, CFG). Diffusers projects the views
         # (it rounds differently: ~2e-7 in fp32, one ulp in bf16); its compiled graph makes them contiguous.
@@ -211,8 +228,8 @@ class SD3SelfAttention(nn.Module):
         self.to_q = nn.Linear(dim, inner)
         self.to_k = nn.Linear(dim, inner)
         self.to_v = nn.Linear(dim, inner)
-        self.norm_q = _qk_norm(qk_norm, head_dim)
-        self.norm_k = _qk_norm(qk_norm, head_dim)
+        self.norm_q = _qk_norm(qk_norm, head_dim) if qk_norm is not None else None
+        self.norm_k = _qk_norm(qk_norm, head_dim) if qk_norm is not None else None
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -308,87 +325,50 @@ class JointTransformerBlock(nn.Module):
 class SD3Transformer2DModel(nn.Module):
     """SD3 / SD3.5 MMDiT with Diffusers' config keys and state-dict names.
 
-    Build it with keyword config values (or `from_config(config_json_dict)`); under
+    Build it from an `SD3TransformerConfig` (or `from_config(config_json_dict)`); under
     `torch.device("meta")` it allocates nothing, and `load_state_dict(sd, assign=True, strict=True)`
     fills it. Its one buffer, `pos_embed.pos_embed`, is persistent (in every SD3 checkpoint).
     """
 
     diffusers_class_name: ClassVar[str] = "SD3Transformer2DModel"
 
-    def __init__(
-        self,
-        sample_size: int = 128,
-        patch_size: int = 2,
-        in_channels: int = 16,
-        num_layers: int = 18,
-        attention_head_dim: int = 64,
-        num_attention_heads: int = 18,
-        joint_attention_dim: int = 4096,
-        caption_projection_dim: int = 1152,
-        pooled_projection_dim: int = 2048,
-        out_channels: int | None = 16,
-        pos_embed_max_size: int | None = 96,
-        dual_attention_layers: Sequence[int] = (),
-        qk_norm: str | None = None,
-    ) -> None:
+    def __init__(self, config: SD3TransformerConfig) -> None:
         super().__init__()
-        inner = num_attention_heads * attention_head_dim
-        if caption_projection_dim != inner:
-            raise ValueError(
-                f"caption_projection_dim ({caption_projection_dim}) must equal num_attention_heads * "
-                f"attention_head_dim ({inner}): the projected text joins the image stream"
-            )
-        if qk_norm not in QK_NORMS:
-            raise ValueError(f"unsupported qk_norm {qk_norm!r}; supported: {list(QK_NORMS)}")
-        dual_attention_layers = tuple(int(i) for i in dual_attention_layers)
-        bad = [i for i in dual_attention_layers if not 0 <= i < num_layers]
-        if bad:
-            raise ValueError(f"dual_attention_layers {bad} are outside 0..{num_layers - 1}")
-        out_channels = out_channels if out_channels is not None else in_channels
-        self.config: dict[str, Any] = {
-            "sample_size": sample_size,
-            "patch_size": patch_size,
-            "in_channels": in_channels,
-            "num_layers": num_layers,
-            "attention_head_dim": attention_head_dim,
-            "num_attention_heads": num_attention_heads,
-            "joint_attention_dim": joint_attention_dim,
-            "caption_projection_dim": caption_projection_dim,
-            "pooled_projection_dim": pooled_projection_dim,
-            "out_channels": out_channels,
-            "pos_embed_max_size": pos_embed_max_size,
-            "dual_attention_layers": dual_attention_layers,
-            "qk_norm": qk_norm,
-        }
-        self.patch_size = patch_size
-        self.out_channels = out_channels
+        self.config = config
+        inner = config.inner_dim
+        patch, layers = config.patch_size, config.num_layers
         self.inner_dim = inner
 
         self.pos_embed = PatchEmbed(
-            in_channels, inner, patch_size, sample_size // patch_size, pos_embed_max_size
+            config.in_channels, inner, patch, config.sample_size // patch, config.pos_embed_max_size
         )
-        self.time_text_embed = CombinedTimestepTextEmbedding(inner, pooled_projection_dim)
-        self.context_embedder = nn.Linear(joint_attention_dim, caption_projection_dim)
+        self.time_text_embed = CombinedTimestepTextEmbedding(inner, config.pooled_projection_dim)
+        self.context_embedder = nn.Linear(config.joint_attention_dim, config.caption_projection_dim)
         self.transformer_blocks = nn.ModuleList(
             [
                 JointTransformerBlock(
                     inner,
-                    num_attention_heads,
-                    attention_head_dim,
-                    context_pre_only=i == num_layers - 1,
-                    qk_norm=qk_norm,
-                    use_dual_attention=i in dual_attention_layers,
+                    config.num_attention_heads,
+                    config.attention_head_dim,
+                    context_pre_only=i == layers - 1,
+                    qk_norm=config.qk_norm,
+                    use_dual_attention=i in config.dual_attention_layers,
                 )
-                for i in range(num_layers)
+                for i in range(layers)
             ]
         )
         self.norm_out = AdaLayerNormContinuous(inner)
-        self.proj_out = nn.Linear(inner, patch_size * patch_size * out_channels)
+        self.proj_out = nn.Linear(inner, patch * patch * config.out_channels)
+
+    @property
+    def hidden_width(self) -> int:
+        """The width of the DiT's hidden states (what a latent token's activations scale with)."""
+        return self.inner_dim
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> SD3Transformer2DModel:
         """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
-        return cls(**checked_config_kwargs(config, SD3_CONFIG_DEFAULTS, cls.diffusers_class_name))
+        return cls(config_from_diffusers(SD3TransformerConfig, config, cls.diffusers_class_name))
 
     def forward(
         self,
@@ -412,7 +392,7 @@ class SD3Transformer2DModel(nn.Module):
             (batch, out_channels, H, W).
         """
         batch, _, height, width = hidden_states.shape
-        p = self.patch_size
+        p, out_channels = self.config.patch_size, self.config.out_channels
         if height % p or width % p:
             raise ValueError(
                 f"latent height and width must be divisible by patch_size {p}, got {height}x{width}"
@@ -438,8 +418,8 @@ class SD3Transformer2DModel(nn.Module):
 
         x = self.proj_out(self.norm_out(x, temb_act))  # (batch, h * w, p * p * out_channels)
         h, w = height // p, width // p
-        x = x.reshape(batch, h, w, p, p, self.out_channels).permute(0, 5, 1, 3, 2, 4)
-        return x.reshape(batch, self.out_channels, height, width)
+        x = x.reshape(batch, h, w, p, p, out_channels).permute(0, 5, 1, 3, 2, 4)
+        return x.reshape(batch, out_channels, height, width)
 
     def _run_blocks(self, x: torch.Tensor, ctx: torch.Tensor, temb_act: torch.Tensor) -> torch.Tensor:
         """Every joint block; returns the image tokens the output head reads (the last block drops the text)."""

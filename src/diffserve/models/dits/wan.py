@@ -39,7 +39,8 @@ other than "rms_norm_across_heads" is rejected (Diffusers ignores the key and al
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -48,42 +49,79 @@ from torch import nn
 
 from diffserve.layers.attention import attention
 from diffserve.layers.embeddings import TimestepEmbedding, timestep_sinusoids
-from diffserve.layers.mlp import GeluProjection, gelu_in_place
+from diffserve.layers.feedforward import FeedForward
+from diffserve.layers.mlp import gelu_in_place
 from diffserve.layers.norms import LayerNorm, RMSNorm
-from diffserve.layers.rotary import RotaryEmbedding, multi_axis_rope_tables
-from diffserve.models.config_keys import checked_config_kwargs
+from diffserve.layers.rotary import RopeTables, RotaryEmbedding, multi_axis_rope_tables
+from diffserve.models.config_keys import config_from_diffusers
 from diffserve.models.step_cache import BatchStepCache, take_rows
 from diffserve.platforms import Platform
-
-RopeTables = tuple[torch.Tensor, torch.Tensor]
-
-#: Diffusers' config keys and defaults. Wan2.1-T2V-14B: 40 heads x 128, 40 layers, ffn 13824;
-#: Wan2.1-T2V-1.3B: 12 heads, 30 layers, ffn 8960; I2V adds image_dim 1280, added_kv_proj_dim 5120
-#: and in_channels 36; FLF2V also sets pos_embed_seq_len 514.
-WAN_CONFIG_DEFAULTS: dict[str, Any] = {
-    "patch_size": (1, 2, 2),
-    "num_attention_heads": 40,
-    "attention_head_dim": 128,
-    "in_channels": 16,
-    "out_channels": 16,
-    "text_dim": 4096,
-    "freq_dim": 256,
-    "ffn_dim": 13824,
-    "num_layers": 40,
-    "cross_attn_norm": True,
-    "qk_norm": "rms_norm_across_heads",
-    "eps": 1e-6,
-    "image_dim": None,
-    "added_kv_proj_dim": None,
-    "rope_max_seq_len": 1024,
-    "pos_embed_seq_len": None,
-}
 
 ROPE_THETA = 10000.0
 #: The image embedder's LayerNorms use torch's default eps, not the model's `eps`.
 IMAGE_NORM_EPS = 1e-5
 #: RoPE tables kept per (grid, device); a server sees a handful of video sizes.
 ROPE_CACHE_SIZE = 16
+
+
+@dataclass(frozen=True)
+class WanTransformerConfig:
+    """The Wan 2.1 DiT's Diffusers config (`transformer/config.json`), one field per key.
+
+    Wan2.1-T2V-14B: 40 heads x 128, 40 layers, ffn 13824 (the defaults); Wan2.1-T2V-1.3B: 12 heads,
+    30 layers, ffn 8960; I2V adds image_dim 1280, added_kv_proj_dim 5120 and in_channels 36; FLF2V
+    also sets pos_embed_seq_len 514. `out_channels` None means `in_channels` and is resolved when the
+    config is built; sequences become tuples.
+    """
+
+    patch_size: tuple[int, ...] = (1, 2, 2)
+    num_attention_heads: int = 40
+    attention_head_dim: int = 128
+    in_channels: int = 16
+    out_channels: int | None = 16
+    text_dim: int = 4096
+    freq_dim: int = 256
+    ffn_dim: int = 13824
+    num_layers: int = 40
+    cross_attn_norm: bool = True
+    qk_norm: str | None = "rms_norm_across_heads"
+    eps: float = 1e-6
+    image_dim: int | None = None
+    added_kv_proj_dim: int | None = None
+    rope_max_seq_len: int = 1024
+    pos_embed_seq_len: int | None = None
+
+    def __post_init__(self) -> None:
+        patch_size = tuple(int(p) for p in self.patch_size)
+        if len(patch_size) != 3:
+            raise ValueError(f"patch_size must be (frames, height, width), got {patch_size}")
+        if self.qk_norm != "rms_norm_across_heads":
+            raise ValueError(
+                f"qk_norm {self.qk_norm!r} is not supported; Wan checkpoints use 'rms_norm_across_heads'"
+            )
+        if self.attention_head_dim % 2:
+            raise ValueError(f"attention_head_dim must be even for RoPE, got {self.attention_head_dim}")
+        if (self.image_dim is None) != (self.added_kv_proj_dim is None):
+            raise ValueError(
+                "image_dim and added_kv_proj_dim must be set together (I2V) or both be None (T2V), "
+                f"got image_dim={self.image_dim}, added_kv_proj_dim={self.added_kv_proj_dim}"
+            )
+        if self.added_kv_proj_dim is not None and self.added_kv_proj_dim != self.inner_dim:
+            raise ValueError(
+                f"added_kv_proj_dim ({self.added_kv_proj_dim}) must equal the model width "
+                f"num_attention_heads * attention_head_dim ({self.inner_dim}): it projects embedded image "
+                "tokens"
+            )
+        if self.pos_embed_seq_len is not None and self.image_dim is None:
+            raise ValueError("pos_embed_seq_len (FLF2V) needs image_dim")
+        # A frozen dataclass normalises its own fields through object.__setattr__.
+        object.__setattr__(self, "patch_size", patch_size)
+        object.__setattr__(self, "out_channels", self.out_channels or self.in_channels)
+
+    @property
+    def inner_dim(self) -> int:
+        """The blocks' width, heads x head_dim."""
+        return self.num_attention_heads * self.attention_head_dim
 
 
 def wan_rope_axes_dims(head_dim: int) -> tuple[int, int, int]:
@@ -109,21 +147,6 @@ class FP32LayerNorm(LayerNorm):
         return F.layer_norm(x.float(), (self.dim,), weight, bias, self.eps).to(x.dtype)
 
 
-class WanFeedForward(nn.Module):
-    """dim -> inner -> dim_out MLP; `net` = [GeluProjection, (dropout slot), Linear] keeps Diffusers' `net.{0,2}` names."""
-
-    def __init__(
-        self, dim: int, inner_dim: int, dim_out: int | None = None, approximate: str = "tanh"
-    ) -> None:
-        super().__init__()
-        self.net = nn.ModuleList(
-            [GeluProjection(dim, inner_dim, approximate), nn.Identity(), nn.Linear(inner_dim, dim_out or dim)]
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net[2](self.net[0](x))
-
-
 class GeluTanhTextProjection(nn.Module):
     """Two-layer tanh-GELU MLP that maps UMT5 states to the model width (Diffusers' `PixArtAlphaTextProjection`)."""
 
@@ -142,7 +165,7 @@ class WanImageEmbedding(nn.Module):
     def __init__(self, in_features: int, out_features: int, pos_embed_seq_len: int | None = None) -> None:
         super().__init__()
         self.norm1 = FP32LayerNorm(in_features, eps=IMAGE_NORM_EPS)
-        self.ff = WanFeedForward(in_features, in_features, out_features, approximate="none")
+        self.ff = FeedForward(in_features, in_features, out_features, approximate="none")
         self.norm2 = FP32LayerNorm(out_features, eps=IMAGE_NORM_EPS)
         self.pos_embed_seq_len = pos_embed_seq_len
         self.pos_embed = (
@@ -274,7 +297,7 @@ class WanTransformerBlock(nn.Module):
         self.attn1 = WanSelfAttention(dim, num_heads, eps)
         self.attn2 = WanCrossAttention(dim, num_heads, eps, added_kv_proj_dim)
         self.norm2 = FP32LayerNorm(dim, eps=eps) if cross_attn_norm else None
-        self.ffn = WanFeedForward(dim, ffn_dim)
+        self.ffn = FeedForward(dim, ffn_dim)
         self.norm3 = FP32LayerNorm(dim, eps=eps, elementwise_affine=False)
         self.scale_shift_table = nn.Parameter(torch.zeros(1, 6, dim))
 
@@ -322,101 +345,51 @@ class EmbeddedContext(NamedTuple):
 class WanTransformer3DModel(nn.Module):
     """Wan 2.1 DiT (T2V, I2V, FLF2V) with Diffusers' config keys and state-dict names.
 
-    Build it with keyword config values (or `from_config(config_json_dict)`); under
+    Build it from a `WanTransformerConfig` (or `from_config(config_json_dict)`); under
     `torch.device("meta")` it allocates nothing, and `load_state_dict(sd, assign=True, strict=True)`
     fills it. It holds no buffers; RoPE tables are built on first use per latent grid and cached.
     """
 
     diffusers_class_name: ClassVar[str] = "WanTransformer3DModel"
 
-    def __init__(
-        self,
-        patch_size: Sequence[int] = (1, 2, 2),
-        num_attention_heads: int = 40,
-        attention_head_dim: int = 128,
-        in_channels: int = 16,
-        out_channels: int | None = 16,
-        text_dim: int = 4096,
-        freq_dim: int = 256,
-        ffn_dim: int = 13824,
-        num_layers: int = 40,
-        cross_attn_norm: bool = True,
-        qk_norm: str | None = "rms_norm_across_heads",
-        eps: float = 1e-6,
-        image_dim: int | None = None,
-        added_kv_proj_dim: int | None = None,
-        rope_max_seq_len: int = 1024,
-        pos_embed_seq_len: int | None = None,
-    ) -> None:
+    def __init__(self, config: WanTransformerConfig) -> None:
         super().__init__()
-        patch_size = tuple(int(p) for p in patch_size)
-        if len(patch_size) != 3:
-            raise ValueError(f"patch_size must be (frames, height, width), got {patch_size}")
-        if qk_norm != "rms_norm_across_heads":
-            raise ValueError(
-                f"qk_norm {qk_norm!r} is not supported; Wan checkpoints use 'rms_norm_across_heads'"
-            )
-        if attention_head_dim % 2:
-            raise ValueError(f"attention_head_dim must be even for RoPE, got {attention_head_dim}")
-        inner = num_attention_heads * attention_head_dim
-        if (image_dim is None) != (added_kv_proj_dim is None):
-            raise ValueError(
-                "image_dim and added_kv_proj_dim must be set together (I2V) or both be None (T2V), "
-                f"got image_dim={image_dim}, added_kv_proj_dim={added_kv_proj_dim}"
-            )
-        if added_kv_proj_dim is not None and added_kv_proj_dim != inner:
-            raise ValueError(
-                f"added_kv_proj_dim ({added_kv_proj_dim}) must equal the model width "
-                f"num_attention_heads * attention_head_dim ({inner}): it projects embedded image tokens"
-            )
-        if pos_embed_seq_len is not None and image_dim is None:
-            raise ValueError("pos_embed_seq_len (FLF2V) needs image_dim")
-        out_channels = out_channels or in_channels
-        self.config: dict[str, Any] = {
-            "patch_size": patch_size,
-            "num_attention_heads": num_attention_heads,
-            "attention_head_dim": attention_head_dim,
-            "in_channels": in_channels,
-            "out_channels": out_channels,
-            "text_dim": text_dim,
-            "freq_dim": freq_dim,
-            "ffn_dim": ffn_dim,
-            "num_layers": num_layers,
-            "cross_attn_norm": cross_attn_norm,
-            "qk_norm": qk_norm,
-            "eps": eps,
-            "image_dim": image_dim,
-            "added_kv_proj_dim": added_kv_proj_dim,
-            "rope_max_seq_len": rope_max_seq_len,
-            "pos_embed_seq_len": pos_embed_seq_len,
-        }
-        self.patch_size = patch_size
-        self.out_channels = out_channels
+        self.config = config
+        inner, patch_size, eps = config.inner_dim, config.patch_size, config.eps
         self.inner_dim = inner
-        self.rope_axes_dims = wan_rope_axes_dims(attention_head_dim)
-        self.rope_max_seq_len = rope_max_seq_len
+        self.rope_axes_dims = wan_rope_axes_dims(config.attention_head_dim)
         self._rope_cache: dict[tuple[int, int, int, torch.device], RopeTables] = {}
 
-        self.patch_embedding = nn.Conv3d(in_channels, inner, kernel_size=patch_size, stride=patch_size)
+        self.patch_embedding = nn.Conv3d(config.in_channels, inner, kernel_size=patch_size, stride=patch_size)
         self.condition_embedder = WanConditionEmbedding(
-            inner, freq_dim, text_dim, image_dim, pos_embed_seq_len
+            inner, config.freq_dim, config.text_dim, config.image_dim, config.pos_embed_seq_len
         )
         self.blocks = nn.ModuleList(
             [
                 WanTransformerBlock(
-                    inner, ffn_dim, num_attention_heads, cross_attn_norm, eps, added_kv_proj_dim
+                    inner,
+                    config.ffn_dim,
+                    config.num_attention_heads,
+                    config.cross_attn_norm,
+                    eps,
+                    config.added_kv_proj_dim,
                 )
-                for _ in range(num_layers)
+                for _ in range(config.num_layers)
             ]
         )
         self.norm_out = FP32LayerNorm(inner, eps=eps, elementwise_affine=False)
-        self.proj_out = nn.Linear(inner, out_channels * math.prod(patch_size))
+        self.proj_out = nn.Linear(inner, config.out_channels * math.prod(patch_size))
         self.scale_shift_table = nn.Parameter(torch.zeros(1, 2, inner))
+
+    @property
+    def hidden_width(self) -> int:
+        """The width of the DiT's hidden states (what a latent token's activations scale with)."""
+        return self.inner_dim
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> WanTransformer3DModel:
         """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
-        return cls(**checked_config_kwargs(config, WAN_CONFIG_DEFAULTS, cls.diffusers_class_name))
+        return cls(config_from_diffusers(WanTransformerConfig, config, cls.diffusers_class_name))
 
     def rope_tables(self, frames: int, height: int, width: int, device: torch.device) -> RopeTables:
         """Half-width (cos, sin) float32 tables (frames*height*width, head_dim // 2) for a post-patch grid.
@@ -428,10 +401,10 @@ class WanTransformer3DModel(nn.Module):
         cached = self._rope_cache.get(key)
         if cached is not None:
             return cached
-        if max(frames, height, width) > self.rope_max_seq_len:
+        if max(frames, height, width) > self.config.rope_max_seq_len:
             raise ValueError(
                 f"latent grid {(frames, height, width)} (after patching) exceeds rope_max_seq_len "
-                f"({self.rope_max_seq_len}) along one axis"
+                f"({self.config.rope_max_seq_len}) along one axis"
             )
         axes = [torch.arange(n, device=device) for n in (frames, height, width)]
         ids = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
@@ -498,11 +471,11 @@ class WanTransformer3DModel(nn.Module):
                 f"hidden_states must be (batch, channels, frames, height, width), got {tuple(hidden_states.shape)}"
             )
         batch, _, frames, height, width = hidden_states.shape
-        p_t, p_h, p_w = self.patch_size
+        p_t, p_h, p_w = self.config.patch_size
         if frames % p_t or height % p_h or width % p_w:
             raise ValueError(
                 f"latent size (frames, height, width) = {(frames, height, width)} must be a multiple of "
-                f"patch_size {self.patch_size}"
+                f"patch_size {self.config.patch_size}"
             )
         grid = (frames // p_t, height // p_h, width // p_w)
         seq = math.prod(grid)

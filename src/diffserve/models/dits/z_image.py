@@ -62,28 +62,8 @@ from torch import nn
 from diffserve.layers.attention import attention
 from diffserve.layers.embeddings import timestep_sinusoids
 from diffserve.layers.norms import LayerNorm, RMSNorm
-from diffserve.models.config_keys import checked_config_kwargs
+from diffserve.models.config_keys import config_from_diffusers
 from diffserve.models.step_cache import BatchStepCache
-
-#: Diffusers' config keys and defaults (these are Z-Image-Turbo's values).
-ZIMAGE_CONFIG_DEFAULTS: dict[str, Any] = {
-    "all_patch_size": (2,),
-    "all_f_patch_size": (1,),
-    "in_channels": 16,
-    "dim": 3840,
-    "n_layers": 30,
-    "n_refiner_layers": 2,
-    "n_heads": 30,
-    "n_kv_heads": 30,
-    "norm_eps": 1e-5,
-    "qk_norm": True,
-    "cap_feat_dim": 2560,
-    "siglip_feat_dim": None,
-    "rope_theta": 256.0,
-    "t_scale": 1000.0,
-    "axes_dims": (32, 48, 48),
-    "axes_lens": (1024, 512, 512),
-}
 
 #: Sequences (image tokens, caption tokens) are padded per sample to a multiple of this.
 SEQ_MULTI_OF = 32
@@ -95,6 +75,61 @@ QK_NORM_EPS = 1e-5  # fixed in Diffusers, independent of `norm_eps`
 FINAL_NORM_EPS = 1e-6
 #: Layouts (gather indices, masks, RoPE tables) kept per distinct batch shape.
 LAYOUT_CACHE_SIZE = 32
+
+
+@dataclass(frozen=True)
+class ZImageTransformerConfig:
+    """The Z-Image DiT's Diffusers config (`transformer/config.json`), one field per key.
+
+    The defaults are Z-Image-Turbo's. Sequences become tuples. `n_kv_heads` is accepted and ignored,
+    as in Diffusers: keys and values always have n_heads heads.
+    """
+
+    all_patch_size: tuple[int, ...] = (2,)
+    all_f_patch_size: tuple[int, ...] = (1,)
+    in_channels: int = 16
+    dim: int = 3840
+    n_layers: int = 30
+    n_refiner_layers: int = 2
+    n_heads: int = 30
+    n_kv_heads: int = 30
+    norm_eps: float = 1e-5
+    qk_norm: bool = True
+    cap_feat_dim: int = 2560
+    siglip_feat_dim: int | None = None
+    rope_theta: float = 256.0
+    t_scale: float = 1000.0
+    axes_dims: tuple[int, ...] = (32, 48, 48)
+    axes_lens: tuple[int, ...] = (1024, 512, 512)
+
+    def __post_init__(self) -> None:
+        all_patch_size = tuple(int(p) for p in self.all_patch_size)
+        all_f_patch_size = tuple(int(p) for p in self.all_f_patch_size)
+        axes_dims = tuple(int(d) for d in self.axes_dims)
+        axes_lens = tuple(int(n) for n in self.axes_lens)
+        if self.siglip_feat_dim is not None:
+            raise ValueError(
+                "ZImageTransformer2DModel: siglip_feat_dim is set, i.e. this is a Z-Image Omni checkpoint "
+                "(SigLIP image conditioning); only the text-to-image model is implemented natively"
+            )
+        if len(all_patch_size) != len(all_f_patch_size):
+            raise ValueError(
+                f"all_patch_size {all_patch_size} and all_f_patch_size {all_f_patch_size} differ in length"
+            )
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        head_dim = self.dim // self.n_heads
+        if sum(axes_dims) != head_dim:
+            raise ValueError(f"axes_dims {axes_dims} must sum to the head dim dim // n_heads ({head_dim})")
+        if any(d % 2 for d in axes_dims):
+            raise ValueError(f"every entry of axes_dims must be even, got {axes_dims}")
+        if len(axes_lens) != len(axes_dims) or len(axes_dims) != 3:
+            raise ValueError(f"axes_dims {axes_dims} and axes_lens {axes_lens} must both have 3 entries")
+        # A frozen dataclass normalises its own fields through object.__setattr__.
+        object.__setattr__(self, "all_patch_size", all_patch_size)
+        object.__setattr__(self, "all_f_patch_size", all_f_patch_size)
+        object.__setattr__(self, "axes_dims", axes_dims)
+        object.__setattr__(self, "axes_lens", axes_lens)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -339,7 +374,7 @@ class ZImageTimestepEmbedder(nn.Module):
 class ZImageTransformer2DModel(nn.Module):
     """Z-Image DiT with Diffusers' config keys and state-dict names (text-to-image path).
 
-    Build it with keyword config values (or `from_config(config_json_dict)`); under
+    Build it from a `ZImageTransformerConfig` (or `from_config(config_json_dict)`); under
     `torch.device("meta")` it allocates nothing, and `load_state_dict(sd, assign=True, strict=True)`
     fills it. It holds no buffers; RoPE tables and batch layouts are computed on first use per device
     and shape.
@@ -347,74 +382,13 @@ class ZImageTransformer2DModel(nn.Module):
 
     diffusers_class_name: ClassVar[str] = "ZImageTransformer2DModel"
 
-    def __init__(
-        self,
-        all_patch_size: Sequence[int] = (2,),
-        all_f_patch_size: Sequence[int] = (1,),
-        in_channels: int = 16,
-        dim: int = 3840,
-        n_layers: int = 30,
-        n_refiner_layers: int = 2,
-        n_heads: int = 30,
-        n_kv_heads: int = 30,
-        norm_eps: float = 1e-5,
-        qk_norm: bool = True,
-        cap_feat_dim: int = 2560,
-        siglip_feat_dim: int | None = None,
-        rope_theta: float = 256.0,
-        t_scale: float = 1000.0,
-        axes_dims: Sequence[int] = (32, 48, 48),
-        axes_lens: Sequence[int] = (1024, 512, 512),
-    ) -> None:
+    def __init__(self, config: ZImageTransformerConfig) -> None:
         super().__init__()
-        all_patch_size = tuple(int(p) for p in all_patch_size)
-        all_f_patch_size = tuple(int(p) for p in all_f_patch_size)
-        axes_dims = tuple(int(d) for d in axes_dims)
-        axes_lens = tuple(int(n) for n in axes_lens)
-        if siglip_feat_dim is not None:
-            raise ValueError(
-                "ZImageTransformer2DModel: siglip_feat_dim is set, i.e. this is a Z-Image Omni checkpoint "
-                "(SigLIP image conditioning); only the text-to-image model is implemented natively"
-            )
-        if len(all_patch_size) != len(all_f_patch_size):
-            raise ValueError(
-                f"all_patch_size {all_patch_size} and all_f_patch_size {all_f_patch_size} differ in length"
-            )
-        if dim % n_heads:
-            raise ValueError(f"dim ({dim}) must be divisible by n_heads ({n_heads})")
-        head_dim = dim // n_heads
-        if sum(axes_dims) != head_dim:
-            raise ValueError(f"axes_dims {axes_dims} must sum to the head dim dim // n_heads ({head_dim})")
-        if any(d % 2 for d in axes_dims):
-            raise ValueError(f"every entry of axes_dims must be even, got {axes_dims}")
-        if len(axes_lens) != len(axes_dims) or len(axes_dims) != 3:
-            raise ValueError(f"axes_dims {axes_dims} and axes_lens {axes_lens} must both have 3 entries")
-        # `n_kv_heads` is accepted and ignored, as in Diffusers: keys and values always have n_heads heads.
-        self.config: dict[str, Any] = {
-            "all_patch_size": all_patch_size,
-            "all_f_patch_size": all_f_patch_size,
-            "in_channels": in_channels,
-            "dim": dim,
-            "n_layers": n_layers,
-            "n_refiner_layers": n_refiner_layers,
-            "n_heads": n_heads,
-            "n_kv_heads": n_kv_heads,
-            "norm_eps": norm_eps,
-            "qk_norm": qk_norm,
-            "cap_feat_dim": cap_feat_dim,
-            "siglip_feat_dim": siglip_feat_dim,
-            "rope_theta": rope_theta,
-            "t_scale": t_scale,
-            "axes_dims": axes_dims,
-            "axes_lens": axes_lens,
-        }
-        self.in_channels = in_channels
-        self.out_channels = in_channels
-        self.dim = dim
-        self.t_scale = t_scale
-        self.rope_theta = rope_theta
-        self.axes_dims = axes_dims
-        self.axes_lens = axes_lens
+        self.config = config
+        all_patch_size, all_f_patch_size = config.all_patch_size, config.all_f_patch_size
+        in_channels, dim, n_heads = config.in_channels, config.dim, config.n_heads
+        norm_eps, qk_norm, cap_feat_dim = config.norm_eps, config.qk_norm, config.cap_feat_dim
+        n_refiner_layers = config.n_refiner_layers
 
         patch_keys = [f"{p}-{f}" for p, f in zip(all_patch_size, all_f_patch_size, strict=True)]
         self.all_x_embedder = nn.ModuleDict(
@@ -440,22 +414,27 @@ class ZImageTransformer2DModel(nn.Module):
         self.x_pad_token = nn.Parameter(torch.zeros((1, dim)))
         self.cap_pad_token = nn.Parameter(torch.zeros((1, dim)))
         self.layers = nn.ModuleList(
-            [ZImageTransformerBlock(dim, n_heads, norm_eps, qk_norm, True) for _ in range(n_layers)]
+            [ZImageTransformerBlock(dim, n_heads, norm_eps, qk_norm, True) for _ in range(config.n_layers)]
         )
         self._rope_tables: dict[torch.device, list[torch.Tensor]] = {}
         self._layouts: dict[tuple, _Layout] = {}
         self._caption_layouts: dict[tuple, _CaptionLayout] = {}
 
+    @property
+    def hidden_width(self) -> int:
+        """The width of the DiT's hidden states (what a latent token's activations scale with)."""
+        return self.config.dim
+
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ZImageTransformer2DModel:
         """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
-        return cls(**checked_config_kwargs(config, ZIMAGE_CONFIG_DEFAULTS, cls.diffusers_class_name))
+        return cls(config_from_diffusers(ZImageTransformerConfig, config, cls.diffusers_class_name))
 
     # ----------------------------------------------------------------------------------------- layout
 
     def _rope(self, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
         """(seq, 3) integer positions (on the CPU) -> (seq, head_dim // 2) complex64 rotations on `device`."""
-        for axis, length in enumerate(self.axes_lens):
+        for axis, length in enumerate(self.config.axes_lens):
             top = int(ids[:, axis].max())
             if top >= length:
                 raise ValueError(
@@ -464,7 +443,7 @@ class ZImageTransformer2DModel(nn.Module):
                 )
         if device not in self._rope_tables:
             self._rope_tables[device] = rope_axis_tables(
-                self.axes_dims, self.axes_lens, self.rope_theta, device
+                self.config.axes_dims, self.config.axes_lens, self.config.rope_theta, device
             )
         tables = self._rope_tables[device]
         ids = ids.to(device)
@@ -639,9 +618,10 @@ class ZImageTransformer2DModel(nn.Module):
         captions = cap_feats if cap_feats is not None else refined_captions
         if len(captions) != batch:
             raise ValueError(f"got {batch} latents but {len(captions)} captions")
+        channels = self.config.in_channels
         for xi in x:
-            if xi.ndim != 4 or xi.shape[0] != self.in_channels:
-                raise ValueError(f"each latent must be ({self.in_channels}, F, H, W), got {tuple(xi.shape)}")
+            if xi.ndim != 4 or xi.shape[0] != channels:
+                raise ValueError(f"each latent must be ({channels}, F, H, W), got {tuple(xi.shape)}")
         if t.ndim != 1 or t.shape[0] not in (1, batch):
             raise ValueError(f"t must have shape ({batch},) or (1,), got {tuple(t.shape)}")
 
@@ -655,7 +635,7 @@ class ZImageTransformer2DModel(nn.Module):
             f_patch_size,
             device,
         )
-        adaln = self.t_embedder(t * self.t_scale).type_as(x[0])
+        adaln = self.t_embedder(t * self.config.t_scale).type_as(x[0])
 
         # Image tokens: patchify each sample to (tokens, pF * pH * pW * C) in (f, h, w) order, embed all at once.
         patches = [
@@ -679,7 +659,7 @@ class ZImageTransformer2DModel(nn.Module):
 
         # Image tokens come first in every sample, so the final layer needs only the leading rows.
         out = self.all_final_layer[key](h[:, : max(layout.image_tokens)], adaln)
-        c = self.out_channels
+        c = self.config.in_channels  # the output is a latent like the input
         results = []
         for i, ((f, hh, w), (gf, gh, gw), n) in enumerate(
             zip(layout.sizes, layout.grids, layout.image_tokens, strict=True)

@@ -1,4 +1,21 @@
-"""Building blocks of the causal 3-D convolutional VAE (Wan 2.1 VAE, and Qwen-Image's fine-tune of it).
+"""The causal 3-D convolutional KL autoencoder shared by two families: its building blocks and the
+network they make (`CausalVideoVAE`). Wan 2.1's VAE (`autoencoder_kl_wan.py`) and Qwen-Image's
+fine-tune of it (`autoencoder_kl_qwen_image.py`) are this network under their own Diffusers class names
+and config keys. Architecture:
+
+    encode: video (B, 3, T, H, W) in [-1, 1]
+        -> Encoder3d, run on frame 0 alone, then on chunks of 4 frames      (causal convs carry a cache)
+        -> quant_conv (1x1x1)  -> DiagonalGaussian over (B, z_dim, 1 + (T - 1) / 4, H / 8, W / 8)
+    decode: latents (B, z_dim, t, h, w)
+        -> post_quant_conv (1x1x1) -> Decoder3d, run one latent frame at a time
+        -> clamp to [-1, 1]    -> video (B, 3, 1 + (t - 1) * 4, h * 8, w * 8)
+
+(/4 and /8 for the released config: three downsamplings, the last two also temporal.) Images are
+single-frame videos (T = 1). The chunking is the one Diffusers uses, so results match it, and memory
+stays bounded by the chunk size rather than the clip length. As in Diffusers, trailing frames that do
+not complete a chunk of 4 are not encoded: pass 1 + 4k frames. The latent normalisation
+((z - latents_mean) / latents_std) is the pipeline's job, as in Diffusers; the config's values are
+exposed as `latents_mean` / `latents_std`. Tiling and slicing are not implemented.
 
 Every convolution that looks along time is *causal*: output frame t sees input frames <= t only
 (the kernel's temporal padding all goes in front). That lets a clip be encoded or decoded a chunk of
@@ -23,12 +40,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import pairwise
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from diffserve.layers.attention import attention
+from diffserve.models.vaes.autoencoder_kl import DiagonalGaussian
 
 #: Frames of input each causal conv keeps for the next chunk: a temporal kernel of 3 needs 2.
 CACHE_FRAMES = 2
@@ -346,3 +365,105 @@ class Decoder3d(nn.Module):
         for block in self.up_blocks:
             x = block(x, cache)
         return self.conv_out(F.silu(self.norm_out(x), inplace=True), cache)
+
+
+#: Per-channel latent statistics of the released Wan 2.1 VAE, which Qwen-Image's fine-tune keeps (Diffusers'
+#: defaults for both).
+LATENTS_MEAN = (
+    -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+    0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921,
+)  # fmt: skip
+LATENTS_STD = (
+    2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+    3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160,
+)  # fmt: skip
+
+#: Encoder chunk length after the first frame: two temporal downsamplings turn 4 frames into 1 latent.
+ENCODE_CHUNK_FRAMES = 4
+
+
+class CausalVideoVAE(nn.Module):
+    """The Wan 2.1 network; subclasses map their Diffusers config onto it and set `config`."""
+
+    config: dict[str, Any]
+
+    def __init__(
+        self,
+        *,
+        in_channels: int,
+        out_channels: int,
+        encoder_dim: int,
+        decoder_dim: int,
+        z_dim: int,
+        dim_mult: Sequence[int],
+        num_res_blocks: int,
+        attn_scales: Sequence[float],
+        temporal_downsample: Sequence[bool],
+        latents_mean: Sequence[float],
+        latents_std: Sequence[float],
+    ) -> None:
+        super().__init__()
+        if len(temporal_downsample) != len(dim_mult) - 1:
+            raise ValueError(
+                f"temperal_downsample needs one entry per downsampling ({len(dim_mult) - 1} for "
+                f"dim_mult {tuple(dim_mult)}), got {tuple(temporal_downsample)}"
+            )
+        self.z_dim = z_dim
+        self.latents_mean = [float(v) for v in latents_mean]
+        self.latents_std = [float(v) for v in latents_std]
+        self._temporal_downsamplings = sum(bool(t) for t in temporal_downsample)
+        self._spatial_downsamplings = len(temporal_downsample)
+
+        self.encoder = Encoder3d(
+            in_channels,
+            2 * z_dim,
+            encoder_dim,
+            dim_mult,
+            num_res_blocks,
+            attn_scales,
+            temporal_downsample,
+        )
+        self.quant_conv = CausalConv3d(2 * z_dim, 2 * z_dim, 1)
+        self.post_quant_conv = CausalConv3d(z_dim, z_dim, 1)
+        self.decoder = Decoder3d(
+            z_dim,
+            out_channels,
+            decoder_dim,
+            dim_mult,
+            num_res_blocks,
+            tuple(reversed(temporal_downsample)),
+        )
+
+    @property
+    def spatial_compression_ratio(self) -> int:
+        """Pixels per latent along each side (8 for the released VAEs)."""
+        return 2**self._spatial_downsamplings
+
+    @property
+    def temporal_compression_ratio(self) -> int:
+        """Frames per latent frame after the first one (4 for the released VAEs): T = 1 + ratio * (t - 1)."""
+        return 2**self._temporal_downsamplings
+
+    def encode(self, x: torch.Tensor) -> DiagonalGaussian:
+        """Video (B, C, T, H, W) in [-1, 1] -> posterior over unnormalised latents (B, z_dim, t, H/8, W/8).
+
+        T should be 1 + 4k (T = 1 for an image); trailing frames past the last full chunk are
+        ignored, as in Diffusers. H and W should be multiples of `spatial_compression_ratio`.
+        """
+        if x.ndim != 5:
+            raise ValueError(f"expected a video batch (B, C, T, H, W), got shape {tuple(x.shape)}")
+        cache = CausalCache()
+        n = ENCODE_CHUNK_FRAMES
+        chunks = [x[:, :, :1]]
+        chunks += [x[:, :, 1 + n * i : 1 + n * (i + 1)] for i in range((x.shape[2] - 1) // n)]
+        moments = torch.cat([self.encoder(chunk, cache) for chunk in chunks], dim=2)
+        return DiagonalGaussian.from_moments(self.quant_conv(moments))
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        """Unnormalised latents (B, z_dim, t, h, w) -> video (B, C, 1 + 4 (t - 1), 8h, 8w) clamped to [-1, 1]."""
+        if z.ndim != 5:
+            raise ValueError(f"expected video latents (B, z_dim, t, h, w), got shape {tuple(z.shape)}")
+        cache = CausalCache()
+        x = self.post_quant_conv(z)
+        frames = [self.decoder(x[:, :, i : i + 1], cache) for i in range(x.shape[2])]
+        return torch.cat(frames, dim=2).clamp_(-1.0, 1.0)

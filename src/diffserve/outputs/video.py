@@ -1,13 +1,14 @@
-"""Writing generated videos: H.264 MP4 through PyAV, animated GIF/WebP through Pillow, PNG frame dumps.
+"""Generated videos: H.264 MP4 through PyAV, animated GIF/WebP through Pillow, PNG frame dumps.
 
 A video reaches this module as a uint8 array of shape (frames, height, width, 3) in RGB order, after
 denoising and VAE decoding. Everything here runs on the CPU in the engine process (libx264 and Pillow),
 so writing a video never needs, and never touches, an accelerator.
 
-Writes are atomic: every format is encoded into a hidden sibling `.{name}.partial` and moved onto the
-final path with `os.replace` only once the file is complete, and a failure deletes the partial file. A
-watcher of the output directory therefore never sees a half-written MP4 (whose index is written last
-and which players would reject) nor a truncated GIF/WebP.
+Writes are atomic (`diffserve.outputs.atomic`): every format is encoded into a hidden sibling
+`.{name}.partial` and moved onto the final path with `os.replace` only once the file is complete, and a
+failure deletes the partial file. A watcher of the output directory therefore never sees a half-written
+MP4 (whose index is written last and which players would reject) nor a truncated GIF/WebP. The embedded
+generation parameters are `diffserve.outputs.metadata.metadata_json` of the metadata dict, as in PNGs.
 
 Format notes:
 
@@ -35,9 +36,7 @@ Format notes:
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
@@ -46,7 +45,11 @@ from typing import Any, Literal
 import numpy as np
 from PIL import Image
 
-logger = logging.getLogger("diffserve.outputs")
+from diffserve.outputs.atomic import write_atomically
+from diffserve.outputs.images import save_image
+from diffserve.outputs.metadata import metadata_json
+
+logger = logging.getLogger(__name__)
 
 VIDEO_FORMATS: tuple[str, ...] = ("mp4", "gif", "webp")
 VideoOutputFormat = Literal["mp4", "gif", "webp"]
@@ -57,7 +60,7 @@ MP4_DEFAULT_CRF = 20
 MP4_PRESET = "medium"
 WEBP_DEFAULT_QUALITY = 90
 
-# EXIF ImageDescription: an ASCII tag; `json.dumps` escapes non-ASCII, so the JSON always fits.
+# EXIF ImageDescription: an ASCII tag; `metadata_json` escapes non-ASCII, so the JSON always fits.
 _EXIF_IMAGE_DESCRIPTION = 0x010E
 
 
@@ -82,23 +85,17 @@ def save_video(
         raise ValueError(f"fps must be a positive integer, got {fps!r}")
     fps = int(fps)
     _check_quality(output_format, quality)
-    comment = json.dumps(metadata, sort_keys=True, default=str)
+    comment = metadata_json(metadata)
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    try:
+    def write(partial: Path) -> None:
         if output_format == "mp4":
             _write_mp4(frames, partial, fps, comment, MP4_DEFAULT_CRF if quality is None else quality)
         elif output_format == "gif":
             _write_gif(frames, partial, fps, comment)
         else:
             _write_webp(frames, partial, fps, comment, WEBP_DEFAULT_QUALITY if quality is None else quality)
-        os.replace(partial, path)
-    except BaseException:
-        # BaseException too: a cancelled or interrupted write must not leave a partial file either.
-        partial.unlink(missing_ok=True)
-        raise
-    return path
+
+    return write_atomically(path, write)
 
 
 def save_frames(frames: np.ndarray, directory: Path, stem: str) -> list[Path]:
@@ -108,13 +105,10 @@ def save_frames(frames: np.ndarray, directory: Path, stem: str) -> list[Path]:
     the compression of the video file would get in the way; five digits cover any clip length we make.
     """
     _check_frames(frames)
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for index, frame in enumerate(frames):
-        frame_path = directory / f"{stem}_{index:05d}.png"
-        Image.fromarray(frame).save(frame_path, format="PNG")
-        paths.append(frame_path)
-    return paths
+    return [
+        save_image(Image.fromarray(frame), directory / f"{stem}_{index:05d}.png", output_format="png")
+        for index, frame in enumerate(frames)
+    ]
 
 
 def _check_frames(frames: np.ndarray) -> None:

@@ -1,4 +1,5 @@
-"""Log format of the CLI: `[11-29 18:41:43] message`, as SGLang Diffusion users know it."""
+"""Log format of every diffserve process (CLI, server, engine process): `[11-29 18:41:43] message`, as SGLang
+Diffusion users know it."""
 
 from __future__ import annotations
 

@@ -1,0 +1,63 @@
+"""adaLN norms of the MMDiTs (FLUX, SD3, Qwen-Image): a LayerNorm without parameters whose output is
+scaled and shifted per sample by a projection of the conditioning vector.
+
+These are Diffusers' `AdaLayerNormZero` and `AdaLayerNormContinuous` with its weight names (`linear`;
+the norm has no weights). Both take `temb_act` = SiLU(temb), not temb: every adaLN of a model projects
+the same SiLU(temb), so the model computes it once per forward instead of once per norm. A model
+that computes the projections itself (FLUX projects every adaLN of the model in one matmul) passes
+the projection to `modulate_projected`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from diffserve.layers.modulation import Modulate
+from diffserve.layers.norms import LayerNorm
+
+#: The LayerNorm eps of every adaLN in FLUX, SD3 and Qwen-Image.
+ADALN_EPS = 1e-6
+
+
+class AdaLayerNormZero(nn.Module):
+    """adaLN-Zero of a double-stream block: modulates the attention input and returns the other five vectors.
+
+    The projection is (shift, scale, gate) for the attention, then (shift, scale, gate) for the MLP;
+    the block applies the MLP's vectors itself, after the attention's residual.
+    """
+
+    def __init__(self, dim: int, eps: float = ADALN_EPS) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, 6 * dim)
+        self.norm = LayerNorm(dim, eps=eps, elementwise_affine=False)
+        self.modulate = Modulate()
+
+    def forward(self, x: torch.Tensor, temb_act: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(modulated x, gate_msa, shift_mlp, scale_mlp, gate_mlp) from SiLU(temb)."""
+        return self.modulate_projected(x, self.linear(temb_act))
+
+    def modulate_projected(self, x: torch.Tensor, emb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The same, from `emb` = `linear(temb_act)` (batch, 6 * dim)."""
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
+        x = self.modulate(self.norm(x), scale=scale_msa, shift=shift_msa)
+        return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+
+class AdaLayerNormContinuous(nn.Module):
+    """The adaLN before a DiT's output projection; its projection is (scale, shift), adaLN-Zero's reversed."""
+
+    def __init__(self, dim: int, eps: float = ADALN_EPS) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, 2 * dim)
+        self.norm = LayerNorm(dim, eps=eps, elementwise_affine=False)
+        self.modulate = Modulate()
+
+    def forward(self, x: torch.Tensor, temb_act: torch.Tensor) -> torch.Tensor:
+        """`x` modulated by SiLU(temb), which is first cast to x's dtype (as Diffusers does)."""
+        return self.modulate_projected(x, self.linear(temb_act.to(x.dtype)))
+
+    def modulate_projected(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """The same, from `emb` = `linear(temb_act)` (batch, 2 * dim)."""
+        scale, shift = emb.chunk(2, dim=1)
+        return self.modulate(self.norm(x), scale=scale, shift=shift)

@@ -1,0 +1,122 @@
+"""Joint attention of the MMDiTs (FLUX's double-stream blocks, SD3, Qwen-Image).
+
+Image and text tokens keep their own q/k/v projections, per-head QK-norms and output projections, and
+attend as one sequence. `JointAttention` holds those weights under Diffusers' names (`to_q`, ...,
+`add_q_proj`, ..., `to_add_out`) and projects each stream to heads. The order of the joint sequence
+belongs to the model, and it is part of the numbers (the softmax sums over the keys in that order):
+FLUX and Qwen-Image attend over [text; image] with RoPE (`RotaryJointAttention`), SD3 over
+[image; text] without RoPE (its own subclass in `models/dits/sd3.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from diffserve.layers.attention import attention
+from diffserve.layers.rotary import RopeTables, RotaryEmbedding
+
+#: (q, k, v), each (batch, seq, heads, head_dim).
+Heads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+#: Builds one per-head QK-norm (a model's RMSNorm or LayerNorm over head_dim).
+QKNormFactory = Callable[[], nn.Module]
+
+
+def _normed(norm: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
+    return x if norm is None else norm(x)
+
+
+class JointAttention(nn.Module):
+    """The weights of a joint attention and the per-stream projection to heads.
+
+    `qk_norm` builds the per-head norms of q and k (none when None). Without `context_out` there is
+    no `to_add_out`: the text stream supplies keys and values only (SD3's last block).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        head_dim: int,
+        qk_norm: QKNormFactory | None,
+        context_out: bool = True,
+    ) -> None:
+        super().__init__()
+        inner = num_heads * head_dim
+        self.head_dim = head_dim
+        self.to_q = nn.Linear(dim, inner)
+        self.to_k = nn.Linear(dim, inner)
+        self.to_v = nn.Linear(dim, inner)
+        self.norm_q = qk_norm() if qk_norm is not None else None
+        self.norm_k = qk_norm() if qk_norm is not None else None
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
+        self.add_q_proj = nn.Linear(dim, inner)
+        self.add_k_proj = nn.Linear(dim, inner)
+        self.add_v_proj = nn.Linear(dim, inner)
+        self.norm_added_q = qk_norm() if qk_norm is not None else None
+        self.norm_added_k = qk_norm() if qk_norm is not None else None
+        self.to_add_out = nn.Linear(inner, dim) if context_out else None
+
+    def _split(self, t: torch.Tensor) -> torch.Tensor:
+        """(batch, seq, heads * head_dim) -> (batch, seq, heads, head_dim), a view."""
+        return t.unflatten(-1, (-1, self.head_dim))
+
+    def project_image(self, x: torch.Tensor) -> Heads:
+        """The image's (q, k, v), heads split, before QK-norm."""
+        return self._split(self.to_q(x)), self._split(self.to_k(x)), self._split(self.to_v(x))
+
+    def project_text(self, ctx: torch.Tensor) -> Heads:
+        """The text's (q, k, v), heads split, before QK-norm."""
+        return (
+            self._split(self.add_q_proj(ctx)),
+            self._split(self.add_k_proj(ctx)),
+            self._split(self.add_v_proj(ctx)),
+        )
+
+    def image_heads(self, x: torch.Tensor) -> Heads:
+        """The image's (q, k, v) with QK-norm applied."""
+        q, k, v = self.project_image(x)
+        return _normed(self.norm_q, q), _normed(self.norm_k, k), v
+
+    def text_heads(self, ctx: torch.Tensor) -> Heads:
+        """The text's (q, k, v) with QK-norm applied."""
+        q, k, v = self.project_text(ctx)
+        return _normed(self.norm_added_q, q), _normed(self.norm_added_k, k), v
+
+
+class RotaryJointAttention(JointAttention):
+    """Joint attention over [text; image] with RoPE on q and k (FLUX, Qwen-Image).
+
+    `rotate` applies the RoPE tables of the joint sequence; a model whose tables have another layout
+    overrides it (Qwen-Image's per-sample tables).
+    """
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int, qk_norm: QKNormFactory) -> None:
+        super().__init__(dim, num_heads, head_dim, qk_norm)
+        self.rope = RotaryEmbedding()
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k of the joint sequence rotated by `rope` (one row per position)."""
+        return self.rope(q, k, *rope)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        rope: RopeTables,
+        attn_mask: torch.Tensor | None = None,
+        text_out: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(image output, text output). `attn_mask` is a key mask over [text; image] (None: all keys);
+        with `text_out=False` the text's output projection is skipped and None returned in its place."""
+        q, k, v = self.image_heads(x)
+        cq, ck, cv = self.text_heads(ctx)
+        q, k = self.rotate(torch.cat([cq, q], dim=1), torch.cat([ck, k], dim=1), rope)
+        out = attention(q, k, torch.cat([cv, v], dim=1), attn_mask).flatten(2)
+        ctx_out, x_out = out.split([ctx.shape[1], x.shape[1]], dim=1)
+        # The split halves are strided views when batch > 1; CPU half-precision matmuls round
+        # differently on strided inputs, so they are made contiguous, as Diffusers does (free at batch 1).
+        x_out = self.to_out[0](x_out.contiguous())
+        return x_out, self.to_add_out(ctx_out.contiguous()) if text_out else None

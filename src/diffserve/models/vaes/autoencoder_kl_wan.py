@@ -1,0 +1,107 @@
+"""Diffusers' `AutoencoderKLWan` in the Wan 2.1 layout: Wan's video VAE.
+
+The network is the shared causal 3-D VAE (`causal3d_blocks.CausalVideoVAE`, which Qwen-Image's VAE
+also uses); this class maps Wan's config keys onto it and refuses the Wan 2.2 variant. State-dict keys
+match Diffusers', so checkpoints load with `strict=True` into a model built on the meta device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from diffserve.models.config_keys import checked_config_kwargs
+from diffserve.models.vaes.causal3d_blocks import LATENTS_MEAN, LATENTS_STD, CausalVideoVAE
+
+#: Diffusers' `AutoencoderKLWan` config keys and defaults (Wan 2.1's VAE). The Wan 2.2 variant
+#: (`is_residual`, `patch_size`) is a different network and is rejected.
+WAN_VAE_CONFIG_DEFAULTS: dict[str, Any] = {
+    "base_dim": 96,
+    "decoder_base_dim": None,
+    "z_dim": 16,
+    "dim_mult": (1, 2, 4, 4),
+    "num_res_blocks": 2,
+    "attn_scales": (),
+    "temperal_downsample": (False, True, True),
+    "dropout": 0.0,
+    "latents_mean": LATENTS_MEAN,
+    "latents_std": LATENTS_STD,
+    "is_residual": False,
+    "in_channels": 3,
+    "out_channels": 3,
+    "patch_size": None,
+    "scale_factor_temporal": 4,
+    "scale_factor_spatial": 8,
+}
+
+
+class AutoencoderKLWan(CausalVideoVAE):
+    """Wan 2.1's video VAE (the same network as Qwen-Image's) with Diffusers' `AutoencoderKLWan` config keys.
+
+    Only the Wan 2.1 layout is supported: `is_residual=True` / `patch_size` (Wan 2.2's VAE) raise.
+    `scale_factor_temporal` / `scale_factor_spatial` are kept in `config` for pipelines that read them;
+    the compression-ratio properties are derived from the network itself.
+    """
+
+    diffusers_class_name: ClassVar[str] = "AutoencoderKLWan"
+
+    def __init__(
+        self,
+        base_dim: int = 96,
+        decoder_base_dim: int | None = None,
+        z_dim: int = 16,
+        dim_mult: Sequence[int] = (1, 2, 4, 4),
+        num_res_blocks: int = 2,
+        attn_scales: Sequence[float] = (),
+        temperal_downsample: Sequence[bool] = (False, True, True),
+        dropout: float = 0.0,
+        latents_mean: Sequence[float] = LATENTS_MEAN,
+        latents_std: Sequence[float] = LATENTS_STD,
+        is_residual: bool = False,
+        in_channels: int = 3,
+        out_channels: int = 3,
+        patch_size: int | None = None,
+        scale_factor_temporal: int | None = 4,
+        scale_factor_spatial: int | None = 8,
+    ) -> None:
+        if is_residual or patch_size is not None:
+            raise ValueError(
+                "AutoencoderKLWan: only the Wan 2.1 VAE is supported; this config is the Wan 2.2 "
+                f"variant (is_residual={is_residual}, patch_size={patch_size})"
+            )
+        super().__init__(
+            in_channels=in_channels,
+            out_channels=out_channels,
+            encoder_dim=base_dim,
+            decoder_dim=base_dim if decoder_base_dim is None else decoder_base_dim,
+            z_dim=z_dim,
+            dim_mult=dim_mult,
+            num_res_blocks=num_res_blocks,
+            attn_scales=attn_scales,
+            temporal_downsample=temperal_downsample,
+            latents_mean=latents_mean,
+            latents_std=latents_std,
+        )
+        self.config = {
+            "base_dim": base_dim,
+            "decoder_base_dim": decoder_base_dim,
+            "z_dim": z_dim,
+            "dim_mult": tuple(dim_mult),
+            "num_res_blocks": num_res_blocks,
+            "attn_scales": tuple(attn_scales),
+            "temperal_downsample": tuple(bool(t) for t in temperal_downsample),
+            "dropout": dropout,
+            "latents_mean": tuple(latents_mean),
+            "latents_std": tuple(latents_std),
+            "is_residual": is_residual,
+            "in_channels": in_channels,
+            "out_channels": out_channels,
+            "patch_size": patch_size,
+            "scale_factor_temporal": scale_factor_temporal,
+            "scale_factor_spatial": scale_factor_spatial,
+        }
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> AutoencoderKLWan:
+        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
+        return cls(**checked_config_kwargs(config, WAN_VAE_CONFIG_DEFAULTS, cls.diffusers_class_name))

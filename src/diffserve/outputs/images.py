@@ -1,0 +1,75 @@
+"""Still images: PIL image -> PNG/JPEG/WebP bytes, the single encoder behind files (CLI, Python API, server
+url outputs) and HTTP bodies (b64_json, streamed previews), so one image and quality give the same bytes
+everywhere."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any, Literal
+
+from PIL import Image, PngImagePlugin
+
+from diffserve.outputs.atomic import write_bytes_atomically
+from diffserve.outputs.metadata import metadata_json
+
+ImageOutputFormat = Literal["png", "jpeg", "webp"]
+IMAGE_FORMATS: tuple[str, ...] = ("png", "jpeg", "webp")
+CONTENT_TYPES: dict[str, str] = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
+
+#: JPEG/WebP quality when none is asked for: 100, OpenAI's `output_compression` default, so a file written
+#: by `diffserve generate` and an image returned by the server are the same bytes.
+DEFAULT_IMAGE_QUALITY = 100
+
+
+def encode_image(
+    image: Image.Image,
+    output_format: str,
+    quality: int | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> bytes:
+    """Encode one image as `output_format` ("png", "jpeg" or "webp").
+
+    `quality` (0..100) applies to JPEG and WebP; None means `DEFAULT_IMAGE_QUALITY` (100) everywhere. PNG is
+    lossless and ignores it. PNGs carry `metadata` (when given) as JSON in a `parameters` text chunk, which
+    `Image.open(p).text["parameters"]` reads back; JPEG and WebP images carry no metadata.
+    """
+    if output_format not in IMAGE_FORMATS:
+        raise ValueError(f"unknown image format {output_format!r}; expected one of {IMAGE_FORMATS}")
+    buffer = io.BytesIO()
+    if output_format == "png":
+        info = PngImagePlugin.PngInfo()
+        if metadata is not None:
+            info.add_text("parameters", metadata_json(metadata))
+        image.save(buffer, format="PNG", pnginfo=info)
+    else:
+        if quality is None:
+            quality = DEFAULT_IMAGE_QUALITY
+        if isinstance(quality, bool) or not isinstance(quality, int) or not 0 <= quality <= 100:
+            raise ValueError(f"quality for {output_format} must be an integer in [0, 100], got {quality!r}")
+        rgb = image if image.mode == "RGB" else image.convert("RGB")
+        rgb.save(buffer, format=output_format.upper(), quality=quality)
+    return buffer.getvalue()
+
+
+def save_image(
+    image: Image.Image,
+    path: Path,
+    metadata: dict[str, Any] | None = None,
+    output_format: str = "png",
+    quality: int | None = None,
+) -> Path:
+    """Write the bytes of `encode_image(image, output_format, quality, metadata)` to `path` atomically
+    (through a hidden partial file, creating the directory); returns `path`."""
+    return write_bytes_atomically(path, encode_image(image, output_format, quality, metadata))
+
+
+def encoded_format(data: bytes) -> ImageOutputFormat:
+    """The format of encoded image bytes, from their signature ("png", "jpeg" or "webp")."""
+    if data.startswith(b"\x89PNG"):
+        return "png"
+    if data.startswith(b"\xff\xd8"):
+        return "jpeg"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    raise ValueError("image bytes of an unknown format (expected PNG, JPEG or WebP)")

@@ -1,0 +1,67 @@
+"""Writing a finished request's outputs to a directory, as `diffserve generate` and
+`DiffGenerator.generate(save_output=True)` do: file names, metadata, images or videos (and frame PNGs)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from PIL import Image
+
+from diffserve.outputs.images import save_image
+from diffserve.outputs.naming import output_file_name, unique_path
+from diffserve.outputs.video import save_frames as save_frame_pngs
+from diffserve.outputs.video import save_video
+
+if TYPE_CHECKING:
+    from diffserve.configs.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def write_outputs(
+    directory: Path,
+    params: SamplingParams,
+    request_id: str,
+    metadata: dict[str, Any],
+    *,
+    images: Sequence[Image.Image] = (),
+    videos: Sequence[np.ndarray] = (),
+    file_name: str | None = None,
+    save_frames: bool = False,
+    quality: int | None = None,
+) -> list[Path]:
+    """Write a request's videos (if it made any) or else its images into `directory`; returns the paths.
+
+    Names: with `file_name`, its stem plus `_{i}` when there are several outputs, else its stem alone;
+    without, `output_file_name(prompt, request_id, i, ext)`. Either way an existing file is never
+    overwritten (`unique_path` adds `-1`, `-2`, ...). The extension is `params.video_format` for videos,
+    `params.output_format` for images. `metadata` (see `output_metadata`) is embedded in every file;
+    `quality` is the JPEG/WebP quality of images (None: the shared default, see `encode_image`); videos
+    use their format's default. `save_frames` also writes each video's frames as PNGs into
+    `{video stem}_frames/` next to it (logged, since the returned paths are the videos only). Reporting
+    the returned paths is left to the caller.
+    """
+    outputs: Sequence[Image.Image | np.ndarray] = videos if len(videos) else images
+    is_video = bool(len(videos))
+    extension = params.video_format if is_video else params.output_format
+    paths = []
+    for i, output in enumerate(outputs):
+        if file_name:
+            suffix = f"_{i}" if len(outputs) > 1 else ""
+            name = f"{Path(file_name).stem}{suffix}.{extension}"
+        else:
+            name = output_file_name(params.prompt, request_id, i, extension)
+        path = unique_path(directory, name)
+        if is_video:
+            save_video(output, path, params.fps, metadata, params.video_format)
+            if save_frames:
+                frame_paths = save_frame_pngs(output, path.parent / f"{path.stem}_frames", path.stem)
+                logger.info("Frames saved to %s (%d PNGs)", frame_paths[0].parent, len(frame_paths))
+        else:
+            save_image(output, path, metadata, params.output_format, quality)
+        paths.append(path)
+    return paths

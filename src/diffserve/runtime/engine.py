@@ -1,0 +1,295 @@
+"""`Engine`: the one request loop. The CLI, `DiffGenerator`, the server's engine process, the warm-up and
+memory calibration all submit requests here and drive `step()`.
+
+One iteration (`step`): the scheduler decides, the runner executes, the engine reports.
+
+1. Running requests whose cancel flag is set leave (`on_cancelled`).
+2. Admitted waiting requests run their pre-denoise phase (`on_started` first).
+3. One group of running requests with the same batch key runs one denoising step as one DiT batch;
+   each gets its step time and its `on_step(req)` call.
+4. Requests whose last step is done run their post-denoise phase (decoding) and complete
+   (`on_finished`).
+
+Failures are contained: an error in a request's own phase fails that request; an error inside a shared
+denoising step fails the requests of that group (logged), never the engine or the other groups.
+
+Threads: `prepare`/`enqueue`/`submit`/`cancel` may be called from any thread. One thread at a time
+drives the loop (`step` takes the driving lock); `run_to_completion` lets several caller threads share
+the loop: whichever thread holds the lock steps everybody's requests until its own are done, while
+the others wait for theirs, so concurrent `generate` calls share DiT batches.
+
+Attention backend: the engine's (`attention_backend`, resolved once by its generator) is active on the
+driving thread for a whole iteration (`runner.model_scope()`), so the runner's phases and the event
+hooks called from `step` (e.g. a preview decoded in `on_step`) run the models with it, whichever
+thread drives, and never with another engine's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+from diffserve.errors import RequestCancelledError
+from diffserve.layers.attention import AttentionBackend
+from diffserve.platforms.base import Platform
+from diffserve.request import Req
+from diffserve.runtime.contract import EnginePipeline
+from diffserve.runtime.memory import MemoryModel, RequestCost, request_cost
+from diffserve.runtime.runner import ModelRunner
+from diffserve.runtime.scheduler import ScheduledRequest, SchedulerConfig, StepScheduler
+
+logger = logging.getLogger("diffserve.runtime")
+
+#: How long a caller thread waits for its request before checking whether it should drive the loop.
+_WAIT_SLICE_SECONDS = 0.02
+
+
+class EngineEvents:
+    """What the engine tells its owner; every hook is called on the driving thread. The defaults do
+    nothing (callers waiting in `run_to_completion` read the requests' states instead)."""
+
+    def on_started(self, sr: ScheduledRequest) -> None:
+        """Admitted: its pre-denoise phase starts now."""
+
+    def on_finished(self, sr: ScheduledRequest) -> None:
+        """Decoded: `sr.req.images` / `sr.req.frames` are set; its slot is freed when this returns."""
+
+    def on_cancelled(self, sr: ScheduledRequest) -> None:
+        """Dropped after its `cancel_event` was set (`sr.req.step_index` steps done)."""
+
+    def on_failed(self, sr: ScheduledRequest, error: BaseException) -> None:
+        """Its own phase, or a denoising step it shared, raised `error`."""
+
+
+class Engine:
+    def __init__(
+        self,
+        pipeline: EnginePipeline,
+        platform: Platform,
+        config: SchedulerConfig | None = None,
+        events: EngineEvents | None = None,
+        memory: MemoryModel | None = None,
+        *,
+        attention_backend: AttentionBackend,
+    ) -> None:
+        self.pipeline = pipeline
+        self.platform = platform
+        self.runner = ModelRunner(pipeline, platform, attention_backend)
+        self.scheduler = StepScheduler(config, memory)
+        self.events = events or EngineEvents()
+        self._driving = threading.RLock()
+
+    @property
+    def attention_backend(self) -> AttentionBackend:
+        return self.runner.attention_backend
+
+    @property
+    def config(self) -> SchedulerConfig:
+        return self.scheduler.config
+
+    @property
+    def memory(self) -> MemoryModel | None:
+        return self.scheduler.memory
+
+    @memory.setter
+    def memory(self, model: MemoryModel | None) -> None:
+        self.scheduler.memory = model
+
+    # -- any thread: submission -------------------------------------------------------------------
+    def prepare(self, req: Req, priority: int = 0, payload: object | None = None) -> ScheduledRequest:
+        """Validate the request once (family defaults, CFG decision, quality tier: the result travels
+        on `req`) and cost it; raises the family's InvalidRequestError, or RequestTooLargeError when it
+        can never fit in memory. It is not queued yet (`enqueue`), so the caller can answer first."""
+        if req.cancel_event is None:
+            req.cancel_event = threading.Event()
+        req = self.runner.validate(req)
+        cost = self.cost(req)
+        if self.scheduler.memory is not None:
+            self.scheduler.memory.check_alone(cost)
+        return ScheduledRequest(req=req, cost=cost, priority=int(priority), payload=payload)
+
+    def cost(self, req: Req) -> RequestCost:
+        return request_cost(self.pipeline.facts, req)
+
+    def enqueue(self, sr: ScheduledRequest) -> ScheduledRequest:
+        return self.scheduler.add(sr)
+
+    def submit(self, req: Req, priority: int = 0, payload: object | None = None) -> ScheduledRequest:
+        return self.enqueue(self.prepare(req, priority, payload))
+
+    def cancel(self, request_id: str) -> str | None:
+        """"waiting" (dropped and reported now), "running" (leaves at its next step boundary) or None."""
+        found = self.scheduler.cancel(request_id)
+        if found is None:
+            return None
+        where, sr = found
+        if where == "waiting":
+            self._end(sr, self.events.on_cancelled)
+        return where
+
+    def cancel_all(self) -> list[ScheduledRequest]:
+        """Drop every waiting request (reported cancelled, and returned) and flag every running one."""
+        dropped = self.scheduler.cancel_all()
+        for sr in dropped:
+            self._end(sr, self.events.on_cancelled)
+        return dropped
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- the driving thread -----------------------------------------------------------------------
+    def step(self) -> bool:
+        """One iteration (see the module docstring). False: there was nothing to do."""
+        with self._driving, self.runner.model_scope():
+            did = self._drop_cancelled()
+            did = self._start_admitted() or did
+            group, broken = self.scheduler.next_group(self.pipeline.batch_key)
+            for sr, exc in broken:
+                self._fail(sr, exc)
+            if group:
+                self._denoise(group)
+                did = True
+            return did or bool(broken)
+
+    def run_until_idle(self, max_iterations: int = 100_000) -> None:
+        """Step until nothing waits or runs."""
+        with self._driving:
+            for _ in range(max_iterations):
+                if not self.scheduler.has_work:
+                    return
+                self.step()
+        raise RuntimeError(f"the engine still has work after {max_iterations} iterations")
+
+    def run_once(self, timeout: float = 0.0) -> bool:
+        """One iteration, after waiting up to `timeout` seconds for work. False: idle."""
+        if not self.scheduler.has_work and not self.scheduler.wait_for_work(timeout):
+            return False
+        return self.step()
+
+    def run_to_completion(self, requests: Sequence[ScheduledRequest]) -> None:
+        """Return once every one of `requests` (already enqueued) has ended. The calling thread drives the
+        loop while no other thread does; otherwise it waits for the driver to finish its requests."""
+        while True:
+            pending = [sr for sr in requests if not sr.done.is_set()]
+            if not pending:
+                return
+            if self._driving.acquire(blocking=False):
+                try:
+                    while any(not sr.done.is_set() for sr in requests):
+                        if not self.step():
+                            self.scheduler.wait_for_work(_WAIT_SLICE_SECONDS)
+                finally:
+                    self._driving.release()
+            else:
+                pending[0].done.wait(_WAIT_SLICE_SECONDS)
+
+    def _drop_cancelled(self) -> bool:
+        dropped = self.scheduler.take_cancelled()
+        if dropped:
+            self.runner.flush_step_times()  # the steps they took keep their times
+        for sr in dropped:
+            logger.info("Request %s cancelled at step %d", sr.request_id, sr.req.step_index)
+            self._end(sr, self.events.on_cancelled)
+        return bool(dropped)
+
+    def _start_admitted(self) -> bool:
+        opens_busy_period = self.scheduler.num_running == 0
+        admitted = self.scheduler.admit()
+        if admitted and opens_busy_period:
+            self.runner.reset_peak_memory()  # a new peak window for a new busy period
+        for sr in admitted:
+            self._notify(self.events.on_started, sr)
+            try:
+                sr.req = self.runner.pre_denoise(sr.req)
+            except Exception as exc:
+                self._fail(sr, exc)
+                continue
+            if sr.req.is_denoised:  # no steps to share (never with num_inference_steps >= 1)
+                self._complete(sr)
+        return bool(admitted)
+
+    def _denoise(self, group: list[ScheduledRequest]) -> None:
+        try:
+            self.runner.denoise_step([sr.req for sr in group])
+        except Exception as exc:
+            logger.exception(
+                "A denoising step over %d request(s) failed: %s",
+                len(group),
+                ", ".join(sr.request_id for sr in group),
+            )
+            for sr in group:
+                self._fail(sr, exc)
+            return
+        self.scheduler.record_step(group)
+        for sr in group:
+            if sr.req.on_step is not None:
+                try:
+                    sr.req.on_step(sr.req)
+                except Exception:  # a progress report must not fail the request
+                    logger.exception("on_step of request %s failed", sr.request_id)
+        for sr in group:
+            if sr.req.is_denoised:
+                self._complete(sr)
+
+    def _complete(self, sr: ScheduledRequest) -> None:
+        """Post-denoise (decoding), then report and free the slot."""
+        req = sr.req
+        if req.cancelled:
+            self._drop_cancelled()
+            return
+        try:
+            sr.req = req = self.runner.post_denoise(req)
+        except Exception as exc:
+            self._fail(sr, exc)
+            return
+        log_denoising(req)
+        sr.peak_memory_bytes = self.runner.peak_memory_bytes()
+        sr.state = "finished"
+        try:  # still in the running set while reported, so a cancel now still reaches it (a video's file)
+            self.events.on_finished(sr)
+        except Exception as exc:
+            logger.exception("Request %s: reporting its result failed", sr.request_id)
+            sr.state = "failed"
+            sr.error = exc
+            self._notify(self.events.on_failed, sr, exc)
+        finally:
+            self.scheduler.remove(sr)
+            sr.done.set()
+
+    def _fail(self, sr: ScheduledRequest, error: BaseException) -> None:
+        self.scheduler.remove(sr)
+        if isinstance(error, RequestCancelledError):
+            sr.state = "cancelled"
+            self._end(sr, self.events.on_cancelled)
+            return
+        sr.state = "failed"
+        sr.error = error
+        self._notify(self.events.on_failed, sr, error)
+        sr.done.set()
+
+    def _end(self, sr: ScheduledRequest, hook: Callable[[ScheduledRequest], None]) -> None:
+        self._notify(hook, sr)
+        sr.done.set()
+
+    @staticmethod
+    def _notify(hook: Callable[..., None], *args: object) -> None:
+        try:
+            hook(*args)
+        except Exception:
+            logger.exception("Engine event %s failed", hook.__name__)
+
+
+def log_denoising(req: Req) -> None:
+    """The denoising phase's summary lines, as a single-request run logs them: its time (`timings`), the
+    mean time per step, and for an approximate quality tier how many steps ran the DiT in full."""
+    if req.step_times:
+        req.timings["DenoisingStage"] = sum(req.step_times)
+        logger.info("[DenoisingStage] average time per step: %.4f seconds", sum(req.step_times) / len(req.step_times))
+    cache = req.step_cache
+    if cache is not None:
+        logger.info(
+            "[%s] quality=%s: %d of %d steps computed in full, %d reused the cached residual",
+            req.request_id[:8], req.params.quality, cache.steps_computed, req.num_steps, cache.steps_reused,
+        )  # fmt: skip

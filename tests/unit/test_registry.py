@@ -1,0 +1,55 @@
+"""The family registry (`diffserve.registry`): one record per family, read by the loader and `make-tiny`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from diffserve.cli.main import main
+from diffserve.errors import ModelLoadError, UserError
+from diffserve.registry import FAMILIES, REGISTRY, family_by_name, family_names, resolve_family
+
+
+def test_names_and_pipelines_are_unique_and_aliases_resolve_to_one_family() -> None:
+    names = family_names()
+    assert len(set(names)) == len(names) == len(FAMILIES) == len(REGISTRY)
+    spellings = [spelling for family in FAMILIES for spelling in (family.name, *family.aliases)]
+    assert len(set(spellings)) == len(spellings)
+    assert family_by_name("zimage") is family_by_name("z_image") is family_by_name("z-image")
+    assert family_by_name("z-image") is resolve_family("ZImagePipeline")
+    with pytest.raises(UserError, match="unknown model family 'kandinsky'; families: flux, sd3"):
+        family_by_name("kandinsky")
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda family: family.name)
+def test_native_classes_are_keyed_by_the_diffusers_name_each_class_declares(family) -> None:
+    tables = (family.native_classes.models, family.native_classes.schedulers)
+    for table in tables:
+        for class_name, cls in table.items():
+            assert cls.diffusers_class_name == class_name
+    assert len(family.native_classes.models) == 2  # a DiT and a VAE
+    assert family.native_classes.schedulers
+    assert family.step_cache_policies is family.pipeline_cls.step_cache_policies
+
+
+def test_a_component_class_the_family_does_not_implement_is_refused_before_loading(
+    tiny_flux_dir: Path, tmp_path: Path
+) -> None:
+    from diffserve import DiffGenerator
+
+    root = tmp_path / "flux"
+    shutil.copytree(tiny_flux_dir, root)
+    index = json.loads((root / "model_index.json").read_text())
+    index["vae"] = ["diffusers", "AutoencoderKLWan"]  # a Wan VAE: natively implemented, but not FLUX's
+    (root / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelLoadError, match=r"FluxPipeline does not support: 'vae' \(diffusers.AutoencoderKLWan\)"):
+        DiffGenerator.from_pretrained(root, device="cpu", show_progress=False)
+
+
+def test_make_tiny_takes_the_alias_and_writes_the_family_folder(tmp_path: Path) -> None:
+    assert main(["make-tiny", "zimage", str(tmp_path / "tiny")]) == 0
+    index = json.loads((tmp_path / "tiny" / "model_index.json").read_text())
+    assert index["_class_name"] == family_by_name("z-image").diffusers_pipeline
