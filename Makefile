@@ -32,10 +32,12 @@ demo: $(RUNTIME_STAMP)
 
 test: $(TEST_STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m ruff format --check $(LINT_PATHS)
 	$(PY) -m pytest -q tests
 
 lint: $(TEST_STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m ruff format --check $(LINT_PATHS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -83,7 +83,9 @@ class PairedRatio:
         return f"{text} {'PASS' if self.median >= bar else 'MISS'}, {above}/{len(self.per_round)} rounds"
 
 
-def paired(times: dict[str, RoundTimes], numerator: str, denominator: str, metric: str = "s_per_step") -> PairedRatio:
+def paired(
+    times: dict[str, RoundTimes], numerator: str, denominator: str, metric: str = "s_per_step"
+) -> PairedRatio:
     pairs = zip(getattr(times[numerator], metric), getattr(times[denominator], metric), strict=True)
     return PairedRatio(numerator, denominator, tuple(n / d for n, d in pairs))
 

@@ -34,9 +34,12 @@ RATIOS = (
 )
 
 
-def measure(args: argparse.Namespace, family: bench_families.Family, size: int) -> dict[str, alternating.RoundTimes]:
+def measure(
+    args: argparse.Namespace, family: bench_families.Family, size: int
+) -> dict[str, alternating.RoundTimes]:
     loaders = {
-        engine: (lambda engine=engine: bench_families.RUNNERS[engine](args, family, size)[1]) for engine in ENGINES
+        engine: (lambda engine=engine: bench_families.RUNNERS[engine](args, family, size)[1])
+        for engine in ENGINES
     }
     return alternating.time_alternating(loaders, args.rounds, f"{family.name} {size}")
 
@@ -75,8 +78,12 @@ def render(info: dict, args: argparse.Namespace, results: dict[str, dict[int, di
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", default="all", help=f"comma-separated out of {', '.join(bench_families.FAMILIES)}")
-    p.add_argument("--model-dir", type=Path, default=None, help="checkpoints, one folder per family (built if missing)")
+    p.add_argument(
+        "--family", default="all", help=f"comma-separated out of {', '.join(bench_families.FAMILIES)}"
+    )
+    p.add_argument(
+        "--model-dir", type=Path, default=None, help="checkpoints, one folder per family (built if missing)"
+    )
     p.add_argument("--resolutions", default=None, help="comma-separated sizes (default: each family's own)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--rounds", type=int, default=10, help="rounds, every engine once per round (default: 10)")
@@ -108,13 +115,17 @@ def main(argv: list[str] | None = None) -> None:
         for name in args.families:
             family = bench_families.FAMILIES[name]
             bench_families.prepare_checkpoint(family, args.model_dir)
-            results[name] = {size: measure(args, family, size) for size in bench_families.family_sizes(args, family)}
+            results[name] = {
+                size: measure(args, family, size) for size in bench_families.family_sizes(args, family)
+            }
     print(render(info, args, results))
     print(f"\n(total {time.perf_counter() - started:.0f} s)", file=sys.stderr)
     if args.json:
         payload = {
             name: {
-                str(size): {e: {"s_per_step": t.s_per_step, "end_to_end_s": t.end_to_end_s} for e, t in times.items()}
+                str(size): {
+                    e: {"s_per_step": t.s_per_step, "end_to_end_s": t.end_to_end_s} for e, t in times.items()
+                }
                 for size, times in per_size.items()
             }
             for name, per_size in results.items()

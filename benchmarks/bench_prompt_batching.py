@@ -21,7 +21,13 @@ from diffserve import DiffGenerator
 from diffserve.configs.demo_model import demo_model_path
 from diffserve.demo import shapes_data
 
-SETTINGS = {"height": 64, "width": 64, "max_sequence_length": 16, "true_cfg_scale": 3.0, "negative_prompt": ""}
+SETTINGS = {
+    "height": 64,
+    "width": 64,
+    "max_sequence_length": 16,
+    "true_cfg_scale": 3.0,
+    "negative_prompt": "",
+}
 
 
 def demo_prompts(count: int) -> list[str]:
@@ -51,7 +57,9 @@ def run_sequential(gen: DiffGenerator, prompts: list[str], steps: int) -> tuple[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
@@ -72,7 +80,9 @@ def main() -> None:
     print(f"{args.prompts} prompts x {args.steps} steps, {args.rounds} rounds (demo model, 64x64, CFG on)")
     print(f"sequential: median {statistics.median(sequential):.2f} s")
     print(f"batched:    median {statistics.median(batched):.2f} s")
-    print(f"speed-up (paired per round): median {statistics.median(ratios):.2f}x, rounds {[f'{r:.2f}' for r in ratios]}")
+    print(
+        f"speed-up (paired per round): median {statistics.median(ratios):.2f}x, rounds {[f'{r:.2f}' for r in ratios]}"
+    )
     print(f"max pixel difference batched vs sequential: {max_diff} uint8 level(s)")
 
 

@@ -46,15 +46,22 @@ DEMO_PROMPTS = (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-dir", type=Path, default=Path("/tmp/diffserve-bench/flux-36m"),
-                   help="FLUX checkpoint (built with the 36M spec when missing)")
+    p.add_argument(
+        "--model-dir",
+        type=Path,
+        default=Path("/tmp/diffserve-bench/flux-36m"),
+        help="FLUX checkpoint (built with the 36M spec when missing)",
+    )
     p.add_argument("--resolution", type=int, default=256)
     p.add_argument("--steps", type=int, default=28, help="denoising steps (FLUX.1-dev's default: 28)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--guidance-scale", type=float, default=3.5)
     p.add_argument("--calibrate", action="store_true", help="run the calibration search first and store it")
-    p.add_argument("--demo", action="store_true",
-                   help="the trained demo model (copied to --model-dir), its prompts, 64x64, 20 steps")
+    p.add_argument(
+        "--demo",
+        action="store_true",
+        help="the trained demo model (copied to --model-dir), its prompts, 64x64, 20 steps",
+    )
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -63,9 +70,26 @@ def calibrate(args: argparse.Namespace, prompts: tuple[str, ...]) -> None:
     from diffserve.cli.main import main as cli
 
     prompt_flags = [flag for prompt in prompts for flag in ("--prompt", prompt)]
-    code = cli(["calibrate-cache", "--model-path", str(args.model_dir), "--device", "cpu", "--dtype", "float32",
-                "--height", str(args.resolution), "--width", str(args.resolution),
-                "--num-inference-steps", str(args.steps), "--log-level", "warning", *prompt_flags])
+    code = cli(
+        [
+            "calibrate-cache",
+            "--model-path",
+            str(args.model_dir),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--height",
+            str(args.resolution),
+            "--width",
+            str(args.resolution),
+            "--num-inference-steps",
+            str(args.steps),
+            "--log-level",
+            "warning",
+            *prompt_flags,
+        ]
+    )
     if code:
         raise SystemExit(f"calibration failed with exit code {code}")
 
@@ -96,9 +120,16 @@ def main(argv: list[str] | None = None) -> None:
     from diffserve.api import DiffGenerator
     from diffserve.testing.image_metrics import psnr_uint8
 
-    generator = DiffGenerator.from_pretrained(args.model_dir, device="cpu", dtype="float32", show_progress=False)
-    request = {"height": args.resolution, "width": args.resolution, "num_inference_steps": args.steps, "seed": 0,
-               "guidance_scale": None if args.demo else args.guidance_scale}
+    generator = DiffGenerator.from_pretrained(
+        args.model_dir, device="cpu", dtype="float32", show_progress=False
+    )
+    request = {
+        "height": args.resolution,
+        "width": args.resolution,
+        "num_inference_steps": args.steps,
+        "seed": 0,
+        "guidance_scale": None if args.demo else args.guidance_scale,
+    }
     # Warm-up, untimed: first calls allocate, and every prompt's text embedding lands in the prompt
     # cache, so no tier pays the text encoders while another gets a cache hit.
     for prompt in prompts:
@@ -128,7 +159,9 @@ def main(argv: list[str] | None = None) -> None:
             "steps_computed": statistics.mean(steps[tier].values()),
             "mean_psnr_db": statistics.mean(psnrs) if tier != "lossless" else float("inf"),
             "min_psnr_db": min(psnrs) if tier != "lossless" else float("inf"),
-            "threshold": None if tier == "lossless" else generator.pipeline.quality_rule.policies[tier].threshold,
+            "threshold": None
+            if tier == "lossless"
+            else generator.pipeline.quality_rule.policies[tier].threshold,
         }
     info = harness.machine_info()
     lines = [
@@ -143,12 +176,23 @@ def main(argv: list[str] | None = None) -> None:
         psnr = "exact" if tier == "lossless" else f"{r['mean_psnr_db']:.1f} dB"
         low = "exact" if tier == "lossless" else f"{r['min_psnr_db']:.1f} dB"
         threshold = "-" if r["threshold"] is None else f"{r['threshold']:g}"
-        lines.append(f"| {tier} | {threshold} | {r['seconds']:.2f} | {r['speedup']:.2f}x | "
-                     f"{r['steps_computed']:.1f} / {args.steps} | {psnr} | {low} |")
+        lines.append(
+            f"| {tier} | {threshold} | {r['seconds']:.2f} | {r['speedup']:.2f}x | "
+            f"{r['steps_computed']:.1f} / {args.steps} | {psnr} | {low} |"
+        )
     print("\n".join(lines))
     if args.json:
-        args.json.write_text(json.dumps({"machine": info, "settings": vars(args) | {"model_dir": str(args.model_dir),
-                                         "json": str(args.json)}, "tiers": rows}, indent=2, default=str))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "machine": info,
+                    "settings": vars(args) | {"model_dir": str(args.model_dir), "json": str(args.json)},
+                    "tiers": rows,
+                },
+                indent=2,
+                default=str,
+            )
+        )
 
 
 if __name__ == "__main__":

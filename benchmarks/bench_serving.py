@@ -151,12 +151,15 @@ async def run(args: argparse.Namespace, concurrency: int | None = None) -> Repor
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(headers=headers, timeout=args.timeout, limits=limits) as http:
-        results, duration = await drive(args, concurrency, lambda i: one_request(http, url, build_body(args, i)))
+        results, duration = await drive(
+            args, concurrency, lambda i: one_request(http, url, build_body(args, i))
+        )
     return make_report(args, args.base_url, concurrency, results, duration)
 
 
-def make_report(args: argparse.Namespace, target: str, concurrency: int, results: list[Result],
-                duration: float) -> Report:
+def make_report(
+    args: argparse.Namespace, target: str, concurrency: int, results: list[Result], duration: float
+) -> Report:
     ok = [r for r in results if r.ok]
     latencies = [r.latency for r in ok]
     images = sum(r.images for r in ok)
@@ -170,11 +173,20 @@ def make_report(args: argparse.Namespace, target: str, concurrency: int, results
             "max": max(latencies),
         }
     return Report(
-        base_url=target, num_requests=args.num_requests, concurrency=concurrency,
+        base_url=target,
+        num_requests=args.num_requests,
+        concurrency=concurrency,
         request_rate=None if math.isinf(args.request_rate) else args.request_rate,
-        size=args.size, steps=args.steps, n=args.n, duration_s=duration,
-        succeeded=len(ok), failed=len(results) - len(ok), images=images,
-        requests_per_s=len(ok) / duration, images_per_s=images / duration, latency_s=latency,
+        size=args.size,
+        steps=args.steps,
+        n=args.n,
+        duration_s=duration,
+        succeeded=len(ok),
+        failed=len(results) - len(ok),
+        images=images,
+        requests_per_s=len(ok) / duration,
+        images_per_s=images / duration,
+        latency_s=latency,
         failures=dict(Counter(r.failure for r in results if not r.ok)),
     )
 
@@ -187,8 +199,13 @@ def diffusers_call_kwargs(model_dir: str) -> dict:
     from diffserve.loader.folder_defaults import apply_overrides, read_folder_sampling_defaults
 
     p = apply_overrides(flux_default_sampling_params(), read_folder_sampling_defaults(Path(model_dir)))
-    kwargs = {"true_cfg_scale": p.true_cfg_scale, "max_sequence_length": p.max_sequence_length,
-              "num_inference_steps": p.num_inference_steps, "height": p.height, "width": p.width}
+    kwargs = {
+        "true_cfg_scale": p.true_cfg_scale,
+        "max_sequence_length": p.max_sequence_length,
+        "num_inference_steps": p.num_inference_steps,
+        "height": p.height,
+        "width": p.width,
+    }
     if p.guidance_scale is not None:
         kwargs["guidance_scale"] = p.guidance_scale
     if p.negative_prompt is not None:
@@ -255,9 +272,23 @@ class LaunchedServer:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.output_dir = tempfile.mkdtemp(prefix="bench-serving-")
-        cmd = [sys.executable, "-m", "diffserve.cli.main", "serve", "--model-path", model_dir,
-               "--port", str(self.port), "--max-running-requests", str(max_running_requests),
-               "--max-queue-size", "4096", "--output-path", self.output_dir, *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "diffserve.cli.main",
+            "serve",
+            "--model-path",
+            model_dir,
+            "--port",
+            str(self.port),
+            "--max-running-requests",
+            str(max_running_requests),
+            "--max-queue-size",
+            "4096",
+            "--output-path",
+            self.output_dir,
+            *extra,
+        ]
         self.log_path = log_path
         with open(log_path, "w") as log:
             self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -266,7 +297,9 @@ class LaunchedServer:
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"diffserve serve exited with {self.process.returncode}; see {self.log_path}")
+                raise RuntimeError(
+                    f"diffserve serve exited with {self.process.returncode}; see {self.log_path}"
+                )
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200:
                     return self
@@ -274,7 +307,9 @@ class LaunchedServer:
                 pass
             time.sleep(0.5)
         self.__exit__()
-        raise RuntimeError(f"diffserve serve did not become ready in {SERVER_START_TIMEOUT_S} s; see {self.log_path}")
+        raise RuntimeError(
+            f"diffserve serve did not become ready in {SERVER_START_TIMEOUT_S} s; see {self.log_path}"
+        )
 
     def __exit__(self, *exc) -> None:
         if self.process.poll() is None:
@@ -320,8 +355,7 @@ def run_matrix(args: argparse.Namespace) -> list[tuple[str, Report]]:
                 rows.append((mode, report))
     print(f"== {MATRIX_MODES[2]} ({model})", flush=True)
     out = log_dir / "diffusers.json"
-    cmd = [sys.executable, __file__, "--diffusers", model, "--output-json", str(out),
-           *_shared_flags(args)]
+    cmd = [sys.executable, __file__, "--diffusers", model, "--output-json", str(out), *_shared_flags(args)]
     subprocess.run(cmd, check=False)
     if out.is_file():
         rows += [(MATRIX_MODES[2], Report(**r)) for r in json.loads(out.read_text())]
@@ -329,9 +363,22 @@ def run_matrix(args: argparse.Namespace) -> list[tuple[str, Report]]:
 
 
 def _shared_flags(args: argparse.Namespace) -> list[str]:
-    flags = ["--num-requests", str(args.num_requests), "--concurrency", ",".join(map(str, args.concurrency)),
-             "--size", args.size, "--n", str(args.n), "--prompt", args.prompt, "--seed", str(args.seed),
-             "--warmup", str(args.warmup)]
+    flags = [
+        "--num-requests",
+        str(args.num_requests),
+        "--concurrency",
+        ",".join(map(str, args.concurrency)),
+        "--size",
+        args.size,
+        "--n",
+        str(args.n),
+        "--prompt",
+        args.prompt,
+        "--seed",
+        str(args.seed),
+        "--warmup",
+        str(args.warmup),
+    ]
     if args.steps is not None:
         flags += ["--steps", str(args.steps)]
     if math.isfinite(args.request_rate):
@@ -345,23 +392,29 @@ def print_table(rows: list[tuple[str, Report]], title: str) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for mode, r in rows:
         lat = r.latency_s or {"p50": math.nan, "p99": math.nan}
-        print(f"| {mode} | {r.concurrency} | {r.requests_per_s:.3f} | {r.images_per_s:.3f} | {lat['p50']:.3f} | "
-              f"{lat['p99']:.3f} | {r.failed} |")
+        print(
+            f"| {mode} | {r.concurrency} | {r.requests_per_s:.3f} | {r.images_per_s:.3f} | {lat['p50']:.3f} | "
+            f"{lat['p99']:.3f} | {r.failed} |"
+        )
 
 
 def print_report(report: Report) -> None:
     rate = "inf" if report.request_rate is None else f"{report.request_rate:g}/s"
     print(f"Server:          {report.base_url}")
-    print(f"Requests:        {report.num_requests} (concurrency {report.concurrency}, arrival rate {rate}, "
-          f"size {report.size}, steps {report.steps if report.steps is not None else 'server default'}, "
-          f"n {report.n})")
+    print(
+        f"Requests:        {report.num_requests} (concurrency {report.concurrency}, arrival rate {rate}, "
+        f"size {report.size}, steps {report.steps if report.steps is not None else 'server default'}, "
+        f"n {report.n})"
+    )
     print(f"Duration:        {report.duration_s:.2f} s")
     print(f"Succeeded:       {report.succeeded}   Failed: {report.failed}")
     print(f"Throughput:      {report.requests_per_s:.3f} requests/s, {report.images_per_s:.3f} images/s")
     if report.latency_s:
         lat = report.latency_s
-        print(f"Latency (s):     mean {lat['mean']:.3f}  p50 {lat['p50']:.3f}  p90 {lat['p90']:.3f}  "
-              f"p99 {lat['p99']:.3f}  max {lat['max']:.3f}")
+        print(
+            f"Latency (s):     mean {lat['mean']:.3f}  p50 {lat['p50']:.3f}  p90 {lat['p90']:.3f}  "
+            f"p99 {lat['p99']:.3f}  max {lat['max']:.3f}"
+        )
     for cause, count in sorted(report.failures.items()):
         print(f"Failure:         {count} x {cause}")
 
@@ -369,39 +422,71 @@ def print_report(report: Report) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:30000", help="server root (without /v1)")
-    p.add_argument("--launch", metavar="MODEL_DIR", default=None,
-                   help="start `diffserve serve --model-path MODEL_DIR` on a free port, benchmark it, stop it")
-    p.add_argument("--max-running-requests", type=int, default=8,
-                   help="with --launch / --matrix: the server's --max-running-requests (1: one at a time)")
-    p.add_argument("--server-arg", action="append", default=[],
-                   help="extra flag for the launched server (repeat; e.g. --server-arg=--dtype=bfloat16)")
-    p.add_argument("--diffusers", metavar="MODEL_DIR", default=None,
-                   help="the sequential baseline: diffusers' FluxPipeline on MODEL_DIR in this process")
-    p.add_argument("--matrix", metavar="MODEL", default=None,
-                   help="diffserve batched, diffserve --max-running-requests 1 and diffusers sequential at "
-                   "every --concurrency (default 1,4,8) on MODEL: demo, flux-small or a model folder")
+    p.add_argument(
+        "--launch",
+        metavar="MODEL_DIR",
+        default=None,
+        help="start `diffserve serve --model-path MODEL_DIR` on a free port, benchmark it, stop it",
+    )
+    p.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=8,
+        help="with --launch / --matrix: the server's --max-running-requests (1: one at a time)",
+    )
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra flag for the launched server (repeat; e.g. --server-arg=--dtype=bfloat16)",
+    )
+    p.add_argument(
+        "--diffusers",
+        metavar="MODEL_DIR",
+        default=None,
+        help="the sequential baseline: diffusers' FluxPipeline on MODEL_DIR in this process",
+    )
+    p.add_argument(
+        "--matrix",
+        metavar="MODEL",
+        default=None,
+        help="diffserve batched, diffserve --max-running-requests 1 and diffusers sequential at "
+        "every --concurrency (default 1,4,8) on MODEL: demo, flux-small or a model folder",
+    )
     p.add_argument("--model-dir", default=None, help="with --matrix flux-small: where to build/reuse it")
     p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--concurrency", default=None,
-                   help="requests in flight at most; a comma list runs one pass each (default: 8; 1,4,8 "
-                   "with --matrix)")
-    p.add_argument("--request-rate", type=float, default=math.inf,
-                   help="mean arrivals per second (Poisson); default inf: all at once, limited by --concurrency")
+    p.add_argument(
+        "--concurrency",
+        default=None,
+        help="requests in flight at most; a comma list runs one pass each (default: 8; 1,4,8 with --matrix)",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="mean arrivals per second (Poisson); default inf: all at once, limited by --concurrency",
+    )
     p.add_argument("--size", default="256x256", help="'WIDTHxHEIGHT' or 'auto'")
     p.add_argument("--steps", type=int, default=None, help="num_inference_steps (default: the server's)")
     p.add_argument("--n", type=int, default=1, help="images per request")
     p.add_argument("--model", default=None, help="'model' field (default: omitted, the server's model)")
     p.add_argument("--prompt", default="a photo of a red fox in the snow")
     p.add_argument("--response-format", default="b64_json", choices=["b64_json", "url"])
-    p.add_argument("--seed", type=int, default=0, help="request i uses seed + i; also seeds the arrival times")
+    p.add_argument(
+        "--seed", type=int, default=0, help="request i uses seed + i; also seeds the arrival times"
+    )
     p.add_argument("--openai-only", action="store_true", help="send only OpenAI's fields (no steps, no seed)")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or os.environ.get("DIFFSERVE_API_KEY"))
+    p.add_argument(
+        "--api-key", default=os.environ.get("OPENAI_API_KEY") or os.environ.get("DIFFSERVE_API_KEY")
+    )
     p.add_argument("--warmup", type=int, default=1, help="untimed requests sent first")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--output-json", default=None, help="also write the report here")
     args = p.parse_args(argv)
     try:
-        args.concurrency = [int(c) for c in (args.concurrency or ("1,4,8" if args.matrix else "8")).split(",")]
+        args.concurrency = [
+            int(c) for c in (args.concurrency or ("1,4,8" if args.matrix else "8")).split(",")
+        ]
     except ValueError:
         p.error(f"--concurrency must be an integer or a comma list of integers, got {args.concurrency!r}")
     if sum(x is not None for x in (args.launch, args.diffusers, args.matrix)) > 1:
@@ -417,8 +502,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.matrix:
         rows = run_matrix(args)
-        print_table(rows, f"{args.matrix}: {args.num_requests} requests, size {args.size}, steps "
-                    f"{args.steps if args.steps is not None else 'default'}, n {args.n}")
+        print_table(
+            rows,
+            f"{args.matrix}: {args.num_requests} requests, size {args.size}, steps "
+            f"{args.steps if args.steps is not None else 'default'}, n {args.n}",
+        )
         reports = [r for _, r in rows]
     elif args.diffusers:
         pipe = load_diffusers(args.diffusers)
@@ -436,7 +524,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.output_json:
         with open(args.output_json, "w") as f:
             data = [asdict(r) for r in reports]
-            json.dump(data[0] if len(data) == 1 and not (args.matrix or args.diffusers) else data, f, indent=2)
+            json.dump(
+                data[0] if len(data) == 1 and not (args.matrix or args.diffusers) else data, f, indent=2
+            )
     return 0 if all(r.failed == 0 for r in reports) else 1
 
 

@@ -137,13 +137,17 @@ def worker(args: argparse.Namespace, engine: str, size: int) -> None:
 
     load, generate = RUNNERS[engine](args, size)
     after_warmup = harness.stop_compile_workers if "compiled" in engine else None
-    harness.run_timed_generations(engine, size, load, generate, args.repeats, args.image_out, after_warmup=after_warmup)
+    harness.run_timed_generations(
+        engine, size, load, generate, args.repeats, args.image_out, after_warmup=after_warmup
+    )
 
 
 # --------------------------------------------------------------------------------------------- parent
 
 
-def worker_command(args: argparse.Namespace, model_dir: Path, engine: str, size: int, image_out: Path) -> list[str]:
+def worker_command(
+    args: argparse.Namespace, model_dir: Path, engine: str, size: int, image_out: Path
+) -> list[str]:
     return [
         sys.executable, os.path.abspath(__file__), "--worker", engine, str(size),
         "--model-dir", str(model_dir), "--steps", str(args.steps), "--repeats", str(args.repeats),
@@ -166,7 +170,9 @@ class StepWork:
         from diffusers.utils import logging as diffusers_logging
 
         diffusers_logging.set_verbosity_error()
-        self.model = FluxTransformer2DModel.from_pretrained(model_dir / "transformer", torch_dtype=torch.float32)
+        self.model = FluxTransformer2DModel.from_pretrained(
+            model_dir / "transformer", torch_dtype=torch.float32
+        )
         self.model.eval().requires_grad_(False)
         self.config = json.loads((model_dir / "transformer" / "config.json").read_text())
         self.text_len = text_len
@@ -192,13 +198,18 @@ class StepWork:
         return counted["linear_flops"] + blocks * roofline.attention_flops(1, heads, tokens, tokens, head_dim)
 
 
-def run_resolution(args: argparse.Namespace, model_dir: Path, work: StepWork, size: int, image_dir: Path, tag: str) -> dict:
+def run_resolution(
+    args: argparse.Namespace, model_dir: Path, work: StepWork, size: int, image_dir: Path, tag: str
+) -> dict:
     """Every engine's workers at one resolution (rotating order per round), pooled, with FLOPs and rate."""
     import torch
 
     step_flops = work.flops(size)
     probe = roofline.MatmulProbe(
-        roofline.dit_matmul_shapes(work.tokens(size), work.dim), torch.float32, torch.device("cpu"), args.mm_warmup
+        roofline.dit_matmul_shapes(work.tokens(size), work.dim),
+        torch.float32,
+        torch.device("cpu"),
+        args.mm_warmup,
     )
     probe.sample(args.mm_repeats)
     per_engine: dict[str, list[dict]] = {e: [] for e in args.engines}
@@ -282,7 +293,9 @@ def render(info: dict, args: argparse.Namespace, results: dict[str, dict]) -> st
                 )
                 steps = ", ".join(f"{t:.3f}" for run in r["step_times_s"] for t in run)
                 loads = ", ".join(f"{x:.1f}" for x in r["loadavg_1m"])
-                notes.append(f"- {name} {size}x{size} {engine}: s per step [{steps}]; 1-min load before/after [{loads}]")
+                notes.append(
+                    f"- {name} {size}x{size} {engine}: s per step [{steps}]; 1-min load before/after [{loads}]"
+                )
             summary.append(f"| {name} | {size}x{size} | " + " | ".join(bar_cells(rows)) + " |")
             rate = res["matmul_rate"]
             notes.append(
@@ -302,9 +315,9 @@ def render(info: dict, args: argparse.Namespace, results: dict[str, dict]) -> st
         "",
         *summary,
         "",
-        "\"first call s\" is each worker's warm-up generation (one value per worker): diffusers compiles there, "
+        '"first call s" is each worker\'s warm-up generation (one value per worker): diffusers compiles there, '
         "diffserve compiles inside from_pretrained (`compile=True` warms up at a small size), so compare "
-        "\"load + first call s\", the time to a first image. % of matmul rate = the step's FLOPs / s per step / the best torch.mm "
+        '"load + first call s", the time to a first image. % of matmul rate = the step\'s FLOPs / s per step / the best torch.mm '
         "GFLOP/s this machine showed on the DiT's shapes (roofline.py's method; elementwise work costs time but "
         "no matmul FLOPs, so 100% is out of reach). PSNR compares each engine's image with eager diffusers' for "
         f"the same seed (bar {harness.PSNR_BAR_DB:g} dB). A 1-min load average above the torch thread count + "
@@ -342,7 +355,9 @@ def add_selection_args(p: argparse.ArgumentParser, **run_args: object) -> None:
         "--sizes", dest="checkpoint_sizes", default="36m,140m",
         help="comma-separated checkpoints: 36m, 140m (default: both)",
     )  # fmt: skip
-    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {', '.join(ENGINES)}")
+    p.add_argument(
+        "--engines", default=",".join(ENGINES), help=f"comma-separated subset of {', '.join(ENGINES)}"
+    )
     p.add_argument("--guidance-scale", type=float, default=3.5)
     p.add_argument("--max-sequence-length", type=int, default=512)
 
@@ -383,7 +398,8 @@ def main(argv: list[str] | None = None) -> None:
             results[name] = {
                 "dit_parameters": harness.dit_parameter_count(model_dir),
                 "resolutions": {
-                    str(size): run_resolution(args, model_dir, work, size, image_dir, name) for size in args.sizes
+                    str(size): run_resolution(args, model_dir, work, size, image_dir, name)
+                    for size in args.sizes
                 },
             }
             del work

@@ -36,7 +36,9 @@ import roofline
 
 def measure(args: argparse.Namespace, size: int) -> dict[str, Any]:
     """All engines at one checkpoint and resolution: per-round times and each bar's paired ratios."""
-    loaders = {engine: (lambda engine=engine: bench_speed.RUNNERS[engine](args, size)[1]) for engine in args.engines}
+    loaders = {
+        engine: (lambda engine=engine: bench_speed.RUNNERS[engine](args, size)[1]) for engine in args.engines
+    }
     times = alternating.time_alternating(loaders, args.rounds, f"{args.checkpoint} {size}x{size}")
     bars = []
     for title, numerators, denominator, bar in bench_speed.BARS:
@@ -77,7 +79,9 @@ def render(info: dict, args: argparse.Namespace, results: dict[str, dict[str, di
         for size, res in per_size.items():
             for title, bar, ratio in res["bars"]:
                 which = f" ({ratio.numerator})" if ratio.numerator.startswith("diffusers-compiled") else ""
-                out.append(f"| {checkpoint} | {size}x{size} | {title}{which} (bar {bar:g}x) | {ratio.cell(bar)} |")
+                out.append(
+                    f"| {checkpoint} | {size}x{size} | {title}{which} (bar {bar:g}x) | {ratio.cell(bar)} |"
+                )
     return "\n".join(out)
 
 

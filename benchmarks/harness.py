@@ -501,7 +501,10 @@ def add_run_args(
     p: argparse.ArgumentParser,
     default_resolutions: str,
     model_dir_help: str,
-    rounds: tuple[int, str] = (1, "worker processes per engine and resolution, alternating engines; results pooled"),
+    rounds: tuple[int, str] = (
+        1,
+        "worker processes per engine and resolution, alternating engines; results pooled",
+    ),
 ) -> None:
     """The options every benchmark script shares that come before its own (checkpoint, sizes, timing).
 

@@ -490,7 +490,11 @@ def render(info: dict, args: argparse.Namespace, dit_params: int, config: dict, 
         for name in ENGINES:
             recorded = f["attention_recorded"][name]
             # diffserve's last block attends from the image rows only, so it may record less.
-            off = recorded > f["attention_explicit"] if name == "diffserve" else recorded != f["attention_explicit"]
+            off = (
+                recorded > f["attention_explicit"]
+                if name == "diffserve"
+                else recorded != f["attention_explicit"]
+            )
             if seen[name] and off:
                 warnings.append(
                     f"{res}: {name}'s recorded SDPA calls add up to {_g(f['attention_recorded'][name])} GFLOP"

@@ -18,4 +18,6 @@ def tiny_flux_schnell_dir(tmp_path_factory: pytest.TempPathFactory):
     """FLUX.1-schnell style: no guidance embedding."""
     from diffserve.testing.tiny_flux import TinyFluxSpec, build_tiny_flux
 
-    return build_tiny_flux(tmp_path_factory.mktemp("tiny-flux-schnell"), TinyFluxSpec(seed=1, guidance_embeds=False))
+    return build_tiny_flux(
+        tmp_path_factory.mktemp("tiny-flux-schnell"), TinyFluxSpec(seed=1, guidance_embeds=False)
+    )

@@ -102,12 +102,23 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path, bool, Pat
     defaults = Settings()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT})")
-    p.add_argument("--rewrite-card", metavar="DIR", help="only regenerate DIR/README.md from its training_report.json")
-    p.add_argument("--reevaluate", metavar="DIR",
-                   help="only measure DIR again on the held-out grid, update its report and README.md")
-    p.add_argument("--smoke", action="store_true", help="tiny step counts: checks the whole script end to end")
-    p.add_argument("--vae-from", type=Path, default=None,
-                   help="reuse the vae/ of an earlier output folder instead of training one (for DiT experiments)")
+    p.add_argument(
+        "--rewrite-card", metavar="DIR", help="only regenerate DIR/README.md from its training_report.json"
+    )
+    p.add_argument(
+        "--reevaluate",
+        metavar="DIR",
+        help="only measure DIR again on the held-out grid, update its report and README.md",
+    )
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny step counts: checks the whole script end to end"
+    )
+    p.add_argument(
+        "--vae-from",
+        type=Path,
+        default=None,
+        help="reuse the vae/ of an earlier output folder instead of training one (for DiT experiments)",
+    )
     for name, value in asdict(defaults).items():
         flag = "--" + name.replace("_", "-")
         if isinstance(value, tuple):
@@ -137,7 +148,9 @@ def build_tokenizer(words: list[str], template: str, max_length: int) -> PreTrai
     for word in words:
         vocab.setdefault(word, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.normalizer = normalizers.Sequence([normalizers.Lowercase(), normalizers.Replace(Regex("[^a-z]+"), " ")])
+    tok.normalizer = normalizers.Sequence(
+        [normalizers.Lowercase(), normalizers.Replace(Regex("[^a-z]+"), " ")]
+    )
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     specials = [(t, vocab[t]) for t in ("<bos>", "<eos>") if t in template]
     tok.post_processor = processors.TemplateProcessing(single=template, special_tokens=specials)
@@ -203,7 +216,9 @@ class TextEmbedder:
     @torch.no_grad()
     def __call__(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         def ids(tok, length):
-            return tok(prompts, padding="max_length", max_length=length, truncation=True, return_tensors="pt").input_ids
+            return tok(
+                prompts, padding="max_length", max_length=length, truncation=True, return_tensors="pt"
+            ).input_ids
 
         pooled = self.clip(ids(self.clip_tok, self.clip_length)).pooler_output
         sequence = self.t5(ids(self.t5_tok, self.t5_length))[0]
@@ -248,12 +263,20 @@ class Schedule:
     """
 
     def __init__(self, steps: int, max_minutes: float, peak: float, warmup: int, floor: float = 0.1) -> None:
-        self.steps, self.max_seconds, self.peak, self.warmup, self.floor = steps, max_minutes * 60, peak, warmup, floor
+        self.steps, self.max_seconds, self.peak, self.warmup, self.floor = (
+            steps,
+            max_minutes * 60,
+            peak,
+            warmup,
+            floor,
+        )
         self.start = time.perf_counter()
 
     def progress(self, step: int) -> float:
         elapsed = (time.perf_counter() - self.start) / self.max_seconds
-        return max((step - self.warmup) / max(1, self.steps - self.warmup), elapsed if step >= self.warmup else 0.0)
+        return max(
+            (step - self.warmup) / max(1, self.steps - self.warmup), elapsed if step >= self.warmup else 0.0
+        )
 
     def done(self, step: int) -> bool:
         return step >= self.steps or self.progress(step) >= 1.0
@@ -307,8 +330,10 @@ def train_vae(s: Settings, pixels: torch.Tensor, foreground: torch.Tensor, repor
         if step % 50 == 0 or schedule.done(step + 1):
             p = psnr(recon.detach(), x)
             history.append({"step": step, "loss": loss.item(), "rec": rec.item(), "kl": kl.item(), "psnr": p})
-            log(f"vae step {step:5d}  loss {loss.item():.4f}  kl {kl.item():.3f}  psnr {p:.2f} dB  "
-                f"lr {schedule.lr(step):.2e}  ({time.perf_counter() - start:.0f} s)")
+            log(
+                f"vae step {step:5d}  loss {loss.item():.4f}  kl {kl.item():.3f}  psnr {p:.2f} dB  "
+                f"lr {schedule.lr(step):.2e}  ({time.perf_counter() - start:.0f} s)"
+            )
         step += 1
     report["vae_steps_run"] = step
     report["vae_seconds"] = time.perf_counter() - start
@@ -319,7 +344,9 @@ def train_vae(s: Settings, pixels: torch.Tensor, foreground: torch.Tensor, repor
 def load_vae(directory: Path, s: Settings) -> AutoencoderKL:
     from safetensors.torch import load_file
 
-    config = {k: v for k, v in json.loads((directory / "config.json").read_text()).items() if not k.startswith("_")}
+    config = {
+        k: v for k, v in json.loads((directory / "config.json").read_text()).items() if not k.startswith("_")
+    }
     config["scaling_factor"], config["shift_factor"] = 1.0, 0.0  # measured again below
     if config != vae_config(s):
         raise SystemExit(f"--vae-from: {directory} was trained with other VAE settings")
@@ -329,7 +356,9 @@ def load_vae(directory: Path, s: Settings) -> AutoencoderKL:
 
 
 @torch.no_grad()
-def encode_all(vae: AutoencoderKL, pixels: torch.Tensor, batch: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_all(
+    vae: AutoencoderKL, pixels: torch.Tensor, batch: int = 256
+) -> tuple[torch.Tensor, torch.Tensor]:
     means, stds = [], []
     for i in range(0, len(pixels), batch):
         posterior = vae.encode(pixels[i : i + batch])
@@ -349,7 +378,9 @@ def evaluate_vae(vae: AutoencoderKL, report: dict) -> None:
     pils = tensor_to_uint8(recon)
     results = [shapes_eval.measure(img, a) for img, a in zip(pils, attrs, strict=True)]
     report["vae_reconstruction_adherence"] = shapes_eval.summarize(results)
-    log(f"vae reconstruction: {report['vae_psnr_db']:.2f} dB, adherence {report['vae_reconstruction_adherence']}")
+    log(
+        f"vae reconstruction: {report['vae_psnr_db']:.2f} dB, adherence {report['vae_reconstruction_adherence']}"
+    )
 
 
 def tensor_to_uint8(images: torch.Tensor) -> np.ndarray:
@@ -380,8 +411,12 @@ def dit_config(s: Settings) -> dict:
 def zero_init_modulation(dit: FluxTransformer2DModel) -> None:
     """adaLN-Zero (DiT paper): every block starts as the identity and the output as zero."""
     for name, module in dit.named_modules():
-        if isinstance(module, nn.Linear) and (name.endswith("norm1.linear") or name.endswith("norm1_context.linear")
-                                              or name.endswith("norm.linear") or name == "norm_out.linear"):
+        if isinstance(module, nn.Linear) and (
+            name.endswith("norm1.linear")
+            or name.endswith("norm1_context.linear")
+            or name.endswith("norm.linear")
+            or name == "norm_out.linear"
+        ):
             nn.init.zeros_(module.weight)
             nn.init.zeros_(module.bias)
     nn.init.zeros_(dit.proj_out.weight)
@@ -405,7 +440,9 @@ class LatentData:
         return pack_latents(z), self.text_seq[cap], self.text_pooled[cap]
 
 
-def train_dit(s: Settings, data: LatentData, report: dict) -> tuple[FluxTransformer2DModel, FluxTransformer2DModel]:
+def train_dit(
+    s: Settings, data: LatentData, report: dict
+) -> tuple[FluxTransformer2DModel, FluxTransformer2DModel]:
     torch.manual_seed(s.seed + 3)
     dit = FluxTransformer2DModel.from_config(dit_config(s))
     zero_init_modulation(dit)
@@ -446,8 +483,10 @@ def train_dit(s: Settings, data: LatentData, report: dict) -> tuple[FluxTransfor
             mean_loss = sum(running) / len(running)
             running = []
             history.append({"step": step, "loss": mean_loss})
-            log(f"dit step {step:5d}  loss {mean_loss:.4f}  lr {schedule.lr(step):.2e}  "
-                f"({time.perf_counter() - start:.0f} s)")
+            log(
+                f"dit step {step:5d}  loss {mean_loss:.4f}  lr {schedule.lr(step):.2e}  "
+                f"({time.perf_counter() - start:.0f} s)"
+            )
         step += 1
     report["dit_steps_run"] = step
     report["dit_seconds"] = time.perf_counter() - start
@@ -474,7 +513,9 @@ def sample(
     """The diffserve/Diffusers FluxPipeline computation, batched over prompts (same noise per seed)."""
     c = vae.config["latent_channels"]
     h = w = shapes_data.IMAGE_SIZE // 2 ** (len(vae.config["block_out_channels"]) - 1)
-    noise = torch.cat([torch.randn((1, c, h, w), generator=torch.Generator("cpu").manual_seed(sd)) for sd in seeds])
+    noise = torch.cat(
+        [torch.randn((1, c, h, w), generator=torch.Generator("cpu").manual_seed(sd)) for sd in seeds]
+    )
     latents = pack_latents(noise)
     seq, pooled = embed(prompts)
     if cfg > 1:
@@ -548,18 +589,27 @@ def model_card(s: Settings, defaults: dict, r: dict) -> str:
     )
     vocab = ", ".join(shapes_data.vocabulary())
     at_defaults = next(
-        (e for e in r["adherence"] if e["cfg"] == defaults["true_cfg_scale"] and e["steps"] == defaults["num_inference_steps"]),
+        (
+            e
+            for e in r["adherence"]
+            if e["cfg"] == defaults["true_cfg_scale"] and e["steps"] == defaults["num_inference_steps"]
+        ),
         r["adherence"][0],
     )
     shape_rate = at_defaults.get("shape")
     shape_text = (
-        "" if shape_rate is None else
-        f" The named *shape* is drawn only {shape_rate:.0%} of the time (chance: 33%): it draws a blob of the right "
+        ""
+        if shape_rate is None
+        else f" The named *shape* is drawn only {shape_rate:.0%} of the time (chance: 33%): it draws a blob of the right "
         "colour and place, not a clean circle, square or triangle."
-        if shape_rate < 0.6 else f" The named shape comes out {shape_rate:.0%} of the time."
+        if shape_rate < 0.6
+        else f" The named shape comes out {shape_rate:.0%} of the time."
     )
-    flags = " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}"
-                     for k, v in asdict(s).items() if v != getattr(Settings(), k))
+    flags = " ".join(
+        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}"
+        for k, v in asdict(s).items()
+        if v != getattr(Settings(), k)
+    )
     command = f".venv/bin/python tools/train_demo_model.py {flags}".rstrip()
     return f"""# shapes-demo: a small FLUX.1-architecture model trained on coloured shapes
 
@@ -580,7 +630,7 @@ e.g. `a large yellow triangle at the bottom right on a gray background`. Vocabul
 {vocab}. Other words map to `<unk>`; the model knows nothing else.
 
 At the recommended settings, on attribute combinations it never saw in training, colour, position and
-background all come out as asked in {at_defaults['matches']:.0%} of images; size in {at_defaults['size']:.0%}.{shape_text}
+background all come out as asked in {at_defaults["matches"]:.0%} of images; size in {at_defaults["size"]:.0%}.{shape_text}
 It cannot draw two shapes, other colours, textures, other sizes than 64x64, or anything outside this vocabulary.
 
 ## Data
@@ -592,22 +642,22 @@ combinations (both sizes: 60 attribute sets) are held out of training entirely a
 ## Architecture
 | component | class | parameters |
 | --- | --- | --- |
-| transformer | `FluxTransformer2DModel`: {s.dit_double_blocks} double + {s.dit_single_blocks} single blocks, {s.dit_heads} heads x {s.dit_head_dim}, RoPE axes {list(s.dit_rope_axes)}, no guidance embedding | {r['params']['transformer'] / 1e6:.2f}M |
-| vae | `AutoencoderKL`: blocks {list(s.vae_channels)} (x{2 ** (len(s.vae_channels) - 1)} downsampling), {s.latent_channels} latent channels | {r['params']['vae'] / 1e6:.2f}M |
-| text_encoder | `CLIPTextModel`: hidden {s.text_hidden}, {s.text_layers} layers, random and frozen | {r['params']['text_encoder'] / 1e6:.2f}M |
-| text_encoder_2 | `T5EncoderModel`: d_model {s.text_hidden}, {s.text_layers} layers, random and frozen | {r['params']['text_encoder_2'] / 1e6:.2f}M |
+| transformer | `FluxTransformer2DModel`: {s.dit_double_blocks} double + {s.dit_single_blocks} single blocks, {s.dit_heads} heads x {s.dit_head_dim}, RoPE axes {list(s.dit_rope_axes)}, no guidance embedding | {r["params"]["transformer"] / 1e6:.2f}M |
+| vae | `AutoencoderKL`: blocks {list(s.vae_channels)} (x{2 ** (len(s.vae_channels) - 1)} downsampling), {s.latent_channels} latent channels | {r["params"]["vae"] / 1e6:.2f}M |
+| text_encoder | `CLIPTextModel`: hidden {s.text_hidden}, {s.text_layers} layers, random and frozen | {r["params"]["text_encoder"] / 1e6:.2f}M |
+| text_encoder_2 | `T5EncoderModel`: d_model {s.text_hidden}, {s.text_layers} layers, random and frozen | {r["params"]["text_encoder_2"] / 1e6:.2f}M |
 | tokenizer, tokenizer_2 | `PreTrainedTokenizerFast`: word level over the vocabulary + `<pad> <unk> <bos> <eos>`; CLIP's adds `<bos>`/`<eos>` (pooled output at `<eos>`), T5's adds `<eos>` | |
 
-## Training (measured on {r['machine']})
-- Autoencoder: {r['vae_steps_run']} steps (of {s.vae_steps}, cap {s.vae_max_minutes:g} min), batch {s.vae_batch}, Adam {s.vae_lr:g} (cosine), L1 + L2 + {s.vae_kl_weight:g} x KL:
-  {r['vae_seconds'] / 60:.1f} min, reconstruction PSNR {r['vae_psnr_db']:.1f} dB on all 540 attribute sets.
-  Latent shift {r['shift_factor']:.4f}, scale {r['scaling_factor']:.4f} (mean and 1/std of the training latents).
-- Transformer: {r['dit_steps_run']} steps (of {s.dit_steps}, cap {s.dit_max_minutes:g} min), batch {s.dit_batch}, AdamW {s.dit_lr:g} (warmup {s.dit_warmup}, cosine),
+## Training (measured on {r["machine"]})
+- Autoencoder: {r["vae_steps_run"]} steps (of {s.vae_steps}, cap {s.vae_max_minutes:g} min), batch {s.vae_batch}, Adam {s.vae_lr:g} (cosine), L1 + L2 + {s.vae_kl_weight:g} x KL:
+  {r["vae_seconds"] / 60:.1f} min, reconstruction PSNR {r["vae_psnr_db"]:.1f} dB on all 540 attribute sets.
+  Latent shift {r["shift_factor"]:.4f}, scale {r["scaling_factor"]:.4f} (mean and 1/std of the training latents).
+- Transformer: {r["dit_steps_run"]} steps (of {s.dit_steps}, cap {s.dit_max_minutes:g} min), batch {s.dit_batch}, AdamW {s.dit_lr:g} (warmup {s.dit_warmup}, cosine),
   rectified flow (x_t = (1-t) x0 + t noise, target noise - x0, t ~ logit-normal(0, 1)), {s.caption_dropout:.0%}
-  caption dropout to the empty prompt (for true CFG), EMA {s.ema_decay} (shipped: the {r['shipped_weights']} weights; the EMA unless the last-step weights measure
+  caption dropout to the empty prompt (for true CFG), EMA {s.ema_decay} (shipped: the {r["shipped_weights"]} weights; the EMA unless the last-step weights measure
   better on the held-out prompts):
-  {r['dit_seconds'] / 60:.1f} min, loss {r['dit_history'][0]['loss']:.3f} -> {r['dit_history'][-1]['loss']:.3f}.
-- Total, data and evaluation included: {r['total_seconds'] / 60:.1f} min.
+  {r["dit_seconds"] / 60:.1f} min, loss {r["dit_history"][0]["loss"]:.3f} -> {r["dit_history"][-1]["loss"]:.3f}.
+- Total, data and evaluation included: {r["total_seconds"] / 60:.1f} min.
 - Sampler: `FlowMatchEulerDiscreteScheduler`, fixed shift {s.scheduler_shift:g}, no dynamic shifting (the model
   is trained at one resolution, 64 image tokens).
 
@@ -654,7 +704,11 @@ def reevaluate(folder: Path) -> int:
     report = json.loads((folder / "training_report.json").read_text())
     s = Settings(**{k: tuple(v) if isinstance(v, list) else v for k, v in report["settings"].items()})
     torch.set_num_threads(s.threads)
-    vae_cfg = {k: v for k, v in json.loads((folder / "vae" / "config.json").read_text()).items() if not k.startswith("_")}
+    vae_cfg = {
+        k: v
+        for k, v in json.loads((folder / "vae" / "config.json").read_text()).items()
+        if not k.startswith("_")
+    }
     vae = AutoencoderKL.from_config(vae_cfg)
     vae.load_state_dict(load_file(str(folder / "vae" / "diffusion_pytorch_model.safetensors")))
     dit = FluxTransformer2DModel.from_config(dit_config(s))
@@ -673,10 +727,22 @@ def reevaluate(folder: Path) -> int:
     seeds = [s.eval_seed_base + i for i in range(len(attrs))]
     results = []
     for old in report["adherence"]:
-        images = sample(dit.eval(), vae.eval(), embed, prompts, seeds, old["steps"], old["cfg"], scheduler,
-                        vae_cfg["shift_factor"], vae_cfg["scaling_factor"])
+        images = sample(
+            dit.eval(),
+            vae.eval(),
+            embed,
+            prompts,
+            seeds,
+            old["steps"],
+            old["cfg"],
+            scheduler,
+            vae_cfg["shift_factor"],
+            vae_cfg["scaling_factor"],
+        )
         results.append({"cfg": old["cfg"], "steps": old["steps"], **adherence(images, attrs)})
-        log(f"cfg {old['cfg']:g}, {old['steps']} steps: {results[-1]} (at training time: {old['matches']:.3f})")
+        log(
+            f"cfg {old['cfg']:g}, {old['steps']} steps: {results[-1]} (at training time: {old['matches']:.3f})"
+        )
     report["adherence"] = results
     (folder / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return rewrite_card(folder)
@@ -785,12 +851,21 @@ def main(argv: list[str] | None = None) -> int:
         "text_encoder_2": sum(p.numel() for p in t5.parameters()),
     }
     report["total_seconds"] = time.perf_counter() - t_start
-    parts = {"clip": clip, "t5": t5, "clip_tok": clip_tok, "t5_tok": t5_tok, "dit": shipped, "vae": vae,
-             "vae_config": config}
+    parts = {
+        "clip": clip,
+        "t5": t5,
+        "clip_tok": clip_tok,
+        "t5_tok": t5_tok,
+        "dit": shipped,
+        "vae": vae,
+        "vae_config": config,
+    }
     write_folder(out, s, parts, defaults, report)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    log(f"wrote {out} ({size / 2**20:.1f} MB) in {report['total_seconds'] / 60:.1f} min total"
-        f"{' (smoke run)' if smoke else ''}; defaults {defaults}")
+    log(
+        f"wrote {out} ({size / 2**20:.1f} MB) in {report['total_seconds'] / 60:.1f} min total"
+        f"{' (smoke run)' if smoke else ''}; defaults {defaults}"
+    )
     return 0
 
 

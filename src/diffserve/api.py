@@ -41,8 +41,14 @@ from diffserve.runtime.scheduler import default_max_batch_tokens
 
 logger = logging.getLogger("diffserve")
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def parse_dtype(name: str | None, platform: Platform) -> torch.dtype:
@@ -84,10 +90,14 @@ class DiffGenerator:
             self.platform.prepare_process()
         self.dtype = parse_dtype(engine_args.dtype, self.platform)
         text_dtype = parse_dtype(engine_args.text_encoder_dtype or engine_args.dtype, self.platform)
-        logger.info("Platform: %s (%s), dtype: %s", self.platform.name, self.platform.device_name(), self.dtype)
+        logger.info(
+            "Platform: %s (%s), dtype: %s", self.platform.name, self.platform.device_name(), self.dtype
+        )
         try:
             self.attention_backend: AttentionBackend = resolve_attention_backend(
-                engine_args.attention_backend, self.platform.device_type, self.platform.default_attention_backend
+                engine_args.attention_backend,
+                self.platform.device_type,
+                self.platform.default_attention_backend,
             )
         except ValueError as exc:
             raise UserError(str(exc)) from exc
@@ -101,8 +111,13 @@ class DiffGenerator:
         )
         pipeline_cls = self.family.pipeline_cls
         components = load_components(
-            index, pipeline_cls.required_components, self.family.native_classes, self.platform, self.dtype,
-            text_dtype, optional=pipeline_cls.optional_components,
+            index,
+            pipeline_cls.required_components,
+            self.family.native_classes,
+            self.platform,
+            self.dtype,
+            text_dtype,
+            optional=pipeline_cls.optional_components,
         )
         folder_defaults = read_folder_sampling_defaults(index.root)
         if folder_defaults:
@@ -112,9 +127,13 @@ class DiffGenerator:
             calibrated = read_calibrated_policies(index.root, self.family.name)
             self.pipeline: Pipeline = self.family.pipeline_cls(
                 PipelineContext(
-                    components, self.platform, self.dtype,
-                    folder_sampling_defaults=folder_defaults, pipeline_options=index.options,
-                    default_quality=engine_args.default_quality, calibrated_step_cache=calibrated,
+                    components,
+                    self.platform,
+                    self.dtype,
+                    folder_sampling_defaults=folder_defaults,
+                    pipeline_options=index.options,
+                    default_quality=engine_args.default_quality,
+                    calibrated_step_cache=calibrated,
                 )
             )
         except InvalidRequestError as exc:  # the default tier is one this family does not have
@@ -129,13 +148,16 @@ class DiffGenerator:
             self.platform,
             SchedulerConfig(
                 max_running_requests=engine_args.max_running_requests,
-                max_batch_tokens=engine_args.max_batch_tokens or default_max_batch_tokens(self.platform.device_type),
+                max_batch_tokens=engine_args.max_batch_tokens
+                or default_max_batch_tokens(self.platform.device_type),
             ),
             attention_backend=self.attention_backend,
         )
         logger.info("Pipeline ready in %.2f seconds", time.perf_counter() - start)
         #: `--compile`: the block lists compiled; `--warmup-resolutions`: the warm-up generations run.
-        self.compiled_regions: list[CompiledRegion] = compile_pipeline(components) if engine_args.compile else []
+        self.compiled_regions: list[CompiledRegion] = (
+            compile_pipeline(components) if engine_args.compile else []
+        )
         sizes = list(engine_args.warmup_resolutions)
         if engine_args.compile and not sizes:  # the graphs are size-generic: a small warm-up builds them all
             sizes = [compile_warmup_size(self.pipeline.facts.pixel_multiple)]
@@ -147,7 +169,9 @@ class DiffGenerator:
         first requests."""
         start = time.perf_counter()
         runs = warm_up(self.generate_from_params, self.pipeline.facts, resolutions)
-        logger.info("Warm-up of %d size(s) done in %.2f seconds", len(resolutions), time.perf_counter() - start)
+        logger.info(
+            "Warm-up of %d size(s) done in %.2f seconds", len(resolutions), time.perf_counter() - start
+        )
         return runs
 
     @classmethod
@@ -218,7 +242,9 @@ class DiffGenerator:
             sampling = [SamplingParams(prompt=p, **params) for p in prompts]
         except TypeError as exc:
             raise UserError(f"unknown generation parameter: {exc}") from exc
-        outputs = self.generate_many(sampling, save_output, output_path, output_file_name, save_frames=save_frames)
+        outputs = self.generate_many(
+            sampling, save_output, output_path, output_file_name, save_frames=save_frames
+        )
         return outputs[0] if isinstance(prompt, str) else outputs
 
     def generate_from_params(
@@ -284,7 +310,11 @@ class DiffGenerator:
         req = sr.req
         peak_mb = sr.peak_memory_bytes / 2**20 if sr.peak_memory_bytes is not None else None
         if peak_mb is not None:
-            logger.info("Peak memory: %.2f MB (%s)", peak_mb, "process RSS" if self.platform.name == "cpu" else "device")
+            logger.info(
+                "Peak memory: %.2f MB (%s)",
+                peak_mb,
+                "process RSS" if self.platform.name == "cpu" else "device",
+            )
         paths: list[str] = []
         if save_output:
             written = write_outputs(

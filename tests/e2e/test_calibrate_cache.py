@@ -12,8 +12,23 @@ from diffserve.testing.tiny_flux import build_tiny_flux
 
 def test_calibration_is_written_next_to_the_model_and_used(tmp_path, capsys) -> None:
     folder = build_tiny_flux(tmp_path / "flux")
-    code = main(["calibrate-cache", "--model-path", str(folder), "--prompt", "a red fox",
-                 "--height", "32", "--width", "32", "--num-inference-steps", "8", "--log-level", "warning"])
+    code = main(
+        [
+            "calibrate-cache",
+            "--model-path",
+            str(folder),
+            "--prompt",
+            "a red fox",
+            "--height",
+            "32",
+            "--width",
+            "32",
+            "--num-inference-steps",
+            "8",
+            "--log-level",
+            "warning",
+        ]
+    )
     assert code == 0
     table = capsys.readouterr().out
     assert "| medium | 30 dB |" in table
@@ -31,6 +46,25 @@ def test_calibration_is_written_next_to_the_model_and_used(tmp_path, capsys) -> 
 
 def test_dry_run_writes_nothing(tmp_path) -> None:
     folder = build_tiny_flux(tmp_path / "flux")
-    assert main(["calibrate-cache", "--model-path", str(folder), "--prompt", "a fox", "--height", "32",
-                 "--width", "32", "--num-inference-steps", "4", "--dry-run", "--log-level", "warning"]) == 0
+    assert (
+        main(
+            [
+                "calibrate-cache",
+                "--model-path",
+                str(folder),
+                "--prompt",
+                "a fox",
+                "--height",
+                "32",
+                "--width",
+                "32",
+                "--num-inference-steps",
+                "4",
+                "--dry-run",
+                "--log-level",
+                "warning",
+            ]
+        )
+        == 0
+    )
     assert not (folder / CALIBRATION_FILE).exists()

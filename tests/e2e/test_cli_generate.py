@@ -42,8 +42,22 @@ def run_cli_subprocess(*args: str, cwd: Path | None = None) -> subprocess.Comple
 
 def test_generate_writes_png_with_parameters(tiny_flux_dir, tmp_path) -> None:
     result = run_cli_subprocess(
-        "generate", "--model-path", str(tiny_flux_dir), "--prompt", "a red fox", "--height", "64", "--width", "48",
-        "--num-inference-steps", "3", "--seed", "42", "--save-output", "--output-path", str(tmp_path),
+        "generate",
+        "--model-path",
+        str(tiny_flux_dir),
+        "--prompt",
+        "a red fox",
+        "--height",
+        "64",
+        "--width",
+        "48",
+        "--num-inference-steps",
+        "3",
+        "--seed",
+        "42",
+        "--save-output",
+        "--output-path",
+        str(tmp_path),
     )
     assert result.returncode == 0, result.stderr
     pngs = list(tmp_path.glob("*.png"))
@@ -73,8 +87,21 @@ def test_prompt_file_and_multiple_outputs(tiny_flux_dir, tmp_path, run_cli) -> N
     prompts.write_text("a cat\n\na dog\n")
     out_dir = tmp_path / "out"
     result = run_cli(
-        "generate", "--model-path", str(tiny_flux_dir), "--prompt-file", str(prompts), "--height", "32",
-        "--width", "32", "--num-inference-steps", "1", "--num-outputs-per-prompt", "2", "--output-path", str(out_dir),
+        "generate",
+        "--model-path",
+        str(tiny_flux_dir),
+        "--prompt-file",
+        str(prompts),
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--num-inference-steps",
+        "1",
+        "--num-outputs-per-prompt",
+        "2",
+        "--output-path",
+        str(out_dir),
     )
     assert result.returncode == 0, result.stderr
     names = sorted(p.name for p in out_dir.glob("*.png"))
@@ -84,8 +111,20 @@ def test_prompt_file_and_multiple_outputs(tiny_flux_dir, tmp_path, run_cli) -> N
 
 def test_no_save_output_writes_nothing(tiny_flux_dir, tmp_path, run_cli) -> None:
     result = run_cli(
-        "generate", "--model-path", str(tiny_flux_dir), "--prompt", "x", "--height", "32", "--width", "32",
-        "--num-inference-steps", "1", "--no-save-output", "--output-path", str(tmp_path / "o"),
+        "generate",
+        "--model-path",
+        str(tiny_flux_dir),
+        "--prompt",
+        "x",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--num-inference-steps",
+        "1",
+        "--no-save-output",
+        "--output-path",
+        str(tmp_path / "o"),
     )
     assert result.returncode == 0, result.stderr
     assert not (tmp_path / "o").exists()
@@ -102,8 +141,19 @@ def test_no_save_output_writes_nothing(tiny_flux_dir, tmp_path, run_cli) -> None
     ],
 )
 def test_bad_inputs_give_one_clear_line_and_exit_2(tiny_flux_dir, tmp_path, args, message, run_cli) -> None:
-    base = ["generate", "--model-path", str(tiny_flux_dir), "--height", "32", "--width", "32",
-            "--num-inference-steps", "1", "--output-path", str(tmp_path)]
+    base = [
+        "generate",
+        "--model-path",
+        str(tiny_flux_dir),
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--num-inference-steps",
+        "1",
+        "--output-path",
+        str(tmp_path),
+    ]
     if "--prompt" not in args:
         base += ["--prompt", "a fox"]
     result = run_cli(*base, *args)
@@ -134,7 +184,9 @@ def test_truncated_safetensors_is_a_clear_error(tiny_flux_dir, tmp_path, run_cli
     weights = broken / "transformer" / "diffusion_pytorch_model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
-    result = run_cli("generate", "--model-path", str(broken), "--prompt", "x", "--height", "32", "--width", "32")
+    result = run_cli(
+        "generate", "--model-path", str(broken), "--prompt", "x", "--height", "32", "--width", "32"
+    )
     assert result.returncode == 2
     assert "truncated or corrupt" in result.stderr and "Traceback" not in result.stderr
 

@@ -56,7 +56,15 @@ def test_folder_layout(model_dir, settings):
     assert index["_class_name"] == "FluxPipeline"
     assert index["tokenizer"] == ["transformers", "PreTrainedTokenizerFast"]
     assert index["tokenizer_2"] == ["transformers", "PreTrainedTokenizerFast"]
-    for name in ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"):
+    for name in (
+        "transformer",
+        "vae",
+        "text_encoder",
+        "text_encoder_2",
+        "tokenizer",
+        "tokenizer_2",
+        "scheduler",
+    ):
         assert (model_dir / name).is_dir(), name
     assert (model_dir / "README.md").is_file()
     size = sum(f.stat().st_size for f in model_dir.rglob("*") if f.is_file())
@@ -70,13 +78,19 @@ def test_tokenizers_end_with_eos_and_clip_pools_there(model_dir, settings):
     clip_tok = PreTrainedTokenizerFast.from_pretrained(model_dir / "tokenizer")
     t5_tok = PreTrainedTokenizerFast.from_pretrained(model_dir / "tokenizer_2")
     clip = CLIPTextModel.from_pretrained(model_dir / "text_encoder").eval()
-    assert clip.config.eos_token_id == clip_tok.eos_token_id != 2  # 2 would select transformers' legacy argmax path
+    assert (
+        clip.config.eos_token_id == clip_tok.eos_token_id != 2
+    )  # 2 would select transformers' legacy argmax path
     prompt = "A small red circle, at the top left on a black background!"
-    clip_ids = clip_tok(prompt, padding="max_length", max_length=clip_tok.model_max_length, return_tensors="pt").input_ids
+    clip_ids = clip_tok(
+        prompt, padding="max_length", max_length=clip_tok.model_max_length, return_tensors="pt"
+    ).input_ids
     t5_ids = t5_tok(prompt, padding="max_length", max_length=settings["max_sequence_length"]).input_ids
     words = len(sd.caption(sd.Attributes("circle", "red", "small", "top left", "black")).split())
     assert clip_ids[0, 0] == clip_tok.bos_token_id and clip_ids[0, words + 1] == clip_tok.eos_token_id
-    assert t5_ids[words] == t5_tok.eos_token_id and t5_ids[words + 1 :] == [t5_tok.pad_token_id] * (len(t5_ids) - words - 1)
+    assert t5_ids[words] == t5_tok.eos_token_id and t5_ids[words + 1 :] == [t5_tok.pad_token_id] * (
+        len(t5_ids) - words - 1
+    )
     assert clip_tok.unk_token_id not in clip_ids[0]  # case and punctuation are normalised away
     with torch.no_grad():
         out = clip(clip_ids)
@@ -92,7 +106,9 @@ def test_held_out_prompt_adherence(generator, settings):
         results.append(shapes_eval.measure(image, attrs))
     rates = shapes_eval.summarize(results)
     misses = [sd.caption(a) for a, m in zip(prompts, results, strict=True) if not m.matches]
-    print(f"\ndemo model adherence on {len(prompts)} held-out prompts ({settings}): {rates}; misses: {misses}")
+    print(
+        f"\ndemo model adherence on {len(prompts)} held-out prompts ({settings}): {rates}; misses: {misses}"
+    )
     assert rates["matches"] >= MIN_ADHERENCE, (rates, misses)
 
 
@@ -112,7 +128,10 @@ def test_parity_with_diffusers(model_dir, generator, settings):
 
 def test_measurement_is_right_on_ground_truth_and_fails_on_noise():
     attrs = sd.all_combinations()
-    truth = [shapes_eval.measure(sd.render(a, offset=(i % 5 - 2, (i // 5) % 5 - 2)), a) for i, a in enumerate(attrs)]
+    truth = [
+        shapes_eval.measure(sd.render(a, offset=(i % 5 - 2, (i // 5) % 5 - 2)), a)
+        for i, a in enumerate(attrs)
+    ]
     rates = shapes_eval.summarize(truth)
     assert rates["matches"] == 1.0 and rates["size"] == 1.0, rates
     rng = np.random.default_rng(0)
@@ -121,6 +140,12 @@ def test_measurement_is_right_on_ground_truth_and_fails_on_noise():
     assert not any(m.position or m.background for m in noise)
     # A blank background, or the right shape in the wrong place, fails too.
     a = sd.Attributes("circle", "red", "large", "top left", "black")
-    assert not shapes_eval.measure(sd.render(sd.Attributes("circle", "red", "large", "bottom right", "black")), a).matches
-    assert not shapes_eval.measure(sd.render(sd.Attributes("circle", "blue", "large", "top left", "black")), a).matches
-    assert not shapes_eval.measure(sd.render(sd.Attributes("circle", "red", "large", "top left", "white")), a).matches
+    assert not shapes_eval.measure(
+        sd.render(sd.Attributes("circle", "red", "large", "bottom right", "black")), a
+    ).matches
+    assert not shapes_eval.measure(
+        sd.render(sd.Attributes("circle", "blue", "large", "top left", "black")), a
+    ).matches
+    assert not shapes_eval.measure(
+        sd.render(sd.Attributes("circle", "red", "large", "top left", "white")), a
+    ).matches

@@ -43,14 +43,19 @@ def test_pixels_match_diffusers(generators, variant, height, width, steps, extra
     kwargs = dict(height=height, width=width, num_inference_steps=steps, max_sequence_length=32, **extra)
     out = ours.generate(prompt="a red fox in the snow", seed=42, **kwargs)
     ref = reference(
-        prompt="a red fox in the snow", generator=torch.Generator("cpu").manual_seed(42), output_type="np", **kwargs
+        prompt="a red fox in the snow",
+        generator=torch.Generator("cpu").manual_seed(42),
+        output_type="np",
+        **kwargs,
     ).images
     ref_u8 = (ref * 255).round().astype(np.uint8)
     ours_u8 = np.stack([np.asarray(im) for im in out.images])
     assert ours_u8.shape == ref_u8.shape == (1, height, width, 3)
     assert ref_u8.std() > 5, "the reference image is flat; the comparison would prove nothing"
     value = psnr(ours_u8, ref_u8)
-    print(f"{variant} {height}x{width} {extra}: PSNR {value:.2f} dB, max abs diff {np.abs(ours_u8.astype(int) - ref_u8).max()}")
+    print(
+        f"{variant} {height}x{width} {extra}: PSNR {value:.2f} dB, max abs diff {np.abs(ours_u8.astype(int) - ref_u8).max()}"
+    )
     assert value >= PSNR_BAR_DB
 
 
@@ -59,8 +64,11 @@ def test_num_outputs_per_prompt_matches_diffusers_batch(generators) -> None:
     kwargs = dict(height=32, width=32, num_inference_steps=2, max_sequence_length=16)
     out = ours.generate(prompt="two foxes", seed=7, num_outputs_per_prompt=2, **kwargs)
     ref = reference(
-        prompt="two foxes", generator=torch.Generator("cpu").manual_seed(7), num_images_per_prompt=2,
-        output_type="np", **kwargs,
+        prompt="two foxes",
+        generator=torch.Generator("cpu").manual_seed(7),
+        num_images_per_prompt=2,
+        output_type="np",
+        **kwargs,
     ).images
     ref_u8 = (ref * 255).round().astype(np.uint8)
     ours_u8 = np.stack([np.asarray(im) for im in out.images])

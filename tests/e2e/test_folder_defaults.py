@@ -15,9 +15,18 @@ from diffserve.errors import ModelLoadError
 def folder_with_defaults(tiny_flux_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("with-defaults") / "model"
     shutil.copytree(tiny_flux_dir, root)
-    (root / "diffserve.json").write_text(json.dumps(
-        {"sampling_defaults": {"height": 32, "width": 48, "num_inference_steps": 2, "guidance_scale": None}}
-    ))
+    (root / "diffserve.json").write_text(
+        json.dumps(
+            {
+                "sampling_defaults": {
+                    "height": 32,
+                    "width": 48,
+                    "num_inference_steps": 2,
+                    "guidance_scale": None,
+                }
+            }
+        )
+    )
     return root
 
 

@@ -29,7 +29,13 @@ CASES: dict[str, tuple[str, dict, dict]] = {
     "flux-true-cfg": (
         "diffserve.testing.tiny_flux:build_tiny_flux",
         {},
-        {"height": 48, "width": 32, "num_inference_steps": 2, "true_cfg_scale": 2.0, "negative_prompt": "ugly"},
+        {
+            "height": 48,
+            "width": 32,
+            "num_inference_steps": 2,
+            "true_cfg_scale": 2.0,
+            "negative_prompt": "ugly",
+        },
     ),
     "sd3": (
         "diffserve.testing.tiny_sd3:build_tiny_sd3",
@@ -39,14 +45,24 @@ CASES: dict[str, tuple[str, dict, dict]] = {
     "qwen-image": (
         "diffserve.testing.tiny_qwen_image:build_tiny_qwen_image",
         {},
-        {"height": 32, "width": 48, "num_inference_steps": 3, "true_cfg_scale": 3.0, "negative_prompt": "blurry"},
+        {
+            "height": 32,
+            "width": 48,
+            "num_inference_steps": 3,
+            "true_cfg_scale": 3.0,
+            "negative_prompt": "blurry",
+        },
     ),
     "qwen-image-edit": (
         "diffserve.testing.tiny_qwen_image:build_tiny_qwen_image_edit",
         {},
         {
-            "height": 32, "width": 48, "num_inference_steps": 2, "true_cfg_scale": 2.0,
-            "negative_prompt": "dark", "input_images": "gradient",
+            "height": 32,
+            "width": 48,
+            "num_inference_steps": 2,
+            "true_cfg_scale": 2.0,
+            "negative_prompt": "dark",
+            "input_images": "gradient",
         },
     ),
     "z-image": (

@@ -13,7 +13,13 @@ from diffserve import DiffGenerator
 from diffserve.configs.demo_model import demo_model_path
 
 STEPS = 20
-SETTINGS = {"height": 64, "width": 64, "max_sequence_length": 16, "true_cfg_scale": 3.0, "negative_prompt": ""}
+SETTINGS = {
+    "height": 64,
+    "width": 64,
+    "max_sequence_length": 16,
+    "true_cfg_scale": 3.0,
+    "negative_prompt": "",
+}
 PROMPTS = [
     "a red circle on the left on a black background",
     "a large blue square in the center on a white background",
@@ -28,7 +34,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def generator() -> DiffGenerator:
-    return DiffGenerator.from_pretrained(demo_model_path(), device="cpu", dtype="float32", show_progress=False)
+    return DiffGenerator.from_pretrained(
+        demo_model_path(), device="cpu", dtype="float32", show_progress=False
+    )
 
 
 def _pixels(output) -> np.ndarray:
@@ -37,7 +45,9 @@ def _pixels(output) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def alone(generator) -> list[np.ndarray]:
-    return [_pixels(generator.generate(prompt=p, seed=0, num_inference_steps=STEPS, **SETTINGS)) for p in PROMPTS]
+    return [
+        _pixels(generator.generate(prompt=p, seed=0, num_inference_steps=STEPS, **SETTINGS)) for p in PROMPTS
+    ]
 
 
 def _assert_close(got: list[np.ndarray], want: list[np.ndarray]) -> None:
@@ -64,7 +74,9 @@ def test_concurrent_generate_calls_from_threads_share_batches(generator, alone) 
 
     def call(i: int) -> None:
         barrier.wait()
-        results[i] = _pixels(generator.generate(prompt=PROMPTS[i], seed=0, num_inference_steps=STEPS, **SETTINGS))
+        results[i] = _pixels(
+            generator.generate(prompt=PROMPTS[i], seed=0, num_inference_steps=STEPS, **SETTINGS)
+        )
 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(len(PROMPTS))]
     for thread in threads:
@@ -83,6 +95,8 @@ def test_an_invalid_prompt_in_a_list_fails_before_any_work(generator) -> None:
 
     before = generator.engine.scheduler.batch_size_counts.copy()
     with pytest.raises(UserError, match="width"):
-        generator.generate(prompt=["a red circle", "a blue square"], width=65, height=64, num_inference_steps=2)
+        generator.generate(
+            prompt=["a red circle", "a blue square"], width=65, height=64, num_inference_steps=2
+        )
     assert generator.engine.scheduler.batch_size_counts == before
     assert not generator.engine.has_work

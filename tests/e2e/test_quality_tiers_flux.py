@@ -66,19 +66,25 @@ def test_each_tier_keeps_its_psnr_bar_and_computes_fewer_steps(generator, lossle
 def test_a_lossless_request_batched_with_a_medium_one_keeps_its_exact_output(generator, lossless) -> None:
     pipeline = generator.pipeline
     exact = Req(SamplingParams(prompt=PROMPTS[0], num_inference_steps=STEPS, seed=4, **SIZE))
-    medium = Req(SamplingParams(prompt=PROMPTS[1], num_inference_steps=STEPS, seed=4, quality="medium", **SIZE))
+    medium = Req(
+        SamplingParams(prompt=PROMPTS[1], num_inference_steps=STEPS, seed=4, quality="medium", **SIZE)
+    )
     reqs = [pipeline.run_pre_denoise(pipeline.validate(r)) for r in (exact, medium)]
     while not all(r.is_denoised for r in reqs):
         pipeline.denoise_step(reqs)
     exact, medium = (pipeline.run_post_denoise(r) for r in reqs)
     got = np.asarray(exact.images[0].convert("RGB"))
-    assert np.abs(got.astype(int) - pixels(lossless[PROMPTS[0]]).astype(int)).max() <= 1  # CPU GEMM batch rows
+    assert (
+        np.abs(got.astype(int) - pixels(lossless[PROMPTS[0]]).astype(int)).max() <= 1
+    )  # CPU GEMM batch rows
     assert exact.step_cache is None and exact.steps_computed_in_full == STEPS
     assert medium.steps_computed_in_full < STEPS
 
 
 def test_default_quality_applies_to_auto_and_unset(flux_dir) -> None:
-    generator = DiffGenerator.from_pretrained(flux_dir, device="cpu", show_progress=False, default_quality="low")
+    generator = DiffGenerator.from_pretrained(
+        flux_dir, device="cpu", show_progress=False, default_quality="low"
+    )
     out = generator.generate(PROMPTS[0], num_inference_steps=STEPS, seed=4, **SIZE)
     assert out.params.quality == "low" and out.steps_computed_in_full < STEPS
     exact = generator.generate(PROMPTS[0], num_inference_steps=STEPS, seed=4, quality="lossless", **SIZE)
@@ -95,5 +101,9 @@ def test_the_folders_calibration_overrides_the_family_thresholds(flux_dir, tmp_p
     generator = DiffGenerator.from_pretrained(folder, device="cpu", show_progress=False)
     out = generator.generate(PROMPTS[0], num_inference_steps=STEPS, seed=4, quality="medium", **SIZE)
     assert out.steps_computed_in_full == STEPS  # threshold 0: never reuses
-    assert generator.generate(PROMPTS[0], num_inference_steps=STEPS, seed=4, quality="low", **SIZE
-                              ).steps_computed_in_full < STEPS  # other tiers keep the family's values
+    assert (
+        generator.generate(
+            PROMPTS[0], num_inference_steps=STEPS, seed=4, quality="low", **SIZE
+        ).steps_computed_in_full
+        < STEPS
+    )  # other tiers keep the family's values

@@ -107,7 +107,9 @@ def test_each_tier_keeps_its_psnr_bar_and_medium_and_low_skip_steps(family: Fami
             assert out.params.quality == tier
             scores.append(psnr(_pixels(out), reference))
             steps.append(out.steps_computed_in_full)
-        print(f"{family.name} {tier}: PSNR {[round(s, 1) for s in scores]} dB, steps in full {steps} of {STEPS}")
+        print(
+            f"{family.name} {tier}: PSNR {[round(s, 1) for s in scores]} dB, steps in full {steps} of {STEPS}"
+        )
         assert np.mean(scores) >= bar, (tier, scores)
         computed[tier] = max(steps)
     assert computed["low"] <= computed["medium"] <= computed["high"] < STEPS
@@ -129,10 +131,18 @@ def test_a_lossless_request_batched_with_a_medium_one_keeps_its_exact_output(fam
 
 def _tiny_qwen_dit() -> QwenImageTransformer2DModel:
     torch.manual_seed(0)
-    return QwenImageTransformer2DModel(QwenImageTransformerConfig(
-        in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=24, axes_dims_rope=(4, 6, 6), zero_cond_t=True,
-    )).eval()
+    return QwenImageTransformer2DModel(
+        QwenImageTransformerConfig(
+            in_channels=16,
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=24,
+            axes_dims_rope=(4, 6, 6),
+            zero_cond_t=True,
+        )
+    ).eval()
 
 
 def test_qwen_dit_rows_that_run_while_others_reuse_get_their_exact_prediction() -> None:

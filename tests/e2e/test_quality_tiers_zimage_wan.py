@@ -71,8 +71,9 @@ def _pixels(images: list[Image.Image] | None, frames: list[np.ndarray] | None) -
 @pytest.fixture(scope="module", params=sorted(CASES))
 def family(request, tmp_path_factory) -> Family:
     builder, kwargs = CASES[request.param]
-    gen = DiffGenerator.from_pretrained(builder(tmp_path_factory.mktemp(request.param)), device="cpu",
-                                        show_progress=False)
+    gen = DiffGenerator.from_pretrained(
+        builder(tmp_path_factory.mktemp(request.param)), device="cpu", show_progress=False
+    )
     fam = Family(request.param, gen, kwargs, np.empty(0))
     out = gen.generate_from_params(fam.params())
     fam.reference = _pixels(out.images, out.frames)
@@ -90,7 +91,9 @@ def test_each_tier_keeps_its_psnr_bar_and_medium_and_low_skip_steps(family: Fami
     for tier, bar in PSNR_BARS.items():
         out = family.gen.generate_from_params(family.params(quality=tier))
         value = psnr(_pixels(out.images, out.frames), family.reference)
-        print(f"{family.name} {tier}: {out.steps_computed_in_full}/{STEPS} steps in full, PSNR {value:.1f} dB")
+        print(
+            f"{family.name} {tier}: {out.steps_computed_in_full}/{STEPS} steps in full, PSNR {value:.1f} dB"
+        )
         assert value >= bar, f"{tier}: {value:.1f} dB is under its {bar} dB bar"
         assert out.steps_computed_in_full <= STEPS
         if tier != "high":
@@ -112,8 +115,10 @@ def test_a_lossless_request_batched_with_a_medium_one_gets_its_own_output(family
 
     got = _pixels(exact.images, exact.frames)
     diff = int(np.abs(got.astype(int) - family.reference.astype(int)).max())
-    print(f"{family.name}: lossless next to medium, max diff {diff}, medium computed "
-          f"{cached.step_cache.steps_computed}/{STEPS} steps ({cached.step_cache.history})")
+    print(
+        f"{family.name}: lossless next to medium, max diff {diff}, medium computed "
+        f"{cached.step_cache.steps_computed}/{STEPS} steps ({cached.step_cache.history})"
+    )
     # Batched and alone differ by at most the batch-invariance rounding (tests/e2e/test_step_batching.py).
     assert diff <= 1 and psnr(got, family.reference) >= 45.0
     assert cached.step_cache.steps_computed < STEPS
@@ -167,7 +172,9 @@ def _check_wan_dit(dit) -> None:
 
     def forward(cache: BatchStepCache | None, rows: slice = slice(None)) -> torch.Tensor:
         with torch.inference_mode():
-            return dit(latents[rows], t[rows], text[rows], None if image is None else image[rows], step_cache=cache)
+            return dit(
+                latents[rows], t[rows], text[rows], None if image is None else image[rows], step_cache=cache
+            )
 
     exact = forward(None)
     state = StepCacheState(StepCachePolicy(threshold=10.0))

@@ -75,8 +75,12 @@ def test_qwen_image_pixels_match_diffusers(t2i, height, width, steps, extra) -> 
     ref_extra = dict(extra)
     n = ref_extra.pop("num_outputs_per_prompt", 1)
     ref = reference(
-        prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(3), output_type="np",
-        num_images_per_prompt=n, **kwargs, **ref_extra,
+        prompt=PROMPT,
+        generator=torch.Generator("cpu").manual_seed(3),
+        output_type="np",
+        num_images_per_prompt=n,
+        **kwargs,
+        **ref_extra,
     ).images
     ours_u8, ref_u8 = _u8(out.images), _ref_u8(ref)
     assert ours_u8.shape == ref_u8.shape == (n, height, width, 3)
@@ -123,9 +127,13 @@ def edit(tmp_path_factory):
     import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit as diffusers_edit
 
     full_area = diffusers_edit.calculate_dimensions
-    patch.setattr(diffusers_edit, "calculate_dimensions", lambda area, ratio: full_area(CONDITION_AREA, ratio))
     patch.setattr(
-        qwen_pipelines.QwenImageEditPipeline, "config", QwenImageEditPipelineConfig(condition_image_area=CONDITION_AREA)
+        diffusers_edit, "calculate_dimensions", lambda area, ratio: full_area(CONDITION_AREA, ratio)
+    )
+    patch.setattr(
+        qwen_pipelines.QwenImageEditPipeline,
+        "config",
+        QwenImageEditPipelineConfig(condition_image_area=CONDITION_AREA),
     )
     ours = DiffGenerator.from_pretrained(root, device="cpu", show_progress=False)
     reference = QwenImageEditPipeline.from_pretrained(
@@ -140,7 +148,9 @@ def _input_image(height: int, width: int, seed: int = 0) -> Image.Image:
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:height, 0:width]
     base = np.stack([x / width, y / height, (x + y) / (width + height)], axis=-1) * 200
-    blocks = rng.integers(0, 55, (height // 8 + 1, width // 8 + 1, 3)).repeat(8, 0).repeat(8, 1)[:height, :width]
+    blocks = (
+        rng.integers(0, 55, (height // 8 + 1, width // 8 + 1, 3)).repeat(8, 0).repeat(8, 1)[:height, :width]
+    )
     return Image.fromarray((base + blocks).astype(np.uint8))
 
 
@@ -157,7 +167,10 @@ def test_qwen_image_edit_pixels_match_diffusers(edit, size, extra) -> None:
     kwargs = dict(num_inference_steps=3, max_sequence_length=64, **extra)
     out = ours.generate(prompt="make the sky red", image=image, seed=5, **kwargs)
     ref = reference(
-        prompt="make the sky red", image=image, generator=torch.Generator("cpu").manual_seed(5), output_type="np",
+        prompt="make the sky red",
+        image=image,
+        generator=torch.Generator("cpu").manual_seed(5),
+        output_type="np",
         **kwargs,
     ).images
     ours_u8, ref_u8 = _u8(out.images), _ref_u8(ref)
@@ -220,8 +233,11 @@ def test_qwen_image_edit_plus_pixels_match_diffusers(edit_plus, num_images) -> N
     kwargs = dict(num_inference_steps=2, true_cfg_scale=4.0, negative_prompt=" ", max_sequence_length=128)
     out = ours.generate(prompt="put the two together", image=images, seed=7, **kwargs)
     ref = reference(
-        prompt="put the two together", image=images, generator=torch.Generator("cpu").manual_seed(7),
-        output_type="np", **kwargs,
+        prompt="put the two together",
+        image=images,
+        generator=torch.Generator("cpu").manual_seed(7),
+        output_type="np",
+        **kwargs,
     ).images
     ours_u8, ref_u8 = _u8(out.images), _ref_u8(ref)
     assert ours_u8.shape == ref_u8.shape

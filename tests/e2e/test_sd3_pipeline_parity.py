@@ -16,7 +16,11 @@ PSNR_BAR_DB = 40.0
 
 @pytest.fixture(scope="module", params=["sd3", "sd35"])
 def engines(request, tmp_path_factory):
-    spec = TinySD3Spec() if request.param == "sd3" else TinySD3Spec(qk_norm="rms_norm", dual_attention_layers=(0,))
+    spec = (
+        TinySD3Spec()
+        if request.param == "sd3"
+        else TinySD3Spec(qk_norm="rms_norm", dual_attention_layers=(0,))
+    )
     root = build_tiny_sd3(tmp_path_factory.mktemp(request.param), spec)
     return (
         DiffGenerator.from_pretrained(root, device="cpu", show_progress=False),
@@ -37,7 +41,10 @@ def test_sd3_pixels_match_diffusers(engines, height, width, steps, extra) -> Non
     kwargs = dict(height=height, width=width, num_inference_steps=steps, max_sequence_length=24, **extra)
     out = ours.generate(prompt="a red fox in the snow", seed=3, **kwargs)
     ref = reference(
-        prompt="a red fox in the snow", generator=torch.Generator("cpu").manual_seed(3), output_type="np", **kwargs
+        prompt="a red fox in the snow",
+        generator=torch.Generator("cpu").manual_seed(3),
+        output_type="np",
+        **kwargs,
     ).images
     ref_u8 = (ref * 255).round().astype(np.uint8)
     ours_u8 = np.stack([np.asarray(im) for im in out.images])
@@ -53,8 +60,11 @@ def test_sd3_text_encoding_matches_diffusers(engines) -> None:
     stage = ours.pipeline.stages[1]
     sequence, pooled = stage.encode(["a red fox", "a blue bird"], max_sequence_length=20)
     ref_seq, _, ref_pooled, _ = reference.encode_prompt(
-        prompt=["a red fox", "a blue bird"], prompt_2=None, prompt_3=None,
-        do_classifier_free_guidance=False, max_sequence_length=20,
+        prompt=["a red fox", "a blue bird"],
+        prompt_2=None,
+        prompt_3=None,
+        do_classifier_free_guidance=False,
+        max_sequence_length=20,
     )
     torch.testing.assert_close(sequence, ref_seq, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pooled, ref_pooled, rtol=1e-5, atol=1e-5)
@@ -92,5 +102,7 @@ def test_sd3_without_t5_matches_diffusers(tmp_path) -> None:
     )
     kwargs = dict(height=64, width=48, num_inference_steps=2, guidance_scale=5.0, max_sequence_length=16)
     out = ours.generate(prompt="a fox", seed=9, **kwargs)
-    ref = reference(prompt="a fox", generator=torch.Generator("cpu").manual_seed(9), output_type="np", **kwargs).images
+    ref = reference(
+        prompt="a fox", generator=torch.Generator("cpu").manual_seed(9), output_type="np", **kwargs
+    ).images
     assert psnr(np.asarray(out.images[0]), (ref[0] * 255).round().astype(np.uint8)) >= PSNR_BAR_DB

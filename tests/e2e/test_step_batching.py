@@ -17,7 +17,12 @@ CASES = {
         "diffserve.testing.tiny_flux:build_tiny_flux",
         [
             {"num_inference_steps": 4, "guidance_scale": 3.5},
-            {"num_inference_steps": 3, "guidance_scale": 1.0, "true_cfg_scale": 3.0, "negative_prompt": "ugly"},
+            {
+                "num_inference_steps": 3,
+                "guidance_scale": 1.0,
+                "true_cfg_scale": 3.0,
+                "negative_prompt": "ugly",
+            },
             {"num_inference_steps": 5, "guidance_scale": 5.0, "num_outputs_per_prompt": 2},
         ],
     ),
@@ -26,7 +31,11 @@ CASES = {
         [
             {"num_inference_steps": 4, "true_cfg_scale": 4.0, "negative_prompt": "blurry"},
             {"num_inference_steps": 3, "true_cfg_scale": 1.0},
-            {"num_inference_steps": 5, "true_cfg_scale": 2.0, "negative_prompt": " a much longer negative prompt"},
+            {
+                "num_inference_steps": 5,
+                "true_cfg_scale": 2.0,
+                "negative_prompt": " a much longer negative prompt",
+            },
         ],
     ),
     "z-image": (

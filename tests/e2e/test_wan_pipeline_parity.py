@@ -27,7 +27,9 @@ def _ref_u8(video: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module", params=["flow-match-euler", "unipc"])
 def t2v(request, tmp_path_factory):
-    root = build_tiny_wan(tmp_path_factory.mktemp(f"wan-{request.param}"), TinyWanSpec(scheduler=request.param))
+    root = build_tiny_wan(
+        tmp_path_factory.mktemp(f"wan-{request.param}"), TinyWanSpec(scheduler=request.param)
+    )
     return (
         DiffGenerator.from_pretrained(root, device="cpu", show_progress=False),
         WanPipeline.from_pretrained(root, torch_dtype=torch.float32),
@@ -46,7 +48,10 @@ def test_wan_t2v_frames_match_diffusers(t2v, height, width, frames, steps, extra
     kwargs = dict(height=height, width=width, num_frames=frames, num_inference_steps=steps, **extra)
     out = ours.generate(prompt=PROMPT, seed=3, max_sequence_length=64, **kwargs)
     ref = reference(
-        prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(3), output_type="np", max_sequence_length=64,
+        prompt=PROMPT,
+        generator=torch.Generator("cpu").manual_seed(3),
+        output_type="np",
+        max_sequence_length=64,
         **kwargs,
     ).frames
     ours_u8, ref_u8 = np.stack(out.frames), _ref_u8(ref)
@@ -71,7 +76,9 @@ def test_wan_rejects_bad_frame_counts_and_image_params(t2v) -> None:
         ours.generate(prompt=PROMPT, num_frames=10, height=32, width=32, num_inference_steps=1)
     assert info.value.param == "num_frames"
     with pytest.raises(InvalidRequestError, match="true_cfg_scale"):
-        ours.generate(prompt=PROMPT, true_cfg_scale=3.0, height=32, width=32, num_frames=5, num_inference_steps=1)
+        ours.generate(
+            prompt=PROMPT, true_cfg_scale=3.0, height=32, width=32, num_frames=5, num_inference_steps=1
+        )
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +96,9 @@ def _input_image(height: int, width: int) -> Image.Image:
     return Image.fromarray(rgb.astype(np.uint8))
 
 
-@pytest.mark.parametrize("extra", [{"guidance_scale": 5.0, "negative_prompt": "static"}, {"guidance_scale": 1.0}])
+@pytest.mark.parametrize(
+    "extra", [{"guidance_scale": 5.0, "negative_prompt": "static"}, {"guidance_scale": 1.0}]
+)
 def test_wan_i2v_frames_match_diffusers(i2v, extra) -> None:
     ours, reference = i2v
     image = _input_image(40, 60)
@@ -97,7 +106,11 @@ def test_wan_i2v_frames_match_diffusers(i2v, extra) -> None:
     # Diffusers' I2V attention finds the image tokens by assuming exactly 512 text tokens: keep the default.
     out = ours.generate(prompt=PROMPT, image=image, seed=4, **kwargs)
     ref = reference(
-        image=image, prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(4), output_type="np", **kwargs
+        image=image,
+        prompt=PROMPT,
+        generator=torch.Generator("cpu").manual_seed(4),
+        output_type="np",
+        **kwargs,
     ).frames
     ours_u8, ref_u8 = np.stack(out.frames), _ref_u8(ref)
     assert ours_u8.shape == ref_u8.shape == (1, 9, 32, 48, 3)

@@ -44,8 +44,12 @@ def test_z_image_pixels_match_diffusers(engines, height, width, steps, extra) ->
     ref_extra = dict(extra)
     n = ref_extra.pop("num_outputs_per_prompt", 1)
     ref = reference(
-        prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(3), output_type="np",
-        num_images_per_prompt=n, **kwargs, **ref_extra,
+        prompt=PROMPT,
+        generator=torch.Generator("cpu").manual_seed(3),
+        output_type="np",
+        num_images_per_prompt=n,
+        **kwargs,
+        **ref_extra,
     ).images
     ours_u8, ref_u8 = _u8(out.images), (ref * 255).round().astype(np.uint8)
     assert ours_u8.shape == ref_u8.shape == (n, height, width, 3)
@@ -69,7 +73,9 @@ def test_z_image_text_encoding_matches_diffusers(engines) -> None:
     stage = next(s for s in ours.pipeline.stages if s.name == "ZImageTextEncodingStage")
     prompts = ["a red fox", "a much longer prompt about a blue bird on a branch"]
     embeds = stage.encode(prompts, max_sequence_length=512)
-    ref, _ = reference.encode_prompt(prompt=list(prompts), device=torch.device("cpu"), do_classifier_free_guidance=False)
+    ref, _ = reference.encode_prompt(
+        prompt=list(prompts), device=torch.device("cpu"), do_classifier_free_guidance=False
+    )
     for ours_embeds, ref_embeds in zip(embeds, ref, strict=True):
         assert ours_embeds.shape == ref_embeds.shape
         torch.testing.assert_close(ours_embeds, ref_embeds, rtol=1e-5, atol=1e-5)

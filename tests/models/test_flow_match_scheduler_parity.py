@@ -83,8 +83,15 @@ def test_one_step_with_shift_terminal_is_finite() -> None:
     """Diffusers stretches 1 - sigma so the last sigma lands on shift_terminal; with one step that
     divides 0 by 0 (NaN, a black image). diffserve leaves a one-step schedule unstretched."""
     scheduler = FlowMatchEulerScheduler.from_config(
-        {"use_dynamic_shifting": True, "shift_terminal": 0.02, "time_shift_type": "exponential",
-         "base_shift": 0.5, "max_shift": 0.9, "base_image_seq_len": 256, "max_image_seq_len": 8192}
+        {
+            "use_dynamic_shifting": True,
+            "shift_terminal": 0.02,
+            "time_shift_type": "exponential",
+            "base_shift": 0.5,
+            "max_shift": 0.9,
+            "base_image_seq_len": 256,
+            "max_image_seq_len": 8192,
+        }
     )
     schedule = scheduler.schedule(1, mu=0.7, sigmas=[1.0])
     assert torch.isfinite(schedule.sigmas).all()

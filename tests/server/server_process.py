@@ -56,7 +56,9 @@ class ServerProcess:
             time.sleep(interval)
         log = "\n".join(line for line in self.log().splitlines() if "GET /server_info" not in line)
         what = what() if callable(what) else what
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}\n--- server log tail ---\n" + log[-6000:])
+        raise AssertionError(
+            f"timed out after {timeout} s waiting for {what}\n--- server log tail ---\n" + log[-6000:]
+        )
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
         def ready() -> bool:
@@ -72,14 +74,25 @@ class ServerProcess:
         self.wait_for(ready, timeout, interval=0.1, what="/health 200")
 
 
-def start_server(model_dir: Path, work_dir: Path, *extra: str, output_dir: Path | None = None) -> ServerProcess:
+def start_server(
+    model_dir: Path, work_dir: Path, *extra: str, output_dir: Path | None = None
+) -> ServerProcess:
     """`output_dir`: default `work_dir/outputs`; pass another server's to restart on its files."""
     port = free_port()
     output_dir = output_dir or work_dir / "outputs"
     log_path = work_dir / "server.log"
     cmd = [
-        sys.executable, "-m", "diffserve.cli.main", "serve", "--model-path", str(model_dir), "--port", str(port),
-        "--output-path", str(output_dir), *extra,
+        sys.executable,
+        "-m",
+        "diffserve.cli.main",
+        "serve",
+        "--model-path",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--output-path",
+        str(output_dir),
+        *extra,
     ]
     # One torch thread: the test machine is small and shared; results do not depend on the thread count.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

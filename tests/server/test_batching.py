@@ -36,7 +36,6 @@ REQUESTS = [
 ]
 
 
-
 @pytest.fixture(scope="module")
 def batching_server(tiny_flux_dir, tmp_path_factory):
     srv = start_server(

@@ -31,7 +31,9 @@ class FakeChannel:
         self.sent.append(message)
 
     def of(self, kind: type, request_id: str | None = None) -> list:
-        return [m for m in self.sent if isinstance(m, kind) and (request_id is None or m.request_id == request_id)]
+        return [
+            m for m in self.sent if isinstance(m, kind) and (request_id is None or m.request_id == request_id)
+        ]
 
 
 @pytest.fixture
@@ -66,9 +68,14 @@ def test_requests_run_in_order_and_a_failure_does_not_affect_the_next(engine) ->
     [finished] = engine.channel.of(JobFinished, "good")
     assert len(finished.images) == 2 and finished.images[0].content_type == "image/png"
     assert finished.images[0].data.startswith(b"\x89PNG") and finished.params.height == 32
-    assert finished.peak_memory_bytes > 0 and len(finished.step_times) == 3 and finished.batch_sizes == [1] * 3
+    assert (
+        finished.peak_memory_bytes > 0 and len(finished.step_times) == 3 and finished.batch_sizes == [1] * 3
+    )
     assert [(m.step, m.total, m.phase) for m in engine.channel.of(JobProgress, "good")] == [
-        (1, 3, "denoising"), (2, 3, "denoising"), (3, 3, "decoding")]
+        (1, 3, "denoising"),
+        (2, 3, "denoising"),
+        (3, 3, "decoding"),
+    ]
 
 
 def test_requests_share_steps_and_finish_on_their_own_step_counts(engine) -> None:
@@ -115,8 +122,10 @@ def test_cancel_while_waiting_answers_at_once(engine) -> None:
 
 def test_cancel_while_running_stops_at_the_next_step(engine) -> None:
     cancel = {"r1"}
-    engine.generator.pipeline.on_step = (
-        lambda req: engine._handle(CancelJob(req.request_id)) if req.step_index == 1 and req.request_id in cancel else None
+    engine.generator.pipeline.on_step = lambda req: (
+        engine._handle(CancelJob(req.request_id))
+        if req.step_index == 1 and req.request_id in cancel
+        else None
     )
     engine._handle(job("r1", num_inference_steps=50))
     engine._handle(job("r2", num_inference_steps=3))

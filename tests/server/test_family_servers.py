@@ -32,7 +32,6 @@ FAMILIES = {
 WIDTH, HEIGHT = 48, 32
 
 
-
 def _build(target: str, out_dir: Path) -> Path:
     module_name, function = target.split(":")
     return Path(getattr(importlib.import_module(module_name), function)(out_dir))
@@ -57,7 +56,11 @@ def test_generation_with_the_openai_sdk_matches_the_python_api(served) -> None:
     client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused")
     body = {"seed": 11, "num_inference_steps": 2, **extras}
     result = client.images.generate(
-        model=str(model_dir), prompt="a red fox", size=f"{WIDTH}x{HEIGHT}", response_format="b64_json", extra_body=body
+        model=str(model_dir),
+        prompt="a red fox",
+        size=f"{WIDTH}x{HEIGHT}",
+        response_format="b64_json",
+        extra_body=body,
     )
     with Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json))) as image:
         served_pixels = np.asarray(image.convert("RGB"))
@@ -75,7 +78,10 @@ def test_a_parameter_the_family_lacks_is_a_400_naming_it(served) -> None:
     client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused")
     with pytest.raises(openai.BadRequestError) as info:
         client.images.generate(
-            model=str(model_dir), prompt="a fox", size="32x32", extra_body={refused: 3.0, "num_inference_steps": 1}
+            model=str(model_dir),
+            prompt="a fox",
+            size="32x32",
+            extra_body={refused: 3.0, "num_inference_steps": 1},
         )
     assert refused in str(info.value)
     assert info.value.body["param"] == refused

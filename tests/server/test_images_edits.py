@@ -34,7 +34,6 @@ API_KEY = "edit-key"
 NO_INPUT_IMAGE = "FluxPipeline is a text-to-image model and takes no input image"
 
 
-
 def png(width: int, height: int, noise: bool = False, seed: int = 0) -> bytes:
     if noise:
         pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)

@@ -24,7 +24,6 @@ INPUT_SIZE = (64, 32)
 FAST = {"num_inference_steps": 2, "true_cfg_scale": 1.0}
 
 
-
 def input_png(size: tuple[int, int] = INPUT_SIZE, seed: int = 0) -> bytes:
     pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
     buffer = io.BytesIO()

@@ -15,8 +15,16 @@ def parse(**body) -> ImageGenerationRequest:
 
 
 def test_openai_request_maps_to_sampling_params() -> None:
-    params = parse(n=3, size="64x32", seed=5, output_format="webp", num_inference_steps=4,
-                   guidance_scale=2.0, negative_prompt="blur", true_cfg_scale=4.0).to_sampling_params()
+    params = parse(
+        n=3,
+        size="64x32",
+        seed=5,
+        output_format="webp",
+        num_inference_steps=4,
+        guidance_scale=2.0,
+        negative_prompt="blur",
+        true_cfg_scale=4.0,
+    ).to_sampling_params()
     assert (params.width, params.height, params.num_outputs_per_prompt, params.seed) == (64, 32, 3, 5)
     assert params.output_format == "webp" and params.num_inference_steps == 4 and params.guidance_scale == 2.0
     assert params.negative_prompt == "blur" and params.true_cfg_scale == 4.0
@@ -42,7 +50,16 @@ def test_unset_seed_is_random_and_in_range() -> None:
 @pytest.mark.parametrize(
     ("body", "ok"),
     [
-        ({"quality": "auto", "background": "auto", "moderation": "auto", "stream": False, "partial_images": 0}, True),
+        (
+            {
+                "quality": "auto",
+                "background": "auto",
+                "moderation": "auto",
+                "stream": False,
+                "partial_images": 0,
+            },
+            True,
+        ),
         ({"stream": True, "partial_images": 3}, True),
         ({"quality": "high"}, True),  # the tier is the engine's to check: the family may not have it
         ({"quality": "lossless"}, True),
@@ -69,7 +86,9 @@ def test_partial_images_need_stream_and_streams_answer_b64_json() -> None:
     with pytest.raises(ApiParamError, match="partial_images=2 needs stream=true") as info:
         parse(partial_images=2).to_sampling_params()
     assert info.value.param == "partial_images"
-    with pytest.raises(ApiParamError, match="response_format='url' is not available with stream=true") as info:
+    with pytest.raises(
+        ApiParamError, match="response_format='url' is not available with stream=true"
+    ) as info:
         parse(stream=True, response_format="url").to_sampling_params()
     assert info.value.param == "response_format"
     with pytest.raises(ValidationError):
@@ -80,7 +99,9 @@ def test_validation_messages_name_the_field() -> None:
     with pytest.raises(ValidationError) as info:
         ImageGenerationRequest.model_validate({"prompt": "x", "colour": "red"})
     message, param = validation_error_message(info.value.errors())
-    assert message.startswith("unknown field 'colour'; accepted fields: prompt, model, n,") and param == "colour"
+    assert (
+        message.startswith("unknown field 'colour'; accepted fields: prompt, model, n,") and param == "colour"
+    )
     with pytest.raises(ValidationError) as info:
         ImageGenerationRequest.model_validate({"prompt": "x", "n": 20})
     message, param = validation_error_message(info.value.errors())

@@ -36,12 +36,18 @@ def b64_pixels(b64: str) -> np.ndarray:
 def post(srv, body: dict | bytes, headers: dict | None = None, timeout: float = 60) -> httpx.Response:
     hdrs = {**srv.headers, **(headers or {})}
     if isinstance(body, bytes):
-        return httpx.post(f"{srv.base_url}/v1/images/generations", content=body,
-                          headers={"Content-Type": "application/json", **hdrs}, timeout=timeout)
+        return httpx.post(
+            f"{srv.base_url}/v1/images/generations",
+            content=body,
+            headers={"Content-Type": "application/json", **hdrs},
+            timeout=timeout,
+        )
     return httpx.post(f"{srv.base_url}/v1/images/generations", json=body, headers=hdrs, timeout=timeout)
 
 
-def assert_error(response: httpx.Response, status: int, message_part: str, param: str | None = "<any>") -> dict:
+def assert_error(
+    response: httpx.Response, status: int, message_part: str, param: str | None = "<any>"
+) -> dict:
     assert response.status_code == status, response.text
     body = response.json()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
@@ -94,8 +100,9 @@ def client(server) -> OpenAI:
 
 
 def offline_pixels(offline, prompt: str, seed: int, n: int = 1) -> list[np.ndarray]:
-    out = offline.generate(prompt, height=SIZE, width=SIZE, num_inference_steps=STEPS, seed=seed,
-                           num_outputs_per_prompt=n)
+    out = offline.generate(
+        prompt, height=SIZE, width=SIZE, num_inference_steps=STEPS, seed=seed, num_outputs_per_prompt=n
+    )
     return [np.asarray(image.convert("RGB")) for image in out.images]
 
 
@@ -137,8 +144,13 @@ def test_health_generate_runs_a_real_generation(server) -> None:
 # -- generation through the official client ---------------------------------------------------------
 def test_openai_client_b64_n3_matches_offline(server, client, offline) -> None:
     response = client.images.generate(
-        model=server.model_name, prompt="a red fox", n=3, size=f"{SIZE}x{SIZE}", response_format="b64_json",
-        quality="auto", extra_body={"seed": 7, "num_inference_steps": STEPS},
+        model=server.model_name,
+        prompt="a red fox",
+        n=3,
+        size=f"{SIZE}x{SIZE}",
+        response_format="b64_json",
+        quality="auto",
+        extra_body={"seed": 7, "num_inference_steps": STEPS},
     )
     assert len(response.data) == 3
     pixels = [b64_pixels(d.b64_json) for d in response.data]
@@ -153,8 +165,13 @@ def test_openai_client_b64_n3_matches_offline(server, client, offline) -> None:
 
 def test_openai_client_url_format(server, client) -> None:
     response = client.images.generate(
-        prompt="a blue square", n=2, size=f"{SIZE}x{SIZE}", response_format="url", output_format="jpeg",
-        output_compression=80, extra_body={"num_inference_steps": 1},
+        prompt="a blue square",
+        n=2,
+        size=f"{SIZE}x{SIZE}",
+        response_format="url",
+        output_format="jpeg",
+        output_compression=80,
+        extra_body={"num_inference_steps": 1},
     )
     assert len(response.data) == 2
     seed = response.model_extra["seed"]
@@ -171,8 +188,11 @@ def test_openai_client_url_format(server, client) -> None:
     assert len(list(server.output_dir.glob("*.jpeg"))) >= 2
     missing = httpx.get(f"{server.base_url}/v1/images/{'0' * 32}-0/content", headers=server.headers)
     assert_error(missing, 404, "no image with id", "image_id")
-    assert_error(httpx.get(f"{server.base_url}/v1/images/..%2F..%2Fetc%2Fpasswd/content", headers=server.headers),
-                 404, "")
+    assert_error(
+        httpx.get(f"{server.base_url}/v1/images/..%2F..%2Fetc%2Fpasswd/content", headers=server.headers),
+        404,
+        "",
+    )
 
 
 def test_concurrent_requests_all_succeed_with_offline_pixels(server, offline) -> None:
@@ -180,19 +200,32 @@ def test_concurrent_requests_all_succeed_with_offline_pixels(server, offline) ->
 
     async def run_all() -> list[httpx.Response]:
         async with httpx.AsyncClient(headers=server.headers, timeout=120) as http:
-            return await asyncio.gather(*(
-                http.post(f"{server.base_url}/v1/images/generations", json={
-                    "prompt": "a green tree", "size": f"{SIZE}x{SIZE}", "seed": seed, "num_inference_steps": STEPS,
-                }) for seed in seeds
-            ))
+            return await asyncio.gather(
+                *(
+                    http.post(
+                        f"{server.base_url}/v1/images/generations",
+                        json={
+                            "prompt": "a green tree",
+                            "size": f"{SIZE}x{SIZE}",
+                            "seed": seed,
+                            "num_inference_steps": STEPS,
+                        },
+                    )
+                    for seed in seeds
+                )
+            )
 
     responses = asyncio.run(run_all())
-    assert [r.status_code for r in responses] == [200] * 8, [r.text for r in responses if r.status_code != 200]
+    assert [r.status_code for r in responses] == [200] * 8, [
+        r.text for r in responses if r.status_code != 200
+    ]
     pixels = [b64_pixels(r.json()["data"][0]["b64_json"]) for r in responses]
     np.testing.assert_array_equal(pixels[0], pixels[7])
     for i in range(7):
         for j in range(i + 1, 7):
-            assert not np.array_equal(pixels[i], pixels[j]), f"seeds {seeds[i]} and {seeds[j]} gave the same image"
+            assert not np.array_equal(pixels[i], pixels[j]), (
+                f"seeds {seeds[i]} and {seeds[j]} gave the same image"
+            )
     for seed, got in zip(seeds, pixels, strict=True):
         np.testing.assert_array_equal(got, offline_pixels(offline, "a green tree", seed)[0])
     ids = {r.headers["x-request-id"] for r in responses}
@@ -204,18 +237,25 @@ def test_quality_medium_is_served_and_reports_the_steps_it_computed(server, clie
     steps ran the DiT in full, and its pixels are the in-process API's for the same request."""
     steps = 10
     response = client.images.generate(
-        model=server.model_name, prompt="a red fox", size=f"{SIZE}x{SIZE}", quality="medium",
+        model=server.model_name,
+        prompt="a red fox",
+        size=f"{SIZE}x{SIZE}",
+        quality="medium",
         extra_body={"seed": 3, "num_inference_steps": steps},
     )
     extra = response.model_extra or {}
     assert response.quality == "medium"
     assert extra["num_inference_steps"] == steps and 3 <= extra["steps_computed_in_full"] < steps
-    expected = offline.generate("a red fox", height=SIZE, width=SIZE, num_inference_steps=steps, seed=3,
-                                quality="medium")
+    expected = offline.generate(
+        "a red fox", height=SIZE, width=SIZE, num_inference_steps=steps, seed=3, quality="medium"
+    )
     assert expected.steps_computed_in_full == extra["steps_computed_in_full"]
     np.testing.assert_array_equal(b64_pixels(response.data[0].b64_json), np.asarray(expected.images[0]))
     lossless = client.images.generate(
-        model=server.model_name, prompt="a red fox", size=f"{SIZE}x{SIZE}", quality="hd",
+        model=server.model_name,
+        prompt="a red fox",
+        size=f"{SIZE}x{SIZE}",
+        quality="hd",
         extra_body={"seed": 3, "num_inference_steps": steps},
     )
     assert lossless.quality == "lossless" and (lossless.model_extra or {})["steps_computed_in_full"] == steps
@@ -236,17 +276,35 @@ BASE = {"prompt": "x", "size": f"{SIZE}x{SIZE}", "num_inference_steps": 1}
         ({**BASE, "size": "40x32"}, 400, "width=40 is not a multiple of 16", "width"),
         ({**BASE, "prompt": "  "}, 400, "prompt must be a non-empty string", "prompt"),
         ({"size": "32x32"}, 400, "prompt is required", "prompt"),
-        ({**BASE, "quality": "ultra"}, 400, "quality must be one of auto, lossless, high, medium, low, hd", "quality"),
+        (
+            {**BASE, "quality": "ultra"},
+            400,
+            "quality must be one of auto, lossless, high, medium, low, hd",
+            "quality",
+        ),
         ({**BASE, "partial_images": 2}, 400, "partial_images=2 needs stream=true", "partial_images"),
         ({**BASE, "style": "vivid"}, 400, "style='vivid' is not supported yet", "style"),
         ({**BASE, "response_format": "xml"}, 400, "Input should be 'b64_json' or 'url'", "response_format"),
         ({**BASE, "output_compression": 50}, 400, "output_compression applies to", "output_compression"),
         ({**BASE, "seed": -1}, 400, "seed: Input should be greater than or equal to 0", "seed"),
-        ({**BASE, "num_inference_steps": "many"}, 400, "num_inference_steps: Input should be a valid integer",
-         "num_inference_steps"),
-        ({**BASE, "max_sequence_length": 9999}, 400, "max_sequence_length must be <= 512", "max_sequence_length"),
-        ({**BASE, "model": "dall-e-3"}, 404, "'dall-e-3' is not served here; this server serves 'tiny-flux'",
-         "model"),
+        (
+            {**BASE, "num_inference_steps": "many"},
+            400,
+            "num_inference_steps: Input should be a valid integer",
+            "num_inference_steps",
+        ),
+        (
+            {**BASE, "max_sequence_length": 9999},
+            400,
+            "max_sequence_length must be <= 512",
+            "max_sequence_length",
+        ),
+        (
+            {**BASE, "model": "dall-e-3"},
+            404,
+            "'dall-e-3' is not served here; this server serves 'tiny-flux'",
+            "model",
+        ),
     ],
 )
 def test_bad_requests(server, body, status, message, param) -> None:
@@ -256,10 +314,14 @@ def test_bad_requests(server, body, status, message, param) -> None:
 def test_malformed_bodies_and_routes(server) -> None:
     assert_error(post(server, b"{not json"), 400, "request body is not valid JSON", None)
     assert_error(post(server, b"[1, 2]"), 400, "request body must be a JSON object", None)
-    assert_error(httpx.get(f"{server.base_url}/v1/nothing", headers=server.headers), 404,
-                 "no route GET /v1/nothing")
-    assert_error(httpx.delete(f"{server.base_url}/v1/models", headers=server.headers), 405,
-                 "method DELETE is not allowed")
+    assert_error(
+        httpx.get(f"{server.base_url}/v1/nothing", headers=server.headers), 404, "no route GET /v1/nothing"
+    )
+    assert_error(
+        httpx.delete(f"{server.base_url}/v1/models", headers=server.headers),
+        405,
+        "method DELETE is not allowed",
+    )
 
 
 def test_oversized_bodies_get_413(server) -> None:
@@ -272,8 +334,12 @@ def test_oversized_bodies_get_413(server) -> None:
         for i in range(0, len(data), 8192):
             yield data[i : i + 8192]
 
-    r = httpx.post(f"{server.base_url}/v1/images/generations", content=chunks(),
-                   headers={**server.headers, "Content-Type": "application/json"}, timeout=30)
+    r = httpx.post(
+        f"{server.base_url}/v1/images/generations",
+        content=chunks(),
+        headers={**server.headers, "Content-Type": "application/json"},
+        timeout=30,
+    )
     assert_error(r, 413, "exceeds the server's limit")
 
 
@@ -295,13 +361,20 @@ def test_queue_full_then_disconnects_cancel_running_and_queued(server) -> None:
     try:
         server.wait_for(lambda: queue_state(server) == (0, 1), timeout=30, what="first request running")
         sockets += [open_raw_request(server, {**long, "seed": i}) for i in range(1, 9)]
-        server.wait_for(lambda: queue_state(server) == (8, 1), timeout=30,
-                        what=lambda: f"1 running + 8 waiting (now {queue_state(server)})")
-        error = assert_error(post(server, BASE), 429, "the queue is full (8 requests waiting, --max-queue-size 8)")
+        server.wait_for(
+            lambda: queue_state(server) == (8, 1),
+            timeout=30,
+            what=lambda: f"1 running + 8 waiting (now {queue_state(server)})",
+        )
+        error = assert_error(
+            post(server, BASE), 429, "the queue is full (8 requests waiting, --max-queue-size 8)"
+        )
         assert error["code"] == "queue_full"
 
         sockets.pop(0).close()  # the running request's client leaves: the engine stops at the next step
-        server.wait_for(lambda: "cancelled at step" in server.log(), timeout=15, what="running request cancelled")
+        server.wait_for(
+            lambda: "cancelled at step" in server.log(), timeout=15, what="running request cancelled"
+        )
         server.wait_for(lambda: queue_state(server) == (7, 1), timeout=15, what="next request started")
         sockets.pop().close()  # a waiting request's client leaves: dropped from the queue
         server.wait_for(lambda: queue_state(server) == (6, 1), timeout=15, what="waiting request dropped")

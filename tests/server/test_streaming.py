@@ -187,7 +187,6 @@ def edit_server(tmp_path_factory):
         srv.process.wait(30)
 
 
-
 def test_streamed_edit_sends_image_edit_events_and_the_plain_image(edit_server) -> None:
     png = io.BytesIO()
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 64, 3), dtype=np.uint8)).save(

@@ -53,7 +53,6 @@ I2V_TTL_S = 3
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-
 def stop(srv, sig: int = signal.SIGTERM) -> None:
     if srv.process.poll() is None:
         srv.process.send_signal(sig)
@@ -360,7 +359,10 @@ def test_create_poll_and_download_with_the_openai_sdk(srv, client, t2v) -> None:
     assert len(denoising) >= 3, f"progress should rise step by step, saw {seen}"
     assert video.progress == 100 and video.error is None
     assert video.completed_at >= video.created_at and video.expires_at == video.completed_at + 86400
-    assert (video.model_extra["quality"], video.model_extra["steps_computed_in_full"]) == ("lossless", POLLED_STEPS)
+    assert (video.model_extra["quality"], video.model_extra["steps_computed_in_full"]) == (
+        "lossless",
+        POLLED_STEPS,
+    )
 
     data = client.videos.download_content(video.id).read()
     assert data[4:8] == b"ftyp"
@@ -528,9 +530,7 @@ def test_restart_keeps_finished_jobs_and_fails_interrupted_ones(t2v, wan_t2v_dir
         return False
 
     srv.wait_for(engine_gone, 30, what="the orphaned engine to exit")
-    t2v.srv = new = start_server(
-        wan_t2v_dir, tmp_path, *t2v.args, output_dir=srv.output_dir
-    )
+    t2v.srv = new = start_server(wan_t2v_dir, tmp_path, *t2v.args, output_dir=srv.output_dir)
     new.wait_ready()
     listed = {
         v["id"]: v
@@ -553,9 +553,7 @@ def i2v(tmp_path_factory):
     from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
 
     model_dir = build_tiny_wan(tmp_path_factory.mktemp("tiny-wan-i2v"), TinyWanSpec(image_to_video=True))
-    srv = start_server(
-        model_dir, tmp_path_factory.mktemp("i2v"), "--job-ttl", str(I2V_TTL_S)
-    )
+    srv = start_server(model_dir, tmp_path_factory.mktemp("i2v"), "--job-ttl", str(I2V_TTL_S))
     try:
         srv.wait_ready()
         yield srv

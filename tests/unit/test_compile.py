@@ -125,7 +125,9 @@ def test_compile_refuses_what_it_cannot_compile() -> None:
 def tiny_flux_1x1(tmp_path_factory: pytest.TempPathFactory):
     from diffserve.testing.tiny_flux import TinyFluxSpec, build_tiny_flux
 
-    return build_tiny_flux(tmp_path_factory.mktemp("tiny-flux-1x1"), TinyFluxSpec(num_layers=1, num_single_layers=1))
+    return build_tiny_flux(
+        tmp_path_factory.mktemp("tiny-flux-1x1"), TinyFluxSpec(num_layers=1, num_single_layers=1)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +193,9 @@ def test_compiled_dit_matches_eager(compiled, eager) -> None:
     with torch.inference_mode():
         expected, got = ref(**inputs), ours(**inputs)
     diff = (got - expected).abs().max().item()
-    print(f"compiled vs eager DiT output: max |diff| = {diff:.2e} (output max |x| {expected.abs().max().item():.2f})")
+    print(
+        f"compiled vs eager DiT output: max |diff| = {diff:.2e} (output max |x| {expected.abs().max().item():.2f})"
+    )
     assert diff <= 1e-5
 
 

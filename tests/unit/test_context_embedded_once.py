@@ -43,11 +43,15 @@ def _count_embeddings(monkeypatch: pytest.MonkeyPatch, dit: torch.nn.Module) -> 
 
 @pytest.fixture(scope="module")
 def flux(tmp_path_factory: pytest.TempPathFactory) -> DiffGenerator:
-    return DiffGenerator.from_pretrained(build_tiny_flux(tmp_path_factory.mktemp("flux")), device="cpu", show_progress=False)
+    return DiffGenerator.from_pretrained(
+        build_tiny_flux(tmp_path_factory.mktemp("flux")), device="cpu", show_progress=False
+    )
 
 
 @pytest.mark.parametrize("cfg", [False, True], ids=["no-cfg", "true-cfg"])
-def test_flux_embeds_each_requests_text_once(flux: DiffGenerator, monkeypatch: pytest.MonkeyPatch, cfg: bool) -> None:
+def test_flux_embeds_each_requests_text_once(
+    flux: DiffGenerator, monkeypatch: pytest.MonkeyPatch, cfg: bool
+) -> None:
     calls = _count_embeddings(monkeypatch, flux.pipeline.context.get("transformer"))
     extra = {"true_cfg_scale": 2.0, "negative_prompt": "blurry"} if cfg else {}
     flux.generate("a cat", height=32, width=32, num_inference_steps=STEPS, seed=1, **extra)
@@ -84,13 +88,17 @@ def test_wan_embeds_each_requests_context_once_with_the_same_frames(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, image_to_video: bool
 ) -> None:
     generator = DiffGenerator.from_pretrained(
-        build_tiny_wan(tmp_path / "wan", TinyWanSpec(image_to_video=image_to_video)), device="cpu", show_progress=False
+        build_tiny_wan(tmp_path / "wan", TinyWanSpec(image_to_video=image_to_video)),
+        device="cpu",
+        show_progress=False,
     )
     dit = generator.pipeline.context.get("transformer")
     kwargs = {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": STEPS, "seed": 2,
               "guidance_scale": 4.0, "negative_prompt": "ugly"}  # fmt: skip
     if image_to_video:
-        kwargs["image"] = Image.fromarray(np.random.default_rng(0).integers(0, 255, (32, 32, 3), dtype=np.uint8))
+        kwargs["image"] = Image.fromarray(
+            np.random.default_rng(0).integers(0, 255, (32, 32, 3), dtype=np.uint8)
+        )
     reference = generator.generate("a boat", **kwargs).frames[0]
 
     # The same request with the embedders run at every step, as before the cache: same frames.
@@ -113,7 +121,9 @@ def _embed_every_step(self, req):  # noqa: ANN001, ANN202 - stands in for WanDen
 def test_zimage_refines_each_requests_captions_once_with_the_same_image(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    generator = DiffGenerator.from_pretrained(build_tiny_zimage(tmp_path / "zimage"), device="cpu", show_progress=False)
+    generator = DiffGenerator.from_pretrained(
+        build_tiny_zimage(tmp_path / "zimage"), device="cpu", show_progress=False
+    )
     dit = generator.pipeline.context.get("transformer")
     kwargs = {"height": 64, "width": 64, "num_inference_steps": STEPS, "seed": 3, "guidance_scale": 4.0,
               "negative_prompt": "a long and blurry, low quality negative prompt"}  # fmt: skip
@@ -127,7 +137,9 @@ def test_zimage_refines_each_requests_captions_once_with_the_same_image(
     monkeypatch.undo()
     calls: list[int] = []
     refine = dit.refine_captions
-    monkeypatch.setattr(dit, "refine_captions", lambda captions: calls.append(len(captions)) or refine(captions))
+    monkeypatch.setattr(
+        dit, "refine_captions", lambda captions: calls.append(len(captions)) or refine(captions)
+    )
     generator.generate("a lighthouse", **kwargs)
     assert calls == [2]  # the prompt's and the negative prompt's captions, once
 

@@ -132,7 +132,9 @@ def test_dispatch_custom_ops_binds_every_op_of_a_model():
     model = torch.nn.Sequential(ScaleShift(), torch.nn.Sequential(torch.nn.Identity(), ScaleShift()))
     platform = FakePlatform("musa")
     assert dispatch_custom_ops(model, platform) == 2
-    assert [m.dispatched_method_name for m in model.modules() if isinstance(m, CustomOp)] == ["forward_musa"] * 2
+    assert [m.dispatched_method_name for m in model.modules() if isinstance(m, CustomOp)] == [
+        "forward_musa"
+    ] * 2
     model(torch.zeros(1))
     assert model[0].musa_calls == 1 and model[1][1].musa_calls == 1
 

@@ -45,7 +45,9 @@ def test_a_component_class_the_family_does_not_implement_is_refused_before_loadi
     index = json.loads((root / "model_index.json").read_text())
     index["vae"] = ["diffusers", "AutoencoderKLWan"]  # a Wan VAE: natively implemented, but not FLUX's
     (root / "model_index.json").write_text(json.dumps(index))
-    with pytest.raises(ModelLoadError, match=r"FluxPipeline does not support: 'vae' \(diffusers.AutoencoderKLWan\)"):
+    with pytest.raises(
+        ModelLoadError, match=r"FluxPipeline does not support: 'vae' \(diffusers.AutoencoderKLWan\)"
+    ):
         DiffGenerator.from_pretrained(root, device="cpu", show_progress=False)
 
 

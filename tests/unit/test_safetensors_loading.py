@@ -43,11 +43,19 @@ def test_single_file_loads_every_tensor(tmp_path) -> None:
 
 def test_sharded_index_loads_and_casts_dtype(tmp_path) -> None:
     state = _reference_state()
-    save_file({"a.weight": state["a.weight"], "a.bias": state["a.bias"]}, str(tmp_path / "m-00001-of-00002.safetensors"))
+    save_file(
+        {"a.weight": state["a.weight"], "a.bias": state["a.bias"]},
+        str(tmp_path / "m-00001-of-00002.safetensors"),
+    )
     save_file({"b.weight": state["b.weight"]}, str(tmp_path / "m-00002-of-00002.safetensors"))
-    weight_map = {"a.weight": "m-00001-of-00002.safetensors", "a.bias": "m-00001-of-00002.safetensors",
-                  "b.weight": "m-00002-of-00002.safetensors"}
-    (tmp_path / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    weight_map = {
+        "a.weight": "m-00001-of-00002.safetensors",
+        "a.bias": "m-00001-of-00002.safetensors",
+        "b.weight": "m-00002-of-00002.safetensors",
+    }
+    (tmp_path / "diffusion_pytorch_model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": weight_map})
+    )
     files = find_weight_files(tmp_path)
     assert [f.name for f in files] == ["m-00001-of-00002.safetensors", "m-00002-of-00002.safetensors"]
     module = _meta_toy()
@@ -96,10 +104,17 @@ def test_missing_shard_is_named(tmp_path) -> None:
 
 
 def test_model_index_skips_null_components(tmp_path) -> None:
-    (tmp_path / "model_index.json").write_text(json.dumps({
-        "_class_name": "FluxPipeline", "_diffusers_version": "0.30.0",
-        "vae": ["diffusers", "AutoencoderKL"], "image_encoder": [None, None], "force_zeros_for_empty_prompt": True,
-    }))
+    (tmp_path / "model_index.json").write_text(
+        json.dumps(
+            {
+                "_class_name": "FluxPipeline",
+                "_diffusers_version": "0.30.0",
+                "vae": ["diffusers", "AutoencoderKL"],
+                "image_encoder": [None, None],
+                "force_zeros_for_empty_prompt": True,
+            }
+        )
+    )
     index = read_model_index(tmp_path)
     assert index.pipeline_class_name == "FluxPipeline"
     assert list(index.components) == ["vae"]

@@ -72,6 +72,9 @@ def test_sampling_params_defaults_fill_only_unset_fields() -> None:
     mine = SamplingParams(prompt="a", height=512, num_inference_steps=None)
     resolved = mine.with_defaults(defaults)
     assert (resolved.height, resolved.width, resolved.num_inference_steps, resolved.guidance_scale) == (
-        512, 1024, 28, 3.5,
+        512,
+        1024,
+        28,
+        3.5,
     )
     assert mine.width is None, "with_defaults must not modify the request's own params"

@@ -61,13 +61,17 @@ def test_threshold_zero_never_reuses_and_max_reuse_in_a_row_forces_full_steps() 
     never = StepCacheState(StepCachePolicy(threshold=0.0))
     run_steps([never], [1], num_steps=8, drift=0.0)
     assert never.steps_reused == 0
-    capped = StepCacheState(StepCachePolicy(threshold=10.0, full_first_steps=1, full_last_steps=0, max_reuse_in_a_row=2))
+    capped = StepCacheState(
+        StepCachePolicy(threshold=10.0, full_first_steps=1, full_last_steps=0, max_reuse_in_a_row=2)
+    )
     run_steps([capped], [1], num_steps=8, drift=0.0)
     assert capped.history == [True, False, False, True, False, False, True, False]
 
 
 def test_a_fast_signal_accumulates_past_the_threshold() -> None:
-    state = StepCacheState(StepCachePolicy(threshold=0.15, full_first_steps=1, full_last_steps=0, max_reuse_in_a_row=10))
+    state = StepCacheState(
+        StepCachePolicy(threshold=0.15, full_first_steps=1, full_last_steps=0, max_reuse_in_a_row=10)
+    )
     run_steps([state], [1], num_steps=6, drift=0.1)
     # relative changes ~0.09, 0.08, ...: one reuse, then the accumulated change passes 0.15 and a step runs.
     assert state.history == [True, False, True, False, True, False]
@@ -84,7 +88,9 @@ def test_rows_of_lossless_requests_always_run_and_only_computing_rows_are_passed
 
 def test_no_cached_request_means_no_step_cache() -> None:
     assert batch_step_cache([CacheRows(None, 2, 0, 4)]) is None
-    assert batch_step_cache([CacheRows(None, 2, 0, 4), CacheRows(StepCacheState(StepCachePolicy(0.1)), 1, 0, 4)])
+    assert batch_step_cache(
+        [CacheRows(None, 2, 0, 4), CacheRows(StepCacheState(StepCachePolicy(0.1)), 1, 0, 4)]
+    )
 
 
 def test_batch_rows_must_match() -> None:
@@ -105,8 +111,14 @@ POLICIES = {"medium": StepCachePolicy(0.2), "low": StepCachePolicy(0.4)}
 
 @pytest.mark.parametrize(
     ("requested", "default", "tier"),
-    [(None, "lossless", "lossless"), ("auto", "medium", "medium"), ("standard", "low", "low"),
-     ("hd", "medium", "lossless"), ("lossless", "low", "lossless"), ("medium", "lossless", "medium")],
+    [
+        (None, "lossless", "lossless"),
+        ("auto", "medium", "medium"),
+        ("standard", "low", "low"),
+        ("hd", "medium", "lossless"),
+        ("lossless", "low", "lossless"),
+        ("medium", "lossless", "medium"),
+    ],
 )
 def test_quality_values_resolve_to_tiers(requested, default, tier) -> None:
     assert QualityRule(default_tier=default, policies=POLICIES).resolve(requested) == tier
@@ -114,10 +126,14 @@ def test_quality_values_resolve_to_tiers(requested, default, tier) -> None:
 
 def test_unknown_quality_and_missing_tiers_are_400s_naming_quality() -> None:
     rule = QualityRule(policies=POLICIES, family="FluxPipeline")
-    with pytest.raises(InvalidRequestError, match="quality must be one of auto, lossless, high, medium, low") as err:
+    with pytest.raises(
+        InvalidRequestError, match="quality must be one of auto, lossless, high, medium, low"
+    ) as err:
         rule.resolve("ultra")
     assert err.value.param == "quality"
-    with pytest.raises(InvalidRequestError, match="'high' is not available for FluxPipeline: it has lossless, medium, low"):
+    with pytest.raises(
+        InvalidRequestError, match="'high' is not available for FluxPipeline: it has lossless, medium, low"
+    ):
         rule.resolve("high")
 
 

@@ -123,7 +123,11 @@ class _DispatchLevel(TorchDispatchMode):
             self.log.add(f"aten.{name}")
         elif name in ("index", "index_put", "index_put_") and _has_bool_index(args):
             self.log.add(f"aten.{name} with a boolean mask (its size is read on the host)")
-        elif name == "repeat_interleave" and func._overloadname != "self_int" and kwargs.get("output_size") is None:
+        elif (
+            name == "repeat_interleave"
+            and func._overloadname != "self_int"
+            and kwargs.get("output_size") is None
+        ):
             self.log.add("aten.repeat_interleave by a tensor without output_size")
         elif name in ("_to_copy", "copy_"):
             devices = {t.device for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
@@ -210,7 +214,10 @@ def _build(name: str, root: Path) -> Path:
 #: Per family: params with CFG on (and embedded guidance where the DiT takes it), and params with it
 #: off. Three steps, so that UniPC reaches its second-order corrector, which solves a linear system.
 CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "flux": ({"guidance_scale": 3.5, "true_cfg_scale": 2.0, "negative_prompt": "ugly"}, {"true_cfg_scale": 1.0}),
+    "flux": (
+        {"guidance_scale": 3.5, "true_cfg_scale": 2.0, "negative_prompt": "ugly"},
+        {"true_cfg_scale": 1.0},
+    ),
     "sd3": ({"guidance_scale": 5.0}, {"guidance_scale": 1.0}),
     "qwen-image": ({"true_cfg_scale": 4.0, "negative_prompt": "blurry"}, {"true_cfg_scale": 1.0}),
     "z-image": ({"guidance_scale": 4.0}, {"guidance_scale": 0.0}),
@@ -226,7 +233,9 @@ def family(request, tmp_path_factory) -> Iterator[tuple[str, DiffGenerator, SpyC
     gen = DiffGenerator.from_pretrained(root, device="cpu", show_progress=False)
     platform = SpyCpuPlatform()
     gen.platform = platform
-    gen.engine = Engine(gen.pipeline, platform, gen.engine.config, attention_backend=gen.engine.attention_backend)
+    gen.engine = Engine(
+        gen.pipeline, platform, gen.engine.config, attention_backend=gen.engine.attention_backend
+    )
     yield request.param, gen, platform
 
 
@@ -267,11 +276,16 @@ def test_single_request_steps_make_no_host_traffic(family) -> None:
     assert len(out.step_times) == STEPS and all(t > 0 for t in out.step_times)
 
 
-def _run_engine(gen: DiffGenerator, platform: SpyCpuPlatform, name: str, logs: list[HostTraffic] | None) -> list:
+def _run_engine(
+    gen: DiffGenerator, platform: SpyCpuPlatform, name: str, logs: list[HostTraffic] | None
+) -> list:
     """Two requests (CFG on and off, different seeds and step counts) sharing the engine's DiT batches;
     with `logs`, each batched step (and its timing) is recorded, a finished request's decoding is not."""
     scheduler = Engine(
-        gen.pipeline, platform, SchedulerConfig(max_running_requests=2), attention_backend=gen.engine.attention_backend
+        gen.pipeline,
+        platform,
+        SchedulerConfig(max_running_requests=2),
+        attention_backend=gen.engine.attention_backend,
     )
     if logs is not None:
         scheduler._denoise = recorded(scheduler._denoise, platform, logs)

@@ -384,7 +384,9 @@ def test_calibration_fits_the_measured_peaks(flux) -> None:
     for p in probes:
         cost = request_cost(flux, p)
         readings += [1000, 1000 + 500 + 10 * cost.batch_tokens, 1000, 1000 + 7 * cost.pixels]
-    engine = Engine(flux.pipeline, ScriptedPlatform(readings), attention_backend=flux.engine.attention_backend)
+    engine = Engine(
+        flux.pipeline, ScriptedPlatform(readings), attention_backend=flux.engine.attention_backend
+    )
     memory = calibrate_memory_model(engine, probes, mem_fraction=0.5)
     assert memory.source == "measured" and memory.budget_bytes == 5 * 10**8
     assert memory.bytes_per_token == pytest.approx(11.0) and memory.fixed_bytes == pytest.approx(550.0)

@@ -38,12 +38,21 @@ def test_t5_from_tokenizer_json(tmp_path, class_name) -> None:
 
 
 def test_t5_from_sentencepiece_model(tmp_path) -> None:
-    sentencepiece = pytest.importorskip("sentencepiece", reason="sentencepiece is needed to write spiece.model")
+    sentencepiece = pytest.importorskip(
+        "sentencepiece", reason="sentencepiece is needed to write spiece.model"
+    )
     model = io.BytesIO()
     sentences = ["a red fox in the snow", "a blue bird on a branch", "the quick brown fox"] * 20
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentences), model_writer=model, vocab_size=24, model_type="unigram", minloglevel=2,
-        pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+        sentence_iterator=iter(sentences),
+        model_writer=model,
+        vocab_size=24,
+        model_type="unigram",
+        minloglevel=2,
+        pad_id=0,
+        eos_id=1,
+        unk_id=2,
+        bos_id=-1,
     )
     (tmp_path / "spiece.model").write_bytes(model.getvalue())
     tok = load_tokenizer(ComponentSpec("tokenizer_2", "transformers", "T5TokenizerFast", tmp_path))

@@ -45,15 +45,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_engine_flags(p)
-    p.add_argument("--prompt", action="append", default=None, help="calibration prompt (repeat; default: 4 built in)")
-    p.add_argument("--image", default=None, metavar="PATH", help="input image, for edit and image-to-video models")
-    p.add_argument("--num-inference-steps", type=int, default=None, help="steps (default: the family's, at least 20)")
+    p.add_argument(
+        "--prompt", action="append", default=None, help="calibration prompt (repeat; default: 4 built in)"
+    )
+    p.add_argument(
+        "--image", default=None, metavar="PATH", help="input image, for edit and image-to-video models"
+    )
+    p.add_argument(
+        "--num-inference-steps", type=int, default=None, help="steps (default: the family's, at least 20)"
+    )
     p.add_argument("--height", type=int, default=None, help="height in pixels (default: the model's)")
     p.add_argument("--width", type=int, default=None, help="width in pixels (default: the model's)")
     p.add_argument("--num-frames", type=int, default=None, help="video models: frames (default: the model's)")
     p.add_argument("--seed", type=int, default=0, help="seed of every calibration generation (default: 0)")
-    p.add_argument("--margin-db", type=float, default=1.0,
-                   help="mean PSNR kept above each tier's bar, for prompts unlike the calibration ones (default: 1)")
+    p.add_argument(
+        "--margin-db",
+        type=float,
+        default=1.0,
+        help="mean PSNR kept above each tier's bar, for prompts unlike the calibration ones (default: 1)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the result without writing the file")
     p.add_argument("--output-path", default="outputs", help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="info", choices=LEVELS)
@@ -114,8 +124,12 @@ class Calibration:
     def trial(self, threshold: float, max_reuse: int, template: StepCachePolicy) -> Trial:
         key = (threshold, max_reuse)
         if key not in self.trials:
-            policy = StepCachePolicy(threshold=threshold, full_first_steps=template.full_first_steps,
-                                     full_last_steps=template.full_last_steps, max_reuse_in_a_row=max_reuse)
+            policy = StepCachePolicy(
+                threshold=threshold,
+                full_first_steps=template.full_first_steps,
+                full_last_steps=template.full_last_steps,
+                max_reuse_in_a_row=max_reuse,
+            )
             self.generator.pipeline.use_step_cache_policies({"medium": policy})
             scores, steps, start = [], [], time.perf_counter()
             for prompt, reference in zip(self.prompts, self.reference, strict=True):
@@ -123,8 +137,14 @@ class Calibration:
                 scores.append(_psnr(_pixels(out), reference))
                 steps.append(out.steps_computed_in_full)
             trial = Trial(policy, scores, steps, time.perf_counter() - start)
-            logger.info("threshold %.3g, at most %d reused in a row: mean PSNR %.1f dB, %.1f of %d steps in full",
-                        threshold, max_reuse, trial.mean_psnr, trial.mean_steps, self.num_steps)
+            logger.info(
+                "threshold %.3g, at most %d reused in a row: mean PSNR %.1f dB, %.1f of %d steps in full",
+                threshold,
+                max_reuse,
+                trial.mean_psnr,
+                trial.mean_steps,
+                self.num_steps,
+            )
             self.trials[key] = trial
         return self.trials[key]
 
@@ -162,26 +182,41 @@ def run(args: argparse.Namespace) -> int:
     if not defaults:
         raise UserError(f"{type(generator.pipeline).__name__} has no step cache: only lossless is served")
     request = {
-        "height": args.height, "width": args.width, "num_frames": args.num_frames, "seed": args.seed,
-        "input_images": images, "num_inference_steps": args.num_inference_steps,
+        "height": args.height,
+        "width": args.width,
+        "num_frames": args.num_frames,
+        "seed": args.seed,
+        "input_images": images,
+        "num_inference_steps": args.num_inference_steps,
     }
     if args.num_inference_steps is None:  # the family's default, but at least 20 (where caching pays)
         family_steps = generator.pipeline.resolve_params(SamplingParams(prompt=prompts[0], **request))
         request["num_inference_steps"] = max(20, family_steps.num_inference_steps)
     calibration = Calibration(generator, prompts, request)
-    chosen, measurements = {}, {
-        "prompts": prompts, "num_inference_steps": calibration.num_steps, "margin_db": args.margin_db,
-        "height": args.height, "width": args.width, "seed": args.seed,
-        "lossless_seconds_per_prompt": calibration.lossless_seconds / len(prompts), "tiers": {},
-    }
+    chosen, measurements = (
+        {},
+        {
+            "prompts": prompts,
+            "num_inference_steps": calibration.num_steps,
+            "margin_db": args.margin_db,
+            "height": args.height,
+            "width": args.width,
+            "seed": args.seed,
+            "lossless_seconds_per_prompt": calibration.lossless_seconds / len(prompts),
+            "tiers": {},
+        },
+    )
     for tier in APPROXIMATE_TIERS:
         template = defaults.get(tier, StepCachePolicy(threshold=0.0))
         trial = calibration.best_for(PSNR_BARS[tier] + args.margin_db, template)
         if trial is None:
-            raise UserError(f"no threshold keeps {tier} at {PSNR_BARS[tier]} + {args.margin_db} dB on these prompts")
+            raise UserError(
+                f"no threshold keeps {tier} at {PSNR_BARS[tier]} + {args.margin_db} dB on these prompts"
+            )
         chosen[tier] = trial.policy
         measurements["tiers"][tier] = {
-            "mean_psnr_db": round(trial.mean_psnr, 2), "min_psnr_db": round(min(trial.psnr_db), 2),
+            "mean_psnr_db": round(trial.mean_psnr, 2),
+            "min_psnr_db": round(min(trial.psnr_db), 2),
             "mean_steps_computed": trial.mean_steps,
             "speedup_vs_lossless": round(calibration.lossless_seconds / trial.seconds, 2),
         }

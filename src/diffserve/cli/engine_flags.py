@@ -13,23 +13,41 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="Diffusers model folder (with model_index.json); default: the small demo model shipped with diffserve",
     )
-    p.add_argument("--device", default=None, help="platform: cpu, cuda, rocm, musa, xpu, npu, mps (default: detect)")
+    p.add_argument(
+        "--device", default=None, help="platform: cpu, cuda, rocm, musa, xpu, npu, mps (default: detect)"
+    )
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the platform's)")
     p.add_argument("--text-encoder-dtype", default=None, help="dtype of the text encoders (default: --dtype)")
     p.add_argument("--attention-backend", default=None, help="sdpa, flash_attn or sage_attn (default: sdpa)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the DiT's repeated blocks (regional, inductor, dynamic shapes): compiled "
-                   "at start-up by a short warm-up (or at --warmup-resolutions), so requests of any size run "
-                   "compiled")
-    p.add_argument("--warmup-resolutions", nargs="+", default=[], metavar="WxH", type=parse_resolution,
-                   help="sizes generated once at startup (e.g. 1024x1024 768x1344) so compilation happens "
-                   "before the first request (default: none)")
-    p.add_argument("--tune-allocator", action="store_true",
-                   help="CPU (glibc): keep activation buffers mapped between denoising steps instead of "
-                   "returning them to the OS; measure first, it helps on some hosts and slows others")
-    p.add_argument("--default-quality", default="lossless", choices=("lossless", "high", "medium", "low"),
-                   help="what quality='auto' (or no quality) means for a request: lossless (exact), or an "
-                   "approximate tier that reuses DiT work between steps (default: lossless)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the DiT's repeated blocks (regional, inductor, dynamic shapes): compiled "
+        "at start-up by a short warm-up (or at --warmup-resolutions), so requests of any size run "
+        "compiled",
+    )
+    p.add_argument(
+        "--warmup-resolutions",
+        nargs="+",
+        default=[],
+        metavar="WxH",
+        type=parse_resolution,
+        help="sizes generated once at startup (e.g. 1024x1024 768x1344) so compilation happens "
+        "before the first request (default: none)",
+    )
+    p.add_argument(
+        "--tune-allocator",
+        action="store_true",
+        help="CPU (glibc): keep activation buffers mapped between denoising steps instead of "
+        "returning them to the OS; measure first, it helps on some hosts and slows others",
+    )
+    p.add_argument(
+        "--default-quality",
+        default="lossless",
+        choices=("lossless", "high", "medium", "low"),
+        help="what quality='auto' (or no quality) means for a request: lossless (exact), or an "
+        "approximate tier that reuses DiT work between steps (default: lossless)",
+    )
 
 
 def parse_resolution(text: str) -> tuple[int, int]:

@@ -25,29 +25,49 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text prompt")
     prompt.add_argument("--prompt-file", help="file with one prompt per line (blank lines skipped)")
-    p.add_argument("--image", action="append", default=None, metavar="PATH",
-                   help="input image of an edit model (repeat for several, in order); png, jpeg, webp, bmp or gif")
+    p.add_argument(
+        "--image",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="input image of an edit model (repeat for several, in order); png, jpeg, webp, bmp or gif",
+    )
     p.add_argument("--mask", default=None, metavar="PATH", help="inpainting mask (only models that inpaint)")
     p.add_argument("--negative-prompt", default=None, help="negative prompt (used with --true-cfg-scale > 1)")
     p.add_argument("--height", type=int, default=None, help="image height in pixels (model default if unset)")
     p.add_argument("--width", type=int, default=None, help="image width in pixels (model default if unset)")
     p.add_argument("--num-inference-steps", type=int, default=None, help="denoising steps")
     p.add_argument("--guidance-scale", type=float, default=None, help="embedded guidance (FLUX.1-dev: 3.5)")
-    p.add_argument("--true-cfg-scale", type=float, default=None, help="true CFG scale; >1 with a negative prompt")
+    p.add_argument(
+        "--true-cfg-scale", type=float, default=None, help="true CFG scale; >1 with a negative prompt"
+    )
     p.add_argument("--max-sequence-length", type=int, default=None, help="T5 tokens (FLUX: at most 512)")
-    p.add_argument("--num-frames", type=int, default=None, help="video models: frames (Wan: 4k+1, default 81)")
-    p.add_argument("--fps", type=int, default=None, help="video models: frames per second of the file (Wan: 16)")
-    p.add_argument("--video-format", default=None, choices=("mp4", "gif", "webp"), help="video container (mp4)")
+    p.add_argument(
+        "--num-frames", type=int, default=None, help="video models: frames (Wan: 4k+1, default 81)"
+    )
+    p.add_argument(
+        "--fps", type=int, default=None, help="video models: frames per second of the file (Wan: 16)"
+    )
+    p.add_argument(
+        "--video-format", default=None, choices=("mp4", "gif", "webp"), help="video container (mp4)"
+    )
     p.add_argument("--save-frames", action="store_true", help="video models: also write every frame as a PNG")
     p.add_argument("--seed", type=int, default=0, help="noise seed (same seed, same image on every device)")
-    p.add_argument("--quality", default=None, choices=ACCEPTED,
-                   help="lossless (exact); high, medium, low: reuse DiT work between steps, faster, at least "
-                   "35/30/25 dB PSNR against lossless; auto: --default-quality (default: auto)")
+    p.add_argument(
+        "--quality",
+        default=None,
+        choices=ACCEPTED,
+        help="lossless (exact); high, medium, low: reuse DiT work between steps, faster, at least "
+        "35/30/25 dB PSNR against lossless; auto: --default-quality (default: auto)",
+    )
     p.add_argument("--num-outputs-per-prompt", type=int, default=1, help="images per prompt")
     p.add_argument("--output-path", default="outputs", help="directory for output files (default: outputs/)")
     p.add_argument("--output-file-name", default=None, help="file name instead of the generated one")
     p.add_argument(
-        "--save-output", action=argparse.BooleanOptionalAction, default=True, help="write images to --output-path"
+        "--save-output",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write images to --output-path",
     )
     p.add_argument("--log-level", default="info", choices=LEVELS)
     p.set_defaults(handler=run)

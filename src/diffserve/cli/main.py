@@ -13,7 +13,9 @@ EXIT_USER_ERROR = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diffserve", description="A fast serving engine for diffusion models.")
+    parser = argparse.ArgumentParser(
+        prog="diffserve", description="A fast serving engine for diffusion models."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     generate.add_parser(sub)
     calibrate_cache.add_parser(sub)

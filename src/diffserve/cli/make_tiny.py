@@ -54,7 +54,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--sd35", action="store_true", help="sd3: SD3.5 style (qk RMSNorm, dual attention in block 0)"
     )
     p.add_argument(
-        "--scheduler", choices=("flow-match-euler", "unipc"), default="flow-match-euler",
+        "--scheduler",
+        choices=("flow-match-euler", "unipc"),
+        default="flow-match-euler",
         help="wan-*: the scheduler written (unipc is what the released Wan 2.1 checkpoints ship)",
     )
     p.set_defaults(handler=run)

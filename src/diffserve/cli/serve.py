@@ -22,50 +22,106 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "engine process; the HTTP front end never blocks on it.",
     )
     add_engine_flags(p)
-    p.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
-                   help="model name(s) clients pass as 'model'; the first is what /v1/models lists "
-                   "(default: the model path; its folder name is always accepted too)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="model name(s) clients pass as 'model'; the first is what /v1/models lists "
+        "(default: the model path; its folder name is always accepted too)",
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all)"
+    )
     p.add_argument("--port", type=int, default=30000, help="port to listen on (default: 30000)")
-    p.add_argument("--api-key", default=os.environ.get("DIFFSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every route but /health, /health_generate and "
-                   "/metrics (default: $DIFFSERVE_API_KEY; unset: no auth). Image URLs carry their own token")
-    p.add_argument("--max-queue-size", type=int, default=64,
-                   help="requests allowed to wait for the engine (not counting the running ones); more get "
-                   "429 (default: 64)")
-    p.add_argument("--max-running-requests", type=int, default=8,
-                   help="requests the engine runs at once, sharing denoising steps as one DiT batch per shape "
-                   "(step-level batching); 1: one request at a time (default: 8)")
-    p.add_argument("--max-batch-tokens", type=int, default=None,
-                   help="cap on the running requests' latent tokens x CFG branches x outputs (a 1024x1024 "
-                   "FLUX image is 4096 tokens); requests beyond it wait (default: 65536 on accelerators, "
-                   "16384 on CPU)")
-    p.add_argument("--mem-fraction", type=float, default=0.9,
-                   help="share of the free memory measured after warm-up that running requests may use; a "
-                   "request is admitted only while the estimated total fits, and one that cannot fit even "
-                   "alone gets 413 (default: 0.9)")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20,
-                   help="largest request body; larger ones get 413 (default: 1048576). /v1/images/edits "
-                   "allows 17 images at --max-image-bytes as base64 on top of it")
-    p.add_argument("--allow-url-images", action="store_true",
-                   help="let /v1/images/edits fetch input images from http(s) URLs on public hosts (default: "
-                   "off; uploads and base64 data URLs only, no outbound requests)")
-    p.add_argument("--max-image-bytes", type=int, default=20 << 20,
-                   help="largest input image (encoded: upload, decoded data URL or download); larger ones get "
-                   "413 (default: 20971520 = 20 MiB). The edits route's body limit follows from it")
-    p.add_argument("--max-image-pixels", type=int, default=4096 * 4096,
-                   help="largest input image in pixels (width * height, checked before decoding); larger ones "
-                   "get 413 (default: 16777216 = 4096x4096)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds in-flight requests get to finish before they are cancelled (default: 30)")
-    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                   help="run a 1-step generation before reporting ready (default: on)")
-    p.add_argument("--output-path", default="outputs",
-                   help="directory for images returned as response_format='url', and for /v1/videos jobs "
-                   "(videos/<id>.mp4 and video_jobs.sqlite3) (default: outputs/)")
-    p.add_argument("--job-ttl", type=float, default=86400.0,
-                   help="seconds a finished /v1/videos job and its MP4 are kept after it finished; then both "
-                   "are deleted (default: 86400 = one day)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("DIFFSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health, /health_generate and "
+        "/metrics (default: $DIFFSERVE_API_KEY; unset: no auth). Image URLs carry their own token",
+    )
+    p.add_argument(
+        "--max-queue-size",
+        type=int,
+        default=64,
+        help="requests allowed to wait for the engine (not counting the running ones); more get "
+        "429 (default: 64)",
+    )
+    p.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=8,
+        help="requests the engine runs at once, sharing denoising steps as one DiT batch per shape "
+        "(step-level batching); 1: one request at a time (default: 8)",
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=None,
+        help="cap on the running requests' latent tokens x CFG branches x outputs (a 1024x1024 "
+        "FLUX image is 4096 tokens); requests beyond it wait (default: 65536 on accelerators, "
+        "16384 on CPU)",
+    )
+    p.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=0.9,
+        help="share of the free memory measured after warm-up that running requests may use; a "
+        "request is admitted only while the estimated total fits, and one that cannot fit even "
+        "alone gets 413 (default: 0.9)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=1 << 20,
+        help="largest request body; larger ones get 413 (default: 1048576). /v1/images/edits "
+        "allows 17 images at --max-image-bytes as base64 on top of it",
+    )
+    p.add_argument(
+        "--allow-url-images",
+        action="store_true",
+        help="let /v1/images/edits fetch input images from http(s) URLs on public hosts (default: "
+        "off; uploads and base64 data URLs only, no outbound requests)",
+    )
+    p.add_argument(
+        "--max-image-bytes",
+        type=int,
+        default=20 << 20,
+        help="largest input image (encoded: upload, decoded data URL or download); larger ones get "
+        "413 (default: 20971520 = 20 MiB). The edits route's body limit follows from it",
+    )
+    p.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=4096 * 4096,
+        help="largest input image in pixels (width * height, checked before decoding); larger ones "
+        "get 413 (default: 16777216 = 4096x4096)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds in-flight requests get to finish before they are cancelled (default: 30)",
+    )
+    p.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run a 1-step generation before reporting ready (default: on)",
+    )
+    p.add_argument(
+        "--output-path",
+        default="outputs",
+        help="directory for images returned as response_format='url', and for /v1/videos jobs "
+        "(videos/<id>.mp4 and video_jobs.sqlite3) (default: outputs/)",
+    )
+    p.add_argument(
+        "--job-ttl",
+        type=float,
+        default=86400.0,
+        help="seconds a finished /v1/videos job and its MP4 are kept after it finished; then both "
+        "are deleted (default: 86400 = one day)",
+    )
     p.add_argument("--log-level", default="info", choices=LEVELS)
     p.set_defaults(handler=run)
 

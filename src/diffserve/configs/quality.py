@@ -85,18 +85,27 @@ def read_calibrated_policies(model_root: str | Path, family: str) -> dict[str, S
             raise ValueError(f"it was made for family {data.get('family')!r}, this model is {family!r}")
         policies = {tier: StepCachePolicy(**values) for tier, values in data["tiers"].items()}
     except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path} is not a valid step-cache calibration ({exc}); delete it or rerun "
-                         "`diffserve calibrate-cache`") from exc
+        raise ValueError(
+            f"{path} is not a valid step-cache calibration ({exc}); delete it or rerun "
+            "`diffserve calibrate-cache`"
+        ) from exc
     unknown = set(policies) - set(APPROXIMATE_TIERS)
     if unknown:
         raise ValueError(f"{path}: unknown tiers {sorted(unknown)}; tiers are {', '.join(APPROXIMATE_TIERS)}")
-    logger.info("Step-cache thresholds from %s: %s", path.name,
-                {tier: policy.threshold for tier, policy in policies.items()})
+    logger.info(
+        "Step-cache thresholds from %s: %s",
+        path.name,
+        {tier: policy.threshold for tier, policy in policies.items()},
+    )
     return policies
 
 
-def write_calibration(model_root: str | Path, family: str, policies: Mapping[str, StepCachePolicy],
-                      measurements: Mapping[str, Any]) -> Path:
+def write_calibration(
+    model_root: str | Path,
+    family: str,
+    policies: Mapping[str, StepCachePolicy],
+    measurements: Mapping[str, Any],
+) -> Path:
     """Store calibrated policies next to the model config (atomically: a reader never sees half a file)."""
     path = calibration_path(model_root)
     payload = {

@@ -73,4 +73,6 @@ def qwen_image_default_sampling_params() -> SamplingParams:
     """Diffusers' defaults (50 steps, true_cfg_scale 4) with one deliberate difference: the negative
     prompt defaults to " " (the model card's usage) so true CFG is on by default; Diffusers leaves it
     unset, which silently turns CFG off. Send `true_cfg_scale=1` to run without CFG."""
-    return SamplingParams(num_inference_steps=50, true_cfg_scale=4.0, negative_prompt=" ", max_sequence_length=512)
+    return SamplingParams(
+        num_inference_steps=50, true_cfg_scale=4.0, negative_prompt=" ", max_sequence_length=512
+    )

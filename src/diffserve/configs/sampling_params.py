@@ -66,20 +66,30 @@ class SamplingParams:
                     param=name,
                 )
         if not isinstance(self.num_inference_steps, int) or self.num_inference_steps < 1:
-            raise InvalidRequestError(f"num_inference_steps must be >= 1, got {self.num_inference_steps!r}", param="num_inference_steps"
+            raise InvalidRequestError(
+                f"num_inference_steps must be >= 1, got {self.num_inference_steps!r}",
+                param="num_inference_steps",
             )
         if self.num_outputs_per_prompt < 1:
-            raise InvalidRequestError(f"num_outputs_per_prompt must be >= 1, got {self.num_outputs_per_prompt}", param="num_outputs_per_prompt"
+            raise InvalidRequestError(
+                f"num_outputs_per_prompt must be >= 1, got {self.num_outputs_per_prompt}",
+                param="num_outputs_per_prompt",
             )
         if self.guidance_scale is not None and self.guidance_scale < 0:
-            raise InvalidRequestError(f"guidance_scale must be >= 0, got {self.guidance_scale}", param="guidance_scale")
+            raise InvalidRequestError(
+                f"guidance_scale must be >= 0, got {self.guidance_scale}", param="guidance_scale"
+            )
         if self.true_cfg_scale is not None and self.true_cfg_scale < 0:
-            raise InvalidRequestError(f"true_cfg_scale must be >= 0, got {self.true_cfg_scale}", param="true_cfg_scale")
+            raise InvalidRequestError(
+                f"true_cfg_scale must be >= 0, got {self.true_cfg_scale}", param="true_cfg_scale"
+            )
         if not 0 <= self.seed < 2**63:
             raise InvalidRequestError(f"seed must be in [0, 2**63), got {self.seed}", param="seed")
         if self.max_sequence_length is not None:
             if self.max_sequence_length < 1:
-                raise InvalidRequestError(f"max_sequence_length must be >= 1, got {self.max_sequence_length}", param="max_sequence_length"
+                raise InvalidRequestError(
+                    f"max_sequence_length must be >= 1, got {self.max_sequence_length}",
+                    param="max_sequence_length",
                 )
             if max_sequence_length_limit is not None and self.max_sequence_length > max_sequence_length_limit:
                 raise InvalidRequestError(
@@ -87,13 +97,16 @@ class SamplingParams:
                     param="max_sequence_length",
                 )
         if self.output_format not in ("png", "jpeg", "webp"):
-            raise InvalidRequestError(f"output_format must be png, jpeg or webp, got {self.output_format!r}", param="output_format"
+            raise InvalidRequestError(
+                f"output_format must be png, jpeg or webp, got {self.output_format!r}", param="output_format"
             )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly fields (for PNG metadata and logs): input images appear as their sizes."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in IMAGE_FIELDS}
         out["extra"] = dict(self.extra)
-        out["input_images"] = None if self.input_images is None else [list(im.size) for im in self.input_images]
+        out["input_images"] = (
+            None if self.input_images is None else [list(im.size) for im in self.input_images]
+        )
         out["mask_image"] = None if self.mask_image is None else list(self.mask_image.size)
         return out

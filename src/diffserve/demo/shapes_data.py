@@ -163,7 +163,12 @@ def held_out_attributes() -> list[Attributes]:
 def _shape_polygon(shape: str, cx: float, cy: float, r: float) -> list[tuple[float, float]] | None:
     if shape == "square":
         half = r * 0.886  # same area as the circle of radius r
-        return [(cx - half, cy - half), (cx + half, cy - half), (cx + half, cy + half), (cx - half, cy + half)]
+        return [
+            (cx - half, cy - half),
+            (cx + half, cy - half),
+            (cx + half, cy + half),
+            (cx - half, cy + half),
+        ]
     if shape == "triangle":
         half_base, height = r * 1.1, r * 1.1 * 3**0.5  # equilateral, pointing up, centred on its box
         return [(cx, cy - height / 2), (cx + half_base, cy + height / 2), (cx - half_base, cy + height / 2)]

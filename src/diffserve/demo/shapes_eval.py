@@ -106,7 +106,9 @@ def _closest_shape(foreground: np.ndarray, size: str, colour: str, background: s
     offset = (round(centre_x - IMAGE_SIZE / 2), round(centre_y - IMAGE_SIZE / 2))
     best, best_iou = None, -1.0
     for shape in SHAPES:
-        template = np.asarray(render(Attributes(shape, colour, size, "center", background), offset), np.float32)
+        template = np.asarray(
+            render(Attributes(shape, colour, size, "center", background), offset), np.float32
+        )
         bg = np.array(BACKGROUND_COLOURS[background], np.float32)
         mask = np.linalg.norm(template - bg, axis=-1) > FOREGROUND_DISTANCE
         iou = (mask & foreground).sum() / max(1, (mask | foreground).sum())
@@ -171,5 +173,3 @@ def summarize(measurements: list[Measurement]) -> dict[str, float]:
         "size": sum(m.size for m in measurements) / n,
         "shape": sum(m.shape for m in measurements) / n,
     }
-
-

@@ -123,7 +123,9 @@ def load_image_processor(spec: ComponentSpec) -> Any:
     try:
         return getattr(transformers, spec.class_name).from_pretrained(str(spec.path), local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot load image processor {spec.class_name} from {spec.path}: {exc}") from exc
+        raise ModelLoadError(
+            f"cannot load image processor {spec.class_name} from {spec.path}: {exc}"
+        ) from exc
 
 
 def _is_supported(spec: ComponentSpec, native: NativeClasses) -> bool:

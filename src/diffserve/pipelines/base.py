@@ -72,13 +72,20 @@ class Pipeline:
         self.use_step_cache_policies({**self.step_cache_policies, **context.calibrated_step_cache})
         self._facts = self._declare_facts()
         if self.quality_rule.policies:
-            logger.info("Quality tiers: lossless (exact), %s; default %s", ", ".join(
-                f"{tier} (threshold {policy.threshold:g})" for tier, policy in self.quality_rule.policies.items()
-            ), self.quality_rule.default_tier)
+            logger.info(
+                "Quality tiers: lossless (exact), %s; default %s",
+                ", ".join(
+                    f"{tier} (threshold {policy.threshold:g})"
+                    for tier, policy in self.quality_rule.policies.items()
+                ),
+                self.quality_rule.default_tier,
+            )
 
     def use_step_cache_policies(self, policies: dict[str, StepCachePolicy]) -> None:
         """Serve these approximate tiers from now on (`diffserve calibrate-cache` tries candidates)."""
-        rule = QualityRule(default_tier=self.context.default_quality, policies=policies, family=type(self).__name__)
+        rule = QualityRule(
+            default_tier=self.context.default_quality, policies=policies, family=type(self).__name__
+        )
         rule.resolve(None)  # a default tier the family does not have fails at startup, not per request
         self.quality_rule = rule
         self.input_validation_stage.quality = rule
@@ -173,4 +180,3 @@ class Pipeline:
             None if req.condition_latents is None else tuple(req.condition_latents.shape[1:]),
             req.image_embeds is not None,
         )
-

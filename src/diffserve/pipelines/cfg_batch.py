@@ -54,7 +54,9 @@ def classic_cfg(positive: torch.Tensor, negative: torch.Tensor, scale: float) ->
 CfgCombine = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
-def split_guided(prediction: torch.Tensor, reqs: list[Req], combine: CfgCombine = classic_cfg) -> list[torch.Tensor]:
+def split_guided(
+    prediction: torch.Tensor, reqs: list[Req], combine: CfgCombine = classic_cfg
+) -> list[torch.Tensor]:
     """Each request's prediction, with CFG applied by `combine(positive, negative, scale)`
     (default `negative + scale * (positive - negative)`)."""
     out, offset = [], 0
@@ -88,7 +90,9 @@ def step_cache_for(reqs: list[Req]) -> BatchStepCache | None:
     its negative rows), or None when no request in it uses an approximate quality tier."""
     return batch_step_cache(
         [
-            CacheRows(req.step_cache, req.batch_size * (2 if req.do_cfg else 1), req.step_index, req.num_steps)
+            CacheRows(
+                req.step_cache, req.batch_size * (2 if req.do_cfg else 1), req.step_index, req.num_steps
+            )
             for req in reqs
         ]
     )

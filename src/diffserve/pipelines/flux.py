@@ -53,7 +53,13 @@ class FluxDenoiser:
         FLUX's ids are a pure function of the shape (text ids are zeros, image ids the packed grid),
         so (text length, latent grid, device, dtype) identifies them.
         """
-        key = (req.text_ids.shape[0], req.latent_height, req.latent_width, req.image_ids.device, req.image_ids.dtype)
+        key = (
+            req.text_ids.shape[0],
+            req.latent_height,
+            req.latent_width,
+            req.image_ids.device,
+            req.image_ids.dtype,
+        )
         tables = self._rope_cache.get(key)
         if tables is None:
             tables = self.transformer.rope_tables(req.text_ids, req.image_ids)
@@ -97,7 +103,15 @@ class FluxDenoiser:
 
 
 class FluxPipeline(Pipeline):
-    required_components = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "vae", "transformer", "scheduler")
+    required_components = (
+        "text_encoder",
+        "text_encoder_2",
+        "tokenizer",
+        "tokenizer_2",
+        "vae",
+        "transformer",
+        "scheduler",
+    )
     config = FluxPipelineConfig()
     #: `diffserve calibrate-cache` on the trained demo model (FLUX.1 architecture; 6 prompts, 20 steps, 1 dB
     #: margin): high 38.4 dB / 9 of 20 steps, medium 31.0 dB / 6, low 29.3 dB / 5 (README, "Quality tiers").

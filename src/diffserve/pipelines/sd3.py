@@ -44,7 +44,15 @@ class SD3Denoiser:
 
 
 class SD3Pipeline(Pipeline):
-    required_components = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "vae", "transformer", "scheduler")
+    required_components = (
+        "text_encoder",
+        "text_encoder_2",
+        "tokenizer",
+        "tokenizer_2",
+        "vae",
+        "transformer",
+        "scheduler",
+    )
     #: SD3 runs without T5 (its sequence part is then zeros, as in Diffusers), saving ~9 GB on the real model.
     optional_components = ("text_encoder_3", "tokenizer_3")
     config = SD3PipelineConfig()

@@ -65,7 +65,9 @@ class WanDenoiser:
         if req.dit_context is None:
             texts = branch_texts(req)
             images = [req.image_embeds] * len(texts) if req.image_embeds is not None else None
-            req.dit_context = self.transformer.embed_context(torch.cat(texts), torch.cat(images) if images else None)
+            req.dit_context = self.transformer.embed_context(
+                torch.cat(texts), torch.cat(images) if images else None
+            )
         return req.dit_context
 
     @torch.inference_mode()
@@ -127,13 +129,17 @@ class WanPipeline(Pipeline):
             cfg_mode="classic",
             image_inputs=self.image_input_rule(),
             default_size=self.default_size,
-            unsupported_params={"true_cfg_scale": "Wan runs classic CFG, set by guidance_scale (> 1 turns it on)"},
+            unsupported_params={
+                "true_cfg_scale": "Wan runs classic CFG, set by guidance_scale (> 1 turns it on)"
+            },
             video=VideoRule(temporal_factor=self.temporal),
         )
         return [
             self.input_validation,
             *self.before_denoising_stages(context),
-            WanTextEncodingStage(context.get("tokenizer"), context.get("text_encoder"), output_dtype=context.dtype),
+            WanTextEncodingStage(
+                context.get("tokenizer"), context.get("text_encoder"), output_dtype=context.dtype
+            ),
             VideoLatentPreparationStage(
                 channels=int(vae.config["z_dim"]),
                 spatial=self.spatial,

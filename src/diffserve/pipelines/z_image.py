@@ -103,7 +103,9 @@ class ZImagePipeline(Pipeline):
         )
         return [
             self.input_validation,
-            ZImageTextEncodingStage(context.get("tokenizer"), context.get("text_encoder"), output_dtype=context.dtype),
+            ZImageTextEncodingStage(
+                context.get("tokenizer"), context.get("text_encoder"), output_dtype=context.dtype
+            ),
             # Z-Image keeps its latents in float32 whatever the DiT's dtype, as Diffusers does.
             SpatialLatentPreparationStage(
                 latent_channels=transformer.config.in_channels,

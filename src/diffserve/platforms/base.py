@@ -103,7 +103,9 @@ class TorchAcceleratorPlatform(Platform):
     def memory_info(self, index: int = 0) -> MemoryInfo:
         runtime = self._runtime()
         free, total = runtime.mem_get_info(index)
-        return MemoryInfo(peak_bytes=runtime.max_memory_allocated(index), available_bytes=free, total_bytes=total)
+        return MemoryInfo(
+            peak_bytes=runtime.max_memory_allocated(index), available_bytes=free, total_bytes=total
+        )
 
     def reset_peak_memory(self, index: int = 0) -> None:
         self._runtime().reset_peak_memory_stats(index)

@@ -78,8 +78,12 @@ class CpuPlatform(Platform):
 
     def prepare_process(self) -> None:
         if _tune_glibc_malloc():
-            logger.info("CPU allocator: glibc mmap threshold %d MiB, trim threshold %d GiB (activations stay "
-                        "mapped between steps)", MMAP_THRESHOLD_BYTES >> 20, TRIM_THRESHOLD_BYTES >> 30)
+            logger.info(
+                "CPU allocator: glibc mmap threshold %d MiB, trim threshold %d GiB (activations stay "
+                "mapped between steps)",
+                MMAP_THRESHOLD_BYTES >> 20,
+                TRIM_THRESHOLD_BYTES >> 30,
+            )
         else:
             logger.info("CPU allocator: default (not glibc; activations may be re-mapped every step)")
 

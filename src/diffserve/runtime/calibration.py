@@ -39,7 +39,9 @@ def _measure(engine: Engine, params: SamplingParams) -> PhasePeaks | None:
     return PhasePeaks(sr.cost, marks["denoise"], decode)
 
 
-def calibrate_memory_model(engine: Engine, probe_params: list[SamplingParams], mem_fraction: float) -> MemoryModel:
+def calibrate_memory_model(
+    engine: Engine, probe_params: list[SamplingParams], mem_fraction: float
+) -> MemoryModel:
     """Measured where the platform has a resettable peak counter (not the CPU), else estimated."""
     facts, platform = engine.pipeline.facts, engine.platform
     if platform.device_type == "cpu" or len(probe_params) < 2:

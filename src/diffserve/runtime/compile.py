@@ -189,12 +189,17 @@ def compile_pipeline(components: dict[str, Any]) -> list[CompiledRegion]:
     for name, model in dits.items():
         found = compile_block_lists(model, prefix=name)
         if not found:
-            raise UserError(f"--compile: {name} ({type(model).__name__}) has no repeated block list to compile")
+            raise UserError(
+                f"--compile: {name} ({type(model).__name__}) has no repeated block list to compile"
+            )
         regions += found
     for region in regions:
         logger.info(
             "torch.compile (%s, dynamic shapes, regional): %s, %d x %s",
-            BACKEND, region.path, region.blocks, region.block_class,
+            BACKEND,
+            region.path,
+            region.blocks,
+            region.block_class,
         )
     logger.info("Blocks compile on first use (one graph per block class and batch kind): in the warm-up")
     return regions
@@ -242,7 +247,10 @@ def cfg_overrides(cfg_mode: str) -> dict[bool, dict[str, Any]]:
     """Sampling parameters that turn the negative (CFG) branch off (False) and on (True), per
     `InputValidationStage.cfg_mode`: without it a request is one DiT row, with it two."""
     if cfg_mode == "true_cfg":  # FLUX, Qwen-Image: a negative prompt and true_cfg_scale > 1
-        return {False: {"true_cfg_scale": 1.0}, True: {"true_cfg_scale": 2.0, "negative_prompt": WARMUP_SHORT_NEGATIVE_PROMPT}}
+        return {
+            False: {"true_cfg_scale": 1.0},
+            True: {"true_cfg_scale": 2.0, "negative_prompt": WARMUP_SHORT_NEGATIVE_PROMPT},
+        }
     if cfg_mode == "classic":  # SD3, Wan: guidance_scale > 1
         return {False: {"guidance_scale": 1.0}, True: {"guidance_scale": 2.0}}
     if cfg_mode == "positive_gap":  # Z-Image: guidance_scale > 0
@@ -307,15 +315,24 @@ def warm_up(
     """
     runs = []
     for height, width, kind in warmup_plan(resolutions):
-        params = with_probe_image(warmup_params(height, width, kind, facts.cfg_mode, facts.makes_video), facts)
+        params = with_probe_image(
+            warmup_params(height, width, kind, facts.cfg_mode, facts.makes_video), facts
+        )
         graphs_before, start = compiled_graph_count(), time.perf_counter()
         try:
             generate(params)
         except InvalidRequestError as exc:
             raise UserError(f"--warmup-resolutions {width}x{height}: {exc}") from exc
         run = WarmupRun(height, width, kind, time.perf_counter() - start)
-        logger.info("Warm-up %dx%d (WxH), %s, %d steps: %.2f s, %d graphs compiled", width, height, kind,
-                    WARMUP_STEPS, run.seconds, compiled_graph_count() - graphs_before)
+        logger.info(
+            "Warm-up %dx%d (WxH), %s, %d steps: %.2f s, %d graphs compiled",
+            width,
+            height,
+            kind,
+            WARMUP_STEPS,
+            run.seconds,
+            compiled_graph_count() - graphs_before,
+        )
         runs.append(run)
     log_graph_breaks()
     stop_compile_workers()

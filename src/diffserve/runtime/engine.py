@@ -119,7 +119,7 @@ class Engine:
         return self.enqueue(self.prepare(req, priority, payload))
 
     def cancel(self, request_id: str) -> str | None:
-        """"waiting" (dropped and reported now), "running" (leaves at its next step boundary) or None."""
+        """ "waiting" (dropped and reported now), "running" (leaves at its next step boundary) or None."""
         found = self.scheduler.cancel(request_id)
         if found is None:
             return None
@@ -286,7 +286,9 @@ def log_denoising(req: Req) -> None:
     mean time per step, and for an approximate quality tier how many steps ran the DiT in full."""
     if req.step_times:
         req.timings["DenoisingStage"] = sum(req.step_times)
-        logger.info("[DenoisingStage] average time per step: %.4f seconds", sum(req.step_times) / len(req.step_times))
+        logger.info(
+            "[DenoisingStage] average time per step: %.4f seconds", sum(req.step_times) / len(req.step_times)
+        )
     cache = req.step_cache
     if cache is not None:
         logger.info(

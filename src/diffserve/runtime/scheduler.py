@@ -215,7 +215,9 @@ class StepScheduler:
             self.max_running_seen = max(self.max_running_seen, len(self._running))
         return admitted
 
-    def next_group(self, batch_key: BatchKey) -> tuple[list[ScheduledRequest], list[tuple[ScheduledRequest, Exception]]]:
+    def next_group(
+        self, batch_key: BatchKey
+    ) -> tuple[list[ScheduledRequest], list[tuple[ScheduledRequest, Exception]]]:
         """The running requests of the batch key whose turn it is (round-robin over keys), and the
         requests whose key could not be computed (the engine fails them)."""
         groups: dict[Hashable, list[ScheduledRequest]] = {}

@@ -113,11 +113,17 @@ _EDIT_REQUEST_BODY: dict[str, Any] = {
                     "type": "object",
                     "required": ["image", "prompt"],
                     "properties": {
-                        "image": {"type": "array", "items": {"type": "string", "format": "binary"},
-                                  "description": f"1-{MAX_INPUT_IMAGES} image files, as 'image' or 'image[]' parts"},
+                        "image": {
+                            "type": "array",
+                            "items": {"type": "string", "format": "binary"},
+                            "description": f"1-{MAX_INPUT_IMAGES} image files, as 'image' or 'image[]' parts",
+                        },
                         "mask": {"type": "string", "format": "binary"},
-                        **{name: {"type": "string"} for name in EDIT_ACCEPTED_FIELDS
-                           if name not in ("image", "images", "mask")},
+                        **{
+                            name: {"type": "string"}
+                            for name in EDIT_ACCEPTED_FIELDS
+                            if name not in ("image", "images", "mask")
+                        },
                     },
                 }
             },
@@ -167,7 +173,9 @@ def outcome_of(exc: Exception) -> str:
     return "failed"
 
 
-def images_response(job: GenerateJob, result: JobFinished, base_url: str, api_key: str | None) -> dict[str, Any]:
+def images_response(
+    job: GenerateJob, result: JobFinished, base_url: str, api_key: str | None
+) -> dict[str, Any]:
     """OpenAI's ImagesResponse, plus the seed used (a diffserve extension)."""
     if job.response_format == "url":
         data = []
@@ -221,8 +229,12 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
         await engine.stop()
         await video_jobs.close()
 
-    app = FastAPI(title="diffserve", version=diffserve.__version__, lifespan=lifespan,
-                  description="OpenAI-compatible image and video generation with diffserve")
+    app = FastAPI(
+        title="diffserve",
+        version=diffserve.__version__,
+        lifespan=lifespan,
+        description="OpenAI-compatible image and video generation with diffserve",
+    )
     app.state.args = args
     app.state.engine = engine
     app.state.metrics = metrics
@@ -230,9 +242,12 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
     install_error_handlers(app)
     # Added innermost first: the request-context layer wraps everything, so every answer is logged.
     app.add_middleware(
-        BodySizeLimitMiddleware, max_bytes=args.max_body_bytes,
-        path_limits={"/v1/images/edits": (args.max_edit_body_bytes, "--max-image-bytes and --max-body-bytes"),
-                     "/v1/videos": (args.max_video_body_bytes, "--max-image-bytes and --max-body-bytes")},
+        BodySizeLimitMiddleware,
+        max_bytes=args.max_body_bytes,
+        path_limits={
+            "/v1/images/edits": (args.max_edit_body_bytes, "--max-image-bytes and --max-body-bytes"),
+            "/v1/videos": (args.max_video_body_bytes, "--max-image-bytes and --max-body-bytes"),
+        },
     )
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
@@ -240,16 +255,26 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in args.model_aliases:
-            raise ApiError(404, f"model {name!r} is not served here; this server serves {args.model_id!r}",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"model {name!r} is not served here; this server serves {args.model_id!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     def model_card() -> ModelCard:
         return ModelCard(id=args.model_id, created=started_at)
 
     def make_job(request: Request, body: ImageGenerationRequest, params: SamplingParams) -> GenerateJob:
         partial_images = (body.partial_images or 0) if body.stream else 0
-        return GenerateJob(request.state.request_id, params, body.response_format or "b64_json",
-                           body.output_compression, partial_images=partial_images, priority=body.priority or 0)
+        return GenerateJob(
+            request.state.request_id,
+            params,
+            body.response_format or "b64_json",
+            body.output_compression,
+            partial_images=partial_images,
+            priority=body.priority or 0,
+        )
 
     async def start_stream(request: Request, job: GenerateJob, kind: StreamKind, arrived: float) -> Response:
         """Queue a streamed job and answer its event stream once the engine has accepted it: until then
@@ -257,7 +282,9 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
         messages: asyncio.Queue = asyncio.Queue()
         accepted, outcome = await run_unless_disconnected(request, engine.submit(job, messages.put_nowait))
         p = accepted.params
-        header = StreamHeader(kind, size=f"{p.width}x{p.height}", output_format=p.output_format, quality=p.quality)
+        header = StreamHeader(
+            kind, size=f"{p.width}x{p.height}", output_format=p.output_format, quality=p.quality
+        )
 
         def finished(result: JobFinished) -> None:
             metrics.generation_requests.labels("success").inc()
@@ -308,9 +335,12 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
 
         return await serve_images(request, build_job, "image_generation")
 
-    @app.post("/v1/images/edits", response_model=ImagesResponse,
-              responses={**_IMAGE_RESPONSES, 415: _ERRORS[400]},
-              openapi_extra=_EDIT_REQUEST_BODY)
+    @app.post(
+        "/v1/images/edits",
+        response_model=ImagesResponse,
+        responses={**_IMAGE_RESPONSES, 415: _ERRORS[400]},
+        openapi_extra=_EDIT_REQUEST_BODY,
+    )
     async def edit_images(request: Request) -> Response:
         """OpenAI's image edits: the input image(s) and the prompt, as multipart/form-data (what the
         `openai` SDK sends: files `image` or `image[]`, optional `mask`, every other field as text, the
@@ -338,8 +368,9 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
     async def image_content(image_id: str) -> FileResponse:
         path = find_image(args.output_dir, image_id)
         if path is None:
-            raise ApiError(404, f"no image with id {image_id!r} on this server", param="image_id",
-                           code="image_not_found")
+            raise ApiError(
+                404, f"no image with id {image_id!r} on this server", param="image_id", code="image_not_found"
+            )
         return FileResponse(path, media_type=CONTENT_TYPES[path.suffix.lstrip(".")])
 
     app.include_router(video_router(args, engine, video_jobs, metrics, check_model, outcome_of))
@@ -369,17 +400,25 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
         try:
             result = await asyncio.wait_for(engine.generate(job), HEALTH_GENERATE_TIMEOUT_S)
         except asyncio.TimeoutError:
-            return error_response(503, f"the health-check generation did not finish in {HEALTH_GENERATE_TIMEOUT_S:g} s",
-                                  None, "health_check_timeout")
+            return error_response(
+                503,
+                f"the health-check generation did not finish in {HEALTH_GENERATE_TIMEOUT_S:g} s",
+                None,
+                "health_check_timeout",
+            )
         except (JobFailedError, JobRejectedError) as exc:
-            return error_response(503, f"the health-check generation failed: {exc}", None, "health_check_failed")
-        return JSONResponse({
-            "status": "ok",
-            "seconds": round(time.monotonic() - start, 4),
-            "engine_seconds": round(result.engine_seconds, 4),
-            "size": f"{size}x{size}",
-            "num_inference_steps": 1,
-        })
+            return error_response(
+                503, f"the health-check generation failed: {exc}", None, "health_check_failed"
+            )
+        return JSONResponse(
+            {
+                "status": "ok",
+                "seconds": round(time.monotonic() - start, 4),
+                "engine_seconds": round(result.engine_seconds, 4),
+                "size": f"{size}x{size}",
+                "num_inference_steps": 1,
+            }
+        )
 
     @app.get("/server_info")
     async def server_info() -> dict[str, Any]:

@@ -146,7 +146,9 @@ class EngineClient:
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
-        self._ipc_dir = Path(tempfile.mkdtemp(prefix="diffserve-"))  # 0700: only this user reaches the sockets
+        self._ipc_dir = Path(
+            tempfile.mkdtemp(prefix="diffserve-")
+        )  # 0700: only this user reaches the sockets
         self._to_engine = f"ipc://{self._ipc_dir}/to_engine"
         self._from_engine = f"ipc://{self._ipc_dir}/from_engine"
         self._context = zmq.asyncio.Context()
@@ -199,10 +201,12 @@ class EngineClient:
             logger.warning("Shutdown timeout: cancelling %d request(s)", len(self._pending))
             for rid in list(self._pending):
                 self._send_nowait(CancelJob(rid))
-            self._fail_all(EngineUnavailableError(
-                f"the server is shutting down and cancelled this request after its {timeout:g} s shutdown timeout",
-                code="shutting_down",
-            ))
+            self._fail_all(
+                EngineUnavailableError(
+                    f"the server is shutting down and cancelled this request after its {timeout:g} s shutdown timeout",
+                    code="shutting_down",
+                )
+            )
 
     async def stop(self) -> None:
         self.state = EngineState.STOPPED
@@ -247,13 +251,20 @@ class EngineClient:
 
     def unavailable_error(self) -> EngineUnavailableError:
         messages = {
-            EngineState.STARTING: ("the engine is not ready yet (loading the model and warming up); retry shortly",
-                                   "engine_starting"),
-            EngineState.RESTARTING: ("the engine is restarting after its process died; retry shortly",
-                                     "engine_restarting"),
+            EngineState.STARTING: (
+                "the engine is not ready yet (loading the model and warming up); retry shortly",
+                "engine_starting",
+            ),
+            EngineState.RESTARTING: (
+                "the engine is restarting after its process died; retry shortly",
+                "engine_restarting",
+            ),
             EngineState.STOPPING: ("the server is shutting down", "shutting_down"),
             EngineState.STOPPED: ("the server has stopped", "shutting_down"),
-            EngineState.FAILED: (f"the engine failed and will not be restarted: {self.state_detail}", "engine_failed"),
+            EngineState.FAILED: (
+                f"the engine failed and will not be restarted: {self.state_detail}",
+                "engine_failed",
+            ),
         }
         message, code = messages.get(self.state, ("the engine is not available", "engine_unavailable"))
         return EngineUnavailableError(message, code)
@@ -278,8 +289,9 @@ class EngineClient:
         self._admit(job)
         job = replace(job, ack=True)
         loop = asyncio.get_running_loop()
-        pending = PendingRequest(job, loop.create_future(), time.monotonic(), accepted=loop.create_future(),
-                                 listener=listener)
+        pending = PendingRequest(
+            job, loop.create_future(), time.monotonic(), accepted=loop.create_future(), listener=listener
+        )
         self._pending[job.request_id] = pending
         try:
             self._push.send_pyobj(job, flags=zmq.NOBLOCK)
@@ -314,7 +326,9 @@ class EngineClient:
             self._push.send_pyobj(job, flags=zmq.NOBLOCK)
         except zmq.Again:
             self._pending.pop(job.request_id, None)
-            raise EngineUnavailableError("the engine is not accepting requests right now", code="engine_busy") from None
+            raise EngineUnavailableError(
+                "the engine is not accepting requests right now", code="engine_busy"
+            ) from None
         try:
             return await future
         except asyncio.CancelledError:
@@ -328,7 +342,9 @@ class EngineClient:
         with contextlib.suppress(zmq.ZMQError):
             self._push.send_pyobj(message, flags=zmq.NOBLOCK)
 
-    def _resolve(self, request_id: str, result: JobFinished | None = None, error: Exception | None = None) -> None:
+    def _resolve(
+        self, request_id: str, result: JobFinished | None = None, error: Exception | None = None
+    ) -> None:
         pending = self._pending.pop(request_id, None)
         if pending is None or pending.future.done():
             return
@@ -401,8 +417,12 @@ class EngineClient:
             self.probe_size = message.probe_size
             self._engine_ready = self._ever_ready = True
             self._failed_starts = 0
-            logger.info("Engine ready (pid %d): accepting requests on http://%s:%d",
-                        message.pid, self.args.host, self.args.port)
+            logger.info(
+                "Engine ready (pid %d): accepting requests on http://%s:%d",
+                message.pid,
+                self.args.host,
+                self.args.port,
+            )
         elif isinstance(message, EngineFatal):
             self._fatal = message
             logger.error("Engine failed to start: %s", message.message)
@@ -424,11 +444,16 @@ class EngineClient:
         fatal = self._fatal
         message = f"the engine process (pid {pid}) exited with code {code} while this request was in flight"
         if self.state == EngineState.STOPPING:
-            self._fail_all(EngineUnavailableError(f"{message}; the server is shutting down", code="engine_died"))
+            self._fail_all(
+                EngineUnavailableError(f"{message}; the server is shutting down", code="engine_died")
+            )
             logger.warning("Engine process (pid %s) exited with code %s during shutdown", pid, code)
             return
-        self._fail_all(EngineUnavailableError(f"{message}; the server is restarting it, retry shortly",
-                                              code="engine_died"))
+        self._fail_all(
+            EngineUnavailableError(
+                f"{message}; the server is restarting it, retry shortly", code="engine_died"
+            )
+        )
         if not self._ever_ready:
             message = fatal.message if fatal else f"the engine process exited with code {code} while starting"
             self.state, self.state_detail = EngineState.FAILED, message
@@ -436,14 +461,19 @@ class EngineClient:
             return
         self._failed_starts += 1 if self.state == EngineState.RESTARTING else 0
         if self._failed_starts >= self.args.max_engine_restarts:
-            message = (f"the engine failed to restart {self._failed_starts} times in a row"
-                       + (f"; last error: {fatal.message}" if fatal else f"; last exit code {code}"))
+            message = f"the engine failed to restart {self._failed_starts} times in a row" + (
+                f"; last error: {fatal.message}" if fatal else f"; last exit code {code}"
+            )
             self.state, self.state_detail = EngineState.FAILED, message
             self.on_fatal(1, message)
             return
         delay = 0.0 if self._failed_starts == 0 else min(30.0, 2.0 ** (self._failed_starts - 1))
-        logger.error("Engine process (pid %s) exited with code %s; restarting it%s",
-                     pid, code, f" in {delay:g} s" if delay else "")
+        logger.error(
+            "Engine process (pid %s) exited with code %s; restarting it%s",
+            pid,
+            code,
+            f" in {delay:g} s" if delay else "",
+        )
         self.state, self.state_detail = EngineState.RESTARTING, "restarting the engine"
         self.restarts += 1
         self.metrics.engine_restarts.inc()

@@ -73,11 +73,15 @@ logger = logging.getLogger("diffserve.engine")
 PROBE_PIXELS = 64
 #: Video families draw a one-frame clip for the warm-up and /health_generate (1 = 4 * 0 + 1 is always valid).
 PROBE_FRAMES = 1
+
+
 def preview_steps(total_steps: int, partial_images: int) -> list[int]:
     """The steps after which previews 0..k-1 are sent: round((i + 1) * n / (k + 1)), at least step 1
     (with few steps two previews can fall on the same step; each still gets its own index)."""
-    return [min(total_steps, max(1, round((i + 1) * total_steps / (partial_images + 1))))
-            for i in range(partial_images)]
+    return [
+        min(total_steps, max(1, round((i + 1) * total_steps / (partial_images + 1))))
+        for i in range(partial_images)
+    ]
 
 
 @dataclass
@@ -160,7 +164,9 @@ class Engine:
         logger.info("Scheduler: %s", self.scheduler_info())
         self.receiver = threading.Thread(target=self._receive_loop, name="engine-receiver", daemon=True)
         self.receiver.start()
-        self.channel.send(EngineReady(pid=os.getpid(), info=self.info(warmup_seconds), probe_size=self.probe_size))
+        self.channel.send(
+            EngineReady(pid=os.getpid(), info=self.info(warmup_seconds), probe_size=self.probe_size)
+        )
         logger.info("Engine ready (pid %d)", os.getpid())
 
     def _probe_images(self) -> list[Image.Image] | None:
@@ -173,9 +179,14 @@ class Engine:
 
     def probe_params(self, prompt: str, side: int | None = None) -> SamplingParams:
         side = side or self.probe_size
-        return SamplingParams(prompt=prompt, height=side, width=side, num_inference_steps=1,
-                              input_images=self.probe_images,
-                              num_frames=PROBE_FRAMES if self.is_video else None)
+        return SamplingParams(
+            prompt=prompt,
+            height=side,
+            width=side,
+            num_inference_steps=1,
+            input_images=self.probe_images,
+            num_frames=PROBE_FRAMES if self.is_video else None,
+        )
 
     def _memory_model(self) -> Any:
         """Calibrated at warm-up where the platform can measure peaks; estimated otherwise (CPU, or
@@ -188,27 +199,38 @@ class Engine:
         if self.config.warmup:
             sides = [-(-s // self.pixel_multiple) * self.pixel_multiple for s in CALIBRATION_SIDES]
             try:
-                return calibrate_memory_model(self.engine, [self.probe_params("calibration", s) for s in sides],
-                                              fraction)
+                return calibrate_memory_model(
+                    self.engine, [self.probe_params("calibration", s) for s in sides], fraction
+                )
             except Exception as exc:
-                logger.warning("Memory calibration failed (%s: %s); using the estimated memory model",
-                               type(exc).__name__, exc)
+                logger.warning(
+                    "Memory calibration failed (%s: %s); using the estimated memory model",
+                    type(exc).__name__,
+                    exc,
+                )
         return estimated_memory_model(self.facts, self.platform, fraction)
 
     def scheduler_info(self) -> dict[str, Any]:
         """The scheduler's limits and memory model (for /server_info and the log)."""
         s = self.scheduler
         memory = s.memory.describe() if s.memory is not None else None
-        return {"max_running_requests": s.config.max_running_requests,
-                "max_batch_tokens": s.config.max_batch_tokens,
-                "mem_fraction": self.config.engine_args.mem_fraction, "memory_model": memory}
+        return {
+            "max_running_requests": s.config.max_running_requests,
+            "max_batch_tokens": s.config.max_batch_tokens,
+            "mem_fraction": self.config.engine_args.mem_fraction,
+            "memory_model": memory,
+        }
 
     def video_limits(self) -> dict[str, int] | None:
         """The family's frame rules for the front end (it turns `seconds` into a valid num_frames)."""
         facts = self.facts
         if not facts.makes_video:
             return None
-        return {"temporal_factor": facts.temporal_factor, "max_frames": facts.max_frames, "max_fps": facts.max_fps}
+        return {
+            "temporal_factor": facts.temporal_factor,
+            "max_frames": facts.max_frames,
+            "max_fps": facts.max_fps,
+        }
 
     def info(self, warmup_seconds: float | None) -> dict[str, Any]:
         import torch
@@ -218,7 +240,9 @@ class Engine:
         g = self.generator
         from diffserve.runtime.contract import resolved_params
 
-        defaults = resolved_params(g.pipeline, SamplingParams(prompt="-", input_images=self.probe_images)).to_dict()
+        defaults = resolved_params(
+            g.pipeline, SamplingParams(prompt="-", input_images=self.probe_images)
+        ).to_dict()
         for key in ("prompt", "seed", "extra", "input_images", "mask_image"):
             defaults.pop(key, None)
         if self.probe_images:  # an edit model: its default size follows the input image
@@ -285,11 +309,15 @@ class Engine:
             return None
         family = self.generator.family
         if self.is_video and job.video_path is None:
-            return (f"{family.diffusers_pipeline} is a {family.task} model and generates videos; "
-                    "use POST /v1/videos")
+            return (
+                f"{family.diffusers_pipeline} is a {family.task} model and generates videos; "
+                "use POST /v1/videos"
+            )
         if not self.is_video and job.video_path is not None:
-            return (f"{family.diffusers_pipeline} is a {family.task} model and generates images; "
-                    "use POST /v1/images/generations")
+            return (
+                f"{family.diffusers_pipeline} is a {family.task} model and generates images; "
+                "use POST /v1/images/generations"
+            )
         return None
 
     def _handle(self, message: Any) -> None:
@@ -307,13 +335,17 @@ class Engine:
 
             req = Req(params=message.params, request_id=message.request_id, cancel_event=threading.Event())
             try:
-                scheduled = self.engine.prepare(req, priority=message.priority, payload=message)  # validates once
+                scheduled = self.engine.prepare(
+                    req, priority=message.priority, payload=message
+                )  # validates once
             except RequestTooLargeError as exc:
                 logger.info("Request %s refused: %s", message.request_id, exc)
                 self.channel.send(JobRejected(message.request_id, str(exc), param=exc.param, status=413))
                 return
             except UserError as exc:
-                self.channel.send(JobRejected(message.request_id, str(exc), param=getattr(exc, "param", None)))
+                self.channel.send(
+                    JobRejected(message.request_id, str(exc), param=getattr(exc, "param", None))
+                )
                 return
             if message.ack:  # before queueing: the main thread's JobStarted must come after it
                 params = dataclasses.replace(scheduled.req.params, input_images=None, mask_image=None)
@@ -341,8 +373,12 @@ class Engine:
         if not isinstance(sr.payload, GenerateJob):
             return
         self.channel.send(JobStarted(sr.request_id))
-        logger.info("Request %s started (%d running, %d waiting)", sr.request_id, self.scheduler.num_running,
-                    self.scheduler.num_waiting)
+        logger.info(
+            "Request %s started (%d running, %d waiting)",
+            sr.request_id,
+            self.scheduler.num_running,
+            self.scheduler.num_waiting,
+        )
 
     def on_cancelled(self, sr: ScheduledRequest) -> None:
         if not isinstance(sr.payload, GenerateJob):
@@ -369,8 +405,12 @@ class Engine:
         job, req = sr.payload, sr.req
         start = sr.started_at
         out = GenerationOutput(
-            images=req.images or [], frames=req.frames or [], params=req.params, request_id=req.request_id,
-            timings=dict(req.timings), step_times=list(req.step_times),
+            images=req.images or [],
+            frames=req.frames or [],
+            params=req.params,
+            request_id=req.request_id,
+            timings=dict(req.timings),
+            step_times=list(req.step_times),
             peak_memory_mb=None if sr.peak_memory_bytes is None else sr.peak_memory_bytes / 2**20,
         )
         if job.video_path is not None:
@@ -380,16 +420,28 @@ class Engine:
         images = self._encode(job, out.images, out.params)
         encode_seconds = time.perf_counter() - encode_start
         peak = sr.peak_memory_bytes
-        logger.info("Request %s finished in %.2f seconds (%d image(s), %d step(s), mean batch %.1f)",
-                    sr.request_id, time.perf_counter() - start, len(images), len(sr.batch_sizes),
-                    sum(sr.batch_sizes) / max(len(sr.batch_sizes), 1))
+        logger.info(
+            "Request %s finished in %.2f seconds (%d image(s), %d step(s), mean batch %.1f)",
+            sr.request_id,
+            time.perf_counter() - start,
+            len(images),
+            len(sr.batch_sizes),
+            sum(sr.batch_sizes) / max(len(sr.batch_sizes), 1),
+        )
         # The input images are not sent back: the front end has them, and they can be large.
         params = dataclasses.replace(out.params, input_images=None, mask_image=None)
         self.channel.send(
             JobFinished(
-                sr.request_id, images, params, out.timings, out.step_times, peak,
-                engine_seconds=time.perf_counter() - start, encode_seconds=encode_seconds,
-                batch_sizes=list(sr.batch_sizes), steps_computed_in_full=req.steps_computed_in_full,
+                sr.request_id,
+                images,
+                params,
+                out.timings,
+                out.step_times,
+                peak,
+                engine_seconds=time.perf_counter() - start,
+                encode_seconds=encode_seconds,
+                batch_sizes=list(sr.batch_sizes),
+                steps_computed_in_full=req.steps_computed_in_full,
             )
         )
 
@@ -400,7 +452,9 @@ class Engine:
         phase = "decoding" if req.step_index >= total else "denoising"
         self.channel.send(JobProgress(req.request_id, req.step_index, total, phase))
         if job.partial_images > 0:
-            indices = [i for i, step in enumerate(preview_steps(total, job.partial_images)) if step == req.step_index]
+            indices = [
+                i for i, step in enumerate(preview_steps(total, job.partial_images)) if step == req.step_index
+            ]
             if indices:
                 self._send_previews(req, indices)
 
@@ -439,7 +493,9 @@ class Engine:
                 raise RuntimeError(f"expected one video from the pipeline, got {len(out.frames)}")
             frames = out.frames[0]
             params = dataclasses.replace(out.params, input_images=None, mask_image=None)
-            metadata = output_metadata(self.generator.model_path, self.generator.family.diffusers_pipeline, params)
+            metadata = output_metadata(
+                self.generator.model_path, self.generator.family.diffusers_pipeline, params
+            )
             encode_start = time.perf_counter()
             save_video(frames, path, params.fps, metadata, "mp4")
             encode_seconds = time.perf_counter() - encode_start
@@ -449,17 +505,33 @@ class Engine:
                 self.channel.send(JobCancelled(rid, at_step=len(out.step_times)))
                 return
             num_frames, height, width, _ = frames.shape
-            video = EncodedVideo(str(path), path.stat().st_size, int(num_frames), int(width), int(height),
-                                 int(params.fps))
+            video = EncodedVideo(
+                str(path), path.stat().st_size, int(num_frames), int(width), int(height), int(params.fps)
+            )
             peak = None if out.peak_memory_mb is None else int(out.peak_memory_mb * 2**20)
             timings = {**out.timings, "VideoEncoding": encode_seconds}
-            logger.info("Request %s finished in %.2f seconds (%d frames, %d bytes, encoded in %.2f s)", rid,
-                        time.perf_counter() - start, num_frames, video.size_bytes, encode_seconds)
-            self.channel.send(JobFinished(
-                rid, [], params, timings, list(out.step_times), peak,
-                engine_seconds=time.perf_counter() - start, encode_seconds=encode_seconds, videos=[video],
-                steps_computed_in_full=sr.req.steps_computed_in_full,
-            ))
+            logger.info(
+                "Request %s finished in %.2f seconds (%d frames, %d bytes, encoded in %.2f s)",
+                rid,
+                time.perf_counter() - start,
+                num_frames,
+                video.size_bytes,
+                encode_seconds,
+            )
+            self.channel.send(
+                JobFinished(
+                    rid,
+                    [],
+                    params,
+                    timings,
+                    list(out.step_times),
+                    peak,
+                    engine_seconds=time.perf_counter() - start,
+                    encode_seconds=encode_seconds,
+                    videos=[video],
+                    steps_computed_in_full=sr.req.steps_computed_in_full,
+                )
+            )
         except Exception as exc:
             logger.exception("Request %s failed while writing its video", rid)
             path.unlink(missing_ok=True)
@@ -470,13 +542,17 @@ class Engine:
 
     def _encode(self, job: GenerateJob, images: list, params: SamplingParams) -> list[EncodedImage]:
         fmt = params.output_format
-        metadata = output_metadata(self.generator.model_path, self.generator.family.diffusers_pipeline, params)
+        metadata = output_metadata(
+            self.generator.model_path, self.generator.family.diffusers_pipeline, params
+        )
         encoded = []
         for i, image in enumerate(images):
             image_id = f"{job.request_id}-{i}"
             data: bytes | None = None
             if job.response_format == "url":
-                save_image(image, image_path(self.output_dir, image_id, fmt), metadata, fmt, job.output_compression)
+                save_image(
+                    image, image_path(self.output_dir, image_id, fmt), metadata, fmt, job.output_compression
+                )
             else:
                 data = encode_image(image, fmt, job.output_compression, metadata)
             encoded.append(EncodedImage(data=data, image_id=image_id, content_type=CONTENT_TYPES[fmt]))

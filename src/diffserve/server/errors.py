@@ -61,8 +61,17 @@ class ApiError(Exception):
         self.headers = headers
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param, "code": code}}
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPES.get(status, "server_error"),
+            "param": param,
+            "code": code,
+        }
+    }
 
 
 def error_response(
@@ -135,8 +144,12 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"method {request.method} is not allowed on {request.url.path}"
         else:
             message = str(exc.detail)
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
-                415: "unsupported_media_type"}.get(exc.status_code)
+        code = {
+            404: "not_found",
+            405: "method_not_allowed",
+            413: "request_too_large",
+            415: "unsupported_media_type",
+        }.get(exc.status_code)
         return error_response(exc.status_code, message, None, code, getattr(exc, "headers", None))
 
     @app.exception_handler(JobRejectedError)
@@ -162,5 +175,6 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.error("Unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        return error_response(500, f"internal server error ({type(exc).__name__}); see the server log", None,
-                              "internal_error")
+        return error_response(
+            500, f"internal server error ({type(exc).__name__}); see the server log", None, "internal_error"
+        )

@@ -17,54 +17,79 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.http_requests = Counter(
-            "diffserve_http_requests", "HTTP requests by method, route and status code",
-            ["method", "route", "status"], registry=r,
+            "diffserve_http_requests",
+            "HTTP requests by method, route and status code",
+            ["method", "route", "status"],
+            registry=r,
         )
         self.generation_requests = Counter(
             "diffserve_generation_requests",
             "Generation requests (images and video jobs) by outcome: success, invalid, queue_full, "
             "unavailable, failed, cancelled",
-            ["outcome"], registry=r,
+            ["outcome"],
+            registry=r,
         )
         self.queue_depth = Gauge("diffserve_queue_depth", "Requests waiting for the engine", registry=r)
         self.running = Gauge("diffserve_running_requests", "Requests the engine is running", registry=r)
-        self.engine_ready = Gauge("diffserve_engine_ready", "1 when the engine is loaded and accepting requests",
-                                  registry=r)
-        self.engine_restarts = Counter("diffserve_engine_restarts", "Engine process restarts after a crash", registry=r)
+        self.engine_ready = Gauge(
+            "diffserve_engine_ready", "1 when the engine is loaded and accepting requests", registry=r
+        )
+        self.engine_restarts = Counter(
+            "diffserve_engine_restarts", "Engine process restarts after a crash", registry=r
+        )
         self.request_latency = Histogram(
-            "diffserve_request_latency_seconds", "Successful generation requests, arrival to response",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "diffserve_request_latency_seconds",
+            "Successful generation requests, arrival to response",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.queue_time = Histogram(
-            "diffserve_queue_time_seconds", "Time requests waited before the engine started them",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "diffserve_queue_time_seconds",
+            "Time requests waited before the engine started them",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.stage_seconds = Histogram(
-            "diffserve_stage_seconds", "Time per pipeline stage", ["stage"], buckets=_LATENCY_BUCKETS, registry=r,
+            "diffserve_stage_seconds",
+            "Time per pipeline stage",
+            ["stage"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.step_seconds = Histogram(
-            "diffserve_step_seconds", "Time per denoising step", buckets=_STEP_BUCKETS, registry=r,
+            "diffserve_step_seconds",
+            "Time per denoising step",
+            buckets=_STEP_BUCKETS,
+            registry=r,
         )
         self.batch_size = Histogram(
             "diffserve_batch_size",
             "Requests sharing the DiT batch of a denoising step, observed once per request per step (the "
             "share of requests' steps that ran batched)",
-            buckets=_BATCH_BUCKETS, registry=r,
+            buckets=_BATCH_BUCKETS,
+            registry=r,
         )
-        self.images_generated = Counter("diffserve_images_generated", "Images returned to clients", registry=r)
-        self.videos_generated = Counter("diffserve_videos_generated", "Videos written by /v1/videos jobs",
-                                        registry=r)
+        self.images_generated = Counter(
+            "diffserve_images_generated", "Images returned to clients", registry=r
+        )
+        self.videos_generated = Counter(
+            "diffserve_videos_generated", "Videos written by /v1/videos jobs", registry=r
+        )
         self.peak_memory = Gauge(
             "diffserve_peak_memory_bytes",
-            "Peak memory of the last request (device memory; process RSS on CPU)", registry=r,
+            "Peak memory of the last request (device memory; process RSS on CPU)",
+            registry=r,
         )
         self.max_peak_memory = Gauge(
-            "diffserve_peak_memory_max_bytes", "Highest peak memory of any request since start", registry=r,
+            "diffserve_peak_memory_max_bytes",
+            "Highest peak memory of any request since start",
+            registry=r,
         )
         self._max_peak = 0
 
-    def track_engine(self, waiting: Callable[[], float], running: Callable[[], float],
-                     ready: Callable[[], float]) -> None:
+    def track_engine(
+        self, waiting: Callable[[], float], running: Callable[[], float], ready: Callable[[], float]
+    ) -> None:
         self.queue_depth.set_function(waiting)
         self.running.set_function(running)
         self.engine_ready.set_function(ready)

@@ -65,8 +65,13 @@ class RequestContextMiddleware:
             self.metrics.http_requests.labels(scope["method"], route_path, str(code)).inc()
             client = scope.get("client")
             access_logger.info(
-                "%s %s %s %d %.3fs client=%s", request_id, scope["method"], scope["path"], code,
-                time.perf_counter() - start, f"{client[0]}:{client[1]}" if client else "-",
+                "%s %s %s %d %.3fs client=%s",
+                request_id,
+                scope["method"],
+                scope["path"],
+                code,
+                time.perf_counter() - start,
+                f"{client[0]}:{client[1]}" if client else "-",
             )
 
 
@@ -94,7 +99,11 @@ class ApiKeyMiddleware:
         headers = dict(scope.get("headers") or [])
         auth = headers.get(b"authorization", b"").decode("latin-1")
         scheme, _, token = auth.partition(" ")
-        if auth and scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        if (
+            auth
+            and scheme.lower() == "bearer"
+            and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        ):
             return None
         path = scope["path"]
         if path.startswith(_IMAGE_CONTENT_PREFIX) and path.endswith(_IMAGE_CONTENT_SUFFIX):
@@ -113,7 +122,9 @@ class BodySizeLimitMiddleware:
     `max_bytes` applies everywhere but the paths in `path_limits`, which map a path to its own limit and
     the flag(s) that set it (the edits route carries images, so its bound follows --max-image-bytes)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, path_limits: dict[str, tuple[int, str]] | None = None) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, path_limits: dict[str, tuple[int, str]] | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.path_limits = dict(path_limits or {})
@@ -132,8 +143,9 @@ class BodySizeLimitMiddleware:
         limit, flags = self._limit(scope["path"])
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            response = error_response(413, self._message(f"{int(length)} bytes", limit, flags), None,
-                                      "request_too_large")
+            response = error_response(
+                413, self._message(f"{int(length)} bytes", limit, flags), None, "request_too_large"
+            )
             await response(scope, receive, send)
             return
         received = 0

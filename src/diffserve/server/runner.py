@@ -37,8 +37,11 @@ class GracefulServer(uvicorn.Server):
         if self._draining or self._loop is None:
             return
         self._draining = True
-        logger.info("Received %s: shutting down (in-flight requests get %g s)",
-                    signal.Signals(sig).name, self.shutdown_timeout)
+        logger.info(
+            "Received %s: shutting down (in-flight requests get %g s)",
+            signal.Signals(sig).name,
+            self.shutdown_timeout,
+        )
         engine = self.config.app.state.engine
         # Signal handlers run between bytecodes; hand the work to the loop instead of touching it here.
         self._loop.call_soon_threadsafe(engine.begin_drain, self.shutdown_timeout)
@@ -82,7 +85,8 @@ def serve(args: ServerArgs) -> int:
         port=args.port,
         log_config=None,  # uvicorn's own lines use diffserve's log format
         access_log=False,  # RequestContextMiddleware logs one line per request
-        timeout_graceful_shutdown=args.shutdown_timeout + 5,  # backstop: the engine client cancels at the timeout
+        timeout_graceful_shutdown=args.shutdown_timeout
+        + 5,  # backstop: the engine client cancels at the timeout
     )
     server = GracefulServer(config, args.shutdown_timeout)
     # uvicorn re-raises the signal it stopped on once it is done; for SIGTERM that lands here, so the

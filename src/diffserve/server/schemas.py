@@ -44,13 +44,17 @@ class ImageGenerationRequest(BaseModel):
     size: str | None = Field(None, description="'WIDTHxHEIGHT' or 'auto' (the model's default)")
     response_format: Literal["b64_json", "url"] | None = "b64_json"
     output_format: Literal["png", "jpeg", "webp"] | None = "png"
-    output_compression: int | None = Field(None, ge=0, le=100, description="jpeg/webp quality, 0-100 (default 100)")
+    output_compression: int | None = Field(
+        None, ge=0, le=100, description="jpeg/webp quality, 0-100 (default 100)"
+    )
     user: str | None = Field(None, description="end-user id; accepted for compatibility, not used")
     stream: bool | None = Field(
         None, description="answer with server-sent events (OpenAI's image_generation.* / image_edit.* events)"
     )
     partial_images: int | None = Field(
-        None, ge=0, le=MAX_PARTIAL_IMAGES,
+        None,
+        ge=0,
+        le=MAX_PARTIAL_IMAGES,
         description="with stream=true: previews (0-3) sent while the image is made, before the final one",
     )
     quality: str | None = Field(
@@ -66,14 +70,18 @@ class ImageGenerationRequest(BaseModel):
     # diffserve extensions (SamplingParams fields); unset: the model's defaults.
     width: int | None = Field(None, gt=0)
     height: int | None = Field(None, gt=0)
-    seed: int | None = Field(None, ge=0, lt=2**63, description="unset: a random seed, returned in the response")
+    seed: int | None = Field(
+        None, ge=0, lt=2**63, description="unset: a random seed, returned in the response"
+    )
     negative_prompt: str | None = None
     num_inference_steps: int | None = Field(None, ge=1)
     guidance_scale: float | None = Field(None, ge=0)
     true_cfg_scale: float | None = Field(None, ge=0)
     max_sequence_length: int | None = Field(None, ge=1)
     priority: int | None = Field(
-        None, ge=-1000, le=1000,
+        None,
+        ge=-1000,
+        le=1000,
         description="scheduling priority (-1000..1000, default 0): the engine admits higher first, equal "
         "priorities first come first served",
     )
@@ -81,11 +89,15 @@ class ImageGenerationRequest(BaseModel):
     def check_supported(self) -> None:
         for name, allowed in NO_OP_VALUES.items():
             value = getattr(self, name)
-            if value is not None and not any(value == a and type(value) is type(a) for a in allowed if a is not None):
+            if value is not None and not any(
+                value == a and type(value) is type(a) for a in allowed if a is not None
+            ):
                 accepted = " or ".join(repr(a) for a in allowed if a is not None)
                 hint = f"omit it or pass {accepted}" if accepted else "omit it"
                 raise ApiParamError(
-                    f"{name}={value!r} is not supported yet by diffserve; {hint}", param=name, code="unsupported_value"
+                    f"{name}={value!r} is not supported yet by diffserve; {hint}",
+                    param=name,
+                    code="unsupported_value",
                 )
         if self.partial_images and not self.stream:
             raise ApiParamError(
@@ -112,12 +124,16 @@ class ImageGenerationRequest(BaseModel):
         match = _SIZE.match(self.size)
         if match is None:
             raise ApiParamError(
-                f"size must be 'WIDTHxHEIGHT' (for example '1024x1024') or 'auto', got {self.size!r}", param="size"
+                f"size must be 'WIDTHxHEIGHT' (for example '1024x1024') or 'auto', got {self.size!r}",
+                param="size",
             )
         width, height = int(match.group(1)), int(match.group(2))
-        if (self.width is not None and self.width != width) or (self.height is not None and self.height != height):
+        if (self.width is not None and self.width != width) or (
+            self.height is not None and self.height != height
+        ):
             raise ApiParamError(
-                f"size={self.size!r} conflicts with width/height; pass either size or width and height", param="size"
+                f"size={self.size!r} conflicts with width/height; pass either size or width and height",
+                param="size",
             )
         return width, height
 
@@ -143,12 +159,15 @@ class ImageGenerationRequest(BaseModel):
 
 ACCEPTED_FIELDS: tuple[str, ...] = tuple(ImageGenerationRequest.model_fields)
 
+
 class ImageReference(BaseModel):
     """One entry of OpenAI's JSON `images: [{"image_url": ...}]` (or `mask: {"image_url": ...}`)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    image_url: str | None = Field(None, description="a base64 data URL, or an http(s) URL with --allow-url-images")
+    image_url: str | None = Field(
+        None, description="a base64 data URL, or an http(s) URL with --allow-url-images"
+    )
     file_id: str | None = Field(None, description="OpenAI Files API id; not supported by diffserve")
 
     def source(self, param: str) -> str:
@@ -187,7 +206,9 @@ class ImageEditRequest(ImageGenerationRequest):
     def image_sources(self) -> list[str]:
         """The JSON body's input images in order (raises ApiParamError when both forms are given)."""
         if self.image is not None and self.images is not None:
-            raise ApiParamError("pass the input images as either 'image' or 'images', not both", param="images")
+            raise ApiParamError(
+                "pass the input images as either 'image' or 'images', not both", param="images"
+            )
         if self.images is not None:
             return [ref.source(f"images[{i}]") for i, ref in enumerate(self.images)]
         if isinstance(self.image, str):
@@ -196,7 +217,6 @@ class ImageEditRequest(ImageGenerationRequest):
 
     def mask_source(self) -> str | None:
         return self.mask.source("mask") if isinstance(self.mask, ImageReference) else self.mask
-
 
 
 EDIT_ACCEPTED_FIELDS: tuple[str, ...] = tuple(ImageEditRequest.model_fields)
@@ -212,7 +232,9 @@ class ImagesResponse(BaseModel):
     data: list[ImageObject]
     output_format: str
     size: str
-    seed: int = Field(description="diffserve extension: the seed used; the n images come from one generator seeded with it")
+    seed: int = Field(
+        description="diffserve extension: the seed used; the n images come from one generator seeded with it"
+    )
 
 
 class ModelCard(BaseModel):

@@ -80,11 +80,14 @@ class VideoCreateRequest(BaseModel):
     guidance_scale: float | None = Field(None, ge=0)
     max_sequence_length: int | None = Field(None, ge=1)
     quality: str | None = Field(
-        None, description="'lossless' (exact), 'high', 'medium', 'low' (approximate, faster) or 'auto' (the "
+        None,
+        description="'lossless' (exact), 'high', 'medium', 'low' (approximate, faster) or 'auto' (the "
         "server's --default-quality); see /v1/images/generations",
     )
     priority: int | None = Field(
-        None, ge=-1000, le=1000,
+        None,
+        ge=-1000,
+        le=1000,
         description="scheduling priority (-1000..1000, default 0): the engine admits higher first, equal "
         "priorities first come first served",
     )
@@ -313,8 +316,9 @@ def video_router(
                 )
                 params.input_images = [image]
             try:
-                job = await jobs.create(params, args.model_id, image_to_video=reference is not None,
-                                        priority=body.priority or 0)
+                job = await jobs.create(
+                    params, args.model_id, image_to_video=reference is not None, priority=body.priority or 0
+                )
             except JobRejectedError as exc:
                 param = _PARAM_NAMES.get(exc.param or "", exc.param)
                 code = "request_too_large" if exc.status == 413 else "invalid_value"

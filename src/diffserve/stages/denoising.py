@@ -23,4 +23,6 @@ class DenoisingStage(Stage):
         self.denoise_step = denoise_step
 
     def forward(self, req: Req) -> Req:
-        raise TypeError("the engine runs denoising steps through denoise_step(reqs), not as a stage over one request")
+        raise TypeError(
+            "the engine runs denoising steps through denoise_step(reqs), not as a stage over one request"
+        )

@@ -92,7 +92,9 @@ class VideoRule:
                 param="num_frames",
             )
         if not isinstance(params.fps, int) or not 1 <= params.fps <= self.max_fps:
-            raise InvalidRequestError(f"fps must be an integer in [1, {self.max_fps}], got {params.fps!r}", param="fps")
+            raise InvalidRequestError(
+                f"fps must be an integer in [1, {self.max_fps}], got {params.fps!r}", param="fps"
+            )
         if params.video_format not in VIDEO_FORMATS:
             raise InvalidRequestError(
                 f"video_format must be one of {', '.join(VIDEO_FORMATS)}, got {params.video_format!r}",

@@ -22,7 +22,9 @@ def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tenso
     return grid.reshape(b, channels // 4, height, width)
 
 
-def latent_image_ids(grid_height: int, grid_width: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def latent_image_ids(
+    grid_height: int, grid_width: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
     """(h*w, 3) ids (0, row, col) for FLUX's 3-axis RoPE over the packed grid."""
     rows = torch.arange(grid_height).repeat_interleave(grid_width)
     cols = torch.arange(grid_width).repeat(grid_height)

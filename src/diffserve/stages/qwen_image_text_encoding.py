@@ -81,7 +81,9 @@ class QwenTextEncodingStage(Stage):
         if self.processor is not None:
             images = [image for _ in prompts for image in req.condition_images]
         if self.image_prompt_template is not None:
-            prefix = "".join(self.image_prompt_template.format(i + 1) for i in range(len(req.condition_images)))
+            prefix = "".join(
+                self.image_prompt_template.format(i + 1) for i in range(len(req.condition_images))
+            )
             prompts = [prefix + prompt for prompt in prompts]
         if self.cache is not None:
             embeds = self.cache.lookup(prompts, (p.max_sequence_length,), self.encode)

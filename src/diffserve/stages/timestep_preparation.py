@@ -42,7 +42,10 @@ class TimestepPreparationStage(Stage):
         set_schedule(req, self.scheduler.schedule(steps, mu=mu, sigmas=base_sigmas))
         if self.guidance_embeds:
             req.guidance = torch.full(
-                (req.batch_size,), float(req.params.guidance_scale), dtype=torch.float32, device=req.latents.device
+                (req.batch_size,),
+                float(req.params.guidance_scale),
+                dtype=torch.float32,
+                device=req.latents.device,
             )
         return req
 

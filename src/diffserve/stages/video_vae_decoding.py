@@ -17,7 +17,9 @@ from diffserve.stages.decoding import tensor_to_pil
 from diffserve.stages.latent_preparation import unpack_latents
 
 
-def latent_stats(vae: nn.Module, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def latent_stats(
+    vae: nn.Module, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The VAE's per-channel latent (mean, std), shaped (1, channels, 1, 1, 1) to broadcast over video latents."""
     channels = int(vae.config["z_dim"])
     mean = torch.tensor(vae.config["latents_mean"]).view(1, channels, 1, 1, 1)
@@ -51,7 +53,9 @@ class VideoVaeImageDecodingStage(Stage):
     def forward(self, req: Req) -> Req:
         first_param = next(self.vae.parameters())
         latents = unpack_latents(req.latents, req.latent_height, req.latent_width).unsqueeze(2)
-        latents = denormalize_latents(self.vae, latents.to(device=first_param.device, dtype=first_param.dtype))
+        latents = denormalize_latents(
+            self.vae, latents.to(device=first_param.device, dtype=first_param.dtype)
+        )
         frames = self.vae.decode(latents)
         req.images = tensor_to_pil(frames[:, :, 0])
         return req
@@ -75,6 +79,8 @@ class VideoVaeDecodingStage(Stage):
     @torch.inference_mode()
     def forward(self, req: Req) -> Req:
         first_param = next(self.vae.parameters())
-        latents = denormalize_latents(self.vae, req.latents.to(device=first_param.device, dtype=first_param.dtype))
+        latents = denormalize_latents(
+            self.vae, req.latents.to(device=first_param.device, dtype=first_param.dtype)
+        )
         req.frames = video_to_uint8(self.vae.decode(latents))
         return req

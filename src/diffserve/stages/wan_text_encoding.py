@@ -66,7 +66,9 @@ class WanTextEncodingStage(Stage):
     def forward(self, req: Req) -> Req:
         msl = req.params.max_sequence_length
         embeds = self.cache.lookup(
-            request_prompts(req), (msl,), lambda batch: [row.clone() for row in self.encode(batch, msl).split(1)]
+            request_prompts(req),
+            (msl,),
+            lambda batch: [row.clone() for row in self.encode(batch, msl).split(1)],
         )
         set_sequence_embeds(req, embeds)
         return req

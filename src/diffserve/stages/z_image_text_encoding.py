@@ -32,7 +32,10 @@ class ZImageTextEncodingStage(Stage):
         """One (tokens, hidden) tensor per prompt, real tokens only."""
         texts = [
             self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, enable_thinking=True
+                [{"role": "user", "content": prompt}],
+                tokenize=False,
+                add_generation_prompt=True,
+                enable_thinking=True,
             )
             for prompt in prompts
         ]
@@ -41,7 +44,9 @@ class ZImageTextEncodingStage(Stage):
         )
         device = next(self.text_encoder.parameters()).device
         mask = inputs.attention_mask.to(device).bool()
-        out = self.text_encoder(input_ids=inputs.input_ids.to(device), attention_mask=mask, output_hidden_states=True)
+        out = self.text_encoder(
+            input_ids=inputs.input_ids.to(device), attention_mask=mask, output_hidden_states=True
+        )
         states = out.hidden_states[-2]
         return [states[i][mask[i]].to(self.output_dtype) for i in range(len(prompts))]
 

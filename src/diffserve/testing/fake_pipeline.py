@@ -26,7 +26,9 @@ from diffserve.runtime import Engine, PipelineFacts, SchedulerConfig
 FAILING_PROMPT = "boom"
 
 
-def image_facts(name: str = "FakePipeline", min_input_images: int = 0, max_input_images: int = 0) -> PipelineFacts:
+def image_facts(
+    name: str = "FakePipeline", min_input_images: int = 0, max_input_images: int = 0
+) -> PipelineFacts:
     return PipelineFacts(
         name=name, pixel_multiple=16, dit_width=64, dtype=torch.float32, cfg_mode="true_cfg",
         min_input_images=min_input_images, max_input_images=max_input_images,
@@ -120,6 +122,8 @@ class FakeGenerator:
         self.family = family or FakeFamily()
         self.platform: Platform = CpuPlatform()
         self.engine = Engine(
-            self.pipeline, self.platform, config or SchedulerConfig(max_batch_tokens=16384),
+            self.pipeline,
+            self.platform,
+            config or SchedulerConfig(max_batch_tokens=16384),
             attention_backend=AttentionBackend.SDPA,
         )

@@ -59,7 +59,9 @@ def save_diffusers_model(module: nn.Module, directory: Path, class_name: str, co
     save_file(state, str(directory / "diffusion_pytorch_model.safetensors"))
 
 
-def write_flux_vae(directory: Path, block_out_channels: tuple[int, ...], latent_channels: int, norm_groups: int) -> None:
+def write_flux_vae(
+    directory: Path, block_out_channels: tuple[int, ...], latent_channels: int, norm_groups: int
+) -> None:
     """A random FLUX-style `AutoencoderKL` (FLUX.1's scaling and shift; FLUX and Z-Image share this VAE)."""
     n_levels = len(block_out_channels)
     vae_config = {
@@ -82,7 +84,9 @@ def write_flux_vae(directory: Path, block_out_channels: tuple[int, ...], latent_
     save_diffusers_model(AutoencoderKL.from_config(vae_config), directory, "AutoencoderKL", vae_config)
 
 
-def flux_model_index(clip_tokenizer_class: str = "CLIPTokenizer", t5_tokenizer_class: str = "T5TokenizerFast") -> dict:
+def flux_model_index(
+    clip_tokenizer_class: str = "CLIPTokenizer", t5_tokenizer_class: str = "T5TokenizerFast"
+) -> dict:
     """The `model_index.json` of a FluxPipeline folder."""
     return {
         "_class_name": "FluxPipeline",

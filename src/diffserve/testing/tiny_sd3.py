@@ -38,9 +38,15 @@ class TinySD3Spec:
 def _clip(tokenizer, hidden: int) -> CLIPTextModelWithProjection:
     return CLIPTextModelWithProjection(
         CLIPTextConfig(
-            vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=2,
-            num_attention_heads=2, max_position_embeddings=77, projection_dim=hidden,
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            vocab_size=len(tokenizer),
+            hidden_size=hidden,
+            intermediate_size=hidden * 2,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=77,
+            projection_dim=hidden,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
     )
@@ -59,9 +65,17 @@ def build_tiny_sd3(out_dir: str | Path, spec: TinySD3Spec | None = None) -> Path
         clip_tok.save_pretrained(root / ("tokenizer" if i == 0 else "tokenizer_2"))
     T5EncoderModel(
         T5Config(
-            vocab_size=len(t5_tok), d_model=spec.t5_hidden_size, d_kv=8, d_ff=spec.t5_hidden_size * 2,
-            num_layers=2, num_heads=4, feed_forward_proj="gated-gelu", dense_act_fn="gelu_new", is_gated_act=True,
-            pad_token_id=t5_tok.pad_token_id, eos_token_id=t5_tok.eos_token_id,
+            vocab_size=len(t5_tok),
+            d_model=spec.t5_hidden_size,
+            d_kv=8,
+            d_ff=spec.t5_hidden_size * 2,
+            num_layers=2,
+            num_heads=4,
+            feed_forward_proj="gated-gelu",
+            dense_act_fn="gelu_new",
+            is_gated_act=True,
+            pad_token_id=t5_tok.pad_token_id,
+            eos_token_id=t5_tok.eos_token_id,
         )
     ).save_pretrained(root / "text_encoder_3")
     t5_tok.save_pretrained(root / "tokenizer_3")
@@ -82,20 +96,34 @@ def build_tiny_sd3(out_dir: str | Path, spec: TinySD3Spec | None = None) -> Path
         "qk_norm": spec.qk_norm,
     }
     save_diffusers_model(
-        SD3Transformer2DModel.from_config(dit_config), root / "transformer", "SD3Transformer2DModel", dit_config
+        SD3Transformer2DModel.from_config(dit_config),
+        root / "transformer",
+        "SD3Transformer2DModel",
+        dit_config,
     )
     n = len(spec.vae_block_out_channels)
     vae_config = {
-        "in_channels": 3, "out_channels": 3,
-        "down_block_types": ["DownEncoderBlock2D"] * n, "up_block_types": ["UpDecoderBlock2D"] * n,
-        "block_out_channels": list(spec.vae_block_out_channels), "layers_per_block": 1, "act_fn": "silu",
-        "latent_channels": 16, "norm_num_groups": spec.vae_norm_num_groups, "sample_size": 64,
-        "scaling_factor": 1.5305, "shift_factor": 0.0609, "use_quant_conv": False, "use_post_quant_conv": False,
+        "in_channels": 3,
+        "out_channels": 3,
+        "down_block_types": ["DownEncoderBlock2D"] * n,
+        "up_block_types": ["UpDecoderBlock2D"] * n,
+        "block_out_channels": list(spec.vae_block_out_channels),
+        "layers_per_block": 1,
+        "act_fn": "silu",
+        "latent_channels": 16,
+        "norm_num_groups": spec.vae_norm_num_groups,
+        "sample_size": 64,
+        "scaling_factor": 1.5305,
+        "shift_factor": 0.0609,
+        "use_quant_conv": False,
+        "use_post_quant_conv": False,
     }
     save_diffusers_model(AutoencoderKL.from_config(vae_config), root / "vae", "AutoencoderKL", vae_config)
     (root / "scheduler").mkdir(exist_ok=True)
     (root / "scheduler" / "scheduler_config.json").write_text(
-        json.dumps(diffusers_config("FlowMatchEulerDiscreteScheduler", {"num_train_timesteps": 1000, "shift": 3.0}))
+        json.dumps(
+            diffusers_config("FlowMatchEulerDiscreteScheduler", {"num_train_timesteps": 1000, "shift": 3.0})
+        )
     )
     model_index = {
         "_class_name": "StableDiffusion3Pipeline",

@@ -118,9 +118,9 @@ def _write_image_encoder(root: Path, spec: TinyWanSpec) -> None:
     )
     encoder.save_pretrained(root / "image_encoder")
     size = spec.clip_image_size
-    CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size}).save_pretrained(
-        root / "image_processor"
-    )
+    CLIPImageProcessor(
+        size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+    ).save_pretrained(root / "image_processor")
 
 
 def build_tiny_wan(out_dir: str | Path, spec: TinyWanSpec | None = None) -> Path:

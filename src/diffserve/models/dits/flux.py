@@ -356,7 +356,9 @@ class FluxSingleTransformerBlock(nn.Module):
             k, v = _split_heads(kv, 2, self.head_dim)
             return k, v
         attn = self.attn
-        return attn.to_k(h).unflatten(-1, (-1, self.head_dim)), attn.to_v(h).unflatten(-1, (-1, self.head_dim))
+        return attn.to_k(h).unflatten(-1, (-1, self.head_dim)), attn.to_v(h).unflatten(
+            -1, (-1, self.head_dim)
+        )
 
     def forward(
         self, h: torch.Tensor, emb: torch.Tensor, rope: RopeTables, text_len: int | None = None
@@ -589,4 +591,3 @@ class FluxTransformer2DModel(nn.Module):
         if len(self.transformer_blocks):
             return self.transformer_blocks[0].norm1.modulate_projected(x, mods[0])[0]
         return self.single_transformer_blocks[0].norm.modulate_projected(x, mods[0])[0]
-

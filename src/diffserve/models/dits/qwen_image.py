@@ -227,9 +227,7 @@ class QwenDoubleStreamAttention(RotaryJointAttention):
     def __init__(self, dim: int, num_heads: int, head_dim: int) -> None:
         super().__init__(dim, num_heads, head_dim, lambda: RMSNorm(head_dim, eps=NORM_EPS))
 
-    def rotate(
-        self, q: torch.Tensor, k: torch.Tensor, rope: RopeTables
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = rope
         batch, seq = q.shape[:2]
         if cos.shape[0] == seq:

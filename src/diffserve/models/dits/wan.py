@@ -326,7 +326,9 @@ class WanTransformerBlock(nn.Module):
     def modulated_input(self, x: torch.Tensor, time_mod: torch.Tensor) -> torch.Tensor:
         """The self-attention input `modulate(LN(x))`: the cheap, timestep-aware value the step cache
         watches (one LayerNorm and a scale/shift; the block's own modulation vectors)."""
-        shift_msa, scale_msa = (self.scale_shift_table[:, :2].float().unsqueeze(0) + time_mod[:, :, :2].float()).unbind(2)
+        shift_msa, scale_msa = (
+            self.scale_shift_table[:, :2].float().unsqueeze(0) + time_mod[:, :, :2].float()
+        ).unbind(2)
         return self._modulate_attention_input(x, shift_msa, scale_msa)
 
     def _modulate_attention_input(
@@ -546,4 +548,3 @@ class WanTransformer3DModel(nn.Module):
         raise ValueError(
             f"timestep must have shape ({batch},), (1,) or ({batch}, {seq}) (per token), got {tuple(timestep.shape)}"
         )
-

@@ -338,7 +338,9 @@ class ZImageTransformerBlock(nn.Module):
         """The attention input of a modulated block, `attention_norm1(x) * (1 + scale_msa)`: the cheap,
         timestep-aware value the step cache watches (one RMSNorm and one small projection)."""
         if not self.modulation:
-            raise ValueError("the context-refiner blocks are not modulated; the step cache watches a modulated one")
+            raise ValueError(
+                "the context-refiner blocks are not modulated; the step cache watches a modulated one"
+            )
         scale_msa = self.adaLN_modulation(adaln).unsqueeze(1).chunk(4, dim=2)[0]
         return self.attention_norm1(x) * (1.0 + scale_msa)
 
@@ -552,7 +554,10 @@ class ZImageTransformer2DModel(nn.Module):
         cap = torch.cat([cap, self.cap_pad_token.to(cap.dtype), cap.new_zeros(1, cap.shape[1])])[layout.index]
         for block in self.context_refiner:
             cap = block(cap, layout.cis, layout.mask)
-        return [RefinedCaption(cap[i, :n], length) for i, (n, length) in enumerate(zip(layout.padded, lengths, strict=True))]
+        return [
+            RefinedCaption(cap[i, :n], length)
+            for i, (n, length) in enumerate(zip(layout.padded, lengths, strict=True))
+        ]
 
     def caption_layout(self, lengths: Sequence[int], device: torch.device) -> _CaptionLayout:
         """Gather index, RoPE tables and mask of a batch of captions alone (cached per lengths; cheap to call)."""
@@ -729,7 +734,11 @@ class ZImageTransformer2DModel(nn.Module):
 
     def _cache_signal(self, img: torch.Tensor, adaln: torch.Tensor) -> torch.Tensor:
         """The first modulated block's attention input on the image tokens: what the step cache watches."""
-        first = self.noise_refiner[0] if len(self.noise_refiner) else (self.layers[0] if len(self.layers) else None)
+        first = (
+            self.noise_refiner[0]
+            if len(self.noise_refiner)
+            else (self.layers[0] if len(self.layers) else None)
+        )
         if first is None:
             raise ValueError("a Z-Image model without refiner or main layers has no blocks to cache")
         return first.modulated_attention_input(img, adaln)

@@ -34,7 +34,12 @@ _SUPPORTED_KEYS = {
     "use_beta_sigmas",
     "stochastic_sampling",
 }
-_UNSUPPORTED_WHEN_TRUE = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "stochastic_sampling")
+_UNSUPPORTED_WHEN_TRUE = (
+    "use_karras_sigmas",
+    "use_exponential_sigmas",
+    "use_beta_sigmas",
+    "stochastic_sampling",
+)
 
 
 @dataclass(frozen=True)

@@ -276,7 +276,9 @@ class UniPCFlowScheduler:
         if self.solver_order > 1 and not np.all(np.diff(full[:-1]) < 0):
             # The multistep updates solve Vandermonde systems in these sigmas' log-SNRs without checking
             # the solve on the device (`solve_without_host_check`): a repeated sigma would make them singular.
-            raise ValueError(f"UniPC needs strictly decreasing sigmas over the steps, got {full[:-1].tolist()}")
+            raise ValueError(
+                f"UniPC needs strictly decreasing sigmas over the steps, got {full[:-1].tolist()}"
+            )
         return SigmaSchedule(sigmas=torch.from_numpy(full), timesteps=timesteps)
 
     # --------------------------------------------------------------------------------------- step
