@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,13 +29,7 @@ from diffserve.platforms import Platform, PlatformUnavailableError, resolve_plat
 from diffserve.registry import ModelFamily, resolve_family
 from diffserve.request import Req
 from diffserve.runtime import Engine, ScheduledRequest, SchedulerConfig
-from diffserve.runtime.compile import (
-    CompiledRegion,
-    WarmupRun,
-    compile_pipeline,
-    compile_warmup_size,
-    warm_up,
-)
+from diffserve.runtime.compile import WarmupRun, compile_pipeline, compile_warmup_size, warm_up
 from diffserve.runtime.scheduler import default_max_batch_tokens
 
 logger = logging.getLogger("diffserve")
@@ -51,7 +44,12 @@ _DTYPES = {
 }
 
 
+#: Seconds per step (not steps per second): the figure users compare between engines.
+_BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_inv_fmt}]"
+
+
 def parse_dtype(name: str | None, platform: Platform) -> torch.dtype:
+    """A `--dtype` name as a torch dtype; None is the platform's default."""
     if name is None:
         return platform.default_dtype
     if name not in _DTYPES:
@@ -61,6 +59,8 @@ def parse_dtype(name: str | None, platform: Platform) -> torch.dtype:
 
 @dataclass
 class GenerationOutput:
+    """One request's result: its images (or video frames), the parameters it ran with, and its figures."""
+
     images: list[Image.Image]
     params: SamplingParams
     request_id: str
@@ -71,8 +71,7 @@ class GenerationOutput:
     total_seconds: float = 0.0
     #: Video families: one uint8 array of shape (frames, height, width, 3) per output video.
     frames: list[np.ndarray] = field(default_factory=list)
-    #: Denoising steps that ran the DiT's blocks in full: all of them for quality "lossless"; fewer
-    #: when an approximate tier reused the cached residual (`params.quality` names the tier run).
+    #: Denoising steps that ran the DiT's blocks in full: fewer than all with an approximate quality tier.
     steps_computed_in_full: int = 0
 
 
@@ -83,38 +82,34 @@ class DiffGenerator:
         start = time.perf_counter()
         self.engine_args = engine_args
         try:
-            self.platform = resolve_platform(engine_args.device)
+            platform = self.platform = resolve_platform(engine_args.device)
         except PlatformUnavailableError as exc:
             raise UserError(str(exc)) from exc
         if engine_args.tune_allocator:
-            self.platform.prepare_process()
-        self.dtype = parse_dtype(engine_args.dtype, self.platform)
-        text_dtype = parse_dtype(engine_args.text_encoder_dtype or engine_args.dtype, self.platform)
-        logger.info(
-            "Platform: %s (%s), dtype: %s", self.platform.name, self.platform.device_name(), self.dtype
-        )
+            platform.prepare_process()
+        self.dtype = parse_dtype(engine_args.dtype, platform)
+        text_dtype = parse_dtype(engine_args.text_encoder_dtype or engine_args.dtype, platform)
+        logger.info("Platform: %s (%s), dtype: %s", platform.name, platform.device_name(), self.dtype)
         try:
             self.attention_backend: AttentionBackend = resolve_attention_backend(
-                engine_args.attention_backend,
-                self.platform.device_type,
-                self.platform.default_attention_backend,
+                engine_args.attention_backend, platform.device_type, platform.default_attention_backend
             )
         except ValueError as exc:
             raise UserError(str(exc)) from exc
         index = read_model_index(engine_args.model_path)
         self.family: ModelFamily = resolve_family(index.pipeline_class_name)
+        pipeline_cls = self.family.pipeline_cls
         logger.info(
             "Resolved pipeline: %s -> diffserve %s (%s, native)",
             index.pipeline_class_name,
-            self.family.pipeline_cls.__name__,
+            pipeline_cls.__name__,
             self.family.name,
         )
-        pipeline_cls = self.family.pipeline_cls
         components = load_components(
             index,
             pipeline_cls.required_components,
             self.family.native_classes,
-            self.platform,
+            platform,
             self.dtype,
             text_dtype,
             optional=pipeline_cls.optional_components,
@@ -125,10 +120,10 @@ class DiffGenerator:
         try:
             check_default_quality(engine_args.default_quality)
             calibrated = read_calibrated_policies(index.root, self.family.name)
-            self.pipeline: Pipeline = self.family.pipeline_cls(
+            self.pipeline: Pipeline = pipeline_cls(
                 PipelineContext(
                     components,
-                    self.platform,
+                    platform,
                     self.dtype,
                     folder_sampling_defaults=folder_defaults,
                     pipeline_options=index.options,
@@ -142,31 +137,23 @@ class DiffGenerator:
             raise UserError(str(exc)) from exc
         self.model_path = str(index.root)
         self.show_progress = show_progress
-        #: The one request loop every generation runs through (shared with the server's engine process).
-        self.engine = Engine(
-            self.pipeline,
-            self.platform,
-            SchedulerConfig(
-                max_running_requests=engine_args.max_running_requests,
-                max_batch_tokens=engine_args.max_batch_tokens
-                or default_max_batch_tokens(self.platform.device_type),
-            ),
-            attention_backend=self.attention_backend,
+        max_tokens = engine_args.max_batch_tokens or default_max_batch_tokens(platform.device_type)
+        scheduler = SchedulerConfig(
+            max_running_requests=engine_args.max_running_requests, max_batch_tokens=max_tokens
         )
+        #: The request loop every generation runs through (the server's engine process runs one too).
+        self.engine = Engine(self.pipeline, platform, scheduler, attention_backend=self.attention_backend)
         logger.info("Pipeline ready in %.2f seconds", time.perf_counter() - start)
         #: `--compile`: the block lists compiled; `--warmup-resolutions`: the warm-up generations run.
-        self.compiled_regions: list[CompiledRegion] = (
-            compile_pipeline(components) if engine_args.compile else []
-        )
+        self.compiled_regions = compile_pipeline(components) if engine_args.compile else []
         sizes = list(engine_args.warmup_resolutions)
-        if engine_args.compile and not sizes:  # the graphs are size-generic: a small warm-up builds them all
+        if engine_args.compile and not sizes:  # the graphs are size-generic: one small warm-up builds them
             sizes = [compile_warmup_size(self.pipeline.facts.pixel_multiple)]
         self.warmup_runs: list[WarmupRun] = self.warm_up(sizes) if sizes else []
 
     def warm_up(self, resolutions: Sequence[tuple[int, int]]) -> list[WarmupRun]:
-        """Short generations at each (height, width), every batch kind of `runtime.compile.WARMUP_KINDS`
-        at the first, so compilation (`--compile`) and allocator growth happen now rather than in the
-        first requests."""
+        """Short generations at each (height, width) (every batch kind of `WARMUP_KINDS` at the first), so
+        compilation (`--compile`) and allocator growth happen now rather than in the first requests."""
         start = time.perf_counter()
         runs = warm_up(self.generate_from_params, self.pipeline.facts, resolutions)
         logger.info(
@@ -218,14 +205,12 @@ class DiffGenerator:
         **params: Any,
     ) -> GenerationOutput | list[GenerationOutput]:
         """Generate `num_outputs_per_prompt` images (or videos) for one prompt, or for each prompt of a
-        list (then a list of outputs, in order: the prompts' requests share DiT batches). Keyword args
-        are SamplingParams fields. `save_frames` also writes each video's frames as PNGs next to it.
+        list (then a list of outputs, in order). Keyword args are SamplingParams fields. `save_frames` also
+        writes each video's frames as PNGs next to it. Safe to call from several threads at once; the
+        requests of one call, and of concurrent calls, share DiT batches.
 
-        `image`: the input image(s) of an edit model, one or a list, each a file path, encoded bytes, a
-        PIL image or a base64 data URL (never an http(s) URL: download it yourself). `mask` likewise, one
-        image. They become `input_images` / `mask_image`; the family refuses what it does not take.
-
-        Safe to call from several threads at once: concurrent calls share DiT batches too.
+        `image`: an edit model's input image(s) (`input_images`), each a file path, encoded bytes, a PIL image
+        or a base64 data URL (never an http(s) URL); `mask` (`mask_image`) likewise, one image.
         """
         if image is not None:
             if "input_images" in params:
@@ -242,9 +227,7 @@ class DiffGenerator:
             sampling = [SamplingParams(prompt=p, **params) for p in prompts]
         except TypeError as exc:
             raise UserError(f"unknown generation parameter: {exc}") from exc
-        outputs = self.generate_many(
-            sampling, save_output, output_path, output_file_name, save_frames=save_frames
-        )
+        outputs = self.generate_many(sampling, save_output, output_path, output_file_name, save_frames)
         return outputs[0] if isinstance(prompt, str) else outputs
 
     def generate_from_params(
@@ -280,8 +263,13 @@ class DiffGenerator:
         scheduled = [self.engine.prepare(req) for req in reqs]  # validates and costs each (fail fast)
         for sr in scheduled:
             log_sampling_params(sr.req.params)
-        with self._progress(scheduled):
+        # One seconds-per-step bar over the denoising steps of these requests (the CLI's bar).
+        total_steps = sum(int(sr.req.params.num_inference_steps or 0) for sr in scheduled)
+        with tqdm(
+            total=total_steps, disable=not self.show_progress, unit="step", bar_format=_BAR_FORMAT
+        ) as bar:
             for sr in scheduled:
+                sr.req.on_step = _with_progress(sr.req.on_step, bar)
                 self.engine.enqueue(sr)
             self.engine.run_to_completion(scheduled)
         outputs = []
@@ -294,15 +282,6 @@ class DiffGenerator:
             outputs.append(self._output(sr, start, save_output, output_path, file_name, save_frames))
         return outputs
 
-    @contextlib.contextmanager
-    def _progress(self, scheduled: list[ScheduledRequest]) -> Iterator[None]:
-        """One seconds-per-step bar over the denoising steps of these requests (the CLI's bar)."""
-        total = sum(int(sr.req.params.num_inference_steps or 0) for sr in scheduled)
-        with tqdm(total=total, disable=not self.show_progress, unit="step", bar_format=BAR_FORMAT) as bar:
-            for sr in scheduled:
-                sr.req.on_step = _with_progress(sr.req.on_step, bar)
-            yield
-
     def _output(
         self, sr: ScheduledRequest, start: float, save_output: bool, output_path: str | None,
         file_name: str | None, save_frames: bool,
@@ -310,11 +289,8 @@ class DiffGenerator:
         req = sr.req
         peak_mb = sr.peak_memory_bytes / 2**20 if sr.peak_memory_bytes is not None else None
         if peak_mb is not None:
-            logger.info(
-                "Peak memory: %.2f MB (%s)",
-                peak_mb,
-                "process RSS" if self.platform.name == "cpu" else "device",
-            )
+            where = "process RSS" if self.platform.name == "cpu" else "device"
+            logger.info("Peak memory: %.2f MB (%s)", peak_mb, where)
         paths: list[str] = []
         if save_output:
             written = write_outputs(
@@ -350,11 +326,8 @@ def _with_progress(on_step: Callable[[Req], None] | None, bar: tqdm) -> Callable
     return report
 
 
-#: Seconds per step (not steps per second): the figure users compare between engines.
-BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_inv_fmt}]"
-
-
 def log_sampling_params(params: SamplingParams) -> None:
+    """Log a request's parameters, one aligned line each."""
     shown = {k: v for k, v in params.to_dict().items() if k != "extra"}
     width = max(len(k) for k in shown)
     lines = "\n".join(f"    {k:>{width}}: {v}" for k, v in shown.items())

@@ -37,8 +37,9 @@ from diffserve.server.args import ServerArgs
 from diffserve.server.errors import install_error_handlers
 from diffserve.server.metrics import ServerMetrics
 from diffserve.server.protocol import JobProgress
+from diffserve.server.schemas import frames_for_seconds
 from diffserve.server.video_jobs import VideoJob, VideoJobStore, progress_percent
-from diffserve.server.video_routes import frames_for_seconds, video_router
+from diffserve.server.video_routes import video_router
 from diffserve.testing.fake_pipeline import FakeFamily, FakeGenerator, FakePipeline, video_facts
 
 MODEL_NAME = "tiny-wan"

@@ -449,7 +449,7 @@ def test_zimage_dit_time_is_what_each_step_computed(steps: int, dynamic: bool) -
     """Z-Image's DiT time, now computed for the whole schedule at preparation, equals bit for bit the
     per-step 0-d computation the denoiser did before."""
     from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
-    from diffserve.stages.timestep_preparation import ZImageTimestepPreparationStage
+    from diffserve.stages.z_image import ZImageTimestepPreparationStage
 
     scheduler = FlowMatchEulerScheduler(shift=3.0, use_dynamic_shifting=dynamic)
     req = Req(params=SamplingParams(prompt="x", num_inference_steps=steps))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageSequence
 
-import diffserve.outputs.atomic as atomic
+import diffserve.outputs.files as output_files
 import diffserve.outputs.video as video_outputs
 from diffserve.outputs import VIDEO_FORMATS, save_frames, save_video
 
@@ -227,7 +227,7 @@ def test_failed_rename_removes_partial_and_keeps_old_file(
     def failing_replace(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(atomic.os, "replace", failing_replace)
+    monkeypatch.setattr(output_files.os, "replace", failing_replace)
     with pytest.raises(OSError, match="disk full"):
         save_video(_clip(3, 16, 16), final, fps=16, metadata={}, output_format=output_format)
     assert _all_files(tmp_path) == [final.name]

@@ -1,17 +1,15 @@
 """`diffserve calibrate-cache`: measure each quality tier against lossless and store its thresholds.
 
-For every tier (high, medium, low) it looks for the step-cache policy that computes the fewest steps in
-full while the mean PSNR against lossless, over the calibration prompts, stays at least `--margin-db`
-above the tier's bar (35 / 30 / 25 dB). The search runs per `max_reuse_in_a_row` candidate as a binary
-search over a threshold grid (a larger threshold reuses more and can only lower PSNR), and every
-candidate's images are kept in memory so each (threshold, cap) is generated once for all three tiers.
-The result goes to `diffserve_step_cache.json` next to `model_index.json`, with the measurements, and
-`DiffGenerator` / `diffserve serve` read it at startup.
+For each tier (high, medium, low): the step-cache policy that computes the fewest steps in full while the
+mean PSNR against lossless over the calibration prompts stays `--margin-db` above the tier's bar (35 /
+30 / 25 dB), binary-searched over a threshold grid per `max_reuse_in_a_row` (a larger threshold can only
+lower PSNR). The result, with its measurements, goes to `diffserve_step_cache.json` in the model folder.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -23,7 +21,6 @@ from diffserve.cli.engine_flags import add_engine_flags, engine_args_from
 from diffserve.configs.quality import APPROXIMATE_TIERS, PSNR_BARS, write_calibration
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.errors import UserError
-from diffserve.logging_setup import LEVELS
 
 logger = logging.getLogger("diffserve.calibrate")
 
@@ -45,28 +42,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_engine_flags(p)
-    p.add_argument(
-        "--prompt", action="append", default=None, help="calibration prompt (repeat; default: 4 built in)"
-    )
-    p.add_argument(
-        "--image", default=None, metavar="PATH", help="input image, for edit and image-to-video models"
-    )
-    p.add_argument(
-        "--num-inference-steps", type=int, default=None, help="steps (default: the family's, at least 20)"
-    )
-    p.add_argument("--height", type=int, default=None, help="height in pixels (default: the model's)")
-    p.add_argument("--width", type=int, default=None, help="width in pixels (default: the model's)")
-    p.add_argument("--num-frames", type=int, default=None, help="video models: frames (default: the model's)")
-    p.add_argument("--seed", type=int, default=0, help="seed of every calibration generation (default: 0)")
-    p.add_argument(
-        "--margin-db",
-        type=float,
-        default=1.0,
+    add = p.add_argument
+    add("--prompt", action="append", default=None, help="calibration prompt (repeat; default: 4 built in)")
+    add("--image", default=None, metavar="PATH", help="input image, for edit and image-to-video models")
+    add("--num-inference-steps", type=int, default=None, help="steps (default: the family's, at least 20)")
+    add("--height", type=int, default=None, help="height in pixels (default: the model's)")
+    add("--width", type=int, default=None, help="width in pixels (default: the model's)")
+    add("--num-frames", type=int, default=None, help="video models: frames (default: the model's)")
+    add("--seed", type=int, default=0, help="seed of every calibration generation (default: 0)")
+    add(
+        "--margin-db", type=float, default=1.0,
         help="mean PSNR kept above each tier's bar, for prompts unlike the calibration ones (default: 1)",
-    )
-    p.add_argument("--dry-run", action="store_true", help="print the result without writing the file")
-    p.add_argument("--output-path", default="outputs", help=argparse.SUPPRESS)
-    p.add_argument("--log-level", default="info", choices=LEVELS)
+    )  # fmt: skip
+    add("--dry-run", action="store_true", help="print the result without writing the file")
+    add("--output-path", default="outputs", help=argparse.SUPPRESS)
     p.set_defaults(handler=run)
 
 
@@ -95,12 +84,6 @@ def _pixels(out) -> np.ndarray:
     return np.stack([np.asarray(image.convert("RGB")) for image in out.images])
 
 
-def _psnr(a: np.ndarray, b: np.ndarray) -> float:
-    from diffserve.testing.image_metrics import psnr_uint8
-
-    return psnr_uint8(a, b)
-
-
 class Calibration:
     def __init__(self, generator, prompts: list[str], request: dict) -> None:
         self.generator = generator
@@ -113,38 +96,30 @@ class Calibration:
         self.lossless_seconds = time.perf_counter() - start
         self.num_steps: int = request["num_inference_steps"]
 
-    def _params(self, prompt: str, quality: str):
+    def _generate(self, prompt: str, quality: str):
         from diffserve.configs.sampling_params import SamplingParams
 
-        return SamplingParams(prompt=prompt, quality=quality, **self.request)
-
-    def _generate(self, prompt: str, quality: str):
-        return self.generator.generate_from_params(self._params(prompt, quality))
+        return self.generator.generate_from_params(
+            SamplingParams(prompt=prompt, quality=quality, **self.request)
+        )
 
     def trial(self, threshold: float, max_reuse: int, template: StepCachePolicy) -> Trial:
+        from diffserve.testing.image_metrics import psnr_uint8
+
         key = (threshold, max_reuse)
         if key not in self.trials:
-            policy = StepCachePolicy(
-                threshold=threshold,
-                full_first_steps=template.full_first_steps,
-                full_last_steps=template.full_last_steps,
-                max_reuse_in_a_row=max_reuse,
-            )
+            policy = dataclasses.replace(template, threshold=threshold, max_reuse_in_a_row=max_reuse)
             self.generator.pipeline.use_step_cache_policies({"medium": policy})
             scores, steps, start = [], [], time.perf_counter()
             for prompt, reference in zip(self.prompts, self.reference, strict=True):
                 out = self._generate(prompt, "medium")
-                scores.append(_psnr(_pixels(out), reference))
+                scores.append(psnr_uint8(_pixels(out), reference))
                 steps.append(out.steps_computed_in_full)
             trial = Trial(policy, scores, steps, time.perf_counter() - start)
             logger.info(
                 "threshold %.3g, at most %d reused in a row: mean PSNR %.1f dB, %.1f of %d steps in full",
-                threshold,
-                max_reuse,
-                trial.mean_psnr,
-                trial.mean_steps,
-                self.num_steps,
-            )
+                threshold, max_reuse, trial.mean_psnr, trial.mean_steps, self.num_steps,
+            )  # fmt: skip
             self.trials[key] = trial
         return self.trials[key]
 
@@ -181,38 +156,29 @@ def run(args: argparse.Namespace) -> int:
     defaults = generator.pipeline.step_cache_policies
     if not defaults:
         raise UserError(f"{type(generator.pipeline).__name__} has no step cache: only lossless is served")
-    request = {
-        "height": args.height,
-        "width": args.width,
-        "num_frames": args.num_frames,
-        "seed": args.seed,
-        "input_images": images,
-        "num_inference_steps": args.num_inference_steps,
-    }
+    names = ("height", "width", "num_frames", "seed", "num_inference_steps")
+    request = {"input_images": images, **{name: getattr(args, name) for name in names}}
     if args.num_inference_steps is None:  # the family's default, but at least 20 (where caching pays)
         family_steps = generator.pipeline.resolve_params(SamplingParams(prompt=prompts[0], **request))
         request["num_inference_steps"] = max(20, family_steps.num_inference_steps)
     calibration = Calibration(generator, prompts, request)
-    chosen, measurements = (
-        {},
-        {
-            "prompts": prompts,
-            "num_inference_steps": calibration.num_steps,
-            "margin_db": args.margin_db,
-            "height": args.height,
-            "width": args.width,
-            "seed": args.seed,
-            "lossless_seconds_per_prompt": calibration.lossless_seconds / len(prompts),
-            "tiers": {},
-        },
-    )
+    chosen: dict[str, StepCachePolicy] = {}
+    measurements = {
+        "prompts": prompts,
+        "num_inference_steps": calibration.num_steps,
+        "margin_db": args.margin_db,
+        "height": args.height,
+        "width": args.width,
+        "seed": args.seed,
+        "lossless_seconds_per_prompt": calibration.lossless_seconds / len(prompts),
+        "tiers": {},
+    }
     for tier in APPROXIMATE_TIERS:
         template = defaults.get(tier, StepCachePolicy(threshold=0.0))
         trial = calibration.best_for(PSNR_BARS[tier] + args.margin_db, template)
         if trial is None:
-            raise UserError(
-                f"no threshold keeps {tier} at {PSNR_BARS[tier]} + {args.margin_db} dB on these prompts"
-            )
+            bar = f"{PSNR_BARS[tier]} + {args.margin_db} dB"
+            raise UserError(f"no threshold keeps {tier} at {bar} on these prompts")
         chosen[tier] = trial.policy
         measurements["tiers"][tier] = {
             "mean_psnr_db": round(trial.mean_psnr, 2),

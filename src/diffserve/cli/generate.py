@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from dataclasses import fields
 from pathlib import Path
 
 from diffserve.cli.engine_flags import add_engine_flags, engine_args_from
 from diffserve.configs.quality import ACCEPTED
 from diffserve.errors import UserError
-from diffserve.logging_setup import LEVELS
 
 logger = logging.getLogger("diffserve")
 
@@ -22,54 +22,39 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Generate images with a Diffusers-format model folder.",
     )
     add_engine_flags(p)
+    add = p.add_argument
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text prompt")
     prompt.add_argument("--prompt-file", help="file with one prompt per line (blank lines skipped)")
-    p.add_argument(
-        "--image",
-        action="append",
-        default=None,
-        metavar="PATH",
+    add(
+        "--image", action="append", default=None, metavar="PATH",
         help="input image of an edit model (repeat for several, in order); png, jpeg, webp, bmp or gif",
-    )
-    p.add_argument("--mask", default=None, metavar="PATH", help="inpainting mask (only models that inpaint)")
-    p.add_argument("--negative-prompt", default=None, help="negative prompt (used with --true-cfg-scale > 1)")
-    p.add_argument("--height", type=int, default=None, help="image height in pixels (model default if unset)")
-    p.add_argument("--width", type=int, default=None, help="image width in pixels (model default if unset)")
-    p.add_argument("--num-inference-steps", type=int, default=None, help="denoising steps")
-    p.add_argument("--guidance-scale", type=float, default=None, help="embedded guidance (FLUX.1-dev: 3.5)")
-    p.add_argument(
-        "--true-cfg-scale", type=float, default=None, help="true CFG scale; >1 with a negative prompt"
-    )
-    p.add_argument("--max-sequence-length", type=int, default=None, help="T5 tokens (FLUX: at most 512)")
-    p.add_argument(
-        "--num-frames", type=int, default=None, help="video models: frames (Wan: 4k+1, default 81)"
-    )
-    p.add_argument(
-        "--fps", type=int, default=None, help="video models: frames per second of the file (Wan: 16)"
-    )
-    p.add_argument(
-        "--video-format", default=None, choices=("mp4", "gif", "webp"), help="video container (mp4)"
-    )
-    p.add_argument("--save-frames", action="store_true", help="video models: also write every frame as a PNG")
-    p.add_argument("--seed", type=int, default=0, help="noise seed (same seed, same image on every device)")
-    p.add_argument(
-        "--quality",
-        default=None,
-        choices=ACCEPTED,
+    )  # fmt: skip
+    add("--mask", default=None, metavar="PATH", help="inpainting mask (only models that inpaint)")
+    add("--negative-prompt", default=None, help="negative prompt (used with --true-cfg-scale > 1)")
+    add("--height", type=int, default=None, help="image height in pixels (model default if unset)")
+    add("--width", type=int, default=None, help="image width in pixels (model default if unset)")
+    add("--num-inference-steps", type=int, default=None, help="denoising steps")
+    add("--guidance-scale", type=float, default=None, help="embedded guidance (FLUX.1-dev: 3.5)")
+    add("--true-cfg-scale", type=float, default=None, help="true CFG scale; >1 with a negative prompt")
+    add("--max-sequence-length", type=int, default=None, help="T5 tokens (FLUX: at most 512)")
+    add("--num-frames", type=int, default=None, help="video models: frames (Wan: 4k+1, default 81)")
+    add("--fps", type=int, default=None, help="video models: frames per second of the file (Wan: 16)")
+    add("--video-format", default=None, choices=("mp4", "gif", "webp"), help="video container (mp4)")
+    add("--save-frames", action="store_true", help="video models: also write every frame as a PNG")
+    add("--seed", type=int, default=0, help="noise seed (same seed, same image on every device)")
+    add(
+        "--quality", default=None, choices=ACCEPTED,
         help="lossless (exact); high, medium, low: reuse DiT work between steps, faster, at least "
         "35/30/25 dB PSNR against lossless; auto: --default-quality (default: auto)",
-    )
-    p.add_argument("--num-outputs-per-prompt", type=int, default=1, help="images per prompt")
-    p.add_argument("--output-path", default="outputs", help="directory for output files (default: outputs/)")
-    p.add_argument("--output-file-name", default=None, help="file name instead of the generated one")
-    p.add_argument(
-        "--save-output",
-        action=argparse.BooleanOptionalAction,
-        default=True,
+    )  # fmt: skip
+    add("--num-outputs-per-prompt", type=int, default=1, help="images per prompt")
+    add("--output-path", default="outputs", help="directory for output files (default: outputs/)")
+    add("--output-file-name", default=None, help="file name instead of the generated one")
+    add(
+        "--save-output", action=argparse.BooleanOptionalAction, default=True,
         help="write images to --output-path",
-    )
-    p.add_argument("--log-level", default="info", choices=LEVELS)
+    )  # fmt: skip
     p.set_defaults(handler=run)
 
 
@@ -97,35 +82,14 @@ def run(args: argparse.Namespace) -> int:
     images = load_images([Path(p) for p in args.image], param="--image") if args.image else None
     mask = load_images(Path(args.mask), param="--mask")[0] if args.mask else None
     generator = DiffGenerator(engine_args_from(args))
-    params_list = [
-        SamplingParams(
-            prompt=prompt,
-            negative_prompt=args.negative_prompt,
-            height=args.height,
-            width=args.width,
-            num_inference_steps=args.num_inference_steps,
-            guidance_scale=args.guidance_scale,
-            true_cfg_scale=args.true_cfg_scale,
-            max_sequence_length=args.max_sequence_length,
-            num_frames=args.num_frames,
-            fps=args.fps,
-            video_format=args.video_format,
-            seed=args.seed,
-            num_outputs_per_prompt=args.num_outputs_per_prompt,
-            input_images=images,
-            mask_image=mask,
-            quality=args.quality,
-        )
-        for prompt in prompts
-    ]
+    # Every flag named as a SamplingParams field (but the prompt) is that field.
+    flags = {f.name: getattr(args, f.name) for f in fields(SamplingParams) if f.name in vars(args)}
+    flags.pop("prompt")
+    params_list = [SamplingParams(prompt=p, input_images=images, mask_image=mask, **flags) for p in prompts]
     if len(params_list) > 1:
         logger.info("Processing %d prompts together (their steps share DiT batches)", len(params_list))
     outputs = generator.generate_many(  # validates every prompt before any model work
-        params_list,
-        save_output=args.save_output,
-        output_path=args.output_path,
-        file_name=args.output_file_name,
-        save_frames=args.save_frames,
+        params_list, args.save_output, args.output_path, args.output_file_name, save_frames=args.save_frames
     )
     peaks = [out.peak_memory_mb for out in outputs if out.peak_memory_mb is not None]
     n_images = len(params_list) * args.num_outputs_per_prompt

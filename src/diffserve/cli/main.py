@@ -17,10 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="diffserve", description="A fast serving engine for diffusion models."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    generate.add_parser(sub)
-    calibrate_cache.add_parser(sub)
-    make_tiny.add_parser(sub)
-    serve.add_parser(sub)
+    for command in (generate, calibrate_cache, make_tiny, serve):
+        command.add_parser(sub)
     return parser
 
 

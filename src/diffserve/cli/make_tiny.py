@@ -1,9 +1,7 @@
 """`diffserve make-tiny FAMILY DIR`: write a small random-weight checkpoint in Diffusers layout.
 
-The families and their builders are the registry's (`diffserve.registry`). The registry imports torch
-and every pipeline, and the `diffserve` command line must stay free of torch (the server's HTTP process
-builds this parser too), so the family names are read from it only when make-tiny itself runs or shows
-its help.
+The families are the registry's, read only when make-tiny runs or shows its help: the registry imports
+torch, and the command line must stay free of it (the server's HTTP process builds this parser too).
 """
 
 from __future__ import annotations
@@ -24,13 +22,10 @@ class _FamilyNames:
         from diffserve.errors import UserError
         from diffserve.registry import family_by_name
 
-        if not isinstance(name, str):
-            return False
         try:
-            family_by_name(name)
+            return isinstance(name, str) and family_by_name(name) is not None
         except UserError:
             return False
-        return True
 
     def __iter__(self) -> Iterator[str]:
         from diffserve.registry import family_names
@@ -44,21 +39,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="write a tiny random-weight checkpoint (for tests and trying the engine)",
         description="Write a small random-weight checkpoint in Diffusers layout; draws noise, not pictures.",
     )
-    p.add_argument("family", choices=_FamilyNames(), metavar="FAMILY", help="model family: %(choices)s")
-    p.add_argument("output_dir", help="folder to write (created if missing)")
-    p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
-    p.add_argument(
-        "--no-guidance-embeds", action="store_true", help="flux: FLUX.1-schnell style, no guidance embedding"
-    )
-    p.add_argument(
-        "--sd35", action="store_true", help="sd3: SD3.5 style (qk RMSNorm, dual attention in block 0)"
-    )
-    p.add_argument(
-        "--scheduler",
-        choices=("flow-match-euler", "unipc"),
-        default="flow-match-euler",
+    add = p.add_argument
+    add("family", choices=_FamilyNames(), metavar="FAMILY", help="model family: %(choices)s")
+    add("output_dir", help="folder to write (created if missing)")
+    add("--seed", type=int, default=0, help="weight initialisation seed")
+    add("--no-guidance-embeds", action="store_true", help="flux: FLUX.1-schnell style, no guidance embedding")
+    add("--sd35", action="store_true", help="sd3: SD3.5 style (qk RMSNorm, dual attention in block 0)")
+    add(
+        "--scheduler", choices=("flow-match-euler", "unipc"), default="flow-match-euler",
         help="wan-*: the scheduler written (unipc is what the released Wan 2.1 checkpoints ship)",
-    )
+    )  # fmt: skip
     p.set_defaults(handler=run)
 
 
@@ -66,8 +56,9 @@ def run(args: argparse.Namespace) -> int:
     from diffserve.registry import TinyCheckpointOptions, family_by_name
 
     family = family_by_name(args.family)
+    guidance = not args.no_guidance_embeds
     options = TinyCheckpointOptions(
-        seed=args.seed, guidance_embeds=not args.no_guidance_embeds, sd35=args.sd35, scheduler=args.scheduler
+        seed=args.seed, guidance_embeds=guidance, sd35=args.sd35, scheduler=args.scheduler
     )
     path = family.tiny_builder(Path(args.output_dir), options)
     logger.info("Wrote tiny %s checkpoint to %s", family.name, path)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
+from collections.abc import Callable
+from typing import Any
 
 from diffserve.cli.engine_flags import add_engine_flags, engine_args_from
-from diffserve.logging_setup import LEVELS
 
 logger = logging.getLogger("diffserve")
 
@@ -22,162 +24,109 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "engine process; the HTTP front end never blocks on it.",
     )
     add_engine_flags(p)
-    p.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=[],
-        metavar="NAME",
+    add = p.add_argument
+    add(
+        "--served-model-name", dest="served_model_names", nargs="+", default=[], metavar="NAME",
         help="model name(s) clients pass as 'model'; the first is what /v1/models lists "
         "(default: the model path; its folder name is always accepted too)",
-    )
-    p.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all)"
-    )
-    p.add_argument("--port", type=int, default=30000, help="port to listen on (default: 30000)")
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("DIFFSERVE_API_KEY"),
+    )  # fmt: skip
+    add("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all)")
+    add("--port", type=int, default=30000, help="port to listen on (default: 30000)")
+    add(
+        "--api-key", default=os.environ.get("DIFFSERVE_API_KEY"),
         help="require 'Authorization: Bearer KEY' on every route but /health, /health_generate and "
         "/metrics (default: $DIFFSERVE_API_KEY; unset: no auth). Image URLs carry their own token",
-    )
-    p.add_argument(
-        "--max-queue-size",
-        type=int,
-        default=64,
-        help="requests allowed to wait for the engine (not counting the running ones); more get "
-        "429 (default: 64)",
-    )
-    p.add_argument(
-        "--max-running-requests",
-        type=int,
-        default=8,
+    )  # fmt: skip
+    add(
+        "--max-queue-size", type=int, default=64,
+        help="requests allowed to wait for the engine (not counting the running ones); more get 429 (default: 64)",
+    )  # fmt: skip
+    add(
+        "--max-running-requests", type=int, default=8,
         help="requests the engine runs at once, sharing denoising steps as one DiT batch per shape "
         "(step-level batching); 1: one request at a time (default: 8)",
-    )
-    p.add_argument(
-        "--max-batch-tokens",
-        type=int,
-        default=None,
-        help="cap on the running requests' latent tokens x CFG branches x outputs (a 1024x1024 "
-        "FLUX image is 4096 tokens); requests beyond it wait (default: 65536 on accelerators, "
-        "16384 on CPU)",
-    )
-    p.add_argument(
-        "--mem-fraction",
-        type=float,
-        default=0.9,
-        help="share of the free memory measured after warm-up that running requests may use; a "
-        "request is admitted only while the estimated total fits, and one that cannot fit even "
-        "alone gets 413 (default: 0.9)",
-    )
-    p.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=1 << 20,
-        help="largest request body; larger ones get 413 (default: 1048576). /v1/images/edits "
-        "allows 17 images at --max-image-bytes as base64 on top of it",
-    )
-    p.add_argument(
-        "--allow-url-images",
-        action="store_true",
-        help="let /v1/images/edits fetch input images from http(s) URLs on public hosts (default: "
-        "off; uploads and base64 data URLs only, no outbound requests)",
-    )
-    p.add_argument(
-        "--max-image-bytes",
-        type=int,
-        default=20 << 20,
-        help="largest input image (encoded: upload, decoded data URL or download); larger ones get "
-        "413 (default: 20971520 = 20 MiB). The edits route's body limit follows from it",
-    )
-    p.add_argument(
-        "--max-image-pixels",
-        type=int,
-        default=4096 * 4096,
-        help="largest input image in pixels (width * height, checked before decoding); larger ones "
-        "get 413 (default: 16777216 = 4096x4096)",
-    )
-    p.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
+    )  # fmt: skip
+    add(
+        "--max-batch-tokens", type=int, default=None,
+        help="cap on the running requests' latent tokens x CFG branches x outputs (a 1024x1024 FLUX image "
+        "is 4096 tokens); requests beyond it wait (default: 65536 on accelerators, 16384 on CPU)",
+    )  # fmt: skip
+    add(
+        "--mem-fraction", type=float, default=0.9,
+        help="share of the free memory measured after warm-up that running requests may use; a request is "
+        "admitted only while the estimated total fits, one that cannot fit even alone gets 413 (default: 0.9)",
+    )  # fmt: skip
+    add(
+        "--max-body-bytes", type=int, default=1 << 20,
+        help="largest request body; larger ones get 413 (default: 1048576). /v1/images/edits allows 17 "
+        "images at --max-image-bytes as base64 on top of it",
+    )  # fmt: skip
+    add(
+        "--allow-url-images", action="store_true",
+        help="let /v1/images/edits fetch input images from http(s) URLs on public hosts (default: off; "
+        "uploads and base64 data URLs only, no outbound requests)",
+    )  # fmt: skip
+    add(
+        "--max-image-bytes", type=int, default=20 << 20,
+        help="largest input image (encoded: upload, decoded data URL or download); larger ones get 413 "
+        "(default: 20971520 = 20 MiB). The edits route's body limit follows from it",
+    )  # fmt: skip
+    add(
+        "--max-image-pixels", type=int, default=4096 * 4096,
+        help="largest input image in pixels (width * height, checked before decoding); larger ones get 413 "
+        "(default: 16777216 = 4096x4096)",
+    )  # fmt: skip
+    add(
+        "--shutdown-timeout", type=float, default=30.0,
         help="on SIGTERM, seconds in-flight requests get to finish before they are cancelled (default: 30)",
-    )
-    p.add_argument(
-        "--warmup",
-        action=argparse.BooleanOptionalAction,
-        default=True,
+    )  # fmt: skip
+    add(
+        "--warmup", action=argparse.BooleanOptionalAction, default=True,
         help="run a 1-step generation before reporting ready (default: on)",
-    )
-    p.add_argument(
-        "--output-path",
-        default="outputs",
+    )  # fmt: skip
+    add(
+        "--output-path", default="outputs",
         help="directory for images returned as response_format='url', and for /v1/videos jobs "
         "(videos/<id>.mp4 and video_jobs.sqlite3) (default: outputs/)",
-    )
-    p.add_argument(
-        "--job-ttl",
-        type=float,
-        default=86400.0,
-        help="seconds a finished /v1/videos job and its MP4 are kept after it finished; then both "
-        "are deleted (default: 86400 = one day)",
-    )
-    p.add_argument("--log-level", default="info", choices=LEVELS)
+    )  # fmt: skip
+    add(
+        "--job-ttl", type=float, default=86400.0,
+        help="seconds a finished /v1/videos job and its MP4 are kept after it finished; then both are "
+        "deleted (default: 86400 = one day)",
+    )  # fmt: skip
     p.set_defaults(handler=run)
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    from diffserve.errors import UserError
-
-    if not 0 <= args.port <= 65535:
-        raise UserError(f"--port must be in 0..65535, got {args.port}")
-    if args.max_queue_size < 0:
-        raise UserError(f"--max-queue-size must be >= 0, got {args.max_queue_size}")
-    if args.max_running_requests < 1:
-        raise UserError(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
-    if args.max_batch_tokens is not None and args.max_batch_tokens < 1:
-        raise UserError(f"--max-batch-tokens must be >= 1, got {args.max_batch_tokens}")
-    if not 0 < args.mem_fraction <= 1:
-        raise UserError(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
-    if args.max_body_bytes < 1:
-        raise UserError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
-    if args.max_image_bytes < 1:
-        raise UserError(f"--max-image-bytes must be >= 1, got {args.max_image_bytes}")
-    if args.max_image_pixels < 1:
-        raise UserError(f"--max-image-pixels must be >= 1, got {args.max_image_pixels}")
-    if not args.job_ttl > 0:
-        raise UserError(f"--job-ttl must be > 0 seconds, got {args.job_ttl}")
-    if args.shutdown_timeout < 0:
-        raise UserError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-    if args.api_key is not None and not args.api_key.strip():
-        raise UserError("--api-key must not be empty")
+#: Flag -> (whether a value is valid, what a valid value is); the server refuses to start otherwise.
+_VALID: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "port": (lambda v: 0 <= v <= 65535, "in 0..65535"),
+    "max_queue_size": (lambda v: v >= 0, ">= 0"),
+    "max_running_requests": (lambda v: v >= 1, ">= 1"),
+    "max_batch_tokens": (lambda v: v is None or v >= 1, ">= 1"),
+    "mem_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "max_body_bytes": (lambda v: v >= 1, ">= 1"),
+    "max_image_bytes": (lambda v: v >= 1, ">= 1"),
+    "max_image_pixels": (lambda v: v >= 1, ">= 1"),
+    "job_ttl": (lambda v: v > 0, "> 0 seconds"),
+    "shutdown_timeout": (lambda v: v >= 0, ">= 0"),
+}
 
 
 def run(args: argparse.Namespace) -> int:
+    from diffserve.errors import UserError
     from diffserve.loader.model_index import read_model_index
     from diffserve.server.args import ServerArgs
     from diffserve.server.runner import serve
 
-    _check_args(args)
+    for name, (valid, rule) in _VALID.items():
+        if not valid(getattr(args, name)):
+            raise UserError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UserError("--api-key must not be empty")
     engine_args = engine_args_from(args)
-    engine_args.max_running_requests = args.max_running_requests
-    engine_args.max_batch_tokens = args.max_batch_tokens
-    engine_args.mem_fraction = args.mem_fraction
+    for name in ("max_running_requests", "max_batch_tokens", "mem_fraction"):
+        setattr(engine_args, name, getattr(args, name))
     read_model_index(engine_args.model_path)  # a wrong path fails here, before the server starts listening
-    server_args = ServerArgs(
-        engine_args=engine_args,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        served_model_names=list(args.served_model_name),
-        max_queue_size=args.max_queue_size,
-        max_body_bytes=args.max_body_bytes,
-        allow_url_images=args.allow_url_images,
-        max_image_bytes=args.max_image_bytes,
-        max_image_pixels=args.max_image_pixels,
-        job_ttl=args.job_ttl,
-        shutdown_timeout=args.shutdown_timeout,
-        warmup=args.warmup,
-        log_level=args.log_level,
-    )
-    return serve(server_args)
+    # Every flag named as a ServerArgs field is that field.
+    server_fields = {field.name for field in dataclasses.fields(ServerArgs)} & set(vars(args))
+    return serve(ServerArgs(engine_args, **{name: getattr(args, name) for name in server_fields}))

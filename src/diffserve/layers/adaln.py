@@ -1,11 +1,6 @@
-"""adaLN norms of the MMDiTs (FLUX, SD3, Qwen-Image): a LayerNorm without parameters whose output is
-scaled and shifted per sample by a projection of the conditioning vector.
-
-These are Diffusers' `AdaLayerNormZero` and `AdaLayerNormContinuous` with its weight names (`linear`;
-the norm has no weights). Both take `temb_act` = SiLU(temb), not temb: every adaLN of a model projects
-the same SiLU(temb), so the model computes it once per forward instead of once per norm. A model
-that computes the projections itself (FLUX projects every adaLN of the model in one matmul) passes
-the projection to `modulate_projected`.
+"""adaLN norms of the MMDiTs: Diffusers' `AdaLayerNormZero` and `AdaLayerNormContinuous`. They take
+`temb_act` = SiLU(temb), computed once per forward; FLUX projects them all in one matmul and calls
+`modulate_projected`.
 """
 
 from __future__ import annotations
@@ -21,11 +16,8 @@ ADALN_EPS = 1e-6
 
 
 class AdaLayerNormZero(nn.Module):
-    """adaLN-Zero of a double-stream block: modulates the attention input and returns the other five vectors.
-
-    The projection is (shift, scale, gate) for the attention, then (shift, scale, gate) for the MLP;
-    the block applies the MLP's vectors itself, after the attention's residual.
-    """
+    """adaLN-Zero of a double-stream block: (shift, scale, gate) for the attention, then for the MLP; it
+    modulates the attention input and returns the other vectors for the block to apply."""
 
     def __init__(self, dim: int, eps: float = ADALN_EPS) -> None:
         super().__init__()

@@ -1,25 +1,9 @@
-"""One attention entry point; the backend is a per-generator setting, active only inside its scope.
+"""`attention(q, k, v)` on (batch, seq, heads, head_dim) tensors, with a per-generator backend: `sdpa`
+(default), `flash_attn` or `sage_attn` (where installed and suited to the inputs; else SDPA, logged).
 
-All native models call `attention(q, k, v)` with tensors laid out (batch, seq, heads, head_dim),
-the layout projections produce without a copy. Backends:
-
-- `sdpa`: `torch.nn.functional.scaled_dot_product_attention` (every platform; the default).
-- `flash_attn`: the flash-attn package (used only when importable, asked for, and the inputs suit it).
-- `sage_attn`: the sageattention package (same rules).
-
-Which backend runs is not process state. A generator resolves its backend once
-(`resolve_attention_backend`, a pure function of the user's choice and the device) and its engine
-runs every model call inside `attention_backend_scope(backend)`. The scope is a `ContextVar`, so it
-belongs to the thread (or asyncio task) that entered it: two generators in one process, driven from
-different threads or one after the other, each see their own backend, and code outside any scope
-gets SDPA. `attention()` reads the scope on every call, so the models need no backend argument.
-
-An unavailable backend that was asked for is not used; the reason is logged and SDPA runs.
-
-Under `torch.compile`, Dynamo cannot trace `ContextVar.get`, and a value read at trace time would be
-baked into a graph that the blocks of another generator (same code object) may reuse. So compiled
-code calls the opaque custom op `diffserve::attention` instead, which reads the scope when the graph
-runs, not when it is traced: one graph serves every backend, and no graph break is introduced.
+The backend is the one of the enclosing `attention_backend_scope` (a `ContextVar`, so per thread).
+Compiled code calls the opaque custom op `diffserve::attention`, which reads the scope when the graph
+runs: Dynamo cannot trace `ContextVar.get`, and a traced value would be baked into a shared graph.
 """
 
 from __future__ import annotations
@@ -70,10 +54,8 @@ def backend_unavailable_reason(backend: AttentionBackend, device_type: str) -> s
 
 
 def resolve_attention_backend(name: str | None, device_type: str, default: str = "sdpa") -> AttentionBackend:
-    """The backend a generator on `device_type` uses for the user's choice `name` (None: `default`,
-    the platform's). Pure: it changes no state; the caller keeps the result and enters
-    `attention_backend_scope` with it. A known backend that cannot run here is logged with the reason
-    and replaced by SDPA; an unknown name raises ValueError listing the choices."""
+    """The backend for the user's choice `name` (None: `default`) on `device_type`, changing no state: one
+    that cannot run here is logged and replaced by SDPA, an unknown name raises ValueError."""
     try:
         wanted = AttentionBackend(name or default)
     except ValueError:
@@ -89,8 +71,7 @@ def resolve_attention_backend(name: str | None, device_type: str, default: str =
 
 @contextmanager
 def attention_backend_scope(backend: AttentionBackend | str) -> Iterator[AttentionBackend]:
-    """Make `backend` the one `attention()` uses in this thread/task until the block exits (scopes nest;
-    the enclosing one is restored on exit, also on error). Other threads are not affected."""
+    """Make `backend` the one `attention()` uses in this thread/task until the block exits (scopes nest)."""
     chosen = AttentionBackend(backend)
     token = _active_backend.set(chosen)
     try:
@@ -102,13 +83,6 @@ def attention_backend_scope(backend: AttentionBackend | str) -> Iterator[Attenti
 def active_attention_backend() -> AttentionBackend:
     """The backend `attention()` uses here and now: the innermost scope's, or SDPA outside any scope."""
     return _active_backend.get()
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask
-    )
-    return out.transpose(1, 2)
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -140,15 +114,16 @@ def _run(
             return _flash(q, k, v)
         else:
             return _sage(q, k, v)
-    return _sdpa(q, k, v, attn_mask)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=attn_mask).transpose(1, 2)
 
 
 @torch.library.custom_op("diffserve::attention", mutates_args=())
 def _attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, backend: str | None
 ) -> torch.Tensor:
-    """`attention()` as compiled graphs call it: the backend (explicit, else the active scope's) is read
-    when the graph runs. The result is contiguous, as the fake implementation declares."""
+    """`attention()` as compiled graphs call it, the backend read when the graph runs; contiguous, as the
+    fake implementation declares."""
     chosen = AttentionBackend(backend) if backend is not None else _active_backend.get()
     return _run(q, k, v, attn_mask, chosen).contiguous()
 
@@ -167,9 +142,8 @@ def attention(
     attn_mask: torch.Tensor | None = None,
     backend: AttentionBackend | str | None = None,
 ) -> torch.Tensor:
-    """Scaled dot-product attention over (batch, seq, heads, head_dim) tensors; returns the same layout.
-
-    `backend` overrides the active scope's backend for this call (tests, kernels that need SDPA)."""
+    """Scaled dot-product attention over (batch, seq, heads, head_dim) tensors, in the same layout;
+    `backend` overrides the active scope's for this call."""
     if torch.compiler.is_compiling():
         name = None if backend is None else AttentionBackend(backend).value
         return _attention_op(q, k, v, attn_mask, name)

@@ -1,16 +1,6 @@
-"""`CustomOp`: one op, one reference implementation, optional per-vendor kernels.
-
-`forward_native` is the reference written in plain torch. Each platform has a
-`forward_<dispatch_key>` method (cuda, hip, musa, xpu, npu, mps, cpu); the base class makes each
-of them call `forward_native` explicitly, so a vendor kernel is added by overriding one method and
-nothing changes for the other vendors. The method is chosen once, so the hot path pays no lookup, from
-a platform the caller passes explicitly; nothing is read from process-wide state:
-
-- `CustomOp(platform)` dispatches for `platform` when the op is built;
-- an op built without one runs `forward_native` (the portable reference, numerically what every
-  `forward_<key>` must match) until `dispatch_custom_ops(module, platform)` binds every op of a model
-  to the platform it was loaded for. The loader does that for every native model it builds, because
-  the models build their ops without knowing the platform.
+"""`CustomOp`: one op, a plain-torch reference (`forward_native`) and optional per-vendor kernels, each
+an overridden `forward_<dispatch key>`. The method is chosen once for an explicit platform:
+`CustomOp(platform)`, or `dispatch_custom_ops(model, platform)`, which the loader runs on every model.
 """
 
 from __future__ import annotations
@@ -30,7 +20,7 @@ class CustomOp(nn.Module):
     """Base for ops that may have backend-specific kernels."""
 
     def __init__(self, platform: Platform | None = None) -> None:
-        """Dispatch for `platform`; None: `forward_native` until `bind_platform` (see the module docstring)."""
+        """Dispatch for `platform`; None: `forward_native` until `bind_platform`."""
         super().__init__()
         #: The platform this op dispatched for; None while it runs the reference.
         self.dispatch_platform: Platform | None = None

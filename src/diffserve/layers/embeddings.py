@@ -1,8 +1,5 @@
-"""Conditioning embeddings shared by DiTs: timestep sinusoids, their MLP, and pooled-text projection.
-
-Parameter names follow Diffusers (`linear_1`, `linear_2`, `timestep_embedder`, `guidance_embedder`,
-`text_embedder`) so checkpoints load without renaming.
-"""
+"""Conditioning embeddings shared by DiTs (timestep sinusoids, their MLP, pooled-text projection), with
+Diffusers' parameter names."""
 
 from __future__ import annotations
 
@@ -20,11 +17,8 @@ def timestep_sinusoids(
     downscale_freq_shift: float = 0.0,
     max_period: float = 10000.0,
 ) -> torch.Tensor:
-    """(batch,) timesteps -> (batch, dim) float32 sinusoidal features (DDPM / Diffusers `get_timestep_embedding`).
-
-    Timesteps may be fractional; each sample has its own, which is what lets the engine batch requests
-    that are at different denoising steps. With `flip_sin_to_cos` the cosine half comes first (FLUX, SD3).
-    """
+    """(batch,) timesteps, one per sample (so requests at different steps batch) -> (batch, dim) float32
+    sinusoids, as Diffusers' `get_timestep_embedding`; `flip_sin_to_cos`: cosines first."""
     if timesteps.ndim != 1:
         raise ValueError(f"timesteps must be 1-D (batch,), got shape {tuple(timesteps.shape)}")
     half = dim // 2
@@ -36,31 +30,6 @@ def timestep_sinusoids(
     if dim % 2:
         emb = F.pad(emb, (0, 1))
     return emb
-
-
-class TimestepProjection(nn.Module):
-    """Parameter-free module form of `timestep_sinusoids` (Diffusers' `Timesteps`)."""
-
-    def __init__(self, dim: int, flip_sin_to_cos: bool = True, downscale_freq_shift: float = 0.0) -> None:
-        super().__init__()
-        self.dim = dim
-        self.flip_sin_to_cos = flip_sin_to_cos
-        self.downscale_freq_shift = downscale_freq_shift
-
-    def forward(self, timesteps: torch.Tensor) -> torch.Tensor:
-        return timestep_sinusoids(timesteps, self.dim, self.flip_sin_to_cos, self.downscale_freq_shift)
-
-
-class TimestepEmbedding(nn.Module):
-    """Two-layer SiLU MLP on sinusoidal features (Diffusers' `TimestepEmbedding` with defaults)."""
-
-    def __init__(self, in_channels: int, time_embed_dim: int) -> None:
-        super().__init__()
-        self.linear_1 = nn.Linear(in_channels, time_embed_dim)
-        self.linear_2 = nn.Linear(time_embed_dim, time_embed_dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(F.silu(self.linear_1(x)))
 
 
 class TextProjection(nn.Module):
@@ -75,13 +44,16 @@ class TextProjection(nn.Module):
         return self.linear_2(F.silu(self.linear_1(x)))
 
 
-class CombinedTimestepTextEmbedding(nn.Module):
-    """temb = MLP(sinusoids(t)) [+ MLP(sinusoids(guidance))] + MLP(pooled text), one vector per sample.
+class TimestepEmbedding(TextProjection):
+    """The same MLP on sinusoidal features (Diffusers' `TimestepEmbedding` with defaults)."""
 
-    Diffusers' `CombinedTimestepTextProjEmbeddings` (FLUX.1-schnell, SD3) and, with `guidance_embeds`,
-    `CombinedTimestepGuidanceTextProjEmbeddings` (guidance-distilled FLUX.1-dev). The sinusoids are cast
-    to the pooled embedding's dtype before the MLPs, and the sum is taken in Diffusers' order.
-    """
+    def __init__(self, in_channels: int, time_embed_dim: int) -> None:
+        super().__init__(in_channels, time_embed_dim)
+
+
+class CombinedTimestepTextEmbedding(nn.Module):
+    """temb = MLP(sinusoids(t)) [+ MLP(sinusoids(guidance))] + MLP(pooled text), in Diffusers' order and
+    dtypes: `CombinedTimestep[Guidance]TextProjEmbeddings` (FLUX.1, SD3)."""
 
     def __init__(
         self,
@@ -91,7 +63,7 @@ class CombinedTimestepTextEmbedding(nn.Module):
         num_channels: int = 256,
     ) -> None:
         super().__init__()
-        self.time_proj = TimestepProjection(num_channels, flip_sin_to_cos=True, downscale_freq_shift=0.0)
+        self.num_channels = num_channels
         self.timestep_embedder = TimestepEmbedding(num_channels, embedding_dim)
         self.guidance_embedder = TimestepEmbedding(num_channels, embedding_dim) if guidance_embeds else None
         self.text_embedder = TextProjection(pooled_projection_dim, embedding_dim)
@@ -100,13 +72,13 @@ class CombinedTimestepTextEmbedding(nn.Module):
         self, timestep: torch.Tensor, pooled_projection: torch.Tensor, guidance: torch.Tensor | None = None
     ) -> torch.Tensor:
         dtype = pooled_projection.dtype
-        emb = self.timestep_embedder(self.time_proj(timestep).to(dtype))
+        emb = self.timestep_embedder(timestep_sinusoids(timestep, self.num_channels).to(dtype))
         if self.guidance_embedder is not None:
             if guidance is None:
                 raise ValueError(
                     "this model embeds the guidance scale: pass `guidance` (one value per sample)"
                 )
-            emb = emb + self.guidance_embedder(self.time_proj(guidance).to(dtype))
+            emb = emb + self.guidance_embedder(timestep_sinusoids(guidance, self.num_channels).to(dtype))
         elif guidance is not None:
             raise ValueError(
                 "this model has no guidance embedding (guidance_embeds=False): pass guidance=None"

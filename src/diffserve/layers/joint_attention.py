@@ -1,11 +1,6 @@
-"""Joint attention of the MMDiTs (FLUX's double-stream blocks, SD3, Qwen-Image).
-
-Image and text tokens keep their own q/k/v projections, per-head QK-norms and output projections, and
-attend as one sequence. `JointAttention` holds those weights under Diffusers' names (`to_q`, ...,
-`add_q_proj`, ..., `to_add_out`) and projects each stream to heads. The order of the joint sequence
-belongs to the model, and it is part of the numbers (the softmax sums over the keys in that order):
-FLUX and Qwen-Image attend over [text; image] with RoPE (`RotaryJointAttention`), SD3 over
-[image; text] without RoPE (its own subclass in `models/dits/sd3.py`).
+"""Joint attention of the MMDiTs: image and text keep their own projections and QK-norms (Diffusers'
+names) and attend as one sequence, whose order is part of the numbers: [text; image] with RoPE for
+FLUX and Qwen-Image (`RotaryJointAttention`), [image; text] for SD3 (`models/dits/sd3.py`).
 """
 
 from __future__ import annotations
@@ -29,19 +24,11 @@ def _normed(norm: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
 
 
 class JointAttention(nn.Module):
-    """The weights of a joint attention and the per-stream projection to heads.
-
-    `qk_norm` builds the per-head norms of q and k (none when None). Without `context_out` there is
-    no `to_add_out`: the text stream supplies keys and values only (SD3's last block).
-    """
+    """The weights of a joint attention and the per-stream projection to heads. `qk_norm` builds the
+    per-head norms of q and k (None: none); without `context_out` the text supplies keys and values only."""
 
     def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        head_dim: int,
-        qk_norm: QKNormFactory | None,
-        context_out: bool = True,
+        self, dim: int, num_heads: int, head_dim: int, qk_norm: QKNormFactory | None, context_out: bool = True
     ) -> None:
         super().__init__()
         inner = num_heads * head_dim
@@ -87,11 +74,8 @@ class JointAttention(nn.Module):
 
 
 class RotaryJointAttention(JointAttention):
-    """Joint attention over [text; image] with RoPE on q and k (FLUX, Qwen-Image).
-
-    `rotate` applies the RoPE tables of the joint sequence; a model whose tables have another layout
-    overrides it (Qwen-Image's per-sample tables).
-    """
+    """Joint attention over [text; image] with RoPE on q and k (FLUX, Qwen-Image); a model whose tables
+    have another layout overrides `rotate` (Qwen-Image's per-sample tables)."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, qk_norm: QKNormFactory) -> None:
         super().__init__(dim, num_heads, head_dim, qk_norm)
@@ -116,7 +100,6 @@ class RotaryJointAttention(JointAttention):
         q, k = self.rotate(torch.cat([cq, q], dim=1), torch.cat([ck, k], dim=1), rope)
         out = attention(q, k, torch.cat([cv, v], dim=1), attn_mask).flatten(2)
         ctx_out, x_out = out.split([ctx.shape[1], x.shape[1]], dim=1)
-        # The split halves are strided views when batch > 1; CPU half-precision matmuls round
-        # differently on strided inputs, so they are made contiguous, as Diffusers does (free at batch 1).
+        # Contiguous, as in Diffusers: CPU half-precision matmuls round differently on strided views.
         x_out = self.to_out[0](x_out.contiguous())
         return x_out, self.to_add_out(ctx_out.contiguous()) if text_out else None

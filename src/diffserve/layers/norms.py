@@ -1,11 +1,4 @@
-"""Normalisation layers as `CustomOp`s, with Diffusers' parameter names (`weight`, `bias`).
-
-`forward_native` reproduces Diffusers' numerics exactly so that checkpoints give the same outputs:
-RMSNorm accumulates the mean square in fp32 (half-precision inputs would lose the small terms) and
-LayerNorm is `torch.nn.functional.layer_norm`, which is what `diffusers.models.normalization.LayerNorm`
-resolves to on every torch this project supports. Vendor kernels (fused RMSNorm, fused
-LayerNorm + modulation) plug in by overriding `forward_<key>`.
-"""
+"""Normalisation layers as `CustomOp`s, with Diffusers' parameter names and exact numerics."""
 
 from __future__ import annotations
 
@@ -20,21 +13,10 @@ _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class RMSNorm(CustomOp):
-    """Root-mean-square norm over the last dimension (Zhang & Sennrich, 2019).
-
-    Diffusers uses two RMSNorms whose half-precision rounding differs, and a model must use the one
-    its Diffusers counterpart uses to match it bit for bit:
-
-    - `round_once=False` (default): `diffusers.models.normalization.RMSNorm` (also BFL's reference
-      QK-norm). The mean square is taken in fp32 and the input scaled in fp32; the result is rounded
-      to the weight's dtype when that is fp16/bf16 *before* the weight multiply, or back to the input
-      dtype when there is no weight.
-    - `round_once=True`: `torch.nn.RMSNorm` / `F.rms_norm`, which Diffusers' FLUX and Wan attention
-      use for QK-norm. Normalisation and weight multiply both run in fp32 and the result is rounded
-      once (torch may run a fused kernel).
-
-    In fp32 the two are identical.
-    """
+    """Root-mean-square norm over the last dimension, the mean square in fp32. Diffusers' two RMSNorms
+    round differently in half precision, and a model uses its counterpart's: `round_once=False` is
+    `diffusers...RMSNorm` (rounds to a fp16/bf16 weight's dtype *before* the weight multiply),
+    `round_once=True` is `F.rms_norm` (FLUX's and Wan's QK-norm: one rounding at the end)."""
 
     def __init__(
         self,
@@ -49,8 +31,6 @@ class RMSNorm(CustomOp):
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         self.round_once = round_once
-        # `torch.ones` runs on the meta device when the loader builds the model there; the real
-        # values are assigned later by `load_state_dict(..., assign=True)`.
         self.weight = nn.Parameter(torch.ones(dim)) if elementwise_affine else None
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,11 +50,8 @@ class RMSNorm(CustomOp):
 
 
 class LayerNorm(CustomOp):
-    """Layer norm over the last dimension; `weight`/`bias` exist only when `elementwise_affine`.
-
-    FLUX's blocks use it without affine parameters (the adaLN modulation supplies scale and shift),
-    so a checkpoint has no keys for those norms, exactly as with `torch.nn.LayerNorm(..., False)`.
-    """
+    """`F.layer_norm` over the last dimension (what Diffusers' LayerNorm resolves to); `weight`/`bias`
+    exist only when `elementwise_affine` (adaLN norms have none, as with `torch.nn.LayerNorm(..., False)`)."""
 
     def __init__(
         self,

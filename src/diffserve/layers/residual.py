@@ -9,10 +9,7 @@ FP16_MAX = 65504
 
 
 def gated_residual(residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """`residual + gate * x` (`gate` broadcastable to x), added in place into the fresh product.
-
-    The same rounding as `residual + gate * x`, without a second activation-sized buffer.
-    """
+    """`residual + gate * x`, added in place into the fresh product (same rounding, one buffer less)."""
     return (gate * x).add_(residual)
 
 

@@ -1,14 +1,7 @@
-"""Multi-axis rotary position embedding (RoPE) as used by FLUX.
-
-Each token has one position per axis (FLUX: text/reference index, row, column). The head dimension is
-split into one slice per axis (`axes_dims`, summing to head_dim); within an axis slice, channel pair
-`(2i, 2i+1)` is rotated by the angle `pos_axis * theta ** (-2i / axis_dim)`. The channel pairs are
-*interleaved* (FLUX/Diffusers `use_real_unbind_dim=-1` convention), not split into halves as in
-GPT-NeoX style RoPE.
-
-Tables are kept at half width: `cos`/`sin` are (seq, head_dim // 2), one entry per channel pair.
-Diffusers stores each value twice (`repeat_interleave(2)`); the halves hold the same numbers and the
-rotation below gives bit-identical results with half the table memory.
+"""Multi-axis rotary position embedding (RoPE) as used by FLUX: one position per token and axis, one
+head-dim slice per axis (`axes_dims`), the *interleaved* channel pair `(2i, 2i+1)` of a slice rotated by
+`pos_axis * theta ** (-2i / axis_dim)`. Tables are half width, one entry per pair (Diffusers stores each
+value twice; same results, half the memory).
 """
 
 from __future__ import annotations
@@ -26,23 +19,14 @@ RopeTables = tuple[torch.Tensor, torch.Tensor]
 _NO_FP64_DEVICE_TYPES = frozenset({"mps", "npu", "neuron"})
 
 
-def rope_freqs_dtype(device: torch.device) -> torch.dtype:
-    """float64 where the device has it: angles reach ~1e3 rad for large grids and fp32 loses digits."""
-    return torch.float32 if device.type in _NO_FP64_DEVICE_TYPES else torch.float64
-
-
 def multi_axis_rope_tables(ids: torch.Tensor, axes_dims: Sequence[int], theta: float = 10000.0) -> RopeTables:
-    """Half-width `(cos, sin)` tables, each (seq, sum(axes_dims) // 2) float32, for position `ids` (seq, n_axes).
-
-    Mirrors Diffusers' `FluxPosEmbed` + `get_1d_rotary_pos_embed(repeat_interleave_real=True)`: ids are
-    first cast to float32 (as Diffusers does), then the angles are formed and their cos/sin taken in
-    float64 (float32 on devices without it) and rounded to float32 at the end.
-    """
+    """Half-width float32 `(cos, sin)` tables for position `ids` (seq, n_axes), as Diffusers' `FluxPosEmbed`:
+    angles in float64 (they reach ~1e3 rad on large grids) where the device has it."""
     if ids.ndim != 2 or ids.shape[1] != len(axes_dims):
         raise ValueError(f"position ids must be (seq, {len(axes_dims)}), got {tuple(ids.shape)}")
     if any(d % 2 for d in axes_dims):
         raise ValueError(f"every rotary axis dimension must be even, got {tuple(axes_dims)}")
-    dtype = rope_freqs_dtype(ids.device)
+    dtype = torch.float32 if ids.device.type in _NO_FP64_DEVICE_TYPES else torch.float64
     pos = ids.float().to(dtype)
     angles = []
     for axis, dim in enumerate(axes_dims):  # a handful of axes, once per table build
@@ -53,24 +37,15 @@ def multi_axis_rope_tables(ids: torch.Tensor, axes_dims: Sequence[int], theta: f
 
 
 class RotaryEmbedding(CustomOp):
-    """Rotates q and k, laid out (batch, seq, heads, head_dim), by half-width `(cos, sin)` tables (seq, head_dim // 2).
-
-    The rotation runs in float32 and the result is cast back to the input dtype, as in Diffusers'
-    `apply_rotary_emb(..., use_real=True, use_real_unbind_dim=-1)`.
-
-    `q` may hold fewer positions than `k`: its rows are then the *last* `q.shape[1]` positions of the
-    tables. A DiT's final block needs outputs for the image tokens only, which follow the text tokens,
-    so it can project and rotate queries for those rows alone while keys cover the whole sequence.
-    """
+    """Rotates q and k (batch, seq, heads, head_dim) by the tables in float32, as Diffusers'
+    `apply_rotary_emb(..., use_real=True)`. `q` may hold only the *last* `q.shape[1]` positions (a DiT's
+    final block queries the image tokens, after the text, only)."""
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if torch.compiler.is_compiling():
-            # Inductor cannot generate code for complex ops: under `--compile` the complex rotation
-            # would stay an eager kernel between compiled ones, while the real form fuses into the
-            # QK-norm's kernel (one pass over q/k instead of three). Same products and sums, so the
-            # same values (measured bit-identical on the 36M FLUX checkpoint).
+            # Inductor cannot generate complex ops; the real form (same values) fuses into the QK-norm.
             return self.forward_native(q, k, cos, sin)
         return self._forward_impl(q, k, cos, sin)
 
@@ -86,8 +61,7 @@ class RotaryEmbedding(CustomOp):
     def _forward_complex(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # One complex multiply per element: the same products and sums as the real form (so the same
-        # rounding) but about 3x faster on CPU, as it reads x once and writes once.
+        # The real form's products and sums (same rounding), reading and writing x once.
         cis = torch.complex(cos, sin)[None, :, None, :]
         return _rotate_complex(q, cis[:, _query_rows(q, k)]), _rotate_complex(k, cis)
 

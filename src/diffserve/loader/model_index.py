@@ -1,4 +1,4 @@
-"""Reading a Diffusers model folder's `model_index.json`."""
+"""Reading a Diffusers model folder's `model_index.json` (and its other JSON files)."""
 
 from __future__ import annotations
 
@@ -24,10 +24,19 @@ class ComponentSpec:
 class ModelIndex:
     root: Path
     pipeline_class_name: str
-    diffusers_version: str | None
     components: dict[str, ComponentSpec]
     #: Pipeline-level settings that are not components (e.g. Wan's "boundary_ratio", "expand_timesteps").
     options: dict[str, Any] = field(default_factory=dict)
+
+
+def read_json(path: Path) -> Any:
+    """The parsed JSON file; a missing or malformed file is a `ModelLoadError` naming it."""
+    if not path.is_file():
+        raise ModelLoadError(f"missing {path}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
 
 
 def read_model_index(model_path: str | Path) -> ModelIndex:
@@ -41,10 +50,7 @@ def read_model_index(model_path: str | Path) -> ModelIndex:
             f"{str(root)!r} is not a Diffusers model folder: it has no model_index.json "
             "(expected the layout written by diffusers' save_pretrained)"
         )
-    try:
-        raw = json.loads(index_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{index_file} is not valid JSON: {exc}") from exc
+    raw = read_json(index_file)
     if not isinstance(raw, dict) or "_class_name" not in raw:
         raise ModelLoadError(f"{index_file} has no _class_name naming the pipeline")
     components = {}
@@ -54,15 +60,12 @@ def read_model_index(model_path: str | Path) -> ModelIndex:
             continue
         if not (isinstance(value, list) and len(value) == 2):
             options[name] = value  # pipeline-level options such as "requires_safety_checker"
-            continue
-        library, class_name = value
-        if library is None or class_name is None:
-            continue
-        components[name] = ComponentSpec(name, str(library), str(class_name), root / name)
+        elif None not in value:
+            library, class_name = value
+            components[name] = ComponentSpec(name, str(library), str(class_name), root / name)
     return ModelIndex(
         root=root,
         pipeline_class_name=str(raw["_class_name"]),
-        diffusers_version=raw.get("_diffusers_version"),
         components=components,
         options=options,
     )

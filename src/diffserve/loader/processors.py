@@ -1,10 +1,6 @@
-"""Loading Qwen2-VL processors (tokenizer + image preprocessor) for the Qwen-Image edit pipelines.
-
-transformers' `Qwen2VLProcessor.from_pretrained` also builds a video processor, which needs
-torchvision. The edit pipelines only pass text and images, so diffserve builds the processor without
-its video half; a subclass whose constructor takes no video processor is how transformers' processor
-base class learns which parts a processor has (it reads the constructor's parameters).
-"""
+"""Qwen2-VL processors (tokenizer + image preprocessor) for the Qwen-Image edit pipelines, built without
+the video processor that transformers' `from_pretrained` adds and that needs torchvision. transformers
+learns a processor's parts from its constructor's parameters, hence a subclass without a video one."""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ from torch import nn
 from diffserve.errors import ModelLoadError
 
 _WEIGHT_NAMES = ("diffusion_pytorch_model", "model")
+_READ_ERRORS = (SafetensorError, OSError, ValueError)
 
 
 def find_weight_files(component_dir: Path) -> list[Path]:
@@ -39,7 +40,7 @@ def find_weight_files(component_dir: Path) -> list[Path]:
 def _open(path: Path):
     try:
         return safe_open(str(path), framework="pt", device="cpu")
-    except (SafetensorError, OSError, ValueError) as exc:
+    except _READ_ERRORS as exc:
         raise ModelLoadError(f"cannot read {path}: the file is truncated or corrupt ({exc})") from exc
 
 
@@ -48,43 +49,37 @@ def _describe(keys: list[str], limit: int = 8) -> str:
     return shown + (f", ... ({len(keys)} in all)" if len(keys) > limit else "")
 
 
-def check_keys(module: nn.Module, file_keys: set[str], where: Path) -> None:
-    """Fail loudly, naming the keys, when checkpoint and module disagree."""
-    expected = set(module.state_dict().keys())
-    missing = sorted(expected - file_keys)
-    unexpected = sorted(file_keys - expected)
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing keys: {_describe(missing)}")
-        if unexpected:
-            parts.append(f"unexpected keys: {_describe(unexpected)}")
-        raise ModelLoadError(f"weights in {where} do not match {type(module).__name__}: " + "; ".join(parts))
-
-
 def load_safetensors_into(
     module: nn.Module, files: list[Path], device: torch.device, dtype: torch.dtype
 ) -> int:
     """Assign every tensor of `files` into `module` (built on meta), shard by shard. Returns bytes read.
 
-    Floating-point tensors are cast to `dtype`; integer tensors keep theirs. Only one shard's
-    tensors are held at a time, so peak host memory stays near the largest shard.
+    Checkpoint and module must have the same keys and shapes (else a `ModelLoadError` names them).
+    Floating-point tensors are cast to `dtype`; integer tensors keep theirs. Only one shard's tensors are
+    held at a time, so peak host memory stays near the largest shard.
     """
+    expected_shapes = {k: v.shape for k, v in module.state_dict().items()}
     file_keys: set[str] = set()
     for path in files:
         with _open(path) as f:
             file_keys.update(f.keys())
-    check_keys(module, file_keys, files[0].parent)
+    missing = sorted(expected_shapes.keys() - file_keys)
+    unexpected = sorted(file_keys - expected_shapes.keys())
+    if missing or unexpected:
+        parts = [f"missing keys: {_describe(missing)}"] if missing else []
+        parts += [f"unexpected keys: {_describe(unexpected)}"] if unexpected else []
+        raise ModelLoadError(
+            f"weights in {files[0].parent} do not match {type(module).__name__}: " + "; ".join(parts)
+        )
 
     total_bytes = 0
-    expected_shapes = {k: v.shape for k, v in module.state_dict().items()}
     for path in files:
         shard: dict[str, torch.Tensor] = {}
         with _open(path) as f:
             for key in f.keys():  # noqa: SIM118  (safe_open is not a Mapping)
                 try:
                     tensor = f.get_tensor(key)
-                except (SafetensorError, OSError, ValueError) as exc:
+                except _READ_ERRORS as exc:
                     raise ModelLoadError(f"cannot read tensor {key!r} from {path}: {exc}") from exc
                 if tensor.shape != expected_shapes[key]:
                     raise ModelLoadError(
@@ -95,8 +90,7 @@ def load_safetensors_into(
                 target_dtype = dtype if tensor.is_floating_point() else tensor.dtype
                 shard[key] = tensor.to(device=device, dtype=target_dtype)
         module.load_state_dict(shard, strict=False, assign=True)
-        del shard
-    still_meta = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+    still_meta = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
     if still_meta:
         raise ModelLoadError(f"{type(module).__name__}: tensors left uninitialised: {_describe(still_meta)}")
     return total_bytes

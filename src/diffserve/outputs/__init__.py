@@ -1,14 +1,16 @@
-"""Output files and bytes, shared by the CLI, the Python API and the server.
+"""Output files and bytes, shared by the CLI, the Python API and the server: `files` (atomic writes,
+names, embedded parameters), `images` (PNG/JPEG/WebP), `video` (MP4/GIF/WebP clips, frame PNGs) and
+`write` (`write_outputs`: a finished request's outputs written to a directory)."""
 
-- `images`: PNG/JPEG/WebP encoding (`encode_image`, one quality rule everywhere) and `save_image`.
-- `video`: MP4 (H.264) / GIF / WebP clips (`save_video`) and per-frame PNGs (`save_frames`).
-- `metadata`: the generation parameters embedded in every file (`output_metadata`).
-- `naming`: output file names (`output_file_name`, `prompt_slug`) and never-overwriting paths.
-- `atomic`: files appear under their final name only once complete.
-- `write`: `write_outputs`, a finished request's images or videos written to a directory.
-"""
-
-from diffserve.outputs.atomic import partial_path, write_atomically, write_bytes_atomically
+from diffserve.outputs.files import (
+    metadata_json,
+    output_file_name,
+    output_metadata,
+    partial_path,
+    prompt_slug,
+    unique_path,
+    write_atomically,
+)
 from diffserve.outputs.images import (
     CONTENT_TYPES,
     DEFAULT_IMAGE_QUALITY,
@@ -18,8 +20,6 @@ from diffserve.outputs.images import (
     encoded_format,
     save_image,
 )
-from diffserve.outputs.metadata import metadata_json, output_metadata
-from diffserve.outputs.naming import output_file_name, prompt_slug, unique_path
 from diffserve.outputs.video import VIDEO_FORMATS, VideoOutputFormat, save_frames, save_video
 from diffserve.outputs.write import write_outputs
 
@@ -42,6 +42,5 @@ __all__ = [
     "save_video",
     "unique_path",
     "write_atomically",
-    "write_bytes_atomically",
     "write_outputs",
 ]

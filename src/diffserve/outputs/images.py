@@ -1,6 +1,5 @@
-"""Still images: PIL image -> PNG/JPEG/WebP bytes, the single encoder behind files (CLI, Python API, server
-url outputs) and HTTP bodies (b64_json, streamed previews), so one image and quality give the same bytes
-everywhere."""
+"""Still images: the one PNG/JPEG/WebP encoder behind files (CLI, Python API, server urls) and HTTP bodies
+(b64_json, streamed previews), so one image and quality give the same bytes everywhere."""
 
 from __future__ import annotations
 
@@ -10,15 +9,14 @@ from typing import Any, Literal
 
 from PIL import Image, PngImagePlugin
 
-from diffserve.outputs.atomic import write_bytes_atomically
-from diffserve.outputs.metadata import metadata_json
+from diffserve.outputs.files import metadata_json, write_atomically
 
 ImageOutputFormat = Literal["png", "jpeg", "webp"]
 IMAGE_FORMATS: tuple[str, ...] = ("png", "jpeg", "webp")
 CONTENT_TYPES: dict[str, str] = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 
-#: JPEG/WebP quality when none is asked for: 100, OpenAI's `output_compression` default, so a file written
-#: by `diffserve generate` and an image returned by the server are the same bytes.
+#: JPEG/WebP quality when none is asked for: OpenAI's `output_compression` default, so a file written by
+#: `diffserve generate` and an image returned by the server are the same bytes.
 DEFAULT_IMAGE_QUALITY = 100
 
 
@@ -30,9 +28,8 @@ def encode_image(
 ) -> bytes:
     """Encode one image as `output_format` ("png", "jpeg" or "webp").
 
-    `quality` (0..100) applies to JPEG and WebP; None means `DEFAULT_IMAGE_QUALITY` (100) everywhere. PNG is
-    lossless and ignores it. PNGs carry `metadata` (when given) as JSON in a `parameters` text chunk, which
-    `Image.open(p).text["parameters"]` reads back; JPEG and WebP images carry no metadata.
+    `quality` (0..100, None: `DEFAULT_IMAGE_QUALITY`) applies to JPEG and WebP; PNG is lossless. Only PNGs
+    carry `metadata`, as JSON in a `parameters` text chunk (`Image.open(p).text["parameters"]`).
     """
     if output_format not in IMAGE_FORMATS:
         raise ValueError(f"unknown image format {output_format!r}; expected one of {IMAGE_FORMATS}")
@@ -43,8 +40,7 @@ def encode_image(
             info.add_text("parameters", metadata_json(metadata))
         image.save(buffer, format="PNG", pnginfo=info)
     else:
-        if quality is None:
-            quality = DEFAULT_IMAGE_QUALITY
+        quality = DEFAULT_IMAGE_QUALITY if quality is None else quality
         if isinstance(quality, bool) or not isinstance(quality, int) or not 0 <= quality <= 100:
             raise ValueError(f"quality for {output_format} must be an integer in [0, 100], got {quality!r}")
         rgb = image if image.mode == "RGB" else image.convert("RGB")
@@ -59,13 +55,13 @@ def save_image(
     output_format: str = "png",
     quality: int | None = None,
 ) -> Path:
-    """Write the bytes of `encode_image(image, output_format, quality, metadata)` to `path` atomically
-    (through a hidden partial file, creating the directory); returns `path`."""
-    return write_bytes_atomically(path, encode_image(image, output_format, quality, metadata))
+    """Write `encode_image(image, output_format, quality, metadata)` to `path` atomically; returns `path`."""
+    data = encode_image(image, output_format, quality, metadata)
+    return write_atomically(path, lambda partial: partial.write_bytes(data))
 
 
 def encoded_format(data: bytes) -> ImageOutputFormat:
-    """The format of encoded image bytes, from their signature ("png", "jpeg" or "webp")."""
+    """The format of encoded image bytes, from their signature."""
     if data.startswith(b"\x89PNG"):
         return "png"
     if data.startswith(b"\xff\xd8"):

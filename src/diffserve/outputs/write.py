@@ -1,5 +1,5 @@
-"""Writing a finished request's outputs to a directory, as `diffserve generate` and
-`DiffGenerator.generate(save_output=True)` do: file names, metadata, images or videos (and frame PNGs)."""
+"""`write_outputs`: a finished request's images or videos written to a directory, as `diffserve generate`
+and `DiffGenerator.generate(save_output=True)` do."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from PIL import Image
 
+from diffserve.outputs.files import output_file_name, unique_path
 from diffserve.outputs.images import save_image
-from diffserve.outputs.naming import output_file_name, unique_path
 from diffserve.outputs.video import save_frames as save_frame_pngs
 from diffserve.outputs.video import save_video
 
@@ -36,14 +36,11 @@ def write_outputs(
 ) -> list[Path]:
     """Write a request's videos (if it made any) or else its images into `directory`; returns the paths.
 
-    Names: with `file_name`, its stem plus `_{i}` when there are several outputs, else its stem alone;
-    without, `output_file_name(prompt, request_id, i, ext)`. Either way an existing file is never
-    overwritten (`unique_path` adds `-1`, `-2`, ...). The extension is `params.video_format` for videos,
-    `params.output_format` for images. `metadata` (see `output_metadata`) is embedded in every file;
-    `quality` is the JPEG/WebP quality of images (None: the shared default, see `encode_image`); videos
-    use their format's default. `save_frames` also writes each video's frames as PNGs into
-    `{video stem}_frames/` next to it (logged, since the returned paths are the videos only). Reporting
-    the returned paths is left to the caller.
+    Names: `file_name`'s stem (plus `_{i}` when there are several outputs), else `output_file_name`; an
+    existing file is never overwritten (`unique_path`). The extension is `params.video_format` for videos,
+    `params.output_format` for images. Every file embeds `metadata` (`output_metadata`); `quality` is the
+    JPEG/WebP quality of images. `save_frames` also writes each video's frames as PNGs into
+    `{video stem}_frames/` next to it (logged, since only the videos' paths are returned).
     """
     outputs: Sequence[Image.Image | np.ndarray] = videos if len(videos) else images
     is_video = bool(len(videos))

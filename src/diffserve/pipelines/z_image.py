@@ -24,8 +24,7 @@ from diffserve.stages.decoding import DecodingStage
 from diffserve.stages.denoising import DenoisingStage
 from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
 from diffserve.stages.latent_preparation import SpatialLatentPreparationStage
-from diffserve.stages.timestep_preparation import ZImageTimestepPreparationStage
-from diffserve.stages.z_image_text_encoding import ZImageTextEncodingStage
+from diffserve.stages.z_image import ZImageTextEncodingStage, ZImageTimestepPreparationStage
 
 
 def z_image_cfg(positive: torch.Tensor, negative: torch.Tensor, scale: float) -> torch.Tensor:

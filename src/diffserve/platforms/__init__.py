@@ -1,15 +1,6 @@
-"""Platform detection.
-
-Detection order (first available wins), fixed and documented in docs/hardware.md:
-
-    cuda -> rocm -> musa -> xpu -> npu -> mps -> cpu
-
-`--device NAME` (`resolve_platform(NAME)`) overrides detection with the named platform; asking
-for a platform whose runtime is missing is an error, never a silent fall back to the CPU.
-
-There is no process-wide "current" platform: each generator resolves its own `Platform` once and
-hands it to everything that needs it (loader, pipeline, stages, engine), so a CPU generator and an
-accelerator generator can live in one process.
+"""Platform detection: the first available of `DETECTION_ORDER` (docs/hardware.md), or the one
+`--device NAME` names (never a silent fall back to the CPU). Each generator keeps its own `Platform`:
+there is no process-wide current one.
 """
 
 from __future__ import annotations
@@ -70,8 +61,7 @@ def platform_by_name(name: str) -> Platform:
 
 
 def resolve_platform(name: str | None) -> Platform:
-    """A new `Platform` for `--device NAME`, or the detected one when `name` is None. Pure: nothing is
-    remembered, so callers keep the instance they get and pass it on."""
+    """A new `Platform` for `--device NAME`, or the detected one when `name` is None (nothing remembered)."""
     return detect_platform() if name is None else platform_by_name(name)
 
 

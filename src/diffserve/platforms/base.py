@@ -1,18 +1,19 @@
-"""The `Platform` interface: what the engine needs to know about one kind of accelerator.
-
-Every hardware vendor gets one small subclass. The rest of the engine asks the current platform
-for its device, dtype, memory figures and defaults instead of testing `torch.cuda` itself, so a new
-vendor is one file plus one line in the detection order (see `platforms/__init__.py`).
-"""
+"""The `Platform` interface: what the engine needs to know about one kind of accelerator (device,
+dtype, memory, timing), so a new vendor is one small subclass plus one line in `DETECTION_ORDER`."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
 from diffserve.platforms.step_timer import EventMark, HostMark, StepMark
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -58,25 +59,19 @@ class Platform(ABC):
         """Peak memory since the last reset, available and total memory."""
 
     def reset_peak_memory(self, index: int = 0) -> None:  # noqa: B027  (optional hook, no-op by default)
-        """Start a new peak-memory window (no-op where the runtime keeps no peak counter)."""
+        """Start a new peak-memory window."""
 
     def prepare_process(self) -> None:  # noqa: B027  (optional hook, no-op by default)
-        """Process-wide allocator tuning, applied once when an engine starts with `--tune-allocator`.
-
-        Opt-in because its effect is host-dependent (CPU: measured +5% on one 2-core host, -4.5% and
-        noisier on another)."""
+        """Process-wide allocator tuning (`--tune-allocator`, opt-in: its effect is host-dependent)."""
 
     def empty_cache(self) -> None:  # noqa: B027  (optional hook, no-op by default)
-        """Give the allocator's cached blocks back, so free memory measured next counts them as free."""
+        """Give the allocator's cached blocks back (so free memory measured next counts them)."""
 
     def synchronize(self, index: int = 0) -> None:  # noqa: B027  (optional hook, no-op by default)
-        """Wait for queued device work; needed for honest stage timings on async devices."""
+        """Wait for queued device work."""
 
     def step_mark(self) -> StepMark:
-        """A mark in the device's work queue for timing denoising steps (`platforms/step_timer.py`).
-
-        This default synchronizes and reads the host clock: correct on any device, but a host sync per
-        mark. Platforms whose runtime has timing events override it so steps are timed without one."""
+        """A mark in the device's work queue for timing steps; this default synchronizes to make one."""
         self.synchronize()
         return HostMark()
 
@@ -96,6 +91,20 @@ class TorchAcceleratorPlatform(Platform):
     def _runtime(self):
         return getattr(torch, self.runtime_module)
 
+    @classmethod
+    def _extension_available(cls, extension: str) -> bool:
+        """`is_available` of a runtime an extension package registers (`torch_musa` -> `torch.musa`)."""
+        if importlib.util.find_spec(extension) is None:
+            return False
+        try:
+            importlib.import_module(extension)
+        except Exception as exc:  # a broken vendor install must not stop detection elsewhere
+            logger.warning(
+                "%s is installed but failed to import (%s); %s is unavailable", extension, exc, cls.name
+            )
+            return False
+        return hasattr(torch, cls.runtime_module) and getattr(torch, cls.runtime_module).is_available()
+
     @property
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16
@@ -103,9 +112,7 @@ class TorchAcceleratorPlatform(Platform):
     def memory_info(self, index: int = 0) -> MemoryInfo:
         runtime = self._runtime()
         free, total = runtime.mem_get_info(index)
-        return MemoryInfo(
-            peak_bytes=runtime.max_memory_allocated(index), available_bytes=free, total_bytes=total
-        )
+        return MemoryInfo(runtime.max_memory_allocated(index), free, total)
 
     def reset_peak_memory(self, index: int = 0) -> None:
         self._runtime().reset_peak_memory_stats(index)

@@ -15,30 +15,17 @@ from diffserve.platforms.step_timer import HostMark, StepMark
 
 logger = logging.getLogger("diffserve.platform")
 
-# glibc mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-#: Allocations below this come from the heap and are reused instead of being mmap'ed and unmapped
-#: each time: a DiT step allocates and frees the same activation sizes (up to tens of MB) every step.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
+#: Allocations below this come from the heap, reused instead of mmap'ed afresh each step.
 MMAP_THRESHOLD_BYTES = 32 * 2**20
 #: Freed heap memory is kept (not trimmed back to the OS) up to this much.
 TRIM_THRESHOLD_BYTES = 4 * 2**30
 
 
 def _tune_glibc_malloc() -> bool:
-    """Stop glibc from returning big activation buffers to the OS after every use.
-
-    By default glibc serves allocations over 128 KiB-32 MiB (adaptive) with fresh mmaps and unmaps them
-    on free, so every denoising step page-faults its activations back in: measured at ~5% of a FLUX
-    step's CPU time on one 2-core host (AMD EPYC). Raising both thresholds keeps those pages in the heap.
-    On another 2-core host (Intel Xeon, 2026-12-01) the same setting made eager FLUX steps 4.5% slower
-    and less steady (0.173 vs 0.1655 s/step, 5 processes each, alternating), so it is opt-in
-    (`--tune-allocator`). Numerically neutral; returns whether glibc accepted the settings.
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    name = ctypes.util.find_library("c")
-    if name is None:
+    """Keep big activation buffers in glibc's heap instead of fresh mmaps that every step page-faults back
+    in (`--tune-allocator`); returns whether glibc accepted the settings."""
+    if not sys.platform.startswith("linux") or (name := ctypes.util.find_library("c")) is None:
         return False
     try:
         libc = ctypes.CDLL(name)
@@ -64,8 +51,6 @@ class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
     dispatch_key = "cpu"
-    dist_backend = "gloo"
-    default_attention_backend = "sdpa"
 
     @classmethod
     def is_available(cls) -> bool:
@@ -73,7 +58,7 @@ class CpuPlatform(Platform):
 
     @property
     def default_dtype(self) -> torch.dtype:
-        # bf16 matmuls run ~5x slower than fp32 on CPUs without AMX, so fp32 is the CPU default.
+        # bf16 matmuls are much slower than fp32 on CPUs without AMX.
         return torch.float32
 
     def prepare_process(self) -> None:
@@ -93,8 +78,7 @@ class CpuPlatform(Platform):
 
     def memory_info(self, index: int = 0) -> MemoryInfo:
         vm = psutil.virtual_memory()
-        peak = _process_peak_rss_bytes()
-        if peak is None:
+        if (peak := _process_peak_rss_bytes()) is None:
             peak = psutil.Process().memory_info().rss
         return MemoryInfo(peak_bytes=peak, available_bytes=vm.available, total_bytes=vm.total)
 

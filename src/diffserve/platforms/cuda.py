@@ -12,7 +12,6 @@ class CudaPlatform(TorchAcceleratorPlatform):
     device_type = "cuda"
     dispatch_key = "cuda"
     dist_backend = "nccl"
-    default_attention_backend = "sdpa"
     runtime_module = "cuda"
 
     @classmethod

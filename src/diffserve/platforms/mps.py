@@ -12,8 +12,6 @@ class MpsPlatform(Platform):
     name = "mps"
     device_type = "mps"
     dispatch_key = "mps"
-    dist_backend = "gloo"  # MPS has no collective library of its own.
-    default_attention_backend = "sdpa"
 
     @classmethod
     def is_available(cls) -> bool:
@@ -30,9 +28,7 @@ class MpsPlatform(Platform):
     def memory_info(self, index: int = 0) -> MemoryInfo:
         allocated = torch.mps.driver_allocated_memory()
         recommended = torch.mps.recommended_max_memory()
-        return MemoryInfo(
-            peak_bytes=allocated, available_bytes=max(recommended - allocated, 0), total_bytes=recommended
-        )
+        return MemoryInfo(allocated, max(recommended - allocated, 0), recommended)
 
     def synchronize(self, index: int = 0) -> None:
         torch.mps.synchronize()

@@ -12,7 +12,6 @@ class RocmPlatform(TorchAcceleratorPlatform):
     device_type = "cuda"  # HIP builds of torch reuse the "cuda" device type.
     dispatch_key = "hip"
     dist_backend = "nccl"  # RCCL answers to the "nccl" backend name in torch.distributed.
-    default_attention_backend = "sdpa"
     runtime_module = "cuda"
 
     @classmethod

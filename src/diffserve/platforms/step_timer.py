@@ -1,13 +1,6 @@
-"""Per-step timings without a host sync per step.
-
-Timing a denoising step with `perf_counter` around it is only honest on an asynchronous device if the
-host first waits for the step's work (`synchronize()`), and that wait stalls the host once per step:
-the device then idles while the host prepares the next step. Instead, a platform puts a *mark* in its
-work queue at each step boundary (a timing event on accelerators, `perf_counter` on the CPU, whose ops
-run synchronously), and the seconds between two marks are read once the device has passed the later
-one: `StepTimer.stop` collects the steps already finished without waiting, `StepTimer.flush` waits for
-the rest once, at the end of a request. A step's time is the device's wall time between its two marks,
-so it includes any time the device waited for the host, as the synchronized timing did.
+"""Per-step timings without a host sync per step: a platform marks its work queue at each step boundary
+(a timing event, or `perf_counter` on the CPU) and the seconds between marks are read once the device
+has passed them (`StepTimer.stop` never waits; `flush` waits once, at the end of a request).
 """
 
 from __future__ import annotations
@@ -15,7 +8,6 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 
@@ -28,13 +20,11 @@ class StepMark(ABC):
 
     @abstractmethod
     def seconds_since(self, start: StepMark) -> float:
-        """Seconds from `start` (an earlier mark of the same platform) to this mark; waits until the
-        device reaches this mark."""
+        """Seconds from `start`, an earlier mark of the same platform; waits until the device reaches this one."""
 
 
 class HostMark(StepMark):
-    """`perf_counter` when the mark is made: exact for a device whose work is done when its ops return
-    (the CPU), or after the caller synchronized."""
+    """`perf_counter` when made: exact where ops are done when they return (the CPU), or after a sync."""
 
     def __init__(self) -> None:
         self.time = time.perf_counter()
@@ -49,8 +39,7 @@ class HostMark(StepMark):
 
 
 class EventMark(StepMark):
-    """A timing event recorded on the current stream of a torch accelerator runtime (`torch.cuda`,
-    `torch.xpu`, `torch.mps`, ...: any module with a CUDA-like `Event(enable_timing=True)`)."""
+    """A timing event on the current stream of a torch accelerator runtime (`torch.cuda`, `torch.mps`, ...)."""
 
     def __init__(self, runtime: Any) -> None:
         self.event = runtime.Event(enable_timing=True)
@@ -70,48 +59,38 @@ class MarkSource(Protocol):
     def step_mark(self) -> StepMark: ...
 
 
-@dataclass
-class _Lap:
-    start: StepMark
-    end: StepMark
-    #: The lists this lap's seconds are appended to (each request of the step's batch has its own).
-    into: tuple[list[float], ...]
-
-    def resolve(self) -> None:
-        seconds = self.end.seconds_since(self.start)
-        for times in self.into:
-            times.append(seconds)
-
-
 class StepTimer:
-    """Appends each step's seconds to lists of step times (a request's `step_times`), in step order.
-
-    Usage, per step: `start = timer.start()`, the step, `timer.stop(start, req.step_times, ...)`; after
-    the last step of a request, `timer.flush()` before its step times are read. On the CPU every step's
-    time is appended by `stop` itself; on an accelerator it lags until the device has finished the step.
-    """
+    """Appends each step's seconds to lists of step times, in step order: per step `start = timer.start()`,
+    the step, `timer.stop(start, req.step_times, ...)`; `flush()` before the times are read."""
 
     def __init__(self, platform: MarkSource) -> None:
         self.platform = platform
-        self._pending: deque[_Lap] = deque()
+        #: (start, end, the lists its seconds go to) per stopped step whose time is not appended yet.
+        self._pending: deque[tuple[StepMark, StepMark, tuple[list[float], ...]]] = deque()
 
     def start(self) -> StepMark:
         return self.platform.step_mark()
 
     def stop(self, start: StepMark, *into: list[float]) -> None:
         """Close the step begun at `start`; its seconds go to every list of `into` once known."""
-        self._pending.append(_Lap(start, self.platform.step_mark(), into))
+        self._pending.append((start, self.platform.step_mark(), into))
         self.collect()
 
     def collect(self) -> None:
         """Append the times of the steps the device has finished, without waiting for the others."""
-        while self._pending and self._pending[0].end.reached():
-            self._pending.popleft().resolve()
+        while self._pending and self._pending[0][1].reached():
+            self._resolve_oldest()
 
     def flush(self) -> None:
         """Append every pending step's time, waiting for the device to finish them (one wait)."""
         while self._pending:
-            self._pending.popleft().resolve()
+            self._resolve_oldest()
+
+    def _resolve_oldest(self) -> None:
+        start, end, into = self._pending.popleft()
+        seconds = end.seconds_since(start)
+        for times in into:
+            times.append(seconds)
 
     @property
     def pending(self) -> int:

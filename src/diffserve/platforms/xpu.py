@@ -12,7 +12,6 @@ class XpuPlatform(TorchAcceleratorPlatform):
     device_type = "xpu"
     dispatch_key = "xpu"
     dist_backend = "xccl"
-    default_attention_backend = "sdpa"
     runtime_module = "xpu"
 
     @classmethod

@@ -1,8 +1,5 @@
-"""The engine's runtime: one request loop (`Engine`), the scheduler that decides what runs (`StepScheduler`),
-the runner that executes it (`ModelRunner`), and the memory model that admits requests.
-
-Nothing here knows about ZeroMQ, HTTP or the CLI: the API, the CLI and the server's engine process drive
-the `Engine`, and tests drive it in-process.
+"""The engine's runtime: the request loop (`Engine`), the scheduler (`StepScheduler`), the runner
+(`ModelRunner`) and the memory model; nothing here knows about ZeroMQ, HTTP or the CLI.
 """
 
 from diffserve.runtime.contract import EnginePipeline, PipelineFacts

@@ -1,5 +1,5 @@
-"""Memory calibration at warm-up: two one-step requests of different sizes run through the engine, with
-the peak memory of their denoising and decoding phases measured apart (runtime/memory.py's model)."""
+"""Memory calibration at warm-up: the peak memory of two one-step requests of different sizes, their
+denoising and decoding phases measured apart."""
 
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ def _measure(engine: Engine, params: SamplingParams) -> PhasePeaks | None:
     def at_each_step(req: Req) -> None:
         if req.is_denoised:  # the denoising phase is over; decoding comes next
             platform.synchronize()
-            peak = platform.memory_info().peak_bytes
-            marks["denoise"] = (peak or 0) - base
+            marks["denoise"] = (platform.memory_info().peak_bytes or 0) - base
             platform.reset_peak_memory()
             marks["decode_base"] = platform.memory_info().peak_bytes or 0
 

@@ -1,8 +1,5 @@
-"""What the engine, the scheduler and the memory model need from a pipeline, declared and typed.
-
-The runtime never inspects a pipeline's stages or guesses with `getattr`: a pipeline states its facts
-once (`PipelineFacts`) and offers the phases of the `EnginePipeline` protocol. Pipelines in
-`pipelines/` implement it through `pipelines.base.Pipeline`; tests implement it with fakes.
+"""What the runtime needs from a pipeline, declared and typed: its facts (`PipelineFacts`) and the
+phases of the `EnginePipeline` protocol (`pipelines.base.Pipeline` implements it; tests use fakes).
 """
 
 from __future__ import annotations
@@ -17,7 +14,9 @@ from PIL import Image
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.request import Req
 
-#: How a family runs classifier-free guidance (see `stages/input_validation.py`).
+#: When a family runs CFG's negative branch: "true_cfg" (FLUX, Qwen-Image) with true_cfg_scale > 1 and a
+#: negative prompt; "classic" (SD3, Wan) when guidance_scale > 1; "positive_gap" (Z-Image) when
+#: guidance_scale > 0. The last two default the negative prompt to "".
 CfgMode = Literal["true_cfg", "classic", "positive_gap"]
 
 
@@ -53,9 +52,8 @@ class EnginePipeline(Protocol):
     def facts(self) -> PipelineFacts: ...
 
     def validate(self, req: Req) -> Req:
-        """Resolve and check `req.params` (family defaults applied, InvalidRequestError on bad input) and
-        set what the request's run depends on: its generator, CFG decision and quality tier. Runs once
-        per request, before it is queued; the phases below never resolve parameters again."""
+        """Resolve and check `req.params` (InvalidRequestError) and set the request's generator, CFG
+        decision and quality tier; once per request, before it is queued."""
 
     def run_pre_denoise(self, req: Req) -> Req:
         """Text and image encoding, latents and timesteps of a validated request."""

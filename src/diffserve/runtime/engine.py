@@ -1,27 +1,10 @@
-"""`Engine`: the one request loop. The CLI, `DiffGenerator`, the server's engine process, the warm-up and
-memory calibration all submit requests here and drive `step()`.
+"""`Engine`: the one request loop (CLI, `DiffGenerator`, server, warm-up and calibration all submit here).
 
-One iteration (`step`): the scheduler decides, the runner executes, the engine reports.
-
-1. Running requests whose cancel flag is set leave (`on_cancelled`).
-2. Admitted waiting requests run their pre-denoise phase (`on_started` first).
-3. One group of running requests with the same batch key runs one denoising step as one DiT batch;
-   each gets its step time and its `on_step(req)` call.
-4. Requests whose last step is done run their post-denoise phase (decoding) and complete
-   (`on_finished`).
-
-Failures are contained: an error in a request's own phase fails that request; an error inside a shared
-denoising step fails the requests of that group (logged), never the engine or the other groups.
-
-Threads: `prepare`/`enqueue`/`submit`/`cancel` may be called from any thread. One thread at a time
-drives the loop (`step` takes the driving lock); `run_to_completion` lets several caller threads share
-the loop: whichever thread holds the lock steps everybody's requests until its own are done, while
-the others wait for theirs, so concurrent `generate` calls share DiT batches.
-
-Attention backend: the engine's (`attention_backend`, resolved once by its generator) is active on the
-driving thread for a whole iteration (`runner.model_scope()`), so the runner's phases and the event
-hooks called from `step` (e.g. a preview decoded in `on_step`) run the models with it, whichever
-thread drives, and never with another engine's.
+One iteration (`step`): cancelled requests leave, admitted ones run their pre-denoise phase, one group
+of requests with the same batch key runs one denoising step as one DiT batch, and finished ones are
+decoded. An error fails only the request (or the step's group) it came from. Submission works from any
+thread; one thread at a time drives the loop (in `run_to_completion`, for every caller's requests, so
+concurrent `generate` calls share DiT batches), with the engine's attention backend active.
 """
 
 from __future__ import annotations
@@ -46,8 +29,7 @@ _WAIT_SLICE_SECONDS = 0.02
 
 
 class EngineEvents:
-    """What the engine tells its owner; every hook is called on the driving thread. The defaults do
-    nothing (callers waiting in `run_to_completion` read the requests' states instead)."""
+    """What the engine tells its owner, on the driving thread; the defaults do nothing."""
 
     def on_started(self, sr: ScheduledRequest) -> None:
         """Admitted: its pre-denoise phase starts now."""
@@ -96,11 +78,9 @@ class Engine:
     def memory(self, model: MemoryModel | None) -> None:
         self.scheduler.memory = model
 
-    # -- any thread: submission -------------------------------------------------------------------
     def prepare(self, req: Req, priority: int = 0, payload: object | None = None) -> ScheduledRequest:
-        """Validate the request once (family defaults, CFG decision, quality tier: the result travels
-        on `req`) and cost it; raises the family's InvalidRequestError, or RequestTooLargeError when it
-        can never fit in memory. It is not queued yet (`enqueue`), so the caller can answer first."""
+        """Validate (once) and cost the request, not queued yet (`enqueue`); raises InvalidRequestError, or
+        RequestTooLargeError when it can never fit in memory."""
         if req.cancel_event is None:
             req.cancel_event = threading.Event()
         req = self.runner.validate(req)
@@ -139,7 +119,6 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    # -- the driving thread -----------------------------------------------------------------------
     def step(self) -> bool:
         """One iteration (see the module docstring). False: there was nothing to do."""
         with self._driving, self.runner.model_scope():
@@ -169,8 +148,7 @@ class Engine:
         return self.step()
 
     def run_to_completion(self, requests: Sequence[ScheduledRequest]) -> None:
-        """Return once every one of `requests` (already enqueued) has ended. The calling thread drives the
-        loop while no other thread does; otherwise it waits for the driver to finish its requests."""
+        """Return once every one of `requests` (enqueued) has ended, driving the loop while no other thread does."""
         while True:
             pending = [sr for sr in requests if not sr.done.is_set()]
             if not pending:
@@ -239,12 +217,13 @@ class Engine:
         if req.cancelled:
             self._drop_cancelled()
             return
+        self.runner.flush_step_times()  # its last steps' times (waits for its last step, once)
+        log_denoising(req)
         try:
             sr.req = req = self.runner.post_denoise(req)
         except Exception as exc:
             self._fail(sr, exc)
             return
-        log_denoising(req)
         sr.peak_memory_bytes = self.runner.peak_memory_bytes()
         sr.state = "finished"
         try:  # still in the running set while reported, so a cancel now still reaches it (a video's file)
@@ -282,8 +261,7 @@ class Engine:
 
 
 def log_denoising(req: Req) -> None:
-    """The denoising phase's summary lines, as a single-request run logs them: its time (`timings`), the
-    mean time per step, and for an approximate quality tier how many steps ran the DiT in full."""
+    """The denoising phase's time (`timings`) and summary log lines."""
     if req.step_times:
         req.timings["DenoisingStage"] = sum(req.step_times)
         logger.info(

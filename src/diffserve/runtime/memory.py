@@ -1,33 +1,11 @@
-"""How much memory a request needs, how much the engine may use, and the warm-up that measures both.
+"""How much memory a request needs and how much the engine may use.
 
-The model is deliberately simple, three terms per request:
-
-    denoise(r) = fixed + per_token * tokens(r) * branches(r) * outputs(r)
+    denoise(r) = fixed + per_token * tokens(r) * branches(r) * outputs(r)  [+ its step cache]
     decode(r)  = decode_fixed + per_pixel * pixels(r) * outputs(r)
 
-`tokens` are the DiT's latent tokens of one output (image area / pixel_multiple², times the latent
-frames of a video, plus the tokens of any input images an edit model appends), `branches` is 2 when the
-request runs CFG's negative branch in the same batch and 1 otherwise, `pixels` is the decoded output
-(times its frames). Running requests hold their denoising activations at the same time (they share a
-DiT batch), but decode one after another (post-denoise runs on the engine loop, one request at a time),
-so the memory of a running set is
-
-    sum(denoise(r) for r in running) + max(decode(r) for r in running)
-
-An approximate-quality request also keeps its step cache (`models/step_cache.py`: the blocks' last
-residual and the last signal, two hidden states of DiT width per token) for its whole run:
-`step_cache_per_token * tokens * branches * outputs` on top of its denoising term.
-
-A request is admitted only while that total, with it, stays within the budget: the free memory
-measured once after warm-up times `--mem-fraction` (the model's weights are already resident then, so
-they are not counted twice).
-
-Calibration (runtime/calibration.py): on platforms with a resettable peak counter (CUDA, ROCm, XPU,
-...) two one-step generations of different sizes run through the engine at warm-up; the peak above the
-resident baseline of the denoising phase and of the decoding phase at the two sizes gives the two slopes
-and intercepts (`measured_memory_model`: a straight-line fit, 10% headroom). On CPU the process's peak
-RSS cannot be reset, so the coefficients come from the DiT's width instead (`estimated_memory_model`):
-generous, and against a budget of the available RAM.
+Running requests denoise together but decode one at a time, so a running set needs `sum(denoise) +
+max(decode)`, within free memory after warm-up x --mem-fraction. The coefficients are measured at
+warm-up (runtime/calibration.py) where the platform has a peak counter, else estimated (CPU).
 """
 
 from __future__ import annotations
@@ -36,8 +14,6 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from diffserve.errors import UserError
 from diffserve.platforms.base import Platform
@@ -51,25 +27,22 @@ MB = 2**20
 MEASURED_HEADROOM = 1.1
 #: Side in pixels of the two calibration generations (rounded to the model's granularity).
 CALIBRATION_SIDES = (256, 512)
-#: The CPU estimate: bytes of live activations per latent token per unit of DiT width (hidden states,
-#: q/k/v, attention output, the 4x MLP and its activation, residual copies: about 24 widths), per
-#: decoded output pixel (the VAE's last blocks run 128 channels at full resolution, a few tensors
-#: live at once), and per request (embeddings, latents, the scheduler's state).
+#: The CPU estimate: activations per latent token in DiT widths (hidden states, q/k/v, the 4x MLP, ...),
+#: per decoded pixel (the VAE's last blocks: 128 channels at full resolution), and per request.
 ESTIMATED_WIDTHS_PER_TOKEN = 24
 ESTIMATED_BYTES_PER_PIXEL_PER_ELEMENT = 4 * 128
 ESTIMATED_FIXED_BYTES = 64 * MB
 
 
 class RequestTooLargeError(UserError):
-    """The request alone needs more memory than the engine may use; the message gives the numbers
-    and what to reduce (the server answers 413)."""
+    """The request alone needs more memory than the engine may use (the server answers 413)."""
 
     param = "size"
 
 
 @dataclass(frozen=True)
 class RequestCost:
-    """What a request occupies while it runs (see the module docstring for the units)."""
+    """What a request occupies while it runs."""
 
     #: DiT latent tokens of one output, one branch (input images' tokens included).
     tokens: int
@@ -89,8 +62,7 @@ class RequestCost:
 
 
 def request_cost(facts: PipelineFacts, req: Req) -> RequestCost:
-    """The cost of a validated request (`EnginePipeline.validate` resolved its params and decided CFG
-    and its quality tier), before any model work."""
+    """The cost of a validated request (params resolved, CFG and quality tier decided)."""
     params = req.params
     if params.height is None or params.width is None:
         raise ValueError("request_cost needs a validated request (height and width resolved)")
@@ -113,14 +85,13 @@ def request_cost(facts: PipelineFacts, req: Req) -> RequestCost:
 
 @dataclass
 class MemoryModel:
-    """Coefficients of the per-request model and the engine's budget (see the module docstring)."""
+    """Coefficients of the per-request model (the module docstring) and the engine's budget."""
 
     bytes_per_token: float
     bytes_per_pixel: float
     fixed_bytes: float
     decode_fixed_bytes: float
-    #: What the running set may use: free memory after warm-up x --mem-fraction. None: unknown (the
-    #: platform does not report free memory); then memory does not limit admission.
+    #: What the running set may use; None (free memory unknown): memory does not limit admission.
     budget_bytes: int | None
     #: "measured" (calibrated at warm-up) or "estimated" (from the DiT's width).
     source: str
@@ -139,8 +110,7 @@ class MemoryModel:
         return int(self.denoise_bytes(cost) + self.decode_bytes(cost))
 
     def total(self, costs: Iterable[RequestCost]) -> int:
-        """Peak memory of these requests running together: their denoising activations add up, their
-        decodes run one at a time."""
+        """Peak memory of these requests running together."""
         costs = list(costs)
         if not costs:
             return 0
@@ -151,19 +121,12 @@ class MemoryModel:
 
     def check_alone(self, cost: RequestCost) -> None:
         """Raise RequestTooLargeError when `cost` does not fit even with nothing else running."""
-        if self.budget_bytes is None:
+        if self.budget_bytes is None or (need := self.estimate(cost)) <= self.budget_bytes:
             return
-        need = self.estimate(cost)
-        if need <= self.budget_bytes:
-            return
-        denoise, decode = self.denoise_bytes(cost), self.decode_bytes(cost)
-        parts = [
-            f"{cost.tokens} latent tokens x {cost.branches} CFG branch(es) x {cost.outputs} output(s) "
-            f"-> {denoise / MB:.0f} MB denoising",
-            f"{decode / MB:.0f} MB VAE decode",
-        ]
         raise RequestTooLargeError(
-            f"this request needs an estimated {need / MB:.0f} MB ({', '.join(parts)}) but the engine's memory "
+            f"this request needs an estimated {need / MB:.0f} MB ({cost.tokens} latent tokens x {cost.branches} "
+            f"CFG branch(es) x {cost.outputs} output(s) -> {self.denoise_bytes(cost) / MB:.0f} MB denoising, "
+            f"{self.decode_bytes(cost) / MB:.0f} MB VAE decode) but the engine's memory "
             f"budget is {self.budget_bytes / MB:.0f} MB (free memory after warm-up x --mem-fraction); reduce "
             "size (width x height), num_frames / seconds, or n, or turn CFG off (no negative prompt / lower "
             "guidance), or start the server with a larger --mem-fraction"
@@ -187,17 +150,13 @@ def memory_budget(platform: Platform, mem_fraction: float) -> int | None:
     return None if available is None else int(available * mem_fraction)
 
 
-def _element_size(facts: PipelineFacts) -> int:
-    return torch.empty((), dtype=facts.dtype).element_size()
-
-
 def _step_cache_bytes_per_token(facts: PipelineFacts) -> float:
-    return float(2 * facts.dit_width * _element_size(facts))
+    return float(2 * facts.dit_width * facts.dtype.itemsize)
 
 
 def estimated_memory_model(facts: PipelineFacts, platform: Platform, mem_fraction: float) -> MemoryModel:
     """Coefficients from the DiT's width and dtype, no measurement (CPU, or warm-up turned off)."""
-    element = _element_size(facts)
+    element = facts.dtype.itemsize
     return MemoryModel(
         bytes_per_token=float(ESTIMATED_WIDTHS_PER_TOKEN * facts.dit_width * element),
         bytes_per_pixel=float(ESTIMATED_BYTES_PER_PIXEL_PER_ELEMENT * element),
@@ -218,8 +177,7 @@ def fit_line(xs: tuple[float, float], ys: tuple[float, float]) -> tuple[float, f
 
 @dataclass(frozen=True)
 class PhasePeaks:
-    """One calibration request: its cost and the peak memory above the resident baseline of its
-    denoising phase and of its decoding phase."""
+    """One calibration request: its cost and each phase's peak above the resident baseline."""
 
     cost: RequestCost
     denoise_bytes: int
@@ -229,8 +187,7 @@ class PhasePeaks:
 def measured_memory_model(
     facts: PipelineFacts, platform: Platform, points: list[PhasePeaks], mem_fraction: float
 ) -> MemoryModel:
-    """The straight-line fit through two calibration requests of different sizes (runtime/calibration.py
-    runs them through the engine), with `MEASURED_HEADROOM`."""
+    """The straight-line fit through two calibration requests of different sizes, with headroom."""
     first, last = points[0], points[-1]
     per_token, fixed = fit_line(
         (first.cost.batch_tokens, last.cost.batch_tokens), (first.denoise_bytes, last.denoise_bytes)

@@ -1,16 +1,6 @@
-"""`ModelRunner`: executes one pipeline phase for the requests the scheduler chose.
-
-The runner is the part of the engine that touches models: validation, pre-denoise, one denoising step
-over a DiT batch, post-denoise. It holds no queues, threads or transport, so the same runner can run
-on every rank of a multi-device engine, each executing the step the rank-0 scheduler decided.
-
-Step times are read without waiting for the device: `StepTimer` puts marks in the device's work
-queue and reads them once the device has passed them, so the host queues step i + 1 while the
-device still runs step i. `flush()` waits for the outstanding marks (once per finished request).
-
-Every phase runs inside `model_scope()`: the generator's attention backend made active for the calling
-thread only (`layers/attention.py`), so two engines in one process, on different threads or one after
-the other, never run their models with each other's backend.
+"""`ModelRunner`: the part of the engine that touches models, one pipeline phase at a time, inside
+`model_scope()` (the generator's attention backend, for the calling thread). No queues, threads or
+transport. Step times come from `StepTimer` marks: no host sync per step.
 """
 
 from __future__ import annotations
@@ -38,8 +28,7 @@ class ModelRunner:
         self.step_timer = StepTimer(platform)
 
     def model_scope(self) -> AbstractContextManager[AttentionBackend]:
-        """The scope this runner's model calls run in (its attention backend, for the calling thread).
-        Enter it around any other call into the pipeline's models, e.g. previews."""
+        """The scope this runner's model calls run in; enter it around any other call into the models."""
         return attention_backend_scope(self.attention_backend)
 
     def validate(self, req: Req) -> Req:
@@ -58,7 +47,6 @@ class ModelRunner:
             self.step_timer.stop(start, *(req.step_times for req in reqs))
 
     def post_denoise(self, req: Req) -> Req:
-        self.flush_step_times()  # its last steps' times (waits for its last step, once)
         with self.model_scope():
             return self.pipeline.run_post_denoise(req)
 

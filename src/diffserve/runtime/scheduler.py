@@ -1,30 +1,9 @@
-"""`StepScheduler`: what runs next, decided at every denoising step boundary (step-level continuous batching).
-
-The scheduler decides; it never calls a model. The engine (runtime/engine.py) asks it, once per
-iteration, which running requests were cancelled (`take_cancelled`), which waiting requests start
-(`admit`) and which group of running requests shares the next denoising step (`next_group`), and the
-runner (runtime/runner.py) executes those decisions.
-
-- **Admission.** Waiting requests are admitted in queue order while the limits allow. Queue order is
-  `priority` first (higher first), then arrival (FCFS). The head of the queue is admitted only if, with
-  it, the running set stays within `max_running_requests`, `max_batch_tokens` (sum of latent tokens x
-  CFG branches x outputs of the running requests) and the memory model's budget; if it does not fit,
-  nobody behind it is admitted either (no overtaking: a large request is never starved by a stream of
-  small ones). A request is always admitted into an empty running set (it was checked against the
-  memory budget at submission, and a token limit below one request's size must not stall the engine).
-- **Grouping and fairness.** Running requests are grouped by the pipeline's `batch_key` (requests whose
-  inputs can be concatenated into one DiT batch); each request is at its own step, with its own sigmas,
-  guidance, CFG and seed. Groups are served **round-robin**: the group that ran least recently goes
-  next, so with two shapes in flight each gets every other step whatever their sizes (fair in steps,
-  not in seconds). A new group joins the end of the rotation.
-- **Cancellation.** A waiting request is dropped at once; a running one is flagged and leaves at the
-  next step boundary (its slot is free for that iteration's admission).
-
-Requests join at the next step boundary and leave as soon as their own steps are done: nobody waits
-for a whole batch to finish. With `max_running_requests=1` this is the one-request-at-a-time engine.
-
-Thread safety: `add`/`cancel`/`cancel_all` and the counters may be used from any thread; the decisions
-(`take_cancelled`, `admit`, `next_group`, `remove`) are made on the engine's driving thread.
+"""`StepScheduler`: what runs next, decided at every denoising step boundary (step-level continuous
+batching); it never calls a model. Admission follows queue order (`priority`, then arrival) while the
+running set stays within its limits; a head that does not fit blocks the queue, so large requests are
+not starved, and an empty running set always admits. Running requests with equal `batch_key`s share a
+DiT batch, each at its own step; groups take turns round-robin (fair in steps, not seconds).
+`add`/`cancel` work from any thread, the decisions are made on the engine's driving thread.
 """
 
 from __future__ import annotations
@@ -40,18 +19,10 @@ from typing import Literal
 from diffserve.request import Req
 from diffserve.runtime.memory import MemoryModel, RequestCost
 
-RequestState = Literal["waiting", "running", "finished", "cancelled", "failed"]
-
-
-#: --max-batch-tokens when unset: what one DiT batch may hold (latent tokens x CFG branches x outputs).
-#: On accelerators 65536 is 8 requests of 1024x1024 FLUX images (4096 tokens) with CFG, leaving memory
-#: to the memory model; on CPU 16384, where a bigger batch only adds latency.
-DEFAULT_MAX_BATCH_TOKENS = {"cpu": 16384}
-DEFAULT_MAX_BATCH_TOKENS_ACCELERATOR = 65536
-
 
 def default_max_batch_tokens(device_type: str) -> int:
-    return DEFAULT_MAX_BATCH_TOKENS.get(device_type, DEFAULT_MAX_BATCH_TOKENS_ACCELERATOR)
+    """--max-batch-tokens when unset: 8 1024x1024 FLUX requests with CFG; less on CPU (only adds latency)."""
+    return 16384 if device_type == "cpu" else 65536
 
 
 @dataclass
@@ -79,13 +50,12 @@ class ScheduledRequest:
     seq: int = 0
     #: The caller's own object (the server's engine process keeps its GenerateJob here).
     payload: object | None = None
-    state: RequestState = "waiting"
+    state: Literal["waiting", "running", "finished", "cancelled", "failed"] = "waiting"
     submitted_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
     #: Requests in the DiT batch of each of this request's steps (1: it ran alone).
     batch_sizes: list[int] = field(default_factory=list)
-    #: The platform's peak memory when the request finished (its window began when the running set
-    #: was last empty, so it covers everything that ran alongside).
+    #: The platform's peak memory when it finished, since the running set was last empty.
     peak_memory_bytes: int | None = None
     #: Why it failed (state "failed").
     error: BaseException | None = None
@@ -106,9 +76,6 @@ class ScheduledRequest:
         return (-self.priority, self.seq)
 
 
-BatchKey = Callable[[Req], Hashable]
-
-
 class StepScheduler:
     def __init__(self, config: SchedulerConfig | None = None, memory: MemoryModel | None = None) -> None:
         """`memory`: None admits without a memory check."""
@@ -124,7 +91,6 @@ class StepScheduler:
         self.batch_size_counts: Counter[int] = Counter()
         self.max_running_seen = 0
 
-    # -- any thread ------------------------------------------------------------------------------
     def add(self, sr: ScheduledRequest) -> ScheduledRequest:
         with self._cond:
             sr.seq = next(self._seq)
@@ -135,8 +101,8 @@ class StepScheduler:
         return sr
 
     def cancel(self, request_id: str) -> tuple[Literal["waiting", "running"], ScheduledRequest] | None:
-        """Drop a waiting request (returned: the caller reports it), or flag a running one: it leaves at
-        the next step boundary. None: not here (finished, or never submitted)."""
+        """Drop a waiting request (returned for the caller to report), or flag a running one (it leaves at
+        the next step boundary); None when it is not here."""
         with self._cond:
             for sr in self._waiting:
                 if sr.request_id == request_id:
@@ -181,7 +147,6 @@ class StepScheduler:
         with self._cond:
             return self._cond.wait_for(lambda: self.has_work, timeout)
 
-    # -- the engine's driving thread: decisions ---------------------------------------------------
     def take_cancelled(self) -> list[ScheduledRequest]:
         """Running requests whose cancel flag is set, removed from the running set."""
         with self._cond:
@@ -216,7 +181,7 @@ class StepScheduler:
         return admitted
 
     def next_group(
-        self, batch_key: BatchKey
+        self, batch_key: Callable[[Req], Hashable]
     ) -> tuple[list[ScheduledRequest], list[tuple[ScheduledRequest, Exception]]]:
         """The running requests of the batch key whose turn it is (round-robin over keys), and the
         requests whose key could not be computed (the engine fails them)."""

@@ -22,8 +22,7 @@ class ServerArgs:
     api_key: str | None = None
     #: Names clients may pass as `model`; the first is the id /v1/models reports. Empty: the model path.
     served_model_names: list[str] = field(default_factory=list)
-    #: Requests waiting for the engine (not counting the running ones) before new ones get 429. The engine's
-    #: own limits (--max-running-requests, --max-batch-tokens, --mem-fraction) are in `engine_args`.
+    #: Requests waiting for the engine before new ones get 429 (the engine's own limits are in `engine_args`).
     max_queue_size: int = 64
     max_body_bytes: int = 1 << 20
     #: Seconds in-flight requests get to finish after SIGTERM before they are cancelled.
@@ -32,8 +31,7 @@ class ServerArgs:
     log_level: str = "info"
     #: Consecutive failed engine restarts before the server gives up (and /health stays 503).
     max_engine_restarts: int = 5
-    #: Let /v1/images/edits fetch input images from http(s) URLs (public hosts only). Off: data URLs and
-    #: uploads only, so the server never makes outbound requests on a client's behalf.
+    #: Fetch input images from http(s) URLs (public hosts only); off, the server makes no outbound requests.
     allow_url_images: bool = False
     #: Largest encoded input image (upload, decoded data URL or download); larger ones get 413.
     max_image_bytes: int = 20 << 20
@@ -56,17 +54,16 @@ class ServerArgs:
     def image_limits(self) -> ImageInputLimits:
         return ImageInputLimits(max_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels)
 
+    # The body limits of the routes that take images: room for their images at `max_image_bytes` each as
+    # base64 data URLs (4/3 larger than uploads), plus `max_body_bytes` for the other fields and framing.
     @property
     def max_edit_body_bytes(self) -> int:
-        """Body limit of /v1/images/edits instead of `max_body_bytes`: room for MAX_INPUT_IMAGES images
-        and a mask at `max_image_bytes` each, as base64 data URLs in JSON (4/3 larger than uploads), plus
-        `max_body_bytes` for the other fields and the multipart framing."""
+        """/v1/images/edits: MAX_INPUT_IMAGES images and a mask."""
         return (MAX_INPUT_IMAGES + 1) * -(-self.max_image_bytes * 4 // 3) + self.max_body_bytes
 
     @property
     def max_video_body_bytes(self) -> int:
-        """Body limit of POST /v1/videos: one first-frame image at `max_image_bytes` as a base64 data URL
-        (4/3 larger than an upload), plus `max_body_bytes` for the other fields and multipart framing."""
+        """POST /v1/videos: one first frame."""
         return -(-self.max_image_bytes * 4 // 3) + self.max_body_bytes
 
     @property

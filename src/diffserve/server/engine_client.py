@@ -1,13 +1,9 @@
 """The front end's side of the engine link: the engine process, its sockets and the requests in flight.
 
-`generate(job)` registers an asyncio future under the request id, pushes the job to the engine and
-awaits the answer; the receive task resolves futures as the engine's messages arrive. Cancelling the
-awaiting task (the client went away) sends CancelJob. `submit(job, listener)` is the form for jobs
-that outlive their HTTP request (video jobs) and for streamed images: it returns once the engine has
-accepted the job, with the future of its outcome, and `cancel(request_id)` stops it. A watch task
-notices when the engine process dies: every request in flight fails with EngineUnavailableError (503)
-and a new engine is started.
-No call here blocks on model work.
+`generate(job)` awaits a job's JobFinished; `submit(job, listener)`, for jobs that outlive their request
+(video jobs, streams), returns once the engine has accepted the job, with the future of its outcome. The
+receive task resolves the futures; the watch task restarts a dead engine process, failing its requests
+in flight (503). No call here blocks on model work.
 """
 
 from __future__ import annotations
@@ -28,24 +24,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from diffserve.server import protocol as msg
 from diffserve.server.args import ServerArgs
 from diffserve.server.engine_process import EngineProcessConfig, run_engine_process
 from diffserve.server.metrics import ServerMetrics
-from diffserve.server.protocol import (
-    CancelJob,
-    EngineFatal,
-    EngineReady,
-    GenerateJob,
-    JobAccepted,
-    JobCancelled,
-    JobFailed,
-    JobFinished,
-    JobPreview,
-    JobProgress,
-    JobRejected,
-    JobStarted,
-    ShutdownEngine,
-)
 
 logger = logging.getLogger("diffserve.server")
 
@@ -60,6 +42,22 @@ class EngineState(str, Enum):
     STOPPING = "stopping"
     STOPPED = "stopped"
     FAILED = "failed"
+
+
+#: What a request is told while the engine is not ready, by state: (message, code).
+_UNAVAILABLE: dict[EngineState | None, tuple[str, str]] = {
+    EngineState.STARTING: (
+        "the engine is not ready yet (loading the model and warming up); retry shortly",
+        "engine_starting",
+    ),
+    EngineState.RESTARTING: (
+        "the engine is restarting after its process died; retry shortly",
+        "engine_restarting",
+    ),
+    EngineState.STOPPING: ("the server is shutting down", "shutting_down"),
+    EngineState.STOPPED: ("the server has stopped", "shutting_down"),
+    None: ("the engine is not available", "engine_unavailable"),
+}
 
 
 class EngineUnavailableError(Exception):
@@ -88,8 +86,7 @@ class JobRejectedError(Exception):
 
     def __init__(self, message: str, param: str | None, status: int = 400) -> None:
         super().__init__(message)
-        self.param = param
-        self.status = status
+        self.param, self.status = param, status
 
 
 class JobFailedError(Exception):
@@ -101,12 +98,12 @@ class JobFailedError(Exception):
 
 
 #: Called with a submitted job's JobStarted, JobProgress and JobPreview messages, on the event loop.
-JobListener = Callable[[JobStarted | JobProgress | JobPreview], None]
+JobListener = Callable[[msg.JobStarted | msg.JobProgress | msg.JobPreview], None]
 
 
 @dataclass
 class PendingRequest:
-    job: GenerateJob
+    job: msg.GenerateJob
     future: asyncio.Future
     submitted_at: float
     started_at: float | None = None
@@ -114,49 +111,35 @@ class PendingRequest:
     accepted: asyncio.Future | None = None
     listener: JobListener | None = None
 
-    @property
-    def waiting(self) -> bool:
-        return self.started_at is None
-
 
 class EngineClient:
     def __init__(
-        self,
-        args: ServerArgs,
-        metrics: ServerMetrics,
-        on_fatal: Callable[[int, str], None],
+        self, args: ServerArgs, metrics: ServerMetrics, on_fatal: Callable[[int, str], None]
     ) -> None:
-        self.args = args
-        self.metrics = metrics
-        self.on_fatal = on_fatal
-        self.state = EngineState.STOPPED
-        self.state_detail = ""
-        self.incarnation = 0
-        self.restarts = 0
+        self.args, self.metrics, self.on_fatal = args, metrics, on_fatal
+        self.state, self.state_detail = EngineState.STOPPED, ""
+        self.incarnation = self.restarts = 0
         self.engine_pid: int | None = None
         self.engine_info: dict[str, Any] = {}
         self.probe_size = 64
         self._pending: dict[str, PendingRequest] = {}
         self._process: multiprocessing.process.BaseProcess | None = None
-        self._fatal: EngineFatal | None = None
-        self._engine_ready = False  # the current engine process has reported ready
-        self._ever_ready = False
+        self._fatal: msg.EngineFatal | None = None
+        self._engine_ready = self._ever_ready = False  # the current engine process / any has reported ready
         self._failed_starts = 0
         self._tasks: list[asyncio.Task] = []
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
-        self._ipc_dir = Path(
-            tempfile.mkdtemp(prefix="diffserve-")
-        )  # 0700: only this user reaches the sockets
-        self._to_engine = f"ipc://{self._ipc_dir}/to_engine"
-        self._from_engine = f"ipc://{self._ipc_dir}/from_engine"
+        # A private 0700 directory: only this user reaches the sockets.
+        self._ipc_dir = Path(tempfile.mkdtemp(prefix="diffserve-"))
+        self._addresses = (f"ipc://{self._ipc_dir}/to_engine", f"ipc://{self._ipc_dir}/from_engine")
         self._context = zmq.asyncio.Context()
         self._push = zmq.Socket(self._context, zmq.PUSH)  # sync socket: every send is NOBLOCK
         self._push.setsockopt(zmq.LINGER, 0)
-        self._push.bind(self._to_engine)
+        self._push.bind(self._addresses[0])
         self._pull = self._context.socket(zmq.PULL)
-        self._pull.bind(self._from_engine)
+        self._pull.bind(self._addresses[1])
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._watch_loop())]
         await self._spawn(EngineState.STARTING)
 
@@ -166,16 +149,11 @@ class EngineClient:
         self._engine_ready = False
         self.state = state
         self.state_detail = "loading the model" if state == EngineState.STARTING else "restarting the engine"
-        config = EngineProcessConfig(
-            engine_args=self.args.engine_args,
-            to_engine_address=self._to_engine,
-            from_engine_address=self._from_engine,
-            incarnation=self.incarnation,
-            warmup=self.args.warmup,
-            log_level=self.args.log_level,
-        )
+        a = self.args
+        cfg = EngineProcessConfig(a.engine_args, *self._addresses, self.incarnation, a.warmup, a.log_level)
+        name = f"diffserve-engine-{self.incarnation}"
         process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_process, args=(config,), name=f"diffserve-engine-{self.incarnation}"
+            target=run_engine_process, args=(cfg,), name=name
         )
         await asyncio.to_thread(process.start)
         self._process = process
@@ -200,13 +178,9 @@ class EngineClient:
         if self._pending:
             logger.warning("Shutdown timeout: cancelling %d request(s)", len(self._pending))
             for rid in list(self._pending):
-                self._send_nowait(CancelJob(rid))
-            self._fail_all(
-                EngineUnavailableError(
-                    f"the server is shutting down and cancelled this request after its {timeout:g} s shutdown timeout",
-                    code="shutting_down",
-                )
-            )
+                self._send_nowait(msg.CancelJob(rid))
+            message = f"the server is shutting down and cancelled this request after its {timeout:g} s shutdown timeout"
+            self._fail_all(EngineUnavailableError(message, code="shutting_down"))
 
     async def stop(self) -> None:
         self.state = EngineState.STOPPED
@@ -214,7 +188,7 @@ class EngineClient:
         process = self._process
         if process is not None and process.is_alive():
             if self._engine_ready:  # it listens: let it finish its step and exit cleanly
-                self._send_nowait(ShutdownEngine())
+                self._send_nowait(msg.ShutdownEngine())
                 await asyncio.to_thread(process.join, ENGINE_STOP_TIMEOUT_S)
                 if process.is_alive():
                     logger.warning("Engine did not stop within %.0f s; terminating it", ENGINE_STOP_TIMEOUT_S)
@@ -243,97 +217,67 @@ class EngineClient:
 
     @property
     def num_waiting(self) -> int:
-        return sum(1 for p in self._pending.values() if p.waiting)
+        return sum(1 for p in self._pending.values() if p.started_at is None)
 
     @property
     def num_running(self) -> int:
-        return sum(1 for p in self._pending.values() if not p.waiting)
+        return len(self._pending) - self.num_waiting
 
     def unavailable_error(self) -> EngineUnavailableError:
-        messages = {
-            EngineState.STARTING: (
-                "the engine is not ready yet (loading the model and warming up); retry shortly",
-                "engine_starting",
-            ),
-            EngineState.RESTARTING: (
-                "the engine is restarting after its process died; retry shortly",
-                "engine_restarting",
-            ),
-            EngineState.STOPPING: ("the server is shutting down", "shutting_down"),
-            EngineState.STOPPED: ("the server has stopped", "shutting_down"),
-            EngineState.FAILED: (
-                f"the engine failed and will not be restarted: {self.state_detail}",
-                "engine_failed",
-            ),
-        }
-        message, code = messages.get(self.state, ("the engine is not available", "engine_unavailable"))
-        return EngineUnavailableError(message, code)
+        if self.state == EngineState.FAILED:
+            message = f"the engine failed and will not be restarted: {self.state_detail}"
+            return EngineUnavailableError(message, "engine_failed")
+        return EngineUnavailableError(*_UNAVAILABLE.get(self.state, _UNAVAILABLE[None]))
 
-    def _admit(self, job: GenerateJob) -> None:
+    def _push_job(self, job: msg.GenerateJob, **pending: Any) -> PendingRequest:
+        """Register the job and hand it to the engine (raises EngineUnavailableError, QueueFullError)."""
         if not self.ready:
             raise self.unavailable_error()
         if not job.internal and self.num_waiting >= self.args.max_queue_size:
-            raise QueueFullError(
-                f"the queue is full ({self.num_waiting} requests waiting, --max-queue-size "
-                f"{self.args.max_queue_size}); retry later"
-            )
-
-    async def submit(
-        self, job: GenerateJob, listener: JobListener | None = None
-    ) -> tuple[JobAccepted, asyncio.Future]:
-        """Queue a job that outlives its HTTP request: returns once the engine has validated and queued it,
-        with its JobAccepted (resolved parameters) and the future of its JobFinished. Raises what
-        `generate` raises up to acceptance; the future then fails with JobCancelledError,
-        JobFailedError or EngineUnavailableError. `listener` gets its JobStarted, JobProgress and
-        JobPreview messages."""
-        self._admit(job)
-        job = replace(job, ack=True)
+            waiting, limit = self.num_waiting, self.args.max_queue_size
+            message = f"the queue is full ({waiting} requests waiting, --max-queue-size {limit}); retry later"
+            raise QueueFullError(message)
         loop = asyncio.get_running_loop()
-        pending = PendingRequest(
-            job, loop.create_future(), time.monotonic(), accepted=loop.create_future(), listener=listener
-        )
-        self._pending[job.request_id] = pending
+        entry = PendingRequest(job, loop.create_future(), time.monotonic(), **pending)
+        self._pending[job.request_id] = entry
         try:
             self._push.send_pyobj(job, flags=zmq.NOBLOCK)
         except zmq.Again:
             self._pending.pop(job.request_id, None)
-            raise EngineUnavailableError(
-                "the engine is not accepting requests right now", code="engine_busy"
-            ) from None
+            message = "the engine is not accepting requests right now"
+            raise EngineUnavailableError(message, "engine_busy") from None
+        return entry
+
+    async def submit(
+        self, job: msg.GenerateJob, listener: JobListener | None = None
+    ) -> tuple[msg.JobAccepted, asyncio.Future]:
+        """Queue a job that outlives its HTTP request: its JobAccepted (resolved parameters), once the engine
+        queued it, and the future of its JobFinished (or JobCancelledError, JobFailedError,
+        EngineUnavailableError). Raises what `generate` raises up to acceptance."""
+        accepted = asyncio.get_running_loop().create_future()
+        pending = self._push_job(replace(job, ack=True), accepted=accepted, listener=listener)
         try:
-            accepted = await pending.accepted
+            return await accepted, pending.future
         except asyncio.CancelledError:
             self.cancel(job.request_id)
             self._pending.pop(job.request_id, None)
             raise
-        return accepted, pending.future
 
     def cancel(self, request_id: str) -> bool:
         """Ask the engine to stop a job (dropped if waiting, stopped at its next step if running, its file
         deleted if being written); its future then fails with JobCancelledError. False: not in flight."""
         if request_id not in self._pending:
             return False
-        self._send_nowait(CancelJob(request_id))
+        self._send_nowait(msg.CancelJob(request_id))
         return True
 
-    async def generate(self, job: GenerateJob) -> JobFinished:
+    async def generate(self, job: msg.GenerateJob) -> msg.JobFinished:
         """Run one job; raises EngineUnavailableError, QueueFullError, JobRejectedError, JobFailedError."""
-        self._admit(job)
-        future = asyncio.get_running_loop().create_future()
-        pending = PendingRequest(job, future, time.monotonic())
-        self._pending[job.request_id] = pending
+        pending = self._push_job(job)
         try:
-            self._push.send_pyobj(job, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            self._pending.pop(job.request_id, None)
-            raise EngineUnavailableError(
-                "the engine is not accepting requests right now", code="engine_busy"
-            ) from None
-        try:
-            return await future
+            return await pending.future
         except asyncio.CancelledError:
-            if job.request_id in self._pending:  # the engine has not answered: tell it to stop
-                self._send_nowait(CancelJob(job.request_id))
+            self.cancel(job.request_id)  # the engine has not answered: tell it to stop
             raise
         finally:
             self._pending.pop(job.request_id, None)
@@ -343,7 +287,7 @@ class EngineClient:
             self._push.send_pyobj(message, flags=zmq.NOBLOCK)
 
     def _resolve(
-        self, request_id: str, result: JobFinished | None = None, error: Exception | None = None
+        self, request_id: str, result: msg.JobFinished | None = None, error: Exception | None = None
     ) -> None:
         pending = self._pending.pop(request_id, None)
         if pending is None or pending.future.done():
@@ -382,52 +326,46 @@ class EngineClient:
                 logger.exception("Could not handle the engine's %s", type(message).__name__)
 
     def _dispatch(self, message: Any) -> None:
-        if isinstance(message, JobStarted):
+        if isinstance(message, msg.EngineReady):
+            self._on_ready(message)
+        elif isinstance(message, msg.EngineFatal):
+            self._fatal = message
+            logger.error("Engine failed to start: %s", message.message)
+        elif isinstance(message, msg.JobFinished):
+            self._resolve(message.request_id, result=message)
+        elif isinstance(message, msg.JobRejected):
+            error = JobRejectedError(message.message, message.param, message.status)
+            self._resolve(message.request_id, error=error)
+        elif isinstance(message, msg.JobCancelled):
+            self._resolve(message.request_id, error=JobCancelledError(message.at_step))
+        elif isinstance(message, msg.JobFailed):
+            self._resolve(message.request_id, error=JobFailedError(message.message, message.user_error))
+        elif isinstance(message, (msg.JobAccepted, msg.JobStarted, msg.JobProgress, msg.JobPreview)):
             pending = self._pending.get(message.request_id)
-            if pending is not None:
+            if pending is None:
+                return
+            if isinstance(message, msg.JobAccepted):
+                if pending.accepted is not None and not pending.accepted.done():
+                    pending.accepted.set_result(message)
+                return
+            if isinstance(message, msg.JobStarted):
                 pending.started_at = time.monotonic()
                 if not pending.job.internal:
                     self.metrics.queue_time.observe(pending.started_at - pending.submitted_at)
-                if pending.listener is not None:
-                    pending.listener(message)
-        elif isinstance(message, JobAccepted):
-            pending = self._pending.get(message.request_id)
-            if pending is not None and pending.accepted is not None and not pending.accepted.done():
-                pending.accepted.set_result(message)
-        elif isinstance(message, (JobProgress, JobPreview)):
-            pending = self._pending.get(message.request_id)
-            if pending is not None and pending.listener is not None:
+            if pending.listener is not None:
                 pending.listener(message)
-        elif isinstance(message, JobFinished):
-            self._resolve(message.request_id, result=message)
-        elif isinstance(message, JobRejected):
-            error = JobRejectedError(message.message, message.param, message.status)
-            self._resolve(message.request_id, error=error)
-        elif isinstance(message, JobCancelled):
-            self._resolve(message.request_id, error=JobCancelledError(message.at_step))
-        elif isinstance(message, JobFailed):
-            self._resolve(message.request_id, error=JobFailedError(message.message, message.user_error))
-        elif isinstance(message, EngineReady):
-            if self.state not in (EngineState.STARTING, EngineState.RESTARTING):
-                return
-            self.state = EngineState.READY
-            self.state_detail = ""
-            self.engine_pid = message.pid
-            self.engine_info = message.info
-            self.probe_size = message.probe_size
-            self._engine_ready = self._ever_ready = True
-            self._failed_starts = 0
-            logger.info(
-                "Engine ready (pid %d): accepting requests on http://%s:%d",
-                message.pid,
-                self.args.host,
-                self.args.port,
-            )
-        elif isinstance(message, EngineFatal):
-            self._fatal = message
-            logger.error("Engine failed to start: %s", message.message)
         else:
             logger.warning("Ignoring unknown engine message %r", message)
+
+    def _on_ready(self, message: msg.EngineReady) -> None:
+        if self.state not in (EngineState.STARTING, EngineState.RESTARTING):
+            return
+        self.state, self.state_detail = EngineState.READY, ""
+        self.engine_pid, self.engine_info, self.probe_size = message.pid, message.info, message.probe_size
+        self._engine_ready = self._ever_ready = True
+        self._failed_starts = 0
+        pid, host, port = message.pid, self.args.host, self.args.port
+        logger.info("Engine ready (pid %d): accepting requests on http://%s:%d", pid, host, port)
 
     async def _watch_loop(self) -> None:
         while True:
@@ -442,18 +380,15 @@ class EngineClient:
         self._engine_ready = False
         code, pid = process.exitcode, process.pid
         fatal = self._fatal
-        message = f"the engine process (pid {pid}) exited with code {code} while this request was in flight"
-        if self.state == EngineState.STOPPING:
-            self._fail_all(
-                EngineUnavailableError(f"{message}; the server is shutting down", code="engine_died")
-            )
+        stopping = self.state == EngineState.STOPPING
+        message = (
+            f"the engine process (pid {pid}) exited with code {code} while this request was in flight; "
+            + ("the server is shutting down" if stopping else "the server is restarting it, retry shortly")
+        )
+        self._fail_all(EngineUnavailableError(message, code="engine_died"))
+        if stopping:
             logger.warning("Engine process (pid %s) exited with code %s during shutdown", pid, code)
             return
-        self._fail_all(
-            EngineUnavailableError(
-                f"{message}; the server is restarting it, retry shortly", code="engine_died"
-            )
-        )
         if not self._ever_ready:
             message = fatal.message if fatal else f"the engine process exited with code {code} while starting"
             self.state, self.state_detail = EngineState.FAILED, message
@@ -468,12 +403,8 @@ class EngineClient:
             self.on_fatal(1, message)
             return
         delay = 0.0 if self._failed_starts == 0 else min(30.0, 2.0 ** (self._failed_starts - 1))
-        logger.error(
-            "Engine process (pid %s) exited with code %s; restarting it%s",
-            pid,
-            code,
-            f" in {delay:g} s" if delay else "",
-        )
+        in_delay = f" in {delay:g} s" if delay else ""
+        logger.error("Engine process (pid %s) exited with code %s; restarting it%s", pid, code, in_delay)
         self.state, self.state_detail = EngineState.RESTARTING, "restarting the engine"
         self.restarts += 1
         self.metrics.engine_restarts.inc()

@@ -1,25 +1,9 @@
-"""The engine process: loads the model once, then runs the front end's requests with step-level batching.
+"""The engine process: a thin transport around `runtime.Engine`, ZeroMQ in and the engine's events out.
 
-Two threads:
-- the main thread drives the generator's engine: `runtime.Engine.step()` (diffserve/runtime/engine.py),
-  the same loop `DiffGenerator` and the CLI run, over and over. Each iteration admits waiting requests (JobStarted), runs one denoising step for one group
-  of running requests of the same shape as one DiT batch (JobProgress per request, JobPreview when a
-  job asked for partial images), and decodes the requests whose steps are done (JobFinished). Several
-  requests run at once (`--max-running-requests`, `--max-batch-tokens`, `--mem-fraction`); with
-  `--max-running-requests 1` this is the one-request-at-a-time engine.
-- the receiver thread reads the front end's messages: a GenerateJob is validated once by the engine
-  (`Engine.prepare`: family defaults applied, `SamplingParams.validate`), costed against the memory
-  model, and queued, or answered at
-  once with JobRejected (400; 413 when it can never fit in memory); a CancelJob drops a waiting
-  request or flags a running one, which leaves the running set at its next step boundary (the others
-  in its batch carry on); ShutdownEngine stops the loop.
-- one video-encoder thread (a ThreadPoolExecutor) writes the MP4s of video jobs: once a video job's
-  frames are decoded, the main thread hands them over and moves on to the next job; the job finishes
-  (JobFinished) when its file is written. A cancel that arrives while the file is being written
-  deletes it and answers JobCancelled.
-
-torch and the model code are imported inside `Engine`, never at module level: the front end imports
-this module (for the process target) and stays small and quick to start.
+The main thread drives the engine's loop; its event hooks answer the front end. The receiver thread
+queues jobs (`Engine.prepare` validates and costs them: JobRejected, 400 or 413, before queueing) and
+passes cancels and shutdown on. One encoder thread writes the MP4s of video jobs, off the step loop.
+torch and the model code are imported inside `Engine`: the front end imports this module and stays light.
 """
 
 from __future__ import annotations
@@ -45,24 +29,8 @@ from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import UserError
 from diffserve.logging_setup import configure_logging
 from diffserve.outputs import CONTENT_TYPES, encode_image, output_metadata, save_image, save_video
+from diffserve.server import protocol as msg
 from diffserve.server.image_files import image_path
-from diffserve.server.protocol import (
-    CancelJob,
-    EncodedImage,
-    EncodedVideo,
-    EngineFatal,
-    EngineReady,
-    GenerateJob,
-    JobAccepted,
-    JobCancelled,
-    JobFailed,
-    JobFinished,
-    JobPreview,
-    JobProgress,
-    JobRejected,
-    JobStarted,
-    ShutdownEngine,
-)
 
 if TYPE_CHECKING:
     from diffserve.runtime import ScheduledRequest
@@ -78,10 +46,13 @@ PROBE_FRAMES = 1
 def preview_steps(total_steps: int, partial_images: int) -> list[int]:
     """The steps after which previews 0..k-1 are sent: round((i + 1) * n / (k + 1)), at least step 1
     (with few steps two previews can fall on the same step; each still gets its own index)."""
-    return [
-        min(total_steps, max(1, round((i + 1) * total_steps / (partial_images + 1))))
-        for i in range(partial_images)
-    ]
+    n, k = total_steps, partial_images
+    return [min(n, max(1, round((i + 1) * n / (k + 1)))) for i in range(k)]
+
+
+def _without_inputs(params: SamplingParams) -> SamplingParams:
+    """Resolved parameters as sent back: the input images stay out (the front end has them; they can be large)."""
+    return dataclasses.replace(params, input_images=None, mask_image=None)
 
 
 @dataclass
@@ -112,9 +83,7 @@ class Channel:
             self.outbox.send_pyobj((self.incarnation, message))
 
     def recv(self, timeout_ms: int) -> Any | None:
-        if self.inbox.poll(timeout_ms) == 0:
-            return None
-        return self.inbox.recv_pyobj()
+        return self.inbox.recv_pyobj() if self.inbox.poll(timeout_ms) else None
 
     def close(self) -> None:
         self.inbox.close(linger=0)
@@ -123,6 +92,9 @@ class Channel:
 
 
 class Engine:
+    """The engine's events (`runtime.EngineEvents`) for the front end's jobs; the warm-up and calibration
+    requests carry no job and are not reported."""
+
     def __init__(self, config: EngineProcessConfig, channel: Channel, generator: Any = None) -> None:
         """`generator`: a loaded `DiffGenerator` (tests pass a stand-in); None loads `config.engine_args`."""
         start = time.perf_counter()
@@ -134,7 +106,7 @@ class Engine:
             generator = DiffGenerator(config.engine_args, show_progress=False)
         self.generator = generator
         self.engine = generator.engine
-        self.platform = self.engine.platform
+        self.scheduler = self.engine.scheduler
         self.facts = generator.pipeline.facts
         self.load_seconds = time.perf_counter() - start
         self.output_dir = Path(config.engine_args.output_path)
@@ -142,17 +114,18 @@ class Engine:
         self.pixel_multiple = self.facts.pixel_multiple
         self.probe_size = -(-PROBE_PIXELS // self.pixel_multiple) * self.pixel_multiple
         self.is_video = self.facts.makes_video
-        self.probe_images = self._probe_images()
+        #: Plain input images for the probes of families that require them (edit, image-to-video).
+        self.probe_images = [
+            Image.new("RGB", (self.probe_size,) * 2, (128, 128, 128))
+            for _ in range(self.facts.min_input_images)
+        ] or None
         # One thread: MP4s are written in job order, and x264 already uses several cores per file.
         self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="video-encoder")
         #: Video jobs whose file is being written -> their cancel flag (the job's `cancel_event`).
         self._encoding: dict[str, threading.Event] = {}
         self._encoding_lock = threading.Lock()
-        self.scheduler = self.engine.scheduler
-        #: The engine reports the front end's jobs here (warm-up and calibration requests have no job).
         self.engine.events = self
 
-    # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
         warmup_seconds = None
         if self.config.warmup:
@@ -161,106 +134,72 @@ class Engine:
             warmup_seconds = time.perf_counter() - start
             logger.info("Warm-up generation done in %.2f seconds", warmup_seconds)
         self.engine.memory = self._memory_model()
-        logger.info("Scheduler: %s", self.scheduler_info())
+        info = self.info(warmup_seconds)
+        logger.info("Scheduler: %s", info["scheduler"])
         self.receiver = threading.Thread(target=self._receive_loop, name="engine-receiver", daemon=True)
         self.receiver.start()
-        self.channel.send(
-            EngineReady(pid=os.getpid(), info=self.info(warmup_seconds), probe_size=self.probe_size)
-        )
+        self.channel.send(msg.EngineReady(pid=os.getpid(), info=info, probe_size=self.probe_size))
         logger.info("Engine ready (pid %d)", os.getpid())
 
-    def _probe_images(self) -> list[Image.Image] | None:
-        """Plain input images for the warm-up and /health_generate when the family requires them (edit
-        and image-to-video models); None for text-to-image families."""
-        if self.facts.min_input_images == 0:
-            return None
-        side = self.probe_size
-        return [Image.new("RGB", (side, side), (128, 128, 128)) for _ in range(self.facts.min_input_images)]
-
     def probe_params(self, prompt: str, side: int | None = None) -> SamplingParams:
-        side = side or self.probe_size
+        side, images = side or self.probe_size, self.probe_images
+        frames = PROBE_FRAMES if self.is_video else None
         return SamplingParams(
-            prompt=prompt,
-            height=side,
-            width=side,
-            num_inference_steps=1,
-            input_images=self.probe_images,
-            num_frames=PROBE_FRAMES if self.is_video else None,
+            prompt, height=side, width=side, num_inference_steps=1, input_images=images, num_frames=frames
         )
 
     def _memory_model(self) -> Any:
         """Calibrated at warm-up where the platform can measure peaks; estimated otherwise (CPU, or
-        --no-warmup). A calibration that fails (a side the model refuses, out of memory) falls back
-        to the estimate rather than stopping the engine."""
+        --no-warmup, or a calibration that failed: the engine runs on rather than stop)."""
         from diffserve.runtime.calibration import calibrate_memory_model
         from diffserve.runtime.memory import CALIBRATION_SIDES, estimated_memory_model
 
         fraction = self.config.engine_args.mem_fraction
         if self.config.warmup:
             sides = [-(-s // self.pixel_multiple) * self.pixel_multiple for s in CALIBRATION_SIDES]
+            probes = [self.probe_params("calibration", side) for side in sides]
             try:
-                return calibrate_memory_model(
-                    self.engine, [self.probe_params("calibration", s) for s in sides], fraction
-                )
+                return calibrate_memory_model(self.engine, probes, fraction)
             except Exception as exc:
-                logger.warning(
-                    "Memory calibration failed (%s: %s); using the estimated memory model",
-                    type(exc).__name__,
-                    exc,
-                )
-        return estimated_memory_model(self.facts, self.platform, fraction)
-
-    def scheduler_info(self) -> dict[str, Any]:
-        """The scheduler's limits and memory model (for /server_info and the log)."""
-        s = self.scheduler
-        memory = s.memory.describe() if s.memory is not None else None
-        return {
-            "max_running_requests": s.config.max_running_requests,
-            "max_batch_tokens": s.config.max_batch_tokens,
-            "mem_fraction": self.config.engine_args.mem_fraction,
-            "memory_model": memory,
-        }
-
-    def video_limits(self) -> dict[str, int] | None:
-        """The family's frame rules for the front end (it turns `seconds` into a valid num_frames)."""
-        facts = self.facts
-        if not facts.makes_video:
-            return None
-        return {
-            "temporal_factor": facts.temporal_factor,
-            "max_frames": facts.max_frames,
-            "max_fps": facts.max_fps,
-        }
+                logger.warning("Memory calibration failed (%r); using the estimated memory model", exc)
+        return estimated_memory_model(self.facts, self.engine.platform, fraction)
 
     def info(self, warmup_seconds: float | None) -> dict[str, Any]:
+        """What /server_info shows of the engine."""
         import torch
 
         import diffserve
-
-        g = self.generator
         from diffserve.runtime.contract import resolved_params
 
-        defaults = resolved_params(
-            g.pipeline, SamplingParams(prompt="-", input_images=self.probe_images)
-        ).to_dict()
+        g, facts, s = self.generator, self.facts, self.scheduler
+        defaults = resolved_params(g.pipeline, SamplingParams(prompt="-", input_images=self.probe_images))
+        defaults = defaults.to_dict()
         for key in ("prompt", "seed", "extra", "input_images", "mask_image"):
             defaults.pop(key, None)
         if self.probe_images:  # an edit model: its default size follows the input image
             defaults["height"] = defaults["width"] = None
+        video = None
+        if facts.makes_video:  # the front end turns `seconds` into a valid num_frames with these
+            video = {k: getattr(facts, k) for k in ("temporal_factor", "max_frames", "max_fps")}
         return {
             "model_path": g.model_path,
             "family": g.family.name,
             "diffusers_pipeline": g.family.diffusers_pipeline,
             "task": g.family.task,
             "requires_input_image": bool(self.probe_images),
-            "video": self.video_limits(),
+            "video": video,
             "platform": g.platform.name,
             "device_name": g.platform.device_name(),
             "dtype": str(g.dtype).removeprefix("torch."),
             "pixel_multiple": self.pixel_multiple,
             "default_params": defaults,
             "load_seconds": round(self.load_seconds, 3),
-            "scheduler": self.scheduler_info(),
+            "scheduler": {
+                "max_running_requests": s.config.max_running_requests,
+                "max_batch_tokens": s.config.max_batch_tokens,
+                "mem_fraction": self.config.engine_args.mem_fraction,
+                "memory_model": s.memory.describe() if s.memory is not None else None,
+            },
             "warmup_seconds": None if warmup_seconds is None else round(warmup_seconds, 3),
             # str(): torch's version object would make the front end import torch to unpickle it.
             "versions": {"diffserve": diffserve.__version__, "torch": str(torch.__version__)},
@@ -268,18 +207,13 @@ class Engine:
 
     def run_forever(self) -> None:
         while not self.stop.is_set():
-            self.run_once(timeout=0.5)
-        # Shutdown flagged the running requests: one more pass reports them cancelled (and drops any
-        # request that arrived after the flags were set).
+            self.engine.run_once(timeout=0.5)
+        # Shutdown flagged the running requests: one more step reports them cancelled.
         self.engine.cancel_all()
         self.engine.step()
         self.encoder.shutdown(wait=True)  # files being written are finished and reported
         self.receiver.join()  # it owns the inbox socket until it sees `stop`
         logger.info("Engine stopped")
-
-    def run_once(self, timeout: float = 0.0) -> bool:
-        """One scheduler iteration, after waiting up to `timeout` seconds for work. False: idle."""
-        return self.engine.run_once(timeout)
 
     def run_until_idle(self) -> None:
         """Run until nothing waits or runs (tests drive the engine in-process with this)."""
@@ -289,7 +223,7 @@ class Engine:
         self.stop.set()
         self.engine.cancel_all()  # the dropped waiting requests are reported through on_cancelled
 
-    # -- receiver thread -------------------------------------------------------------------------
+    # -- receiver thread: the front end's messages --------------------------------------------------
     def _receive_loop(self) -> None:
         while not self.stop.is_set():
             message = self.channel.recv(timeout_ms=500)
@@ -299,277 +233,205 @@ class Engine:
                 self._handle(message)
             except Exception as exc:  # one bad message must not stop the engine
                 logger.exception("engine: failed to handle %s", type(message).__name__)
-                if isinstance(message, GenerateJob):
-                    self.channel.send(JobFailed(message.request_id, f"{type(exc).__name__}: {exc}"))
-
-    def _kind_mismatch(self, job: GenerateJob) -> str | None:
-        """Why this model cannot serve the job's kind of output (the front end checks first; this is the
-        engine's own guard), or None."""
-        if job.internal:
-            return None
-        family = self.generator.family
-        if self.is_video and job.video_path is None:
-            return (
-                f"{family.diffusers_pipeline} is a {family.task} model and generates videos; "
-                "use POST /v1/videos"
-            )
-        if not self.is_video and job.video_path is not None:
-            return (
-                f"{family.diffusers_pipeline} is a {family.task} model and generates images; "
-                "use POST /v1/images/generations"
-            )
-        return None
+                if isinstance(message, msg.GenerateJob):
+                    self.channel.send(msg.JobFailed(message.request_id, f"{type(exc).__name__}: {exc}"))
 
     def _handle(self, message: Any) -> None:
-        if isinstance(message, GenerateJob):
-            if message.internal and self.probe_images and not message.params.input_images:
-                message.params.input_images = list(self.probe_images)  # /health_generate on an edit model
-            if message.internal and self.is_video and message.params.num_frames is None:
-                message.params.num_frames = PROBE_FRAMES  # /health_generate on a video model
-            mismatch = self._kind_mismatch(message)
-            if mismatch is not None:
-                self.channel.send(JobRejected(message.request_id, mismatch, param="model"))
-                return
-            from diffserve.request import Req
-            from diffserve.runtime import RequestTooLargeError
-
-            req = Req(params=message.params, request_id=message.request_id, cancel_event=threading.Event())
-            try:
-                scheduled = self.engine.prepare(
-                    req, priority=message.priority, payload=message
-                )  # validates once
-            except RequestTooLargeError as exc:
-                logger.info("Request %s refused: %s", message.request_id, exc)
-                self.channel.send(JobRejected(message.request_id, str(exc), param=exc.param, status=413))
-                return
-            except UserError as exc:
-                self.channel.send(
-                    JobRejected(message.request_id, str(exc), param=getattr(exc, "param", None))
-                )
-                return
-            if message.ack:  # before queueing: the main thread's JobStarted must come after it
-                params = dataclasses.replace(scheduled.req.params, input_images=None, mask_image=None)
-                self.channel.send(JobAccepted(message.request_id, params))
-            req.on_step = lambda r, job=message: self._on_step(job, r)
-            self.engine.enqueue(scheduled)
-        elif isinstance(message, CancelJob):
-            where = self.engine.cancel(message.request_id)  # a waiting job is answered by on_cancelled
-            if where is None:
-                with self._encoding_lock:
-                    flag = self._encoding.get(message.request_id)
-                if flag is not None:
-                    flag.set()  # the encoder thread deletes the file and answers JobCancelled
-                    where = "encoding"
+        if isinstance(message, msg.GenerateJob):
+            self._submit(message)
+        elif isinstance(message, msg.CancelJob):
+            rid = message.request_id
+            where = self.engine.cancel(rid)  # a waiting job is answered by on_cancelled
+            with self._encoding_lock:
+                flag = self._encoding.get(rid) if where is None else None
+            if flag is not None:
+                flag.set()  # the encoder thread deletes the file and answers JobCancelled
+                where = "encoding"
             if where is not None:
-                logger.info("Request %s cancelled while %s", message.request_id, where)
-        elif isinstance(message, ShutdownEngine):
+                logger.info("Request %s cancelled while %s", rid, where)
+        elif isinstance(message, msg.ShutdownEngine):
             logger.info("Engine shutting down")
             self.shutdown()
         else:
             logger.warning("engine: ignoring unknown message %r", message)
 
-    # -- main thread: the scheduler's events ------------------------------------------------------
-    def on_started(self, sr: ScheduledRequest) -> None:
-        if not isinstance(sr.payload, GenerateJob):
+    def _submit(self, job: msg.GenerateJob) -> None:
+        from diffserve.request import Req
+        from diffserve.runtime import RequestTooLargeError
+
+        rid, params = job.request_id, job.params
+        if job.internal:  # /health_generate: the probe's input images and frames where the model needs them
+            if self.probe_images and not params.input_images:
+                params.input_images = list(self.probe_images)
+            if self.is_video and params.num_frames is None:
+                params.num_frames = PROBE_FRAMES
+        else:
+            family, video = self.generator.family, job.video_path is not None
+            mismatch = msg.wrong_route(family.task, family.diffusers_pipeline, video)
+            if mismatch is not None:  # the front end checks first; this is the engine's own guard
+                self.channel.send(msg.JobRejected(rid, mismatch, param="model"))
+                return
+        try:
+            scheduled = self.engine.prepare(Req(params=params, request_id=rid), job.priority, payload=job)
+        except RequestTooLargeError as exc:
+            logger.info("Request %s refused: %s", rid, exc)
+            self.channel.send(msg.JobRejected(rid, str(exc), param=exc.param, status=413))
             return
-        self.channel.send(JobStarted(sr.request_id))
-        logger.info(
-            "Request %s started (%d running, %d waiting)",
-            sr.request_id,
-            self.scheduler.num_running,
-            self.scheduler.num_waiting,
-        )
+        except UserError as exc:
+            self.channel.send(msg.JobRejected(rid, str(exc), param=getattr(exc, "param", None)))
+            return
+        if job.ack:  # before queueing: the main thread's JobStarted must come after it
+            self.channel.send(msg.JobAccepted(rid, _without_inputs(scheduled.req.params)))
+        scheduled.req.on_step = lambda req: self._on_step(job, req)
+        self.engine.enqueue(scheduled)
+
+    # -- main thread: the engine's events ----------------------------------------------------------
+    def on_started(self, sr: ScheduledRequest) -> None:
+        if isinstance(sr.payload, msg.GenerateJob):
+            self.channel.send(msg.JobStarted(sr.request_id))
+            running, waiting = self.scheduler.num_running, self.scheduler.num_waiting
+            logger.info("Request %s started (%d running, %d waiting)", sr.request_id, running, waiting)
 
     def on_cancelled(self, sr: ScheduledRequest) -> None:
-        if not isinstance(sr.payload, GenerateJob):
-            return
-        self.channel.send(JobCancelled(sr.request_id, at_step=sr.req.step_index))
+        if isinstance(sr.payload, msg.GenerateJob):
+            self.channel.send(msg.JobCancelled(sr.request_id, at_step=sr.req.step_index))
 
     def on_failed(self, sr: ScheduledRequest, error: BaseException) -> None:
-        if not isinstance(sr.payload, GenerateJob):
+        if not isinstance(sr.payload, msg.GenerateJob):
             return
-        rid = sr.request_id
         if isinstance(error, UserError):
-            self.channel.send(JobFailed(rid, str(error), user_error=True))
+            self.channel.send(msg.JobFailed(sr.request_id, str(error), user_error=True))
         else:
-            logger.error("Request %s failed", rid, exc_info=error)
-            self.channel.send(JobFailed(rid, f"{type(error).__name__}: {error}"))
+            logger.error("Request %s failed", sr.request_id, exc_info=error)
+            self.channel.send(msg.JobFailed(sr.request_id, f"{type(error).__name__}: {error}"))
 
     def on_finished(self, sr: ScheduledRequest) -> None:
         """Decoded: encode the images and answer, or hand a video to the encoder thread."""
-        from diffserve.api import GenerationOutput
-
-        if not isinstance(sr.payload, GenerateJob):
-            return
-
         job, req = sr.payload, sr.req
-        start = sr.started_at
-        out = GenerationOutput(
-            images=req.images or [],
-            frames=req.frames or [],
-            params=req.params,
-            request_id=req.request_id,
-            timings=dict(req.timings),
-            step_times=list(req.step_times),
-            peak_memory_mb=None if sr.peak_memory_bytes is None else sr.peak_memory_bytes / 2**20,
-        )
+        if not isinstance(job, msg.GenerateJob):
+            return
         if job.video_path is not None:
-            self._hand_to_encoder(sr, out, start)
+            # Registered before the engine frees the slot: the job stays cancellable while its file is written.
+            with self._encoding_lock:
+                self._encoding[sr.request_id] = sr.cancel_event
+            steps = len(req.step_times)
+            self.channel.send(msg.JobProgress(sr.request_id, steps, steps, "encoding"))
+            self.encoder.submit(self._write_video, sr, job)
             return
         encode_start = time.perf_counter()
-        images = self._encode(job, out.images, out.params)
+        images = self._encode(job, req.images or [], req.params)
         encode_seconds = time.perf_counter() - encode_start
-        peak = sr.peak_memory_bytes
+        steps = len(sr.batch_sizes)
         logger.info(
             "Request %s finished in %.2f seconds (%d image(s), %d step(s), mean batch %.1f)",
+            sr.request_id, time.perf_counter() - sr.started_at, len(images), steps,
+            sum(sr.batch_sizes) / max(steps, 1),
+        )  # fmt: skip
+        sizes = list(sr.batch_sizes)
+        self.channel.send(self._finished(sr, encode_seconds, req.timings, images=images, batch_sizes=sizes))
+
+    @staticmethod
+    def _finished(
+        sr: ScheduledRequest, encode_seconds: float, timings: dict[str, float], **outputs: Any
+    ) -> msg.JobFinished:
+        req = sr.req
+        return msg.JobFinished(
             sr.request_id,
-            time.perf_counter() - start,
-            len(images),
-            len(sr.batch_sizes),
-            sum(sr.batch_sizes) / max(len(sr.batch_sizes), 1),
-        )
-        # The input images are not sent back: the front end has them, and they can be large.
-        params = dataclasses.replace(out.params, input_images=None, mask_image=None)
-        self.channel.send(
-            JobFinished(
-                sr.request_id,
-                images,
-                params,
-                out.timings,
-                out.step_times,
-                peak,
-                engine_seconds=time.perf_counter() - start,
-                encode_seconds=encode_seconds,
-                batch_sizes=list(sr.batch_sizes),
-                steps_computed_in_full=req.steps_computed_in_full,
-            )
+            params=_without_inputs(req.params),
+            timings=dict(timings),
+            step_times=list(req.step_times),
+            peak_memory_bytes=sr.peak_memory_bytes,
+            engine_seconds=time.perf_counter() - sr.started_at,
+            encode_seconds=encode_seconds,
+            steps_computed_in_full=req.steps_computed_in_full,
+            **outputs,
         )
 
-    def _on_step(self, job: GenerateJob, req: Any) -> None:
+    def _on_step(self, job: msg.GenerateJob, req: Any) -> None:
         """`Req.on_step` of every job: one JobProgress per denoising step (after the last one the VAE
         decodes, so that step is reported as the start of the decoding phase), and the job's previews."""
         total = req.num_steps
         phase = "decoding" if req.step_index >= total else "denoising"
-        self.channel.send(JobProgress(req.request_id, req.step_index, total, phase))
-        if job.partial_images > 0:
-            indices = [
-                i for i, step in enumerate(preview_steps(total, job.partial_images)) if step == req.step_index
-            ]
-            if indices:
-                self._send_previews(req, indices)
-
-    def _send_previews(self, req: Any, indices: list[int]) -> None:
-        """Preview(s) `indices` of the request after its current step; a preview that fails is skipped
-        (logged): it must never fail the request."""
-        try:
-            images = self.engine.runner.preview_images(req)
-            encoded = [encode_image(image, "png") for image in images]
+        self.channel.send(msg.JobProgress(req.request_id, req.step_index, total, phase))
+        steps = preview_steps(total, job.partial_images)
+        indices = [i for i, step in enumerate(steps) if step == req.step_index]
+        if not indices:
+            return
+        try:  # a preview that fails is skipped (logged): it must never fail the request
+            encoded = [encode_image(image, "png") for image in self.engine.runner.preview_images(req)]
         except Exception:
             logger.exception("Request %s: preview after step %d failed", req.request_id, req.step_index)
             return
         for index in indices:
-            self.channel.send(JobPreview(req.request_id, index, req.step_index, req.num_steps, encoded))
+            self.channel.send(msg.JobPreview(req.request_id, index, req.step_index, total, encoded))
 
-    def _hand_to_encoder(self, sr: ScheduledRequest, out: Any, start: float) -> None:
-        """Queue the MP4 write of a finished video job on the encoder thread and return at once. The job
-        stays cancellable through its `cancel_event`, registered before the scheduler frees its slot."""
-        rid = sr.request_id
-        steps = len(out.step_times)
-        with self._encoding_lock:
-            self._encoding[rid] = sr.cancel_event
-        self.channel.send(JobProgress(rid, steps, steps, "encoding"))
-        self.encoder.submit(self._write_video, sr, out, start)
-
-    def _write_video(self, sr: ScheduledRequest, out: Any, start: float) -> None:
-        """Encoder thread: write the MP4 atomically, then JobFinished (or JobCancelled / JobFailed)."""
-        job, rid = sr.payload, sr.request_id
-        path = Path(job.video_path)
-        cancelled = sr.cancel_event
+    # -- encoder thread ----------------------------------------------------------------------------
+    def _write_video(self, sr: ScheduledRequest, job: msg.GenerateJob) -> None:
+        """Write the MP4 atomically, then JobFinished (or JobCancelled / JobFailed)."""
+        rid, req, path = sr.request_id, sr.req, Path(job.video_path or "")
+        cancelled = msg.JobCancelled(rid, at_step=len(req.step_times))
         try:
-            if cancelled.is_set():
-                self.channel.send(JobCancelled(rid, at_step=len(out.step_times)))
+            if sr.cancel_event.is_set():
+                self.channel.send(cancelled)
                 return
-            if len(out.frames) != 1:
-                raise RuntimeError(f"expected one video from the pipeline, got {len(out.frames)}")
-            frames = out.frames[0]
-            params = dataclasses.replace(out.params, input_images=None, mask_image=None)
-            metadata = output_metadata(
-                self.generator.model_path, self.generator.family.diffusers_pipeline, params
-            )
+            if len(req.frames or []) != 1:
+                raise RuntimeError(f"expected one video from the pipeline, got {len(req.frames or [])}")
+            frames, params = req.frames[0], _without_inputs(req.params)
             encode_start = time.perf_counter()
-            save_video(frames, path, params.fps, metadata, "mp4")
+            save_video(frames, path, params.fps, self._metadata(params), "mp4")
             encode_seconds = time.perf_counter() - encode_start
-            if cancelled.is_set():  # cancelled while the file was written: it must not stay
+            if sr.cancel_event.is_set():  # cancelled while the file was written: it must not stay
                 path.unlink(missing_ok=True)
                 logger.info("Request %s cancelled while its video was written; file removed", rid)
-                self.channel.send(JobCancelled(rid, at_step=len(out.step_times)))
+                self.channel.send(cancelled)
                 return
             num_frames, height, width, _ = frames.shape
-            video = EncodedVideo(
-                str(path), path.stat().st_size, int(num_frames), int(width), int(height), int(params.fps)
-            )
-            peak = None if out.peak_memory_mb is None else int(out.peak_memory_mb * 2**20)
-            timings = {**out.timings, "VideoEncoding": encode_seconds}
+            size = path.stat().st_size
+            shape = int(num_frames), int(width), int(height)
+            video = msg.EncodedVideo(str(path), size, *shape, int(params.fps))
             logger.info(
                 "Request %s finished in %.2f seconds (%d frames, %d bytes, encoded in %.2f s)",
-                rid,
-                time.perf_counter() - start,
-                num_frames,
-                video.size_bytes,
-                encode_seconds,
-            )
-            self.channel.send(
-                JobFinished(
-                    rid,
-                    [],
-                    params,
-                    timings,
-                    list(out.step_times),
-                    peak,
-                    engine_seconds=time.perf_counter() - start,
-                    encode_seconds=encode_seconds,
-                    videos=[video],
-                    steps_computed_in_full=sr.req.steps_computed_in_full,
-                )
-            )
+                rid, time.perf_counter() - sr.started_at, num_frames, size, encode_seconds,
+            )  # fmt: skip
+            timings = {**req.timings, "VideoEncoding": encode_seconds}
+            self.channel.send(self._finished(sr, encode_seconds, timings, images=[], videos=[video]))
         except Exception as exc:
             logger.exception("Request %s failed while writing its video", rid)
             path.unlink(missing_ok=True)
-            self.channel.send(JobFailed(rid, f"writing the video failed: {type(exc).__name__}: {exc}"))
+            self.channel.send(msg.JobFailed(rid, f"writing the video failed: {type(exc).__name__}: {exc}"))
         finally:
             with self._encoding_lock:
                 self._encoding.pop(rid, None)
 
-    def _encode(self, job: GenerateJob, images: list, params: SamplingParams) -> list[EncodedImage]:
-        fmt = params.output_format
-        metadata = output_metadata(
-            self.generator.model_path, self.generator.family.diffusers_pipeline, params
-        )
+    def _metadata(self, params: SamplingParams) -> dict[str, Any]:
+        return output_metadata(self.generator.model_path, self.generator.family.diffusers_pipeline, params)
+
+    def _encode(self, job: msg.GenerateJob, images: list, params: SamplingParams) -> list[msg.EncodedImage]:
+        """The images in the job's format: bytes in the message (b64_json), or files in the output dir (url)."""
+        fmt, metadata = params.output_format, self._metadata(params)
         encoded = []
         for i, image in enumerate(images):
             image_id = f"{job.request_id}-{i}"
             data: bytes | None = None
             if job.response_format == "url":
-                save_image(
-                    image, image_path(self.output_dir, image_id, fmt), metadata, fmt, job.output_compression
-                )
+                path = image_path(self.output_dir, image_id, fmt)
+                save_image(image, path, metadata, fmt, job.output_compression)
             else:
                 data = encode_image(image, fmt, job.output_compression, metadata)
-            encoded.append(EncodedImage(data=data, image_id=image_id, content_type=CONTENT_TYPES[fmt]))
+            encoded.append(msg.EncodedImage(data=data, image_id=image_id, content_type=CONTENT_TYPES[fmt]))
         return encoded
 
 
 def _exit_with_parent() -> None:
     """Stop the engine when the front end process dies (nothing is left to report to)."""
     parent = multiprocessing.parent_process()
-    if parent is None:
-        return
 
     def watch() -> None:
         parent.join()
         os._exit(0)
 
-    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+    if parent is not None:
+        threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 def run_engine_process(config: EngineProcessConfig) -> None:
@@ -581,15 +443,13 @@ def run_engine_process(config: EngineProcessConfig) -> None:
     try:
         engine = Engine(config, channel)
         engine.start()
-    except UserError as exc:
-        channel.send(EngineFatal(str(exc), user_error=True))
-        channel.close()
-        _exit(2)
     except Exception as exc:
-        logger.exception("Engine failed to start")
-        channel.send(EngineFatal(f"{type(exc).__name__}: {exc}", user_error=False))
+        user_error = isinstance(exc, UserError)
+        if not user_error:
+            logger.exception("Engine failed to start")
+        channel.send(msg.EngineFatal(str(exc) if user_error else f"{type(exc).__name__}: {exc}", user_error))
         channel.close()
-        _exit(1)
+        _exit(2 if user_error else 1)
     engine.run_forever()
     channel.close()
     _exit(0)

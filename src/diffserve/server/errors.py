@@ -1,8 +1,8 @@
 """Errors in OpenAI's JSON shape, `{"error": {"message", "type", "param", "code"}}`, with the right status.
 
-Every error the server answers goes through `error_response`: API errors raised by routes, pydantic
-validation (400, never FastAPI's 422), unknown routes (404), the engine client's errors (400, 429,
-500, 503) and anything unexpected (500, logged with its traceback; the server carries on).
+`as_api_error` maps every error the server can meet to its answer, for plain responses and for the
+`error` event of a stream alike: pydantic validation is a 400 (never FastAPI's 422), anything
+unexpected a 500 (logged with its traceback; the server carries on).
 """
 
 from __future__ import annotations
@@ -24,64 +24,79 @@ from diffserve.server.engine_client import (
     JobRejectedError,
     QueueFullError,
 )
-from diffserve.server.schemas import ACCEPTED_FIELDS, ApiParamError
+from diffserve.server.schemas import ACCEPTED_FIELDS, ApiParamError, ErrorResponse
 
 logger = logging.getLogger("diffserve.server")
 
 #: status -> OpenAI error type.
 ERROR_TYPES = {
-    400: "invalid_request_error",
+    **dict.fromkeys((400, 405, 409, 413, 415), "invalid_request_error"),
     401: "authentication_error",
     404: "not_found_error",
-    405: "invalid_request_error",
-    409: "invalid_request_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
+}
+_HTTP_CODES = {
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    415: "unsupported_media_type",
 }
 
 
 class ApiError(Exception):
     def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None,
         headers: dict[str, str] | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.headers = headers
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+
+def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """A route's error `responses` for /docs."""
+    return {status: {"model": ErrorResponse} for status in statuses}
 
 
 def error_body(
     status: int, message: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": message,
-            "type": ERROR_TYPES.get(status, "server_error"),
-            "param": param,
-            "code": code,
-        }
-    }
+    kind = ERROR_TYPES.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(
-    status: int,
-    message: str,
-    param: str | None = None,
-    code: str | None = None,
+    status: int, message: str, param: str | None = None, code: str | None = None,
     headers: dict[str, str] | None = None,
-) -> JSONResponse:
+) -> JSONResponse:  # fmt: skip
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def as_api_error(exc: BaseException) -> ApiError:
+    """The answer to `exc` (an unknown error is a 500 that points to the server log)."""
+    if isinstance(exc, ApiError):
+        return exc
+    message = str(exc)
+    if isinstance(exc, ApiParamError):
+        return ApiError(400, message, param=exc.param, code=exc.code)
+    if isinstance(exc, ImageTooLargeError):  # decoding input images (diffserve.image_inputs.load_image)
+        return ApiError(413, message, param=exc.param, code="image_too_large")
+    if isinstance(exc, InvalidRequestError):
+        return ApiError(400, message, param=exc.param, code="invalid_value")
+    if isinstance(exc, JobRejectedError):  # 413: the engine's memory admission, it can never fit
+        code = "request_too_large" if exc.status == 413 else "invalid_value"
+        return ApiError(exc.status, message, param=exc.param, code=code)
+    if isinstance(exc, QueueFullError):
+        return ApiError(429, message, code="queue_full", headers={"Retry-After": "1"})
+    if isinstance(exc, EngineUnavailableError):
+        return ApiError(503, message, code=exc.code, headers={"Retry-After": "5"})
+    if isinstance(exc, JobFailedError) and exc.user_error:
+        return ApiError(400, message, code="invalid_request")
+    if isinstance(exc, JobFailedError):
+        return ApiError(500, f"the engine failed on this request: {exc}", code="engine_error")
+    name = type(exc).__name__
+    return ApiError(500, f"internal server error ({name}); see the server log", code="internal_error")
 
 
 def validation_error_message(
@@ -91,17 +106,13 @@ def validation_error_message(
     route's fields, listed when a field is unknown."""
     unknown = [str(e["loc"][-1]) for e in errors if e.get("type") == "extra_forbidden"]
     if unknown:
-        names = ", ".join(repr(n) for n in unknown)
-        return (
-            f"unknown field{'s' if len(unknown) > 1 else ''} {names}; accepted fields: {', '.join(accepted)}",
-            unknown[0],
-        )
+        names, s = ", ".join(repr(n) for n in unknown), "s" if len(unknown) > 1 else ""
+        return f"unknown field{s} {names}; accepted fields: {', '.join(accepted)}", unknown[0]
     first = errors[0]
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     kind = first.get("type", "")
     if kind == "json_invalid":
-        detail = first.get("ctx", {}).get("error", "")
-        return f"request body is not valid JSON ({detail})", None
+        return f"request body is not valid JSON ({first.get('ctx', {}).get('error', '')})", None
     if kind == "missing" and not loc:
         return "request body is required: a JSON object with at least 'prompt'", None
     if kind in ("model_attributes_type", "dict_type") and not loc:
@@ -110,31 +121,32 @@ def validation_error_message(
     message = first.get("msg", "invalid value")
     if kind == "missing":
         return f"{param} is required", param
-    if "input" in first and kind != "missing":
+    if "input" in first:
         return f"{param}: {message}, got {first['input']!r}", param
     return f"{param}: {message}", param
 
 
+def validation_error(errors: list[dict[str, Any]], accepted: Sequence[str] = ACCEPTED_FIELDS) -> ApiError:
+    message, param = validation_error_message(errors, accepted)
+    return ApiError(400, message, param=param, code="invalid_value" if param else "invalid_request")
+
+
+def _respond(error: ApiError) -> JSONResponse:
+    return error_response(error.status, error.message, error.param, error.code, error.headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+    async def known(request: Request, exc: Exception) -> JSONResponse:
+        return _respond(as_api_error(exc))
 
-    @app.exception_handler(ApiParamError)
-    async def _param_error(request: Request, exc: ApiParamError) -> JSONResponse:
-        return error_response(400, str(exc), exc.param, exc.code)
-
-    @app.exception_handler(InvalidRequestError)
-    async def _invalid_input(request: Request, exc: InvalidRequestError) -> JSONResponse:
-        # Raised in the front end while decoding input images (diffserve.image_inputs.load_image).
-        if isinstance(exc, ImageTooLargeError):
-            return error_response(413, str(exc), exc.param, "image_too_large")
-        return error_response(400, str(exc), exc.param, "invalid_value")
+    # Known errors are answered without a traceback in the log.
+    known_errors = (ApiError, ApiParamError, InvalidRequestError, JobRejectedError, QueueFullError)
+    for kind in (*known_errors, EngineUnavailableError, JobFailedError):
+        app.add_exception_handler(kind, known)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = validation_error_message(list(exc.errors()))
-        return error_response(400, message, param, "invalid_value" if param else "invalid_request")
+        return _respond(validation_error(list(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -144,37 +156,10 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"method {request.method} is not allowed on {request.url.path}"
         else:
             message = str(exc.detail)
-        code = {
-            404: "not_found",
-            405: "method_not_allowed",
-            413: "request_too_large",
-            415: "unsupported_media_type",
-        }.get(exc.status_code)
+        code = _HTTP_CODES.get(exc.status_code)
         return error_response(exc.status_code, message, None, code, getattr(exc, "headers", None))
-
-    @app.exception_handler(JobRejectedError)
-    async def _rejected(request: Request, exc: JobRejectedError) -> JSONResponse:
-        if exc.status == 413:  # the engine's memory admission: it can never fit, even alone
-            return error_response(413, str(exc), exc.param, "request_too_large")
-        return error_response(400, str(exc), exc.param, "invalid_value")
-
-    @app.exception_handler(QueueFullError)
-    async def _queue_full(request: Request, exc: QueueFullError) -> JSONResponse:
-        return error_response(429, str(exc), None, "queue_full", {"Retry-After": "1"})
-
-    @app.exception_handler(EngineUnavailableError)
-    async def _unavailable(request: Request, exc: EngineUnavailableError) -> JSONResponse:
-        return error_response(503, str(exc), None, exc.code, {"Retry-After": "5"})
-
-    @app.exception_handler(JobFailedError)
-    async def _failed(request: Request, exc: JobFailedError) -> JSONResponse:
-        if exc.user_error:
-            return error_response(400, str(exc), None, "invalid_request")
-        return error_response(500, f"the engine failed on this request: {exc}", None, "engine_error")
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.error("Unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        return error_response(
-            500, f"internal server error ({type(exc).__name__}); see the server log", None, "internal_error"
-        )
+        return _respond(as_api_error(exc))

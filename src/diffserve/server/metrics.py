@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from diffserve.server.protocol import JobFinished
@@ -16,85 +14,63 @@ _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5
 class ServerMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+        latency = {"buckets": _LATENCY_BUCKETS, "registry": r}
         self.http_requests = Counter(
-            "diffserve_http_requests",
-            "HTTP requests by method, route and status code",
-            ["method", "route", "status"],
-            registry=r,
-        )
+            "diffserve_http_requests", "HTTP requests by method, route and status code",
+            ["method", "route", "status"], registry=r,
+        )  # fmt: skip
         self.generation_requests = Counter(
             "diffserve_generation_requests",
             "Generation requests (images and video jobs) by outcome: success, invalid, queue_full, "
             "unavailable, failed, cancelled",
-            ["outcome"],
-            registry=r,
-        )
+            ["outcome"], registry=r,
+        )  # fmt: skip
         self.queue_depth = Gauge("diffserve_queue_depth", "Requests waiting for the engine", registry=r)
         self.running = Gauge("diffserve_running_requests", "Requests the engine is running", registry=r)
-        self.engine_ready = Gauge(
-            "diffserve_engine_ready", "1 when the engine is loaded and accepting requests", registry=r
-        )
+        self.engine_ready = Gauge("diffserve_engine_ready", "1 when the engine accepts requests", registry=r)
         self.engine_restarts = Counter(
-            "diffserve_engine_restarts", "Engine process restarts after a crash", registry=r
+            "diffserve_engine_restarts", "Engine restarts after a crash", registry=r
         )
         self.request_latency = Histogram(
             "diffserve_request_latency_seconds",
             "Successful generation requests, arrival to response",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            **latency,
         )
         self.queue_time = Histogram(
-            "diffserve_queue_time_seconds",
-            "Time requests waited before the engine started them",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            "diffserve_queue_time_seconds", "Time requests waited before the engine started them", **latency
         )
         self.stage_seconds = Histogram(
-            "diffserve_stage_seconds",
-            "Time per pipeline stage",
-            ["stage"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            "diffserve_stage_seconds", "Time per pipeline stage", ["stage"], **latency
         )
         self.step_seconds = Histogram(
-            "diffserve_step_seconds",
-            "Time per denoising step",
-            buckets=_STEP_BUCKETS,
-            registry=r,
+            "diffserve_step_seconds", "Time per denoising step", buckets=_STEP_BUCKETS, registry=r
         )
         self.batch_size = Histogram(
             "diffserve_batch_size",
             "Requests sharing the DiT batch of a denoising step, observed once per request per step (the "
             "share of requests' steps that ran batched)",
-            buckets=_BATCH_BUCKETS,
-            registry=r,
-        )
+            buckets=_BATCH_BUCKETS, registry=r,
+        )  # fmt: skip
         self.images_generated = Counter(
             "diffserve_images_generated", "Images returned to clients", registry=r
         )
-        self.videos_generated = Counter(
-            "diffserve_videos_generated", "Videos written by /v1/videos jobs", registry=r
-        )
+        self.videos_generated = Counter("diffserve_videos_generated", "Videos of /v1/videos jobs", registry=r)
         self.peak_memory = Gauge(
-            "diffserve_peak_memory_bytes",
-            "Peak memory of the last request (device memory; process RSS on CPU)",
+            "diffserve_peak_memory_bytes", "Peak memory of the last request (device memory; process RSS on CPU)",
             registry=r,
-        )
+        )  # fmt: skip
         self.max_peak_memory = Gauge(
-            "diffserve_peak_memory_max_bytes",
-            "Highest peak memory of any request since start",
-            registry=r,
+            "diffserve_peak_memory_max_bytes", "Highest peak memory of any request since start", registry=r
         )
         self._max_peak = 0
 
-    def track_engine(
-        self, waiting: Callable[[], float], running: Callable[[], float], ready: Callable[[], float]
-    ) -> None:
-        self.queue_depth.set_function(waiting)
-        self.running.set_function(running)
-        self.engine_ready.set_function(ready)
+    def count(self, outcome: str) -> None:
+        """One generation request's outcome (`diffserve_generation_requests_total`)."""
+        self.generation_requests.labels(outcome).inc()
 
     def observe_finished(self, result: JobFinished, latency: float) -> None:
+        """A successful generation request: its outcome, latency and what the engine reported."""
+        self.count("success")
         self.request_latency.observe(latency)
         self.images_generated.inc(len(result.images))
         self.videos_generated.inc(len(result.videos))

@@ -37,8 +37,7 @@ class RequestContextMiddleware:
     """Outermost layer: gives each request an id (X-Request-Id), counts it and logs one access line."""
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
+        self.app, self.metrics = app, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -60,19 +59,13 @@ class RequestContextMiddleware:
             await self.app(scope, receive, send_with_id)
         finally:
             code = status if status is not None else CLIENT_CLOSED_REQUEST
-            route = scope.get("route")
-            route_path = getattr(route, "path", None) or "unmatched"
+            route_path = getattr(scope.get("route"), "path", None) or "unmatched"
             self.metrics.http_requests.labels(scope["method"], route_path, str(code)).inc()
             client = scope.get("client")
-            access_logger.info(
-                "%s %s %s %d %.3fs client=%s",
-                request_id,
-                scope["method"],
-                scope["path"],
-                code,
-                time.perf_counter() - start,
-                f"{client[0]}:{client[1]}" if client else "-",
-            )
+            peer = f"{client[0]}:{client[1]}" if client else "-"
+            seconds = time.perf_counter() - start
+            method, path = scope["method"], scope["path"]
+            access_logger.info("%s %s %s %d %.3fs client=%s", request_id, method, path, code, seconds, peer)
 
 
 class ApiKeyMiddleware:
@@ -80,30 +73,23 @@ class ApiKeyMiddleware:
     Image URLs handed out by the server also work with their `?token=`."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.api_key = api_key
+        self.app, self.api_key = app, api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
-        problem = self._problem(scope)
+        open_path = scope["type"] != "http" or scope["path"] in OPEN_PATHS
+        problem = None if open_path else self._problem(scope)
         if problem is None:
             await self.app(scope, receive, send)
             return
-        response = error_response(401, problem, None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
+        headers = {"WWW-Authenticate": "Bearer"}
+        await error_response(401, problem, None, "invalid_api_key", headers)(scope, receive, send)
 
     def _problem(self, scope: Scope) -> str | None:
         """None when authorised, else what is wrong."""
         headers = dict(scope.get("headers") or [])
         auth = headers.get(b"authorization", b"").decode("latin-1")
         scheme, _, token = auth.partition(" ")
-        if (
-            auth
-            and scheme.lower() == "bearer"
-            and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
-        ):
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             return None
         path = scope["path"]
         if path.startswith(_IMAGE_CONTENT_PREFIX) and path.endswith(_IMAGE_CONTENT_SUFFIX):
@@ -118,19 +104,12 @@ class ApiKeyMiddleware:
 
 class BodySizeLimitMiddleware:
     """413 for bodies over the limit: at once from Content-Length, or while a chunked body streams in.
-
-    `max_bytes` applies everywhere but the paths in `path_limits`, which map a path to its own limit and
-    the flag(s) that set it (the edits route carries images, so its bound follows --max-image-bytes)."""
+    `path_limits` maps a path to its own limit instead of `max_bytes`, and the flags that set it."""
 
     def __init__(
         self, app: ASGIApp, max_bytes: int, path_limits: dict[str, tuple[int, str]] | None = None
     ) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-        self.path_limits = dict(path_limits or {})
-
-    def _limit(self, path: str) -> tuple[int, str]:
-        return self.path_limits.get(path, (self.max_bytes, "--max-body-bytes"))
+        self.app, self.max_bytes, self.path_limits = app, max_bytes, dict(path_limits or {})
 
     @staticmethod
     def _message(size: str, limit: int, flags: str) -> str:
@@ -140,13 +119,11 @@ class BodySizeLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit, flags = self._limit(scope["path"])
+        limit, flags = self.path_limits.get(scope["path"], (self.max_bytes, "--max-body-bytes"))
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            response = error_response(
-                413, self._message(f"{int(length)} bytes", limit, flags), None, "request_too_large"
-            )
-            await response(scope, receive, send)
+            message = self._message(f"{int(length)} bytes", limit, flags)
+            await error_response(413, message, None, "request_too_large")(scope, receive, send)
             return
         received = 0
 

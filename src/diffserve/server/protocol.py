@@ -1,18 +1,12 @@
 """Messages between the HTTP front end and the engine process (pickled over ZeroMQ).
 
-Front end -> engine: `GenerateJob`, `CancelJob`, `ShutdownEngine`.
-Engine -> front end: every message is sent as `(incarnation, message)`, where `incarnation` counts engine
-(re)starts, so a message still in flight from an engine that died is recognised and dropped.
+Front end -> engine: `GenerateJob`, `CancelJob`, `ShutdownEngine`. Engine -> front end: each message as
+`(incarnation, message)`, `incarnation` counting engine (re)starts, so a message still in flight from
+an engine that died is recognised and dropped.
 
     GenerateJob ──► JobRejected (bad parameters, or too large to ever fit in memory: never queued)
                 └─► [JobAccepted] ─► JobStarted ─► [JobProgress | JobPreview...] ─► JobFinished | JobCancelled | JobFailed
                                   └─► JobCancelled (cancelled while still waiting)
-
-JobAccepted is sent only for jobs with `ack` (video jobs: their POST answers once the engine has
-validated them), always before JobStarted. JobStarted is sent when the engine's scheduler admits the
-job into its running set (several jobs run at once, sharing denoising steps). JobProgress is sent for
-every job: one per denoising step, then one at each later phase (VAE decoding; MP4 encoding for video
-jobs). JobPreview is sent only for jobs with `partial_images` > 0, at evenly spaced steps.
 
 Both ends run the same code version and the sockets live in a private temporary directory, so pickle
 is safe here and keeps `SamplingParams` and bytes intact without a schema layer.
@@ -25,29 +19,37 @@ from typing import Any, Literal
 
 from diffserve.configs.sampling_params import SamplingParams
 
+VIDEO_TASKS = ("text-to-video", "image-to-video")
+
+
+def wrong_route(task: str, pipeline: str, video: bool) -> str | None:
+    """Why a model of `task` cannot serve a request for videos (`video`) or images, naming the route to
+    use; None when it can."""
+    makes_video = task in VIDEO_TASKS
+    if makes_video == video:
+        return None
+    serves = f"this server serves {pipeline}, a {task} model"
+    if makes_video:
+        return f"{serves}: it generates videos, not images; use POST /v1/videos"
+    route = "/v1/images/edits" if task == "image-edit" else "/v1/images/generations"
+    return f"{serves}: it generates images, not videos; use POST {route}"
+
 
 # Front end -> engine.
 @dataclass
 class GenerateJob:
     request_id: str
-    #: For edits, `input_images` / `mask_image` hold the decoded PIL images (they pickle as raw pixels).
-    params: SamplingParams
+    params: SamplingParams  # edits: `input_images` / `mask_image` are decoded PIL images
     #: "b64_json": encoded bytes come back in the message; "url": the engine writes files to the output dir.
     response_format: Literal["b64_json", "url"] = "b64_json"
-    #: Quality (0-100) for jpeg and webp; None: 100, OpenAI's default.
-    output_compression: int | None = None
-    #: /health_generate's probe: exempt from --max-queue-size and the queue-time metric.
-    internal: bool = False
-    #: A /v1/videos job: the engine reports JobProgress and writes the MP4 to this path (in its encoder
-    #: thread) instead of encoding images. None: an image request.
-    video_path: str | None = None
-    #: Answer JobAccepted once the parameters are validated and the job is queued.
-    ack: bool = False
-    #: Scheduling priority: higher is admitted first, equal priorities in arrival order (FCFS).
-    priority: int = 0
-    #: Streamed image requests: how many previews (0-3) of the predicted clean image the engine sends
-    #: as JobPreview, at evenly spaced denoising steps.
-    partial_images: int = 0
+    output_compression: int | None = None  # jpeg and webp quality (0-100); None: 100, OpenAI's default
+    internal: bool = False  # /health_generate's probe: exempt from --max-queue-size and the queue-time metric
+    video_path: str | None = (
+        None  # a /v1/videos job: the engine writes the MP4 here instead of encoding images
+    )
+    ack: bool = False  # answer JobAccepted once the parameters are validated and the job is queued
+    priority: int = 0  # higher is admitted first, equal priorities in arrival order
+    partial_images: int = 0  # streamed images: previews sent as JobPreview, at evenly spaced steps
 
 
 @dataclass
@@ -67,8 +69,7 @@ class EngineReady:
 
     pid: int
     info: dict[str, Any]
-    #: Side in pixels of the small image warm-up and /health_generate draw (a valid size for this model).
-    probe_size: int
+    probe_size: int  # side in pixels of the warm-up's and /health_generate's images (valid for this model)
 
 
 @dataclass
@@ -86,9 +87,7 @@ class JobRejected:
     request_id: str
     message: str
     param: str | None = None
-    #: HTTP status the front end answers: 400 (invalid), or 413 (needs more memory than the engine has,
-    #: even alone; the message gives the estimate and the budget).
-    status: int = 400
+    status: int = 400  # the front end's answer: 400, or 413 when it needs more memory than the engine has
 
 
 @dataclass
@@ -105,10 +104,6 @@ class JobStarted:
     request_id: str
 
 
-#: What a video job is doing: denoising steps, then VAE decoding, then MP4 encoding.
-ProgressPhase = Literal["denoising", "decoding", "encoding"]
-
-
 @dataclass
 class JobProgress:
     """`step` of `total` denoising steps are done; `phase` is what the engine does now."""
@@ -116,7 +111,7 @@ class JobProgress:
     request_id: str
     step: int
     total: int
-    phase: ProgressPhase
+    phase: Literal["denoising", "decoding", "encoding"]  # encoding: writing a video job's MP4
 
 
 @dataclass
@@ -159,10 +154,8 @@ class JobFinished:
     engine_seconds: float  # start of generation to encoded images
     encode_seconds: float
     videos: list[EncodedVideo] = field(default_factory=list)  # video jobs (then `images` is empty)
-    #: Requests in the DiT batch of each of this job's denoising steps (1: the step ran alone).
-    batch_sizes: list[int] = field(default_factory=list)
-    #: Steps that ran every DiT block (fewer than the steps with an approximate quality tier).
-    steps_computed_in_full: int | None = None
+    batch_sizes: list[int] = field(default_factory=list)  # requests in the DiT batch of each of its steps
+    steps_computed_in_full: int | None = None  # fewer than the steps with an approximate quality tier
 
 
 @dataclass

@@ -37,18 +37,11 @@ class GracefulServer(uvicorn.Server):
         if self._draining or self._loop is None:
             return
         self._draining = True
-        logger.info(
-            "Received %s: shutting down (in-flight requests get %g s)",
-            signal.Signals(sig).name,
-            self.shutdown_timeout,
-        )
+        name, timeout = signal.Signals(sig).name, self.shutdown_timeout
+        logger.info("Received %s: shutting down (in-flight requests get %g s)", name, timeout)
         engine = self.config.app.state.engine
         # Signal handlers run between bytecodes; hand the work to the loop instead of touching it here.
         self._loop.call_soon_threadsafe(engine.begin_drain, self.shutdown_timeout)
-
-
-def _ignore(signum: int, frame: FrameType | None) -> None:
-    pass
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -79,19 +72,16 @@ def serve(args: ServerArgs) -> int:
             server.should_exit = True
 
     app = create_app(args, on_fatal=on_fatal)
+    # No uvicorn log config nor access log: its lines use diffserve's format, and RequestContextMiddleware
+    # logs one line per request. Its graceful-shutdown timeout is a backstop: the engine client cancels first.
+    backstop = args.shutdown_timeout + 5
     config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_config=None,  # uvicorn's own lines use diffserve's log format
-        access_log=False,  # RequestContextMiddleware logs one line per request
-        timeout_graceful_shutdown=args.shutdown_timeout
-        + 5,  # backstop: the engine client cancels at the timeout
+        app, args.host, args.port, log_config=None, access_log=False, timeout_graceful_shutdown=backstop
     )
     server = GracefulServer(config, args.shutdown_timeout)
     # uvicorn re-raises the signal it stopped on once it is done; for SIGTERM that lands here, so the
     # process exits with 0 after a graceful shutdown instead of being killed by the default handler.
-    previous = signal.signal(signal.SIGTERM, _ignore)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
         logger.info("Serving %s on http://%s:%d; the engine is starting", args.model_id, args.host, args.port)
         server.run(sockets=[sock])

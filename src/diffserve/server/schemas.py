@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 import secrets
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -33,36 +35,55 @@ MAX_PARTIAL_IMAGES = 3
 _SIZE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
 
+# Fields of both generation routes (OpenAI's, then diffserve's extensions; unset: the model's defaults).
+_QUALITY = (
+    "'lossless' (exact), 'high', 'medium' or 'low' (approximate: reuse DiT work between steps, faster, at "
+    "least 35/30/25 dB PSNR against lossless), 'auto' (the server's --default-quality); OpenAI's 'hd' means "
+    "lossless and 'standard' auto"
+)
+_PRIORITY = "scheduling priority (-1000..1000, default 0): higher first, then first come first served"
+ModelName = Annotated[str | None, Field(description="the served model's id or a --served-model-name")]
+Seed = Annotated[int | None, Field(ge=0, lt=2**63, description="unset: a random seed, returned")]
+Steps = Annotated[int | None, Field(ge=1)]
+Scale = Annotated[float | None, Field(ge=0)]
+Quality = Annotated[str | None, Field(description=_QUALITY)]
+Priority = Annotated[int | None, Field(ge=-1000, le=1000, description=_PRIORITY)]
+
+
+def sampling_params(body: BaseModel, **fields: Any) -> SamplingParams:
+    """The engine's parameters: the request's fields named as SamplingParams fields, then `fields`. An
+    unset seed is drawn here, so that the answer can name it."""
+    shared = {f.name for f in dataclasses.fields(SamplingParams)} & set(type(body).model_fields)
+    names = shared - {*fields, "seed"}
+    seed = body.seed if body.seed is not None else secrets.randbelow(2**32)
+    return SamplingParams(seed=seed, **{name: getattr(body, name) for name in names}, **fields)
+
+
+def parse_size(size: str, expected: str) -> tuple[int, int]:
+    """(width, height) of a "WIDTHxHEIGHT" `size`; `expected` describes the accepted values in the error."""
+    match = _SIZE.match(size)
+    if match is None:
+        raise ApiParamError(f"size must be {expected}, got {size!r}", param="size")
+    return int(match.group(1)), int(match.group(2))
+
+
 class ImageGenerationRequest(BaseModel):
     """`POST /v1/images/generations`. OpenAI's fields, then diffserve's extensions; nothing else."""
 
     model_config = ConfigDict(extra="forbid")
 
     prompt: str
-    model: str | None = Field(None, description="the served model's id or an alias (--served-model-name)")
+    model: ModelName = None
     n: int | None = Field(1, ge=1, le=10, description="images to generate (1-10), all from one request")
     size: str | None = Field(None, description="'WIDTHxHEIGHT' or 'auto' (the model's default)")
     response_format: Literal["b64_json", "url"] | None = "b64_json"
     output_format: Literal["png", "jpeg", "webp"] | None = "png"
-    output_compression: int | None = Field(
-        None, ge=0, le=100, description="jpeg/webp quality, 0-100 (default 100)"
-    )
+    output_compression: int | None = Field(None, ge=0, le=100, description="jpeg/webp quality (default 100)")
     user: str | None = Field(None, description="end-user id; accepted for compatibility, not used")
-    stream: bool | None = Field(
-        None, description="answer with server-sent events (OpenAI's image_generation.* / image_edit.* events)"
-    )
-    partial_images: int | None = Field(
-        None,
-        ge=0,
-        le=MAX_PARTIAL_IMAGES,
-        description="with stream=true: previews (0-3) sent while the image is made, before the final one",
-    )
-    quality: str | None = Field(
-        None,
-        description="'lossless' (exact), 'high', 'medium' or 'low' (approximate: reuse DiT work between steps, "
-        "faster, at least 35/30/25 dB PSNR against lossless), 'auto' (the server's --default-quality); OpenAI's "
-        "'hd' means lossless and 'standard' auto",
-    )
+    stream: bool | None = Field(None, description="answer with OpenAI's server-sent events")
+    #: With stream=true: previews sent while the image is made, before the final one.
+    partial_images: int | None = Field(None, ge=0, le=MAX_PARTIAL_IMAGES)
+    quality: Quality = None
     # OpenAI fields accepted only with a value that changes nothing (see NO_OP_VALUES).
     background: str | None = None
     style: str | None = None
@@ -70,35 +91,22 @@ class ImageGenerationRequest(BaseModel):
     # diffserve extensions (SamplingParams fields); unset: the model's defaults.
     width: int | None = Field(None, gt=0)
     height: int | None = Field(None, gt=0)
-    seed: int | None = Field(
-        None, ge=0, lt=2**63, description="unset: a random seed, returned in the response"
-    )
+    seed: Seed = None
     negative_prompt: str | None = None
-    num_inference_steps: int | None = Field(None, ge=1)
-    guidance_scale: float | None = Field(None, ge=0)
-    true_cfg_scale: float | None = Field(None, ge=0)
-    max_sequence_length: int | None = Field(None, ge=1)
-    priority: int | None = Field(
-        None,
-        ge=-1000,
-        le=1000,
-        description="scheduling priority (-1000..1000, default 0): the engine admits higher first, equal "
-        "priorities first come first served",
-    )
+    num_inference_steps: Steps = None
+    guidance_scale: Scale = None
+    true_cfg_scale: Scale = None
+    max_sequence_length: Steps = None
+    priority: Priority = None
 
     def check_supported(self) -> None:
         for name, allowed in NO_OP_VALUES.items():
             value = getattr(self, name)
-            if value is not None and not any(
-                value == a and type(value) is type(a) for a in allowed if a is not None
-            ):
+            if value not in allowed:
                 accepted = " or ".join(repr(a) for a in allowed if a is not None)
                 hint = f"omit it or pass {accepted}" if accepted else "omit it"
-                raise ApiParamError(
-                    f"{name}={value!r} is not supported yet by diffserve; {hint}",
-                    param=name,
-                    code="unsupported_value",
-                )
+                message = f"{name}={value!r} is not supported yet by diffserve; {hint}"
+                raise ApiParamError(message, param=name, code="unsupported_value")
         if self.partial_images and not self.stream:
             raise ApiParamError(
                 f"partial_images={self.partial_images} needs stream=true: partial images are sent as server-sent "
@@ -121,13 +129,7 @@ class ImageGenerationRequest(BaseModel):
         """(width, height) from `size` or `width`/`height`; (None, None): the model's default."""
         if self.size is None or self.size.strip() == "auto":
             return self.width, self.height
-        match = _SIZE.match(self.size)
-        if match is None:
-            raise ApiParamError(
-                f"size must be 'WIDTHxHEIGHT' (for example '1024x1024') or 'auto', got {self.size!r}",
-                param="size",
-            )
-        width, height = int(match.group(1)), int(match.group(2))
+        width, height = parse_size(self.size, "'WIDTHxHEIGHT' (for example '1024x1024') or 'auto'")
         if (self.width is not None and self.width != width) or (
             self.height is not None and self.height != height
         ):
@@ -141,20 +143,8 @@ class ImageGenerationRequest(BaseModel):
         """The engine's parameters (raises ApiParamError). Range checks against the model happen in the engine."""
         self.check_supported()
         width, height = self.image_size()
-        return SamplingParams(
-            prompt=self.prompt,
-            negative_prompt=self.negative_prompt,
-            height=height,
-            width=width,
-            num_inference_steps=self.num_inference_steps,
-            guidance_scale=self.guidance_scale,
-            true_cfg_scale=self.true_cfg_scale,
-            seed=self.seed if self.seed is not None else secrets.randbelow(2**32),
-            num_outputs_per_prompt=self.n or 1,
-            max_sequence_length=self.max_sequence_length,
-            output_format=self.output_format or "png",
-            quality=self.quality,
-        )
+        n, fmt = self.n or 1, self.output_format or "png"
+        return sampling_params(self, height=height, width=width, num_outputs_per_prompt=n, output_format=fmt)
 
 
 ACCEPTED_FIELDS: tuple[str, ...] = tuple(ImageGenerationRequest.model_fields)
@@ -165,9 +155,7 @@ class ImageReference(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    image_url: str | None = Field(
-        None, description="a base64 data URL, or an http(s) URL with --allow-url-images"
-    )
+    image_url: str | None = Field(None, description="a data URL, or an http(s) URL (--allow-url-images)")
     file_id: str | None = Field(None, description="OpenAI Files API id; not supported by diffserve")
 
     def source(self, param: str) -> str:
@@ -184,31 +172,19 @@ class ImageReference(BaseModel):
 
 
 class ImageEditRequest(ImageGenerationRequest):
-    """`POST /v1/images/edits`: the generation fields plus the input images.
+    """`POST /v1/images/edits`: the generation fields plus the input images of a JSON body (a multipart
+    body's image parts are read by the route, image_edits.py). The route puts the decoded images into
+    `to_sampling_params`' result."""
 
-    In a JSON body the images are strings (`image`, one or a list) or OpenAI's newer
-    `images: [{"image_url": ...}]`; in a multipart body they are uploaded files named `image` or `image[]`
-    and `mask`, which the route reads separately and never puts in these fields.
-
-    `to_sampling_params` is the generations' one: the route fills `input_images` and `mask_image` once
-    they are decoded. Without `size` (or width/height) the size stays None and the model's family
-    derives it from the input image (edit models keep its aspect ratio).
-    """
-
-    image: str | list[str] | None = Field(
-        None, description="input image(s) as base64 data URLs (or http(s) URLs with --allow-url-images)"
-    )
+    image: str | list[str] | None = Field(None, description="input image(s) as data URLs (or http(s) URLs)")
     images: list[ImageReference] | None = Field(None, description="OpenAI's JSON form: [{'image_url': ...}]")
-    mask: str | ImageReference | None = Field(
-        None, description="inpainting mask; only models that inpaint accept it (none yet)"
-    )
+    mask: str | ImageReference | None = Field(None, description="inpainting mask (models that inpaint)")
 
     def image_sources(self) -> list[str]:
         """The JSON body's input images in order (raises ApiParamError when both forms are given)."""
         if self.image is not None and self.images is not None:
-            raise ApiParamError(
-                "pass the input images as either 'image' or 'images', not both", param="images"
-            )
+            message = "pass the input images as either 'image' or 'images', not both"
+            raise ApiParamError(message, param="images")
         if self.images is not None:
             return [ref.source(f"images[{i}]") for i, ref in enumerate(self.images)]
         if isinstance(self.image, str):
@@ -222,6 +198,72 @@ class ImageEditRequest(ImageGenerationRequest):
 EDIT_ACCEPTED_FIELDS: tuple[str, ...] = tuple(ImageEditRequest.model_fields)
 
 
+#: Largest side a video may ask for; beyond it a request is refused before it reaches the engine.
+MAX_VIDEO_SIDE = 4096
+
+
+class VideoCreateRequest(BaseModel):
+    """`POST /v1/videos`: OpenAI's fields, then diffserve's extensions; nothing else."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str
+    model: ModelName = None
+    size: str | None = Field(None, description="'WIDTHxHEIGHT'; unset: the model's default")
+    seconds: float | None = Field(
+        None, gt=0, description="clip length (string or number); not with num_frames"
+    )
+    #: The first frame (image-to-video models): an uploaded file, or a data URL / {image_url}.
+    input_reference: str | ImageReference | None = None
+    num_frames: int | None = Field(None, ge=1, description="frames to generate (Wan: 4k+1); excludes seconds")
+    fps: int | None = Field(None, ge=1, description="frame rate of the MP4 (default: the model's)")
+    seed: Seed = None
+    negative_prompt: str | None = None
+    num_inference_steps: Steps = None
+    guidance_scale: Scale = None
+    max_sequence_length: Steps = None
+    quality: Quality = None
+    priority: Priority = None
+
+    def video_size(self) -> tuple[int | None, int | None]:
+        if self.size is None or self.size.strip() == "auto":
+            return None, None
+        width, height = parse_size(self.size, "'WIDTHxHEIGHT' (for example '832x480')")
+        if not (0 < width <= MAX_VIDEO_SIDE and 0 < height <= MAX_VIDEO_SIDE):
+            message = f"size {self.size!r} is out of range: each side must be 1..{MAX_VIDEO_SIDE} pixels"
+            raise ApiParamError(message, param="size")
+        return width, height
+
+    def to_sampling_params(self, video: dict[str, int], default_fps: int) -> SamplingParams:
+        """The engine's parameters (raises ApiParamError). `video`: the model's frame rules (engine info)."""
+        width, height = self.video_size()
+        num_frames = self.num_frames
+        if self.seconds is not None:
+            if self.num_frames is not None:
+                raise ApiParamError("pass either seconds or num_frames, not both", param="seconds")
+            fps = self.fps or default_fps
+            num_frames = frames_for_seconds(self.seconds, fps, video["temporal_factor"])
+            most = video["max_frames"]
+            if num_frames > most:
+                message = (
+                    f"seconds={self.seconds:g} at {fps} fps is {num_frames} frames; this model makes at most "
+                    f"{most} frames ({most / fps:g} s at {fps} fps)"
+                )
+                raise ApiParamError(message, param="seconds")
+        return sampling_params(self, height=height, width=width, num_frames=num_frames, video_format="mp4")
+
+
+VIDEO_ACCEPTED_FIELDS: tuple[str, ...] = tuple(VideoCreateRequest.model_fields)
+
+
+def frames_for_seconds(seconds: float, fps: int, temporal_factor: int) -> int:
+    """The valid frame count (temporal_factor * k + 1) nearest to `seconds * fps`; ties go to the longer
+    clip. At least 1 frame. Wan (factor 4) at 16 fps: 4 s -> 65 frames, 5 s -> 81."""
+    exact = seconds * fps
+    k = math.floor((exact - 1) / temporal_factor + 0.5 + 1e-9)
+    return max(k, 0) * temporal_factor + 1
+
+
 class ImageObject(BaseModel):
     b64_json: str | None = None
     url: str | None = None
@@ -232,9 +274,7 @@ class ImagesResponse(BaseModel):
     data: list[ImageObject]
     output_format: str
     size: str
-    seed: int = Field(
-        description="diffserve extension: the seed used; the n images come from one generator seeded with it"
-    )
+    seed: int = Field(description="diffserve extension: the seed of the one generator the n images came from")
 
 
 class ModelCard(BaseModel):

@@ -1,26 +1,10 @@
 """Video jobs of `/v1/videos`: their records (a small SQLite file), their MP4 files, their runs in the engine.
 
-A video takes minutes on real models, so `/v1/videos` works as OpenAI's video API does: the POST answers
-with a job at once and the client polls it. `VideoJobManager` owns the jobs:
-
-- `create` sends the job to the engine (`EngineClient.submit`) and waits only for the engine's verdict
-  (JobAccepted, or JobRejected -> 400), so an invalid job is never recorded, never listed as queued. The
-  record is written with the resolved parameters (the model's defaults applied: size, frames, fps, seed).
-- While it runs, the engine's JobStarted / JobProgress messages update the in-memory record of the job
-  (`progress_percent` maps them to a percentage); only status changes are written to SQLite, so progress
-  costs no disk writes per step. A follower task awaits the outcome and writes the final record.
-- `delete` cancels a queued or running job through the engine (it stops at its next step boundary, or its
-  half-written file is deleted) and keeps the record as `cancelled`; deleting a finished job removes its
-  record and file.
-- Retention: a finished job (completed, failed or cancelled) and its file are deleted `--job-ttl` seconds
-  after it finished; `expires_at` always reflects the current `--job-ttl`. Expiry is checked when a job is
-  read, by a periodic sweep, and at start.
-- At start, jobs a previous server left queued or running (it crashed or was killed) are marked failed
-  with code `server_restarted`; files without a completed job (half-written `.partial` files included)
-  are deleted. Completed jobs stay listed and downloadable.
-
-SQLite is used from the event loop only (every statement is a small indexed read or write), behind a
-lock all the same; WAL journaling keeps the file consistent if the process is killed.
+As in OpenAI's video API the POST answers with a job, which the client polls. A job is recorded once the
+engine accepted it (an invalid one never is), with the resolved parameters; progress lives in memory and
+status changes in SQLite (WAL). A finished job and its file are deleted `--job-ttl` seconds after it
+finished. At start, jobs a previous server left unfinished fail (`server_restarted`) and files without a
+completed job are deleted.
 """
 
 from __future__ import annotations
@@ -59,20 +43,10 @@ DB_FILE_NAME = "video_jobs.sqlite3"
 VIDEOS_DIR_NAME = "videos"
 VIDEO_ID_PATTERN = re.compile(r"^video_[0-9a-f]{32}$")
 
-#: Progress in percent: denoising step s of n is 90 * s // n, VAE decoding 90, MP4 encoding 95,
-#: completed 100. Denoising dominates a video's time, so the bar moves steadily through it.
-DENOISING_END_PERCENT = 90
-DECODING_PERCENT = 90
-ENCODING_PERCENT = 95
-
 #: How long DELETE waits for the engine to confirm that a running job stopped (it stops within a step).
 CANCEL_WAIT_S = 30.0
 #: How long shutdown waits for followers to record the outcome of jobs the engine client failed.
 CLOSE_WAIT_S = 5.0
-
-
-def new_video_id() -> str:
-    return f"video_{uuid.uuid4().hex}"
 
 
 def videos_dir(output_dir: Path) -> Path:
@@ -85,16 +59,21 @@ def video_file(output_dir: Path, video_id: str) -> Path:
 
 
 def progress_percent(message: JobProgress) -> int:
+    """Denoising dominates a video's time: it runs from 0 to 90%, decoding is 90%, encoding 95%."""
     if message.phase == "denoising":
-        return DENOISING_END_PERCENT * message.step // max(message.total, 1)
-    return DECODING_PERCENT if message.phase == "decoding" else ENCODING_PERCENT
+        return 90 * message.step // max(message.total, 1)
+    return 90 if message.phase == "decoding" else 95
 
 
-def format_seconds(num_frames: int | None, fps: int | None) -> str | None:
-    """The clip's duration as OpenAI's string `seconds` (frames / fps, up to millisecond precision)."""
-    if not num_frames or not fps:
-        return None
-    return f"{round(num_frames / fps, 3):g}"
+#: The resolved parameters a job records, and the fields its API object adds to OpenAI's.
+_PARAM_FIELDS = (
+    "width", "height", "num_frames", "fps", "seed", "num_inference_steps", "guidance_scale", "negative_prompt",
+    "quality",
+)  # fmt: skip
+_EXTENSIONS = (
+    "phase", "num_frames", "fps", "seed", "num_inference_steps", "guidance_scale", "image_to_video", "quality",
+    "steps_computed_in_full",
+)  # fmt: skip
 
 
 @dataclass
@@ -130,11 +109,8 @@ class VideoJob:
         return self.status in FINISHED_STATUSES
 
     def apply_params(self, params: SamplingParams) -> None:
-        self.width, self.height = params.width, params.height
-        self.num_frames, self.fps, self.seed = params.num_frames, params.fps, params.seed
-        self.num_inference_steps, self.guidance_scale = params.num_inference_steps, params.guidance_scale
-        self.negative_prompt = params.negative_prompt
-        self.quality = params.quality
+        for name in _PARAM_FIELDS:
+            setattr(self, name, getattr(params, name))
 
     def expires_at(self, ttl: float) -> float | None:
         return None if self.completed_at is None else self.completed_at + ttl
@@ -151,38 +127,21 @@ class VideoJob:
             "created_at": int(self.created_at),
             "completed_at": None if self.completed_at is None else int(self.completed_at),
             "expires_at": None if expires is None else int(expires),
-            "seconds": format_seconds(self.num_frames, self.fps),
+            # OpenAI's string `seconds`: frames / fps, to the millisecond
+            "seconds": f"{round(self.num_frames / self.fps, 3):g}" if self.num_frames and self.fps else None,
             "size": None if self.width is None else f"{self.width}x{self.height}",
             "prompt": self.prompt,
             "remixed_from_video_id": None,
-            "error": None
-            if self.error_code is None
-            else {"code": self.error_code, "message": self.error_message},
+            "error": self.error_code and {"code": self.error_code, "message": self.error_message},
             # diffserve extensions
-            "phase": self.phase,
-            "num_frames": self.num_frames,
-            "fps": self.fps,
-            "seed": self.seed,
-            "num_inference_steps": self.num_inference_steps,
-            "guidance_scale": self.guidance_scale,
-            "image_to_video": self.image_to_video,
-            "quality": self.quality,
-            "steps_computed_in_full": self.steps_computed_in_full,
+            **{name: getattr(self, name) for name in _EXTENSIONS},
         }
 
 
 # Columns that are queried get their own; everything else travels in `details` (JSON).
 _COLUMNS = (
-    "id",
-    "status",
-    "progress",
-    "phase",
-    "created_at",
-    "completed_at",
-    "error_code",
-    "error_message",
-    "file_bytes",
-)
+    "id", "status", "progress", "phase", "created_at", "completed_at", "error_code", "error_message", "file_bytes",
+)  # fmt: skip
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS videos (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- creation order: list order and pagination cursor
@@ -218,6 +177,10 @@ class VideoJobStore:
         with self._lock:
             self._db.close()
 
+    def _run(self, sql: str, params: Any = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, params).fetchall()
+
     @staticmethod
     def _values(job: VideoJob) -> dict[str, Any]:
         data = asdict(job)
@@ -230,79 +193,54 @@ class VideoJobStore:
 
     def insert(self, job: VideoJob) -> None:
         values = self._values(job)
-        names = ", ".join(values)
-        with self._lock:
-            self._db.execute(
-                f"INSERT INTO videos ({names}) VALUES ({', '.join(':' + n for n in values)})", values
-            )
+        names, placeholders = ", ".join(values), ", ".join(":" + name for name in values)
+        self._run(f"INSERT INTO videos ({names}) VALUES ({placeholders})", values)
 
     def update(self, job: VideoJob) -> None:
         """Write the record back; a record deleted meanwhile stays deleted."""
         values = self._values(job)
         sets = ", ".join(f"{n} = :{n}" for n in values if n != "id")
-        with self._lock:
-            self._db.execute(f"UPDATE videos SET {sets} WHERE id = :id", values)
+        self._run(f"UPDATE videos SET {sets} WHERE id = :id", values)
 
     def get(self, video_id: str) -> VideoJob | None:
-        with self._lock:
-            row = self._db.execute("SELECT * FROM videos WHERE id = ?", (video_id,)).fetchone()
-        return None if row is None else self._job(row)
+        rows = self._run("SELECT * FROM videos WHERE id = ?", (video_id,))
+        return self._job(rows[0]) if rows else None
 
     def delete(self, video_id: str) -> None:
-        with self._lock:
-            self._db.execute("DELETE FROM videos WHERE id = ?", (video_id,))
+        self._run("DELETE FROM videos WHERE id = ?", (video_id,))
 
     def page(self, limit: int, after: str | None, descending: bool) -> tuple[list[VideoJob], bool]:
         """Up to `limit` jobs in creation order (newest first when `descending`) after the job `after`,
         and whether more follow. Raises KeyError for an unknown `after`."""
         order, compare = ("DESC", "<") if descending else ("ASC", ">")
-        with self._lock:
-            if after is None:
-                rows = self._db.execute(
-                    f"SELECT * FROM videos ORDER BY seq {order} LIMIT ?", (limit + 1,)
-                ).fetchall()
-            else:
-                cursor = self._db.execute("SELECT seq FROM videos WHERE id = ?", (after,)).fetchone()
-                if cursor is None:
-                    raise KeyError(after)
-                rows = self._db.execute(
-                    f"SELECT * FROM videos WHERE seq {compare} ? ORDER BY seq {order} LIMIT ?",
-                    (cursor[0], limit + 1),
-                ).fetchall()
+        if after is None:
+            rows = self._run(f"SELECT * FROM videos ORDER BY seq {order} LIMIT ?", (limit + 1,))
+        else:
+            cursor = self._run("SELECT seq FROM videos WHERE id = ?", (after,))
+            if not cursor:
+                raise KeyError(after)
+            sql = f"SELECT * FROM videos WHERE seq {compare} ? ORDER BY seq {order} LIMIT ?"
+            rows = self._run(sql, (cursor[0][0], limit + 1))
         return [self._job(row) for row in rows[:limit]], len(rows) > limit
 
     def finished_before(self, cutoff: float) -> list[str]:
         """Ids of jobs that finished at or before `cutoff`."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT id FROM videos WHERE completed_at IS NOT NULL AND completed_at <= ?", (cutoff,)
-            ).fetchall()
-        return [row[0] for row in rows]
+        sql = "SELECT id FROM videos WHERE completed_at IS NOT NULL AND completed_at <= ?"
+        return [row[0] for row in self._run(sql, (cutoff,))]
 
     def mark_interrupted(self, now: float) -> list[str]:
         """Fail every job left queued or running by a previous server; returns their ids."""
-        with self._lock:
-            ids = [
-                row[0]
-                for row in self._db.execute(
-                    "SELECT id FROM videos WHERE status IN (?, ?)", ACTIVE_STATUSES
-                ).fetchall()
-            ]
-            self._db.execute(
-                "UPDATE videos SET status = 'failed', phase = 'failed', completed_at = ?, error_code = ?, "
-                "error_message = ? WHERE status IN (?, ?)",
-                (
-                    now,
-                    "server_restarted",
-                    "server restarted: the server stopped before this job finished; submit it again",
-                    *ACTIVE_STATUSES,
-                ),
-            )
+        ids = [row[0] for row in self._run("SELECT id FROM videos WHERE status IN (?, ?)", ACTIVE_STATUSES)]
+        message = "server restarted: the server stopped before this job finished; submit it again"
+        self._run(
+            "UPDATE videos SET status = 'failed', phase = 'failed', completed_at = ?, error_code = ?, "
+            "error_message = ? WHERE status IN (?, ?)",
+            (now, "server_restarted", message, *ACTIVE_STATUSES),
+        )
         return ids
 
     def completed_ids(self) -> set[str]:
-        with self._lock:
-            return {row[0] for row in self._db.execute("SELECT id FROM videos WHERE status = 'completed'")}
+        return {row[0] for row in self._run("SELECT id FROM videos WHERE status = 'completed'")}
 
 
 class VideoJobManager:
@@ -311,10 +249,7 @@ class VideoJobManager:
     def __init__(
         self, output_dir: Path, job_ttl: float, engine: EngineClient, metrics: ServerMetrics
     ) -> None:
-        self.output_dir = output_dir
-        self.ttl = job_ttl
-        self.engine = engine
-        self.metrics = metrics
+        self.output_dir, self.ttl, self.engine, self.metrics = output_dir, job_ttl, engine, metrics
         self.store: VideoJobStore | None = None
         #: Jobs the engine has in flight: the live records (progress is kept here, not in SQLite).
         self._active: dict[str, VideoJob] = {}
@@ -326,11 +261,9 @@ class VideoJobManager:
         """Open the store, fail what a previous server left unfinished, apply the TTL, delete stray files."""
         videos_dir(self.output_dir).mkdir(parents=True, exist_ok=True)
         self.store = VideoJobStore(self.output_dir / DB_FILE_NAME)
-        interrupted = self.store.mark_interrupted(time.time())
-        if interrupted:
-            logger.warning(
-                "Marked %d video job(s) left unfinished by a previous server as failed", len(interrupted)
-            )
+        if interrupted := self.store.mark_interrupted(time.time()):
+            n = len(interrupted)
+            logger.warning("Marked %d video job(s) left unfinished by a previous server as failed", n)
         self.expire()
         completed = self.store.completed_ids()
         for path in videos_dir(self.output_dir).iterdir():
@@ -389,41 +322,25 @@ class VideoJobManager:
         """Submit a job and record it once the engine accepted it. Raises what `EngineClient.submit`
         raises (JobRejectedError, QueueFullError, EngineUnavailableError)."""
         assert self.store is not None
-        video_id = new_video_id()
-        job = VideoJob(
-            id=video_id,
-            status="queued",
-            model=model,
-            prompt=params.prompt,
-            created_at=time.time(),
-            image_to_video=image_to_video,
-        )
-        engine_job = GenerateJob(
-            video_id, params, video_path=str(video_file(self.output_dir, video_id)), priority=priority
-        )
+        video_id = f"video_{uuid.uuid4().hex}"
+        job = VideoJob(video_id, "queued", model, params.prompt, time.time(), image_to_video=image_to_video)
+        path = str(video_file(self.output_dir, video_id))
         self._active[video_id] = job
         arrived = time.monotonic()
         try:
-            accepted, outcome = await self.engine.submit(
-                engine_job, listener=lambda m: self._on_event(job, m)
-            )
+            engine_job = GenerateJob(video_id, params, video_path=path, priority=priority)
+            accepted, outcome = await self.engine.submit(engine_job, lambda m: self._on_event(job, m))
         except BaseException:
             self._active.pop(video_id, None)
             raise
         job.apply_params(accepted.params)
         self.store.insert(job)
-        self._followers[video_id] = asyncio.get_running_loop().create_task(
-            self._follow(job, outcome, arrived)
-        )
+        follower = self._follow(job, outcome, arrived)
+        self._followers[video_id] = asyncio.get_running_loop().create_task(follower)
         logger.info(
             "Video job %s queued: %sx%s, %s frames at %s fps, %s steps",
-            video_id,
-            job.width,
-            job.height,
-            job.num_frames,
-            job.fps,
-            job.num_inference_steps,
-        )
+            video_id, job.width, job.height, job.num_frames, job.fps, job.num_inference_steps,
+        )  # fmt: skip
         return job
 
     def _on_event(self, job: VideoJob, message: JobStarted | JobProgress) -> None:
@@ -447,28 +364,22 @@ class VideoJobManager:
         except asyncio.CancelledError:
             raise
         except JobCancelledError:
-            self.metrics.generation_requests.labels("cancelled").inc()
+            self.metrics.count("cancelled")
             if job.status != "cancelled":  # not our DELETE: the engine was shutting down
-                self._finish(
-                    job,
-                    "failed",
-                    "cancelled",
-                    "the engine cancelled this job because the server is shutting down",
-                )
+                message = "the engine cancelled this job because the server is shutting down"
+                self._finish(job, "failed", "cancelled", message)
         except JobFailedError as exc:
-            self.metrics.generation_requests.labels("invalid" if exc.user_error else "failed").inc()
-            self._finish(
-                job, "failed", "invalid_request" if exc.user_error else "generation_failed", str(exc)
-            )
+            self.metrics.count("invalid" if exc.user_error else "failed")
+            code = "invalid_request" if exc.user_error else "generation_failed"
+            self._finish(job, "failed", code, str(exc))
         except EngineUnavailableError as exc:
-            self.metrics.generation_requests.labels("unavailable").inc()
+            self.metrics.count("unavailable")
             self._finish(job, "failed", exc.code, str(exc))
         except Exception as exc:
             logger.exception("Video job %s: unexpected error", job.id)
-            self.metrics.generation_requests.labels("failed").inc()
+            self.metrics.count("failed")
             self._finish(job, "failed", "internal_error", f"{type(exc).__name__}: {exc}")
         else:
-            self.metrics.generation_requests.labels("success").inc()
             self.metrics.observe_finished(result, time.monotonic() - arrived)
             if job.status == "cancelled":  # DELETE came while the file was being finished
                 self._remove_files(job.id)

@@ -1,12 +1,6 @@
-"""`Stage`: one step of a pipeline over a `Req`.
-
-A stage declares the request fields it needs (checked before it runs) and the fields it sets
-(checked after), and the base class times it and logs it the way users of SGLang Diffusion expect
-(`[TextEncodingStage] finished in 0.0123 seconds`). Stages hold modules, never request state.
-
-The caller passes the platform the stage's modules run on (`stage(req, platform)`; pipelines pass
-their `context.platform`): the timing waits for that platform's queued work, so a stage's time
-includes its device work, and two pipelines on different platforms each wait for their own device.
+"""`Stage`: one step of a pipeline over a `Req`, holding modules, never request state. The request
+fields it `needs` and `sets` are checked, and it is timed (including its device work) and logged as
+SGLang Diffusion does (`[TextEncodingStage] finished in 0.0123 seconds`).
 """
 
 from __future__ import annotations
@@ -15,10 +9,19 @@ import logging
 import time
 from typing import ClassVar
 
+import torch
+from torch import nn
+
 from diffserve.platforms.base import Platform
 from diffserve.request import Req
 
 logger = logging.getLogger("diffserve.stages")
+
+
+def to_module(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`x` on the device and in the dtype of `module`'s (first) parameters."""
+    param = next(module.parameters())
+    return x.to(device=param.device, dtype=param.dtype)
 
 
 class StageContractError(RuntimeError):
@@ -37,8 +40,7 @@ class Stage:
         raise NotImplementedError
 
     def __call__(self, req: Req, platform: Platform) -> Req:
-        """Run `forward` on `req` with its contract checked, timed into `req.timings` (waiting for
-        `platform`'s queued work before the clock stops)."""
+        """Run `forward` on `req` with its contract checked, timed into `req.timings`."""
         missing = [f for f in self.needs if getattr(req, f) is None]
         if missing:
             raise StageContractError(f"{self.name} needs {', '.join(missing)} but they are not set")

@@ -8,7 +8,7 @@ from PIL import Image
 from torch import nn
 
 from diffserve.request import Req
-from diffserve.stages.base import Stage
+from diffserve.stages.base import Stage, to_module
 from diffserve.stages.latent_preparation import unpack_latents
 
 
@@ -27,8 +27,7 @@ class DecodingStage(Stage):
         self.vae = vae
         self.packed_latents = packed_latents  # FLUX packs 2x2 patches into tokens; SD3 keeps an image
         self.scaling_factor = float(vae.config["scaling_factor"])
-        shift = vae.config.get("shift_factor")
-        self.shift_factor = float(shift) if shift is not None else 0.0
+        self.shift_factor = float(vae.config.get("shift_factor") or 0.0)
 
     @torch.inference_mode()
     def forward(self, req: Req) -> Req:
@@ -36,7 +35,5 @@ class DecodingStage(Stage):
         if self.packed_latents:
             latents = unpack_latents(latents, req.latent_height, req.latent_width)
         latents = latents / self.scaling_factor + self.shift_factor
-        first_param = next(self.vae.parameters())
-        image = self.vae.decode(latents.to(device=first_param.device, dtype=first_param.dtype))
-        req.images = tensor_to_pil(image)
+        req.images = tensor_to_pil(self.vae.decode(to_module(self.vae, latents)))
         return req

@@ -1,7 +1,5 @@
-"""The text-encoding stage of FLUX.1: the CLIP-pooled + T5-sequence pairing.
-
-CLIP gives the pooled vector (`pooler_output`, padded to the tokenizer's max length), T5 the
-token sequence (padded to `max_sequence_length`), exactly as Diffusers' FluxPipeline does.
+"""The text-encoding stage of FLUX.1: CLIP's pooled vector (`pooler_output`, padded to the tokenizer's
+max length) and T5's token sequence (padded to `max_sequence_length`), as Diffusers' FluxPipeline does.
 """
 
 from __future__ import annotations

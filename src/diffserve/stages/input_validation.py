@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from PIL import Image
@@ -14,24 +13,13 @@ from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError
 from diffserve.models.step_cache import StepCacheState
 from diffserve.request import Req
+from diffserve.runtime.contract import CfgMode
 from diffserve.stages.base import Stage
-
-#: How a family runs classifier-free guidance:
-#: - "true_cfg" (FLUX, Qwen-Image): guidance_scale is embedded (when the DiT has it); a negative branch
-#:   runs only with true_cfg_scale > 1 and a negative prompt.
-#: - "classic" (SD3): CFG whenever guidance_scale > 1, "" as the default negative prompt.
-#: - "positive_gap" (Z-Image): CFG whenever guidance_scale > 0 (the family combines it as
-#:   positive + scale * (positive - negative)), "" as the default negative prompt.
-CfgMode = Literal["true_cfg", "classic", "positive_gap"]
 
 
 @dataclass(frozen=True)
 class ImageInputRule:
-    """Which input images a family takes, so a request that sends others gets a 400 naming the field.
-
-    The default (no images, no mask) is a text-to-image family. A mask is never silently ignored:
-    a family that does not inpaint refuses it.
-    """
+    """Which input images (and masks) a family takes; a request that sends others gets a 400."""
 
     pipeline_name: str = "this pipeline"
     task: str = "text-to-image"
@@ -75,8 +63,7 @@ VIDEO_FORMATS = ("mp4", "gif", "webp")
 
 @dataclass(frozen=True)
 class VideoRule:
-    """What a video family accepts for frames: `num_frames` = temporal_factor * k + 1 (the causal VAE
-    keeps the first frame and compresses each following group of `temporal_factor`)."""
+    """What a video family accepts: `num_frames` = temporal_factor * k + 1 (the causal VAE's grouping)."""
 
     temporal_factor: int = 4
     max_frames: int = 1025
@@ -117,11 +104,8 @@ class InputValidationStage(Stage):
         default_size: Callable[[SamplingParams], tuple[int, int]] | None = None,
         video: VideoRule | None = None,
     ) -> None:
-        """`cfg_mode`: when the negative branch runs and with which scale (see `CfgMode`). `image_inputs`: what input images the family takes (None: none).
-        `unsupported_params`: SamplingParams fields this family does not have -> why (a request that
-        sets one gets a 400 naming it rather than having it ignored). `default_size(params)`: the
-        (height, width) used when the request leaves them unset (default: `default_pixels` square).
-        `video`: the frame rules of a video family; None (an image family) refuses the video fields."""
+        """`unsupported_params`: fields this family lacks -> why (a request setting one gets a 400).
+        `default_size(params)`: (height, width) when unset. `video`: None refuses the video fields."""
         self.defaults = defaults
         self.pixel_multiple = pixel_multiple
         self.default_pixels = default_pixels
@@ -165,8 +149,7 @@ class InputValidationStage(Stage):
 
     def forward(self, req: Req) -> Req:
         req.params = self.resolve(req.params)
-        # Noise is drawn from a CPU generator so a seed gives the same image on every device,
-        # and matches Diffusers called with generator=torch.Generator("cpu").manual_seed(seed).
+        # A CPU generator: a seed gives the same image on every device, and Diffusers' with a CPU generator.
         req.generator = torch.Generator("cpu").manual_seed(req.params.seed)
         p = req.params
         if p.quality != LOSSLESS:

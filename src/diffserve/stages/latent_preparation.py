@@ -33,8 +33,7 @@ def latent_image_ids(
 
 
 def initial_noise(req: Req, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Noise drawn on the request's CPU generator: a seed means the same noise on every device,
-    and the same noise as Diffusers' `randn_tensor` with `generator=torch.Generator("cpu")`."""
+    """Noise from the request's CPU generator: the same on every device, and as Diffusers' `randn_tensor`."""
     return torch.randn(shape, generator=req.generator, device="cpu", dtype=dtype)
 
 
@@ -59,17 +58,10 @@ class SpatialLatentPreparationStage(Stage):
         return req
 
 
-class LatentPreparationStage(Stage):
+class LatentPreparationStage(SpatialLatentPreparationStage):
     """Initial noise packed into FLUX's 2x2 latent patches, with the packed grid's position ids."""
 
-    needs = ("generator", "prompt_embeds")
     sets = ("latents", "image_ids", "latent_height", "latent_width")
-
-    def __init__(self, latent_channels: int, vae_scale_factor: int, device: torch.device, dtype: torch.dtype):
-        self.latent_channels = latent_channels
-        self.vae_scale_factor = vae_scale_factor
-        self.device = device
-        self.dtype = dtype
 
     def forward(self, req: Req) -> Req:
         p = req.params

@@ -1,51 +1,10 @@
 """Previews of a request in mid-denoising: what the image would be if sampling stopped now.
 
-What is previewed: the *predicted clean latent* x0, not the noisy latent. Every family here samples
-a flow-matching ODE, `x_sigma = (1 - sigma) * x0 + sigma * noise`, whose velocity `v = noise - x0`
-gives `x0 = x_sigma - sigma * v`. The denoisers keep the guided velocity of the last step on
-`Req.last_prediction` (set in `pipelines/cfg_batch.advance_requests`, in the sign convention the
-scheduler used, so Z-Image's negated DiT output is already flipped back). After the step at index i
-the request holds `x_{i+1}`, and the Euler scheduler moved it by `x_{i+1} = x_i + (sigma_{i+1} -
-sigma_i) * v`, so
-
-    x0 = x_i - sigma_i * v = x_{i+1} - sigma_{i+1} * v
-
-needs neither a copy of `x_i` nor any work in the step itself. UniPC (Wan) does not move along `v`
-alone; it keeps the x0 of the step it just took as the newest entry of its history, used as is. At
-the last step sigma is 0 and x0 is the final latent.
-
-How x0 becomes pixels: the pipeline's own VAE decodes it, at full size up to `PREVIEW_MAX_PIXELS`
-(1024 x 1024) and at reduced size above: the latent grid is then area-pooled by the smallest integer
-factor that brings the decode under the cap, and the result upscaled (bilinear) to the output size.
-This is option "real VAE decode, reduced size only where it must be"; the alternative, a linear
-latent -> RGB projection, was tried and rejected:
-
-- a projection is a per-VAE table. Published ones exist for a few VAEs only, and one fitted by least
-  squares against the loaded VAE (encode a synthetic image, regress the pooled decoded colours on the
-  latents) is only as good as the decoder is linear per latent pixel. On the random test checkpoints
-  it explained about a quarter of the variance of its own fitting data, and its last preview was
-  uncorrelated with the final image (|correlation| < 0.2). The VAE decode is right for every VAE a
-  folder ships: up to the cap the last preview *is* the final image, and earlier ones show the real
-  x0 rather than colour blobs.
-- cost, per preview: one VAE decode of the output (at most 1 megapixel) for all of the request's
-  outputs at once. That is the request's own final decode again, so a request with k previews
-  (k <= 3) decodes k + 1 times instead of once. For FLUX at 1024 x 1024 the decoder is 10.5 TFLOP
-  (torch's FLOP counter on the real VAE config) against ~125 TFLOP for one step of the 12B DiT over
-  4608 tokens, so 3 previews cost about a quarter of a step by FLOPs, somewhat more in time (the
-  decoder's normalisations are memory-bound): a few percent of a 28-step request. Its activation
-  memory is the final decode's, which admission budgets. Previews run in the engine's step loop, so the other
-  requests of the batch wait for them too. Nothing is computed for requests without previews: the
-  denoisers only keep a reference to a tensor they had anyway.
-
-Above the cap (Qwen-Image's 1328 x 1328 default, 2048-pixel outputs) the pooled decode is an
-approximation: decoders are not built for averaged latents. On the random test VAEs it is poor (12-26
-dB PSNR against the final image, tests/unit/test_previews.py); trained VAEs, whose latents are
-smooth and image-like, do much better, but no trained VAE could be measured here.
-
-Videos (Wan): the first frame. The VAE is causal, so the video's first frame depends on the first
-latent frame only and is decoded exactly, at the cost of one image; a middle frame would need every
-latent frame before it decoded too. The video routes do not stream previews; this serves the
-in-process API.
+The predicted clean latent is previewed: every family samples a flow-matching ODE whose velocity
+`v = noise - x0` the denoisers keep on `Req.last_prediction`, so after an Euler step to `sigma_{i+1}`,
+`x0 = x_{i+1} - sigma_{i+1} * v` (UniPC keeps x0 itself). The pipeline's own VAE decodes it, from pooled
+latents above `PREVIEW_MAX_PIXELS` (a video: its first frame). Costs and rejected options:
+benchmarks/measurements/runtime-and-layers.md.
 """
 
 from __future__ import annotations
@@ -59,6 +18,7 @@ from PIL import Image
 from torch import nn
 
 from diffserve.request import Req
+from diffserve.stages.base import to_module
 from diffserve.stages.decoding import DecodingStage, tensor_to_pil
 from diffserve.stages.latent_preparation import unpack_latents
 from diffserve.stages.video_vae_decoding import (
@@ -67,8 +27,7 @@ from diffserve.stages.video_vae_decoding import (
     denormalize_latents,
 )
 
-#: Largest preview the VAE decodes, in pixels (height x width); larger outputs are decoded from
-#: pooled latents and upscaled.
+#: Largest preview the VAE decodes, in pixels; larger ones are decoded from pooled latents and upscaled.
 PREVIEW_MAX_PIXELS = 1024 * 1024
 
 
@@ -81,10 +40,6 @@ class DecodeLayout:
     video_vae: bool  # Qwen-Image / Wan: (batch, channels, frames, h, w), latents normalised per channel
     scaling_factor: float = 1.0  # AutoencoderKL: DiT latent = (z - shift) * scaling
     shift_factor: float = 0.0
-
-    @property
-    def spatial_factor(self) -> int:
-        return int(self.vae.spatial_compression_ratio)
 
 
 def decode_layout(pipeline) -> DecodeLayout:
@@ -118,8 +73,7 @@ def pool_factor(height: int, width: int, max_pixels: int = PREVIEW_MAX_PIXELS) -
 
 
 def _vae_latents(layout: DecodeLayout, req: Req, x0: torch.Tensor) -> torch.Tensor:
-    """x0 -> what the decoder takes: (batch, channels, h, w), or (batch, channels, 1, h, w) for a video
-    VAE (a video's first latent frame)."""
+    """x0 -> what the decoder takes (a video VAE: the first latent frame, (batch, channels, 1, h, w))."""
     if layout.packed:
         x0 = unpack_latents(x0, req.latent_height, req.latent_width)
         if layout.video_vae:
@@ -131,21 +85,19 @@ def _vae_latents(layout: DecodeLayout, req: Req, x0: torch.Tensor) -> torch.Tens
 
 @torch.inference_mode()
 def preview_images(pipeline, req: Req, max_pixels: int = PREVIEW_MAX_PIXELS) -> list[Image.Image]:
-    """One preview per output of `req` (its `num_outputs_per_prompt` rows), as large as its final
-    images, from the predicted clean latent after its last denoising step. Call it between steps
-    (from `Req.on_step`): it reads the request, never changes it."""
+    """One preview per output of `req`, as large as its final images; call it between steps (from
+    `Req.on_step`): it never changes the request."""
     layout = decode_layout(pipeline)
     latents = _vae_latents(layout, req, predicted_clean_latents(req))
     h, w = latents.shape[-2:]
-    factor = layout.spatial_factor
+    factor = int(layout.vae.spatial_compression_ratio)
     size = (h * factor, w * factor)
     s = pool_factor(*size, max_pixels)
-    param = next(layout.vae.parameters())
-    latents = latents.to(device=param.device, dtype=param.dtype)
+    latents = to_module(layout.vae, latents)
     if s > 1:
         pooled = (max(1, round(h / s)), max(1, round(w / s)))
         flat = latents.squeeze(2) if layout.video_vae else latents
-        flat = F.interpolate(flat.float(), size=pooled, mode="area").to(param.dtype)
+        flat = F.interpolate(flat.float(), size=pooled, mode="area").to(latents.dtype)
         latents = flat.unsqueeze(2) if layout.video_vae else flat
     if layout.video_vae:
         latents = denormalize_latents(layout.vae, latents)

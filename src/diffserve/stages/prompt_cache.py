@@ -1,11 +1,5 @@
-"""An LRU cache of text-encoder outputs per prompt, so a repeated prompt skips the text encoder.
-
-Serving workloads repeat prompts constantly: the negative prompt of every CFG request, a default
-" " or "", retries, and the same prompt at several seeds. Each text stage keys its entries by the
-prompt and every setting that changes the output (for example max_sequence_length); the encoder's
-weights never change while the engine runs, so entries never go stale. The cache is bounded in
-bytes (the tensors stay on the device they were computed on, so on a GPU this is device memory).
-"""
+"""An LRU cache of text-encoder outputs, keyed by prompt and every setting that changes the output, so
+a repeated prompt (negative prompts, retries, several seeds) skips the encoder. Bounded in bytes."""
 
 from __future__ import annotations
 
@@ -41,20 +35,18 @@ class PromptEmbeddingCache:
     def lookup(
         self, prompts: Sequence[str], settings: Hashable, compute: Callable[[list[str]], Sequence[Any]]
     ) -> list[Any]:
-        """One value per prompt; `compute(missing_prompts)` runs (once, batched) only for prompts not
-        cached under `settings`, and returns one value per prompt it was given."""
+        """One value per prompt; `compute(missing_prompts)` runs once, batched, for the prompts not cached."""
         keys = [(prompt, settings) for prompt in prompts]
         cached = [key in self._entries for key in keys]
         self.hits += sum(cached)
         missing = list(dict.fromkeys(p for p, hit in zip(prompts, cached, strict=True) if not hit))
+        fresh = {}
         if missing:
             self.misses += len(missing)
             values = compute(missing)
             if len(values) != len(missing):
                 raise RuntimeError(f"text encoder returned {len(values)} results for {len(missing)} prompts")
             fresh = {(p, settings): v for p, v in zip(missing, values, strict=True)}
-        else:
-            fresh = {}
         out = []
         for key in keys:
             if key in fresh:

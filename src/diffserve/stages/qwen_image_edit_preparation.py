@@ -1,11 +1,6 @@
-"""Qwen-Image-Edit's "before denoising" stage: size the input image and encode it into tokens.
-
-Each input image is resized to about `condition_image_area` pixels at its own aspect ratio (sides
-rounded to 32, Lanczos, as Diffusers does), kept as a PIL image for the vision-language text
-encoder (Edit-Plus gives the text encoder a smaller copy), and encoded by the VAE (posterior mode, normalised per channel) into packed latents that
-the denoiser appends to the image tokens at every step. The generated image defaults to the same
-size (see `edit_output_size`).
-"""
+"""Qwen-Image-Edit's "before denoising" stage: each input image resized to about `condition_image_area`
+pixels (as Diffusers), kept for the text encoder, and VAE-encoded into packed latents that the denoiser
+appends to the image tokens."""
 
 from __future__ import annotations
 
@@ -18,7 +13,7 @@ from torch import nn
 
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.request import Req
-from diffserve.stages.base import Stage
+from diffserve.stages.base import Stage, to_module
 from diffserve.stages.latent_preparation import pack_latents
 from diffserve.stages.video_vae_decoding import normalize_latents
 
@@ -57,7 +52,6 @@ class QwenImageEditPreparationStage(Stage):
 
     @torch.inference_mode()
     def forward(self, req: Req) -> Req:
-        first_param = next(self.vae.parameters())
         resized, latents, shapes = [], [], []
         for original in req.params.input_images:
             image = original.resize(
@@ -68,9 +62,7 @@ class QwenImageEditPreparationStage(Stage):
             else:
                 size = condition_size(original, self.vision_image_area)
                 resized.append(original.resize(size, Image.Resampling.LANCZOS))
-            pixels = (
-                image_to_tensor(image).unsqueeze(2).to(device=first_param.device, dtype=first_param.dtype)
-            )
+            pixels = to_module(self.vae, image_to_tensor(image).unsqueeze(2))
             encoded = normalize_latents(self.vae, self.vae.encode(pixels).mode())[:, :, 0]
             latents.append(pack_latents(encoded))
             shapes.append((1, encoded.shape[-2] // 2, encoded.shape[-1] // 2))

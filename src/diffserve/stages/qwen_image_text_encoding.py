@@ -1,11 +1,6 @@
-"""Text (and, for edits, image) conditioning from Qwen2.5-VL, the way Qwen-Image was trained.
-
-The prompt is wrapped in the family's chat template and run through the language model (without its
-LM head: only hidden states are needed, so the vocabulary projection is skipped). The last layer's
-normed hidden states of the real tokens are kept, minus the template's fixed prefix. For edits the
-processor expands `<|image_pad|>` into the vision tokens of the (resized) input image.
-
-The positive and negative prompts are encoded in one batch; each keeps its own length.
+"""Text (and, for edits, image) conditioning from Qwen2.5-VL: the last layer's states of the prompt in
+the family's chat template (no LM head), real tokens only, minus the template's prefix. For edits the
+processor expands `<|image_pad|>` into the input image's vision tokens.
 """
 
 from __future__ import annotations
@@ -47,10 +42,6 @@ class QwenTextEncodingStage(Stage):
         #: Text-only prompts are cached; edits are not (their encoding depends on the input images).
         self.cache = PromptEmbeddingCache() if processor is None else None
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.text_encoder.parameters()).device
-
     @torch.inference_mode()
     def encode(self, prompts: list[str], images: list | None = None) -> list[torch.Tensor]:
         """One (tokens, hidden) tensor per prompt; `images` (one per prompt) only with a processor."""
@@ -65,7 +56,7 @@ class QwenTextEncodingStage(Stage):
                 truncation=True,
                 return_tensors="pt",
             )
-        inputs = inputs.to(self.device)
+        inputs = inputs.to(next(self.text_encoder.parameters()).device)
         extra = {}
         if "pixel_values" in inputs:
             extra = {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}

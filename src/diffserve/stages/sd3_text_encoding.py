@@ -1,9 +1,5 @@
-"""SD3TextEncodingStage: two CLIP encoders (penultimate hidden states + projected pooled output)
-and T5, combined as Diffusers' StableDiffusion3Pipeline does.
-
-Sequence embeddings: [CLIP-L ; CLIP-G] concatenated on channels, zero-padded to T5's width, then
-followed by T5's tokens. Pooled: [CLIP-L pooled ; CLIP-G pooled].
-"""
+"""SD3's text encoding, as Diffusers does: sequence = [CLIP-L ; CLIP-G] penultimate states, zero-padded
+to T5's width, then T5's tokens; pooled = [CLIP-L pooled ; CLIP-G pooled]."""
 
 from __future__ import annotations
 

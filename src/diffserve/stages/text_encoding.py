@@ -1,7 +1,5 @@
-"""What the families' text-encoding stages share: tokenizing, the texts a request encodes (its prompt,
-and its negative prompt under CFG), setting the request's embeddings from them through the prompt
-cache, and the CLIP context length. Each family's stage is in its own `<family>_text_encoding.py`.
-"""
+"""What the families' text-encoding stages (`<family>_text_encoding.py`) share: tokenizing, the texts a
+request encodes, setting its embeddings through the prompt cache, and the CLIP context length."""
 
 from __future__ import annotations
 
@@ -32,8 +30,7 @@ def request_prompts(req: Req) -> list[str]:
 
 
 def set_sequence_embeds(req: Req, embeds: list[torch.Tensor]) -> None:
-    """Set the request's positive (and, with CFG, negative) sequence embeddings from one (1, L, D)
-    tensor per text of `request_prompts(req)`, repeated for each output."""
+    """Set the request's sequence embeddings from one (1, L, D) tensor per `request_prompts(req)` text."""
     n = req.params.num_outputs_per_prompt
     req.prompt_embeds = embeds[0].repeat(n, 1, 1)
     if req.do_cfg:
@@ -41,10 +38,7 @@ def set_sequence_embeds(req: Req, embeds: list[torch.Tensor]) -> None:
 
 
 def encode_request_prompts(req: Req, encode, cache: PromptEmbeddingCache | None = None) -> None:
-    """Encode the request's prompt (and negative prompt when it runs CFG) with
-    `encode(prompts, max_sequence_length) -> (sequence, pooled)` in one batch, and set the request's
-    positive/negative embeddings, one row per output. With a `cache`, prompts it already holds (for
-    this max_sequence_length) skip the encoder."""
+    """Set the request's embeddings from `encode(prompts, max_sequence_length) -> (sequence, pooled)`."""
     p = req.params
     n = p.num_outputs_per_prompt
     prompts = request_prompts(req)

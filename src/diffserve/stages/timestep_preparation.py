@@ -1,9 +1,5 @@
-"""Timestep preparation: a request's sigma schedule (with FLUX's resolution shift) and guidance.
-
-The schedule is computed on the CPU (numpy / float32 torch, as Diffusers does) and put on the latents'
-device here, once per request: every denoising step then indexes device tensors, where moving a CPU
-entry to the device each step would be a host-to-device copy, which PyTorch makes synchronous.
-"""
+"""Timestep preparation: a request's sigma schedule, computed on the CPU as Diffusers does and moved to
+the latents' device once, so no step makes a (synchronous) host-to-device copy."""
 
 from __future__ import annotations
 
@@ -51,8 +47,7 @@ class TimestepPreparationStage(Stage):
 
 
 class DefaultTimestepPreparationStage(Stage):
-    """SD3 semantics: the scheduler's own schedule over its training range (static shift), or the
-    resolution shift when the scheduler config enables dynamic shifting (SD3.5 variants)."""
+    """SD3 semantics: the scheduler's own schedule (static shift, or resolution shift when dynamic)."""
 
     needs = ("latents", "latent_height", "latent_width")
     sets = ("sigmas", "timesteps", "host_sigmas")
@@ -67,27 +62,4 @@ class DefaultTimestepPreparationStage(Stage):
             tokens = (req.latent_height // self.patch_size) * (req.latent_width // self.patch_size)
             mu = self.scheduler.resolution_shift_mu(tokens)
         set_schedule(req, self.scheduler.schedule(req.params.num_inference_steps, mu=mu))
-        return req
-
-
-class ZImageTimestepPreparationStage(Stage):
-    """Z-Image semantics: sigmas from a float32 torch linspace(1, 1/n) (not numpy's float64, so the
-    schedule matches Diffusers bit for bit), with the resolution shift from the 2x2-patch count when
-    the scheduler enables dynamic shifting. The DiT's own time, 1 - t / 1000, is computed here on the
-    CPU in float32 (what the denoiser computed per step before) and moved with the schedule."""
-
-    needs = ("latents", "latent_height", "latent_width")
-    sets = ("sigmas", "timesteps", "host_sigmas", "dit_timesteps")
-
-    def __init__(self, scheduler: FlowMatchEulerScheduler) -> None:
-        self.scheduler = scheduler
-
-    def forward(self, req: Req) -> Req:
-        steps = req.params.num_inference_steps
-        tokens = (req.latent_height // 2) * (req.latent_width // 2)
-        mu = self.scheduler.resolution_shift_mu(tokens)
-        base_sigmas = torch.linspace(1.0, 1 / steps, steps).tolist()
-        schedule = self.scheduler.schedule(steps, mu=mu, sigmas=base_sigmas)
-        set_schedule(req, schedule)
-        req.dit_timesteps = ((1000 - schedule.timesteps) / 1000).to(req.latents.device)
         return req

@@ -1,9 +1,5 @@
-"""Decoding through a causal video VAE (Qwen-Image's, Wan's): latents are normalised per channel.
-
-These VAEs work on (batch, channels, frames, height, width); an image is a one-frame video. The DiT
-sees latents normalised with the VAE's per-channel `latents_mean` / `latents_std`, so decoding first
-undoes that normalisation.
-"""
+"""Decoding through a causal video VAE (Qwen-Image's, Wan's; an image is one frame), after undoing the
+per-channel normalisation the DiT's latents carry."""
 
 from __future__ import annotations
 
@@ -12,7 +8,7 @@ import torch
 from torch import nn
 
 from diffserve.request import Req
-from diffserve.stages.base import Stage
+from diffserve.stages.base import Stage, to_module
 from diffserve.stages.decoding import tensor_to_pil
 from diffserve.stages.latent_preparation import unpack_latents
 
@@ -34,8 +30,7 @@ def normalize_latents(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
 
 
 def denormalize_latents(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
-    """The DiT's normalised latents -> VAE latents. Divides by 1/std, as Diffusers does, so the
-    rounding matches its decode input bit for bit."""
+    """The DiT's normalised latents -> VAE latents, dividing by 1/std as Diffusers does (same rounding)."""
     mean, std = latent_stats(vae, latents.device, latents.dtype)
     return latents / (1.0 / std) + mean
 
@@ -51,20 +46,10 @@ class VideoVaeImageDecodingStage(Stage):
 
     @torch.inference_mode()
     def forward(self, req: Req) -> Req:
-        first_param = next(self.vae.parameters())
         latents = unpack_latents(req.latents, req.latent_height, req.latent_width).unsqueeze(2)
-        latents = denormalize_latents(
-            self.vae, latents.to(device=first_param.device, dtype=first_param.dtype)
-        )
-        frames = self.vae.decode(latents)
+        frames = self.vae.decode(denormalize_latents(self.vae, to_module(self.vae, latents)))
         req.images = tensor_to_pil(frames[:, :, 0])
         return req
-
-
-def video_to_uint8(video: torch.Tensor) -> list[np.ndarray]:
-    """(B, 3, F, H, W) in [-1, 1] -> per sample (F, H, W, 3) uint8, rounding as Diffusers' processors do."""
-    array = (video / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).float().cpu().numpy()
-    return list((array * 255).round().astype(np.uint8))
 
 
 class VideoVaeDecodingStage(Stage):
@@ -78,9 +63,7 @@ class VideoVaeDecodingStage(Stage):
 
     @torch.inference_mode()
     def forward(self, req: Req) -> Req:
-        first_param = next(self.vae.parameters())
-        latents = denormalize_latents(
-            self.vae, req.latents.to(device=first_param.device, dtype=first_param.dtype)
-        )
-        req.frames = video_to_uint8(self.vae.decode(latents))
+        video = self.vae.decode(denormalize_latents(self.vae, to_module(self.vae, req.latents)))
+        array = (video / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).float().cpu().numpy()
+        req.frames = list((array * 255).round().astype(np.uint8))  # rounding as Diffusers' processors do
         return req

@@ -1,10 +1,6 @@
-"""Wan 2.1 image-to-video's "before denoising" stage: the input image as CLIP tokens and as video latents.
-
-Two conditions come from the one input image:
-- CLIP vision states (second-to-last layer, 257 tokens), which the DiT cross-attends to;
-- a conditioning video: the image (resized to the output size) as frame 0, then black frames, encoded
-  by the VAE and normalised, preceded by a 4-channel mask that marks the latent frames the image
-  covers. The denoiser concatenates it to the noisy latents on the channel axis at every step.
+"""Wan 2.1 image-to-video's "before denoising" stage: the input image's CLIP vision states (cross-
+attended), and a conditioning video concatenated to the latents on channels: a mask of the frames the
+image covers, then the image and black frames, VAE-encoded and normalised.
 """
 
 from __future__ import annotations
@@ -15,7 +11,7 @@ from torch import nn
 
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.request import Req
-from diffserve.stages.base import Stage
+from diffserve.stages.base import Stage, to_module
 from diffserve.stages.qwen_image_edit_preparation import image_to_tensor
 from diffserve.stages.video_vae_decoding import latent_stats
 
@@ -30,11 +26,7 @@ def image_to_video_size(params: SamplingParams, area: int, multiple: int) -> tup
 
 
 def first_frame_mask(batch: int, num_frames: int, latent_frames: int, height: int, width: int, temporal: int):
-    """(batch, temporal, latent_frames, height, width): ones where a latent frame holds the input image.
-
-    Pixel frames are marked (the first only), the first is repeated `temporal` times so every latent
-    frame covers `temporal` pixel frames, and the channel axis takes the `temporal` slots of a latent frame.
-    """
+    """(batch, temporal, latent_frames, height, width): ones where a latent frame holds the input image."""
     mask = torch.zeros(batch, 1, num_frames, height, width)
     mask[:, :, 0] = 1
     mask = torch.cat([mask[:, :, :1].repeat_interleave(temporal, dim=2), mask[:, :, 1:]], dim=2)
@@ -74,11 +66,10 @@ class WanImageToVideoPreparationStage(Stage):
         image = p.input_images[0]
         req.image_embeds = self.clip_states(image).repeat(n, 1, 1).to(self.output_dtype)
 
-        first = next(self.vae.parameters())
         resized = image.resize((p.width, p.height), Image.Resampling.LANCZOS)
         frame0 = image_to_tensor(resized).unsqueeze(2)
         video = torch.cat([frame0, frame0.new_zeros(1, 3, p.num_frames - 1, p.height, p.width)], dim=2)
-        latents = self.vae.encode(video.to(device=first.device, dtype=first.dtype)).mode().float()
+        latents = self.vae.encode(to_module(self.vae, video)).mode().float()
         mean, std = latent_stats(self.vae, latents.device, latents.dtype)
         latents = (latents - mean) * (1.0 / std)  # as Diffusers: times the reciprocal, for identical rounding
         latent_frames, h, w = latents.shape[2:]

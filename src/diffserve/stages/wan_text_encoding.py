@@ -1,9 +1,5 @@
-"""Wan's text conditioning: UMT5 encoder states of the cleaned prompt, zero-padded to a fixed length.
-
-Diffusers pads the tokens to `max_sequence_length` before the encoder; UMT5 attends bidirectionally
-with a mask, so padding tokens never reach the real ones and diffserve runs the encoder on the longest
-prompt of the batch only. The DiT, however, cross-attends to all `max_sequence_length` positions
-(zeros included), so the states are zero-padded back to that length exactly as Diffusers does.
+"""Wan's text conditioning: UMT5 states of the cleaned prompt. UMT5 masks the padding, so it runs on
+the batch's longest prompt only; the states are zero-padded to `max_sequence_length`, as in Diffusers.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""Z-Image's text conditioning: the prompt as a Qwen3 chat turn, second-to-last layer's hidden states.
+"""Z-Image's own stages.
 
-Diffusers pads every prompt to `max_sequence_length` (512) tokens before running Qwen3 and then keeps
-only the real tokens. Qwen3 attends causally, so right-padding cannot change the real tokens' states;
-diffserve pads only to the longest prompt in the batch (truncating at `max_sequence_length`), which
-runs the encoder on a few dozen tokens instead of 512 for typical prompts.
+Text conditioning: the prompt as a Qwen3 chat turn, second-to-last layer's states of the real tokens.
+Qwen3 is causal, so padding only to the batch's longest prompt (Diffusers: to 512) changes nothing.
+Timesteps: sigmas from a float32 linspace(1, 1/n) as Diffusers, and the DiT's own time axis 1 - t / 1000.
 """
 
 from __future__ import annotations
@@ -11,10 +10,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.prompt_cache import PromptEmbeddingCache
 from diffserve.stages.text_encoding import request_prompts, set_sequence_embeds
+from diffserve.stages.timestep_preparation import set_schedule
 
 
 class ZImageTextEncodingStage(Stage):
@@ -54,4 +55,24 @@ class ZImageTextEncodingStage(Stage):
         msl = req.params.max_sequence_length
         embeds = self.cache.lookup(request_prompts(req), (msl,), lambda batch: self.encode(batch, msl))
         set_sequence_embeds(req, [e[None] for e in embeds])
+        return req
+
+
+class ZImageTimestepPreparationStage(Stage):
+    """Z-Image semantics: sigmas from a float32 linspace(1, 1/n) (as Diffusers), and the DiT's 1 - t / 1000."""
+
+    needs = ("latents", "latent_height", "latent_width")
+    sets = ("sigmas", "timesteps", "host_sigmas", "dit_timesteps")
+
+    def __init__(self, scheduler: FlowMatchEulerScheduler) -> None:
+        self.scheduler = scheduler
+
+    def forward(self, req: Req) -> Req:
+        steps = req.params.num_inference_steps
+        tokens = (req.latent_height // 2) * (req.latent_width // 2)
+        mu = self.scheduler.resolution_shift_mu(tokens)
+        base_sigmas = torch.linspace(1.0, 1 / steps, steps).tolist()
+        schedule = self.scheduler.schedule(steps, mu=mu, sigmas=base_sigmas)
+        set_schedule(req, schedule)
+        req.dit_timesteps = ((1000 - schedule.timesteps) / 1000).to(req.latents.device)
         return req
