@@ -145,7 +145,9 @@ class DiffGenerator:
         self.engine = Engine(self.pipeline, platform, scheduler, attention_backend=self.attention_backend)
         logger.info("Pipeline ready in %.2f seconds", time.perf_counter() - start)
         #: `--compile`: the block lists compiled; `--warmup-resolutions`: the warm-up generations run.
-        self.compiled_regions = compile_pipeline(components) if engine_args.compile else []
+        self.compiled_regions = (
+            compile_pipeline({name: c.value for name, c in components.items()}) if engine_args.compile else []
+        )
         sizes = list(engine_args.warmup_resolutions)
         if engine_args.compile and not sizes:  # the graphs are size-generic: one small warm-up builds them
             sizes = [compile_warmup_size(self.pipeline.facts.pixel_multiple)]

@@ -65,8 +65,10 @@ def run(request, tmp_path_factory):
                 "step": req.step_index,
                 "latents": req.latents.float().clone(),
                 "x0": predicted_clean_latents(req).clone(),
-                "previews": preview_images(generator.pipeline, req),
-                "pooled": preview_images(generator.pipeline, req, max_pixels=WIDTH * HEIGHT // 4),
+                "previews": generator.pipeline.preview_images(req),
+                "pooled": preview_images(
+                    generator.pipeline.decoding_stage, req, max_pixels=WIDTH * HEIGHT // 4
+                ),
             }
         )
 
@@ -135,7 +137,7 @@ def test_wan_previews_the_first_frame_from_unipc_data_prediction(tmp_path) -> No
                 req.latents.double().clone(),
                 req.last_prediction.double().clone(),
                 predicted_clean_latents(req).double(),
-                preview_images(generator.pipeline, req),
+                generator.pipeline.preview_images(req),
             )
         )
 

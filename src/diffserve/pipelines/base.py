@@ -18,8 +18,10 @@ from diffserve.platforms import Platform
 from diffserve.request import Req
 from diffserve.runtime.contract import PipelineFacts
 from diffserve.stages.base import Stage
+from diffserve.stages.decoding import LatentDecoder
 from diffserve.stages.denoising import DenoisingStage
 from diffserve.stages.input_validation import InputValidationStage
+from diffserve.stages.previews import preview_images
 
 logger = logging.getLogger("diffserve.pipeline")
 
@@ -165,10 +167,18 @@ class Pipeline:
             req = self.run_stage(stage, req)
         return req
 
-    def preview_images(self, req: Req) -> list[Image.Image]:
-        from diffserve.stages.previews import preview_images
+    @property
+    def decoding_stage(self) -> LatentDecoder:
+        """The stage right after the denoising steps, which turns latents into outputs."""
+        stage = self.stages[self._denoising_index + 1]
+        if not isinstance(stage, LatentDecoder):
+            raise TypeError(
+                f"{type(self).__name__}'s stage after denoising must decode latents, not {stage.name}"
+            )
+        return stage
 
-        return preview_images(self, req)
+    def preview_images(self, req: Req) -> list[Image.Image]:
+        return preview_images(self.decoding_stage, req)
 
     def batch_key(self, req: Req) -> tuple:
         """Requests with equal keys can share a denoising step: the DiT batch concatenates their

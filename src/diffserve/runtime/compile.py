@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,14 +68,15 @@ def find_block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     return found
 
 
-def compile_pipeline(components: dict[str, Any]) -> list[CompiledRegion]:
-    """Compile every block of every DiT's block lists in place (`components`: `LoadedComponent`s or
-    modules); UserError when there is nothing to compile."""
-    dits = {}
-    for name, component in components.items():
-        module = getattr(component, "value", component)
-        if name.startswith(DIT_COMPONENT_PREFIX) and isinstance(module, nn.Module):
-            dits[name] = module
+def compile_pipeline(components: Mapping[str, object]) -> list[CompiledRegion]:
+    """Compile every block of every DiT's block lists in place (`components`: the loaded component
+    values by name; the DiTs are the modules named `transformer*`); UserError when there is nothing to
+    compile."""
+    dits = {
+        name: module
+        for name, module in components.items()
+        if name.startswith(DIT_COMPONENT_PREFIX) and isinstance(module, nn.Module)
+    }
     if not dits:
         raise UserError("--compile: this pipeline has no DiT component ('transformer*') to compile")
     config = torch._dynamo.config  # `recompile_limit` is torch >= 2.6's name of `cache_size_limit`

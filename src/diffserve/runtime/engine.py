@@ -186,6 +186,12 @@ class Engine:
                 continue
             if sr.req.is_denoised:  # no steps to share (never with num_inference_steps >= 1)
                 self._complete(sr)
+            else:
+                logger.info(
+                    "[DenoisingStage] started... (%d step(s), request %s)",
+                    sr.req.num_steps,
+                    sr.request_id[:8],
+                )
         return bool(admitted)
 
     def _denoise(self, group: list[ScheduledRequest]) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
 import numpy as np
 import torch
 from PIL import Image
@@ -19,6 +22,24 @@ def tensor_to_pil(images: torch.Tensor) -> list[Image.Image]:
     return [Image.fromarray(a) for a in array]
 
 
+@dataclass(frozen=True)
+class DecodeLayout:
+    """How a pipeline's latents reach its VAE (what previews need to decode a mid-denoising x0)."""
+
+    vae: nn.Module
+    packed: bool  # FLUX / Qwen-Image: 2x2 latent patches packed into tokens
+    video_vae: bool  # Qwen-Image / Wan: (batch, channels, frames, h, w), latents normalised per channel
+    scaling_factor: float = 1.0  # AutoencoderKL: DiT latent = (z - shift) * scaling
+    shift_factor: float = 0.0
+
+
+@runtime_checkable
+class LatentDecoder(Protocol):
+    """A pipeline's decoding stage, the stage right after its denoising steps."""
+
+    def decode_layout(self) -> DecodeLayout: ...
+
+
 class DecodingStage(Stage):
     needs = ("latents", "latent_height", "latent_width")
     sets = ("images",)
@@ -28,6 +49,9 @@ class DecodingStage(Stage):
         self.packed_latents = packed_latents  # FLUX packs 2x2 patches into tokens; SD3 keeps an image
         self.scaling_factor = float(vae.config["scaling_factor"])
         self.shift_factor = float(vae.config.get("shift_factor") or 0.0)
+
+    def decode_layout(self) -> DecodeLayout:
+        return DecodeLayout(self.vae, self.packed_latents, False, self.scaling_factor, self.shift_factor)
 
     @torch.inference_mode()
     def forward(self, req: Req) -> Req:

@@ -10,50 +10,19 @@ benchmarks/measurements/runtime-and-layers.md.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from torch import nn
 
 from diffserve.request import Req
 from diffserve.stages.base import to_module
-from diffserve.stages.decoding import DecodingStage, tensor_to_pil
+from diffserve.stages.decoding import DecodeLayout, LatentDecoder, tensor_to_pil
 from diffserve.stages.latent_preparation import unpack_latents
-from diffserve.stages.video_vae_decoding import (
-    VideoVaeDecodingStage,
-    VideoVaeImageDecodingStage,
-    denormalize_latents,
-)
+from diffserve.stages.video_vae_decoding import denormalize_latents
 
 #: Largest preview the VAE decodes, in pixels; larger ones are decoded from pooled latents and upscaled.
 PREVIEW_MAX_PIXELS = 1024 * 1024
-
-
-@dataclass(frozen=True)
-class DecodeLayout:
-    """How a pipeline's latents reach its VAE, read off its decoding stage."""
-
-    vae: nn.Module
-    packed: bool  # FLUX / Qwen-Image: 2x2 latent patches packed into tokens
-    video_vae: bool  # Qwen-Image / Wan: (batch, channels, frames, h, w), latents normalised per channel
-    scaling_factor: float = 1.0  # AutoencoderKL: DiT latent = (z - shift) * scaling
-    shift_factor: float = 0.0
-
-
-def decode_layout(pipeline) -> DecodeLayout:
-    """The layout of `pipeline` (any diffserve pipeline with one of the three decoding stages)."""
-    for stage in pipeline.stages:
-        if isinstance(stage, DecodingStage):
-            return DecodeLayout(
-                stage.vae, stage.packed_latents, False, stage.scaling_factor, stage.shift_factor
-            )
-        if isinstance(stage, VideoVaeImageDecodingStage):
-            return DecodeLayout(stage.vae, packed=True, video_vae=True)
-        if isinstance(stage, VideoVaeDecodingStage):
-            return DecodeLayout(stage.vae, packed=False, video_vae=True)
-    raise ValueError(f"{type(pipeline).__name__} has no decoding stage that previews understand")
 
 
 def predicted_clean_latents(req: Req) -> torch.Tensor:
@@ -84,10 +53,12 @@ def _vae_latents(layout: DecodeLayout, req: Req, x0: torch.Tensor) -> torch.Tens
 
 
 @torch.inference_mode()
-def preview_images(pipeline, req: Req, max_pixels: int = PREVIEW_MAX_PIXELS) -> list[Image.Image]:
-    """One preview per output of `req`, as large as its final images; call it between steps (from
-    `Req.on_step`): it never changes the request."""
-    layout = decode_layout(pipeline)
+def preview_images(
+    decoder: LatentDecoder, req: Req, max_pixels: int = PREVIEW_MAX_PIXELS
+) -> list[Image.Image]:
+    """One preview per output of `req` through the pipeline's decoding stage `decoder`, as large as its
+    final images; call it between steps (from `Req.on_step`): it never changes the request."""
+    layout = decoder.decode_layout()
     latents = _vae_latents(layout, req, predicted_clean_latents(req))
     h, w = latents.shape[-2:]
     factor = int(layout.vae.spatial_compression_ratio)

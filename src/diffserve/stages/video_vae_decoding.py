@@ -9,7 +9,7 @@ from torch import nn
 
 from diffserve.request import Req
 from diffserve.stages.base import Stage, to_module
-from diffserve.stages.decoding import tensor_to_pil
+from diffserve.stages.decoding import DecodeLayout, tensor_to_pil
 from diffserve.stages.latent_preparation import unpack_latents
 
 
@@ -44,6 +44,9 @@ class VideoVaeImageDecodingStage(Stage):
     def __init__(self, vae: nn.Module) -> None:
         self.vae = vae
 
+    def decode_layout(self) -> DecodeLayout:
+        return DecodeLayout(self.vae, packed=True, video_vae=True)
+
     @torch.inference_mode()
     def forward(self, req: Req) -> Req:
         latents = unpack_latents(req.latents, req.latent_height, req.latent_width).unsqueeze(2)
@@ -60,6 +63,9 @@ class VideoVaeDecodingStage(Stage):
 
     def __init__(self, vae: nn.Module) -> None:
         self.vae = vae
+
+    def decode_layout(self) -> DecodeLayout:
+        return DecodeLayout(self.vae, packed=False, video_vae=True)
 
     @torch.inference_mode()
     def forward(self, req: Req) -> Req:
