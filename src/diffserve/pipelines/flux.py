@@ -113,8 +113,8 @@ class FluxPipeline(Pipeline):
         "scheduler",
     )
     config = FluxPipelineConfig()
-    #: `diffserve calibrate-cache` on the trained demo model (FLUX.1 architecture; 6 prompts, 20 steps, 1 dB
-    #: margin): high 38.4 dB / 9 of 20 steps, medium 31.0 dB / 6, low 29.3 dB / 5 (README, "Quality tiers").
+    #: Thresholds from `diffserve calibrate-cache` on the trained demo model (benchmarks/README.md,
+    #: "Quality tiers against lossless").
     #: Calibrate a real checkpoint before trusting them there: a folder's own calibration file wins.
     step_cache_policies = {
         "high": StepCachePolicy(threshold=0.2, max_reuse_in_a_row=3),
