@@ -139,7 +139,9 @@ class DiffGenerator:
         self.show_progress = show_progress
         max_tokens = engine_args.max_batch_tokens or default_max_batch_tokens(platform.device_type)
         scheduler = SchedulerConfig(
-            max_running_requests=engine_args.max_running_requests, max_batch_tokens=max_tokens
+            max_running_requests=engine_args.max_running_requests,
+            max_batch_tokens=max_tokens,
+            max_inference_steps=engine_args.max_inference_steps,
         )
         #: The request loop every generation runs through (the server's engine process runs one too).
         self.engine = Engine(self.pipeline, platform, scheduler, attention_backend=self.attention_backend)

@@ -28,6 +28,9 @@ def server(tiny_flux_dir, tmp_path_factory):
         # Step-level batching has its own server in test_batching.py.
         "--max-running-requests",
         "1",
+        # test_server.py's long requests (20,000 steps) are above the default --max-inference-steps.
+        "--max-inference-steps",
+        "100000",
     )
     srv.api_key, srv.model_name = API_KEY, MODEL_NAME
     try:

@@ -262,7 +262,16 @@ def t2v(wan_t2v_dir, tmp_path_factory):
     # One job at a time: the cancel tests need a job that waits behind a running one (batching is
     # tested in test_batching.py and the engine loop tests).
     holder = SimpleNamespace(
-        args=("--served-model-name", MODEL_NAME, "--shutdown-timeout", "2", "--max-running-requests", "1"),
+        args=(
+            "--served-model-name",
+            MODEL_NAME,
+            "--shutdown-timeout",
+            "2",
+            "--max-running-requests",
+            "1",
+            "--max-inference-steps",
+            str(LONG_STEPS),  # LONG_STEPS is above the default limit
+        ),  # fmt: skip
         srv=None,
     )
     holder.srv = start_server(wan_t2v_dir, tmp_path_factory.mktemp("t2v"), *holder.args)

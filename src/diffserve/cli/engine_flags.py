@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from diffserve.configs.engine_args import EngineArgs
+from diffserve.errors import UserError
 from diffserve.logging_setup import LEVELS
 
 
@@ -35,6 +36,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "to the OS; measure first, it helps on some hosts and slows others",
     )  # fmt: skip
     add(
+        "--max-inference-steps", type=int, default=EngineArgs.max_inference_steps, metavar="N",
+        help="most denoising steps a request may ask for; more is refused (HTTP 400 on the server) "
+        f"(default: {EngineArgs.max_inference_steps})",
+    )  # fmt: skip
+    add(
         "--default-quality", default="lossless", choices=("lossless", "high", "medium", "low"),
         help="what quality='auto' (or no quality) means for a request: lossless (exact), or an approximate "
         "tier that reuses DiT work between steps (default: lossless)",
@@ -54,6 +60,8 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
     """EngineArgs from the shared flags; no --model-path means the shipped demo model (logged)."""
     from diffserve.configs.demo_model import model_path_or_demo
 
+    if args.max_inference_steps < 1:
+        raise UserError(f"--max-inference-steps must be >= 1, got {args.max_inference_steps}")
     return EngineArgs(
         model_path=model_path_or_demo(args.model_path),
         device=args.device,
@@ -65,4 +73,5 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         warmup_resolutions=list(args.warmup_resolutions),
         default_quality=args.default_quality,
         tune_allocator=args.tune_allocator,
+        max_inference_steps=args.max_inference_steps,
     )

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 from dataclasses import fields
 from pathlib import Path
 
 from diffserve.cli.engine_flags import add_engine_flags, engine_args_from
 from diffserve.configs.quality import ACCEPTED
-from diffserve.errors import UserError
+from diffserve.configs.sampling_params import SamplingParams
+from diffserve.errors import InvalidRequestError, UserError
 
 logger = logging.getLogger("diffserve")
 
@@ -64,28 +66,71 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     path = Path(args.prompt_file)
     if not path.is_file():
         raise UserError(f"--prompt-file {str(path)!r} does not exist")
-    prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(
+            f"--prompt-file {str(path)!r} is not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8"
+        ) from None
+    except OSError as exc:
+        raise UserError(f"--prompt-file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
+    prompts = [line.strip() for line in text.splitlines() if line.strip()]
     if not prompts:
         raise UserError(f"--prompt-file {str(path)!r} has no prompts")
     return prompts
 
 
+def check_output_path(text: str) -> None:
+    """Refuse an --output-path that is a file or cannot be created or written, before any model work."""
+    path = Path(text).absolute()
+    if path.exists() and not path.is_dir():
+        raise UserError(f"--output-path {text!r} is a file; pass a directory (it is created when missing)")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"--output-path {text!r} cannot be created: {str(existing)!r} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == path else f" ({str(existing)!r}, where it would be created, is not)"
+        raise UserError(f"--output-path {text!r} is not writable{where}; pass a directory you can write to")
+
+
+def check_params(params: SamplingParams, max_inference_steps: int) -> None:
+    """The checks that need no model, as errors naming the flag (the model's own limits come later)."""
+    try:
+        params.check_values()
+        steps = params.num_inference_steps
+        if steps is not None and steps > max_inference_steps:
+            raise InvalidRequestError(
+                f"num_inference_steps must be <= {max_inference_steps} (--max-inference-steps), got {steps}",
+                param="num_inference_steps",
+            )
+    except InvalidRequestError as exc:
+        if exc.param is None:
+            raise
+        raise UserError(f"--{exc.param.replace('_', '-')}: {exc}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from diffserve.api import DiffGenerator
-    from diffserve.configs.sampling_params import SamplingParams
     from diffserve.image_inputs import load_images
 
     start = time.perf_counter()
+    engine_args = engine_args_from(args)
     prompts = _read_prompts(args)
-    # Read before loading the model: a wrong path fails in a second, not after the weights load.
-    # Paths only: a string that is not an existing file is an error, never a URL download.
-    images = load_images([Path(p) for p in args.image], param="--image") if args.image else None
-    mask = load_images(Path(args.mask), param="--mask")[0] if args.mask else None
-    generator = DiffGenerator(engine_args_from(args))
     # Every flag named as a SamplingParams field (but the prompt) is that field.
     flags = {f.name: getattr(args, f.name) for f in fields(SamplingParams) if f.name in vars(args)}
     flags.pop("prompt")
+    # Checked before loading the model: a bad flag or path fails in a second, not after the weights load.
+    for prompt in prompts:
+        check_params(SamplingParams(prompt=prompt, **flags), args.max_inference_steps)
+    if args.save_output:
+        check_output_path(args.output_path)
+    # Paths only: a string that is not an existing file is an error, never a URL download.
+    images = load_images([Path(p) for p in args.image], param="--image") if args.image else None
+    mask = load_images(Path(args.mask), param="--mask")[0] if args.mask else None
     params_list = [SamplingParams(prompt=p, input_images=images, mask_image=mask, **flags) for p in prompts]
+    generator = DiffGenerator(engine_args)
     if len(params_list) > 1:
         logger.info("Processing %d prompts together (their steps share DiT batches)", len(params_list))
     outputs = generator.generate_many(  # validates every prompt before any model work

@@ -6,19 +6,34 @@ import argparse
 import logging
 import sys
 
+from diffserve import __version__
 from diffserve.cli import calibrate_cache, generate, make_tiny, serve
 from diffserve.logging_setup import configure_logging
 
 EXIT_USER_ERROR = 2
 
 
+class _TopLevelParser(argparse.ArgumentParser):
+    """Reports arguments no parser recognised with the usage of the subcommand they were given to
+    (plain argparse collects them in the subparser but lets the top-level parser report them)."""
+
+    subcommands: dict[str, argparse.ArgumentParser]
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def, override]
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            owner = self.subcommands.get(getattr(parsed, "command", None) or "", self)
+            owner.error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="diffserve", description="A fast serving engine for diffusion models."
-    )
+    parser = _TopLevelParser(prog="diffserve", description="A fast serving engine for diffusion models.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in (generate, calibrate_cache, make_tiny, serve):
         command.add_parser(sub)
+    parser.subcommands = dict(sub.choices)
     return parser
 
 

@@ -22,6 +22,8 @@ class EngineArgs:
     max_batch_tokens: int | None = None
     #: Share of the free memory measured after warm-up that running requests may use (admission budget).
     mem_fraction: float = 0.9
+    #: Most denoising steps a request may ask for (`--max-inference-steps`); more is refused with a 400.
+    max_inference_steps: int = 1000
     #: torch.compile the DiT's repeated blocks (regional: one compiled graph per block class).
     compile: bool = False
     #: (height, width) sizes generated once at startup so compilation and allocator warm-up happen

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -9,6 +10,23 @@ from diffserve.errors import InvalidRequestError
 
 #: Fields holding images rather than JSON values.
 IMAGE_FIELDS = ("input_images", "mask_image")
+#: Longest prompt or negative prompt, in characters. Text encoders truncate to a few hundred tokens, so
+#: a longer text changes nothing but the memory it holds (queues, the prompt cache, logs).
+MAX_PROMPT_CHARS = 10_000
+#: Text fields: each must be encodable as UTF-8 (a lone surrogate such as "\ud800" is not).
+TEXT_FIELDS = ("prompt", "negative_prompt", "output_format", "video_format", "quality")
+
+
+def check_text(name: str, value: str) -> None:
+    """Raise InvalidRequestError naming `name` unless `value` can be encoded as UTF-8."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{name} is not valid Unicode text: it holds a lone surrogate ({value[exc.start]!r}) at character "
+            f"{exc.start}; send UTF-8 text",
+            param=name,
+        ) from None
 
 
 @dataclass
@@ -50,10 +68,66 @@ class SamplingParams:
             values[f.name] = getattr(defaults, f.name) if mine is None else mine
         return SamplingParams(**values)
 
-    def validate(self, pixel_multiple: int, max_sequence_length_limit: int | None = None) -> None:
-        """Raise `InvalidRequestError` with an actionable message for any bad field."""
+    def check_values(self) -> None:
+        """The checks that need no model (a field left `None` passes): text, signs, finiteness, formats.
+        Front ends run it before loading a model; `validate` runs it again on the resolved values."""
         if not isinstance(self.prompt, str) or not self.prompt.strip():
             raise InvalidRequestError("prompt must be a non-empty string", param="prompt")
+        for name in TEXT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise InvalidRequestError(f"{name} must be a string, got {type(value).__name__}", param=name)
+            if value is not None:
+                check_text(name, value)
+        for name in ("prompt", "negative_prompt"):
+            value = getattr(self, name)
+            if value is not None and len(value) > MAX_PROMPT_CHARS:
+                raise InvalidRequestError(
+                    f"{name} is {len(value)} characters long; at most {MAX_PROMPT_CHARS} are accepted (the text "
+                    "encoder reads only its first few hundred tokens)",
+                    param=name,
+                )
+        for key, value in self.extra.items():
+            for text in (key, value):
+                if isinstance(text, str):
+                    check_text("extra", text)
+        for name in ("height", "width", "num_frames", "fps"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param=name)
+        steps = self.num_inference_steps
+        if steps is not None and (not isinstance(steps, int) or steps < 1):
+            raise InvalidRequestError(
+                f"num_inference_steps must be >= 1, got {steps!r}", param="num_inference_steps"
+            )
+        if not isinstance(self.num_outputs_per_prompt, int) or self.num_outputs_per_prompt < 1:
+            raise InvalidRequestError(
+                f"num_outputs_per_prompt must be >= 1, got {self.num_outputs_per_prompt!r}",
+                param="num_outputs_per_prompt",
+            )
+        for name in ("guidance_scale", "true_cfg_scale"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise InvalidRequestError(f"{name} must be a finite number >= 0, got {value!r}", param=name)
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise InvalidRequestError(
+                f"seed must be an integer in [0, 2**63), got {self.seed!r}", param="seed"
+            )
+        if self.max_sequence_length is not None and self.max_sequence_length < 1:
+            raise InvalidRequestError(
+                f"max_sequence_length must be >= 1, got {self.max_sequence_length}",
+                param="max_sequence_length",
+            )
+        if self.output_format not in ("png", "jpeg", "webp"):
+            raise InvalidRequestError(
+                f"output_format must be png, jpeg or webp, got {self.output_format!r}", param="output_format"
+            )
+
+    def validate(self, pixel_multiple: int, max_sequence_length_limit: int | None = None) -> None:
+        """Raise `InvalidRequestError` with an actionable message for any bad field."""
+        self.check_values()
         for name in ("height", "width"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -65,40 +139,16 @@ class SamplingParams:
                     f"try {lower} or {lower + pixel_multiple}",
                     param=name,
                 )
-        if not isinstance(self.num_inference_steps, int) or self.num_inference_steps < 1:
+        if not isinstance(self.num_inference_steps, int):
             raise InvalidRequestError(
                 f"num_inference_steps must be >= 1, got {self.num_inference_steps!r}",
                 param="num_inference_steps",
             )
-        if self.num_outputs_per_prompt < 1:
+        limit = max_sequence_length_limit
+        if self.max_sequence_length is not None and limit is not None and self.max_sequence_length > limit:
             raise InvalidRequestError(
-                f"num_outputs_per_prompt must be >= 1, got {self.num_outputs_per_prompt}",
-                param="num_outputs_per_prompt",
-            )
-        if self.guidance_scale is not None and self.guidance_scale < 0:
-            raise InvalidRequestError(
-                f"guidance_scale must be >= 0, got {self.guidance_scale}", param="guidance_scale"
-            )
-        if self.true_cfg_scale is not None and self.true_cfg_scale < 0:
-            raise InvalidRequestError(
-                f"true_cfg_scale must be >= 0, got {self.true_cfg_scale}", param="true_cfg_scale"
-            )
-        if not 0 <= self.seed < 2**63:
-            raise InvalidRequestError(f"seed must be in [0, 2**63), got {self.seed}", param="seed")
-        if self.max_sequence_length is not None:
-            if self.max_sequence_length < 1:
-                raise InvalidRequestError(
-                    f"max_sequence_length must be >= 1, got {self.max_sequence_length}",
-                    param="max_sequence_length",
-                )
-            if max_sequence_length_limit is not None and self.max_sequence_length > max_sequence_length_limit:
-                raise InvalidRequestError(
-                    f"max_sequence_length must be <= {max_sequence_length_limit}, got {self.max_sequence_length}",
-                    param="max_sequence_length",
-                )
-        if self.output_format not in ("png", "jpeg", "webp"):
-            raise InvalidRequestError(
-                f"output_format must be png, jpeg or webp, got {self.output_format!r}", param="output_format"
+                f"max_sequence_length must be <= {limit}, got {self.max_sequence_length}",
+                param="max_sequence_length",
             )
 
     def to_dict(self) -> dict[str, Any]:

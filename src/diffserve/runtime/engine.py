@@ -13,7 +13,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
-from diffserve.errors import RequestCancelledError
+from diffserve.errors import InvalidRequestError, RequestCancelledError
 from diffserve.layers.attention import AttentionBackend
 from diffserve.platforms.base import Platform
 from diffserve.request import Req
@@ -84,10 +84,20 @@ class Engine:
         if req.cancel_event is None:
             req.cancel_event = threading.Event()
         req = self.runner.validate(req)
+        self.check_limits(req)
         cost = self.cost(req)
         if self.scheduler.memory is not None:
             self.scheduler.memory.check_alone(cost)
         return ScheduledRequest(req=req, cost=cost, priority=int(priority), payload=payload)
+
+    def check_limits(self, req: Req) -> None:
+        """The engine's own bounds on a validated request (InvalidRequestError naming the field)."""
+        most, steps = self.config.max_inference_steps, req.params.num_inference_steps
+        if most is not None and steps is not None and steps > most:
+            raise InvalidRequestError(
+                f"num_inference_steps must be <= {most} (this engine's --max-inference-steps), got {steps}",
+                param="num_inference_steps",
+            )
 
     def cost(self, req: Req) -> RequestCost:
         return request_cost(self.pipeline.facts, req)

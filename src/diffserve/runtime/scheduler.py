@@ -31,12 +31,16 @@ class SchedulerConfig:
     max_running_requests: int = 8
     #: Upper bound on the running set's latent tokens x CFG branches x outputs; None: no limit.
     max_batch_tokens: int | None = None
+    #: Most denoising steps one request may ask for; `Engine.prepare` refuses more (None: no limit).
+    max_inference_steps: int | None = 1000
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
+        if self.max_inference_steps is not None and self.max_inference_steps < 1:
+            raise ValueError(f"max_inference_steps must be >= 1, got {self.max_inference_steps}")
 
 
 @dataclass(eq=False)

@@ -18,11 +18,12 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import diffserve
@@ -30,9 +31,16 @@ from diffserve.configs.sampling_params import SamplingParams
 from diffserve.outputs import CONTENT_TYPES
 from diffserve.server.args import ServerArgs
 from diffserve.server.engine_client import EngineClient, JobFailedError, JobRejectedError
-from diffserve.server.errors import ApiError, as_api_error, documented, error_response, install_error_handlers
+from diffserve.server.errors import (
+    ApiError,
+    as_api_error,
+    documented,
+    error_body,
+    error_response,
+    install_error_handlers,
+)
 from diffserve.server.image_edits import EDIT_REQUEST_BODY, read_edit_request
-from diffserve.server.image_files import find_image
+from diffserve.server.image_files import expire_images, find_image, remove_partial_images, sweep_images
 from diffserve.server.metrics import ServerMetrics
 from diffserve.server.middleware import (
     CLIENT_CLOSED_REQUEST,
@@ -44,6 +52,7 @@ from diffserve.server.middleware import (
 from diffserve.server.protocol import GenerateJob, JobFinished
 from diffserve.server.schemas import ImageGenerationRequest, ImagesResponse, ModelCard, ModelList
 from diffserve.server.streaming import (
+    ContentFileResponse,
     EventStreamResponse,
     StreamHeader,
     StreamKind,
@@ -56,6 +65,8 @@ from diffserve.server.video_routes import check_route, video_router
 logger = logging.getLogger("diffserve.server")
 
 HEALTH_GENERATE_TIMEOUT_S = 120.0
+#: /health_generate answers with the last probe's result for this long instead of running another one.
+HEALTH_GENERATE_REUSE_S = 5.0
 DESCRIPTION = "OpenAI-compatible image and video generation with diffserve"
 T = TypeVar("T")
 
@@ -86,6 +97,78 @@ async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         for t in (task, watcher):
             if not t.done():
                 t.cancel()
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """The outcome of one /health_generate generation: its answer, and when and on which engine it ran."""
+
+    status: int
+    body: dict[str, Any]
+    finished_at: float  # time.monotonic()
+    incarnation: int  # the engine process it ran on (a restarted engine is probed afresh)
+
+
+class HealthProbe:
+    """/health_generate's generation, rate-limited for an unauthenticated route: at most one in flight
+    (concurrent callers await the same one), its result reused for `reuse_s` seconds, queued like any
+    request (a full queue is a 429), and cancelled in the engine once no caller is waiting for it."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        timeout_s: float = HEALTH_GENERATE_TIMEOUT_S,
+        reuse_s: float = HEALTH_GENERATE_REUSE_S,
+    ) -> None:
+        self.engine, self.timeout_s, self.reuse_s = engine, timeout_s, reuse_s
+        self._task: asyncio.Task[ProbeResult] | None = None
+        self._waiters = 0
+        self._last: ProbeResult | None = None
+
+    def recent(self) -> ProbeResult | None:
+        last = self._last
+        if last is None or not self.engine.ready or last.incarnation != self.engine.incarnation:
+            return None
+        return last if time.monotonic() - last.finished_at < self.reuse_s else None
+
+    async def result(self, request: Request) -> tuple[ProbeResult, bool]:
+        """The probe's result and whether it was reused; raises ClientDisconnected when the client leaves,
+        and what the engine client raises before queueing (not ready: 503, queue full: 429)."""
+        if (last := self.recent()) is not None:
+            return last, True
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(request.state.request_id))
+        task = self._task
+        self._waiters += 1
+        try:
+            return await run_unless_disconnected(request, asyncio.shield(task)), False
+        finally:
+            self._waiters -= 1
+            if self._waiters == 0 and not task.done():
+                logger.info("Cancelling the /health_generate probe: no caller is waiting for it anymore")
+                task.cancel()  # engine.generate sends CancelJob
+                if self._task is task:
+                    self._task = None  # the next caller starts a new one instead of joining a cancelled one
+
+    async def _run(self, request_id: str) -> ProbeResult:
+        engine, size = self.engine, self.engine.probe_size
+        params = SamplingParams(prompt="health check", height=size, width=size, num_inference_steps=1)
+        job = GenerateJob(request_id, params, internal=True)
+        incarnation, start = engine.incarnation, time.monotonic()
+        try:
+            result = await asyncio.wait_for(engine.generate(job), self.timeout_s)
+        except asyncio.TimeoutError:
+            message = f"the health-check generation did not finish in {self.timeout_s:g} s"
+            status, body = 503, error_body(503, message, None, "health_check_timeout")
+        except (JobFailedError, JobRejectedError) as exc:
+            message = f"the health-check generation failed: {exc}"
+            status, body = 503, error_body(503, message, None, "health_check_failed")
+        else:
+            seconds, engine_seconds = round(time.monotonic() - start, 4), round(result.engine_seconds, 4)
+            body = {"status": "ok", "seconds": seconds, "engine_seconds": engine_seconds}
+            status, body = 200, {**body, "size": f"{size}x{size}", "num_inference_steps": 1}
+        self._last = ProbeResult(status, body, time.monotonic(), incarnation)
+        return self._last
 
 
 def outcome_of(exc: Exception) -> str:
@@ -139,14 +222,24 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
     metrics.running.set_function(lambda: engine.num_running)
     metrics.engine_ready.set_function(lambda: float(engine.ready))
     video_jobs = VideoJobManager(args.output_dir, args.job_ttl, engine, metrics)
+    probe = HealthProbe(engine, HEALTH_GENERATE_TIMEOUT_S, HEALTH_GENERATE_REUSE_S)
     started_at = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         video_jobs.open()  # before the engine: jobs a previous server left unfinished are failed first
-        await engine.start()
-        yield
-        await engine.stop()
+        # url images live --job-ttl seconds, as video jobs do; half-written ones of a previous server go now.
+        remove_partial_images(args.output_dir)
+        expire_images(args.output_dir, args.job_ttl)
+        image_sweeper = asyncio.create_task(sweep_images(args.output_dir, args.job_ttl))
+        try:
+            await engine.start()
+            yield
+            await engine.stop()
+        finally:
+            image_sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await image_sweeper
         await video_jobs.close()
 
     app = FastAPI(
@@ -254,12 +347,12 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
         return await serve_images(request, build_job, "image_edit")
 
     @app.get("/v1/images/{image_id}/content", responses=_ERRORS)
-    async def image_content(image_id: str) -> FileResponse:
-        path = find_image(args.output_dir, image_id)
+    async def image_content(image_id: str) -> ContentFileResponse:
+        path = find_image(args.output_dir, image_id, ttl=args.job_ttl)
         if path is None:
-            message = f"no image with id {image_id!r} on this server"
+            message = f"no image with id {image_id!r} on this server (unknown, or expired after --job-ttl)"
             raise ApiError(404, message, param="image_id", code="image_not_found")
-        return FileResponse(path, media_type=CONTENT_TYPES[path.suffix.lstrip(".")])
+        return ContentFileResponse(path, media_type=CONTENT_TYPES[path.suffix.lstrip(".")])
 
     app.include_router(video_router(args, engine, video_jobs, metrics, check_model, outcome_of))
 
@@ -279,23 +372,22 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
             return error_response(503, str(err), None, err.code)
         return JSONResponse({"status": "ok"})
 
+    @app.head("/health", responses=_ERRORS)
+    async def health_head() -> Response:
+        """/health's status and headers without its body (load balancers that probe with HEAD)."""
+        return await health()
+
     @app.get("/health_generate", responses=_ERRORS)
     async def health_generate(request: Request) -> Response:
-        size = engine.probe_size
-        params = SamplingParams(prompt="health check", height=size, width=size, num_inference_steps=1)
-        job = GenerateJob(request.state.request_id, params, internal=True)
-        start = time.monotonic()
+        """A real 1-step generation at a small size through the queue. Open without the API key, so it is
+        rate-limited: one generation at a time, shared by concurrent callers, its result reused for
+        HEALTH_GENERATE_REUSE_S seconds (`"cached": true`); cancelled when every caller has left."""
         try:
-            result = await asyncio.wait_for(engine.generate(job), HEALTH_GENERATE_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            message = f"the health-check generation did not finish in {HEALTH_GENERATE_TIMEOUT_S:g} s"
-            return error_response(503, message, None, "health_check_timeout")
-        except (JobFailedError, JobRejectedError) as exc:
-            message = f"the health-check generation failed: {exc}"
-            return error_response(503, message, None, "health_check_failed")
-        seconds, engine_seconds = round(time.monotonic() - start, 4), round(result.engine_seconds, 4)
-        body = {"status": "ok", "seconds": seconds, "engine_seconds": engine_seconds}
-        return JSONResponse({**body, "size": f"{size}x{size}", "num_inference_steps": 1})
+            result, reused = await probe.result(request)
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        body = {**result.body, "cached": reused} if result.status == 200 else result.body
+        return JSONResponse(body, status_code=result.status)
 
     @app.get("/server_info")
     async def server_info() -> dict[str, Any]:

@@ -233,7 +233,8 @@ class EngineClient:
         """Register the job and hand it to the engine (raises EngineUnavailableError, QueueFullError)."""
         if not self.ready:
             raise self.unavailable_error()
-        if not job.internal and self.num_waiting >= self.args.max_queue_size:
+        # Every job counts, /health_generate's probe included: an open route must not bypass the limit.
+        if self.num_waiting >= self.args.max_queue_size:
             waiting, limit = self.num_waiting, self.args.max_queue_size
             message = f"the queue is full ({waiting} requests waiting, --max-queue-size {limit}); retry later"
             raise QueueFullError(message)

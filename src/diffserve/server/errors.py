@@ -30,7 +30,7 @@ logger = logging.getLogger("diffserve.server")
 
 #: status -> OpenAI error type.
 ERROR_TYPES = {
-    **dict.fromkeys((400, 405, 409, 413, 415), "invalid_request_error"),
+    **dict.fromkeys((400, 405, 409, 413, 415, 416), "invalid_request_error"),
     401: "authentication_error",
     404: "not_found_error",
     429: "rate_limit_error",
@@ -38,6 +38,7 @@ ERROR_TYPES = {
     503: "service_unavailable",
 }
 _HTTP_CODES = {
+    400: "invalid_request",
     404: "not_found",
     405: "method_not_allowed",
     413: "request_too_large",
@@ -95,6 +96,10 @@ def as_api_error(exc: BaseException) -> ApiError:
         return ApiError(400, message, code="invalid_request")
     if isinstance(exc, JobFailedError):
         return ApiError(500, f"the engine failed on this request: {exc}", code="engine_error")
+    if isinstance(exc, StarletteHTTPException):  # e.g. a malformed multipart body (400), a body over 413
+        detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        code = _HTTP_CODES.get(exc.status_code)
+        return ApiError(exc.status_code, detail, code=code, headers=getattr(exc, "headers", None))
     name = type(exc).__name__
     return ApiError(500, f"internal server error ({name}); see the server log", code="internal_error")
 
@@ -161,5 +166,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.error("Unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        # %r: the method and path are the client's, and must not forge log lines.
+        logger.error("Unhandled error on %r %r", request.method, request.url.path, exc_info=exc)
         return _respond(as_api_error(exc))

@@ -43,7 +43,7 @@ class GenerateJob:
     #: "b64_json": encoded bytes come back in the message; "url": the engine writes files to the output dir.
     response_format: Literal["b64_json", "url"] = "b64_json"
     output_compression: int | None = None  # jpeg and webp quality (0-100); None: 100, OpenAI's default
-    internal: bool = False  # /health_generate's probe: exempt from --max-queue-size and the queue-time metric
+    internal: bool = False  # /health_generate's probe: left out of the queue-time metric
     video_path: str | None = (
         None  # a /v1/videos job: the engine writes the MP4 here instead of encoding images
     )

@@ -19,6 +19,10 @@ _URL_SCHEMES = ("data:", "http://", "https://")
 #: A raw image: uploaded bytes, or a data/http(s) URL string (decoded later, in a thread).
 RawImage = bytes | str
 M = TypeVar("M", bound=BaseModel)
+_TOO_DEEP = (
+    "request body is nested too deeply to parse; send a JSON object of the route's fields (strings, "
+    "numbers and at most an object or list of image references in each)"
+)
 
 
 async def read_body(
@@ -42,6 +46,8 @@ async def read_body(
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"request body is not valid JSON ({exc})", code="invalid_request") from None
+    except RecursionError:
+        raise ApiError(400, _TOO_DEEP, code="invalid_request") from None
     return validate(model, data, accepted), None
 
 
@@ -50,9 +56,13 @@ def validate(model: type[M], data: Any, accepted: Sequence[str]) -> M:
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_request")
     try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(list(exc.errors()), accepted) from None
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            error = validation_error(list(exc.errors()), accepted)  # its message holds repr(the value)
+    except RecursionError:
+        raise ApiError(400, _TOO_DEEP, code="invalid_request") from None
+    raise error from None
 
 
 async def split_form(

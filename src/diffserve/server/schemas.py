@@ -8,7 +8,7 @@ import re
 import secrets
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from diffserve.configs.sampling_params import SamplingParams
 
@@ -45,9 +45,24 @@ _PRIORITY = "scheduling priority (-1000..1000, default 0): higher first, then fi
 ModelName = Annotated[str | None, Field(description="the served model's id or a --served-model-name")]
 Seed = Annotated[int | None, Field(ge=0, lt=2**63, description="unset: a random seed, returned")]
 Steps = Annotated[int | None, Field(ge=1)]
-Scale = Annotated[float | None, Field(ge=0)]
+Scale = Annotated[float | None, Field(ge=0, allow_inf_nan=False, description="a finite number >= 0")]
 Quality = Annotated[str | None, Field(description=_QUALITY)]
 Priority = Annotated[int | None, Field(ge=-1000, le=1000, description=_PRIORITY)]
+
+
+def utf8_text(value: Any) -> Any:
+    """A field validator: every string (also in lists) must be encodable as UTF-8; JSON's "\\ud800" (a
+    lone surrogate) is not, and would fail later, where the text is encoded (tokenizer, PNG, JSON)."""
+    for item in value if isinstance(value, list) else [value]:
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(
+                    f"not valid Unicode text: a lone surrogate ({item[exc.start]!r}) at character {exc.start}; "
+                    "send UTF-8 text"
+                ) from None
+    return value
 
 
 def sampling_params(body: BaseModel, **fields: Any) -> SamplingParams:
@@ -98,6 +113,8 @@ class ImageGenerationRequest(BaseModel):
     true_cfg_scale: Scale = None
     max_sequence_length: Steps = None
     priority: Priority = None
+
+    _utf8 = field_validator("*")(utf8_text)
 
     def check_supported(self) -> None:
         for name, allowed in NO_OP_VALUES.items():
@@ -158,6 +175,8 @@ class ImageReference(BaseModel):
     image_url: str | None = Field(None, description="a data URL, or an http(s) URL (--allow-url-images)")
     file_id: str | None = Field(None, description="OpenAI Files API id; not supported by diffserve")
 
+    _utf8 = field_validator("*")(utf8_text)
+
     def source(self, param: str) -> str:
         if self.file_id is not None:
             raise ApiParamError(
@@ -211,7 +230,7 @@ class VideoCreateRequest(BaseModel):
     model: ModelName = None
     size: str | None = Field(None, description="'WIDTHxHEIGHT'; unset: the model's default")
     seconds: float | None = Field(
-        None, gt=0, description="clip length (string or number); not with num_frames"
+        None, gt=0, allow_inf_nan=False, description="clip length (string or number); not with num_frames"
     )
     #: The first frame (image-to-video models): an uploaded file, or a data URL / {image_url}.
     input_reference: str | ImageReference | None = None
@@ -224,6 +243,8 @@ class VideoCreateRequest(BaseModel):
     max_sequence_length: Steps = None
     quality: Quality = None
     priority: Priority = None
+
+    _utf8 = field_validator("*")(utf8_text)
 
     def video_size(self) -> tuple[int | None, int | None]:
         if self.size is None or self.size.strip() == "auto":
@@ -242,8 +263,17 @@ class VideoCreateRequest(BaseModel):
             if self.num_frames is not None:
                 raise ApiParamError("pass either seconds or num_frames, not both", param="seconds")
             fps = self.fps or default_fps
-            num_frames = frames_for_seconds(self.seconds, fps, video["temporal_factor"])
-            most = video["max_frames"]
+            max_fps = video.get("max_fps", 120)
+            if fps > max_fps:
+                raise ApiParamError(f"fps must be an integer in [1, {max_fps}], got {fps}", param="fps")
+            most, factor = video["max_frames"], video["temporal_factor"]
+            if not self.seconds * fps <= most + factor:  # bounded before rounding: 1e308 s never overflows
+                message = (
+                    f"seconds={self.seconds:g} at {fps} fps is over {most} frames; this model makes at most "
+                    f"{most} frames ({most / fps:g} s at {fps} fps)"
+                )
+                raise ApiParamError(message, param="seconds")
+            num_frames = frames_for_seconds(self.seconds, fps, factor)
             if num_frames > most:
                 message = (
                     f"seconds={self.seconds:g} at {fps} fps is {num_frames} frames; this model makes at most "

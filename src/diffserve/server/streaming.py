@@ -4,6 +4,9 @@ The job is accepted before the stream starts, so a bad parameter, a full queue o
 ready is still a plain JSON error. Then: `image_generation.partial_image` events (the engine's previews)
 and one `image_generation.completed` per image (`image_edit.*` for edits), as the `openai` SDK parses
 them; a later error is an `error` event, and a client that goes away cancels the job.
+
+`ContentFileResponse` serves the stored files (`/v1/images/{id}/content`, `/v1/videos/{id}/content`) with
+HTTP Range support, a bad or unsatisfiable Range answered with OpenAI's JSON error.
 """
 
 from __future__ import annotations
@@ -13,17 +16,25 @@ import base64
 import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from starlette.responses import StreamingResponse
+from starlette.datastructures import Headers
+from starlette.responses import (
+    FileResponse,
+    JSONResponse,
+    MalformedRangeHeader,
+    RangeNotSatisfiable,
+    StreamingResponse,
+)
 from starlette.types import Message, Receive, Scope, Send
 
 from diffserve.outputs import encoded_format
 from diffserve.server.engine_client import EngineUnavailableError
-from diffserve.server.errors import as_api_error, error_body
+from diffserve.server.errors import as_api_error, error_body, error_response
 from diffserve.server.protocol import JobFinished, JobPreview
 
 logger = logging.getLogger("diffserve.server")
@@ -196,3 +207,47 @@ class EventStreamResponse(StreamingResponse):
                 await iterator.aclose()
         if not complete:
             self.on_abandon()
+
+
+class ContentFileResponse(FileResponse):
+    """A FileResponse whose Range errors are OpenAI's JSON error (400 `invalid_range`, or 416
+    `range_not_satisfiable` with `Content-Range: bytes */SIZE`) instead of Starlette's text/plain."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = self._range_error(scope)
+        if error is not None:
+            await error(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+    def _range_error(self, scope: Scope) -> JSONResponse | None:
+        """The error answer when Starlette would refuse the Range header, else None (it serves the file)."""
+        if (
+            scope["type"] != "http"
+            or self.status_code != 200
+            or scope["method"].upper() not in ("GET", "HEAD")
+        ):
+            return None
+        headers = Headers(scope=scope)
+        http_range, if_range = headers.get("range"), headers.get("if-range")
+        if http_range is None:
+            return None
+        try:
+            stat_result = self.stat_result or os.stat(self.path)
+        except OSError:
+            return None  # Starlette reports the missing file
+        if self.stat_result is None:
+            self.set_stat_headers(stat_result)  # for If-Range's ETag / Last-Modified comparison
+        size = stat_result.st_size
+        if if_range is not None and not self._should_use_range(if_range):
+            return None
+        try:
+            self._parse_range_header(http_range, size)
+        except MalformedRangeHeader as exc:
+            message = f"invalid Range header {http_range!r}: {exc.content}"
+            return error_response(400, message, "range", "invalid_range")
+        except RangeNotSatisfiable:
+            message = f"Range {http_range!r} is not satisfiable: the file has {size} bytes"
+            body = error_body(416, message, "range", "range_not_satisfiable")
+            return JSONResponse(body, status_code=416, headers={"Content-Range": f"bytes */{size}"})
+        return None

@@ -29,6 +29,7 @@ from diffserve.server.engine_client import (
     EngineUnavailableError,
     JobCancelledError,
     JobFailedError,
+    JobRejectedError,
 )
 from diffserve.server.metrics import ServerMetrics
 from diffserve.server.protocol import GenerateJob, JobFinished, JobProgress, JobStarted
@@ -41,7 +42,8 @@ FINISHED_STATUSES: tuple[str, ...] = ("completed", "failed", "cancelled")
 
 DB_FILE_NAME = "video_jobs.sqlite3"
 VIDEOS_DIR_NAME = "videos"
-VIDEO_ID_PATTERN = re.compile(r"^video_[0-9a-f]{32}$")
+#: A job id. `\Z`, not `$` (which also accepts a trailing newline), so `.match` checks the whole id.
+VIDEO_ID_PATTERN = re.compile(r"\Avideo_[0-9a-f]{32}\Z")
 
 #: How long DELETE waits for the engine to confirm that a running job stopped (it stops within a step).
 CANCEL_WAIT_S = 30.0
@@ -334,6 +336,13 @@ class VideoJobManager:
             self._active.pop(video_id, None)
             raise
         job.apply_params(accepted.params)
+        try:  # stored only once its answer can be rendered: GET /v1/videos renders every stored job
+            json.dumps(job.to_api(self.ttl), allow_nan=False).encode()
+        except (ValueError, UnicodeEncodeError) as exc:
+            self.engine.cancel(video_id)
+            outcome.add_done_callback(lambda done: done.cancelled() or done.exception())  # its cancellation
+            self._active.pop(video_id, None)
+            raise JobRejectedError(f"the job cannot be represented in a response: {exc}", None) from exc
         self.store.insert(job)
         follower = self._follow(job, outcome, arrived)
         self._followers[video_id] = asyncio.get_running_loop().create_task(follower)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import JSONResponse
 
 from diffserve.image_inputs import load_image
 from diffserve.server.args import ServerArgs
@@ -25,6 +25,7 @@ from diffserve.server.metrics import ServerMetrics
 from diffserve.server.protocol import wrong_route
 from diffserve.server.request_body import RawImage, check_source, read_body
 from diffserve.server.schemas import VIDEO_ACCEPTED_FIELDS, ApiParamError, ImageReference, VideoCreateRequest
+from diffserve.server.streaming import ContentFileResponse
 from diffserve.server.video_jobs import VIDEO_ID_PATTERN, VideoJob, VideoJobManager, video_file
 
 DEFAULT_LIST_LIMIT = 20
@@ -159,7 +160,7 @@ def video_router(
         return respond(found(video_id))
 
     @router.get("/v1/videos/{video_id}/content", responses=_ERRORS)
-    async def video_content(video_id: str, variant: str = "video") -> FileResponse:
+    async def video_content(video_id: str, variant: str = "video") -> ContentFileResponse:
         """The MP4 (`video/mp4`); `Range: bytes=...` requests get 206 with that part."""
         if variant != "video":
             ours = variant in ("thumbnail", "spritesheet")  # OpenAI's other variants
@@ -179,7 +180,9 @@ def video_router(
             message = f"the file of video {video_id} is gone"
             raise ApiError(404, message, param="video_id", code="video_not_found")
         name = f"{video_id}.mp4"
-        return FileResponse(path, media_type="video/mp4", filename=name, content_disposition_type="inline")
+        return ContentFileResponse(
+            path, media_type="video/mp4", filename=name, content_disposition_type="inline"
+        )
 
     @router.delete("/v1/videos/{video_id}", responses=_ERRORS)
     async def delete_video(video_id: str) -> JSONResponse:

@@ -1,5 +1,6 @@
 """An LRU cache of text-encoder outputs, keyed by prompt and every setting that changes the output, so
-a repeated prompt (negative prompts, retries, several seeds) skips the encoder. Bounded in bytes."""
+a repeated prompt (negative prompts, retries, several seeds) skips the encoder. Bounded in bytes and in
+entries (each key holds its prompt text, which the byte bound does not count)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ logger = logging.getLogger("diffserve.stages")
 
 #: Default bound: a few hundred prompts of a large T5/Qwen encoder's states.
 DEFAULT_MAX_BYTES = 256 * 2**20
+#: Default bound on the entries: at most 1024 prompts (of at most 10,000 characters each) are kept.
+DEFAULT_MAX_ENTRIES = 1024
 
 
 def _nbytes(value: Any) -> int:
@@ -25,8 +28,11 @@ def _nbytes(value: Any) -> int:
 
 
 class PromptEmbeddingCache:
-    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.max_bytes = max_bytes
+        self.max_entries = max_entries
         self._entries: OrderedDict[Hashable, Any] = OrderedDict()
         self._bytes = 0
         self.hits = 0
@@ -62,9 +68,11 @@ class PromptEmbeddingCache:
         size = _nbytes(value)
         if size > self.max_bytes:
             return
+        if key in self._entries:  # a concurrent lookup stored it first
+            self._bytes -= _nbytes(self._entries.pop(key))
         self._entries[key] = value
         self._bytes += size
-        while self._bytes > self.max_bytes:
+        while self._bytes > self.max_bytes or len(self._entries) > self.max_entries:
             _, evicted = self._entries.popitem(last=False)
             self._bytes -= _nbytes(evicted)
 
