@@ -34,14 +34,10 @@ from diffserve.runtime.scheduler import default_max_batch_tokens
 
 logger = logging.getLogger("diffserve")
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+_DTYPES = dict(
+    float32=torch.float32, fp32=torch.float32, bfloat16=torch.bfloat16, bf16=torch.bfloat16,
+    float16=torch.float16, fp16=torch.float16,
+)  # fmt: skip
 
 
 #: Seconds per step (not steps per second): the figure users compare between engines.
@@ -208,14 +204,11 @@ class DiffGenerator:
         save_frames: bool = False,
         **params: Any,
     ) -> GenerationOutput | list[GenerationOutput]:
-        """Generate `num_outputs_per_prompt` images (or videos) for one prompt, or for each prompt of a
-        list (then a list of outputs, in order). Keyword args are SamplingParams fields. `save_frames` also
-        writes each video's frames as PNGs next to it. Safe to call from several threads at once; the
-        requests of one call, and of concurrent calls, share DiT batches.
-
-        `image`: an edit model's input image(s) (`input_images`), each a file path, encoded bytes, a PIL image
-        or a base64 data URL (never an http(s) URL); `mask` (`mask_image`) likewise, one image.
-        """
+        """Generate for one prompt, or for each prompt of a list (then a list of outputs, in order).
+        Keyword args are SamplingParams fields; `save_frames` also writes each video's frames as PNGs.
+        Thread-safe; the requests of one call, and of concurrent calls, share DiT batches. `image`
+        (`input_images`, one or several) and `mask` (`mask_image`, one): each a file path, encoded bytes,
+        a PIL image or a base64 data URL (never an http(s) URL)."""
         if image is not None:
             if "input_images" in params:
                 raise UserError("pass the input images as either image= or input_images=, not both")

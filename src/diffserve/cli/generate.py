@@ -97,14 +97,11 @@ def check_output_path(text: str) -> None:
 
 def check_params(params: SamplingParams, max_inference_steps: int) -> None:
     """The checks that need no model, as errors naming the flag (the model's own limits come later)."""
+    from diffserve.runtime.engine import check_step_limit
+
     try:
         params.check_values()
-        steps = params.num_inference_steps
-        if steps is not None and steps > max_inference_steps:
-            raise InvalidRequestError(
-                f"num_inference_steps must be <= {max_inference_steps} (--max-inference-steps), got {steps}",
-                param="num_inference_steps",
-            )
+        check_step_limit(max_inference_steps, params.num_inference_steps)
     except InvalidRequestError as exc:
         if exc.param is None:
             raise

@@ -28,8 +28,7 @@ logger = logging.getLogger(__name__)
 VIDEO_FORMATS: tuple[str, ...] = ("mp4", "gif", "webp")
 VideoOutputFormat = Literal["mp4", "gif", "webp"]
 
-#: x264 CRF (0 lossless .. 51 worst) and preset, and Pillow's WebP quality (0 .. 100), when none is asked
-#: for; the choice is explained in benchmarks/measurements/outputs-and-loading.md.
+#: x264 CRF (0 lossless .. 51 worst) and preset, and Pillow's WebP quality (0 .. 100), when none is asked for.
 MP4_DEFAULT_CRF = 20
 MP4_PRESET = "medium"
 WEBP_DEFAULT_QUALITY = 90

@@ -5,8 +5,7 @@ inputs, so compile time is per block class, and the per-request logic between bl
 `dynamic=True` because serving batches change shape all the time (rows, resolution, prompt length):
 sizes stay symbolic except 0 and 1, so a block class needs one graph for one-row batches and one for
 larger ones, per attention-mask kind, all built by the warm-up (`WARMUP_KINDS`) before the first
-request. Measurements and rejected options: benchmarks/measurements/runtime-and-layers.md.
-"""
+request."""
 
 from __future__ import annotations
 

@@ -28,6 +28,15 @@ logger = logging.getLogger("diffserve.runtime")
 _WAIT_SLICE_SECONDS = 0.02
 
 
+def check_step_limit(most: int | None, steps: int | None) -> None:
+    """The engine's bound on denoising steps (InvalidRequestError naming the field); None: no bound."""
+    if most is not None and steps is not None and steps > most:
+        raise InvalidRequestError(
+            f"num_inference_steps must be <= {most} (this engine's --max-inference-steps), got {steps}",
+            param="num_inference_steps",
+        )
+
+
 class EngineEvents:
     """What the engine tells its owner, on the driving thread; the defaults do nothing."""
 
@@ -84,20 +93,11 @@ class Engine:
         if req.cancel_event is None:
             req.cancel_event = threading.Event()
         req = self.runner.validate(req)
-        self.check_limits(req)
+        check_step_limit(self.config.max_inference_steps, req.params.num_inference_steps)
         cost = self.cost(req)
         if self.scheduler.memory is not None:
             self.scheduler.memory.check_alone(cost)
         return ScheduledRequest(req=req, cost=cost, priority=int(priority), payload=payload)
-
-    def check_limits(self, req: Req) -> None:
-        """The engine's own bounds on a validated request (InvalidRequestError naming the field)."""
-        most, steps = self.config.max_inference_steps, req.params.num_inference_steps
-        if most is not None and steps is not None and steps > most:
-            raise InvalidRequestError(
-                f"num_inference_steps must be <= {most} (this engine's --max-inference-steps), got {steps}",
-                param="num_inference_steps",
-            )
 
     def cost(self, req: Req) -> RequestCost:
         return request_cost(self.pipeline.facts, req)

@@ -1,7 +1,6 @@
 """`ModelRunner`: the part of the engine that touches models, one pipeline phase at a time, inside
 `model_scope()` (the generator's attention backend, for the calling thread). No queues, threads or
-transport. Step times come from `StepTimer` marks: no host sync per step.
-"""
+transport. Step times come from `StepTimer` marks: no host sync per step."""
 
 from __future__ import annotations
 

@@ -65,8 +65,7 @@ from diffserve.server.video_routes import check_route, video_router
 logger = logging.getLogger("diffserve.server")
 
 HEALTH_GENERATE_TIMEOUT_S = 120.0
-#: /health_generate answers with the last probe's result for this long instead of running another one.
-HEALTH_GENERATE_REUSE_S = 5.0
+HEALTH_GENERATE_REUSE_S = 5.0  # /health_generate reuses the last probe's result this long
 DESCRIPTION = "OpenAI-compatible image and video generation with diffserve"
 T = TypeVar("T")
 
@@ -101,25 +100,20 @@ async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """The outcome of one /health_generate generation: its answer, and when and on which engine it ran."""
+    """One /health_generate generation's answer, and when and on which engine it ran."""
 
     status: int
     body: dict[str, Any]
     finished_at: float  # time.monotonic()
-    incarnation: int  # the engine process it ran on (a restarted engine is probed afresh)
+    incarnation: int  # a restarted engine is probed afresh
 
 
 class HealthProbe:
-    """/health_generate's generation, rate-limited for an unauthenticated route: at most one in flight
-    (concurrent callers await the same one), its result reused for `reuse_s` seconds, queued like any
-    request (a full queue is a 429), and cancelled in the engine once no caller is waiting for it."""
+    """/health_generate's generation, rate-limited (the route is open): one in flight, shared by
+    concurrent callers, reused for `reuse_s` s, queued like any job (429 when full), cancelled once no
+    caller waits for it."""
 
-    def __init__(
-        self,
-        engine: EngineClient,
-        timeout_s: float = HEALTH_GENERATE_TIMEOUT_S,
-        reuse_s: float = HEALTH_GENERATE_REUSE_S,
-    ) -> None:
+    def __init__(self, engine: EngineClient, timeout_s: float, reuse_s: float) -> None:
         self.engine, self.timeout_s, self.reuse_s = engine, timeout_s, reuse_s
         self._task: asyncio.Task[ProbeResult] | None = None
         self._waiters = 0
@@ -132,8 +126,8 @@ class HealthProbe:
         return last if time.monotonic() - last.finished_at < self.reuse_s else None
 
     async def result(self, request: Request) -> tuple[ProbeResult, bool]:
-        """The probe's result and whether it was reused; raises ClientDisconnected when the client leaves,
-        and what the engine client raises before queueing (not ready: 503, queue full: 429)."""
+        """The result and whether it was reused; raises ClientDisconnected, and the engine client's
+        errors before queueing."""
         if (last := self.recent()) is not None:
             return last, True
         if self._task is None or self._task.done():
@@ -148,7 +142,7 @@ class HealthProbe:
                 logger.info("Cancelling the /health_generate probe: no caller is waiting for it anymore")
                 task.cancel()  # engine.generate sends CancelJob
                 if self._task is task:
-                    self._task = None  # the next caller starts a new one instead of joining a cancelled one
+                    self._task = None  # the next caller starts a new probe
 
     async def _run(self, request_id: str) -> ProbeResult:
         engine, size = self.engine, self.engine.probe_size
@@ -228,7 +222,6 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         video_jobs.open()  # before the engine: jobs a previous server left unfinished are failed first
-        # url images live --job-ttl seconds, as video jobs do; half-written ones of a previous server go now.
         remove_partial_images(args.output_dir)
         expire_images(args.output_dir, args.job_ttl)
         image_sweeper = asyncio.create_task(sweep_images(args.output_dir, args.job_ttl))
@@ -365,6 +358,7 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
         check_model(model_id)
         return model_card()
 
+    @app.head("/health", responses=_ERRORS)  # load balancers that probe with HEAD
     @app.get("/health", responses=_ERRORS)
     async def health() -> Response:
         if not engine.ready:
@@ -372,16 +366,10 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
             return error_response(503, str(err), None, err.code)
         return JSONResponse({"status": "ok"})
 
-    @app.head("/health", responses=_ERRORS)
-    async def health_head() -> Response:
-        """/health's status and headers without its body (load balancers that probe with HEAD)."""
-        return await health()
-
     @app.get("/health_generate", responses=_ERRORS)
     async def health_generate(request: Request) -> Response:
-        """A real 1-step generation at a small size through the queue. Open without the API key, so it is
-        rate-limited: one generation at a time, shared by concurrent callers, its result reused for
-        HEALTH_GENERATE_REUSE_S seconds (`"cached": true`); cancelled when every caller has left."""
+        """A real 1-step generation at a small size through the queue, rate-limited by HealthProbe
+        (a reused result says `"cached": true`)."""
         try:
             result, reused = await probe.result(request)
         except ClientDisconnected:

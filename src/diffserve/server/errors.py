@@ -97,11 +97,14 @@ def as_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, JobFailedError):
         return ApiError(500, f"the engine failed on this request: {exc}", code="engine_error")
     if isinstance(exc, StarletteHTTPException):  # e.g. a malformed multipart body (400), a body over 413
-        detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-        code = _HTTP_CODES.get(exc.status_code)
-        return ApiError(exc.status_code, detail, code=code, headers=getattr(exc, "headers", None))
+        return _http_error(exc, str(exc.detail))
     name = type(exc).__name__
     return ApiError(500, f"internal server error ({name}); see the server log", code="internal_error")
+
+
+def _http_error(exc: StarletteHTTPException, message: str) -> ApiError:
+    headers = getattr(exc, "headers", None)
+    return ApiError(exc.status_code, message, code=_HTTP_CODES.get(exc.status_code), headers=headers)
 
 
 def validation_error_message(
@@ -161,11 +164,10 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"method {request.method} is not allowed on {request.url.path}"
         else:
             message = str(exc.detail)
-        code = _HTTP_CODES.get(exc.status_code)
-        return error_response(exc.status_code, message, None, code, getattr(exc, "headers", None))
+        return _respond(_http_error(exc, message))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        # %r: the method and path are the client's, and must not forge log lines.
+        # %r: the client's method and path must not forge log lines.
         logger.error("Unhandled error on %r %r", request.method, request.url.path, exc_info=exc)
         return _respond(as_api_error(exc))

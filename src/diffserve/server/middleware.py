@@ -28,43 +28,28 @@ OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
 _IMAGE_CONTENT_PREFIX = "/v1/images/"
 _IMAGE_CONTENT_SUFFIX = "/content"
 
-#: Methods labelled by name in `diffserve_http_requests_total`; any other (a client may send any token)
-#: is labelled OTHER_LABEL, so that noise cannot grow the metrics.
+#: Methods labelled by name in `diffserve_http_requests_total` (any other is "other": bounded labels).
 KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH", "TRACE", "CONNECT"})
-OTHER_LABEL = "other"
-#: Label of requests that matched no route (their path is never a label).
-UNMATCHED_ROUTE = "unmatched"
-#: Longest client-supplied value written to the access log (the rest is elided).
-MAX_LOGGED_CHARS = 1024
-#: Characters that could forge or garble a log line: C0/C1 controls, DEL, Unicode line and paragraph
-#: separators, and the backslash (escaped too, so that an escape in the log is never ambiguous).
+MAX_LOGGED_CHARS = 1024  # longest client-supplied value in the access log (the rest is elided)
+#: What could forge or garble a log line: C0/C1 controls, DEL, U+2028/9, and the backslash (unambiguous).
 _UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\\]")
 
 
 def _escape_char(match: re.Match[str]) -> str:
-    char = match.group()
-    if char == "\\":
-        return "\\\\"
-    code = ord(char)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+    code = ord(match.group())
+    return "\\\\" if code == 0x5C else f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def loggable(value: str, limit: int = MAX_LOGGED_CHARS) -> str:
-    """`value` (a client-supplied path, method, address) safe to write in one log line: control
-    characters escaped as `\\xNN`, repr-style, and at most `limit` characters."""
+    """`value` (client-supplied) safe for one log line: controls escaped (`\\xNN`), at most `limit` chars."""
     if len(value) > limit:
         value = value[:limit] + f"...({len(value) - limit} more)"
     return _UNSAFE.sub(_escape_char, value)
 
 
-def method_label(method: str) -> str:
-    """The `method` label: the method's name if it is a standard one, else OTHER_LABEL."""
-    return method if method in KNOWN_METHODS else OTHER_LABEL
-
-
 def content_token(api_key: str, image_id: str) -> str:
-    """The `?token=` that lets a `url` response be fetched without the API key (a browser, an <img>).
-    The key is stripped of surrounding whitespace, as ApiKeyMiddleware strips it."""
+    """The `?token=` that lets a `url` response be fetched without the API key (a browser, an <img>);
+    the key stripped, as ApiKeyMiddleware strips it."""
     return hmac.new(api_key.strip().encode(), image_id.encode(), hashlib.sha256).hexdigest()[:32]
 
 
@@ -94,9 +79,10 @@ class RequestContextMiddleware:
             await self.app(scope, receive, send_with_id)
         finally:
             code = status if status is not None else CLIENT_CLOSED_REQUEST
-            # Labels come from bounded sets only: the route template (never the path), a known method.
-            route_path = getattr(scope.get("route"), "path", None) or UNMATCHED_ROUTE
-            self.metrics.http_requests.labels(method_label(scope["method"]), route_path, str(code)).inc()
+            # Bounded labels only: the route template (never the path), a known method.
+            route_path = getattr(scope.get("route"), "path", None) or "unmatched"
+            method = scope["method"] if scope["method"] in KNOWN_METHODS else "other"
+            self.metrics.http_requests.labels(method, route_path, str(code)).inc()
             client = scope.get("client")
             peer = loggable(f"{client[0]}:{client[1]}") if client else "-"
             seconds = time.perf_counter() - start
@@ -105,12 +91,9 @@ class RequestContextMiddleware:
 
 
 class ApiKeyMiddleware:
-    """`Authorization: Bearer KEY` on everything but OPEN_PATHS, compared in constant time.
-    Image URLs handed out by the server also work with their `?token=`.
-
-    `api_key` is stripped of surrounding whitespace here (a key read from a file or an environment
-    variable often ends in a newline, and the token a client sends is stripped too, so an unstripped key
-    could never match); a key that is empty once stripped is refused."""
+    """`Authorization: Bearer KEY` on everything but OPEN_PATHS, compared in constant time. Image URLs
+    handed out by the server also work with their `?token=`. The key is stripped (one read from a file
+    often ends in a newline, and the client's token is stripped too); an empty key is refused."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         key = api_key.strip()

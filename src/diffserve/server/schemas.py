@@ -51,17 +51,14 @@ Priority = Annotated[int | None, Field(ge=-1000, le=1000, description=_PRIORITY)
 
 
 def utf8_text(value: Any) -> Any:
-    """A field validator: every string (also in lists) must be encodable as UTF-8; JSON's "\\ud800" (a
-    lone surrogate) is not, and would fail later, where the text is encoded (tokenizer, PNG, JSON)."""
+    """A field validator: strings (also in lists) must encode as UTF-8; a lone surrogate ("\\ud800")
+    would fail later, where the text is encoded (tokenizer, PNG, JSON)."""
     for item in value if isinstance(value, list) else [value]:
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise ValueError(
-                    f"not valid Unicode text: a lone surrogate ({item[exc.start]!r}) at character {exc.start}; "
-                    "send UTF-8 text"
-                ) from None
+        try:
+            item.encode("utf-8") if isinstance(item, str) else None
+        except UnicodeEncodeError as exc:
+            at = f"({item[exc.start]!r}) at character {exc.start}"
+            raise ValueError(f"not valid Unicode text: a lone surrogate {at}; send UTF-8 text") from None
     return value
 
 
@@ -267,17 +264,12 @@ class VideoCreateRequest(BaseModel):
             if fps > max_fps:
                 raise ApiParamError(f"fps must be an integer in [1, {max_fps}], got {fps}", param="fps")
             most, factor = video["max_frames"], video["temporal_factor"]
-            if not self.seconds * fps <= most + factor:  # bounded before rounding: 1e308 s never overflows
+            bounded = self.seconds * fps <= most + factor  # checked before rounding: 1e308 s never overflows
+            num_frames = frames_for_seconds(self.seconds, fps, factor) if bounded else None
+            if num_frames is None or num_frames > most:
                 message = (
-                    f"seconds={self.seconds:g} at {fps} fps is over {most} frames; this model makes at most "
-                    f"{most} frames ({most / fps:g} s at {fps} fps)"
-                )
-                raise ApiParamError(message, param="seconds")
-            num_frames = frames_for_seconds(self.seconds, fps, factor)
-            if num_frames > most:
-                message = (
-                    f"seconds={self.seconds:g} at {fps} fps is {num_frames} frames; this model makes at most "
-                    f"{most} frames ({most / fps:g} s at {fps} fps)"
+                    f"seconds={self.seconds:g} at {fps} fps is {num_frames or f'over {most}'} frames; this "
+                    f"model makes at most {most} frames ({most / fps:g} s at {fps} fps)"
                 )
                 raise ApiParamError(message, param="seconds")
         return sampling_params(self, height=height, width=width, num_frames=num_frames, video_format="mp4")

@@ -210,37 +210,26 @@ class EventStreamResponse(StreamingResponse):
 
 
 class ContentFileResponse(FileResponse):
-    """A FileResponse whose Range errors are OpenAI's JSON error (400 `invalid_range`, or 416
-    `range_not_satisfiable` with `Content-Range: bytes */SIZE`) instead of Starlette's text/plain."""
+    """A FileResponse whose Range errors are OpenAI's JSON (400 `invalid_range`, 416
+    `range_not_satisfiable` with `Content-Range: bytes */SIZE`), not Starlette's text/plain."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        error = self._range_error(scope)
-        if error is not None:
-            await error(scope, receive, send)
-            return
-        await super().__call__(scope, receive, send)
+        error = self._range_error(Headers(scope=scope))
+        await (error or super().__call__)(scope, receive, send)
 
-    def _range_error(self, scope: Scope) -> JSONResponse | None:
-        """The error answer when Starlette would refuse the Range header, else None (it serves the file)."""
-        if (
-            scope["type"] != "http"
-            or self.status_code != 200
-            or scope["method"].upper() not in ("GET", "HEAD")
-        ):
-            return None
-        headers = Headers(scope=scope)
+    def _range_error(self, headers: Headers) -> JSONResponse | None:
+        """The answer when Starlette would refuse the Range header, else None (the routes are GET only)."""
         http_range, if_range = headers.get("range"), headers.get("if-range")
         if http_range is None:
             return None
         try:
-            stat_result = self.stat_result or os.stat(self.path)
+            stat_result = os.stat(self.path)
         except OSError:
             return None  # Starlette reports the missing file
-        if self.stat_result is None:
-            self.set_stat_headers(stat_result)  # for If-Range's ETag / Last-Modified comparison
-        size = stat_result.st_size
+        self.set_stat_headers(stat_result)  # for If-Range's ETag / Last-Modified comparison
         if if_range is not None and not self._should_use_range(if_range):
             return None
+        size = stat_result.st_size
         try:
             self._parse_range_header(http_range, size)
         except MalformedRangeHeader as exc:
@@ -248,6 +237,6 @@ class ContentFileResponse(FileResponse):
             return error_response(400, message, "range", "invalid_range")
         except RangeNotSatisfiable:
             message = f"Range {http_range!r} is not satisfiable: the file has {size} bytes"
-            body = error_body(416, message, "range", "range_not_satisfiable")
-            return JSONResponse(body, status_code=416, headers={"Content-Range": f"bytes */{size}"})
+            headers = {"Content-Range": f"bytes */{size}"}
+            return error_response(416, message, "range", "range_not_satisfiable", headers)
         return None

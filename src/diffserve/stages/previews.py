@@ -3,9 +3,7 @@
 The predicted clean latent is previewed: every family samples a flow-matching ODE whose velocity
 `v = noise - x0` the denoisers keep on `Req.last_prediction`, so after an Euler step to `sigma_{i+1}`,
 `x0 = x_{i+1} - sigma_{i+1} * v` (UniPC keeps x0 itself). The pipeline's own VAE decodes it, from pooled
-latents above `PREVIEW_MAX_PIXELS` (a video: its first frame). Costs and rejected options:
-benchmarks/measurements/runtime-and-layers.md.
-"""
+latents above `PREVIEW_MAX_PIXELS` (a video: its first frame)."""
 
 from __future__ import annotations
 
