@@ -3,8 +3,7 @@
 For each tier (high, medium, low): the step-cache policy that computes the fewest steps in full while the
 mean PSNR against lossless over the calibration prompts stays `--margin-db` above the tier's bar (35 /
 30 / 25 dB), binary-searched over a threshold grid per `max_reuse_in_a_row` (a larger threshold can only
-lower PSNR). The result, with its measurements, goes to `diffserve_step_cache.json` in the model folder.
-"""
+lower PSNR). The result, with its measurements, goes to `diffserve_step_cache.json` in the model folder."""
 
 from __future__ import annotations
 
@@ -50,10 +49,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add("--width", type=int, default=None, help="width in pixels (default: the model's)")
     add("--num-frames", type=int, default=None, help="video models: frames (default: the model's)")
     add("--seed", type=int, default=0, help="seed of every calibration generation (default: 0)")
-    add(
-        "--margin-db", type=float, default=1.0,
-        help="mean PSNR kept above each tier's bar, for prompts unlike the calibration ones (default: 1)",
-    )  # fmt: skip
+    add("--margin-db", type=float, default=1.0,
+        help="mean PSNR kept above each tier's bar, for prompts unlike the calibration ones (default: 1)")  # fmt: skip
     add("--dry-run", action="store_true", help="print the result without writing the file")
     add("--output-path", default="outputs", help=argparse.SUPPRESS)
     p.set_defaults(handler=run)

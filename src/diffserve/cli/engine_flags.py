@@ -12,39 +12,22 @@ from diffserve.logging_setup import LEVELS
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     add = p.add_argument
     add("--log-level", default="info", choices=LEVELS)
-    add(
-        "--model-path", default=None,
-        help="Diffusers model folder (with model_index.json); default: the small demo model shipped with diffserve",
-    )  # fmt: skip
+    add("--model-path", default=None,
+        help="Diffusers model folder (with model_index.json); default: the small demo model shipped with diffserve")  # fmt: skip
     add("--device", default=None, help="platform: cpu, cuda, rocm, musa, xpu, npu, mps (default: detect)")
     add("--dtype", default=None, help="float32, bfloat16 or float16 (default: the platform's)")
     add("--text-encoder-dtype", default=None, help="dtype of the text encoders (default: --dtype)")
     add("--attention-backend", default=None, help="sdpa, flash_attn or sage_attn (default: sdpa)")
-    add(
-        "--compile", action="store_true",
-        help="torch.compile the DiT's repeated blocks (regional, inductor, dynamic shapes): compiled at "
-        "start-up by a short warm-up (or at --warmup-resolutions), so requests of any size run compiled",
-    )  # fmt: skip
-    add(
-        "--warmup-resolutions", nargs="+", default=[], metavar="WxH", type=parse_resolution,
-        help="sizes generated once at startup (e.g. 1024x1024 768x1344) so compilation happens before the "
-        "first request (default: none)",
-    )  # fmt: skip
-    add(
-        "--tune-allocator", action="store_true",
-        help="CPU (glibc): keep activation buffers mapped between denoising steps instead of returning them "
-        "to the OS; measure first, it helps on some hosts and slows others",
-    )  # fmt: skip
-    add(
-        "--max-inference-steps", type=int, default=EngineArgs.max_inference_steps, metavar="N",
-        help="most denoising steps a request may ask for; more is refused (HTTP 400 on the server) "
-        f"(default: {EngineArgs.max_inference_steps})",
-    )  # fmt: skip
-    add(
-        "--default-quality", default="lossless", choices=("lossless", "high", "medium", "low"),
-        help="what quality='auto' (or no quality) means for a request: lossless (exact), or an approximate "
-        "tier that reuses DiT work between steps (default: lossless)",
-    )  # fmt: skip
+    add("--compile", action="store_true",
+        help="torch.compile the DiT's repeated blocks (dynamic shapes), compiled by a start-up warm-up")  # fmt: skip
+    add("--warmup-resolutions", nargs="+", default=[], metavar="WxH", type=parse_resolution,
+        help="sizes generated once at startup, e.g. 1024x1024 768x1344 (default: none)")  # fmt: skip
+    add("--tune-allocator", action="store_true",
+        help="CPU (glibc): keep activation buffers mapped between steps (measure: host-dependent)")  # fmt: skip
+    add("--max-inference-steps", type=int, default=EngineArgs.max_inference_steps, metavar="N",
+        help=f"most denoising steps a request may ask for (default: {EngineArgs.max_inference_steps})")  # fmt: skip
+    add("--default-quality", default="lossless", choices=("lossless", "high", "medium", "low"),
+        help="what quality='auto' means: lossless (exact) or a faster approximate tier (default: lossless)")  # fmt: skip
 
 
 def parse_resolution(text: str) -> tuple[int, int]:

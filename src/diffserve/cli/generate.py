@@ -28,10 +28,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text prompt")
     prompt.add_argument("--prompt-file", help="file with one prompt per line (blank lines skipped)")
-    add(
-        "--image", action="append", default=None, metavar="PATH",
-        help="input image of an edit model (repeat for several, in order); png, jpeg, webp, bmp or gif",
-    )  # fmt: skip
+    add("--image", action="append", default=None, metavar="PATH",
+        help="input image of an edit model (repeat for several, in order); png, jpeg, webp, bmp or gif")  # fmt: skip
     add("--mask", default=None, metavar="PATH", help="inpainting mask (only models that inpaint)")
     add("--negative-prompt", default=None, help="negative prompt (used with --true-cfg-scale > 1)")
     add("--height", type=int, default=None, help="image height in pixels (model default if unset)")
@@ -45,18 +43,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add("--video-format", default=None, choices=("mp4", "gif", "webp"), help="video container (mp4)")
     add("--save-frames", action="store_true", help="video models: also write every frame as a PNG")
     add("--seed", type=int, default=0, help="noise seed (same seed, same image on every device)")
-    add(
-        "--quality", default=None, choices=ACCEPTED,
-        help="lossless (exact); high, medium, low: reuse DiT work between steps, faster, at least "
-        "35/30/25 dB PSNR against lossless; auto: --default-quality (default: auto)",
-    )  # fmt: skip
+    add("--quality", default=None, choices=ACCEPTED,
+        help="lossless; high/medium/low: faster, >= 35/30/25 dB PSNR; auto: --default-quality (default)")  # fmt: skip
     add("--num-outputs-per-prompt", type=int, default=1, help="images per prompt")
     add("--output-path", default="outputs", help="directory for output files (default: outputs/)")
     add("--output-file-name", default=None, help="file name instead of the generated one")
-    add(
-        "--save-output", action=argparse.BooleanOptionalAction, default=True,
-        help="write images to --output-path",
-    )  # fmt: skip
+    add("--save-output", action=argparse.BooleanOptionalAction, default=True,
+        help="write images to --output-path")  # fmt: skip
     p.set_defaults(handler=run)
 
 

@@ -14,8 +14,7 @@ EXIT_USER_ERROR = 2
 
 
 class _TopLevelParser(argparse.ArgumentParser):
-    """Reports arguments no parser recognised with the usage of the subcommand they were given to
-    (plain argparse collects them in the subparser but lets the top-level parser report them)."""
+    """Reports unrecognised arguments with the usage of the subcommand they were given to."""
 
     subcommands: dict[str, argparse.ArgumentParser]
 

@@ -1,8 +1,5 @@
-"""`diffserve make-tiny FAMILY DIR`: write a small random-weight checkpoint in Diffusers layout.
-
-The families are the registry's, read only when make-tiny runs or shows its help: the registry imports
-torch, and the command line must stay free of it (the server's HTTP process builds this parser too).
-"""
+"""`diffserve make-tiny FAMILY DIR`: write a small random-weight checkpoint in Diffusers layout. The
+registry (it imports torch) is read only when make-tiny runs or shows its help."""
 
 from __future__ import annotations
 
@@ -15,8 +12,7 @@ logger = logging.getLogger("diffserve")
 
 
 class _FamilyNames:
-    """argparse `choices` that ask the registry when first used: a family's name or alias is accepted,
-    and the names (without aliases) are what help and errors list."""
+    """argparse `choices` asking the registry when used: names and aliases are accepted, names listed."""
 
     def __contains__(self, name: object) -> bool:
         from diffserve.errors import UserError
@@ -45,10 +41,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add("--seed", type=int, default=0, help="weight initialisation seed")
     add("--no-guidance-embeds", action="store_true", help="flux: FLUX.1-schnell style, no guidance embedding")
     add("--sd35", action="store_true", help="sd3: SD3.5 style (qk RMSNorm, dual attention in block 0)")
-    add(
-        "--scheduler", choices=("flow-match-euler", "unipc"), default="flow-match-euler",
-        help="wan-*: the scheduler written (unipc is what the released Wan 2.1 checkpoints ship)",
-    )  # fmt: skip
+    add("--scheduler", choices=("flow-match-euler", "unipc"), default="flow-match-euler",
+        help="wan-*: the scheduler written (unipc is what the released Wan 2.1 checkpoints ship)")  # fmt: skip
     p.set_defaults(handler=run)
 
 
@@ -56,10 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from diffserve.registry import TinyCheckpointOptions, family_by_name
 
     family = family_by_name(args.family)
-    guidance = not args.no_guidance_embeds
-    options = TinyCheckpointOptions(
-        seed=args.seed, guidance_embeds=guidance, sd35=args.sd35, scheduler=args.scheduler
-    )
+    options = TinyCheckpointOptions(args.seed, not args.no_guidance_embeds, args.sd35, args.scheduler)
     path = family.tiny_builder(Path(args.output_dir), options)
     logger.info("Wrote tiny %s checkpoint to %s", family.name, path)
     return 0

@@ -18,86 +18,45 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve a Diffusers-format model over HTTP: POST /v1/images/generations and "
-        "POST /v1/images/edits (OpenAI schema) for image models, the /v1/videos job API for video models, "
-        "GET /v1/models, /health, /health_generate, /server_info, /metrics. The model runs in its own "
-        "engine process; the HTTP front end never blocks on it.",
+        description="Serve a Diffusers-format model over HTTP (OpenAI schema): /v1/images/generations and "
+        "/v1/images/edits, /v1/videos jobs, /v1/models, /health, /health_generate, /server_info, /metrics.",
     )
     add_engine_flags(p)
     add = p.add_argument
-    add(
-        "--served-model-name", dest="served_model_names", nargs="+", default=[], metavar="NAME",
-        help="model name(s) clients pass as 'model'; the first is what /v1/models lists "
-        "(default: the model path; its folder name is always accepted too)",
-    )  # fmt: skip
+    add("--served-model-name", dest="served_model_names", nargs="+", default=[], metavar="NAME",
+        help="name(s) clients pass as 'model'; /v1/models lists the first (default: the model path)")  # fmt: skip
     add("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all)")
     add("--port", type=int, default=30000, help="port to listen on (default: 30000)")
-    add(
-        "--api-key", default=os.environ.get("DIFFSERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every route but /health, /health_generate and "
-        "/metrics (default: $DIFFSERVE_API_KEY; unset: no auth). Image URLs carry their own token",
-    )  # fmt: skip
-    add(
-        "--max-queue-size", type=int, default=64,
-        help="requests allowed to wait for the engine (not counting the running ones); more get 429 (default: 64)",
-    )  # fmt: skip
-    add(
-        "--max-running-requests", type=int, default=8,
-        help="requests the engine runs at once, sharing denoising steps as one DiT batch per shape "
-        "(step-level batching); 1: one request at a time (default: 8)",
-    )  # fmt: skip
-    add(
-        "--max-batch-tokens", type=int, default=None,
-        help="cap on the running requests' latent tokens x CFG branches x outputs (a 1024x1024 FLUX image "
-        "is 4096 tokens); requests beyond it wait (default: 65536 on accelerators, 16384 on CPU)",
-    )  # fmt: skip
-    add(
-        "--mem-fraction", type=float, default=0.9,
-        help="share of the free memory measured after warm-up that running requests may use; a request is "
-        "admitted only while the estimated total fits, one that cannot fit even alone gets 413 (default: 0.9)",
-    )  # fmt: skip
-    add(
-        "--max-body-bytes", type=int, default=1 << 20,
-        help="largest request body; larger ones get 413 (default: 1048576). /v1/images/edits allows 17 "
-        "images at --max-image-bytes as base64 on top of it",
-    )  # fmt: skip
-    add(
-        "--allow-url-images", action="store_true",
-        help="let /v1/images/edits fetch input images from http(s) URLs on public hosts (default: off; "
-        "uploads and base64 data URLs only, no outbound requests)",
-    )  # fmt: skip
-    add(
-        "--max-image-bytes", type=int, default=20 << 20,
-        help="largest input image (encoded: upload, decoded data URL or download); larger ones get 413 "
-        "(default: 20971520 = 20 MiB). The edits route's body limit follows from it",
-    )  # fmt: skip
-    add(
-        "--max-image-pixels", type=int, default=4096 * 4096,
-        help="largest input image in pixels (width * height, checked before decoding); larger ones get 413 "
-        "(default: 16777216 = 4096x4096)",
-    )  # fmt: skip
-    add(
-        "--shutdown-timeout", type=float, default=30.0,
-        help="on SIGTERM, seconds in-flight requests get to finish before they are cancelled (default: 30)",
-    )  # fmt: skip
-    add(
-        "--warmup", action=argparse.BooleanOptionalAction, default=True,
-        help="run a 1-step generation before reporting ready (default: on)",
-    )  # fmt: skip
-    add(
-        "--output-path", default="outputs",
-        help="directory for images returned as response_format='url', and for /v1/videos jobs "
-        "(videos/<id>.mp4 and video_jobs.sqlite3) (default: outputs/)",
-    )  # fmt: skip
-    add(
-        "--job-ttl", type=float, default=86400.0,
-        help="seconds a finished /v1/videos job and its MP4 are kept after it finished; then both are "
-        "deleted (default: 86400 = one day)",
-    )  # fmt: skip
+    add("--api-key", default=os.environ.get("DIFFSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' but on /health* and /metrics (default: $DIFFSERVE_API_KEY)")  # fmt: skip
+    add("--max-queue-size", type=int, default=64,
+        help="requests allowed to wait (not counting running ones); more get 429 (default: 64)")  # fmt: skip
+    add("--max-running-requests", type=int, default=8,
+        help="requests running at once, sharing denoising steps as one DiT batch per shape (default: 8)")  # fmt: skip
+    add("--max-batch-tokens", type=int, default=None,
+        help="cap on running latent tokens x CFG branches x outputs (default: 65536; 16384 on CPU)")  # fmt: skip
+    add("--mem-fraction", type=float, default=0.9,
+        help="share of the free memory after warm-up running requests may use; 413 if one never fits (default: 0.9)")  # fmt: skip
+    add("--max-body-bytes", type=int, default=1 << 20,
+        help="largest request body, beyond /v1/images/edits' images; larger: 413 (default: 1048576)")  # fmt: skip
+    add("--allow-url-images", action="store_true",
+        help="let /v1/images/edits fetch input images from public http(s) URLs (default: off)")  # fmt: skip
+    add("--max-image-bytes", type=int, default=20 << 20,
+        help="largest encoded input image; larger ones get 413 (default: 20971520 = 20 MiB)")  # fmt: skip
+    add("--max-image-pixels", type=int, default=4096 * 4096,
+        help="largest input image in pixels, checked before decoding; larger: 413 (default: 4096x4096)")  # fmt: skip
+    add("--shutdown-timeout", type=float, default=30.0,
+        help="on SIGTERM, seconds in-flight requests get to finish before they are cancelled (default: 30)")  # fmt: skip
+    add("--warmup", action=argparse.BooleanOptionalAction, default=True,
+        help="run a 1-step generation before reporting ready (default: on)")  # fmt: skip
+    add("--output-path", default="outputs",
+        help="directory for response_format='url' images and /v1/videos jobs (default: outputs/)")  # fmt: skip
+    add("--job-ttl", type=float, default=86400.0,
+        help="seconds a finished /v1/videos job and its file are kept (default: 86400 = one day)")  # fmt: skip
     p.set_defaults(handler=run)
 
 
-#: Flag -> (whether a value is valid, what a valid value is); the server refuses to start otherwise.
+# Flag -> (whether a value is valid, what a valid value is); the server refuses to start otherwise.
 _VALID: dict[str, tuple[Callable[[Any], bool], str]] = {
     "port": (lambda v: 0 <= v <= 65535, "in 0..65535"),
     "max_queue_size": (lambda v: v >= 0, ">= 0"),

@@ -1,7 +1,5 @@
-"""adaLN norms of the MMDiTs: Diffusers' `AdaLayerNormZero` and `AdaLayerNormContinuous`. They take
-`temb_act` = SiLU(temb), computed once per forward; FLUX projects them all in one matmul and calls
-`modulate_projected`.
-"""
+"""Diffusers' `AdaLayerNormZero` and `AdaLayerNormContinuous`, on `temb_act` = SiLU(temb) (computed once
+per forward); FLUX projects them all in one matmul and calls `modulate_projected`."""
 
 from __future__ import annotations
 
@@ -11,8 +9,7 @@ from torch import nn
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm
 
-#: The LayerNorm eps of every adaLN in FLUX, SD3 and Qwen-Image.
-ADALN_EPS = 1e-6
+ADALN_EPS = 1e-6  # every adaLN's in FLUX, SD3 and Qwen-Image
 
 
 class AdaLayerNormZero(nn.Module):

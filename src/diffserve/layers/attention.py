@@ -1,10 +1,7 @@
-"""`attention(q, k, v)` on (batch, seq, heads, head_dim) tensors, with a per-generator backend: `sdpa`
-(default), `flash_attn` or `sage_attn` (where installed and suited to the inputs; else SDPA, logged).
-
-The backend is the one of the enclosing `attention_backend_scope` (a `ContextVar`, so per thread).
+"""`attention(q, k, v)` on (batch, seq, heads, head_dim) tensors, with the backend of the enclosing
+`attention_backend_scope` (a `ContextVar`): `sdpa`, `flash_attn` or `sage_attn` (else SDPA, logged).
 Compiled code calls the opaque custom op `diffserve::attention`, which reads the scope when the graph
-runs: Dynamo cannot trace `ContextVar.get`, and a traced value would be baked into a shared graph.
-"""
+runs: Dynamo cannot trace `ContextVar.get`, and a traced value would be baked into a shared graph."""
 
 from __future__ import annotations
 
@@ -27,11 +24,9 @@ class AttentionBackend(str, Enum):
     SAGE_ATTN = "sage_attn"
 
 
-#: The backend of the scope the current thread/task is in; SDPA outside every scope.
 _active_backend: ContextVar[AttentionBackend] = ContextVar(
     "diffserve_attention_backend", default=AttentionBackend.SDPA
 )
-#: Per-call fallback messages already logged. Only deduplicates warnings; it selects nothing.
 _reported: set[str] = set()
 
 
@@ -54,8 +49,8 @@ def backend_unavailable_reason(backend: AttentionBackend, device_type: str) -> s
 
 
 def resolve_attention_backend(name: str | None, device_type: str, default: str = "sdpa") -> AttentionBackend:
-    """The backend for the user's choice `name` (None: `default`) on `device_type`, changing no state: one
-    that cannot run here is logged and replaced by SDPA, an unknown name raises ValueError."""
+    """The backend for `name` (None: `default`) on `device_type`; one that cannot run here is logged and
+    replaced by SDPA, an unknown name raises ValueError."""
     try:
         wanted = AttentionBackend(name or default)
     except ValueError:

@@ -1,7 +1,6 @@
 """`CustomOp`: one op, a plain-torch reference (`forward_native`) and optional per-vendor kernels, each
 an overridden `forward_<dispatch key>`. The method is chosen once for an explicit platform:
-`CustomOp(platform)`, or `dispatch_custom_ops(model, platform)`, which the loader runs on every model.
-"""
+`CustomOp(platform)`, or `dispatch_custom_ops(model, platform)`, which the loader runs on every model."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ from torch import nn
 
 from diffserve.platforms.base import Platform
 
-#: Every dispatch key a platform may declare; a CustomOp has one forward_<key> per entry.
 DISPATCH_KEYS: tuple[str, ...] = ("cuda", "hip", "musa", "xpu", "npu", "mps", "cpu")
 
 
@@ -22,14 +20,12 @@ class CustomOp(nn.Module):
     def __init__(self, platform: Platform | None = None) -> None:
         """Dispatch for `platform`; None: `forward_native` until `bind_platform`."""
         super().__init__()
-        #: The platform this op dispatched for; None while it runs the reference.
         self.dispatch_platform: Platform | None = None
         self._forward_impl: Callable[..., Any] = self.forward_native
         if platform is not None:
             self.bind_platform(platform)
 
     def bind_platform(self, platform: Platform) -> None:
-        """Use `platform`'s `forward_<key>` from now on."""
         self.dispatch_platform = platform
         self._forward_impl = self.dispatch_forward(platform)
 

@@ -1,7 +1,6 @@
 """Joint attention of the MMDiTs: image and text keep their own projections and QK-norms (Diffusers'
 names) and attend as one sequence, whose order is part of the numbers: [text; image] with RoPE for
-FLUX and Qwen-Image (`RotaryJointAttention`), [image; text] for SD3 (`models/dits/sd3.py`).
-"""
+FLUX and Qwen-Image (`RotaryJointAttention`), [image; text] for SD3 (`models/dits/sd3.py`)."""
 
 from __future__ import annotations
 
@@ -13,9 +12,7 @@ from torch import nn
 from diffserve.layers.attention import attention
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding
 
-#: (q, k, v), each (batch, seq, heads, head_dim).
 Heads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-#: Builds one per-head QK-norm (a model's RMSNorm or LayerNorm over head_dim).
 QKNormFactory = Callable[[], nn.Module]
 
 
@@ -47,15 +44,12 @@ class JointAttention(nn.Module):
         self.to_add_out = nn.Linear(inner, dim) if context_out else None
 
     def _split(self, t: torch.Tensor) -> torch.Tensor:
-        """(batch, seq, heads * head_dim) -> (batch, seq, heads, head_dim), a view."""
         return t.unflatten(-1, (-1, self.head_dim))
 
     def project_image(self, x: torch.Tensor) -> Heads:
-        """The image's (q, k, v), heads split, before QK-norm."""
         return self._split(self.to_q(x)), self._split(self.to_k(x)), self._split(self.to_v(x))
 
     def project_text(self, ctx: torch.Tensor) -> Heads:
-        """The text's (q, k, v), heads split, before QK-norm."""
         return (
             self._split(self.add_q_proj(ctx)),
             self._split(self.add_k_proj(ctx)),
@@ -63,12 +57,10 @@ class JointAttention(nn.Module):
         )
 
     def image_heads(self, x: torch.Tensor) -> Heads:
-        """The image's (q, k, v) with QK-norm applied."""
         q, k, v = self.project_image(x)
         return _normed(self.norm_q, q), _normed(self.norm_k, k), v
 
     def text_heads(self, ctx: torch.Tensor) -> Heads:
-        """The text's (q, k, v) with QK-norm applied."""
         q, k, v = self.project_text(ctx)
         return _normed(self.norm_added_q, q), _normed(self.norm_added_k, k), v
 
@@ -82,7 +74,6 @@ class RotaryJointAttention(JointAttention):
         self.rope = RotaryEmbedding()
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
-        """q and k of the joint sequence rotated by `rope` (one row per position)."""
         return self.rope(q, k, *rope)
 
     def forward(

@@ -1,7 +1,6 @@
 """The GELU projection of the DiTs' MLPs, the GELU written over the projection (a block's largest
 tensor, read by nothing else). Under `torch.compile` the tanh GELU is traced in its logistic form, the
-same function (0.5 (1 + tanh(u)) = sigmoid(2u)), as inductor's tanh is slow.
-"""
+same function (0.5 (1 + tanh(u)) = sigmoid(2u)), as inductor's tanh is slow."""
 
 from __future__ import annotations
 
@@ -10,8 +9,7 @@ import math
 import torch
 from torch import nn
 
-#: 2 * sqrt(2 / pi): the logistic form's scale (tanh(u) = 2 sigmoid(2u) - 1).
-_LOGISTIC_GELU_SCALE = 2.0 * math.sqrt(2.0 / math.pi)
+_LOGISTIC_GELU_SCALE = 2.0 * math.sqrt(2.0 / math.pi)  # tanh(u) = 2 sigmoid(2u) - 1
 _GELU_CUBIC = 0.044715
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-#: The largest finite float16 value.
 FP16_MAX = 65504
 
 

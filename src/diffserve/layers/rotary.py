@@ -1,8 +1,7 @@
 """Multi-axis rotary position embedding (RoPE) as used by FLUX: one position per token and axis, one
 head-dim slice per axis (`axes_dims`), the *interleaved* channel pair `(2i, 2i+1)` of a slice rotated by
 `pos_axis * theta ** (-2i / axis_dim)`. Tables are half width, one entry per pair (Diffusers stores each
-value twice; same results, half the memory).
-"""
+value twice; same results, half the memory)."""
 
 from __future__ import annotations
 
@@ -12,10 +11,9 @@ import torch
 
 from diffserve.layers.custom_op import CustomOp
 
-#: Half-width `(cos, sin)` rotation tables, float32, one row per position (see `RotaryEmbedding`).
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 
-#: Device types without float64 support; their angles are computed in float32 (as Diffusers does).
+# Without float64: angles in float32 (as Diffusers does).
 _NO_FP64_DEVICE_TYPES = frozenset({"mps", "npu", "neuron"})
 
 

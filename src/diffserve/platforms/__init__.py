@@ -1,7 +1,5 @@
 """Platform detection: the first available of `DETECTION_ORDER` (docs/hardware.md), or the one
-`--device NAME` names (never a silent fall back to the CPU). Each generator keeps its own `Platform`:
-there is no process-wide current one.
-"""
+`--device NAME` names (never a silent fall back to the CPU); there is no process-wide current one."""
 
 from __future__ import annotations
 
@@ -14,7 +12,7 @@ from diffserve.platforms.npu import NpuPlatform
 from diffserve.platforms.rocm import RocmPlatform
 from diffserve.platforms.xpu import XpuPlatform
 
-#: The order platforms are probed in. CPU is last because it is always available.
+# CPU is last: it is always available.
 DETECTION_ORDER: tuple[type[Platform], ...] = (
     CudaPlatform,
     RocmPlatform,

@@ -1,5 +1,5 @@
-"""The `Platform` interface: what the engine needs to know about one kind of accelerator (device,
-dtype, memory, timing), so a new vendor is one small subclass plus one line in `DETECTION_ORDER`."""
+"""`Platform`: what the engine needs to know about one kind of accelerator (device, dtype, memory,
+timing); a new vendor is one small subclass plus one line in `DETECTION_ORDER`."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class MemoryInfo:
-    """Memory of the platform's device, in bytes. `None` where the platform cannot tell."""
+    """Memory of the platform's device, in bytes; None where the platform cannot tell."""
 
     peak_bytes: int | None
     available_bytes: int | None
@@ -28,15 +28,10 @@ class MemoryInfo:
 class Platform(ABC):
     """One accelerator family. Subclasses are stateless; all methods are cheap to call."""
 
-    #: Short name used by `--device` and in logs ("cpu", "cuda", "rocm", ...).
-    name: str = ""
-    #: The torch device type tensors live on ("cpu", "cuda", "musa", "xpu", "npu", "mps").
-    device_type: str = ""
-    #: Suffix of the `CustomOp.forward_<key>` method used on this platform.
-    dispatch_key: str = "native"
-    #: torch.distributed backend for multi-device runs.
+    name: str = ""  # what `--device` and logs call it ("cpu", "cuda", "rocm", ...)
+    device_type: str = ""  # the torch device type ("cpu", "cuda", "musa", "xpu", "npu", "mps")
+    dispatch_key: str = "native"  # its `CustomOp.forward_<key>`
     dist_backend: str = "gloo"
-    #: Attention backend chosen when the user does not ask for one.
     default_attention_backend: str = "sdpa"
 
     @classmethod
@@ -85,8 +80,7 @@ class Platform(ABC):
 class TorchAcceleratorPlatform(Platform):
     """Shared logic for runtimes that mirror the `torch.cuda` memory API under `torch.<module>`."""
 
-    #: Attribute of `torch` that holds the runtime (`torch.cuda`, `torch.xpu`, `torch.musa`, ...).
-    runtime_module: str = ""
+    runtime_module: str = ""  # `torch.<runtime_module>`: cuda, xpu, musa, ...
 
     def _runtime(self):
         return getattr(torch, self.runtime_module)

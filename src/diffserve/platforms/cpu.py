@@ -16,10 +16,8 @@ from diffserve.platforms.step_timer import HostMark, StepMark
 logger = logging.getLogger("diffserve.platform")
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
-#: Allocations below this come from the heap, reused instead of mmap'ed afresh each step.
-MMAP_THRESHOLD_BYTES = 32 * 2**20
-#: Freed heap memory is kept (not trimmed back to the OS) up to this much.
-TRIM_THRESHOLD_BYTES = 4 * 2**30
+MMAP_THRESHOLD_BYTES = 32 * 2**20  # smaller allocations come from the (reused) heap, not fresh mmaps
+TRIM_THRESHOLD_BYTES = 4 * 2**30  # freed heap memory kept, not given back to the OS, up to this
 
 
 def _tune_glibc_malloc() -> bool:

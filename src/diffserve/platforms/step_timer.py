@@ -1,7 +1,5 @@
 """Per-step timings without a host sync per step: a platform marks its work queue at each step boundary
-(a timing event, or `perf_counter` on the CPU) and the seconds between marks are read once the device
-has passed them (`StepTimer.stop` never waits; `flush` waits once, at the end of a request).
-"""
+(a timing event, or `perf_counter` on the CPU), read once the device has passed them (`flush` waits)."""
 
 from __future__ import annotations
 
@@ -65,7 +63,7 @@ class StepTimer:
 
     def __init__(self, platform: MarkSource) -> None:
         self.platform = platform
-        #: (start, end, the lists its seconds go to) per stopped step whose time is not appended yet.
+        # (start, end, the lists its seconds go to) per stopped step whose time is not appended yet.
         self._pending: deque[tuple[StepMark, StepMark, tuple[list[float], ...]]] = deque()
 
     def start(self) -> StepMark:
@@ -94,5 +92,4 @@ class StepTimer:
 
     @property
     def pending(self) -> int:
-        """Steps stopped whose time is not appended yet."""
         return len(self._pending)

@@ -1,6 +1,5 @@
 """The engine's runtime: the request loop (`Engine`), the scheduler (`StepScheduler`), the runner
-(`ModelRunner`) and the memory model; nothing here knows about ZeroMQ, HTTP or the CLI.
-"""
+(`ModelRunner`) and the memory model; nothing here knows about ZeroMQ, HTTP or the CLI."""
 
 from diffserve.runtime.contract import EnginePipeline, PipelineFacts
 from diffserve.runtime.engine import Engine, EngineEvents

@@ -1,11 +1,7 @@
-"""`--compile`: regional `torch.compile` of the DiT's repeated blocks, and the start-up warm-up.
-
-Each block of every DiT block list is compiled in place; dynamo treats a block's parameters as graph
-inputs, so compile time is per block class, and the per-request logic between blocks stays eager.
-`dynamic=True` because serving batches change shape all the time (rows, resolution, prompt length):
-sizes stay symbolic except 0 and 1, so a block class needs one graph for one-row batches and one for
-larger ones, per attention-mask kind, all built by the warm-up (`WARMUP_KINDS`) before the first
-request."""
+"""`--compile`: regional `torch.compile` of the DiT's repeated blocks (in place; compile time is per block
+class, the logic between blocks stays eager), and the start-up warm-up. `dynamic=True`, as batch shapes
+keep changing: sizes stay symbolic except 0 and 1, so a block class needs one graph for one-row batches
+and one for larger ones, per attention-mask kind, all built by the warm-up (`WARMUP_KINDS`)."""
 
 from __future__ import annotations
 
@@ -25,20 +21,14 @@ from diffserve.runtime.contract import PipelineFacts
 logger = logging.getLogger("diffserve.compile")
 
 BACKEND = "inductor"
-#: Graphs per block class before dynamo runs it eager (one per argument kind, e.g. Z-Image's refiners).
-RECOMPILE_LIMIT = 64
-#: Denoising steps of one warm-up generation: two, so a step after the first runs compiled too.
-WARMUP_STEPS = 2
-#: `--compile` without `--warmup-resolutions` warms up at about this size (the graphs do not depend on it).
-COMPILE_WARMUP_PIXELS = 64
-#: Prefix of the component names that hold a DiT (`transformer`, and Wan 2.2's `transformer_2`).
-DIT_COMPONENT_PREFIX = "transformer"
+RECOMPILE_LIMIT = 64  # graphs per block class before dynamo runs it eager
+WARMUP_STEPS = 2  # so a step after the first runs compiled too
+COMPILE_WARMUP_PIXELS = 64  # warm-up size without --warmup-resolutions (the graphs do not depend on it)
+DIT_COMPONENT_PREFIX = "transformer"  # and Wan 2.2's `transformer_2`
 
 
 @dataclass(frozen=True)
 class CompiledRegion:
-    """One block list that was compiled: where it is, what class its blocks are, how many."""
-
     path: str  # e.g. "transformer.single_transformer_blocks"
     block_class: str
     blocks: int
@@ -46,8 +36,6 @@ class CompiledRegion:
 
 @dataclass(frozen=True)
 class WarmupRun:
-    """One warm-up generation: its size, kind (`WARMUP_KINDS` or "default") and wall time."""
-
     height: int
     width: int
     kind: str
@@ -68,9 +56,8 @@ def find_block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
 
 
 def compile_pipeline(components: Mapping[str, object]) -> list[CompiledRegion]:
-    """Compile every block of every DiT's block lists in place (`components`: the loaded component
-    values by name; the DiTs are the modules named `transformer*`); UserError when there is nothing to
-    compile."""
+    """Compile every block of every DiT's (`transformer*` components') block lists in place; UserError when
+    there is nothing to compile."""
     dits = {
         name: module
         for name, module in components.items()
@@ -101,7 +88,6 @@ def compile_pipeline(components: Mapping[str, object]) -> list[CompiledRegion]:
 
 
 def compiled_graph_count() -> int:
-    """Graphs dynamo has built in this process so far."""
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
@@ -116,11 +102,10 @@ def log_graph_breaks() -> None:
         logger.warning("torch.compile graph break (%d x): %s", count, first_line)
 
 
-#: The warm-up generations at the first size, each building graphs the others do not: one DiT row; two
-#: rows with texts of equal length (every larger batch, unmasked attention); two rows with texts of
-#: different lengths (the same with masked attention, in families such as Z-Image).
+# Warm-up generations at the first size, each building its own graphs: one DiT row; two rows with texts
+# of equal length (unmasked attention); two rows with texts of different lengths (masked, e.g. Z-Image).
 WARMUP_KINDS = ("no-cfg", "cfg", "cfg-uneven-text")
-#: The long negative prompt stays longer than the prompt after any padding to a multiple (Z-Image: 32).
+# The long negative prompt stays longer than the prompt after any padding to a multiple (Z-Image: 32).
 WARMUP_PROMPT = "warm-up"
 WARMUP_SHORT_NEGATIVE_PROMPT = "blurry"
 WARMUP_NEGATIVE_PROMPTS = {
@@ -203,8 +188,8 @@ def warm_up(
 
 
 def stop_compile_workers() -> None:
-    """Shut down inductor's compile-worker pool, which torch.compile leaves running: a pool still starting
-    up takes the CPU from the first requests. A later compile starts a new one."""
+    """Shut down the compile-worker pool torch.compile leaves running (one still starting up takes the CPU
+    from the first requests); a later compile starts a new one."""
     from torch._inductor.async_compile import shutdown_compile_workers
 
     shutdown_compile_workers()

@@ -1,6 +1,4 @@
-"""What the runtime needs from a pipeline, declared and typed: its facts (`PipelineFacts`) and the
-phases of the `EnginePipeline` protocol (`pipelines.base.Pipeline` implements it; tests use fakes).
-"""
+"""What the runtime needs from a pipeline: its `PipelineFacts` and the `EnginePipeline` phases."""
 
 from __future__ import annotations
 
@@ -14,9 +12,8 @@ from PIL import Image
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.request import Req
 
-#: When a family runs CFG's negative branch: "true_cfg" (FLUX, Qwen-Image) with true_cfg_scale > 1 and a
-#: negative prompt; "classic" (SD3, Wan) when guidance_scale > 1; "positive_gap" (Z-Image) when
-#: guidance_scale > 0. The last two default the negative prompt to "".
+# When CFG's negative branch runs: "true_cfg" (FLUX, Qwen-Image): true_cfg_scale > 1 and a negative
+# prompt; "classic" (SD3, Wan): guidance_scale > 1; "positive_gap" (Z-Image): guidance_scale > 0.
 CfgMode = Literal["true_cfg", "classic", "positive_gap"]
 
 
@@ -24,23 +21,15 @@ CfgMode = Literal["true_cfg", "classic", "positive_gap"]
 class PipelineFacts:
     """A loaded pipeline's fixed properties, as the runtime uses them."""
 
-    #: The Diffusers pipeline class name it serves (for messages and metadata).
-    name: str
-    #: Height and width must be multiples of this; a latent token covers pixel_multiple² pixels.
-    pixel_multiple: int
-    #: The DiT's hidden width (heads x head dim): what one latent token's activations scale with.
-    dit_width: int
-    #: The dtype the DiT computes in.
-    dtype: torch.dtype
+    name: str  # the Diffusers pipeline class name
+    pixel_multiple: int  # height and width must be multiples; a latent token covers its square in pixels
+    dit_width: int  # heads x head dim: what one latent token's activations scale with
+    dtype: torch.dtype  # the DiT's
     cfg_mode: CfgMode
-    #: Input images a request must / may send (0 / 0: text-to-image or text-to-video).
-    min_input_images: int = 0
+    min_input_images: int = 0  # input images a request must / may send
     max_input_images: int = 0
-    #: The outputs are videos (`num_frames`, `fps`, `video_format` apply).
     makes_video: bool = False
-    #: Frames per latent frame after the first (`num_frames` = temporal_factor * k + 1); 1 for images.
-    temporal_factor: int = 1
-    #: The largest `num_frames` / `fps` a video family accepts (0 for image families).
+    temporal_factor: int = 1  # `num_frames` = temporal_factor * k + 1; 1 for images
     max_frames: int = 0
     max_fps: int = 0
 
@@ -52,8 +41,7 @@ class EnginePipeline(Protocol):
     def facts(self) -> PipelineFacts: ...
 
     def validate(self, req: Req) -> Req:
-        """Resolve and check `req.params` (InvalidRequestError) and set the request's generator, CFG
-        decision and quality tier; once per request, before it is queued."""
+        """Resolve and check `req.params` (InvalidRequestError); set generator, CFG and quality tier."""
 
     def run_pre_denoise(self, req: Req) -> Req:
         """Text and image encoding, latents and timesteps of a validated request."""

@@ -1,11 +1,8 @@
-"""`Engine`: the one request loop (CLI, `DiffGenerator`, server, warm-up and calibration all submit here).
-
-One iteration (`step`): cancelled requests leave, admitted ones run their pre-denoise phase, one group
-of requests with the same batch key runs one denoising step as one DiT batch, and finished ones are
-decoded. An error fails only the request (or the step's group) it came from. Submission works from any
-thread; one thread at a time drives the loop (in `run_to_completion`, for every caller's requests, so
-concurrent `generate` calls share DiT batches), with the engine's attention backend active.
-"""
+"""`Engine`: the one request loop (CLI, `DiffGenerator`, server, warm-up and calibration submit here).
+A `step`: cancelled requests leave, admitted ones run pre-denoise, one batch-key group runs one denoising
+step as one DiT batch, finished ones are decoded; an error fails only its request (or group). Any thread
+submits; one at a time drives the loop (`run_to_completion`, for every caller: concurrent `generate`
+calls share DiT batches), with the engine's attention backend active."""
 
 from __future__ import annotations
 
@@ -24,7 +21,6 @@ from diffserve.runtime.scheduler import ScheduledRequest, SchedulerConfig, StepS
 
 logger = logging.getLogger("diffserve.runtime")
 
-#: How long a caller thread waits for its request before checking whether it should drive the loop.
 _WAIT_SLICE_SECONDS = 0.02
 
 

@@ -1,12 +1,11 @@
-"""How much memory a request needs and how much the engine may use.
+"""How much memory a request needs and how much the engine may use:
 
     denoise(r) = fixed + per_token * tokens(r) * branches(r) * outputs(r)  [+ its step cache]
     decode(r)  = decode_fixed + per_pixel * pixels(r) * outputs(r)
 
 Running requests denoise together but decode one at a time, so a running set needs `sum(denoise) +
 max(decode)`, within free memory after warm-up x --mem-fraction. The coefficients are measured at
-warm-up (runtime/calibration.py) where the platform has a peak counter, else estimated (CPU).
-"""
+warm-up (runtime/calibration.py) where the platform has a peak counter, else estimated (CPU)."""
 
 from __future__ import annotations
 
@@ -23,10 +22,8 @@ from diffserve.runtime.contract import PipelineFacts
 logger = logging.getLogger("diffserve.runtime")
 
 MB = 2**20
-#: Measured coefficients are scaled by this: peaks vary a little from run to run (allocator rounding).
-MEASURED_HEADROOM = 1.1
-#: Side in pixels of the two calibration generations (rounded to the model's granularity).
-CALIBRATION_SIDES = (256, 512)
+MEASURED_HEADROOM = 1.1  # peaks vary a little from run to run (allocator rounding)
+CALIBRATION_SIDES = (256, 512)  # pixels, rounded to the model's granularity
 #: The CPU estimate: activations per latent token in DiT widths (hidden states, q/k/v, the 4x MLP, ...),
 #: per decoded pixel (the VAE's last blocks: 128 channels at full resolution), and per request.
 ESTIMATED_WIDTHS_PER_TOKEN = 24
@@ -42,17 +39,14 @@ class RequestTooLargeError(UserError):
 
 @dataclass(frozen=True)
 class RequestCost:
-    """What a request occupies while it runs."""
+    """What a request occupies while it runs: DiT latent `tokens` of one output and branch (input images'
+    included), CFG `branches` (2: the negative branch runs in the same DiT batch), `outputs` (`n`), decoded
+    `pixels` of one output (times its frames), and whether it holds a `step_cache` (approximate tier)."""
 
-    #: DiT latent tokens of one output, one branch (input images' tokens included).
     tokens: int
-    #: 2 when the request runs CFG's negative branch in the same DiT batch, else 1.
     branches: int
-    #: Outputs (`n` / num_outputs_per_prompt).
     outputs: int
-    #: Decoded pixels of one output (times its frames for a video).
     pixels: int
-    #: The request runs an approximate quality tier and holds a step cache while it runs.
     step_cache: bool = False
 
     @property
@@ -91,11 +85,9 @@ class MemoryModel:
     bytes_per_pixel: float
     fixed_bytes: float
     decode_fixed_bytes: float
-    #: What the running set may use; None (free memory unknown): memory does not limit admission.
-    budget_bytes: int | None
-    #: "measured" (calibrated at warm-up) or "estimated" (from the DiT's width).
-    source: str
-    #: What a step cache holds per batch token: two hidden states of DiT width (residual, last signal).
+    budget_bytes: int | None  # what the running set may use; None (free memory unknown): no limit
+    source: str  # "measured" (calibrated at warm-up) or "estimated" (from the DiT's width)
+    # Per batch token: two hidden states of DiT width (residual, last signal).
     step_cache_bytes_per_token: float = 0.0
 
     def denoise_bytes(self, cost: RequestCost) -> float:
@@ -170,8 +162,7 @@ def estimated_memory_model(facts: PipelineFacts, platform: Platform, mem_fractio
 
 def fit_line(xs: tuple[float, float], ys: tuple[float, float]) -> tuple[float, float]:
     """Slope and intercept through two points, both clamped at 0 (noise must not make them negative)."""
-    slope = (ys[1] - ys[0]) / (xs[1] - xs[0]) if xs[1] != xs[0] else 0.0
-    slope = max(slope, 0.0)
+    slope = max((ys[1] - ys[0]) / (xs[1] - xs[0]) if xs[1] != xs[0] else 0.0, 0.0)
     return slope, max(ys[0] - slope * xs[0], 0.0)
 
 

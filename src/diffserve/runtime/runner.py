@@ -1,6 +1,5 @@
 """`ModelRunner`: the part of the engine that touches models, one pipeline phase at a time, inside
-`model_scope()` (the generator's attention backend, for the calling thread). No queues, threads or
-transport. Step times come from `StepTimer` marks: no host sync per step."""
+`model_scope()` (the attention backend); step times come from `StepTimer` marks (no host sync per step)."""
 
 from __future__ import annotations
 
@@ -21,9 +20,7 @@ class ModelRunner:
     ) -> None:
         self.pipeline = pipeline
         self.platform = platform
-        #: The backend `attention()` uses in this runner's phases (resolved once by the generator).
         self.attention_backend = AttentionBackend(attention_backend)
-        #: Step times of every batch's steps, in the order they ran (one device queue).
         self.step_timer = StepTimer(platform)
 
     def model_scope(self) -> AbstractContextManager[AttentionBackend]:

@@ -1,10 +1,8 @@
-"""`StepScheduler`: what runs next, decided at every denoising step boundary (step-level continuous
-batching); it never calls a model. Admission follows queue order (`priority`, then arrival) while the
-running set stays within its limits; a head that does not fit blocks the queue, so large requests are
-not starved, and an empty running set always admits. Running requests with equal `batch_key`s share a
-DiT batch, each at its own step; groups take turns round-robin (fair in steps, not seconds).
-`add`/`cancel` work from any thread, the decisions are made on the engine's driving thread.
-"""
+"""`StepScheduler`: what runs next, decided at every denoising step boundary; it never calls a model.
+Admission follows queue order (`priority`, then arrival) within the running set's limits; a head that
+does not fit blocks the queue (large requests are not starved); an empty running set always admits.
+Requests with equal `batch_key`s share a DiT batch, each at its own step; groups take turns round-robin.
+`add`/`cancel` work from any thread; decisions are made on the engine's driving thread."""
 
 from __future__ import annotations
 
@@ -27,11 +25,11 @@ def default_max_batch_tokens(device_type: str) -> int:
 
 @dataclass
 class SchedulerConfig:
-    #: Requests in their denoising phase at once (1: one request at a time, the pre-batching engine).
+    """Limits (None: no limit): requests running at once; the running set's latent tokens x CFG branches x
+    outputs; denoising steps one request may ask for (`Engine.prepare` refuses more)."""
+
     max_running_requests: int = 8
-    #: Upper bound on the running set's latent tokens x CFG branches x outputs; None: no limit.
     max_batch_tokens: int | None = None
-    #: Most denoising steps one request may ask for; `Engine.prepare` refuses more (None: no limit).
     max_inference_steps: int | None = 1000
 
     def __post_init__(self) -> None:
@@ -45,25 +43,20 @@ class SchedulerConfig:
 
 @dataclass(eq=False)
 class ScheduledRequest:
-    """A request in the engine, with what admission needs to know about it and how it ended."""
+    """A request in the engine, with what admission needs to know about it and how it ended (`done`: set
+    once it has ended and its events were sent; `payload`: the caller's own object)."""
 
     req: Req
     cost: RequestCost
-    #: Higher runs first; equal priorities run in arrival order.
-    priority: int = 0
+    priority: int = 0  # higher runs first; equal priorities run in arrival order
     seq: int = 0
-    #: The caller's own object (the server's engine process keeps its GenerateJob here).
     payload: object | None = None
     state: Literal["waiting", "running", "finished", "cancelled", "failed"] = "waiting"
     submitted_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
-    #: Requests in the DiT batch of each of this request's steps (1: it ran alone).
-    batch_sizes: list[int] = field(default_factory=list)
-    #: The platform's peak memory when it finished, since the running set was last empty.
-    peak_memory_bytes: int | None = None
-    #: Why it failed (state "failed").
+    batch_sizes: list[int] = field(default_factory=list)  # DiT batch size of each of its steps
+    peak_memory_bytes: int | None = None  # the platform's, since the running set was last empty
     error: BaseException | None = None
-    #: Set once the request has ended (finished, cancelled or failed) and its events were sent.
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -90,7 +83,7 @@ class StepScheduler:
         self._waiting: list[ScheduledRequest] = []  # kept sorted by `order`
         self._running: list[ScheduledRequest] = []  # in admission order
         self._rotation: deque[Hashable] = deque()  # batch keys, least recently served first
-        #: Statistics (for tests, logs and /server_info): steps run per batch key, DiT batches by size.
+        # Statistics (tests, logs, /server_info): steps run per batch key, DiT batches by size.
         self.steps_per_group: Counter[Hashable] = Counter()
         self.batch_size_counts: Counter[int] = Counter()
         self.max_running_seen = 0

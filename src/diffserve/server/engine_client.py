@@ -1,9 +1,7 @@
 """The front end's side of the engine link: the engine process, its sockets and the requests in flight.
 
-`generate(job)` awaits a job's JobFinished; `submit(job, listener)`, for jobs that outlive their request
-(video jobs, streams), returns once the engine has accepted the job, with the future of its outcome. The
-receive task resolves the futures; the watch task restarts a dead engine process, failing its requests
-in flight (503). No call here blocks on model work.
+The receive task resolves the requests' futures; the watch task restarts a dead engine process, failing
+its requests in flight (503). No call here blocks on model work.
 """
 
 from __future__ import annotations
@@ -46,18 +44,12 @@ class EngineState(str, Enum):
 
 #: What a request is told while the engine is not ready, by state: (message, code).
 _UNAVAILABLE: dict[EngineState | None, tuple[str, str]] = {
-    EngineState.STARTING: (
-        "the engine is not ready yet (loading the model and warming up); retry shortly",
-        "engine_starting",
-    ),
-    EngineState.RESTARTING: (
-        "the engine is restarting after its process died; retry shortly",
-        "engine_restarting",
-    ),
+    EngineState.STARTING: ("the engine is not ready yet (loading the model and warming up); retry shortly", "engine_starting"),
+    EngineState.RESTARTING: ("the engine is restarting after its process died; retry shortly", "engine_restarting"),
     EngineState.STOPPING: ("the server is shutting down", "shutting_down"),
     EngineState.STOPPED: ("the server has stopped", "shutting_down"),
     None: ("the engine is not available", "engine_unavailable"),
-}
+}  # fmt: skip
 
 
 class EngineUnavailableError(Exception):
@@ -81,8 +73,7 @@ class QueueFullError(Exception):
 
 
 class JobRejectedError(Exception):
-    """The engine found the parameters invalid before queueing (-> 400), or the request too large to
-    ever fit in memory (-> 413): `status`."""
+    """The engine refused the job before queueing: invalid (-> 400) or too large to ever fit (-> 413)."""
 
     def __init__(self, message: str, param: str | None, status: int = 400) -> None:
         super().__init__(message)
@@ -129,7 +120,6 @@ class EngineClient:
         self._failed_starts = 0
         self._tasks: list[asyncio.Task] = []
 
-    # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
         # A private 0700 directory: only this user reaches the sockets.
         self._ipc_dir = Path(tempfile.mkdtemp(prefix="diffserve-"))
@@ -145,9 +135,7 @@ class EngineClient:
 
     async def _spawn(self, state: EngineState) -> None:
         self.incarnation += 1
-        self._fatal = None
-        self._engine_ready = False
-        self.state = state
+        self._fatal, self._engine_ready, self.state = None, False, state
         self.state_detail = "loading the model" if state == EngineState.STARTING else "restarting the engine"
         a = self.args
         cfg = EngineProcessConfig(a.engine_args, *self._addresses, self.incarnation, a.warmup, a.log_level)
@@ -156,21 +144,18 @@ class EngineClient:
             target=run_engine_process, args=(cfg,), name=name
         )
         await asyncio.to_thread(process.start)
-        self._process = process
-        self.engine_pid = process.pid
+        self._process, self.engine_pid = process, process.pid
         logger.info("Engine process started (pid %d)", process.pid)
 
     def begin_drain(self, timeout: float) -> None:
         """SIGTERM: refuse new requests, give in-flight ones `timeout` seconds, then cancel the rest."""
         if self.state in (EngineState.STOPPING, EngineState.STOPPED):
             return
-        self.state = EngineState.STOPPING
-        self.state_detail = "the server is shutting down"
+        self.state, self.state_detail = EngineState.STOPPING, "the server is shutting down"
         self._tasks.append(asyncio.create_task(self._drain(timeout)))
 
     async def _drain(self, timeout: float) -> None:
-        n = len(self._pending)
-        if n:
+        if n := len(self._pending):
             logger.info("Shutting down: waiting up to %.1f seconds for %d request(s) in flight", timeout, n)
         deadline = time.monotonic() + timeout
         while self._pending and time.monotonic() < deadline:
@@ -183,8 +168,7 @@ class EngineClient:
             self._fail_all(EngineUnavailableError(message, code="shutting_down"))
 
     async def stop(self) -> None:
-        self.state = EngineState.STOPPED
-        self.state_detail = "the server has stopped"
+        self.state, self.state_detail = EngineState.STOPPED, "the server has stopped"
         process = self._process
         if process is not None and process.is_alive():
             if self._engine_ready:  # it listens: let it finish its step and exit cleanly
@@ -192,12 +176,10 @@ class EngineClient:
                 await asyncio.to_thread(process.join, ENGINE_STOP_TIMEOUT_S)
                 if process.is_alive():
                     logger.warning("Engine did not stop within %.0f s; terminating it", ENGINE_STOP_TIMEOUT_S)
-            if process.is_alive():  # still loading (nothing to lose), or stuck
-                process.terminate()
-                await asyncio.to_thread(process.join, 5)
-            if process.is_alive():
-                process.kill()
-                await asyncio.to_thread(process.join, 5)
+            for end in (process.terminate, process.kill):  # still loading (nothing to lose), or stuck
+                if process.is_alive():
+                    end()
+                    await asyncio.to_thread(process.join, 5)
         self._fail_all(EngineUnavailableError("the server has stopped", code="shutting_down"))
         for task in self._tasks:
             task.cancel()
@@ -210,7 +192,6 @@ class EngineClient:
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
         logger.info("Engine stopped")
 
-    # -- requests --------------------------------------------------------------------------------
     @property
     def ready(self) -> bool:
         return self.state == EngineState.READY
@@ -234,27 +215,24 @@ class EngineClient:
         if not self.ready:
             raise self.unavailable_error()
         # Every job counts, /health_generate's probe included: an open route must not bypass the limit.
-        if self.num_waiting >= self.args.max_queue_size:
-            waiting, limit = self.num_waiting, self.args.max_queue_size
+        if (waiting := self.num_waiting) >= (limit := self.args.max_queue_size):
             message = f"the queue is full ({waiting} requests waiting, --max-queue-size {limit}); retry later"
             raise QueueFullError(message)
-        loop = asyncio.get_running_loop()
-        entry = PendingRequest(job, loop.create_future(), time.monotonic(), **pending)
+        entry = PendingRequest(job, asyncio.get_running_loop().create_future(), time.monotonic(), **pending)
         self._pending[job.request_id] = entry
         try:
             self._push.send_pyobj(job, flags=zmq.NOBLOCK)
         except zmq.Again:
             self._pending.pop(job.request_id, None)
-            message = "the engine is not accepting requests right now"
-            raise EngineUnavailableError(message, "engine_busy") from None
+            raise EngineUnavailableError(
+                "the engine is not accepting requests right now", "engine_busy"
+            ) from None
         return entry
 
     async def submit(
         self, job: msg.GenerateJob, listener: JobListener | None = None
     ) -> tuple[msg.JobAccepted, asyncio.Future]:
-        """Queue a job that outlives its HTTP request: its JobAccepted (resolved parameters), once the engine
-        queued it, and the future of its JobFinished (or JobCancelledError, JobFailedError,
-        EngineUnavailableError). Raises what `generate` raises up to acceptance."""
+        """For jobs that outlive their HTTP request: the JobAccepted once queued, and the outcome's future."""
         accepted = asyncio.get_running_loop().create_future()
         pending = self._push_job(replace(job, ack=True), accepted=accepted, listener=listener)
         try:
@@ -265,8 +243,7 @@ class EngineClient:
             raise
 
     def cancel(self, request_id: str) -> bool:
-        """Ask the engine to stop a job (dropped if waiting, stopped at its next step if running, its file
-        deleted if being written); its future then fails with JobCancelledError. False: not in flight."""
+        """Ask the engine to stop a job; its future then fails with JobCancelledError. False: not in flight."""
         if request_id not in self._pending:
             return False
         self._send_nowait(msg.CancelJob(request_id))
@@ -309,13 +286,10 @@ class EngineClient:
         for rid in list(self._pending):
             self._resolve(rid, error=error)
 
-    # -- background tasks ------------------------------------------------------------------------
     async def _receive_loop(self) -> None:
         while True:
             try:
                 incarnation, message = await self._pull.recv_pyobj()
-            except asyncio.CancelledError:
-                raise
             except Exception:
                 logger.exception("Could not read a message from the engine")
                 continue
@@ -342,8 +316,7 @@ class EngineClient:
         elif isinstance(message, msg.JobFailed):
             self._resolve(message.request_id, error=JobFailedError(message.message, message.user_error))
         elif isinstance(message, (msg.JobAccepted, msg.JobStarted, msg.JobProgress, msg.JobPreview)):
-            pending = self._pending.get(message.request_id)
-            if pending is None:
+            if (pending := self._pending.get(message.request_id)) is None:
                 return
             if isinstance(message, msg.JobAccepted):
                 if pending.accepted is not None and not pending.accepted.done():
@@ -365,8 +338,8 @@ class EngineClient:
         self.engine_pid, self.engine_info, self.probe_size = message.pid, message.info, message.probe_size
         self._engine_ready = self._ever_ready = True
         self._failed_starts = 0
-        pid, host, port = message.pid, self.args.host, self.args.port
-        logger.info("Engine ready (pid %d): accepting requests on http://%s:%d", pid, host, port)
+        a = self.args
+        logger.info("Engine ready (pid %d): accepting requests on http://%s:%d", message.pid, a.host, a.port)
 
     async def _watch_loop(self) -> None:
         while True:
@@ -377,10 +350,8 @@ class EngineClient:
             await self._on_engine_exit(process)
 
     async def _on_engine_exit(self, process: multiprocessing.process.BaseProcess) -> None:
-        self._process = None
-        self._engine_ready = False
-        code, pid = process.exitcode, process.pid
-        fatal = self._fatal
+        self._process, self._engine_ready = None, False
+        code, pid, fatal = process.exitcode, process.pid, self._fatal
         stopping = self.state == EngineState.STOPPING
         message = (
             f"the engine process (pid {pid}) exited with code {code} while this request was in flight; "

@@ -1,9 +1,8 @@
 """The engine process: a thin transport around `runtime.Engine`, ZeroMQ in and the engine's events out.
 
-The main thread drives the engine's loop; its event hooks answer the front end. The receiver thread
-queues jobs (`Engine.prepare` validates and costs them: JobRejected, 400 or 413, before queueing) and
-passes cancels and shutdown on. One encoder thread writes the MP4s of video jobs, off the step loop.
-torch and the model code are imported inside `Engine`: the front end imports this module and stays light.
+The main thread drives the engine's loop and its event hooks answer; the receiver thread queues jobs and
+passes cancels on; one encoder thread writes video jobs' MP4s off the step loop. torch is imported inside
+`Engine`, so the front end imports this module and stays light.
 """
 
 from __future__ import annotations
@@ -37,22 +36,35 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("diffserve.engine")
 
-#: Warm-up and /health_generate draw an image about this many pixels wide (rounded up to the model's granularity).
-PROBE_PIXELS = 64
-#: Video families draw a one-frame clip for the warm-up and /health_generate (1 = 4 * 0 + 1 is always valid).
-PROBE_FRAMES = 1
+#: Warm-up and /health_generate draw an image this wide (rounded up to the model's granularity); video
+#: families a one-frame clip (1 = 4 * 0 + 1 is always valid).
+PROBE_PIXELS, PROBE_FRAMES = 64, 1
 
 
 def preview_steps(total_steps: int, partial_images: int) -> list[int]:
-    """The steps after which previews 0..k-1 are sent: round((i + 1) * n / (k + 1)), at least step 1
-    (with few steps two previews can fall on the same step; each still gets its own index)."""
+    """The steps after which previews 0..k-1 are sent, evenly spaced (two may share a step)."""
     n, k = total_steps, partial_images
     return [min(n, max(1, round((i + 1) * n / (k + 1)))) for i in range(k)]
 
 
 def _without_inputs(params: SamplingParams) -> SamplingParams:
-    """Resolved parameters as sent back: the input images stay out (the front end has them; they can be large)."""
+    """Resolved parameters as sent back, without the (possibly large) input images the front end has."""
     return dataclasses.replace(params, input_images=None, mask_image=None)
+
+
+def _finished(sr: ScheduledRequest, encode_seconds: float, timings: dict, **outputs: Any) -> msg.JobFinished:
+    req = sr.req
+    return msg.JobFinished(
+        sr.request_id,
+        params=_without_inputs(req.params),
+        timings=dict(timings),
+        step_times=list(req.step_times),
+        peak_memory_bytes=sr.peak_memory_bytes,
+        engine_seconds=time.perf_counter() - sr.started_at,
+        encode_seconds=encode_seconds,
+        steps_computed_in_full=req.steps_computed_in_full,
+        **outputs,
+    )
 
 
 @dataclass
@@ -92,22 +104,18 @@ class Channel:
 
 
 class Engine:
-    """The engine's events (`runtime.EngineEvents`) for the front end's jobs; the warm-up and calibration
-    requests carry no job and are not reported."""
+    """The engine's events (`runtime.EngineEvents`) for the front end's jobs; requests without a job
+    (warm-up, calibration) are not reported. `generator`: a loaded `DiffGenerator` (tests pass a stand-in)."""
 
     def __init__(self, config: EngineProcessConfig, channel: Channel, generator: Any = None) -> None:
-        """`generator`: a loaded `DiffGenerator` (tests pass a stand-in); None loads `config.engine_args`."""
         start = time.perf_counter()
-        self.config = config
-        self.channel = channel
+        self.config, self.channel = config, channel
         if generator is None:
             from diffserve.api import DiffGenerator
 
             generator = DiffGenerator(config.engine_args, show_progress=False)
-        self.generator = generator
-        self.engine = generator.engine
+        self.generator, self.engine, self.facts = generator, generator.engine, generator.pipeline.facts
         self.scheduler = self.engine.scheduler
-        self.facts = generator.pipeline.facts
         self.load_seconds = time.perf_counter() - start
         self.output_dir = Path(config.engine_args.output_path)
         self.stop = threading.Event()
@@ -149,8 +157,7 @@ class Engine:
         )
 
     def _memory_model(self) -> Any:
-        """Calibrated at warm-up where the platform can measure peaks; estimated otherwise (CPU, or
-        --no-warmup, or a calibration that failed: the engine runs on rather than stop)."""
+        """Calibrated at warm-up; estimated on CPU, with --no-warmup, or when calibration fails."""
         from diffserve.runtime.calibration import calibrate_memory_model
         from diffserve.runtime.memory import CALIBRATION_SIDES, estimated_memory_model
 
@@ -172,15 +179,13 @@ class Engine:
         from diffserve.runtime.contract import resolved_params
 
         g, facts, s = self.generator, self.facts, self.scheduler
-        defaults = resolved_params(g.pipeline, SamplingParams(prompt="-", input_images=self.probe_images))
-        defaults = defaults.to_dict()
+        defaults = resolved_params(g.pipeline, SamplingParams("-", input_images=self.probe_images)).to_dict()
         for key in ("prompt", "seed", "extra", "input_images", "mask_image"):
             defaults.pop(key, None)
         if self.probe_images:  # an edit model: its default size follows the input image
             defaults["height"] = defaults["width"] = None
-        video = None
-        if facts.makes_video:  # the front end turns `seconds` into a valid num_frames with these
-            video = {k: getattr(facts, k) for k in ("temporal_factor", "max_frames", "max_fps")}
+        # The front end turns `seconds` into a valid num_frames with these.
+        video = {k: getattr(facts, k) for k in ("temporal_factor", "max_frames", "max_fps")} if self.is_video else None  # fmt: skip
         return {
             "model_path": g.model_path,
             "family": g.family.name,
@@ -215,22 +220,19 @@ class Engine:
         self.receiver.join()  # it owns the inbox socket until it sees `stop`
         logger.info("Engine stopped")
 
-    def run_until_idle(self) -> None:
-        """Run until nothing waits or runs (tests drive the engine in-process with this)."""
+    def run_until_idle(self) -> None:  # tests drive the engine in-process with this
         self.engine.run_until_idle()
 
     def shutdown(self) -> None:
         self.stop.set()
         self.engine.cancel_all()  # the dropped waiting requests are reported through on_cancelled
 
-    # -- receiver thread: the front end's messages --------------------------------------------------
     def _receive_loop(self) -> None:
         while not self.stop.is_set():
             message = self.channel.recv(timeout_ms=500)
-            if message is None:
-                continue
             try:
-                self._handle(message)
+                if message is not None:
+                    self._handle(message)
             except Exception as exc:  # one bad message must not stop the engine
                 logger.exception("engine: failed to handle %s", type(message).__name__)
                 if isinstance(message, msg.GenerateJob):
@@ -243,10 +245,9 @@ class Engine:
             rid = message.request_id
             where = self.engine.cancel(rid)  # a waiting job is answered by on_cancelled
             with self._encoding_lock:
-                flag = self._encoding.get(rid) if where is None else None
-            if flag is not None:
-                flag.set()  # the encoder thread deletes the file and answers JobCancelled
-                where = "encoding"
+                if where is None and rid in self._encoding:
+                    self._encoding[rid].set()  # the encoder thread deletes the file and answers JobCancelled
+                    where = "encoding"
             if where is not None:
                 logger.info("Request %s cancelled while %s", rid, where)
         elif isinstance(message, msg.ShutdownEngine):
@@ -269,23 +270,19 @@ class Engine:
             family, video = self.generator.family, job.video_path is not None
             mismatch = msg.wrong_route(family.task, family.diffusers_pipeline, video)
             if mismatch is not None:  # the front end checks first; this is the engine's own guard
-                self.channel.send(msg.JobRejected(rid, mismatch, param="model"))
-                return
+                return self.channel.send(msg.JobRejected(rid, mismatch, param="model"))
         try:
             scheduled = self.engine.prepare(Req(params=params, request_id=rid), job.priority, payload=job)
         except RequestTooLargeError as exc:
             logger.info("Request %s refused: %s", rid, exc)
-            self.channel.send(msg.JobRejected(rid, str(exc), param=exc.param, status=413))
-            return
+            return self.channel.send(msg.JobRejected(rid, str(exc), param=exc.param, status=413))
         except UserError as exc:
-            self.channel.send(msg.JobRejected(rid, str(exc), param=getattr(exc, "param", None)))
-            return
+            return self.channel.send(msg.JobRejected(rid, str(exc), param=getattr(exc, "param", None)))
         if job.ack:  # before queueing: the main thread's JobStarted must come after it
             self.channel.send(msg.JobAccepted(rid, _without_inputs(scheduled.req.params)))
         scheduled.req.on_step = lambda req: self._on_step(job, req)
         self.engine.enqueue(scheduled)
 
-    # -- main thread: the engine's events ----------------------------------------------------------
     def on_started(self, sr: ScheduledRequest) -> None:
         if isinstance(sr.payload, msg.GenerateJob):
             self.channel.send(msg.JobStarted(sr.request_id))
@@ -299,11 +296,11 @@ class Engine:
     def on_failed(self, sr: ScheduledRequest, error: BaseException) -> None:
         if not isinstance(sr.payload, msg.GenerateJob):
             return
-        if isinstance(error, UserError):
-            self.channel.send(msg.JobFailed(sr.request_id, str(error), user_error=True))
-        else:
+        user_error = isinstance(error, UserError)
+        if not user_error:
             logger.error("Request %s failed", sr.request_id, exc_info=error)
-            self.channel.send(msg.JobFailed(sr.request_id, f"{type(error).__name__}: {error}"))
+        message = str(error) if user_error else f"{type(error).__name__}: {error}"
+        self.channel.send(msg.JobFailed(sr.request_id, message, user_error=user_error))
 
     def on_finished(self, sr: ScheduledRequest) -> None:
         """Decoded: encode the images and answer, or hand a video to the encoder thread."""
@@ -320,36 +317,17 @@ class Engine:
             return
         encode_start = time.perf_counter()
         images = self._encode(job, req.images or [], req.params)
-        encode_seconds = time.perf_counter() - encode_start
-        steps = len(sr.batch_sizes)
+        encode_seconds, steps = time.perf_counter() - encode_start, len(sr.batch_sizes)
         logger.info(
             "Request %s finished in %.2f seconds (%d image(s), %d step(s), mean batch %.1f)",
             sr.request_id, time.perf_counter() - sr.started_at, len(images), steps,
             sum(sr.batch_sizes) / max(steps, 1),
         )  # fmt: skip
         sizes = list(sr.batch_sizes)
-        self.channel.send(self._finished(sr, encode_seconds, req.timings, images=images, batch_sizes=sizes))
-
-    @staticmethod
-    def _finished(
-        sr: ScheduledRequest, encode_seconds: float, timings: dict[str, float], **outputs: Any
-    ) -> msg.JobFinished:
-        req = sr.req
-        return msg.JobFinished(
-            sr.request_id,
-            params=_without_inputs(req.params),
-            timings=dict(timings),
-            step_times=list(req.step_times),
-            peak_memory_bytes=sr.peak_memory_bytes,
-            engine_seconds=time.perf_counter() - sr.started_at,
-            encode_seconds=encode_seconds,
-            steps_computed_in_full=req.steps_computed_in_full,
-            **outputs,
-        )
+        self.channel.send(_finished(sr, encode_seconds, req.timings, images=images, batch_sizes=sizes))
 
     def _on_step(self, job: msg.GenerateJob, req: Any) -> None:
-        """`Req.on_step` of every job: one JobProgress per denoising step (after the last one the VAE
-        decodes, so that step is reported as the start of the decoding phase), and the job's previews."""
+        """`Req.on_step`: one JobProgress per step (the last one starts decoding), and the job's previews."""
         total = req.num_steps
         phase = "decoding" if req.step_index >= total else "denoising"
         self.channel.send(msg.JobProgress(req.request_id, req.step_index, total, phase))
@@ -365,15 +343,13 @@ class Engine:
         for index in indices:
             self.channel.send(msg.JobPreview(req.request_id, index, req.step_index, total, encoded))
 
-    # -- encoder thread ----------------------------------------------------------------------------
     def _write_video(self, sr: ScheduledRequest, job: msg.GenerateJob) -> None:
         """Write the MP4 atomically, then JobFinished (or JobCancelled / JobFailed)."""
         rid, req, path = sr.request_id, sr.req, Path(job.video_path or "")
         cancelled = msg.JobCancelled(rid, at_step=len(req.step_times))
         try:
             if sr.cancel_event.is_set():
-                self.channel.send(cancelled)
-                return
+                return self.channel.send(cancelled)
             if len(req.frames or []) != 1:
                 raise RuntimeError(f"expected one video from the pipeline, got {len(req.frames or [])}")
             frames, params = req.frames[0], _without_inputs(req.params)
@@ -383,8 +359,7 @@ class Engine:
             if sr.cancel_event.is_set():  # cancelled while the file was written: it must not stay
                 path.unlink(missing_ok=True)
                 logger.info("Request %s cancelled while its video was written; file removed", rid)
-                self.channel.send(cancelled)
-                return
+                return self.channel.send(cancelled)
             num_frames, height, width, _ = frames.shape
             size = path.stat().st_size
             shape = int(num_frames), int(width), int(height)
@@ -394,7 +369,7 @@ class Engine:
                 rid, time.perf_counter() - sr.started_at, num_frames, size, encode_seconds,
             )  # fmt: skip
             timings = {**req.timings, "VideoEncoding": encode_seconds}
-            self.channel.send(self._finished(sr, encode_seconds, timings, images=[], videos=[video]))
+            self.channel.send(_finished(sr, encode_seconds, timings, images=[], videos=[video]))
         except Exception as exc:
             logger.exception("Request %s failed while writing its video", rid)
             path.unlink(missing_ok=True)
@@ -424,13 +399,8 @@ class Engine:
 
 def _exit_with_parent() -> None:
     """Stop the engine when the front end process dies (nothing is left to report to)."""
-    parent = multiprocessing.parent_process()
-
-    def watch() -> None:
-        parent.join()
-        os._exit(0)
-
-    if parent is not None:
+    if (parent := multiprocessing.parent_process()) is not None:
+        watch = lambda: (parent.join(), os._exit(0))  # noqa: E731
         threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
@@ -439,7 +409,7 @@ def run_engine_process(config: EngineProcessConfig) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front end, which shuts us down
     configure_logging(config.log_level)
     _exit_with_parent()
-    channel = Channel(config)
+    channel, code = Channel(config), 0
     try:
         engine = Engine(config, channel)
         engine.start()
@@ -448,14 +418,10 @@ def run_engine_process(config: EngineProcessConfig) -> None:
         if not user_error:
             logger.exception("Engine failed to start")
         channel.send(msg.EngineFatal(str(exc) if user_error else f"{type(exc).__name__}: {exc}", user_error))
-        channel.close()
-        _exit(2 if user_error else 1)
-    engine.run_forever()
+        code = 2 if user_error else 1
+    else:
+        engine.run_forever()
     channel.close()
-    _exit(0)
-
-
-def _exit(code: int) -> None:
     # Skip interpreter teardown (seconds with torch and transformers loaded); everything is flushed.
     logging.shutdown()
     sys.stdout.flush()

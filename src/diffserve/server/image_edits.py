@@ -45,14 +45,9 @@ def _request_body() -> dict[str, Any]:
         "items": binary,
         "description": f"1-{MAX_INPUT_IMAGES} image files, as 'image' or 'image[]' parts",
     }
-    text = {
-        name: {"type": "string"} for name in EDIT_ACCEPTED_FIELDS if name not in ("image", "images", "mask")
-    }
-    form = {
-        "type": "object",
-        "required": ["image", "prompt"],
-        "properties": {"image": images, "mask": binary, **text},
-    }
+    text = {n: {"type": "string"} for n in EDIT_ACCEPTED_FIELDS if n not in ("image", "images", "mask")}
+    properties = {"image": images, "mask": binary, **text}
+    form = {"type": "object", "required": ["image", "prompt"], "properties": properties}
     json_schema = _inline_schema(ImageEditRequest.model_json_schema())
     content = {"multipart/form-data": {"schema": form}, "application/json": {"schema": json_schema}}
     return {"requestBody": {"required": True, "content": content}}
@@ -72,16 +67,14 @@ class EditInputs:
     def load(
         self, allow_urls: bool, limits: ImageInputLimits
     ) -> tuple[list[Image.Image], Image.Image | None]:
-        """Decode (and, with `allow_urls`, download) every image. Blocking; raises InvalidRequestError,
-        or its subclass ImageTooLargeError over `limits`."""
+        """Decode (with `allow_urls`, download) every image. Blocking; raises InvalidRequestError."""
         sources = [*self.images, *([self.mask] if self.mask else [])]
         loaded = [load_image(src, param=name, allow_urls=allow_urls, limits=limits) for name, src in sources]
         return loaded[: len(self.images)], loaded[-1] if self.mask else None
 
 
 async def read_edit_request(request: Request, max_text_part_bytes: int) -> EditInputs:
-    """Parse the body (400/415 for anything unusable). `max_text_part_bytes` bounds one multipart text
-    part, which may hold a data URL."""
+    """Parse the body (400/415 if unusable); `max_text_part_bytes` bounds one multipart text part."""
     body, files = await read_body(
         request, ImageEditRequest, EDIT_ACCEPTED_FIELDS, (*IMAGE_PARTS, "mask"), EDIT_ACCEPTED_FIELDS,
         empty="request body is required: multipart/form-data with 'image' file(s) and 'prompt', or a JSON object",
@@ -113,8 +106,7 @@ def _from_body(body: ImageEditRequest) -> EditInputs:
 
 
 def _checked(body: ImageEditRequest, param: str, images: list[RawImage], mask: RawImage | None) -> EditInputs:
-    """Name the images for errors (`image`, or `image[i]` for several) and reject what needs no decoding
-    to reject: no image, too many, strings that are not data/http(s) URLs."""
+    """Name the images for errors (`image`, `image[i]`); reject none, too many, or non-data/http(s) URLs."""
     named = [(param if len(images) == 1 else f"{param}[{i}]", src) for i, src in enumerate(images)]
     inputs = EditInputs(body, named, None if mask is None else ("mask", mask))
     if not named:

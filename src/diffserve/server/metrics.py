@@ -32,10 +32,8 @@ class ServerMetrics:
             "diffserve_engine_restarts", "Engine restarts after a crash", registry=r
         )
         self.request_latency = Histogram(
-            "diffserve_request_latency_seconds",
-            "Successful generation requests, arrival to response",
-            **latency,
-        )
+            "diffserve_request_latency_seconds", "Successful generation requests, arrival to response", **latency
+        )  # fmt: skip
         self.queue_time = Histogram(
             "diffserve_queue_time_seconds", "Time requests waited before the engine started them", **latency
         )

@@ -8,8 +8,7 @@ an engine that died is recognised and dropped.
                 └─► [JobAccepted] ─► JobStarted ─► [JobProgress | JobPreview...] ─► JobFinished | JobCancelled | JobFailed
                                   └─► JobCancelled (cancelled while still waiting)
 
-Both ends run the same code version and the sockets live in a private temporary directory, so pickle
-is safe here and keeps `SamplingParams` and bytes intact without a schema layer.
+Both ends run the same code and the sockets live in a private directory, so pickle is safe here.
 """
 
 from __future__ import annotations
@@ -25,8 +24,7 @@ VIDEO_TASKS = ("text-to-video", "image-to-video")
 def wrong_route(task: str, pipeline: str, video: bool) -> str | None:
     """Why a model of `task` cannot serve a request for videos (`video`) or images, naming the route to
     use; None when it can."""
-    makes_video = task in VIDEO_TASKS
-    if makes_video == video:
+    if (makes_video := task in VIDEO_TASKS) == video:
         return None
     serves = f"this server serves {pipeline}, a {task} model"
     if makes_video:
@@ -44,9 +42,7 @@ class GenerateJob:
     response_format: Literal["b64_json", "url"] = "b64_json"
     output_compression: int | None = None  # jpeg and webp quality (0-100); None: 100, OpenAI's default
     internal: bool = False  # /health_generate's probe: left out of the queue-time metric
-    video_path: str | None = (
-        None  # a /v1/videos job: the engine writes the MP4 here instead of encoding images
-    )
+    video_path: str | None = None  # a /v1/videos job: the engine writes the MP4 here
     ack: bool = False  # answer JobAccepted once the parameters are validated and the job is queued
     priority: int = 0  # higher is admitted first, equal priorities in arrival order
     partial_images: int = 0  # streamed images: previews sent as JobPreview, at evenly spaced steps
@@ -74,16 +70,12 @@ class EngineReady:
 
 @dataclass
 class EngineFatal:
-    """The engine cannot start (model folder, device, ...). `user_error`: the user can fix it."""
-
-    message: str
-    user_error: bool
+    message: str  # why the engine cannot start (model folder, device, ...)
+    user_error: bool  # the user can fix it
 
 
 @dataclass
 class JobRejected:
-    """Invalid parameters, found before queueing; the message says which and what is allowed."""
-
     request_id: str
     message: str
     param: str | None = None
@@ -92,8 +84,7 @@ class JobRejected:
 
 @dataclass
 class JobAccepted:
-    """Validated and queued (only for jobs with `ack`); `params` are resolved (family defaults applied,
-    input images left out), so the front end can show the size, frames and steps that will be used."""
+    """Validated and queued (only for jobs with `ack`); `params` resolved, without the input images."""
 
     request_id: str
     params: SamplingParams
@@ -106,8 +97,6 @@ class JobStarted:
 
 @dataclass
 class JobProgress:
-    """`step` of `total` denoising steps are done; `phase` is what the engine does now."""
-
     request_id: str
     step: int
     total: int
@@ -116,8 +105,7 @@ class JobProgress:
 
 @dataclass
 class JobPreview:
-    """Preview number `index` (0-based) of a streamed job, made after denoising step `step` of
-    `total_steps` from the predicted clean latent (`diffserve.stages.previews`): one PNG per output."""
+    """Preview `index` (0-based) of a streamed job after step `step`: one PNG per output."""
 
     request_id: str
     index: int
@@ -166,8 +154,6 @@ class JobCancelled:
 
 @dataclass
 class JobFailed:
-    """An unexpected error inside one request; the engine logged the traceback and carries on."""
-
     request_id: str
     message: str
     user_error: bool = False

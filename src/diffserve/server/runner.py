@@ -18,9 +18,7 @@ logger = logging.getLogger("diffserve.server")
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn's server, which also tells the engine client when a shutdown signal arrives: new requests
-    then get 503, and the in-flight ones get `--shutdown-timeout` seconds before they are cancelled,
-    while uvicorn waits for their connections to close."""
+    """uvicorn's server, which also starts the engine client's drain when a shutdown signal arrives."""
 
     def __init__(self, config: uvicorn.Config, shutdown_timeout: float) -> None:
         super().__init__(config)
@@ -36,12 +34,12 @@ class GracefulServer(uvicorn.Server):
         super().handle_exit(sig, frame)
         if self._draining or self._loop is None:
             return
-        self._draining = True
-        name, timeout = signal.Signals(sig).name, self.shutdown_timeout
-        logger.info("Received %s: shutting down (in-flight requests get %g s)", name, timeout)
-        engine = self.config.app.state.engine
+        self._draining, timeout = True, self.shutdown_timeout
+        logger.info(
+            "Received %s: shutting down (in-flight requests get %g s)", signal.Signals(sig).name, timeout
+        )
         # Signal handlers run between bytecodes; hand the work to the loop instead of touching it here.
-        self._loop.call_soon_threadsafe(engine.begin_drain, self.shutdown_timeout)
+        self._loop.call_soon_threadsafe(self.config.app.state.engine.begin_drain, timeout)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -61,8 +59,7 @@ def serve(args: ServerArgs) -> int:
     """Serve until SIGTERM/SIGINT (exit code 0) or until the engine cannot start (2: user error, 1: other)."""
     sock = bind_socket(args.host, args.port)
     args.port = sock.getsockname()[1]  # --port 0: the port the system chose
-    exit_code = 0
-    server: GracefulServer | None = None
+    exit_code, server = 0, None
 
     def on_fatal(code: int, message: str) -> None:
         nonlocal exit_code

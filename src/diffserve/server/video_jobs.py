@@ -1,10 +1,9 @@
-"""Video jobs of `/v1/videos`: their records (a small SQLite file), their MP4 files, their runs in the engine.
+"""Video jobs of `/v1/videos`: their records (SQLite), their MP4 files, their runs in the engine.
 
-As in OpenAI's video API the POST answers with a job, which the client polls. A job is recorded once the
-engine accepted it (an invalid one never is), with the resolved parameters; progress lives in memory and
-status changes in SQLite (WAL). A finished job and its file are deleted `--job-ttl` seconds after it
-finished. At start, jobs a previous server left unfinished fail (`server_restarted`) and files without a
-completed job are deleted.
+As in OpenAI's video API the POST answers with a job the client polls. A job is recorded once the engine
+accepted it, with the resolved parameters; progress lives in memory, status changes in SQLite. Finished
+jobs and files go `--job-ttl` seconds after finishing. At start, jobs a previous server left unfinished
+fail (`server_restarted`) and files without a completed job are deleted.
 """
 
 from __future__ import annotations
@@ -40,24 +39,17 @@ VideoStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled
 ACTIVE_STATUSES: tuple[str, ...] = ("queued", "in_progress")
 FINISHED_STATUSES: tuple[str, ...] = ("completed", "failed", "cancelled")
 
-DB_FILE_NAME = "video_jobs.sqlite3"
-VIDEOS_DIR_NAME = "videos"
 #: A job id. `\Z`, not `$` (which also accepts a trailing newline), so `.match` checks the whole id.
 VIDEO_ID_PATTERN = re.compile(r"\Avideo_[0-9a-f]{32}\Z")
 
-#: How long DELETE waits for the engine to confirm that a running job stopped (it stops within a step).
-CANCEL_WAIT_S = 30.0
-#: How long shutdown waits for followers to record the outcome of jobs the engine client failed.
-CLOSE_WAIT_S = 5.0
-
-
-def videos_dir(output_dir: Path) -> Path:
-    return output_dir / VIDEOS_DIR_NAME
+#: How long DELETE waits for the engine to confirm a running job stopped (within a step), and shutdown
+#: for followers to record the outcome of jobs the engine client failed.
+CANCEL_WAIT_S, CLOSE_WAIT_S = 30.0, 5.0
 
 
 def video_file(output_dir: Path, video_id: str) -> Path:
     """The MP4 of a job; the engine writes it atomically through a hidden `.{name}.partial` sibling."""
-    return videos_dir(output_dir) / f"{video_id}.mp4"
+    return output_dir / "videos" / f"{video_id}.mp4"
 
 
 def progress_percent(message: JobProgress) -> int:
@@ -147,15 +139,8 @@ _COLUMNS = (
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS videos (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- creation order: list order and pagination cursor
-    id TEXT NOT NULL UNIQUE,
-    status TEXT NOT NULL,
-    progress INTEGER NOT NULL,
-    phase TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    completed_at REAL,
-    error_code TEXT,
-    error_message TEXT,
-    file_bytes INTEGER,
+    id TEXT NOT NULL UNIQUE, status TEXT NOT NULL, progress INTEGER NOT NULL, phase TEXT NOT NULL,
+    created_at REAL NOT NULL, completed_at REAL, error_code TEXT, error_message TEXT, file_bytes INTEGER,
     details TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS videos_completed_at ON videos (completed_at);
@@ -166,14 +151,10 @@ class VideoJobStore:
     """The job records in `<output dir>/video_jobs.sqlite3`."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-        self._lock = threading.Lock()
+        self.path, self._lock = path, threading.Lock()
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
-        with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(_SCHEMA)
+        self._db.executescript("PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;" + _SCHEMA)
 
     def close(self) -> None:
         with self._lock:
@@ -195,8 +176,9 @@ class VideoJobStore:
 
     def insert(self, job: VideoJob) -> None:
         values = self._values(job)
-        names, placeholders = ", ".join(values), ", ".join(":" + name for name in values)
-        self._run(f"INSERT INTO videos ({names}) VALUES ({placeholders})", values)
+        self._run(
+            f"INSERT INTO videos ({', '.join(values)}) VALUES ({', '.join(':' + n for n in values)})", values
+        )
 
     def update(self, job: VideoJob) -> None:
         """Write the record back; a record deleted meanwhile stays deleted."""
@@ -212,8 +194,7 @@ class VideoJobStore:
         self._run("DELETE FROM videos WHERE id = ?", (video_id,))
 
     def page(self, limit: int, after: str | None, descending: bool) -> tuple[list[VideoJob], bool]:
-        """Up to `limit` jobs in creation order (newest first when `descending`) after the job `after`,
-        and whether more follow. Raises KeyError for an unknown `after`."""
+        """Up to `limit` jobs after the job `after` (KeyError if unknown), and whether more follow."""
         order, compare = ("DESC", "<") if descending else ("ASC", ">")
         if after is None:
             rows = self._run(f"SELECT * FROM videos ORDER BY seq {order} LIMIT ?", (limit + 1,))
@@ -226,9 +207,7 @@ class VideoJobStore:
         return [self._job(row) for row in rows[:limit]], len(rows) > limit
 
     def finished_before(self, cutoff: float) -> list[str]:
-        """Ids of jobs that finished at or before `cutoff`."""
-        sql = "SELECT id FROM videos WHERE completed_at IS NOT NULL AND completed_at <= ?"
-        return [row[0] for row in self._run(sql, (cutoff,))]
+        return [row[0] for row in self._run("SELECT id FROM videos WHERE completed_at <= ?", (cutoff,))]
 
     def mark_interrupted(self, now: float) -> list[str]:
         """Fail every job left queued or running by a previous server; returns their ids."""
@@ -258,17 +237,16 @@ class VideoJobManager:
         self._followers: dict[str, asyncio.Task] = {}
         self._sweeper: asyncio.Task | None = None
 
-    # -- lifecycle ---------------------------------------------------------------------------------
     def open(self) -> None:
         """Open the store, fail what a previous server left unfinished, apply the TTL, delete stray files."""
-        videos_dir(self.output_dir).mkdir(parents=True, exist_ok=True)
-        self.store = VideoJobStore(self.output_dir / DB_FILE_NAME)
-        if interrupted := self.store.mark_interrupted(time.time()):
-            n = len(interrupted)
+        directory = video_file(self.output_dir, "-").parent
+        directory.mkdir(parents=True, exist_ok=True)
+        self.store = VideoJobStore(self.output_dir / "video_jobs.sqlite3")
+        if n := len(self.store.mark_interrupted(time.time())):
             logger.warning("Marked %d video job(s) left unfinished by a previous server as failed", n)
         self.expire()
         completed = self.store.completed_ids()
-        for path in videos_dir(self.output_dir).iterdir():
+        for path in directory.iterdir():
             if path.is_file() and not (path.suffix == ".mp4" and path.stem in completed):
                 path.unlink(missing_ok=True)  # a cancelled/failed job's file, or a half-written .partial
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
@@ -279,8 +257,7 @@ class VideoJobManager:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
-        followers = list(self._followers.values())
-        if followers:
+        if followers := list(self._followers.values()):
             await asyncio.wait(followers, timeout=CLOSE_WAIT_S)
         for task in followers:
             task.cancel()
@@ -302,33 +279,29 @@ class VideoJobManager:
         assert self.store is not None
         ids = self.store.finished_before(time.time() - self.ttl)
         for video_id in ids:
-            self._remove(video_id)
+            self._remove(video_id, record=True)
         if ids:
             logger.info("Deleted %d expired video job(s) (--job-ttl %g s)", len(ids), self.ttl)
         return len(ids)
 
-    def _remove(self, video_id: str) -> None:
-        assert self.store is not None
-        self.store.delete(video_id)
-        self._remove_files(video_id)
-
-    def _remove_files(self, video_id: str) -> None:
+    def _remove(self, video_id: str, record: bool = False) -> None:
+        """Delete a job's files, and with `record` its record."""
+        if record:
+            assert self.store is not None
+            self.store.delete(video_id)
         path = video_file(self.output_dir, video_id)
         path.unlink(missing_ok=True)
         partial_path(path).unlink(missing_ok=True)
 
-    # -- jobs --------------------------------------------------------------------------------------
     async def create(
         self, params: SamplingParams, model: str, image_to_video: bool, priority: int = 0
     ) -> VideoJob:
-        """Submit a job and record it once the engine accepted it. Raises what `EngineClient.submit`
-        raises (JobRejectedError, QueueFullError, EngineUnavailableError)."""
+        """Submit a job and record it once the engine accepted it. Raises what `EngineClient.submit` raises."""
         assert self.store is not None
         video_id = f"video_{uuid.uuid4().hex}"
         job = VideoJob(video_id, "queued", model, params.prompt, time.time(), image_to_video=image_to_video)
         path = str(video_file(self.output_dir, video_id))
-        self._active[video_id] = job
-        arrived = time.monotonic()
+        self._active[video_id], arrived = job, time.monotonic()
         try:
             engine_job = GenerateJob(video_id, params, video_path=path, priority=priority)
             accepted, outcome = await self.engine.submit(engine_job, lambda m: self._on_event(job, m))
@@ -344,8 +317,9 @@ class VideoJobManager:
             self._active.pop(video_id, None)
             raise JobRejectedError(f"the job cannot be represented in a response: {exc}", None) from exc
         self.store.insert(job)
-        follower = self._follow(job, outcome, arrived)
-        self._followers[video_id] = asyncio.get_running_loop().create_task(follower)
+        self._followers[video_id] = asyncio.get_running_loop().create_task(
+            self._follow(job, outcome, arrived)
+        )
         logger.info(
             "Video job %s queued: %sx%s, %s frames at %s fps, %s steps",
             video_id, job.width, job.height, job.num_frames, job.fps, job.num_inference_steps,
@@ -358,9 +332,8 @@ class VideoJobManager:
         if isinstance(message, JobStarted):
             job.status, job.phase = "in_progress", "denoising"
             self._save(job)  # status changes are persisted; progress is not
-            return
-        job.progress = max(job.progress, progress_percent(message))
-        job.phase = message.phase
+        else:
+            job.progress, job.phase = max(job.progress, progress_percent(message)), message.phase
 
     def _save(self, job: VideoJob) -> None:
         if self.store is not None:
@@ -370,8 +343,6 @@ class VideoJobManager:
         """Await the engine's outcome and record it."""
         try:
             result: JobFinished = await outcome
-        except asyncio.CancelledError:
-            raise
         except JobCancelledError:
             self.metrics.count("cancelled")
             if job.status != "cancelled":  # not our DELETE: the engine was shutting down
@@ -391,7 +362,7 @@ class VideoJobManager:
         else:
             self.metrics.observe_finished(result, time.monotonic() - arrived)
             if job.status == "cancelled":  # DELETE came while the file was being finished
-                self._remove_files(job.id)
+                self._remove(job.id)
             else:
                 job.file_bytes = result.videos[0].size_bytes if result.videos else None
                 job.steps_computed_in_full = result.steps_computed_in_full
@@ -403,13 +374,12 @@ class VideoJobManager:
     def _finish(
         self, job: VideoJob, status: VideoStatus, code: str | None = None, message: str | None = None
     ) -> None:
-        job.status, job.phase = status, status
-        job.completed_at = time.time()
-        job.error_code, job.error_message = code, message
+        job.status = job.phase = status
+        job.completed_at, job.error_code, job.error_message = time.time(), code, message
         if status == "completed":
             job.progress = 100
         else:
-            self._remove_files(job.id)
+            self._remove(job.id)
         self._save(job)
         logger.info("Video job %s %s%s", job.id, status, f": {message}" if message else "")
 
@@ -421,7 +391,7 @@ class VideoJobManager:
             return None
         expires = job.expires_at(self.ttl)
         if expires is not None and expires <= time.time() and video_id not in self._active:
-            self._remove(video_id)
+            self._remove(video_id, record=True)
             return None
         return job
 
@@ -437,16 +407,15 @@ class VideoJobManager:
         if job is None:
             return None
         if job.finished or video_id not in self._active:
-            self._remove(video_id)
+            self._remove(video_id, record=True)
             return job
         job.status = job.phase = "cancelled"
         job.completed_at = time.time()
         self._save(job)
         self.engine.cancel(video_id)
-        follower = self._followers.get(video_id)
-        if follower is not None:
+        if (follower := self._followers.get(video_id)) is not None:
             # The engine confirms within a denoising step (or once a file being written is deleted).
             await asyncio.wait({follower}, timeout=CANCEL_WAIT_S)
-        self._remove_files(video_id)
+        self._remove(video_id)
         logger.info("Video job %s cancelled", video_id)
         return job

@@ -40,9 +40,8 @@ _ERRORS = documented(400, 401, 404, 409, 413, 415, 429, 503)
 async def read_video_request(
     request: Request, max_part_bytes: int
 ) -> tuple[VideoCreateRequest, RawImage | None]:
-    """The body as fields and the raw first frame, not decoded yet. Multipart is what
-    `client.videos.create` sends (`input_reference` a file part, or `input_reference[image_url]` for its
-    JSON-object form); JSON takes `input_reference` as a data URL string or `{"image_url": ...}`."""
+    """The body's fields and raw first frame, not decoded yet: multipart as `client.videos.create` sends it,
+    or JSON with `input_reference` a data URL or `{"image_url": ...}`."""
     body, files = await read_body(
         request, VideoCreateRequest, VIDEO_ACCEPTED_FIELDS, _REFERENCE_PARTS, text_only=None,
         empty="request body is required: a JSON object with at least 'prompt' (or multipart)",
@@ -63,8 +62,8 @@ async def read_video_request(
 
 
 def check_route(engine: EngineClient, video: bool) -> None:
-    """Refuse a model of the other kind, naming the route to use. Only /v1/videos needs the model's
-    kind before the engine is ready (503); the image routes learn that from the engine client."""
+    """Refuse a model of the other kind, naming the route to use. Before the engine is ready /v1/videos
+    answers 503; the image routes learn it from the engine client."""
     if not engine.ready:
         if video:
             raise engine.unavailable_error()
@@ -83,8 +82,8 @@ def video_router(
     check_model: Callable[[str | None], None],
     outcome_of: Callable[[Exception], str],
 ) -> APIRouter:
-    """The routes; `check_model` 404s a `model` not served here, `outcome_of` labels a failed submission
-    in `diffserve_generation_requests_total` (the job's own outcome is counted by the manager)."""
+    """`check_model` 404s a `model` not served here; `outcome_of` labels a failed submission in
+    `diffserve_generation_requests_total` (the manager counts the job's own outcome)."""
     router = APIRouter()
 
     def found(video_id: str) -> VideoJob:
@@ -93,9 +92,6 @@ def video_router(
             message = f"no video with id {video_id!r} on this server (unknown, deleted or expired)"
             raise ApiError(404, message, param="video_id", code="video_not_found")
         return job
-
-    def respond(job: VideoJob) -> JSONResponse:
-        return JSONResponse(job.to_api(jobs.ttl))
 
     @router.post("/v1/videos", responses=_ERRORS)
     async def create_video(request: Request) -> JSONResponse:
@@ -137,7 +133,7 @@ def video_router(
         except Exception as exc:
             metrics.count(outcome_of(exc))
             raise
-        return respond(job)
+        return JSONResponse(job.to_api(jobs.ttl))
 
     @router.get("/v1/videos", responses=_ERRORS)
     async def list_videos(
@@ -152,12 +148,13 @@ def video_router(
             raise ApiError(400, message, param="after", code="invalid_value") from None
         data = [job.to_api(jobs.ttl) for job in page]
         first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
-        page_info = {"first_id": first, "last_id": last, "has_more": has_more}
-        return JSONResponse({"object": "list", "data": data, **page_info})
+        return JSONResponse(
+            {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": has_more}
+        )
 
     @router.get("/v1/videos/{video_id}", responses=_ERRORS)
     async def retrieve_video(video_id: str) -> JSONResponse:
-        return respond(found(video_id))
+        return JSONResponse(found(video_id).to_api(jobs.ttl))
 
     @router.get("/v1/videos/{video_id}/content", responses=_ERRORS)
     async def video_content(video_id: str, variant: str = "video") -> ContentFileResponse:
@@ -177,20 +174,19 @@ def video_router(
             raise ApiError(409, message, param="video_id", code="video_not_ready")
         path = video_file(args.output_dir, video_id)
         if not path.is_file():
-            message = f"the file of video {video_id} is gone"
-            raise ApiError(404, message, param="video_id", code="video_not_found")
-        name = f"{video_id}.mp4"
+            raise ApiError(
+                404, f"the file of video {video_id} is gone", param="video_id", code="video_not_found"
+            )
         return ContentFileResponse(
-            path, media_type="video/mp4", filename=name, content_disposition_type="inline"
+            path, media_type="video/mp4", filename=path.name, content_disposition_type="inline"
         )
 
     @router.delete("/v1/videos/{video_id}", responses=_ERRORS)
     async def delete_video(video_id: str) -> JSONResponse:
-        """Cancel a queued or running job (it stops at its next denoising step; the record stays, as
-        `cancelled`, until it expires or is deleted again) or delete a finished job and its file."""
+        """Cancel a job in flight (its record stays, `cancelled`, until it expires or is deleted again) or
+        delete a finished job and its file."""
         found(video_id)
-        job = await jobs.delete(video_id)
-        if job is None:
+        if await jobs.delete(video_id) is None:
             found(video_id)  # raced with expiry: 404
         return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
 

@@ -1,7 +1,6 @@
 """`Stage`: one step of a pipeline over a `Req`, holding modules, never request state. The request
 fields it `needs` and `sets` are checked, and it is timed (including its device work) and logged as
-SGLang Diffusion does (`[TextEncodingStage] finished in 0.0123 seconds`).
-"""
+SGLang Diffusion does (`[TextEncodingStage] finished in 0.0123 seconds`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The text-encoding stage of FLUX.1: CLIP's pooled vector (`pooler_output`, padded to the tokenizer's
-max length) and T5's token sequence (padded to `max_sequence_length`), as Diffusers' FluxPipeline does.
-"""
+max length) and T5's token sequence (padded to `max_sequence_length`), as Diffusers' FluxPipeline does."""
 
 from __future__ import annotations
 

@@ -115,7 +115,6 @@ class InputValidationStage(Stage):
         self.unsupported_params = unsupported_params or {}
         self.default_size = default_size
         self.video = video
-        #: Set by `Pipeline` from the engine's default tier and the family's step-cache policies.
         self.quality = QualityRule(family=self.image_inputs.pipeline_name)
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
@@ -140,10 +139,8 @@ class InputValidationStage(Stage):
         height, width = (
             self.default_size(resolved) if self.default_size else (self.default_pixels, self.default_pixels)
         )
-        if resolved.height is None:
-            resolved.height = height
-        if resolved.width is None:
-            resolved.width = width
+        resolved.height = height if resolved.height is None else resolved.height
+        resolved.width = width if resolved.width is None else resolved.width
         resolved.validate(self.pixel_multiple, self.max_sequence_length_limit)
         return resolved
 

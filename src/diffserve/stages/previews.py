@@ -1,9 +1,6 @@
-"""Previews of a request in mid-denoising: what the image would be if sampling stopped now.
-
-The predicted clean latent is previewed: every family samples a flow-matching ODE whose velocity
-`v = noise - x0` the denoisers keep on `Req.last_prediction`, so after an Euler step to `sigma_{i+1}`,
-`x0 = x_{i+1} - sigma_{i+1} * v` (UniPC keeps x0 itself). The pipeline's own VAE decodes it, from pooled
-latents above `PREVIEW_MAX_PIXELS` (a video: its first frame)."""
+"""Previews in mid-denoising: the predicted clean latent `x0 = x_{i+1} - sigma_{i+1} * v` (flow matching,
+`v = noise - x0` kept on `Req.last_prediction`; UniPC keeps x0 itself), decoded by the pipeline's own
+VAE, from pooled latents above `PREVIEW_MAX_PIXELS` (a video: its first frame)."""
 
 from __future__ import annotations
 
@@ -19,7 +16,6 @@ from diffserve.stages.decoding import DecodeLayout, LatentDecoder, tensor_to_pil
 from diffserve.stages.latent_preparation import unpack_latents
 from diffserve.stages.video_vae_decoding import denormalize_latents
 
-#: Largest preview the VAE decodes, in pixels; larger ones are decoded from pooled latents and upscaled.
 PREVIEW_MAX_PIXELS = 1024 * 1024
 
 

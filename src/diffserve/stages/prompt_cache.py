@@ -13,9 +13,7 @@ import torch
 
 logger = logging.getLogger("diffserve.stages")
 
-#: Default bound: a few hundred prompts of a large T5/Qwen encoder's states.
-DEFAULT_MAX_BYTES = 256 * 2**20
-#: Default bound on the entries: at most 1024 prompts (of at most 10,000 characters each) are kept.
+DEFAULT_MAX_BYTES = 256 * 2**20  # a few hundred prompts of a large T5/Qwen encoder's states
 DEFAULT_MAX_ENTRIES = 1024
 
 

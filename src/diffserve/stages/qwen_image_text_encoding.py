@@ -1,7 +1,6 @@
 """Text (and, for edits, image) conditioning from Qwen2.5-VL: the last layer's states of the prompt in
 the family's chat template (no LM head), real tokens only, minus the template's prefix. For edits the
-processor expands `<|image_pad|>` into the input image's vision tokens.
-"""
+processor expands `<|image_pad|>` into the input image's vision tokens."""
 
 from __future__ import annotations
 
@@ -39,7 +38,7 @@ class QwenTextEncodingStage(Stage):
         self.output_dtype = output_dtype
         self.processor = processor
         self.image_prompt_template = image_prompt_template
-        #: Text-only prompts are cached; edits are not (their encoding depends on the input images).
+        # Text-only prompts are cached; edits are not (their encoding depends on the input images).
         self.cache = PromptEmbeddingCache() if processor is None else None
 
     @torch.inference_mode()

@@ -1,7 +1,6 @@
 """Wan 2.1 image-to-video's "before denoising" stage: the input image's CLIP vision states (cross-
 attended), and a conditioning video concatenated to the latents on channels: a mask of the frames the
-image covers, then the image and black frames, VAE-encoded and normalised.
-"""
+image covers, then the image and black frames, VAE-encoded and normalised."""
 
 from __future__ import annotations
 

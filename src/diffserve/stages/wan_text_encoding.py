@@ -1,6 +1,5 @@
 """Wan's text conditioning: UMT5 states of the cleaned prompt. UMT5 masks the padding, so it runs on
-the batch's longest prompt only; the states are zero-padded to `max_sequence_length`, as in Diffusers.
-"""
+the batch's longest prompt only; the states are zero-padded to `max_sequence_length`, as in Diffusers."""
 
 from __future__ import annotations
 

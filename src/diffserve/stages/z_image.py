@@ -1,9 +1,6 @@
-"""Z-Image's own stages.
-
-Text conditioning: the prompt as a Qwen3 chat turn, second-to-last layer's states of the real tokens.
+"""Z-Image's own stages. Text conditioning: the prompt as a Qwen3 chat turn, second-to-last layer's states of the real tokens.
 Qwen3 is causal, so padding only to the batch's longest prompt (Diffusers: to 512) changes nothing.
-Timesteps: sigmas from a float32 linspace(1, 1/n) as Diffusers, and the DiT's own time axis 1 - t / 1000.
-"""
+Timesteps: sigmas from a float32 linspace(1, 1/n) as Diffusers, and the DiT's own time axis 1 - t / 1000."""
 
 from __future__ import annotations
 
