@@ -343,7 +343,9 @@ def test_create_poll_and_download_with_the_openai_sdk(srv, client, t2v) -> None:
         model=MODEL_NAME,
         extra_body={"fps": FPS, "seed": 7, "num_inference_steps": POLLED_STEPS},
     )
-    assert (video.object, video.status, video.progress, video.model) == ("video", "queued", 0, MODEL_NAME)
+    # An idle engine may start the job before the POST's answer is rendered: queued or just started.
+    assert (video.object, video.model) == ("video", MODEL_NAME)
+    assert (video.status, video.progress) == ("queued", 0) or video.status == "in_progress"
     assert video.id.startswith("video_") and video.error is None and video.completed_at is None
     assert (video.size, video.seconds) == (f"{SIZE}x{SIZE}", "1.125")  # 1 s at 8 fps -> 9 frames (4k+1)
     extras = video.model_extra
