@@ -7,7 +7,6 @@ from collections import OrderedDict
 import torch
 
 from diffserve.configs.flux import FluxPipelineConfig, flux_default_sampling_params
-from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.flux import FluxTransformer2DModel
@@ -157,6 +156,3 @@ class FluxPipeline(Pipeline):
             DenoisingStage(self.denoiser),
             DecodingStage(vae),
         ]
-
-    def resolve_params(self, params: SamplingParams) -> SamplingParams:
-        return self.input_validation.resolve(params)

@@ -17,7 +17,6 @@ from diffserve.configs.qwen_image import (
     QwenImagePipelineConfig,
     qwen_image_default_sampling_params,
 )
-from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
@@ -165,9 +164,6 @@ class QwenImagePipeline(Pipeline):
             DenoisingStage(QwenImageDenoiser(transformer, scheduler)),
             VideoVaeImageDecodingStage(vae),
         ]
-
-    def resolve_params(self, params: SamplingParams) -> SamplingParams:
-        return self.input_validation.resolve(params)
 
     def batch_key(self, req: Req) -> tuple:
         """Text lengths may differ (the denoiser pads and masks); image tokens must line up."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.sd3 import SD3PipelineConfig, sd3_default_sampling_params
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.loader.folder_defaults import apply_overrides
@@ -106,6 +105,3 @@ class SD3Pipeline(Pipeline):
             DenoisingStage(SD3Denoiser(transformer, scheduler)),
             DecodingStage(vae, packed_latents=False),
         ]
-
-    def resolve_params(self, params: SamplingParams) -> SamplingParams:
-        return self.input_validation.resolve(params)

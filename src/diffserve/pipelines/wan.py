@@ -160,9 +160,6 @@ class WanPipeline(Pipeline):
     def before_denoising_stages(self, context: PipelineContext) -> list[Stage]:
         return []
 
-    def resolve_params(self, params: SamplingParams) -> SamplingParams:
-        return self.input_validation.resolve(params)
-
 
 class WanImageToVideoPipeline(WanPipeline):
     """Animates one input image; the output keeps its aspect ratio unless height/width are given."""

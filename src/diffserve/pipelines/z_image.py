@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.configs.z_image import ZImagePipelineConfig, z_image_default_sampling_params
 from diffserve.loader.folder_defaults import apply_overrides
@@ -116,9 +115,6 @@ class ZImagePipeline(Pipeline):
             DenoisingStage(ZImageDenoiser(transformer, scheduler)),
             DecodingStage(vae, packed_latents=False),
         ]
-
-    def resolve_params(self, params: SamplingParams) -> SamplingParams:
-        return self.input_validation.resolve(params)
 
     def batch_key(self, req: Req) -> tuple:
         """The DiT pads captions itself; only the latent grid has to match (predictions are stacked)."""
