@@ -161,16 +161,11 @@ def warm_up(
 ) -> list[WarmupRun]:
     """Run `warmup_plan(resolutions)` through `generate`, one request each; a size the model refuses is a
     UserError naming `--warmup-resolutions`."""
-    from PIL import Image
 
     runs = []
     for height, width, kind in warmup_plan(resolutions):
         params = warmup_params(height, width, kind, facts.cfg_mode, facts.makes_video)
-        if facts.min_input_images > 0:
-            size = (int(params.width or facts.pixel_multiple), int(params.height or facts.pixel_multiple))
-            params.input_images = [
-                Image.new("RGB", size, (128, 128, 128)) for _ in range(facts.min_input_images)
-            ]
+        params.input_images = facts.probe_images(width, height)
         graphs_before, start = compiled_graph_count(), time.perf_counter()
         try:
             generate(params)

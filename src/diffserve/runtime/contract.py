@@ -33,6 +33,13 @@ class PipelineFacts:
     max_frames: int = 0
     max_fps: int = 0
 
+    def probe_images(self, width: int, height: int) -> list[Image.Image] | None:
+        """Plain grey input images for a warm-up or health probe of a family that requires them (edit,
+        image-to-video); None for families that take none."""
+        if self.min_input_images == 0:
+            return None
+        return [Image.new("RGB", (width, height), (128, 128, 128)) for _ in range(self.min_input_images)]
+
 
 class EnginePipeline(Protocol):
     """The phases the engine runs a request through, and the facts it plans with."""

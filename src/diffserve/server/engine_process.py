@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import zmq
-from PIL import Image
 
 from diffserve.configs.engine_args import EngineArgs
 from diffserve.configs.sampling_params import SamplingParams
@@ -122,11 +121,7 @@ class Engine:
         self.pixel_multiple = self.facts.pixel_multiple
         self.probe_size = -(-PROBE_PIXELS // self.pixel_multiple) * self.pixel_multiple
         self.is_video = self.facts.makes_video
-        #: Plain input images for the probes of families that require them (edit, image-to-video).
-        self.probe_images = [
-            Image.new("RGB", (self.probe_size,) * 2, (128, 128, 128))
-            for _ in range(self.facts.min_input_images)
-        ] or None
+        self.probe_images = self.facts.probe_images(self.probe_size, self.probe_size)
         # One thread: MP4s are written in job order, and x264 already uses several cores per file.
         self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="video-encoder")
         #: Video jobs whose file is being written -> their cancel flag (the job's `cancel_event`).
