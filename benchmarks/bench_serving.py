@@ -32,6 +32,7 @@ import json
 import math
 import os
 import random
+import signal
 import socket
 import statistics
 import subprocess
@@ -294,6 +295,14 @@ class LaunchedServer:
             self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
     def __enter__(self) -> LaunchedServer:
+        try:  # stopped while waiting (Ctrl-C, SIGTERM, a timeout): the server goes too
+            self._wait_ready()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -302,11 +311,10 @@ class LaunchedServer:
                 )
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200:
-                    return self
+                    return
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
-        self.__exit__()
         raise RuntimeError(
             f"diffserve serve did not become ready in {SERVER_START_TIMEOUT_S} s; see {self.log_path}"
         )
@@ -498,7 +506,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM (`kill`, `timeout`) unwinds like Ctrl-C, so a launched server is stopped on the way out."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     args = parse_args(argv)
     if args.matrix:
         rows = run_matrix(args)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from diffserve.layers.attention import AttentionBackend, resolve_attention_backe
 from diffserve.loader.component_loader import load_components
 from diffserve.loader.folder_defaults import read_folder_sampling_defaults
 from diffserve.loader.model_index import read_model_index
+from diffserve.logging_setup import shown_text
 from diffserve.outputs import output_metadata, write_outputs
 from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.platforms import Platform, PlatformUnavailableError, resolve_platform
@@ -92,7 +94,7 @@ class DiffGenerator:
             )
         except ValueError as exc:
             raise UserError(str(exc)) from exc
-        index = read_model_index(engine_args.model_path)
+        index = read_model_index(engine_args.model_path, engine_args.revision)
         self.family: ModelFamily = resolve_family(index.pipeline_class_name)
         pipeline_cls = self.family.pipeline_cls
         logger.info(
@@ -114,7 +116,7 @@ class DiffGenerator:
         if folder_defaults:
             logger.info("Sampling defaults from the model folder's diffserve.json: %s", folder_defaults)
         try:
-            check_default_quality(engine_args.default_quality)
+            default_quality = check_default_quality(engine_args.default_quality)  # "lossless" -> "high"
             calibrated = read_calibrated_policies(index.root, self.family.name)
             self.pipeline: Pipeline = pipeline_cls(
                 PipelineContext(
@@ -123,7 +125,7 @@ class DiffGenerator:
                     self.dtype,
                     folder_sampling_defaults=folder_defaults,
                     pipeline_options=index.options,
-                    default_quality=engine_args.default_quality,
+                    default_quality=default_quality,
                     calibrated_step_cache=calibrated,
                 )
             )
@@ -131,7 +133,10 @@ class DiffGenerator:
             raise UserError(f"--default-quality: {exc}") from exc
         except ValueError as exc:
             raise UserError(str(exc)) from exc
-        self.model_path = str(index.root)
+        #: The model as named (a folder, or a Hub repo id), as outputs' metadata and the server show it.
+        self.model_path = index.name
+        #: The local folder the components were loaded from (for a Hub repo id: its cached snapshot).
+        self.model_folder = index.root
         self.show_progress = show_progress
         max_tokens = engine_args.max_batch_tokens or default_max_batch_tokens(platform.device_type)
         scheduler = SchedulerConfig(
@@ -172,15 +177,18 @@ class DiffGenerator:
         show_progress: bool = True,
         compile: bool = False,
         warmup_resolutions: Sequence[tuple[int, int]] = (),
-        default_quality: str = "lossless",
+        default_quality: str = "high",
         tune_allocator: bool = False,
+        revision: str | None = None,
     ) -> DiffGenerator:
-        """Load a Diffusers folder. `compile=True` is `--compile` (torch.compile of the DiT's repeated
-        blocks); `warmup_resolutions` are (height, width) sizes generated once now; `default_quality` is
-        what a request's quality "auto" means (see README, "Quality tiers"); `tune_allocator=True` is
-        `--tune-allocator`."""
+        """Load a Diffusers folder, or a Hugging Face repo id (`"owner/name"`: from the local HF cache,
+        else downloaded; `revision` picks a branch, tag or commit). `compile=True` is `--compile`
+        (torch.compile of the DiT's repeated blocks); `warmup_resolutions` are (height, width) sizes
+        generated once now; `default_quality` is what a request's quality "auto" means (see README,
+        "Quality tiers"); `tune_allocator=True` is `--tune-allocator`."""
         args = EngineArgs(
             model_path=str(model_path),
+            revision=revision,
             device=device,
             dtype=dtype,
             attention_backend=attention_backend,
@@ -220,10 +228,8 @@ class DiffGenerator:
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not prompts or not all(isinstance(p, str) for p in prompts):
             raise UserError("prompt: pass a string or a non-empty list of strings")
-        try:
-            sampling = [SamplingParams(prompt=p, **params) for p in prompts]
-        except TypeError as exc:
-            raise UserError(f"unknown generation parameter: {exc}") from exc
+        check_generate_keywords(params)
+        sampling = [SamplingParams(prompt=p, **params) for p in prompts]
         outputs = self.generate_many(sampling, save_output, output_path, output_file_name, save_frames)
         return outputs[0] if isinstance(prompt, str) else outputs
 
@@ -314,6 +320,26 @@ class DiffGenerator:
         )
 
 
+#: `DiffGenerator.generate`'s own keyword arguments, besides the SamplingParams fields.
+_GENERATE_KEYWORDS = ("image", "mask", "save_output", "output_path", "output_file_name", "save_frames")
+
+
+def check_generate_keywords(params: Mapping[str, object]) -> None:
+    """Refuse keywords of `generate` that are not SamplingParams fields, naming them and listing the valid
+    ones (rather than Python's TypeError about `SamplingParams.__init__()`, a name the caller never used)."""
+    valid = [f.name for f in fields(SamplingParams) if f.name != "prompt"]
+    unknown = [name for name in params if name not in valid]
+    if not unknown:
+        return
+    close = difflib.get_close_matches(unknown[0], [*valid, *_GENERATE_KEYWORDS], n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise InvalidRequestError(
+        f"generate() got unknown keyword argument(s) {', '.join(map(repr, unknown))}{hint}; valid ones: "
+        f"{', '.join([*valid, *_GENERATE_KEYWORDS])}",
+        param=unknown[0],
+    )
+
+
 def _with_progress(on_step: Callable[[Req], None] | None, bar: tqdm) -> Callable[[Req], None]:
     def report(req: Req) -> None:
         bar.update(1)
@@ -326,6 +352,9 @@ def _with_progress(on_step: Callable[[Req], None] | None, bar: tqdm) -> Callable
 def log_sampling_params(params: SamplingParams) -> None:
     """Log a request's parameters, one aligned line each."""
     shown = {k: v for k, v in params.to_dict().items() if k != "extra"}
+    for key in ("prompt", "negative_prompt"):  # client text: quoted, escaped and cut for one log line
+        if isinstance(shown.get(key), str):
+            shown[key] = shown_text(shown[key])
     width = max(len(k) for k in shown)
     lines = "\n".join(f"    {k:>{width}}: {v}" for k, v in shown.items())
     logger.info("Sampling params:\n%s", lines)

@@ -18,27 +18,32 @@ settings.
 The result has the EXIF orientation applied and is converted with `.convert("RGB")`: an alpha channel is
 dropped, not composited onto a background, so fully transparent pixels keep whatever colour they store.
 
-URL fetching uses `urllib.request` with a timeout, reads at most `max_bytes + 1` bytes, refuses redirects,
-connects directly (environment proxies are ignored, so the address check applies to the host actually
-contacted) and refuses hosts for which any resolved address is private, loopback, link-local, multicast,
-reserved, unspecified or otherwise not globally routable. Known residual risk: DNS rebinding - the name
-is resolved once for the check and again by the connection, so a hostile DNS server can answer
-differently the second time. Deployments that must rule this out should also block private ranges at
-the network level (egress firewall) when enabling `--allow-url-images`.
+URL fetching (`http.client`, no proxies, no redirects) refuses hosts for which any resolved address is
+private, loopback, link-local, multicast, reserved, unspecified or otherwise not globally routable, then
+connects to one of exactly those checked addresses (so a second DNS answer cannot redirect it; HTTPS
+still verifies the certificate against the host name). It reads at most `max_bytes + 1` bytes, and the
+whole download - connect, TLS handshake, headers and body - must finish within `url_timeout_s`: a
+watchdog shuts the socket down at the deadline, however slowly the peer trickles bytes. Name resolution
+itself cannot be interrupted and is bounded only by the system resolver's own timeouts.
+
+`read_image_source` and `decode_image` are `load_image`'s two halves, for callers that run fetching and
+decoding in different worker pools (the server does).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
+import http.client
 import io
 import ipaddress
 import re
 import socket
+import ssl
+import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,8 +57,10 @@ __all__ = [
     "DEFAULT_ALLOWED_FORMATS",
     "ImageInputLimits",
     "ImageTooLargeError",
+    "decode_image",
     "load_image",
     "load_images",
+    "read_image_source",
 ]
 
 DEFAULT_ALLOWED_FORMATS: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "BMP", "GIF")
@@ -74,7 +81,7 @@ class ImageInputLimits:
     max_bytes: encoded size (file, decoded data URL, or downloaded body).
     max_pixels: width * height, from the header, checked before decoding.
     allowed_formats: Pillow format names that may be decoded.
-    url_timeout_s: per-socket-operation timeout and overall deadline for a URL download.
+    url_timeout_s: total deadline of one URL download (connect, TLS, headers and body together).
     """
 
     max_bytes: int = 20 * _MIB
@@ -111,8 +118,27 @@ def load_image(
     over `limits` (defaults: `ImageInputLimits()`).
     """
     limits = limits if limits is not None else ImageInputLimits()
-    data = _read_source(source, param=param, allow_urls=allow_urls, limits=limits)
-    return _decode(data, param=param, limits=limits)
+    data = read_image_source(source, param=param, allow_urls=allow_urls, limits=limits)
+    return decode_image(data, param=param, limits=limits)
+
+
+def read_image_source(
+    source: str | Path | bytes | bytearray | memoryview,
+    *,
+    param: str = "image",
+    allow_urls: bool = False,
+    limits: ImageInputLimits | None = None,
+) -> bytes:
+    """The encoded image bytes of `source` (read, base64-decoded or downloaded), within `limits.max_bytes`;
+    the first half of `load_image`."""
+    limits = limits if limits is not None else ImageInputLimits()
+    return _read_source(source, param=param, allow_urls=allow_urls, limits=limits)
+
+
+def decode_image(data: bytes, *, param: str = "image", limits: ImageInputLimits | None = None) -> Image.Image:
+    """Encoded image bytes as RGB, the pixel count checked from the header first; the second half of
+    `load_image`."""
+    return _decode(data, param=param, limits=limits if limits is not None else ImageInputLimits())
 
 
 # ---------------------------------------------------------------------------------------------- sources
@@ -232,16 +258,81 @@ def _read_data_url(url: str, *, param: str, limits: ImageInputLimits) -> bytes:
 # ------------------------------------------------------------------------------------------------- URLs
 
 
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """Do not follow redirects: the 3xx surfaces as an HTTPError, reported as a clear refusal."""
+class _Deadline:
+    """One download's total deadline. When it passes, the download's sockets are shut down, so a
+    blocked connect, TLS handshake, header or body read returns at once however slowly the peer
+    trickles bytes: a socket timeout alone restarts with every byte received.
 
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        return None
+    The watchdog shuts down a duplicate of each socket's descriptor, owned here: the connection's own
+    descriptor may already be closed (and its number reused) when the timer fires, a duplicate cannot.
+    """
+
+    def __init__(self, seconds: float, addresses: Sequence[str]) -> None:
+        self.seconds, self.addresses = seconds, list(addresses)
+        self.expired = False
+        self._end = time.monotonic() + seconds
+        self._lock = threading.Lock()
+        self._watched: list[socket.socket] = []
+        self._done = False
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> _Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._timer.cancel()
+        with self._lock:  # a running `_expire` finishes first; none starts after this
+            self._done = True
+            for dup in self._watched:
+                dup.close()
+            self._watched.clear()
+
+    def _expire(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self.expired = True
+            for dup in self._watched:
+                with contextlib.suppress(OSError):
+                    dup.shutdown(socket.SHUT_RDWR)
+
+    def connect(
+        self, address: tuple[str, int], timeout: float, source_address: tuple[str, int] | None = None
+    ) -> socket.socket:
+        """http.client's `_create_connection`: connect to the addresses `_check_host` approved (never a
+        second DNS answer), each try within what is left of the deadline, and watch the socket."""
+        error: OSError = OSError(f"no address to connect to for {address[0]!r}")
+        for host in self.addresses:
+            remaining = self._end - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            try:
+                sock = socket.create_connection((host, address[1]), min(timeout, remaining), source_address)
+            except OSError as exc:
+                error = exc
+                continue
+            with self._lock:
+                if self.expired or self._done:
+                    sock.close()
+                    raise TimeoutError
+                self._watched.append(sock.dup())
+            return sock
+        raise error
 
 
-def _build_opener() -> urllib.request.OpenerDirector:
-    # ProxyHandler({}) ignores *_proxy environment variables so the connection goes to the checked host.
-    return urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
+def _connection(scheme: str, host: str, port: int, deadline: _Deadline) -> http.client.HTTPConnection:
+    """A direct connection (no proxy, so the address check applies to the host contacted) whose sockets
+    come from `deadline`; HTTPS verifies the certificate against `host`."""
+    if scheme == "https":
+        conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+            host, port, timeout=deadline.seconds, context=ssl.create_default_context()
+        )
+    else:
+        conn = http.client.HTTPConnection(host, port, timeout=deadline.seconds)
+    conn._create_connection = deadline.connect  # type: ignore[attr-defined]  # http.client's hook
+    return conn
 
 
 def _is_forbidden_address(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
@@ -260,8 +351,9 @@ def _is_forbidden_address(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -
     )
 
 
-def _check_host(host: str, port: int, *, param: str) -> None:
-    """Refuse `host` unless every address it resolves to is globally routable."""
+def _check_host(host: str, port: int, *, param: str) -> list[str]:
+    """The addresses `host` resolves to, all globally routable (else refused); the download connects to
+    these, so a second DNS answer cannot point it elsewhere."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError, OSError) as e:
@@ -270,6 +362,7 @@ def _check_host(host: str, port: int, *, param: str) -> None:
         ) from None
     if not infos:
         raise InvalidRequestError(f"{param}: image URL host {host!r} did not resolve", param=param)
+    addresses: list[str] = []
     for info in infos:
         raw = str(info[4][0]).split("%", 1)[0]  # drop an IPv6 zone id
         try:
@@ -284,9 +377,20 @@ def _check_host(host: str, port: int, *, param: str) -> None:
                 "multicast or reserved address; only public http(s) hosts may be fetched",
                 param=param,
             )
+        if str(addr) not in addresses:
+            addresses.append(str(addr))
+    return addresses
 
 
-def _fetch_url(url: str, *, param: str, limits: ImageInputLimits) -> bytes:
+@dataclass(frozen=True)
+class _Target:
+    scheme: str
+    host: str
+    port: int
+    path: str  # with the query; never the fragment
+
+
+def _parse_url(url: str, *, param: str) -> _Target:
     try:
         parts = urllib.parse.urlsplit(url)
         port = parts.port
@@ -302,52 +406,65 @@ def _fetch_url(url: str, *, param: str, limits: ImageInputLimits) -> bytes:
         raise InvalidRequestError(
             f"{param}: image URLs with credentials (user:pass@) are not allowed", param=param
         )
-    _check_host(host, port or (443 if scheme == "https" else 80), param=param)
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return _Target(scheme, host, port or (443 if scheme == "https" else 80), path)
 
-    timeout = limits.url_timeout_s
-    deadline = time.monotonic() + timeout
-    request = urllib.request.Request(url, headers={"User-Agent": "diffserve", "Accept": "image/*"})
+
+def _fetch_url(url: str, *, param: str, limits: ImageInputLimits) -> bytes:
+    """GET `url` from a checked public address; the whole download (connect, TLS, headers, body) must
+    finish within `limits.url_timeout_s`."""
+    target = _parse_url(url, param=param)
+    addresses = _check_host(target.host, target.port, param=param)
+    timed_out = InvalidRequestError(
+        f"{param}: fetching the image URL timed out: the whole download must finish within "
+        f"{limits.url_timeout_s:g} s",
+        param=param,
+    )
+    with _Deadline(limits.url_timeout_s, addresses) as deadline:
+        try:
+            data = _download(target, deadline, param=param, limits=limits)
+        except InvalidRequestError:
+            if deadline.expired:
+                raise timed_out from None
+            raise
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            if deadline.expired or isinstance(e, TimeoutError):
+                raise timed_out from None
+            raise InvalidRequestError(f"{param}: could not fetch the image URL ({e})", param=param) from None
+        if deadline.expired:  # the watchdog's shutdown can look like a clean end of the body
+            raise timed_out
+    return data
+
+
+def _download(target: _Target, deadline: _Deadline, *, param: str, limits: ImageInputLimits) -> bytes:
+    """The body of a 2xx answer, at most `limits.max_bytes`; redirects and errors are refused."""
+    conn = _connection(target.scheme, target.host, target.port, deadline)
     try:
-        with _build_opener().open(request, timeout=timeout) as resp:
-            length = resp.headers.get("Content-Length")
-            if length is not None and length.strip().isdigit():
-                _check_byte_count(int(length), param=param, limits=limits, what="image at URL")
-            chunks: list[bytes] = []
-            total = 0
-            while total <= limits.max_bytes:
-                if time.monotonic() > deadline:
-                    raise TimeoutError
-                chunk = resp.read(min(_CHUNK, limits.max_bytes + 1 - total))
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                total += len(chunk)
-    except urllib.error.HTTPError as e:
-        e.close()  # it holds the response and its socket
-        if 300 <= e.code < 400:
-            target = e.headers.get("Location", "?") if e.headers else "?"
+        conn.request("GET", target.path, headers={"User-Agent": "diffserve", "Accept": "image/*"})
+        resp = conn.getresponse()
+        if 300 <= resp.status < 400:
             raise InvalidRequestError(
-                f"{param}: image URL answered with a redirect ({e.code} to {target}); redirects are not "
-                "followed - pass the final URL",
+                f"{param}: image URL answered with a redirect ({resp.status} to "
+                f"{resp.getheader('Location', '?')}); redirects are not followed - pass the final URL",
                 param=param,
-            ) from None
-        raise InvalidRequestError(
-            f"{param}: fetching the image URL failed with HTTP {e.code} {e.reason}", param=param
-        ) from None
-    except TimeoutError:
-        raise InvalidRequestError(
-            f"{param}: fetching the image URL timed out after {timeout:g} s", param=param
-        ) from None
-    except urllib.error.URLError as e:
-        if isinstance(e.reason, TimeoutError):
+            )
+        if not 200 <= resp.status < 300:
             raise InvalidRequestError(
-                f"{param}: fetching the image URL timed out after {timeout:g} s", param=param
-            ) from None
-        raise InvalidRequestError(
-            f"{param}: could not fetch the image URL ({e.reason})", param=param
-        ) from None
-    except (OSError, ValueError) as e:
-        raise InvalidRequestError(f"{param}: could not fetch the image URL ({e})", param=param) from None
+                f"{param}: fetching the image URL failed with HTTP {resp.status} {resp.reason}", param=param
+            )
+        length = resp.getheader("Content-Length")
+        if length is not None and length.strip().isdigit():
+            _check_byte_count(int(length), param=param, limits=limits, what="image at URL")
+        chunks: list[bytes] = []
+        total = 0
+        while total <= limits.max_bytes:
+            chunk = resp.read(min(_CHUNK, limits.max_bytes + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    finally:
+        conn.close()
     _check_byte_count(total, param=param, limits=limits, what="image at URL")
     return b"".join(chunks)
 

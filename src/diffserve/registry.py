@@ -99,7 +99,7 @@ class ModelFamily:
     @property
     def step_cache_policies(self) -> Mapping[str, StepCachePolicy]:
         """The approximate quality tiers the family serves with their default step-cache thresholds (empty:
-        only "lossless"). They are measured per pipeline, so they live on the pipeline class; a model
+        only "high", the exact path). They are measured per pipeline, so they live on the pipeline class; a model
         folder's calibration file overrides them (`configs/quality.py`)."""
         return self.pipeline_cls.step_cache_policies
 

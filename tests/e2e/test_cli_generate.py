@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -107,6 +108,27 @@ def test_prompt_file_and_multiple_outputs(tiny_flux_dir, tmp_path, run_cli) -> N
     names = sorted(p.name for p in out_dir.glob("*.png"))
     assert len(names) == 4
     assert sum(n.startswith("a_cat_") for n in names) == 2
+
+
+def test_no_seed_draws_a_random_seed_that_is_logged_and_saved(tiny_flux_dir, tmp_path, run_cli) -> None:
+    """Like the server and diffusers: no --seed, a random one, named in the log (to repeat the run) and in
+    the file's metadata; two runs draw different seeds (a false failure has odds of 1 in 2**32)."""
+    seeds = []
+    for run in ("first", "second"):
+        out_dir = tmp_path / run
+        result = run_cli(
+            "generate", "--model-path", str(tiny_flux_dir), "--prompt", "x", "--height", "32", "--width", "32",
+            "--num-inference-steps", "1", "--output-path", str(out_dir),
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        logged = re.search(r"No --seed given: using the random seed (\d+) \(pass --seed \1 ", result.stderr)
+        assert logged is not None, result.stderr
+        (png,) = out_dir.glob("*.png")
+        with Image.open(png) as image:
+            saved = json.loads(image.text["parameters"])["seed"]
+        assert saved == int(logged.group(1)) and f"seed: {saved}" in result.stderr  # the parameters block
+        seeds.append(saved)
+    assert seeds[0] != seeds[1]
 
 
 def test_no_save_output_writes_nothing(tiny_flux_dir, tmp_path, run_cli) -> None:

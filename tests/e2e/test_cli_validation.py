@@ -90,6 +90,7 @@ def test_no_save_output_skips_the_output_path_check(run_cli, tmp_path) -> None:
         (["--seed", "-1"], ["--seed: seed must be an integer"]),
         (["--num-frames", "0"], ["--num-frames: num_frames must be a positive integer"]),
         (["--max-inference-steps", "0"], ["--max-inference-steps must be >= 1"]),
+        (["--revision", " "], ["--revision must not be empty"]),
     ],
 )
 def test_bad_parameters_fail_before_the_model_loads(run_cli, flags: list[str], parts: list[str]) -> None:

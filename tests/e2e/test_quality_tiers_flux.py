@@ -1,6 +1,7 @@
-"""FLUX quality tiers end to end: lossless is the exact path, each approximate tier stays within its
-PSNR bar against lossless and reports how many steps it computed, tiers mix in one DiT batch, and the
-engine default and the model folder's calibration file take effect."""
+"""FLUX quality tiers end to end: `high` (also asked for as `hd` or `lossless`, and reported as `high`) is
+the exact path, each approximate tier (medium, low, draft) stays within its PSNR bar against it and reports
+how many steps it computed, tiers mix in one DiT batch, and the engine default and the model folder's
+calibration file take effect."""
 
 from __future__ import annotations
 
@@ -35,75 +36,81 @@ def pixels(out) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def lossless(generator):
+def exact(generator):
     return {p: generator.generate(p, num_inference_steps=STEPS, seed=4, **SIZE) for p in PROMPTS}
 
 
-def test_lossless_and_hd_are_the_exact_path(generator, lossless) -> None:
+def test_high_hd_lossless_and_auto_are_the_exact_path_and_report_high(generator, exact) -> None:
     prompt = PROMPTS[0]
-    for quality in ("lossless", "hd", "auto"):
+    for quality in ("high", "hd", "lossless", "auto", None):
         out = generator.generate(prompt, num_inference_steps=STEPS, seed=4, quality=quality, **SIZE)
-        np.testing.assert_array_equal(pixels(out), pixels(lossless[prompt]))
-        assert out.steps_computed_in_full == STEPS and out.params.quality == "lossless"
+        np.testing.assert_array_equal(pixels(out), pixels(exact[prompt]))
+        assert out.steps_computed_in_full == STEPS and out.params.quality == "high"
 
 
-def test_each_tier_keeps_its_psnr_bar_and_computes_fewer_steps(generator, lossless) -> None:
+def test_each_tier_keeps_its_psnr_bar_and_computes_fewer_steps(generator, exact) -> None:
     computed = {}
     for tier, bar in PSNR_BARS.items():
         scores, steps = [], []
         for prompt in PROMPTS:
             out = generator.generate(prompt, num_inference_steps=STEPS, seed=4, quality=tier, **SIZE)
             assert out.params.quality == tier
-            scores.append(psnr(pixels(out), pixels(lossless[prompt])))
+            scores.append(psnr(pixels(out), pixels(exact[prompt])))
             steps.append(out.steps_computed_in_full)
         print(f"{tier}: PSNR {[round(s, 1) for s in scores]} dB, steps computed {steps} of {STEPS}")
         assert np.mean(scores) >= bar, (tier, scores)
         computed[tier] = sum(steps)
-    assert computed["low"] <= computed["medium"] <= computed["high"] < STEPS * len(PROMPTS)
-    assert computed["medium"] <= 0.5 * STEPS * len(PROMPTS)
+    assert computed["draft"] <= computed["low"] <= computed["medium"] < STEPS * len(PROMPTS)
+    assert computed["low"] <= 0.5 * STEPS * len(PROMPTS)
 
 
-def test_a_lossless_request_batched_with_a_medium_one_keeps_its_exact_output(generator, lossless) -> None:
+def test_an_exact_request_batched_with_a_low_one_keeps_its_exact_output(generator, exact) -> None:
     pipeline = generator.pipeline
-    exact = Req(SamplingParams(prompt=PROMPTS[0], num_inference_steps=STEPS, seed=4, **SIZE))
-    medium = Req(
-        SamplingParams(prompt=PROMPTS[1], num_inference_steps=STEPS, seed=4, quality="medium", **SIZE)
-    )
-    reqs = [pipeline.run_pre_denoise(pipeline.validate(r)) for r in (exact, medium)]
+    high = Req(SamplingParams(prompt=PROMPTS[0], num_inference_steps=STEPS, seed=4, **SIZE))
+    low = Req(SamplingParams(prompt=PROMPTS[1], num_inference_steps=STEPS, seed=4, quality="low", **SIZE))
+    reqs = [pipeline.run_pre_denoise(pipeline.validate(r)) for r in (high, low)]
     while not all(r.is_denoised for r in reqs):
         pipeline.denoise_step(reqs)
-    exact, medium = (pipeline.run_post_denoise(r) for r in reqs)
-    got = np.asarray(exact.images[0].convert("RGB"))
-    assert (
-        np.abs(got.astype(int) - pixels(lossless[PROMPTS[0]]).astype(int)).max() <= 1
-    )  # CPU GEMM batch rows
-    assert exact.step_cache is None and exact.steps_computed_in_full == STEPS
-    assert medium.steps_computed_in_full < STEPS
+    high, low = (pipeline.run_post_denoise(r) for r in reqs)
+    got = np.asarray(high.images[0].convert("RGB"))
+    assert np.abs(got.astype(int) - pixels(exact[PROMPTS[0]]).astype(int)).max() <= 1  # CPU GEMM batch rows
+    assert high.step_cache is None and high.steps_computed_in_full == STEPS
+    assert low.steps_computed_in_full < STEPS
 
 
 def test_default_quality_applies_to_auto_and_unset(flux_dir) -> None:
     generator = DiffGenerator.from_pretrained(
-        flux_dir, device="cpu", show_progress=False, default_quality="low"
+        flux_dir, device="cpu", show_progress=False, default_quality="draft"
     )
     out = generator.generate(PROMPTS[0], num_inference_steps=STEPS, seed=4, **SIZE)
-    assert out.params.quality == "low" and out.steps_computed_in_full < STEPS
+    assert out.params.quality == "draft" and out.steps_computed_in_full < STEPS
     exact = generator.generate(PROMPTS[0], num_inference_steps=STEPS, seed=4, quality="lossless", **SIZE)
-    assert exact.steps_computed_in_full == STEPS
-    with pytest.raises(UserError, match="default quality must be one of lossless, high, medium, low"):
+    assert exact.steps_computed_in_full == STEPS and exact.params.quality == "high"
+    with pytest.raises(
+        UserError, match="default quality must be one of high, medium, low, draft, hd, lossless"
+    ):
         DiffGenerator.from_pretrained(flux_dir, device="cpu", show_progress=False, default_quality="ultra")
+
+
+def test_the_old_name_of_the_exact_tier_as_default_reports_high(flux_dir) -> None:
+    generator = DiffGenerator.from_pretrained(
+        flux_dir, device="cpu", show_progress=False, default_quality="lossless"
+    )
+    out = generator.generate(PROMPTS[0], num_inference_steps=2, seed=4, **SIZE)
+    assert out.params.quality == "high" and generator.pipeline.quality_rule.default_tier == "high"
 
 
 def test_the_folders_calibration_overrides_the_family_thresholds(flux_dir, tmp_path) -> None:
     import shutil
 
     folder = shutil.copytree(flux_dir, tmp_path / "calibrated")
-    write_calibration(folder, "flux", {"medium": StepCachePolicy(threshold=0.0)}, {})
+    write_calibration(folder, "flux", {"low": StepCachePolicy(threshold=0.0)}, {})
     generator = DiffGenerator.from_pretrained(folder, device="cpu", show_progress=False)
-    out = generator.generate(PROMPTS[0], num_inference_steps=STEPS, seed=4, quality="medium", **SIZE)
+    out = generator.generate(PROMPTS[0], num_inference_steps=STEPS, seed=4, quality="low", **SIZE)
     assert out.steps_computed_in_full == STEPS  # threshold 0: never reuses
     assert (
         generator.generate(
-            PROMPTS[0], num_inference_steps=STEPS, seed=4, quality="low", **SIZE
+            PROMPTS[0], num_inference_steps=STEPS, seed=4, quality="draft", **SIZE
         ).steps_computed_in_full
         < STEPS
     )  # other tiers keep the family's values

@@ -1,9 +1,9 @@
 """Approximate quality tiers (step cache, `models/step_cache.py`) for SD3 and Qwen-Image.
 
 On the tiny random-weight checkpoints, at the settings the pipelines' thresholds were measured at (20
-steps, 64x64, one prompt without and one with a negative prompt): "lossless" is the exact path bit for
-bit, also through the cache plumbing; every tier keeps its PSNR bar against lossless while medium and
-low skip steps; a lossless request sharing DiT batches with a medium one keeps its exact output. The
+steps, 64x64, one prompt without and one with a negative prompt): "high" is the exact path bit for
+bit, also through the cache plumbing; every tier keeps its PSNR bar against it while low and draft skip
+steps; an exact request sharing DiT batches with a low one keeps its exact output. The
 DiT-level test checks Qwen-Image's row slicing where it is not trivial: per-sample RoPE tables, the
 zero_cond_t timestep halves, padded text masks and conditioning-image tokens.
 """
@@ -84,9 +84,9 @@ def _denoise_and_decode(gen: DiffGenerator, reqs: list[Req]) -> list[Req]:
     return [pipeline.run_post_denoise(r) for r in reqs]
 
 
-def test_lossless_is_the_exact_path_also_through_the_cache_plumbing(family: Family) -> None:
-    out = family.gen.generate_from_params(family.params(1, quality="lossless"))
-    assert out.params.quality == "lossless" and out.steps_computed_in_full == STEPS
+def test_high_is_the_exact_path_also_through_the_cache_plumbing(family: Family) -> None:
+    out = family.gen.generate_from_params(family.params(1, quality="high"))
+    assert out.params.quality == "high" and out.steps_computed_in_full == STEPS
     np.testing.assert_array_equal(_pixels(out), family.references[1])
 
     # A cache that never reuses (threshold 0) sends every step through `step_cache.run` and the DiT's
@@ -98,7 +98,7 @@ def test_lossless_is_the_exact_path_also_through_the_cache_plumbing(family: Fami
     np.testing.assert_array_equal(_pixels(req), family.references[1])
 
 
-def test_each_tier_keeps_its_psnr_bar_and_medium_and_low_skip_steps(family: Family) -> None:
+def test_each_tier_keeps_its_psnr_bar_and_low_and_draft_skip_steps(family: Family) -> None:
     computed = {}
     for tier, bar in PSNR_BARS.items():
         scores, steps = [], []
@@ -112,18 +112,18 @@ def test_each_tier_keeps_its_psnr_bar_and_medium_and_low_skip_steps(family: Fami
         )
         assert np.mean(scores) >= bar, (tier, scores)
         computed[tier] = max(steps)
-    assert computed["low"] <= computed["medium"] <= computed["high"] < STEPS
-    assert computed["medium"] <= 0.45 * STEPS
+    assert computed["draft"] <= computed["low"] <= computed["medium"] < STEPS
+    assert computed["low"] <= 0.45 * STEPS
 
 
-def test_a_lossless_request_batched_with_a_medium_one_keeps_its_exact_output(family: Family) -> None:
-    exact, medium = _prepare(
-        family.gen, [Req(params=family.params(0)), Req(params=family.params(1, quality="medium"))]
+def test_an_exact_request_batched_with_a_low_one_keeps_its_exact_output(family: Family) -> None:
+    exact, low = _prepare(
+        family.gen, [Req(params=family.params(0)), Req(params=family.params(1, quality="low"))]
     )
-    exact, medium = _denoise_and_decode(family.gen, [exact, medium])
+    exact, low = _denoise_and_decode(family.gen, [exact, low])
     assert exact.step_cache is None and exact.steps_computed_in_full == STEPS
-    assert medium.steps_computed_in_full < STEPS
-    # The lossless request's own output, up to the GEMM rounding of a two-row batch (SD3 projects its
+    assert low.steps_computed_in_full < STEPS
+    # The exact request's own output, up to the GEMM rounding of a two-row batch (SD3 projects its
     # attention halves as contiguous copies, whose sums round differently at batch 2: a level at most).
     diff = np.abs(_pixels(exact).astype(np.int16) - family.references[0].astype(np.int16))
     assert int(diff.max()) <= 1 and float((diff > 0).mean()) < 0.001

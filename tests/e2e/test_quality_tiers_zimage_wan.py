@@ -1,9 +1,9 @@
 """Approximate quality tiers (step cache, `models/step_cache.py`) for Z-Image and Wan 2.1 (T2V and I2V).
 
 On the tiny random-weight checkpoints, at the size the pipelines' thresholds were measured at (20 steps,
-64x64, CFG on): "lossless" is the exact path bit for bit, every tier keeps its PSNR bar against lossless
-while medium and low skip steps, and a lossless request sharing DiT batches with a medium one gets what
-it gets alone. The DiT-level tests check the row slicing directly: a batch whose rows partly reuse and
+64x64, CFG on): "high" is the exact path bit for bit, every tier keeps its PSNR bar against it while
+low and draft skip steps, and an exact request sharing DiT batches with a low one gets what it gets
+alone. The DiT-level tests check the row slicing directly: a batch whose rows partly reuse and
 partly run gives the running rows what they get alone, including Z-Image rows of different image and
 caption sizes.
 """
@@ -81,13 +81,13 @@ def family(request, tmp_path_factory) -> Family:
     return fam
 
 
-def test_lossless_is_the_exact_path(family: Family) -> None:
-    out = family.gen.generate_from_params(family.params(quality="lossless"))
+def test_high_is_the_exact_path(family: Family) -> None:
+    out = family.gen.generate_from_params(family.params(quality="high"))
     assert out.steps_computed_in_full == STEPS
     np.testing.assert_array_equal(_pixels(out.images, out.frames), family.reference)
 
 
-def test_each_tier_keeps_its_psnr_bar_and_medium_and_low_skip_steps(family: Family) -> None:
+def test_each_tier_keeps_its_psnr_bar_and_low_and_draft_skip_steps(family: Family) -> None:
     for tier, bar in PSNR_BARS.items():
         out = family.gen.generate_from_params(family.params(quality=tier))
         value = psnr(_pixels(out.images, out.frames), family.reference)
@@ -96,15 +96,15 @@ def test_each_tier_keeps_its_psnr_bar_and_medium_and_low_skip_steps(family: Fami
         )
         assert value >= bar, f"{tier}: {value:.1f} dB is under its {bar} dB bar"
         assert out.steps_computed_in_full <= STEPS
-        if tier != "high":
+        if tier != "medium":
             assert out.steps_computed_in_full < STEPS, f"{tier} reused no step"
 
 
-def test_a_lossless_request_batched_with_a_medium_one_gets_its_own_output(family: Family) -> None:
+def test_an_exact_request_batched_with_a_low_one_gets_its_own_output(family: Family) -> None:
     pipeline = family.gen.pipeline
-    exact = pipeline.run_pre_denoise(pipeline.validate(Req(params=family.params(quality="lossless"))))
+    exact = pipeline.run_pre_denoise(pipeline.validate(Req(params=family.params(quality="high"))))
     cached = pipeline.run_pre_denoise(
-        pipeline.validate(Req(params=family.params(prompt=OTHER_PROMPT, seed=SEED + 1, quality="medium")))
+        pipeline.validate(Req(params=family.params(prompt=OTHER_PROMPT, seed=SEED + 1, quality="low")))
     )
     assert exact.step_cache is None and cached.step_cache is not None
     assert exact.do_cfg and cached.do_cfg  # two rows per request: the groups must follow cfg_batch's order
@@ -116,7 +116,7 @@ def test_a_lossless_request_batched_with_a_medium_one_gets_its_own_output(family
     got = _pixels(exact.images, exact.frames)
     diff = int(np.abs(got.astype(int) - family.reference.astype(int)).max())
     print(
-        f"{family.name}: lossless next to medium, max diff {diff}, medium computed "
+        f"{family.name}: high next to low, max diff {diff}, low computed "
         f"{cached.step_cache.steps_computed}/{STEPS} steps ({cached.step_cache.history})"
     )
     # Batched and alone differ by at most the batch-invariance rounding (tests/e2e/test_step_batching.py).

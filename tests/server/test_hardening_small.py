@@ -10,7 +10,9 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from diffserve.configs.engine_args import EngineArgs
 from diffserve.server.app import outcome_of
+from diffserve.server.args import ServerArgs
 from diffserve.server.errors import as_api_error, install_error_handlers
 from diffserve.server.metrics import ServerMetrics
 from diffserve.server.middleware import (
@@ -150,3 +152,61 @@ def test_http_exceptions_keep_their_status() -> None:
     assert (error.status, error.code) == (413, "request_too_large")
     assert outcome_of(StarletteHTTPException(400, "bad multipart")) == "invalid"
     assert outcome_of(RuntimeError("boom")) == "failed"
+
+
+@pytest.mark.parametrize(
+    ("model_path", "served", "expected"),
+    [
+        ("/opt/models/shapes-demo", [], "shapes-demo"),
+        ("/opt/models/FLUX.1-dev/", [], "FLUX.1-dev"),
+        ("black-forest-labs/FLUX.1-dev", [], "FLUX.1-dev"),  # a hub repo id: its name
+        ("/opt/models/shapes-demo", ["demo", "alias"], "demo"),
+    ],
+)
+def test_the_model_id_is_a_name_not_a_path_of_the_server(model_path, served, expected) -> None:
+    args = ServerArgs(EngineArgs(model_path=model_path), served_model_names=served)
+    assert args.model_id == expected
+    assert {expected, model_path} <= args.model_aliases  # the path itself is still accepted as `model`
+
+
+def test_a_stalled_body_gets_408_and_a_finished_one_waits_freely(monkeypatch) -> None:
+    """BodySizeLimitMiddleware: a body that stops arriving is answered 408 after BODY_IDLE_TIMEOUT_S;
+    once the body is complete, later receives (waiting for a disconnect) have no deadline."""
+    import asyncio
+
+    from diffserve.server import middleware
+
+    monkeypatch.setattr(middleware, "BODY_IDLE_TIMEOUT_S", 0.2)
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/echo")
+    async def echo(request: Request) -> dict:
+        return {"size": len(await request.body())}
+
+    stack = middleware.BodySizeLimitMiddleware(app, max_bytes=1000)
+
+    async def call(chunks: list[bytes], stall_after: bool) -> tuple[int, bytes]:
+        pending = [{"type": "http.request", "body": c, "more_body": True} for c in chunks]
+        if not stall_after:
+            pending[-1]["more_body"] = False
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            if pending:
+                return pending.pop(0)
+            await asyncio.sleep(3600)  # a stalled client
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/echo", "headers": [], "query_string": b"",
+                 "http_version": "1.1", "scheme": "http", "server": ("t", 80), "root_path": ""}  # fmt: skip
+        await asyncio.wait_for(stack(scope, receive, send), 5)
+        body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+        return sent[0]["status"], body
+
+    status, body = asyncio.run(call([b'{"a": "', b"xx"], stall_after=True))
+    assert status == 408 and b"request body stalled" in body and b"request_timeout" in body
+    assert asyncio.run(call([b"12", b"345"], stall_after=False)) == (200, b'{"size":5}')

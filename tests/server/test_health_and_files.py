@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import pickle
 import time
 from pathlib import Path
 
@@ -53,6 +54,9 @@ class Recorder:
         self.sent.append(obj)
         if self.on_job is not None and isinstance(obj, msg.GenerateJob):
             self.on_job(obj)
+
+    def send(self, data: bytes, flags: int = 0) -> None:  # a pickled message, as the engine reads it
+        self.send_pyobj(pickle.loads(data), flags)
 
     def jobs(self) -> list[msg.GenerateJob]:
         return [m for m in self.sent if isinstance(m, msg.GenerateJob)]

@@ -61,9 +61,11 @@ def test_unset_seed_is_random_and_in_range() -> None:
             True,
         ),
         ({"stream": True, "partial_images": 3}, True),
-        ({"quality": "high"}, True),  # the tier is the engine's to check: the family may not have it
+        ({"quality": "medium"}, True),  # the tier is the engine's to check: the family may not have it
+        ({"quality": "draft"}, True),
+        ({"quality": "high"}, True),  # OpenAI's best image: the exact path
         ({"quality": "lossless"}, True),
-        ({"quality": "hd"}, True),  # OpenAI's "hd" is diffserve's lossless
+        ({"quality": "hd"}, True),  # OpenAI's "hd" is high
         ({"quality": "standard"}, True),
         ({"background": "transparent"}, False),
         ({"moderation": "low"}, False),

@@ -258,7 +258,7 @@ def test_quality_medium_is_served_and_reports_the_steps_it_computed(server, clie
         quality="hd",
         extra_body={"seed": 3, "num_inference_steps": steps},
     )
-    assert lossless.quality == "lossless" and (lossless.model_extra or {})["steps_computed_in_full"] == steps
+    assert lossless.quality == "high" and (lossless.model_extra or {})["steps_computed_in_full"] == steps
 
 
 # -- errors -----------------------------------------------------------------------------------------
@@ -279,7 +279,7 @@ BASE = {"prompt": "x", "size": f"{SIZE}x{SIZE}", "num_inference_steps": 1}
         (
             {**BASE, "quality": "ultra"},
             400,
-            "quality must be one of auto, lossless, high, medium, low, hd",
+            "quality must be one of auto, high, medium, low, draft, hd, lossless, standard",
             "quality",
         ),
         ({**BASE, "partial_images": 2}, 400, "partial_images=2 needs stream=true", "partial_images"),

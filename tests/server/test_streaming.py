@@ -62,7 +62,7 @@ def test_partial_images_then_the_final_image_equal_to_the_plain_response(server)
         assert (event.size, event.output_format, event.quality, event.background) == (
             f"{WIDTH}x{HEIGHT}",
             "png",
-            "lossless",  # the tier the request ran at ("auto" resolved to the server's default)
+            "high",  # the tier the request ran at ("auto" resolved to the server's default)
             "auto",
         )
         assert isinstance(event.created_at, int)
@@ -70,6 +70,8 @@ def test_partial_images_then_the_final_image_equal_to_the_plain_response(server)
     assert events[-1].usage.total_tokens == 0
     assert events[-1].model_extra["steps_computed_in_full"] == BODY["num_inference_steps"]
     plain = generate(server, False)
+    # The seed is in both answers (a diffserve extension); BODY sets it, so both runs used the same.
+    assert events[-1].model_extra["seed"] == plain.model_extra["seed"] == BODY["seed"]
     final = pixels(events[-1].b64_json)
     assert np.array_equal(final, pixels(plain.data[0].b64_json))
     # The previews are of the image being made (not noise): the second is closer to the final one.
@@ -108,7 +110,7 @@ def test_n_images_give_one_completed_event_each(server) -> None:
             "response_format='url' is not available with stream=true",
             "response_format",
         ),
-        ({"quality": "best"}, "quality must be one of auto, lossless", "quality"),  # found by the engine
+        ({"quality": "best"}, "quality must be one of auto, high", "quality"),  # found by the engine
     ],
 )
 def test_bad_parameters_are_plain_400s_before_the_stream(server, extra, message, param) -> None:
@@ -215,7 +217,7 @@ def test_events_parse_as_the_sdk_types_and_errors_raise() -> None:
     header = StreamHeader("image_edit", f"{WIDTH}x{HEIGHT}", "png")
     preview = JobPreview("rid", index=0, step=1, total_steps=2, images=[png.getvalue()])
     failure = JobFailedError("boom", user_error=False)
-    body = header.partial(preview, 0) + header.completed(png.getvalue(), 0) + error_event(failure)
+    body = header.partial(preview, 0) + header.completed(png.getvalue(), 0, seed=3) + error_event(failure)
 
     def handler(request):
         return httpx2.Response(200, headers={"content-type": "text/event-stream"}, content=body)
@@ -231,6 +233,7 @@ def test_events_parse_as_the_sdk_types_and_errors_raise() -> None:
     first, second = next(stream), next(stream)
     assert type(first).__name__ == "ImageEditPartialImageEvent" and first.partial_image_index == 0
     assert type(second).__name__ == "ImageEditCompletedEvent" and second.output_format == "png"
+    assert second.model_extra["seed"] == 3
     with pytest.raises(openai.APIError, match="the engine failed on this request: boom") as info:
         next(stream)
     assert info.value.body["type"] == "server_error" and info.value.body["code"] == "engine_error"

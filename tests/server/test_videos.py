@@ -46,7 +46,7 @@ MODEL_NAME = "tiny-wan"
 SIZE = 32
 FPS = 8
 QUICK_STEPS = 2
-POLLED_STEPS = 150  # ~1-2 s of denoising: long enough to watch the progress rise
+POLLED_STEPS = 1000  # >= 1 s of denoising even on a fast idle host: long enough to watch the progress rise
 LONG_STEPS = 20000  # minutes of work: only ever cancelled or interrupted
 I2V_TTL_S = 3
 
@@ -357,7 +357,7 @@ def test_create_poll_and_download_with_the_openai_sdk(srv, client, t2v) -> None:
     )
 
     seen: list[tuple[str, int]] = []
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         video = client.videos.retrieve(video.id)
         seen.append((video.status, video.progress))
@@ -372,7 +372,7 @@ def test_create_poll_and_download_with_the_openai_sdk(srv, client, t2v) -> None:
     assert video.progress == 100 and video.error is None
     assert video.completed_at >= video.created_at and video.expires_at == video.completed_at + 86400
     assert (video.model_extra["quality"], video.model_extra["steps_computed_in_full"]) == (
-        "lossless",
+        "high",
         POLLED_STEPS,
     )
 
@@ -429,7 +429,7 @@ def test_list_paginates_newest_first(srv, client, t2v) -> None:
         ({"seconds": "1", "num_frames": 5}, "either seconds or num_frames, not both", "seconds"),
         ({"seconds": 1000}, "this model makes at most 1025 frames", "seconds"),
         ({"seconds": "soon"}, "seconds: Input should be a valid number", "seconds"),
-        ({"quality": "ultra"}, "quality must be one of auto, lossless, high, medium, low", "quality"),
+        ({"quality": "ultra"}, "quality must be one of auto, high, medium, low, draft", "quality"),
         ({"shots": 3}, "unknown field 'shots'; accepted fields: prompt, model, size, seconds", "shots"),
         (
             {"input_reference": "data:image/png;base64,AAAA"},

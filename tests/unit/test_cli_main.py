@@ -38,3 +38,13 @@ def test_missing_subcommand_still_prints_the_top_level_usage(capsys: pytest.Capt
         main([])
     assert exc.value.code == 2
     assert "usage: diffserve [-h] [--version]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "calibrate-cache"])
+def test_log_level_help_names_the_choices(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help over lines
+    assert "--log-level LEVEL log verbosity: debug, info, warning, error;" in help_text
+    assert "(default: info)" in help_text

@@ -323,7 +323,7 @@ def test_private_ip_literals_refused(monkeypatch, host):
     def no_connect(*a, **k):
         raise AssertionError("must not connect")
 
-    monkeypatch.setattr(image_inputs, "_build_opener", no_connect)
+    monkeypatch.setattr(image_inputs, "_connection", no_connect)
     with pytest.raises(InvalidRequestError, match="private, loopback"):
         load_image(f"http://{host}:8080/x.png", allow_urls=True)
 
@@ -342,7 +342,7 @@ def test_all_resolved_addresses_are_checked(monkeypatch):
         "getaddrinfo",
         _fake_getaddrinfo({"mixed.example": ["93.184.216.34", "10.0.0.7"]}),
     )
-    monkeypatch.setattr(image_inputs, "_build_opener", lambda: pytest.fail("must not connect"))
+    monkeypatch.setattr(image_inputs, "_connection", lambda *a: pytest.fail("must not connect"))
     with pytest.raises(InvalidRequestError, match="10.0.0.7"):
         load_image("https://mixed.example/x.png", allow_urls=True)
 
@@ -369,25 +369,23 @@ def test_malformed_urls(monkeypatch, url, match):
         load_image(url, allow_urls=True)
 
 
-def test_public_host_is_fetched_via_opener(monkeypatch):
-    """Public address passes the check; the download goes through the (faked) opener with a timeout."""
-    monkeypatch.setattr(
-        image_inputs.socket, "getaddrinfo", _fake_getaddrinfo({"cdn.example": ["93.184.216.34"]})
-    )
+def test_public_host_is_fetched_from_the_checked_address(monkeypatch, local_http):
+    """The download connects to the address the check approved (not a second DNS answer), asks for the
+    URL's host, and passes the fetch deadline as the socket timeout."""
+    resolve = {"cdn.example": ["93.184.216.34"], "127.0.0.1": ["127.0.0.1"]}  # the latter: the test's own
+    monkeypatch.setattr(image_inputs.socket, "getaddrinfo", _fake_getaddrinfo(resolve))
     seen = {}
+    real_connect = socket.create_connection
 
-    class FakeResp(io.BytesIO):
-        headers: dict = {}
+    def connect(address, timeout, source_address=None):
+        seen["address"], seen["timeout"] = address, timeout
+        return real_connect(("127.0.0.1", local_http.server_address[1]), timeout)
 
-    class FakeOpener:
-        def open(self, request, timeout):
-            seen["url"], seen["timeout"] = request.full_url, timeout
-            return FakeResp(_png((6, 2)))
-
-    monkeypatch.setattr(image_inputs, "_build_opener", FakeOpener)
-    img = load_image("https://cdn.example/a.png", allow_urls=True, limits=ImageInputLimits(url_timeout_s=3))
-    assert img.size == (6, 2)
-    assert seen == {"url": "https://cdn.example/a.png", "timeout": 3}
+    monkeypatch.setattr(image_inputs.socket, "create_connection", connect)
+    img = load_image("http://cdn.example/ok.png", allow_urls=True, limits=ImageInputLimits(url_timeout_s=3))
+    assert img.size == (10, 4)
+    assert seen["address"] == ("93.184.216.34", 80) and 0 < seen["timeout"] <= 3
+    assert local_http.RequestHandlerClass.last_host == "cdn.example"
 
 
 # ------------------------------------------------------------------------------- URL fetch (local server)
@@ -396,10 +394,13 @@ _PNG_BODY = _png((10, 4))
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
+    last_host: str | None = None
+
     def log_message(self, *args):
         pass
 
     def do_GET(self):
+        type(self).last_host = self.headers.get("Host")
         if self.path == "/ok.png":
             self._send(200, _PNG_BODY)
         elif self.path == "/big":
@@ -428,16 +429,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def local_server(monkeypatch):
+def local_http():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    # The loopback server would be refused by design; bypass only the address check for these tests.
-    monkeypatch.setattr(image_inputs, "_check_host", lambda host, port, *, param: None)
-    yield f"http://127.0.0.1:{server.server_address[1]}"
+    yield server
     server.shutdown()
     server.server_close()
+
+
+@pytest.fixture
+def local_server(monkeypatch, local_http):
+    # The loopback server would be refused by design; bypass only the address check for these tests.
+    monkeypatch.setattr(image_inputs, "_check_host", lambda host, port, *, param: ["127.0.0.1"])
+    return f"http://127.0.0.1:{local_http.server_address[1]}"
 
 
 def test_url_fetch_ok(local_server):

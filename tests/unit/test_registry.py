@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -52,6 +53,15 @@ def test_a_component_class_the_family_does_not_implement_is_refused_before_loadi
 
 
 def test_make_tiny_takes_the_alias_and_writes_the_family_folder(tmp_path: Path) -> None:
-    assert main(["make-tiny", "zimage", str(tmp_path / "tiny")]) == 0
+    old_umask = os.umask(0o022)
+    try:
+        assert main(["make-tiny", "zimage", str(tmp_path / "tiny")]) == 0
+    finally:
+        os.umask(old_umask)
     index = json.loads((tmp_path / "tiny" / "model_index.json").read_text())
     assert index["_class_name"] == family_by_name("z-image").diffusers_pipeline
+    # Weights readable by others as every other file (safetensors alone would write them 0600).
+    modes = {path.relative_to(tmp_path).as_posix(): path.stat().st_mode & 0o777
+             for path in (tmp_path / "tiny").rglob("*") if path.is_file()}  # fmt: skip
+    assert modes["tiny/transformer/diffusion_pytorch_model.safetensors"] == 0o644
+    assert set(modes.values()) == {0o644}, modes

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
 
-from diffserve.configs.quality import QualityRule, read_calibrated_policies, write_calibration
+from diffserve.configs.quality import (
+    ACCEPTED,
+    CALIBRATION_FILE,
+    CALIBRATION_FORMAT,
+    QualityRule,
+    canonical_tier,
+    check_default_quality,
+    read_calibrated_policies,
+    write_calibration,
+)
 from diffserve.errors import InvalidRequestError
 from diffserve.models.step_cache import (
     BatchStepCache,
@@ -77,7 +87,7 @@ def test_a_fast_signal_accumulates_past_the_threshold() -> None:
     assert state.history == [True, False, True, False, True, False]
 
 
-def test_rows_of_lossless_requests_always_run_and_only_computing_rows_are_passed() -> None:
+def test_rows_of_exact_requests_always_run_and_only_computing_rows_are_passed() -> None:
     cached = StepCacheState(StepCachePolicy(threshold=1.0, full_first_steps=1, full_last_steps=0))
     outputs, calls = run_steps([None, cached, None], [1, 2, 1], num_steps=3, drift=0.0)
     assert calls[0] == [None]  # every row runs: one call over the whole batch
@@ -106,41 +116,117 @@ def test_policy_rejects_nonsense() -> None:
         StepCachePolicy(threshold=0.1, full_first_steps=0)
 
 
-POLICIES = {"medium": StepCachePolicy(0.2), "low": StepCachePolicy(0.4)}
+POLICIES = {"medium": StepCachePolicy(0.2), "low": StepCachePolicy(0.4), "draft": StepCachePolicy(0.8)}
+
+
+@pytest.mark.parametrize(
+    ("requested", "tier"),
+    [
+        ("high", "high"),
+        ("hd", "high"),  # OpenAI's best image
+        ("lossless", "high"),  # diffserve's former name of the exact tier
+        ("medium", "medium"),
+        ("low", "low"),
+        ("draft", "draft"),
+        ("auto", "auto"),
+        ("standard", "auto"),  # OpenAI's default
+    ],
+)
+def test_every_accepted_quality_names_its_canonical_tier(requested, tier) -> None:
+    assert canonical_tier(requested) == tier
+    assert set(ACCEPTED) == {"auto", "standard", "high", "hd", "lossless", "medium", "low", "draft"}
 
 
 @pytest.mark.parametrize(
     ("requested", "default", "tier"),
     [
-        (None, "lossless", "lossless"),
+        (None, "high", "high"),
+        (None, "lossless", "high"),  # a default given under the old name still reports the new one
         ("auto", "medium", "medium"),
         ("standard", "low", "low"),
-        ("hd", "medium", "lossless"),
-        ("lossless", "low", "lossless"),
-        ("medium", "lossless", "medium"),
+        ("auto", "draft", "draft"),
+        ("hd", "medium", "high"),
+        ("lossless", "low", "high"),
+        ("high", "draft", "high"),
+        ("medium", "high", "medium"),
+        ("low", "hd", "low"),
+        ("draft", "lossless", "draft"),
     ],
 )
 def test_quality_values_resolve_to_tiers(requested, default, tier) -> None:
     assert QualityRule(default_tier=default, policies=POLICIES).resolve(requested) == tier
 
 
-def test_unknown_quality_and_missing_tiers_are_400s_naming_quality() -> None:
-    rule = QualityRule(policies=POLICIES, family="FluxPipeline")
+def test_the_exact_tier_is_served_without_any_step_cache() -> None:
+    rule = QualityRule(family="SomePipeline")
+    assert [rule.resolve(value) for value in ("high", "hd", "lossless", "auto", None)] == ["high"] * 5
+
+
+@pytest.mark.parametrize("value", ["high", "medium", "low", "draft", "lossless", "hd"])
+def test_default_quality_accepts_the_tiers_and_names_of_the_exact_one(value) -> None:
+    assert check_default_quality(value) == canonical_tier(value)
+
+
+@pytest.mark.parametrize("value", ["auto", "standard", "ultra", "High"])
+def test_default_quality_refuses_anything_else(value) -> None:
     with pytest.raises(
-        InvalidRequestError, match="quality must be one of auto, lossless, high, medium, low"
+        ValueError, match="default quality must be one of high, medium, low, draft, hd, lossless"
+    ):
+        check_default_quality(value)
+    with pytest.raises(ValueError, match="default quality must be one of"):
+        QualityRule(default_tier=value)
+
+
+def test_unknown_quality_and_missing_tiers_are_400s_naming_quality() -> None:
+    rule = QualityRule(policies={"low": StepCachePolicy(0.4)}, family="FluxPipeline")
+    with pytest.raises(
+        InvalidRequestError,
+        match="quality must be one of auto, high, medium, low, draft, hd, lossless, standard",
     ) as err:
         rule.resolve("ultra")
     assert err.value.param == "quality"
     with pytest.raises(
-        InvalidRequestError, match="'high' is not available for FluxPipeline: it has lossless, medium, low"
+        InvalidRequestError, match="'medium' is not available for FluxPipeline: it has high, low"
     ):
-        rule.resolve("high")
+        rule.resolve("medium")
+
+
+def test_a_policy_under_an_unknown_tier_name_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"unknown step-cache tiers \['lossless'\]"):
+        QualityRule(policies={"lossless": StepCachePolicy(0.1)})
 
 
 def test_calibration_file_round_trip_and_wrong_family(tmp_path) -> None:
     path = write_calibration(tmp_path, "flux", POLICIES, {"prompts": 3})
-    assert json.loads(path.read_text())["measurements"] == {"prompts": 3}
+    data = json.loads(path.read_text())
+    assert data["measurements"] == {"prompts": 3} and data["format"] == CALIBRATION_FORMAT
     assert read_calibrated_policies(tmp_path, "flux") == POLICIES
     assert read_calibrated_policies(tmp_path / "missing", "flux") == {}
     with pytest.raises(ValueError, match="made for family 'flux', this model is 'sd3'"):
         read_calibrated_policies(tmp_path, "sd3")
+
+
+def test_an_old_calibration_file_is_read_under_the_new_names_with_a_warning(tmp_path, caplog) -> None:
+    old = {  # as `diffserve calibrate-cache` wrote it before the OpenAI-aligned names: no "format"
+        "family": "flux",
+        "tiers": {
+            name: StepCachePolicy(t).to_dict() for name, t in [("high", 0.1), ("medium", 0.3), ("low", 0.9)]
+        },
+        "measurements": {},
+    }
+    (tmp_path / CALIBRATION_FILE).write_text(json.dumps(old))
+    with caplog.at_level(logging.WARNING, logger="diffserve.quality"):
+        policies = read_calibrated_policies(tmp_path, "flux")
+    assert {tier: p.threshold for tier, p in policies.items()} == {"medium": 0.1, "low": 0.3, "draft": 0.9}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "high -> medium, medium -> low, low -> draft" in warnings[0]
+
+
+def test_old_draft_tier_or_unknown_format_is_an_error(tmp_path) -> None:
+    path = tmp_path / CALIBRATION_FILE
+    path.write_text(json.dumps({"family": "flux", "tiers": {"draft": StepCachePolicy(0.5).to_dict()}}))
+    with pytest.raises(ValueError, match=r"unknown tiers \['draft'\] in a file without a format"):
+        read_calibrated_policies(tmp_path, "flux")
+    path.write_text(json.dumps({"format": 99, "family": "flux", "tiers": {}}))
+    with pytest.raises(ValueError, match="unknown format 99; this diffserve reads format 2"):
+        read_calibrated_policies(tmp_path, "flux")

@@ -1,4 +1,4 @@
-"""No host<->device traffic and no host syncs inside denoising steps (lossless requests, every family).
+"""No host<->device traffic and no host syncs inside denoising steps (exact-tier requests, every family).
 
 On an accelerator, a CPU tensor moved to the device (`.to(device)` of a schedule entry) is a copy from
 pageable memory, which PyTorch makes synchronous, and a scalar read from the device (`.item()`,

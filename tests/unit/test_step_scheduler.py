@@ -347,10 +347,13 @@ class ScriptedPlatform:
     baseline, in the order a calibration request reads it (baseline, denoise peak after its last step,
     baseline, decode peak read by the engine when the request completes)."""
 
-    device_type = "scripted"
+    name = device_type = "scripted"
 
     def __init__(self, readings: list[int]) -> None:
         self.readings = readings
+
+    def has_peak_counter(self) -> bool:
+        return True
 
     def reset_peak_memory(self) -> None:
         pass
@@ -396,10 +399,10 @@ def test_calibration_fits_the_measured_peaks(flux) -> None:
 def test_an_approximate_tier_counts_its_step_cache_memory(flux) -> None:
     from diffserve.runtime.memory import estimated_memory_model
 
-    lossless = request_cost(flux, params(0, num_inference_steps=2))
+    exact = request_cost(flux, params(0, num_inference_steps=2))
     medium = request_cost(flux, params(0, num_inference_steps=2, quality="medium"))
-    assert not lossless.step_cache and medium.step_cache
+    assert not exact.step_cache and medium.step_cache
     memory = estimated_memory_model(flux.pipeline.facts, flux.platform, 0.9)
     width = flux.pipeline.context.get("transformer").inner_dim
-    extra = memory.estimate(medium) - memory.estimate(lossless)
+    extra = memory.estimate(medium) - memory.estimate(exact)
     assert extra == 2 * width * 4 * medium.batch_tokens  # residual + last signal, fp32

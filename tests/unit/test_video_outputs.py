@@ -18,6 +18,7 @@ from PIL import Image, ImageSequence
 
 import diffserve.outputs.files as output_files
 import diffserve.outputs.video as video_outputs
+from diffserve.configs.sampling_params import SamplingParams
 from diffserve.outputs import VIDEO_FORMATS, save_frames, save_video
 
 av = pytest.importorskip("av")
@@ -126,7 +127,7 @@ def test_mp4_round_trip(tmp_path: Path, num_frames: int, height: int, width: int
     assert info["average_rate"] == Fraction(fps)
     assert info["frames"] == num_frames
     assert info["duration_s"] == pytest.approx(num_frames / fps, abs=1e-3)
-    assert json.loads(metadata["comment"]) == METADATA
+    assert json.loads(metadata["comment"]) == {**METADATA, "video_format": "mp4"}
     # Tagged BT.709 / limited range, matching the matrix the writer converted with.
     assert info["colorspace"] == 1 and info["color_range"] == 1
 
@@ -139,6 +140,23 @@ def test_mp4_round_trip(tmp_path: Path, num_frames: int, height: int, width: int
     assert psnr > 27
     _assert_boxes(decoded, height, width)
     assert _all_files(tmp_path) == ["clip.mp4"]  # the partial file was renamed, not copied
+
+
+@pytest.mark.parametrize("output_format", VIDEO_FORMATS)
+def test_a_video_records_its_own_format_never_the_image_default(tmp_path: Path, output_format: str) -> None:
+    """A video request's params carry output_format="png" (the image default); the file must not claim it."""
+    params = SamplingParams(prompt="a fox", num_frames=3, fps=8, video_format=output_format)
+    metadata = output_files.output_metadata("/models/wan", "WanPipeline", params)
+    assert metadata["output_format"] == "png"  # what the writer is handed
+    path = save_video(_clip(3, 16, 16), tmp_path / f"clip.{output_format}", 8, metadata, output_format)
+    if output_format == "mp4":
+        text = _decode_mp4(path)[1]["comment"]
+    else:
+        info = _decode_animation(path)[0]
+        text = info["info"]["comment"] if output_format == "gif" else info["exif"][0x010E]
+    embedded = json.loads(text)
+    assert "output_format" not in embedded and '"png"' not in str(text)
+    assert embedded["video_format"] == output_format and embedded["prompt"] == "a fox"
 
 
 def test_mp4_quality_is_crf(tmp_path: Path) -> None:
@@ -258,10 +276,11 @@ def test_animation_round_trip(tmp_path: Path, output_format: str, fps: int) -> N
     assert all(abs(d - 1000 / fps) < unit for d in durations), durations
     assert abs(sum(durations) - len(clip) * 1000 / fps) <= unit / 2, sum(durations)
 
+    expected = {**METADATA, "video_format": output_format}
     if output_format == "gif":
-        assert json.loads(decoded_info["info"]["comment"]) == METADATA
+        assert json.loads(decoded_info["info"]["comment"]) == expected
     else:
-        assert json.loads(decoded_info["exif"][0x010E]) == METADATA
+        assert json.loads(decoded_info["exif"][0x010E]) == expected
 
     psnr, psnr_smooth = _psnr(decoded, clip), _psnr(_smooth(decoded), _smooth(clip))
     print(f"{output_format}@{fps}: PSNR {psnr:.1f} dB, away from box edges {psnr_smooth:.1f} dB")

@@ -5,15 +5,21 @@ from __future__ import annotations
 import argparse
 
 from diffserve.configs.engine_args import EngineArgs
+from diffserve.configs.quality import DEFAULT_QUALITY_CHOICES, EXACT, canonical_tier
 from diffserve.errors import UserError
 from diffserve.logging_setup import LEVELS
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     add = p.add_argument
-    add("--log-level", default="info", choices=LEVELS)
+    add("--log-level", default="info", choices=LEVELS, metavar="LEVEL",
+        help=f"log verbosity: {', '.join(LEVELS)}; debug also prints the traceback of an error (default: info)")  # fmt: skip
     add("--model-path", default=None,
-        help="Diffusers model folder (with model_index.json); default: the small demo model shipped with diffserve")  # fmt: skip
+        help="Diffusers model folder (with model_index.json) or Hugging Face repo id such as "
+        "black-forest-labs/FLUX.1-dev (from the HF cache, else downloaded); "
+        "default: the small demo model shipped with diffserve")  # fmt: skip
+    add("--revision", default=None,
+        help="with a Hugging Face repo id: branch, tag or commit hash (default: main)")  # fmt: skip
     add("--device", default=None, help="platform: cpu, cuda, rocm, musa, xpu, npu, mps (default: detect)")
     add("--dtype", default=None, help="float32, bfloat16 or float16 (default: the platform's)")
     add("--text-encoder-dtype", default=None, help="dtype of the text encoders (default: --dtype)")
@@ -26,8 +32,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="CPU (glibc): keep activation buffers mapped between steps (measure: host-dependent)")  # fmt: skip
     add("--max-inference-steps", type=int, default=EngineArgs.max_inference_steps, metavar="N",
         help=f"most denoising steps a request may ask for (default: {EngineArgs.max_inference_steps})")  # fmt: skip
-    add("--default-quality", default="lossless", choices=("lossless", "high", "medium", "low"),
-        help="what quality='auto' means: lossless (exact) or a faster approximate tier (default: lossless)")  # fmt: skip
+    add("--default-quality", default=EXACT, choices=DEFAULT_QUALITY_CHOICES,
+        help="what quality='auto' means: high (exact; also hd, lossless) or a faster tier: medium, low, draft "
+        "(default: high)")  # fmt: skip
 
 
 def parse_resolution(text: str) -> tuple[int, int]:
@@ -45,8 +52,11 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
 
     if args.max_inference_steps < 1:
         raise UserError(f"--max-inference-steps must be >= 1, got {args.max_inference_steps}")
+    if args.revision is not None and not args.revision.strip():
+        raise UserError("--revision must not be empty (omit it for the repo's main branch)")
     return EngineArgs(
         model_path=model_path_or_demo(args.model_path),
+        revision=args.revision,
         device=args.device,
         dtype=args.dtype,
         text_encoder_dtype=args.text_encoder_dtype,
@@ -54,7 +64,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         output_path=args.output_path,
         compile=args.compile,
         warmup_resolutions=list(args.warmup_resolutions),
-        default_quality=args.default_quality,
+        default_quality=canonical_tier(args.default_quality),  # /server_info shows "high", not "lossless"
         tune_allocator=args.tune_allocator,
         max_inference_steps=args.max_inference_steps,
     )

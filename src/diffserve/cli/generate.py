@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -42,9 +43,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add("--fps", type=int, default=None, help="video models: frames per second of the file (Wan: 16)")
     add("--video-format", default=None, choices=("mp4", "gif", "webp"), help="video container (mp4)")
     add("--save-frames", action="store_true", help="video models: also write every frame as a PNG")
-    add("--seed", type=int, default=0, help="noise seed (same seed, same image on every device)")
+    add("--seed", type=int, default=None,
+        help="noise seed: same seed, same image on every device (default: a random one, logged and saved "
+        "in the output's metadata)")  # fmt: skip
     add("--quality", default=None, choices=ACCEPTED,
-        help="lossless; high/medium/low: faster, >= 35/30/25 dB PSNR; auto: --default-quality (default)")  # fmt: skip
+        help="high (exact; also hd, lossless); medium/low/draft: faster, >= 35/30/25 dB PSNR; auto/standard: "
+        "--default-quality (default)")  # fmt: skip
     add("--num-outputs-per-prompt", type=int, default=1, help="images per prompt")
     add("--output-path", default="outputs", help="directory for output files (default: outputs/)")
     add("--output-file-name", default=None, help="file name instead of the generated one")
@@ -101,6 +105,16 @@ def check_params(params: SamplingParams, max_inference_steps: int) -> None:
         raise UserError(f"--{exc.param.replace('_', '-')}: {exc}") from None
 
 
+def seed_or_random(seed: int | None) -> int:
+    """`--seed` as given, or a random seed when none was, logged so that the run can be repeated (as the
+    server and diffusers do; one seed for all the prompts of a run, as an explicit `--seed` is)."""
+    if seed is not None:
+        return seed
+    drawn = secrets.randbelow(2**32)
+    logger.info("No --seed given: using the random seed %d (pass --seed %d to repeat this run)", drawn, drawn)
+    return drawn
+
+
 def run(args: argparse.Namespace) -> int:
     from diffserve.api import DiffGenerator
     from diffserve.image_inputs import load_images
@@ -111,14 +125,17 @@ def run(args: argparse.Namespace) -> int:
     # Every flag named as a SamplingParams field (but the prompt) is that field.
     flags = {f.name: getattr(args, f.name) for f in fields(SamplingParams) if f.name in vars(args)}
     flags.pop("prompt")
-    # Checked before loading the model: a bad flag or path fails in a second, not after the weights load.
+    # Checked before loading the model: a bad flag or path fails in a second, not after the weights load
+    # (no --seed: any valid seed stands in for the random one drawn once the checks have passed).
+    checked = {**flags, "seed": 0 if args.seed is None else args.seed}
     for prompt in prompts:
-        check_params(SamplingParams(prompt=prompt, **flags), args.max_inference_steps)
+        check_params(SamplingParams(prompt=prompt, **checked), args.max_inference_steps)
     if args.save_output:
         check_output_path(args.output_path)
     # Paths only: a string that is not an existing file is an error, never a URL download.
     images = load_images([Path(p) for p in args.image], param="--image") if args.image else None
     mask = load_images(Path(args.mask), param="--mask")[0] if args.mask else None
+    flags["seed"] = seed_or_random(args.seed)
     params_list = [SamplingParams(prompt=p, input_images=images, mask_image=mask, **flags) for p in prompts]
     generator = DiffGenerator(engine_args)
     if len(params_list) > 1:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,5 +53,16 @@ def run(args: argparse.Namespace) -> int:
     family = family_by_name(args.family)
     options = TinyCheckpointOptions(args.seed, not args.no_guidance_embeds, args.sd35, args.scheduler)
     path = family.tiny_builder(Path(args.output_dir), options)
+    _apply_umask(path)
     logger.info("Wrote tiny %s checkpoint to %s", family.name, path)
     return 0
+
+
+def _apply_umask(root: Path) -> None:
+    """Give every written file the mode a plain `open()` would (0666 less the umask): safetensors writes its
+    files 0600, which leaves a checkpoint made for a shared server unreadable by its service user."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in root.rglob("*"):
+        if path.is_file():
+            path.chmod(0o666 & ~umask)

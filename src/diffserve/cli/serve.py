@@ -30,7 +30,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add("--api-key", default=os.environ.get("DIFFSERVE_API_KEY"),
         help="require 'Authorization: Bearer KEY' but on /health* and /metrics (default: $DIFFSERVE_API_KEY)")  # fmt: skip
     add("--max-queue-size", type=int, default=64,
-        help="requests allowed to wait (not counting running ones); more get 429 (default: 64)")  # fmt: skip
+        help="requests allowed to wait (not counting running ones, nor those free running slots take "
+             "next); more get 429 (default: 64)")  # fmt: skip
     add("--max-running-requests", type=int, default=8,
         help="requests running at once, sharing denoising steps as one DiT batch per shape (default: 8)")  # fmt: skip
     add("--max-batch-tokens", type=int, default=None,
@@ -46,13 +47,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add("--max-image-pixels", type=int, default=4096 * 4096,
         help="largest input image in pixels, checked before decoding; larger: 413 (default: 4096x4096)")  # fmt: skip
     add("--shutdown-timeout", type=float, default=30.0,
-        help="on SIGTERM, seconds in-flight requests get to finish before they are cancelled (default: 30)")  # fmt: skip
+        help="on SIGTERM or Ctrl-C, seconds requests in flight and /v1/videos jobs get to finish before they "
+             "are cancelled; a second signal stops at once (default: 30)")  # fmt: skip
     add("--warmup", action=argparse.BooleanOptionalAction, default=True,
         help="run a 1-step generation before reporting ready (default: on)")  # fmt: skip
     add("--output-path", default="outputs",
         help="directory for response_format='url' images and /v1/videos jobs (default: outputs/)")  # fmt: skip
     add("--job-ttl", type=float, default=86400.0,
         help="seconds a finished /v1/videos job and its file are kept (default: 86400 = one day)")  # fmt: skip
+    add("--url-fetch-timeout", type=float, default=10.0,
+        help="with --allow-url-images: seconds one input-image download may take in all; then 400 (default: 10)")  # fmt: skip
+    add("--log-progress-interval", type=float, default=5.0,
+        help="seconds between the progress lines (step, s/step) of a long request in the log (default: 5)")  # fmt: skip
+    add("--public-url", default=None, metavar="URL",
+        help="the server's address as clients reach it (https://host[:port][/prefix]), for response_format='url' "
+        "image links (default: the request's own scheme and Host header)")  # fmt: skip
     p.set_defaults(handler=run)
 
 
@@ -67,8 +76,22 @@ _VALID: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_image_bytes": (lambda v: v >= 1, ">= 1"),
     "max_image_pixels": (lambda v: v >= 1, ">= 1"),
     "job_ttl": (lambda v: v > 0, "> 0 seconds"),
+    "url_fetch_timeout": (lambda v: v > 0, "> 0 seconds"),
+    "log_progress_interval": (lambda v: v > 0, "> 0 seconds"),
     "shutdown_timeout": (lambda v: v >= 0, ">= 0"),
 }
+
+
+def _checked_public_url(url: str) -> str:
+    """`--public-url`: an absolute http(s) URL with a host and no query or fragment, without a trailing /."""
+    from urllib.parse import urlsplit
+
+    from diffserve.errors import UserError
+
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
+        raise UserError(f"--public-url must be an http(s) URL such as https://img.example.com, got {url!r}")
+    return parts.geturl().rstrip("/")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,10 +105,13 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}")
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key must not be empty")
+    if args.public_url is not None:
+        args.public_url = _checked_public_url(args.public_url)
     engine_args = engine_args_from(args)
     for name in ("max_running_requests", "max_batch_tokens", "mem_fraction"):
         setattr(engine_args, name, getattr(args, name))
-    read_model_index(engine_args.model_path)  # a wrong path fails here, before the server starts listening
+    # A wrong path or repo id fails here, before the server starts listening.
+    read_model_index(engine_args.model_path, engine_args.revision)
     # Every flag named as a ServerArgs field is that field.
     server_fields = {field.name for field in dataclasses.fields(ServerArgs)} & set(vars(args))
     return serve(ServerArgs(engine_args, **{name: getattr(args, name) for name in server_fields}))

@@ -5,10 +5,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from diffserve.configs.quality import EXACT
+
 
 @dataclass
 class EngineArgs:
+    #: A Diffusers model folder, or a Hugging Face repo id (`owner/name`) resolved from the local HF
+    #: cache or downloaded (`diffserve.loader.hub`); either way the name the model is shown and served as.
     model_path: str
+    #: Hub revision of a repo id (branch, tag or commit hash); None: `main`. An error with a local folder.
+    revision: str | None = None
     device: str | None = None  # platform name ("cpu", "cuda", ...); None: detect
     dtype: str | None = None  # "float32", "bfloat16", "float16"; None: the platform's default
     text_encoder_dtype: str | None = None  # None: same as dtype
@@ -29,8 +35,9 @@ class EngineArgs:
     #: (height, width) sizes generated once at startup so compilation and allocator warm-up happen
     #: before the first request; empty: none (the server still runs its 1-step warm-up).
     warmup_resolutions: list[tuple[int, int]] = field(default_factory=list)
-    #: What a request's `quality="auto"` (or no quality) means: "lossless", "high", "medium" or "low".
-    default_quality: str = "lossless"
+    #: What a request's `quality="auto"` (or no quality) means: "high" (exact), "medium", "low" or "draft"
+    #: (`configs/quality.py`; "lossless" and "hd" are accepted for "high").
+    default_quality: str = EXACT
     #: Platform tuning of the process's memory allocator (`Platform.prepare_process`; on glibc CPUs:
     #: keep activation buffers mapped between steps). Off by default: its effect depends on the host.
     tune_allocator: bool = False

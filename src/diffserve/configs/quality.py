@@ -1,9 +1,13 @@
 """The per-request `quality` field: which tiers exist, what they promise, and where their settings live.
 
-`lossless` is the exact path. `high`, `medium` and `low` let the DiT reuse its blocks' work between
-steps (`models/step_cache.py`), each promising a mean PSNR against lossless (`PSNR_BARS`). A family's
-thresholds per tier come from its pipeline class (measured defaults) and, when present, from a
-calibration file next to the model's `model_index.json`, written by `diffserve calibrate-cache`.
+The names follow OpenAI's meaning, where `high` is the best image: `high` is the exact path (also
+accepted as `hd` and `lossless`). `medium`, `low` and diffserve's own `draft` let the DiT reuse its
+blocks' work between steps (`models/step_cache.py`), each promising a mean PSNR against the exact output
+(`PSNR_BARS`). `auto` and OpenAI's `standard` mean the server's `--default-quality`. Every response,
+file and log reports the canonical tier (`high`, never `lossless`).
+
+A family's thresholds per tier come from its pipeline class (measured defaults) and, when present, from
+a calibration file next to the model's `model_index.json`, written by `diffserve calibrate-cache`.
 """
 
 from __future__ import annotations
@@ -20,45 +24,79 @@ from diffserve.errors import InvalidRequestError
 
 logger = logging.getLogger("diffserve.quality")
 
-LOSSLESS = "lossless"
+#: The exact path: no step reuses cached work.
+EXACT = "high"
+AUTO = "auto"
 #: Exact first, then faster and further from exact.
-TIERS = (LOSSLESS, "high", "medium", "low")
+TIERS = (EXACT, "medium", "low", "draft")
 APPROXIMATE_TIERS = TIERS[1:]
-#: OpenAI's values: "hd" asks for the best image, "standard" for the default.
-ALIASES = {"hd": LOSSLESS, "standard": "auto"}
-ACCEPTED = ("auto", *TIERS, *ALIASES)
-#: Mean PSNR (dB) against lossless that each approximate tier keeps, at least.
-PSNR_BARS = {"high": 35.0, "medium": 30.0, "low": 25.0}
+#: Other accepted names -> what they mean: OpenAI's "hd" (its best image) and diffserve's former name
+#: of the exact tier; OpenAI's "standard" is its default.
+ALIASES = {"hd": EXACT, "lossless": EXACT, "standard": AUTO}
+ACCEPTED = (AUTO, *TIERS, *ALIASES)
+#: What `--default-quality` accepts: a tier, or a name of the exact one.
+DEFAULT_QUALITY_CHOICES = (*TIERS, *(name for name, tier in ALIASES.items() if tier == EXACT))
+#: Mean PSNR (dB) against the exact output that each approximate tier keeps, at least.
+PSNR_BARS = {"medium": 35.0, "low": 30.0, "draft": 25.0}
 
 CALIBRATION_FILE = "diffserve_step_cache.json"
+#: Written into every calibration file. A file without it predates the OpenAI-aligned names.
+CALIBRATION_FORMAT = 2
+#: Tier names in calibration files without a format (before version 2) -> today's names (same bars).
+_FORMAT_1_TIERS = {"high": "medium", "medium": "low", "low": "draft"}
+
+
+def canonical_tier(value: str) -> str:
+    """The tier `value` names (`lossless` and `hd` -> `high`), or `auto`; ValueError for anything else."""
+    name = ALIASES.get(value, value)
+    if name not in (AUTO, *TIERS):
+        raise ValueError(f"unknown quality {value!r}; one of {', '.join(ACCEPTED)}")
+    return name
 
 
 def check_default_quality(value: str) -> str:
-    if value not in TIERS:
-        raise ValueError(f"default quality must be one of {', '.join(TIERS)}, got {value!r}")
-    return value
+    """The canonical tier of a `--default-quality` value (`lossless` -> `high`); ValueError otherwise."""
+    if value not in DEFAULT_QUALITY_CHOICES:
+        raise ValueError(
+            f"default quality must be one of {', '.join(DEFAULT_QUALITY_CHOICES)}, got {value!r}"
+        )
+    return canonical_tier(value)
 
 
 @dataclass(frozen=True)
 class QualityRule:
-    """What a family's requests may ask for: the server default and the approximate tiers it has."""
+    """What a family's requests may ask for: the server default and the approximate tiers it has.
 
-    default_tier: str = LOSSLESS
+    `default_tier` may be given under any name `--default-quality` accepts; it is stored canonical so that
+    an `auto` request reports `high`, never `lossless`.
+    """
+
+    default_tier: str = EXACT
     policies: Mapping[str, StepCachePolicy] = field(default_factory=dict)
     family: str = "this model"
 
-    def resolve(self, requested: str | None) -> str:
-        """The tier a request runs at; a 400 naming `quality` for anything else."""
-        value = "auto" if requested is None else ALIASES.get(requested, requested)
-        if value not in ACCEPTED:
-            raise InvalidRequestError(
-                f"quality must be one of {', '.join(ACCEPTED)}, got {requested!r} ('hd' means lossless, "
-                "'standard' and 'auto' the server's default)",
-                param="quality",
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "default_tier", check_default_quality(self.default_tier))
+        unknown = set(self.policies) - set(APPROXIMATE_TIERS)
+        if unknown:
+            raise ValueError(
+                f"{self.family}: unknown step-cache tiers {sorted(unknown)}; tiers are "
+                f"{', '.join(APPROXIMATE_TIERS)}"
             )
-        tier = self.default_tier if value == "auto" else value
-        if tier != LOSSLESS and tier not in self.policies:
-            available = ", ".join([LOSSLESS, *self.policies]) if self.policies else LOSSLESS
+
+    def resolve(self, requested: str | None) -> str:
+        """The canonical tier a request runs at; a 400 naming `quality` for anything else."""
+        try:
+            value = AUTO if requested is None else canonical_tier(requested)
+        except ValueError:
+            raise InvalidRequestError(
+                f"quality must be one of {', '.join(ACCEPTED)}, got {requested!r} ('hd' and 'lossless' mean "
+                "high, the exact output; 'standard' and 'auto' the server's default)",
+                param="quality",
+            ) from None
+        tier = self.default_tier if value == AUTO else value
+        if tier != EXACT and tier not in self.policies:
+            available = ", ".join([EXACT, *self.policies])
             raise InvalidRequestError(
                 f"quality={requested!r} is not available for {self.family}: it has {available}",
                 param="quality",
@@ -73,8 +111,9 @@ def calibration_path(model_root: str | Path) -> Path:
 def read_calibrated_policies(model_root: str | Path, family: str) -> dict[str, StepCachePolicy]:
     """Tier -> policy from the model folder's calibration file, {} when it has none.
 
-    A file for another family, or one that does not parse, is an error: thresholds from the wrong
-    model would silently change what a tier promises.
+    A file for another family, of an unknown format, or one that does not parse, is an error: thresholds
+    from the wrong model would silently change what a tier promises. A file without a format predates
+    the OpenAI-aligned names; it is read with a warning, its tiers renamed (`_FORMAT_1_TIERS`).
     """
     path = calibration_path(model_root)
     if not path.is_file():
@@ -83,8 +122,9 @@ def read_calibrated_policies(model_root: str | Path, family: str) -> dict[str, S
         data: dict[str, Any] = json.loads(path.read_text())
         if data.get("family") != family:
             raise ValueError(f"it was made for family {data.get('family')!r}, this model is {family!r}")
-        policies = {tier: StepCachePolicy(**values) for tier, values in data["tiers"].items()}
-    except (ValueError, KeyError, TypeError) as exc:
+        tiers = _current_tier_names(path, data)
+        policies = {tier: StepCachePolicy(**values) for tier, values in tiers.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(
             f"{path} is not a valid step-cache calibration ({exc}); delete it or rerun "
             "`diffserve calibrate-cache`"
@@ -100,6 +140,27 @@ def read_calibrated_policies(model_root: str | Path, family: str) -> dict[str, S
     return policies
 
 
+def _current_tier_names(path: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """The file's `tiers` under today's names (a format-1 file's are renamed, with a warning)."""
+    version = data.get("format")
+    tiers: dict[str, Any] = data["tiers"]
+    if version == CALIBRATION_FORMAT:
+        return tiers
+    if version is not None:
+        raise ValueError(f"unknown format {version!r}; this diffserve reads format {CALIBRATION_FORMAT}")
+    unknown = set(tiers) - set(_FORMAT_1_TIERS)
+    if unknown:
+        raise ValueError(f"unknown tiers {sorted(unknown)} in a file without a format")
+    renamed = {_FORMAT_1_TIERS[tier]: values for tier, values in tiers.items()}
+    logger.warning(
+        "%s uses the old tier names (before OpenAI's meaning): read as %s; rerun `diffserve calibrate-cache` "
+        "to rewrite it",
+        path,
+        ", ".join(f"{old} -> {_FORMAT_1_TIERS[old]}" for old in tiers),
+    )
+    return renamed
+
+
 def write_calibration(
     model_root: str | Path,
     family: str,
@@ -109,6 +170,7 @@ def write_calibration(
     """Store calibrated policies next to the model config (atomically: a reader never sees half a file)."""
     path = calibration_path(model_root)
     payload = {
+        "format": CALIBRATION_FORMAT,
         "family": family,
         "tiers": {tier: policy.to_dict() for tier, policy in policies.items()},
         "measurements": dict(measurements),

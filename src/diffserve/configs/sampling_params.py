@@ -40,6 +40,8 @@ class SamplingParams:
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
     true_cfg_scale: float | None = None
+    #: Noise seed. 0 by default here, so that Python callers get reproducible results without asking;
+    #: the CLI (`diffserve generate`) and the server draw a random seed when none is given and report it.
     seed: int = 0
     num_outputs_per_prompt: int = 1
     max_sequence_length: int | None = None
@@ -49,8 +51,8 @@ class SamplingParams:
     fps: int | None = None
     video_format: str | None = None
     output_format: str = "png"
-    #: "lossless" (exact), "high", "medium", "low" (approximate, faster), "auto" or None (the engine's
-    #: default), or OpenAI's "hd" (= lossless) / "standard" (= auto); see `configs/quality.py`.
+    #: "high" (exact; also "hd", "lossless"), "medium", "low", "draft" (approximate, faster), "auto" /
+    #: "standard" / None (the engine's default); resolved to the canonical tier, see `configs/quality.py`.
     quality: str | None = None
     #: Input images for edit / image-to-image families, as decoded RGB `PIL.Image.Image`s. Front ends
     #: turn paths, bytes, data URLs and (opt-in) URLs into images with `diffserve.image_inputs.load_image`

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from diffserve.errors import ModelLoadError
+from diffserve.loader.hub import resolve_model_path
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,11 @@ class ComponentSpec:
 
 @dataclass(frozen=True)
 class ModelIndex:
+    #: The local folder the components load from (for a Hub repo id: its snapshot in the HF cache).
     root: Path
+    #: The model as the user named it, for display and output metadata: the repo id of a Hub model,
+    #: else the folder (`root`).
+    name: str
     pipeline_class_name: str
     components: dict[str, ComponentSpec]
     #: Pipeline-level settings that are not components (e.g. Wan's "boundary_ratio", "expand_timesteps").
@@ -39,15 +44,19 @@ def read_json(path: Path) -> Any:
         raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
 
 
-def read_model_index(model_path: str | Path) -> ModelIndex:
-    """Parse `model_index.json`; components set to null (optional, absent) are left out."""
-    root = Path(model_path).expanduser()
+def read_model_index(model_path: str | Path, revision: str | None = None) -> ModelIndex:
+    """Parse `model_index.json` of a Diffusers folder or of a Hugging Face repo id's snapshot (cached, or
+    downloaded: see `loader.hub`); components set to null (optional, absent) are left out."""
+    root = resolve_model_path(model_path, revision)
+    from_hub = root != Path(model_path).expanduser()  # resolve_model_path returns a local path unchanged
+    display = str(model_path) if from_hub else str(root)
+    where = f"Hugging Face repo {display!r} (snapshot {root})" if from_hub else repr(display)
     if not root.is_dir():
-        raise ModelLoadError(f"model path {str(root)!r} is not a directory")
+        raise ModelLoadError(f"model path {where} is not a directory")
     index_file = root / "model_index.json"
     if not index_file.is_file():
         raise ModelLoadError(
-            f"{str(root)!r} is not a Diffusers model folder: it has no model_index.json "
+            f"{where} is not a Diffusers model folder: it has no model_index.json "
             "(expected the layout written by diffusers' save_pretrained)"
         )
     raw = read_json(index_file)
@@ -65,6 +74,7 @@ def read_model_index(model_path: str | Path) -> ModelIndex:
             components[name] = ComponentSpec(name, str(library), str(class_name), root / name)
     return ModelIndex(
         root=root,
+        name=display,
         pipeline_class_name=str(raw["_class_name"]),
         components=components,
         options=options,

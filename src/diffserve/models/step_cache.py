@@ -9,7 +9,7 @@ Per request, never per server: each request carries its own `StepCacheState` (po
 change, cached residual, counters), so in one DiT batch some rows run the blocks and others reuse
 their residual. The rows of one request (its outputs and its CFG branches) always decide together.
 A batch with no cached request takes the model's exact path (`BatchStepCache` is not built at all),
-so the lossless tier is bit-for-bit the eager path.
+so the exact tier (`high`) is bit-for-bit the eager path.
 
 How a DiT uses it, in its forward (see `models/dits/flux.py`):
 

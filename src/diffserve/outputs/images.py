@@ -19,6 +19,23 @@ CONTENT_TYPES: dict[str, str] = {"png": "image/png", "jpeg": "image/jpeg", "webp
 #: `diffserve generate` and an image returned by the server are the same bytes.
 DEFAULT_IMAGE_QUALITY = 100
 
+#: Longest prompt (and negative prompt) a file's embedded parameters keep, in characters: a longer one is
+#: cut to this length, ending with "…", and `prompt_chars` (`negative_prompt_chars`) gives its full length.
+MAX_METADATA_TEXT_CHARS = 2000
+_BOUNDED_TEXT_FIELDS = ("prompt", "negative_prompt")
+
+
+def bounded_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
+    """`metadata` with its prompts cut to `MAX_METADATA_TEXT_CHARS` (a copy; idempotent), so every file a
+    request writes stays small whatever prompt it was sent with."""
+    bounded = dict(metadata)
+    for name in _BOUNDED_TEXT_FIELDS:
+        text = bounded.get(name)
+        if isinstance(text, str) and len(text) > MAX_METADATA_TEXT_CHARS:
+            bounded[name] = text[: MAX_METADATA_TEXT_CHARS - 1] + "…"
+            bounded[f"{name}_chars"] = len(text)
+    return bounded
+
 
 def encode_image(
     image: Image.Image,
@@ -29,7 +46,8 @@ def encode_image(
     """Encode one image as `output_format` ("png", "jpeg" or "webp").
 
     `quality` (0..100, None: `DEFAULT_IMAGE_QUALITY`) applies to JPEG and WebP; PNG is lossless. Only PNGs
-    carry `metadata`, as JSON in a `parameters` text chunk (`Image.open(p).text["parameters"]`).
+    carry `metadata`, as JSON in a `parameters` text chunk (`Image.open(p).text["parameters"]`), its prompts
+    bounded (`bounded_metadata`).
     """
     if output_format not in IMAGE_FORMATS:
         raise ValueError(f"unknown image format {output_format!r}; expected one of {IMAGE_FORMATS}")
@@ -37,7 +55,7 @@ def encode_image(
     if output_format == "png":
         info = PngImagePlugin.PngInfo()
         if metadata is not None:
-            info.add_text("parameters", metadata_json(metadata))
+            info.add_text("parameters", metadata_json(bounded_metadata(metadata)))
         image.save(buffer, format="PNG", pnginfo=info)
     else:
         quality = DEFAULT_IMAGE_QUALITY if quality is None else quality

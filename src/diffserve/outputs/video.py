@@ -2,7 +2,7 @@
 
 Frames arrive as a uint8 RGB array of shape (frames, height, width, 3) and are encoded on the CPU, so
 writing a video never touches an accelerator. Every format is written atomically (`write_atomically`)
-and embeds `metadata_json` of the generation parameters where it has room: the MP4 `comment` tag, a GIF
+and embeds `metadata_json` of the generation parameters (`video_metadata`) where it has room: the MP4 `comment` tag, a GIF
 comment extension, the WebP EXIF ImageDescription.
 """
 
@@ -58,7 +58,7 @@ def save_video(
     _check_quality(output_format, quality)
     if quality is None:
         quality = MP4_DEFAULT_CRF if output_format == "mp4" else WEBP_DEFAULT_QUALITY
-    comment = metadata_json(metadata)
+    comment = metadata_json(video_metadata(metadata, output_format))
 
     def write(partial: Path) -> None:
         if output_format == "mp4":
@@ -73,6 +73,15 @@ def save_video(
             )
 
     return write_atomically(path, write)
+
+
+def video_metadata(metadata: dict[str, Any], video_format: VideoOutputFormat) -> dict[str, Any]:
+    """The record a video embeds: `metadata` without `output_format`, with `video_format` the container
+    written. `output_format` is the format of images (a video request's params carry its default, "png"),
+    so a video claiming it would tell a reader the wrong format."""
+    record = {key: value for key, value in metadata.items() if key != "output_format"}
+    record["video_format"] = video_format
+    return record
 
 
 def save_frames(frames: np.ndarray, directory: Path, stem: str) -> list[Path]:

@@ -12,7 +12,7 @@ import numpy as np
 from PIL import Image
 
 from diffserve.outputs.files import output_file_name, unique_path
-from diffserve.outputs.images import save_image
+from diffserve.outputs.images import bounded_metadata, save_image
 from diffserve.outputs.video import save_frames as save_frame_pngs
 from diffserve.outputs.video import save_video
 
@@ -38,12 +38,13 @@ def write_outputs(
 
     Names: `file_name`'s stem (plus `_{i}` when there are several outputs), else `output_file_name`; an
     existing file is never overwritten (`unique_path`). The extension is `params.video_format` for videos,
-    `params.output_format` for images. Every file embeds `metadata` (`output_metadata`); `quality` is the
-    JPEG/WebP quality of images. `save_frames` also writes each video's frames as PNGs into
-    `{video stem}_frames/` next to it (logged, since only the videos' paths are returned).
-    """
+    `params.output_format` for images. Every file embeds `metadata` (`output_metadata`, its prompts bounded
+    by `bounded_metadata`); `quality` is the JPEG/WebP quality of images. `save_frames` also writes each
+    video's frames as PNGs into `{video stem}_frames/` next to it (logged, since only the videos' paths are
+    returned)."""
     outputs: Sequence[Image.Image | np.ndarray] = videos if len(videos) else images
     is_video = bool(len(videos))
+    metadata = bounded_metadata(metadata)
     extension = params.video_format if is_video else params.output_format
     paths = []
     for i, output in enumerate(outputs):

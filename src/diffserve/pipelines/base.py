@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import torch
 from PIL import Image
 
-from diffserve.configs.quality import LOSSLESS, QualityRule
+from diffserve.configs.quality import EXACT, QualityRule
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.loader.component_loader import LoadedComponent
@@ -37,8 +37,8 @@ class PipelineContext:
     folder_sampling_defaults: dict[str, Any] = field(default_factory=dict)
     #: model_index.json's pipeline-level settings (not components), e.g. Wan 2.2's "expand_timesteps".
     pipeline_options: dict[str, Any] = field(default_factory=dict)
-    #: What quality "auto" means for this engine (`--default-quality`).
-    default_quality: str = LOSSLESS
+    #: What quality "auto" means for this engine (`--default-quality`; any name it accepts).
+    default_quality: str = EXACT
     #: Step-cache policies per tier from the model folder's calibration file (over the family's own).
     calibrated_step_cache: dict[str, StepCachePolicy] = field(default_factory=dict)
 
@@ -60,7 +60,7 @@ class Pipeline:
     #: Height and width must be multiples of this (set by `build_stages` from the loaded VAE).
     pixel_multiple: int
     #: The approximate quality tiers this family has, with its measured step-cache thresholds
-    #: (empty: its DiT does not take a step cache, and only "lossless" is served).
+    #: (empty: its DiT does not take a step cache, and only "high", the exact path, is served).
     step_cache_policies: ClassVar[dict[str, StepCachePolicy]] = {}
 
     def __init__(self, context: PipelineContext) -> None:
@@ -75,7 +75,7 @@ class Pipeline:
         self._facts = self._declare_facts()
         if self.quality_rule.policies:
             logger.info(
-                "Quality tiers: lossless (exact), %s; default %s",
+                "Quality tiers: high (exact), %s; default %s",
                 ", ".join(
                     f"{tier} (threshold {policy.threshold:g})"
                     for tier, policy in self.quality_rule.policies.items()

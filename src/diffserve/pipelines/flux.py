@@ -113,12 +113,12 @@ class FluxPipeline(Pipeline):
     )
     config = FluxPipelineConfig()
     #: Thresholds from `diffserve calibrate-cache` on the trained demo model (benchmarks/README.md,
-    #: "Quality tiers against lossless").
+    #: "Quality tiers against the exact output").
     #: Calibrate a real checkpoint before trusting them there: a folder's own calibration file wins.
     step_cache_policies = {
-        "high": StepCachePolicy(threshold=0.2, max_reuse_in_a_row=3),
-        "medium": StepCachePolicy(threshold=0.45, max_reuse_in_a_row=5),
-        "low": StepCachePolicy(threshold=1.6, max_reuse_in_a_row=5),
+        "medium": StepCachePolicy(threshold=0.2, max_reuse_in_a_row=3),
+        "low": StepCachePolicy(threshold=0.45, max_reuse_in_a_row=5),
+        "draft": StepCachePolicy(threshold=1.6, max_reuse_in_a_row=5),
     }
 
     def build_stages(self, context: PipelineContext) -> list[Stage]:

@@ -105,14 +105,14 @@ class QwenImagePipeline(Pipeline):
     config = QwenImagePipelineConfig()
     pipeline_name = "QwenImagePipeline"
     #: Measured on the tiny test model (20 steps, 64x64, text-to-image and edit alike): 14 / 9 / 5 steps in
-    #: full for high / medium / low at about 38 / 32 / 28 dB. Its random weights make the timestep
+    #: full for medium / low / draft at about 38 / 32 / 28 dB. Its random weights make the timestep
     #: modulation, hence the signal, jump by ~100% every step, so thresholds above 1 leave the schedule to
     #: `max_reuse_in_a_row` and the full first/last steps; its last steps are the most sensitive ones.
     #: A real checkpoint moves far less per step: `diffserve calibrate-cache` should replace these.
     step_cache_policies = {
-        "high": StepCachePolicy(threshold=1.0, max_reuse_in_a_row=2, full_last_steps=5),
-        "medium": StepCachePolicy(threshold=3.0, max_reuse_in_a_row=2, full_first_steps=1, full_last_steps=3),
-        "low": StepCachePolicy(threshold=6.0, max_reuse_in_a_row=4, full_first_steps=1, full_last_steps=1),
+        "medium": StepCachePolicy(threshold=1.0, max_reuse_in_a_row=2, full_last_steps=5),
+        "low": StepCachePolicy(threshold=3.0, max_reuse_in_a_row=2, full_first_steps=1, full_last_steps=3),
+        "draft": StepCachePolicy(threshold=6.0, max_reuse_in_a_row=4, full_first_steps=1, full_last_steps=1),
     }
 
     def validation_stage(self, context: PipelineContext) -> InputValidationStage:

@@ -56,12 +56,12 @@ class SD3Pipeline(Pipeline):
     optional_components = ("text_encoder_3", "tokenizer_3")
     config = SD3PipelineConfig()
     #: FLUX's provisional values from before its calibration on the demo model: the tiny test model (20 steps, 64x64) clears every bar by 15+ dB with them (10 / 7 / 5
-    #: steps in full for high / medium / low) and does not tell thresholds apart (2 full steps still give
+    #: steps in full for medium / low / draft) and does not tell thresholds apart (2 full steps still give
     #: 46 dB), so they stay as on the closest real family until `diffserve calibrate-cache` replaces them.
     step_cache_policies = {
-        "high": StepCachePolicy(threshold=0.1, max_reuse_in_a_row=2),
-        "medium": StepCachePolicy(threshold=0.25, max_reuse_in_a_row=3),
-        "low": StepCachePolicy(threshold=0.5, max_reuse_in_a_row=5),
+        "medium": StepCachePolicy(threshold=0.1, max_reuse_in_a_row=2),
+        "low": StepCachePolicy(threshold=0.25, max_reuse_in_a_row=3),
+        "draft": StepCachePolicy(threshold=0.5, max_reuse_in_a_row=5),
     }
 
     def build_stages(self, context: PipelineContext) -> list[Stage]:

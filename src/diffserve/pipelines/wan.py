@@ -98,14 +98,15 @@ class WanPipeline(Pipeline):
     config = WanPipelineConfig()
     pipeline_name = "WanPipeline"
     #: Measured on the tiny random-weight T2V test model (`build_tiny_wan`, 20 steps, 64x64, 9 frames,
-    #: CFG 5, six prompts): 18-20 / 16 / 13 steps in full at >38 / 32.6 / 29.7 dB mean PSNR against lossless
-    #: (worst prompt 35.9 / 30.4 / 28.7). Its signal moves 0.45-0.9 a step, so these thresholds pick single
-    #: steps to skip, and its blocks' residual changes about as much as it is large, so reuse is costly on
-    #: it. Real checkpoints move differently: `diffserve calibrate-cache` writes per-checkpoint thresholds.
+    #: CFG 5, six prompts): 18-20 / 16 / 13 steps in full for medium / low / draft at >38 / 32.6 / 29.7 dB
+    #: mean PSNR against the exact output (worst prompt 35.9 / 30.4 / 28.7). Its signal moves 0.45-0.9 a
+    #: step, so these thresholds pick single steps to skip, and its blocks' residual changes about as much
+    #: as it is large, so reuse is costly on it. Real checkpoints move differently: `diffserve
+    #: calibrate-cache` writes per-checkpoint thresholds.
     step_cache_policies = {
-        "high": StepCachePolicy(threshold=0.45, max_reuse_in_a_row=1),
-        "medium": StepCachePolicy(threshold=0.6, max_reuse_in_a_row=2),
-        "low": StepCachePolicy(threshold=0.75, max_reuse_in_a_row=2),
+        "medium": StepCachePolicy(threshold=0.45, max_reuse_in_a_row=1),
+        "low": StepCachePolicy(threshold=0.6, max_reuse_in_a_row=2),
+        "draft": StepCachePolicy(threshold=0.75, max_reuse_in_a_row=2),
     }
 
     def build_stages(self, context: PipelineContext) -> list[Stage]:
@@ -170,9 +171,9 @@ class WanImageToVideoPipeline(WanPipeline):
     #: 16-18 steps in full at >41 / 35.0 / 31.7 dB mean (worst prompt 39.5 / 34.3 / 27.0). Reuse costs more
     #: here than in T2V: a threshold of 0.6 already falls to 26 dB.
     step_cache_policies = {
-        "high": StepCachePolicy(threshold=0.45, max_reuse_in_a_row=1),
-        "medium": StepCachePolicy(threshold=0.5, max_reuse_in_a_row=2),
-        "low": StepCachePolicy(threshold=0.55, max_reuse_in_a_row=2),
+        "medium": StepCachePolicy(threshold=0.45, max_reuse_in_a_row=1),
+        "low": StepCachePolicy(threshold=0.5, max_reuse_in_a_row=2),
+        "draft": StepCachePolicy(threshold=0.55, max_reuse_in_a_row=2),
     }
 
     def image_input_rule(self) -> ImageInputRule:

@@ -73,13 +73,14 @@ class ZImagePipeline(Pipeline):
     required_components = ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
     config = ZImagePipelineConfig()
     #: Measured on the tiny random-weight test model (`build_tiny_zimage`, 20 steps, 64x64, CFG 5, six
-    #: prompts): 12 / 8 / 5 steps in full at 37.5 / 34.8 / 30.1 dB mean PSNR against lossless (worst prompt
-    #: 36.2 / 33.3 / 27.6). Its signal moves ~0.05 a step, so max_reuse_in_a_row binds for medium and low.
+    #: prompts): 12 / 8 / 5 steps in full for medium / low / draft at 37.5 / 34.8 / 30.1 dB mean PSNR against
+    #: the exact output (worst prompt 36.2 / 33.3 / 27.6). Its signal moves ~0.05 a step, so
+    #: max_reuse_in_a_row binds for low and draft.
     #: Real checkpoints move differently: `diffserve calibrate-cache` writes per-checkpoint thresholds over these.
     step_cache_policies = {
-        "high": StepCachePolicy(threshold=0.07, max_reuse_in_a_row=2),
-        "medium": StepCachePolicy(threshold=0.15, max_reuse_in_a_row=3),
-        "low": StepCachePolicy(threshold=0.6, max_reuse_in_a_row=5),
+        "medium": StepCachePolicy(threshold=0.07, max_reuse_in_a_row=2),
+        "low": StepCachePolicy(threshold=0.15, max_reuse_in_a_row=3),
+        "draft": StepCachePolicy(threshold=0.6, max_reuse_in_a_row=5),
     }
 
     def build_stages(self, context: PipelineContext) -> list[Stage]:

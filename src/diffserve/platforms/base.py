@@ -56,6 +56,11 @@ class Platform(ABC):
     def reset_peak_memory(self, index: int = 0) -> None:  # noqa: B027  (optional hook, no-op by default)
         """Start a new peak-memory window."""
 
+    def has_peak_counter(self) -> bool:
+        """Whether `memory_info().peak_bytes` is a peak that `reset_peak_memory` restarts, so that warm-up
+        can measure each phase's peak (runtime/calibration.py); else the memory model is estimated."""
+        return True
+
     def prepare_process(self) -> None:  # noqa: B027  (optional hook, no-op by default)
         """Process-wide allocator tuning (`--tune-allocator`, opt-in: its effect is host-dependent)."""
 

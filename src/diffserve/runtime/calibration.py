@@ -1,33 +1,43 @@
 """Memory calibration at warm-up: the peak memory of two one-step requests of different sizes, their
-denoising and decoding phases measured apart."""
+denoising and decoding phases measured apart (device memory on accelerators, VmHWM on a Linux CPU)."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from diffserve.configs.sampling_params import SamplingParams
+from diffserve.platforms.base import Platform
 from diffserve.request import Req
+from diffserve.runtime.contract import PipelineFacts
 from diffserve.runtime.engine import Engine
 from diffserve.runtime.memory import MemoryModel, PhasePeaks, estimated_memory_model, measured_memory_model
 
 logger = logging.getLogger("diffserve.runtime")
 
 
-def _measure(engine: Engine, params: SamplingParams) -> PhasePeaks | None:
-    """Run one request alone; None where the platform has no peak counter."""
-    platform = engine.platform
+def _new_window(platform: Platform) -> int:
+    """Free cached memory, restart the peak counter and return its starting value (what is resident)."""
+    platform.synchronize()
+    platform.empty_cache()
     platform.reset_peak_memory()
     base = platform.memory_info().peak_bytes
     if base is None:
-        return None
+        raise RuntimeError(f"{platform.name} reports a peak counter but no peak")
+    return base
+
+
+def _measure(engine: Engine, params: SamplingParams) -> PhasePeaks:
+    """Run one request alone and read each phase's peak above what was resident when it began."""
+    platform = engine.platform
+    base = _new_window(platform)
     marks: dict[str, int] = {}
 
     def at_each_step(req: Req) -> None:
         if req.is_denoised:  # the denoising phase is over; decoding comes next
             platform.synchronize()
             marks["denoise"] = (platform.memory_info().peak_bytes or 0) - base
-            platform.reset_peak_memory()
-            marks["decode_base"] = platform.memory_info().peak_bytes or 0
+            marks["decode_base"] = _new_window(platform)
 
     sr = engine.submit(Req(params=params, on_step=at_each_step))
     engine.run_to_completion([sr])
@@ -38,18 +48,24 @@ def _measure(engine: Engine, params: SamplingParams) -> PhasePeaks | None:
     return PhasePeaks(sr.cost, marks["denoise"], decode)
 
 
+def calibration_params(facts: PipelineFacts, params: SamplingParams) -> SamplingParams:
+    """A video probe decodes a full chunk after the first frame (temporal_factor + 1 frames), so the peak
+    seen includes a whole decoder call and the causal cache carried into it; images as given."""
+    if not facts.makes_video:
+        return params
+    return replace(params, num_frames=facts.temporal_factor + 1)
+
+
 def calibrate_memory_model(
     engine: Engine, probe_params: list[SamplingParams], mem_fraction: float
 ) -> MemoryModel:
-    """Measured where the platform has a resettable peak counter (not the CPU), else estimated."""
+    """Measured where the platform has a resettable peak counter, else estimated (logged)."""
     facts, platform = engine.pipeline.facts, engine.platform
-    if platform.device_type == "cpu" or len(probe_params) < 2:
+    if len(probe_params) < 2:
+        raise ValueError(f"calibration needs two probe requests of different sizes, got {len(probe_params)}")
+    if not platform.has_peak_counter():
+        logger.info("Memory model estimated: %s has no resettable peak-memory counter", platform.name)
         return estimated_memory_model(facts, platform, mem_fraction)
-    points = []
-    for params in probe_params:
-        point = _measure(engine, params)
-        if point is None:
-            return estimated_memory_model(facts, platform, mem_fraction)
-        points.append(point)
+    points = [_measure(engine, calibration_params(facts, params)) for params in probe_params]
     platform.empty_cache()
     return measured_memory_model(facts, platform, points, mem_fraction)

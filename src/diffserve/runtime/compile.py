@@ -105,12 +105,14 @@ def log_graph_breaks() -> None:
 # Warm-up generations at the first size, each building its own graphs: one DiT row; two rows with texts
 # of equal length (unmasked attention); two rows with texts of different lengths (masked, e.g. Z-Image).
 WARMUP_KINDS = ("no-cfg", "cfg", "cfg-uneven-text")
-# The long negative prompt stays longer than the prompt after any padding to a multiple (Z-Image: 32).
+# The long negative prompt stays longer than the prompt after any padding to a multiple (Z-Image: 32: about
+# 45 tokens to the prompt's few) and fits CLIP's 77 tokens, so no tokenizer truncates (and warns about) a
+# prompt the user never wrote.
 WARMUP_PROMPT = "warm-up"
 WARMUP_SHORT_NEGATIVE_PROMPT = "blurry"
 WARMUP_NEGATIVE_PROMPTS = {
     "cfg": WARMUP_SHORT_NEGATIVE_PROMPT,
-    "cfg-uneven-text": " ".join(["blurry, low quality, distorted, oversaturated, watermark"] * 12),
+    "cfg-uneven-text": " ".join(["blurry, low quality, distorted, oversaturated, watermark"] * 4),
 }
 
 

@@ -7,11 +7,16 @@ calls share DiT batches), with the engine's attention backend active."""
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError, RequestCancelledError
 from diffserve.layers.attention import AttentionBackend
+from diffserve.logging_setup import shown_text
 from diffserve.platforms.base import Platform
 from diffserve.request import Req
 from diffserve.runtime.contract import EnginePipeline
@@ -65,6 +70,8 @@ class Engine:
         self.runner = ModelRunner(pipeline, platform, attention_backend)
         self.scheduler = StepScheduler(config, memory)
         self.events = events or EngineEvents()
+        #: Per-request start, progress and finish lines (the server's); None: only the stage lines.
+        self.request_log: RequestLog | None = None
         self._driving = threading.RLock()
 
     @property
@@ -174,7 +181,8 @@ class Engine:
         if dropped:
             self.runner.flush_step_times()  # the steps they took keep their times
         for sr in dropped:
-            logger.info("Request %s cancelled at step %d", sr.request_id, sr.req.step_index)
+            if self.request_log is None:  # else its finish line says so, in these words
+                logger.info("Request %s cancelled at step %d", sr.request_id, sr.req.step_index)
             self._end(sr, self.events.on_cancelled)
         return bool(dropped)
 
@@ -185,11 +193,15 @@ class Engine:
             self.runner.reset_peak_memory()  # a new peak window for a new busy period
         for sr in admitted:
             self._notify(self.events.on_started, sr)
+            if self.request_log is not None:
+                self.request_log.started(sr, self.scheduler.num_running, self.scheduler.num_waiting)
             try:
                 sr.req = self.runner.pre_denoise(sr.req)
             except Exception as exc:
                 self._fail(sr, exc)
                 continue
+            if self.request_log is not None:
+                self.request_log.denoising(sr)
             if sr.req.is_denoised:  # no steps to share (never with num_inference_steps >= 1)
                 self._complete(sr)
             else:
@@ -219,6 +231,8 @@ class Engine:
                     sr.req.on_step(sr.req)
                 except Exception:  # a progress report must not fail the request
                     logger.exception("on_step of request %s failed", sr.request_id)
+        if self.request_log is not None:
+            self.request_log.stepped()
         for sr in group:
             if sr.req.is_denoised:
                 self._complete(sr)
@@ -231,11 +245,15 @@ class Engine:
             return
         self.runner.flush_step_times()  # its last steps' times (waits for its last step, once)
         log_denoising(req)
+        if self.request_log is not None:
+            self.request_log.decoding(sr)
         try:
             sr.req = req = self.runner.post_denoise(req)
         except Exception as exc:
             self._fail(sr, exc)
             return
+        if self.request_log is not None:
+            self.request_log.decoded(sr)
         sr.peak_memory_bytes = self.runner.peak_memory_bytes()
         sr.state = "finished"
         try:  # still in the running set while reported, so a cancel now still reaches it (a video's file)
@@ -247,6 +265,7 @@ class Engine:
             self._notify(self.events.on_failed, sr, exc)
         finally:
             self.scheduler.remove(sr)
+            self._log_end(sr)
             sr.done.set()
 
     def _fail(self, sr: ScheduledRequest, error: BaseException) -> None:
@@ -258,11 +277,17 @@ class Engine:
         sr.state = "failed"
         sr.error = error
         self._notify(self.events.on_failed, sr, error)
+        self._log_end(sr)
         sr.done.set()
 
     def _end(self, sr: ScheduledRequest, hook: Callable[[ScheduledRequest], None]) -> None:
         self._notify(hook, sr)
+        self._log_end(sr)
         sr.done.set()
+
+    def _log_end(self, sr: ScheduledRequest) -> None:
+        if self.request_log is not None:
+            self.request_log.ended(sr)
 
     @staticmethod
     def _notify(hook: Callable[..., None], *args: object) -> None:
@@ -285,3 +310,166 @@ def log_denoising(req: Req) -> None:
             "[%s] quality=%s: %d of %d steps computed in full, %d reused the cached residual",
             req.request_id[:8], req.params.quality, cache.steps_computed, req.num_steps, cache.steps_reused,
         )  # fmt: skip
+
+
+#: `RequestLog`'s word for how a request ended, by `ScheduledRequest.state`.
+_END_STATUS = {"finished": "completed", "cancelled": "cancelled", "failed": "failed"}
+
+
+@dataclass
+class _Tracked:
+    """What `RequestLog` keeps of one admitted request until its finish line (perf_counter seconds)."""
+
+    sr: ScheduledRequest
+    denoise_started: float | None = None  # pre-denoise done
+    decode_started: float | None = None  # last step done
+    decode_ended: float | None = None  # outputs decoded (then reported: encoded, written)
+    reported_at: float | None = None  # its last progress entry
+    reported_step: int = 0
+
+
+class RequestLog:
+    """Per-request INFO lines of a serving engine (`Engine.request_log`; the CLI has its own parameter lines
+    and s/step bar): a start line with the resolved parameters (prompt shortened, `shown_text`) when a
+    request is admitted; at most one progress line per `interval` seconds, shared by every request that
+    has been denoising for at least that long (step/total, s/step since its last entry, time left), so a
+    short request prints none and a batch of eight prints one line, not eight; and a finish line with its
+    status and timings. `include` picks the requests logged (the server leaves its health probes out).
+    Its state is one entry per admitted request, dropped with the finish line."""
+
+    def __init__(
+        self,
+        interval: float = 5.0,
+        include: Callable[[ScheduledRequest], bool] = lambda sr: True,
+        clock: Callable[[], float] = time.perf_counter,  # the clock of `ScheduledRequest`'s timestamps
+    ) -> None:
+        if not interval > 0:
+            raise ValueError(f"the progress log interval must be > 0 seconds, got {interval!r}")
+        self.interval, self.include, self.clock = interval, include, clock
+        self._tracked: dict[str, _Tracked] = {}
+        self._lock = threading.Lock()  # a waiting request is cancelled (and ended) on another thread
+        self._last_line = -math.inf
+
+    def started(self, sr: ScheduledRequest, running: int, waiting: int) -> None:
+        """Admitted: its start line; tracked until `ended`."""
+        if not self.include(sr):
+            return
+        with self._lock:
+            self._tracked[sr.request_id] = _Tracked(sr)
+        queued = (sr.started_at or self.clock()) - sr.submitted_at
+        logger.info(
+            "Request %s started (queued %.2f s; %d running, %d waiting): %s",
+            sr.request_id, queued, running, waiting, describe_params(sr.req.params),
+        )  # fmt: skip
+
+    def denoising(self, sr: ScheduledRequest) -> None:
+        """Pre-denoise (text encoding, latents, timesteps) done: its steps start."""
+        if (tracked := self._tracked.get(sr.request_id)) is not None:
+            tracked.denoise_started = tracked.reported_at = self.clock()
+
+    def stepped(self) -> None:
+        """After a denoising step: one progress line if `interval` has passed since the last one, over the
+        requests denoising for at least `interval`."""
+        now = self.clock()
+        if now - self._last_line < self.interval:
+            return
+        with self._lock:
+            due = [t for t in self._tracked.values() if self._due(t, now)]
+        if not due:
+            return
+        self._last_line = now
+        logger.info("Progress: %s", "; ".join(self._progress(t, now) for t in due))
+
+    def _due(self, tracked: _Tracked, now: float) -> bool:
+        started = tracked.denoise_started
+        return started is not None and tracked.decode_started is None and now - started >= self.interval
+
+    @staticmethod
+    def _progress(tracked: _Tracked, now: float) -> str:
+        """`{id} step k/n, s/step since its last entry, time left at that pace`; updates the last entry."""
+        req = tracked.sr.req
+        done, total = req.step_index, req.num_steps
+        steps = done - tracked.reported_step
+        if steps <= 0:  # other batch groups had the steps since
+            return f"{req.request_id} step {done}/{total}, waiting for its turn"
+        pace = (now - (tracked.reported_at or now)) / steps
+        tracked.reported_at, tracked.reported_step = now, done
+        return f"{req.request_id} step {done}/{total}, {pace:.3f} s/step, ~{pace * (total - done):.0f} s left"
+
+    def decoding(self, sr: ScheduledRequest) -> None:
+        """Its last step is done (and timed): decoding starts."""
+        if (tracked := self._tracked.get(sr.request_id)) is not None:
+            tracked.decode_started = self.clock()
+
+    def decoded(self, sr: ScheduledRequest) -> None:
+        """Its outputs are decoded: reporting them (encoding images, handing a video over) starts."""
+        if (tracked := self._tracked.get(sr.request_id)) is not None:
+            tracked.decode_ended = self.clock()
+
+    def ended(self, sr: ScheduledRequest) -> None:
+        """Its finish line: status, total time, then queue, pre-denoise, denoise, decode and output (encoding
+        images; a video's file is written after, and logged by its writer) times, peak memory, outputs."""
+        if not self.include(sr):
+            return
+        with self._lock:
+            tracked = self._tracked.pop(sr.request_id, None)
+        now = self.clock()
+        status = _END_STATUS.get(sr.state, sr.state)
+        if sr.state == "failed" and sr.error is not None:
+            status += f" ({type(sr.error).__name__})"
+        elif sr.state == "cancelled":
+            status += " while waiting" if sr.started_at is None else f" at step {sr.req.step_index}"
+        parts = [f"queued {((sr.started_at or now) - sr.submitted_at):.2f} s"]
+        if tracked is not None:
+            parts += _phase_times(tracked, now)
+        if sr.peak_memory_bytes is not None:
+            parts.append(f"peak memory {sr.peak_memory_bytes / 2**20:.0f} MiB")
+        if sr.state == "finished":
+            parts.append(_outputs(sr.req))
+        logger.info(
+            "Request %s %s in %.2f s: %s", sr.request_id, status, now - sr.submitted_at, ", ".join(parts)
+        )
+
+
+def _phase_times(tracked: _Tracked, now: float) -> list[str]:
+    """Pre-denoise, denoise (steps done of all, s/step, mean DiT batch), decode and output times, as far as
+    it got."""
+    sr, parts = tracked.sr, []
+    started, denoised, decoded = tracked.denoise_started, tracked.decode_started, tracked.decode_ended
+    parts.append(f"prepare {((started or now) - (sr.started_at or now)):.2f} s")
+    if started is None:
+        return parts
+    seconds, done = (denoised or now) - started, sr.req.step_index
+    batch = sum(sr.batch_sizes) / len(sr.batch_sizes) if sr.batch_sizes else 0.0
+    per_step = f"{seconds / done:.3f} s/step, " if done else ""
+    parts.append(
+        f"denoise {seconds:.2f} s ({done}/{sr.req.num_steps} steps, {per_step}mean batch {batch:.1f})"
+    )
+    if denoised is not None:
+        parts.append(f"decode {(decoded or now) - denoised:.2f} s")
+    if decoded is not None:
+        parts.append(f"output {now - decoded:.2f} s")
+    return parts
+
+
+def _outputs(req: Req) -> str:
+    if req.frames:
+        return f"{len(req.frames)} video(s)"
+    return f"{len(req.images or [])} image(s)"
+
+
+def describe_params(params: SamplingParams) -> str:
+    """A request's resolved parameters in one line, the prompt and negative prompt shortened (`shown_text`)."""
+    p = params
+    parts = [f"{p.width}x{p.height}", f"{p.num_inference_steps} steps"]
+    if p.num_frames is not None:
+        parts.append(f"{p.num_frames} frames at {p.fps} fps")
+    if p.guidance_scale is not None:
+        parts.append(f"guidance {p.guidance_scale:g}")
+    if p.true_cfg_scale is not None:
+        parts.append(f"true_cfg_scale {p.true_cfg_scale:g}")
+    parts += [f"seed {p.seed}", f"quality {p.quality or 'default'}", f"n={p.num_outputs_per_prompt}"]
+    parts.append(f"prompt {shown_text(p.prompt)}")
+    if p.negative_prompt:
+        parts.append(f"negative_prompt {shown_text(p.negative_prompt, 40)}")
+    return ", ".join(parts)

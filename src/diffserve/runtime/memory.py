@@ -1,18 +1,27 @@
 """How much memory a request needs and how much the engine may use:
 
     denoise(r) = fixed + per_token * tokens(r) * branches(r) * outputs(r)  [+ its step cache]
-    decode(r)  = decode_fixed + per_pixel * pixels(r) * outputs(r)
+    decode(r)  = decode_fixed + outputs(r) * (per_pixel * chunk_pixels(r) + per_output_pixel * pixels(r))
+
+`chunk_pixels` are the pixels one VAE decoder call makes: a video VAE decodes one latent frame at a time
+with a causal cache (`models/vaes/causal3d_blocks.py`), so its activations scale with one latent frame's
+output frames (the temporal factor, 4 for Wan) at full size, never with the clip's length; an image is a
+one-frame chunk. `pixels` are every frame of the clip: the decoded video and its float / uint8 copies
+(`stages/video_vae_decoding.py`) are held whole, `per_output_pixel` bytes each (0 for images, whose
+buffers the per-pixel term covers).
 
 Running requests denoise together but decode one at a time, so a running set needs `sum(denoise) +
 max(decode)`, within free memory after warm-up x --mem-fraction. The coefficients are measured at
-warm-up (runtime/calibration.py) where the platform has a peak counter, else estimated (CPU)."""
+warm-up (runtime/calibration.py) where the platform has a resettable peak counter (the CPU's is VmHWM
+on Linux), else estimated."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+
+import torch
 
 from diffserve.errors import UserError
 from diffserve.platforms.base import Platform
@@ -24,11 +33,21 @@ logger = logging.getLogger("diffserve.runtime")
 MB = 2**20
 MEASURED_HEADROOM = 1.1  # peaks vary a little from run to run (allocator rounding)
 CALIBRATION_SIDES = (256, 512)  # pixels, rounded to the model's granularity
-#: The CPU estimate: activations per latent token in DiT widths (hidden states, q/k/v, the 4x MLP, ...),
-#: per decoded pixel (the VAE's last blocks: 128 channels at full resolution), and per request.
+#: On the CPU the probes run at CPU speed at every server start: smaller sides, as the line's fit takes
+#: the fixed overhead (measured within 0.9-3x of the peak on a tiny Wan: tests/e2e/test_video_admission_cpu.py).
+CPU_CALIBRATION_SIDES = (64, 128)
+#: The estimate without measurement: activations per latent token in DiT widths (hidden states, q/k/v,
+#: the 4x MLP, ...), per decoded pixel of one decoder call (the VAE's last blocks: 128 channels at full
+#: resolution; measured ~1.8-2.1 KB per pixel-frame for Wan 2.1's VAE in fp32 on the CPU, im2col
+#: included), and per request.
 ESTIMATED_WIDTHS_PER_TOKEN = 24
 ESTIMATED_BYTES_PER_PIXEL_PER_ELEMENT = 4 * 128
 ESTIMATED_FIXED_BYTES = 64 * MB
+#: Per denoising step, host-side: the schedule's sigmas and timesteps (float64 arrays and their tensors)
+#: and each step's recorded time; measured ~22 bytes per step on a request of 10^8 steps, rounded up.
+BYTES_PER_STEP = 64
+RGB = 3  # channels of a decoded frame
+FLOAT32_BYTES = 4
 
 
 class RequestTooLargeError(UserError):
@@ -39,20 +58,56 @@ class RequestTooLargeError(UserError):
 
 @dataclass(frozen=True)
 class RequestCost:
-    """What a request occupies while it runs: DiT latent `tokens` of one output and branch (input images'
-    included), CFG `branches` (2: the negative branch runs in the same DiT batch), `outputs` (`n`), decoded
-    `pixels` of one output (times its frames), and whether it holds a `step_cache` (approximate tier)."""
+    """What a request occupies while it runs: `height` x `width` pixels (DiT tokens of `pixel_multiple`
+    squares) of `frames` output frames (1 for an image; `temporal_factor` frames per latent frame after
+    the first), `condition_images` input images (each about the output's area in tokens), CFG
+    `branches` (2: the negative branch runs in the same DiT batch), `outputs` (`n`), and whether it holds
+    a `step_cache` (approximate tier)."""
 
-    tokens: int
+    height: int
+    width: int
+    pixel_multiple: int
     branches: int
     outputs: int
-    pixels: int
+    frames: int = 1
+    temporal_factor: int = 1
+    condition_images: int = 0
     step_cache: bool = False
+    steps: int = 0  # denoising steps: the schedule and per-step records grow with them
+
+    @property
+    def latent_frames(self) -> int:
+        return (self.frames - 1) // self.temporal_factor + 1
+
+    @property
+    def tokens(self) -> int:
+        """DiT latent tokens of one output and branch, input images' included."""
+        area = (self.height // self.pixel_multiple) * (self.width // self.pixel_multiple)
+        return area * (self.latent_frames + self.condition_images)
 
     @property
     def batch_tokens(self) -> int:
         """Tokens this request adds to every DiT batch it is part of (what --max-batch-tokens counts)."""
         return self.tokens * self.branches * self.outputs
+
+    @property
+    def frame_pixels(self) -> int:
+        return self.height * self.width
+
+    @property
+    def pixels(self) -> int:
+        """Decoded pixels of one output, every frame."""
+        return self.frame_pixels * self.frames
+
+    @property
+    def chunk_frames(self) -> int:
+        """Output frames one VAE decoder call makes at most (one latent frame's)."""
+        return min(self.frames, self.temporal_factor)
+
+    @property
+    def chunk_pixels(self) -> int:
+        """Decoded pixels of one output in one VAE decoder call: what the decoder's activations scale with."""
+        return self.frame_pixels * self.chunk_frames
 
 
 def request_cost(facts: PipelineFacts, req: Req) -> RequestCost:
@@ -60,21 +115,36 @@ def request_cost(facts: PipelineFacts, req: Req) -> RequestCost:
     params = req.params
     if params.height is None or params.width is None:
         raise ValueError("request_cost needs a validated request (height and width resolved)")
-    multiple = facts.pixel_multiple
-    frames, latent_frames = 1, 1
-    if facts.makes_video and params.num_frames is not None:
-        frames = int(params.num_frames)
-        latent_frames = (frames - 1) // facts.temporal_factor + 1
-    area_tokens = (int(params.height) // multiple) * (int(params.width) // multiple)
-    # Edit models append each input image's tokens, resized to about the output's area.
-    condition_tokens = area_tokens * len(params.input_images or ())
+    video = facts.makes_video and params.num_frames is not None
     return RequestCost(
-        tokens=area_tokens * latent_frames + condition_tokens,
+        height=int(params.height),
+        width=int(params.width),
+        pixel_multiple=facts.pixel_multiple,
         branches=2 if req.do_cfg else 1,
         outputs=int(params.num_outputs_per_prompt),
-        pixels=int(params.height) * int(params.width) * frames,
+        frames=int(params.num_frames) if video else 1,
+        temporal_factor=facts.temporal_factor if video else 1,
+        # Edit models append each input image's tokens, resized to about the output's area.
+        condition_images=len(params.input_images or ()),
         step_cache=req.step_cache is not None,
+        steps=int(params.num_inference_steps or 0),
     )
+
+
+def output_buffer_bytes_per_pixel(dtype: torch.dtype, on_host: bool) -> float:
+    """Bytes per decoded video pixel (all 3 channels) that `VideoVaeDecodingStage` holds for the whole clip
+    at its peak, where the platform's memory counter sees them. On the device: the decoded clip in the
+    model's dtype, its clamped copy, and a float32 copy when the dtype is narrower (the frames list and
+    `torch.cat` hold two model-dtype copies earlier, which is less). On the host (CPU platform): the
+    clip, its clamped float32 array (the same tensor when the model runs in float32), and the `* 255` and
+    `.round()` arrays numpy makes before the uint8 cast."""
+    item = dtype.itemsize
+    narrower = item < FLOAT32_BYTES
+    if on_host:
+        per_channel = item + (item if narrower else 0) + 3 * FLOAT32_BYTES
+    else:
+        per_channel = max(3 * item, 2 * item + (FLOAT32_BYTES if narrower else 0))
+    return float(RGB * per_channel)
 
 
 @dataclass
@@ -82,20 +152,31 @@ class MemoryModel:
     """Coefficients of the per-request model (the module docstring) and the engine's budget."""
 
     bytes_per_token: float
-    bytes_per_pixel: float
+    bytes_per_pixel: float  # per decoded pixel of one decoder call (`RequestCost.chunk_pixels`)
     fixed_bytes: float
     decode_fixed_bytes: float
     budget_bytes: int | None  # what the running set may use; None (free memory unknown): no limit
     source: str  # "measured" (calibrated at warm-up) or "estimated" (from the DiT's width)
     # Per batch token: two hidden states of DiT width (residual, last signal).
     step_cache_bytes_per_token: float = 0.0
+    # Per decoded pixel of the whole clip (`RequestCost.pixels`): the frames' buffers; 0 for images.
+    bytes_per_output_pixel: float = 0.0
 
     def denoise_bytes(self, cost: RequestCost) -> float:
         cache = self.step_cache_bytes_per_token * cost.batch_tokens if cost.step_cache else 0.0
-        return self.fixed_bytes + self.bytes_per_token * cost.batch_tokens + cache
+        schedule = BYTES_PER_STEP * cost.steps
+        return self.fixed_bytes + self.bytes_per_token * cost.batch_tokens + cache + schedule
+
+    def decode_activation_bytes(self, cost: RequestCost) -> float:
+        """The VAE decoder's working memory: one decoder call's pixels, for every output at once."""
+        return self.decode_fixed_bytes + self.bytes_per_pixel * cost.chunk_pixels * cost.outputs
+
+    def output_buffer_bytes(self, cost: RequestCost) -> float:
+        """The decoded frames of every output, held whole."""
+        return self.bytes_per_output_pixel * cost.pixels * cost.outputs
 
     def decode_bytes(self, cost: RequestCost) -> float:
-        return self.decode_fixed_bytes + self.bytes_per_pixel * cost.pixels * cost.outputs
+        return self.decode_activation_bytes(cost) + self.output_buffer_bytes(cost)
 
     def estimate(self, cost: RequestCost) -> int:
         """Peak memory of this request running alone."""
@@ -111,29 +192,95 @@ class MemoryModel:
     def fits(self, running: Iterable[RequestCost], cost: RequestCost) -> bool:
         return self.budget_bytes is None or self.total([*running, cost]) <= self.budget_bytes
 
+    def fits_alone(self, cost: RequestCost) -> bool:
+        return self.budget_bytes is None or self.estimate(cost) <= self.budget_bytes
+
     def check_alone(self, cost: RequestCost) -> None:
-        """Raise RequestTooLargeError when `cost` does not fit even with nothing else running."""
-        if self.budget_bytes is None or (need := self.estimate(cost)) <= self.budget_bytes:
+        """Raise RequestTooLargeError when `cost` does not fit even with nothing else running; its advice
+        names only changes that make this estimate fit when followed (`fitting_changes`)."""
+        if self.fits_alone(cost):
             return
+        assert self.budget_bytes is not None
+        need = self.estimate(cost)
+        decode = (
+            f"{self.decode_bytes(cost) / MB:.0f} MB VAE decode ({self.decode_activation_bytes(cost) / MB:.0f} MB "
+            f"decoding {cost.chunk_frames} frame(s) at a time"
+        )
+        if self.output_buffer_bytes(cost):
+            decode += f" + {self.output_buffer_bytes(cost) / MB:.0f} MB holding the {cost.frames} frames"
+        changes = fitting_changes(self, cost)
+        advice = (
+            "; to fit, " + ", or ".join(changes) + ", or start the server with a larger --mem-fraction"
+            if changes
+            else "; even the smallest such request does not fit: start the server with a larger --mem-fraction "
+            "or on a machine with more free memory"
+        )
         raise RequestTooLargeError(
             f"this request needs an estimated {need / MB:.0f} MB ({cost.tokens} latent tokens x {cost.branches} "
             f"CFG branch(es) x {cost.outputs} output(s) -> {self.denoise_bytes(cost) / MB:.0f} MB denoising, "
-            f"{self.decode_bytes(cost) / MB:.0f} MB VAE decode) but the engine's memory "
-            f"budget is {self.budget_bytes / MB:.0f} MB (free memory after warm-up x --mem-fraction); reduce "
-            "size (width x height), num_frames / seconds, or n, or turn CFG off (no negative prompt / lower "
-            "guidance), or start the server with a larger --mem-fraction"
+            f"{decode}) but the engine's memory budget is {self.budget_bytes / MB:.0f} MB (free memory after "
+            f"warm-up x --mem-fraction){advice}"
         )
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         """For /server_info and the log."""
         return {
             "source": self.source,
             "bytes_per_token": round(self.bytes_per_token, 1),
             "bytes_per_pixel": round(self.bytes_per_pixel, 1),
+            "bytes_per_output_pixel": round(self.bytes_per_output_pixel, 1),
             "fixed_mb": round(self.fixed_bytes / MB, 1),
             "decode_fixed_mb": round(self.decode_fixed_bytes / MB, 1),
             "budget_mb": None if self.budget_bytes is None else round(self.budget_bytes / MB, 1),
         }
+
+
+def _largest_fitting(model: MemoryModel, candidates: Iterable[RequestCost]) -> RequestCost | None:
+    """The first of `candidates` (largest first) that fits alone."""
+    return next((c for c in candidates if model.fits_alone(c)), None)
+
+
+def _scaled_size(cost: RequestCost, scale: float) -> RequestCost:
+    """`cost` at `scale` times its sides (aspect kept), rounded down to its pixel multiple (at least one)."""
+    m = cost.pixel_multiple
+    return replace(
+        cost, height=max(m, int(cost.height * scale) // m * m), width=max(m, int(cost.width * scale) // m * m)
+    )
+
+
+def _smaller_sizes(cost: RequestCost) -> Iterable[RequestCost]:
+    """Ever smaller sizes of `cost` with its aspect ratio, one pixel multiple off the longer side each."""
+    m, longer = cost.pixel_multiple, max(cost.height, cost.width)
+    for side in range(longer - m, 0, -m):
+        yield _scaled_size(cost, side / longer)
+
+
+def fitting_changes(model: MemoryModel, cost: RequestCost) -> list[str]:
+    """The single changes to `cost` that fit alone, each as advice with the number to use: the largest
+    size (aspect kept), frame count and `n` that fit, and CFG off."""
+    options: list[tuple[Callable[[RequestCost], str], Iterable[RequestCost]]] = [
+        (lambda c: f"reduce size (width x height) to at most {c.width}x{c.height}", _smaller_sizes(cost)),
+        (
+            lambda c: f"num_frames / seconds to at most {c.frames} frames",
+            (
+                replace(cost, frames=f)
+                for f in range(cost.frames - cost.temporal_factor, 0, -cost.temporal_factor)
+            ),
+        ),
+        (
+            lambda c: f"n to at most {c.outputs}",
+            (replace(cost, outputs=n) for n in range(cost.outputs - 1, 0, -1)),
+        ),
+        (
+            lambda c: "turn CFG off (no negative prompt / lower guidance)",
+            [replace(cost, branches=1)] if cost.branches > 1 else [],
+        ),
+    ]
+    changes = []
+    for advice, candidates in options:
+        if (fitting := _largest_fitting(model, candidates)) is not None:
+            changes.append(advice(fitting))
+    return changes
 
 
 def memory_budget(platform: Platform, mem_fraction: float) -> int | None:
@@ -146,8 +293,15 @@ def _step_cache_bytes_per_token(facts: PipelineFacts) -> float:
     return float(2 * facts.dit_width * facts.dtype.itemsize)
 
 
+def _output_buffer_bytes_per_pixel(facts: PipelineFacts, platform: Platform) -> float:
+    """What `output_buffer_bytes_per_pixel` gives for this pipeline on this platform; 0 for images."""
+    if not facts.makes_video:
+        return 0.0
+    return output_buffer_bytes_per_pixel(facts.dtype, on_host=platform.device_type == "cpu")
+
+
 def estimated_memory_model(facts: PipelineFacts, platform: Platform, mem_fraction: float) -> MemoryModel:
-    """Coefficients from the DiT's width and dtype, no measurement (CPU, or warm-up turned off)."""
+    """Coefficients from the DiT's width and dtype, no measurement (no peak counter, or warm-up turned off)."""
     element = facts.dtype.itemsize
     return MemoryModel(
         bytes_per_token=float(ESTIMATED_WIDTHS_PER_TOKEN * facts.dit_width * element),
@@ -157,6 +311,7 @@ def estimated_memory_model(facts: PipelineFacts, platform: Platform, mem_fractio
         budget_bytes=memory_budget(platform, mem_fraction),
         source="estimated",
         step_cache_bytes_per_token=_step_cache_bytes_per_token(facts),
+        bytes_per_output_pixel=_output_buffer_bytes_per_pixel(facts, platform),
     )
 
 
@@ -178,14 +333,21 @@ class PhasePeaks:
 def measured_memory_model(
     facts: PipelineFacts, platform: Platform, points: list[PhasePeaks], mem_fraction: float
 ) -> MemoryModel:
-    """The straight-line fit through two calibration requests of different sizes, with headroom."""
+    """The straight-line fit through two calibration requests of different sizes, with headroom. The
+    frames' buffer is known from the code (`output_buffer_bytes_per_pixel`); the decode line is fitted to
+    what remains, against the pixels of one decoder call."""
     first, last = points[0], points[-1]
     per_token, fixed = fit_line(
         (first.cost.batch_tokens, last.cost.batch_tokens), (first.denoise_bytes, last.denoise_bytes)
     )
+    per_output_pixel = _output_buffer_bytes_per_pixel(facts, platform)
+
+    def activations(point: PhasePeaks) -> float:
+        return point.decode_bytes - per_output_pixel * point.cost.pixels * point.cost.outputs
+
     per_pixel, decode_fixed = fit_line(
-        (first.cost.pixels * first.cost.outputs, last.cost.pixels * last.cost.outputs),
-        (first.decode_bytes, last.decode_bytes),
+        (first.cost.chunk_pixels * first.cost.outputs, last.cost.chunk_pixels * last.cost.outputs),
+        (activations(first), activations(last)),
     )
     model = MemoryModel(
         bytes_per_token=per_token * MEASURED_HEADROOM,
@@ -195,6 +357,7 @@ def measured_memory_model(
         budget_bytes=memory_budget(platform, mem_fraction),
         source="measured",
         step_cache_bytes_per_token=_step_cache_bytes_per_token(facts),
+        bytes_per_output_pixel=per_output_pixel,
     )
     logger.info(
         "Memory model calibrated: denoising %.0f / %.0f MB at %d / %d tokens, decoding %.0f / %.0f MB; %s",

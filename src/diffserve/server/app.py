@@ -23,7 +23,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import diffserve
@@ -39,7 +39,7 @@ from diffserve.server.errors import (
     error_response,
     install_error_handlers,
 )
-from diffserve.server.image_edits import EDIT_REQUEST_BODY, read_edit_request
+from diffserve.server.image_edits import EDIT_REQUEST_BODY, EditModel, read_edit_request
 from diffserve.server.image_files import expire_images, find_image, remove_partial_images, sweep_images
 from diffserve.server.metrics import ServerMetrics
 from diffserve.server.middleware import (
@@ -52,6 +52,7 @@ from diffserve.server.middleware import (
 from diffserve.server.protocol import GenerateJob, JobFinished
 from diffserve.server.schemas import ImageGenerationRequest, ImagesResponse, ModelCard, ModelList
 from diffserve.server.streaming import (
+    ZERO_USAGE,
     ContentFileResponse,
     EventStreamResponse,
     StreamHeader,
@@ -71,7 +72,18 @@ T = TypeVar("T")
 
 _ERRORS = documented(400, 401, 404, 413, 429, 500, 503)
 #: The image routes answer JSON, or OpenAI's server-sent events (image_generation.*, image_edit.*) with "stream".
-_EVENTS = {"text/event-stream": {"schema": {"type": "string"}}}
+#: One server-sent event, as a client's event-stream parser yields it (the event's name and its JSON data).
+_SSE_EVENT = {
+    "type": "object",
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+    "required": ["data"],
+}
+_EVENTS = {"text/event-stream": {"schema": _SSE_EVENT}}
+_BINARY = {"schema": {"type": "string", "format": "binary"}}
+_IMAGE_FILE = {
+    "description": "the image file",
+    "content": {f"image/{kind}": _BINARY for kind in ("png", "jpeg", "webp")},
+}
 _IMAGE_OK = {"description": "ImagesResponse, or server-sent events", "content": _EVENTS}
 _IMAGE_RESPONSES = {**_ERRORS, 200: _IMAGE_OK}
 
@@ -192,6 +204,7 @@ def images_response(
         "size": f"{p.width}x{p.height}",
         "quality": p.quality,
         "seed": p.seed,
+        "usage": ZERO_USAGE,  # as the streamed completed events: no image tokens to bill
         # diffserve extension: with an approximate quality, fewer steps ran the DiT in full.
         "num_inference_steps": p.num_inference_steps,
         "steps_computed_in_full": result.steps_computed_in_full,
@@ -216,18 +229,20 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
     metrics.running.set_function(lambda: engine.num_running)
     metrics.engine_ready.set_function(lambda: float(engine.ready))
     video_jobs = VideoJobManager(args.output_dir, args.job_ttl, engine, metrics)
+    # Only a video model gets a job store, opened before its engine takes requests (restarts included).
+    engine.ready_hooks.append(video_jobs.on_engine_ready)
     probe = HealthProbe(engine, HEALTH_GENERATE_TIMEOUT_S, HEALTH_GENERATE_REUSE_S)
     started_at = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        video_jobs.open()  # before the engine: jobs a previous server left unfinished are failed first
         remove_partial_images(args.output_dir)
         expire_images(args.output_dir, args.job_ttl)
         image_sweeper = asyncio.create_task(sweep_images(args.output_dir, args.job_ttl))
         try:
             await engine.start()
             yield
+            await engine.wait_drained()  # video jobs have no connection the HTTP server would wait for
             await engine.stop()
         finally:
             image_sweeper.cancel()
@@ -306,7 +321,9 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
             metrics.count(outcome_of(exc))
             raise
         metrics.observe_finished(result, time.monotonic() - arrived)
-        return JSONResponse(images_response(job, result, str(request.base_url), args.api_key))
+        return JSONResponse(
+            images_response(job, result, args.public_url or str(request.base_url), args.api_key)
+        )
 
     @app.post("/v1/images/generations", response_model=ImagesResponse, responses=_IMAGE_RESPONSES)
     async def create_images(body: ImageGenerationRequest, request: Request) -> Response:
@@ -330,16 +347,19 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
 
         async def build_job() -> tuple[GenerateJob, ImageGenerationRequest]:
             check_route(engine, video=False)
-            inputs = await read_edit_request(request, max_text_part_bytes=args.max_edit_body_bytes)
+            model = EditModel.served(engine, args)
+            inputs = await read_edit_request(request, args.max_edit_body_bytes, model)
             check_model(inputs.body.model)
             params = inputs.body.to_sampling_params()
-            images = await asyncio.to_thread(inputs.load, args.allow_url_images, args.image_limits)
+            images = await inputs.decode(args.allow_url_images, args.image_limits)
             params.input_images, params.mask_image = images
             return make_job(request, inputs.body, params), inputs.body
 
         return await serve_images(request, build_job, "image_edit")
 
-    @app.get("/v1/images/{image_id}/content", responses=_ERRORS)
+    @app.get(
+        "/v1/images/{image_id}/content", response_class=Response, responses={200: _IMAGE_FILE, **_ERRORS}
+    )
     async def image_content(image_id: str) -> ContentFileResponse:
         path = find_image(args.output_dir, image_id, ttl=args.job_ttl)
         if path is None:
@@ -349,7 +369,7 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
 
     app.include_router(video_router(args, engine, video_jobs, metrics, check_model, outcome_of))
 
-    @app.get("/v1/models", response_model=ModelList)
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def list_models() -> ModelList:
         return ModelList(data=[model_card()])
 
@@ -377,7 +397,7 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
         body = {**result.body, "cached": reused} if result.status == 200 else result.body
         return JSONResponse(body, status_code=result.status)
 
-    @app.get("/server_info")
+    @app.get("/server_info", responses=_ERRORS)
     async def server_info() -> dict[str, Any]:
         return {
             "model": args.model_id,
@@ -396,7 +416,7 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
             "python_executable": sys.executable,
         }
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

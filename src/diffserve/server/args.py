@@ -20,7 +20,7 @@ class ServerArgs:
     port: int = 30000
     #: Required as `Authorization: Bearer KEY` on every route but /health, /health_generate, /metrics.
     api_key: str | None = None
-    #: Names clients may pass as `model`; the first is the id /v1/models reports. Empty: the model path.
+    #: Names clients may pass as `model`; the first is the id /v1/models reports. Empty: the folder's name.
     served_model_names: list[str] = field(default_factory=list)
     #: Requests waiting for the engine before new ones get 429 (the engine's own limits are in `engine_args`).
     max_queue_size: int = 64
@@ -37,12 +37,23 @@ class ServerArgs:
     max_image_bytes: int = 20 << 20
     #: Largest input image in pixels (width * height, read from the header before decoding); 413 above.
     max_image_pixels: int = 4096 * 4096
+    #: Seconds one input-image download may take in all (connect, TLS, headers, body); then a 400.
+    url_fetch_timeout: float = 10.0
     #: Seconds a finished /v1/videos job (and its MP4) is kept after it finished; then it is deleted.
     job_ttl: float = 86400.0
+    #: Seconds between the progress lines of a long request in the log.
+    log_progress_interval: float = 5.0
+    #: The server's address as clients reach it (`https://img.example.com`), for the image URLs of
+    #: response_format="url"; unset, the request's own scheme and Host header are used.
+    public_url: str | None = None
 
     @property
     def model_id(self) -> str:
-        return self.served_model_names[0] if self.served_model_names else self.engine_args.model_path
+        """What /v1/models lists: the first served name, else the model folder's (or repo id's) last part,
+        as OpenAI ids are names (`shapes-demo`, `FLUX.1-dev`), not paths of the server's disk."""
+        if self.served_model_names:
+            return self.served_model_names[0]
+        return Path(self.engine_args.model_path).name or self.engine_args.model_path
 
     @property
     def model_aliases(self) -> set[str]:
@@ -52,19 +63,29 @@ class ServerArgs:
 
     @property
     def image_limits(self) -> ImageInputLimits:
-        return ImageInputLimits(max_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels)
+        return ImageInputLimits(
+            max_bytes=self.max_image_bytes,
+            max_pixels=self.max_image_pixels,
+            url_timeout_s=self.url_fetch_timeout,
+        )
 
     # The body limits of the routes that take images: room for their images at `max_image_bytes` each as
     # base64 data URLs (4/3 larger than uploads), plus `max_body_bytes` for the other fields and framing.
     @property
     def max_edit_body_bytes(self) -> int:
-        """/v1/images/edits: MAX_INPUT_IMAGES images and a mask."""
-        return (MAX_INPUT_IMAGES + 1) * -(-self.max_image_bytes * 4 // 3) + self.max_body_bytes
+        """/v1/images/edits before the served model is known: MAX_INPUT_IMAGES images and a mask. Once
+        the engine has reported the model, the route holds a body to `image_body_bytes` of the number
+        of images the model takes (`max_body_bytes` for a model that takes none)."""
+        return self.image_body_bytes(MAX_INPUT_IMAGES + 1)
 
     @property
     def max_video_body_bytes(self) -> int:
         """POST /v1/videos: one first frame."""
-        return -(-self.max_image_bytes * 4 // 3) + self.max_body_bytes
+        return self.image_body_bytes(1)
+
+    def image_body_bytes(self, images: int) -> int:
+        """A body with room for `images` input images; `max_body_bytes`, as generations, for none."""
+        return images * -(-self.max_image_bytes * 4 // 3) + self.max_body_bytes
 
     @property
     def output_dir(self) -> Path:

@@ -2,6 +2,10 @@
 
 The receive task resolves the requests' futures; the watch task restarts a dead engine process, failing
 its requests in flight (503). No call here blocks on model work.
+
+Shutdown has two speeds: `begin_drain` (first SIGTERM / Ctrl-C) lets the requests in flight, video jobs
+included, finish for `--shutdown-timeout` seconds before cancelling the rest; `abort` (a second signal)
+kills the engine process at once and answers everything in flight with 503.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import pickle
 import shutil
 import tempfile
 import time
@@ -31,6 +36,8 @@ logger = logging.getLogger("diffserve.server")
 
 WATCH_INTERVAL_S = 0.2
 ENGINE_STOP_TIMEOUT_S = 10.0
+#: How long `abort` waits for the killed engine process to be reaped (SIGKILL cannot be ignored).
+ENGINE_KILL_WAIT_S = 5.0
 
 
 class EngineState(str, Enum):
@@ -90,6 +97,9 @@ class JobFailedError(Exception):
 
 #: Called with a submitted job's JobStarted, JobProgress and JobPreview messages, on the event loop.
 JobListener = Callable[[msg.JobStarted | msg.JobProgress | msg.JobPreview], None]
+#: Called with the engine's info (EngineReady.info) each time an engine process reports ready, before
+#: requests are accepted; raising makes the engine client fail (the server stops).
+ReadyHook = Callable[[dict[str, Any]], None]
 
 
 @dataclass
@@ -101,6 +111,14 @@ class PendingRequest:
     #: `submit` only: resolved with the engine's JobAccepted (or its rejection), and the job's listener.
     accepted: asyncio.Future | None = None
     listener: JobListener | None = None
+
+
+async def _serialized(job: msg.GenerateJob) -> bytes:
+    """The job as the engine's `recv_pyobj` reads it; pickled off the event loop when it carries images."""
+    params = job.params
+    if params.input_images or params.mask_image is not None:
+        return await asyncio.to_thread(pickle.dumps, job, pickle.DEFAULT_PROTOCOL)
+    return pickle.dumps(job, pickle.DEFAULT_PROTOCOL)
 
 
 class EngineClient:
@@ -119,10 +137,16 @@ class EngineClient:
         self._engine_ready = self._ever_ready = False  # the current engine process / any has reported ready
         self._failed_starts = 0
         self._tasks: list[asyncio.Task] = []
+        self._drain_task: asyncio.Task | None = None
+        self._ipc_dir: Path | None = None
+        #: Requests the engine runs at once, as it reported when ready (0 before): see `num_queued`.
+        self.engine_slots = 0
+        self.ready_hooks: list[ReadyHook] = []
 
     async def start(self) -> None:
         # A private 0700 directory: only this user reaches the sockets.
         self._ipc_dir = Path(tempfile.mkdtemp(prefix="diffserve-"))
+        logger.info("Engine link: ZeroMQ IPC sockets in %s", self._ipc_dir)
         self._addresses = (f"ipc://{self._ipc_dir}/to_engine", f"ipc://{self._ipc_dir}/from_engine")
         self._context = zmq.asyncio.Context()
         self._push = zmq.Socket(self._context, zmq.PUSH)  # sync socket: every send is NOBLOCK
@@ -138,7 +162,9 @@ class EngineClient:
         self._fatal, self._engine_ready, self.state = None, False, state
         self.state_detail = "loading the model" if state == EngineState.STARTING else "restarting the engine"
         a = self.args
-        cfg = EngineProcessConfig(a.engine_args, *self._addresses, self.incarnation, a.warmup, a.log_level)
+        cfg = EngineProcessConfig(
+            a.engine_args, *self._addresses, self.incarnation, a.warmup, a.log_level, a.log_progress_interval
+        )
         name = f"diffserve-engine-{self.incarnation}"
         process = multiprocessing.get_context("spawn").Process(
             target=run_engine_process, args=(cfg,), name=name
@@ -152,7 +178,35 @@ class EngineClient:
         if self.state in (EngineState.STOPPING, EngineState.STOPPED):
             return
         self.state, self.state_detail = EngineState.STOPPING, "the server is shutting down"
-        self._tasks.append(asyncio.create_task(self._drain(timeout)))
+        self._drain_task = asyncio.create_task(self._drain(timeout))
+        self._tasks.append(self._drain_task)
+
+    async def wait_drained(self) -> None:
+        """Until the drain `begin_drain` started is over (at once if none was started). Video jobs have
+        no connection for the HTTP server to wait on: the app's shutdown waits here before `stop`."""
+        if self._drain_task is not None:
+            await asyncio.wait({self._drain_task})  # returns, without raising, if `abort` cancelled it
+
+    def abort(self, reason: str) -> None:
+        """Stop at once (a second Ctrl-C): kill the engine process, answer every request in flight with
+        503 `shutting_down` (`reason` says why), remove the IPC socket folder. `stop` still closes the rest."""
+        self.state, self.state_detail = EngineState.STOPPED, reason
+        if self._drain_task is not None:
+            self._drain_task.cancel()
+        self.kill_engine()
+        self._fail_all(EngineUnavailableError(reason, code="shutting_down"))
+
+    def kill_engine(self) -> None:
+        """Kill the engine process (no cleanup there is worth waiting for) and remove the socket folder.
+        Synchronous, so it also runs after the event loop is gone: nothing is left for multiprocessing's
+        exit-time join to wait on."""
+        process, self._process = self._process, None
+        if process is not None and process.is_alive():
+            logger.warning("Killing the engine process (pid %s)", process.pid)
+            process.kill()
+            process.join(ENGINE_KILL_WAIT_S)
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     async def _drain(self, timeout: float) -> None:
         if n := len(self._pending):
@@ -189,7 +243,8 @@ class EngineClient:
         self._push.close(linger=0)
         self._pull.close(linger=0)
         self._context.term()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
         logger.info("Engine stopped")
 
     @property
@@ -204,24 +259,40 @@ class EngineClient:
     def num_running(self) -> int:
         return len(self._pending) - self.num_waiting
 
+    @property
+    def free_slots(self) -> int:
+        """Running slots the engine has free: unstarted jobs up to this many are about to run, not waiting."""
+        return max(0, self.engine_slots - self.num_running)
+
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting beyond those about to run: what `--max-queue-size` limits. A job counts as
+        waiting until the engine reports it started, a step later; counting every unstarted job let a
+        burst queue only --max-queue-size minus the running requests. (Jobs the engine's token budget then
+        keeps waiting exceed the limit by at most --max-running-requests: in flight stays bounded.)"""
+        return max(0, self.num_waiting - self.free_slots)
+
     def unavailable_error(self) -> EngineUnavailableError:
         if self.state == EngineState.FAILED:
             message = f"the engine failed and will not be restarted: {self.state_detail}"
             return EngineUnavailableError(message, "engine_failed")
         return EngineUnavailableError(*_UNAVAILABLE.get(self.state, _UNAVAILABLE[None]))
 
-    def _push_job(self, job: msg.GenerateJob, **pending: Any) -> PendingRequest:
-        """Register the job and hand it to the engine (raises EngineUnavailableError, QueueFullError)."""
+    async def _push_job(self, job: msg.GenerateJob, **pending: Any) -> PendingRequest:
+        """Register the job and hand it to the engine (raises EngineUnavailableError, QueueFullError).
+        A job carrying decoded input images (megabytes) is pickled in a worker thread, not on the event
+        loop; the limits are checked after, when it is sent."""
+        payload = await _serialized(job)
         if not self.ready:
             raise self.unavailable_error()
         # Every job counts, /health_generate's probe included: an open route must not bypass the limit.
-        if (waiting := self.num_waiting) >= (limit := self.args.max_queue_size):
-            message = f"the queue is full ({waiting} requests waiting, --max-queue-size {limit}); retry later"
+        if self.num_waiting - self.free_slots >= (limit := self.args.max_queue_size):  # this one would wait
+            message = f"the queue is full ({self.num_queued} requests waiting, --max-queue-size {limit}); retry later"
             raise QueueFullError(message)
         entry = PendingRequest(job, asyncio.get_running_loop().create_future(), time.monotonic(), **pending)
         self._pending[job.request_id] = entry
         try:
-            self._push.send_pyobj(job, flags=zmq.NOBLOCK)
+            self._push.send(payload, flags=zmq.NOBLOCK)
         except zmq.Again:
             self._pending.pop(job.request_id, None)
             raise EngineUnavailableError(
@@ -234,7 +305,7 @@ class EngineClient:
     ) -> tuple[msg.JobAccepted, asyncio.Future]:
         """For jobs that outlive their HTTP request: the JobAccepted once queued, and the outcome's future."""
         accepted = asyncio.get_running_loop().create_future()
-        pending = self._push_job(replace(job, ack=True), accepted=accepted, listener=listener)
+        pending = await self._push_job(replace(job, ack=True), accepted=accepted, listener=listener)
         try:
             return await accepted, pending.future
         except asyncio.CancelledError:
@@ -251,7 +322,7 @@ class EngineClient:
 
     async def generate(self, job: msg.GenerateJob) -> msg.JobFinished:
         """Run one job; raises EngineUnavailableError, QueueFullError, JobRejectedError, JobFailedError."""
-        pending = self._push_job(job)
+        pending = await self._push_job(job)
         try:
             return await pending.future
         except asyncio.CancelledError:
@@ -334,8 +405,17 @@ class EngineClient:
     def _on_ready(self, message: msg.EngineReady) -> None:
         if self.state not in (EngineState.STARTING, EngineState.RESTARTING):
             return
-        self.state, self.state_detail = EngineState.READY, ""
         self.engine_pid, self.engine_info, self.probe_size = message.pid, message.info, message.probe_size
+        self.engine_slots = int((message.info.get("scheduler") or {}).get("max_running_requests") or 0)
+        for hook in self.ready_hooks:
+            try:
+                hook(message.info)
+            except Exception as exc:
+                logger.exception("The server could not prepare for the engine")
+                self.state, self.state_detail = EngineState.FAILED, f"{type(exc).__name__}: {exc}"
+                self.on_fatal(1, self.state_detail)
+                return
+        self.state, self.state_detail = EngineState.READY, ""
         self._engine_ready = self._ever_ready = True
         self._failed_starts = 0
         a = self.args

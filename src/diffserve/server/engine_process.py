@@ -27,6 +27,7 @@ from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import UserError
 from diffserve.logging_setup import configure_logging
 from diffserve.outputs import CONTENT_TYPES, encode_image, output_metadata, save_image, save_video
+from diffserve.outputs.images import bounded_metadata
 from diffserve.server import protocol as msg
 from diffserve.server.image_files import image_path
 
@@ -38,6 +39,8 @@ logger = logging.getLogger("diffserve.engine")
 #: Warm-up and /health_generate draw an image this wide (rounded up to the model's granularity); video
 #: families a one-frame clip (1 = 4 * 0 + 1 is always valid).
 PROBE_PIXELS, PROBE_FRAMES = 64, 1
+#: Seconds between progress lines of the requests denoising for longer (`runtime.RequestLog`).
+PROGRESS_LOG_INTERVAL_S = 5.0
 
 
 def preview_steps(total_steps: int, partial_images: int) -> list[int]:
@@ -49,6 +52,11 @@ def preview_steps(total_steps: int, partial_images: int) -> list[int]:
 def _without_inputs(params: SamplingParams) -> SamplingParams:
     """Resolved parameters as sent back, without the (possibly large) input images the front end has."""
     return dataclasses.replace(params, input_images=None, mask_image=None)
+
+
+def _is_client_job(sr: ScheduledRequest) -> bool:
+    """A client's request: logged by `RequestLog` (warm-up, calibration and health probes are not)."""
+    return isinstance(sr.payload, msg.GenerateJob) and not sr.payload.internal
 
 
 def _finished(sr: ScheduledRequest, encode_seconds: float, timings: dict, **outputs: Any) -> msg.JobFinished:
@@ -74,6 +82,7 @@ class EngineProcessConfig:
     incarnation: int
     warmup: bool = True
     log_level: str = "info"
+    progress_log_interval: float = PROGRESS_LOG_INTERVAL_S  # seconds between a long request's progress lines
 
 
 class Channel:
@@ -128,6 +137,9 @@ class Engine:
         self._encoding: dict[str, threading.Event] = {}
         self._encoding_lock = threading.Lock()
         self.engine.events = self
+        from diffserve.runtime.engine import RequestLog
+
+        self.engine.request_log = RequestLog(config.progress_log_interval, include=_is_client_job)
 
     def start(self) -> None:
         warmup_seconds = None
@@ -152,13 +164,15 @@ class Engine:
         )
 
     def _memory_model(self) -> Any:
-        """Calibrated at warm-up; estimated on CPU, with --no-warmup, or when calibration fails."""
+        """Calibrated at warm-up where the platform has a peak counter (the CPU too, on Linux); estimated
+        with --no-warmup or when calibration fails (logged)."""
         from diffserve.runtime.calibration import calibrate_memory_model
-        from diffserve.runtime.memory import CALIBRATION_SIDES, estimated_memory_model
+        from diffserve.runtime.memory import CALIBRATION_SIDES, CPU_CALIBRATION_SIDES, estimated_memory_model
 
         fraction = self.config.engine_args.mem_fraction
         if self.config.warmup:
-            sides = [-(-s // self.pixel_multiple) * self.pixel_multiple for s in CALIBRATION_SIDES]
+            base = CPU_CALIBRATION_SIDES if self.engine.platform.device_type == "cpu" else CALIBRATION_SIDES
+            sides = [-(-s // self.pixel_multiple) * self.pixel_multiple for s in base]
             probes = [self.probe_params("calibration", side) for side in sides]
             try:
                 return calibrate_memory_model(self.engine, probes, fraction)
@@ -187,6 +201,7 @@ class Engine:
             "diffusers_pipeline": g.family.diffusers_pipeline,
             "task": g.family.task,
             "requires_input_image": bool(self.probe_images),
+            "max_input_images": facts.max_input_images,
             "video": video,
             "platform": g.platform.name,
             "device_name": g.platform.device_name(),
@@ -279,10 +294,8 @@ class Engine:
         self.engine.enqueue(scheduled)
 
     def on_started(self, sr: ScheduledRequest) -> None:
-        if isinstance(sr.payload, msg.GenerateJob):
+        if isinstance(sr.payload, msg.GenerateJob):  # its start line: `RequestLog.started`
             self.channel.send(msg.JobStarted(sr.request_id))
-            running, waiting = self.scheduler.num_running, self.scheduler.num_waiting
-            logger.info("Request %s started (%d running, %d waiting)", sr.request_id, running, waiting)
 
     def on_cancelled(self, sr: ScheduledRequest) -> None:
         if isinstance(sr.payload, msg.GenerateJob):
@@ -312,12 +325,7 @@ class Engine:
             return
         encode_start = time.perf_counter()
         images = self._encode(job, req.images or [], req.params)
-        encode_seconds, steps = time.perf_counter() - encode_start, len(sr.batch_sizes)
-        logger.info(
-            "Request %s finished in %.2f seconds (%d image(s), %d step(s), mean batch %.1f)",
-            sr.request_id, time.perf_counter() - sr.started_at, len(images), steps,
-            sum(sr.batch_sizes) / max(steps, 1),
-        )  # fmt: skip
+        encode_seconds = time.perf_counter() - encode_start  # its finish line: `RequestLog.ended`, next
         sizes = list(sr.batch_sizes)
         self.channel.send(_finished(sr, encode_seconds, req.timings, images=images, batch_sizes=sizes))
 
@@ -360,8 +368,8 @@ class Engine:
             shape = int(num_frames), int(width), int(height)
             video = msg.EncodedVideo(str(path), size, *shape, int(params.fps))
             logger.info(
-                "Request %s finished in %.2f seconds (%d frames, %d bytes, encoded in %.2f s)",
-                rid, time.perf_counter() - sr.started_at, num_frames, size, encode_seconds,
+                "Request %s: video written in %.2f s (%d frames, %d bytes), %.2f s after it was submitted",
+                rid, encode_seconds, num_frames, size, time.perf_counter() - sr.submitted_at,
             )  # fmt: skip
             timings = {**req.timings, "VideoEncoding": encode_seconds}
             self.channel.send(_finished(sr, encode_seconds, timings, images=[], videos=[video]))
@@ -374,7 +382,9 @@ class Engine:
                 self._encoding.pop(rid, None)
 
     def _metadata(self, params: SamplingParams) -> dict[str, Any]:
-        return output_metadata(self.generator.model_path, self.generator.family.diffusers_pipeline, params)
+        """What the job's files embed, its prompts bounded (an MP4's comment as much as a PNG's chunk)."""
+        family = self.generator.family
+        return bounded_metadata(output_metadata(self.generator.model_path, family.diffusers_pipeline, params))
 
     def _encode(self, job: msg.GenerateJob, images: list, params: SamplingParams) -> list[msg.EncodedImage]:
         """The images in the job's format: bytes in the message (b64_json), or files in the output dir (url)."""

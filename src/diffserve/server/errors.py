@@ -41,6 +41,7 @@ _HTTP_CODES = {
     400: "invalid_request",
     404: "not_found",
     405: "method_not_allowed",
+    408: "request_timeout",
     413: "request_too_large",
     415: "unsupported_media_type",
 }

@@ -3,6 +3,7 @@ request id + access log + per-route metrics, API-key check, request-body size li
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
@@ -128,8 +129,14 @@ class ApiKeyMiddleware:
         return "invalid API key"
 
 
+#: A request body that stops arriving for this long gets 408: a client trickling or stalling its body
+#: holds no connection (nor the request's buffers) for longer.
+BODY_IDLE_TIMEOUT_S = 8.0
+
+
 class BodySizeLimitMiddleware:
-    """413 for bodies over the limit: at once from Content-Length, or while a chunked body streams in.
+    """413 for bodies over the limit: at once from Content-Length, or while a chunked body streams in;
+    408 when the body stalls for BODY_IDLE_TIMEOUT_S.
     `path_limits` maps a path to its own limit instead of `max_bytes`, and the flags that set it."""
 
     def __init__(
@@ -151,13 +158,20 @@ class BodySizeLimitMiddleware:
             message = self._message(f"{int(length)} bytes", limit, flags)
             await error_response(413, message, None, "request_too_large")(scope, receive, send)
             return
-        received = 0
+        received, body_done = 0, False
 
         async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:  # later receives wait for the client to leave: no deadline on those
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), BODY_IDLE_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                message = f"request body stalled: nothing received for {BODY_IDLE_TIMEOUT_S:g} s"
+                raise HTTPException(408, message) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if received > limit:
                     raise HTTPException(413, self._message(f"more than {limit} bytes", limit, flags))
             return message

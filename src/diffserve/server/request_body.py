@@ -1,17 +1,27 @@
 """Reading the bodies of the routes that take images (`/v1/images/edits`, `/v1/videos`): multipart forms,
 as OpenAI's SDK sends them, or JSON, validated into the route's pydantic model with 400s in the same
-words as the other routes'."""
+words as the other routes'; and loading their images off the event loop (`load_input_image`), in worker
+pools of their own, so that neither the loop (and /health with it) nor the default executor's threads
+(which the engine client's restarts use) wait on a decode or a slow download."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
-from collections.abc import Collection, Sequence
+import os
+import threading
+from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from PIL import Image
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
+from diffserve.errors import InvalidRequestError
+from diffserve.image_inputs import ImageInputLimits, decode_image, load_image, read_image_source
 from diffserve.server.errors import ApiError, validation_error
 from diffserve.server.schemas import ApiParamError
 
@@ -19,6 +29,7 @@ _URL_SCHEMES = ("data:", "http://", "https://")
 #: A raw image: uploaded bytes, or a data/http(s) URL string (decoded later, in a thread).
 RawImage = bytes | str
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 _TOO_DEEP = (
     "request body is nested too deeply to parse; send a JSON object of the route's fields (strings, "
     "numbers and at most an object or list of image references in each)"
@@ -94,3 +105,67 @@ def check_source(param: str, source: RawImage) -> None:
             "http(s) URL; the server never reads file paths",
             param=param,
         )
+
+
+# ---------------------------------------------------------------------------------- loading off the loop
+
+
+class WorkerPool:
+    """Threads of its own for one kind of blocking work: at most `workers` jobs run and `max_waiting` more
+    wait; a job beyond that is refused at once with a 429 (`busy` says why), so waiting work (and the
+    request bodies it holds) cannot pile up without bound. A slot is freed when its job ends, not when
+    its caller stops waiting (a client that hangs up does not free a thread still decoding)."""
+
+    def __init__(self, name: str, workers: int, max_waiting: int, busy: str) -> None:
+        self.name, self.busy = name, busy
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+        self._slots = threading.BoundedSemaphore(workers + max_waiting)
+
+    async def run(self, job: Callable[[], T]) -> T:
+        """`job()`'s result, run on one of the pool's threads (429 when the pool is full)."""
+        if not self._slots.acquire(blocking=False):
+            raise ApiError(429, self.busy, code="queue_full", headers={"Retry-After": "1"})
+        try:
+            future: Future[T] = self._executor.submit(job)
+        except BaseException:
+            self._slots.release()
+            raise
+        future.add_done_callback(lambda _: self._slots.release())
+        return await asyncio.wrap_future(future)
+
+
+_DECODE_WORKERS = min(4, os.cpu_count() or 1)
+#: Base64 and pixel decoding of input images (CPU-bound; Pillow releases the GIL while decoding).
+DECODE_POOL = WorkerPool(
+    "image-decode", _DECODE_WORKERS, 8 * _DECODE_WORKERS,
+    "the server is decoding as many input images as it queues; retry shortly",
+)  # fmt: skip
+#: Downloads of input images (`--allow-url-images`): I/O-bound, each within its own deadline.
+FETCH_POOL = WorkerPool(
+    "image-fetch", 8, 32, "the server is downloading as many input images as it queues; retry shortly"
+)
+#: How long past its own deadline a download may keep its caller waiting (name resolution, which the
+#: download's deadline cannot interrupt); the thread itself keeps its pool slot until it returns.
+FETCH_GRACE_S = 2.0
+
+
+def _is_url(source: RawImage) -> bool:
+    return isinstance(source, str) and source.strip()[:8].lower().startswith(("http://", "https://"))
+
+
+async def load_input_image(
+    source: RawImage, param: str, allow_urls: bool, limits: ImageInputLimits
+) -> Image.Image:
+    """One input image as RGB, never on the event loop: a URL (with `allow_urls`) is downloaded in
+    FETCH_POOL within `limits.url_timeout_s`, and everything is decoded in DECODE_POOL. Raises
+    InvalidRequestError (ImageTooLargeError: 413) naming `param`, and ApiError 429 when a pool is full."""
+    if allow_urls and _is_url(source):
+        fetch = functools.partial(read_image_source, source, param=param, allow_urls=True, limits=limits)
+        try:
+            data = await asyncio.wait_for(FETCH_POOL.run(fetch), limits.url_timeout_s + FETCH_GRACE_S)
+        except asyncio.TimeoutError:
+            message = f"{param}: fetching the image URL timed out after {limits.url_timeout_s:g} s"
+            raise InvalidRequestError(message, param=param) from None
+        return await DECODE_POOL.run(functools.partial(decode_image, data, param=param, limits=limits))
+    load = functools.partial(load_image, source, param=param, allow_urls=allow_urls, limits=limits)
+    return await DECODE_POOL.run(load)

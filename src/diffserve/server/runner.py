@@ -1,4 +1,12 @@
-"""Runs the app on uvicorn: graceful SIGTERM (drain, then stop the engine, exit 0) and fatal engine errors."""
+"""Runs the app on uvicorn: shutdown on signals, and fatal engine errors.
+
+The first SIGTERM or Ctrl-C drains: the server keeps listening but answers new generation requests (and
+/health) with 503 `shutting_down`, while the requests in flight and the /v1/videos jobs get
+`--shutdown-timeout` seconds (their clients can still poll and download); then the rest are cancelled,
+uvicorn stops, the engine stops, and the process exits (0 for SIGTERM, 130 for Ctrl-C). A second signal
+stops at once: the engine process is killed, the requests in flight are answered 503, the IPC socket
+folder is removed, and the server exits within ABORT_GRACE_S even if a client does not read its answer.
+"""
 
 from __future__ import annotations
 
@@ -13,33 +21,67 @@ import uvicorn
 from diffserve.errors import UserError
 from diffserve.server.app import create_app
 from diffserve.server.args import ServerArgs
+from diffserve.server.engine_client import EngineClient
 
 logger = logging.getLogger("diffserve.server")
 
+#: After a second signal: how long the 503 answers get to reach their clients before uvicorn stops
+#: waiting for connections.
+ABORT_GRACE_S = 2.0
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it
+
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn's server, which also starts the engine client's drain when a shutdown signal arrives."""
+    """uvicorn's server with the engine client's two shutdown speeds: the first signal drains (uvicorn
+    stops once the drain is over, not before: video jobs hold no connection it would wait for), the
+    second aborts; uvicorn's own force-quit only from the third."""
 
-    def __init__(self, config: uvicorn.Config, shutdown_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, shutdown_timeout: float) -> None:
         super().__init__(config)
-        self.shutdown_timeout = shutdown_timeout
+        self.engine, self.shutdown_timeout = engine, shutdown_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._draining = False
+        self._signals = 0
+        self.stop_signal: int | None = None  # the first shutdown signal received
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        super().handle_exit(sig, frame)
-        if self._draining or self._loop is None:
-            return
-        self._draining, timeout = True, self.shutdown_timeout
-        logger.info(
-            "Received %s: shutting down (in-flight requests get %g s)", signal.Signals(sig).name, timeout
-        )
-        # Signal handlers run between bytecodes; hand the work to the loop instead of touching it here.
-        self._loop.call_soon_threadsafe(self.config.app.state.engine.begin_drain, timeout)
+        # A signal handler runs between bytecodes: the work is handed to the loop, never done here.
+        self._signals += 1
+        name = signal.Signals(sig).name
+        if self._loop is None:  # not serving yet: uvicorn's own handling
+            super().handle_exit(sig, frame)
+        elif self._signals == 1:
+            self.stop_signal = sig
+            self._loop.call_soon_threadsafe(self._drain, name)
+        elif self._signals == 2:
+            self._loop.call_soon_threadsafe(self._abort, name)
+        else:
+            super().handle_exit(sig, frame)
+            self.force_exit = True
+
+    def _drain(self, name: str) -> None:
+        timeout = self.shutdown_timeout
+        logger.info("Received %s: shutting down (in-flight requests get %g s)", name, timeout)
+        self.engine.begin_drain(timeout)
+        asyncio.get_running_loop().create_task(self._exit_when_drained())
+
+    async def _exit_when_drained(self) -> None:
+        await self.engine.wait_drained()
+        self.should_exit = True  # uvicorn stops listening and closes the connections, then the app stops
+
+    def _abort(self, name: str) -> None:
+        logger.warning("Received %s again: stopping at once", name)
+        reason = f"the server was stopped at once ({name} received twice) before this request finished"
+        self.engine.abort(reason)
+        self.should_exit = True
+        asyncio.get_running_loop().call_later(ABORT_GRACE_S, self._force_exit)
+
+    def _force_exit(self) -> None:
+        """uvicorn stops waiting for connections (a client that does not read its 503 holds none up)."""
+        self.force_exit = True
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -70,19 +112,24 @@ def serve(args: ServerArgs) -> int:
 
     app = create_app(args, on_fatal=on_fatal)
     # No uvicorn log config nor access log: its lines use diffserve's format, and RequestContextMiddleware
-    # logs one line per request. Its graceful-shutdown timeout is a backstop: the engine client cancels first.
-    backstop = args.shutdown_timeout + 5
+    # logs one line per request. uvicorn stops after the drain: its graceful-shutdown timeout only bounds
+    # the time answers already made take to reach their clients.
+    backstop = 5.0
     config = uvicorn.Config(
         app, args.host, args.port, log_config=None, access_log=False, timeout_graceful_shutdown=backstop
     )
-    server = GracefulServer(config, args.shutdown_timeout)
-    # uvicorn re-raises the signal it stopped on once it is done; for SIGTERM that lands here, so the
-    # process exits with 0 after a graceful shutdown instead of being killed by the default handler.
+    engine: EngineClient = app.state.engine
+    server = GracefulServer(config, engine, args.shutdown_timeout)
+    # After a third signal uvicorn re-raises the signals it stopped on once it is done; for SIGTERM that
+    # lands here, so the process exits with its code instead of being killed by the default handler.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
         logger.info("Serving %s on http://%s:%d; the engine is starting", args.model_id, args.host, args.port)
         server.run(sockets=[sock])
     finally:
+        # Whatever stopped the server (uvicorn's force-quit skips the app's shutdown): no engine process
+        # left for multiprocessing's exit-time join to wait on, no socket folder left in /tmp.
+        engine.kill_engine()
         signal.signal(signal.SIGTERM, previous)
         sock.close()
-    return exit_code
+    return EXIT_INTERRUPTED if server.stop_signal == signal.SIGINT else exit_code

@@ -37,9 +37,9 @@ _SIZE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
 # Fields of both generation routes (OpenAI's, then diffserve's extensions; unset: the model's defaults).
 _QUALITY = (
-    "'lossless' (exact), 'high', 'medium' or 'low' (approximate: reuse DiT work between steps, faster, at "
-    "least 35/30/25 dB PSNR against lossless), 'auto' (the server's --default-quality); OpenAI's 'hd' means "
-    "lossless and 'standard' auto"
+    "'high' (exact; also 'hd' and 'lossless'), 'medium', 'low' or 'draft' (approximate: reuse DiT work "
+    "between steps, faster, at least 35/30/25 dB PSNR against the exact output), 'auto' or 'standard' (the "
+    "server's --default-quality). Responses report the tier that ran ('high' for 'hd' and 'lossless')"
 )
 _PRIORITY = "scheduling priority (-1000..1000, default 0): higher first, then first come first served"
 ModelName = Annotated[str | None, Field(description="the served model's id or a --served-model-name")]

@@ -86,11 +86,13 @@ class StreamHeader:
         data, index = preview.images[image_index], preview.index
         return self.event("partial_image", data, encoded_format(data), image_index, partial_image_index=index)
 
-    def completed(self, data: bytes, image_index: int, steps_computed_in_full: int | None = None) -> bytes:
-        # steps_computed_in_full: a diffserve extension (quality tiers)
+    def completed(
+        self, data: bytes, image_index: int, seed: int, steps_computed_in_full: int | None = None
+    ) -> bytes:
+        # diffserve extensions: the seed used (as in the plain response) and steps_computed_in_full
         return self.event(
             "completed", data, self.output_format, image_index,
-            usage=ZERO_USAGE, steps_computed_in_full=steps_computed_in_full,
+            usage=ZERO_USAGE, seed=seed, steps_computed_in_full=steps_computed_in_full,
         )  # fmt: skip
 
 
@@ -148,7 +150,7 @@ async def image_events(
     result: JobFinished = outcome.result()
     on_finished(result)
     for index, image in enumerate(result.images):
-        yield header.completed(image.data or b"", index, result.steps_computed_in_full)
+        yield header.completed(image.data or b"", index, result.params.seed, result.steps_computed_in_full)
 
 
 async def wait_for_disconnect(receive: Receive) -> None:

@@ -2,8 +2,9 @@
 
 As in OpenAI's video API the POST answers with a job the client polls. A job is recorded once the engine
 accepted it, with the resolved parameters; progress lives in memory, status changes in SQLite. Finished
-jobs and files go `--job-ttl` seconds after finishing. At start, jobs a previous server left unfinished
-fail (`server_restarted`) and files without a completed job are deleted.
+jobs and files go `--job-ttl` seconds after finishing. The store exists only for a video model: it opens
+when the engine reports such a model ready, before it takes requests; then jobs a previous server left
+unfinished fail (`server_restarted`) and files without a completed job are deleted.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sqlite3
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -31,7 +33,7 @@ from diffserve.server.engine_client import (
     JobRejectedError,
 )
 from diffserve.server.metrics import ServerMetrics
-from diffserve.server.protocol import GenerateJob, JobFinished, JobProgress, JobStarted
+from diffserve.server.protocol import VIDEO_TASKS, GenerateJob, JobFinished, JobProgress, JobStarted
 
 logger = logging.getLogger("diffserve.server")
 
@@ -94,7 +96,7 @@ class VideoJob:
     guidance_scale: float | None = None
     negative_prompt: str | None = None
     image_to_video: bool = False
-    quality: str | None = None  # the tier run ("lossless", "high", "medium", "low")
+    quality: str | None = None  # the tier run: "high" (exact), "medium", "low" or "draft"
     steps_computed_in_full: int | None = None  # known when completed; fewer than the steps with a lossy tier
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -236,6 +238,17 @@ class VideoJobManager:
         self._active: dict[str, VideoJob] = {}
         self._followers: dict[str, asyncio.Task] = {}
         self._sweeper: asyncio.Task | None = None
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the store is open: the engine has reported a video model ready."""
+        return self.store is not None
+
+    def on_engine_ready(self, info: Mapping[str, Any]) -> None:
+        """The engine client's ready hook: open the store if the model makes videos (an image model gets
+        no `video_jobs.sqlite3`). A restarted engine finds it open already."""
+        if self.store is None and info.get("task") in VIDEO_TASKS:
+            self.open()
 
     def open(self) -> None:
         """Open the store, fail what a previous server left unfinished, apply the TTL, delete stray files."""

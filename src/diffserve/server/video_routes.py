@@ -9,21 +9,19 @@ DELETE /v1/videos/{id}            cancel a job in flight, or delete a finished o
 
 from __future__ import annotations
 
-import asyncio
-import functools
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
-from diffserve.image_inputs import load_image
 from diffserve.server.args import ServerArgs
 from diffserve.server.engine_client import EngineClient, JobRejectedError
 from diffserve.server.errors import ApiError, documented
+from diffserve.server.image_edits import inline_schema
 from diffserve.server.metrics import ServerMetrics
 from diffserve.server.protocol import wrong_route
-from diffserve.server.request_body import RawImage, check_source, read_body
+from diffserve.server.request_body import RawImage, check_source, load_input_image, read_body
 from diffserve.server.schemas import VIDEO_ACCEPTED_FIELDS, ApiParamError, ImageReference, VideoCreateRequest
 from diffserve.server.streaming import ContentFileResponse
 from diffserve.server.video_jobs import VIDEO_ID_PATTERN, VideoJob, VideoJobManager, video_file
@@ -35,6 +33,25 @@ _REFERENCE_PARTS = ("input_reference", "input_reference[image_url]", "input_refe
 _PARAM_NAMES = {"height": "size", "width": "size", "image": "input_reference"}
 
 _ERRORS = documented(400, 401, 404, 409, 413, 415, 429, 503)
+
+
+def _create_request_body() -> dict[str, Any]:
+    """POST /v1/videos reads its body itself: its `openapi_extra`, both forms `client.videos.create` and
+    JSON clients send, so /docs and schema fuzzers see the real fields."""
+    binary = {"type": "string", "format": "binary", "description": "the first frame (image-to-video)"}
+    text = {name: {"type": "string"} for name in VIDEO_ACCEPTED_FIELDS if name != "input_reference"}
+    form = {"type": "object", "required": ["prompt"], "properties": {"input_reference": binary, **text}}
+    json_schema = inline_schema(VideoCreateRequest.model_json_schema())
+    content = {"multipart/form-data": {"schema": form}, "application/json": {"schema": json_schema}}
+    return {"requestBody": {"required": True, "content": content}}
+
+
+_CONTENT_RESPONSES = {
+    200: {"description": "the MP4", "content": {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}},
+    206: {"description": "the byte range asked for (Range)",
+          "content": {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}},
+    **documented(400, 401, 404, 409, 416, 503),
+}  # fmt: skip
 
 
 async def read_video_request(
@@ -59,6 +76,17 @@ async def read_video_request(
         if name == "input_reference[file_id]":
             ImageReference(file_id=str(value)).source("input_reference")  # raises: no Files API
     return body, files[0][1] if files else None
+
+
+def no_content_message(job: VideoJob) -> str:
+    """Why a job that is not completed has no MP4: still to come, or never (cancelled, failed and why)."""
+    if job.status == "cancelled":
+        return f"video {job.id} was cancelled (DELETE); it has no content"
+    if job.status == "failed":
+        return f"video {job.id} is failed: {job.error_message or job.error_code}; it has no content"
+    return (
+        f"video {job.id} is {job.status}, not completed; its content is available once status is 'completed'"
+    )
 
 
 def check_route(engine: EngineClient, video: bool) -> None:
@@ -86,14 +114,21 @@ def video_router(
     `diffserve_generation_requests_total` (the manager counts the job's own outcome)."""
     router = APIRouter()
 
+    def check_store() -> None:
+        """Reading jobs needs the store, which is opened once the engine reports a video model ready."""
+        if not jobs.is_open:
+            check_route(engine, video=True)  # an image model: 400 naming its route; not ready: 503
+            raise engine.unavailable_error()
+
     def found(video_id: str) -> VideoJob:
+        check_store()
         job = jobs.get(video_id) if VIDEO_ID_PATTERN.match(video_id) else None
         if job is None:
             message = f"no video with id {video_id!r} on this server (unknown, deleted or expired)"
             raise ApiError(404, message, param="video_id", code="video_not_found")
         return job
 
-    @router.post("/v1/videos", responses=_ERRORS)
+    @router.post("/v1/videos", responses=_ERRORS, openapi_extra=_create_request_body())
     async def create_video(request: Request) -> JSONResponse:
         """Create a video job; answers at once with the job (`status: "queued"`). Poll
         `GET /v1/videos/{id}` until `completed`, then download `GET /v1/videos/{id}/content`."""
@@ -120,10 +155,10 @@ def video_router(
                 )
             if reference is not None:
                 check_source("input_reference", reference)
-                load = functools.partial(load_image, param="input_reference", limits=args.image_limits)
-                params.input_images = [
-                    await asyncio.to_thread(load, reference, allow_urls=args.allow_url_images)
-                ]
+                image = await load_input_image(
+                    reference, "input_reference", args.allow_url_images, args.image_limits
+                )
+                params.input_images = [image]
             try:
                 i2v, priority = reference is not None, body.priority or 0
                 job = await jobs.create(params, args.model_id, image_to_video=i2v, priority=priority)
@@ -141,6 +176,7 @@ def video_router(
         after: str | None = Query(None, description="id of the last job of the previous page"),
         order: Literal["asc", "desc"] = Query("desc", description="by creation time"),
     ) -> JSONResponse:
+        check_store()
         try:
             page, has_more = jobs.list(limit, after, descending=order == "desc")
         except KeyError:
@@ -156,7 +192,7 @@ def video_router(
     async def retrieve_video(video_id: str) -> JSONResponse:
         return JSONResponse(found(video_id).to_api(jobs.ttl))
 
-    @router.get("/v1/videos/{video_id}/content", responses=_ERRORS)
+    @router.get("/v1/videos/{video_id}/content", response_class=Response, responses=_CONTENT_RESPONSES)
     async def video_content(video_id: str, variant: str = "video") -> ContentFileResponse:
         """The MP4 (`video/mp4`); `Range: bytes=...` requests get 206 with that part."""
         if variant != "video":
@@ -166,12 +202,7 @@ def video_router(
             raise ApiError(400, message, param="variant", code="invalid_value")
         job = found(video_id)
         if job.status != "completed":
-            detail = f": {job.error_message}" if job.error_message else ""
-            message = (
-                f"video {video_id} is {job.status}, not completed{detail}; its content is available once "
-                "status is 'completed'"
-            )
-            raise ApiError(409, message, param="video_id", code="video_not_ready")
+            raise ApiError(409, no_content_message(job), param="video_id", code="video_not_ready")
         path = video_file(args.output_dir, video_id)
         if not path.is_file():
             raise ApiError(

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from diffserve.configs.quality import LOSSLESS, QualityRule
+from diffserve.configs.quality import EXACT, QualityRule
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError
 from diffserve.models.step_cache import StepCacheState
@@ -149,7 +149,7 @@ class InputValidationStage(Stage):
         # A CPU generator: a seed gives the same image on every device, and Diffusers' with a CPU generator.
         req.generator = torch.Generator("cpu").manual_seed(req.params.seed)
         p = req.params
-        if p.quality != LOSSLESS:
+        if p.quality != EXACT:
             req.step_cache = StepCacheState(self.quality.policies[p.quality])
         if self.cfg_mode == "true_cfg":
             req.do_cfg = bool(p.true_cfg_scale and p.true_cfg_scale > 1 and p.negative_prompt is not None)

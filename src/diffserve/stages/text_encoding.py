@@ -14,11 +14,14 @@ logger = logging.getLogger("diffserve.stages")
 
 
 def tokenize(tokenizer, prompts: list[str], max_length: int, device: torch.device) -> torch.Tensor:
+    """`prompts`' token ids padded and truncated to `max_length`, with a warning when one was truncated.
+    The check tokenizes to `max_length + 1` (truncated too): untruncated, a long prompt would make
+    transformers warn of "indexing errors" the truncated ids never cause."""
     ids = tokenizer(
         prompts, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt"
     ).input_ids
-    full = tokenizer(prompts, padding="longest", return_tensors="pt").input_ids
-    if full.shape[-1] > ids.shape[-1]:
+    longer = tokenizer(prompts, max_length=max_length + 1, truncation=True).input_ids
+    if any(len(row) > max_length for row in longer):
         logger.warning("prompt truncated to %d tokens for %s", max_length, type(tokenizer).__name__)
     return ids.to(device)
 
