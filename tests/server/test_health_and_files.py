@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 import diffserve.server.app as app_module
 from diffserve.configs.engine_args import EngineArgs
@@ -419,3 +420,46 @@ def test_openai_client_url_images_with_api_key(tmp_path, monkeypatch) -> None:
                     await client.close()
 
     asyncio.run(scenario())
+
+
+def test_public_url_builds_the_image_links_and_usage_is_zeros(tmp_path, monkeypatch) -> None:
+    """--public-url: links use the address clients reach (not the request's Host header, which a proxy
+    or a client sets); the plain response carries `usage` zeros as the streamed completed event does."""
+
+    class AutoEngine(FakeEngineClient):
+        auto_finish = True
+
+    public = "https://img.example.com/diffserve"
+    app, engine, out = make_app(tmp_path, monkeypatch, engine_cls=AutoEngine, public_url=public)
+
+    async def scenario():
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://internal:30000") as http:
+                body = {"prompt": "a fox", "response_format": "url"}
+                r = await http.post("/v1/images/generations", json=body, headers={"Host": "evil.example"})
+                assert r.status_code == 200, r.text
+                (image,) = r.json()["data"]
+                assert image["url"].startswith(f"{public}/v1/images/") and image["url"].endswith("/content")
+                assert r.json()["usage"]["total_tokens"] == 0
+                # The file itself is served under the path the link names (the prefix is the proxy's).
+                path = image["url"].removeprefix(public)
+                assert (await http.get(path)).content == b"\x89PNG fake"
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("value", "ok"),
+    [("https://img.example.com/", "https://img.example.com"), ("http://10.0.0.2:8080/p", "http://10.0.0.2:8080/p"),
+     ("img.example.com", None), ("ftp://x", None), ("https://x/?a=1", None), ("https://", None)],
+)  # fmt: skip
+def test_public_url_flag_is_checked(value: str, ok: str | None) -> None:
+    from diffserve.cli.serve import _checked_public_url
+    from diffserve.errors import UserError
+
+    if ok is not None:
+        assert _checked_public_url(value) == ok
+    else:
+        with pytest.raises(UserError, match="--public-url must be an http"):
+            _checked_public_url(value)
