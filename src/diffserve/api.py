@@ -18,12 +18,15 @@ from tqdm.auto import tqdm
 from diffserve.configs.engine_args import EngineArgs
 from diffserve.configs.quality import check_default_quality, read_calibrated_policies
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.errors import InvalidRequestError, RequestCancelledError, UserError
+from diffserve.distributed.launch import RankGroup, is_follower, start_ranks
+from diffserve.distributed.state import ParallelState
+from diffserve.distributed.worker import STOP, describe_error, receive_message, send_status
+from diffserve.errors import InvalidRequestError, ModelLoadError, RequestCancelledError, UserError
 from diffserve.image_inputs import ImageSource, load_images
 from diffserve.layers.attention import AttentionBackend, resolve_attention_backend
-from diffserve.loader.component_loader import load_components
+from diffserve.loader.component_loader import LoadedComponent, load_components
 from diffserve.loader.folder_defaults import read_folder_sampling_defaults
-from diffserve.loader.model_index import read_model_index
+from diffserve.loader.model_index import ModelIndex, read_model_index
 from diffserve.logging_setup import shown_text
 from diffserve.outputs import output_metadata, write_outputs
 from diffserve.pipelines.base import Pipeline, PipelineContext
@@ -31,7 +34,15 @@ from diffserve.platforms import Platform, PlatformUnavailableError, resolve_plat
 from diffserve.registry import ModelFamily, resolve_family
 from diffserve.request import Req
 from diffserve.runtime import Engine, ScheduledRequest, SchedulerConfig
-from diffserve.runtime.compile import WarmupRun, compile_pipeline, compile_warmup_size, warm_up
+from diffserve.runtime.compile import (
+    CompiledRegion,
+    WarmupRun,
+    compile_pipeline,
+    compile_warmup_size,
+    warm_up,
+)
+from diffserve.runtime.distributed_runner import DistributedRunner, follow_ops
+from diffserve.runtime.runner import ModelRunner
 from diffserve.runtime.scheduler import default_max_batch_tokens
 
 logger = logging.getLogger("diffserve")
@@ -73,70 +84,115 @@ class GenerationOutput:
     steps_computed_in_full: int = 0
 
 
+@dataclass
+class LoadedModel:
+    """A loaded pipeline and what it was loaded with (every rank loads one)."""
+
+    pipeline: Pipeline
+    family: ModelFamily
+    index: ModelIndex
+    components: dict[str, LoadedComponent]
+    dtype: torch.dtype
+    attention_backend: AttentionBackend
+    compiled_regions: list[CompiledRegion] = field(default_factory=list)  # `--compile`: blocks compiled
+
+
+def load_model(engine_args: EngineArgs, platform: Platform) -> LoadedModel:
+    """Resolve the family of `engine_args.model_path` and load its pipeline onto `platform`'s device."""
+    dtype = parse_dtype(engine_args.dtype, platform)
+    text_dtype = parse_dtype(engine_args.text_encoder_dtype or engine_args.dtype, platform)
+    logger.info("Platform: %s (%s), dtype: %s", platform.name, platform.device_name(), dtype)
+    try:
+        attention_backend: AttentionBackend = resolve_attention_backend(
+            engine_args.attention_backend, platform.device_type, platform.default_attention_backend
+        )
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    index = read_model_index(engine_args.model_path, engine_args.revision)
+    family = resolve_family(index.pipeline_class_name)
+    pipeline_cls = family.pipeline_cls
+    logger.info(
+        "Resolved pipeline: %s -> diffserve %s (%s, native)",
+        index.pipeline_class_name, pipeline_cls.__name__, family.name,
+    )  # fmt: skip
+    components = load_components(
+        index, pipeline_cls.required_components, family.native_classes, platform, dtype, text_dtype,
+        optional=pipeline_cls.optional_components,
+    )  # fmt: skip
+    folder_defaults = read_folder_sampling_defaults(index.root)
+    if folder_defaults:
+        logger.info("Sampling defaults from the model folder's diffserve.json: %s", folder_defaults)
+    try:
+        default_quality = check_default_quality(engine_args.default_quality)  # "lossless" -> "high"
+        calibrated = read_calibrated_policies(index.root, family.name)
+        pipeline = pipeline_cls(
+            PipelineContext(
+                components, platform, dtype, folder_sampling_defaults=folder_defaults,
+                pipeline_options=index.options, default_quality=default_quality,
+                calibrated_step_cache=calibrated,
+            )
+        )  # fmt: skip
+    except InvalidRequestError as exc:  # the default tier is one this family does not have
+        raise UserError(f"--default-quality: {exc}") from exc
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    compiled = compile_pipeline({n: c.value for n, c in components.items()}) if engine_args.compile else []
+    return LoadedModel(pipeline, family, index, components, dtype, attention_backend, compiled)
+
+
+def serve_rank(state: ParallelState, engine_args: EngineArgs, platform: Platform) -> None:
+    """A worker rank's life after joining the group: load the same model, report ready (the `ready`
+    exchange of `DiffGenerator._wait_for_ranks`), then run rank 0's ops until it says stop."""
+    try:
+        model = load_model(engine_args, platform)
+    except Exception as exc:
+        logger.exception("rank %d: loading the model failed", state.rank)
+        send_status(state, describe_error(exc))
+        if receive_message(state) != STOP:  # rank 0 stops every rank after a failed load
+            raise RuntimeError("rank 0 sent an op after this rank failed to load the model") from exc
+        return
+    send_status(state, None)
+    follow_ops(state, ModelRunner(model.pipeline, platform, model.attention_backend, parallel_state=state))
+
+
 class DiffGenerator:
-    """Generate images from a Diffusers-format model folder with diffserve's native pipelines."""
+    """Generate images from a Diffusers-format model folder with diffserve's native pipelines. With
+    `num_gpus > 1` it starts the other ranks (`diffserve.distributed.launch`): use it as a context manager,
+    or call `close()`, to stop them (they also exit when this process does)."""
 
     def __init__(self, engine_args: EngineArgs, show_progress: bool = True) -> None:
         start = time.perf_counter()
         self.engine_args = engine_args
+        parallel = engine_args.parallel_config()  # ParallelConfigError before anything starts or loads
         try:
             platform = self.platform = resolve_platform(engine_args.device)
         except PlatformUnavailableError as exc:
             raise UserError(str(exc)) from exc
         if engine_args.tune_allocator:
             platform.prepare_process()
-        self.dtype = parse_dtype(engine_args.dtype, platform)
-        text_dtype = parse_dtype(engine_args.text_encoder_dtype or engine_args.dtype, platform)
-        logger.info("Platform: %s (%s), dtype: %s", platform.name, platform.device_name(), self.dtype)
-        try:
-            self.attention_backend: AttentionBackend = resolve_attention_backend(
-                engine_args.attention_backend, platform.device_type, platform.default_attention_backend
-            )
-        except ValueError as exc:
-            raise UserError(str(exc)) from exc
-        index = read_model_index(engine_args.model_path, engine_args.revision)
-        self.family: ModelFamily = resolve_family(index.pipeline_class_name)
-        pipeline_cls = self.family.pipeline_cls
-        logger.info(
-            "Resolved pipeline: %s -> diffserve %s (%s, native)",
-            index.pipeline_class_name,
-            pipeline_cls.__name__,
-            self.family.name,
-        )
-        components = load_components(
-            index,
-            pipeline_cls.required_components,
-            self.family.native_classes,
-            platform,
-            self.dtype,
-            text_dtype,
-            optional=pipeline_cls.optional_components,
-        )
-        folder_defaults = read_folder_sampling_defaults(index.root)
-        if folder_defaults:
-            logger.info("Sampling defaults from the model folder's diffserve.json: %s", folder_defaults)
-        try:
-            default_quality = check_default_quality(engine_args.default_quality)  # "lossless" -> "high"
-            calibrated = read_calibrated_policies(index.root, self.family.name)
-            self.pipeline: Pipeline = pipeline_cls(
-                PipelineContext(
-                    components,
-                    platform,
-                    self.dtype,
-                    folder_sampling_defaults=folder_defaults,
-                    pipeline_options=index.options,
-                    default_quality=default_quality,
-                    calibrated_step_cache=calibrated,
+        #: With several ranks: the other ranks' processes and the process group (None on one device).
+        self.ranks: RankGroup | None = None
+        if parallel.is_distributed:
+            if is_follower(parallel):
+                raise UserError(
+                    "this process is not rank 0: run diffserve.distributed.launch.run_follower(engine_args, "
+                    "diffserve.api.serve_rank) here instead of creating a DiffGenerator (the CLI does)"
                 )
-            )
-        except InvalidRequestError as exc:  # the default tier is one this family does not have
-            raise UserError(f"--default-quality: {exc}") from exc
-        except ValueError as exc:
-            raise UserError(str(exc)) from exc
+            self.ranks = start_ranks(engine_args, platform, serve_rank)
+        try:
+            model = load_model(engine_args, platform)
+            self._wait_for_ranks(None)
+        except BaseException as exc:
+            self._wait_for_ranks(exc)
+            self.close()
+            raise
+        self.pipeline: Pipeline = model.pipeline
+        self.family: ModelFamily = model.family
+        self.dtype, self.attention_backend = model.dtype, model.attention_backend
         #: The model as named (a folder, or a Hub repo id), as outputs' metadata and the server show it.
-        self.model_path = index.name
+        self.model_path = model.index.name
         #: The local folder the components were loaded from (for a Hub repo id: its cached snapshot).
-        self.model_folder = index.root
+        self.model_folder = model.index.root
         self.show_progress = show_progress
         max_tokens = engine_args.max_batch_tokens or default_max_batch_tokens(platform.device_type)
         scheduler = SchedulerConfig(
@@ -144,17 +200,45 @@ class DiffGenerator:
             max_batch_tokens=max_tokens,
             max_inference_steps=engine_args.max_inference_steps,
         )
+        runner = (
+            DistributedRunner(self.pipeline, platform, self.attention_backend, self.ranks)
+            if self.ranks is not None
+            else None
+        )
         #: The request loop every generation runs through (the server's engine process runs one too).
-        self.engine = Engine(self.pipeline, platform, scheduler, attention_backend=self.attention_backend)
+        self.engine = Engine(
+            self.pipeline, platform, scheduler, attention_backend=self.attention_backend, runner=runner
+        )
         logger.info("Pipeline ready in %.2f seconds", time.perf_counter() - start)
         #: `--compile`: the block lists compiled; `--warmup-resolutions`: the warm-up generations run.
-        self.compiled_regions = (
-            compile_pipeline({name: c.value for name, c in components.items()}) if engine_args.compile else []
-        )
+        self.compiled_regions = model.compiled_regions
         sizes = list(engine_args.warmup_resolutions)
         if engine_args.compile and not sizes:  # the graphs are size-generic: one small warm-up builds them
             sizes = [compile_warmup_size(self.pipeline.facts.pixel_multiple)]
         self.warmup_runs: list[WarmupRun] = self.warm_up(sizes) if sizes else []
+
+    def _wait_for_ranks(self, error: BaseException | None) -> None:
+        """The `ready` exchange: every rank says whether its pipeline loaded; a rank that failed is a
+        ModelLoadError naming it (rank 0's own `error` is re-raised by the caller)."""
+        if self.ranks is None or self.ranks.failure is not None or self.ranks.closed:
+            return
+        statuses = self.ranks.gather(None if error is None else describe_error(error))
+        failed = [(rank, text) for rank, text in enumerate(statuses) if text is not None and rank != 0]
+        if failed and error is None:
+            rank, text = failed[0]
+            raise ModelLoadError(f"rank {rank} could not load the model: {text}")
+
+    def close(self) -> None:
+        """Stop the other ranks and join their processes (idempotent; nothing to do on one device).
+        The generator cannot generate after this with several ranks."""
+        if self.ranks is not None:
+            self.ranks.close()
+
+    def __enter__(self) -> DiffGenerator:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def warm_up(self, resolutions: Sequence[tuple[int, int]]) -> list[WarmupRun]:
         """Short generations at each (height, width) (every batch kind of `WARMUP_KINDS` at the first), so
@@ -180,12 +264,20 @@ class DiffGenerator:
         default_quality: str = "high",
         tune_allocator: bool = False,
         revision: str | None = None,
+        num_gpus: int = 1,
+        ulysses_degree: int | None = None,
+        ring_degree: int = 1,
+        enable_cfg_parallel: bool = False,
+        tp_size: int = 1,
+        dist_timeout: int = EngineArgs.dist_timeout,
     ) -> DiffGenerator:
         """Load a Diffusers folder, or a Hugging Face repo id (`"owner/name"`: from the local HF cache,
         else downloaded; `revision` picks a branch, tag or commit). `compile=True` is `--compile`
         (torch.compile of the DiT's repeated blocks); `warmup_resolutions` are (height, width) sizes
         generated once now; `default_quality` is what a request's quality "auto" means (see README,
-        "Quality tiers"); `tune_allocator=True` is `--tune-allocator`."""
+        "Quality tiers"); `tune_allocator=True` is `--tune-allocator`. `num_gpus` > 1 runs every request on
+        that many ranks (`ulysses_degree` defaults to num_gpus / (cfg x tp x ring); on the CPU each "gpu" is
+        one rank process over gloo): `close()` the generator, or use it in a `with` block."""
         args = EngineArgs(
             model_path=str(model_path),
             revision=revision,
@@ -197,6 +289,12 @@ class DiffGenerator:
             warmup_resolutions=[tuple(size) for size in warmup_resolutions],
             default_quality=default_quality,
             tune_allocator=tune_allocator,
+            num_gpus=num_gpus,
+            ulysses_degree=ulysses_degree,
+            ring_degree=ring_degree,
+            enable_cfg_parallel=enable_cfg_parallel,
+            tp_size=tp_size,
+            dist_timeout=dist_timeout,
         )
         return cls(args, show_progress=show_progress)
 

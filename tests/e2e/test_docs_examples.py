@@ -132,7 +132,8 @@ class Reader:
         self.tmp_root = workdir / "tmp"
         self.tmp_root.mkdir()
         self.port = free_port()
-        self.namespace: dict[str, object] = {"__name__": "__docs__"}
+        # As a reader running the snippets as a script (`if __name__ == "__main__":` blocks run).
+        self.namespace: dict[str, object] = {"__name__": "__main__"}
         self.server: subprocess.Popen[bytes] | None = None
         self.server_log = workdir / "server.log"
         self.env = _reader_env(workdir)

@@ -35,6 +35,39 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     add("--default-quality", default=EXACT, choices=DEFAULT_QUALITY_CHOICES,
         help="what quality='auto' means: high (exact; also hd, lossless) or a faster tier: medium, low, draft "
         "(default: high)")  # fmt: skip
+    add_parallel_flags(p)
+
+
+def add_parallel_flags(p: argparse.ArgumentParser) -> None:
+    """SGLang Diffusion's multi-device flags (docs/parallelism.md)."""
+    g = p.add_argument_group("multi-device", "num-gpus = cfg (2 with --enable-cfg-parallel) x tp x ulysses x "
+        "ring; on the CPU each 'gpu' is one rank process over gloo")  # fmt: skip
+    add = g.add_argument
+    add(
+        "--num-gpus",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ranks (devices) one request runs on (default: 1)",
+    )
+    add("--ulysses-degree", type=int, default=None, metavar="N",
+        help="Ulysses sequence parallel degree (default: what --num-gpus leaves: N / (cfg x tp x ring))")  # fmt: skip
+    add("--ring-degree", type=int, default=1, metavar="N", help="Ring attention degree (default: 1)")
+    add("--enable-cfg-parallel", action="store_true",
+        help="run the positive and negative CFG branches on different ranks (cfg degree 2)")  # fmt: skip
+    add("--tp-size", type=int, default=1, metavar="N", help="tensor parallel degree (default: 1)")
+    add("--nnodes", type=int, default=1, metavar="N", help="machines the ranks span (default: 1)")
+    add(
+        "--node-rank",
+        type=int,
+        default=0,
+        metavar="K",
+        help="this machine's index in [0, nnodes) (default: 0)",
+    )
+    add("--dist-init-addr", default=None, metavar="HOST:PORT",
+        help="node 0's rendezvous address for multi-node runs (default: a free loopback port, or torchrun's)")  # fmt: skip
+    add("--dist-timeout", type=int, default=EngineArgs.dist_timeout, metavar="SECONDS",
+        help=f"most seconds a rank waits for the others in one exchange (default: {EngineArgs.dist_timeout})")  # fmt: skip
 
 
 def parse_resolution(text: str) -> tuple[int, int]:
@@ -54,7 +87,9 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         raise UserError(f"--max-inference-steps must be >= 1, got {args.max_inference_steps}")
     if args.revision is not None and not args.revision.strip():
         raise UserError("--revision must not be empty (omit it for the repo's main branch)")
-    return EngineArgs(
+    if args.dist_timeout < 1:
+        raise UserError(f"--dist-timeout must be >= 1 second, got {args.dist_timeout}")
+    engine_args = EngineArgs(
         model_path=model_path_or_demo(args.model_path),
         revision=args.revision,
         device=args.device,
@@ -67,4 +102,15 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         default_quality=canonical_tier(args.default_quality),  # /server_info shows "high", not "lossless"
         tune_allocator=args.tune_allocator,
         max_inference_steps=args.max_inference_steps,
+        num_gpus=args.num_gpus,
+        ulysses_degree=args.ulysses_degree,
+        ring_degree=args.ring_degree,
+        enable_cfg_parallel=args.enable_cfg_parallel,
+        tp_size=args.tp_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        dist_init_addr=args.dist_init_addr,
+        dist_timeout=args.dist_timeout,
     )
+    engine_args.parallel_config()  # degrees that do not multiply to --num-gpus fail before any model load
+    return engine_args

@@ -116,11 +116,15 @@ def seed_or_random(seed: int | None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from diffserve.api import DiffGenerator
+    from diffserve.api import DiffGenerator, serve_rank
+    from diffserve.distributed.launch import is_follower, run_follower
     from diffserve.image_inputs import load_images
 
     start = time.perf_counter()
     engine_args = engine_args_from(args)
+    if is_follower(engine_args.parallel_config()):  # torchrun rank > 0, or --node-rank > 0
+        run_follower(engine_args, serve_rank)
+        return 0
     prompts = _read_prompts(args)
     # Every flag named as a SamplingParams field (but the prompt) is that field.
     flags = {f.name: getattr(args, f.name) for f in fields(SamplingParams) if f.name in vars(args)}
@@ -137,12 +141,16 @@ def run(args: argparse.Namespace) -> int:
     mask = load_images(Path(args.mask), param="--mask")[0] if args.mask else None
     flags["seed"] = seed_or_random(args.seed)
     params_list = [SamplingParams(prompt=p, input_images=images, mask_image=mask, **flags) for p in prompts]
-    generator = DiffGenerator(engine_args)
-    if len(params_list) > 1:
-        logger.info("Processing %d prompts together (their steps share DiT batches)", len(params_list))
-    outputs = generator.generate_many(  # validates every prompt before any model work
-        params_list, args.save_output, args.output_path, args.output_file_name, save_frames=args.save_frames
-    )
+    with DiffGenerator(engine_args) as generator:  # with --num-gpus > 1 its exit stops the other ranks
+        if len(params_list) > 1:
+            logger.info("Processing %d prompts together (their steps share DiT batches)", len(params_list))
+        outputs = generator.generate_many(  # validates every prompt before any model work
+            params_list,
+            args.save_output,
+            args.output_path,
+            args.output_file_name,
+            save_frames=args.save_frames,
+        )
     peaks = [out.peak_memory_mb for out in outputs if out.peak_memory_mb is not None]
     n_images = len(params_list) * args.num_outputs_per_prompt
     kind = "video(s)" if generator.family.task.endswith("video") else "image(s)"

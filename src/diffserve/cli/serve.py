@@ -46,6 +46,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="largest encoded input image; larger ones get 413 (default: 20971520 = 20 MiB)")  # fmt: skip
     add("--max-image-pixels", type=int, default=4096 * 4096,
         help="largest input image in pixels, checked before decoding; larger: 413 (default: 4096x4096)")  # fmt: skip
+    add("--dp-size", type=int, default=1, metavar="N",
+        help="data-parallel replicas: N engine processes, each with its own copy of the model, behind this "
+             "server, which sends each request to the least-loaded ready one; a replica that dies is "
+             "restarted while the others serve. On accelerators replica i uses device index i x (devices per "
+             "replica); on the CPU the replicas share the CPU cores (default: 1)")  # fmt: skip
     add("--shutdown-timeout", type=float, default=30.0,
         help="on SIGTERM or Ctrl-C, seconds requests in flight and /v1/videos jobs get to finish before they "
              "are cancelled; a second signal stops at once (default: 30)")  # fmt: skip
@@ -79,6 +84,7 @@ _VALID: dict[str, tuple[Callable[[Any], bool], str]] = {
     "url_fetch_timeout": (lambda v: v > 0, "> 0 seconds"),
     "log_progress_interval": (lambda v: v > 0, "> 0 seconds"),
     "shutdown_timeout": (lambda v: v >= 0, ">= 0"),
+    "dp_size": (lambda v: v >= 1, ">= 1"),
 }
 
 
@@ -108,6 +114,11 @@ def run(args: argparse.Namespace) -> int:
     if args.public_url is not None:
         args.public_url = _checked_public_url(args.public_url)
     engine_args = engine_args_from(args)
+    if args.dp_size > 1 and (engine_args.nnodes > 1 or engine_args.dist_init_addr is not None):
+        raise UserError(
+            "--dp-size > 1 cannot be combined with --nnodes or --dist-init-addr (every replica would meet "
+            "at the same rendezvous address); run one server per replica behind a load balancer instead"
+        )
     for name in ("max_running_requests", "max_batch_tokens", "mem_fraction"):
         setattr(engine_args, name, getattr(args, name))
     # A wrong path or repo id fails here, before the server starts listening.

@@ -1,4 +1,4 @@
-"""Engine-wide settings, fixed when the engine starts (one model, one device)."""
+"""Engine-wide settings, fixed when the engine starts (one model, on one device or several ranks)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from diffserve.configs.quality import EXACT
+from diffserve.distributed.config import ParallelConfig, ParallelConfigError
 
 
 @dataclass
@@ -41,6 +42,34 @@ class EngineArgs:
     #: Platform tuning of the process's memory allocator (`Platform.prepare_process`; on glibc CPUs:
     #: keep activation buffers mapped between steps). Off by default: its effect depends on the host.
     tune_allocator: bool = False
+    # Multi-device (`diffserve.distributed.config.ParallelConfig`; SGLang's flag names): num_gpus ranks
+    # = cfg (2 with enable_cfg_parallel) x tp_size x ulysses_degree x ring_degree. On the CPU each "gpu"
+    # is one rank process over gloo.
+    num_gpus: int = 1
+    ulysses_degree: int | None = None  # None: num_gpus / (cfg x tp x ring)
+    ring_degree: int = 1
+    enable_cfg_parallel: bool = False
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # "host:port" of node 0 (multi-node); None: a loopback port
+    #: Seconds a rank waits in one collective (a step's exchange, rank 0 waiting for a rank's reply)
+    #: before the request fails with a timeout instead of hanging.
+    dist_timeout: int = 600
+
+    def parallel_config(self) -> ParallelConfig:
+        """The validated parallel layout (ParallelConfigError, a UserError, naming the flags)."""
+        config = ParallelConfig.resolve(
+            self.num_gpus, self.ulysses_degree, self.ring_degree, self.enable_cfg_parallel,
+            self.tp_size, self.nnodes, self.node_rank, self.dist_init_addr,
+        )  # fmt: skip
+        if self.compile and config.sequence_parallel_degree > 1:
+            # Compiled blocks cannot read which shard they run on (`distributed/sequence_split.py`).
+            raise ParallelConfigError(
+                "--compile does not work with sequence parallelism yet (ulysses x ring = "
+                f"{config.sequence_parallel_degree}); drop --compile or use --enable-cfg-parallel"
+            )
+        return config
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

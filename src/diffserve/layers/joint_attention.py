@@ -65,9 +65,16 @@ class JointAttention(nn.Module):
         return _normed(self.norm_added_q, q), _normed(self.norm_added_k, k), v
 
 
+#: The attention a joint-attention layer runs over its [text; image] q, k, v (and key mask).
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
 class RotaryJointAttention(JointAttention):
     """Joint attention over [text; image] with RoPE on q and k (FLUX, Qwen-Image); a model whose tables
-    have another layout overrides `rotate` (Qwen-Image's per-sample tables)."""
+    have another layout overrides `rotate` (Qwen-Image's per-sample tables), and a model that splits its
+    sequence over ranks sets `attend` to its sequence-parallel attention."""
+
+    attend: AttentionFn = staticmethod(attention)
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, qk_norm: QKNormFactory) -> None:
         super().__init__(dim, num_heads, head_dim, qk_norm)
@@ -89,7 +96,7 @@ class RotaryJointAttention(JointAttention):
         q, k, v = self.image_heads(x)
         cq, ck, cv = self.text_heads(ctx)
         q, k = self.rotate(torch.cat([cq, q], dim=1), torch.cat([ck, k], dim=1), rope)
-        out = attention(q, k, torch.cat([cv, v], dim=1), attn_mask).flatten(2)
+        out = self.attend(q, k, torch.cat([cv, v], dim=1), attn_mask).flatten(2)
         ctx_out, x_out = out.split([ctx.shape[1], x.shape[1]], dim=1)
         # Contiguous, as in Diffusers: CPU half-precision matmuls round differently on strided views.
         x_out = self.to_out[0](x_out.contiguous())

@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from diffserve.distributed.cfg_parallel import gather_branch_rows
 from diffserve.models.step_cache import BatchStepCache, CacheRows, batch_step_cache
 from diffserve.request import Req
+from diffserve.runtime.runner import CfgBranchView
 
 
 @dataclass
@@ -58,8 +60,9 @@ def split_guided(
     prediction: torch.Tensor, reqs: list[Req], combine: CfgCombine = classic_cfg
 ) -> list[torch.Tensor]:
     """Each request's prediction, with CFG applied by `combine(positive, negative, scale)`
-    (default `negative + scale * (positive - negative)`)."""
-    out, offset = [], 0
+    (default `negative + scale * (positive - negative)`). Under CFG-parallel a request may be one
+    branch's `CfgBranchView`: its rows are this rank's branch, joined with the other cfg rank's here."""
+    out, offset, views = [], 0, []
     for req in reqs:
         n = req.batch_size
         positive = prediction[offset : offset + n]
@@ -68,8 +71,30 @@ def split_guided(
             negative = prediction[offset : offset + n]
             offset += n
             positive = combine(positive, negative, req.cfg_scale)
+        elif isinstance(req, CfgBranchView):
+            views.append((len(out), positive))
         out.append(positive)
+    if views:
+        _combine_branch_views(out, views, reqs, combine)
     return out
+
+
+def _combine_branch_views(
+    out: list[torch.Tensor],
+    views: list[tuple[int, torch.Tensor]],
+    reqs: list[Req],
+    combine: CfgCombine,
+) -> None:
+    """One all-gather of every view's rows over the cfg group, then each view's guided prediction in
+    `out` (identical on both cfg ranks)."""
+    positives, negatives = gather_branch_rows(torch.cat([rows for _, rows in views]))
+    start = 0
+    for index, rows in views:
+        n = rows.shape[0]
+        out[index] = combine(
+            positives[start : start + n], negatives[start : start + n], reqs[index].cfg_scale
+        )
+        start += n
 
 
 def advance_requests(scheduler, reqs: list[Req], predictions: list[torch.Tensor]) -> None:

@@ -26,13 +26,26 @@ class MemoryInfo:
 
 
 class Platform(ABC):
-    """One accelerator family. Subclasses are stateless; all methods are cheap to call."""
+    """One accelerator family, bound to one of its devices: `index` (0 unless this process is one rank of
+    several: then its local rank). Its only state is that index; all methods are cheap to call."""
 
     name: str = ""  # what `--device` and logs call it ("cpu", "cuda", "rocm", ...)
     device_type: str = ""  # the torch device type ("cpu", "cuda", "musa", "xpu", "npu", "mps")
     dispatch_key: str = "native"  # its `CustomOp.forward_<key>`
+    #: torch.distributed backend of its ranks' collectives: nccl (cuda, rocm), mccl (musa), xccl (xpu),
+    #: hccl (npu), gloo (cpu, mps: on the CPU every rank is one process over gloo).
     dist_backend: str = "gloo"
     default_attention_backend: str = "sdpa"
+
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
+
+    def for_rank(self, local_rank: int) -> Platform:
+        """The same platform bound to the device of local rank `local_rank` (its device index)."""
+        return type(self)(local_rank)
+
+    def bind_device(self) -> None:  # noqa: B027  (optional hook, no-op by default)
+        """Make `index` this process's current device (collective backends such as NCCL need it)."""
 
     @classmethod
     @abstractmethod
@@ -44,16 +57,16 @@ class Platform(ABC):
     def default_dtype(self) -> torch.dtype:
         """The dtype DiT/VAE weights run in when the user does not pass `--dtype`."""
 
-    def device(self, index: int = 0) -> torch.device:
+    def device(self, index: int | None = None) -> torch.device:
         if self.device_type == "cpu":
             return torch.device("cpu")
-        return torch.device(self.device_type, index)
+        return torch.device(self.device_type, self.index if index is None else index)
 
     @abstractmethod
-    def memory_info(self, index: int = 0) -> MemoryInfo:
+    def memory_info(self, index: int | None = None) -> MemoryInfo:
         """Peak memory since the last reset, available and total memory."""
 
-    def reset_peak_memory(self, index: int = 0) -> None:  # noqa: B027  (optional hook, no-op by default)
+    def reset_peak_memory(self, index: int | None = None) -> None:  # noqa: B027  (optional hook, no-op by default)
         """Start a new peak-memory window."""
 
     def has_peak_counter(self) -> bool:
@@ -67,7 +80,7 @@ class Platform(ABC):
     def empty_cache(self) -> None:  # noqa: B027  (optional hook, no-op by default)
         """Give the allocator's cached blocks back (so free memory measured next counts them)."""
 
-    def synchronize(self, index: int = 0) -> None:  # noqa: B027  (optional hook, no-op by default)
+    def synchronize(self, index: int | None = None) -> None:  # noqa: B027  (optional hook, no-op by default)
         """Wait for queued device work."""
 
     def step_mark(self) -> StepMark:
@@ -75,11 +88,11 @@ class Platform(ABC):
         self.synchronize()
         return HostMark()
 
-    def device_name(self, index: int = 0) -> str:
+    def device_name(self, index: int | None = None) -> str:
         return self.name
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(device_type={self.device_type!r})"
+        return f"{type(self).__name__}(device_type={self.device_type!r}, index={self.index})"
 
 
 class TorchAcceleratorPlatform(Platform):
@@ -108,16 +121,22 @@ class TorchAcceleratorPlatform(Platform):
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16
 
-    def memory_info(self, index: int = 0) -> MemoryInfo:
-        runtime = self._runtime()
+    def _index(self, index: int | None) -> int:
+        return self.index if index is None else index
+
+    def bind_device(self) -> None:
+        self._runtime().set_device(self.index)
+
+    def memory_info(self, index: int | None = None) -> MemoryInfo:
+        runtime, index = self._runtime(), self._index(index)
         free, total = runtime.mem_get_info(index)
         return MemoryInfo(runtime.max_memory_allocated(index), free, total)
 
-    def reset_peak_memory(self, index: int = 0) -> None:
-        self._runtime().reset_peak_memory_stats(index)
+    def reset_peak_memory(self, index: int | None = None) -> None:
+        self._runtime().reset_peak_memory_stats(self._index(index))
 
-    def synchronize(self, index: int = 0) -> None:
-        self._runtime().synchronize(index)
+    def synchronize(self, index: int | None = None) -> None:
+        self._runtime().synchronize(self._index(index))
 
     def empty_cache(self) -> None:
         self._runtime().empty_cache()
@@ -126,5 +145,5 @@ class TorchAcceleratorPlatform(Platform):
         """A timing event on the runtime's current stream: no host sync."""
         return EventMark(self._runtime())
 
-    def device_name(self, index: int = 0) -> str:
-        return str(self._runtime().get_device_name(index))
+    def device_name(self, index: int | None = None) -> str:
+        return str(self._runtime().get_device_name(self._index(index)))

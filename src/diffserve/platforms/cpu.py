@@ -141,7 +141,7 @@ class CpuPlatform(Platform):
         """The host clock: CPU ops have finished when they return, so there is nothing to wait for."""
         return HostMark()
 
-    def memory_info(self, index: int = 0) -> MemoryInfo:
+    def memory_info(self, index: int | None = None) -> MemoryInfo:
         """Peak RSS since the last `reset_peak_memory` (VmHWM) where it resets, else the lifetime peak."""
         vm = psutil.virtual_memory()
         peak = read_vm_hwm_bytes() if vm_hwm_resets() else None
@@ -152,7 +152,7 @@ class CpuPlatform(Platform):
     def has_peak_counter(self) -> bool:
         return vm_hwm_resets()
 
-    def reset_peak_memory(self, index: int = 0) -> None:
+    def reset_peak_memory(self, index: int | None = None) -> None:
         if vm_hwm_resets():
             reset_vm_hwm()
 
@@ -161,7 +161,7 @@ class CpuPlatform(Platform):
         memory: a peak measured from an RSS that still holds freed pages would miss what reuses them."""
         _trim_glibc_heap()
 
-    def device_name(self, index: int = 0) -> str:
+    def device_name(self, index: int | None = None) -> str:
         import platform
 
         return platform.processor() or platform.machine() or "cpu"

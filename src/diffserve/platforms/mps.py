@@ -22,15 +22,15 @@ class MpsPlatform(Platform):
         # fp16 is the fast MPS path; bf16 support depends on the macOS version.
         return torch.float16
 
-    def device(self, index: int = 0) -> torch.device:
+    def device(self, index: int | None = None) -> torch.device:
         return torch.device("mps")
 
-    def memory_info(self, index: int = 0) -> MemoryInfo:
+    def memory_info(self, index: int | None = None) -> MemoryInfo:
         allocated = torch.mps.driver_allocated_memory()
         recommended = torch.mps.recommended_max_memory()
         return MemoryInfo(allocated, max(recommended - allocated, 0), recommended)
 
-    def synchronize(self, index: int = 0) -> None:
+    def synchronize(self, index: int | None = None) -> None:
         torch.mps.synchronize()
 
     def step_mark(self) -> StepMark:

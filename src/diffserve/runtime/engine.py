@@ -64,10 +64,12 @@ class Engine:
         memory: MemoryModel | None = None,
         *,
         attention_backend: AttentionBackend,
+        runner: ModelRunner | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.platform = platform
-        self.runner = ModelRunner(pipeline, platform, attention_backend)
+        #: One rank's runner, or rank 0's `DistributedRunner` that drives every rank through the same step.
+        self.runner = runner or ModelRunner(pipeline, platform, attention_backend)
         self.scheduler = StepScheduler(config, memory)
         self.events = events or EngineEvents()
         #: Per-request start, progress and finish lines (the server's); None: only the stage lines.
@@ -270,6 +272,7 @@ class Engine:
 
     def _fail(self, sr: ScheduledRequest, error: BaseException) -> None:
         self.scheduler.remove(sr)
+        self.runner.release(sr.req)
         if isinstance(error, RequestCancelledError):
             sr.state = "cancelled"
             self._end(sr, self.events.on_cancelled)
@@ -281,6 +284,7 @@ class Engine:
         sr.done.set()
 
     def _end(self, sr: ScheduledRequest, hook: Callable[[ScheduledRequest], None]) -> None:
+        self.runner.release(sr.req)
         self._notify(hook, sr)
         self._log_end(sr)
         sr.done.set()

@@ -1,31 +1,117 @@
 """`ModelRunner`: the part of the engine that touches models, one pipeline phase at a time, inside
-`model_scope()` (the attention backend); step times come from `StepTimer` marks (no host sync per step)."""
+`model_scope()` (the attention backend, and with several ranks this rank's `ParallelState`); step times
+come from `StepTimer` marks (no host sync per step). Every rank has one: rank 0's is a
+`DistributedRunner` (runtime/distributed_runner.py) that also tells the other ranks what to run."""
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
 
 from PIL import Image
 
+from diffserve.distributed.state import ParallelState, current_parallel_state, parallel_scope
 from diffserve.layers.attention import AttentionBackend, attention_backend_scope
 from diffserve.platforms.base import Platform
 from diffserve.platforms.step_timer import StepTimer
 from diffserve.request import Req
 from diffserve.runtime.contract import EnginePipeline
 
+#: The fields a denoising step advances: copied into a view before its step and back after.
+STEP_FIELDS = ("latents", "step_index", "scheduler_state", "last_prediction")
+
+
+@dataclass(eq=False)
+class CfgBranchView(Req):
+    """One CFG branch of `source` (0: positive, 1: negative), presented as a request without CFG."""
+
+    source: Req | None = None
+    branch: int = 0  # its `cfg_scale` is the request's
+
+
+def splits_branches(req: Req, state: ParallelState | None) -> bool:
+    """Whether this request's two CFG branches run on different cfg ranks (distributed/cfg_parallel.py)."""
+    return state is not None and state.cfg_degree == 2 and bool(req.do_cfg) and req.step_cache is None
+
+
+def branch_view(req: Req, branch: int) -> CfgBranchView:
+    """A view of `req` that carries only `branch`'s text states (0: the prompt's, 1: the negative one's)."""
+    values = {f.name: getattr(req, f.name) for f in fields(Req)}
+    if branch == 1:
+        values["prompt_embeds"] = req.negative_prompt_embeds
+        values["pooled_prompt_embeds"] = req.negative_pooled_prompt_embeds
+    values.update(
+        negative_prompt_embeds=None,
+        negative_pooled_prompt_embeds=None,
+        do_cfg=False,
+        dit_context=None,  # the view embeds its own branch once, and keeps it
+        on_step=None,
+    )
+    return CfgBranchView(**values, source=req, branch=branch)
+
+
+class CfgBranchViews:
+    """One rank's views of the CFG requests it is running, by request id (dropped by `release`)."""
+
+    def __init__(self) -> None:
+        self._views: dict[str, CfgBranchView] = {}
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def enter(self, reqs: list[Req]) -> list[Req]:
+        """The requests as this rank's denoiser should see them for one step: a synced view in place of
+        each request whose branches are split, the request itself otherwise."""
+        state = current_parallel_state()
+        batch: list[Req] = []
+        for req in reqs:
+            if not splits_branches(req, state):
+                batch.append(req)
+                continue
+            assert state is not None
+            view = self._views.get(req.request_id)
+            if view is None or view.source is not req:
+                view = self._views[req.request_id] = branch_view(req, state.cfg_rank)
+            for name in STEP_FIELDS:
+                setattr(view, name, getattr(req, name))
+            batch.append(view)
+        return batch
+
+    @staticmethod
+    def leave(batch: list[Req]) -> None:
+        """Copy each view's advanced step state back to its request."""
+        for view in batch:
+            if isinstance(view, CfgBranchView):
+                assert view.source is not None
+                for name in STEP_FIELDS:
+                    setattr(view.source, name, getattr(view, name))
+
+    def release(self, request_id: str) -> None:
+        self._views.pop(request_id, None)
+
 
 class ModelRunner:
     def __init__(
-        self, pipeline: EnginePipeline, platform: Platform, attention_backend: AttentionBackend
+        self,
+        pipeline: EnginePipeline,
+        platform: Platform,
+        attention_backend: AttentionBackend,
+        parallel_state: ParallelState | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.platform = platform
         self.attention_backend = AttentionBackend(attention_backend)
+        self.parallel_state = parallel_state
         self.step_timer = StepTimer(platform)
+        #: CFG-parallel: this rank's one-branch views of the CFG requests it runs (distributed/cfg_parallel.py).
+        self.cfg_views = CfgBranchViews()
 
-    def model_scope(self) -> AbstractContextManager[AttentionBackend]:
+    @contextmanager
+    def model_scope(self) -> Iterator[AttentionBackend]:
         """The scope this runner's model calls run in; enter it around any other call into the models."""
-        return attention_backend_scope(self.attention_backend)
+        with parallel_scope(self.parallel_state), attention_backend_scope(self.attention_backend) as backend:
+            yield backend
 
     def validate(self, req: Req) -> Req:
         with self.model_scope():
@@ -39,12 +125,20 @@ class ModelRunner:
         """One DiT batch over `reqs`; each request's `step_times` gets this step's time when it is known."""
         with self.model_scope():
             start = self.step_timer.start()
-            self.pipeline.denoise_step(reqs)
+            batch = self.cfg_views.enter(reqs)  # `reqs` itself unless CFG-parallel splits some
+            self.pipeline.denoise_step(batch)
+            self.cfg_views.leave(batch)
             self.step_timer.stop(start, *(req.step_times for req in reqs))
 
     def post_denoise(self, req: Req) -> Req:
+        self.release(req)
         with self.model_scope():
             return self.pipeline.run_post_denoise(req)
+
+    def release(self, req: Req) -> None:
+        """The request has left the denoising loop (finished, cancelled or failed): drop what this runner
+        kept for it."""
+        self.cfg_views.release(req.request_id)
 
     def preview_images(self, req: Req) -> list[Image.Image]:
         """What the request's outputs would be if sampling stopped after its current step."""

@@ -50,6 +50,7 @@ from diffserve.server.middleware import (
     content_token,
 )
 from diffserve.server.protocol import GenerateJob, JobFinished
+from diffserve.server.replicas import Engines, ReplicaSet
 from diffserve.server.schemas import ImageGenerationRequest, ImagesResponse, ModelCard, ModelList
 from diffserve.server.streaming import (
     ZERO_USAGE,
@@ -125,7 +126,7 @@ class HealthProbe:
     concurrent callers, reused for `reuse_s` s, queued like any job (429 when full), cancelled once no
     caller waits for it."""
 
-    def __init__(self, engine: EngineClient, timeout_s: float, reuse_s: float) -> None:
+    def __init__(self, engine: Engines, timeout_s: float, reuse_s: float) -> None:
         self.engine, self.timeout_s, self.reuse_s = engine, timeout_s, reuse_s
         self._task: asyncio.Task[ProbeResult] | None = None
         self._waiters = 0
@@ -211,6 +212,27 @@ def images_response(
     }
 
 
+#: Engine info that differs between replicas: with several, shown per replica, not in `engine`.
+_PER_REPLICA_INFO = ("load_seconds", "warmup_seconds", "device_name")
+
+
+def replica_info(client: EngineClient) -> dict[str, Any]:
+    """One replica in /server_info: its state, process, restarts and load, and where it runs."""
+    info = client.engine_info
+    return {
+        "replica": client.replica,
+        "state": client.state.value,
+        "detail": client.state_detail,
+        "pid": client.engine_pid,
+        "restarts": client.restarts,
+        "waiting": client.num_waiting,
+        "running": client.num_running,
+        "completed": client.completed,
+        "device_indices": None if client.device_indices is None else list(client.device_indices),
+        **{k: info.get(k) for k in ("platform", *_PER_REPLICA_INFO)},
+    }
+
+
 def _versions() -> dict[str, str]:
     out = {"diffserve": diffserve.__version__, "python": platform.python_version()}
     for name in ("fastapi", "uvicorn", "pyzmq", "pydantic", "prometheus-client"):
@@ -224,13 +246,17 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
     called when the engine cannot start (the CLI then stops the server with that exit code)."""
     metrics = ServerMetrics()
     on_fatal = on_fatal or (lambda code, message: logger.error("Engine failed: %s", message))
-    engine = EngineClient(args, metrics, on_fatal)
+    # One engine process as always, or --dp-size replicas behind this front end (replicas.py).
+    engine: Engines = (
+        EngineClient(args, metrics, on_fatal) if args.dp_size == 1 else ReplicaSet(args, metrics, on_fatal)
+    )
     metrics.queue_depth.set_function(lambda: engine.num_waiting)
     metrics.running.set_function(lambda: engine.num_running)
     metrics.engine_ready.set_function(lambda: float(engine.ready))
+    metrics.track_replicas(engine.replicas)
     video_jobs = VideoJobManager(args.output_dir, args.job_ttl, engine, metrics)
     # Only a video model gets a job store, opened before its engine takes requests (restarts included).
-    engine.ready_hooks.append(video_jobs.on_engine_ready)
+    engine.add_ready_hook(video_jobs.on_engine_ready)
     probe = HealthProbe(engine, HEALTH_GENERATE_TIMEOUT_S, HEALTH_GENERATE_REUSE_S)
     started_at = int(time.time())
 
@@ -399,18 +425,21 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
 
     @app.get("/server_info", responses=_ERRORS)
     async def server_info() -> dict[str, Any]:
+        replicas = [replica_info(client) for client in engine.replicas]
+        hidden = {"versions", "replica", *(_PER_REPLICA_INFO if len(replicas) > 1 else ())}
         return {
             "model": args.model_id,
             "server_args": args.to_dict(),
-            "engine": {
+            "engine": {  # one replica: its engine; several: the state clients see, the sums, the model
                 "state": engine.state.value,
                 "detail": engine.state_detail,
-                "pid": engine.engine_pid,
-                "restarts": engine.restarts,
+                "pid": replicas[0]["pid"] if len(replicas) == 1 else None,
+                "restarts": sum(replica["restarts"] for replica in replicas),
                 "waiting": engine.num_waiting,
                 "running": engine.num_running,
-                **{k: v for k, v in engine.engine_info.items() if k != "versions"},
+                **{k: v for k, v in engine.engine_info.items() if k not in hidden},
             },
+            "replicas": replicas,
             "versions": {**_versions(), **engine.engine_info.get("versions", {})},
             "front_end_pid": os.getpid(),
             "python_executable": sys.executable,

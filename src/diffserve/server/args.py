@@ -46,6 +46,9 @@ class ServerArgs:
     #: The server's address as clients reach it (`https://img.example.com`), for the image URLs of
     #: response_format="url"; unset, the request's own scheme and Host header are used.
     public_url: str | None = None
+    #: Data-parallel replicas: engine processes, each with its own copy of the model, behind this front
+    #: end, which sends each request to the least-loaded ready one (`server/replicas.py`).
+    dp_size: int = 1
 
     @property
     def model_id(self) -> str:
@@ -86,6 +89,12 @@ class ServerArgs:
     def image_body_bytes(self, images: int) -> int:
         """A body with room for `images` input images; `max_body_bytes`, as generations, for none."""
         return images * -(-self.max_image_bytes * 4 // 3) + self.max_body_bytes
+
+    @property
+    def devices_per_replica(self) -> int:
+        """Accelerators one replica's engine uses on this machine (its ranks here: `--num-gpus` over
+        `--nnodes`); replica i starts at device index i x this."""
+        return self.engine_args.parallel_config().ranks_per_node
 
     @property
     def output_dir(self) -> Path:

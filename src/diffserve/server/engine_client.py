@@ -122,12 +122,28 @@ async def _serialized(job: msg.GenerateJob) -> bytes:
 
 
 class EngineClient:
+    """One engine process: spawned, supervised (restarted when it dies) and talked to over ZeroMQ.
+
+    `replica` numbers it among `--dp-size` replicas (0 alone): it names the process and the log lines,
+    and with several replicas picks the replica's devices. `queued_total` counts the requests waiting
+    beyond free running slots that `--max-queue-size` limits: this client's alone by default, every
+    replica's with several (the limit is server-wide)."""
+
     def __init__(
-        self, args: ServerArgs, metrics: ServerMetrics, on_fatal: Callable[[int, str], None]
+        self,
+        args: ServerArgs,
+        metrics: ServerMetrics,
+        on_fatal: Callable[[int, str], None],
+        replica: int = 0,
+        queued_total: Callable[[], int] | None = None,
     ) -> None:
         self.args, self.metrics, self.on_fatal = args, metrics, on_fatal
+        self.replica = replica
+        self.name = "Engine" if args.dp_size == 1 else f"Replica {replica}"
+        self._queued_total = queued_total or (lambda: self.num_queued)
         self.state, self.state_detail = EngineState.STOPPED, ""
         self.incarnation = self.restarts = 0
+        self.completed = 0  # requests the engine finished (health probes included), shown per replica
         self.engine_pid: int | None = None
         self.engine_info: dict[str, Any] = {}
         self.probe_size = 64
@@ -145,8 +161,8 @@ class EngineClient:
 
     async def start(self) -> None:
         # A private 0700 directory: only this user reaches the sockets.
-        self._ipc_dir = Path(tempfile.mkdtemp(prefix="diffserve-"))
-        logger.info("Engine link: ZeroMQ IPC sockets in %s", self._ipc_dir)
+        self._ipc_dir = Path(tempfile.mkdtemp(prefix=f"diffserve-{self.replica}-"))
+        logger.info("%s link: ZeroMQ IPC sockets in %s", self.name, self._ipc_dir)
         self._addresses = (f"ipc://{self._ipc_dir}/to_engine", f"ipc://{self._ipc_dir}/from_engine")
         self._context = zmq.asyncio.Context()
         self._push = zmq.Socket(self._context, zmq.PUSH)  # sync socket: every send is NOBLOCK
@@ -163,15 +179,25 @@ class EngineClient:
         self.state_detail = "loading the model" if state == EngineState.STARTING else "restarting the engine"
         a = self.args
         cfg = EngineProcessConfig(
-            a.engine_args, *self._addresses, self.incarnation, a.warmup, a.log_level, a.log_progress_interval
-        )
-        name = f"diffserve-engine-{self.incarnation}"
+            a.engine_args, *self._addresses, self.incarnation, a.warmup, a.log_level, a.log_progress_interval,
+            replica=self.replica, device_indices=self.device_indices,
+        )  # fmt: skip
+        name = f"diffserve-engine-{self.replica}-{self.incarnation}"
         process = multiprocessing.get_context("spawn").Process(
             target=run_engine_process, args=(cfg,), name=name
         )
         await asyncio.to_thread(process.start)
         self._process, self.engine_pid = process, process.pid
-        logger.info("Engine process started (pid %d)", process.pid)
+        logger.info("%s process started (pid %d)", self.name, process.pid)
+
+    @property
+    def device_indices(self) -> tuple[int, ...] | None:
+        """The accelerator indices this replica's engine uses: `replica * n .. + n - 1` for n devices per
+        replica; None with one replica (the engine's own choice, as without --dp-size)."""
+        if self.args.dp_size == 1:
+            return None
+        n = self.args.devices_per_replica
+        return tuple(range(self.replica * n, (self.replica + 1) * n))
 
     def begin_drain(self, timeout: float) -> None:
         """SIGTERM: refuse new requests, give in-flight ones `timeout` seconds, then cancel the rest."""
@@ -196,13 +222,21 @@ class EngineClient:
         self.kill_engine()
         self._fail_all(EngineUnavailableError(reason, code="shutting_down"))
 
+    def fail(self, message: str) -> None:
+        """Stop this engine for good (never restarted): kill its process, answer its requests in flight
+        with 503 `engine_failed`, and report `on_fatal`. For an engine that must not serve (`ReplicaSet`)."""
+        self.state, self.state_detail = EngineState.FAILED, message
+        self.kill_engine()
+        self._fail_all(self.unavailable_error())
+        self.on_fatal(1, message)
+
     def kill_engine(self) -> None:
         """Kill the engine process (no cleanup there is worth waiting for) and remove the socket folder.
         Synchronous, so it also runs after the event loop is gone: nothing is left for multiprocessing's
         exit-time join to wait on."""
         process, self._process = self._process, None
         if process is not None and process.is_alive():
-            logger.warning("Killing the engine process (pid %s)", process.pid)
+            logger.warning("Killing the %s process (pid %s)", self.name.lower(), process.pid)
             process.kill()
             process.join(ENGINE_KILL_WAIT_S)
         if self._ipc_dir is not None:
@@ -229,7 +263,9 @@ class EngineClient:
                 self._send_nowait(msg.ShutdownEngine())
                 await asyncio.to_thread(process.join, ENGINE_STOP_TIMEOUT_S)
                 if process.is_alive():
-                    logger.warning("Engine did not stop within %.0f s; terminating it", ENGINE_STOP_TIMEOUT_S)
+                    logger.warning(
+                        "%s did not stop within %.0f s; terminating it", self.name, ENGINE_STOP_TIMEOUT_S
+                    )
             for end in (process.terminate, process.kill):  # still loading (nothing to lose), or stuck
                 if process.is_alive():
                     end()
@@ -245,11 +281,16 @@ class EngineClient:
         self._context.term()
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
-        logger.info("Engine stopped")
+        logger.info("%s stopped", self.name)
 
     @property
     def ready(self) -> bool:
         return self.state == EngineState.READY
+
+    @property
+    def replicas(self) -> tuple[EngineClient]:
+        """The replicas behind the front end (`replicas.Engines`): this client alone."""
+        return (self,)
 
     @property
     def num_waiting(self) -> int:
@@ -286,8 +327,10 @@ class EngineClient:
         if not self.ready:
             raise self.unavailable_error()
         # Every job counts, /health_generate's probe included: an open route must not bypass the limit.
-        if self.num_waiting - self.free_slots >= (limit := self.args.max_queue_size):  # this one would wait
-            message = f"the queue is full ({self.num_queued} requests waiting, --max-queue-size {limit}); retry later"
+        # One that would wait (no free slot here) is refused when the queue, server-wide, is full.
+        queued, limit = self._queued_total(), self.args.max_queue_size
+        if self.num_waiting >= self.free_slots and queued >= limit:
+            message = f"the queue is full ({queued} requests waiting, --max-queue-size {limit}); retry later"
             raise QueueFullError(message)
         entry = PendingRequest(job, asyncio.get_running_loop().create_future(), time.monotonic(), **pending)
         self._pending[job.request_id] = entry
@@ -312,6 +355,10 @@ class EngineClient:
             self.cancel(job.request_id)
             self._pending.pop(job.request_id, None)
             raise
+
+    def add_ready_hook(self, hook: ReadyHook) -> None:
+        """Run `hook(info)` each time the engine process reports ready, before it takes requests."""
+        self.ready_hooks.append(hook)
 
     def cancel(self, request_id: str) -> bool:
         """Ask the engine to stop a job; its future then fails with JobCancelledError. False: not in flight."""
@@ -351,6 +398,7 @@ class EngineClient:
         if error is not None:
             pending.future.set_exception(error)
         else:
+            self.completed += 1
             pending.future.set_result(result)
 
     def _fail_all(self, error: Exception) -> None:
@@ -376,7 +424,7 @@ class EngineClient:
             self._on_ready(message)
         elif isinstance(message, msg.EngineFatal):
             self._fatal = message
-            logger.error("Engine failed to start: %s", message.message)
+            logger.error("%s failed to start: %s", self.name, message.message)
         elif isinstance(message, msg.JobFinished):
             self._resolve(message.request_id, result=message)
         elif isinstance(message, msg.JobRejected):
@@ -419,7 +467,9 @@ class EngineClient:
         self._engine_ready = self._ever_ready = True
         self._failed_starts = 0
         a = self.args
-        logger.info("Engine ready (pid %d): accepting requests on http://%s:%d", message.pid, a.host, a.port)
+        logger.info(
+            "%s ready (pid %d): accepting requests on http://%s:%d", self.name, message.pid, a.host, a.port
+        )
 
     async def _watch_loop(self) -> None:
         while True:
@@ -439,7 +489,7 @@ class EngineClient:
         )
         self._fail_all(EngineUnavailableError(message, code="engine_died"))
         if stopping:
-            logger.warning("Engine process (pid %s) exited with code %s during shutdown", pid, code)
+            logger.warning("%s process (pid %s) exited with code %s during shutdown", self.name, pid, code)
             return
         if not self._ever_ready:
             message = fatal.message if fatal else f"the engine process exited with code {code} while starting"
@@ -456,7 +506,9 @@ class EngineClient:
             return
         delay = 0.0 if self._failed_starts == 0 else min(30.0, 2.0 ** (self._failed_starts - 1))
         in_delay = f" in {delay:g} s" if delay else ""
-        logger.error("Engine process (pid %s) exited with code %s; restarting it%s", pid, code, in_delay)
+        logger.error(
+            "%s process (pid %s) exited with code %s; restarting it%s", self.name, pid, code, in_delay
+        )
         self.state, self.state_detail = EngineState.RESTARTING, "restarting the engine"
         self.restarts += 1
         self.metrics.engine_restarts.inc()

@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,41 @@ class EngineProcessConfig:
     warmup: bool = True
     log_level: str = "info"
     progress_log_interval: float = PROGRESS_LOG_INTERVAL_S  # seconds between a long request's progress lines
+    replica: int = 0  # its index among `--dp-size` replicas
+    #: The accelerator indices this replica uses (`--dp-size` > 1); None: the platform's default device.
+    device_indices: tuple[int, ...] | None = None
+
+
+#: Each accelerator runtime's variable listing the devices a process sees (as the runtimes define them);
+#: a replica narrows them to its own, so its engine's device 0 is the replica's first device.
+VISIBLE_DEVICES_ENV: dict[str, str] = {
+    "cuda": "CUDA_VISIBLE_DEVICES",
+    "rocm": "HIP_VISIBLE_DEVICES",
+    "musa": "MUSA_VISIBLE_DEVICES",
+    "xpu": "ZE_AFFINITY_MASK",
+    "npu": "ASCEND_RT_VISIBLE_DEVICES",
+}
+
+
+def pin_devices(
+    device: str | None, indices: tuple[int, ...], environ: MutableMapping[str, str]
+) -> dict[str, str]:
+    """Narrow the visible devices of this process to `indices` (positions in what the runtime sees now:
+    the user's own list when the variable is set) before any runtime starts; returns what was set.
+    `device` (`--device`) picks the runtime; None (detect) narrows every runtime's list. A replica whose
+    indices are beyond the devices there are sees none: its engine then fails (`--device`) or detects
+    another platform, which the front end refuses (`ReplicaSet`)."""
+    key = None if device is None else device.lower().partition(":")[0]
+    names = [name for platform, name in VISIBLE_DEVICES_ENV.items() if key is None or platform == key]
+    if key == "cuda":  # torch on ROCm answers to "cuda" too
+        names.append(VISIBLE_DEVICES_ENV["rocm"])
+    chosen = {}
+    for name in names:
+        current = environ.get(name)
+        listed = current.split(",") if current else [str(i) for i in range(max(indices) + 1)]
+        chosen[name] = ",".join(listed[i] for i in indices if i < len(listed))
+    environ.update(chosen)
+    return chosen
 
 
 class Channel:
@@ -109,6 +145,10 @@ class Channel:
         self.inbox.close(linger=0)
         self.outbox.close()
         self.context.term()
+
+
+#: How often the engine process checks its other ranks' processes (`Engine._watch_ranks`).
+RANK_WATCH_INTERVAL_S = 0.2
 
 
 class Engine:
@@ -153,8 +193,38 @@ class Engine:
         logger.info("Scheduler: %s", info["scheduler"])
         self.receiver = threading.Thread(target=self._receive_loop, name="engine-receiver", daemon=True)
         self.receiver.start()
+        if getattr(self.generator, "ranks", None) is not None:
+            threading.Thread(target=self._watch_ranks, name="rank-watchdog", daemon=True).start()
         self.channel.send(msg.EngineReady(pid=os.getpid(), info=info, probe_size=self.probe_size))
         logger.info("Engine ready (pid %d)", os.getpid())
+
+    def _parallel_info(self) -> dict[str, Any]:
+        """The rank layout (degrees) and the pids of this engine's other rank processes."""
+        args = self.config.engine_args
+        config = args.parallel_config()
+        ranks = getattr(self.generator, "ranks", None)
+        return {
+            "num_gpus": config.num_gpus,
+            "ulysses_degree": config.ulysses_degree,
+            "ring_degree": config.ring_degree,
+            "cfg_degree": config.cfg_degree,
+            "worker_pids": [p.pid for p, _ in ranks.processes] if ranks is not None else [],
+        }
+
+    def _watch_ranks(self) -> None:
+        """A rank process that died (or a rank group broken by a failed collective) leaves this engine
+        unable to run any request: exit, so the front end answers what was in flight with 503
+        `engine_died` and starts a new engine with new ranks (its usual restart)."""
+        ranks = self.generator.ranks
+        while not self.stop.wait(RANK_WATCH_INTERVAL_S):
+            dead = [
+                (rank, p) for rank, (p, _) in enumerate(ranks.processes, start=1) if p.exitcode is not None
+            ]
+            if dead or ranks.failure is not None:
+                why = ", ".join(f"rank {r} (pid {p.pid}) exited with code {p.exitcode}" for r, p in dead)
+                logger.error("Engine: %s; exiting so the server restarts the engine", why or ranks.failure)
+                logging.shutdown()
+                os._exit(1)
 
     def probe_params(self, prompt: str, side: int | None = None) -> SamplingParams:
         side, images = side or self.probe_size, self.probe_images
@@ -204,6 +274,7 @@ class Engine:
             "max_input_images": facts.max_input_images,
             "video": video,
             "platform": g.platform.name,
+            "parallel": self._parallel_info(),
             "device_name": g.platform.device_name(),
             "dtype": str(g.dtype).removeprefix("torch."),
             "pixel_multiple": self.pixel_multiple,
@@ -216,6 +287,7 @@ class Engine:
                 "memory_model": s.memory.describe() if s.memory is not None else None,
             },
             "warmup_seconds": None if warmup_seconds is None else round(warmup_seconds, 3),
+            "replica": self.config.replica,
             # str(): torch's version object would make the front end import torch to unpickle it.
             "versions": {"diffserve": diffserve.__version__, "torch": str(torch.__version__)},
         }
@@ -414,6 +486,9 @@ def run_engine_process(config: EngineProcessConfig) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front end, which shuts us down
     configure_logging(config.log_level)
     _exit_with_parent()
+    if config.device_indices is not None:  # before any accelerator runtime starts in this process
+        chosen = pin_devices(config.engine_args.device, config.device_indices, os.environ)
+        logger.info("Replica %d: devices %s", config.replica, " ".join(f"{k}={v}" for k, v in chosen.items()))
     channel, code = Channel(config), 0
     try:
         engine = Engine(config, channel)
@@ -425,7 +500,10 @@ def run_engine_process(config: EngineProcessConfig) -> None:
         channel.send(msg.EngineFatal(str(exc) if user_error else f"{type(exc).__name__}: {exc}", user_error))
         code = 2 if user_error else 1
     else:
-        engine.run_forever()
+        try:
+            engine.run_forever()
+        finally:
+            engine.generator.close()  # its rank processes (num_gpus > 1) stop with it, not by watchdog
     channel.close()
     # Skip interpreter teardown (seconds with torch and transformers loaded); everything is flushed.
     logging.shutdown()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from diffserve.server.protocol import JobFinished
@@ -9,6 +12,19 @@ from diffserve.server.protocol import JobFinished
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class ReplicaLoad(Protocol):
+    """What the per-replica gauges read of one replica (an `EngineClient`)."""
+
+    replica: int
+
+    @property
+    def ready(self) -> bool: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def num_running(self) -> int: ...
 
 
 class ServerMetrics:
@@ -28,6 +44,18 @@ class ServerMetrics:
         self.queue_depth = Gauge("diffserve_queue_depth", "Requests waiting for the engine", registry=r)
         self.running = Gauge("diffserve_running_requests", "Requests the engine is running", registry=r)
         self.engine_ready = Gauge("diffserve_engine_ready", "1 when the engine accepts requests", registry=r)
+        replica = {"labelnames": ["replica"], "registry": r}
+        self.replica_queue_depth = Gauge(
+            "diffserve_replica_queue_depth",
+            "Requests waiting for one replica's engine (--dp-size)",
+            **replica,
+        )
+        self.replica_running = Gauge(
+            "diffserve_replica_running_requests", "Requests one replica's engine is running", **replica
+        )
+        self.replica_up = Gauge(
+            "diffserve_replica_engine_up", "1 when the replica's engine accepts requests", **replica
+        )
         self.engine_restarts = Counter(
             "diffserve_engine_restarts", "Engine restarts after a crash", registry=r
         )
@@ -61,6 +89,14 @@ class ServerMetrics:
             "diffserve_peak_memory_max_bytes", "Highest peak memory of any request since start", registry=r
         )
         self._max_peak = 0
+
+    def track_replicas(self, replicas: Sequence[ReplicaLoad]) -> None:
+        """Per-replica gauges, read at each scrape; one label value per replica (bounded by --dp-size)."""
+        for rep in replicas:
+            label = str(rep.replica)
+            self.replica_queue_depth.labels(label).set_function(lambda rep=rep: rep.num_waiting)
+            self.replica_running.labels(label).set_function(lambda rep=rep: rep.num_running)
+            self.replica_up.labels(label).set_function(lambda rep=rep: float(rep.ready))
 
     def count(self, outcome: str) -> None:
         """One generation request's outcome (`diffserve_generation_requests_total`)."""

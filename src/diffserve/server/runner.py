@@ -4,8 +4,9 @@ The first SIGTERM or Ctrl-C drains: the server keeps listening but answers new g
 /health) with 503 `shutting_down`, while the requests in flight and the /v1/videos jobs get
 `--shutdown-timeout` seconds (their clients can still poll and download); then the rest are cancelled,
 uvicorn stops, the engine stops, and the process exits (0 for SIGTERM, 130 for Ctrl-C). A second signal
-stops at once: the engine process is killed, the requests in flight are answered 503, the IPC socket
-folder is removed, and the server exits within ABORT_GRACE_S even if a client does not read its answer.
+stops at once: the engine process (every replica's, with --dp-size) is killed, the requests in flight are
+answered 503, the IPC socket folders are removed, and the server exits within ABORT_GRACE_S even if a
+client does not read its answer.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import uvicorn
 from diffserve.errors import UserError
 from diffserve.server.app import create_app
 from diffserve.server.args import ServerArgs
-from diffserve.server.engine_client import EngineClient
+from diffserve.server.replicas import Engines
 
 logger = logging.getLogger("diffserve.server")
 
@@ -36,7 +37,7 @@ class GracefulServer(uvicorn.Server):
     stops once the drain is over, not before: video jobs hold no connection it would wait for), the
     second aborts; uvicorn's own force-quit only from the third."""
 
-    def __init__(self, config: uvicorn.Config, engine: EngineClient, shutdown_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: Engines, shutdown_timeout: float) -> None:
         super().__init__(config)
         self.engine, self.shutdown_timeout = engine, shutdown_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -118,7 +119,7 @@ def serve(args: ServerArgs) -> int:
     config = uvicorn.Config(
         app, args.host, args.port, log_config=None, access_log=False, timeout_graceful_shutdown=backstop
     )
-    engine: EngineClient = app.state.engine
+    engine: Engines = app.state.engine
     server = GracefulServer(config, engine, args.shutdown_timeout)
     # After a third signal uvicorn re-raises the signals it stopped on once it is done; for SIGTERM that
     # lands here, so the process exits with its code instead of being killed by the default handler.

@@ -26,7 +26,6 @@ from typing import Any, Literal
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.outputs import partial_path
 from diffserve.server.engine_client import (
-    EngineClient,
     EngineUnavailableError,
     JobCancelledError,
     JobFailedError,
@@ -34,6 +33,7 @@ from diffserve.server.engine_client import (
 )
 from diffserve.server.metrics import ServerMetrics
 from diffserve.server.protocol import VIDEO_TASKS, GenerateJob, JobFinished, JobProgress, JobStarted
+from diffserve.server.replicas import Engines
 
 logger = logging.getLogger("diffserve.server")
 
@@ -229,9 +229,7 @@ class VideoJobStore:
 class VideoJobManager:
     """The jobs of `/v1/videos` (see the module docstring)."""
 
-    def __init__(
-        self, output_dir: Path, job_ttl: float, engine: EngineClient, metrics: ServerMetrics
-    ) -> None:
+    def __init__(self, output_dir: Path, job_ttl: float, engine: Engines, metrics: ServerMetrics) -> None:
         self.output_dir, self.ttl, self.engine, self.metrics = output_dir, job_ttl, engine, metrics
         self.store: VideoJobStore | None = None
         #: Jobs the engine has in flight: the live records (progress is kept here, not in SQLite).
@@ -309,7 +307,7 @@ class VideoJobManager:
     async def create(
         self, params: SamplingParams, model: str, image_to_video: bool, priority: int = 0
     ) -> VideoJob:
-        """Submit a job and record it once the engine accepted it. Raises what `EngineClient.submit` raises."""
+        """Submit a job and record it once the engine accepted it. Raises what `Engines.submit` raises."""
         assert self.store is not None
         video_id = f"video_{uuid.uuid4().hex}"
         job = VideoJob(video_id, "queued", model, params.prompt, time.time(), image_to_video=image_to_video)

@@ -16,11 +16,12 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from diffserve.server.args import ServerArgs
-from diffserve.server.engine_client import EngineClient, JobRejectedError
+from diffserve.server.engine_client import JobRejectedError
 from diffserve.server.errors import ApiError, documented
 from diffserve.server.image_edits import inline_schema
 from diffserve.server.metrics import ServerMetrics
 from diffserve.server.protocol import wrong_route
+from diffserve.server.replicas import Engines
 from diffserve.server.request_body import RawImage, check_source, load_input_image, read_body
 from diffserve.server.schemas import VIDEO_ACCEPTED_FIELDS, ApiParamError, ImageReference, VideoCreateRequest
 from diffserve.server.streaming import ContentFileResponse
@@ -89,7 +90,7 @@ def no_content_message(job: VideoJob) -> str:
     )
 
 
-def check_route(engine: EngineClient, video: bool) -> None:
+def check_route(engine: Engines, video: bool) -> None:
     """Refuse a model of the other kind, naming the route to use. Before the engine is ready /v1/videos
     answers 503; the image routes learn it from the engine client."""
     if not engine.ready:
@@ -104,7 +105,7 @@ def check_route(engine: EngineClient, video: bool) -> None:
 
 def video_router(
     args: ServerArgs,
-    engine: EngineClient,
+    engine: Engines,
     jobs: VideoJobManager,
     metrics: ServerMetrics,
     check_model: Callable[[str | None], None],

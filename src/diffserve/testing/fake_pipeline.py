@@ -127,3 +127,6 @@ class FakeGenerator:
             config or SchedulerConfig(max_batch_tokens=16384),
             attention_backend=AttentionBackend.SDPA,
         )
+
+    def close(self) -> None:
+        """One device: no rank processes to stop."""

@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.layers.adaln import AdaLayerNormContinuous, AdaLayerNormZero
-from diffserve.layers.attention import attention
 from diffserve.layers.embeddings import CombinedTimestepTextEmbedding
 from diffserve.layers.feedforward import FeedForward
 from diffserve.layers.joint_attention import Heads, RotaryJointAttention
@@ -228,6 +228,8 @@ class FluxJointAttention(RotaryJointAttention):
     Diffusers' `fuse_qkv_projections` names them); the checkpoint names stay the unfused ones.
     """
 
+    attend = staticmethod(sequence_attention)  # over this rank's shard when the sequence is split
+
     def __init__(self, dim: int, num_heads: int, head_dim: int) -> None:
         super().__init__(dim, num_heads, head_dim, lambda: _qk_norm(head_dim))
         self.to_qkv: nn.Linear | None = None
@@ -274,7 +276,7 @@ class FluxSelfAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeTables) -> torch.Tensor:
         """Attention over projected (batch, seq, heads, head_dim) q, k, v; returns (batch, seq, inner)."""
         q, k = self.rope(self.norm_q(q), self.norm_k(k), *rope)
-        return attention(q, k, v).flatten(2)
+        return sequence_attention(q, k, v).flatten(2)
 
 
 class FluxTransformerBlock(nn.Module):
@@ -574,6 +576,9 @@ class FluxTransformer2DModel(nn.Module):
 
         `mods` are the blocks' adaLN vectors (`_modulations` without the output head's).
         """
+        split = sequence_split([ctx.shape[1], x.shape[1]])
+        if split is not None:
+            return self._run_blocks_split(split, x, ctx, mods, rope)
         mods_iter = iter(mods)
         for block in self.transformer_blocks:
             ctx, x = block(x, ctx, next(mods_iter), next(mods_iter), rope)
@@ -585,6 +590,32 @@ class FluxTransformer2DModel(nn.Module):
         for block in leading:
             h = block(h, next(mods_iter), rope)
         return last(h, next(mods_iter), rope, text_len=txt_len)
+
+    def _run_blocks_split(
+        self,
+        split: SequenceSplit,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        mods: Sequence[torch.Tensor],
+        rope: RopeTables,
+    ) -> torch.Tensor:
+        """`_run_blocks` with the text and image streams split over the sequence-parallel ranks: every
+        block runs on this rank's shards, attention gathers the keys (`sequence_attention`), and the image
+        stream is gathered back at the end. The last block runs whole (its image-rows-only shortcut would
+        give queries and keys different lengths, which the all-to-all cannot take)."""
+        text, image = 0, 1
+        x, ctx = split.split(image, x), split.split(text, ctx)
+        rope = split.split_rope(rope)
+        mods_iter = iter(mods)
+        with split.attention_scope(x.shape[0], x.device):
+            for block in self.transformer_blocks:
+                ctx, x = block(x, ctx, next(mods_iter), next(mods_iter), rope)
+            if self.single_transformer_blocks:
+                h = torch.cat([ctx, x], dim=1)
+                for block in self.single_transformer_blocks:
+                    h = block(h, next(mods_iter), rope)
+                x = h[:, ctx.shape[1] :]
+        return split.gather(image, x)
 
     def _cache_signal(self, x: torch.Tensor, mods: Sequence[torch.Tensor]) -> torch.Tensor:
         """The first block's timestep-modulated image input: what the step cache watches change."""

@@ -1,0 +1,117 @@
+"""A worker rank's process: watch the parent, join the process group, then hand over to the loop that
+serves rank 0's ops (`RankSpec.serve`: the engine's, `diffserve.api.serve_rank`, injected so that this
+low-level package, which the models import, never imports the engine).
+
+The control channel, over `ParallelState.cpu_group` (gloo): rank 0 broadcasts one message
+(`broadcast_object_list`: a decision, never a tensor), every rank acts on it, then every rank's status
+(None, or its error's text) is gathered on rank 0 (`gather_object`). The message `STOP` ends the loop.
+The ops themselves are in runtime/distributed_runner.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from diffserve.distributed.config import ParallelConfig
+from diffserve.distributed.state import ParallelState, build_parallel_state
+from diffserve.platforms import Platform, resolve_platform
+
+#: The message that ends a worker's loop.
+STOP = "stop"
+#: How long a worker waits idle for rank 0's next op on the control group: a server may idle for days.
+IDLE_CONTROL_TIMEOUT = timedelta(days=365)
+#: Seconds between a worker's checks that its parent process is still there.
+WATCHDOG_POLL_S = 0.5
+
+
+class RankArgs(Protocol):
+    """What starting a rank reads from the engine's settings (`EngineArgs`)."""
+
+    device: str | None
+    dist_timeout: int
+
+    def parallel_config(self) -> ParallelConfig: ...
+
+
+#: A rank's loop after joining: load the model, report ready, run ops until `STOP`.
+ServeRank = Callable[[ParallelState, RankArgs, Platform], None]
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a rank process needs (picklable, for 'spawn'; `serve` travels by reference)."""
+
+    args: RankArgs
+    rank: int
+    local_rank: int
+    world_size: int
+    init_method: str  # "tcp://host:port", or "env://" under torchrun
+    num_threads: int
+    serve: ServeRank
+    log_level: int = logging.WARNING
+
+
+def describe_error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def receive_message(state: ParallelState) -> object:
+    """Rank 0's next message (blocks until it broadcasts one)."""
+    box: list[object] = [None]
+    dist.broadcast_object_list(box, src=0, group=state.cpu_group)
+    return box[0]
+
+
+def send_status(state: ParallelState, status: str | None) -> None:
+    dist.gather_object(status, None, dst=0, group=state.cpu_group)
+
+
+def watch_parent(connection: Connection, parent_pid: int) -> None:
+    """Exit this process at once when the parent is gone: its end of `connection` closes (EOF) or this
+    process is re-parented (`os.getppid()` changes). A daemon thread: it never blocks an exit."""
+
+    def watch() -> None:
+        while True:
+            try:
+                if connection.poll(WATCHDOG_POLL_S):
+                    connection.recv()  # the parent never sends: only EOF ends up here
+            except (EOFError, OSError):
+                os._exit(1)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def worker_main(spec: RankSpec, connection: Connection | None, parent_pid: int) -> None:
+    """Target of a spawned worker process."""
+    if connection is not None:
+        watch_parent(connection, parent_pid)
+    run_rank(spec)
+
+
+def run_rank(spec: RankSpec) -> None:
+    """One non-scheduling rank, in this process: join the process group, serve, leave."""
+    torch.set_num_threads(spec.num_threads)
+    logging.basicConfig(level=spec.log_level, format=f"[rank {spec.rank}] %(asctime)s %(message)s")
+    platform = resolve_platform(spec.args.device).for_rank(spec.local_rank)
+    platform.bind_device()
+    dist.init_process_group(
+        platform.dist_backend, init_method=spec.init_method, rank=spec.rank, world_size=spec.world_size,
+        timeout=timedelta(seconds=spec.args.dist_timeout),
+    )  # fmt: skip
+    try:
+        state = build_parallel_state(spec.args.parallel_config(), spec.local_rank, IDLE_CONTROL_TIMEOUT)
+        spec.serve(state, spec.args, platform)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,169 @@
+"""Running one engine over N ranks: rank 0's `DistributedRunner` broadcasts each phase as an `Op`
+before running it too, and every other rank's `OpFollower` runs the same op on its mirror of the request.
+
+After each op every rank's status is gathered on rank 0 (distributed/worker.py, the control channel),
+so an error on any rank fails that op's request(s) on rank 0 with the rank's message instead of a hang.
+Validation and previews stay on rank 0: they run no collective. Ops:
+
+- `pre_denoise(request_id, params)`: validate the params rank 0 resolved (same seed: same generator and
+  latents; same text: same embeddings) and run the pre-denoise phase on a new mirror.
+- `denoise_step(request_ids)`: one step over the mirrors as one DiT batch; the DiT splits its work by the
+  `ParallelState` in scope (CFG branch, sequence shard), and every rank ends with the same latents.
+- `post_denoise(request_id)`: rank 0 decodes; the workers drop their mirror without decoding (only rank
+  0's images are used; a parallel VAE decode would make this a decode on every rank).
+- `drop(request_id)`: the request ended early on rank 0 (cancelled, failed): the mirrors are dropped.
+
+Limit: an op that fails on one rank after another rank entered a collective of the same step (e.g. the
+CFG all-gather) leaves that rank waiting until `--dist-timeout`; the request then fails, not hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+from diffserve.configs.sampling_params import SamplingParams
+from diffserve.distributed.launch import RankFailedError, RankGroup
+from diffserve.distributed.state import ParallelState
+from diffserve.distributed.worker import STOP, describe_error, receive_message, send_status
+from diffserve.layers.attention import AttentionBackend
+from diffserve.platforms.base import Platform
+from diffserve.request import Req
+from diffserve.runtime.contract import EnginePipeline
+from diffserve.runtime.runner import ModelRunner
+
+T = TypeVar("T")
+logger = logging.getLogger("diffserve.distributed")
+
+OpKind = Literal["pre_denoise", "denoise_step", "post_denoise", "drop"]
+#: Test hook: "KIND:PROMPT" makes every worker rank raise in op KIND for a request whose prompt is PROMPT.
+FAILURE_HOOK_ENV = "DIFFSERVE_TEST_WORKER_FAILURE"
+
+
+@dataclass(frozen=True)
+class Op:
+    """One decision of rank 0, the same for every rank."""
+
+    kind: OpKind
+    request_ids: tuple[str, ...]
+    params: SamplingParams | None = None
+
+
+class DistributedRunner(ModelRunner):
+    """Rank 0's runner: each phase is broadcast, run here, then every rank's status is checked."""
+
+    def __init__(
+        self,
+        pipeline: EnginePipeline,
+        platform: Platform,
+        attention_backend: AttentionBackend,
+        ranks: RankGroup,
+    ) -> None:
+        super().__init__(pipeline, platform, attention_backend, parallel_state=ranks.state)
+        self.ranks = ranks
+        #: Requests whose pre-denoise was broadcast and whose mirrors the workers still hold.
+        self.mirrored: set[str] = set()
+
+    def pre_denoise(self, req: Req) -> Req:
+        self.mirrored.add(req.request_id)
+        run_here = super().pre_denoise
+        return self._run(Op("pre_denoise", (req.request_id,), req.params), lambda: run_here(req))
+
+    def denoise_step(self, reqs: list[Req]) -> None:
+        run_here = super().denoise_step
+        self._run(Op("denoise_step", tuple(req.request_id for req in reqs)), lambda: run_here(reqs))
+
+    def post_denoise(self, req: Req) -> Req:
+        """Decoding runs on rank 0 only; the workers drop their mirror."""
+        run_here = super().post_denoise
+        self.mirrored.discard(req.request_id)
+        return self._run(Op("post_denoise", (req.request_id,)), lambda: run_here(req))
+
+    def release(self, req: Req) -> None:
+        """Also tell the workers to drop their mirror, if they hold one. Never raises: the request has
+        already ended; a broken group is logged here and fails the next op."""
+        super().release(req)
+        if req.request_id not in self.mirrored:
+            return
+        self.mirrored.discard(req.request_id)
+        if self.ranks.failure is None:
+            try:
+                self._run(Op("drop", (req.request_id,)), lambda: None)
+            except Exception:
+                logger.exception("Dropping request %s on the other ranks failed", req.request_id)
+
+    def _run(self, op: Op, run_here: Callable[[], T]) -> T:
+        """Broadcast `op`, run it here, gather the ranks' statuses; raise rank 0's own error, else the
+        first other rank's as RankFailedError, else return rank 0's result."""
+        self.ranks.broadcast(op)
+        try:
+            result = run_here()
+        except Exception as exc:
+            self.ranks.gather(describe_error(exc))  # the workers report too, whatever they did
+            raise
+        failed = [(rank, status) for rank, status in enumerate(self.ranks.gather(None)) if status is not None]
+        if failed:
+            rank, status = failed[0]
+            raise RankFailedError(f"rank {rank} failed in {op.kind}: {status}")
+        return result
+
+
+def follow_ops(state: ParallelState, runner: ModelRunner) -> None:
+    """A worker rank's loop: run each op rank 0 broadcasts and report its status, until `STOP`."""
+    follower = OpFollower(runner, failure_hook=os.environ.get(FAILURE_HOOK_ENV))
+    while (message := receive_message(state)) != STOP:
+        if not isinstance(message, Op):
+            raise RuntimeError(f"rank {state.rank} received {type(message).__name__}, not an Op, from rank 0")
+        send_status(state, follower.run(message))
+
+
+class OpFollower:
+    """A worker's request mirrors, and how each op acts on them."""
+
+    def __init__(self, runner: ModelRunner, failure_hook: str | None = None) -> None:
+        self.runner = runner
+        self.mirrors: dict[str, Req] = {}
+        self.failure_hook = failure_hook
+
+    def run(self, op: Op) -> str | None:
+        """Run `op`; its error's text (logged with its traceback here), or None."""
+        try:
+            self._injected_failure(op)
+            self._run(op)
+        except Exception as exc:
+            logger.exception("op %s on requests %s failed", op.kind, ", ".join(op.request_ids))
+            return describe_error(exc)
+        return None
+
+    def _run(self, op: Op) -> None:
+        if op.kind == "pre_denoise":
+            if op.params is None or len(op.request_ids) != 1:
+                raise ValueError("pre_denoise takes one request id and its params")
+            (request_id,) = op.request_ids
+            req = self.mirrors[request_id] = Req(params=op.params, request_id=request_id)  # dropped by `drop`
+            self.mirrors[request_id] = self.runner.pre_denoise(self.runner.validate(req))
+        elif op.kind == "denoise_step":
+            self.runner.denoise_step([self._mirror(request_id) for request_id in op.request_ids])
+        elif op.kind in ("post_denoise", "drop"):
+            for request_id in op.request_ids:
+                if (req := self.mirrors.pop(request_id, None)) is not None:
+                    self.runner.release(req)
+        else:
+            raise ValueError(f"unknown op {op.kind!r}")
+
+    def _mirror(self, request_id: str) -> Req:
+        if request_id not in self.mirrors:
+            raise RuntimeError(f"request {request_id} has no mirror on this rank (its pre-denoise never ran)")
+        return self.mirrors[request_id]
+
+    def _injected_failure(self, op: Op) -> None:
+        if not self.failure_hook:
+            return
+        kind, _, prompt = self.failure_hook.partition(":")
+        prompts = [op.params.prompt] if op.params is not None else []
+        prompts += [self.mirrors[i].params.prompt for i in op.request_ids if i in self.mirrors]
+        if op.kind == kind and prompt in prompts:
+            raise RuntimeError(f"injected failure ({FAILURE_HOOK_ENV}={self.failure_hook})")

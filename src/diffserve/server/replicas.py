@@ -1,0 +1,279 @@
+"""Data-parallel replicas (`--dp-size N`): N engine processes, each with its own copy of the model, behind
+the one HTTP front end.
+
+Each replica is an `EngineClient` (its own engine process, sockets, restarts with backoff, drain). The
+`ReplicaSet` sends each new request (image, video job, /health_generate probe) to the least-loaded ready
+replica, ties taken in turn, and the request stays there: its cancel, previews and progress go through
+that replica's client. `--max-queue-size` counts the waiting requests of every replica. A replica that
+dies fails its own requests (503 `engine_died`) and restarts while the others serve; the server gives up
+only when every replica has failed for good.
+
+The routes, the video jobs and the signal handling see the engine side as `Engines`: one `EngineClient`
+with one replica (exactly as before), a `ReplicaSet` with more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from diffserve.server import protocol as msg
+from diffserve.server.args import ServerArgs
+from diffserve.server.engine_client import (
+    EngineClient,
+    EngineState,
+    EngineUnavailableError,
+    JobListener,
+    ReadyHook,
+)
+from diffserve.server.metrics import ServerMetrics
+
+logger = logging.getLogger("diffserve.server")
+
+#: Which replica's state a request is told about when none is ready: the most hopeful first.
+_STATE_ORDER = (
+    EngineState.READY,
+    EngineState.RESTARTING,
+    EngineState.STARTING,
+    EngineState.STOPPING,
+    EngineState.STOPPED,
+    EngineState.FAILED,
+)
+
+
+class Engines(Protocol):
+    """What the routes, the video jobs and the runner use of the engine side."""
+
+    @property
+    def ready(self) -> bool: ...
+    @property
+    def state(self) -> EngineState: ...
+    @property
+    def state_detail(self) -> str: ...
+    @property
+    def engine_info(self) -> dict[str, Any]: ...
+    @property
+    def probe_size(self) -> int: ...
+    @property
+    def incarnation(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def replicas(self) -> Sequence[EngineClient]: ...
+
+    def unavailable_error(self) -> EngineUnavailableError: ...
+    async def submit(
+        self, job: msg.GenerateJob, listener: JobListener | None = None
+    ) -> tuple[msg.JobAccepted, asyncio.Future]: ...
+    async def generate(self, job: msg.GenerateJob) -> msg.JobFinished: ...
+    def cancel(self, request_id: str) -> bool: ...
+    def add_ready_hook(self, hook: ReadyHook) -> None: ...
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+    def begin_drain(self, timeout: float) -> None: ...
+    async def wait_drained(self) -> None: ...
+    def abort(self, reason: str) -> None: ...
+    def kill_engine(self) -> None: ...
+
+
+class ReplicaMismatchError(RuntimeError):
+    """A replica's engine runs on another platform than the others (it found no device of its own)."""
+
+
+def choose_replica(loads: Sequence[int | None], first: int) -> int | None:
+    """The replica to send a new request to: the least loaded (`loads`: requests waiting or running; None:
+    not ready), ties broken in turn, from index `first` on; None when no replica is ready."""
+    best: int | None = None
+    best_load = 0
+    for k in range(len(loads)):
+        i = (first + k) % len(loads)
+        load = loads[i]
+        if load is not None and (best is None or load < best_load):
+            best, best_load = i, load
+    return best
+
+
+class ReplicaSet:
+    """`dp_size` engine clients and the routing between them (module docstring)."""
+
+    def __init__(
+        self,
+        args: ServerArgs,
+        metrics: ServerMetrics,
+        on_fatal: Callable[[int, str], None],
+    ) -> None:
+        self.args, self._on_fatal = args, on_fatal
+        self.clients: list[EngineClient] = [
+            EngineClient(args, metrics, self._fatal_handler(i), replica=i, queued_total=self._num_queued)
+            for i in range(args.dp_size)
+        ]
+        for client in self.clients:
+            client.add_ready_hook(self._platform_check(client))
+        #: The replica each request in flight was sent to, by request id.
+        self._owner: dict[str, EngineClient] = {}
+        self._next = 0  # where the next tie-break starts
+        self._failed: dict[int, tuple[int, str]] = {}
+
+    # -- routing -----------------------------------------------------------------------------------
+    def loads(self) -> list[int | None]:
+        """Requests sent to each replica and not answered yet; None for a replica that is not ready."""
+        sent = Counter(id(client) for client in self._owner.values())
+        return [sent[id(c)] if c.ready else None for c in self.clients]
+
+    def route(self) -> EngineClient:
+        """The least-loaded ready replica (raises EngineUnavailableError when none is ready)."""
+        index = choose_replica(self.loads(), self._next)
+        if index is None:
+            raise self.unavailable_error()
+        self._next = (index + 1) % len(self.clients)
+        return self.clients[index]
+
+    async def submit(
+        self, job: msg.GenerateJob, listener: JobListener | None = None
+    ) -> tuple[msg.JobAccepted, asyncio.Future]:
+        """`EngineClient.submit` on the chosen replica; the job stays there until its outcome."""
+        rid, client = job.request_id, self.route()
+        self._owner[rid] = client
+        try:
+            accepted, outcome = await client.submit(job, listener)
+        except BaseException:
+            self._owner.pop(rid, None)
+            raise
+        outcome.add_done_callback(lambda _: self._owner.pop(rid, None))
+        return accepted, outcome
+
+    async def generate(self, job: msg.GenerateJob) -> msg.JobFinished:
+        """`EngineClient.generate` on the chosen replica."""
+        rid, client = job.request_id, self.route()
+        self._owner[rid] = client
+        try:
+            return await client.generate(job)
+        finally:
+            self._owner.pop(rid, None)
+
+    def cancel(self, request_id: str) -> bool:
+        client = self._owner.get(request_id)
+        return client is not None and client.cancel(request_id)
+
+    def _num_queued(self) -> int:
+        """Requests waiting beyond free running slots, on every replica: what --max-queue-size limits."""
+        return sum(client.num_queued for client in self.clients)
+
+    # -- state -------------------------------------------------------------------------------------
+    @property
+    def replicas(self) -> Sequence[EngineClient]:
+        return self.clients
+
+    @property
+    def ready(self) -> bool:
+        return any(client.ready for client in self.clients)
+
+    def _representative(self) -> EngineClient:
+        """A ready replica if any, else the one in the most hopeful state (what a client is told)."""
+        return min(self.clients, key=lambda c: _STATE_ORDER.index(c.state))
+
+    @property
+    def state(self) -> EngineState:
+        return self._representative().state
+
+    @property
+    def state_detail(self) -> str:
+        return self._representative().state_detail
+
+    @property
+    def engine_info(self) -> dict[str, Any]:
+        """The model as a ready replica reported it (every replica serves the same model)."""
+        return self._representative().engine_info
+
+    @property
+    def probe_size(self) -> int:
+        return self._representative().probe_size
+
+    @property
+    def incarnation(self) -> int:
+        """Changes whenever any replica's engine process is (re)started: a reused probe result is stale."""
+        return sum(client.incarnation for client in self.clients)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(client.num_waiting for client in self.clients)
+
+    @property
+    def num_running(self) -> int:
+        return sum(client.num_running for client in self.clients)
+
+    def unavailable_error(self) -> EngineUnavailableError:
+        return self._representative().unavailable_error()
+
+    def add_ready_hook(self, hook: ReadyHook) -> None:
+        for client in self.clients:
+            client.add_ready_hook(hook)
+
+    def _platform_check(self, client: EngineClient) -> ReadyHook:
+        """A ready hook: a replica must run on replica 0's platform. Replica 0's devices exist whenever the
+        machine has any; another replica that found none of its own detected another platform (the CPU),
+        and is refused rather than serving slowly: when it reports ready after replica 0, or when replica
+        0 reports ready after it."""
+
+        def check(info: dict[str, Any]) -> None:
+            first = self.clients[0]
+            if client is first:
+                for other in self.clients[1:]:
+                    if other.ready and (why := self._mismatch(other.replica, other.engine_info, info)):
+                        other.fail(why)
+            elif first.engine_info and (why := self._mismatch(client.replica, info, first.engine_info)):
+                raise ReplicaMismatchError(why)
+
+        return check
+
+    def _mismatch(self, replica: int, info: dict[str, Any], first: dict[str, Any]) -> str | None:
+        """Why replica `replica` (reporting `info`) cannot serve next to replica 0 (`first`), or None."""
+        ours, theirs = info.get("platform"), first.get("platform")
+        if ours == theirs:
+            return None
+        n, dp = self.args.devices_per_replica, self.args.dp_size
+        return (
+            f"replica {replica} runs on {ours} but replica 0 on {theirs}: --dp-size {dp} needs {dp * n} "
+            f"{theirs} devices (replica i uses device indices from i x {n})"
+        )
+
+    def _fatal_handler(self, index: int) -> Callable[[int, str], None]:
+        """A replica failed for good: the server stops only once every replica has."""
+
+        def on_fatal(code: int, message: str) -> None:
+            self._failed[index] = (code, message)
+            logger.error("Replica %d failed and will not be restarted: %s", index, message)
+            self.clients[index].kill_engine()  # a process still up (refused by a ready hook) serves no one
+            if len(self._failed) == len(self.clients):
+                codes = [code for code, _ in self._failed.values()]
+                reasons = "; ".join(f"replica {i}: {m}" for i, (_, m) in sorted(self._failed.items()))
+                self._on_fatal(min(codes), f"every replica failed: {reasons}")
+
+        return on_fatal
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await asyncio.gather(*(client.start() for client in self.clients))
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(client.stop() for client in self.clients))
+
+    def begin_drain(self, timeout: float) -> None:
+        for client in self.clients:
+            client.begin_drain(timeout)
+
+    async def wait_drained(self) -> None:
+        await asyncio.gather(*(client.wait_drained() for client in self.clients))
+
+    def abort(self, reason: str) -> None:
+        for client in self.clients:
+            client.abort(reason)
+
+    def kill_engine(self) -> None:
+        for client in self.clients:
+            client.kill_engine()

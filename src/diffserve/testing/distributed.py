@@ -1,0 +1,181 @@
+"""Run a function on `world_size` local rank processes joined in a gloo process group (tests, benchmarks).
+
+`run_distributed(fn, world_size, *args)` spawns one process per rank ('spawn' start method, so no
+state leaks from the parent), each with one torch thread, joins them with
+`init_process_group("gloo", init_method="tcp://127.0.0.1:<free port>")`, calls
+`fn(rank, world_size, *args)` and returns the values by rank. An exception on any rank is re-raised
+in the parent with that rank's traceback; the other ranks (likely blocked in a collective) are then
+terminated. Every process is daemonic and is joined or terminated before the call returns, so none
+outlives the caller.
+
+`fn` and `args` must be picklable by reference (a module-level function); results travel by value
+(standard pickle), so keep them small: scalars, or small tensors.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.process import BaseProcess
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+#: Seconds the parent waits between checks that a rank process is still alive.
+_POLL_S = 0.2
+#: Seconds the other ranks get to report their errors after a first one.
+_ERROR_GRACE_S = 2.0
+
+
+class DistributedRunError(RuntimeError):
+    """A rank raised, died or timed out; the message names the rank and carries its traceback."""
+
+
+def free_port() -> int:
+    """A TCP port on the loopback that is free now (the OS picks; a tiny race with other binders)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout_s: float,
+    results: mp.Queue,
+    fn: Callable[..., object],
+    args: tuple[object, ...],
+) -> None:
+    """One rank: join the group, run `fn`, send ("ok", value) or ("error", traceback) to the parent."""
+    torch.set_num_threads(1)
+    try:
+        try:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=timeout_s),
+            )
+            message = (rank, "ok", pickle.dumps(fn(rank, world_size, *args)))
+        except BaseException:  # noqa: BLE001 - everything is reported to the parent, which re-raises
+            message = (rank, "error", traceback.format_exc())
+        results.put(message)  # before the group closes, so the cause is sent before the peers' errors
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _stop(processes: list[BaseProcess]) -> None:
+    """Terminate (then kill) the rank processes this module started that are still running."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def _collect(
+    results: mp.Queue, processes: list[BaseProcess], deadline: float
+) -> dict[int, tuple[str, object]]:
+    """Messages by rank until every rank reported, one died or time ran out; raises on any error.
+
+    After a first error the other ranks get `_ERROR_GRACE_S` to report theirs, and the exception lists
+    them all by rank: the cause then shows next to the connection errors it caused on its peers."""
+    collected: dict[int, tuple[str, object]] = {}
+    first_error_at: float | None = None
+    seen_dead: set[int] = set()
+    while len(collected) < len(processes):
+        if first_error_at is not None and time.monotonic() > first_error_at + _ERROR_GRACE_S:
+            break
+        try:
+            rank, status, payload = results.get(timeout=_POLL_S)
+        except queue.Empty:
+            if first_error_at is None:
+                seen_dead = _check_alive(processes, collected, deadline, seen_dead)
+            continue
+        collected[rank] = (status, payload)
+        if status == "error" and first_error_at is None:
+            first_error_at = time.monotonic()
+    errors = [
+        f"rank {rank} raised:\n{payload}"
+        for rank, (status, payload) in sorted(collected.items())
+        if status == "error"
+    ]
+    if errors:  # a rank that died outright (killed, os._exit) explains its peers' errors
+        errors += [
+            _exit_message(rank, process)
+            for rank, process in enumerate(processes)
+            if rank not in collected and process.exitcode is not None
+        ]
+    if errors:
+        raise DistributedRunError("\n".join(errors))
+    return collected
+
+
+def _exit_message(rank: int, process: BaseProcess) -> str:
+    return f"rank {rank} exited with code {process.exitcode} without a result"
+
+
+def _check_alive(
+    processes: list[BaseProcess],
+    collected: dict[int, tuple[str, object]],
+    deadline: float,
+    seen_dead: set[int],
+) -> set[int]:
+    """The ranks that exited without reporting; raises DistributedRunError for one also in `seen_dead`
+    (dead at the previous empty poll too, so its last message cannot still be in flight) or when time
+    ran out."""
+    dead = {r for r, p in enumerate(processes) if r not in collected and p.exitcode is not None}
+    if stale := sorted(dead & seen_dead):
+        raise DistributedRunError(_exit_message(stale[0], processes[stale[0]]))
+    if time.monotonic() > deadline:
+        missing = sorted(set(range(len(processes))) - set(collected))
+        raise DistributedRunError(f"ranks {missing} did not finish in time")
+    return dead
+
+
+def run_distributed(
+    fn: Callable[..., T], world_size: int, *args: object, timeout_s: float = 120.0
+) -> list[T]:
+    """`fn(rank, world_size, *args)` on `world_size` gloo ranks; the return values, indexed by rank.
+
+    Raises `DistributedRunError` (with the failing rank's traceback) when a rank raises, dies, or the
+    ranks do not all finish within `timeout_s`; all rank processes are stopped before returning."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    context = mp.get_context("spawn")
+    results: mp.Queue = context.Queue()
+    port = free_port()
+    processes: list[BaseProcess] = [
+        context.Process(
+            target=_rank_main,
+            args=(rank, world_size, port, timeout_s, results, fn, args),
+            name=f"diffserve-rank-{rank}",
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    try:
+        for process in processes:
+            process.start()
+        collected = _collect(results, processes, time.monotonic() + timeout_s)
+        for process in processes:
+            process.join(timeout=30)
+    finally:
+        _stop(processes)
+        results.close()
+    return [pickle.loads(collected[rank][1]) for rank in range(world_size)]  # type: ignore[arg-type]
