@@ -164,3 +164,26 @@ def test_workers_exit_when_their_parent_is_killed(tiny_flux_dir, tmp_path) -> No
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_cfg_parallel_times_ulysses_on_four_ranks_matches_one_rank(tiny_flux_dir, reference) -> None:
+    """CFG 2 x Ulysses 2: each CFG branch's sequence split over two ranks, on a non-square size."""
+    with DiffGenerator.from_pretrained(
+        tiny_flux_dir, show_progress=False, num_gpus=4, enable_cfg_parallel=True, ulysses_degree=2
+    ) as gen:
+        state = gen.ranks.state
+        assert (state.cfg_degree, state.ulysses_degree, state.ring_degree) == (2, 2, 1)
+        mixed = [pixels(out) for out in gen.generate_many(mixed_batch())]
+    assert np.abs(mixed[0] - reference["mixed_cfg"]).max() <= 1
+    assert np.abs(mixed[1] - reference["mixed_plain"]).max() <= 1
+
+
+def test_ring_two_ranks_matches_one_rank_on_a_non_square_size(tiny_flux_dir) -> None:
+    params = SamplingParams(prompt="a red square", **{**BASE, "height": 48, "width": 80}, **CFG)
+    one = pixels(
+        DiffGenerator.from_pretrained(tiny_flux_dir, show_progress=False).generate_from_params(params)
+    )
+    with DiffGenerator.from_pretrained(tiny_flux_dir, show_progress=False, num_gpus=2, ring_degree=2) as gen:
+        assert gen.ranks.state.ring_degree == 2
+        two = pixels(gen.generate_from_params(params))
+    assert np.abs(two - one).max() <= 1

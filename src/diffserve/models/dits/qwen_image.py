@@ -34,6 +34,15 @@ q/k; the RoPE tables are computed only for the positions used (no 4096-entry tab
 and cached per shape; the last block skips its text stream's output projection and MLP, which nothing
 reads (as Diffusers' SD3 does with `context_pre_only`). Diffusers uses the first sample's `img_shapes` for the whole batch (it warns when
 they differ); here every sample gets its own positions, which only differs when a batch mixes shapes.
+
+Sequence parallelism (Ulysses, Ring, USP: `distributed/sequence_split.py`): with more than one
+sequence-parallel rank, `_run_blocks` splits the text and the image stream separately (the image
+stream whole: an edit model's conditioning-image tokens are split with the generated image's), and
+everything indexed by token the same way: the RoPE tables (each sample's block of rows, when they are
+per sample: `_split_rope`) and `zero_cond_t`'s conditioning-token mask. The text padding mask becomes
+the split scope's per-key mask over the text stream (the joint mask's image part is all true), the
+joint attention is USP attention over the local [text; image] shards, and the image stream is gathered
+back for the output head.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.layers.adaln import AdaLayerNormContinuous
 from diffserve.layers.embeddings import TimestepEmbedding
 from diffserve.layers.feedforward import FeedForward
@@ -223,6 +233,8 @@ class QwenImageRope(nn.Module):
 class QwenDoubleStreamAttention(RotaryJointAttention):
     """Joint attention over [text; image] (`RotaryJointAttention`) with Diffusers' RMSNorm on q/k and
     RoPE tables that may differ per sample."""
+
+    attend = staticmethod(sequence_attention)  # over this rank's shards when the sequence is split
 
     def __init__(self, dim: int, num_heads: int, head_dim: int) -> None:
         super().__init__(dim, num_heads, head_dim, lambda: RMSNorm(head_dim, eps=NORM_EPS))
@@ -477,10 +489,41 @@ class QwenImageTransformer2DModel(nn.Module):
 
         The last block skips its text stream's output (`text_out=False`): nothing reads it.
         """
+        split = sequence_split([ctx.shape[1], x.shape[1]])
+        if split is not None:
+            return self._run_blocks_split(split, x, ctx, temb_act, rope, attn_mask, cond_tokens)
         last = len(self.transformer_blocks) - 1
         for i, block in enumerate(self.transformer_blocks):
             ctx, x = block(x, ctx, temb_act, rope, attn_mask, cond_tokens, text_out=i < last)
         return x
+
+    def _run_blocks_split(
+        self,
+        split: SequenceSplit,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        temb_act: torch.Tensor,
+        rope: RopeTables,
+        attn_mask: torch.Tensor | None,
+        cond_tokens: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """`_run_blocks` with the text and image streams split over the sequence-parallel ranks: every
+        block runs on this rank's shards (RoPE rows and conditioning-token flags split with them), the
+        joint attention gathers the keys (`sequence_attention`, the text padding as its key mask), and
+        the image stream is gathered back at the end."""
+        text, image = 0, 1
+        batch, txt_len = x.shape[0], ctx.shape[1]
+        # The joint key mask is [text padding mask; all true]: only its text part is a real mask.
+        text_mask = None if attn_mask is None else attn_mask[:, 0, 0, :txt_len]
+        rope = _split_rope(split, rope, txt_len + x.shape[1])
+        if cond_tokens is not None:
+            cond_tokens = split.split(image, cond_tokens)  # padding rows: False (real t), dropped anyway
+        x, ctx = split.split(image, x), split.split(text, ctx)
+        last = len(self.transformer_blocks) - 1
+        with split.attention_scope(batch, x.device, [text_mask, None]):
+            for i, block in enumerate(self.transformer_blocks):
+                ctx, x = block(x, ctx, temb_act, rope, None, cond_tokens, text_out=i < last)
+        return split.gather(image, x)
 
     def _cache_signal(
         self,
@@ -510,6 +553,25 @@ def _condition_token_mask(
     """(batch, img_seq) bool, true for conditioning-image tokens (those after the generated image's)."""
     n_gen = torch.tensor([math.prod(s[0]) for s in shapes], device=device)
     return (torch.arange(img_seq, device=device)[None, :] >= n_gen[:, None]).expand(batch, -1)
+
+
+def _split_rope(split: SequenceSplit, rope: RopeTables, seq: int) -> RopeTables:
+    """The RoPE tables of this rank's local [text; image] shards.
+
+    Shared tables are (seq, d); per-sample ones (batch * seq, d), one block of `seq` rows per sample
+    (`RopeTables` above). Each block is split like the tokens, stream by stream, and the local blocks
+    stacked again: (local seq, d) or (batch * local seq, d), the layout `QwenDoubleStreamAttention.rotate`
+    reads."""
+    tables = []
+    for table in rope:
+        blocks = table.unflatten(0, (-1, seq))  # (1 or batch, seq, d)
+        parts, start = [], 0
+        for shard in split.shards:
+            parts.append(shard.split(blocks[:, start : start + shard.length], dim=1))
+            start += shard.length
+        tables.append(torch.cat(parts, dim=1).flatten(0, 1))
+    cos, sin = tables
+    return cos, sin
 
 
 def _take_optional_rows(t: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:

@@ -21,11 +21,21 @@ rows' attention output). At batch 1 the outputs are bit-identical to Diffusers' 
 At batch > 1 (CFG) Diffusers projects each block's attention output halves as strided views, which
 CPU matmuls run more slowly and round differently from the contiguous copies diffserve projects:
 about 1e-7 relative in fp32, one ulp in bf16 (`SD3JointAttention.forward`).
+
+Sequence parallelism (Ulysses, Ring, USP: `distributed/sequence_split.py`): with more than one
+sequence-parallel rank, `_run_blocks` splits the image and the text stream separately, every block runs
+on this rank's shards, the joint attention is USP attention over the local [image; text] shards, and
+the image stream is gathered back for the output head. Positions are already in the image tokens (the
+sincos table is added before the blocks), so nothing else is per-token. Two things differ from one
+device: the last block computes its text queries too (USP needs as many queries as keys; their output
+is dropped), and SD3.5's image-only `attn2` runs inside a scope of its own over the image shard alone
+(the joint scope's key mask covers [image; text]).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar
@@ -34,8 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.layers.adaln import AdaLayerNormContinuous, AdaLayerNormZero
-from diffserve.layers.attention import attention
 from diffserve.layers.embeddings import CombinedTimestepTextEmbedding
 from diffserve.layers.feedforward import FeedForward
 from diffserve.layers.joint_attention import JointAttention
@@ -46,6 +56,10 @@ from diffserve.models.step_cache import BatchStepCache, take_rows
 
 NORM_EPS = 1e-6
 QK_NORMS = (None, "rms_norm", "layer_norm")
+
+#: Makes the scope an attention runs in: `nullcontext` on one device, the image-only sequence-parallel
+#: scope for `attn2` when the sequence is split.
+ScopeFactory = Callable[[], AbstractContextManager[None]]
 
 
 @dataclass(frozen=True)
@@ -191,7 +205,12 @@ class SD3JointAttention(JointAttention):
     values only, so its queries are not computed and attention runs for the image rows alone. Diffusers
     computes the text queries and drops their output; SDPA treats query rows independently, so the
     image rows are the same (`tests/unit/test_last_block_trim.py`). At SD3's 333 text tokens that is
-    over half of the last block's attention and one text projection.
+    over half of the last block's attention and one text projection. With the sequence split the
+    caller asks for the text queries (`text_queries=True`): sequence-parallel attention needs queries
+    and keys of one length.
+
+    Attention is `sequence_attention`: plain `attention()` on one device, USP attention over the local
+    [image; text] shards inside a split forward's scope.
     """
 
     def __init__(
@@ -201,16 +220,25 @@ class SD3JointAttention(JointAttention):
         super().__init__(dim, num_heads, head_dim, norm, context_out=not context_pre_only)
         self.context_pre_only = context_pre_only
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, x: torch.Tensor, ctx: torch.Tensor, text_queries: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(image output, text output or None for the last block). `text_queries`: compute the last
+        block's text queries too (needed when the sequence is split; the text output is still None)."""
         hd = self.head_dim
         q, k, v = self.image_heads(x)
-        if self.to_add_out is None:  # the last block: only the image rows are read
+        if self.to_add_out is None and not text_queries:  # the last block: only the image rows are read
             k = torch.cat([k, _heads(ctx, self.add_k_proj, self.norm_added_k, hd)], dim=1)
             v = torch.cat([v, _heads(ctx, self.add_v_proj, None, hd)], dim=1)
-            return self.to_out[0](attention(q, k, v).flatten(2)), None
+            # Within a split forward this raises (queries and keys differ in length), never miscomputes.
+            return self.to_out[0](sequence_attention(q, k, v).flatten(2)), None
         cq, ck, cv = self.text_heads(ctx)
-        out = attention(torch.cat([q, cq], dim=1), torch.cat([k, ck], dim=1), torch.cat([v, cv], dim=1))
+        out = sequence_attention(
+            torch.cat([q, cq], dim=1), torch.cat([k, ck], dim=1), torch.cat([v, cv], dim=1)
+        )
         out = out.flatten(2)
+        if self.to_add_out is None:
+            return self.to_out[0](out[:, : x.shape[1]].contiguous()), None
         # The halves are strided views when batch > 1, which a CPU linear layer runs as a `bmm`, about 1.5x
         # slower than the contiguous copy's `addmm` (SD3 at 256x256, CFG). Diffusers projects the views
         # (it rounds differently: ~2e-7 in fp32, one ulp in bf16); its compiled graph makes them contiguous.
@@ -219,7 +247,8 @@ class SD3JointAttention(JointAttention):
 
 
 class SD3SelfAttention(nn.Module):
-    """Image-only self-attention of SD3.5's dual-attention blocks (`attn2`)."""
+    """Image-only self-attention of SD3.5's dual-attention blocks (`attn2`); `sequence_attention`, so
+    within an image-only split scope it attends over every rank's image shard."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, qk_norm: str | None) -> None:
         super().__init__()
@@ -237,7 +266,7 @@ class SD3SelfAttention(nn.Module):
         q = _heads(x, self.to_q, self.norm_q, hd)
         k = _heads(x, self.to_k, self.norm_k, hd)
         v = _heads(x, self.to_v, None, hd)
-        return self.to_out[0](attention(q, k, v).flatten(2))
+        return self.to_out[0](sequence_attention(q, k, v).flatten(2))
 
 
 class AdaLayerNormZeroX(nn.Module):
@@ -296,8 +325,17 @@ class JointTransformerBlock(nn.Module):
         self.modulate = Modulate()
 
     def forward(
-        self, x: torch.Tensor, ctx: torch.Tensor, temb_act: torch.Tensor
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        temb_act: torch.Tensor,
+        text_queries: bool = False,
+        self_attention_scope: ScopeFactory = nullcontext,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(text, image) after the block; the text is None after the last (`context_pre_only`) block.
+
+        A split forward passes `text_queries=True` (see `SD3JointAttention`) and, for `attn2`, the
+        scope of its image-only sequence-parallel attention."""
         if self.attn2 is not None:
             norm_x, gate_msa, shift_mlp, scale_mlp, gate_mlp, norm_x2, gate_msa2 = self.norm1(x, temb_act)
         else:
@@ -307,10 +345,11 @@ class JointTransformerBlock(nn.Module):
         else:
             norm_ctx, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(ctx, temb_act)
 
-        attn_x, attn_ctx = self.attn(norm_x, norm_ctx)
+        attn_x, attn_ctx = self.attn(norm_x, norm_ctx, text_queries)
         x = _gated_add(x, gate_msa, attn_x)
         if self.attn2 is not None:
-            x = _gated_add(x, gate_msa2, self.attn2(norm_x2))
+            with self_attention_scope():
+                x = _gated_add(x, gate_msa2, self.attn2(norm_x2))
         ff_in = self.modulate(self.norm2(x), scale=scale_mlp, shift=shift_mlp)
         x = _gated_add(x, gate_mlp, self.ff(ff_in))
 
@@ -423,10 +462,35 @@ class SD3Transformer2DModel(nn.Module):
 
     def _run_blocks(self, x: torch.Tensor, ctx: torch.Tensor, temb_act: torch.Tensor) -> torch.Tensor:
         """Every joint block; returns the image tokens the output head reads (the last block drops the text)."""
+        split = sequence_split([x.shape[1], ctx.shape[1]])
+        if split is not None:
+            return self._run_blocks_split(split, x, ctx, temb_act)
         for block in self.transformer_blocks:
             ctx, x = block(x, ctx, temb_act)
         return x
 
+    def _run_blocks_split(
+        self, split: SequenceSplit, x: torch.Tensor, ctx: torch.Tensor, temb_act: torch.Tensor
+    ) -> torch.Tensor:
+        """`_run_blocks` with the image and text streams split over the sequence-parallel ranks (joint
+        order [image; text]): every block runs on this rank's shards, the joint attention and `attn2`
+        gather their keys (`sequence_attention`), and the image stream is gathered back at the end."""
+        image, text = 0, 1
+        x, ctx = split.split(image, x), split.split(text, ctx)
+        image_scope = _stream_scope(split, image, x.shape[0], x.device)
+        with split.attention_scope(x.shape[0], x.device):
+            for block in self.transformer_blocks:
+                ctx, x = block(x, ctx, temb_act, text_queries=True, self_attention_scope=image_scope)
+        return split.gather(image, x)
+
     def _cache_signal(self, x: torch.Tensor, temb_act: torch.Tensor) -> torch.Tensor:
         """The first block's timestep-modulated image input: what the step cache watches change."""
         return self.transformer_blocks[0].norm1(x, temb_act)[0]
+
+
+def _stream_scope(split: SequenceSplit, stream: int, batch: int, device: torch.device) -> ScopeFactory:
+    """A factory of attention scopes over stream `stream` of `split` alone, for a self-attention that
+    only that stream takes part in (SD3.5's image-only `attn2`): the same shards, the key mask of
+    that stream's padding only."""
+    only = SequenceSplit((split.shards[stream],), split.group, split.ulysses_group, split.ring_group)
+    return partial(only.attention_scope, batch, device)

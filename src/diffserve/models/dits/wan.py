@@ -28,6 +28,11 @@ patch embedding's tokens to the hidden state before `norm_out`; the watched sign
 modulated self-attention input. Text and (I2V) image tokens, the modulation and any per-token timesteps
 are sliced per batch row; the RoPE tables are shared.
 
+Sequence parallelism (Ulysses, Ring, USP; `distributed/sequence_split.py`): the flattened video tokens
+are split with their RoPE table rows (and per-token timesteps), the self-attention runs over every
+rank's tokens and the cross-attention to the replicated text/image tokens stays local
+(`_run_blocks_split`). With one sequence-parallel rank nothing changes.
+
 Differences from Diffusers that do not change the numbers for the inputs its pipelines pass: the image
 and text context are split at the known image length, not at "all but the last 512 tokens" (so any text
 length works), the split is done once per forward instead of once per block, RoPE tables are
@@ -47,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.layers.attention import attention
 from diffserve.layers.embeddings import TimestepEmbedding, timestep_sinusoids
 from diffserve.layers.feedforward import FeedForward
@@ -238,7 +244,8 @@ class WanSelfAttention(nn.Module):
         k = self.norm_k(self.to_k(x)).unflatten(-1, (self.num_heads, -1))
         v = self.to_v(x).unflatten(-1, (self.num_heads, -1))
         q, k = self.rope(q, k, *rope)
-        return self.to_out[0](attention(q, k, v).flatten(2))
+        # Over every rank's video tokens when the sequence is split (`_run_blocks_split`).
+        return self.to_out[0](sequence_attention(q, k, v).flatten(2))
 
 
 class WanCrossAttention(nn.Module):
@@ -246,6 +253,8 @@ class WanCrossAttention(nn.Module):
 
     The two attention outputs are summed before the output projection (two softmaxes, not one over
     the concatenated context). The image branch has its own k/v projections and k-norm; q is shared.
+    The keys are replicated on every rank, so under a sequence split this rank's shard of queries
+    attends to them with plain `attention()`: no communication.
     """
 
     def __init__(self, dim: int, num_heads: int, eps: float, added_kv_proj_dim: int | None) -> None:
@@ -532,9 +541,38 @@ class WanTransformer3DModel(nn.Module):
             img, ctx = context[:, :image_len], context[:, image_len:]
         else:
             img, ctx = None, context
+        split = sequence_split([x.shape[1]])
+        if split is not None:
+            return self._run_blocks_split(split, x, ctx, img, time_mod, rope)
         for block in self.blocks:
             x = block(x, ctx, img, time_mod, rope)
         return x
+
+    def _run_blocks_split(
+        self,
+        split: SequenceSplit,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        img: torch.Tensor | None,
+        time_mod: torch.Tensor,
+        rope: RopeTables,
+    ) -> torch.Tensor:
+        """`_run_blocks` with the video tokens split over the sequence-parallel ranks.
+
+        The 3D grid is flattened in (frame, row, column) order and the RoPE tables have one row per
+        flattened token, so cutting the tokens and the tables at the same flat positions keeps every
+        token with its own (f, h, w) rotation, whatever the grid. Per-token timesteps (Wan 2.2 TI2V-
+        style `time_mod` with one row per token) are cut the same way; per-sample ones broadcast. The
+        self-attention gathers the keys (`sequence_attention`), the cross-attention reads the replicated
+        text/image keys locally, and the tokens are gathered back at the end."""
+        video = 0
+        if time_mod.shape[1] != 1:
+            time_mod = split.split(video, time_mod, dim=1)
+        x, rope = split.split(video, x), split.split_rope(rope)
+        with split.attention_scope(x.shape[0], x.device):
+            for block in self.blocks:
+                x = block(x, ctx, img, time_mod, rope)
+        return split.gather(video, x)
 
     @staticmethod
     def _timestep_rows(timestep: torch.Tensor, batch: int, seq: int) -> torch.Tensor:

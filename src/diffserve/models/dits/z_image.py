@@ -41,6 +41,11 @@ output the image part of the unified sequence after the last main layer, so the 
 samples (as if they were alone in the batch), so dropping a long-caption request from a step does not
 pad the others.
 
+Sequence parallelism (Ulysses, Ring, USP; `distributed/sequence_split.py`): each stream (the captions
+in the context refiner, the image tokens in the noise refiner, the unified sequence in the main layers)
+is cut at the same positions for every sample, with its per-sample RoPE tables and key mask; see
+`_run_stream_split` and `_run_blocks`. With one sequence-parallel rank nothing changes.
+
 Differences from Diffusers that do not change the numbers: the padded sequences are built with one
 gather instead of per-sample concatenation, the image-token padding is inserted after `x_embedder`
 (Diffusers embeds copies of the last patch and then overwrites them with the pad token), the final layer
@@ -59,7 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffserve.layers.attention import attention
+from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.layers.embeddings import timestep_sinusoids
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.models.config_keys import config_from_diffusers
@@ -266,7 +271,8 @@ class ZImageAttention(nn.Module):
         if self.norm_q is not None:
             q, k = self.norm_q(q), self.norm_k(k)
         q, k = apply_complex_rope(q, cis_q), apply_complex_rope(k, cis)
-        return self.to_out[0](attention(q, k, v, attn_mask=mask).flatten(2))
+        # Over every rank's tokens when the sequence is split (`_run_stream_split`); else plain attention.
+        return self.to_out[0](sequence_attention(q, k, v, mask).flatten(2))
 
 
 class ZImageFeedForward(nn.Module):
@@ -343,6 +349,58 @@ class ZImageTransformerBlock(nn.Module):
             )
         scale_msa = self.adaLN_modulation(adaln).unsqueeze(1).chunk(4, dim=2)[0]
         return self.attention_norm1(x) * (1.0 + scale_msa)
+
+
+def _run_stream(
+    blocks: nn.ModuleList,
+    h: torch.Tensor,
+    cis: torch.Tensor,
+    mask: torch.Tensor | None,
+    adaln: torch.Tensor | None = None,
+    keep_rows: int | None = None,
+) -> torch.Tensor:
+    """`blocks` in turn over one padded stream h (batch, seq, dim) with its per-sample RoPE rotations
+    cis (batch, seq, head_dim // 2) and key mask (batch, 1, 1, seq) or None.
+
+    Returns h, or with `keep_rows` its first `keep_rows` positions: the last block then queries only
+    those (`ZImageTransformerBlock.forward`). Under sequence parallelism the stream is split over the
+    ranks (`_run_stream_split`)."""
+    if not blocks:
+        return h if keep_rows is None else h[:, :keep_rows]
+    split = sequence_split([h.shape[1]])
+    if split is not None:
+        return _run_stream_split(split, blocks, h, cis, mask, adaln, keep_rows)
+    *leading, last = blocks
+    for block in leading:
+        h = block(h, cis, mask, adaln)
+    return last(h, cis, mask, adaln, keep_rows=keep_rows)
+
+
+def _run_stream_split(
+    split: SequenceSplit,
+    blocks: nn.ModuleList,
+    h: torch.Tensor,
+    cis: torch.Tensor,
+    mask: torch.Tensor | None,
+    adaln: torch.Tensor | None,
+    keep_rows: int | None,
+) -> torch.Tensor:
+    """`_run_stream` with the stream split over the sequence-parallel ranks.
+
+    Every sample's tokens sit at the same positions of the padded stream, so one cut of the positions
+    serves the whole batch: each rank takes the same positions of h and of the per-sample RoPE tables
+    (a sample's rotations stay with its tokens, whatever its own caption offset), and the key mask
+    (in-sample pad tokens are real keys; only batch padding is masked) is given to the attention scope
+    over the stream's full length, where it joins the shards' own padding mask. The blocks then see no
+    mask of their own. The last block runs whole: its `keep_rows` shortcut would give each rank a
+    different number of queries, which the all-to-all cannot take. The stream is gathered back."""
+    stream = 0
+    h, cis = split.split(stream, h), split.split(stream, cis)
+    with split.attention_scope(h.shape[0], h.device, [mask]):
+        for block in blocks:
+            h = block(h, cis, None, adaln)
+    h = split.gather(stream, h)
+    return h if keep_rows is None else h[:, :keep_rows]
 
 
 class ZImageFinalLayer(nn.Module):
@@ -552,8 +610,7 @@ class ZImageTransformer2DModel(nn.Module):
         cap = self.cap_embedder(torch.cat(list(cap_feats)))
         # Rows of [embedded tokens; pad token; zero]: each caption's tokens, its pad tokens, batch padding.
         cap = torch.cat([cap, self.cap_pad_token.to(cap.dtype), cap.new_zeros(1, cap.shape[1])])[layout.index]
-        for block in self.context_refiner:
-            cap = block(cap, layout.cis, layout.mask)
+        cap = _run_stream(self.context_refiner, cap, layout.cis, layout.mask)
         return [
             RefinedCaption(cap[i, :n], length)
             for i, (n, length) in enumerate(zip(layout.padded, lengths, strict=True))
@@ -686,18 +743,20 @@ class ZImageTransformer2DModel(nn.Module):
         Returns the leading `img.shape[1]` positions of the unified sequence, shaped like `img`: every
         sample's (padded) image tokens, which is all the final layer reads. In a sample with fewer image
         tokens than the longest, the positions after its own come from its caption and are never read.
+
+        Under sequence parallelism each stage splits its own stream (`_run_stream`): the image tokens
+        are gathered after the noise refiner, the unified sequence is built whole (the caption is
+        replicated on every rank) and split again at its own positions, since a sample's image tokens
+        keep their positions in it but the two streams' shard boundaries differ (one all-gather of the
+        image tokens per forward, against one all-to-all of q, k, v and out per layer).
         """
-        for block in self.noise_refiner:
-            img = block(img, layout.x_cis, layout.x_mask, adaln)
+        img = _run_stream(self.noise_refiner, img, layout.x_cis, layout.x_mask, adaln)
         h = torch.cat([img.flatten(0, 1), cap.flatten(0, 1), img.new_zeros(1, img.shape[-1])])[
             layout.unified_index
         ]
-        if not self.layers:
-            return h[:, : img.shape[1]]
-        *leading, last = self.layers
-        for block in leading:
-            h = block(h, layout.unified_cis, layout.unified_mask, adaln)
-        return last(h, layout.unified_cis, layout.unified_mask, adaln, keep_rows=img.shape[1])
+        return _run_stream(
+            self.layers, h, layout.unified_cis, layout.unified_mask, adaln, keep_rows=img.shape[1]
+        )
 
     def _run_blocks_for_rows(
         self,
