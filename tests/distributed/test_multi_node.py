@@ -13,7 +13,7 @@ import numpy as np
 from PIL import Image
 
 from diffserve.api import DiffGenerator
-from diffserve.testing.distributed import free_port
+from diffserve.distributed.launch import free_port
 
 ARGS = ["--prompt", "a fox", "--height", "64", "--width", "48", "--num-inference-steps", "2", "--seed", "1"]
 

@@ -17,13 +17,13 @@ import contextlib
 import dataclasses
 import json
 import os
-import pickle
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from push_recorder import PushRecorder
 
 import diffserve.server.app as app_module
 from diffserve.configs.engine_args import EngineArgs
@@ -44,30 +44,8 @@ API_KEY = "k-123"
 IMAGE_ID = "ab" * 16 + "-0"
 
 
-class Recorder:
-    """Stands in for the PUSH socket to the engine process: keeps what the front end sends."""
-
-    def __init__(self, on_job=None) -> None:
-        self.sent: list = []
-        self.on_job = on_job
-
-    def send_pyobj(self, obj, flags: int = 0) -> None:
-        self.sent.append(obj)
-        if self.on_job is not None and isinstance(obj, msg.GenerateJob):
-            self.on_job(obj)
-
-    def send(self, data: bytes, flags: int = 0) -> None:  # a pickled message, as the engine reads it
-        self.send_pyobj(pickle.loads(data), flags)
-
-    def jobs(self) -> list[msg.GenerateJob]:
-        return [m for m in self.sent if isinstance(m, msg.GenerateJob)]
-
-    def cancels(self) -> list[str]:
-        return [m.request_id for m in self.sent if isinstance(m, msg.CancelJob)]
-
-
 class FakeEngineClient(EngineClient):
-    """The real EngineClient (queue, futures, cancel) without the engine process: jobs go to a Recorder
+    """The real EngineClient (queue, futures, cancel) without the engine process: jobs go to a PushRecorder
     and tests answer them with `finish`. `auto_finish`: every job is answered at once (url files written)."""
 
     auto_finish = False
@@ -75,7 +53,7 @@ class FakeEngineClient(EngineClient):
     async def start(self) -> None:
         self.incarnation += 1
         self.state, self.engine_info = EngineState.READY, {"task": "text-to-image"}
-        self._push = Recorder(self._auto if self.auto_finish else None)
+        self._push = PushRecorder(self._auto if self.auto_finish else None)
         self._tasks = []
 
     async def stop(self) -> None:

@@ -7,9 +7,9 @@ and the engine's answers (EngineReady, JobStarted, JobFinished) are dispatched a
 from __future__ import annotations
 
 import asyncio
-import pickle
 
 import pytest
+from push_recorder import PushRecorder
 
 from diffserve.configs.engine_args import EngineArgs
 from diffserve.configs.sampling_params import SamplingParams
@@ -22,24 +22,11 @@ ENGINE_SLOTS = 4  # --max-running-requests, as the engine reports it when ready
 MAX_QUEUE = 3
 
 
-class Recorder:
-    """Stands in for the PUSH socket: keeps the jobs sent."""
-
-    def __init__(self) -> None:
-        self.sent: list[object] = []
-
-    def send_pyobj(self, obj: object, flags: int = 0) -> None:
-        self.sent.append(obj)
-
-    def send(self, data: bytes, flags: int = 0) -> None:  # a pickled message, as the engine reads it
-        self.send_pyobj(pickle.loads(data), flags)
-
-
 def ready_client(slots: int = ENGINE_SLOTS, max_queue: int = MAX_QUEUE) -> EngineClient:
     """An engine client whose engine reported ready with `slots` running slots."""
     args = ServerArgs(EngineArgs(model_path="/m"), max_queue_size=max_queue)
     client = EngineClient(args, ServerMetrics(), on_fatal=lambda code, message: None)
-    client._push = Recorder()
+    client._push = PushRecorder()
     client.state = EngineState.STARTING
     info = {"task": "text-to-image", "scheduler": {"max_running_requests": slots}}
     client._dispatch(msg.EngineReady(pid=1, info=info, probe_size=64))

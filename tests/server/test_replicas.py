@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import pickle
 import re
 import signal
 import threading
@@ -23,6 +22,7 @@ import httpx
 import psutil
 import pytest
 from openai import OpenAI
+from push_recorder import PushRecorder
 from server_process import ServerProcess, start_server
 
 from diffserve.cli.main import main
@@ -53,25 +53,6 @@ def test_choose_replica_breaks_ties_in_turn_from_first() -> None:
     assert choose_replica([2, None, 2], first=1) == 2  # the turn skips a replica that is not ready
 
 
-class Recorder:
-    """Stands in for an engine client's PUSH socket to its engine process."""
-
-    def __init__(self) -> None:
-        self.sent: list[object] = []
-
-    def send_pyobj(self, obj: object, flags: int = 0) -> None:
-        self.sent.append(obj)
-
-    def send(self, data: bytes, flags: int = 0) -> None:
-        self.send_pyobj(pickle.loads(data), flags)
-
-    def job_ids(self) -> list[str]:
-        return [m.request_id for m in self.sent if isinstance(m, msg.GenerateJob)]
-
-    def cancels(self) -> list[str]:
-        return [m.request_id for m in self.sent if isinstance(m, msg.CancelJob)]
-
-
 def replica_set(n: int = 2, max_queue: int = 8, fatal: list | None = None) -> ReplicaSet:
     """A set of `n` real engine clients whose engine processes are recorders (not started); the server's
     fatal stops land in `fatal`."""
@@ -79,7 +60,7 @@ def replica_set(n: int = 2, max_queue: int = 8, fatal: list | None = None) -> Re
     stops = fatal if fatal is not None else []
     replicas = ReplicaSet(args, ServerMetrics(), lambda code, message: stops.append((code, message)))
     for client in replicas.clients:
-        client._push, client.state = Recorder(), EngineState.STARTING
+        client._push, client.state = PushRecorder(), EngineState.STARTING
     return replicas
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
-import pickle
 import re
 import signal
 import subprocess
@@ -32,6 +31,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from push_recorder import PushRecorder
 from server_process import ServerProcess, start_server
 
 from diffserve.configs.engine_args import EngineArgs
@@ -60,23 +60,10 @@ def assert_error(response: httpx.Response, status: int, message_part: str) -> di
     return body["error"]
 
 
-class Recorder:
-    """Stands in for the engine client's PUSH socket to the engine process."""
-
-    def __init__(self) -> None:
-        self.sent: list[object] = []
-
-    def send_pyobj(self, obj: object, flags: int = 0) -> None:
-        self.sent.append(obj)
-
-    def send(self, data: bytes, flags: int = 0) -> None:  # a pickled message, as the engine reads it
-        self.send_pyobj(pickle.loads(data), flags)
-
-
 def engine_client(tmp_path: Path, on_fatal=lambda code, message: None) -> EngineClient:
     args = ServerArgs(EngineArgs(model_path="/m", output_path=str(tmp_path)))
     client = EngineClient(args, ServerMetrics(), on_fatal)
-    client._push, client.state = Recorder(), EngineState.STARTING
+    client._push, client.state = PushRecorder(), EngineState.STARTING
     return client
 
 

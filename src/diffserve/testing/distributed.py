@@ -17,7 +17,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import pickle
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -27,6 +26,8 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+from diffserve.distributed.launch import free_port
 
 T = TypeVar("T")
 
@@ -38,13 +39,6 @@ _ERROR_GRACE_S = 2.0
 
 class DistributedRunError(RuntimeError):
     """A rank raised, died or timed out; the message names the rank and carries its traceback."""
-
-
-def free_port() -> int:
-    """A TCP port on the loopback that is free now (the OS picks; a tiny race with other binders)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _rank_main(
