@@ -9,8 +9,10 @@ Validation and previews stay on rank 0: they run no collective. Ops:
   latents; same text: same embeddings) and run the pre-denoise phase on a new mirror.
 - `denoise_step(request_ids)`: one step over the mirrors as one DiT batch; the DiT splits its work by the
   `ParallelState` in scope (CFG branch, sequence shard), and every rank ends with the same latents.
-- `post_denoise(request_id)`: rank 0 decodes; the workers drop their mirror without decoding (only rank
-  0's images are used; a parallel VAE decode would make this a decode on every rank).
+- `post_denoise(request_id)`: every rank runs the post-denoise phase on its mirror, then drops it: the
+  decode is split by rows over all ranks (distributed/parallel_vae.py), each rank ends with the whole
+  output and only rank 0's is used. (A VAE without a row split, or fewer latent rows than ranks, is
+  decoded whole on every rank: same latency, no collective.)
 - `drop(request_id)`: the request ended early on rank 0 (cancelled, failed): the mirrors are dropped.
 
 Limit: an op that fails on one rank after another rank entered a collective of the same step (e.g. the
@@ -77,7 +79,7 @@ class DistributedRunner(ModelRunner):
         self._run(Op("denoise_step", tuple(req.request_id for req in reqs)), lambda: run_here(reqs))
 
     def post_denoise(self, req: Req) -> Req:
-        """Decoding runs on rank 0 only; the workers drop their mirror."""
+        """Decoding runs on every rank, split by rows; the workers then drop their mirror."""
         run_here = super().post_denoise
         self.mirrored.discard(req.request_id)
         return self._run(Op("post_denoise", (req.request_id,)), lambda: run_here(req))
@@ -147,7 +149,12 @@ class OpFollower:
             self.mirrors[request_id] = self.runner.pre_denoise(self.runner.validate(req))
         elif op.kind == "denoise_step":
             self.runner.denoise_step([self._mirror(request_id) for request_id in op.request_ids])
-        elif op.kind in ("post_denoise", "drop"):
+        elif op.kind == "post_denoise":
+            for request_id in op.request_ids:
+                req = self._mirror(request_id)
+                del self.mirrors[request_id]  # dropped even when its decode fails
+                self.runner.post_denoise(req)  # releases it too
+        elif op.kind == "drop":
             for request_id in op.request_ids:
                 if (req := self.mirrors.pop(request_id, None)) is not None:
                     self.runner.release(req)

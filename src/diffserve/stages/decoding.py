@@ -1,4 +1,7 @@
-"""DecodingStage: unpack latents, undo the VAE's scaling/shift, decode, and convert to PIL images."""
+"""DecodingStage: unpack latents, undo the VAE's scaling/shift, decode, and convert to PIL images.
+
+With several ranks every rank runs this stage and the decode is split by rows over them
+(`diffserve.distributed.parallel_vae.decode_split`; on one device it is `vae.decode`)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import torch
 from PIL import Image
 from torch import nn
 
+from diffserve.distributed.parallel_vae import decode_split
 from diffserve.request import Req
 from diffserve.stages.base import Stage, to_module
 from diffserve.stages.latent_preparation import unpack_latents
@@ -59,5 +63,5 @@ class DecodingStage(Stage):
         if self.packed_latents:
             latents = unpack_latents(latents, req.latent_height, req.latent_width)
         latents = latents / self.scaling_factor + self.shift_factor
-        req.images = tensor_to_pil(self.vae.decode(to_module(self.vae, latents)))
+        req.images = tensor_to_pil(decode_split(self.vae, to_module(self.vae, latents)))
         return req

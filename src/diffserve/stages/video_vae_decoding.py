@@ -1,5 +1,6 @@
 """Decoding through a causal video VAE (Qwen-Image's, Wan's; an image is one frame), after undoing the
-per-channel normalisation the DiT's latents carry."""
+per-channel normalisation the DiT's latents carry. With several ranks every rank runs these stages and
+the decode is split by rows over them (`diffserve.distributed.parallel_vae.decode_split`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from diffserve.distributed.parallel_vae import decode_split
 from diffserve.request import Req
 from diffserve.stages.base import Stage, to_module
 from diffserve.stages.decoding import DecodeLayout, tensor_to_pil
@@ -50,7 +52,7 @@ class VideoVaeImageDecodingStage(Stage):
     @torch.inference_mode()
     def forward(self, req: Req) -> Req:
         latents = unpack_latents(req.latents, req.latent_height, req.latent_width).unsqueeze(2)
-        frames = self.vae.decode(denormalize_latents(self.vae, to_module(self.vae, latents)))
+        frames = decode_split(self.vae, denormalize_latents(self.vae, to_module(self.vae, latents)))
         req.images = tensor_to_pil(frames[:, :, 0])
         return req
 
@@ -69,7 +71,7 @@ class VideoVaeDecodingStage(Stage):
 
     @torch.inference_mode()
     def forward(self, req: Req) -> Req:
-        video = self.vae.decode(denormalize_latents(self.vae, to_module(self.vae, req.latents)))
+        video = decode_split(self.vae, denormalize_latents(self.vae, to_module(self.vae, req.latents)))
         array = (video / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).float().cpu().numpy()
         req.frames = list((array * 255).round().astype(np.uint8))  # rounding as Diffusers' processors do
         return req

@@ -7,7 +7,8 @@ checkpoint loads with `load_state_dict(sd, strict=True)` into a module built on 
 
 The latent scaling (`(z - shift_factor) * scaling_factor`) is *not* applied here: as in diffusers,
 the pipeline applies it, reading the factors from `self.config`. Tiling and slicing are not
-implemented; callers that need them split the batch themselves.
+implemented; callers that need them split the batch themselves. Over several ranks the decode can
+be split by rows (`diffserve.distributed.parallel_vae.decode_split`), with the same output.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -85,6 +86,8 @@ class AutoencoderKL(nn.Module):
     """KL-regularised convolutional autoencoder with diffusers' config and weight names."""
 
     diffusers_class_name = "AutoencoderKL"
+    #: Its decoder's layers take part in a row-split decode (`distributed/parallel_vae.py`).
+    decodes_row_split: ClassVar[bool] = True
 
     def __init__(
         self,

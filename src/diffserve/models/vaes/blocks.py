@@ -8,6 +8,10 @@ no gradient checkpointing, no spatial-norm variant.
 Activations that follow a norm run in place: the norm's output is a fresh tensor nobody else holds,
 so this saves one full-resolution allocation per resnet half without changing a single bit of the
 result. Nothing here computes from parameters at build time, so modules build on the meta device.
+
+The 3x3 convolutions, the GroupNorms and the mid-block attention are the row-split-aware layers of
+`diffserve.distributed.parallel_vae` (plain `nn.Conv2d` / `nn.GroupNorm` / attention outside a
+row-split decode), so the decoder also runs split by rows over several ranks with the same output.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.distributed.parallel_vae import HaloConv2d, SplitGroupNorm, gather_tokens
 from diffserve.layers.attention import attention
 
 
@@ -67,7 +72,7 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _group_norm(channels: int, groups: int) -> nn.GroupNorm:
-    return nn.GroupNorm(num_groups=groups, num_channels=channels, eps=NORM_EPS, affine=True)
+    return SplitGroupNorm(num_groups=groups, num_channels=channels, eps=NORM_EPS, affine=True)
 
 
 class ResnetBlock2D(nn.Module):
@@ -77,9 +82,9 @@ class ResnetBlock2D(nn.Module):
         super().__init__()
         self.act = get_activation(act_fn)
         self.norm1 = _group_norm(in_channels, groups)
-        self.conv1 = nn.Conv2d(in_channels, out_channels, kernel_size=3, padding=1)
+        self.conv1 = HaloConv2d(in_channels, out_channels, kernel_size=3, padding=1)
         self.norm2 = _group_norm(out_channels, groups)
-        self.conv2 = nn.Conv2d(out_channels, out_channels, kernel_size=3, padding=1)
+        self.conv2 = HaloConv2d(out_channels, out_channels, kernel_size=3, padding=1)
         self.conv_shortcut = (
             nn.Conv2d(in_channels, out_channels, kernel_size=1) if in_channels != out_channels else None
         )
@@ -112,7 +117,7 @@ class Upsample2D(nn.Module):
 
     def __init__(self, channels: int) -> None:
         super().__init__()
-        self.conv = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
+        self.conv = HaloConv2d(channels, channels, kernel_size=3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
@@ -140,8 +145,10 @@ class SpatialSelfAttention(nn.Module):
         # (contiguous when x is channels-last, a strided view otherwise; never a copy).
         tokens = self.group_norm(x).flatten(2).transpose(1, 2)  # (B, S, C)
         q = self.to_q(tokens).unsqueeze(2)
-        k = self.to_k(tokens).unsqueeze(2)
-        v = self.to_v(tokens).unsqueeze(2)
+        # In a row-split decode (distributed/parallel_vae.py) the queries stay local and the keys and
+        # values are every rank's; otherwise `gather_tokens` returns its input.
+        k = gather_tokens(self.to_k(tokens), width).unsqueeze(2)
+        v = gather_tokens(self.to_v(tokens), width).unsqueeze(2)
         out = self.to_out[0](attention(q, k, v).flatten(2))  # (B, S, C)
         # Back to (B, C, H, W) as a view (channels-last strides); the residual add writes the result
         # in x's layout, with no copy before it.
@@ -256,7 +263,7 @@ class Encoder(nn.Module):
             "down_block_types", down_block_types, SUPPORTED_DOWN_BLOCKS, len(block_out_channels)
         )
         widths = list(block_out_channels)
-        self.conv_in = nn.Conv2d(in_channels, widths[0], kernel_size=3, padding=1)
+        self.conv_in = HaloConv2d(in_channels, widths[0], kernel_size=3, padding=1)
         self.down_blocks = nn.ModuleList(
             DownEncoderBlock2D(
                 in_channels=widths[max(i - 1, 0)],
@@ -270,7 +277,7 @@ class Encoder(nn.Module):
         )
         self.mid_block = MidBlock2D(widths[-1], norm_num_groups, act_fn, mid_block_add_attention)
         self.conv_norm_out = _group_norm(widths[-1], norm_num_groups)
-        self.conv_out = nn.Conv2d(widths[-1], 2 * latent_channels, kernel_size=3, padding=1)
+        self.conv_out = HaloConv2d(widths[-1], 2 * latent_channels, kernel_size=3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.conv_in(x.contiguous(memory_format=ACTIVATION_MEMORY_FORMAT))
@@ -303,7 +310,7 @@ class Decoder(nn.Module):
         super().__init__()
         _check_block_types("up_block_types", up_block_types, SUPPORTED_UP_BLOCKS, len(block_out_channels))
         widths = list(reversed(block_out_channels))
-        self.conv_in = nn.Conv2d(latent_channels, widths[0], kernel_size=3, padding=1)
+        self.conv_in = HaloConv2d(latent_channels, widths[0], kernel_size=3, padding=1)
         self.mid_block = MidBlock2D(widths[0], norm_num_groups, act_fn, mid_block_add_attention)
         self.up_blocks = nn.ModuleList(
             UpDecoderBlock2D(
@@ -317,7 +324,7 @@ class Decoder(nn.Module):
             for i, width in enumerate(widths)
         )
         self.conv_norm_out = _group_norm(widths[-1], norm_num_groups)
-        self.conv_out = nn.Conv2d(widths[-1], out_channels, kernel_size=3, padding=1)
+        self.conv_out = HaloConv2d(widths[-1], out_channels, kernel_size=3, padding=1)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         x = self.conv_in(z.contiguous(memory_format=ACTIVATION_MEMORY_FORMAT))

@@ -34,18 +34,30 @@ Module and parameter names follow Diffusers (`resnets.0.norm1.gamma`, `resample.
 `time_conv.weight`, `to_qkv`, `proj`) so checkpoints load with `strict=True` and no renaming.
 Only inference is kept: no dropout, no gradient checkpointing. Nothing is computed from parameter
 values at construction, so everything builds on the meta device.
+
+Row-split decode over several ranks (`diffserve.distributed.parallel_vae`): the spatial convolutions
+take halo rows from the neighbouring ranks (a causal conv caches its own rows only and exchanges the
+halo of cached and new frames together), the per-frame attention attends over every rank's keys and
+values; the channel RMS norms, nearest upsampling and temporal convs are local to a row already.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import pairwise
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.distributed.parallel_vae import (
+    HaloConv2d,
+    check_halo_conv,
+    current_row_split,
+    gather_tokens,
+    with_halo_rows,
+)
 from diffserve.layers.attention import attention
 from diffserve.models.vaes.autoencoder_kl import DiagonalGaussian
 
@@ -108,8 +120,16 @@ class CausalConv3d(nn.Conv3d):
             if previous is not None:
                 x = torch.cat([previous, x], dim=2)
                 time_pad -= previous.shape[2]
-        if time_pad or any(self.space_pad):
-            x = F.pad(x, (*self.space_pad, time_pad, 0))
+        space_pad = self.space_pad
+        split = current_row_split()
+        if split is not None and space_pad[2]:
+            # Row-split decode: the cache above holds this rank's own rows; the halo rows of the frames
+            # (cached and new alike) come from the neighbours, in place of the zero row padding.
+            check_halo_conv(self, space_pad[2])
+            x = with_halo_rows(x, space_pad[2], split)
+            space_pad = (space_pad[0], space_pad[1], 0, 0)
+        if time_pad or any(space_pad):
+            x = F.pad(x, (*space_pad, time_pad, 0))
         return super().forward(x)
 
     @staticmethod
@@ -184,7 +204,9 @@ class AttentionBlock(nn.Module):
     def _attend(self, frames: torch.Tensor) -> torch.Tensor:
         n, c, h, w = frames.shape
         qkv = self.to_qkv(self.norm(frames)).flatten(2).transpose(1, 2).contiguous()  # (n, h*w, 3c)
-        q, k, v = (t.unsqueeze(2) for t in qkv.chunk(3, dim=-1))  # (n, h*w, 1 head, c)
+        q, k, v = qkv.chunk(3, dim=-1)  # (n, h*w, c) each
+        # In a row-split decode the queries stay local and the keys and values are every rank's.
+        q, k, v = q.unsqueeze(2), gather_tokens(k, w).unsqueeze(2), gather_tokens(v, w).unsqueeze(2)
         out = attention(q, k, v).flatten(2)  # (n, h*w, c)
         return self.proj(out.transpose(1, 2).reshape(n, c, h, w))
 
@@ -221,7 +243,7 @@ class Upsample(nn.Module):
     def __init__(self, dim: int, temporal: bool) -> None:
         super().__init__()
         # Sequential only for the Diffusers name `resample.1` of the conv.
-        self.resample = nn.Sequential(_NearestUpsample2x(), nn.Conv2d(dim, dim // 2, 3, padding=1))
+        self.resample = nn.Sequential(_NearestUpsample2x(), HaloConv2d(dim, dim // 2, 3, padding=1))
         self.time_conv = CausalConv3d(dim, dim * 2, (3, 1, 1), padding=(1, 0, 0)) if temporal else None
 
     def forward(self, x: torch.Tensor, cache: CausalCache) -> torch.Tensor:
@@ -386,6 +408,8 @@ class CausalVideoVAE(nn.Module):
     """The Wan 2.1 network; subclasses map their Diffusers config onto it and set `config`."""
 
     config: dict[str, Any]
+    #: Its decoder's layers take part in a row-split decode (`distributed/parallel_vae.py`).
+    decodes_row_split: ClassVar[bool] = True
 
     def __init__(
         self,
