@@ -18,13 +18,14 @@ from tqdm.auto import tqdm
 from diffserve.configs.engine_args import EngineArgs
 from diffserve.configs.quality import check_default_quality, read_calibrated_policies
 from diffserve.configs.sampling_params import SamplingParams
+from diffserve.distributed.config import ParallelConfigError
 from diffserve.distributed.launch import RankGroup, is_follower, start_ranks
 from diffserve.distributed.state import ParallelState
 from diffserve.distributed.worker import STOP, describe_error, receive_message, send_status
 from diffserve.errors import InvalidRequestError, ModelLoadError, RequestCancelledError, UserError
 from diffserve.image_inputs import ImageSource, load_images
 from diffserve.layers.attention import AttentionBackend, resolve_attention_backend
-from diffserve.loader.component_loader import LoadedComponent, load_components
+from diffserve.loader.component_loader import LoadedComponent, load_components, supports_tensor_parallel
 from diffserve.loader.folder_defaults import read_folder_sampling_defaults
 from diffserve.loader.model_index import ModelIndex, read_model_index
 from diffserve.logging_setup import shown_text
@@ -97,8 +98,27 @@ class LoadedModel:
     compiled_regions: list[CompiledRegion] = field(default_factory=list)  # `--compile`: blocks compiled
 
 
-def load_model(engine_args: EngineArgs, platform: Platform) -> LoadedModel:
-    """Resolve the family of `engine_args.model_path` and load its pipeline onto `platform`'s device."""
+def check_tensor_parallel(index: ModelIndex, family: ModelFamily, tp_size: int) -> None:
+    """`--tp-size` above 1 needs a DiT that shards itself (FLUX's today): else a ParallelConfigError naming
+    the family, raised before anything loads. Text encoders and VAEs stay whole on every rank."""
+    if tp_size == 1:
+        return
+    spec = index.components.get("transformer")
+    dit = family.native_classes.models.get(spec.class_name) if spec is not None else None
+    if dit is None or not supports_tensor_parallel(dit):
+        what = spec.class_name if spec is not None else "no transformer component"
+        raise ParallelConfigError(
+            f"--tp-size {tp_size}: tensor parallelism is implemented for the FLUX DiT only, not for the "
+            f"{family.name} family's DiT ({what}); split its requests with --ulysses-degree / --ring-degree "
+            "/ --enable-cfg-parallel instead"
+        )
+
+
+def load_model(
+    engine_args: EngineArgs, platform: Platform, parallel_state: ParallelState | None = None
+) -> LoadedModel:
+    """Resolve the family of `engine_args.model_path` and load its pipeline onto `platform`'s device.
+    With a `parallel_state` whose TP size is above 1, the DiT loads as this rank's tensor-parallel shard."""
     dtype = parse_dtype(engine_args.dtype, platform)
     text_dtype = parse_dtype(engine_args.text_encoder_dtype or engine_args.dtype, platform)
     logger.info("Platform: %s (%s), dtype: %s", platform.name, platform.device_name(), dtype)
@@ -110,6 +130,8 @@ def load_model(engine_args: EngineArgs, platform: Platform) -> LoadedModel:
         raise UserError(str(exc)) from exc
     index = read_model_index(engine_args.model_path, engine_args.revision)
     family = resolve_family(index.pipeline_class_name)
+    tp_size = parallel_state.tp_size if parallel_state is not None else 1
+    check_tensor_parallel(index, family, tp_size)
     pipeline_cls = family.pipeline_cls
     logger.info(
         "Resolved pipeline: %s -> diffserve %s (%s, native)",
@@ -117,7 +139,7 @@ def load_model(engine_args: EngineArgs, platform: Platform) -> LoadedModel:
     )  # fmt: skip
     components = load_components(
         index, pipeline_cls.required_components, family.native_classes, platform, dtype, text_dtype,
-        optional=pipeline_cls.optional_components,
+        optional=pipeline_cls.optional_components, tensor_parallel=parallel_state,
     )  # fmt: skip
     folder_defaults = read_folder_sampling_defaults(index.root)
     if folder_defaults:
@@ -144,7 +166,7 @@ def serve_rank(state: ParallelState, engine_args: EngineArgs, platform: Platform
     """A worker rank's life after joining the group: load the same model, report ready (the `ready`
     exchange of `DiffGenerator._wait_for_ranks`), then run rank 0's ops until it says stop."""
     try:
-        model = load_model(engine_args, platform)
+        model = load_model(engine_args, platform, state)
     except Exception as exc:
         logger.exception("rank %d: loading the model failed", state.rank)
         send_status(state, describe_error(exc))
@@ -178,9 +200,12 @@ class DiffGenerator:
                     "this process is not rank 0: run diffserve.distributed.launch.run_follower(engine_args, "
                     "diffserve.api.serve_rank) here instead of creating a DiffGenerator (the CLI does)"
                 )
+            if parallel.tp_size > 1:  # refused before any rank starts, as other config errors are
+                index = read_model_index(engine_args.model_path, engine_args.revision)
+                check_tensor_parallel(index, resolve_family(index.pipeline_class_name), parallel.tp_size)
             self.ranks = start_ranks(engine_args, platform, serve_rank)
         try:
-            model = load_model(engine_args, platform)
+            model = load_model(engine_args, platform, self.ranks.state if self.ranks is not None else None)
             self._wait_for_ranks(None)
         except BaseException as exc:
             self._wait_for_ranks(exc)

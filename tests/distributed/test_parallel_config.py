@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from diffserve.cli.main import main
@@ -111,8 +113,29 @@ def test_compile_with_sequence_parallel_is_refused_naming_both() -> None:
     # CFG-parallel runs whole sequences: compile is fine there.
     config = EngineArgs(model_path="/m", num_gpus=2, enable_cfg_parallel=True, compile=True).parallel_config()
     assert config.cfg_degree == 2
+    with pytest.raises(ParallelConfigError, match=r"--compile does not work with tensor parallelism yet"):
+        EngineArgs(model_path="/m", num_gpus=2, tp_size=2, compile=True).parallel_config()
 
 
-def test_tensor_parallel_is_refused_until_a_layer_uses_it() -> None:
-    with pytest.raises(ParallelConfigError, match=r"--tp-size 2: tensor parallelism is not implemented yet"):
-        ParallelConfig.resolve(num_gpus=2, tp_size=2)
+def test_tensor_parallel_takes_its_mesh_dimension() -> None:
+    config = ParallelConfig.resolve(num_gpus=8, tp_size=2, enable_cfg_parallel=True)
+    assert (config.cfg_degree, config.tp_size, config.ring_degree, config.ulysses_degree) == (2, 2, 1, 2)
+    # mesh [cfg, tp, ring, ulysses], ulysses innermost: TP pairs are 2 apart
+    assert mesh_groups(config)["tp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+def test_cli_tensor_parallel_for_a_family_without_it_is_one_error_line(tmp_path, capfd) -> None:
+    """Refused from model_index.json alone (no weights in the folder): before any rank starts or loads."""
+    index = {"_class_name": "StableDiffusion3Pipeline", "transformer": ["diffusers", "SD3Transformer2DModel"]}
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    code = main(
+        ["generate", "--model-path", str(tmp_path), "--prompt", "x", "--num-gpus", "2", "--tp-size", "2", "--seed", "1",
+         "--output-path", str(tmp_path / "out")]
+    )  # fmt: skip
+    err = capfd.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err == [
+        "error: --tp-size 2: tensor parallelism is implemented for the FLUX DiT only, not for the sd3 family's "
+        "DiT (SD3Transformer2DModel); split its requests with --ulysses-degree / --ring-degree / "
+        "--enable-cfg-parallel instead"
+    ]

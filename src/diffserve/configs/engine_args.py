@@ -63,6 +63,11 @@ class EngineArgs:
             self.num_gpus, self.ulysses_degree, self.ring_degree, self.enable_cfg_parallel,
             self.tp_size, self.nnodes, self.node_rank, self.dist_init_addr,
         )  # fmt: skip
+        if self.compile and config.tp_size > 1:
+            # Untested with inductor (the row-parallel all-reduce inside compiled blocks).
+            raise ParallelConfigError(
+                f"--compile does not work with tensor parallelism yet (--tp-size {config.tp_size}); drop one"
+            )
         if self.compile and config.sequence_parallel_degree > 1:
             # Compiled blocks cannot read which shard they run on (`distributed/sequence_split.py`).
             raise ParallelConfigError(

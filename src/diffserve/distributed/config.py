@@ -4,6 +4,10 @@
 negative CFG branches on different ranks) and 1 without. When `--ulysses-degree` is not given it takes
 what is left: `num_gpus / (cfg x tp x ring)`, as in SGLang. On the CPU each "gpu" is one rank process
 (gloo). Multi-node: `nnodes` machines with `num_gpus / nnodes` ranks each, joined at `dist_init_addr`.
+
+`--tp-size` above 1 shards the DiT's blocks over that many ranks (`distributed/tensor_parallel.py`);
+whether the model's DiT supports it is checked against the model folder (`api.check_tensor_parallel`,
+FLUX today), before anything loads. Text encoders and VAEs stay whole on every rank.
 """
 
 from __future__ import annotations
@@ -37,11 +41,6 @@ class ParallelConfig:
         product = self.cfg_degree * self.tp_size * self.ulysses_degree * self.ring_degree
         if product != self.num_gpus:
             raise ParallelConfigError(f"--num-gpus {self.num_gpus} but {self._product_text()} = {product}")
-        if self.tp_size > 1:  # the flag and its mesh dimension exist; no layer is sharded by it yet
-            raise ParallelConfigError(
-                f"--tp-size {self.tp_size}: tensor parallelism is not implemented yet; split requests with "
-                "--ulysses-degree / --ring-degree / --enable-cfg-parallel, or add replicas with --dp-size"
-            )
         self._check_nodes()
 
     def _product_text(self) -> str:

@@ -16,6 +16,7 @@ import torch
 import transformers
 from torch import nn
 
+from diffserve.distributed.tensor_parallel import TensorParallelRank
 from diffserve.errors import ModelLoadError
 from diffserve.layers.custom_op import dispatch_custom_ops
 from diffserve.loader.model_index import ComponentSpec, ModelIndex, read_json
@@ -87,13 +88,42 @@ def _loading(what: str, path: Path) -> Iterator[None]:
         raise ModelLoadError(f"cannot load {what} from {path}: {exc}") from exc
 
 
+def supports_tensor_parallel(cls: NativeModelClass) -> bool:
+    """Whether `cls` shards itself over a TP group: it has `shard_for_tensor_parallel(tp)`, which swaps
+    its (meta) layers for this rank's shards before loading (else it is loaded whole on every rank)."""
+    return callable(getattr(cls, "shard_for_tensor_parallel", None))
+
+
+def _shard(module: nn.Module, spec: ComponentSpec, tp: TensorParallelRank) -> None:
+    """Swap `module`'s (meta) layers for their TP shards, before any weight is read; a model without TP
+    support (a VAE) stays whole on every rank."""
+    shard = getattr(module, "shard_for_tensor_parallel", None)
+    if shard is None:
+        logger.info("%s (%s): replicated on each of the %d TP ranks", spec.name, spec.class_name, tp.tp_size)
+        return
+    try:
+        shard(tp)
+    except ValueError as exc:  # e.g. heads that do not divide the TP size
+        raise ModelLoadError(f"{spec.path}: {exc}") from exc
+    logger.info("%s (%s): TP rank %d of %d", spec.name, spec.class_name, tp.tp_rank, tp.tp_size)
+
+
 def load_native_model(
-    spec: ComponentSpec, cls: NativeModelClass, platform: Platform, dtype: torch.dtype
+    spec: ComponentSpec,
+    cls: NativeModelClass,
+    platform: Platform,
+    dtype: torch.dtype,
+    tensor_parallel: TensorParallelRank | None = None,
 ) -> tuple[nn.Module, int]:
     """Build the native module `cls` on meta from config.json, stream its safetensors in onto `platform`'s
-    device, and bind its `CustomOp`s to `platform`. Returns the module and the bytes read from disk."""
+    device, and bind its `CustomOp`s to `platform`. Returns the module and the bytes read from disk.
+
+    With `tensor_parallel` (a TP group of more than one rank) a model that supports it is built as this
+    rank's shard and reads only that shard's slices of the checkpoint; other models load whole."""
     with torch.device("meta"):
         module = _from_config(cls, spec.path / "config.json")
+    if tensor_parallel is not None and tensor_parallel.tp_size > 1:
+        _shard(module, spec, tensor_parallel)
     num_bytes = load_safetensors_into(module, find_weight_files(spec.path), platform.device(), dtype)
     module.eval().requires_grad_(False)
     # Inference-only rearrangements that need the loaded weights (e.g. fused QKV projections).
@@ -123,11 +153,12 @@ def _load(
     platform: Platform,
     dtype: torch.dtype,
     text_dtype: torch.dtype,
+    tensor_parallel: TensorParallelRank | None,
 ) -> Any:
     """Load one component whose class `load_components` has checked is supported."""
     path, name = str(spec.path), spec.class_name
     if spec.library == "diffusers" and name in native.models:
-        return load_native_model(spec, native.models[name], platform, dtype)[0]
+        return load_native_model(spec, native.models[name], platform, dtype, tensor_parallel)[0]
     if spec.library == "diffusers":
         return _from_config(native.schedulers[name], spec.path / "scheduler_config.json")
     if name in TRANSFORMERS_TOKENIZERS:
@@ -180,10 +211,13 @@ def load_components(
     dtype: torch.dtype,
     text_encoder_dtype: torch.dtype,
     optional: tuple[str, ...] = (),
+    tensor_parallel: TensorParallelRank | None = None,
 ) -> dict[str, LoadedComponent]:
     """Load the components a pipeline requires, in a fixed order, and the `optional` ones the folder has.
 
-    `native` is the family's table of native classes (its registry record's). Absent required components,
+    `native` is the family's table of native classes (its registry record's). With `tensor_parallel`,
+    the native models that support it load as this rank's shard (see `load_native_model`); text
+    encoders and the other models load whole. Absent required components,
     components the pipeline does not use and classes diffserve cannot load are all refused before any
     component is loaded.
     """
@@ -217,6 +251,7 @@ def load_components(
         )
     logger.info("Loading components: %s", list(names))
     load = functools.partial(
-        _load, native=native, platform=platform, dtype=dtype, text_dtype=text_encoder_dtype
-    )
+        _load, native=native, platform=platform, dtype=dtype, text_dtype=text_encoder_dtype,
+        tensor_parallel=tensor_parallel,
+    )  # fmt: skip
     return {spec.name: _load_and_log(spec, load, platform) for spec in specs}

@@ -1,14 +1,20 @@
-"""Streaming Diffusers safetensors weights (single file or sharded) into a module built on `meta`."""
+"""Streaming Diffusers safetensors weights (single file or sharded) into a module built on `meta`.
+
+A module holding tensor-parallel layers (`distributed/tensor_parallel.py`) gets only its rank's part of
+each sharded tensor: those ranges are read with safetensors' `get_slice`, never the whole tensor.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from diffserve.distributed.tensor_parallel import ShardSpec, tensor_parallel_shards
 from diffserve.errors import ModelLoadError
 
 _WEIGHT_NAMES = ("diffusion_pytorch_model", "model")
@@ -37,6 +43,25 @@ def find_weight_files(component_dir: Path) -> list[Path]:
     raise ModelLoadError(f"no safetensors weights in {component_dir}{hint}")
 
 
+class SafeSlice(Protocol):
+    """What `safe_open(...).get_slice(name)` returns: the tensor's shape, and basic indexing that reads
+    only the indexed bytes."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor: ...
+
+
+class SafeFile(Protocol):
+    """An open safetensors file (`safe_open(..., framework="pt")`), as the loader reads it."""
+
+    def keys(self) -> list[str]: ...
+
+    def get_tensor(self, name: str) -> torch.Tensor: ...
+
+    def get_slice(self, name: str) -> SafeSlice: ...
+
+
 def _open(path: Path):
     try:
         return safe_open(str(path), framework="pt", device="cpu")
@@ -49,6 +74,21 @@ def _describe(keys: list[str], limit: int = 8) -> str:
     return shown + (f", ... ({len(keys)} in all)" if len(keys) > limit else "")
 
 
+def _read_tensor(f: SafeFile, key: str, spec: ShardSpec | None, path: Path) -> torch.Tensor:
+    """Tensor `key` of the open file: whole, or only the ranges `spec` names (this rank's shard)."""
+    if spec is None:
+        return f.get_tensor(key)
+    sliced = f.get_slice(key)
+    full_shape = tuple(sliced.get_shape())
+    if full_shape != spec.full_shape:
+        raise ModelLoadError(
+            f"{path}: tensor {key!r} has shape {full_shape}, the model config expects {spec.full_shape} "
+            "(before tensor-parallel sharding)"
+        )
+    pieces = [sliced[index] for index in spec.indices()]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=spec.dim)
+
+
 def load_safetensors_into(
     module: nn.Module, files: list[Path], device: torch.device, dtype: torch.dtype
 ) -> int:
@@ -56,8 +96,10 @@ def load_safetensors_into(
 
     Checkpoint and module must have the same keys and shapes (else a `ModelLoadError` names them).
     Floating-point tensors are cast to `dtype`; integer tensors keep theirs. Only one shard's tensors are
-    held at a time, so peak host memory stays near the largest shard.
+    held at a time, so peak host memory stays near the largest shard. A tensor-parallel layer's weights
+    are read as its rank's slices only (the bytes returned count what was read).
     """
+    sharded = tensor_parallel_shards(module)
     expected_shapes = {k: v.shape for k, v in module.state_dict().items()}
     file_keys: set[str] = set()
     for path in files:
@@ -78,7 +120,7 @@ def load_safetensors_into(
         with _open(path) as f:
             for key in f.keys():  # noqa: SIM118  (safe_open is not a Mapping)
                 try:
-                    tensor = f.get_tensor(key)
+                    tensor = _read_tensor(f, key, sharded.get(key), path)
                 except _READ_ERRORS as exc:
                     raise ModelLoadError(f"cannot read tensor {key!r} from {path}: {exc}") from exc
                 if tensor.shape != expected_shapes[key]:

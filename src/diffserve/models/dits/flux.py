@@ -24,6 +24,11 @@ the step of the 6-block 36M-parameter benchmark DiT at 256x256. After `fuse_for_
 it), projections that read the same input are one matmul each: q/k/v per stream, q/k/v with the MLP
 input in single-stream blocks, and every block's adaLN projection together; checkpoints keep
 Diffusers' names.
+
+Tensor parallelism (`shard_for_tensor_parallel`, before the weights are read): each TP rank holds 1/T of
+the heads and MLP features of every block (q/k/v by heads and MLP inputs column-parallel, attention
+outputs and MLP outputs row-parallel: one all-reduce per attention and per MLP); the embedders, adaLN
+projections, QK-norms and output head stay whole on every rank.
 """
 
 from __future__ import annotations
@@ -38,6 +43,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
+from diffserve.distributed.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelRank,
+    shard_linear,
+)
 from diffserve.layers.adaln import AdaLayerNormContinuous, AdaLayerNormZero
 from diffserve.layers.embeddings import CombinedTimestepTextEmbedding
 from diffserve.layers.feedforward import FeedForward
@@ -293,6 +304,17 @@ class FluxTransformerBlock(nn.Module):
         self.ff_context = FeedForward(dim)
         self.modulate = Modulate()
 
+    def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
+        """This rank's heads of both streams' attention and its slice of both MLPs (see the model's)."""
+        column = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
+        for name in column:
+            shard_linear(self.attn, name, ColumnParallelLinear, tp)
+        for name in ("to_out.0", "to_add_out"):
+            shard_linear(self.attn, name, RowParallelLinear, tp)
+        for ff in (self.ff, self.ff_context):
+            shard_linear(ff, "net.0.proj", ColumnParallelLinear, tp)
+            shard_linear(ff, "net.2", RowParallelLinear, tp)
+
     def forward(
         self, x: torch.Tensor, ctx: torch.Tensor, emb: torch.Tensor, emb_ctx: torch.Tensor, rope: RopeTables
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,6 +353,17 @@ class FluxSingleTransformerBlock(nn.Module):
         self.attn = FluxSelfAttention(dim, num_heads, head_dim)
         self.proj_out = nn.Linear(self.inner_dim + mlp_dim, dim)
         self.to_qkv_mlp: nn.Linear | None = None
+
+    def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
+        """This rank's heads (q/k/v) and MLP features (`proj_mlp`) column-parallel; `proj_out` row-parallel
+        over what they leave here, [local attention; local MLP]: its input columns are this rank's piece
+        of the checkpoint's attention columns followed by its piece of the MLP columns (two segments)."""
+        for name in ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"):
+            shard_linear(self, name, ColumnParallelLinear, tp)
+        segments = (self.inner_dim, self.mlp_dim)
+        shard_linear(self, "proj_out", RowParallelLinear, tp, segments=segments)
+        self.inner_dim //= tp.tp_size
+        self.mlp_dim //= tp.tp_size
 
     def fuse_projections(self) -> bool:
         """Fuse q/k/v and the MLP input projection (after loading); False when already fused."""
@@ -459,6 +492,28 @@ class FluxTransformer2DModel(nn.Module):
     def embed_context(self, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
         """T5 states (batch, txt_seq, joint_attention_dim) -> the blocks' text stream (batch, txt_seq, inner)."""
         return self.context_embedder(encoder_hidden_states)
+
+    def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
+        """Make this model rank `tp.tp_rank`'s shard of a `tp.tp_size`-way tensor-parallel DiT; call it on
+        the meta-built model, before the weights are loaded (the loader then reads only the shard).
+
+        In every block, attention q/k/v (both streams) and the MLP input projections are column-parallel
+        (each rank: heads / T whole heads, MLP features / T), and the attention output and MLP output
+        projections row-parallel (their partial sums all-reduced over `tp.tp_group`). Embedders, adaLN
+        projections, QK-norms and the output head are replicated. `fuse_for_inference()` then fuses the
+        local shards. The heads must divide `tp.tp_size` (ValueError naming both)."""
+        heads = self.config.num_attention_heads
+        if heads % tp.tp_size:
+            raise ValueError(
+                f"--tp-size {tp.tp_size}: the FLUX DiT's {heads} attention heads do not divide over "
+                f"{tp.tp_size} tensor-parallel ranks"
+            )
+        if self.adaln_modulation is not None or any(not p.is_meta for p in self.parameters()):
+            raise RuntimeError("shard_for_tensor_parallel: call it on the meta-built model, before loading")
+        for block in self.transformer_blocks:
+            block.shard_for_tensor_parallel(tp)
+        for block in self.single_transformer_blocks:
+            block.shard_for_tensor_parallel(tp)
 
     def _adaln_projections(self) -> list[tuple[str, nn.Linear]]:
         """(name, Linear) of every adaLN projection of SiLU(temb), in the order the forward consumes them."""
