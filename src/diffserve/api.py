@@ -32,7 +32,7 @@ from diffserve.logging_setup import shown_text
 from diffserve.outputs import output_metadata, write_outputs
 from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.platforms import Platform, PlatformUnavailableError, resolve_platform
-from diffserve.registry import ModelFamily, resolve_family
+from diffserve.registry import FAMILIES, ModelFamily, resolve_family
 from diffserve.request import Req
 from diffserve.runtime import Engine, ScheduledRequest, SchedulerConfig
 from diffserve.runtime.compile import (
@@ -99,18 +99,24 @@ class LoadedModel:
 
 
 def check_tensor_parallel(index: ModelIndex, family: ModelFamily, tp_size: int) -> None:
-    """`--tp-size` above 1 needs a DiT that shards itself (FLUX's today): else a ParallelConfigError naming
-    the family, raised before anything loads. Text encoders and VAEs stay whole on every rank."""
+    """`--tp-size` above 1 needs a DiT whose class shards itself (`supports_tensor_parallel`: FLUX's and
+    Wan's today): else a ParallelConfigError naming the family, raised before anything loads. Text
+    encoders and VAEs stay whole on every rank."""
     if tp_size == 1:
         return
     spec = index.components.get("transformer")
     dit = family.native_classes.models.get(spec.class_name) if spec is not None else None
     if dit is None or not supports_tensor_parallel(dit):
         what = spec.class_name if spec is not None else "no transformer component"
+        supported = [
+            f.name
+            for f in FAMILIES
+            if any(supports_tensor_parallel(c) for c in f.native_classes.models.values())
+        ]
         raise ParallelConfigError(
-            f"--tp-size {tp_size}: tensor parallelism is implemented for the FLUX DiT only, not for the "
-            f"{family.name} family's DiT ({what}); split its requests with --ulysses-degree / --ring-degree "
-            "/ --enable-cfg-parallel instead"
+            f"--tp-size {tp_size}: tensor parallelism is implemented for the DiTs of {', '.join(supported)}, "
+            f"not for the {family.name} family's DiT ({what}); split its requests with --ulysses-degree / "
+            "--ring-degree / --enable-cfg-parallel instead"
         )
 
 

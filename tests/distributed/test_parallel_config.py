@@ -135,7 +135,7 @@ def test_cli_tensor_parallel_for_a_family_without_it_is_one_error_line(tmp_path,
     err = capfd.readouterr().err.strip().splitlines()
     assert code == 2
     assert err == [
-        "error: --tp-size 2: tensor parallelism is implemented for the FLUX DiT only, not for the sd3 family's "
-        "DiT (SD3Transformer2DModel); split its requests with --ulysses-degree / --ring-degree / "
-        "--enable-cfg-parallel instead"
+        "error: --tp-size 2: tensor parallelism is implemented for the DiTs of flux, wan-t2v, wan-i2v, not for "
+        "the sd3 family's DiT (SD3Transformer2DModel); split its requests with --ulysses-degree / "
+        "--ring-degree / --enable-cfg-parallel instead"
     ]

@@ -17,6 +17,10 @@ the rank's piece of every *segment* (a Linear whose input is the concatenation [
 FLUX's single-stream `proj_out`, has two segments, and a rank holds its piece of each). The loader
 (`loader/safetensors_weights.py`) reads exactly those ranges with safetensors' `get_slice`, so a rank
 never reads, nor holds, the rest of a sharded tensor (`tensor_parallel_shards`).
+
+- `ParallelRMSNorm` is an RMSNorm over a feature dimension that a column-parallel layer left split over
+  the group (Wan's QK-norm normalises q and k across all heads together): each rank holds its slice of
+  the weight, and the sum of squares is all-reduced so that every rank divides by the full width's RMS.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from diffserve.layers.norms import RMSNorm
 
 
 class TensorParallelRank(Protocol):
@@ -183,11 +189,77 @@ def shard_linear(
     return sharded
 
 
+class ParallelRMSNorm(nn.Module):
+    """One rank's shard of an RMSNorm over `full_dim` features (weight included) whose input arrives split
+    over the TP group as a column-parallel layer leaves it (this rank: its `ranges` of the features).
+
+    The mean square must be the full width's, not this rank's slice's: the fp32 sum of squares of the
+    local features is all-reduced over the group, then each rank scales its own features. The numbers
+    are `F.rms_norm`'s (fp32 throughout, the weight multiplied in fp32, one rounding to the input dtype
+    at the end), up to the order of the sum.
+    """
+
+    def __init__(
+        self,
+        full_dim: int,
+        tp: TensorParallelRank,
+        eps: float = 1e-6,
+        segments: Sequence[int] | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        segments = tuple(segments) if segments is not None else (full_dim,)
+        if sum(segments) != full_dim:
+            raise ValueError(f"segments {segments} do not add up to the normalised width {full_dim}")
+        ranges = shard_ranges(segments, tp.tp_size, tp.tp_rank)
+        self.full_dim, self.eps = full_dim, eps
+        self.tp_group, self.tp_size, self.tp_rank = tp.tp_group, tp.tp_size, tp.tp_rank
+        self.weight = nn.Parameter(torch.ones(full_dim // tp.tp_size, device=device, dtype=dtype))
+        self._weight_spec = ShardSpec((full_dim,), 0, ranges)
+
+    @classmethod
+    def replacing(cls, norm: RMSNorm, tp: TensorParallelRank) -> ParallelRMSNorm:
+        """The shard of a `layers.norms.RMSNorm` with a weight and `F.rms_norm`'s rounding (`round_once`):
+        the numerics this layer reproduces (another norm is a TypeError, not a silent change)."""
+        if type(norm) is not RMSNorm or norm.weight is None or not norm.round_once:
+            raise TypeError(
+                "only an affine RMSNorm with round_once=True can be sharded, got "
+                f"{type(norm).__name__}({getattr(norm, 'dim', '?')})"
+            )
+        return cls(norm.dim, tp, norm.eps, device=norm.weight.device, dtype=norm.weight.dtype)
+
+    def shard_specs(self) -> dict[str, ShardSpec]:
+        """Parameter name -> the part of the checkpoint tensor this rank holds (its weight slice)."""
+        return {"weight": self._weight_spec}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`x`: (..., full_dim / T), this rank's features; returns them normalised by the full width's RMS."""
+        xf = x.float()
+        sum_sq = xf.square().sum(-1, keepdim=True)
+        if self.tp_size > 1:
+            dist.all_reduce(sum_sq, group=self.tp_group)
+        scale = torch.rsqrt(sum_sq.div_(self.full_dim).add_(self.eps))
+        return (xf * scale * self.weight.float()).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, full={self.full_dim}, eps={self.eps}, tp_rank={self.tp_rank}/{self.tp_size}"
+
+
+def shard_rms_norm(owner: nn.Module, name: str, tp: TensorParallelRank) -> ParallelRMSNorm:
+    """Replace the RMSNorm at dotted path `name` under `owner` by its `ParallelRMSNorm` shard (before loading)."""
+    parent, _, leaf = name.rpartition(".")
+    holder = owner.get_submodule(parent)
+    sharded = ParallelRMSNorm.replacing(getattr(holder, leaf), tp)
+    setattr(holder, leaf, sharded)
+    return sharded
+
+
 def tensor_parallel_shards(module: nn.Module) -> dict[str, ShardSpec]:
     """State-dict name -> shard, for every sharded parameter under `module` (empty: nothing is sharded)."""
     specs = {}
     for prefix, sub in module.named_modules():
-        if isinstance(sub, ParallelLinear):
+        if isinstance(sub, (ParallelLinear, ParallelRMSNorm)):
             for param, spec in sub.shard_specs().items():
                 specs[f"{prefix}.{param}" if prefix else param] = spec
     return specs

@@ -33,6 +33,15 @@ are split with their RoPE table rows (and per-token timesteps), the self-attenti
 rank's tokens and the cross-attention to the replicated text/image tokens stays local
 (`_run_blocks_split`). With one sequence-parallel rank nothing changes.
 
+Tensor parallelism (`shard_for_tensor_parallel`, before the weights are read): each TP rank holds 1/T of
+the heads and FFN features of every block. Self- and cross-attention q/k/v (and I2V's image k/v) are
+column-parallel by heads, their output projections row-parallel, the FFN column then row: one
+all-reduce per attention and per FFN. Wan's QK-norm normalises across *all* heads (RMSNorm over the full
+inner width), so on a head shard it becomes `ParallelRMSNorm`: the weight is split with the heads and the
+sum of squares is all-reduced (one small all-reduce per norm). The patch embedding, time/text/image
+embedders, block modulation tables, LayerNorms and the output head are replicated. TP composes with the
+sequence split: Ulysses and Ring then move this rank's heads only.
+
 Differences from Diffusers that do not change the numbers for the inputs its pipelines pass: the image
 and text context are split at the known image length, not at "all but the last 512 tokens" (so any text
 length works), the split is done once per forward instead of once per block, RoPE tables are
@@ -53,6 +62,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
+from diffserve.distributed.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelRank,
+    shard_linear,
+    shard_rms_norm,
+)
 from diffserve.layers.attention import attention
 from diffserve.layers.embeddings import TimestepEmbedding, timestep_sinusoids
 from diffserve.layers.feedforward import FeedForward
@@ -239,6 +255,15 @@ class WanSelfAttention(nn.Module):
         self.norm_k = RMSNorm(dim, eps=eps, round_once=True)
         self.rope = RotaryEmbedding()
 
+    def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
+        """This rank's heads: q/k/v column-parallel with their across-heads norms, `to_out` row-parallel."""
+        for name in ("to_q", "to_k", "to_v"):
+            shard_linear(self, name, ColumnParallelLinear, tp)
+        shard_linear(self, "to_out.0", RowParallelLinear, tp)
+        for name in ("norm_q", "norm_k"):
+            shard_rms_norm(self, name, tp)
+        self.num_heads //= tp.tp_size
+
     def forward(self, x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
         q = self.norm_q(self.to_q(x)).unflatten(-1, (self.num_heads, -1))
         k = self.norm_k(self.to_k(x)).unflatten(-1, (self.num_heads, -1))
@@ -272,6 +297,19 @@ class WanCrossAttention(nn.Module):
             self.norm_added_k = RMSNorm(dim, eps=eps, round_once=True)
         else:
             self.add_k_proj = self.add_v_proj = self.norm_added_k = None
+
+    def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
+        """This rank's heads: q and the text (and image) k/v column-parallel with their across-heads
+        norms, `to_out` row-parallel (the text and image outputs are summed locally before it)."""
+        column = ["to_q", "to_k", "to_v"] + (
+            ["add_k_proj", "add_v_proj"] if self.add_k_proj is not None else []
+        )
+        for name in column:
+            shard_linear(self, name, ColumnParallelLinear, tp)
+        shard_linear(self, "to_out.0", RowParallelLinear, tp)
+        for name in ["norm_q", "norm_k"] + (["norm_added_k"] if self.norm_added_k is not None else []):
+            shard_rms_norm(self, name, tp)
+        self.num_heads //= tp.tp_size
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, img: torch.Tensor | None) -> torch.Tensor:
         heads = self.num_heads
@@ -309,6 +347,13 @@ class WanTransformerBlock(nn.Module):
         self.ffn = FeedForward(dim, ffn_dim)
         self.norm3 = FP32LayerNorm(dim, eps=eps, elementwise_affine=False)
         self.scale_shift_table = nn.Parameter(torch.zeros(1, 6, dim))
+
+    def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
+        """This rank's heads of both attentions and its slice of the FFN features (see the model's)."""
+        self.attn1.shard_for_tensor_parallel(tp)
+        self.attn2.shard_for_tensor_parallel(tp)
+        shard_linear(self.ffn, "net.0.proj", ColumnParallelLinear, tp)
+        shard_linear(self.ffn, "net.2", RowParallelLinear, tp)
 
     def forward(
         self,
@@ -401,6 +446,30 @@ class WanTransformer3DModel(nn.Module):
     def from_config(cls, config: Mapping[str, Any]) -> WanTransformer3DModel:
         """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
         return cls(config_from_diffusers(WanTransformerConfig, config, cls.diffusers_class_name))
+
+    def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
+        """Make this model rank `tp.tp_rank`'s shard of a `tp.tp_size`-way tensor-parallel DiT; call it on
+        the meta-built model, before the weights are loaded (the loader then reads only the shard).
+
+        Every block's attentions hold heads / T whole heads (q/k/v column-parallel, their across-heads
+        RMSNorms as `ParallelRMSNorm`, outputs row-parallel) and ffn_dim / T FFN features; everything else
+        is replicated (module docstring). The heads and the FFN width must divide `tp.tp_size`
+        (ValueError naming them)."""
+        heads, ffn_dim = self.config.num_attention_heads, self.config.ffn_dim
+        if heads % tp.tp_size:
+            raise ValueError(
+                f"--tp-size {tp.tp_size}: the Wan DiT's {heads} attention heads do not divide over "
+                f"{tp.tp_size} tensor-parallel ranks"
+            )
+        if ffn_dim % tp.tp_size:
+            raise ValueError(
+                f"--tp-size {tp.tp_size}: the Wan DiT's FFN width ffn_dim={ffn_dim} does not divide over "
+                f"{tp.tp_size} tensor-parallel ranks"
+            )
+        if any(not p.is_meta for p in self.parameters()):
+            raise RuntimeError("shard_for_tensor_parallel: call it on the meta-built model, before loading")
+        for block in self.blocks:
+            block.shard_for_tensor_parallel(tp)
 
     def rope_tables(self, frames: int, height: int, width: int, device: torch.device) -> RopeTables:
         """Half-width (cos, sin) float32 tables (frames*height*width, head_dim // 2) for a post-patch grid.
