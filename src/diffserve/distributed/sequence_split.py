@@ -12,7 +12,7 @@ plain `attention()` and needs no communication.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -69,16 +69,26 @@ class SequenceSplit:
         return self.shards[stream].split(x, dim)
 
     def split_rope(self, tables: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """RoPE tables over the joint sequence (seq first: each stream's rows in turn) -> the tables of
-        this rank's local joint sequence, the streams' shards concatenated in the same order."""
+        """RoPE tables over the joint sequence -> the tables of this rank's local joint sequence, the
+        streams' shards concatenated in the same order. A table is (seq, d), shared by the batch, or
+        (batch * seq, d), one block of joint-sequence rows per sample (Qwen-Image's per-sample tables):
+        each block is split like the tokens and the local blocks stacked in the same layout."""
+        joint = sum(shard.length for shard in self.shards)
         out = []
         for table in tables:
+            blocks = table.unflatten(0, (-1, joint))  # (1 or batch, seq, d)
             parts, start = [], 0
             for shard in self.shards:
-                parts.append(shard.split(table[start : start + shard.length], dim=0))
+                parts.append(shard.split(blocks[:, start : start + shard.length], dim=1))
                 start += shard.length
-            out.append(torch.cat(parts, dim=0))
+            out.append(torch.cat(parts, dim=1).flatten(0, 1))
         return tuple(out)
+
+    def stream_scope(self, stream: int, batch: int, device: torch.device) -> AbstractContextManager[None]:
+        """`attention_scope` over stream `stream` alone, for a self-attention only that stream takes
+        part in (SD3.5's image-only `attn2`): the same shards, the key mask of that stream's padding."""
+        only = SequenceSplit((self.shards[stream],), self.group, self.ulysses_group, self.ring_group)
+        return only.attention_scope(batch, device)
 
     def local_lengths(self) -> list[int]:
         """Each stream's local (padded) length: where the local joint sequence's streams start and end."""

@@ -39,7 +39,7 @@ Sequence parallelism (Ulysses, Ring, USP: `distributed/sequence_split.py`): with
 sequence-parallel rank, `_run_blocks` splits the text and the image stream separately (the image
 stream whole: an edit model's conditioning-image tokens are split with the generated image's), and
 everything indexed by token the same way: the RoPE tables (each sample's block of rows, when they are
-per sample: `_split_rope`) and `zero_cond_t`'s conditioning-token mask. The text padding mask becomes
+per sample: `SequenceSplit.split_rope`) and `zero_cond_t`'s conditioning-token mask. The text padding mask becomes
 the split scope's per-key mask over the text stream (the joint mask's image part is all true), the
 joint attention is USP attention over the local [text; image] shards, and the image stream is gathered
 back for the output head.
@@ -515,7 +515,7 @@ class QwenImageTransformer2DModel(nn.Module):
         batch, txt_len = x.shape[0], ctx.shape[1]
         # The joint key mask is [text padding mask; all true]: only its text part is a real mask.
         text_mask = None if attn_mask is None else attn_mask[:, 0, 0, :txt_len]
-        rope = _split_rope(split, rope, txt_len + x.shape[1])
+        rope = split.split_rope(rope)
         if cond_tokens is not None:
             cond_tokens = split.split(image, cond_tokens)  # padding rows: False (real t), dropped anyway
         x, ctx = split.split(image, x), split.split(text, ctx)
@@ -553,25 +553,6 @@ def _condition_token_mask(
     """(batch, img_seq) bool, true for conditioning-image tokens (those after the generated image's)."""
     n_gen = torch.tensor([math.prod(s[0]) for s in shapes], device=device)
     return (torch.arange(img_seq, device=device)[None, :] >= n_gen[:, None]).expand(batch, -1)
-
-
-def _split_rope(split: SequenceSplit, rope: RopeTables, seq: int) -> RopeTables:
-    """The RoPE tables of this rank's local [text; image] shards.
-
-    Shared tables are (seq, d); per-sample ones (batch * seq, d), one block of `seq` rows per sample
-    (`RopeTables` above). Each block is split like the tokens, stream by stream, and the local blocks
-    stacked again: (local seq, d) or (batch * local seq, d), the layout `QwenDoubleStreamAttention.rotate`
-    reads."""
-    tables = []
-    for table in rope:
-        blocks = table.unflatten(0, (-1, seq))  # (1 or batch, seq, d)
-        parts, start = [], 0
-        for shard in split.shards:
-            parts.append(shard.split(blocks[:, start : start + shard.length], dim=1))
-            start += shard.length
-        tables.append(torch.cat(parts, dim=1).flatten(0, 1))
-    cos, sin = tables
-    return cos, sin
 
 
 def _take_optional_rows(t: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:

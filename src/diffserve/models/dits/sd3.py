@@ -477,7 +477,7 @@ class SD3Transformer2DModel(nn.Module):
         gather their keys (`sequence_attention`), and the image stream is gathered back at the end."""
         image, text = 0, 1
         x, ctx = split.split(image, x), split.split(text, ctx)
-        image_scope = _stream_scope(split, image, x.shape[0], x.device)
+        image_scope = partial(split.stream_scope, image, x.shape[0], x.device)
         with split.attention_scope(x.shape[0], x.device):
             for block in self.transformer_blocks:
                 ctx, x = block(x, ctx, temb_act, text_queries=True, self_attention_scope=image_scope)
@@ -486,11 +486,3 @@ class SD3Transformer2DModel(nn.Module):
     def _cache_signal(self, x: torch.Tensor, temb_act: torch.Tensor) -> torch.Tensor:
         """The first block's timestep-modulated image input: what the step cache watches change."""
         return self.transformer_blocks[0].norm1(x, temb_act)[0]
-
-
-def _stream_scope(split: SequenceSplit, stream: int, batch: int, device: torch.device) -> ScopeFactory:
-    """A factory of attention scopes over stream `stream` of `split` alone, for a self-attention that
-    only that stream takes part in (SD3.5's image-only `attn2`): the same shards, the key mask of
-    that stream's padding only."""
-    only = SequenceSplit((split.shards[stream],), split.group, split.ulysses_group, split.ring_group)
-    return partial(only.attention_scope, batch, device)
