@@ -215,14 +215,13 @@ class Engine:
         """A rank process that died (or a rank group broken by a failed collective) leaves this engine
         unable to run any request: exit, so the front end answers what was in flight with 503
         `engine_died` and starts a new engine with new ranks (its usual restart)."""
-        ranks = self.generator.ranks
+        from diffserve.distributed.launch import RankFailedError
+
         while not self.stop.wait(RANK_WATCH_INTERVAL_S):
-            dead = [
-                (rank, p) for rank, (p, _) in enumerate(ranks.processes, start=1) if p.exitcode is not None
-            ]
-            if dead or ranks.failure is not None:
-                why = ", ".join(f"rank {r} (pid {p.pid}) exited with code {p.exitcode}" for r, p in dead)
-                logger.error("Engine: %s; exiting so the server restarts the engine", why or ranks.failure)
+            try:
+                self.generator.ranks.check_alive()  # raises once a rank exited or the group broke
+            except RankFailedError as exc:
+                logger.error("Engine: %s; exiting so the server restarts the engine", exc)
                 logging.shutdown()
                 os._exit(1)
 
