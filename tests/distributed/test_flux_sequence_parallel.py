@@ -18,8 +18,9 @@ from diffserve.distributed.config import ParallelConfig
 from diffserve.distributed.state import build_parallel_state, parallel_scope
 from diffserve.models.dits.flux import FluxTransformer2DModel, FluxTransformerConfig
 from diffserve.testing.distributed import run_distributed
+from diffserve.testing.tiny_flux import flux_dit_inputs
 
-TEXT_LEN, GRID_H, GRID_W, BATCH = 7, 6, 5, 2
+TEXT_LEN, GRID_H, GRID_W = 7, 6, 5
 
 
 def tiny_flux() -> FluxTransformer2DModel:
@@ -36,19 +37,8 @@ def tiny_flux() -> FluxTransformer2DModel:
 
 
 def inputs() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    img_ids = torch.zeros(GRID_H, GRID_W, 3)
-    img_ids[..., 1] = torch.arange(GRID_H)[:, None]
-    img_ids[..., 2] = torch.arange(GRID_W)[None, :]
-    return {
-        "hidden_states": torch.randn(BATCH, GRID_H * GRID_W, 16, generator=g),
-        "encoder_hidden_states": torch.randn(BATCH, TEXT_LEN, 24, generator=g),
-        "pooled_projections": torch.randn(BATCH, 12, generator=g),
-        "timestep": torch.tensor([0.9, 0.3]),
-        "guidance": torch.tensor([3.5, 3.5]),
-        "img_ids": img_ids.reshape(-1, 3),
-        "txt_ids": torch.zeros(TEXT_LEN, 3),
-    }
+    """A CFG-like batch of 2 rows at different timesteps on a non-square grid."""
+    return flux_dit_inputs(GRID_H, GRID_W, TEXT_LEN, timesteps=[0.9, 0.3])
 
 
 def forward_on_rank(rank: int, world_size: int, ulysses: int, ring: int) -> torch.Tensor:

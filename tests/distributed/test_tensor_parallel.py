@@ -36,13 +36,14 @@ from diffserve.loader import safetensors_weights
 from diffserve.loader.safetensors_weights import load_safetensors_into
 from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.testing.distributed import run_distributed
+from diffserve.testing.tiny_flux import flux_dit_inputs
 
 DIT_CONFIG = {
     "patch_size": 1, "in_channels": 16, "out_channels": None, "num_layers": 2, "num_single_layers": 2,
     "attention_head_dim": 8, "num_attention_heads": 4, "joint_attention_dim": 24,
     "pooled_projection_dim": 12, "guidance_embeds": True, "axes_dims_rope": [2, 2, 4],
 }  # fmt: skip
-TEXT_LEN, GRID_H, GRID_W, BATCH = 7, 6, 5, 2
+TEXT_LEN, GRID_H, GRID_W = 7, 6, 5
 
 
 @dataclass(frozen=True)
@@ -71,19 +72,7 @@ def dit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def dit_inputs() -> dict[str, torch.Tensor]:
     """A CFG-like batch of 2 rows at different timesteps on a non-square grid."""
-    g = torch.Generator().manual_seed(1)
-    img_ids = torch.zeros(GRID_H, GRID_W, 3)
-    img_ids[..., 1] = torch.arange(GRID_H)[:, None]
-    img_ids[..., 2] = torch.arange(GRID_W)[None, :]
-    return {
-        "hidden_states": torch.randn(BATCH, GRID_H * GRID_W, 16, generator=g),
-        "encoder_hidden_states": torch.randn(BATCH, TEXT_LEN, 24, generator=g),
-        "pooled_projections": torch.randn(BATCH, 12, generator=g),
-        "timestep": torch.tensor([0.9, 0.3]),
-        "guidance": torch.tensor([3.5, 3.5]),
-        "img_ids": img_ids.reshape(-1, 3),
-        "txt_ids": torch.zeros(TEXT_LEN, 3),
-    }
+    return flux_dit_inputs(GRID_H, GRID_W, TEXT_LEN, timesteps=[0.9, 0.3])
 
 
 def load_dit(directory: Path, tp: LoadOnlyRank | None) -> FluxTransformer2DModel:

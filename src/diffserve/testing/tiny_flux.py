@@ -182,3 +182,32 @@ def build_tiny_flux(out_dir: str | Path, spec: TinyFluxSpec | None = None) -> Pa
     (root / "model_index.json").write_text(json.dumps(model_index, indent=2))
     (root / "diffserve_tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2))
     return root
+
+
+def flux_dit_inputs(
+    grid_h: int,
+    grid_w: int,
+    text_len: int,
+    timesteps: list[float],
+    in_channels: int = 16,
+    context_dim: int = 24,
+    pooled_dim: int = 12,
+    seed: int = 1,
+) -> dict[str, torch.Tensor]:
+    """Keyword inputs of `FluxTransformer2DModel.forward` for a batch of len(timesteps) rows on a
+    grid_h x grid_w latent grid (position ids on the grid, as the pipeline makes them) and `text_len`
+    text tokens, drawn from `seed`; for the DiT-level parity tests of the parallel modes."""
+    g = torch.Generator().manual_seed(seed)
+    batch = len(timesteps)
+    img_ids = torch.zeros(grid_h, grid_w, 3)
+    img_ids[..., 1] = torch.arange(grid_h)[:, None]
+    img_ids[..., 2] = torch.arange(grid_w)[None, :]
+    return {
+        "hidden_states": torch.randn(batch, grid_h * grid_w, in_channels, generator=g),
+        "encoder_hidden_states": torch.randn(batch, text_len, context_dim, generator=g),
+        "pooled_projections": torch.randn(batch, pooled_dim, generator=g),
+        "timestep": torch.tensor(timesteps),
+        "guidance": torch.full((batch,), 3.5),
+        "img_ids": img_ids.reshape(-1, 3),
+        "txt_ids": torch.zeros(text_len, 3),
+    }
