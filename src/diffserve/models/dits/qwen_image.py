@@ -43,6 +43,13 @@ per sample: `SequenceSplit.split_rope`) and `zero_cond_t`'s conditioning-token m
 the split scope's per-key mask over the text stream (the joint mask's image part is all true), the
 joint attention is USP attention over the local [text; image] shards, and the image stream is gathered
 back for the output head.
+
+Tensor parallelism (`shard_for_tensor_parallel`, before the weights are read): each TP rank holds 1/T of
+the heads and MLP features of every block (both streams' q/k/v by heads and MLP inputs column-parallel,
+`to_out.0`, `to_add_out` and the MLP outputs row-parallel: one all-reduce per attention output and per
+MLP, two fewer in the last block, whose text output is skipped); the embedders, adaLN projections,
+per-head QK-norms and output head stay whole on every rank. TP composes with the sequence split: the
+joint attention then moves this rank's heads only.
 """
 
 from __future__ import annotations
@@ -58,6 +65,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
+from diffserve.distributed.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelRank,
+    shard_linear,
+)
 from diffserve.layers.adaln import AdaLayerNormContinuous
 from diffserve.layers.embeddings import TimestepEmbedding
 from diffserve.layers.feedforward import FeedForward
@@ -269,6 +282,16 @@ class QwenImageTransformerBlock(nn.Module):
         self.txt_mlp = FeedForward(dim)
         self.modulate = Modulate()
 
+    def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
+        """This rank's heads of both streams' attention and its slice of both MLPs (see the model's)."""
+        for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
+            shard_linear(self.attn, name, ColumnParallelLinear, tp)
+        for name in ("to_out.0", "to_add_out"):
+            shard_linear(self.attn, name, RowParallelLinear, tp)
+        for mlp in (self.img_mlp, self.txt_mlp):
+            shard_linear(mlp, "net.0.proj", ColumnParallelLinear, tp)
+            shard_linear(mlp, "net.2", RowParallelLinear, tp)
+
     def _modulate(
         self, x: torch.Tensor, params: torch.Tensor, cond_tokens: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -384,6 +407,26 @@ class QwenImageTransformer2DModel(nn.Module):
     def from_config(cls, config: Mapping[str, Any]) -> QwenImageTransformer2DModel:
         """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
         return cls(config_from_diffusers(QwenImageTransformerConfig, config, cls.diffusers_class_name))
+
+    def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
+        """Make this model rank `tp.tp_rank`'s shard of a `tp.tp_size`-way tensor-parallel DiT; call it on
+        the meta-built model, before the weights are loaded (the loader then reads only the shard).
+
+        Every block's q/k/v projections (image and text) and MLP input projections become column-parallel
+        (each rank: heads / T whole heads, MLP features / T), and the attention output and MLP output
+        projections row-parallel (their partial sums all-reduced over `tp.tp_group`). Embedders, adaLN
+        projections, the per-head QK-norms and the output head are replicated. The heads must divide
+        `tp.tp_size` (ValueError naming both)."""
+        heads = self.config.num_attention_heads
+        if heads % tp.tp_size:
+            raise ValueError(
+                f"--tp-size {tp.tp_size}: the Qwen-Image DiT's {heads} attention heads do not divide over "
+                f"{tp.tp_size} tensor-parallel ranks"
+            )
+        if any(not p.is_meta for p in self.parameters()):
+            raise RuntimeError("shard_for_tensor_parallel: call it on the meta-built model, before loading")
+        for block in self.transformer_blocks:
+            block.shard_for_tensor_parallel(tp)
 
     def rope_tables(self, img_shapes: Any, txt_len: int, device: torch.device, batch: int = 1) -> RopeTables:
         """(cos, sin) tables for [text; images]; cached, so calling it every step costs a dict lookup."""

@@ -30,6 +30,16 @@ sincos table is added before the blocks), so nothing else is per-token. Two thin
 device: the last block computes its text queries too (USP needs as many queries as keys; their output
 is dropped), and SD3.5's image-only `attn2` runs inside a scope of its own over the image shard alone
 (the joint scope's key mask covers [image; text]).
+
+Tensor parallelism (`shard_for_tensor_parallel`, before the weights are read): each TP rank holds 1/T of
+the heads and MLP features of every block. The joint attention's q/k/v of both streams and SD3.5's
+`attn2` q/k/v are column-parallel by heads, their output projections (`to_out.0`, `to_add_out`)
+row-parallel, each MLP column then row: one all-reduce per attention and per MLP. The last block has no
+text output projection and no text MLP, so its text stream only gives this rank's heads of keys and
+values. SD3.5's QK-norm is per head, so it stays whole on every rank, as do the patch and text
+embedders, adaLN projections and the output head. Heads are reshaped by `head_dim`, so a shard's
+attention runs over its local heads with no other change. TP composes with the sequence split: Ulysses
+and Ring then move this rank's heads only.
 """
 
 from __future__ import annotations
@@ -45,6 +55,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
+from diffserve.distributed.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelRank,
+    shard_linear,
+)
 from diffserve.layers.adaln import AdaLayerNormContinuous, AdaLayerNormZero
 from diffserve.layers.embeddings import CombinedTimestepTextEmbedding
 from diffserve.layers.feedforward import FeedForward
@@ -220,6 +236,15 @@ class SD3JointAttention(JointAttention):
         super().__init__(dim, num_heads, head_dim, norm, context_out=not context_pre_only)
         self.context_pre_only = context_pre_only
 
+    def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
+        """This rank's heads of both streams: q/k/v column-parallel, the outputs row-parallel (the last
+        block has no text output). The per-head QK-norms stay whole; heads are reshaped by `head_dim`."""
+        for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
+            shard_linear(self, name, ColumnParallelLinear, tp)
+        shard_linear(self, "to_out.0", RowParallelLinear, tp)
+        if self.to_add_out is not None:
+            shard_linear(self, "to_add_out", RowParallelLinear, tp)
+
     def forward(
         self, x: torch.Tensor, ctx: torch.Tensor, text_queries: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -260,6 +285,12 @@ class SD3SelfAttention(nn.Module):
         self.norm_q = _qk_norm(qk_norm, head_dim) if qk_norm is not None else None
         self.norm_k = _qk_norm(qk_norm, head_dim) if qk_norm is not None else None
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
+
+    def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
+        """This rank's heads: q/k/v column-parallel, `to_out` row-parallel; the per-head QK-norms stay whole."""
+        for name in ("to_q", "to_k", "to_v"):
+            shard_linear(self, name, ColumnParallelLinear, tp)
+        shard_linear(self, "to_out.0", RowParallelLinear, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hd = self.head_dim
@@ -323,6 +354,16 @@ class JointTransformerBlock(nn.Module):
             self.norm2_context = LayerNorm(dim, eps=NORM_EPS, elementwise_affine=False)
             self.ff_context = FeedForward(dim)
         self.modulate = Modulate()
+
+    def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
+        """This rank's heads of `attn` (and `attn2`) and its slice of each MLP (see the model's)."""
+        self.attn.shard_for_tensor_parallel(tp)
+        if self.attn2 is not None:
+            self.attn2.shard_for_tensor_parallel(tp)
+        for ff in (self.ff, self.ff_context):
+            if ff is not None:  # the last block has no text MLP
+                shard_linear(ff, "net.0.proj", ColumnParallelLinear, tp)
+                shard_linear(ff, "net.2", RowParallelLinear, tp)
 
     def forward(
         self,
@@ -408,6 +449,27 @@ class SD3Transformer2DModel(nn.Module):
     def from_config(cls, config: Mapping[str, Any]) -> SD3Transformer2DModel:
         """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
         return cls(config_from_diffusers(SD3TransformerConfig, config, cls.diffusers_class_name))
+
+    def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
+        """Make this model rank `tp.tp_rank`'s shard of a `tp.tp_size`-way tensor-parallel DiT; call it on
+        the meta-built model, before the weights are loaded (the loader then reads only the shard).
+
+        In every block, the joint attention's q/k/v (both streams), SD3.5's `attn2` q/k/v and the MLP
+        input projections are column-parallel (each rank: heads / T whole heads, MLP features / T), and
+        the attention and MLP output projections row-parallel (their partial sums all-reduced over
+        `tp.tp_group`). Embedders, adaLN projections, the per-head QK-norms and the output head are
+        replicated. `tp.tp_size` must divide the heads (ValueError naming both); the MLP width, four
+        times heads x head_dim, then divides too."""
+        heads = self.config.num_attention_heads
+        if heads % tp.tp_size:
+            raise ValueError(
+                f"--tp-size {tp.tp_size}: the SD3 DiT's {heads} attention heads do not divide over "
+                f"{tp.tp_size} tensor-parallel ranks"
+            )
+        if any(not p.is_meta for p in self.parameters()):
+            raise RuntimeError("shard_for_tensor_parallel: call it on the meta-built model, before loading")
+        for block in self.transformer_blocks:
+            block.shard_for_tensor_parallel(tp)
 
     def forward(
         self,

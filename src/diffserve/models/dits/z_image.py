@@ -46,6 +46,14 @@ in the context refiner, the image tokens in the noise refiner, the unified seque
 is cut at the same positions for every sample, with its per-sample RoPE tables and key mask; see
 `_run_stream_split` and `_run_blocks`. With one sequence-parallel rank nothing changes.
 
+Tensor parallelism (`shard_for_tensor_parallel`, before the weights are read): each TP rank holds 1/T of
+the heads and SwiGLU features of every block (main layers and both refiners): q/k/v column-parallel by
+heads and `to_out` row-parallel, the MLP's w1/w3 column-parallel and w2 row-parallel (one all-reduce per
+attention and per MLP). The QK-norm is per head (an RMSNorm over head_dim), so a rank applies it to its
+own heads unchanged; the sandwich RMSNorms, adaLN projections, embedders, pad tokens and final layer
+see whole hidden states and are replicated. TP composes with the sequence split: Ulysses and Ring then
+move this rank's heads only.
+
 Differences from Diffusers that do not change the numbers: the padded sequences are built with one
 gather instead of per-sample concatenation, the image-token padding is inserted after `x_embedder`
 (Diffusers embeds copies of the last patch and then overwrites them with the pad token), the final layer
@@ -65,6 +73,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
+from diffserve.distributed.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelRank,
+    shard_linear,
+)
 from diffserve.layers.embeddings import timestep_sinusoids
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.models.config_keys import config_from_diffusers
@@ -135,6 +149,11 @@ class ZImageTransformerConfig:
         object.__setattr__(self, "all_f_patch_size", all_f_patch_size)
         object.__setattr__(self, "axes_dims", axes_dims)
         object.__setattr__(self, "axes_lens", axes_lens)
+
+
+def ffn_hidden_width(dim: int) -> int:
+    """The SwiGLU MLP's hidden width for model width `dim`, int(dim * 8 / 3) as Diffusers computes it."""
+    return int(dim / 3 * 8)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -259,6 +278,14 @@ class ZImageAttention(nn.Module):
         self.norm_k = RMSNorm(self.head_dim, eps=QK_NORM_EPS) if qk_norm else None
         self.to_out = nn.ModuleList([nn.Linear(dim, dim, bias=False)])
 
+    def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
+        """This rank's heads: q/k/v column-parallel (whole heads, as the checkpoint keeps them in three
+        tensors), `to_out` row-parallel. The per-head QK-norms (over head_dim) stay whole; the forward
+        counts heads from head_dim, so it runs on the local ones unchanged."""
+        for name in ("to_q", "to_k", "to_v"):
+            shard_linear(self, name, ColumnParallelLinear, tp)
+        shard_linear(self, "to_out.0", RowParallelLinear, tp)
+
     def forward(
         self, x: torch.Tensor, cis: torch.Tensor, mask: torch.Tensor | None, query_rows: int | None = None
     ) -> torch.Tensor:
@@ -284,10 +311,17 @@ class ZImageFeedForward(nn.Module):
 
     def __init__(self, dim: int) -> None:
         super().__init__()
-        hidden = int(dim / 3 * 8)
+        hidden = ffn_hidden_width(dim)
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
+        """This rank's slice of the hidden features: w1 and w3 column-parallel (the SiLU gate is elementwise,
+        so it runs on the local slice), w2 row-parallel."""
+        for name in ("w1", "w3"):
+            shard_linear(self, name, ColumnParallelLinear, tp)
+        shard_linear(self, "w2", RowParallelLinear, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x), inplace=True).mul_(self.w3(x)))
@@ -311,6 +345,12 @@ class ZImageTransformerBlock(nn.Module):
         if modulation:
             # A Sequential of one layer only to keep Diffusers' `adaLN_modulation.0` weight names.
             self.adaLN_modulation = nn.Sequential(nn.Linear(min(dim, ADALN_EMBED_DIM), 4 * dim))
+
+    def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
+        """This rank's heads of the attention and its slice of the MLP features (see the model's); the
+        sandwich norms and the modulation read or produce whole hidden states and stay replicated."""
+        self.attention.shard_for_tensor_parallel(tp)
+        self.feed_forward.shard_for_tensor_parallel(tp)
 
     def forward(
         self,
@@ -489,6 +529,31 @@ class ZImageTransformer2DModel(nn.Module):
     def from_config(cls, config: Mapping[str, Any]) -> ZImageTransformer2DModel:
         """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
         return cls(config_from_diffusers(ZImageTransformerConfig, config, cls.diffusers_class_name))
+
+    def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
+        """Make this model rank `tp.tp_rank`'s shard of a `tp.tp_size`-way tensor-parallel DiT; call it on
+        the meta-built model, before the weights are loaded (the loader then reads only the shard).
+
+        Every block (main layers, noise refiner, context refiner) holds n_heads / T whole heads (q/k/v
+        column-parallel, `to_out` row-parallel) and 1/T of the SwiGLU hidden features (w1/w3 column,
+        w2 row); everything else is replicated (module docstring). The heads and the MLP's hidden width
+        must divide `tp.tp_size` (ValueError naming them)."""
+        heads, hidden = self.config.n_heads, ffn_hidden_width(self.config.dim)
+        if heads % tp.tp_size:
+            raise ValueError(
+                f"--tp-size {tp.tp_size}: the Z-Image DiT's {heads} attention heads do not divide over "
+                f"{tp.tp_size} tensor-parallel ranks"
+            )
+        if hidden % tp.tp_size:
+            raise ValueError(
+                f"--tp-size {tp.tp_size}: the Z-Image DiT's MLP hidden width {hidden} (int(dim * 8 / 3), "
+                f"dim={self.config.dim}) does not divide over {tp.tp_size} tensor-parallel ranks"
+            )
+        if any(not p.is_meta for p in self.parameters()):
+            raise RuntimeError("shard_for_tensor_parallel: call it on the meta-built model, before loading")
+        for blocks in (self.noise_refiner, self.context_refiner, self.layers):
+            for block in blocks:
+                block.shard_for_tensor_parallel(tp)
 
     # ----------------------------------------------------------------------------------------- layout
 
