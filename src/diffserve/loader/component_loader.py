@@ -23,6 +23,7 @@ from diffserve.loader.model_index import ComponentSpec, ModelIndex, read_json
 from diffserve.loader.native_classes import NativeClasses, NativeModelClass, NativeSchedulerClass
 from diffserve.loader.processors import IMAGE_ONLY_PROCESSORS, load_image_text_processor
 from diffserve.loader.safetensors_weights import find_weight_files, load_safetensors_into
+from diffserve.loader.text_encoder_tp import TENSOR_PARALLEL_ENCODERS, load_tensor_parallel_encoder
 from diffserve.platforms import Platform
 
 logger = logging.getLogger("diffserve.loader")
@@ -163,6 +164,15 @@ def _load(
         return _from_config(native.schedulers[name], spec.path / "scheduler_config.json")
     if name in TRANSFORMERS_TOKENIZERS:
         return load_tokenizer(spec)
+    tp = tensor_parallel
+    if tp is not None and tp.tp_size > 1 and name in TENSOR_PARALLEL_ENCODERS:  # CLIP loads whole
+        with _loading(name, spec.path):  # (heads that do not divide --tp-size are a ValueError)
+            model = load_tensor_parallel_encoder(name, spec.path, platform.device(), text_dtype, tp)[0]
+        logger.info(
+            "%s (%s): TP rank %d of %d (whole on each rank: %s)",
+            spec.name, name, tp.tp_rank, tp.tp_size, TENSOR_PARALLEL_ENCODERS[name],
+        )  # fmt: skip
+        return model
     if name in TRANSFORMERS_ENCODERS:
         with _loading(name, spec.path):
             model = getattr(transformers, name).from_pretrained(path, dtype=text_dtype, local_files_only=True)
@@ -216,10 +226,10 @@ def load_components(
     """Load the components a pipeline requires, in a fixed order, and the `optional` ones the folder has.
 
     `native` is the family's table of native classes (its registry record's). With `tensor_parallel`,
-    the native models that support it load as this rank's shard (see `load_native_model`); text
-    encoders and the other models load whole. Absent required components,
-    components the pipeline does not use and classes diffserve cannot load are all refused before any
-    component is loaded.
+    the native models that support it load as this rank's shard (see `load_native_model`), and so do
+    the large text encoders (`loader/text_encoder_tp.py`); CLIP and the other models load whole.
+    Absent required components, components the pipeline does not use and classes diffserve cannot load
+    are all refused before any component is loaded.
     """
     where = index.root / "model_index.json"
     absent = [name for name in required if name not in index.components]
