@@ -15,9 +15,9 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
-from diffserve.configs.engine_args import EngineArgs
+from diffserve.configs.engine_args import EngineArgs, LoraSpec
 from diffserve.configs.quality import check_default_quality, read_calibrated_policies
-from diffserve.configs.sampling_params import SamplingParams
+from diffserve.configs.sampling_params import SamplingParams, lora_choices
 from diffserve.distributed.config import ParallelConfigError
 from diffserve.distributed.launch import RankGroup, is_follower, start_ranks
 from diffserve.distributed.state import ParallelState
@@ -43,6 +43,7 @@ from diffserve.runtime.compile import (
     warm_up,
 )
 from diffserve.runtime.distributed_runner import DistributedRunner, follow_ops
+from diffserve.runtime.lora_registry import LoraInfo, LoraRegistry, start_lora_registry
 from diffserve.runtime.runner import ModelRunner
 from diffserve.runtime.scheduler import default_max_batch_tokens
 
@@ -95,12 +96,13 @@ class LoadedModel:
     components: dict[str, LoadedComponent]
     dtype: torch.dtype
     attention_backend: AttentionBackend
+    loras: LoraRegistry  # the LoRA adapters this rank's model serves
     compiled_regions: list[CompiledRegion] = field(default_factory=list)  # `--compile`: blocks compiled
 
 
 def check_tensor_parallel(index: ModelIndex, family: ModelFamily, tp_size: int) -> None:
-    """`--tp-size` above 1 needs a DiT whose class shards itself (`supports_tensor_parallel`: FLUX's and
-    Wan's today): else a ParallelConfigError naming the family, raised before anything loads. Text
+    """`--tp-size` above 1 needs a DiT whose class shards itself (`supports_tensor_parallel`: every native
+    DiT): else a ParallelConfigError naming the family, raised before anything loads. Text
     encoders and VAEs stay whole on every rank."""
     if tp_size == 1:
         return
@@ -164,8 +166,13 @@ def load_model(
         raise UserError(f"--default-quality: {exc}") from exc
     except ValueError as exc:
         raise UserError(str(exc)) from exc
+    loras = start_lora_registry(
+        {n: c.value for n, c in components.items()}, family.name, index.components["transformer"].class_name,
+        platform.device(), dtype, engine_args.loras, engine_args.lora_dir, engine_args.lora_merge,
+        engine_args.max_lora_memory, compiled=engine_args.compile,
+    )  # fmt: skip
     compiled = compile_pipeline({n: c.value for n, c in components.items()}) if engine_args.compile else []
-    return LoadedModel(pipeline, family, index, components, dtype, attention_backend, compiled)
+    return LoadedModel(pipeline, family, index, components, dtype, attention_backend, loras, compiled)
 
 
 def serve_rank(state: ParallelState, engine_args: EngineArgs, platform: Platform) -> None:
@@ -180,7 +187,9 @@ def serve_rank(state: ParallelState, engine_args: EngineArgs, platform: Platform
             raise RuntimeError("rank 0 sent an op after this rank failed to load the model") from exc
         return
     send_status(state, None)
-    follow_ops(state, ModelRunner(model.pipeline, platform, model.attention_backend, parallel_state=state))
+    runner = ModelRunner(model.pipeline, platform, model.attention_backend, parallel_state=state)
+    runner.loras = model.loras
+    follow_ops(state, runner)
 
 
 class DiffGenerator:
@@ -240,6 +249,7 @@ class DiffGenerator:
         self.engine = Engine(
             self.pipeline, platform, scheduler, attention_backend=self.attention_backend, runner=runner
         )
+        self.engine.runner.loras = model.loras
         logger.info("Pipeline ready in %.2f seconds", time.perf_counter() - start)
         #: `--compile`: the block lists compiled; `--warmup-resolutions`: the warm-up generations run.
         self.compiled_regions = model.compiled_regions
@@ -301,6 +311,10 @@ class DiffGenerator:
         enable_cfg_parallel: bool = False,
         tp_size: int = 1,
         dist_timeout: int = EngineArgs.dist_timeout,
+        loras: Mapping[str, str | Path] | None = None,
+        lora_dir: str | Path | None = None,
+        lora_merge: bool = False,
+        max_lora_memory: int = EngineArgs.max_lora_memory,
     ) -> DiffGenerator:
         """Load a Diffusers folder, or a Hugging Face repo id (`"owner/name"`: from the local HF cache,
         else downloaded; `revision` picks a branch, tag or commit). `compile=True` is `--compile`
@@ -308,7 +322,9 @@ class DiffGenerator:
         generated once now; `default_quality` is what a request's quality "auto" means (see README,
         "Quality tiers"); `tune_allocator=True` is `--tune-allocator`. `num_gpus` > 1 runs every request on
         that many ranks (`ulysses_degree` defaults to num_gpus / (cfg x tp x ring); on the CPU each "gpu" is
-        one rank process over gloo): `close()` the generator, or use it in a `with` block."""
+        one rank process over gloo): `close()` the generator, or use it in a `with` block. `loras` ({name:
+        path}) are LoRA adapters loaded now (`lora_merge=True` merges them into the weights instead), and
+        `lora_dir` a folder whose adapters requests may name; `max_lora_memory` bounds their bytes."""
         args = EngineArgs(
             model_path=str(model_path),
             revision=revision,
@@ -326,8 +342,28 @@ class DiffGenerator:
             enable_cfg_parallel=enable_cfg_parallel,
             tp_size=tp_size,
             dist_timeout=dist_timeout,
+            loras=[LoraSpec(name, str(path)) for name, path in (loras or {}).items()],
+            lora_dir=None if lora_dir is None else str(lora_dir),
+            lora_merge=lora_merge,
+            max_lora_memory=max_lora_memory,
         )
         return cls(args, show_progress=show_progress)
+
+    # -- LoRA adapters (README, "LoRA") --------------------------------------------------------------
+
+    def load_lora(self, name: str, path: str | Path, strict: bool = True) -> LoraInfo:
+        """Load a LoRA file (diffusers/PEFT, kohya or a FLUX community format) as adapter `name`, which
+        requests then apply with `loras=[{"name": name, "scale": 0.8}]`. `strict=False` applies what
+        matches this model and logs what it ignored; else such a file is an error (LoraError)."""
+        return self.engine.run_exclusive(lambda: self.engine.runner.load_lora(name, str(path), strict))
+
+    def unload_lora(self, name: str) -> None:
+        """Unload adapter `name` (LoraError while a running request uses it)."""
+        self.engine.run_exclusive(lambda: self.engine.runner.unload_lora(name))
+
+    def loras(self) -> list[LoraInfo]:
+        """The adapters this generator knows: name, file, family, format, rank, bytes, targets, in use."""
+        return self.engine.runner.lora_infos()
 
     def generate(
         self,
@@ -358,6 +394,8 @@ class DiffGenerator:
         if not prompts or not all(isinstance(p, str) for p in prompts):
             raise UserError("prompt: pass a string or a non-empty list of strings")
         check_generate_keywords(params)
+        if "loras" in params:
+            params["loras"] = lora_choices(params["loras"])
         sampling = [SamplingParams(prompt=p, **params) for p in prompts]
         outputs = self.generate_many(sampling, save_output, output_path, output_file_name, save_frames)
         return outputs[0] if isinstance(prompt, str) else outputs

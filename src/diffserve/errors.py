@@ -22,3 +22,9 @@ class ModelLoadError(UserError):
 
 class RequestCancelledError(Exception):
     """The request was cancelled (client gone, DELETE, shutdown) before it finished. Not a failure."""
+
+
+class LoraError(UserError):
+    """A LoRA adapter cannot be loaded or used: unreadable or corrupt file, keys that match no module of
+    the model (or another family's), an unknown adapter name, a path outside `--lora-dir`, or unloading
+    an adapter that running requests use. The message names the adapter and what is wrong."""

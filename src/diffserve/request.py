@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from diffserve.configs.sampling_params import SamplingParams
+from diffserve.layers.lora_rows import AppliedLora
 from diffserve.models.step_cache import StepCacheState
 
 
@@ -28,6 +29,10 @@ def new_request_id() -> str:
 class Req:
     params: SamplingParams
     request_id: str = field(default_factory=new_request_id)
+
+    # Set when the request starts (the engine's LoRA registry pins them until the request ends): the LoRA
+    # adapters it applies, by registry id, with its scales.
+    loras: tuple[AppliedLora, ...] = ()
 
     # Set by input validation.
     generator: torch.Generator | None = None

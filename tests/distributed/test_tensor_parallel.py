@@ -340,11 +340,13 @@ def test_tp_generation_equals_one_rank(
     assert diff <= 1
 
 
-def test_tp_for_a_dit_without_it_is_refused_naming_the_family(tmp_path: Path) -> None:
+def test_tp_without_a_shardable_dit_is_refused_naming_the_family(tmp_path: Path) -> None:
     from diffserve.api import DiffGenerator
     from diffserve.distributed.config import ParallelConfigError
 
-    index = {"_class_name": "StableDiffusion3Pipeline", "transformer": ["diffusers", "SD3Transformer2DModel"]}
+    index = {"_class_name": "StableDiffusion3Pipeline", "vae": ["diffusers", "AutoencoderKL"]}
     (tmp_path / "model_index.json").write_text(json.dumps(index))
-    with pytest.raises(ParallelConfigError, match=r"--tp-size 2: .* not for the sd3 family's DiT"):
+    with pytest.raises(
+        ParallelConfigError, match=r"--tp-size 2: .* not for the sd3 family's DiT \(no transformer"
+    ):
         DiffGenerator.from_pretrained(tmp_path, num_gpus=2, tp_size=2)

@@ -45,6 +45,9 @@ ROUTES = [
     ("GET", f"/v1/videos/{VIDEO_ID}/content"),
     ("GET", "/v1/models"),
     ("GET", "/v1/models/tiny-flux"),
+    ("GET", "/v1/loras"),
+    ("POST", "/v1/loras"),
+    ("DELETE", "/v1/loras/a"),
     ("GET", "/server_info"),
     ("GET", "/openapi.json"),
     ("GET", "/docs"),
@@ -59,6 +62,7 @@ ID_ROUTES = [
     ("DELETE", "/v1/videos/{}"),
     ("GET", "/v1/videos/{}/content"),
     ("GET", "/v1/models/{}"),
+    ("DELETE", "/v1/loras/{}"),
 ]
 TRAVERSALS = [
     "..%2f..%2fsecret",
@@ -164,7 +168,10 @@ def test_every_route_needs_the_key(
 def test_every_documented_route_is_in_the_matrix(srv: ServerProcess) -> None:
     document = httpx.get(f"{srv.base_url}/openapi.json", headers=AUTH, timeout=10).json()
     covered = {(m, p.replace(IMAGE_ID, "{image_id}").replace(VIDEO_ID, "{video_id}")) for m, p in ROUTES}
-    covered |= {(m, p) for m, p in OPEN_ROUTES} | {("GET", "/v1/models/{model_id}")}
+    covered |= {(m, p) for m, p in OPEN_ROUTES} | {
+        ("GET", "/v1/models/{model_id}"),
+        ("DELETE", "/v1/loras/{name}"),
+    }
     documented = {(m.upper(), p) for p, ops in document["paths"].items() for m in ops}
     assert documented <= covered, documented - covered
 

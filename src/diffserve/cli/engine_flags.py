@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+from typing import Literal
 
+from diffserve.cli.lora_flags import add_lora_flags, lora_engine_fields
 from diffserve.configs.engine_args import EngineArgs
 from diffserve.configs.quality import DEFAULT_QUALITY_CHOICES, EXACT, canonical_tier
 from diffserve.errors import UserError
 from diffserve.logging_setup import LEVELS
 
 
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
+def add_engine_flags(p: argparse.ArgumentParser, lora: Literal["serve", "generate"] | None = None) -> None:
+    """`lora`: the command's LoRA flags (cli/lora_flags.py); None for a command without them."""
     add = p.add_argument
     add("--log-level", default="info", choices=LEVELS, metavar="LEVEL",
         help=f"log verbosity: {', '.join(LEVELS)}; debug also prints the traceback of an error (default: info)")  # fmt: skip
@@ -36,6 +39,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="what quality='auto' means: high (exact; also hd, lossless) or a faster tier: medium, low, draft "
         "(default: high)")  # fmt: skip
     add_parallel_flags(p)
+    if lora is not None:
+        add_lora_flags(p, one_off=lora == "generate")
 
 
 def add_parallel_flags(p: argparse.ArgumentParser) -> None:
@@ -111,6 +116,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         node_rank=args.node_rank,
         dist_init_addr=args.dist_init_addr,
         dist_timeout=args.dist_timeout,
+        **lora_engine_fields(args),  # type: ignore[arg-type]
     )
     engine_args.parallel_config()  # degrees that do not multiply to --num-gpus fail before any model load
     return engine_args

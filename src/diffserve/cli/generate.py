@@ -11,6 +11,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from diffserve.cli.engine_flags import add_engine_flags, engine_args_from
+from diffserve.cli.lora_flags import lora_choices_from
 from diffserve.configs.quality import ACCEPTED
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError, UserError
@@ -24,7 +25,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="generate images from a prompt",
         description="Generate images with a Diffusers-format model folder.",
     )
-    add_engine_flags(p)
+    add_engine_flags(p, lora="generate")
     add = p.add_argument
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text prompt")
@@ -129,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
     # Every flag named as a SamplingParams field (but the prompt) is that field.
     flags = {f.name: getattr(args, f.name) for f in fields(SamplingParams) if f.name in vars(args)}
     flags.pop("prompt")
+    flags["loras"] = lora_choices_from(args)  # --lora: loaded at start (engine_args), applied here
     # Checked before loading the model: a bad flag or path fails in a second, not after the weights load
     # (no --seed: any valid seed stands in for the random one drawn once the checks have passed).
     checked = {**flags, "seed": 0 if args.seed is None else args.seed}

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from diffserve import __version__
-from diffserve.cli import calibrate_cache, generate, make_tiny, serve
+from diffserve.cli import calibrate_cache, generate, make_lora, make_tiny, serve
 from diffserve.logging_setup import configure_logging
 
 EXIT_USER_ERROR = 2
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _TopLevelParser(prog="diffserve", description="A fast serving engine for diffusion models.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (generate, calibrate_cache, make_tiny, serve):
+    for command in (generate, calibrate_cache, make_tiny, make_lora, serve):
         command.add_parser(sub)
     parser.subcommands = dict(sub.choices)
     return parser

@@ -19,9 +19,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a Diffusers-format model over HTTP (OpenAI schema): /v1/images/generations and "
-        "/v1/images/edits, /v1/videos jobs, /v1/models, /health, /health_generate, /server_info, /metrics.",
+        "/v1/images/edits, /v1/videos jobs, /v1/loras, /v1/models, /health, /health_generate, /server_info, "
+        "/metrics.",
     )
-    add_engine_flags(p)
+    add_engine_flags(p, lora="serve")
     add = p.add_argument
     add("--served-model-name", dest="served_model_names", nargs="+", default=[], metavar="NAME",
         help="name(s) clients pass as 'model'; /v1/models lists the first (default: the model path)")  # fmt: skip

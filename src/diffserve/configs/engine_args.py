@@ -9,6 +9,16 @@ from diffserve.configs.quality import EXACT
 from diffserve.distributed.config import ParallelConfig, ParallelConfigError
 
 
+@dataclass(frozen=True)
+class LoraSpec:
+    """An adapter loaded when the engine starts (`--lora [NAME=]PATH[:SCALE]`): its name (default: the
+    file's stem), its file, and the scale `--lora-merge` merges it at (and `generate` applies it at)."""
+
+    name: str
+    path: str
+    scale: float = 1.0
+
+
 @dataclass
 class EngineArgs:
     #: A Diffusers model folder, or a Hugging Face repo id (`owner/name`) resolved from the local HF
@@ -56,6 +66,15 @@ class EngineArgs:
     #: Seconds a rank waits in one collective (a step's exchange, rank 0 waiting for a rank's reply)
     #: before the request fails with a timeout instead of hanging.
     dist_timeout: int = 600
+    # LoRA adapters (`runtime/lora_registry.py`).
+    #: Adapters loaded at start; requests name them. With `lora_merge`, merged into the weights instead.
+    loras: list[LoraSpec] = field(default_factory=list)
+    #: A folder whose `*.safetensors` requests and `POST /v1/loras` may name (nothing outside it).
+    lora_dir: str | None = None
+    #: Merge `loras` into the weights at start (no per-step cost; requests cannot choose adapters).
+    lora_merge: bool = False
+    #: Device bytes the resident adapters may take; past it the least recently used unpinned one is evicted.
+    max_lora_memory: int = 2 * 2**30
 
     def parallel_config(self) -> ParallelConfig:
         """The validated parallel layout (ParallelConfigError, a UserError, naming the flags)."""

@@ -8,6 +8,9 @@ from typing import Any
 
 from diffserve.errors import InvalidRequestError
 
+#: Most LoRA adapters one request may apply, and the range of a LoRA scale.
+MAX_LORAS_PER_REQUEST = 8
+MAX_LORA_SCALE = 100.0
 #: Fields holding images rather than JSON values.
 IMAGE_FIELDS = ("input_images", "mask_image")
 #: Longest prompt or negative prompt, in characters. Text encoders truncate to a few hundred tokens, so
@@ -27,6 +30,68 @@ def check_text(name: str, value: str) -> None:
             f"{exc.start}; send UTF-8 text",
             param=name,
         ) from None
+
+
+@dataclass(frozen=True)
+class LoraChoice:
+    """One LoRA adapter a request applies, by name (loaded, or a file inside `--lora-dir`), at `scale`
+    (1.0: as trained; 0 turns it off; negative values subtract it)."""
+
+    name: str
+    scale: float = 1.0
+
+
+def lora_choices(value: object) -> list[LoraChoice]:
+    """Python callers' spellings of `loras`: a list of {"name", "scale"} dicts, `LoraChoice`s, names, or
+    (name, scale) pairs. InvalidRequestError (param "loras") for anything else."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise InvalidRequestError(
+            'loras must be a list such as [{"name": "style", "scale": 0.8}]', param="loras"
+        )
+    choices = []
+    for entry in value:
+        if isinstance(entry, LoraChoice):
+            choices.append(entry)
+        elif isinstance(entry, str):
+            choices.append(LoraChoice(entry))
+        elif isinstance(entry, dict) and set(entry) <= {"name", "scale"} and "name" in entry:
+            choices.append(LoraChoice(entry["name"], entry.get("scale", 1.0)))
+        elif isinstance(entry, (list, tuple)) and len(entry) == 2:
+            choices.append(LoraChoice(*entry))
+        else:
+            raise InvalidRequestError(
+                f'loras entries are {{"name": str, "scale": float}}, got {entry!r}', param="loras"
+            )
+    check_loras(choices)
+    return choices
+
+
+def check_loras(loras: object) -> None:
+    """Raise InvalidRequestError (param "loras") unless `loras` is a list of `LoraChoice`s with distinct
+    names, at most MAX_LORAS_PER_REQUEST, each scale finite within +-MAX_LORA_SCALE. Whether the names
+    exist is the engine's check (`runtime/lora_registry.py`)."""
+    if not isinstance(loras, (list, tuple)) or not all(isinstance(c, LoraChoice) for c in loras):
+        raise InvalidRequestError("loras must be a list of {name, scale} entries", param="loras")
+    if len(loras) > MAX_LORAS_PER_REQUEST:
+        raise InvalidRequestError(
+            f"loras lists {len(loras)} adapters; at most {MAX_LORAS_PER_REQUEST} are allowed", param="loras"
+        )
+    names = [c.name for c in loras]
+    for choice in loras:
+        if not isinstance(choice.name, str) or not choice.name:
+            raise InvalidRequestError("every loras entry needs a non-empty name", param="loras")
+        scale = choice.scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise InvalidRequestError(f"loras[{choice.name!r}].scale must be a finite number", param="loras")
+        if abs(scale) > MAX_LORA_SCALE:
+            raise InvalidRequestError(
+                f"loras[{choice.name!r}].scale must be within +-{MAX_LORA_SCALE:g}, got {scale}",
+                param="loras",
+            )
+    if len(set(names)) != len(names):
+        raise InvalidRequestError("loras names a LoRA twice; list each adapter once", param="loras")
 
 
 @dataclass
@@ -60,6 +125,8 @@ class SamplingParams:
     input_images: list[Any] | None = None
     #: Inpainting mask (a `PIL.Image.Image`); only families that inpaint accept it.
     mask_image: Any | None = None
+    #: LoRA adapters to apply, each with its scale (empty: the base model, bit for bit).
+    loras: list[LoraChoice] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def with_defaults(self, defaults: SamplingParams) -> SamplingParams:
@@ -89,6 +156,7 @@ class SamplingParams:
                     "encoder reads only its first few hundred tokens)",
                     param=name,
                 )
+        check_loras(self.loras)
         for key, value in self.extra.items():
             for text in (key, value):
                 if isinstance(text, str):
@@ -157,6 +225,7 @@ class SamplingParams:
         """JSON-friendly fields (for PNG metadata and logs): input images appear as their sizes."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in IMAGE_FIELDS}
         out["extra"] = dict(self.extra)
+        out["loras"] = [{"name": c.name, "scale": c.scale} for c in self.loras]
         out["input_images"] = (
             None if self.input_images is None else [list(im.size) for im in self.input_images]
         )

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diffserve.configs.step_cache_policy import StepCachePolicy
+from diffserve.layers.lora_rows import narrowed_lora_rows
 
 RunBlocks = Callable[[torch.Tensor | None], torch.Tensor]
 
@@ -137,7 +138,8 @@ class BatchStepCache:
         computed = None
         if compute_bounds:
             rows = torch.cat([torch.arange(lo, hi, device=x.device) for lo, hi in compute_bounds])
-            computed = run_blocks(rows)
+            with narrowed_lora_rows(compute_bounds):  # the LoRA rows of the batch the blocks now run
+                computed = run_blocks(rows)
         pieces, offset = [], 0
         for group, (lo, hi), reused in zip(self.groups, bounds, reuse, strict=True):
             if reused:

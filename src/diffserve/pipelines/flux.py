@@ -8,6 +8,7 @@ import torch
 
 from diffserve.configs.flux import FluxPipelineConfig, flux_default_sampling_params
 from diffserve.configs.step_cache_policy import StepCachePolicy
+from diffserve.layers.lora_rows import request_lora_scope
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
@@ -77,7 +78,8 @@ class FluxDenoiser:
         at 256x256), but free.
         """
         if req.dit_context is None:
-            req.dit_context = self.transformer.embed_context(torch.cat(branch_texts(req)))
+            with request_lora_scope(req.loras):
+                req.dit_context = self.transformer.embed_context(torch.cat(branch_texts(req)))
         return req.dit_context
 
     @torch.inference_mode()

@@ -13,6 +13,7 @@ from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.configs.wan import WanPipelineConfig, wan_default_sampling_params
 from diffserve.errors import ModelLoadError
+from diffserve.layers.lora_rows import request_lora_scope
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.wan import EmbeddedContext, WanTransformer3DModel
 from diffserve.pipelines.base import Pipeline, PipelineContext
@@ -65,9 +66,10 @@ class WanDenoiser:
         if req.dit_context is None:
             texts = branch_texts(req)
             images = [req.image_embeds] * len(texts) if req.image_embeds is not None else None
-            req.dit_context = self.transformer.embed_context(
-                torch.cat(texts), torch.cat(images) if images else None
-            )
+            with request_lora_scope(req.loras):
+                req.dit_context = self.transformer.embed_context(
+                    torch.cat(texts), torch.cat(images) if images else None
+                )
         return req.dit_context
 
     @torch.inference_mode()

@@ -12,6 +12,7 @@ import torch
 
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.configs.z_image import ZImagePipelineConfig, z_image_default_sampling_params
+from diffserve.layers.lora_rows import request_lora_scope
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.z_image import RefinedCaption, ZImageTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
@@ -44,9 +45,10 @@ class ZImageDenoiser:
         that is about 5% of a step; on Z-Image-Turbo (2 refiner layers next to 30 main layers over a
         longer sequence) well under 1%."""
         if req.dit_context is None:
-            req.dit_context = self.transformer.refine_captions(
-                [row for text in branch_texts(req) for row in text.unbind(0)]
-            )
+            with request_lora_scope(req.loras):
+                req.dit_context = self.transformer.refine_captions(
+                    [row for text in branch_texts(req) for row in text.unbind(0)]
+                )
         return req.dit_context
 
     @torch.inference_mode()

@@ -14,6 +14,9 @@ Validation and previews stay on rank 0: they run no collective. Ops:
   output and only rank 0's is used. (A VAE without a row split, or fewer latent rows than ranks, is
   decoded whole on every rank: same latency, no collective.)
 - `drop(request_id)`: the request ended early on rank 0 (cancelled, failed): the mirrors are dropped.
+- `load_lora` / `unload_lora` (`lora`: name, path, strict): every rank's LoRA registry does the same, in
+  the same order, so adapter ids agree (an adapter read on demand from `--lora-dir` is read by every
+  rank in its `pre_denoise`, which every rank runs on the same params).
 
 Limit: an op that fails on one rank after another rank entered a collective of the same step (e.g. the
 CFG all-gather) leaves that rank waiting until `--dist-timeout`; the request then fails, not hangs.
@@ -35,12 +38,13 @@ from diffserve.layers.attention import AttentionBackend
 from diffserve.platforms.base import Platform
 from diffserve.request import Req
 from diffserve.runtime.contract import EnginePipeline
+from diffserve.runtime.lora_registry import LoraInfo
 from diffserve.runtime.runner import ModelRunner
 
 T = TypeVar("T")
 logger = logging.getLogger("diffserve.distributed")
 
-OpKind = Literal["pre_denoise", "denoise_step", "post_denoise", "drop"]
+OpKind = Literal["pre_denoise", "denoise_step", "post_denoise", "drop", "load_lora", "unload_lora"]
 #: Test hook: "KIND:PROMPT" makes every worker rank raise in op KIND for a request whose prompt is PROMPT.
 FAILURE_HOOK_ENV = "DIFFSERVE_TEST_WORKER_FAILURE"
 
@@ -52,6 +56,7 @@ class Op:
     kind: OpKind
     request_ids: tuple[str, ...]
     params: SamplingParams | None = None
+    lora: tuple[str, str, bool] | None = None  # load_lora / unload_lora: name, path, strict
 
 
 class DistributedRunner(ModelRunner):
@@ -83,6 +88,14 @@ class DistributedRunner(ModelRunner):
         run_here = super().post_denoise
         self.mirrored.discard(req.request_id)
         return self._run(Op("post_denoise", (req.request_id,)), lambda: run_here(req))
+
+    def load_lora(self, name: str, path: str, strict: bool = True) -> LoraInfo:
+        run_here = super().load_lora
+        return self._run(Op("load_lora", (), lora=(name, path, strict)), lambda: run_here(name, path, strict))
+
+    def unload_lora(self, name: str) -> None:
+        run_here = super().unload_lora
+        self._run(Op("unload_lora", (), lora=(name, "", True)), lambda: run_here(name))
 
     def release(self, req: Req) -> None:
         """Also tell the workers to drop their mirror, if they hold one. Never raises: the request has
@@ -154,6 +167,14 @@ class OpFollower:
                 req = self._mirror(request_id)
                 del self.mirrors[request_id]  # dropped even when its decode fails
                 self.runner.post_denoise(req)  # releases it too
+        elif op.kind in ("load_lora", "unload_lora"):
+            if op.lora is None:
+                raise ValueError(f"{op.kind} needs the adapter's name, path and strictness")
+            name, path, strict = op.lora
+            if op.kind == "load_lora":
+                self.runner.load_lora(name, path, strict)
+            else:
+                self.runner.unload_lora(name)
         elif op.kind == "drop":
             for request_id in op.request_ids:
                 if (req := self.mirrors.pop(request_id, None)) is not None:

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TypeVar
 
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.errors import InvalidRequestError, RequestCancelledError
+from diffserve.errors import InvalidRequestError, LoraError, RequestCancelledError
 from diffserve.layers.attention import AttentionBackend
 from diffserve.logging_setup import shown_text
 from diffserve.platforms.base import Platform
@@ -27,6 +30,7 @@ from diffserve.runtime.scheduler import ScheduledRequest, SchedulerConfig, StepS
 logger = logging.getLogger("diffserve.runtime")
 
 _WAIT_SLICE_SECONDS = 0.02
+T = TypeVar("T")
 
 
 def check_step_limit(most: int | None, steps: int | None) -> None:
@@ -75,6 +79,8 @@ class Engine:
         #: Per-request start, progress and finish lines (the server's); None: only the stage lines.
         self.request_log: RequestLog | None = None
         self._driving = threading.RLock()
+        #: Calls waiting to run on the driving thread between two steps (`run_exclusive`).
+        self._between_steps: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
 
     @property
     def attention_backend(self) -> AttentionBackend:
@@ -99,6 +105,10 @@ class Engine:
             req.cancel_event = threading.Event()
         req = self.runner.validate(req)
         check_step_limit(self.config.max_inference_steps, req.params.num_inference_steps)
+        try:
+            self.runner.check_loras(req.params.loras)
+        except LoraError as exc:
+            raise InvalidRequestError(str(exc), param="loras") from None
         cost = self.cost(req)
         if self.scheduler.memory is not None:
             self.scheduler.memory.check_alone(cost)
@@ -134,9 +144,46 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def run_exclusive(self, call: Callable[[], T]) -> T:
+        """Run `call` between two steps, never during one (loading or unloading a LoRA adapter: with several
+        ranks, its broadcast must not interleave with a step's). Runs now when no thread drives the loop;
+        else the driving thread runs it before its next step, and this waits for its result."""
+        if self._driving.acquire(blocking=False):
+            try:
+                with self.runner.model_scope():
+                    return call()
+            finally:
+                self._driving.release()
+        future: Future[T] = Future()
+        self._between_steps.put((call, future))
+        while True:
+            try:
+                return future.result(timeout=_WAIT_SLICE_SECONDS)
+            except TimeoutError:  # the driver may have gone idle before its next step: run it here
+                if self._driving.acquire(blocking=False):
+                    try:
+                        with self.runner.model_scope():
+                            self._run_between_steps()
+                    finally:
+                        self._driving.release()
+
+    def _run_between_steps(self) -> None:
+        while True:
+            try:
+                call, future = self._between_steps.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call())
+            except BaseException as exc:  # handed to the caller, never raised in the loop
+                future.set_exception(exc)
+
     def step(self) -> bool:
         """One iteration (see the module docstring). False: there was nothing to do."""
         with self._driving, self.runner.model_scope():
+            self._run_between_steps()
             did = self._drop_cancelled()
             did = self._start_admitted() or did
             group, broken = self.scheduler.next_group(self.pipeline.batch_key)

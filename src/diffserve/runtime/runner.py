@@ -11,12 +11,16 @@ from dataclasses import dataclass, fields
 
 from PIL import Image
 
+from diffserve.configs.sampling_params import LoraChoice
 from diffserve.distributed.state import ParallelState, current_parallel_state, parallel_scope
+from diffserve.errors import LoraError
 from diffserve.layers.attention import AttentionBackend, attention_backend_scope
+from diffserve.layers.lora_rows import LoraRows, lora_rows_scope
 from diffserve.platforms.base import Platform
 from diffserve.platforms.step_timer import StepTimer
 from diffserve.request import Req
 from diffserve.runtime.contract import EnginePipeline
+from diffserve.runtime.lora_registry import LoraInfo, LoraRegistry
 
 #: The fields a denoising step advances: copied into a view before its step and back after.
 STEP_FIELDS = ("latents", "step_index", "scheduler_state", "last_prediction")
@@ -91,6 +95,17 @@ class CfgBranchViews:
         self._views.pop(request_id, None)
 
 
+def batch_lora_rows(batch: list[Req]) -> LoraRows | None:
+    """Each DiT row's adapters for a batch built as `pipelines/cfg_batch.py` builds it (per request its
+    prompt rows, then its negative-prompt rows: the same adapters); None when no request has any."""
+    if not any(req.loras for req in batch):
+        return None
+    rows = []
+    for req in batch:
+        rows += [req.loras] * (req.batch_size * (2 if req.do_cfg else 1))
+    return LoraRows.for_rows(rows)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -106,6 +121,8 @@ class ModelRunner:
         self.step_timer = StepTimer(platform)
         #: CFG-parallel: this rank's one-branch views of the CFG requests it runs (distributed/cfg_parallel.py).
         self.cfg_views = CfgBranchViews()
+        #: The LoRA adapters of this rank's model (None: the pipeline takes none, e.g. a test double).
+        self.loras: LoraRegistry | None = None
 
     @contextmanager
     def model_scope(self) -> Iterator[AttentionBackend]:
@@ -118,15 +135,19 @@ class ModelRunner:
             return self.pipeline.validate(req)
 
     def pre_denoise(self, req: Req) -> Req:
+        """The request's adapters are pinned first (read now if only named in `--lora-dir`)."""
+        req.loras = self._lora_registry().acquire(req.params.loras) if req.params.loras else ()
         with self.model_scope():
             return self.pipeline.run_pre_denoise(req)
 
     def denoise_step(self, reqs: list[Req]) -> None:
-        """One DiT batch over `reqs`; each request's `step_times` gets this step's time when it is known."""
+        """One DiT batch over `reqs`; each request's `step_times` gets this step's time when it is known.
+        Each row applies its request's LoRA adapters (none: the base weights)."""
         with self.model_scope():
             start = self.step_timer.start()
             batch = self.cfg_views.enter(reqs)  # `reqs` itself unless CFG-parallel splits some
-            self.pipeline.denoise_step(batch)
+            with lora_rows_scope(batch_lora_rows(batch)):
+                self.pipeline.denoise_step(batch)
             self.cfg_views.leave(batch)
             self.step_timer.stop(start, *(req.step_times for req in reqs))
 
@@ -137,8 +158,35 @@ class ModelRunner:
 
     def release(self, req: Req) -> None:
         """The request has left the denoising loop (finished, cancelled or failed): drop what this runner
-        kept for it."""
+        kept for it, and unpin its adapters (once)."""
         self.cfg_views.release(req.request_id)
+        if req.loras and self.loras is not None:
+            self.loras.release(req.loras)
+        req.loras = ()
+
+    # -- LoRA adapters (runtime/lora_registry.py) ----------------------------------------------------
+
+    def _lora_registry(self) -> LoraRegistry:
+        if self.loras is None:
+            raise LoraError("this pipeline takes no LoRA adapters")
+        return self.loras
+
+    def check_loras(self, choices: list[LoraChoice]) -> None:
+        """LoraError unless every adapter a request names is loaded or can be read from `--lora-dir`."""
+        if choices:
+            self._lora_registry().check_known([c.name for c in choices])
+
+    def load_lora(self, name: str, path: str, strict: bool = True) -> LoraInfo:
+        return self._lora_registry().load(name, path, strict)
+
+    def unload_lora(self, name: str) -> None:
+        self._lora_registry().unload(name)
+
+    def merge_loras(self, choices: list[LoraChoice]) -> None:
+        self._lora_registry().merge(choices)
+
+    def lora_infos(self) -> list[LoraInfo]:
+        return [] if self.loras is None else self.loras.infos()
 
     def preview_images(self, req: Req) -> list[Image.Image]:
         """What the request's outputs would be if sampling stopped after its current step."""

@@ -4,6 +4,7 @@ The image routes turn a request (schemas.py; the edits body is read by image_edi
 the engine (engine_client.py) and answer OpenAI's ImagesResponse, or its server-sent events with
 `"stream": true` (streaming.py). `/v1/videos` (video_routes.py) answers with a job at once and runs it
 in the background (video_jobs.py). Each route refuses models of the other kind, naming the route to use.
+`/v1/loras` (lora_routes.py) loads, lists and unloads the LoRA adapters requests name in `loras`.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from diffserve.server.errors import (
 )
 from diffserve.server.image_edits import EDIT_REQUEST_BODY, EditModel, read_edit_request
 from diffserve.server.image_files import expire_images, find_image, remove_partial_images, sweep_images
+from diffserve.server.lora_routes import live_lora_state, lora_router
 from diffserve.server.metrics import ServerMetrics
 from diffserve.server.middleware import (
     CLIENT_CLOSED_REQUEST,
@@ -394,6 +396,7 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
         return ContentFileResponse(path, media_type=CONTENT_TYPES[path.suffix.lstrip(".")])
 
     app.include_router(video_router(args, engine, video_jobs, metrics, check_model, outcome_of))
+    app.include_router(lora_router(engine))
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def list_models() -> ModelList:
@@ -426,7 +429,8 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
     @app.get("/server_info", responses=_ERRORS)
     async def server_info() -> dict[str, Any]:
         replicas = [replica_info(client) for client in engine.replicas]
-        hidden = {"versions", "replica", *(_PER_REPLICA_INFO if len(replicas) > 1 else ())}
+        hidden = {"versions", "replica", "loras", *(_PER_REPLICA_INFO if len(replicas) > 1 else ())}
+        loras = await live_lora_state(engine)
         return {
             "model": args.model_id,
             "server_args": args.to_dict(),
@@ -438,6 +442,8 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
                 "waiting": engine.num_waiting,
                 "running": engine.num_running,
                 **{k: v for k, v in engine.engine_info.items() if k not in hidden},
+                # Adapters (name, rank, bytes, in_use, ...), merged ones, resident bytes, --max-lora-memory.
+                "loras": loras,
             },
             "replicas": replicas,
             "versions": {**_versions(), **engine.engine_info.get("versions", {})},

@@ -3,6 +3,9 @@
 The receive task resolves the requests' futures; the watch task restarts a dead engine process, failing
 its requests in flight (503). No call here blocks on model work.
 
+LoRA admin ops (`load_lora`, `unload_lora`, `list_loras`) go through `lora_client.LoraOps`; an engine
+process that (re)starts replays the loads and unloads made so far before it takes requests.
+
 Shutdown has two speeds: `begin_drain` (first SIGTERM / Ctrl-C) lets the requests in flight, video jobs
 included, finish for `--shutdown-timeout` seconds before cancelling the rest; `abort` (a second signal)
 kills the engine process at once and answers everything in flight with 503.
@@ -30,6 +33,7 @@ import zmq.asyncio
 from diffserve.server import protocol as msg
 from diffserve.server.args import ServerArgs
 from diffserve.server.engine_process import EngineProcessConfig, run_engine_process
+from diffserve.server.lora_client import LoraOpError, LoraOps, new_op_id
 from diffserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger("diffserve.server")
@@ -88,11 +92,11 @@ class JobRejectedError(Exception):
 
 
 class JobFailedError(Exception):
-    """The request failed inside the engine (-> 500, or 400 when `user_error`)."""
+    """The request failed inside the engine (-> 500, or 400 naming `param` when `user_error`)."""
 
-    def __init__(self, message: str, user_error: bool) -> None:
+    def __init__(self, message: str, user_error: bool, param: str | None = None) -> None:
         super().__init__(message)
-        self.user_error = user_error
+        self.user_error, self.param = user_error, param
 
 
 #: Called with a submitted job's JobStarted, JobProgress and JobPreview messages, on the event loop.
@@ -158,6 +162,8 @@ class EngineClient:
         #: Requests the engine runs at once, as it reported when ready (0 before): see `num_queued`.
         self.engine_slots = 0
         self.ready_hooks: list[ReadyHook] = []
+        #: LoRA admin ops in flight, and the loads and unloads replayed on an engine that (re)starts.
+        self.loras = LoraOps(self.name, self._send_lora_op)
 
     async def start(self) -> None:
         # A private 0700 directory: only this user reaches the sockets.
@@ -404,6 +410,63 @@ class EngineClient:
     def _fail_all(self, error: Exception) -> None:
         for rid in list(self._pending):
             self._resolve(rid, error=error)
+        self.loras.fail_all(error)
+
+    # -- LoRA admin ops (server/lora_routes.py; the engine's side: engine_loras.py) ---------------------
+
+    async def load_lora(self, name: str, path: str, strict: bool = True) -> msg.LoraOpDone:
+        """Load adapter `name` from `path` (relative to --lora-dir); raises LoraOpError (the engine's
+        refusal) and EngineUnavailableError."""
+        op = msg.LoadLora(new_op_id(), name, path, strict)
+        done = await self._lora_op(op)
+        self.loras.record(op)
+        return done
+
+    async def unload_lora(self, name: str) -> msg.LoraOpDone:
+        op = msg.UnloadLora(new_op_id(), name)
+        try:
+            done = await self._lora_op(op)
+        except LoraOpError as exc:
+            if exc.status == 404:  # not there: nothing of it to replay either
+                self.loras.forget(name)
+            raise
+        self.loras.record(op)
+        return done
+
+    async def list_loras(self) -> msg.LoraOpDone:
+        return await self._lora_op(msg.ListLoras(new_op_id()))
+
+    async def _lora_op(self, op: msg.LoadLora | msg.UnloadLora | msg.ListLoras) -> msg.LoraOpDone:
+        if not self.ready:
+            raise self.unavailable_error()
+        done = await self.loras.request(op)
+        self.engine_info = {**self.engine_info, "loras": done.loras}  # /server_info's last known state
+        return done
+
+    def _send_lora_op(self, op: msg.LoadLora | msg.UnloadLora | msg.ListLoras) -> None:
+        try:
+            self._push.send_pyobj(op, flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            raise EngineUnavailableError(
+                "the engine is not accepting requests right now", "engine_busy"
+            ) from None
+
+    async def _restore_loras(self, ready: msg.EngineReady) -> None:
+        """Replay the LoRA changes on the engine that just reported `ready`, then take requests."""
+        incarnation = self.incarnation
+
+        def current() -> bool:
+            return self.incarnation == incarnation and self.state in (
+                EngineState.STARTING,
+                EngineState.RESTARTING,
+            )
+
+        state = await self.loras.restore(current)
+        if not current():
+            return
+        if state is not None:
+            ready.info = {**ready.info, "loras": state}
+        self._become_ready(ready)
 
     async def _receive_loop(self) -> None:
         while True:
@@ -433,7 +496,11 @@ class EngineClient:
         elif isinstance(message, msg.JobCancelled):
             self._resolve(message.request_id, error=JobCancelledError(message.at_step))
         elif isinstance(message, msg.JobFailed):
-            self._resolve(message.request_id, error=JobFailedError(message.message, message.user_error))
+            self._resolve(
+                message.request_id, error=JobFailedError(message.message, message.user_error, message.param)
+            )
+        elif isinstance(message, (msg.LoraOpDone, msg.LoraOpFailed)):
+            self.loras.answer(message)
         elif isinstance(message, (msg.JobAccepted, msg.JobStarted, msg.JobProgress, msg.JobPreview)):
             if (pending := self._pending.get(message.request_id)) is None:
                 return
@@ -451,6 +518,15 @@ class EngineClient:
             logger.warning("Ignoring unknown engine message %r", message)
 
     def _on_ready(self, message: msg.EngineReady) -> None:
+        if self.state not in (EngineState.STARTING, EngineState.RESTARTING):
+            return
+        if self.loras.changes:  # ready once the adapters of /v1/loras are back
+            self.state_detail = "restoring the LoRA adapters loaded through /v1/loras"
+            self._tasks.append(asyncio.create_task(self._restore_loras(message)))
+            return
+        self._become_ready(message)
+
+    def _become_ready(self, message: msg.EngineReady) -> None:
         if self.state not in (EngineState.STARTING, EngineState.RESTARTING):
             return
         self.engine_pid, self.engine_info, self.probe_size = message.pid, message.info, message.probe_size

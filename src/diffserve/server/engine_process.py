@@ -1,7 +1,8 @@
 """The engine process: a thin transport around `runtime.Engine`, ZeroMQ in and the engine's events out.
 
 The main thread drives the engine's loop and its event hooks answer; the receiver thread queues jobs and
-passes cancels on; one encoder thread writes video jobs' MP4s off the step loop. torch is imported inside
+passes cancels on; one encoder thread writes video jobs' MP4s off the step loop, and one LoRA thread runs
+the admin routes' loads and unloads between two steps (engine_loras.py). torch is imported inside
 `Engine`, so the front end imports this module and stays light.
 """
 
@@ -25,11 +26,12 @@ import zmq
 
 from diffserve.configs.engine_args import EngineArgs
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.errors import UserError
+from diffserve.errors import LoraError, UserError
 from diffserve.logging_setup import configure_logging
 from diffserve.outputs import CONTENT_TYPES, encode_image, output_metadata, save_image, save_video
 from diffserve.outputs.images import bounded_metadata
 from diffserve.server import protocol as msg
+from diffserve.server.engine_loras import EngineLoras
 from diffserve.server.image_files import image_path
 
 if TYPE_CHECKING:
@@ -177,6 +179,10 @@ class Engine:
         self._encoding: dict[str, threading.Event] = {}
         self._encoding_lock = threading.Lock()
         self.engine.events = self
+        #: The LoRA admin ops (`POST/GET/DELETE /v1/loras`).
+        self.loras = EngineLoras(self.engine, channel)
+        #: Device bytes the memory budget keeps free for adapters loaded later (`_memory_model`).
+        self.lora_reserved_bytes = 0
         from diffserve.runtime.engine import RequestLog
 
         self.engine.request_log = RequestLog(config.progress_log_interval, include=_is_client_job)
@@ -234,20 +240,52 @@ class Engine:
 
     def _memory_model(self) -> Any:
         """Calibrated at warm-up where the platform has a peak counter (the CPU too, on Linux); estimated
-        with --no-warmup or when calibration fails (logged)."""
+        with --no-warmup or when calibration fails (logged). With LoRA adapters (`--lora`, `--lora-dir`)
+        the budget keeps `--max-lora-memory` free for them, less what the adapters loaded at start
+        already take (the free memory it is measured from excludes those)."""
         from diffserve.runtime.calibration import calibrate_memory_model
         from diffserve.runtime.memory import CALIBRATION_SIDES, CPU_CALIBRATION_SIDES, estimated_memory_model
 
         fraction = self.config.engine_args.mem_fraction
+        model = None
         if self.config.warmup:
             base = CPU_CALIBRATION_SIDES if self.engine.platform.device_type == "cpu" else CALIBRATION_SIDES
             sides = [-(-s // self.pixel_multiple) * self.pixel_multiple for s in base]
             probes = [self.probe_params("calibration", side) for side in sides]
             try:
-                return calibrate_memory_model(self.engine, probes, fraction)
+                model = calibrate_memory_model(self.engine, probes, fraction)
             except Exception as exc:
                 logger.warning("Memory calibration failed (%r); using the estimated memory model", exc)
-        return estimated_memory_model(self.facts, self.engine.platform, fraction)
+        if model is None:
+            model = estimated_memory_model(self.facts, self.engine.platform, fraction)
+        self.lora_reserved_bytes = self._lora_reserve()
+        if self.lora_reserved_bytes and model.budget_bytes is not None:
+            budget = max(0, model.budget_bytes - self.lora_reserved_bytes)
+            logger.info(
+                "Memory budget: %.0f MB kept for LoRA adapters (--max-lora-memory); %.0f MB left for requests",
+                self.lora_reserved_bytes / 2**20, budget / 2**20,
+            )  # fmt: skip
+            model = dataclasses.replace(model, budget_bytes=budget)
+        return model
+
+    def _lora_reserve(self) -> int:
+        """Bytes the memory budget keeps for adapters: `--max-lora-memory` less the resident ones when
+        LoRA is on and not merged (merged adapters are part of the weights: nothing to keep)."""
+        args, summary = self.config.engine_args, self.loras.summary()
+        if args.lora_merge or summary["merged"] or not (args.loras or args.lora_dir):
+            return 0
+        return max(0, int(summary["max_lora_memory"]) - int(summary["resident_bytes"]))
+
+    def _describe_memory(self) -> dict[str, Any] | None:
+        """The memory model as /server_info shows it, with the bytes kept for LoRA adapters."""
+        memory = self.scheduler.memory
+        if memory is None:
+            return None
+        return {
+            **memory.describe(),
+            # budget_mb is what requests may use: free memory after warm-up x --mem-fraction, less this.
+            "lora_reserved_mb": round(self.lora_reserved_bytes / 2**20, 1),
+        }
 
     def info(self, warmup_seconds: float | None) -> dict[str, Any]:
         """What /server_info shows of the engine."""
@@ -258,7 +296,7 @@ class Engine:
 
         g, facts, s = self.generator, self.facts, self.scheduler
         defaults = resolved_params(g.pipeline, SamplingParams("-", input_images=self.probe_images)).to_dict()
-        for key in ("prompt", "seed", "extra", "input_images", "mask_image"):
+        for key in ("prompt", "seed", "extra", "input_images", "mask_image", "loras"):
             defaults.pop(key, None)
         if self.probe_images:  # an edit model: its default size follows the input image
             defaults["height"] = defaults["width"] = None
@@ -283,9 +321,10 @@ class Engine:
                 "max_running_requests": s.config.max_running_requests,
                 "max_batch_tokens": s.config.max_batch_tokens,
                 "mem_fraction": self.config.engine_args.mem_fraction,
-                "memory_model": s.memory.describe() if s.memory is not None else None,
+                "memory_model": self._describe_memory(),
             },
             "warmup_seconds": None if warmup_seconds is None else round(warmup_seconds, 3),
+            "loras": self.loras.summary(),
             "replica": self.config.replica,
             # str(): torch's version object would make the front end import torch to unpickle it.
             "versions": {"diffserve": diffserve.__version__, "torch": str(torch.__version__)},
@@ -298,6 +337,7 @@ class Engine:
         self.engine.cancel_all()
         self.engine.step()
         self.encoder.shutdown(wait=True)  # files being written are finished and reported
+        self.loras.close()
         self.receiver.join()  # it owns the inbox socket until it sees `stop`
         logger.info("Engine stopped")
 
@@ -331,6 +371,8 @@ class Engine:
                     where = "encoding"
             if where is not None:
                 logger.info("Request %s cancelled while %s", rid, where)
+        elif isinstance(message, (msg.LoadLora, msg.UnloadLora, msg.ListLoras)):
+            self.loras.handle(message)
         elif isinstance(message, msg.ShutdownEngine):
             logger.info("Engine shutting down")
             self.shutdown()
@@ -379,7 +421,9 @@ class Engine:
         if not user_error:
             logger.error("Request %s failed", sr.request_id, exc_info=error)
         message = str(error) if user_error else f"{type(error).__name__}: {error}"
-        self.channel.send(msg.JobFailed(sr.request_id, message, user_error=user_error))
+        # A LoRA error once running: an adapter of --lora-dir read on first use that does not fit.
+        param = "loras" if isinstance(error, LoraError) else None
+        self.channel.send(msg.JobFailed(sr.request_id, message, user_error=user_error, param=param))
 
     def on_finished(self, sr: ScheduledRequest) -> None:
         """Decoded: encode the images and answer, or hand a video to the encoder thread."""

@@ -24,6 +24,7 @@ from diffserve.server.engine_client import (
     JobRejectedError,
     QueueFullError,
 )
+from diffserve.server.lora_client import LoraOpError
 from diffserve.server.schemas import ACCEPTED_FIELDS, ApiParamError, ErrorResponse
 
 logger = logging.getLogger("diffserve.server")
@@ -89,12 +90,16 @@ def as_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, JobRejectedError):  # 413: the engine's memory admission, it can never fit
         code = "request_too_large" if exc.status == 413 else "invalid_value"
         return ApiError(exc.status, message, param=exc.param, code=code)
+    if isinstance(exc, LoraOpError):  # the engine's answer to a LoRA admin op
+        return ApiError(exc.status, message, param=exc.param, code=exc.code)
     if isinstance(exc, QueueFullError):
         return ApiError(429, message, code="queue_full", headers={"Retry-After": "1"})
     if isinstance(exc, EngineUnavailableError):
         return ApiError(503, message, code=exc.code, headers={"Retry-After": "5"})
     if isinstance(exc, JobFailedError) and exc.user_error:
-        return ApiError(400, message, code="invalid_request")
+        return ApiError(
+            400, message, param=exc.param, code="invalid_value" if exc.param else "invalid_request"
+        )
     if isinstance(exc, JobFailedError):
         return ApiError(500, f"the engine failed on this request: {exc}", code="engine_error")
     if isinstance(exc, StarletteHTTPException):  # e.g. a malformed multipart body (400), a body over 413
@@ -127,7 +132,7 @@ def validation_error_message(
     if kind in ("model_attributes_type", "dict_type") and not loc:
         return "request body must be a JSON object", None
     param = loc[0] if loc else None
-    message = first.get("msg", "invalid value")
+    message = first.get("msg", "invalid value").removeprefix("Value error, ")  # a validator's own words
     if kind == "missing":
         return f"{param} is required", param
     if "input" in first:
@@ -149,7 +154,14 @@ def install_error_handlers(app: FastAPI) -> None:
         return _respond(as_api_error(exc))
 
     # Known errors are answered without a traceback in the log.
-    known_errors = (ApiError, ApiParamError, InvalidRequestError, JobRejectedError, QueueFullError)
+    known_errors = (
+        ApiError,
+        ApiParamError,
+        InvalidRequestError,
+        JobRejectedError,
+        QueueFullError,
+        LoraOpError,
+    )
     for kind in (*known_errors, EngineUnavailableError, JobFailedError):
         app.add_exception_handler(kind, known)
 

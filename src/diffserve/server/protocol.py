@@ -1,12 +1,14 @@
 """Messages between the HTTP front end and the engine process (pickled over ZeroMQ).
 
-Front end -> engine: `GenerateJob`, `CancelJob`, `ShutdownEngine`. Engine -> front end: each message as
-`(incarnation, message)`, `incarnation` counting engine (re)starts, so a message still in flight from
-an engine that died is recognised and dropped.
+Front end -> engine: `GenerateJob`, `CancelJob`, `ShutdownEngine`, and the LoRA admin ops `LoadLora`,
+`UnloadLora`, `ListLoras`. Engine -> front end: each message as `(incarnation, message)`, `incarnation`
+counting engine (re)starts, so a message still in flight from an engine that died is recognised and
+dropped.
 
     GenerateJob ──► JobRejected (bad parameters, or too large to ever fit in memory: never queued)
                 └─► [JobAccepted] ─► JobStarted ─► [JobProgress | JobPreview...] ─► JobFinished | JobCancelled | JobFailed
                                   └─► JobCancelled (cancelled while still waiting)
+    LoadLora | UnloadLora | ListLoras ──► LoraOpDone | LoraOpFailed  (matched by `op_id`)
 
 Both ends run the same code and the sockets live in a private directory, so pickle is safe here.
 """
@@ -56,6 +58,27 @@ class CancelJob:
 @dataclass
 class ShutdownEngine:
     pass
+
+
+# Front end -> engine: LoRA admin ops (`POST/GET/DELETE /v1/loras`, server/lora_routes.py), each answered by
+# a LoraOpDone or a LoraOpFailed with its `op_id`. The engine runs loads and unloads between two steps.
+@dataclass
+class LoadLora:
+    op_id: str
+    name: str
+    path: str  # relative to --lora-dir: the engine refuses anything that resolves outside it
+    strict: bool = True  # False: apply what matches the model and log what is ignored
+
+
+@dataclass
+class UnloadLora:
+    op_id: str
+    name: str
+
+
+@dataclass
+class ListLoras:
+    op_id: str
 
 
 # Engine -> front end.
@@ -157,3 +180,20 @@ class JobFailed:
     request_id: str
     message: str
     user_error: bool = False
+    param: str | None = None  # a user error's request field, when the engine knows it (e.g. `loras`)
+
+
+@dataclass
+class LoraOpDone:
+    op_id: str
+    loras: dict[str, Any]  # the engine's LoRA state after the op, as /server_info shows it (`loras` block)
+    adapter: dict[str, Any] | None = None  # LoadLora: the adapter loaded (`LoraInfo.to_dict()`)
+
+
+@dataclass
+class LoraOpFailed:
+    op_id: str
+    message: str
+    status: int  # the front end's answer: 400, 404 (unknown adapter), 409 (in use, name taken) or 500
+    param: str | None = None
+    code: str | None = None

@@ -8,6 +8,10 @@ that replica's client. `--max-queue-size` counts the waiting requests of every r
 dies fails its own requests (503 `engine_died`) and restarts while the others serve; the server gives up
 only when every replica has failed for good.
 
+LoRA admin ops apply to every replica: a load or unload is sent to each ready replica (a load that fails
+on one is undone on the others, and the failure answered), and kept for the replicas that are starting
+or restarting, which replay it before they take requests (`lora_client.py`); listing asks one replica.
+
 The routes, the video jobs and the signal handling see the engine side as `Engines`: one `EngineClient`
 with one replica (exactly as before), a `ReplicaSet` with more.
 """
@@ -29,6 +33,7 @@ from diffserve.server.engine_client import (
     JobListener,
     ReadyHook,
 )
+from diffserve.server.lora_client import LoraOpError, new_op_id
 from diffserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger("diffserve.server")
@@ -72,6 +77,9 @@ class Engines(Protocol):
     ) -> tuple[msg.JobAccepted, asyncio.Future]: ...
     async def generate(self, job: msg.GenerateJob) -> msg.JobFinished: ...
     def cancel(self, request_id: str) -> bool: ...
+    async def load_lora(self, name: str, path: str, strict: bool = True) -> msg.LoraOpDone: ...
+    async def unload_lora(self, name: str) -> msg.LoraOpDone: ...
+    async def list_loras(self) -> msg.LoraOpDone: ...
     def add_ready_hook(self, hook: ReadyHook) -> None: ...
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
@@ -79,6 +87,16 @@ class Engines(Protocol):
     async def wait_drained(self) -> None: ...
     def abort(self, reason: str) -> None: ...
     def kill_engine(self) -> None: ...
+
+
+def _on_replica(client: EngineClient, error: Exception, outcome: str) -> Exception:
+    """`error` from one replica's LoRA op, its message naming the replica and the op's `outcome`."""
+    message = f"replica {client.replica}: {error}; {outcome}"
+    if isinstance(error, LoraOpError):
+        return LoraOpError(message, error.status, error.param, error.code)
+    if isinstance(error, EngineUnavailableError):
+        return EngineUnavailableError(message, error.code)
+    return error
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -159,6 +177,75 @@ class ReplicaSet:
     def cancel(self, request_id: str) -> bool:
         client = self._owner.get(request_id)
         return client is not None and client.cancel(request_id)
+
+    # -- LoRA admin ops ----------------------------------------------------------------------------
+    def _lora_targets(self) -> tuple[list[EngineClient], list[EngineClient]]:
+        """The ready replicas an op is sent to, and those starting or restarting that replay it later
+        (a replica that failed for good or stops gets nothing); 503 when none is ready."""
+        ready = [c for c in self.clients if c.ready]
+        if not ready:
+            raise self.unavailable_error()
+        later = [c for c in self.clients if c.state in (EngineState.STARTING, EngineState.RESTARTING)]
+        return ready, later
+
+    async def load_lora(self, name: str, path: str, strict: bool = True) -> msg.LoraOpDone:
+        """Load on every ready replica, or on none: where it loaded it is unloaded again when another
+        replica refused it, and that refusal is the answer."""
+        ready, later = self._lora_targets()
+        results = await asyncio.gather(
+            *(c.load_lora(name, path, strict) for c in ready), return_exceptions=True
+        )
+        failed = [(c, r) for c, r in zip(ready, results, strict=True) if isinstance(r, BaseException)]
+        if failed:
+            loaded = [c for c, r in zip(ready, results, strict=True) if not isinstance(r, BaseException)]
+            for client in loaded:
+                try:
+                    await client.unload_lora(name)
+                except Exception as exc:
+                    logger.error(
+                        "Replica %d: could not undo the load of LoRA %r: %s", client.replica, name, exc
+                    )
+            client, error = failed[0]
+            if not loaded or not isinstance(error, Exception):
+                raise error  # every replica refused it alike (a bad path or file): their answer
+            raise _on_replica(client, error, f"LoRA {name!r} was loaded on no replica")
+        for client in later:
+            client.loras.record(msg.LoadLora(new_op_id(), name, path, strict))
+        return next(r for r in results if isinstance(r, msg.LoraOpDone))
+
+    async def unload_lora(self, name: str) -> msg.LoraOpDone:
+        """Unload from every ready replica: 404 when none had it, a replica's refusal (409: in use there)
+        when one still has it, the replicas that unloaded it named in the message."""
+        ready, later = self._lora_targets()
+        results = await asyncio.gather(*(c.unload_lora(name) for c in ready), return_exceptions=True)
+        done = [r for r in results if isinstance(r, msg.LoraOpDone)]
+        unloaded = [c.replica for c, r in zip(ready, results, strict=True) if isinstance(r, msg.LoraOpDone)]
+        refusals = [
+            (c, r) for c, r in zip(ready, results, strict=True)
+            if isinstance(r, BaseException) and not (isinstance(r, LoraOpError) and r.status == 404)
+        ]  # fmt: skip
+        for client in later:  # replayed when it had been loaded anywhere; else nothing to keep
+            if done:
+                client.loras.record(msg.UnloadLora(new_op_id(), name))
+            else:
+                client.loras.forget(name)
+        if refusals:
+            client, error = refusals[0]
+            if not isinstance(error, Exception):
+                raise error
+            where = (
+                f"unloaded from replica(s) {', '.join(map(str, unloaded))}"
+                if unloaded
+                else "unloaded from none"
+            )
+            raise _on_replica(client, error, f"LoRA {name!r} was {where}")
+        if not done:
+            raise next(r for r in results if isinstance(r, BaseException))  # every replica's 404
+        return done[0]
+
+    async def list_loras(self) -> msg.LoraOpDone:
+        """One ready replica's adapters (every replica serves the same ones)."""
+        return await self._lora_targets()[0][0].list_loras()
 
     def _num_queued(self) -> int:
         """Requests waiting beyond free running slots, on every replica: what --max-queue-size limits."""

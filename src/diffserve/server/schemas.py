@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 import secrets
@@ -10,7 +11,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from diffserve.configs.sampling_params import SamplingParams
+from diffserve.configs.sampling_params import (
+    MAX_LORA_SCALE,
+    MAX_LORAS_PER_REQUEST,
+    LoraChoice,
+    SamplingParams,
+    lora_choices,
+)
 
 
 class ApiParamError(ValueError):
@@ -62,13 +69,61 @@ def utf8_text(value: Any) -> Any:
     return value
 
 
+class LoraEntry(BaseModel):
+    """One LoRA adapter a request applies: a name the server knows (`GET /v1/loras`, or a file of its
+    --lora-dir) and its scale."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, description="the adapter's name (GET /v1/loras lists them)")
+    scale: float = Field(
+        1.0,
+        allow_inf_nan=False,
+        description=f"1.0: as trained; 0: off; negative: subtracted (within +-{MAX_LORA_SCALE:g})",
+    )
+
+
+_LORAS = (
+    f"diffserve extension: LoRA adapters to apply, at most {MAX_LORAS_PER_REQUEST}, e.g. "
+    '[{"name": "style", "scale": 0.8}] (in a multipart form: that JSON as text); unset: the base model'
+)
+_LORA_EXAMPLE = '[{"name": "style", "scale": 0.8}]'
+
+
+def lora_entries(value: Any) -> Any:
+    """A `loras` field validator: a multipart form sends the list as JSON text; each entry must be an
+    object with `name` and optionally `scale` (their types are the model's to check)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError(f"expected a JSON list such as {_LORA_EXAMPLE}") from None
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise ValueError(f"expected a list such as {_LORA_EXAMPLE}")
+    for i, entry in enumerate(value):
+        if not isinstance(entry, dict) or "name" not in entry or not set(entry) <= {"name", "scale"}:
+            raise ValueError(
+                f'entry {i} is {entry!r}; each entry is {{"name": str, "scale": float}} (scale optional, '
+                "default 1.0)"
+            )
+    return value
+
+
 def sampling_params(body: BaseModel, **fields: Any) -> SamplingParams:
     """The engine's parameters: the request's fields named as SamplingParams fields, then `fields`. An
-    unset seed is drawn here, so that the answer can name it."""
+    unset seed is drawn here, so that the answer can name it. `loras` are checked here (count, distinct
+    names, scale range: InvalidRequestError naming `loras`); whether the engine has them, by the engine."""
     shared = {f.name for f in dataclasses.fields(SamplingParams)} & set(type(body).model_fields)
-    names = shared - {*fields, "seed"}
+    names = shared - {*fields, "seed", "loras"}
     seed = body.seed if body.seed is not None else secrets.randbelow(2**32)
-    return SamplingParams(seed=seed, **{name: getattr(body, name) for name in names}, **fields)
+    loras = _lora_choices(getattr(body, "loras", None))
+    return SamplingParams(seed=seed, loras=loras, **{name: getattr(body, name) for name in names}, **fields)
+
+
+def _lora_choices(entries: list[LoraEntry] | None) -> list[LoraChoice]:
+    return lora_choices([{"name": e.name, "scale": e.scale} for e in entries or []])
 
 
 def parse_size(size: str, expected: str) -> tuple[int, int]:
@@ -110,8 +165,10 @@ class ImageGenerationRequest(BaseModel):
     true_cfg_scale: Scale = None
     max_sequence_length: Steps = None
     priority: Priority = None
+    loras: list[LoraEntry] | None = Field(None, description=_LORAS)
 
     _utf8 = field_validator("*")(utf8_text)
+    _loras = field_validator("loras", mode="before")(lora_entries)
 
     def check_supported(self) -> None:
         for name, allowed in NO_OP_VALUES.items():
@@ -240,8 +297,10 @@ class VideoCreateRequest(BaseModel):
     max_sequence_length: Steps = None
     quality: Quality = None
     priority: Priority = None
+    loras: list[LoraEntry] | None = Field(None, description=_LORAS)
 
     _utf8 = field_validator("*")(utf8_text)
+    _loras = field_validator("loras", mode="before")(lora_entries)
 
     def video_size(self) -> tuple[int | None, int | None]:
         if self.size is None or self.size.strip() == "auto":

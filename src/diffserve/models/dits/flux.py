@@ -52,7 +52,9 @@ from diffserve.distributed.tensor_parallel import (
 from diffserve.layers.adaln import AdaLayerNormContinuous, AdaLayerNormZero
 from diffserve.layers.embeddings import CombinedTimestepTextEmbedding
 from diffserve.layers.feedforward import FeedForward
+from diffserve.layers.fused_linear import FusedLinear
 from diffserve.layers.joint_attention import Heads, RotaryJointAttention
+from diffserve.layers.lora_linear import LoraLinear
 from diffserve.layers.mlp import gelu_tanh_logistic
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
@@ -155,7 +157,7 @@ def _fuse_linears(owner: nn.Module, fused_name: str, part_names: Sequence[str]) 
             offset += size
     _release_cached_blocks(weight.device)
     with torch.device("meta"):
-        fused = nn.Linear(weight.shape[1], weight.shape[0])
+        fused = FusedLinear(weight.shape[1], tuple(part_names), tuple(sizes))
     fused.weight = nn.Parameter(weight, requires_grad=requires_grad)
     fused.bias = nn.Parameter(bias, requires_grad=requires_grad)
     setattr(owner, fused_name, fused)
@@ -385,6 +387,9 @@ class FluxSingleTransformerBlock(nn.Module):
 
     def _project_keys_values(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) alone, heads split: the fused weight's k/v rows are a contiguous slice, so no copy."""
+        if isinstance(self.to_qkv_mlp, LoraLinear):  # adapters cover the k/v rows: run the whole layer
+            _, k, v, _ = self._project(h)
+            return k, v
         if self.to_qkv_mlp is not None:
             kv_rows = slice(self.inner_dim, 3 * self.inner_dim)
             kv = F.linear(h, self.to_qkv_mlp.weight[kv_rows], self.to_qkv_mlp.bias[kv_rows])

@@ -1,0 +1,84 @@
+"""Random LoRA files for a model folder's DiT, in the diffusers/PEFT layout that `save_lora_weights`
+writes (keys `transformer.<module>.lora_A.weight` / `.lora_B.weight`, alpha and rank in the
+`lora_adapter_metadata` JSON), for tests and benchmarks: no hub, any family, any rank."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from diffserve.loader.model_index import read_json, read_model_index
+from diffserve.models.dits.flux import FluxTransformer2DModel
+from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
+from diffserve.models.dits.sd3 import SD3Transformer2DModel
+from diffserve.models.dits.wan import WanTransformer3DModel
+from diffserve.models.dits.z_image import ZImageTransformer2DModel
+
+#: The native DiT of each Diffusers transformer class (what `native_classes` of the registry holds).
+DIT_CLASSES: dict[str, type[nn.Module]] = {
+    cls.__name__: cls
+    for cls in (
+        FluxTransformer2DModel, SD3Transformer2DModel, QwenImageTransformer2DModel, ZImageTransformer2DModel,
+        WanTransformer3DModel,
+    )
+}  # fmt: skip
+
+#: Module paths a typical LoRA trains: every Linear inside the repeated blocks (attention, MLP, adaLN).
+BLOCK_LINEARS = re.compile(
+    r"(^|\.)(transformer_blocks|single_transformer_blocks|blocks|layers|noise_refiner|context_refiner)\.\d+\."
+)
+
+
+def dit_linears(model_path: str | Path) -> dict[str, tuple[int, int]]:
+    """The (out_features, in_features) of every Linear of the folder's DiT, by Diffusers module path
+    (built on the meta device from its config.json: nothing is read but the config)."""
+    index = read_model_index(str(model_path))
+    spec = index.components["transformer"]
+    cls = DIT_CLASSES[spec.class_name]
+    with torch.device("meta"):
+        model = cls.from_config(read_json(spec.path / "config.json"))
+    return {
+        name: (module.out_features, module.in_features)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+    }
+
+
+def write_random_lora(
+    model_path: str | Path,
+    out_file: str | Path,
+    rank: int = 4,
+    alpha: float | None = None,
+    seed: int = 0,
+    std: float = 0.05,
+    pattern: re.Pattern[str] = BLOCK_LINEARS,
+    every: int = 1,
+) -> Path:
+    """Write a random rank-`rank` LoRA on the DiT's Linears matching `pattern` (every `every`-th of them)
+    to `out_file`; `alpha` None stores no alpha (diffusers then takes alpha = rank). Unlike a freshly
+    initialised LoRA both matrices are random, so the adapter visibly changes the output."""
+    g = torch.Generator().manual_seed(seed)
+    targets = [name for name in dit_linears(model_path) if pattern.search(name)][::every]
+    shapes = dit_linears(model_path)
+    tensors = {}
+    for name in targets:
+        out_features, in_features = shapes[name]
+        tensors[f"transformer.{name}.lora_A.weight"] = torch.randn(rank, in_features, generator=g) * std
+        tensors[f"transformer.{name}.lora_B.weight"] = torch.randn(out_features, rank, generator=g) * std
+    metadata = {"format": "pt"}
+    if alpha is not None:
+        config = {
+            "transformer.r": rank,
+            "transformer.lora_alpha": alpha,
+            "transformer.target_modules": targets,
+        }
+        metadata["lora_adapter_metadata"] = json.dumps(config, sort_keys=True)
+    out = Path(out_file)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out), metadata=metadata)
+    return out
