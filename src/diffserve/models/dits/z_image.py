@@ -764,14 +764,18 @@ class ZImageTransformer2DModel(nn.Module):
         )
         adaln = self.t_embedder(t * self.config.t_scale).type_as(x[0])
 
-        # Image tokens: patchify each sample to (tokens, pF * pH * pW * C) in (f, h, w) order, embed all at once.
+        # Image tokens: patchify each sample to (tokens, pF * pH * pW * C) in (f, h, w) order, embed all at
+        # once as one row per sample (padded to the longest), so per-row LoRA adapters see the batch's rows.
         patches = [
             xi.reshape(xi.shape[0], gf, f_patch_size, gh, patch_size, gw, patch_size)
             .permute(1, 3, 5, 2, 4, 6, 0)
             .reshape(gf * gh * gw, -1)
             for xi, (gf, gh, gw) in zip(x, layout.grids, strict=True)
         ]
-        img = self.all_x_embedder[key](torch.cat(patches))
+        counts = [p.shape[0] for p in patches]
+        padded = torch.stack([F.pad(p, (0, 0, 0, max(counts) - n)) for p, n in zip(patches, counts, strict=True)])
+        embedded = self.all_x_embedder[key](padded)
+        img = torch.cat([e[:n] for e, n in zip(embedded, counts, strict=True)])
         img = torch.cat([img, self.x_pad_token.to(img.dtype), img.new_zeros(1, img.shape[1])])[layout.x_index]
         cap = _pad_rows([r.states for r in refined_captions], layout.caption_width, 0)
 
