@@ -98,7 +98,7 @@ SHAPES = {
             guidance_embeds=True,
             axes_dims_rope=(16, 56, 56),
         ),  # fmt: skip
-        text_tokens=128,
+        text_tokens=64,
         description="FLUX.1 block shape (24 heads x 128 = 3072 wide, MLP 12288), 1 double + 1 single block",
     ),
     # bench_parallel.py's small DiT (8 heads x 64, joint width 256, 2 double + 4 single blocks).
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         "--shape", choices=sorted(SHAPES), default="flux", help="the DiT: FLUX.1's block shape or a small one"
     )
     parser.add_argument(
-        "--size", type=int, default=128, help="image side in pixels, a multiple of 16 (default 128)"
+        "--size", type=int, default=64, help="image side in pixels, a multiple of 16 (default 64)"
     )
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds after the warm-up (default 3)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")

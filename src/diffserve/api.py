@@ -16,6 +16,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from diffserve.configs.engine_args import EngineArgs, LoraSpec
+from diffserve.configs.memory_options import check_offload, check_quantization, check_transformer_weights
 from diffserve.configs.quality import check_default_quality, read_calibrated_policies
 from diffserve.configs.sampling_params import SamplingParams, lora_choices
 from diffserve.distributed.config import ParallelConfigError
@@ -26,9 +27,11 @@ from diffserve.errors import InvalidRequestError, ModelLoadError, RequestCancell
 from diffserve.image_inputs import ImageSource, load_images
 from diffserve.layers.attention import AttentionBackend, resolve_attention_backend
 from diffserve.loader.component_loader import LoadedComponent, load_components, supports_tensor_parallel
+from diffserve.loader.dit_weights import DitLoadOptions
 from diffserve.loader.folder_defaults import read_folder_sampling_defaults
 from diffserve.loader.model_index import ModelIndex, read_model_index
 from diffserve.logging_setup import shown_text
+from diffserve.offload import install_memory_plan, log_plan, plan_memory
 from diffserve.outputs import output_metadata, write_outputs
 from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.platforms import Platform, PlatformUnavailableError, resolve_platform
@@ -145,9 +148,22 @@ def load_model(
         "Resolved pipeline: %s -> diffserve %s (%s, native)",
         index.pipeline_class_name, pipeline_cls.__name__, family.name,
     )  # fmt: skip
+    memory_plan = plan_memory(
+        index, engine_args, platform, dtype, text_dtype,
+        (*pipeline_cls.required_components, *pipeline_cls.optional_components),
+    )  # fmt: skip
+    log_plan(memory_plan)
+    dit_options = DitLoadOptions(
+        transformer_weights=None
+        if engine_args.transformer_weights is None
+        else Path(engine_args.transformer_weights),
+        quantization=engine_args.quantization,
+        mmap_weights=memory_plan.mmap_dit,
+    )
     components = load_components(
         index, pipeline_cls.required_components, family.native_classes, platform, dtype, text_dtype,
         optional=pipeline_cls.optional_components, tensor_parallel=parallel_state,
+        host_components=memory_plan.host_components, dit_options=dit_options,
     )  # fmt: skip
     folder_defaults = read_folder_sampling_defaults(index.root)
     if folder_defaults:
@@ -166,6 +182,7 @@ def load_model(
         raise UserError(f"--default-quality: {exc}") from exc
     except ValueError as exc:
         raise UserError(str(exc)) from exc
+    install_memory_plan(memory_plan, components, platform)  # before LoRA wraps the DiT's Linears
     loras = start_lora_registry(
         {n: c.value for n, c in components.items()}, family.name, index.components["transformer"].class_name,
         platform.device(), dtype, engine_args.loras, engine_args.lora_dir, engine_args.lora_merge,
@@ -315,6 +332,15 @@ class DiffGenerator:
         lora_dir: str | Path | None = None,
         lora_merge: bool = False,
         max_lora_memory: int = EngineArgs.max_lora_memory,
+        quantization: str | None = None,
+        transformer_weights: str | Path | None = None,
+        text_encoder_cpu_offload: bool = False,
+        image_encoder_cpu_offload: bool = False,
+        vae_cpu_offload: bool = False,
+        dit_cpu_offload: bool = False,
+        dit_layerwise_offload: bool = False,
+        offload: str = "none",
+        max_memory: int | None = None,
     ) -> DiffGenerator:
         """Load a Diffusers folder, or a Hugging Face repo id (`"owner/name"`: from the local HF cache,
         else downloaded; `revision` picks a branch, tag or commit). `compile=True` is `--compile`
@@ -324,7 +350,11 @@ class DiffGenerator:
         that many ranks (`ulysses_degree` defaults to num_gpus / (cfg x tp x ring); on the CPU each "gpu" is
         one rank process over gloo): `close()` the generator, or use it in a `with` block. `loras` ({name:
         path}) are LoRA adapters loaded now (`lora_merge=True` merges them into the weights instead), and
-        `lora_dir` a folder whose adapters requests may name; `max_lora_memory` bounds their bytes."""
+        `lora_dir` a folder whose adapters requests may name; `max_lora_memory` bounds their bytes.
+        Memory (docs/memory.md): `quantization` "int8" or "fp8" (weight-only, the DiT's Linears);
+        `transformer_weights` a single-file `.safetensors` or `.gguf` DiT checkpoint replacing the folder's;
+        the `*_cpu_offload` and `dit_layerwise_offload` switches and `offload="auto"` as the CLI flags;
+        `max_memory` the host bytes the weights may take (past it the DiT streams per block)."""
         args = EngineArgs(
             model_path=str(model_path),
             revision=revision,
@@ -346,6 +376,17 @@ class DiffGenerator:
             lora_dir=None if lora_dir is None else str(lora_dir),
             lora_merge=lora_merge,
             max_lora_memory=max_lora_memory,
+            quantization=check_quantization(quantization, "quantization"),
+            transformer_weights=check_transformer_weights(
+                None if transformer_weights is None else str(transformer_weights), "transformer_weights"
+            ),
+            text_encoder_cpu_offload=text_encoder_cpu_offload,
+            image_encoder_cpu_offload=image_encoder_cpu_offload,
+            vae_cpu_offload=vae_cpu_offload,
+            dit_cpu_offload=dit_cpu_offload,
+            dit_layerwise_offload=dit_layerwise_offload,
+            offload=check_offload(offload, "offload"),
+            max_memory=max_memory,
         )
         return cls(args, show_progress=show_progress)
 

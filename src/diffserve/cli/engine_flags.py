@@ -6,6 +6,7 @@ import argparse
 from typing import Literal
 
 from diffserve.cli.lora_flags import add_lora_flags, lora_engine_fields
+from diffserve.cli.memory_flags import add_memory_flags, memory_engine_fields
 from diffserve.configs.engine_args import EngineArgs
 from diffserve.configs.quality import DEFAULT_QUALITY_CHOICES, EXACT, canonical_tier
 from diffserve.errors import UserError
@@ -39,6 +40,7 @@ def add_engine_flags(p: argparse.ArgumentParser, lora: Literal["serve", "generat
         help="what quality='auto' means: high (exact; also hd, lossless) or a faster tier: medium, low, draft "
         "(default: high)")  # fmt: skip
     add_parallel_flags(p)
+    add_memory_flags(p)
     if lora is not None:
         add_lora_flags(p, one_off=lora == "generate")
 
@@ -117,6 +119,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         dist_init_addr=args.dist_init_addr,
         dist_timeout=args.dist_timeout,
         **lora_engine_fields(args),  # type: ignore[arg-type]
+        **memory_engine_fields(args),  # type: ignore[arg-type]
     )
     engine_args.parallel_config()  # degrees that do not multiply to --num-gpus fail before any model load
     return engine_args

@@ -158,5 +158,8 @@ def run(args: argparse.Namespace) -> int:
     kind = "video(s)" if generator.family.task.endswith("video") else "image(s)"
     logger.info("Completed: generated %d %s in %.2f seconds", n_images, kind, time.perf_counter() - start)
     if peaks:
+        from diffserve.offload import log_resident_candidates
+
         logger.info("Memory usage - max peak: %.2f MB", max(peaks))
+        log_resident_candidates(generator.pipeline.context.components, generator.platform, max(peaks) * 2**20)
     return 0

@@ -75,6 +75,26 @@ class EngineArgs:
     lora_merge: bool = False
     #: Device bytes the resident adapters may take; past it the least recently used unpinned one is evicted.
     max_lora_memory: int = 2 * 2**30
+    # Memory: quantization, single-file weights, offload (docs/memory.md).
+    #: Weight-only quantization of the DiT's Linears at load: "int8" or "fp8"; None: full precision.
+    quantization: str | None = None
+    #: A single-file DiT checkpoint replacing the folder's DiT weights: a `.safetensors` with original
+    #: (BFL / ComfyUI) or Diffusers key names, or a `.gguf`. The rest of the pipeline comes from the folder.
+    transformer_weights: str | None = None
+    #: Components kept in host memory that move to the device for their stage (`offload/`).
+    text_encoder_cpu_offload: bool = False
+    image_encoder_cpu_offload: bool = False
+    vae_cpu_offload: bool = False
+    dit_cpu_offload: bool = False
+    #: The DiT's blocks live in host memory and stream to the device one at a time, the next one's copy
+    #: overlapping the current one's compute.
+    dit_layerwise_offload: bool = False
+    #: "auto": choose the offloads above from the device's free memory and the components' sizes;
+    #: "none": only the flags above.
+    offload: str = "none"
+    #: Bytes of model weights the process may hold in host memory; past it the DiT's weights stay in their
+    #: files and stream per block. None: no cap (weights load whole).
+    max_memory: int | None = None
 
     def parallel_config(self) -> ParallelConfig:
         """The validated parallel layout (ParallelConfigError, a UserError, naming the flags)."""

@@ -19,10 +19,10 @@ from torch import nn
 from diffserve.distributed.tensor_parallel import TensorParallelRank
 from diffserve.errors import ModelLoadError
 from diffserve.layers.custom_op import dispatch_custom_ops
+from diffserve.loader.dit_weights import DitLoadOptions, finish_dit, load_dit_weights
 from diffserve.loader.model_index import ComponentSpec, ModelIndex, read_json
 from diffserve.loader.native_classes import NativeClasses, NativeModelClass, NativeSchedulerClass
 from diffserve.loader.processors import IMAGE_ONLY_PROCESSORS, load_image_text_processor
-from diffserve.loader.safetensors_weights import find_weight_files, load_safetensors_into
 from diffserve.loader.text_encoder_tp import TENSOR_PARALLEL_ENCODERS, load_tensor_parallel_encoder
 from diffserve.platforms import Platform
 
@@ -115,22 +115,30 @@ def load_native_model(
     platform: Platform,
     dtype: torch.dtype,
     tensor_parallel: TensorParallelRank | None = None,
+    device: torch.device | None = None,
+    dit_options: DitLoadOptions | None = None,
 ) -> tuple[nn.Module, int]:
-    """Build the native module `cls` on meta from config.json, stream its safetensors in onto `platform`'s
-    device, and bind its `CustomOp`s to `platform`. Returns the module and the bytes read from disk.
+    """Build the native module `cls` on meta from config.json, stream its safetensors in onto `device`
+    (default: `platform`'s; the host for an offloaded component), and bind its `CustomOp`s to
+    `platform`. Returns the module and the bytes read from disk.
 
     With `tensor_parallel` (a TP group of more than one rank) a model that supports it is built as this
-    rank's shard and reads only that shard's slices of the checkpoint; other models load whole."""
+    rank's shard and reads only that shard's slices of the checkpoint; other models load whole. The DiT
+    takes `dit_options` (loader/dit_weights.py: another weights file, memory-mapped weights, quantization)."""
+    device = platform.device() if device is None else device
+    options = dit_options or DitLoadOptions()
     with torch.device("meta"):
         module = _from_config(cls, spec.path / "config.json")
     if tensor_parallel is not None and tensor_parallel.tp_size > 1:
         _shard(module, spec, tensor_parallel)
-    num_bytes = load_safetensors_into(module, find_weight_files(spec.path), platform.device(), dtype)
+    num_bytes = load_dit_weights(module, spec, device, dtype, options)
     module.eval().requires_grad_(False)
-    # Inference-only rearrangements that need the loaded weights (e.g. fused QKV projections).
+    # Inference-only rearrangements that need the loaded weights (e.g. fused QKV projections); weights
+    # kept in their memory-mapped files (`--max-memory`) stay unfused, as fusing would copy them all in.
     fuse = getattr(module, "fuse_for_inference", None)
-    if fuse is not None:
+    if fuse is not None and not options.mmap_weights:
         fuse()
+    finish_dit(module, spec, options)
     # The models build their CustomOps without a platform; bind them (fused ones included) to this one.
     dispatch_custom_ops(module, platform)
     return module, num_bytes
@@ -155,11 +163,18 @@ def _load(
     dtype: torch.dtype,
     text_dtype: torch.dtype,
     tensor_parallel: TensorParallelRank | None,
+    host_components: frozenset[str],
+    dit_options: DitLoadOptions,
 ) -> Any:
-    """Load one component whose class `load_components` has checked is supported."""
+    """Load one component whose class `load_components` has checked is supported: onto the host when it
+    is in `host_components` (offloaded: it moves to the device for its stage), else onto the device."""
     path, name = str(spec.path), spec.class_name
+    device = torch.device("cpu") if spec.name in host_components else platform.device()
     if spec.library == "diffusers" and name in native.models:
-        return load_native_model(spec, native.models[name], platform, dtype, tensor_parallel)[0]
+        options = dit_options if spec.name == "transformer" else None
+        return load_native_model(
+            spec, native.models[name], platform, dtype, tensor_parallel, device, options
+        )[0]
     if spec.library == "diffusers":
         return _from_config(native.schedulers[name], spec.path / "scheduler_config.json")
     if name in TRANSFORMERS_TOKENIZERS:
@@ -167,7 +182,7 @@ def _load(
     tp = tensor_parallel
     if tp is not None and tp.tp_size > 1 and name in TENSOR_PARALLEL_ENCODERS:  # CLIP loads whole
         with _loading(name, spec.path):  # (heads that do not divide --tp-size are a ValueError)
-            model = load_tensor_parallel_encoder(name, spec.path, platform.device(), text_dtype, tp)[0]
+            model = load_tensor_parallel_encoder(name, spec.path, device, text_dtype, tp)[0]
         logger.info(
             "%s (%s): TP rank %d of %d (whole on each rank: %s)",
             spec.name, name, tp.tp_rank, tp.tp_size, TENSOR_PARALLEL_ENCODERS[name],
@@ -176,7 +191,7 @@ def _load(
     if name in TRANSFORMERS_ENCODERS:
         with _loading(name, spec.path):
             model = getattr(transformers, name).from_pretrained(path, dtype=text_dtype, local_files_only=True)
-        return model.to(platform.device()).eval().requires_grad_(False)
+        return model.to(device).eval().requires_grad_(False)
     if name in IMAGE_ONLY_PROCESSORS:
         with _loading(f"processor {name}", spec.path):
             return load_image_text_processor(name, spec.path)
@@ -222,12 +237,16 @@ def load_components(
     text_encoder_dtype: torch.dtype,
     optional: tuple[str, ...] = (),
     tensor_parallel: TensorParallelRank | None = None,
+    host_components: frozenset[str] = frozenset(),
+    dit_options: DitLoadOptions | None = None,
 ) -> dict[str, LoadedComponent]:
     """Load the components a pipeline requires, in a fixed order, and the `optional` ones the folder has.
 
     `native` is the family's table of native classes (its registry record's). With `tensor_parallel`,
     the native models that support it load as this rank's shard (see `load_native_model`), and so do
     the large text encoders (`loader/text_encoder_tp.py`); CLIP and the other models load whole.
+    Components named in `host_components` load into host memory (offloaded, `offload/`); the DiT
+    (`transformer`) takes `dit_options`.
     Absent required components, components the pipeline does not use and classes diffserve cannot load
     are all refused before any component is loaded.
     """
@@ -262,6 +281,7 @@ def load_components(
     logger.info("Loading components: %s", list(names))
     load = functools.partial(
         _load, native=native, platform=platform, dtype=dtype, text_dtype=text_encoder_dtype,
-        tensor_parallel=tensor_parallel,
+        tensor_parallel=tensor_parallel, host_components=host_components,
+        dit_options=dit_options or DitLoadOptions(),
     )  # fmt: skip
     return {spec.name: _load_and_log(spec, load, platform) for spec in specs}

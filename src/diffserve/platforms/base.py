@@ -91,6 +91,28 @@ class Platform(ABC):
     def device_name(self, index: int | None = None) -> str:
         return self.name
 
+    # -- Moving weights between host and device (offload/ copies only through these) ---------------
+
+    def has_separate_device_memory(self) -> bool:
+        """Whether a tensor moved to host memory frees device memory: False where the device's memory is
+        the host's (the CPU; Apple's unified memory), so that offloading there saves nothing."""
+        return self.device_type not in ("cpu", "mps")
+
+    def pin_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (in host memory) in page-locked memory where the platform has it, so that copies to
+        the device can be asynchronous; this default returns it as it is (pageable)."""
+        return tensor
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Host `tensor` on this platform's device (a copy, queued on the current stream: asynchronous from
+        pinned memory, and work queued after it on that stream sees the data; the tensor itself where the
+        device is the host)."""
+        return tensor.to(self.device(), non_blocking=True)
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of device `tensor` in host memory, complete when this returns."""
+        return tensor.to("cpu")
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device_type={self.device_type!r}, index={self.index})"
 
@@ -147,3 +169,7 @@ class TorchAcceleratorPlatform(Platform):
 
     def device_name(self, index: int | None = None) -> str:
         return str(self._runtime().get_device_name(self._index(index)))
+
+    def pin_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A page-locked copy (`Tensor.pin_memory`): host-to-device copies from it do not block the host."""
+        return tensor.pin_memory()

@@ -11,7 +11,14 @@ from diffserve.platforms.base import Platform
 from diffserve.request import Req
 from diffserve.runtime.contract import PipelineFacts
 from diffserve.runtime.engine import Engine
-from diffserve.runtime.memory import MemoryModel, PhasePeaks, estimated_memory_model, measured_memory_model
+from diffserve.runtime.memory import (
+    NO_OFFLOAD,
+    MemoryModel,
+    PhasePeaks,
+    WeightResidency,
+    estimated_memory_model,
+    measured_memory_model,
+)
 
 logger = logging.getLogger("diffserve.runtime")
 
@@ -57,15 +64,22 @@ def calibration_params(facts: PipelineFacts, params: SamplingParams) -> Sampling
 
 
 def calibrate_memory_model(
-    engine: Engine, probe_params: list[SamplingParams], mem_fraction: float
+    engine: Engine,
+    probe_params: list[SamplingParams],
+    mem_fraction: float,
+    weights: WeightResidency = NO_OFFLOAD,
 ) -> MemoryModel:
-    """Measured where the platform has a resettable peak counter, else estimated (logged)."""
+    """Measured where the platform has a resettable peak counter, else estimated (logged). `weights`:
+    the offloaded components' terms (`offload.weight_residency`); with any, the estimate is used (the
+    probes' peaks would hold weights moving in, not activations)."""
     facts, platform = engine.pipeline.facts, engine.platform
     if len(probe_params) < 2:
         raise ValueError(f"calibration needs two probe requests of different sizes, got {len(probe_params)}")
     if not platform.has_peak_counter():
         logger.info("Memory model estimated: %s has no resettable peak-memory counter", platform.name)
-        return estimated_memory_model(facts, platform, mem_fraction)
+        return estimated_memory_model(facts, platform, mem_fraction, weights)
+    if weights.swap_bytes:
+        return measured_memory_model(facts, platform, [], mem_fraction, weights)  # logs why, estimates
     points = [_measure(engine, calibration_params(facts, params)) for params in probe_params]
     platform.empty_cache()
-    return measured_memory_model(facts, platform, points, mem_fraction)
+    return measured_memory_model(facts, platform, points, mem_fraction, weights)

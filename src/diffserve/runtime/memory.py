@@ -11,9 +11,12 @@ one-frame chunk. `pixels` are every frame of the clip: the decoded video and its
 buffers the per-pixel term covers).
 
 Running requests denoise together but decode one at a time, so a running set needs `sum(denoise) +
-max(decode)`, within free memory after warm-up x --mem-fraction. The coefficients are measured at
-warm-up (runtime/calibration.py) where the platform has a resettable peak counter (the CPU's is VmHWM
-on Linux), else estimated."""
+max(decode) + swap`, within free memory after warm-up x --mem-fraction. `swap` is the weights that move
+in for a stage with component offload (`WeightResidency`, offload/): the largest offloaded component,
+counted once (one is on the device at a time); the weights resident on the device are already out of the
+free memory the budget is measured from. The coefficients are measured at warm-up (runtime/calibration.py)
+where the platform has a resettable peak counter (the CPU's is VmHWM on Linux), else estimated; with
+offloaded components they are estimated (a swap inside a measured phase would hide its activations)."""
 
 from __future__ import annotations
 
@@ -131,6 +134,22 @@ def request_cost(facts: PipelineFacts, req: Req) -> RequestCost:
     )
 
 
+@dataclass(frozen=True)
+class WeightResidency:
+    """The model's weights as the device holds them (`offload.weight_residency`): `resident_bytes` stay on
+    the device; `swap_bytes` is the most that moves in for one stage (the largest offloaded component, or
+    a layerwise DiT's window of blocks) while the resident weights stay; `moved_in_bytes` were on the
+    device when this was read (an offloaded component stays there until another component is used)."""
+
+    resident_bytes: int = 0
+    swap_bytes: int = 0
+    moved_in_bytes: int = 0
+
+
+#: No offload: the weights are resident (their bytes unknown here: the budget is measured without them).
+NO_OFFLOAD = WeightResidency()
+
+
 def output_buffer_bytes_per_pixel(dtype: torch.dtype, on_host: bool) -> float:
     """Bytes per decoded video pixel (all 3 channels) that `VideoVaeDecodingStage` holds for the whole clip
     at its peak, where the platform's memory counter sees them. On the device: the decoded clip in the
@@ -161,6 +180,8 @@ class MemoryModel:
     step_cache_bytes_per_token: float = 0.0
     # Per decoded pixel of the whole clip (`RequestCost.pixels`): the frames' buffers; 0 for images.
     bytes_per_output_pixel: float = 0.0
+    # The weights: resident, and what moves in for a stage (counted once per running set).
+    weights: WeightResidency = NO_OFFLOAD
 
     def denoise_bytes(self, cost: RequestCost) -> float:
         cache = self.step_cache_bytes_per_token * cost.batch_tokens if cost.step_cache else 0.0
@@ -179,15 +200,16 @@ class MemoryModel:
         return self.decode_activation_bytes(cost) + self.output_buffer_bytes(cost)
 
     def estimate(self, cost: RequestCost) -> int:
-        """Peak memory of this request running alone."""
-        return int(self.denoise_bytes(cost) + self.decode_bytes(cost))
+        """Peak memory of this request running alone (with the offloaded weights it moves in)."""
+        return int(self.denoise_bytes(cost) + self.decode_bytes(cost) + self.weights.swap_bytes)
 
     def total(self, costs: Iterable[RequestCost]) -> int:
-        """Peak memory of these requests running together."""
+        """Peak memory of these requests running together: one offloaded component is in at a time."""
         costs = list(costs)
         if not costs:
             return 0
-        return int(sum(self.denoise_bytes(c) for c in costs) + max(self.decode_bytes(c) for c in costs))
+        activations = sum(self.denoise_bytes(c) for c in costs) + max(self.decode_bytes(c) for c in costs)
+        return int(activations + self.weights.swap_bytes)
 
     def fits(self, running: Iterable[RequestCost], cost: RequestCost) -> bool:
         return self.budget_bytes is None or self.total([*running, cost]) <= self.budget_bytes
@@ -208,6 +230,8 @@ class MemoryModel:
         )
         if self.output_buffer_bytes(cost):
             decode += f" + {self.output_buffer_bytes(cost) / MB:.0f} MB holding the {cost.frames} frames"
+        if self.weights.swap_bytes:
+            decode += f"; {self.weights.swap_bytes / MB:.0f} MB offloaded weights moving in for a stage"
         changes = fitting_changes(self, cost)
         advice = (
             "; to fit, " + ", or ".join(changes) + ", or start the server with a larger --mem-fraction"
@@ -232,6 +256,8 @@ class MemoryModel:
             "fixed_mb": round(self.fixed_bytes / MB, 1),
             "decode_fixed_mb": round(self.decode_fixed_bytes / MB, 1),
             "budget_mb": None if self.budget_bytes is None else round(self.budget_bytes / MB, 1),
+            "resident_weights_mb": round(self.weights.resident_bytes / MB, 1),
+            "offload_swap_mb": round(self.weights.swap_bytes / MB, 1),
         }
 
 
@@ -283,10 +309,14 @@ def fitting_changes(model: MemoryModel, cost: RequestCost) -> list[str]:
     return changes
 
 
-def memory_budget(platform: Platform, mem_fraction: float) -> int | None:
-    """What the running set may use: the platform's available memory now x `mem_fraction`."""
+def memory_budget(
+    platform: Platform, mem_fraction: float, weights: WeightResidency = NO_OFFLOAD
+) -> int | None:
+    """What the running set may use: the platform's available memory now x `mem_fraction`, counted as if
+    the offloaded components were out (those in now leave when another component is used; the one that
+    moves in for a stage is `MemoryModel.total`'s `swap`)."""
     available = platform.memory_info().available_bytes
-    return None if available is None else int(available * mem_fraction)
+    return None if available is None else int((available + weights.moved_in_bytes) * mem_fraction)
 
 
 def _step_cache_bytes_per_token(facts: PipelineFacts) -> float:
@@ -300,18 +330,22 @@ def _output_buffer_bytes_per_pixel(facts: PipelineFacts, platform: Platform) -> 
     return output_buffer_bytes_per_pixel(facts.dtype, on_host=platform.device_type == "cpu")
 
 
-def estimated_memory_model(facts: PipelineFacts, platform: Platform, mem_fraction: float) -> MemoryModel:
-    """Coefficients from the DiT's width and dtype, no measurement (no peak counter, or warm-up turned off)."""
+def estimated_memory_model(
+    facts: PipelineFacts, platform: Platform, mem_fraction: float, weights: WeightResidency = NO_OFFLOAD
+) -> MemoryModel:
+    """Coefficients from the DiT's width and dtype, no measurement (no peak counter, warm-up turned off, or
+    offloaded weights moving inside the measured phases); `weights` as `offload.weight_residency` reads them."""
     element = facts.dtype.itemsize
     return MemoryModel(
         bytes_per_token=float(ESTIMATED_WIDTHS_PER_TOKEN * facts.dit_width * element),
         bytes_per_pixel=float(ESTIMATED_BYTES_PER_PIXEL_PER_ELEMENT * element),
         fixed_bytes=float(ESTIMATED_FIXED_BYTES),
         decode_fixed_bytes=0.0,
-        budget_bytes=memory_budget(platform, mem_fraction),
+        budget_bytes=memory_budget(platform, mem_fraction, weights),
         source="estimated",
         step_cache_bytes_per_token=_step_cache_bytes_per_token(facts),
         bytes_per_output_pixel=_output_buffer_bytes_per_pixel(facts, platform),
+        weights=weights,
     )
 
 
@@ -331,11 +365,26 @@ class PhasePeaks:
 
 
 def measured_memory_model(
-    facts: PipelineFacts, platform: Platform, points: list[PhasePeaks], mem_fraction: float
+    facts: PipelineFacts,
+    platform: Platform,
+    points: list[PhasePeaks],
+    mem_fraction: float,
+    weights: WeightResidency = NO_OFFLOAD,
 ) -> MemoryModel:
     """The straight-line fit through two calibration requests of different sizes, with headroom. The
     frames' buffer is known from the code (`output_buffer_bytes_per_pixel`); the decode line is fitted to
-    what remains, against the pixels of one decoder call."""
+    what remains, against the pixels of one decoder call.
+
+    With offloaded components (`weights.swap_bytes`) the phases' peaks hold weights moving in and out
+    (a text encoder's copy can be the whole denoising phase's peak, hiding the DiT's activations), so the
+    fit would be wrong: the estimated model is used instead (logged)."""
+    if weights.swap_bytes:
+        logger.info(
+            "Memory model estimated: offloaded weights (%.0f MB at most) move in during the calibration "
+            "requests' phases, so their peaks do not measure activations",
+            weights.swap_bytes / MB,
+        )
+        return estimated_memory_model(facts, platform, mem_fraction, weights)
     first, last = points[0], points[-1]
     per_token, fixed = fit_line(
         (first.cost.batch_tokens, last.cost.batch_tokens), (first.denoise_bytes, last.denoise_bytes)
@@ -354,10 +403,11 @@ def measured_memory_model(
         bytes_per_pixel=per_pixel * MEASURED_HEADROOM,
         fixed_bytes=fixed * MEASURED_HEADROOM,
         decode_fixed_bytes=decode_fixed * MEASURED_HEADROOM,
-        budget_bytes=memory_budget(platform, mem_fraction),
+        budget_bytes=memory_budget(platform, mem_fraction, weights),
         source="measured",
         step_cache_bytes_per_token=_step_cache_bytes_per_token(facts),
         bytes_per_output_pixel=per_output_pixel,
+        weights=weights,
     )
     logger.info(
         "Memory model calibrated: denoising %.0f / %.0f MB at %d / %d tokens, decoding %.0f / %.0f MB; %s",

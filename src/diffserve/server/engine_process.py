@@ -243,21 +243,25 @@ class Engine:
         with --no-warmup or when calibration fails (logged). With LoRA adapters (`--lora`, `--lora-dir`)
         the budget keeps `--max-lora-memory` free for them, less what the adapters loaded at start
         already take (the free memory it is measured from excludes those)."""
+        from diffserve.offload import weight_residency
         from diffserve.runtime.calibration import calibrate_memory_model
         from diffserve.runtime.memory import CALIBRATION_SIDES, CPU_CALIBRATION_SIDES, estimated_memory_model
 
         fraction = self.config.engine_args.mem_fraction
+        # Offloaded components: what stays resident and the largest one moving in for a stage.
+        components = self.generator.pipeline.context.components
+        weights = weight_residency({name: c.value for name, c in components.items()})
         model = None
         if self.config.warmup:
             base = CPU_CALIBRATION_SIDES if self.engine.platform.device_type == "cpu" else CALIBRATION_SIDES
             sides = [-(-s // self.pixel_multiple) * self.pixel_multiple for s in base]
             probes = [self.probe_params("calibration", side) for side in sides]
             try:
-                model = calibrate_memory_model(self.engine, probes, fraction)
+                model = calibrate_memory_model(self.engine, probes, fraction, weights)
             except Exception as exc:
                 logger.warning("Memory calibration failed (%r); using the estimated memory model", exc)
         if model is None:
-            model = estimated_memory_model(self.facts, self.engine.platform, fraction)
+            model = estimated_memory_model(self.facts, self.engine.platform, fraction, weights)
         self.lora_reserved_bytes = self._lora_reserve()
         if self.lora_reserved_bytes and model.budget_bytes is not None:
             budget = max(0, model.budget_bytes - self.lora_reserved_bytes)

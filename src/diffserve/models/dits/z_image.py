@@ -773,7 +773,9 @@ class ZImageTransformer2DModel(nn.Module):
             for xi, (gf, gh, gw) in zip(x, layout.grids, strict=True)
         ]
         counts = [p.shape[0] for p in patches]
-        padded = torch.stack([F.pad(p, (0, 0, 0, max(counts) - n)) for p, n in zip(patches, counts, strict=True)])
+        padded = torch.stack(
+            [F.pad(p, (0, 0, 0, max(counts) - n)) for p, n in zip(patches, counts, strict=True)]
+        )
         embedded = self.all_x_embedder[key](padded)
         img = torch.cat([e[:n] for e, n in zip(embedded, counts, strict=True)])
         img = torch.cat([img, self.x_pad_token.to(img.dtype), img.new_zeros(1, img.shape[1])])[layout.x_index]

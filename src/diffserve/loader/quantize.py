@@ -1,0 +1,101 @@
+"""Weight-only quantization of a loaded DiT (`--quantization int8|fp8`, docs/memory.md): its Linears
+become `QuantizedLinear`s (8-bit weights, one scale per output channel), after loading and fusing.
+
+What stays in full precision, per family, follows what the field leaves out (diffusers'
+`_skip_layerwise_casting_patterns` / `_keep_in_fp32_modules`, the `modules_to_not_convert` of SDNQ's
+and torchao recipes): norms, positional and modulation tables and the patch-embedding convolutions are
+not Linears and are never touched; the input embedders (latent and text projections), the timestep,
+guidance and pooled-text embedders, and the output head (`norm_out`, `proj_out`, Z-Image's
+`all_final_layer`) keep their precision. They sit where an error reaches every token (the conditioning
+vector) or the output directly, and are small: with the biases and norms, 0.2-1.7% of the parameters of
+FLUX.1-dev, SD3.5-large, Qwen-Image, Z-Image-Turbo and Wan 2.1 14B (for Wan mostly the projection of
+the timestep embedding to the blocks' modulation, `condition_embedder.time_proj`).
+
+Every Linear inside the repeated blocks is quantized, fused ones included (FLUX's `to_qkv`,
+`to_qkv_mlp`). FLUX's `adaln_modulation` is quantized whole: it fuses every block's adaLN projection
+(27% of FLUX.1-dev's weights) with the output head's (`norm_out.linear`, 0.6% of its rows), whose rows
+keep their own scales like any others.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from diffserve.configs.memory_options import QUANTIZATION_MODES
+from diffserve.distributed.tensor_parallel import ParallelLinear
+from diffserve.errors import UserError
+from diffserve.layers.fused_linear import FusedLinear
+from diffserve.layers.quantized_linear import QuantizedLinear
+
+logger = logging.getLogger("diffserve.loader")
+
+#: Per native DiT class: the top-level modules kept in full precision (embedders and output head).
+FULL_PRECISION_MODULES: dict[str, frozenset[str]] = {
+    "FluxTransformer2DModel": frozenset(
+        {"time_text_embed", "context_embedder", "x_embedder", "norm_out", "proj_out"}
+    ),
+    "SD3Transformer2DModel": frozenset({"time_text_embed", "context_embedder", "norm_out", "proj_out"}),
+    "QwenImageTransformer2DModel": frozenset({"time_text_embed", "img_in", "txt_in", "norm_out", "proj_out"}),
+    "ZImageTransformer2DModel": frozenset(
+        {"all_x_embedder", "t_embedder", "cap_embedder", "all_final_layer"}
+    ),
+    "WanTransformer3DModel": frozenset({"condition_embedder", "proj_out"}),
+}
+
+#: The Linear classes quantized: plain and fused (not tensor-parallel shards, not LoRA-wrapped layers).
+_QUANTIZABLE = (nn.Linear, FusedLinear)
+
+
+def quantizable_linears(module: nn.Module, dit_class: str) -> list[tuple[str, nn.Linear]]:
+    """(name, Linear) of every Linear of `module` that `quantize_dit` quantizes, in module order."""
+    if dit_class not in FULL_PRECISION_MODULES:
+        raise UserError(
+            f"--quantization is not supported for {dit_class}; supported DiTs: "
+            f"{', '.join(sorted(FULL_PRECISION_MODULES))}"
+        )
+    kept = FULL_PRECISION_MODULES[dit_class]
+    return [
+        (name, linear)
+        for name, linear in module.named_modules()
+        if type(linear) in _QUANTIZABLE and name.split(".", 1)[0] not in kept
+    ]
+
+
+def tensor_bytes(module: nn.Module) -> int:
+    """Bytes of `module`'s parameters and buffers: what it keeps resident."""
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def quantize_dit(module: nn.Module, mode: str, dit_class: str) -> None:
+    """Replace, in place, the Linears of the loaded (and fused) DiT `module` of Diffusers class
+    `dit_class` by `QuantizedLinear`s of `mode` ("int8" or "fp8"), leaving the family's embedders and
+    output head in full precision (`FULL_PRECISION_MODULES`). Each layer is freed as it is replaced,
+    so the peak is the model plus one layer's quantized copy."""
+    if mode not in QUANTIZATION_MODES:
+        raise UserError(f"--quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {mode!r}")
+    if any(isinstance(m, ParallelLinear) for m in module.modules()):
+        raise UserError("--quantization does not combine with tensor parallelism (--tp-size > 1) yet")
+    targets = quantizable_linears(module, dit_class)
+    if not targets:
+        raise UserError(f"--quantization: {dit_class} has no Linear layers to quantize")
+    before = tensor_bytes(module)
+    device = targets[0][1].weight.device
+    names = [name for name, _ in targets]
+    del targets  # so that each Linear is freed as soon as it is replaced
+    for name in names:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = module.get_submodule(parent_name)
+        setattr(parent, leaf, QuantizedLinear.from_linear(getattr(parent, leaf), mode))
+    empty_cache = getattr(getattr(torch, device.type, None), "empty_cache", None)
+    if device.type != "cpu" and callable(empty_cache):
+        empty_cache()  # hand the full-precision weights' cached blocks back to the device
+    after = tensor_bytes(module)
+    logger.info(
+        "%s: %s weight-only quantization of %d Linears (kept in full precision: %s): weights %.3f GB -> "
+        "%.3f GB (%.0f%%)",
+        dit_class, mode, len(names), ", ".join(sorted(FULL_PRECISION_MODULES[dit_class])),
+        before / 2**30, after / 2**30, 100 * after / before,
+    )  # fmt: skip

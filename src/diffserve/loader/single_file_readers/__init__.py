@@ -1,0 +1,1 @@
+"""Readers of single-file DiT checkpoints (`.safetensors`, `.gguf`) as `TensorSource`s."""

@@ -1,0 +1,194 @@
+"""Weight-only quantization (`--quantization int8|fp8`, loader/quantize.py): on every native family the
+quantized generation stays close to the full-precision one of the same folder and repeats exactly; the
+DiT's resident weight bytes drop to about a quarter of float32; bad modes are clear errors; the CLI flag
+runs end to end; a LoRA on a quantized DiT is refused."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from diffserve import DiffGenerator
+from diffserve.cli.main import main
+from diffserve.errors import LoraError, UserError
+from diffserve.layers.quantized_linear import QuantizedLinear
+from diffserve.loader.quantize import FULL_PRECISION_MODULES, quantizable_linears, quantize_dit, tensor_bytes
+from diffserve.models.dits.flux import FluxTransformer2DModel
+from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
+from diffserve.models.dits.sd3 import SD3Transformer2DModel
+from diffserve.models.dits.wan import WanTransformer3DModel
+from diffserve.models.dits.z_image import ZImageTransformer2DModel
+from diffserve.testing.image_metrics import psnr_uint8 as psnr
+from diffserve.testing.tiny_lora import write_random_lora
+from diffserve.testing.tiny_qwen_image import build_tiny_qwen_image
+from diffserve.testing.tiny_sd3 import build_tiny_sd3
+from diffserve.testing.tiny_wan import build_tiny_wan
+from diffserve.testing.tiny_zimage import build_tiny_zimage
+
+#: PSNR of the whole generation against full precision. int8: the issue's bar. fp8: measured 43-57 dB
+#: on these tiny checkpoints (e4m3 keeps 3 mantissa bits against int8's ~7), asserted with a margin.
+PSNR_BARS_DB = {"int8": 30.0, "fp8": 35.0}
+#: The issue's bar for int8: the DiT's parameter + buffer bytes against the same DiT in float32.
+MAX_INT8_BYTES_FRACTION = 0.30
+
+BUILDERS = {
+    "sd3": build_tiny_sd3,
+    "qwen_image": build_tiny_qwen_image,
+    "z_image": build_tiny_zimage,
+    "wan": build_tiny_wan,
+}
+
+
+@pytest.fixture(scope="module", params=["flux", "sd3", "qwen_image", "z_image", "wan"])
+def family_folder(request, tmp_path_factory) -> tuple[str, Path]:
+    if request.param == "flux":
+        return "flux", request.getfixturevalue("tiny_flux_dir")
+    return request.param, BUILDERS[request.param](tmp_path_factory.mktemp(request.param))
+
+
+def _generate(gen: DiffGenerator, family: str) -> np.ndarray:
+    kwargs = dict(prompt="a red fox in the snow", seed=42, height=64, width=64, num_inference_steps=2)
+    if family == "wan":
+        return np.stack(gen.generate(num_frames=5, **kwargs).frames)
+    return np.stack([np.asarray(image) for image in gen.generate(**kwargs).images])
+
+
+def _load(folder: Path, quantization: str | None) -> DiffGenerator:
+    return DiffGenerator.from_pretrained(folder, device="cpu", show_progress=False, quantization=quantization)
+
+
+def test_quantized_generation_is_close_to_full_precision_and_repeatable(family_folder) -> None:
+    family, folder = family_folder
+    full = _generate(_load(folder, None), family)
+    assert full.std() > 5, "the full-precision output is flat; the comparison would prove nothing"
+    for mode in ("int8", "fp8"):
+        gen = _load(folder, mode)
+        dit = gen.pipeline.context.get("transformer")
+        dit_class = type(dit).diffusers_class_name
+        quantized = [m for m in dit.modules() if isinstance(m, QuantizedLinear)]
+        assert quantized and {m.mode for m in quantized} == {mode}
+        assert quantizable_linears(dit, dit_class) == [], "a block Linear was left in full precision"
+        kept = [n for n, m in dit.named_modules() if type(m) is nn.Linear]
+        assert all(n.split(".")[0] in FULL_PRECISION_MODULES[dit_class] for n in kept)
+        out = _generate(gen, family)
+        value = psnr(out, full)
+        print(f"{family} {mode}: {len(quantized)} Linears quantized, {len(kept)} kept; PSNR {value:.2f} dB")
+        assert not np.array_equal(out, full), "the quantized weights changed nothing: were they used?"
+        assert value >= PSNR_BARS_DB[mode]
+        assert np.array_equal(_generate(gen, family), out), "a second quantized generation differs"
+
+
+#: Published DiT configs (the native classes' defaults are FLUX.1's, Qwen-Image's, Z-Image-Turbo's and
+#: Wan 2.1 T2V 14B's; SD3.5-large overrides SD3-medium's).
+PUBLISHED_DITS: dict[str, tuple[type[nn.Module], dict]] = {
+    "FLUX.1-dev": (FluxTransformer2DModel, {"guidance_embeds": True}),
+    "SD3.5-large": (
+        SD3Transformer2DModel,
+        {
+            "num_layers": 38,
+            "num_attention_heads": 38,
+            "caption_projection_dim": 2432,
+            "qk_norm": "rms_norm",
+            "pos_embed_max_size": 192,
+        },
+    ),  # fmt: skip
+    "Qwen-Image": (QwenImageTransformer2DModel, {}),
+    "Z-Image-Turbo": (ZImageTransformer2DModel, {}),
+    "Wan2.1-T2V-14B": (WanTransformer3DModel, {}),
+}
+
+
+def test_int8_weight_bytes_of_published_dits_are_under_30_percent_of_float32() -> None:
+    """Each published DiT built on the meta device (shapes and dtypes, no memory), quantized by the same
+    code as a loaded one; its parameter + buffer bytes counted before (float32) and after."""
+    for name, (cls, config) in PUBLISHED_DITS.items():
+        with torch.device("meta"):
+            dit = cls.from_config(config)
+        params = sum(p.numel() for p in dit.parameters())
+        before = tensor_bytes(dit)
+        quantize_dit(dit, "int8", cls.diffusers_class_name)
+        after = tensor_bytes(dit)
+        print(
+            f"{name}: {params / 1e9:.2f}B params, float32 {before / 2**30:.1f} GiB -> int8 "
+            f"{after / 2**30:.2f} GiB ({after / before:.1%} of float32, {2 * after / before:.1%} of bf16)"
+        )
+        assert after <= MAX_INT8_BYTES_FRACTION * before
+
+
+def test_int8_frees_the_float32_weights_of_a_loaded_flux_dit() -> None:
+    """Real tensors: a FLUX-architecture DiT of width 384 (6 heads x 64; 2 double-, 4 single-stream
+    blocks), loaded in float32 and fused as the loader does. Its blocks dominate its bytes as in FLUX.1
+    (the kept embedders and output head are 10% of its weights here, 0.4% in FLUX.1-dev)."""
+    torch.manual_seed(0)
+    dit = FluxTransformer2DModel.from_config(
+        {"num_layers": 2, "num_single_layers": 4, "attention_head_dim": 64, "num_attention_heads": 6,
+         "joint_attention_dim": 64, "pooled_projection_dim": 64, "guidance_embeds": True,
+         "axes_dims_rope": [8, 28, 28]}
+    )  # fmt: skip
+    dit.fuse_for_inference()
+    targets = quantizable_linears(dit, "FluxTransformer2DModel")
+    freed = [weakref.ref(linear.weight) for _, linear in targets]
+    target_bytes = sum(tensor_bytes(linear) for _, linear in targets)
+    del targets
+    before = tensor_bytes(dit)
+    quantize_dit(dit, "int8", "FluxTransformer2DModel")
+    after = tensor_bytes(dit)
+    gc.collect()
+    assert all(ref() is None for ref in freed), "a replaced float32 weight is still referenced"
+    quantized_bytes = sum(tensor_bytes(m) for m in dit.modules() if isinstance(m, QuantizedLinear))
+    kept_bytes = before - target_bytes
+    print(
+        f"FLUX width 384: DiT {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB ({after / before:.1%}); "
+        f"quantized Linears {target_bytes / 2**20:.1f} -> {quantized_bytes / 2**20:.1f} MiB "
+        f"({quantized_bytes / target_bytes:.1%}), full precision kept {kept_bytes / 2**20:.1f} MiB"
+    )
+    assert after == kept_bytes + quantized_bytes
+    assert after <= MAX_INT8_BYTES_FRACTION * before
+
+
+def test_unsupported_modes_and_models_are_clear_errors(tiny_flux_dir) -> None:
+    with pytest.raises(UserError, match="int8, fp8"):
+        DiffGenerator.from_pretrained(tiny_flux_dir, device="cpu", show_progress=False, quantization="int4")
+    layer = nn.Sequential(nn.Linear(16, 16))
+    with pytest.raises(UserError, match="int8, fp8"):
+        quantize_dit(layer, "nf4", "FluxTransformer2DModel")
+    with pytest.raises(UserError, match="not supported for MyTransformer"):
+        quantize_dit(layer, "int8", "MyTransformer")
+
+
+@pytest.fixture
+def cli_logging():
+    """`main` reconfigures the root logger onto the captured stderr: put the previous handlers back after,
+    so later tests do not log into a closed stream."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_cli_generate_with_quantization(tiny_flux_dir, tmp_path, capfd, cli_logging) -> None:
+    code = main(
+        ["generate", "--model-path", str(tiny_flux_dir), "--quantization", "int8", "--prompt", "a red fox",
+         "--height", "32", "--width", "32", "--num-inference-steps", "2", "--seed", "1",
+         "--output-path", str(tmp_path)]
+    )  # fmt: skip
+    log = capfd.readouterr().err
+    assert code == 0, log
+    assert len(list(tmp_path.glob("*.png"))) == 1
+    assert "int8 weight-only quantization of" in log
+
+
+def test_lora_on_a_quantized_dit_is_a_lora_error(tiny_flux_dir, tmp_path) -> None:
+    lora = write_random_lora(tiny_flux_dir, tmp_path / "style.safetensors")
+    gen = _load(tiny_flux_dir, "int8")
+    with pytest.raises(LoraError) as raised:
+        gen.load_lora("style", lora)
+    print(f"LoRA on an int8 DiT: {raised.value}")
