@@ -33,7 +33,7 @@ demo: $(RUNTIME_STAMP)
 test: $(TEST_STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m ruff format --check $(LINT_PATHS)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 lint: $(TEST_STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)

@@ -117,15 +117,15 @@ def test_int8_weight_bytes_of_published_dits_are_under_30_percent_of_float32() -
         after = tensor_bytes(dit)
         print(
             f"{name}: {params / 1e9:.2f}B params, float32 {before / 2**30:.1f} GiB -> int8 "
-            f"{after / 2**30:.2f} GiB ({after / before:.1%} of float32, {2 * after / before:.1%} of bf16)"
+            f"{after / 2**30:.2f} GiB ({after / before:.1%})"
         )
         assert after <= MAX_INT8_BYTES_FRACTION * before
 
 
 def test_int8_frees_the_float32_weights_of_a_loaded_flux_dit() -> None:
     """Real tensors: a FLUX-architecture DiT of width 384 (6 heads x 64; 2 double-, 4 single-stream
-    blocks), loaded in float32 and fused as the loader does. Its blocks dominate its bytes as in FLUX.1
-    (the kept embedders and output head are 10% of its weights here, 0.4% in FLUX.1-dev)."""
+    blocks), in float32, fused as the loader does, so that its blocks dominate its bytes as in FLUX.1 (the
+    printed figures give the split). The replaced float32 weights must be freed, not merely unlisted."""
     torch.manual_seed(0)
     dit = FluxTransformer2DModel.from_config(
         {"num_layers": 2, "num_single_layers": 4, "attention_head_dim": 64, "num_attention_heads": 6,
@@ -189,6 +189,5 @@ def test_cli_generate_with_quantization(tiny_flux_dir, tmp_path, capfd, cli_logg
 def test_lora_on_a_quantized_dit_is_a_lora_error(tiny_flux_dir, tmp_path) -> None:
     lora = write_random_lora(tiny_flux_dir, tmp_path / "style.safetensors")
     gen = _load(tiny_flux_dir, "int8")
-    with pytest.raises(LoraError) as raised:
+    with pytest.raises(LoraError, match="loaded with --quantization"):
         gen.load_lora("style", lora)
-    print(f"LoRA on an int8 DiT: {raised.value}")

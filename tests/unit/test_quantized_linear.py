@@ -183,3 +183,30 @@ def test_platform_binding_picks_the_cpu_path() -> None:
     layer.bind_platform(CpuPlatform())
     assert layer.dispatched_method_name == "forward_cpu"
     assert layer.mode == "int8" and not layer._fp8_scaled_mm
+
+
+class _FakeCudaPlatform(CpuPlatform):
+    """Claims the CUDA dispatch key (no GPU needed to bind a layer for it)."""
+
+    dispatch_key = "cuda"
+
+
+def test_fp8_gpu_dispatch_takes_scaled_mm_only_where_it_applies(monkeypatch) -> None:
+    """The routing of `forward_cuda`, with the capability query (sm90+) answered yes: FP8 layers of bf16
+    inputs and widths that are multiples of 16 run `_scaled_mm` (here the CPU's), others dequantize."""
+    monkeypatch.setattr("diffserve.layers.quantized_linear._has_fp8_row_scaled_mm", lambda platform: True)
+    layer = QuantizedLinear.from_linear(_linear(64, 48).to(torch.bfloat16), "fp8")
+    layer.bind_platform(_FakeCudaPlatform())
+    assert layer.dispatched_method_name == "forward_cuda" and layer._fp8_scaled_mm
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    args = (layer.weight, layer.weight_scale, layer.bias)
+    assert torch.equal(layer(x), fp8_scaled_matmul(x, *args))
+    assert torch.equal(layer.forward_rows(x, slice(16, 32)), fp8_scaled_matmul(x, *(t[16:32] for t in args)))
+    assert torch.equal(layer(x.float()), dequantized_matmul(x.float(), *args))  # fp32 inputs
+    odd = QuantizedLinear.from_linear(_linear(72, 48).to(torch.bfloat16), "fp8")
+    odd.bind_platform(_FakeCudaPlatform())
+    y = torch.randn(3, 72, dtype=torch.bfloat16)
+    assert torch.equal(odd(y), dequantized_matmul(y, odd.weight, odd.weight_scale, odd.bias))
+    int8 = QuantizedLinear.from_linear(_linear(64, 48).to(torch.bfloat16), "int8")
+    int8.bind_platform(_FakeCudaPlatform())
+    assert not int8._fp8_scaled_mm

@@ -17,7 +17,8 @@ platform (`CustomOp`):
   next to the product; elsewhere a block is a whole ordinary layer, and only giant ones are split.
 - CPU, int8, bf16 activations of at most `INT8_KERNEL_MAX_ROWS` rows (FLUX's adaLN projection, which
   reads one row per sample): torch's int8 weight-only kernel `aten._weight_int8pack_mm`, faster there
-  and slower for more rows. It needs in_features % 16 == 0 (other widths crash it in torch 2.13).
+  and slower for more rows. It needs in_features % 16 == 0 (other widths crash it in torch 2.13), and
+  is left out of `torch.compile`d graphs (inductor 2.13 fails to lower it on inputs computed in-graph).
 - CUDA with compute capability >= 9.0, fp8, bf16 activations, both dims % 16 == 0: `torch._scaled_mm`
   on activations quantized to FP8 per row on the fly (W8A8 with dynamic scales, as SGLang and vLLM run
   FP8), per-row activation scales times per-channel weight scales. Not run by the tests, which have no
@@ -50,9 +51,10 @@ _MODE_OF_DTYPE = {dtype: mode for mode, (dtype, _) in QUANTIZED_FORMATS.items()}
 #: (measured one thread, FLUX.1 layer shapes; docs/memory.md).
 INT8_KERNEL_MAX_ROWS = 8
 #: Weights converted per chunk by the dequantizing matmul on the CPU: a block that stays in the cache
-#: between its conversion and its product (there it runs as fast as the full-precision matmul, against
-#: 1.1-10x slower converting the whole weight first; measured one thread, FLUX.1 layer shapes).
-CPU_CHUNK_ELEMENTS = 1 << 20
+#: between its conversion and its product. Measured on one thread at FLUX.1's layer shapes (256-320
+#: tokens): 1.0-1.1x the full-precision matmul's time in fp32, 1.15-1.2x in bf16, against 1.3-1.9x when
+#: the whole weight is converted first (blocks of 2^20 to 2^23 weights are all within a few percent).
+CPU_CHUNK_ELEMENTS = 1 << 21
 #: ... and on other devices: whole layers of FLUX.1's size in one matmul, while a giant one (FLUX's fused
 #: adaLN projection, 3.2B weights) never has a full-precision copy of itself.
 DEVICE_CHUNK_ELEMENTS = 1 << 26
@@ -272,6 +274,7 @@ class QuantizedLinear(CustomOp):
             and x.dtype == torch.bfloat16
             and self.in_features % 16 == 0
             and x.numel() <= INT8_KERNEL_MAX_ROWS * self.in_features
+            and not torch.compiler.is_compiling()  # inductor cannot lower it on in-graph inputs (2.13)
         ):
             return int8_kernel_matmul(x, weight, scale, bias)
         return dequantized_matmul(x, weight, scale, bias, CPU_CHUNK_ELEMENTS)

@@ -127,11 +127,14 @@ def load_native_model(
     takes `dit_options` (loader/dit_weights.py: another weights file, memory-mapped weights, quantization)."""
     device = platform.device() if device is None else device
     options = dit_options or DitLoadOptions()
+    # A DiT to quantize is loaded, fused and quantized in host memory, then moved: the device never
+    # holds its full-precision weights.
+    load_device = torch.device("cpu") if options.quantization is not None else device
     with torch.device("meta"):
         module = _from_config(cls, spec.path / "config.json")
     if tensor_parallel is not None and tensor_parallel.tp_size > 1:
         _shard(module, spec, tensor_parallel)
-    num_bytes = load_dit_weights(module, spec, device, dtype, options)
+    num_bytes = load_dit_weights(module, spec, load_device, dtype, options)
     module.eval().requires_grad_(False)
     # Inference-only rearrangements that need the loaded weights (e.g. fused QKV projections); weights
     # kept in their memory-mapped files (`--max-memory`) stay unfused, as fusing would copy them all in.
@@ -139,6 +142,8 @@ def load_native_model(
     if fuse is not None and not options.mmap_weights:
         fuse()
     finish_dit(module, spec, options)
+    if load_device != device:
+        module.to(device)
     # The models build their CustomOps without a platform; bind them (fused ones included) to this one.
     dispatch_custom_ops(module, platform)
     return module, num_bytes
@@ -163,8 +168,8 @@ def _load(
     dtype: torch.dtype,
     text_dtype: torch.dtype,
     tensor_parallel: TensorParallelRank | None,
-    host_components: frozenset[str],
-    dit_options: DitLoadOptions,
+    host_components: frozenset[str] = frozenset(),
+    dit_options: DitLoadOptions | None = None,
 ) -> Any:
     """Load one component whose class `load_components` has checked is supported: onto the host when it
     is in `host_components` (offloaded: it moves to the device for its stage), else onto the device."""

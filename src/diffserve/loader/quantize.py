@@ -94,8 +94,11 @@ def quantize_dit(module: nn.Module, mode: str, dit_class: str) -> None:
         empty_cache()  # hand the full-precision weights' cached blocks back to the device
     after = tensor_bytes(module)
     logger.info(
-        "%s: %s weight-only quantization of %d Linears (kept in full precision: %s): weights %.3f GB -> "
-        "%.3f GB (%.0f%%)",
+        "%s: %s weight-only quantization of %d Linears (kept in full precision: %s): weights %s -> %s (%.0f%%)",
         dit_class, mode, len(names), ", ".join(sorted(FULL_PRECISION_MODULES[dit_class])),
-        before / 2**30, after / 2**30, 100 * after / before,
+        _size(before), _size(after), 100 * after / before,
     )  # fmt: skip
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"

@@ -36,6 +36,7 @@ from diffserve.errors import LoraError
 from diffserve.layers.fused_linear import FusedLinear
 from diffserve.layers.lora_linear import LayerAdapter, LoraLinear, LoraPiece
 from diffserve.layers.lora_rows import AppliedLora
+from diffserve.layers.quantized_linear import QuantizedLinear
 from diffserve.loader.lora_formats import convert_lora, read_lora_file
 from diffserve.loader.lora_weights import ConvertedLora, LoraWeights
 
@@ -118,6 +119,9 @@ class LoraRegistry:
         self._merged: tuple[str, ...] = ()
         self._lock = threading.RLock()
         self._targets = self._find_targets()
+        self._quantized = any(
+            isinstance(m, QuantizedLinear) for root in self._modules.values() for m in root.modules()
+        )
         self._tensor_parallel = any(
             isinstance(m, ParallelLinear) for root in self._modules.values() for m in root.modules()
         )
@@ -189,6 +193,11 @@ class LoraRegistry:
             return self._info(name, resident)
 
     def _read_and_register(self, name: str, path: Path, strict: bool) -> _Resident:
+        if self._quantized:
+            raise LoraError(
+                f"cannot load LoRA {name!r}: the DiT was loaded with --quantization (8-bit weights), and LoRA "
+                "adapters need its full-precision Linears; load the model without --quantization"
+            )
         if self._tensor_parallel:
             raise LoraError(
                 f"cannot load LoRA {name!r}: LoRA adapters do not run with tensor parallelism yet (--tp-size > 1); "
