@@ -164,3 +164,34 @@ def test_compiled_layer_switches_adapters_without_recompiling(layer) -> None:
         for row, loras in enumerate(row_loras):
             expected = _expected(reference, x[row : row + 1], pairs, loras)
             torch.testing.assert_close(out[row : row + 1], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_forward_rows_equals_the_same_rows_of_the_whole_output() -> None:
+    """A window of the output (FLUX's last block computes only its text rows' k/v) gets the base rows and
+    the parts of each adapter's pieces that fall inside it, for uniform and per-row scopes alike."""
+    torch.manual_seed(3)
+    fused = FusedLinear(IN, ("to_q", "to_k", "to_v"), (4, 4, 4))
+    wrapped = LoraLinear(fused)
+    g = torch.Generator().manual_seed(4)
+    down, up_q, up_k = (
+        torch.randn(4, IN, generator=g),
+        torch.randn(4, 2, generator=g),
+        torch.randn(4, 2, generator=g),
+    )
+    wrapped.adapters[0] = LayerAdapter(
+        down, (LoraPiece(0, 4, 0, 2, up_q, 0.5), LoraPiece(4, 8, 2, 4, up_k, 2.0))
+    )
+    x = torch.randn(3, TOKENS, IN)
+    window = slice(2, 10)  # half of to_q's rows, all of to_k's, half of to_v's
+    scopes = [
+        LoraRows.uniform([AppliedLora(0, "a", 0.7)]),
+        LoraRows.for_rows([[AppliedLora(0, "a", 0.7)], [], []]),  # one run of rows: sliced
+        LoraRows.for_rows([[AppliedLora(0, "a", 0.7 + row % 2)] for row in range(6)]),  # many runs: gathered
+    ]
+    with torch.no_grad():
+        for scope in scopes:
+            rows = x if scope.num_rows is None else torch.randn(scope.num_rows, TOKENS, IN)
+            with lora_rows_scope(scope):
+                torch.testing.assert_close(wrapped.forward_rows(rows, window), wrapped(rows)[..., window])
+        # No scope: the base layer's rows (a GEMM over fewer output rows: equal up to rounding).
+        torch.testing.assert_close(wrapped.forward_rows(x, window), fused(x)[..., window])

@@ -105,7 +105,22 @@ class LoraLinear(nn.Linear):
         return self.forward_eager(x)
 
     def forward_eager(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        return self._forward_window(x, 0, self.out_features)
+
+    def forward_rows(self, x: torch.Tensor, rows: slice) -> torch.Tensor:
+        """`self(x)[..., rows]` computing only those output rows, adapters included (eager only: under
+        torch.compile call the layer itself)."""
+        start, stop, step = rows.indices(self.out_features)
+        if step != 1:
+            raise ValueError(f"forward_rows takes a contiguous slice, got step {step}")
+        return self._forward_window(x, start, stop)
+
+    def _forward_window(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Output rows [start, stop) of the layer: the base Linear's, plus the adapters' terms."""
+        whole = (start, stop) == (0, self.out_features)
+        weight = self.weight if whole else self.weight[start:stop]
+        bias = self.bias if whole or self.bias is None else self.bias[start:stop]
+        y = F.linear(x, weight, bias)
         rows = current_lora_rows()
         if rows is None or not self.adapters:
             return y
@@ -118,14 +133,15 @@ class LoraLinear(nn.Linear):
                 "must enter a LoRA scope for the batch it runs"
             )
         for use in uses:
-            self._add_adapter(y, x, self.adapters[use.adapter_id], use, rows)
+            self._add_adapter(y, x, self.adapters[use.adapter_id], use, rows, start)
         return y
 
     @staticmethod
     def _add_adapter(
-        y: torch.Tensor, x: torch.Tensor, adapter: LayerAdapter, use: AdapterRows, rows: LoraRows
+        y: torch.Tensor, x: torch.Tensor, adapter: LayerAdapter, use: AdapterRows, rows: LoraRows, start: int
     ) -> None:
-        """y += this adapter's terms on the rows that use it, in place.
+        """y += this adapter's terms on the rows that use it, in place; y holds the layer's output rows
+        from `start` on.
 
         Each run of consecutive rows at one scale is one `down` matmul and, per piece, one `addmm_`
         into `y`'s slice (no temporaries the size of the output). Rows scattered over many runs are
@@ -136,14 +152,18 @@ class LoraLinear(nn.Linear):
         flat_x = x.reshape(-1, x.shape[-1])
         flat_y = y.view(-1, y.shape[-1])
         if use.rows is None:
-            _add_run(flat_y, flat_x, adapter, use.scales[0])
+            _add_run(flat_y, flat_x, adapter, use.scales[0], start)
             return
         per_row = flat_x.shape[0] // x.shape[0]
         runs = use.runs()
         if len(runs) <= _MAX_SLICED_RUNS:
             for lo, hi, scale in runs:
                 _add_run(
-                    flat_y[lo * per_row : hi * per_row], flat_x[lo * per_row : hi * per_row], adapter, scale
+                    flat_y[lo * per_row : hi * per_row],
+                    flat_x[lo * per_row : hi * per_row],
+                    adapter,
+                    scale,
+                    start,
                 )
             return
         index, groups = rows.gathered_rows(use, x.device)
@@ -156,6 +176,7 @@ class LoraLinear(nn.Linear):
                 gathered_x[lo * per_row : hi * per_row],
                 adapter,
                 scale,
+                start,
             )
         y.index_copy_(0, index, gathered_y)
 
@@ -163,12 +184,19 @@ class LoraLinear(nn.Linear):
         return f"{super().extra_repr()}, adapters={sorted(self.adapters)}"
 
 
-def _add_run(y: torch.Tensor, x: torch.Tensor, adapter: LayerAdapter, scale: float) -> None:
-    """y (rows, out) += scale * scaling * up @ (down @ x) for each piece, in place; x is (rows, in)."""
+def _add_run(y: torch.Tensor, x: torch.Tensor, adapter: LayerAdapter, scale: float, start: int) -> None:
+    """y += scale * scaling * up @ (down @ x) for each piece, in place, where y (rows, n) holds the
+    layer's output rows [start, start + n) and x is (rows, in). Pieces outside that window cost nothing."""
+    stop = start + y.shape[1]
+    pieces = [p for p in adapter.pieces if p.out_start < stop and p.out_stop > start]
+    if not pieces:
+        return
     hidden = x.to(adapter.down.dtype) @ adapter.down.t()
-    for piece in adapter.pieces:
-        y[:, piece.out_start : piece.out_stop].addmm_(
-            hidden[:, piece.rank_start : piece.rank_stop], piece.up.t(), alpha=piece.scaling * scale
+    for piece in pieces:
+        lo, hi = max(piece.out_start, start), min(piece.out_stop, stop)
+        up = piece.up[lo - piece.out_start : hi - piece.out_start]
+        y[:, lo - start : hi - start].addmm_(
+            hidden[:, piece.rank_start : piece.rank_stop], up.t(), alpha=piece.scaling * scale
         )
 
 

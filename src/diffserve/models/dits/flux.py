@@ -54,10 +54,11 @@ from diffserve.layers.embeddings import CombinedTimestepTextEmbedding
 from diffserve.layers.feedforward import FeedForward
 from diffserve.layers.fused_linear import FusedLinear
 from diffserve.layers.joint_attention import Heads, RotaryJointAttention
+from diffserve.layers.lora_linear import LoraLinear
 from diffserve.layers.mlp import gelu_tanh_logistic
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
-from diffserve.layers.quantized_linear import QuantizedLinear, linear_rows
+from diffserve.layers.quantized_linear import linear_rows
 from diffserve.layers.residual import fp16_clip, gated_residual
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding, multi_axis_rope_tables
 from diffserve.models.config_keys import config_from_diffusers
@@ -386,18 +387,18 @@ class FluxSingleTransformerBlock(nn.Module):
         return q, k, v, self.proj_mlp(h)
 
     def _project_keys_values(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, v) alone, heads split: the fused weight's k/v rows are a contiguous slice, so no copy (an
-        8-bit layer computes those rows alone too). A layer with LoRA adapters on the k/v rows runs whole."""
-        if self.to_qkv_mlp is not None and type(self.to_qkv_mlp) not in (
-            nn.Linear,
-            FusedLinear,
-            QuantizedLinear,
-        ):
-            _, k, v, _ = self._project(h)
-            return k, v
-        if self.to_qkv_mlp is not None:
+        """(k, v) alone, heads split: only the fused layer's k/v rows are computed (a contiguous slice of
+        its weight, so no copy; an 8-bit layer or one with LoRA adapters computes those rows alone too)."""
+        layer = self.to_qkv_mlp
+        if layer is not None:
             kv_rows = slice(self.inner_dim, 3 * self.inner_dim)
-            kv = linear_rows(self.to_qkv_mlp, h, kv_rows)
+            if isinstance(layer, LoraLinear):
+                if torch.compiler.is_compiling():  # the compiled graph sees LoRA layers as one whole op
+                    _, k, v, _ = self._project(h)
+                    return k, v
+                kv = layer.forward_rows(h, kv_rows)
+            else:
+                kv = linear_rows(layer, h, kv_rows)
             k, v = _split_heads(kv, 2, self.head_dim)
             return k, v
         attn = self.attn
