@@ -1,9 +1,10 @@
 """Per-step cost of unmerged LoRA: diffserve's per-row adapters against the base step and against
 diffusers' unfused (PEFT) LoRA, on a FLUX-architecture DiT of realistic block shape.
 
-The DiT is `bench_parallel.py`'s (2 double + 4 single blocks, 8 heads x 64, joint width 256 -> ~36M
-parameters, 512 T5 tokens), fused as diffserve's loader leaves it; diffusers' `FluxTransformer2DModel`
-gets the same weights. One measurement is one DiT forward of a batch of 8 rows, fp32, on the CPU with a
+The DiT (`--shape`) is by default FLUX.1's block shape (24 heads x 128 = 3072 wide, MLP 12288, T5 4096,
+CLIP 768), one double and one single block, 64 T5 tokens; `--shape small` is `bench_parallel.py`'s
+(2 double + 4 single blocks, 8 heads x 64). It is fused as diffserve's loader leaves it; diffusers'
+`FluxTransformer2DModel` gets the same weights. One measurement is one DiT forward of a batch of 8 rows, fp32, on the CPU with a
 fixed number of torch threads.
 
 Adapters are random rank-16 and rank-64 LoRA files (`diffserve.testing.tiny_lora.write_random_lora`:
@@ -33,8 +34,9 @@ diffserve's 1-adapter output equals diffusers' 1-adapter output (relative max di
 the 4 x 2-row rows equal the matching 1-adapter rows; the rows without LoRA in the mixed batch equal the
 base step's rows bit for bit.
 
-    .venv/bin/python benchmarks/bench_lora.py                            # 256x256, 3 rounds, 1 thread: ~4.5 min
-    .venv/bin/python benchmarks/bench_lora.py --size 512 --rounds 5      # full figures (~3x longer per step)
+    .venv/bin/python benchmarks/bench_lora.py --threads 2                # FLUX.1 blocks, 64x64, 3 rounds: ~5 min
+    .venv/bin/python benchmarks/bench_lora.py --size 256 --rounds 5      # more image tokens (~4x longer)
+    .venv/bin/python benchmarks/bench_lora.py --shape small --size 256   # a narrow DiT: LoRA is a larger share
     .venv/bin/python benchmarks/bench_lora.py --profile                  # + where rank-16 LoRA time goes
 """
 

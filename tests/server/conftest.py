@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 from server_process import API_KEY, MODEL_NAME, start_server
 
@@ -37,9 +35,4 @@ def server(tiny_flux_dir, tmp_path_factory):
         srv.wait_ready()
         yield srv
     finally:
-        if srv.process.poll() is None:
-            srv.process.terminate()
-            try:
-                srv.process.wait(30)
-            except subprocess.TimeoutExpired:
-                srv.process.kill()
+        srv.stop()

@@ -60,6 +60,15 @@ class ServerProcess:
             f"timed out after {timeout} s waiting for {what}\n--- server log tail ---\n" + log[-6000:]
         )
 
+    def stop(self, timeout: float = 30) -> None:
+        """Terminate the server (it drains and exits), killing it if it has not exited after `timeout`."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
         def ready() -> bool:
             if self.process.poll() is not None:

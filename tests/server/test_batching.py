@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import io
-import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -52,12 +51,7 @@ def batching_server(tiny_flux_dir, tmp_path_factory):
         srv.wait_ready()
         yield srv
     finally:
-        if srv.process.poll() is None:
-            srv.process.terminate()
-            try:
-                srv.process.wait(30)
-            except subprocess.TimeoutExpired:
-                srv.process.kill()
+        srv.stop()
 
 
 def generate(srv, body: dict) -> list[np.ndarray]:

@@ -9,7 +9,6 @@ import asyncio
 import base64
 import io
 import json
-import subprocess
 from pathlib import Path
 
 import httpx
@@ -208,12 +207,7 @@ def server(tiny_flux_dir, tmp_path_factory):
         srv.wait_ready()
         yield srv
     finally:
-        if srv.process.poll() is None:
-            srv.process.terminate()
-            try:
-                srv.process.wait(30)
-            except subprocess.TimeoutExpired:
-                srv.process.kill()
+        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import io
-import subprocess
 from pathlib import Path
 
 import httpx
@@ -50,12 +49,7 @@ def server(tiny_qwen_edit_dir, tmp_path_factory):
         srv.wait_ready()
         yield srv
     finally:
-        if srv.process.poll() is None:
-            srv.process.terminate()
-            try:
-                srv.process.wait(30)
-            except subprocess.TimeoutExpired:
-                srv.process.kill()
+        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -82,12 +81,7 @@ def srv(tiny_flux_dir, lora_dir, tmp_path_factory):
         srv.wait_ready()
         yield srv
     finally:
-        if srv.process.poll() is None:
-            srv.process.terminate()
-            try:
-                srv.process.wait(30)
-            except subprocess.TimeoutExpired:
-                srv.process.kill()
+        srv.stop()
 
 
 def post(srv: ServerProcess, path: str, body: dict, timeout: float = 120) -> httpx.Response:
