@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from diffserve.configs.flux import FluxPipelineConfig, flux_default_sampling_params
+from diffserve.configs.flux import FluxKontextPipelineConfig, FluxPipelineConfig, flux_default_sampling_params
 from diffserve.configs.qwen_image import (
     QwenImageEditPipelineConfig,
     QwenImageEditPlusPipelineConfig,
@@ -48,6 +48,7 @@ from diffserve.models.vaes.autoencoder_kl_qwen_image import AutoencoderKLQwenIma
 from diffserve.models.vaes.autoencoder_kl_wan import AutoencoderKLWan
 from diffserve.pipelines.base import Pipeline
 from diffserve.pipelines.flux import FluxPipeline
+from diffserve.pipelines.flux_kontext import FluxKontextPipeline
 from diffserve.pipelines.qwen_image import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline
 from diffserve.pipelines.sd3 import SD3Pipeline
 from diffserve.pipelines.wan import WanImageToVideoPipeline, WanPipeline
@@ -114,6 +115,15 @@ def _tiny_flux(out_dir: Path, options: TinyCheckpointOptions) -> Path:
     return build_tiny_flux(out_dir, TinyFluxSpec(seed=options.seed, guidance_embeds=options.guidance_embeds))
 
 
+def _tiny_flux_kontext(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+    from diffserve.testing.tiny_flux import TinyFluxSpec
+    from diffserve.testing.tiny_flux_kontext import build_tiny_flux_kontext
+
+    return build_tiny_flux_kontext(
+        out_dir, TinyFluxSpec(seed=options.seed, guidance_embeds=options.guidance_embeds)
+    )
+
+
 def _tiny_sd3(out_dir: Path, options: TinyCheckpointOptions) -> Path:
     from diffserve.testing.tiny_sd3 import TinySD3Spec, build_tiny_sd3
 
@@ -156,6 +166,7 @@ def _tiny_wan(image_to_video: bool) -> TinyCheckpointBuilder:
 # --- the families --------------------------------------------------------------------------------
 
 _FLOW_MATCH = (FlowMatchEulerScheduler,)
+_FLUX_CLASSES = NativeClasses.of(models=(FluxTransformer2DModel, AutoencoderKL), schedulers=_FLOW_MATCH)
 _QWEN_IMAGE_CLASSES = NativeClasses.of(
     models=(QwenImageTransformer2DModel, AutoencoderKLQwenImage), schedulers=_FLOW_MATCH
 )
@@ -168,9 +179,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
         name="flux",
         diffusers_pipeline="FluxPipeline",
         pipeline_cls=FluxPipeline,
-        native_classes=NativeClasses.of(
-            models=(FluxTransformer2DModel, AutoencoderKL), schedulers=_FLOW_MATCH
-        ),
+        native_classes=_FLUX_CLASSES,
         pipeline_config=FluxPipelineConfig(),
         default_sampling_params=flux_default_sampling_params,
         task="text-to-image",
@@ -250,6 +259,17 @@ FAMILIES: tuple[ModelFamily, ...] = (
         default_sampling_params=wan_default_sampling_params,
         task="image-to-video",
         tiny_builder=_tiny_wan(image_to_video=True),
+    ),
+    ModelFamily(
+        name="flux-kontext",
+        diffusers_pipeline="FluxKontextPipeline",
+        pipeline_cls=FluxKontextPipeline,
+        native_classes=_FLUX_CLASSES,
+        pipeline_config=FluxKontextPipelineConfig(),
+        default_sampling_params=flux_default_sampling_params,
+        task="image-edit",
+        tiny_builder=_tiny_flux_kontext,
+        aliases=("kontext", "flux_kontext"),
     ),
 )
 

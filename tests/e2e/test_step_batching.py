@@ -107,3 +107,22 @@ def test_batched_steps_give_the_images_each_request_gets_alone(case) -> None:
         value = psnr(got, want)
         print(f"{family} {p.prompt!r}: batched vs alone max diff {diff}, PSNR {value:.1f} dB")
         assert diff <= 1 and value >= 45.0
+
+
+def test_transposed_sizes_with_equal_token_counts_do_not_share_a_batch(tmp_path) -> None:
+    """48x80 and 80x48 FLUX latents pack to the same (tokens, channels) shape but have other position
+    ids: they must run in separate DiT batches, each equal to its own run."""
+    from diffserve.testing.tiny_flux import build_tiny_flux
+
+    gen = DiffGenerator.from_pretrained(build_tiny_flux(tmp_path / "flux"), device="cpu", show_progress=False)
+    params = [
+        SamplingParams(prompt="a red fox", seed=1, height=48, width=80, num_inference_steps=3),
+        SamplingParams(prompt="a red fox", seed=1, height=80, width=48, num_inference_steps=3),
+    ]
+    alone = [np.asarray(gen.generate_many([p])[0].images[0]) for p in params]
+    counts = gen.engine.scheduler.batch_size_counts
+    shared_before = sum(n for size, n in counts.items() if size >= 2)
+    together = [np.asarray(out.images[0]) for out in gen.generate_many(params)]
+    assert sum(n for size, n in counts.items() if size >= 2) == shared_before
+    for a, b in zip(alone, together, strict=True):
+        assert np.array_equal(a, b)

@@ -39,6 +39,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add("--num-inference-steps", type=int, default=None, help="denoising steps")
     add("--guidance-scale", type=float, default=None, help="embedded guidance (FLUX.1-dev: 3.5)")
     add("--true-cfg-scale", type=float, default=None, help="true CFG scale; >1 with a negative prompt")
+    add("--skip-guidance-layers", type=int, nargs="+", default=None, metavar="BLOCK",
+        help="SD3.5 skip-layer guidance: DiT blocks to skip (SD3.5-medium: 7 8 9); needs CFG")  # fmt: skip
+    add("--skip-layer-guidance-scale", type=float, default=None, help="skip-layer guidance scale (2.8)")
+    add("--skip-layer-guidance-start", type=float, default=None,
+        help="fraction of the steps after which skip-layer guidance starts (0.01)")  # fmt: skip
+    add("--skip-layer-guidance-stop", type=float, default=None,
+        help="fraction of the steps before which skip-layer guidance stops (0.2)")  # fmt: skip
     add("--max-sequence-length", type=int, default=None, help="T5 tokens (FLUX: at most 512)")
     add("--num-frames", type=int, default=None, help="video models: frames (Wan: 4k+1, default 81)")
     add("--fps", type=int, default=None, help="video models: frames per second of the file (Wan: 16)")

@@ -30,3 +30,45 @@ def flux_default_sampling_params() -> SamplingParams:
         true_cfg_scale=1.0,
         max_sequence_length=512,
     )
+
+
+#: FLUX.1 Kontext's training resolutions as (width, height), all about one megapixel (Diffusers'
+#: `PREFERRED_KONTEXT_RESOLUTIONS`); an input image is resized to the one nearest its aspect ratio.
+KONTEXT_PREFERRED_RESOLUTIONS: tuple[tuple[int, int], ...] = (
+    (672, 1568),
+    (688, 1504),
+    (720, 1456),
+    (752, 1392),
+    (800, 1328),
+    (832, 1248),
+    (880, 1184),
+    (944, 1104),
+    (1024, 1024),
+    (1104, 944),
+    (1184, 880),
+    (1248, 832),
+    (1328, 800),
+    (1392, 752),
+    (1456, 720),
+    (1504, 688),
+    (1568, 672),
+)
+
+
+@dataclass(frozen=True)
+class FluxKontextPipelineConfig(FluxPipelineConfig):
+    """FLUX.1 Kontext (Diffusers' FluxKontextPipeline): FLUX.1 plus one input image whose latents join the
+    image tokens.
+
+    Output size: a request's height and width are used as given. Left unset, they are Diffusers'
+    default, the square `default_sample_size` x VAE scale fitted to `max_area` (1024x1024 for the real
+    VAE), whatever the input image's shape. (Diffusers also rescales a *given* size to `max_area`;
+    diffserve's given size equals Diffusers called with `max_area=height*width`.)
+    """
+
+    #: The input image is resized to the preferred resolution nearest its aspect ratio (Diffusers'
+    #: `_auto_resize=True`); False keeps its own size (floored to the pixel multiple).
+    auto_resize: bool = True
+    preferred_resolutions: tuple[tuple[int, int], ...] = KONTEXT_PREFERRED_RESOLUTIONS
+    #: Pixels of the default output size (Diffusers' `max_area`).
+    max_area: int = 1024 * 1024

@@ -18,6 +18,18 @@ IMAGE_FIELDS = ("input_images", "mask_image")
 MAX_PROMPT_CHARS = 10_000
 #: Text fields: each must be encodable as UTF-8 (a lone surrogate such as "\ud800" is not).
 TEXT_FIELDS = ("prompt", "negative_prompt", "output_format", "video_format", "quality")
+#: Skip-layer guidance (SD3.5, Diffusers' `StableDiffusion3Pipeline`): only families that declare it accept
+#: these; the others refuse a request that sets one (`stages/input_validation.py`).
+SKIP_LAYER_GUIDANCE_FIELDS = (
+    "skip_guidance_layers",
+    "skip_layer_guidance_scale",
+    "skip_layer_guidance_start",
+    "skip_layer_guidance_stop",
+)
+#: Most DiT blocks one request may skip (SD3.5-large has 38; Stability recommends 7, 8, 9).
+MAX_SKIP_GUIDANCE_LAYERS = 64
+#: Largest skip-layer guidance scale accepted (Diffusers' default is 2.8).
+MAX_SKIP_LAYER_GUIDANCE_SCALE = 100.0
 
 
 def check_text(name: str, value: str) -> None:
@@ -94,6 +106,55 @@ def check_loras(loras: object) -> None:
         raise InvalidRequestError("loras names a LoRA twice; list each adapter once", param="loras")
 
 
+def check_skip_layer_guidance(params: SamplingParams) -> None:
+    """The model-free checks of the skip-layer guidance fields (a field left None passes): distinct
+    non-negative block indices, a finite scale in [0, MAX_SKIP_LAYER_GUIDANCE_SCALE], start and stop in
+    [0, 1] with start < stop. The block count is the family's check (`SkipLayerGuidanceRule`)."""
+    layers = params.skip_guidance_layers
+    if layers is not None:
+        name = "skip_guidance_layers"
+        if not isinstance(layers, (list, tuple)) or not layers:
+            raise InvalidRequestError(
+                f"{name} must be a non-empty list of DiT block indices such as [7, 8, 9] (omit it to turn "
+                f"skip-layer guidance off), got {layers!r}",
+                param=name,
+            )
+        if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in layers):
+            raise InvalidRequestError(f"{name} must hold integers >= 0, got {list(layers)!r}", param=name)
+        if len(set(layers)) != len(layers):
+            raise InvalidRequestError(f"{name} lists a block twice: {list(layers)!r}", param=name)
+        if len(layers) > MAX_SKIP_GUIDANCE_LAYERS:
+            raise InvalidRequestError(
+                f"{name} lists {len(layers)} blocks; at most {MAX_SKIP_GUIDANCE_LAYERS} are allowed",
+                param=name,
+            )
+    bounds = {
+        "skip_layer_guidance_scale": (0.0, MAX_SKIP_LAYER_GUIDANCE_SCALE),
+        "skip_layer_guidance_start": (0.0, 1.0),
+        "skip_layer_guidance_stop": (0.0, 1.0),
+    }
+    for name, (low, high) in bounds.items():
+        value = getattr(params, name)
+        if value is None:
+            continue
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or not low <= value <= high
+        ):
+            raise InvalidRequestError(
+                f"{name} must be a number in [{low:g}, {high:g}], got {value!r}", param=name
+            )
+    start, stop = params.skip_layer_guidance_start, params.skip_layer_guidance_stop
+    if start is not None and stop is not None and not start < stop:
+        raise InvalidRequestError(
+            f"skip_layer_guidance_start ({start:g}) must be below skip_layer_guidance_stop ({stop:g}): they "
+            "are the fractions of the schedule between which the skipped-block guidance runs",
+            param="skip_layer_guidance_start",
+        )
+
+
 @dataclass
 class SamplingParams:
     """What one generation request asks for. `None` means "use the model family's default"."""
@@ -125,6 +186,14 @@ class SamplingParams:
     input_images: list[Any] | None = None
     #: Inpainting mask (a `PIL.Image.Image`); only families that inpaint accept it.
     mask_image: Any | None = None
+    #: Skip-layer guidance (SD3.5): the DiT block indices to skip in an extra forward of the prompt's
+    #: branch, whose difference from the prompt's full prediction is added, times
+    #: `skip_layer_guidance_scale`, at the steps whose fraction of the schedule lies strictly between
+    #: `skip_layer_guidance_start` and `skip_layer_guidance_stop` (Diffusers' semantics). None: off.
+    skip_guidance_layers: list[int] | None = None
+    skip_layer_guidance_scale: float | None = None
+    skip_layer_guidance_start: float | None = None
+    skip_layer_guidance_stop: float | None = None
     #: LoRA adapters to apply, each with its scale (empty: the base model, bit for bit).
     loras: list[LoraChoice] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -181,6 +250,7 @@ class SamplingParams:
                 continue
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise InvalidRequestError(f"{name} must be a finite number >= 0, got {value!r}", param=name)
+        check_skip_layer_guidance(self)
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise InvalidRequestError(
                 f"seed must be an integer in [0, 2**63), got {self.seed!r}", param="seed"

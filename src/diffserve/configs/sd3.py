@@ -15,5 +15,14 @@ class SD3PipelineConfig:
 
 
 def sd3_default_sampling_params() -> SamplingParams:
-    """Defaults of Diffusers' StableDiffusion3Pipeline.__call__ (height/width follow the checkpoint)."""
-    return SamplingParams(num_inference_steps=28, guidance_scale=7.0, max_sequence_length=256)
+    """Defaults of Diffusers' StableDiffusion3Pipeline.__call__ (height/width follow the checkpoint).
+    Skip-layer guidance is off (no `skip_guidance_layers`); its scale and window apply once a request
+    lists blocks to skip."""
+    return SamplingParams(
+        num_inference_steps=28,
+        guidance_scale=7.0,
+        max_sequence_length=256,
+        skip_layer_guidance_scale=2.8,
+        skip_layer_guidance_start=0.01,
+        skip_layer_guidance_stop=0.2,
+    )

@@ -182,10 +182,12 @@ class Pipeline:
 
     def batch_key(self, req: Req) -> tuple:
         """Requests with equal keys can share a denoising step: the DiT batch concatenates their
-        latents and text along the batch axis, so those shapes must agree. Families whose DiT pads
-        text itself (Qwen-Image, Z-Image) override this with a looser key."""
+        latents and text along the batch axis, so those shapes must agree, and so must the latent grid
+        (packed latents of 48x80 and 80x48 have the same shape but other position ids). Families whose
+        DiT pads text itself (Qwen-Image, Z-Image) override this with a looser key."""
         return (
             tuple(req.latents.shape[1:]),
+            (req.latent_height, req.latent_width),
             tuple(req.prompt_embeds.shape[1:]),
             None if req.condition_latents is None else tuple(req.condition_latents.shape[1:]),
             req.image_embeds is not None,

@@ -35,8 +35,15 @@ class CfgBranchView(Req):
 
 
 def splits_branches(req: Req, state: ParallelState | None) -> bool:
-    """Whether this request's two CFG branches run on different cfg ranks (distributed/cfg_parallel.py)."""
-    return state is not None and state.cfg_degree == 2 and bool(req.do_cfg) and req.step_cache is None
+    """Whether this request's two CFG branches run on different cfg ranks (distributed/cfg_parallel.py).
+    A request with skip-layer guidance keeps both on one rank: its extra forward reads the prompt branch."""
+    return (
+        state is not None
+        and state.cfg_degree == 2
+        and bool(req.do_cfg)
+        and req.step_cache is None
+        and not req.params.skip_guidance_layers
+    )
 
 
 def branch_view(req: Req, branch: int) -> CfgBranchView:

@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from diffserve.configs.sampling_params import (
     MAX_LORA_SCALE,
     MAX_LORAS_PER_REQUEST,
+    MAX_SKIP_GUIDANCE_LAYERS,
+    MAX_SKIP_LAYER_GUIDANCE_SCALE,
     LoraChoice,
     SamplingParams,
     lora_choices,
@@ -55,6 +57,21 @@ Steps = Annotated[int | None, Field(ge=1)]
 Scale = Annotated[float | None, Field(ge=0, allow_inf_nan=False, description="a finite number >= 0")]
 Quality = Annotated[str | None, Field(description=_QUALITY)]
 Priority = Annotated[int | None, Field(ge=-1000, le=1000, description=_PRIORITY)]
+_SLG = (
+    "SD3.5 skip-layer guidance: DiT block indices (distinct, within the model's block count, which the "
+    "engine checks) skipped in an extra forward of the prompt's branch, for example [7, 8, 9]; unset: off"
+)
+SkipLayers = Annotated[
+    list[Annotated[int, Field(ge=0)]] | None,
+    Field(min_length=1, max_length=MAX_SKIP_GUIDANCE_LAYERS, description=_SLG),
+]
+SkipScale = Annotated[
+    float | None,
+    Field(ge=0, le=MAX_SKIP_LAYER_GUIDANCE_SCALE, allow_inf_nan=False, description="SD3 default 2.8"),
+]
+Fraction = Annotated[
+    float | None, Field(ge=0, le=1, allow_inf_nan=False, description="fraction of the schedule, 0..1")
+]
 
 
 def utf8_text(value: Any) -> Any:
@@ -163,6 +180,10 @@ class ImageGenerationRequest(BaseModel):
     num_inference_steps: Steps = None
     guidance_scale: Scale = None
     true_cfg_scale: Scale = None
+    skip_guidance_layers: SkipLayers = None
+    skip_layer_guidance_scale: SkipScale = None
+    skip_layer_guidance_start: Fraction = None
+    skip_layer_guidance_stop: Fraction = None
     max_sequence_length: Steps = None
     priority: Priority = None
     loras: list[LoraEntry] | None = Field(None, description=_LORAS)

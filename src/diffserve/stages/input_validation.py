@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from diffserve.configs.quality import EXACT, QualityRule
-from diffserve.configs.sampling_params import SamplingParams
+from diffserve.configs.sampling_params import SKIP_LAYER_GUIDANCE_FIELDS, SamplingParams
 from diffserve.errors import InvalidRequestError
 from diffserve.models.step_cache import StepCacheState
 from diffserve.request import Req
@@ -89,6 +89,31 @@ class VideoRule:
             )
 
 
+@dataclass(frozen=True)
+class SkipLayerGuidanceRule:
+    """A family with skip-layer guidance (SD3.5): its DiT's block count bounds `skip_guidance_layers`,
+    and the guidance applies to the prompt's CFG branch, so it needs CFG on."""
+
+    num_layers: int
+
+    def check(self, params: SamplingParams) -> None:
+        layers = params.skip_guidance_layers
+        if layers is None:
+            return
+        bad = [i for i in layers if i >= self.num_layers]
+        if bad:
+            raise InvalidRequestError(
+                f"skip_guidance_layers {bad} are outside this model's DiT blocks 0..{self.num_layers - 1}",
+                param="skip_guidance_layers",
+            )
+        if not (params.guidance_scale is not None and params.guidance_scale > 1):
+            raise InvalidRequestError(
+                "skip_guidance_layers needs classifier-free guidance (guidance_scale > 1, "
+                f"got {params.guidance_scale!r}): skip-layer guidance corrects the prompt's CFG branch",
+                param="skip_guidance_layers",
+            )
+
+
 class InputValidationStage(Stage):
     sets = ("generator", "do_cfg")  # and step_cache, for an approximate quality tier
 
@@ -103,9 +128,11 @@ class InputValidationStage(Stage):
         unsupported_params: dict[str, str] | None = None,
         default_size: Callable[[SamplingParams], tuple[int, int]] | None = None,
         video: VideoRule | None = None,
+        skip_layer_guidance: SkipLayerGuidanceRule | None = None,
     ) -> None:
         """`unsupported_params`: fields this family lacks -> why (a request setting one gets a 400).
-        `default_size(params)`: (height, width) when unset. `video`: None refuses the video fields."""
+        `default_size(params)`: (height, width) when unset. `video`: None refuses the video fields.
+        `skip_layer_guidance`: None refuses the skip-layer guidance fields."""
         self.defaults = defaults
         self.pixel_multiple = pixel_multiple
         self.default_pixels = default_pixels
@@ -115,6 +142,7 @@ class InputValidationStage(Stage):
         self.unsupported_params = unsupported_params or {}
         self.default_size = default_size
         self.video = video
+        self.skip_layer_guidance = skip_layer_guidance
         self.quality = QualityRule(family=self.image_inputs.pipeline_name)
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
@@ -131,6 +159,14 @@ class InputValidationStage(Stage):
                         f"{name} applies to video models; {self.image_inputs.pipeline_name} generates images",
                         param=name,
                     )
+        if self.skip_layer_guidance is None:
+            for name in SKIP_LAYER_GUIDANCE_FIELDS:
+                if getattr(params, name) is not None:
+                    raise InvalidRequestError(
+                        f"{name} is not a parameter of {self.image_inputs.pipeline_name}: skip-layer "
+                        "guidance is a Stable Diffusion 3.5 feature",
+                        param=name,
+                    )
         resolved = params.with_defaults(self.defaults)
         resolved.quality = self.quality.resolve(params.quality)
         self.image_inputs.check(resolved)
@@ -142,6 +178,8 @@ class InputValidationStage(Stage):
         resolved.height = height if resolved.height is None else resolved.height
         resolved.width = width if resolved.width is None else resolved.width
         resolved.validate(self.pixel_multiple, self.max_sequence_length_limit)
+        if self.skip_layer_guidance is not None:  # after `validate`: the fields' types are checked there
+            self.skip_layer_guidance.check(resolved)
         return resolved
 
     def forward(self, req: Req) -> Req:

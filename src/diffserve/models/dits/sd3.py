@@ -10,6 +10,9 @@ Architecture:
         the last block is `context_pre_only`: the text stream is only read (keys/values), never updated
     out  = unpatchify(proj_out(adaLN(x, temb)))               (batch, out_channels, H, W)
 
+`forward(..., skip_layers=...)` leaves the listed blocks out for every row (their input passes on
+unchanged), as Diffusers' `skip_layers`: skip-layer guidance's extra forward (`pipelines/sd3.py`).
+
 Every block is conditioned through adaLN on `temb`, which has one row per sample, so one forward can
 serve requests at different timesteps (the engine's step-level batching). Unlike FLUX there is no RoPE:
 positions come from a learned-size sincos table stored in the checkpoint (`pos_embed.pos_embed`),
@@ -478,6 +481,7 @@ class SD3Transformer2DModel(nn.Module):
         pooled_projections: torch.Tensor,
         timestep: torch.Tensor,
         step_cache: BatchStepCache | None = None,
+        skip_layers: frozenset[int] = frozenset(),
     ) -> torch.Tensor:
         """Predict the flow-matching velocity for latents.
 
@@ -488,6 +492,8 @@ class SD3Transformer2DModel(nn.Module):
             timestep: (batch,) or (1,) in Diffusers' units (sigma * 1000), used as given.
             step_cache: rows of approximate-quality requests, which may reuse the blocks' residual from
                 an earlier step (`models/step_cache.py`); None runs every block for every row (exact).
+            skip_layers: block indices that every row skips, passing its image and text states on
+                unchanged (skip-layer guidance, Diffusers' `skip_layers`); empty runs every block.
 
         Returns:
             (batch, out_channels, H, W).
@@ -506,14 +512,19 @@ class SD3Transformer2DModel(nn.Module):
         temb_act = F.silu(temb)  # every adaLN projects SiLU(temb); compute it once
         ctx = self.context_embedder(encoder_hidden_states)
 
+        bad = sorted(i for i in skip_layers if not 0 <= i < len(self.transformer_blocks))
+        if bad:
+            raise ValueError(
+                f"skip_layers {bad} are outside the DiT's blocks 0..{len(self.transformer_blocks) - 1}"
+            )
         if step_cache is None:
-            x = self._run_blocks(x, ctx, temb_act)
+            x = self._run_blocks(x, ctx, temb_act, skip_layers)
         else:
             x = step_cache.run(
                 x,
                 self._cache_signal(x, temb_act),
                 lambda rows: self._run_blocks(
-                    take_rows(x, rows), take_rows(ctx, rows), take_rows(temb_act, rows)
+                    take_rows(x, rows), take_rows(ctx, rows), take_rows(temb_act, rows), skip_layers
                 ),
             )
 
@@ -522,17 +533,26 @@ class SD3Transformer2DModel(nn.Module):
         x = x.reshape(batch, h, w, p, p, out_channels).permute(0, 5, 1, 3, 2, 4)
         return x.reshape(batch, out_channels, height, width)
 
-    def _run_blocks(self, x: torch.Tensor, ctx: torch.Tensor, temb_act: torch.Tensor) -> torch.Tensor:
-        """Every joint block; returns the image tokens the output head reads (the last block drops the text)."""
+    def _run_blocks(
+        self, x: torch.Tensor, ctx: torch.Tensor, temb_act: torch.Tensor, skip_layers: frozenset[int]
+    ) -> torch.Tensor:
+        """Every joint block but `skip_layers`; returns the image tokens the output head reads (the last
+        block drops the text)."""
         split = sequence_split([x.shape[1], ctx.shape[1]])
         if split is not None:
-            return self._run_blocks_split(split, x, ctx, temb_act)
-        for block in self.transformer_blocks:
-            ctx, x = block(x, ctx, temb_act)
+            return self._run_blocks_split(split, x, ctx, temb_act, skip_layers)
+        for index, block in enumerate(self.transformer_blocks):
+            if index not in skip_layers:
+                ctx, x = block(x, ctx, temb_act)
         return x
 
     def _run_blocks_split(
-        self, split: SequenceSplit, x: torch.Tensor, ctx: torch.Tensor, temb_act: torch.Tensor
+        self,
+        split: SequenceSplit,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        temb_act: torch.Tensor,
+        skip_layers: frozenset[int],
     ) -> torch.Tensor:
         """`_run_blocks` with the image and text streams split over the sequence-parallel ranks (joint
         order [image; text]): every block runs on this rank's shards, the joint attention and `attn2`
@@ -541,8 +561,9 @@ class SD3Transformer2DModel(nn.Module):
         x, ctx = split.split(image, x), split.split(text, ctx)
         image_scope = partial(split.stream_scope, image, x.shape[0], x.device)
         with split.attention_scope(x.shape[0], x.device):
-            for block in self.transformer_blocks:
-                ctx, x = block(x, ctx, temb_act, text_queries=True, self_attention_scope=image_scope)
+            for index, block in enumerate(self.transformer_blocks):
+                if index not in skip_layers:
+                    ctx, x = block(x, ctx, temb_act, text_queries=True, self_attention_scope=image_scope)
         return split.gather(image, x)
 
     def _cache_signal(self, x: torch.Tensor, temb_act: torch.Tensor) -> torch.Tensor:
