@@ -167,7 +167,11 @@ class QwenImagePipeline(Pipeline):
 
     def batch_key(self, req: Req) -> tuple:
         """Text lengths may differ (the denoiser pads and masks); image tokens and their grid must line up."""
-        return (tuple(req.latents.shape[1:]), (req.latent_height, req.latent_width), tuple(req.condition_shapes))
+        return (
+            tuple(req.latents.shape[1:]),
+            (req.latent_height, req.latent_width),
+            tuple(req.condition_shapes),
+        )
 
 
 class QwenImageEditPipeline(QwenImagePipeline):
