@@ -307,7 +307,9 @@ def test_expire_and_partial_cleanup_touch_only_url_images(tmp_path) -> None:
 
 
 def test_url_images_expire_after_job_ttl(tmp_path, monkeypatch) -> None:
-    app, engine, out = make_app(tmp_path, monkeypatch, job_ttl=0.6)
+    # A TTL well above a loaded machine's pauses: a file written by the test is never swept before the
+    # test ages it on purpose (the sweeper runs every TTL / 4 = 1.25 s).
+    app, engine, out = make_app(tmp_path, monkeypatch, job_ttl=5)
     stale, partial = out / f"{IMAGE_ID}.png", out / f".{'cd' * 16}-0.png.partial"
     stale.write_bytes(b"x")
     partial.write_bytes(b"x")
@@ -320,13 +322,14 @@ def test_url_images_expire_after_job_ttl(tmp_path, monkeypatch) -> None:
             fresh.write_bytes(b"fresh")
             status, _, body = await call(app, "GET", f"/v1/images/{fresh.stem}/content")
             assert status == 200 and body == b"fresh"
-            age(fresh, 1)  # past the TTL, before the sweeper ran: refused on access, and deleted
+            age(fresh, 10)  # past the TTL, before the sweeper ran: refused on access, and deleted
             status, _, body = await call(app, "GET", f"/v1/images/{fresh.stem}/content")
             assert status == 404 and error_of(body)["code"] == "image_not_found"
             assert not fresh.exists()
             swept = out / f"{'34' * 16}-0.png"
             swept.write_bytes(b"x")
-            deadline = time.monotonic() + 5
+            age(swept, 10)
+            deadline = time.monotonic() + 10
             while swept.exists() and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
             assert not swept.exists()  # by the background sweeper
