@@ -14,6 +14,7 @@ from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.pipelines.cfg_batch import (
+    BranchBatch,
     advance_requests,
     branch_texts,
     gather_branches,
@@ -82,6 +83,11 @@ class FluxDenoiser:
                 req.dit_context = self.transformer.embed_context(torch.cat(branch_texts(req)))
         return req.dit_context
 
+    def image_tokens(self, batch: BranchBatch, reqs: list[Req]) -> torch.Tensor:
+        """The DiT's image tokens, one row per branch: the noisy latents (Kontext appends its input
+        image's tokens; only the noisy tokens' prediction is kept)."""
+        return torch.cat(batch.latents)
+
     @torch.inference_mode()
     def __call__(self, reqs: list[Req]) -> None:
         batch = gather_branches(reqs)
@@ -89,7 +95,7 @@ class FluxDenoiser:
         first = reqs[0]
         # Timesteps and guidance are already on the latents' device (timestep preparation put them there).
         prediction = self.transformer(
-            hidden_states=torch.cat(batch.latents),
+            hidden_states=self.image_tokens(batch, reqs),
             encoder_hidden_states=None,
             context=torch.cat([self.context_for(r) for r in reqs]),
             pooled_projections=torch.cat(batch.pooled),
@@ -100,6 +106,7 @@ class FluxDenoiser:
             rope=self.rope_for(first),
             step_cache=step_cache_for(reqs),
         )
+        prediction = prediction[:, : first.latents.shape[1]]
         advance_requests(self.scheduler, reqs, split_guided(prediction, reqs))
 
 

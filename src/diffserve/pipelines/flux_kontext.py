@@ -16,7 +16,7 @@ from diffserve.configs.flux import FluxKontextPipelineConfig, flux_default_sampl
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.pipelines.base import PipelineContext
-from diffserve.pipelines.cfg_batch import advance_requests, gather_branches, split_guided, step_cache_for
+from diffserve.pipelines.cfg_batch import BranchBatch
 from diffserve.pipelines.flux import FluxDenoiser, FluxPipeline
 from diffserve.request import Req
 from diffserve.stages.base import Stage
@@ -62,28 +62,10 @@ class FluxKontextDenoiser(FluxDenoiser):
             self._rope_cache.move_to_end(key)
         return tables
 
-    @torch.inference_mode()
-    def __call__(self, reqs: list[Req]) -> None:
-        batch = gather_branches(reqs)
+    def image_tokens(self, batch: BranchBatch, reqs: list[Req]) -> torch.Tensor:
+        """Each branch's noisy tokens followed by its request's input-image tokens."""
         conditions = [r.condition_latents for r in reqs for _ in range(2 if r.do_cfg else 1)]
-        guidance = [r.guidance for r in reqs for _ in range(2 if r.do_cfg else 1) if r.guidance is not None]
-        first = reqs[0]
-        tokens = [torch.cat([x, c], dim=1) for x, c in zip(batch.latents, conditions, strict=True)]
-        # Timesteps and guidance are already on the latents' device (timestep preparation put them there).
-        prediction = self.transformer(
-            hidden_states=torch.cat(tokens),
-            encoder_hidden_states=None,
-            context=torch.cat([self.context_for(r) for r in reqs]),
-            pooled_projections=torch.cat(batch.pooled),
-            timestep=torch.cat(batch.timesteps).to(first.latents.dtype) / 1000,
-            img_ids=first.image_ids,
-            txt_ids=first.text_ids,
-            guidance=torch.cat(guidance) if guidance else None,
-            rope=self.rope_for(first),
-            step_cache=step_cache_for(reqs),
-        )
-        prediction = prediction[:, : first.latents.shape[1]]
-        advance_requests(self.scheduler, reqs, split_guided(prediction, reqs))
+        return torch.cat([torch.cat([x, c], dim=1) for x, c in zip(batch.latents, conditions, strict=True)])
 
 
 class FluxKontextPipeline(FluxPipeline):
