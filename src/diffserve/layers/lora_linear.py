@@ -157,31 +157,30 @@ class LoraLinear(nn.Linear):
         per_row = flat_x.shape[0] // x.shape[0]
         runs = use.runs()
         if len(runs) <= _MAX_SLICED_RUNS:
-            for lo, hi, scale in runs:
-                _add_run(
-                    flat_y[lo * per_row : hi * per_row],
-                    flat_x[lo * per_row : hi * per_row],
-                    adapter,
-                    scale,
-                    start,
-                )
+            _add_runs(flat_y, flat_x, adapter, runs, per_row, start)
             return
         index, groups = rows.gathered_rows(use, x.device)
-        gathered_x = x.index_select(0, index).reshape(-1, x.shape[-1])
         gathered_y = y.index_select(0, index)
-        flat_gathered_y = gathered_y.view(-1, y.shape[-1])
-        for lo, hi, scale in groups:
-            _add_run(
-                flat_gathered_y[lo * per_row : hi * per_row],
-                gathered_x[lo * per_row : hi * per_row],
-                adapter,
-                scale,
-                start,
-            )
+        gathered_x = x.index_select(0, index).reshape(-1, x.shape[-1])
+        _add_runs(gathered_y.view(-1, y.shape[-1]), gathered_x, adapter, groups, per_row, start)
         y.index_copy_(0, index, gathered_y)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, adapters={sorted(self.adapters)}"
+
+
+def _add_runs(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    adapter: LayerAdapter,
+    runs: tuple[tuple[int, int, float], ...],
+    per_row: int,
+    start: int,
+) -> None:
+    """`_add_run` on each run (lo, hi, scale) of batch rows, where a batch row is `per_row` rows of the
+    flattened y and x."""
+    for lo, hi, scale in runs:
+        _add_run(y[lo * per_row : hi * per_row], x[lo * per_row : hi * per_row], adapter, scale, start)
 
 
 def _add_run(y: torch.Tensor, x: torch.Tensor, adapter: LayerAdapter, scale: float, start: int) -> None:
