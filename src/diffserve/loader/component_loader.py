@@ -38,6 +38,9 @@ TRANSFORMERS_ENCODERS: frozenset[str] = frozenset(
         "Qwen3Model",  # Z-Image
         "UMT5EncoderModel",  # Wan
         "CLIPVisionModel",  # Wan image-to-video's image encoder
+        "Mistral3ForConditionalGeneration",  # FLUX.2-dev (its language model's hidden states)
+        "Qwen3ForCausalLM",  # FLUX.2-klein
+        "Gemma2Model",  # SANA
     }
 )
 
@@ -53,6 +56,8 @@ TRANSFORMERS_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "T5TokenizerFast": ("T5TokenizerFast", "T5Tokenizer"),
     "Qwen2Tokenizer": ("Qwen2TokenizerFast", "Qwen2Tokenizer"),
     "Qwen2TokenizerFast": ("Qwen2TokenizerFast", "Qwen2Tokenizer"),
+    "GemmaTokenizer": ("GemmaTokenizerFast", "GemmaTokenizer"),
+    "GemmaTokenizerFast": ("GemmaTokenizerFast", "GemmaTokenizer"),
     # A generic tokenizer.json (e.g. a word-level vocabulary, as the shipped demo model uses).
     "PreTrainedTokenizerFast": ("PreTrainedTokenizerFast",),
 }
