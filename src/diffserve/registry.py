@@ -22,7 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from diffserve.configs.flux import FluxKontextPipelineConfig, FluxPipelineConfig, flux_default_sampling_params
+from diffserve.configs.flux import (
+    FluxKontextPipelineConfig,
+    FluxPipelineConfig,
+    flux_default_sampling_params,
+)
+from diffserve.configs.flux2 import (
+    Flux2KleinPipelineConfig,
+    Flux2PipelineConfig,
+    flux2_default_sampling_params,
+    flux2_klein_default_sampling_params,
+)
 from diffserve.configs.qwen_image import (
     QwenImageEditPipelineConfig,
     QwenImageEditPlusPipelineConfig,
@@ -30,6 +40,12 @@ from diffserve.configs.qwen_image import (
     qwen_image_default_sampling_params,
 )
 from diffserve.configs.sampling_params import SamplingParams
+from diffserve.configs.sana import (
+    SanaPipelineConfig,
+    SanaSprintPipelineConfig,
+    sana_default_sampling_params,
+    sana_sprint_default_sampling_params,
+)
 from diffserve.configs.sd3 import SD3PipelineConfig, sd3_default_sampling_params
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.configs.wan import WanPipelineConfig, wan_default_sampling_params
@@ -37,19 +53,27 @@ from diffserve.configs.z_image import ZImagePipelineConfig, z_image_default_samp
 from diffserve.errors import ModelLoadError, UserError
 from diffserve.loader.native_classes import NativeClasses
 from diffserve.models.dits.flux import FluxTransformer2DModel
+from diffserve.models.dits.flux2 import Flux2Transformer2DModel
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
+from diffserve.models.dits.sana import SanaTransformer2DModel
 from diffserve.models.dits.sd3 import SD3Transformer2DModel
 from diffserve.models.dits.wan import WanTransformer3DModel
 from diffserve.models.dits.z_image import ZImageTransformer2DModel
+from diffserve.models.schedulers.dpm_solver_flow import DPMSolverFlowScheduler
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.models.schedulers.scm import SCMScheduler
 from diffserve.models.schedulers.unipc_flow import UniPCFlowScheduler
+from diffserve.models.vaes.autoencoder_dc import AutoencoderDC
 from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
+from diffserve.models.vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2
 from diffserve.models.vaes.autoencoder_kl_qwen_image import AutoencoderKLQwenImage
 from diffserve.models.vaes.autoencoder_kl_wan import AutoencoderKLWan
 from diffserve.pipelines.base import Pipeline
 from diffserve.pipelines.flux import FluxPipeline
+from diffserve.pipelines.flux2 import Flux2KleinPipeline, Flux2Pipeline
 from diffserve.pipelines.flux_kontext import FluxKontextPipeline
 from diffserve.pipelines.qwen_image import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline
+from diffserve.pipelines.sana import SanaPipeline, SanaSprintPipeline
 from diffserve.pipelines.sd3 import SD3Pipeline
 from diffserve.pipelines.wan import WanImageToVideoPipeline, WanPipeline
 from diffserve.pipelines.z_image import ZImagePipeline
@@ -124,6 +148,29 @@ def _tiny_flux_kontext(out_dir: Path, options: TinyCheckpointOptions) -> Path:
     )
 
 
+def _tiny_sana(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+    from diffserve.testing.tiny_sana import TinySanaSpec, build_tiny_sana
+
+    return build_tiny_sana(out_dir, TinySanaSpec(seed=options.seed))
+
+
+def _tiny_sana_sprint(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+    from diffserve.testing.tiny_sana import TinySanaSpec, build_tiny_sana
+
+    return build_tiny_sana(out_dir, TinySanaSpec(seed=options.seed, sprint=True, sample_size=32))
+
+
+def _tiny_flux2(variant: str) -> TinyCheckpointBuilder:
+    """The builder of a FLUX.2-dev ("dev") or FLUX.2 [klein] ("klein") folder."""
+
+    def build(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+        from diffserve.testing.tiny_flux2 import TinyFlux2Spec, build_tiny_flux2
+
+        return build_tiny_flux2(out_dir, TinyFlux2Spec(variant=variant, seed=options.seed))
+
+    return build
+
+
 def _tiny_sd3(out_dir: Path, options: TinyCheckpointOptions) -> Path:
     from diffserve.testing.tiny_sd3 import TinySD3Spec, build_tiny_sd3
 
@@ -167,6 +214,9 @@ def _tiny_wan(image_to_video: bool) -> TinyCheckpointBuilder:
 
 _FLOW_MATCH = (FlowMatchEulerScheduler,)
 _FLUX_CLASSES = NativeClasses.of(models=(FluxTransformer2DModel, AutoencoderKL), schedulers=_FLOW_MATCH)
+_FLUX2_CLASSES = NativeClasses.of(
+    models=(Flux2Transformer2DModel, AutoencoderKLFlux2), schedulers=_FLOW_MATCH
+)
 _QWEN_IMAGE_CLASSES = NativeClasses.of(
     models=(QwenImageTransformer2DModel, AutoencoderKLQwenImage), schedulers=_FLOW_MATCH
 )
@@ -270,6 +320,55 @@ FAMILIES: tuple[ModelFamily, ...] = (
         task="image-edit",
         tiny_builder=_tiny_flux_kontext,
         aliases=("kontext", "flux_kontext"),
+    ),
+    ModelFamily(
+        name="sana",
+        diffusers_pipeline="SanaPipeline",
+        pipeline_cls=SanaPipeline,
+        native_classes=NativeClasses.of(
+            models=(SanaTransformer2DModel, AutoencoderDC),
+            # What SANA's folders ship (flow DPM-Solver++), and the flow-match Euler its converter also writes.
+            schedulers=(DPMSolverFlowScheduler, FlowMatchEulerScheduler),
+        ),
+        pipeline_config=SanaPipelineConfig(),
+        default_sampling_params=sana_default_sampling_params,
+        task="text-to-image",
+        tiny_builder=_tiny_sana,
+    ),
+    ModelFamily(
+        name="sana-sprint",
+        diffusers_pipeline="SanaSprintPipeline",
+        pipeline_cls=SanaSprintPipeline,
+        native_classes=NativeClasses.of(
+            models=(SanaTransformer2DModel, AutoencoderDC), schedulers=(SCMScheduler,)
+        ),
+        pipeline_config=SanaSprintPipelineConfig(),
+        default_sampling_params=sana_sprint_default_sampling_params,
+        task="text-to-image",
+        tiny_builder=_tiny_sana_sprint,
+        aliases=("sana_sprint",),
+    ),
+    ModelFamily(
+        name="flux2",
+        diffusers_pipeline="Flux2Pipeline",
+        pipeline_cls=Flux2Pipeline,
+        native_classes=_FLUX2_CLASSES,
+        pipeline_config=Flux2PipelineConfig(),
+        default_sampling_params=flux2_default_sampling_params,
+        task="text-to-image",  # with optional reference images (multi-reference editing)
+        tiny_builder=_tiny_flux2("dev"),
+        aliases=("flux2-dev", "flux.2"),
+    ),
+    ModelFamily(
+        name="flux2-klein",
+        diffusers_pipeline="Flux2KleinPipeline",
+        pipeline_cls=Flux2KleinPipeline,
+        native_classes=_FLUX2_CLASSES,
+        pipeline_config=Flux2KleinPipelineConfig(),
+        default_sampling_params=flux2_klein_default_sampling_params,
+        task="text-to-image",  # with optional reference images (multi-reference editing)
+        tiny_builder=_tiny_flux2("klein"),
+        aliases=("flux2_klein", "klein"),
     ),
 )
 

@@ -22,7 +22,12 @@ from diffserve.layers.custom_op import dispatch_custom_ops
 from diffserve.loader.dit_weights import DitLoadOptions, finish_dit, load_dit_weights
 from diffserve.loader.model_index import ComponentSpec, ModelIndex, read_json
 from diffserve.loader.native_classes import NativeClasses, NativeModelClass, NativeSchedulerClass
-from diffserve.loader.processors import IMAGE_ONLY_PROCESSORS, load_image_text_processor
+from diffserve.loader.processors import (
+    IMAGE_ONLY_PROCESSORS,
+    TOKENIZER_ONLY_PROCESSORS,
+    load_image_text_processor,
+    load_processor_tokenizer,
+)
 from diffserve.loader.text_encoder_tp import TENSOR_PARALLEL_ENCODERS, load_tensor_parallel_encoder
 from diffserve.platforms import Platform
 
@@ -64,7 +69,11 @@ TRANSFORMERS_TOKENIZERS: dict[str, tuple[str, ...]] = {
 
 #: Every transformers class accepted as a component (processors: the image-and-text ones of `processors`).
 _TRANSFORMERS_CLASSES = frozenset().union(
-    TRANSFORMERS_ENCODERS, TRANSFORMERS_TOKENIZERS, IMAGE_ONLY_PROCESSORS, TRANSFORMERS_IMAGE_PROCESSORS
+    TRANSFORMERS_ENCODERS,
+    TRANSFORMERS_TOKENIZERS,
+    IMAGE_ONLY_PROCESSORS,
+    TOKENIZER_ONLY_PROCESSORS,
+    TRANSFORMERS_IMAGE_PROCESSORS,
 )
 
 
@@ -202,6 +211,9 @@ def _load(
         with _loading(name, spec.path):
             model = getattr(transformers, name).from_pretrained(path, dtype=text_dtype, local_files_only=True)
         return model.to(device).eval().requires_grad_(False)
+    if name in TOKENIZER_ONLY_PROCESSORS:
+        with _loading(f"processor {name}'s tokenizer", spec.path):
+            return load_processor_tokenizer(spec.path)
     if name in IMAGE_ONLY_PROCESSORS:
         with _loading(f"processor {name}", spec.path):
             return load_image_text_processor(name, spec.path)

@@ -1,0 +1,499 @@
+"""SANA transformer (NVIDIA / MIT HAN Lab), native, loading Diffusers `SanaTransformer2DModel` weights unchanged.
+
+Architecture (a linear-attention DiT on DC-AE f32c32 latents, SANA 1.0 / 1.5 / Sprint):
+
+    x    = patch_embed(latents) [+ 2-D sincos positions, 2K/4K checkpoints only]   (batch, H*W, inner)
+    ctx  = RMSNorm(GELU-MLP(Gemma-2 states))                                       (batch, L, inner)
+    emb  = MLP(sinusoids(t)) [+ MLP(sinusoids(guidance)), SANA-Sprint]            (batch, inner)
+    mods = Linear(SiLU(emb))                                  adaLN-single: one projection for all blocks
+    num_layers x block:
+        x += gate_msa * ReLU-linear-attention(adaLN(x))      self-attention, O(N) in the image tokens
+        x += softmax cross-attention(x, ctx, text mask)       no norm, no gate (as PixArt)
+        x += gate_mlp * GLUMBConv(adaLN(x) as an H x W map)   Mix-FFN: 1x1, depthwise 3x3, gated 1x1
+    out  = proj_out(adaLN(x, emb)) unpatchified to (batch, out_channels, H, W)
+
+Each block adds its learned `scale_shift_table` to the shared modulation vectors, which have one row
+per sample, so one forward serves requests at different timesteps. SANA 1.5 and Sprint normalise q
+and k with an RMSNorm across all heads (`qk_norm="rms_norm_across_heads"`), in both attentions.
+
+Timestep convention: `forward(timestep=...)` embeds the values exactly as given, as Diffusers' model
+does. Diffusers' `SanaPipeline` passes the scheduler's `t` (in [0, 1000]) times `config.timestep_scale`
+(1.0 in released checkpoints); `SanaSprintPipeline` passes its SCM timestep sin(t)/(sin(t)+cos(t)) in
+[0, 1] unscaled, with `guidance = guidance_scale * config.guidance_embeds_scale`. The callers apply
+these scales; this module applies none.
+
+Differences from Diffusers that do not change the numbers: the blocks and the output head share
+the timestep embedding computed once per forward; text can be embedded once per request
+(`embed_context`) instead of at every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffserve.layers.attention import attention
+from diffserve.layers.embeddings import TimestepEmbedding, timestep_sinusoids
+from diffserve.layers.glumbconv import GLUMBConv
+from diffserve.layers.norms import LayerNorm, RMSNorm
+from diffserve.layers.residual import fp16_clip, gated_residual
+from diffserve.models.config_keys import config_from_diffusers
+
+#: Sinusoid width of the timestep and guidance embeddings (Diffusers' `Timesteps(256, ...)`).
+TIMESTEP_CHANNELS = 256
+#: The caption norm's and the QK-norms' epsilon (Diffusers' RMSNorm / Attention default).
+RMS_EPS = 1e-5
+#: Linear attention's denominator guard, as Diffusers'.
+LINEAR_ATTENTION_EPS = 1e-15
+#: Diffusers turns the 0/1 text mask into an additive bias of -10000 (not -inf); kept for parity, so a
+#: fully masked row attends uniformly instead of producing NaN.
+MASK_BIAS = -10000.0
+#: The only QK-norm any released SANA checkpoint uses (SANA 1.5, SANA-Sprint).
+SUPPORTED_QK_NORMS = (None, "rms_norm_across_heads")
+
+
+@dataclass(frozen=True)
+class SanaTransformerConfig:
+    """The SANA DiT's Diffusers config (`transformer/config.json`), one field per key.
+
+    Defaults are Diffusers' (SANA 1.0 1.6B). `out_channels` None means `in_channels`. `dropout` is
+    accepted and unused (inference only). `timestep_scale` and `guidance_embeds_scale` are read by the
+    pipeline, not by the model (see the module docstring).
+    """
+
+    in_channels: int = 32
+    out_channels: int | None = 32
+    num_attention_heads: int = 70
+    attention_head_dim: int = 32
+    num_layers: int = 20
+    num_cross_attention_heads: int | None = 20
+    cross_attention_head_dim: int | None = 112
+    cross_attention_dim: int | None = 2240
+    caption_channels: int = 2304
+    mlp_ratio: float = 2.5
+    dropout: float = 0.0
+    attention_bias: bool = False
+    sample_size: int = 32
+    patch_size: int = 1
+    norm_elementwise_affine: bool = False
+    norm_eps: float = 1e-6
+    interpolation_scale: float | None = None
+    guidance_embeds: bool = False
+    guidance_embeds_scale: float = 0.1
+    qk_norm: str | None = None
+    timestep_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "out_channels", self.out_channels or self.in_channels)
+        if self.qk_norm not in SUPPORTED_QK_NORMS:
+            raise ValueError(
+                f"SanaTransformer2DModel: qk_norm={self.qk_norm!r} is not supported; "
+                f"released SANA checkpoints use one of {SUPPORTED_QK_NORMS}"
+            )
+        if self.cross_attention_dim is None or not self.num_cross_attention_heads:
+            raise ValueError(
+                "SanaTransformer2DModel: cross_attention_dim / num_cross_attention_heads None (no text "
+                "cross-attention) is not supported (Diffusers' block cannot run without it either)"
+            )
+        if self.cross_attention_dim != self.inner_dim:
+            raise ValueError(
+                f"SanaTransformer2DModel: cross_attention_dim ({self.cross_attention_dim}) must equal "
+                f"num_attention_heads * attention_head_dim ({self.inner_dim}): the caption projection "
+                "outputs the inner width"
+            )
+        if self.interpolation_scale is not None and self.inner_dim % 4:
+            raise ValueError(f"sincos positions need inner_dim divisible by 4, got {self.inner_dim}")
+
+    @property
+    def inner_dim(self) -> int:
+        """The blocks' width, heads x head_dim."""
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def cross_inner_dim(self) -> int:
+        """Cross-attention's q/k/v width."""
+        return int(self.num_cross_attention_heads) * int(self.cross_attention_head_dim)
+
+
+# ---------------------------------------------------------------------------------------- inputs
+
+
+def sincos_positions(
+    dim: int, height: int, width: int, base_size: int, interpolation_scale: float
+) -> torch.Tensor:
+    """(1, height * width, dim) float32 2-D sincos positions, PixArt's / Diffusers' `PatchEmbed` grid,
+    computed on the CPU (in float64, which not every accelerator has) as Diffusers' buffer is.
+
+    Token (i, j) (row-major) sits at (j, i) / (side / base_size) / interpolation_scale, i.e. positions
+    are stretched so that every resolution spans `base_size` units. The first half of the channels
+    encodes the column coordinate, the second half the row (Diffusers' order); each half is
+    [sin, cos] of position x 10000^(-k / (dim / 4)), computed in float64.
+    """
+    rows = torch.arange(height, dtype=torch.float32) / (height / base_size) / interpolation_scale
+    cols = torch.arange(width, dtype=torch.float32) / (width / base_size) / interpolation_scale
+    quarter = dim // 4
+    omega = torch.arange(quarter, dtype=torch.float64) / (dim / 4.0)
+    omega = 1.0 / 10000**omega
+
+    def encode(pos: torch.Tensor) -> torch.Tensor:
+        angles = torch.outer(pos.reshape(-1).to(torch.float64), omega)
+        return torch.cat([angles.sin(), angles.cos()], dim=1)
+
+    col_grid = cols[None, :].expand(height, width)
+    row_grid = rows[:, None].expand(height, width)
+    return torch.cat([encode(col_grid), encode(row_grid)], dim=1).float().unsqueeze(0)
+
+
+class SanaPatchEmbed(nn.Module):
+    """Patchify conv (`patch_embed.proj`) and, for checkpoints with `interpolation_scale`, sincos positions.
+
+    The positions are computed for each latent size (and cached per size and device); they are not in
+    the checkpoint (Diffusers keeps them in a non-persistent buffer for the square training size).
+    """
+
+    def __init__(
+        self, in_channels: int, dim: int, patch_size: int, sample_size: int, interpolation_scale: float | None
+    ) -> None:
+        super().__init__()
+        self.dim = dim
+        self.base_size = sample_size // patch_size
+        self.interpolation_scale = interpolation_scale
+        self.proj = nn.Conv2d(in_channels, dim, kernel_size=patch_size, stride=patch_size)
+        self._positions: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+    def positions(self, height: int, width: int, device: torch.device) -> torch.Tensor | None:
+        """(1, height * width, dim) float32 positions for a height x width token grid, or None (SANA 1K)."""
+        if self.interpolation_scale is None:
+            return None
+        key = (height, width, device)
+        if key not in self._positions:
+            pos = sincos_positions(self.dim, height, width, self.base_size, self.interpolation_scale)
+            self._positions[key] = pos.to(device)
+        return self._positions[key]
+
+    def forward(self, latents: torch.Tensor) -> torch.Tensor:
+        """(batch, C, H, W) -> (batch, H/p * W/p, dim) tokens, row-major."""
+        tokens = self.proj(latents)
+        height, width = tokens.shape[-2:]
+        tokens = tokens.flatten(2).transpose(1, 2)
+        pos = self.positions(height, width, latents.device)
+        if pos is None:
+            return tokens
+        # Added in float32, then rounded to the activation dtype, as Diffusers does.
+        return (tokens + pos).to(tokens.dtype)
+
+
+class CaptionProjection(nn.Module):
+    """Two-layer tanh-GELU MLP, Gemma-2 width -> inner width (Diffusers' `PixArtAlphaTextProjection`)."""
+
+    def __init__(self, in_features: int, hidden_size: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(in_features, hidden_size)
+        self.linear_2 = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.gelu(self.linear_1(x), approximate="tanh"))
+
+
+class _TimestepOnlyEmbedding(nn.Module):
+    """Holds `timestep_embedder` under the name Diffusers gives it (`time_embed.emb.timestep_embedder`)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.timestep_embedder = TimestepEmbedding(TIMESTEP_CHANNELS, dim)
+
+
+class AdaLayerNormSingle(nn.Module):
+    """adaLN-single (PixArt): emb = MLP(sinusoids(t)); the blocks' six modulation vectors = Linear(SiLU(emb)).
+
+    `forward` returns (modulations (batch, 6 * dim), emb (batch, dim)); the output head reads `emb`.
+    """
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.emb = _TimestepOnlyEmbedding(dim)
+        self.linear = nn.Linear(dim, 6 * dim)
+
+    def forward(
+        self, timestep: torch.Tensor, guidance: torch.Tensor | None, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if guidance is not None:
+            raise ValueError(
+                "this SANA model has no guidance embedding (guidance_embeds=False): pass guidance=None"
+            )
+        emb = self.emb.timestep_embedder(timestep_sinusoids(timestep, TIMESTEP_CHANNELS).to(dtype))
+        return self.linear(F.silu(emb)), emb
+
+
+class TimestepGuidanceEmbedding(nn.Module):
+    """SANA-Sprint's adaLN-single: emb = MLP(sinusoids(t)) + MLP(sinusoids(guidance)), then as `AdaLayerNormSingle`."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.timestep_embedder = TimestepEmbedding(TIMESTEP_CHANNELS, dim)
+        self.guidance_embedder = TimestepEmbedding(TIMESTEP_CHANNELS, dim)
+        self.linear = nn.Linear(dim, 6 * dim)
+
+    def forward(
+        self, timestep: torch.Tensor, guidance: torch.Tensor | None, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if guidance is None:
+            raise ValueError(
+                "this SANA model embeds the guidance scale (guidance_embeds=True): pass `guidance`, "
+                "already multiplied by config.guidance_embeds_scale"
+            )
+        emb = self.timestep_embedder(timestep_sinusoids(timestep, TIMESTEP_CHANNELS).to(dtype))
+        emb = emb + self.guidance_embedder(timestep_sinusoids(guidance, TIMESTEP_CHANNELS).to(dtype))
+        return self.linear(F.silu(emb)), emb
+
+
+# ------------------------------------------------------------------------------------- attention
+
+
+def _across_heads_norm(width: int) -> RMSNorm:
+    """`qk_norm="rms_norm_across_heads"`: Diffusers' RMSNorm over all heads at once, eps 1e-5."""
+    return RMSNorm(width, eps=RMS_EPS)
+
+
+class SanaLinearAttention(nn.Module):
+    """Self-attention with a ReLU kernel: out_i = sum_j (q_i . k_j) v_j / sum_j (q_i . k_j), q, k = ReLU(.).
+
+    Per head it forms [V; 1] K^T ((head_dim + 1) x head_dim), then that times Q, so the cost is linear in
+    the number of tokens; the products run in float32 whatever the activation dtype, as in Diffusers.
+    Heads are kept channels-first, (batch, heads, head_dim, tokens), and the output projection reads
+    the result as a transposed view: that is Diffusers' layout, and a bf16 CPU matmul rounds a strided
+    input differently from a contiguous one.
+    """
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int, bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        inner = num_heads * head_dim
+        self.num_heads = num_heads
+        self.to_q = nn.Linear(dim, inner, bias=bias)
+        self.to_k = nn.Linear(dim, inner, bias=bias)
+        self.to_v = nn.Linear(dim, inner, bias=bias)
+        self.norm_q = _across_heads_norm(inner) if qk_norm else None
+        self.norm_k = _across_heads_norm(inner) if qk_norm else None
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, tokens, dim) -> (batch, tokens, dim)."""
+        q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
+        if self.norm_q is not None:
+            q, k = self.norm_q(q), self.norm_k(k)
+        # (batch, heads, head_dim, tokens), float32.
+        q, k, v = (t.transpose(1, 2).unflatten(1, (self.num_heads, -1)) for t in (q, k, v))
+        q, k = F.relu(q).float(), F.relu(k).float()
+        v = F.pad(v.float(), (0, 0, 0, 1), value=1.0)  # a row of ones: its output row is the normaliser
+        out = (v @ k.transpose(-1, -2)) @ q  # (batch, heads, head_dim + 1, tokens)
+        out = out[:, :, :-1] / (out[:, :, -1:] + LINEAR_ATTENTION_EPS)
+        out = out.flatten(1, 2).transpose(1, 2).to(x.dtype)
+        return fp16_clip(self.to_out[0](out))
+
+
+class SanaCrossAttention(nn.Module):
+    """Softmax attention from the image tokens to the text, with the text padding masked by a bias."""
+
+    def __init__(
+        self, dim: int, context_dim: int, num_heads: int, head_dim: int, out_bias: bool, qk_norm: bool
+    ) -> None:
+        super().__init__()
+        inner = num_heads * head_dim
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.to_q = nn.Linear(dim, inner)
+        self.to_k = nn.Linear(context_dim, inner)
+        self.to_v = nn.Linear(context_dim, inner)
+        self.norm_q = _across_heads_norm(inner) if qk_norm else None
+        self.norm_k = _across_heads_norm(inner) if qk_norm else None
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim, bias=out_bias)])
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, mask_bias: torch.Tensor | None) -> torch.Tensor:
+        """x (batch, tokens, dim), ctx (batch, L, context_dim), mask_bias (batch, 1, 1, L) or None."""
+        q, k, v = self.to_q(x), self.to_k(ctx), self.to_v(ctx)
+        if self.norm_q is not None:
+            q, k = self.norm_q(q), self.norm_k(k)
+        q, k, v = (t.unflatten(-1, (self.num_heads, self.head_dim)) for t in (q, k, v))
+        out = attention(q, k, v, attn_mask=mask_bias).flatten(2).to(q.dtype)
+        return self.to_out[0](out)
+
+
+# ---------------------------------------------------------------------------------------- blocks
+
+
+class SanaTransformerBlock(nn.Module):
+    """Linear self-attention, cross-attention to the text, GLUMBConv; adaLN-single modulated."""
+
+    def __init__(self, config: SanaTransformerConfig) -> None:
+        super().__init__()
+        dim = config.inner_dim
+        qk_norm = config.qk_norm is not None
+        self.dim = dim
+        self.norm1 = LayerNorm(dim, eps=config.norm_eps, elementwise_affine=False)
+        self.attn1 = SanaLinearAttention(
+            dim, config.num_attention_heads, config.attention_head_dim, config.attention_bias, qk_norm
+        )
+        self.norm2 = LayerNorm(dim, eps=config.norm_eps, elementwise_affine=config.norm_elementwise_affine)
+        self.attn2 = SanaCrossAttention(
+            dim,
+            int(config.cross_attention_dim),
+            int(config.num_cross_attention_heads),
+            int(config.cross_attention_head_dim),
+            out_bias=True,
+            qk_norm=qk_norm,
+        )
+        self.ff = GLUMBConv(dim, dim, config.mlp_ratio)
+        # Learned per-block offsets of the six shared modulation vectors (filled by the checkpoint).
+        self.scale_shift_table = nn.Parameter(torch.empty(6, dim))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        mask_bias: torch.Tensor | None,
+        modulation: torch.Tensor,
+        height: int,
+        width: int,
+    ) -> torch.Tensor:
+        """x (batch, height * width, dim); modulation (batch, 6 * dim), the shared adaLN-single projection."""
+        mods = self.scale_shift_table[None] + modulation.unflatten(1, (6, self.dim))
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods.unsqueeze(2).unbind(1)
+
+        h = (self.norm1(x) * (1 + scale_msa) + shift_msa).to(x.dtype)
+        x = gated_residual(x, gate_msa, self.attn1(h))
+        x = x + self.attn2(x, ctx, mask_bias)
+
+        h = self.norm2(x) * (1 + scale_mlp) + shift_mlp
+        h = self.ff(h.unflatten(1, (height, width)).permute(0, 3, 1, 2))
+        return gated_residual(x, gate_mlp, h.flatten(2).transpose(1, 2))
+
+
+class SanaTransformer2DModel(nn.Module):
+    """SANA DiT with Diffusers' config keys and state-dict names.
+
+    Build it from a `SanaTransformerConfig` (or `from_config(config_json_dict)`); under
+    `torch.device("meta")` it allocates nothing, and `load_state_dict(sd, assign=True, strict=True)` fills
+    it (no buffers: the optional sincos positions are computed per latent size).
+
+        forward(hidden_states (B, in_channels, H, W) latents,
+                encoder_hidden_states (B, L, caption_channels) Gemma-2 states, or None with context=,
+                encoder_attention_mask (B, L) 1 = token / 0 = padding, or None (attend to every token),
+                timestep (B,) or (1,) embedded as given: SanaPipeline's t in [0, 1000] x config.timestep_scale,
+                guidance (B,) or (1,) for guidance_embeds (Sprint): scale x config.guidance_embeds_scale,
+                context=embed_context(encoder_hidden_states) to embed the text once per request)
+            -> (B, out_channels, H, W) prediction (flow velocity for SANA, TrigFlow output for Sprint).
+    """
+
+    diffusers_class_name: ClassVar[str] = "SanaTransformer2DModel"
+
+    def __init__(self, config: SanaTransformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        inner = config.inner_dim
+        self.inner_dim = inner
+        self.patch_embed = SanaPatchEmbed(
+            config.in_channels, inner, config.patch_size, config.sample_size, config.interpolation_scale
+        )
+        self.time_embed: AdaLayerNormSingle | TimestepGuidanceEmbedding = (
+            TimestepGuidanceEmbedding(inner) if config.guidance_embeds else AdaLayerNormSingle(inner)
+        )
+        self.caption_projection = CaptionProjection(config.caption_channels, inner)
+        self.caption_norm = RMSNorm(inner, eps=RMS_EPS)
+        self.transformer_blocks = nn.ModuleList(
+            [SanaTransformerBlock(config) for _ in range(config.num_layers)]
+        )
+        self.scale_shift_table = nn.Parameter(torch.empty(2, inner))
+        self.norm_out = LayerNorm(inner, eps=1e-6, elementwise_affine=False)
+        self.proj_out = nn.Linear(inner, config.patch_size * config.patch_size * int(config.out_channels))
+
+    @property
+    def hidden_width(self) -> int:
+        """The width of the DiT's hidden states (what a latent token's activations scale with)."""
+        return self.inner_dim
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> SanaTransformer2DModel:
+        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
+        return cls(config_from_diffusers(SanaTransformerConfig, config, cls.diffusers_class_name))
+
+    def embed_context(self, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+        """Gemma-2 states (batch, L, caption_channels) -> the cross-attention context (batch, L, inner).
+
+        The same at every denoising step of a request: a caller running many steps embeds it once and
+        passes it to `forward(context=...)`.
+        """
+        return self.caption_norm(self.caption_projection(encoder_hidden_states))
+
+    @staticmethod
+    def mask_bias(encoder_attention_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """(batch, L) 0/1 mask -> (batch, 1, 1, L) additive bias in `dtype` (0 keep, -10000 drop), as Diffusers."""
+        if encoder_attention_mask is None:
+            return None
+        if encoder_attention_mask.ndim != 2:
+            raise ValueError(
+                f"encoder_attention_mask must be (batch, text_len), got {tuple(encoder_attention_mask.shape)}"
+            )
+        bias = (1 - encoder_attention_mask.to(dtype)) * MASK_BIAS
+        return bias[:, None, None, :]
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None,
+        encoder_attention_mask: torch.Tensor | None,
+        timestep: torch.Tensor,
+        guidance: torch.Tensor | None = None,
+        context: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Predict from latents (see the class docstring for the arguments).
+
+        Args:
+            hidden_states: latents (batch, in_channels, H, W); H and W multiples of patch_size.
+            encoder_hidden_states: Gemma-2 states (batch, L, caption_channels), or None with `context`.
+            encoder_attention_mask: (batch, L), 1 for tokens and 0 for padding, or None.
+            timestep: (batch,) or (1,), embedded as given (Diffusers' convention; see the module docstring).
+            guidance: (batch,) or (1,) for guidance-embedding (Sprint) checkpoints, else None.
+            context: `embed_context(encoder_hidden_states)`, given instead of `encoder_hidden_states`.
+
+        Returns:
+            (batch, out_channels, H, W), in the activation dtype.
+        """
+        if hidden_states.ndim != 4:
+            raise ValueError(
+                f"hidden_states must be (batch, C, H, W) latents, got {tuple(hidden_states.shape)}"
+            )
+        batch, _, height, width = hidden_states.shape
+        p = self.config.patch_size
+        if height % p or width % p:
+            raise ValueError(f"latent size {height}x{width} is not a multiple of patch_size {p}")
+        for name, t in (("timestep", timestep), ("guidance", guidance)):
+            if t is not None and (t.ndim != 1 or t.shape[0] not in (1, batch)):
+                raise ValueError(f"{name} must have shape ({batch},) or (1,), got {tuple(t.shape)}")
+        if (context is None) == (encoder_hidden_states is None):
+            raise ValueError(
+                "pass exactly one of encoder_hidden_states (Gemma-2 states) and context (embedded)"
+            )
+
+        dtype = hidden_states.dtype
+        x = self.patch_embed(hidden_states)
+        timestep = timestep.expand(batch)
+        guidance = None if guidance is None else guidance.expand(batch)
+        modulation, emb = self.time_embed(timestep, guidance, x.dtype)
+        ctx = self.embed_context(encoder_hidden_states) if context is None else context
+        mask_bias = self.mask_bias(encoder_attention_mask, dtype)
+
+        h, w = height // p, width // p
+        for block in self.transformer_blocks:
+            x = block(x, ctx, mask_bias, modulation, h, w)
+
+        shift, scale = (self.scale_shift_table[None] + emb[:, None]).unbind(1)
+        x = self.norm_out(x) * (1 + scale[:, None]) + shift[:, None]
+        x = self.proj_out(x)
+        # (batch, h*w, p*p*C) -> (batch, C, h*p, w*p)
+        x = x.reshape(batch, h, w, p, p, -1).permute(0, 5, 1, 3, 2, 4)
+        return x.reshape(batch, -1, h * p, w * p)
