@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 RUNTIME_STAMP := $(VENV)/.diffserve-runtime
 TEST_STAMP := $(VENV)/.diffserve-test
-LINT_PATHS := $(wildcard src tests benchmarks tools)
+LINT_PATHS := $(wildcard src tests benchmarks tools integrations)
 DEMO_PROMPT ?= a large red circle in the center on a black background
 
 .PHONY: demo test lint install clean-venv

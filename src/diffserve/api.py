@@ -15,6 +15,14 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
+from diffserve.backends import DIFFUSERS_BACKEND_DISABLED
+from diffserve.backends.diffusers_pipeline import (
+    BackendFamily,
+    DiffusersBackendPipeline,
+    load_diffusers_pipeline,
+    task_of,
+)
+from diffserve.backends.engine_checks import check_backend_args
 from diffserve.configs.engine_args import EngineArgs, LoraSpec
 from diffserve.configs.memory_options import check_offload, check_quantization, check_transformer_weights
 from diffserve.configs.quality import check_default_quality, read_calibrated_policies
@@ -93,13 +101,13 @@ class GenerationOutput:
 class LoadedModel:
     """A loaded pipeline and what it was loaded with (every rank loads one)."""
 
-    pipeline: Pipeline
-    family: ModelFamily
+    pipeline: Pipeline | DiffusersBackendPipeline  # the latter with `--backend diffusers`
+    family: ModelFamily | BackendFamily
     index: ModelIndex
     components: dict[str, LoadedComponent]
     dtype: torch.dtype
     attention_backend: AttentionBackend
-    loras: LoraRegistry  # the LoRA adapters this rank's model serves
+    loras: LoraRegistry | None  # the LoRA adapters this rank's model serves (None: the backend takes none)
     compiled_regions: list[CompiledRegion] = field(default_factory=list)  # `--compile`: blocks compiled
 
 
@@ -140,6 +148,8 @@ def load_model(
     except ValueError as exc:
         raise UserError(str(exc)) from exc
     index = read_model_index(engine_args.model_path, engine_args.revision)
+    if engine_args.backend == "diffusers":
+        return load_through_diffusers(index, platform, dtype, attention_backend)
     family = resolve_family(index.pipeline_class_name)
     tp_size = parallel_state.tp_size if parallel_state is not None else 1
     check_tensor_parallel(index, family, tp_size)
@@ -192,6 +202,21 @@ def load_model(
     return LoadedModel(pipeline, family, index, components, dtype, attention_backend, loras, compiled)
 
 
+def load_through_diffusers(
+    index: ModelIndex, platform: Platform, dtype: torch.dtype, attention_backend: AttentionBackend
+) -> LoadedModel:
+    """`--backend diffusers`: the folder's Diffusers pipeline class, loaded and run by diffusers itself."""
+    name = index.pipeline_class_name
+    pipeline = load_diffusers_pipeline(index.root, platform, dtype)
+    family = BackendFamily(f"diffusers:{name}", name, task_of(pipeline))
+    logger.info(
+        "Resolved pipeline: %s -> %s (backend diffusers, %s); disabled: %s",
+        name, pipeline.describe(), family.task, "; ".join(DIFFUSERS_BACKEND_DISABLED),
+    )  # fmt: skip
+    components = pipeline.context.components
+    return LoadedModel(pipeline, family, index, components, dtype, attention_backend, loras=None)
+
+
 def serve_rank(state: ParallelState, engine_args: EngineArgs, platform: Platform) -> None:
     """A worker rank's life after joining the group: load the same model, report ready (the `ready`
     exchange of `DiffGenerator._wait_for_ranks`), then run rank 0's ops until it says stop."""
@@ -218,6 +243,7 @@ class DiffGenerator:
         start = time.perf_counter()
         self.engine_args = engine_args
         parallel = engine_args.parallel_config()  # ParallelConfigError before anything starts or loads
+        check_backend_args(engine_args)  # `--backend diffusers` with a flag it cannot honour: refused now
         try:
             platform = self.platform = resolve_platform(engine_args.device)
         except PlatformUnavailableError as exc:
@@ -243,8 +269,8 @@ class DiffGenerator:
             self._wait_for_ranks(exc)
             self.close()
             raise
-        self.pipeline: Pipeline = model.pipeline
-        self.family: ModelFamily = model.family
+        self.pipeline: Pipeline | DiffusersBackendPipeline = model.pipeline
+        self.family: ModelFamily | BackendFamily = model.family
         self.dtype, self.attention_backend = model.dtype, model.attention_backend
         #: The model as named (a folder, or a Hub repo id), as outputs' metadata and the server show it.
         self.model_path = model.index.name
@@ -252,8 +278,10 @@ class DiffGenerator:
         self.model_folder = model.index.root
         self.show_progress = show_progress
         max_tokens = engine_args.max_batch_tokens or default_max_batch_tokens(platform.device_type)
+        # The diffusers backend runs one request at a time: its call keeps per-call state on the pipeline.
+        one_at_a_time = engine_args.backend == "diffusers"
         scheduler = SchedulerConfig(
-            max_running_requests=engine_args.max_running_requests,
+            max_running_requests=1 if one_at_a_time else engine_args.max_running_requests,
             max_batch_tokens=max_tokens,
             max_inference_steps=engine_args.max_inference_steps,
         )
@@ -341,6 +369,7 @@ class DiffGenerator:
         dit_layerwise_offload: bool = False,
         offload: str = "none",
         max_memory: int | None = None,
+        backend: str = "native",
     ) -> DiffGenerator:
         """Load a Diffusers folder, or a Hugging Face repo id (`"owner/name"`: from the local HF cache,
         else downloaded; `revision` picks a branch, tag or commit). `compile=True` is `--compile`
@@ -354,10 +383,13 @@ class DiffGenerator:
         Memory (docs/memory.md): `quantization` "int8" or "fp8" (weight-only, the DiT's Linears);
         `transformer_weights` a single-file `.safetensors` or `.gguf` DiT checkpoint replacing the folder's;
         the `*_cpu_offload` and `dit_layerwise_offload` switches and `offload="auto"` as the CLI flags;
-        `max_memory` the host bytes the weights may take (past it the DiT streams per block)."""
+        `max_memory` the host bytes the weights may take (past it the DiT streams per block). `backend`
+        "diffusers" runs the folder's Diffusers pipeline class through diffusers (`--backend diffusers`: for
+        pipelines diffserve has not ported; one request at a time, exact quality only)."""
         args = EngineArgs(
             model_path=str(model_path),
             revision=revision,
+            backend=backend,
             device=device,
             dtype=dtype,
             attention_backend=attention_backend,
@@ -422,7 +454,10 @@ class DiffGenerator:
         Keyword args are SamplingParams fields; `save_frames` also writes each video's frames as PNGs.
         Thread-safe; the requests of one call, and of concurrent calls, share DiT batches. `image`
         (`input_images`, one or several) and `mask` (`mask_image`, one): each a file path, encoded bytes,
-        a PIL image or a base64 data URL (never an http(s) URL)."""
+        a PIL image or a base64 data URL (never an http(s) URL). On FLUX.1, SD3, Z-Image and Qwen-Image
+        folders an `image` runs image-to-image (`strength=`, 0-1, the SamplingParams field) and a `mask`
+        inpaints; FLUX.1 Fill needs both. A mask's transparent pixels, or without alpha its white ones,
+        mark the area to repaint (`diffserve.masks`)."""
         if image is not None:
             if "input_images" in params:
                 raise UserError("pass the input images as either image= or input_images=, not both")
@@ -430,7 +465,7 @@ class DiffGenerator:
         if mask is not None:
             if isinstance(mask, (list, tuple)):
                 raise UserError("mask: pass one mask image, not a list")
-            params["mask_image"] = load_images(mask, param="mask")[0]
+            params["mask_image"] = load_images(mask, param="mask", keep_alpha=True)[0]
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not prompts or not all(isinstance(p, str) for p in prompts):
             raise UserError("prompt: pass a string or a non-empty list of strings")

@@ -52,6 +52,7 @@ from pathlib import Path
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from diffserve.errors import InvalidRequestError
+from diffserve.masks import has_alpha
 
 __all__ = [
     "DEFAULT_ALLOWED_FORMATS",
@@ -111,15 +112,17 @@ def load_image(
     param: str = "image",
     allow_urls: bool = False,
     limits: ImageInputLimits | None = None,
+    keep_alpha: bool = False,
 ) -> Image.Image:
-    """Load `source` (path, raw bytes, base64 data URL, or - with `allow_urls` - an http(s) URL) as RGB.
+    """Load `source` (path, raw bytes, base64 data URL, or - with `allow_urls` - an http(s) URL) as RGB
+    (with `keep_alpha`, an image with transparency as RGBA: inpainting masks, `diffserve.masks`).
 
     Raises `InvalidRequestError(param=param)` for anything unusable and `ImageTooLargeError` for inputs
     over `limits` (defaults: `ImageInputLimits()`).
     """
     limits = limits if limits is not None else ImageInputLimits()
     data = read_image_source(source, param=param, allow_urls=allow_urls, limits=limits)
-    return decode_image(data, param=param, limits=limits)
+    return decode_image(data, param=param, limits=limits, keep_alpha=keep_alpha)
 
 
 def read_image_source(
@@ -135,10 +138,13 @@ def read_image_source(
     return _read_source(source, param=param, allow_urls=allow_urls, limits=limits)
 
 
-def decode_image(data: bytes, *, param: str = "image", limits: ImageInputLimits | None = None) -> Image.Image:
-    """Encoded image bytes as RGB, the pixel count checked from the header first; the second half of
-    `load_image`."""
-    return _decode(data, param=param, limits=limits if limits is not None else ImageInputLimits())
+def decode_image(
+    data: bytes, *, param: str = "image", limits: ImageInputLimits | None = None, keep_alpha: bool = False
+) -> Image.Image:
+    """Encoded image bytes as RGB (RGBA with `keep_alpha` when it has transparency), the pixel count
+    checked from the header first; the second half of `load_image`."""
+    limits = limits if limits is not None else ImageInputLimits()
+    return _decode(data, param=param, limits=limits, keep_alpha=keep_alpha)
 
 
 # ---------------------------------------------------------------------------------------------- sources
@@ -472,7 +478,7 @@ def _download(target: _Target, deadline: _Deadline, *, param: str, limits: Image
 # --------------------------------------------------------------------------------------------- decoding
 
 
-def _decode(data: bytes, *, param: str, limits: ImageInputLimits) -> Image.Image:
+def _decode(data: bytes, *, param: str, limits: ImageInputLimits, keep_alpha: bool) -> Image.Image:
     allowed = ", ".join(limits.allowed_formats)
     try:
         with warnings.catch_warnings():
@@ -498,7 +504,7 @@ def _decode(data: bytes, *, param: str, limits: ImageInputLimits) -> Image.Image
                 img.seek(0)  # first frame of an animated GIF/WEBP
                 img.load()
                 img = ImageOps.exif_transpose(img)
-                return img.convert("RGB")
+                return img.convert("RGBA" if keep_alpha and has_alpha(img) else "RGB")
     except InvalidRequestError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
@@ -530,8 +536,10 @@ def load_images(
     param: str = "image",
     allow_urls: bool = False,
     limits: ImageInputLimits | None = None,
+    keep_alpha: bool = False,
 ) -> list[Image.Image]:
-    """One source or a list of them (a tuple or list) as RGB images, in order.
+    """One source or a list of them (a tuple or list) as RGB images (`keep_alpha`: see `load_image`), in
+    order.
 
     PIL images are passed through after `.convert("RGB")` (the caller already decoded them, so no byte
     or pixel bound applies); everything else goes through `load_image`. With several sources an error
@@ -544,7 +552,9 @@ def load_images(
     for i, source in enumerate(items):
         name = param if len(items) == 1 else f"{param}[{i}]"
         if isinstance(source, Image.Image):
-            out.append(source.convert("RGB"))
+            out.append(source.convert("RGBA" if keep_alpha and has_alpha(source) else "RGB"))
         else:
-            out.append(load_image(source, param=name, allow_urls=allow_urls, limits=limits))
+            out.append(
+                load_image(source, param=name, allow_urls=allow_urls, limits=limits, keep_alpha=keep_alpha)
+            )
     return out

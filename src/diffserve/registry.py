@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Protocol
 
 from diffserve.configs.flux import (
+    FluxFillPipelineConfig,
     FluxKontextPipelineConfig,
     FluxPipelineConfig,
     flux_default_sampling_params,
+    flux_fill_default_sampling_params,
 )
 from diffserve.configs.flux2 import (
     Flux2KleinPipelineConfig,
@@ -71,6 +73,7 @@ from diffserve.models.vaes.autoencoder_kl_wan import AutoencoderKLWan
 from diffserve.pipelines.base import Pipeline
 from diffserve.pipelines.flux import FluxPipeline
 from diffserve.pipelines.flux2 import Flux2KleinPipeline, Flux2Pipeline
+from diffserve.pipelines.flux_fill import FluxFillPipeline
 from diffserve.pipelines.flux_kontext import FluxKontextPipeline
 from diffserve.pipelines.qwen_image import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline
 from diffserve.pipelines.sana import SanaPipeline, SanaSprintPipeline
@@ -144,6 +147,15 @@ def _tiny_flux_kontext(out_dir: Path, options: TinyCheckpointOptions) -> Path:
     from diffserve.testing.tiny_flux_kontext import build_tiny_flux_kontext
 
     return build_tiny_flux_kontext(
+        out_dir, TinyFluxSpec(seed=options.seed, guidance_embeds=options.guidance_embeds)
+    )
+
+
+def _tiny_flux_fill(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+    from diffserve.testing.tiny_flux import TinyFluxSpec
+    from diffserve.testing.tiny_flux_fill import build_tiny_flux_fill
+
+    return build_tiny_flux_fill(
         out_dir, TinyFluxSpec(seed=options.seed, guidance_embeds=options.guidance_embeds)
     )
 
@@ -322,6 +334,17 @@ FAMILIES: tuple[ModelFamily, ...] = (
         aliases=("kontext", "flux_kontext"),
     ),
     ModelFamily(
+        name="flux-fill",
+        diffusers_pipeline="FluxFillPipeline",
+        pipeline_cls=FluxFillPipeline,
+        native_classes=_FLUX_CLASSES,
+        pipeline_config=FluxFillPipelineConfig(),
+        default_sampling_params=flux_fill_default_sampling_params,
+        task="image-edit",
+        tiny_builder=_tiny_flux_fill,
+        aliases=("flux_fill",),
+    ),
+    ModelFamily(
         name="sana",
         diffusers_pipeline="SanaPipeline",
         pipeline_cls=SanaPipeline,
@@ -399,7 +422,9 @@ def resolve_family(pipeline_class_name: str) -> ModelFamily:
     if family is None:
         supported = ", ".join(sorted(REGISTRY))
         raise ModelLoadError(
-            f"pipeline {pipeline_class_name!r} is not supported by diffserve; "
-            f"supported pipelines: {supported}"
+            f"pipeline {pipeline_class_name!r} is not supported by diffserve's native backend; "
+            f"supported pipelines: {supported}. To run it through diffusers' own pipeline instead (one request "
+            'at a time, exact quality only), pass --backend diffusers (backend="diffusers" in the Python API; '
+            "needs pip install 'diffserve[diffusers]')"
         )
     return family

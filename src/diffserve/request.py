@@ -62,6 +62,17 @@ class Req:
     condition_shapes: list[tuple[int, int, int]] = field(default_factory=list)
     # Image-to-video: the input image's CLIP vision states (batch, tokens, dim), cross-attended by the DiT.
     image_embeds: torch.Tensor | None = None
+    # FLUX.1 Fill: per image token, the masked input image's packed latents and the packed mask pixels
+    # (batch, tokens, channels), appended to the noisy tokens' channels (not to the token sequence).
+    channel_condition: torch.Tensor | None = None
+
+    # Image-to-image and inpainting (stages/image_to_image.py, stages/mask_preparation.py), None without an
+    # input image: its VAE latents in the latents' layout (one copy per output), the initial noise they were
+    # noised with (the inpainting blend re-noises them with it after every step), and the mask on the latent
+    # grid in the same layout (1 = edit, 0 = keep the input image).
+    init_latents: torch.Tensor | None = None
+    noise: torch.Tensor | None = None
+    mask_latents: torch.Tensor | None = None
 
     # Set by timestep preparation, float32 on the latents' device, so that a step indexes them without a
     # host-to-device copy (a host sync on accelerators): sigmas has num_steps + 1 entries.

@@ -12,7 +12,7 @@ import pytest
 from diffserve import DiffGenerator
 from diffserve.configs.demo_model import demo_model_path
 
-STEPS = 20
+STEPS = 8
 SETTINGS = {
     "height": 64,
     "width": 64,

@@ -76,7 +76,8 @@ def test_sd3_initial_noise_matches_diffusers(engines) -> None:
 
     ours, reference = engines
     req = Req(params=SamplingParams(prompt="x", height=64, width=48, num_inference_steps=2, seed=5))
-    for stage in ours.pipeline.stages[:3]:  # validation, text encoding, latent preparation
+    # validation, text encoding, input-image encoding (a no-op without an image), latent preparation
+    for stage in ours.pipeline.stages[:4]:
         req = stage(req, ours.platform)
     expected = reference.prepare_latents(
         1, 16, 64, 48, torch.float32, torch.device("cpu"), torch.Generator("cpu").manual_seed(5)

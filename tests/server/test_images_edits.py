@@ -1,7 +1,8 @@
-"""`POST /v1/images/edits` against a text-to-image model (the tiny FLUX checkpoint): every way a request
-can be wrong gets OpenAI's error shape with the right status and field, the front end parses exactly
-what the `openai` SDK sends, and the server keeps serving afterwards. Parsing and limits are also
-checked without a server. The success path on an edit model is in test_images_edits_qwen.py."""
+"""`POST /v1/images/edits` against the tiny FLUX checkpoint, which takes one input image (image-to-image,
+and inpainting with a mask): every way a request can be wrong gets OpenAI's error shape with the right
+status and field, the front end parses exactly what the `openai` SDK sends, and the server keeps serving
+afterwards. Parsing and limits are also checked without a server. The success path on an edit model is in
+test_images_edits_qwen.py, FLUX.1 Fill's with a mask in test_images_edits_mask.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 import base64
 import io
 import json
+import re
 from pathlib import Path
 
 import httpx
@@ -31,7 +33,7 @@ MAX_IMAGE_BYTES = 4000
 MAX_IMAGE_PIXELS = 64 * 64
 MAX_BODY_BYTES = 65536
 API_KEY = "edit-key"
-NO_INPUT_IMAGE = "FluxPipeline is a text-to-image model and takes no input image"
+TAKES_ONE = "FluxPipeline takes at most 1 input image(s), got 2"
 
 
 def png(width: int, height: int, noise: bool = False, seed: int = 0) -> bytes:
@@ -226,22 +228,28 @@ def edit(server, *, files=None, data=None, json_body=None, headers=None) -> http
 FIELDS = {"prompt": "make it blue", "num_inference_steps": "1"}
 
 
-def test_sdk_edit_on_a_text_to_image_model_is_400(server, client, tiny_flux_dir) -> None:
+def test_sdk_edit_on_flux_is_image_to_image(server, client, tiny_flux_dir) -> None:
+    response = client.images.edit(
+        model=Path(tiny_flux_dir).name,
+        image=("in.png", png(48, 16), "image/png"),
+        prompt="make it blue",
+        n=2,
+        size="32x16",
+        response_format="b64_json",
+        extra_body={"seed": 3, "num_inference_steps": 2, "guidance_scale": 2.0, "strength": 0.5},
+    )
+    pixels = [np.asarray(Image.open(io.BytesIO(base64.b64decode(d.b64_json)))) for d in response.data]
+    assert [p.shape for p in pixels] == [(16, 32, 3)] * 2
+
     with pytest.raises(openai.BadRequestError) as info:
         client.images.edit(
-            model=Path(tiny_flux_dir).name,
             image=("in.png", png(48, 16), "image/png"),
-            prompt="make it blue",
-            n=2,
-            size="32x16",
-            response_format="b64_json",
-            extra_body={"seed": 3, "num_inference_steps": 1, "guidance_scale": 2.0, "negative_prompt": "red"},
+            prompt="p",
+            extra_body={"num_inference_steps": 1, "strength": 1.5},
         )
-    error = info.value.body
-    assert NO_INPUT_IMAGE in error["message"] and error["param"] == "image", error
-    assert info.value.status_code == 400 and error["type"] == "invalid_request_error"
+    assert info.value.body["param"] == "strength", info.value.body
 
-    with pytest.raises(openai.BadRequestError, match="takes no input image"):  # a list: 'image[]' parts
+    with pytest.raises(openai.BadRequestError, match="takes at most 1 input image"):  # 'image[]' parts
         client.images.edit(
             image=[("a.png", png(16, 16), "image/png"), ("b.png", png(16, 16), "image/png")],
             prompt="merge them",
@@ -249,20 +257,20 @@ def test_sdk_edit_on_a_text_to_image_model_is_400(server, client, tiny_flux_dir)
         )
 
 
-def test_a_mask_is_refused(server, client) -> None:
-    # FLUX refuses the image before anything is decoded; an edit model names the mask
-    # (test_images_edits_qwen.py), and a bad mask is named in test_edit_inputs_bounded.py.
-    with pytest.raises(openai.BadRequestError, match="takes no input image"):
+def test_mask_errors_name_the_mask(server, client) -> None:
+    # FLUX inpaints: a mask of another size than the image, or one that is not an image, is named.
+    with pytest.raises(openai.BadRequestError, match="mask is 16x16 but the image is 48x16") as info:
         client.images.edit(
-            image=("in.png", png(16, 16), "image/png"),
+            image=("in.png", png(48, 16), "image/png"),
             mask=("m.png", png(16, 16), "image/png"),
             prompt="p",
             extra_body={"num_inference_steps": 1},
         )
+    assert info.value.body["param"] == "mask"
     r = edit(
         server, files=[("image", ("in.png", png(16, 16))), ("mask", ("m.png", b"\x00garbage"))], data=FIELDS
     )
-    assert_error(r, 400, NO_INPUT_IMAGE, "image")
+    assert_error(r, 400, "mask: data is not a recognised image", "mask")
     r = edit(
         server,
         files=[
@@ -276,24 +284,36 @@ def test_a_mask_is_refused(server, client) -> None:
 
 
 def test_images_are_refused_for_the_model_before_decoding(server, client) -> None:
-    """Junk, oversized or URL images meet the model's refusal first: nothing is decoded or fetched for
-    a model that takes no input image (what decoding refuses: test_edit_inputs_bounded.py)."""
+    """Junk, oversized or URL images beyond the one FLUX takes meet the model's refusal first: nothing
+    is decoded or fetched (what decoding refuses: test_edit_inputs_bounded.py)."""
     junk = np.random.default_rng(0).integers(0, 256, 500, dtype=np.uint8).tobytes()
     with pytest.raises(openai.BadRequestError) as info:
-        client.images.edit(image=("in.png", junk, "image/png"), prompt="p")
-    assert info.value.body["param"] == "image" and NO_INPUT_IMAGE in info.value.body["message"]
-    for files in ({"image": ("big.png", png(64, 64, noise=True))}, {"image": ("wide.png", png(128, 64))}):
-        assert_error(edit(server, files=files, data=FIELDS), 400, NO_INPUT_IMAGE, "image")
+        client.images.edit(image=[("a.png", junk, "image/png"), ("b.png", junk, "image/png")], prompt="p")
+    assert info.value.body["param"] == "image" and TAKES_ONE in info.value.body["message"]
+    big, wide = ("big.png", png(64, 64, noise=True)), ("wide.png", png(128, 64))
+    assert_error(
+        edit(server, files=[("image[]", big), ("image[]", wide)], data=FIELDS), 400, TAKES_ONE, "image"
+    )
     for image in ("data:image/png;base64,@@@", "https://example.com/cat.png"):
-        assert_error(edit(server, json_body={"prompt": "p", "image": image}), 400, NO_INPUT_IMAGE, "image")
+        r = edit(server, json_body={"prompt": "p", "image": [image, image]})
+        assert_error(r, 400, TAKES_ONE, "image")
+    # One image is decoded, and refused when it is not an image.
+    with pytest.raises(openai.BadRequestError, match="not a recognised image"):
+        client.images.edit(image=("in.png", junk, "image/png"), prompt="p")
 
 
 def test_edit_body_limit_follows_the_model(server) -> None:
-    # FLUX takes no input image: the edits body is held to --max-body-bytes (64 KiB), as generations'.
+    # FLUX takes one input image: the edits body is held to --max-body-bytes plus one base64 image.
+    limit = ServerArgs(
+        EngineArgs(model_path="/m"), max_image_bytes=MAX_IMAGE_BYTES, max_body_bytes=MAX_BODY_BYTES
+    ).image_body_bytes(1)
     long_prompt = {**FIELDS, "prompt": "blue " * 20_000}
     r = edit(server, files={"image": ("in.png", png(16, 16))}, data=long_prompt)
-    error = assert_error(r, 413, f"limit of {MAX_BODY_BYTES} bytes for /v1/images/edits: FluxPipeline")
-    assert error["code"] == "request_too_large" and "(--max-body-bytes)" in error["message"]
+    error = assert_error(r, 413, f"limit of {limit} bytes for /v1/images/edits: FluxPipeline")
+    assert (
+        error["code"] == "request_too_large"
+        and "(--max-image-bytes and --max-body-bytes)" in error["message"]
+    )
     # The generic limit holds on the other routes.
     r = httpx.post(
         f"{server.base_url}/v1/images/generations",
@@ -321,8 +341,10 @@ def test_field_errors(server) -> None:
         edit(server, files=img, data={**FIELDS, "size": "big"}), 400, "size must be 'WIDTHxHEIGHT'", "size"
     )
     assert_error(edit(server, files=img, data={**FIELDS, "n": "11"}), 400, "less than or equal to 10", "n")
-    # `quality` is the engine's to check; the front end refuses FLUX's image before the job is made.
-    assert_error(edit(server, files=img, data={**FIELDS, "quality": "ultra"}), 400, NO_INPUT_IMAGE, "image")
+    # `quality` is the engine's to check: FLUX takes the image, and the engine names the field.
+    assert_error(
+        edit(server, files=img, data={**FIELDS, "quality": "ultra"}), 400, "quality must be", "quality"
+    )
     assert_error(
         edit(server, files=img, data={**FIELDS, "model": "dall-e-2"}),
         404,
@@ -351,11 +373,13 @@ def test_field_errors(server) -> None:
 
 
 def test_json_bodies_reach_the_engine(server) -> None:
-    """Both JSON forms parse; the front end then refuses the image for the text-to-image model."""
+    """Both JSON forms parse and run (the output keeps the input's size); two images are refused."""
     url = data_url(png(16, 16))
-    for body in ({"image": url}, {"image": [url, url]}, {"images": [{"image_url": url}]}):
+    for body in ({"image": url, "strength": 0.7}, {"images": [{"image_url": url}], "mask": url}):
         r = edit(server, json_body={"prompt": "p", "num_inference_steps": 1, **body})
-        assert_error(r, 400, NO_INPUT_IMAGE, "image")
+        assert r.status_code == 200 and r.json()["size"] == "16x16", r.text
+    r = edit(server, json_body={"prompt": "p", "num_inference_steps": 1, "image": [url, url]})
+    assert_error(r, 400, TAKES_ONE, "image")
     r = edit(server, json_body={"prompt": "p", "image": url, "size": "40"})
     assert_error(r, 400, "size must be 'WIDTHxHEIGHT'", "size")
 
@@ -390,17 +414,14 @@ def test_api_generate_takes_image_and_mask(tiny_flux_dir, tmp_path) -> None:
     generator = DiffGenerator.from_pretrained(tiny_flux_dir, show_progress=False)
     path = tmp_path / "in.png"
     path.write_bytes(png(16, 16))
-    for image in (
-        path,
-        str(path),
-        png(16, 16),
-        Image.new("RGBA", (16, 16)),
-        data_url(png(16, 16)),
-        [path, path],
-    ):
-        with pytest.raises(InvalidRequestError, match=NO_INPUT_IMAGE) as info:
-            generator.generate("p", image=image, num_inference_steps=1)
-        assert info.value.param == "image"
+    for image in (path, str(path), png(16, 16), Image.new("RGBA", (16, 16)), data_url(png(16, 16))):
+        assert generator.generate("p", image=image, num_inference_steps=1).images[0].size == (16, 16)
+    with pytest.raises(InvalidRequestError, match=re.escape(TAKES_ONE)) as info:
+        generator.generate("p", image=[path, path], num_inference_steps=1)
+    assert info.value.param == "image"
+    with pytest.raises(InvalidRequestError, match="mask is 8x8 but the image is 16x16") as info:
+        generator.generate("p", image=path, mask=Image.new("L", (8, 8)), num_inference_steps=1)
+    assert info.value.param == "mask"
     with pytest.raises(InvalidRequestError, match="URLs are disabled"):
         generator.generate("p", image="https://example.com/a.png")
     with pytest.raises(InvalidRequestError, match="is not an existing file") as info:
@@ -438,7 +459,9 @@ def test_cli_generate_image_flags(tiny_flux_dir, tmp_path, capsys) -> None:
     assert main([*base, "--image", str(path), "--mask", str(tmp_path / "bad.png")]) == 2
     assert "--mask: data is not a recognised image" in capsys.readouterr().err
     assert main([*base, "--image", str(path), "--image", str(path)]) == 2
-    assert NO_INPUT_IMAGE in capsys.readouterr().err
+    assert TAKES_ONE in capsys.readouterr().err
+    assert main([*base, "--image", str(path), "--strength", "1.5"]) == 2
+    assert "strength must be a number in [0, 1]" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

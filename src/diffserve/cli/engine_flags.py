@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Literal
 
+from diffserve.backends import BACKENDS
 from diffserve.cli.lora_flags import add_lora_flags, lora_engine_fields
 from diffserve.cli.memory_flags import add_memory_flags, memory_engine_fields
 from diffserve.configs.engine_args import EngineArgs
@@ -22,6 +23,10 @@ def add_engine_flags(p: argparse.ArgumentParser, lora: Literal["serve", "generat
         help="Diffusers model folder (with model_index.json) or Hugging Face repo id such as "
         "black-forest-labs/FLUX.1-dev (from the HF cache, else downloaded); "
         "default: the small demo model shipped with diffserve")  # fmt: skip
+    add("--backend", default="native", choices=BACKENDS,
+        help="native: diffserve's own pipelines; diffusers: run the folder's Diffusers pipeline class through "
+        "diffusers (pipelines diffserve has not ported; one request at a time, exact quality only; needs "
+        "pip install 'diffserve[diffusers]') (default: native)")  # fmt: skip
     add("--revision", default=None,
         help="with a Hugging Face repo id: branch, tag or commit hash (default: main)")  # fmt: skip
     add("--device", default=None, help="platform: cpu, cuda, rocm, musa, xpu, npu, mps (default: detect)")
@@ -99,6 +104,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
     engine_args = EngineArgs(
         model_path=model_path_or_demo(args.model_path),
         revision=args.revision,
+        backend=args.backend,
         device=args.device,
         dtype=args.dtype,
         text_encoder_dtype=args.text_encoder_dtype,

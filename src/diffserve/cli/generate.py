@@ -31,8 +31,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     prompt.add_argument("--prompt", help="text prompt")
     prompt.add_argument("--prompt-file", help="file with one prompt per line (blank lines skipped)")
     add("--image", action="append", default=None, metavar="PATH",
-        help="input image of an edit model (repeat for several, in order); png, jpeg, webp, bmp or gif")  # fmt: skip
-    add("--mask", default=None, metavar="PATH", help="inpainting mask (only models that inpaint)")
+        help="input image of an edit model (repeat for several, in order), or the start image of image-to-image "
+        "(FLUX, SD3); png, jpeg, webp, bmp or gif")  # fmt: skip
+    add("--mask", default=None, metavar="PATH",
+        help="inpainting mask of the --image's size: transparent pixels (alpha 0) or, without alpha, white "
+        "pixels mark the area to repaint (FLUX, SD3 and FLUX.1 Fill folders)")  # fmt: skip
+    add("--strength", type=float, default=None,
+        help="image-to-image / inpainting: how far --image is noised, 0-1 (1: pure noise; default 0.6, "
+        "FLUX.1 Fill 1.0); keeps int(steps * strength) steps")  # fmt: skip
     add("--negative-prompt", default=None, help="negative prompt (used with --true-cfg-scale > 1)")
     add("--height", type=int, default=None, help="image height in pixels (model default if unset)")
     add("--width", type=int, default=None, help="image width in pixels (model default if unset)")
@@ -147,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         check_output_path(args.output_path)
     # Paths only: a string that is not an existing file is an error, never a URL download.
     images = load_images([Path(p) for p in args.image], param="--image") if args.image else None
-    mask = load_images(Path(args.mask), param="--mask")[0] if args.mask else None
+    mask = load_images(Path(args.mask), param="--mask", keep_alpha=True)[0] if args.mask else None
     flags["seed"] = seed_or_random(args.seed)
     params_list = [SamplingParams(prompt=p, input_images=images, mask_image=mask, **flags) for p in prompts]
     with DiffGenerator(engine_args) as generator:  # with --num-gpus > 1 its exit stops the other ranks

@@ -31,6 +31,9 @@ class EngineArgs:
     text_encoder_dtype: str | None = None  # None: same as dtype
     attention_backend: str | None = None  # None: the platform's default
     output_path: str = "outputs"
+    #: "native" (diffserve's own pipelines) or "diffusers": run the folder's Diffusers pipeline class through
+    #: diffusers itself, one request at a time (`diffserve.backends`; the extra `diffserve[diffusers]`).
+    backend: str = "native"
     # The engine's step scheduler (diffserve.runtime.scheduler), for the server, the CLI and the API alike.
     #: Requests denoising at once, sharing DiT batches (1: one request at a time).
     max_running_requests: int = 8

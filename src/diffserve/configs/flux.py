@@ -19,6 +19,9 @@ class FluxPipelineConfig:
     max_t5_sequence_length: int = 512
     #: Height/width default to this many latent pixels times the VAE's scale factor (Diffusers: 128).
     default_sample_size: int = 128
+    #: Image-to-image / inpainting strength when a request with an input image leaves it unset
+    #: (Diffusers' `FluxImg2ImgPipeline` and `FluxInpaintPipeline`: 0.6).
+    default_strength: float = 0.6
 
 
 def flux_default_sampling_params() -> SamplingParams:
@@ -72,3 +75,22 @@ class FluxKontextPipelineConfig(FluxPipelineConfig):
     preferred_resolutions: tuple[tuple[int, int], ...] = KONTEXT_PREFERRED_RESOLUTIONS
     #: Pixels of the default output size (Diffusers' `max_area`).
     max_area: int = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class FluxFillPipelineConfig(FluxPipelineConfig):
+    """FLUX.1 Fill (Diffusers' FluxFillPipeline): inpainting and outpainting with an input image and a
+    mask, which its DiT reads as extra channels of every image token. Diffusers' default strength is 1.0
+    (start from pure noise; the mask and the masked image condition the DiT)."""
+
+    default_strength: float = 1.0
+
+
+def flux_fill_default_sampling_params() -> SamplingParams:
+    """FLUX.1-Fill-dev defaults from Diffusers' FluxFillPipeline.__call__: 50 steps, embedded guidance 30."""
+    return SamplingParams(
+        num_inference_steps=50,
+        guidance_scale=30.0,
+        true_cfg_scale=1.0,
+        max_sequence_length=512,
+    )

@@ -42,6 +42,9 @@ class QwenImagePipelineConfig:
     max_sequence_length_limit: int = 1024
     #: Height/width default to this many latent pixels times the VAE scale (1024 for the real VAE).
     default_sample_size: int = 128
+    #: Image-to-image / inpainting strength when a request with an input image leaves it unset (Diffusers'
+    #: `QwenImageImg2ImgPipeline` and `QwenImageInpaintPipeline`: 0.6).
+    default_strength: float = 0.6
 
 
 @dataclass(frozen=True)

@@ -155,6 +155,17 @@ def check_skip_layer_guidance(params: SamplingParams) -> None:
         )
 
 
+def check_strength(strength: object) -> None:
+    """InvalidRequestError (param "strength") unless `strength` is None or a finite number in [0, 1]."""
+    if strength is not None and (
+        isinstance(strength, bool)
+        or not isinstance(strength, (int, float))
+        or not math.isfinite(strength)
+        or not 0 <= strength <= 1
+    ):
+        raise InvalidRequestError(f"strength must be a number in [0, 1], got {strength!r}", param="strength")
+
+
 @dataclass
 class SamplingParams:
     """What one generation request asks for. `None` means "use the model family's default"."""
@@ -184,8 +195,15 @@ class SamplingParams:
     #: turn paths, bytes, data URLs and (opt-in) URLs into images with `diffserve.image_inputs.load_image`
     #: before building the params, so the engine never touches the network or the user's files.
     input_images: list[Any] | None = None
-    #: Inpainting mask (a `PIL.Image.Image`); only families that inpaint accept it.
+    #: Inpainting mask (a `PIL.Image.Image`); only families that inpaint accept it. Either convention of
+    #: `diffserve.masks`: transparent pixels (alpha 0) mark the area to edit (OpenAI's), or, without alpha,
+    #: white = edit and black = keep (Diffusers'). It must have the input image's size.
     mask_image: Any | None = None
+    #: Image-to-image and inpainting: how far the input image is noised before denoising, in [0, 1] (1:
+    #: pure noise, the input only shapes the masked area's surroundings; small: close to the input). The
+    #: schedule keeps its last `int(num_inference_steps * strength)` steps, as Diffusers' `get_timesteps`.
+    #: None: the family's default when an input image is given (FLUX and SD3: 0.6; FLUX.1 Fill: 1.0).
+    strength: float | None = None
     #: Skip-layer guidance (SD3.5): the DiT block indices to skip in an extra forward of the prompt's
     #: branch, whose difference from the prompt's full prediction is added, times
     #: `skip_layer_guidance_scale`, at the steps whose fraction of the schedule lies strictly between
@@ -251,6 +269,7 @@ class SamplingParams:
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise InvalidRequestError(f"{name} must be a finite number >= 0, got {value!r}", param=name)
         check_skip_layer_guidance(self)
+        check_strength(self.strength)
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise InvalidRequestError(
                 f"seed must be an integer in [0, 2**63), got {self.seed!r}", param="seed"

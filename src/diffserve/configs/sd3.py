@@ -12,6 +12,9 @@ class SD3PipelineConfig:
     clip_max_length: int = 77
     #: Diffusers' StableDiffusion3Pipeline rejects T5 sequences longer than this.
     max_t5_sequence_length: int = 512
+    #: Image-to-image / inpainting strength when a request with an input image leaves it unset (Diffusers'
+    #: `StableDiffusion3Img2ImgPipeline` and `StableDiffusion3InpaintPipeline`: 0.6).
+    default_strength: float = 0.6
 
 
 def sd3_default_sampling_params() -> SamplingParams:

@@ -17,6 +17,10 @@ class ZImagePipelineConfig:
     #: Height/width default to 1024 (Diffusers' ZImagePipeline).
     default_pixels: int = 1024
     max_sequence_length_limit: int = 1024
+    #: Strength when a request with an input image leaves it unset: Diffusers' `ZImageImg2ImgPipeline`
+    #: (0.6), and `ZImageInpaintPipeline` with a mask (1.0).
+    default_strength: float = 0.6
+    default_inpaint_strength: float = 1.0
 
 
 def z_image_default_sampling_params() -> SamplingParams:

@@ -16,6 +16,7 @@ from diffserve.distributed.cfg_parallel import gather_branch_rows
 from diffserve.models.step_cache import BatchStepCache, CacheRows, batch_step_cache
 from diffserve.request import Req
 from diffserve.runtime.runner import CfgBranchView
+from diffserve.stages.mask_preparation import keep_unmasked
 
 
 @dataclass
@@ -99,14 +100,16 @@ def _combine_branch_views(
 
 def advance_requests(scheduler, reqs: list[Req], predictions: list[torch.Tensor]) -> None:
     """Advance every request one step along its own sigmas, with its own scheduler state (multistep
-    schedulers keep a per-request history there; Euler keeps none)."""
+    schedulers keep a per-request history there; Euler keeps none). An inpainting request then gets its
+    unmasked area back from its input image (`keep_unmasked`), as Diffusers does after every step."""
     for req, noise_pred in zip(reqs, predictions, strict=True):
         if req.step_index == 0 and req.scheduler_state is None:
             req.scheduler_state = scheduler.new_state()
         req.last_prediction = noise_pred  # kept for previews (stages/previews.py); no copy, no compute
-        req.latents = scheduler.step_request(
+        latents = scheduler.step_request(
             noise_pred, req.latents, req.sigmas, req.step_index, req.scheduler_state, req.host_sigmas
         )
+        req.latents = latents if req.mask_latents is None else keep_unmasked(req, latents)
         req.step_index += 1
 
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 
 from diffserve.configs.flux import FluxPipelineConfig, flux_default_sampling_params
+from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.layers.lora_rows import request_lora_scope
 from diffserve.loader.folder_defaults import apply_overrides
@@ -26,8 +29,14 @@ from diffserve.stages.base import Stage
 from diffserve.stages.decoding import DecodingStage
 from diffserve.stages.denoising import DenoisingStage
 from diffserve.stages.flux_text_encoding import FluxTextEncodingStage
+from diffserve.stages.image_to_image import (
+    ImageToImageNoisingStage,
+    InputImageEncodingStage,
+    input_image_size,
+)
 from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
-from diffserve.stages.latent_preparation import LatentPreparationStage
+from diffserve.stages.latent_preparation import LatentPreparationStage, pack_latents
+from diffserve.stages.mask_preparation import InpaintMaskStage
 from diffserve.stages.text_encoding import clip_context_length
 from diffserve.stages.timestep_preparation import TimestepPreparationStage
 
@@ -111,6 +120,14 @@ class FluxDenoiser:
 
 
 class FluxPipeline(Pipeline):
+    """FLUX.1 text-to-image, and image-to-image / inpainting from the same folder (Diffusers'
+    `FluxImg2ImgPipeline` / `FluxInpaintPipeline`): an optional input image noised by `strength`, and an
+    optional mask of the area to repaint.
+
+    Its variants (Kontext, Fill) reuse `build_stages` through its hooks: `image_input_rule`,
+    `default_size`, `preparation_stages` (between text encoding and timesteps), `noising_stages` (after
+    timesteps) and `denoiser_cls`."""
+
     required_components = (
         "text_encoder",
         "text_encoder_2",
@@ -121,6 +138,7 @@ class FluxPipeline(Pipeline):
         "scheduler",
     )
     config = FluxPipelineConfig()
+    denoiser_cls: ClassVar[type[FluxDenoiser]] = FluxDenoiser
     #: Thresholds from `diffserve calibrate-cache` on the trained demo model (benchmarks/README.md,
     #: "Quality tiers against the exact output").
     #: Calibrate a real checkpoint before trusting them there: a folder's own calibration file wins.
@@ -130,21 +148,63 @@ class FluxPipeline(Pipeline):
         "draft": StepCachePolicy(threshold=1.6, max_reuse_in_a_row=5),
     }
 
+    def image_input_rule(self) -> ImageInputRule:
+        """An optional input image (image-to-image, strength 0.6 by default as Diffusers') and mask."""
+        return ImageInputRule(
+            pipeline_name="FluxPipeline",
+            max_images=1,
+            inpainting=True,
+            default_strength=self.config.default_strength,
+        )
+
+    def default_sampling_params(self) -> SamplingParams:
+        return flux_default_sampling_params()
+
+    def default_size(self, default_pixels: int) -> Callable[[SamplingParams], tuple[int, int]]:
+        """(height, width) when unset: the input image's size (floored), else the square default.
+        (Diffusers' img2img defaults to the square size whatever the input; give a size to get it.)"""
+        return lambda params: input_image_size(params, self.pixel_multiple, (default_pixels, default_pixels))
+
+    def preparation_stages(self, context: PipelineContext) -> list[Stage]:
+        """The stages between text encoding and timestep preparation: the input image's latents (drawn from
+        the generator first, as Diffusers does), then the initial noise."""
+        device, dtype = context.platform.device(), context.dtype
+        return [
+            InputImageEncodingStage(context.get("vae"), pack_latents, device=device, dtype=dtype),
+            self.latent_preparation_stage(context),
+        ]
+
+    def noising_stages(self, context: PipelineContext) -> list[Stage]:
+        """After timestep preparation: the strength's truncated schedule and noised start, and the mask."""
+        return [ImageToImageNoisingStage(), InpaintMaskStage(self.latent_channels, pack_latents)]
+
+    def latent_preparation_stage(self, context: PipelineContext) -> LatentPreparationStage:
+        return LatentPreparationStage(
+            latent_channels=self.latent_channels,
+            vae_scale_factor=self.vae_scale_factor,
+            device=context.platform.device(),
+            dtype=context.dtype,
+        )
+
     def build_stages(self, context: PipelineContext) -> list[Stage]:
         transformer = context.get("transformer")
         vae = context.get("vae")
+        scheduler = context.get("scheduler")
         clip_tokenizer = context.get("tokenizer")
         self.vae_scale_factor = 2 ** (len(vae.config["block_out_channels"]) - 1)
         self.pixel_multiple = self.vae_scale_factor * self.config.latent_patch_size
+        #: Channels of the VAE latents the DiT denoises (its output; Fill's input is wider).
+        self.latent_channels = transformer.config.out_channels // 4
+        default_pixels = self.config.default_sample_size * self.vae_scale_factor
         self.input_validation = InputValidationStage(
-            defaults=apply_overrides(flux_default_sampling_params(), context.folder_sampling_defaults),
+            defaults=apply_overrides(self.default_sampling_params(), context.folder_sampling_defaults),
             pixel_multiple=self.pixel_multiple,
-            default_pixels=self.config.default_sample_size * self.vae_scale_factor,
+            default_pixels=default_pixels,
             max_sequence_length_limit=self.config.max_t5_sequence_length,
-            image_inputs=ImageInputRule(pipeline_name="FluxPipeline"),
+            image_inputs=self.image_input_rule(),
+            default_size=self.default_size(default_pixels),
         )
-        clip_max_length = clip_context_length(clip_tokenizer, self.config.clip_max_length)
-        self.denoiser = FluxDenoiser(transformer, context.get("scheduler"))
+        self.denoiser = self.denoiser_cls(transformer, scheduler)
         return [
             self.input_validation,
             FluxTextEncodingStage(
@@ -152,16 +212,12 @@ class FluxPipeline(Pipeline):
                 context.get("text_encoder"),
                 context.get("tokenizer_2"),
                 context.get("text_encoder_2"),
-                clip_max_length=clip_max_length,
+                clip_max_length=clip_context_length(clip_tokenizer, self.config.clip_max_length),
                 output_dtype=context.dtype,
             ),
-            LatentPreparationStage(
-                latent_channels=transformer.config.in_channels // 4,
-                vae_scale_factor=self.vae_scale_factor,
-                device=context.platform.device(),
-                dtype=context.dtype,
-            ),
-            TimestepPreparationStage(context.get("scheduler"), transformer.config.guidance_embeds),
+            *self.preparation_stages(context),
+            TimestepPreparationStage(scheduler, transformer.config.guidance_embeds),
+            *self.noising_stages(context),
             DenoisingStage(self.denoiser),
             DecodingStage(vae),
         ]

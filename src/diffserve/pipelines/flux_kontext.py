@@ -8,30 +8,25 @@ default) and true CFG runs only with `true_cfg_scale > 1` and a negative prompt.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
 
-from diffserve.configs.flux import FluxKontextPipelineConfig, flux_default_sampling_params
+from diffserve.configs.flux import FluxKontextPipelineConfig
+from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.step_cache_policy import StepCachePolicy
-from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.pipelines.base import PipelineContext
 from diffserve.pipelines.cfg_batch import BranchBatch
 from diffserve.pipelines.flux import FluxDenoiser, FluxPipeline
 from diffserve.request import Req
 from diffserve.stages.base import Stage
-from diffserve.stages.decoding import DecodingStage
-from diffserve.stages.denoising import DenoisingStage
 from diffserve.stages.flux_kontext_preparation import (
     FluxKontextPreparationStage,
     kontext_area_size,
     kontext_condition_ids,
 )
-from diffserve.stages.flux_text_encoding import FluxTextEncodingStage
-from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
-from diffserve.stages.latent_preparation import LatentPreparationStage
-from diffserve.stages.text_encoding import clip_context_length
-from diffserve.stages.timestep_preparation import TimestepPreparationStage
+from diffserve.stages.input_validation import ImageInputRule
 
 
 class FluxKontextDenoiser(FluxDenoiser):
@@ -72,61 +67,37 @@ class FluxKontextPipeline(FluxPipeline):
     """Edits one input image (required); see `FluxKontextPipelineConfig` for the output size."""
 
     config = FluxKontextPipelineConfig()
+    denoiser_cls = FluxKontextDenoiser
     #: Exact path only until the step cache is calibrated on a Kontext checkpoint (the input-image
     #: tokens change what the cache's signal measures).
     step_cache_policies: ClassVar[dict[str, StepCachePolicy]] = {}
 
-    def build_stages(self, context: PipelineContext) -> list[Stage]:
-        transformer = context.get("transformer")
-        vae = context.get("vae")
-        scheduler = context.get("scheduler")
-        clip_tokenizer = context.get("tokenizer")
-        device, dtype = context.platform.device(), context.dtype
-        self.vae_scale_factor = 2 ** (len(vae.config["block_out_channels"]) - 1)
-        self.pixel_multiple = self.vae_scale_factor * self.config.latent_patch_size
-        default_pixels = self.config.default_sample_size * self.vae_scale_factor
-        default_size = kontext_area_size(
-            default_pixels, default_pixels, self.config.max_area, self.pixel_multiple
+    def image_input_rule(self) -> ImageInputRule:
+        return ImageInputRule(
+            pipeline_name="FluxKontextPipeline", task="image-edit", min_images=1, max_images=1
         )
-        self.input_validation = InputValidationStage(
-            defaults=apply_overrides(flux_default_sampling_params(), context.folder_sampling_defaults),
-            pixel_multiple=self.pixel_multiple,
-            default_pixels=default_pixels,
-            max_sequence_length_limit=self.config.max_t5_sequence_length,
-            image_inputs=ImageInputRule(
-                pipeline_name="FluxKontextPipeline", task="image-edit", min_images=1, max_images=1
-            ),
-            default_size=lambda params: default_size,
-        )
-        self.denoiser = FluxKontextDenoiser(transformer, scheduler)
+
+    def default_size(self, default_pixels: int) -> Callable[[SamplingParams], tuple[int, int]]:
+        size = kontext_area_size(default_pixels, default_pixels, self.config.max_area, self.pixel_multiple)
+        return lambda params: size
+
+    def preparation_stages(self, context: PipelineContext) -> list[Stage]:
+        """The input image's packed latents (its posterior's mode: no draw), then the initial noise."""
         return [
-            self.input_validation,
-            FluxTextEncodingStage(
-                clip_tokenizer,
-                context.get("text_encoder"),
-                context.get("tokenizer_2"),
-                context.get("text_encoder_2"),
-                clip_max_length=clip_context_length(clip_tokenizer, self.config.clip_max_length),
-                output_dtype=dtype,
-            ),
             FluxKontextPreparationStage(
-                vae,
+                context.get("vae"),
                 self.pixel_multiple,
                 self.config.preferred_resolutions,
                 self.config.auto_resize,
-                device=device,
-                dtype=dtype,
+                device=context.platform.device(),
+                dtype=context.dtype,
             ),
-            LatentPreparationStage(
-                latent_channels=transformer.config.in_channels // 4,
-                vae_scale_factor=self.vae_scale_factor,
-                device=device,
-                dtype=dtype,
-            ),
-            TimestepPreparationStage(scheduler, transformer.config.guidance_embeds),
-            DenoisingStage(self.denoiser),
-            DecodingStage(vae),
+            self.latent_preparation_stage(context),
         ]
+
+    def noising_stages(self, context: PipelineContext) -> list[Stage]:
+        """None: Kontext starts from pure noise and reads its input image as extra tokens."""
+        return []
 
     def batch_key(self, req: Req) -> tuple:
         """The base key plus both token grids: transposed grids have equal token counts but other ids."""

@@ -5,6 +5,10 @@ through ONE DiT forward (Diffusers runs the two branches one after the other). T
 lengths differ, so text is right-padded to the longest and masked; the DiT's joint attention never
 sees the padding. An edit request's input-image tokens are appended to its noisy image tokens, and
 only the prediction for the noisy tokens is kept.
+
+A text-to-image folder also serves image-to-image and inpainting (Diffusers' `QwenImageImg2ImgPipeline`
+and `QwenImageInpaintPipeline`): an optional input image noised by `strength` (0.6 by default) and an
+optional mask of the area to repaint.
 """
 
 from __future__ import annotations
@@ -26,8 +30,15 @@ from diffserve.pipelines.cfg_batch import advance_requests, branch_texts, split_
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.denoising import DenoisingStage
+from diffserve.stages.image_to_image import (
+    ImageToImageNoisingStage,
+    InputImageEncodingStage,
+    encode_sampled_video_vae,
+    input_image_size,
+)
 from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
-from diffserve.stages.latent_preparation import LatentPreparationStage
+from diffserve.stages.latent_preparation import LatentPreparationStage, pack_latents
+from diffserve.stages.mask_preparation import InpaintMaskStage
 from diffserve.stages.qwen_image_edit_preparation import QwenImageEditPreparationStage, edit_output_size
 from diffserve.stages.qwen_image_text_encoding import QwenEditTextEncodingStage, QwenTextEncodingStage
 from diffserve.stages.timestep_preparation import TimestepPreparationStage
@@ -118,12 +129,19 @@ class QwenImagePipeline(Pipeline):
     def validation_stage(self, context: PipelineContext) -> InputValidationStage:
         transformer = context.get("transformer")
         guidance = transformer.config.guidance_embeds
+        default = self.config.default_sample_size * self.vae_scale_factor
         return InputValidationStage(
             defaults=apply_overrides(qwen_image_default_sampling_params(), context.folder_sampling_defaults),
             pixel_multiple=self.pixel_multiple,
-            default_pixels=self.config.default_sample_size * self.vae_scale_factor,
+            default_pixels=default,
             max_sequence_length_limit=self.config.max_sequence_length_limit,
-            image_inputs=ImageInputRule(pipeline_name=self.pipeline_name),
+            image_inputs=ImageInputRule(
+                pipeline_name=self.pipeline_name,
+                max_images=1,
+                inpainting=True,
+                default_strength=self.config.default_strength,
+            ),
+            default_size=lambda params: input_image_size(params, self.pixel_multiple, (default, default)),
             unsupported_params={} if guidance else {"guidance_scale": NOT_GUIDANCE_DISTILLED},
         )
 
@@ -143,6 +161,24 @@ class QwenImagePipeline(Pipeline):
     def before_denoising_stages(self, context: PipelineContext) -> list[Stage]:
         return []
 
+    def image_to_image_stages(self, context: PipelineContext) -> list[Stage]:
+        """Before latent preparation: the optional input image's latents (the generator's first draw, as in
+        Diffusers' `QwenImageImg2ImgPipeline`)."""
+        return [
+            InputImageEncodingStage(
+                context.get("vae"),
+                pack_latents,
+                context.platform.device(),
+                context.dtype,
+                encode=encode_sampled_video_vae,
+            )
+        ]
+
+    def noising_stages(self, context: PipelineContext) -> list[Stage]:
+        """After timesteps: the strength's truncated schedule and noised start, and the optional mask."""
+        channels = context.get("transformer").config.in_channels // 4
+        return [ImageToImageNoisingStage(), InpaintMaskStage(channels, pack_latents)]
+
     def build_stages(self, context: PipelineContext) -> list[Stage]:
         transformer = context.get("transformer")
         vae = context.get("vae")
@@ -154,6 +190,7 @@ class QwenImagePipeline(Pipeline):
             self.input_validation,
             *self.before_denoising_stages(context),
             self.text_stage(context),
+            *self.image_to_image_stages(context),
             LatentPreparationStage(
                 latent_channels=transformer.config.in_channels // 4,
                 vae_scale_factor=self.vae_scale_factor,
@@ -161,6 +198,7 @@ class QwenImagePipeline(Pipeline):
                 dtype=context.dtype,
             ),
             TimestepPreparationStage(scheduler, guidance_embeds=transformer.config.guidance_embeds),
+            *self.noising_stages(context),
             DenoisingStage(QwenImageDenoiser(transformer, scheduler)),
             VideoVaeImageDecodingStage(vae),
         ]
@@ -203,6 +241,13 @@ class QwenImageEditPipeline(QwenImagePipeline):
                 context.get("vae"), self.config.condition_image_area, self.config.vision_image_area
             )
         ]
+
+    def image_to_image_stages(self, context: PipelineContext) -> list[Stage]:
+        """None: an edit starts from pure noise and reads its input images as conditioning tokens."""
+        return []
+
+    def noising_stages(self, context: PipelineContext) -> list[Stage]:
+        return []
 
 
 class QwenImageEditPlusPipeline(QwenImageEditPipeline):

@@ -1,4 +1,8 @@
-"""Stable Diffusion 3 / 3.5 (Diffusers `StableDiffusion3Pipeline`): stages and the batched denoising step."""
+"""Stable Diffusion 3 / 3.5 (Diffusers `StableDiffusion3Pipeline`): stages and the batched denoising step.
+
+The same folder serves image-to-image and inpainting (Diffusers' `StableDiffusion3Img2ImgPipeline` and
+`StableDiffusion3InpaintPipeline` with a 16-channel DiT): an optional input image noised by `strength`
+(0.6 by default) and an optional mask of the area to repaint."""
 
 from __future__ import annotations
 
@@ -18,8 +22,15 @@ from diffserve.runtime.runner import CfgBranchView
 from diffserve.stages.base import Stage
 from diffserve.stages.decoding import DecodingStage
 from diffserve.stages.denoising import DenoisingStage
+from diffserve.stages.image_to_image import (
+    ImageToImageNoisingStage,
+    InputImageEncodingStage,
+    input_image_size,
+    spatial_latents,
+)
 from diffserve.stages.input_validation import ImageInputRule, InputValidationStage, SkipLayerGuidanceRule
 from diffserve.stages.latent_preparation import SpatialLatentPreparationStage
+from diffserve.stages.mask_preparation import InpaintMaskStage
 from diffserve.stages.sd3_text_encoding import SD3TextEncodingStage
 from diffserve.stages.text_encoding import clip_context_length
 from diffserve.stages.timestep_preparation import DefaultTimestepPreparationStage
@@ -147,12 +158,20 @@ class SD3Pipeline(Pipeline):
         patch = transformer.config.patch_size
         self.vae_scale_factor = 2 ** (len(vae.config["block_out_channels"]) - 1)
         self.pixel_multiple = self.vae_scale_factor * patch
+        default = transformer.config.sample_size * self.vae_scale_factor
+        device, dtype = context.platform.device(), context.dtype
         self.input_validation = InputValidationStage(
             defaults=apply_overrides(sd3_default_sampling_params(), context.folder_sampling_defaults),
             pixel_multiple=self.pixel_multiple,
-            default_pixels=transformer.config.sample_size * self.vae_scale_factor,
+            default_pixels=default,
             max_sequence_length_limit=self.config.max_t5_sequence_length,
-            image_inputs=ImageInputRule(pipeline_name="StableDiffusion3Pipeline"),
+            image_inputs=ImageInputRule(
+                pipeline_name="StableDiffusion3Pipeline",
+                max_images=1,
+                inpainting=True,
+                default_strength=self.config.default_strength,
+            ),
+            default_size=lambda params: input_image_size(params, self.pixel_multiple, (default, default)),
             unsupported_params={
                 "true_cfg_scale": "SD3 runs classic CFG, set by guidance_scale (with negative_prompt)",
             },
@@ -172,13 +191,17 @@ class SD3Pipeline(Pipeline):
                 joint_attention_dim=transformer.config.joint_attention_dim,
                 output_dtype=context.dtype,
             ),
+            # Image-to-image: the input image's latents are the generator's first draw (as in Diffusers).
+            InputImageEncodingStage(vae, spatial_latents, device=device, dtype=dtype),
             SpatialLatentPreparationStage(
                 latent_channels=transformer.config.in_channels,
                 vae_scale_factor=self.vae_scale_factor,
-                device=context.platform.device(),
-                dtype=context.dtype,
+                device=device,
+                dtype=dtype,
             ),
             DefaultTimestepPreparationStage(scheduler, patch_size=patch),
+            ImageToImageNoisingStage(),
+            InpaintMaskStage(transformer.config.in_channels, spatial_latents),
             DenoisingStage(SD3Denoiser(transformer, scheduler)),
             DecodingStage(vae, packed_latents=False),
         ]

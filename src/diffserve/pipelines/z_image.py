@@ -4,6 +4,10 @@ The DiT takes per-sample lists (captions of different lengths, latents of differ
 and masks internally, so every request's positive and CFG-negative rows go through one forward, as
 Diffusers does for one request. Z-Image predicts the negated flow velocity at "time" 1 - sigma; the
 step negates it back before the shared Euler update.
+
+The same folder serves image-to-image and inpainting (Diffusers' `ZImageImg2ImgPipeline`, strength 0.6 by
+default, and `ZImageInpaintPipeline`, 1.0 with a mask). Diffusers encodes the input image at its own size
+(floored to the pixel multiple), which is diffserve's default output size for it; another size resizes it.
 """
 
 from __future__ import annotations
@@ -22,8 +26,15 @@ from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.decoding import DecodingStage
 from diffserve.stages.denoising import DenoisingStage
+from diffserve.stages.image_to_image import (
+    ImageToImageNoisingStage,
+    InputImageEncodingStage,
+    input_image_size,
+    spatial_latents,
+)
 from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
 from diffserve.stages.latent_preparation import SpatialLatentPreparationStage
+from diffserve.stages.mask_preparation import InpaintMaskStage
 from diffserve.stages.z_image import ZImageTextEncodingStage, ZImageTimestepPreparationStage
 
 
@@ -91,12 +102,21 @@ class ZImagePipeline(Pipeline):
         scheduler = context.get("scheduler")
         self.vae_scale_factor = 2 ** (len(vae.config["block_out_channels"]) - 1)
         self.pixel_multiple = self.vae_scale_factor * 2
+        default = self.config.default_pixels
+        device = context.platform.device()
         self.input_validation = InputValidationStage(
             defaults=apply_overrides(z_image_default_sampling_params(), context.folder_sampling_defaults),
             pixel_multiple=self.pixel_multiple,
-            default_pixels=self.config.default_pixels,
+            default_pixels=default,
             max_sequence_length_limit=self.config.max_sequence_length_limit,
-            image_inputs=ImageInputRule(pipeline_name="ZImagePipeline"),
+            image_inputs=ImageInputRule(
+                pipeline_name="ZImagePipeline",
+                max_images=1,
+                inpainting=True,
+                default_strength=self.config.default_strength,
+                default_inpaint_strength=self.config.default_inpaint_strength,
+            ),
+            default_size=lambda params: input_image_size(params, self.pixel_multiple, (default, default)),
             unsupported_params={
                 "true_cfg_scale": "Z-Image's CFG is set by guidance_scale (> 0 turns it on, with negative_prompt)"
             },
@@ -107,14 +127,18 @@ class ZImagePipeline(Pipeline):
             ZImageTextEncodingStage(
                 context.get("tokenizer"), context.get("text_encoder"), output_dtype=context.dtype
             ),
-            # Z-Image keeps its latents in float32 whatever the DiT's dtype, as Diffusers does.
+            # Z-Image keeps its latents in float32 whatever the DiT's dtype, as Diffusers does. Image-to-image:
+            # the input image's latents are the generator's first draw.
+            InputImageEncodingStage(vae, spatial_latents, device=device, dtype=torch.float32),
             SpatialLatentPreparationStage(
                 latent_channels=transformer.config.in_channels,
                 vae_scale_factor=self.vae_scale_factor,
-                device=context.platform.device(),
+                device=device,
                 dtype=torch.float32,
             ),
             ZImageTimestepPreparationStage(scheduler),
+            ImageToImageNoisingStage(),
+            InpaintMaskStage(transformer.config.in_channels, spatial_latents),
             DenoisingStage(ZImageDenoiser(transformer, scheduler)),
             DecodingStage(vae, packed_latents=False),
         ]

@@ -28,6 +28,7 @@ class PipelineFacts:
     cfg_mode: CfgMode
     min_input_images: int = 0  # input images a request must / may send
     max_input_images: int = 0
+    requires_mask: bool = False  # FLUX.1 Fill: every request carries an inpainting mask
     makes_video: bool = False
     temporal_factor: int = 1  # `num_frames` = temporal_factor * k + 1; 1 for images
     max_frames: int = 0
@@ -39,6 +40,10 @@ class PipelineFacts:
         if self.min_input_images == 0:
             return None
         return [Image.new("RGB", (width, height), (128, 128, 128)) for _ in range(self.min_input_images)]
+
+    def probe_mask(self, width: int, height: int) -> Image.Image | None:
+        """An all-white mask (repaint everything) for a probe of a family that requires one; else None."""
+        return Image.new("L", (width, height), 255) if self.requires_mask else None
 
 
 class EnginePipeline(Protocol):

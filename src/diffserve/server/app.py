@@ -370,8 +370,10 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
     )
     async def edit_images(request: Request) -> Response:
         """OpenAI's image edits: the input image(s) and the prompt, as multipart/form-data (as the `openai`
-        SDK sends them) or JSON; the other fields are those of /v1/images/generations. Without `size`
-        the model's family derives the size from the input image, as Diffusers does."""
+        SDK sends them) or JSON; the other fields are those of /v1/images/generations, plus `strength`
+        (image-to-image, 0..1) and an optional `mask` (inpainting: transparent pixels, or without alpha
+        white ones, mark the area to edit). Without `size` the model's family derives the size from the
+        input image, as Diffusers does."""
 
         async def build_job() -> tuple[GenerateJob, ImageGenerationRequest]:
             check_route(engine, video=False)

@@ -173,6 +173,7 @@ class Engine:
         self.probe_size = -(-PROBE_PIXELS // self.pixel_multiple) * self.pixel_multiple
         self.is_video = self.facts.makes_video
         self.probe_images = self.facts.probe_images(self.probe_size, self.probe_size)
+        self.probe_mask = self.facts.probe_mask(self.probe_size, self.probe_size)
         # One thread: MP4s are written in job order, and x264 already uses several cores per file.
         self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="video-encoder")
         #: Video jobs whose file is being written -> their cancel flag (the job's `cancel_event`).
@@ -235,7 +236,13 @@ class Engine:
         side, images = side or self.probe_size, self.probe_images
         frames = PROBE_FRAMES if self.is_video else None
         return SamplingParams(
-            prompt, height=side, width=side, num_inference_steps=1, input_images=images, num_frames=frames
+            prompt,
+            height=side,
+            width=side,
+            num_inference_steps=1,
+            input_images=images,
+            mask_image=self.probe_mask,
+            num_frames=frames,
         )
 
     def _memory_model(self) -> Any:
@@ -296,10 +303,12 @@ class Engine:
         import torch
 
         import diffserve
+        from diffserve.backends import describe_backend
         from diffserve.runtime.contract import resolved_params
 
         g, facts, s = self.generator, self.facts, self.scheduler
-        defaults = resolved_params(g.pipeline, SamplingParams("-", input_images=self.probe_images)).to_dict()
+        probe = SamplingParams("-", input_images=self.probe_images, mask_image=self.probe_mask)
+        defaults = resolved_params(g.pipeline, probe).to_dict()
         for key in ("prompt", "seed", "extra", "input_images", "mask_image", "loras"):
             defaults.pop(key, None)
         if self.probe_images:  # an edit model: its default size follows the input image
@@ -311,6 +320,7 @@ class Engine:
             "family": g.family.name,
             "diffusers_pipeline": g.family.diffusers_pipeline,
             "task": g.family.task,
+            "backend": describe_backend(self.config.engine_args.backend),
             "requires_input_image": bool(self.probe_images),
             "max_input_images": facts.max_input_images,
             "video": video,
@@ -391,6 +401,8 @@ class Engine:
         if job.internal:  # /health_generate: the probe's input images and frames where the model needs them
             if self.probe_images and not params.input_images:
                 params.input_images = list(self.probe_images)
+            if self.probe_mask is not None and params.mask_image is None:
+                params.mask_image = self.probe_mask
             if self.is_video and params.num_frames is None:
                 params.num_frames = PROBE_FRAMES
         else:

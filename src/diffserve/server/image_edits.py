@@ -1,7 +1,8 @@
 """Reading a `POST /v1/images/edits` body into validated fields and its input images, not decoded yet.
 
 Multipart (as `client.images.edit` sends it): file parts `image` (one) or `image[]` (several) and
-`mask`, every other field as text. JSON: `image` (a string or a list), or `images: [{"image_url": ...}]`,
+`mask`, every other field as text (`strength` too). The mask keeps its alpha channel: OpenAI's masks mark
+the area to edit with transparent pixels (`diffserve.masks`). JSON: `image` (a string or a list), or `images: [{"image_url": ...}]`,
 and `mask`. Strings must be data URLs, or http(s) URLs with `--allow-url-images`: the server never reads
 one of its own files.
 
@@ -141,9 +142,11 @@ class EditInputs:
         Raises InvalidRequestError, and ApiError 429 when a pool is full."""
         if self.model is not None and (error := self.model.count_error(len(self.images))) is not None:
             raise error
-        sources = [*self.images, *([self.mask] if self.mask else [])]
-        loaded = [await load_input_image(src, name, allow_urls, limits) for name, src in sources]
-        return loaded[: len(self.images)], loaded[-1] if self.mask else None
+        images = [await load_input_image(src, name, allow_urls, limits) for name, src in self.images]
+        mask = None
+        if self.mask is not None:  # its alpha is kept: transparent pixels mark the area to edit
+            mask = await load_input_image(self.mask[1], self.mask[0], allow_urls, limits, keep_alpha=True)
+        return images, mask
 
 
 def _held_to(request: Request, model: EditModel) -> Request:

@@ -154,11 +154,12 @@ def _is_url(source: RawImage) -> bool:
 
 
 async def load_input_image(
-    source: RawImage, param: str, allow_urls: bool, limits: ImageInputLimits
+    source: RawImage, param: str, allow_urls: bool, limits: ImageInputLimits, keep_alpha: bool = False
 ) -> Image.Image:
-    """One input image as RGB, never on the event loop: a URL (with `allow_urls`) is downloaded in
-    FETCH_POOL within `limits.url_timeout_s`, and everything is decoded in DECODE_POOL. Raises
-    InvalidRequestError (ImageTooLargeError: 413) naming `param`, and ApiError 429 when a pool is full."""
+    """One input image as RGB (`keep_alpha`: RGBA when it has transparency, for masks), never on the
+    event loop: a URL (with `allow_urls`) is downloaded in FETCH_POOL within `limits.url_timeout_s`, and
+    everything is decoded in DECODE_POOL. Raises InvalidRequestError (ImageTooLargeError: 413) naming
+    `param`, and ApiError 429 when a pool is full."""
     if allow_urls and _is_url(source):
         fetch = functools.partial(read_image_source, source, param=param, allow_urls=True, limits=limits)
         try:
@@ -166,6 +167,9 @@ async def load_input_image(
         except asyncio.TimeoutError:
             message = f"{param}: fetching the image URL timed out after {limits.url_timeout_s:g} s"
             raise InvalidRequestError(message, param=param) from None
-        return await DECODE_POOL.run(functools.partial(decode_image, data, param=param, limits=limits))
-    load = functools.partial(load_image, source, param=param, allow_urls=allow_urls, limits=limits)
+        decode = functools.partial(decode_image, data, param=param, limits=limits, keep_alpha=keep_alpha)
+        return await DECODE_POOL.run(decode)
+    load = functools.partial(
+        load_image, source, param=param, allow_urls=allow_urls, limits=limits, keep_alpha=keep_alpha
+    )
     return await DECODE_POOL.run(load)

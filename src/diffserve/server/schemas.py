@@ -272,7 +272,19 @@ class ImageEditRequest(ImageGenerationRequest):
 
     image: str | list[str] | None = Field(None, description="input image(s) as data URLs (or http(s) URLs)")
     images: list[ImageReference] | None = Field(None, description="OpenAI's JSON form: [{'image_url': ...}]")
-    mask: str | ImageReference | None = Field(None, description="inpainting mask (models that inpaint)")
+    mask: str | ImageReference | None = Field(
+        None,
+        description="inpainting mask of the image's size (FLUX, SD3, FLUX.1 Fill): its transparent pixels "
+        "(alpha 0) mark the area to edit, as OpenAI's; a mask without alpha: white = edit, black = keep",
+    )
+    strength: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="image-to-image / inpainting: how far the input image is noised, 0..1 (1: pure noise); "
+        "unset: the model's default (FLUX, SD3: 0.6; FLUX.1 Fill: 1.0); a form field or a JSON number",
+    )
 
     def image_sources(self) -> list[str]:
         """The JSON body's input images in order (raises ApiParamError when both forms are given)."""

@@ -9,26 +9,57 @@ import torch
 from PIL import Image
 
 from diffserve.configs.quality import EXACT, QualityRule
-from diffserve.configs.sampling_params import SKIP_LAYER_GUIDANCE_FIELDS, SamplingParams
+from diffserve.configs.sampling_params import SKIP_LAYER_GUIDANCE_FIELDS, SamplingParams, check_strength
 from diffserve.errors import InvalidRequestError
+from diffserve.masks import check_mask_size, edit_mask
 from diffserve.models.step_cache import StepCacheState
 from diffserve.request import Req
 from diffserve.runtime.contract import CfgMode
 from diffserve.stages.base import Stage
+from diffserve.stages.image_to_image import kept_steps
 
 
 @dataclass(frozen=True)
 class ImageInputRule:
-    """Which input images (and masks) a family takes; a request that sends others gets a 400."""
+    """Which input images (and masks) a family takes; a request that sends others gets a 400.
+
+    `default_strength` (not None): the family runs image-to-image from an input image, noised by
+    `strength` (this default when unset); with `inpainting` it also takes a mask of the input image's size
+    (`mask_required`: it needs one, FLUX.1 Fill). `check` fills in the strength default and puts the mask
+    in its canonical form (`diffserve.masks.edit_mask`), in place."""
 
     pipeline_name: str = "this pipeline"
     task: str = "text-to-image"
     min_images: int = 0
     max_images: int = 0
     inpainting: bool = False
+    default_strength: float | None = None
+    #: The default strength of a request with a mask, when it differs (Z-Image's inpainting: 1.0).
+    default_inpaint_strength: float | None = None
+    mask_required: bool = False
+
+    def check_requested_strength(self, params: SamplingParams) -> None:
+        """The request's own `strength` (before defaults): a number in [0, 1], on a family that noises an
+        input image, sent with one. (A folder default for strength applies only to requests with an image.)"""
+        check_strength(params.strength)
+        if params.strength is None:
+            return
+        if self.default_strength is None:
+            raise InvalidRequestError(
+                f"strength is not a parameter of {self.pipeline_name}: it does not start from a noised input "
+                "image; send the request without strength",
+                param="strength",
+            )
+        if not params.input_images:
+            raise InvalidRequestError(
+                "strength applies to image-to-image: send an input image with it, or leave strength out",
+                param="strength",
+            )
 
     def check(self, params: SamplingParams) -> None:
+        """The resolved request (defaults applied; `check_requested_strength` ran on it before)."""
         images = params.input_images or []
+        self._resolve_strength(params, images)
         if images and self.max_images == 0:
             raise InvalidRequestError(
                 f"{self.pipeline_name} is a {self.task} model and takes no input image; image edits need "
@@ -55,6 +86,49 @@ class ImageInputRule:
                 "and cannot restrict the edit to a masked region; send the request without a mask",
                 param="mask",
             )
+        self._check_mask(params, images)
+
+    def _resolve_strength(self, params: SamplingParams, images: list) -> None:
+        """Strength only where an input image is noised (else None), the family default filled in, and at
+        least one step left after Diffusers' truncation (`stages/image_to_image.py`)."""
+        check_strength(params.strength)
+        if self.default_strength is None or not images:
+            params.strength = None
+            return
+        if params.strength is None:
+            inpainting = params.mask_image is not None and self.default_inpaint_strength is not None
+            params.strength = self.default_inpaint_strength if inpainting else self.default_strength
+        steps = params.num_inference_steps
+        if isinstance(steps, int) and steps >= 1 and kept_steps(steps, params.strength) < 1:
+            raise InvalidRequestError(
+                f"strength={params.strength:g} with num_inference_steps={steps} leaves no denoising step "
+                f"(Diffusers keeps {steps} - int({steps} * (1 - strength)) of them); raise strength or "
+                "num_inference_steps",
+                param="strength",
+            )
+
+    def _check_mask(self, params: SamplingParams, images: list) -> None:
+        """The mask (required or optional) of the input image's size, in `edit_mask`'s canonical form."""
+        if not self.inpainting:
+            return
+        if params.mask_image is None:
+            if self.mask_required:
+                raise InvalidRequestError(
+                    f"{self.pipeline_name} needs a mask: transparent pixels (or white ones, in a mask without "
+                    "alpha) mark the area to fill",
+                    param="mask",
+                )
+            return
+        if not isinstance(params.mask_image, Image.Image):
+            raise InvalidRequestError(
+                f"mask must be a decoded PIL image, got {type(params.mask_image).__name__}; use "
+                "diffserve.image_inputs.load_image(..., keep_alpha=True) for paths, bytes and data URLs",
+                param="mask",
+            )
+        if not images:
+            raise InvalidRequestError("a mask needs the input image it applies to", param="mask")
+        check_mask_size(params.mask_image, images[0])
+        params.mask_image = edit_mask(params.mask_image)
 
 
 VIDEO_FIELDS = ("num_frames", "fps", "video_format")
@@ -167,6 +241,7 @@ class InputValidationStage(Stage):
                         "guidance is a Stable Diffusion 3.5 feature",
                         param=name,
                     )
+        self.image_inputs.check_requested_strength(params)
         resolved = params.with_defaults(self.defaults)
         resolved.quality = self.quality.resolve(params.quality)
         self.image_inputs.check(resolved)

@@ -1,0 +1,47 @@
+"""Inpainting masks as users send them, turned into the one form the pipelines read.
+
+Two conventions are accepted:
+
+- OpenAI's (`client.images.edit(image=..., mask=...)`): a mask with an alpha channel whose fully
+  transparent pixels (alpha = 0) mark the area to edit; every other pixel is kept. Its colours are ignored.
+- Diffusers': a black-and-white (or grey) mask without alpha, white = edit, black = keep.
+
+A mask that has an alpha channel but no fully transparent pixel (an opaque RGBA PNG) is read by its
+luminance, as Diffusers reads it. The result is an "L" image, 255 where the request edits; pipelines
+binarize it at 0.5 after resizing, as Diffusers' mask processor does (`stages/mask_preparation.py`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image
+
+from diffserve.errors import InvalidRequestError
+
+#: PIL modes with an alpha channel, and the palette mode, whose transparency is a separate setting.
+_ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
+
+
+def has_alpha(image: Image.Image) -> bool:
+    """Whether `image` carries per-pixel transparency (an alpha band, or a palette's transparency)."""
+    return image.mode in _ALPHA_MODES or "transparency" in image.info
+
+
+def edit_mask(mask: Image.Image) -> Image.Image:
+    """`mask` in either convention as an "L" image, 255 where the request edits (see the module doc)."""
+    if has_alpha(mask):
+        alpha = np.asarray(mask.convert("RGBA"))[..., 3]
+        if (alpha == 0).any():
+            return Image.fromarray(np.where(alpha == 0, 255, 0).astype(np.uint8), mode="L")
+    return mask.convert("L")
+
+
+def check_mask_size(mask: Image.Image, image: Image.Image) -> None:
+    """InvalidRequestError (param "mask") unless the mask has the input image's size: a mask marks pixels
+    of that image, and stretching a mask of another size would move the edited area."""
+    if mask.size != image.size:
+        raise InvalidRequestError(
+            f"mask is {mask.width}x{mask.height} but the image is {image.width}x{image.height}; send a mask "
+            "of the input image's size",
+            param="mask",
+        )
