@@ -30,7 +30,13 @@ install: $(RUNTIME_STAMP)
 demo: $(RUNTIME_STAMP)
 	$(VENV)/bin/diffserve generate --prompt "$(DEMO_PROMPT)" --seed 0 --output-path outputs
 
+# tests/browser drives the web UI in a headless Chromium: as root with apt-get, Debian's is installed when
+# missing (quietly); otherwise those tests skip, saying why.
 test: $(TEST_STAMP)
+	@command -v chromium >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1 || \
+		(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -qq chromium >/dev/null 2>&1 || \
+		 (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1)) || \
+		echo "make test: could not install chromium with apt-get; tests/browser will be skipped"
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m ruff format --check $(LINT_PATHS)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests

@@ -1,8 +1,10 @@
-"""diffserve vs diffusers per model family: SD3, Qwen-Image, Qwen-Image-Edit, Z-Image, Wan 2.1 T2V and I2V.
+"""diffserve vs diffusers per model family: SD3, Qwen-Image, Qwen-Image-Edit, Z-Image, Wan 2.1 T2V and I2V,
+FLUX.2-dev, FLUX.2 [klein], FLUX.1 Kontext and SANA.
 
 The method of `bench_flux_vs_diffusers.py` (shared through `harness.py`), one family after the other:
 build (or reuse) a random-weight checkpoint of realistic block shape (64-dim heads, 8 of them or 12
-for Wan, a few layers: a 30-44M-parameter DiT; small text encoders, which are not what is measured),
+for Wan; FLUX.2's 128-dim heads, 4 of them; SANA's 32-dim linear-attention heads, 24 of them; a few
+layers: a 30-44M-parameter DiT; small text encoders, which are not what is measured),
 then time both engines on it, each measurement in a fresh subprocess (this script re-invoked with
 `--worker ENGINE RES`), engines alternating: load (timed), one uncounted warm-up generation, `--repeats` timed
 generations. The parent reports s/step, end-to-end, load time, peak RSS, the PSNR between the two
@@ -10,9 +12,12 @@ engines' images (same seed) and the DiT forward calls per denoising step of each
 wrapped around the transformer's forward), which shows how each engine runs classifier-free guidance:
 one batched forward, or one forward per branch.
 
-CFG is on for every family: SD3 guidance 7 with a negative prompt; Qwen-Image and Qwen-Image-Edit
-true_cfg_scale 4 with negative prompt " "; Z-Image guidance 4 (default empty negative prompt); Wan
-guidance 5 with a negative prompt. The Wan families generate `--num-frames` frames (default 17) at size x
+Guidance as each pipeline is used by default. CFG is on for SD3 (guidance 7 with a negative prompt),
+Qwen-Image and Qwen-Image-Edit (true_cfg_scale 4 with negative prompt " "), Z-Image (guidance 4, default
+empty negative prompt), Wan (guidance 5 with a negative prompt), FLUX.2 [klein] (guidance 4 against the
+empty prompt; the checkpoint is a klein base, `is_distilled` false) and SANA (guidance 4.5, default empty
+negative prompt and complex human instruction). FLUX.2-dev (guidance 4) and FLUX.1 Kontext (guidance 3.5)
+are guidance-distilled: the scale is embedded in the DiT and no negative branch runs. The Wan families generate `--num-frames` frames (default 17) at size x
 size (default 128, the image families 256; `--resolutions` sets both) with the UniPC scheduler the
 released checkpoints ship; the PSNR covers every frame (each worker saves the video as one lossless
 PNG, its frames stacked top to bottom). Wan I2V gets a size x size input image and keeps diffusers'
@@ -24,11 +29,25 @@ pixels before encoding it. The real behaviour, hard-coded in diffusers, is 1024*
 both engines (diffusers' `calculate_dimensions` wrapped, diffserve's pipeline config set) and printed
 in the report; `--edit-condition-area 1048576` runs the real behaviour.
 
+FLUX.1 Kontext gets a size x size input image. Its real behaviour resizes that image to the nearest ~1 MP
+training resolution (1024x1024 for a square one: 4096 condition tokens next to 256 noisy ones at
+256x256, as costly as the edit case above), so by default both engines keep it at size x size (diffusers
+`_auto_resize=False`, diffserve's pipeline config `auto_resize=False`); `--kontext-auto-resize` runs the
+real behaviour. diffusers' Kontext pipeline also rescales a given output size to `max_area` (1024*1024),
+where diffserve keeps it: it is called with `max_area=size*size`. FLUX.2-dev's diffusers pipeline is built
+from its components (`from_pretrained` would construct the PixtralProcessor, which needs torchvision),
+with the folder's tokenizer in the processor's place, as tests/e2e/test_flux2_pipeline_parity.py does.
+SANA's resolution binning (on by default in both engines) generates every square request at 512x512
+(the checkpoint's `sample_size` 16 picks the 512 px bins) and resizes it back, so SANA runs at 512x512
+by default: 16x16 latents, 256 tokens, the other image families' count at 256x256. Its linear attention
+runs as plain matmuls, counted by the FLOP counter as linear work; only its cross-attention is SDPA.
+
 `--compile` adds two engines, so four per family and size: `diffserve`, `diffserve-compiled`
 (`DiffGenerator.from_pretrained(path, compile=True)`: regional inductor compile of the DiT's block lists,
 compiled and warmed up inside from_pretrained, so in "load s"), `diffusers`, `diffusers-compiled`
 (`pipe.transformer.compile_repeated_blocks()` where diffusers' DiT class declares `_repeated_blocks`,
-Qwen-Image, Z-Image and Wan; else `pipe.transformer = torch.compile(pipe.transformer)`, SD3; torch.compile
+Qwen-Image, Z-Image, Wan, FLUX.2 and FLUX.1 Kontext; else `pipe.transformer = torch.compile(pipe.transformer)`,
+SD3 and SANA; torch.compile
 defaults, compiling in the worker's first generation, reported as "first call s"), the order rotating
 per round. A compiled engine whose worker fails is reported as FAILED with its error instead of
 ending the run. Per size, a `flop-count` worker first runs one step of eager diffusers with its DiT
@@ -38,7 +57,8 @@ DiT's shapes before and after each round (roofline.py's method): each engine get
 The table's three ratios are diffusers eager / diffserve eager, diffusers eager / diffserve compiled and
 diffusers compiled / diffserve compiled.
 
-    .venv/bin/python benchmarks/bench_families.py                                  # all six; 4 steps
+    .venv/bin/python benchmarks/bench_families.py                                  # all ten; 4 steps
+    .venv/bin/python benchmarks/bench_families.py --family flux2,flux2-klein,flux-kontext,sana
     .venv/bin/python benchmarks/bench_families.py --family wan-t2v,wan-i2v --num-frames 17
     .venv/bin/python benchmarks/bench_families.py --family qwen-image --resolutions 256,512 --json out.json
     .venv/bin/python benchmarks/bench_families.py --model-dir /tmp/bench_families   # build once, reuse later
@@ -107,7 +127,8 @@ class Family:
     #: Generates `--num-frames` frames; the worker compares all of them (see `video_strip`).
     video: bool = False
     #: Frame size when `--resolutions` is not given: a video of 17 frames at 256x256 costs about ten
-    #: images' worth of work, so the Wan families default to 128x128 (one generation in ~10-30 s on 2 cores).
+    #: images' worth of work, so the Wan families default to 128x128 (one generation in ~10-30 s on 2 cores);
+    #: SANA to 512x512, the size its resolution binning generates (`SANA_SIZE`).
     default_size: int = DEFAULT_SIZE
 
 
@@ -218,6 +239,75 @@ def _wan_build(path: Path, image_to_video: bool) -> None:
 #: 31 dB, another prompt 39 dB; at 0.02, 40 and 48 dB), while the frames stay unsaturated.
 WAN_DIT_WEIGHT_NOISE = 0.05
 
+
+def _flux2_build(path: Path, variant: str) -> None:
+    from diffserve.testing.tiny_flux2 import TinyFlux2Spec, build_tiny_flux2
+
+    build_tiny_flux2(
+        path,
+        TinyFlux2Spec(
+            variant=variant,
+            num_layers=2,
+            num_single_layers=FLUX2_SINGLE_LAYERS[variant],
+            num_attention_heads=4,  # FLUX.2's 128-dim heads (dev 48 x 128, klein 4B 24 x 128): width 512
+            attention_head_dim=128,
+            axes_dims_rope=(32, 32, 32, 32),  # the released 4-axis split of a 128-dim head
+            timestep_guidance_channels=256,
+            latent_channels=32,  # the released VAE's (128 channels per 2x2-patched token)
+            vae_block_out_channels=(32, 64, 128, 128),
+            vae_norm_num_groups=32,
+            text_hidden_size=128,  # joint attention dim 3 x 128 (three encoder layers concatenated)
+            is_distilled=False,  # klein base: CFG on (a step-distilled klein runs without it)
+            dit_weight_noise=FLUX2_DIT_WEIGHT_NOISE,
+            seed=0,
+        ),
+    )
+
+
+#: Single-stream blocks next to the 2 double-stream ones (released: dev 8 + 48, klein 4B 5 + 20).
+FLUX2_SINGLE_LAYERS = {"dev": 6, "klein": 6}
+#: N(0, 0.02) on every DiT weight (the builder's default 0.3 is for 16-wide test models), so the random DiT
+#: reacts to its text while the 512-wide stack keeps its images unsaturated.
+FLUX2_DIT_WEIGHT_NOISE = 0.02
+
+
+def _flux_kontext_build(path: Path) -> None:
+    from bench_flux_vs_diffusers import checkpoint_spec
+    from diffserve.testing.tiny_flux_kontext import build_tiny_flux_kontext
+
+    build_tiny_flux_kontext(path, checkpoint_spec())
+
+
+def _sana_build(path: Path) -> None:
+    from diffserve.testing.tiny_sana import TinySanaSpec, build_tiny_sana
+
+    build_tiny_sana(
+        path,
+        TinySanaSpec(
+            num_layers=4,
+            num_attention_heads=24,  # SANA's 32-dim linear-attention heads (600M: 36 x 32): width 768
+            attention_head_dim=32,
+            num_cross_attention_heads=12,
+            cross_attention_head_dim=64,
+            sample_size=SANA_SAMPLE_SIZE,
+            latent_channels=32,  # the released DC-AE f32c32's
+            vae_block_out_channels=(16, 32, 64, 128, 128, 128),
+            vae_attention_head_dim=32,
+            text_hidden_size=256,  # = caption_channels
+            text_layers=2,
+            text_heads=4,
+            text_kv_heads=2,
+            seed=0,
+        ),
+    )
+
+
+#: The DiT's `sample_size` 16 picks the 512 px aspect-ratio bins (Sana_600M/1600M_512px): resolution binning
+#: generates every square request at 512x512 (16x16 latents: 256 tokens, as the other families at 256x256)
+#: and resizes it back, so SANA is measured at 512x512, the size its binning keeps.
+SANA_SAMPLE_SIZE = 16
+SANA_SIZE = 512
+
 _WAN_CHECKPOINT = (
     "Wan 2.1 layout, 3 blocks, 12x64 heads (width 768; 1.3B: 12x128, 30 blocks), ffn 4480, freq dim 256, "
     "text dim 256 (a 2-layer UMT5 encoder, 512 tokens), causal-3D VAE base dim 32, mults (1, 2, 4, 4), "
@@ -308,6 +398,66 @@ FAMILIES: dict[str, Family] = {
             video=True,
             default_size=128,
         ),
+        Family(
+            name="flux2",
+            pipeline="Flux2Pipeline",
+            checkpoint=(
+                "FLUX.2-dev layout (shared modulation, SwiGLU, 4-axis RoPE (32, 32, 32, 32)), 2 double + "
+                f"{FLUX2_SINGLE_LAYERS['dev']} single blocks, 4x128 heads (width 512), joint attention dim 384 "
+                "(layers 10, 20, 30 of a 31-layer Mistral3 text stack of width 128, in BFL's system-message "
+                f"chat, 512 tokens), weight noise {FLUX2_DIT_WEIGHT_NOISE}, FLUX.2 VAE (32, 64, 128, 128), "
+                "32 latent channels"
+            ),
+            cfg="guidance_scale 4, embedded in the DiT (guidance-distilled: no negative branch)",
+            build=lambda path: _flux2_build(path, "dev"),
+            sampling={"guidance_scale": 4.0, "max_sequence_length": 512},
+        ),
+        Family(
+            name="flux2-klein",
+            pipeline="Flux2KleinPipeline",
+            checkpoint=(
+                f"FLUX.2 [klein] base layout, 2 double + {FLUX2_SINGLE_LAYERS['klein']} single blocks, 4x128 "
+                "heads (width 512), no guidance embedding, joint attention dim 384 (layers 9, 18, 27 of a "
+                f"28-layer Qwen3 of width 128, 512 tokens), weight noise {FLUX2_DIT_WEIGHT_NOISE}, FLUX.2 VAE "
+                "(32, 64, 128, 128), 32 latent channels; is_distilled false"
+            ),
+            cfg="guidance_scale 4, CFG against the empty prompt (klein base; a step-distilled klein runs without)",
+            build=lambda path: _flux2_build(path, "klein"),
+            sampling={"guidance_scale": 4.0, "max_sequence_length": 512},
+        ),
+        Family(
+            name="flux-kontext",
+            pipeline="FluxKontextPipeline",
+            checkpoint=(
+                "FLUX.1 layout (bench_flux_vs_diffusers.py's checkpoint), 2 double + 4 single blocks, 8x64 "
+                "heads, RoPE axes (16, 24, 24), guidance embedding, joint attention dim 256 (T5 width 256, 512 "
+                "tokens), VAE (32, 64, 128, 128)"
+            ),
+            cfg=(
+                "guidance_scale 3.5, embedded in the DiT (no negative branch); input image size x size (a "
+                "synthetic picture)"
+            ),
+            build=_flux_kontext_build,
+            sampling={"guidance_scale": 3.5, "max_sequence_length": 512},
+            image_input=True,
+        ),
+        Family(
+            name="sana",
+            pipeline="SanaPipeline",
+            checkpoint=(
+                "SANA layout, 4 blocks of linear attention with 24x32 heads (width 768) and cross-attention "
+                f"12x64, GLUMBConv mlp ratio 2.5, sample_size {SANA_SAMPLE_SIZE} (the 512 px bins), caption "
+                "channels 256 (a 2-layer Gemma-2 of width 256, 300 tokens after the complex human "
+                "instruction), DC-AE f32c32 (16, 32, 64, 128, 128, 128), flow DPM-Solver++ (flow_shift 3)"
+            ),
+            cfg=(
+                "guidance_scale 4.5, default (empty) negative prompt, default complex human instruction; "
+                "resolution binning on (default)"
+            ),
+            build=_sana_build,
+            sampling={"guidance_scale": 4.5, "max_sequence_length": 300},
+            default_size=SANA_SIZE,
+        ),
     )
 }
 
@@ -365,6 +515,11 @@ def _run_diffserve(args: argparse.Namespace, family: Family, size: int, compiled
         qwen_image.QwenImageEditPipeline.config = QwenImageEditPipelineConfig(
             condition_image_area=args.edit_condition_area
         )
+    if family.name == "flux-kontext" and not args.kontext_auto_resize:
+        from diffserve.configs.flux import FluxKontextPipelineConfig
+        from diffserve.pipelines import flux_kontext
+
+        flux_kontext.FluxKontextPipeline.config = FluxKontextPipelineConfig(auto_resize=False)
     # compile=True compiles the DiT's blocks and warms up (two short generations) in here: timed as load.
     generator = DiffGenerator.from_pretrained(
         args.model_dir / family.name, device="cpu", dtype="float32", show_progress=False, compile=compiled
@@ -421,7 +576,10 @@ def _load_diffusers(args: argparse.Namespace, family: Family, compiled: bool = F
             full_area = diffusers_edit.calculate_dimensions
             area = args.edit_condition_area
             diffusers_edit.calculate_dimensions = lambda target_area, ratio: full_area(area, ratio)
-    pipe = pipeline_class.from_pretrained(folder, torch_dtype=torch.float32, **extra)
+    if family.name == "flux2":
+        pipe = _diffusers_flux2_dev(folder)
+    else:
+        pipe = pipeline_class.from_pretrained(folder, torch_dtype=torch.float32, **extra)
     pipe.to("cpu")
     if compiled:
         form, _blocks = diffusers_compile_form(folder)
@@ -435,13 +593,52 @@ def _load_diffusers(args: argparse.Namespace, family: Family, compiled: bool = F
     return pipe, load
 
 
+def _diffusers_flux2_dev(folder: Path):
+    """diffusers' Flux2Pipeline built from its components, as tests/e2e/test_flux2_pipeline_parity.py does:
+    `from_pretrained` would construct the folder's PixtralProcessor, which needs torchvision. The pipeline
+    only calls the processor's `apply_chat_template`, which the folder's tokenizer (loaded as diffserve
+    loads it) carries; the components load in fp32, as `torch_dtype=torch.float32` gives the others."""
+    import torch
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2Pipeline,
+        Flux2Transformer2DModel,
+    )
+    from transformers import Mistral3ForConditionalGeneration
+
+    from diffserve.loader.processors import load_processor_tokenizer
+
+    return Flux2Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler"),
+        vae=AutoencoderKLFlux2.from_pretrained(folder, subfolder="vae", torch_dtype=torch.float32),
+        text_encoder=Mistral3ForConditionalGeneration.from_pretrained(
+            folder / "text_encoder", dtype=torch.float32
+        ),
+        tokenizer=load_processor_tokenizer(folder / "tokenizer"),
+        transformer=Flux2Transformer2DModel.from_pretrained(
+            folder, subfolder="transformer", torch_dtype=torch.float32
+        ),
+    )
+
+
+def _diffusers_kwargs(args: argparse.Namespace, family: Family, size: int) -> dict:
+    """`_generation_kwargs` plus what only diffusers' Kontext pipeline needs to do what diffserve does:
+    it rescales a given output size to `max_area` (1024 * 1024 by default; diffserve keeps a given size),
+    so it gets `max_area=size * size`; and `_auto_resize` as diffserve's config (see `--kontext-auto-resize`)."""
+    kwargs = _generation_kwargs(args, family, size)
+    if family.name == "flux-kontext":
+        kwargs.update(max_area=size * size, _auto_resize=args.kontext_auto_resize)
+    return kwargs
+
+
 def _run_diffusers(args: argparse.Namespace, family: Family, size: int, compiled: bool = False):
     import torch
 
     pipe, load = _load_diffusers(args, family, compiled)
     counter = harness.ForwardCounter(pipe.transformer)
     timer = harness.DiffusersStepTimer(pipe.transformer)
-    kwargs = _generation_kwargs(args, family, size)
+    kwargs = _diffusers_kwargs(args, family, size)
 
     def generate():
         timer.reset()
@@ -534,8 +731,11 @@ def count_step_flops(args: argparse.Namespace, family: Family, size: int) -> Non
     import torch
 
     pipe, _load = _load_diffusers(args, family)
+    # FlopCounterMode's module tracker puts grad hooks on module inputs that require grad; SANA's DiT passes
+    # its `scale_shift_table` parameter to a sub-module, which under inference_mode has no grad_fn to hook.
+    pipe.transformer.requires_grad_(False)
     meter = DitFlopMeter(pipe.transformer)
-    kwargs = dict(_generation_kwargs(args, family, size), num_inference_steps=1)
+    kwargs = dict(_diffusers_kwargs(args, family, size), num_inference_steps=1)
     with torch.inference_mode():
         pipe(generator=torch.Generator("cpu").manual_seed(args.seed), output_type="latent", **kwargs)
     result = {"engine": FLOP_COUNT, "resolution": size, **meter.summary(steps=1)}
@@ -581,7 +781,7 @@ def worker_command(
         "--model-dir", str(args.model_dir), "--steps", str(args.steps), "--repeats", str(args.repeats),
         "--seed", str(args.seed), "--prompt", args.prompt,
         "--edit-condition-area", str(args.edit_condition_area), "--num-frames", str(args.num_frames),
-        "--image-out", str(image_out),
+        "--image-out", str(image_out), *(["--kontext-auto-resize"] if args.kontext_auto_resize else []),
     ]  # fmt: skip
 
 
@@ -641,6 +841,25 @@ def family_setting_lines(family: Family, dit_params: int, args: argparse.Namespa
                 "a minute per 256x256 generation on 2 cores; diffusers' calculate_dimensions wrapped, "
                 "diffserve's QwenImageEditPipeline.config set; --edit-condition-area 1048576 for the real one)"
             )
+    if family.name == "flux-kontext":
+        if args.kontext_auto_resize:
+            out.append(
+                "- input image auto-resized to its nearest Kontext training resolution (the real behaviour: "
+                "1024x1024 for a square input); diffusers called with max_area = size * size"
+            )
+        else:
+            out.append(
+                "- input image KEPT at size x size on both engines (real: auto-resized to 1024x1024, 4096 "
+                "condition tokens; diffusers `_auto_resize=False`, diffserve's FluxKontextPipeline.config "
+                "auto_resize=False; --kontext-auto-resize for the real one); diffusers called with "
+                "max_area = size * size, since it rescales a given output size to max_area (1024 * 1024)"
+            )
+    if family.name == "sana":
+        out.append(
+            f"- resolution binning (both engines' default): a square request is generated at "
+            f"{SANA_SIZE}x{SANA_SIZE} (the 512 px bins' 1:1 entry; {SANA_SIZE // 32}x{SANA_SIZE // 32} latents) "
+            "and resized back to size x size, so sizes other than 512 cost the same and are measured as 512"
+        )
     return out
 
 
@@ -878,7 +1097,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     harness.add_run_args(
         p,
-        f"{DEFAULT_SIZE}; the Wan families 128",
+        f"{DEFAULT_SIZE}; the Wan families 128, SANA {SANA_SIZE}",
         "parent folder of the checkpoints, one sub-folder per family (built there if missing); "
         "default: a temporary folder",
     )
@@ -888,6 +1107,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_EDIT_CONDITION_AREA,
         help="pixels qwen-image-edit resizes its input image to, on both engines (default: "
         f"{DEFAULT_EDIT_CONDITION_AREA}; diffusers hard-codes {REAL_EDIT_CONDITION_AREA}, the real behaviour)",
+    )
+    p.add_argument(
+        "--kontext-auto-resize",
+        action="store_true",
+        help="flux-kontext: resize the input image to its nearest ~1 MP Kontext training resolution on both "
+        "engines (the real default, 1024x1024 for a square input: 4096 condition tokens); default: keep it "
+        "at size x size",
     )
     p.add_argument(
         "--num-frames",

@@ -91,6 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", default="a red fox in the snow, golden hour, highly detailed")
     p.add_argument("--num-frames", type=int, default=bench_families.DEFAULT_NUM_FRAMES)
     p.add_argument("--edit-condition-area", type=int, default=bench_families.DEFAULT_EDIT_CONDITION_AREA)
+    p.add_argument("--kontext-auto-resize", action="store_true", help="flux-kontext: see bench_families.py")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     args.resolutions_given = args.resolutions is not None

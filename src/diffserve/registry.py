@@ -94,6 +94,8 @@ class TinyCheckpointOptions:
     sd35: bool = False
     #: Wan: the scheduler written, "flow-match-euler" or "unipc" (what the released Wan 2.1 folders ship).
     scheduler: str = "flow-match-euler"
+    #: Wan: "2.1", "2.2-a14b" (two experts) or "2.2-ti2v" (Wan 2.2 VAE, T2V and I2V in one wan-t2v folder).
+    wan_variant: str = "2.1"
 
 
 class TinyCheckpointBuilder(Protocol):
@@ -211,12 +213,17 @@ def _tiny_z_image(out_dir: Path, options: TinyCheckpointOptions) -> Path:
 
 
 def _tiny_wan(image_to_video: bool) -> TinyCheckpointBuilder:
-    """The builder of a Wan 2.1 text-to-video or image-to-video folder."""
+    """The builder of a Wan text-to-video or image-to-video folder (Wan 2.1, or `options.wan_variant`)."""
 
     def build(out_dir: Path, options: TinyCheckpointOptions) -> Path:
         from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
 
-        spec = TinyWanSpec(image_to_video=image_to_video, scheduler=options.scheduler, seed=options.seed)
+        spec = TinyWanSpec(
+            image_to_video=image_to_video,
+            scheduler=options.scheduler,
+            seed=options.seed,
+            variant=options.wan_variant,
+        )
         return build_tiny_wan(out_dir, spec)
 
     return build

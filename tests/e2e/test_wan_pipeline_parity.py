@@ -129,8 +129,9 @@ def test_wan_i2v_defaults_to_the_input_aspect_ratio(i2v) -> None:
     assert params.height % 16 == 0 and params.width % 16 == 0
 
 
-def test_wan_22_checkpoints_are_refused_not_run_half(tmp_path) -> None:
-    """A second expert (`transformer_2`) or Wan 2.2's per-token timesteps would be silently ignored."""
+def test_half_a14b_folders_are_refused(tmp_path) -> None:
+    """A second expert (`transformer_2`) without `boundary_ratio` would be silently ignored, and a
+    `boundary_ratio` without it cannot run (Wan 2.2 itself: tests/e2e/test_wan22_pipeline_parity.py)."""
     import json
     import shutil
 
@@ -143,6 +144,6 @@ def test_wan_22_checkpoints_are_refused_not_run_half(tmp_path) -> None:
     index_path.write_text(json.dumps({**index, "transformer_2": ["diffusers", "WanTransformer3DModel"]}))
     with pytest.raises(ModelLoadError, match="transformer_2"):
         DiffGenerator.from_pretrained(root, device="cpu")
-    index_path.write_text(json.dumps({**index, "transformer_2": [None, None], "expand_timesteps": True}))
-    with pytest.raises(ModelLoadError, match="Wan 2.2"):
+    index_path.write_text(json.dumps({**index, "transformer_2": [None, None], "boundary_ratio": 0.9}))
+    with pytest.raises(ModelLoadError, match="boundary_ratio"):
         DiffGenerator.from_pretrained(root, device="cpu")

@@ -15,7 +15,13 @@ from torch import nn
 
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import UserError
-from diffserve.runtime.compile import cfg_overrides, compile_pipeline, find_block_lists, warmup_plan
+from diffserve.runtime.compile import (
+    cfg_overrides,
+    compile_pipeline,
+    find_block_lists,
+    warmup_params,
+    warmup_plan,
+)
 from diffserve.testing.image_metrics import psnr_uint8
 
 #: (height, width): a square size and a non-square one (both multiples of the tiny VAE's 16 pixels).
@@ -80,6 +86,14 @@ def test_warmup_plan_covers_one_row_and_multi_row_batches() -> None:
         (64, 64, "no-cfg"), (64, 64, "cfg"), (64, 64, "cfg-uneven-text"), (32, 48, "default"),
     ]  # fmt: skip
     assert warmup_plan([]) == []
+
+
+def test_a_family_without_cfg_warms_up_on_its_own_defaults() -> None:
+    """Guidance-distilled families (FLUX.2-dev, SANA-Sprint) refuse every CFG setting: their warm-up runs
+    one row with no CFG override at all."""
+    assert warmup_plan([(64, 64), (32, 48)], "none") == [(64, 64, "no-cfg"), (32, 48, "default")]
+    params = warmup_params(64, 64, "no-cfg", "none", video=False)
+    assert params.true_cfg_scale is None and params.guidance_scale is None and params.negative_prompt is None
 
 
 @pytest.mark.parametrize("cfg_mode", ["true_cfg", "classic", "positive_gap"])

@@ -112,10 +112,10 @@ def test_wan_embeds_each_requests_context_once_with_the_same_frames(
     assert calls == [2]  # both CFG branches, once
 
 
-def _embed_every_step(self, req):  # noqa: ANN001, ANN202 - stands in for WanDenoiser.context_for
+def _embed_every_step(self, req, expert):  # noqa: ANN001, ANN202 - stands in for WanDenoiser.context_for
     texts = branch_texts(req)
     images = torch.cat([req.image_embeds] * len(texts)) if req.image_embeds is not None else None
-    return self.transformer.embed_context(torch.cat(texts), images)
+    return self.transformers[expert].embed_context(torch.cat(texts), images)
 
 
 def test_zimage_refines_each_requests_captions_once_with_the_same_image(

@@ -45,6 +45,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add("--num-inference-steps", type=int, default=None, help="denoising steps")
     add("--guidance-scale", type=float, default=None, help="embedded guidance (FLUX.1-dev: 3.5)")
     add("--true-cfg-scale", type=float, default=None, help="true CFG scale; >1 with a negative prompt")
+    add("--guidance-scale-2", type=float, default=None,
+        help="Wan 2.2 A14B: the low-noise expert's CFG scale (default: --guidance-scale)")  # fmt: skip
     add("--skip-guidance-layers", type=int, nargs="+", default=None, metavar="BLOCK",
         help="SD3.5 skip-layer guidance: DiT blocks to skip (SD3.5-medium: 7 8 9); needs CFG")  # fmt: skip
     add("--skip-layer-guidance-scale", type=float, default=None, help="skip-layer guidance scale (2.8)")

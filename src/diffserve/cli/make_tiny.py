@@ -44,6 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add("--sd35", action="store_true", help="sd3: SD3.5 style (qk RMSNorm, dual attention in block 0)")
     add("--scheduler", choices=("flow-match-euler", "unipc"), default="flow-match-euler",
         help="wan-*: the scheduler written (unipc is what the released Wan 2.1 checkpoints ship)")  # fmt: skip
+    add("--wan-variant", choices=("2.1", "2.2-a14b", "2.2-ti2v"), default="2.1",
+        help="wan-*: Wan 2.2 A14B (two experts) or TI2V-5B (Wan 2.2 VAE; T2V and I2V, build it as wan-t2v)")  # fmt: skip
     p.set_defaults(handler=run)
 
 
@@ -51,7 +53,9 @@ def run(args: argparse.Namespace) -> int:
     from diffserve.registry import TinyCheckpointOptions, family_by_name
 
     family = family_by_name(args.family)
-    options = TinyCheckpointOptions(args.seed, not args.no_guidance_embeds, args.sd35, args.scheduler)
+    options = TinyCheckpointOptions(
+        args.seed, not args.no_guidance_embeds, args.sd35, args.scheduler, wan_variant=args.wan_variant
+    )
     path = family.tiny_builder(Path(args.output_dir), options)
     _apply_umask(path)
     logger.info("Wrote tiny %s checkpoint to %s", family.name, path)

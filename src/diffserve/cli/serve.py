@@ -68,6 +68,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add("--public-url", default=None, metavar="URL",
         help="the server's address as clients reach it (https://host[:port][/prefix]), for response_format='url' "
         "image links (default: the request's own scheme and Host header)")  # fmt: skip
+    add("--webui", action=argparse.BooleanOptionalAction, default=True,
+        help="serve the web playground (generate, edit, video, gallery) at / (default: on)")  # fmt: skip
     p.set_defaults(handler=run)
 
 

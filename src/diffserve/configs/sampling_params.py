@@ -177,6 +177,8 @@ class SamplingParams:
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
     true_cfg_scale: float | None = None
+    #: Wan 2.2 A14B only (two-expert folders): the low-noise expert's CFG scale (default: guidance_scale).
+    guidance_scale_2: float | None = None
     #: Noise seed. 0 by default here, so that Python callers get reproducible results without asking;
     #: the CLI (`diffserve generate`) and the server draw a random seed when none is given and report it.
     seed: int = 0
@@ -262,7 +264,7 @@ class SamplingParams:
                 f"num_outputs_per_prompt must be >= 1, got {self.num_outputs_per_prompt!r}",
                 param="num_outputs_per_prompt",
             )
-        for name in ("guidance_scale", "true_cfg_scale"):
+        for name in ("guidance_scale", "true_cfg_scale", "guidance_scale_2"):
             value = getattr(self, name)
             if value is None:
                 continue

@@ -1,4 +1,4 @@
-"""Wan 2.1 family (text-to-video, image-to-video): constants and sampling defaults (Diffusers semantics)."""
+"""Wan 2.1 / 2.2 family (text-to-video, image-to-video): constants and sampling defaults (Diffusers semantics)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ class WanPipelineConfig:
     #: Image-to-video: when height/width are unset, the output keeps the input image's aspect ratio
     #: at about this many pixels (Diffusers' documented recipe: 480 * 832).
     image_to_video_area: int = 480 * 832
+    #: Wan 2.2 TI2V-5B's native frame rate (its folders' default fps; Wan 2.1 and 2.2 A14B make 16 fps).
+    ti2v_fps: int = 24
 
 
 def wan_default_sampling_params() -> SamplingParams:

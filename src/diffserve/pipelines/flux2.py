@@ -141,7 +141,7 @@ class Flux2Pipeline(Pipeline):
     step_cache_policies: ClassVar[dict[str, StepCachePolicy]] = {}
 
     def cfg_mode(self, context: PipelineContext) -> CfgMode:
-        return "true_cfg"
+        return "none"
 
     def sampling_defaults(self, context: PipelineContext) -> SamplingParams:
         return flux2_default_sampling_params()
@@ -223,7 +223,7 @@ class Flux2KleinPipeline(Flux2Pipeline):
         return bool(context.pipeline_options.get("is_distilled", False))
 
     def cfg_mode(self, context: PipelineContext) -> CfgMode:
-        return "classic"
+        return "none" if self.is_distilled(context) else "classic"
 
     def sampling_defaults(self, context: PipelineContext) -> SamplingParams:
         if self.is_distilled(context):

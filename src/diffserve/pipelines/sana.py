@@ -233,6 +233,7 @@ class SanaSprintPipeline(SanaPipeline):
             default_pixels=self.config.default_size,
             max_sequence_length_limit=self.sequence_limit(text_stage, context),
             image_inputs=ImageInputRule(pipeline_name="SanaSprintPipeline"),
+            cfg_mode="none",
             unsupported_params={
                 "true_cfg_scale": "SANA-Sprint embeds guidance_scale in the DiT and runs no CFG",
                 "negative_prompt": "SANA-Sprint embeds guidance_scale in the DiT and reads no negative prompt",

@@ -127,6 +127,8 @@ def cfg_overrides(cfg_mode: str) -> dict[bool, dict[str, Any]]:
         return {False: {"guidance_scale": 1.0}, True: {"guidance_scale": 2.0}}
     if cfg_mode == "positive_gap":  # Z-Image: guidance_scale > 0
         return {False: {"guidance_scale": 0.0}, True: {"guidance_scale": 2.0}}
+    if cfg_mode == "none":  # guidance-distilled: the family's defaults are the only way it runs
+        return {False: {}, True: {}}
     raise ValueError(f"unknown cfg_mode {cfg_mode!r}")
 
 
@@ -136,12 +138,16 @@ def compile_warmup_size(pixel_multiple: int) -> tuple[int, int]:
     return side, side
 
 
-def warmup_plan(resolutions: Sequence[tuple[int, int]]) -> list[tuple[int, int, str]]:
-    """(height, width, kind) per warm-up generation: every `WARMUP_KINDS` at the first size, "default"
-    (the family's default sampling, proving the size runs) at the others."""
+def warmup_plan(
+    resolutions: Sequence[tuple[int, int]], cfg_mode: str = "true_cfg"
+) -> list[tuple[int, int, str]]:
+    """(height, width, kind) per warm-up generation: every `WARMUP_KINDS` at the first size (only "no-cfg"
+    for a family that never runs CFG), "default" (the family's default sampling, proving the size runs)
+    at the others."""
+    kinds = ("no-cfg",) if cfg_mode == "none" else WARMUP_KINDS
     plan: list[tuple[int, int, str]] = []
     for i, (height, width) in enumerate(resolutions):
-        plan += [(height, width, kind) for kind in WARMUP_KINDS] if i == 0 else [(height, width, "default")]
+        plan += [(height, width, kind) for kind in kinds] if i == 0 else [(height, width, "default")]
     return plan
 
 
@@ -165,7 +171,7 @@ def warm_up(
     UserError naming `--warmup-resolutions`."""
 
     runs = []
-    for height, width, kind in warmup_plan(resolutions):
+    for height, width, kind in warmup_plan(resolutions, facts.cfg_mode):
         params = warmup_params(height, width, kind, facts.cfg_mode, facts.makes_video)
         params.input_images = facts.probe_images(width, height)
         graphs_before, start = compiled_graph_count(), time.perf_counter()

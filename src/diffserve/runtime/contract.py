@@ -13,8 +13,9 @@ from diffserve.configs.sampling_params import SamplingParams
 from diffserve.request import Req
 
 # When CFG's negative branch runs: "true_cfg" (FLUX, Qwen-Image): true_cfg_scale > 1 and a negative
-# prompt; "classic" (SD3, Wan): guidance_scale > 1; "positive_gap" (Z-Image): guidance_scale > 0.
-CfgMode = Literal["true_cfg", "classic", "positive_gap"]
+# prompt; "classic" (SD3, Wan): guidance_scale > 1; "positive_gap" (Z-Image): guidance_scale > 0; "none"
+# (guidance-distilled: FLUX.2-dev, a step-distilled FLUX.2 klein, SANA-Sprint): never.
+CfgMode = Literal["true_cfg", "classic", "positive_gap", "none"]
 
 
 @dataclass(frozen=True)

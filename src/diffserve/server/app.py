@@ -399,6 +399,10 @@ def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = N
 
     app.include_router(video_router(args, engine, video_jobs, metrics, check_model, outcome_of))
     app.include_router(lora_router(engine))
+    if args.webui:  # the playground at / (webui_routes.py)
+        from diffserve.server.webui_routes import webui_router
+
+        app.include_router(webui_router())
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def list_models() -> ModelList:

@@ -49,6 +49,8 @@ class ServerArgs:
     #: Data-parallel replicas: engine processes, each with its own copy of the model, behind this front
     #: end, which sends each request to the least-loaded ready one (`server/replicas.py`).
     dp_size: int = 1
+    #: Serve the web playground at `/` (webui_routes.py); `--no-webui` leaves it out.
+    webui: bool = True
 
     @property
     def model_id(self) -> str:

@@ -24,8 +24,11 @@ access_logger = logging.getLogger("diffserve.access")
 #: Status logged when the client went away before a response was sent (nginx's convention).
 CLIENT_CLOSED_REQUEST = 499
 
-#: Paths that never need the API key: probes of load balancers and Prometheus.
-OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
+#: Paths that never need the API key: probes of load balancers and Prometheus, and the web playground's
+#: static files (webui_routes.py; the page asks for the key itself).
+OPEN_PATHS = frozenset(
+    {"/health", "/health_generate", "/metrics", "/", "/webui/index.html", "/webui/app.js", "/webui/style.css"}
+)
 _IMAGE_CONTENT_PREFIX = "/v1/images/"
 _IMAGE_CONTENT_SUFFIX = "/content"
 

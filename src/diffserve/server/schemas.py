@@ -327,6 +327,8 @@ class VideoCreateRequest(BaseModel):
     negative_prompt: str | None = None
     num_inference_steps: Steps = None
     guidance_scale: Scale = None
+    #: Wan 2.2 A14B: the low-noise expert's CFG scale (default: guidance_scale); other models refuse it.
+    guidance_scale_2: Scale = None
     max_sequence_length: Steps = None
     quality: Quality = None
     priority: Priority = None

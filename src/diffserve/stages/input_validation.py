@@ -203,10 +203,12 @@ class InputValidationStage(Stage):
         default_size: Callable[[SamplingParams], tuple[int, int]] | None = None,
         video: VideoRule | None = None,
         skip_layer_guidance: SkipLayerGuidanceRule | None = None,
+        expert_guidance: bool = False,
     ) -> None:
         """`unsupported_params`: fields this family lacks -> why (a request setting one gets a 400).
         `default_size(params)`: (height, width) when unset. `video`: None refuses the video fields.
-        `skip_layer_guidance`: None refuses the skip-layer guidance fields."""
+        `skip_layer_guidance`: None refuses the skip-layer guidance fields. `expert_guidance`: the family
+        reads `guidance_scale_2` (Wan 2.2 A14B's second expert); otherwise a request setting it gets a 400."""
         self.defaults = defaults
         self.pixel_multiple = pixel_multiple
         self.default_pixels = default_pixels
@@ -217,6 +219,7 @@ class InputValidationStage(Stage):
         self.default_size = default_size
         self.video = video
         self.skip_layer_guidance = skip_layer_guidance
+        self.expert_guidance = expert_guidance
         self.quality = QualityRule(family=self.image_inputs.pipeline_name)
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
@@ -241,6 +244,12 @@ class InputValidationStage(Stage):
                         "guidance is a Stable Diffusion 3.5 feature",
                         param=name,
                     )
+        if params.guidance_scale_2 is not None and not self.expert_guidance:
+            raise InvalidRequestError(
+                f"guidance_scale_2 is not a parameter of {self.image_inputs.pipeline_name}: it is the "
+                "low-noise expert's CFG scale of Wan 2.2 A14B (two-expert) folders",
+                param="guidance_scale_2",
+            )
         self.image_inputs.check_requested_strength(params)
         resolved = params.with_defaults(self.defaults)
         resolved.quality = self.quality.resolve(params.quality)
@@ -264,7 +273,9 @@ class InputValidationStage(Stage):
         p = req.params
         if p.quality != EXACT:
             req.step_cache = StepCacheState(self.quality.policies[p.quality])
-        if self.cfg_mode == "true_cfg":
+        if self.cfg_mode == "none":
+            req.do_cfg, req.cfg_scale = False, 1.0
+        elif self.cfg_mode == "true_cfg":
             req.do_cfg = bool(p.true_cfg_scale and p.true_cfg_scale > 1 and p.negative_prompt is not None)
             req.cfg_scale = float(p.true_cfg_scale or 1.0)
         else:

@@ -1,6 +1,7 @@
-"""Wan 2.1 image-to-video's "before denoising" stage: the input image's CLIP vision states (cross-
-attended), and a conditioning video concatenated to the latents on channels: a mask of the frames the
-image covers, then the image and black frames, VAE-encoded and normalised."""
+"""Wan image-to-video's "before denoising" stage: the input image's CLIP vision states (cross-attended;
+Wan 2.1 only, Wan 2.2 A14B has no image encoder), and a conditioning video concatenated to the latents
+on channels: a mask of the frames the image covers, then the image and black frames, VAE-encoded and
+normalised."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ def image_to_video_size(params: SamplingParams, area: int, multiple: int) -> tup
     return max(height, multiple), max(width, multiple)
 
 
+def resized_frame(image: Image.Image, height: int, width: int) -> torch.Tensor:
+    """The input image resized (Lanczos, as Diffusers' video processor) to one frame (1, 3, 1, H, W) in [-1, 1]."""
+    resized = image.resize((width, height), Image.Resampling.LANCZOS)
+    return image_to_tensor(resized).unsqueeze(2)
+
+
 def first_frame_mask(batch: int, num_frames: int, latent_frames: int, height: int, width: int, temporal: int):
     """(batch, temporal, latent_frames, height, width): ones where a latent frame holds the input image."""
     mask = torch.zeros(batch, 1, num_frames, height, width)
@@ -32,14 +39,24 @@ def first_frame_mask(batch: int, num_frames: int, latent_frames: int, height: in
     return mask.view(batch, latent_frames, temporal, height, width).transpose(1, 2)
 
 
+def encode_condition(vae: nn.Module, video: torch.Tensor) -> torch.Tensor:
+    """A pixel video (1, 3, T, H, W) in [-1, 1] -> its normalised VAE latents (posterior mode), float32."""
+    latents = vae.encode(to_module(vae, video)).mode().float()
+    mean, std = latent_stats(vae, latents.device, latents.dtype)
+    return (latents - mean) * (1.0 / std)  # as Diffusers: times the reciprocal, for identical rounding
+
+
 class WanImageToVideoPreparationStage(Stage):
+    """Sets `image_embeds` too, but only with an `image_encoder`: None (Wan 2.2 A14B, whose DiT has no
+    image cross-attention) leaves it unset."""
+
     needs = ("generator",)
-    sets = ("image_embeds", "condition_latents")
+    sets = ("condition_latents",)
 
     def __init__(
         self,
         image_processor,
-        image_encoder: nn.Module,
+        image_encoder: nn.Module | None,
         vae: nn.Module,
         spatial_factor: int,
         temporal_factor: int,
@@ -63,14 +80,12 @@ class WanImageToVideoPreparationStage(Stage):
         p = req.params
         n = req.batch_size
         image = p.input_images[0]
-        req.image_embeds = self.clip_states(image).repeat(n, 1, 1).to(self.output_dtype)
+        if self.image_encoder is not None:
+            req.image_embeds = self.clip_states(image).repeat(n, 1, 1).to(self.output_dtype)
 
-        resized = image.resize((p.width, p.height), Image.Resampling.LANCZOS)
-        frame0 = image_to_tensor(resized).unsqueeze(2)
+        frame0 = resized_frame(image, p.height, p.width)
         video = torch.cat([frame0, frame0.new_zeros(1, 3, p.num_frames - 1, p.height, p.width)], dim=2)
-        latents = self.vae.encode(to_module(self.vae, video)).mode().float()
-        mean, std = latent_stats(self.vae, latents.device, latents.dtype)
-        latents = (latents - mean) * (1.0 / std)  # as Diffusers: times the reciprocal, for identical rounding
+        latents = encode_condition(self.vae, video)
         latent_frames, h, w = latents.shape[2:]
         mask = first_frame_mask(1, p.num_frames, latent_frames, h, w, self.temporal_factor).to(latents)
         req.condition_latents = torch.cat([mask, latents], dim=1).repeat(n, 1, 1, 1, 1)

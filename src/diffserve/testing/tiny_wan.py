@@ -1,9 +1,16 @@
-"""Builders of small random-weight Wan 2.1 checkpoints (`WanPipeline`, `WanImageToVideoPipeline`).
+"""Builders of small random-weight Wan checkpoints (`WanPipeline`, `WanImageToVideoPipeline`).
 
-Used by the tests, the benchmarks and `diffserve make-tiny wan-t2v` / `wan-i2v`. The DiT and the
-causal video VAE are diffserve's native modules (state dicts in Diffusers' names); the UMT5 text
-encoder and, for image-to-video, the CLIP vision encoder and its image processor are transformers
-objects. Both diffserve and Diffusers load the folders unchanged.
+Used by the tests, the benchmarks and `diffserve make-tiny wan-t2v` / `wan-i2v` (`--wan-variant`). The
+DiT and the causal video VAE are diffserve's native modules (state dicts in Diffusers' names); the UMT5
+text encoder and, for Wan 2.1 image-to-video, the CLIP vision encoder and its image processor are
+transformers objects. Both diffserve and Diffusers load the folders unchanged.
+
+Variants (`TinyWanSpec.variant`), laid out as the released Diffusers folders:
+- "2.1": one DiT; I2V adds CLIP.
+- "2.2-a14b": two experts (`transformer`, `transformer_2`) and `boundary_ratio` in model_index.json;
+  I2V has no image encoder (null in model_index.json) and no image cross-attention.
+- "2.2-ti2v": one DiT over Wan 2.2's VAE (z_dim 48, residual levels, 2x2 patches), `expand_timesteps`;
+  a `WanPipeline` folder that makes text-to-video and image-to-video.
 """
 
 from __future__ import annotations
@@ -52,6 +59,9 @@ class TinyWanSpec:
     #: 8 keeps the tests' 32-pixel CLIP input at 17 image tokens; the released ViT-H/14 at 224 gives 257.
     clip_patch_size: int = 8
     scheduler: str = "flow-match-euler"  # or "unipc" (the released checkpoints' scheduler)
+    variant: str = "2.1"  # or "2.2-a14b", "2.2-ti2v" (see the module docstring)
+    #: Wan 2.2 A14B: where the low-noise expert takes over (the released T2V folder: 0.875, I2V: 0.9).
+    boundary_ratio: float = 0.875
     dit_weight_noise: float = 0.2
     seed: int = 0
 
@@ -69,8 +79,18 @@ def unipc_scheduler_config(flow_shift: float = 3.0) -> dict:
     }  # fmt: skip
 
 
-def wan_model_index(image_to_video: bool, scheduler_class: str) -> dict:
-    index = {
+WAN_VARIANTS = ("2.1", "2.2-a14b", "2.2-ti2v")
+
+#: Wan 2.2's VAE has 48 latent channels; the tiny one uses these statistics (the released ones are
+#: Diffusers' config values of Wan2.2-TI2V-5B-Diffusers, which the pipelines read from the folder).
+WAN22_Z_DIM = 48
+WAN22_LATENTS_MEAN = tuple(round(0.02 * ((i * 7) % 23) - 0.2, 4) for i in range(WAN22_Z_DIM))
+WAN22_LATENTS_STD = tuple(round(0.4 + 0.05 * ((i * 5) % 17), 4) for i in range(WAN22_Z_DIM))
+
+
+def wan_model_index(image_to_video: bool, scheduler_class: str, spec: TinyWanSpec | None = None) -> dict:
+    spec = spec or TinyWanSpec(image_to_video=image_to_video)
+    index: dict = {
         "_class_name": "WanImageToVideoPipeline" if image_to_video else "WanPipeline",
         "_diffusers_version": DIFFUSERS_FORMAT_VERSION,
         "scheduler": ["diffusers", scheduler_class],
@@ -79,9 +99,20 @@ def wan_model_index(image_to_video: bool, scheduler_class: str) -> dict:
         "transformer": ["diffusers", "WanTransformer3DModel"],
         "vae": ["diffusers", "AutoencoderKLWan"],
     }
-    if image_to_video:
+    if spec.variant == "2.2-a14b":
+        index["transformer_2"] = ["diffusers", "WanTransformer3DModel"]
+        index["boundary_ratio"] = spec.boundary_ratio
+        index["expand_timesteps"] = False
+    elif spec.variant == "2.2-ti2v":
+        index["transformer_2"] = [None, None]
+        index["boundary_ratio"] = None
+        index["expand_timesteps"] = True
+    if image_to_video and spec.variant == "2.1":
         index["image_encoder"] = ["transformers", "CLIPVisionModel"]
         index["image_processor"] = ["transformers", "CLIPImageProcessor"]
+    elif image_to_video:
+        index["image_encoder"] = [None, None]
+        index["image_processor"] = [None, None]
     return index
 
 
@@ -123,20 +154,19 @@ def _write_image_encoder(root: Path, spec: TinyWanSpec) -> None:
     ).save_pretrained(root / "image_processor")
 
 
-def build_tiny_wan(out_dir: str | Path, spec: TinyWanSpec | None = None) -> Path:
-    """Write a random-weight Wan 2.1 (T2V, or I2V with `spec.image_to_video`) folder; return its path."""
-    spec = spec or TinyWanSpec()
-    root = Path(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(spec.seed)
-    _write_text_encoder(root, spec)
+def _dit_config(spec: TinyWanSpec) -> dict:
     inner = spec.num_attention_heads * spec.attention_head_dim
-    dit_config = {
+    clip = spec.image_to_video and spec.variant == "2.1"
+    if spec.variant == "2.2-ti2v":
+        in_channels = out_channels = WAN22_Z_DIM
+    else:  # I2V: noise 16 + mask 4 + image latents 16
+        in_channels, out_channels = (36 if spec.image_to_video else 16), 16
+    return {
         "patch_size": [1, 2, 2],
         "num_attention_heads": spec.num_attention_heads,
         "attention_head_dim": spec.attention_head_dim,
-        "in_channels": 36 if spec.image_to_video else 16,  # I2V: noise 16 + mask 4 + image latents 16
-        "out_channels": 16,
+        "in_channels": in_channels,
+        "out_channels": out_channels,
         "text_dim": spec.text_dim,
         "freq_dim": spec.freq_dim,
         "ffn_dim": spec.ffn_dim,
@@ -144,13 +174,14 @@ def build_tiny_wan(out_dir: str | Path, spec: TinyWanSpec | None = None) -> Path
         "cross_attn_norm": True,
         "qk_norm": "rms_norm_across_heads",
         "eps": 1e-6,
-        "image_dim": spec.clip_hidden_size if spec.image_to_video else None,
-        "added_kv_proj_dim": inner if spec.image_to_video else None,
+        "image_dim": spec.clip_hidden_size if clip else None,
+        "added_kv_proj_dim": inner if clip else None,
         "rope_max_seq_len": 1024,
     }
-    dit = random_native_module(WanTransformer3DModel, dit_config, spec.seed + 10, spec.dit_weight_noise)
-    save_diffusers_model(dit, root / "transformer", "WanTransformer3DModel", dit_config)
-    vae_config = {
+
+
+def _vae_config(spec: TinyWanSpec) -> dict:
+    config = {
         "base_dim": spec.vae_base_dim,
         "z_dim": 16,
         "dim_mult": [1, 2, 4, 4],
@@ -161,9 +192,46 @@ def build_tiny_wan(out_dir: str | Path, spec: TinyWanSpec | None = None) -> Path
         "latents_mean": list(WAN_LATENTS_MEAN),
         "latents_std": list(WAN_LATENTS_STD),
     }
+    if spec.variant == "2.2-ti2v":  # Wan 2.2's layout: 2x2 patches of RGB into 12 channels, 16x in all
+        config.update(
+            decoder_base_dim=spec.vae_base_dim * 3 // 2,
+            z_dim=WAN22_Z_DIM,
+            is_residual=True,
+            in_channels=12,
+            out_channels=12,
+            patch_size=2,
+            scale_factor_spatial=16,
+            scale_factor_temporal=4,
+            latents_mean=list(WAN22_LATENTS_MEAN),
+            latents_std=list(WAN22_LATENTS_STD),
+        )
+    return config
+
+
+def build_tiny_wan(out_dir: str | Path, spec: TinyWanSpec | None = None) -> Path:
+    """Write a random-weight Wan folder (T2V, or I2V with `spec.image_to_video`, of `spec.variant`); return
+    its path."""
+    spec = spec or TinyWanSpec()
+    if spec.variant not in WAN_VARIANTS:
+        raise ValueError(f"unknown Wan variant {spec.variant!r}; one of {', '.join(WAN_VARIANTS)}")
+    if spec.variant == "2.2-ti2v" and spec.image_to_video:
+        raise ValueError(
+            "Wan 2.2 TI2V is one WanPipeline folder for both tasks: build it without image_to_video"
+        )
+    root = Path(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(spec.seed)
+    _write_text_encoder(root, spec)
+    dit_config = _dit_config(spec)
+    dit = random_native_module(WanTransformer3DModel, dit_config, spec.seed + 10, spec.dit_weight_noise)
+    save_diffusers_model(dit, root / "transformer", "WanTransformer3DModel", dit_config)
+    if spec.variant == "2.2-a14b":  # the low-noise expert: same shape, its own weights
+        dit_2 = random_native_module(WanTransformer3DModel, dit_config, spec.seed + 30, spec.dit_weight_noise)
+        save_diffusers_model(dit_2, root / "transformer_2", "WanTransformer3DModel", dit_config)
+    vae_config = _vae_config(spec)
     vae = random_native_module(AutoencoderKLWan, vae_config, spec.seed + 20)
     save_diffusers_model(vae, root / "vae", "AutoencoderKLWan", vae_config)
-    if spec.image_to_video:
+    if spec.image_to_video and spec.variant == "2.1":
         _write_image_encoder(root, spec)
     if spec.scheduler == "unipc":
         scheduler_class, scheduler_config = "UniPCMultistepScheduler", unipc_scheduler_config()
@@ -173,6 +241,6 @@ def build_tiny_wan(out_dir: str | Path, spec: TinyWanSpec | None = None) -> Path
     (root / "scheduler" / "scheduler_config.json").write_text(
         json.dumps(diffusers_config(scheduler_class, scheduler_config), indent=2) + "\n"
     )
-    index = wan_model_index(spec.image_to_video, scheduler_class)
+    index = wan_model_index(spec.image_to_video, scheduler_class, spec)
     (root / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
     return root

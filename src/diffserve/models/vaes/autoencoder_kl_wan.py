@@ -1,7 +1,9 @@
-"""Diffusers' `AutoencoderKLWan` in the Wan 2.1 layout: Wan's video VAE.
+"""Diffusers' `AutoencoderKLWan`: Wan's video VAE, in the Wan 2.1 layout or the Wan 2.2 one.
 
 The network is the shared causal 3-D VAE (`causal3d_blocks.CausalVideoVAE`, which Qwen-Image's VAE
-also uses); this class maps Wan's config keys onto it and refuses the Wan 2.2 variant. State-dict keys
+also uses); this class maps Wan's config keys onto it. Wan 2.2's VAE (TI2V-5B: z_dim 48, 16x spatial
+compression) sets `is_residual` (parameter-free space-time/channel shortcuts around each level, width-
+keeping upsamplers) and `patch_size` 2 (2x2 pixel cells folded into 12 input channels). State-dict keys
 match Diffusers', so checkpoints load with `strict=True` into a model built on the meta device.
 """
 
@@ -13,8 +15,8 @@ from typing import Any, ClassVar
 from diffserve.models.config_keys import checked_config_kwargs
 from diffserve.models.vaes.causal3d_blocks import LATENTS_MEAN, LATENTS_STD, CausalVideoVAE
 
-#: Diffusers' `AutoencoderKLWan` config keys and defaults (Wan 2.1's VAE). The Wan 2.2 variant
-#: (`is_residual`, `patch_size`) is a different network and is rejected.
+#: Diffusers' `AutoencoderKLWan` config keys and defaults (Wan 2.1's VAE; Wan 2.2's sets `is_residual`,
+#: `patch_size`, its own widths, channels and latent statistics).
 WAN_VAE_CONFIG_DEFAULTS: dict[str, Any] = {
     "base_dim": 96,
     "decoder_base_dim": None,
@@ -36,11 +38,11 @@ WAN_VAE_CONFIG_DEFAULTS: dict[str, Any] = {
 
 
 class AutoencoderKLWan(CausalVideoVAE):
-    """Wan 2.1's video VAE (the same network as Qwen-Image's) with Diffusers' `AutoencoderKLWan` config keys.
+    """Wan's video VAE with Diffusers' `AutoencoderKLWan` config keys: Wan 2.1's (the same network as
+    Qwen-Image's) or, with `is_residual` and `patch_size`, Wan 2.2's.
 
-    Only the Wan 2.1 layout is supported: `is_residual=True` / `patch_size` (Wan 2.2's VAE) raise.
     `scale_factor_temporal` / `scale_factor_spatial` are kept in `config` for pipelines that read them;
-    the compression-ratio properties are derived from the network itself.
+    the compression-ratio properties are derived from the network itself (patch size included).
     """
 
     diffusers_class_name: ClassVar[str] = "AutoencoderKLWan"
@@ -64,11 +66,8 @@ class AutoencoderKLWan(CausalVideoVAE):
         scale_factor_temporal: int | None = 4,
         scale_factor_spatial: int | None = 8,
     ) -> None:
-        if is_residual or patch_size is not None:
-            raise ValueError(
-                "AutoencoderKLWan: only the Wan 2.1 VAE is supported; this config is the Wan 2.2 "
-                f"variant (is_residual={is_residual}, patch_size={patch_size})"
-            )
+        if patch_size is not None and patch_size < 1:
+            raise ValueError(f"AutoencoderKLWan: patch_size must be None or >= 1, got {patch_size}")
         super().__init__(
             in_channels=in_channels,
             out_channels=out_channels,
@@ -81,6 +80,8 @@ class AutoencoderKLWan(CausalVideoVAE):
             temporal_downsample=temperal_downsample,
             latents_mean=latents_mean,
             latents_std=latents_std,
+            residual=is_residual,
+            patch_size=None if patch_size in (None, 1) else patch_size,
         )
         self.config = {
             "base_dim": base_dim,

@@ -233,17 +233,19 @@ class _NearestUpsample2x(nn.Module):
 
 
 class Upsample(nn.Module):
-    """2x spatial upsampling that halves the width; with `temporal`, frames are doubled first.
+    """2x spatial upsampling that halves the width (or maps it to `out_dim`); with `temporal`, frames are
+    doubled first.
 
     Temporal doubling: a causal (3, 1, 1) conv makes two channel groups per frame, interleaved into
     two frames. The clip's first frame is not doubled (a video of 1 + 4k frames has latents of
     1 + k frames), so the first chunk skips the conv and only marks the cache.
     """
 
-    def __init__(self, dim: int, temporal: bool) -> None:
+    def __init__(self, dim: int, temporal: bool, out_dim: int | None = None) -> None:
         super().__init__()
         # Sequential only for the Diffusers name `resample.1` of the conv.
-        self.resample = nn.Sequential(_NearestUpsample2x(), HaloConv2d(dim, dim // 2, 3, padding=1))
+        out_dim = dim // 2 if out_dim is None else out_dim
+        self.resample = nn.Sequential(_NearestUpsample2x(), HaloConv2d(dim, out_dim, 3, padding=1))
         self.time_conv = CausalConv3d(dim, dim * 2, (3, 1, 1), padding=(1, 0, 0)) if temporal else None
 
     def forward(self, x: torch.Tensor, cache: CausalCache) -> torch.Tensor:
@@ -305,11 +307,115 @@ class UpBlock(nn.Module):
         return x
 
 
+class SpaceTimeToChannels(nn.Module):
+    """Wan 2.2's parameter-free down shortcut (Diffusers' `AvgDown3D`): fold each (factor_t, factor_s,
+    factor_s) cell of space-time into channels, then average consecutive groups of those channels down to
+    `out_channels`. Frames are zero-padded in front to a multiple of `factor_t` (a clip's first frame,
+    alone in its chunk, is averaged with a zero frame)."""
+
+    def __init__(self, in_channels: int, out_channels: int, factor_t: int, factor_s: int) -> None:
+        super().__init__()
+        cell = factor_t * factor_s * factor_s
+        if in_channels * cell % out_channels:
+            raise ValueError(
+                f"{in_channels} channels times the {cell}-cell space-time fold do not divide into {out_channels}"
+            )
+        self.out_channels, self.factor_t, self.factor_s = out_channels, factor_t, factor_s
+        self.group = in_channels * cell // out_channels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ft, fs = self.factor_t, self.factor_s
+        x = F.pad(x, (0, 0, 0, 0, (-x.shape[2]) % ft, 0))
+        b, c, t, h, w = x.shape
+        cells = x.view(b, c, t // ft, ft, h // fs, fs, w // fs, fs).permute(0, 1, 3, 5, 7, 2, 4, 6)
+        return cells.reshape(b, self.out_channels, self.group, t // ft, h // fs, w // fs).mean(dim=2)
+
+
+class ChannelsToSpaceTime(nn.Module):
+    """Wan 2.2's parameter-free up shortcut (Diffusers' `DupUp3D`), the mirror of `SpaceTimeToChannels`:
+    repeat every channel, then unfold channel groups into (factor_t, factor_s, factor_s) cells. On a
+    clip's first chunk only the last of the `factor_t` new frames is kept (its first frame is not doubled)."""
+
+    def __init__(self, in_channels: int, out_channels: int, factor_t: int, factor_s: int) -> None:
+        super().__init__()
+        cell = factor_t * factor_s * factor_s
+        if out_channels * cell % in_channels:
+            raise ValueError(
+                f"{out_channels} channels times a {cell}-cell unfold are no multiple of {in_channels}"
+            )
+        self.out_channels, self.factor_t, self.factor_s = out_channels, factor_t, factor_s
+        self.repeats = out_channels * cell // in_channels
+
+    def forward(self, x: torch.Tensor, first_chunk: bool) -> torch.Tensor:
+        ft, fs = self.factor_t, self.factor_s
+        b, _, t, h, w = x.shape
+        x = x.repeat_interleave(self.repeats, dim=1).view(b, self.out_channels, ft, fs, fs, t, h, w)
+        x = x.permute(0, 1, 5, 2, 6, 3, 7, 4).reshape(b, self.out_channels, t * ft, h * fs, w * fs)
+        return x[:, :, ft - 1 :] if first_chunk else x
+
+
+class ResidualDownBlock(nn.Module):
+    """One Wan 2.2 encoder level: residual blocks and an optional `Downsample`, plus a
+    `SpaceTimeToChannels` shortcut of the level's input around all of them."""
+
+    def __init__(
+        self, in_dim: int, out_dim: int, num_res_blocks: int, temporal: bool, downsample: bool
+    ) -> None:
+        super().__init__()
+        self.avg_shortcut = SpaceTimeToChannels(
+            in_dim, out_dim, factor_t=2 if temporal else 1, factor_s=2 if downsample else 1
+        )
+        self.resnets = nn.ModuleList(
+            ResidualBlock(in_dim if i == 0 else out_dim, out_dim) for i in range(num_res_blocks)
+        )
+        self.downsampler = Downsample(out_dim, temporal=temporal) if downsample else None
+
+    def forward(self, x: torch.Tensor, cache: CausalCache) -> torch.Tensor:
+        h = x
+        for resnet in self.resnets:
+            h = resnet(h, cache)
+        if self.downsampler is not None:
+            h = self.downsampler(h, cache)
+        return h + self.avg_shortcut(x)
+
+
+class ResidualUpBlock(nn.Module):
+    """One Wan 2.2 decoder level: `num_res_blocks + 1` residual blocks and an optional `Upsample` that keeps
+    the width, plus a `ChannelsToSpaceTime` shortcut of the level's input around them."""
+
+    def __init__(
+        self, in_dim: int, out_dim: int, num_res_blocks: int, temporal: bool, upsample: bool
+    ) -> None:
+        super().__init__()
+        self.avg_shortcut = (
+            ChannelsToSpaceTime(in_dim, out_dim, factor_t=2 if temporal else 1, factor_s=2)
+            if upsample
+            else None
+        )
+        self.resnets = nn.ModuleList(
+            ResidualBlock(in_dim if i == 0 else out_dim, out_dim) for i in range(num_res_blocks + 1)
+        )
+        self.upsampler = Upsample(out_dim, temporal=temporal, out_dim=out_dim) if upsample else None
+
+    def forward(self, x: torch.Tensor, cache: CausalCache) -> torch.Tensor:
+        first_chunk = self not in cache  # the decoder runs one latent frame at a time
+        cache.put(self, None)
+        h = x
+        for resnet in self.resnets:
+            h = resnet(h, cache)
+        if self.upsampler is None:
+            return h
+        h = self.upsampler(h, cache)
+        assert self.avg_shortcut is not None
+        return h + self.avg_shortcut(x, first_chunk)
+
+
 class Encoder3d(nn.Module):
     """Video (B, in_channels, T, H, W) -> (B, out_channels, 1 + (T - 1) / 2^k, H / 2^n, W / 2^n).
 
     n = len(dim_mult) - 1 downsamplings, k of them temporal (`temporal_downsample`). `down_blocks` is
-    one flat list (residual blocks, optional attention at `attn_scales`, downsamplers), as in Diffusers.
+    one flat list (residual blocks, optional attention at `attn_scales`, downsamplers), as in Diffusers;
+    with `residual` (Wan 2.2) it is one `ResidualDownBlock` per level instead, and `attn_scales` is unused.
     """
 
     def __init__(
@@ -321,13 +427,19 @@ class Encoder3d(nn.Module):
         num_res_blocks: int,
         attn_scales: Sequence[float],
         temporal_downsample: Sequence[bool],
+        residual: bool = False,
     ) -> None:
         super().__init__()
         dims = [dim * m for m in (1, *dim_mult)]
         self.conv_in = CausalConv3d(in_channels, dims[0], 3, padding=1)
         layers: list[nn.Module] = []
         scale = 1.0
+        last = len(dim_mult) - 1
         for level, (in_dim, out_dim) in enumerate(pairwise(dims)):
+            if residual:  # Wan 2.2: one block per level (no attention), the shortcut around it
+                temporal = bool(temporal_downsample[level]) if level != last else False
+                layers.append(ResidualDownBlock(in_dim, out_dim, num_res_blocks, temporal, level != last))
+                continue
             for _ in range(num_res_blocks):
                 layers.append(ResidualBlock(in_dim, out_dim))
                 if scale in attn_scales:
@@ -353,7 +465,8 @@ class Decoder3d(nn.Module):
     """Latents (B, z_dim, t, h, w) -> video (B, out_channels, 1 + (t - 1) * 2^k, h * 2^n, w * 2^n).
 
     Mirrors the encoder. Each upsampler halves the width, so every up block after the first starts
-    at half the previous block's width.
+    at half the previous block's width; with `residual` (Wan 2.2) the upsamplers keep it and each level
+    is a `ResidualUpBlock`.
     """
 
     def __init__(
@@ -364,13 +477,19 @@ class Decoder3d(nn.Module):
         dim_mult: Sequence[int],
         num_res_blocks: int,
         temporal_upsample: Sequence[bool],
+        residual: bool = False,
     ) -> None:
         super().__init__()
         dims = [dim * m for m in (dim_mult[-1], *reversed(dim_mult))]
         self.conv_in = CausalConv3d(z_dim, dims[0], 3, padding=1)
         self.mid_block = MidBlock(dims[0])
-        blocks = []
+        blocks: list[nn.Module] = []
+        last = len(dim_mult) - 1
         for level, (in_dim, out_dim) in enumerate(pairwise(dims)):
+            if residual:  # Wan 2.2: the upsamplers keep the width, a shortcut goes around each level
+                temporal = bool(temporal_upsample[level]) if level != last else False
+                blocks.append(ResidualUpBlock(in_dim, out_dim, num_res_blocks, temporal, level != last))
+                continue
             if level > 0:
                 in_dim //= 2
             upsample = None
@@ -404,8 +523,26 @@ LATENTS_STD = (
 ENCODE_CHUNK_FRAMES = 4
 
 
+def patchify(x: torch.Tensor, patch: int) -> torch.Tensor:
+    """(B, C, T, H, W) -> (B, C * patch^2, T, H / patch, W / patch), channels ordered (C, column, row) within
+    a patch, as Wan 2.2's VAE expects."""
+    b, c, t, h, w = x.shape
+    if h % patch or w % patch:
+        raise ValueError(f"height {h} and width {w} must be multiples of the VAE patch size {patch}")
+    x = x.view(b, c, t, h // patch, patch, w // patch, patch).permute(0, 1, 6, 4, 2, 3, 5)
+    return x.reshape(b, c * patch * patch, t, h // patch, w // patch)
+
+
+def unpatchify(x: torch.Tensor, patch: int) -> torch.Tensor:
+    """The inverse of `patchify`."""
+    b, cp, t, h, w = x.shape
+    x = x.view(b, cp // (patch * patch), patch, patch, t, h, w).permute(0, 1, 4, 5, 3, 6, 2)
+    return x.reshape(b, cp // (patch * patch), t, h * patch, w * patch)
+
+
 class CausalVideoVAE(nn.Module):
-    """The Wan 2.1 network; subclasses map their Diffusers config onto it and set `config`."""
+    """The Wan 2.1 network, or with `residual` and `patch_size` Wan 2.2's; subclasses map their Diffusers
+    config onto it and set `config`."""
 
     config: dict[str, Any]
     #: Its decoder's layers take part in a row-split decode (`distributed/parallel_vae.py`).
@@ -425,6 +562,8 @@ class CausalVideoVAE(nn.Module):
         temporal_downsample: Sequence[bool],
         latents_mean: Sequence[float],
         latents_std: Sequence[float],
+        residual: bool = False,
+        patch_size: int | None = None,
     ) -> None:
         super().__init__()
         if len(temporal_downsample) != len(dim_mult) - 1:
@@ -437,6 +576,9 @@ class CausalVideoVAE(nn.Module):
         self.latents_std = [float(v) for v in latents_std]
         self._temporal_downsamplings = sum(bool(t) for t in temporal_downsample)
         self._spatial_downsamplings = len(temporal_downsample)
+        #: Wan 2.2: pixels are folded into channels in `patch_size`^2 cells before the encoder (and unfolded
+        #: after the decoder); None (Wan 2.1) folds nothing.
+        self.patch_size = patch_size
 
         self.encoder = Encoder3d(
             in_channels,
@@ -446,6 +588,7 @@ class CausalVideoVAE(nn.Module):
             num_res_blocks,
             attn_scales,
             temporal_downsample,
+            residual,
         )
         self.quant_conv = CausalConv3d(2 * z_dim, 2 * z_dim, 1)
         self.post_quant_conv = CausalConv3d(z_dim, z_dim, 1)
@@ -456,12 +599,13 @@ class CausalVideoVAE(nn.Module):
             dim_mult,
             num_res_blocks,
             tuple(reversed(temporal_downsample)),
+            residual,
         )
 
     @property
     def spatial_compression_ratio(self) -> int:
-        """Pixels per latent along each side (8 for the released VAEs)."""
-        return 2**self._spatial_downsamplings
+        """Pixels per latent along each side (8 for Wan 2.1's VAE, 16 for Wan 2.2's with its 2x2 patches)."""
+        return 2**self._spatial_downsamplings * (self.patch_size or 1)
 
     @property
     def temporal_compression_ratio(self) -> int:
@@ -476,6 +620,8 @@ class CausalVideoVAE(nn.Module):
         """
         if x.ndim != 5:
             raise ValueError(f"expected a video batch (B, C, T, H, W), got shape {tuple(x.shape)}")
+        if self.patch_size is not None:
+            x = patchify(x, self.patch_size)
         cache = CausalCache()
         n = ENCODE_CHUNK_FRAMES
         chunks = [x[:, :, :1]]
@@ -490,4 +636,7 @@ class CausalVideoVAE(nn.Module):
         cache = CausalCache()
         x = self.post_quant_conv(z)
         frames = [self.decoder(x[:, :, i : i + 1], cache) for i in range(x.shape[2])]
-        return torch.cat(frames, dim=2).clamp_(-1.0, 1.0)
+        video = torch.cat(frames, dim=2)
+        if self.patch_size is not None:
+            video = unpatchify(video, self.patch_size)
+        return video.clamp_(-1.0, 1.0)
