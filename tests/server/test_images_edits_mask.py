@@ -93,6 +93,7 @@ def offline(tiny_flux_fill_dir):
 def test_engine_reports_fill_and_warms_up_with_a_mask(server) -> None:
     info = server.info()
     assert info["engine"]["family"] == "flux-fill" and info["engine"]["requires_input_image"] is True
+    assert info["engine"]["inpainting"] is True  # the web playground shows its mask brush from this
     assert "Warm-up generation done" in server.log()
     assert httpx.get(f"{server.base_url}/health_generate", timeout=300).status_code == 200
 

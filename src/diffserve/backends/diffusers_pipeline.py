@@ -151,6 +151,7 @@ class DiffusersBackendPipeline:
             min_input_images=1 if needs_image else 0,
             max_input_images=1 if self.signature.takes("image") else 0,
             requires_mask=self.signature.takes("mask_image"),
+            inpainting=self.signature.takes("mask_image"),
             makes_video=video,
             temporal_factor=temporal_factor(pipe) if video else 1,
             max_frames=MAX_FRAMES if video else 0,

@@ -121,6 +121,7 @@ class Pipeline:
             min_input_images=validation.image_inputs.min_images,
             max_input_images=validation.image_inputs.max_images,
             requires_mask=validation.image_inputs.mask_required,
+            inpainting=validation.image_inputs.inpainting,
             makes_video=video is not None,
             temporal_factor=1 if video is None else video.temporal_factor,
             max_frames=0 if video is None else video.max_frames,

@@ -30,6 +30,7 @@ class PipelineFacts:
     min_input_images: int = 0  # input images a request must / may send
     max_input_images: int = 0
     requires_mask: bool = False  # FLUX.1 Fill: every request carries an inpainting mask
+    inpainting: bool = False  # requests may carry an inpainting mask (FLUX.1, Fill, SD3, Z-Image, Qwen-Image)
     makes_video: bool = False
     temporal_factor: int = 1  # `num_frames` = temporal_factor * k + 1; 1 for images
     max_frames: int = 0

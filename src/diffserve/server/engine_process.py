@@ -323,6 +323,7 @@ class Engine:
             "backend": describe_backend(self.config.engine_args.backend),
             "requires_input_image": bool(self.probe_images),
             "max_input_images": facts.max_input_images,
+            "inpainting": facts.inpainting,  # whether /v1/images/edits takes a mask (the playground's brush)
             "video": video,
             "platform": g.platform.name,
             "parallel": self._parallel_info(),
