@@ -50,6 +50,21 @@ def gather_branches(reqs: list[Req]) -> BranchBatch:
     return batch
 
 
+def pad_text(texts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Right-pad (rows, len_i, dim) blocks to the longest; the (rows, len) mask is None when none is padded."""
+    longest = max(t.shape[1] for t in texts)
+    if all(t.shape[1] == longest for t in texts):
+        return torch.cat(texts), None
+    padded, masks = [], []
+    for t in texts:
+        rows, length, dim = t.shape
+        padded.append(torch.cat([t, t.new_zeros(rows, longest - length, dim)], dim=1))
+        mask = torch.zeros(rows, longest, dtype=torch.bool, device=t.device)
+        mask[:, :length] = True
+        masks.append(mask)
+    return torch.cat(padded), torch.cat(masks)
+
+
 def classic_cfg(positive: torch.Tensor, negative: torch.Tensor, scale: float) -> torch.Tensor:
     return negative + scale * (positive - negative)
 

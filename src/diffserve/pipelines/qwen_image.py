@@ -26,7 +26,13 @@ from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.pipelines.cfg_batch import advance_requests, branch_texts, split_guided, step_cache_for
+from diffserve.pipelines.cfg_batch import (
+    advance_requests,
+    branch_texts,
+    pad_text,
+    split_guided,
+    step_cache_for,
+)
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.denoising import DenoisingStage
@@ -49,21 +55,6 @@ def norm_preserving_cfg(positive: torch.Tensor, negative: torch.Tensor, scale: f
     """True CFG, rescaled so each token's prediction keeps the positive branch's norm (Qwen-Image)."""
     combined = negative + scale * (positive - negative)
     return combined * (positive.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
-
-
-def pad_text(texts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Right-pad (rows, len_i, dim) blocks to the longest; the (rows, len) mask is None when none is padded."""
-    longest = max(t.shape[1] for t in texts)
-    if all(t.shape[1] == longest for t in texts):
-        return torch.cat(texts), None
-    padded, masks = [], []
-    for t in texts:
-        rows, length, dim = t.shape
-        padded.append(torch.cat([t, t.new_zeros(rows, longest - length, dim)], dim=1))
-        mask = torch.zeros(rows, longest, dtype=torch.bool, device=t.device)
-        mask[:, :length] = True
-        masks.append(mask)
-    return torch.cat(padded), torch.cat(masks)
 
 
 class QwenImageDenoiser:

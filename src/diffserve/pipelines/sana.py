@@ -28,8 +28,13 @@ from diffserve.models.schedulers.dpm_solver_flow import DPMSolverFlowScheduler
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.schedulers.scm import SCMScheduler
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.pipelines.cfg_batch import advance_requests, branch_texts, gather_branches, split_guided
-from diffserve.pipelines.qwen_image import pad_text
+from diffserve.pipelines.cfg_batch import (
+    advance_requests,
+    branch_texts,
+    gather_branches,
+    pad_text,
+    split_guided,
+)
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.denoising import DenoisingStage
