@@ -384,9 +384,10 @@ def test_calibration_fits_the_measured_peaks(flux) -> None:
         params(1, height=64, width=64, num_inference_steps=1),
     ]
     readings = []
-    for p in probes:
+    for p in probes:  # two runs per probe (PROBE_REPEATS); the fit takes each phase's higher peak
         cost = request_cost(flux, p)
         readings += [1000, 1000 + 500 + 10 * cost.batch_tokens, 1000, 1000 + 7 * cost.pixels]
+        readings += [1000, 1000 + 250 + 5 * cost.batch_tokens, 1000, 1000 + 3 * cost.pixels]
     engine = Engine(
         flux.pipeline, ScriptedPlatform(readings), attention_backend=flux.engine.attention_backend
     )
