@@ -148,7 +148,8 @@ def video_router(
                     'upload, or in JSON a data URL or {"image_url": ...})',
                     param="input_reference",
                 )
-            if task == "text-to-video" and reference is not None:
+            takes_image = int(info.get("max_input_images") or 0) > 0  # Wan 2.2 TI2V: both tasks
+            if task == "text-to-video" and reference is not None and not takes_image:
                 raise ApiParamError(
                     f"{pipeline} is a text-to-video model and takes no input_reference; animating an image "
                     "needs an image-to-video model such as WanImageToVideoPipeline",

@@ -1,0 +1,132 @@
+"""`/v1/videos` on the wave-2 video families (Wan 2.2 A14B, Wan 2.2 TI2V-5B), through real `diffserve
+serve` processes driven by the official `openai` SDK: the clip served has the frame count the family's
+frame rule gives for the seconds asked, and its frames equal those of the in-process API's MP4 for the
+same seed, both written by the same encoder (the in-process run uses one torch thread, as the test
+servers do, so the two round alike: the frames are equal).
+
+TI2V-5B is one folder for both tasks: the same server makes a text-to-video and an image-to-video job."""
+
+from __future__ import annotations
+
+import io
+import warnings
+from pathlib import Path
+
+import av
+import numpy as np
+import openai
+import pytest
+import torch
+from PIL import Image
+from server_process import start_server
+
+from diffserve import DiffGenerator
+from diffserve.testing.image_metrics import psnr_uint8 as psnr
+from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
+
+WIDTH, HEIGHT, FPS, STEPS, SEED = 64, 32, 8, 4, 5
+#: family -> the folder's builder
+FAMILIES = {
+    "wan-2.2-a14b": lambda out: build_tiny_wan(out, TinyWanSpec(variant="2.2-a14b")),
+    "wan-2.2-ti2v": lambda out: build_tiny_wan(out, TinyWanSpec(variant="2.2-ti2v")),
+}
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def served(request, tmp_path_factory):
+    family = request.param
+    model_dir = Path(FAMILIES[family](tmp_path_factory.mktemp(family)))
+    srv = start_server(model_dir, tmp_path_factory.mktemp(f"{family}-server"), "--no-warmup")
+    try:
+        srv.wait_ready()
+        generator = DiffGenerator.from_pretrained(model_dir, device="cpu", show_progress=False)
+        yield family, srv, generator
+    finally:
+        srv.process.terminate()
+        srv.process.wait(30)
+
+
+def decoded_frames(data: bytes) -> tuple[np.ndarray, float]:
+    """An MP4's frames (frames, H, W, 3) and its frame rate, decoded with PyAV."""
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
+        return np.stack(frames), float(stream.average_rate)
+
+
+def served_clip(srv, *, image_path: Path | None = None, **extra) -> tuple[np.ndarray, float, dict]:
+    """Create a 1-second job through the SDK, wait for it, download and decode it."""
+    client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    body = {"fps": FPS, "seed": SEED, "num_inference_steps": STEPS, **extra}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        if image_path is None:
+            video = client.videos.create(
+                prompt="a red fox running", seconds="1", size=f"{WIDTH}x{HEIGHT}", extra_body=body
+            )
+        else:
+            with open(image_path, "rb") as image:
+                video = client.videos.create(
+                    prompt="a red fox running",
+                    seconds="1",
+                    size=f"{WIDTH}x{HEIGHT}",
+                    input_reference=image,
+                    extra_body=body,
+                )
+        video = client.videos.poll(video.id, poll_interval_ms=100)
+    assert video.status == "completed", video
+    frames, fps = decoded_frames(client.videos.download_content(video.id).read())
+    return frames, fps, video.model_extra
+
+
+def local_clip(generator: DiffGenerator, tmp_path: Path, num_frames: int, **extra) -> np.ndarray:
+    """The in-process API's MP4 of the same request, decoded; run on one thread like the server."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = generator.generate(
+            prompt="a red fox running",
+            height=HEIGHT,
+            width=WIDTH,
+            num_frames=num_frames,
+            fps=FPS,
+            seed=SEED,
+            num_inference_steps=STEPS,
+            save_output=True,
+            output_path=str(tmp_path),
+            output_file_name="local",
+            **extra,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert out.frames[0].shape == (num_frames, HEIGHT, WIDTH, 3)
+    return decoded_frames((tmp_path / "local.mp4").read_bytes())[0]
+
+
+def test_text_to_video_job_matches_the_python_api(served, tmp_path) -> None:
+    family, srv, generator = served
+    extra = {"guidance_scale": 4.0, "guidance_scale_2": 3.0} if family == "wan-2.2-a14b" else {}
+    frames, fps, extras = served_clip(srv, **extra)
+    assert extras["num_frames"] == 9 and fps == FPS  # 1 s at 8 fps -> 9 frames (4k+1)
+    assert frames.shape == (9, HEIGHT, WIDTH, 3)
+    value = psnr(frames, local_clip(generator, tmp_path, 9, **extra))
+    print(f"{family} text-to-video: served vs in-process {value:.1f} dB")
+    assert value >= 40.0
+
+
+def test_ti2v_makes_image_to_video_on_the_same_server(served, tmp_path) -> None:
+    family, srv, generator = served
+    if family != "wan-2.2-ti2v":
+        pytest.skip("only Wan 2.2 TI2V-5B folders make both text- and image-to-video")
+    pixels = np.random.default_rng(1).integers(0, 256, (48, 80, 3), dtype=np.uint8)  # non-square input
+    image_path = tmp_path / "first-frame.png"
+    Image.fromarray(pixels).save(image_path)
+    frames, _, extras = served_clip(srv, image_path=image_path)
+    assert extras["image_to_video"] is True and frames.shape == (9, HEIGHT, WIDTH, 3)
+    with Image.open(image_path) as image:
+        local = local_clip(generator, tmp_path, 9, image=image.convert("RGB"))
+    value = psnr(frames, local)
+    print(f"{family} image-to-video: served vs in-process {value:.1f} dB")
+    assert value >= 40.0
