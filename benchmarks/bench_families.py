@@ -1,4 +1,4 @@
-"""diffserve vs diffusers per model family: SD3, Qwen-Image, Qwen-Image-Edit, Z-Image, Wan 2.1 T2V and I2V,
+"""diffserve vs diffusers per model family: SD3, Qwen-Image, Qwen-Image-Edit, Z-Image, Wan 2.1 T2V and I2V, Wan 2.2 A14B and TI2V-5B,
 FLUX.2-dev, FLUX.2 [klein], FLUX.1 Kontext and SANA.
 
 The method of `bench_flux_vs_diffusers.py` (shared through `harness.py`), one family after the other:
@@ -209,13 +209,14 @@ def _z_image_build(path: Path) -> None:
     )
 
 
-def _wan_build(path: Path, image_to_video: bool) -> None:
+def _wan_build(path: Path, image_to_video: bool, variant: str = "2.1") -> None:
     from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
 
     build_tiny_wan(
         path,
         TinyWanSpec(
             image_to_video=image_to_video,
+            variant=variant,
             num_layers=3,
             num_attention_heads=12,  # Wan2.1-1.3B's head count at half its head dim (12 x 128)
             attention_head_dim=64,  # RoPE split 24/20/20 over frames/rows/cols
@@ -395,6 +396,40 @@ FAMILIES: dict[str, Family] = {
                 "max_sequence_length": 512,
             },
             image_input=True,
+            video=True,
+            default_size=128,
+        ),
+        Family(
+            name="wan22-a14b",
+            pipeline="WanPipeline",
+            checkpoint=_WAN_CHECKPOINT.replace(
+                "Wan 2.1 layout", "Wan 2.2 A14B layout (two experts, boundary 0.875)"
+            ),
+            cfg=f"guidance_scale 4 (high-noise expert), guidance_scale_2 3 (low-noise), negative prompt {WAN_NEGATIVE_PROMPT!r}",
+            build=lambda path: _wan_build(path, image_to_video=False, variant="2.2-a14b"),
+            sampling={
+                "guidance_scale": 4.0,
+                "guidance_scale_2": 3.0,
+                "negative_prompt": WAN_NEGATIVE_PROMPT,
+                "max_sequence_length": 512,
+            },
+            video=True,
+            default_size=128,
+        ),
+        Family(
+            name="wan22-ti2v",
+            pipeline="WanPipeline",
+            checkpoint=_WAN_CHECKPOINT.replace(
+                "Wan 2.1 layout", "Wan 2.2 TI2V-5B layout (per-token timesteps)"
+            )
+            + "; Wan 2.2 VAE (z_dim 48, 16x spatial)",
+            cfg=f"guidance_scale 5, negative prompt {WAN_NEGATIVE_PROMPT!r}",
+            build=lambda path: _wan_build(path, image_to_video=False, variant="2.2-ti2v"),
+            sampling={
+                "guidance_scale": 5.0,
+                "negative_prompt": WAN_NEGATIVE_PROMPT,
+                "max_sequence_length": 512,
+            },
             video=True,
             default_size=128,
         ),
