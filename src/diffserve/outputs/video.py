@@ -12,7 +12,7 @@ import logging
 from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 from PIL import Image
@@ -147,7 +147,19 @@ def _yuv_frames(frames: np.ndarray) -> Iterator[av.VideoFrame]:
         yield frame
 
 
-def _write_mp4(frames: np.ndarray, path: Path, fps: int, comment: str, crf: int) -> None:
+class ExtraTrack(Protocol):
+    """A further stream `_write_mp4` muxes next to the video (the audio of `outputs/audio_track.py`)."""
+
+    def add_stream(self, container: av.container.OutputContainer) -> None:
+        """Add the stream; called before anything is muxed (the header lists every stream)."""
+
+    def mux(self, container: av.container.OutputContainer) -> None:
+        """Encode and mux the whole track, encoder flush included; called after the video's packets."""
+
+
+def _write_mp4(
+    frames: np.ndarray, path: Path, fps: int, comment: str, crf: int, extra_track: ExtraTrack | None = None
+) -> None:
     """H.264 at exactly `fps` (time base 1/fps, pts = frame index), tagged BT.709 limited range, with the
     index at the front (`faststart`) so browsers start playing before the download ends."""
     import av  # lazily: image-only deployments need not load it
@@ -172,9 +184,13 @@ def _write_mp4(frames: np.ndarray, path: Path, fps: int, comment: str, crf: int)
             "color_trc": "bt709",
             "color_range": "tv",
         }
+        if extra_track is not None:
+            extra_track.add_stream(container)
         for frame in _yuv_frames(frames):
             container.mux(stream.encode(frame))
         container.mux(stream.encode(None))  # flush the frames x264 holds back for lookahead/B-frames
+        if extra_track is not None:
+            extra_track.mux(container)
 
 
 def _frame_durations(num_frames: int, fps: int, unit_ms: int) -> list[int]:
