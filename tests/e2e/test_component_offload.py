@@ -58,6 +58,7 @@ COMPONENT_FLAGS = {
     "image_encoder": "image_encoder_cpu_offload",
     "vae": "vae_cpu_offload",
     "transformer": "dit_cpu_offload",
+    "transformer_2": "dit_cpu_offload",  # Wan 2.2 A14B's low-noise expert
 }
 
 
@@ -389,3 +390,23 @@ def test_compile_works_with_the_encoders_and_vae_offloaded(
     torch._dynamo.reset()
     print(f"compiled (eager backend) vs reference: max diff {np.abs(out.astype(int) - flux_reference).max()}")
     assert np.array_equal(out, flux_reference)
+
+
+# -- Wan 2.2 A14B: two experts, only the one in use on the device ----------------------------------------
+
+
+def test_wan22_a14b_dit_offload_keeps_one_expert_on_the_device(tmp_path) -> None:
+    root = build_tiny_wan(tmp_path / "a14b", TinyWanSpec(variant="2.2-a14b"))
+    params = {**WAN_PARAMS, "num_inference_steps": 4, "guidance_scale_2": 3.0}  # both experts run
+    reference = pixels(
+        DiffGenerator.from_pretrained(root, device="cpu", show_progress=False).generate(
+            prompt="a red fox", seed=5, **params
+        )
+    )
+    gen, platform, sizes = counting_generator(root, **FLAGS["dit"])
+    probe = Probe(gen, platform)
+    platform.reset_peak_memory()
+    out = pixels(gen.generate(prompt="a red fox", seed=5, **params))
+    assert np.array_equal(out, reference)
+    assert {"transformer", "transformer_2"} <= set(probe.live), "both experts should have run"
+    check_residency(gen, platform, sizes, probe, {"transformer", "transformer_2"})
