@@ -57,9 +57,10 @@ DiT's shapes before and after each round (roofline.py's method): each engine get
 The table's three ratios are diffusers eager / diffserve eager, diffusers eager / diffserve compiled and
 diffusers compiled / diffserve compiled.
 
-    .venv/bin/python benchmarks/bench_families.py                                  # all ten; 4 steps
+    .venv/bin/python benchmarks/bench_families.py                                  # all twelve; 4 steps
     .venv/bin/python benchmarks/bench_families.py --family flux2,flux2-klein,flux-kontext,sana
     .venv/bin/python benchmarks/bench_families.py --family wan-t2v,wan-i2v --num-frames 17
+    .venv/bin/python benchmarks/bench_families.py --family wan22-a14b,wan22-ti2v --num-frames 17
     .venv/bin/python benchmarks/bench_families.py --family qwen-image --resolutions 256,512 --json out.json
     .venv/bin/python benchmarks/bench_families.py --model-dir /tmp/bench_families   # build once, reuse later
     .venv/bin/python benchmarks/bench_families.py --compile --model-dir /tmp/bench_families --json compiled.json
@@ -672,7 +673,8 @@ def _run_diffusers(args: argparse.Namespace, family: Family, size: int, compiled
 
     pipe, load = _load_diffusers(args, family, compiled)
     counter = harness.ForwardCounter(pipe.transformer)
-    timer = harness.DiffusersStepTimer(pipe.transformer)
+    second = getattr(pipe, "transformer_2", None)  # Wan 2.2 A14B's low-noise expert
+    timer = harness.DiffusersStepTimer(pipe.transformer, *([second] if second is not None else []))
     kwargs = _diffusers_kwargs(args, family, size)
 
     def generate():

@@ -75,10 +75,12 @@ class DiffusersStepTimer:
     calls `callback_on_step_end`: pass `timer.on_step_end` as that callback.
     """
 
-    def __init__(self, transformer: Any) -> None:
+    def __init__(self, transformer: Any, *more_transformers: Any) -> None:
+        """`more_transformers`: other DiTs a step may call instead (Wan 2.2 A14B's `transformer_2`)."""
         self.starts: list[float] = []
         self.ends: list[float] = []
-        transformer.register_forward_pre_hook(self._on_transformer_call)
+        for dit in (transformer, *more_transformers):
+            dit.register_forward_pre_hook(self._on_transformer_call)
 
     def _on_transformer_call(self, module: Any, inputs: Any) -> None:
         if len(self.starts) == len(self.ends):  # first DiT call of this step

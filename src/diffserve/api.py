@@ -57,6 +57,7 @@ from diffserve.runtime.distributed_runner import DistributedRunner, follow_ops
 from diffserve.runtime.lora_registry import LoraInfo, LoraRegistry, start_lora_registry
 from diffserve.runtime.runner import ModelRunner
 from diffserve.runtime.scheduler import default_max_batch_tokens
+from diffserve.vae_tiling import enable_tiling_on
 
 logger = logging.getLogger("diffserve")
 
@@ -80,6 +81,14 @@ def parse_dtype(name: str | None, platform: Platform) -> torch.dtype:
 
 
 @dataclass
+class GeneratedAudio:
+    """One output video's soundtrack (LTX-2): float32 samples in [-1, 1] of shape (channels, samples)."""
+
+    waveform: np.ndarray
+    sample_rate: int
+
+
+@dataclass
 class GenerationOutput:
     """One request's result: its images (or video frames), the parameters it ran with, and its figures."""
 
@@ -95,6 +104,8 @@ class GenerationOutput:
     frames: list[np.ndarray] = field(default_factory=list)
     #: Denoising steps that ran the DiT's blocks in full: fewer than all with an approximate quality tier.
     steps_computed_in_full: int = 0
+    #: Families that make sound with their video (LTX-2): one soundtrack per output video.
+    audio: list[GeneratedAudio] = field(default_factory=list)
 
 
 @dataclass
@@ -193,6 +204,9 @@ def load_model(
     except ValueError as exc:
         raise UserError(str(exc)) from exc
     install_memory_plan(memory_plan, components, platform)  # before LoRA wraps the DiT's Linears
+    if engine_args.vae_tiling:
+        tiled = enable_tiling_on({n: c.value for n, c in components.items()})
+        logger.info("VAE tiling (--vae-tiling) on: %s", ", ".join(tiled) or "no component has the switch")
     loras = start_lora_registry(
         {n: c.value for n, c in components.items()}, family.name, index.components["transformer"].class_name,
         platform.device(), dtype, engine_args.loras, engine_args.lora_dir, engine_args.lora_merge,
@@ -365,6 +379,7 @@ class DiffGenerator:
         text_encoder_cpu_offload: bool = False,
         image_encoder_cpu_offload: bool = False,
         vae_cpu_offload: bool = False,
+        vae_tiling: bool = False,
         dit_cpu_offload: bool = False,
         dit_layerwise_offload: bool = False,
         offload: str = "none",
@@ -382,7 +397,7 @@ class DiffGenerator:
         `lora_dir` a folder whose adapters requests may name; `max_lora_memory` bounds their bytes.
         Memory (docs/memory.md): `quantization` "int8" or "fp8" (weight-only, the DiT's Linears);
         `transformer_weights` a single-file `.safetensors` or `.gguf` DiT checkpoint replacing the folder's;
-        the `*_cpu_offload` and `dit_layerwise_offload` switches and `offload="auto"` as the CLI flags;
+        the `*_cpu_offload` and `dit_layerwise_offload` switches, `vae_tiling` and `offload="auto"` as the CLI flags;
         `max_memory` the host bytes the weights may take (past it the DiT streams per block). `backend`
         "diffusers" runs the folder's Diffusers pipeline class through diffusers (`--backend diffusers`: for
         pipelines diffserve has not ported; one request at a time, exact quality only)."""
@@ -415,6 +430,7 @@ class DiffGenerator:
             text_encoder_cpu_offload=text_encoder_cpu_offload,
             image_encoder_cpu_offload=image_encoder_cpu_offload,
             vae_cpu_offload=vae_cpu_offload,
+            vae_tiling=vae_tiling,
             dit_cpu_offload=dit_cpu_offload,
             dit_layerwise_offload=dit_layerwise_offload,
             offload=check_offload(offload, "offload"),
@@ -538,11 +554,13 @@ class DiffGenerator:
             where = "process RSS" if self.platform.name == "cpu" else "device"
             logger.info("Peak memory: %.2f MB (%s)", peak_mb, where)
         paths: list[str] = []
+        audio = [GeneratedAudio(w.numpy(), int(req.audio_sample_rate)) for w in req.audio or []]
         if save_output:
             written = write_outputs(
                 Path(output_path or self.engine_args.output_path), req.params, req.request_id,
                 output_metadata(self.model_path, self.family.diffusers_pipeline, req.params),
                 images=req.images or [], videos=req.frames or [], file_name=file_name, save_frames=save_frames,
+                audio=[a.waveform for a in audio], audio_sample_rate=req.audio_sample_rate,
             )  # fmt: skip
             for path in written:
                 logger.info("Output saved to %s", path)
@@ -560,6 +578,7 @@ class DiffGenerator:
             output_paths=paths,
             total_seconds=total,
             steps_computed_in_full=req.steps_computed_in_full,
+            audio=audio,
         )
 
 

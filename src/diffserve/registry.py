@@ -35,6 +35,11 @@ from diffserve.configs.flux2 import (
     flux2_default_sampling_params,
     flux2_klein_default_sampling_params,
 )
+from diffserve.configs.hunyuan_video15 import (
+    HunyuanVideo15PipelineConfig,
+    hunyuan_video15_default_sampling_params,
+)
+from diffserve.configs.ltx2 import LTX2PipelineConfig, ltx2_default_sampling_params
 from diffserve.configs.qwen_image import (
     QwenImageEditPipelineConfig,
     QwenImageEditPlusPipelineConfig,
@@ -56,11 +61,15 @@ from diffserve.errors import ModelLoadError, UserError
 from diffserve.loader.native_classes import NativeClasses
 from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.models.dits.flux2 import Flux2Transformer2DModel
+from diffserve.models.dits.hunyuan_video15 import HunyuanVideo15Transformer3DModel
+from diffserve.models.dits.ltx2 import LTX2VideoTransformer3DModel
+from diffserve.models.dits.ltx2_connectors import LTX2TextConnectors
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
 from diffserve.models.dits.sana import SanaTransformer2DModel
 from diffserve.models.dits.sd3 import SD3Transformer2DModel
 from diffserve.models.dits.wan import WanTransformer3DModel
 from diffserve.models.dits.z_image import ZImageTransformer2DModel
+from diffserve.models.guiders.classifier_free_guidance import ClassifierFreeGuidance
 from diffserve.models.schedulers.dpm_solver_flow import DPMSolverFlowScheduler
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.schedulers.scm import SCMScheduler
@@ -68,13 +77,19 @@ from diffserve.models.schedulers.unipc_flow import UniPCFlowScheduler
 from diffserve.models.vaes.autoencoder_dc import AutoencoderDC
 from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
 from diffserve.models.vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2
+from diffserve.models.vaes.autoencoder_kl_hunyuan_video15 import AutoencoderKLHunyuanVideo15
+from diffserve.models.vaes.autoencoder_kl_ltx2 import AutoencoderKLLTX2Video
+from diffserve.models.vaes.autoencoder_kl_ltx2_audio import AutoencoderKLLTX2Audio
 from diffserve.models.vaes.autoencoder_kl_qwen_image import AutoencoderKLQwenImage
 from diffserve.models.vaes.autoencoder_kl_wan import AutoencoderKLWan
+from diffserve.models.vaes.ltx2_vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from diffserve.pipelines.base import Pipeline
 from diffserve.pipelines.flux import FluxPipeline
 from diffserve.pipelines.flux2 import Flux2KleinPipeline, Flux2Pipeline
 from diffserve.pipelines.flux_fill import FluxFillPipeline
 from diffserve.pipelines.flux_kontext import FluxKontextPipeline
+from diffserve.pipelines.hunyuan_video15 import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
+from diffserve.pipelines.ltx2 import LTX2ImageToVideoPipeline, LTX2Pipeline
 from diffserve.pipelines.qwen_image import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline
 from diffserve.pipelines.sana import SanaPipeline, SanaSprintPipeline
 from diffserve.pipelines.sd3 import SD3Pipeline
@@ -229,6 +244,29 @@ def _tiny_wan(image_to_video: bool) -> TinyCheckpointBuilder:
     return build
 
 
+def _tiny_hunyuan_video15(image_to_video: bool) -> TinyCheckpointBuilder:
+    """The builder of a HunyuanVideo 1.5 text-to-video or image-to-video folder (needs diffusers installed)."""
+
+    def build(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+        from diffserve.testing.tiny_hunyuan_video15 import TinyHunyuanVideo15Spec, build_tiny_hunyuan_video15
+
+        spec = TinyHunyuanVideo15Spec(image_to_video=image_to_video, seed=options.seed)
+        return build_tiny_hunyuan_video15(out_dir, spec)
+
+    return build
+
+
+def _tiny_ltx2(image_to_video: bool) -> TinyCheckpointBuilder:
+    """The builder of an LTX-2 text-to-video or image-to-video folder (needs diffusers installed)."""
+
+    def build(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+        from diffserve.testing.tiny_ltx2 import TinyLTX2Spec, build_tiny_ltx2
+
+        return build_tiny_ltx2(out_dir, TinyLTX2Spec(image_to_video=image_to_video, seed=options.seed))
+
+    return build
+
+
 # --- the families --------------------------------------------------------------------------------
 
 _FLOW_MATCH = (FlowMatchEulerScheduler,)
@@ -239,6 +277,18 @@ _FLUX2_CLASSES = NativeClasses.of(
 _QWEN_IMAGE_CLASSES = NativeClasses.of(
     models=(QwenImageTransformer2DModel, AutoencoderKLQwenImage), schedulers=_FLOW_MATCH
 )
+_HUNYUAN_VIDEO15_CLASSES = NativeClasses.of(
+    models=(HunyuanVideo15Transformer3DModel, AutoencoderKLHunyuanVideo15),
+    schedulers=_FLOW_MATCH,
+    guiders=(ClassifierFreeGuidance,),
+)
+_LTX2_CLASSES = NativeClasses.of(
+    models=(
+        LTX2VideoTransformer3DModel, LTX2TextConnectors, AutoencoderKLLTX2Video, AutoencoderKLLTX2Audio,
+        LTX2Vocoder, LTX2VocoderWithBWE,
+    ),
+    schedulers=_FLOW_MATCH,
+)  # fmt: skip
 _WAN_CLASSES = NativeClasses.of(
     models=(WanTransformer3DModel, AutoencoderKLWan), schedulers=(UniPCFlowScheduler, FlowMatchEulerScheduler)
 )
@@ -399,6 +449,49 @@ FAMILIES: tuple[ModelFamily, ...] = (
         task="text-to-image",  # with optional reference images (multi-reference editing)
         tiny_builder=_tiny_flux2("klein"),
         aliases=("flux2_klein", "klein"),
+    ),
+    ModelFamily(
+        name="hunyuan-video15-t2v",
+        diffusers_pipeline="HunyuanVideo15Pipeline",
+        pipeline_cls=HunyuanVideo15Pipeline,
+        native_classes=_HUNYUAN_VIDEO15_CLASSES,
+        pipeline_config=HunyuanVideo15PipelineConfig(),
+        default_sampling_params=hunyuan_video15_default_sampling_params,
+        task="text-to-video",
+        tiny_builder=_tiny_hunyuan_video15(image_to_video=False),
+        aliases=("hunyuan-video15", "hunyuanvideo15-t2v"),
+    ),
+    ModelFamily(
+        name="hunyuan-video15-i2v",
+        diffusers_pipeline="HunyuanVideo15ImageToVideoPipeline",
+        pipeline_cls=HunyuanVideo15ImageToVideoPipeline,
+        native_classes=_HUNYUAN_VIDEO15_CLASSES,
+        pipeline_config=HunyuanVideo15PipelineConfig(),
+        default_sampling_params=hunyuan_video15_default_sampling_params,
+        task="image-to-video",
+        tiny_builder=_tiny_hunyuan_video15(image_to_video=True),
+        aliases=("hunyuanvideo15-i2v",),
+    ),
+    ModelFamily(
+        name="ltx2-t2v",
+        diffusers_pipeline="LTX2Pipeline",
+        pipeline_cls=LTX2Pipeline,
+        native_classes=_LTX2_CLASSES,
+        pipeline_config=LTX2PipelineConfig(),
+        default_sampling_params=ltx2_default_sampling_params,
+        task="text-to-video",  # with its soundtrack
+        tiny_builder=_tiny_ltx2(image_to_video=False),
+        aliases=("ltx2", "ltx-2"),
+    ),
+    ModelFamily(
+        name="ltx2-i2v",
+        diffusers_pipeline="LTX2ImageToVideoPipeline",
+        pipeline_cls=LTX2ImageToVideoPipeline,
+        native_classes=_LTX2_CLASSES,
+        pipeline_config=LTX2PipelineConfig(),
+        default_sampling_params=ltx2_default_sampling_params,
+        task="image-to-video",  # with its soundtrack
+        tiny_builder=_tiny_ltx2(image_to_video=True),
     ),
 )
 

@@ -47,6 +47,15 @@ class Req:
     negative_prompt_embeds: torch.Tensor | None = None
     negative_pooled_prompt_embeds: torch.Tensor | None = None
     text_ids: torch.Tensor | None = None  # (text_seq, 3) position ids for FLUX's RoPE
+    # Families whose DiT reads fixed-length padded text with its mask (HunyuanVideo 1.5): (batch, seq)
+    # masks of the sequence embeddings (1 = real token), and a second encoder's sequence states with
+    # their masks (HunyuanVideo 1.5's ByT5 states of the prompt's quoted text).
+    prompt_embeds_mask: torch.Tensor | None = None
+    negative_prompt_embeds_mask: torch.Tensor | None = None
+    prompt_embeds_2: torch.Tensor | None = None
+    prompt_embeds_mask_2: torch.Tensor | None = None
+    negative_prompt_embeds_2: torch.Tensor | None = None
+    negative_prompt_embeds_mask_2: torch.Tensor | None = None
 
     # Set by latent preparation: packed latents (batch, tokens, channels) and their position ids.
     latents: torch.Tensor | None = None
@@ -65,6 +74,15 @@ class Req:
     # FLUX.1 Fill: per image token, the masked input image's packed latents and the packed mask pixels
     # (batch, tokens, channels), appended to the noisy tokens' channels (not to the token sequence).
     channel_condition: torch.Tensor | None = None
+    # Joint audio-video families (LTX-2): the audio stream's packed latents (batch, tokens, channels) and its
+    # text states per CFG branch (the video stream's are `latents`, `prompt_embeds`; both share the text
+    # masks), then the decoded soundtrack: one (channels, samples) float32 CPU waveform per output, at
+    # `audio_sample_rate` Hz.
+    audio_latents: torch.Tensor | None = None
+    audio_prompt_embeds: torch.Tensor | None = None
+    negative_audio_prompt_embeds: torch.Tensor | None = None
+    audio: list[torch.Tensor] | None = None
+    audio_sample_rate: int | None = None
 
     # Image-to-image and inpainting (stages/image_to_image.py, stages/mask_preparation.py), None without an
     # input image: its VAE latents in the latents' layout (one copy per output), the initial noise they were

@@ -191,3 +191,13 @@ def test_lora_on_a_quantized_dit_is_a_lora_error(tiny_flux_dir, tmp_path) -> Non
     gen = _load(tiny_flux_dir, "int8")
     with pytest.raises(LoraError, match="loaded with --quantization"):
         gen.load_lora("style", lora)
+
+
+def test_both_experts_of_a_wan22_a14b_folder_are_quantized(tmp_path) -> None:
+    from diffserve.testing.tiny_wan import TinyWanSpec
+
+    folder = build_tiny_wan(tmp_path / "a14b", TinyWanSpec(variant="2.2-a14b"))
+    context = _load(folder, "int8").pipeline.context
+    for name in ("transformer", "transformer_2"):
+        linears = [m for m in context.get(name).modules() if isinstance(m, QuantizedLinear)]
+        assert linears, f"{name} has no quantized linear"

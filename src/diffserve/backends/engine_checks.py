@@ -23,6 +23,7 @@ def unsupported_flags(args: EngineArgs) -> list[str]:
         "--text-encoder-cpu-offload": args.text_encoder_cpu_offload,
         "--image-encoder-cpu-offload": args.image_encoder_cpu_offload,
         "--vae-cpu-offload": args.vae_cpu_offload,
+        "--vae-tiling": args.vae_tiling,
         "--dit-cpu-offload": args.dit_cpu_offload,
         "--dit-layerwise-offload": args.dit_layerwise_offload,
         "--offload": args.offload != "none",

@@ -31,6 +31,9 @@ def add_memory_flags(parser: argparse.ArgumentParser) -> None:
         help="keep the image encoder in host memory; it moves to the device to encode")  # fmt: skip
     add("--vae-cpu-offload", action="store_true",
         help="keep the VAE in host memory; it moves to the device to encode or decode")  # fmt: skip
+    add("--vae-tiling", action="store_true",
+        help="decode (and encode) in overlapping tiles, as Diffusers' enable_tiling: less memory, slightly "
+        "different pixels; without it a decode is tiled only when it would not fit in memory")  # fmt: skip
     add("--dit-cpu-offload", action="store_true",
         help="keep the DiT in host memory; it moves to the device while requests denoise")  # fmt: skip
     add("--dit-layerwise-offload", action="store_true",
@@ -54,6 +57,7 @@ def memory_engine_fields(args: argparse.Namespace) -> dict[str, object]:
         "text_encoder_cpu_offload": args.text_encoder_cpu_offload,
         "image_encoder_cpu_offload": args.image_encoder_cpu_offload,
         "vae_cpu_offload": args.vae_cpu_offload,
+        "vae_tiling": args.vae_tiling,
         "dit_cpu_offload": args.dit_cpu_offload,
         "dit_layerwise_offload": args.dit_layerwise_offload,
         "offload": check_offload(args.offload),

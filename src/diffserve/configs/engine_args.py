@@ -88,6 +88,9 @@ class EngineArgs:
     text_encoder_cpu_offload: bool = False
     image_encoder_cpu_offload: bool = False
     vae_cpu_offload: bool = False
+    #: Every VAE encode / decode in tiles (`models/vaes/tiling.py`); off, a decode is tiled only when the
+    #: memory model says it would not fit untiled (one device; `runtime/memory.py`).
+    vae_tiling: bool = False
     dit_cpu_offload: bool = False
     #: The DiT's blocks live in host memory and stream to the device one at a time, the next one's copy
     #: overlapping the current one's compute.

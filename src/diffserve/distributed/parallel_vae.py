@@ -21,8 +21,9 @@ one device, or outside the scope, they are the plain torch layers, bit for bit):
 
 `decode_split(vae, latents)` is what a decoding stage calls: it splits, decodes under the scope and
 all-gathers the output rows, so every rank returns the whole image. It decodes unsplit when there is
-no parallel state, one rank, a VAE whose layers do not take part (not a `RowSplitDecoder`), or fewer
-latent rows than ranks (each rank needs at least one row: its neighbours' halos come from it).
+no parallel state, one rank, a VAE whose layers do not take part (not a `RowSplitDecoder`), a VAE with
+tiling on, or fewer latent rows than ranks (each rank needs at least one row: its neighbours' halos come
+from it).
 Row is the second-to-last dimension everywhere: (B, C, H, W) images and (B, C, T, H, W) videos.
 """
 
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffserve.distributed.state import current_parallel_state
+from diffserve.vae_tiling import SupportsTiling, tiled_decode_requested, tiling_scope
 
 #: Dimension of the rows in every tensor of a split decode (H of (..., H, W)).
 ROW_DIM = -2
@@ -260,8 +262,13 @@ def gather_tokens(tokens: torch.Tensor, width: int) -> torch.Tensor:
 
 def decode_split(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
     """`vae.decode(latents)`, split by rows over every rank when a parallel state is in scope and the
-    VAE takes part (see the module docstring); every rank returns the whole output."""
-    if not isinstance(vae, RowSplitDecoder):
+    VAE takes part (see the module docstring); every rank returns the whole output. A VAE with tiling on
+    (`--vae-tiling`) decodes its tiles unsplit on every rank: tiling already bounds the decode's memory,
+    and the halo exchange assumes one band per rank of the whole frame."""
+    if isinstance(vae, SupportsTiling) and not vae.use_tiling and tiled_decode_requested():
+        with tiling_scope(vae, True):  # automatic tiling of this request's decode (one device)
+            return vae.decode(latents)
+    if not isinstance(vae, RowSplitDecoder) or (isinstance(vae, SupportsTiling) and vae.use_tiling):
         return vae.decode(latents)
     state = current_parallel_state()
     if state is None or state.world_size == 1:

@@ -8,7 +8,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +46,14 @@ TRANSFORMERS_ENCODERS: frozenset[str] = frozenset(
         "Mistral3ForConditionalGeneration",  # FLUX.2-dev (its language model's hidden states)
         "Qwen3ForCausalLM",  # FLUX.2-klein
         "Gemma2Model",  # SANA
+        "Gemma3ForConditionalGeneration",  # LTX-2 (every hidden state of its language model)
+        "Qwen2_5_VLTextModel",  # HunyuanVideo 1.5 (Qwen2.5-VL's language model alone)
+        "SiglipVisionModel",  # HunyuanVideo 1.5 image-to-video's image encoder
     }
 )
 
 #: transformers image processors accepted as components (Wan image-to-video's CLIP preprocessing).
-TRANSFORMERS_IMAGE_PROCESSORS: frozenset[str] = frozenset({"CLIPImageProcessor"})
+TRANSFORMERS_IMAGE_PROCESSORS: frozenset[str] = frozenset({"CLIPImageProcessor", "SiglipImageProcessor"})
 
 #: transformers tokenizer classes accepted, slow or fast spelling, each resolved to the first of its
 #: candidates that this transformers version has.
@@ -63,6 +66,7 @@ TRANSFORMERS_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "Qwen2TokenizerFast": ("Qwen2TokenizerFast", "Qwen2Tokenizer"),
     "GemmaTokenizer": ("GemmaTokenizerFast", "GemmaTokenizer"),
     "GemmaTokenizerFast": ("GemmaTokenizerFast", "GemmaTokenizer"),
+    "ByT5Tokenizer": ("ByT5Tokenizer",),  # HunyuanVideo 1.5's glyph encoder (bytes; no fast class)
     # A generic tokenizer.json (e.g. a word-level vocabulary, as the shipped demo model uses).
     "PreTrainedTokenizerFast": ("PreTrainedTokenizerFast",),
 }
@@ -191,9 +195,15 @@ def _load(
     device = torch.device("cpu") if spec.name in host_components else platform.device()
     if spec.library == "diffusers" and name in native.models:
         options = dit_options if spec.name == "transformer" else None
+        if spec.name == "transformer_2" and dit_options is not None:
+            # Wan 2.2 A14B's low-noise expert: quantised and memory-mapped like the first DiT; a
+            # --transformer-weights file holds one DiT and replaces the high-noise expert only.
+            options = replace(dit_options, transformer_weights=None)
         return load_native_model(
             spec, native.models[name], platform, dtype, tensor_parallel, device, options
         )[0]
+    if spec.library == "diffusers" and name in native.guiders:
+        return _from_config(native.guiders[name], spec.path / "guider_config.json")
     if spec.library == "diffusers":
         return _from_config(native.schedulers[name], spec.path / "scheduler_config.json")
     if name in TRANSFORMERS_TOKENIZERS:
@@ -291,7 +301,10 @@ def load_components(
         logger.info("Optional components not in this folder (the pipeline runs without them): %s", skipped)
     names = required + tuple(name for name in optional if name in index.components)
     specs = [index.components[name] for name in names]
-    accepted = {"diffusers": {*native.models, *native.schedulers}, "transformers": _TRANSFORMERS_CLASSES}
+    accepted = {
+        "diffusers": {*native.models, *native.schedulers, *native.guiders},
+        "transformers": _TRANSFORMERS_CLASSES,
+    }
     refused = [spec for spec in specs if spec.class_name not in accepted.get(spec.library, ())]
     if refused:
         classes = ", ".join(f"{spec.name!r} ({spec.library}.{spec.class_name})" for spec in refused)

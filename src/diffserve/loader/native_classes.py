@@ -4,7 +4,7 @@ A Diffusers component whose class is not in its family's table is refused, never
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from torch import nn
@@ -34,13 +34,19 @@ class NativeClasses:
 
     models: Mapping[str, NativeModelClass]
     schedulers: Mapping[str, NativeSchedulerClass]
+    #: Guider components (Diffusers' `guiders`, read from `guider_config.json`), e.g. HunyuanVideo 1.5's CFG.
+    guiders: Mapping[str, NativeSchedulerClass] = field(default_factory=dict)
 
     @classmethod
     def of(
-        cls, models: Sequence[NativeModelClass], schedulers: Sequence[NativeSchedulerClass]
+        cls,
+        models: Sequence[NativeModelClass],
+        schedulers: Sequence[NativeSchedulerClass],
+        guiders: Sequence[NativeSchedulerClass] = (),
     ) -> NativeClasses:
         """The table of these classes, each under the Diffusers class name it declares."""
         return cls(
             models={model.diffusers_class_name: model for model in models},
             schedulers={scheduler.diffusers_class_name: scheduler for scheduler in schedulers},
+            guiders={guider.diffusers_class_name: guider for guider in guiders},
         )

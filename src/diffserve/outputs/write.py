@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from PIL import Image
 
+from diffserve.outputs.audio_track import save_video_with_audio
 from diffserve.outputs.files import output_file_name, unique_path
 from diffserve.outputs.images import bounded_metadata, save_image
 from diffserve.outputs.video import save_frames as save_frame_pngs
@@ -33,6 +34,8 @@ def write_outputs(
     file_name: str | None = None,
     save_frames: bool = False,
     quality: int | None = None,
+    audio: Sequence[np.ndarray] = (),
+    audio_sample_rate: int | None = None,
 ) -> list[Path]:
     """Write a request's videos (if it made any) or else its images into `directory`; returns the paths.
 
@@ -41,7 +44,9 @@ def write_outputs(
     `params.output_format` for images. Every file embeds `metadata` (`output_metadata`, its prompts bounded
     by `bounded_metadata`); `quality` is the JPEG/WebP quality of images. `save_frames` also writes each
     video's frames as PNGs into `{video stem}_frames/` next to it (logged, since only the videos' paths are
-    returned)."""
+    returned). `audio`: one (channels, samples) float waveform per video at `audio_sample_rate` Hz (LTX-2's
+    soundtracks), written into MP4s as an AAC track; GIF and WebP cannot carry sound, so it is left out
+    of them (with a warning)."""
     outputs: Sequence[Image.Image | np.ndarray] = videos if len(videos) else images
     is_video = bool(len(videos))
     metadata = bounded_metadata(metadata)
@@ -55,7 +60,12 @@ def write_outputs(
             name = output_file_name(params.prompt, request_id, i, extension)
         path = unique_path(directory, name)
         if is_video:
-            save_video(output, path, params.fps, metadata, params.video_format)
+            if len(audio) and params.video_format == "mp4":
+                save_video_with_audio(output, path, params.fps, metadata, audio[i], int(audio_sample_rate))
+            else:
+                if len(audio):
+                    logger.warning("%s cannot carry sound: %s is written without it", extension, path)
+                save_video(output, path, params.fps, metadata, params.video_format)
             if save_frames:
                 frame_paths = save_frame_pngs(output, path.parent / f"{path.stem}_frames", path.stem)
                 logger.info("Frames saved to %s (%d PNGs)", frame_paths[0].parent, len(frame_paths))

@@ -26,6 +26,7 @@ from diffserve.runtime.contract import EnginePipeline
 from diffserve.runtime.memory import MemoryModel, RequestCost, request_cost
 from diffserve.runtime.runner import ModelRunner
 from diffserve.runtime.scheduler import ScheduledRequest, SchedulerConfig, StepScheduler
+from diffserve.vae_tiling import tiled_decode_scope
 
 logger = logging.getLogger("diffserve.runtime")
 
@@ -286,6 +287,20 @@ class Engine:
             if sr.req.is_denoised:
                 self._complete(sr)
 
+    def _decode_tiled(self, sr: ScheduledRequest) -> bool:
+        """Automatic VAE tiling (`MemoryModel.decode_tiled`): tile this decode when the untiled one would
+        not fit beside the other running requests. With --vae-tiling the VAE tiles already."""
+        memory = self.scheduler.memory
+        if memory is None or memory.vae_tiling_mode != "auto":
+            return False
+        others = [cost for cost in self.scheduler.running_costs() if cost is not sr.cost]
+        tiled = memory.decode_tiled(others, sr.cost)
+        if tiled:
+            logger.info(
+                "Request %s: VAE decode tiled (untiled, it would not fit in memory)", sr.req.request_id
+            )
+        return tiled
+
     def _complete(self, sr: ScheduledRequest) -> None:
         """Post-denoise (decoding), then report and free the slot."""
         req = sr.req
@@ -297,7 +312,8 @@ class Engine:
         if self.request_log is not None:
             self.request_log.decoding(sr)
         try:
-            sr.req = req = self.runner.post_denoise(req)
+            with tiled_decode_scope(self._decode_tiled(sr)):
+                sr.req = req = self.runner.post_denoise(req)
         except Exception as exc:
             self._fail(sr, exc)
             return

@@ -16,7 +16,15 @@ in for a stage with component offload (`WeightResidency`, offload/): the largest
 counted once (one is on the device at a time); the weights resident on the device are already out of the
 free memory the budget is measured from. The coefficients are measured at warm-up (runtime/calibration.py)
 where the platform has a resettable peak counter (the CPU's is VmHWM on Linux), else estimated; with
-offloaded components they are estimated (a swap inside a measured phase would hide its activations)."""
+offloaded components they are estimated (a swap inside a measured phase would hide its activations).
+
+VAE tiling (`models/vaes/tiling.py`): a tiled decode's decoder call makes one tile, so `chunk_pixels` is
+one tile's area (at most the frame's) times the chunk's frames, and the decoded tiles, overlaps included,
+are held until they are stitched (`TILE_HOLD_BYTES_PER_PIXEL` per pixel of the clip). With `--vae-tiling`
+every decode is costed tiled. Without it, on one device, a request is admitted on the cheaper of its untiled
+and tiled decode, and at decode time (`MemoryModel.decode_tiled`) its decode is tiled when the untiled one,
+with the running requests' denoising, would not fit the budget; over several ranks the row-split decode
+(`distributed/parallel_vae.py`) already divides the decode and nothing is tiled automatically."""
 
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ from diffserve.errors import UserError
 from diffserve.platforms.base import Platform
 from diffserve.request import Req
 from diffserve.runtime.contract import PipelineFacts
+from diffserve.vae_tiling import SupportsTiling, tile_area
 
 logger = logging.getLogger("diffserve.runtime")
 
@@ -51,6 +60,11 @@ ESTIMATED_FIXED_BYTES = 64 * MB
 BYTES_PER_STEP = 64
 RGB = 3  # channels of a decoded frame
 FLOAT32_BYTES = 4
+#: What a tiled decode holds per pixel of the clip beyond one tile's activations, counted in float32: every
+#: decoded tile until they are blended (about (tile / stride)^2 = 1.8 copies with Diffusers' default tiles),
+#: the stitched output and its clamped copy, and (images, whose buffers the untiled per-pixel term covers)
+#: the float copies of the conversion to 8 bits.
+TILE_HOLD_BYTES_PER_PIXEL = 6 * RGB * FLOAT32_BYTES
 
 
 class RequestTooLargeError(UserError):
@@ -182,22 +196,63 @@ class MemoryModel:
     bytes_per_output_pixel: float = 0.0
     # The weights: resident, and what moves in for a stage (counted once per running set).
     weights: WeightResidency = NO_OFFLOAD
+    # VAE tiling: output pixels of one tile; None: the decode is never tiled (the VAE cannot, or several
+    # ranks without --vae-tiling). `vae_tiling_forced` (--vae-tiling): every decode is tiled.
+    vae_tile_pixels: int | None = None
+    vae_tiling_forced: bool = False
 
     def denoise_bytes(self, cost: RequestCost) -> float:
         cache = self.step_cache_bytes_per_token * cost.batch_tokens if cost.step_cache else 0.0
         schedule = BYTES_PER_STEP * cost.steps
         return self.fixed_bytes + self.bytes_per_token * cost.batch_tokens + cache + schedule
 
-    def decode_activation_bytes(self, cost: RequestCost) -> float:
-        """The VAE decoder's working memory: one decoder call's pixels, for every output at once."""
-        return self.decode_fixed_bytes + self.bytes_per_pixel * cost.chunk_pixels * cost.outputs
+    def decode_activation_bytes(self, cost: RequestCost, tiled: bool | None = None) -> float:
+        """The VAE decoder's working memory: one decoder call's pixels, for every output at once; `tiled`
+        (None: as `decode_bytes` costs it) one tile's, plus the tiles held for blending."""
+        if tiled is None:
+            tiled = self._costs_tiled(cost)
+        if not tiled or self.vae_tile_pixels is None:
+            return self.decode_fixed_bytes + self.bytes_per_pixel * cost.chunk_pixels * cost.outputs
+        tile_pixels = min(cost.frame_pixels, self.vae_tile_pixels) * cost.chunk_frames
+        held = TILE_HOLD_BYTES_PER_PIXEL * cost.pixels
+        return self.decode_fixed_bytes + (self.bytes_per_pixel * tile_pixels + held) * cost.outputs
 
     def output_buffer_bytes(self, cost: RequestCost) -> float:
         """The decoded frames of every output, held whole."""
         return self.bytes_per_output_pixel * cost.pixels * cost.outputs
 
-    def decode_bytes(self, cost: RequestCost) -> float:
-        return self.decode_activation_bytes(cost) + self.output_buffer_bytes(cost)
+    def decode_bytes(self, cost: RequestCost, tiled: bool | None = None) -> float:
+        return self.decode_activation_bytes(cost, tiled) + self.output_buffer_bytes(cost)
+
+    def _costs_tiled(self, cost: RequestCost) -> bool:
+        """Whether admission costs this request's decode tiled: always with --vae-tiling; automatic tiling
+        costs the cheaper of the two (the decode is tiled when the untiled one would not fit)."""
+        if self.vae_tile_pixels is None:
+            return False
+        if self.vae_tiling_forced:
+            return True
+        return self.decode_activation_bytes(cost, True) < self.decode_activation_bytes(cost, False)
+
+    @property
+    def vae_tiling_mode(self) -> str:
+        """ "on" (--vae-tiling), "auto" (tiled when the untiled decode would not fit) or "off"."""
+        if self.vae_tile_pixels is None:
+            return "off"
+        return "on" if self.vae_tiling_forced else "auto"
+
+    def decode_tiled(self, running: Iterable[RequestCost], cost: RequestCost) -> bool:
+        """At decode time: tile this request's decode? Always with --vae-tiling; automatically when its
+        untiled decode plus the other running requests' denoising would not fit the budget (and tiling is
+        cheaper); never when the decode cannot be tiled."""
+        if self.vae_tile_pixels is None:
+            return False
+        if self.vae_tiling_forced:
+            return True
+        if self.budget_bytes is None or not self._costs_tiled(cost):
+            return False
+        others = sum(self.denoise_bytes(c) for c in running)
+        untiled = others + self.denoise_bytes(cost) + self.decode_bytes(cost, False) + self.weights.swap_bytes
+        return untiled > self.budget_bytes
 
     def estimate(self, cost: RequestCost) -> int:
         """Peak memory of this request running alone (with the offloaded weights it moves in)."""
@@ -226,7 +281,7 @@ class MemoryModel:
         need = self.estimate(cost)
         decode = (
             f"{self.decode_bytes(cost) / MB:.0f} MB VAE decode ({self.decode_activation_bytes(cost) / MB:.0f} MB "
-            f"decoding {cost.chunk_frames} frame(s) at a time"
+            f"decoding {cost.chunk_frames} frame(s) at a time{' in VAE tiles' if self._costs_tiled(cost) else ''}"
         )
         if self.output_buffer_bytes(cost):
             decode += f" + {self.output_buffer_bytes(cost) / MB:.0f} MB holding the {cost.frames} frames"
@@ -258,6 +313,7 @@ class MemoryModel:
             "budget_mb": None if self.budget_bytes is None else round(self.budget_bytes / MB, 1),
             "resident_weights_mb": round(self.weights.resident_bytes / MB, 1),
             "offload_swap_mb": round(self.weights.swap_bytes / MB, 1),
+            "vae_tiling": self.vae_tiling_mode,
         }
 
 
@@ -415,3 +471,11 @@ def measured_memory_model(
         first.decode_bytes / MB, last.decode_bytes / MB, model.describe(),
     )  # fmt: skip
     return model
+
+
+def with_vae_tiling(model: MemoryModel, vae: object | None, forced: bool, single_device: bool) -> MemoryModel:
+    """`model` costing the decode of `vae` tiled: always with `forced` (--vae-tiling), automatically
+    (`MemoryModel.decode_tiled`) on a single device; unchanged for a VAE without tiling."""
+    if not isinstance(vae, SupportsTiling) or not (forced or single_device):
+        return model
+    return replace(model, vae_tile_pixels=tile_area(vae), vae_tiling_forced=forced)

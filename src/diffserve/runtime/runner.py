@@ -52,9 +52,15 @@ def branch_view(req: Req, branch: int) -> CfgBranchView:
     if branch == 1:
         values["prompt_embeds"] = req.negative_prompt_embeds
         values["pooled_prompt_embeds"] = req.negative_pooled_prompt_embeds
+        values["prompt_embeds_mask"] = req.negative_prompt_embeds_mask
+        values["prompt_embeds_2"] = req.negative_prompt_embeds_2
+        values["prompt_embeds_mask_2"] = req.negative_prompt_embeds_mask_2
     values.update(
         negative_prompt_embeds=None,
         negative_pooled_prompt_embeds=None,
+        negative_prompt_embeds_mask=None,
+        negative_prompt_embeds_2=None,
+        negative_prompt_embeds_mask_2=None,
         do_cfg=False,
         dit_context=None,  # the view embeds its own branch once, and keeps it
         on_step=None,

@@ -136,6 +136,11 @@ class StepScheduler:
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
 
+    def running_costs(self) -> list[RequestCost]:
+        """The costs of the requests in the running set (automatic VAE tiling weighs a decode against them)."""
+        with self._cond:
+            return [sr.cost for sr in self._running]
+
     def running_tokens(self) -> int:
         with self._cond:
             return sum(sr.cost.batch_tokens for sr in self._running)

@@ -29,6 +29,7 @@ from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import LoraError, UserError
 from diffserve.logging_setup import configure_logging
 from diffserve.outputs import CONTENT_TYPES, encode_image, output_metadata, save_image, save_video
+from diffserve.outputs.audio_track import save_video_with_audio
 from diffserve.outputs.images import bounded_metadata
 from diffserve.server import protocol as msg
 from diffserve.server.engine_loras import EngineLoras
@@ -252,7 +253,12 @@ class Engine:
         already take (the free memory it is measured from excludes those)."""
         from diffserve.offload import weight_residency
         from diffserve.runtime.calibration import calibrate_memory_model
-        from diffserve.runtime.memory import CALIBRATION_SIDES, CPU_CALIBRATION_SIDES, estimated_memory_model
+        from diffserve.runtime.memory import (
+            CALIBRATION_SIDES,
+            CPU_CALIBRATION_SIDES,
+            estimated_memory_model,
+            with_vae_tiling,
+        )
 
         fraction = self.config.engine_args.mem_fraction
         # Offloaded components: what stays resident and the largest one moving in for a stage.
@@ -277,7 +283,9 @@ class Engine:
                 self.lora_reserved_bytes / 2**20, budget / 2**20,
             )  # fmt: skip
             model = dataclasses.replace(model, budget_bytes=budget)
-        return model
+        args = self.config.engine_args
+        vae = components["vae"].value if "vae" in components else None
+        return with_vae_tiling(model, vae, forced=args.vae_tiling, single_device=args.num_gpus == 1)
 
     def _lora_reserve(self) -> int:
         """Bytes the memory budget keeps for adapters: `--max-lora-memory` less the resident ones when
@@ -489,7 +497,11 @@ class Engine:
                 raise RuntimeError(f"expected one video from the pipeline, got {len(req.frames or [])}")
             frames, params = req.frames[0], _without_inputs(req.params)
             encode_start = time.perf_counter()
-            save_video(frames, path, params.fps, self._metadata(params), "mp4")
+            if req.audio:  # a soundtrack (LTX-2): the MP4 carries it as an AAC track
+                waveform, rate = req.audio[0].numpy(), int(req.audio_sample_rate)
+                save_video_with_audio(frames, path, params.fps, self._metadata(params), waveform, rate)
+            else:
+                save_video(frames, path, params.fps, self._metadata(params), "mp4")
             encode_seconds = time.perf_counter() - encode_start
             if sr.cancel_event.is_set():  # cancelled while the file was written: it must not stay
                 path.unlink(missing_ok=True)

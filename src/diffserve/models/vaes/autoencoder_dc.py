@@ -14,7 +14,11 @@ The ImageNet/mix DC-AEs (no first-stage layers, BatchNorm/ReLU decoder stages, p
 resampling) build from their configs too.
 
 The latent scaling is *not* applied here: as in Diffusers, the pipeline multiplies encoder output by
-`config["scaling_factor"]` and divides by it before decoding. Tiling and slicing are not implemented.
+`config["scaling_factor"]` and divides by it before decoding.
+
+Tiling and slicing are Diffusers' (`tiling.py`): `enable_tiling(tile_sample_min_height=512,
+tile_sample_min_width=512, tile_sample_stride_height=448, tile_sample_stride_width=448)` encodes / decodes
+images larger than a tile in overlapping tiles, cross-faded; `enable_slicing()` one image at a time.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from torch import nn
 from diffserve.layers.glumbconv import GLUMBConv
 from diffserve.models.config_keys import checked_config_kwargs
 from diffserve.models.vaes.blocks import get_activation
+from diffserve.models.vaes.tiling import TilingMixin, per_sample, stitch_tiles, tile_starts
 
 #: Every RMSNorm / BatchNorm in DC-AE uses this epsilon.
 NORM_EPS = 1e-5
@@ -345,7 +350,7 @@ def _checked(name: str, values: Sequence[str], allowed: Sequence[str]) -> None:
             raise ValueError(f"AutoencoderDC: {name} {value!r} is not supported; supported: {tuple(allowed)}")
 
 
-class AutoencoderDC(nn.Module):
+class AutoencoderDC(TilingMixin, nn.Module):
     """DC-AE with Diffusers' config and weight names.
 
         encode(image (B, in_channels, H, W) in [-1, 1], H and W multiples of spatial_compression_ratio)
@@ -439,6 +444,13 @@ class AutoencoderDC(nn.Module):
             in_shortcut=decoder_in_shortcut,
             conv_act_fn=decoder_conv_act_fn,
         )
+        # Diffusers' tile defaults (pixels; used once `enable_tiling()` sets `use_tiling`).
+        self.tile_sample_min_height = 512
+        self.tile_sample_min_width = 512
+        self.tile_sample_stride_height = 448
+        self.tile_sample_stride_width = 448
+        self.tile_latent_min_height = self.tile_sample_min_height // self.spatial_compression_ratio
+        self.tile_latent_min_width = self.tile_sample_min_width // self.spatial_compression_ratio
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> AutoencoderDC:
@@ -456,6 +468,23 @@ class AutoencoderDC(nn.Module):
         """Pixels per latent along each side (Diffusers pipelines call this `vae_scale_factor`)."""
         return 2 ** (len(self.config["encoder_block_out_channels"]) - 1)
 
+    def enable_tiling(
+        self,
+        tile_sample_min_height: int | None = None,
+        tile_sample_min_width: int | None = None,
+        tile_sample_stride_height: int | None = None,
+        tile_sample_stride_width: int | None = None,
+    ) -> None:
+        """Encode / decode images larger than a tile in overlapping tiles (Diffusers' parameters, in pixels:
+        tiles of `tile_sample_min_*`, one every `tile_sample_stride_*`); None keeps the current value."""
+        self.use_tiling = True
+        self.tile_sample_min_height = tile_sample_min_height or self.tile_sample_min_height
+        self.tile_sample_min_width = tile_sample_min_width or self.tile_sample_min_width
+        self.tile_sample_stride_height = tile_sample_stride_height or self.tile_sample_stride_height
+        self.tile_sample_stride_width = tile_sample_stride_width or self.tile_sample_stride_width
+        self.tile_latent_min_height = self.tile_sample_min_height // self.spatial_compression_ratio
+        self.tile_latent_min_width = self.tile_sample_min_width // self.spatial_compression_ratio
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Image batch (B, in_channels, H, W) in [-1, 1] -> unscaled latents (B, latent_channels, H / f, W / f)."""
         f = self.spatial_compression_ratio
@@ -463,8 +492,59 @@ class AutoencoderDC(nn.Module):
             raise ValueError(
                 f"AutoencoderDC.encode: need (B, C, H, W) with H, W multiples of {f}, got {tuple(x.shape)}"
             )
+        return per_sample(self._encode_images, x, self.use_slicing)
+
+    def _encode_images(self, x: torch.Tensor) -> torch.Tensor:
+        height, width = x.shape[-2:]
+        if self.use_tiling and (width > self.tile_sample_min_width or height > self.tile_sample_min_height):
+            return self._tiled_encode(x)
         return self.encoder(x)
+
+    def _tiled_encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Overlapping pixel tiles (each padded at its bottom / right to a multiple of the compression
+        ratio) encoded and cross-faded in latents, cropped to the latent size (Diffusers' `tiled_encode`)."""
+        f = self.spatial_compression_ratio
+        min_h, min_w = self.tile_sample_min_height, self.tile_sample_min_width
+        stride_h, stride_w = self.tile_sample_stride_height // f, self.tile_sample_stride_width // f
+        rows = []
+        for i in tile_starts(x.shape[2], self.tile_sample_stride_height):
+            row = []
+            for j in tile_starts(x.shape[3], self.tile_sample_stride_width):
+                tile = x[:, :, i : i + min_h, j : j + min_w]
+                pad_h, pad_w = -tile.shape[2] % f, -tile.shape[3] % f
+                if pad_h or pad_w:
+                    tile = F.pad(tile, (0, pad_w, 0, pad_h))
+                row.append(self.encoder(tile))
+            rows.append(row)
+        latents = stitch_tiles(rows, min_h // f - stride_h, min_w // f - stride_w, stride_h, stride_w)
+        return latents[:, :, : x.shape[2] // f, : x.shape[3] // f]
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """Unscaled latents (B, latent_channels, h, w) -> image batch (B, in_channels, h * f, w * f)."""
+        return per_sample(self._decode_images, z, self.use_slicing)
+
+    def _decode_images(self, z: torch.Tensor) -> torch.Tensor:
+        height, width = z.shape[-2:]
+        if self.use_tiling and (width > self.tile_latent_min_width or height > self.tile_latent_min_height):
+            return self._tiled_decode(z)
         return self.decoder(z)
+
+    def _tiled_decode(self, z: torch.Tensor) -> torch.Tensor:
+        """Overlapping latent tiles decoded and cross-faded (Diffusers' `tiled_decode`: no final crop)."""
+        f = self.spatial_compression_ratio
+        latent_min_h, latent_min_w = self.tile_sample_min_height // f, self.tile_sample_min_width // f
+        stride_h, stride_w = self.tile_sample_stride_height, self.tile_sample_stride_width
+        rows = [
+            [
+                self.decoder(z[:, :, i : i + latent_min_h, j : j + latent_min_w])
+                for j in tile_starts(z.shape[3], stride_w // f)
+            ]
+            for i in tile_starts(z.shape[2], stride_h // f)
+        ]
+        return stitch_tiles(
+            rows,
+            self.tile_sample_min_height - stride_h,
+            self.tile_sample_min_width - stride_w,
+            stride_h,
+            stride_w,
+        )

@@ -6,9 +6,13 @@ checkpoint loads with `load_state_dict(sd, strict=True)` into a module built on 
     encode(image in [-1, 1]) -> DiagonalGaussian over latents      decode(latents) -> image in [-1, 1]
 
 The latent scaling (`(z - shift_factor) * scaling_factor`) is *not* applied here: as in diffusers,
-the pipeline applies it, reading the factors from `self.config`. Tiling and slicing are not
-implemented; callers that need them split the batch themselves. Over several ranks the decode can
+the pipeline applies it, reading the factors from `self.config`. Over several ranks the decode can
 be split by rows (`diffserve.distributed.parallel_vae.decode_split`), with the same output.
+
+Tiling and slicing are Diffusers' (`tiling.py`): tiles of `tile_sample_min_size` pixels (the config's
+`sample_size`; its first entry when it is a pair) / `tile_latent_min_size` latents, overlapping by
+`tile_overlap_factor` (0.25), cross-faded; `enable_tiling()` takes those three as optional keywords (Diffusers'
+takes none: there one sets the attributes). `enable_slicing()` encodes / decodes one image at a time.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch import nn
 
 from diffserve.models.config_keys import checked_config_kwargs
 from diffserve.models.vaes.blocks import Decoder, Encoder
+from diffserve.models.vaes.tiling import TilingMixin, per_sample, stitch_tiles, tile_starts
 
 GeneratorArg = torch.Generator | Sequence[torch.Generator] | None
 
@@ -82,7 +87,7 @@ class DiagonalGaussian:
         return self.mean
 
 
-class AutoencoderKL(nn.Module):
+class AutoencoderKL(TilingMixin, nn.Module):
     """KL-regularised convolutional autoencoder with diffusers' config and weight names."""
 
     diffusers_class_name = "AutoencoderKL"
@@ -156,6 +161,11 @@ class AutoencoderKL(nn.Module):
         # 1x1 convs on the moments / latents; SD-era VAEs have them, FLUX and SD3 drop them.
         self.quant_conv = nn.Conv2d(2 * latent_channels, 2 * latent_channels, 1) if use_quant_conv else None
         self.post_quant_conv = nn.Conv2d(latent_channels, latent_channels, 1) if use_post_quant_conv else None
+        # Diffusers' tile defaults (used once `enable_tiling()` sets `use_tiling`).
+        first_side = sample_size[0] if isinstance(sample_size, Sequence) else sample_size
+        self.tile_sample_min_size = int(first_side)
+        self.tile_latent_min_size = int(first_side / 2 ** (len(block_out_channels) - 1))
+        self.tile_overlap_factor = 0.25
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> AutoencoderKL:
@@ -177,15 +187,71 @@ class AutoencoderKL(nn.Module):
         """Pixels per latent along each side (diffusers pipelines call this `vae_scale_factor`)."""
         return 2 ** (len(self.config["block_out_channels"]) - 1)
 
+    def enable_tiling(
+        self,
+        tile_sample_min_size: int | None = None,
+        tile_latent_min_size: int | None = None,
+        tile_overlap_factor: float | None = None,
+    ) -> None:
+        """Encode / decode images larger than a tile in overlapping tiles (Diffusers' attributes; None keeps
+        the current value; a new `tile_sample_min_size` alone sets the latent size to match it)."""
+        self.use_tiling = True
+        if tile_sample_min_size is not None:
+            self.tile_sample_min_size = tile_sample_min_size
+            if tile_latent_min_size is None:
+                tile_latent_min_size = int(tile_sample_min_size / self.spatial_compression_ratio)
+        self.tile_latent_min_size = tile_latent_min_size or self.tile_latent_min_size
+        self.tile_overlap_factor = tile_overlap_factor or self.tile_overlap_factor
+
     def encode(self, x: torch.Tensor) -> DiagonalGaussian:
         """Image batch (B, in_channels, H, W) in [-1, 1] -> posterior over unscaled latents."""
+        return DiagonalGaussian.from_moments(per_sample(self._encode_moments, x, self.use_slicing))
+
+    def _encode_moments(self, x: torch.Tensor) -> torch.Tensor:
+        height, width = x.shape[-2:]
+        if self.use_tiling and (width > self.tile_sample_min_size or height > self.tile_sample_min_size):
+            return self._tiled_encode(x)
+        return self._encode_tile(x)
+
+    def _encode_tile(self, x: torch.Tensor) -> torch.Tensor:
         moments = self.encoder(x)
-        if self.quant_conv is not None:
-            moments = self.quant_conv(moments)
-        return DiagonalGaussian.from_moments(moments)
+        return moments if self.quant_conv is None else self.quant_conv(moments)
+
+    def _tiled_encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Moments from overlapping pixel tiles blended in latents (Diffusers' `_tiled_encode`: no final crop)."""
+        size, factor = self.tile_sample_min_size, self.tile_overlap_factor
+        stride = int(size * (1 - factor))
+        extent = int(self.tile_latent_min_size * factor)
+        keep = self.tile_latent_min_size - extent
+        rows = [
+            [self._encode_tile(x[:, :, i : i + size, j : j + size]) for j in tile_starts(x.shape[3], stride)]
+            for i in tile_starts(x.shape[2], stride)
+        ]
+        return stitch_tiles(rows, extent, extent, keep, keep)
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """Unscaled latents (B, latent_channels, h, w) -> image batch in (roughly) [-1, 1]."""
+        return per_sample(self._decode_images, z, self.use_slicing)
+
+    def _decode_images(self, z: torch.Tensor) -> torch.Tensor:
+        size = self.tile_latent_min_size
+        if self.use_tiling and (z.shape[-1] > size or z.shape[-2] > size):
+            return self._tiled_decode(z)
+        return self._decode_tile(z)
+
+    def _decode_tile(self, z: torch.Tensor) -> torch.Tensor:
         if self.post_quant_conv is not None:
             z = self.post_quant_conv(z)
         return self.decoder(z)
+
+    def _tiled_decode(self, z: torch.Tensor) -> torch.Tensor:
+        """Overlapping latent tiles decoded and cross-faded (Diffusers' `tiled_decode`: no final crop)."""
+        size, factor = self.tile_latent_min_size, self.tile_overlap_factor
+        stride = int(size * (1 - factor))
+        extent = int(self.tile_sample_min_size * factor)
+        keep = self.tile_sample_min_size - extent
+        rows = [
+            [self._decode_tile(z[:, :, i : i + size, j : j + size]) for j in tile_starts(z.shape[3], stride)]
+            for i in tile_starts(z.shape[2], stride)
+        ]
+        return stitch_tiles(rows, extent, extent, keep, keep)

@@ -12,7 +12,7 @@ DiT sees (`normalize_latents`) and to undo that before decoding (`denormalize_la
 
 State-dict keys match Diffusers' (`bn.running_mean`, `bn.running_var`, `bn.num_batches_tracked`
 included), so a checkpoint loads with `load_state_dict(sd, assign=True, strict=True)` into a module
-built on the meta device. Tiling and slicing are not implemented (as in `AutoencoderKL`).
+built on the meta device. Tiling and slicing are `AutoencoderKL`'s (Diffusers' code for this class is the same).
 """
 
 from __future__ import annotations

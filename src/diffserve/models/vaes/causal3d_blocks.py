@@ -15,7 +15,15 @@ single-frame videos (T = 1). The chunking is the one Diffusers uses, so results 
 stays bounded by the chunk size rather than the clip length. As in Diffusers, trailing frames that do
 not complete a chunk of 4 are not encoded: pass 1 + 4k frames. The latent normalisation
 ((z - latents_mean) / latents_std) is the pipeline's job, as in Diffusers; the config's values are
-exposed as `latents_mean` / `latents_std`. Tiling and slicing are not implemented.
+exposed as `latents_mean` / `latents_std`.
+
+Tiling and slicing are Diffusers' (`tiling.py`): `enable_tiling(tile_sample_min_height=256,
+tile_sample_min_width=256, tile_sample_stride_height=192, tile_sample_stride_width=192)` cuts frames larger
+than a tile into overlapping spatial tiles, each decoded (encoded) over the whole clip with its own causal
+cache, and cross-fades the overlaps; time needs no tiling (the decoder already runs one latent frame at a
+time). For Wan 2.2 the tile sizes count pixels after its 2x2 patch folding, as in Diffusers. Unlike Diffusers'
+Qwen-Image class, the tiled decode is clamped to [-1, 1] like the untiled one (pipelines clamp anyway).
+`enable_slicing()` encodes / decodes a batch one clip at a time.
 
 Every convolution that looks along time is *causal*: output frame t sees input frames <= t only
 (the kernel's temporal padding all goes in front). That lets a clip be encoded or decoded a chunk of
@@ -60,6 +68,7 @@ from diffserve.distributed.parallel_vae import (
 )
 from diffserve.layers.attention import attention
 from diffserve.models.vaes.autoencoder_kl import DiagonalGaussian
+from diffserve.models.vaes.tiling import TilingMixin, per_sample, stitch_tiles, tile_starts
 
 #: Frames of input each causal conv keeps for the next chunk: a temporal kernel of 3 needs 2.
 CACHE_FRAMES = 2
@@ -540,7 +549,7 @@ def unpatchify(x: torch.Tensor, patch: int) -> torch.Tensor:
     return x.reshape(b, cp // (patch * patch), t, h * patch, w * patch)
 
 
-class CausalVideoVAE(nn.Module):
+class CausalVideoVAE(TilingMixin, nn.Module):
     """The Wan 2.1 network, or with `residual` and `patch_size` Wan 2.2's; subclasses map their Diffusers
     config onto it and set `config`."""
 
@@ -579,6 +588,11 @@ class CausalVideoVAE(nn.Module):
         #: Wan 2.2: pixels are folded into channels in `patch_size`^2 cells before the encoder (and unfolded
         #: after the decoder); None (Wan 2.1) folds nothing.
         self.patch_size = patch_size
+        # Diffusers' tile defaults (pixels; used once `enable_tiling()` sets `use_tiling`).
+        self.tile_sample_min_height = 256
+        self.tile_sample_min_width = 256
+        self.tile_sample_stride_height = 192
+        self.tile_sample_stride_width = 192
 
         self.encoder = Encoder3d(
             in_channels,
@@ -612,6 +626,21 @@ class CausalVideoVAE(nn.Module):
         """Frames per latent frame after the first one (4 for the released VAEs): T = 1 + ratio * (t - 1)."""
         return 2**self._temporal_downsamplings
 
+    def enable_tiling(
+        self,
+        tile_sample_min_height: int | None = None,
+        tile_sample_min_width: int | None = None,
+        tile_sample_stride_height: int | None = None,
+        tile_sample_stride_width: int | None = None,
+    ) -> None:
+        """Encode / decode frames larger than a tile in overlapping spatial tiles (Diffusers' parameters, in
+        pixels: tiles of `tile_sample_min_*`, one every `tile_sample_stride_*`); None keeps the current value."""
+        self.use_tiling = True
+        self.tile_sample_min_height = tile_sample_min_height or self.tile_sample_min_height
+        self.tile_sample_min_width = tile_sample_min_width or self.tile_sample_min_width
+        self.tile_sample_stride_height = tile_sample_stride_height or self.tile_sample_stride_height
+        self.tile_sample_stride_width = tile_sample_stride_width or self.tile_sample_stride_width
+
     def encode(self, x: torch.Tensor) -> DiagonalGaussian:
         """Video (B, C, T, H, W) in [-1, 1] -> posterior over unnormalised latents (B, z_dim, t, H/8, W/8).
 
@@ -620,23 +649,91 @@ class CausalVideoVAE(nn.Module):
         """
         if x.ndim != 5:
             raise ValueError(f"expected a video batch (B, C, T, H, W), got shape {tuple(x.shape)}")
+        return DiagonalGaussian.from_moments(per_sample(self._encode_moments, x, self.use_slicing))
+
+    def _encode_moments(self, x: torch.Tensor) -> torch.Tensor:
         if self.patch_size is not None:
             x = patchify(x, self.patch_size)
+        height, width = x.shape[-2:]
+        if self.use_tiling and (width > self.tile_sample_min_width or height > self.tile_sample_min_height):
+            return self._tiled_encode(x)
+        return self.quant_conv(self._encode_chunks(x))
+
+    def _encode_chunks(self, x: torch.Tensor, quant_each: bool = False) -> torch.Tensor:
+        """The encoder over frame 0, then chunks of 4 frames, with one causal cache; with `quant_each`,
+        quant_conv on each chunk's output (as Diffusers' tiled encode applies it), else none."""
         cache = CausalCache()
         n = ENCODE_CHUNK_FRAMES
         chunks = [x[:, :, :1]]
         chunks += [x[:, :, 1 + n * i : 1 + n * (i + 1)] for i in range((x.shape[2] - 1) // n)]
-        moments = torch.cat([self.encoder(chunk, cache) for chunk in chunks], dim=2)
-        return DiagonalGaussian.from_moments(self.quant_conv(moments))
+        outputs = [self.encoder(chunk, cache) for chunk in chunks]
+        return torch.cat([self.quant_conv(out) for out in outputs] if quant_each else outputs, dim=2)
+
+    def _tiled_encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Moments of (patchified) `x` from overlapping pixel tiles, blended in latents (Diffusers' tiled_encode)."""
+        height, width = x.shape[-2:]
+        ratio = self.spatial_compression_ratio // (self.patch_size or 1)  # of the patchified input
+        min_h, min_w = self.tile_sample_min_height, self.tile_sample_min_width
+        latent_stride_h = self.tile_sample_stride_height // ratio
+        latent_stride_w = self.tile_sample_stride_width // ratio
+        rows = [
+            [
+                self._encode_chunks(x[:, :, :, i : i + min_h, j : j + min_w], quant_each=True)
+                for j in tile_starts(width, self.tile_sample_stride_width)
+            ]
+            for i in tile_starts(height, self.tile_sample_stride_height)
+        ]
+        moments = stitch_tiles(
+            rows,
+            blend_height=min_h // ratio - latent_stride_h,
+            blend_width=min_w // ratio - latent_stride_w,
+            keep_height=latent_stride_h,
+            keep_width=latent_stride_w,
+        )
+        return moments[..., : height // ratio, : width // ratio]
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """Unnormalised latents (B, z_dim, t, h, w) -> video (B, C, 1 + 4 (t - 1), 8h, 8w) clamped to [-1, 1]."""
         if z.ndim != 5:
             raise ValueError(f"expected video latents (B, z_dim, t, h, w), got shape {tuple(z.shape)}")
-        cache = CausalCache()
-        x = self.post_quant_conv(z)
-        frames = [self.decoder(x[:, :, i : i + 1], cache) for i in range(x.shape[2])]
-        video = torch.cat(frames, dim=2)
+        return per_sample(self._decode_clip, z, self.use_slicing)
+
+    def _decode_clip(self, z: torch.Tensor) -> torch.Tensor:
+        height, width = z.shape[-2:]
+        ratio = self.spatial_compression_ratio
+        tiled = width > self.tile_sample_min_width // ratio or height > self.tile_sample_min_height // ratio
+        video = self._tiled_decode(z) if self.use_tiling and tiled else self._decode_frames(z)
         if self.patch_size is not None:
             video = unpatchify(video, self.patch_size)
         return video.clamp_(-1.0, 1.0)
+
+    def _decode_frames(self, z: torch.Tensor) -> torch.Tensor:
+        """post_quant_conv and the decoder one latent frame at a time with one causal cache; before
+        unpatchify and clamp."""
+        cache = CausalCache()
+        x = self.post_quant_conv(z)
+        return torch.cat([self.decoder(x[:, :, i : i + 1], cache) for i in range(x.shape[2])], dim=2)
+
+    def _tiled_decode(self, z: torch.Tensor) -> torch.Tensor:
+        """`_decode_frames` on overlapping latent tiles, blended (Diffusers' tiled_decode); before unpatchify
+        and clamp, so its sizes count patchified pixels."""
+        height, width = z.shape[-2:]
+        ratio, patch = self.spatial_compression_ratio, self.patch_size or 1
+        latent_min_h = self.tile_sample_min_height // ratio
+        latent_min_w = self.tile_sample_min_width // ratio
+        stride_h, stride_w = self.tile_sample_stride_height // patch, self.tile_sample_stride_width // patch
+        rows = [
+            [
+                self._decode_frames(z[:, :, :, i : i + latent_min_h, j : j + latent_min_w])
+                for j in tile_starts(width, self.tile_sample_stride_width // ratio)
+            ]
+            for i in tile_starts(height, self.tile_sample_stride_height // ratio)
+        ]
+        video = stitch_tiles(
+            rows,
+            blend_height=self.tile_sample_min_height // patch - stride_h,
+            blend_width=self.tile_sample_min_width // patch - stride_w,
+            keep_height=stride_h,
+            keep_width=stride_w,
+        )
+        return video[..., : height * ratio // patch, : width * ratio // patch]

@@ -1,0 +1,218 @@
+"""Diffusers' `AutoencoderKLHunyuanVideo15`: HunyuanVideo-1.5's video VAE (32 latent channels, 16x spatial
+and 4x temporal compression).
+
+    encode: video (B, 3, 1 + 4k, 16H, 16W) in [-1, 1] -> DiagonalGaussian over (B, 32, 1 + k, H, W)
+    decode: latents (B, 32, 1 + k, H, W) -> video (B, 3, 1 + 4k, 16H, 16W), roughly in [-1, 1]
+
+As in Diffusers, the whole clip goes through the network at once (no temporal chunking), there are no
+quant / post-quant convs, the decoded video is not clamped (the pipeline's post-processing clamps), and the
+latent scaling (`latents * scaling_factor` after encoding, `/ scaling_factor` before decoding) is the
+pipeline's job: `scaling_factor` is kept in `config`. There are no latent mean / std statistics.
+
+Tiling (`enable_tiling`, Diffusers' parameters and defaults) cuts the frame into spatial tiles (all frames
+of a tile at once, no temporal tiling) and blends them with `tiling.stitch_tiles`, exactly as Diffusers'
+class does; slicing encodes / decodes a batch one element at a time. The network is in
+`hunyuan_video15_blocks.py`; state-dict keys match Diffusers', so checkpoints load with `strict=True` into
+a model built on the meta device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from diffserve.models.config_keys import checked_config_kwargs
+from diffserve.models.vaes.autoencoder_kl import DiagonalGaussian
+from diffserve.models.vaes.hunyuan_video15_blocks import Decoder3D, Encoder3D
+from diffserve.models.vaes.tiling import TilingMixin, per_sample, stitch_tiles, tile_starts
+
+#: Diffusers' `AutoencoderKLHunyuanVideo15` config keys and defaults (those of the released VAE).
+HUNYUAN_VIDEO15_VAE_CONFIG_DEFAULTS: dict[str, Any] = {
+    "in_channels": 3,
+    "out_channels": 3,
+    "latent_channels": 32,
+    "block_out_channels": (128, 256, 512, 1024, 1024),
+    "layers_per_block": 2,
+    "spatial_compression_ratio": 16,
+    "temporal_compression_ratio": 4,
+    "downsample_match_channel": True,
+    "upsample_match_channel": True,
+    "scaling_factor": 1.03682,
+}
+
+
+class AutoencoderKLHunyuanVideo15(TilingMixin, nn.Module):
+    """HunyuanVideo-1.5's causal video VAE with Diffusers' config keys and weight names."""
+
+    diffusers_class_name: ClassVar[str] = "AutoencoderKLHunyuanVideo15"
+
+    def __init__(
+        self,
+        in_channels: int = 3,
+        out_channels: int = 3,
+        latent_channels: int = 32,
+        block_out_channels: Sequence[int] = (128, 256, 512, 1024, 1024),
+        layers_per_block: int = 2,
+        spatial_compression_ratio: int = 16,
+        temporal_compression_ratio: int = 4,
+        downsample_match_channel: bool = True,
+        upsample_match_channel: bool = True,
+        scaling_factor: float = 1.03682,
+    ) -> None:
+        super().__init__()
+        self.config: dict[str, Any] = {
+            "in_channels": in_channels,
+            "out_channels": out_channels,
+            "latent_channels": latent_channels,
+            "block_out_channels": tuple(block_out_channels),
+            "layers_per_block": layers_per_block,
+            "spatial_compression_ratio": spatial_compression_ratio,
+            "temporal_compression_ratio": temporal_compression_ratio,
+            "downsample_match_channel": downsample_match_channel,
+            "upsample_match_channel": upsample_match_channel,
+            "scaling_factor": scaling_factor,
+        }
+        self.encoder = Encoder3D(
+            in_channels,
+            2 * latent_channels,
+            block_out_channels,
+            layers_per_block,
+            spatial_compression_ratio,
+            temporal_compression_ratio,
+            downsample_match_channel,
+        )
+        self.decoder = Decoder3D(
+            latent_channels,
+            out_channels,
+            tuple(reversed(block_out_channels)),
+            layers_per_block,
+            spatial_compression_ratio,
+            temporal_compression_ratio,
+            upsample_match_channel,
+        )
+        # Diffusers' tile defaults: 256-pixel tiles (16 latents at 16x), a quarter of each tile overlapping.
+        # The latent sizes are not derived from the pixel ones again when `enable_tiling` changes them.
+        self.tile_sample_min_height = 256
+        self.tile_sample_min_width = 256
+        self.tile_latent_min_height = self.tile_sample_min_height // spatial_compression_ratio
+        self.tile_latent_min_width = self.tile_sample_min_width // spatial_compression_ratio
+        self.tile_overlap_factor = 0.25
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> AutoencoderKLHunyuanVideo15:
+        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
+        return cls(
+            **checked_config_kwargs(config, HUNYUAN_VIDEO15_VAE_CONFIG_DEFAULTS, cls.diffusers_class_name)
+        )
+
+    @property
+    def spatial_compression_ratio(self) -> int:
+        """Pixels per latent along each side (16 for the released VAE)."""
+        return self.config["spatial_compression_ratio"]
+
+    @property
+    def temporal_compression_ratio(self) -> int:
+        """Frames per latent frame after the first (4 for the released VAE): T = 1 + ratio * (t - 1)."""
+        return self.config["temporal_compression_ratio"]
+
+    def enable_tiling(
+        self,
+        tile_sample_min_height: int | None = None,
+        tile_sample_min_width: int | None = None,
+        tile_latent_min_height: int | None = None,
+        tile_latent_min_width: int | None = None,
+        tile_overlap_factor: float | None = None,
+    ) -> None:
+        """Encode / decode frames larger than a tile in overlapping spatial tiles; None keeps a parameter.
+
+        A frame is tiled when it is larger than `tile_sample_min_*` pixels (encode) or `tile_latent_min_*`
+        latents (decode) along either side. Tiles start every `min * (1 - tile_overlap_factor)` input
+        units; `min * tile_overlap_factor` output units of neighbouring tiles are cross-faded.
+        """
+        sizes = {
+            "tile_sample_min_height": tile_sample_min_height,
+            "tile_sample_min_width": tile_sample_min_width,
+            "tile_latent_min_height": tile_latent_min_height,
+            "tile_latent_min_width": tile_latent_min_width,
+        }
+        for name, value in sizes.items():
+            if value is not None and value < 1:
+                raise ValueError(
+                    f"{self.diffusers_class_name}.enable_tiling: {name} must be >= 1, got {value}"
+                )
+        if tile_overlap_factor is not None and not 0.0 < tile_overlap_factor < 1.0:
+            raise ValueError(
+                f"{self.diffusers_class_name}.enable_tiling: tile_overlap_factor must be in (0, 1), "
+                f"got {tile_overlap_factor}"
+            )
+        for name, value in sizes.items():
+            if value is not None:
+                setattr(self, name, value)
+        if tile_overlap_factor is not None:
+            self.tile_overlap_factor = tile_overlap_factor
+        self.use_tiling = True
+
+    def encode(self, x: torch.Tensor) -> DiagonalGaussian:
+        """Video (B, C, 1 + r_t*k, H, W) in [-1, 1] -> posterior over unscaled latents (B, latent, 1 + k, H/r_s, W/r_s).
+
+        H and W must be multiples of `spatial_compression_ratio` (those of every tile, when tiled).
+        """
+        if x.ndim != 5:
+            raise ValueError(f"expected a video batch (B, C, T, H, W), got shape {tuple(x.shape)}")
+        return DiagonalGaussian.from_moments(per_sample(self._encode, x, self.use_slicing))
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        """Unscaled latents (B, latent, t, h, w) -> video (B, C, 1 + r_t*(t - 1), r_s*h, r_s*w), not clamped."""
+        if z.ndim != 5:
+            raise ValueError(f"expected video latents (B, C, t, h, w), got shape {tuple(z.shape)}")
+        return per_sample(self._decode, z, self.use_slicing)
+
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+        height, width = x.shape[-2:]
+        if self.use_tiling and (width > self.tile_sample_min_width or height > self.tile_sample_min_height):
+            return self._tiled(
+                x,
+                self.encoder,
+                (self.tile_sample_min_height, self.tile_sample_min_width),
+                (self.tile_latent_min_height, self.tile_latent_min_width),
+            )
+        return self.encoder(x)
+
+    def _decode(self, z: torch.Tensor) -> torch.Tensor:
+        height, width = z.shape[-2:]
+        if self.use_tiling and (width > self.tile_latent_min_width or height > self.tile_latent_min_height):
+            return self._tiled(
+                z,
+                self.decoder,
+                (self.tile_latent_min_height, self.tile_latent_min_width),
+                (self.tile_sample_min_height, self.tile_sample_min_width),
+            )
+        return self.decoder(z)
+
+    def _tiled(
+        self,
+        x: torch.Tensor,
+        network: nn.Module,
+        tile_in: tuple[int, int],
+        tile_out: tuple[int, int],
+    ) -> torch.Tensor:
+        """`network` over overlapping (tile_in) spatial tiles of `x`, stitched as Diffusers does.
+
+        Input tiles start every `int(tile_in * (1 - overlap))`; `int(tile_out * overlap)` output rows /
+        columns are blended and `tile_out` minus that kept per tile. The result is not cropped (Diffusers'
+        class does not crop either).
+        """
+        overlap = self.tile_overlap_factor
+        (in_h, in_w), (out_h, out_w) = tile_in, tile_out
+        blend_h, blend_w = int(out_h * overlap), int(out_w * overlap)
+        rows = [
+            [
+                network(x[..., i : i + in_h, j : j + in_w])
+                for j in tile_starts(x.shape[-1], int(in_w * (1 - overlap)))
+            ]
+            for i in tile_starts(x.shape[-2], int(in_h * (1 - overlap)))
+        ]
+        return stitch_tiles(rows, blend_h, blend_w, out_h - blend_h, out_w - blend_w)

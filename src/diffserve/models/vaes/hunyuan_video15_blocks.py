@@ -1,0 +1,404 @@
+"""Building blocks of HunyuanVideo-1.5's video VAE (Diffusers' `AutoencoderKLHunyuanVideo15`): the
+encoder and decoder networks that `autoencoder_kl_hunyuan_video15.py` wraps.
+
+Layout: activations are (batch, channels, frames, height, width). The network is a causal 3-D conv net
+with DC-AE-style resampling: a downsampler folds each 2x2 (or 2x2x2) space-time cell into channels and
+adds a parameter-free shortcut (the same fold, averaged down to the output width); an upsampler unfolds
+channels back into cells, its shortcut repeats channels before (or after) the unfold. In time, the
+clip's first frame is never merged or split (a video of 1 + 4k frames has 1 + k latent frames): it is
+folded spatially only, and the channel count is fixed up by duplicating (down) or halving (up).
+
+Every 3x3x3 convolution is causal in time and pads by *replicating* edge values (frames in front,
+pixels on all four sides). The mid-block attention is single-head over every pixel of the clip, block-
+causal in time (a pixel sees the pixels of its own and earlier frames); it is computed one query frame
+at a time against the keys of the frames so far, which needs no (frames*pixels)^2 mask.
+
+Module and parameter names follow Diffusers (`down_blocks.0.resnets.0.conv1.conv.weight`,
+`mid_block.attentions.0.to_q.weight`, `norm_out.gamma`) so checkpoints load with `strict=True` into a
+model built on the meta device. Inference only: no gradient checkpointing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffserve.models.vaes.causal3d_blocks import ChannelRMSNorm
+
+
+def _fold_cells(x: torch.Tensor, factor_t: int) -> torch.Tensor:
+    """(B, C, factor_t*T, 2H, 2W) -> (B, factor_t*4*C, T, H, W), channels ordered (dt, dy, dx, c)."""
+    b, c, t, h, w = x.shape
+    cells = x.view(b, c, t // factor_t, factor_t, h // 2, 2, w // 2, 2).permute(0, 3, 5, 7, 1, 2, 4, 6)
+    return cells.reshape(b, factor_t * 4 * c, t // factor_t, h // 2, w // 2)
+
+
+def _unfold_cells(x: torch.Tensor, factor_t: int) -> torch.Tensor:
+    """The inverse of `_fold_cells`: (B, factor_t*4*C, T, H, W) -> (B, C, factor_t*T, 2H, 2W)."""
+    b, packed, t, h, w = x.shape
+    c = packed // (factor_t * 4)
+    cells = x.view(b, factor_t, 2, 2, c, t, h, w).permute(0, 4, 5, 1, 6, 2, 7, 3)
+    return cells.reshape(b, c, t * factor_t, h * 2, w * 2)
+
+
+def _group_mean(x: torch.Tensor, channels: int) -> torch.Tensor:
+    """Average consecutive groups of channels down to `channels` (the channel count must divide)."""
+    b, c, t, h, w = x.shape
+    return x.view(b, channels, c // channels, t, h, w).mean(dim=2)
+
+
+class CausalConv3d(nn.Module):
+    """3x3x3 (by default) conv, causal in time; all padding replicates edge values (2 frames in front,
+    `k // 2` pixels per side). The conv is the child `conv` for Diffusers' key names."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int = 3) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(in_channels, out_channels, kernel_size)
+        half = kernel_size // 2
+        self.padding = (half, half, half, half, kernel_size - 1, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.pad(x, self.padding, mode="replicate"))
+
+
+class ResnetBlock(nn.Module):
+    """(RMSNorm, SiLU, causal conv) twice, plus a 1x1x1 conv shortcut when the width changes."""
+
+    def __init__(self, in_channels: int, out_channels: int) -> None:
+        super().__init__()
+        self.norm1 = ChannelRMSNorm(in_channels, spatial_dims=3)
+        self.conv1 = CausalConv3d(in_channels, out_channels)
+        self.norm2 = ChannelRMSNorm(out_channels, spatial_dims=3)
+        self.conv2 = CausalConv3d(out_channels, out_channels)
+        self.conv_shortcut = nn.Conv3d(in_channels, out_channels, 1) if in_channels != out_channels else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The norms return fresh tensors, so SiLU may overwrite them.
+        h = self.conv1(F.silu(self.norm1(x), inplace=True))
+        h = self.conv2(F.silu(self.norm2(h), inplace=True))
+        shortcut = x if self.conv_shortcut is None else self.conv_shortcut(x)
+        return h + shortcut
+
+
+class AttentionBlock(nn.Module):
+    """Single-head self-attention over all pixels of the clip, block-causal in time, residual.
+
+    Query frame t attends the keys of frames 0..t (softmax scale 1/sqrt(channels)). Diffusers builds the
+    full (frames*pixels)^2 additive mask; running one query frame at a time over the frames so far gives
+    the same result without it.
+    """
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.norm = ChannelRMSNorm(channels, spatial_dims=3)
+        self.to_q = nn.Conv3d(channels, channels, 1)
+        self.to_k = nn.Conv3d(channels, channels, 1)
+        self.to_v = nn.Conv3d(channels, channels, 1)
+        self.proj_out = nn.Conv3d(channels, channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, t, h, w = x.shape
+        y = self.norm(x)
+        # (B, C, T, H, W) -> (B, 1, T*H*W, C): one head, frame-major tokens, contiguous for the fused kernels.
+        q, k, v = (
+            proj(y).flatten(2).transpose(1, 2).unsqueeze(1).contiguous()
+            for proj in (self.to_q, self.to_k, self.to_v)
+        )
+        pixels = h * w
+        out = torch.cat(
+            [
+                F.scaled_dot_product_attention(
+                    q[:, :, i * pixels : (i + 1) * pixels],
+                    k[:, :, : (i + 1) * pixels],
+                    v[:, :, : (i + 1) * pixels],
+                )
+                for i in range(t)
+            ],
+            dim=2,
+        )
+        out = out.squeeze(1).transpose(1, 2).reshape(b, c, t, h, w)
+        return self.proj_out(out) + x
+
+
+class MidBlock(nn.Module):
+    """resnet -> attention -> resnet at the lowest resolution."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList([ResnetBlock(channels, channels), ResnetBlock(channels, channels)])
+        self.attentions = nn.ModuleList([AttentionBlock(channels)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.resnets[0](x)
+        x = self.attentions[0](x)
+        return self.resnets[1](x)
+
+
+class Downsample(nn.Module):
+    """Halve H and W (and with `temporal`, the frames after the first) into `out_channels`.
+
+    A causal conv to `out_channels / cell` channels is folded cell-wise into `out_channels` (the first
+    frame, folded spatially only, is duplicated to fill them), plus the input folded the same way and
+    averaged in groups down to `out_channels`.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, temporal: bool) -> None:
+        super().__init__()
+        cell = 8 if temporal else 4
+        group, spare = divmod(cell * in_channels, out_channels)
+        if out_channels % cell or spare or (temporal and group % 2):
+            raise ValueError(
+                f"HunyuanVideo-1.5 VAE: a {'temporal' if temporal else 'spatial'} downsampler from "
+                f"{in_channels} to {out_channels} channels does not fold evenly into a {cell}-pixel cell"
+            )
+        self.conv = CausalConv3d(in_channels, out_channels // cell)
+        self.temporal = temporal
+        self.out_channels = out_channels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        out = self.out_channels
+        if not self.temporal:
+            return _fold_cells(h, 1) + _group_mean(_fold_cells(x, 1), out)
+        first = _fold_cells(h[:, :, :1], 1)
+        h = torch.cat([torch.cat([first, first], dim=1), _fold_cells(h[:, :, 1:], 2)], dim=2)
+        shortcut = torch.cat(
+            [_group_mean(_fold_cells(x[:, :, :1], 1), out), _group_mean(_fold_cells(x[:, :, 1:], 2), out)],
+            dim=2,
+        )
+        return h + shortcut
+
+
+class Upsample(nn.Module):
+    """Double H and W (and with `temporal`, the frames after the first) into `out_channels`.
+
+    A causal conv to `out_channels * cell` channels is unfolded into cells (the first frame, unfolded
+    spatially only, keeps the first half of its channels), plus the input with each channel repeated
+    and unfolded the same way.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, temporal: bool) -> None:
+        super().__init__()
+        cell = 8 if temporal else 4
+        self.repeats, spare = divmod(cell * out_channels, in_channels)
+        if spare or (temporal and (in_channels % cell or self.repeats % 2)):
+            raise ValueError(
+                f"HunyuanVideo-1.5 VAE: a {'temporal' if temporal else 'spatial'} upsampler from "
+                f"{in_channels} to {out_channels} channels does not unfold evenly into a {cell}-pixel cell"
+            )
+        self.conv = CausalConv3d(in_channels, out_channels * cell)
+        self.temporal = temporal
+        self.out_channels = out_channels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        if not self.temporal:
+            return _unfold_cells(h, 1) + _unfold_cells(x.repeat_interleave(self.repeats, dim=1), 1)
+        h_first = _unfold_cells(h[:, :, :1], 1)[:, : self.out_channels]
+        h = torch.cat([h_first, _unfold_cells(h[:, :, 1:], 2)], dim=2)
+        shortcut = torch.cat(
+            [
+                _unfold_cells(x[:, :, :1], 1).repeat_interleave(self.repeats // 2, dim=1),
+                _unfold_cells(x[:, :, 1:], 2).repeat_interleave(self.repeats, dim=1),
+            ],
+            dim=2,
+        )
+        return h + shortcut
+
+
+class DownBlock(nn.Module):
+    """`num_layers` resnets, then an optional `Downsample` to `downsample_channels`."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        num_layers: int,
+        downsample_channels: int | None,
+        temporal: bool,
+    ) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList(
+            ResnetBlock(in_channels if i == 0 else out_channels, out_channels) for i in range(num_layers)
+        )
+        self.downsamplers = (
+            None
+            if downsample_channels is None
+            else nn.ModuleList([Downsample(out_channels, downsample_channels, temporal)])
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for resnet in self.resnets:
+            x = resnet(x)
+        if self.downsamplers is not None:
+            x = self.downsamplers[0](x)
+        return x
+
+
+class UpBlock(nn.Module):
+    """`num_layers` resnets, then an optional `Upsample` to `upsample_channels`."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        num_layers: int,
+        upsample_channels: int | None,
+        temporal: bool,
+    ) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList(
+            ResnetBlock(in_channels if i == 0 else out_channels, out_channels) for i in range(num_layers)
+        )
+        self.upsamplers = (
+            None
+            if upsample_channels is None
+            else nn.ModuleList([Upsample(out_channels, upsample_channels, temporal)])
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for resnet in self.resnets:
+            x = resnet(x)
+        if self.upsamplers is not None:
+            x = self.upsamplers[0](x)
+        return x
+
+
+def resampling_levels(spatial_compression_ratio: int, temporal_compression_ratio: int) -> tuple[int, int]:
+    """(spatial, temporal) halvings for the ratios, which must be powers of two with temporal <= spatial."""
+    for name, ratio in (
+        ("spatial_compression_ratio", spatial_compression_ratio),
+        ("temporal_compression_ratio", temporal_compression_ratio),
+    ):
+        if ratio < 1 or ratio & (ratio - 1):
+            raise ValueError(f"HunyuanVideo-1.5 VAE: {name} must be a power of two, got {ratio}")
+    if temporal_compression_ratio > spatial_compression_ratio:
+        raise ValueError(
+            f"HunyuanVideo-1.5 VAE: temporal_compression_ratio ({temporal_compression_ratio}) may not exceed "
+            f"spatial_compression_ratio ({spatial_compression_ratio})"
+        )
+    return int(math.log2(spatial_compression_ratio)), int(math.log2(temporal_compression_ratio))
+
+
+def _check_levels(block_out_channels: Sequence[int], spatial_levels: int, match_channel: bool) -> None:
+    if spatial_levels > len(block_out_channels) - (1 if match_channel else 0):
+        raise ValueError(
+            f"HunyuanVideo-1.5 VAE: {spatial_levels} resampling levels need more than "
+            f"{len(block_out_channels)} block_out_channels entries"
+        )
+
+
+class Encoder3D(nn.Module):
+    """Video (B, in_channels, 1 + r_t*k, r_s*H, r_s*W) -> moments (B, out_channels, 1 + k, H, W).
+
+    Level i downsamples spatially when i < log2(r_s), also temporally from level log2(r_s / r_t) on. The
+    output adds to `conv_out` the mid-block features averaged in channel groups down to `out_channels`.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        block_out_channels: Sequence[int],
+        layers_per_block: int,
+        spatial_compression_ratio: int,
+        temporal_compression_ratio: int,
+        downsample_match_channel: bool,
+    ) -> None:
+        super().__init__()
+        spatial_levels, temporal_levels = resampling_levels(
+            spatial_compression_ratio, temporal_compression_ratio
+        )
+        _check_levels(block_out_channels, spatial_levels, downsample_match_channel)
+        if block_out_channels[-1] % out_channels:
+            raise ValueError(
+                f"HunyuanVideo-1.5 VAE: the encoder's last width {block_out_channels[-1]} must be a multiple of "
+                f"2 * latent_channels ({out_channels})"
+            )
+        self.spatial_compression_ratio = spatial_compression_ratio
+        self.temporal_compression_ratio = temporal_compression_ratio
+        self.out_channels = out_channels
+        self.conv_in = CausalConv3d(in_channels, block_out_channels[0])
+        blocks: list[DownBlock] = []
+        channels = block_out_channels[0]
+        for i, width in enumerate(block_out_channels):
+            down_to = None
+            if i < spatial_levels:
+                down_to = block_out_channels[i + 1] if downsample_match_channel else width
+            temporal = spatial_levels - temporal_levels <= i < spatial_levels
+            blocks.append(DownBlock(channels, width, layers_per_block, down_to, temporal))
+            channels = width if down_to is None else down_to
+        self.down_blocks = nn.ModuleList(blocks)
+        self.mid_block = MidBlock(block_out_channels[-1])
+        self.norm_out = ChannelRMSNorm(block_out_channels[-1], spatial_dims=3)
+        self.conv_out = CausalConv3d(block_out_channels[-1], out_channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, _, t, h, w = x.shape
+        rs, rt = self.spatial_compression_ratio, self.temporal_compression_ratio
+        if (t - 1) % rt or h % rs or w % rs:
+            raise ValueError(
+                f"HunyuanVideo-1.5 VAE: cannot encode {t} frames of {h}x{w}: frames must be 1 + {rt}k and "
+                f"height and width multiples of {rs}"
+            )
+        x = self.conv_in(x)
+        for block in self.down_blocks:
+            x = block(x)
+        x = self.mid_block(x)
+        shortcut = _group_mean(x, self.out_channels)
+        return self.conv_out(F.silu(self.norm_out(x), inplace=True)) + shortcut
+
+
+class Decoder3D(nn.Module):
+    """Latents (B, in_channels, 1 + k, H, W) -> video (B, out_channels, 1 + r_t*k, r_s*H, r_s*W).
+
+    `block_out_channels` is the encoder's reversed. Level i upsamples (always 2x spatially) when
+    i < log2(r_s) or i < log2(r_t), temporally too when i < log2(r_t). `conv_in` adds the latents with
+    each channel repeated up to the first width.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        block_out_channels: Sequence[int],
+        layers_per_block: int,
+        spatial_compression_ratio: int,
+        temporal_compression_ratio: int,
+        upsample_match_channel: bool,
+    ) -> None:
+        super().__init__()
+        spatial_levels, temporal_levels = resampling_levels(
+            spatial_compression_ratio, temporal_compression_ratio
+        )
+        _check_levels(block_out_channels, spatial_levels, upsample_match_channel)
+        if block_out_channels[0] % in_channels:
+            raise ValueError(
+                f"HunyuanVideo-1.5 VAE: the decoder's first width {block_out_channels[0]} must be a multiple of "
+                f"latent_channels ({in_channels})"
+            )
+        self.repeats = block_out_channels[0] // in_channels
+        self.conv_in = CausalConv3d(in_channels, block_out_channels[0])
+        self.mid_block = MidBlock(block_out_channels[0])
+        blocks: list[UpBlock] = []
+        channels = block_out_channels[0]
+        for i, width in enumerate(block_out_channels):
+            up_to = None
+            if i < spatial_levels:  # temporal levels are a subset (temporal <= spatial ratio)
+                up_to = block_out_channels[i + 1] if upsample_match_channel else width
+            blocks.append(UpBlock(channels, width, layers_per_block + 1, up_to, i < temporal_levels))
+            channels = width if up_to is None else up_to
+        self.up_blocks = nn.ModuleList(blocks)
+        self.norm_out = ChannelRMSNorm(block_out_channels[-1], spatial_dims=3)
+        self.conv_out = CausalConv3d(block_out_channels[-1], out_channels)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        x = self.conv_in(z) + z.repeat_interleave(self.repeats, dim=1)
+        x = self.mid_block(x)
+        for block in self.up_blocks:
+            x = block(x)
+        return self.conv_out(F.silu(self.norm_out(x), inplace=True))

@@ -1,0 +1,82 @@
+"""The VAE tiling switches the engine drives: `--vae-tiling` turns every VAE's tiling on at load, and the
+memory model can tile one request's decode (`tiled_decode_scope`) when its untiled decode would not fit.
+
+The tiled decode itself is each VAE's (`models/vaes/tiling.py` holds the shared blending); this module
+needs no model code, so the runtime and the parallel decode can use it without importing the models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class SupportsTiling(Protocol):
+    """A VAE with Diffusers' tiling and slicing switches (what `--vae-tiling` and automatic tiling drive)."""
+
+    use_tiling: bool
+    use_slicing: bool
+
+    def enable_tiling(self) -> None: ...
+
+    def disable_tiling(self) -> None: ...
+
+    def enable_slicing(self) -> None: ...
+
+    def disable_slicing(self) -> None: ...
+
+
+def enable_tiling_on(components: Mapping[str, object]) -> list[str]:
+    """`--vae-tiling`: `enable_tiling()` (each class's Diffusers defaults) on every component that has the
+    switch; returns their names (the engine logs them)."""
+    names = []
+    for name, component in components.items():
+        if isinstance(component, SupportsTiling):
+            component.enable_tiling()
+            names.append(name)
+    return names
+
+
+def tile_area(vae: SupportsTiling) -> int:
+    """Output pixels of one tile (what one tiled decoder call makes per frame): `tile_sample_min_height x
+    tile_sample_min_width`, or `tile_sample_min_size` squared for the AutoencoderKL family (Diffusers' names)."""
+    sizes = vars(vae)
+    if "tile_sample_min_height" in sizes and "tile_sample_min_width" in sizes:
+        return int(sizes["tile_sample_min_height"]) * int(sizes["tile_sample_min_width"])
+    if "tile_sample_min_size" in sizes:
+        return int(sizes["tile_sample_min_size"]) ** 2
+    raise TypeError(f"{type(vae).__name__} names its tile size neither as Diffusers' video nor image VAEs do")
+
+
+@contextmanager
+def tiling_scope(vae: SupportsTiling, on: bool) -> Iterator[None]:
+    """Decode with tiling on (its current tile parameters) or off inside the block; the switch is restored
+    after (automatic tiling: one request's decode)."""
+    before = vae.use_tiling
+    vae.use_tiling = on
+    try:
+        yield
+    finally:
+        vae.use_tiling = before
+
+
+_tiled_decode: ContextVar[bool] = ContextVar("diffserve_tiled_decode", default=False)
+
+
+@contextmanager
+def tiled_decode_scope(on: bool) -> Iterator[None]:
+    """Inside the block, decodes through `decode_split` are tiled when `on` (the engine's automatic tiling
+    of one request's decode, decided by its memory model), whatever the VAE's own switch says."""
+    token = _tiled_decode.set(on)
+    try:
+        yield
+    finally:
+        _tiled_decode.reset(token)
+
+
+def tiled_decode_requested() -> bool:
+    """Whether the decode in progress here was asked to be tiled (`tiled_decode_scope`)."""
+    return _tiled_decode.get()

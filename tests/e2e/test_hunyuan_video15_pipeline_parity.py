@@ -1,0 +1,269 @@
+"""Whole HunyuanVideo 1.5 generations: diffserve against Diffusers' HunyuanVideo15Pipeline and
+HunyuanVideo15ImageToVideoPipeline on the same tiny folder and seed, every frame compared as uint8
+(PSNR >= 40 dB): CFG on (the folder guider's default scale, a negative prompt, quoted text for the glyph
+encoder) and off, non-square sizes, image-to-video (a MeanFlow DiT) from a non-square image at its default
+bucket size. Also: the text encoders' outputs against Diffusers' `encode_prompt`, the guider's arithmetic
+against Diffusers' `ClassifierFreeGuidance`, two requests sharing denoising steps, the preview, the default
+sizes and the 4k+1 frame rule.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
+from diffusers.guiders import ClassifierFreeGuidance as DiffusersCFG
+from PIL import Image
+
+from diffserve import DiffGenerator, SamplingParams
+from diffserve.errors import InvalidRequestError
+from diffserve.models.guiders.classifier_free_guidance import ClassifierFreeGuidance
+from diffserve.request import Req
+from diffserve.stages.hunyuan_video15_text_encoding import HunyuanVideo15TextEncodingStage
+from diffserve.testing.image_metrics import psnr_uint8 as psnr
+from diffserve.testing.tiny_hunyuan_video15 import TinyHunyuanVideo15Spec, build_tiny_hunyuan_video15
+
+PSNR_BAR_DB = 40.0
+PROMPT = 'a neon sign that says "OPEN" above a door'
+
+
+def _ref_u8(video: np.ndarray) -> np.ndarray:
+    return (video * 255).round().astype(np.uint8)
+
+
+def _compare(ours: list[np.ndarray], ref: np.ndarray, shape: tuple[int, ...], what: str) -> None:
+    ours_u8, ref_u8 = np.stack(ours), _ref_u8(ref)
+    assert ours_u8.shape == ref_u8.shape == shape
+    assert ref_u8.std() > 5, "the reference video is flat; the comparison would prove nothing"
+    value = psnr(ours_u8, ref_u8)
+    print(f"HunyuanVideo 1.5 {what}: PSNR {value:.2f} dB")
+    assert value >= PSNR_BAR_DB
+
+
+@pytest.fixture(scope="module")
+def t2v(tmp_path_factory):
+    root = build_tiny_hunyuan_video15(tmp_path_factory.mktemp("hv15-t2v"))
+    reference = HunyuanVideo15Pipeline.from_pretrained(root, torch_dtype=torch.float32)
+    reference.set_progress_bar_config(disable=True)
+    return DiffGenerator.from_pretrained(root, device="cpu", show_progress=False), reference
+
+
+#: The CFG request of the T2V parity test, also one of the two requests of the batching test.
+CFG_PARAMS = SamplingParams(
+    prompt=PROMPT,
+    seed=3,
+    height=48,
+    width=80,
+    num_frames=5,
+    num_inference_steps=2,
+    negative_prompt="blurry, dark",
+)
+
+
+@pytest.fixture(scope="module")
+def cfg_frames(t2v) -> np.ndarray:
+    """diffserve's video for CFG_PARAMS, generated alone."""
+    ours, _ = t2v
+    out = ours.generate_many([CFG_PARAMS])[0]
+    assert out.params.guidance_scale == 6.0  # the folder guider's scale: CFG on
+    return np.stack(out.frames)
+
+
+def test_t2v_with_cfg_matches_diffusers(t2v, cfg_frames) -> None:
+    _, reference = t2v
+    p = CFG_PARAMS
+    ref = reference(
+        prompt=p.prompt,
+        negative_prompt=p.negative_prompt,
+        height=p.height,
+        width=p.width,
+        num_frames=p.num_frames,
+        num_inference_steps=p.num_inference_steps,
+        generator=torch.Generator("cpu").manual_seed(p.seed),
+        output_type="np",
+    )
+    _compare(list(cfg_frames), ref.frames, (1, 5, 48, 80, 3), "T2V CFG 48x80")
+
+
+def test_t2v_without_cfg_matches_diffusers(t2v) -> None:
+    ours, reference = t2v
+    kwargs = dict(height=64, width=32, num_frames=5, num_inference_steps=1)
+    out = ours.generate(prompt="a “quiet” lake at dawn", seed=5, guidance_scale=1.0, **kwargs)
+    guider = reference.guider
+    reference.guider = guider.new(guidance_scale=1.0)  # Diffusers' pipelines take the scale from the guider
+    try:
+        ref = reference(
+            prompt="a “quiet” lake at dawn",
+            generator=torch.Generator("cpu").manual_seed(5),
+            output_type="np",
+            **kwargs,
+        )
+    finally:
+        reference.guider = guider
+    _compare(out.frames, ref.frames, (1, 5, 64, 32, 3), "T2V no CFG 64x32")
+
+
+def test_text_encoding_matches_diffusers_encode_prompt(t2v) -> None:
+    ours, reference = t2v
+    stage = next(s for s in ours.pipeline.stages if isinstance(s, HunyuanVideo15TextEncodingStage))
+    prompts = [PROMPT, 'say "hi" and "hi" and “bye”', "", "no quotes at all"]
+    got = stage.encode(prompts)
+    for prompt, mine in zip(prompts, got, strict=True):
+        # Diffusers encodes a missing negative prompt as "" (read as " ").
+        theirs = reference.encode_prompt(prompt=prompt or None, device="cpu", dtype=torch.float32)
+        for name, a, b in zip(("states", "mask", "glyph states", "glyph mask"), mine, theirs, strict=True):
+            assert a.shape == b.shape, (prompt, name)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{name} of {prompt!r}")
+    assert (
+        got[1].glyph_mask.sum() > 0 and got[3].glyph_mask.sum() == 0 and got[3].glyph_states.abs().sum() == 0
+    )
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"guidance_scale": 6.0},
+        {"guidance_scale": 4.0, "guidance_rescale": 0.7},
+        {"guidance_scale": 3.0, "use_original_formulation": True},
+        {"guidance_scale": 1.0, "guidance_rescale": 0.5},  # no CFG, rescaled anyway
+        {"guidance_scale": 5.0, "enabled": False},
+    ],
+)
+def test_guider_matches_diffusers(config) -> None:
+    ours, theirs = ClassifierFreeGuidance.from_config(config), DiffusersCFG(**config)
+    gen = torch.Generator().manual_seed(0)
+    cond, uncond = torch.randn(2, 8, 3, 4, 5, generator=gen), torch.randn(2, 8, 3, 4, 5, generator=gen)
+    theirs.set_state(step=0, num_inference_steps=4, timestep=torch.tensor(999.0))
+    assert ours.runs_cfg(config["guidance_scale"]) == (theirs.num_conditions == 2)
+    expected = theirs.forward(cond, uncond if theirs.num_conditions == 2 else None).pred
+    if ours.runs_cfg(config["guidance_scale"]):
+        got = ours.guide(cond, uncond, config["guidance_scale"])
+    else:
+        got = ours.rescaled(cond, cond)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_guider_windows_are_refused() -> None:
+    with pytest.raises(ValueError, match="start=0.2"):
+        ClassifierFreeGuidance.from_config({"guidance_scale": 6.0, "start": 0.2})
+    with pytest.raises(ValueError, match="unknown keys"):
+        ClassifierFreeGuidance.from_config({"guidance_scale": 6.0, "adaptive": True})
+
+
+def test_two_requests_sharing_steps_equal_each_alone(t2v, cfg_frames) -> None:
+    """A CFG request of two steps and a request without CFG of one step share the first step."""
+    ours, _ = t2v
+    plain = SamplingParams(
+        prompt="a quiet lake",
+        seed=8,
+        height=48,
+        width=80,
+        num_frames=5,
+        num_inference_steps=1,
+        guidance_scale=1.0,
+    )
+    alone = [cfg_frames, np.stack(ours.generate_many([plain])[0].frames)]
+    counts = ours.engine.scheduler.batch_size_counts
+    shared_before = sum(n for size, n in counts.items() if size >= 2)
+    together = [np.stack(out.frames) for out in ours.generate_many([CFG_PARAMS, plain])]
+    assert sum(n for size, n in counts.items() if size >= 2) > shared_before, (
+        "the requests never shared a step"
+    )
+    for a, b in zip(alone, together, strict=True):
+        diff = int(np.abs(a.astype(int) - b.astype(int)).max())
+        print(f"batched vs alone: max diff {diff}, PSNR {psnr(a, b):.1f} dB")
+        assert diff <= 1
+
+
+def test_preview_after_the_last_step_is_the_first_frame(t2v) -> None:
+    """After the last step the predicted clean latents are the final ones: the preview (first latent frame
+    decoded alone, which the causal VAE allows) is the video's first frame."""
+    pipeline = t2v[0].pipeline
+    params = SamplingParams(
+        prompt="a quiet lake",
+        seed=8,
+        height=48,
+        width=80,
+        num_frames=5,
+        num_inference_steps=1,
+        guidance_scale=1.0,
+    )
+    req = pipeline.run_pre_denoise(pipeline.validate(Req(params=params)))
+    pipeline.denoise_step([req])
+    preview = pipeline.preview_images(req)
+    first_frame = pipeline.run_post_denoise(req).frames[0][0]
+    assert len(preview) == 1 and preview[0].size == (80, 48)
+    diff = int(np.abs(np.asarray(preview[0]).astype(int) - first_frame.astype(int)).max())
+    assert diff <= 1, diff
+
+
+def test_bad_frame_counts_and_params_are_refused(t2v) -> None:
+    ours, _ = t2v
+    with pytest.raises(InvalidRequestError, match=r"num_frames must be 4k\+1.*try 5 or 9") as info:
+        ours.generate(prompt=PROMPT, num_frames=8, height=32, width=32, num_inference_steps=1)
+    assert info.value.param == "num_frames"
+    for bad in ({"true_cfg_scale": 3.0}, {"max_sequence_length": 64}):
+        with pytest.raises(InvalidRequestError, match=next(iter(bad))):
+            ours.generate(prompt=PROMPT, num_frames=5, height=32, width=32, num_inference_steps=1, **bad)
+
+
+def test_t2v_default_size_is_the_16_9_bucket(t2v) -> None:
+    ours, reference = t2v
+    params = ours.pipeline.resolve_params(SamplingParams(prompt=PROMPT))
+    expected = reference.video_processor.calculate_default_height_width(9, 16, reference.target_size)
+    assert (params.height, params.width) == tuple(expected) == (48, 80)
+    assert (params.num_frames, params.num_inference_steps, params.fps) == (121, 50, 24)
+
+
+def _input_image(height: int, width: int) -> Image.Image:
+    y, x = np.mgrid[0:height, 0:width]
+    rgb = np.stack([x / width, y / height, 0.5 + 0.5 * np.sin(x / 5.0)], axis=-1) * 255
+    return Image.fromarray(rgb.astype(np.uint8))
+
+
+@pytest.fixture(scope="module")
+def i2v(tmp_path_factory):
+    root = build_tiny_hunyuan_video15(
+        tmp_path_factory.mktemp("hv15-i2v"),
+        TinyHunyuanVideo15Spec(image_to_video=True, use_meanflow=True, seed=1),
+    )
+    reference = HunyuanVideo15ImageToVideoPipeline.from_pretrained(root, torch_dtype=torch.float32)
+    reference.set_progress_bar_config(disable=True)
+    return DiffGenerator.from_pretrained(root, device="cpu", show_progress=False), reference
+
+
+def test_i2v_matches_diffusers(i2v) -> None:
+    """A MeanFlow DiT (as the step-distilled I2V checkpoints): every step also reads the next timestep. Two
+    videos of one prompt share the image conditioning and draw their noise together."""
+    ours, reference = i2v
+    assert ours.pipeline.denoiser.meanflow
+    image = _input_image(40, 60)  # its bucket at the tiny DiT's target size: 48x64, a crop of the image
+    kwargs = dict(num_frames=5, num_inference_steps=2, negative_prompt="static")
+    out = ours.generate(prompt=PROMPT, image=image, seed=4, num_outputs_per_prompt=2, **kwargs)
+    assert (out.params.height, out.params.width) == (48, 64)
+    latents = reference(
+        image=image,
+        prompt=PROMPT,
+        generator=torch.Generator("cpu").manual_seed(4),
+        output_type="latent",
+        num_videos_per_prompt=2,
+        **kwargs,
+    ).frames
+    # Diffusers' VAE decodes one video at a time (its mid-block attention mask breaks on a batch of two);
+    # this is the pipeline's own decoding, row by row.
+    with torch.no_grad():
+        videos = [
+            reference.vae.decode(row[None] / reference.vae.config.scaling_factor, return_dict=False)[0]
+            for row in latents
+        ]
+    ref = np.concatenate([reference.video_processor.postprocess_video(v, output_type="np") for v in videos])
+    _compare(out.frames, ref, (2, 5, 48, 64, 3), "I2V MeanFlow CFG 40x60 image -> 2x 48x64")
+
+
+def test_i2v_takes_an_explicit_size(i2v) -> None:
+    """Unlike Diffusers' pipeline, a request may set the size: the image is cropped to it."""
+    ours, _ = i2v
+    kwargs = dict(height=32, width=64, num_frames=5, num_inference_steps=1, guidance_scale=1.0)
+    out = ours.generate(prompt=PROMPT, image=_input_image(40, 60), seed=1, **kwargs)
+    assert np.stack(out.frames).shape == (1, 5, 32, 64, 3)

@@ -1,0 +1,236 @@
+"""Whole LTX-2 generations (video and soundtrack): diffserve against Diffusers' LTX2Pipeline /
+LTX2ImageToVideoPipeline on the same tiny folder and seed.
+
+Every frame of the clip is compared as uint8 (PSNR >= 40 dB) and the waveform as float (SNR >= 40 dB), with
+Diffusers' default guidance (CFG, STG, modality guidance and rescale all on; STG moved to a block the tiny
+DiT has) and with CFG off, on non-square sizes; image-to-video from a non-square image (re-compressed at the
+default CRF 33). The written MP4 carries the soundtrack as an AAC track of the clip's duration, and two
+requests that share DiT batches get what each gets alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline
+from PIL import Image
+
+from diffserve import DiffGenerator, SamplingParams
+from diffserve.errors import InvalidRequestError
+from diffserve.outputs.audio_track import read_audio_track
+from diffserve.testing.image_metrics import psnr_uint8 as psnr
+from diffserve.testing.tiny_ltx2 import TinyLTX2Spec, build_tiny_ltx2
+
+PSNR_BAR_DB = 40.0
+SNR_BAR_DB = 40.0
+PROMPT = "a robot dancing in the rain"
+MSL = 32  # a multiple of the tiny connectors' 8 registers
+STG = {"spatio_temporal_guidance_blocks": [1]}  # Diffusers' default block 28 is beyond the tiny DiT's 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny models' ops take microseconds: threads only add contention on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def snr_db(ours: np.ndarray, reference: np.ndarray) -> float:
+    noise = float(((ours.astype(np.float64) - reference) ** 2).sum())
+    return (
+        math.inf if noise == 0 else 10 * math.log10(float((reference.astype(np.float64) ** 2).sum()) / noise)
+    )
+
+
+def _ref_u8(video: np.ndarray) -> np.ndarray:
+    return (video * 255).round().astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def t2v(tmp_path_factory):
+    root = build_tiny_ltx2(tmp_path_factory.mktemp("ltx2-t2v"), TinyLTX2Spec())
+    reference = LTX2Pipeline.from_pretrained(root, dtype=torch.float32)
+    reference.set_progress_bar_config(disable=True)
+    return DiffGenerator.from_pretrained(root, device="cpu", show_progress=False), reference
+
+
+def _compare(out, ref, frames: int, height: int, width: int, what: str, outputs: int = 1) -> None:
+    ours_u8, ref_u8 = np.stack(out.frames), _ref_u8(ref.frames)
+    assert ours_u8.shape == ref_u8.shape == (outputs, frames, height, width, 3)
+    assert ref_u8.std() > 5, "the reference video is flat; the comparison would prove nothing"
+    video_db = psnr(ours_u8, ref_u8)
+    ref_audio = ref.audio.float().numpy()
+    assert len(out.audio) == outputs
+    assert all(track.sample_rate == 24000 for track in out.audio)
+    ours_audio = np.stack([track.waveform for track in out.audio])
+    assert ours_audio.shape == ref_audio.shape
+    assert np.abs(ref_audio).max() > 1e-3, "the reference soundtrack is silent"
+    audio_db = snr_db(ours_audio, ref_audio)
+    print(
+        f"LTX-2 {what} {frames}x{height}x{width}: video PSNR {video_db:.2f} dB, audio SNR {audio_db:.2f} dB"
+    )
+    assert video_db >= PSNR_BAR_DB
+    assert audio_db >= SNR_BAR_DB
+
+
+def test_ltx2_text_states_match_diffusers(t2v) -> None:
+    """Gemma's stacked hidden states through the connectors, as Diffusers' encode_prompt + connectors."""
+    ours, reference = t2v
+    stage = next(s for s in ours.pipeline.stages if type(s).__name__ == "LTX2TextEncodingStage")
+    for prompt in (PROMPT, "  a cat playing piano at night  ", ""):
+        mine = stage.encode(prompt, MSL)
+        embeds, mask, _, _ = reference.encode_prompt(
+            prompt, do_classifier_free_guidance=False, max_sequence_length=MSL, device="cpu"
+        )
+        video, audio, text_mask = reference.connectors(embeds, mask, padding_side="left")
+        assert torch.equal(mine.mask, text_mask)
+        for got, want in ((mine.video, video), (mine.audio, audio)):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("height", "width", "frames", "outputs", "extra", "guidance"),
+    [
+        (64, 96, 17, 1, STG, {"guidance_scale": 3.0, "negative_prompt": "blurry"}),  # every guidance term
+        (96, 64, 9, 2, {**STG, "audio_guidance_scale": 1.0}, {"guidance_scale": 1.0}),  # CFG off, 2 videos
+    ],
+)
+def test_ltx2_t2v_matches_diffusers(t2v, height, width, frames, outputs, extra, guidance) -> None:
+    ours, reference = t2v
+    kwargs = dict(height=height, width=width, num_frames=frames, num_inference_steps=3, **guidance)
+    out = ours.generate(
+        prompt=PROMPT, seed=3, max_sequence_length=MSL, num_outputs_per_prompt=outputs, extra=extra, **kwargs
+    )
+    ref = reference(
+        prompt=PROMPT,
+        generator=torch.Generator("cpu").manual_seed(3),
+        output_type="np",
+        frame_rate=24.0,
+        max_sequence_length=MSL,
+        num_videos_per_prompt=outputs,
+        **extra,  # the `extra` keys are Diffusers' __call__ argument names
+        **kwargs,
+    )
+    _compare(out, ref, frames, height, width, f"T2V x{outputs} {guidance}", outputs)
+
+
+def test_ltx2_mp4_carries_the_soundtrack(t2v, tmp_path) -> None:
+    ours, _ = t2v
+    out = ours.generate(
+        prompt=PROMPT, seed=1, height=64, width=64, num_frames=17, fps=24, num_inference_steps=1,
+        max_sequence_length=MSL, save_output=True, output_path=str(tmp_path),
+    )  # fmt: skip
+    assert len(out.output_paths) == 1 and out.output_paths[0].endswith(".mp4")
+    track = read_audio_track(out.output_paths[0])
+    assert track.sample_rate == 24000
+    assert track.duration_s == pytest.approx(17 / 24, abs=0.05)
+    assert track.samples.shape[0] == 2
+    assert track.samples.shape[1] == pytest.approx(17 / 24 * 24000, abs=0.05 * 24000)
+    assert np.abs(track.samples).max() > 1e-3
+
+
+def test_ltx2_batched_requests_equal_each_alone(t2v) -> None:
+    ours, _ = t2v
+    params = [
+        SamplingParams(
+            prompt=prompt,
+            seed=seed,
+            height=64,
+            width=96,
+            num_frames=9,
+            num_inference_steps=2,
+            max_sequence_length=MSL,
+            guidance_scale=3.0,
+            extra=dict(STG),
+        )  # fmt: skip
+        for prompt, seed in ((PROMPT, 5), ("a cat playing piano", 6))
+    ]
+    alone = [ours.generate_from_params(p) for p in params]
+    counts = ours.engine.scheduler.batch_size_counts
+    shared_before = sum(n for size, n in counts.items() if size >= 2)
+    together = ours.generate_many(params)
+    assert sum(n for size, n in counts.items() if size >= 2) > shared_before, (
+        "the requests never shared a step"
+    )
+    for a, b in zip(alone, together, strict=True):
+        video_db = psnr(np.stack(a.frames), np.stack(b.frames))
+        audio_db = snr_db(b.audio[0].waveform, a.audio[0].waveform)
+        print(f"LTX-2 batched vs alone: video PSNR {video_db:.1f} dB, audio SNR {audio_db:.1f} dB")
+        assert video_db >= 45.0 and audio_db >= 45.0
+
+
+def test_ltx2_rejects_bad_requests(t2v) -> None:
+    ours, _ = t2v
+    base = dict(height=64, width=64, num_inference_steps=1, max_sequence_length=MSL)
+    with pytest.raises(InvalidRequestError, match=r"num_frames must be 8k\+1.*try 9 or 17") as info:
+        ours.generate(prompt=PROMPT, num_frames=12, **base)
+    assert info.value.param == "num_frames"
+    with pytest.raises(InvalidRequestError, match="multiple of 32"):
+        ours.generate(prompt=PROMPT, num_frames=9, **{**base, "height": 48})
+    with pytest.raises(InvalidRequestError, match="height must be at least 64") as info:
+        ours.generate(prompt=PROMPT, num_frames=9, **{**base, "height": 32})  # one latent row
+    assert info.value.param == "height"
+    with pytest.raises(InvalidRequestError, match="registers"):
+        ours.generate(prompt=PROMPT, num_frames=9, **{**base, "max_sequence_length": 20})
+    with pytest.raises(InvalidRequestError, match="stg_scal.*allowed"):
+        ours.generate(prompt=PROMPT, num_frames=9, extra={"stg_scal": 1.0}, **base)
+
+
+def test_ltx2_timestep_conditioned_vae_decodes_as_diffusers(tmp_path) -> None:
+    """A decoder that takes the decode timestep: noise mixed in at `decode_noise_scale` (default: the
+    timestep), drawn from the request's generator after the denoising loop."""
+    root = build_tiny_ltx2(tmp_path / "ltx2-tc", TinyLTX2Spec(timestep_conditioning=True))
+    reference = LTX2Pipeline.from_pretrained(root, dtype=torch.float32)
+    reference.set_progress_bar_config(disable=True)
+    ours = DiffGenerator.from_pretrained(root, device="cpu", show_progress=False)
+    extra = {"decode_timestep": 0.05, "decode_noise_scale": 0.025}
+    kwargs = dict(height=64, width=96, num_frames=9, num_inference_steps=2, guidance_scale=3.0)
+    out = ours.generate(prompt=PROMPT, seed=2, max_sequence_length=MSL, extra=extra, **kwargs)
+    ref = reference(
+        prompt=PROMPT,
+        generator=torch.Generator("cpu").manual_seed(2),
+        output_type="np",
+        frame_rate=24.0,
+        max_sequence_length=MSL,
+        **extra,
+        **kwargs,
+    )
+    _compare(out, ref, 9, 64, 96, f"T2V decode {extra}")
+
+
+@pytest.fixture(scope="module")
+def i2v(tmp_path_factory):
+    root = build_tiny_ltx2(tmp_path_factory.mktemp("ltx2-i2v"), TinyLTX2Spec(image_to_video=True))
+    reference = LTX2ImageToVideoPipeline.from_pretrained(root, dtype=torch.float32)
+    reference.set_progress_bar_config(disable=True)
+    return DiffGenerator.from_pretrained(root, device="cpu", show_progress=False), reference
+
+
+def _input_image(height: int, width: int) -> Image.Image:
+    y, x = np.mgrid[0:height, 0:width]
+    rgb = np.stack([x / width, y / height, 0.5 + 0.5 * np.sin(x / 5.0)], axis=-1) * 255
+    return Image.fromarray(rgb.astype(np.uint8))
+
+
+def test_ltx2_i2v_matches_diffusers(i2v) -> None:
+    ours, reference = i2v
+    image = _input_image(50, 90)
+    kwargs = dict(height=64, width=96, num_frames=9, num_inference_steps=3, guidance_scale=3.0)
+    out = ours.generate(prompt=PROMPT, image=image, seed=4, max_sequence_length=MSL, extra=STG, **kwargs)
+    ref = reference(
+        image=image,
+        prompt=PROMPT,
+        generator=torch.Generator("cpu").manual_seed(4),
+        output_type="np",
+        frame_rate=24.0,
+        max_sequence_length=MSL,
+        **STG,
+        **kwargs,
+    )
+    _compare(out, ref, 9, 64, 96, "I2V")
