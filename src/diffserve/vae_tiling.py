@@ -80,3 +80,15 @@ def tiled_decode_scope(on: bool) -> Iterator[None]:
 def tiled_decode_requested() -> bool:
     """Whether the decode in progress here was asked to be tiled (`tiled_decode_scope`)."""
     return _tiled_decode.get()
+
+
+@contextmanager
+def requested_tiling(vae: object) -> Iterator[None]:
+    """Inside the block, `vae` tiles when this request's decode was asked to (`tiled_decode_scope`) and it
+    has the switch; for decoders called with more than latents (LTX-2's timestep), which `decode_split`
+    cannot take."""
+    if isinstance(vae, SupportsTiling) and not vae.use_tiling and tiled_decode_requested():
+        with tiling_scope(vae, True):
+            yield
+    else:
+        yield

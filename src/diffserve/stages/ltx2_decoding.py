@@ -16,6 +16,7 @@ from diffserve.stages.base import Stage, to_module
 from diffserve.stages.decoding import DecodeLayout
 from diffserve.stages.latent_preparation import initial_noise
 from diffserve.stages.ltx2_latent_preparation import unpack_audio_latents, unpack_video_latents
+from diffserve.vae_tiling import requested_tiling
 
 
 def denormalize_video_latents(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
@@ -77,9 +78,10 @@ class LTX2DecodingStage(Stage):
             )
             latents = (1 - scale_t) * latents + scale_t * noise
         latents = denormalize_video_latents(self.vae, latents)
-        video = self.vae.decode(
-            to_module(self.vae, latents), None if temb is None else to_module(self.vae, temb)
-        )
+        with requested_tiling(self.vae):  # the engine's automatic tiling of this decode
+            video = self.vae.decode(
+                to_module(self.vae, latents), None if temb is None else to_module(self.vae, temb)
+            )
         array = (video / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).float().cpu().numpy()
         return list((array * 255).round().astype(np.uint8))  # rounding as Diffusers' processors do
 
