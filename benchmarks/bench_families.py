@@ -1,4 +1,4 @@
-"""diffserve vs diffusers per model family: SD3, Qwen-Image, Qwen-Image-Edit, Z-Image, Wan 2.1 T2V and I2V, Wan 2.2 A14B and TI2V-5B,
+"""diffserve vs diffusers per model family: SD3, Qwen-Image, Qwen-Image-Edit, Z-Image, Wan 2.1 T2V and I2V, Wan 2.2 A14B and TI2V-5B, HunyuanVideo 1.5, LTX-2,
 FLUX.2-dev, FLUX.2 [klein], FLUX.1 Kontext and SANA.
 
 The method of `bench_flux_vs_diffusers.py` (shared through `harness.py`), one family after the other:
@@ -57,10 +57,11 @@ DiT's shapes before and after each round (roofline.py's method): each engine get
 The table's three ratios are diffusers eager / diffserve eager, diffusers eager / diffserve compiled and
 diffusers compiled / diffserve compiled.
 
-    .venv/bin/python benchmarks/bench_families.py                                  # all twelve; 4 steps
+    .venv/bin/python benchmarks/bench_families.py                                  # all fourteen; 4 steps
     .venv/bin/python benchmarks/bench_families.py --family flux2,flux2-klein,flux-kontext,sana
     .venv/bin/python benchmarks/bench_families.py --family wan-t2v,wan-i2v --num-frames 17
     .venv/bin/python benchmarks/bench_families.py --family wan22-a14b,wan22-ti2v --num-frames 17
+    .venv/bin/python benchmarks/bench_families.py --family hunyuan-video15,ltx2 --num-frames 17
     .venv/bin/python benchmarks/bench_families.py --family qwen-image --resolutions 256,512 --json out.json
     .venv/bin/python benchmarks/bench_families.py --model-dir /tmp/bench_families   # build once, reuse later
     .venv/bin/python benchmarks/bench_families.py --compile --model-dir /tmp/bench_families --json compiled.json
@@ -72,6 +73,7 @@ Ratios are diffusers / diffserve: above 1 means diffserve is faster (or, for RSS
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -79,7 +81,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -131,6 +133,10 @@ class Family:
     #: images' worth of work, so the Wan families default to 128x128 (one generation in ~10-30 s on 2 cores);
     #: SANA to 512x512, the size its resolution binning generates (`SANA_SIZE`).
     default_size: int = DEFAULT_SIZE
+    #: The same setting spelled per engine where the two spell it differently (LTX-2's STG blocks: a
+    #: diffusers keyword, diffserve's `extra`).
+    diffserve_only: dict[str, Any] = field(default_factory=dict)
+    diffusers_only: dict[str, Any] = field(default_factory=dict)
 
 
 def _sd3_build(path: Path) -> None:
@@ -205,6 +211,45 @@ def _z_image_build(path: Path) -> None:
             text_layers=2,
             text_heads=4,
             text_kv_heads=2,
+            seed=0,
+        ),
+    )
+
+
+def _hunyuan_video15_build(path: Path) -> None:
+    from diffserve.testing.tiny_hunyuan_video15 import TinyHunyuanVideo15Spec, build_tiny_hunyuan_video15
+
+    build_tiny_hunyuan_video15(
+        path,
+        TinyHunyuanVideo15Spec(
+            num_layers=3,
+            num_refiner_layers=1,
+            num_attention_heads=8,
+            attention_head_dim=64,  # width 512 (the 8.3B model: 16 x 128, 54 blocks)
+            rope_axes_dim=(16, 24, 24),
+            latent_channels=32,  # as the released VAE
+            vae_block_out_channels=(32, 64, 128, 128, 128),
+            text_hidden_size=256,
+            dit_weight_noise=0.2,
+            seed=0,
+        ),
+    )
+
+
+def _ltx2_build(path: Path) -> None:
+    from diffserve.testing.tiny_ltx2 import TinyLTX2Spec, build_tiny_ltx2
+
+    build_tiny_ltx2(
+        path,
+        TinyLTX2Spec(
+            num_layers=3,
+            num_attention_heads=8,
+            attention_head_dim=64,  # video width 512 (LTX-2: 32 x 128, 48 blocks)
+            audio_num_attention_heads=4,
+            audio_attention_head_dim=32,  # audio width 128 (LTX-2: 32 x 64)
+            latent_channels=128,  # as the released video VAE
+            vae_channels=32,
+            text_hidden_size=256,
             seed=0,
         ),
     )
@@ -435,6 +480,39 @@ FAMILIES: dict[str, Family] = {
             default_size=128,
         ),
         Family(
+            name="hunyuan-video15",
+            pipeline="HunyuanVideo15Pipeline",
+            checkpoint=(
+                "HunyuanVideo 1.5 layout, 3 blocks + 1 token-refiner block, 8x64 heads (width 512), RoPE "
+                "(16, 24, 24), a 3-layer Qwen2.5-VL text model of width 256 and the ByT5 glyph encoder, "
+                "VAE (32, 64, 128, 128, 128) with 32 latent channels (16x spatial, 4x temporal)"
+            ),
+            cfg="the folder's guider (ClassifierFreeGuidance, scale 6), negative prompt "
+            f"{WAN_NEGATIVE_PROMPT!r}",
+            build=_hunyuan_video15_build,
+            sampling={"negative_prompt": WAN_NEGATIVE_PROMPT},
+            video=True,
+            default_size=128,
+        ),
+        Family(
+            name="ltx2",
+            pipeline="LTX2Pipeline",
+            checkpoint=(
+                "LTX-2 layout, 3 audio-video blocks, video 8x64 heads (width 512), audio 4x32 (width 128), "
+                "a 2-layer Gemma-3 text model of width 256 with the text connectors, video VAE with 128 "
+                "latent channels (32x spatial, 8x temporal), audio VAE and vocoder (24 kHz)"
+            ),
+            cfg="guidance_scale 3 with STG (scale 1, block 1) and modality guidance (3), rescale 0.7; "
+            "audio guidance 7; negative prompt " + repr(WAN_NEGATIVE_PROMPT),
+            build=_ltx2_build,
+            sampling={"guidance_scale": 3.0, "negative_prompt": WAN_NEGATIVE_PROMPT},
+            video=True,
+            default_size=128,
+            # diffusers' default STG block (28) is beyond this DiT's 3: both engines perturb block 1.
+            diffserve_only={"extra": {"spatio_temporal_guidance_blocks": [1]}},
+            diffusers_only={"spatio_temporal_guidance_blocks": [1]},
+        ),
+        Family(
             name="flux2",
             pipeline="Flux2Pipeline",
             checkpoint=(
@@ -539,6 +617,10 @@ def _generation_kwargs(args: argparse.Namespace, family: Family, size: int) -> d
     return kwargs
 
 
+def _diffserve_kwargs(args: argparse.Namespace, family: Family, size: int) -> dict:
+    return {**_generation_kwargs(args, family, size), **family.diffserve_only}
+
+
 def _run_diffserve(args: argparse.Namespace, family: Family, size: int, compiled: bool = False):
     start = time.perf_counter()
     from diffserve.api import DiffGenerator
@@ -562,7 +644,7 @@ def _run_diffserve(args: argparse.Namespace, family: Family, size: int, compiled
     )
     load = {"import_s": imported - start, "from_pretrained_s": time.perf_counter() - imported}
     counter = harness.ForwardCounter(generator.pipeline.context.get("transformer"))
-    kwargs = _generation_kwargs(args, family, size)
+    kwargs = _diffserve_kwargs(args, family, size)
 
     def generate():
         out = generator.generate(seed=args.seed, **kwargs)
@@ -662,7 +744,7 @@ def _diffusers_kwargs(args: argparse.Namespace, family: Family, size: int) -> di
     """`_generation_kwargs` plus what only diffusers' Kontext pipeline needs to do what diffserve does:
     it rescales a given output size to `max_area` (1024 * 1024 by default; diffserve keeps a given size),
     so it gets `max_area=size * size`; and `_auto_resize` as diffserve's config (see `--kontext-auto-resize`)."""
-    kwargs = _generation_kwargs(args, family, size)
+    kwargs = {**_generation_kwargs(args, family, size), **family.diffusers_only}
     if family.name == "flux-kontext":
         kwargs.update(max_area=size * size, _auto_resize=args.kontext_auto_resize)
     return kwargs
@@ -676,13 +758,23 @@ def _run_diffusers(args: argparse.Namespace, family: Family, size: int, compiled
     second = getattr(pipe, "transformer_2", None)  # Wan 2.2 A14B's low-noise expert
     timer = harness.DiffusersStepTimer(pipe.transformer, *([second] if second is not None else []))
     kwargs = _diffusers_kwargs(args, family, size)
+    if "callback_on_step_end" in inspect.signature(pipe.__call__).parameters:
+        kwargs["callback_on_step_end"] = timer.on_step_end
+    else:  # HunyuanVideo 1.5 has no step callback: a step ends with its scheduler step
+        scheduler_step = pipe.scheduler.step
+
+        def timed_step(*step_args, **step_kwargs):
+            out = scheduler_step(*step_args, **step_kwargs)
+            timer.on_step_end(pipe, 0, None, {})
+            return out
+
+        pipe.scheduler.step = timed_step
 
     def generate():
         timer.reset()
         output = pipe(
             generator=torch.Generator("cpu").manual_seed(args.seed),
             output_type="np" if family.video else "pil",
-            callback_on_step_end=timer.on_step_end,
             **kwargs,
         )
         if family.video:  # floats in [0, 1], (batch, frames, height, width, 3)
