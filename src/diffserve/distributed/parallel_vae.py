@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffserve.distributed.state import current_parallel_state
-from diffserve.vae_tiling import SupportsTiling, tiled_decode_requested, tiling_scope
+from diffserve.vae_tiling import SupportsTiling, requested_tiling
 
 #: Dimension of the rows in every tensor of a split decode (H of (..., H, W)).
 ROW_DIM = -2
@@ -265,10 +265,10 @@ def decode_split(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
     VAE takes part (see the module docstring); every rank returns the whole output. A VAE with tiling on
     (`--vae-tiling`) decodes its tiles unsplit on every rank: tiling already bounds the decode's memory,
     and the halo exchange assumes one band per rank of the whole frame."""
-    if isinstance(vae, SupportsTiling) and not vae.use_tiling and tiled_decode_requested():
-        with tiling_scope(vae, True):  # automatic tiling of this request's decode (one device)
+    with requested_tiling(vae):  # the engine's automatic tiling of this request's decode (one device)
+        if isinstance(vae, SupportsTiling) and vae.use_tiling:
             return vae.decode(latents)
-    if not isinstance(vae, RowSplitDecoder) or (isinstance(vae, SupportsTiling) and vae.use_tiling):
+    if not isinstance(vae, RowSplitDecoder):
         return vae.decode(latents)
     state = current_parallel_state()
     if state is None or state.world_size == 1:
