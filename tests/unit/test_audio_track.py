@@ -21,6 +21,7 @@ from diffserve.outputs.audio_track import (
     fit_to_video,
     pick_audio_codec,
     read_audio_track,
+    save_clip,
     save_video_with_audio,
 )
 
@@ -186,3 +187,17 @@ def test_reader_rejects_a_silent_video(tmp_path: Path) -> None:
     path = save_video(_frames(4), tmp_path / "v.mp4", fps=4, metadata={})
     with pytest.raises(ValueError, match="no audio"):
         read_audio_track(path)
+
+
+def test_save_clip_puts_the_soundtrack_in_mp4s_and_warns_it_off_gifs(tmp_path: Path, caplog) -> None:
+    frames = _frames(9)
+    waveform = np.sin(np.linspace(0, 200, 9 * 16000 // 8))[None].astype(np.float32) * 0.5
+    mp4 = save_clip(frames, tmp_path / "clip.mp4", 8, METADATA, "mp4", (waveform, 16000))
+    decoded = read_audio_track(mp4)
+    assert decoded.sample_rate == 16000 and abs(decoded.duration_s - 9 / 8) < 0.05
+    silent = save_clip(frames, tmp_path / "silent.mp4", 8, METADATA, "mp4")
+    with av.open(str(silent)) as container:
+        assert not container.streams.audio
+    with caplog.at_level(logging.WARNING, logger=audio_track.logger.name):
+        gif = save_clip(frames, tmp_path / "clip.gif", 8, METADATA, "gif", (waveform, 16000))
+    assert gif.exists() and "gif cannot carry sound" in caplog.text

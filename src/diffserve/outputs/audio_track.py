@@ -27,6 +27,7 @@ from diffserve.outputs.video import (
     _check_frames,
     _check_quality,
     _write_mp4,
+    save_video,
     video_metadata,
 )
 
@@ -61,6 +62,26 @@ AUDIO_BIT_RATE_PER_CHANNEL = 96_000
 MAX_DURATION_MISMATCH_S = 0.25
 
 _LAYOUTS = {1: "mono", 2: "stereo"}
+
+
+def save_clip(
+    frames: np.ndarray,
+    path: Path,
+    fps: int,
+    metadata: dict[str, Any],
+    video_format: str,
+    soundtrack: tuple[np.ndarray, int] | None = None,
+) -> Path:
+    """`save_video`, with the clip's `soundtrack` ((channels, samples) waveform, sample rate) as an AAC track
+    when it has one and the container is MP4; GIF and WebP cannot carry sound, so it is left out of them
+    (with a warning)."""
+    if soundtrack is None:
+        return save_video(frames, path, fps, metadata, video_format)
+    if video_format != "mp4":
+        logger.warning("%s cannot carry sound: %s is written without it", video_format, path)
+        return save_video(frames, path, fps, metadata, video_format)
+    waveform, sample_rate = soundtrack
+    return save_video_with_audio(frames, path, fps, metadata, waveform, sample_rate)
 
 
 def save_video_with_audio(

@@ -11,11 +11,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from PIL import Image
 
-from diffserve.outputs.audio_track import save_video_with_audio
+from diffserve.outputs.audio_track import save_clip
 from diffserve.outputs.files import output_file_name, unique_path
 from diffserve.outputs.images import bounded_metadata, save_image
 from diffserve.outputs.video import save_frames as save_frame_pngs
-from diffserve.outputs.video import save_video
 
 if TYPE_CHECKING:
     from diffserve.configs.sampling_params import SamplingParams
@@ -60,12 +59,8 @@ def write_outputs(
             name = output_file_name(params.prompt, request_id, i, extension)
         path = unique_path(directory, name)
         if is_video:
-            if len(audio) and params.video_format == "mp4":
-                save_video_with_audio(output, path, params.fps, metadata, audio[i], int(audio_sample_rate))
-            else:
-                if len(audio):
-                    logger.warning("%s cannot carry sound: %s is written without it", extension, path)
-                save_video(output, path, params.fps, metadata, params.video_format)
+            soundtrack = (audio[i], int(audio_sample_rate)) if len(audio) else None
+            save_clip(output, path, params.fps, metadata, params.video_format, soundtrack)
             if save_frames:
                 frame_paths = save_frame_pngs(output, path.parent / f"{path.stem}_frames", path.stem)
                 logger.info("Frames saved to %s (%d PNGs)", frame_paths[0].parent, len(frame_paths))
