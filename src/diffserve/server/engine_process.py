@@ -28,8 +28,8 @@ from diffserve.configs.engine_args import EngineArgs
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import LoraError, UserError
 from diffserve.logging_setup import configure_logging
-from diffserve.outputs import CONTENT_TYPES, encode_image, output_metadata, save_image
-from diffserve.outputs.audio_track import save_clip
+from diffserve.outputs import CONTENT_TYPES, encode_image, output_metadata, save_image, save_video
+from diffserve.outputs.audio_track import save_video_with_audio
 from diffserve.outputs.images import bounded_metadata
 from diffserve.server import protocol as msg
 from diffserve.server.engine_loras import EngineLoras
@@ -497,9 +497,11 @@ class Engine:
                 raise RuntimeError(f"expected one video from the pipeline, got {len(req.frames or [])}")
             frames, params = req.frames[0], _without_inputs(req.params)
             encode_start = time.perf_counter()
-            # A soundtrack (LTX-2): the MP4 carries it as an AAC track.
-            soundtrack = (req.audio[0].numpy(), int(req.audio_sample_rate)) if req.audio else None
-            save_clip(frames, path, params.fps, self._metadata(params), "mp4", soundtrack)
+            if req.audio:  # a soundtrack (LTX-2): the MP4 carries it as an AAC track
+                waveform, rate = req.audio[0].numpy(), int(req.audio_sample_rate)
+                save_video_with_audio(frames, path, params.fps, self._metadata(params), waveform, rate)
+            else:
+                save_video(frames, path, params.fps, self._metadata(params), "mp4")
             encode_seconds = time.perf_counter() - encode_start
             if sr.cancel_event.is_set():  # cancelled while the file was written: it must not stay
                 path.unlink(missing_ok=True)
