@@ -140,7 +140,7 @@ class Family:
 
 
 def _sd3_build(path: Path) -> None:
-    from diffserve.testing.tiny_sd3 import TinySD3Spec, build_tiny_sd3
+    from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
 
     build_tiny_sd3(
         path,
@@ -162,7 +162,7 @@ def _sd3_build(path: Path) -> None:
 
 
 def _qwen_spec(variant: str):
-    from diffserve.testing.tiny_qwen_image import TinyQwenImageSpec
+    from diffserve.families.qwen_image.tiny import TinyQwenImageSpec
 
     return TinyQwenImageSpec(
         variant=variant,
@@ -183,19 +183,19 @@ def _qwen_spec(variant: str):
 
 
 def _qwen_build(path: Path) -> None:
-    from diffserve.testing.tiny_qwen_image import build_tiny_qwen_image
+    from diffserve.families.qwen_image.tiny import build_tiny_qwen_image
 
     build_tiny_qwen_image(path, _qwen_spec("t2i"))
 
 
 def _qwen_edit_build(path: Path) -> None:
-    from diffserve.testing.tiny_qwen_image import build_tiny_qwen_image_edit
+    from diffserve.families.qwen_image.tiny import build_tiny_qwen_image_edit
 
     build_tiny_qwen_image_edit(path, _qwen_spec("edit"))
 
 
 def _z_image_build(path: Path) -> None:
-    from diffserve.testing.tiny_zimage import TinyZImageSpec, build_tiny_zimage
+    from diffserve.families.z_image.tiny import TinyZImageSpec, build_tiny_zimage
 
     build_tiny_zimage(
         path,
@@ -217,7 +217,7 @@ def _z_image_build(path: Path) -> None:
 
 
 def _hunyuan_video15_build(path: Path) -> None:
-    from diffserve.testing.tiny_hunyuan_video15 import TinyHunyuanVideo15Spec, build_tiny_hunyuan_video15
+    from diffserve.families.hunyuan_video15.tiny import TinyHunyuanVideo15Spec, build_tiny_hunyuan_video15
 
     build_tiny_hunyuan_video15(
         path,
@@ -237,7 +237,7 @@ def _hunyuan_video15_build(path: Path) -> None:
 
 
 def _ltx2_build(path: Path) -> None:
-    from diffserve.testing.tiny_ltx2 import TinyLTX2Spec, build_tiny_ltx2
+    from diffserve.families.ltx2.tiny import TinyLTX2Spec, build_tiny_ltx2
 
     build_tiny_ltx2(
         path,
@@ -256,7 +256,7 @@ def _ltx2_build(path: Path) -> None:
 
 
 def _wan_build(path: Path, image_to_video: bool, variant: str = "2.1") -> None:
-    from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
+    from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
 
     build_tiny_wan(
         path,
@@ -288,7 +288,7 @@ WAN_DIT_WEIGHT_NOISE = 0.05
 
 
 def _flux2_build(path: Path, variant: str) -> None:
-    from diffserve.testing.tiny_flux2 import TinyFlux2Spec, build_tiny_flux2
+    from diffserve.families.flux2.tiny import TinyFlux2Spec, build_tiny_flux2
 
     build_tiny_flux2(
         path,
@@ -320,13 +320,13 @@ FLUX2_DIT_WEIGHT_NOISE = 0.02
 
 def _flux_kontext_build(path: Path) -> None:
     from bench_flux_vs_diffusers import checkpoint_spec
-    from diffserve.testing.tiny_flux_kontext import build_tiny_flux_kontext
+    from diffserve.families.flux.tiny_kontext import build_tiny_flux_kontext
 
     build_tiny_flux_kontext(path, checkpoint_spec())
 
 
 def _sana_build(path: Path) -> None:
-    from diffserve.testing.tiny_sana import TinySanaSpec, build_tiny_sana
+    from diffserve.families.sana.tiny import TinySanaSpec, build_tiny_sana
 
     build_tiny_sana(
         path,
@@ -627,15 +627,15 @@ def _run_diffserve(args: argparse.Namespace, family: Family, size: int, compiled
 
     imported = time.perf_counter()
     if family.name == "qwen-image-edit" and args.edit_condition_area != REAL_EDIT_CONDITION_AREA:
-        from diffserve.configs.qwen_image import QwenImageEditPipelineConfig
-        from diffserve.pipelines import qwen_image
+        from diffserve.families.qwen_image import pipeline as qwen_image
+        from diffserve.families.qwen_image.config import QwenImageEditPipelineConfig
 
         qwen_image.QwenImageEditPipeline.config = QwenImageEditPipelineConfig(
             condition_image_area=args.edit_condition_area
         )
     if family.name == "flux-kontext" and not args.kontext_auto_resize:
-        from diffserve.configs.flux import FluxKontextPipelineConfig
-        from diffserve.pipelines import flux_kontext
+        from diffserve.families.flux import kontext_pipeline as flux_kontext
+        from diffserve.families.flux.config import FluxKontextPipelineConfig
 
         flux_kontext.FluxKontextPipeline.config = FluxKontextPipelineConfig(auto_resize=False)
     # compile=True compiles the DiT's blocks and warms up (two short generations) in here: timed as load.
@@ -686,7 +686,7 @@ def _load_diffusers(args: argparse.Namespace, family: Family, compiled: bool = F
     if family.name == "qwen-image-edit":
         import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit as diffusers_edit
 
-        from diffserve.testing.tiny_qwen_image import load_qwen_vl_processor
+        from diffserve.families.qwen_image.tiny import load_qwen_vl_processor
 
         # diffusers cannot build the processor's video half without torchvision: hand it the image-only one.
         extra["processor"] = load_qwen_vl_processor(folder / "processor")

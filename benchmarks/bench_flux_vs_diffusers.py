@@ -28,7 +28,7 @@ import harness
 
 def checkpoint_spec():
     """The benchmark checkpoint: FLUX block shapes at reduced depth; small text encoders."""
-    from diffserve.testing.tiny_flux import TinyFluxSpec
+    from diffserve.families.flux.tiny import TinyFluxSpec
 
     return TinyFluxSpec(
         num_layers=2,
@@ -127,7 +127,7 @@ def prepare_checkpoint(model_dir: Path) -> None:
     if (model_dir / "model_index.json").exists():
         print(f"Reusing checkpoint at {model_dir}", file=sys.stderr)
         return
-    from diffserve.testing.tiny_flux import build_tiny_flux
+    from diffserve.families.flux.tiny import build_tiny_flux
 
     print(f"Building checkpoint at {model_dir} ...", file=sys.stderr)
     start = time.perf_counter()

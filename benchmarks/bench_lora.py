@@ -60,6 +60,7 @@ import bench_parallel
 from diffserve.configs.sampling_params import LoraChoice
 from diffserve.layers.lora_rows import AppliedLora, LoraRows, lora_rows_scope
 from diffserve.models.dits.flux import FluxTransformer2DModel, FluxTransformerConfig
+from diffserve.registry import DIT_FACTS
 from diffserve.runtime.lora_registry import LoraRegistry
 from diffserve.testing.tiny_lora import write_random_lora
 
@@ -241,7 +242,12 @@ def configs(shape: Shape, size: int, lora_std: float, workdir: Path) -> list[Con
 
     files = write_adapters(model_folder(native_base, workdir / "model"), workdir / "loras", lora_std)
     registry = LoraRegistry(
-        {"transformer": native_lora}, "flux", "FluxTransformer2DModel", torch.device("cpu"), torch.float32
+        {"transformer": native_lora},
+        "flux",
+        "FluxTransformer2DModel",
+        DIT_FACTS,
+        torch.device("cpu"),
+        torch.float32,
     )
     applied: dict[int, list[AppliedLora]] = {}
     for rank, named in files.items():

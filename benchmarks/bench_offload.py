@@ -39,12 +39,12 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from diffserve.families.flux.tiny import flux_dit_inputs
 from diffserve.loader.mmap_weights import load_mmapped_into
 from diffserve.models.dits.flux import FluxTransformer2DModel, FluxTransformerConfig
 from diffserve.offload.layerwise import LayerwiseOffload, install_layerwise_offload
 from diffserve.platforms import detect_platform
 from diffserve.platforms.base import Platform
-from diffserve.testing.tiny_flux import flux_dit_inputs
 
 GB, MB = 2**30, 2**20
 

@@ -34,11 +34,12 @@ import torch
 from torch import nn
 
 import harness
+from diffserve.families.flux.tiny import flux_dit_inputs
 from diffserve.layers.custom_op import dispatch_custom_ops
 from diffserve.loader.quantize import quantize_dit, tensor_bytes
 from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.platforms import CpuPlatform
-from diffserve.testing.tiny_flux import flux_dit_inputs
+from diffserve.registry import DIT_FACTS
 
 DIT_CONFIG = {
     "num_layers": 1,
@@ -68,7 +69,7 @@ def build_variants(dtype: torch.dtype) -> dict[str, nn.Module]:
     models = {"full": full}
     for mode in ("int8", "fp8"):
         model = copy.deepcopy(full)
-        quantize_dit(model, mode, "FluxTransformer2DModel")
+        quantize_dit(model, mode, "FluxTransformer2DModel", DIT_FACTS)
         models[mode] = model
     platform = CpuPlatform()
     for model in models.values():

@@ -196,7 +196,7 @@ def make_report(
 def diffusers_call_kwargs(model_dir: str) -> dict:
     """The sampling defaults diffserve applies to this folder (FLUX family defaults + its diffserve.json),
     as FluxPipeline.__call__ keywords, so both engines run the same requests."""
-    from diffserve.configs.flux import flux_default_sampling_params
+    from diffserve.families.flux.config import flux_default_sampling_params
     from diffserve.loader.folder_defaults import apply_overrides, read_folder_sampling_defaults
 
     p = apply_overrides(flux_default_sampling_params(), read_folder_sampling_defaults(Path(model_dir)))
@@ -338,7 +338,7 @@ def resolve_model(name: str, model_dir: str | None) -> str:
     if name == "flux-small":
         sys.path.insert(0, str(Path(__file__).parent))
         from bench_flux_vs_diffusers import checkpoint_spec
-        from diffserve.testing.tiny_flux import build_tiny_flux
+        from diffserve.families.flux.tiny import build_tiny_flux
 
         root = Path(model_dir or tempfile.mkdtemp(prefix="bench-serving-flux-small-"))
         if not (root / "model_index.json").is_file():

@@ -56,7 +56,7 @@ def checkpoint_spec_140m():
     36m one's work per token, so the roofline is checked where matmuls are larger and weights no longer
     fit in cache.
     """
-    from diffserve.testing.tiny_flux import TinyFluxSpec
+    from diffserve.families.flux.tiny import TinyFluxSpec
 
     return TinyFluxSpec(
         num_layers=4,
@@ -587,7 +587,7 @@ def prepare_checkpoint(model_dir: Path, size: str) -> None:
     if (model_dir / "model_index.json").exists():
         print(f"Reusing checkpoint at {model_dir}", file=sys.stderr)
         return
-    from diffserve.testing.tiny_flux import build_tiny_flux
+    from diffserve.families.flux.tiny import build_tiny_flux
 
     print(f"Building the {size} checkpoint at {model_dir} ...", file=sys.stderr)
     start = time.perf_counter()

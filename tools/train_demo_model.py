@@ -44,11 +44,12 @@ from transformers import CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerFast,
 
 from diffserve.demo import shapes_data, shapes_eval
 from diffserve.demo.shapes_data import Attributes, caption, held_out_attributes, make_dataset, render
+from diffserve.families.flux.tiny import flux_model_index
 from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
 from diffserve.stages.latent_preparation import latent_image_ids, pack_latents, unpack_latents
-from diffserve.testing.tiny_flux import diffusers_config, flux_model_index, save_diffusers_model
+from diffserve.testing.tiny_writing import diffusers_config, save_diffusers_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "src" / "diffserve" / "assets" / "shapes-demo"

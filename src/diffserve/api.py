@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -24,7 +25,7 @@ from diffserve.backends.diffusers_pipeline import (
 )
 from diffserve.backends.engine_checks import check_backend_args
 from diffserve.configs.engine_args import EngineArgs, LoraSpec
-from diffserve.configs.memory_options import check_offload, check_quantization, check_transformer_weights
+from diffserve.configs.option import keyword_values, option_keywords
 from diffserve.configs.quality import check_default_quality, read_calibrated_policies
 from diffserve.configs.sampling_params import SamplingParams, lora_choices
 from diffserve.distributed.config import ParallelConfigError
@@ -39,13 +40,13 @@ from diffserve.loader.dit_weights import DitLoadOptions
 from diffserve.loader.folder_defaults import read_folder_sampling_defaults
 from diffserve.loader.model_index import ModelIndex, read_model_index
 from diffserve.logging_setup import shown_text
-from diffserve.offload import install_memory_plan, log_plan, plan_memory
+from diffserve.offload import install_memory_plan, log_plan, plan_memory, weight_residency
 from diffserve.outputs import output_metadata, write_outputs
 from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.platforms import Platform, PlatformUnavailableError, resolve_platform
-from diffserve.registry import FAMILIES, ModelFamily, resolve_family
+from diffserve.registry import DIT_FACTS, FAMILIES, ModelFamily, resolve_family
 from diffserve.request import Req
-from diffserve.runtime import Engine, ScheduledRequest, SchedulerConfig
+from diffserve.runtime import Engine, MemoryModel, ScheduledRequest, SchedulerConfig
 from diffserve.runtime.compile import (
     CompiledRegion,
     WarmupRun,
@@ -180,6 +181,7 @@ def load_model(
         else Path(engine_args.transformer_weights),
         quantization=engine_args.quantization,
         mmap_weights=memory_plan.mmap_dit,
+        facts=DIT_FACTS,
     )
     components = load_components(
         index, pipeline_cls.required_components, family.native_classes, platform, dtype, text_dtype,
@@ -209,7 +211,7 @@ def load_model(
         logger.info("VAE tiling (--vae-tiling) on: %s", ", ".join(tiled) or "no component has the switch")
     loras = start_lora_registry(
         {n: c.value for n, c in components.items()}, family.name, index.components["transformer"].class_name,
-        platform.device(), dtype, engine_args.loras, engine_args.lora_dir, engine_args.lora_merge,
+        DIT_FACTS, platform.device(), dtype, engine_args.loras, engine_args.lora_dir, engine_args.lora_merge,
         engine_args.max_lora_memory, compiled=engine_args.compile,
     )  # fmt: skip
     compiled = compile_pipeline({n: c.value for n, c in components.items()}) if engine_args.compile else []
@@ -251,9 +253,13 @@ def serve_rank(state: ParallelState, engine_args: EngineArgs, platform: Platform
 class DiffGenerator:
     """Generate images from a Diffusers-format model folder with diffserve's native pipelines. With
     `num_gpus > 1` it starts the other ranks (`diffserve.distributed.launch`): use it as a context manager,
-    or call `close()`, to stop them (they also exit when this process does)."""
+    or call `close()`, to stop them (they also exit when this process does). Its engine admits requests by
+    the memory model the server's does (`build_memory_model`), built at the end of loading unless
+    `memory_model=False` (the server's engine process builds it after its own warm-up)."""
 
-    def __init__(self, engine_args: EngineArgs, show_progress: bool = True) -> None:
+    def __init__(
+        self, engine_args: EngineArgs, show_progress: bool = True, *, memory_model: bool = True
+    ) -> None:
         start = time.perf_counter()
         self.engine_args = engine_args
         parallel = engine_args.parallel_config()  # ParallelConfigError before anything starts or loads
@@ -316,6 +322,18 @@ class DiffGenerator:
         if engine_args.compile and not sizes:  # the graphs are size-generic: one small warm-up builds them
             sizes = [compile_warmup_size(self.pipeline.facts.pixel_multiple)]
         self.warmup_runs: list[WarmupRun] = self.warm_up(sizes) if sizes else []
+        if memory_model:
+            self.build_memory_model()
+
+    def build_memory_model(self, calibrate: bool = False) -> MemoryModel:
+        """Build the engine's memory model from the loaded components (`Engine.build_memory_model`, the one
+        the server's engine uses): a request that can never fit the budget (free memory now x
+        `mem_fraction`, less the LoRA reserve) is refused with the server's 413 message, and a decode that
+        would not fit untiled is tiled. `calibrate` measures it with probe requests (the server does after
+        its warm-up); else it is estimated from the DiT's width. Call again to measure the budget anew."""
+        components = {name: c.value for name, c in self.pipeline.context.components.items()}
+        weights = weight_residency(components)  # offloaded components: what moves in for a stage
+        return self.engine.build_memory_model(self.engine_args, weights, components.get("vae"), calibrate)
 
     def _wait_for_ranks(self, error: BaseException | None) -> None:
         """The `ready` exchange: every rank says whether its pipeline loaded; a rank that failed is a
@@ -351,91 +369,24 @@ class DiffGenerator:
         return runs
 
     @classmethod
+    @option_keywords(EngineArgs, skip=("model_path",))
     def from_pretrained(
-        cls,
-        model_path: str | Path,
-        device: str | None = None,
-        dtype: str | None = None,
-        attention_backend: str | None = None,
-        output_path: str = "outputs",
-        show_progress: bool = True,
-        compile: bool = False,
-        warmup_resolutions: Sequence[tuple[int, int]] = (),
-        default_quality: str = "high",
-        tune_allocator: bool = False,
-        revision: str | None = None,
-        num_gpus: int = 1,
-        ulysses_degree: int | None = None,
-        ring_degree: int = 1,
-        enable_cfg_parallel: bool = False,
-        tp_size: int = 1,
-        dist_timeout: int = EngineArgs.dist_timeout,
-        loras: Mapping[str, str | Path] | None = None,
-        lora_dir: str | Path | None = None,
-        lora_merge: bool = False,
-        max_lora_memory: int = EngineArgs.max_lora_memory,
-        quantization: str | None = None,
-        transformer_weights: str | Path | None = None,
-        text_encoder_cpu_offload: bool = False,
-        image_encoder_cpu_offload: bool = False,
-        vae_cpu_offload: bool = False,
-        vae_tiling: bool = False,
-        dit_cpu_offload: bool = False,
-        dit_layerwise_offload: bool = False,
-        offload: str = "none",
-        max_memory: int | None = None,
-        backend: str = "native",
+        cls, model_path: str | Path, *, show_progress: bool = True, **options: object
     ) -> DiffGenerator:
         """Load a Diffusers folder, or a Hugging Face repo id (`"owner/name"`: from the local HF cache,
-        else downloaded; `revision` picks a branch, tag or commit). `compile=True` is `--compile`
-        (torch.compile of the DiT's repeated blocks); `warmup_resolutions` are (height, width) sizes
-        generated once now; `default_quality` is what a request's quality "auto" means (see README,
-        "Quality tiers"); `tune_allocator=True` is `--tune-allocator`. `num_gpus` > 1 runs every request on
-        that many ranks (`ulysses_degree` defaults to num_gpus / (cfg x tp x ring); on the CPU each "gpu" is
-        one rank process over gloo): `close()` the generator, or use it in a `with` block. `loras` ({name:
-        path}) are LoRA adapters loaded now (`lora_merge=True` merges them into the weights instead), and
-        `lora_dir` a folder whose adapters requests may name; `max_lora_memory` bounds their bytes.
-        Memory (docs/memory.md): `quantization` "int8" or "fp8" (weight-only, the DiT's Linears);
-        `transformer_weights` a single-file `.safetensors` or `.gguf` DiT checkpoint replacing the folder's;
-        the `*_cpu_offload` and `dit_layerwise_offload` switches, `vae_tiling` and `offload="auto"` as the CLI flags;
-        `max_memory` the host bytes the weights may take (past it the DiT streams per block). `backend`
-        "diffusers" runs the folder's Diffusers pipeline class through diffusers (`--backend diffusers`: for
-        pipelines diffserve has not ported; one request at a time, exact quality only)."""
-        args = EngineArgs(
-            model_path=str(model_path),
-            revision=revision,
-            backend=backend,
-            device=device,
-            dtype=dtype,
-            attention_backend=attention_backend,
-            output_path=output_path,
-            compile=compile,
-            warmup_resolutions=[tuple(size) for size in warmup_resolutions],
-            default_quality=default_quality,
-            tune_allocator=tune_allocator,
-            num_gpus=num_gpus,
-            ulysses_degree=ulysses_degree,
-            ring_degree=ring_degree,
-            enable_cfg_parallel=enable_cfg_parallel,
-            tp_size=tp_size,
-            dist_timeout=dist_timeout,
-            loras=[LoraSpec(name, str(path)) for name, path in (loras or {}).items()],
-            lora_dir=None if lora_dir is None else str(lora_dir),
-            lora_merge=lora_merge,
-            max_lora_memory=max_lora_memory,
-            quantization=check_quantization(quantization, "quantization"),
-            transformer_weights=check_transformer_weights(
-                None if transformer_weights is None else str(transformer_weights), "transformer_weights"
-            ),
-            text_encoder_cpu_offload=text_encoder_cpu_offload,
-            image_encoder_cpu_offload=image_encoder_cpu_offload,
-            vae_cpu_offload=vae_cpu_offload,
-            vae_tiling=vae_tiling,
-            dit_cpu_offload=dit_cpu_offload,
-            dit_layerwise_offload=dit_layerwise_offload,
-            offload=check_offload(offload, "offload"),
-            max_memory=max_memory,
-        )
+        else downloaded; `revision` picks a branch, tag or commit). The keywords are `EngineArgs`' fields,
+        each as its CLI flag (`compile=True` is `--compile`), checked as the flag is (a value out of its
+        bounds or choices: UserError naming the keyword; any other keyword: TypeError). Besides: `loras`
+        is a {name: path} mapping (or `LoraSpec`s) of adapters loaded now, and paths may be `Path`s.
+        `num_gpus` > 1 starts the other ranks: `close()` the generator, or use it in a `with` block.
+        Memory options: docs/memory.md; `backend="diffusers"`: pipelines diffserve has not ported."""
+        values = keyword_values(EngineArgs, options, "from_pretrained", accepted=("show_progress",))
+        loras, sizes = values.get("loras"), values.get("warmup_resolutions")
+        if isinstance(loras, Mapping):
+            values["loras"] = [LoraSpec(str(name), os.fspath(path)) for name, path in loras.items()]
+        if isinstance(sizes, Sequence):
+            values["warmup_resolutions"] = [(int(height), int(width)) for height, width in sizes]
+        args = EngineArgs(model_path=os.fspath(model_path), **values)  # type: ignore[arg-type]
         return cls(args, show_progress=show_progress)
 
     # -- LoRA adapters (README, "LoRA") --------------------------------------------------------------

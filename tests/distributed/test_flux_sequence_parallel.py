@@ -16,9 +16,9 @@ import torch
 
 from diffserve.distributed.config import ParallelConfig
 from diffserve.distributed.state import build_parallel_state, parallel_scope
+from diffserve.families.flux.tiny import flux_dit_inputs
 from diffserve.models.dits.flux import FluxTransformer2DModel, FluxTransformerConfig
 from diffserve.testing.distributed import run_distributed
-from diffserve.testing.tiny_flux import flux_dit_inputs
 
 TEXT_LEN, GRID_H, GRID_W = 7, 6, 5
 

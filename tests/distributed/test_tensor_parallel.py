@@ -32,11 +32,11 @@ from diffserve.distributed.tensor_parallel import (
     tensor_parallel_shards,
 )
 from diffserve.errors import ModelLoadError
+from diffserve.families.flux.tiny import flux_dit_inputs
 from diffserve.loader import safetensors_weights
 from diffserve.loader.safetensors_weights import load_safetensors_into
 from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.testing.distributed import run_distributed
-from diffserve.testing.tiny_flux import flux_dit_inputs
 
 DIT_CONFIG = {
     "patch_size": 1, "in_channels": 16, "out_channels": None, "num_layers": 2, "num_single_layers": 2,
@@ -59,7 +59,7 @@ class LoadOnlyRank:
 def dit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A seeded FLUX transformer folder (config.json + safetensors), weights large enough that every
     block matters."""
-    from diffserve.testing.tiny_flux import save_diffusers_model  # (imports transformers: not in the ranks)
+    from diffserve.testing.tiny_writing import save_diffusers_model
 
     torch.manual_seed(0)
     model = FluxTransformer2DModel.from_config(DIT_CONFIG)

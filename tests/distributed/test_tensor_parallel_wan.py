@@ -55,7 +55,7 @@ class LoadOnlyRank:
 @pytest.fixture(scope="module")
 def dit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A seeded image-to-video Wan transformer folder, weights large enough that every block matters."""
-    from diffserve.testing.tiny_flux import save_diffusers_model  # (imports transformers: not in the ranks)
+    from diffserve.testing.tiny_writing import save_diffusers_model
 
     torch.manual_seed(0)
     model = WanTransformer3DModel.from_config(DIT_CONFIG)
@@ -230,7 +230,7 @@ PARAMS = dict(height=32, width=32, num_frames=5, num_inference_steps=2, guidance
 
 @pytest.fixture(scope="module")
 def tiny_wan_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from diffserve.testing.tiny_wan import build_tiny_wan
+    from diffserve.families.wan.tiny import build_tiny_wan
 
     return build_tiny_wan(tmp_path_factory.mktemp("tiny-wan"))
 

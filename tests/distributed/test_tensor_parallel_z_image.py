@@ -54,7 +54,7 @@ class LoadOnlyRank:
 @pytest.fixture(scope="module")
 def dit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A seeded Z-Image transformer folder, weights large enough that every block matters."""
-    from diffserve.testing.tiny_flux import save_diffusers_model  # (imports transformers: not in the ranks)
+    from diffserve.testing.tiny_writing import save_diffusers_model
 
     torch.manual_seed(0)
     model = ZImageTransformer2DModel.from_config(DIT_CONFIG)

@@ -13,7 +13,7 @@ from diffserve import DiffGenerator
 from diffserve.cli.calibrate_cache import Progress, interleaved_speedups, spread
 from diffserve.cli.main import main
 from diffserve.configs.quality import CALIBRATION_FILE, CALIBRATION_FORMAT, PSNR_BARS
-from diffserve.testing.tiny_flux import build_tiny_flux
+from diffserve.families.flux.tiny import build_tiny_flux
 
 
 class _Records(logging.Handler):

@@ -23,13 +23,13 @@ from torch import nn
 import diffserve.api as api
 from diffserve import DiffGenerator, SamplingParams
 from diffserve.errors import UserError
+from diffserve.families.qwen_image.tiny import build_tiny_qwen_image
+from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
 from diffserve.offload import offload_group, weight_residency
 from diffserve.offload.components import OffloadGroup
 from diffserve.request import Req
 from diffserve.runtime.memory import estimated_memory_model
 from diffserve.testing.counting_platform import CountingPlatform
-from diffserve.testing.tiny_qwen_image import build_tiny_qwen_image
-from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
 
 FLUX_PARAMS = dict(
     height=32,

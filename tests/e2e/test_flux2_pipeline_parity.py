@@ -28,18 +28,25 @@ from diffusers import (
     Flux2Transformer2DModel as DiffusersDit,
 )
 from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
-from PIL import Image
 from transformers import Mistral3ForConditionalGeneration
 
 from diffserve import DiffGenerator, SamplingParams
-from diffserve.configs.flux2 import FLUX2_SYSTEM_MESSAGE
 from diffserve.errors import InvalidRequestError
+from diffserve.families.flux2.config import FLUX2_SYSTEM_MESSAGE
+from diffserve.families.flux2.reference_images import reference_image
+from diffserve.families.flux2.text_encoding import Flux2TextEncodingStage
+from diffserve.families.flux2.tiny import TinyFlux2Spec, build_tiny_flux2
 from diffserve.loader.processors import load_processor_tokenizer
 from diffserve.request import Req
-from diffserve.stages.flux2_reference_images import reference_image
-from diffserve.stages.flux2_text_encoding import Flux2TextEncodingStage
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
-from diffserve.testing.tiny_flux2 import TinyFlux2Spec, build_tiny_flux2
+from diffserve.testing.parity import (
+    assert_images_match,
+    denoise_together,
+    diffusers_uint8,
+    max_pixel_diff,
+    smooth_random_image,
+    stack_uint8,
+)
 
 #: Above the project's 40 dB: on the tiny random model another reference image still scores ~30-39 dB
 #: (`test_the_bar_sees_the_reference_images`), so only a higher bar sees the conditioning; diffserve scores
@@ -48,13 +55,6 @@ PSNR_BAR_DB = 60.0
 PROMPT = "a red fox in the snow"
 #: Long enough for the dev chat (system turn ~36 tokens on the tiny tokenizer) and the prompt.
 MAX_LEN = 64
-
-
-def picture(width: int, height: int, seed: int) -> Image.Image:
-    """A smooth random RGB picture (a coarse random grid upsampled), so the VAE sees structure."""
-    rng = np.random.default_rng(seed)
-    coarse = Image.fromarray(rng.integers(0, 256, size=(4, 4, 3), dtype=np.uint8))
-    return coarse.resize((width, height), Image.Resampling.BICUBIC)
 
 
 def diffusers_dev(root) -> Flux2Pipeline:
@@ -94,28 +94,13 @@ def pipelines(folders):
     return pipelines
 
 
-def as_array(images) -> np.ndarray:
-    return np.stack([np.asarray(im) for im in images])
-
-
 def reference_u8(reference, seed: int, **kwargs) -> np.ndarray:
-    images = reference(
-        prompt=kwargs.pop("prompt", PROMPT),
-        generator=torch.Generator("cpu").manual_seed(seed),
-        output_type="np",
-        max_sequence_length=MAX_LEN,
-        **kwargs,
-    ).images
-    return (images * 255).round().astype(np.uint8)
+    prompt = kwargs.pop("prompt", PROMPT)
+    return diffusers_uint8(reference, seed=seed, prompt=prompt, max_sequence_length=MAX_LEN, **kwargs)
 
 
 def assert_matches(ours_u8: np.ndarray, ref_u8: np.ndarray, label: str) -> None:
-    assert ours_u8.shape == ref_u8.shape, (ours_u8.shape, ref_u8.shape)
-    assert ref_u8.std() > 5, "the reference image is flat; the comparison would prove nothing"
-    value = psnr(ours_u8, ref_u8)
-    diff = int(np.abs(ours_u8.astype(int) - ref_u8.astype(int)).max())
-    print(f"{label}: PSNR {value:.2f} dB, max abs diff {diff}")
-    assert value >= PSNR_BAR_DB
+    assert_images_match(ours_u8, ref_u8, label, min_db=PSNR_BAR_DB)
 
 
 CASES = [
@@ -137,26 +122,26 @@ CASES = [
 )
 def test_pixels_match_diffusers(pipelines, variant, size, references, steps, extra) -> None:
     ours, reference = pipelines[variant]
-    images = [picture(w, h, seed=w + h) for w, h in references] or None
+    images = [smooth_random_image(w, h, seed=w + h) for w, h in references] or None
     height, width = size or (None, None)
     kwargs = dict(height=height, width=width, num_inference_steps=steps, **extra)
     out = ours.generate(prompt=PROMPT, image=images, seed=42, max_sequence_length=MAX_LEN, **kwargs)
     ref_u8 = reference_u8(reference, 42, image=images, **kwargs)
     if size is None:  # Diffusers' default: the first reference's size, floored to the pixel multiple
         assert ref_u8.shape == (1, 64, 96, 3)
-    assert_matches(as_array(out.images), ref_u8, f"{variant} {size} refs={references} {extra}")
+    assert_matches(stack_uint8(out.images), ref_u8, f"{variant} {size} refs={references} {extra}")
 
 
 @pytest.mark.parametrize("variant", ["dev", "klein"])
 def test_two_outputs_per_prompt_match_diffusers_batch(pipelines, variant) -> None:
     ours, reference = pipelines[variant]
-    image = picture(80, 64, seed=3)
+    image = smooth_random_image(80, 64, seed=3)
     kwargs = dict(height=32, width=48, num_inference_steps=2)
     out = ours.generate(
         prompt=PROMPT, image=image, seed=7, num_outputs_per_prompt=2, max_sequence_length=MAX_LEN, **kwargs
     )
     ref_u8 = reference_u8(reference, 7, image=[image], num_images_per_prompt=2, **kwargs)
-    ours_u8 = as_array(out.images)
+    ours_u8 = stack_uint8(out.images)
     assert_matches(ours_u8, ref_u8, f"{variant} n=2")
     assert not np.array_equal(ours_u8[0], ours_u8[1]), "two outputs of one request must differ"
 
@@ -171,8 +156,8 @@ def test_klein_negative_prompt_matches_diffusers_negative_embeds(pipelines) -> N
     )
     negative, _ = reference.encode_prompt(prompt="blurry", device="cpu", max_sequence_length=MAX_LEN)
     ref_u8 = reference_u8(reference, 5, negative_prompt_embeds=negative, **kwargs)
-    assert_matches(as_array(out.images), ref_u8, "klein negative prompt")
-    default = as_array(ours.generate(prompt=PROMPT, seed=5, max_sequence_length=MAX_LEN, **kwargs).images)
+    assert_matches(stack_uint8(out.images), ref_u8, "klein negative prompt")
+    default = stack_uint8(ours.generate(prompt=PROMPT, seed=5, max_sequence_length=MAX_LEN, **kwargs).images)
     assert psnr(default, ref_u8) < PSNR_BAR_DB, "the negative prompt changed nothing"
 
 
@@ -188,10 +173,10 @@ def test_previews_decode_the_predicted_clean_latents(pipelines, variant) -> None
     pipeline.denoise_step([req])
     early = pipeline.preview_images(req)
     pipeline.denoise_step([req])
-    last = as_array(pipeline.preview_images(req))
-    final = as_array(pipeline.run_post_denoise(req).images)
+    last = stack_uint8(pipeline.preview_images(req))
+    final = stack_uint8(pipeline.run_post_denoise(req).images)
     assert early[0].size == (48, 32)
-    assert int(np.abs(last.astype(int) - final.astype(int)).max()) <= 1
+    assert max_pixel_diff(last, final) <= 1
 
 
 @pytest.mark.parametrize("variant", ["dev", "klein"])
@@ -219,7 +204,7 @@ def test_system_message_is_diffusers() -> None:
 def test_reference_preprocessing_matches_diffusers(pipelines, size) -> None:
     """Shrinking above 1 MP, flooring to the pixel multiple and centre-cropping, as Diffusers' pipeline does."""
     _, reference = pipelines["dev"]
-    image = picture(*size, seed=5)
+    image = smooth_random_image(*size, seed=5)
     processor, multiple = reference.image_processor, reference.vae_scale_factor * 2
     expected = image
     if image.width * image.height > 1024 * 1024:
@@ -238,7 +223,7 @@ def test_requests_sharing_denoising_steps_match_each_run_alone(pipelines, varian
     share DiT batches and give what each gives alone."""
     ours, _ = pipelines[variant]
     pipeline = ours.pipeline
-    image = picture(64, 64, seed=1)
+    image = smooth_random_image(64, 64, seed=1)
     common = dict(height=32, width=48, input_images=[image], max_sequence_length=MAX_LEN)
     params = [
         SamplingParams(prompt=PROMPT, seed=11, num_inference_steps=3, guidance_scale=4.0, **common),
@@ -246,21 +231,14 @@ def test_requests_sharing_denoising_steps_match_each_run_alone(pipelines, varian
             prompt="turn the sky green", seed=12, num_inference_steps=2, guidance_scale=1.0, **common
         ),
     ]
-    alone = [as_array(ours.generate_from_params(p).images) for p in params]
+    alone = [stack_uint8(ours.generate_from_params(p).images) for p in params]
     running = [pipeline.run_pre_denoise(pipeline.validate(Req(params=p))) for p in params]
     assert pipeline.batch_key(running[0]) == pipeline.batch_key(running[1])
-    done: dict[str, Req] = {}
-    shared_steps = 0
-    while running:
-        shared_steps += len(running) == 2
-        pipeline.denoise_step(running)
-        for req in [r for r in running if r.is_denoised]:
-            running.remove(req)
-            done[req.params.prompt] = pipeline.run_post_denoise(req)
-    assert shared_steps == 2
+    done, step_sizes = denoise_together(pipeline, running)
+    assert step_sizes.count(2) == 2  # two steps shared
     for p, want in zip(params, alone, strict=True):
-        got = as_array(done[p.prompt].images)
-        diff = int(np.abs(got.astype(int) - want.astype(int)).max())
+        got = stack_uint8(done[p.prompt].images)
+        diff = max_pixel_diff(got, want)
         print(f"{variant} batched vs alone {p.prompt!r}: max diff {diff}")
         assert diff <= 1
 
@@ -276,7 +254,7 @@ def test_batch_key_separates_reference_grids(pipelines) -> None:
         )
         return pipeline.batch_key(pipeline.run_pre_denoise(pipeline.validate(Req(params))))
 
-    assert key(picture(96, 64, seed=1)) != key(picture(64, 96, seed=1))
+    assert key(smooth_random_image(96, 64, seed=1)) != key(smooth_random_image(64, 96, seed=1))
 
 
 def test_the_bar_sees_the_reference_images(pipelines) -> None:
@@ -287,9 +265,9 @@ def test_the_bar_sees_the_reference_images(pipelines) -> None:
         kwargs = dict(
             prompt=PROMPT, seed=42, height=32, width=32, num_inference_steps=2, max_sequence_length=MAX_LEN
         )
-        first = as_array(ours.generate(image=picture(64, 64, seed=1), **kwargs).images)
-        second = as_array(ours.generate(image=picture(64, 64, seed=2), **kwargs).images)
-        none = as_array(ours.generate(**kwargs).images)
+        first = stack_uint8(ours.generate(image=smooth_random_image(64, 64, seed=1), **kwargs).images)
+        second = stack_uint8(ours.generate(image=smooth_random_image(64, 64, seed=2), **kwargs).images)
+        none = stack_uint8(ours.generate(**kwargs).images)
         print(
             f"{variant}: two references {psnr(first, second):.2f} dB, reference or none {psnr(first, none):.2f} dB"
         )
@@ -302,8 +280,8 @@ def test_the_bar_sees_the_reference_images(pipelines) -> None:
     [
         ("dev", dict(negative_prompt="blurry"), "guidance-distilled"),
         ("dev", dict(true_cfg_scale=3.0), "guidance-distilled"),
-        ("dev", dict(input_images=[picture(40, 80, seed=1)]), "at least 64"),
-        ("dev", dict(input_images=[picture(64, 640, seed=1)]), "aspect ratio"),
+        ("dev", dict(input_images=[smooth_random_image(40, 80, seed=1)]), "at least 64"),
+        ("dev", dict(input_images=[smooth_random_image(64, 640, seed=1)]), "aspect ratio"),
         ("dev", dict(max_sequence_length=1024), "max_sequence_length"),
         ("klein", dict(true_cfg_scale=3.0), "guidance_scale"),
         ("klein-distilled", dict(guidance_scale=4.0), "step-distilled"),

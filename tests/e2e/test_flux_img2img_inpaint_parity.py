@@ -16,22 +16,23 @@ from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline
 from PIL import Image
 
 from diffserve import DiffGenerator, SamplingParams
+from diffserve.families.flux.tiny import TinyFluxSpec, build_tiny_flux
+from diffserve.families.flux.tiny_fill import build_tiny_flux_fill
 from diffserve.request import Req
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
-from diffserve.testing.tiny_flux import TinyFluxSpec, build_tiny_flux
-from diffserve.testing.tiny_flux_fill import build_tiny_flux_fill
+from diffserve.testing.parity import (
+    assert_images_match,
+    denoise_together,
+    diffusers_uint8,
+    max_pixel_diff,
+    smooth_random_image,
+    stack_uint8,
+)
 
 PSNR_BAR_DB = 40.0
 PROMPT = "a fox in the snow"
 HEIGHT, WIDTH = 48, 80
 KW = dict(num_inference_steps=3, max_sequence_length=16, guidance_scale=3.5)
-
-
-def input_image(width: int, height: int, seed: int) -> Image.Image:
-    """A smooth random RGB picture (a coarse random grid upsampled), so the VAE sees structure."""
-    rng = np.random.default_rng(seed)
-    coarse = Image.fromarray(rng.integers(0, 256, size=(4, 4, 3), dtype=np.uint8))
-    return coarse.resize((width, height), Image.Resampling.BICUBIC)
 
 
 def box_mask(width: int, height: int, box: tuple[int, int, int, int]) -> Image.Image:
@@ -41,7 +42,7 @@ def box_mask(width: int, height: int, box: tuple[int, int, int, int]) -> Image.I
     return mask
 
 
-IMAGE = input_image(WIDTH, HEIGHT, seed=1)
+IMAGE = smooth_random_image(WIDTH, HEIGHT, seed=1)
 MASK = box_mask(WIDTH, HEIGHT, (16, 8, 56, 40))
 
 
@@ -62,31 +63,12 @@ def fill(tmp_path_factory):
 
 
 def run_reference(pipe, seed: int, **kwargs) -> np.ndarray:
-    images = pipe(
-        prompt=PROMPT,
-        height=HEIGHT,
-        width=WIDTH,
-        generator=torch.Generator("cpu").manual_seed(seed),
-        output_type="np",
-        **kwargs,
-    ).images
-    return (images * 255).round().astype(np.uint8)
-
-
-def as_array(images: list[Image.Image]) -> np.ndarray:
-    return np.stack([np.asarray(im) for im in images])
+    return diffusers_uint8(pipe, seed=seed, prompt=PROMPT, height=HEIGHT, width=WIDTH, **kwargs)
 
 
 def assert_matches(ours_u8: np.ndarray, ref_u8: np.ndarray, label: str, other: np.ndarray) -> None:
     """`ours` matches the reference (>= 40 dB) while `other` (one input changed) does not."""
-    assert ours_u8.shape == ref_u8.shape, (ours_u8.shape, ref_u8.shape)
-    assert ref_u8.std() > 5, "the reference image is flat; the comparison would prove nothing"
-    value = psnr(ours_u8, ref_u8)
-    diff = int(np.abs(ours_u8.astype(int) - ref_u8.astype(int)).max())
-    control = psnr(other, ref_u8)
-    print(f"{label}: PSNR {value:.2f} dB, max abs diff {diff}; one input changed: {control:.2f} dB")
-    assert value >= PSNR_BAR_DB
-    assert control < PSNR_BAR_DB
+    assert_images_match(ours_u8, ref_u8, label, min_db=PSNR_BAR_DB, control=other)
 
 
 @pytest.mark.parametrize("strength", [0.3, 0.8])
@@ -96,8 +78,8 @@ def test_img2img_matches_diffusers(flux, strength) -> None:
         prompt=PROMPT, image=IMAGE, strength=strength, seed=5, height=HEIGHT, width=WIDTH, **KW
     )
     ref = run_reference(img2img, 5, image=IMAGE, strength=strength, **KW)
-    other = as_array(ours.generate(prompt=PROMPT, seed=5, height=HEIGHT, width=WIDTH, **KW).images)
-    assert_matches(as_array(out.images), ref, f"img2img strength {strength}", other)
+    other = stack_uint8(ours.generate(prompt=PROMPT, seed=5, height=HEIGHT, width=WIDTH, **KW).images)
+    assert_matches(stack_uint8(out.images), ref, f"img2img strength {strength}", other)
 
 
 def test_img2img_two_outputs_and_default_strength_match_diffusers(flux) -> None:
@@ -106,10 +88,10 @@ def test_img2img_two_outputs_and_default_strength_match_diffusers(flux) -> None:
     ours, img2img, _ = flux
     out = ours.generate(prompt=PROMPT, image=IMAGE, seed=9, num_outputs_per_prompt=2, **KW)
     ref = run_reference(img2img, 9, image=IMAGE, num_images_per_prompt=2, **KW)
-    other = as_array(
+    other = stack_uint8(
         ours.generate(prompt=PROMPT, image=IMAGE, seed=9, strength=1.0, num_outputs_per_prompt=2, **KW).images
     )
-    assert_matches(as_array(out.images), ref, "img2img n=2 default strength", other)
+    assert_matches(stack_uint8(out.images), ref, "img2img n=2 default strength", other)
     assert not np.array_equal(out.images[0], out.images[1])
 
 
@@ -118,8 +100,8 @@ def test_inpaint_matches_diffusers(flux) -> None:
     kwargs = dict(strength=0.8, seed=5, height=HEIGHT, width=WIDTH, **KW)
     out = ours.generate(prompt=PROMPT, image=IMAGE, mask=MASK, **kwargs)
     ref = run_reference(inpaint, 5, image=IMAGE, mask_image=MASK, strength=0.8, **KW)
-    other = as_array(ours.generate(prompt=PROMPT, image=IMAGE, **kwargs).images)
-    assert_matches(as_array(out.images), ref, "inpaint strength 0.8", other)
+    other = stack_uint8(ours.generate(prompt=PROMPT, image=IMAGE, **kwargs).images)
+    assert_matches(stack_uint8(out.images), ref, "inpaint strength 0.8", other)
 
 
 def test_inpaint_true_cfg_with_an_alpha_mask_matches_diffusers(flux) -> None:
@@ -132,10 +114,10 @@ def test_inpaint_true_cfg_with_an_alpha_mask_matches_diffusers(flux) -> None:
         prompt=PROMPT, image=IMAGE, mask=alpha, seed=3, height=HEIGHT, width=WIDTH, **KW, **extra
     )
     ref = run_reference(inpaint, 3, image=IMAGE, mask_image=MASK, **KW, **extra)
-    other = as_array(
+    other = stack_uint8(
         ours.generate(prompt=PROMPT, image=IMAGE, seed=3, height=HEIGHT, width=WIDTH, **KW, **extra).images
     )
-    assert_matches(as_array(out.images), ref, "inpaint alpha mask, true CFG", other)
+    assert_matches(stack_uint8(out.images), ref, "inpaint alpha mask, true CFG", other)
 
 
 def test_fill_matches_diffusers(fill) -> None:
@@ -144,12 +126,12 @@ def test_fill_matches_diffusers(fill) -> None:
     out = ours.generate(prompt=PROMPT, image=IMAGE, mask=MASK, seed=5, height=HEIGHT, width=WIDTH, **kwargs)
     ref = run_reference(reference, 5, image=IMAGE, mask_image=MASK, **kwargs)
     other_mask = box_mask(WIDTH, HEIGHT, (0, 0, 24, 16))
-    other = as_array(
+    other = stack_uint8(
         ours.generate(
             prompt=PROMPT, image=IMAGE, mask=other_mask, seed=5, height=HEIGHT, width=WIDTH, **kwargs
         ).images
     )
-    assert_matches(as_array(out.images), ref, "fill (strength 1, guidance 30)", other)
+    assert_matches(stack_uint8(out.images), ref, "fill (strength 1, guidance 30)", other)
 
 
 def test_fill_at_strength_0_5_matches_diffusers(fill) -> None:
@@ -157,10 +139,12 @@ def test_fill_at_strength_0_5_matches_diffusers(fill) -> None:
     kwargs = dict(num_inference_steps=3, max_sequence_length=16, strength=0.5, guidance_scale=10.0)
     out = ours.generate(prompt=PROMPT, image=IMAGE, mask=MASK, seed=2, height=HEIGHT, width=WIDTH, **kwargs)
     ref = run_reference(reference, 2, image=IMAGE, mask_image=MASK, **kwargs)
-    other = as_array(
-        ours.generate(prompt=PROMPT, image=input_image(WIDTH, HEIGHT, 7), mask=MASK, seed=2, **kwargs).images
+    other = stack_uint8(
+        ours.generate(
+            prompt=PROMPT, image=smooth_random_image(WIDTH, HEIGHT, 7), mask=MASK, seed=2, **kwargs
+        ).images
     )
-    assert_matches(as_array(out.images), ref, "fill strength 0.5", other)
+    assert_matches(stack_uint8(out.images), ref, "fill strength 0.5", other)
 
 
 def test_mixed_strengths_share_steps_and_match_each_run_alone(flux) -> None:
@@ -178,28 +162,21 @@ def test_mixed_strengths_share_steps_and_match_each_run_alone(flux) -> None:
         SamplingParams(
             prompt="d",
             seed=4,
-            input_images=[input_image(WIDTH, HEIGHT, 4)],
+            input_images=[smooth_random_image(WIDTH, HEIGHT, 4)],
             mask_image=MASK,
             strength=0.75,
             **base,
         ),
     ]
-    alone = [as_array(ours.generate_from_params(p).images) for p in params]
+    alone = [stack_uint8(ours.generate_from_params(p).images) for p in params]
     running = [pipeline.run_pre_denoise(pipeline.validate(Req(params=p))) for p in params]
     assert [r.num_steps for r in running] == [4, 2, 3, 3]
     assert len({pipeline.batch_key(r) for r in running}) == 1
-    done: dict[str, Req] = {}
-    biggest = 0
-    while running:
-        biggest = max(biggest, len(running))
-        pipeline.denoise_step(running)
-        for req in [r for r in running if r.is_denoised]:
-            running.remove(req)
-            done[req.params.prompt] = pipeline.run_post_denoise(req)
-    assert biggest == 4
+    done, step_sizes = denoise_together(pipeline, running)
+    assert max(step_sizes) == 4
     for p, want in zip(params, alone, strict=True):
-        got = as_array(done[p.prompt].images)
-        diff = int(np.abs(got.astype(int) - want.astype(int)).max())
+        got = stack_uint8(done[p.prompt].images)
+        diff = max_pixel_diff(got, want)
         print(
             f"batched vs alone {p.prompt!r} (strength {p.strength}): max diff {diff}, PSNR {psnr(got, want):.1f} dB"
         )

@@ -14,11 +14,19 @@ from diffusers import FluxKontextPipeline as DiffusersFluxKontextPipeline
 from PIL import Image
 
 from diffserve import DiffGenerator, SamplingParams
+from diffserve.families.flux.kontext_preparation import FluxKontextPreparationStage
+from diffserve.families.flux.tiny import TinyFluxSpec
+from diffserve.families.flux.tiny_kontext import build_tiny_flux_kontext
 from diffserve.request import Req
-from diffserve.stages.flux_kontext_preparation import FluxKontextPreparationStage
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
-from diffserve.testing.tiny_flux import TinyFluxSpec
-from diffserve.testing.tiny_flux_kontext import build_tiny_flux_kontext
+from diffserve.testing.parity import (
+    assert_images_match,
+    denoise_together,
+    diffusers_uint8,
+    max_pixel_diff,
+    smooth_random_image,
+    stack_uint8,
+)
 
 #: Stricter than the project's 40 dB: the tiny random model's output barely depends on the input image
 #: (another input image still scores ~51-55 dB, input-image ids with first axis 0 instead of 1 ~61 dB),
@@ -35,40 +43,24 @@ def pipelines(tmp_path_factory):
     return ours, reference
 
 
-def input_image(width: int, height: int, seed: int) -> Image.Image:
-    """A smooth random RGB picture (a coarse random grid upsampled), so the VAE sees structure."""
-    rng = np.random.default_rng(seed)
-    coarse = Image.fromarray(rng.integers(0, 256, size=(4, 4, 3), dtype=np.uint8))
-    return coarse.resize((width, height), Image.Resampling.BICUBIC)
-
-
 def reference_images(
     reference, image: Image.Image, seed: int, height: int, width: int, **kwargs
 ) -> np.ndarray:
-    images = reference(
+    prompt = kwargs.pop("prompt", PROMPT)
+    return diffusers_uint8(
+        reference,
+        seed=seed,
         image=image,
-        prompt=kwargs.pop("prompt", PROMPT),
+        prompt=prompt,
         height=height,
         width=width,
         max_area=height * width,
-        generator=torch.Generator("cpu").manual_seed(seed),
-        output_type="np",
         **kwargs,
-    ).images
-    return (images * 255).round().astype(np.uint8)
-
-
-def as_array(images: list[Image.Image]) -> np.ndarray:
-    return np.stack([np.asarray(im) for im in images])
+    )
 
 
 def assert_matches(ours_u8: np.ndarray, ref_u8: np.ndarray, label: str) -> None:
-    assert ours_u8.shape == ref_u8.shape, (ours_u8.shape, ref_u8.shape)
-    assert ref_u8.std() > 5, "the reference image is flat; the comparison would prove nothing"
-    value = psnr(ours_u8, ref_u8)
-    diff = int(np.abs(ours_u8.astype(int) - ref_u8.astype(int)).max())
-    print(f"{label}: PSNR {value:.2f} dB, max abs diff {diff}")
-    assert value >= PSNR_BAR_DB
+    assert_images_match(ours_u8, ref_u8, label, min_db=PSNR_BAR_DB)
 
 
 CASES = [
@@ -84,24 +76,24 @@ CASES = [
 )
 def test_auto_resized_edits_match_diffusers(pipelines, input_size, output_size, steps, extra) -> None:
     ours, reference = pipelines
-    image = input_image(*input_size, seed=sum(input_size))
+    image = smooth_random_image(*input_size, seed=sum(input_size))
     height, width = output_size
     kwargs = dict(num_inference_steps=steps, max_sequence_length=32, **extra)
     out = ours.generate(prompt=PROMPT, image=image, seed=42, height=height, width=width, **kwargs)
     ref_u8 = reference_images(reference, image, 42, height, width, **kwargs)
     assert ref_u8.shape == (1, height, width, 3)
-    assert_matches(as_array(out.images), ref_u8, f"input {input_size} -> {output_size} {extra}")
+    assert_matches(stack_uint8(out.images), ref_u8, f"input {input_size} -> {output_size} {extra}")
 
 
 def test_two_outputs_per_prompt_match_diffusers_batch(pipelines) -> None:
     ours, reference = pipelines
-    image = input_image(80, 64, seed=3)
+    image = smooth_random_image(80, 64, seed=3)
     kwargs = dict(num_inference_steps=2, max_sequence_length=16)
     out = ours.generate(
         prompt=PROMPT, image=image, seed=7, height=32, width=48, num_outputs_per_prompt=2, **kwargs
     )
     ref_u8 = reference_images(reference, image, 7, 32, 48, num_images_per_prompt=2, **kwargs)
-    ours_u8 = as_array(out.images)
+    ours_u8 = stack_uint8(out.images)
     assert_matches(ours_u8, ref_u8, "n=2")
     assert not np.array_equal(ours_u8[0], ours_u8[1]), "two outputs of one request must differ"
 
@@ -110,7 +102,7 @@ def test_input_image_kept_at_its_own_size_without_auto_resize(pipelines) -> None
     """Diffusers' `_auto_resize=False`: the input keeps its size, floored to the pixel multiple (72x40 -> 64x32)."""
     ours, reference = pipelines
     stage = next(s for s in ours.pipeline.stages if isinstance(s, FluxKontextPreparationStage))
-    image = input_image(72, 40, seed=5)
+    image = smooth_random_image(72, 40, seed=5)
     kwargs = dict(num_inference_steps=2, max_sequence_length=16)
     stage.auto_resize = False
     try:
@@ -125,13 +117,13 @@ def test_input_image_kept_at_its_own_size_without_auto_resize(pipelines) -> None
     assert req.condition_images[0].size == (64, 32)
     assert req.condition_shapes == [(1, 2, 4)]  # 64x32 pixels / 8 (VAE) / 2 (packing)
     ref_u8 = reference_images(reference, image, 3, 32, 32, _auto_resize=False, **kwargs)
-    assert_matches(as_array(out.images), ref_u8, "no auto-resize")
+    assert_matches(stack_uint8(out.images), ref_u8, "no auto-resize")
 
 
 def test_default_output_size_is_diffusers_default_whatever_the_input_shape(pipelines) -> None:
     """Diffusers' default: 1024x1024 fitted to max_area (the tiny VAE scales by 8 like the real one)."""
     ours, reference = pipelines
-    image = input_image(48, 16, seed=9)
+    image = smooth_random_image(48, 16, seed=9)
     resolved = ours.pipeline.resolve_params(SamplingParams(prompt=PROMPT, input_images=[image]))
     assert (resolved.height, resolved.width) == (1024, 1024)
     latents = reference(
@@ -152,7 +144,7 @@ def test_two_edits_sharing_denoising_steps_match_each_run_alone(pipelines) -> No
     params = [
         SamplingParams(
             prompt=PROMPT,
-            input_images=[input_image(64, 64, seed=1)],
+            input_images=[smooth_random_image(64, 64, seed=1)],
             height=32,
             width=48,
             seed=11,
@@ -163,28 +155,21 @@ def test_two_edits_sharing_denoising_steps_match_each_run_alone(pipelines) -> No
             negative_prompt="dark",
             true_cfg_scale=2.0,
             guidance_scale=5.0,
-            input_images=[input_image(80, 80, seed=2)],
+            input_images=[smooth_random_image(80, 80, seed=2)],
             height=32,
             width=48,
             seed=12,
             num_inference_steps=2,
         ),
     ]
-    alone = [as_array(ours.generate_from_params(p).images) for p in params]
+    alone = [stack_uint8(ours.generate_from_params(p).images) for p in params]
     running = [pipeline.run_pre_denoise(pipeline.validate(Req(params=p))) for p in params]
     assert pipeline.batch_key(running[0]) == pipeline.batch_key(running[1])
-    done: dict[str, Req] = {}
-    shared_steps = 0
-    while running:
-        shared_steps += len(running) == 2
-        pipeline.denoise_step(running)
-        for req in [r for r in running if r.is_denoised]:
-            running.remove(req)
-            done[req.params.prompt] = pipeline.run_post_denoise(req)
-    assert shared_steps == 2
+    done, step_sizes = denoise_together(pipeline, running)
+    assert step_sizes.count(2) == 2  # two steps shared
     for p, want in zip(params, alone, strict=True):
-        got = as_array(done[p.prompt].images)
-        diff = int(np.abs(got.astype(int) - want.astype(int)).max())
+        got = stack_uint8(done[p.prompt].images)
+        diff = max_pixel_diff(got, want)
         print(f"batched vs alone {p.prompt!r}: max diff {diff}, PSNR {psnr(got, want):.1f} dB")
         assert diff <= 1
 
@@ -194,8 +179,8 @@ def test_the_bar_sees_the_input_image(pipelines) -> None:
     above could pass with the input image ignored."""
     ours, _ = pipelines
     kwargs = dict(prompt=PROMPT, seed=42, height=32, width=32, num_inference_steps=2, max_sequence_length=16)
-    first = as_array(ours.generate(image=input_image(64, 64, seed=1), **kwargs).images)
-    second = as_array(ours.generate(image=input_image(64, 64, seed=2), **kwargs).images)
+    first = stack_uint8(ours.generate(image=smooth_random_image(64, 64, seed=1), **kwargs).images)
+    second = stack_uint8(ours.generate(image=smooth_random_image(64, 64, seed=2), **kwargs).images)
     value = psnr(first, second)
     print(f"two input images: PSNR {value:.2f} dB")
     assert value < PSNR_BAR_DB

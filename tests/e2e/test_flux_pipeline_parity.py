@@ -8,7 +8,7 @@ import torch
 from diffusers import FluxPipeline as DiffusersFluxPipeline
 
 from diffserve import DiffGenerator
-from diffserve.testing.image_metrics import psnr_uint8 as psnr
+from diffserve.testing.parity import assert_images_match, diffusers_uint8, stack_uint8
 
 PSNR_BAR_DB = 40.0
 
@@ -42,37 +42,20 @@ def test_pixels_match_diffusers(generators, variant, height, width, steps, extra
     ours, reference = generators[variant]
     kwargs = dict(height=height, width=width, num_inference_steps=steps, max_sequence_length=32, **extra)
     out = ours.generate(prompt="a red fox in the snow", seed=42, **kwargs)
-    ref = reference(
-        prompt="a red fox in the snow",
-        generator=torch.Generator("cpu").manual_seed(42),
-        output_type="np",
-        **kwargs,
-    ).images
-    ref_u8 = (ref * 255).round().astype(np.uint8)
-    ours_u8 = np.stack([np.asarray(im) for im in out.images])
-    assert ours_u8.shape == ref_u8.shape == (1, height, width, 3)
-    assert ref_u8.std() > 5, "the reference image is flat; the comparison would prove nothing"
-    value = psnr(ours_u8, ref_u8)
-    print(
-        f"{variant} {height}x{width} {extra}: PSNR {value:.2f} dB, max abs diff {np.abs(ours_u8.astype(int) - ref_u8).max()}"
+    ref_u8 = diffusers_uint8(reference, seed=42, prompt="a red fox in the snow", **kwargs)
+    label = f"{variant} {height}x{width} {extra}"
+    assert_images_match(
+        stack_uint8(out.images), ref_u8, label, min_db=PSNR_BAR_DB, shape=(1, height, width, 3)
     )
-    assert value >= PSNR_BAR_DB
 
 
 def test_num_outputs_per_prompt_matches_diffusers_batch(generators) -> None:
     ours, reference = generators["dev"]
     kwargs = dict(height=32, width=32, num_inference_steps=2, max_sequence_length=16)
     out = ours.generate(prompt="two foxes", seed=7, num_outputs_per_prompt=2, **kwargs)
-    ref = reference(
-        prompt="two foxes",
-        generator=torch.Generator("cpu").manual_seed(7),
-        num_images_per_prompt=2,
-        output_type="np",
-        **kwargs,
-    ).images
-    ref_u8 = (ref * 255).round().astype(np.uint8)
-    ours_u8 = np.stack([np.asarray(im) for im in out.images])
-    assert psnr(ours_u8, ref_u8) >= PSNR_BAR_DB
+    ref_u8 = diffusers_uint8(reference, seed=7, prompt="two foxes", num_images_per_prompt=2, **kwargs)
+    ours_u8 = stack_uint8(out.images)
+    assert_images_match(ours_u8, ref_u8, "dev n=2", min_db=PSNR_BAR_DB)
     assert not np.array_equal(ours_u8[0], ours_u8[1]), "two outputs of one request must differ"
 
 

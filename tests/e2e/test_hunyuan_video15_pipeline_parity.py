@@ -14,31 +14,23 @@ import pytest
 import torch
 from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
 from diffusers.guiders import ClassifierFreeGuidance as DiffusersCFG
-from PIL import Image
 
 from diffserve import DiffGenerator, SamplingParams
 from diffserve.errors import InvalidRequestError
+from diffserve.families.hunyuan_video15.text_encoding import HunyuanVideo15TextEncodingStage
+from diffserve.families.hunyuan_video15.tiny import TinyHunyuanVideo15Spec, build_tiny_hunyuan_video15
 from diffserve.models.guiders.classifier_free_guidance import ClassifierFreeGuidance
 from diffserve.request import Req
-from diffserve.stages.hunyuan_video15_text_encoding import HunyuanVideo15TextEncodingStage
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
-from diffserve.testing.tiny_hunyuan_video15 import TinyHunyuanVideo15Spec, build_tiny_hunyuan_video15
+from diffserve.testing.parity import assert_images_match, gradient_image, max_pixel_diff, to_uint8
 
 PSNR_BAR_DB = 40.0
 PROMPT = 'a neon sign that says "OPEN" above a door'
 
 
-def _ref_u8(video: np.ndarray) -> np.ndarray:
-    return (video * 255).round().astype(np.uint8)
-
-
 def _compare(ours: list[np.ndarray], ref: np.ndarray, shape: tuple[int, ...], what: str) -> None:
-    ours_u8, ref_u8 = np.stack(ours), _ref_u8(ref)
-    assert ours_u8.shape == ref_u8.shape == shape
-    assert ref_u8.std() > 5, "the reference video is flat; the comparison would prove nothing"
-    value = psnr(ours_u8, ref_u8)
-    print(f"HunyuanVideo 1.5 {what}: PSNR {value:.2f} dB")
-    assert value >= PSNR_BAR_DB
+    label = f"HunyuanVideo 1.5 {what}"
+    assert_images_match(np.stack(ours), to_uint8(ref), label, min_db=PSNR_BAR_DB, shape=shape)
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +163,7 @@ def test_two_requests_sharing_steps_equal_each_alone(t2v, cfg_frames) -> None:
         "the requests never shared a step"
     )
     for a, b in zip(alone, together, strict=True):
-        diff = int(np.abs(a.astype(int) - b.astype(int)).max())
+        diff = max_pixel_diff(a, b)
         print(f"batched vs alone: max diff {diff}, PSNR {psnr(a, b):.1f} dB")
         assert diff <= 1
 
@@ -194,7 +186,7 @@ def test_preview_after_the_last_step_is_the_first_frame(t2v) -> None:
     preview = pipeline.preview_images(req)
     first_frame = pipeline.run_post_denoise(req).frames[0][0]
     assert len(preview) == 1 and preview[0].size == (80, 48)
-    diff = int(np.abs(np.asarray(preview[0]).astype(int) - first_frame.astype(int)).max())
+    diff = max_pixel_diff(np.asarray(preview[0]), first_frame)
     assert diff <= 1, diff
 
 
@@ -216,12 +208,6 @@ def test_t2v_default_size_is_the_16_9_bucket(t2v) -> None:
     assert (params.num_frames, params.num_inference_steps, params.fps) == (121, 50, 24)
 
 
-def _input_image(height: int, width: int) -> Image.Image:
-    y, x = np.mgrid[0:height, 0:width]
-    rgb = np.stack([x / width, y / height, 0.5 + 0.5 * np.sin(x / 5.0)], axis=-1) * 255
-    return Image.fromarray(rgb.astype(np.uint8))
-
-
 @pytest.fixture(scope="module")
 def i2v(tmp_path_factory):
     root = build_tiny_hunyuan_video15(
@@ -238,7 +224,9 @@ def test_i2v_matches_diffusers(i2v) -> None:
     videos of one prompt share the image conditioning and draw their noise together."""
     ours, reference = i2v
     assert ours.pipeline.denoiser.meanflow
-    image = _input_image(40, 60)  # its bucket at the tiny DiT's target size: 48x64, a crop of the image
+    image = gradient_image(
+        width=60, height=40
+    )  # its bucket at the tiny DiT's target size: 48x64, a crop of the image
     kwargs = dict(num_frames=5, num_inference_steps=2, negative_prompt="static")
     out = ours.generate(prompt=PROMPT, image=image, seed=4, num_outputs_per_prompt=2, **kwargs)
     assert (out.params.height, out.params.width) == (48, 64)
@@ -265,5 +253,5 @@ def test_i2v_takes_an_explicit_size(i2v) -> None:
     """Unlike Diffusers' pipeline, a request may set the size: the image is cropped to it."""
     ours, _ = i2v
     kwargs = dict(height=32, width=64, num_frames=5, num_inference_steps=1, guidance_scale=1.0)
-    out = ours.generate(prompt=PROMPT, image=_input_image(40, 60), seed=1, **kwargs)
+    out = ours.generate(prompt=PROMPT, image=gradient_image(width=60, height=40), seed=1, **kwargs)
     assert np.stack(out.frames).shape == (1, 5, 32, 64, 3)

@@ -24,42 +24,32 @@ from diffusers import (
 from PIL import Image
 
 from diffserve import DiffGenerator, SamplingParams
+from diffserve.families.qwen_image.tiny import build_tiny_qwen_image
+from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
+from diffserve.families.z_image.tiny import build_tiny_zimage
 from diffserve.request import Req
-from diffserve.testing.image_metrics import psnr_uint8 as psnr
-from diffserve.testing.tiny_qwen_image import build_tiny_qwen_image
-from diffserve.testing.tiny_sd3 import TinySD3Spec, build_tiny_sd3
-from diffserve.testing.tiny_zimage import build_tiny_zimage
+from diffserve.testing.parity import (
+    assert_images_match,
+    denoise_together,
+    diffusers_uint8,
+    max_pixel_diff,
+    smooth_random_image,
+    stack_uint8,
+    to_uint8,
+)
 
 PSNR_BAR_DB = 40.0
 PROMPT = "a fox in the snow"
 HEIGHT, WIDTH = 32, 48
 
 
-def input_image(width: int, height: int, seed: int) -> Image.Image:
-    """A smooth random RGB picture (a coarse random grid upsampled), so the VAE sees structure."""
-    rng = np.random.default_rng(seed)
-    coarse = Image.fromarray(rng.integers(0, 256, size=(4, 4, 3), dtype=np.uint8))
-    return coarse.resize((width, height), Image.Resampling.BICUBIC)
-
-
-IMAGE = input_image(WIDTH, HEIGHT, seed=1)
+IMAGE = smooth_random_image(WIDTH, HEIGHT, seed=1)
 MASK = Image.new("L", (WIDTH, HEIGHT), 0)
 MASK.paste(255, (8, 8, 32, 24))
 
 
-def as_array(images) -> np.ndarray:
-    return np.stack([np.asarray(im) for im in images])
-
-
 def assert_matches(ours_u8: np.ndarray, ref_u8: np.ndarray, label: str, other: np.ndarray) -> None:
-    assert ours_u8.shape == ref_u8.shape, (ours_u8.shape, ref_u8.shape)
-    assert ref_u8.std() > 5, "the reference image is flat; the comparison would prove nothing"
-    value = psnr(ours_u8, ref_u8)
-    diff = int(np.abs(ours_u8.astype(int) - ref_u8.astype(int)).max())
-    control = psnr(other, ref_u8)
-    print(f"{label}: PSNR {value:.2f} dB, max abs diff {diff}; one input changed: {control:.2f} dB")
-    assert value >= PSNR_BAR_DB
-    assert control < PSNR_BAR_DB
+    assert_images_match(ours_u8, ref_u8, label, min_db=PSNR_BAR_DB, control=other)
 
 
 @pytest.fixture(scope="module")
@@ -71,16 +61,9 @@ def sd3(tmp_path_factory):
 
 
 def sd3_reference(pipe, seed: int, **kwargs) -> np.ndarray:
-    images = pipe(
-        prompt=PROMPT,
-        height=HEIGHT,
-        width=WIDTH,
-        generator=torch.Generator("cpu").manual_seed(seed),
-        output_type="np",
-        max_sequence_length=24,
-        **kwargs,
-    ).images
-    return (images * 255).round().astype(np.uint8)
+    return diffusers_uint8(
+        pipe, seed=seed, prompt=PROMPT, height=HEIGHT, width=WIDTH, max_sequence_length=24, **kwargs
+    )
 
 
 def sd3_inpaint_reference(pipe, seed: int, **kwargs) -> np.ndarray:
@@ -97,8 +80,7 @@ def sd3_inpaint_reference(pipe, seed: int, **kwargs) -> np.ndarray:
     with torch.no_grad():
         config = pipe.vae.config
         pixels = pipe.vae.decode(latents / config.scaling_factor + config.shift_factor, return_dict=False)[0]
-    images = pipe.image_processor.postprocess(pixels, output_type="np")
-    return (images * 255).round().astype(np.uint8)
+    return to_uint8(pipe.image_processor.postprocess(pixels, output_type="np"))
 
 
 @pytest.mark.parametrize(("strength", "extra"), [(0.3, {}), (0.8, {"guidance_scale": 1.0})])
@@ -109,12 +91,12 @@ def test_sd3_img2img_matches_diffusers(sd3, strength, extra) -> None:
         prompt=PROMPT, image=IMAGE, strength=strength, seed=5, max_sequence_length=24, **kwargs
     )
     ref = sd3_reference(img2img, 5, image=IMAGE, strength=strength, **kwargs)
-    other = as_array(
+    other = stack_uint8(
         ours.generate(
             prompt=PROMPT, seed=5, height=HEIGHT, width=WIDTH, max_sequence_length=24, **kwargs
         ).images
     )
-    assert_matches(as_array(out.images), ref, f"sd3 img2img strength {strength} {extra}", other)
+    assert_matches(stack_uint8(out.images), ref, f"sd3 img2img strength {strength} {extra}", other)
 
 
 def test_sd3_inpaint_two_outputs_match_diffusers(sd3) -> None:
@@ -130,12 +112,12 @@ def test_sd3_inpaint_two_outputs_match_diffusers(sd3) -> None:
         **kwargs,
     )
     ref = sd3_inpaint_reference(inpaint, 4, image=IMAGE, mask_image=MASK, num_images_per_prompt=2, **kwargs)
-    other = as_array(
+    other = stack_uint8(
         ours.generate(
             prompt=PROMPT, image=IMAGE, seed=4, num_outputs_per_prompt=2, max_sequence_length=24, **kwargs
         ).images
     )
-    assert_matches(as_array(out.images), ref, "sd3 inpaint n=2 strength 0.7", other)
+    assert_matches(stack_uint8(out.images), ref, "sd3 inpaint n=2 strength 0.7", other)
 
 
 # -- Z-Image: Diffusers encodes the input image at its own size, which is diffserve's default output size.
@@ -148,14 +130,7 @@ def z_image(tmp_path_factory):
 
 
 def z_image_reference(pipe, seed: int, **kwargs) -> np.ndarray:
-    images = pipe(
-        prompt=PROMPT,
-        generator=torch.Generator("cpu").manual_seed(seed),
-        output_type="np",
-        max_sequence_length=64,
-        **kwargs,
-    ).images
-    return (images * 255).round().astype(np.uint8)
+    return diffusers_uint8(pipe, seed=seed, prompt=PROMPT, max_sequence_length=64, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -166,8 +141,8 @@ def test_z_image_img2img_matches_diffusers(z_image, strength, extra) -> None:
     kwargs = dict(num_inference_steps=3, max_sequence_length=64, **extra)
     out = ours.generate(prompt=PROMPT, image=IMAGE, strength=strength, seed=5, **kwargs)
     ref = z_image_reference(img2img, 5, image=IMAGE, strength=strength, num_inference_steps=3, **extra)
-    other = as_array(ours.generate(prompt=PROMPT, seed=5, height=HEIGHT, width=WIDTH, **kwargs).images)
-    assert_matches(as_array(out.images), ref, f"z-image img2img strength {strength} {extra}", other)
+    other = stack_uint8(ours.generate(prompt=PROMPT, seed=5, height=HEIGHT, width=WIDTH, **kwargs).images)
+    assert_matches(stack_uint8(out.images), ref, f"z-image img2img strength {strength} {extra}", other)
 
 
 def test_z_image_inpaint_matches_diffusers(z_image) -> None:
@@ -184,12 +159,12 @@ def test_z_image_inpaint_matches_diffusers(z_image) -> None:
         **kwargs,
     )
     ref = z_image_reference(inpaint, 4, image=IMAGE, mask_image=MASK, num_images_per_prompt=2, **kwargs)
-    other = as_array(
+    other = stack_uint8(
         ours.generate(
             prompt=PROMPT, image=IMAGE, seed=4, num_outputs_per_prompt=2, max_sequence_length=64, **kwargs
         ).images
     )
-    assert_matches(as_array(out.images), ref, "z-image inpaint n=2 default strength 1.0", other)
+    assert_matches(stack_uint8(out.images), ref, "z-image inpaint n=2 default strength 1.0", other)
 
 
 # -- Qwen-Image ----------------------------------------------------------------------------------------
@@ -202,16 +177,9 @@ def qwen_image(tmp_path_factory):
 
 
 def qwen_reference(pipe, seed: int, **kwargs) -> np.ndarray:
-    images = pipe(
-        prompt=PROMPT,
-        height=HEIGHT,
-        width=WIDTH,
-        generator=torch.Generator("cpu").manual_seed(seed),
-        output_type="np",
-        max_sequence_length=64,
-        **kwargs,
-    ).images
-    return (images * 255).round().astype(np.uint8)
+    return diffusers_uint8(
+        pipe, seed=seed, prompt=PROMPT, height=HEIGHT, width=WIDTH, max_sequence_length=64, **kwargs
+    )
 
 
 @pytest.mark.parametrize(
@@ -225,12 +193,12 @@ def test_qwen_image_img2img_matches_diffusers(qwen_image, strength, extra) -> No
         prompt=PROMPT, image=IMAGE, strength=strength, seed=5, max_sequence_length=64, **kwargs
     )
     ref = qwen_reference(img2img, 5, image=IMAGE, strength=strength, **kwargs)
-    other = as_array(
+    other = stack_uint8(
         ours.generate(
             prompt=PROMPT, seed=5, height=HEIGHT, width=WIDTH, max_sequence_length=64, **kwargs
         ).images
     )
-    assert_matches(as_array(out.images), ref, f"qwen-image img2img strength {strength} {extra}", other)
+    assert_matches(stack_uint8(out.images), ref, f"qwen-image img2img strength {strength} {extra}", other)
 
 
 def test_qwen_image_inpaint_two_outputs_match_diffusers(qwen_image) -> None:
@@ -246,12 +214,12 @@ def test_qwen_image_inpaint_two_outputs_match_diffusers(qwen_image) -> None:
         **kwargs,
     )
     ref = qwen_reference(inpaint, 4, image=IMAGE, mask_image=MASK, num_images_per_prompt=2, **kwargs)
-    other = as_array(
+    other = stack_uint8(
         ours.generate(
             prompt=PROMPT, image=IMAGE, seed=4, num_outputs_per_prompt=2, max_sequence_length=64, **kwargs
         ).images
     )
-    assert_matches(as_array(out.images), ref, "qwen-image inpaint n=2 strength 0.7", other)
+    assert_matches(stack_uint8(out.images), ref, "qwen-image inpaint n=2 strength 0.7", other)
 
 
 # -- batch invariance on the spatial-latent families (FLUX's: test_flux_img2img_inpaint_parity.py) -----
@@ -268,27 +236,20 @@ def test_mixed_strengths_share_steps_and_match_each_run_alone(request, family) -
         SamplingParams(
             prompt="c",
             seed=3,
-            input_images=[input_image(WIDTH, HEIGHT, 4)],
+            input_images=[smooth_random_image(WIDTH, HEIGHT, 4)],
             mask_image=MASK,
             strength=0.7,
             **base,
         ),
     ]
-    alone = [as_array(ours.generate_from_params(p).images) for p in params]
+    alone = [stack_uint8(ours.generate_from_params(p).images) for p in params]
     running = [pipeline.run_pre_denoise(pipeline.validate(Req(params=p))) for p in params]
     assert [r.num_steps for r in running] == [4, 2, 3]
     assert len({pipeline.batch_key(r) for r in running}) == 1
-    done: dict[str, Req] = {}
-    biggest = 0
-    while running:
-        biggest = max(biggest, len(running))
-        pipeline.denoise_step(running)
-        for req in [r for r in running if r.is_denoised]:
-            running.remove(req)
-            done[req.params.prompt] = pipeline.run_post_denoise(req)
-    assert biggest == 3
+    done, step_sizes = denoise_together(pipeline, running)
+    assert max(step_sizes) == 3
     for p, want in zip(params, alone, strict=True):
-        got = as_array(done[p.prompt].images)
-        diff = int(np.abs(got.astype(int) - want.astype(int)).max())
+        got = stack_uint8(done[p.prompt].images)
+        diff = max_pixel_diff(got, want)
         print(f"{family} batched vs alone {p.prompt!r} (strength {p.strength}): max diff {diff}")
         assert diff <= 1

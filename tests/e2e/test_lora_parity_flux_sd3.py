@@ -25,10 +25,11 @@ from safetensors.torch import load_file, save_file
 
 from diffserve import DiffGenerator
 from diffserve.errors import LoraError
+from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
+from diffserve.testing.parity import assert_images_match, diffusers_uint8
 from diffserve.testing.tiny_lora import write_random_lora
 from diffserve.testing.tiny_lora_kohya import SINGLE_LINEAR1, KohyaNaming, write_random_kohya_flux_lora
-from diffserve.testing.tiny_sd3 import TinySD3Spec, build_tiny_sd3
 
 PSNR_BAR_DB = 40.0
 #: A LoRA must move the image at least this far from the base (mean absolute 8-bit difference).
@@ -67,25 +68,20 @@ class _Pair:
             self.reference.set_adapters([n for n, _ in adapters], adapter_weights=[s for _, s in adapters])
         elif self.reference.get_list_adapters():
             self.reference.disable_lora()
-        image = self.reference(
-            prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(SEED), output_type="np", **self.kwargs
-        ).images[0]
-        return (image * 255).round().astype(np.uint8)
+        return diffusers_uint8(self.reference, seed=SEED, prompt=PROMPT, **self.kwargs)[0]
 
     def check_parity(self, case: str, adapters: Adapters) -> None:
         ours, ref = self.run_ours(adapters), self.run_reference(adapters)
         assert ours.shape == ref.shape
-        value = psnr(ours, ref)
         effect = float(np.abs(ours.astype(np.int16) - self.ours_base).mean())
         ref_effect = float(np.abs(ref.astype(np.int16) - self.reference_base).mean())
         print(
-            f"{self.label} {case} {adapters}: PSNR {value:.2f} dB; "
-            f"mean change vs base {effect:.1f} (diffusers {ref_effect:.1f})"
+            f"{self.label} {case} {adapters}: mean change vs base {effect:.1f} (diffusers {ref_effect:.1f})"
         )
         assert effect >= MIN_LORA_EFFECT and ref_effect >= MIN_LORA_EFFECT, (
             "the LoRA barely changes the image"
         )
-        assert value >= PSNR_BAR_DB
+        assert_images_match(ours, ref, f"{self.label} {case} {adapters}", min_db=PSNR_BAR_DB)
 
     def check_base_untouched(self, some_adapter: str) -> None:
         self.run_ours([(some_adapter, 0.8)])  # a LoRA request right before, whatever ran earlier
@@ -93,9 +89,7 @@ class _Pair:
         assert np.array_equal(ours, self.ours_base), "a request without adapters must be the base image"
         ref = self.run_reference([])
         assert np.array_equal(ref, self.reference_base), "Diffusers' disabled adapters should give its base"
-        value = psnr(ours, ref)
-        print(f"{self.label} base after LoRA requests: PSNR {value:.2f} dB")
-        assert value >= PSNR_BAR_DB
+        assert_images_match(ours, ref, f"{self.label} base after LoRA requests", min_db=PSNR_BAR_DB)
 
 
 # ---------------------------------------------------------------------------------------------- FLUX

@@ -10,19 +10,24 @@ requests that share DiT batches get what each gets alone.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
 from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline
-from PIL import Image
 
 from diffserve import DiffGenerator, SamplingParams
 from diffserve.errors import InvalidRequestError
+from diffserve.families.ltx2.tiny import TinyLTX2Spec, build_tiny_ltx2
 from diffserve.outputs.audio_track import read_audio_track
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
-from diffserve.testing.tiny_ltx2 import TinyLTX2Spec, build_tiny_ltx2
+from diffserve.testing.parity import (
+    assert_images_match,
+    assert_parity,
+    gradient_image,
+    snr_db,
+    stack_uint8,
+    to_uint8,
+)
 
 PSNR_BAR_DB = 40.0
 SNR_BAR_DB = 40.0
@@ -40,17 +45,6 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def snr_db(ours: np.ndarray, reference: np.ndarray) -> float:
-    noise = float(((ours.astype(np.float64) - reference) ** 2).sum())
-    return (
-        math.inf if noise == 0 else 10 * math.log10(float((reference.astype(np.float64) ** 2).sum()) / noise)
-    )
-
-
-def _ref_u8(video: np.ndarray) -> np.ndarray:
-    return (video * 255).round().astype(np.uint8)
-
-
 @pytest.fixture(scope="module")
 def t2v(tmp_path_factory):
     root = build_tiny_ltx2(tmp_path_factory.mktemp("ltx2-t2v"), TinyLTX2Spec())
@@ -60,22 +54,15 @@ def t2v(tmp_path_factory):
 
 
 def _compare(out, ref, frames: int, height: int, width: int, what: str, outputs: int = 1) -> None:
-    ours_u8, ref_u8 = np.stack(out.frames), _ref_u8(ref.frames)
-    assert ours_u8.shape == ref_u8.shape == (outputs, frames, height, width, 3)
-    assert ref_u8.std() > 5, "the reference video is flat; the comparison would prove nothing"
-    video_db = psnr(ours_u8, ref_u8)
+    label = f"LTX-2 {what} {frames}x{height}x{width} video"
+    shape = (outputs, frames, height, width, 3)
+    assert_images_match(stack_uint8(out.frames), to_uint8(ref.frames), label, min_db=PSNR_BAR_DB, shape=shape)
     ref_audio = ref.audio.float().numpy()
     assert len(out.audio) == outputs
     assert all(track.sample_rate == 24000 for track in out.audio)
     ours_audio = np.stack([track.waveform for track in out.audio])
-    assert ours_audio.shape == ref_audio.shape
     assert np.abs(ref_audio).max() > 1e-3, "the reference soundtrack is silent"
-    audio_db = snr_db(ours_audio, ref_audio)
-    print(
-        f"LTX-2 {what} {frames}x{height}x{width}: video PSNR {video_db:.2f} dB, audio SNR {audio_db:.2f} dB"
-    )
-    assert video_db >= PSNR_BAR_DB
-    assert audio_db >= SNR_BAR_DB
+    assert_parity(ours_audio, ref_audio, f"LTX-2 {what} {frames}x{height}x{width} audio", min_db=SNR_BAR_DB)
 
 
 def test_ltx2_text_states_match_diffusers(t2v) -> None:
@@ -212,15 +199,9 @@ def i2v(tmp_path_factory):
     return DiffGenerator.from_pretrained(root, device="cpu", show_progress=False), reference
 
 
-def _input_image(height: int, width: int) -> Image.Image:
-    y, x = np.mgrid[0:height, 0:width]
-    rgb = np.stack([x / width, y / height, 0.5 + 0.5 * np.sin(x / 5.0)], axis=-1) * 255
-    return Image.fromarray(rgb.astype(np.uint8))
-
-
 def test_ltx2_i2v_matches_diffusers(i2v) -> None:
     ours, reference = i2v
-    image = _input_image(50, 90)
+    image = gradient_image(width=90, height=50)
     kwargs = dict(height=64, width=96, num_frames=9, num_inference_steps=3, guidance_scale=3.0)
     out = ours.generate(prompt=PROMPT, image=image, seed=4, max_sequence_length=MSL, extra=STG, **kwargs)
     ref = reference(

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
+from diffserve.families.flux.tiny import TinyFluxSpec, build_tiny_flux
 from diffserve.testing.image_metrics import psnr_uint8
-from diffserve.testing.tiny_flux import TinyFluxSpec, build_tiny_flux
 
 CAP_BYTES = 64 * 2**20
 #: What a run grows by besides the DiT's weights: the encoders, the VAE, the modules imported while loading,

@@ -22,12 +22,12 @@ PINNED_DIR = Path(__file__).resolve().parents[1] / "data" / "pinned"
 #: family -> (builder "module:function", builder spec kwargs or None, request params)
 CASES: dict[str, tuple[str, dict, dict]] = {
     "flux": (
-        "diffserve.testing.tiny_flux:build_tiny_flux",
+        "diffserve.families.flux.tiny:build_tiny_flux",
         {},
         {"height": 32, "width": 48, "num_inference_steps": 3, "guidance_scale": 3.5},
     ),
     "flux-true-cfg": (
-        "diffserve.testing.tiny_flux:build_tiny_flux",
+        "diffserve.families.flux.tiny:build_tiny_flux",
         {},
         {
             "height": 48,
@@ -38,12 +38,12 @@ CASES: dict[str, tuple[str, dict, dict]] = {
         },
     ),
     "sd3": (
-        "diffserve.testing.tiny_sd3:build_tiny_sd3",
+        "diffserve.families.sd3.tiny:build_tiny_sd3",
         {},
         {"height": 32, "width": 32, "num_inference_steps": 3, "guidance_scale": 4.0},
     ),
     "qwen-image": (
-        "diffserve.testing.tiny_qwen_image:build_tiny_qwen_image",
+        "diffserve.families.qwen_image.tiny:build_tiny_qwen_image",
         {},
         {
             "height": 32,
@@ -54,7 +54,7 @@ CASES: dict[str, tuple[str, dict, dict]] = {
         },
     ),
     "qwen-image-edit": (
-        "diffserve.testing.tiny_qwen_image:build_tiny_qwen_image_edit",
+        "diffserve.families.qwen_image.tiny:build_tiny_qwen_image_edit",
         {},
         {
             "height": 32,
@@ -66,17 +66,17 @@ CASES: dict[str, tuple[str, dict, dict]] = {
         },
     ),
     "z-image": (
-        "diffserve.testing.tiny_zimage:build_tiny_zimage",
+        "diffserve.families.z_image.tiny:build_tiny_zimage",
         {},
         {"height": 32, "width": 32, "num_inference_steps": 3, "guidance_scale": 3.0},
     ),
     "wan-t2v": (
-        "diffserve.testing.tiny_wan:build_tiny_wan",
+        "diffserve.families.wan.tiny:build_tiny_wan",
         {},
         {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 2, "guidance_scale": 4.0},
     ),
     "wan-i2v": (
-        "diffserve.testing.tiny_wan:build_tiny_wan",
+        "diffserve.families.wan.tiny:build_tiny_wan",
         {"image_to_video": True},
         {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 2, "input_images": "gradient"},
     ),

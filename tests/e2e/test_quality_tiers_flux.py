@@ -11,10 +11,10 @@ import pytest
 from diffserve import DiffGenerator, SamplingParams
 from diffserve.configs.quality import PSNR_BARS, write_calibration
 from diffserve.errors import UserError
+from diffserve.families.flux.tiny import build_tiny_flux
 from diffserve.models.step_cache import StepCachePolicy
 from diffserve.request import Req
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
-from diffserve.testing.tiny_flux import build_tiny_flux
 
 STEPS = 20
 PROMPTS = ["a red fox in the snow", "a blue house on a hill"]

@@ -21,12 +21,12 @@ import torch
 
 from diffserve import DiffGenerator, SamplingParams
 from diffserve.configs.quality import PSNR_BARS
+from diffserve.families.qwen_image.tiny import build_tiny_qwen_image
+from diffserve.families.sd3.tiny import build_tiny_sd3
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel, QwenImageTransformerConfig
 from diffserve.models.step_cache import BatchStepCache, CacheRows, StepCachePolicy, StepCacheState
 from diffserve.request import Req
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
-from diffserve.testing.tiny_qwen_image import build_tiny_qwen_image
-from diffserve.testing.tiny_sd3 import build_tiny_sd3
 
 STEPS = 20
 SIZE = {"height": 64, "width": 64}

@@ -22,11 +22,11 @@ from PIL import Image
 
 from diffserve import DiffGenerator, SamplingParams
 from diffserve.configs.quality import PSNR_BARS
+from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
+from diffserve.families.z_image.tiny import build_tiny_zimage
 from diffserve.models.step_cache import BatchStepCache, CacheRows, StepCachePolicy, StepCacheState
 from diffserve.request import Req
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
-from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
-from diffserve.testing.tiny_zimage import build_tiny_zimage
 
 STEPS = 20
 PROMPT = "a red fox in the snow"

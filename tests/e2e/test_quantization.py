@@ -18,19 +18,20 @@ from torch import nn
 from diffserve import DiffGenerator
 from diffserve.cli.main import main
 from diffserve.errors import LoraError, UserError
+from diffserve.families.qwen_image.tiny import build_tiny_qwen_image
+from diffserve.families.sd3.tiny import build_tiny_sd3
+from diffserve.families.wan.tiny import build_tiny_wan
+from diffserve.families.z_image.tiny import build_tiny_zimage
 from diffserve.layers.quantized_linear import QuantizedLinear
-from diffserve.loader.quantize import FULL_PRECISION_MODULES, quantizable_linears, quantize_dit, tensor_bytes
+from diffserve.loader.quantize import quantizable_linears, quantize_dit, tensor_bytes
 from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
 from diffserve.models.dits.sd3 import SD3Transformer2DModel
 from diffserve.models.dits.wan import WanTransformer3DModel
 from diffserve.models.dits.z_image import ZImageTransformer2DModel
+from diffserve.registry import DIT_FACTS
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 from diffserve.testing.tiny_lora import write_random_lora
-from diffserve.testing.tiny_qwen_image import build_tiny_qwen_image
-from diffserve.testing.tiny_sd3 import build_tiny_sd3
-from diffserve.testing.tiny_wan import build_tiny_wan
-from diffserve.testing.tiny_zimage import build_tiny_zimage
 
 #: PSNR of the whole generation against full precision. int8: the issue's bar. fp8: measured 43-57 dB
 #: on these tiny checkpoints (e4m3 keeps 3 mantissa bits against int8's ~7), asserted with a margin.
@@ -74,9 +75,11 @@ def test_quantized_generation_is_close_to_full_precision_and_repeatable(family_f
         dit_class = type(dit).diffusers_class_name
         quantized = [m for m in dit.modules() if isinstance(m, QuantizedLinear)]
         assert quantized and {m.mode for m in quantized} == {mode}
-        assert quantizable_linears(dit, dit_class) == [], "a block Linear was left in full precision"
+        assert quantizable_linears(dit, dit_class, DIT_FACTS) == [], (
+            "a block Linear was left in full precision"
+        )
         kept = [n for n, m in dit.named_modules() if type(m) is nn.Linear]
-        assert all(n.split(".")[0] in FULL_PRECISION_MODULES[dit_class] for n in kept)
+        assert all(n.split(".")[0] in DIT_FACTS.full_precision_modules(dit_class) for n in kept)
         out = _generate(gen, family)
         value = psnr(out, full)
         print(f"{family} {mode}: {len(quantized)} Linears quantized, {len(kept)} kept; PSNR {value:.2f} dB")
@@ -113,7 +116,7 @@ def test_int8_weight_bytes_of_published_dits_are_under_30_percent_of_float32() -
             dit = cls.from_config(config)
         params = sum(p.numel() for p in dit.parameters())
         before = tensor_bytes(dit)
-        quantize_dit(dit, "int8", cls.diffusers_class_name)
+        quantize_dit(dit, "int8", cls.diffusers_class_name, DIT_FACTS)
         after = tensor_bytes(dit)
         print(
             f"{name}: {params / 1e9:.2f}B params, float32 {before / 2**30:.1f} GiB -> int8 "
@@ -133,12 +136,12 @@ def test_int8_frees_the_float32_weights_of_a_loaded_flux_dit() -> None:
          "axes_dims_rope": [8, 28, 28]}
     )  # fmt: skip
     dit.fuse_for_inference()
-    targets = quantizable_linears(dit, "FluxTransformer2DModel")
+    targets = quantizable_linears(dit, "FluxTransformer2DModel", DIT_FACTS)
     freed = [weakref.ref(linear.weight) for _, linear in targets]
     target_bytes = sum(tensor_bytes(linear) for _, linear in targets)
     del targets
     before = tensor_bytes(dit)
-    quantize_dit(dit, "int8", "FluxTransformer2DModel")
+    quantize_dit(dit, "int8", "FluxTransformer2DModel", DIT_FACTS)
     after = tensor_bytes(dit)
     gc.collect()
     assert all(ref() is None for ref in freed), "a replaced float32 weight is still referenced"
@@ -158,9 +161,9 @@ def test_unsupported_modes_and_models_are_clear_errors(tiny_flux_dir) -> None:
         DiffGenerator.from_pretrained(tiny_flux_dir, device="cpu", show_progress=False, quantization="int4")
     layer = nn.Sequential(nn.Linear(16, 16))
     with pytest.raises(UserError, match="int8, fp8"):
-        quantize_dit(layer, "nf4", "FluxTransformer2DModel")
+        quantize_dit(layer, "nf4", "FluxTransformer2DModel", DIT_FACTS)
     with pytest.raises(UserError, match="not supported for MyTransformer"):
-        quantize_dit(layer, "int8", "MyTransformer")
+        quantize_dit(layer, "int8", "MyTransformer", DIT_FACTS)
 
 
 @pytest.fixture
@@ -194,7 +197,7 @@ def test_lora_on_a_quantized_dit_is_a_lora_error(tiny_flux_dir, tmp_path) -> Non
 
 
 def test_both_experts_of_a_wan22_a14b_folder_are_quantized(tmp_path) -> None:
-    from diffserve.testing.tiny_wan import TinyWanSpec
+    from diffserve.families.wan.tiny import TinyWanSpec
 
     folder = build_tiny_wan(tmp_path / "a14b", TinyWanSpec(variant="2.2-a14b"))
     context = _load(folder, "int8").pipeline.context

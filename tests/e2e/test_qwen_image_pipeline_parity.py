@@ -14,28 +14,21 @@ from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImag
 from PIL import Image
 
 from diffserve import DiffGenerator
-from diffserve.configs.qwen_image import QwenImageEditPipelineConfig, QwenImageEditPlusPipelineConfig
 from diffserve.errors import InvalidRequestError
-from diffserve.pipelines import qwen_image as qwen_pipelines
-from diffserve.testing.image_metrics import psnr_uint8 as psnr
-from diffserve.testing.tiny_qwen_image import (
+from diffserve.families.qwen_image import pipeline as qwen_pipelines
+from diffserve.families.qwen_image.config import QwenImageEditPipelineConfig, QwenImageEditPlusPipelineConfig
+from diffserve.families.qwen_image.tiny import (
     build_tiny_qwen_image,
     build_tiny_qwen_image_edit,
     build_tiny_qwen_image_edit_plus,
     load_qwen_vl_processor,
 )
+from diffserve.testing.image_metrics import psnr_uint8 as psnr
+from diffserve.testing.parity import assert_images_match, diffusers_uint8, stack_uint8
 
 PSNR_BAR_DB = 40.0
 CONDITION_AREA = 96 * 64
 PROMPT = "a red fox in the snow"
-
-
-def _u8(images) -> np.ndarray:
-    return np.stack([np.asarray(im) for im in images])
-
-
-def _ref_u8(array: np.ndarray) -> np.ndarray:
-    return (array * 255).round().astype(np.uint8)
 
 
 class _CountingForward:
@@ -74,20 +67,11 @@ def test_qwen_image_pixels_match_diffusers(t2i, height, width, steps, extra) -> 
     out = ours.generate(prompt=PROMPT, seed=3, **kwargs, **extra)
     ref_extra = dict(extra)
     n = ref_extra.pop("num_outputs_per_prompt", 1)
-    ref = reference(
-        prompt=PROMPT,
-        generator=torch.Generator("cpu").manual_seed(3),
-        output_type="np",
-        num_images_per_prompt=n,
-        **kwargs,
-        **ref_extra,
-    ).images
-    ours_u8, ref_u8 = _u8(out.images), _ref_u8(ref)
-    assert ours_u8.shape == ref_u8.shape == (n, height, width, 3)
-    assert ref_u8.std() > 5, "the reference image is flat; the comparison would prove nothing"
-    value = psnr(ours_u8, ref_u8)
-    print(f"Qwen-Image {height}x{width} {extra}: PSNR {value:.2f} dB")
-    assert value >= PSNR_BAR_DB
+    ref_u8 = diffusers_uint8(reference, seed=3, prompt=PROMPT, num_images_per_prompt=n, **kwargs, **ref_extra)
+    label = f"Qwen-Image {height}x{width} {extra}"
+    assert_images_match(
+        stack_uint8(out.images), ref_u8, label, min_db=PSNR_BAR_DB, shape=(n, height, width, 3)
+    )
 
 
 def test_qwen_image_cfg_changes_the_image_and_runs_one_forward_per_step(t2i) -> None:
@@ -98,7 +82,7 @@ def test_qwen_image_cfg_changes_the_image_and_runs_one_forward_per_step(t2i) -> 
     guided = ours.generate(prompt=PROMPT, true_cfg_scale=5.0, negative_prompt="ugly", **kwargs)
     assert counter.calls == 3, "positive and negative branches should share one forward per step"
     plain = ours.generate(prompt=PROMPT, true_cfg_scale=1.0, **kwargs)
-    assert psnr(_u8(guided.images), _u8(plain.images)) < 35
+    assert psnr(stack_uint8(guided.images), stack_uint8(plain.images)) < 35
 
 
 def test_qwen_image_text_encoding_matches_diffusers(t2i) -> None:
@@ -166,22 +150,13 @@ def test_qwen_image_edit_pixels_match_diffusers(edit, size, extra) -> None:
     image = _input_image(*size)
     kwargs = dict(num_inference_steps=3, max_sequence_length=64, **extra)
     out = ours.generate(prompt="make the sky red", image=image, seed=5, **kwargs)
-    ref = reference(
-        prompt="make the sky red",
-        image=image,
-        generator=torch.Generator("cpu").manual_seed(5),
-        output_type="np",
-        **kwargs,
-    ).images
-    ours_u8, ref_u8 = _u8(out.images), _ref_u8(ref)
-    assert ours_u8.shape == ref_u8.shape
+    ref_u8 = diffusers_uint8(reference, seed=5, prompt="make the sky red", image=image, **kwargs)
+    ours_u8 = stack_uint8(out.images)
     height, width = ours_u8.shape[1:3]
     # The output follows the input's aspect ratio (within the 32-pixel rounding of each side).
     assert abs(width / height - size[1] / size[0]) < 0.35
-    assert ref_u8.std() > 5
-    value = psnr(ours_u8, ref_u8)
-    print(f"Qwen-Image-Edit input {size} -> {height}x{width} {extra}: PSNR {value:.2f} dB")
-    assert value >= PSNR_BAR_DB
+    label = f"Qwen-Image-Edit input {size} -> {height}x{width} {extra}"
+    assert_images_match(ours_u8, ref_u8, label, min_db=PSNR_BAR_DB)
 
 
 def test_qwen_image_edit_needs_an_image_and_refuses_a_mask(edit) -> None:
@@ -232,16 +207,7 @@ def test_qwen_image_edit_plus_pixels_match_diffusers(edit_plus, num_images) -> N
     images = [_input_image(60, 90, seed=1), _input_image(80, 64, seed=2)][:num_images]
     kwargs = dict(num_inference_steps=2, true_cfg_scale=4.0, negative_prompt=" ", max_sequence_length=128)
     out = ours.generate(prompt="put the two together", image=images, seed=7, **kwargs)
-    ref = reference(
-        prompt="put the two together",
-        image=images,
-        generator=torch.Generator("cpu").manual_seed(7),
-        output_type="np",
-        **kwargs,
-    ).images
-    ours_u8, ref_u8 = _u8(out.images), _ref_u8(ref)
-    assert ours_u8.shape == ref_u8.shape
-    assert ref_u8.std() > 5
-    value = psnr(ours_u8, ref_u8)
-    print(f"Qwen-Image-Edit-Plus with {num_images} image(s) -> {ours_u8.shape[1:3]}: PSNR {value:.2f} dB")
-    assert value >= PSNR_BAR_DB
+    ref_u8 = diffusers_uint8(reference, seed=7, prompt="put the two together", image=images, **kwargs)
+    ours_u8 = stack_uint8(out.images)
+    label = f"Qwen-Image-Edit-Plus with {num_images} image(s) -> {ours_u8.shape[1:3]}"
+    assert_images_match(ours_u8, ref_u8, label, min_db=PSNR_BAR_DB)

@@ -13,8 +13,8 @@ import torch
 from diffusers import SanaPipeline
 
 from diffserve import DiffGenerator, SamplingParams
-from diffserve.testing.image_metrics import psnr_uint8 as psnr
-from diffserve.testing.tiny_sana import build_tiny_sana
+from diffserve.families.sana.tiny import build_tiny_sana
+from diffserve.testing.parity import assert_images_match, diffusers_uint8, stack_uint8
 
 PSNR_BAR_DB = 40.0
 
@@ -28,24 +28,11 @@ def engines(tmp_path_factory):
 
 
 def _reference_u8(reference: SanaPipeline, prompt: str, seed: int, n: int, **kwargs) -> np.ndarray:
-    images = reference(
-        prompt=prompt,
-        generator=torch.Generator("cpu").manual_seed(seed),
-        num_images_per_prompt=n,
-        output_type="np",
-        **kwargs,
-    ).images
-    return (images * 255).round().astype(np.uint8)
+    return diffusers_uint8(reference, seed=seed, prompt=prompt, num_images_per_prompt=n, **kwargs)
 
 
 def _check(name: str, ours: list, ref_u8: np.ndarray, shape: tuple[int, ...]) -> None:
-    ours_u8 = np.stack([np.asarray(im) for im in ours])
-    assert ours_u8.shape == ref_u8.shape == shape
-    assert ref_u8.std() > 5, "the reference image is flat; the comparison would prove nothing"
-    value = psnr(ours_u8, ref_u8)
-    diff = int(np.abs(ours_u8.astype(int) - ref_u8.astype(int)).max())
-    print(f"SANA {name}: PSNR {value:.2f} dB, max abs pixel diff {diff}")
-    assert value >= PSNR_BAR_DB
+    assert_images_match(stack_uint8(ours), ref_u8, f"SANA {name}", min_db=PSNR_BAR_DB, shape=shape)
 
 
 @pytest.mark.parametrize(

@@ -8,15 +8,14 @@ order.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from diffusers import SanaSprintPipeline
 
 from diffserve import DiffGenerator
 from diffserve.errors import InvalidRequestError
-from diffserve.testing.image_metrics import psnr_uint8 as psnr
-from diffserve.testing.tiny_sana import TinySanaSpec, build_tiny_sana
+from diffserve.families.sana.tiny import TinySanaSpec, build_tiny_sana
+from diffserve.testing.parity import assert_images_match, diffusers_uint8, stack_uint8
 
 PSNR_BAR_DB = 40.0
 
@@ -40,22 +39,11 @@ def test_sana_sprint_pixels_match_diffusers(engines, steps, n, reference_extra) 
     ours, reference = engines
     kwargs = dict(height=64, width=96, num_inference_steps=steps, guidance_scale=4.5)
     out = ours.generate(prompt="A cat in the Rain", seed=7, num_outputs_per_prompt=n, **kwargs)
-    ref = reference(
-        prompt="A cat in the Rain",
-        generator=torch.Generator("cpu").manual_seed(7),
-        num_images_per_prompt=n,
-        output_type="np",
-        **kwargs,
-        **reference_extra,
-    ).images
-    ref_u8 = (ref * 255).round().astype(np.uint8)
-    ours_u8 = np.stack([np.asarray(im) for im in out.images])
-    assert ours_u8.shape == ref_u8.shape == (n, 64, 96, 3)
-    assert ref_u8.std() > 5, "the reference image is flat; the comparison would prove nothing"
-    value = psnr(ours_u8, ref_u8)
-    diff = int(np.abs(ours_u8.astype(int) - ref_u8.astype(int)).max())
-    print(f"SANA-Sprint {steps} step(s), n={n}: PSNR {value:.2f} dB, max abs pixel diff {diff}")
-    assert value >= PSNR_BAR_DB
+    ref_u8 = diffusers_uint8(
+        reference, seed=7, prompt="A cat in the Rain", num_images_per_prompt=n, **kwargs, **reference_extra
+    )
+    label = f"SANA-Sprint {steps} step(s), n={n}"
+    assert_images_match(stack_uint8(out.images), ref_u8, label, min_db=PSNR_BAR_DB, shape=(n, 64, 96, 3))
 
 
 def test_sana_sprint_refuses_a_negative_prompt(engines) -> None:

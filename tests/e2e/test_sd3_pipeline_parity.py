@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from diffusers import StableDiffusion3Pipeline
 
 from diffserve import DiffGenerator
-from diffserve.testing.image_metrics import psnr_uint8 as psnr
-from diffserve.testing.tiny_sd3 import TinySD3Spec, build_tiny_sd3
+from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
+from diffserve.testing.parity import assert_images_match, diffusers_uint8, stack_uint8
 
 PSNR_BAR_DB = 40.0
 
@@ -40,19 +39,11 @@ def test_sd3_pixels_match_diffusers(engines, height, width, steps, extra) -> Non
     ours, reference = engines
     kwargs = dict(height=height, width=width, num_inference_steps=steps, max_sequence_length=24, **extra)
     out = ours.generate(prompt="a red fox in the snow", seed=3, **kwargs)
-    ref = reference(
-        prompt="a red fox in the snow",
-        generator=torch.Generator("cpu").manual_seed(3),
-        output_type="np",
-        **kwargs,
-    ).images
-    ref_u8 = (ref * 255).round().astype(np.uint8)
-    ours_u8 = np.stack([np.asarray(im) for im in out.images])
-    assert ours_u8.shape == ref_u8.shape == (1, height, width, 3)
-    assert ref_u8.std() > 5, "the reference image is flat; the comparison would prove nothing"
-    value = psnr(ours_u8, ref_u8)
-    print(f"SD3 {height}x{width} {extra}: PSNR {value:.2f} dB")
-    assert value >= PSNR_BAR_DB
+    ref_u8 = diffusers_uint8(reference, seed=3, prompt="a red fox in the snow", **kwargs)
+    label = f"SD3 {height}x{width} {extra}"
+    assert_images_match(
+        stack_uint8(out.images), ref_u8, label, min_db=PSNR_BAR_DB, shape=(1, height, width, 3)
+    )
 
 
 def test_sd3_text_encoding_matches_diffusers(engines) -> None:
@@ -103,7 +94,5 @@ def test_sd3_without_t5_matches_diffusers(tmp_path) -> None:
     )
     kwargs = dict(height=64, width=48, num_inference_steps=2, guidance_scale=5.0, max_sequence_length=16)
     out = ours.generate(prompt="a fox", seed=9, **kwargs)
-    ref = reference(
-        prompt="a fox", generator=torch.Generator("cpu").manual_seed(9), output_type="np", **kwargs
-    ).images
-    assert psnr(np.asarray(out.images[0]), (ref[0] * 255).round().astype(np.uint8)) >= PSNR_BAR_DB
+    ref_u8 = diffusers_uint8(reference, seed=9, prompt="a fox", **kwargs)
+    assert_images_match(stack_uint8(out.images), ref_u8, "SD3 without T5", min_db=PSNR_BAR_DB)

@@ -16,10 +16,10 @@ from diffserve import DiffGenerator
 from diffserve.cli.main import build_parser
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError
+from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
 from diffserve.server.schemas import ImageGenerationRequest
 from diffserve.stages.input_validation import InputValidationStage
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
-from diffserve.testing.tiny_sd3 import TinySD3Spec, build_tiny_sd3
 
 PSNR_BAR_DB = 40.0
 NUM_LAYERS = 4

@@ -29,24 +29,25 @@ from safetensors.torch import load_file, save_file
 from diffserve import DiffGenerator
 from diffserve.cli.main import main
 from diffserve.errors import ModelLoadError, UserError
+from diffserve.families.flux.tiny import TinyFluxSpec, build_tiny_flux
+from diffserve.families.qwen_image.tiny import build_tiny_qwen_image
+from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
+from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
+from diffserve.families.z_image.tiny import build_tiny_zimage
 from diffserve.loader.single_file import load_transformer_weights_file
 from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
 from diffserve.models.dits.sd3 import SD3Transformer2DModel
 from diffserve.models.dits.wan import WanTransformer3DModel
 from diffserve.models.dits.z_image import ZImageTransformer2DModel
+from diffserve.registry import DIT_FACTS
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
-from diffserve.testing.tiny_flux import TinyFluxSpec, build_tiny_flux
-from diffserve.testing.tiny_qwen_image import build_tiny_qwen_image
-from diffserve.testing.tiny_sd3 import TinySD3Spec, build_tiny_sd3
 from diffserve.testing.tiny_single_file import (
     fp8_state_dict,
     original_state_dict,
     quantize_k,
     write_gguf,
 )
-from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
-from diffserve.testing.tiny_zimage import build_tiny_zimage
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is needed for .gguf checkpoints")
 
@@ -233,15 +234,15 @@ def test_flux_names_match_diffusers_converter_at_full_size() -> None:
     converted = convert_flux_transformer_checkpoint_to_diffusers(dict(original))
     assert {k: tuple(v.shape) for k, v in converted.items()} == {k: tuple(v.shape) for k, v in state.items()}
 
-    from diffserve.loader.single_file_keys import family_keys
     from diffserve.loader.single_file_keys.validate import choose_plan, plan_problems
 
-    keys = family_keys("FluxTransformer2DModel")
+    keys = DIT_FACTS.single_file("FluxTransformer2DModel")
+    assert keys is not None
     shapes = {k: tuple(v.shape) for k, v in original.items()}
     model_shapes = {k: tuple(v.shape) for k, v in state.items()}
     chosen = choose_plan(keys, shapes, frozenset(model_shapes))
     assert chosen.naming == "original FLUX.1 names"
-    assert plan_problems(chosen, shapes, model_shapes, keys) is None
+    assert plan_problems(chosen, shapes, model_shapes, keys, DIT_FACTS) is None
 
 
 # --------------------------------------------------------------------------- pre-quantized FP8
@@ -269,7 +270,9 @@ def test_fp8_weights_load_as_their_dequantized_values(ckpt, tmp_path, layout, pe
         dequantized[name] = value
     expected = convert_sd3_transformer_checkpoint_to_diffusers(dequantized)
     module = ckpt.meta_module("sd3")
-    load_transformer_weights_file(module, path, "SD3Transformer2DModel", torch.device("cpu"), torch.float32)
+    load_transformer_weights_file(
+        module, path, "SD3Transformer2DModel", torch.device("cpu"), torch.float32, DIT_FACTS
+    )
     loaded = module.state_dict()
     assert loaded.keys() == expected.keys()
     for key, value in expected.items():
@@ -332,7 +335,9 @@ def test_gguf_weights_equal_diffusers_dequantization(ckpt, tmp_path, qtype) -> N
     path = tmp_path / f"flux-diffusers-{qtype}.gguf"
     write_gguf(path, ckpt.state("flux"), qtype, "flux")  # Diffusers names: one file tensor per model tensor
     module = ckpt.meta_module("flux")
-    load_transformer_weights_file(module, path, "FluxTransformer2DModel", torch.device("cpu"), torch.float32)
+    load_transformer_weights_file(
+        module, path, "FluxTransformer2DModel", torch.device("cpu"), torch.float32, DIT_FACTS
+    )
     loaded = module.state_dict()
     reference = load_gguf_checkpoint(str(path), return_tensors=True)
     assert reference.keys() == loaded.keys()
@@ -404,7 +409,7 @@ def test_same_gguf_file_through_diffusers_gguf_loader(ckpt, tmp_path, name, qtyp
 def _load(ckpt: Checkpoints, name: str, path: Path) -> None:
     module = ckpt.meta_module(name)
     load_transformer_weights_file(
-        module, path, FAMILIES[name].dit_class.__name__, torch.device("cpu"), torch.float32
+        module, path, FAMILIES[name].dit_class.__name__, torch.device("cpu"), torch.float32, DIT_FACTS
     )
 
 

@@ -14,7 +14,7 @@ from diffserve.testing.image_metrics import psnr_uint8 as psnr
 #: (family builder, three requests' extra params: different steps / guidance / CFG on and off)
 CASES = {
     "flux": (
-        "diffserve.testing.tiny_flux:build_tiny_flux",
+        "diffserve.families.flux.tiny:build_tiny_flux",
         [
             {"num_inference_steps": 4, "guidance_scale": 3.5},
             {
@@ -27,7 +27,7 @@ CASES = {
         ],
     ),
     "qwen-image": (
-        "diffserve.testing.tiny_qwen_image:build_tiny_qwen_image",
+        "diffserve.families.qwen_image.tiny:build_tiny_qwen_image",
         [
             {"num_inference_steps": 4, "true_cfg_scale": 4.0, "negative_prompt": "blurry"},
             {"num_inference_steps": 3, "true_cfg_scale": 1.0},
@@ -39,7 +39,7 @@ CASES = {
         ],
     ),
     "z-image": (
-        "diffserve.testing.tiny_zimage:build_tiny_zimage",
+        "diffserve.families.z_image.tiny:build_tiny_zimage",
         [
             {"num_inference_steps": 4, "guidance_scale": 4.0},
             {"num_inference_steps": 3, "guidance_scale": 0.0},
@@ -112,7 +112,7 @@ def test_batched_steps_give_the_images_each_request_gets_alone(case) -> None:
 def test_transposed_sizes_with_equal_token_counts_do_not_share_a_batch(tmp_path) -> None:
     """48x80 and 80x48 FLUX latents pack to the same (tokens, channels) shape but have other position
     ids: they must run in separate DiT batches, each equal to its own run."""
-    from diffserve.testing.tiny_flux import build_tiny_flux
+    from diffserve.families.flux.tiny import build_tiny_flux
 
     gen = DiffGenerator.from_pretrained(build_tiny_flux(tmp_path / "flux"), device="cpu", show_progress=False)
     params = [

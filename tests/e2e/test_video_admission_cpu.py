@@ -11,11 +11,11 @@ import pytest
 
 from diffserve import DiffGenerator
 from diffserve.configs.sampling_params import SamplingParams
+from diffserve.families.wan.tiny import build_tiny_wan
 from diffserve.platforms.cpu import read_vm_hwm_bytes, vm_hwm_resets
 from diffserve.request import Req
 from diffserve.runtime.calibration import calibrate_memory_model
 from diffserve.runtime.memory import MB, MemoryModel
-from diffserve.testing.tiny_wan import build_tiny_wan
 
 GB = 2**30
 #: Calibration probe sides: small, to keep the test short (the server uses runtime.memory.CALIBRATION_SIDES).

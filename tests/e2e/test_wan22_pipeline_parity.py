@@ -15,34 +15,26 @@ import numpy as np
 import pytest
 import torch
 from diffusers import WanImageToVideoPipeline, WanPipeline
-from PIL import Image
 
 from diffserve import DiffGenerator, SamplingParams
 from diffserve.errors import InvalidRequestError
+from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
 from diffserve.request import Req
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
-from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
+from diffserve.testing.parity import (
+    assert_images_match,
+    denoise_together,
+    diffusers_uint8,
+    gradient_image,
+    max_pixel_diff,
+)
 
 PSNR_BAR_DB = 40.0
 PROMPT = "a red fox running through snow"
 
 
-def _ref_u8(video: np.ndarray) -> np.ndarray:
-    return (video * 255).round().astype(np.uint8)
-
-
-def _input_image(height: int, width: int) -> Image.Image:
-    y, x = np.mgrid[0:height, 0:width]
-    rgb = np.stack([x / width, y / height, 0.5 + 0.5 * np.sin(x / 5.0)], axis=-1) * 255
-    return Image.fromarray(rgb.astype(np.uint8))
-
-
 def _check(label: str, ours: np.ndarray, ref: np.ndarray, shape: tuple[int, ...]) -> None:
-    assert ours.shape == ref.shape == shape
-    assert ref.std() > 5, "the reference video is flat; the comparison would prove nothing"
-    value = psnr(ours, ref)
-    print(f"{label}: PSNR {value:.2f} dB")
-    assert value >= PSNR_BAR_DB
+    assert_images_match(ours, ref, label, min_db=PSNR_BAR_DB, shape=shape)
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +61,8 @@ def test_a14b_t2v_frames_match_diffusers(a14b, height, width, extra) -> None:
     calls[:] = [0, 0]
     out = ours.generate(prompt=PROMPT, seed=3, max_sequence_length=64, **kwargs)
     assert calls == [1, 2], f"expected 1 high-noise and 2 low-noise expert steps, ran {calls}"
-    ref = reference(
-        prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(3), output_type="np",
-        max_sequence_length=64, **kwargs,
-    ).frames  # fmt: skip
-    _check(f"A14B T2V {height}x{width} {extra}", np.stack(out.frames), _ref_u8(ref), (1, 5, height, width, 3))
+    ref = diffusers_uint8(reference, seed=3, video=True, prompt=PROMPT, max_sequence_length=64, **kwargs)
+    _check(f"A14B T2V {height}x{width} {extra}", np.stack(out.frames), ref, (1, 5, height, width, 3))
 
 
 def test_a14b_unipc_matches_diffusers(tmp_path) -> None:
@@ -86,10 +75,8 @@ def test_a14b_unipc_matches_diffusers(tmp_path) -> None:
     high_noise_steps = ours.pipeline.denoiser.switch.experts(4, 4, 6).count(0)
     assert 0 < high_noise_steps < 4, "the boundary must fall inside the schedule"
     out = ours.generate(prompt=PROMPT, seed=2, **kwargs)
-    ref = reference(
-        prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(2), output_type="np", **kwargs
-    )
-    _check("A14B T2V UniPC 32x48", np.stack(out.frames), _ref_u8(ref.frames), (1, 5, 32, 48, 3))
+    ref = diffusers_uint8(reference, seed=2, video=True, prompt=PROMPT, **kwargs)
+    _check("A14B T2V UniPC 32x48", np.stack(out.frames), ref, (1, 5, 32, 48, 3))
 
 
 def test_a14b_guidance_scale_2_changes_the_video(a14b) -> None:
@@ -120,15 +107,10 @@ def test_a14b_batch_across_the_boundary_matches_alone(a14b) -> None:
     calls[:] = [0, 0]
     pipeline.denoise_step([first, second])  # a mixed list: one DiT batch per expert
     assert calls == [1, 1]
-    running, done = [first, second], {}
-    while running:
-        pipeline.denoise_step(running)
-        for req in [r for r in running if r.is_denoised]:
-            running.remove(req)
-            done[req.params.prompt] = pipeline.run_post_denoise(req)
+    done, _ = denoise_together(pipeline, [first, second])
     for p, want in zip(params, alone, strict=True):
         got = np.stack(done[p.prompt].frames)
-        diff = int(np.abs(got.astype(int) - want.astype(int)).max())
+        diff = max_pixel_diff(got, want)
         print(f"A14B batched vs alone {p.prompt!r}: max diff {diff}, PSNR {psnr(got, want):.1f} dB")
         assert diff <= 1
 
@@ -146,18 +128,12 @@ def a14b_i2v(tmp_path_factory):
 def test_a14b_i2v_without_image_encoder_matches_diffusers(a14b_i2v) -> None:
     ours, reference = a14b_i2v
     assert reference.image_encoder is None
-    image = _input_image(40, 60)
+    image = gradient_image(width=60, height=40)
     kwargs = dict(height=32, width=48, num_frames=5, num_inference_steps=3, guidance_scale=4.0,
                   guidance_scale_2=2.0, negative_prompt="static")  # fmt: skip
     out = ours.generate(prompt=PROMPT, image=image, seed=4, **kwargs)
-    ref = reference(
-        image=image,
-        prompt=PROMPT,
-        generator=torch.Generator("cpu").manual_seed(4),
-        output_type="np",
-        **kwargs,
-    ).frames
-    _check("A14B I2V 32x48", np.stack(out.frames), _ref_u8(ref), (1, 5, 32, 48, 3))
+    ref = diffusers_uint8(reference, seed=4, video=True, image=image, prompt=PROMPT, **kwargs)
+    _check("A14B I2V 32x48", np.stack(out.frames), ref, (1, 5, 32, 48, 3))
 
 
 @pytest.fixture(scope="module")
@@ -178,24 +154,20 @@ def test_ti2v_t2v_frames_match_diffusers(ti2v, extra) -> None:
     ours, reference, _ = ti2v
     kwargs = dict(height=32, width=64, num_frames=5, num_inference_steps=3, **extra)
     out = ours.generate(prompt=PROMPT, seed=7, max_sequence_length=64, **kwargs)
-    ref = reference(
-        prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(7), output_type="np",
-        max_sequence_length=64, **kwargs,
-    ).frames  # fmt: skip
-    _check(f"TI2V T2V 32x64 {extra}", np.stack(out.frames), _ref_u8(ref), (1, 5, 32, 64, 3))
+    ref = diffusers_uint8(reference, seed=7, video=True, prompt=PROMPT, max_sequence_length=64, **kwargs)
+    _check(f"TI2V T2V 32x64 {extra}", np.stack(out.frames), ref, (1, 5, 32, 64, 3))
 
 
 def test_ti2v_i2v_frames_match_diffusers(ti2v) -> None:
     ours, _, reference = ti2v
-    image = _input_image(50, 30)
+    image = gradient_image(width=30, height=50)
     kwargs = dict(height=64, width=32, num_frames=5, num_inference_steps=3, guidance_scale=5.0,
                   negative_prompt="static")  # fmt: skip
     out = ours.generate(prompt=PROMPT, image=image, seed=8, max_sequence_length=64, **kwargs)
-    ref = reference(
-        image=image, prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(8), output_type="np",
-        max_sequence_length=64, **kwargs,
-    ).frames  # fmt: skip
-    _check("TI2V I2V 64x32", np.stack(out.frames), _ref_u8(ref), (1, 5, 64, 32, 3))
+    ref = diffusers_uint8(
+        reference, seed=8, video=True, image=image, prompt=PROMPT, max_sequence_length=64, **kwargs
+    )
+    _check("TI2V I2V 64x32", np.stack(out.frames), ref, (1, 5, 64, 32, 3))
     plain = ours.generate(prompt=PROMPT, seed=8, max_sequence_length=64, **kwargs)
     assert psnr(np.stack(out.frames), np.stack(plain.frames)) < 35, "the input image changed nothing"
 

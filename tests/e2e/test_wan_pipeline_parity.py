@@ -10,19 +10,15 @@ import numpy as np
 import pytest
 import torch
 from diffusers import WanImageToVideoPipeline, WanPipeline
-from PIL import Image
 
 from diffserve import DiffGenerator
 from diffserve.errors import InvalidRequestError
+from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
-from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
+from diffserve.testing.parity import assert_images_match, diffusers_uint8, gradient_image
 
 PSNR_BAR_DB = 40.0
 PROMPT = "a red fox running through snow"
-
-
-def _ref_u8(video: np.ndarray) -> np.ndarray:
-    return (video * 255).round().astype(np.uint8)
 
 
 @pytest.fixture(scope="module", params=["flow-match-euler", "unipc"])
@@ -47,19 +43,10 @@ def test_wan_t2v_frames_match_diffusers(t2v, height, width, frames, steps, extra
     ours, reference = t2v
     kwargs = dict(height=height, width=width, num_frames=frames, num_inference_steps=steps, **extra)
     out = ours.generate(prompt=PROMPT, seed=3, max_sequence_length=64, **kwargs)
-    ref = reference(
-        prompt=PROMPT,
-        generator=torch.Generator("cpu").manual_seed(3),
-        output_type="np",
-        max_sequence_length=64,
-        **kwargs,
-    ).frames
-    ours_u8, ref_u8 = np.stack(out.frames), _ref_u8(ref)
-    assert ours_u8.shape == ref_u8.shape == (1, frames, height, width, 3)
-    assert ref_u8.std() > 5, "the reference video is flat; the comparison would prove nothing"
-    value = psnr(ours_u8, ref_u8)
-    print(f"Wan T2V {frames}x{height}x{width} {extra}: PSNR {value:.2f} dB")
-    assert value >= PSNR_BAR_DB
+    ref_u8 = diffusers_uint8(reference, seed=3, video=True, prompt=PROMPT, max_sequence_length=64, **kwargs)
+    label = f"Wan T2V {frames}x{height}x{width} {extra}"
+    shape = (1, frames, height, width, 3)
+    assert_images_match(np.stack(out.frames), ref_u8, label, min_db=PSNR_BAR_DB, shape=shape)
 
 
 def test_wan_cfg_changes_the_video(t2v) -> None:
@@ -90,40 +77,26 @@ def i2v(tmp_path_factory):
     )
 
 
-def _input_image(height: int, width: int) -> Image.Image:
-    y, x = np.mgrid[0:height, 0:width]
-    rgb = np.stack([x / width, y / height, 0.5 + 0.5 * np.sin(x / 5.0)], axis=-1) * 255
-    return Image.fromarray(rgb.astype(np.uint8))
-
-
 @pytest.mark.parametrize(
     "extra", [{"guidance_scale": 5.0, "negative_prompt": "static"}, {"guidance_scale": 1.0}]
 )
 def test_wan_i2v_frames_match_diffusers(i2v, extra) -> None:
     ours, reference = i2v
-    image = _input_image(40, 60)
+    image = gradient_image(width=60, height=40)
     kwargs = dict(height=32, width=48, num_frames=9, num_inference_steps=2, **extra)
     # Diffusers' I2V attention finds the image tokens by assuming exactly 512 text tokens: keep the default.
     out = ours.generate(prompt=PROMPT, image=image, seed=4, **kwargs)
-    ref = reference(
-        image=image,
-        prompt=PROMPT,
-        generator=torch.Generator("cpu").manual_seed(4),
-        output_type="np",
-        **kwargs,
-    ).frames
-    ours_u8, ref_u8 = np.stack(out.frames), _ref_u8(ref)
-    assert ours_u8.shape == ref_u8.shape == (1, 9, 32, 48, 3)
-    assert ref_u8.std() > 5
-    value = psnr(ours_u8, ref_u8)
-    print(f"Wan I2V {extra}: PSNR {value:.2f} dB")
-    assert value >= PSNR_BAR_DB
+    ref_u8 = diffusers_uint8(reference, seed=4, video=True, image=image, prompt=PROMPT, **kwargs)
+    shape = (1, 9, 32, 48, 3)
+    assert_images_match(np.stack(out.frames), ref_u8, f"Wan I2V {extra}", min_db=PSNR_BAR_DB, shape=shape)
 
 
 def test_wan_i2v_defaults_to_the_input_aspect_ratio(i2v) -> None:
     ours, _ = i2v
     params = ours.pipeline.resolve_params(
-        __import__("diffserve").SamplingParams(prompt=PROMPT, input_images=[_input_image(40, 80)])
+        __import__("diffserve").SamplingParams(
+            prompt=PROMPT, input_images=[gradient_image(width=80, height=40)]
+        )
     )
     assert params.width / params.height == pytest.approx(2.0, rel=0.1)
     assert params.height % 16 == 0 and params.width % 16 == 0

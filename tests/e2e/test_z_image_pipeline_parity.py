@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from diffusers import ZImagePipeline
 
 from diffserve import DiffGenerator
 from diffserve.errors import InvalidRequestError
+from diffserve.families.z_image.tiny import build_tiny_zimage
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
-from diffserve.testing.tiny_zimage import build_tiny_zimage
+from diffserve.testing.parity import assert_images_match, diffusers_uint8, stack_uint8
 
 PSNR_BAR_DB = 40.0
 PROMPT = "a red fox in the snow"
-
-
-def _u8(images) -> np.ndarray:
-    return np.stack([np.asarray(im) for im in images])
 
 
 @pytest.fixture(scope="module")
@@ -43,20 +39,11 @@ def test_z_image_pixels_match_diffusers(engines, height, width, steps, extra) ->
     out = ours.generate(prompt=PROMPT, seed=3, **kwargs, **extra)
     ref_extra = dict(extra)
     n = ref_extra.pop("num_outputs_per_prompt", 1)
-    ref = reference(
-        prompt=PROMPT,
-        generator=torch.Generator("cpu").manual_seed(3),
-        output_type="np",
-        num_images_per_prompt=n,
-        **kwargs,
-        **ref_extra,
-    ).images
-    ours_u8, ref_u8 = _u8(out.images), (ref * 255).round().astype(np.uint8)
-    assert ours_u8.shape == ref_u8.shape == (n, height, width, 3)
-    assert ref_u8.std() > 5, "the reference image is flat; the comparison would prove nothing"
-    value = psnr(ours_u8, ref_u8)
-    print(f"Z-Image {height}x{width} {extra}: PSNR {value:.2f} dB")
-    assert value >= PSNR_BAR_DB
+    ref_u8 = diffusers_uint8(reference, seed=3, prompt=PROMPT, num_images_per_prompt=n, **kwargs, **ref_extra)
+    label = f"Z-Image {height}x{width} {extra}"
+    assert_images_match(
+        stack_uint8(out.images), ref_u8, label, min_db=PSNR_BAR_DB, shape=(n, height, width, 3)
+    )
 
 
 def test_z_image_cfg_changes_the_image(engines) -> None:
@@ -64,7 +51,7 @@ def test_z_image_cfg_changes_the_image(engines) -> None:
     kwargs = dict(height=32, width=48, num_inference_steps=3, seed=1)
     guided = ours.generate(prompt=PROMPT, guidance_scale=4.0, negative_prompt="ugly", **kwargs)
     plain = ours.generate(prompt=PROMPT, guidance_scale=0.0, **kwargs)
-    assert psnr(_u8(guided.images), _u8(plain.images)) < 35
+    assert psnr(stack_uint8(guided.images), stack_uint8(plain.images)) < 35
 
 
 def test_z_image_text_encoding_matches_diffusers(engines) -> None:

@@ -40,10 +40,10 @@ VIDEO_FRAMES, VIDEO_FPS = 5, 8
 @pytest.fixture(scope="module")
 def servers(tiny_flux_dir, tmp_path_factory):
     """All three servers, started at once (their start-ups overlap); each fixture below waits for its own."""
-    from diffserve.testing.tiny_flux import TinyFluxSpec
-    from diffserve.testing.tiny_flux_kontext import build_tiny_flux_kontext
+    from diffserve.families.flux.tiny import TinyFluxSpec
+    from diffserve.families.flux.tiny_kontext import build_tiny_flux_kontext
+    from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
     from diffserve.testing.tiny_lora import write_random_lora
-    from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
 
     root = tmp_path_factory.mktemp("comfyui")
     lora_dir = root / "loras"

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from diffserve.models.vaes.autoencoder_kl import AutoencoderKL, DiagonalGaussian
+from diffserve.testing.parity import (
+    assert_parity,
+    assert_same_state_dict_layout,
+    parity_pair,
+    randomize_norms,
+)
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -41,40 +46,21 @@ NO_ATTENTION = {**FLUX_STYLE, "mid_block_add_attention": False, "act_fn": "mish"
 CONFIGS = {"flux": FLUX_STYLE, "sd": SD_STYLE, "no_attention": NO_ATTENTION}
 
 
-def _randomize_norms(model: torch.nn.Module) -> None:
-    """diffusers initialises GroupNorm to the identity; perturb it so a misrouted norm weight shows."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.2 * torch.randn_like(p))
-
-
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def pair(request: pytest.FixtureRequest) -> tuple[torch.nn.Module, AutoencoderKL]:
-    torch.manual_seed(0)
-    ref = diffusers.AutoencoderKL(**CONFIGS[request.param]).eval()
-    _randomize_norms(ref)
-    with torch.device("meta"):
-        native = AutoencoderKL.from_config(dict(ref.config))
-    native.load_state_dict(ref.state_dict(), assign=True, strict=True)
-    return ref.eval(), native.eval()
+    """diffusers initialises GroupNorm to the identity: the norms are randomised so a misrouted one shows."""
+    return parity_pair(
+        diffusers.AutoencoderKL, AutoencoderKL, CONFIGS[request.param], perturb=randomize_norms
+    )
 
 
 def _compare(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    max_abs = (got - want).abs().max().item()
-    cos = F.cosine_similarity(got.flatten().double(), want.flatten().double(), dim=0).item()
-    print(f"{name}: max_abs={max_abs:.3e} cos={cos:.8f}")
-    assert cos >= MIN_COS, f"{name}: cosine {cos}"
-    assert max_abs < MAX_ABS, f"{name}: max abs diff {max_abs:.3e}"
+    assert_parity(got, want, f"autoencoder-kl {name}", max_abs=MAX_ABS, min_cos=MIN_COS)
 
 
 def test_state_dict_keys_and_shapes(pair: tuple[torch.nn.Module, AutoencoderKL]) -> None:
     ref, native = pair
-    want = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in native.state_dict().items()}
-    assert got.keys() == want.keys(), (sorted(got.keys() - want.keys()), sorted(want.keys() - got.keys()))
-    assert got == want
+    assert_same_state_dict_layout(native, ref)
     assert all(t.device.type == "cpu" for t in native.state_dict().values())
 
 

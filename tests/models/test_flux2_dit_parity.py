@@ -10,6 +10,7 @@ import torch
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.models.dits.flux2 import Flux2Transformer2DModel, Flux2TransformerConfig
 from diffserve.models.step_cache import BatchStepCache, CacheRows, StepCacheState
+from diffserve.testing.parity import assert_parity, assert_same_state_dict_layout, parity_pair
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import Flux2Transformer2DModel as DiffusersFlux2  # noqa: E402
@@ -31,19 +32,11 @@ TXT = 7
 
 
 def _pair(guidance_embeds: bool) -> tuple[torch.nn.Module, Flux2Transformer2DModel]:
-    """A seeded Diffusers model and the native model loaded from its state dict through the meta device."""
-    torch.manual_seed(0)
-    ref = DiffusersFlux2(**TINY_CONFIG, guidance_embeds=guidance_embeds).eval()
-    # Perturb every tensor (the RMSNorm weights start at one) so no term is trivially an identity.
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    with torch.device("meta"):
-        ours = Flux2Transformer2DModel.from_config(
-            {**dict(ref.config), "_class_name": "Flux2Transformer2DModel", "_diffusers_version": "0.42.1"}
-        )
-    ours.load_state_dict(ref.state_dict(), strict=True, assign=True)
-    return ref, ours.eval()
+    """A seeded Diffusers model and the native model loaded from its state dict through the meta device,
+    every tensor perturbed (the RMSNorm weights start at one) so no term is trivially an identity."""
+    return parity_pair(
+        DiffusersFlux2, Flux2Transformer2DModel, {**TINY_CONFIG, "guidance_embeds": guidance_embeds}
+    )
 
 
 def _grid_ids(h: int, w: int, t: int = 0) -> torch.Tensor:
@@ -88,15 +81,8 @@ def _compare(
     with torch.no_grad():
         expected = ref(**ref_inputs, return_dict=False)[0].float()
         out = ours(**inputs).float()
-    assert out.shape == expected.shape
-    cos = torch.nn.functional.cosine_similarity(out.flatten(), expected.flatten(), dim=0).item()
-    max_abs = (out - expected).abs().max().item()
-    print(
-        f"[flux2 parity {label}] cosine={cos:.8f} max_abs_diff={max_abs:.3e} "
-        f"max|ref|={expected.abs().max():.3f}"
-    )
-    assert cos >= 0.9999
-    assert max_abs <= atol
+    label = f"flux2 parity {label}, max|ref|={expected.abs().max():.3f}"
+    assert_parity(out, expected, label, max_abs=atol, min_cos=0.9999)
     return out
 
 
@@ -107,13 +93,7 @@ def test_state_dict_keys_and_shapes_match_diffusers() -> None:
             ours = Flux2Transformer2DModel(
                 Flux2TransformerConfig(**TINY_CONFIG, guidance_embeds=guidance_embeds)
             )
-        ref_shapes = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
-        our_shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
-        assert set(our_shapes) == set(ref_shapes), (
-            f"missing={sorted(set(ref_shapes) - set(our_shapes))} "
-            f"extra={sorted(set(our_shapes) - set(ref_shapes))}"
-        )
-        assert our_shapes == ref_shapes
+        assert_same_state_dict_layout(ours, ref)
         assert not list(ours.buffers())
         # Bias-free everywhere, as in Diffusers (the LoRA / quantization code wraps these nn.Linear).
         assert all(m.bias is None for m in ours.modules() if isinstance(m, torch.nn.Linear))

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from diffserve.models.vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2
+from diffserve.testing.parity import (
+    assert_parity,
+    assert_same_state_dict_layout,
+    parity_pair,
+    randomize_norms,
+)
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline  # noqa: E402
@@ -30,43 +35,34 @@ TINY = {
 }
 
 
+def _perturb(ref: torch.nn.Module) -> None:
+    """GroupNorms start as the identity and the bn statistics at (0, 1): perturb them so a misrouted
+    tensor shows."""
+    randomize_norms(ref)
+    ref.bn.running_mean.copy_(torch.randn_like(ref.bn.running_mean))
+    ref.bn.running_var.copy_(torch.rand_like(ref.bn.running_var) * 2 + 0.1)
+    ref.bn.num_batches_tracked.fill_(7)
+
+
 def _pair(**overrides: object) -> tuple[torch.nn.Module, AutoencoderKLFlux2]:
-    torch.manual_seed(0)
-    ref = diffusers.AutoencoderKLFlux2(**{**TINY, **overrides}).eval()
-    with torch.no_grad():
-        # GroupNorms start as the identity and the bn statistics at (0, 1): perturb them so a misrouted
-        # tensor shows.
-        for name, p in ref.named_parameters():
-            if "norm" in name:
-                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.2 * torch.randn_like(p))
-        ref.bn.running_mean.copy_(torch.randn_like(ref.bn.running_mean))
-        ref.bn.running_var.copy_(torch.rand_like(ref.bn.running_var) * 2 + 0.1)
-        ref.bn.num_batches_tracked.fill_(7)
     # The released config.json carries force_upcast, which Diffusers' class does not declare.
-    config = {**dict(ref.config), "_class_name": "AutoencoderKLFlux2", "force_upcast": True}
-    with torch.device("meta"):
-        native = AutoencoderKLFlux2.from_config(config)
-    native.load_state_dict(ref.state_dict(), assign=True, strict=True)
-    return ref, native.eval()
+    return parity_pair(
+        diffusers.AutoencoderKLFlux2,
+        AutoencoderKLFlux2,
+        {**TINY, **overrides},
+        perturb=_perturb,
+        force_upcast=True,
+    )
 
 
 def _compare(name: str, got: torch.Tensor, want: torch.Tensor, max_abs: float = MAX_ABS) -> None:
-    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    diff = (got - want).abs().max().item()
-    cos = F.cosine_similarity(got.flatten().double(), want.flatten().double(), dim=0).item()
-    mse = (got.double() - want.double()).pow(2).mean().item()
-    psnr = 10 * torch.log10(torch.tensor(4.0 / max(mse, 1e-30))).item()  # images span [-1, 1]
-    print(f"[flux2 vae {name}] max_abs={diff:.3e} cos={cos:.8f} psnr={psnr:.1f}dB")
-    assert cos >= MIN_COS, f"{name}: cosine {cos}"
-    assert diff < max_abs, f"{name}: max abs diff {diff:.3e}"
+    assert_parity(got, want, f"flux2 vae {name}", max_abs=max_abs, min_cos=MIN_COS)
 
 
 def test_state_dict_keys_shapes_and_config() -> None:
     ref, native = _pair()
-    want = {k: (tuple(v.shape), v.dtype) for k, v in ref.state_dict().items()}
-    got = {k: (tuple(v.shape), v.dtype) for k, v in native.state_dict().items()}
-    assert got.keys() == want.keys(), (sorted(got.keys() - want.keys()), sorted(want.keys() - got.keys()))
-    assert got == want
+    assert_same_state_dict_layout(native, ref, dtypes=True)
+    got = native.state_dict()
     assert {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"} <= got.keys()
     assert int(native.bn.num_batches_tracked) == 7
     for key, value in native.config.items():

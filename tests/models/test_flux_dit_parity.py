@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from diffserve.models.dits.flux import FluxTransformer2DModel, FluxTransformerConfig
+from diffserve.testing.parity import assert_parity, assert_same_state_dict_layout, parity_pair
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import FluxTransformer2DModel as DiffusersFlux  # noqa: E402
@@ -27,19 +28,11 @@ TINY_CONFIG: dict[str, Any] = {
 
 
 def _pair(guidance_embeds: bool) -> tuple[torch.nn.Module, FluxTransformer2DModel]:
-    """A seeded Diffusers model and the native model loaded from its state dict through the meta device."""
-    torch.manual_seed(0)
-    ref = DiffusersFlux(**TINY_CONFIG, guidance_embeds=guidance_embeds).eval()
-    # Diffusers zero-initialises nothing here, but perturb every tensor so no term is trivially zero.
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    with torch.device("meta"):
-        ours = FluxTransformer2DModel.from_config(
-            {**dict(ref.config), "_class_name": "FluxTransformer2DModel"}
-        )
-    ours.load_state_dict(ref.state_dict(), strict=True, assign=True)
-    return ref, ours.eval()
+    """A seeded Diffusers model and the native model loaded from its state dict through the meta device.
+    Diffusers zero-initialises nothing here, but every tensor is perturbed so no term is trivially zero."""
+    return parity_pair(
+        DiffusersFlux, FluxTransformer2DModel, {**TINY_CONFIG, "guidance_embeds": guidance_embeds}
+    )
 
 
 def _img_ids(h: int, w: int) -> torch.Tensor:
@@ -55,12 +48,7 @@ def _compare(
     with torch.no_grad():
         expected = ref(**inputs, return_dict=False)[0].float()
         out = ours(**inputs).float()
-    assert out.shape == expected.shape
-    cos = torch.nn.functional.cosine_similarity(out.flatten(), expected.flatten(), dim=0).item()
-    max_abs = (out - expected).abs().max().item()
-    print(f"[flux parity {label}] cosine={cos:.8f} max_abs_diff={max_abs:.3e}")
-    assert cos >= 0.9999
-    assert max_abs <= atol
+    assert_parity(out, expected, f"flux parity {label}", max_abs=atol, min_cos=0.9999)
 
 
 def _inputs(
@@ -86,12 +74,7 @@ def test_state_dict_keys_and_shapes_match_diffusers() -> None:
         with torch.device("meta"):
             config = FluxTransformerConfig(**TINY_CONFIG, guidance_embeds=guidance_embeds)
             ours = FluxTransformer2DModel(config)
-        ref_shapes = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
-        our_shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
-        assert set(our_shapes) == set(ref_shapes), (
-            f"missing={sorted(set(ref_shapes) - set(our_shapes))} extra={sorted(set(our_shapes) - set(ref_shapes))}"
-        )
-        assert our_shapes == ref_shapes
+        assert_same_state_dict_layout(ours, ref)
         assert not list(ours.buffers())
 
 

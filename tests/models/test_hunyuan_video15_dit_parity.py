@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
-import math
 from typing import Any
 
 import pytest
@@ -22,6 +20,13 @@ from diffserve.models.dits.hunyuan_video15 import (
     HunyuanVideo15Transformer3DModel,
     HunyuanVideo15TransformerConfig,
     hunyuan_video15_rope_tables,
+)
+from diffserve.testing.parity import (
+    assert_parity,
+    assert_same_state_dict_layout,
+    diffusers_init_defaults,
+    parity_pair,
+    psnr_db,
 )
 
 diffusers = pytest.importorskip("diffusers")
@@ -55,19 +60,9 @@ MIN_PSNR_DB = 80.0
 
 
 def _pair(config: dict[str, Any]) -> tuple[torch.nn.Module, HunyuanVideo15Transformer3DModel]:
-    """A seeded Diffusers model and the native model loaded from its state dict through the meta device."""
-    torch.manual_seed(0)
-    ref = DiffusersHV15(**config).eval()
-    # Perturb every tensor (norm weights start at one, biases at zero) so that no term is trivial.
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    with torch.device("meta"):
-        ours = HunyuanVideo15Transformer3DModel.from_config(
-            {**dict(ref.config), "_class_name": "HunyuanVideo15Transformer3DModel"}
-        )
-    ours.load_state_dict(ref.state_dict(), strict=True, assign=True)
-    return ref, ours.eval()
+    """A seeded Diffusers model and the native model loaded from its state dict through the meta device,
+    every tensor perturbed (norm weights start at one, biases at zero) so that no term is trivial."""
+    return parity_pair(DiffusersHV15, HunyuanVideo15Transformer3DModel, config)
 
 
 Pair = tuple[torch.nn.Module, HunyuanVideo15Transformer3DModel]
@@ -104,12 +99,6 @@ def _inputs(
     }
 
 
-def _psnr_db(out: torch.Tensor, ref: torch.Tensor) -> float:
-    mse = (out.double() - ref.double()).pow(2).mean().item()
-    peak = ref.double().abs().max().item()
-    return math.inf if mse == 0 else 10 * math.log10(peak**2 / mse)
-
-
 def _reference(ref: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     with torch.no_grad():
         return ref(**inputs, return_dict=False)[0]
@@ -122,22 +111,14 @@ def _compare(
         out = ours(**inputs).float()
     assert out.shape == expected.shape == (2, LATENT_CHANNELS, *inputs["hidden_states"].shape[2:])
     assert torch.isfinite(out).all()
-    db = _psnr_db(out, expected)
-    print(
-        f"[hunyuan_video15 parity {label}] psnr={db:.1f} dB max_abs={(out - expected).abs().max().item():.3e}"
-    )
-    assert db >= MIN_PSNR_DB, f"{label}: {db:.1f} dB < {MIN_PSNR_DB} dB"
+    assert_parity(out, expected, f"hunyuan_video15 parity {label}", min_db=MIN_PSNR_DB, metric=psnr_db)
     return out
 
 
 def test_state_dict_keys_and_shapes_match_diffusers(tiny_pair: Pair, patch2_pair: Pair) -> None:
     """The fixtures loaded strict; here the names and shapes are compared outright."""
     for ref, ours in (tiny_pair, patch2_pair):
-        ref_shapes = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
-        our_shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
-        assert our_shapes == ref_shapes, (
-            f"missing={sorted(set(ref_shapes) - set(our_shapes))} extra={sorted(set(our_shapes) - set(ref_shapes))}"
-        )
+        assert_same_state_dict_layout(ours, ref)
 
 
 def test_rope_tables_match_diffusers() -> None:
@@ -216,22 +197,21 @@ def test_rows_are_independent_mixed_t2v_i2v_batch(tiny_pair: Pair) -> None:
         batched = ours(**inputs)
     for row in range(2):
         single = {k: v[row : row + 1] for k, v in inputs.items()}
-        expected = _reference(ref, single)
-        db = _psnr_db(batched[row : row + 1], expected)
-        print(f"[hunyuan_video15 mixed batch row {row}] psnr={db:.1f} dB")
-        assert db >= MIN_PSNR_DB
+        label = f"hunyuan_video15 mixed batch row {row}"
+        assert_parity(
+            batched[row : row + 1], _reference(ref, single), label, min_db=MIN_PSNR_DB, metric=psnr_db
+        )
 
 
 def test_from_config_rejects_unknown_keys_and_keeps_defaults() -> None:
     with pytest.raises(ValueError, match="HunyuanVideo15Transformer3DModel config has unknown keys"):
         HunyuanVideo15Transformer3DModel.from_config({**TINY, "guidance_embeds": True})
     defaults = HunyuanVideo15TransformerConfig()
-    params = dict(inspect.signature(DiffusersHV15.__init__).parameters)
-    params.pop("self")
-    assert {f.name for f in dataclasses.fields(defaults)} == set(params)
-    for name, param in params.items():
+    diffusers_defaults = diffusers_init_defaults(DiffusersHV15)
+    assert {f.name for f in dataclasses.fields(defaults)} == set(diffusers_defaults)
+    for name, default in diffusers_defaults.items():
         value = getattr(defaults, name)
-        expected = tuple(param.default) if isinstance(param.default, list | tuple) else param.default
+        expected = tuple(default) if isinstance(default, list | tuple) else default
         assert value == expected, f"{name}: {value!r} != Diffusers' {expected!r}"
 
 

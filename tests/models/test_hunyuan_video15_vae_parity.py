@@ -5,7 +5,6 @@ config handling, and the released layout's state-dict keys on the meta device.""
 from __future__ import annotations
 
 import copy
-import inspect
 from typing import Any
 
 import pytest
@@ -14,6 +13,13 @@ import torch
 from diffserve.models.vaes.autoencoder_kl_hunyuan_video15 import (
     HUNYUAN_VIDEO15_VAE_CONFIG_DEFAULTS,
     AutoencoderKLHunyuanVideo15,
+)
+from diffserve.testing.parity import (
+    assert_parity,
+    assert_same_state_dict_layout,
+    diffusers_init_defaults,
+    parity_pair,
+    perturb_parameters,
 )
 
 diffusers = pytest.importorskip("diffusers")
@@ -45,56 +51,33 @@ TILES: dict[str, Any] = {
 
 def _perturb(model: torch.nn.Module) -> None:
     """Diffusers starts the RMS-norm gains at one; move every tensor so a misrouted weight shows."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("gamma"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.add_(0.02 * torch.randn_like(p))
+    perturb_parameters(model, 0.02, gain_suffix="gamma")
 
 
 @pytest.fixture(scope="module")
 def pair() -> tuple[torch.nn.Module, AutoencoderKLHunyuanVideo15]:
-    torch.manual_seed(0)
-    ref = diffusers.AutoencoderKLHunyuanVideo15(**TINY).eval()
-    _perturb(ref)
-    with torch.device("meta"):
-        ours = AutoencoderKLHunyuanVideo15.from_config(
-            {**dict(ref.config), "_class_name": "AutoencoderKLHunyuanVideo15"}
-        )
-    ours.load_state_dict(ref.state_dict(), strict=True, assign=True)
-    return ref, ours.eval()
-
-
-def _db(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Signal-to-error ratio of `got` against `want` in dB (inf when equal)."""
-    err = (got.double() - want.double()).square().sum()
-    return float("inf") if err == 0 else (10 * torch.log10(want.double().square().sum() / err)).item()
+    return parity_pair(
+        diffusers.AutoencoderKLHunyuanVideo15, AutoencoderKLHunyuanVideo15, TINY, perturb=_perturb
+    )
 
 
 def _compare(label: str, got: torch.Tensor, want: torch.Tensor, min_db: float = MIN_DB) -> None:
-    assert got.shape == want.shape, f"{label}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    db = _db(got, want)
-    print(f"[hunyuan-video-1.5 vae {label}] {db:.1f} dB, max abs diff {(got - want).abs().max().item():.2e}")
-    assert db >= min_db, f"{label}: {db:.1f} dB < {min_db} dB"
+    """Signal-to-error ratio of `got` against `want` (inf when equal) of at least `min_db`."""
+    assert_parity(got, want, f"hunyuan-video-1.5 vae {label}", min_db=min_db)
 
 
 def test_state_dict_keys_and_shapes_match_diffusers(
     pair: tuple[torch.nn.Module, AutoencoderKLHunyuanVideo15],
 ) -> None:
     ref, ours = pair
-    want = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
-    assert got.keys() == want.keys(), (sorted(got.keys() - want.keys()), sorted(want.keys() - got.keys()))
-    assert got == want
+    assert_same_state_dict_layout(ours, ref)
 
 
 def test_released_layout_builds_on_meta_with_diffusers_keys() -> None:
     with torch.device("meta"):
         ref = diffusers.AutoencoderKLHunyuanVideo15()
         ours = AutoencoderKLHunyuanVideo15.from_config(dict(ref.config))
-    want = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
-    assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == want
+    assert_same_state_dict_layout(ours, ref)
 
 
 def test_video_and_image_encode(pair: tuple[torch.nn.Module, AutoencoderKLHunyuanVideo15]) -> None:
@@ -238,11 +221,7 @@ def test_config_and_ratios(pair: tuple[torch.nn.Module, AutoencoderKLHunyuanVide
     assert ours.spatial_compression_ratio == ref.spatial_compression_ratio == 16
     assert ours.temporal_compression_ratio == ref.temporal_compression_ratio == 4
     assert ours.config["scaling_factor"] == ref.config.scaling_factor == 0.7
-    diffusers_defaults = {
-        name: p.default
-        for name, p in inspect.signature(diffusers.AutoencoderKLHunyuanVideo15.__init__).parameters.items()
-        if name != "self"
-    }
+    diffusers_defaults = diffusers_init_defaults(diffusers.AutoencoderKLHunyuanVideo15)
     assert {k: tuple(v) if isinstance(v, list) else v for k, v in diffusers_defaults.items()} == (
         HUNYUAN_VIDEO15_VAE_CONFIG_DEFAULTS
     )

@@ -8,8 +8,6 @@ native output against the reference (in dB; "exact" when bit-identical) and the 
 
 from __future__ import annotations
 
-import inspect
-import math
 from typing import Any
 
 import pytest
@@ -24,6 +22,13 @@ from diffserve.models.vaes.ltx2_vocoder import (
     LTX2_VOCODER_CONFIG_DEFAULTS,
     LTX2Vocoder,
     LTX2VocoderWithBWE,
+)
+from diffserve.testing.parity import (
+    assert_parity,
+    assert_same_state_dict_layout,
+    diffusers_init_defaults,
+    parity_pair,
+    perturb_parameters,
 )
 
 diffusers = pytest.importorskip("diffusers")
@@ -115,44 +120,14 @@ VOCODER_BWE: dict[str, Any] = {
 }
 
 
-def _perturb(model: torch.nn.Module, scale: float = 0.05) -> None:
+def _perturb(model: torch.nn.Module) -> None:
     """Move every parameter off its init (SnakeBeta's zeros included) so a misrouted weight shows."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(scale * torch.randn_like(p))
-
-
-def _native(cls: type[torch.nn.Module], ref: torch.nn.Module) -> Any:
-    with torch.device("meta"):
-        ours = cls.from_config({**dict(ref.config), "_class_name": cls.diffusers_class_name})
-    ours.load_state_dict(ref.state_dict(), strict=True, assign=True)
-    left = [n for n, t in [*ours.named_parameters(), *ours.named_buffers()] if t.is_meta]
-    assert not left, f"left on meta after loading: {left}"
-    return ours.eval()
+    perturb_parameters(model, 0.05)
 
 
 def _compare(label: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.shape == want.shape, f"{label}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    err = (got.double() - want.double()).pow(2).sum().item()
-    signal = want.double().pow(2).sum().item()
-    snr = "exact" if err == 0 else f"{10 * math.log10(signal / err):.1f} dB"
-    diff = (got - want).abs().max().item()
-    print(f"[ltx2 audio parity {label}] SNR {snr} max_abs_diff={diff:.3e}")
     assert want.abs().max().item() > 0, f"{label}: the reference is all zeros"
-    assert err == 0 or 10 * math.log10(signal / err) >= MIN_SNR_DB, f"{label}: SNR {snr}"
-    assert diff <= MAX_ABS, f"{label}: max abs diff {diff:.3e}"
-
-
-def _same_keys(ours: torch.nn.Module, ref: torch.nn.Module) -> None:
-    want = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
-    assert got.keys() == want.keys(), (sorted(got.keys() - want.keys()), sorted(want.keys() - got.keys()))
-    assert got == want
-
-
-def _diffusers_defaults(cls: type) -> dict[str, Any]:
-    params = inspect.signature(cls.__init__).parameters.values()
-    return {p.name: p.default for p in params if p.name != "self"}
+    assert_parity(got, want, f"ltx2 audio parity {label}", min_db=MIN_SNR_DB, max_abs=MAX_ABS)
 
 
 def _as_tuples(value: Any) -> Any:
@@ -164,18 +139,20 @@ def _as_tuples(value: Any) -> Any:
 
 @pytest.fixture(scope="module", params=sorted(VAE_CONFIGS))
 def vae_pair(request: pytest.FixtureRequest) -> tuple[str, torch.nn.Module, AutoencoderKLLTX2Audio]:
-    torch.manual_seed(0)
-    ref = diffusers.AutoencoderKLLTX2Audio(**VAE_CONFIGS[request.param]).eval()
-    _perturb(ref)
-    with torch.no_grad():
+    def perturb(ref: torch.nn.Module) -> None:
+        _perturb(ref)
         ref.latents_mean.normal_()
         ref.latents_std.uniform_(0.5, 2.0)
-    return request.param, ref, _native(AutoencoderKLLTX2Audio, ref)
+
+    config = VAE_CONFIGS[request.param]
+    return request.param, *parity_pair(
+        diffusers.AutoencoderKLLTX2Audio, AutoencoderKLLTX2Audio, config, perturb=perturb
+    )
 
 
 def test_vae_state_dict_matches(vae_pair: tuple[str, torch.nn.Module, AutoencoderKLLTX2Audio]) -> None:
     _, ref, ours = vae_pair
-    _same_keys(ours, ref)
+    assert_same_state_dict_layout(ours, ref)
 
 
 def test_vae_decode(vae_pair: tuple[str, torch.nn.Module, AutoencoderKLLTX2Audio]) -> None:
@@ -224,7 +201,7 @@ def test_vae_latent_statistics_and_helpers(
 
 
 def test_vae_config_defaults_match_diffusers() -> None:
-    want = {k: _as_tuples(v) for k, v in _diffusers_defaults(diffusers.AutoencoderKLLTX2Audio).items()}
+    want = {k: _as_tuples(v) for k, v in diffusers_init_defaults(diffusers.AutoencoderKLLTX2Audio).items()}
     assert {k: _as_tuples(v) for k, v in LTX2_AUDIO_VAE_CONFIG_DEFAULTS.items()} == want
     assert AutoencoderKLLTX2Audio.diffusers_class_name == "AutoencoderKLLTX2Audio"
     with torch.device("meta"):
@@ -248,11 +225,8 @@ def test_vae_rejects_bad_config() -> None:
 
 @pytest.mark.parametrize("name", sorted(VOCODER_CONFIGS))
 def test_vocoder_parity(name: str) -> None:
-    torch.manual_seed(0)
-    ref = ref_vocoders.LTX2Vocoder(**VOCODER_CONFIGS[name]).eval()
-    _perturb(ref)
-    ours = _native(LTX2Vocoder, ref)
-    _same_keys(ours, ref)
+    ref, ours = parity_pair(ref_vocoders.LTX2Vocoder, LTX2Vocoder, VOCODER_CONFIGS[name], perturb=_perturb)
+    assert_same_state_dict_layout(ours, ref)
     mel = torch.randn(2, 2, 6, 16, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         want = ref(mel)
@@ -265,15 +239,15 @@ def test_vocoder_parity(name: str) -> None:
 
 
 def test_vocoder_with_bwe_parity() -> None:
-    torch.manual_seed(0)
-    ref = ref_vocoders.LTX2VocoderWithBWE(**VOCODER_BWE).eval()
-    _perturb(ref)
-    with torch.no_grad():  # checkpoint buffers (DFT bases, mel filterbank) start at zero in Diffusers
+    def perturb(ref: torch.nn.Module) -> None:
+        _perturb(ref)
+        # checkpoint buffers (DFT bases, mel filterbank) start at zero in Diffusers
         ref.mel_stft.stft_fn.forward_basis.normal_(std=0.1)
         ref.mel_stft.stft_fn.inverse_basis.normal_(std=0.1)
         ref.mel_stft.mel_basis.uniform_(0.0, 0.2)
-    ours = _native(LTX2VocoderWithBWE, ref)
-    _same_keys(ours, ref)
+
+    ref, ours = parity_pair(ref_vocoders.LTX2VocoderWithBWE, LTX2VocoderWithBWE, VOCODER_BWE, perturb=perturb)
+    assert_same_state_dict_layout(ours, ref)
     mel = torch.randn(2, 2, 7, 16, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         want = ref(mel)
@@ -291,7 +265,7 @@ def test_vocoder_config_defaults_match_diffusers() -> None:
         (LTX2Vocoder, LTX2_VOCODER_CONFIG_DEFAULTS, ref_vocoders.LTX2Vocoder),
         (LTX2VocoderWithBWE, LTX2_VOCODER_BWE_CONFIG_DEFAULTS, ref_vocoders.LTX2VocoderWithBWE),
     ):
-        want = {k: _as_tuples(v) for k, v in _diffusers_defaults(ref_cls).items()}
+        want = {k: _as_tuples(v) for k, v in diffusers_init_defaults(ref_cls).items()}
         assert {k: _as_tuples(v) for k, v in defaults.items()} == want
         assert ours_cls.diffusers_class_name == ref_cls.__name__
         with torch.device("meta"):

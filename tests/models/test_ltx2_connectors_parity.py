@@ -8,13 +8,13 @@ RoPE. Batch 2, 8 text tokens, sample 0 padded to 5 tokens on the tokenizer's sid
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
 import torch
 
 from diffserve.models.dits.ltx2_connectors import LTX2TextConnectors, LTX2TextConnectorsConfig
+from diffserve.testing.parity import assert_parity, assert_same_state_dict_layout, parity_pair
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers.pipelines.ltx2 import LTX2TextConnectors as DiffusersConnectors  # noqa: E402
@@ -64,21 +64,8 @@ TEXT_LEN = 8
 MIN_DB = 80.0
 
 
-def _db(out: torch.Tensor, ref: torch.Tensor) -> float:
-    err = (out.double() - ref.double()).pow(2).sum().item()
-    return math.inf if err == 0 else 10 * math.log10(ref.double().pow(2).sum().item() / err)
-
-
 def _pair(config: dict[str, Any]) -> tuple[torch.nn.Module, LTX2TextConnectors]:
-    torch.manual_seed(0)
-    ref = DiffusersConnectors(**config).eval()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    with torch.device("meta"):
-        ours = LTX2TextConnectors.from_config({**dict(ref.config), "_class_name": "LTX2TextConnectors"})
-    ours.load_state_dict(ref.state_dict(), strict=True, assign=True)
-    return ref, ours.eval()
+    return parity_pair(DiffusersConnectors, LTX2TextConnectors, config, perturb=0.1)
 
 
 def _inputs(config: dict[str, Any], padding_side: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,11 +90,7 @@ def test_state_dict_keys_and_shapes_match_diffusers(name: str) -> None:
     ref = DiffusersConnectors(**CONFIGS[name])
     with torch.device("meta"):
         ours = LTX2TextConnectors(LTX2TextConnectorsConfig(**CONFIGS[name]))
-    ref_shapes = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
-    our_shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
-    assert our_shapes == ref_shapes, (
-        f"missing={sorted(set(ref_shapes) - set(our_shapes))} extra={sorted(set(our_shapes) - set(ref_shapes))}"
-    )
+    assert_same_state_dict_layout(ours, ref)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -122,10 +105,7 @@ def test_parity(name: str, padding_side: str) -> None:
         torch.testing.assert_close(got[2], expected[2], rtol=0, atol=0)
         assert got[2].dtype == torch.int64
         for part, out, exp in zip(("video", "audio"), got[:2], expected[:2], strict=True):
-            assert out.shape == exp.shape
-            db = _db(out, exp)
-            print(f"[ltx2 connectors {name} {padding_side} {label} {part}] {db:.1f} dB")
-            assert db >= MIN_DB, f"{name} {padding_side} {part}: {db:.1f} dB"
+            assert_parity(out, exp, f"ltx2 connectors {name} {padding_side} {label} {part}", min_db=MIN_DB)
     # Diffusers' mask conversion keeps every token, with or without registers (see the connectors' docstring).
     assert bool(got[2].all())
 

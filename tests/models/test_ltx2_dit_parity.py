@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from diffserve.models.dits.ltx2 import LTX2VideoTransformer3DModel, LTX2VideoTransformerConfig
+from diffserve.testing.parity import assert_parity, assert_same_state_dict_layout, parity_pair
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import LTX2VideoTransformer3DModel as DiffusersLTX2  # noqa: E402
@@ -101,25 +102,10 @@ TEXT_LEN = 8
 MIN_DB = 80.0
 
 
-def _db(out: torch.Tensor, ref: torch.Tensor) -> float:
-    err = (out.double() - ref.double()).pow(2).sum().item()
-    return math.inf if err == 0 else 10 * math.log10(ref.double().pow(2).sum().item() / err)
-
-
 def _pair(config: dict[str, Any]) -> tuple[torch.nn.Module, LTX2VideoTransformer3DModel]:
     """A seeded Diffusers model (every tensor perturbed, so no gate or norm is trivial) and the native model
     loaded from its state dict through the meta device."""
-    torch.manual_seed(0)
-    ref = DiffusersLTX2(**config).eval()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    with torch.device("meta"):
-        ours = LTX2VideoTransformer3DModel.from_config(
-            {**dict(ref.config), "_class_name": "LTX2VideoTransformer3DModel"}
-        )
-    ours.load_state_dict(ref.state_dict(), strict=True, assign=True)
-    return ref, ours.eval()
+    return parity_pair(DiffusersLTX2, LTX2VideoTransformer3DModel, config, perturb=0.1)
 
 
 def _inputs(ref: torch.nn.Module, config: dict[str, Any], fps: float = 24.0) -> dict[str, Any]:
@@ -162,10 +148,7 @@ def _compare(ref: torch.nn.Module, ours: LTX2VideoTransformer3DModel, label: str
         expected = ref(**inputs, return_dict=False)
         got = ours(**inputs, return_dict=False)
     for name, out, exp in zip(("video", "audio"), got, expected, strict=True):
-        assert out.shape == exp.shape
-        db = _db(out, exp)
-        print(f"[ltx2 dit {label} {name}] {db:.1f} dB max_abs={(out - exp).abs().max().item():.2e}")
-        assert db >= MIN_DB, f"{label} {name}: {db:.1f} dB"
+        assert_parity(out, exp, f"ltx2 dit {label} {name}", min_db=MIN_DB)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -173,12 +156,7 @@ def test_state_dict_keys_and_shapes_match_diffusers(name: str) -> None:
     ref = DiffusersLTX2(**CONFIGS[name])
     with torch.device("meta"):
         ours = LTX2VideoTransformer3DModel(LTX2VideoTransformerConfig(**CONFIGS[name]))
-    ref_shapes = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
-    our_shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
-    assert set(our_shapes) == set(ref_shapes), (
-        f"missing={sorted(set(ref_shapes) - set(our_shapes))} extra={sorted(set(our_shapes) - set(ref_shapes))}"
-    )
-    assert our_shapes == ref_shapes
+    assert_same_state_dict_layout(ours, ref)
 
 
 def test_rope_coordinates_match_diffusers() -> None:

@@ -6,8 +6,6 @@ injection)."""
 
 from __future__ import annotations
 
-import inspect
-import math
 from typing import Any
 
 import pytest
@@ -17,6 +15,13 @@ from diffserve.models.vaes.autoencoder_kl_ltx2 import (
     LTX2_VIDEO_VAE_CONFIG_DEFAULTS,
     TILE_DEFAULTS,
     AutoencoderKLLTX2Video,
+)
+from diffserve.testing.parity import (
+    assert_parity,
+    assert_same_state_dict_layout,
+    diffusers_init_defaults,
+    parity_pair,
+    psnr_range_db,
 )
 
 diffusers = pytest.importorskip("diffusers")
@@ -77,27 +82,22 @@ VARIANT_TINY: dict[str, Any] = {
 }
 
 
+def _perturb(ref: torch.nn.Module) -> None:
+    """LayerNorms start at (1, 0), noise scales at 0 and latent stats at (0, 1): move every tensor so a
+    misrouted one shows."""
+    for name, p in ref.named_parameters():
+        if name.endswith("timestep_scale_multiplier"):
+            p.fill_(900.0)
+        elif "per_channel_scale" in name:
+            p.copy_(0.2 * torch.randn_like(p))
+        else:
+            p.add_(0.05 * torch.randn_like(p))
+    ref.latents_mean.copy_(torch.randn(LATENT))
+    ref.latents_std.copy_(torch.rand(LATENT) + 0.5)
+
+
 def _build(config: dict[str, Any]) -> tuple[torch.nn.Module, AutoencoderKLLTX2Video]:
-    torch.manual_seed(0)
-    ref = diffusers.AutoencoderKLLTX2Video(**config).eval()
-    with torch.no_grad():
-        # LayerNorms start at (1, 0), noise scales at 0 and latent stats at (0, 1): move every tensor so a
-        # misrouted one shows.
-        for name, p in ref.named_parameters():
-            if name.endswith("timestep_scale_multiplier"):
-                p.fill_(900.0)
-            elif "per_channel_scale" in name:
-                p.copy_(0.2 * torch.randn_like(p))
-            else:
-                p.add_(0.05 * torch.randn_like(p))
-        ref.latents_mean.copy_(torch.randn(LATENT))
-        ref.latents_std.copy_(torch.rand(LATENT) + 0.5)
-    with torch.device("meta"):
-        native = AutoencoderKLLTX2Video.from_config(
-            {**dict(ref.config), "_class_name": "AutoencoderKLLTX2Video"}
-        )
-    native.load_state_dict(ref.state_dict(), strict=True, assign=True)
-    return ref, native.eval()
+    return parity_pair(diffusers.AutoencoderKLLTX2Video, AutoencoderKLLTX2Video, config, perturb=_perturb)
 
 
 @pytest.fixture(scope="module")
@@ -105,19 +105,9 @@ def pair() -> tuple[torch.nn.Module, AutoencoderKLLTX2Video]:
     return _build(LTX2_TINY)
 
 
-def _db(got: torch.Tensor, want: torch.Tensor) -> float:
-    """PSNR in dB with the reference's peak-to-peak range as the peak; inf when identical."""
-    mse = (got.double() - want.double()).pow(2).mean().item()
-    peak = (want.max() - want.min()).double().item()
-    return math.inf if mse == 0 else 10 * math.log10(peak**2 / mse)
-
-
 def _compare(label: str, got: torch.Tensor, want: torch.Tensor, min_db: float = PARITY_DB) -> float:
-    assert got.shape == want.shape, f"{label}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    db = _db(got, want)
-    print(f"[ltx2 vae {label}] {db:.1f} dB (max abs diff {(got - want).abs().max().item():.2e})")
-    assert db >= min_db, f"{label}: {db:.1f} dB < {min_db} dB"
-    return db
+    """PSNR with the reference's peak-to-peak range as the peak (inf when identical) of at least `min_db`."""
+    return assert_parity(got, want, f"ltx2 vae {label}", min_db=min_db, metric=psnr_range_db).db
 
 
 def _video(frames: int, height: int, width: int, seed: int, batch: int = 1) -> torch.Tensor:
@@ -139,9 +129,8 @@ def _reset_tiling(ref: torch.nn.Module, ours: AutoencoderKLLTX2Video) -> None:
 
 def test_state_dict_and_config(pair: tuple[torch.nn.Module, AutoencoderKLLTX2Video]) -> None:
     ref, ours = pair
-    want = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
-    assert got == want
+    assert_same_state_dict_layout(ours, ref)
+    got = ours.state_dict()
     assert "latents_mean" in got and "decoder.timestep_scale_multiplier" in got
     assert torch.equal(ours.latents_std, ref.latents_std)
     assert (ours.spatial_compression_ratio, ours.temporal_compression_ratio) == (32, 8)
@@ -159,17 +148,11 @@ def test_state_dict_and_config(pair: tuple[torch.nn.Module, AutoencoderKLLTX2Vid
 
 def test_default_config_matches_diffusers() -> None:
     """Keys and defaults of the constructor are Diffusers' (meta build: no memory)."""
-    params = inspect.signature(diffusers.AutoencoderKLLTX2Video.__init__).parameters
-    want = {k: p.default for k, p in params.items() if k != "self"}
-    assert set(want) == set(LTX2_VIDEO_VAE_CONFIG_DEFAULTS)
-    for key, value in want.items():
-        assert LTX2_VIDEO_VAE_CONFIG_DEFAULTS[key] == value, key
+    assert diffusers_init_defaults(diffusers.AutoencoderKLLTX2Video) == LTX2_VIDEO_VAE_CONFIG_DEFAULTS
     with torch.device("meta"):
         ours = AutoencoderKLLTX2Video()
         ref = diffusers.AutoencoderKLLTX2Video()
-    assert {k: v.shape for k, v in ours.state_dict().items()} == {
-        k: v.shape for k, v in ref.state_dict().items()
-    }
+    assert_same_state_dict_layout(ours, ref)
     assert (ours.spatial_compression_ratio, ours.temporal_compression_ratio) == (
         ref.spatial_compression_ratio,
         ref.temporal_compression_ratio,
@@ -211,7 +194,7 @@ def test_encode_decode(pair: tuple[torch.nn.Module, AutoencoderKLLTX2Video]) -> 
         # Diffusers' causal flag can only turn causality on: a causal decode differs, and matches too.
         causal = ours.decode(z[:1, :, :2], temb[:1], causal=True)
         _compare("decode causal", causal, ref.decode(z[:1, :, :2], temb[:1], causal=True).sample)
-        assert _db(causal, video[:1, :, :9]) < PARITY_DB
+        assert psnr_range_db(causal, video[:1, :, :9]) < PARITY_DB
     with pytest.raises(ValueError, match="timestep-conditioned"):
         ours.decode(z)
 
@@ -319,7 +302,7 @@ def test_temporal_tiling(pair: tuple[torch.nn.Module, AutoencoderKLLTX2Video]) -
         enc, dec = local.encode(x).mean, local.decode(z, temb)
         assert dec.shape == whole_dec.shape and enc.shape == whole_enc.shape
         _compare("temporal tiled vs untiled encode (local)", enc, whole_enc)
-        print(f"[ltx2 vae temporal tiled vs untiled decode (local)] {_db(dec, whole_dec):.1f} dB")
+        print(f"[ltx2 vae temporal tiled vs untiled decode (local)] {psnr_range_db(dec, whole_dec):.1f} dB")
         _compare(
             "temporal tiled decode vs Diffusers' layout (local)", dec, _diffusers_temporal_layout(whole_dec)
         )

@@ -8,6 +8,12 @@ import pytest
 import torch
 
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel, QwenImageTransformerConfig
+from diffserve.testing.parity import (
+    assert_parity,
+    assert_same_state_dict_layout,
+    native_from_reference,
+    parity_pair,
+)
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import QwenImageTransformer2DModel as DiffusersQwenImage  # noqa: E402
@@ -30,19 +36,9 @@ COND = (1, 4, 4)
 
 
 def _pair(config: dict[str, Any]) -> tuple[torch.nn.Module, QwenImageTransformer2DModel]:
-    """A seeded Diffusers model and the native model loaded from its state dict through the meta device."""
-    torch.manual_seed(0)
-    ref = DiffusersQwenImage(**config).eval()
-    # Perturb every tensor (norm weights start at one) so no term is trivial.
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    with torch.device("meta"):
-        ours = QwenImageTransformer2DModel.from_config(
-            {**dict(ref.config), "_class_name": "QwenImageTransformer2DModel"}
-        )
-    ours.load_state_dict(ref.state_dict(), strict=True, assign=True)
-    return ref, ours.eval()
+    """A seeded Diffusers model and the native model loaded from its state dict through the meta device,
+    every tensor perturbed (norm weights start at one) so no term is trivial."""
+    return parity_pair(DiffusersQwenImage, QwenImageTransformer2DModel, config)
 
 
 def _inputs(
@@ -70,12 +66,7 @@ def _compare(
     with torch.no_grad():
         expected = ref(**inputs, return_dict=False)[0].float()
         out = ours(**inputs).float()
-    assert out.shape == expected.shape
-    cos = torch.nn.functional.cosine_similarity(out.flatten(), expected.flatten(), dim=0).item()
-    max_abs = (out - expected).abs().max().item()
-    print(f"[qwen-image parity {label}] cosine={cos:.8f} max_abs_diff={max_abs:.3e}")
-    assert cos >= 0.9999
-    assert max_abs <= atol
+    assert_parity(out, expected, f"qwen-image parity {label}", max_abs=atol, min_cos=0.9999)
 
 
 @pytest.mark.parametrize("config", [TINY, TINY_ZERO_COND], ids=["default", "zero_cond_t"])
@@ -83,12 +74,7 @@ def test_state_dict_keys_and_shapes_match_diffusers(config: dict[str, Any]) -> N
     ref = DiffusersQwenImage(**config)
     with torch.device("meta"):
         ours = QwenImageTransformer2DModel(QwenImageTransformerConfig(**config))
-    ref_shapes = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
-    our_shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
-    assert set(our_shapes) == set(ref_shapes), (
-        f"missing={sorted(set(ref_shapes) - set(our_shapes))} extra={sorted(set(our_shapes) - set(ref_shapes))}"
-    )
-    assert our_shapes == ref_shapes
+    assert_same_state_dict_layout(ours, ref)
 
 
 def test_rope_tables_match_diffusers() -> None:
@@ -180,13 +166,11 @@ def test_parity_bf16() -> None:
     """Half precision follows Diffusers' rounding (timestep rounded to bf16 first, same op order)."""
     ref, _ = _pair(TINY)
     ref = ref.to(torch.bfloat16)
-    with torch.device("meta"):
-        ours = QwenImageTransformer2DModel(QwenImageTransformerConfig(**TINY))
-    ours.load_state_dict(ref.state_dict(), strict=True, assign=True)
+    ours = native_from_reference(QwenImageTransformer2DModel, ref)
     inputs = _inputs(2, [GEN], [0.9, 0.013], mask=True)
     for k in ("hidden_states", "encoder_hidden_states"):
         inputs[k] = inputs[k].to(torch.bfloat16)
-    _compare(ref, ours.eval(), "bf16 masked b=2", atol=2e-2, **inputs)
+    _compare(ref, ours, "bf16 masked b=2", atol=2e-2, **inputs)
 
 
 def test_config_errors() -> None:

@@ -6,10 +6,16 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from diffserve.models.vaes.autoencoder_kl import DiagonalGaussian
 from diffserve.models.vaes.autoencoder_kl_qwen_image import AutoencoderKLQwenImage
+from diffserve.testing.parity import (
+    assert_parity,
+    assert_same_state_dict_layout,
+    native_from_reference,
+    parity_pair,
+    perturb_parameters,
+)
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -31,34 +37,16 @@ TINY: dict[str, Any] = {
 
 def _perturb(model: torch.nn.Module) -> None:
     """Diffusers starts the RMS-norm gains at one; move every tensor so a misrouted weight shows."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("gamma"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.add_(0.02 * torch.randn_like(p))
+    perturb_parameters(model, 0.02, gain_suffix="gamma")
 
 
 @pytest.fixture(scope="module")
 def pair() -> tuple[torch.nn.Module, AutoencoderKLQwenImage]:
-    torch.manual_seed(0)
-    ref = diffusers.AutoencoderKLQwenImage(**TINY).eval()
-    _perturb(ref)
-    with torch.device("meta"):
-        ours = AutoencoderKLQwenImage.from_config(
-            {**dict(ref.config), "_class_name": "AutoencoderKLQwenImage"}
-        )
-    ours.load_state_dict(ref.state_dict(), strict=True, assign=True)
-    return ref, ours.eval()
+    return parity_pair(diffusers.AutoencoderKLQwenImage, AutoencoderKLQwenImage, TINY, perturb=_perturb)
 
 
 def _compare(label: str, got: torch.Tensor, want: torch.Tensor, max_abs: float = MAX_ABS) -> None:
-    assert got.shape == want.shape, f"{label}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    diff = (got.float() - want.float()).abs().max().item()
-    cos = F.cosine_similarity(got.flatten().double(), want.flatten().double(), dim=0).item()
-    print(f"[qwen-image vae parity {label}] cosine={cos:.8f} max_abs_diff={diff:.3e}")
-    assert cos >= MIN_COS, f"{label}: cosine {cos}"
-    assert diff <= max_abs, f"{label}: max abs diff {diff:.3e}"
+    assert_parity(got, want, f"qwen-image vae parity {label}", max_abs=max_abs, min_cos=MIN_COS)
 
 
 def _video(batch: int, frames: int, height: int, width: int, seed: int = 1) -> torch.Tensor:
@@ -77,10 +65,7 @@ def test_state_dict_keys_and_shapes_match_diffusers(attn_scales: list[float]) ->
     ref = diffusers.AutoencoderKLQwenImage(**config)
     with torch.device("meta"):
         ours = AutoencoderKLQwenImage(**config)
-    want = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
-    assert got.keys() == want.keys(), (sorted(got.keys() - want.keys()), sorted(want.keys() - got.keys()))
-    assert got == want
+    assert_same_state_dict_layout(ours, ref)
 
 
 def test_decode_single_frame_non_square(pair: tuple[torch.nn.Module, AutoencoderKLQwenImage]) -> None:
@@ -167,13 +152,11 @@ def test_parity_bf16(pair: tuple[torch.nn.Module, AutoencoderKLQwenImage]) -> No
     ref16 = diffusers.AutoencoderKLQwenImage(**TINY).eval()
     ref16.load_state_dict(ref.state_dict())
     ref16 = ref16.to(torch.bfloat16)
-    with torch.device("meta"):
-        ours = AutoencoderKLQwenImage(**TINY)
-    ours.load_state_dict(ref16.state_dict(), strict=True, assign=True)
+    ours = native_from_reference(AutoencoderKLQwenImage, ref16)
     z = _latents(1, 2, 2, 3).to(torch.bfloat16)
     x = _video(1, 5, 16, 24).to(torch.bfloat16)
     with torch.no_grad():
-        _compare("bf16 decode t=2", ours.eval().decode(z), ref16.decode(z).sample, max_abs=2e-2)
+        _compare("bf16 decode t=2", ours.decode(z), ref16.decode(z).sample, max_abs=2e-2)
         _compare("bf16 encode T=5", ours.encode(x).mean, ref16.encode(x).latent_dist.mean, max_abs=2e-2)
 
 

@@ -12,9 +12,14 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from diffserve.models.vaes.autoencoder_dc import AutoencoderDC
+from diffserve.testing.parity import (
+    assert_parity,
+    assert_same_state_dict_layout,
+    parity_pair,
+    perturb_parameters,
+)
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -54,39 +59,28 @@ IN_MIX_STYLE: dict[str, Any] = {
 CONFIGS = {"sana": SANA_STYLE, "in_mix": IN_MIX_STYLE}
 
 
+def _perturb(ref: torch.nn.Module) -> None:
+    """Norm weights start at one and biases at zero, BatchNorm statistics at 0/1: perturb them all."""
+    perturb_parameters(ref, 0.1)
+    for name, b in ref.named_buffers():
+        if name.endswith("running_mean"):
+            b.normal_(0.0, 0.2)
+        elif name.endswith("running_var"):
+            b.uniform_(0.5, 1.5)
+
+
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def pair(request: pytest.FixtureRequest) -> tuple[torch.nn.Module, AutoencoderDC]:
-    torch.manual_seed(0)
-    ref = diffusers.AutoencoderDC(**CONFIGS[request.param]).eval()
-    # Norm weights start at one and biases at zero, BatchNorm statistics at 0/1: perturb them all.
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-        for name, b in ref.named_buffers():
-            if name.endswith("running_mean"):
-                b.normal_(0.0, 0.2)
-            elif name.endswith("running_var"):
-                b.uniform_(0.5, 1.5)
-    with torch.device("meta"):
-        native = AutoencoderDC.from_config({**dict(ref.config), "_class_name": "AutoencoderDC"})
-    native.load_state_dict(ref.state_dict(), assign=True, strict=True)
-    return ref, native.eval()
+    return parity_pair(diffusers.AutoencoderDC, AutoencoderDC, CONFIGS[request.param], perturb=_perturb)
 
 
 def _compare(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    max_abs = (got - want).abs().max().item()
-    cos = F.cosine_similarity(got.flatten().double(), want.flatten().double(), dim=0).item()
-    print(f"[dc-ae parity {name}] max_abs={max_abs:.3e} cos={cos:.8f}")
-    assert cos >= MIN_COS, f"{name}: cosine {cos}"
-    assert max_abs < MAX_ABS, f"{name}: max abs diff {max_abs:.3e}"
+    assert_parity(got, want, f"dc-ae parity {name}", max_abs=MAX_ABS, min_cos=MIN_COS)
 
 
 def test_state_dict_keys_and_config(pair: tuple[torch.nn.Module, AutoencoderDC]) -> None:
     ref, native = pair
-    want = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in native.state_dict().items()}
-    assert got == want
+    assert_same_state_dict_layout(native, ref)
     assert native.spatial_compression_ratio == ref.spatial_compression_ratio == 4
     assert native.config["scaling_factor"] == ref.config.scaling_factor
     assert set(native.config) == {k for k in ref.config if not k.startswith("_")}
@@ -137,9 +131,7 @@ def test_released_sana_config_has_diffusers_keys() -> None:
     with torch.device("meta"):
         ref = diffusers.AutoencoderDC(**RELEASED_SANA_DC_AE)
         native = AutoencoderDC.from_config(dict(ref.config))
-    assert {k: v.shape for k, v in native.state_dict().items()} == {
-        k: v.shape for k, v in ref.state_dict().items()
-    }
+    assert_same_state_dict_layout(native, ref)
     assert native.spatial_compression_ratio == 32
 
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from diffserve.models.dits.sana import SanaTransformer2DModel, SanaTransformerConfig
+from diffserve.testing.parity import assert_parity, assert_same_state_dict_layout, parity_pair
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import SanaTransformer2DModel as DiffusersSana  # noqa: E402
@@ -46,19 +46,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def _pair(variant: str) -> tuple[torch.nn.Module, SanaTransformer2DModel]:
-    """A seeded Diffusers model and the native model loaded from its state dict through the meta device."""
-    torch.manual_seed(0)
-    ref = DiffusersSana(**{**TINY_CONFIG, **VARIANTS[variant]}).eval()
-    # Perturb every tensor (norm weights start at one, biases at zero) so a misrouted weight shows.
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    with torch.device("meta"):
-        ours = SanaTransformer2DModel.from_config(
-            {**dict(ref.config), "_class_name": "SanaTransformer2DModel"}
-        )
-    ours.load_state_dict(ref.state_dict(), strict=True, assign=True)
-    return ref, ours.eval()
+    """A seeded Diffusers model and the native model loaded from its state dict through the meta device,
+    every tensor perturbed (norm weights start at one, biases at zero) so a misrouted weight shows."""
+    return parity_pair(
+        DiffusersSana, SanaTransformer2DModel, {**TINY_CONFIG, **VARIANTS[variant]}, perturb=0.1
+    )
 
 
 def _inputs(guidance: bool, height: int = 6, width: int = 10, text_len: int = 7) -> dict[str, torch.Tensor]:
@@ -77,21 +69,14 @@ def _inputs(guidance: bool, height: int = 6, width: int = 10, text_len: int = 7)
 
 
 def _compare(label: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.shape == want.shape, f"{label}: {tuple(got.shape)} != {tuple(want.shape)}"
-    max_abs = (got - want).abs().max().item()
-    cos = F.cosine_similarity(got.flatten().double(), want.flatten().double(), dim=0).item()
-    print(f"[sana dit parity {label}] max_abs_diff={max_abs:.3e} cosine={cos:.8f}")
-    assert cos >= MIN_COS, f"{label}: cosine {cos}"
-    assert max_abs < MAX_ABS, f"{label}: max abs diff {max_abs:.3e}"
+    assert_parity(got, want, f"sana dit parity {label}", max_abs=MAX_ABS, min_cos=MIN_COS)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @torch.no_grad()
 def test_forward_matches_diffusers(variant: str) -> None:
     ref, ours = _pair(variant)
-    assert {k: v.shape for k, v in ours.state_dict().items()} == {
-        k: v.shape for k, v in ref.state_dict().items()
-    }
+    assert_same_state_dict_layout(ours, ref)
     inputs = _inputs(guidance=bool(ours.config.guidance_embeds))
     want = ref(**inputs, return_dict=False)[0]
     got = ours(**inputs)
@@ -119,11 +104,7 @@ def test_half_precision_close_to_diffusers(variant: str, dtype: torch.dtype) -> 
     want = ref(**inputs, return_dict=False)[0]
     got = ours(**inputs)
     assert got.dtype == want.dtype == dtype
-    max_abs = (got.float() - want.float()).abs().max().item()
-    cos = F.cosine_similarity(got.flatten().double(), want.flatten().double(), dim=0).item()
-    print(f"[sana dit parity {variant} {dtype}] max_abs_diff={max_abs:.3e} cosine={cos:.8f}")
-    assert cos >= MIN_COS
-    assert max_abs < 0.1
+    assert_parity(got, want, f"sana dit parity {variant} {dtype}", max_abs=0.1, min_cos=MIN_COS)
 
 
 RELEASED: dict[str, dict[str, Any]] = {
@@ -148,9 +129,7 @@ def test_released_configs_have_diffusers_keys(name: str) -> None:
     with torch.device("meta"):
         ref = DiffusersSana(**config)
         ours = SanaTransformer2DModel.from_config(dict(ref.config))
-    assert {k: v.shape for k, v in ours.state_dict().items()} == {
-        k: v.shape for k, v in ref.state_dict().items()
-    }
+    assert_same_state_dict_layout(ours, ref)
 
 
 @torch.no_grad()

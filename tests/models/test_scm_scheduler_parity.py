@@ -7,8 +7,8 @@ import pytest
 import torch
 from diffusers import SCMScheduler as DiffusersSCMScheduler
 
+from diffserve.families.sana.tiny import SANA_SPRINT_SCHEDULER_CONFIG
 from diffserve.models.schedulers.scm import SCMScheduler
-from diffserve.testing.tiny_sana import SANA_SPRINT_SCHEDULER_CONFIG
 
 SHAPE = (2, 8, 5, 6)
 MAX_ANGLE, INTERMEDIATE_ANGLE = 1.57080, 1.3

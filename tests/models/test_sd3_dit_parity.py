@@ -8,6 +8,12 @@ import pytest
 import torch
 
 from diffserve.models.dits.sd3 import SD3Transformer2DModel, SD3TransformerConfig
+from diffserve.testing.parity import (
+    assert_parity,
+    assert_same_state_dict_layout,
+    native_from_reference,
+    parity_pair,
+)
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import SD3Transformer2DModel as DiffusersSD3  # noqa: E402
@@ -31,18 +37,10 @@ SD35_LIKE: dict[str, Any] = {**SD3_MEDIUM_LIKE, "qk_norm": "rms_norm", "dual_att
 
 
 def _pair(config: dict[str, Any]) -> tuple[torch.nn.Module, SD3Transformer2DModel]:
-    """A seeded Diffusers model and the native model loaded from its state dict through the meta device."""
-    torch.manual_seed(0)
-    ref = DiffusersSD3(**config).eval()
-    # Perturb every tensor (QK-norm weights start at one, adaLN at Diffusers' init) so no term is trivial;
-    # the position table is left as Diffusers computed it.
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    with torch.device("meta"):
-        ours = SD3Transformer2DModel.from_config({**dict(ref.config), "_class_name": "SD3Transformer2DModel"})
-    ours.load_state_dict(ref.state_dict(), strict=True, assign=True)
-    return ref, ours.eval()
+    """A seeded Diffusers model and the native model loaded from its state dict through the meta device.
+    Every parameter is perturbed (QK-norm weights start at one, adaLN at Diffusers' init) so no term is
+    trivial; the position table (a buffer) is left as Diffusers computed it."""
+    return parity_pair(DiffusersSD3, SD3Transformer2DModel, config)
 
 
 def _inputs(config: dict[str, Any], batch: int, h: int, w: int, timestep: list[float], txt: int = 7) -> dict:
@@ -61,12 +59,7 @@ def _compare(
     with torch.no_grad():
         expected = ref(**inputs, return_dict=False)[0].float()
         out = ours(**inputs).float()
-    assert out.shape == expected.shape
-    cos = torch.nn.functional.cosine_similarity(out.flatten(), expected.flatten(), dim=0).item()
-    max_abs = (out - expected).abs().max().item()
-    print(f"[sd3 parity {label}] cosine={cos:.8f} max_abs_diff={max_abs:.3e}")
-    assert cos >= 0.9999
-    assert max_abs <= atol
+    assert_parity(out, expected, f"sd3 parity {label}", max_abs=atol, min_cos=0.9999)
 
 
 @pytest.mark.parametrize("config", [SD3_MEDIUM_LIKE, SD35_LIKE], ids=["sd3-medium", "sd3.5"])
@@ -74,12 +67,7 @@ def test_state_dict_keys_and_shapes_match_diffusers(config: dict[str, Any]) -> N
     ref = DiffusersSD3(**config)
     with torch.device("meta"):
         ours = SD3Transformer2DModel(SD3TransformerConfig(**config))
-    ref_shapes = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
-    our_shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
-    assert set(our_shapes) == set(ref_shapes), (
-        f"missing={sorted(set(ref_shapes) - set(our_shapes))} extra={sorted(set(our_shapes) - set(ref_shapes))}"
-    )
-    assert our_shapes == ref_shapes
+    assert_same_state_dict_layout(ours, ref)
     # Built off the meta device, the position table equals the one Diffusers computes.
     table = SD3Transformer2DModel(SD3TransformerConfig(**config)).pos_embed.pos_embed
     torch.testing.assert_close(table, ref.pos_embed.pos_embed, rtol=0, atol=1e-6)
@@ -120,8 +108,6 @@ def test_parity_bf16() -> None:
     """Half precision follows Diffusers' rounding (same op order and layouts); bit-identical on CPU today."""
     ref, _ = _pair(SD35_LIKE)
     ref = ref.to(torch.bfloat16)
-    with torch.device("meta"):
-        ours = SD3Transformer2DModel(SD3TransformerConfig(**SD35_LIKE))
-    ours.load_state_dict(ref.state_dict(), strict=True, assign=True)
+    ours = native_from_reference(SD3Transformer2DModel, ref)
     inputs = {k: v.to(torch.bfloat16) for k, v in _inputs(SD35_LIKE, 2, 16, 8, [900.0, 3.0]).items()}
-    _compare(ref, ours.eval(), "rms_norm bf16 b=2 16x8", atol=2e-2, **inputs)
+    _compare(ref, ours, "rms_norm bf16 b=2 16x8", atol=2e-2, **inputs)

@@ -7,14 +7,23 @@ the final sample.
 
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 import pytest
 import torch
 from diffusers import UniPCMultistepScheduler
 
 from diffserve.models.schedulers.unipc_flow import UNIPC_CONFIG_DEFAULTS, UniPCFlowScheduler
+from diffserve.testing.parity import (
+    assert_parity,
+    diffusers_init_defaults,
+    diffusers_scheduler,
+    fake_flow_model,
+    latents_and_noise,
+    sample_in_lockstep,
+    sample_interleaved,
+    sample_natively,
+    sample_with_diffusers,
+)
 
 #: Wan-AI/Wan2.1-T2V-1.3B-Diffusers scheduler/scheduler_config.json.
 WAN_CONFIG = {
@@ -53,43 +62,15 @@ SHAPE = (2, 4, 3, 5, 6)  # (batch, channels, frames, height, width): a small vid
 
 def _pair(**overrides: object) -> tuple[UniPCMultistepScheduler, UniPCFlowScheduler]:
     config = {**WAN_CONFIG, **overrides}
-    ref = UniPCMultistepScheduler.from_config({k: v for k, v in config.items() if not k.startswith("_")})
-    return ref, UniPCFlowScheduler.from_config(config)
-
-
-def _fake_model(sample: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    return 0.3 * sample + torch.cos(t.to(torch.float32) / 1000) * noise
+    return diffusers_scheduler(UniPCMultistepScheduler, config), UniPCFlowScheduler.from_config(config)
 
 
 def _inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(SHAPE, generator=gen), torch.randn(SHAPE, generator=gen)
-
-
-def _run_diffusers(ref: UniPCMultistepScheduler, steps: int, latents: torch.Tensor, noise: torch.Tensor):
-    ref.set_timesteps(steps)
-    ref.set_begin_index(0)
-    x = latents
-    for t in ref.timesteps:
-        x = ref.step(_fake_model(x, t, noise), t, x).prev_sample
-    return x
-
-
-def _run_native(mine: UniPCFlowScheduler, steps: int, latents: torch.Tensor, noise: torch.Tensor):
-    schedule = mine.schedule(steps)
-    state = mine.new_state()
-    x = latents
-    for i, t in enumerate(schedule.timesteps):
-        x = mine.step(_fake_model(x, t, noise), x, schedule.sigmas, i, state)
-    return x
+    return latents_and_noise(SHAPE, seed)
 
 
 def test_every_diffusers_config_key_is_accepted() -> None:
-    params = inspect.signature(UniPCMultistepScheduler.__init__).parameters
-    diffusers_keys = {k for k in params if k != "self"}
-    assert diffusers_keys == set(UNIPC_CONFIG_DEFAULTS)
-    for key, default in UNIPC_CONFIG_DEFAULTS.items():
-        assert params[key].default == default, key
+    assert diffusers_init_defaults(UniPCMultistepScheduler) == UNIPC_CONFIG_DEFAULTS
     UniPCFlowScheduler.from_config(WAN_CONFIG)
 
 
@@ -139,12 +120,10 @@ def test_custom_sigmas_equal_diffusers(dtype: type) -> None:
 def test_sampling_loop_equals_diffusers(solver_order: int, steps: int, shift: float) -> None:
     ref, mine = _pair(flow_shift=shift, solver_order=solver_order)
     latents, noise = _inputs()
-    expected = _run_diffusers(ref, steps, latents, noise)
-    got = _run_native(mine, steps, latents, noise)
-    max_abs = (got - expected).abs().max().item()
-    print(f"order={solver_order} steps={steps} shift={shift}: max abs diff {max_abs:.3e}")
+    expected = sample_with_diffusers(ref, steps, latents, noise, begin_index=0)
+    got = sample_natively(mine, steps, latents, noise)
     assert torch.isfinite(got).all()
-    assert max_abs < 1e-5
+    assert_parity(got, expected, f"order={solver_order} steps={steps} shift={shift}", max_abs=1e-5)
     assert torch.equal(got, expected)  # same operations in the same order: bit-identical
 
 
@@ -162,29 +141,21 @@ def test_sampling_loop_variants_equal_diffusers(overrides: dict) -> None:
     ref, mine = _pair(**overrides)
     mu = 0.7 if overrides.get("use_dynamic_shifting") else None
     latents, noise = _inputs(1)
-    ref.set_timesteps(8, mu=mu)
-    ref.set_begin_index(0)
-    schedule = mine.schedule(8, mu=mu)
-    state = mine.new_state()
-    x_ref = x = latents
-    for i, t in enumerate(ref.timesteps):
-        x_ref = ref.step(_fake_model(x_ref, t, noise), t, x_ref).prev_sample
-        x = mine.step(_fake_model(x, schedule.timesteps[i], noise), x, schedule.sigmas, i, state)
+    for i, x_ref, x in sample_in_lockstep(ref, mine, 8, latents, noise, mu=mu, begin_index=0):
         assert torch.equal(x, x_ref), f"step {i}"
+
+
+def _bf16_model(sample: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    return fake_flow_model(sample, t, noise).bfloat16()
 
 
 def test_mixed_precision_equals_diffusers() -> None:
     """Wan's pipeline keeps float32 latents and feeds a bfloat16 model output: same promotions here."""
     ref, mine = _pair(solver_order=3)
     latents, noise = _inputs(2)
-    ref.set_timesteps(6)
-    ref.set_begin_index(0)
-    schedule = mine.schedule(6)
-    state = mine.new_state()
-    x_ref = x = latents
-    for i, t in enumerate(ref.timesteps):
-        x_ref = ref.step(_fake_model(x_ref, t, noise).bfloat16(), t, x_ref).prev_sample
-        x = mine.step(_fake_model(x, t, noise).bfloat16(), x, schedule.sigmas, i, state)
+    *_, (_, x_ref, x) = sample_in_lockstep(
+        ref, mine, 6, latents, noise, begin_index=0, model=_bf16_model, reference_timesteps=True
+    )
     assert x.dtype == torch.float32
     assert torch.equal(x, x_ref)
 
@@ -192,15 +163,9 @@ def test_mixed_precision_equals_diffusers() -> None:
 def test_img2img_start_mid_schedule_equals_diffusers() -> None:
     ref, mine = _pair()
     latents, noise = _inputs(3)
-    ref.set_timesteps(10)
-    ref.set_begin_index(4)
-    schedule = mine.schedule(10)
-    state = mine.new_state()
-    x_ref = x = latents
-    for i in range(4, 10):
-        t = ref.timesteps[i]
-        x_ref = ref.step(_fake_model(x_ref, t, noise), t, x_ref).prev_sample
-        x = mine.step(_fake_model(x, t, noise), x, schedule.sigmas, i, state)
+    *_, (_, x_ref, x) = sample_in_lockstep(
+        ref, mine, 10, latents, noise, start=4, begin_index=4, reference_timesteps=True
+    )
     assert torch.equal(x, x_ref)
 
 
@@ -209,30 +174,14 @@ def test_interleaved_requests_match_solo_runs() -> None:
     mine = UniPCFlowScheduler.from_config({**WAN_CONFIG, "solver_order": 3})
     lat_a, noise_a = _inputs(10)
     lat_b, noise_b = _inputs(11)
-    solo_a = _run_native(mine, 12, lat_a, noise_a)
-    solo_b = _run_native(mine, 7, lat_b, noise_b)
-
-    sched_a, sched_b = mine.schedule(12), mine.schedule(7)
-    state_a, state_b = mine.new_state(), mine.new_state()
-    x_a, x_b = lat_a, lat_b
-    i_a = i_b = 0
+    solo_a = sample_natively(mine, 12, lat_a, noise_a)
+    solo_b = sample_natively(mine, 7, lat_b, noise_b)
     # A runs ahead for 3 steps, then both alternate, so they sit at different steps throughout.
-    for _ in range(3):
-        x_a = mine.step(_fake_model(x_a, sched_a.timesteps[i_a], noise_a), x_a, sched_a.sigmas, i_a, state_a)
-        i_a += 1
-    while i_a < 12 or i_b < 7:
-        if i_b < 7:
-            t = sched_b.timesteps[i_b]
-            x_b = mine.step(_fake_model(x_b, t, noise_b), x_b, sched_b.sigmas, i_b, state_b)
-            i_b += 1
-        if i_a < 12:
-            t = sched_a.timesteps[i_a]
-            x_a = mine.step(_fake_model(x_a, t, noise_a), x_a, sched_a.sigmas, i_a, state_a)
-            i_a += 1
+    x_a, x_b = sample_interleaved(mine, [(12, lat_a, noise_a), (7, lat_b, noise_b)], head_start=3)
     assert torch.equal(x_a, solo_a)
     assert torch.equal(x_b, solo_b)
     ref, _ = _pair(solver_order=3)
-    assert torch.equal(x_a, _run_diffusers(ref, 12, lat_a, noise_a))
+    assert torch.equal(x_a, sample_with_diffusers(ref, 12, lat_a, noise_a, begin_index=0))
 
 
 def test_unknown_and_unsupported_options_are_refused() -> None:
@@ -268,7 +217,7 @@ def test_out_of_order_steps_are_refused() -> None:
     schedule = mine.schedule(5)
     state = mine.new_state()
     x, noise = _inputs()
-    x = mine.step(_fake_model(x, schedule.timesteps[0], noise), x, schedule.sigmas, 0, state)
+    x = mine.step(fake_flow_model(x, schedule.timesteps[0], noise), x, schedule.sigmas, 0, state)
     with pytest.raises(ValueError, match="consecutive"):
         mine.step(noise, x, schedule.sigmas, 2, state)
     with pytest.raises(ValueError, match="outside"):

@@ -13,6 +13,12 @@ import pytest
 import torch
 
 from diffserve.models.dits.wan import WanTransformer3DModel, WanTransformerConfig, wan_rope_axes_dims
+from diffserve.testing.parity import (
+    assert_parity,
+    assert_same_state_dict_layout,
+    native_from_reference,
+    parity_pair,
+)
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import WanTransformer3DModel as DiffusersWan  # noqa: E402
@@ -48,17 +54,10 @@ IMAGE_TOKENS = 5
 
 
 def _pair(config: dict[str, Any]) -> tuple[torch.nn.Module, WanTransformer3DModel]:
-    """A seeded Diffusers model and the native model loaded from its state dict through the meta device."""
-    torch.manual_seed(0)
-    ref = DiffusersWan(**config).eval()
-    # Perturb every tensor (norm weights start at one, biases and the FLF2V table at zero) so no term is trivial.
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    with torch.device("meta"):
-        ours = WanTransformer3DModel.from_config({**dict(ref.config), "_class_name": "WanTransformer3DModel"})
-    ours.load_state_dict(ref.state_dict(), strict=True, assign=True)
-    return ref, ours.eval()
+    """A seeded Diffusers model and the native model loaded from its state dict through the meta device,
+    every tensor perturbed (norm weights start at one, biases and the FLF2V table at zero) so no term is
+    trivial."""
+    return parity_pair(DiffusersWan, WanTransformer3DModel, config)
 
 
 def _inputs(
@@ -91,11 +90,7 @@ def _compare(
         out = ours(**inputs)
     assert out.shape == expected.shape == inputs["hidden_states"][:, :16].shape
     out = out.float()
-    cos = torch.nn.functional.cosine_similarity(out.flatten(), expected.flatten(), dim=0).item()
-    max_abs = (out - expected).abs().max().item()
-    print(f"[wan parity {label}] cosine={cos:.8f} max_abs_diff={max_abs:.3e}")
-    assert cos >= 0.9999
-    assert max_abs <= atol
+    assert_parity(out, expected, f"wan parity {label}", max_abs=atol, min_cos=0.9999)
     return out
 
 
@@ -104,12 +99,7 @@ def test_state_dict_keys_and_shapes_match_diffusers(config: dict[str, Any]) -> N
     ref = DiffusersWan(**config)
     with torch.device("meta"):
         ours = WanTransformer3DModel(WanTransformerConfig(**config))
-    ref_shapes = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
-    our_shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
-    assert set(our_shapes) == set(ref_shapes), (
-        f"missing={sorted(set(ref_shapes) - set(our_shapes))} extra={sorted(set(our_shapes) - set(ref_shapes))}"
-    )
-    assert our_shapes == ref_shapes
+    assert_same_state_dict_layout(ours, ref)
 
 
 @pytest.mark.parametrize("head_dim", [16, 24, 128])
@@ -190,12 +180,10 @@ def test_bf16_parity(config: dict[str, Any]) -> None:
     """
     ref, _ = _pair(config)
     ref = _bf16_like_from_pretrained(ref, config)
-    with torch.device("meta"):
-        ours = WanTransformer3DModel(WanTransformerConfig(**config))
-    ours.load_state_dict(ref.state_dict(), strict=True, assign=True)
+    ours = native_from_reference(WanTransformer3DModel, ref)
     inputs = {k: v.to(torch.bfloat16) for k, v in _inputs(config, 2, [900.0, 3.0], txt=512).items()}
     inputs["timestep"] = torch.tensor([900, 3])
-    _compare(ref, ours.eval(), f"{'i2v' if config['image_dim'] else 't2v'} bf16 b=2", atol=0.0, **inputs)
+    _compare(ref, ours, f"{'i2v' if config['image_dim'] else 't2v'} bf16 b=2", atol=0.0, **inputs)
     if config["image_dim"] is None:
         return
 

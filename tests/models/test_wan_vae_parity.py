@@ -6,9 +6,14 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from diffserve.models.vaes.autoencoder_kl_wan import AutoencoderKLWan
+from diffserve.testing.parity import (
+    assert_parity,
+    assert_same_state_dict_layout,
+    parity_pair,
+    perturb_parameters,
+)
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -34,40 +39,21 @@ CONFIGS = {"wan2.1": WAN21_TINY, "narrow-decoder": WAN21_NARROW_DECODER}
 
 def _perturb(model: torch.nn.Module) -> None:
     """Diffusers starts the RMS-norm gains at one; move every tensor so a misrouted weight shows."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("gamma"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.add_(0.02 * torch.randn_like(p))
+    perturb_parameters(model, 0.02, gain_suffix="gamma")
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def pair(request: pytest.FixtureRequest) -> tuple[torch.nn.Module, AutoencoderKLWan]:
-    torch.manual_seed(0)
-    ref = diffusers.AutoencoderKLWan(**CONFIGS[request.param]).eval()
-    _perturb(ref)
-    with torch.device("meta"):
-        ours = AutoencoderKLWan.from_config({**dict(ref.config), "_class_name": "AutoencoderKLWan"})
-    ours.load_state_dict(ref.state_dict(), strict=True, assign=True)
-    return ref, ours.eval()
+    return parity_pair(diffusers.AutoencoderKLWan, AutoencoderKLWan, CONFIGS[request.param], perturb=_perturb)
 
 
 def _compare(label: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.shape == want.shape, f"{label}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    diff = (got - want).abs().max().item()
-    cos = F.cosine_similarity(got.flatten().double(), want.flatten().double(), dim=0).item()
-    print(f"[wan vae parity {label}] cosine={cos:.8f} max_abs_diff={diff:.3e}")
-    assert cos >= MIN_COS, f"{label}: cosine {cos}"
-    assert diff <= MAX_ABS, f"{label}: max abs diff {diff:.3e}"
+    assert_parity(got, want, f"wan vae parity {label}", max_abs=MAX_ABS, min_cos=MIN_COS)
 
 
 def test_state_dict_keys_and_shapes_match_diffusers(pair: tuple[torch.nn.Module, AutoencoderKLWan]) -> None:
     ref, ours = pair
-    want = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
-    assert got.keys() == want.keys(), (sorted(got.keys() - want.keys()), sorted(want.keys() - got.keys()))
-    assert got == want
+    assert_same_state_dict_layout(ours, ref)
 
 
 def test_video_encode_and_decode(pair: tuple[torch.nn.Module, AutoencoderKLWan]) -> None:

@@ -8,6 +8,12 @@ import pytest
 import torch
 
 from diffserve.models.dits.z_image import ZImageTransformer2DModel, ZImageTransformerConfig
+from diffserve.testing.parity import (
+    assert_parity,
+    assert_same_state_dict_layout,
+    native_from_reference,
+    parity_pair,
+)
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import ZImageTransformer2DModel as DiffusersZImage  # noqa: E402
@@ -36,20 +42,10 @@ _REF: dict[str, tuple[torch.nn.Module, ZImageTransformer2DModel]] = {}
 
 
 def _pair() -> tuple[torch.nn.Module, ZImageTransformer2DModel]:
-    """A seeded Diffusers model and the native model loaded from its state dict through the meta device."""
+    """A seeded Diffusers model and the native model loaded from its state dict through the meta device,
+    every tensor perturbed (the pad tokens start at zero, the norms at one) so no term is trivial."""
     if "tiny" not in _REF:
-        torch.manual_seed(0)
-        ref = DiffusersZImage(**TINY).eval()
-        # Perturb every tensor (the pad tokens start at zero, the norms at one) so no term is trivial.
-        with torch.no_grad():
-            for p in ref.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
-        with torch.device("meta"):
-            ours = ZImageTransformer2DModel.from_config(
-                {**dict(ref.config), "_class_name": "ZImageTransformer2DModel"}
-            )
-        ours.load_state_dict(ref.state_dict(), strict=True, assign=True)
-        _REF["tiny"] = (ref, ours.eval())
+        _REF["tiny"] = parity_pair(DiffusersZImage, ZImageTransformer2DModel, TINY)
     return _REF["tiny"]
 
 
@@ -74,13 +70,8 @@ def _compare(label: str, atol: float = 1e-4, **inputs: Any) -> list[torch.Tensor
         assert o.shape == e.shape == xi.shape
     out_flat = torch.cat([o.flatten() for o in out])
     exp_flat = torch.cat([e.flatten() for e in expected])
-    cos = torch.nn.functional.cosine_similarity(out_flat, exp_flat, dim=0).item()
-    max_abs = (out_flat - exp_flat).abs().max().item()
-    print(
-        f"[z-image parity {label}] cosine={cos:.8f} max_abs_diff={max_abs:.3e} scale={exp_flat.abs().max():.2f}"
-    )
-    assert cos >= 0.9999
-    assert max_abs <= atol
+    label = f"z-image parity {label}, scale={exp_flat.abs().max():.2f}"
+    assert_parity(out_flat, exp_flat, label, max_abs=atol, min_cos=0.9999)
     return out
 
 
@@ -88,12 +79,7 @@ def test_state_dict_keys_and_shapes_match_diffusers() -> None:
     ref, _ = _pair()
     with torch.device("meta"):
         ours = ZImageTransformer2DModel(ZImageTransformerConfig(**TINY))
-    ref_shapes = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
-    our_shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
-    assert set(our_shapes) == set(ref_shapes), (
-        f"missing={sorted(set(ref_shapes) - set(our_shapes))} extra={sorted(set(our_shapes) - set(ref_shapes))}"
-    )
-    assert our_shapes == ref_shapes
+    assert_same_state_dict_layout(ours, ref)
 
 
 def test_parity_batch2_per_sample_timesteps_and_caption_lengths() -> None:
@@ -161,17 +147,11 @@ def test_parity_bf16() -> None:
     ref16 = DiffusersZImage(**TINY).eval()
     ref16.load_state_dict(ref.state_dict())
     ref16 = ref16.to(torch.bfloat16)
-    with torch.device("meta"):
-        ours = ZImageTransformer2DModel(ZImageTransformerConfig(**TINY))
-    ours.load_state_dict(ref16.state_dict(), strict=True, assign=True)
+    ours = native_from_reference(ZImageTransformer2DModel, ref16)
     inputs = _inputs([(8, 6), (8, 6)], [7, 40], [0.1, 0.85], seed=6)
     inputs = {**inputs, "x": [xi.bfloat16() for xi in inputs["x"]]}
     inputs["cap_feats"] = [c.bfloat16() for c in inputs["cap_feats"]]
     with torch.no_grad():
         expected = torch.cat([e.float().flatten() for e in ref16(**inputs, return_dict=False)[0]])
-        out = torch.cat([o.float().flatten() for o in ours.eval()(**inputs)])
-    cos = torch.nn.functional.cosine_similarity(out, expected, dim=0).item()
-    max_abs = (out - expected).abs().max().item()
-    print(f"[z-image parity bf16 b=2] cosine={cos:.6f} max_abs_diff={max_abs:.3e}")
-    assert cos >= 0.999
-    assert max_abs <= 5e-2
+        out = torch.cat([o.float().flatten() for o in ours(**inputs)])
+    assert_parity(out, expected, "z-image parity bf16 b=2", max_abs=5e-2, min_cos=0.999)

@@ -8,7 +8,7 @@ import pytest
 from diffserve.configs.engine_args import EngineArgs
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.runtime import SchedulerConfig
-from diffserve.server.engine_process import Engine, EngineProcessConfig
+from diffserve.server.engine_process import EngineProcess, EngineProcessConfig
 from diffserve.server.protocol import (
     CancelJob,
     GenerateJob,
@@ -39,7 +39,7 @@ class FakeChannel:
 @pytest.fixture
 def engine(tmp_path):
     config = EngineProcessConfig(EngineArgs(model_path="/fake/model", output_path=str(tmp_path)), "", "", 1)
-    return Engine(config, FakeChannel(), generator=FakeGenerator())
+    return EngineProcess(config, FakeChannel(), generator=FakeGenerator())
 
 
 def job(rid: str, prompt: str = "a cat", **kwargs) -> GenerateJob:
@@ -47,7 +47,7 @@ def job(rid: str, prompt: str = "a cat", **kwargs) -> GenerateJob:
     return GenerateJob(request_id=rid, params=SamplingParams(prompt=prompt, **kwargs), **fields)
 
 
-def outcomes(engine: Engine) -> list[str]:
+def outcomes(engine: EngineProcess) -> list[str]:
     return [type(m).__name__ for m in engine.channel.sent if not isinstance(m, JobProgress)]
 
 
@@ -92,7 +92,7 @@ def test_requests_share_steps_and_finish_on_their_own_step_counts(engine) -> Non
 def test_max_running_requests_1_runs_one_at_a_time(tmp_path) -> None:
     args = EngineArgs(model_path="/fake/model", output_path=str(tmp_path), max_running_requests=1)
     generator = FakeGenerator(config=SchedulerConfig(max_running_requests=1))
-    engine = Engine(EngineProcessConfig(args, "", "", 1), FakeChannel(), generator=generator)
+    engine = EngineProcess(EngineProcessConfig(args, "", "", 1), FakeChannel(), generator=generator)
     for rid in ("r1", "r2", "r3"):
         engine._handle(job(rid))
     engine.run_until_idle()
@@ -103,7 +103,7 @@ def test_max_running_requests_1_runs_one_at_a_time(tmp_path) -> None:
 def test_priority_jobs_start_first(tmp_path) -> None:
     args = EngineArgs(model_path="/fake/model", output_path=str(tmp_path), max_running_requests=1)
     generator = FakeGenerator(config=SchedulerConfig(max_running_requests=1))
-    engine = Engine(EngineProcessConfig(args, "", "", 1), FakeChannel(), generator=generator)
+    engine = EngineProcess(EngineProcessConfig(args, "", "", 1), FakeChannel(), generator=generator)
     engine._handle(job("low"))
     engine._handle(GenerateJob("high", SamplingParams(prompt="p"), priority=10))
     engine.run_until_idle()

@@ -21,13 +21,17 @@ from diffserve.testing.image_metrics import psnr_uint8 as psnr
 
 #: family -> (builder, request extras with CFG on, a parameter the family refuses)
 FAMILIES = {
-    "sd3": ("diffserve.testing.tiny_sd3:build_tiny_sd3", {"guidance_scale": 5.0}, "true_cfg_scale"),
+    "sd3": ("diffserve.families.sd3.tiny:build_tiny_sd3", {"guidance_scale": 5.0}, "true_cfg_scale"),
     "qwen-image": (
-        "diffserve.testing.tiny_qwen_image:build_tiny_qwen_image",
+        "diffserve.families.qwen_image.tiny:build_tiny_qwen_image",
         {"true_cfg_scale": 4.0, "negative_prompt": "blurry"},
         "guidance_scale",
     ),
-    "z-image": ("diffserve.testing.tiny_zimage:build_tiny_zimage", {"guidance_scale": 3.0}, "true_cfg_scale"),
+    "z-image": (
+        "diffserve.families.z_image.tiny:build_tiny_zimage",
+        {"guidance_scale": 3.0},
+        "true_cfg_scale",
+    ),
 }
 WIDTH, HEIGHT = 48, 32
 

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from diffserve.configs.engine_args import EngineArgs
-from diffserve.server.app import outcome_of
+from diffserve.server.app_state import outcome_of
 from diffserve.server.args import ServerArgs
 from diffserve.server.errors import as_api_error, install_error_handlers
 from diffserve.server.metrics import ServerMetrics

@@ -29,6 +29,7 @@ import diffserve.server.app as app_module
 from diffserve.configs.engine_args import EngineArgs
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.server import protocol as msg
+from diffserve.server.app_state import app_state_of
 from diffserve.server.args import ServerArgs
 from diffserve.server.engine_client import EngineClient, EngineState, EngineUnavailableError
 from diffserve.server.image_files import (
@@ -82,7 +83,7 @@ def make_app(tmp_path: Path, monkeypatch, engine_cls=FakeEngineClient, **server_
     out.mkdir(exist_ok=True)
     args = ServerArgs(EngineArgs(model_path=str(tmp_path / "m"), output_path=str(out)), **server_args)
     app = app_module.create_app(args)
-    return app, app.state.engine, out
+    return app, app_state_of(app).engine, out
 
 
 async def call(app, method: str, path: str, headers: dict | None = None, leave: asyncio.Event | None = None):

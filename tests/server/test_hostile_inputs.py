@@ -11,12 +11,13 @@ from fastapi.testclient import TestClient
 
 from diffserve.configs.engine_args import EngineArgs
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.server.app import outcome_of
+from diffserve.server import video_routes
+from diffserve.server.app_state import AppState, set_app_state
 from diffserve.server.args import ServerArgs
 from diffserve.server.errors import install_error_handlers
+from diffserve.server.health_probe import HealthProbe
 from diffserve.server.image_edits import read_edit_request
 from diffserve.server.metrics import ServerMetrics
-from diffserve.server.video_routes import video_router
 from diffserve.testing.fake_pipeline import FakeFamily, FakeGenerator, FakePipeline, video_facts
 
 DEEP = 100_000  # far beyond the JSON parser's recursion limit
@@ -45,7 +46,10 @@ def client():
     app = FastAPI()
     install_error_handlers(app)
     args = ServerArgs(EngineArgs(model_path="/m"))
-    app.include_router(video_router(args, engine, NoJobs(), ServerMetrics(), lambda m: None, outcome_of))
+    set_app_state(
+        app, AppState(args, engine, ServerMetrics(), NoJobs(), HealthProbe(engine, 1.0, 1.0), started_at=0)
+    )
+    app.include_router(video_routes.router)
 
     @app.post("/edits")
     async def edits(request: Request) -> dict:
@@ -104,14 +108,14 @@ def test_non_finite_guidance_is_a_400(client, value: str) -> None:
 
 def test_engine_process_rejects_too_many_steps_and_bad_text_naming_the_field(tmp_path) -> None:
     """What the front end lets through, the engine refuses at submission, before any work or memory."""
-    from diffserve.server.engine_process import Engine, EngineProcessConfig
+    from diffserve.server.engine_process import EngineProcess, EngineProcessConfig
     from diffserve.server.protocol import GenerateJob, JobRejected
 
     channel = SimpleNamespace(sent=[])
     channel.send = channel.sent.append
     config = EngineProcessConfig(EngineArgs(model_path="/fake/wan", output_path=str(tmp_path)), "", "", 1)
     family = FakeFamily("fake-wan", "WanPipeline", "text-to-video")
-    engine = Engine(
+    engine = EngineProcess(
         config, channel, generator=FakeGenerator(FakePipeline(video_facts("WanPipeline")), family)
     )
     try:

@@ -470,7 +470,7 @@ def test_engine_probes_edit_models_with_an_input_image(tmp_path) -> None:
     from types import SimpleNamespace
 
     from diffserve.configs.sampling_params import SamplingParams
-    from diffserve.server.engine_process import Engine, EngineProcessConfig
+    from diffserve.server.engine_process import EngineProcess, EngineProcessConfig
     from diffserve.server.protocol import GenerateJob, JobRejected
     from diffserve.testing.fake_pipeline import FakeFamily, FakeGenerator, FakePipeline, image_facts
 
@@ -478,7 +478,7 @@ def test_engine_probes_edit_models_with_an_input_image(tmp_path) -> None:
     pipeline = FakePipeline(image_facts("EditPipeline", min_input_images=1, max_input_images=1))
     generator = FakeGenerator(pipeline, FakeFamily("edit", "E", "image-edit"))
     config = EngineProcessConfig(EngineArgs(model_path="/m", output_path=str(tmp_path)), "", "", 1)
-    engine = Engine(config, SimpleNamespace(send=sent.append), generator=generator)
+    engine = EngineProcess(config, SimpleNamespace(send=sent.append), generator=generator)
     probe = engine.probe_params("warm-up")
     assert [im.size for im in probe.input_images] == [(engine.probe_size, engine.probe_size)]
     info = engine.info(None)

@@ -63,7 +63,7 @@ def assert_same_pixels(served: list[np.ndarray], offline: list[Image.Image]) -> 
 
 @pytest.fixture(scope="module")
 def tiny_flux_fill_dir(tmp_path_factory) -> Path:
-    from diffserve.testing.tiny_flux_fill import build_tiny_flux_fill
+    from diffserve.families.flux.tiny_fill import build_tiny_flux_fill
 
     return Path(build_tiny_flux_fill(tmp_path_factory.mktemp("tiny-flux-fill")))
 

@@ -37,7 +37,7 @@ def decode_b64(b64: str) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def tiny_qwen_edit_dir(tmp_path_factory) -> Path:
-    from diffserve.testing.tiny_qwen_image import build_tiny_qwen_image_edit
+    from diffserve.families.qwen_image.tiny import build_tiny_qwen_image_edit
 
     return Path(build_tiny_qwen_image_edit(tmp_path_factory.mktemp("tiny-qwen-edit")))
 

@@ -49,8 +49,8 @@ MAX_LORA_MEMORY_MB = 64
 
 @pytest.fixture(scope="module")
 def lora_dir(tiny_flux_dir, tmp_path_factory) -> Path:
+    from diffserve.families.z_image.tiny import build_tiny_zimage
     from diffserve.testing.tiny_lora import write_random_lora
-    from diffserve.testing.tiny_zimage import build_tiny_zimage
 
     root = tmp_path_factory.mktemp("loras")
     folder = root / "lora-dir"

@@ -27,13 +27,13 @@ assert 2 * MAX_METADATA_TEXT_CHARS < len(LONG_PROMPT) < MAX_PROMPT_CHARS
 
 
 def make_engine(tmp_path, interval: float = 3600.0, generator: FakeGenerator | None = None):
-    from diffserve.server.engine_process import Engine, EngineProcessConfig
+    from diffserve.server.engine_process import EngineProcess, EngineProcessConfig
 
     channel = SimpleNamespace(sent=[])
     channel.send = channel.sent.append
     args = EngineArgs(model_path="/fake/model", output_path=str(tmp_path))
     config = EngineProcessConfig(args, "", "", 1, progress_log_interval=interval)
-    return Engine(config, channel, generator=generator or FakeGenerator())
+    return EngineProcess(config, channel, generator=generator or FakeGenerator())
 
 
 @pytest.fixture

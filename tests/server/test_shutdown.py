@@ -37,13 +37,14 @@ from server_process import ServerProcess, start_server
 from diffserve.configs.engine_args import EngineArgs
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.server import protocol as msg
-from diffserve.server.app import outcome_of
+from diffserve.server import video_routes
+from diffserve.server.app_state import AppState, set_app_state
 from diffserve.server.args import ServerArgs
 from diffserve.server.engine_client import EngineClient, EngineState, EngineUnavailableError
 from diffserve.server.errors import install_error_handlers
+from diffserve.server.health_probe import HealthProbe
 from diffserve.server.metrics import ServerMetrics
 from diffserve.server.video_jobs import VideoJob, VideoJobManager, VideoJobStore
-from diffserve.server.video_routes import video_router
 
 IMAGE_INFO = {"task": "text-to-image", "diffusers_pipeline": "FluxPipeline"}
 VIDEO_INFO = {"task": "text-to-video", "diffusers_pipeline": "WanPipeline"}
@@ -123,7 +124,9 @@ def video_app(tmp_path: Path, info: dict) -> tuple[FastAPI, VideoJobManager]:
     app = FastAPI(lifespan=lifespan)
     install_error_handlers(app)
     args = ServerArgs(EngineArgs(model_path="/m", output_path=str(tmp_path)))
-    app.include_router(video_router(args, engine, jobs, ServerMetrics(), lambda model: None, outcome_of))
+    probe = HealthProbe(engine, 1.0, 1.0)
+    set_app_state(app, AppState(args, engine, ServerMetrics(), jobs, probe, started_at=0))
+    app.include_router(video_routes.router)
     return app, jobs
 
 
@@ -207,7 +210,7 @@ def test_abort_answers_in_flight_requests_kills_the_engine_and_removes_the_socke
 # -- real servers ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def wan_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
+    from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
 
     return build_tiny_wan(tmp_path_factory.mktemp("tiny-wan"), TinyWanSpec())
 

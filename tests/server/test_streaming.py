@@ -177,7 +177,7 @@ def test_leaving_mid_stream_cancels_the_request(server) -> None:
 @pytest.fixture(scope="module")
 def edit_server(tmp_path_factory):
     """A tiny Qwen-Image-Edit server (the FLUX one takes no input image), without warm-up."""
-    from diffserve.testing.tiny_qwen_image import build_tiny_qwen_image_edit
+    from diffserve.families.qwen_image.tiny import build_tiny_qwen_image_edit
 
     model_dir = build_tiny_qwen_image_edit(tmp_path_factory.mktemp("tiny-qwen-edit"))
     srv = start_server(model_dir, tmp_path_factory.mktemp("qwen-edit-server"), "--no-warmup")

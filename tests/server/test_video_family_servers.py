@@ -22,10 +22,10 @@ from PIL import Image
 from server_process import start_server
 
 from diffserve import DiffGenerator
+from diffserve.families.ltx2.tiny import build_tiny_ltx2
+from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
 from diffserve.outputs.audio_track import read_audio_track
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
-from diffserve.testing.tiny_ltx2 import build_tiny_ltx2
-from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
 
 WIDTH, HEIGHT, FPS, STEPS, SEED = 96, 64, 8, 4, 5
 #: family -> the folder's builder

@@ -32,14 +32,15 @@ from server_process import start_server
 
 from diffserve.configs.engine_args import EngineArgs
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.server.app import outcome_of
+from diffserve.server import video_routes
+from diffserve.server.app_state import AppState, set_app_state
 from diffserve.server.args import ServerArgs
 from diffserve.server.errors import install_error_handlers
+from diffserve.server.health_probe import HealthProbe
 from diffserve.server.metrics import ServerMetrics
 from diffserve.server.protocol import JobProgress
 from diffserve.server.schemas import frames_for_seconds
 from diffserve.server.video_jobs import VideoJob, VideoJobStore, progress_percent
-from diffserve.server.video_routes import video_router
 from diffserve.testing.fake_pipeline import FakeFamily, FakeGenerator, FakePipeline, video_facts
 
 MODEL_NAME = "tiny-wan"
@@ -153,9 +154,11 @@ def test_videos_route_refuses_an_image_model() -> None:
     app = FastAPI()
     install_error_handlers(app)
     args = ServerArgs(EngineArgs(model_path="/m"))
-    app.include_router(
-        video_router(args, engine, SimpleNamespace(ttl=60.0), ServerMetrics(), lambda m: None, outcome_of)
+    jobs = SimpleNamespace(ttl=60.0)
+    set_app_state(
+        app, AppState(args, engine, ServerMetrics(), jobs, HealthProbe(engine, 1.0, 1.0), started_at=0)
     )
+    app.include_router(video_routes.router)
     with TestClient(app) as client:
         r = client.post("/v1/videos", json={"prompt": "a cat"})
     assert_error(
@@ -175,12 +178,12 @@ def FakeVideoGenerator() -> FakeGenerator:  # noqa: N802  (reads as the class it
 
 @pytest.fixture
 def video_engine(tmp_path):
-    from diffserve.server.engine_process import Engine, EngineProcessConfig
+    from diffserve.server.engine_process import EngineProcess, EngineProcessConfig
 
     channel = SimpleNamespace(sent=[])
     channel.send = channel.sent.append
     config = EngineProcessConfig(EngineArgs(model_path="/fake/wan", output_path=str(tmp_path)), "", "", 1)
-    engine = Engine(config, channel, generator=FakeVideoGenerator())
+    engine = EngineProcess(config, channel, generator=FakeVideoGenerator())
     yield engine
     engine.encoder.shutdown(wait=True)
 
@@ -251,7 +254,7 @@ def test_engine_cancel_while_writing_deletes_the_file(video_engine, tmp_path, mo
 # -- text-to-video server --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def wan_t2v_dir(tmp_path_factory):
-    from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
+    from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
 
     return build_tiny_wan(tmp_path_factory.mktemp("tiny-wan-t2v"), TinyWanSpec())
 
@@ -562,7 +565,7 @@ def test_restart_keeps_finished_jobs_and_fails_interrupted_ones(t2v, wan_t2v_dir
 # -- image-to-video server (with a short --job-ttl) ------------------------------------------------
 @pytest.fixture(scope="module")
 def i2v(tmp_path_factory):
-    from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
+    from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
 
     model_dir = build_tiny_wan(tmp_path_factory.mktemp("tiny-wan-i2v"), TinyWanSpec(image_to_video=True))
     srv = start_server(model_dir, tmp_path_factory.mktemp("i2v"), "--job-ttl", str(I2V_TTL_S))

@@ -137,7 +137,7 @@ def test_compile_refuses_what_it_cannot_compile() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_flux_1x1(tmp_path_factory: pytest.TempPathFactory):
-    from diffserve.testing.tiny_flux import TinyFluxSpec, build_tiny_flux
+    from diffserve.families.flux.tiny import TinyFluxSpec, build_tiny_flux
 
     return build_tiny_flux(
         tmp_path_factory.mktemp("tiny-flux-1x1"), TinyFluxSpec(num_layers=1, num_single_layers=1)
@@ -237,7 +237,7 @@ def test_compiled_generation_matches_eager_and_does_not_recompile(compiled, eage
 @pytest.fixture(scope="module")
 def compiled_zimage(tmp_path_factory: pytest.TempPathFactory):
     from diffserve.api import DiffGenerator
-    from diffserve.testing.tiny_zimage import build_tiny_zimage
+    from diffserve.families.z_image.tiny import build_tiny_zimage
 
     path = build_tiny_zimage(tmp_path_factory.mktemp("tiny-zimage"))
     return DiffGenerator.from_pretrained(path, device="cpu", show_progress=False, compile=True)

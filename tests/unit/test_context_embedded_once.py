@@ -16,14 +16,14 @@ import torch
 from PIL import Image
 
 from diffserve.api import DiffGenerator
+from diffserve.families.flux.tiny import build_tiny_flux
+from diffserve.families.wan.pipeline import WanDenoiser
+from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
+from diffserve.families.z_image.pipeline import ZImageDenoiser
+from diffserve.families.z_image.tiny import build_tiny_zimage
 from diffserve.models.dits.flux import FluxTransformer2DModel, FluxTransformerConfig
 from diffserve.models.dits.z_image import ZImageTransformer2DModel, ZImageTransformerConfig
 from diffserve.pipelines.cfg_batch import branch_texts
-from diffserve.pipelines.wan import WanDenoiser
-from diffserve.pipelines.z_image import ZImageDenoiser
-from diffserve.testing.tiny_flux import build_tiny_flux
-from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
-from diffserve.testing.tiny_zimage import build_tiny_zimage
 
 STEPS = 3
 

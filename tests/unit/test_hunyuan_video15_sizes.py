@@ -12,7 +12,7 @@ from diffusers.pipelines.hunyuan_video1_5.image_processor import (
 )
 from PIL import Image
 
-from diffserve.stages.hunyuan_video15_sizes import closest_bucket, resize_and_crop, size_buckets
+from diffserve.families.hunyuan_video15.sizes import closest_bucket, resize_and_crop, size_buckets
 
 
 @pytest.mark.parametrize("target_size", [64, 480, 640, 960])

@@ -10,7 +10,7 @@ import diffserve
 
 ROOT = Path(diffserve.__file__).parent
 #: Packages that must not import the front ends (`server`, `cli`): the engine runs without them.
-CORE = ("runtime", "pipelines", "models", "layers", "stages", "loader", "platforms")
+CORE = ("runtime", "families", "pipelines", "models", "layers", "stages", "loader", "platforms")
 FRONT_ENDS = ("server", "cli")
 
 

@@ -28,6 +28,9 @@ from torch import nn
 
 from diffserve import DiffGenerator
 from diffserve.errors import ModelLoadError, UserError
+from diffserve.families.flux.tiny import TinyFluxSpec, build_tiny_flux, flux_dit_inputs
+from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
+from diffserve.families.z_image.tiny import TinyZImageSpec, build_tiny_zimage
 from diffserve.loader.mmap_weights import load_mmapped_into, mapped_tensors
 from diffserve.loader.safetensors_weights import load_safetensors_into
 from diffserve.models.dits.flux import FluxTransformer2DModel
@@ -35,9 +38,7 @@ from diffserve.offload.layerwise import install_layerwise_offload, layerwise_off
 from diffserve.platforms.base import Platform
 from diffserve.platforms.cpu import CpuPlatform
 from diffserve.testing.counting_platform import CountingPlatform
-from diffserve.testing.tiny_flux import TinyFluxSpec, build_tiny_flux, flux_dit_inputs, save_diffusers_model
-from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
-from diffserve.testing.tiny_zimage import TinyZImageSpec, build_tiny_zimage
+from diffserve.testing.tiny_writing import save_diffusers_model
 
 #: The DiTs' block lists and a tensor of one of their blocks' submodules, by state-dict name (written
 #: out here, not taken from the offload, so that the bound below does not rest on the code it checks).

@@ -16,6 +16,7 @@ from diffserve.errors import LoraError
 from diffserve.loader.lora_formats import convert_lora, lora_file_format, read_lora_file
 from diffserve.loader.lora_formats.architectures import architecture
 from diffserve.loader.lora_weights import ConvertedLora
+from diffserve.registry import DIT_FACTS
 
 pytest.importorskip("peft")
 diffusers = pytest.importorskip("diffusers")
@@ -110,7 +111,7 @@ def _diffusers_deltas(mixin, dit_class: str, path: Path, **model_extra) -> dict[
 
 def _ours(path: Path, dit_class: str) -> ConvertedLora:
     state_dict, metadata = read_lora_file(path)
-    return convert_lora(state_dict, metadata, dit_class, source=path.name)
+    return convert_lora(state_dict, metadata, dit_class, DIT_FACTS, source=path.name)
 
 
 def _assert_same_deltas(ours: ConvertedLora, reference: dict[str, torch.Tensor]) -> float:
@@ -197,7 +198,7 @@ def test_qwen_bare_keys_with_default_adapter_name_and_alpha(tmp_path) -> None:
 
 def test_flux_peft_alphas_follow_network_alphas(tmp_path) -> None:
     """FLUX passes `.alpha` tensors to PEFT as network_alphas: a module without one takes the first."""
-    pytest.importorskip("diffserve.loader.lora_formats.flux")
+    pytest.importorskip("diffserve.families.flux.lora_formats")
     model = _tiny(FLUX)
     state_dict = {}
     for i, (name, shape) in enumerate(_linears(model).items()):
@@ -260,10 +261,10 @@ def test_metadata_must_cover_every_component_and_rank() -> None:
     }
     meta = {"lora_adapter_metadata": json.dumps({"transformer.r": 4, "transformer.lora_alpha": 4})}
     with pytest.raises(LoraError, match=r"configures transformer but not text_encoder"):
-        convert_lora(state_dict, meta, SD3)
+        convert_lora(state_dict, meta, SD3, DIT_FACTS)
     meta = {"lora_adapter_metadata": json.dumps({"transformer.r": 8})}
     with pytest.raises(LoraError, match=r"proj_out has rank 4 but .*configures rank 8"):
-        convert_lora(_pair("transformer.proj_out", rank=4), meta, SD3)
+        convert_lora(_pair("transformer.proj_out", rank=4), meta, SD3, DIT_FACTS)
 
 
 # ----------------------------------------------------------------------------------- kohya / original
@@ -389,7 +390,7 @@ def test_wan_musubi_kohya_matches_diffusers(tmp_path) -> None:
 @pytest.mark.parametrize(("dit_class", "extra"), [(QWEN, {}), (ZIMAGE, {"siglip_feat_dim": 8}), (WAN, {})])
 def test_module_table_names_every_linear(dit_class, extra) -> None:
     """Each Linear of the Diffusers model, underscore-joined as kohya writes it, maps back to itself."""
-    table = architecture(dit_class).table
+    table = architecture(dit_class, DIT_FACTS).table
     for name in _linears(_tiny(dit_class, **extra)):
         resolved = table.resolve_flat(name.replace(".", "_"))
         assert resolved is not None and resolved.targets == (name,), name
@@ -413,7 +414,7 @@ def test_unsupported_keys_are_listed_not_applied() -> None:
         **_pair("transformer.blocks.0.attn1.to_k"),
         **_pair("text_encoder.encoder.block.0.layer.0.SelfAttention.q"),
     }
-    converted = convert_lora(state_dict, {}, WAN)
+    converted = convert_lora(state_dict, {}, WAN, DIT_FACTS)
     assert sorted(converted.targets) == ["transformer.blocks.0.attn1.to_k", "transformer.blocks.0.attn1.to_q"]
     assert set(converted.unsupported) == {
         "transformer.blocks.0.attn1.to_q.lora_B.bias",
@@ -426,7 +427,7 @@ def test_unsupported_keys_are_listed_not_applied() -> None:
         "diffusion_model.blocks.0.self_attn.norm_q.diff": torch.randn(8),
         "diffusion_model.blocks.0.self_attn.q.diff_b": torch.randn(8),
     }  # fmt: skip
-    converted = convert_lora(diffs, {}, WAN)
+    converted = convert_lora(diffs, {}, WAN, DIT_FACTS)
     assert list(converted.targets) == ["transformer.blocks.0.attn1.to_q"]
     assert len(converted.unsupported) == 2
 
@@ -446,7 +447,7 @@ def test_unsupported_keys_are_listed_not_applied() -> None:
 )  # fmt: skip
 def test_bad_state_dicts_raise_lora_error(state_dict, dit_class, message) -> None:
     with pytest.raises(LoraError, match=message):
-        convert_lora(state_dict, {}, dit_class, source="bad.safetensors")
+        convert_lora(state_dict, {}, dit_class, DIT_FACTS, source="bad.safetensors")
 
 
 def test_reading_finds_the_file_of_a_folder(tmp_path) -> None:

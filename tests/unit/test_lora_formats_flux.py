@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import save_file
 
 from diffserve.errors import LoraError
-from diffserve.loader.lora_formats.flux import convert_flux_lora
-from diffserve.loader.lora_formats.flux_names import (
+from diffserve.families.flux.lora_formats import convert_flux_lora
+from diffserve.families.flux.lora_names import (
     DIFFUSERS_DOUBLE_LINEARS,
     DIFFUSERS_GLOBAL_LINEARS,
     DIFFUSERS_SINGLE_LINEARS,

@@ -339,8 +339,8 @@ def test_cpu_prepare_process_keeps_activations_mapped_on_glibc(caplog):
 def test_allocator_tuning_is_opt_in(tmp_path, monkeypatch):
     """An engine applies the platform's allocator tuning only with tune_allocator (`--tune-allocator`)."""
     from diffserve.api import DiffGenerator
+    from diffserve.families.flux.tiny import TinyFluxSpec, build_tiny_flux
     from diffserve.platforms.cpu import CpuPlatform
-    from diffserve.testing.tiny_flux import TinyFluxSpec, build_tiny_flux
 
     calls = []
     monkeypatch.setattr(CpuPlatform, "prepare_process", lambda self: calls.append(self.name))

@@ -30,9 +30,9 @@ from diffserve.testing.image_metrics import psnr_uint8 as psnr
 WIDTH, HEIGHT, STEPS = 48, 32, 3
 BUILDERS = {
     "flux": None,  # the session's tiny_flux_dir
-    "sd3": "diffserve.testing.tiny_sd3:build_tiny_sd3",
-    "qwen-image": "diffserve.testing.tiny_qwen_image:build_tiny_qwen_image",
-    "zimage": "diffserve.testing.tiny_zimage:build_tiny_zimage",
+    "sd3": "diffserve.families.sd3.tiny:build_tiny_sd3",
+    "qwen-image": "diffserve.families.qwen_image.tiny:build_tiny_qwen_image",
+    "zimage": "diffserve.families.z_image.tiny:build_tiny_zimage",
 }
 #: Last preview from latents pooled 2x (a quarter of the pixels decoded) against the final image: a
 #: sanity bound only (measured 12.7-26 dB on the random test VAEs).
@@ -122,7 +122,7 @@ def test_wan_previews_the_first_frame_from_unipc_data_prediction(tmp_path) -> No
     """Wan samples with UniPC, whose step is not an Euler move: x0 comes from its history, and must be
     the data prediction of the step just taken, `x_{k-1} - sigma_{k-1} * v_{k-1}`. The preview is the
     video's first frame (exact: the causal VAE decodes it from the first latent frame alone)."""
-    from diffserve.testing.tiny_wan import TinyWanSpec, build_tiny_wan
+    from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
 
     model_dir = build_tiny_wan(tmp_path / "wan", TinyWanSpec(scheduler="unipc"))
     generator = DiffGenerator.from_pretrained(model_dir, device="cpu", show_progress=False)

@@ -12,7 +12,7 @@ from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import ASPECT_RATIO_
 from diffusers.pipelines.pixart_alpha.pipeline_pixart_sigma import ASPECT_RATIO_2048_BIN
 from diffusers.pipelines.sana.pipeline_sana import ASPECT_RATIO_4096_BIN
 
-from diffserve.stages.sana_resolution import bins_for_sample_size, nearest_bin, resize_and_crop
+from diffserve.families.sana.resolution import bins_for_sample_size, nearest_bin, resize_and_crop
 
 #: Diffusers' SanaPipeline: transformer sample_size -> its table.
 DIFFUSERS_BINS = {

@@ -448,8 +448,8 @@ def test_cpu_step_times_are_filled_at_once() -> None:
 def test_zimage_dit_time_is_what_each_step_computed(steps: int, dynamic: bool) -> None:
     """Z-Image's DiT time, now computed for the whole schedule at preparation, equals bit for bit the
     per-step 0-d computation the denoiser did before."""
+    from diffserve.families.z_image.stages import ZImageTimestepPreparationStage
     from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
-    from diffserve.stages.z_image import ZImageTimestepPreparationStage
 
     scheduler = FlowMatchEulerScheduler(shift=3.0, use_dynamic_shifting=dynamic)
     req = Req(params=SamplingParams(prompt="x", num_inference_steps=steps))

@@ -41,7 +41,7 @@ def flux(tiny_flux_dir) -> DiffGenerator:
 
 @pytest.fixture(scope="module")
 def zimage(tmp_path_factory) -> DiffGenerator:
-    from diffserve.testing.tiny_zimage import build_tiny_zimage
+    from diffserve.families.z_image.tiny import build_tiny_zimage
 
     root = build_tiny_zimage(tmp_path_factory.mktemp("tiny-zimage"))
     return DiffGenerator.from_pretrained(root, device="cpu", show_progress=False)

@@ -14,9 +14,13 @@ import pytest
 import torch
 from PIL import Image
 
+from diffserve.families.qwen_image.tiny import (
+    TinyQwenImageSpec,
+    build_tiny_qwen_image,
+    load_qwen_vl_processor,
+)
+from diffserve.families.z_image.tiny import build_tiny_zimage
 from diffserve.testing.qwen_tokenizers import build_qwen_tokenizer
-from diffserve.testing.tiny_qwen_image import TinyQwenImageSpec, build_tiny_qwen_image, load_qwen_vl_processor
-from diffserve.testing.tiny_zimage import build_tiny_zimage
 
 diffusers = pytest.importorskip("diffusers")
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-#: `--backend` choices; "native" is the default.
-BACKENDS = ("native", "diffusers")
+from diffserve.configs.engine_args import BACKENDS as BACKENDS  # `--backend` choices, declared there
+
 Backend = Literal["native", "diffusers"]
 
 #: What the diffusers backend does not do, as the startup log and /server_info list it.

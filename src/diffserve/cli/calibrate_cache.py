@@ -49,7 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_engine_flags(p)
+    add_engine_flags(p, "calibrate-cache")
     add = p.add_argument
     add("--prompt", action="append", default=None, help="calibration prompt (repeat; default: 4 built in)")
     add("--image", default=None, metavar="PATH", help="input image, for edit and image-to-video models")
@@ -63,7 +63,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add("--timing-rounds", type=int, default=DEFAULT_TIMING_ROUNDS, metavar="N",
         help=f"rounds of interleaved exact/cached runs timing speed-ups (default: {DEFAULT_TIMING_ROUNDS})")  # fmt: skip
     add("--dry-run", action="store_true", help="print the result without writing the file")
-    add("--output-path", default="outputs", help=argparse.SUPPRESS)
     p.set_defaults(handler=run)
 
 

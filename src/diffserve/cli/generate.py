@@ -12,7 +12,7 @@ from pathlib import Path
 
 from diffserve.cli.engine_flags import add_engine_flags, engine_args_from
 from diffserve.cli.lora_flags import lora_choices_from
-from diffserve.configs.quality import ACCEPTED
+from diffserve.configs.option import add_option, add_options, option_of
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError, UserError
 
@@ -25,10 +25,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="generate images from a prompt",
         description="Generate images with a Diffusers-format model folder.",
     )
-    add_engine_flags(p, lora="generate")
+    add_engine_flags(p, "generate")
     add = p.add_argument
     prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="text prompt")
+    add_option(prompt, option_of(SamplingParams, "prompt"))
     prompt.add_argument("--prompt-file", help="file with one prompt per line (blank lines skipped)")
     add("--image", action="append", default=None, metavar="PATH",
         help="input image of an edit model (repeat for several, in order), or the start image of image-to-image "
@@ -36,37 +36,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add("--mask", default=None, metavar="PATH",
         help="inpainting mask of the --image's size: transparent pixels (alpha 0) or, without alpha, white "
         "pixels mark the area to repaint (FLUX, SD3 and FLUX.1 Fill folders)")  # fmt: skip
-    add("--strength", type=float, default=None,
-        help="image-to-image / inpainting: how far --image is noised, 0-1 (1: pure noise; default 0.6, "
-        "FLUX.1 Fill 1.0); keeps int(steps * strength) steps")  # fmt: skip
-    add("--negative-prompt", default=None, help="negative prompt (used with --true-cfg-scale > 1)")
-    add("--height", type=int, default=None, help="image height in pixels (model default if unset)")
-    add("--width", type=int, default=None, help="image width in pixels (model default if unset)")
-    add("--num-inference-steps", type=int, default=None, help="denoising steps")
-    add("--guidance-scale", type=float, default=None, help="embedded guidance (FLUX.1-dev: 3.5)")
-    add("--true-cfg-scale", type=float, default=None, help="true CFG scale; >1 with a negative prompt")
-    add("--guidance-scale-2", type=float, default=None,
-        help="Wan 2.2 A14B: the low-noise expert's CFG scale (default: --guidance-scale)")  # fmt: skip
-    add("--skip-guidance-layers", type=int, nargs="+", default=None, metavar="BLOCK",
-        help="SD3.5 skip-layer guidance: DiT blocks to skip (SD3.5-medium: 7 8 9); needs CFG")  # fmt: skip
-    add("--skip-layer-guidance-scale", type=float, default=None, help="skip-layer guidance scale (2.8)")
-    add("--skip-layer-guidance-start", type=float, default=None,
-        help="fraction of the steps after which skip-layer guidance starts (0.01)")  # fmt: skip
-    add("--skip-layer-guidance-stop", type=float, default=None,
-        help="fraction of the steps before which skip-layer guidance stops (0.2)")  # fmt: skip
-    add("--max-sequence-length", type=int, default=None, help="T5 tokens (FLUX: at most 512)")
-    add("--num-frames", type=int, default=None, help="video models: frames (Wan: 4k+1, default 81)")
-    add("--fps", type=int, default=None, help="video models: frames per second of the file (Wan: 16)")
-    add("--video-format", default=None, choices=("mp4", "gif", "webp"), help="video container (mp4)")
+    # The SamplingParams flags, unchecked here: `check_params` reports a bad value naming the flag.
+    add_options(p, SamplingParams, "generate", skip=("prompt",))
     add("--save-frames", action="store_true", help="video models: also write every frame as a PNG")
-    add("--seed", type=int, default=None,
-        help="noise seed: same seed, same image on every device (default: a random one, logged and saved "
-        "in the output's metadata)")  # fmt: skip
-    add("--quality", default=None, choices=ACCEPTED,
-        help="high (exact; also hd, lossless); medium/low/draft: faster, >= 35/30/25 dB PSNR; auto/standard: "
-        "--default-quality (default)")  # fmt: skip
-    add("--num-outputs-per-prompt", type=int, default=1, help="images per prompt")
-    add("--output-path", default="outputs", help="directory for output files (default: outputs/)")
     add("--output-file-name", default=None, help="file name instead of the generated one")
     add("--save-output", action=argparse.BooleanOptionalAction, default=True,
         help="write images to --output-path")  # fmt: skip

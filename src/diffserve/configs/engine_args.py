@@ -1,12 +1,37 @@
-"""Engine-wide settings, fixed when the engine starts (one model, on one device or several ranks)."""
+"""Engine-wide settings, fixed when the engine starts (one model, on one device or several ranks). Each
+field is declared once (`configs/option.py`): the `generate`, `serve` and `calibrate-cache` flags and
+`DiffGenerator.from_pretrained`'s keywords are made from these declarations."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import argparse
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
-from diffserve.configs.quality import EXACT
+from diffserve.configs.memory_options import (
+    OFFLOAD_MODES,
+    QUANTIZATION_MODES,
+    check_transformer_weights,
+    parse_size,
+)
+from diffserve.configs.option import OptionGroup, option
+from diffserve.configs.quality import DEFAULT_QUALITY_CHOICES, EXACT, canonical_tier
 from diffserve.distributed.config import ParallelConfig, ParallelConfigError
+from diffserve.errors import UserError
+
+#: `--backend` choices; "native" is the default.
+BACKENDS = ("native", "diffusers")
+
+PARALLEL = OptionGroup(
+    "multi-device",
+    "num-gpus = cfg (2 with --enable-cfg-parallel) x tp x ulysses x ring; on the CPU each 'gpu' is one rank "
+    "process over gloo",
+)
+LORA = OptionGroup(
+    "LoRA adapters", "diffusers/PEFT, kohya and FLUX community LoRA files (.safetensors), applied to the DiT"
+)
+MEMORY = OptionGroup("memory", "quantization, single-file weights and offload (docs/memory.md)")
 
 
 @dataclass(frozen=True)
@@ -19,88 +44,231 @@ class LoraSpec:
     scale: float = 1.0
 
 
+def parse_resolution(text: str) -> tuple[int, int]:
+    """'WIDTHxHEIGHT' (OpenAI's size order) -> (height, width)."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(part.strip().isdigit() and int(part) > 0 for part in parts):
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT such as 1024x768, got {text!r}")
+    width, height = (int(part) for part in parts)
+    return height, width
+
+
+def check_revision(text: str, flag: str) -> str:
+    """A Hub revision: any non-blank text."""
+    if not text.strip():
+        raise UserError(f"{flag} must not be empty (omit it for the repo's main branch)")
+    return text
+
+
+def canonical_default_quality(text: str, flag: str) -> str:
+    """A `--default-quality` name as its canonical tier ("lossless" -> "high")."""
+    if text not in DEFAULT_QUALITY_CHOICES:
+        raise UserError(f"{flag} must be one of {', '.join(DEFAULT_QUALITY_CHOICES)}, got {text!r}")
+    return canonical_tier(text)
+
+
+def check_lora_dir(text: str, flag: str) -> str:
+    """An existing folder, as an absolute path."""
+    folder = Path(text).expanduser()
+    if not folder.is_dir():
+        raise UserError(f"{flag} {text!r} is not a directory")
+    return str(folder.absolute())
+
+
 @dataclass
 class EngineArgs:
-    #: A Diffusers model folder, or a Hugging Face repo id (`owner/name`) resolved from the local HF
-    #: cache or downloaded (`diffserve.loader.hub`); either way the name the model is shown and served as.
-    model_path: str
-    #: Hub revision of a repo id (branch, tag or commit hash); None: `main`. An error with a local folder.
-    revision: str | None = None
-    device: str | None = None  # platform name ("cpu", "cuda", ...); None: detect
-    dtype: str | None = None  # "float32", "bfloat16", "float16"; None: the platform's default
-    text_encoder_dtype: str | None = None  # None: same as dtype
-    attention_backend: str | None = None  # None: the platform's default
-    output_path: str = "outputs"
-    #: "native" (diffserve's own pipelines) or "diffusers": run the folder's Diffusers pipeline class through
-    #: diffusers itself, one request at a time (`diffserve.backends`; the extra `diffserve[diffusers]`).
-    backend: str = "native"
+    model_path: str = option(
+        cli="--model-path",
+        help="Diffusers model folder (with model_index.json) or Hugging Face repo id such as "
+        "black-forest-labs/FLUX.1-dev (from the HF cache, else downloaded); "
+        "default: the small demo model shipped with diffserve",
+    )
+    revision: str | None = option(
+        None, cli="--revision", convert=check_revision,
+        help="with a Hugging Face repo id: branch, tag or commit hash (default: main)",
+    )  # fmt: skip
+    device: str | None = option(
+        None, cli="--device", help="platform: cpu, cuda, rocm, musa, xpu, npu, mps (default: detect)"
+    )
+    dtype: str | None = option(
+        None, cli="--dtype", help="float32, bfloat16 or float16 (default: the platform's)"
+    )
+    text_encoder_dtype: str | None = option(
+        None, cli="--text-encoder-dtype", help="dtype of the text encoders (default: --dtype)"
+    )
+    attention_backend: str | None = option(
+        None, cli="--attention-backend", help="sdpa, flash_attn or sage_attn (default: sdpa)"
+    )
+    output_path: str = option(
+        "outputs", cli="--output-path", commands=("generate", "serve"),
+        help="directory for output files: generate's images and videos, serve's response_format='url' images "
+        "and /v1/videos jobs (default: outputs/)",
+    )  # fmt: skip
+    #: `diffserve.backends`; the extra `diffserve[diffusers]`.
+    backend: str = option(
+        "native", cli="--backend", choices=BACKENDS,
+        help="native: diffserve's own pipelines; diffusers: run the folder's Diffusers pipeline class through "
+        "diffusers (pipelines diffserve has not ported; one request at a time, exact quality only; needs "
+        "pip install 'diffserve[diffusers]') (default: native)",
+    )  # fmt: skip
     # The engine's step scheduler (diffserve.runtime.scheduler), for the server, the CLI and the API alike.
-    #: Requests denoising at once, sharing DiT batches (1: one request at a time).
-    max_running_requests: int = 8
-    #: Cap on the running requests' latent tokens x CFG branches x outputs; None: the platform's default
-    #: (`diffserve.runtime.scheduler.default_max_batch_tokens`).
-    max_batch_tokens: int | None = None
-    #: Share of the free memory measured after warm-up that running requests may use (admission budget).
-    mem_fraction: float = 0.9
-    #: Most denoising steps a request may ask for (`--max-inference-steps`); more is refused with a 400.
-    max_inference_steps: int = 1000
-    #: torch.compile the DiT's repeated blocks (regional: one compiled graph per block class).
-    compile: bool = False
-    #: (height, width) sizes generated once at startup so compilation and allocator warm-up happen
-    #: before the first request; empty: none (the server still runs its 1-step warm-up).
-    warmup_resolutions: list[tuple[int, int]] = field(default_factory=list)
-    #: What a request's `quality="auto"` (or no quality) means: "high" (exact), "medium", "low" or "draft"
-    #: (`configs/quality.py`; "lossless" and "hd" are accepted for "high").
-    default_quality: str = EXACT
-    #: Platform tuning of the process's memory allocator (`Platform.prepare_process`; on glibc CPUs:
-    #: keep activation buffers mapped between steps). Off by default: its effect depends on the host.
-    tune_allocator: bool = False
-    # Multi-device (`diffserve.distributed.config.ParallelConfig`; SGLang's flag names): num_gpus ranks
-    # = cfg (2 with enable_cfg_parallel) x tp_size x ulysses_degree x ring_degree. On the CPU each "gpu"
-    # is one rank process over gloo.
-    num_gpus: int = 1
-    ulysses_degree: int | None = None  # None: num_gpus / (cfg x tp x ring)
-    ring_degree: int = 1
-    enable_cfg_parallel: bool = False
-    tp_size: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: str | None = None  # "host:port" of node 0 (multi-node); None: a loopback port
-    #: Seconds a rank waits in one collective (a step's exchange, rank 0 waiting for a rank's reply)
-    #: before the request fails with a timeout instead of hanging.
-    dist_timeout: int = 600
-    # LoRA adapters (`runtime/lora_registry.py`).
-    #: Adapters loaded at start; requests name them. With `lora_merge`, merged into the weights instead.
-    loras: list[LoraSpec] = field(default_factory=list)
-    #: A folder whose `*.safetensors` requests and `POST /v1/loras` may name (nothing outside it).
-    lora_dir: str | None = None
-    #: Merge `loras` into the weights at start (no per-step cost; requests cannot choose adapters).
-    lora_merge: bool = False
-    #: Device bytes the resident adapters may take; past it the least recently used unpinned one is evicted.
-    max_lora_memory: int = 2 * 2**30
+    max_running_requests: int = option(
+        8, cli="--max-running-requests", min=1, commands=("serve",),
+        help="requests running at once, sharing denoising steps as one DiT batch per shape (default: 8)",
+    )  # fmt: skip
+    #: None: `diffserve.runtime.scheduler.default_max_batch_tokens`.
+    max_batch_tokens: int | None = option(
+        None, cli="--max-batch-tokens", min=1, commands=("serve",),
+        help="cap on running latent tokens x CFG branches x outputs (default: 65536; 16384 on CPU)",
+    )  # fmt: skip
+    #: The admission budget: a share of the free memory measured after warm-up.
+    mem_fraction: float = option(
+        0.9, cli="--mem-fraction", gt=0, max=1, commands=("serve",),
+        help="share of the free memory after warm-up running requests may use; 413 if one never fits "
+        "(default: 0.9)",
+    )  # fmt: skip
+    #: More is refused with a 400.
+    max_inference_steps: int = option(
+        1000, cli="--max-inference-steps", min=1, metavar="N",
+        help="most denoising steps a request may ask for (default: 1000)",
+    )  # fmt: skip
+    #: Regional: one compiled graph per block class.
+    compile: bool = option(
+        False, cli="--compile",
+        help="torch.compile the DiT's repeated blocks (dynamic shapes), compiled by a start-up warm-up",
+    )  # fmt: skip
+    #: (height, width) sizes; empty: none (the server still runs its 1-step warm-up).
+    warmup_resolutions: list[tuple[int, int]] = option(
+        default_factory=list, cli="--warmup-resolutions", parse=parse_resolution, metavar="WxH",
+        help="sizes generated once at startup, e.g. 1024x1024 768x1344 (default: none)",
+    )  # fmt: skip
+    #: `configs/quality.py`; stored canonical ("high", not "lossless", in /server_info).
+    default_quality: str = option(
+        EXACT, cli="--default-quality", choices=DEFAULT_QUALITY_CHOICES, convert=canonical_default_quality,
+        help="what quality='auto' means: high (exact; also hd, lossless) or a faster tier: medium, low, draft "
+        "(default: high)",
+    )  # fmt: skip
+    #: `Platform.prepare_process`. Off by default: its effect depends on the host.
+    tune_allocator: bool = option(
+        False, cli="--tune-allocator",
+        help="CPU (glibc): keep activation buffers mapped between steps (measure: host-dependent)",
+    )  # fmt: skip
+    # Multi-device (`diffserve.distributed.config.ParallelConfig`; SGLang's flag names).
+    num_gpus: int = option(
+        1, cli="--num-gpus", min=1, metavar="N", group=PARALLEL,
+        help="ranks (devices) one request runs on (default: 1)",
+    )  # fmt: skip
+    ulysses_degree: int | None = option(
+        None, cli="--ulysses-degree", min=1, metavar="N", group=PARALLEL,
+        help="Ulysses sequence parallel degree (default: what --num-gpus leaves: N / (cfg x tp x ring))",
+    )  # fmt: skip
+    ring_degree: int = option(
+        1, cli="--ring-degree", min=1, metavar="N", group=PARALLEL, help="Ring attention degree (default: 1)"
+    )
+    enable_cfg_parallel: bool = option(
+        False, cli="--enable-cfg-parallel", group=PARALLEL,
+        help="run the positive and negative CFG branches on different ranks (cfg degree 2)",
+    )  # fmt: skip
+    tp_size: int = option(
+        1, cli="--tp-size", min=1, metavar="N", group=PARALLEL, help="tensor parallel degree (default: 1)"
+    )
+    nnodes: int = option(
+        1, cli="--nnodes", min=1, metavar="N", group=PARALLEL, help="machines the ranks span (default: 1)"
+    )
+    node_rank: int = option(
+        0, cli="--node-rank", min=0, metavar="K", group=PARALLEL,
+        help="this machine's index in [0, nnodes) (default: 0)",
+    )  # fmt: skip
+    dist_init_addr: str | None = option(
+        None, cli="--dist-init-addr", metavar="HOST:PORT", group=PARALLEL,
+        help="node 0's rendezvous address for multi-node runs (default: a free loopback port, or torchrun's)",
+    )  # fmt: skip
+    #: Covers a step's exchange and rank 0 waiting for a rank's reply: then the request fails, not hangs.
+    dist_timeout: int = option(
+        600, cli="--dist-timeout", min=1, metavar="SECONDS", group=PARALLEL,
+        help="most seconds a rank waits for the others in one exchange (default: 600)",
+    )  # fmt: skip
+    # LoRA adapters (`runtime/lora_registry.py`; the flags' cross-checks: `cli/lora_flags.py`).
+    #: Requests name them; with `lora_merge`, merged into the weights instead. From Python: {name: path}.
+    loras: list[LoraSpec] = option(
+        default_factory=list, cli="--lora", repeat=True, parse=str, metavar="[NAME=]PATH[:SCALE]", group=LORA,
+        commands=("generate", "serve"),
+        help="a LoRA file, as [NAME=]PATH[:SCALE] (NAME: the file's stem; SCALE: 1.0); repeatable. generate "
+        "applies it to every prompt at SCALE (e.g. --lora ink.safetensors:0.8 --lora detail.safetensors); "
+        'serve loads it at start as NAME, which requests apply with "loras": [{"name": NAME, "scale": 0.8}] '
+        "(SCALE only matters with --lora-merge)",
+    )  # fmt: skip
+    lora_dir: str | None = option(
+        None, cli="--lora-dir", convert=check_lora_dir, metavar="DIR", group=LORA, commands=("serve",),
+        help="folder of LoRA files: requests may name any NAME.safetensors in it (read on first use) and "
+        "POST /v1/loras loads files from it; nothing outside it is read (default: none)",
+    )  # fmt: skip
+    #: No per-step cost; requests cannot choose adapters.
+    lora_merge: bool = option(
+        False, cli="--lora-merge", group=LORA, commands=("serve",),
+        help="merge the --lora adapters into the weights at their SCALE at start: no per-step cost, but "
+        "requests cannot choose adapters",
+    )  # fmt: skip
+    #: Past it the least recently used unpinned adapter is evicted.
+    max_lora_memory: int = option(
+        2 * 2**30, cli="--max-lora-memory", min=1, convert=parse_size, metavar="SIZE", group=LORA,
+        commands=("serve",),
+        help="device memory the loaded adapters may take, in bytes or with a unit (512MiB, 2GiB); past it the "
+        "least recently used idle one is unloaded (read again when named). Kept out of the requests' memory "
+        "budget while LoRA is on (default: 2GiB)",
+    )  # fmt: skip
     # Memory: quantization, single-file weights, offload (docs/memory.md).
-    #: Weight-only quantization of the DiT's Linears at load: "int8" or "fp8"; None: full precision.
-    quantization: str | None = None
-    #: A single-file DiT checkpoint replacing the folder's DiT weights: a `.safetensors` with original
-    #: (BFL / ComfyUI) or Diffusers key names, or a `.gguf`. The rest of the pipeline comes from the folder.
-    transformer_weights: str | None = None
+    quantization: str | None = option(
+        None, cli="--quantization", choices=QUANTIZATION_MODES, group=MEMORY,
+        help="weight-only quantization of the DiT's Linears at load, per output channel (norms, embeddings "
+        "and the final layer stay in full precision); default: none",
+    )  # fmt: skip
+    #: The rest of the pipeline comes from the folder.
+    transformer_weights: str | None = option(
+        None, cli="--transformer-weights", convert=check_transformer_weights, metavar="PATH", group=MEMORY,
+        help="a single-file DiT checkpoint replacing the folder's DiT weights: .safetensors (original "
+        "BFL/ComfyUI or Diffusers key names, FP8 included) or .gguf (Q8_0, Q4_K, F16, ...)",
+    )  # fmt: skip
     #: Components kept in host memory that move to the device for their stage (`offload/`).
-    text_encoder_cpu_offload: bool = False
-    image_encoder_cpu_offload: bool = False
-    vae_cpu_offload: bool = False
-    #: Every VAE encode / decode in tiles (`models/vaes/tiling.py`); off, a decode is tiled only when the
-    #: memory model says it would not fit untiled (one device; `runtime/memory.py`).
-    vae_tiling: bool = False
-    dit_cpu_offload: bool = False
-    #: The DiT's blocks live in host memory and stream to the device one at a time, the next one's copy
-    #: overlapping the current one's compute.
-    dit_layerwise_offload: bool = False
-    #: "auto": choose the offloads above from the device's free memory and the components' sizes;
-    #: "none": only the flags above.
-    offload: str = "none"
-    #: Bytes of model weights the process may hold in host memory; past it the DiT's weights stay in their
-    #: files and stream per block. None: no cap (weights load whole).
-    max_memory: int | None = None
+    text_encoder_cpu_offload: bool = option(
+        False, cli="--text-encoder-cpu-offload", group=MEMORY,
+        help="keep the text encoders in host memory; they move to the device to encode",
+    )  # fmt: skip
+    image_encoder_cpu_offload: bool = option(
+        False, cli="--image-encoder-cpu-offload", group=MEMORY,
+        help="keep the image encoder in host memory; it moves to the device to encode",
+    )  # fmt: skip
+    vae_cpu_offload: bool = option(
+        False, cli="--vae-cpu-offload", group=MEMORY,
+        help="keep the VAE in host memory; it moves to the device to encode or decode",
+    )  # fmt: skip
+    #: `models/vaes/tiling.py`; off, a decode is tiled only when the memory model says it would not fit
+    #: untiled (one device; `runtime/memory.py`).
+    vae_tiling: bool = option(
+        False, cli="--vae-tiling", group=MEMORY,
+        help="decode (and encode) in overlapping tiles, as Diffusers' enable_tiling: less memory, slightly "
+        "different pixels; without it a decode is tiled only when it would not fit in memory",
+    )  # fmt: skip
+    dit_cpu_offload: bool = option(
+        False, cli="--dit-cpu-offload", group=MEMORY,
+        help="keep the DiT in host memory; it moves to the device while requests denoise",
+    )  # fmt: skip
+    dit_layerwise_offload: bool = option(
+        False, cli="--dit-layerwise-offload", group=MEMORY,
+        help="keep the DiT's blocks in host memory and stream them to the device one at a time, the next "
+        "block's copy overlapping the current block's compute",
+    )  # fmt: skip
+    offload: str = option(
+        "none", cli="--offload", choices=OFFLOAD_MODES, group=MEMORY,
+        help="auto: keep resident what fits in the device's free memory and offload the rest, least costly "
+        "first (the plan is logged); none: only the flags above (default)",
+    )  # fmt: skip
+    #: None: no cap (weights load whole).
+    max_memory: int | None = option(
+        None, cli="--max-memory", min=1, convert=parse_size, metavar="SIZE", group=MEMORY,
+        help="host memory the model's weights may take (e.g. 8GiB); past it the DiT's weights stay in their "
+        "files and stream per block (slower, logged). Default: no cap",
+    )  # fmt: skip
 
     def parallel_config(self) -> ParallelConfig:
         """The validated parallel layout (ParallelConfigError, a UserError, naming the flags)."""

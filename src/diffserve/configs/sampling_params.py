@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
+from diffserve.configs.option import option
+from diffserve.configs.quality import ACCEPTED
 from diffserve.errors import InvalidRequestError
 
 #: Most LoRA adapters one request may apply, and the range of a LoRA scale.
@@ -168,55 +170,112 @@ def check_strength(strength: object) -> None:
 
 @dataclass
 class SamplingParams:
-    """What one generation request asks for. `None` means "use the model family's default"."""
+    """What one generation request asks for. `None` means "use the model family's default". Each field is
+    declared once (`configs/option.py`): `generate`'s flags, the HTTP request fields (`http=True`: bounds
+    and descriptions) and `DiffGenerator.generate`'s keywords are made from these declarations; the checks
+    of `check_values` are the model-free ones, with the messages naming the field."""
 
-    prompt: str = ""
-    negative_prompt: str | None = None
-    height: int | None = None
-    width: int | None = None
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
-    true_cfg_scale: float | None = None
-    #: Wan 2.2 A14B only (two-expert folders): the low-noise expert's CFG scale (default: guidance_scale).
-    guidance_scale_2: float | None = None
-    #: Noise seed. 0 by default here, so that Python callers get reproducible results without asking;
-    #: the CLI (`diffserve generate`) and the server draw a random seed when none is given and report it.
-    seed: int = 0
-    num_outputs_per_prompt: int = 1
-    max_sequence_length: int | None = None
-    #: Video families only: frames to generate (Wan: 4k + 1), frames per second of the file, and its
-    #: container (mp4, gif or webp).
-    num_frames: int | None = None
-    fps: int | None = None
-    video_format: str | None = None
-    output_format: str = "png"
-    #: "high" (exact; also "hd", "lossless"), "medium", "low", "draft" (approximate, faster), "auto" /
-    #: "standard" / None (the engine's default); resolved to the canonical tier, see `configs/quality.py`.
-    quality: str | None = None
-    #: Input images for edit / image-to-image families, as decoded RGB `PIL.Image.Image`s. Front ends
-    #: turn paths, bytes, data URLs and (opt-in) URLs into images with `diffserve.image_inputs.load_image`
-    #: before building the params, so the engine never touches the network or the user's files.
-    input_images: list[Any] | None = None
-    #: Inpainting mask (a `PIL.Image.Image`); only families that inpaint accept it. Either convention of
-    #: `diffserve.masks`: transparent pixels (alpha 0) mark the area to edit (OpenAI's), or, without alpha,
-    #: white = edit and black = keep (Diffusers'). It must have the input image's size.
-    mask_image: Any | None = None
-    #: Image-to-image and inpainting: how far the input image is noised before denoising, in [0, 1] (1:
-    #: pure noise, the input only shapes the masked area's surroundings; small: close to the input). The
-    #: schedule keeps its last `int(num_inference_steps * strength)` steps, as Diffusers' `get_timesteps`.
-    #: None: the family's default when an input image is given (FLUX and SD3: 0.6; FLUX.1 Fill: 1.0).
-    strength: float | None = None
-    #: Skip-layer guidance (SD3.5): the DiT block indices to skip in an extra forward of the prompt's
-    #: branch, whose difference from the prompt's full prediction is added, times
-    #: `skip_layer_guidance_scale`, at the steps whose fraction of the schedule lies strictly between
-    #: `skip_layer_guidance_start` and `skip_layer_guidance_stop` (Diffusers' semantics). None: off.
-    skip_guidance_layers: list[int] | None = None
-    skip_layer_guidance_scale: float | None = None
-    skip_layer_guidance_start: float | None = None
-    skip_layer_guidance_stop: float | None = None
-    #: LoRA adapters to apply, each with its scale (empty: the base model, bit for bit).
-    loras: list[LoraChoice] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
+    #: Required at the front ends (`generate`: --prompt or --prompt-file).
+    prompt: str = option("", cli="--prompt", front_end_default=None, http=True, help="text prompt")
+    negative_prompt: str | None = option(
+        None, cli="--negative-prompt", http=True, help="negative prompt (used with true_cfg_scale > 1)"
+    )
+    height: int | None = option(
+        None, cli="--height", min=1, http=True, help="image height in pixels (unset: the model's default)"
+    )
+    width: int | None = option(
+        None, cli="--width", min=1, http=True, help="image width in pixels (unset: the model's default)"
+    )
+    num_inference_steps: int | None = option(
+        None, cli="--num-inference-steps", min=1, http=True,
+        help="denoising steps (unset: the model's default; at most the server's --max-inference-steps)",
+    )  # fmt: skip
+    guidance_scale: float | None = option(
+        None, cli="--guidance-scale", min=0, http=True,
+        help="guidance scale, a finite number >= 0 (FLUX.1-dev's embedded guidance: 3.5)",
+    )  # fmt: skip
+    true_cfg_scale: float | None = option(
+        None, cli="--true-cfg-scale", min=0, http=True,
+        help="true CFG scale, a finite number >= 0; > 1 with a negative prompt",
+    )  # fmt: skip
+    guidance_scale_2: float | None = option(
+        None, cli="--guidance-scale-2", min=0, http=True,
+        help="Wan 2.2 A14B: the low-noise expert's CFG scale (default: guidance_scale); other models refuse it",
+    )  # fmt: skip
+    #: 0 by default here, so that Python callers get reproducible results without asking; the CLI
+    #: (`diffserve generate`) and the server draw a random seed when none is given and report it.
+    seed: int = option(
+        0, cli="--seed", min=0, lt=2**63, front_end_default=None, http=True,
+        help="noise seed: same seed, same image on every device (unset: a random one, logged, saved in the "
+        "output's metadata and returned)",
+    )  # fmt: skip
+    num_outputs_per_prompt: int = option(1, cli="--num-outputs-per-prompt", min=1, help="images per prompt")
+    max_sequence_length: int | None = option(
+        None, cli="--max-sequence-length", min=1, http=True, help="text encoder tokens (FLUX: at most 512)"
+    )
+    num_frames: int | None = option(
+        None, cli="--num-frames", min=1, http=True, help="video models: frames (Wan: 4k+1, default 81)"
+    )
+    fps: int | None = option(
+        None, cli="--fps", min=1, http=True, help="video models: frames per second of the file (Wan: 16)"
+    )
+    video_format: str | None = option(
+        None, cli="--video-format", choices=("mp4", "gif", "webp"), help="video container (mp4)"
+    )
+    output_format: str = option("png", choices=("png", "jpeg", "webp"), http=True, help="image file format")
+    #: Resolved to the canonical tier, see `configs/quality.py`.
+    quality: str | None = option(
+        None, cli="--quality", choices=ACCEPTED, http=True,
+        help="'high' (exact; also 'hd' and 'lossless'), 'medium', 'low' or 'draft' (approximate: reuse DiT "
+        "work between steps, faster, at least 35/30/25 dB PSNR against the exact output), 'auto' or "
+        "'standard' (unset: the engine's --default-quality). Responses report the tier that ran",
+    )  # fmt: skip
+    #: Front ends turn paths, bytes, data URLs and (opt-in) URLs into images with
+    #: `diffserve.image_inputs.load_image` before building the params, so the engine never touches the
+    #: network or the user's files (their own spellings: `--image`, `image`/`images`, `image=`).
+    input_images: list[Any] | None = option(
+        None, help="input images of edit and image-to-image families, as decoded RGB PIL images"
+    )
+    #: Either convention of `diffserve.masks`: transparent pixels (alpha 0) mark the area to edit
+    #: (OpenAI's), or, without alpha, white = edit and black = keep (Diffusers').
+    mask_image: Any | None = option(
+        None,
+        help="inpainting mask (a PIL image of the input image's size); only families that inpaint take it",
+    )
+    #: The schedule keeps its last `int(num_inference_steps * strength)` steps, as Diffusers' `get_timesteps`.
+    strength: float | None = option(
+        None, cli="--strength", min=0, max=1, http=True,
+        help="image-to-image / inpainting: how far the input image is noised, 0..1 (1: pure noise); unset: "
+        "the model's default (FLUX, SD3: 0.6; FLUX.1 Fill: 1.0)",
+    )  # fmt: skip
+    #: Skip-layer guidance (SD3.5): the blocks skipped in an extra forward of the prompt's branch, whose
+    #: difference from the prompt's full prediction is added, times `skip_layer_guidance_scale`, at the
+    #: steps whose fraction of the schedule lies strictly between start and stop (Diffusers' semantics).
+    skip_guidance_layers: list[int] | None = option(
+        None, cli="--skip-guidance-layers", min=0, min_items=1, max_items=MAX_SKIP_GUIDANCE_LAYERS,
+        metavar="BLOCK", http=True,
+        help="SD3.5 skip-layer guidance: DiT block indices (distinct, within the model's block count) skipped "
+        "in an extra forward of the prompt's branch, for example 7 8 9; needs CFG; unset: off",
+    )  # fmt: skip
+    skip_layer_guidance_scale: float | None = option(
+        None, cli="--skip-layer-guidance-scale", min=0, max=MAX_SKIP_LAYER_GUIDANCE_SCALE, http=True,
+        help="skip-layer guidance scale (SD3.5's default: 2.8)",
+    )  # fmt: skip
+    skip_layer_guidance_start: float | None = option(
+        None, cli="--skip-layer-guidance-start", min=0, max=1, http=True,
+        help="fraction of the schedule after which skip-layer guidance starts, 0..1 (0.01)",
+    )  # fmt: skip
+    skip_layer_guidance_stop: float | None = option(
+        None, cli="--skip-layer-guidance-stop", min=0, max=1, http=True,
+        help="fraction of the schedule before which skip-layer guidance stops, 0..1 (0.2)",
+    )  # fmt: skip
+    #: Empty: the base model, bit for bit. `generate`'s `--lora` is the engine's (`EngineArgs.loras`).
+    loras: list[LoraChoice] = option(
+        default_factory=list, front_end_default=None, http=True,
+        help=f"LoRA adapters to apply, at most {MAX_LORAS_PER_REQUEST}, each a name and a scale (1.0: as "
+        f"trained; 0: off; negative: subtracted; within +-{MAX_LORA_SCALE:g}); unset: the base model",
+    )  # fmt: skip
+    extra: dict[str, Any] = option(default_factory=dict, help="family-specific parameters, passed through")
 
     def with_defaults(self, defaults: SamplingParams) -> SamplingParams:
         """A copy where every `None` field takes the family default's value."""

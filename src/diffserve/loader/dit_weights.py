@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from diffserve.loader.dit_facts import DitFactsTable
 from diffserve.loader.mmap_weights import load_mmapped_into
 from diffserve.loader.model_index import ComponentSpec
 from diffserve.loader.quantize import quantize_dit
@@ -25,6 +26,8 @@ class DitLoadOptions:
     transformer_weights: Path | None = None  # a single-file checkpoint replacing the folder's weights
     quantization: str | None = None  # "int8" / "fp8": weight-only, after loading (and fusing)
     mmap_weights: bool = False  # keep the weights in their (memory-mapped) files: `--max-memory`
+    #: The DiTs' facts (the registry's `DIT_FACTS`): how single files are named, what stays in full precision.
+    facts: DitFactsTable = DitFactsTable(())
 
 
 def load_dit_weights(
@@ -33,7 +36,7 @@ def load_dit_weights(
     """Fill the (meta) DiT `module` from the source `options` names; returns the bytes read."""
     if options.transformer_weights is not None:
         return load_transformer_weights_file(
-            module, options.transformer_weights, spec.class_name, device, dtype
+            module, options.transformer_weights, spec.class_name, device, dtype, options.facts
         )
     files = find_weight_files(spec.path)
     if options.mmap_weights:
@@ -44,4 +47,4 @@ def load_dit_weights(
 def finish_dit(module: nn.Module, spec: ComponentSpec, options: DitLoadOptions) -> None:
     """After loading and fusing: quantize the DiT's Linears if asked."""
     if options.quantization is not None:
-        quantize_dit(module, options.quantization, spec.class_name)
+        quantize_dit(module, options.quantization, spec.class_name, options.facts)

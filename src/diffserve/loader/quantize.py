@@ -1,7 +1,7 @@
 """Weight-only quantization of a loaded DiT (`--quantization int8|fp8`, docs/memory.md): its Linears
 become `QuantizedLinear`s (8-bit weights, one scale per output channel), after loading and fusing.
 
-What stays in full precision, per family, follows what the field leaves out (diffusers'
+What stays in full precision, per family (its record's `DitFacts`), follows what the field leaves out (diffusers'
 `_skip_layerwise_casting_patterns` / `_keep_in_fp32_modules`, the `modules_to_not_convert` of SDNQ's
 and torchao recipes): norms, positional and modulation tables and the patch-embedding convolutions are
 not Linears and are never touched; the input embedders (latent and text projections), the timestep,
@@ -29,34 +29,20 @@ from diffserve.distributed.tensor_parallel import ParallelLinear
 from diffserve.errors import UserError
 from diffserve.layers.fused_linear import FusedLinear
 from diffserve.layers.quantized_linear import QuantizedLinear
+from diffserve.loader.dit_facts import DitFactsTable
 
 logger = logging.getLogger("diffserve.loader")
-
-#: Per native DiT class: the top-level modules kept in full precision (embedders and output head).
-FULL_PRECISION_MODULES: dict[str, frozenset[str]] = {
-    "FluxTransformer2DModel": frozenset(
-        {"time_text_embed", "context_embedder", "x_embedder", "norm_out", "proj_out"}
-    ),
-    "SD3Transformer2DModel": frozenset({"time_text_embed", "context_embedder", "norm_out", "proj_out"}),
-    "QwenImageTransformer2DModel": frozenset({"time_text_embed", "img_in", "txt_in", "norm_out", "proj_out"}),
-    "ZImageTransformer2DModel": frozenset(
-        {"all_x_embedder", "t_embedder", "cap_embedder", "all_final_layer"}
-    ),
-    "WanTransformer3DModel": frozenset({"condition_embedder", "proj_out"}),
-}
 
 #: The Linear classes quantized: plain and fused (not tensor-parallel shards, not LoRA-wrapped layers).
 _QUANTIZABLE = (nn.Linear, FusedLinear)
 
 
-def quantizable_linears(module: nn.Module, dit_class: str) -> list[tuple[str, nn.Linear]]:
-    """(name, Linear) of every Linear of `module` that `quantize_dit` quantizes, in module order."""
-    if dit_class not in FULL_PRECISION_MODULES:
-        raise UserError(
-            f"--quantization is not supported for {dit_class}; supported DiTs: "
-            f"{', '.join(sorted(FULL_PRECISION_MODULES))}"
-        )
-    kept = FULL_PRECISION_MODULES[dit_class]
+def quantizable_linears(
+    module: nn.Module, dit_class: str, facts: DitFactsTable
+) -> list[tuple[str, nn.Linear]]:
+    """(name, Linear) of every Linear of `module` that `quantize_dit` quantizes, in module order: all but
+    those under the family's full-precision modules (its record's `DitFacts.full_precision_modules`)."""
+    kept = facts.full_precision_modules(dit_class)
     return [
         (name, linear)
         for name, linear in module.named_modules()
@@ -69,16 +55,16 @@ def tensor_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
-def quantize_dit(module: nn.Module, mode: str, dit_class: str) -> None:
+def quantize_dit(module: nn.Module, mode: str, dit_class: str, facts: DitFactsTable) -> None:
     """Replace, in place, the Linears of the loaded (and fused) DiT `module` of Diffusers class
     `dit_class` by `QuantizedLinear`s of `mode` ("int8" or "fp8"), leaving the family's embedders and
-    output head in full precision (`FULL_PRECISION_MODULES`). Each layer is freed as it is replaced,
+    output head in full precision (`facts`: the registry's `DIT_FACTS`). Each layer is freed as it is replaced,
     so the peak is the model plus one layer's quantized copy."""
     if mode not in QUANTIZATION_MODES:
         raise UserError(f"--quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {mode!r}")
     if any(isinstance(m, ParallelLinear) for m in module.modules()):
         raise UserError("--quantization does not combine with tensor parallelism (--tp-size > 1) yet")
-    targets = quantizable_linears(module, dit_class)
+    targets = quantizable_linears(module, dit_class, facts)
     if not targets:
         raise UserError(f"--quantization: {dit_class} has no Linear layers to quantize")
     before = tensor_bytes(module)
@@ -95,7 +81,7 @@ def quantize_dit(module: nn.Module, mode: str, dit_class: str) -> None:
     after = tensor_bytes(module)
     logger.info(
         "%s: %s weight-only quantization of %d Linears (kept in full precision: %s): weights %s -> %s (%.0f%%)",
-        dit_class, mode, len(names), ", ".join(sorted(FULL_PRECISION_MODULES[dit_class])),
+        dit_class, mode, len(names), ", ".join(sorted(facts.full_precision_modules(dit_class))),
         _size(before), _size(after), 100 * after / before,
     )  # fmt: skip
 

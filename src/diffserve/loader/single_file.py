@@ -30,7 +30,7 @@ from torch import nn
 
 from diffserve.distributed.tensor_parallel import tensor_parallel_shards
 from diffserve.errors import ModelLoadError
-from diffserve.loader.single_file_keys import family_keys, supported_dit_classes
+from diffserve.loader.dit_facts import DitFactsTable
 from diffserve.loader.single_file_keys.plan import Piece
 from diffserve.loader.single_file_keys.prefix import DIT_PREFIX, strip_dit_prefix
 from diffserve.loader.single_file_keys.validate import choose_plan, plan_problems
@@ -53,16 +53,22 @@ def open_weights_file(path: Path) -> TensorSource:
 
 
 def load_transformer_weights_file(
-    module: nn.Module, path: Path, dit_class: str, device: torch.device, dtype: torch.dtype
+    module: nn.Module,
+    path: Path,
+    dit_class: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    facts: DitFactsTable,
 ) -> int:
     """Fill the (meta) DiT `module` of class `dit_class` from the single file `path`, cast to `dtype` on
-    `device`. Returns the bytes read from the file."""
+    `device`; `facts` (the registry's `DIT_FACTS`) says how the family's files are named. Returns the
+    bytes read from the file."""
     path = Path(path)
-    keys = family_keys(dit_class)
+    keys = facts.single_file(dit_class)
     if keys is None:
         raise ModelLoadError(
             f"--transformer-weights is not supported for {dit_class} "
-            f"(supported: {', '.join(supported_dit_classes())})"
+            f"(supported: {', '.join(facts.single_file_classes())})"
         )
     if tensor_parallel_shards(module):
         raise ModelLoadError("--transformer-weights cannot be combined with tensor parallelism yet")
@@ -73,7 +79,7 @@ def load_transformer_weights_file(
         shapes = {name: stored_shapes[stored] for name, stored in names.items()}
         model_shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
         chosen = choose_plan(keys, shapes, frozenset(model_shapes))
-        problem = plan_problems(chosen, shapes, model_shapes, keys, source.arch)
+        problem = plan_problems(chosen, shapes, model_shapes, keys, facts, source.arch)
         if problem is not None:
             raise ModelLoadError(
                 f"{path} does not fit the folder's {dit_class} (read in {chosen.naming}; {source.description}): "

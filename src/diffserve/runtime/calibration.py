@@ -1,30 +1,73 @@
-"""Memory calibration at warm-up: the peak memory of two one-step requests of different sizes (each run
-twice, keeping the higher peak), their denoising and decoding phases measured apart (device memory on
-accelerators, VmHWM on a Linux CPU)."""
+"""The engine's memory model, built one way for every entry point (`build_memory_model`: the server's
+engine process after its warm-up, `DiffGenerator` and `diffserve generate` at load), and its calibration:
+the peak memory of two one-step requests of different sizes (each run twice, keeping the higher peak),
+their denoising and decoding phases measured apart (device memory on accelerators, VmHWM on a Linux CPU)."""
 
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
+from diffserve.configs.engine_args import EngineArgs
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.platforms.base import Platform
 from diffserve.request import Req
 from diffserve.runtime.contract import PipelineFacts
 from diffserve.runtime.engine import Engine
 from diffserve.runtime.memory import (
+    CALIBRATION_SIDES,
+    CPU_CALIBRATION_SIDES,
+    MB,
     NO_OFFLOAD,
     MemoryModel,
     PhasePeaks,
     WeightResidency,
     estimated_memory_model,
     measured_memory_model,
+    with_vae_tiling,
 )
+
+if TYPE_CHECKING:
+    from diffserve.runtime.lora_registry import LoraRegistry
 
 logger = logging.getLogger("diffserve.runtime")
 
 #: Runs of each calibration probe; the fit takes each phase's highest peak over them.
 PROBE_REPEATS = 2
+#: Warm-up, calibration and health probes draw an image this wide (rounded up to the model's granularity);
+#: video families a one-frame clip (1 = 4 * 0 + 1 is always valid).
+PROBE_PIXELS, PROBE_FRAMES = 64, 1
+
+
+def round_up(pixels: int, multiple: int) -> int:
+    """`pixels` rounded up to a multiple of `multiple` (a side the model accepts)."""
+    return -(-pixels // multiple) * multiple
+
+
+def probe_params(facts: PipelineFacts, prompt: str, side: int | None = None) -> SamplingParams:
+    """A one-step request every pipeline accepts: `side` pixels square (default `PROBE_PIXELS`, rounded up
+    to the pixel multiple), with the input images and mask the family requires (at the default side) and
+    one frame for a video family. The server's warm-up and /health_generate, and calibration, run these."""
+    small = round_up(PROBE_PIXELS, facts.pixel_multiple)
+    side = side or small
+    return SamplingParams(
+        prompt,
+        height=side,
+        width=side,
+        num_inference_steps=1,
+        input_images=facts.probe_images(small, small),
+        mask_image=facts.probe_mask(small, small),
+        num_frames=PROBE_FRAMES if facts.makes_video else None,
+    )
+
+
+def calibration_probes(facts: PipelineFacts, platform: Platform) -> list[SamplingParams]:
+    """The two calibration requests: `CALIBRATION_SIDES` (`CPU_CALIBRATION_SIDES` on the CPU, where they
+    run at CPU speed) rounded up to the model's pixel multiple."""
+    sides = CPU_CALIBRATION_SIDES if platform.device_type == "cpu" else CALIBRATION_SIDES
+    return [probe_params(facts, "calibration", round_up(side, facts.pixel_multiple)) for side in sides]
 
 
 def _new_window(platform: Platform) -> int:
@@ -99,3 +142,49 @@ def calibrate_memory_model(
     points = [_peak_of_repeats(engine, calibration_params(facts, params)) for params in probe_params]
     platform.empty_cache()
     return measured_memory_model(facts, platform, points, mem_fraction, weights)
+
+
+def lora_reserve_bytes(loras: LoraRegistry | None, args: EngineArgs) -> int:
+    """Device bytes the budget keeps for LoRA adapters loaded later: `--max-lora-memory` less the resident
+    ones, when LoRA is on (`--lora`, `--lora-dir`) and not merged (merged adapters are part of the weights,
+    which the free memory is measured without). Nothing with an unbounded `max_lora_memory`: a one-off
+    `diffserve generate` loads every adapter it is given at start, and none later."""
+    if loras is None or args.lora_merge or loras.merged or not (args.loras or args.lora_dir):
+        return 0
+    if loras.max_bytes >= sys.maxsize:
+        return 0
+    return max(0, loras.max_bytes - loras.resident_bytes)
+
+
+def build_memory_model(
+    engine: Engine,
+    args: EngineArgs,
+    weights: WeightResidency = NO_OFFLOAD,
+    vae: object | None = None,
+    calibrate: bool = False,
+) -> MemoryModel:
+    """The memory model `engine` admits requests by (docs/memory.md), whoever drives it. Its coefficients
+    are measured by `calibration_probes` with `calibrate` (the server, after its warm-up) where the platform
+    has a peak counter, else estimated from the DiT's width (also when calibration fails, logged). Its
+    budget is the free memory now x `args.mem_fraction`, less `lora_reserve_bytes`. `weights`: the
+    offloaded components' terms (`offload.weight_residency`); `vae`: the VAE component, whose decode is
+    tiled always with `args.vae_tiling`, else automatically (`MemoryModel.decode_tiled`) on one device."""
+    facts, platform, fraction = engine.pipeline.facts, engine.platform, args.mem_fraction
+    model = None
+    if calibrate:
+        try:
+            model = calibrate_memory_model(engine, calibration_probes(facts, platform), fraction, weights)
+        except Exception as exc:
+            logger.warning("Memory calibration failed (%r); using the estimated memory model", exc)
+    if model is None:
+        model = estimated_memory_model(facts, platform, fraction, weights)
+    reserved = lora_reserve_bytes(engine.runner.loras, args)
+    budget = model.budget_bytes
+    if reserved and budget is not None:
+        budget = max(0, budget - reserved)
+        logger.info(
+            "Memory budget: %.0f MB kept for LoRA adapters (--max-lora-memory); %.0f MB left for requests",
+            reserved / MB, budget / MB,
+        )  # fmt: skip
+    model = replace(model, budget_bytes=budget, lora_reserved_bytes=reserved)
+    return with_vae_tiling(model, vae, forced=args.vae_tiling, single_device=args.num_gpus == 1)

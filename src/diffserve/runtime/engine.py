@@ -2,7 +2,8 @@
 A `step`: cancelled requests leave, admitted ones run pre-denoise, one batch-key group runs one denoising
 step as one DiT batch, finished ones are decoded; an error fails only its request (or group). Any thread
 submits; one at a time drives the loop (`run_to_completion`, for every caller: concurrent `generate`
-calls share DiT batches), with the engine's attention backend active."""
+calls share DiT batches), with the engine's attention backend active. Its memory model (admission and
+automatic VAE tiling) is built here too, whoever drives the engine (`Engine.build_memory_model`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError, LoraError, RequestCancelledError
@@ -23,10 +24,13 @@ from diffserve.logging_setup import shown_text
 from diffserve.platforms.base import Platform
 from diffserve.request import Req
 from diffserve.runtime.contract import EnginePipeline
-from diffserve.runtime.memory import MemoryModel, RequestCost, request_cost
+from diffserve.runtime.memory import NO_OFFLOAD, MemoryModel, RequestCost, WeightResidency, request_cost
 from diffserve.runtime.runner import ModelRunner
 from diffserve.runtime.scheduler import ScheduledRequest, SchedulerConfig, StepScheduler
 from diffserve.vae_tiling import tiled_decode_scope
+
+if TYPE_CHECKING:
+    from diffserve.configs.engine_args import EngineArgs
 
 logger = logging.getLogger("diffserve.runtime")
 
@@ -98,6 +102,29 @@ class Engine:
     @memory.setter
     def memory(self, model: MemoryModel | None) -> None:
         self.scheduler.memory = model
+
+    def build_memory_model(
+        self,
+        args: EngineArgs,
+        weights: WeightResidency = NO_OFFLOAD,
+        vae: object | None = None,
+        calibrate: bool = False,
+    ) -> MemoryModel:
+        """Build this engine's memory model (`calibration.build_memory_model`: the same for the server, the
+        CLI and `DiffGenerator`) and admit by it from now on: a request that can never fit is refused at
+        `prepare` (RequestTooLargeError, the server's 413), one that does not fit now waits, and a decode
+        that would not fit untiled is tiled (`_decode_tiled`). `calibrate` runs probe requests through this
+        engine, so call it while no other request runs."""
+        from diffserve.runtime.calibration import build_memory_model  # it imports this module
+
+        model = build_memory_model(self, args, weights, vae, calibrate)
+        self.memory = model
+        budget = "unknown" if model.budget_bytes is None else f"{model.budget_bytes / 2**20:.0f} MB"
+        logger.info(
+            "Memory model (%s): budget %s for requests (free memory x --mem-fraction %g), VAE tiling %s",
+            model.source, budget, args.mem_fraction, model.vae_tiling_mode,
+        )  # fmt: skip
+        return model
 
     def prepare(self, req: Req, priority: int = 0, payload: object | None = None) -> ScheduledRequest:
         """Validate (once) and cost the request, not queued yet (`enqueue`); raises InvalidRequestError, or

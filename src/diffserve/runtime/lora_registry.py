@@ -37,6 +37,7 @@ from diffserve.layers.fused_linear import FusedLinear
 from diffserve.layers.lora_linear import LayerAdapter, LoraLinear, LoraPiece
 from diffserve.layers.lora_rows import AppliedLora
 from diffserve.layers.quantized_linear import QuantizedLinear
+from diffserve.loader.dit_facts import DitFactsTable
 from diffserve.loader.lora_formats import convert_lora, read_lora_file
 from diffserve.loader.lora_weights import ConvertedLora, LoraWeights
 
@@ -103,12 +104,13 @@ class LoraRegistry:
         modules: Mapping[str, nn.Module],
         family: str,
         dit_class: str,
+        facts: DitFactsTable,
         device: torch.device,
         dtype: torch.dtype,
         max_bytes: int = DEFAULT_MAX_LORA_BYTES,
         lora_dir: Path | None = None,
     ) -> None:
-        self.family, self.dit_class = family, dit_class
+        self.family, self.dit_class, self.facts = family, dit_class, facts
         self.device, self.dtype = device, dtype
         self.max_bytes = int(max_bytes)
         self.lora_dir = None if lora_dir is None else Path(lora_dir).resolve()
@@ -204,7 +206,9 @@ class LoraRegistry:
                 "use sequence or CFG parallelism (--ulysses-degree, --ring-degree, --enable-cfg-parallel)"
             )
         state_dict, metadata = read_lora_file(path)
-        converted = convert_lora(state_dict, metadata, self.dit_class, source=f"{name!r} ({path})")
+        converted = convert_lora(
+            state_dict, metadata, self.dit_class, self.facts, source=f"{name!r} ({path})"
+        )
         plan = self._plan(name, path, converted, strict)
         num_bytes = sum(w.down.numel() + w.up.numel() for _, w in plan) * self.dtype.itemsize
         if num_bytes > self.max_bytes:
@@ -481,6 +485,7 @@ def start_lora_registry(
     modules: Mapping[str, nn.Module],
     family: str,
     dit_class: str,
+    facts: DitFactsTable,
     device: torch.device,
     dtype: torch.dtype,
     specs: Sequence[LoraSpec] = (),
@@ -497,7 +502,14 @@ def start_lora_registry(
     if merge and not specs:
         raise LoraError("--lora-merge needs at least one --lora to merge")
     registry = LoraRegistry(
-        modules, family, dit_class, device, dtype, max_bytes, None if lora_dir is None else Path(lora_dir)
+        modules,
+        family,
+        dit_class,
+        facts,
+        device,
+        dtype,
+        max_bytes,
+        None if lora_dir is None else Path(lora_dir),
     )
     for spec in specs:
         registry.load(spec.name, spec.path)

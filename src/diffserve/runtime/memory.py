@@ -200,6 +200,8 @@ class MemoryModel:
     # ranks without --vae-tiling). `vae_tiling_forced` (--vae-tiling): every decode is tiled.
     vae_tile_pixels: int | None = None
     vae_tiling_forced: bool = False
+    # Device bytes kept out of `budget_bytes` for LoRA adapters loaded later (`--max-lora-memory`).
+    lora_reserved_bytes: int = 0
 
     def denoise_bytes(self, cost: RequestCost) -> float:
         cache = self.step_cache_bytes_per_token * cost.batch_tokens if cost.step_cache else 0.0
@@ -314,6 +316,8 @@ class MemoryModel:
             "resident_weights_mb": round(self.weights.resident_bytes / MB, 1),
             "offload_swap_mb": round(self.weights.swap_bytes / MB, 1),
             "vae_tiling": self.vae_tiling_mode,
+            # budget_mb is what requests may use: free memory after warm-up x --mem-fraction, less this.
+            "lora_reserved_mb": round(self.lora_reserved_bytes / MB, 1),
         }
 
 

@@ -2,55 +2,133 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from diffserve.configs.engine_args import EngineArgs
-from diffserve.image_inputs import ImageInputLimits
+from diffserve.configs.option import option
+from diffserve.errors import UserError
+from diffserve.logging_setup import LEVELS
+
+if TYPE_CHECKING:  # the CLI reads these declarations: it need not load the image decoders
+    from diffserve.image_inputs import ImageInputLimits
 
 #: Input images (plus one mask) a request of /v1/images/edits may carry; OpenAI's limit.
 MAX_INPUT_IMAGES = 16
 
 
+def check_public_url(url: str, flag: str = "--public-url") -> str:
+    """An absolute http(s) URL with a host and no query or fragment, without a trailing /."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
+        raise UserError(f"{flag} must be an http(s) URL such as https://img.example.com, got {url!r}")
+    return parts.geturl().rstrip("/")
+
+
+def check_api_key(key: str, flag: str) -> str:
+    if not key.strip():
+        raise UserError(f"{flag} must not be empty")
+    return key
+
+
 @dataclass
 class ServerArgs:
+    """What `diffserve serve` runs with besides the engine's `EngineArgs`. Each field but `engine_args` is
+    declared once (`configs/option.py`): `serve`'s flags are made from these declarations."""
+
     engine_args: EngineArgs
-    host: str = "127.0.0.1"
-    port: int = 30000
+    host: str = option(
+        "127.0.0.1", cli="--host", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all)"
+    )
+    port: int = option(30000, cli="--port", min=0, max=65535, help="port to listen on (default: 30000)")
     #: Required as `Authorization: Bearer KEY` on every route but /health, /health_generate, /metrics.
-    api_key: str | None = None
-    #: Names clients may pass as `model`; the first is the id /v1/models reports. Empty: the folder's name.
-    served_model_names: list[str] = field(default_factory=list)
-    #: Requests waiting for the engine before new ones get 429 (the engine's own limits are in `engine_args`).
-    max_queue_size: int = 64
-    max_body_bytes: int = 1 << 20
-    #: Seconds in-flight requests get to finish after SIGTERM before they are cancelled.
-    shutdown_timeout: float = 30.0
-    warmup: bool = True
-    log_level: str = "info"
-    #: Consecutive failed engine restarts before the server gives up (and /health stays 503).
-    max_engine_restarts: int = 5
-    #: Fetch input images from http(s) URLs (public hosts only); off, the server makes no outbound requests.
-    allow_url_images: bool = False
-    #: Largest encoded input image (upload, decoded data URL or download); larger ones get 413.
-    max_image_bytes: int = 20 << 20
-    #: Largest input image in pixels (width * height, read from the header before decoding); 413 above.
-    max_image_pixels: int = 4096 * 4096
-    #: Seconds one input-image download may take in all (connect, TLS, headers, body); then a 400.
-    url_fetch_timeout: float = 10.0
-    #: Seconds a finished /v1/videos job (and its MP4) is kept after it finished; then it is deleted.
-    job_ttl: float = 86400.0
-    #: Seconds between the progress lines of a long request in the log.
-    log_progress_interval: float = 5.0
-    #: The server's address as clients reach it (`https://img.example.com`), for the image URLs of
-    #: response_format="url"; unset, the request's own scheme and Host header are used.
-    public_url: str | None = None
-    #: Data-parallel replicas: engine processes, each with its own copy of the model, behind this front
-    #: end, which sends each request to the least-loaded ready one (`server/replicas.py`).
-    dp_size: int = 1
-    #: Serve the web playground at `/` (webui_routes.py); `--no-webui` leaves it out.
-    webui: bool = True
+    api_key: str | None = option(
+        None, cli="--api-key", env="DIFFSERVE_API_KEY", convert=check_api_key,
+        help="require 'Authorization: Bearer KEY' but on /health* and /metrics (default: $DIFFSERVE_API_KEY)",
+    )  # fmt: skip
+    #: The first is the id /v1/models reports. Empty: the folder's name.
+    served_model_names: list[str] = option(
+        default_factory=list, cli="--served-model-name", metavar="NAME",
+        help="name(s) clients pass as 'model'; /v1/models lists the first (default: the model path)",
+    )  # fmt: skip
+    #: The engine's own limits are in `engine_args`.
+    max_queue_size: int = option(
+        64, cli="--max-queue-size", min=0,
+        help="requests allowed to wait (not counting running ones, nor those free running slots take "
+        "next); more get 429 (default: 64)",
+    )  # fmt: skip
+    max_body_bytes: int = option(
+        1 << 20, cli="--max-body-bytes", min=1,
+        help="largest request body, beyond /v1/images/edits' images; larger: 413 (default: 1048576)",
+    )  # fmt: skip
+    #: Then in-flight requests are cancelled.
+    shutdown_timeout: float = option(
+        30.0, cli="--shutdown-timeout", min=0,
+        help="on SIGTERM or Ctrl-C, seconds requests in flight and /v1/videos jobs get to finish before they "
+        "are cancelled; a second signal stops at once (default: 30)",
+    )  # fmt: skip
+    warmup: bool = option(
+        True, cli="--warmup", help="run a 1-step generation before reporting ready (default: on)"
+    )
+    #: The process's; `generate` and `calibrate-cache` have the flag too.
+    log_level: str = option(
+        "info", cli="--log-level", choices=LEVELS, metavar="LEVEL",
+        help=f"log verbosity: {', '.join(LEVELS)}; debug also prints the traceback of an error (default: info)",
+    )  # fmt: skip
+    #: Then /health stays 503.
+    max_engine_restarts: int = option(
+        5, min=0, help="consecutive failed engine restarts before the server gives up"
+    )
+    #: Off, the server makes no outbound requests.
+    allow_url_images: bool = option(
+        False, cli="--allow-url-images",
+        help="let /v1/images/edits fetch input images from public http(s) URLs (default: off)",
+    )  # fmt: skip
+    #: An upload, a decoded data URL or a download.
+    max_image_bytes: int = option(
+        20 << 20, cli="--max-image-bytes", min=1,
+        help="largest encoded input image; larger ones get 413 (default: 20971520 = 20 MiB)",
+    )  # fmt: skip
+    #: Width * height, read from the header before decoding.
+    max_image_pixels: int = option(
+        4096 * 4096, cli="--max-image-pixels", min=1,
+        help="largest input image in pixels, checked before decoding; larger: 413 (default: 4096x4096)",
+    )  # fmt: skip
+    #: Connect, TLS, headers and body in all.
+    url_fetch_timeout: float = option(
+        10.0, cli="--url-fetch-timeout", gt=0,
+        help="with --allow-url-images: seconds one input-image download may take in all; then 400 (default: 10)",
+    )  # fmt: skip
+    job_ttl: float = option(
+        86400.0, cli="--job-ttl", gt=0,
+        help="seconds a finished /v1/videos job and its file are kept (default: 86400 = one day)",
+    )  # fmt: skip
+    log_progress_interval: float = option(
+        5.0, cli="--log-progress-interval", gt=0,
+        help="seconds between the progress lines (step, s/step) of a long request in the log (default: 5)",
+    )  # fmt: skip
+    #: For the image URLs of response_format="url"; unset, the request's own scheme and Host header.
+    public_url: str | None = option(
+        None, cli="--public-url", convert=check_public_url, metavar="URL",
+        help="the server's address as clients reach it (https://host[:port][/prefix]), for "
+        "response_format='url' image links (default: the request's own scheme and Host header)",
+    )  # fmt: skip
+    #: `server/replicas.py`.
+    dp_size: int = option(
+        1, cli="--dp-size", min=1, metavar="N",
+        help="data-parallel replicas: N engine processes, each with its own copy of the model, behind this "
+        "server, which sends each request to the least-loaded ready one; a replica that dies is "
+        "restarted while the others serve. On accelerators replica i uses device index i x (devices per "
+        "replica); on the CPU the replicas share the CPU cores (default: 1)",
+    )  # fmt: skip
+    #: `webui_routes.py`.
+    webui: bool = option(
+        True,
+        cli="--webui",
+        help="serve the web playground (generate, edit, video, gallery) at / (default: on)",
+    )
 
     @property
     def model_id(self) -> str:
@@ -68,6 +146,8 @@ class ServerArgs:
 
     @property
     def image_limits(self) -> ImageInputLimits:
+        from diffserve.image_inputs import ImageInputLimits
+
         return ImageInputLimits(
             max_bytes=self.max_image_bytes,
             max_pixels=self.max_image_pixels,

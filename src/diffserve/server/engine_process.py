@@ -1,9 +1,12 @@
-"""The engine process: a thin transport around `runtime.Engine`, ZeroMQ in and the engine's events out.
+"""The engine process: `EngineProcess`, a thin transport around `runtime.Engine`, ZeroMQ in and the
+engine's events out. The policy (validation, admission by the memory model, automatic VAE tiling) is the
+runtime's, as for `DiffGenerator` and the CLI; this process only chooses when the memory model is built
+(after its warm-up, calibrated).
 
 The main thread drives the engine's loop and its event hooks answer; the receiver thread queues jobs and
 passes cancels on; one encoder thread writes video jobs' MP4s off the step loop, and one LoRA thread runs
 the admin routes' loads and unloads between two steps (engine_loras.py). torch is imported inside
-`Engine`, so the front end imports this module and stays light.
+`EngineProcess`, so the front end imports this module and stays light.
 """
 
 from __future__ import annotations
@@ -40,9 +43,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("diffserve.engine")
 
-#: Warm-up and /health_generate draw an image this wide (rounded up to the model's granularity); video
-#: families a one-frame clip (1 = 4 * 0 + 1 is always valid).
-PROBE_PIXELS, PROBE_FRAMES = 64, 1
 #: Seconds between progress lines of the requests denoising for longer (`runtime.RequestLog`).
 PROGRESS_LOG_INTERVAL_S = 5.0
 
@@ -150,28 +150,32 @@ class Channel:
         self.context.term()
 
 
-#: How often the engine process checks its other ranks' processes (`Engine._watch_ranks`).
+#: How often the engine process checks its other ranks' processes (`EngineProcess._watch_ranks`).
 RANK_WATCH_INTERVAL_S = 0.2
 
 
-class Engine:
-    """The engine's events (`runtime.EngineEvents`) for the front end's jobs; requests without a job
-    (warm-up, calibration) are not reported. `generator`: a loaded `DiffGenerator` (tests pass a stand-in)."""
+class EngineProcess:
+    """The engine process's side of the link: the front end's jobs submitted to the runtime's `Engine`, and
+    its events (`runtime.EngineEvents`) answered; requests without a job (warm-up, calibration) are not
+    reported. `generator`: a loaded `DiffGenerator` (tests pass a stand-in), whose memory model is built
+    in `start`, after the warm-up."""
 
     def __init__(self, config: EngineProcessConfig, channel: Channel, generator: Any = None) -> None:
+        from diffserve.runtime.calibration import PROBE_PIXELS, round_up
+
         start = time.perf_counter()
         self.config, self.channel = config, channel
         if generator is None:
             from diffserve.api import DiffGenerator
 
-            generator = DiffGenerator(config.engine_args, show_progress=False)
+            generator = DiffGenerator(config.engine_args, show_progress=False, memory_model=False)
         self.generator, self.engine, self.facts = generator, generator.engine, generator.pipeline.facts
         self.scheduler = self.engine.scheduler
         self.load_seconds = time.perf_counter() - start
         self.output_dir = Path(config.engine_args.output_path)
         self.stop = threading.Event()
         self.pixel_multiple = self.facts.pixel_multiple
-        self.probe_size = -(-PROBE_PIXELS // self.pixel_multiple) * self.pixel_multiple
+        self.probe_size = round_up(PROBE_PIXELS, self.pixel_multiple)
         self.is_video = self.facts.makes_video
         self.probe_images = self.facts.probe_images(self.probe_size, self.probe_size)
         self.probe_mask = self.facts.probe_mask(self.probe_size, self.probe_size)
@@ -183,8 +187,6 @@ class Engine:
         self.engine.events = self
         #: The LoRA admin ops (`POST/GET/DELETE /v1/loras`).
         self.loras = EngineLoras(self.engine, channel)
-        #: Device bytes the memory budget keeps free for adapters loaded later (`_memory_model`).
-        self.lora_reserved_bytes = 0
         from diffserve.runtime.engine import RequestLog
 
         self.engine.request_log = RequestLog(config.progress_log_interval, include=_is_client_job)
@@ -196,7 +198,9 @@ class Engine:
             self.generator.generate_from_params(self.probe_params("warm-up"))
             warmup_seconds = time.perf_counter() - start
             logger.info("Warm-up generation done in %.2f seconds", warmup_seconds)
-        self.engine.memory = self._memory_model()
+        # The runtime's memory model, as DiffGenerator's; calibrated at warm-up where the platform has a
+        # peak counter (the CPU too, on Linux), estimated with --no-warmup or when calibration fails.
+        self.generator.build_memory_model(calibrate=self.config.warmup)
         info = self.info(warmup_seconds)
         logger.info("Scheduler: %s", info["scheduler"])
         self.receiver = threading.Thread(target=self._receive_loop, name="engine-receiver", daemon=True)
@@ -234,77 +238,15 @@ class Engine:
                 os._exit(1)
 
     def probe_params(self, prompt: str, side: int | None = None) -> SamplingParams:
-        side, images = side or self.probe_size, self.probe_images
-        frames = PROBE_FRAMES if self.is_video else None
-        return SamplingParams(
-            prompt,
-            height=side,
-            width=side,
-            num_inference_steps=1,
-            input_images=images,
-            mask_image=self.probe_mask,
-            num_frames=frames,
-        )
+        """The warm-up's and /health_generate's one-step request (`runtime.calibration.probe_params`)."""
+        from diffserve.runtime.calibration import probe_params
 
-    def _memory_model(self) -> Any:
-        """Calibrated at warm-up where the platform has a peak counter (the CPU too, on Linux); estimated
-        with --no-warmup or when calibration fails (logged). With LoRA adapters (`--lora`, `--lora-dir`)
-        the budget keeps `--max-lora-memory` free for them, less what the adapters loaded at start
-        already take (the free memory it is measured from excludes those)."""
-        from diffserve.offload import weight_residency
-        from diffserve.runtime.calibration import calibrate_memory_model
-        from diffserve.runtime.memory import (
-            CALIBRATION_SIDES,
-            CPU_CALIBRATION_SIDES,
-            estimated_memory_model,
-            with_vae_tiling,
-        )
-
-        fraction = self.config.engine_args.mem_fraction
-        # Offloaded components: what stays resident and the largest one moving in for a stage.
-        components = self.generator.pipeline.context.components
-        weights = weight_residency({name: c.value for name, c in components.items()})
-        model = None
-        if self.config.warmup:
-            base = CPU_CALIBRATION_SIDES if self.engine.platform.device_type == "cpu" else CALIBRATION_SIDES
-            sides = [-(-s // self.pixel_multiple) * self.pixel_multiple for s in base]
-            probes = [self.probe_params("calibration", side) for side in sides]
-            try:
-                model = calibrate_memory_model(self.engine, probes, fraction, weights)
-            except Exception as exc:
-                logger.warning("Memory calibration failed (%r); using the estimated memory model", exc)
-        if model is None:
-            model = estimated_memory_model(self.facts, self.engine.platform, fraction, weights)
-        self.lora_reserved_bytes = self._lora_reserve()
-        if self.lora_reserved_bytes and model.budget_bytes is not None:
-            budget = max(0, model.budget_bytes - self.lora_reserved_bytes)
-            logger.info(
-                "Memory budget: %.0f MB kept for LoRA adapters (--max-lora-memory); %.0f MB left for requests",
-                self.lora_reserved_bytes / 2**20, budget / 2**20,
-            )  # fmt: skip
-            model = dataclasses.replace(model, budget_bytes=budget)
-        args = self.config.engine_args
-        vae = components["vae"].value if "vae" in components else None
-        return with_vae_tiling(model, vae, forced=args.vae_tiling, single_device=args.num_gpus == 1)
-
-    def _lora_reserve(self) -> int:
-        """Bytes the memory budget keeps for adapters: `--max-lora-memory` less the resident ones when
-        LoRA is on and not merged (merged adapters are part of the weights: nothing to keep)."""
-        args, summary = self.config.engine_args, self.loras.summary()
-        if args.lora_merge or summary["merged"] or not (args.loras or args.lora_dir):
-            return 0
-        return max(0, int(summary["max_lora_memory"]) - int(summary["resident_bytes"]))
+        return probe_params(self.facts, prompt, side)
 
     def _describe_memory(self) -> dict[str, Any] | None:
         """The memory model as /server_info shows it, with the bytes kept for LoRA adapters."""
         memory = self.scheduler.memory
-        if memory is None:
-            return None
-        return {
-            **memory.describe(),
-            # budget_mb is what requests may use: free memory after warm-up x --mem-fraction, less this.
-            "lora_reserved_mb": round(self.lora_reserved_bytes / 2**20, 1),
-        }
+        return None if memory is None else memory.describe()
 
     def info(self, warmup_seconds: float | None) -> dict[str, Any]:
         """What /server_info shows of the engine."""
@@ -405,6 +347,7 @@ class Engine:
     def _submit(self, job: msg.GenerateJob) -> None:
         from diffserve.request import Req
         from diffserve.runtime import RequestTooLargeError
+        from diffserve.runtime.calibration import PROBE_FRAMES
 
         rid, params = job.request_id, job.params
         if job.internal:  # /health_generate: the probe's input images and frames where the model needs them
@@ -563,7 +506,7 @@ def run_engine_process(config: EngineProcessConfig) -> None:
         logger.info("Replica %d: devices %s", config.replica, " ".join(f"{k}={v}" for k, v in chosen.items()))
     channel, code = Channel(config), 0
     try:
-        engine = Engine(config, channel)
+        engine = EngineProcess(config, channel)
         engine.start()
     except Exception as exc:
         user_error = isinstance(exc, UserError)

@@ -20,6 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from diffserve.server.app_state import ServerState
 from diffserve.server.errors import documented
 from diffserve.server.image_edits import inline_schema
 from diffserve.server.replicas import Engines
@@ -100,49 +101,47 @@ def lora_card(adapter: dict[str, Any]) -> dict[str, Any]:
     return {"id": adapter["name"], "object": "lora", **adapter}
 
 
-def lora_router(engine: Engines) -> APIRouter:
-    router = APIRouter()
+router = APIRouter()
 
-    @router.get("/v1/loras", response_model=LoraList, responses=documented(401, 500, 503))
-    async def list_loras() -> JSONResponse:
-        state = (await engine.list_loras()).loras
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [lora_card(adapter) for adapter in state["adapters"]],
-                "merged": state["merged"],
-                "resident_bytes": state["resident_bytes"],
-                "max_lora_memory": state["max_lora_memory"],
-            }
-        )
 
-    @router.post(
-        "/v1/loras",
-        response_model=LoraCard,
-        responses=documented(400, 401, 409, 413, 415, 500, 503),
-        openapi_extra=_request_body(),
+@router.get("/v1/loras", response_model=LoraList, responses=documented(401, 500, 503))
+async def list_loras(state: ServerState) -> JSONResponse:
+    loras = (await state.engine.list_loras()).loras
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [lora_card(adapter) for adapter in loras["adapters"]],
+            "merged": loras["merged"],
+            "resident_bytes": loras["resident_bytes"],
+            "max_lora_memory": loras["max_lora_memory"],
+        }
     )
-    async def load_lora(request: Request) -> JSONResponse:
-        """Load the adapter file at `path` (inside --lora-dir) as `name`: diffusers/PEFT, kohya or a FLUX
-        community layout, checked against the served model (another family's file is refused)."""
-        body, _ = await read_body(
-            request, LoraLoadRequest, LORA_LOAD_FIELDS, files=(), text_only=None,
-            empty="request body is required: a JSON object with 'name' and 'path'", send="application/json",
-        )  # fmt: skip
-        done = await engine.load_lora(body.name, body.path, body.strict)
-        if done.adapter is None:
-            raise RuntimeError("the engine answered a LoRA load without the adapter")
-        return JSONResponse(lora_card(done.adapter))
 
-    @router.delete(
-        "/v1/loras/{name}", response_model=LoraDeleted, responses=documented(401, 404, 409, 500, 503)
-    )
-    async def unload_lora(name: str) -> JSONResponse:
-        """Unload the adapter (and forget it: a file of --lora-dir is read again when a request names it)."""
-        await engine.unload_lora(name)
-        return JSONResponse({"id": name, "object": "lora.deleted", "deleted": True})
 
-    return router
+@router.post(
+    "/v1/loras",
+    response_model=LoraCard,
+    responses=documented(400, 401, 409, 413, 415, 500, 503),
+    openapi_extra=_request_body(),
+)
+async def load_lora(request: Request, state: ServerState) -> JSONResponse:
+    """Load the adapter file at `path` (inside --lora-dir) as `name`: diffusers/PEFT, kohya or a FLUX
+    community layout, checked against the served model (another family's file is refused)."""
+    body, _ = await read_body(
+        request, LoraLoadRequest, LORA_LOAD_FIELDS, files=(), text_only=None,
+        empty="request body is required: a JSON object with 'name' and 'path'", send="application/json",
+    )  # fmt: skip
+    done = await state.engine.load_lora(body.name, body.path, body.strict)
+    if done.adapter is None:
+        raise RuntimeError("the engine answered a LoRA load without the adapter")
+    return JSONResponse(lora_card(done.adapter))
+
+
+@router.delete("/v1/loras/{name}", response_model=LoraDeleted, responses=documented(401, 404, 409, 500, 503))
+async def unload_lora(name: str, state: ServerState) -> JSONResponse:
+    """Unload the adapter (and forget it: a file of --lora-dir is read again when a request names it)."""
+    await state.engine.unload_lora(name)
+    return JSONResponse({"id": name, "object": "lora.deleted", "deleted": True})
 
 
 async def live_lora_state(engine: Engines) -> dict[str, Any] | None:

@@ -21,6 +21,7 @@ import uvicorn
 
 from diffserve.errors import UserError
 from diffserve.server.app import create_app
+from diffserve.server.app_state import app_state_of
 from diffserve.server.args import ServerArgs
 from diffserve.server.replicas import Engines
 
@@ -119,7 +120,7 @@ def serve(args: ServerArgs) -> int:
     config = uvicorn.Config(
         app, args.host, args.port, log_config=None, access_log=False, timeout_graceful_shutdown=backstop
     )
-    engine: Engines = app.state.engine
+    engine: Engines = app_state_of(app).engine
     server = GracefulServer(config, engine, args.shutdown_timeout)
     # After a third signal uvicorn re-raises the signals it stopped on once it is done; for SIGTERM that
     # lands here, so the process exits with its code instead of being killed by the default handler.

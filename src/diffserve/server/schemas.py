@@ -11,15 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from diffserve.configs.sampling_params import (
-    MAX_LORA_SCALE,
-    MAX_LORAS_PER_REQUEST,
-    MAX_SKIP_GUIDANCE_LAYERS,
-    MAX_SKIP_LAYER_GUIDANCE_SCALE,
-    LoraChoice,
-    SamplingParams,
-    lora_choices,
-)
+from diffserve.configs.option import option_of
+from diffserve.configs.sampling_params import MAX_LORA_SCALE, LoraChoice, SamplingParams, lora_choices
 
 
 class ApiParamError(ValueError):
@@ -45,33 +38,35 @@ _SIZE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
 
 # Fields of both generation routes (OpenAI's, then diffserve's extensions; unset: the model's defaults).
-_QUALITY = (
-    "'high' (exact; also 'hd' and 'lossless'), 'medium', 'low' or 'draft' (approximate: reuse DiT work "
-    "between steps, faster, at least 35/30/25 dB PSNR against the exact output), 'auto' or 'standard' (the "
-    "server's --default-quality). Responses report the tier that ran ('high' for 'hd' and 'lossless')"
-)
 _PRIORITY = "scheduling priority (-1000..1000, default 0): higher first, then first come first served"
 ModelName = Annotated[str | None, Field(description="the served model's id or a --served-model-name")]
-Seed = Annotated[int | None, Field(ge=0, lt=2**63, description="unset: a random seed, returned")]
-Steps = Annotated[int | None, Field(ge=1)]
-Scale = Annotated[float | None, Field(ge=0, allow_inf_nan=False, description="a finite number >= 0")]
-Quality = Annotated[str | None, Field(description=_QUALITY)]
 Priority = Annotated[int | None, Field(ge=-1000, le=1000, description=_PRIORITY)]
-_SLG = (
-    "SD3.5 skip-layer guidance: DiT block indices (distinct, within the model's block count, which the "
-    "engine checks) skipped in an extra forward of the prompt's branch, for example [7, 8, 9]; unset: off"
-)
-SkipLayers = Annotated[
-    list[Annotated[int, Field(ge=0)]] | None,
-    Field(min_length=1, max_length=MAX_SKIP_GUIDANCE_LAYERS, description=_SLG),
-]
-SkipScale = Annotated[
-    float | None,
-    Field(ge=0, le=MAX_SKIP_LAYER_GUIDANCE_SCALE, allow_inf_nan=False, description="SD3 default 2.8"),
-]
-Fraction = Annotated[
-    float | None, Field(ge=0, le=1, allow_inf_nan=False, description="fraction of the schedule, 0..1")
-]
+
+
+def sampling_field(name: str, note: str | None = None, required: bool = False) -> Any:
+    """The request field of SamplingParams' option `name`, as declared (`configs/sampling_params.py`): its
+    default at the front ends (unset: the model's), bounds (for a list: its length) and help (then `note`,
+    what only HTTP clients need to know), so that validation and the OpenAPI document say what the CLI
+    and the engine say. Numbers must be finite. `required`: no default, the request must give it."""
+    declared = option_of(SamplingParams, name)
+    spec = declared.spec
+    if declared.is_list:
+        bounds = {"min_length": spec.min_items, "max_length": spec.max_items}
+    else:
+        bounds = {"ge": spec.min, "le": spec.max, "gt": spec.gt, "lt": spec.lt}
+        if declared.base_type is float:
+            bounds["allow_inf_nan"] = False
+    given = {key: value for key, value in bounds.items() if value is not None}
+    description = spec.help if note is None else f"{spec.help}; {note}"
+    default = ... if required else declared.front_end_default
+    return Field(default, description=description, **given)  # type: ignore[arg-type]
+
+
+def sampling_items(name: str) -> Any:
+    """The bounds of each item of SamplingParams' list option `name` (`Annotated[int, sampling_items(...)]`)."""
+    spec = option_of(SamplingParams, name).spec
+    given = {"ge": spec.min, "le": spec.max, "gt": spec.gt, "lt": spec.lt}
+    return Field(**{key: value for key, value in given.items() if value is not None})  # type: ignore[arg-type]
 
 
 def utf8_text(value: Any) -> Any:
@@ -100,11 +95,8 @@ class LoraEntry(BaseModel):
     )
 
 
-_LORAS = (
-    f"diffserve extension: LoRA adapters to apply, at most {MAX_LORAS_PER_REQUEST}, e.g. "
-    '[{"name": "style", "scale": 0.8}] (in a multipart form: that JSON as text); unset: the base model'
-)
 _LORA_EXAMPLE = '[{"name": "style", "scale": 0.8}]'
+_LORAS_FORM = f"for example {_LORA_EXAMPLE} (in a multipart form: that JSON as text)"
 
 
 def lora_entries(value: Any) -> Any:
@@ -156,37 +148,39 @@ class ImageGenerationRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str
+    prompt: str = sampling_field("prompt", required=True)
     model: ModelName = None
     n: int | None = Field(1, ge=1, le=10, description="images to generate (1-10), all from one request")
     size: str | None = Field(None, description="'WIDTHxHEIGHT' or 'auto' (the model's default)")
     response_format: Literal["b64_json", "url"] | None = "b64_json"
-    output_format: Literal["png", "jpeg", "webp"] | None = "png"
+    output_format: Literal["png", "jpeg", "webp"] | None = sampling_field("output_format")
     output_compression: int | None = Field(None, ge=0, le=100, description="jpeg/webp quality (default 100)")
     user: str | None = Field(None, description="end-user id; accepted for compatibility, not used")
     stream: bool | None = Field(None, description="answer with OpenAI's server-sent events")
     #: With stream=true: previews sent while the image is made, before the final one.
     partial_images: int | None = Field(None, ge=0, le=MAX_PARTIAL_IMAGES)
-    quality: Quality = None
+    quality: str | None = sampling_field("quality")  # checked by the engine: the tiers are the family's
     # OpenAI fields accepted only with a value that changes nothing (see NO_OP_VALUES).
     background: str | None = None
     style: str | None = None
     moderation: str | None = None
-    # diffserve extensions (SamplingParams fields); unset: the model's defaults.
-    width: int | None = Field(None, gt=0)
-    height: int | None = Field(None, gt=0)
-    seed: Seed = None
-    negative_prompt: str | None = None
-    num_inference_steps: Steps = None
-    guidance_scale: Scale = None
-    true_cfg_scale: Scale = None
-    skip_guidance_layers: SkipLayers = None
-    skip_layer_guidance_scale: SkipScale = None
-    skip_layer_guidance_start: Fraction = None
-    skip_layer_guidance_stop: Fraction = None
-    max_sequence_length: Steps = None
+    # diffserve extensions (SamplingParams fields, as declared there); unset: the model's defaults.
+    width: int | None = sampling_field("width")
+    height: int | None = sampling_field("height")
+    seed: int | None = sampling_field("seed")
+    negative_prompt: str | None = sampling_field("negative_prompt")
+    num_inference_steps: int | None = sampling_field("num_inference_steps")
+    guidance_scale: float | None = sampling_field("guidance_scale")
+    true_cfg_scale: float | None = sampling_field("true_cfg_scale")
+    skip_guidance_layers: list[Annotated[int, sampling_items("skip_guidance_layers")]] | None = (
+        sampling_field("skip_guidance_layers")
+    )
+    skip_layer_guidance_scale: float | None = sampling_field("skip_layer_guidance_scale")
+    skip_layer_guidance_start: float | None = sampling_field("skip_layer_guidance_start")
+    skip_layer_guidance_stop: float | None = sampling_field("skip_layer_guidance_stop")
+    max_sequence_length: int | None = sampling_field("max_sequence_length")
     priority: Priority = None
-    loras: list[LoraEntry] | None = Field(None, description=_LORAS)
+    loras: list[LoraEntry] | None = sampling_field("loras", note=_LORAS_FORM)
 
     _utf8 = field_validator("*")(utf8_text)
     _loras = field_validator("loras", mode="before")(lora_entries)
@@ -277,14 +271,7 @@ class ImageEditRequest(ImageGenerationRequest):
         description="inpainting mask of the image's size (FLUX, SD3, FLUX.1 Fill): its transparent pixels "
         "(alpha 0) mark the area to edit, as OpenAI's; a mask without alpha: white = edit, black = keep",
     )
-    strength: float | None = Field(
-        None,
-        ge=0,
-        le=1,
-        allow_inf_nan=False,
-        description="image-to-image / inpainting: how far the input image is noised, 0..1 (1: pure noise); "
-        "unset: the model's default (FLUX, SD3: 0.6; FLUX.1 Fill: 1.0); a form field or a JSON number",
-    )
+    strength: float | None = sampling_field("strength", note="a form field or a JSON number")
 
     def image_sources(self) -> list[str]:
         """The JSON body's input images in order (raises ApiParamError when both forms are given)."""
@@ -313,7 +300,7 @@ class VideoCreateRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str
+    prompt: str = sampling_field("prompt", required=True)
     model: ModelName = None
     size: str | None = Field(None, description="'WIDTHxHEIGHT'; unset: the model's default")
     seconds: float | None = Field(
@@ -321,18 +308,17 @@ class VideoCreateRequest(BaseModel):
     )
     #: The first frame (image-to-video models): an uploaded file, or a data URL / {image_url}.
     input_reference: str | ImageReference | None = None
-    num_frames: int | None = Field(None, ge=1, description="frames to generate (Wan: 4k+1); excludes seconds")
-    fps: int | None = Field(None, ge=1, description="frame rate of the MP4 (default: the model's)")
-    seed: Seed = None
-    negative_prompt: str | None = None
-    num_inference_steps: Steps = None
-    guidance_scale: Scale = None
-    #: Wan 2.2 A14B: the low-noise expert's CFG scale (default: guidance_scale); other models refuse it.
-    guidance_scale_2: Scale = None
-    max_sequence_length: Steps = None
-    quality: Quality = None
+    num_frames: int | None = sampling_field("num_frames")  # excludes seconds
+    fps: int | None = sampling_field("fps")
+    seed: int | None = sampling_field("seed")
+    negative_prompt: str | None = sampling_field("negative_prompt")
+    num_inference_steps: int | None = sampling_field("num_inference_steps")
+    guidance_scale: float | None = sampling_field("guidance_scale")
+    guidance_scale_2: float | None = sampling_field("guidance_scale_2")
+    max_sequence_length: int | None = sampling_field("max_sequence_length")
+    quality: str | None = sampling_field("quality")
     priority: Priority = None
-    loras: list[LoraEntry] | None = Field(None, description=_LORAS)
+    loras: list[LoraEntry] | None = sampling_field("loras", note=_LORAS_FORM)
 
     _utf8 = field_validator("*")(utf8_text)
     _loras = field_validator("loras", mode="before")(lora_entries)

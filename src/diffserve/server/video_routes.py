@@ -9,23 +9,21 @@ DELETE /v1/videos/{id}            cancel a job in flight, or delete a finished o
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from diffserve.server.args import ServerArgs
+from diffserve.server.app_state import AppState, ServerState
 from diffserve.server.engine_client import JobRejectedError
 from diffserve.server.errors import ApiError, documented
 from diffserve.server.image_edits import inline_schema
-from diffserve.server.metrics import ServerMetrics
 from diffserve.server.protocol import wrong_route
 from diffserve.server.replicas import Engines
 from diffserve.server.request_body import RawImage, check_source, load_input_image, read_body
 from diffserve.server.schemas import VIDEO_ACCEPTED_FIELDS, ApiParamError, ImageReference, VideoCreateRequest
 from diffserve.server.streaming import ContentFileResponse
-from diffserve.server.video_jobs import VIDEO_ID_PATTERN, VideoJob, VideoJobManager, video_file
+from diffserve.server.video_jobs import VIDEO_ID_PATTERN, VideoJob, video_file
 
 DEFAULT_LIST_LIMIT = 20
 MAX_LIST_LIMIT = 100
@@ -103,124 +101,122 @@ def check_route(engine: Engines, video: bool) -> None:
         raise ApiError(400, message, param="model", code="unsupported_model")
 
 
-def video_router(
-    args: ServerArgs,
-    engine: Engines,
-    jobs: VideoJobManager,
-    metrics: ServerMetrics,
-    check_model: Callable[[str | None], None],
-    outcome_of: Callable[[Exception], str],
-) -> APIRouter:
-    """`check_model` 404s a `model` not served here; `outcome_of` labels a failed submission in
-    `diffserve_generation_requests_total` (the manager counts the job's own outcome)."""
-    router = APIRouter()
+router = APIRouter()
 
-    def check_store() -> None:
-        """Reading jobs needs the store, which is opened once the engine reports a video model ready."""
-        if not jobs.is_open:
-            check_route(engine, video=True)  # an image model: 400 naming its route; not ready: 503
-            raise engine.unavailable_error()
 
-    def found(video_id: str) -> VideoJob:
-        check_store()
-        job = jobs.get(video_id) if VIDEO_ID_PATTERN.match(video_id) else None
-        if job is None:
-            message = f"no video with id {video_id!r} on this server (unknown, deleted or expired)"
-            raise ApiError(404, message, param="video_id", code="video_not_found")
-        return job
+def check_store(state: AppState) -> None:
+    """Reading jobs needs the store, which is opened once the engine reports a video model ready."""
+    if not state.video_jobs.is_open:
+        check_route(state.engine, video=True)  # an image model: 400 naming its route; not ready: 503
+        raise state.engine.unavailable_error()
 
-    @router.post("/v1/videos", responses=_ERRORS, openapi_extra=_create_request_body())
-    async def create_video(request: Request) -> JSONResponse:
-        """Create a video job; answers at once with the job (`status: "queued"`). Poll
-        `GET /v1/videos/{id}` until `completed`, then download `GET /v1/videos/{id}/content`."""
-        try:
-            check_route(engine, video=True)
-            body, reference = await read_video_request(request, args.max_video_body_bytes)
-            check_model(body.model)
-            info = engine.engine_info
-            task, pipeline = info.get("task"), info.get("diffusers_pipeline", "this model")
-            video = info.get("video") or {"temporal_factor": 4, "max_frames": 1025, "max_fps": 120}
-            default_fps = int((info.get("default_params") or {}).get("fps") or 16)
-            params = body.to_sampling_params(video, default_fps)
-            if task == "image-to-video" and reference is None:
-                raise ApiParamError(
-                    f"{pipeline} is an image-to-video model: send the first frame as input_reference (a file "
-                    'upload, or in JSON a data URL or {"image_url": ...})',
-                    param="input_reference",
-                )
-            takes_image = int(info.get("max_input_images") or 0) > 0  # Wan 2.2 TI2V: both tasks
-            if task == "text-to-video" and reference is not None and not takes_image:
-                raise ApiParamError(
-                    f"{pipeline} is a text-to-video model and takes no input_reference; animating an image "
-                    "needs an image-to-video model such as WanImageToVideoPipeline",
-                    param="input_reference",
-                )
-            if reference is not None:
-                check_source("input_reference", reference)
-                image = await load_input_image(
-                    reference, "input_reference", args.allow_url_images, args.image_limits
-                )
-                params.input_images = [image]
-            try:
-                i2v, priority = reference is not None, body.priority or 0
-                job = await jobs.create(params, args.model_id, image_to_video=i2v, priority=priority)
-            except JobRejectedError as exc:  # named by the field of this route
-                exc.param = _PARAM_NAMES.get(exc.param or "", exc.param)
-                raise
-        except Exception as exc:
-            metrics.count(outcome_of(exc))
-            raise
-        return JSONResponse(job.to_api(jobs.ttl))
 
-    @router.get("/v1/videos", responses=_ERRORS)
-    async def list_videos(
-        limit: int = Query(DEFAULT_LIST_LIMIT, ge=1, le=MAX_LIST_LIMIT),
-        after: str | None = Query(None, description="id of the last job of the previous page"),
-        order: Literal["asc", "desc"] = Query("desc", description="by creation time"),
-    ) -> JSONResponse:
-        check_store()
-        try:
-            page, has_more = jobs.list(limit, after, descending=order == "desc")
-        except KeyError:
-            message = f"after={after!r} is not a video on this server"
-            raise ApiError(400, message, param="after", code="invalid_value") from None
-        data = [job.to_api(jobs.ttl) for job in page]
-        first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
-        return JSONResponse(
-            {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": has_more}
-        )
+def found(state: AppState, video_id: str) -> VideoJob:
+    """The job `video_id`, or 404 (a malformed id is never looked up)."""
+    check_store(state)
+    job = state.video_jobs.get(video_id) if VIDEO_ID_PATTERN.match(video_id) else None
+    if job is None:
+        message = f"no video with id {video_id!r} on this server (unknown, deleted or expired)"
+        raise ApiError(404, message, param="video_id", code="video_not_found")
+    return job
 
-    @router.get("/v1/videos/{video_id}", responses=_ERRORS)
-    async def retrieve_video(video_id: str) -> JSONResponse:
-        return JSONResponse(found(video_id).to_api(jobs.ttl))
 
-    @router.get("/v1/videos/{video_id}/content", response_class=Response, responses=_CONTENT_RESPONSES)
-    async def video_content(video_id: str, variant: str = "video") -> ContentFileResponse:
-        """The MP4 (`video/mp4`); `Range: bytes=...` requests get 206 with that part."""
-        if variant != "video":
-            ours = variant in ("thumbnail", "spritesheet")  # OpenAI's other variants
-            why = "is not generated by diffserve" if ours else "is not a variant"
-            message = f"variant={variant!r} {why}; only 'video' (the MP4) is available"
-            raise ApiError(400, message, param="variant", code="invalid_value")
-        job = found(video_id)
-        if job.status != "completed":
-            raise ApiError(409, no_content_message(job), param="video_id", code="video_not_ready")
-        path = video_file(args.output_dir, video_id)
-        if not path.is_file():
-            raise ApiError(
-                404, f"the file of video {video_id} is gone", param="video_id", code="video_not_found"
+@router.post("/v1/videos", responses=_ERRORS, openapi_extra=_create_request_body())
+async def create_video(request: Request, state: ServerState) -> JSONResponse:
+    """Create a video job; answers at once with the job (`status: "queued"`). Poll
+    `GET /v1/videos/{id}` until `completed`, then download `GET /v1/videos/{id}/content`."""
+    args, engine, jobs = state.args, state.engine, state.video_jobs
+    try:
+        check_route(engine, video=True)
+        body, reference = await read_video_request(request, args.max_video_body_bytes)
+        state.check_model(body.model)
+        info = engine.engine_info
+        task, pipeline = info.get("task"), info.get("diffusers_pipeline", "this model")
+        video = info.get("video") or {"temporal_factor": 4, "max_frames": 1025, "max_fps": 120}
+        default_fps = int((info.get("default_params") or {}).get("fps") or 16)
+        params = body.to_sampling_params(video, default_fps)
+        if task == "image-to-video" and reference is None:
+            raise ApiParamError(
+                f"{pipeline} is an image-to-video model: send the first frame as input_reference (a file "
+                'upload, or in JSON a data URL or {"image_url": ...})',
+                param="input_reference",
             )
-        return ContentFileResponse(
-            path, media_type="video/mp4", filename=path.name, content_disposition_type="inline"
-        )
+        takes_image = int(info.get("max_input_images") or 0) > 0  # Wan 2.2 TI2V: both tasks
+        if task == "text-to-video" and reference is not None and not takes_image:
+            raise ApiParamError(
+                f"{pipeline} is a text-to-video model and takes no input_reference; animating an image "
+                "needs an image-to-video model such as WanImageToVideoPipeline",
+                param="input_reference",
+            )
+        if reference is not None:
+            check_source("input_reference", reference)
+            image = await load_input_image(
+                reference, "input_reference", args.allow_url_images, args.image_limits
+            )
+            params.input_images = [image]
+        try:
+            i2v, priority = reference is not None, body.priority or 0
+            job = await jobs.create(params, args.model_id, image_to_video=i2v, priority=priority)
+        except JobRejectedError as exc:  # named by the field of this route
+            exc.param = _PARAM_NAMES.get(exc.param or "", exc.param)
+            raise
+    except Exception as exc:
+        # The manager counts the job's own outcome; this counts a submission that failed.
+        state.count_failure(exc)
+        raise
+    return JSONResponse(job.to_api(jobs.ttl))
 
-    @router.delete("/v1/videos/{video_id}", responses=_ERRORS)
-    async def delete_video(video_id: str) -> JSONResponse:
-        """Cancel a job in flight (its record stays, `cancelled`, until it expires or is deleted again) or
-        delete a finished job and its file."""
-        found(video_id)
-        if await jobs.delete(video_id) is None:
-            found(video_id)  # raced with expiry: 404
-        return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
 
-    return router
+@router.get("/v1/videos", responses=_ERRORS)
+async def list_videos(
+    state: ServerState,
+    limit: int = Query(DEFAULT_LIST_LIMIT, ge=1, le=MAX_LIST_LIMIT),
+    after: str | None = Query(None, description="id of the last job of the previous page"),
+    order: Literal["asc", "desc"] = Query("desc", description="by creation time"),
+) -> JSONResponse:
+    check_store(state)
+    jobs = state.video_jobs
+    try:
+        page, has_more = jobs.list(limit, after, descending=order == "desc")
+    except KeyError:
+        message = f"after={after!r} is not a video on this server"
+        raise ApiError(400, message, param="after", code="invalid_value") from None
+    data = [job.to_api(jobs.ttl) for job in page]
+    first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+    return JSONResponse(
+        {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": has_more}
+    )
+
+
+@router.get("/v1/videos/{video_id}", responses=_ERRORS)
+async def retrieve_video(video_id: str, state: ServerState) -> JSONResponse:
+    return JSONResponse(found(state, video_id).to_api(state.video_jobs.ttl))
+
+
+@router.get("/v1/videos/{video_id}/content", response_class=Response, responses=_CONTENT_RESPONSES)
+async def video_content(video_id: str, state: ServerState, variant: str = "video") -> ContentFileResponse:
+    """The MP4 (`video/mp4`); `Range: bytes=...` requests get 206 with that part."""
+    if variant != "video":
+        ours = variant in ("thumbnail", "spritesheet")  # OpenAI's other variants
+        why = "is not generated by diffserve" if ours else "is not a variant"
+        message = f"variant={variant!r} {why}; only 'video' (the MP4) is available"
+        raise ApiError(400, message, param="variant", code="invalid_value")
+    job = found(state, video_id)
+    if job.status != "completed":
+        raise ApiError(409, no_content_message(job), param="video_id", code="video_not_ready")
+    path = video_file(state.args.output_dir, video_id)
+    if not path.is_file():
+        raise ApiError(404, f"the file of video {video_id} is gone", param="video_id", code="video_not_found")
+    return ContentFileResponse(
+        path, media_type="video/mp4", filename=path.name, content_disposition_type="inline"
+    )
+
+
+@router.delete("/v1/videos/{video_id}", responses=_ERRORS)
+async def delete_video(video_id: str, state: ServerState) -> JSONResponse:
+    """Cancel a job in flight (its record stays, `cancelled`, until it expires or is deleted again) or
+    delete a finished job and its file."""
+    found(state, video_id)
+    if await state.video_jobs.delete(video_id) is None:
+        found(state, video_id)  # raced with expiry: 404
+    return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})

@@ -43,16 +43,15 @@ def webui_file(name: str) -> Response:
     return Response(data, media_type=media_type, headers=_HEADERS)
 
 
-def webui_router() -> APIRouter:
-    """`GET /` (the page) and `GET /webui/{name}` (its script and style sheet); not in the OpenAPI schema."""
-    router = APIRouter(include_in_schema=False)
+#: `GET /` (the page) and `GET /webui/{name}` (its script and style sheet); not in the OpenAPI schema.
+router = APIRouter(include_in_schema=False)
 
-    @router.get("/")
-    async def index() -> Response:
-        return webui_file("index.html")
 
-    @router.get("/webui/{name}")
-    async def static_file(name: str) -> Response:
-        return webui_file(name)
+@router.get("/")
+async def index() -> Response:
+    return webui_file("index.html")
 
-    return router
+
+@router.get("/webui/{name}")
+async def static_file(name: str) -> Response:
+    return webui_file(name)

@@ -23,7 +23,7 @@ from torch import nn
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.request import Req
 from diffserve.stages.base import Stage, to_module
-from diffserve.stages.qwen_image_edit_preparation import image_to_tensor
+from diffserve.stages.image_tensor import image_to_tensor
 from diffserve.stages.video_vae_decoding import latent_stats
 
 #: (batch, channels, h, w) VAE latents -> the layout the family's latents have (FLUX: packed tokens).

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from diffserve.loader.single_file_keys import FamilyKeys, guess_family
+from diffserve.loader.dit_facts import DitFactsTable, SingleFileKeys
 from diffserve.loader.single_file_keys.plan import KeyPlan, Shapes, identity_plan
 
 _SHOWN = 8
@@ -19,13 +19,13 @@ class ChosenPlan:
     naming: str
 
 
-def choose_plan(keys: FamilyKeys, shapes: Shapes, model_keys: frozenset[str]) -> ChosenPlan:
+def choose_plan(keys: SingleFileKeys, shapes: Shapes, model_keys: frozenset[str]) -> ChosenPlan:
     """Read the file in Diffusers' names or in the family's original names, whichever covers more of
     the model (a file in neither scores low on both; `plan_problems` then says what is wrong)."""
     candidates = [ChosenPlan(identity_plan(shapes), "Diffusers names")]
     converted = keys.plan(shapes, model_keys)
     if converted != candidates[0].plan:
-        candidates.append(ChosenPlan(converted, f"original {keys.family} names"))
+        candidates.append(ChosenPlan(converted, f"original {keys.label} names"))
 
     def covered(chosen: ChosenPlan) -> int:
         return sum(1 for t, p in chosen.plan.items() if t in model_keys and p.source in shapes)
@@ -38,11 +38,13 @@ def plan_problems(
     chosen: ChosenPlan,
     shapes: Shapes,
     model_shapes: dict[str, tuple[int, ...]],
-    keys: FamilyKeys,
+    keys: SingleFileKeys,
+    facts: DitFactsTable,
     file_arch: str | None = None,
 ) -> str | None:
     """What keeps `chosen` from loading the model (missing / unexpected keys, wrong shapes), or None.
-    `file_arch` (a GGUF file's `general.architecture`) is named when it is not the family's."""
+    `facts` tells which other family a mismatching file looks like; `file_arch` (a GGUF file's
+    `general.architecture`) is named when it is not the family's."""
     plan = chosen.plan
     absent = sorted({p.source for p in plan.values() if p.source not in shapes})
     uncovered = sorted(model_shapes.keys() - plan.keys())
@@ -54,9 +56,9 @@ def plan_problems(
     if unexpected:
         problems.append(f"unexpected keys: {_describe(unexpected)}")
     if problems:
-        guess = guess_family(set(shapes))
-        if guess and guess != keys.family:
-            problems.insert(0, f"the file looks like a {guess} checkpoint, not {keys.family}")
+        guess = facts.guess_single_file_family(shapes)
+        if guess and guess != keys.label:
+            problems.insert(0, f"the file looks like a {guess} checkpoint, not {keys.label}")
         if file_arch and file_arch not in keys.gguf_arches:
             problems.insert(0, f"its GGUF architecture is {file_arch!r}")
         return "; ".join(problems)

@@ -57,6 +57,7 @@ from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.residual import gated_residual
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding
+from diffserve.layers.shape_cache import BoundedCache
 from diffserve.models.config_keys import config_from_diffusers
 from diffserve.models.dits.hunyuan_video15_embedders import (
     BYT5_PROJECTION_HIDDEN,
@@ -256,7 +257,7 @@ class HunyuanVideo15Transformer3DModel(nn.Module):
         self.config = config
         inner, heads, head_dim = config.inner_dim, config.num_attention_heads, config.attention_head_dim
         self.inner_dim = inner
-        self._rope_cache: dict[tuple[int, int, int, torch.device], RopeTables] = {}
+        self._rope_cache: BoundedCache[RopeTables] = BoundedCache(ROPE_CACHE_SIZE)
 
         self.x_embedder = HunyuanVideo15PatchEmbed(config.in_channels, inner, config.patch)
         self.image_embedder = HunyuanVideo15ImageProjection(config.image_embed_dim, inner)
@@ -289,17 +290,13 @@ class HunyuanVideo15Transformer3DModel(nn.Module):
 
     def rope_tables(self, frames: int, height: int, width: int, device: torch.device) -> RopeTables:
         """Half-width (cos, sin) float32 tables for a post-patch grid, cached per grid and device."""
-        key = (frames, height, width, torch.device(device))
-        cached = self._rope_cache.get(key)
-        if cached is not None:
-            return cached
-        tables = hunyuan_video15_rope_tables(
-            frames, height, width, self.config.rope_axes_dim, self.config.rope_theta, device
+        return self._rope_cache.get_or_build(
+            (frames, height, width),
+            device,
+            lambda: hunyuan_video15_rope_tables(
+                frames, height, width, self.config.rope_axes_dim, self.config.rope_theta, device
+            ),
         )
-        if len(self._rope_cache) >= ROPE_CACHE_SIZE:
-            self._rope_cache.pop(next(iter(self._rope_cache)))  # oldest entry
-        self._rope_cache[key] = tables
-        return tables
 
     def embed_context(
         self,

@@ -79,6 +79,7 @@ from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.residual import fp16_clip, gated_residual
 from diffserve.layers.rotary import RopeTables
+from diffserve.layers.shape_cache import BoundedCache
 from diffserve.models.config_keys import config_from_diffusers
 from diffserve.models.step_cache import BatchStepCache, take_rows
 
@@ -93,7 +94,7 @@ NORM_EPS = 1e-6
 TIMESTEP_CHANNELS = 256
 #: Diffusers multiplies the sinusoid arguments (not the timestep) by this; see `_timestep_sinusoids`.
 TIMESTEP_SCALE = 1000
-#: Distinct (img_shapes, txt_seq, device) entries kept by the RoPE cache before it is emptied.
+#: Distinct (img_shapes, txt_seq, device) entries kept by the RoPE cache (least recently used evicted).
 ROPE_CACHE_SIZE = 64
 
 
@@ -195,7 +196,7 @@ class QwenImageRope(nn.Module):
     def __init__(self, axes_dims: Sequence[int]) -> None:
         super().__init__()
         self.axes_dims = tuple(axes_dims)
-        self._cache: dict[tuple[Any, ...], RopeTables] = {}
+        self._cache: BoundedCache[RopeTables] = BoundedCache(ROPE_CACHE_SIZE)
 
     def _sample_angles(self, shapes: tuple[ImageShape, ...], txt_len: int) -> torch.Tensor:
         """(txt_len + image tokens, head_dim // 2) angles for one sample's [text; images]."""
@@ -230,17 +231,14 @@ class QwenImageRope(nn.Module):
         """
         shared = all(s == img_shapes[0] for s in img_shapes)
         samples = (img_shapes[0],) if shared else tuple(img_shapes)
-        key = (samples, int(txt_len), torch.device(device))
-        tables = self._cache.get(key)
-        if tables is None:
+
+        def build() -> RopeTables:
             angles = torch.cat([self._sample_angles(s, int(txt_len)) for s in samples], dim=0)
             # Diffusers rotates by polar(1, angle) in complex64; its real/imag parts are these cos/sin.
             cis = torch.polar(torch.ones_like(angles), angles)
-            tables = (cis.real.contiguous().to(device), cis.imag.contiguous().to(device))
-            if len(self._cache) >= ROPE_CACHE_SIZE:
-                self._cache.clear()
-            self._cache[key] = tables
-        return tables
+            return cis.real.contiguous().to(device), cis.imag.contiguous().to(device)
+
+        return self._cache.get_or_build((samples, int(txt_len)), device, build)
 
 
 class QwenDoubleStreamAttention(RotaryJointAttention):

@@ -42,6 +42,7 @@ from diffserve.layers.embeddings import TimestepEmbedding, timestep_sinusoids
 from diffserve.layers.glumbconv import GLUMBConv
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.residual import fp16_clip, gated_residual
+from diffserve.layers.shape_cache import BoundedCache
 from diffserve.models.config_keys import config_from_diffusers
 
 #: Sinusoid width of the timestep and guidance embeddings (Diffusers' `Timesteps(256, ...)`).
@@ -152,8 +153,9 @@ def sincos_positions(
 class SanaPatchEmbed(nn.Module):
     """Patchify conv (`patch_embed.proj`) and, for checkpoints with `interpolation_scale`, sincos positions.
 
-    The positions are computed for each latent size (and cached per size and device); they are not in
-    the checkpoint (Diffusers keeps them in a non-persistent buffer for the square training size).
+    The positions are computed for each latent size (and cached per size and device, in a bounded
+    `BoundedCache`); they are not in the checkpoint (Diffusers keeps them in a non-persistent buffer for
+    the square training size).
     """
 
     def __init__(
@@ -164,17 +166,18 @@ class SanaPatchEmbed(nn.Module):
         self.base_size = sample_size // patch_size
         self.interpolation_scale = interpolation_scale
         self.proj = nn.Conv2d(in_channels, dim, kernel_size=patch_size, stride=patch_size)
-        self._positions: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+        self._positions: BoundedCache[torch.Tensor] = BoundedCache()
 
     def positions(self, height: int, width: int, device: torch.device) -> torch.Tensor | None:
         """(1, height * width, dim) float32 positions for a height x width token grid, or None (SANA 1K)."""
         if self.interpolation_scale is None:
             return None
-        key = (height, width, device)
-        if key not in self._positions:
-            pos = sincos_positions(self.dim, height, width, self.base_size, self.interpolation_scale)
-            self._positions[key] = pos.to(device)
-        return self._positions[key]
+        scale = self.interpolation_scale
+        return self._positions.get_or_build(
+            (height, width),
+            device,
+            lambda: sincos_positions(self.dim, height, width, self.base_size, scale).to(device),
+        )
 
     def forward(self, latents: torch.Tensor) -> torch.Tensor:
         """(batch, C, H, W) -> (batch, H/p * W/p, dim) tokens, row-major."""

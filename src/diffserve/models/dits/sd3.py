@@ -11,7 +11,7 @@ Architecture:
     out  = unpatchify(proj_out(adaLN(x, temb)))               (batch, out_channels, H, W)
 
 `forward(..., skip_layers=...)` leaves the listed blocks out for every row (their input passes on
-unchanged), as Diffusers' `skip_layers`: skip-layer guidance's extra forward (`pipelines/sd3.py`).
+unchanged), as Diffusers' `skip_layers`: skip-layer guidance's extra forward (`families/sd3/pipeline.py`).
 
 Every block is conditioned through adaLN on `temb`, which has one row per sample, so one forward can
 serve requests at different timesteps (the engine's step-level batching). Unlike FLUX there is no RoPE:
@@ -70,6 +70,7 @@ from diffserve.layers.feedforward import FeedForward
 from diffserve.layers.joint_attention import JointAttention
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
+from diffserve.layers.shape_cache import BoundedCache
 from diffserve.models.config_keys import config_from_diffusers
 from diffserve.models.step_cache import BatchStepCache, take_rows
 
@@ -155,7 +156,8 @@ class PatchEmbed(nn.Module):
 
     With `pos_embed_max_size` (every SD3 checkpoint) the (1, max*max, dim) table is a persistent buffer, as
     in Diffusers, so the checkpoint's copy is what the model uses; it is also computed here so a model built
-    without a checkpoint is complete. Without it the table is computed per grid shape and cached.
+    without a checkpoint is complete. Without it the table is computed per grid shape and cached (bounded,
+    `BoundedCache`).
     """
 
     def __init__(
@@ -174,17 +176,16 @@ class PatchEmbed(nn.Module):
             )
         else:
             self.pos_embed = None
-        self._tables: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+        self._tables: BoundedCache[torch.Tensor] = BoundedCache()
 
     def position_table(self, height: int, width: int, device: torch.device) -> torch.Tensor:
         """(1, height * width, dim) position embedding for a grid of patches."""
         if self.pos_embed is None:
-            key = (height, width, device)
-            if key not in self._tables:
-                self._tables[key] = sincos_2d_table(
-                    self.dim, height, width, self.base_size, device
-                ).unsqueeze(0)
-            return self._tables[key]
+            return self._tables.get_or_build(
+                (height, width),
+                device,
+                lambda: sincos_2d_table(self.dim, height, width, self.base_size, device).unsqueeze(0),
+            )
         m = self.pos_embed_max_size
         if height > m or width > m:
             raise ValueError(

@@ -75,6 +75,7 @@ from diffserve.layers.feedforward import FeedForward
 from diffserve.layers.mlp import gelu_in_place
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding, multi_axis_rope_tables
+from diffserve.layers.shape_cache import BoundedCache
 from diffserve.models.config_keys import config_from_diffusers
 from diffserve.models.step_cache import BatchStepCache, take_rows
 from diffserve.platforms import Platform
@@ -414,7 +415,7 @@ class WanTransformer3DModel(nn.Module):
         inner, patch_size, eps = config.inner_dim, config.patch_size, config.eps
         self.inner_dim = inner
         self.rope_axes_dims = wan_rope_axes_dims(config.attention_head_dim)
-        self._rope_cache: dict[tuple[int, int, int, torch.device], RopeTables] = {}
+        self._rope_cache: BoundedCache[RopeTables] = BoundedCache(ROPE_CACHE_SIZE)
 
         self.patch_embedding = nn.Conv3d(config.in_channels, inner, kernel_size=patch_size, stride=patch_size)
         self.condition_embedder = WanConditionEmbedding(
@@ -477,22 +478,18 @@ class WanTransformer3DModel(nn.Module):
         Tokens are in (frame, row, column) row-major order, the order of the flattened patch embedding.
         Cached per grid and device: every step of a request, and every same-size request, reuses them.
         """
-        key = (frames, height, width, torch.device(device))
-        cached = self._rope_cache.get(key)
-        if cached is not None:
-            return cached
-        if max(frames, height, width) > self.config.rope_max_seq_len:
-            raise ValueError(
-                f"latent grid {(frames, height, width)} (after patching) exceeds rope_max_seq_len "
-                f"({self.config.rope_max_seq_len}) along one axis"
-            )
-        axes = [torch.arange(n, device=device) for n in (frames, height, width)]
-        ids = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
-        tables = multi_axis_rope_tables(ids, self.rope_axes_dims, ROPE_THETA)
-        if len(self._rope_cache) >= ROPE_CACHE_SIZE:
-            self._rope_cache.pop(next(iter(self._rope_cache)))  # oldest entry
-        self._rope_cache[key] = tables
-        return tables
+
+        def build() -> RopeTables:
+            if max(frames, height, width) > self.config.rope_max_seq_len:
+                raise ValueError(
+                    f"latent grid {(frames, height, width)} (after patching) exceeds rope_max_seq_len "
+                    f"({self.config.rope_max_seq_len}) along one axis"
+                )
+            axes = [torch.arange(n, device=device) for n in (frames, height, width)]
+            ids = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
+            return multi_axis_rope_tables(ids, self.rope_axes_dims, ROPE_THETA)
+
+        return self._rope_cache.get_or_build((frames, height, width), device, build)
 
     def embed_context(
         self, encoder_hidden_states: torch.Tensor, encoder_hidden_states_image: torch.Tensor | None = None

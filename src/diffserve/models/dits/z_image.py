@@ -81,6 +81,7 @@ from diffserve.distributed.tensor_parallel import (
 )
 from diffserve.layers.embeddings import timestep_sinusoids
 from diffserve.layers.norms import LayerNorm, RMSNorm
+from diffserve.layers.shape_cache import BoundedCache
 from diffserve.models.config_keys import config_from_diffusers
 from diffserve.models.step_cache import BatchStepCache
 
@@ -92,7 +93,7 @@ TIMESTEP_FREQ_DIM = 256
 TIMESTEP_MLP_DIM = 1024
 QK_NORM_EPS = 1e-5  # fixed in Diffusers, independent of `norm_eps`
 FINAL_NORM_EPS = 1e-6
-#: Layouts (gather indices, masks, RoPE tables) kept per distinct batch shape.
+#: Layouts (gather indices, masks, RoPE tables) kept per distinct batch shape (least recently used evicted).
 LAYOUT_CACHE_SIZE = 32
 
 
@@ -516,9 +517,9 @@ class ZImageTransformer2DModel(nn.Module):
         self.layers = nn.ModuleList(
             [ZImageTransformerBlock(dim, n_heads, norm_eps, qk_norm, True) for _ in range(config.n_layers)]
         )
-        self._rope_tables: dict[torch.device, list[torch.Tensor]] = {}
-        self._layouts: dict[tuple, _Layout] = {}
-        self._caption_layouts: dict[tuple, _CaptionLayout] = {}
+        self._rope_tables: BoundedCache[list[torch.Tensor]] = BoundedCache()  # one entry per device
+        self._layouts: BoundedCache[_Layout] = BoundedCache(LAYOUT_CACHE_SIZE)
+        self._caption_layouts: BoundedCache[_CaptionLayout] = BoundedCache(LAYOUT_CACHE_SIZE)
 
     @property
     def hidden_width(self) -> int:
@@ -566,11 +567,13 @@ class ZImageTransformer2DModel(nn.Module):
                     f"RoPE position {top} on axis {axis} exceeds axes_lens[{axis}] = {length}: "
                     "the caption is too long or the image too large for this model"
                 )
-        if device not in self._rope_tables:
-            self._rope_tables[device] = rope_axis_tables(
+        tables = self._rope_tables.get_or_build(
+            (),
+            device,
+            lambda: rope_axis_tables(
                 self.config.axes_dims, self.config.axes_lens, self.config.rope_theta, device
-            )
-        tables = self._rope_tables[device]
+            ),
+        )
         ids = ids.to(device)
         return torch.cat([tables[a][ids[:, a]] for a in range(len(tables))], dim=-1)
 
@@ -583,14 +586,11 @@ class ZImageTransformer2DModel(nn.Module):
         device: torch.device,
     ) -> _Layout:
         """Gather indices, attention masks and RoPE tables for a batch shape (cached; cheap to call)."""
-        key = (tuple(sizes), tuple(caption_lengths), patch_size, f_patch_size, device)
-        layout = self._layouts.get(key)
-        if layout is None:
-            if len(self._layouts) >= LAYOUT_CACHE_SIZE:
-                self._layouts.pop(next(iter(self._layouts)))
-            layout = self._build_layout(sizes, caption_lengths, patch_size, f_patch_size, device)
-            self._layouts[key] = layout
-        return layout
+        return self._layouts.get_or_build(
+            (tuple(sizes), tuple(caption_lengths), patch_size, f_patch_size),
+            device,
+            lambda: self._build_layout(sizes, caption_lengths, patch_size, f_patch_size, device),
+        )
 
     def _build_layout(
         self,
@@ -683,21 +683,18 @@ class ZImageTransformer2DModel(nn.Module):
 
     def caption_layout(self, lengths: Sequence[int], device: torch.device) -> _CaptionLayout:
         """Gather index, RoPE tables and mask of a batch of captions alone (cached per lengths; cheap to call)."""
-        key = (tuple(lengths), device)
-        layout = self._caption_layouts.get(key)
-        if layout is None:
-            if len(self._caption_layouts) >= LAYOUT_CACHE_SIZE:
-                self._caption_layouts.pop(next(iter(self._caption_layouts)))
+
+        def build() -> _CaptionLayout:
             padded = tuple(_round_up(n, SEQ_MULTI_OF) for n in lengths)
             longest = max(padded)
-            layout = _CaptionLayout(
+            return _CaptionLayout(
                 padded=padded,
                 index=_padded_index(lengths, padded, longest).to(device),
                 cis=_pad_rows([self._rope(_caption_position_ids(n), device) for n in padded], longest, 0),
                 mask=_key_mask(padded, device),
             )
-            self._caption_layouts[key] = layout
-        return layout
+
+        return self._caption_layouts.get_or_build(tuple(lengths), device, build)
 
     def forward(
         self,

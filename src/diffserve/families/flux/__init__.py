@@ -1,0 +1,1 @@
+"""The flux family package: see `record.py` for what it serves."""

@@ -1,0 +1,68 @@
+"""FLUX.1 Fill (Diffusers `FluxFillPipeline`): inpainting and outpainting from an input image and a mask.
+
+Its DiT reads, with every noisy image token, the masked input image's latents and the mask's pixels as
+extra channels (`families/flux/fill_preparation.py`); the rest is FLUX.1's: text encoders, schedule
+(truncated by `strength`, 1.0 by default, as in Diffusers) and embedded guidance (30 by default). Unlike
+`FluxInpaintPipeline` it does not blend the input image back after each step: the DiT itself keeps it.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from diffserve.configs.sampling_params import SamplingParams
+from diffserve.configs.step_cache_policy import StepCachePolicy
+from diffserve.families.flux.config import FluxFillPipelineConfig, flux_fill_default_sampling_params
+from diffserve.families.flux.fill_preparation import FluxFillPreparationStage
+from diffserve.families.flux.pipeline import FluxDenoiser, FluxPipeline
+from diffserve.pipelines.base import PipelineContext
+from diffserve.pipelines.cfg_batch import BranchBatch
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+from diffserve.stages.image_to_image import ImageToImageNoisingStage
+from diffserve.stages.input_validation import ImageInputRule
+
+
+class FluxFillDenoiser(FluxDenoiser):
+    """One step over Fill requests: each branch's noisy tokens widened by its request's condition channels."""
+
+    def image_tokens(self, batch: BranchBatch, reqs: list[Req]) -> torch.Tensor:
+        conditions = [r.channel_condition for r in reqs for _ in range(2 if r.do_cfg else 1)]
+        return torch.cat([torch.cat([x, c], dim=2) for x, c in zip(batch.latents, conditions, strict=True)])
+
+
+class FluxFillPipeline(FluxPipeline):
+    """Fills the masked area of one input image (both required; the mask as `diffserve.masks` reads it)."""
+
+    config = FluxFillPipelineConfig()
+    denoiser_cls = FluxFillDenoiser
+    #: Exact path only until the step cache is calibrated on a Fill checkpoint.
+    step_cache_policies: ClassVar[dict[str, StepCachePolicy]] = {}
+
+    def image_input_rule(self) -> ImageInputRule:
+        return ImageInputRule(
+            pipeline_name="FluxFillPipeline",
+            task="image-edit",
+            min_images=1,
+            max_images=1,
+            inpainting=True,
+            default_strength=self.config.default_strength,
+            mask_required=True,
+        )
+
+    def default_sampling_params(self) -> SamplingParams:
+        return flux_fill_default_sampling_params()
+
+    def preparation_stages(self, context: PipelineContext) -> list[Stage]:
+        """Diffusers' draw order: the input image's latents, the initial noise, then the masked image's."""
+        return [
+            *super().preparation_stages(context),
+            FluxFillPreparationStage(
+                context.get("vae"), self.vae_scale_factor, context.platform.device(), context.dtype
+            ),
+        ]
+
+    def noising_stages(self, context: PipelineContext) -> list[Stage]:
+        return [ImageToImageNoisingStage()]

@@ -1,0 +1,108 @@
+"""FLUX.1 Kontext (Diffusers `FluxKontextPipeline`): FLUX.1 image editing from one input image.
+
+The input image is VAE-encoded once per request and its packed latents are appended to every row's
+noisy image tokens, with their own position ids (first axis 1); the DiT is FLUX.1's, unchanged. Only the
+prediction for the noisy tokens is kept. As in FLUX.1, guidance is the DiT's embedded guidance (3.5 by
+default) and true CFG runs only with `true_cfg_scale > 1` and a negative prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+
+from diffserve.configs.sampling_params import SamplingParams
+from diffserve.configs.step_cache_policy import StepCachePolicy
+from diffserve.families.flux.config import FluxKontextPipelineConfig
+from diffserve.families.flux.kontext_preparation import (
+    FluxKontextPreparationStage,
+    kontext_area_size,
+    kontext_condition_ids,
+)
+from diffserve.families.flux.pipeline import FluxDenoiser, FluxPipeline
+from diffserve.pipelines.base import PipelineContext
+from diffserve.pipelines.cfg_batch import BranchBatch
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+from diffserve.stages.input_validation import ImageInputRule
+
+
+class FluxKontextDenoiser(FluxDenoiser):
+    """One denoising step over Kontext requests that share the noisy grid and the input image's grid."""
+
+    def rope_for(self, req: Req):
+        """RoPE tables over [text; noisy tokens; input-image tokens], computed once per shape."""
+        (_, rows, cols) = req.condition_shapes[0]
+        key = (
+            req.text_ids.shape[0],
+            req.latent_height,
+            req.latent_width,
+            rows,
+            cols,
+            req.image_ids.device,
+            req.image_ids.dtype,
+        )
+        tables = self._rope_cache.get(key)
+        if tables is None:
+            ids = torch.cat(
+                [req.image_ids, kontext_condition_ids(rows, cols, req.image_ids.device, req.image_ids.dtype)]
+            )
+            tables = self.transformer.rope_tables(req.text_ids, ids)
+            self._rope_cache[key] = tables
+            if len(self._rope_cache) > self.max_cached_rope_shapes:
+                self._rope_cache.popitem(last=False)
+        else:
+            self._rope_cache.move_to_end(key)
+        return tables
+
+    def image_tokens(self, batch: BranchBatch, reqs: list[Req]) -> torch.Tensor:
+        """Each branch's noisy tokens followed by its request's input-image tokens."""
+        conditions = [r.condition_latents for r in reqs for _ in range(2 if r.do_cfg else 1)]
+        return torch.cat([torch.cat([x, c], dim=1) for x, c in zip(batch.latents, conditions, strict=True)])
+
+
+class FluxKontextPipeline(FluxPipeline):
+    """Edits one input image (required); see `FluxKontextPipelineConfig` for the output size."""
+
+    config = FluxKontextPipelineConfig()
+    denoiser_cls = FluxKontextDenoiser
+    #: Exact path only until the step cache is calibrated on a Kontext checkpoint (the input-image
+    #: tokens change what the cache's signal measures).
+    step_cache_policies: ClassVar[dict[str, StepCachePolicy]] = {}
+
+    def image_input_rule(self) -> ImageInputRule:
+        return ImageInputRule(
+            pipeline_name="FluxKontextPipeline", task="image-edit", min_images=1, max_images=1
+        )
+
+    def default_size(self, default_pixels: int) -> Callable[[SamplingParams], tuple[int, int]]:
+        size = kontext_area_size(default_pixels, default_pixels, self.config.max_area, self.pixel_multiple)
+        return lambda params: size
+
+    def preparation_stages(self, context: PipelineContext) -> list[Stage]:
+        """The input image's packed latents (its posterior's mode: no draw), then the initial noise."""
+        return [
+            FluxKontextPreparationStage(
+                context.get("vae"),
+                self.pixel_multiple,
+                self.config.preferred_resolutions,
+                self.config.auto_resize,
+                device=context.platform.device(),
+                dtype=context.dtype,
+            ),
+            self.latent_preparation_stage(context),
+        ]
+
+    def noising_stages(self, context: PipelineContext) -> list[Stage]:
+        """None: Kontext starts from pure noise and reads its input image as extra tokens."""
+        return []
+
+    def batch_key(self, req: Req) -> tuple:
+        """The base key plus both token grids: transposed grids have equal token counts but other ids."""
+        return (
+            *super().batch_key(req),
+            (req.latent_height, req.latent_width),
+            tuple(req.condition_shapes),
+        )

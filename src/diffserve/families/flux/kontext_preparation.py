@@ -1,0 +1,97 @@
+"""FLUX.1 Kontext's input image: its size rule (Diffusers' `_auto_resize`), and the stage that encodes it
+once per request into packed VAE latents, which the denoiser appends to the noisy image tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from PIL import Image
+from torch import nn
+
+from diffserve.request import Req
+from diffserve.stages.base import Stage, to_module
+from diffserve.stages.image_tensor import image_to_tensor
+from diffserve.stages.latent_preparation import latent_image_ids, pack_latents
+
+
+def kontext_condition_size(
+    image: Image.Image,
+    pixel_multiple: int,
+    preferred_resolutions: Sequence[tuple[int, int]],
+    auto_resize: bool,
+) -> tuple[int, int]:
+    """(width, height) the input image is encoded at, as Diffusers' FluxKontextPipeline picks it.
+
+    Its sides are first floored to `pixel_multiple`; with `auto_resize` the preferred (width, height)
+    whose aspect ratio is nearest that floored size's is taken (ties: the smaller width); the result is
+    floored to `pixel_multiple` again."""
+    width = image.width - image.width % pixel_multiple
+    height = image.height - image.height % pixel_multiple
+    if width == 0 or height == 0:
+        raise ValueError(f"input image {image.width}x{image.height} is smaller than {pixel_multiple} pixels")
+    if auto_resize:
+        aspect = width / height
+        _, width, height = min((abs(aspect - w / h), w, h) for w, h in preferred_resolutions)
+    return width // pixel_multiple * pixel_multiple, height // pixel_multiple * pixel_multiple
+
+
+def kontext_area_size(height: int, width: int, max_area: int, pixel_multiple: int) -> tuple[int, int]:
+    """(height, width) at the aspect ratio of `height` x `width` with about `max_area` pixels, floored to
+    `pixel_multiple` (Diffusers' output-size rule; diffserve applies it to the default size only)."""
+    aspect = width / height
+    fitted_width = round((max_area * aspect) ** 0.5)
+    fitted_height = round((max_area / aspect) ** 0.5)
+    return fitted_height // pixel_multiple * pixel_multiple, fitted_width // pixel_multiple * pixel_multiple
+
+
+def kontext_condition_ids(
+    grid_height: int, grid_width: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """(h*w, 3) RoPE ids of the input image's packed tokens: the noisy grid's ids with the first axis 1,
+    which tells the DiT these tokens are the reference image, not the image being made."""
+    ids = latent_image_ids(grid_height, grid_width, device, dtype)
+    ids[:, 0] = 1
+    return ids
+
+
+class FluxKontextPreparationStage(Stage):
+    """Resizes the request's input image (`kontext_condition_size`), VAE-encodes it (the posterior's
+    mode, so no noise is drawn) and packs it: `condition_latents` (batch, tokens, channels), one copy per
+    output, and `condition_shapes` [(1, rows, cols)], its packed grid."""
+
+    needs = ("generator",)
+    sets = ("condition_images", "condition_latents")
+
+    def __init__(
+        self,
+        vae: nn.Module,
+        pixel_multiple: int,
+        preferred_resolutions: Sequence[tuple[int, int]],
+        auto_resize: bool,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.vae = vae
+        self.pixel_multiple = pixel_multiple
+        self.preferred_resolutions = tuple(preferred_resolutions)
+        self.auto_resize = auto_resize
+        self.device = device
+        self.dtype = dtype
+        self.scaling_factor = float(vae.config["scaling_factor"])
+        self.shift_factor = float(vae.config.get("shift_factor") or 0.0)
+
+    @torch.inference_mode()
+    def forward(self, req: Req) -> Req:
+        (original,) = req.params.input_images
+        size = kontext_condition_size(
+            original, self.pixel_multiple, self.preferred_resolutions, self.auto_resize
+        )
+        image = original.resize(size, Image.Resampling.LANCZOS)
+        pixels = to_module(self.vae, image_to_tensor(image))
+        latents = (self.vae.encode(pixels).mode() - self.shift_factor) * self.scaling_factor
+        packed = pack_latents(latents).to(device=self.device, dtype=self.dtype)
+        req.condition_images = [image]
+        req.condition_latents = packed.repeat(req.batch_size, 1, 1)
+        req.condition_shapes = [(1, latents.shape[-2] // 2, latents.shape[-1] // 2)]
+        return req

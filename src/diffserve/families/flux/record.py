@@ -1,0 +1,107 @@
+"""The FLUX.1 family's records: text-to-image (`FluxPipeline`), Kontext editing and Fill inpainting, which
+share the FLUX.1 DiT and its loader facts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffserve.families.flux.config import (
+    FluxFillPipelineConfig,
+    FluxKontextPipelineConfig,
+    FluxPipelineConfig,
+    flux_default_sampling_params,
+    flux_fill_default_sampling_params,
+)
+from diffserve.families.flux.fill_pipeline import FluxFillPipeline
+from diffserve.families.flux.kontext_pipeline import FluxKontextPipeline
+from diffserve.families.flux.lora_formats import convert_flux_lora
+from diffserve.families.flux.pipeline import FluxPipeline
+from diffserve.families.flux.single_file_keys import flux_plan
+from diffserve.families.record import ModelFamily, TinyCheckpointOptions
+from diffserve.loader.dit_facts import DitFacts, LoraFacts, SingleFileKeys
+from diffserve.loader.native_classes import NativeClasses
+from diffserve.models.dits.flux import FluxTransformer2DModel
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
+
+# Each tiny builder imports its module when called: those import transformers model classes that loading
+# the registry (every engine start) does not need.
+
+
+def _tiny_flux(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+    from diffserve.families.flux.tiny import TinyFluxSpec, build_tiny_flux
+
+    return build_tiny_flux(out_dir, TinyFluxSpec(seed=options.seed, guidance_embeds=options.guidance_embeds))
+
+
+def _tiny_flux_kontext(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+    from diffserve.families.flux.tiny import TinyFluxSpec
+    from diffserve.families.flux.tiny_kontext import build_tiny_flux_kontext
+
+    return build_tiny_flux_kontext(
+        out_dir, TinyFluxSpec(seed=options.seed, guidance_embeds=options.guidance_embeds)
+    )
+
+
+def _tiny_flux_fill(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+    from diffserve.families.flux.tiny import TinyFluxSpec
+    from diffserve.families.flux.tiny_fill import build_tiny_flux_fill
+
+    return build_tiny_flux_fill(
+        out_dir, TinyFluxSpec(seed=options.seed, guidance_embeds=options.guidance_embeds)
+    )
+
+
+_CLASSES = NativeClasses.of(
+    models=(FluxTransformer2DModel, AutoencoderKL), schedulers=(FlowMatchEulerScheduler,)
+)
+_DIT_FACTS = DitFacts(
+    class_name=FluxTransformer2DModel.diffusers_class_name,
+    full_precision_modules=frozenset(
+        {"time_text_embed", "context_embedder", "x_embedder", "norm_out", "proj_out"}
+    ),
+    lora=LoraFacts(
+        components=("transformer", "text_encoder"), first_alpha_fill=True, community=convert_flux_lora
+    ),
+    single_file=SingleFileKeys(
+        "FLUX.1", flux_plan, gguf_arches=("flux",), markers=("double_blocks.", "single_transformer_blocks.")
+    ),
+)
+
+FAMILIES: tuple[ModelFamily, ...] = (
+    ModelFamily(
+        name="flux",
+        diffusers_pipeline="FluxPipeline",
+        pipeline_cls=FluxPipeline,
+        native_classes=_CLASSES,
+        pipeline_config=FluxPipelineConfig(),
+        default_sampling_params=flux_default_sampling_params,
+        task="text-to-image",
+        tiny_builder=_tiny_flux,
+        dit_facts=_DIT_FACTS,
+    ),
+    ModelFamily(
+        name="flux-kontext",
+        diffusers_pipeline="FluxKontextPipeline",
+        pipeline_cls=FluxKontextPipeline,
+        native_classes=_CLASSES,
+        pipeline_config=FluxKontextPipelineConfig(),
+        default_sampling_params=flux_default_sampling_params,
+        task="image-edit",
+        tiny_builder=_tiny_flux_kontext,
+        dit_facts=_DIT_FACTS,
+        aliases=("kontext", "flux_kontext"),
+    ),
+    ModelFamily(
+        name="flux-fill",
+        diffusers_pipeline="FluxFillPipeline",
+        pipeline_cls=FluxFillPipeline,
+        native_classes=_CLASSES,
+        pipeline_config=FluxFillPipelineConfig(),
+        default_sampling_params=flux_fill_default_sampling_params,
+        task="image-edit",
+        tiny_builder=_tiny_flux_fill,
+        dit_facts=_DIT_FACTS,
+        aliases=("flux_fill",),
+    ),
+)

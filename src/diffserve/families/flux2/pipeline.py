@@ -1,0 +1,251 @@
+"""FLUX.2 (Diffusers `Flux2Pipeline`, FLUX.2-dev) and FLUX.2 [klein] (`Flux2KleinPipeline`): text to image,
+optionally from reference images (multi-reference editing), and the batched denoising step.
+
+dev embeds its guidance scale in the DiT (one branch per output); klein runs real CFG against the empty
+prompt (or `negative_prompt`), both branches in ONE DiT forward where Diffusers runs two; a step-distilled
+klein runs without CFG. Reference-image tokens follow each row's noisy tokens and only the noisy tokens'
+prediction is kept. The text is always padded to `max_sequence_length`, so requests with equal lengths,
+grids and reference grids share a step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import ClassVar
+
+import torch
+from PIL import Image
+
+from diffserve.configs.sampling_params import SamplingParams
+from diffserve.configs.step_cache_policy import StepCachePolicy
+from diffserve.families.flux2.config import (
+    Flux2KleinPipelineConfig,
+    Flux2PipelineConfig,
+    flux2_default_sampling_params,
+    flux2_klein_default_sampling_params,
+    flux2_klein_distilled_sampling_params,
+)
+from diffserve.families.flux2.latent_preparation import (
+    Flux2DecodingStage,
+    Flux2LatentPreparationStage,
+    Flux2TimestepPreparationStage,
+)
+from diffserve.families.flux2.reference_images import (
+    Flux2ImageInputRule,
+    Flux2ReferenceImageStage,
+    reference_default_size,
+    reference_ids,
+)
+from diffserve.families.flux2.text_encoding import Flux2KleinTextEncodingStage, Flux2TextEncodingStage
+from diffserve.layers.lora_rows import request_lora_scope
+from diffserve.layers.rotary import RopeTables
+from diffserve.loader.folder_defaults import apply_overrides
+from diffserve.models.dits.flux2 import Flux2Transformer2DModel
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.pipelines.base import Pipeline, PipelineContext
+from diffserve.pipelines.cfg_batch import advance_requests, branch_texts, split_guided, step_cache_for
+from diffserve.request import Req
+from diffserve.runtime.contract import CfgMode
+from diffserve.stages.base import Stage
+from diffserve.stages.denoising import DenoisingStage
+from diffserve.stages.input_validation import InputValidationStage
+from diffserve.stages.previews import predicted_clean_latents
+
+
+class Flux2Denoiser:
+    """One denoising step over FLUX.2 requests (same text length, noisy grid and reference grids), each
+    at its own timestep, as one DiT batch: per request its positive row(s), then its negative row(s)
+    under CFG."""
+
+    #: RoPE tables kept per request shape; a handful of shapes covers a serving workload.
+    max_cached_rope_shapes = 16
+
+    def __init__(
+        self,
+        transformer: Flux2Transformer2DModel,
+        scheduler: FlowMatchEulerScheduler,
+        reference_time_offset: int,
+    ) -> None:
+        self.transformer = transformer
+        self.scheduler = scheduler
+        self.reference_time_offset = reference_time_offset
+        self._rope_cache: OrderedDict[tuple, RopeTables] = OrderedDict()
+
+    def rope_for(self, req: Req) -> RopeTables:
+        """RoPE tables over [text; noisy tokens; reference tokens], once per shape: the ids are a function
+        of the text length, the noisy grid and the reference grids."""
+        device = req.image_ids.device
+        key = (
+            req.text_ids.shape[0],
+            req.latent_height,
+            req.latent_width,
+            tuple(req.condition_shapes),
+            device,
+        )
+        tables = self._rope_cache.get(key)
+        if tables is None:
+            ids = torch.cat(
+                [req.image_ids, *reference_ids(req.condition_shapes, self.reference_time_offset, device)]
+            )
+            tables = self.transformer.rope_tables(req.text_ids, ids)
+            self._rope_cache[key] = tables
+            if len(self._rope_cache) > self.max_cached_rope_shapes:
+                self._rope_cache.popitem(last=False)
+        else:
+            self._rope_cache.move_to_end(key)
+        return tables
+
+    def context_for(self, req: Req) -> torch.Tensor:
+        """The request's text branches through the DiT's context embedder, once per request (the
+        (L x 3 * hidden) @ (3 * hidden x inner) matmul is the same at every step)."""
+        if req.dit_context is None:
+            with request_lora_scope(req.loras):
+                req.dit_context = self.transformer.embed_context(torch.cat(branch_texts(req)))
+        return req.dit_context
+
+    @torch.inference_mode()
+    def __call__(self, reqs: list[Req]) -> None:
+        tokens, timesteps, guidance = [], [], []
+        for req in reqs:
+            rows = req.latents
+            if req.condition_latents is not None:
+                rows = torch.cat([rows, req.condition_latents.to(rows.dtype)], dim=1)
+            t = req.timesteps[req.step_index].expand(req.batch_size)
+            for _ in branch_texts(req):
+                tokens.append(rows)
+                timesteps.append(t)
+                if req.guidance is not None:
+                    guidance.append(req.guidance)
+        first = reqs[0]
+        # Timesteps and guidance are already on the latents' device (timestep preparation put them there).
+        prediction = self.transformer(
+            torch.cat(tokens),
+            torch.cat(timesteps).to(first.latents.dtype) / 1000,
+            torch.cat(guidance) if guidance else None,
+            self.rope_for(first),
+            context=torch.cat([self.context_for(r) for r in reqs]),
+            step_cache=step_cache_for(reqs),
+        )
+        prediction = prediction[:, : first.latents.shape[1]]
+        advance_requests(self.scheduler, reqs, split_guided(prediction, reqs))
+
+
+class Flux2Pipeline(Pipeline):
+    """FLUX.2-dev: Mistral Small 3.1 prompt encoding, embedded guidance (`guidance_scale`), optional
+    reference images."""
+
+    required_components = ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
+    config: ClassVar[Flux2PipelineConfig] = Flux2PipelineConfig()
+    pipeline_name: ClassVar[str] = "Flux2Pipeline"
+    #: Exact path only: no step-cache tier has been calibrated on a FLUX.2 checkpoint.
+    step_cache_policies: ClassVar[dict[str, StepCachePolicy]] = {}
+
+    def cfg_mode(self, context: PipelineContext) -> CfgMode:
+        return "none"
+
+    def sampling_defaults(self, context: PipelineContext) -> SamplingParams:
+        return flux2_default_sampling_params()
+
+    def unsupported_params(self, context: PipelineContext) -> dict[str, str]:
+        why = "FLUX.2-dev is guidance-distilled: its guidance_scale is embedded in the DiT, no negative branch runs"
+        return {"true_cfg_scale": why, "negative_prompt": why}
+
+    def embeds_guidance(self, transformer: Flux2Transformer2DModel) -> bool:
+        """Whether the DiT gets the guidance scale (dev's DiT embeds it)."""
+        return bool(transformer.config.guidance_embeds)
+
+    def text_stage(self, context: PipelineContext) -> Stage:
+        return Flux2TextEncodingStage(
+            context.get("tokenizer"),
+            context.get("text_encoder"),
+            self.config.text_encoder_out_layers,
+            self.config.system_message,
+            context.dtype,
+        )
+
+    def build_stages(self, context: PipelineContext) -> list[Stage]:
+        transformer = context.get("transformer")
+        vae = context.get("vae")
+        scheduler = context.get("scheduler")
+        device, dtype = context.platform.device(), context.dtype
+        cfg = self.config
+        self.vae_scale_factor = 2 ** (len(vae.config["block_out_channels"]) - 1)
+        self.pixel_multiple = self.vae_scale_factor * cfg.latent_patch_size
+        default_pixels = cfg.default_sample_size * self.vae_scale_factor
+        multiple, area = self.pixel_multiple, cfg.reference_max_area
+        self.input_validation = InputValidationStage(
+            defaults=apply_overrides(self.sampling_defaults(context), context.folder_sampling_defaults),
+            pixel_multiple=multiple,
+            default_pixels=default_pixels,
+            max_sequence_length_limit=cfg.max_sequence_length_limit,
+            cfg_mode=self.cfg_mode(context),
+            image_inputs=Flux2ImageInputRule(
+                pipeline_name=self.pipeline_name,
+                max_images=cfg.max_input_images,
+                min_side=cfg.reference_min_side,
+                max_aspect_ratio=cfg.reference_max_aspect_ratio,
+            ),
+            unsupported_params=self.unsupported_params(context),
+            default_size=lambda params: reference_default_size(params, multiple, area, default_pixels),
+        )
+        self.denoiser = Flux2Denoiser(transformer, scheduler, cfg.reference_time_offset)
+        self.decoder = Flux2DecodingStage(vae)
+        return [
+            self.input_validation,
+            self.text_stage(context),
+            Flux2ReferenceImageStage(vae, multiple, area, device=device, dtype=dtype),
+            Flux2LatentPreparationStage(transformer.config.in_channels, self.vae_scale_factor, device, dtype),
+            Flux2TimestepPreparationStage(scheduler, guidance_embeds=self.embeds_guidance(transformer)),
+            DenoisingStage(self.denoiser),
+            self.decoder,
+        ]
+
+    def batch_key(self, req: Req) -> tuple:
+        """The base key plus the reference grids: equal token counts may come from other grids (ids)."""
+        return (*super().batch_key(req), tuple(req.condition_shapes))
+
+    def preview_images(self, req: Req) -> list[Image.Image]:
+        """The predicted clean latents of the last step, decoded at full size (FLUX.2's `bn`-normalised
+        latents do not fit the generic `DecodeLayout` previews)."""
+        return self.decoder.decode(predicted_clean_latents(req).to(req.latents.dtype), req)
+
+
+class Flux2KleinPipeline(Flux2Pipeline):
+    """FLUX.2 [klein]: Qwen3 prompt encoding, CFG against the empty prompt with `guidance_scale` > 1
+    (none for a step-distilled checkpoint), optional reference images."""
+
+    config: ClassVar[Flux2PipelineConfig] = Flux2KleinPipelineConfig()
+    pipeline_name: ClassVar[str] = "Flux2KleinPipeline"
+
+    @staticmethod
+    def is_distilled(context: PipelineContext) -> bool:
+        """model_index.json's `is_distilled` (Diffusers' pipeline config; absent means False)."""
+        return bool(context.pipeline_options.get("is_distilled", False))
+
+    def cfg_mode(self, context: PipelineContext) -> CfgMode:
+        return "none" if self.is_distilled(context) else "classic"
+
+    def sampling_defaults(self, context: PipelineContext) -> SamplingParams:
+        if self.is_distilled(context):
+            return flux2_klein_distilled_sampling_params()
+        return flux2_klein_default_sampling_params()
+
+    def unsupported_params(self, context: PipelineContext) -> dict[str, str]:
+        unsupported = {"true_cfg_scale": "FLUX.2 klein's CFG scale is guidance_scale (> 1 turns CFG on)"}
+        if self.is_distilled(context):
+            why = "this FLUX.2 klein checkpoint is step-distilled (model_index.json is_distilled) and runs without CFG"
+            unsupported.update(guidance_scale=why, negative_prompt=why)
+        return unsupported
+
+    def embeds_guidance(self, transformer: Flux2Transformer2DModel) -> bool:
+        """Never: Diffusers' klein pipeline passes no guidance to its DiT (its CFG is real)."""
+        return False
+
+    def text_stage(self, context: PipelineContext) -> Stage:
+        return Flux2KleinTextEncodingStage(
+            context.get("tokenizer"),
+            context.get("text_encoder"),
+            self.config.text_encoder_out_layers,
+            self.config.system_message,
+            context.dtype,
+        )

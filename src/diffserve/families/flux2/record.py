@@ -1,0 +1,66 @@
+"""The FLUX.2 family's records: FLUX.2 [dev] (`Flux2Pipeline`, Mistral-3 text) and FLUX.2 [klein]
+(`Flux2KleinPipeline`, Qwen3 text), both text-to-image with optional reference images."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffserve.families.flux2.config import (
+    Flux2KleinPipelineConfig,
+    Flux2PipelineConfig,
+    flux2_default_sampling_params,
+    flux2_klein_default_sampling_params,
+)
+from diffserve.families.flux2.pipeline import Flux2KleinPipeline, Flux2Pipeline
+from diffserve.families.record import ModelFamily, TinyCheckpointBuilder, TinyCheckpointOptions
+from diffserve.loader.dit_facts import DitFacts
+from diffserve.loader.native_classes import NativeClasses
+from diffserve.models.dits.flux2 import Flux2Transformer2DModel
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.models.vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2
+
+
+def _tiny_flux2(variant: str) -> TinyCheckpointBuilder:
+    """The builder of a FLUX.2-dev ("dev") or FLUX.2 [klein] ("klein") folder; it imports its module when
+    called (transformers model classes the registry does not need)."""
+
+    def build(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+        from diffserve.families.flux2.tiny import TinyFlux2Spec, build_tiny_flux2
+
+        return build_tiny_flux2(out_dir, TinyFlux2Spec(variant=variant, seed=options.seed))
+
+    return build
+
+
+_CLASSES = NativeClasses.of(
+    models=(Flux2Transformer2DModel, AutoencoderKLFlux2), schedulers=(FlowMatchEulerScheduler,)
+)
+#: No quantization, LoRA or single-file support yet: the loader refuses them naming the DiT.
+_DIT_FACTS = DitFacts(class_name=Flux2Transformer2DModel.diffusers_class_name)
+
+FAMILIES: tuple[ModelFamily, ...] = (
+    ModelFamily(
+        name="flux2",
+        diffusers_pipeline="Flux2Pipeline",
+        pipeline_cls=Flux2Pipeline,
+        native_classes=_CLASSES,
+        pipeline_config=Flux2PipelineConfig(),
+        default_sampling_params=flux2_default_sampling_params,
+        task="text-to-image",  # with optional reference images (multi-reference editing)
+        tiny_builder=_tiny_flux2("dev"),
+        dit_facts=_DIT_FACTS,
+        aliases=("flux2-dev", "flux.2"),
+    ),
+    ModelFamily(
+        name="flux2-klein",
+        diffusers_pipeline="Flux2KleinPipeline",
+        pipeline_cls=Flux2KleinPipeline,
+        native_classes=_CLASSES,
+        pipeline_config=Flux2KleinPipelineConfig(),
+        default_sampling_params=flux2_klein_default_sampling_params,
+        task="text-to-image",  # with optional reference images (multi-reference editing)
+        tiny_builder=_tiny_flux2("klein"),
+        dit_facts=_DIT_FACTS,
+        aliases=("flux2_klein", "klein"),
+    ),
+)

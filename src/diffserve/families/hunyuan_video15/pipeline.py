@@ -1,0 +1,287 @@
+"""HunyuanVideo 1.5 (Diffusers `HunyuanVideo15Pipeline`, `HunyuanVideo15ImageToVideoPipeline`): stages and the
+batched denoising step.
+
+Guidance follows the folder's `ClassifierFreeGuidance` guider (`models/guiders/`): its formula, rescale and
+default scale, with the request's `guidance_scale` over the default; the two branches of every request
+share one DiT forward, with the request's own negative prompt (empty by default, as Diffusers encodes
+None). The DiT reads the noisy latents with the condition latents and mask on channels (zeros for
+text-to-video, the input image's first frame for image-to-video), Qwen2.5-VL and ByT5 text states with
+their masks, and for image-to-video the image's SigLIP states. MeanFlow-distilled image-to-video DiTs
+(`use_meanflow`) also read the next step's timestep, as Diffusers' image-to-video pipeline passes it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from PIL import Image
+
+from diffserve.configs.sampling_params import SamplingParams
+from diffserve.errors import InvalidRequestError, ModelLoadError
+from diffserve.families.hunyuan_video15.conditioning import (
+    HunyuanVideo15EmptyConditionStage,
+    HunyuanVideo15ImageConditionStage,
+    HunyuanVideo15LatentPreparationStage,
+)
+from diffserve.families.hunyuan_video15.config import (
+    HunyuanVideo15PipelineConfig,
+    hunyuan_video15_default_sampling_params,
+)
+from diffserve.families.hunyuan_video15.decoding import HunyuanVideo15DecodingStage
+from diffserve.families.hunyuan_video15.sizes import closest_bucket, size_buckets
+from diffserve.families.hunyuan_video15.text_encoding import HunyuanVideo15TextEncodingStage
+from diffserve.loader.folder_defaults import apply_overrides
+from diffserve.models.dits.hunyuan_video15 import HunyuanVideo15Transformer3DModel
+from diffserve.models.guiders.classifier_free_guidance import ClassifierFreeGuidance
+from diffserve.pipelines.base import Pipeline, PipelineContext
+from diffserve.pipelines.cfg_batch import advance_requests, split_guided
+from diffserve.request import Req
+from diffserve.runtime.runner import CfgBranchView
+from diffserve.stages.base import Stage
+from diffserve.stages.denoising import DenoisingStage
+from diffserve.stages.input_validation import ImageInputRule, InputValidationStage, VideoRule
+from diffserve.stages.timestep_preparation import set_schedule
+
+
+class HunyuanVideo15InputValidationStage(InputValidationStage):
+    """Input validation whose CFG decision is the guider's: the negative branch runs unless the guider is
+    disabled or the scale is its neutral one (1, or 0 with the paper's formula), at any other scale."""
+
+    def __init__(self, guider: ClassifierFreeGuidance, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.guider = guider
+
+    def forward(self, req: Req) -> Req:
+        req = super().forward(req)
+        p = req.params
+        req.cfg_scale = float(p.guidance_scale)
+        req.do_cfg = self.guider.runs_cfg(req.cfg_scale)
+        if req.do_cfg and p.negative_prompt is None:
+            p.negative_prompt = ""  # what Diffusers encodes for a missing negative prompt
+        return req
+
+
+class HunyuanVideo15TimestepPreparationStage(Stage):
+    """Sigmas linspace(1, 0, steps + 1) without the final 0, shifted by the scheduler's `shift`."""
+
+    needs = ("latents",)
+    sets = ("sigmas", "timesteps", "host_sigmas")
+
+    def __init__(self, scheduler) -> None:
+        if scheduler.config["use_dynamic_shifting"]:
+            raise ModelLoadError(
+                "scheduler_config.json sets use_dynamic_shifting, but HunyuanVideo 1.5's pipelines pass no "
+                "resolution shift (Diffusers refuses such a folder too): set it to false"
+            )
+        self.scheduler = scheduler
+
+    def forward(self, req: Req) -> Req:
+        steps = req.params.num_inference_steps
+        base = np.linspace(1.0, 0.0, steps + 1)[:-1]
+        set_schedule(req, self.scheduler.schedule(steps, sigmas=base))
+        return req
+
+
+class HunyuanVideo15Denoiser:
+    """One step over a list of requests of one latent shape, each at its own timestep."""
+
+    def __init__(
+        self,
+        transformer: HunyuanVideo15Transformer3DModel,
+        scheduler,
+        guider: ClassifierFreeGuidance,
+        meanflow: bool,
+    ) -> None:
+        self.transformer = transformer
+        self.scheduler = scheduler
+        self.guider = guider
+        self.meanflow = meanflow
+        self.dtype = next(transformer.parameters()).dtype
+
+    def branch_inputs(self, req: Req) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(text states, mask, glyph states, mask) per branch in row order: the prompt's, then the negative's."""
+        branches = [
+            (req.prompt_embeds, req.prompt_embeds_mask, req.prompt_embeds_2, req.prompt_embeds_mask_2)
+        ]
+        if req.do_cfg:
+            branches.append(
+                (
+                    req.negative_prompt_embeds,
+                    req.negative_prompt_embeds_mask,
+                    req.negative_prompt_embeds_2,
+                    req.negative_prompt_embeds_mask_2,
+                )
+            )
+        return branches
+
+    def next_timesteps(self, req: Req) -> torch.Tensor:
+        """MeanFlow's second time: the next step's timestep, 0 after the last (as Diffusers' I2V pipeline)."""
+        if req.step_index + 1 < req.num_steps:
+            return req.timesteps[req.step_index + 1]
+        return torch.zeros((), device=req.timesteps.device, dtype=req.timesteps.dtype)
+
+    @torch.inference_mode()
+    def __call__(self, reqs: list[Req]) -> None:
+        latents, timesteps, timesteps_r, images = [], [], [], []
+        text, text_mask, glyph, glyph_mask = [], [], [], []
+        for req in reqs:
+            model_input = torch.cat([req.latents, req.condition_latents], dim=1).to(self.dtype)
+            t = req.timesteps[req.step_index].expand(req.batch_size).to(self.dtype)
+            for states, mask, states_2, mask_2 in self.branch_inputs(req):
+                latents.append(model_input)
+                timesteps.append(t)
+                if self.meanflow:
+                    timesteps_r.append(self.next_timesteps(req).expand(req.batch_size).to(self.dtype))
+                if req.image_embeds is not None:
+                    images.append(req.image_embeds)
+                text.append(states)
+                text_mask.append(mask)
+                glyph.append(states_2)
+                glyph_mask.append(mask_2)
+        if images and len(images) != len(latents):
+            raise ValueError("a HunyuanVideo 1.5 batch mixes requests with and without an input image")
+        prediction = self.transformer(
+            hidden_states=torch.cat(latents),
+            timestep=torch.cat(timesteps),
+            encoder_hidden_states=torch.cat(text),
+            encoder_attention_mask=torch.cat(text_mask),
+            timestep_r=torch.cat(timesteps_r) if timesteps_r else None,
+            encoder_hidden_states_2=torch.cat(glyph),
+            encoder_attention_mask_2=torch.cat(glyph_mask),
+            image_embeds=torch.cat(images) if images else None,
+        )
+        guided = split_guided(prediction, reqs, self.guider.guide)
+        for i, req in enumerate(reqs):
+            if not req.do_cfg and not isinstance(req, CfgBranchView):
+                guided[i] = self.guider.rescaled(guided[i], guided[i])  # as Diffusers without CFG
+        advance_requests(self.scheduler, reqs, guided)
+
+
+class HunyuanVideo15Pipeline(Pipeline):
+    required_components = (
+        "text_encoder",
+        "tokenizer",
+        "text_encoder_2",
+        "tokenizer_2",
+        "transformer",
+        "vae",
+        "scheduler",
+        "guider",
+    )
+    config = HunyuanVideo15PipelineConfig()
+    pipeline_name = "HunyuanVideo15Pipeline"
+
+    def build_stages(self, context: PipelineContext) -> list[Stage]:
+        transformer = context.get("transformer")
+        vae = context.get("vae")
+        scheduler = context.get("scheduler")
+        guider: ClassifierFreeGuidance = context.get("guider")
+        self.spatial = int(vae.spatial_compression_ratio)
+        self.temporal = int(vae.temporal_compression_ratio)
+        self.pixel_multiple = self.spatial * transformer.config.patch_size
+        self.buckets = size_buckets(
+            transformer.config.target_size, self.spatial, self.config.max_bucket_aspect_ratio
+        )
+        self.denoiser = HunyuanVideo15Denoiser(
+            transformer, scheduler, guider, self.uses_meanflow(transformer)
+        )
+        defaults = apply_overrides(
+            hunyuan_video15_default_sampling_params(), {"guidance_scale": guider.guidance_scale}
+        )
+        self.input_validation = HunyuanVideo15InputValidationStage(
+            guider,
+            defaults=apply_overrides(defaults, context.folder_sampling_defaults),
+            pixel_multiple=self.pixel_multiple,
+            default_pixels=self.buckets[0][0],
+            max_sequence_length_limit=None,
+            cfg_mode="classic",
+            image_inputs=self.image_input_rule(),
+            default_size=self.default_size,
+            unsupported_params={
+                "true_cfg_scale": "it runs classifier-free guidance set by guidance_scale (the folder's "
+                "guider gives the default)",
+                "max_sequence_length": f"its text is {self.config.text_tokens} Qwen2.5-VL tokens and "
+                f"{self.config.glyph_tokens} ByT5 bytes, fixed as in Diffusers",
+            },
+            video=VideoRule(temporal_factor=self.temporal),
+        )
+        return [
+            self.input_validation,
+            HunyuanVideo15TextEncodingStage(
+                context.get("tokenizer"),
+                context.get("text_encoder"),
+                context.get("tokenizer_2"),
+                context.get("text_encoder_2"),
+                self.config,
+                output_dtype=context.dtype,
+                device=context.platform.device(),
+            ),
+            HunyuanVideo15LatentPreparationStage(
+                channels=int(vae.config["latent_channels"]),
+                spatial=self.spatial,
+                temporal=self.temporal,
+                device=context.platform.device(),
+                dtype=self.denoiser.dtype,
+            ),
+            self.condition_stage(context),
+            HunyuanVideo15TimestepPreparationStage(scheduler),
+            DenoisingStage(self.denoiser),
+            HunyuanVideo15DecodingStage(vae),
+        ]
+
+    def uses_meanflow(self, transformer: HunyuanVideo15Transformer3DModel) -> bool:
+        """Diffusers' text-to-video pipeline never passes MeanFlow's second timestep."""
+        return False
+
+    def image_input_rule(self) -> ImageInputRule:
+        return ImageInputRule(pipeline_name=self.pipeline_name, task="text-to-video")
+
+    def default_size(self, params: SamplingParams) -> tuple[int, int]:
+        """The bucket of the default aspect ratio (16:9 landscape) at the DiT's target size."""
+        width, height = self.config.default_aspect_ratio
+        return closest_bucket(height, width, self.buckets)
+
+    def condition_stage(self, context: PipelineContext) -> Stage:
+        return HunyuanVideo15EmptyConditionStage()
+
+    def preview_images(self, req: Req) -> list[Image.Image]:
+        """The first frame of each output's predicted clean video (the decoding stage's own preview)."""
+        stage = self.decoding_stage
+        if not isinstance(stage, HunyuanVideo15DecodingStage):
+            raise TypeError(
+                f"{type(self).__name__} decodes through HunyuanVideo15DecodingStage, not {stage.name}"
+            )
+        return stage.preview_images(req)
+
+    def batch_key(self, req: Req) -> tuple:
+        """The base key plus the image tokens' shape (an input image's SigLIP states are batched)."""
+        images = None if req.image_embeds is None else tuple(req.image_embeds.shape[1:])
+        return (*super().batch_key(req), images)
+
+
+class HunyuanVideo15ImageToVideoPipeline(HunyuanVideo15Pipeline):
+    """Animates one input image. Without height/width the output takes the bucket closest to the image's
+    aspect ratio (Diffusers' only choice); either way the image is scaled and centre-cropped to it."""
+
+    required_components = (*HunyuanVideo15Pipeline.required_components, "image_encoder", "feature_extractor")
+    pipeline_name = "HunyuanVideo15ImageToVideoPipeline"
+
+    def uses_meanflow(self, transformer: HunyuanVideo15Transformer3DModel) -> bool:
+        return bool(transformer.config.use_meanflow)
+
+    def image_input_rule(self) -> ImageInputRule:
+        return ImageInputRule(pipeline_name=self.pipeline_name, min_images=1, max_images=1)
+
+    def default_size(self, params: SamplingParams) -> tuple[int, int]:
+        if not params.input_images:
+            raise InvalidRequestError(f"{self.pipeline_name} needs an input image", param="image")
+        image = params.input_images[0]
+        return closest_bucket(image.height, image.width, self.buckets)
+
+    def condition_stage(self, context: PipelineContext) -> Stage:
+        return HunyuanVideo15ImageConditionStage(
+            context.get("feature_extractor"),
+            context.get("image_encoder"),
+            context.get("vae"),
+            output_dtype=context.dtype,
+        )

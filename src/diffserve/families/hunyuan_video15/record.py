@@ -1,0 +1,71 @@
+"""The HunyuanVideo 1.5 family's records: text-to-video (`HunyuanVideo15Pipeline`) and image-to-video
+(`HunyuanVideo15ImageToVideoPipeline`), with its classifier-free-guidance guider component."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffserve.families.hunyuan_video15.config import (
+    HunyuanVideo15PipelineConfig,
+    hunyuan_video15_default_sampling_params,
+)
+from diffserve.families.hunyuan_video15.pipeline import (
+    HunyuanVideo15ImageToVideoPipeline,
+    HunyuanVideo15Pipeline,
+)
+from diffserve.families.record import ModelFamily, TinyCheckpointBuilder, TinyCheckpointOptions
+from diffserve.loader.dit_facts import DitFacts
+from diffserve.loader.native_classes import NativeClasses
+from diffserve.models.dits.hunyuan_video15 import HunyuanVideo15Transformer3DModel
+from diffserve.models.guiders.classifier_free_guidance import ClassifierFreeGuidance
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.models.vaes.autoencoder_kl_hunyuan_video15 import AutoencoderKLHunyuanVideo15
+
+
+def _tiny_hunyuan_video15(image_to_video: bool) -> TinyCheckpointBuilder:
+    """The builder of a HunyuanVideo 1.5 text-to-video or image-to-video folder (needs diffusers installed);
+    it imports its module when called."""
+
+    def build(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+        from diffserve.families.hunyuan_video15.tiny import TinyHunyuanVideo15Spec, build_tiny_hunyuan_video15
+
+        spec = TinyHunyuanVideo15Spec(image_to_video=image_to_video, seed=options.seed)
+        return build_tiny_hunyuan_video15(out_dir, spec)
+
+    return build
+
+
+_CLASSES = NativeClasses.of(
+    models=(HunyuanVideo15Transformer3DModel, AutoencoderKLHunyuanVideo15),
+    schedulers=(FlowMatchEulerScheduler,),
+    guiders=(ClassifierFreeGuidance,),
+)
+#: No quantization, LoRA or single-file support yet: the loader refuses them naming the DiT.
+_DIT_FACTS = DitFacts(class_name=HunyuanVideo15Transformer3DModel.diffusers_class_name)
+
+FAMILIES: tuple[ModelFamily, ...] = (
+    ModelFamily(
+        name="hunyuan-video15-t2v",
+        diffusers_pipeline="HunyuanVideo15Pipeline",
+        pipeline_cls=HunyuanVideo15Pipeline,
+        native_classes=_CLASSES,
+        pipeline_config=HunyuanVideo15PipelineConfig(),
+        default_sampling_params=hunyuan_video15_default_sampling_params,
+        task="text-to-video",
+        tiny_builder=_tiny_hunyuan_video15(image_to_video=False),
+        dit_facts=_DIT_FACTS,
+        aliases=("hunyuan-video15", "hunyuanvideo15-t2v"),
+    ),
+    ModelFamily(
+        name="hunyuan-video15-i2v",
+        diffusers_pipeline="HunyuanVideo15ImageToVideoPipeline",
+        pipeline_cls=HunyuanVideo15ImageToVideoPipeline,
+        native_classes=_CLASSES,
+        pipeline_config=HunyuanVideo15PipelineConfig(),
+        default_sampling_params=hunyuan_video15_default_sampling_params,
+        task="image-to-video",
+        tiny_builder=_tiny_hunyuan_video15(image_to_video=True),
+        dit_facts=_DIT_FACTS,
+        aliases=("hunyuanvideo15-i2v",),
+    ),
+)

@@ -1,0 +1,67 @@
+"""The LTX-2 family's records: text-to-video and image-to-video with a soundtrack (`LTX2Pipeline`,
+`LTX2ImageToVideoPipeline`): the joint audio-video DiT, its text connectors, both VAEs and the vocoder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffserve.families.ltx2.config import LTX2PipelineConfig, ltx2_default_sampling_params
+from diffserve.families.ltx2.pipeline import LTX2ImageToVideoPipeline, LTX2Pipeline
+from diffserve.families.record import ModelFamily, TinyCheckpointBuilder, TinyCheckpointOptions
+from diffserve.loader.dit_facts import DitFacts
+from diffserve.loader.native_classes import NativeClasses
+from diffserve.models.dits.ltx2 import LTX2VideoTransformer3DModel
+from diffserve.models.dits.ltx2_connectors import LTX2TextConnectors
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.models.vaes.autoencoder_kl_ltx2 import AutoencoderKLLTX2Video
+from diffserve.models.vaes.autoencoder_kl_ltx2_audio import AutoencoderKLLTX2Audio
+from diffserve.models.vaes.ltx2_vocoder import LTX2Vocoder, LTX2VocoderWithBWE
+
+
+def _tiny_ltx2(image_to_video: bool) -> TinyCheckpointBuilder:
+    """The builder of an LTX-2 text-to-video or image-to-video folder (needs diffusers installed); it
+    imports its module when called."""
+
+    def build(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+        from diffserve.families.ltx2.tiny import TinyLTX2Spec, build_tiny_ltx2
+
+        return build_tiny_ltx2(out_dir, TinyLTX2Spec(image_to_video=image_to_video, seed=options.seed))
+
+    return build
+
+
+_CLASSES = NativeClasses.of(
+    models=(
+        LTX2VideoTransformer3DModel, LTX2TextConnectors, AutoencoderKLLTX2Video, AutoencoderKLLTX2Audio,
+        LTX2Vocoder, LTX2VocoderWithBWE,
+    ),
+    schedulers=(FlowMatchEulerScheduler,),
+)  # fmt: skip
+#: No quantization, LoRA or single-file support yet: the loader refuses them naming the DiT.
+_DIT_FACTS = DitFacts(class_name=LTX2VideoTransformer3DModel.diffusers_class_name)
+
+FAMILIES: tuple[ModelFamily, ...] = (
+    ModelFamily(
+        name="ltx2-t2v",
+        diffusers_pipeline="LTX2Pipeline",
+        pipeline_cls=LTX2Pipeline,
+        native_classes=_CLASSES,
+        pipeline_config=LTX2PipelineConfig(),
+        default_sampling_params=ltx2_default_sampling_params,
+        task="text-to-video",  # with its soundtrack
+        tiny_builder=_tiny_ltx2(image_to_video=False),
+        dit_facts=_DIT_FACTS,
+        aliases=("ltx2", "ltx-2"),
+    ),
+    ModelFamily(
+        name="ltx2-i2v",
+        diffusers_pipeline="LTX2ImageToVideoPipeline",
+        pipeline_cls=LTX2ImageToVideoPipeline,
+        native_classes=_CLASSES,
+        pipeline_config=LTX2PipelineConfig(),
+        default_sampling_params=ltx2_default_sampling_params,
+        task="image-to-video",  # with its soundtrack
+        tiny_builder=_tiny_ltx2(image_to_video=True),
+        dit_facts=_DIT_FACTS,
+    ),
+)

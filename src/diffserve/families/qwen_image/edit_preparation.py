@@ -1,0 +1,67 @@
+"""Qwen-Image-Edit's "before denoising" stage: each input image resized to about `condition_image_area`
+pixels (as Diffusers), kept for the text encoder, and VAE-encoded into packed latents that the denoiser
+appends to the image tokens."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from PIL import Image
+from torch import nn
+
+from diffserve.configs.sampling_params import SamplingParams
+from diffserve.request import Req
+from diffserve.stages.base import Stage, to_module
+from diffserve.stages.image_tensor import image_to_tensor
+from diffserve.stages.latent_preparation import pack_latents
+from diffserve.stages.video_vae_decoding import normalize_latents
+
+
+def condition_size(image: Image.Image, area: int) -> tuple[int, int]:
+    """(width, height) with about `area` pixels at the image's aspect ratio, sides multiples of 32."""
+    ratio = image.width / image.height
+    width = math.sqrt(area * ratio)
+    height = width / ratio
+    return round(width / 32) * 32, round(height / 32) * 32
+
+
+def edit_output_size(params: SamplingParams, area: int, pixel_multiple: int) -> tuple[int, int]:
+    """Default (height, width) of an edit: the last input image's condition size, floored to the pixel multiple."""
+    width, height = condition_size(params.input_images[-1], area)
+    return height // pixel_multiple * pixel_multiple, width // pixel_multiple * pixel_multiple
+
+
+class QwenImageEditPreparationStage(Stage):
+    needs = ("generator",)
+    sets = ("condition_images", "condition_latents")
+
+    def __init__(
+        self, vae: nn.Module, condition_image_area: int, vision_image_area: int | None = None
+    ) -> None:
+        """`vision_image_area`: size of the copy the text encoder reads (Edit-Plus); None: the VAE's copy."""
+        self.vae = vae
+        self.condition_image_area = condition_image_area
+        self.vision_image_area = vision_image_area
+
+    @torch.inference_mode()
+    def forward(self, req: Req) -> Req:
+        resized, latents, shapes = [], [], []
+        for original in req.params.input_images:
+            image = original.resize(
+                condition_size(original, self.condition_image_area), Image.Resampling.LANCZOS
+            )
+            if self.vision_image_area is None:
+                resized.append(image)
+            else:
+                size = condition_size(original, self.vision_image_area)
+                resized.append(original.resize(size, Image.Resampling.LANCZOS))
+            pixels = to_module(self.vae, image_to_tensor(image).unsqueeze(2))
+            encoded = normalize_latents(self.vae, self.vae.encode(pixels).mode())[:, :, 0]
+            latents.append(pack_latents(encoded))
+            shapes.append((1, encoded.shape[-2] // 2, encoded.shape[-1] // 2))
+        n = req.batch_size
+        req.condition_images = resized
+        req.condition_latents = torch.cat(latents, dim=1).repeat(n, 1, 1)
+        req.condition_shapes = shapes
+        return req

@@ -1,0 +1,88 @@
+"""The Qwen-Image family's records: text-to-image, Edit and Edit-Plus (several input images), which share
+the Qwen-Image DiT and its loader facts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffserve.families.qwen_image.config import (
+    QwenImageEditPipelineConfig,
+    QwenImageEditPlusPipelineConfig,
+    QwenImagePipelineConfig,
+    qwen_image_default_sampling_params,
+)
+from diffserve.families.qwen_image.lora_rules import QWEN_IMAGE_RULES
+from diffserve.families.qwen_image.pipeline import (
+    QwenImageEditPipeline,
+    QwenImageEditPlusPipeline,
+    QwenImagePipeline,
+)
+from diffserve.families.record import ModelFamily, TinyCheckpointBuilder, TinyCheckpointOptions
+from diffserve.loader.dit_facts import DitFacts, LoraFacts, SingleFileKeys
+from diffserve.loader.native_classes import NativeClasses
+from diffserve.loader.single_file_keys import identity_keys_plan
+from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.models.vaes.autoencoder_kl_qwen_image import AutoencoderKLQwenImage
+
+
+def _tiny_qwen_image(variant: str) -> TinyCheckpointBuilder:
+    """The builder of one Qwen-Image folder kind ("t2i", "edit" or "edit_plus"); it imports its module when
+    called (transformers model classes the registry does not need)."""
+
+    def build(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+        from diffserve.families.qwen_image.tiny import TinyQwenImageSpec, build_tiny_qwen_image
+
+        return build_tiny_qwen_image(out_dir, TinyQwenImageSpec(variant=variant, seed=options.seed))
+
+    return build
+
+
+_CLASSES = NativeClasses.of(
+    models=(QwenImageTransformer2DModel, AutoencoderKLQwenImage), schedulers=(FlowMatchEulerScheduler,)
+)
+_DIT_FACTS = DitFacts(
+    class_name=QwenImageTransformer2DModel.diffusers_class_name,
+    full_precision_modules=frozenset({"time_text_embed", "img_in", "txt_in", "norm_out", "proj_out"}),
+    lora=LoraFacts(rules=tuple(QWEN_IMAGE_RULES)),
+    # Qwen-Image's original checkpoints already use Diffusers' names.
+    single_file=SingleFileKeys(
+        "Qwen-Image", identity_keys_plan, gguf_arches=("qwen_image",), markers=("img_mod.1.", "txt_norm.")
+    ),
+)
+
+FAMILIES: tuple[ModelFamily, ...] = (
+    ModelFamily(
+        name="qwen-image",
+        diffusers_pipeline="QwenImagePipeline",
+        pipeline_cls=QwenImagePipeline,
+        native_classes=_CLASSES,
+        pipeline_config=QwenImagePipelineConfig(),
+        default_sampling_params=qwen_image_default_sampling_params,
+        task="text-to-image",
+        tiny_builder=_tiny_qwen_image("t2i"),
+        dit_facts=_DIT_FACTS,
+    ),
+    ModelFamily(
+        name="qwen-image-edit",
+        diffusers_pipeline="QwenImageEditPipeline",
+        pipeline_cls=QwenImageEditPipeline,
+        native_classes=_CLASSES,
+        pipeline_config=QwenImageEditPipelineConfig(),
+        default_sampling_params=qwen_image_default_sampling_params,
+        task="image-edit",
+        tiny_builder=_tiny_qwen_image("edit"),
+        dit_facts=_DIT_FACTS,
+    ),
+    ModelFamily(
+        name="qwen-image-edit-plus",
+        diffusers_pipeline="QwenImageEditPlusPipeline",
+        pipeline_cls=QwenImageEditPlusPipeline,
+        native_classes=_CLASSES,
+        pipeline_config=QwenImageEditPlusPipelineConfig(),
+        default_sampling_params=qwen_image_default_sampling_params,
+        task="image-edit",
+        tiny_builder=_tiny_qwen_image("edit_plus"),
+        dit_facts=_DIT_FACTS,
+    ),
+)

@@ -1,0 +1,273 @@
+"""Builders of small random-weight Qwen-Image checkpoints in the Diffusers layouts.
+
+Three folder kinds share the same components and differ in `model_index.json`:
+
+* `QwenImagePipeline` (text to image): a Qwen2.5-VL text encoder whose last hidden state conditions
+  an MMDiT, a 16-channel causal-3D VAE (`AutoencoderKLQwenImage`, 8x spatial compression, latents
+  normalised per channel with `latents_mean`/`latents_std`), a byte-level Qwen tokenizer;
+* `QwenImageEditPipeline`: the same plus `processor` (`Qwen2VLProcessor`), because the edit pipeline
+  shows the input image to the vision-language encoder as well as VAE-encoding it into the DiT input;
+* `QwenImageEditPlusPipeline` (Qwen-Image-Edit-2509 style, several input images): same files as Edit.
+
+The text encoder is a full `Qwen2_5_VLForConditionalGeneration` (the pipelines load that class), with
+a tiny vision tower; the DiT's `joint_attention_dim` equals its text hidden size. The DiT and VAE
+weights are made with diffserve's native classes (see `random_native_module`).
+The scheduler config carries the values of the released Qwen-Image scheduler (exponential time
+shift, resolution-dependent `mu`, terminal shift), so timestep schedules match the real model's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLProcessor
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
+from diffserve.models.vaes.autoencoder_kl_qwen_image import AutoencoderKLQwenImage
+from diffserve.testing.qwen_tokenizers import build_qwen_tokenizer
+from diffserve.testing.tiny_writing import (
+    DIFFUSERS_FORMAT_VERSION,
+    VAE_16CH_LATENTS_MEAN,
+    VAE_16CH_LATENTS_STD,
+    diffusers_config,
+    random_native_module,
+    save_diffusers_model,
+)
+
+#: The released Qwen-Image scheduler_config.json values (Qwen-Image-Edit and -Edit-2509 ship the same).
+QWEN_IMAGE_SCHEDULER_CONFIG = {
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 0.9,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 8192,
+    "shift_terminal": 0.02,
+    "time_shift_type": "exponential",
+    "invert_sigmas": False,
+    "stochastic_sampling": False,
+    "use_karras_sigmas": False,
+    "use_exponential_sigmas": False,
+    "use_beta_sigmas": False,
+}
+
+PIPELINE_CLASSES = {
+    "t2i": "QwenImagePipeline",
+    "edit": "QwenImageEditPipeline",
+    "edit_plus": "QwenImageEditPlusPipeline",
+}
+
+
+@dataclass
+class TinyQwenImageSpec:
+    """Shape of a tiny Qwen-Image checkpoint. Defaults give a ~0.12M-parameter DiT.
+
+    `variant` picks the pipeline: "t2i", "edit" or "edit_plus". `image_max_pixels` caps the picture the
+    vision tower sees (the real processor allows 12.8M pixels; a small cap keeps the tower's sequence
+    to a few dozen patches whatever size the edit pipelines resize the input to).
+    """
+
+    variant: str = "t2i"
+    num_layers: int = 2
+    num_attention_heads: int = 2
+    attention_head_dim: int = 16
+    axes_dims_rope: tuple[int, int, int] = (4, 6, 6)
+    zero_cond_t: bool = False
+    vae_base_dim: int = 4
+    vae_dim_mult: tuple[int, ...] = (1, 2, 4, 4)
+    vae_num_res_blocks: int = 1
+    text_hidden_size: int = 32
+    text_layers: int = 2
+    text_heads: int = 2
+    text_kv_heads: int = 1
+    vision_hidden_size: int = 16
+    vision_depth: int = 2
+    image_max_pixels: int = 28 * 28 * 16
+    seed: int = 0
+
+
+def qwen_image_model_index(variant: str = "t2i") -> dict:
+    """The `model_index.json` of a Qwen-Image / -Edit / -Edit-Plus folder."""
+    index = {
+        "_class_name": PIPELINE_CLASSES[variant],
+        "_diffusers_version": DIFFUSERS_FORMAT_VERSION,
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
+        "tokenizer": ["transformers", "Qwen2Tokenizer"],
+        "transformer": ["diffusers", "QwenImageTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKLQwenImage"],
+    }
+    if variant != "t2i":
+        index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    return index
+
+
+def _text_encoder(spec: TinyQwenImageSpec, tokenizer) -> Qwen2_5_VLForConditionalGeneration:
+    head_dim = spec.text_hidden_size // spec.text_heads
+    half = head_dim // 2
+    # Multimodal rotary sections (temporal, height, width) over the half head dim, in the released
+    # model's 16:24:24 proportions.
+    mrope_section = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": spec.text_hidden_size,
+            "intermediate_size": spec.text_hidden_size * 2,
+            "num_hidden_layers": spec.text_layers,
+            "num_attention_heads": spec.text_heads,
+            "num_key_value_heads": spec.text_kv_heads,
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1000000.0,
+                "mrope_section": mrope_section,
+            },
+            "bos_token_id": ids("<|endoftext|>"),
+            "eos_token_id": ids("<|im_end|>"),
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={
+            "depth": spec.vision_depth,
+            "hidden_size": spec.vision_hidden_size,
+            "intermediate_size": spec.vision_hidden_size * 2,
+            "num_heads": 2,
+            "out_hidden_size": spec.text_hidden_size,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 112,
+            "fullatt_block_indexes": [spec.vision_depth - 1],
+        },
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        tie_word_embeddings=False,
+    )
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def write_qwen_vl_processor(directory: Path, tokenizer, max_pixels: int, min_pixels: int = 56 * 56) -> None:
+    """Write a `Qwen2VLProcessor` folder in the released checkpoints' layout, without needing torchvision.
+
+    Constructing a `Qwen2VLProcessor` needs its video processor, which transformers only provides with
+    torchvision installed; the files are written directly instead (tokenizer files, the image
+    processor's `preprocessor_config.json`, a `video_preprocessor_config.json`), as the released
+    Qwen-Image-Edit `processor/` folder has them.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(directory)
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
+    image_processor.save_pretrained(directory)
+    config_path = directory / "preprocessor_config.json"
+    config = json.loads(config_path.read_text())
+    config.update({"processor_class": "Qwen2VLProcessor", "min_pixels": min_pixels, "max_pixels": max_pixels})
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    video = {
+        k: config[k]
+        for k in (
+            "do_convert_rgb",
+            "do_normalize",
+            "do_rescale",
+            "do_resize",
+            "image_mean",
+            "image_std",
+            "merge_size",
+            "patch_size",
+            "resample",
+            "rescale_factor",
+            "size",
+            "temporal_patch_size",
+            "min_pixels",
+            "max_pixels",
+        )
+    }
+    video.update({"video_processor_type": "Qwen2VLVideoProcessor", "processor_class": "Qwen2VLProcessor"})
+    (directory / "video_preprocessor_config.json").write_text(
+        json.dumps(video, indent=2, sort_keys=True) + "\n"
+    )
+
+
+def load_qwen_vl_processor(directory: str | Path) -> Qwen2VLProcessor:
+    """Load a processor folder image-only, as diffserve's loader does (no torchvision needed); pass it
+    as `processor=` to Diffusers' `QwenImageEdit*Pipeline.from_pretrained`, which would otherwise
+    try to build the video half too."""
+    from diffserve.loader.processors import load_image_text_processor
+
+    return load_image_text_processor("Qwen2VLProcessor", directory)
+
+
+def build_tiny_qwen_image(out_dir: str | Path, spec: TinyQwenImageSpec | None = None) -> Path:
+    """Write a random-weight Qwen-Image folder (`spec.variant` picks t2i / edit / edit_plus); return its path."""
+    spec = spec or TinyQwenImageSpec()
+    if spec.variant not in PIPELINE_CLASSES:
+        raise ValueError(
+            f"unknown Qwen-Image variant {spec.variant!r}; expected one of {sorted(PIPELINE_CLASSES)}"
+        )
+    root = Path(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(spec.seed)
+
+    tokenizer = build_qwen_tokenizer()
+    _text_encoder(spec, tokenizer).save_pretrained(root / "text_encoder")
+    tokenizer.save_pretrained(root / "tokenizer")
+    if spec.variant != "t2i":
+        write_qwen_vl_processor(root / "processor", tokenizer, max_pixels=spec.image_max_pixels)
+
+    latent_channels = 16
+    dit_config = {
+        "patch_size": 2,
+        "in_channels": latent_channels * 4,
+        "out_channels": latent_channels,
+        "num_layers": spec.num_layers,
+        "attention_head_dim": spec.attention_head_dim,
+        "num_attention_heads": spec.num_attention_heads,
+        "joint_attention_dim": spec.text_hidden_size,
+        "guidance_embeds": False,
+        "axes_dims_rope": list(spec.axes_dims_rope),
+        "zero_cond_t": spec.zero_cond_t,
+        "use_additional_t_cond": False,
+        "use_layer3d_rope": False,
+    }
+    dit = random_native_module(QwenImageTransformer2DModel, dit_config, spec.seed + 10, weight_noise=0.2)
+    save_diffusers_model(dit, root / "transformer", "QwenImageTransformer2DModel", dit_config)
+
+    vae_config = {
+        "base_dim": spec.vae_base_dim,
+        "z_dim": latent_channels,
+        "dim_mult": list(spec.vae_dim_mult),
+        "num_res_blocks": spec.vae_num_res_blocks,
+        "attn_scales": [],
+        "temperal_downsample": [False] + [True] * (len(spec.vae_dim_mult) - 2),
+        "dropout": 0.0,
+        "input_channels": 3,
+        "latents_mean": list(VAE_16CH_LATENTS_MEAN),
+        "latents_std": list(VAE_16CH_LATENTS_STD),
+    }
+    vae = random_native_module(AutoencoderKLQwenImage, vae_config, spec.seed + 20)
+    save_diffusers_model(vae, root / "vae", "AutoencoderKLQwenImage", vae_config)
+
+    (root / "scheduler").mkdir(exist_ok=True)
+    (root / "scheduler" / "scheduler_config.json").write_text(
+        json.dumps(diffusers_config("FlowMatchEulerDiscreteScheduler", QWEN_IMAGE_SCHEDULER_CONFIG), indent=2)
+    )
+    (root / "model_index.json").write_text(json.dumps(qwen_image_model_index(spec.variant), indent=2))
+    (root / "diffserve_tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2))
+    return root
+
+
+def build_tiny_qwen_image_edit(out_dir: str | Path, spec: TinyQwenImageSpec | None = None) -> Path:
+    """A Qwen-Image-Edit folder: `build_tiny_qwen_image` with `variant="edit"`."""
+    return build_tiny_qwen_image(out_dir, replace(spec or TinyQwenImageSpec(), variant="edit"))
+
+
+def build_tiny_qwen_image_edit_plus(out_dir: str | Path, spec: TinyQwenImageSpec | None = None) -> Path:
+    """A Qwen-Image-Edit-Plus (2509-style, multi-image) folder: `variant="edit_plus"`."""
+    return build_tiny_qwen_image(out_dir, replace(spec or TinyQwenImageSpec(), variant="edit_plus"))

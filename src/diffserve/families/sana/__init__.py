@@ -1,0 +1,1 @@
+"""The sana family package: see `record.py` for what it serves."""

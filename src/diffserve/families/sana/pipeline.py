@@ -1,0 +1,261 @@
+"""SANA (Diffusers `SanaPipeline`): Gemma-2 text, a linear-attention DiT on DC-AE latents, classic CFG;
+and SANA-Sprint (`SanaSprintPipeline`): the same text and VAE, a guidance-embedding consistency DiT sampled
+by SCM in one to four steps.
+
+Every request's prompt and negative-prompt branches go through ONE DiT forward (Diffusers concatenates
+them too). Each text keeps only its real tokens (`families/sana/text_encoding.py`), so branches and
+requests may differ in text length: the denoiser embeds each branch once per request, right-pads the
+embedded texts to the longest in the batch and masks the padding, which the DiT's cross-attention then
+weighs exactly 0, as Diffusers weighs its own padding. Latents and the scheduler stay float32 whatever
+the DiT's dtype, as in Diffusers; sizes are snapped to SANA's aspect-ratio bins and the images resized
+back (`families/sana/resolution.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffserve.families.sana.config import (
+    SanaPipelineConfig,
+    SanaSprintPipelineConfig,
+    sana_default_sampling_params,
+    sana_sprint_default_sampling_params,
+)
+from diffserve.families.sana.resolution import (
+    ResolutionBinning,
+    SanaDecodingStage,
+    SanaLatentPreparationStage,
+    bins_for_sample_size,
+)
+from diffserve.families.sana.sprint import SCMTimestepPreparationStage
+from diffserve.families.sana.text_encoding import SanaTextEncodingStage
+from diffserve.layers.lora_rows import request_lora_scope
+from diffserve.loader.folder_defaults import apply_overrides
+from diffserve.models.dits.sana import SanaTransformer2DModel
+from diffserve.models.schedulers.dpm_solver_flow import DPMSolverFlowScheduler
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.models.schedulers.scm import SCMScheduler
+from diffserve.pipelines.base import Pipeline, PipelineContext
+from diffserve.pipelines.cfg_batch import (
+    advance_requests,
+    branch_texts,
+    gather_branches,
+    pad_text,
+    split_guided,
+)
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+from diffserve.stages.denoising import DenoisingStage
+from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
+from diffserve.stages.timestep_preparation import DefaultTimestepPreparationStage
+
+
+class SanaDenoiser:
+    """One step over a list of SANA requests (same latent grid), each at its own timestep."""
+
+    def __init__(
+        self,
+        transformer: SanaTransformer2DModel,
+        scheduler: DPMSolverFlowScheduler | FlowMatchEulerScheduler | SCMScheduler,
+        dtype: torch.dtype,
+    ) -> None:
+        self.transformer = transformer
+        self.scheduler = scheduler
+        self.dtype = dtype
+        config = transformer.config
+        self.timestep_scale = float(config.timestep_scale)
+        # A DiT predicting a learned variance too: Diffusers keeps the first half of its channels.
+        self.learned_sigma = int(config.out_channels) // 2 == int(config.in_channels)
+
+    def context_for(self, req: Req) -> list[torch.Tensor]:
+        """The request's text branches through the DiT's caption embedder, once per request (each branch
+        keeps its own length; the batch pads them)."""
+        if req.dit_context is None:
+            with request_lora_scope(req.loras):
+                req.dit_context = [self.transformer.embed_context(text) for text in branch_texts(req)]
+        return req.dit_context
+
+    @torch.inference_mode()
+    def __call__(self, reqs: list[Req]) -> None:
+        batch = gather_branches(reqs)
+        context, mask = pad_text([branch for req in reqs for branch in self.context_for(req)])
+        # float32 latents and timesteps, on the latents' device since timestep preparation.
+        prediction = self.transformer(
+            hidden_states=torch.cat(batch.latents).to(self.dtype),
+            encoder_hidden_states=None,
+            encoder_attention_mask=mask,
+            timestep=torch.cat(batch.timesteps) * self.timestep_scale,
+            context=context,
+        ).float()
+        if self.learned_sigma:
+            prediction = prediction.chunk(2, dim=1)[0]
+        advance_requests(self.scheduler, reqs, split_guided(prediction, reqs))
+
+
+class SanaSprintDenoiser(SanaDenoiser):
+    """One SCM step over a list of SANA-Sprint requests (no CFG: the guidance scale is embedded).
+
+    The DiT is a TrigFlow consistency model: it sees the sample scaled to unit variance and normalised
+    for the angle's mix of signal and noise, and its timestep is the angle t mapped to
+    sin(t) / (sin(t) + cos(t)); its output is turned back into TrigFlow's prediction (all as Diffusers).
+    """
+
+    def __init__(
+        self, transformer: SanaTransformer2DModel, scheduler: SCMScheduler, dtype: torch.dtype
+    ) -> None:
+        super().__init__(transformer, scheduler, dtype)
+        self.sigma_data = float(scheduler.config["sigma_data"])
+
+    @torch.inference_mode()
+    def __call__(self, reqs: list[Req]) -> None:
+        batch = gather_branches(reqs)
+        context, mask = pad_text([branch for req in reqs for branch in self.context_for(req)])
+        angle = torch.cat(batch.timesteps)
+        scm = torch.sin(angle) / (torch.cos(angle) + torch.sin(angle))
+        scm_map = scm.view(-1, 1, 1, 1)
+        model_input = torch.cat(batch.latents) / self.sigma_data * torch.sqrt(scm_map**2 + (1 - scm_map) ** 2)
+        output = self.transformer(
+            hidden_states=model_input.to(self.dtype),
+            encoder_hidden_states=None,
+            encoder_attention_mask=mask,
+            timestep=scm,
+            guidance=torch.cat([req.guidance for req in reqs]),
+            context=context,
+        )
+        prediction = (
+            (1 - 2 * scm_map) * model_input + (1 - 2 * scm_map + 2 * scm_map**2) * output
+        ) / torch.sqrt(scm_map**2 + (1 - scm_map) ** 2)
+        prediction = prediction.float() * self.sigma_data
+        advance_requests(self.scheduler, reqs, split_guided(prediction, reqs))
+
+
+class SanaPipeline(Pipeline):
+    required_components = ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
+    config = SanaPipelineConfig()
+    #: The SANA DiT takes no step cache: only "high", the exact path.
+    step_cache_policies = {}
+
+    def build_stages(self, context: PipelineContext) -> list[Stage]:
+        transformer = context.get("transformer")
+        vae = context.get("vae")
+        scheduler = context.get("scheduler")
+        dit = transformer.config
+        if dit.guidance_embeds:
+            raise ValueError(
+                "this SANA transformer embeds a guidance scale (a SANA-Sprint checkpoint); SanaPipeline "
+                "does not pass one: load it as a SanaSprintPipeline folder"
+            )
+        if scheduler.config["use_dynamic_shifting"]:
+            raise ValueError(
+                "SanaPipeline sets its schedule without a resolution shift (Diffusers passes no mu): a "
+                "scheduler with use_dynamic_shifting=True is not supported"
+            )
+        text_stage = self.text_stage(context)
+        self.input_validation = InputValidationStage(
+            defaults=apply_overrides(sana_default_sampling_params(), context.folder_sampling_defaults),
+            pixel_multiple=self.pixel_multiple,
+            default_pixels=self.config.default_size,
+            max_sequence_length_limit=self.sequence_limit(text_stage, context),
+            image_inputs=ImageInputRule(pipeline_name="SanaPipeline"),
+            unsupported_params={
+                "true_cfg_scale": "SANA runs classic CFG, set by guidance_scale (with negative_prompt)",
+            },
+            cfg_mode="classic",
+        )
+        bins = bins_for_sample_size(dit.sample_size) if self.config.use_resolution_binning else None
+        binning = ResolutionBinning(bins)
+        return [
+            self.input_validation,
+            text_stage,
+            self.latent_stage(context, binning),
+            DefaultTimestepPreparationStage(scheduler, patch_size=dit.patch_size),
+            DenoisingStage(SanaDenoiser(transformer, scheduler, context.dtype)),
+            SanaDecodingStage(vae, binning),
+        ]
+
+    def text_stage(self, context: PipelineContext) -> SanaTextEncodingStage:
+        """Gemma-2 with SANA's prompt handling; also sets the pixel granularity from the VAE and DiT."""
+        dit, vae = context.get("transformer").config, context.get("vae")
+        self.vae_scale_factor = int(vae.spatial_compression_ratio)
+        self.pixel_multiple = self.vae_scale_factor * dit.patch_size
+        return SanaTextEncodingStage(
+            context.get("tokenizer"),
+            context.get("text_encoder"),
+            self.config.complex_human_instruction,
+            output_dtype=context.dtype,
+        )
+
+    @staticmethod
+    def sequence_limit(text_stage: SanaTextEncodingStage, context: PipelineContext) -> int:
+        """The longest max_sequence_length whose instructed prompt still fits Gemma-2's positions."""
+        positions = int(context.get("text_encoder").config.max_position_embeddings)
+        return positions - text_stage.longest_sequence(0)
+
+    def latent_stage(
+        self, context: PipelineContext, binning: ResolutionBinning
+    ) -> SanaLatentPreparationStage:
+        return SanaLatentPreparationStage(
+            latent_channels=context.get("transformer").config.in_channels,
+            vae_scale_factor=self.vae_scale_factor,
+            device=context.platform.device(),
+            binning=binning,
+        )
+
+    def batch_key(self, req: Req) -> tuple:
+        """Text lengths may differ (the denoiser pads and masks); the latent grid must line up."""
+        return (tuple(req.latents.shape[1:]), (req.latent_height, req.latent_width))
+
+
+#: The one transformer sample_size Diffusers' SanaSprintPipeline bins sizes for (the 1024 px bins).
+SPRINT_BINNED_SAMPLE_SIZE = 32
+
+
+class SanaSprintPipeline(SanaPipeline):
+    """SANA-Sprint: no negative prompt and no CFG; `guidance_scale` is embedded in the DiT."""
+
+    config = SanaSprintPipelineConfig()
+
+    def build_stages(self, context: PipelineContext) -> list[Stage]:
+        transformer = context.get("transformer")
+        scheduler = context.get("scheduler")
+        dit = transformer.config
+        if not dit.guidance_embeds:
+            raise ValueError(
+                "SanaSprintPipeline needs a transformer that embeds the guidance scale (guidance_embeds=True); "
+                "this one does not (a SanaPipeline checkpoint?)"
+            )
+        if not isinstance(scheduler, SCMScheduler):
+            raise ValueError(f"SanaSprintPipeline samples with SCMScheduler, not {type(scheduler).__name__}")
+        if self.config.use_resolution_binning and dit.sample_size != SPRINT_BINNED_SAMPLE_SIZE:
+            raise ValueError(
+                f"SanaSprintPipeline bins sizes for a transformer sample_size of {SPRINT_BINNED_SAMPLE_SIZE} "
+                f"only (Diffusers refuses others), got {dit.sample_size}"
+            )
+        text_stage = self.text_stage(context)
+        self.input_validation = InputValidationStage(
+            defaults=apply_overrides(sana_sprint_default_sampling_params(), context.folder_sampling_defaults),
+            pixel_multiple=self.pixel_multiple,
+            default_pixels=self.config.default_size,
+            max_sequence_length_limit=self.sequence_limit(text_stage, context),
+            image_inputs=ImageInputRule(pipeline_name="SanaSprintPipeline"),
+            cfg_mode="none",
+            unsupported_params={
+                "true_cfg_scale": "SANA-Sprint embeds guidance_scale in the DiT and runs no CFG",
+                "negative_prompt": "SANA-Sprint embeds guidance_scale in the DiT and reads no negative prompt",
+            },
+        )
+        bins = bins_for_sample_size(dit.sample_size) if self.config.use_resolution_binning else None
+        binning = ResolutionBinning(bins)
+        return [
+            self.input_validation,
+            text_stage,
+            self.latent_stage(context, binning),
+            SCMTimestepPreparationStage(
+                scheduler,
+                max_timesteps=self.config.max_timesteps,
+                intermediate_timesteps=self.config.intermediate_timesteps,
+                guidance_embeds_scale=float(dit.guidance_embeds_scale),
+            ),
+            DenoisingStage(SanaSprintDenoiser(transformer, scheduler, context.dtype)),
+            SanaDecodingStage(context.get("vae"), binning, sigma_data=float(scheduler.config["sigma_data"])),
+        ]

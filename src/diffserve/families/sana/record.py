@@ -1,0 +1,72 @@
+"""The SANA family's records: `SanaPipeline` (flow DPM-Solver++) and SANA-Sprint (SCM, one to a few
+steps), which share the SANA linear-attention DiT and the DC-AE."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffserve.families.record import ModelFamily, TinyCheckpointOptions
+from diffserve.families.sana.config import (
+    SanaPipelineConfig,
+    SanaSprintPipelineConfig,
+    sana_default_sampling_params,
+    sana_sprint_default_sampling_params,
+)
+from diffserve.families.sana.pipeline import SanaPipeline, SanaSprintPipeline
+from diffserve.loader.dit_facts import DitFacts
+from diffserve.loader.native_classes import NativeClasses
+from diffserve.models.dits.sana import SanaTransformer2DModel
+from diffserve.models.schedulers.dpm_solver_flow import DPMSolverFlowScheduler
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.models.schedulers.scm import SCMScheduler
+from diffserve.models.vaes.autoencoder_dc import AutoencoderDC
+
+# The tiny builders import their module when called (transformers model classes the registry does not need).
+
+
+def _tiny_sana(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+    from diffserve.families.sana.tiny import TinySanaSpec, build_tiny_sana
+
+    return build_tiny_sana(out_dir, TinySanaSpec(seed=options.seed))
+
+
+def _tiny_sana_sprint(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+    from diffserve.families.sana.tiny import TinySanaSpec, build_tiny_sana
+
+    return build_tiny_sana(out_dir, TinySanaSpec(seed=options.seed, sprint=True, sample_size=32))
+
+
+#: No quantization, LoRA or single-file support yet: the loader refuses them naming the DiT.
+_DIT_FACTS = DitFacts(class_name=SanaTransformer2DModel.diffusers_class_name)
+
+FAMILIES: tuple[ModelFamily, ...] = (
+    ModelFamily(
+        name="sana",
+        diffusers_pipeline="SanaPipeline",
+        pipeline_cls=SanaPipeline,
+        native_classes=NativeClasses.of(
+            models=(SanaTransformer2DModel, AutoencoderDC),
+            # What SANA's folders ship (flow DPM-Solver++), and the flow-match Euler its converter also writes.
+            schedulers=(DPMSolverFlowScheduler, FlowMatchEulerScheduler),
+        ),
+        pipeline_config=SanaPipelineConfig(),
+        default_sampling_params=sana_default_sampling_params,
+        task="text-to-image",
+        tiny_builder=_tiny_sana,
+        dit_facts=_DIT_FACTS,
+    ),
+    ModelFamily(
+        name="sana-sprint",
+        diffusers_pipeline="SanaSprintPipeline",
+        pipeline_cls=SanaSprintPipeline,
+        native_classes=NativeClasses.of(
+            models=(SanaTransformer2DModel, AutoencoderDC), schedulers=(SCMScheduler,)
+        ),
+        pipeline_config=SanaSprintPipelineConfig(),
+        default_sampling_params=sana_sprint_default_sampling_params,
+        task="text-to-image",
+        tiny_builder=_tiny_sana_sprint,
+        dit_facts=_DIT_FACTS,
+        aliases=("sana_sprint",),
+    ),
+)

@@ -1,0 +1,1 @@
+"""The sd3 family package: see `record.py` for what it serves."""

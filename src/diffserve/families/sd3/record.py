@@ -1,0 +1,51 @@
+"""The Stable Diffusion 3 / 3.5 family's record (`StableDiffusion3Pipeline`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffserve.families.record import ModelFamily, TinyCheckpointOptions
+from diffserve.families.sd3.config import SD3PipelineConfig, sd3_default_sampling_params
+from diffserve.families.sd3.pipeline import SD3Pipeline
+from diffserve.families.sd3.single_file_keys import sd3_plan
+from diffserve.loader.dit_facts import DitFacts, LoraFacts, SingleFileKeys
+from diffserve.loader.native_classes import NativeClasses
+from diffserve.models.dits.sd3 import SD3Transformer2DModel
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
+
+
+def _tiny_sd3(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+    """SD3, or with `options.sd35` the SD3.5 layout (qk RMSNorm, dual attention in block 0). Imports its
+    module when called (transformers model classes the registry does not need)."""
+    from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
+
+    if options.sd35:
+        return build_tiny_sd3(
+            out_dir, TinySD3Spec(seed=options.seed, qk_norm="rms_norm", dual_attention_layers=(0,))
+        )
+    return build_tiny_sd3(out_dir, TinySD3Spec(seed=options.seed))
+
+
+FAMILIES: tuple[ModelFamily, ...] = (
+    ModelFamily(
+        name="sd3",
+        diffusers_pipeline="StableDiffusion3Pipeline",
+        pipeline_cls=SD3Pipeline,
+        native_classes=NativeClasses.of(
+            models=(SD3Transformer2DModel, AutoencoderKL), schedulers=(FlowMatchEulerScheduler,)
+        ),
+        pipeline_config=SD3PipelineConfig(),
+        default_sampling_params=sd3_default_sampling_params,
+        task="text-to-image",
+        tiny_builder=_tiny_sd3,
+        dit_facts=DitFacts(
+            class_name=SD3Transformer2DModel.diffusers_class_name,
+            full_precision_modules=frozenset({"time_text_embed", "context_embedder", "norm_out", "proj_out"}),
+            lora=LoraFacts(components=("transformer", "text_encoder", "text_encoder_2")),
+            single_file=SingleFileKeys(
+                "SD3", sd3_plan, gguf_arches=("sd3",), markers=("joint_blocks.", "pos_embed.pos_embed")
+            ),
+        ),
+    ),
+)

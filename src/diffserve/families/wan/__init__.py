@@ -1,0 +1,1 @@
+"""The wan family package: see `record.py` for what it serves."""

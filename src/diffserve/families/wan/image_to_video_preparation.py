@@ -1,0 +1,92 @@
+"""Wan image-to-video's "before denoising" stage: the input image's CLIP vision states (cross-attended;
+Wan 2.1 only, Wan 2.2 A14B has no image encoder), and a conditioning video concatenated to the latents
+on channels: a mask of the frames the image covers, then the image and black frames, VAE-encoded and
+normalised."""
+
+from __future__ import annotations
+
+import torch
+from PIL import Image
+from torch import nn
+
+from diffserve.configs.sampling_params import SamplingParams
+from diffserve.request import Req
+from diffserve.stages.base import Stage, to_module
+from diffserve.stages.image_tensor import image_to_tensor
+from diffserve.stages.video_vae_decoding import latent_stats
+
+
+def image_to_video_size(params: SamplingParams, area: int, multiple: int) -> tuple[int, int]:
+    """(height, width) at the input image's aspect ratio with about `area` pixels, sides floored to `multiple`."""
+    image = params.input_images[0]
+    aspect = image.height / image.width
+    height = round((area * aspect) ** 0.5) // multiple * multiple
+    width = round((area / aspect) ** 0.5) // multiple * multiple
+    return max(height, multiple), max(width, multiple)
+
+
+def resized_frame(image: Image.Image, height: int, width: int) -> torch.Tensor:
+    """The input image resized (Lanczos, as Diffusers' video processor) to one frame (1, 3, 1, H, W) in [-1, 1]."""
+    resized = image.resize((width, height), Image.Resampling.LANCZOS)
+    return image_to_tensor(resized).unsqueeze(2)
+
+
+def first_frame_mask(batch: int, num_frames: int, latent_frames: int, height: int, width: int, temporal: int):
+    """(batch, temporal, latent_frames, height, width): ones where a latent frame holds the input image."""
+    mask = torch.zeros(batch, 1, num_frames, height, width)
+    mask[:, :, 0] = 1
+    mask = torch.cat([mask[:, :, :1].repeat_interleave(temporal, dim=2), mask[:, :, 1:]], dim=2)
+    return mask.view(batch, latent_frames, temporal, height, width).transpose(1, 2)
+
+
+def encode_condition(vae: nn.Module, video: torch.Tensor) -> torch.Tensor:
+    """A pixel video (1, 3, T, H, W) in [-1, 1] -> its normalised VAE latents (posterior mode), float32."""
+    latents = vae.encode(to_module(vae, video)).mode().float()
+    mean, std = latent_stats(vae, latents.device, latents.dtype)
+    return (latents - mean) * (1.0 / std)  # as Diffusers: times the reciprocal, for identical rounding
+
+
+class WanImageToVideoPreparationStage(Stage):
+    """Sets `image_embeds` too, but only with an `image_encoder`: None (Wan 2.2 A14B, whose DiT has no
+    image cross-attention) leaves it unset."""
+
+    needs = ("generator",)
+    sets = ("condition_latents",)
+
+    def __init__(
+        self,
+        image_processor,
+        image_encoder: nn.Module | None,
+        vae: nn.Module,
+        spatial_factor: int,
+        temporal_factor: int,
+        output_dtype: torch.dtype,
+    ) -> None:
+        self.image_processor = image_processor
+        self.image_encoder = image_encoder
+        self.vae = vae
+        self.spatial_factor = spatial_factor
+        self.temporal_factor = temporal_factor
+        self.output_dtype = output_dtype
+
+    @torch.inference_mode()
+    def clip_states(self, image: Image.Image) -> torch.Tensor:
+        device = next(self.image_encoder.parameters()).device
+        inputs = self.image_processor(images=image, return_tensors="pt").to(device)
+        return self.image_encoder(**inputs, output_hidden_states=True).hidden_states[-2]
+
+    @torch.inference_mode()
+    def forward(self, req: Req) -> Req:
+        p = req.params
+        n = req.batch_size
+        image = p.input_images[0]
+        if self.image_encoder is not None:
+            req.image_embeds = self.clip_states(image).repeat(n, 1, 1).to(self.output_dtype)
+
+        frame0 = resized_frame(image, p.height, p.width)
+        video = torch.cat([frame0, frame0.new_zeros(1, 3, p.num_frames - 1, p.height, p.width)], dim=2)
+        latents = encode_condition(self.vae, video)
+        latent_frames, h, w = latents.shape[2:]
+        mask = first_frame_mask(1, p.num_frames, latent_frames, h, w, self.temporal_factor).to(latents)
+        req.condition_latents = torch.cat([mask, latents], dim=1).repeat(n, 1, 1, 1, 1)
+        return req

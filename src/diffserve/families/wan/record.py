@@ -1,0 +1,77 @@
+"""The Wan family's records (Wan 2.1 and 2.2): text-to-video (`WanPipeline`, also Wan 2.2 A14B's two
+experts and TI2V-5B) and image-to-video (`WanImageToVideoPipeline`), which share the Wan DiT's facts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffserve.families.record import ModelFamily, TinyCheckpointBuilder, TinyCheckpointOptions
+from diffserve.families.wan.config import WanPipelineConfig, wan_default_sampling_params
+from diffserve.families.wan.lora_rules import WAN_RULES
+from diffserve.families.wan.pipeline import WanImageToVideoPipeline, WanPipeline
+from diffserve.families.wan.single_file_keys import wan_plan
+from diffserve.loader.dit_facts import DitFacts, LoraFacts, SingleFileKeys
+from diffserve.loader.native_classes import NativeClasses
+from diffserve.models.dits.wan import WanTransformer3DModel
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.models.schedulers.unipc_flow import UniPCFlowScheduler
+from diffserve.models.vaes.autoencoder_kl_wan import AutoencoderKLWan
+
+
+def _tiny_wan(image_to_video: bool) -> TinyCheckpointBuilder:
+    """The builder of a Wan text-to-video or image-to-video folder (Wan 2.1, or `options.wan_variant`); it
+    imports its module when called (transformers model classes the registry does not need)."""
+
+    def build(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+        from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
+
+        spec = TinyWanSpec(
+            image_to_video=image_to_video,
+            scheduler=options.scheduler,
+            seed=options.seed,
+            variant=options.wan_variant,
+        )
+        return build_tiny_wan(out_dir, spec)
+
+    return build
+
+
+_CLASSES = NativeClasses.of(
+    models=(WanTransformer3DModel, AutoencoderKLWan), schedulers=(UniPCFlowScheduler, FlowMatchEulerScheduler)
+)
+_DIT_FACTS = DitFacts(
+    class_name=WanTransformer3DModel.diffusers_class_name,
+    full_precision_modules=frozenset({"condition_embedder", "proj_out"}),
+    lora=LoraFacts(rules=tuple(WAN_RULES)),
+    single_file=SingleFileKeys(
+        "Wan",
+        wan_plan,
+        gguf_arches=("wan",),
+        markers=("head.head.", "text_embedding.", "condition_embedder.", "patch_embedding."),
+    ),
+)
+
+FAMILIES: tuple[ModelFamily, ...] = (
+    ModelFamily(
+        name="wan-t2v",
+        diffusers_pipeline="WanPipeline",
+        pipeline_cls=WanPipeline,
+        native_classes=_CLASSES,
+        pipeline_config=WanPipelineConfig(),
+        default_sampling_params=wan_default_sampling_params,
+        task="text-to-video",
+        tiny_builder=_tiny_wan(image_to_video=False),
+        dit_facts=_DIT_FACTS,
+    ),
+    ModelFamily(
+        name="wan-i2v",
+        diffusers_pipeline="WanImageToVideoPipeline",
+        pipeline_cls=WanImageToVideoPipeline,
+        native_classes=_CLASSES,
+        pipeline_config=WanPipelineConfig(),
+        default_sampling_params=wan_default_sampling_params,
+        task="image-to-video",
+        tiny_builder=_tiny_wan(image_to_video=True),
+        dit_facts=_DIT_FACTS,
+    ),
+)

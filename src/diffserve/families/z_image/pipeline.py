@@ -1,0 +1,148 @@
+"""Z-Image (Diffusers `ZImagePipeline`): stages and the batched denoising step.
+
+The DiT takes per-sample lists (captions of different lengths, latents of different sizes) and pads
+and masks internally, so every request's positive and CFG-negative rows go through one forward, as
+Diffusers does for one request. Z-Image predicts the negated flow velocity at "time" 1 - sigma; the
+step negates it back before the shared Euler update.
+
+The same folder serves image-to-image and inpainting (Diffusers' `ZImageImg2ImgPipeline`, strength 0.6 by
+default, and `ZImageInpaintPipeline`, 1.0 with a mask). Diffusers encodes the input image at its own size
+(floored to the pixel multiple), which is diffserve's default output size for it; another size resizes it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffserve.configs.step_cache_policy import StepCachePolicy
+from diffserve.families.z_image.config import ZImagePipelineConfig, z_image_default_sampling_params
+from diffserve.families.z_image.stages import ZImageTextEncodingStage, ZImageTimestepPreparationStage
+from diffserve.layers.lora_rows import request_lora_scope
+from diffserve.loader.folder_defaults import apply_overrides
+from diffserve.models.dits.z_image import RefinedCaption, ZImageTransformer2DModel
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.pipelines.base import Pipeline, PipelineContext
+from diffserve.pipelines.cfg_batch import advance_requests, branch_texts, split_guided, step_cache_for
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+from diffserve.stages.decoding import DecodingStage
+from diffserve.stages.denoising import DenoisingStage
+from diffserve.stages.image_to_image import (
+    ImageToImageNoisingStage,
+    InputImageEncodingStage,
+    input_image_size,
+    spatial_latents,
+)
+from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
+from diffserve.stages.latent_preparation import SpatialLatentPreparationStage
+from diffserve.stages.mask_preparation import InpaintMaskStage
+
+
+def z_image_cfg(positive: torch.Tensor, negative: torch.Tensor, scale: float) -> torch.Tensor:
+    """Z-Image's guidance: `positive + scale * (positive - negative)`, in float32."""
+    positive, negative = positive.float(), negative.float()
+    return positive + scale * (positive - negative)
+
+
+class ZImageDenoiser:
+    def __init__(self, transformer: ZImageTransformer2DModel, scheduler: FlowMatchEulerScheduler) -> None:
+        self.transformer = transformer
+        self.scheduler = scheduler
+        self.dtype = next(transformer.parameters()).dtype
+
+    def context_for(self, req: Req) -> list[RefinedCaption]:
+        """The request's captions (every row of its text branches) through the DiT's caption embedder
+        and context refiner, once per request: neither depends on the step. On the benchmark checkpoint
+        that is about 5% of a step; on Z-Image-Turbo (2 refiner layers next to 30 main layers over a
+        longer sequence) well under 1%."""
+        if req.dit_context is None:
+            with request_lora_scope(req.loras):
+                req.dit_context = self.transformer.refine_captions(
+                    [row for text in branch_texts(req) for row in text.unbind(0)]
+                )
+        return req.dit_context
+
+    @torch.inference_mode()
+    def __call__(self, reqs: list[Req]) -> None:
+        # Rows in `cfg_batch` order (per request: positive rows, then negative ones), which is what
+        # `step_cache_for` and `split_guided` expect.
+        latents, captions, times = [], [], []
+        for req in reqs:
+            # The DiT's time runs from 0 (noise) to 1 (clean): 1 - t / 1000, prepared on the device.
+            t = req.dit_timesteps[req.step_index]
+            for _ in branch_texts(req):
+                latents.extend(req.latents.to(self.dtype).unsqueeze(2).unbind(0))
+                times.append(t.expand(req.batch_size))
+            captions.extend(self.context_for(req))
+        out = self.transformer(
+            latents, torch.cat(times), refined_captions=captions, step_cache=step_cache_for(reqs)
+        )
+        prediction = torch.stack([o.float() for o in out]).squeeze(2)
+        guided = split_guided(prediction, reqs, combine=z_image_cfg)
+        advance_requests(self.scheduler, reqs, [-p for p in guided])
+
+
+class ZImagePipeline(Pipeline):
+    required_components = ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
+    config = ZImagePipelineConfig()
+    #: Measured on the tiny random-weight test model (`build_tiny_zimage`, 20 steps, 64x64, CFG 5, six
+    #: prompts): 12 / 8 / 5 steps in full for medium / low / draft at 37.5 / 34.8 / 30.1 dB mean PSNR against
+    #: the exact output (worst prompt 36.2 / 33.3 / 27.6). Its signal moves ~0.05 a step, so
+    #: max_reuse_in_a_row binds for low and draft.
+    #: Real checkpoints move differently: `diffserve calibrate-cache` writes per-checkpoint thresholds over these.
+    step_cache_policies = {
+        "medium": StepCachePolicy(threshold=0.07, max_reuse_in_a_row=2),
+        "low": StepCachePolicy(threshold=0.15, max_reuse_in_a_row=3),
+        "draft": StepCachePolicy(threshold=0.6, max_reuse_in_a_row=5),
+    }
+
+    def build_stages(self, context: PipelineContext) -> list[Stage]:
+        transformer = context.get("transformer")
+        vae = context.get("vae")
+        scheduler = context.get("scheduler")
+        self.vae_scale_factor = 2 ** (len(vae.config["block_out_channels"]) - 1)
+        self.pixel_multiple = self.vae_scale_factor * 2
+        default = self.config.default_pixels
+        device = context.platform.device()
+        self.input_validation = InputValidationStage(
+            defaults=apply_overrides(z_image_default_sampling_params(), context.folder_sampling_defaults),
+            pixel_multiple=self.pixel_multiple,
+            default_pixels=default,
+            max_sequence_length_limit=self.config.max_sequence_length_limit,
+            image_inputs=ImageInputRule(
+                pipeline_name="ZImagePipeline",
+                max_images=1,
+                inpainting=True,
+                default_strength=self.config.default_strength,
+                default_inpaint_strength=self.config.default_inpaint_strength,
+            ),
+            default_size=lambda params: input_image_size(params, self.pixel_multiple, (default, default)),
+            unsupported_params={
+                "true_cfg_scale": "Z-Image's CFG is set by guidance_scale (> 0 turns it on, with negative_prompt)"
+            },
+            cfg_mode="positive_gap",
+        )
+        return [
+            self.input_validation,
+            ZImageTextEncodingStage(
+                context.get("tokenizer"), context.get("text_encoder"), output_dtype=context.dtype
+            ),
+            # Z-Image keeps its latents in float32 whatever the DiT's dtype, as Diffusers does. Image-to-image:
+            # the input image's latents are the generator's first draw.
+            InputImageEncodingStage(vae, spatial_latents, device=device, dtype=torch.float32),
+            SpatialLatentPreparationStage(
+                latent_channels=transformer.config.in_channels,
+                vae_scale_factor=self.vae_scale_factor,
+                device=device,
+                dtype=torch.float32,
+            ),
+            ZImageTimestepPreparationStage(scheduler),
+            ImageToImageNoisingStage(),
+            InpaintMaskStage(transformer.config.in_channels, spatial_latents),
+            DenoisingStage(ZImageDenoiser(transformer, scheduler)),
+            DecodingStage(vae, packed_latents=False),
+        ]
+
+    def batch_key(self, req: Req) -> tuple:
+        """The DiT pads captions itself; only the latent grid has to match (predictions are stacked)."""
+        return (tuple(req.latents.shape[1:]),)

@@ -1,0 +1,50 @@
+"""The Z-Image family's record (`ZImagePipeline`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffserve.families.record import ModelFamily, TinyCheckpointOptions
+from diffserve.families.z_image.config import ZImagePipelineConfig, z_image_default_sampling_params
+from diffserve.families.z_image.lora_rules import Z_IMAGE_RULES
+from diffserve.families.z_image.pipeline import ZImagePipeline
+from diffserve.families.z_image.single_file_keys import UNUSED, z_image_plan
+from diffserve.loader.dit_facts import DitFacts, LoraFacts, SingleFileKeys
+from diffserve.loader.native_classes import NativeClasses
+from diffserve.models.dits.z_image import ZImageTransformer2DModel
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
+
+
+def _tiny_z_image(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+    """Imports its module when called (transformers model classes the registry does not need)."""
+    from diffserve.families.z_image.tiny import TinyZImageSpec, build_tiny_zimage
+
+    return build_tiny_zimage(out_dir, TinyZImageSpec(seed=options.seed))
+
+
+FAMILIES: tuple[ModelFamily, ...] = (
+    ModelFamily(
+        name="z-image",
+        diffusers_pipeline="ZImagePipeline",
+        pipeline_cls=ZImagePipeline,
+        native_classes=NativeClasses.of(
+            models=(ZImageTransformer2DModel, AutoencoderKL), schedulers=(FlowMatchEulerScheduler,)
+        ),
+        pipeline_config=ZImagePipelineConfig(),
+        default_sampling_params=z_image_default_sampling_params,
+        task="text-to-image",
+        tiny_builder=_tiny_z_image,
+        dit_facts=DitFacts(
+            class_name=ZImageTransformer2DModel.diffusers_class_name,
+            full_precision_modules=frozenset(
+                {"all_x_embedder", "t_embedder", "cap_embedder", "all_final_layer"}
+            ),
+            lora=LoraFacts(rules=tuple(Z_IMAGE_RULES)),
+            single_file=SingleFileKeys(
+                "Z-Image", z_image_plan, UNUSED, ("lumina2",), markers=("noise_refiner.", "cap_embedder.")
+            ),
+        ),
+        aliases=("zimage", "z_image"),
+    ),
+)

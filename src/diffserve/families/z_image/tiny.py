@@ -1,0 +1,128 @@
+"""Builder of small random-weight Z-Image checkpoints in the Diffusers `ZImagePipeline` layout.
+
+Z-Image pairs a Qwen3 text encoder (its second-to-last hidden state, one unpadded sequence per prompt)
+with a single-stream DiT (`ZImageTransformer2DModel`: caption and noise refiner blocks, then joint
+blocks over the concatenated sequence padded to multiples of 32) and the 16-channel FLUX-style KL
+autoencoder. The prompt goes through the tokenizer's chat template, so the tokenizer carries one.
+
+The VAE is diffserve's native `AutoencoderKL` (state dict in Diffusers' names), the text encoder a
+transformers `Qwen3Model`; the DiT is diffserve's native class (see `random_native_module`). The scheduler config is the released Z-Image-Turbo one (static shift 3).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import Qwen3Config, Qwen3Model
+
+from diffserve.models.dits.z_image import ZImageTransformer2DModel
+from diffserve.testing.qwen_tokenizers import build_qwen_tokenizer
+from diffserve.testing.tiny_writing import (
+    DIFFUSERS_FORMAT_VERSION,
+    diffusers_config,
+    random_native_module,
+    save_diffusers_model,
+    write_autoencoder_kl,
+)
+
+#: The released Z-Image-Turbo scheduler_config.json values: a fixed shift of 3, no resolution dependence.
+ZIMAGE_SCHEDULER_CONFIG = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False}
+
+
+@dataclass
+class TinyZImageSpec:
+    """Shape of a tiny Z-Image checkpoint. Defaults give a ~0.4M-parameter DiT, most of it the
+    timestep MLP whose 1024-wide middle layer is fixed by the architecture."""
+
+    dim: int = 32
+    n_layers: int = 2
+    n_refiner_layers: int = 1
+    n_heads: int = 2
+    axes_dims: tuple[int, int, int] = (4, 6, 6)
+    axes_lens: tuple[int, int, int] = (1536, 512, 512)
+    latent_channels: int = 16
+    vae_block_out_channels: tuple[int, ...] = (16, 32, 32, 32)
+    vae_norm_num_groups: int = 8
+    text_hidden_size: int = 32
+    text_layers: int = 2
+    text_heads: int = 2
+    text_kv_heads: int = 1
+    seed: int = 0
+
+
+def zimage_model_index() -> dict:
+    """The `model_index.json` of a ZImagePipeline folder."""
+    return {
+        "_class_name": "ZImagePipeline",
+        "_diffusers_version": DIFFUSERS_FORMAT_VERSION,
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Qwen3Model"],
+        "tokenizer": ["transformers", "Qwen2Tokenizer"],
+        "transformer": ["diffusers", "ZImageTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+    }
+
+
+def build_tiny_zimage(out_dir: str | Path, spec: TinyZImageSpec | None = None) -> Path:
+    """Write a random-weight Z-Image folder to `out_dir` and return its path."""
+    spec = spec or TinyZImageSpec()
+    root = Path(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(spec.seed)
+
+    tokenizer = build_qwen_tokenizer()
+    text_encoder = Qwen3Model(
+        Qwen3Config(
+            vocab_size=len(tokenizer),
+            hidden_size=spec.text_hidden_size,
+            intermediate_size=spec.text_hidden_size * 2,
+            num_hidden_layers=spec.text_layers,
+            num_attention_heads=spec.text_heads,
+            num_key_value_heads=spec.text_kv_heads,
+            head_dim=spec.text_hidden_size // spec.text_heads,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            tie_word_embeddings=True,
+            bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+            eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    ).eval()
+    text_encoder.save_pretrained(root / "text_encoder")
+    tokenizer.save_pretrained(root / "tokenizer")
+
+    dit_config = {
+        "all_patch_size": [2],
+        "all_f_patch_size": [1],
+        "in_channels": spec.latent_channels,
+        "dim": spec.dim,
+        "n_layers": spec.n_layers,
+        "n_refiner_layers": spec.n_refiner_layers,
+        "n_heads": spec.n_heads,
+        "n_kv_heads": spec.n_heads,
+        "norm_eps": 1e-5,
+        "qk_norm": True,
+        "cap_feat_dim": spec.text_hidden_size,
+        "rope_theta": 256.0,
+        "t_scale": 1000.0,
+        "axes_dims": list(spec.axes_dims),
+        "axes_lens": list(spec.axes_lens),
+    }
+    dit = random_native_module(ZImageTransformer2DModel, dit_config, spec.seed + 10)
+    save_diffusers_model(dit, root / "transformer", "ZImageTransformer2DModel", dit_config)
+
+    write_autoencoder_kl(
+        root / "vae", spec.vae_block_out_channels, spec.latent_channels, spec.vae_norm_num_groups
+    )
+
+    (root / "scheduler").mkdir(exist_ok=True)
+    (root / "scheduler" / "scheduler_config.json").write_text(
+        json.dumps(diffusers_config("FlowMatchEulerDiscreteScheduler", ZIMAGE_SCHEDULER_CONFIG), indent=2)
+    )
+    (root / "model_index.json").write_text(json.dumps(zimage_model_index(), indent=2))
+    (root / "diffserve_tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2))
+    return root
