@@ -54,8 +54,15 @@ __all__ = [
     "TinyCheckpointOptions",
     "family_by_name",
     "family_names",
+    "pipelines_for_task",
     "resolve_family",
 ]
+
+
+def pipelines_for_task(task: str) -> tuple[str, ...]:
+    """The Diffusers pipeline names of the families doing `task` ("image-edit", ...), in registry order:
+    what an error message suggests to a user whose model cannot do what they asked."""
+    return tuple(family.diffusers_pipeline for family in FAMILIES if family.task == task)
 
 
 def family_names() -> tuple[str, ...]:

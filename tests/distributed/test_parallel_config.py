@@ -137,7 +137,7 @@ def test_cli_tensor_parallel_without_a_shardable_dit_is_one_error_line(tmp_path,
     assert code == 2
     assert len(err) == 1, err
     assert err[0].startswith(
-        "error: --tp-size 2: tensor parallelism is implemented for the DiTs of flux, sd3, "
+        "error: --tp-size 2: tensor parallelism is implemented for the DiTs of flux, flux-kontext, flux-fill, sd3, "
     )
     assert err[0].endswith(
         "not for the sd3 family's DiT (no transformer component); split its requests with --ulysses-degree / "

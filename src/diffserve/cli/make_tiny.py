@@ -40,12 +40,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add("family", choices=_FamilyNames(), metavar="FAMILY", help="model family: %(choices)s")
     add("output_dir", help="folder to write (created if missing)")
     add("--seed", type=int, default=0, help="weight initialisation seed")
-    add("--no-guidance-embeds", action="store_true", help="flux: FLUX.1-schnell style, no guidance embedding")
-    add("--sd35", action="store_true", help="sd3: SD3.5 style (qk RMSNorm, dual attention in block 0)")
+    add("--no-guidance-embeds", action="store_true", help="FLUX.1: a schnell-style DiT, no guidance embedding")
+    add("--sd35", action="store_true", help="SD3: the SD3.5 layout (qk RMSNorm, dual attention in block 0)")
     add("--scheduler", choices=("flow-match-euler", "unipc"), default="flow-match-euler",
         help="wan-*: the scheduler written (unipc is what the released Wan 2.1 checkpoints ship)")  # fmt: skip
     add("--wan-variant", choices=("2.1", "2.2-a14b", "2.2-ti2v"), default="2.1",
-        help="wan-*: Wan 2.2 A14B (two experts) or TI2V-5B (Wan 2.2 VAE; T2V and I2V, build it as wan-t2v)")  # fmt: skip
+        help="wan-*: Wan 2.2 A14B (two experts) or TI2V-5B (Wan 2.2 VAE; T2V and I2V, build it as the text-to-video family)")  # fmt: skip
     p.set_defaults(handler=run)
 
 

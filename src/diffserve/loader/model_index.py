@@ -10,8 +10,9 @@ from typing import Any
 from diffserve.errors import ModelLoadError
 from diffserve.loader.hub import resolve_model_path
 
-#: Diffusers pipeline packages whose own classes model_index.json names by the package (`diffusers.pipelines.X`).
-DIFFUSERS_PIPELINE_PACKAGES = frozenset({"ltx2"})
+#: Libraries model_index.json names that are packages of their own; any other library name is a Diffusers
+#: pipeline package (`diffusers.pipelines.X`) whose own classes it names by the package.
+PACKAGE_LIBRARIES = frozenset({"diffusers", "transformers"})
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,10 @@ def read_model_index(model_path: str | Path, revision: str | None = None) -> Mod
             options[name] = value  # pipeline-level options such as "requires_safety_checker"
         elif None not in value:
             library, class_name = value
-            # A class defined in a Diffusers pipeline's own package is a Diffusers component (LTX-2's
-            # connectors and vocoder: ["ltx2", "LTX2TextConnectors"]).
-            library = "diffusers" if library in DIFFUSERS_PIPELINE_PACKAGES else library
+            # A class defined in a Diffusers pipeline's own package is a Diffusers component (written as
+            # [<pipeline package>, <class>]); the family's native classes decide whether it is served.
+            if library not in PACKAGE_LIBRARIES and str(library).isidentifier():
+                library = "diffusers"
             components[name] = ComponentSpec(name, str(library), str(class_name), root / name)
     return ModelIndex(
         root=root,

@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.types import Message
 
 from diffserve.image_inputs import ImageInputLimits
+from diffserve.registry import pipelines_for_task
 from diffserve.server.args import MAX_INPUT_IMAGES, ServerArgs
 from diffserve.server.errors import ApiError
 from diffserve.server.request_body import RawImage, check_source, load_input_image, read_body, validate
@@ -105,7 +106,7 @@ class EditModel:
         if self.max_images == 0:
             return ApiParamError(
                 f"{self.pipeline} is a {self.task} model and takes no input image; image edits need an "
-                "edit model such as QwenImageEditPipeline",
+                f"edit model ({', '.join(pipelines_for_task('image-edit'))})",
                 param="image",
             )
         if count > self.max_images:

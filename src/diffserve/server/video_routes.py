@@ -14,6 +14,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
+from diffserve.registry import pipelines_for_task
 from diffserve.server.app_state import AppState, ServerState
 from diffserve.server.engine_client import JobRejectedError
 from diffserve.server.errors import ApiError, documented
@@ -145,7 +146,7 @@ async def create_video(request: Request, state: ServerState) -> JSONResponse:
         if task == "text-to-video" and reference is not None and not takes_image:
             raise ApiParamError(
                 f"{pipeline} is a text-to-video model and takes no input_reference; animating an image "
-                "needs an image-to-video model such as WanImageToVideoPipeline",
+                f"needs an image-to-video model ({', '.join(pipelines_for_task('image-to-video'))})",
                 param="input_reference",
             )
         if reference is not None:

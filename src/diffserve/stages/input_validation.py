@@ -63,7 +63,7 @@ class ImageInputRule:
         if images and self.max_images == 0:
             raise InvalidRequestError(
                 f"{self.pipeline_name} is a {self.task} model and takes no input image; image edits need "
-                "an edit model such as QwenImageEditPipeline, image-to-video WanImageToVideoPipeline",
+                "an image-edit model, animating an image an image-to-video model",
                 param="image",
             )
         if len(images) < self.min_images:
