@@ -1,16 +1,27 @@
 """`Req`: the one object that flows through a pipeline's stages.
 
-Every field is declared here; stages read and set them by name and declare which ones they need
-and set (see `stages/base.py`). Nothing is forwarded implicitly, so a reader can see everything a
-request carries in one place.
+`Req` declares what every request carries, whatever its family: its params, the text states of its CFG
+branches, its latents and schedule, its step state and outputs. What only one family (or one kind of
+input) needs lives in `conditioning`: a typed `Conditioning` dataclass declared in that family's package
+(`families/<name>/conditioning.py`), or, for conditioning several families share, in `stages/`.
+
+Generic code never lists fields by name. A field says through its `role(...)` metadata how it is treated:
+`negative_of` pairs a negative (CFG) branch's field with its positive one (CFG-parallel branch views swap
+them), `stepped` marks what a denoising step advances, `per_step` a table with one entry per step (cut
+with the schedule), and `batch` what requests sharing one DiT batch must agree on. The same roles apply
+on `Req` and on every conditioning class, so a family with a new text branch or a new per-step table
+declares it in its conditioning class and the runtime picks it up. Stages name the fields they read and
+write (`needs`/`sets`, checked in `stages/base.py`), conditioning ones as "conditioning.<field>".
+Nothing is forwarded implicitly.
 """
 
 from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import Field, dataclass, field, fields
+from typing import ClassVar, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -20,9 +31,137 @@ from diffserve.configs.sampling_params import SamplingParams
 from diffserve.layers.lora_rows import AppliedLora
 from diffserve.models.step_cache import StepCacheState
 
+#: What requests batched into one DiT forward must agree on for a field: "shape", its shape past the
+#: batch axis (None when unset); "value", the value itself (made hashable: lists become tuples).
+BatchRule = Literal["shape", "value"]
+
+
+@dataclass(frozen=True)
+class FieldRole:
+    """How generic code treats one field of `Req` or of a `Conditioning` (see the module docstring)."""
+
+    #: This field holds the negative (CFG) branch's value of the named field of the same class.
+    negative_of: str | None = None
+    #: A denoising step advances it (CFG-parallel views copy it in before a step and back after).
+    stepped: bool = False
+    #: One entry per denoising step on its first axis: image-to-image cuts it with the schedule.
+    per_step: bool = False
+    #: Requests in one DiT batch must agree on it (`BatchRule`).
+    batch: BatchRule | None = None
+
+
+_ROLE = "diffserve.role"
+_NO_ROLE = FieldRole()
+
+
+def role(
+    *,
+    negative_of: str | None = None,
+    stepped: bool = False,
+    per_step: bool = False,
+    batch: BatchRule | None = None,
+) -> Mapping[str, FieldRole]:
+    """The `metadata` of a field with this role: `field(default=None, metadata=role(...))`."""
+    return {_ROLE: FieldRole(negative_of, stepped, per_step, batch)}
+
+
+def field_role(declared: Field[object]) -> FieldRole:
+    """The role a field declares (the empty role when it declares none)."""
+    found = declared.metadata.get(_ROLE, _NO_ROLE)
+    assert isinstance(found, FieldRole)
+    return found
+
+
+def negative_pairs(obj: Req | Conditioning) -> list[tuple[str, str]]:
+    """(positive field, negative field) for every negative-branch field `obj`'s class declares."""
+    declared = {f.name: f for f in fields(obj)}
+    pairs = []
+    for name, f in declared.items():
+        positive = field_role(f).negative_of
+        if positive is None:
+            continue
+        if positive not in declared:
+            raise TypeError(f"{type(obj).__name__}.{name} is the negative of {positive!r}, which it does not have")
+        pairs.append((positive, name))
+    return pairs
+
+
+def one_branch(obj: Req | Conditioning, branch: int) -> dict[str, object]:
+    """The values that make `obj` carry only `branch` (0: the prompt's, 1: the negative prompt's): with
+    branch 1 each positive field takes its negative's value; every negative field is cleared."""
+    values: dict[str, object] = {}
+    for positive, negative in negative_pairs(obj):
+        if branch == 1:
+            values[positive] = getattr(obj, negative)
+        values[negative] = None
+    return values
+
+
+def stepped_fields(obj: Req | Conditioning) -> list[str]:
+    """The fields of `obj` a denoising step advances."""
+    return [f.name for f in fields(obj) if field_role(f).stepped]
+
+
+def per_step_fields(obj: Req | Conditioning) -> list[str]:
+    """The fields of `obj` with one entry per denoising step."""
+    return [f.name for f in fields(obj) if field_role(f).per_step]
+
+
+def _batch_value(value: object, rule: BatchRule) -> Hashable:
+    if rule == "shape":
+        return None if value is None else tuple(value.shape[1:])  # type: ignore[attr-defined]
+    if isinstance(value, list):
+        return tuple(value)
+    assert isinstance(value, Hashable)
+    return value
+
+
+def batch_signature(obj: Req | Conditioning | None) -> tuple[Hashable, ...]:
+    """What `obj` contributes to its request's batch key: each field with a `batch` rule, by that rule."""
+    if obj is None:
+        return ()
+    return tuple(
+        (f.name, _batch_value(getattr(obj, f.name), rule))
+        for f in fields(obj)
+        if (rule := field_role(f).batch) is not None
+    )
+
+
+C = TypeVar("C", bound="Conditioning")
+
+
+@dataclass
+class Conditioning:
+    """Base of a family's typed per-request conditioning (`Req.conditioning`): a dataclass of what that
+    family's stages set and its denoiser reads, with `role(...)` metadata where generic code must treat a
+    field specially. Every field needs a default (a request starts with an empty one)."""
+
+    @classmethod
+    def of(cls: type[C], req: Req) -> C:
+        """`req`'s conditioning of this class; a new empty one is attached when it has none (a stage run
+        outside its pipeline). Another class's conditioning is a pipeline bug: TypeError."""
+        if req.conditioning is None:
+            req.conditioning = cls()
+        found = req.conditioning
+        if not isinstance(found, cls):
+            raise TypeError(f"the request's conditioning is a {type(found).__name__}, not a {cls.__name__}")
+        return found
+
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
+
+
+@dataclass
+class InputLatents:
+    """Image-to-image and inpainting state (stages/image_to_image.py, stages/mask_preparation.py): the
+    input image's VAE latents in the latents' layout (one copy per output), the initial noise they were
+    noised with (the inpainting blend re-noises them with it after every step), and the mask on the latent
+    grid in the same layout (1 = edit, 0 = keep the input image; None without a mask)."""
+
+    latents: torch.Tensor
+    noise: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -44,53 +183,24 @@ class Req:
     # keep their own lengths; the denoiser pads and masks them when it batches the branches.
     prompt_embeds: torch.Tensor | None = None
     pooled_prompt_embeds: torch.Tensor | None = None
-    negative_prompt_embeds: torch.Tensor | None = None
-    negative_pooled_prompt_embeds: torch.Tensor | None = None
+    negative_prompt_embeds: torch.Tensor | None = field(default=None, metadata=role(negative_of="prompt_embeds"))
+    negative_pooled_prompt_embeds: torch.Tensor | None = field(
+        default=None, metadata=role(negative_of="pooled_prompt_embeds")
+    )
     text_ids: torch.Tensor | None = None  # (text_seq, 3) position ids for FLUX's RoPE
-    # Families whose DiT reads fixed-length padded text with its mask (HunyuanVideo 1.5): (batch, seq)
-    # masks of the sequence embeddings (1 = real token), and a second encoder's sequence states with
-    # their masks (HunyuanVideo 1.5's ByT5 states of the prompt's quoted text).
-    prompt_embeds_mask: torch.Tensor | None = None
-    negative_prompt_embeds_mask: torch.Tensor | None = None
-    prompt_embeds_2: torch.Tensor | None = None
-    prompt_embeds_mask_2: torch.Tensor | None = None
-    negative_prompt_embeds_2: torch.Tensor | None = None
-    negative_prompt_embeds_mask_2: torch.Tensor | None = None
 
     # Set by latent preparation: packed latents (batch, tokens, channels) and their position ids.
-    latents: torch.Tensor | None = None
+    latents: torch.Tensor | None = field(default=None, metadata=role(stepped=True))
     image_ids: torch.Tensor | None = None
     latent_height: int | None = None  # in latent pixels (before 2x2 packing)
     latent_width: int | None = None
 
-    # Set by a family's "before denoising" stage for edits: the input images as resized for the
-    # text encoder, their packed VAE latents (batch, tokens, channels) appended to the image tokens,
-    # and each one's (frames, rows, cols) token grid.
-    condition_images: list[Image.Image] | None = None
-    condition_latents: torch.Tensor | None = None
-    condition_shapes: list[tuple[int, int, int]] = field(default_factory=list)
-    # Image-to-video: the input image's CLIP vision states (batch, tokens, dim), cross-attended by the DiT.
-    image_embeds: torch.Tensor | None = None
-    # FLUX.1 Fill: per image token, the masked input image's packed latents and the packed mask pixels
-    # (batch, tokens, channels), appended to the noisy tokens' channels (not to the token sequence).
-    channel_condition: torch.Tensor | None = None
-    # Joint audio-video families (LTX-2): the audio stream's packed latents (batch, tokens, channels) and its
-    # text states per CFG branch (the video stream's are `latents`, `prompt_embeds`; both share the text
-    # masks), then the decoded soundtrack: one (channels, samples) float32 CPU waveform per output, at
-    # `audio_sample_rate` Hz.
-    audio_latents: torch.Tensor | None = None
-    audio_prompt_embeds: torch.Tensor | None = None
-    negative_audio_prompt_embeds: torch.Tensor | None = None
-    audio: list[torch.Tensor] | None = None
-    audio_sample_rate: int | None = None
+    # Image-to-image and inpainting; None without an input image.
+    input_latents: InputLatents | None = None
 
-    # Image-to-image and inpainting (stages/image_to_image.py, stages/mask_preparation.py), None without an
-    # input image: its VAE latents in the latents' layout (one copy per output), the initial noise they were
-    # noised with (the inpainting blend re-noises them with it after every step), and the mask on the latent
-    # grid in the same layout (1 = edit, 0 = keep the input image).
-    init_latents: torch.Tensor | None = None
-    noise: torch.Tensor | None = None
-    mask_latents: torch.Tensor | None = None
+    # What only this request's family reads (its text masks, extra encoders' states, input-image latents,
+    # audio stream, ...): that family's `Conditioning`, attached by its pipeline before pre-denoising.
+    conditioning: Conditioning | None = None
 
     # Set by timestep preparation, float32 on the latents' device, so that a step indexes them without a
     # host-to-device copy (a host sync on accelerators): sigmas has num_steps + 1 entries.
@@ -100,9 +210,6 @@ class Req:
     # The same sigmas on the CPU, for host-side reads: previews, and UniPC's data prediction, which
     # multiplies by a CPU scalar as Diffusers does (a kernel argument, neither a copy nor a sync).
     host_sigmas: torch.Tensor | None = None
-    # Families whose DiT takes its own time axis rather than `timesteps` (Z-Image: 1 - t / 1000,
-    # computed on the CPU as before and moved with the schedule), per step, on the latents' device.
-    dit_timesteps: torch.Tensor | None = None
 
     # Set by the denoiser at the request's first step: the DiT's embedding of its text branches
     # (positive, then negative with CFG), which no step changes, so later steps skip the embedder.
@@ -111,17 +218,21 @@ class Req:
     dit_context: object | None = None
 
     # Advanced by the denoising step function (with the multistep scheduler's history, if it keeps one).
-    step_index: int = 0
-    scheduler_state: object | None = None
+    step_index: int = field(default=0, metadata=role(stepped=True))
+    scheduler_state: object | None = field(default=None, metadata=role(stepped=True))
     # The guided velocity the last step was taken with (after any family sign flip, as the scheduler
     # saw it): a reference, not a copy. Previews rebuild the predicted clean latent from it.
-    last_prediction: torch.Tensor | None = None
+    last_prediction: torch.Tensor | None = field(default=None, metadata=role(stepped=True))
     # Approximate quality tiers only: this request's step cache (reused DiT residuals and counts).
     step_cache: StepCacheState | None = None
 
     # Set by decoding / output writing.
     images: list[Image.Image] | None = None
     frames: list[np.ndarray] | None = None  # video families: (frames, height, width, 3) uint8 per output
+    # Families with a soundtrack (LTX-2): one (channels, samples) float32 CPU waveform per output, at
+    # `audio_sample_rate` Hz.
+    audio: list[torch.Tensor] | None = None
+    audio_sample_rate: int | None = None
     output_paths: list[str] = field(default_factory=list)
 
     # Bookkeeping.

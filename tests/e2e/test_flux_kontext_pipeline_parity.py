@@ -18,6 +18,7 @@ from diffserve.families.flux.kontext_preparation import FluxKontextPreparationSt
 from diffserve.families.flux.tiny import TinyFluxSpec
 from diffserve.families.flux.tiny_kontext import build_tiny_flux_kontext
 from diffserve.request import Req
+from diffserve.stages.reference_images import ReferenceImages
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 from diffserve.testing.parity import (
     assert_images_match,
@@ -114,8 +115,9 @@ def test_input_image_kept_at_its_own_size_without_auto_resize(pipelines) -> None
         out = ours.generate(prompt=PROMPT, image=image, seed=3, height=32, width=32, **kwargs)
     finally:
         stage.auto_resize = True
-    assert req.condition_images[0].size == (64, 32)
-    assert req.condition_shapes == [(1, 2, 4)]  # 64x32 pixels / 8 (VAE) / 2 (packing)
+    references = ReferenceImages.of(req)
+    assert references.condition_images[0].size == (64, 32)
+    assert references.condition_shapes == [(1, 2, 4)]  # 64x32 pixels / 8 (VAE) / 2 (packing)
     ref_u8 = reference_images(reference, image, 3, 32, 32, _auto_resize=False, **kwargs)
     assert_matches(stack_uint8(out.images), ref_u8, "no auto-resize")
 

@@ -140,6 +140,7 @@ def test_a_decode_that_would_not_fit_untiled_is_tiled_as_vae_tiling_does(
     assert np.array_equal(got, want), f"max |diff| {np.abs(got.astype(int) - want.astype(int)).max()}"
     diff = np.abs(np.asarray(whole.images[0]).astype(int) - got.astype(int)).max()
     print(f"tiled vs untiled decode: max |diff| {diff} (tile seams)")
+    assert diff > 0, "the tiled decode blends its seams: it cannot equal the untiled one"
 
 
 def test_the_cli_refuses_a_request_that_can_never_fit(tiny_flux_dir, tmp_path, monkeypatch, capsys) -> None:
@@ -161,3 +162,14 @@ def test_the_cli_refuses_a_request_that_can_never_fit(tiny_flux_dir, tmp_path, m
         and "but the engine's memory budget is 58 MB" in error
     )
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_the_budget_keeps_the_lora_reserve(tiny_flux_dir, tmp_path) -> None:
+    """With a `lora_dir`, adapters may load later: `max_lora_memory` is kept out of the budget, as the
+    server's /server_info shows it (`lora_reserved_mb`)."""
+    with DiffGenerator.from_pretrained(
+        tiny_flux_dir, device="cpu", show_progress=False, lora_dir=tmp_path, max_lora_memory=64 * 2**20
+    ) as generator:
+        model = generator.engine.memory
+        assert model is not None and model.lora_reserved_bytes == 64 * 2**20
+        assert model.describe()["lora_reserved_mb"] == 64.0

@@ -17,6 +17,7 @@ from PIL import Image
 
 from diffserve.api import DiffGenerator
 from diffserve.families.flux.tiny import build_tiny_flux
+from diffserve.families.wan.conditioning import WanConditioning
 from diffserve.families.wan.pipeline import WanDenoiser
 from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
 from diffserve.families.z_image.pipeline import ZImageDenoiser
@@ -114,7 +115,8 @@ def test_wan_embeds_each_requests_context_once_with_the_same_frames(
 
 def _embed_every_step(self, req, expert):  # noqa: ANN001, ANN202 - stands in for WanDenoiser.context_for
     texts = branch_texts(req)
-    images = torch.cat([req.image_embeds] * len(texts)) if req.image_embeds is not None else None
+    image_embeds = WanConditioning.of(req).image_embeds
+    images = torch.cat([image_embeds] * len(texts)) if image_embeds is not None else None
     return self.transformers[expert].embed_context(torch.cat(texts), images)
 
 

@@ -448,6 +448,7 @@ def test_cpu_step_times_are_filled_at_once() -> None:
 def test_zimage_dit_time_is_what_each_step_computed(steps: int, dynamic: bool) -> None:
     """Z-Image's DiT time, now computed for the whole schedule at preparation, equals bit for bit the
     per-step 0-d computation the denoiser did before."""
+    from diffserve.families.z_image.conditioning import ZImageConditioning
     from diffserve.families.z_image.stages import ZImageTimestepPreparationStage
     from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 
@@ -456,8 +457,9 @@ def test_zimage_dit_time_is_what_each_step_computed(steps: int, dynamic: bool) -
     req.latents, req.latent_height, req.latent_width = torch.zeros(1, 4, 64, 48), 64, 48
     ZImageTimestepPreparationStage(scheduler).forward(req)
     per_step = torch.stack([(1000 - req.timesteps[i]) / 1000 for i in range(steps)])
-    assert req.dit_timesteps.dtype == torch.float32
-    assert torch.equal(req.dit_timesteps, per_step)
+    dit_timesteps = ZImageConditioning.of(req).dit_timesteps
+    assert dit_timesteps.dtype == torch.float32
+    assert torch.equal(dit_timesteps, per_step)
 
 
 def test_unchecked_solve_equals_linalg_solve() -> None:

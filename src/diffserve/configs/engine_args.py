@@ -123,7 +123,7 @@ class EngineArgs:
     )  # fmt: skip
     #: The admission budget: a share of the free memory measured after warm-up.
     mem_fraction: float = option(
-        0.9, cli="--mem-fraction", gt=0, max=1, commands=("serve",),
+        0.9, cli="--mem-fraction", gt=0, max=1, commands=("serve", "generate"),
         help="share of the free memory after warm-up running requests may use; 413 if one never fits "
         "(default: 0.9)",
     )  # fmt: skip

@@ -18,6 +18,9 @@ IMAGE_FIELDS = ("input_images", "mask_image")
 #: Longest prompt or negative prompt, in characters. Text encoders truncate to a few hundred tokens, so
 #: a longer text changes nothing but the memory it holds (queues, the prompt cache, logs).
 MAX_PROMPT_CHARS = 10_000
+#: The largest image side accepted (pixels): a bound on what a client can make the engine plan for; far
+#: above what any served model makes (FLUX and Qwen-Image are trained up to about 2048).
+MAX_IMAGE_SIDE = 16_384
 #: Text fields: each must be encodable as UTF-8 (a lone surrogate such as "\ud800" is not).
 TEXT_FIELDS = ("prompt", "negative_prompt", "output_format", "video_format", "quality")
 #: Skip-layer guidance (SD3.5, Diffusers' `StableDiffusion3Pipeline`): only families that declare it accept
@@ -181,10 +184,20 @@ class SamplingParams:
         None, cli="--negative-prompt", http=True, help="negative prompt (used with true_cfg_scale > 1)"
     )
     height: int | None = option(
-        None, cli="--height", min=1, http=True, help="image height in pixels (unset: the model's default)"
+        None,
+        cli="--height",
+        min=1,
+        max=MAX_IMAGE_SIDE,
+        http=True,
+        help="image height in pixels (unset: the model's default)",
     )
     width: int | None = option(
-        None, cli="--width", min=1, http=True, help="image width in pixels (unset: the model's default)"
+        None,
+        cli="--width",
+        min=1,
+        max=MAX_IMAGE_SIDE,
+        http=True,
+        help="image width in pixels (unset: the model's default)",
     )
     num_inference_steps: int | None = option(
         None, cli="--num-inference-steps", min=1, http=True,
@@ -313,6 +326,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param=name)
+            if name in ("height", "width") and value is not None and value > MAX_IMAGE_SIDE:
+                raise InvalidRequestError(f"{name} must be at most {MAX_IMAGE_SIDE}, got {value}", param=name)
         steps = self.num_inference_steps
         if steps is not None and (not isinstance(steps, int) or steps < 1):
             raise InvalidRequestError(

@@ -23,10 +23,12 @@ from diffserve.loader.dit_weights import DitLoadOptions, finish_dit, load_dit_we
 from diffserve.loader.model_index import ComponentSpec, ModelIndex, read_json
 from diffserve.loader.native_classes import NativeClasses, NativeModelClass, NativeSchedulerClass
 from diffserve.loader.processors import (
-    IMAGE_ONLY_PROCESSORS,
     TOKENIZER_ONLY_PROCESSORS,
     load_image_text_processor,
+    load_named_image_processor,
+    load_named_tokenizer,
     load_processor_tokenizer,
+    transformers_role,
 )
 from diffserve.loader.text_encoder_tp import TENSOR_PARALLEL_ENCODERS, load_tensor_parallel_encoder
 from diffserve.platforms import Platform
@@ -52,11 +54,11 @@ TRANSFORMERS_ENCODERS: frozenset[str] = frozenset(
     }
 )
 
-#: transformers image processors accepted as components (Wan image-to-video's CLIP preprocessing).
-TRANSFORMERS_IMAGE_PROCESSORS: frozenset[str] = frozenset({"CLIPImageProcessor", "SiglipImageProcessor"})
-
-#: transformers tokenizer classes accepted, slow or fast spelling, each resolved to the first of its
-#: candidates that this transformers version has.
+#: Tokenizers, processors and image processors are not listed: any class transformers has by that name
+#: and that is one (`processors.transformers_role`) is accepted, so a folder saved by a newer transformers
+#: (transformers 5 writes `TokenizersBackend` for a generic fast tokenizer, `CLIPImageProcessorPil`
+#: without torchvision) loads. These tokenizer names are resolved to the first of their slow or fast
+#: spellings that this transformers version has.
 TRANSFORMERS_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "CLIPTokenizer": ("CLIPTokenizerFast", "CLIPTokenizer"),
     "CLIPTokenizerFast": ("CLIPTokenizerFast", "CLIPTokenizer"),
@@ -71,14 +73,11 @@ TRANSFORMERS_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "PreTrainedTokenizerFast": ("PreTrainedTokenizerFast",),
 }
 
-#: Every transformers class accepted as a component (processors: the image-and-text ones of `processors`).
-_TRANSFORMERS_CLASSES = frozenset().union(
-    TRANSFORMERS_ENCODERS,
-    TRANSFORMERS_TOKENIZERS,
-    IMAGE_ONLY_PROCESSORS,
-    TOKENIZER_ONLY_PROCESSORS,
-    TRANSFORMERS_IMAGE_PROCESSORS,
-)
+
+def accepts_transformers_class(class_name: str) -> bool:
+    """Whether a model_index.json component of the transformers library may name `class_name`: one of the
+    text encoders, or any tokenizer, processor or image processor class transformers has."""
+    return class_name in TRANSFORMERS_ENCODERS or transformers_role(class_name) is not None
 
 
 @dataclass
@@ -168,7 +167,11 @@ def load_native_model(
 
 
 def load_tokenizer(spec: ComponentSpec) -> Any:
-    """The tokenizer `spec` names, as whichever of its slow/fast classes this transformers version has."""
+    """The tokenizer `spec` names: one of `TRANSFORMERS_TOKENIZERS` as whichever of its slow/fast classes
+    this transformers version has, any other as transformers' class of that name."""
+    if spec.class_name not in TRANSFORMERS_TOKENIZERS:
+        with _loading(f"tokenizer {spec.class_name}", spec.path):
+            return load_named_tokenizer(spec.class_name, spec.path)
     for candidate in TRANSFORMERS_TOKENIZERS[spec.class_name]:
         cls = getattr(transformers, candidate, None)
         if cls is not None:
@@ -206,7 +209,8 @@ def _load(
         return _from_config(native.guiders[name], spec.path / "guider_config.json")
     if spec.library == "diffusers":
         return _from_config(native.schedulers[name], spec.path / "scheduler_config.json")
-    if name in TRANSFORMERS_TOKENIZERS:
+    role = transformers_role(name)
+    if role == "tokenizer":
         return load_tokenizer(spec)
     tp = tensor_parallel
     if tp is not None and tp.tp_size > 1 and name in TENSOR_PARALLEL_ENCODERS:  # CLIP loads whole
@@ -221,14 +225,31 @@ def _load(
         with _loading(name, spec.path):
             model = getattr(transformers, name).from_pretrained(path, dtype=text_dtype, local_files_only=True)
         return model.to(device).eval().requires_grad_(False)
-    if name in TOKENIZER_ONLY_PROCESSORS:
+    if role == "processor" and (name in TOKENIZER_ONLY_PROCESSORS or spec.name.startswith("tokenizer")):
+        # A processor in a tokenizer's place (FLUX.2-dev's PixtralProcessor): the pipeline uses its text part.
         with _loading(f"processor {name}'s tokenizer", spec.path):
             return load_processor_tokenizer(spec.path)
-    if name in IMAGE_ONLY_PROCESSORS:
+    if role == "processor":
         with _loading(f"processor {name}", spec.path):
             return load_image_text_processor(name, spec.path)
     with _loading(f"image processor {name}", spec.path):
-        return getattr(transformers, name).from_pretrained(path, local_files_only=True)
+        return load_named_image_processor(name, path)
+
+
+@contextlib.contextmanager
+def _no_transformers_progress_bars() -> Iterator[None]:
+    """transformers' own per-file "Loading weights" bars off while a component loads (the CLI's logging
+    setup turns them off for good; a `DiffGenerator` in a user's program gets the same quiet load, and the
+    bars are back for the program's own transformers use afterwards)."""
+    from transformers.utils import logging as transformers_logging
+
+    was_on = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            transformers_logging.enable_progress_bar()
 
 
 def _load_and_log(
@@ -239,7 +260,8 @@ def _load_and_log(
     start = time.perf_counter()
     if not spec.path.is_dir():
         raise ModelLoadError(f"component folder {spec.path} named in model_index.json does not exist")
-    value = load(spec)
+    with _no_transformers_progress_bars():
+        value = load(spec)
     num_params = num_bytes = 0
     if isinstance(value, nn.Module):
         num_params = sum(t.numel() for t in value.parameters())
@@ -303,15 +325,23 @@ def load_components(
     specs = [index.components[name] for name in names]
     accepted = {
         "diffusers": {*native.models, *native.schedulers, *native.guiders},
-        "transformers": _TRANSFORMERS_CLASSES,
     }
-    refused = [spec for spec in specs if spec.class_name not in accepted.get(spec.library, ())]
+    refused = [
+        spec
+        for spec in specs
+        if not (
+            spec.class_name in accepted["diffusers"]
+            if spec.library == "diffusers"
+            else spec.library == "transformers" and accepts_transformers_class(spec.class_name)
+        )
+    ]
     if refused:
         classes = ", ".join(f"{spec.name!r} ({spec.library}.{spec.class_name})" for spec in refused)
-        supported = ", ".join(sorted(accepted["diffusers"] | accepted["transformers"]))
+        supported = ", ".join(sorted(accepted["diffusers"] | TRANSFORMERS_ENCODERS))
         raise ModelLoadError(
             f"{where} names component classes diffserve's {index.pipeline_class_name} does not support: "
-            f"{classes}; supported component classes: {supported}"
+            f"{classes}; supported component classes: {supported}, and the tokenizer, processor and image "
+            f"processor classes of the installed transformers ({transformers.__version__})"
         )
     logger.info("Loading components: %s", list(names))
     load = functools.partial(

@@ -15,7 +15,7 @@ from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.loader.component_loader import LoadedComponent
 from diffserve.platforms import Platform
-from diffserve.request import Req
+from diffserve.request import Conditioning, Req, batch_signature
 from diffserve.runtime.contract import PipelineFacts
 from diffserve.stages.base import Stage
 from diffserve.stages.decoding import LatentDecoder
@@ -62,6 +62,9 @@ class Pipeline:
     #: The approximate quality tiers this family has, with its measured step-cache thresholds
     #: (empty: its DiT does not take a step cache, and only "high", the exact path, is served).
     step_cache_policies: ClassVar[dict[str, StepCachePolicy]] = {}
+    #: The family's typed conditioning (`Req.conditioning`): every request gets an empty one before its
+    #: pre-denoise stages, so all requests of the pipeline carry the same class (None: the family needs none).
+    conditioning_type: ClassVar[type[Conditioning] | None] = None
 
     def __init__(self, context: PipelineContext) -> None:
         self.context = context
@@ -155,6 +158,8 @@ class Pipeline:
 
     def run_pre_denoise(self, req: Req) -> Req:
         """Text/image encoding, latents and timesteps of a validated request."""
+        if req.conditioning is None and self.conditioning_type is not None:
+            req.conditioning = self.conditioning_type()
         for stage in self.stages[1 : self._denoising_index]:
             req = self.run_stage(stage, req)
         return req
@@ -185,12 +190,12 @@ class Pipeline:
     def batch_key(self, req: Req) -> tuple:
         """Requests with equal keys can share a denoising step: the DiT batch concatenates their
         latents and text along the batch axis, so those shapes must agree, and so must the latent grid
-        (packed latents of 48x80 and 80x48 have the same shape but other position ids). Families whose
+        (packed latents of 48x80 and 80x48 have the same shape but other position ids), and so must what
+        the family's conditioning declares with a `batch` role (`request.batch_signature`). Families whose
         DiT pads text itself (Qwen-Image, Z-Image) override this with a looser key."""
         return (
             tuple(req.latents.shape[1:]),
             (req.latent_height, req.latent_width),
             tuple(req.prompt_embeds.shape[1:]),
-            None if req.condition_latents is None else tuple(req.condition_latents.shape[1:]),
-            req.image_embeds is not None,
+            *batch_signature(req.conditioning),
         )

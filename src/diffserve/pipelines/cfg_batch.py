@@ -124,7 +124,8 @@ def advance_requests(scheduler, reqs: list[Req], predictions: list[torch.Tensor]
         latents = scheduler.step_request(
             noise_pred, req.latents, req.sigmas, req.step_index, req.scheduler_state, req.host_sigmas
         )
-        req.latents = latents if req.mask_latents is None else keep_unmasked(req, latents)
+        inpainting = req.input_latents is not None and req.input_latents.mask is not None
+        req.latents = keep_unmasked(req, latents) if inpainting else latents
         req.step_index += 1
 
 

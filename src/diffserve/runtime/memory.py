@@ -291,9 +291,9 @@ class MemoryModel:
             decode += f"; {self.weights.swap_bytes / MB:.0f} MB offloaded weights moving in for a stage"
         changes = fitting_changes(self, cost)
         advice = (
-            "; to fit, " + ", or ".join(changes) + ", or start the server with a larger --mem-fraction"
+            "; to fit, " + ", or ".join(changes) + ", or give the engine a larger --mem-fraction"
             if changes
-            else "; even the smallest such request does not fit: start the server with a larger --mem-fraction "
+            else "; even the smallest such request does not fit: give the engine a larger --mem-fraction "
             "or on a machine with more free memory"
         )
         raise RequestTooLargeError(
@@ -321,9 +321,19 @@ class MemoryModel:
         }
 
 
-def _largest_fitting(model: MemoryModel, candidates: Iterable[RequestCost]) -> RequestCost | None:
-    """The first of `candidates` (largest first) that fits alone."""
-    return next((c for c in candidates if model.fits_alone(c)), None)
+def _largest_fitting(
+    model: MemoryModel, count: int, candidate: Callable[[int], RequestCost]
+) -> RequestCost | None:
+    """The largest of `candidate(1) < ... < candidate(count)` that fits alone, by bisection: a candidate's
+    cost grows with its index, so this takes about log2(count) probes however large the request was."""
+    low, high = 0, count  # candidate(low) fits (or low == 0: none tried fits), candidate(high + 1) does not
+    while low < high:
+        middle = (low + high + 1) // 2
+        if model.fits_alone(candidate(middle)):
+            low = middle
+        else:
+            high = middle - 1
+    return candidate(low) if low > 0 else None
 
 
 def _scaled_size(cost: RequestCost, scale: float) -> RequestCost:
@@ -334,37 +344,33 @@ def _scaled_size(cost: RequestCost, scale: float) -> RequestCost:
     )
 
 
-def _smaller_sizes(cost: RequestCost) -> Iterable[RequestCost]:
-    """Ever smaller sizes of `cost` with its aspect ratio, one pixel multiple off the longer side each."""
-    m, longer = cost.pixel_multiple, max(cost.height, cost.width)
-    for side in range(longer - m, 0, -m):
-        yield _scaled_size(cost, side / longer)
-
-
 def fitting_changes(model: MemoryModel, cost: RequestCost) -> list[str]:
     """The single changes to `cost` that fit alone, each as advice with the number to use: the largest
-    size (aspect kept), frame count and `n` that fit, and CFG off."""
-    options: list[tuple[Callable[[RequestCost], str], Iterable[RequestCost]]] = [
-        (lambda c: f"reduce size (width x height) to at most {c.width}x{c.height}", _smaller_sizes(cost)),
+    size (aspect kept; the longer side whole pixel multiples below the request's), frame count (whole
+    temporal steps below) and `n` that fit, and CFG off. Candidate k of each is the k-th smallest."""
+    m, longer = cost.pixel_multiple, max(cost.height, cost.width)
+    tf = cost.temporal_factor
+    options: list[tuple[Callable[[RequestCost], str], int, Callable[[int], RequestCost]]] = [
+        (
+            lambda c: f"reduce size (width x height) to at most {c.width}x{c.height}",
+            (longer - 1) // m,
+            lambda k: _scaled_size(cost, (longer - ((longer - 1) // m - k + 1) * m) / longer),
+        ),
         (
             lambda c: f"num_frames / seconds to at most {c.frames} frames",
-            (
-                replace(cost, frames=f)
-                for f in range(cost.frames - cost.temporal_factor, 0, -cost.temporal_factor)
-            ),
+            (cost.frames - 1) // tf,
+            lambda k: replace(cost, frames=cost.frames - ((cost.frames - 1) // tf - k + 1) * tf),
         ),
-        (
-            lambda c: f"n to at most {c.outputs}",
-            (replace(cost, outputs=n) for n in range(cost.outputs - 1, 0, -1)),
-        ),
+        (lambda c: f"n to at most {c.outputs}", cost.outputs - 1, lambda k: replace(cost, outputs=k)),
         (
             lambda c: "turn CFG off (no negative prompt / lower guidance)",
-            [replace(cost, branches=1)] if cost.branches > 1 else [],
+            1 if cost.branches > 1 else 0,
+            lambda _: replace(cost, branches=1),
         ),
     ]
     changes = []
-    for advice, candidates in options:
-        if (fitting := _largest_fitting(model, candidates)) is not None:
+    for advice, count, candidate in options:
+        if (fitting := _largest_fitting(model, count, candidate)) is not None:
             changes.append(advice(fitting))
     return changes
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from PIL import Image
 
@@ -18,13 +18,9 @@ from diffserve.layers.attention import AttentionBackend, attention_backend_scope
 from diffserve.layers.lora_rows import LoraRows, lora_rows_scope
 from diffserve.platforms.base import Platform
 from diffserve.platforms.step_timer import StepTimer
-from diffserve.request import Req
+from diffserve.request import Req, one_branch, stepped_fields
 from diffserve.runtime.contract import EnginePipeline
 from diffserve.runtime.lora_registry import LoraInfo, LoraRegistry
-
-#: The fields a denoising step advances: copied into a view before its step and back after.
-STEP_FIELDS = ("latents", "step_index", "scheduler_state", "last_prediction")
-
 
 @dataclass(eq=False)
 class CfgBranchView(Req):
@@ -47,25 +43,32 @@ def splits_branches(req: Req, state: ParallelState | None) -> bool:
 
 
 def branch_view(req: Req, branch: int) -> CfgBranchView:
-    """A view of `req` that carries only `branch`'s text states (0: the prompt's, 1: the negative one's)."""
+    """A view of `req` that carries only `branch`'s text states (0: the prompt's, 1: the negative one's).
+
+    Which fields those are is declared, not listed here: every field with a `negative_of` role, on `Req`
+    and on the request's conditioning (`request.one_branch`), so a family's own text branches (LTX-2's
+    audio text, HunyuanVideo 1.5's glyph states and masks) follow without a line in the runtime. The
+    view's conditioning is a copy with that branch's values; what it does not swap is shared."""
     values = {f.name: getattr(req, f.name) for f in fields(Req)}
-    if branch == 1:
-        values["prompt_embeds"] = req.negative_prompt_embeds
-        values["pooled_prompt_embeds"] = req.negative_pooled_prompt_embeds
-        values["prompt_embeds_mask"] = req.negative_prompt_embeds_mask
-        values["prompt_embeds_2"] = req.negative_prompt_embeds_2
-        values["prompt_embeds_mask_2"] = req.negative_prompt_embeds_mask_2
+    values.update(one_branch(req, branch))
+    if req.conditioning is not None:
+        values["conditioning"] = replace(req.conditioning, **one_branch(req.conditioning, branch))
     values.update(
-        negative_prompt_embeds=None,
-        negative_pooled_prompt_embeds=None,
-        negative_prompt_embeds_mask=None,
-        negative_prompt_embeds_2=None,
-        negative_prompt_embeds_mask_2=None,
         do_cfg=False,
         dit_context=None,  # the view embeds its own branch once, and keeps it
         on_step=None,
     )
     return CfgBranchView(**values, source=req, branch=branch)
+
+
+def copy_step_state(source: Req, target: Req) -> None:
+    """Copy what a denoising step advances (fields with a `stepped` role, on `Req` and on the
+    conditioning) from `source` to `target`: into a view before its step, back to the request after."""
+    for name in stepped_fields(source):
+        setattr(target, name, getattr(source, name))
+    if source.conditioning is not None and target.conditioning is not None:
+        for name in stepped_fields(source.conditioning):
+            setattr(target.conditioning, name, getattr(source.conditioning, name))
 
 
 class CfgBranchViews:
@@ -90,8 +93,7 @@ class CfgBranchViews:
             view = self._views.get(req.request_id)
             if view is None or view.source is not req:
                 view = self._views[req.request_id] = branch_view(req, state.cfg_rank)
-            for name in STEP_FIELDS:
-                setattr(view, name, getattr(req, name))
+            copy_step_state(req, view)
             batch.append(view)
         return batch
 
@@ -101,8 +103,7 @@ class CfgBranchViews:
         for view in batch:
             if isinstance(view, CfgBranchView):
                 assert view.source is not None
-                for name in STEP_FIELDS:
-                    setattr(view.source, name, getattr(view, name))
+                copy_step_state(view, view.source)
 
     def release(self, request_id: str) -> None:
         self._views.pop(request_id, None)

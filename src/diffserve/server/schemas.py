@@ -12,7 +12,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from diffserve.configs.option import option_of
-from diffserve.configs.sampling_params import MAX_LORA_SCALE, LoraChoice, SamplingParams, lora_choices
+from diffserve.configs.sampling_params import (
+    MAX_IMAGE_SIDE,
+    MAX_LORA_SCALE,
+    LoraChoice,
+    SamplingParams,
+    lora_choices,
+)
 
 
 class ApiParamError(ValueError):
@@ -140,7 +146,12 @@ def parse_size(size: str, expected: str) -> tuple[int, int]:
     match = _SIZE.match(size)
     if match is None:
         raise ApiParamError(f"size must be {expected}, got {size!r}", param="size")
-    return int(match.group(1)), int(match.group(2))
+    width, height = int(match.group(1)), int(match.group(2))
+    if max(width, height) > MAX_IMAGE_SIDE:
+        raise ApiParamError(
+            f"size: each side must be at most {MAX_IMAGE_SIDE} pixels, got {size!r}", param="size"
+        )
+    return width, height
 
 
 class ImageGenerationRequest(BaseModel):

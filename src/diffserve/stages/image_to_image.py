@@ -21,7 +21,7 @@ from PIL import Image
 from torch import nn
 
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.request import Req
+from diffserve.request import InputLatents, Req, per_step_fields
 from diffserve.stages.base import Stage, to_module
 from diffserve.stages.image_tensor import image_to_tensor
 from diffserve.stages.video_vae_decoding import latent_stats
@@ -87,7 +87,7 @@ def encode_sampled_video_vae(
 
 
 class InputImageEncodingStage(Stage):
-    """Encodes the input image (step 1 above) into `init_latents` with `encode`, in the family's latent
+    """Encodes the input image (step 1 above) into `input_latents` with `encode`, in the family's latent
     layout, one copy per output. Runs before latent preparation: its posterior draw comes first from the
     generator."""
 
@@ -113,17 +113,22 @@ class InputImageEncodingStage(Stage):
             return req
         latents = self.encode(self.vae, image_to_tensor(resized_input(req)), req.generator)
         latents = self.layout(latents.to(device=self.device, dtype=self.dtype))
-        req.init_latents = latents.repeat(req.batch_size, *([1] * (latents.dim() - 1)))
+        req.input_latents = InputLatents(latents.repeat(req.batch_size, *([1] * (latents.dim() - 1))))
         return req
 
 
 def truncate_schedule(req: Req, start: int) -> None:
-    """Drop the request's first `start` steps from every per-step table it carries."""
+    """Drop the request's first `start` steps from every per-step table it carries: its schedule, and
+    what its conditioning declares `per_step` (e.g. a DiT's own time axis)."""
     req.sigmas = req.sigmas[start:]
     req.host_sigmas = req.host_sigmas[start:]
     req.timesteps = req.timesteps[start:]
-    if req.dit_timesteps is not None:
-        req.dit_timesteps = req.dit_timesteps[start:]
+    conditioning = req.conditioning
+    if conditioning is not None:
+        for name in per_step_fields(conditioning):
+            table = getattr(conditioning, name)
+            if table is not None:
+                setattr(conditioning, name, table[start:])
 
 
 def noised(init_latents: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
@@ -134,15 +139,17 @@ def noised(init_latents: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor)
 
 class ImageToImageNoisingStage(Stage):
     """Steps 2 and 3 above, after timestep preparation: the schedule truncated by `strength`, and the
-    start latents noised to its first sigma. The drawn noise is kept in `noise` for inpainting."""
+    start latents noised to its first sigma. The drawn noise is kept in `input_latents.noise` for
+    inpainting."""
 
     needs = ("latents", "sigmas")
 
     @torch.inference_mode()
     def forward(self, req: Req) -> Req:
-        if req.init_latents is None:
+        source = req.input_latents
+        if source is None:
             return req
         truncate_schedule(req, first_kept_step(req.num_steps, req.params.strength))
-        req.noise = req.latents
-        req.latents = noised(req.init_latents, req.noise, req.sigmas[0])
+        source.noise = req.latents
+        req.latents = noised(source.latents, source.noise, req.sigmas[0])
         return req

@@ -28,9 +28,9 @@ def mask_pixels(mask: Image.Image, height: int, width: int) -> torch.Tensor:
 
 
 class InpaintMaskStage(Stage):
-    """`mask_latents`: the binarized mask on the latent grid, one channel per latent channel, in the
+    """`input_latents.mask`: the binarized mask on the latent grid, one channel per latent channel, in the
     family's latent layout (`layout`), one copy per output. Runs after `ImageToImageNoisingStage` (the
-    blend re-noises `init_latents` with the request's `noise`)."""
+    blend re-noises the input image's latents with the request's noise)."""
 
     needs = ("latents", "latent_height", "latent_width")
 
@@ -47,15 +47,19 @@ class InpaintMaskStage(Stage):
         grid = F.interpolate(pixels, size=(req.latent_height, req.latent_width))
         grid = grid.to(device=req.latents.device, dtype=req.latents.dtype)
         latent_mask = self.layout(grid.repeat(1, self.latent_channels, 1, 1))
-        req.mask_latents = latent_mask.repeat(req.batch_size, *([1] * (latent_mask.dim() - 1)))
+        if req.input_latents is None:
+            raise ValueError("an inpainting mask needs the input image's latents (InputImageEncodingStage)")
+        req.input_latents.mask = latent_mask.repeat(req.batch_size, *([1] * (latent_mask.dim() - 1)))
         return req
 
 
 def keep_unmasked(req: Req, latents: torch.Tensor) -> torch.Tensor:
     """`latents` just stepped from `req.step_index`, with the area outside the request's mask set back to
     its input image at the next sigma (the clean image after the last step)."""
+    source = req.input_latents
+    assert source is not None and source.noise is not None and source.mask is not None
     following = req.step_index + 1
-    kept = req.init_latents
+    kept = source.latents
     if following < req.num_steps:
-        kept = noised(req.init_latents, req.noise, req.sigmas[following])
-    return (1 - req.mask_latents) * kept + req.mask_latents * latents
+        kept = noised(source.latents, source.noise, req.sigmas[following])
+    return (1 - source.mask) * kept + source.mask * latents

@@ -14,6 +14,7 @@ import torch
 
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.step_cache_policy import StepCachePolicy
+from diffserve.families.flux.conditioning import FluxFillConditioning
 from diffserve.families.flux.config import FluxFillPipelineConfig, flux_fill_default_sampling_params
 from diffserve.families.flux.fill_preparation import FluxFillPreparationStage
 from diffserve.families.flux.pipeline import FluxDenoiser, FluxPipeline
@@ -29,7 +30,9 @@ class FluxFillDenoiser(FluxDenoiser):
     """One step over Fill requests: each branch's noisy tokens widened by its request's condition channels."""
 
     def image_tokens(self, batch: BranchBatch, reqs: list[Req]) -> torch.Tensor:
-        conditions = [r.channel_condition for r in reqs for _ in range(2 if r.do_cfg else 1)]
+        conditions = [
+            FluxFillConditioning.of(r).channel_condition for r in reqs for _ in range(2 if r.do_cfg else 1)
+        ]
         return torch.cat([torch.cat([x, c], dim=2) for x, c in zip(batch.latents, conditions, strict=True)])
 
 
@@ -38,6 +41,7 @@ class FluxFillPipeline(FluxPipeline):
 
     config = FluxFillPipelineConfig()
     denoiser_cls = FluxFillDenoiser
+    conditioning_type = FluxFillConditioning
     #: Exact path only until the step cache is calibrated on a Fill checkpoint.
     step_cache_policies: ClassVar[dict[str, StepCachePolicy]] = {}
 

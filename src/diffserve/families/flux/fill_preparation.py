@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from diffserve.families.flux.conditioning import FluxFillConditioning
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.image_tensor import image_to_tensor
@@ -25,12 +26,12 @@ def mask_channels(mask: torch.Tensor, vae_scale_factor: int) -> torch.Tensor:
 
 
 class FluxFillPreparationStage(Stage):
-    """Sets `channel_condition` (batch, tokens, 64 + 4 * s * s): the masked image's packed latents, drawn
+    """Sets `FluxFillConditioning.channel_condition` (batch, tokens, 64 + 4 * s * s): the masked image's packed latents, drawn
     from the posterior with the request's generator after its initial noise (Diffusers' order), then the
     packed mask channels. Needs the input image and the mask (validation guarantees both)."""
 
     needs = ("generator", "latents")
-    sets = ("channel_condition",)
+    sets = ("conditioning.channel_condition",)
 
     def __init__(
         self, vae: nn.Module, vae_scale_factor: int, device: torch.device, dtype: torch.dtype
@@ -51,5 +52,5 @@ class FluxFillPreparationStage(Stage):
             mask_channels(mask, self.vae_scale_factor).to(device=self.device, dtype=self.dtype)
         )
         condition = torch.cat([masked, folded], dim=-1)
-        req.channel_condition = condition.repeat(req.batch_size, 1, 1)
+        FluxFillConditioning.of(req).channel_condition = condition.repeat(req.batch_size, 1, 1)
         return req

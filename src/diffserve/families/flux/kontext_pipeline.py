@@ -22,44 +22,35 @@ from diffserve.families.flux.kontext_preparation import (
     kontext_condition_ids,
 )
 from diffserve.families.flux.pipeline import FluxDenoiser, FluxPipeline
+from diffserve.layers.rotary import RopeTables
 from diffserve.pipelines.base import PipelineContext
 from diffserve.pipelines.cfg_batch import BranchBatch
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.input_validation import ImageInputRule
+from diffserve.stages.reference_images import ReferenceImages
 
 
 class FluxKontextDenoiser(FluxDenoiser):
     """One denoising step over Kontext requests that share the noisy grid and the input image's grid."""
 
-    def rope_for(self, req: Req):
+    def rope_for(self, req: Req) -> RopeTables:
         """RoPE tables over [text; noisy tokens; input-image tokens], computed once per shape."""
-        (_, rows, cols) = req.condition_shapes[0]
-        key = (
-            req.text_ids.shape[0],
-            req.latent_height,
-            req.latent_width,
-            rows,
-            cols,
-            req.image_ids.device,
-            req.image_ids.dtype,
-        )
-        tables = self._rope_cache.get(key)
-        if tables is None:
-            ids = torch.cat(
-                [req.image_ids, kontext_condition_ids(rows, cols, req.image_ids.device, req.image_ids.dtype)]
-            )
-            tables = self.transformer.rope_tables(req.text_ids, ids)
-            self._rope_cache[key] = tables
-            if len(self._rope_cache) > self.max_cached_rope_shapes:
-                self._rope_cache.popitem(last=False)
-        else:
-            self._rope_cache.move_to_end(key)
-        return tables
+        (_, rows, cols) = ReferenceImages.of(req).condition_shapes[0]
+        device, dtype = req.image_ids.device, req.image_ids.dtype
+        key = (req.text_ids.shape[0], req.latent_height, req.latent_width, rows, cols, dtype)
+
+        def build() -> RopeTables:
+            ids = torch.cat([req.image_ids, kontext_condition_ids(rows, cols, device, dtype)])
+            return self.transformer.rope_tables(req.text_ids, ids)
+
+        return self._rope_cache.get_or_build(key, device, build)
 
     def image_tokens(self, batch: BranchBatch, reqs: list[Req]) -> torch.Tensor:
         """Each branch's noisy tokens followed by its request's input-image tokens."""
-        conditions = [r.condition_latents for r in reqs for _ in range(2 if r.do_cfg else 1)]
+        conditions = [
+            ReferenceImages.of(r).condition_latents for r in reqs for _ in range(2 if r.do_cfg else 1)
+        ]
         return torch.cat([torch.cat([x, c], dim=1) for x, c in zip(batch.latents, conditions, strict=True)])
 
 
@@ -68,6 +59,7 @@ class FluxKontextPipeline(FluxPipeline):
 
     config = FluxKontextPipelineConfig()
     denoiser_cls = FluxKontextDenoiser
+    conditioning_type = ReferenceImages
     #: Exact path only until the step cache is calibrated on a Kontext checkpoint (the input-image
     #: tokens change what the cache's signal measures).
     step_cache_policies: ClassVar[dict[str, StepCachePolicy]] = {}
@@ -98,11 +90,3 @@ class FluxKontextPipeline(FluxPipeline):
     def noising_stages(self, context: PipelineContext) -> list[Stage]:
         """None: Kontext starts from pure noise and reads its input image as extra tokens."""
         return []
-
-    def batch_key(self, req: Req) -> tuple:
-        """The base key plus both token grids: transposed grids have equal token counts but other ids."""
-        return (
-            *super().batch_key(req),
-            (req.latent_height, req.latent_width),
-            tuple(req.condition_shapes),
-        )

@@ -13,6 +13,7 @@ from diffserve.request import Req
 from diffserve.stages.base import Stage, to_module
 from diffserve.stages.image_tensor import image_to_tensor
 from diffserve.stages.latent_preparation import latent_image_ids, pack_latents
+from diffserve.stages.reference_images import ReferenceImages
 
 
 def kontext_condition_size(
@@ -57,11 +58,11 @@ def kontext_condition_ids(
 
 class FluxKontextPreparationStage(Stage):
     """Resizes the request's input image (`kontext_condition_size`), VAE-encodes it (the posterior's
-    mode, so no noise is drawn) and packs it: `condition_latents` (batch, tokens, channels), one copy per
-    output, and `condition_shapes` [(1, rows, cols)], its packed grid."""
+    mode, so no noise is drawn) and packs it into the request's `ReferenceImages`: `condition_latents`
+    (batch, tokens, channels), one copy per output, and `condition_shapes` [(1, rows, cols)], its packed grid."""
 
     needs = ("generator",)
-    sets = ("condition_images", "condition_latents")
+    sets = ("conditioning.condition_images", "conditioning.condition_latents")
 
     def __init__(
         self,
@@ -91,7 +92,8 @@ class FluxKontextPreparationStage(Stage):
         pixels = to_module(self.vae, image_to_tensor(image))
         latents = (self.vae.encode(pixels).mode() - self.shift_factor) * self.scaling_factor
         packed = pack_latents(latents).to(device=self.device, dtype=self.dtype)
-        req.condition_images = [image]
-        req.condition_latents = packed.repeat(req.batch_size, 1, 1)
-        req.condition_shapes = [(1, latents.shape[-2] // 2, latents.shape[-1] // 2)]
+        references = ReferenceImages.of(req)
+        references.condition_images = [image]
+        references.condition_latents = packed.repeat(req.batch_size, 1, 1)
+        references.condition_shapes = [(1, latents.shape[-2] // 2, latents.shape[-1] // 2)]
         return req

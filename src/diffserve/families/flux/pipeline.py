@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -13,6 +12,8 @@ from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.families.flux.config import FluxPipelineConfig, flux_default_sampling_params
 from diffserve.families.flux.text_encoding import FluxTextEncodingStage
 from diffserve.layers.lora_rows import request_lora_scope
+from diffserve.layers.rotary import RopeTables
+from diffserve.layers.shape_cache import BoundedCache
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
@@ -49,36 +50,22 @@ class FluxDenoiser:
     call must share the latent grid and text length (the scheduler buckets by shape).
     """
 
-    #: RoPE tables kept per request shape; a handful of shapes covers a serving workload.
-    max_cached_rope_shapes = 16
-
     def __init__(self, transformer: FluxTransformer2DModel, scheduler: FlowMatchEulerScheduler) -> None:
         self.transformer = transformer
         self.scheduler = scheduler
-        self._rope_cache: OrderedDict[tuple, object] = OrderedDict()
+        #: RoPE tables per request shape (least recently used evicted): a few shapes cover a workload.
+        self._rope_cache: BoundedCache[RopeTables] = BoundedCache()
 
-    def rope_for(self, req: Req):
+    def rope_for(self, req: Req) -> RopeTables:
         """RoPE tables for the request's shape, computed once per shape rather than once per step.
 
         FLUX's ids are a pure function of the shape (text ids are zeros, image ids the packed grid),
-        so (text length, latent grid, device, dtype) identifies them.
+        so (text length, latent grid, dtype) on the ids' device identifies them.
         """
-        key = (
-            req.text_ids.shape[0],
-            req.latent_height,
-            req.latent_width,
-            req.image_ids.device,
-            req.image_ids.dtype,
+        key = (req.text_ids.shape[0], req.latent_height, req.latent_width, req.image_ids.dtype)
+        return self._rope_cache.get_or_build(
+            key, req.image_ids.device, lambda: self.transformer.rope_tables(req.text_ids, req.image_ids)
         )
-        tables = self._rope_cache.get(key)
-        if tables is None:
-            tables = self.transformer.rope_tables(req.text_ids, req.image_ids)
-            self._rope_cache[key] = tables
-            if len(self._rope_cache) > self.max_cached_rope_shapes:
-                self._rope_cache.popitem(last=False)
-        else:
-            self._rope_cache.move_to_end(key)
-        return tables
 
     def context_for(self, req: Req) -> torch.Tensor:
         """The request's text branches through the DiT's context embedder, once per request.

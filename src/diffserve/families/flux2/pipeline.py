@@ -10,7 +10,6 @@ grids and reference grids share a step.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import ClassVar
 
 import torch
@@ -39,6 +38,7 @@ from diffserve.families.flux2.reference_images import (
 from diffserve.families.flux2.text_encoding import Flux2KleinTextEncodingStage, Flux2TextEncodingStage
 from diffserve.layers.lora_rows import request_lora_scope
 from diffserve.layers.rotary import RopeTables
+from diffserve.layers.shape_cache import BoundedCache
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.flux2 import Flux2Transformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
@@ -50,15 +50,13 @@ from diffserve.stages.base import Stage
 from diffserve.stages.denoising import DenoisingStage
 from diffserve.stages.input_validation import InputValidationStage
 from diffserve.stages.previews import predicted_clean_latents
+from diffserve.stages.reference_images import ReferenceImages
 
 
 class Flux2Denoiser:
     """One denoising step over FLUX.2 requests (same text length, noisy grid and reference grids), each
     at its own timestep, as one DiT batch: per request its positive row(s), then its negative row(s)
     under CFG."""
-
-    #: RoPE tables kept per request shape; a handful of shapes covers a serving workload.
-    max_cached_rope_shapes = 16
 
     def __init__(
         self,
@@ -69,31 +67,21 @@ class Flux2Denoiser:
         self.transformer = transformer
         self.scheduler = scheduler
         self.reference_time_offset = reference_time_offset
-        self._rope_cache: OrderedDict[tuple, RopeTables] = OrderedDict()
+        #: RoPE tables per request shape (least recently used evicted): a few shapes cover a workload.
+        self._rope_cache: BoundedCache[RopeTables] = BoundedCache()
 
     def rope_for(self, req: Req) -> RopeTables:
         """RoPE tables over [text; noisy tokens; reference tokens], once per shape: the ids are a function
         of the text length, the noisy grid and the reference grids."""
         device = req.image_ids.device
-        key = (
-            req.text_ids.shape[0],
-            req.latent_height,
-            req.latent_width,
-            tuple(req.condition_shapes),
-            device,
-        )
-        tables = self._rope_cache.get(key)
-        if tables is None:
-            ids = torch.cat(
-                [req.image_ids, *reference_ids(req.condition_shapes, self.reference_time_offset, device)]
-            )
-            tables = self.transformer.rope_tables(req.text_ids, ids)
-            self._rope_cache[key] = tables
-            if len(self._rope_cache) > self.max_cached_rope_shapes:
-                self._rope_cache.popitem(last=False)
-        else:
-            self._rope_cache.move_to_end(key)
-        return tables
+        shapes = ReferenceImages.of(req).condition_shapes
+        key = (req.text_ids.shape[0], req.latent_height, req.latent_width, tuple(shapes))
+
+        def build() -> RopeTables:
+            ids = torch.cat([req.image_ids, *reference_ids(shapes, self.reference_time_offset, device)])
+            return self.transformer.rope_tables(req.text_ids, ids)
+
+        return self._rope_cache.get_or_build(key, device, build)
 
     def context_for(self, req: Req) -> torch.Tensor:
         """The request's text branches through the DiT's context embedder, once per request (the
@@ -108,8 +96,9 @@ class Flux2Denoiser:
         tokens, timesteps, guidance = [], [], []
         for req in reqs:
             rows = req.latents
-            if req.condition_latents is not None:
-                rows = torch.cat([rows, req.condition_latents.to(rows.dtype)], dim=1)
+            references = ReferenceImages.of(req).condition_latents
+            if references is not None:
+                rows = torch.cat([rows, references.to(rows.dtype)], dim=1)
             t = req.timesteps[req.step_index].expand(req.batch_size)
             for _ in branch_texts(req):
                 tokens.append(rows)
@@ -137,6 +126,7 @@ class Flux2Pipeline(Pipeline):
     required_components = ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
     config: ClassVar[Flux2PipelineConfig] = Flux2PipelineConfig()
     pipeline_name: ClassVar[str] = "Flux2Pipeline"
+    conditioning_type = ReferenceImages
     #: Exact path only: no step-cache tier has been calibrated on a FLUX.2 checkpoint.
     step_cache_policies: ClassVar[dict[str, StepCachePolicy]] = {}
 
@@ -199,10 +189,6 @@ class Flux2Pipeline(Pipeline):
             DenoisingStage(self.denoiser),
             self.decoder,
         ]
-
-    def batch_key(self, req: Req) -> tuple:
-        """The base key plus the reference grids: equal token counts may come from other grids (ids)."""
-        return (*super().batch_key(req), tuple(req.condition_shapes))
 
     def preview_images(self, req: Req) -> list[Image.Image]:
         """The predicted clean latents of the last step, decoded at full size (FLUX.2's `bn`-normalised

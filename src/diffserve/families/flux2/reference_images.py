@@ -21,6 +21,7 @@ from diffserve.request import Req
 from diffserve.stages.base import Stage, to_module
 from diffserve.stages.image_tensor import image_to_tensor
 from diffserve.stages.input_validation import ImageInputRule
+from diffserve.stages.reference_images import ReferenceImages
 
 
 @dataclass(frozen=True)
@@ -75,11 +76,11 @@ def reference_ids(
 
 
 class Flux2ReferenceImageStage(Stage):
-    """Sets `condition_images` (the cropped pictures; empty without input images) and, with images,
-    `condition_latents` (batch, tokens of all references, 4 * latent_channels), one copy per output, and
-    `condition_shapes` [(1, rows, cols)] per reference."""
+    """Sets the request's `ReferenceImages`: `condition_images` (the cropped pictures; empty without input
+    images) and, with images, `condition_latents` (batch, tokens of all references, 4 * latent_channels),
+    one copy per output, and `condition_shapes` [(1, rows, cols)] per reference."""
 
-    sets = ("condition_images",)  # condition_latents stays None for text-to-image
+    sets = ("conditioning.condition_images",)  # condition_latents stays None for text-to-image
 
     def __init__(
         self,
@@ -106,13 +107,14 @@ class Flux2ReferenceImageStage(Stage):
             reference_image(image, self.pixel_multiple, self.max_area)
             for image in req.params.input_images or []
         ]
-        req.condition_images = images
+        references = ReferenceImages.of(req)
+        references.condition_images = images
         if not images:
             return req
         grids = [self.encode(image) for image in images]
         tokens = torch.cat([tokens_from_grid(grid) for grid in grids], dim=1)
-        req.condition_latents = tokens.to(device=self.device, dtype=self.dtype).repeat(req.batch_size, 1, 1)
-        req.condition_shapes = [(1, grid.shape[-2], grid.shape[-1]) for grid in grids]
+        references.condition_latents = tokens.to(device=self.device, dtype=self.dtype).repeat(req.batch_size, 1, 1)
+        references.condition_shapes = [(1, grid.shape[-2], grid.shape[-1]) for grid in grids]
         return req
 
 

@@ -5,18 +5,47 @@ the latent frames they fill. Text-to-video fills none (zeros). Image-to-video pu
 latents (posterior mode, times the VAE's scaling factor) in the first latent frame, and its SigLIP
 states become image tokens the DiT attends to; the image is first scaled and centre-cropped to the
 output size, as Diffusers does.
+
+What a request carries for this (its text masks, the ByT5 glyph states, the condition latents and image
+states) is `HunyuanVideo15Conditioning`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from diffserve.families.hunyuan_video15.sizes import resize_and_crop
-from diffserve.request import Req
+from diffserve.request import Conditioning, Req, role
 from diffserve.stages.base import Stage, to_module
 from diffserve.stages.image_tensor import image_to_tensor
 from diffserve.stages.latent_preparation import initial_noise
+
+
+@dataclass
+class HunyuanVideo15Conditioning(Conditioning):
+    """HunyuanVideo 1.5's per-request inputs beyond `Req`. Its DiT reads fixed-length padded text with its
+    mask, so each text branch has (batch, seq) masks of `Req.prompt_embeds` and a second encoder's
+    sequence states with their masks (ByT5's states of the prompt's quoted text); the negative branch's
+    are paired with the prompt's (`negative_of`), which is all CFG-parallel views need to split them."""
+
+    prompt_embeds_mask: torch.Tensor | None = None
+    negative_prompt_embeds_mask: torch.Tensor | None = field(
+        default=None, metadata=role(negative_of="prompt_embeds_mask")
+    )
+    prompt_embeds_2: torch.Tensor | None = None
+    negative_prompt_embeds_2: torch.Tensor | None = field(default=None, metadata=role(negative_of="prompt_embeds_2"))
+    prompt_embeds_mask_2: torch.Tensor | None = None
+    negative_prompt_embeds_mask_2: torch.Tensor | None = field(
+        default=None, metadata=role(negative_of="prompt_embeds_mask_2")
+    )
+    #: (batch, channels + 1, frames, h, w): condition latents and the mask of the frames they fill,
+    #: concatenated with the noisy latents on channels (zeros for text-to-video).
+    condition_latents: torch.Tensor | None = field(default=None, metadata=role(batch="shape"))
+    #: Image-to-video: the input image's SigLIP states (batch, tokens, dim), the DiT's image tokens.
+    image_embeds: torch.Tensor | None = field(default=None, metadata=role(batch="shape"))
 
 
 class HunyuanVideo15LatentPreparationStage(Stage):
@@ -46,11 +75,11 @@ class HunyuanVideo15EmptyConditionStage(Stage):
     """Text-to-video: zero condition latents and mask, (batch, channels + 1, frames, h, w)."""
 
     needs = ("latents",)
-    sets = ("condition_latents",)
+    sets = ("conditioning.condition_latents",)
 
     def forward(self, req: Req) -> Req:
         b, c, f, h, w = req.latents.shape
-        req.condition_latents = req.latents.new_zeros(b, c + 1, f, h, w)
+        HunyuanVideo15Conditioning.of(req).condition_latents = req.latents.new_zeros(b, c + 1, f, h, w)
         return req
 
 
@@ -59,7 +88,7 @@ class HunyuanVideo15ImageConditionStage(Stage):
     latents with their mask (`condition_latents`), one copy per output."""
 
     needs = ("latents",)
-    sets = ("condition_latents", "image_embeds")
+    sets = ("conditioning.condition_latents", "conditioning.image_embeds")
 
     def __init__(
         self, feature_extractor, image_encoder: nn.Module, vae: nn.Module, output_dtype: torch.dtype
@@ -88,11 +117,12 @@ class HunyuanVideo15ImageConditionStage(Stage):
         p = req.params
         image = resize_and_crop(p.input_images[0], p.height, p.width)
         n = req.batch_size
-        req.image_embeds = self.image_states(image).repeat(n, 1, 1).to(self.output_dtype)
+        conditioning = HunyuanVideo15Conditioning.of(req)
+        conditioning.image_embeds = self.image_states(image).repeat(n, 1, 1).to(self.output_dtype)
         latents = req.latents
         condition = latents.new_zeros(latents.shape[0], latents.shape[1] + 1, *latents.shape[2:])
         first = self.image_latents(image).to(device=latents.device, dtype=latents.dtype)
         condition[:, :-1, :1] = first
         condition[:, -1:, :1] = 1.0
-        req.condition_latents = condition
+        conditioning.condition_latents = condition
         return req

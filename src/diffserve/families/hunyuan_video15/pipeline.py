@@ -19,6 +19,7 @@ from PIL import Image
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError, ModelLoadError
 from diffserve.families.hunyuan_video15.conditioning import (
+    HunyuanVideo15Conditioning,
     HunyuanVideo15EmptyConditionStage,
     HunyuanVideo15ImageConditionStage,
     HunyuanVideo15LatentPreparationStage,
@@ -100,16 +101,15 @@ class HunyuanVideo15Denoiser:
 
     def branch_inputs(self, req: Req) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(text states, mask, glyph states, mask) per branch in row order: the prompt's, then the negative's."""
-        branches = [
-            (req.prompt_embeds, req.prompt_embeds_mask, req.prompt_embeds_2, req.prompt_embeds_mask_2)
-        ]
+        c = HunyuanVideo15Conditioning.of(req)
+        branches = [(req.prompt_embeds, c.prompt_embeds_mask, c.prompt_embeds_2, c.prompt_embeds_mask_2)]
         if req.do_cfg:
             branches.append(
                 (
                     req.negative_prompt_embeds,
-                    req.negative_prompt_embeds_mask,
-                    req.negative_prompt_embeds_2,
-                    req.negative_prompt_embeds_mask_2,
+                    c.negative_prompt_embeds_mask,
+                    c.negative_prompt_embeds_2,
+                    c.negative_prompt_embeds_mask_2,
                 )
             )
         return branches
@@ -125,15 +125,16 @@ class HunyuanVideo15Denoiser:
         latents, timesteps, timesteps_r, images = [], [], [], []
         text, text_mask, glyph, glyph_mask = [], [], [], []
         for req in reqs:
-            model_input = torch.cat([req.latents, req.condition_latents], dim=1).to(self.dtype)
+            conditioning = HunyuanVideo15Conditioning.of(req)
+            model_input = torch.cat([req.latents, conditioning.condition_latents], dim=1).to(self.dtype)
             t = req.timesteps[req.step_index].expand(req.batch_size).to(self.dtype)
             for states, mask, states_2, mask_2 in self.branch_inputs(req):
                 latents.append(model_input)
                 timesteps.append(t)
                 if self.meanflow:
                     timesteps_r.append(self.next_timesteps(req).expand(req.batch_size).to(self.dtype))
-                if req.image_embeds is not None:
-                    images.append(req.image_embeds)
+                if conditioning.image_embeds is not None:
+                    images.append(conditioning.image_embeds)
                 text.append(states)
                 text_mask.append(mask)
                 glyph.append(states_2)
@@ -170,6 +171,7 @@ class HunyuanVideo15Pipeline(Pipeline):
     )
     config = HunyuanVideo15PipelineConfig()
     pipeline_name = "HunyuanVideo15Pipeline"
+    conditioning_type = HunyuanVideo15Conditioning
 
     def build_stages(self, context: PipelineContext) -> list[Stage]:
         transformer = context.get("transformer")
@@ -252,11 +254,6 @@ class HunyuanVideo15Pipeline(Pipeline):
                 f"{type(self).__name__} decodes through HunyuanVideo15DecodingStage, not {stage.name}"
             )
         return stage.preview_images(req)
-
-    def batch_key(self, req: Req) -> tuple:
-        """The base key plus the image tokens' shape (an input image's SigLIP states are batched)."""
-        images = None if req.image_embeds is None else tuple(req.image_embeds.shape[1:])
-        return (*super().batch_key(req), images)
 
 
 class HunyuanVideo15ImageToVideoPipeline(HunyuanVideo15Pipeline):

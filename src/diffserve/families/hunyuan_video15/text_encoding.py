@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from diffserve.families.hunyuan_video15.conditioning import HunyuanVideo15Conditioning
 from diffserve.families.hunyuan_video15.config import HunyuanVideo15PipelineConfig
 from diffserve.request import Req
 from diffserve.stages.base import Stage
@@ -53,7 +54,12 @@ class HunyuanVideo15TextEncodingStage(Stage):
     offloaded encoder's outputs are wherever it ran)."""
 
     needs = ("do_cfg",)
-    sets = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
+    sets = (
+        "prompt_embeds",
+        "conditioning.prompt_embeds_mask",
+        "conditioning.prompt_embeds_2",
+        "conditioning.prompt_embeds_mask_2",
+    )
 
     def __init__(
         self,
@@ -144,15 +150,16 @@ class HunyuanVideo15TextEncodingStage(Stage):
     def forward(self, req: Req) -> Req:
         values = self.cache.lookup(request_prompts(req), (), self.encode)
         n = req.batch_size
+        conditioning = HunyuanVideo15Conditioning.of(req)
         positive = values[0]
         req.prompt_embeds = positive.states.repeat(n, 1, 1)
-        req.prompt_embeds_mask = positive.mask.repeat(n, 1)
-        req.prompt_embeds_2 = positive.glyph_states.repeat(n, 1, 1)
-        req.prompt_embeds_mask_2 = positive.glyph_mask.repeat(n, 1)
+        conditioning.prompt_embeds_mask = positive.mask.repeat(n, 1)
+        conditioning.prompt_embeds_2 = positive.glyph_states.repeat(n, 1, 1)
+        conditioning.prompt_embeds_mask_2 = positive.glyph_mask.repeat(n, 1)
         if req.do_cfg:
             negative = values[1]
             req.negative_prompt_embeds = negative.states.repeat(n, 1, 1)
-            req.negative_prompt_embeds_mask = negative.mask.repeat(n, 1)
-            req.negative_prompt_embeds_2 = negative.glyph_states.repeat(n, 1, 1)
-            req.negative_prompt_embeds_mask_2 = negative.glyph_mask.repeat(n, 1)
+            conditioning.negative_prompt_embeds_mask = negative.mask.repeat(n, 1)
+            conditioning.negative_prompt_embeds_2 = negative.glyph_states.repeat(n, 1, 1)
+            conditioning.negative_prompt_embeds_mask_2 = negative.glyph_mask.repeat(n, 1)
         return req

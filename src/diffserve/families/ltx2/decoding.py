@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from diffserve.families.ltx2.conditioning import LTX2Conditioning
 from diffserve.families.ltx2.config import ltx2_guidance
 from diffserve.families.ltx2.latent_preparation import unpack_audio_latents, unpack_video_latents
 from diffserve.request import Req
@@ -27,7 +28,7 @@ def denormalize_video_latents(vae: nn.Module, latents: torch.Tensor) -> torch.Te
 
 
 class LTX2DecodingStage(Stage):
-    needs = ("latents", "audio_latents", "latent_height", "latent_width")
+    needs = ("latents", "conditioning.audio_latents", "latent_height", "latent_width")
     sets = ("frames", "audio", "audio_sample_rate")
 
     def __init__(
@@ -86,7 +87,7 @@ class LTX2DecodingStage(Stage):
         return list((array * 255).round().astype(np.uint8))  # rounding as Diffusers' processors do
 
     def decode_audio(self, req: Req) -> list[torch.Tensor]:
-        latents = self.audio_vae.denormalize_latents(req.audio_latents)
+        latents = self.audio_vae.denormalize_latents(LTX2Conditioning.of(req).audio_latents)
         latents = unpack_audio_latents(latents, self.audio_vae.latent_mel_bins)
         mel = self.audio_vae.decode(to_module(self.audio_vae, latents))
         waveform = self.vocoder(to_module(self.vocoder, mel)).float().cpu()

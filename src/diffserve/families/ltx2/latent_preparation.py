@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 from torch import nn
 
+from diffserve.families.ltx2.conditioning import LTX2Conditioning
 from diffserve.families.ltx2.config import ltx2_guidance
 from diffserve.request import Req
 from diffserve.stages.base import Stage, to_module
@@ -104,7 +105,7 @@ class FirstFrameCondition:
 
 class LTX2LatentPreparationStage(Stage):
     needs = ("generator", "prompt_embeds")
-    sets = ("latents", "audio_latents", "latent_height", "latent_width")
+    sets = ("latents", "conditioning.audio_latents", "latent_height", "latent_width")
 
     def __init__(
         self,
@@ -145,6 +146,6 @@ class LTX2LatentPreparationStage(Stage):
         steps = audio_latent_steps(p.num_frames, float(p.fps), self.audio_latents_per_second)
         audio = initial_noise(req, (n, self.audio_channels, steps, self.audio_mel_bins), torch.float32)
         req.latents = pack_video_latents(video).to(self.device)
-        req.audio_latents = pack_audio_latents(audio).to(self.device)
+        LTX2Conditioning.of(req).audio_latents = pack_audio_latents(audio).to(self.device)
         req.latent_height, req.latent_width = h, w
         return req

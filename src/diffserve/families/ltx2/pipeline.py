@@ -31,6 +31,7 @@ import torch
 
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError, ModelLoadError
+from diffserve.families.ltx2.conditioning import LTX2Conditioning
 from diffserve.families.ltx2.config import (
     DEFAULT_IMAGE_CRF,
     GEMMA4_IMAGE_CRF,
@@ -204,13 +205,14 @@ class LTX2Denoiser:
         video, audio, text, audio_text, masks, t_video, t_audio, perturb = ([] for _ in range(8))
         for req, req_kinds in zip(reqs, kinds, strict=True):
             t = req.timesteps[req.step_index]
+            c = LTX2Conditioning.of(req)
             for kind in req_kinds:
                 negative = kind == "neg"
                 video.append(req.latents)
-                audio.append(req.audio_latents)
+                audio.append(c.audio_latents)
                 text.append(req.negative_prompt_embeds if negative else req.prompt_embeds)
-                audio_text.append(req.negative_audio_prompt_embeds if negative else req.audio_prompt_embeds)
-                masks.append(req.negative_prompt_embeds_mask if negative else req.prompt_embeds_mask)
+                audio_text.append(c.negative_audio_prompt_embeds if negative else c.audio_prompt_embeds)
+                masks.append(c.negative_prompt_embeds_mask if negative else c.prompt_embeds_mask)
                 t_video.append(self.video_timesteps(req, t))
                 t_audio.append(t.expand(req.batch_size))
                 perturb.append(torch.full((req.batch_size,), 0.0 if kind == "stg" else 1.0, device=t.device))
@@ -235,7 +237,7 @@ class LTX2Denoiser:
             height=h,
             width=w,
             fps=self.conditioning_fps(first),
-            audio_num_frames=first.audio_latents.shape[1],
+            audio_num_frames=LTX2Conditioning.of(first).audio_latents.shape[1],
             isolate_modalities=isolate,
             spatio_temporal_guidance_blocks=blocks,
             perturbation_mask=torch.cat(perturb) if stg_rows else None,
@@ -258,9 +260,10 @@ class LTX2Denoiser:
         if req.step_index == 0 and req.scheduler_state is None:
             req.scheduler_state = self.scheduler.new_state()
         sigma = req.sigmas[req.step_index]
+        conditioning = LTX2Conditioning.of(req)
         velocities = []
         for index, (latents, scales) in enumerate(
-            ((req.latents, plan.video), (req.audio_latents, plan.audio))
+            ((req.latents, plan.video), (conditioning.audio_latents, plan.audio))
         ):
             x0 = {kind: latents - pred[index] * sigma for kind, pred in rows.items()}
             positive = x0["pos"]
@@ -283,8 +286,8 @@ class LTX2Denoiser:
             first = req.latent_height * req.latent_width
             video = torch.cat([req.latents[:, :first], video[:, first:]], dim=1)
         req.latents = video
-        req.audio_latents = self.scheduler.step_request(
-            audio_v, req.audio_latents, req.sigmas, req.step_index, req.scheduler_state
+        conditioning.audio_latents = self.scheduler.step_request(
+            audio_v, conditioning.audio_latents, req.sigmas, req.step_index, req.scheduler_state
         )
         req.step_index += 1
 
@@ -295,6 +298,7 @@ class LTX2Pipeline(Pipeline):
     )  # fmt: skip
     config = LTX2PipelineConfig()
     pipeline_name = "LTX2Pipeline"
+    conditioning_type = LTX2Conditioning
     image_to_video = False
 
     def build_stages(self, context: PipelineContext) -> list[Stage]:
@@ -375,13 +379,12 @@ class LTX2Pipeline(Pipeline):
         return ImageInputRule(pipeline_name=self.pipeline_name, task="text-to-video")
 
     def batch_key(self, req: Req) -> tuple:
-        """The base key plus what one LTX-2 forward shares: audio length, frame rate, cross timestep, and
-        the STG blocks of requests that run STG rows."""
+        """The base key (with the audio length, `LTX2Conditioning.audio_latents`) plus what one LTX-2 forward
+        shares: frame rate, cross timestep, and the STG blocks of requests that run STG rows."""
         plan = self.denoiser.guidance(req)
         blocks = self.denoiser.stg_blocks(plan.settings) if plan.stg_rows else ()
         return (
             *super().batch_key(req),
-            tuple(req.audio_latents.shape[1:]),
             self.denoiser.conditioning_fps(req),
             plan.settings.use_cross_timestep,
             blocks,

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from diffserve.families.ltx2.conditioning import LTX2Conditioning
 from diffserve.request import Req
 from diffserve.stages.base import Stage, to_module
 from diffserve.stages.prompt_cache import PromptEmbeddingCache
@@ -39,7 +40,7 @@ def stacked_hidden_states(
 
 class LTX2TextEncodingStage(Stage):
     needs = ("do_cfg",)
-    sets = ("prompt_embeds", "audio_prompt_embeds", "prompt_embeds_mask")
+    sets = ("prompt_embeds", "conditioning.audio_prompt_embeds", "conditioning.prompt_embeds_mask")
 
     def __init__(
         self, tokenizer, text_encoder: nn.Module, connectors: nn.Module, padding_side: str, scale_factor: int
@@ -84,13 +85,14 @@ class LTX2TextEncodingStage(Stage):
             request_prompts(req), (msl,), lambda batch: [self.encode(prompt, msl) for prompt in batch]
         )
         n = req.batch_size
+        conditioning = LTX2Conditioning.of(req)
         positive = texts[0]
         req.prompt_embeds = positive.video.repeat(n, 1, 1)
-        req.audio_prompt_embeds = positive.audio.repeat(n, 1, 1)
-        req.prompt_embeds_mask = positive.mask.repeat(n, 1)
+        conditioning.audio_prompt_embeds = positive.audio.repeat(n, 1, 1)
+        conditioning.prompt_embeds_mask = positive.mask.repeat(n, 1)
         if req.do_cfg:
             negative = texts[1]
             req.negative_prompt_embeds = negative.video.repeat(n, 1, 1)
-            req.negative_audio_prompt_embeds = negative.audio.repeat(n, 1, 1)
-            req.negative_prompt_embeds_mask = negative.mask.repeat(n, 1)
+            conditioning.negative_audio_prompt_embeds = negative.audio.repeat(n, 1, 1)
+            conditioning.negative_prompt_embeds_mask = negative.mask.repeat(n, 1)
         return req

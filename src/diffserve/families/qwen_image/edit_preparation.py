@@ -15,6 +15,7 @@ from diffserve.request import Req
 from diffserve.stages.base import Stage, to_module
 from diffserve.stages.image_tensor import image_to_tensor
 from diffserve.stages.latent_preparation import pack_latents
+from diffserve.stages.reference_images import ReferenceImages
 from diffserve.stages.video_vae_decoding import normalize_latents
 
 
@@ -34,7 +35,7 @@ def edit_output_size(params: SamplingParams, area: int, pixel_multiple: int) -> 
 
 class QwenImageEditPreparationStage(Stage):
     needs = ("generator",)
-    sets = ("condition_images", "condition_latents")
+    sets = ("conditioning.condition_images", "conditioning.condition_latents")
 
     def __init__(
         self, vae: nn.Module, condition_image_area: int, vision_image_area: int | None = None
@@ -60,8 +61,8 @@ class QwenImageEditPreparationStage(Stage):
             encoded = normalize_latents(self.vae, self.vae.encode(pixels).mode())[:, :, 0]
             latents.append(pack_latents(encoded))
             shapes.append((1, encoded.shape[-2] // 2, encoded.shape[-1] // 2))
-        n = req.batch_size
-        req.condition_images = resized
-        req.condition_latents = torch.cat(latents, dim=1).repeat(n, 1, 1)
-        req.condition_shapes = shapes
+        references = ReferenceImages.of(req)
+        references.condition_images = resized
+        references.condition_latents = torch.cat(latents, dim=1).repeat(req.batch_size, 1, 1)
+        references.condition_shapes = shapes
         return req

@@ -35,7 +35,7 @@ from diffserve.pipelines.cfg_batch import (
     split_guided,
     step_cache_for,
 )
-from diffserve.request import Req
+from diffserve.request import Req, batch_signature
 from diffserve.stages.base import Stage
 from diffserve.stages.denoising import DenoisingStage
 from diffserve.stages.image_to_image import (
@@ -47,6 +47,7 @@ from diffserve.stages.image_to_image import (
 from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
 from diffserve.stages.latent_preparation import LatentPreparationStage, pack_latents
 from diffserve.stages.mask_preparation import InpaintMaskStage
+from diffserve.stages.reference_images import ReferenceImages
 from diffserve.stages.timestep_preparation import TimestepPreparationStage
 from diffserve.stages.video_vae_decoding import VideoVaeImageDecodingStage
 
@@ -69,9 +70,10 @@ class QwenImageDenoiser:
         latents, texts, timesteps, shapes, guidance = [], [], [], [], []
         for req in reqs:
             tokens = req.latents
-            if req.condition_latents is not None:
-                tokens = torch.cat([tokens, req.condition_latents.to(tokens.dtype)], dim=1)
-            grid = [(1, req.latent_height // 2, req.latent_width // 2), *req.condition_shapes]
+            references = ReferenceImages.of(req)
+            if references.condition_latents is not None:
+                tokens = torch.cat([tokens, references.condition_latents.to(tokens.dtype)], dim=1)
+            grid = [(1, req.latent_height // 2, req.latent_width // 2), *references.condition_shapes]
             for text in branch_texts(req):
                 latents.append(tokens)
                 texts.append(text)
@@ -106,6 +108,8 @@ class QwenImagePipeline(Pipeline):
     required_components = ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
     config = QwenImagePipelineConfig()
     pipeline_name = "QwenImagePipeline"
+    #: Empty for text-to-image and image-to-image; an edit's input images are appended as tokens.
+    conditioning_type = ReferenceImages
     #: Measured on the tiny test model (20 steps, 64x64, text-to-image and edit alike): 14 / 9 / 5 steps in
     #: full for medium / low / draft at about 38 / 32 / 28 dB. Its random weights make the timestep
     #: modulation, hence the signal, jump by ~100% every step, so thresholds above 1 leave the schedule to
@@ -195,11 +199,12 @@ class QwenImagePipeline(Pipeline):
         ]
 
     def batch_key(self, req: Req) -> tuple:
-        """Text lengths may differ (the denoiser pads and masks); image tokens and their grid must line up."""
+        """Text lengths may differ (the denoiser pads and masks); image tokens and their grids (the noisy
+        one, and the input images' from the conditioning's `batch` roles) must line up."""
         return (
             tuple(req.latents.shape[1:]),
             (req.latent_height, req.latent_width),
-            tuple(req.condition_shapes),
+            *batch_signature(req.conditioning),
         )
 
 

@@ -10,6 +10,7 @@ from torch import nn
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.prompt_cache import PromptEmbeddingCache
+from diffserve.stages.reference_images import ReferenceImages
 from diffserve.stages.text_encoding import request_prompts, set_sequence_embeds
 
 
@@ -69,11 +70,10 @@ class QwenTextEncodingStage(Stage):
         prompts = request_prompts(req)
         images = None
         if self.processor is not None:
-            images = [image for _ in prompts for image in req.condition_images]
+            images = [image for _ in prompts for image in ReferenceImages.of(req).condition_images]
         if self.image_prompt_template is not None:
-            prefix = "".join(
-                self.image_prompt_template.format(i + 1) for i in range(len(req.condition_images))
-            )
+            count = len(ReferenceImages.of(req).condition_images)
+            prefix = "".join(self.image_prompt_template.format(i + 1) for i in range(count))
             prompts = [prefix + prompt for prompt in prompts]
         if self.cache is not None:
             embeds = self.cache.lookup(prompts, (p.max_sequence_length,), self.encode)
@@ -86,4 +86,4 @@ class QwenTextEncodingStage(Stage):
 class QwenEditTextEncodingStage(QwenTextEncodingStage):
     """The edit variant: the prompt is read together with the request's resized input images."""
 
-    needs = ("do_cfg", "condition_images")
+    needs = ("do_cfg", "conditioning.condition_images")

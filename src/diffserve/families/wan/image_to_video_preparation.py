@@ -10,6 +10,7 @@ from PIL import Image
 from torch import nn
 
 from diffserve.configs.sampling_params import SamplingParams
+from diffserve.families.wan.conditioning import WanConditioning
 from diffserve.request import Req
 from diffserve.stages.base import Stage, to_module
 from diffserve.stages.image_tensor import image_to_tensor
@@ -51,7 +52,7 @@ class WanImageToVideoPreparationStage(Stage):
     image cross-attention) leaves it unset."""
 
     needs = ("generator",)
-    sets = ("condition_latents",)
+    sets = ("conditioning.condition_latents",)
 
     def __init__(
         self,
@@ -80,13 +81,14 @@ class WanImageToVideoPreparationStage(Stage):
         p = req.params
         n = req.batch_size
         image = p.input_images[0]
+        conditioning = WanConditioning.of(req)
         if self.image_encoder is not None:
-            req.image_embeds = self.clip_states(image).repeat(n, 1, 1).to(self.output_dtype)
+            conditioning.image_embeds = self.clip_states(image).repeat(n, 1, 1).to(self.output_dtype)
 
         frame0 = resized_frame(image, p.height, p.width)
         video = torch.cat([frame0, frame0.new_zeros(1, 3, p.num_frames - 1, p.height, p.width)], dim=2)
         latents = encode_condition(self.vae, video)
         latent_frames, h, w = latents.shape[2:]
         mask = first_frame_mask(1, p.num_frames, latent_frames, h, w, self.temporal_factor).to(latents)
-        req.condition_latents = torch.cat([mask, latents], dim=1).repeat(n, 1, 1, 1, 1)
+        conditioning.condition_latents = torch.cat([mask, latents], dim=1).repeat(n, 1, 1, 1, 1)
         return req

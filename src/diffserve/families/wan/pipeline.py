@@ -23,6 +23,7 @@ import torch
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.errors import ModelLoadError
+from diffserve.families.wan.conditioning import WanConditioning
 from diffserve.families.wan.config import WanPipelineConfig, wan_default_sampling_params
 from diffserve.families.wan.experts import HIGH_NOISE, ExpertSwitch, guidance_scale_of
 from diffserve.families.wan.image_to_video_preparation import (
@@ -82,7 +83,7 @@ class WanDenoiser:
 
     `transformers`: the DiT, or A14B's two experts (high-noise first) with the `switch` that picks one
     per step. `expand_timesteps` (Wan 2.2 TI2V): per-token timesteps, and a request's
-    `condition_latents` are its first latent frame rather than extra channels.
+    `WanConditioning.condition_latents` are its first latent frame rather than extra channels.
     """
 
     def __init__(
@@ -117,7 +118,8 @@ class WanDenoiser:
         cached = req.dit_context
         if not (isinstance(cached, ExpertContext) and cached.expert == expert):
             texts = branch_texts(req)
-            images = [req.image_embeds] * len(texts) if req.image_embeds is not None else None
+            image_embeds = WanConditioning.of(req).image_embeds
+            images = [image_embeds] * len(texts) if image_embeds is not None else None
             with request_lora_scope(req.loras):
                 context = self.transformers[expert].embed_context(
                     torch.cat(texts), torch.cat(images) if images else None
@@ -128,7 +130,7 @@ class WanDenoiser:
     def model_input(self, req: Req) -> torch.Tensor:
         """The DiT's input latents: the noisy ones, with the conditioning (I2V) concatenated on channels,
         or (TI2V) in place of the first frame."""
-        cond = req.condition_latents
+        cond = WanConditioning.of(req).condition_latents
         if cond is None:
             return req.latents
         if self.expand_timesteps:
@@ -144,7 +146,7 @@ class WanDenoiser:
         frames, height, width = req.latents.shape[2:]
         p_t, p_h, p_w = self.patch
         grid = t.expand(frames // p_t, height // p_h, width // p_w)
-        if req.condition_latents is not None:
+        if WanConditioning.of(req).condition_latents is not None:
             grid = torch.cat([torch.zeros_like(grid[:1]), grid[1:]])
         return grid.reshape(1, -1).expand(req.batch_size, -1)
 
@@ -176,7 +178,7 @@ class WanDenoiser:
         advance_requests(self.scheduler, reqs, self._guided(prediction.float(), reqs, expert))
         if self.expand_timesteps:
             for req in reqs:
-                if req.is_denoised and req.condition_latents is not None:
+                if req.is_denoised and WanConditioning.of(req).condition_latents is not None:
                     # As Diffusers after its loop: the image's latents are the clip's first frame.
                     req.latents = self.model_input(req)
 
@@ -204,6 +206,7 @@ class WanPipeline(Pipeline):
     optional_components: tuple[str, ...] = ("transformer_2",)
     config = WanPipelineConfig()
     pipeline_name = "WanPipeline"
+    conditioning_type = WanConditioning
     #: Measured on the tiny random-weight T2V test model (`build_tiny_wan`, 20 steps, 64x64, 9 frames,
     #: CFG 5, six prompts): 18-20 / 16 / 13 steps in full for medium / low / draft at >38 / 32.6 / 29.7 dB
     #: mean PSNR against the exact output (worst prompt 35.9 / 30.4 / 28.7). Its signal moves 0.45-0.9 a

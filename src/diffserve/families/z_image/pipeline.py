@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from diffserve.configs.step_cache_policy import StepCachePolicy
+from diffserve.families.z_image.conditioning import ZImageConditioning
 from diffserve.families.z_image.config import ZImagePipelineConfig, z_image_default_sampling_params
 from diffserve.families.z_image.stages import ZImageTextEncodingStage, ZImageTimestepPreparationStage
 from diffserve.layers.lora_rows import request_lora_scope
@@ -69,7 +70,7 @@ class ZImageDenoiser:
         latents, captions, times = [], [], []
         for req in reqs:
             # The DiT's time runs from 0 (noise) to 1 (clean): 1 - t / 1000, prepared on the device.
-            t = req.dit_timesteps[req.step_index]
+            t = ZImageConditioning.of(req).dit_timesteps[req.step_index]
             for _ in branch_texts(req):
                 latents.extend(req.latents.to(self.dtype).unsqueeze(2).unbind(0))
                 times.append(t.expand(req.batch_size))
@@ -85,6 +86,7 @@ class ZImageDenoiser:
 class ZImagePipeline(Pipeline):
     required_components = ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
     config = ZImagePipelineConfig()
+    conditioning_type = ZImageConditioning
     #: Measured on the tiny random-weight test model (`build_tiny_zimage`, 20 steps, 64x64, CFG 5, six
     #: prompts): 12 / 8 / 5 steps in full for medium / low / draft at 37.5 / 34.8 / 30.1 dB mean PSNR against
     #: the exact output (worst prompt 36.2 / 33.3 / 27.6). Its signal moves ~0.05 a step, so

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from diffserve.families.z_image.conditioning import ZImageConditioning
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.request import Req
 from diffserve.stages.base import Stage
@@ -59,7 +60,7 @@ class ZImageTimestepPreparationStage(Stage):
     """Z-Image semantics: sigmas from a float32 linspace(1, 1/n) (as Diffusers), and the DiT's 1 - t / 1000."""
 
     needs = ("latents", "latent_height", "latent_width")
-    sets = ("sigmas", "timesteps", "host_sigmas", "dit_timesteps")
+    sets = ("sigmas", "timesteps", "host_sigmas", "conditioning.dit_timesteps")
 
     def __init__(self, scheduler: FlowMatchEulerScheduler) -> None:
         self.scheduler = scheduler
@@ -71,5 +72,6 @@ class ZImageTimestepPreparationStage(Stage):
         base_sigmas = torch.linspace(1.0, 1 / steps, steps).tolist()
         schedule = self.scheduler.schedule(steps, mu=mu, sigmas=base_sigmas)
         set_schedule(req, schedule)
-        req.dit_timesteps = ((1000 - schedule.timesteps) / 1000).to(req.latents.device)
+        dit_timesteps = ((1000 - schedule.timesteps) / 1000).to(req.latents.device)
+        ZImageConditioning.of(req).dit_timesteps = dit_timesteps
         return req
