@@ -21,7 +21,7 @@ import threading
 import uuid
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import Field, dataclass, field, fields
-from typing import ClassVar, Literal, TypeVar
+from typing import Literal, TypeVar
 
 import numpy as np
 import torch
@@ -81,7 +81,9 @@ def negative_pairs(obj: Req | Conditioning) -> list[tuple[str, str]]:
         if positive is None:
             continue
         if positive not in declared:
-            raise TypeError(f"{type(obj).__name__}.{name} is the negative of {positive!r}, which it does not have")
+            raise TypeError(
+                f"{type(obj).__name__}.{name} is the negative of {positive!r}, which it does not have"
+            )
         pairs.append((positive, name))
     return pairs
 
@@ -183,7 +185,9 @@ class Req:
     # keep their own lengths; the denoiser pads and masks them when it batches the branches.
     prompt_embeds: torch.Tensor | None = None
     pooled_prompt_embeds: torch.Tensor | None = None
-    negative_prompt_embeds: torch.Tensor | None = field(default=None, metadata=role(negative_of="prompt_embeds"))
+    negative_prompt_embeds: torch.Tensor | None = field(
+        default=None, metadata=role(negative_of="prompt_embeds")
+    )
     negative_pooled_prompt_embeds: torch.Tensor | None = field(
         default=None, metadata=role(negative_of="pooled_prompt_embeds")
     )

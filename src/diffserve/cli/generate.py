@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import secrets
+import tempfile
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -66,8 +68,10 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def check_output_path(text: str) -> None:
-    """Refuse an --output-path that is a file or cannot be created or written, before any model work."""
-    path = Path(text).absolute()
+    """Refuse an --output-path that is a file or cannot be created or written, before any model work: the
+    folders missing are created and a file is written there (both removed again), as permissions alone do
+    not tell (root passes every permission check, yet /proc takes no new folder)."""
+    path = Path(os.path.abspath(text))  # ".." folded, so that the folders missing are real ones
     if path.exists() and not path.is_dir():
         raise UserError(f"--output-path {text!r} is a file; pass a directory (it is created when missing)")
     existing = path
@@ -78,6 +82,30 @@ def check_output_path(text: str) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         where = "" if existing == path else f" ({str(existing)!r}, where it would be created, is not)"
         raise UserError(f"--output-path {text!r} is not writable{where}; pass a directory you can write to")
+    missing = [path, *path.parents][: len(path.parts) - len(existing.parts)]
+    created: list[Path] = []
+    try:
+        for folder in reversed(missing):
+            folder.mkdir()
+            created.append(folder)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".diffserve-write-check-"):
+            pass
+    except OSError as exc:
+        what = "created" if len(created) < len(missing) else "written"
+        raise UserError(
+            f"--output-path {text!r} cannot be {what}: {exc.strerror or exc}; pass a directory you can write to"
+        ) from None
+    finally:
+        for folder in reversed(created):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
+def kept_elsewhere(outputs: list, output_path: str) -> list[str]:
+    """The output files that were written outside `output_path` (kept in a temporary folder by
+    `write_outputs` when the folder could not be written at the end)."""
+    target = Path(output_path).absolute()
+    return [path for out in outputs for path in out.output_paths if Path(path).absolute().parent != target]
 
 
 def check_params(params: SamplingParams, max_inference_steps: int) -> None:
@@ -139,6 +167,12 @@ def run(args: argparse.Namespace) -> int:
             args.output_path,
             args.output_file_name,
             save_frames=args.save_frames,
+        )
+    kept = kept_elsewhere(outputs, args.output_path) if args.save_output else []
+    if kept:
+        raise UserError(
+            f"--output-path {args.output_path!r} could not be written when the work was done; the outputs were "
+            f"kept in {Path(kept[0]).parent} instead: {', '.join(Path(path).name for path in kept)}"
         )
     peaks = [out.peak_memory_mb for out in outputs if out.peak_memory_mb is not None]
     n_images = len(params_list) * args.num_outputs_per_prompt

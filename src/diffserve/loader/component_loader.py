@@ -77,7 +77,8 @@ TRANSFORMERS_TOKENIZERS: dict[str, tuple[str, ...]] = {
 def accepts_transformers_class(class_name: str) -> bool:
     """Whether a model_index.json component of the transformers library may name `class_name`: one of the
     text encoders, or any tokenizer, processor or image processor class transformers has."""
-    return class_name in TRANSFORMERS_ENCODERS or transformers_role(class_name) is not None
+    known = TRANSFORMERS_ENCODERS.union(TRANSFORMERS_TOKENIZERS)
+    return class_name in known or transformers_role(class_name) is not None
 
 
 @dataclass
@@ -210,7 +211,7 @@ def _load(
     if spec.library == "diffusers":
         return _from_config(native.schedulers[name], spec.path / "scheduler_config.json")
     role = transformers_role(name)
-    if role == "tokenizer":
+    if role == "tokenizer" or name in TRANSFORMERS_TOKENIZERS:
         return load_tokenizer(spec)
     tp = tensor_parallel
     if tp is not None and tp.tp_size > 1 and name in TENSOR_PARALLEL_ENCODERS:  # CLIP loads whole

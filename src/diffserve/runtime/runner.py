@@ -22,6 +22,7 @@ from diffserve.request import Req, one_branch, stepped_fields
 from diffserve.runtime.contract import EnginePipeline
 from diffserve.runtime.lora_registry import LoraInfo, LoraRegistry
 
+
 @dataclass(eq=False)
 class CfgBranchView(Req):
     """One CFG branch of `source` (0: positive, 1: negative), presented as a request without CFG."""

@@ -54,8 +54,12 @@ class Stage:
         otherwise make the check fail at run time, or never)."""
         super().__init_subclass__(**kwargs)
         for name in (*cls.needs, *cls.sets):
-            if name not in _REQ_FIELDS and not (name.startswith(CONDITIONING) and len(name) > len(CONDITIONING)):
-                raise TypeError(f"{cls.__name__} declares {name!r}, which is not a Req field nor conditioning.<field>")
+            if name not in _REQ_FIELDS and not (
+                name.startswith(CONDITIONING) and len(name) > len(CONDITIONING)
+            ):
+                raise TypeError(
+                    f"{cls.__name__} declares {name!r}, which is not a Req field nor conditioning.<field>"
+                )
 
     @property
     def name(self) -> str:

@@ -145,11 +145,20 @@ class VideoRule:
 
     def check(self, params: SamplingParams) -> None:
         n, f = params.num_frames, self.temporal_factor
-        if not isinstance(n, int) or n < 1 or (n - 1) % f or n > self.max_frames:
-            lower = max(1, (n - 1) // f * f + 1) if isinstance(n, int) and n > 1 else 1
+        top = (self.max_frames - 1) // f * f + 1  # the largest valid count
+        if isinstance(n, int) and n > self.max_frames:
+            nearest = f"{top} or {top - f}" if top > f else str(top)
+            raise InvalidRequestError(
+                f"num_frames must be at most {self.max_frames} (and {f}k+1: 1, {f + 1}, {2 * f + 1}, ...), "
+                f"got {n!r}; try {nearest}",
+                param="num_frames",
+            )
+        if not isinstance(n, int) or n < 1 or (n - 1) % f:
+            lower = min(top, max(1, (n - 1) // f * f + 1)) if isinstance(n, int) and n > 1 else 1
+            nearest = f"{lower} or {lower + f}" if lower + f <= top else str(lower)
             raise InvalidRequestError(
                 f"num_frames must be {f}k+1 (1, {f + 1}, {2 * f + 1}, ... up to {self.max_frames}), got {n!r}; "
-                f"try {lower} or {lower + f}",
+                f"try {nearest}",
                 param="num_frames",
             )
         if not isinstance(params.fps, int) or not 1 <= params.fps <= self.max_fps:

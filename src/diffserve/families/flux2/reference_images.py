@@ -113,7 +113,9 @@ class Flux2ReferenceImageStage(Stage):
             return req
         grids = [self.encode(image) for image in images]
         tokens = torch.cat([tokens_from_grid(grid) for grid in grids], dim=1)
-        references.condition_latents = tokens.to(device=self.device, dtype=self.dtype).repeat(req.batch_size, 1, 1)
+        references.condition_latents = tokens.to(device=self.device, dtype=self.dtype).repeat(
+            req.batch_size, 1, 1
+        )
         references.condition_shapes = [(1, grid.shape[-2], grid.shape[-1]) for grid in grids]
         return req
 

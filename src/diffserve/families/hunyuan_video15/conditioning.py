@@ -36,7 +36,9 @@ class HunyuanVideo15Conditioning(Conditioning):
         default=None, metadata=role(negative_of="prompt_embeds_mask")
     )
     prompt_embeds_2: torch.Tensor | None = None
-    negative_prompt_embeds_2: torch.Tensor | None = field(default=None, metadata=role(negative_of="prompt_embeds_2"))
+    negative_prompt_embeds_2: torch.Tensor | None = field(
+        default=None, metadata=role(negative_of="prompt_embeds_2")
+    )
     prompt_embeds_mask_2: torch.Tensor | None = None
     negative_prompt_embeds_mask_2: torch.Tensor | None = field(
         default=None, metadata=role(negative_of="prompt_embeds_mask_2")

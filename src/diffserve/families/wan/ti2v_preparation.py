@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffserve.families.wan.image_to_video_preparation import encode_condition, resized_frame
 from diffserve.families.wan.conditioning import WanConditioning
+from diffserve.families.wan.image_to_video_preparation import encode_condition, resized_frame
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 
@@ -29,5 +29,7 @@ class WanFirstFrameLatentStage(Stage):
             return req
         frame = resized_frame(p.input_images[0], p.height, p.width)
         # (1, channels, 1, h, w): the image is encoded alone, as one frame.
-        WanConditioning.of(req).condition_latents = encode_condition(self.vae, frame).repeat(req.batch_size, 1, 1, 1, 1)
+        WanConditioning.of(req).condition_latents = encode_condition(self.vae, frame).repeat(
+            req.batch_size, 1, 1, 1, 1
+        )
         return req
