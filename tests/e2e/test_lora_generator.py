@@ -96,7 +96,10 @@ def test_rows_without_adapters_are_untouched_by_the_adapters_in_their_batch(gen)
     prompts = ["a red fox", "a blue bird", "a green tree"]
     with_adapters = [[LoraChoice("style", 0.8)], [LoraChoice("style", 0.8), LoraChoice("detail", -0.6)], []]
     mixed = generator.generate_many(
-        [SamplingParams(prompt=p, loras=loras, **BASE) for p, loras in zip(prompts, with_adapters, strict=True)]
+        [
+            SamplingParams(prompt=p, loras=loras, **BASE)
+            for p, loras in zip(prompts, with_adapters, strict=True)
+        ]
     )
     plain = generator.generate_many([SamplingParams(prompt=p, **BASE) for p in prompts])
     assert np.array_equal(_pixels(mixed[2]), _pixels(plain[2]))

@@ -21,7 +21,9 @@ def test_names_and_pipelines_are_unique_and_aliases_resolve_to_one_family() -> N
     assert len(set(spellings)) == len(spellings)
     assert family_by_name("zimage") is family_by_name("z_image") is family_by_name("z-image")
     assert family_by_name("z-image") is resolve_family("ZImagePipeline")
-    with pytest.raises(UserError, match="unknown model family .kandinsky.; families: flux, flux-kontext, flux-fill, sd3"):
+    with pytest.raises(
+        UserError, match="unknown model family .kandinsky.; families: flux, flux-kontext, flux-fill, sd3"
+    ):
         family_by_name("kandinsky")
 
 
