@@ -5,14 +5,14 @@ branches, its latents and schedule, its step state and outputs. What only one fa
 input) needs lives in `conditioning`: a typed `Conditioning` dataclass declared in that family's package
 (`families/<name>/conditioning.py`), or, for conditioning several families share, in `stages/`.
 
-Generic code never lists fields by name. A field says through its `role(...)` metadata how it is treated:
-`negative_of` pairs a negative (CFG) branch's field with its positive one (CFG-parallel branch views swap
-them), `stepped` marks what a denoising step advances, `per_step` a table with one entry per step (cut
-with the schedule), and `batch` what requests sharing one DiT batch must agree on. The same roles apply
-on `Req` and on every conditioning class, so a family with a new text branch or a new per-step table
-declares it in its conditioning class and the runtime picks it up. Stages name the fields they read and
-write (`needs`/`sets`, checked in `stages/base.py`), conditioning ones as "conditioning.<field>".
-Nothing is forwarded implicitly.
+Code that treats fields generically does not list them by name: a field says through its `role(...)`
+metadata how it is treated. `negative_of` pairs a negative (CFG) branch's field with its positive one
+(CFG-parallel branch views swap them), `stepped` marks what a denoising step advances, `per_step` a table
+with one entry per step (cut with the schedule), and `batch` what requests sharing one DiT batch must
+agree on. The same roles apply on `Req` and on every conditioning class, so a family with a new text
+branch or a new per-step table declares it in its conditioning class and the runtime picks it up. Stages
+name the fields they read and write (`needs`/`sets`, checked in `stages/base.py`), conditioning ones as
+"conditioning.<field>". Nothing is forwarded implicitly.
 """
 
 from __future__ import annotations
@@ -111,7 +111,11 @@ def per_step_fields(obj: Req | Conditioning) -> list[str]:
 
 def _batch_value(value: object, rule: BatchRule) -> Hashable:
     if rule == "shape":
-        return None if value is None else tuple(value.shape[1:])  # type: ignore[attr-defined]
+        if value is None:
+            return None
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"a field batched by shape must hold a tensor, not a {type(value).__name__}")
+        return tuple(value.shape[1:])
     if isinstance(value, list):
         return tuple(value)
     assert isinstance(value, Hashable)
@@ -168,6 +172,9 @@ class InputLatents:
 
 @dataclass
 class Req:
+    """One generation request as the stages fill it in: what every family's request has, plus its
+    family's `conditioning` (see the module docstring)."""
+
     params: SamplingParams
     request_id: str = field(default_factory=new_request_id)
 

@@ -4,8 +4,9 @@ native class."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Iterable, Mapping
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Self, TypeVar
 
 #: A frozen config dataclass (`FluxTransformerConfig`, ...).
 ConfigT = TypeVar("ConfigT")
@@ -33,3 +34,34 @@ def config_from_diffusers(config_cls: type[ConfigT], config: Mapping[str, Any], 
     """
     known = [field.name for field in dataclasses.fields(config_cls)]
     return config_cls(**checked_config_kwargs(config, known, class_name))
+
+
+class DiffusersConfigured:
+    """Mixin of every native model class: `from_config(config_json_dict)` reads the Diffusers config the one
+    way, into the config dataclass `config_class` (DiTs) or into constructor keywords (VAEs): those named by
+    `config_defaults`, or else the constructor's keyword-only parameters. `_`-prefixed metadata is
+    ignored and unknown keys are refused (`checked_config_kwargs`)."""
+
+    diffusers_class_name: ClassVar[str]
+    #: The frozen dataclass of the Diffusers config that the constructor takes, or None.
+    config_class: ClassVar[type | None] = None
+    #: Otherwise: the Diffusers config keys the constructor takes as keywords (their defaults as values).
+    config_defaults: ClassVar[Mapping[str, Any] | None] = None
+
+    @classmethod
+    def config_keys(cls) -> frozenset[str]:
+        """The Diffusers config names this class accepts."""
+        if cls.config_class is not None:
+            return frozenset(field.name for field in dataclasses.fields(cls.config_class))
+        if cls.config_defaults is not None:
+            return frozenset(cls.config_defaults)
+        params = inspect.signature(cls.__init__).parameters.values()
+        return frozenset(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Self:
+        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are
+        an error, keys the dict lacks take the class's defaults."""
+        if cls.config_class is not None:
+            return cls(config_from_diffusers(cls.config_class, config, cls.diffusers_class_name))  # type: ignore[call-arg]
+        return cls(**checked_config_kwargs(config, cls.config_keys(), cls.diffusers_class_name))

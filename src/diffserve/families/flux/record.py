@@ -3,6 +3,7 @@ share the FLUX.1 DiT and its loader facts."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from diffserve.families.flux.config import (
@@ -68,40 +69,39 @@ _DIT_FACTS = DitFacts(
     ),
 )
 
+_FLUX = ModelFamily(
+    name="flux",
+    diffusers_pipeline="FluxPipeline",
+    pipeline_cls=FluxPipeline,
+    native_classes=_CLASSES,
+    pipeline_config=FluxPipelineConfig(),
+    default_sampling_params=flux_default_sampling_params,
+    task="text-to-image",
+    tiny_builder=_tiny_flux,
+    dit_facts=_DIT_FACTS,
+)
+
 FAMILIES: tuple[ModelFamily, ...] = (
-    ModelFamily(
-        name="flux",
-        diffusers_pipeline="FluxPipeline",
-        pipeline_cls=FluxPipeline,
-        native_classes=_CLASSES,
-        pipeline_config=FluxPipelineConfig(),
-        default_sampling_params=flux_default_sampling_params,
-        task="text-to-image",
-        tiny_builder=_tiny_flux,
-        dit_facts=_DIT_FACTS,
-    ),
-    ModelFamily(
+    _FLUX,
+    replace(
+        _FLUX,
         name="flux-kontext",
         diffusers_pipeline="FluxKontextPipeline",
         pipeline_cls=FluxKontextPipeline,
-        native_classes=_CLASSES,
         pipeline_config=FluxKontextPipelineConfig(),
-        default_sampling_params=flux_default_sampling_params,
         task="image-edit",
         tiny_builder=_tiny_flux_kontext,
-        dit_facts=_DIT_FACTS,
         aliases=("kontext", "flux_kontext"),
     ),
-    ModelFamily(
+    replace(
+        _FLUX,
         name="flux-fill",
         diffusers_pipeline="FluxFillPipeline",
         pipeline_cls=FluxFillPipeline,
-        native_classes=_CLASSES,
         pipeline_config=FluxFillPipelineConfig(),
         default_sampling_params=flux_fill_default_sampling_params,
         task="image-edit",
         tiny_builder=_tiny_flux_fill,
-        dit_facts=_DIT_FACTS,
         aliases=("flux_fill",),
     ),
 )

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from diffserve.families.flux2.config import (
@@ -38,29 +39,29 @@ _CLASSES = NativeClasses.of(
 #: No quantization, LoRA or single-file support yet: the loader refuses them naming the DiT.
 _DIT_FACTS = DitFacts(class_name=Flux2Transformer2DModel.diffusers_class_name)
 
+_FLUX2 = ModelFamily(
+    name="flux2",
+    diffusers_pipeline="Flux2Pipeline",
+    pipeline_cls=Flux2Pipeline,
+    native_classes=_CLASSES,
+    pipeline_config=Flux2PipelineConfig(),
+    default_sampling_params=flux2_default_sampling_params,
+    task="text-to-image",  # with optional reference images (multi-reference editing)
+    tiny_builder=_tiny_flux2("dev"),
+    dit_facts=_DIT_FACTS,
+    aliases=("flux2-dev", "flux.2"),
+)
+
 FAMILIES: tuple[ModelFamily, ...] = (
-    ModelFamily(
-        name="flux2",
-        diffusers_pipeline="Flux2Pipeline",
-        pipeline_cls=Flux2Pipeline,
-        native_classes=_CLASSES,
-        pipeline_config=Flux2PipelineConfig(),
-        default_sampling_params=flux2_default_sampling_params,
-        task="text-to-image",  # with optional reference images (multi-reference editing)
-        tiny_builder=_tiny_flux2("dev"),
-        dit_facts=_DIT_FACTS,
-        aliases=("flux2-dev", "flux.2"),
-    ),
-    ModelFamily(
+    _FLUX2,
+    replace(
+        _FLUX2,
         name="flux2-klein",
         diffusers_pipeline="Flux2KleinPipeline",
         pipeline_cls=Flux2KleinPipeline,
-        native_classes=_CLASSES,
         pipeline_config=Flux2KleinPipelineConfig(),
         default_sampling_params=flux2_klein_default_sampling_params,
-        task="text-to-image",  # with optional reference images (multi-reference editing)
         tiny_builder=_tiny_flux2("klein"),
-        dit_facts=_DIT_FACTS,
         aliases=("flux2_klein", "klein"),
     ),
 )

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from diffserve.families.hunyuan_video15.config import (
@@ -43,29 +44,28 @@ _CLASSES = NativeClasses.of(
 #: No quantization, LoRA or single-file support yet: the loader refuses them naming the DiT.
 _DIT_FACTS = DitFacts(class_name=HunyuanVideo15Transformer3DModel.diffusers_class_name)
 
+_HUNYUAN_VIDEO15_T2V = ModelFamily(
+    name="hunyuan-video15-t2v",
+    diffusers_pipeline="HunyuanVideo15Pipeline",
+    pipeline_cls=HunyuanVideo15Pipeline,
+    native_classes=_CLASSES,
+    pipeline_config=HunyuanVideo15PipelineConfig(),
+    default_sampling_params=hunyuan_video15_default_sampling_params,
+    task="text-to-video",
+    tiny_builder=_tiny_hunyuan_video15(image_to_video=False),
+    dit_facts=_DIT_FACTS,
+    aliases=("hunyuan-video15", "hunyuanvideo15-t2v"),
+)
+
 FAMILIES: tuple[ModelFamily, ...] = (
-    ModelFamily(
-        name="hunyuan-video15-t2v",
-        diffusers_pipeline="HunyuanVideo15Pipeline",
-        pipeline_cls=HunyuanVideo15Pipeline,
-        native_classes=_CLASSES,
-        pipeline_config=HunyuanVideo15PipelineConfig(),
-        default_sampling_params=hunyuan_video15_default_sampling_params,
-        task="text-to-video",
-        tiny_builder=_tiny_hunyuan_video15(image_to_video=False),
-        dit_facts=_DIT_FACTS,
-        aliases=("hunyuan-video15", "hunyuanvideo15-t2v"),
-    ),
-    ModelFamily(
+    _HUNYUAN_VIDEO15_T2V,
+    replace(
+        _HUNYUAN_VIDEO15_T2V,
         name="hunyuan-video15-i2v",
         diffusers_pipeline="HunyuanVideo15ImageToVideoPipeline",
         pipeline_cls=HunyuanVideo15ImageToVideoPipeline,
-        native_classes=_CLASSES,
-        pipeline_config=HunyuanVideo15PipelineConfig(),
-        default_sampling_params=hunyuan_video15_default_sampling_params,
         task="image-to-video",
         tiny_builder=_tiny_hunyuan_video15(image_to_video=True),
-        dit_facts=_DIT_FACTS,
         aliases=("hunyuanvideo15-i2v",),
     ),
 )

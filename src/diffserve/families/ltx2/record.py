@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from diffserve.families.ltx2.config import LTX2PipelineConfig, ltx2_default_sampling_params
@@ -40,28 +41,28 @@ _CLASSES = NativeClasses.of(
 #: No quantization, LoRA or single-file support yet: the loader refuses them naming the DiT.
 _DIT_FACTS = DitFacts(class_name=LTX2VideoTransformer3DModel.diffusers_class_name)
 
+_LTX2_T2V = ModelFamily(
+    name="ltx2-t2v",
+    diffusers_pipeline="LTX2Pipeline",
+    pipeline_cls=LTX2Pipeline,
+    native_classes=_CLASSES,
+    pipeline_config=LTX2PipelineConfig(),
+    default_sampling_params=ltx2_default_sampling_params,
+    task="text-to-video",  # with its soundtrack
+    tiny_builder=_tiny_ltx2(image_to_video=False),
+    dit_facts=_DIT_FACTS,
+    aliases=("ltx2", "ltx-2"),
+)
+
 FAMILIES: tuple[ModelFamily, ...] = (
-    ModelFamily(
-        name="ltx2-t2v",
-        diffusers_pipeline="LTX2Pipeline",
-        pipeline_cls=LTX2Pipeline,
-        native_classes=_CLASSES,
-        pipeline_config=LTX2PipelineConfig(),
-        default_sampling_params=ltx2_default_sampling_params,
-        task="text-to-video",  # with its soundtrack
-        tiny_builder=_tiny_ltx2(image_to_video=False),
-        dit_facts=_DIT_FACTS,
-        aliases=("ltx2", "ltx-2"),
-    ),
-    ModelFamily(
+    _LTX2_T2V,
+    replace(
+        _LTX2_T2V,
         name="ltx2-i2v",
         diffusers_pipeline="LTX2ImageToVideoPipeline",
         pipeline_cls=LTX2ImageToVideoPipeline,
-        native_classes=_CLASSES,
-        pipeline_config=LTX2PipelineConfig(),
-        default_sampling_params=ltx2_default_sampling_params,
         task="image-to-video",  # with its soundtrack
         tiny_builder=_tiny_ltx2(image_to_video=True),
-        dit_facts=_DIT_FACTS,
+        aliases=(),
     ),
 )

@@ -3,6 +3,7 @@ the Qwen-Image DiT and its loader facts."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from diffserve.families.qwen_image.config import (
@@ -51,38 +52,36 @@ _DIT_FACTS = DitFacts(
     ),
 )
 
+_QWEN_IMAGE = ModelFamily(
+    name="qwen-image",
+    diffusers_pipeline="QwenImagePipeline",
+    pipeline_cls=QwenImagePipeline,
+    native_classes=_CLASSES,
+    pipeline_config=QwenImagePipelineConfig(),
+    default_sampling_params=qwen_image_default_sampling_params,
+    task="text-to-image",
+    tiny_builder=_tiny_qwen_image("t2i"),
+    dit_facts=_DIT_FACTS,
+)
+
 FAMILIES: tuple[ModelFamily, ...] = (
-    ModelFamily(
-        name="qwen-image",
-        diffusers_pipeline="QwenImagePipeline",
-        pipeline_cls=QwenImagePipeline,
-        native_classes=_CLASSES,
-        pipeline_config=QwenImagePipelineConfig(),
-        default_sampling_params=qwen_image_default_sampling_params,
-        task="text-to-image",
-        tiny_builder=_tiny_qwen_image("t2i"),
-        dit_facts=_DIT_FACTS,
-    ),
-    ModelFamily(
+    _QWEN_IMAGE,
+    replace(
+        _QWEN_IMAGE,
         name="qwen-image-edit",
         diffusers_pipeline="QwenImageEditPipeline",
         pipeline_cls=QwenImageEditPipeline,
-        native_classes=_CLASSES,
         pipeline_config=QwenImageEditPipelineConfig(),
-        default_sampling_params=qwen_image_default_sampling_params,
         task="image-edit",
         tiny_builder=_tiny_qwen_image("edit"),
-        dit_facts=_DIT_FACTS,
     ),
-    ModelFamily(
+    replace(
+        _QWEN_IMAGE,
         name="qwen-image-edit-plus",
         diffusers_pipeline="QwenImageEditPlusPipeline",
         pipeline_cls=QwenImageEditPlusPipeline,
-        native_classes=_CLASSES,
         pipeline_config=QwenImageEditPlusPipelineConfig(),
-        default_sampling_params=qwen_image_default_sampling_params,
         task="image-edit",
         tiny_builder=_tiny_qwen_image("edit_plus"),
-        dit_facts=_DIT_FACTS,
     ),
 )

@@ -3,6 +3,7 @@ steps), which share the SANA linear-attention DiT and the DC-AE."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from diffserve.families.record import ModelFamily, TinyCheckpointOptions
@@ -39,23 +40,26 @@ def _tiny_sana_sprint(out_dir: Path, options: TinyCheckpointOptions) -> Path:
 #: No quantization, LoRA or single-file support yet: the loader refuses them naming the DiT.
 _DIT_FACTS = DitFacts(class_name=SanaTransformer2DModel.diffusers_class_name)
 
-FAMILIES: tuple[ModelFamily, ...] = (
-    ModelFamily(
-        name="sana",
-        diffusers_pipeline="SanaPipeline",
-        pipeline_cls=SanaPipeline,
-        native_classes=NativeClasses.of(
-            models=(SanaTransformer2DModel, AutoencoderDC),
-            # What SANA's folders ship (flow DPM-Solver++), and the flow-match Euler its converter also writes.
-            schedulers=(DPMSolverFlowScheduler, FlowMatchEulerScheduler),
-        ),
-        pipeline_config=SanaPipelineConfig(),
-        default_sampling_params=sana_default_sampling_params,
-        task="text-to-image",
-        tiny_builder=_tiny_sana,
-        dit_facts=_DIT_FACTS,
+_SANA = ModelFamily(
+    name="sana",
+    diffusers_pipeline="SanaPipeline",
+    pipeline_cls=SanaPipeline,
+    native_classes=NativeClasses.of(
+        models=(SanaTransformer2DModel, AutoencoderDC),
+        # What SANA's folders ship (flow DPM-Solver++), and the flow-match Euler its converter also writes.
+        schedulers=(DPMSolverFlowScheduler, FlowMatchEulerScheduler),
     ),
-    ModelFamily(
+    pipeline_config=SanaPipelineConfig(),
+    default_sampling_params=sana_default_sampling_params,
+    task="text-to-image",
+    tiny_builder=_tiny_sana,
+    dit_facts=_DIT_FACTS,
+)
+
+FAMILIES: tuple[ModelFamily, ...] = (
+    _SANA,
+    replace(
+        _SANA,
         name="sana-sprint",
         diffusers_pipeline="SanaSprintPipeline",
         pipeline_cls=SanaSprintPipeline,
@@ -64,9 +68,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
         ),
         pipeline_config=SanaSprintPipelineConfig(),
         default_sampling_params=sana_sprint_default_sampling_params,
-        task="text-to-image",
         tiny_builder=_tiny_sana_sprint,
-        dit_facts=_DIT_FACTS,
         aliases=("sana_sprint",),
     ),
 )

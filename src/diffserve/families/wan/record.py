@@ -3,6 +3,7 @@ experts and TI2V-5B) and image-to-video (`WanImageToVideoPipeline`), which share
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from diffserve.families.record import ModelFamily, TinyCheckpointBuilder, TinyCheckpointOptions
@@ -51,27 +52,26 @@ _DIT_FACTS = DitFacts(
     ),
 )
 
+_WAN_T2V = ModelFamily(
+    name="wan-t2v",
+    diffusers_pipeline="WanPipeline",
+    pipeline_cls=WanPipeline,
+    native_classes=_CLASSES,
+    pipeline_config=WanPipelineConfig(),
+    default_sampling_params=wan_default_sampling_params,
+    task="text-to-video",
+    tiny_builder=_tiny_wan(image_to_video=False),
+    dit_facts=_DIT_FACTS,
+)
+
 FAMILIES: tuple[ModelFamily, ...] = (
-    ModelFamily(
-        name="wan-t2v",
-        diffusers_pipeline="WanPipeline",
-        pipeline_cls=WanPipeline,
-        native_classes=_CLASSES,
-        pipeline_config=WanPipelineConfig(),
-        default_sampling_params=wan_default_sampling_params,
-        task="text-to-video",
-        tiny_builder=_tiny_wan(image_to_video=False),
-        dit_facts=_DIT_FACTS,
-    ),
-    ModelFamily(
+    _WAN_T2V,
+    replace(
+        _WAN_T2V,
         name="wan-i2v",
         diffusers_pipeline="WanImageToVideoPipeline",
         pipeline_cls=WanImageToVideoPipeline,
-        native_classes=_CLASSES,
-        pipeline_config=WanPipelineConfig(),
-        default_sampling_params=wan_default_sampling_params,
         task="image-to-video",
         tiny_builder=_tiny_wan(image_to_video=True),
-        dit_facts=_DIT_FACTS,
     ),
 )

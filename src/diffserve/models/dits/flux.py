@@ -34,9 +34,9 @@ projections, QK-norms and output head stay whole on every rank.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +61,7 @@ from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.quantized_linear import linear_rows
 from diffserve.layers.residual import fp16_clip, gated_residual
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding, multi_axis_rope_tables
-from diffserve.models.config_keys import config_from_diffusers
+from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.step_cache import BatchStepCache, take_rows
 
 logger = logging.getLogger(__name__)
@@ -442,7 +442,7 @@ class FluxSingleTransformerBlock(nn.Module):
         return fp16_clip(gated_residual(residual, gate.unsqueeze(1), self.proj_out(joined)))
 
 
-class FluxTransformer2DModel(nn.Module):
+class FluxTransformer2DModel(DiffusersConfigured, nn.Module):
     """FLUX.1 DiT with Diffusers' config keys and state-dict names.
 
     Build it from a `FluxTransformerConfig` (or `from_config(config_json_dict)`); under
@@ -453,6 +453,7 @@ class FluxTransformer2DModel(nn.Module):
     """
 
     diffusers_class_name: ClassVar[str] = "FluxTransformer2DModel"
+    config_class = FluxTransformerConfig
 
     def __init__(self, config: FluxTransformerConfig) -> None:
         super().__init__()
@@ -482,11 +483,6 @@ class FluxTransformer2DModel(nn.Module):
     def hidden_width(self) -> int:
         """The width of the DiT's hidden states (what a latent token's activations scale with)."""
         return self.inner_dim
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> FluxTransformer2DModel:
-        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
-        return cls(config_from_diffusers(FluxTransformerConfig, config, cls.diffusers_class_name))
 
     def rope_tables(self, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> RopeTables:
         """Half-width (cos, sin) tables for the joint sequence [text; image].

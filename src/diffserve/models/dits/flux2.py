@@ -29,9 +29,8 @@ single-stream projections are already fused).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +42,7 @@ from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.residual import fp16_clip, gated_residual
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding, multi_axis_rope_tables
-from diffserve.models.config_keys import config_from_diffusers
+from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.step_cache import BatchStepCache, take_rows
 
 #: Number of position axes of FLUX.2's ids: (T, H, W, L).
@@ -330,7 +329,7 @@ class Flux2SingleTransformerBlock(nn.Module):
 # ------------------------------------------------------------------------------------------ model
 
 
-class Flux2Transformer2DModel(nn.Module):
+class Flux2Transformer2DModel(DiffusersConfigured, nn.Module):
     """FLUX.2 DiT (dev and Klein) with Diffusers' config keys and state-dict names.
 
     Build it from a `Flux2TransformerConfig` (or `from_config(config_json_dict)`); under
@@ -356,6 +355,7 @@ class Flux2Transformer2DModel(nn.Module):
     """
 
     diffusers_class_name: ClassVar[str] = "Flux2Transformer2DModel"
+    config_class = Flux2TransformerConfig
 
     def __init__(self, config: Flux2TransformerConfig) -> None:
         super().__init__()
@@ -388,12 +388,6 @@ class Flux2Transformer2DModel(nn.Module):
     def hidden_width(self) -> int:
         """The width of the DiT's hidden states (what a latent token's activations scale with)."""
         return self.inner_dim
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> Flux2Transformer2DModel:
-        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys
-        are an error."""
-        return cls(config_from_diffusers(Flux2TransformerConfig, config, cls.diffusers_class_name))
 
     def rope_tables(self, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> RopeTables:
         """Half-width (cos, sin) tables for the joint sequence [text; image] from (seq, 4) ids each.

@@ -58,7 +58,7 @@ from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.residual import gated_residual
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding
 from diffserve.layers.shape_cache import BoundedCache
-from diffserve.models.config_keys import config_from_diffusers
+from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.dits.hunyuan_video15_embedders import (
     BYT5_PROJECTION_HIDDEN,
     HunyuanVideo15ByT5TextProjection,
@@ -242,7 +242,7 @@ def pack_context(segments: list[tuple[torch.Tensor, torch.Tensor]]) -> JointCont
     return JointContext(states.masked_fill(~mask.unsqueeze(-1), 0), mask)
 
 
-class HunyuanVideo15Transformer3DModel(nn.Module):
+class HunyuanVideo15Transformer3DModel(DiffusersConfigured, nn.Module):
     """HunyuanVideo 1.5 DiT (T2V, I2V, MeanFlow-distilled) with Diffusers' config keys and state-dict names.
 
     Build it from a `HunyuanVideo15TransformerConfig` (or `from_config(config_json_dict)`); under
@@ -251,6 +251,7 @@ class HunyuanVideo15Transformer3DModel(nn.Module):
     """
 
     diffusers_class_name: ClassVar[str] = "HunyuanVideo15Transformer3DModel"
+    config_class = HunyuanVideo15TransformerConfig
 
     def __init__(self, config: HunyuanVideo15TransformerConfig) -> None:
         super().__init__()
@@ -282,11 +283,6 @@ class HunyuanVideo15Transformer3DModel(nn.Module):
     def hidden_width(self) -> int:
         """The width of the DiT's hidden states (what a latent token's activations scale with)."""
         return self.inner_dim
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> HunyuanVideo15Transformer3DModel:
-        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
-        return cls(config_from_diffusers(HunyuanVideo15TransformerConfig, config, cls.diffusers_class_name))
 
     def rope_tables(self, frames: int, height: int, width: int, device: torch.device) -> RopeTables:
         """Half-width (cos, sin) float32 tables for a post-patch grid, cached per grid and device."""

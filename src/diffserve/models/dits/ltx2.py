@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from diffserve.layers.norms import LayerNorm
-from diffserve.models.config_keys import config_from_diffusers
+from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.dits.ltx2_blocks import (
     BlockConditioning,
     GeluTanhTextProjection,
@@ -183,7 +183,7 @@ def _per_row(value: torch.Tensor, batch: int, tokens: int, name: str) -> torch.T
     return value
 
 
-class LTX2VideoTransformer3DModel(nn.Module):
+class LTX2VideoTransformer3DModel(DiffusersConfigured, nn.Module):
     """The LTX-2 audio-video DiT on packed latent tokens (see the module docstring).
 
     Build it from an `LTX2VideoTransformerConfig` (or `from_config(config_json_dict)`); under
@@ -192,6 +192,7 @@ class LTX2VideoTransformer3DModel(nn.Module):
     """
 
     diffusers_class_name: ClassVar[str] = "LTX2VideoTransformer3DModel"
+    config_class = LTX2VideoTransformerConfig
 
     def __init__(self, config: LTX2VideoTransformerConfig) -> None:
         super().__init__()
@@ -287,11 +288,6 @@ class LTX2VideoTransformer3DModel(nn.Module):
     def hidden_width(self) -> int:
         """The width of the video stream's hidden states."""
         return self.config.inner_dim
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> LTX2VideoTransformer3DModel:
-        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
-        return cls(config_from_diffusers(LTX2VideoTransformerConfig, config, cls.diffusers_class_name))
 
     def forward(
         self,

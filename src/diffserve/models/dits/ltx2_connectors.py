@@ -27,15 +27,14 @@ int64). Diffusers accepts `causal_temporal_positioning` and never reads it; so d
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from diffserve.layers.norms import RMSNorm
-from diffserve.models.config_keys import config_from_diffusers
+from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.dits.ltx2_blocks import LTX2Attention, LTX2FeedForward
 from diffserve.models.dits.ltx2_rope import LTX2Rope, check_rope_type, connector_rope
 
@@ -213,7 +212,7 @@ class LTX2ConnectorTransformer1d(nn.Module):
         )
 
 
-class LTX2TextConnectors(nn.Module):
+class LTX2TextConnectors(DiffusersConfigured, nn.Module):
     """Gemma per-layer states -> (video text states, audio text states, mask) for the LTX-2 DiT.
 
     Build from an `LTX2TextConnectorsConfig` (or `from_config(config_json_dict)`); meta-device construction
@@ -221,6 +220,7 @@ class LTX2TextConnectors(nn.Module):
     """
 
     diffusers_class_name: ClassVar[str] = "LTX2TextConnectors"
+    config_class = LTX2TextConnectorsConfig
 
     def __init__(self, config: LTX2TextConnectorsConfig) -> None:
         super().__init__()
@@ -246,11 +246,6 @@ class LTX2TextConnectors(nn.Module):
             c.audio_connector_num_attention_heads, c.audio_connector_attention_head_dim,
             c.audio_connector_num_layers, c.audio_connector_num_learnable_registers, gated=c.audio_gated_attn, **rope,
         )  # fmt: skip
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> LTX2TextConnectors:
-        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
-        return cls(config_from_diffusers(LTX2TextConnectorsConfig, config, cls.diffusers_class_name))
 
     def forward(
         self,

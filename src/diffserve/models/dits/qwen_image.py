@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -80,7 +80,7 @@ from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.residual import fp16_clip, gated_residual
 from diffserve.layers.rotary import RopeTables
 from diffserve.layers.shape_cache import BoundedCache
-from diffserve.models.config_keys import config_from_diffusers
+from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.step_cache import BatchStepCache, take_rows
 
 # Qwen-Image's `RopeTables` (`layers/rotary.py`) are (seq, head_dim // 2) when every sample has the
@@ -366,7 +366,7 @@ def _per_sample_shapes(img_shapes: Any, batch: int) -> list[tuple[ImageShape, ..
     return out
 
 
-class QwenImageTransformer2DModel(nn.Module):
+class QwenImageTransformer2DModel(DiffusersConfigured, nn.Module):
     """Qwen-Image DiT with Diffusers' config keys and state-dict names.
 
     Build it from a `QwenImageTransformerConfig` (or `from_config(config_json_dict)`); under
@@ -375,6 +375,7 @@ class QwenImageTransformer2DModel(nn.Module):
     """
 
     diffusers_class_name: ClassVar[str] = "QwenImageTransformer2DModel"
+    config_class = QwenImageTransformerConfig
 
     def __init__(self, config: QwenImageTransformerConfig) -> None:
         super().__init__()
@@ -400,11 +401,6 @@ class QwenImageTransformer2DModel(nn.Module):
     def hidden_width(self) -> int:
         """The width of the DiT's hidden states (what a latent token's activations scale with)."""
         return self.inner_dim
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> QwenImageTransformer2DModel:
-        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
-        return cls(config_from_diffusers(QwenImageTransformerConfig, config, cls.diffusers_class_name))
 
     def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
         """Make this model rank `tp.tp_rank`'s shard of a `tp.tp_size`-way tensor-parallel DiT; call it on

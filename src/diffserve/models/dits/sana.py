@@ -29,9 +29,8 @@ the timestep embedding computed once per forward; text can be embedded once per 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +42,7 @@ from diffserve.layers.glumbconv import GLUMBConv
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.residual import fp16_clip, gated_residual
 from diffserve.layers.shape_cache import BoundedCache
-from diffserve.models.config_keys import config_from_diffusers
+from diffserve.models.config_keys import DiffusersConfigured
 
 #: Sinusoid width of the timestep and guidance embeddings (Diffusers' `Timesteps(256, ...)`).
 TIMESTEP_CHANNELS = 256
@@ -376,7 +375,7 @@ class SanaTransformerBlock(nn.Module):
         return gated_residual(x, gate_mlp, h.flatten(2).transpose(1, 2))
 
 
-class SanaTransformer2DModel(nn.Module):
+class SanaTransformer2DModel(DiffusersConfigured, nn.Module):
     """SANA DiT with Diffusers' config keys and state-dict names.
 
     Build it from a `SanaTransformerConfig` (or `from_config(config_json_dict)`); under
@@ -393,6 +392,7 @@ class SanaTransformer2DModel(nn.Module):
     """
 
     diffusers_class_name: ClassVar[str] = "SanaTransformer2DModel"
+    config_class = SanaTransformerConfig
 
     def __init__(self, config: SanaTransformerConfig) -> None:
         super().__init__()
@@ -418,11 +418,6 @@ class SanaTransformer2DModel(nn.Module):
     def hidden_width(self) -> int:
         """The width of the DiT's hidden states (what a latent token's activations scale with)."""
         return self.inner_dim
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> SanaTransformer2DModel:
-        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
-        return cls(config_from_diffusers(SanaTransformerConfig, config, cls.diffusers_class_name))
 
     def embed_context(self, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
         """Gemma-2 states (batch, L, caption_channels) -> the cross-attention context (batch, L, inner).

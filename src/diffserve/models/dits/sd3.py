@@ -47,11 +47,11 @@ and Ring then move this rank's heads only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -71,7 +71,7 @@ from diffserve.layers.joint_attention import JointAttention
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.shape_cache import BoundedCache
-from diffserve.models.config_keys import config_from_diffusers
+from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.step_cache import BatchStepCache, take_rows
 
 NORM_EPS = 1e-6
@@ -406,7 +406,7 @@ class JointTransformerBlock(nn.Module):
         return ctx, x
 
 
-class SD3Transformer2DModel(nn.Module):
+class SD3Transformer2DModel(DiffusersConfigured, nn.Module):
     """SD3 / SD3.5 MMDiT with Diffusers' config keys and state-dict names.
 
     Build it from an `SD3TransformerConfig` (or `from_config(config_json_dict)`); under
@@ -415,6 +415,7 @@ class SD3Transformer2DModel(nn.Module):
     """
 
     diffusers_class_name: ClassVar[str] = "SD3Transformer2DModel"
+    config_class = SD3TransformerConfig
 
     def __init__(self, config: SD3TransformerConfig) -> None:
         super().__init__()
@@ -448,11 +449,6 @@ class SD3Transformer2DModel(nn.Module):
     def hidden_width(self) -> int:
         """The width of the DiT's hidden states (what a latent token's activations scale with)."""
         return self.inner_dim
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> SD3Transformer2DModel:
-        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
-        return cls(config_from_diffusers(SD3TransformerConfig, config, cls.diffusers_class_name))
 
     def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
         """Make this model rank `tp.tp_rank`'s shard of a `tp.tp_size`-way tensor-parallel DiT; call it on

@@ -53,7 +53,7 @@ other than "rms_norm_across_heads" is rejected (Diffusers ignores the key and al
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -76,7 +76,7 @@ from diffserve.layers.mlp import gelu_in_place
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding, multi_axis_rope_tables
 from diffserve.layers.shape_cache import BoundedCache
-from diffserve.models.config_keys import config_from_diffusers
+from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.step_cache import BatchStepCache, take_rows
 from diffserve.platforms import Platform
 
@@ -399,7 +399,7 @@ class EmbeddedContext(NamedTuple):
     image_len: int  # leading image tokens (I2V's CLIP states); 0 for text-to-video
 
 
-class WanTransformer3DModel(nn.Module):
+class WanTransformer3DModel(DiffusersConfigured, nn.Module):
     """Wan 2.1 DiT (T2V, I2V, FLF2V) with Diffusers' config keys and state-dict names.
 
     Build it from a `WanTransformerConfig` (or `from_config(config_json_dict)`); under
@@ -408,6 +408,7 @@ class WanTransformer3DModel(nn.Module):
     """
 
     diffusers_class_name: ClassVar[str] = "WanTransformer3DModel"
+    config_class = WanTransformerConfig
 
     def __init__(self, config: WanTransformerConfig) -> None:
         super().__init__()
@@ -442,11 +443,6 @@ class WanTransformer3DModel(nn.Module):
     def hidden_width(self) -> int:
         """The width of the DiT's hidden states (what a latent token's activations scale with)."""
         return self.inner_dim
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> WanTransformer3DModel:
-        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
-        return cls(config_from_diffusers(WanTransformerConfig, config, cls.diffusers_class_name))
 
     def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
         """Make this model rank `tp.tp_rank`'s shard of a `tp.tp_size`-way tensor-parallel DiT; call it on

@@ -64,9 +64,9 @@ noise masks) and ControlNet residuals are not implemented.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -82,7 +82,7 @@ from diffserve.distributed.tensor_parallel import (
 from diffserve.layers.embeddings import timestep_sinusoids
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.shape_cache import BoundedCache
-from diffserve.models.config_keys import config_from_diffusers
+from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.step_cache import BatchStepCache
 
 #: Sequences (image tokens, caption tokens) are padded per sample to a multiple of this.
@@ -472,7 +472,7 @@ class ZImageTimestepEmbedder(nn.Module):
         return self.mlp(freqs.to(self.mlp[0].weight.dtype))
 
 
-class ZImageTransformer2DModel(nn.Module):
+class ZImageTransformer2DModel(DiffusersConfigured, nn.Module):
     """Z-Image DiT with Diffusers' config keys and state-dict names (text-to-image path).
 
     Build it from a `ZImageTransformerConfig` (or `from_config(config_json_dict)`); under
@@ -482,6 +482,7 @@ class ZImageTransformer2DModel(nn.Module):
     """
 
     diffusers_class_name: ClassVar[str] = "ZImageTransformer2DModel"
+    config_class = ZImageTransformerConfig
 
     def __init__(self, config: ZImageTransformerConfig) -> None:
         super().__init__()
@@ -525,11 +526,6 @@ class ZImageTransformer2DModel(nn.Module):
     def hidden_width(self) -> int:
         """The width of the DiT's hidden states (what a latent token's activations scale with)."""
         return self.config.dim
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> ZImageTransformer2DModel:
-        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
-        return cls(config_from_diffusers(ZImageTransformerConfig, config, cls.diffusers_class_name))
 
     def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
         """Make this model rank `tp.tp_rank`'s shard of a `tp.tp_size`-way tensor-parallel DiT; call it on

@@ -23,8 +23,7 @@ images larger than a tile in overlapping tiles, cross-faded; `enable_slicing()` 
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -32,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffserve.layers.glumbconv import GLUMBConv
-from diffserve.models.config_keys import checked_config_kwargs
+from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.vaes.blocks import get_activation
 from diffserve.models.vaes.tiling import TilingMixin, per_sample, stitch_tiles, tile_starts
 
@@ -350,7 +349,7 @@ def _checked(name: str, values: Sequence[str], allowed: Sequence[str]) -> None:
             raise ValueError(f"AutoencoderDC: {name} {value!r} is not supported; supported: {tuple(allowed)}")
 
 
-class AutoencoderDC(TilingMixin, nn.Module):
+class AutoencoderDC(DiffusersConfigured, TilingMixin, nn.Module):
     """DC-AE with Diffusers' config and weight names.
 
         encode(image (B, in_channels, H, W) in [-1, 1], H and W multiples of spatial_compression_ratio)
@@ -451,17 +450,6 @@ class AutoencoderDC(TilingMixin, nn.Module):
         self.tile_sample_stride_width = 448
         self.tile_latent_min_height = self.tile_sample_min_height // self.spatial_compression_ratio
         self.tile_latent_min_width = self.tile_sample_min_width // self.spatial_compression_ratio
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> AutoencoderDC:
-        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
-        return cls(**checked_config_kwargs(config, cls.config_keys(), cls.diffusers_class_name))
-
-    @classmethod
-    def config_keys(cls) -> frozenset[str]:
-        """The config names the constructor accepts (Diffusers' `AutoencoderDC` config)."""
-        params = inspect.signature(cls.__init__).parameters.values()
-        return frozenset(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
     @property
     def spatial_compression_ratio(self) -> int:

@@ -17,8 +17,7 @@ takes none: there one sets the attributes). `enable_slicing()` encodes / decodes
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
@@ -26,7 +25,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from diffserve.models.config_keys import checked_config_kwargs
+from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.vaes.blocks import Decoder, Encoder
 from diffserve.models.vaes.tiling import TilingMixin, per_sample, stitch_tiles, tile_starts
 
@@ -87,7 +86,7 @@ class DiagonalGaussian:
         return self.mean
 
 
-class AutoencoderKL(TilingMixin, nn.Module):
+class AutoencoderKL(DiffusersConfigured, TilingMixin, nn.Module):
     """KL-regularised convolutional autoencoder with diffusers' config and weight names."""
 
     diffusers_class_name = "AutoencoderKL"
@@ -166,21 +165,6 @@ class AutoencoderKL(TilingMixin, nn.Module):
         self.tile_sample_min_size = int(first_side)
         self.tile_latent_min_size = int(first_side / 2 ** (len(block_out_channels) - 1))
         self.tile_overlap_factor = 0.25
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> AutoencoderKL:
-        """Build from a diffusers `config.json` dict; `_`-prefixed metadata keys are ignored.
-
-        Unknown keys are an error rather than silently dropped: they mean the checkpoint expects
-        behaviour this class does not implement.
-        """
-        return cls(**checked_config_kwargs(config, cls.config_keys(), cls.__name__))
-
-    @classmethod
-    def config_keys(cls) -> frozenset[str]:
-        """The config names the constructor accepts (diffusers' `AutoencoderKL` config)."""
-        params = inspect.signature(cls.__init__).parameters.values()
-        return frozenset(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
     @property
     def spatial_compression_ratio(self) -> int:

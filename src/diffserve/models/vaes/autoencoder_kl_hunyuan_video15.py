@@ -18,13 +18,13 @@ a model built on the meta device.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from diffserve.models.config_keys import checked_config_kwargs
+from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.vaes.autoencoder_kl import DiagonalGaussian
 from diffserve.models.vaes.hunyuan_video15_blocks import Decoder3D, Encoder3D
 from diffserve.models.vaes.tiling import TilingMixin, per_sample, stitch_tiles, tile_starts
@@ -44,10 +44,11 @@ HUNYUAN_VIDEO15_VAE_CONFIG_DEFAULTS: dict[str, Any] = {
 }
 
 
-class AutoencoderKLHunyuanVideo15(TilingMixin, nn.Module):
+class AutoencoderKLHunyuanVideo15(DiffusersConfigured, TilingMixin, nn.Module):
     """HunyuanVideo-1.5's causal video VAE with Diffusers' config keys and weight names."""
 
     diffusers_class_name: ClassVar[str] = "AutoencoderKLHunyuanVideo15"
+    config_defaults = HUNYUAN_VIDEO15_VAE_CONFIG_DEFAULTS
 
     def __init__(
         self,
@@ -100,13 +101,6 @@ class AutoencoderKLHunyuanVideo15(TilingMixin, nn.Module):
         self.tile_latent_min_height = self.tile_sample_min_height // spatial_compression_ratio
         self.tile_latent_min_width = self.tile_sample_min_width // spatial_compression_ratio
         self.tile_overlap_factor = 0.25
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> AutoencoderKLHunyuanVideo15:
-        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
-        return cls(
-            **checked_config_kwargs(config, HUNYUAN_VIDEO15_VAE_CONFIG_DEFAULTS, cls.diffusers_class_name)
-        )
 
     @property
     def spatial_compression_ratio(self) -> int:

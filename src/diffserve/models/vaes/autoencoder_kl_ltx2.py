@@ -28,13 +28,13 @@ State-dict keys match Diffusers', so a checkpoint loads with `strict=True` into 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from diffserve.models.config_keys import checked_config_kwargs
+from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.vaes.autoencoder_kl import DiagonalGaussian
 from diffserve.models.vaes.ltx2_video_blocks import (
     DOWNSAMPLE_STRIDES,
@@ -101,10 +101,11 @@ def _check_choices(name: str, values: Sequence[str], allowed: Sequence[str]) -> 
         raise ValueError(f"AutoencoderKLLTX2Video: {name} has {bad}; allowed values: {list(allowed)}")
 
 
-class AutoencoderKLLTX2Video(TilingMixin, nn.Module):
+class AutoencoderKLLTX2Video(DiffusersConfigured, TilingMixin, nn.Module):
     """LTX-2's video VAE with Diffusers' config keys, weight names and tiling/slicing modes."""
 
     diffusers_class_name: ClassVar[str] = "AutoencoderKLLTX2Video"
+    config_defaults = LTX2_VIDEO_VAE_CONFIG_DEFAULTS
 
     def __init__(
         self,
@@ -234,11 +235,6 @@ class AutoencoderKLLTX2Video(TilingMixin, nn.Module):
         self.tile_sample_stride_height = TILE_DEFAULTS["tile_sample_stride_height"]
         self.tile_sample_stride_width = TILE_DEFAULTS["tile_sample_stride_width"]
         self.tile_sample_stride_num_frames = TILE_DEFAULTS["tile_sample_stride_num_frames"]
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> AutoencoderKLLTX2Video:
-        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
-        return cls(**checked_config_kwargs(config, LTX2_VIDEO_VAE_CONFIG_DEFAULTS, cls.diffusers_class_name))
 
     # ---- modes ----------------------------------------------------------------------------------
 

@@ -17,14 +17,14 @@ is cropped / zero-padded to `4 * frames - 3` mel frames and `mel_bins` bins what
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffserve.models.config_keys import checked_config_kwargs
+from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.vaes.autoencoder_kl import DiagonalGaussian
 
 #: LTX-2's audio latents are this many times shorter (time) and narrower (mel bins) than the mel input.
@@ -327,7 +327,7 @@ class AudioDecoder(nn.Module):
         return mel
 
 
-class AutoencoderKLLTX2Audio(nn.Module):
+class AutoencoderKLLTX2Audio(DiffusersConfigured, nn.Module):
     """LTX-2's audio VAE with Diffusers' `AutoencoderKLLTX2Audio` config keys and weight names.
 
     `dropout` is accepted for config compatibility and has no effect at inference; `is_causal` and
@@ -335,6 +335,7 @@ class AutoencoderKLLTX2Audio(nn.Module):
     """
 
     diffusers_class_name: ClassVar[str] = "AutoencoderKLLTX2Audio"
+    config_defaults = LTX2_AUDIO_VAE_CONFIG_DEFAULTS
     #: Mel frames / mel bins per latent step (Diffusers' `temporal_compression_ratio`,
     #: `mel_compression_ratio`; fixed by LTX-2, not derived from `ch_mult`).
     temporal_compression_ratio: ClassVar[int] = LATENT_DOWNSAMPLE_FACTOR
@@ -409,11 +410,6 @@ class AutoencoderKLLTX2Audio(nn.Module):
         # Dataset statistics of the packed latents; the checkpoint's values replace these.
         self.register_buffer("latents_mean", torch.zeros(base_channels))
         self.register_buffer("latents_std", torch.ones(base_channels))
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> AutoencoderKLLTX2Audio:
-        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
-        return cls(**checked_config_kwargs(config, LTX2_AUDIO_VAE_CONFIG_DEFAULTS, cls.diffusers_class_name))
 
     @property
     def latents_per_second(self) -> float:

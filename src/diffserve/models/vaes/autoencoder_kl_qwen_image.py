@@ -8,10 +8,10 @@ meta device.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from diffserve.models.config_keys import checked_config_kwargs
+from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.vaes.causal3d_blocks import LATENTS_MEAN, LATENTS_STD, CausalVideoVAE
 
 #: Diffusers' `AutoencoderKLQwenImage` config keys and defaults (the released Qwen-Image VAE uses these).
@@ -30,7 +30,7 @@ QWEN_IMAGE_VAE_CONFIG_DEFAULTS: dict[str, Any] = {
 }
 
 
-class AutoencoderKLQwenImage(CausalVideoVAE):
+class AutoencoderKLQwenImage(DiffusersConfigured, CausalVideoVAE):
     """Qwen-Image's VAE with Diffusers' config keys and state-dict names.
 
     Build it with keyword config values (or `from_config(config_json_dict)`); under
@@ -38,6 +38,7 @@ class AutoencoderKLQwenImage(CausalVideoVAE):
     """
 
     diffusers_class_name: ClassVar[str] = "AutoencoderKLQwenImage"
+    config_defaults = QWEN_IMAGE_VAE_CONFIG_DEFAULTS
 
     def __init__(
         self,
@@ -77,8 +78,3 @@ class AutoencoderKLQwenImage(CausalVideoVAE):
             "latents_mean": tuple(latents_mean),
             "latents_std": tuple(latents_std),
         }
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> AutoencoderKLQwenImage:
-        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
-        return cls(**checked_config_kwargs(config, QWEN_IMAGE_VAE_CONFIG_DEFAULTS, cls.diffusers_class_name))

@@ -9,10 +9,10 @@ match Diffusers', so checkpoints load with `strict=True` into a model built on t
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from diffserve.models.config_keys import checked_config_kwargs
+from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.vaes.causal3d_blocks import LATENTS_MEAN, LATENTS_STD, CausalVideoVAE
 
 #: Diffusers' `AutoencoderKLWan` config keys and defaults (Wan 2.1's VAE; Wan 2.2's sets `is_residual`,
@@ -37,7 +37,7 @@ WAN_VAE_CONFIG_DEFAULTS: dict[str, Any] = {
 }
 
 
-class AutoencoderKLWan(CausalVideoVAE):
+class AutoencoderKLWan(DiffusersConfigured, CausalVideoVAE):
     """Wan's video VAE with Diffusers' `AutoencoderKLWan` config keys: Wan 2.1's (the same network as
     Qwen-Image's) or, with `is_residual` and `patch_size`, Wan 2.2's.
 
@@ -46,6 +46,7 @@ class AutoencoderKLWan(CausalVideoVAE):
     """
 
     diffusers_class_name: ClassVar[str] = "AutoencoderKLWan"
+    config_defaults = WAN_VAE_CONFIG_DEFAULTS
 
     def __init__(
         self,
@@ -101,8 +102,3 @@ class AutoencoderKLWan(CausalVideoVAE):
             "scale_factor_temporal": scale_factor_temporal,
             "scale_factor_spatial": scale_factor_spatial,
         }
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> AutoencoderKLWan:
-        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
-        return cls(**checked_config_kwargs(config, WAN_VAE_CONFIG_DEFAULTS, cls.diffusers_class_name))

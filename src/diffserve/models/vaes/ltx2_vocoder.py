@@ -18,14 +18,14 @@ Both take the audio VAE's mel output (B, channels, frames, mel_bins) and return 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffserve.models.config_keys import checked_config_kwargs
+from diffserve.models.config_keys import DiffusersConfigured
 
 ACT_FNS: tuple[str, ...] = ("snakebeta", "snake", "leaky_relu")
 FINAL_ACT_FNS: tuple[str | None, ...] = ("tanh", "clamp", None)
@@ -278,7 +278,7 @@ class ResBlock(nn.Module):
         return x
 
 
-class LTX2Vocoder(nn.Module):
+class LTX2Vocoder(DiffusersConfigured, nn.Module):
     """Mel spectrogram -> waveform generator with Diffusers' `LTX2Vocoder` config keys and weight names.
 
     Input (B, C, frames, mel_bins) with C * mel_bins == in_channels (or (B, C, mel_bins, frames) with
@@ -286,6 +286,7 @@ class LTX2Vocoder(nn.Module):
     """
 
     diffusers_class_name: ClassVar[str] = "LTX2Vocoder"
+    config_defaults = LTX2_VOCODER_CONFIG_DEFAULTS
 
     def __init__(
         self,
@@ -376,11 +377,6 @@ class LTX2Vocoder(nn.Module):
             )
         self.conv_out = nn.Conv1d(width, out_channels, 7, padding=3, bias=final_bias)
 
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> LTX2Vocoder:
-        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
-        return cls(**checked_config_kwargs(config, LTX2_VOCODER_CONFIG_DEFAULTS, cls.diffusers_class_name))
-
     @property
     def sample_rate(self) -> int:
         """Sample rate of the waveform `forward` returns (Diffusers' `config.output_sampling_rate`)."""
@@ -464,12 +460,13 @@ class MelSTFT(nn.Module):
         return torch.log(mel.clamp(min=1e-5))
 
 
-class LTX2VocoderWithBWE(nn.Module):
+class LTX2VocoderWithBWE(DiffusersConfigured, nn.Module):
     """LTX-2.3's vocoder: a mel -> `input_sampling_rate` generator (`vocoder`), then bandwidth extension
     to `output_sampling_rate` (`bwe_generator` on the first waveform's causal log-mel, plus a resampled
     skip), clamped to [-1, 1]; Diffusers' `LTX2VocoderWithBWE` config keys and weight names."""
 
     diffusers_class_name: ClassVar[str] = "LTX2VocoderWithBWE"
+    config_defaults = LTX2_VOCODER_BWE_CONFIG_DEFAULTS
 
     def __init__(
         self,
@@ -537,13 +534,6 @@ class LTX2VocoderWithBWE(nn.Module):
             cfg["filter_length"], cfg["hop_length"], cfg["window_length"], cfg["num_mel_channels"]
         )
         self.resampler = HannUpsample1d(output_rate // input_rate)
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> LTX2VocoderWithBWE:
-        """Build from a Diffusers `config.json` dict; `_`-prefixed metadata keys are ignored, unknown keys are an error."""
-        return cls(
-            **checked_config_kwargs(config, LTX2_VOCODER_BWE_CONFIG_DEFAULTS, cls.diffusers_class_name)
-        )
 
     @property
     def sample_rate(self) -> int:
