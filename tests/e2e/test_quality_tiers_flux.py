@@ -87,7 +87,7 @@ def test_default_quality_applies_to_auto_and_unset(flux_dir) -> None:
     exact = generator.generate(PROMPTS[0], num_inference_steps=STEPS, seed=4, quality="lossless", **SIZE)
     assert exact.steps_computed_in_full == STEPS and exact.params.quality == "high"
     with pytest.raises(
-        UserError, match="default quality must be one of high, medium, low, draft, hd, lossless"
+        UserError, match="default_quality must be one of high, medium, low, draft, hd, lossless"
     ):
         DiffGenerator.from_pretrained(flux_dir, device="cpu", show_progress=False, default_quality="ultra")
 

@@ -17,6 +17,23 @@ RopeTables = tuple[torch.Tensor, torch.Tensor]
 _NO_FP64_DEVICE_TYPES = frozenset({"mps", "npu", "neuron"})
 
 
+def checked_rope_axes(
+    name: str, axes_dims: Sequence[int], head_dim: int, count: int | None = None
+) -> tuple[int, ...]:
+    """`axes_dims` (a config field called `name`) as a tuple of ints, checked for what multi-axis RoPE
+    needs: `count` entries (when given), each even (a slice rotates channel pairs), summing to the
+    attention head width (the slices tile the head). Configs call it from `__post_init__`, so a bad
+    checkpoint config fails at load, not at the first forward."""
+    axes = tuple(int(d) for d in axes_dims)
+    if count is not None and len(axes) != count:
+        raise ValueError(f"{name} must have {count} entries, got {axes}")
+    if any(d % 2 for d in axes):
+        raise ValueError(f"every entry of {name} must be even, got {axes}")
+    if sum(axes) != head_dim:
+        raise ValueError(f"{name} {axes} must sum to attention_head_dim ({head_dim})")
+    return axes
+
+
 def multi_axis_rope_tables(ids: torch.Tensor, axes_dims: Sequence[int], theta: float = 10000.0) -> RopeTables:
     """Half-width float32 `(cos, sin)` tables for position `ids` (seq, n_axes), as Diffusers' `FluxPosEmbed`:
     angles in float64 (they reach ~1e3 rad on large grids) where the device has it."""

@@ -22,6 +22,7 @@ from diffserve.layers.custom_op import dispatch_custom_ops
 from diffserve.loader.dit_weights import DitLoadOptions, finish_dit, load_dit_weights
 from diffserve.loader.model_index import ComponentSpec, ModelIndex, read_json
 from diffserve.loader.native_classes import NativeClasses, NativeModelClass, NativeSchedulerClass
+from diffserve.loader.owned_weights import detach_from_files
 from diffserve.loader.processors import (
     TOKENIZER_ONLY_PROCESSORS,
     load_image_text_processor,
@@ -225,7 +226,11 @@ def _load(
     if name in TRANSFORMERS_ENCODERS:
         with _loading(name, spec.path):
             model = getattr(transformers, name).from_pretrained(path, dtype=text_dtype, local_files_only=True)
-        return model.to(device).eval().requires_grad_(False)
+        model = model.to(device).eval().requires_grad_(False)
+        # transformers maps the files and keeps same-dtype weights as views of them: copy those out, so
+        # that a weight file rewritten or truncated after the load changes nothing (owned_weights.py).
+        detach_from_files(model, sorted(spec.path.glob("*.safetensors")))
+        return model
     if role == "processor" and (name in TOKENIZER_ONLY_PROCESSORS or spec.name.startswith("tokenizer")):
         # A processor in a tokenizer's place (FLUX.2-dev's PixtralProcessor): the pipeline uses its text part.
         with _loading(f"processor {name}'s tokenizer", spec.path):

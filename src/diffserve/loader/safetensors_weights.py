@@ -2,6 +2,8 @@
 
 A module holding tensor-parallel layers (`distributed/tensor_parallel.py`) gets only its rank's part of
 each sharded tensor: those ranges are read with safetensors' `get_slice`, never the whole tensor.
+Every tensor is read into memory the engine owns (`loader/owned_weights.py`): nothing loaded stays a
+view of its file's pages, so a file rewritten or truncated after the load changes nothing.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from torch import nn
 
 from diffserve.distributed.tensor_parallel import ShardSpec, tensor_parallel_shards
 from diffserve.errors import ModelLoadError
+from diffserve.loader.owned_weights import open_safetensors, owned
 
 _WEIGHT_NAMES = ("diffusion_pytorch_model", "model")
 _READ_ERRORS = (SafetensorError, OSError, ValueError)
@@ -64,7 +67,7 @@ class SafeFile(Protocol):
 
 def _open(path: Path):
     try:
-        return safe_open(str(path), framework="pt", device="cpu")
+        return open_safetensors(path)
     except _READ_ERRORS as exc:
         raise ModelLoadError(f"cannot read {path}: the file is truncated or corrupt ({exc})") from exc
 
@@ -130,7 +133,7 @@ def load_safetensors_into(
                     )
                 total_bytes += tensor.numel() * tensor.element_size()
                 target_dtype = dtype if tensor.is_floating_point() else tensor.dtype
-                shard[key] = tensor.to(device=device, dtype=target_dtype)
+                shard[key] = owned(tensor, device, target_dtype)
         module.load_state_dict(shard, strict=False, assign=True)
     still_meta = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
     if still_meta:

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
@@ -67,6 +67,7 @@ from diffserve.distributed.tensor_parallel import (
     tensor_parallel_shards,
 )
 from diffserve.errors import ModelLoadError
+from diffserve.loader.owned_weights import open_safetensors, owned
 from diffserve.loader.safetensors_weights import SafeFile, find_weight_files
 
 logger = logging.getLogger("diffserve.loader")
@@ -178,7 +179,7 @@ def _describe(keys: Iterable[str], limit: int = 8) -> str:
 
 def _open(path: Path):
     try:
-        return safe_open(str(path), framework="pt", device="cpu")
+        return open_safetensors(path)
     except _READ_ERRORS as exc:
         raise ModelLoadError(f"cannot read {path}: the file is truncated or corrupt ({exc})") from exc
 
@@ -290,7 +291,7 @@ def _load_weights(
                         f"{tuple(expected[target].shape)}"
                     )
                 num_bytes += tensor.numel() * tensor.element_size()
-                _put(model, target, tensor.to(device=device, dtype=target_dtype(target, expected[target])))
+                _put(model, target, owned(tensor, device, target_dtype(target, expected[target])))
                 loaded.add(target)
     return loaded, num_bytes
 
