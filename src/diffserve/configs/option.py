@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, TypeVar, overload
 
-from diffserve.errors import UserError
+from diffserve.errors import InvalidRequestError, UserError
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., object])
@@ -404,3 +404,72 @@ def option_keywords(cls: type[DataclassInstance], skip: Iterable[str] = ()) -> C
         return function
 
     return decorate
+
+
+# ------------------------------------------------------------------------------------- family settings
+
+
+#: How messages name a setting's type.
+_KIND_NAMES: dict[object, str] = {float: "number", int: "integer", str: "string"}
+
+
+def _matches_type(value: object, hint: object) -> bool:
+    """Whether a JSON-like `value` is of the declared scalar type `hint` (an int passes for a float; a bool
+    is never a number)."""
+    if hint is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if hint is float:
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    if hint is int:
+        return isinstance(value, int)
+    return not isinstance(hint, type) or isinstance(value, hint)
+
+
+def settings_from(
+    cls: type[T], values: Mapping[str, object], what: str, allowed: Iterable[str] | None = None
+) -> T:
+    """A family's settings dataclass (its fields declared with `option`) from a request's untyped mapping
+    (`SamplingParams.extra`): every key one of `allowed` (default: every declared field), every value of
+    the field's type (a list for a tuple or list field, each item of its item type) and within its
+    declared bounds; else an InvalidRequestError naming `what[key]` and what it accepts. Missing keys take
+    the declared defaults; a number given for a float field becomes a float, a list a tuple."""
+    declared = {d.name: d for d in options(cls)}  # type: ignore[arg-type]
+    names = list(declared) if allowed is None else list(allowed)
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise InvalidRequestError(
+            f"{what} has unknown setting(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(names)}",
+            param=what,
+        )
+    checked: dict[str, object] = {}
+    for name, value in values.items():
+        option_ = declared[name]
+        base = _without_none(option_.type)
+        sequence = typing.get_origin(base) in (list, tuple)
+        item_type = typing.get_args(base)[0] if sequence else base
+        if value is None and option_.type is not base:  # an optional setting left unset
+            checked[name] = None
+            continue
+        items = value if sequence and isinstance(value, (list, tuple)) else None
+        typed = (
+            items is not None and all(_matches_type(item, item_type) for item in items)
+            if sequence
+            else _matches_type(value, item_type)
+        )
+        if not typed or not option_.spec.allows(value):
+            kind = _KIND_NAMES.get(item_type, getattr(item_type, "__name__", str(item_type)))
+            shape = (
+                f"a list of {kind}s" if sequence else ("true or false" if item_type is bool else f"a {kind}")
+            )
+            rule = option_.spec.rule()
+            raise InvalidRequestError(
+                f"{what}[{name!r}] must be {shape}{f' {rule}' if rule else ''}, got {value!r}",
+                param=what,
+            )
+        if sequence:
+            checked[name] = tuple(float(i) if item_type is float else i for i in value)  # type: ignore[union-attr]
+        else:
+            checked[name] = float(value) if item_type is float else value  # type: ignore[arg-type]
+    return cls(**checked)

@@ -12,12 +12,10 @@ request may set in `SamplingParams.extra` (`LTX2_EXTRA_KEYS`), each defaulting a
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass, fields, replace
 
+from diffserve.configs.option import option, settings_from
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.errors import InvalidRequestError
 
 #: H.264 CRF Diffusers re-compresses an image-to-video input image with (the compression the model was
 #: trained against): 33 with a Gemma-3 text encoder (LTX-2.0 .. 2.3), 18 with Gemma-4 (LTX-2.5); 0 skips it.
@@ -54,29 +52,40 @@ def ltx2_default_sampling_params() -> SamplingParams:
 
 @dataclass(frozen=True)
 class LTX2Guidance:
-    """One request's LTX-2 settings beyond SamplingParams (Diffusers' `__call__` arguments and defaults).
+    """One request's LTX-2 settings beyond SamplingParams: Diffusers' `__call__` arguments and defaults, each
+    declared once (`option`); a request sets them in `SamplingParams.extra` (`ltx2_guidance` checks them).
 
     The audio scales left at 0 / None take the video's value, as Diffusers' `audio_x = audio_x or x`."""
 
-    audio_guidance_scale: float | None = 7.0
-    stg_scale: float = 1.0
-    audio_stg_scale: float | None = 1.0
-    modality_scale: float = 3.0
-    audio_modality_scale: float | None = 3.0
-    guidance_rescale: float = 0.7
-    audio_guidance_rescale: float | None = 0.7
-    #: DiT blocks whose self-attention STG perturbs (Diffusers' default, for LTX-2.3's 48 blocks).
-    spatio_temporal_guidance_blocks: tuple[int, ...] = (28,)
-    #: Modulate the audio<->video attention by the other modality's sigma (LTX-2.3+; False: LTX-2.0's way).
-    use_cross_timestep: bool = True
-    #: Positional embeddings use fps / motion_speed: below 1 slows the motion down.
-    motion_speed: float = 1.0
-    #: The video VAE's decode timestep and the noise mixed in before decoding (timestep-conditioned VAEs;
-    #: None: the decode timestep).
-    decode_timestep: float = 0.0
-    decode_noise_scale: float | None = None
-    #: Image-to-video: the H.264 CRF the input image is re-compressed at (None: the model's default).
-    image_crf: int | None = None
+    audio_guidance_scale: float | None = option(7.0, min=0, help="audio CFG scale (unset: guidance_scale)")
+    stg_scale: float = option(1.0, min=0, help="spatio-temporal guidance scale")
+    audio_stg_scale: float | None = option(1.0, min=0, help="audio STG scale (unset: stg_scale)")
+    modality_scale: float = option(3.0, min=0, help="audio-video modality guidance scale")
+    audio_modality_scale: float | None = option(
+        3.0, min=0, help="audio modality scale (unset: modality_scale)"
+    )
+    guidance_rescale: float = option(0.7, min=0, max=1, help="CFG rescale of the video prediction")
+    audio_guidance_rescale: float | None = option(
+        0.7, min=0, max=1, help="audio CFG rescale (unset: the video's)"
+    )
+    spatio_temporal_guidance_blocks: tuple[int, ...] = option(
+        (28,),
+        min=0,
+        help="DiT blocks whose self-attention STG perturbs (Diffusers' default, for LTX-2.3's 48)",
+    )
+    use_cross_timestep: bool = option(
+        True, help="modulate audio<->video attention by the other modality's sigma (False: LTX-2.0's way)"
+    )
+    motion_speed: float = option(
+        1.0, gt=0, help="positional embeddings use fps / motion_speed (< 1 slows motion)"
+    )
+    decode_timestep: float = option(0.0, min=0, max=1, help="the video VAE's decode timestep")
+    decode_noise_scale: float | None = option(
+        None, min=0, max=1, help="noise mixed in before decoding (unset: the decode timestep)"
+    )
+    image_crf: int | None = option(
+        None, min=0, max=51, help="image-to-video: H.264 CRF the input image is re-compressed at (0: none)"
+    )
 
     def resolved_audio(self, guidance_scale: float) -> tuple[float, float, float, float]:
         """(audio CFG scale, audio STG scale, audio modality scale, audio rescale) after Diffusers' `or`."""
@@ -91,77 +100,12 @@ class LTX2Guidance:
 #: The keys an LTX-2 request may set in `SamplingParams.extra`.
 LTX2_EXTRA_KEYS: tuple[str, ...] = tuple(f.name for f in fields(LTX2Guidance))
 
-_FLOAT_KEYS = {
-    "audio_guidance_scale": (0.0, None),
-    "stg_scale": (0.0, None),
-    "audio_stg_scale": (0.0, None),
-    "modality_scale": (0.0, None),
-    "audio_modality_scale": (0.0, None),
-    "guidance_rescale": (0.0, 1.0),
-    "audio_guidance_rescale": (0.0, 1.0),
-    "decode_timestep": (0.0, 1.0),
-    "decode_noise_scale": (0.0, 1.0),
-}
-_OPTIONAL = {"audio_guidance_scale", "audio_stg_scale", "audio_modality_scale", "audio_guidance_rescale"}
-_OPTIONAL |= {"decode_noise_scale", "image_crf"}
-
-
-def _number(key: str, value: Any) -> float:
-    low, high = _FLOAT_KEYS[key]
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < low or (high is not None and value > high):
-        bound = f"in [{low:g}, {high:g}]" if high is not None else f">= {low:g}"
-        raise InvalidRequestError(f"extra[{key!r}] must be a number {bound}, got {value!r}", param="extra")
-    return float(value)
-
 
 def ltx2_guidance(params: SamplingParams, image_to_video: bool = False) -> LTX2Guidance:
-    """The request's LTX-2 settings: Diffusers' defaults, overridden by `params.extra` (checked; an unknown
-    key or a bad value is an InvalidRequestError naming it and what it accepts)."""
+    """The request's LTX-2 settings: Diffusers' defaults, overridden by `params.extra` (checked against the
+    declarations; an unknown key or a bad value is an InvalidRequestError naming it and what it accepts).
+    `image_crf` applies to image-to-video only."""
     allowed = [k for k in LTX2_EXTRA_KEYS if image_to_video or k != "image_crf"]
-    unknown = sorted(set(params.extra) - set(allowed))
-    if unknown:
-        raise InvalidRequestError(
-            f"extra has unknown LTX-2 setting(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(allowed)}",
-            param="extra",
-        )
-    values: dict[str, Any] = {}
-    for key, value in params.extra.items():
-        if value is None and key in _OPTIONAL:
-            values[key] = None
-        elif key in _FLOAT_KEYS:
-            values[key] = _number(key, value)
-        elif key == "spatio_temporal_guidance_blocks":
-            if not isinstance(value, (list, tuple)) or any(
-                not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in value
-            ):
-                raise InvalidRequestError(
-                    f"extra['spatio_temporal_guidance_blocks'] must be a list of DiT block indices >= 0, got {value!r}",
-                    param="extra",
-                )
-            values[key] = tuple(sorted(set(value)))
-        elif key == "use_cross_timestep":
-            if not isinstance(value, bool):
-                raise InvalidRequestError(
-                    f"extra['use_cross_timestep'] must be true or false, got {value!r}", param="extra"
-                )
-            values[key] = value
-        elif key == "motion_speed":
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(value)
-                or value <= 0
-            ):
-                raise InvalidRequestError(
-                    f"extra['motion_speed'] must be a positive number, got {value!r}", param="extra"
-                )
-            values[key] = float(value)
-        else:  # image_crf
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 51:
-                raise InvalidRequestError(
-                    f"extra['image_crf'] must be an integer in [0, 51] (0: no re-compression), got {value!r}",
-                    param="extra",
-                )
-            values[key] = value
-    return LTX2Guidance(**values)
+    settings = settings_from(LTX2Guidance, params.extra, "extra", allowed)
+    blocks = tuple(sorted(set(settings.spatio_temporal_guidance_blocks)))
+    return replace(settings, spatio_temporal_guidance_blocks=blocks)
