@@ -47,3 +47,14 @@ def test_bad_settings_are_refused_naming_the_key_and_the_rule(extra: dict, messa
     with pytest.raises(InvalidRequestError, match=message) as info:
         _settings(extra)
     assert info.value.param == "extra"
+
+
+def test_a_family_without_settings_refuses_extra_naming_it(tiny_flux_dir) -> None:  # noqa: ANN001
+    from diffserve import DiffGenerator
+
+    with DiffGenerator.from_pretrained(tiny_flux_dir, device="cpu", show_progress=False) as generator:
+        with pytest.raises(
+            InvalidRequestError, match=r"takes no family settings in extra, got 'stg_scale'"
+        ) as info:
+            generator.generate("x", height=64, width=64, num_inference_steps=1, extra={"stg_scale": 1.0})
+        assert info.value.param == "extra"

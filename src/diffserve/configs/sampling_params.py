@@ -288,7 +288,11 @@ class SamplingParams:
         help=f"LoRA adapters to apply, at most {MAX_LORAS_PER_REQUEST}, each a name and a scale (1.0: as "
         f"trained; 0: off; negative: subtracted; within +-{MAX_LORA_SCALE:g}); unset: the base model",
     )  # fmt: skip
-    extra: dict[str, Any] = option(default_factory=dict, help="family-specific parameters, passed through")
+    extra: dict[str, Any] = option(
+        default_factory=dict, front_end_default=None, http=True,
+        help="the model family's own settings by name, checked by the family (LTX-2: audio_guidance_scale, "
+        "stg_scale, modality_scale, guidance_rescale, motion_speed, ...; other families take none)",
+    )  # fmt: skip
 
     def with_defaults(self, defaults: SamplingParams) -> SamplingParams:
         """A copy where every `None` field takes the family default's value."""

@@ -126,6 +126,42 @@ def lora_entries(value: Any) -> Any:
     return value
 
 
+#: Bounds of a request's `extra` (a family's own settings): how many, and how long a key or a list may be.
+MAX_EXTRA_SETTINGS = 32
+MAX_EXTRA_KEY_CHARS = 64
+MAX_EXTRA_LIST_ITEMS = 256
+_EXTRA_EXAMPLE = '{"stg_scale": 1.5}'
+
+
+def extra_settings(value: Any) -> Any:
+    """An `extra` field validator: an object of at most `MAX_EXTRA_SETTINGS` settings, each a number, a
+    string, a boolean, null or a list of those (bounded), so that nothing a client sends there grows the
+    server's memory; a multipart form sends it as JSON text. Which keys and values a family takes, the
+    family checks (a 400 naming the setting)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (json.JSONDecodeError, RecursionError):
+            raise ValueError(f"expected a JSON object such as {_EXTRA_EXAMPLE}") from None
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"expected an object such as {_EXTRA_EXAMPLE}")
+    if len(value) > MAX_EXTRA_SETTINGS:
+        raise ValueError(f"at most {MAX_EXTRA_SETTINGS} settings, got {len(value)}")
+    scalar = (bool, int, float, str, type(None))
+    for key, setting in value.items():
+        if len(key) > MAX_EXTRA_KEY_CHARS:
+            raise ValueError(f"setting names are at most {MAX_EXTRA_KEY_CHARS} characters")
+        items = setting if isinstance(setting, list) else [setting]
+        if len(items) > MAX_EXTRA_LIST_ITEMS or not all(isinstance(item, scalar) for item in items):
+            raise ValueError(
+                f"{key!r}: a setting is a number, a string, a boolean, null or a list of at most "
+                f"{MAX_EXTRA_LIST_ITEMS} of those"
+            )
+    return value
+
+
 def sampling_params(body: BaseModel, **fields: Any) -> SamplingParams:
     """The engine's parameters: the request's fields named as SamplingParams fields, then `fields`. An
     unset seed is drawn here, so that the answer can name it. `loras` are checked here (count, distinct
@@ -134,7 +170,10 @@ def sampling_params(body: BaseModel, **fields: Any) -> SamplingParams:
     names = shared - {*fields, "seed", "loras"}
     seed = body.seed if body.seed is not None else secrets.randbelow(2**32)
     loras = _lora_choices(getattr(body, "loras", None))
-    return SamplingParams(seed=seed, loras=loras, **{name: getattr(body, name) for name in names}, **fields)
+    values = {name: getattr(body, name) for name in names}
+    if values.get("extra") is None:
+        values.pop("extra", None)  # unset: no family settings
+    return SamplingParams(seed=seed, loras=loras, **values, **fields)
 
 
 def _lora_choices(entries: list[LoraEntry] | None) -> list[LoraChoice]:
@@ -192,9 +231,11 @@ class ImageGenerationRequest(BaseModel):
     max_sequence_length: int | None = sampling_field("max_sequence_length")
     priority: Priority = None
     loras: list[LoraEntry] | None = sampling_field("loras", note=_LORAS_FORM)
+    extra: dict[str, Any] | None = sampling_field("extra", note=f"for example {_EXTRA_EXAMPLE}")
 
     _utf8 = field_validator("*")(utf8_text)
     _loras = field_validator("loras", mode="before")(lora_entries)
+    _extra = field_validator("extra", mode="before")(extra_settings)
 
     def check_supported(self) -> None:
         for name, allowed in NO_OP_VALUES.items():
@@ -330,9 +371,13 @@ class VideoCreateRequest(BaseModel):
     quality: str | None = sampling_field("quality")
     priority: Priority = None
     loras: list[LoraEntry] | None = sampling_field("loras", note=_LORAS_FORM)
+    extra: dict[str, Any] | None = sampling_field(
+        "extra", note=f"for example {_EXTRA_EXAMPLE} (in a multipart form: that JSON as text)"
+    )
 
     _utf8 = field_validator("*")(utf8_text)
     _loras = field_validator("loras", mode="before")(lora_entries)
+    _extra = field_validator("extra", mode="before")(extra_settings)
 
     def video_size(self) -> tuple[int | None, int | None]:
         if self.size is None or self.size.strip() == "auto":

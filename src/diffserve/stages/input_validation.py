@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from PIL import Image
@@ -200,6 +201,10 @@ class SkipLayerGuidanceRule:
 class InputValidationStage(Stage):
     sets = ("generator", "do_cfg")  # and step_cache, for an approximate quality tier
 
+    #: Whether the family reads its own settings from `SamplingParams.extra` (it checks them in its
+    #: `resolve`); a family that does not refuses a request that sends any, naming them.
+    takes_family_settings: ClassVar[bool] = False
+
     def __init__(
         self,
         defaults: SamplingParams,
@@ -218,6 +223,7 @@ class InputValidationStage(Stage):
         `default_size(params)`: (height, width) when unset. `video`: None refuses the video fields.
         `skip_layer_guidance`: None refuses the skip-layer guidance fields. `expert_guidance`: the family
         reads `guidance_scale_2` (Wan 2.2 A14B's second expert); otherwise a request setting it gets a 400."""
+
         self.defaults = defaults
         self.pixel_multiple = pixel_multiple
         self.default_pixels = default_pixels
@@ -273,6 +279,12 @@ class InputValidationStage(Stage):
         resolved.validate(self.pixel_multiple, self.max_sequence_length_limit)
         if self.skip_layer_guidance is not None:  # after `validate`: the fields' types are checked there
             self.skip_layer_guidance.check(resolved)
+        if resolved.extra and not self.takes_family_settings:
+            raise InvalidRequestError(
+                f"{self.image_inputs.pipeline_name} takes no family settings in extra, got "
+                f"{', '.join(map(repr, sorted(resolved.extra)))}",
+                param="extra",
+            )
         return resolved
 
     def forward(self, req: Req) -> Req:

@@ -89,6 +89,8 @@ class LTX2InputValidationStage(InputValidationStage):
     """The shared validation, plus LTX-2's: its `extra` settings, the text length the connectors' registers
     need, and CFG on when either modality's scale is above 1 (Diffusers' rule)."""
 
+    takes_family_settings = True
+
     def __init__(self, *args, image_to_video: bool, registers: int | None, min_side: int, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.image_to_video = image_to_video
