@@ -31,30 +31,13 @@ from diffserve.loader.processors import (
     load_processor_tokenizer,
     transformers_role,
 )
+from diffserve.loader.single_file import holds_quantized_layers
 from diffserve.loader.text_encoder_tp import TENSOR_PARALLEL_ENCODERS, load_tensor_parallel_encoder
 from diffserve.platforms import Platform
 
 logger = logging.getLogger("diffserve.loader")
 
 #: transformers classes accepted as text encoders.
-TRANSFORMERS_ENCODERS: frozenset[str] = frozenset(
-    {
-        "CLIPTextModel",
-        "CLIPTextModelWithProjection",
-        "T5EncoderModel",
-        "Qwen2_5_VLForConditionalGeneration",  # Qwen-Image (its language model; the vision tower for edits)
-        "Qwen3Model",  # Z-Image
-        "UMT5EncoderModel",  # Wan
-        "CLIPVisionModel",  # Wan image-to-video's image encoder
-        "Mistral3ForConditionalGeneration",  # FLUX.2-dev (its language model's hidden states)
-        "Qwen3ForCausalLM",  # FLUX.2-klein
-        "Gemma2Model",  # SANA
-        "Gemma3ForConditionalGeneration",  # LTX-2 (every hidden state of its language model)
-        "Qwen2_5_VLTextModel",  # HunyuanVideo 1.5 (Qwen2.5-VL's language model alone)
-        "SiglipVisionModel",  # HunyuanVideo 1.5 image-to-video's image encoder
-    }
-)
-
 #: Tokenizers, processors and image processors are not listed: any class transformers has by that name
 #: and that is one (`processors.transformers_role`) is accepted, so a folder saved by a newer transformers
 #: (transformers 5 writes `TokenizersBackend` for a generic fast tokenizer, `CLIPImageProcessorPil`
@@ -75,10 +58,11 @@ TRANSFORMERS_TOKENIZERS: dict[str, tuple[str, ...]] = {
 }
 
 
-def accepts_transformers_class(class_name: str) -> bool:
+def accepts_transformers_class(class_name: str, native: NativeClasses) -> bool:
     """Whether a model_index.json component of the transformers library may name `class_name`: one of the
-    text encoders, or any tokenizer, processor or image processor class transformers has."""
-    known = TRANSFORMERS_ENCODERS.union(TRANSFORMERS_TOKENIZERS)
+    family's encoders (`NativeClasses.encoders`), or any tokenizer, processor or image processor class
+    transformers has."""
+    known = native.encoders.union(TRANSFORMERS_TOKENIZERS)
     return class_name in known or transformers_role(class_name) is not None
 
 
@@ -156,10 +140,18 @@ def load_native_model(
     num_bytes = load_dit_weights(module, spec, load_device, dtype, options)
     module.eval().requires_grad_(False)
     # Inference-only rearrangements that need the loaded weights (e.g. fused QKV projections); weights
-    # kept in their memory-mapped files (`--max-memory`) stay unfused, as fusing would copy them all in.
+    # kept in their memory-mapped files (`--max-memory`) stay unfused, as fusing would copy them all in,
+    # and so do layers a GGUF / FP8 file left quantized (fusing concatenates full-precision weights).
     fuse = getattr(module, "fuse_for_inference", None)
     if fuse is not None and not options.mmap_weights:
-        fuse()
+        if holds_quantized_layers(module):
+            logger.info(
+                "%s (%s): left unfused (its Linears are quantized as the file stores them)",
+                spec.name,
+                spec.class_name,
+            )
+        else:
+            fuse()
     finish_dit(module, spec, options)
     if load_device != device:
         module.to(device)
@@ -223,7 +215,7 @@ def _load(
             spec.name, name, tp.tp_rank, tp.tp_size, TENSOR_PARALLEL_ENCODERS[name],
         )  # fmt: skip
         return model
-    if name in TRANSFORMERS_ENCODERS:
+    if name in native.encoders:
         with _loading(name, spec.path):
             model = getattr(transformers, name).from_pretrained(path, dtype=text_dtype, local_files_only=True)
         model = model.to(device).eval().requires_grad_(False)
@@ -338,12 +330,12 @@ def load_components(
         if not (
             spec.class_name in accepted["diffusers"]
             if spec.library == "diffusers"
-            else spec.library == "transformers" and accepts_transformers_class(spec.class_name)
+            else spec.library == "transformers" and accepts_transformers_class(spec.class_name, native)
         )
     ]
     if refused:
         classes = ", ".join(f"{spec.name!r} ({spec.library}.{spec.class_name})" for spec in refused)
-        supported = ", ".join(sorted(accepted["diffusers"] | TRANSFORMERS_ENCODERS))
+        supported = ", ".join(sorted(accepted["diffusers"] | native.encoders))
         raise ModelLoadError(
             f"{where} names component classes diffserve's {index.pipeline_class_name} does not support: "
             f"{classes}; supported component classes: {supported}, and the tokenizer, processor and image "

@@ -36,6 +36,10 @@ class NativeClasses:
     schedulers: Mapping[str, NativeSchedulerClass]
     #: Guider components (Diffusers' `guiders`, read from `guider_config.json`), e.g. HunyuanVideo 1.5's CFG.
     guiders: Mapping[str, NativeSchedulerClass] = field(default_factory=dict)
+    #: The transformers model classes (by name) the family loads as text or image encoders; a folder
+    #: naming another is refused at load, not at its first request. Tokenizers and processors are any that
+    #: transformers has (`processors.transformers_role`).
+    encoders: frozenset[str] = frozenset()
 
     @classmethod
     def of(
@@ -43,10 +47,13 @@ class NativeClasses:
         models: Sequence[NativeModelClass],
         schedulers: Sequence[NativeSchedulerClass],
         guiders: Sequence[NativeSchedulerClass] = (),
+        encoders: Sequence[str] = (),
     ) -> NativeClasses:
-        """The table of these classes, each under the Diffusers class name it declares."""
+        """The table of these classes, each under the Diffusers class name it declares, and the transformers
+        encoder classes the family loads."""
         return cls(
             models={model.diffusers_class_name: model for model in models},
             schedulers={scheduler.diffusers_class_name: scheduler for scheduler in schedulers},
             guiders={guider.diffusers_class_name: guider for guider in guiders},
+            encoders=frozenset(encoders),
         )

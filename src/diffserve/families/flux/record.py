@@ -54,7 +54,9 @@ def _tiny_flux_fill(out_dir: Path, options: TinyCheckpointOptions) -> Path:
 
 
 _CLASSES = NativeClasses.of(
-    models=(FluxTransformer2DModel, AutoencoderKL), schedulers=(FlowMatchEulerScheduler,)
+    models=(FluxTransformer2DModel, AutoencoderKL),
+    schedulers=(FlowMatchEulerScheduler,),
+    encoders=("CLIPTextModel", "T5EncoderModel"),
 )
 _DIT_FACTS = DitFacts(
     class_name=FluxTransformer2DModel.diffusers_class_name,

@@ -34,7 +34,9 @@ def _tiny_flux2(variant: str) -> TinyCheckpointBuilder:
 
 
 _CLASSES = NativeClasses.of(
-    models=(Flux2Transformer2DModel, AutoencoderKLFlux2), schedulers=(FlowMatchEulerScheduler,)
+    models=(Flux2Transformer2DModel, AutoencoderKLFlux2),
+    schedulers=(FlowMatchEulerScheduler,),
+    encoders=("Mistral3ForConditionalGeneration", "Qwen3ForCausalLM"),
 )
 #: No quantization, LoRA or single-file support yet: the loader refuses them naming the DiT.
 _DIT_FACTS = DitFacts(class_name=Flux2Transformer2DModel.diffusers_class_name)

@@ -40,6 +40,7 @@ _CLASSES = NativeClasses.of(
     models=(HunyuanVideo15Transformer3DModel, AutoencoderKLHunyuanVideo15),
     schedulers=(FlowMatchEulerScheduler,),
     guiders=(ClassifierFreeGuidance,),
+    encoders=("Qwen2_5_VLTextModel", "T5EncoderModel", "SiglipVisionModel"),
 )
 #: No quantization, LoRA or single-file support yet: the loader refuses them naming the DiT.
 _DIT_FACTS = DitFacts(class_name=HunyuanVideo15Transformer3DModel.diffusers_class_name)

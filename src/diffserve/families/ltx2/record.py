@@ -37,6 +37,7 @@ _CLASSES = NativeClasses.of(
         LTX2Vocoder, LTX2VocoderWithBWE,
     ),
     schedulers=(FlowMatchEulerScheduler,),
+    encoders=("Gemma3ForConditionalGeneration",),
 )  # fmt: skip
 #: No quantization, LoRA or single-file support yet: the loader refuses them naming the DiT.
 _DIT_FACTS = DitFacts(class_name=LTX2VideoTransformer3DModel.diffusers_class_name)

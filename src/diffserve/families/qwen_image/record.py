@@ -40,7 +40,9 @@ def _tiny_qwen_image(variant: str) -> TinyCheckpointBuilder:
 
 
 _CLASSES = NativeClasses.of(
-    models=(QwenImageTransformer2DModel, AutoencoderKLQwenImage), schedulers=(FlowMatchEulerScheduler,)
+    models=(QwenImageTransformer2DModel, AutoencoderKLQwenImage),
+    schedulers=(FlowMatchEulerScheduler,),
+    encoders=("Qwen2_5_VLForConditionalGeneration",),
 )
 _DIT_FACTS = DitFacts(
     class_name=QwenImageTransformer2DModel.diffusers_class_name,

@@ -48,6 +48,7 @@ _SANA = ModelFamily(
         models=(SanaTransformer2DModel, AutoencoderDC),
         # What SANA's folders ship (flow DPM-Solver++), and the flow-match Euler its converter also writes.
         schedulers=(DPMSolverFlowScheduler, FlowMatchEulerScheduler),
+        encoders=("Gemma2Model",),
     ),
     pipeline_config=SanaPipelineConfig(),
     default_sampling_params=sana_default_sampling_params,
@@ -64,7 +65,9 @@ FAMILIES: tuple[ModelFamily, ...] = (
         diffusers_pipeline="SanaSprintPipeline",
         pipeline_cls=SanaSprintPipeline,
         native_classes=NativeClasses.of(
-            models=(SanaTransformer2DModel, AutoencoderDC), schedulers=(SCMScheduler,)
+            models=(SanaTransformer2DModel, AutoencoderDC),
+            schedulers=(SCMScheduler,),
+            encoders=("Gemma2Model",),
         ),
         pipeline_config=SanaSprintPipelineConfig(),
         default_sampling_params=sana_sprint_default_sampling_params,

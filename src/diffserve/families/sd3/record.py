@@ -33,7 +33,9 @@ FAMILIES: tuple[ModelFamily, ...] = (
         diffusers_pipeline="StableDiffusion3Pipeline",
         pipeline_cls=SD3Pipeline,
         native_classes=NativeClasses.of(
-            models=(SD3Transformer2DModel, AutoencoderKL), schedulers=(FlowMatchEulerScheduler,)
+            models=(SD3Transformer2DModel, AutoencoderKL),
+            schedulers=(FlowMatchEulerScheduler,),
+            encoders=("CLIPTextModelWithProjection", "T5EncoderModel"),
         ),
         pipeline_config=SD3PipelineConfig(),
         default_sampling_params=sd3_default_sampling_params,

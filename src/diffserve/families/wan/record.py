@@ -38,7 +38,9 @@ def _tiny_wan(image_to_video: bool) -> TinyCheckpointBuilder:
 
 
 _CLASSES = NativeClasses.of(
-    models=(WanTransformer3DModel, AutoencoderKLWan), schedulers=(UniPCFlowScheduler, FlowMatchEulerScheduler)
+    models=(WanTransformer3DModel, AutoencoderKLWan),
+    schedulers=(UniPCFlowScheduler, FlowMatchEulerScheduler),
+    encoders=("UMT5EncoderModel", "CLIPVisionModel"),
 )
 _DIT_FACTS = DitFacts(
     class_name=WanTransformer3DModel.diffusers_class_name,

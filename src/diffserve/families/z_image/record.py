@@ -29,7 +29,9 @@ FAMILIES: tuple[ModelFamily, ...] = (
         diffusers_pipeline="ZImagePipeline",
         pipeline_cls=ZImagePipeline,
         native_classes=NativeClasses.of(
-            models=(ZImageTransformer2DModel, AutoencoderKL), schedulers=(FlowMatchEulerScheduler,)
+            models=(ZImageTransformer2DModel, AutoencoderKL),
+            schedulers=(FlowMatchEulerScheduler,),
+            encoders=("Qwen3Model",),
         ),
         pipeline_config=ZImagePipelineConfig(),
         default_sampling_params=z_image_default_sampling_params,
