@@ -9,6 +9,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+# First, before anything imports torch: OpenMP reads its wait policy once, when torch loads it.
+from diffserve import openmp_env  # noqa: F401
+
 __version__ = "0.1.0"
 __all__ = ["DiffGenerator", "GenerationOutput", "SamplingParams", "__version__"]
 

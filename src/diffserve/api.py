@@ -212,7 +212,7 @@ def load_model(
     loras = start_lora_registry(
         {n: c.value for n, c in components.items()}, family.name, index.components["transformer"].class_name,
         DIT_FACTS, platform.device(), dtype, engine_args.loras, engine_args.lora_dir, engine_args.lora_merge,
-        engine_args.max_lora_memory, compiled=engine_args.compile,
+        engine_args.max_lora_memory, compiled=engine_args.compile, max_count=engine_args.max_loras,
     )  # fmt: skip
     compiled = compile_pipeline({n: c.value for n, c in components.items()}) if engine_args.compile else []
     return LoadedModel(pipeline, family, index, components, dtype, attention_backend, loras, compiled)
@@ -270,6 +270,8 @@ class DiffGenerator:
             raise UserError(str(exc)) from exc
         if engine_args.tune_allocator:
             platform.prepare_process()
+        # Before the ranks start: they take this process's thread count.
+        platform.configure_threads(engine_args.cpu_threads, processes=parallel.ranks_per_node)
         #: With several ranks: the other ranks' processes and the process group (None on one device).
         self.ranks: RankGroup | None = None
         if parallel.is_distributed:
@@ -394,7 +396,11 @@ class DiffGenerator:
     def load_lora(self, name: str, path: str | Path, strict: bool = True) -> LoraInfo:
         """Load a LoRA file (diffusers/PEFT, kohya or a FLUX community format) as adapter `name`, which
         requests then apply with `loras=[{"name": name, "scale": 0.8}]`. `strict=False` applies what
-        matches this model and logs what it ignored; else such a file is an error (LoraError)."""
+        matches this model and logs what it ignored; else such a file is an error (LoraError). The file
+        is read and checked here, on the caller's thread; only registering it waits for a step boundary."""
+        registry = self.engine.runner.loras
+        if registry is not None:
+            registry.prepare(name, path, strict)
         return self.engine.run_exclusive(lambda: self.engine.runner.load_lora(name, str(path), strict))
 
     def unload_lora(self, name: str) -> None:
@@ -473,7 +479,14 @@ class DiffGenerator:
         reqs = list(requests) if requests is not None else [Req(params=p) for p in params]
         if len(reqs) != len(params):
             raise ValueError("requests and params must have the same length")
-        scheduled = [self.engine.prepare(req) for req in reqs]  # validates and costs each (fail fast)
+        scheduled: list[ScheduledRequest] = []
+        try:
+            for req in reqs:
+                scheduled.append(self.engine.prepare(req))  # validates and costs each (fail fast)
+        except BaseException:
+            for sr in scheduled:  # prepared, never queued: what they hold is let go
+                self.engine.discard(sr)
+            raise
         for sr in scheduled:
             log_sampling_params(sr.req.params)
         # One seconds-per-step bar over the denoising steps of these requests (the CLI's bar).

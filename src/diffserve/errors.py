@@ -28,3 +28,14 @@ class LoraError(UserError):
     """A LoRA adapter cannot be loaded or used: unreadable or corrupt file, keys that match no module of
     the model (or another family's), an unknown adapter name, a path outside `--lora-dir`, or unloading
     an adapter that running requests use. The message names the adapter and what is wrong."""
+
+
+class LoraBusyError(LoraError):
+    """A LoRA adapter cannot be made resident now: the adapters running requests use fill
+    `--max-lora-memory`. Not the file's fault: the same call succeeds once they finish (the server's 503
+    with Retry-After)."""
+
+
+class LoraLimitError(LoraError):
+    """The engine knows `--max-loras` adapters already: unload one before loading another (the server's
+    409)."""

@@ -1,13 +1,19 @@
 """The VAE tiling switches the engine drives: `--vae-tiling` turns every VAE's tiling on at load, and the
 memory model can tile one request's decode (`tiled_decode_scope`) when its untiled decode would not fit.
 
+And the decode's chunk boundaries: every VAE decode loop calls `decode_chunk_boundary()` before each of its
+chunks (a latent frame of a causal video VAE, a spatial or temporal tile, a batch element, an up block of
+a whole-clip video decoder). The engine sets a hook there for one request's decode (`decode_chunk_scope`):
+a cancelled request's decode stops at the next boundary, and the engine runs other requests' denoising
+steps between two chunks (runtime/decode_task.py). Outside a scope (previews, parity tests) it does nothing.
+
 The tiled decode itself is each VAE's (`models/vaes/tiling.py` holds the shared blending); this module
 needs no model code, so the runtime and the parallel decode can use it without importing the models.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Protocol, runtime_checkable
@@ -92,3 +98,24 @@ def requested_tiling(vae: object) -> Iterator[None]:
             yield
     else:
         yield
+
+
+_chunk_hook: ContextVar[Callable[[], None] | None] = ContextVar("diffserve_decode_chunk_hook", default=None)
+
+
+@contextmanager
+def decode_chunk_scope(hook: Callable[[], None] | None) -> Iterator[None]:
+    """Inside the block, `hook()` runs at every chunk boundary of a VAE decode (None: nothing runs). It may
+    raise (a cancelled request: RequestCancelledError, which ends the decode) or pause the decode."""
+    token = _chunk_hook.set(hook)
+    try:
+        yield
+    finally:
+        _chunk_hook.reset(token)
+
+
+def decode_chunk_boundary() -> None:
+    """Called by a VAE decode loop before each chunk: runs the hook of `decode_chunk_scope`, if any."""
+    hook = _chunk_hook.get()
+    if hook is not None:
+        hook()

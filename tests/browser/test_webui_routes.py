@@ -31,3 +31,17 @@ def test_the_page_and_its_files_are_served_by_name_only() -> None:
     # Only the page's own files are open: any other name needs the key like the rest of the server.
     assert client.get("/webui/webui_routes.py").status_code == 401
     assert client.get("/v1/models").status_code == 401  # the API itself still needs the key
+
+
+def test_the_favicon_is_served_and_the_empty_gallery_line_spans_the_grid() -> None:
+    """Issue 31 item 8: no 404 for /favicon.ico on every page load (open, like the page), and the empty
+    gallery's one line is not squeezed into one 96-pixel grid column."""
+    client = TestClient(create_app(ServerArgs(EngineArgs(model_path="/m"), api_key="k")))
+    for path in ("/favicon.ico", "/webui/favicon.svg"):
+        response = client.get(path)
+        assert response.status_code == 200 and response.headers["content-type"] == "image/svg+xml"
+        assert response.content.startswith(b"<svg ")
+    page = client.get("/").text
+    assert '<link rel="icon" href="/webui/favicon.svg"' in page
+    css = client.get("/webui/style.css").text
+    assert ".gallery > .hint { grid-column: 1 / -1; }" in css

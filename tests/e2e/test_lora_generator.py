@@ -162,7 +162,7 @@ def test_unloading_an_adapter_in_use_is_refused(gen, lora_dir: Path) -> None:
     generator.load_lora("busy", lora_dir / "style.safetensors")
     registry = generator.engine.runner.loras
     pinned = registry.acquire([LoraChoice("busy")])  # as a running request holds it
-    with pytest.raises(LoraError, match="used by 1 running request"):
+    with pytest.raises(LoraError, match=r"used by 1 request \(1 running, 0 queued\)"):
         generator.unload_lora("busy")
     registry.release(pinned)
     generator.unload_lora("busy")

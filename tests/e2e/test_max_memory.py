@@ -87,6 +87,8 @@ def _run(folder: Path, cap: int | None, out: Path) -> dict:
 def test_dit_larger_than_the_cap_runs_with_bounded_rss(tmp_path) -> None:
     folder = build_tiny_flux(tmp_path / "flux", SPEC)
     model_bytes = (folder / "transformer" / "diffusion_pytorch_model.safetensors").stat().st_size
+    # Mapped files must be ones nothing can rewrite (loader/mmap_weights.py): read-only.
+    (folder / "transformer" / "diffusion_pytorch_model.safetensors").chmod(0o444)
     assert model_bytes > 2.5 * CAP_BYTES
     normal = _run(folder, None, tmp_path / "normal.npy")
     capped = _run(folder, CAP_BYTES, tmp_path / "capped.npy")

@@ -226,7 +226,7 @@ def test_deleting_an_adapter_in_use_is_409_until_its_request_ends(srv, loaded) -
         info = srv.info()["engine"]["loras"]
         assert info["live"] and {a["name"]: a["in_use"] for a in info["adapters"]}["busy"] == 1
         r = httpx.delete(f"{srv.base_url}/v1/loras/busy", headers=AUTH, timeout=30)
-        error = assert_error(r, 409, "name", "used by 1 running request")
+        error = assert_error(r, 409, "name", "used by 1 request (1 running, 0 queued)")
         assert error["code"] == "lora_in_use"
         assert generate(srv, loras=[{"name": "a"}])  # other requests run alongside
     finally:

@@ -11,12 +11,17 @@ dead one restarts), and SIGTERM leaving no engine process nor IPC folder behind.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import os
 import re
+import select
 import signal
+import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import psutil
@@ -30,7 +35,12 @@ from diffserve.configs.engine_args import EngineArgs
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.server import protocol as msg
 from diffserve.server.args import ServerArgs
-from diffserve.server.engine_client import EngineState, EngineUnavailableError, QueueFullError
+from diffserve.server.engine_client import (
+    EngineDiedError,
+    EngineState,
+    EngineUnavailableError,
+    QueueFullError,
+)
 from diffserve.server.engine_process import pin_devices
 from diffserve.server.metrics import ServerMetrics
 from diffserve.server.replicas import ReplicaSet, choose_replica
@@ -172,6 +182,94 @@ def test_a_replica_on_another_platform_than_replica_0_is_failed_when_replica_0_r
     asyncio.run(scenario())
 
 
+# -- a replica dying with requests it had not started (issue 31 item 17) -----------------------------
+def finished(rid: str) -> msg.JobFinished:
+    return msg.JobFinished(rid, [], job(rid).params, {}, [], None, 0.0, 0.0)
+
+
+async def kill(replicas: ReplicaSet, index: int) -> None:
+    """Replica `index`'s engine process exits (as SIGKILL leaves it); its restart is not started here."""
+    client = replicas.clients[index]
+
+    async def restart(state: EngineState) -> None:
+        client.incarnation += 1
+
+    client._spawn = restart  # type: ignore[method-assign]
+    await client._on_engine_exit(SimpleNamespace(exitcode=-9, pid=1000 + index))
+
+
+def test_requests_a_dead_replica_had_not_started_go_to_a_live_one() -> None:
+    async def scenario() -> None:
+        replicas = replica_set(2)
+        report_ready(replicas, 0)
+        report_ready(replicas, 1)
+        tasks = {f"r{i}": asyncio.create_task(replicas.generate(job(f"r{i}"))) for i in range(1, 6)}
+        await asyncio.sleep(0)
+        assert sent_to(replicas) == [["r1", "r3", "r5"], ["r2", "r4"]]
+        replicas.clients[0]._dispatch(msg.JobStarted("r1"))  # r1 runs on replica 0, r3 and r5 wait there
+        await kill(replicas, 0)
+        with pytest.raises(EngineDiedError) as died:
+            await tasks["r1"]
+        assert died.value.code == "engine_died" and died.value.started
+        assert "while this request was running (it had started" in str(died.value)
+        await asyncio.sleep(0)
+        assert sent_to(replicas)[1] == ["r2", "r4", "r3", "r5"]  # re-sent, in their order
+        assert replicas.loads() == [None, 4]
+        assert replicas.cancel("r5") and replicas.clients[1]._push.cancels() == ["r5"]  # cancel follows it
+        for rid in ("r2", "r3", "r4"):
+            replicas.clients[1]._dispatch(finished(rid))
+        replicas.clients[1]._dispatch(msg.JobCancelled("r5"))
+        assert [(await tasks[rid]).request_id for rid in ("r2", "r3", "r4")] == ["r2", "r3", "r4"]
+        with pytest.raises(EngineUnavailableError):
+            await tasks["r5"]
+        assert replicas.loads() == [None, 0]
+
+    asyncio.run(scenario())
+
+
+def test_a_video_job_a_dead_replica_had_not_started_runs_on_a_live_one_with_its_seed() -> None:
+    async def scenario() -> None:
+        replicas = replica_set(2)
+        report_ready(replicas, 0)
+        report_ready(replicas, 1)
+        first, second = replicas.clients
+        submitted = asyncio.create_task(replicas.submit(job("v1")))
+        await asyncio.sleep(0)
+        accepted_params = dataclasses.replace(job("v1").params, seed=1234)  # the engine's resolved seed
+        first._dispatch(msg.JobAccepted("v1", accepted_params))
+        accepted, outcome = await submitted
+        assert accepted.params.seed == 1234 and sent_to(replicas) == [["v1"], []]
+        await kill(replicas, 0)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        [resent] = second._push.jobs()
+        assert resent.request_id == "v1" and resent.params.seed == 1234 and resent.ack
+        second._dispatch(msg.JobAccepted("v1", accepted_params))
+        second._dispatch(msg.JobStarted("v1"))
+        assert not outcome.done() and replicas.cancel("v1") and second._push.cancels() == ["v1"]
+        second._dispatch(finished("v1"))
+        assert (await outcome).request_id == "v1" and replicas.loads() == [None, 0]
+
+    asyncio.run(scenario())
+
+
+def test_an_unstarted_request_fails_saying_so_when_no_other_replica_is_ready() -> None:
+    async def scenario() -> None:
+        replicas = replica_set(2)
+        report_ready(replicas, 0)  # replica 1 still loading
+        tasks = [asyncio.create_task(replicas.generate(job(f"r{i}"))) for i in range(2)]
+        await asyncio.sleep(0)
+        replicas.clients[0]._dispatch(msg.JobStarted("r0"))
+        await kill(replicas, 0)
+        started, waiting = await asyncio.gather(*tasks, return_exceptions=True)
+        assert isinstance(started, EngineDiedError) and started.started
+        assert isinstance(waiting, EngineDiedError) and not waiting.started
+        assert "before this request started" in str(waiting) and "no other replica was ready" in str(waiting)
+        assert waiting.code == "engine_died"
+
+    asyncio.run(scenario())
+
+
 def test_pin_devices_narrows_each_runtime_to_the_replicas_devices() -> None:
     environ: dict[str, str] = {}
     assert pin_devices("cuda", (2, 3), environ)["CUDA_VISIBLE_DEVICES"] == "2,3"
@@ -292,6 +390,60 @@ def test_a_killed_replica_fails_its_request_and_restarts_while_the_other_serves(
 
     server.wait_for(restarted, 120, what="the killed replica restarted")
     assert replicas_info(server)[1 - victim]["restarts"] == 0
+
+
+class RawPost:
+    """A generation POSTed over a plain socket: its answer read later, or the connection closed (the
+    client leaving, which cancels the request)."""
+
+    def __init__(self, srv: ServerProcess, steps: int) -> None:
+        body = json.dumps({"prompt": "a red square", "size": f"{SIZE}x{SIZE}", "num_inference_steps": steps})
+        head = (
+            "POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        )
+        self.sock = socket.create_connection(("127.0.0.1", srv.port), timeout=120)
+        self.sock.sendall(head.encode() + body.encode())
+
+    def response(self) -> tuple[int, dict]:
+        data = b""
+        while chunk := self.sock.recv(65536):
+            data += chunk
+        self.sock.close()
+        head, _, body = data.partition(b"\r\n\r\n")
+        return int(head.split()[1]), json.loads(body)
+
+
+def test_requests_queued_on_a_killed_replica_complete_on_the_other(server) -> None:
+    """Issue 31 item 17: SIGKILL of a replica with queued requests: they run on the other replica; the
+    one it was running gets 503 `engine_died` saying it had started."""
+    server.wait_for(lambda: all(r["state"] == "ready" for r in replicas_info(server)), 120, what="both ready")
+    longs = [RawPost(server, LONG_STEPS) for _ in range(2)]  # one running on each replica (ties in turn)
+    server.wait_for(lambda: [r["running"] for r in replicas_info(server)] == [1, 1], 30, what="both running")
+    with ThreadPoolExecutor(4) as pool:
+        quick = [pool.submit(post, server, STEPS, 240) for _ in range(4)]
+        server.wait_for(
+            lambda: [r["waiting"] for r in replicas_info(server)] == [2, 2], 30, what="two queued on each"
+        )
+        victim = replicas_info(server)[0]
+        os.kill(victim["pid"], signal.SIGKILL)
+        [answered], _, _ = select.select([long.sock for long in longs], [], [], 30)
+        [dead_long] = [long for long in longs if long.sock is answered]
+        status, body = dead_long.response()
+        assert status == 503 and body["error"]["code"] == "engine_died", body
+        assert "while this request was running (it had started" in body["error"]["message"], body
+        [other_long] = [long for long in longs if long is not dead_long]
+        other_long.sock.close()  # its client leaves: the other replica cancels it, then runs the queue
+        answers = [future.result(timeout=240) for future in quick]
+    assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+    resent = re.findall(r"Replica 0 died before request \S+ started: sent to replica 1", server.log())
+    assert len(resent) == 2, server.log()[-3000:]
+
+    def restarted() -> bool:
+        r = replicas_info(server)[0]
+        return r["state"] == "ready" and r["pid"] != victim["pid"]
+
+    server.wait_for(restarted, 120, what="the killed replica restarted")
 
 
 def test_sigterm_stops_every_replica_and_leaves_nothing_behind(server) -> None:

@@ -4,15 +4,23 @@
 - path traversal in every `{id}` route: a 4xx, and nothing outside the output dir is read;
 - SSRF: image URLs that name this host or a private network are refused before any connection;
 - hostile payloads on the real server (test_hostile_inputs.py covers the parsers in-process): each a 4xx,
-  nothing stored in the output dir, the server healthy, the front end's memory bounded.
+  nothing stored in the output dir, the server healthy, the front end's memory bounded;
+- connection exhaustion (issue 31): slow headers are dropped within --header-timeout, floods from one
+  client and from many are held to the connection caps while /health answers, and the log stays small;
+- keys (issue 31): the admin routes need the admin key, client keys see no server path in /server_info;
+- a second server on the same --output-path exits at once, naming the first (issue 31).
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
+import re
+import select
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +32,11 @@ import pytest
 from server_process import ServerProcess, start_server
 
 API_KEY = "matrix-key-0123"
+OTHER_KEY = "matrix-other-4567"  # a second client's key
+ADMIN_KEY = "matrix-admin-89ab"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+MAX_CONNECTIONS, PER_CLIENT, HEADER_TIMEOUT_S = 48, 16, 3.0
 MAX_BODY = 65536
 MAX_IMAGE = 65536
 IMAGE_ID = "0123456789abcdef0123456789abcdef-0"  # well-formed, never generated
@@ -89,9 +101,10 @@ def srv(tiny_flux_dir, tmp_path_factory) -> Iterator[ServerProcess]:
     (work / "secret").write_bytes(CANARY)
     (work / f"{IMAGE_ID}.png").write_bytes(CANARY)
     server = start_server(
-        tiny_flux_dir, work, "--api-key", API_KEY, "--allow-url-images",
-        "--max-body-bytes", str(MAX_BODY), "--max-image-bytes", str(MAX_IMAGE),
-        "--max-inference-steps", "2", "--no-warmup",
+        tiny_flux_dir, work, "--api-key", f"{API_KEY},{OTHER_KEY}", "--admin-api-key", ADMIN_KEY,
+        "--allow-url-images", "--max-body-bytes", str(MAX_BODY), "--max-image-bytes", str(MAX_IMAGE),
+        "--max-inference-steps", "2", "--no-warmup", "--max-connections", str(MAX_CONNECTIONS),
+        "--max-connections-per-client", str(PER_CLIENT), "--header-timeout", str(HEADER_TIMEOUT_S),
     )  # fmt: skip
     server.api_key = API_KEY
     try:
@@ -464,3 +477,257 @@ def test_memory_stays_bounded_under_hostile_bodies(srv: ServerProcess) -> None:
 def test_nothing_was_left_in_the_output_dir(srv: ServerProcess) -> None:
     leftovers = [p for p in Path(srv.output_dir).rglob("*") if p.suffix in (".png", ".jpeg", ".webp", ".mp4")]
     assert leftovers == []
+
+
+# --- connection exhaustion (issue 31 item 13) -----------------------------------------------------------
+
+
+def connect_from(srv: ServerProcess, host: str) -> socket.socket:
+    """A connection to the server from `host` (any 127.x.y.z is this machine: one client address each)."""
+    sock = socket.socket()
+    sock.bind((host, 0))
+    sock.connect(("127.0.0.1", srv.port))
+    return sock
+
+
+def ended(socks: list[socket.socket], wait: float) -> dict[int, bytes]:
+    """The connections (by index) the server answered or closed within `wait` s: what each received."""
+    out: dict[int, bytes] = {}
+    deadline = time.monotonic() + wait
+    while len(out) < len(socks) and (left := deadline - time.monotonic()) > 0:
+        pending = [s for i, s in enumerate(socks) if i not in out]
+        readable, _, _ = select.select(pending, [], [], min(left, 0.2))
+        for sock in readable:
+            try:
+                out[socks.index(sock)] = sock.recv(4096)
+            except OSError:
+                out[socks.index(sock)] = b""
+    return out
+
+
+def front_end_fds(srv: ServerProcess) -> int:
+    return psutil.Process(srv.process.pid).num_fds()
+
+
+def test_slow_headers_are_dropped_within_the_header_timeout(srv: ServerProcess) -> None:
+    """Slowloris: connections that send a request's headers one byte at a time are closed (408) once
+    --header-timeout has passed, though bytes keep arriving; others are served meanwhile."""
+    socks = [connect_from(srv, "127.0.0.1") for _ in range(8)]
+    request = f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\nX-Slow: ".encode()
+    start = time.monotonic()
+    closed_after: dict[int, float] = {}
+    answers: dict[int, bytes] = {}
+    try:
+        for i in range(int((HEADER_TIMEOUT_S + 5) / 0.25)):
+            for n, sock in enumerate(socks):  # one more byte on each connection still open
+                if n not in closed_after:
+                    try:
+                        sock.send(request[i % len(request) : i % len(request) + 1])
+                    except OSError:  # reset: closed
+                        closed_after[n], answers[n] = time.monotonic() - start, b""
+            still_open = [n for n in range(len(socks)) if n not in closed_after]
+            for k, answer in ended([socks[n] for n in still_open], 0.25).items():
+                closed_after[still_open[k]], answers[still_open[k]] = time.monotonic() - start, answer
+            if len(closed_after) == len(socks):
+                break
+            if i == 4:
+                assert_healthy(srv)  # the slow clients block no one
+    finally:
+        for sock in socks:
+            sock.close()
+    assert len(closed_after) == len(socks), f"{len(socks) - len(closed_after)} slow connection(s) still open"
+    assert max(closed_after.values()) <= HEADER_TIMEOUT_S + 2, closed_after
+    assert all(a == b"" or a.startswith(b"HTTP/1.1 408") for a in answers.values()), answers
+    assert any(answers.values()), answers  # the 408 reaches clients that read
+    assert_healthy(srv)
+
+
+def test_a_flood_from_one_client_is_refused_while_health_answers(srv: ServerProcess) -> None:
+    """Past --max-connections-per-client, one address's connections are answered 503 at once; the server
+    holds no more of them, and another client is served meanwhile."""
+    log_before, fds_before = len(srv.log()), front_end_fds(srv)
+    flood = []
+    try:
+        for _ in range(200):
+            flood.append(connect_from(srv, "127.0.0.2"))
+        answered = ended(flood, 3.0)
+        still_open = len(flood) - len(answered)
+        assert still_open <= PER_CLIENT, f"{still_open} flood connections held open (cap {PER_CLIENT})"
+        refusals = [a for a in answered.values() if a]
+        assert len(refusals) >= 200 - PER_CLIENT - 10, len(refusals)
+        refused = [a.startswith(b"HTTP/1.1 503") and b"too_many_connections" in a for a in refusals]
+        assert all(refused), refusals[:3]
+        assert front_end_fds(srv) <= fds_before + PER_CLIENT + 8, (fds_before, front_end_fds(srv))
+        assert_healthy(srv)  # another client, during the flood
+    finally:
+        for sock in flood:
+            sock.close()
+    grown = srv.log()[log_before:]
+    assert len(grown) < 20_000 and "Traceback" not in grown, grown[-3000:]
+    assert grown.count("Connections:") <= 3, grown
+
+
+def test_a_flood_from_many_clients_is_held_to_the_total_cap(srv: ServerProcess) -> None:
+    """From many addresses (each under its own cap), past --max-connections: newcomers displace the
+    oldest idle connections; the open files stay bounded, and /health answers."""
+    log_before, fds_before = len(srv.log()), front_end_fds(srv)
+    flood = []
+    try:
+        for host in range(10, 20):
+            for _ in range(PER_CLIENT - 2):
+                flood.append(connect_from(srv, f"127.0.0.{host}"))
+        time.sleep(0.5)
+        assert front_end_fds(srv) <= fds_before + MAX_CONNECTIONS + 8, (fds_before, front_end_fds(srv))
+        assert_healthy(srv)
+        closed = ended(flood, 1.0)
+        assert len(flood) - len(closed) <= MAX_CONNECTIONS, len(flood) - len(closed)
+    finally:
+        for sock in flood:
+            sock.close()
+    grown = srv.log()[log_before:]
+    assert len(grown) < 20_000 and "Traceback" not in grown, grown[-3000:]
+    assert "Too many open files" not in grown, grown[-3000:]
+
+
+# --- keys (issue 31 item 19) ---------------------------------------------------------------------------
+
+
+def test_admin_routes_need_the_admin_key(srv: ServerProcess) -> None:
+    load = {"name": "ink", "path": "ink.safetensors"}
+    for key in (API_KEY, OTHER_KEY):
+        headers = {"Authorization": f"Bearer {key}"}
+        r = httpx.post(f"{srv.base_url}/v1/loras", json=load, headers=headers, timeout=30)
+        error = assert_openai_error(r.status_code, r.content, 403)
+        assert error["code"] == "admin_key_required", error
+        r = httpx.delete(f"{srv.base_url}/v1/loras/ink", headers=headers, timeout=30)
+        assert_openai_error(r.status_code, r.content, 403)
+    # the admin key passes (this server has no --lora-dir: the engine's own refusal)
+    r = httpx.post(f"{srv.base_url}/v1/loras", json=load, headers=ADMIN, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "lora_dir_not_set", r.text
+
+
+def test_server_paths_are_shown_to_the_admin_only(srv: ServerProcess, tiny_flux_dir: Path) -> None:
+    secrets = [str(tiny_flux_dir), str(srv.output_dir), sys.executable, sys.prefix, os.getcwd()]
+    for headers in (AUTH, {"Authorization": f"Bearer {OTHER_KEY}"}):
+        for path in ("/server_info", "/v1/loras"):
+            r = httpx.get(f"{srv.base_url}{path}", headers=headers, timeout=30)
+            assert r.status_code == 200, r.text
+            for secret in secrets:
+                assert secret not in r.text, (path, secret)
+            assert re.search(r'"/(tmp|work|home|usr|root|opt|srv)/', r.text) is None, r.text
+    info = httpx.get(f"{srv.base_url}/server_info", headers=AUTH, timeout=30).json()
+    assert info["server_args"]["engine_args"]["model_path"] == tiny_flux_dir.name
+    assert info["server_args"]["api_key"] == "set (2 keys)" and API_KEY not in json.dumps(info)
+    admin = httpx.get(f"{srv.base_url}/server_info", headers=ADMIN, timeout=30).json()
+    assert admin["server_args"]["engine_args"]["model_path"] == str(tiny_flux_dir)
+    assert admin["python_executable"] == sys.executable
+
+
+# --- two servers on one --output-path (issue 31 item 18) ------------------------------------------------
+
+
+def test_a_second_server_on_the_same_output_path_exits_naming_the_first(
+    srv: ServerProcess, tiny_flux_dir: Path, tmp_path: Path
+) -> None:
+    before = stored(srv)
+    second = start_server(tiny_flux_dir, tmp_path, "--no-warmup", output_dir=srv.output_dir)
+    try:
+        code = second.process.wait(120)
+    finally:
+        second.stop()
+    log = second.log()
+    assert code == 2, log[-3000:]
+    assert f"pid {srv.process.pid}" in log and "--output-path" in log, log[-3000:]
+    assert "Traceback" not in log and "Engine" not in log, log[-3000:]  # refused before any engine started
+    assert stored(srv) == before
+    assert_healthy(srv)
+
+
+# --- hostile LoRA files and admin loads (issue 31 items 14, 15, 20) ------------------------------------
+
+MAX_LORAS = 4
+
+
+@pytest.fixture(scope="module")
+def lora_srv(tiny_flux_dir, tmp_path_factory) -> Iterator[ServerProcess]:
+    """A server with a --lora-dir holding hostile files (hostile_loras.py), at most MAX_LORAS adapters."""
+    from hostile_loras import write_hostile_loras
+
+    work = tmp_path_factory.mktemp("security-lora")
+    write_hostile_loras(tiny_flux_dir, work / "loras")
+    server = start_server(
+        tiny_flux_dir, work, "--api-key", API_KEY, "--lora-dir", str(work / "loras"),
+        "--max-loras", str(MAX_LORAS), "--max-inference-steps", "2", "--no-warmup",
+    )  # fmt: skip
+    server.api_key = API_KEY
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def lora_names(srv: ServerProcess) -> set[str]:
+    r = httpx.get(f"{srv.base_url}/v1/loras", headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    return {card["name"] for card in r.json()["data"]}
+
+
+def small_image(srv: ServerProcess, **fields) -> httpx.Response:
+    body = {"prompt": "a fox", "size": "32x32", "num_inference_steps": 2, **fields}
+    return httpx.post(f"{srv.base_url}/v1/images/generations", json=body, headers=AUTH, timeout=60)
+
+
+def test_hostile_lora_loads_are_400s_answered_at_once(lora_srv: ServerProcess) -> None:
+    """A NUL byte, a 5,000-character name, a 3,000-level path, a header of a million tensors or nested
+    100,000 deep, a name ending in a newline, NaN, int64 and rank-0 weights: each a 400 naming what is
+    wrong, within seconds (the million-tensor header took 48.6 s), nothing registered, the server serving."""
+    from hostile_loras import HOSTILE_LOADS
+
+    for what, body, param, words in HOSTILE_LOADS:
+        start = time.monotonic()
+        r = httpx.post(f"{lora_srv.base_url}/v1/loras", json=body, headers=AUTH, timeout=120)
+        took = time.monotonic() - start
+        error = assert_openai_error(r.status_code, r.content, 400)
+        assert error["param"] == param and words in error["message"], (what, error)
+        assert took < 10, f"{what}: answered after {took:.1f} s"
+    assert lora_names(lora_srv) == set()
+    assert small_image(lora_srv).status_code == 200
+    assert_healthy(lora_srv)
+
+
+def test_a_request_naming_a_bad_file_is_refused_at_once_every_time(lora_srv: ServerProcess) -> None:
+    """Naming the huge-header file in a request's `loras` repeated the whole stall on every request (a
+    failed read was not remembered); now the first is refused by the header's caps and the next ones by
+    the remembered failure, each at once."""
+    for _ in range(3):
+        start = time.monotonic()
+        r = small_image(lora_srv, loras=[{"name": "huge-header"}])
+        error = assert_openai_error(r.status_code, r.content, 400)
+        assert error["param"] == "loras" and "MAX_LORA_HEADER_BYTES" in error["message"], error
+        assert time.monotonic() - start < 10
+    r = small_image(lora_srv, loras=[{"name": "a\n"}])
+    assert_openai_error(r.status_code, r.content, 400)
+    assert "huge-header" not in lora_names(lora_srv)
+    assert_healthy(lora_srv)
+
+
+def test_the_adapter_count_is_capped_by_max_loras(lora_srv: ServerProcess) -> None:
+    names = [f"cap{i}" for i in range(MAX_LORAS)]
+    try:
+        for name in names:
+            r = httpx.post(
+                f"{lora_srv.base_url}/v1/loras", json={"name": name, "path": "style.safetensors"},
+                headers=AUTH, timeout=60,
+            )  # fmt: skip
+            assert r.status_code == 200, r.text
+        r = httpx.post(
+            f"{lora_srv.base_url}/v1/loras", json={"name": "more", "path": "other.safetensors"},
+            headers=AUTH, timeout=60,
+        )  # fmt: skip
+        error = assert_openai_error(r.status_code, r.content, 409)
+        assert error["code"] == "too_many_loras" and f"--max-loras {MAX_LORAS}" in error["message"], error
+    finally:
+        for name in names:
+            httpx.delete(f"{lora_srv.base_url}/v1/loras/{name}", headers=AUTH, timeout=60)
+    assert lora_names(lora_srv) == set()

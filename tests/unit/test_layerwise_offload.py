@@ -16,6 +16,7 @@ bfloat16, streamed in place or copied to a counted device); mismatched checkpoin
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -312,7 +313,9 @@ def test_max_memory_generates_the_same_pixels(loaded) -> None:
         pytest.skip("FLUX runs unfused when memory-mapped: compared at the DiT level below")
     # A cap the other components' weights fit under, and the DiT's do not.
     others = sum(f.stat().st_size for f in root.glob("*/*.safetensors") if f.parent.name != "transformer")
-    cap = others + (root / "transformer" / "diffusion_pytorch_model.safetensors").stat().st_size // 2
+    dit_file = root / "transformer" / "diffusion_pytorch_model.safetensors"
+    cap = others + dit_file.stat().st_size // 2
+    dit_file.chmod(0o444)  # only files nothing can rewrite stay mapped (owned_weights.read_only_reason)
     gen = DiffGenerator.from_pretrained(root, device="cpu", show_progress=False, max_memory=cap)
     offload = layerwise_offload_of(_dit(gen))
     assert offload is not None and offload.host_memory == "memory-mapped files"
@@ -333,7 +336,9 @@ def flux_files(tmp_path_factory) -> list[Path]:
     save_diffusers_model(
         FluxTransformer2DModel.from_config(FLUX_CONFIG), folder, "FluxTransformer2DModel", FLUX_CONFIG
     )
-    return [folder / "diffusion_pytorch_model.safetensors"]
+    weights = folder / "diffusion_pytorch_model.safetensors"
+    weights.chmod(0o444)  # mapped files must be read-only (loader/mmap_weights.py)
+    return [weights]
 
 
 def _meta_flux() -> FluxTransformer2DModel:
@@ -384,5 +389,18 @@ def test_mapped_checkpoint_must_match_the_model(flux_files, tmp_path) -> None:
         load_mmapped_into(model, flux_files, torch.float32)
     broken = tmp_path / "broken.safetensors"
     broken.write_bytes(flux_files[0].read_bytes()[:5000])
-    with pytest.raises(ModelLoadError, match="broken.safetensors"):
+    broken.chmod(0o444)
+    with pytest.raises(ModelLoadError, match="cannot map .*broken.safetensors"):
         load_mmapped_into(_meta_flux(), [broken], torch.float32)
+
+
+def test_writable_files_are_not_mapped(flux_files, tmp_path, caplog) -> None:
+    """Issue 31: a mapped file rewritten in place changes the weights, a truncated one kills the engine
+    (SIGBUS): only files nothing can rewrite stay mapped, and the log says why each may."""
+    writable = tmp_path / "writable.safetensors"
+    writable.write_bytes(flux_files[0].read_bytes())
+    with pytest.raises(ModelLoadError, match=r"writable: .*writable.safetensors.*chmod a-w"):
+        load_mmapped_into(_meta_flux(), [writable], torch.float32)
+    with caplog.at_level(logging.INFO, logger="diffserve.loader"):
+        load_mmapped_into(_meta_flux(), flux_files, torch.float32)
+    assert "kept mapped as verified read-only (mode 0444, no write permission)" in caplog.text

@@ -153,6 +153,13 @@ class EngineArgs:
         False, cli="--tune-allocator",
         help="CPU (glibc): keep activation buffers mapped between steps (measure: host-dependent)",
     )  # fmt: skip
+    #: None: automatic (`CpuPlatform.configure_threads`; the README's hardware notes).
+    cpu_threads: int | None = option(
+        None, cli="--cpu-threads", min=1, metavar="N",
+        help="torch CPU threads (intra- and inter-op) (default: automatic: on the CPU platform the whole CPUs "
+        "this process may use, after its affinity mask and cgroup quota, shared among its ranks; OMP_NUM_THREADS "
+        "if set)",
+    )  # fmt: skip
     # Multi-device (`diffserve.distributed.config.ParallelConfig`; SGLang's flag names).
     num_gpus: int = option(
         1, cli="--num-gpus", min=1, metavar="N", group=PARALLEL,
@@ -216,6 +223,13 @@ class EngineArgs:
         help="device memory the loaded adapters may take, in bytes or with a unit (512MiB, 2GiB); past it the "
         "least recently used idle one is unloaded (read again when named). Kept out of the requests' memory "
         "budget while LoRA is on (default: 2GiB)",
+    )  # fmt: skip
+    #: Loaded with --lora or POST /v1/loras, or named by requests from --lora-dir (those are forgotten when
+    #: idle to make room). Bounds what a restarted engine replays, and the server's file handles.
+    max_loras: int = option(
+        64, cli="--max-loras", min=1, max=4096, metavar="N", group=LORA, commands=("serve",),
+        help="most LoRA adapters the server knows at once (loaded, or named by requests from --lora-dir); "
+        "loading one more is refused with 409 until one is unloaded (default: 64)",
     )  # fmt: skip
     # Memory: quantization, single-file weights, offload (docs/memory.md).
     quantization: str | None = option(

@@ -1,5 +1,5 @@
-"""Conditioning embeddings shared by DiTs (timestep sinusoids, their MLP, pooled-text projection), with
-Diffusers' parameter names."""
+"""Conditioning embeddings shared by DiTs (timestep sinusoids, their MLP, pooled-text and caption
+projections), with Diffusers' parameter names."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from diffserve.layers.mlp import gelu_in_place
 
 
 def timestep_sinusoids(
@@ -42,6 +44,20 @@ class TextProjection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class GeluTanhTextProjection(nn.Module):
+    """Two-layer tanh-GELU MLP mapping text-encoder states to a DiT's width (Diffusers'
+    `PixArtAlphaTextProjection`, its default `act_fn="gelu_tanh"`): Wan's UMT5, LTX-2's Gemma-3 and
+    SANA's Gemma-2 caption projections. The GELU is written over the first Linear's fresh output."""
+
+    def __init__(self, in_features: int, hidden_size: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(in_features, hidden_size)
+        self.linear_2 = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(gelu_in_place(self.linear_1(x), "tanh"))
 
 
 class TimestepEmbedding(TextProjection):

@@ -316,8 +316,9 @@ class QuantizedLinear(CustomOp):
         )
 
 
-def linear_rows(layer: nn.Linear | QuantizedLinear, x: torch.Tensor, rows: slice) -> torch.Tensor:
-    """`layer(x)[..., rows]` computing only those output rows, for a full-precision or quantized Linear."""
-    if isinstance(layer, QuantizedLinear):
+def linear_rows(layer: nn.Module, x: torch.Tensor, rows: slice) -> torch.Tensor:
+    """`layer(x)[..., rows]` computing only those output rows, for a full-precision or quantized Linear
+    (a `QuantizedLinear`, a `layers/gguf_linear.py::GGUFLinear`: their own `forward_rows`)."""
+    if not isinstance(layer, nn.Linear):
         return layer.forward_rows(x, rows)
     return F.linear(x, layer.weight[rows], None if layer.bias is None else layer.bias[rows])

@@ -8,6 +8,12 @@ block's pages afterwards (`madvise(MADV_DONTNEED)`), so the resident set stays n
 non-block weights instead of growing with every page read. Clean file pages are what the kernel can drop
 anyway, so even under a hard memory cap the process is slowed down (pages re-read from disk every step),
 not killed. The mapping is private (copy-on-write): nothing is ever written back to the files.
+
+A mapping is the file: pages rewritten in place would change the weights under the running engine, and
+a truncated file would kill it with SIGBUS. So the files are mapped only when nothing can rewrite them
+(`owned_weights.read_only_reason`: a read-only filesystem, or no write permission for anyone), which the
+log says; writable files are refused with the remedy (`chmod a-w`), and every other load copies the
+weights into memory the engine owns.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 from torch import nn
 
 from diffserve.errors import ModelLoadError
+from diffserve.loader.owned_weights import read_only_reason
 
 logger = logging.getLogger("diffserve.loader")
 
@@ -136,6 +143,23 @@ def _target_dtype(file_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype:
     return dtype if file_dtype.is_floating_point else file_dtype
 
 
+def _verified_read_only(files: list[Path]) -> list[str]:
+    """Why each of `files` may stay mapped (nothing can rewrite it); a `ModelLoadError` naming the
+    writable ones and what to do."""
+    reasons = [read_only_reason(path) for path in files]
+    writable = [str(path) for path, reason in zip(files, reasons, strict=True) if reason is None]
+    if writable:
+        raise ModelLoadError(
+            "the DiT's weights would stay memory-mapped in their files (--max-memory, or --offload auto on a "
+            "host short of memory), so those files must not change while the engine runs, and these are "
+            f"writable: {', '.join(writable)}. A file rewritten in place would change the weights of the next "
+            "image, a truncated one would kill the engine (SIGBUS). Make them read-only (chmod a-w "
+            "<files>) or serve them from a read-only filesystem, or give the engine the memory to copy "
+            "them in (a larger --max-memory)"
+        )
+    return [reason for reason in reasons if reason is not None]
+
+
 def load_mmapped_into(module: nn.Module, files: list[Path], dtype: torch.dtype) -> int:
     """Map the tensors of `files` for the (meta-built) `module` instead of reading them.
 
@@ -144,8 +168,10 @@ def load_mmapped_into(module: nn.Module, files: list[Path], dtype: torch.dtype) 
     `dtype`), and the zero-copy views are left for the layerwise offload (`mapped_tensors`), which must be
     installed before the module runs: it materializes the non-block weights and streams the blocks.
     Nothing is read yet; returns the bytes mapped. The loader must neither fuse nor quantize a mapped
-    model (both would read, and copy, every weight): it runs unfused, as FLUX's forward can.
+    model (both would read, and copy, every weight): it runs unfused, as FLUX's forward can. Only files
+    nothing can rewrite are mapped (a `ModelLoadError` names writable ones, before anything is mapped).
     """
+    reasons = _verified_read_only(files)
     expected = {k: v.shape for k, v in module.state_dict().items()}
     mapped: dict[str, MappedTensor] = {}
     for path in files:
@@ -174,12 +200,14 @@ def load_mmapped_into(module: nn.Module, files: list[Path], dtype: torch.dtype) 
     module.__dict__[_MAPPED_ATTR] = mapped
     num_bytes = sum(t.length for t in mapped.values())
     logger.info(
-        "%s: %d tensors (%.3f GiB) memory-mapped from %d file(s) in %s, not read%s",
+        "%s: %d tensors (%.3f GiB) memory-mapped from %d file(s) in %s, not read; kept mapped as verified "
+        "read-only (%s)%s",
         type(module).__name__,
         len(mapped),
         num_bytes / 2**30,
         len(files),
         files[0].parent,
+        "; ".join(sorted(set(reasons))),
         "" if _CAN_RELEASE else " (this OS has no madvise: used pages stay resident until it reclaims them)",
     )
     return num_bytes

@@ -28,6 +28,7 @@ from diffserve.configs.memory_options import QUANTIZATION_MODES
 from diffserve.distributed.tensor_parallel import ParallelLinear
 from diffserve.errors import UserError
 from diffserve.layers.fused_linear import FusedLinear
+from diffserve.layers.gguf_linear import quantized_layer_kinds
 from diffserve.layers.quantized_linear import QuantizedLinear
 from diffserve.loader.dit_facts import DitFactsTable
 
@@ -65,6 +66,13 @@ def quantize_dit(module: nn.Module, mode: str, dit_class: str, facts: DitFactsTa
     if any(isinstance(m, ParallelLinear) for m in module.modules()):
         raise UserError("--quantization does not combine with tensor parallelism (--tp-size > 1) yet")
     targets = quantizable_linears(module, dit_class, facts)
+    if not targets and quantized_layer_kinds(module):
+        logger.info(
+            "--quantization %s: %s's Linears are all quantized already (as its weights file stores them)",
+            mode,
+            dit_class,
+        )
+        return
     if not targets:
         raise UserError(f"--quantization: {dit_class} has no Linear layers to quantize")
     before = tensor_bytes(module)

@@ -362,7 +362,8 @@ def _sized(
     sizes = {}
     for name, role in plan.roles.items():
         spec = index.components[name]
-        entries = component_entries(spec, weights_file if role == "dit" else None)
+        # --transformer-weights replaces the first DiT's weights only (not Wan 2.2's second expert's).
+        entries = component_entries(spec, weights_file if name == "transformer" else None)
         load_dtype = text_dtype if spec.library == "transformers" else dtype
         quantization = engine_args.quantization if role == "dit" else None
         sizes[name] = size_of(entries, load_dtype, quantization)

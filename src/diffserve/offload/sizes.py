@@ -9,14 +9,16 @@ import json
 import re
 import struct
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from diffserve.errors import ModelLoadError
+from diffserve.layers.gguf_linear import GGUF_BLOCKS
 from diffserve.loader.model_index import ComponentSpec
 from diffserve.loader.safetensors_weights import find_weight_files
+from diffserve.loader.single_file_keys.prefix import strip_dit_prefix
 
 #: safetensors dtype names: (bytes per element, floating point).
 _SAFETENSORS_DTYPES: dict[str, tuple[int, bool]] = {
@@ -39,12 +41,14 @@ LAYERWISE_WINDOW_BLOCKS = 2
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """One tensor of a checkpoint's header: its name, shape and stored element size."""
+    """One tensor of a checkpoint's header: its name, shape and stored element size; `kept_bytes` when
+    the loader keeps it as stored, whatever the dtype (a GGUF weight left in its quantized blocks)."""
 
     name: str
     shape: tuple[int, ...]
     element_bytes: int
     floating: bool
+    kept_bytes: int | None = None
 
     @property
     def numel(self) -> int:
@@ -93,14 +97,21 @@ def read_safetensors_header(path: Path) -> list[TensorEntry]:
 
 
 def read_gguf_tensors(path: Path) -> list[TensorEntry]:
-    """The tensors of a GGUF file (the `gguf` package's reader maps the file; nothing is dequantized),
-    sized as dequantized floats (what a loader that dequantizes at load holds)."""
+    """The tensors of a GGUF file (the `gguf` package's reader maps the file; nothing is dequantized):
+    the 2-D weights in blocks a `GGUFLinear` runs (Q8_0, Q4_K) at their bytes in the file, as the loader
+    keeps them (those of the few modules a family keeps in full precision are counted so too: a plan's
+    approximation), the others as floats of the model's dtype (dequantized at load)."""
     try:
         from gguf import GGUFReader
     except ImportError as exc:
         raise ModelLoadError(f"sizing {path} needs the `gguf` package (pip install gguf)") from exc
     reader = GGUFReader(str(path))
-    return [TensorEntry(t.name, tuple(int(d) for d in t.shape), 4, True) for t in reader.tensors]
+    entries = []
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in t.shape)
+        kept = t.tensor_type.name in GGUF_BLOCKS and len(shape) == 2 and t.name.endswith("weight")
+        entries.append(TensorEntry(t.name, shape, 4, True, int(t.n_bytes) if kept else None))
+    return entries
 
 
 def _element_bytes(entry: TensorEntry, dtype: torch.dtype) -> int:
@@ -115,6 +126,8 @@ def _quantized(entry: TensorEntry) -> bool:
 
 def tensor_bytes(entry: TensorEntry, dtype: torch.dtype, quantization: str | None) -> int:
     """Bytes of `entry` loaded in `dtype` (floating tensors) and, with `quantization`, quantized."""
+    if entry.kept_bytes is not None:
+        return entry.kept_bytes
     if quantization is not None and _quantized(entry):
         return entry.numel * QUANTIZED_ELEMENT_BYTES + entry.shape[0] * QUANTIZATION_SCALE_BYTES
     return entry.numel * _element_bytes(entry, dtype)
@@ -138,17 +151,16 @@ def size_of(
 
 def component_entries(spec: ComponentSpec, weights_file: Path | None = None) -> list[TensorEntry]:
     """The tensors of a component's checkpoint: its folder's safetensors, or for the DiT with
-    `--transformer-weights` (`weights_file`), the folder's own when it has them (same architecture, same
-    shapes) else the single file's."""
-    try:
-        files = find_weight_files(spec.path)
-    except ModelLoadError:
-        if weights_file is None:
-            raise
-        files = []
-    if files:
-        return [entry for file in files for entry in read_safetensors_header(file)]
-    assert weights_file is not None
-    if weights_file.suffix == ".gguf":
-        return read_gguf_tensors(weights_file)
-    return read_safetensors_header(weights_file)
+    `--transformer-weights` (`weights_file`) the single file's, what the loader reads (a GGUF or FP8 file
+    is kept partly quantized: its bytes, not the folder's full-precision ones); an all-in-one file's
+    tensors outside its DiT prefix (other components) are left out."""
+    if weights_file is not None and weights_file.is_file():
+        entries = (
+            read_gguf_tensors(weights_file)
+            if weights_file.suffix == ".gguf"
+            else read_safetensors_header(weights_file)
+        )
+        names, _ = strip_dit_prefix(entry.name for entry in entries)
+        by_name = {entry.name: entry for entry in entries}
+        return [replace(by_name[stored], name=name) for name, stored in names.items()]
+    return [entry for file in find_weight_files(spec.path) for entry in read_safetensors_header(file)]

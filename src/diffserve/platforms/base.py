@@ -16,6 +16,19 @@ from diffserve.platforms.step_timer import EventMark, HostMark, StepMark
 logger = logging.getLogger(__name__)
 
 
+def set_torch_threads(threads: int) -> None:
+    """torch's intra-op threads (`torch.set_num_threads`, which also sets OpenMP's and MKL's) and its
+    inter-op pool (`torch.set_num_interop_threads`, which torch takes only before that pool has started:
+    later calls keep the pool it has)."""
+    torch.set_num_threads(threads)
+    if torch.get_num_interop_threads() == threads:
+        return
+    try:
+        torch.set_num_interop_threads(threads)
+    except RuntimeError as exc:  # the pool was set or has run work already
+        logger.debug("torch inter-op threads stay %d: %s", torch.get_num_interop_threads(), exc)
+
+
 @dataclass(frozen=True)
 class MemoryInfo:
     """Memory of the platform's device, in bytes; None where the platform cannot tell."""
@@ -76,6 +89,14 @@ class Platform(ABC):
 
     def prepare_process(self) -> None:  # noqa: B027  (optional hook, no-op by default)
         """Process-wide allocator tuning (`--tune-allocator`, opt-in: its effect is host-dependent)."""
+
+    def configure_threads(self, cpu_threads: int | None, processes: int = 1) -> int:
+        """torch's CPU threads for this process, one of `processes` ranks on this machine: `cpu_threads`
+        (`--cpu-threads`) when given; this default leaves torch's own choice otherwise (the CPU platform
+        chooses from the CPUs this process may use). Returns the intra-op thread count."""
+        if cpu_threads is not None:
+            set_torch_threads(cpu_threads)
+        return torch.get_num_threads()
 
     def empty_cache(self) -> None:  # noqa: B027  (optional hook, no-op by default)
         """Give the allocator's cached blocks back (so free memory measured next counts them)."""

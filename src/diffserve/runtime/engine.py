@@ -1,17 +1,21 @@
 """`Engine`: the one request loop (CLI, `DiffGenerator`, server, warm-up and calibration submit here).
 A `step`: cancelled requests leave, admitted ones run pre-denoise, one batch-key group runs one denoising
-step as one DiT batch, finished ones are decoded; an error fails only its request (or group). Any thread
+step as one DiT batch, and every decode in progress runs one chunk (`DecodeTask`: a long video's decode
+never holds the other requests' steps, and a cancel stops it between two chunks); an error fails only its
+request (or group). Any thread
 submits; one at a time drives the loop (`run_to_completion`, for every caller: concurrent `generate`
 calls share DiT batches), with the engine's attention backend active. Its memory model (admission and
 automatic VAE tiling) is built here too, whoever drives the engine (`Engine.build_memory_model`)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -24,10 +28,11 @@ from diffserve.logging_setup import shown_text
 from diffserve.platforms.base import Platform
 from diffserve.request import Req
 from diffserve.runtime.contract import EnginePipeline
+from diffserve.runtime.decode_task import DecodeTask
 from diffserve.runtime.memory import NO_OFFLOAD, MemoryModel, RequestCost, WeightResidency, request_cost
 from diffserve.runtime.runner import ModelRunner
 from diffserve.runtime.scheduler import ScheduledRequest, SchedulerConfig, StepScheduler
-from diffserve.vae_tiling import tiled_decode_scope
+from diffserve.vae_tiling import decode_chunk_scope, tiled_decode_scope
 
 if TYPE_CHECKING:
     from diffserve.configs.engine_args import EngineArgs
@@ -86,6 +91,13 @@ class Engine:
         self._driving = threading.RLock()
         #: Calls waiting to run on the driving thread between two steps (`run_exclusive`).
         self._between_steps: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
+        #: Decode a chunk per loop iteration, between other requests' steps (`_interleaves_decodes`); False:
+        #: each decode runs whole once its last step is done (a cancel still stops it between two chunks).
+        self.interleave_decodes = True
+        #: Decodes in progress (its task, whether it is tiled automatically), in start order ...
+        self._decodes: dict[ScheduledRequest, tuple[DecodeTask[Req], bool]] = {}
+        #: ... and requests whose steps are done, waiting for theirs to start (`_start_decodes`).
+        self._decode_queue: deque[ScheduledRequest] = deque()
 
     @property
     def attention_backend(self) -> AttentionBackend:
@@ -140,7 +152,9 @@ class Engine:
         cost = self.cost(req)
         if self.scheduler.memory is not None:
             self.scheduler.memory.check_alone(cost)
-        return ScheduledRequest(req=req, cost=cost, priority=int(priority), payload=payload)
+        sr = ScheduledRequest(req=req, cost=cost, priority=int(priority), payload=payload)
+        self._hold_loras(sr)  # last: a request refused above holds nothing (else see `discard`)
+        return sr
 
     def cost(self, req: Req) -> RequestCost:
         return request_cost(self.pipeline.facts, req)
@@ -174,8 +188,9 @@ class Engine:
 
     def run_exclusive(self, call: Callable[[], T]) -> T:
         """Run `call` between two steps, never during one (loading or unloading a LoRA adapter: with several
-        ranks, its broadcast must not interleave with a step's). Runs now when no thread drives the loop;
-        else the driving thread runs it before its next step, and this waits for its result."""
+        ranks, its broadcast must not interleave with a step's); a decode may be paused between two chunks.
+        Runs now when no thread drives the loop; else the driving thread runs it before its next step, and
+        this waits for its result."""
         if self._driving.acquire(blocking=False):
             try:
                 with self.runner.model_scope():
@@ -213,13 +228,15 @@ class Engine:
         with self._driving, self.runner.model_scope():
             self._run_between_steps()
             did = self._drop_cancelled()
-            did = self._start_admitted() or did
+            if len(self._decodes) < 2:  # admission costs one decode at a time (`_may_decode_beside`)
+                did = self._start_admitted() or did
             group, broken = self.scheduler.next_group(self.pipeline.batch_key)
             for sr, exc in broken:
                 self._fail(sr, exc)
             if group:
                 self._denoise(group)
                 did = True
+            did = self._advance_decodes() or did
             return did or bool(broken)
 
     def run_until_idle(self, max_iterations: int = 100_000) -> None:
@@ -258,14 +275,30 @@ class Engine:
         if dropped:
             self.runner.flush_step_times()  # the steps they took keep their times
         for sr in dropped:
+            decoding = self._stop_decode(sr)
             if self.request_log is None:  # else its finish line says so, in these words
-                logger.info("Request %s cancelled at step %d", sr.request_id, sr.req.step_index)
+                where = "while decoding" if decoding else f"at step {sr.req.step_index}"
+                logger.info("Request %s cancelled %s", sr.request_id, where)
             self._end(sr, self.events.on_cancelled)
         return bool(dropped)
 
+    def _stop_decode(self, sr: ScheduledRequest) -> bool:
+        """Stop `sr`'s decode where it is paused (between two chunks), or drop it from the decode queue;
+        True when it had one."""
+        if sr in self._decode_queue:
+            self._decode_queue.remove(sr)
+            return True
+        decode = self._decodes.pop(sr, None)
+        if decode is None:
+            return False
+        decode[0].cancel()
+        return True
+
     def _start_admitted(self) -> bool:
         opens_busy_period = self.scheduler.num_running == 0
-        admitted = self.scheduler.admit()
+        admitted = self.scheduler.admit(self._loras_ready)
+        if not admitted:
+            self._wait_for_loras()
         if admitted and opens_busy_period:
             self.runner.reset_peak_memory()  # a new peak window for a new busy period
         for sr in admitted:
@@ -328,22 +361,103 @@ class Engine:
             )
         return tiled
 
+    def _one_rank(self) -> bool:
+        state = self.runner.parallel_state
+        return state is None or state.world_size == 1
+
+    def _interleaves_decodes(self) -> bool:
+        """Whether decodes run a chunk per loop iteration between other requests' steps: on one rank,
+        unless weights move in for a stage (component offload: each chunk would swap the DiT and the VAE).
+        With several ranks every rank runs the decode in lockstep (its row split exchanges rows), so rank 0
+        decides nothing else meanwhile and cannot stop it halfway."""
+        memory = self.scheduler.memory
+        offloaded = memory is not None and memory.weights.swap_bytes > 0
+        return self.interleave_decodes and self._one_rank() and not offloaded
+
     def _complete(self, sr: ScheduledRequest) -> None:
-        """Post-denoise (decoding), then report and free the slot."""
+        """Its last step is done: post-denoise (decoding: queued for `_advance_decodes`, or run whole now
+        when decodes are not interleaved), then report and free the slot."""
         req = sr.req
         if req.cancelled:
             self._drop_cancelled()
             return
         self.runner.flush_step_times()  # its last steps' times (waits for its last step, once)
         log_denoising(req)
+        if self._interleaves_decodes():
+            self._decode_queue.append(sr)
+            self._start_decodes()
+            return
         if self.request_log is not None:
             self.request_log.decoding(sr)
+        check = _cancel_check(req) if self._one_rank() else None
         try:
-            with tiled_decode_scope(self._decode_tiled(sr)):
-                sr.req = req = self.runner.post_denoise(req)
+            with tiled_decode_scope(self._decode_tiled(sr)), decode_chunk_scope(check):
+                sr.req = self.runner.post_denoise(req)
         except Exception as exc:
             self._fail(sr, exc)
             return
+        self._report(sr)
+
+    def _start_decodes(self) -> None:
+        """Start the queued decodes, in order, while `_may_decode_beside` lets each start."""
+        while self._decode_queue:
+            sr = self._decode_queue[0]
+            if self._decodes and not self._may_decode_beside(sr):
+                return
+            self._decode_queue.popleft()
+            if self.request_log is not None:
+                self.request_log.decoding(sr)
+            tiled = self._decode_tiled(sr)
+            with tiled_decode_scope(tiled):  # the task's thread runs in a copy of this context
+                call = functools.partial(self.runner.post_denoise, sr.req)
+                task = DecodeTask(call, f"decode-{sr.request_id[:8]}", self.platform.bind_device)
+            self._decodes[sr] = (task, tiled)
+
+    def _may_decode_beside(self, sr: ScheduledRequest) -> bool:
+        """Whether `sr`'s decode may start while others are in progress: when the running set fits the
+        budget with all of those decodes at once (admission's `MemoryModel.total` counts one decode, so
+        none is admitted while two run: `step`), and none of them is tiled automatically (that sets the
+        VAE's own tiling switch while it runs). Else it waits its turn."""
+        memory = self.scheduler.memory
+        if memory is None:
+            return True
+        if any(tiled for _, tiled in self._decodes.values()):
+            return False
+        running = self.scheduler.running_costs()
+        others = [cost for cost in running if cost is not sr.cost]
+        if memory.vae_tiling_mode == "auto" and memory.decode_tiled(others, sr.cost):
+            return False
+        if memory.budget_bytes is None:
+            return True
+        decoding = [*(s.cost for s in self._decodes), sr.cost]
+        need = sum(memory.denoise_bytes(c) for c in running) + sum(memory.decode_bytes(c) for c in decoding)
+        return need + memory.weights.swap_bytes <= memory.budget_bytes
+
+    def _advance_decodes(self) -> bool:
+        """One chunk of every decode in progress; the ones that end are reported. False: none ran."""
+        self._start_decodes()
+        if not self._decodes:
+            return False
+        for sr, (task, _) in list(self._decodes.items()):
+            if task.advance():
+                del self._decodes[sr]
+                self._decoded(sr, task)
+        self._start_decodes()
+        return True
+
+    def _decoded(self, sr: ScheduledRequest, task: DecodeTask[Req]) -> None:
+        error = task.error
+        if error is not None:
+            if not isinstance(error, Exception):
+                raise error
+            self._fail(sr, error)
+            return
+        assert task.result is not None
+        sr.req = task.result
+        self._report(sr)
+
+    def _report(self, sr: ScheduledRequest) -> None:
+        """Decoded: report it, then free its slot."""
         if self.request_log is not None:
             self.request_log.decoded(sr)
         sr.peak_memory_bytes = self.runner.peak_memory_bytes()
@@ -357,6 +471,7 @@ class Engine:
             self._notify(self.events.on_failed, sr, exc)
         finally:
             self.scheduler.remove(sr)
+            self._unhold_loras(sr)
             self._log_end(sr)
             sr.done.set()
 
@@ -365,19 +480,52 @@ class Engine:
         self.runner.release(sr.req)
         if isinstance(error, RequestCancelledError):
             sr.state = "cancelled"
+            if self.request_log is None:  # else its finish line says so
+                logger.info("Request %s cancelled: %s", sr.request_id, error)
             self._end(sr, self.events.on_cancelled)
             return
         sr.state = "failed"
         sr.error = error
+        self._unhold_loras(sr)
         self._notify(self.events.on_failed, sr, error)
         self._log_end(sr)
         sr.done.set()
 
     def _end(self, sr: ScheduledRequest, hook: Callable[[ScheduledRequest], None]) -> None:
         self.runner.release(sr.req)
+        self._unhold_loras(sr)
         self._notify(hook, sr)
         self._log_end(sr)
         sr.done.set()
+
+    # -- the LoRA adapters requests name (runtime/lora_registry.py) ------------------------------------
+
+    def _hold_loras(self, sr: ScheduledRequest) -> None:
+        """An admitted request holds the adapters it names until it ends (unloading one is refused
+        meanwhile); the ones not resident are read in the background, and it starts once they are."""
+        registry = self.runner.loras
+        if registry is not None and sr.req.params.loras:
+            try:
+                registry.hold(id(sr), [choice.name for choice in sr.req.params.loras])
+            except LoraError as exc:
+                raise InvalidRequestError(str(exc), param="loras") from None
+
+    def _unhold_loras(self, sr: ScheduledRequest) -> None:
+        if self.runner.loras is not None:
+            self.runner.loras.unhold(id(sr))
+
+    def discard(self, sr: ScheduledRequest) -> None:
+        """A request `prepare`d that will not be enqueued: let go of what it holds."""
+        self._unhold_loras(sr)
+
+    def _loras_ready(self, sr: ScheduledRequest) -> bool:
+        return self.runner.loras is None or self.runner.loras.ready(id(sr))
+
+    def _wait_for_loras(self) -> None:
+        """Nothing runs and the waiting requests' adapters are still being read: wait a moment for a
+        read to finish (not spinning the loop)."""
+        if self.runner.loras is not None and self.scheduler.num_running == 0 and self.scheduler.num_waiting:
+            self.runner.loras.wait_for_reads(_WAIT_SLICE_SECONDS)
 
     def _log_end(self, sr: ScheduledRequest) -> None:
         if self.request_log is not None:
@@ -389,6 +537,16 @@ class Engine:
             hook(*args)
         except Exception:
             logger.exception("Engine event %s failed", hook.__name__)
+
+
+def _cancel_check(req: Req) -> Callable[[], None]:
+    """A decode's chunk hook (`decode_chunk_scope`) that stops it once `req` is cancelled."""
+
+    def check() -> None:
+        if req.cancelled:
+            raise RequestCancelledError(f"request {req.request_id} cancelled during its decode")
+
+    return check
 
 
 def log_denoising(req: Req) -> None:
@@ -511,8 +669,13 @@ class RequestLog:
         status = _END_STATUS.get(sr.state, sr.state)
         if sr.state == "failed" and sr.error is not None:
             status += f" ({type(sr.error).__name__})"
+        elif sr.state == "cancelled" and sr.started_at is None:
+            status += " while waiting"
         elif sr.state == "cancelled":
-            status += " while waiting" if sr.started_at is None else f" at step {sr.req.step_index}"
+            decoding = (
+                tracked is not None and tracked.decode_started is not None and tracked.decode_ended is None
+            )
+            status += " while decoding" if decoding else f" at step {sr.req.step_index}"
         parts = [f"queued {((sr.started_at or now) - sr.submitted_at):.2f} s"]
         if tracked is not None:
             parts += _phase_times(tracked, now)

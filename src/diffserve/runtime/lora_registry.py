@@ -5,11 +5,19 @@ module of that name, a Linear of that shape), copies the pairs to the device in 
 registers them on `LoraLinear`s (layers/lora_linear.py), wrapping the targeted Linears the first time.
 Nothing else changes in the model: a request without adapters runs the base weights, bit for bit.
 
-Requests name adapters; `acquire` turns names into `AppliedLora`s and pins them until `release`, so
-an adapter is never unloaded under a running request. Adapters are known by name (from `--lora`,
-`load`, or a file name inside `--lora-dir`) and resident within a byte budget (`--max-lora-memory`):
-loading past it evicts the least recently used unpinned adapters, which are read again from their
-file when a request names them.
+Requests name adapters. An admitted request `hold`s the ones it names until it ends (queued or
+running): unloading one is refused meanwhile, and a name of `--lora-dir` is bound to its file from then
+on. `acquire` turns names into `AppliedLora`s and pins them until `release` (running requests). Adapters
+are known by name (from `--lora`, `load`, or a file name inside `--lora-dir`), at most `--max-loras` of
+them, and resident within a byte budget (`--max-lora-memory`): loading past it evicts the least recently
+used unpinned adapters, which are read again from their file when a request names them.
+
+Reading a file is the slow part (safetensors_file.py caps what a file may declare), and it never runs
+between two denoising steps when it can run before: `prepare` reads, converts and checks a file on the
+caller's thread (the admin routes' worker) and `load` then only registers it; the adapters a request
+names that are not resident are read by a background reader when it is admitted, and the request
+starts once they are read (`ready`). A file that failed is remembered by its identity (path, size,
+mtime, inode) and refused at once until it changes.
 
 `merge` is the other mode (`--lora-merge`): the adapters are added into the base weights once, for no
 per-step cost; requests then cannot choose adapters.
@@ -21,8 +29,10 @@ import logging
 import re
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,22 +42,27 @@ from torch import nn
 from diffserve.configs.engine_args import LoraSpec
 from diffserve.configs.sampling_params import LoraChoice
 from diffserve.distributed.tensor_parallel import ParallelLinear
-from diffserve.errors import LoraError
+from diffserve.errors import LoraBusyError, LoraError, LoraLimitError
 from diffserve.layers.fused_linear import FusedLinear
+from diffserve.layers.gguf_linear import quantized_layer_kinds
 from diffserve.layers.lora_linear import LayerAdapter, LoraLinear, LoraPiece
 from diffserve.layers.lora_rows import AppliedLora
-from diffserve.layers.quantized_linear import QuantizedLinear
 from diffserve.loader.dit_facts import DitFactsTable
 from diffserve.loader.lora_formats import convert_lora, read_lora_file
+from diffserve.loader.lora_formats.safetensors_file import lora_file_checked
 from diffserve.loader.lora_weights import ConvertedLora, LoraWeights
 
 logger = logging.getLogger("diffserve.lora")
 
 #: Adapter names: what a request or the admin route may send (also a file stem inside --lora-dir).
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")  # \Z: "a\n" is no name
 #: Components LoRA applies to; the others (text encoders) are reported as ignored.
 APPLIED_COMPONENTS = ("transformer",)
 DEFAULT_MAX_LORA_BYTES = 2 * 2**30
+#: The most adapters one engine knows at once (`--max-loras`).
+DEFAULT_MAX_LORAS = 64
+#: Failed files remembered (by identity), each refused at once when named again.
+MAX_REMEMBERED_FAILURES = 256
 
 
 @dataclass(frozen=True)
@@ -62,14 +77,52 @@ class LoraInfo:
     num_bytes: int
     targets: int
     resident: bool
-    in_use: int
+    in_use: int  # requests naming it, queued or running (unloading it is refused meanwhile)
+    queued: int = 0  # of them, the ones still queued
 
     def to_dict(self) -> dict[str, object]:
         return {
             "name": self.name, "path": self.path, "family": self.family, "format": self.format,
             "rank": self.rank, "bytes": self.num_bytes, "targets": self.targets, "resident": self.resident,
-            "in_use": self.in_use,
+            "in_use": self.in_use, "queued": self.queued,
         }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What tells one state of an adapter file from another: a failed file is refused at once while its
+    identity stays the same."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    inode: int
+
+    @classmethod
+    def of(cls, path: Path) -> FileIdentity:
+        """The identity of the file `path` names (itself, or the one safetensors file of a folder);
+        LoraError for a missing file or a path the OS refuses."""
+        file = lora_file_checked(path)
+        try:
+            st = file.stat()
+        except OSError as exc:
+            raise LoraError(f"LoRA file {file} cannot be read: {exc.strerror or exc}") from None
+        return cls(str(file), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+@dataclass(frozen=True)
+class PreparedLora:
+    """An adapter file read, converted and checked against the model, its pairs in the model's dtype on
+    the CPU (`plan`: target -> pair): what registering it copies to the device, between two steps."""
+
+    name: str
+    path: Path
+    identity: FileIdentity
+    strict: bool
+    format: str
+    plan: list[tuple[str, LoraWeights]]
+    num_bytes: int
+    rank: int
 
 
 @dataclass
@@ -77,7 +130,8 @@ class _Resident:
     """An adapter on the device: its id, layers and size, and how many running requests pin it."""
 
     adapter_id: int
-    converted: ConvertedLora
+    format: str
+    plan: list[tuple[str, LoraWeights]]
     layers: list[LoraLinear]
     num_bytes: int
     rank: int
@@ -109,21 +163,28 @@ class LoraRegistry:
         dtype: torch.dtype,
         max_bytes: int = DEFAULT_MAX_LORA_BYTES,
         lora_dir: Path | None = None,
+        max_count: int = DEFAULT_MAX_LORAS,
     ) -> None:
         self.family, self.dit_class, self.facts = family, dit_class, facts
         self.device, self.dtype = device, dtype
         self.max_bytes = int(max_bytes)
+        self.max_count = int(max_count)
         self.lora_dir = None if lora_dir is None else Path(lora_dir).resolve()
         self._modules = {name: modules[name] for name in APPLIED_COMPONENTS if name in modules}
         self._paths: dict[str, Path] = {}  # every known adapter: name -> file
+        #: Known only because a request named a file of --lora-dir: forgotten when idle to make room.
+        self._from_dir: set[str] = set()
         self._resident: OrderedDict[str, _Resident] = OrderedDict()  # least recently used first
+        self._holds: dict[int, tuple[str, ...]] = {}  # an admitted request (its key) -> the adapters it names
+        self._reads: dict[str, Future[PreparedLora]] = {}  # files read ahead of `load` / `acquire`, by name
+        self._reader: ThreadPoolExecutor | None = None  # reads the adapters of admitted requests
+        self._failures: OrderedDict[tuple[FileIdentity, bool], str] = OrderedDict()  # (file, strict) -> why
+        self._failures_lock = threading.Lock()
         self._next_id = 0
         self._merged: tuple[str, ...] = ()
         self._lock = threading.RLock()
         self._targets = self._find_targets()
-        self._quantized = any(
-            isinstance(m, QuantizedLinear) for root in self._modules.values() for m in root.modules()
-        )
+        self._quantized = sum((quantized_layer_kinds(root) for root in self._modules.values()), Counter())
         self._tensor_parallel = any(
             isinstance(m, ParallelLinear) for root in self._modules.values() for m in root.modules()
         )
@@ -160,7 +221,7 @@ class LoraRegistry:
             if self.lora_dir is None:
                 raise LoraError(f"unknown LoRA {name!r}: not loaded, and this engine has no --lora-dir")
             candidates = [self.lora_dir / f"{name}.safetensors", self.lora_dir / name]
-            found = next((c for c in candidates if c.exists()), None)
+            found = next((c for c in candidates if _exists(c)), None)
             if found is None:
                 raise LoraError(
                     f"unknown LoRA {name!r}: not loaded, and --lora-dir has no {name}.safetensors "
@@ -170,62 +231,203 @@ class LoraRegistry:
         return Path(path)
 
     def inside_lora_dir(self, relative: str | Path) -> Path:
-        """`relative` under `--lora-dir`, refusing anything that resolves outside it."""
+        """`relative` under `--lora-dir`, refusing anything that resolves outside it (and a path the OS
+        refuses: a NUL byte, a name too long, a loop of links)."""
         if self.lora_dir is None:
             raise LoraError("this engine has no --lora-dir: adapters can be named by path only at start-up")
+        if "\x00" in str(relative):
+            raise LoraError("LoRA path must not contain a NUL byte")
+        shown = (
+            str(relative) if len(str(relative)) <= 200 else f"{str(relative)[:120]}...{str(relative)[-60:]}"
+        )
         if Path(relative).is_absolute():
-            raise LoraError(f"LoRA path {str(relative)!r} must be relative to --lora-dir")
-        resolved = (self.lora_dir / relative).resolve()
+            raise LoraError(f"LoRA path {shown!r} must be relative to --lora-dir")
+        try:
+            resolved = (self.lora_dir / relative).resolve()
+        except (OSError, RuntimeError, ValueError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise LoraError(f"LoRA path {shown!r} cannot be used: {reason}") from None
         if not resolved.is_relative_to(self.lora_dir):
-            raise LoraError(f"LoRA path {str(relative)!r} is outside --lora-dir")
+            raise LoraError(f"LoRA path {shown!r} is outside --lora-dir")
         return resolved
 
-    def load(self, name: str, path: str | Path, strict: bool = True) -> LoraInfo:
-        """Read, check and register adapter `name` from `path` (replacing none: a taken name is an error)."""
+    def prepare(self, name: str, path: str | Path, strict: bool = True) -> PreparedLora:
+        """Read adapter `name`'s file at `path`, convert it and check it against the model, changing
+        nothing: the slow part of `load`, for a thread other than the one that runs the steps (the admin
+        routes' worker, `DiffGenerator.load_lora`). The next `load` of `name` from that file (unchanged)
+        registers this. A file that failed is refused at once until it changes."""
         check_name(name)
         with self._lock:
-            if self._merged:
-                raise LoraError(
-                    "this engine merged its LoRAs into the weights (--lora-merge): no others load"
-                )
-            if name in self._paths:
-                raise LoraError(f"a LoRA named {name!r} is already loaded; unload it first")
-            resident = self._read_and_register(name, Path(path), strict)
-            self._paths[name] = Path(path)
+            self._check_loadable(name)  # a taken name or no room: refused before reading
+        prepared = self._prepare(name, Path(path), strict)
+        done: Future[PreparedLora] = Future()
+        done.set_result(prepared)
+        with self._lock:
+            self._reads[name] = done
+        return prepared
+
+    def load(self, name: str, path: str | Path, strict: bool = True) -> LoraInfo:
+        """Read, check and register adapter `name` from `path` (replacing none: a taken name is an error).
+        Registering runs here; reading too, unless `prepare` read this file already."""
+        check_name(name)
+        path = Path(path)
+        with self._lock:
+            try:
+                self._check_loadable(name)
+                prepared = self._take_read(name, path, strict, wait=False)
+            finally:
+                self._reads.pop(name, None)
+        if prepared is None:
+            prepared = self._prepare(name, path, strict)
+        with self._lock:
+            self._check_loadable(name)
+            resident = self._register(name, prepared)
+            self._paths[name] = path
             return self._info(name, resident)
 
-    def _read_and_register(self, name: str, path: Path, strict: bool) -> _Resident:
+    def know(self, name: str, path: str | Path) -> LoraInfo:
+        """Know adapter `name` from `path` without reading it: it is read when a request names it (as a
+        file of --lora-dir is). For the adapters a restarted engine gets back (`lora_client.restore`):
+        replaying them costs a `stat` each, not a read."""
+        check_name(name)
+        path = Path(path)
+        FileIdentity.of(path)  # a file is there
+        with self._lock:
+            self._check_loadable(name)
+            self._paths[name] = path
+            return self._info(name, None)
+
+    def _check_loadable(self, name: str) -> None:
+        """(Under the lock.) The name is free, and there is room for one more adapter."""
+        if self._merged:
+            raise LoraError("this engine merged its LoRAs into the weights (--lora-merge): no others load")
+        if name in self._paths:
+            raise LoraError(f"a LoRA named {name!r} is already loaded; unload it first")
+        self._make_room(name)
+
+    def _make_room(self, name: str) -> None:
+        """(Under the lock.) Room for adapter `name` among at most `max_count` known ones: an idle adapter
+        known only because a request named its --lora-dir file is forgotten (it is found again by name);
+        LoraLimitError when none is."""
+        if name in self._paths or len(self._paths) < self.max_count:
+            return
+        idle = [
+            n for n in self._paths
+            if n in self._from_dir and not self._held(n) and not getattr(self._resident.get(n), "pins", 0)
+        ]  # fmt: skip
+        if idle:
+            # not resident first, then the least recently used
+            order = {n: i for i, n in enumerate(self._resident)}
+            self._forget(min(idle, key=lambda n: (n in self._resident, order.get(n, -1))))
+            return
+        raise LoraLimitError(
+            f"cannot load LoRA {name!r}: this engine knows {len(self._paths)} adapters already, its limit "
+            f"(--max-loras {self.max_count}); unload one first (DELETE /v1/loras/NAME)"
+        )
+
+    def _forget(self, name: str) -> None:
+        """(Under the lock.) Drop every trace of adapter `name`."""
+        if name in self._resident:
+            self._drop(name)
+        self._paths.pop(name, None)
+        self._from_dir.discard(name)
+        future = self._reads.pop(name, None)
+        if future is not None:
+            future.cancel()
+
+    def _check_usable(self, name: str) -> None:
         if self._quantized:
+            kinds = ", ".join(f"{kind} x {n}" for kind, n in self._quantized.most_common())
             raise LoraError(
-                f"cannot load LoRA {name!r}: the DiT was loaded with --quantization (8-bit weights), and LoRA "
-                "adapters need its full-precision Linears; load the model without --quantization"
+                f"cannot load LoRA {name!r}: the DiT computes with quantized weights ({kinds} layers: "
+                "--quantization, or an FP8 / GGUF --transformer-weights file kept quantized), and LoRA "
+                "adapters need its full-precision Linears; load the model without --quantization, or from "
+                "full-precision weights"
             )
         if self._tensor_parallel:
             raise LoraError(
                 f"cannot load LoRA {name!r}: LoRA adapters do not run with tensor parallelism yet (--tp-size > 1); "
                 "use sequence or CFG parallelism (--ulysses-degree, --ring-degree, --enable-cfg-parallel)"
             )
-        state_dict, metadata = read_lora_file(path)
-        converted = convert_lora(
-            state_dict, metadata, self.dit_class, self.facts, source=f"{name!r} ({path})"
-        )
-        plan = self._plan(name, path, converted, strict)
-        num_bytes = sum(w.down.numel() + w.up.numel() for _, w in plan) * self.dtype.itemsize
-        if num_bytes > self.max_bytes:
-            raise LoraError(
-                f"LoRA {name!r} needs {num_bytes / 2**20:.1f} MiB, more than --max-lora-memory "
-                f"({self.max_bytes / 2**20:.1f} MiB)"
+
+    def _prepare(self, name: str, path: Path, strict: bool) -> PreparedLora:
+        """Read, convert and check (no lock needed: the model is only read). LoraErrors are remembered by
+        the file's identity."""
+        self._check_usable(name)
+        identity = FileIdentity.of(path)
+        key = (identity, strict)
+        with self._failures_lock:
+            reason = self._failures.get(key)
+        if reason is not None:
+            raise LoraError(f"{reason} (this file failed to load before; it is read again once it changes)")
+        try:
+            state_dict, metadata = read_lora_file(Path(identity.path))
+            converted = convert_lora(
+                state_dict, metadata, self.dit_class, self.facts, source=f"{name!r} ({path})"
             )
-        self._evict_for(num_bytes, name)
+        except LoraError as exc:  # the file itself: whatever `strict` says
+            self._remember(str(exc), (identity, True), (identity, False))
+            raise
+        del state_dict
+        try:
+            plan = self._plan(name, path, converted, strict)
+            num_bytes = sum(w.down.numel() + w.up.numel() for _, w in plan) * self.dtype.itemsize
+            if num_bytes > self.max_bytes:
+                raise LoraError(
+                    f"LoRA {name!r} needs {num_bytes / 2**20:.1f} MiB, more than --max-lora-memory "
+                    f"({self.max_bytes / 2**20:.1f} MiB)"
+                )
+        except LoraError as exc:
+            self._remember(str(exc), key)
+            raise
+        cast = [(k, LoraWeights(w.down.to(self.dtype), w.up.to(self.dtype), w.alpha)) for k, w in plan]
+        rank = max(w.rank for _, w in plan)
+        return PreparedLora(name, path, identity, strict, converted.format, cast, num_bytes, rank)
+
+    def _remember(self, reason: str, *keys: tuple[FileIdentity, bool]) -> None:
+        with self._failures_lock:
+            for key in keys:
+                self._failures[key] = reason
+            while len(self._failures) > MAX_REMEMBERED_FAILURES:
+                self._failures.popitem(last=False)
+
+    def _failed_before(self, path: Path, strict: bool) -> str | None:
+        """Why the file at `path` failed before, if it did and has not changed since."""
+        try:
+            identity = FileIdentity.of(path)
+        except LoraError as exc:
+            return str(exc)
+        with self._failures_lock:
+            return self._failures.get((identity, strict))
+
+    def _take_read(self, name: str, path: Path, strict: bool, wait: bool) -> PreparedLora | None:
+        """(Under the lock.) The read of `name`'s file made ahead, if there is one of that file as it is now
+        (`wait`: one still running is waited for); its LoraError when that read failed."""
+        future = self._reads.get(name)
+        if future is None or not (wait or future.done()):
+            return None
+        del self._reads[name]
+        if future.cancelled():
+            return None
+        prepared = future.result()  # a failed read raises its LoraError
+        if prepared.path != path or prepared.strict != strict or prepared.identity != FileIdentity.of(path):
+            return None
+        return prepared
+
+    def _register(self, name: str, prepared: PreparedLora) -> _Resident:
+        """(Under the lock, between two steps.) Make room in the budget, copy the pairs to the device and
+        add them to their layers."""
+        self._evict_for(prepared.num_bytes, name)
         adapter_id = self._next_id
         self._next_id += 1
-        layers = self._register(adapter_id, plan)
-        rank = max(w.rank for _, w in plan)
-        resident = _Resident(adapter_id, converted, layers, num_bytes, rank)
+        layers = self._attach(adapter_id, prepared.plan)
+        resident = _Resident(
+            adapter_id, prepared.format, prepared.plan, layers, prepared.num_bytes, prepared.rank
+        )
         self._resident[name] = resident
         logger.info(
             "LoRA %r loaded from %s (%s format): %d layers, rank %d, %.1f MiB",
-            name, path, converted.format, len(plan), rank, num_bytes / 2**20,
+            name, prepared.path, prepared.format, len(prepared.plan), prepared.rank, prepared.num_bytes / 2**20,
         )  # fmt: skip
         return resident
 
@@ -271,9 +473,16 @@ class LoraRegistry:
             )
         if problems:
             logger.warning("LoRA %r: ignoring %d entries: %s", name, len(problems), ", ".join(problems))
-        return [(k, w) for k, w in sorted(applied.items()) if k in self._targets]
+        plan = [(k, w) for k, w in sorted(applied.items()) if k in self._targets]
+        empty = [k for k, w in plan if w.rank == 0]
+        if empty:
+            raise LoraError(
+                f"LoRA {name!r} ({path}) has rank 0 ({', '.join(empty[:4])}{' ...' if len(empty) > 4 else ''}): "
+                "an empty adapter changes nothing"
+            )
+        return plan
 
-    def _register(self, adapter_id: int, plan: list[tuple[str, LoraWeights]]) -> list[LoraLinear]:
+    def _attach(self, adapter_id: int, plan: list[tuple[str, LoraWeights]]) -> list[LoraLinear]:
         """Copy the pairs to the device and add one `LayerAdapter` per layer (parts of a fused layer stack
         their `down`s into one matmul)."""
         by_layer: dict[int, list[tuple[_Target, LoraWeights]]] = {}
@@ -331,9 +540,10 @@ class LoraRegistry:
             used -= resident.num_bytes
             logger.info("LoRA %r evicted (least recently used) to make room for %r", name, loading)
         if used + num_bytes > self.max_bytes:
-            raise LoraError(
-                f"LoRA {loading!r} needs {num_bytes / 2**20:.1f} MiB and the adapters in use hold "
-                f"{used / 2**20:.1f} MiB of --max-lora-memory ({self.max_bytes / 2**20:.1f} MiB); retry later"
+            raise LoraBusyError(
+                f"LoRA {loading!r} needs {num_bytes / 2**20:.1f} MiB and the adapters running requests use hold "
+                f"{used / 2**20:.1f} MiB of --max-lora-memory ({self.max_bytes / 2**20:.1f} MiB); retry when "
+                "they finish"
             )
 
     def _drop(self, name: str) -> None:
@@ -343,9 +553,103 @@ class LoraRegistry:
 
     # -- requests ----------------------------------------------------------------------------------
 
+    # -- requests ----------------------------------------------------------------------------------
+
+    def hold(self, key: int, names: Sequence[str]) -> None:
+        """An admitted request (`key`, unique while it lives) names `names`: each must be known or a file of
+        --lora-dir (bound to that name from now on), and not a file that failed before (refused at once,
+        with the reason). Held until `unhold(key)` (the request ended): unloading one is refused meanwhile.
+        The ones not resident are read by a background reader now (`ready`)."""
+        if not names:
+            return
+        with self._lock:
+            if self._merged:
+                raise LoraError(
+                    f"this engine merged its LoRAs into the weights ({', '.join(self._merged)}, --lora-merge): "
+                    "requests cannot choose adapters"
+                )
+            bound: list[str] = []
+            try:
+                for name in names:
+                    if name not in self._paths:
+                        check_name(name)
+                        path = self.resolve_path(name, None)
+                        self._make_room(name)
+                        self._paths[name] = path
+                        self._from_dir.add(name)
+                        bound.append(name)
+                    if name not in self._resident and name not in self._reads:
+                        reason = self._failed_before(self._paths[name], strict=False)
+                        if reason is not None:
+                            raise LoraError(f"LoRA {name!r} cannot be used: {reason}")
+            except LoraError:
+                for name in bound:
+                    self._forget(name)
+                raise
+            self._holds[key] = tuple(names)
+            for name in names:
+                self._read_ahead(name)
+
+    def unhold(self, key: int) -> None:
+        """The request `key` ended (finished, cancelled, failed or never queued): its adapters are free to
+        unload. A --lora-dir adapter nobody holds that was never read (or failed) is forgotten."""
+        with self._lock:
+            for name in self._holds.pop(key, ()):
+                if self._held(name):
+                    continue
+                if name not in self._resident:
+                    future = self._reads.pop(name, None)
+                    if future is not None:
+                        future.cancel()
+                    if name in self._from_dir:
+                        self._paths.pop(name, None)
+                        self._from_dir.discard(name)
+
+    def ready(self, key: int) -> bool:
+        """Whether the request `key` can start: every adapter it holds is resident or read (a failed read
+        counts: starting, it fails with that error), and the ones to register fit the budget beside the
+        adapters running requests pin (or none are pinned: then it fails or fits for good)."""
+        with self._lock:
+            names = self._holds.get(key, ())
+            needed = 0
+            for name in names:
+                if name in self._resident:
+                    continue
+                future = self._reads.get(name)
+                if future is None:
+                    self._read_ahead(name)  # evicted since it was admitted
+                    return False
+                if not future.done():
+                    return False
+                if not future.cancelled() and future.exception() is None:
+                    needed += future.result().num_bytes
+            pinned = sum(r.num_bytes for r in self._resident.values() if r.pins)
+            return needed == 0 or pinned == 0 or pinned + needed <= self.max_bytes
+
+    def wait_for_reads(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for one of the reads in progress; False when none is."""
+        with self._lock:
+            pending = [f for f in self._reads.values() if not f.done()]
+        if pending:
+            wait_for_futures(pending, timeout, return_when=FIRST_COMPLETED)
+        return bool(pending)
+
+    def _read_ahead(self, name: str) -> None:
+        """(Under the lock.) Start reading known adapter `name` on the background reader, unless it is
+        resident or being read."""
+        if name in self._resident or name in self._reads or name not in self._paths:
+            return
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-read")
+        self._reads[name] = self._reader.submit(self._prepare, name, self._paths[name], False)
+
+    def _held(self, name: str) -> int:
+        """(Under the lock.) How many admitted requests hold adapter `name`."""
+        return sum(name in names for names in self._holds.values())
+
     def acquire(self, choices: Sequence[LoraChoice]) -> tuple[AppliedLora, ...]:
         """The adapters a request applies, pinned until `release` (unknown names: LoraError naming them;
-        a name inside `--lora-dir` that is not loaded yet is loaded now)."""
+        one not resident is registered now, from its read made ahead when there is one)."""
         if not choices:
             return ()
         with self._lock:
@@ -387,13 +691,19 @@ class LoraRegistry:
         if resident is not None:
             return resident
         path = self._paths.get(name)
-        if path is None:
+        new = path is None
+        if path is None:  # named by a caller that did not `hold` it
             check_name(name)
             path = self.resolve_path(name, None)
-            resident = self._read_and_register(name, path, strict=False)
+            self._make_room(name)
+        prepared = self._take_read(name, path, strict=False, wait=True)
+        if prepared is None:
+            prepared = self._prepare(name, path, strict=False)
+        resident = self._register(name, prepared)
+        if new:
             self._paths[name] = path
-            return resident
-        return self._read_and_register(name, path, strict=False)
+            self._from_dir.add(name)
+        return resident
 
     def release(self, applied: Iterable[AppliedLora]) -> None:
         """The request no longer runs: unpin its adapters."""
@@ -405,19 +715,22 @@ class LoraRegistry:
                     resident.pins -= 1
 
     def unload(self, name: str) -> None:
-        """Forget adapter `name`; refused while a running request uses it."""
+        """Forget adapter `name`; refused while a request (queued or running) names it."""
         with self._lock:
             if name not in self._paths:
                 raise LoraError(f"unknown LoRA {name!r} (loaded: {', '.join(self.names()) or 'none'})")
-            resident = self._resident.get(name)
-            if resident is not None and resident.pins:
-                raise LoraError(
-                    f"LoRA {name!r} is used by {resident.pins} running request(s); retry when they finish"
-                )
-            if resident is not None:
-                self._drop(name)
-            del self._paths[name]
+            in_use = self._in_use(name)
+            if in_use:
+                raise LoraError(f"LoRA {name!r} is used by {describe_use(*in_use)}; retry when they finish")
+            self._forget(name)
             logger.info("LoRA %r unloaded", name)
+
+    def _in_use(self, name: str) -> tuple[int, int] | None:
+        """(Under the lock.) (running, queued) requests naming adapter `name`; None when there is none."""
+        resident = self._resident.get(name)
+        running = 0 if resident is None else resident.pins
+        total = max(self._held(name), running)
+        return (running, total - running) if total else None
 
     # -- merging -----------------------------------------------------------------------------------
 
@@ -429,7 +742,7 @@ class LoraRegistry:
                 resident = self._resident.get(choice.name)
                 if resident is None:
                     raise LoraError(f"cannot merge unknown LoRA {choice.name!r}")
-                plan = [(k, w) for k, w in resident.converted.targets.items() if k in self._targets]
+                plan = resident.plan
                 with torch.no_grad():
                     for key, weights in plan:
                         target = self._targets[key]
@@ -461,14 +774,28 @@ class LoraRegistry:
             return [self._info(name, self._resident.get(name)) for name in self.names()]
 
     def _info(self, name: str, resident: _Resident | None) -> LoraInfo:
+        running, queued = self._in_use(name) or (0, 0)
         return LoraInfo(
             name=name, path=str(self._paths.get(name, "")), family=self.family,
-            format="" if resident is None else resident.converted.format,
+            format="" if resident is None else resident.format,
             rank=0 if resident is None else resident.rank,
             num_bytes=0 if resident is None else resident.num_bytes,
             targets=0 if resident is None else sum(len(layer.adapters[resident.adapter_id].pieces) for layer in resident.layers),
-            resident=resident is not None, in_use=0 if resident is None else resident.pins,
+            resident=resident is not None, in_use=running + queued, queued=queued,
         )  # fmt: skip
+
+
+def describe_use(running: int, queued: int) -> str:
+    """`2 requests (1 running, 1 queued)`."""
+    total = running + queued
+    return f"{total} request{'' if total == 1 else 's'} ({running} running, {queued} queued)"
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):  # a name the OS refuses names no file
+        return False
 
 
 def check_name(name: object) -> str:
@@ -493,6 +820,7 @@ def start_lora_registry(
     merge: bool = False,
     max_bytes: int = DEFAULT_MAX_LORA_BYTES,
     compiled: bool = False,
+    max_count: int = DEFAULT_MAX_LORAS,
 ) -> LoraRegistry:
     """The registry an engine starts with: `specs` loaded (strictly) and, with `merge`, merged into the
     weights. With `compiled` and LoRA in use, every DiT Linear is wrapped now, before compilation, so
@@ -510,6 +838,7 @@ def start_lora_registry(
         dtype,
         max_bytes,
         None if lora_dir is None else Path(lora_dir),
+        max_count,
     )
     for spec in specs:
         registry.load(spec.name, spec.path)

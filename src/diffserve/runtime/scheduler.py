@@ -169,12 +169,16 @@ class StepScheduler:
             return False
         return self.memory is None or self.memory.fits([r.cost for r in running], sr.cost)
 
-    def admit(self) -> list[ScheduledRequest]:
-        """Waiting requests that start now (moved to the running set, in queue order)."""
+    def admit(self, ready: Callable[[ScheduledRequest], bool] | None = None) -> list[ScheduledRequest]:
+        """Waiting requests that start now (moved to the running set, in queue order). `ready`: whether a
+        request's inputs are there (its LoRA adapters read); one that is not waits without blocking the
+        requests behind it."""
         admitted: list[ScheduledRequest] = []
         with self._cond:
-            while self._waiting and self._fits(self._waiting[0]):
-                sr = self._waiting.pop(0)
+            waiting = [sr for sr in self._waiting if ready is None or ready(sr)]
+            while waiting and self._fits(waiting[0]):
+                sr = waiting.pop(0)
+                self._waiting.remove(sr)
                 sr.state = "running"
                 sr.started_at = time.perf_counter()
                 self._running.append(sr)

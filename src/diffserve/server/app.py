@@ -37,6 +37,7 @@ from diffserve.server import (
     video_routes,
     webui_routes,
 )
+from diffserve.server.access import PathRedactionMiddleware, PathRedactor, server_path_roots
 from diffserve.server.app_state import AppState, app_state_of, set_app_state
 from diffserve.server.args import ServerArgs
 from diffserve.server.engine_client import EngineClient
@@ -99,14 +100,23 @@ def build_state(args: ServerArgs, on_fatal: Callable[[int, str], None]) -> AppSt
 
 
 def add_middleware(app: FastAPI, args: ServerArgs, metrics: ServerMetrics) -> None:
-    """Body size limits, the API key (when the server has one) and the request context, added innermost
-    first: the request-context layer wraps everything, so every answer is logged."""
+    """Body size limits, the hiding of server paths from callers who are not admins (with an admin key),
+    the API keys (when the server has any; they decide the caller) and the request context, added
+    innermost first: the request-context layer wraps everything, so every answer is logged."""
     flags = "--max-image-bytes and --max-body-bytes"
     upload_routes = {"/v1/images/edits": args.max_edit_body_bytes, "/v1/videos": args.max_video_body_bytes}
     path_limits = {path: (limit, flags) for path, limit in upload_routes.items()}
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=args.max_body_bytes, path_limits=path_limits)
-    if args.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+    app.add_middleware(
+        BodySizeLimitMiddleware, max_bytes=args.max_body_bytes, path_limits=path_limits,
+        idle_timeout=args.body_timeout,
+    )  # fmt: skip
+    if args.admin_api_key:
+        engine = args.engine_args
+        files = [*(spec.path for spec in engine.loras), *filter(None, [engine.transformer_weights])]
+        roots = server_path_roots(engine.model_path, engine.output_path, engine.lora_dir, files)
+        app.add_middleware(PathRedactionMiddleware, redactor=PathRedactor(roots))
+    if args.api_key or args.admin_api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key, admin_api_key=args.admin_api_key)
     app.add_middleware(RequestContextMiddleware, metrics=metrics)
 
 

@@ -28,8 +28,8 @@ def check_public_url(url: str, flag: str = "--public-url") -> str:
 
 
 def check_api_key(key: str, flag: str) -> str:
-    if not key.strip():
-        raise UserError(f"{flag} must not be empty")
+    if not key.strip() or (flag == "--api-key" and not all(k.strip() for k in key.split(","))):
+        raise UserError(f"{flag} must not be empty (nor hold an empty key between commas)")
     return key
 
 
@@ -44,9 +44,18 @@ class ServerArgs:
     )
     port: int = option(30000, cli="--port", min=0, max=65535, help="port to listen on (default: 30000)")
     #: Required as `Authorization: Bearer KEY` on every route but /health, /health_generate, /metrics.
+    #: Several keys (comma-separated): one per client; each sees only its own /v1/videos jobs (access.py).
     api_key: str | None = option(
         None, cli="--api-key", env="DIFFSERVE_API_KEY", convert=check_api_key,
-        help="require 'Authorization: Bearer KEY' but on /health* and /metrics (default: $DIFFSERVE_API_KEY)",
+        help="require 'Authorization: Bearer KEY' but on /health* and /metrics; several keys separated by "
+        "commas, one per client: each sees only the /v1/videos jobs it created (default: $DIFFSERVE_API_KEY)",
+    )  # fmt: skip
+    #: access.py: the admin routes need it; it sees every job; only its callers see server paths.
+    admin_api_key: str | None = option(
+        None, cli="--admin-api-key", env="DIFFSERVE_ADMIN_API_KEY", convert=check_api_key,
+        help="the key of the admin routes (POST and DELETE /v1/loras), which then refuse --api-key keys; it "
+        "also sees every client's /v1/videos jobs, and only its callers see server paths in responses and "
+        "/server_info (default: $DIFFSERVE_ADMIN_API_KEY; unset: every --api-key key is an admin key)",
     )  # fmt: skip
     #: The first is the id /v1/models reports. Empty: the folder's name.
     served_model_names: list[str] = option(
@@ -123,12 +132,51 @@ class ServerArgs:
         "restarted while the others serve. On accelerators replica i uses device index i x (devices per "
         "replica); on the CPU the replicas share the CPU cores (default: 1)",
     )  # fmt: skip
+    #: `connections.py`: what a client may hold open before its request has arrived.
+    header_timeout: float = option(
+        10.0, cli="--header-timeout", gt=0,
+        help="seconds a client has to send a request's headers, from connecting (or from the previous answer "
+        "on a kept-alive connection); then the connection is closed (default: 10)",
+    )  # fmt: skip
+    #: middleware.BodySizeLimitMiddleware.
+    body_timeout: float = option(
+        8.0, cli="--body-timeout", gt=0,
+        help="seconds a request body may stall (nothing received) before the request is answered 408 "
+        "(default: 8)",
+    )  # fmt: skip
+    #: uvicorn's `timeout_keep_alive`.
+    keep_alive_timeout: float = option(
+        5.0, cli="--keep-alive-timeout", gt=0,
+        help="seconds an idle kept-alive connection stays open for the client's next request (default: 5)",
+    )  # fmt: skip
+    max_connections: int = option(
+        1024, cli="--max-connections", min=1,
+        help="open connections in all; a newcomer past it closes the oldest idle one, or is answered 503 "
+        "when none is idle. The open-file limit is raised to fit (default: 1024)",
+    )  # fmt: skip
+    #: By the address the connection comes from: behind a proxy every client has the proxy's.
+    max_connections_per_client: int = option(
+        128, cli="--max-connections-per-client", min=0,
+        help="open connections from one client address; more are answered 503 at once. Behind a reverse "
+        "proxy all clients share its address: raise it, or 0 for no limit (default: 128)",
+    )  # fmt: skip
     #: `webui_routes.py`.
     webui: bool = option(
         True,
         cli="--webui",
         help="serve the web playground (generate, edit, video, gallery) at / (default: on)",
     )
+
+    def __post_init__(self) -> None:
+        if self.admin_api_key is not None and self.admin_api_key.strip() in self.api_keys:
+            raise UserError("--admin-api-key must differ from every --api-key key")
+
+    @property
+    def api_keys(self) -> list[str]:
+        """The clients' keys of --api-key (comma-separated), stripped; empty without one."""
+        from diffserve.server.access import parse_api_keys
+
+        return [] if self.api_key is None else parse_api_keys(self.api_key)
 
     @property
     def model_id(self) -> str:
@@ -183,7 +231,9 @@ class ServerArgs:
         return Path(self.engine_args.output_path)
 
     def to_dict(self) -> dict[str, Any]:
-        """For /server_info: everything but the API key itself."""
+        """For /server_info: everything but the keys themselves (how many client keys there are)."""
         out = asdict(self)
-        out["api_key"] = "set" if self.api_key else None
+        keys = len(self.api_keys)
+        out["api_key"] = None if not keys else "set" if keys == 1 else f"set ({keys} keys)"
+        out["admin_api_key"] = "set" if self.admin_api_key else None
         return out

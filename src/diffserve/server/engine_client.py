@@ -71,6 +71,16 @@ class EngineUnavailableError(Exception):
         self.code = code
 
 
+class EngineDiedError(EngineUnavailableError):
+    """The engine process died with this request in flight (503 `engine_died`); `started`: whether it had
+    started there (its work is lost). One that had not is sent to another replica when one is ready
+    (`replicas.ReplicaSet`)."""
+
+    def __init__(self, message: str, started: bool) -> None:
+        super().__init__(message, code="engine_died")
+        self.started = started
+
+
 class JobCancelledError(EngineUnavailableError):
     """The engine cancelled the job: at the front end's request (client gone, DELETE) or shutting down."""
 
@@ -559,11 +569,17 @@ class EngineClient:
         self._process, self._engine_ready = None, False
         code, pid, fatal = process.exitcode, process.pid, self._fatal
         stopping = self.state == EngineState.STOPPING
-        message = (
-            f"the engine process (pid {pid}) exited with code {code} while this request was in flight; "
-            + ("the server is shutting down" if stopping else "the server is restarting it, retry shortly")
-        )
-        self._fail_all(EngineUnavailableError(message, code="engine_died"))
+        then = "the server is shutting down" if stopping else "the server is restarting it, retry shortly"
+        died = f"the engine process (pid {pid}) exited with code {code}"
+        for rid, pending in list(self._pending.items()):  # each told whether it had started there
+            started = pending.started_at is not None
+            where = (
+                "while this request was running (it had started: its work is lost)"
+                if started
+                else "before this request started"
+            )
+            self._resolve(rid, error=EngineDiedError(f"{died} {where}; {then}", started))
+        self.loras.fail_all(EngineUnavailableError(f"{died}; {then}", code="engine_died"))
         if stopping:
             logger.warning("%s process (pid %s) exited with code %s during shutdown", self.name, pid, code)
             return

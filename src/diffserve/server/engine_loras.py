@@ -1,24 +1,27 @@
 """The engine process's side of the LoRA admin routes (`POST/GET/DELETE /v1/loras`).
 
-Loads and unloads run on a worker thread of their own, each through `Engine.run_exclusive` (between two
-steps, never during one: with several ranks the op is broadcast like a step), so the receiver thread keeps
-taking jobs and cancels while an op waits for the step in progress. Listing reads the registry at once
-(its lock makes that safe while requests pin and release adapters).
+Loads and unloads run on a worker thread of their own, so the receiver thread keeps taking jobs and
+cancels. A load reads and checks its file on that thread (`LoraRegistry.prepare`: the denoising loop runs
+on meanwhile), then registers it through `Engine.run_exclusive` (between two steps, never during one:
+with several ranks the op is broadcast like a step); an unload runs through `run_exclusive` whole. A
+restarted engine's adapters come back without being read (`LoadLora.lazy`: read when a request names
+them). Listing reads the registry at once (its lock makes that safe while requests pin and release
+adapters).
 
 Every op is answered: `LoraOpDone` with the engine's LoRA state after it, or `LoraOpFailed` with the HTTP
 status the front end answers (400 a bad name, path or file; 404 an adapter that is not loaded; 409 a name
-already taken or an adapter running requests use). A failing op changes nothing and never stops the
-engine or a running request.
+already taken, an adapter requests (queued or running) name, or --max-loras adapters loaded; 503 when the
+adapters running requests use fill --max-lora-memory: retry). A failing op changes nothing and never
+stops the engine or a running request.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
-from diffserve.errors import LoraError
+from diffserve.errors import LoraBusyError, LoraError, LoraLimitError
 from diffserve.server import protocol as msg
 
 if TYPE_CHECKING:
@@ -73,11 +76,17 @@ class EngineLoras:
     def _run(self, op: msg.LoadLora | msg.UnloadLora) -> None:
         answer: msg.LoraOpDone | msg.LoraOpFailed
         try:
-            adapter = self.engine.run_exclusive(self._call(op))
+            adapter = self._load(op) if isinstance(op, msg.LoadLora) else self._unload(op)
             answer = msg.LoraOpDone(op.op_id, self.summary(), adapter)
         except LoraOpRefused as exc:
             logger.info("LoRA %r: %s refused: %s", op.name, type(op).__name__, exc)
             answer = msg.LoraOpFailed(op.op_id, str(exc), exc.status, exc.param, exc.code)
+        except LoraBusyError as exc:  # the adapters running requests use fill --max-lora-memory: for now
+            logger.info("LoRA %r: %s refused for now: %s", op.name, type(op).__name__, exc)
+            answer = msg.LoraOpFailed(op.op_id, str(exc), 503, None, "lora_memory_full")
+        except LoraLimitError as exc:
+            logger.info("LoRA %r: %s refused: %s", op.name, type(op).__name__, exc)
+            answer = msg.LoraOpFailed(op.op_id, str(exc), 409, "name", "too_many_loras")
         except LoraError as exc:  # read or checked by the registry: the file does not fit this model
             logger.info("LoRA %r: %s refused: %s", op.name, type(op).__name__, exc)
             param = "path" if isinstance(op, msg.LoadLora) else "name"
@@ -89,11 +98,6 @@ class EngineLoras:
             self.channel.send(answer)
         except Exception:
             logger.exception("LoRA %r: could not send the answer to %s", op.name, type(op).__name__)
-
-    def _call(self, op: msg.LoadLora | msg.UnloadLora) -> Callable[[], dict[str, Any] | None]:
-        if isinstance(op, msg.LoadLora):
-            return lambda: self._load(op)
-        return lambda: self._unload(op)
 
     def _checked_registry(self) -> LoraRegistry:
         registry = self.registry
@@ -108,7 +112,8 @@ class EngineLoras:
         return registry
 
     def _load(self, op: msg.LoadLora) -> dict[str, Any]:
-        """Checks what the request can fix first (name, --lora-dir, path), then reads the file."""
+        """Checks what the request can fix first (name, --lora-dir, path), then reads the file here and
+        registers it between two steps (a lazy load, replayed on a restarted engine, reads nothing)."""
         from diffserve.runtime.lora_registry import check_name
 
         registry = self._checked_registry()
@@ -132,16 +137,36 @@ class EngineLoras:
             )
         try:
             path = registry.inside_lora_dir(op.path)
+            is_file = path.is_file()
         except LoraError as exc:
             raise LoraOpRefused(str(exc), param="path", code="invalid_path") from None
-        if not path.is_file():
+        except OSError as exc:  # e.g. a component name too long
             raise LoraOpRefused(
-                f"LoRA path {op.path!r} is not a file in --lora-dir", param="path", code="lora_file_not_found"
+                f"LoRA path cannot be used: {exc.strerror or exc}", param="path", code="invalid_path"
+            ) from None
+        if not is_file:
+            shown = op.path if len(op.path) <= 200 else f"{op.path[:120]}...{op.path[-60:]}"
+            raise LoraOpRefused(
+                f"LoRA path {shown!r} is not a file in --lora-dir", param="path", code="lora_file_not_found"
             )
-        info = self.engine.runner.load_lora(op.name, str(path), op.strict)
-        return info.to_dict()
+        if op.lazy and self._one_rank():
+            return self.engine.run_exclusive(lambda: registry.know(op.name, path).to_dict())
+        registry.prepare(op.name, path, op.strict)  # the read, off the denoising loop
+        return self.engine.run_exclusive(
+            lambda: self.engine.runner.load_lora(op.name, str(path), op.strict).to_dict()
+        )
+
+    def _one_rank(self) -> bool:
+        """Whether this engine is one rank (several ranks each read an adapter when it is loaded)."""
+        state = self.engine.runner.parallel_state
+        return state is None or state.world_size == 1
 
     def _unload(self, op: msg.UnloadLora) -> None:
+        self.engine.run_exclusive(lambda: self._unload_now(op))
+
+    def _unload_now(self, op: msg.UnloadLora) -> None:
+        from diffserve.runtime.lora_registry import describe_use
+
         registry = self._checked_registry()
         infos = {info.name: info for info in registry.infos()}
         info = infos.get(op.name)
@@ -152,7 +177,8 @@ class EngineLoras:
             )
         if info.in_use:
             raise LoraOpRefused(
-                f"LoRA {op.name!r} is used by {info.in_use} running request(s); retry when they finish",
+                f"LoRA {op.name!r} is used by {describe_use(info.in_use - info.queued, info.queued)}; retry when "
+                "they finish",
                 409,
                 "name",
                 "lora_in_use",

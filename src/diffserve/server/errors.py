@@ -33,6 +33,7 @@ logger = logging.getLogger("diffserve.server")
 ERROR_TYPES = {
     **dict.fromkeys((400, 405, 409, 413, 415, 416), "invalid_request_error"),
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     429: "rate_limit_error",
     500: "server_error",
@@ -90,8 +91,9 @@ def as_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, JobRejectedError):  # 413: the engine's memory admission, it can never fit
         code = "request_too_large" if exc.status == 413 else "invalid_value"
         return ApiError(exc.status, message, param=exc.param, code=code)
-    if isinstance(exc, LoraOpError):  # the engine's answer to a LoRA admin op
-        return ApiError(exc.status, message, param=exc.param, code=exc.code)
+    if isinstance(exc, LoraOpError):  # the engine's answer to a LoRA admin op (503: retry, SDKs do)
+        retry = {"Retry-After": "5"} if exc.status in (429, 503) else None
+        return ApiError(exc.status, message, param=exc.param, code=exc.code, headers=retry)
     if isinstance(exc, QueueFullError):
         return ApiError(429, message, code="queue_full", headers={"Retry-After": "1"})
     if isinstance(exc, EngineUnavailableError):

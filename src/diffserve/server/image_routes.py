@@ -143,7 +143,8 @@ async def serve_images(
         raise
     state.metrics.observe_finished(result, time.monotonic() - arrived)
     args = state.args
-    return JSONResponse(images_response(job, result, args.public_url or str(request.base_url), args.api_key))
+    token_key = args.api_keys[0] if args.api_keys else None  # ApiKeyMiddleware checks tokens with it
+    return JSONResponse(images_response(job, result, args.public_url or str(request.base_url), token_key))
 
 
 @router.post("/v1/images/generations", response_model=ImagesResponse, responses=_IMAGE_RESPONSES)

@@ -4,6 +4,8 @@
 The loads and unloads that succeeded are kept (`changes`) so that an engine process that (re)starts gets
 them again, in order, before it takes requests (`restore`): a restarted engine (or a `--dp-size` replica
 that was starting while they were made) serves the adapters the admin routes left, not only `--lora`'s.
+The replayed loads are lazy (the engine checks each file is there and reads it when a request names it),
+and there are at most `--max-loras` of them (the engine refuses more), so a restart serves at once.
 """
 
 from __future__ import annotations
@@ -94,8 +96,13 @@ class LoraOps:
         already gone is no failure."""
         state = None
         for op in list(self.changes):
+            again = (
+                replace(op, op_id=new_op_id(), lazy=True)
+                if isinstance(op, msg.LoadLora)
+                else replace(op, op_id=new_op_id())
+            )
             try:
-                done = await self.request(replace(op, op_id=new_op_id()))
+                done = await self.request(again)
             except LoraOpError as exc:
                 if not (isinstance(op, msg.UnloadLora) and exc.status == 404):
                     logger.error("%s: could not restore LoRA %r (%s): %s", self.name, op.name, type(op).__name__, exc)  # fmt: skip

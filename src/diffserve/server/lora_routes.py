@@ -7,7 +7,8 @@ DELETE /v1/loras/{name}    unload one (409 while a running request uses it)
 
 The engine runs loads and unloads between two denoising steps, so running requests are never touched;
 with `--dp-size` every replica does (replicas.py). Like every route but the probes, these need the API
-key when the server has one.
+key when the server has one; loading and unloading need the admin key when it has one (`--admin-api-key`,
+access.py), and others see no server path in the list.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from diffserve.server.access import AdminOnly
 from diffserve.server.app_state import ServerState
 from diffserve.server.errors import documented
 from diffserve.server.image_edits import inline_schema
@@ -74,7 +76,8 @@ class LoraCard(BaseModel):
     bytes: int = Field(description="device bytes it takes while resident")
     targets: int = Field(description="layers (or parts of fused layers) it changes")
     resident: bool = Field(description="on the device now (false: evicted or not read yet)")
-    in_use: int = Field(description="running requests applying it")
+    in_use: int = Field(description="requests naming it, queued or running (DELETE answers 409 meanwhile)")
+    queued: int = Field(0, description="of those, the ones still queued")
 
 
 class LoraList(BaseModel):
@@ -121,8 +124,9 @@ async def list_loras(state: ServerState) -> JSONResponse:
 @router.post(
     "/v1/loras",
     response_model=LoraCard,
-    responses=documented(400, 401, 409, 413, 415, 500, 503),
+    responses=documented(400, 401, 403, 409, 413, 415, 500, 503),
     openapi_extra=_request_body(),
+    dependencies=[AdminOnly],  # the admin key, when the server has one (access.py)
 )
 async def load_lora(request: Request, state: ServerState) -> JSONResponse:
     """Load the adapter file at `path` (inside --lora-dir) as `name`: diffusers/PEFT, kohya or a FLUX
@@ -137,7 +141,10 @@ async def load_lora(request: Request, state: ServerState) -> JSONResponse:
     return JSONResponse(lora_card(done.adapter))
 
 
-@router.delete("/v1/loras/{name}", response_model=LoraDeleted, responses=documented(401, 404, 409, 500, 503))
+@router.delete(
+    "/v1/loras/{name}", response_model=LoraDeleted, responses=documented(401, 403, 404, 409, 500, 503),
+    dependencies=[AdminOnly],  # the admin key, when the server has one (access.py)
+)  # fmt: skip
 async def unload_lora(name: str, state: ServerState) -> JSONResponse:
     """Unload the adapter (and forget it: a file of --lora-dir is read again when a request names it)."""
     await state.engine.unload_lora(name)

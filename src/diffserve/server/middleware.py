@@ -10,12 +10,14 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Sequence
 from urllib.parse import parse_qs
 
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from diffserve.server.access import PRINCIPAL_STATE, Principal, key_owner, parse_api_keys
 from diffserve.server.errors import error_response
 from diffserve.server.metrics import ServerMetrics
 
@@ -27,7 +29,8 @@ CLIENT_CLOSED_REQUEST = 499
 #: Paths that never need the API key: probes of load balancers and Prometheus, and the web playground's
 #: static files (webui_routes.py; the page asks for the key itself).
 OPEN_PATHS = frozenset(
-    {"/health", "/health_generate", "/metrics", "/", "/webui/index.html", "/webui/app.js", "/webui/style.css"}
+    {"/health", "/health_generate", "/metrics", "/", "/favicon.ico"}
+    | {f"/webui/{name}" for name in ("index.html", "app.js", "style.css", "favicon.svg")}
 )
 _IMAGE_CONTENT_PREFIX = "/v1/images/"
 _IMAGE_CONTENT_SUFFIX = "/content"
@@ -95,41 +98,79 @@ class RequestContextMiddleware:
 
 
 class ApiKeyMiddleware:
-    """`Authorization: Bearer KEY` on everything but OPEN_PATHS, compared in constant time. Image URLs
-    handed out by the server also work with their `?token=`. The key is stripped (one read from a file
-    often ends in a newline, and the client's token is stripped too); an empty key is refused."""
+    """`Authorization: Bearer KEY` on everything but OPEN_PATHS, compared in constant time; it also decides
+    the caller's `Principal` (access.py), left in the request scope for the routes. `api_key`: the clients'
+    keys, comma-separated (or a list); `admin_api_key`: the admin key. With an admin key only, callers
+    without it are let through as one anonymous client. Image URLs handed out by the server also work with
+    their `?token=`. Keys are stripped (one read from a file often ends in a newline, and the client's token
+    is stripped too); an empty key is refused."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        key = api_key.strip()
-        if not key:
+    def __init__(
+        self, app: ASGIApp, api_key: str | Sequence[str] | None = None, admin_api_key: str | None = None
+    ) -> None:
+        keys = parse_api_keys(api_key) if isinstance(api_key, str) else [k.strip() for k in api_key or ()]
+        if (api_key is not None and not all(keys)) or (api_key is not None and not keys):
             raise ValueError("the API key must not be empty or only whitespace")
-        self.app, self.api_key = app, key
+        admin = None if admin_api_key is None else admin_api_key.strip()
+        if admin is not None and not admin:
+            raise ValueError("the admin API key must not be empty or only whitespace")
+        if not keys and admin is None:
+            raise ValueError("ApiKeyMiddleware needs an API key or an admin API key")
+        self.app = app
+        #: Without an admin key, a client key may use the admin routes, as before there was one.
+        self._keys = [
+            (key.encode(), Principal(key_owner(key), admin=admin is None, all_jobs=False)) for key in keys
+        ]
+        if admin is not None:
+            self._keys.append((admin.encode(), Principal(key_owner(admin), admin=True, all_jobs=True)))
+        #: Who a caller without a valid key is where no client key is needed (None: refused, 401).
+        self._anonymous = None if keys else Principal("", admin=False, all_jobs=False)
+        #: The key image URLs' `?token=` is made with (image_routes.py signs with the first client key).
+        self.api_key = keys[0] if keys else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        open_path = scope["type"] != "http" or scope["path"] in OPEN_PATHS
-        problem = None if open_path else self._problem(scope)
-        if problem is None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        principal, problem = self._principal(scope)
+        if principal is None and (scope["path"] in OPEN_PATHS or self._image_token_matches(scope)):
+            principal, problem = Principal("", admin=False, all_jobs=False), None
+        if principal is not None:
+            scope.setdefault("state", {})[PRINCIPAL_STATE] = principal
             await self.app(scope, receive, send)
             return
         headers = {"WWW-Authenticate": "Bearer"}
         await error_response(401, problem, None, "invalid_api_key", headers)(scope, receive, send)
 
-    def _problem(self, scope: Scope) -> str | None:
-        """None when authorised, else what is wrong."""
+    def _principal(self, scope: Scope) -> tuple[Principal | None, str]:
+        """The caller its key makes it (or the anonymous one, where allowed), else None and what is wrong."""
         headers = dict(scope.get("headers") or [])
         auth = headers.get(b"authorization", b"").decode("latin-1")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-            return None
-        path = scope["path"]
-        if path.startswith(_IMAGE_CONTENT_PREFIX) and path.endswith(_IMAGE_CONTENT_SUFFIX):
-            image_id = path[len(_IMAGE_CONTENT_PREFIX) : -len(_IMAGE_CONTENT_SUFFIX)]
-            given = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token", [""])[0]
-            if given and hmac.compare_digest(given.encode(), content_token(self.api_key, image_id).encode()):
-                return None
+        given = token.strip().encode()
+        found = None
+        for key, principal in self._keys:  # every key compared, in constant time each
+            if hmac.compare_digest(given, key) and scheme.lower() == "bearer":
+                found = principal
+        if found is not None:
+            return found, ""
+        if self._anonymous is not None:
+            return self._anonymous, ""
         if not auth:
-            return "missing API key: send it as 'Authorization: Bearer <key>'"
-        return "invalid API key"
+            return None, "missing API key: send it as 'Authorization: Bearer <key>'"
+        return None, "invalid API key"
+
+    def _image_token_matches(self, scope: Scope) -> bool:
+        path = scope["path"]
+        if self.api_key is None or not (
+            path.startswith(_IMAGE_CONTENT_PREFIX) and path.endswith(_IMAGE_CONTENT_SUFFIX)
+        ):
+            return False
+        image_id = path[len(_IMAGE_CONTENT_PREFIX) : -len(_IMAGE_CONTENT_SUFFIX)]
+        given = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token", [""])[0]
+        return bool(given) and hmac.compare_digest(
+            given.encode(), content_token(self.api_key, image_id).encode()
+        )
 
 
 #: A request body that stops arriving for this long gets 408: a client trickling or stalling its body
@@ -139,13 +180,15 @@ BODY_IDLE_TIMEOUT_S = 8.0
 
 class BodySizeLimitMiddleware:
     """413 for bodies over the limit: at once from Content-Length, or while a chunked body streams in;
-    408 when the body stalls for BODY_IDLE_TIMEOUT_S.
+    408 when the body stalls for `idle_timeout` seconds (--body-timeout).
     `path_limits` maps a path to its own limit instead of `max_bytes`, and the flags that set it."""
 
     def __init__(
-        self, app: ASGIApp, max_bytes: int, path_limits: dict[str, tuple[int, str]] | None = None
-    ) -> None:
+        self, app: ASGIApp, max_bytes: int, path_limits: dict[str, tuple[int, str]] | None = None,
+        idle_timeout: float | None = None,
+    ) -> None:  # fmt: skip
         self.app, self.max_bytes, self.path_limits = app, max_bytes, dict(path_limits or {})
+        self.idle_timeout = idle_timeout  # --body-timeout; None: BODY_IDLE_TIMEOUT_S
 
     @staticmethod
     def _message(size: str, limit: int, flags: str) -> str:
@@ -167,10 +210,11 @@ class BodySizeLimitMiddleware:
             nonlocal received, body_done
             if body_done:  # later receives wait for the client to leave: no deadline on those
                 return await receive()
+            timeout = BODY_IDLE_TIMEOUT_S if self.idle_timeout is None else self.idle_timeout
             try:
-                message = await asyncio.wait_for(receive(), BODY_IDLE_TIMEOUT_S)
+                message = await asyncio.wait_for(receive(), timeout)
             except asyncio.TimeoutError:
-                message = f"request body stalled: nothing received for {BODY_IDLE_TIMEOUT_S:g} s"
+                message = f"request body stalled: nothing received for {timeout:g} s (--body-timeout)"
                 raise HTTPException(408, message) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))

@@ -68,6 +68,7 @@ class LoadLora:
     name: str
     path: str  # relative to --lora-dir: the engine refuses anything that resolves outside it
     strict: bool = True  # False: apply what matches the model and log what is ignored
+    lazy: bool = False  # True: known now, read when a request names it (a restarted engine's replay)
 
 
 @dataclass

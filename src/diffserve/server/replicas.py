@@ -5,8 +5,9 @@ Each replica is an `EngineClient` (its own engine process, sockets, restarts wit
 `ReplicaSet` sends each new request (image, video job, /health_generate probe) to the least-loaded ready
 replica, ties taken in turn, and the request stays there: its cancel, previews and progress go through
 that replica's client. `--max-queue-size` counts the waiting requests of every replica. A replica that
-dies fails its own requests (503 `engine_died`) and restarts while the others serve; the server gives up
-only when every replica has failed for good.
+dies restarts while the others serve: the requests it had not started are sent to another ready replica
+(the least loaded, in queue there as new), the ones it was running fail (503 `engine_died`, saying they
+had started); the server gives up only when every replica has failed for good.
 
 LoRA admin ops apply to every replica: a load or unload is sent to each ready replica (a load that fails
 on one is undone on the others, and the failure answered), and kept for the replicas that are starting
@@ -19,6 +20,7 @@ with one replica (exactly as before), a `ReplicaSet` with more.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -28,6 +30,7 @@ from diffserve.server import protocol as msg
 from diffserve.server.args import ServerArgs
 from diffserve.server.engine_client import (
     EngineClient,
+    EngineDiedError,
     EngineState,
     EngineUnavailableError,
     JobListener,
@@ -136,6 +139,7 @@ class ReplicaSet:
         self._owner: dict[str, EngineClient] = {}
         self._next = 0  # where the next tie-break starts
         self._failed: dict[int, tuple[int, str]] = {}
+        self._resends: set[asyncio.Task] = set()  # video jobs being sent to another replica
 
     # -- routing -----------------------------------------------------------------------------------
     def loads(self) -> list[int | None]:
@@ -143,34 +147,136 @@ class ReplicaSet:
         sent = Counter(id(client) for client in self._owner.values())
         return [sent[id(c)] if c.ready else None for c in self.clients]
 
-    def route(self) -> EngineClient:
-        """The least-loaded ready replica (raises EngineUnavailableError when none is ready)."""
-        index = choose_replica(self.loads(), self._next)
+    def route(self, exclude: Sequence[EngineClient] = ()) -> EngineClient:
+        """The least-loaded ready replica not in `exclude` (raises EngineUnavailableError when none is)."""
+        loads = [None if c in exclude else load for c, load in zip(self.clients, self.loads(), strict=True)]
+        index = choose_replica(loads, self._next)
         if index is None:
             raise self.unavailable_error()
         self._next = (index + 1) % len(self.clients)
         return self.clients[index]
 
+    def _reroute(
+        self, job: msg.GenerateJob, error: EngineDiedError, died: list[EngineClient]
+    ) -> EngineClient:
+        """The replica to send `job` to after `died[-1]` died before starting it; raises `error` (saying
+        no other replica could take it) when none is ready."""
+        try:
+            client = self.route(exclude=died)
+        except EngineUnavailableError:
+            raise EngineDiedError(f"{error}; no other replica was ready to take it", started=False) from None
+        logger.warning(
+            "Replica %d died before request %s started: sent to replica %d",
+            died[-1].replica, job.request_id, client.replica,
+        )  # fmt: skip
+        return client
+
+    async def _submit_to(
+        self,
+        job: msg.GenerateJob,
+        listener: JobListener | None,
+        died: list[EngineClient],
+        client: EngineClient | None = None,
+    ) -> tuple[EngineClient, msg.JobAccepted, asyncio.Future]:
+        """`EngineClient.submit` on `client` (None: the route's choice, not one of `died`); sent on when
+        that replica dies before accepting the job."""
+        rid = job.request_id
+        client = client or self.route(exclude=died)
+        while True:
+            self._owner[rid] = client
+            try:
+                accepted, outcome = await client.submit(job, listener)
+            except EngineDiedError as exc:
+                died.append(client)
+                client = self._reroute(job, exc, died)
+                continue
+            return client, accepted, outcome
+
     async def submit(
         self, job: msg.GenerateJob, listener: JobListener | None = None
     ) -> tuple[msg.JobAccepted, asyncio.Future]:
-        """`EngineClient.submit` on the chosen replica; the job stays there until its outcome."""
-        rid, client = job.request_id, self.route()
-        self._owner[rid] = client
+        """`EngineClient.submit` on the chosen replica; the job stays there until its outcome, unless that
+        replica dies before the job starts: then it is sent to another ready one (same seed), and the
+        returned outcome is the last replica's."""
+        rid, died = job.request_id, []
         try:
-            accepted, outcome = await client.submit(job, listener)
+            client, accepted, outcome = await self._submit_to(job, listener, died)
         except BaseException:
             self._owner.pop(rid, None)
             raise
-        outcome.add_done_callback(lambda _: self._owner.pop(rid, None))
-        return accepted, outcome
+        # Sent again, the job keeps the seed it was accepted with (what its record shows).
+        again = dataclasses.replace(job, params=dataclasses.replace(job.params, seed=accepted.params.seed))
+        result: asyncio.Future = asyncio.get_running_loop().create_future()
+        result.add_done_callback(lambda _: self._owner.pop(rid, None))
+        self._follow(again, listener, client, outcome, result, died)
+        return accepted, result
+
+    def _follow(
+        self,
+        job: msg.GenerateJob,
+        listener: JobListener | None,
+        client: EngineClient,
+        outcome: asyncio.Future,
+        result: asyncio.Future,
+        died: list[EngineClient],
+    ) -> None:
+        """Pass `outcome` (from `client`) on to `result`, or send the job to another replica when `client`
+        died before starting it."""
+
+        def done(future: asyncio.Future) -> None:
+            if result.done():
+                return
+            if future.cancelled():
+                result.cancel()
+                return
+            error = future.exception()
+            if isinstance(error, EngineDiedError) and not error.started:
+                died.append(client)
+                task = asyncio.get_running_loop().create_task(
+                    self._resend(job, listener, result, error, died)
+                )
+                self._resends.add(task)
+                task.add_done_callback(self._resends.discard)
+            elif error is not None:
+                result.set_exception(error)
+            else:
+                result.set_result(future.result())
+
+        outcome.add_done_callback(done)
+
+    async def _resend(
+        self,
+        job: msg.GenerateJob,
+        listener: JobListener | None,
+        result: asyncio.Future,
+        error: EngineDiedError,
+        died: list[EngineClient],
+    ) -> None:
+        try:
+            client, _, outcome = await self._submit_to(job, listener, died, self._reroute(job, error, died))
+        except BaseException as exc:
+            if not result.done():
+                result.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        self._follow(job, listener, client, outcome, result, died)
 
     async def generate(self, job: msg.GenerateJob) -> msg.JobFinished:
-        """`EngineClient.generate` on the chosen replica."""
-        rid, client = job.request_id, self.route()
-        self._owner[rid] = client
+        """`EngineClient.generate` on the chosen replica; sent to another ready replica when the chosen
+        one dies before starting it."""
+        rid, died = job.request_id, []
+        client = self.route()
         try:
-            return await client.generate(job)
+            while True:
+                self._owner[rid] = client
+                try:
+                    return await client.generate(job)
+                except EngineDiedError as exc:
+                    if exc.started:
+                        raise
+                    died.append(client)
+                    client = self._reroute(job, exc, died)
         finally:
             self._owner.pop(rid, None)
 

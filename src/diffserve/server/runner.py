@@ -23,6 +23,14 @@ from diffserve.errors import UserError
 from diffserve.server.app import create_app
 from diffserve.server.app_state import app_state_of
 from diffserve.server.args import ServerArgs
+from diffserve.server.connections import (
+    ConnectionGuard,
+    ResourceErrorLogFilter,
+    fit_connection_limit,
+    guarded_protocol,
+    install_log_filter,
+)
+from diffserve.server.output_lock import OutputDirLock
 from diffserve.server.replicas import Engines
 
 logger = logging.getLogger("diffserve.server")
@@ -101,7 +109,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def serve(args: ServerArgs) -> int:
     """Serve until SIGTERM/SIGINT (exit code 0) or until the engine cannot start (2: user error, 1: other)."""
-    sock = bind_socket(args.host, args.port)
+    # Before anything touches the folder: a second server on it stops here, naming the first one.
+    output_lock = OutputDirLock.acquire(args.output_dir)
+    try:
+        sock = bind_socket(args.host, args.port)
+    except BaseException:
+        output_lock.release()
+        raise
     args.port = sock.getsockname()[1]  # --port 0: the port the system chose
     exit_code, server = 0, None
 
@@ -117,9 +131,16 @@ def serve(args: ServerArgs) -> int:
     # logs one line per request. uvicorn stops after the drain: its graceful-shutdown timeout only bounds
     # the time answers already made take to reach their clients.
     backstop = 5.0
+    # Connection limits (connections.py): uvicorn's h11 protocol under a guard; uvicorn's own 503 past
+    # limit_concurrency stays as a backstop for requests still running after their client left.
+    install_log_filter(ResourceErrorLogFilter())
+    max_connections = fit_connection_limit(args.max_connections)
+    guard = ConnectionGuard(max_connections, args.max_connections_per_client, args.header_timeout)
     config = uvicorn.Config(
-        app, args.host, args.port, log_config=None, access_log=False, timeout_graceful_shutdown=backstop
-    )
+        app, args.host, args.port, log_config=None, access_log=False, timeout_graceful_shutdown=backstop,
+        http=guarded_protocol(guard), ws="none", timeout_keep_alive=args.keep_alive_timeout,  # type: ignore[arg-type]
+        limit_concurrency=2 * max_connections,  # a backstop: the guard holds connections to the cap
+    )  # fmt: skip
     engine: Engines = app_state_of(app).engine
     server = GracefulServer(config, engine, args.shutdown_timeout)
     # After a third signal uvicorn re-raises the signals it stopped on once it is done; for SIGTERM that
@@ -134,4 +155,5 @@ def serve(args: ServerArgs) -> int:
         engine.kill_engine()
         signal.signal(signal.SIGTERM, previous)
         sock.close()
+        output_lock.release()
     return EXIT_INTERRUPTED if server.stop_signal == signal.SIGINT else exit_code

@@ -99,6 +99,8 @@ class VideoJob:
     quality: str | None = None  # the tier run: "high" (exact), "medium", "low" or "draft"
     steps_computed_in_full: int | None = None  # known when completed; fewer than the steps with a lossy tier
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Who created it (access.Principal.owner: a digest of the client's key; "" without one). Never shown.
+    owner: str = ""
 
     @property
     def finished(self) -> bool:
@@ -137,16 +139,19 @@ class VideoJob:
 # Columns that are queried get their own; everything else travels in `details` (JSON).
 _COLUMNS = (
     "id", "status", "progress", "phase", "created_at", "completed_at", "error_code", "error_message", "file_bytes",
+    "owner",
 )  # fmt: skip
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS videos (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- creation order: list order and pagination cursor
     id TEXT NOT NULL UNIQUE, status TEXT NOT NULL, progress INTEGER NOT NULL, phase TEXT NOT NULL,
     created_at REAL NOT NULL, completed_at REAL, error_code TEXT, error_message TEXT, file_bytes INTEGER,
-    details TEXT NOT NULL
+    details TEXT NOT NULL, owner TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS videos_completed_at ON videos (completed_at);
 """
+#: A store written before jobs had owners gets the column (its jobs: no owner, "").
+_OWNER_COLUMN = "ALTER TABLE videos ADD COLUMN owner TEXT NOT NULL DEFAULT ''"
 
 
 class VideoJobStore:
@@ -157,6 +162,8 @@ class VideoJobStore:
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
         self._db.executescript("PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;" + _SCHEMA)
+        if "owner" not in {row["name"] for row in self._db.execute("PRAGMA table_info(videos)")}:
+            self._db.execute(_OWNER_COLUMN)
 
     def close(self) -> None:
         with self._lock:
@@ -195,17 +202,25 @@ class VideoJobStore:
     def delete(self, video_id: str) -> None:
         self._run("DELETE FROM videos WHERE id = ?", (video_id,))
 
-    def page(self, limit: int, after: str | None, descending: bool) -> tuple[list[VideoJob], bool]:
-        """Up to `limit` jobs after the job `after` (KeyError if unknown), and whether more follow."""
+    def page(
+        self, limit: int, after: str | None, descending: bool, owners: set[str] | None = None
+    ) -> tuple[list[VideoJob], bool]:
+        """Up to `limit` jobs after the job `after` (KeyError if unknown), and whether more follow.
+        `owners`: only the jobs of these owners (`after` among them); None: every job."""
         order, compare = ("DESC", "<") if descending else ("ASC", ">")
+        mine, params = "", ()
+        if owners is not None:
+            names = sorted(owners)
+            mine, params = f" AND owner IN ({', '.join('?' * len(names))})", tuple(names)
         if after is None:
-            rows = self._run(f"SELECT * FROM videos ORDER BY seq {order} LIMIT ?", (limit + 1,))
+            sql = f"SELECT * FROM videos WHERE 1{mine} ORDER BY seq {order} LIMIT ?"
+            rows = self._run(sql, (*params, limit + 1))
         else:
-            cursor = self._run("SELECT seq FROM videos WHERE id = ?", (after,))
+            cursor = self._run(f"SELECT seq FROM videos WHERE id = ?{mine}", (after, *params))
             if not cursor:
                 raise KeyError(after)
-            sql = f"SELECT * FROM videos WHERE seq {compare} ? ORDER BY seq {order} LIMIT ?"
-            rows = self._run(sql, (cursor[0][0], limit + 1))
+            sql = f"SELECT * FROM videos WHERE seq {compare} ?{mine} ORDER BY seq {order} LIMIT ?"
+            rows = self._run(sql, (cursor[0][0], *params, limit + 1))
         return [self._job(row) for row in rows[:limit]], len(rows) > limit
 
     def finished_before(self, cutoff: float) -> list[str]:
@@ -305,12 +320,15 @@ class VideoJobManager:
         partial_path(path).unlink(missing_ok=True)
 
     async def create(
-        self, params: SamplingParams, model: str, image_to_video: bool, priority: int = 0
+        self, params: SamplingParams, model: str, image_to_video: bool, priority: int = 0, owner: str = ""
     ) -> VideoJob:
-        """Submit a job and record it once the engine accepted it. Raises what `Engines.submit` raises."""
+        """Submit a job of `owner` and record it once the engine accepted it. Raises what
+        `Engines.submit` raises."""
         assert self.store is not None
         video_id = f"video_{uuid.uuid4().hex}"
-        job = VideoJob(video_id, "queued", model, params.prompt, time.time(), image_to_video=image_to_video)
+        job = VideoJob(
+            video_id, "queued", model, params.prompt, time.time(), image_to_video=image_to_video, owner=owner
+        )
         path = str(video_file(self.output_dir, video_id))
         self._active[video_id], arrived = job, time.monotonic()
         try:
@@ -406,10 +424,13 @@ class VideoJobManager:
             return None
         return job
 
-    def list(self, limit: int, after: str | None, descending: bool) -> tuple[list[VideoJob], bool]:
+    def list(
+        self, limit: int, after: str | None, descending: bool, owners: set[str] | None = None
+    ) -> tuple[list[VideoJob], bool]:
+        """A page of the jobs of `owners` (None: of everyone); see `VideoJobStore.page`."""
         assert self.store is not None
         self.expire()
-        jobs, has_more = self.store.page(limit, after, descending)
+        jobs, has_more = self.store.page(limit, after, descending, owners)
         return [self._active.get(job.id, job) for job in jobs], has_more
 
     async def delete(self, video_id: str) -> VideoJob | None:

@@ -1,5 +1,5 @@
-"""The web playground: `/` and its three static files (`webui/`: plain HTML, CSS and JS, no build step,
-no CDN), for trying the served model from a browser. The page talks to the public routes only, as any
+"""The web playground: `/` and its static files (`webui/`: plain HTML, CSS and JS, no build step, no
+CDN; its icon, also at `/favicon.ico` where browsers ask for it), for trying the served model from a browser. The page talks to the public routes only, as any
 client does, so it adds no capability; `--no-webui` leaves these routes out.
 
 The files are served by name from a fixed table, never from a path taken from the URL, so no request can
@@ -21,6 +21,7 @@ WEBUI_FILES = {
     "index.html": "text/html; charset=utf-8",
     "app.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
+    "favicon.svg": "image/svg+xml",
 }
 #: The page loads nothing from elsewhere (it works offline) and runs no inline script; images and videos
 #: are data: or blob: URLs made from the API's answers.
@@ -50,6 +51,12 @@ router = APIRouter(include_in_schema=False)
 @router.get("/")
 async def index() -> Response:
     return webui_file("index.html")
+
+
+@router.get("/favicon.ico")
+async def favicon() -> Response:
+    """Browsers ask every site for it: the page's SVG icon (what they accept under this name too)."""
+    return webui_file("favicon.svg")
 
 
 @router.get("/webui/{name}")

@@ -1,15 +1,53 @@
 """`TensorSource`: one single-file checkpoint as the loader reads it, whatever its format.
 
 A source lists its tensors (names as stored, shapes as the model sees them) and reads one at a time as
-a full-precision CPU tensor: GGUF blocks and FP8 weights (times their scales) come back dequantized, so
-the loader only converts names and casts to the model's dtype.
+a full-precision CPU tensor (`read`: GGUF blocks and FP8 weights, times their scales, dequantized), or,
+for the weights a quantized layer can run as stored (`packed_kind`: GGUF Q8_0 / Q4_K blocks, FP8 e4m3
+weights), as a `PackedWeight` (`read_packed`): the loader keeps those quantized in the model
+(`layers/gguf_linear.py::GGUFLinear`, `layers/quantized_linear.py::QuantizedLinear`). Every tensor comes
+back in memory of its own, never a view of the file (`loader/owned_weights.py`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
+from torch import nn
+
+from diffserve.layers.gguf_linear import GGUFLinear
+from diffserve.layers.quantized_linear import QuantizedLinear
+from diffserve.loader.single_file_keys.plan import Piece
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A Linear's (out, in) weight as a quantized layer keeps it. `kind` "Q8_0" / "Q4_K": `data` the GGUF
+    blocks, uint8 (out, bytes per row); "fp8": `data` float8_e4m3fn (out, in) and `scale` its float32
+    dequantization factors, one per row (weight = data * scale)."""
+
+    kind: str
+    data: torch.Tensor
+    in_features: int
+    scale: torch.Tensor | None = None
+
+    def take(self, piece: Piece) -> PackedWeight:
+        """This weight cut as `piece` cuts its source: a range of rows, halves swapped (rows stay whole,
+        so the blocks and the per-row scales cut with them)."""
+        return replace(
+            self,
+            data=piece.take(self.data).contiguous(),
+            scale=None if self.scale is None else piece.take(self.scale).contiguous(),
+        )
+
+    def layer(self, bias: torch.Tensor | None, device: torch.device) -> nn.Module:
+        """The quantized layer computing with this weight (and `bias`, already in the compute dtype)."""
+        data = self.data.to(device)
+        if self.kind == "fp8":
+            assert self.scale is not None
+            return QuantizedLinear.from_quantized(data, self.scale.to(device), bias)
+        return GGUFLinear(data, self.kind, self.in_features, bias)
 
 
 class TensorSource(Protocol):
@@ -28,6 +66,20 @@ class TensorSource(Protocol):
 
     def read(self, name: str) -> torch.Tensor:
         """Tensor `name`, dequantized if stored quantized, on the CPU in a floating-point dtype."""
+        ...
+
+    def packed_kind(self, name: str) -> str | None:
+        """The `PackedWeight.kind` tensor `name` can be kept in (a 2-D weight stored Q8_0, Q4_K or FP8
+        e4m3), or None: it is read dequantized."""
+        ...
+
+    def read_packed(self, name: str) -> PackedWeight:
+        """Tensor `name` as stored, for a quantized layer (only where `packed_kind(name)` is not None)."""
+        ...
+
+    def quantized_type(self, name: str) -> str | None:
+        """The quantized type tensor `name` is stored in ("Q5_K", "F8_E5M2", ...), None for a plain
+        floating-point (or integer) one: what `read` dequantizes."""
         ...
 
     def stored_bytes(self, name: str) -> int:

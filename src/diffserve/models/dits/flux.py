@@ -59,8 +59,8 @@ from diffserve.layers.mlp import gelu_tanh_logistic
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.quantized_linear import linear_rows
-from diffserve.layers.residual import fp16_clip, gated_residual
-from diffserve.layers.rotary import RopeTables, RotaryEmbedding, multi_axis_rope_tables
+from diffserve.layers.residual import attention_mlp_residuals, fp16_clip, gated_residual
+from diffserve.layers.rotary import RopeTables, RotaryEmbedding, checked_rope_axes, multi_axis_rope_tables
 from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.step_cache import BatchStepCache, take_rows
 
@@ -91,13 +91,7 @@ class FluxTransformerConfig:
     axes_dims_rope: tuple[int, ...] = (16, 56, 56)
 
     def __post_init__(self) -> None:
-        axes = tuple(int(d) for d in self.axes_dims_rope)
-        if sum(axes) != self.attention_head_dim:
-            raise ValueError(
-                f"axes_dims_rope {axes} must sum to attention_head_dim ({self.attention_head_dim})"
-            )
-        if any(d % 2 for d in axes):
-            raise ValueError(f"every entry of axes_dims_rope must be even, got {axes}")
+        axes = checked_rope_axes("axes_dims_rope", self.axes_dims_rope, self.attention_head_dim)
         # A frozen dataclass normalises its own fields through object.__setattr__.
         object.__setattr__(self, "axes_dims_rope", axes)
         object.__setattr__(self, "out_channels", self.out_channels or self.in_channels)
@@ -322,19 +316,14 @@ class FluxTransformerBlock(nn.Module):
         self, x: torch.Tensor, ctx: torch.Tensor, emb: torch.Tensor, emb_ctx: torch.Tensor, rope: RopeTables
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`emb`/`emb_ctx`: this block's adaLN vectors for image and text (`norm1*.linear(SiLU(temb))`)."""
-        norm_x, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1.modulate_projected(x, emb)
-        norm_ctx, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context.modulate_projected(
-            ctx, emb_ctx
-        )
+        # Each stream's adaLN gives its normalised input and (gate_msa, shift_mlp, scale_mlp, gate_mlp).
+        norm_x, *x_mods = self.norm1.modulate_projected(x, emb)
+        norm_ctx, *ctx_mods = self.norm1_context.modulate_projected(ctx, emb_ctx)
         attn_x, attn_ctx = self.attn(norm_x, norm_ctx, rope)
-
-        x = gated_residual(x, gate_msa.unsqueeze(1), attn_x)
-        ff_in = self.modulate(self.norm2(x), scale=scale_mlp, shift=shift_mlp)
-        x = gated_residual(x, gate_mlp.unsqueeze(1), self.ff(ff_in))
-
-        ctx = gated_residual(ctx, c_gate_msa.unsqueeze(1), attn_ctx)
-        ff_in = self.modulate(self.norm2_context(ctx), scale=c_scale_mlp, shift=c_shift_mlp)
-        ctx = gated_residual(ctx, c_gate_mlp.unsqueeze(1), self.ff_context(ff_in))
+        x = attention_mlp_residuals(x, attn_x, x_mods, self.norm2, self.ff, self.modulate)
+        ctx = attention_mlp_residuals(
+            ctx, attn_ctx, ctx_mods, self.norm2_context, self.ff_context, self.modulate
+        )
         return fp16_clip(ctx), x
 
 

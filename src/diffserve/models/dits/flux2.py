@@ -40,8 +40,8 @@ from diffserve.layers.attention import attention
 from diffserve.layers.embeddings import timestep_sinusoids
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
-from diffserve.layers.residual import fp16_clip, gated_residual
-from diffserve.layers.rotary import RopeTables, RotaryEmbedding, multi_axis_rope_tables
+from diffserve.layers.residual import attention_mlp_residuals, fp16_clip, gated_residual
+from diffserve.layers.rotary import RopeTables, RotaryEmbedding, checked_rope_axes, multi_axis_rope_tables
 from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.step_cache import BatchStepCache, take_rows
 
@@ -74,15 +74,8 @@ class Flux2TransformerConfig:
     guidance_embeds: bool = True
 
     def __post_init__(self) -> None:
-        axes = tuple(int(d) for d in self.axes_dims_rope)
-        if len(axes) != ROPE_AXES:
-            raise ValueError(f"axes_dims_rope must have {ROPE_AXES} entries (T, H, W, L), got {axes}")
-        if sum(axes) != self.attention_head_dim:
-            raise ValueError(
-                f"axes_dims_rope {axes} must sum to attention_head_dim ({self.attention_head_dim})"
-            )
-        if any(d % 2 for d in axes):
-            raise ValueError(f"every entry of axes_dims_rope must be even, got {axes}")
+        # Four axes: (T, H, W, L).
+        axes = checked_rope_axes("axes_dims_rope", self.axes_dims_rope, self.attention_head_dim, ROPE_AXES)
         # A frozen dataclass normalises its own fields through object.__setattr__.
         object.__setattr__(self, "axes_dims_rope", axes)
         object.__setattr__(self, "out_channels", self.out_channels or self.in_channels)
@@ -293,20 +286,18 @@ class Flux2TransformerBlock(nn.Module):
         rope: RopeTables,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`mod_img`/`mod_txt`: (batch, 6 * dim), (shift, scale, gate) for attention then for the MLP."""
-        shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = mod_img.chunk(6, dim=1)
-        c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = mod_txt.chunk(6, dim=1)
+        # The rest of each stream's six vectors: (gate, shift_mlp, scale_mlp, gate_mlp).
+        shift, scale, *x_mods = mod_img.chunk(6, dim=1)
+        c_shift, c_scale, *ctx_mods = mod_txt.chunk(6, dim=1)
         attn_x, attn_ctx = self.attn(
             self.modulate(self.norm1(x), scale=scale, shift=shift),
             self.modulate(self.norm1_context(ctx), scale=c_scale, shift=c_shift),
             rope,
         )
-        x = gated_residual(x, gate.unsqueeze(1), attn_x)
-        ff_in = self.modulate(self.norm2(x), scale=scale_mlp, shift=shift_mlp)
-        x = gated_residual(x, gate_mlp.unsqueeze(1), self.ff(ff_in))
-
-        ctx = gated_residual(ctx, c_gate.unsqueeze(1), attn_ctx)
-        ff_in = self.modulate(self.norm2_context(ctx), scale=c_scale_mlp, shift=c_shift_mlp)
-        ctx = gated_residual(ctx, c_gate_mlp.unsqueeze(1), self.ff_context(ff_in))
+        x = attention_mlp_residuals(x, attn_x, x_mods, self.norm2, self.ff, self.modulate)
+        ctx = attention_mlp_residuals(
+            ctx, attn_ctx, ctx_mods, self.norm2_context, self.ff_context, self.modulate
+        )
         return fp16_clip(ctx), x
 
 

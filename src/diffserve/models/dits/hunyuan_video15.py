@@ -55,8 +55,9 @@ from diffserve.layers.feedforward import FeedForward
 from diffserve.layers.joint_attention import JointAttention
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
-from diffserve.layers.residual import gated_residual
-from diffserve.layers.rotary import RopeTables, RotaryEmbedding
+from diffserve.layers.patches import video_patch_grid
+from diffserve.layers.residual import attention_mlp_residuals
+from diffserve.layers.rotary import RopeTables, RotaryEmbedding, checked_rope_axes
 from diffserve.layers.shape_cache import BoundedCache
 from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.dits.hunyuan_video15_embedders import (
@@ -103,17 +104,10 @@ class HunyuanVideo15TransformerConfig:
     use_meanflow: bool = False
 
     def __post_init__(self) -> None:
-        rope_axes_dim = tuple(int(d) for d in self.rope_axes_dim)
         if self.qk_norm != "rms_norm":
             raise ValueError(f"qk_norm {self.qk_norm!r} is not supported; HunyuanVideo 1.5 uses 'rms_norm'")
-        if len(rope_axes_dim) != 3 or any(d % 2 for d in rope_axes_dim):
-            raise ValueError(
-                f"rope_axes_dim must be three even (frame, row, column) widths, got {rope_axes_dim}"
-            )
-        if sum(rope_axes_dim) != self.attention_head_dim:
-            raise ValueError(
-                f"rope_axes_dim {rope_axes_dim} must sum to attention_head_dim ({self.attention_head_dim})"
-            )
+        # Three axes: (frame, row, column).
+        rope_axes_dim = checked_rope_axes("rope_axes_dim", self.rope_axes_dim, self.attention_head_dim, 3)
         # A frozen dataclass normalises its own fields through object.__setattr__.
         object.__setattr__(self, "rope_axes_dim", rope_axes_dim)
         object.__setattr__(self, "out_channels", self.out_channels or self.in_channels)
@@ -200,16 +194,14 @@ class HunyuanVideo15TransformerBlock(nn.Module):
         key_mask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(video, context) after the block; `temb_act` = SiLU(temb), (batch, inner)."""
-        norm_x, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(x, temb_act)
-        norm_c, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(ctx, temb_act)
+        # Each stream's adaLN gives its normalised input and (gate_msa, shift_mlp, scale_mlp, gate_mlp).
+        norm_x, *x_mods = self.norm1(x, temb_act)
+        norm_c, *ctx_mods = self.norm1_context(ctx, temb_act)
         attn_x, attn_c = self.attn(norm_x, norm_c, rope, key_mask)
-        x = gated_residual(x, gate_msa.unsqueeze(1), attn_x)
-        ctx = gated_residual(ctx, c_gate_msa.unsqueeze(1), attn_c)
-
-        norm_x = self.modulate(self.norm2(x), scale=scale_mlp, shift=shift_mlp)
-        norm_c = self.modulate(self.norm2_context(ctx), scale=c_scale_mlp, shift=c_shift_mlp)
-        x = gated_residual(x, gate_mlp.unsqueeze(1), self.ff(norm_x))
-        ctx = gated_residual(ctx, c_gate_mlp.unsqueeze(1), self.ff_context(norm_c))
+        x = attention_mlp_residuals(x, attn_x, x_mods, self.norm2, self.ff, self.modulate)
+        ctx = attention_mlp_residuals(
+            ctx, attn_c, ctx_mods, self.norm2_context, self.ff_context, self.modulate
+        )
         return x, ctx
 
 
@@ -369,18 +361,9 @@ class HunyuanVideo15Transformer3DModel(DiffusersConfigured, nn.Module):
             raise ValueError(
                 f"attention_kwargs {sorted(attention_kwargs)} are not supported; pass None (LoRA is applied at load)"
             )
-        if hidden_states.ndim != 5:
-            raise ValueError(
-                f"hidden_states must be (batch, channels, frames, height, width), got {tuple(hidden_states.shape)}"
-            )
+        grid = video_patch_grid(hidden_states, self.config.patch)
         batch, _, frames, height, width = hidden_states.shape
         p_t, p_h, p_w = self.config.patch
-        if frames % p_t or height % p_h or width % p_w:
-            raise ValueError(
-                f"latent size (frames, height, width) = {(frames, height, width)} must be a multiple of "
-                f"the patch size {self.config.patch}"
-            )
-        grid = (frames // p_t, height // p_h, width // p_w)
         timestep = _timestep_rows("timestep", timestep, batch)
         if timestep_r is not None:
             timestep_r = _timestep_rows("timestep_r", timestep_r, batch)

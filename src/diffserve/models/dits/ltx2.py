@@ -36,11 +36,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from diffserve.layers.embeddings import GeluTanhTextProjection
 from diffserve.layers.norms import LayerNorm
 from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.dits.ltx2_blocks import (
     BlockConditioning,
-    GeluTanhTextProjection,
     LTX2AdaLayerNormSingle,
     LTX2VideoTransformerBlock,
     Perturbation,

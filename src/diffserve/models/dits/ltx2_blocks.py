@@ -18,6 +18,7 @@ statistics (float32) are computed wider.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -152,18 +153,6 @@ class LTX2FeedForward(nn.Module):
         return self.net[2](self.net[0](x))
 
 
-class GeluTanhTextProjection(nn.Module):
-    """Caption projection (Diffusers' `PixArtAlphaTextProjection`): Linear, tanh-GELU, Linear."""
-
-    def __init__(self, in_features: int, hidden_size: int) -> None:
-        super().__init__()
-        self.linear_1 = nn.Linear(in_features, hidden_size)
-        self.linear_2 = nn.Linear(hidden_size, hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(gelu_in_place(self.linear_1(x), "tanh"))
-
-
 class _TimestepEmbedder(nn.Module):
     """Sinusoids of the timestep through an MLP; Diffusers' `PixArtAlphaCombinedTimestepSizeEmbeddings`
     without size conditions (the `timestep_embedder` name is kept)."""
@@ -204,6 +193,22 @@ def modulation(table: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor, .
 def modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """adaLN: x * (1 + scale) + shift."""
     return x * (1 + scale) + shift
+
+
+def _text_cross_attention(
+    attn: LTX2Attention,
+    query: torch.Tensor,
+    text: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    query_mod: Sequence[torch.Tensor] | None,
+) -> torch.Tensor:
+    """One modality's text cross-attention output (what its residual adds), from its normed states
+    `query`. With `query_mod` = (shift, scale, gate) (LTX-2.3's cross-attention adaLN) the query is
+    modulated and the output gated; without it (LTX-2) neither."""
+    if query_mod is None:
+        return attn(query, text, attn_mask=attn_mask)
+    shift_q, scale_q, gate_q = query_mod
+    return attn(modulate(query, scale_q, shift_q), text, attn_mask=attn_mask) * gate_q
 
 
 @dataclass(frozen=True)
@@ -367,22 +372,20 @@ class LTX2VideoTransformerBlock(nn.Module):
             )
             text = modulate(text, scale_kv, shift_kv)
             audio_text = modulate(audio_text, a_scale_kv, a_shift_kv)
-        query = self.norm2(x)
-        if self.video_cross_attn_adaln:
-            shift_q, scale_q, gate_q = video_mod[6:9]
-            query = modulate(query, scale_q, shift_q)
-        h = self.attn2(query, text, attn_mask=cond.encoder_attention_mask)
-        if self.video_cross_attn_adaln:
-            h = h * gate_q
-        x = x + h
-        query = self.audio_norm2(a)
-        if self.audio_cross_attn_adaln:
-            a_shift_q, a_scale_q, a_gate_q = audio_mod[6:9]
-            query = modulate(query, a_scale_q, a_shift_q)
-        h = self.audio_attn2(query, audio_text, attn_mask=cond.audio_encoder_attention_mask)
-        if self.audio_cross_attn_adaln:
-            h = h * a_gate_q
-        a = a + h
+        x = x + _text_cross_attention(
+            self.attn2,
+            self.norm2(x),
+            text,
+            cond.encoder_attention_mask,
+            video_mod[6:9] if self.video_cross_attn_adaln else None,
+        )
+        a = a + _text_cross_attention(
+            self.audio_attn2,
+            self.audio_norm2(a),
+            audio_text,
+            cond.audio_encoder_attention_mask,
+            audio_mod[6:9] if self.audio_cross_attn_adaln else None,
+        )
 
         # 3. Audio <-> video cross-attention.
         if cond.cross_modal:

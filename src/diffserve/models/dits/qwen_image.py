@@ -78,7 +78,7 @@ from diffserve.layers.joint_attention import RotaryJointAttention
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.residual import fp16_clip, gated_residual
-from diffserve.layers.rotary import RopeTables
+from diffserve.layers.rotary import RopeTables, checked_rope_axes
 from diffserve.layers.shape_cache import BoundedCache
 from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.step_cache import BatchStepCache, take_rows
@@ -129,13 +129,8 @@ class QwenImageTransformerConfig:
             # Diffusers builds no guidance embedder for this class and its forward fails when given
             # guidance, so no working checkpoint sets this.
             raise NotImplementedError("QwenImageTransformer2DModel: guidance_embeds=True is not supported")
-        axes = tuple(int(d) for d in self.axes_dims_rope)
-        if len(axes) != 3 or any(d % 2 for d in axes):
-            raise ValueError(f"axes_dims_rope must be 3 even sizes (frame, row, column), got {axes}")
-        if sum(axes) != self.attention_head_dim:
-            raise ValueError(
-                f"axes_dims_rope {axes} must sum to attention_head_dim ({self.attention_head_dim})"
-            )
+        # Three axes: (frame, row, column).
+        axes = checked_rope_axes("axes_dims_rope", self.axes_dims_rope, self.attention_head_dim, 3)
         # A frozen dataclass normalises its own fields through object.__setattr__.
         object.__setattr__(self, "axes_dims_rope", axes)
         object.__setattr__(self, "out_channels", self.out_channels or self.in_channels)

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffserve.layers.attention import attention
-from diffserve.layers.embeddings import TimestepEmbedding, timestep_sinusoids
+from diffserve.layers.embeddings import GeluTanhTextProjection, TimestepEmbedding, timestep_sinusoids
 from diffserve.layers.glumbconv import GLUMBConv
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.residual import fp16_clip, gated_residual
@@ -188,18 +188,6 @@ class SanaPatchEmbed(nn.Module):
             return tokens
         # Added in float32, then rounded to the activation dtype, as Diffusers does.
         return (tokens + pos).to(tokens.dtype)
-
-
-class CaptionProjection(nn.Module):
-    """Two-layer tanh-GELU MLP, Gemma-2 width -> inner width (Diffusers' `PixArtAlphaTextProjection`)."""
-
-    def __init__(self, in_features: int, hidden_size: int) -> None:
-        super().__init__()
-        self.linear_1 = nn.Linear(in_features, hidden_size)
-        self.linear_2 = nn.Linear(hidden_size, hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(F.gelu(self.linear_1(x), approximate="tanh"))
 
 
 class _TimestepOnlyEmbedding(nn.Module):
@@ -405,7 +393,7 @@ class SanaTransformer2DModel(DiffusersConfigured, nn.Module):
         self.time_embed: AdaLayerNormSingle | TimestepGuidanceEmbedding = (
             TimestepGuidanceEmbedding(inner) if config.guidance_embeds else AdaLayerNormSingle(inner)
         )
-        self.caption_projection = CaptionProjection(config.caption_channels, inner)
+        self.caption_projection = GeluTanhTextProjection(config.caption_channels, inner)
         self.caption_norm = RMSNorm(inner, eps=RMS_EPS)
         self.transformer_blocks = nn.ModuleList(
             [SanaTransformerBlock(config) for _ in range(config.num_layers)]

@@ -70,10 +70,10 @@ from diffserve.distributed.tensor_parallel import (
     shard_rms_norm,
 )
 from diffserve.layers.attention import attention
-from diffserve.layers.embeddings import TimestepEmbedding, timestep_sinusoids
+from diffserve.layers.embeddings import GeluTanhTextProjection, TimestepEmbedding, timestep_sinusoids
 from diffserve.layers.feedforward import FeedForward
-from diffserve.layers.mlp import gelu_in_place
 from diffserve.layers.norms import LayerNorm, RMSNorm
+from diffserve.layers.patches import video_patch_grid
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding, multi_axis_rope_tables
 from diffserve.layers.shape_cache import BoundedCache
 from diffserve.models.config_keys import DiffusersConfigured
@@ -170,18 +170,6 @@ class FP32LayerNorm(LayerNorm):
         return F.layer_norm(x.float(), (self.dim,), weight, bias, self.eps).to(x.dtype)
 
 
-class GeluTanhTextProjection(nn.Module):
-    """Two-layer tanh-GELU MLP that maps UMT5 states to the model width (Diffusers' `PixArtAlphaTextProjection`)."""
-
-    def __init__(self, in_features: int, hidden_size: int) -> None:
-        super().__init__()
-        self.linear_1 = nn.Linear(in_features, hidden_size)
-        self.linear_2 = nn.Linear(hidden_size, hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(gelu_in_place(self.linear_1(x), "tanh"))
-
-
 class WanImageEmbedding(nn.Module):
     """CLIP image states -> model width: LN, GELU MLP, LN. FLF2V adds a learned position table over both images."""
 
@@ -242,8 +230,9 @@ class WanConditionEmbedding(nn.Module):
         return temb, self.time_proj(F.silu(temb)).unflatten(-1, (6, -1))
 
 
-class WanSelfAttention(nn.Module):
-    """Self-attention with RMSNorm over the full q/k width (all heads together) and 3-axis RoPE."""
+class _WanAttention(nn.Module):
+    """What Wan's self- and cross-attention share (Diffusers' `WanAttention`): q/k/v and output
+    projections, and RMSNorms of q and k over their full width (all heads together)."""
 
     def __init__(self, dim: int, num_heads: int, eps: float) -> None:
         super().__init__()
@@ -254,16 +243,27 @@ class WanSelfAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(dim, dim), nn.Identity()])
         self.norm_q = RMSNorm(dim, eps=eps, round_once=True)
         self.norm_k = RMSNorm(dim, eps=eps, round_once=True)
-        self.rope = RotaryEmbedding()
 
     def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
-        """This rank's heads: q/k/v column-parallel with their across-heads norms, `to_out` row-parallel."""
-        for name in ("to_q", "to_k", "to_v"):
-            shard_linear(self, name, ColumnParallelLinear, tp)
+        """This rank's heads: q and every k/v (the cross-attention's image k/v too) column-parallel with
+        their across-heads norms, `to_out` row-parallel (a cross-attention sums its text and image
+        outputs locally before it)."""
+        for name in ("to_q", "to_k", "to_v", "add_k_proj", "add_v_proj"):
+            if getattr(self, name, None) is not None:
+                shard_linear(self, name, ColumnParallelLinear, tp)
         shard_linear(self, "to_out.0", RowParallelLinear, tp)
-        for name in ("norm_q", "norm_k"):
-            shard_rms_norm(self, name, tp)
+        for name in ("norm_q", "norm_k", "norm_added_k"):
+            if getattr(self, name, None) is not None:
+                shard_rms_norm(self, name, tp)
         self.num_heads //= tp.tp_size
+
+
+class WanSelfAttention(_WanAttention):
+    """Self-attention with RMSNorm over the full q/k width (all heads together) and 3-axis RoPE."""
+
+    def __init__(self, dim: int, num_heads: int, eps: float) -> None:
+        super().__init__(dim, num_heads, eps)
+        self.rope = RotaryEmbedding()
 
     def forward(self, x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
         q = self.norm_q(self.to_q(x)).unflatten(-1, (self.num_heads, -1))
@@ -274,7 +274,7 @@ class WanSelfAttention(nn.Module):
         return self.to_out[0](sequence_attention(q, k, v).flatten(2))
 
 
-class WanCrossAttention(nn.Module):
+class WanCrossAttention(_WanAttention):
     """Queries from the video tokens; keys/values from the text, and for I2V separately from the image.
 
     The two attention outputs are summed before the output projection (two softmaxes, not one over
@@ -284,33 +284,13 @@ class WanCrossAttention(nn.Module):
     """
 
     def __init__(self, dim: int, num_heads: int, eps: float, added_kv_proj_dim: int | None) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.to_q = nn.Linear(dim, dim)
-        self.to_k = nn.Linear(dim, dim)
-        self.to_v = nn.Linear(dim, dim)
-        self.to_out = nn.ModuleList([nn.Linear(dim, dim), nn.Identity()])
-        self.norm_q = RMSNorm(dim, eps=eps, round_once=True)
-        self.norm_k = RMSNorm(dim, eps=eps, round_once=True)
+        super().__init__(dim, num_heads, eps)
         if added_kv_proj_dim is not None:
             self.add_k_proj = nn.Linear(added_kv_proj_dim, dim)
             self.add_v_proj = nn.Linear(added_kv_proj_dim, dim)
             self.norm_added_k = RMSNorm(dim, eps=eps, round_once=True)
         else:
             self.add_k_proj = self.add_v_proj = self.norm_added_k = None
-
-    def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
-        """This rank's heads: q and the text (and image) k/v column-parallel with their across-heads
-        norms, `to_out` row-parallel (the text and image outputs are summed locally before it)."""
-        column = ["to_q", "to_k", "to_v"] + (
-            ["add_k_proj", "add_v_proj"] if self.add_k_proj is not None else []
-        )
-        for name in column:
-            shard_linear(self, name, ColumnParallelLinear, tp)
-        shard_linear(self, "to_out.0", RowParallelLinear, tp)
-        for name in ["norm_q", "norm_k"] + (["norm_added_k"] if self.norm_added_k is not None else []):
-            shard_rms_norm(self, name, tp)
-        self.num_heads //= tp.tp_size
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, img: torch.Tensor | None) -> torch.Tensor:
         heads = self.num_heads
@@ -539,18 +519,9 @@ class WanTransformer3DModel(DiffusersConfigured, nn.Module):
         Returns:
             (batch, out_channels, frames, height, width), in the dtype of `hidden_states`.
         """
-        if hidden_states.ndim != 5:
-            raise ValueError(
-                f"hidden_states must be (batch, channels, frames, height, width), got {tuple(hidden_states.shape)}"
-            )
+        grid = video_patch_grid(hidden_states, self.config.patch_size)
         batch, _, frames, height, width = hidden_states.shape
         p_t, p_h, p_w = self.config.patch_size
-        if frames % p_t or height % p_h or width % p_w:
-            raise ValueError(
-                f"latent size (frames, height, width) = {(frames, height, width)} must be a multiple of "
-                f"patch_size {self.config.patch_size}"
-            )
-        grid = (frames // p_t, height // p_h, width // p_w)
         seq = math.prod(grid)
         timestep = self._timestep_rows(timestep, batch, seq)
 

@@ -81,6 +81,7 @@ from diffserve.distributed.tensor_parallel import (
 )
 from diffserve.layers.embeddings import timestep_sinusoids
 from diffserve.layers.norms import LayerNorm, RMSNorm
+from diffserve.layers.rotary import checked_rope_axes
 from diffserve.layers.shape_cache import BoundedCache
 from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.step_cache import BatchStepCache
@@ -138,11 +139,7 @@ class ZImageTransformerConfig:
             )
         if self.dim % self.n_heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
-        head_dim = self.dim // self.n_heads
-        if sum(axes_dims) != head_dim:
-            raise ValueError(f"axes_dims {axes_dims} must sum to the head dim dim // n_heads ({head_dim})")
-        if any(d % 2 for d in axes_dims):
-            raise ValueError(f"every entry of axes_dims must be even, got {axes_dims}")
+        checked_rope_axes("axes_dims", axes_dims, self.dim // self.n_heads)
         if len(axes_lens) != len(axes_dims) or len(axes_dims) != 3:
             raise ValueError(f"axes_dims {axes_dims} and axes_lens {axes_lens} must both have 3 entries")
         # A frozen dataclass normalises its own fields through object.__setattr__.

@@ -34,6 +34,7 @@ import torch
 
 from diffserve.models.config_keys import checked_config_kwargs
 from diffserve.models.schedulers.flow_match_euler import SigmaSchedule
+from diffserve.models.schedulers.step_order import check_history_length, checked_step_count
 
 #: Diffusers' `DPMSolverMultistepScheduler` config keys and their defaults (a config missing a key
 #: means the Diffusers default).
@@ -272,16 +273,8 @@ class DPMSolverFlowScheduler:
                 f"DPM-Solver needs the CPU copy of the sigmas (got {host_sigmas.device}); timestep "
                 "preparation sets it once per request"
             )
-        num_steps = int(host_sigmas.shape[0]) - 1
-        if not 0 <= step_index < num_steps:
-            raise ValueError(f"step_index {step_index} is outside a {num_steps}-step schedule")
-        if state.last_step_index is not None and step_index != state.last_step_index + 1:
-            raise ValueError(
-                f"DPM-Solver steps must be consecutive: this request's last step was {state.last_step_index}, "
-                f"got {step_index}"
-            )
-        if len(state.model_outputs) != self.solver_order:
-            raise ValueError("state was made for a different solver_order; use this scheduler's new_state()")
+        num_steps = checked_step_count("DPM-Solver", host_sigmas, step_index, state.last_step_index)
+        check_history_length(state.model_outputs, self.solver_order)
 
         order = self._order_for(step_index, num_steps, state)
         x0 = sample - host_sigmas[step_index] * model_output

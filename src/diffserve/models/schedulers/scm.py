@@ -24,6 +24,7 @@ import torch
 
 from diffserve.models.config_keys import checked_config_kwargs
 from diffserve.models.schedulers.flow_match_euler import SigmaSchedule
+from diffserve.models.schedulers.step_order import checked_step_count
 
 #: Diffusers' `SCMScheduler` config keys and their defaults.
 SCM_CONFIG_DEFAULTS: dict[str, Any] = {
@@ -117,14 +118,7 @@ class SCMScheduler:
         """Advance one request's rows from angle `sigmas[step_index]` to `sigmas[step_index + 1]` (the
         request's angles on the sample's device, where Diffusers keeps its timesteps; `host_sigmas` is
         part of the engine's step contract and not read). Calls must use consecutive step indices."""
-        num_steps = int(sigmas.shape[0]) - 1
-        if not 0 <= step_index < num_steps:
-            raise ValueError(f"step_index {step_index} is outside a {num_steps}-step schedule")
-        if state.last_step_index is not None and step_index != state.last_step_index + 1:
-            raise ValueError(
-                f"SCM steps must be consecutive: this request's last step was {state.last_step_index}, "
-                f"got {step_index}"
-            )
+        checked_step_count("SCM", sigmas, step_index, state.last_step_index)
         s, t = sigmas[step_index], sigmas[step_index + 1]
         pred_x0 = torch.cos(s) * sample - torch.sin(s) * model_output
         state.model_outputs = [pred_x0]

@@ -33,7 +33,13 @@ from torch import nn
 from diffserve.layers.glumbconv import GLUMBConv
 from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.vaes.blocks import get_activation
-from diffserve.models.vaes.tiling import TilingMixin, per_sample, stitch_tiles, tile_starts
+from diffserve.models.vaes.tiling import (
+    TilingMixin,
+    decode_chunk_boundary,
+    per_sample,
+    stitch_tiles,
+    tile_starts,
+)
 
 #: Every RMSNorm / BatchNorm in DC-AE uses this epsilon.
 NORM_EPS = 1e-5
@@ -517,6 +523,10 @@ class AutoencoderDC(DiffusersConfigured, TilingMixin, nn.Module):
             return self._tiled_decode(z)
         return self.decoder(z)
 
+    def _decode_tile(self, z: torch.Tensor) -> torch.Tensor:
+        decode_chunk_boundary()  # each tile is one decode chunk
+        return self.decoder(z)
+
     def _tiled_decode(self, z: torch.Tensor) -> torch.Tensor:
         """Overlapping latent tiles decoded and cross-faded (Diffusers' `tiled_decode`: no final crop)."""
         f = self.spatial_compression_ratio
@@ -524,7 +534,7 @@ class AutoencoderDC(DiffusersConfigured, TilingMixin, nn.Module):
         stride_h, stride_w = self.tile_sample_stride_height, self.tile_sample_stride_width
         rows = [
             [
-                self.decoder(z[:, :, i : i + latent_min_h, j : j + latent_min_w])
+                self._decode_tile(z[:, :, i : i + latent_min_h, j : j + latent_min_w])
                 for j in tile_starts(z.shape[3], stride_w // f)
             ]
             for i in tile_starts(z.shape[2], stride_h // f)

@@ -27,7 +27,13 @@ from torch import nn
 
 from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.vaes.blocks import Decoder, Encoder
-from diffserve.models.vaes.tiling import TilingMixin, per_sample, stitch_tiles, tile_starts
+from diffserve.models.vaes.tiling import (
+    TilingMixin,
+    decode_chunk_boundary,
+    per_sample,
+    stitch_tiles,
+    tile_starts,
+)
 
 GeneratorArg = torch.Generator | Sequence[torch.Generator] | None
 
@@ -224,6 +230,7 @@ class AutoencoderKL(DiffusersConfigured, TilingMixin, nn.Module):
         return self._decode_tile(z)
 
     def _decode_tile(self, z: torch.Tensor) -> torch.Tensor:
+        decode_chunk_boundary()  # a tile (or the whole image) is one decode chunk
         if self.post_quant_conv is not None:
             z = self.post_quant_conv(z)
         return self.decoder(z)

@@ -27,7 +27,13 @@ from torch import nn
 from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.vaes.autoencoder_kl import DiagonalGaussian
 from diffserve.models.vaes.hunyuan_video15_blocks import Decoder3D, Encoder3D
-from diffserve.models.vaes.tiling import TilingMixin, per_sample, stitch_tiles, tile_starts
+from diffserve.models.vaes.tiling import (
+    TilingMixin,
+    decode_chunk_boundary,
+    per_sample,
+    stitch_tiles,
+    tile_starts,
+)
 
 #: Diffusers' `AutoencoderKLHunyuanVideo15` config keys and defaults (those of the released VAE).
 HUNYUAN_VIDEO15_VAE_CONFIG_DEFAULTS: dict[str, Any] = {
@@ -204,9 +210,15 @@ class AutoencoderKLHunyuanVideo15(DiffusersConfigured, TilingMixin, nn.Module):
         blend_h, blend_w = int(out_h * overlap), int(out_w * overlap)
         rows = [
             [
-                network(x[..., i : i + in_h, j : j + in_w])
+                _tile(network, x[..., i : i + in_h, j : j + in_w])
                 for j in tile_starts(x.shape[-1], int(in_w * (1 - overlap)))
             ]
             for i in tile_starts(x.shape[-2], int(in_h * (1 - overlap)))
         ]
         return stitch_tiles(rows, blend_h, blend_w, out_h - blend_h, out_w - blend_w)
+
+
+def _tile(network: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """One tile through `network`: a decode chunk (`decode_chunk_boundary` before it; nothing when encoding)."""
+    decode_chunk_boundary()
+    return network(x)

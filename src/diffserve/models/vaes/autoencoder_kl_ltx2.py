@@ -43,7 +43,14 @@ from diffserve.models.vaes.ltx2_video_blocks import (
     LTX2VideoDecoder3d,
     LTX2VideoEncoder3d,
 )
-from diffserve.models.vaes.tiling import TilingMixin, blend_t, per_sample, stitch_tiles, tile_starts
+from diffserve.models.vaes.tiling import (
+    TilingMixin,
+    blend_t,
+    decode_chunk_boundary,
+    per_sample,
+    stitch_tiles,
+    tile_starts,
+)
 
 #: Diffusers' `AutoencoderKLLTX2Video.__init__` keys and defaults (the released LTX-2 config overrides
 #: `decoder_causal` (False) and the two compression ratios (32, 8)).
@@ -350,9 +357,11 @@ class AutoencoderKLLTX2Video(DiffusersConfigured, TilingMixin, nn.Module):
             )
         if self.use_slicing and z.shape[0] > 1:
             temb_items = temb.split(1) if temb is not None else (None,) * z.shape[0]
-            return torch.cat(
-                [self._decode(zi, ti, causal) for zi, ti in zip(z.split(1), temb_items, strict=True)]
-            )
+            outputs = []
+            for zi, ti in zip(z.split(1), temb_items, strict=True):
+                decode_chunk_boundary()  # each sample is a decode chunk
+                outputs.append(self._decode(zi, ti, causal))
+            return torch.cat(outputs)
         return self._decode(z, temb, causal)
 
     def _decode(self, z: torch.Tensor, temb: torch.Tensor | None, causal: bool | None) -> torch.Tensor:
@@ -364,6 +373,11 @@ class AutoencoderKLLTX2Video(DiffusersConfigured, TilingMixin, nn.Module):
             return self._temporal_tiled_decode(z, temb, causal)
         if self.use_tiling and self._needs_spatial_tiles(height, width):
             return self._tiled_decode(z, temb, causal)
+        return self.decoder(z, temb, causal)
+
+    def _decode_chunk(self, z: torch.Tensor, temb: torch.Tensor | None, causal: bool | None) -> torch.Tensor:
+        """One spatial or temporal tile through the decoder: a decode chunk (`decode_chunk_boundary`)."""
+        decode_chunk_boundary()
         return self.decoder(z, temb, causal)
 
     def _needs_spatial_tiles(self, latent_height: int, latent_width: int) -> bool:
@@ -394,7 +408,7 @@ class AutoencoderKLLTX2Video(DiffusersConfigured, TilingMixin, nn.Module):
                     )
         rows = [
             [
-                self.decoder(z[:, :, :, i : i + tile_h, j : j + tile_w], temb, causal)
+                self._decode_chunk(z[:, :, :, i : i + tile_h, j : j + tile_w], temb, causal)
                 for j in tile_starts(width, stride_w)
             ]
             for i in tile_starts(height, stride_h)
@@ -427,7 +441,7 @@ class AutoencoderKLLTX2Video(DiffusersConfigured, TilingMixin, nn.Module):
             if self.use_tiling and self._needs_spatial_tiles(chunk.shape[-2], chunk.shape[-1]):
                 video = self._tiled_decode(chunk, temb, causal)
             else:
-                video = self.decoder(chunk, temb, causal)
+                video = self._decode_chunk(chunk, temb, causal)
             tiles.append(video[:, :, :-1] if n > 0 else video)
         blend = self.tile_sample_min_num_frames - self.tile_sample_stride_num_frames
         return self._stitch_time(tiles, blend, self.tile_sample_stride_num_frames)[:, :, :out_frames]

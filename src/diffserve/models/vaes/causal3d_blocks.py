@@ -68,7 +68,13 @@ from diffserve.distributed.parallel_vae import (
 )
 from diffserve.layers.attention import attention
 from diffserve.models.vaes.autoencoder_kl import DiagonalGaussian
-from diffserve.models.vaes.tiling import TilingMixin, per_sample, stitch_tiles, tile_starts
+from diffserve.models.vaes.tiling import (
+    TilingMixin,
+    decode_chunk_boundary,
+    per_sample,
+    stitch_tiles,
+    tile_starts,
+)
 
 #: Frames of input each causal conv keeps for the next chunk: a temporal kernel of 3 needs 2.
 CACHE_FRAMES = 2
@@ -709,10 +715,14 @@ class CausalVideoVAE(TilingMixin, nn.Module):
 
     def _decode_frames(self, z: torch.Tensor) -> torch.Tensor:
         """post_quant_conv and the decoder one latent frame at a time with one causal cache; before
-        unpatchify and clamp."""
+        unpatchify and clamp. Each latent frame is a decode chunk (`decode_chunk_boundary` before it)."""
         cache = CausalCache()
         x = self.post_quant_conv(z)
-        return torch.cat([self.decoder(x[:, :, i : i + 1], cache) for i in range(x.shape[2])], dim=2)
+        frames = []
+        for i in range(x.shape[2]):
+            decode_chunk_boundary()
+            frames.append(self.decoder(x[:, :, i : i + 1], cache))
+        return torch.cat(frames, dim=2)
 
     def _tiled_decode(self, z: torch.Tensor) -> torch.Tensor:
         """`_decode_frames` on overlapping latent tiles, blended (Diffusers' tiled_decode); before unpatchify

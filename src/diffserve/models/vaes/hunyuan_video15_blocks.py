@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffserve.models.vaes.causal3d_blocks import ChannelRMSNorm
+from diffserve.models.vaes.tiling import decode_chunk_boundary
 
 
 def _fold_cells(x: torch.Tensor, factor_t: int) -> torch.Tensor:
@@ -399,6 +400,7 @@ class Decoder3D(nn.Module):
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         x = self.conv_in(z) + z.repeat_interleave(self.repeats, dim=1)
         x = self.mid_block(x)
-        for block in self.up_blocks:
+        for block in self.up_blocks:  # the whole clip at once: each up block is a decode chunk
+            decode_chunk_boundary()
             x = block(x)
         return self.conv_out(F.silu(self.norm_out(x), inplace=True))

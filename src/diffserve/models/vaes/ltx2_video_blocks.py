@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffserve.layers.embeddings import TimestepEmbedding, timestep_sinusoids
+from diffserve.models.vaes.tiling import decode_chunk_boundary
 
 #: `padding_mode` values `nn.Conv3d` accepts.
 SPATIAL_PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
@@ -496,7 +497,8 @@ class LTX2VideoDecoder3d(nn.Module):
             timestep = timestep * self.timestep_scale_multiplier
         x = self.conv_in(z, causal)
         x = self.mid_block(x, timestep, causal)
-        for block in self.up_blocks:
+        for block in self.up_blocks:  # the whole clip (or tile) at once: each up block is a decode chunk
+            decode_chunk_boundary()
             x = block(x, timestep, causal)
         x = channel_rms_norm(x)
         if self.time_embedder is not None:

@@ -40,6 +40,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from diffserve.vae_tiling import decode_chunk_boundary
+
+__all__ = ["decode_chunk_boundary"]  # re-exported: the VAEs call it before each decode chunk
+
 #: Dims of the cross-fades, counted from the end so (B, C, H, W) images and (B, C, T, H, W) videos share them.
 ROWS_DIM, COLUMNS_DIM, FRAMES_DIM = -2, -1, -3
 
@@ -118,10 +122,16 @@ def stitch_tiles(
 
 def per_sample(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, sliced: bool) -> torch.Tensor:
     """`fn(x)`, or with `sliced` and a batch of more than one, `fn` on each batch element concatenated
-    (Diffusers' slicing: the same result, one element's activations at a time)."""
+    (Diffusers' slicing: the same result, one element's activations at a time). Each element is a decode
+    chunk (`decode_chunk_boundary` before it)."""
     if not sliced or x.shape[0] <= 1:
         return fn(x)
-    return torch.cat([fn(element) for element in x.split(1)])
+    return torch.cat([_chunk(fn, element) for element in x.split(1)])
+
+
+def _chunk(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    decode_chunk_boundary()
+    return fn(x)
 
 
 class TilingMixin:
