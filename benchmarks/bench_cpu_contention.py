@@ -40,6 +40,10 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+# Before torch (imported by the worker): `import diffserve` sets the engine's OpenMP wait policy, which
+# OpenMP reads once, when torch loads it.
+import diffserve  # noqa: F401
+
 #: Variables a worker starts without, so that each arm sets exactly what it tests.
 CLEARED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 #: OpenMP's own defaults when no variable is set (libgomp: spin about 300,000 polls; Intel's: 200 ms).

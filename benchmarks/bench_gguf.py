@@ -5,16 +5,18 @@ on the CPU, side by side in one process.
 The DiT is FLUX-architecture with FLUX.1's head size, joint and pooled widths and `--heads` heads (12:
 1536 wide) and 1 double- plus 1 single-stream block: every matmul has a FLUX-like shape, there are just
 fewer blocks. Its random weights are written as a city96-layout GGUF file (FLUX.1's original names) per
-`--qtypes` type, each loaded twice through `loader/single_file.py` in each `--dtypes` compute dtype: kept
-quantized (the default) and under `dequantized_at_load()`, then fused as the loader fuses (the kept model
-stays unfused: its Linears are quantized) and bound to the CPU platform. One measurement is one DiT
+`--qtypes` type, each loaded through `loader/single_file.py` in each `--dtypes` compute dtype: kept
+quantized (the default; the loader leaves such a model unfused) and under `dequantized_at_load()`, then
+fused as the loader fuses full-precision weights, and bound to the CPU platform. One measurement is one DiT
 forward (`torch.inference_mode`) of `--batch` rows of `--image-tokens` image and `--text-tokens` text
 tokens.
 
 After one untimed warm-up per variant, each round runs every variant once in a rotated order (drift of
 the shared machine reaches all alike); a step is the median over rounds, a ratio the median over rounds
-of (kept / dequantized in the same round) with its range. Weight bytes are the DiT's parameters +
-buffers; the relative L2 difference of the outputs checks that both compute the same function.
+of (variant / dequantized at load in the same round) with its range. A third arm, dequantized at load
+but left unfused, separates the cost of running unfused from that of dequantizing. Weight bytes are the
+DiT's parameters + buffers; the relative L2 difference of the outputs checks that all compute the same
+function.
 
     .venv/bin/python benchmarks/bench_gguf.py                              # Q8_0 and Q4_K, fp32 and bf16
     .venv/bin/python benchmarks/bench_gguf.py --qtypes Q8_0 --dtypes float32 --rounds 3 --threads 1
@@ -45,7 +47,7 @@ from diffserve.registry import DIT_FACTS
 from diffserve.testing.tiny_single_file import original_state_dict, write_gguf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-VARIANTS = ("dequantized at load", "kept quantized")
+VARIANTS = ("dequantized at load", "dequantized, unfused", "kept quantized")
 
 
 def dit_config(heads: int) -> dict:
@@ -71,10 +73,10 @@ def write_file(config: dict, qtype: str, directory: Path) -> Path:
     return path
 
 
-def load(config: dict, path: Path, dtype: torch.dtype, kept: bool) -> nn.Module:
+def load(config: dict, path: Path, dtype: torch.dtype, variant: str) -> nn.Module:
     with torch.device("meta"):
         model = FluxTransformer2DModel.from_config(config)
-    if kept:
+    if variant == "kept quantized":
         load_transformer_weights_file(
             model, path, "FluxTransformer2DModel", torch.device("cpu"), dtype, DIT_FACTS
         )
@@ -83,7 +85,8 @@ def load(config: dict, path: Path, dtype: torch.dtype, kept: bool) -> nn.Module:
             load_transformer_weights_file(
                 model, path, "FluxTransformer2DModel", torch.device("cpu"), dtype, DIT_FACTS
             )
-        model.fuse_for_inference()  # as the loader does with full-precision weights
+        if variant == "dequantized at load":
+            model.fuse_for_inference()  # as the loader does with full-precision weights
     model.eval().requires_grad_(False)
     dispatch_custom_ops(model, CpuPlatform())
     return model
@@ -102,12 +105,13 @@ def dit_inputs(
 
 
 def time_variants(models: dict[str, nn.Module], inputs: dict[str, torch.Tensor], rounds: int):
-    outputs, seconds, ratios = {}, {n: [] for n in models}, []
+    outputs, seconds, ratios = {}, {n: [] for n in models}, {n: [] for n in models}
     with torch.inference_mode():
         for name, model in models.items():  # warm-up, untimed
             outputs[name] = model(**inputs).float()
         for round_ in range(rounds):
-            order = list(models) if round_ % 2 == 0 else list(reversed(models))
+            shift = round_ % len(models)
+            order = [*list(models)[shift:], *list(models)[:shift]]
             this_round = {}
             for name in order:
                 start = time.perf_counter()
@@ -115,11 +119,11 @@ def time_variants(models: dict[str, nn.Module], inputs: dict[str, torch.Tensor],
                 this_round[name] = time.perf_counter() - start
             for name, s in this_round.items():
                 seconds[name].append(s)
-            ratios.append(this_round[VARIANTS[1]] / this_round[VARIANTS[0]])
+                ratios[name].append(s / this_round[VARIANTS[0]])
             print(f"    round {round_ + 1}/{rounds}: {this_round}", file=sys.stderr, flush=True)
     reference = outputs[VARIANTS[0]]
-    error = ((outputs[VARIANTS[1]] - reference).norm() / reference.norm()).item()
-    return seconds, ratios, error
+    errors = {name: ((out - reference).norm() / reference.norm()).item() for name, out in outputs.items()}
+    return seconds, ratios, errors
 
 
 def main() -> None:
@@ -146,7 +150,7 @@ def main() -> None:
         f"{args.image_tokens} image + {args.text_tokens} text tokens; median of {args.rounds} alternating rounds\n"
     )
     print(
-        "| type | dtype | variant | weights MiB | bytes vs fp32 | s/step | step vs dequantized (range) | rel. diff |"
+        "| type | dtype | variant | weights MiB | bytes vs fp32 | s/step | step vs dequantized at load (range) | rel. diff |"
     )
     print("|---|---|---|---:|---:|---:|---:|---:|")
     rows = []
@@ -156,28 +160,23 @@ def main() -> None:
             path = write_file(config, qtype, Path(directory))
             for dtype_name in args.dtypes.split(","):
                 dtype = DTYPES[dtype_name]
-                models = {VARIANTS[0]: load(config, path, dtype, kept=False)}
-                models[VARIANTS[1]] = load(config, path, dtype, kept=True)
+                models = {variant: load(config, path, dtype, variant) for variant in VARIANTS}
                 fp32_bytes = tensor_bytes(models[VARIANTS[0]]) * 4 // dtype.itemsize
                 inputs = dit_inputs(args.batch, args.image_tokens, args.text_tokens, dtype)
-                seconds, ratios, error = time_variants(models, inputs, args.rounds)
+                seconds, ratios, errors = time_variants(models, inputs, args.rounds)
                 for name in VARIANTS:
-                    nbytes = tensor_bytes(models[name])
-                    kept = name == VARIANTS[1]
-                    ratio = (
-                        f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
-                        if kept
-                        else "1.00x"
-                    )
+                    nbytes, r = tensor_bytes(models[name]), ratios[name]
                     row = {
                         "qtype": qtype, "dtype": dtype_name, "variant": name, "weights_mib": nbytes / 2**20,
                         "bytes_vs_fp32": nbytes / fp32_bytes, "s_per_step": statistics.median(seconds[name]),
-                        "ratio": statistics.median(ratios) if kept else 1.0, "rel_diff": error if kept else 0.0,
+                        "ratio": statistics.median(r), "ratio_min": min(r), "ratio_max": max(r),
+                        "rel_diff": errors[name],
                     }  # fmt: skip
                     rows.append(row)
+                    spread = f" ({min(r):.2f}-{max(r):.2f})" if name != VARIANTS[0] else ""
                     print(
                         f"| {qtype} | {dtype_name} | {name} | {row['weights_mib']:.0f} | {row['bytes_vs_fp32']:.1%} | "
-                        f"{row['s_per_step']:.3f} | {ratio} | {row['rel_diff']:.1e} |",
+                        f"{row['s_per_step']:.3f} | {row['ratio']:.2f}x{spread} | {row['rel_diff']:.1e} |",
                         flush=True,
                     )
                 del models

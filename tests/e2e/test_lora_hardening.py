@@ -1,16 +1,17 @@
 """Issue 31 items 14, 15, 16 and 20: LoRA adapters against hostile files and admin ops, in process (a tiny
 FLUX `DiffGenerator` with a --lora-dir, and the engine process's side of the admin routes, `EngineLoras`).
 
-- 14: a file is read off the denoising loop (a generation finishes while a load's read is stuck), a bad
-  file is refused at once when named again (remembered by path, size and mtime; read again once it
-  changes), and a header declaring a huge number of tensors is refused naming the limit;
+- 14: a file is read off the denoising loop (a generation finishes while a load's read is stuck, and while
+  another request's --lora-dir adapter is read), a bad file is refused at once when named again
+  (remembered by path, size and mtime; read again once it changes), and a header declaring a huge
+  number of tensors is refused naming the limit;
 - 15: --max-loras caps the adapters known (409 `too_many_loras`), empty adapters are refused, and a
   restarted engine's replayed loads are lazy (nothing read until a request names the adapter);
 - 16: a queued request holds the adapters it names: unloading one answers 409 until it ends, and its
   name cannot be taken over by another file meanwhile;
 - 20: hostile admin loads (a NUL byte, a 5,000-character name, a 3,000-level path, a header nested
   100,000 deep, a name ending in a newline, NaN, int64 and rank-0 files) are 400s, never 500s; the LoRA
-  memory being full is a 503 with Retry-After.
+  memory being full is a 503 with Retry-After for a load, and a wait in the queue for a request.
 """
 
 from __future__ import annotations
@@ -188,6 +189,35 @@ def test_a_load_reads_its_file_off_the_denoising_loop(gen, admin, monkeypatch) -
     done = answers.wait("slow-load")
     assert isinstance(done, msg.LoraOpDone) and done.adapter is not None and done.adapter["resident"]
     assert isinstance(unload(admin, "slow"), msg.LoraOpDone)
+
+
+def test_a_requests_adapter_is_read_off_the_denoising_loop(gen, lora_dir, tiny_flux_dir, monkeypatch) -> None:
+    """A request naming a --lora-dir file not read yet waits for its read in the queue; the others run on
+    meanwhile (the old engine read it when the request started, between two steps: everyone waited)."""
+    write_pair(tiny_flux_dir, lora_dir / "ondemand.safetensors")
+    reading, release = threading.Event(), threading.Event()
+    real_read = lora_registry.read_lora_file
+
+    def slow_read(path: Path):
+        reading.set()
+        assert release.wait(ANSWER_TIMEOUT_S)
+        return real_read(path)
+
+    monkeypatch.setattr(lora_registry, "read_lora_file", slow_read)
+    named, named_outcome = generate_in_thread(gen, loras=[{"name": "ondemand"}])
+    try:
+        assert reading.wait(ANSWER_TIMEOUT_S)
+        plain, plain_outcome = generate_in_thread(gen)
+        plain.join(ANSWER_TIMEOUT_S)
+        assert plain_outcome and not isinstance(plain_outcome[0], Exception), (
+            f"a plain generation did not finish while another request's adapter was being read: {plain_outcome}"
+        )
+        assert not named_outcome  # still waiting for its adapter
+    finally:
+        release.set()
+    named.join(ANSWER_TIMEOUT_S)
+    assert named_outcome and not isinstance(named_outcome[0], Exception), named_outcome
+    assert {info.name: info.resident for info in gen.loras()}.get("ondemand") is True
 
 
 def test_a_bad_file_is_remembered_and_refused_at_once_until_it_changes(
@@ -391,6 +421,26 @@ def test_lora_memory_full_is_a_503_with_retry_after(gen, admin) -> None:
         registry.max_bytes = budget
         registry.release(pinned)
     assert "late" not in registry.names()
+    assert isinstance(unload(admin, "pinned"), msg.LoraOpDone)
+
+
+def test_a_request_waits_while_pinned_adapters_fill_the_lora_memory(gen, admin) -> None:
+    """A request whose adapter does not fit beside the ones running requests pin waits in the queue and
+    runs once they are released (it failed with a 400 "retry later" before)."""
+    registry = gen.engine.runner.loras
+    assert isinstance(load(admin, "pinned", "style.safetensors"), msg.LoraOpDone)
+    pinned = registry.acquire([LoraChoice("pinned")])  # as a running request pins it
+    budget = registry.max_bytes
+    registry.max_bytes = registry.infos()[registry.names().index("pinned")].num_bytes + 1
+    try:
+        thread, outcome = generate_in_thread(gen, loras=[{"name": "other"}])
+        time.sleep(1.0)
+        assert not outcome, f"the request should wait for room, not end: {outcome}"
+    finally:
+        registry.release(pinned)
+    thread.join(ANSWER_TIMEOUT_S)
+    registry.max_bytes = budget
+    assert outcome and not isinstance(outcome[0], Exception), outcome
     assert isinstance(unload(admin, "pinned"), msg.LoraOpDone)
 
 

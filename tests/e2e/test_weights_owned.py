@@ -6,7 +6,8 @@ next image, truncating it killed the engine with SIGBUS. Each case loads a tiny 
 subprocess (a SIGBUS kills the child, not pytest), checks /proc/self/maps for the model's weight files,
 generates, overwrites every weight file in place with 0xFF bytes (NaN as floats), generates, truncates
 every one to 0 bytes, generates: the three images must be equal. The folder's own weights (DiT,
-CLIP, T5, VAE), a single-file `--transformer-weights` safetensors and a GGUF file are checked.
+CLIP, T5, VAE), a single-file `--transformer-weights` safetensors, a GGUF file and the diffusers backend
+(`backend="diffusers"`) are checked.
 
 The one exception: `--max-memory` keeps the DiT in its mapped files, only when nothing can rewrite them
 (here: mode 0444); the same /proc check then sees that file mapped, which shows the check sees mappings.
@@ -36,13 +37,13 @@ import numpy as np
 from diffserve import DiffGenerator
 from diffserve.loader.owned_weights import mapped_files
 
-folder, weights, cap = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+folder, weights, cap, backend = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
 weights = None if weights == "none" else Path(weights)
 files = sorted(folder.glob("*/*.safetensors")) + ([weights] if weights else [])
 gen = DiffGenerator.from_pretrained(
     folder, device="cpu", show_progress=False, transformer_weights=weights,
-    max_memory=None if cap == "none" else int(cap),
+    max_memory=None if cap == "none" else int(cap), backend=backend, dtype="float32",
 )
 
 def image():
@@ -65,9 +66,11 @@ print(json.dumps(result))
 """
 
 
-def _child(folder: Path, weights: Path | None = None, cap: int | None = None) -> dict:
+def _child(
+    folder: Path, weights: Path | None = None, cap: int | None = None, backend: str = "native"
+) -> dict:
     result = subprocess.run(
-        [sys.executable, "-c", CHILD, str(folder), str(weights or "none"), str(cap or "none")],
+        [sys.executable, "-c", CHILD, str(folder), str(weights or "none"), str(cap or "none"), backend],
         capture_output=True,
         text=True,
         timeout=600,
@@ -76,11 +79,11 @@ def _child(folder: Path, weights: Path | None = None, cap: int | None = None) ->
     return {**json.loads(result.stdout.strip().splitlines()[-1]), "log": result.stderr}
 
 
-@pytest.mark.parametrize("source", ["folder", "single-file safetensors", "gguf"])
+@pytest.mark.parametrize("source", ["folder", "single-file safetensors", "gguf", "diffusers backend"])
 def test_rewritten_or_truncated_weight_files_change_nothing(tmp_path, source) -> None:
     folder = build_tiny_flux(tmp_path / "flux")
     weights = None
-    if source != "folder":
+    if source not in ("folder", "diffusers backend"):
         original = original_state_dict(
             "FluxTransformer2DModel",
             load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors")),
@@ -94,7 +97,7 @@ def test_rewritten_or_truncated_weight_files_change_nothing(tmp_path, source) ->
         else:
             weights = tmp_path / "flux-original.safetensors"
             save_file({k: v.contiguous() for k, v in original.items()}, str(weights))
-    result = _child(folder, weights)
+    result = _child(folder, weights, backend="diffusers" if source == "diffusers backend" else "native")
     print(f"{source}: mapped after load {result['mapped']}, image std {result['std']:.1f}")
     assert result["mapped"] == []
     assert result["std"] > 5, "a flat image would prove nothing"

@@ -14,7 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffserve.layers.gguf_linear import DEQUANTIZERS, GGUF_BLOCKS, GGUFLinear, quantized_layer_kinds
+from diffserve.layers.gguf_linear import (
+    DEQUANTIZERS,
+    GGUF_BLOCKS,
+    GGUFLinear,
+    blockwise_linear,
+    quantized_layer_kinds,
+)
 from diffserve.layers.quantized_linear import linear_rows
 from diffserve.platforms.cpu import CpuPlatform
 from diffserve.testing.tiny_single_file import quantize_array
@@ -66,8 +72,12 @@ def test_product_equals_linear_by_the_dequantized_weight(qtype) -> None:
         assert torch.equal(layer(x), expected)  # not bound: one F.linear by the whole weight
         layer.bind_platform(CpuPlatform())
         torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
-        chunked = layer._matmul(x, None, chunk_elements=512 * 6)  # 6 rows a chunk: 7 chunks
+        packed = layer.weight
+        chunked = blockwise_linear(  # 6 rows a chunk: 7 chunks
+            x, 40, lambda a, b: layer.dequantized_weight(rows=slice(a, b)), layer.bias, 512 * 6
+        )
         torch.testing.assert_close(chunked, expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(layer._weight(packed, torch.float32, 512 * 6), weight)
         rows = slice(8, 24)
         torch.testing.assert_close(linear_rows(layer, x, rows), expected[..., rows], rtol=1e-5, atol=1e-5)
         # bfloat16 activations: what a model dequantized at load into bfloat16 computes.

@@ -35,6 +35,7 @@ from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.errors import InvalidRequestError, ModelLoadError
 from diffserve.loader.component_loader import LoadedComponent
+from diffserve.loader.owned_weights import detach_from_files
 from diffserve.platforms import Platform
 from diffserve.request import Req
 from diffserve.runtime.contract import PipelineFacts
@@ -346,6 +347,12 @@ def load_diffusers_pipeline(folder: Path, platform: Platform, dtype: torch.dtype
         raise ModelLoadError(f"diffusers could not load {folder}: {type(exc).__name__}: {exc}") from exc
     pipe = pipe.to(platform.device())
     pipe.set_progress_bar_config(disable=True)  # the engine reports progress
+    # diffusers and transformers leave same-dtype weights as views of their mapped files: copy them out,
+    # so that a weight file rewritten or truncated after the load changes nothing (owned_weights.py).
+    weight_files = sorted(folder.glob("*/*.safetensors"))
+    for value in pipe.components.values():
+        if isinstance(value, torch.nn.Module):
+            detach_from_files(value, weight_files)
     components = {
         name: LoadedComponent(name, type(value).__name__, value)
         for name, value in pipe.components.items()

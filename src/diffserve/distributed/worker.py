@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -94,10 +95,24 @@ def watch_parent(connection: Connection, parent_pid: int) -> None:
 
 
 def worker_main(spec: RankSpec, connection: Connection | None, parent_pid: int) -> None:
-    """Target of a spawned worker process."""
+    """Target of a spawned worker process. After rank 0's STOP it has left the process group and exits at
+    once: the interpreter's teardown (seconds with torch loaded) outlasted rank 0's wait on a loaded
+    machine, so a clean Ctrl-C ended in terminated ranks and gloo's "Connection closed by peer". tqdm gets
+    a thread lock: its default is a named semaphore that `os._exit` would leave behind (the resource
+    tracker's "leaked semaphore" warning). A failure still raises (its traceback, exit code 1)."""
+    import tqdm
+
+    tqdm.tqdm.set_lock(threading.RLock())
     if connection is not None:
         watch_parent(connection, parent_pid)
     run_rank(spec)
+    from multiprocessing import util
+
+    util._run_finalizers(0)  # what the skipped teardown would run first: this process's semaphores unlinked
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_rank(spec: RankSpec) -> None:

@@ -33,6 +33,8 @@ from torch import nn
 from diffserve.layers.custom_op import CustomOp
 from diffserve.layers.quantized_linear import CPU_CHUNK_ELEMENTS, DEVICE_CHUNK_ELEMENTS, QuantizedLinear
 
+#: Weights dequantized at a time when a CPU layer's whole weight is built before its matmul (bf16, fp16).
+CPU_DEQUANTIZE_ELEMENTS = 1 << 18
 #: GGUF type -> (weights per block, bytes per block).
 GGUF_BLOCKS: dict[str, tuple[int, int]] = {"Q8_0": (32, 34), "Q4_K": (256, 144)}
 
@@ -42,31 +44,56 @@ def _fp16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return blocks[..., start : start + 2].view(torch.float16).float()
 
 
-def dequantize_q8_0(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Q8_0 rows (rows, blocks * 34) uint8 -> (rows, blocks * 32) in `dtype` (computed in float32)."""
+def _result(rows: int, width: int, dtype: torch.dtype, like: torch.Tensor, out: torch.Tensor | None):
+    if out is None:
+        return torch.empty(rows, width, dtype=dtype, device=like.device)
+    if out.shape != (rows, width) or out.dtype != dtype:
+        raise ValueError(
+            f"out must be {dtype} of shape ({rows}, {width}), got {out.dtype} {tuple(out.shape)}"
+        )
+    return out
+
+
+def dequantize_q8_0(
+    packed: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Q8_0 rows (rows, blocks * 34) uint8 -> (rows, blocks * 32) in `dtype`, computed in float32 and
+    written into `out` when given."""
     rows = packed.shape[0]
     blocks = packed.view(rows, -1, 34)
+    result = _result(rows, blocks.shape[1] * 32, dtype, packed, out)
     weights = blocks[..., 2:].view(torch.int8).to(torch.float32)
-    return weights.mul_(_fp16(blocks, 0)).to(dtype).reshape(rows, -1)
+    torch.mul(weights, _fp16(blocks, 0), out=result.view(rows, -1, 32))  # cast to `dtype` as written
+    return result
 
 
-def dequantize_q4_k(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Q4_K rows (rows, blocks * 144) uint8 -> (rows, blocks * 256) in `dtype` (computed in float32)."""
+def dequantize_q4_k(
+    packed: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Q4_K rows (rows, blocks * 144) uint8 -> (rows, blocks * 256) in `dtype`, computed in float32 and
+    written into `out` when given."""
     rows = packed.shape[0]
     blocks = packed.view(rows, -1, 144)
     n = blocks.shape[1]
-    packed_scales = blocks[..., 4:16].reshape(rows, n, 3, 4)
-    low, high, mixed = packed_scales.unbind(2)  # bytes 0-3, 4-7, 8-11
+    result = _result(rows, n * 256, dtype, packed, out)
+    low, high, mixed = blocks[..., 4:16].reshape(rows, n, 3, 4).unbind(2)  # scale bytes 0-3, 4-7, 8-11
     scales = torch.cat([low & 0x3F, (mixed & 0x0F) | ((low >> 2) & 0x30)], dim=-1)
     mins = torch.cat([high & 0x3F, (mixed >> 4) | ((high >> 2) & 0x30)], dim=-1)
-    step = _fp16(blocks, 0) * scales.float()  # (rows, n, 8)
-    offset = _fp16(blocks, 2) * mins.float()
+    step = _fp16(blocks, 0) * scales.float()  # (rows, n, 8): d * scale, per sub-block
+    offset = _fp16(blocks, 2) * mins.float()  # dmin * min
     nibbles = blocks[..., 16:].reshape(rows, n, 4, 1, 32)
-    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=3).reshape(rows, n, 8, 32)
-    return (q * step[..., None] - offset[..., None]).to(dtype).reshape(rows, -1)
+    # Converted into a float32 buffer, then scaled in place: every op on one dtype (mixed-dtype ops, a
+    # uint8 times a float32 tensor, measured several times slower on the CPU).
+    weights = torch.empty(rows, n, 4, 2, 32, dtype=torch.float32, device=packed.device)
+    weights[..., :1, :] = nibbles & 0x0F
+    weights[..., 1:, :] = nibbles >> 4
+    weights = weights.view(rows, n, 8, 32).mul_(step[..., None])
+    torch.sub(weights, offset[..., None], out=result.view(rows, n, 8, 32))  # cast to `dtype` as written
+    return result
 
 
-DEQUANTIZERS: dict[str, Callable[[torch.Tensor, torch.dtype], torch.Tensor]] = {
+#: GGUF type -> its dequantizer: (blocks, dtype, out=None) -> weights.
+DEQUANTIZERS: dict[str, Callable[..., torch.Tensor]] = {
     "Q8_0": dequantize_q8_0,
     "Q4_K": dequantize_q4_k,
 }
@@ -139,23 +166,41 @@ class GGUFLinear(CustomOp):
         packed = self.weight if rows is None else self.weight[rows]
         return self._dequantize(packed, dtype)
 
-    def _matmul(self, x: torch.Tensor, rows: slice | None, chunk_elements: int) -> torch.Tensor:
+    def _weight(self, packed: torch.Tensor, dtype: torch.dtype, chunk_elements: int) -> torch.Tensor:
+        """The blocks `packed` dequantized into one weight in `dtype`, `chunk_elements` at a time (so
+        that the float32 intermediate of each chunk stays in the cache)."""
+        rows = max(1, chunk_elements // self.in_features)
+        if rows >= packed.shape[0]:
+            return self._dequantize(packed, dtype)
+        weight = torch.empty(packed.shape[0], self.in_features, dtype=dtype, device=packed.device)
+        for start in range(0, packed.shape[0], rows):
+            self._dequantize(packed[start : start + rows], dtype, out=weight[start : start + rows])
+        return weight
+
+    def _parts(self, x: torch.Tensor, rows: slice | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         packed = self.weight if rows is None else self.weight[rows]
         bias = self.bias if rows is None or self.bias is None else self.bias[rows]
-        bias = None if bias is None else bias.to(x.dtype)
+        return packed, None if bias is None else bias.to(x.dtype)
+
+    def forward_native(self, x: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+        """The layer's weight dequantized whole, one matmul (held for this layer's call only)."""
+        packed, bias = self._parts(x, rows)
+        return F.linear(x, self._weight(packed, x.dtype, DEVICE_CHUNK_ELEMENTS), bias)
+
+    def forward_cpu(self, x: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+        """float32: each cache-sized block of rows dequantized and multiplied into its rows of the output
+        (`blockwise_linear`); bfloat16 / float16, whose matmuls are faster: the weight dequantized block by
+        block into one buffer, then one matmul (the faster of the two there; benchmarks/README.md)."""
+        packed, bias = self._parts(x, rows)
+        if x.dtype != torch.float32:
+            return F.linear(x, self._weight(packed, x.dtype, CPU_DEQUANTIZE_ELEMENTS), bias)
         return blockwise_linear(
             x,
             packed.shape[0],
             lambda start, stop: self._dequantize(packed[start:stop], x.dtype),
             bias,
-            chunk_elements,
+            CPU_CHUNK_ELEMENTS,
         )
-
-    def forward_native(self, x: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
-        return self._matmul(x, rows, DEVICE_CHUNK_ELEMENTS)
-
-    def forward_cpu(self, x: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
-        return self._matmul(x, rows, CPU_CHUNK_ELEMENTS)
 
     def forward_rows(self, x: torch.Tensor, rows: slice) -> torch.Tensor:
         """Output rows `rows` only: `forward(x)[..., rows]` without the rest."""

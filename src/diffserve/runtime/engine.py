@@ -522,10 +522,13 @@ class Engine:
         return self.runner.loras is None or self.runner.loras.ready(id(sr))
 
     def _wait_for_loras(self) -> None:
-        """Nothing runs and the waiting requests' adapters are still being read: wait a moment for a
-        read to finish (not spinning the loop)."""
-        if self.runner.loras is not None and self.scheduler.num_running == 0 and self.scheduler.num_waiting:
-            self.runner.loras.wait_for_reads(_WAIT_SLICE_SECONDS)
+        """Nothing was admitted though nothing runs: the waiting requests' adapters are still being read
+        (or do not fit beside pinned ones yet). Wait a moment for a read to finish, not spinning the loop."""
+        registry = self.runner.loras
+        if registry is None or self.scheduler.num_running or not self.scheduler.num_waiting:
+            return
+        if not registry.wait_for_reads(_WAIT_SLICE_SECONDS):
+            time.sleep(_WAIT_SLICE_SECONDS)
 
     def _log_end(self, sr: ScheduledRequest) -> None:
         if self.request_log is not None:

@@ -274,9 +274,11 @@ class LoraRegistry:
         with self._lock:
             try:
                 self._check_loadable(name)
-                prepared = self._take_read(name, path, strict, wait=False)
-            finally:
-                self._reads.pop(name, None)
+            except LoraError:
+                if name not in self._paths:  # what `prepare` kept for this load (a held name's read stays)
+                    self._reads.pop(name, None)
+                raise
+            prepared = self._take_read(name, path, strict, wait=False)
         if prepared is None:
             prepared = self._prepare(name, path, strict)
         with self._lock:

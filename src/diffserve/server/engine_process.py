@@ -234,8 +234,7 @@ class EngineProcess:
                 self.generator.ranks.check_alive()  # raises once a rank exited or the group broke
             except RankFailedError as exc:
                 logger.error("Engine: %s; exiting so the server restarts the engine", exc)
-                logging.shutdown()
-                os._exit(1)
+                exit_now(1)
 
     def probe_params(self, prompt: str, side: int | None = None) -> SamplingParams:
         """The warm-up's and /health_generate's one-step request (`runtime.calibration.probe_params`)."""
@@ -304,7 +303,7 @@ class EngineProcess:
         self.encoder.shutdown(wait=True)  # files being written are finished and reported
         self.loras.close()
         self.receiver.join()  # it owns the inbox socket until it sees `stop`
-        logger.info("Engine stopped")
+        logger.debug("Engine loop ended")  # the front end logs "Engine stopped" (once) when it has exited
 
     def run_until_idle(self) -> None:  # tests drive the engine in-process with this
         self.engine.run_until_idle()
@@ -492,13 +491,36 @@ class EngineProcess:
 def _exit_with_parent() -> None:
     """Stop the engine when the front end process dies (nothing is left to report to)."""
     if (parent := multiprocessing.parent_process()) is not None:
-        watch = lambda: (parent.join(), os._exit(0))  # noqa: E731
+        watch = lambda: (parent.join(), exit_now(0))  # noqa: E731
         threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def no_shared_semaphores() -> None:
+    """tqdm's global lock is a multiprocessing RLock: a named semaphore, registered with the front end's
+    resource tracker (shared by every process it spawns), which calls it leaked at shutdown when the
+    process that made it never unlinks it (`os._exit`, a killed engine). No progress bar of this process
+    is shared with another, so a thread lock serves, and no semaphore is made."""
+    import tqdm
+
+    tqdm.tqdm.set_lock(threading.RLock())
+
+
+def exit_now(code: int) -> None:
+    """Exit without the interpreter's teardown (seconds with torch and transformers loaded), but with
+    multiprocessing's exit finalizers (they unlink this process's semaphores) and the logs flushed."""
+    from multiprocessing import util
+
+    util._run_finalizers(0)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_engine_process(config: EngineProcessConfig) -> None:
     """Target of the engine process (started with multiprocessing's spawn)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front end, which shuts us down
+    no_shared_semaphores()
     configure_logging(config.log_level)
     _exit_with_parent()
     if config.device_indices is not None:  # before any accelerator runtime starts in this process
@@ -520,8 +542,4 @@ def run_engine_process(config: EngineProcessConfig) -> None:
         finally:
             engine.generator.close()  # its rank processes (num_gpus > 1) stop with it, not by watchdog
     channel.close()
-    # Skip interpreter teardown (seconds with torch and transformers loaded); everything is flushed.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(code)

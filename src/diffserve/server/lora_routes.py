@@ -3,9 +3,10 @@
 GET    /v1/loras           list them: name, file, family, format, rank, bytes, in_use, ...
 POST   /v1/loras           load one: {"name", "path", "strict"}, `path` relative to --lora-dir (nothing
                            outside it is read: no --lora-dir, an absolute path or `..` are refused)
-DELETE /v1/loras/{name}    unload one (409 while a running request uses it)
+DELETE /v1/loras/{name}    unload one (409 while a request, queued or running, names it)
 
-The engine runs loads and unloads between two denoising steps, so running requests are never touched;
+The engine reads a load's file while it keeps denoising (engine_loras.py) and registers it, or unloads
+one, between two denoising steps, so running requests are never touched nor stalled;
 with `--dp-size` every replica does (replicas.py). Like every route but the probes, these need the API
 key when the server has one; loading and unloading need the admin key when it has one (`--admin-api-key`,
 access.py), and others see no server path in the list.
