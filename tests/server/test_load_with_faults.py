@@ -1,7 +1,9 @@
 """Issue 17: load with faults, short. 120 requests at concurrency 8 (normal, SSE, client-disconnected and
 invalid, mixed) with one SIGKILL of the engine midway, through benchmarks/load_with_faults.py: every
 request answered (2xx, 4xx or an OpenAI-shaped 503 during the restart; no 500, no hang), healthy again
-within 30 s, the front end's RSS after the run within a bound of its RSS after warm-up."""
+within 30 s, the front end's RSS after the run within a bound of its RSS after warm-up. LoRA faults under
+load (issue 31): a huge-header adapter POSTed and named while generations run stalls none of them, and an
+adapter a queued request names cannot be deleted (409) until it has run."""
 
 from __future__ import annotations
 

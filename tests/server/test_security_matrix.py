@@ -8,7 +8,10 @@
 - connection exhaustion (issue 31): slow headers are dropped within --header-timeout, floods from one
   client and from many are held to the connection caps while /health answers, and the log stays small;
 - keys (issue 31): the admin routes need the admin key, client keys see no server path in /server_info;
-- a second server on the same --output-path exits at once, naming the first (issue 31).
+- a second server on the same --output-path exits at once, naming the first (issue 31);
+- hostile LoRA files and admin loads (issue 31 items 14, 15, 20; hostile_loras.py): each a 400 answered at
+  once (a huge header, JSON nested 100,000 deep, NaN, int64, rank-0, a NUL byte, names and paths too
+  long), a bad file named again refused at once, and --max-loras holding the adapters' count.
 """
 
 from __future__ import annotations

@@ -468,9 +468,9 @@ def test_unreadable_files_raise_lora_error(tmp_path) -> None:
         "empty.safetensors": (b"", r"only 0 bytes"),
         "truncated.safetensors": (raw[: len(raw) - 100], r"truncated: tensor"),
         "cut_header.safetensors": (raw[:40], r"truncated or not a safetensors file"),
-        "absurd.safetensors": ((2**62).to_bytes(8, "little") + b"{}", r"header takes \d+ bytes, more than the 16 MiB"),
+        "absurd.safetensors": ((2**62).to_bytes(8, "little") + b"{}", r"header takes \d+ bytes, more than"),
         "garbage.safetensors": ((11).to_bytes(8, "little") + b"\xff\xfe not json", r"header is not JSON"),
-        "bad_dtype.safetensors": (raw.replace(b'"F32"', b'"X32"'), r"dtype X32; a LoRA's tensors must be floating"),
+        "bad_dtype.safetensors": (raw.replace(b'"F32"', b'"X32"'), r"dtype X32; .* floating"),
         "weights.bin": (raw, r"not a \.safetensors file"),
     }
     for name, (content, message) in cases.items():

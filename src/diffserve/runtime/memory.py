@@ -10,13 +10,15 @@ one-frame chunk. `pixels` are every frame of the clip: the decoded video and its
 (`stages/video_vae_decoding.py`) are held whole, `per_output_pixel` bytes each (0 for images, whose
 buffers the per-pixel term covers).
 
-Running requests denoise together but decode one at a time, so a running set needs `sum(denoise) +
-max(decode) + swap`, within free memory after warm-up x --mem-fraction. `swap` is the weights that move
-in for a stage with component offload (`WeightResidency`, offload/): the largest offloaded component,
-counted once (one is on the device at a time); the weights resident on the device are already out of the
-free memory the budget is measured from. The coefficients are measured at warm-up (runtime/calibration.py)
-where the platform has a resettable peak counter (the CPU's is VmHWM on Linux), else estimated; with
-offloaded components they are estimated (a swap inside a measured phase would hide its activations).
+Running requests denoise together but are admitted as if they decode one at a time (a second decode starts
+beside one only when both fit, and nothing is admitted while two run: `Engine._may_decode_beside`), so a
+running set needs `sum(denoise) + max(decode) + swap`, within free memory after warm-up x --mem-fraction.
+`swap` is the weights that move in for a stage with component offload (`WeightResidency`, offload/): the
+largest offloaded component, counted once (one is on the device at a time); the weights resident on the
+device are already out of the free memory the budget is measured from. The coefficients are measured at
+warm-up (runtime/calibration.py) where the platform has a resettable peak counter (the CPU's is VmHWM on
+Linux), else estimated; with offloaded components they are estimated (a swap inside a measured phase would
+hide its activations).
 
 VAE tiling (`models/vaes/tiling.py`): a tiled decode's decoder call makes one tile, so `chunk_pixels` is
 one tile's area (at most the frame's) times the chunk's frames, and the decoded tiles, overlaps included,

@@ -109,7 +109,7 @@ class ApiKeyMiddleware:
         self, app: ASGIApp, api_key: str | Sequence[str] | None = None, admin_api_key: str | None = None
     ) -> None:
         keys = parse_api_keys(api_key) if isinstance(api_key, str) else [k.strip() for k in api_key or ()]
-        if (api_key is not None and not all(keys)) or (api_key is not None and not keys):
+        if api_key is not None and not (keys and all(keys)):
             raise ValueError("the API key must not be empty or only whitespace")
         admin = None if admin_api_key is None else admin_api_key.strip()
         if admin is not None and not admin:

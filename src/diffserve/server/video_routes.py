@@ -5,6 +5,9 @@ GET    /v1/videos                 list jobs (`limit`, `after`, `order`), newest 
 GET    /v1/videos/{id}            one job: status, progress, error
 GET    /v1/videos/{id}/content    the MP4 (`variant=video`), with HTTP Range support
 DELETE /v1/videos/{id}            cancel a job in flight, or delete a finished one
+
+A job belongs to the key that created it (access.py): on a server with client keys another key's job is
+a 404 on every route and absent from the list; the admin key sees every job.
 """
 
 from __future__ import annotations
