@@ -19,7 +19,6 @@ import logging
 import multiprocessing
 import pickle
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -33,6 +32,7 @@ import zmq.asyncio
 from diffserve.server import protocol as msg
 from diffserve.server.args import ServerArgs
 from diffserve.server.engine_process import EngineProcessConfig, run_engine_process
+from diffserve.server.ipc_dirs import make_ipc_dir, remove_stale_ipc_dirs
 from diffserve.server.lora_client import LoraOpError, LoraOps, new_op_id
 from diffserve.server.metrics import ServerMetrics
 
@@ -177,7 +177,8 @@ class EngineClient:
 
     async def start(self) -> None:
         # A private 0700 directory: only this user reaches the sockets.
-        self._ipc_dir = Path(tempfile.mkdtemp(prefix=f"diffserve-{self.replica}-"))
+        remove_stale_ipc_dirs()
+        self._ipc_dir = make_ipc_dir(self.replica)
         logger.info("%s link: ZeroMQ IPC sockets in %s", self.name, self._ipc_dir)
         self._addresses = (f"ipc://{self._ipc_dir}/to_engine", f"ipc://{self._ipc_dir}/from_engine")
         self._context = zmq.asyncio.Context()
