@@ -1,32 +1,48 @@
 """Shared fixtures: tiny FLUX checkpoints built once per test session (random weights, Diffusers layout);
-and the collection order that starts the longest test files first."""
+the order that hands the longest test files to `make test`'s two workers first; byte-code caching for the
+suite's many Python processes."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 
-#: The test files that take minutes (each document's examples, servers, compiles), longest first. `make
-#: test` hands whole files to its two workers in collection order (`--dist loadfile`): started last, one
-#: of them kept a worker busy for minutes after the other had finished.
-LONG_FILES = (
-    "tests/e2e/test_docs_examples.py",
-    "tests/e2e/test_docs_pages.py",
-    "tests/unit/test_compile.py",
-    "tests/server/test_videos.py",
-    "tests/browser/test_webui.py",
-    "tests/server/test_multi_rank_server.py",
-    "tests/e2e/test_demo_model.py",
-    "tests/integrations/test_comfyui_nodes.py",
-)
+# Byte code is cached (`__pycache__/`, git-ignored) even where the environment asks Python not to write it
+# (PYTHONDONTWRITEBYTECODE): the suite starts hundreds of Python processes (servers and their engines, CLI
+# runs, rank processes), and each one compiled diffserve's sources again, a second of CPU apiece. Set here,
+# before the test modules are imported, so the workers' imports and every subprocess's inherit it.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
+#: Seconds each long test file took in `make test` on a 2-core machine (both workers busy), longest first.
+#: `make test` (`--dist loadfile`) hands whole files to its two workers in collection order: these first,
+#: longest first, then the others, so that the last files to start are short ones and both workers finish
+#: together. A file missing here runs after them; a new long one belongs in the table.
+FILE_SECONDS = {
+    "tests/e2e/test_docs_examples.py": 250,
+    "tests/unit/test_compile.py": 185,
+    "tests/server/test_videos.py": 120,
+    "tests/browser/test_webui.py": 120,
+    "tests/server/test_multi_rank_server.py": 100,
+    "tests/e2e/test_demo_model.py": 100,
+    "tests/integrations/test_comfyui_nodes.py": 100,
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist sorts files by their number of tests before handing them out (`--loadscope-reorder`, its
+    # default), which put the few-test long files (documents, compiles) last: keep the order below instead.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Move the items of `LONG_FILES` to the front, in that order; the rest keep theirs."""
-    rank = {path: i for i, path in enumerate(LONG_FILES)}
+    """The items of `FILE_SECONDS`' files first, longest file first; the rest keep their order."""
 
-    def key(item: pytest.Item) -> int:
-        path = item.nodeid.split("::", 1)[0]
-        return rank.get(path, len(LONG_FILES))
+    def key(item: pytest.Item) -> float:
+        return -FILE_SECONDS.get(item.nodeid.split("::", 1)[0], 0)
 
     items.sort(key=key)  # stable: order within a file and among the other files is kept
 

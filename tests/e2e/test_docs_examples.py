@@ -6,26 +6,36 @@ top-level entries and `.venv` symlinked, `.venv/bin` first on PATH), so nothing 
 Two rewrites keep parallel runs apart, applied to every block and marker of a document alike: the port 30000
 becomes a free port, and `/tmp/` becomes a folder inside the temporary directory.
 
-A bash block that runs `diffserve serve` is started in the background (stopping the document's previous
-server), and the next block waits for `/health`. An HTML comment right above a block changes that:
+A bash block that runs `diffserve serve` is started in the background (the document's previous server is
+released), and the next block waits for `/health`. An HTML comment right above a block changes that:
 
 - `<!-- docs-test: skip: REASON -->`: not run (it needs what a test machine cannot have); REASON is printed.
 - `<!-- docs-test: server: ARGS -->`: first start `diffserve serve ARGS` (the block is a client of it).
 
 Untagged, ```text, ```json and other blocks are listings, never run.
+
+Servers are shared between documents (one file, so one test worker runs them all): a server block whose
+last line is one plain `diffserve serve` command runs its other lines as a bash block, then reuses a running
+server of the same command (the documented `/tmp/` paths, with the files and folders they name byte for
+byte the same) instead of starting another; the document's blocks then talk to that server's port. A server
+is stopped once no later block of any document starts its command.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import time
 import traceback
+from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -40,6 +50,11 @@ MARKER = re.compile(r"<!--\s*docs-test:\s*(?P<kind>[a-z-]+):\s*(?P<value>.*?)\s*
 MARKER_KINDS = ("skip", "server")
 SERVE_LINE = re.compile(r"^[^#]*\bdiffserve\s+serve\b", re.MULTILINE)
 TMP_PATH = re.compile(r"(?<![\w./-])/tmp/")
+#: A line that changes the shell's state for the lines after it (directory, variables, options, functions).
+SHELL_STATE = re.compile(
+    r"^\s*(cd|pushd|popd|export|source|\.|set|shopt|alias|unset|declare|[A-Za-z_]\w*=|\w+\s*\(\))",
+    re.MULTILINE,
+)
 BLOCK_TIMEOUT_S = 300.0
 SERVER_READY_TIMEOUT_S = 300.0
 
@@ -113,9 +128,14 @@ def rewrite(code: str, port: int, tmp_root: Path) -> str:
     return TMP_PATH.sub(lambda _: f"{tmp_root}/", code)
 
 
+def marker_server_block(server_args: str) -> str:
+    """The `diffserve serve` command a server marker asks for, as documented (before the rewrites)."""
+    return f"diffserve serve {server_args} --port {DOCS_PORT}"
+
+
 def marker_server_command(server_args: str, port: int, tmp_root: Path) -> str:
     """The `diffserve serve` command a server marker asks for, rewritten as the document's blocks are."""
-    return rewrite(f"diffserve serve {server_args} --port {DOCS_PORT}", port, tmp_root)
+    return rewrite(marker_server_block(server_args), port, tmp_root)
 
 
 def free_port() -> int:
@@ -124,18 +144,191 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# --- servers shared between documents ------------------------------------------------------------------
+
+
+def split_serve(code: str) -> tuple[str, str] | None:
+    """(the lines before, the serve line) of a server block whose last command is one plain, one-line
+    `diffserve serve` command (no `&&`, pipe, redirection, continuation or expansion) that the lines before
+    do not set up (no `cd`, variable or shell option): run apart, the two do what the block does. None for
+    any other block."""
+    lines = code.rstrip().split("\n")
+    while lines and lines[-1].lstrip().startswith("#"):
+        lines.pop()
+    if not lines or not SERVE_LINE.search(lines[-1]):
+        return None
+    prelude, line = "\n".join(lines[:-1]), lines[-1]
+    if SERVE_LINE.search(prelude) or prelude.rstrip().endswith("\\") or SHELL_STATE.search(prelude):
+        return None
+    if "$" in line or "`" in line or serve_argv(line) is None:
+        return None
+    return prelude, line
+
+
+def serve_argv(line: str) -> list[str] | None:
+    """The words of a plain `[NAME=VALUE ...] PROGRAM serve ARGS` line (comments dropped), without its
+    `--port`; None when the line is more than one simple command."""
+    try:
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+        lexer.whitespace_split, lexer.commenters = True, "#"
+        words = list(lexer)
+    except ValueError:
+        return None
+    if any(word and set(word) <= set("();<>|&") for word in words):
+        return None
+    argv: list[str] = []
+    skip_next = False
+    for word in words:
+        if skip_next:
+            skip_next = False
+        elif word == "--port":
+            skip_next = True
+        elif not word.startswith("--port="):
+            argv.append(word)
+    serve = next((i for i, word in enumerate(argv) if "=" not in word), None)
+    if serve is None or serve + 1 >= len(argv) or argv[serve + 1] != "serve":
+        return None
+    argv[serve] = Path(argv[serve]).name  # `.venv/bin/diffserve` is `diffserve`: .venv/bin is first on PATH
+    return argv
+
+
+def canonical_serve_command(code: str) -> str | None:
+    """What a server block starts, as documented (before the rewrites): its serve line's words without
+    the port; None for a block whose server is never shared (see `split_serve`)."""
+    split = split_serve(code)
+    return None if split is None else shlex.join(serve_argv(split[1]) or [])
+
+
+def _fingerprint(path: Path) -> str:
+    """The bytes of a file, or of every file in a folder (symlinks not followed) with its relative name."""
+    digest = hashlib.sha256()
+    if path.is_file():
+        digest.update(path.read_bytes())
+        return digest.hexdigest()
+    for folder, dirs, files in os.walk(path):
+        dirs.sort()
+        for name in sorted(files):
+            file = Path(folder) / name
+            digest.update(str(file.relative_to(path)).encode() + b"\0")
+            digest.update(file.read_bytes() if file.is_file() else os.readlink(file).encode())
+    return digest.hexdigest()
+
+
+@dataclass
+class Server:
+    """One `diffserve serve` started by a reader: a background `bash -e -c CODE` in its own process group."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    log: Path
+    where: str
+    #: What a later server block must match to reuse it (None: never reused); `canonical`: the documented
+    #: command, counted down in `ServerPool.uses`.
+    key: tuple[object, ...] | None = None
+    canonical: str | None = None
+
+    def alive(self) -> bool:
+        return self.process.poll() is None and _healthy(self.port)
+
+    def stop(self) -> None:
+        """SIGTERM the server's process group, SIGKILL it if it does not exit."""
+        if self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def tail(self) -> str:
+        if not self.log.exists():
+            return ""
+        return "\n--- server log (tail)\n" + self.log.read_text(errors="replace")[-4000:]
+
+
+@dataclass
+class ServerPool:
+    """The servers the documents' readers started, for reuse by later server blocks of the same command.
+
+    `uses` counts, per documented serve command, the server blocks of all documents not yet run: a released
+    server whose count is down to 0 is stopped (no later block can reuse it)."""
+
+    logs: Path
+    uses: Counter[str]
+    servers: list[Server] = field(default_factory=list)
+
+    @classmethod
+    def for_documents(cls, documents: tuple[Path, ...], logs: Path) -> ServerPool:
+        uses: Counter[str] = Counter()
+        for document in documents:
+            for block in parse_blocks(document.read_text(), document.name):
+                for code in _server_codes(block):
+                    if (canonical := canonical_serve_command(code)) is not None:
+                        uses[canonical] += 1
+        return cls(logs, uses)
+
+    def find(self, key: tuple[object, ...]) -> Server | None:
+        return next((s for s in self.servers if s.key == key and s.alive()), None)
+
+    def start(self, code: str, port: int, reader: Reader, where: str, key, canonical) -> Server:
+        """Start `code` (a rewritten bash script ending in `diffserve serve`) in the background; wait for
+        /health."""
+        log = self.logs / f"server-{len(self.servers)}-{port}.log"
+        print(f"SERVE {where}: {code.strip()}")
+        with log.open("ab") as out:
+            process = subprocess.Popen(
+                ["bash", "-e", "-c", code], cwd=reader.workdir, env=reader.env, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        server = Server(process, port, log, where, key, canonical)
+        self.servers.append(server)
+        deadline = time.monotonic() + SERVER_READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                pytest.fail(f"{where}: the server exited {process.returncode}{server.tail()}", pytrace=False)
+            if _healthy(port):
+                return server
+            time.sleep(0.5)
+        pytest.fail(f"{where}: the server was not ready in {SERVER_READY_TIMEOUT_S:.0f} s{server.tail()}")
+
+    def used(self, canonical: str | None) -> None:
+        if canonical is not None:
+            self.uses[canonical] -= 1
+
+    def release(self, server: Server) -> None:
+        """A reader is done with `server`: stop it unless a later server block may reuse it."""
+        if server.key is None or self.uses[server.canonical] <= 0 or server.process.poll() is not None:
+            server.stop()
+            self.servers.remove(server)
+
+    def stop_all(self) -> None:
+        for server in self.servers:
+            server.stop()
+        self.servers.clear()
+
+
+def _server_codes(block: Block) -> list[str]:
+    """The bash scripts a block starts servers with, as documented (before the rewrites)."""
+    if block.skip is not None:
+        return []
+    codes = [marker_server_block(block.server_args)] if block.server_args is not None else []
+    return codes + ([block.code] if block.starts_server else [])
+
+
 class Reader:
     """Runs one document's blocks the way a reader would, in a clone-like temporary directory."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, servers: ServerPool) -> None:
         self.workdir = workdir
         self.tmp_root = workdir / "tmp"
         self.tmp_root.mkdir()
+        # The port blocks talk to: the current server's (a free one until the document starts one).
         self.port = free_port()
         # As a reader running the snippets as a script (`if __name__ == "__main__":` blocks run).
         self.namespace: dict[str, object] = {"__name__": "__main__"}
-        self.server: subprocess.Popen[bytes] | None = None
-        self.server_log = workdir / "server.log"
+        self.servers = servers
+        self.server: Server | None = None
         self.env = _reader_env(workdir)
         _make_clone_like(workdir)
 
@@ -144,19 +337,16 @@ class Reader:
             print(f"SKIP {block.where}: {block.skip}")
             return
         if block.server_args is not None:
-            self._start_server(
-                marker_server_command(block.server_args, self.port, self.tmp_root), block.where
-            )
-        code = rewrite(block.code, self.port, self.tmp_root)
+            self._serve(marker_server_block(block.server_args), block.where)
         print(f"RUN {block.where} ({block.language})")
         if block.starts_server:
-            self._start_server(code, block.where)
+            self._serve(block.code, block.where)
         elif block.language == "bash":
-            self._run_bash(code, block)
+            self._run_bash(rewrite(block.code, self.port, self.tmp_root), block.where)
         else:
-            self._run_python(code, block)
+            self._run_python(rewrite(block.code, self.port, self.tmp_root), block.where)
 
-    def _run_bash(self, code: str, block: Block) -> None:
+    def _run_bash(self, code: str, where: str) -> None:
         _refuse_stale_install(code, self.workdir, self.env)
         result = subprocess.run(
             ["bash", "-e", "-o", "pipefail", "-c", code], cwd=self.workdir, env=self.env,
@@ -164,61 +354,68 @@ class Reader:
         )  # fmt: skip
         if result.returncode != 0:
             pytest.fail(
-                f"{block.where}: bash block exited {result.returncode}\n--- block\n{code}\n--- stdout\n"
+                f"{where}: bash block exited {result.returncode}\n--- block\n{code}\n--- stdout\n"
                 f"{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}{self._server_tail()}",
                 pytrace=False,
             )
 
-    def _run_python(self, code: str, block: Block) -> None:
+    def _run_python(self, code: str, where: str) -> None:
         try:
-            exec(compile(code, block.where, "exec"), self.namespace)  # noqa: S102 - the documented snippet
+            exec(compile(code, where, "exec"), self.namespace)  # noqa: S102 - the documented snippet
         except Exception:
             pytest.fail(
-                f"{block.where}: python block raised\n--- block\n{code}\n--- traceback\n"
+                f"{where}: python block raised\n--- block\n{code}\n--- traceback\n"
                 f"{traceback.format_exc()[-4000:]}{self._server_tail()}",
                 pytrace=False,
             )
 
-    def _start_server(self, code: str, where: str) -> None:
-        """Start `code` (a rewritten bash script ending in `diffserve serve`) in the background; wait for
-        /health."""
-        self.stop_server()
-        print(f"SERVE {where}: {code.strip()}")
-        with self.server_log.open("ab") as log:
-            self.server = subprocess.Popen(
-                ["bash", "-e", "-c", code], cwd=self.workdir, env=self.env, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
-        deadline = time.monotonic() + SERVER_READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.server.poll() is not None:
-                pytest.fail(
-                    f"{where}: the server exited {self.server.returncode}{self._server_tail()}", pytrace=False
-                )
-            if _healthy(self.port):
-                return
-            time.sleep(0.5)
-        pytest.fail(
-            f"{where}: the server was not ready in {SERVER_READY_TIMEOUT_S:.0f} s{self._server_tail()}"
-        )
+    def _serve(self, documented: str, where: str) -> None:
+        """Run a server block (`documented`, before the rewrites): reuse a running server of the same
+        command and files, or start one; the document's next blocks talk to its port."""
+        self.release_server()
+        canonical = canonical_serve_command(documented)
+        self.servers.used(canonical)
+        port = free_port()
+        code = rewrite(documented, port, self.tmp_root)
+        split = split_serve(code) if canonical is not None and code.count(str(port)) == 1 else None
+        if split is None:  # not a plain serve line: start the whole block, never shared
+            self.server = self.servers.start(code, port, self, where, None, None)
+        else:
+            prelude, line = split
+            if prelude.strip():
+                self._run_bash(prelude, where)
+            key = self._server_key(line)
+            self.server = self.servers.find(key)
+            if self.server is not None:
+                print(f"REUSE {where}: {line.strip()} (the server {self.server.where} started)")
+            else:
+                self.server = self.servers.start(line, port, self, where, key, canonical)
+        self.port = self.server.port
 
-    def stop_server(self) -> None:
-        """SIGTERM the server's process group (started by this reader), SIGKILL it if it does not exit."""
-        if self.server is None or self.server.poll() is not None:
+    def _server_key(self, line: str) -> tuple[object, ...]:
+        """The serve line's words with this reader's temporary folder back at `/tmp/`, the program they
+        run, and the bytes of the files and folders they name that this reader wrote (paths relative to its
+        directory, as the server resolves them; the repo's own files are the same for every reader)."""
+        argv = serve_argv(line) or []
+        words, files = [], []
+        home = self.workdir.resolve()
+        for word in argv:
+            words.append(word.replace(f"{self.tmp_root}/", "/tmp/"))
+            for part in {word, word.rpartition("=")[2]} - {""}:
+                path = (self.workdir / part).resolve()  # an absolute `part` stays itself
+                if path.exists() and path != home and path.is_relative_to(home):
+                    files.append((part.replace(f"{self.tmp_root}/", "/tmp/"), _fingerprint(path)))
+        program = next((word for word in argv if "=" not in word), "")
+        found = shutil.which(program, path=self.env["PATH"]) if program else None
+        return (tuple(words), os.path.realpath(found) if found else program, tuple(sorted(files)))
+
+    def release_server(self) -> None:
+        if self.server is not None:
+            self.servers.release(self.server)
             self.server = None
-            return
-        os.killpg(self.server.pid, signal.SIGTERM)
-        try:
-            self.server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.server.pid, signal.SIGKILL)
-            self.server.wait()
-        self.server = None
 
     def _server_tail(self) -> str:
-        if not self.server_log.exists():
-            return ""
-        return "\n--- server log (tail)\n" + self.server_log.read_text(errors="replace")[-4000:]
+        return "" if self.server is None else self.server.tail()
 
 
 def _healthy(port: int) -> bool:
@@ -253,17 +450,26 @@ def _refuse_stale_install(code: str, workdir: Path, env: dict[str, str]) -> None
         pytest.skip("the .venv's install stamp is older than pyproject.toml: run `make install` first")
 
 
+@pytest.fixture(scope="session")
+def docs_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPool]:
+    pool = ServerPool.for_documents(DOCUMENTS, tmp_path_factory.mktemp("docs-servers"))
+    try:
+        yield pool
+    finally:
+        pool.stop_all()
+
+
 @pytest.fixture
-def reader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Reader]:
+def reader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, docs_servers: ServerPool) -> Iterator[Reader]:
     monkeypatch.chdir(tmp_path)  # python blocks open relative paths, as in the reader's session
     for name in ("DIFFSERVE_API_KEY", "OPENAI_BASE_URL"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    reader = Reader(tmp_path)
+    reader = Reader(tmp_path, docs_servers)
     try:
         yield reader
     finally:
-        reader.stop_server()
+        reader.release_server()
 
 
 def documents_with_blocks(documents: tuple[Path, ...]) -> list[Path]:
@@ -276,8 +482,8 @@ def run_document(document: Path, reader: Reader) -> None:
         reader.run(block)
 
 
-# The README here, docs/ in test_docs_pages.py: two files, so parallel test workers take one each.
-@pytest.mark.parametrize("document", documents_with_blocks(DOCUMENTS[:1]), ids=lambda doc: doc.name)
+# Every document in one file, so that one test worker runs them all and their servers are shared.
+@pytest.mark.parametrize("document", documents_with_blocks(DOCUMENTS), ids=lambda doc: doc.name)
 def test_document_runs_as_written(document: Path, reader: Reader) -> None:
     run_document(document, reader)
 
@@ -339,3 +545,45 @@ def test_marker_server_command_is_rewritten_once(tmp_path: Path) -> None:
     assert (
         command == f"diffserve serve --model-path {tmp_path}/tiny-qwen-edit --served-model-name Q --port 4321"
     )
+
+
+def test_server_blocks_split_into_setup_and_one_shareable_serve_line() -> None:
+    setup = "diffserve make-tiny wan-t2v /tmp/tiny-wan\n"
+    serve = "diffserve serve --model-path /tmp/tiny-wan --port 30000     # a comment\n"
+    assert split_serve(setup + serve + "# trailing comment\n") == (setup.rstrip(), serve.rstrip())
+    assert split_serve(serve) == ("", serve.rstrip())
+    for unshared in (
+        "cd /tmp\ndiffserve serve --port 30000",  # the setup changes what the serve line sees
+        "MODEL=/tmp/m\ndiffserve serve --model-path $MODEL",
+        "diffserve serve --port 30000 > log",
+        "make-tiny x && diffserve serve",
+        "diffserve serve \\\n  --port 30000",
+        "diffserve generate --prompt x",
+    ):
+        assert split_serve(unshared) is None, unshared
+
+
+def test_the_same_documented_server_is_the_same_command() -> None:
+    """README's `.venv/bin/diffserve` and docs/'s `diffserve` (.venv/bin comes first on PATH), any port."""
+    assert canonical_serve_command(".venv/bin/diffserve serve --port 30000   # the demo") == "diffserve serve"
+    assert canonical_serve_command("diffserve serve --port=30001") == "diffserve serve"
+    assert canonical_serve_command("OMP_NUM_THREADS=1 diffserve serve --lora a=/tmp/a.safetensors") == (
+        "OMP_NUM_THREADS=1 diffserve serve --lora a=/tmp/a.safetensors"
+    )
+    assert canonical_serve_command(marker_server_block("--model-path /tmp/q")) == (
+        "diffserve serve --model-path /tmp/q"
+    )
+
+
+def test_a_reused_server_needs_the_same_files(tmp_path: Path) -> None:
+    """Two readers' servers of one documented command share a key when the files it names are the same."""
+    pool = ServerPool(tmp_path, Counter())
+    readers = []
+    for name, weights in (("a", b"1"), ("b", b"1"), ("c", b"2")):
+        (tmp_path / name).mkdir()
+        reader = Reader(tmp_path / name, pool)
+        (reader.tmp_root / "tiny").mkdir()
+        (reader.tmp_root / "tiny" / "weights").write_bytes(weights)
+        readers.append(reader)
+    keys = [r._server_key(rewrite("diffserve serve --model-path /tmp/tiny", 1, r.tmp_root)) for r in readers]
+    assert keys[0] == keys[1] != keys[2]

@@ -144,3 +144,16 @@ def test_lora_and_tensor_parallelism_refuse_a_gguf_dit(folder, original, tmp_pat
         load_transformer_weights_file(
             module, path, "FluxTransformer2DModel", torch.device("cpu"), torch.float32, DIT_FACTS
         )
+
+
+@pytest.mark.parametrize("offload", ["dit_cpu_offload", "dit_layerwise_offload"])
+def test_offloaded_gguf_dit_gives_the_same_image(folder, original, tmp_path, offload) -> None:
+    """The blocks move like any weights: a fused file tensor's rows (FLUX's qkv) are each in a storage
+    of their own, as offloading needs, and the image is the resident one's."""
+    path = _write("Q4_K", original, tmp_path)
+    _, _, resident = _generate(folder, path)
+    gen = DiffGenerator.from_pretrained(
+        folder, device="cpu", show_progress=False, transformer_weights=path, **{offload: True}
+    )
+    image = np.asarray(gen.generate(prompt="a red fox in the snow", seed=7, **REQUEST).images[0])
+    assert np.array_equal(image, resident)

@@ -192,7 +192,9 @@ def test_cli_generate_with_quantization(tiny_flux_dir, tmp_path, capfd, cli_logg
 def test_lora_on_a_quantized_dit_is_a_lora_error(tiny_flux_dir, tmp_path) -> None:
     lora = write_random_lora(tiny_flux_dir, tmp_path / "style.safetensors")
     gen = _load(tiny_flux_dir, "int8")
-    with pytest.raises(LoraError, match=r"computes with quantized weights \(int8 x \d+ layers: --quantization"):
+    with pytest.raises(
+        LoraError, match=r"computes with quantized weights \(int8 x \d+ layers: --quantization"
+    ):
         gen.load_lora("style", lora)
 
 

@@ -139,6 +139,13 @@ def load_transformer_weights_file(
     return total
 
 
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, copied when it is a part of a larger one (a fused file tensor's rows): each weight in
+    its own storage, as offloading (which moves tensors storage by storage) needs."""
+    whole = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    return tensor if whole else tensor.clone()
+
+
 @contextlib.contextmanager
 def dequantized_at_load() -> Iterator[None]:
     """Within it, every quantized tensor of a single file is dequantized at load (no layer kept
@@ -186,7 +193,7 @@ def _assign(
         if packed:
             weight = source.read_packed(stored)
             for target, piece in packed:
-                packed_layers[target.removesuffix(".weight")] = weight.take(piece)
+                packed_layers[target.removesuffix(".weight")] = weight.take(piece).with_own_storage()
             del weight
         if plain:
             tensor = source.read(stored)
@@ -195,7 +202,7 @@ def _assign(
             for target, piece in plain:
                 value = piece.take(tensor)
                 target_dtype = dtype if value.is_floating_point() else value.dtype
-                state[target] = owned(value, device, target_dtype).contiguous()
+                state[target] = _own_storage(owned(value, device, target_dtype).contiguous())
             del tensor
     module.load_state_dict(state, strict=False, assign=True)
     for layer_name, weight in packed_layers.items():

@@ -90,5 +90,5 @@ def _check_config(name: str, raw: torch.Tensor, path: str) -> None:
     if fmt not in _FP8_FORMATS:
         raise ModelLoadError(
             f"{path}: {name!r} declares quantization format {fmt!r}; only {', '.join(_FP8_FORMATS)} "
-            "(weight-only, dequantized at load) are supported"
+            "(weight-only) are supported"
         )

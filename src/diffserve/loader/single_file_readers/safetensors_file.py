@@ -47,7 +47,7 @@ class SafetensorsSource:
         if scaled:
             self.description += f" ({scaled} FP8 weights with scales)"
         fp8 = sum(n for dtype, n in counts.items() if dtype.startswith("F8"))
-        self.mode = "other FP8 weights dequantized at load" if fp8 else "as stored"
+        self.mode = "dequantized at load" if fp8 else "as stored"
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return dict(self._weights)

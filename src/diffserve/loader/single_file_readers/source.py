@@ -41,6 +41,17 @@ class PackedWeight:
             scale=None if self.scale is None else piece.take(self.scale).contiguous(),
         )
 
+    def with_own_storage(self) -> PackedWeight:
+        """This weight with its data and scale each in a storage of its own (copied when a part of a
+        larger tensor: a fused file tensor's rows), as offloading needs."""
+
+        def own(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            if tensor is None or tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+                return tensor
+            return tensor.clone()
+
+        return replace(self, data=own(self.data), scale=own(self.scale))
+
     def layer(self, bias: torch.Tensor | None, device: torch.device) -> nn.Module:
         """The quantized layer computing with this weight (and `bias`, already in the compute dtype)."""
         data = self.data.to(device)
