@@ -212,7 +212,40 @@ def fmt(value: float | None, digits: int = 3, suffix: str = "") -> str:
     return "" if value is None else f"{value:.{digits}f}{suffix}"
 
 
+METRICS = ("runnable", "loadavg_1m", "s_per_step_b1", "one_at_a_time_s", "batched_s", "batching_speedup")
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One row per (model, arm, busy): each metric's median over the repeats that ran, and its range."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["arm"], r["busy"]), []).append(r)
+    out = []
+    for (model, arm, busy), runs in groups.items():
+        ok = [r for r in runs if "error" not in r]
+        row = {"model": model, "arm": arm, "busy": busy, "repeats": len(ok), "failed": len(runs) - len(ok)}
+        if not ok:
+            row["error"] = runs[-1]["error"]
+            out.append(row)
+            continue
+        row["description"], row["threads"] = ok[0]["description"], ok[0]["threads"]
+        for key in METRICS:
+            values = [r[key] for r in ok if r[key] is not None]
+            row[key] = statistics.median(values) if values else None
+            row[f"{key}_range"] = (min(values), max(values)) if values else None
+        out.append(row)
+    return out
+
+
+def span(row: dict, key: str, digits: int) -> str:
+    low, high = row[f"{key}_range"] or (None, None)
+    if row["repeats"] < 2 or low is None:
+        return ""
+    return f" ({low:.{digits}f}-{high:.{digits}f})"
+
+
 def table(rows: list[dict], prompts: int) -> list[str]:
+    """Markdown: medians over the repeats (their range in brackets), ratios of medians to the 0-busy row."""
     lines = [
         "| model | arm | busy procs | threads | runnable (mean) | load 1m | s/step, batch 1 | x vs 0 busy "
         f"| {prompts} one at a time (s) | batch of {prompts} (s) | x vs 0 busy | batching speed-up |",
@@ -228,9 +261,10 @@ def table(rows: list[dict], prompts: int) -> list[str]:
         batch_x = r["batched_s"] / b["batched_s"] if b else None
         lines.append(
             f"| {r['model']} | {r['arm']} ({r['description']}) | {r['busy']} | {r['threads']} "
-            f"| {fmt(r['runnable'], 1)} | {r['loadavg_1m']:.1f} | {fmt(r['s_per_step_b1'], 4)} "
-            f"| {fmt(step_x, 2, 'x')} | {fmt(r['one_at_a_time_s'], 2)} | {fmt(r['batched_s'], 2)} "
-            f"| {fmt(batch_x, 2, 'x')} | {fmt(r['batching_speedup'], 2, 'x')} |"
+            f"| {fmt(r['runnable'], 1)} | {r['loadavg_1m']:.1f} "
+            f"| {fmt(r['s_per_step_b1'], 4)}{span(r, 's_per_step_b1', 4)} | {fmt(step_x, 2, 'x')} "
+            f"| {fmt(r['one_at_a_time_s'], 2)} | {fmt(r['batched_s'], 2)} | {fmt(batch_x, 2, 'x')} "
+            f"| {fmt(r['batching_speedup'], 2, 'x')}{span(r, 'batching_speedup', 2)} |"
         )
     return lines
 
@@ -251,6 +285,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="denoising steps per request (default: 8)")
     parser.add_argument("--size", type=int, default=64, help="image side in pixels (default: 64)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of both arms per worker (default: 2)")
+    parser.add_argument("--repeats", type=int, default=1, help="sweeps of every cell, medians reported")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per worker (default: 600)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
@@ -279,22 +314,27 @@ def main() -> None:
             flush=True,
         )
         rows = []
-        for busy in busy_levels:  # arms interleaved within a load level, so drift hits them alike
-            for name, path in models.items():
-                for arm in arms:
-                    row = {"model": name, **run_cell(path, arm, busy, args)}
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+        for repeat in range(args.repeats):  # whole sweeps, arms interleaved: drift hits every cell alike
+            for busy in busy_levels:
+                for name, path in models.items():
+                    for arm in arms:
+                        row = {"model": name, "repeat": repeat, **run_cell(path, arm, busy, args)}
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
     order = {(m, a): i for i, (m, a) in enumerate((m, a) for m in models for a in arms)}
-    rows.sort(key=lambda r: (order[(r["model"], r["arm"])], r["busy"]))
+    summary = sorted(summarize(rows), key=lambda r: (order[(r["model"], r["arm"])], r["busy"]))
     print()
     print(
-        f"{args.prompts} prompts x {args.steps} steps at {args.size}x{args.size}, {args.rounds} rounds per worker"
+        f"{args.prompts} prompts x {args.steps} steps at {args.size}x{args.size}, {args.rounds} rounds per worker, "
+        f"medians of {args.repeats} repeats"
     )
-    print("\n".join(table(rows, args.prompts)))
+    print("\n".join(table(summary, args.prompts)))
     if args.json:
         args.json.write_text(
-            json.dumps({"settings": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=1)
+            json.dumps(
+                {"settings": vars(args) | {"json": str(args.json)}, "rows": rows, "summary": summary},
+                indent=1,
+            )
         )
 
 
