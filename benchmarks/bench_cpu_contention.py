@@ -22,8 +22,10 @@ Each worker gets OMP_NUM_THREADS unset. The machine's load is reported with each
 runnable tasks sampled every 0.2 s while the worker ran (/proc/loadavg's 4th field, the sampler excluded;
 it counts the busy processes, the worker's threads and everything else on the machine) and the 1-minute
 load average at its end.
+`--repeats` sweeps every cell again (arms interleaved within a load level) and reports medians, with
+their range in brackets.
 
-    .venv/bin/python benchmarks/bench_cpu_contention.py --steps 8 --prompts 4 --rounds 2
+    .venv/bin/python benchmarks/bench_cpu_contention.py --repeats 3    # 8 steps, 4 prompts, 2 rounds per worker
 """
 
 from __future__ import annotations

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from diffserve.api import DiffGenerator
 from diffserve.distributed.config import ParallelConfig
 from diffserve.distributed.parallel_vae import (
     HaloConv2d,
@@ -243,6 +242,10 @@ def one_thread() -> Iterator[None]:
 
 
 def test_two_ranks_decode_split_and_match_one_rank(tiny_flux_dir: Path, one_thread: None) -> None:
+    # Imported here, not at the top: every rank process `run_distributed` spawns imports this module, and
+    # diffserve.api (transformers, diffusers) is seconds of each one's start-up.
+    from diffserve.api import DiffGenerator
+
     one_rank = DiffGenerator.from_pretrained(tiny_flux_dir, show_progress=False)
     reference = np.asarray(one_rank.generate("a red square", **E2E).images[0], dtype=np.int16)
     with DiffGenerator.from_pretrained(

@@ -32,7 +32,6 @@ from diffserve.distributed.tensor_parallel import (
     tensor_parallel_shards,
 )
 from diffserve.errors import ModelLoadError
-from diffserve.families.flux.tiny import flux_dit_inputs
 from diffserve.loader import safetensors_weights
 from diffserve.loader.safetensors_weights import load_safetensors_into
 from diffserve.models.dits.flux import FluxTransformer2DModel
@@ -71,7 +70,10 @@ def dit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def dit_inputs() -> dict[str, torch.Tensor]:
-    """A CFG-like batch of 2 rows at different timesteps on a non-square grid."""
+    """A CFG-like batch of 2 rows at different timesteps on a non-square grid. Made in this process and
+    sent to the ranks: `diffserve.families.flux.tiny` imports transformers, seconds per rank process."""
+    from diffserve.families.flux.tiny import flux_dit_inputs
+
     return flux_dit_inputs(GRID_H, GRID_W, TEXT_LEN, timesteps=[0.9, 0.3])
 
 
@@ -254,13 +256,15 @@ def _layer_errors(state: ParallelState) -> dict[str, float]:
         }
 
 
-def _tp_forward(rank: int, world_size: int, dit_dir: Path, ulysses: int) -> dict[str, object]:
+def _tp_forward(
+    rank: int, world_size: int, dit_dir: Path, ulysses: int, inputs: dict[str, torch.Tensor]
+) -> dict[str, object]:
     config = ParallelConfig(num_gpus=world_size, tp_size=2, ulysses_degree=ulysses)
     state = build_parallel_state(config, local_rank=rank, control_timeout=timedelta(seconds=60))
     errors = _layer_errors(state) if ulysses == 1 else {}
     model = load_dit_on_rank(dit_dir, state)
     with torch.no_grad(), parallel_scope(state):
-        out = model(**dit_inputs())
+        out = model(**inputs)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"errors": errors, "out": out, "param_bytes": param_bytes}
 
@@ -284,7 +288,7 @@ def one_device(dit_dir: Path) -> tuple[torch.Tensor, int]:
 @pytest.mark.parametrize(("world_size", "ulysses"), [(2, 1), (4, 2)], ids=["tp2", "tp2xulysses2"])
 def test_tp_dit_equals_one_device(dit_dir: Path, one_device, world_size: int, ulysses: int) -> None:
     expected, whole_bytes = one_device
-    results = run_distributed(_tp_forward, world_size, dit_dir, ulysses, timeout_s=120)
+    results = run_distributed(_tp_forward, world_size, dit_dir, ulysses, dit_inputs(), timeout_s=120)
     for rank, result in enumerate(results):
         for layer, error in result["errors"].items():
             assert error < 1e-6, (layer, error)

@@ -17,12 +17,14 @@ Untagged, ```text, ```json and other blocks are listings, never run.
 Servers are shared between documents (one file, so one test worker runs them all): a server block whose
 last line is one plain `diffserve serve` command runs its other lines as a bash block, then reuses a running
 server of the same command (the documented `/tmp/` paths, with the files and folders they name byte for
-byte the same) instead of starting another; the document's blocks then talk to that server's port. A server
-is stopped once no later block of any document starts its command.
+byte the same) instead of starting another; the document's blocks then talk to that server's port. Such a
+server runs in a clone-like directory of its own (its default `--output-path` is its own), and is stopped
+once no later block of any document starts its command.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -31,6 +33,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import traceback
 from collections import Counter
@@ -142,6 +145,81 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+class PortForward:
+    """A document's port (its 30000), forwarded to the server the document started last.
+
+    A document uses one port for every server it starts: a client made in an earlier block talks to the
+    next server too. Servers shared between documents keep ports of their own; switching the target
+    closes the connections to the previous one, as stopping it did."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+        self.target: int | None = None
+        self.lock = threading.Lock()
+        self.open: set[socket.socket] = set()
+        threading.Thread(target=self._accept, name=f"docs-port-{self.port}", daemon=True).start()
+
+    def retarget(self, port: int | None) -> None:
+        with self.lock:
+            self.target = port
+            for sock in self.open:
+                _close(sock)
+            self.open.clear()
+
+    def close(self) -> None:
+        self.retarget(None)
+        _close(self.listener)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            try:
+                with self.lock:
+                    if self.target is None:
+                        raise OSError("no server")
+                    upstream = socket.create_connection(("127.0.0.1", self.target), timeout=10)
+                    upstream.settimeout(None)
+                    self.open |= {client, upstream}
+            except OSError:
+                _close(client)
+                continue
+            pumps = [
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True)
+                for src, dst in ((client, upstream), (upstream, client))
+            ]
+            for pump in pumps:
+                pump.start()
+            threading.Thread(target=self._reap, args=(pumps, client, upstream), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        """Copy `src` to `dst` until `src` ends (then end `dst`'s writing side) or either fails."""
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            _close(src)
+            _close(dst)
+
+    def _reap(self, pumps: list[threading.Thread], *socks: socket.socket) -> None:
+        for pump in pumps:
+            pump.join()
+        with self.lock:
+            for sock in socks:
+                _close(sock)
+                self.open.discard(sock)
+
+
+def _close(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
 
 
 # --- servers shared between documents ------------------------------------------------------------------
@@ -273,12 +351,20 @@ class ServerPool:
 
     def start(self, code: str, port: int, reader: Reader, where: str, key, canonical) -> Server:
         """Start `code` (a rewritten bash script ending in `diffserve serve`) in the background; wait for
-        /health."""
-        log = self.logs / f"server-{len(self.servers)}-{port}.log"
+        /health. A server for reuse (`key` set) runs in a clone-like directory of its own, not the
+        reader's: servers that outlive their document must not share a working directory (nor so the
+        default `--output-path`, which a server keeps to itself)."""
+        log = self.logs / f"server-{port}.log"
+        cwd, env = reader.workdir, reader.env
+        if key is not None:
+            cwd = self.logs / f"server-{port}"
+            cwd.mkdir()
+            _make_clone_like(cwd)
+            env = _reader_env(cwd)
         print(f"SERVE {where}: {code.strip()}")
         with log.open("ab") as out:
             process = subprocess.Popen(
-                ["bash", "-e", "-c", code], cwd=reader.workdir, env=reader.env, stdout=out,
+                ["bash", "-e", "-c", code], cwd=cwd, env=env, stdout=out,
                 stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
         server = Server(process, port, log, where, key, canonical)
@@ -323,8 +409,9 @@ class Reader:
         self.workdir = workdir
         self.tmp_root = workdir / "tmp"
         self.tmp_root.mkdir()
-        # The port blocks talk to: the current server's (a free one until the document starts one).
-        self.port = free_port()
+        # The port blocks talk to (the document's 30000): forwarded to the server it started last.
+        self.forward = PortForward()
+        self.port = self.forward.port
         # As a reader running the snippets as a script (`if __name__ == "__main__":` blocks run).
         self.namespace: dict[str, object] = {"__name__": "__main__"}
         self.servers = servers
@@ -385,17 +472,20 @@ class Reader:
             if prelude.strip():
                 self._run_bash(prelude, where)
             key = self._server_key(line)
-            self.server = self.servers.find(key)
+            self.server = None if key is None else self.servers.find(key)
             if self.server is not None:
                 print(f"REUSE {where}: {line.strip()} (the server {self.server.where} started)")
             else:
-                self.server = self.servers.start(line, port, self, where, key, canonical)
-        self.port = self.server.port
+                self.server = self.servers.start(
+                    line, port, self, where, key, None if key is None else canonical
+                )
+        self.forward.retarget(self.server.port)
 
-    def _server_key(self, line: str) -> tuple[object, ...]:
+    def _server_key(self, line: str) -> tuple[object, ...] | None:
         """The serve line's words with this reader's temporary folder back at `/tmp/`, the program they
-        run, and the bytes of the files and folders they name that this reader wrote (paths relative to its
-        directory, as the server resolves them; the repo's own files are the same for every reader)."""
+        run, and the bytes of the files and folders they name that this reader wrote (the repo's own files
+        are the same for every reader). None when a relative path names one of those: the server must run
+        in this reader's directory, and is not shared."""
         argv = serve_argv(line) or []
         words, files = [], []
         home = self.workdir.resolve()
@@ -404,15 +494,22 @@ class Reader:
             for part in {word, word.rpartition("=")[2]} - {""}:
                 path = (self.workdir / part).resolve()  # an absolute `part` stays itself
                 if path.exists() and path != home and path.is_relative_to(home):
+                    if not Path(part).is_absolute():
+                        return None
                     files.append((part.replace(f"{self.tmp_root}/", "/tmp/"), _fingerprint(path)))
         program = next((word for word in argv if "=" not in word), "")
         found = shutil.which(program, path=self.env["PATH"]) if program else None
         return (tuple(words), os.path.realpath(found) if found else program, tuple(sorted(files)))
 
     def release_server(self) -> None:
+        self.forward.retarget(None)
         if self.server is not None:
             self.servers.release(self.server)
             self.server = None
+
+    def close(self) -> None:
+        self.release_server()
+        self.forward.close()
 
     def _server_tail(self) -> str:
         return "" if self.server is None else self.server.tail()
@@ -469,7 +566,7 @@ def reader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, docs_servers: Server
     try:
         yield reader
     finally:
-        reader.release_server()
+        reader.close()
 
 
 def documents_with_blocks(documents: tuple[Path, ...]) -> list[Path]:
@@ -587,3 +684,5 @@ def test_a_reused_server_needs_the_same_files(tmp_path: Path) -> None:
         readers.append(reader)
     keys = [r._server_key(rewrite("diffserve serve --model-path /tmp/tiny", 1, r.tmp_root)) for r in readers]
     assert keys[0] == keys[1] != keys[2]
+    # A relative path to what the reader wrote resolves in the reader's directory only: never shared.
+    assert readers[0]._server_key("diffserve serve --model-path tmp/tiny") is None
