@@ -358,6 +358,9 @@ class ScriptedPlatform:
     def reset_peak_memory(self) -> None:
         pass
 
+    def bind_device(self) -> None:
+        """No device to bind a decode thread to (the engine's decode tasks call it)."""
+
     def empty_cache(self) -> None:
         pass
 
