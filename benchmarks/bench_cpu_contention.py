@@ -16,7 +16,8 @@ Arms (`--arms`, comma-separated):
   the affinity mask);
 - `after`: the engine's defaults (no variable set: OMP_WAIT_POLICY=PASSIVE and KMP_BLOCKTIME=0 from
   `diffserve.openmp_env`, threads from `CpuPlatform.configure_threads`);
-- `POLICY:N` for exploring: POLICY `spin` or `passive`, N threads (`--cpu-threads N`).
+- `POLICY:N` for exploring: POLICY `spin`, `passive` or `spinCOUNT` (GOMP_SPINCOUNT=COUNT polls before a
+  waiting thread sleeps), N threads (`--cpu-threads N`).
 
 Each worker gets OMP_NUM_THREADS unset. The machine's load is reported with each row: the mean number of
 runnable tasks sampled every 0.2 s while the worker ran (/proc/loadavg's 4th field, the sampler excluded;
@@ -77,9 +78,11 @@ def arm_settings(arm: str) -> tuple[dict[str, str], int | None, str]:
     if arm == "after":
         return {}, None, "engine defaults"
     policy, _, threads = arm.partition(":")
-    if policy not in ("spin", "passive") or not threads.isdigit() or int(threads) < 1:
-        raise SystemExit(f"unknown arm {arm!r}: before, after, or POLICY:N with POLICY spin or passive")
-    return (SPIN_ENV if policy == "spin" else PASSIVE_ENV), int(threads), f"{policy}, {threads} threads"
+    count = policy.removeprefix("spin")
+    if not (policy in ("spin", "passive") or count.isdigit()) or not threads.isdigit() or int(threads) < 1:
+        raise SystemExit(f"unknown arm {arm!r}: before, after, or POLICY:N (POLICY spin, spinCOUNT, passive)")
+    env = PASSIVE_ENV if policy == "passive" else SPIN_ENV if policy == "spin" else {"GOMP_SPINCOUNT": count}
+    return env, int(threads), f"{policy}, {threads} threads"
 
 
 # -- worker -----------------------------------------------------------------------------------------
