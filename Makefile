@@ -30,6 +30,9 @@ install: $(RUNTIME_STAMP)
 demo: $(RUNTIME_STAMP)
 	$(VENV)/bin/diffserve generate --prompt "$(DEMO_PROMPT)" --seed 0 --output-path outputs
 
+# The tests cache byte code (git-ignored __pycache__/) even where PYTHONDONTWRITEBYTECODE is set: the suite
+# starts hundreds of Python processes, and tests/conftest.py re-enables it for them; the empty value here also
+# covers pytest's own start-up (its plugins' rewritten modules). tests/conftest.py orders the files for `-n 2`.
 # tests/browser drives the web UI in a headless Chromium: as root with apt-get, Debian's is installed when
 # missing (quietly); otherwise those tests skip, saying why.
 test: $(TEST_STAMP)
@@ -39,7 +42,7 @@ test: $(TEST_STAMP)
 		echo "make test: could not install chromium with apt-get; tests/browser will be skipped"
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m ruff format --check $(LINT_PATHS)
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n 2 --dist loadfile tests
 
 lint: $(TEST_STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)

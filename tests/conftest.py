@@ -11,23 +11,49 @@ import pytest
 
 # Byte code is cached (`__pycache__/`, git-ignored) even where the environment asks Python not to write it
 # (PYTHONDONTWRITEBYTECODE): the suite starts hundreds of Python processes (servers and their engines, CLI
-# runs, rank processes), and each one compiled diffserve's sources again, a second of CPU apiece. Set here,
-# before the test modules are imported, so the workers' imports and every subprocess's inherit it.
+# runs, rank processes), and without a cache each one compiles the diffserve modules it imports again (a
+# quarter of a second of CPU apiece), and each run rewrites every test module's asserts again. Set here,
+# before the test modules are imported, so the workers' imports and every subprocess inherit it.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 
-#: Seconds each long test file took in `make test` on a 2-core machine (both workers busy), longest first.
-#: `make test` (`--dist loadfile`) hands whole files to its two workers in collection order: these first,
-#: longest first, then the others, so that the last files to start are short ones and both workers finish
-#: together. A file missing here runs after them; a new long one belongs in the table.
+#: About how many seconds the longest test files take on an idle 2-core machine (a run on a loaded machine,
+#: scaled down; what matters is the ranking). `make test` (`--dist loadfile`) hands whole files to its two
+#: workers in collection order: these first, longest first, then the others in their order, so the last
+#: files to start are short ones and both workers finish together. A new long file belongs here.
 FILE_SECONDS = {
-    "tests/e2e/test_docs_examples.py": 250,
-    "tests/unit/test_compile.py": 185,
-    "tests/server/test_videos.py": 120,
-    "tests/browser/test_webui.py": 120,
-    "tests/server/test_multi_rank_server.py": 100,
-    "tests/e2e/test_demo_model.py": 100,
-    "tests/integrations/test_comfyui_nodes.py": 100,
+    "tests/e2e/test_docs_examples.py": 200,  # every document; its servers are shared between them
+    "tests/unit/test_compile.py": 185,  # two cold inductor compiles
+    "tests/e2e/test_quality_tiers_zimage_wan.py": 155,
+    "tests/unit/test_step_scheduler.py": 145,
+    "tests/integrations/test_comfyui_nodes.py": 115,
+    "tests/e2e/test_component_offload.py": 110,
+    "tests/browser/test_webui.py": 100,  # with Chromium installed (`make test` as root)
+    "tests/e2e/test_lora_parity_flux_sd3.py": 95,
+    "tests/e2e/test_hunyuan_video15_pipeline_parity.py": 80,
+    "tests/e2e/test_demo_model.py": 60,
+    "tests/distributed/test_tensor_parallel.py": 55,
+    "tests/server/test_shutdown.py": 55,
+    "tests/server/test_streaming.py": 50,
+    "tests/e2e/test_img2img_inpaint_parity_other.py": 50,
+    "tests/server/test_replicas.py": 45,
+    "tests/e2e/test_wan_pipeline_parity.py": 45,
+    "tests/e2e/test_lora_parity_qwen_zimage_wan.py": 45,
+    "tests/e2e/test_sd3_skip_layer_guidance.py": 45,
+    "tests/e2e/test_diffusers_backend.py": 45,
+    "tests/server/test_images_edits_qwen.py": 40,
+    "tests/e2e/test_cli_generate.py": 35,
+    "tests/models/test_qwen_image_vae_parity.py": 35,
+    "tests/e2e/test_flux_kontext_pipeline_parity.py": 35,
+    "tests/e2e/test_quantization.py": 35,
+    "tests/server/test_videos.py": 30,
+    "tests/models/test_ltx2_dit_parity.py": 30,
+    "tests/server/test_images_edits.py": 30,
+    "tests/distributed/test_sequence_parallel.py": 30,
+    "tests/e2e/test_wan22_pipeline_parity.py": 30,
+    "tests/unit/test_layerwise_offload.py": 25,
+    "tests/server/test_multi_rank_server.py": 20,
+    "tests/e2e/test_sd3_pipeline_parity.py": 20,
 }
 
 

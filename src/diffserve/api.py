@@ -264,6 +264,9 @@ class DiffGenerator:
         self.engine_args = engine_args
         parallel = engine_args.parallel_config()  # ParallelConfigError before anything starts or loads
         check_backend_args(engine_args)  # `--backend diffusers` with a flag it cannot honour: refused now
+        if parallel.is_distributed and parallel.tp_size > 1:  # refused before anything is set up or started
+            index = read_model_index(engine_args.model_path, engine_args.revision)
+            check_tensor_parallel(index, resolve_family(index.pipeline_class_name), parallel.tp_size)
         try:
             platform = self.platform = resolve_platform(engine_args.device)
         except PlatformUnavailableError as exc:
@@ -280,9 +283,6 @@ class DiffGenerator:
                     "this process is not rank 0: run diffserve.distributed.launch.run_follower(engine_args, "
                     "diffserve.api.serve_rank) here instead of creating a DiffGenerator (the CLI does)"
                 )
-            if parallel.tp_size > 1:  # refused before any rank starts, as other config errors are
-                index = read_model_index(engine_args.model_path, engine_args.revision)
-                check_tensor_parallel(index, resolve_family(index.pipeline_class_name), parallel.tp_size)
             self.ranks = start_ranks(engine_args, platform, serve_rank)
         try:
             model = load_model(engine_args, platform, self.ranks.state if self.ranks is not None else None)

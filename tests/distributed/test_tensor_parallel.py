@@ -122,13 +122,13 @@ def test_only_plain_linears_are_sharded() -> None:
 
 
 class ReadSpy:
-    """Wraps the loader's `safe_open`: records whole-tensor reads, sliced reads and their bytes."""
+    """Wraps the loader's `open_safetensors`: records whole-tensor reads, sliced reads and their bytes."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.whole: list[str] = []
         self.slices: dict[str, list[tuple[slice, ...]]] = {}
         self.bytes = 0
-        real_open = safetensors_weights.safe_open
+        real_open = safetensors_weights.open_safetensors
         spy = self
 
         class SpySlice:
@@ -167,7 +167,9 @@ class ReadSpy:
             def get_slice(self, key: str) -> SpySlice:
                 return SpySlice(self.inner.get_slice(key), key)
 
-        monkeypatch.setattr(safetensors_weights, "safe_open", lambda *a, **kw: SpyFile(real_open(*a, **kw)))
+        monkeypatch.setattr(
+            safetensors_weights, "open_safetensors", lambda *a, **kw: SpyFile(real_open(*a, **kw))
+        )
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -30,7 +30,12 @@ from diffserve.server.middleware import BodySizeLimitMiddleware
 MAX_BODY_BYTES = 4096
 MAX_IMAGE_BYTES = 3000
 WAIT_S = 30.0  # only so that a broken test fails instead of hanging
-TEXT_TO_IMAGE = {"task": "text-to-image", "diffusers_pipeline": "FluxPipeline", "max_input_images": 0}
+TEXT_TO_IMAGE = {
+    "task": "text-to-image",
+    "diffusers_pipeline": "FluxPipeline",
+    "max_input_images": 0,
+    "pipelines_for_task": {"image-edit": ["FluxKontextPipeline", "QwenImageEditPipeline"]},
+}
 EDIT_TWO = {"task": "image-edit", "diffusers_pipeline": "QwenImageEditPlusPipeline", "max_input_images": 2}
 
 
@@ -103,6 +108,10 @@ def test_a_text_to_image_model_refuses_images_before_decoding(decoded: list[str]
         as_form = client.post("/v1/images/edits", data={"prompt": "p"}, files=files)
     for response in (as_json, as_form):
         assert_error(response, 400, "image", "FluxPipeline is a text-to-image model and takes no input image")
+        assert (
+            "need an edit model (FluxKontextPipeline, QwenImageEditPipeline)"
+            in response.json()["error"]["message"]
+        )
     assert decoded == []
 
 

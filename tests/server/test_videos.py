@@ -436,7 +436,8 @@ def test_list_paginates_newest_first(srv, client, t2v) -> None:
         ({"shots": 3}, "unknown field 'shots'; accepted fields: prompt, model, size, seconds", "shots"),
         (
             {"input_reference": "data:image/png;base64,AAAA"},
-            "text-to-video model and takes no input_reference",
+            "takes no input_reference; animating an image needs an image-to-video model (WanImageToVideoPipeline, "
+            "HunyuanVideo15ImageToVideoPipeline, LTX2ImageToVideoPipeline)",
             "input_reference",
         ),
         ({"model": "sora-2"}, "is not served here", "model"),

@@ -253,6 +253,7 @@ class EngineProcess:
 
         import diffserve
         from diffserve.backends import describe_backend
+        from diffserve.registry import pipelines_for_task
         from diffserve.runtime.contract import resolved_params
 
         g, facts, s = self.generator, self.facts, self.scheduler
@@ -273,6 +274,10 @@ class EngineProcess:
             "requires_input_image": bool(self.probe_images),
             "max_input_images": facts.max_input_images,
             "inpainting": facts.inpainting,  # whether /v1/images/edits takes a mask (the playground's brush)
+            # What an error suggests for a task this model does not do (the front end imports no registry).
+            "pipelines_for_task": {
+                task: list(pipelines_for_task(task)) for task in ("image-edit", "image-to-video")
+            },
             "video": video,
             "platform": g.platform.name,
             "parallel": self._parallel_info(),

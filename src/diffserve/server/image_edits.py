@@ -27,9 +27,9 @@ from starlette.requests import Request
 from starlette.types import Message
 
 from diffserve.image_inputs import ImageInputLimits
-from diffserve.registry import pipelines_for_task
 from diffserve.server.args import MAX_INPUT_IMAGES, ServerArgs
 from diffserve.server.errors import ApiError
+from diffserve.server.model_info import suggested_pipelines
 from diffserve.server.request_body import RawImage, check_source, load_input_image, read_body, validate
 from diffserve.server.schemas import EDIT_ACCEPTED_FIELDS, ApiParamError, ImageEditRequest
 
@@ -83,12 +83,14 @@ class EngineReport(Protocol):
 @dataclass(frozen=True)
 class EditModel:
     """What the served model can use of an edit request: `max_images` input images (0: a model that takes
-    none) and a body of at most `max_body_bytes`; `pipeline` and `task` name it in errors."""
+    none) and a body of at most `max_body_bytes`; `pipeline` and `task` name it in errors, which suggest
+    `edit_pipelines` (the engine's list of edit models)."""
 
     pipeline: str
     task: str
     max_images: int
     max_body_bytes: int
+    edit_pipelines: str = "an image-edit model"
 
     @classmethod
     def served(cls, engine: EngineReport, args: ServerArgs) -> EditModel | None:
@@ -99,14 +101,15 @@ class EditModel:
         if not isinstance(max_images, int):
             return None
         pipeline, task = str(info.get("diffusers_pipeline", "this model")), str(info.get("task", ""))
-        return cls(pipeline, task, max_images, args.image_body_bytes(max_images))
+        edit_pipelines = suggested_pipelines(info, "image-edit")
+        return cls(pipeline, task, max_images, args.image_body_bytes(max_images), edit_pipelines)
 
     def count_error(self, count: int) -> ApiParamError | None:
         """The 400 for a request with `count` input images that this model cannot take, else None."""
         if self.max_images == 0:
             return ApiParamError(
                 f"{self.pipeline} is a {self.task} model and takes no input image; image edits need an "
-                f"edit model ({', '.join(pipelines_for_task('image-edit'))})",
+                f"edit model ({self.edit_pipelines})",
                 param="image",
             )
         if count > self.max_images:

@@ -17,12 +17,12 @@ from typing import Any, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from diffserve.registry import pipelines_for_task
 from diffserve.server.access import Caller, Principal
 from diffserve.server.app_state import AppState, ServerState
 from diffserve.server.engine_client import JobRejectedError
 from diffserve.server.errors import ApiError, documented
 from diffserve.server.image_edits import inline_schema
+from diffserve.server.model_info import suggested_pipelines
 from diffserve.server.protocol import wrong_route
 from diffserve.server.replicas import Engines
 from diffserve.server.request_body import RawImage, check_source, load_input_image, read_body
@@ -151,7 +151,7 @@ async def create_video(request: Request, state: ServerState, caller: Caller) -> 
         if task == "text-to-video" and reference is not None and not takes_image:
             raise ApiParamError(
                 f"{pipeline} is a text-to-video model and takes no input_reference; animating an image "
-                f"needs an image-to-video model ({', '.join(pipelines_for_task('image-to-video'))})",
+                f"needs an image-to-video model ({suggested_pipelines(info, 'image-to-video')})",
                 param="input_reference",
             )
         if reference is not None:
