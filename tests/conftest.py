@@ -31,6 +31,7 @@ FILE_SECONDS = {
     "tests/browser/test_webui.py": 100,  # with Chromium installed (`make test` as root)
     "tests/e2e/test_lora_parity_flux_sd3.py": 95,
     "tests/e2e/test_hunyuan_video15_pipeline_parity.py": 80,
+    "tests/deploy/test_ray_serve.py": 120,  # a two-node Ray cluster, two models, a fault, autoscaling
     "tests/e2e/test_demo_model.py": 60,
     "tests/distributed/test_tensor_parallel.py": 55,
     "tests/server/test_shutdown.py": 55,
@@ -54,6 +55,7 @@ FILE_SECONDS = {
     "tests/unit/test_layerwise_offload.py": 25,
     "tests/server/test_multi_rank_server.py": 20,
     "tests/e2e/test_sd3_pipeline_parity.py": 20,
+    "tests/deploy/test_ray_cli.py": 30,
 }
 
 

@@ -39,6 +39,7 @@ from diffserve.loader.component_loader import LoadedComponent, load_components, 
 from diffserve.loader.dit_weights import DitLoadOptions
 from diffserve.loader.folder_defaults import read_folder_sampling_defaults
 from diffserve.loader.model_index import ModelIndex, read_model_index
+from diffserve.loader.quantize import check_quantization_device
 from diffserve.logging_setup import shown_text
 from diffserve.offload import install_memory_plan, log_plan, plan_memory, weight_residency
 from diffserve.outputs import output_metadata, write_outputs
@@ -53,6 +54,12 @@ from diffserve.runtime.compile import (
     compile_pipeline,
     compile_warmup_size,
     warm_up,
+)
+from diffserve.runtime.cuda_graph import (
+    GraphRunner,
+    check_cuda_graph_args,
+    install_cuda_graphs,
+    warmup_capture,
 )
 from diffserve.runtime.distributed_runner import DistributedRunner, follow_ops
 from diffserve.runtime.lora_registry import LoraInfo, LoraRegistry, start_lora_registry
@@ -121,6 +128,7 @@ class LoadedModel:
     attention_backend: AttentionBackend
     loras: LoraRegistry | None  # the LoRA adapters this rank's model serves (None: the backend takes none)
     compiled_regions: list[CompiledRegion] = field(default_factory=list)  # `--compile`: blocks compiled
+    cuda_graphs: list[GraphRunner] = field(default_factory=list)  # `--enable-cuda-graph`: one per DiT
 
 
 def check_tensor_parallel(index: ModelIndex, family: ModelFamily, tp_size: int) -> None:
@@ -153,10 +161,13 @@ def load_model(
     dtype = parse_dtype(engine_args.dtype, platform)
     text_dtype = parse_dtype(engine_args.text_encoder_dtype or engine_args.dtype, platform)
     logger.info("Platform: %s (%s), dtype: %s", platform.name, platform.device_name(), dtype)
+    check_quantization_device(engine_args.quantization, platform, dtype)  # FP8 compute: before any loading
+    check_cuda_graph_args(engine_args)
     try:
         attention_backend: AttentionBackend = resolve_attention_backend(
-            engine_args.attention_backend, platform.device_type, platform.default_attention_backend
-        )
+            engine_args.attention_backend, platform.device_type, platform.default_attention_backend,
+            dtype=dtype, device=platform.device(),
+        )  # fmt: skip
     except ValueError as exc:
         raise UserError(str(exc)) from exc
     index = read_model_index(engine_args.model_path, engine_args.revision)
@@ -215,7 +226,12 @@ def load_model(
         engine_args.max_lora_memory, compiled=engine_args.compile, max_count=engine_args.max_loras,
     )  # fmt: skip
     compiled = compile_pipeline({n: c.value for n, c in components.items()}) if engine_args.compile else []
-    return LoadedModel(pipeline, family, index, components, dtype, attention_backend, loras, compiled)
+    graphs = (
+        install_cuda_graphs({n: c.value for n, c in components.items()}, platform)
+        if engine_args.enable_cuda_graph
+        else []
+    )
+    return LoadedModel(pipeline, family, index, components, dtype, attention_backend, loras, compiled, graphs)
 
 
 def load_through_diffusers(
@@ -320,10 +336,13 @@ class DiffGenerator:
         logger.info("Pipeline ready in %.2f seconds", time.perf_counter() - start)
         #: `--compile`: the block lists compiled; `--warmup-resolutions`: the warm-up generations run.
         self.compiled_regions = model.compiled_regions
+        #: `--enable-cuda-graph`: the DiTs' breakable CUDA graphs (captured in the warm-up below).
+        self.cuda_graphs = model.cuda_graphs
         sizes = list(engine_args.warmup_resolutions)
         if engine_args.compile and not sizes:  # the graphs are size-generic: one small warm-up builds them
             sizes = [compile_warmup_size(self.pipeline.facts.pixel_multiple)]
-        self.warmup_runs: list[WarmupRun] = self.warm_up(sizes) if sizes else []
+        with warmup_capture(self.cuda_graphs, sizes_given=bool(engine_args.warmup_resolutions)):
+            self.warmup_runs: list[WarmupRun] = self.warm_up(sizes) if sizes else []
         if memory_model:
             self.build_memory_model()
 
@@ -518,13 +537,16 @@ class DiffGenerator:
             where = "process RSS" if self.platform.name == "cpu" else "device"
             logger.info("Peak memory: %.2f MB (%s)", peak_mb, where)
         paths: list[str] = []
-        audio = [GeneratedAudio(w.numpy(), int(req.audio_sample_rate)) for w in req.audio or []]
+        audio = [
+            GeneratedAudio(w.numpy(), int(req.outputs.audio_sample_rate)) for w in req.outputs.audio or []
+        ]
         if save_output:
             written = write_outputs(
                 Path(output_path or self.engine_args.output_path), req.params, req.request_id,
                 output_metadata(self.model_path, self.family.diffusers_pipeline, req.params),
-                images=req.images or [], videos=req.frames or [], file_name=file_name, save_frames=save_frames,
-                audio=[a.waveform for a in audio], audio_sample_rate=req.audio_sample_rate,
+                images=req.outputs.images or [], videos=req.outputs.frames or [],
+                file_name=file_name, save_frames=save_frames,
+                audio=[a.waveform for a in audio], audio_sample_rate=req.outputs.audio_sample_rate,
             )  # fmt: skip
             for path in written:
                 logger.info("Output saved to %s", path)
@@ -532,12 +554,12 @@ class DiffGenerator:
         total = time.perf_counter() - start
         logger.info("Pixel data generated in %.2f seconds", total)
         return GenerationOutput(
-            images=req.images or [],
-            frames=req.frames or [],
+            images=req.outputs.images or [],
+            frames=req.outputs.frames or [],
             params=req.params,
             request_id=req.request_id,
-            timings=dict(req.timings),
-            step_times=list(req.step_times),
+            timings=dict(req.timings.stages),
+            step_times=list(req.timings.steps),
             peak_memory_mb=peak_mb,
             output_paths=paths,
             total_seconds=total,

@@ -1,18 +1,20 @@
 """`Req`: the one object that flows through a pipeline's stages.
 
 `Req` declares what every request carries, whatever its family: its params, the text states of its CFG
-branches, its latents and schedule, its step state and outputs. What only one family (or one kind of
-input) needs lives in `conditioning`: a typed `Conditioning` dataclass declared in that family's package
-(`families/<name>/conditioning.py`), or, for conditioning several families share, in `stages/`.
+branches, its latents, its `Schedule`, its step state, its `RequestOutputs` and its `Timings`. What only
+one family (or one kind of input) needs lives in `conditioning`: a typed `Conditioning` dataclass declared
+in that family's package (`families/<name>/conditioning.py`), or, for conditioning several families share,
+in `stages/`.
 
 Code that treats fields generically does not list them by name: a field says through its `role(...)`
 metadata how it is treated. `negative_of` pairs a negative (CFG) branch's field with its positive one
 (CFG-parallel branch views swap them), `stepped` marks what a denoising step advances, `per_step` a table
-with one entry per step (cut with the schedule), and `batch` what requests sharing one DiT batch must
-agree on. The same roles apply on `Req` and on every conditioning class, so a family with a new text
+indexed by step (cut with the schedule), and `batch` what requests sharing one DiT batch must agree on. The
+same roles apply on `Req`, on `Schedule` and on every conditioning class, so a family with a new text
 branch or a new per-step table declares it in its conditioning class and the runtime picks it up. Stages
-name the fields they read and write (`needs`/`sets`, checked in `stages/base.py`), conditioning ones as
-"conditioning.<field>". Nothing is forwarded implicitly.
+name the fields they read and write (`needs`/`sets`, checked in `stages/base.py`): a `Req` field, or a
+field of one of its grouped objects as "<group>.<field>" ("schedule.guidance", "outputs.images",
+"conditioning.audio_latents"). Nothing is forwarded implicitly.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import Field, dataclass, field, fields
-from typing import Literal, TypeVar
+from dataclasses import Field, dataclass, field, fields, replace
+from typing import Literal, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -44,7 +46,8 @@ class FieldRole:
     negative_of: str | None = None
     #: A denoising step advances it (CFG-parallel views copy it in before a step and back after).
     stepped: bool = False
-    #: One entry per denoising step on its first axis: image-to-image cuts it with the schedule.
+    #: Indexed by denoising step on its first axis (a schedule's sigmas have one entry more, the end):
+    #: image-to-image cuts it with the schedule (`stages/image_to_image.truncate_schedule`).
     per_step: bool = False
     #: Requests in one DiT batch must agree on it (`BatchRule`).
     batch: BatchRule | None = None
@@ -104,9 +107,19 @@ def stepped_fields(obj: Req | Conditioning) -> list[str]:
     return [f.name for f in fields(obj) if field_role(f).stepped]
 
 
-def per_step_fields(obj: Req | Conditioning) -> list[str]:
-    """The fields of `obj` with one entry per denoising step."""
+def per_step_fields(obj: Schedule | Conditioning) -> list[str]:
+    """The fields of `obj` indexed by denoising step."""
     return [f.name for f in fields(obj) if field_role(f).per_step]
+
+
+D = TypeVar("D", "Schedule", "Conditioning")
+
+
+def from_step(obj: D, start: int) -> D:
+    """A copy of `obj` whose per-step tables (the fields it declares `per_step`) start at step `start`;
+    its other fields are shared. `obj` itself is unchanged."""
+    tables = {name: getattr(obj, name) for name in per_step_fields(obj)}
+    return replace(obj, **{name: table[start:] for name, table in tables.items() if table is not None})
 
 
 def _batch_value(value: object, rule: BatchRule) -> Hashable:
@@ -170,6 +183,66 @@ class InputLatents:
     mask: torch.Tensor | None = None
 
 
+class LatentSize(NamedTuple):
+    """A request's latent grid in latent pixels, before any 2x2 packing into tokens: equal sizes mean
+    equal position ids, which packed latents of the same shape do not (48x80 and 80x48 pack alike)."""
+
+    height: int
+    width: int
+
+
+@dataclass(frozen=True, eq=False)
+class Schedule:
+    """A request's sampling schedule, set once by timestep preparation and replaced whole, never edited:
+    CFG-parallel branch views share it with their request. (Compared by identity: its fields are tensors.)
+
+    Its tables are float32; `sigmas`, `timesteps` and `guidance` are on the latents' device, so that a step
+    indexes them without a host-to-device copy (a host sync on accelerators). Each table is `per_step`, so
+    image-to-image cuts them with the rest of the request's per-step tables."""
+
+    #: num_steps + 1 entries, the last the end of the last step.
+    sigmas: torch.Tensor = field(metadata=role(per_step=True))
+    #: num_steps entries: the DiT's time input at each step.
+    timesteps: torch.Tensor = field(metadata=role(per_step=True))
+    #: `sigmas` on the CPU, for host-side reads: previews, and UniPC's data prediction, which multiplies by
+    #: a CPU scalar as Diffusers does (a kernel argument, neither a copy nor a sync).
+    host_sigmas: torch.Tensor = field(metadata=role(per_step=True))
+    #: (batch,) guidance scale the DiT embeds (FLUX, FLUX.2-dev, SANA-Sprint, ...); None for the others.
+    guidance: torch.Tensor | None = None
+
+    @classmethod
+    def of_length(cls, num_steps: int) -> Schedule:
+        """A placeholder of `num_steps` steps for a pipeline that runs its own sampling loop (the Diffusers
+        backend, test doubles): only its length is read, for step counting."""
+        return cls(torch.zeros(num_steps + 1), torch.zeros(num_steps), torch.zeros(num_steps + 1))
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.timesteps.shape[0])
+
+
+@dataclass(eq=False)
+class RequestOutputs:
+    """What decoding makes of a request: images, or for video families frames (and LTX-2's soundtrack).
+    Writing them to files is the caller's business (`outputs/`), so their paths are not kept here."""
+
+    images: list[Image.Image] | None = None
+    frames: list[np.ndarray] | None = None  # video families: (frames, height, width, 3) uint8 per output
+    #: Families with a soundtrack (LTX-2): one (channels, samples) float32 CPU waveform per output, at
+    #: `audio_sample_rate` Hz.
+    audio: list[torch.Tensor] | None = None
+    audio_sample_rate: int | None = None
+
+
+@dataclass
+class Timings:
+    """Where a request's time went, in seconds: per stage by stage name (`stages/base.py`), and per
+    denoising step (`runtime/runner.py`, from `StepTimer` marks)."""
+
+    stages: dict[str, float] = field(default_factory=dict)
+    steps: list[float] = field(default_factory=list)
+
+
 @dataclass
 class Req:
     """One generation request as the stages fill it in: what every family's request has, plus its
@@ -198,29 +271,22 @@ class Req:
     negative_pooled_prompt_embeds: torch.Tensor | None = field(
         default=None, metadata=role(negative_of="pooled_prompt_embeds")
     )
-    text_ids: torch.Tensor | None = None  # (text_seq, 3) position ids for FLUX's RoPE
 
-    # Set by latent preparation: packed latents (batch, tokens, channels) and their position ids.
+    # Set by latent preparation: the initial latents in the family's layout (packed tokens or a latent
+    # image) and their grid.
     latents: torch.Tensor | None = field(default=None, metadata=role(stepped=True))
-    image_ids: torch.Tensor | None = None
-    latent_height: int | None = None  # in latent pixels (before 2x2 packing)
-    latent_width: int | None = None
+    latent_size: LatentSize | None = None
 
     # Image-to-image and inpainting; None without an input image.
     input_latents: InputLatents | None = None
 
-    # What only this request's family reads (its text masks, extra encoders' states, input-image latents,
-    # audio stream, ...): that family's `Conditioning`, attached by its pipeline before pre-denoising.
+    # What only this request's family reads (its text masks, position ids, extra encoders' states,
+    # input-image latents, audio stream, ...): that family's `Conditioning`, attached by its pipeline
+    # before pre-denoising.
     conditioning: Conditioning | None = None
 
-    # Set by timestep preparation, float32 on the latents' device, so that a step indexes them without a
-    # host-to-device copy (a host sync on accelerators): sigmas has num_steps + 1 entries.
-    sigmas: torch.Tensor | None = None
-    timesteps: torch.Tensor | None = None
-    guidance: torch.Tensor | None = None  # (batch,) embedded guidance, when the DiT takes it
-    # The same sigmas on the CPU, for host-side reads: previews, and UniPC's data prediction, which
-    # multiplies by a CPU scalar as Diffusers does (a kernel argument, neither a copy nor a sync).
-    host_sigmas: torch.Tensor | None = None
+    # Set by timestep preparation.
+    schedule: Schedule | None = None
 
     # Set by the denoiser at the request's first step: the DiT's embedding of its text branches
     # (positive, then negative with CFG), which no step changes, so later steps skip the embedder.
@@ -237,18 +303,11 @@ class Req:
     # Approximate quality tiers only: this request's step cache (reused DiT residuals and counts).
     step_cache: StepCacheState | None = None
 
-    # Set by decoding / output writing.
-    images: list[Image.Image] | None = None
-    frames: list[np.ndarray] | None = None  # video families: (frames, height, width, 3) uint8 per output
-    # Families with a soundtrack (LTX-2): one (channels, samples) float32 CPU waveform per output, at
-    # `audio_sample_rate` Hz.
-    audio: list[torch.Tensor] | None = None
-    audio_sample_rate: int | None = None
-    output_paths: list[str] = field(default_factory=list)
+    # Set by decoding.
+    outputs: RequestOutputs = field(default_factory=RequestOutputs)
 
     # Bookkeeping.
-    timings: dict[str, float] = field(default_factory=dict)
-    step_times: list[float] = field(default_factory=list)
+    timings: Timings = field(default_factory=Timings)
 
     # Control from outside the pipeline (the server's engine loop): set `cancel_event` to stop the
     # request at the next step boundary; `on_step(req)` is called after every denoising step.
@@ -266,7 +325,7 @@ class Req:
 
     @property
     def num_steps(self) -> int:
-        return 0 if self.timesteps is None else int(self.timesteps.shape[0])
+        return 0 if self.schedule is None else self.schedule.num_steps
 
     @property
     def steps_computed_in_full(self) -> int:
@@ -275,4 +334,4 @@ class Req:
 
     @property
     def is_denoised(self) -> bool:
-        return self.timesteps is not None and self.step_index >= self.num_steps
+        return self.schedule is not None and self.step_index >= self.num_steps

@@ -346,7 +346,7 @@ def run_batched(gen: DiffGenerator, params: list[SamplingParams], join_after: li
         for req in [r for r in running if r.is_denoised]:
             running.remove(req)
             done[req.params.prompt] = np.stack(
-                [np.asarray(im) for im in pipeline.run_post_denoise(req).images]
+                [np.asarray(im) for im in pipeline.run_post_denoise(req).outputs.images]
             )
     return [done[p.prompt] for p in params]
 

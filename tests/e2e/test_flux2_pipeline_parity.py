@@ -174,7 +174,7 @@ def test_previews_decode_the_predicted_clean_latents(pipelines, variant) -> None
     early = pipeline.preview_images(req)
     pipeline.denoise_step([req])
     last = stack_uint8(pipeline.preview_images(req))
-    final = stack_uint8(pipeline.run_post_denoise(req).images)
+    final = stack_uint8(pipeline.run_post_denoise(req).outputs.images)
     assert early[0].size == (48, 32)
     assert max_pixel_diff(last, final) <= 1
 
@@ -193,7 +193,8 @@ def test_text_states_match_diffusers(pipelines, variant) -> None:
             Req(SamplingParams(prompt=PROMPT, height=32, width=32, max_sequence_length=MAX_LEN))
         )
     )
-    assert torch.equal(req.text_ids, ref_ids[0].to(req.text_ids.dtype))
+    text_ids = req.conditioning.text_ids  # FLUX.2's position ids
+    assert torch.equal(text_ids, ref_ids[0].to(text_ids.dtype))
 
 
 def test_system_message_is_diffusers() -> None:
@@ -237,7 +238,7 @@ def test_requests_sharing_denoising_steps_match_each_run_alone(pipelines, varian
     done, step_sizes = denoise_together(pipeline, running)
     assert step_sizes.count(2) == 2  # two steps shared
     for p, want in zip(params, alone, strict=True):
-        got = stack_uint8(done[p.prompt].images)
+        got = stack_uint8(done[p.prompt].outputs.images)
         diff = max_pixel_diff(got, want)
         print(f"{variant} batched vs alone {p.prompt!r}: max diff {diff}")
         assert diff <= 1

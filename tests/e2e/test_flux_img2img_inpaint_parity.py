@@ -175,7 +175,7 @@ def test_mixed_strengths_share_steps_and_match_each_run_alone(flux) -> None:
     done, step_sizes = denoise_together(pipeline, running)
     assert max(step_sizes) == 4
     for p, want in zip(params, alone, strict=True):
-        got = stack_uint8(done[p.prompt].images)
+        got = stack_uint8(done[p.prompt].outputs.images)
         diff = max_pixel_diff(got, want)
         print(
             f"batched vs alone {p.prompt!r} (strength {p.strength}): max diff {diff}, PSNR {psnr(got, want):.1f} dB"

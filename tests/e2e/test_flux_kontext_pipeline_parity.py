@@ -170,7 +170,7 @@ def test_two_edits_sharing_denoising_steps_match_each_run_alone(pipelines) -> No
     done, step_sizes = denoise_together(pipeline, running)
     assert step_sizes.count(2) == 2  # two steps shared
     for p, want in zip(params, alone, strict=True):
-        got = stack_uint8(done[p.prompt].images)
+        got = stack_uint8(done[p.prompt].outputs.images)
         diff = max_pixel_diff(got, want)
         print(f"batched vs alone {p.prompt!r}: max diff {diff}, PSNR {psnr(got, want):.1f} dB")
         assert diff <= 1

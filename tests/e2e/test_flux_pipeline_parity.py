@@ -84,4 +84,4 @@ def test_initial_noise_matches_diffusers_seed(generators) -> None:
         1, 16, 64, 48, torch.float32, torch.device("cpu"), torch.Generator("cpu").manual_seed(123)
     )
     assert torch.equal(req.latents, ref_latents)
-    assert torch.equal(req.image_ids, ref_ids)
+    assert torch.equal(req.conditioning.image_ids, ref_ids)  # FLUX.1's position ids

@@ -184,7 +184,7 @@ def test_preview_after_the_last_step_is_the_first_frame(t2v) -> None:
     req = pipeline.run_pre_denoise(pipeline.validate(Req(params=params)))
     pipeline.denoise_step([req])
     preview = pipeline.preview_images(req)
-    first_frame = pipeline.run_post_denoise(req).frames[0][0]
+    first_frame = pipeline.run_post_denoise(req).outputs.frames[0][0]
     assert len(preview) == 1 and preview[0].size == (80, 48)
     diff = max_pixel_diff(np.asarray(preview[0]), first_frame)
     assert diff <= 1, diff

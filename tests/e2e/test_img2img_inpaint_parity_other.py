@@ -249,7 +249,7 @@ def test_mixed_strengths_share_steps_and_match_each_run_alone(request, family) -
     done, step_sizes = denoise_together(pipeline, running)
     assert max(step_sizes) == 3
     for p, want in zip(params, alone, strict=True):
-        got = stack_uint8(done[p.prompt].images)
+        got = stack_uint8(done[p.prompt].outputs.images)
         diff = max_pixel_diff(got, want)
         print(f"{family} batched vs alone {p.prompt!r} (strength {p.strength}): max diff {diff}")
         assert diff <= 1

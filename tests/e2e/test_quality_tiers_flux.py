@@ -72,7 +72,7 @@ def test_an_exact_request_batched_with_a_low_one_keeps_its_exact_output(generato
     while not all(r.is_denoised for r in reqs):
         pipeline.denoise_step(reqs)
     high, low = (pipeline.run_post_denoise(r) for r in reqs)
-    got = np.asarray(high.images[0].convert("RGB"))
+    got = np.asarray(high.outputs.images[0].convert("RGB"))
     assert np.abs(got.astype(int) - pixels(exact[PROMPTS[0]]).astype(int)).max() <= 1  # CPU GEMM batch rows
     assert high.step_cache is None and high.steps_computed_in_full == STEPS
     assert low.steps_computed_in_full < STEPS

@@ -55,8 +55,8 @@ class Family:
         )
 
 
-def _pixels(req_or_out) -> np.ndarray:
-    return np.stack([np.asarray(im) for im in req_or_out.images])
+def _pixels(images: list) -> np.ndarray:
+    return np.stack([np.asarray(im) for im in images])
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -66,7 +66,7 @@ def family(request, tmp_path_factory) -> Family:
         builder(tmp_path_factory.mktemp(request.param)), device="cpu", show_progress=False
     )
     fam = Family(request.param, gen, common, [])
-    fam.references = [_pixels(gen.generate_from_params(fam.params(i))) for i in range(len(PROMPTS))]
+    fam.references = [_pixels(gen.generate_from_params(fam.params(i)).images) for i in range(len(PROMPTS))]
     assert all(ref.std() > 5 for ref in fam.references), "a flat reference would make PSNR prove nothing"
     return fam
 
@@ -87,7 +87,7 @@ def _denoise_and_decode(gen: DiffGenerator, reqs: list[Req]) -> list[Req]:
 def test_high_is_the_exact_path_also_through_the_cache_plumbing(family: Family) -> None:
     out = family.gen.generate_from_params(family.params(1, quality="high"))
     assert out.params.quality == "high" and out.steps_computed_in_full == STEPS
-    np.testing.assert_array_equal(_pixels(out), family.references[1])
+    np.testing.assert_array_equal(_pixels(out.images), family.references[1])
 
     # A cache that never reuses (threshold 0) sends every step through `step_cache.run` and the DiT's
     # `_run_blocks` split: the pixels must still be the exact path's.
@@ -95,7 +95,7 @@ def test_high_is_the_exact_path_also_through_the_cache_plumbing(family: Family) 
     req.step_cache = StepCacheState(StepCachePolicy(threshold=0.0))
     (req,) = _denoise_and_decode(family.gen, [req])
     assert req.step_cache.steps_computed == STEPS
-    np.testing.assert_array_equal(_pixels(req), family.references[1])
+    np.testing.assert_array_equal(_pixels(req.outputs.images), family.references[1])
 
 
 def test_each_tier_keeps_its_psnr_bar_and_low_and_draft_skip_steps(family: Family) -> None:
@@ -105,7 +105,7 @@ def test_each_tier_keeps_its_psnr_bar_and_low_and_draft_skip_steps(family: Famil
         for i, reference in enumerate(family.references):
             out = family.gen.generate_from_params(family.params(i, quality=tier))
             assert out.params.quality == tier
-            scores.append(psnr(_pixels(out), reference))
+            scores.append(psnr(_pixels(out.images), reference))
             steps.append(out.steps_computed_in_full)
         print(
             f"{family.name} {tier}: PSNR {[round(s, 1) for s in scores]} dB, steps in full {steps} of {STEPS}"
@@ -125,7 +125,7 @@ def test_an_exact_request_batched_with_a_low_one_keeps_its_exact_output(family: 
     assert low.steps_computed_in_full < STEPS
     # The exact request's own output, up to the GEMM rounding of a two-row batch (SD3 projects its
     # attention halves as contiguous copies, whose sums round differently at batch 2: a level at most).
-    diff = np.abs(_pixels(exact).astype(np.int16) - family.references[0].astype(np.int16))
+    diff = np.abs(_pixels(exact.outputs.images).astype(np.int16) - family.references[0].astype(np.int16))
     assert int(diff.max()) <= 1 and float((diff > 0).mean()) < 0.001
 
 

@@ -113,7 +113,7 @@ def test_an_exact_request_batched_with_a_low_one_gets_its_own_output(family: Fam
         pipeline.denoise_step([exact, cached])
     exact, cached = pipeline.run_post_denoise(exact), pipeline.run_post_denoise(cached)
 
-    got = _pixels(exact.images, exact.frames)
+    got = _pixels(exact.outputs.images, exact.outputs.frames)
     diff = int(np.abs(got.astype(int) - family.reference.astype(int)).max())
     print(
         f"{family.name}: high next to low, max diff {diff}, low computed "

@@ -99,7 +99,7 @@ def test_batched_steps_give_the_images_each_request_gets_alone(case) -> None:
     params = _params(extras)
     alone = [gen.generate_from_params(p).images for p in params]
     reqs = _run_batched(gen, _params(extras), join_after=[0, 0, 2])  # the third joins mid-way
-    by_prompt = {r.params.prompt: r.images for r in reqs}
+    by_prompt = {r.params.prompt: r.outputs.images for r in reqs}
     for p, expected in zip(params, alone, strict=True):
         got = np.stack([np.asarray(im) for im in by_prompt[p.prompt]])
         want = np.stack([np.asarray(im) for im in expected])

@@ -109,7 +109,7 @@ def test_a14b_batch_across_the_boundary_matches_alone(a14b) -> None:
     assert calls == [1, 1]
     done, _ = denoise_together(pipeline, [first, second])
     for p, want in zip(params, alone, strict=True):
-        got = np.stack(done[p.prompt].frames)
+        got = np.stack(done[p.prompt].outputs.frames)
         diff = max_pixel_diff(got, want)
         print(f"A14B batched vs alone {p.prompt!r}: max diff {diff}, PSNR {psnr(got, want):.1f} dB")
         assert diff <= 1

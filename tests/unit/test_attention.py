@@ -3,9 +3,11 @@ that makes a resolved backend active."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import math
+import sys
 
 import pytest
 import torch
@@ -18,9 +20,10 @@ from diffserve.layers.attention import (
     attention_backend_scope,
     resolve_attention_backend,
 )
+from diffserve.layers.attention_backends import AttentionBackendUnavailableError, DeviceFacts
 
 LOGGER = "diffserve.layers.attention"
-OPTIONAL_PACKAGES = ("flash_attn", "sageattention")
+OPTIONAL_PACKAGES = ("flash_attn", "flash_attn_interface", "sageattention")
 
 
 @pytest.fixture(autouse=True)
@@ -39,6 +42,8 @@ def fake_installed(monkeypatch, installed: bool) -> None:
         return real_find_spec(name, *args, **kwargs)
 
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    for name in OPTIONAL_PACKAGES:  # an imported module counts as installed: hide real ones
+        monkeypatch.delitem(sys.modules, name, raising=False)
 
 
 def reference_attention(q, k, v, mask=None):
@@ -103,49 +108,40 @@ def test_sdpa_in_float64_is_tight():
     torch.testing.assert_close(attention(q, k, v), reference_attention(q, k, v), rtol=1e-12, atol=1e-12)
 
 
-# --- backend resolution -------------------------------------------------------------------------
+# --- backend resolution (the selector itself: tests/unit/test_attention_backends.py) ---------------
 
 
-@pytest.mark.parametrize("name", ["flash_attn", "sage_attn"])
-def test_requested_backend_not_installed_logs_reason_and_uses_sdpa(monkeypatch, caplog, name):
+@pytest.mark.parametrize("name", ["flash_attn", "flash_attn_3", "sage_attn"])
+def test_named_backend_not_installed_is_a_clear_error(monkeypatch, name):
     fake_installed(monkeypatch, installed=False)
-    caplog.set_level(logging.INFO, logger=LOGGER)
-    chosen = resolve_attention_backend(name, "cpu")
-    assert chosen is AttentionBackend.SDPA
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1
-    assert name in warnings[0].getMessage()
-    assert "not installed" in warnings[0].getMessage()
-    assert "SDPA" in warnings[0].getMessage()
+    with pytest.raises(AttentionBackendUnavailableError, match=rf"{name}.*not installed"):
+        resolve_attention_backend(name, "cuda")
 
 
-@pytest.mark.parametrize("name", ["flash_attn", "sage_attn"])
-def test_requested_backend_on_cpu_logs_reason_and_uses_sdpa_even_when_installed(monkeypatch, caplog, name):
+@pytest.mark.parametrize("name", ["flash_attn", "sage_attn", "sdpa_cudnn", "sdpa_efficient"])
+def test_named_backend_on_cpu_is_a_clear_error_even_when_installed(monkeypatch, name):
     fake_installed(monkeypatch, installed=True)
-    caplog.set_level(logging.INFO, logger=LOGGER)
-    assert resolve_attention_backend(name, "cpu") is AttentionBackend.SDPA
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1
-    assert name in warnings[0] and "'cpu'" in warnings[0] and "SDPA" in warnings[0]
+    with pytest.raises(AttentionBackendUnavailableError, match=rf"{name} cannot run on a 'cpu' device"):
+        resolve_attention_backend(name, "cpu")
 
 
-def test_flash_attn_on_the_real_environment_cpu_falls_back(caplog):
+def test_flash_attn_on_the_real_environment_cpu_is_refused():
     # Whatever is installed here, a CPU device never gets flash_attn.
-    caplog.set_level(logging.WARNING, logger=LOGGER)
-    assert resolve_attention_backend("flash_attn", "cpu") is AttentionBackend.SDPA
-    assert any("flash_attn" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="flash_attn"):
+        resolve_attention_backend("flash_attn", "cpu")
 
 
-def test_installed_backend_on_cuda_is_selected_without_warning(monkeypatch, caplog):
+def test_installed_backend_on_an_ampere_gpu_is_selected_and_logged(monkeypatch, caplog):
     fake_installed(monkeypatch, installed=True)
     caplog.set_level(logging.INFO, logger=LOGGER)
-    assert resolve_attention_backend("flash_attn", "cuda") is AttentionBackend.FLASH_ATTN
+    facts = DeviceFacts("cuda", capability=(8, 0), dtype=torch.bfloat16)
+    assert resolve_attention_backend("flash_attn", "cuda", facts=facts) is AttentionBackend.FLASH_ATTN
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert any("flash_attn" in r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
 
 
-@pytest.mark.parametrize("name", [None, "sdpa"])
-def test_sdpa_and_default_select_sdpa(caplog, name):
+@pytest.mark.parametrize("name", [None, "auto", "sdpa"])
+def test_sdpa_auto_and_default_select_sdpa_on_cpu(caplog, name):
     caplog.set_level(logging.INFO, logger=LOGGER)
     assert resolve_attention_backend(name, "cpu") is AttentionBackend.SDPA
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
@@ -153,7 +149,9 @@ def test_sdpa_and_default_select_sdpa(caplog, name):
 
 def test_none_uses_the_platform_default(monkeypatch):
     fake_installed(monkeypatch, installed=True)
-    assert resolve_attention_backend(None, "cuda", default="sage_attn") is AttentionBackend.SAGE_ATTN
+    facts = DeviceFacts("cuda", capability=(9, 0), dtype=torch.bfloat16)
+    chosen = resolve_attention_backend(None, "cuda", default="sage_attn", facts=facts)
+    assert chosen is AttentionBackend.SAGE_ATTN
 
 
 @pytest.mark.parametrize("name", ["flash", "xformers", "bogus"])
@@ -165,7 +163,8 @@ def test_unknown_backend_name_raises_value_error(name):
 def test_resolving_changes_nothing_that_attention_reads(monkeypatch):
     """Resolution is pure: the active backend only changes inside a scope."""
     fake_installed(monkeypatch, installed=True)
-    assert resolve_attention_backend("flash_attn", "cuda") is AttentionBackend.FLASH_ATTN
+    facts = DeviceFacts("cuda", capability=(9, 0), dtype=torch.bfloat16)
+    assert resolve_attention_backend("flash_attn", "cuda", facts=facts) is AttentionBackend.FLASH_ATTN
     assert active_attention_backend() is AttentionBackend.SDPA
 
 
@@ -197,7 +196,9 @@ def test_scope_rejects_unknown_backend():
 
 def test_attention_dispatches_to_the_scope_backend(monkeypatch):
     """Inside a scope `attention()` runs that backend (faked here: flash_attn needs CUDA)."""
-    monkeypatch.setattr(attention_mod, "_flash", lambda q, k, v: torch.full_like(q, 7.0))
+    spec = attention_mod.SPECS[AttentionBackend.FLASH_ATTN]
+    fake = dataclasses.replace(spec, run=lambda q, k, v, mask: torch.full_like(q, 7.0))
+    monkeypatch.setitem(attention_mod.SPECS, AttentionBackend.FLASH_ATTN, fake)
     q, k, v = qkv(dtype=torch.bfloat16)
     with attention_backend_scope("flash_attn"):
         assert torch.equal(attention(q, k, v), torch.full_like(q, 7.0))

@@ -28,7 +28,7 @@ def test_cancel_between_steps() -> None:
     sr = engine.submit(Req(params=SamplingParams(prompt="x", num_inference_steps=10), on_step=on_step))
     engine.run_to_completion([sr])
     assert sr.state == "cancelled" and sr.req.step_index == 3 and seen == [1, 2, 3]
-    assert sr.req.images is None  # never decoded
+    assert sr.req.outputs.images is None  # never decoded
 
 
 def test_cancel_from_another_thread_while_waiting() -> None:
@@ -46,4 +46,4 @@ def test_uncancelled_request_runs_all_steps() -> None:
     engine = _engine()
     sr = engine.submit(Req(params=SamplingParams(prompt="x", num_inference_steps=4)))
     engine.run_to_completion([sr])
-    assert sr.state == "finished" and sr.req.step_index == 4 and len(sr.req.step_times) == 4
+    assert sr.state == "finished" and sr.req.step_index == 4 and len(sr.req.timings.steps) == 4

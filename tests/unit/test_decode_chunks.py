@@ -49,7 +49,7 @@ class ChunkedDecodePipeline(FakePipeline):
             self.log.append(("chunk", p.prompt, index))
             self.on_chunk(req, index)
             frames.append(np.zeros((1, p.height, p.width, 3), np.uint8))
-        req.frames = [np.concatenate(frames)]
+        req.outputs.frames = [np.concatenate(frames)]
         return req
 
 
@@ -92,7 +92,7 @@ def test_a_cancel_during_the_decode_stops_it_at_the_next_chunk() -> None:
     log.ended = lambda sr: ended.append(sr.state)  # type: ignore[method-assign]
     sr = engine.submit(video("long", LONG_CHUNKS))
     engine.run_to_completion([sr])
-    assert sr.state == "cancelled" and sr.req.frames is None, sr.state
+    assert sr.state == "cancelled" and sr.req.outputs.frames is None, sr.state
     assert chunks_of(pipeline, "long") == [0, 1, 2]  # not the 37 chunks after the cancel
     assert engine.events.ended == [("cancelled", "long")] and ended == ["cancelled"]
     assert not engine.has_work and not engine._decodes
@@ -126,7 +126,7 @@ def test_a_long_decode_does_not_hold_the_steps_of_a_request_behind_it() -> None:
     short_done = pipeline.log.index(("chunk", "short", 0))
     assert pipeline.log.index(("step", "short", 3)) < short_done < pipeline.log.index(("chunk", "long", 10))
     assert chunks_of(pipeline, "long") == list(range(LONG_CHUNKS))  # the whole video, in order
-    assert long.req.frames[0].shape[0] == LONG_CHUNKS
+    assert long.req.outputs.frames[0].shape[0] == LONG_CHUNKS
 
 
 def test_two_decodes_run_at_once_only_when_the_memory_model_fits_both() -> None:

@@ -203,7 +203,7 @@ def test_platform_declares_documented_attributes(name):
     assert cls.device_type == device_type
     assert cls.dispatch_key == dispatch_key
     assert cls.dist_backend == dist_backend
-    assert cls.default_attention_backend == "sdpa"
+    assert cls.default_attention_backend == "auto"
     assert platform.default_dtype == dtype
     assert isinstance(platform.default_dtype, torch.dtype)
     assert name in repr(platform) or device_type in repr(platform)

@@ -79,7 +79,7 @@ def run(request, tmp_path_factory):
 
 def test_predicted_clean_latent_matches_the_sampled_trajectory(run) -> None:
     family, req, records, _ = run
-    sigmas = req.sigmas.double()
+    sigmas = req.schedule.sigmas.double()
     for before, after in zip(records, records[1:], strict=False):
         i, k = before["step"], after["step"]
         velocity = (after["latents"].double() - before["latents"].double()) / (sigmas[k] - sigmas[i])
@@ -143,7 +143,7 @@ def test_wan_previews_the_first_frame_from_unipc_data_prediction(tmp_path) -> No
 
     req = Req(params=params, on_step=on_step)
     out = generator.generate_from_params(params, request=req)
-    sigmas = req.sigmas.double()
+    sigmas = req.schedule.sigmas.double()
     for step, (before, after) in enumerate(zip(records, records[1:], strict=False), start=1):
         expected = before[0] - sigmas[step] * after[1]
         assert (after[2] - expected).abs().max().item() <= 1e-4 * max(expected.abs().max().item(), 1.0)

@@ -1,10 +1,11 @@
-"""`Req` and the families' `Conditioning` classes declare how generic code treats their fields
-(`request.role`); CFG branch views, the step state they copy, batch keys, schedule cuts and stage
+"""`Req`, its `Schedule` and the families' `Conditioning` classes declare how generic code treats their
+fields (`request.role`); CFG branch views, the step state they copy, batch keys, schedule cuts and stage
 contracts are derived from those declarations, so a family never lists its fields in the runtime."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import get_type_hints
 
 import pytest
 import torch
@@ -17,10 +18,15 @@ from diffserve.families.z_image.conditioning import ZImageConditioning
 from diffserve.platforms import CpuPlatform
 from diffserve.request import (
     Conditioning,
+    LatentSize,
     Req,
+    RequestOutputs,
+    Schedule,
+    Timings,
     batch_signature,
     field_role,
     negative_pairs,
+    per_step_fields,
     role,
     stepped_fields,
 )
@@ -44,8 +50,12 @@ def _all_conditioning_classes() -> list[type[Conditioning]]:
 
 
 def test_req_stays_small() -> None:
-    """Family-specific state lives in the families' conditioning classes, not on `Req`."""
-    assert len(fields(Req)) <= 35
+    """`Req` holds what every request has: family-specific state lives in the families' conditioning
+    classes, and what belongs together (the schedule, the outputs, the timings) in one typed object."""
+    assert len(fields(Req)) <= 25
+    hints = get_type_hints(Req)
+    assert hints["schedule"] == Schedule | None
+    assert (hints["outputs"], hints["timings"]) == (RequestOutputs, Timings)
 
 
 @pytest.mark.parametrize("cls", _all_conditioning_classes(), ids=lambda c: c.__name__)
@@ -136,12 +146,18 @@ def test_batch_signature_compares_declared_shapes_and_values() -> None:
 
 
 def test_image_to_image_cuts_declared_per_step_tables() -> None:
-    schedule = torch.arange(5.0)
-    req = _req(sigmas=schedule, host_sigmas=schedule, timesteps=schedule[:4])
-    ZImageConditioning.of(req).dit_timesteps = schedule[:4] * 10
+    """What the schedule and the conditioning declare `per_step` is cut; the rest is shared, not copied."""
+    assert per_step_fields(Schedule.of_length(1)) == ["sigmas", "timesteps", "host_sigmas"]
+    sigmas, guidance = torch.arange(5.0), torch.ones(1)
+    req = _req(schedule=Schedule(sigmas, sigmas[:4], sigmas.clone(), guidance))
+    ZImageConditioning.of(req).dit_timesteps = sigmas[:4] * 10
     truncate_schedule(req, 2)
     assert torch.equal(ZImageConditioning.of(req).dit_timesteps, torch.tensor([20.0, 30.0]))
-    assert torch.equal(req.timesteps, torch.tensor([2.0, 3.0]))
+    schedule = req.schedule
+    assert schedule is not None and schedule.num_steps == req.num_steps == 2
+    assert torch.equal(schedule.timesteps, torch.tensor([2.0, 3.0]))
+    assert torch.equal(schedule.sigmas, schedule.host_sigmas) and schedule.sigmas.tolist() == [2.0, 3.0, 4.0]
+    assert schedule.guidance is guidance
 
 
 def test_conditioning_of_attaches_one_and_refuses_another_class() -> None:
@@ -161,6 +177,25 @@ class SetsAudio(Stage):
         return req
 
 
+class SetsImages(Stage):
+    needs = ("schedule", "latent_size")
+    sets = ("outputs.images",)
+
+    def forward(self, req: Req) -> Req:
+        return req
+
+
+def test_stage_contracts_name_fields_of_grouped_objects() -> None:
+    req = _req(schedule=Schedule.of_length(2))
+    with pytest.raises(StageContractError, match="needs latent_size"):
+        SetsImages()(req, CpuPlatform())
+    req.latent_size = LatentSize(4, 4)
+    with pytest.raises(StageContractError, match="did not set outputs.images"):
+        SetsImages()(req, CpuPlatform())
+    req.outputs = RequestOutputs(images=[])
+    assert SetsImages()(req, CpuPlatform()) is req
+
+
 def test_stage_contracts_name_conditioning_fields() -> None:
     with pytest.raises(StageContractError, match="needs conditioning.audio_prompt_embeds"):
         SetsAudio()(_req(), CpuPlatform())
@@ -168,8 +203,11 @@ def test_stage_contracts_name_conditioning_fields() -> None:
     assert LTX2Conditioning.of(SetsAudio()(req, CpuPlatform())).audio_latents is not None
 
 
-def test_a_contract_naming_no_field_is_refused_when_the_stage_is_defined() -> None:
+@pytest.mark.parametrize(
+    "name", ["prompt_embed", "schedule.sigma", "outputs.paths", "latents.shape", "conditioning."]
+)
+def test_a_contract_naming_no_field_is_refused_when_the_stage_is_defined(name: str) -> None:
     with pytest.raises(TypeError, match="not a Req field"):
 
         class Typo(Stage):  # noqa: F841
-            needs = ("prompt_embed",)
+            needs = (name,)

@@ -47,7 +47,7 @@ def test_stage_is_timed_into_the_request() -> None:
     req.prompt_embeds = torch.zeros(1)
     req = SetsLatents()(req, CpuPlatform())
     assert req.latents is not None
-    assert "SetsLatents" in req.timings and req.timings["SetsLatents"] >= 0
+    assert "SetsLatents" in req.timings.stages and req.timings.stages["SetsLatents"] >= 0
 
 
 class CountingPlatform(CpuPlatform):

@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from diffserve import DiffGenerator, SamplingParams
 from diffserve.layers.attention import AttentionBackend
 from diffserve.platforms import CpuPlatform
-from diffserve.request import Req
+from diffserve.request import LatentSize, Req
 from diffserve.runtime import Engine, ModelRunner, SchedulerConfig
 
 # -- the recorder -----------------------------------------------------------------------------------
@@ -318,7 +318,7 @@ def test_batched_engine_steps_make_no_host_traffic(family) -> None:
     events = [e for log in logs for e in log.events]
     assert not events and sum(log.synchronize_calls for log in logs) == 0, f"{name}:\n{_report(logs)}"
     for sr in srs:
-        assert len(sr.req.step_times) == sr.req.num_steps and all(t > 0 for t in sr.req.step_times)
+        assert len(sr.req.timings.steps) == sr.req.num_steps and all(t > 0 for t in sr.req.timings.steps)
 
 
 # -- step timing without a sync -------------------------------------------------------------------
@@ -425,7 +425,7 @@ def test_runner_fills_step_times_without_synchronizing() -> None:
     for _ in range(4):
         runner.denoise_step([req])
     runner.flush_step_times()
-    assert req.step_times == [0.25, 0.5, 0.75, 1.0]
+    assert req.timings.steps == [0.25, 0.5, 0.75, 1.0]
     assert device.synchronize_calls == 0
 
 
@@ -454,9 +454,9 @@ def test_zimage_dit_time_is_what_each_step_computed(steps: int, dynamic: bool) -
 
     scheduler = FlowMatchEulerScheduler(shift=3.0, use_dynamic_shifting=dynamic)
     req = Req(params=SamplingParams(prompt="x", num_inference_steps=steps))
-    req.latents, req.latent_height, req.latent_width = torch.zeros(1, 4, 64, 48), 64, 48
+    req.latents, req.latent_size = torch.zeros(1, 4, 64, 48), LatentSize(64, 48)
     ZImageTimestepPreparationStage(scheduler).forward(req)
-    per_step = torch.stack([(1000 - req.timesteps[i]) / 1000 for i in range(steps)])
+    per_step = torch.stack([(1000 - req.schedule.timesteps[i]) / 1000 for i in range(steps)])
     dit_timesteps = ZImageConditioning.of(req).dit_timesteps
     assert dit_timesteps.dtype == torch.float32
     assert torch.equal(dit_timesteps, per_step)

@@ -122,7 +122,7 @@ def test_eight_mixed_requests_batched_equal_each_alone(flux) -> None:
     assert sorted(events.finished) == sorted(sr.request_id for sr in srs) and not events.failed
     assert scheduler.scheduler.max_running_seen == 8 and max(scheduler.scheduler.batch_size_counts) == 8
     for i, (sr, expected) in enumerate(zip(srs, want, strict=True)):
-        assert_same(pixels(sr.req.images), expected, f"flux request {i} ({MIXED[i]})")
+        assert_same(pixels(sr.req.outputs.images), expected, f"flux request {i} ({MIXED[i]})")
 
 
 def test_zimage_mixed_requests_batched_equal_each_alone(zimage) -> None:
@@ -139,7 +139,7 @@ def test_zimage_mixed_requests_batched_equal_each_alone(zimage) -> None:
     scheduler.run_until_idle()
     assert max(scheduler.scheduler.batch_size_counts) == 4
     for i, (sr, expected) in enumerate(zip(srs, want, strict=True)):
-        assert_same(pixels(sr.req.images), expected, f"z-image request {i}")
+        assert_same(pixels(sr.req.outputs.images), expected, f"z-image request {i}")
 
 
 def test_a_request_joins_a_running_batch_mid_way(flux) -> None:
@@ -154,7 +154,7 @@ def test_a_request_joins_a_running_batch_mid_way(flux) -> None:
     scheduler.run_until_idle()
     assert late.batch_sizes[0] == 3  # it shared its first step with the two already running
     for sr, expected in zip([*first, late], want, strict=True):
-        assert_same(pixels(sr.req.images), expected, f"joined mid-way: {sr.req.params.prompt!r}")
+        assert_same(pixels(sr.req.outputs.images), expected, f"joined mid-way: {sr.req.params.prompt!r}")
 
 
 def test_cancelling_mid_batch_frees_the_slot_and_leaves_the_others_unchanged(flux) -> None:
@@ -171,12 +171,11 @@ def test_cancelling_mid_batch_frees_the_slot_and_leaves_the_others_unchanged(flu
     assert events.cancelled == [victim.request_id] and victim.req.step_index == 2
     assert waiting.state == "running" and waiting.batch_sizes == [3]
     scheduler.run_until_idle()
-    assert victim.req.images is None and victim.request_id not in events.finished
+    assert victim.req.outputs.images is None and victim.request_id not in events.finished
     for sr, expected in zip(srs, want, strict=True):
         if sr is not victim:
-            assert_same(
-                pixels(sr.req.images), expected, f"next to a cancelled request: {sr.req.params.prompt!r}"
-            )
+            label = f"next to a cancelled request: {sr.req.params.prompt!r}"
+            assert_same(pixels(sr.req.outputs.images), expected, label)
 
 
 def test_cancelling_a_waiting_request_drops_it(flux) -> None:
@@ -339,7 +338,7 @@ def test_failing_requests_do_not_take_down_the_others(flux) -> None:
     assert all(sr.state == "failed" for sr in bad.values()) and scheduler.scheduler.num_running == 0
     for sr, expected in zip(ok, want, strict=True):
         assert sr.state == "finished"
-        assert_same(pixels(sr.req.images), expected, "next to failing requests")
+        assert_same(pixels(sr.req.outputs.images), expected, "next to failing requests")
 
 
 class ScriptedPlatform:

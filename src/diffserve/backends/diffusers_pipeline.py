@@ -6,7 +6,7 @@ behind the engine's `EnginePipeline` contract (runtime/contract.py), one request
   guidance; sizes are multiples of the VAE's scale factor (times the DiT's patch); the seed makes a CPU
   `torch.Generator`, as diffserve's native path does, so `seed=s` gives what calling diffusers with
   `generator=torch.Generator("cpu").manual_seed(s)` gives.
-- run_pre_denoise: nothing runs yet; `timesteps` holds the expected step count (the call corrects it).
+- run_pre_denoise: nothing runs yet; a placeholder `Schedule` of the expected steps (the call corrects it).
 - denoise_step: advances the request's call by one step (`diffusers_run.py`), so progress, `on_step`,
   cancellation and step times work as for native requests. `batch_key` is the request id: no two
   requests share a step, and the engine runs one request at a time (the call's scheduler and the
@@ -37,7 +37,7 @@ from diffserve.errors import InvalidRequestError, ModelLoadError
 from diffserve.loader.component_loader import LoadedComponent
 from diffserve.loader.owned_weights import detach_from_files
 from diffserve.platforms import Platform
-from diffserve.request import Req
+from diffserve.request import Req, Schedule
 from diffserve.runtime.contract import PipelineFacts
 
 logger = logging.getLogger("diffserve.backends")
@@ -243,7 +243,7 @@ class DiffusersBackendPipeline:
 
     def run_pre_denoise(self, req: Req) -> Req:
         """Nothing runs before the first step (the call encodes text itself); the expected step count."""
-        req.timesteps = torch.zeros(int(req.params.num_inference_steps or 0))
+        req.schedule = Schedule.of_length(int(req.params.num_inference_steps or 0))
         req.step_index = 0
         return req
 
@@ -266,11 +266,11 @@ class DiffusersBackendPipeline:
         if isinstance(event, CallDone):  # fewer steps than expected: the call is over
             self._runs.pop(req.request_id, None)
             self._set_outputs(req, event.output)
-            req.timesteps = torch.zeros(run.steps_done)
+            req.schedule = Schedule.of_length(run.steps_done)
             req.step_index = run.steps_done
             return
         if event.total != req.num_steps:  # the pipeline's own count (e.g. a strength-shortened schedule)
-            req.timesteps = torch.zeros(event.total)
+            req.schedule = Schedule.of_length(event.total)
         req.step_index = event.step
 
     def run_post_denoise(self, req: Req) -> Req:
@@ -312,11 +312,11 @@ class DiffusersBackendPipeline:
         if frames is not None:
             if not self._facts.makes_video:
                 raise RuntimeError(f"{name} returned video frames, but it was loaded as an image pipeline")
-            req.frames = [_to_uint8(np.asarray(video)) for video in frames]
+            req.outputs.frames = [_to_uint8(np.asarray(video)) for video in frames]
         elif images is not None:
             if self._facts.makes_video:
                 raise RuntimeError(f"{name} returned images, but it was loaded as a video pipeline")
-            req.images = [
+            req.outputs.images = [
                 image if isinstance(image, Image.Image) else Image.fromarray(_to_uint8(np.asarray(image)))
                 for image in images
             ]

@@ -13,6 +13,7 @@ def unsupported_flags(args: EngineArgs) -> list[str]:
     """The flags set in `args` that `--backend diffusers` does not implement."""
     flags = {
         "--compile": args.compile,
+        "--enable-cuda-graph": args.enable_cuda_graph,
         "--quantization": args.quantization is not None,
         "--transformer-weights": args.transformer_weights is not None,
         "--text-encoder-dtype": args.text_encoder_dtype is not None,

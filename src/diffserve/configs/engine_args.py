@@ -34,6 +34,13 @@ LORA = OptionGroup(
 MEMORY = OptionGroup("memory", "quantization, single-file weights and offload (docs/memory.md)")
 
 
+def _cpu_offload(component: str, held: str, use: str) -> bool:
+    """The off-by-default switch `--COMPONENT-cpu-offload`, whose help is "keep HELD in host memory; USE"."""
+    return option(
+        False, cli=f"--{component}-cpu-offload", group=MEMORY, help=f"keep {held} in host memory; {use}"
+    )
+
+
 @dataclass(frozen=True)
 class LoraSpec:
     """An adapter loaded when the engine starts (`--lora [NAME=]PATH[:SCALE]`): its name (default: the
@@ -97,8 +104,10 @@ class EngineArgs:
         None, cli="--text-encoder-dtype", help="dtype of the text encoders (default: --dtype)"
     )
     attention_backend: str | None = option(
-        None, cli="--attention-backend", help="sdpa, flash_attn or sage_attn (default: sdpa)"
-    )
+        None, cli="--attention-backend",
+        help="auto, sdpa, flash_attn_3, flash_attn, sage_attn, sdpa_cudnn or sdpa_efficient; a named one that "
+        "cannot run here is an error (default: auto: the fastest exact one installed and supported, logged)",
+    )  # fmt: skip
     output_path: str = option(
         "outputs", cli="--output-path", commands=("generate", "serve"),
         help="directory for output files: generate's images and videos, serve's response_format='url' images "
@@ -136,6 +145,13 @@ class EngineArgs:
     compile: bool = option(
         False, cli="--compile",
         help="torch.compile the DiT's repeated blocks (dynamic shapes), compiled by a start-up warm-up",
+    )  # fmt: skip
+    #: `runtime/cuda_graph/`: the DiT's blocks captured per (batch bucket, token bucket) and replayed.
+    enable_cuda_graph: bool = option(
+        False, cli="--enable-cuda-graph",
+        help="breakable CUDA graphs: capture the DiT's blocks per batch and prompt-length bucket during the "
+        "warm-up (--warmup-resolutions; without it, on first use) and replay them; NVIDIA GPUs, FLUX.1, "
+        "Qwen-Image and Z-Image DiTs; shapes not captured run eager (logged)",
     )  # fmt: skip
     #: (height, width) sizes; empty: none (the server still runs its 1-step warm-up).
     warmup_resolutions: list[tuple[int, int]] = option(
@@ -234,8 +250,9 @@ class EngineArgs:
     # Memory: quantization, single-file weights, offload (docs/memory.md).
     quantization: str | None = option(
         None, cli="--quantization", choices=QUANTIZATION_MODES, group=MEMORY,
-        help="weight-only quantization of the DiT's Linears at load, per output channel (norms, embeddings "
-        "and the final layer stay in full precision); default: none",
+        help="quantization of the DiT's Linears at load, per output channel (norms, embeddings and the final "
+        "layer stay in full precision): int8 / fp8 weight-only, or fp8-dynamic: FP8 compute with per-token "
+        "activation scales (NVIDIA compute capability >= 8.9, bf16); default: none",
     )  # fmt: skip
     #: The rest of the pipeline comes from the folder.
     transformer_weights: str | None = option(
@@ -244,18 +261,13 @@ class EngineArgs:
         "BFL/ComfyUI or Diffusers key names, FP8 included) or .gguf (Q8_0, Q4_K, F16, ...)",
     )  # fmt: skip
     #: Components kept in host memory that move to the device for their stage (`offload/`).
-    text_encoder_cpu_offload: bool = option(
-        False, cli="--text-encoder-cpu-offload", group=MEMORY,
-        help="keep the text encoders in host memory; they move to the device to encode",
-    )  # fmt: skip
-    image_encoder_cpu_offload: bool = option(
-        False, cli="--image-encoder-cpu-offload", group=MEMORY,
-        help="keep the image encoder in host memory; it moves to the device to encode",
-    )  # fmt: skip
-    vae_cpu_offload: bool = option(
-        False, cli="--vae-cpu-offload", group=MEMORY,
-        help="keep the VAE in host memory; it moves to the device to encode or decode",
-    )  # fmt: skip
+    text_encoder_cpu_offload: bool = _cpu_offload(
+        "text-encoder", "the text encoders", "they move to the device to encode"
+    )
+    image_encoder_cpu_offload: bool = _cpu_offload(
+        "image-encoder", "the image encoder", "it moves to the device to encode"
+    )
+    vae_cpu_offload: bool = _cpu_offload("vae", "the VAE", "it moves to the device to encode or decode")
     #: `models/vaes/tiling.py`; off, a decode is tiled only when the memory model says it would not fit
     #: untiled (one device; `runtime/memory.py`).
     vae_tiling: bool = option(
@@ -263,10 +275,7 @@ class EngineArgs:
         help="decode (and encode) in overlapping tiles, as Diffusers' enable_tiling: less memory, slightly "
         "different pixels; without it a decode is tiled only when it would not fit in memory",
     )  # fmt: skip
-    dit_cpu_offload: bool = option(
-        False, cli="--dit-cpu-offload", group=MEMORY,
-        help="keep the DiT in host memory; it moves to the device while requests denoise",
-    )  # fmt: skip
+    dit_cpu_offload: bool = _cpu_offload("dit", "the DiT", "it moves to the device while requests denoise")
     dit_layerwise_offload: bool = option(
         False, cli="--dit-layerwise-offload", group=MEMORY,
         help="keep the DiT's blocks in host memory and stream them to the device one at a time, the next "

@@ -1,5 +1,5 @@
 """The memory options' allowed values and their checks, shared by the CLI flags, the Python API and the
-server (torch-free): weight-only quantization modes, offload modes, single-file DiT weight formats."""
+server (torch-free): quantization modes, offload modes, single-file DiT weight formats."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pathlib import Path
 
 from diffserve.errors import UserError
 
-#: `--quantization`: weight-only, per output channel, of the DiT's Linears.
-QUANTIZATION_MODES = ("int8", "fp8")
+#: `--quantization`, of the DiT's Linears, per output channel: weight-only (int8, fp8), or FP8 compute
+#: with per-token activation scales (fp8-dynamic: NVIDIA compute capability >= 8.9 only).
+QUANTIZATION_MODES = ("int8", "fp8", "fp8-dynamic")
 #: `--offload`: "auto" plans the offloads from free memory; "none" applies only the explicit flags.
 OFFLOAD_MODES = ("none", "auto")
 #: `--transformer-weights` file kinds, by suffix.

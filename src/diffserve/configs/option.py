@@ -26,9 +26,12 @@ import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol, TypeVar, overload
+from typing import TYPE_CHECKING, Protocol, TypeVar, overload
 
 from diffserve.errors import InvalidRequestError, UserError
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., object])
@@ -132,24 +135,33 @@ def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(value)
 
 
+class OptionKeywords(typing.TypedDict, total=False):
+    """What `option` takes besides the default and `help` (each part is described there); the fields of
+    `Option`, whose defaults are the keywords' defaults."""
+
+    cli: str | None
+    min: float | None
+    max: float | None
+    gt: float | None
+    lt: float | None
+    min_items: int | None
+    max_items: int | None
+    choices: Iterable[str] | None
+    metavar: str | None
+    parse: Callable[[str], object] | None
+    convert: Callable[[str, str], object] | None
+    repeat: bool
+    commands: Iterable[str] | None
+    group: OptionGroup | None
+    http: bool
+    env: str | None
+    front_end_default: object
+
+
 @overload
-def option(
-    default: T, *, help: str, cli: str | None = None, min: float | None = None, max: float | None = None,
-    gt: float | None = None, lt: float | None = None, min_items: int | None = None,
-    max_items: int | None = None, choices: Iterable[str] | None = None, metavar: str | None = None,
-    parse: Callable[[str], object] | None = None, convert: Callable[[str, str], object] | None = None,
-    repeat: bool = False, commands: Iterable[str] | None = None, group: OptionGroup | None = None,
-    http: bool = False, env: str | None = None, front_end_default: object = FIELD_DEFAULT,
-) -> T: ...  # fmt: skip
+def option(default: T, *, help: str, **keywords: Unpack[OptionKeywords]) -> T: ...
 @overload
-def option(
-    *, default_factory: Callable[[], T], help: str, cli: str | None = None, min: float | None = None,
-    max: float | None = None, gt: float | None = None, lt: float | None = None, min_items: int | None = None,
-    max_items: int | None = None, choices: Iterable[str] | None = None, metavar: str | None = None,
-    parse: Callable[[str], object] | None = None, convert: Callable[[str, str], object] | None = None,
-    repeat: bool = False, commands: Iterable[str] | None = None, group: OptionGroup | None = None,
-    http: bool = False, env: str | None = None, front_end_default: object = FIELD_DEFAULT,
-) -> T: ...  # fmt: skip
+def option(*, default_factory: Callable[[], T], help: str, **keywords: Unpack[OptionKeywords]) -> T: ...
 @overload
 def option(  # a required field: no default
     *, help: str, cli: str | None = None, metavar: str | None = None,
@@ -161,23 +173,7 @@ def option(
     *,
     default_factory: Callable[[], object] | None = None,
     help: str,
-    cli: str | None = None,
-    min: float | None = None,
-    max: float | None = None,
-    gt: float | None = None,
-    lt: float | None = None,
-    min_items: int | None = None,
-    max_items: int | None = None,
-    choices: Iterable[str] | None = None,
-    metavar: str | None = None,
-    parse: Callable[[str], object] | None = None,
-    convert: Callable[[str, str], object] | None = None,
-    repeat: bool = False,
-    commands: Iterable[str] | None = None,
-    group: OptionGroup | None = None,
-    http: bool = False,
-    env: str | None = None,
-    front_end_default: object = FIELD_DEFAULT,
+    **keywords: Unpack[OptionKeywords],
 ) -> typing.Any:
     """A dataclass field declaring an option. `default` (or `default_factory`; neither: a required field)
     is the field's default, and the flag's and keyword's. `help`: one text for `--help` and the OpenAPI
@@ -191,12 +187,13 @@ def option(
     options). `group`: the `--help` section. `http`: a field of the HTTP request bodies. `env`: an
     environment variable the flag's default is read from. `front_end_default`: the flag's and the HTTP
     field's default when it is not the field's (the seed: unset there, then drawn at random)."""
+    choices, commands = keywords.pop("choices", None), keywords.pop("commands", None)
     spec = Option(
-        help=help, cli=cli, min=min, max=max, gt=gt, lt=lt, min_items=min_items, max_items=max_items,
-        choices=None if choices is None else tuple(choices), metavar=metavar, parse=parse, convert=convert,
-        repeat=repeat, commands=None if commands is None else tuple(commands), group=group, http=http,
-        env=env, front_end_default=front_end_default,
-    )  # fmt: skip
+        help=help,
+        choices=None if choices is None else tuple(choices),
+        commands=None if commands is None else tuple(commands),
+        **keywords,
+    )
     metadata = {METADATA_KEY: spec}
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)

@@ -171,6 +171,18 @@ def check_strength(strength: object) -> None:
         raise InvalidRequestError(f"strength must be a number in [0, 1], got {strength!r}", param="strength")
 
 
+def _image_side(side: str) -> int | None:
+    """The option of the image's `side` ("height" or "width") in pixels, `--height` / `--width`."""
+    return option(
+        None,
+        cli=f"--{side}",
+        min=1,
+        max=MAX_IMAGE_SIDE,
+        http=True,
+        help=f"image {side} in pixels (unset: the model's default)",
+    )
+
+
 @dataclass
 class SamplingParams:
     """What one generation request asks for. `None` means "use the model family's default". Each field is
@@ -183,22 +195,8 @@ class SamplingParams:
     negative_prompt: str | None = option(
         None, cli="--negative-prompt", http=True, help="negative prompt (used with true_cfg_scale > 1)"
     )
-    height: int | None = option(
-        None,
-        cli="--height",
-        min=1,
-        max=MAX_IMAGE_SIDE,
-        http=True,
-        help="image height in pixels (unset: the model's default)",
-    )
-    width: int | None = option(
-        None,
-        cli="--width",
-        min=1,
-        max=MAX_IMAGE_SIDE,
-        http=True,
-        help="image width in pixels (unset: the model's default)",
-    )
+    height: int | None = _image_side("height")
+    width: int | None = _image_side("width")
     num_inference_steps: int | None = option(
         None, cli="--num-inference-steps", min=1, http=True,
         help="denoising steps (unset: the model's default; at most the server's --max-inference-steps)",

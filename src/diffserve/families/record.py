@@ -5,20 +5,20 @@ A record says everything the rest of the engine needs to know about a family: th
 `_class_name` it serves (no guessing from folder or model names: a folder is served only when its
 model_index.json names a pipeline some record lists, and anything else is refused with the list of what
 is supported), its pipeline class, the native classes that implement its Diffusers components, the
-loader's facts about its DiT (full-precision modules, LoRA conversion, single-file key plans), its
-pipeline config and sampling defaults, its task, and the builder of its tiny random-weight checkpoint.
+loader's facts about its DiT (full-precision modules, LoRA conversion, single-file key plans), its task,
+and the builder of its tiny random-weight checkpoint. Its pipeline constants and sampling defaults
+(`config.py`) are the pipeline class's own: the pipeline reads them, so the record does not repeat them.
 Its `name` is the family's one spelling everywhere (CLI, calibration files, logs); `aliases` are other
 spellings accepted on input, and only the registry's `family_by_name` reads them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.loader.dit_facts import DitFacts
 from diffserve.loader.native_classes import NativeClasses
@@ -59,9 +59,6 @@ class ModelFamily:
     pipeline_cls: type[Pipeline]
     #: Diffusers `_class_name` -> native class, for the DiT, the VAE and the schedulers this family loads.
     native_classes: NativeClasses
-    #: The family's pipeline constants (a dataclass of its `config.py`).
-    pipeline_config: object
-    default_sampling_params: Callable[[], SamplingParams]
     #: What it makes from what: "text-to-image", "image-edit", "text-to-video", "image-to-video".
     task: str
     #: Writes the family's tiny random-weight checkpoint (what `diffserve make-tiny NAME DIR` runs).

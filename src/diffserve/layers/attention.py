@@ -1,32 +1,65 @@
 """`attention(q, k, v)` on (batch, seq, heads, head_dim) tensors, with the backend of the enclosing
-`attention_backend_scope` (a `ContextVar`): `sdpa`, `flash_attn` or `sage_attn` (else SDPA, logged).
-Compiled code calls the opaque custom op `diffserve::attention`, which reads the scope when the graph
-runs: Dynamo cannot trace `ContextVar.get`, and a traced value would be baked into a shared graph."""
+`attention_backend_scope` (a `ContextVar`): one of `layers/attention_backends.py`'s kernels (SDPA,
+FlashAttention 3 / 2, SageAttention, cuDNN or efficient SDPA), chosen per engine by
+`resolve_attention_backend`. A call the active kernel cannot take (a mask, a dtype, a head dim) runs on
+SDPA, logged once. Compiled code calls the opaque custom op `diffserve::attention`, which reads the scope
+when the graph runs: Dynamo cannot trace `ContextVar.get`, and a traced value would be baked into a
+shared graph.
+
+`attention_hook_scope` lets the breakable CUDA graphs (`runtime/cuda_graph/`) take over every attention
+call in its block: the call then becomes a break point between captured segments (the hook runs the
+kernel itself, through `run_attention_kernel`)."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from enum import Enum
+from typing import Protocol
 
 import torch
-import torch.nn.functional as F
+
+from diffserve.layers.attention_backends import (
+    AUTO,
+    SPECS,
+    AttentionBackend,
+    DeviceFacts,
+    sdpa,
+    select_attention_backend,
+)
 
 logger = logging.getLogger(__name__)
 
+__all__ = [
+    "AttentionBackend",
+    "AttentionHook",
+    "active_attention_backend",
+    "attention",
+    "attention_backend_scope",
+    "attention_hook_scope",
+    "resolve_attention_backend",
+    "run_attention_kernel",
+]
 
-class AttentionBackend(str, Enum):
-    SDPA = "sdpa"
-    FLASH_ATTN = "flash_attn"
-    SAGE_ATTN = "sage_attn"
+
+class AttentionHook(Protocol):
+    """Runs one attention call in place of the kernel dispatch (`attention_hook_scope`)."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        backend: AttentionBackend,
+    ) -> torch.Tensor: ...
 
 
 _active_backend: ContextVar[AttentionBackend] = ContextVar(
     "diffserve_attention_backend", default=AttentionBackend.SDPA
 )
+_active_hook: ContextVar[AttentionHook | None] = ContextVar("diffserve_attention_hook", default=None)
 _reported: set[str] = set()
 
 
@@ -36,32 +69,24 @@ def _log_once(message: str) -> None:
         logger.warning(message)
 
 
-def backend_unavailable_reason(backend: AttentionBackend, device_type: str) -> str | None:
-    """Why `backend` cannot run on `device_type` here, or None when it can."""
-    if backend is AttentionBackend.SDPA:
-        return None
-    module = "flash_attn" if backend is AttentionBackend.FLASH_ATTN else "sageattention"
-    if importlib.util.find_spec(module) is None:
-        return f"attention backend {backend.value!r} requested but the '{module}' package is not installed"
-    if device_type not in ("cuda",):
-        return f"attention backend {backend.value!r} needs a CUDA/ROCm device, not {device_type!r}"
-    return None
-
-
-def resolve_attention_backend(name: str | None, device_type: str, default: str = "sdpa") -> AttentionBackend:
-    """The backend for `name` (None: `default`) on `device_type`; one that cannot run here is logged and
-    replaced by SDPA, an unknown name raises ValueError."""
-    try:
-        wanted = AttentionBackend(name or default)
-    except ValueError:
-        choices = ", ".join(b.value for b in AttentionBackend)
-        raise ValueError(f"unknown attention backend {name!r}; choose one of: {choices}") from None
-    reason = backend_unavailable_reason(wanted, device_type)
-    if reason is not None:
-        logger.warning("%s; using torch SDPA instead", reason)
-        wanted = AttentionBackend.SDPA
-    logger.info("Attention backend: %s", wanted.value)
-    return wanted
+def resolve_attention_backend(
+    name: str | None,
+    device_type: str,
+    default: str = AUTO,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+    facts: DeviceFacts | None = None,
+) -> AttentionBackend:
+    """The backend for `name` (None: `default`, normally `auto`) on the device `device_type` (`device`
+    with its compute capability, `dtype` the model's, or `facts` given whole), logged with the reasons
+    the others were not taken. A named backend that cannot run here raises
+    `AttentionBackendUnavailableError` (a ValueError), as does an unknown name."""
+    if facts is None:
+        facts = DeviceFacts.of(device, dtype) if device is not None else DeviceFacts(device_type, dtype=dtype)
+    selection = select_attention_backend(name or default, facts)
+    logger.info("Attention backend: %s", selection.describe())
+    return selection.backend
 
 
 @contextmanager
@@ -80,16 +105,31 @@ def active_attention_backend() -> AttentionBackend:
     return _active_backend.get()
 
 
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    from flash_attn import flash_attn_func
+@contextmanager
+def attention_hook_scope(hook: AttentionHook | None) -> Iterator[None]:
+    """Route every `attention()` call in this thread/task to `hook` until the block exits (None: none)."""
+    token = _active_hook.set(hook)
+    try:
+        yield
+    finally:
+        _active_hook.reset(token)
 
-    return flash_attn_func(q, k, v)
 
-
-def _sage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    from sageattention import sageattn
-
-    return sageattn(q, k, v, tensor_layout="NHD")
+def run_attention_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    chosen: AttentionBackend,
+) -> torch.Tensor:
+    """`chosen`'s kernel over these inputs, or SDPA (logged once) when the kernel cannot take them."""
+    if chosen is not AttentionBackend.SDPA:
+        spec = SPECS[chosen]
+        reason = spec.call_unsupported(q, k, v, attn_mask)
+        if reason is None:
+            return spec.run(q, k, v, attn_mask)
+        _log_once(f"{chosen.value} {reason}; using SDPA for these calls")
+    return sdpa(q, k, v, attn_mask)
 
 
 def _run(
@@ -99,18 +139,11 @@ def _run(
     attn_mask: torch.Tensor | None,
     chosen: AttentionBackend,
 ) -> torch.Tensor:
-    """`chosen` over these inputs, or SDPA (logged once) when a fast backend cannot take them."""
-    if chosen is not AttentionBackend.SDPA:
-        if attn_mask is not None:
-            _log_once(f"{chosen.value} does not take an attention mask; using SDPA for masked calls")
-        elif q.dtype not in (torch.float16, torch.bfloat16):
-            _log_once(f"{chosen.value} needs fp16/bf16 inputs, got {q.dtype}; using SDPA for these calls")
-        elif chosen is AttentionBackend.FLASH_ATTN:
-            return _flash(q, k, v)
-        else:
-            return _sage(q, k, v)
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=attn_mask).transpose(1, 2)
+    """The active hook's result for this call, else the kernel's."""
+    hook = _active_hook.get()
+    if hook is not None:
+        return hook(q, k, v, attn_mask, chosen)
+    return run_attention_kernel(q, k, v, attn_mask, chosen)
 
 
 @torch.library.custom_op("diffserve::attention", mutates_args=())

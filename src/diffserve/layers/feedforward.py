@@ -6,6 +6,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from diffserve.distributed.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelRank,
+    shard_linear,
+)
 from diffserve.layers.mlp import GeluProjection
 
 
@@ -21,6 +27,12 @@ class FeedForward(nn.Module):
         self.net = nn.ModuleList(
             [GeluProjection(dim, inner_dim, approximate), nn.Identity(), nn.Linear(inner_dim, dim_out or dim)]
         )
+
+    def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
+        """This rank's slice of the hidden features: the GELU projection column-parallel (the GELU is
+        elementwise, so it runs on the local slice), the output Linear row-parallel."""
+        shard_linear(self, "net.0.proj", ColumnParallelLinear, tp)
+        shard_linear(self, "net.2", RowParallelLinear, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net[2](self.net[0](x))

@@ -9,39 +9,55 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from diffserve.distributed.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelRank,
+    shard_linear,
+)
 from diffserve.layers.attention import attention
+from diffserve.layers.attention_weights import AttentionWeights, QKNormFactory
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding
 
 Heads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-QKNormFactory = Callable[[], nn.Module]
 
 
 def _normed(norm: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
     return x if norm is None else norm(x)
 
 
-class JointAttention(nn.Module):
-    """The weights of a joint attention and the per-stream projection to heads. `qk_norm` builds the
-    per-head norms of q and k (None: none); without `context_out` the text supplies keys and values only."""
+class JointAttention(AttentionWeights):
+    """The weights of a joint attention and the per-stream projection to heads: the image stream's
+    `AttentionWeights` plus the text stream's `add_*_proj`, `norm_added_*` and `to_add_out`. `qk_norm`
+    builds the per-head norms of q and k (None: none); without `context_out` the text supplies keys and
+    values only."""
 
     def __init__(
-        self, dim: int, num_heads: int, head_dim: int, qk_norm: QKNormFactory | None, context_out: bool = True
+        self,
+        dim: int,
+        num_heads: int,
+        head_dim: int,
+        qk_norm: QKNormFactory | None,
+        context_out: bool = True,
+        bias: bool = True,
     ) -> None:
-        super().__init__()
+        super().__init__(dim, num_heads, head_dim, qk_norm, bias=bias, out_bias=bias)
         inner = num_heads * head_dim
-        self.head_dim = head_dim
-        self.to_q = nn.Linear(dim, inner)
-        self.to_k = nn.Linear(dim, inner)
-        self.to_v = nn.Linear(dim, inner)
-        self.norm_q = qk_norm() if qk_norm is not None else None
-        self.norm_k = qk_norm() if qk_norm is not None else None
-        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
-        self.add_q_proj = nn.Linear(dim, inner)
-        self.add_k_proj = nn.Linear(dim, inner)
-        self.add_v_proj = nn.Linear(dim, inner)
+        self.add_q_proj = nn.Linear(dim, inner, bias=bias)
+        self.add_k_proj = nn.Linear(dim, inner, bias=bias)
+        self.add_v_proj = nn.Linear(dim, inner, bias=bias)
         self.norm_added_q = qk_norm() if qk_norm is not None else None
         self.norm_added_k = qk_norm() if qk_norm is not None else None
-        self.to_add_out = nn.Linear(inner, dim) if context_out else None
+        self.to_add_out = nn.Linear(inner, dim, bias=bias) if context_out else None
+
+    def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
+        """This rank's heads of both streams: q/k/v column-parallel, the outputs row-parallel (a block
+        without a text output has no `to_add_out`). The per-head QK-norms stay whole."""
+        super().shard_for_tensor_parallel(tp)
+        for name in ("add_q_proj", "add_k_proj", "add_v_proj"):
+            shard_linear(self, name, ColumnParallelLinear, tp)
+        if self.to_add_out is not None:
+            shard_linear(self, "to_add_out", RowParallelLinear, tp)
 
     def _split(self, t: torch.Tensor) -> torch.Tensor:
         return t.unflatten(-1, (-1, self.head_dim))
@@ -76,8 +92,10 @@ class RotaryJointAttention(JointAttention):
 
     attend: AttentionFn = staticmethod(attention)
 
-    def __init__(self, dim: int, num_heads: int, head_dim: int, qk_norm: QKNormFactory) -> None:
-        super().__init__(dim, num_heads, head_dim, qk_norm)
+    def __init__(
+        self, dim: int, num_heads: int, head_dim: int, qk_norm: QKNormFactory, bias: bool = True
+    ) -> None:
+        super().__init__(dim, num_heads, head_dim, qk_norm, bias=bias)
         self.rope = RotaryEmbedding()
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,23 @@ def checked_config_kwargs(config: Mapping[str, Any], known: Iterable[str], class
     return kwargs
 
 
+def per_block(owner: str, name: str, value: Any, count: int) -> tuple[Any, ...]:
+    """A per-block config value as a tuple of `count`: a bare string or bool applies to every block (Diffusers'
+    rule), a sequence must have `count` entries (ValueError naming `owner`'s key `name` otherwise)."""
+    values = (value,) * count if isinstance(value, (str, bool)) else tuple(value)
+    if len(values) != count:
+        raise ValueError(f"{owner}: {name} needs {count} entries, got {len(values)}: {values}")
+    return values
+
+
+def check_choices(owner: str, name: str, values: Iterable[str], allowed: Iterable[str]) -> None:
+    """ValueError naming `owner`'s key `name` and the first value that is not one of `allowed`."""
+    allowed = tuple(allowed)
+    for value in values:
+        if value not in allowed:
+            raise ValueError(f"{owner}: {name} {value!r} is not supported; supported: {allowed}")
+
+
 def config_from_diffusers(config_cls: type[ConfigT], config: Mapping[str, Any], class_name: str) -> ConfigT:
     """`config_cls` (a dataclass whose fields are the Diffusers config keys) from a `config.json` dict.
 

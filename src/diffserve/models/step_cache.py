@@ -179,6 +179,20 @@ class BatchStepCache:
             state.record(reused)
 
 
+def run_with_step_cache(
+    step_cache: BatchStepCache | None,
+    x: torch.Tensor,
+    signal: Callable[[], torch.Tensor],
+    run_blocks: RunBlocks,
+) -> torch.Tensor:
+    """A DiT forward's blocks over the batch `x`: `run_blocks(None)` (every block for every row, exact)
+    without a step cache, else `step_cache.run(x, signal(), run_blocks)` (the signal computed only then).
+    `run_blocks(rows)` takes its per-row inputs with `take_rows`."""
+    if step_cache is None:
+        return run_blocks(None)
+    return step_cache.run(x, signal(), run_blocks)
+
+
 def take_rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     """`t` restricted to batch rows `rows` (None: all), for `run_blocks`; a 1-row tensor broadcast over
     the batch (a shared timestep embedding, say) stays as it is."""

@@ -195,7 +195,7 @@ class Pipeline:
         DiT pads text itself (Qwen-Image, Z-Image) override this with a looser key."""
         return (
             tuple(req.latents.shape[1:]),
-            (req.latent_height, req.latent_width),
+            req.latent_size,
             tuple(req.prompt_embeds.shape[1:]),
             *batch_signature(req.conditioning),
         )

@@ -41,7 +41,7 @@ def gather_branches(reqs: list[Req]) -> BranchBatch:
         branches = [(req.prompt_embeds, req.pooled_prompt_embeds)]
         if req.do_cfg:
             branches.append((req.negative_prompt_embeds, req.negative_pooled_prompt_embeds))
-        t = req.timesteps[req.step_index]
+        t = req.schedule.timesteps[req.step_index]
         for text, pooled in branches:
             batch.latents.append(req.latents)
             batch.text.append(text)
@@ -121,8 +121,15 @@ def advance_requests(scheduler, reqs: list[Req], predictions: list[torch.Tensor]
         if req.step_index == 0 and req.scheduler_state is None:
             req.scheduler_state = scheduler.new_state()
         req.last_prediction = noise_pred  # kept for previews (stages/previews.py); no copy, no compute
+        schedule = req.schedule
+        assert schedule is not None
         latents = scheduler.step_request(
-            noise_pred, req.latents, req.sigmas, req.step_index, req.scheduler_state, req.host_sigmas
+            noise_pred,
+            req.latents,
+            schedule.sigmas,
+            req.step_index,
+            req.scheduler_state,
+            schedule.host_sigmas,
         )
         inpainting = req.input_latents is not None and req.input_latents.mask is not None
         req.latents = keep_unmasked(req, latents) if inpainting else latents

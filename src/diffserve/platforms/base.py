@@ -48,7 +48,8 @@ class Platform(ABC):
     #: torch.distributed backend of its ranks' collectives: nccl (cuda, rocm), mccl (musa), xccl (xpu),
     #: hccl (npu), gloo (cpu, mps: on the CPU every rank is one process over gloo).
     dist_backend: str = "gloo"
-    default_attention_backend: str = "sdpa"
+    #: `--attention-backend` when not given: "auto" lets `layers/attention_backends.py` choose per device.
+    default_attention_backend: str = "auto"
 
     def __init__(self, index: int = 0) -> None:
         self.index = index

@@ -59,7 +59,7 @@ class MarkSource(Protocol):
 
 class StepTimer:
     """Appends each step's seconds to lists of step times, in step order: per step `start = timer.start()`,
-    the step, `timer.stop(start, req.step_times, ...)`; `flush()` before the times are read."""
+    the step, `timer.stop(start, req.timings.steps, ...)`; `flush()` before the times are read."""
 
     def __init__(self, platform: MarkSource) -> None:
         self.platform = platform

@@ -59,7 +59,7 @@ class EngineEvents:
         """Admitted: its pre-denoise phase starts now."""
 
     def on_finished(self, sr: ScheduledRequest) -> None:
-        """Decoded: `sr.req.images` / `sr.req.frames` are set; its slot is freed when this returns."""
+        """Decoded: `sr.req.outputs` holds its images or frames; its slot is freed when this returns."""
 
     def on_cancelled(self, sr: ScheduledRequest) -> None:
         """Dropped after its `cancel_event` was set (`sr.req.step_index` steps done)."""
@@ -553,11 +553,12 @@ def _cancel_check(req: Req) -> Callable[[], None]:
 
 
 def log_denoising(req: Req) -> None:
-    """The denoising phase's time (`timings`) and summary log lines."""
-    if req.step_times:
-        req.timings["DenoisingStage"] = sum(req.step_times)
+    """The denoising phase's time (`timings.stages`) and summary log lines."""
+    if req.timings.steps:
+        req.timings.stages["DenoisingStage"] = sum(req.timings.steps)
         logger.info(
-            "[DenoisingStage] average time per step: %.4f seconds", sum(req.step_times) / len(req.step_times)
+            "[DenoisingStage] average time per step: %.4f seconds",
+            sum(req.timings.steps) / len(req.timings.steps),
         )
     cache = req.step_cache
     if cache is not None:
@@ -713,9 +714,9 @@ def _phase_times(tracked: _Tracked, now: float) -> list[str]:
 
 
 def _outputs(req: Req) -> str:
-    if req.frames:
-        return f"{len(req.frames)} video(s)"
-    return f"{len(req.images or [])} image(s)"
+    if req.outputs.frames:
+        return f"{len(req.outputs.frames)} video(s)"
+    return f"{len(req.outputs.images or [])} image(s)"
 
 
 def describe_params(params: SamplingParams) -> str:

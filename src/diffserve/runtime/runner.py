@@ -156,7 +156,7 @@ class ModelRunner:
             return self.pipeline.run_pre_denoise(req)
 
     def denoise_step(self, reqs: list[Req]) -> None:
-        """One DiT batch over `reqs`; each request's `step_times` gets this step's time when it is known.
+        """One DiT batch over `reqs`; each request's `timings.steps` gets this step's time when it is known.
         Each row applies its request's LoRA adapters (none: the base weights)."""
         with self.model_scope():
             start = self.step_timer.start()
@@ -164,7 +164,7 @@ class ModelRunner:
             with lora_rows_scope(batch_lora_rows(batch)):
                 self.pipeline.denoise_step(batch)
             self.cfg_views.leave(batch)
-            self.step_timer.stop(start, *(req.step_times for req in reqs))
+            self.step_timer.stop(start, *(req.timings.steps for req in reqs))
 
     def post_denoise(self, req: Req) -> Req:
         self.release(req)

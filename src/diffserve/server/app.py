@@ -56,10 +56,15 @@ HEALTH_GENERATE_REUSE_S = 5.0  # /health_generate reuses the last probe's result
 DESCRIPTION = "OpenAI-compatible image and video generation with diffserve"
 
 
-def create_app(args: ServerArgs, on_fatal: Callable[[int, str], None] | None = None) -> FastAPI:
+def create_app(
+    args: ServerArgs,
+    on_fatal: Callable[[int, str], None] | None = None,
+    engines: Callable[[ServerMetrics], Engines] | None = None,
+) -> FastAPI:
     """The app; its lifespan starts and stops the engine process. `on_fatal(exit_code, message)` is
-    called when the engine cannot start (the CLI then stops the server with that exit code)."""
-    state = build_state(args, on_fatal or log_engine_failure)
+    called when the engine cannot start (the CLI then stops the server with that exit code). `engines`
+    makes the engine side from the server's metrics instead (Ray Serve's replicas: deploy/engines.py)."""
+    state = build_state(args, on_fatal or log_engine_failure, engines)
     app = FastAPI(
         title="diffserve", version=diffserve.__version__, lifespan=lifespan, description=DESCRIPTION
     )
@@ -81,14 +86,23 @@ def log_engine_failure(exit_code: int, message: str) -> None:
     logger.error("Engine failed: %s", message)
 
 
-def build_state(args: ServerArgs, on_fatal: Callable[[int, str], None]) -> AppState:
+def build_state(
+    args: ServerArgs,
+    on_fatal: Callable[[int, str], None],
+    engines: Callable[[ServerMetrics], Engines] | None = None,
+) -> AppState:
     """The server's parts, wired together: the engine side reports its load to the metrics, and a video
     model's job store is opened before its engine takes requests (restarts included)."""
     metrics = ServerMetrics()
-    # One engine process as always, or --dp-size replicas behind this front end (replicas.py).
-    engine: Engines = (
-        EngineClient(args, metrics, on_fatal) if args.dp_size == 1 else ReplicaSet(args, metrics, on_fatal)
-    )
+    # One engine process as always, or --dp-size replicas behind this front end (replicas.py), or what
+    # `engines` makes.
+    engine: Engines
+    if engines is not None:
+        engine = engines(metrics)
+    elif args.dp_size == 1:
+        engine = EngineClient(args, metrics, on_fatal)
+    else:
+        engine = ReplicaSet(args, metrics, on_fatal)
     metrics.queue_depth.set_function(lambda: engine.num_waiting)
     metrics.running.set_function(lambda: engine.num_running)
     metrics.engine_ready.set_function(lambda: float(engine.ready))

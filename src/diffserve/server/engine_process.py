@@ -69,7 +69,7 @@ def _finished(sr: ScheduledRequest, encode_seconds: float, timings: dict, **outp
         sr.request_id,
         params=_without_inputs(req.params),
         timings=dict(timings),
-        step_times=list(req.step_times),
+        step_times=list(req.timings.steps),
         peak_memory_bytes=sr.peak_memory_bytes,
         engine_seconds=time.perf_counter() - sr.started_at,
         encode_seconds=encode_seconds,
@@ -406,15 +406,15 @@ class EngineProcess:
             # Registered before the engine frees the slot: the job stays cancellable while its file is written.
             with self._encoding_lock:
                 self._encoding[sr.request_id] = sr.cancel_event
-            steps = len(req.step_times)
+            steps = len(req.timings.steps)
             self.channel.send(msg.JobProgress(sr.request_id, steps, steps, "encoding"))
             self.encoder.submit(self._write_video, sr, job)
             return
         encode_start = time.perf_counter()
-        images = self._encode(job, req.images or [], req.params)
+        images = self._encode(job, req.outputs.images or [], req.params)
         encode_seconds = time.perf_counter() - encode_start  # its finish line: `RequestLog.ended`, next
         sizes = list(sr.batch_sizes)
-        self.channel.send(_finished(sr, encode_seconds, req.timings, images=images, batch_sizes=sizes))
+        self.channel.send(_finished(sr, encode_seconds, req.timings.stages, images=images, batch_sizes=sizes))
 
     def _on_step(self, job: msg.GenerateJob, req: Any) -> None:
         """`Req.on_step`: one JobProgress per step (the last one starts decoding), and the job's previews."""
@@ -436,16 +436,17 @@ class EngineProcess:
     def _write_video(self, sr: ScheduledRequest, job: msg.GenerateJob) -> None:
         """Write the MP4 atomically, then JobFinished (or JobCancelled / JobFailed)."""
         rid, req, path = sr.request_id, sr.req, Path(job.video_path or "")
-        cancelled = msg.JobCancelled(rid, at_step=len(req.step_times))
+        cancelled = msg.JobCancelled(rid, at_step=len(req.timings.steps))
         try:
             if sr.cancel_event.is_set():
                 return self.channel.send(cancelled)
-            if len(req.frames or []) != 1:
-                raise RuntimeError(f"expected one video from the pipeline, got {len(req.frames or [])}")
-            frames, params = req.frames[0], _without_inputs(req.params)
+            videos = req.outputs.frames or []
+            if len(videos) != 1:
+                raise RuntimeError(f"expected one video from the pipeline, got {len(videos)}")
+            frames, params = videos[0], _without_inputs(req.params)
             encode_start = time.perf_counter()
-            if req.audio:  # a soundtrack (LTX-2): the MP4 carries it as an AAC track
-                waveform, rate = req.audio[0].numpy(), int(req.audio_sample_rate)
+            if req.outputs.audio:  # a soundtrack (LTX-2): the MP4 carries it as an AAC track
+                waveform, rate = req.outputs.audio[0].numpy(), int(req.outputs.audio_sample_rate)
                 save_video_with_audio(frames, path, params.fps, self._metadata(params), waveform, rate)
             else:
                 save_video(frames, path, params.fps, self._metadata(params), "mp4")
@@ -462,7 +463,7 @@ class EngineProcess:
                 "Request %s: video written in %.2f s (%d frames, %d bytes), %.2f s after it was submitted",
                 rid, encode_seconds, num_frames, size, time.perf_counter() - sr.submitted_at,
             )  # fmt: skip
-            timings = {**req.timings, "VideoEncoding": encode_seconds}
+            timings = {**req.timings.stages, "VideoEncoding": encode_seconds}
             self.channel.send(_finished(sr, encode_seconds, timings, images=[], videos=[video]))
         except Exception as exc:
             logger.exception("Request %s failed while writing its video", rid)

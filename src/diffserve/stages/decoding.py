@@ -45,8 +45,8 @@ class LatentDecoder(Protocol):
 
 
 class DecodingStage(Stage):
-    needs = ("latents", "latent_height", "latent_width")
-    sets = ("images",)
+    needs = ("latents", "latent_size")
+    sets = ("outputs.images",)
 
     def __init__(self, vae: nn.Module, packed_latents: bool = True) -> None:
         self.vae = vae
@@ -61,7 +61,7 @@ class DecodingStage(Stage):
     def forward(self, req: Req) -> Req:
         latents = req.latents
         if self.packed_latents:
-            latents = unpack_latents(latents, req.latent_height, req.latent_width)
+            latents = unpack_latents(latents, *req.latent_size)
         latents = latents / self.scaling_factor + self.shift_factor
-        req.images = tensor_to_pil(decode_split(self.vae, to_module(self.vae, latents)))
+        req.outputs.images = tensor_to_pil(decode_split(self.vae, to_module(self.vae, latents)))
         return req

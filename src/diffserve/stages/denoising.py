@@ -10,7 +10,7 @@ from diffserve.stages.base import Stage
 
 
 class DenoisingStage(Stage):
-    needs = ("latents", "sigmas", "timesteps", "prompt_embeds")
+    needs = ("latents", "schedule", "prompt_embeds")
     sets = ("latents",)
 
     def __init__(self, denoise_step: Callable[[list[Req]], None]) -> None:

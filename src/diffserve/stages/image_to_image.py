@@ -21,7 +21,7 @@ from PIL import Image
 from torch import nn
 
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.request import InputLatents, Req, per_step_fields
+from diffserve.request import InputLatents, Req, from_step
 from diffserve.stages.base import Stage, to_module
 from diffserve.stages.image_tensor import image_to_tensor
 from diffserve.stages.video_vae_decoding import latent_stats
@@ -118,17 +118,12 @@ class InputImageEncodingStage(Stage):
 
 
 def truncate_schedule(req: Req, start: int) -> None:
-    """Drop the request's first `start` steps from every per-step table it carries: its schedule, and
-    what its conditioning declares `per_step` (e.g. a DiT's own time axis)."""
-    req.sigmas = req.sigmas[start:]
-    req.host_sigmas = req.host_sigmas[start:]
-    req.timesteps = req.timesteps[start:]
-    conditioning = req.conditioning
-    if conditioning is not None:
-        for name in per_step_fields(conditioning):
-            table = getattr(conditioning, name)
-            if table is not None:
-                setattr(conditioning, name, table[start:])
+    """Drop the request's first `start` steps from every per-step table it carries: what its schedule
+    and its conditioning declare `per_step` (the sigmas and timesteps, e.g. a DiT's own time axis)."""
+    assert req.schedule is not None
+    req.schedule = from_step(req.schedule, start)
+    if req.conditioning is not None:
+        req.conditioning = from_step(req.conditioning, start)
 
 
 def noised(init_latents: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
@@ -142,7 +137,7 @@ class ImageToImageNoisingStage(Stage):
     start latents noised to its first sigma. The drawn noise is kept in `input_latents.noise` for
     inpainting."""
 
-    needs = ("latents", "sigmas")
+    needs = ("latents", "schedule")
 
     @torch.inference_mode()
     def forward(self, req: Req) -> Req:
@@ -151,5 +146,5 @@ class ImageToImageNoisingStage(Stage):
             return req
         truncate_schedule(req, first_kept_step(req.num_steps, req.params.strength))
         source.noise = req.latents
-        req.latents = noised(source.latents, source.noise, req.sigmas[0])
+        req.latents = noised(source.latents, source.noise, req.schedule.sigmas[0])
         return req

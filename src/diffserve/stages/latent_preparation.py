@@ -1,10 +1,11 @@
-"""LatentPreparationStage: initial noise, packed into FLUX's 2x2 latent patches, and its position ids."""
+"""Latent preparation: initial noise as a latent image, or packed into 2x2 latent patches (FLUX.1,
+Qwen-Image); the packed grid's FLUX.1 position ids."""
 
 from __future__ import annotations
 
 import torch
 
-from diffserve.request import Req
+from diffserve.request import LatentSize, Req
 from diffserve.stages.base import Stage
 
 
@@ -41,7 +42,7 @@ class SpatialLatentPreparationStage(Stage):
     """Initial noise as a (batch, channels, h, w) latent image, for DiTs that patchify it themselves (SD3)."""
 
     needs = ("generator", "prompt_embeds")
-    sets = ("latents", "latent_height", "latent_width")
+    sets = ("latents", "latent_size")
 
     def __init__(self, latent_channels: int, vae_scale_factor: int, device: torch.device, dtype: torch.dtype):
         self.latent_channels = latent_channels
@@ -54,14 +55,14 @@ class SpatialLatentPreparationStage(Stage):
         h, w = p.height // self.vae_scale_factor, p.width // self.vae_scale_factor
         noise = initial_noise(req, (p.num_outputs_per_prompt, self.latent_channels, h, w), self.dtype)
         req.latents = noise.to(self.device)
-        req.latent_height, req.latent_width = h, w
+        req.latent_size = LatentSize(h, w)
         return req
 
 
 class LatentPreparationStage(SpatialLatentPreparationStage):
-    """Initial noise packed into FLUX's 2x2 latent patches, with the packed grid's position ids."""
+    """Initial noise packed into 2x2 latent patches: (batch, tokens, channels * 4)."""
 
-    sets = ("latents", "image_ids", "latent_height", "latent_width")
+    sets = ("latents", "latent_size")
 
     def forward(self, req: Req) -> Req:
         p = req.params
@@ -71,6 +72,5 @@ class LatentPreparationStage(SpatialLatentPreparationStage):
         shape = (p.num_outputs_per_prompt, self.latent_channels, h, w)
         noise = initial_noise(req, shape, self.dtype)
         req.latents = pack_latents(noise).to(self.device)
-        req.image_ids = latent_image_ids(h // 2, w // 2, self.device, self.dtype)
-        req.latent_height, req.latent_width = h, w
+        req.latent_size = LatentSize(h, w)
         return req

@@ -32,7 +32,7 @@ class InpaintMaskStage(Stage):
     family's latent layout (`layout`), one copy per output. Runs after `ImageToImageNoisingStage` (the
     blend re-noises the input image's latents with the request's noise)."""
 
-    needs = ("latents", "latent_height", "latent_width")
+    needs = ("latents", "latent_size")
 
     def __init__(self, latent_channels: int, layout: LatentLayout) -> None:
         self.latent_channels = latent_channels
@@ -44,7 +44,7 @@ class InpaintMaskStage(Stage):
         if p.mask_image is None:
             return req
         pixels = mask_pixels(p.mask_image, p.height, p.width)
-        grid = F.interpolate(pixels, size=(req.latent_height, req.latent_width))
+        grid = F.interpolate(pixels, size=req.latent_size)
         grid = grid.to(device=req.latents.device, dtype=req.latents.dtype)
         latent_mask = self.layout(grid.repeat(1, self.latent_channels, 1, 1))
         if req.input_latents is None:
@@ -61,5 +61,5 @@ def keep_unmasked(req: Req, latents: torch.Tensor) -> torch.Tensor:
     following = req.step_index + 1
     kept = source.latents
     if following < req.num_steps:
-        kept = noised(source.latents, source.noise, req.sigmas[following])
+        kept = noised(source.latents, source.noise, req.schedule.sigmas[following])
     return (1 - source.mask) * kept + source.mask * latents

@@ -26,7 +26,9 @@ def predicted_clean_latents(req: Req) -> torch.Tensor:
     history = getattr(req.scheduler_state, "model_outputs", None)
     if history and history[-1] is not None:  # UniPC: the data prediction of the step it just took
         return history[-1].float()
-    sigma = float(req.host_sigmas[req.step_index])  # the CPU copy: reading the device schedule would sync
+    assert req.schedule is not None
+    # The CPU copy: reading the device schedule would sync.
+    sigma = float(req.schedule.host_sigmas[req.step_index])
     return req.latents.float() - sigma * req.last_prediction.float()
 
 
@@ -38,7 +40,7 @@ def pool_factor(height: int, width: int, max_pixels: int = PREVIEW_MAX_PIXELS) -
 def _vae_latents(layout: DecodeLayout, req: Req, x0: torch.Tensor) -> torch.Tensor:
     """x0 -> what the decoder takes (a video VAE: the first latent frame, (batch, channels, 1, h, w))."""
     if layout.packed:
-        x0 = unpack_latents(x0, req.latent_height, req.latent_width)
+        x0 = unpack_latents(x0, *req.latent_size)
         if layout.video_vae:
             x0 = x0.unsqueeze(2)
     if layout.video_vae:

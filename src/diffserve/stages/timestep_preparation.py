@@ -7,24 +7,36 @@ import numpy as np
 import torch
 
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler, SigmaSchedule
-from diffserve.request import Req
+from diffserve.request import Req, Schedule
 from diffserve.stages.base import Stage
 
 
-def set_schedule(req: Req, schedule: SigmaSchedule) -> None:
-    """The request's schedule on its latents' device, with the CPU copy of its sigmas kept for the host."""
+def set_schedule(req: Req, schedule: SigmaSchedule, guidance: torch.Tensor | None = None) -> None:
+    """The request's schedule on its latents' device, with the CPU copy of its sigmas kept for the host,
+    and the (batch,) guidance its DiT embeds, if it takes one."""
     device = req.latents.device
-    req.host_sigmas = schedule.sigmas
-    req.sigmas = schedule.sigmas.to(device)
-    req.timesteps = schedule.timesteps.to(device)
+    req.schedule = Schedule(
+        sigmas=schedule.sigmas.to(device),
+        timesteps=schedule.timesteps.to(device),
+        host_sigmas=schedule.sigmas,
+        guidance=guidance,
+    )
     req.step_index = 0
+
+
+def embedded_guidance(req: Req) -> torch.Tensor:
+    """The request's guidance scale, once per output, float32 on the latents' device: what a DiT with
+    guidance embedding (FLUX.1, FLUX.2-dev) takes at every step."""
+    return torch.full(
+        (req.batch_size,), float(req.params.guidance_scale), dtype=torch.float32, device=req.latents.device
+    )
 
 
 class TimestepPreparationStage(Stage):
     """FLUX semantics: sigmas linspace(1, 1/n) shifted by `mu` from the packed image token count."""
 
     needs = ("latents",)
-    sets = ("sigmas", "timesteps", "host_sigmas")
+    sets = ("schedule",)
 
     def __init__(self, scheduler: FlowMatchEulerScheduler, guidance_embeds: bool) -> None:
         self.scheduler = scheduler
@@ -35,22 +47,16 @@ class TimestepPreparationStage(Stage):
         image_seq_len = int(req.latents.shape[1])
         mu = self.scheduler.resolution_shift_mu(image_seq_len)
         base_sigmas = np.linspace(1.0, 1 / steps, steps)
-        set_schedule(req, self.scheduler.schedule(steps, mu=mu, sigmas=base_sigmas))
-        if self.guidance_embeds:
-            req.guidance = torch.full(
-                (req.batch_size,),
-                float(req.params.guidance_scale),
-                dtype=torch.float32,
-                device=req.latents.device,
-            )
+        guidance = embedded_guidance(req) if self.guidance_embeds else None
+        set_schedule(req, self.scheduler.schedule(steps, mu=mu, sigmas=base_sigmas), guidance)
         return req
 
 
 class DefaultTimestepPreparationStage(Stage):
     """SD3 semantics: the scheduler's own schedule (static shift, or resolution shift when dynamic)."""
 
-    needs = ("latents", "latent_height", "latent_width")
-    sets = ("sigmas", "timesteps", "host_sigmas")
+    needs = ("latents", "latent_size")
+    sets = ("schedule",)
 
     def __init__(self, scheduler: FlowMatchEulerScheduler, patch_size: int) -> None:
         self.scheduler = scheduler
@@ -59,7 +65,8 @@ class DefaultTimestepPreparationStage(Stage):
     def forward(self, req: Req) -> Req:
         mu = None
         if self.scheduler.config["use_dynamic_shifting"]:
-            tokens = (req.latent_height // self.patch_size) * (req.latent_width // self.patch_size)
+            height, width = req.latent_size
+            tokens = (height // self.patch_size) * (width // self.patch_size)
             mu = self.scheduler.resolution_shift_mu(tokens)
         set_schedule(req, self.scheduler.schedule(req.params.num_inference_steps, mu=mu))
         return req

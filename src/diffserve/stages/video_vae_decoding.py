@@ -40,8 +40,8 @@ def denormalize_latents(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
 class VideoVaeImageDecodingStage(Stage):
     """Packed one-frame latents -> PIL images through a video VAE."""
 
-    needs = ("latents", "latent_height", "latent_width")
-    sets = ("images",)
+    needs = ("latents", "latent_size")
+    sets = ("outputs.images",)
 
     def __init__(self, vae: nn.Module) -> None:
         self.vae = vae
@@ -51,9 +51,9 @@ class VideoVaeImageDecodingStage(Stage):
 
     @torch.inference_mode()
     def forward(self, req: Req) -> Req:
-        latents = unpack_latents(req.latents, req.latent_height, req.latent_width).unsqueeze(2)
+        latents = unpack_latents(req.latents, *req.latent_size).unsqueeze(2)
         frames = decode_split(self.vae, denormalize_latents(self.vae, to_module(self.vae, latents)))
-        req.images = tensor_to_pil(frames[:, :, 0])
+        req.outputs.images = tensor_to_pil(frames[:, :, 0])
         return req
 
 
@@ -61,7 +61,7 @@ class VideoVaeDecodingStage(Stage):
     """(B, C, F, h, w) normalised latents -> one uint8 (frames, H, W, 3) array per output video."""
 
     needs = ("latents",)
-    sets = ("frames",)
+    sets = ("outputs.frames",)
 
     def __init__(self, vae: nn.Module) -> None:
         self.vae = vae
@@ -73,5 +73,6 @@ class VideoVaeDecodingStage(Stage):
     def forward(self, req: Req) -> Req:
         video = decode_split(self.vae, denormalize_latents(self.vae, to_module(self.vae, req.latents)))
         array = (video / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).float().cpu().numpy()
-        req.frames = list((array * 255).round().astype(np.uint8))  # rounding as Diffusers' processors do
+        # Rounding as Diffusers' processors do.
+        req.outputs.frames = list((array * 255).round().astype(np.uint8))
         return req

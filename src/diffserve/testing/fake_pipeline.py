@@ -19,7 +19,7 @@ from diffserve.errors import InvalidRequestError
 from diffserve.layers.attention import AttentionBackend
 from diffserve.platforms.base import Platform
 from diffserve.platforms.cpu import CpuPlatform
-from diffserve.request import Req
+from diffserve.request import Req, Schedule
 from diffserve.runtime import Engine, PipelineFacts, SchedulerConfig
 
 #: A request with this prompt fails in its pre-denoise phase (tests of failure isolation).
@@ -72,8 +72,8 @@ class FakePipeline:
     def run_pre_denoise(self, req: Req) -> Req:
         if req.params.prompt == FAILING_PROMPT:
             raise RuntimeError("kaboom")
-        req.timesteps = torch.zeros(int(req.params.num_inference_steps))
-        req.timings["FakeStage"] = 0.01
+        req.schedule = Schedule.of_length(int(req.params.num_inference_steps))
+        req.timings.stages["FakeStage"] = 0.01
         return req
 
     def denoise_step(self, reqs: list[Req]) -> None:
@@ -84,9 +84,9 @@ class FakePipeline:
     def run_post_denoise(self, req: Req) -> Req:
         p = req.params
         if self._facts.makes_video:
-            req.frames = [np.zeros((p.num_frames, p.height, p.width, 3), np.uint8)]
+            req.outputs.frames = [np.zeros((p.num_frames, p.height, p.width, 3), np.uint8)]
         else:
-            req.images = [
+            req.outputs.images = [
                 Image.new("RGB", (p.width, p.height), (i * 40, 0, 0)) for i in range(p.num_outputs_per_prompt)
             ]
         return req

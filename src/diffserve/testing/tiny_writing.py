@@ -1,32 +1,61 @@
-"""What every tiny-checkpoint builder writes with: Diffusers config bodies, `save_pretrained`-style model
-folders, randomly initialised native modules and the shared random VAE folders."""
+"""What every tiny-checkpoint builder writes with: the folder and its JSON files, Diffusers config bodies,
+`save_pretrained`-style model folders, randomly initialised native modules, the shared random VAE folders
+and the shapes of the tiny transformers text and vision encoders several families use."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
+from transformers import CLIPTextConfig, Qwen3Config, T5Config
 
 from diffserve.loader.native_classes import NativeModelClass
 from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
+from diffserve.testing.qwen_tokenizers import build_qwen_tokenizer
 
 #: Written as `_diffusers_version` so diffusers recognises the files; not a runtime requirement.
 DIFFUSERS_FORMAT_VERSION = "0.32.0"
 
 
-#: Per-channel latent statistics of the released 16-channel Wan 2.1 VAE, which Qwen-Image ships too (facts
-#: of the checkpoint, kept so the pipelines' (de)normalisation runs with realistic numbers).
-VAE_16CH_LATENTS_MEAN = (
-    -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
-    0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921,
-)  # fmt: skip
-VAE_16CH_LATENTS_STD = (
-    2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
-    3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160,
-)  # fmt: skip
+def tiny_folder(out_dir: str | Path, seed: int) -> Path:
+    """The folder a builder writes to, created if missing, with torch's global generator seeded by `seed`
+    (the transformers encoders draw their initial weights from it)."""
+    root = Path(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    return root
+
+
+def check_variant(family: str, variant: str, variants: Iterable[str]) -> None:
+    """A builder's ValueError for a `variant` that is not one of `variants` (naming them)."""
+    if variant not in variants:
+        raise ValueError(f"unknown {family} variant {variant!r}; expected one of {sorted(variants)}")
+
+
+def write_json(path: Path, body: object, newline: bool = False) -> None:
+    """`body` as JSON indented by two at `path` (its folder created), with a final line break or not (the
+    builders differ in that, and their files stay as they were)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(body, indent=2) + ("\n" if newline else ""))
+
+
+def write_scheduler_config(root: Path, class_name: str, config: dict, newline: bool = False) -> None:
+    """`scheduler/scheduler_config.json`: the Diffusers config body of the scheduler `class_name`."""
+    write_json(root / "scheduler" / "scheduler_config.json", diffusers_config(class_name, config), newline)
+
+
+def finish_tiny_folder(root: Path, model_index: dict, spec: Any) -> Path:
+    """Write `model_index.json` and `diffserve_tiny_spec.json` (the dataclass `spec` the folder was built
+    from) and return `root`."""
+    write_json(root / "model_index.json", model_index)
+    write_json(root / "diffserve_tiny_spec.json", asdict(spec))
+    return root
 
 
 def diffusers_config(class_name: str, config: dict) -> dict:
@@ -44,12 +73,16 @@ def save_diffusers_model(module: nn.Module, directory: Path, class_name: str, co
     save_file(state, str(directory / "diffusion_pytorch_model.safetensors"))
 
 
-def write_autoencoder_kl(
-    directory: Path, block_out_channels: tuple[int, ...], latent_channels: int, norm_groups: int
-) -> None:
-    """A random `AutoencoderKL` with FLUX.1's scaling and shift (the VAE FLUX.1 and Z-Image folders ship)."""
+def autoencoder_kl_config(
+    block_out_channels: tuple[int, ...],
+    latent_channels: int,
+    norm_groups: int,
+    scaling_factor: float,
+    shift_factor: float,
+) -> dict:
+    """The config of a small `AutoencoderKL`: one layer per level, no quant convs (SD3's and FLUX.1's)."""
     n_levels = len(block_out_channels)
-    vae_config = {
+    return {
         "in_channels": 3,
         "out_channels": 3,
         "down_block_types": ["DownEncoderBlock2D"] * n_levels,
@@ -60,12 +93,19 @@ def write_autoencoder_kl(
         "latent_channels": latent_channels,
         "norm_num_groups": norm_groups,
         "sample_size": 64,
-        "scaling_factor": 0.3611,
-        "shift_factor": 0.1159,
+        "scaling_factor": scaling_factor,
+        "shift_factor": shift_factor,
         "use_quant_conv": False,
         "use_post_quant_conv": False,
-        "force_upcast": True,
     }
+
+
+def write_autoencoder_kl(
+    directory: Path, block_out_channels: tuple[int, ...], latent_channels: int, norm_groups: int
+) -> None:
+    """A random `AutoencoderKL` with FLUX.1's scaling and shift (the VAE FLUX.1 and Z-Image folders ship)."""
+    vae_config = autoencoder_kl_config(block_out_channels, latent_channels, norm_groups, 0.3611, 0.1159)
+    vae_config["force_upcast"] = True
     save_diffusers_model(AutoencoderKL.from_config(vae_config), directory, "AutoencoderKL", vae_config)
 
 
@@ -88,3 +128,115 @@ def random_native_module(
             if weight_noise:
                 param.add_(torch.randn(param.shape, generator=gen) * weight_noise)
     return module
+
+
+# The tiny transformers encoders: the shape several families' builders share; each adds what is its own.
+
+
+def save_text_encoder(root: Path, encoder: Any, tokenizer: Any, suffix: str = "") -> None:
+    """A text encoder and its tokenizer as the pipeline folders hold them: `text_encoder{suffix}/` and
+    `tokenizer{suffix}/`, written by their `save_pretrained`."""
+    encoder.save_pretrained(root / f"text_encoder{suffix}")
+    tokenizer.save_pretrained(root / f"tokenizer{suffix}")
+
+
+def clip_text_config(tokenizer: Any, hidden_size: int, num_layers: int = 2) -> CLIPTextConfig:
+    """A tiny CLIP text tower over `tokenizer` (`tokenizers.build_clip_tokenizer`), projecting to its width."""
+    return CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        max_position_embeddings=77,
+        projection_dim=hidden_size,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def t5_shape(vocab_size: int, d_model: int, num_layers: int) -> dict[str, Any]:
+    """The keywords of a tiny gated-GELU T5 encoder stack (T5, UMT5, ByT5 configs)."""
+    return {
+        "vocab_size": vocab_size,
+        "d_model": d_model,
+        "d_kv": 8,
+        "d_ff": d_model * 2,
+        "num_layers": num_layers,
+        "num_heads": 4,
+        "feed_forward_proj": "gated-gelu",
+    }
+
+
+def t5_encoder_config(tokenizer: Any, d_model: int, num_layers: int = 2) -> T5Config:
+    """The T5 encoder of FLUX.1 and SD3 folders over `tokenizer` (`tokenizers.build_t5_tokenizer`)."""
+    return T5Config(
+        **t5_shape(len(tokenizer), d_model, num_layers),
+        dense_act_fn="gelu_new",
+        is_gated_act=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
+def qwen_text_shape(
+    tokenizer: Any,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    max_positions: int,
+    mrope: bool = False,
+) -> dict[str, Any]:
+    """The keywords of a tiny Qwen text stack (Qwen2.5-VL's language model, Qwen3) over the byte-level Qwen
+    tokenizer (`qwen_tokenizers.py`). `mrope`: Qwen2.5-VL's multimodal rotary sections (temporal, height,
+    width) over half the head dim, in the released model's 16:24:24 proportions."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 1000000.0}
+    if mrope:
+        half = hidden_size // num_heads // 2
+        rope["mrope_section"] = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]
+    ids = tokenizer.convert_tokens_to_ids
+    return {
+        "vocab_size": len(tokenizer),
+        "hidden_size": hidden_size,
+        "intermediate_size": hidden_size * 2,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "max_position_embeddings": max_positions,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": rope,
+        "bos_token_id": ids("<|endoftext|>"),
+        "eos_token_id": ids("<|im_end|>"),
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+def write_qwen3_text_encoder(
+    root: Path, model_cls: type, hidden_size: int, num_layers: int, num_heads: int = 2, num_kv_heads: int = 1
+) -> None:
+    """`text_encoder/`, a tiny Qwen3 of `model_cls` (Z-Image's `Qwen3Model`, FLUX.2 [klein]'s
+    `Qwen3ForCausalLM`) with tied embeddings as the released ones, and `tokenizer/`, the byte-level Qwen
+    tokenizer."""
+    tokenizer = build_qwen_tokenizer()
+    config = Qwen3Config(
+        **qwen_text_shape(tokenizer, hidden_size, num_layers, num_heads, num_kv_heads, 40960),
+        head_dim=hidden_size // num_heads,
+        tie_word_embeddings=True,
+    )
+    save_text_encoder(root, model_cls(config).eval(), tokenizer)
+
+
+def vision_tower_shape(
+    hidden_size: int, image_size: int, patch_size: int, num_layers: int = 2
+) -> dict[str, int]:
+    """The keywords of a tiny ViT image encoder (CLIP, SigLIP and Pixtral vision configs): two heads."""
+    return {
+        "hidden_size": hidden_size,
+        "intermediate_size": hidden_size * 2,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 2,
+        "image_size": image_size,
+        "patch_size": patch_size,
+    }

@@ -15,6 +15,7 @@ import torch
 
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.step_cache_policy import StepCachePolicy
+from diffserve.families.flux.conditioning import FluxKontextConditioning
 from diffserve.families.flux.config import FluxKontextPipelineConfig
 from diffserve.families.flux.kontext_preparation import (
     FluxKontextPreparationStage,
@@ -28,7 +29,6 @@ from diffserve.pipelines.cfg_batch import BranchBatch
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.input_validation import ImageInputRule
-from diffserve.stages.reference_images import ReferenceImages
 
 
 class FluxKontextDenoiser(FluxDenoiser):
@@ -36,20 +36,23 @@ class FluxKontextDenoiser(FluxDenoiser):
 
     def rope_for(self, req: Req) -> RopeTables:
         """RoPE tables over [text; noisy tokens; input-image tokens], computed once per shape."""
-        (_, rows, cols) = ReferenceImages.of(req).condition_shapes[0]
-        device, dtype = req.image_ids.device, req.image_ids.dtype
-        key = (req.text_ids.shape[0], req.latent_height, req.latent_width, rows, cols, dtype)
+        conditioning = FluxKontextConditioning.of(req)
+        (_, rows, cols) = conditioning.condition_shapes[0]
+        text_ids, image_ids = conditioning.text_ids, conditioning.image_ids
+        assert text_ids is not None and image_ids is not None
+        device, dtype = image_ids.device, image_ids.dtype
+        key = (text_ids.shape[0], req.latent_size, rows, cols, dtype)
 
         def build() -> RopeTables:
-            ids = torch.cat([req.image_ids, kontext_condition_ids(rows, cols, device, dtype)])
-            return self.transformer.rope_tables(req.text_ids, ids)
+            ids = torch.cat([image_ids, kontext_condition_ids(rows, cols, device, dtype)])
+            return self.transformer.rope_tables(text_ids, ids)
 
         return self._rope_cache.get_or_build(key, device, build)
 
     def image_tokens(self, batch: BranchBatch, reqs: list[Req]) -> torch.Tensor:
         """Each branch's noisy tokens followed by its request's input-image tokens."""
         conditions = [
-            ReferenceImages.of(r).condition_latents for r in reqs for _ in range(2 if r.do_cfg else 1)
+            FluxKontextConditioning.of(r).condition_latents for r in reqs for _ in range(2 if r.do_cfg else 1)
         ]
         return torch.cat([torch.cat([x, c], dim=1) for x, c in zip(batch.latents, conditions, strict=True)])
 
@@ -59,7 +62,7 @@ class FluxKontextPipeline(FluxPipeline):
 
     config = FluxKontextPipelineConfig()
     denoiser_cls = FluxKontextDenoiser
-    conditioning_type = ReferenceImages
+    conditioning_type = FluxKontextConditioning
     #: Exact path only until the step cache is calibrated on a Kontext checkpoint (the input-image
     #: tokens change what the cache's signal measures).
     step_cache_policies: ClassVar[dict[str, StepCachePolicy]] = {}

@@ -9,6 +9,7 @@ import torch
 
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.step_cache_policy import StepCachePolicy
+from diffserve.families.flux.conditioning import FluxConditioning
 from diffserve.families.flux.config import FluxPipelineConfig, flux_default_sampling_params
 from diffserve.families.flux.text_encoding import FluxTextEncodingStage
 from diffserve.layers.lora_rows import request_lora_scope
@@ -36,10 +37,24 @@ from diffserve.stages.image_to_image import (
     input_image_size,
 )
 from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
-from diffserve.stages.latent_preparation import LatentPreparationStage, pack_latents
+from diffserve.stages.latent_preparation import LatentPreparationStage, latent_image_ids, pack_latents
 from diffserve.stages.mask_preparation import InpaintMaskStage
 from diffserve.stages.text_encoding import clip_context_length
 from diffserve.stages.timestep_preparation import TimestepPreparationStage
+
+
+class FluxLatentPreparationStage(LatentPreparationStage):
+    """Initial noise packed into 2x2 latent patches, with the packed grid's (0, row, col) position ids."""
+
+    sets = ("latents", "latent_size", "conditioning.image_ids")
+
+    def forward(self, req: Req) -> Req:
+        req = super().forward(req)
+        assert req.latent_size is not None
+        height, width = req.latent_size
+        ids = latent_image_ids(height // 2, width // 2, self.device, self.dtype)
+        FluxConditioning.of(req).image_ids = ids
+        return req
 
 
 class FluxDenoiser:
@@ -62,9 +77,12 @@ class FluxDenoiser:
         FLUX's ids are a pure function of the shape (text ids are zeros, image ids the packed grid),
         so (text length, latent grid, dtype) on the ids' device identifies them.
         """
-        key = (req.text_ids.shape[0], req.latent_height, req.latent_width, req.image_ids.dtype)
+        ids = FluxConditioning.of(req)
+        text_ids, image_ids = ids.text_ids, ids.image_ids
+        assert text_ids is not None and image_ids is not None
+        key = (text_ids.shape[0], req.latent_size, image_ids.dtype)
         return self._rope_cache.get_or_build(
-            key, req.image_ids.device, lambda: self.transformer.rope_tables(req.text_ids, req.image_ids)
+            key, image_ids.device, lambda: self.transformer.rope_tables(text_ids, image_ids)
         )
 
     def context_for(self, req: Req) -> torch.Tensor:
@@ -87,7 +105,8 @@ class FluxDenoiser:
     @torch.inference_mode()
     def __call__(self, reqs: list[Req]) -> None:
         batch = gather_branches(reqs)
-        guidance = [r.guidance for r in reqs for _ in range(2 if r.do_cfg else 1) if r.guidance is not None]
+        schedules = [r.schedule for r in reqs for _ in range(2 if r.do_cfg else 1)]
+        guidance = [s.guidance for s in schedules if s.guidance is not None]
         first = reqs[0]
         # Timesteps and guidance are already on the latents' device (timestep preparation put them there).
         prediction = self.transformer(
@@ -96,8 +115,8 @@ class FluxDenoiser:
             context=torch.cat([self.context_for(r) for r in reqs]),
             pooled_projections=torch.cat(batch.pooled),
             timestep=torch.cat(batch.timesteps).to(first.latents.dtype) / 1000,
-            img_ids=first.image_ids,
-            txt_ids=first.text_ids,
+            img_ids=FluxConditioning.of(first).image_ids,
+            txt_ids=FluxConditioning.of(first).text_ids,
             guidance=torch.cat(guidance) if guidance else None,
             rope=self.rope_for(first),
             step_cache=step_cache_for(reqs),
@@ -126,6 +145,7 @@ class FluxPipeline(Pipeline):
     )
     config = FluxPipelineConfig()
     denoiser_cls: ClassVar[type[FluxDenoiser]] = FluxDenoiser
+    conditioning_type: ClassVar[type[FluxConditioning]] = FluxConditioning
     #: Thresholds from `diffserve calibrate-cache` on the trained demo model (benchmarks/README.md,
     #: "Quality tiers against the exact output").
     #: Calibrate a real checkpoint before trusting them there: a folder's own calibration file wins.
@@ -165,8 +185,8 @@ class FluxPipeline(Pipeline):
         """After timestep preparation: the strength's truncated schedule and noised start, and the mask."""
         return [ImageToImageNoisingStage(), InpaintMaskStage(self.latent_channels, pack_latents)]
 
-    def latent_preparation_stage(self, context: PipelineContext) -> LatentPreparationStage:
-        return LatentPreparationStage(
+    def latent_preparation_stage(self, context: PipelineContext) -> FluxLatentPreparationStage:
+        return FluxLatentPreparationStage(
             latent_channels=self.latent_channels,
             vae_scale_factor=self.vae_scale_factor,
             device=context.platform.device(),

@@ -6,13 +6,6 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from diffserve.families.flux.config import (
-    FluxFillPipelineConfig,
-    FluxKontextPipelineConfig,
-    FluxPipelineConfig,
-    flux_default_sampling_params,
-    flux_fill_default_sampling_params,
-)
 from diffserve.families.flux.fill_pipeline import FluxFillPipeline
 from diffserve.families.flux.kontext_pipeline import FluxKontextPipeline
 from diffserve.families.flux.lora_formats import convert_flux_lora
@@ -76,8 +69,6 @@ _FLUX = ModelFamily(
     diffusers_pipeline="FluxPipeline",
     pipeline_cls=FluxPipeline,
     native_classes=_CLASSES,
-    pipeline_config=FluxPipelineConfig(),
-    default_sampling_params=flux_default_sampling_params,
     task="text-to-image",
     tiny_builder=_tiny_flux,
     dit_facts=_DIT_FACTS,
@@ -90,7 +81,6 @@ FAMILIES: tuple[ModelFamily, ...] = (
         name="flux-kontext",
         diffusers_pipeline="FluxKontextPipeline",
         pipeline_cls=FluxKontextPipeline,
-        pipeline_config=FluxKontextPipelineConfig(),
         task="image-edit",
         tiny_builder=_tiny_flux_kontext,
         aliases=("kontext", "flux_kontext"),
@@ -100,8 +90,6 @@ FAMILIES: tuple[ModelFamily, ...] = (
         name="flux-fill",
         diffusers_pipeline="FluxFillPipeline",
         pipeline_cls=FluxFillPipeline,
-        pipeline_config=FluxFillPipelineConfig(),
-        default_sampling_params=flux_fill_default_sampling_params,
         task="image-edit",
         tiny_builder=_tiny_flux_fill,
         aliases=("flux_fill",),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from diffserve.families.flux.conditioning import FluxConditioning
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.prompt_cache import PromptEmbeddingCache
@@ -16,7 +17,7 @@ class FluxTextEncodingStage(Stage):
     """FLUX.1's prompt encoding: CLIP's pooled vector and T5's token sequence, in one batch per request."""
 
     needs = ("do_cfg",)
-    sets = ("prompt_embeds", "pooled_prompt_embeds", "text_ids")
+    sets = ("prompt_embeds", "pooled_prompt_embeds", "conditioning.text_ids")
 
     def __init__(
         self,
@@ -47,5 +48,6 @@ class FluxTextEncodingStage(Stage):
     def forward(self, req: Req) -> Req:
         encode_request_prompts(req, self.encode, self.cache)
         sequence = req.prompt_embeds
-        req.text_ids = torch.zeros(sequence.shape[1], 3, device=sequence.device, dtype=self.output_dtype)
+        text_ids = torch.zeros(sequence.shape[1], 3, device=sequence.device, dtype=self.output_dtype)
+        FluxConditioning.of(req).text_ids = text_ids
         return req

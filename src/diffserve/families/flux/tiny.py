@@ -7,20 +7,36 @@ models; the folder loads unchanged in both diffserve and diffusers' `FluxPipelin
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+from transformers import CLIPTextModel, T5EncoderModel
 
 from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.testing.tiny_writing import (
     DIFFUSERS_FORMAT_VERSION,
+    clip_text_config,
+    finish_tiny_folder,
     save_diffusers_model,
+    save_text_encoder,
+    t5_encoder_config,
+    tiny_folder,
     write_autoencoder_kl,
+    write_scheduler_config,
 )
 from diffserve.testing.tokenizers import build_clip_tokenizer, build_t5_tokenizer
+
+#: The released FLUX.1 scheduler_config.json values (resolution-dependent shift).
+FLUX_SCHEDULER_CONFIG = {
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 1.15,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 4096,
+}
 
 
 @dataclass
@@ -63,45 +79,14 @@ def flux_model_index(
 def build_tiny_flux(out_dir: str | Path, spec: TinyFluxSpec | None = None) -> Path:
     """Write a random-weight FLUX.1 folder to `out_dir` and return its path."""
     spec = spec or TinyFluxSpec()
-    root = Path(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(spec.seed)
+    root = tiny_folder(out_dir, spec.seed)
 
     clip_tokenizer = build_clip_tokenizer()
     t5_tokenizer = build_t5_tokenizer(spec.t5_max_length)
-    clip = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(clip_tokenizer),
-            hidden_size=spec.text_hidden_size,
-            intermediate_size=spec.text_hidden_size * 2,
-            num_hidden_layers=spec.text_layers,
-            num_attention_heads=2,
-            max_position_embeddings=77,
-            projection_dim=spec.text_hidden_size,
-            bos_token_id=clip_tokenizer.bos_token_id,
-            eos_token_id=clip_tokenizer.eos_token_id,
-            pad_token_id=clip_tokenizer.pad_token_id,
-        )
-    )
-    t5 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(t5_tokenizer),
-            d_model=spec.text_hidden_size,
-            d_kv=8,
-            d_ff=spec.text_hidden_size * 2,
-            num_layers=spec.text_layers,
-            num_heads=4,
-            feed_forward_proj="gated-gelu",
-            dense_act_fn="gelu_new",
-            is_gated_act=True,
-            pad_token_id=t5_tokenizer.pad_token_id,
-            eos_token_id=t5_tokenizer.eos_token_id,
-        )
-    )
-    clip.save_pretrained(root / "text_encoder")
-    t5.save_pretrained(root / "text_encoder_2")
-    clip_tokenizer.save_pretrained(root / "tokenizer")
-    t5_tokenizer.save_pretrained(root / "tokenizer_2")
+    clip = CLIPTextModel(clip_text_config(clip_tokenizer, spec.text_hidden_size, spec.text_layers))
+    t5 = T5EncoderModel(t5_encoder_config(t5_tokenizer, spec.text_hidden_size, spec.text_layers))
+    save_text_encoder(root, clip, clip_tokenizer)
+    save_text_encoder(root, t5, t5_tokenizer, "_2")
 
     dit_config = {
         "patch_size": 1,
@@ -123,26 +108,8 @@ def build_tiny_flux(out_dir: str | Path, spec: TinyFluxSpec | None = None) -> Pa
     write_autoencoder_kl(
         root / "vae", spec.vae_block_out_channels, spec.latent_channels, spec.vae_norm_num_groups
     )
-
-    scheduler_dir = root / "scheduler"
-    scheduler_dir.mkdir(exist_ok=True)
-    scheduler_config = {
-        "_class_name": "FlowMatchEulerDiscreteScheduler",
-        "_diffusers_version": DIFFUSERS_FORMAT_VERSION,
-        "num_train_timesteps": 1000,
-        "shift": 3.0,
-        "use_dynamic_shifting": True,
-        "base_shift": 0.5,
-        "max_shift": 1.15,
-        "base_image_seq_len": 256,
-        "max_image_seq_len": 4096,
-    }
-    (scheduler_dir / "scheduler_config.json").write_text(json.dumps(scheduler_config, indent=2))
-
-    model_index = flux_model_index()
-    (root / "model_index.json").write_text(json.dumps(model_index, indent=2))
-    (root / "diffserve_tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2))
-    return root
+    write_scheduler_config(root, "FlowMatchEulerDiscreteScheduler", FLUX_SCHEDULER_CONFIG)
+    return finish_tiny_folder(root, flux_model_index(), spec)
 
 
 def flux_dit_inputs(

@@ -12,13 +12,14 @@ import torch
 from PIL import Image
 
 from diffserve.distributed.parallel_vae import decode_split
+from diffserve.families.flux2.conditioning import Flux2Conditioning
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2
-from diffserve.request import Req
+from diffserve.request import LatentSize, Req
 from diffserve.stages.base import Stage, to_module
 from diffserve.stages.decoding import tensor_to_pil
 from diffserve.stages.latent_preparation import initial_noise
-from diffserve.stages.timestep_preparation import set_schedule
+from diffserve.stages.timestep_preparation import embedded_guidance, set_schedule
 
 
 def flux2_grid_ids(rows: int, cols: int, time: int, device: torch.device) -> torch.Tensor:
@@ -59,10 +60,10 @@ def compute_empirical_mu(image_seq_len: int, num_steps: int) -> float:
 
 class Flux2LatentPreparationStage(Stage):
     """Initial noise as (batch, tokens, in_channels) and the noisy grid's ids; the latent grid is
-    `latent_height` x `latent_width` latent pixels (two per token side)."""
+    `latent_size` latent pixels (two per token side)."""
 
     needs = ("generator", "prompt_embeds")
-    sets = ("latents", "image_ids", "latent_height", "latent_width")
+    sets = ("latents", "conditioning.image_ids", "latent_size")
 
     def __init__(self, in_channels: int, vae_scale_factor: int, device: torch.device, dtype: torch.dtype):
         self.in_channels = in_channels
@@ -76,8 +77,8 @@ class Flux2LatentPreparationStage(Stage):
         cols = p.width // (self.vae_scale_factor * 2)
         noise = initial_noise(req, (p.num_outputs_per_prompt, self.in_channels, rows, cols), self.dtype)
         req.latents = tokens_from_grid(noise).to(self.device)
-        req.image_ids = flux2_grid_ids(rows, cols, 0, self.device)
-        req.latent_height, req.latent_width = 2 * rows, 2 * cols
+        Flux2Conditioning.of(req).image_ids = flux2_grid_ids(rows, cols, 0, self.device)
+        req.latent_size = LatentSize(2 * rows, 2 * cols)
         return req
 
 
@@ -86,7 +87,7 @@ class Flux2TimestepPreparationStage(Stage):
     (FLUX.2-dev) the request's guidance scale, which the DiT embeds."""
 
     needs = ("latents",)
-    sets = ("sigmas", "timesteps", "host_sigmas")
+    sets = ("schedule",)
 
     def __init__(self, scheduler: FlowMatchEulerScheduler, guidance_embeds: bool) -> None:
         self.scheduler = scheduler
@@ -96,29 +97,23 @@ class Flux2TimestepPreparationStage(Stage):
         steps = req.params.num_inference_steps
         mu = compute_empirical_mu(int(req.latents.shape[1]), steps)
         base_sigmas = np.linspace(1.0, 1 / steps, steps)
-        set_schedule(req, self.scheduler.schedule(steps, mu=mu, sigmas=base_sigmas))
-        if self.guidance_embeds:
-            req.guidance = torch.full(
-                (req.batch_size,),
-                float(req.params.guidance_scale),
-                dtype=torch.float32,
-                device=req.latents.device,
-            )
+        guidance = embedded_guidance(req) if self.guidance_embeds else None
+        set_schedule(req, self.scheduler.schedule(steps, mu=mu, sigmas=base_sigmas), guidance)
         return req
 
 
 class Flux2DecodingStage(Stage):
     """Tokens -> patchified grid -> `bn` denormalised -> unpatchified -> VAE decoder -> PIL images."""
 
-    needs = ("latents", "latent_height", "latent_width")
-    sets = ("images",)
+    needs = ("latents", "latent_size")
+    sets = ("outputs.images",)
 
     def __init__(self, vae: AutoencoderKLFlux2) -> None:
         self.vae = vae
 
     def vae_latents(self, tokens: torch.Tensor, req: Req) -> torch.Tensor:
         """The decoder's input (B, latent_channels, h, w) for (B, tokens, C) in the DiT's latent space."""
-        grid = grid_from_tokens(tokens, req.latent_height // 2, req.latent_width // 2)
+        grid = grid_from_tokens(tokens, req.latent_size.height // 2, req.latent_size.width // 2)
         return self.vae.unpatchify(self.vae.denormalize_latents(grid))
 
     @torch.inference_mode()
@@ -126,5 +121,5 @@ class Flux2DecodingStage(Stage):
         return tensor_to_pil(decode_split(self.vae, to_module(self.vae, self.vae_latents(tokens, req))))
 
     def forward(self, req: Req) -> Req:
-        req.images = self.decode(req.latents, req)
+        req.outputs.images = self.decode(req.latents, req)
         return req

@@ -17,6 +17,7 @@ from PIL import Image
 
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.step_cache_policy import StepCachePolicy
+from diffserve.families.flux2.conditioning import Flux2Conditioning
 from diffserve.families.flux2.config import (
     Flux2KleinPipelineConfig,
     Flux2PipelineConfig,
@@ -50,7 +51,6 @@ from diffserve.stages.base import Stage
 from diffserve.stages.denoising import DenoisingStage
 from diffserve.stages.input_validation import InputValidationStage
 from diffserve.stages.previews import predicted_clean_latents
-from diffserve.stages.reference_images import ReferenceImages
 
 
 class Flux2Denoiser:
@@ -73,13 +73,16 @@ class Flux2Denoiser:
     def rope_for(self, req: Req) -> RopeTables:
         """RoPE tables over [text; noisy tokens; reference tokens], once per shape: the ids are a function
         of the text length, the noisy grid and the reference grids."""
-        device = req.image_ids.device
-        shapes = ReferenceImages.of(req).condition_shapes
-        key = (req.text_ids.shape[0], req.latent_height, req.latent_width, tuple(shapes))
+        conditioning = Flux2Conditioning.of(req)
+        text_ids, image_ids = conditioning.text_ids, conditioning.image_ids
+        assert text_ids is not None and image_ids is not None
+        device = image_ids.device
+        shapes = conditioning.condition_shapes
+        key = (text_ids.shape[0], req.latent_size, tuple(shapes))
 
         def build() -> RopeTables:
-            ids = torch.cat([req.image_ids, *reference_ids(shapes, self.reference_time_offset, device)])
-            return self.transformer.rope_tables(req.text_ids, ids)
+            ids = torch.cat([image_ids, *reference_ids(shapes, self.reference_time_offset, device)])
+            return self.transformer.rope_tables(text_ids, ids)
 
         return self._rope_cache.get_or_build(key, device, build)
 
@@ -96,15 +99,15 @@ class Flux2Denoiser:
         tokens, timesteps, guidance = [], [], []
         for req in reqs:
             rows = req.latents
-            references = ReferenceImages.of(req).condition_latents
+            references = Flux2Conditioning.of(req).condition_latents
             if references is not None:
                 rows = torch.cat([rows, references.to(rows.dtype)], dim=1)
-            t = req.timesteps[req.step_index].expand(req.batch_size)
+            t = req.schedule.timesteps[req.step_index].expand(req.batch_size)
             for _ in branch_texts(req):
                 tokens.append(rows)
                 timesteps.append(t)
-                if req.guidance is not None:
-                    guidance.append(req.guidance)
+                if req.schedule.guidance is not None:
+                    guidance.append(req.schedule.guidance)
         first = reqs[0]
         # Timesteps and guidance are already on the latents' device (timestep preparation put them there).
         prediction = self.transformer(
@@ -126,7 +129,7 @@ class Flux2Pipeline(Pipeline):
     required_components = ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
     config: ClassVar[Flux2PipelineConfig] = Flux2PipelineConfig()
     pipeline_name: ClassVar[str] = "Flux2Pipeline"
-    conditioning_type = ReferenceImages
+    conditioning_type = Flux2Conditioning
     #: Exact path only: no step-cache tier has been calibrated on a FLUX.2 checkpoint.
     step_cache_policies: ClassVar[dict[str, StepCachePolicy]] = {}
 

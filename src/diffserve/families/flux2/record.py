@@ -4,16 +4,11 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
-from diffserve.families.flux2.config import (
-    Flux2KleinPipelineConfig,
-    Flux2PipelineConfig,
-    flux2_default_sampling_params,
-    flux2_klein_default_sampling_params,
-)
 from diffserve.families.flux2.pipeline import Flux2KleinPipeline, Flux2Pipeline
-from diffserve.families.record import ModelFamily, TinyCheckpointBuilder, TinyCheckpointOptions
+from diffserve.families.record import ModelFamily, TinyCheckpointOptions
 from diffserve.loader.dit_facts import DitFacts
 from diffserve.loader.native_classes import NativeClasses
 from diffserve.models.dits.flux2 import Flux2Transformer2DModel
@@ -21,16 +16,12 @@ from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2
 
 
-def _tiny_flux2(variant: str) -> TinyCheckpointBuilder:
-    """The builder of a FLUX.2-dev ("dev") or FLUX.2 [klein] ("klein") folder; it imports its module when
-    called (transformers model classes the registry does not need)."""
+def _tiny_flux2(out_dir: Path, options: TinyCheckpointOptions, variant: str) -> Path:
+    """A FLUX.2-dev ("dev") or FLUX.2 [klein] ("klein") folder. Imports its module when called (transformers
+    model classes the registry does not need)."""
+    from diffserve.families.flux2.tiny import TinyFlux2Spec, build_tiny_flux2
 
-    def build(out_dir: Path, options: TinyCheckpointOptions) -> Path:
-        from diffserve.families.flux2.tiny import TinyFlux2Spec, build_tiny_flux2
-
-        return build_tiny_flux2(out_dir, TinyFlux2Spec(variant=variant, seed=options.seed))
-
-    return build
+    return build_tiny_flux2(out_dir, TinyFlux2Spec(variant=variant, seed=options.seed))
 
 
 _CLASSES = NativeClasses.of(
@@ -46,10 +37,8 @@ _FLUX2 = ModelFamily(
     diffusers_pipeline="Flux2Pipeline",
     pipeline_cls=Flux2Pipeline,
     native_classes=_CLASSES,
-    pipeline_config=Flux2PipelineConfig(),
-    default_sampling_params=flux2_default_sampling_params,
     task="text-to-image",  # with optional reference images (multi-reference editing)
-    tiny_builder=_tiny_flux2("dev"),
+    tiny_builder=partial(_tiny_flux2, variant="dev"),
     dit_facts=_DIT_FACTS,
     aliases=("flux2-dev", "flux.2"),
 )
@@ -61,9 +50,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
         name="flux2-klein",
         diffusers_pipeline="Flux2KleinPipeline",
         pipeline_cls=Flux2KleinPipeline,
-        pipeline_config=Flux2KleinPipelineConfig(),
-        default_sampling_params=flux2_klein_default_sampling_params,
-        tiny_builder=_tiny_flux2("klein"),
+        tiny_builder=partial(_tiny_flux2, variant="klein"),
         aliases=("flux2_klein", "klein"),
     ),
 )

@@ -15,6 +15,7 @@ import functools
 import torch
 from torch import nn
 
+from diffserve.families.flux2.conditioning import Flux2Conditioning
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.prompt_cache import PromptEmbeddingCache
@@ -42,7 +43,7 @@ class Flux2TextEncodingStage(Stage):
     as Diffusers' PixtralProcessor does (special tokens added unless the chat starts with BOS)."""
 
     needs = ("do_cfg",)
-    sets = ("prompt_embeds", "text_ids")
+    sets = ("prompt_embeds", "conditioning.text_ids")
 
     def __init__(
         self,
@@ -111,7 +112,7 @@ class Flux2TextEncodingStage(Stage):
             request_prompts(req), (length,), functools.partial(self.encode, max_sequence_length=length)
         )
         set_sequence_embeds(req, embeds)
-        req.text_ids = flux2_text_ids(embeds[0].shape[1], req.prompt_embeds.device)
+        Flux2Conditioning.of(req).text_ids = flux2_text_ids(embeds[0].shape[1], req.prompt_embeds.device)
         return req
 
 

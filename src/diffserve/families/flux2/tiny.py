@@ -21,7 +21,7 @@ without torchvision: it only calls its `apply_chat_template`).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,19 +32,24 @@ from transformers import (
     MistralConfig,
     PixtralVisionConfig,
     PreTrainedTokenizerFast,
-    Qwen3Config,
     Qwen3ForCausalLM,
 )
 
 from diffserve.families.flux2.config import FLUX2_SYSTEM_MESSAGE
 from diffserve.models.dits.flux2 import Flux2Transformer2DModel
 from diffserve.models.vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2
-from diffserve.testing.qwen_tokenizers import _whole_word_merges, build_qwen_tokenizer
+from diffserve.testing.qwen_tokenizers import _whole_word_merges
 from diffserve.testing.tiny_writing import (
     DIFFUSERS_FORMAT_VERSION,
-    diffusers_config,
+    check_variant,
+    finish_tiny_folder,
     random_native_module,
     save_diffusers_model,
+    tiny_folder,
+    vision_tower_shape,
+    write_json,
+    write_qwen3_text_encoder,
+    write_scheduler_config,
 )
 from diffserve.testing.tokenizers import _bytes_to_unicode
 
@@ -183,9 +188,7 @@ def write_pixtral_processor(directory: Path, tokenizer: PreTrainedTokenizerFast)
     # The generic fast class (transformers 5 writes its own name for it, which 4.x does not know).
     config_path = directory / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
-    config_path.write_text(
-        json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n"
-    )
+    write_json(config_path, {**config, "tokenizer_class": "PreTrainedTokenizerFast"}, newline=True)
     processor = {
         "processor_class": "PixtralProcessor",
         "image_token": "[IMG]",
@@ -194,7 +197,7 @@ def write_pixtral_processor(directory: Path, tokenizer: PreTrainedTokenizerFast)
         "patch_size": 16,
         "spatial_merge_size": 2,
     }
-    (directory / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+    write_json(directory / "processor_config.json", processor, newline=True)
     image_processor = {
         "image_processor_type": "PixtralImageProcessor",
         "processor_class": "PixtralProcessor",
@@ -209,7 +212,7 @@ def write_pixtral_processor(directory: Path, tokenizer: PreTrainedTokenizerFast)
         "rescale_factor": 1 / 255,
         "size": {"longest_edge": 1540},
     }
-    (directory / "preprocessor_config.json").write_text(json.dumps(image_processor, indent=2) + "\n")
+    write_json(directory / "preprocessor_config.json", image_processor, newline=True)
 
 
 def _mistral3_encoder(
@@ -231,14 +234,7 @@ def _mistral3_encoder(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    vision = PixtralVisionConfig(
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=64,
-        patch_size=16,
-    )
+    vision = PixtralVisionConfig(**vision_tower_shape(16, image_size=64, patch_size=16, num_layers=1))
     config = Mistral3Config(
         text_config=text,
         vision_config=vision,
@@ -247,27 +243,6 @@ def _mistral3_encoder(
         multimodal_projector_bias=False,
     )
     return Mistral3ForConditionalGeneration(config).eval()
-
-
-def _qwen3_encoder(spec: TinyFlux2Spec, tokenizer) -> Qwen3ForCausalLM:
-    width = spec.text_hidden_size
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=width,
-        intermediate_size=width * 2,
-        num_hidden_layers=spec.encoder_layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=width // 2,
-        max_position_embeddings=40960,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return Qwen3ForCausalLM(config).eval()
 
 
 def flux2_model_index(variant: str, is_distilled: bool = False) -> dict:
@@ -325,22 +300,15 @@ def write_flux2_vae(directory: Path, spec: TinyFlux2Spec) -> None:
 def build_tiny_flux2(out_dir: str | Path, spec: TinyFlux2Spec | None = None) -> Path:
     """Write a random-weight FLUX.2 folder (`spec.variant`: "dev" or "klein") to `out_dir`; return its path."""
     spec = spec or TinyFlux2Spec()
-    if spec.variant not in PIPELINE_CLASSES:
-        raise ValueError(
-            f"unknown FLUX.2 variant {spec.variant!r}; expected one of {sorted(PIPELINE_CLASSES)}"
-        )
-    root = Path(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(spec.seed)
+    check_variant("FLUX.2", spec.variant, PIPELINE_CLASSES)
+    root = tiny_folder(out_dir, spec.seed)
 
     if spec.variant == "dev":
         tokenizer = build_mistral_tokenizer()
         _mistral3_encoder(spec, tokenizer).save_pretrained(root / "text_encoder")
         write_pixtral_processor(root / "tokenizer", tokenizer)
     else:
-        tokenizer = build_qwen_tokenizer()
-        _qwen3_encoder(spec, tokenizer).save_pretrained(root / "text_encoder")
-        tokenizer.save_pretrained(root / "tokenizer")
+        write_qwen3_text_encoder(root, Qwen3ForCausalLM, spec.text_hidden_size, spec.encoder_layers)
 
     dit_config = {
         "patch_size": 1,
@@ -361,12 +329,5 @@ def build_tiny_flux2(out_dir: str | Path, spec: TinyFlux2Spec | None = None) -> 
     dit = random_native_module(Flux2Transformer2DModel, dit_config, spec.seed + 10, spec.dit_weight_noise)
     save_diffusers_model(dit, root / "transformer", "Flux2Transformer2DModel", dit_config)
     write_flux2_vae(root / "vae", spec)
-
-    (root / "scheduler").mkdir(exist_ok=True)
-    (root / "scheduler" / "scheduler_config.json").write_text(
-        json.dumps(diffusers_config("FlowMatchEulerDiscreteScheduler", FLUX2_SCHEDULER_CONFIG), indent=2)
-    )
-    index = flux2_model_index(spec.variant, spec.is_distilled)
-    (root / "model_index.json").write_text(json.dumps(index, indent=2))
-    (root / "diffserve_tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2))
-    return root
+    write_scheduler_config(root, "FlowMatchEulerDiscreteScheduler", FLUX2_SCHEDULER_CONFIG)
+    return finish_tiny_folder(root, flux2_model_index(spec.variant, spec.is_distilled), spec)

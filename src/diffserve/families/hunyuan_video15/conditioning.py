@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from diffserve.families.hunyuan_video15.sizes import resize_and_crop
-from diffserve.request import Conditioning, Req, role
+from diffserve.request import Conditioning, LatentSize, Req, role
 from diffserve.stages.base import Stage, to_module
 from diffserve.stages.image_tensor import image_to_tensor
 from diffserve.stages.latent_preparation import initial_noise
@@ -55,7 +55,7 @@ class HunyuanVideo15LatentPreparationStage(Stage):
     dtype), from the request's CPU generator."""
 
     needs = ("generator", "prompt_embeds")
-    sets = ("latents", "latent_height", "latent_width")
+    sets = ("latents", "latent_size")
 
     def __init__(
         self, channels: int, spatial: int, temporal: int, device: torch.device, dtype: torch.dtype
@@ -69,7 +69,7 @@ class HunyuanVideo15LatentPreparationStage(Stage):
         h, w = p.height // self.spatial, p.width // self.spatial
         shape = (p.num_outputs_per_prompt, self.channels, frames, h, w)
         req.latents = initial_noise(req, shape, self.dtype).to(self.device)
-        req.latent_height, req.latent_width = h, w
+        req.latent_size = LatentSize(h, w)
         return req
 
 

@@ -19,7 +19,7 @@ class HunyuanVideo15DecodingStage(Stage):
     """(B, C, F, h, w) latents -> one uint8 (frames, H, W, 3) array per output video."""
 
     needs = ("latents",)
-    sets = ("frames",)
+    sets = ("outputs.frames",)
 
     def __init__(self, vae: nn.Module) -> None:
         self.vae = vae
@@ -44,5 +44,6 @@ class HunyuanVideo15DecodingStage(Stage):
     def forward(self, req: Req) -> Req:
         video = self.decode(req.latents)
         array = (video / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).float().cpu().numpy()
-        req.frames = list((array * 255).round().astype(np.uint8))  # rounding as Diffusers' processors do
+        # Rounding as Diffusers' processors do.
+        req.outputs.frames = list((array * 255).round().astype(np.uint8))
         return req

@@ -66,7 +66,7 @@ class HunyuanVideo15TimestepPreparationStage(Stage):
     """Sigmas linspace(1, 0, steps + 1) without the final 0, shifted by the scheduler's `shift`."""
 
     needs = ("latents",)
-    sets = ("sigmas", "timesteps", "host_sigmas")
+    sets = ("schedule",)
 
     def __init__(self, scheduler) -> None:
         if scheduler.config["use_dynamic_shifting"]:
@@ -117,8 +117,8 @@ class HunyuanVideo15Denoiser:
     def next_timesteps(self, req: Req) -> torch.Tensor:
         """MeanFlow's second time: the next step's timestep, 0 after the last (as Diffusers' I2V pipeline)."""
         if req.step_index + 1 < req.num_steps:
-            return req.timesteps[req.step_index + 1]
-        return torch.zeros((), device=req.timesteps.device, dtype=req.timesteps.dtype)
+            return req.schedule.timesteps[req.step_index + 1]
+        return torch.zeros((), device=req.schedule.timesteps.device, dtype=req.schedule.timesteps.dtype)
 
     @torch.inference_mode()
     def __call__(self, reqs: list[Req]) -> None:
@@ -127,7 +127,7 @@ class HunyuanVideo15Denoiser:
         for req in reqs:
             conditioning = HunyuanVideo15Conditioning.of(req)
             model_input = torch.cat([req.latents, conditioning.condition_latents], dim=1).to(self.dtype)
-            t = req.timesteps[req.step_index].expand(req.batch_size).to(self.dtype)
+            t = req.schedule.timesteps[req.step_index].expand(req.batch_size).to(self.dtype)
             for states, mask, states_2, mask_2 in self.branch_inputs(req):
                 latents.append(model_input)
                 timesteps.append(t)

@@ -4,17 +4,14 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
-from diffserve.families.hunyuan_video15.config import (
-    HunyuanVideo15PipelineConfig,
-    hunyuan_video15_default_sampling_params,
-)
 from diffserve.families.hunyuan_video15.pipeline import (
     HunyuanVideo15ImageToVideoPipeline,
     HunyuanVideo15Pipeline,
 )
-from diffserve.families.record import ModelFamily, TinyCheckpointBuilder, TinyCheckpointOptions
+from diffserve.families.record import ModelFamily, TinyCheckpointOptions
 from diffserve.loader.dit_facts import DitFacts
 from diffserve.loader.native_classes import NativeClasses
 from diffserve.models.dits.hunyuan_video15 import HunyuanVideo15Transformer3DModel
@@ -23,17 +20,13 @@ from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.vaes.autoencoder_kl_hunyuan_video15 import AutoencoderKLHunyuanVideo15
 
 
-def _tiny_hunyuan_video15(image_to_video: bool) -> TinyCheckpointBuilder:
-    """The builder of a HunyuanVideo 1.5 text-to-video or image-to-video folder (needs diffusers installed);
-    it imports its module when called."""
+def _tiny_hunyuan_video15(out_dir: Path, options: TinyCheckpointOptions, image_to_video: bool) -> Path:
+    """A HunyuanVideo 1.5 text-to-video or image-to-video folder (needs diffusers installed). Imports its
+    module when called."""
+    from diffserve.families.hunyuan_video15.tiny import TinyHunyuanVideo15Spec, build_tiny_hunyuan_video15
 
-    def build(out_dir: Path, options: TinyCheckpointOptions) -> Path:
-        from diffserve.families.hunyuan_video15.tiny import TinyHunyuanVideo15Spec, build_tiny_hunyuan_video15
-
-        spec = TinyHunyuanVideo15Spec(image_to_video=image_to_video, seed=options.seed)
-        return build_tiny_hunyuan_video15(out_dir, spec)
-
-    return build
+    spec = TinyHunyuanVideo15Spec(image_to_video=image_to_video, seed=options.seed)
+    return build_tiny_hunyuan_video15(out_dir, spec)
 
 
 _CLASSES = NativeClasses.of(
@@ -50,10 +43,8 @@ _HUNYUAN_VIDEO15_T2V = ModelFamily(
     diffusers_pipeline="HunyuanVideo15Pipeline",
     pipeline_cls=HunyuanVideo15Pipeline,
     native_classes=_CLASSES,
-    pipeline_config=HunyuanVideo15PipelineConfig(),
-    default_sampling_params=hunyuan_video15_default_sampling_params,
     task="text-to-video",
-    tiny_builder=_tiny_hunyuan_video15(image_to_video=False),
+    tiny_builder=partial(_tiny_hunyuan_video15, image_to_video=False),
     dit_facts=_DIT_FACTS,
     aliases=("hunyuan-video15", "hunyuanvideo15-t2v"),
 )
@@ -66,7 +57,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
         diffusers_pipeline="HunyuanVideo15ImageToVideoPipeline",
         pipeline_cls=HunyuanVideo15ImageToVideoPipeline,
         task="image-to-video",
-        tiny_builder=_tiny_hunyuan_video15(image_to_video=True),
+        tiny_builder=partial(_tiny_hunyuan_video15, image_to_video=True),
         aliases=("hunyuanvideo15-i2v",),
     ),
 )

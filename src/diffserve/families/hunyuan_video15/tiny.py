@@ -16,11 +16,9 @@ Diffusers and diffserve do the same with it, which is what the parity tests need
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from transformers import (
     ByT5Tokenizer,
     Qwen2_5_VLTextConfig,
@@ -33,7 +31,17 @@ from transformers import (
 )
 
 from diffserve.testing.qwen_tokenizers import build_qwen_tokenizer
-from diffserve.testing.tiny_writing import diffusers_config, random_native_module
+from diffserve.testing.tiny_writing import (
+    diffusers_config,
+    qwen_text_shape,
+    random_native_module,
+    save_text_encoder,
+    t5_shape,
+    tiny_folder,
+    vision_tower_shape,
+    write_json,
+    write_scheduler_config,
+)
 
 #: The released guider (`guider/guider_config.json`): Diffusers' CFG at scale 6.
 GUIDER_CONFIG = {
@@ -97,58 +105,20 @@ def hunyuan_video15_model_index(image_to_video: bool) -> dict:
 
 def _write_text_encoders(root: Path, spec: TinyHunyuanVideo15Spec) -> None:
     tokenizer = build_qwen_tokenizer()
-    heads = 2
-    half = spec.text_hidden_size // heads // 2
     config = Qwen2_5_VLTextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.text_hidden_size,
-        intermediate_size=spec.text_hidden_size * 2,
-        num_hidden_layers=spec.text_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=1,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 1000000.0,
-            "mrope_section": [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8],
-        },
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tokenizer.pad_token_id,
+        **qwen_text_shape(tokenizer, spec.text_hidden_size, spec.text_layers, 2, 1, 4096, mrope=True)
     )
-    Qwen2_5_VLTextModel(config).eval().save_pretrained(root / "text_encoder")
-    tokenizer.save_pretrained(root / "tokenizer")
+    save_text_encoder(root, Qwen2_5_VLTextModel(config).eval(), tokenizer)
 
     glyph_tokenizer = ByT5Tokenizer()
-    glyph_encoder = T5EncoderModel(
-        T5Config(
-            vocab_size=len(glyph_tokenizer),
-            d_model=spec.glyph_hidden_size,
-            d_kv=8,
-            d_ff=spec.glyph_hidden_size * 2,
-            num_layers=2,
-            num_heads=4,
-            feed_forward_proj="gated-gelu",
-            is_encoder_decoder=False,
-            use_cache=False,
-        )
-    )
-    glyph_encoder.eval().save_pretrained(root / "text_encoder_2")
-    glyph_tokenizer.save_pretrained(root / "tokenizer_2")
+    glyph_shape = t5_shape(len(glyph_tokenizer), spec.glyph_hidden_size, 2)
+    glyph_encoder = T5EncoderModel(T5Config(**glyph_shape, is_encoder_decoder=False, use_cache=False))
+    save_text_encoder(root, glyph_encoder.eval(), glyph_tokenizer, "_2")
 
 
 def _write_image_encoder(root: Path, spec: TinyHunyuanVideo15Spec) -> None:
-    encoder = SiglipVisionModel(
-        SiglipVisionConfig(
-            hidden_size=spec.image_hidden_size,
-            intermediate_size=spec.image_hidden_size * 2,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=spec.image_size,
-            patch_size=spec.image_patch_size,
-        )
-    )
+    shape = vision_tower_shape(spec.image_hidden_size, spec.image_size, spec.image_patch_size)
+    encoder = SiglipVisionModel(SiglipVisionConfig(**shape))
     encoder.eval().save_pretrained(root / "image_encoder")
     size = spec.image_size
     SiglipImageProcessor(
@@ -185,9 +155,7 @@ def build_tiny_hunyuan_video15(out_dir: str | Path, spec: TinyHunyuanVideo15Spec
     from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Transformer3DModel
 
     spec = spec or TinyHunyuanVideo15Spec()
-    root = Path(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(spec.seed)
+    root = tiny_folder(out_dir, spec.seed)
     _write_text_encoders(root, spec)
     dit = random_native_module(
         HunyuanVideo15Transformer3DModel, _dit_config(spec), spec.seed + 10, spec.dit_weight_noise
@@ -206,16 +174,8 @@ def build_tiny_hunyuan_video15(out_dir: str | Path, spec: TinyHunyuanVideo15Spec
     shift = spec.shift if spec.shift is not None else (7.0 if spec.image_to_video else 5.0)
     scheduler = {"num_train_timesteps": 1000, "shift": shift, "use_dynamic_shifting": False}
     guider = {**GUIDER_CONFIG, "guidance_scale": spec.guidance_scale}
-    for folder, name, config in (
-        (
-            "scheduler",
-            "scheduler_config.json",
-            diffusers_config("FlowMatchEulerDiscreteScheduler", scheduler),
-        ),
-        ("guider", "guider_config.json", diffusers_config("ClassifierFreeGuidance", guider)),
-    ):
-        (root / folder).mkdir(exist_ok=True)
-        (root / folder / name).write_text(json.dumps(config, indent=2) + "\n")
-    index = hunyuan_video15_model_index(spec.image_to_video)
-    (root / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    write_scheduler_config(root, "FlowMatchEulerDiscreteScheduler", scheduler, newline=True)
+    guider_config = diffusers_config("ClassifierFreeGuidance", guider)
+    write_json(root / "guider" / "guider_config.json", guider_config, newline=True)
+    write_json(root / "model_index.json", hunyuan_video15_model_index(spec.image_to_video), newline=True)
     return root

@@ -28,8 +28,8 @@ def denormalize_video_latents(vae: nn.Module, latents: torch.Tensor) -> torch.Te
 
 
 class LTX2DecodingStage(Stage):
-    needs = ("latents", "conditioning.audio_latents", "latent_height", "latent_width")
-    sets = ("frames", "audio", "audio_sample_rate")
+    needs = ("latents", "conditioning.audio_latents", "latent_size")
+    sets = ("outputs.frames", "outputs.audio", "outputs.audio_sample_rate")
 
     def __init__(
         self,
@@ -52,13 +52,13 @@ class LTX2DecodingStage(Stage):
 
     @torch.inference_mode()
     def forward(self, req: Req) -> Req:
-        req.frames = self.decode_video(req)
-        req.audio = self.decode_audio(req)
-        req.audio_sample_rate = int(self.vocoder.sample_rate)
+        req.outputs.frames = self.decode_video(req)
+        req.outputs.audio = self.decode_audio(req)
+        req.outputs.audio_sample_rate = int(self.vocoder.sample_rate)
         return req
 
     def decode_video(self, req: Req) -> list[np.ndarray]:
-        h, w = req.latent_height, req.latent_width
+        h, w = req.latent_size
         frames = req.latents.shape[1] // (h * w)
         latents = unpack_video_latents(req.latents, frames, h, w).to(self.dtype)
         temb = None

@@ -21,7 +21,7 @@ from torch import nn
 
 from diffserve.families.ltx2.conditioning import LTX2Conditioning
 from diffserve.families.ltx2.config import ltx2_guidance
-from diffserve.request import Req
+from diffserve.request import LatentSize, Req
 from diffserve.stages.base import Stage, to_module
 from diffserve.stages.latent_preparation import initial_noise
 
@@ -105,7 +105,7 @@ class FirstFrameCondition:
 
 class LTX2LatentPreparationStage(Stage):
     needs = ("generator", "prompt_embeds")
-    sets = ("latents", "conditioning.audio_latents", "latent_height", "latent_width")
+    sets = ("latents", "conditioning.audio_latents", "latent_size")
 
     def __init__(
         self,
@@ -147,5 +147,5 @@ class LTX2LatentPreparationStage(Stage):
         audio = initial_noise(req, (n, self.audio_channels, steps, self.audio_mel_bins), torch.float32)
         req.latents = pack_video_latents(video).to(self.device)
         LTX2Conditioning.of(req).audio_latents = pack_audio_latents(audio).to(self.device)
-        req.latent_height, req.latent_width = h, w
+        req.latent_size = LatentSize(h, w)
         return req

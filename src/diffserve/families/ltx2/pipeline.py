@@ -173,7 +173,7 @@ class LTX2Denoiser:
         n = req.batch_size
         if not self.image_to_video:
             return t.expand(n)
-        first = req.latent_height * req.latent_width
+        first = req.latent_size.height * req.latent_size.width
         keep = torch.ones(req.latents.shape[1], device=t.device, dtype=t.dtype)
         keep[:first] = 0
         return (t * keep).expand(n, -1)
@@ -206,7 +206,7 @@ class LTX2Denoiser:
         """One DiT forward over the listed rows; per request {kind: (video velocity, audio velocity)} in float32."""
         video, audio, text, audio_text, masks, t_video, t_audio, perturb = ([] for _ in range(8))
         for req, req_kinds in zip(reqs, kinds, strict=True):
-            t = req.timesteps[req.step_index]
+            t = req.schedule.timesteps[req.step_index]
             c = LTX2Conditioning.of(req)
             for kind in req_kinds:
                 negative = kind == "neg"
@@ -219,7 +219,7 @@ class LTX2Denoiser:
                 t_audio.append(t.expand(req.batch_size))
                 perturb.append(torch.full((req.batch_size,), 0.0 if kind == "stg" else 1.0, device=t.device))
         first = reqs[0]
-        h, w = first.latent_height, first.latent_width
+        h, w = first.latent_size
         # Requests with STG rows share their blocks (`batch_key`), as they share the cross-timestep switch.
         with_stg = [plan for plan, req_kinds in zip(plans, kinds, strict=True) if "stg" in req_kinds]
         stg_rows = bool(with_stg)
@@ -261,7 +261,7 @@ class LTX2Denoiser:
     ) -> None:
         if req.step_index == 0 and req.scheduler_state is None:
             req.scheduler_state = self.scheduler.new_state()
-        sigma = req.sigmas[req.step_index]
+        sigma = req.schedule.sigmas[req.step_index]
         conditioning = LTX2Conditioning.of(req)
         velocities = []
         for index, (latents, scales) in enumerate(
@@ -282,14 +282,14 @@ class LTX2Denoiser:
         video_v, audio_v = velocities
         req.last_prediction = video_v
         video = self.scheduler.step_request(
-            video_v, req.latents, req.sigmas, req.step_index, req.scheduler_state
+            video_v, req.latents, req.schedule.sigmas, req.step_index, req.scheduler_state
         )
         if self.image_to_video:  # the first latent frame is the input image's, never stepped
-            first = req.latent_height * req.latent_width
+            first = req.latent_size.height * req.latent_size.width
             video = torch.cat([req.latents[:, :first], video[:, first:]], dim=1)
         req.latents = video
         conditioning.audio_latents = self.scheduler.step_request(
-            audio_v, conditioning.audio_latents, req.sigmas, req.step_index, req.scheduler_state
+            audio_v, conditioning.audio_latents, req.schedule.sigmas, req.step_index, req.scheduler_state
         )
         req.step_index += 1
 

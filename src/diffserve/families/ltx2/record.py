@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
-from diffserve.families.ltx2.config import LTX2PipelineConfig, ltx2_default_sampling_params
 from diffserve.families.ltx2.pipeline import LTX2ImageToVideoPipeline, LTX2Pipeline
-from diffserve.families.record import ModelFamily, TinyCheckpointBuilder, TinyCheckpointOptions
+from diffserve.families.record import ModelFamily, TinyCheckpointOptions
 from diffserve.loader.dit_facts import DitFacts
 from diffserve.loader.native_classes import NativeClasses
 from diffserve.models.dits.ltx2 import LTX2VideoTransformer3DModel
@@ -19,16 +19,12 @@ from diffserve.models.vaes.autoencoder_kl_ltx2_audio import AutoencoderKLLTX2Aud
 from diffserve.models.vaes.ltx2_vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 
 
-def _tiny_ltx2(image_to_video: bool) -> TinyCheckpointBuilder:
-    """The builder of an LTX-2 text-to-video or image-to-video folder (needs diffusers installed); it
-    imports its module when called."""
+def _tiny_ltx2(out_dir: Path, options: TinyCheckpointOptions, image_to_video: bool) -> Path:
+    """An LTX-2 text-to-video or image-to-video folder (needs diffusers installed). Imports its module when
+    called."""
+    from diffserve.families.ltx2.tiny import TinyLTX2Spec, build_tiny_ltx2
 
-    def build(out_dir: Path, options: TinyCheckpointOptions) -> Path:
-        from diffserve.families.ltx2.tiny import TinyLTX2Spec, build_tiny_ltx2
-
-        return build_tiny_ltx2(out_dir, TinyLTX2Spec(image_to_video=image_to_video, seed=options.seed))
-
-    return build
+    return build_tiny_ltx2(out_dir, TinyLTX2Spec(image_to_video=image_to_video, seed=options.seed))
 
 
 _CLASSES = NativeClasses.of(
@@ -47,10 +43,8 @@ _LTX2_T2V = ModelFamily(
     diffusers_pipeline="LTX2Pipeline",
     pipeline_cls=LTX2Pipeline,
     native_classes=_CLASSES,
-    pipeline_config=LTX2PipelineConfig(),
-    default_sampling_params=ltx2_default_sampling_params,
     task="text-to-video",  # with its soundtrack
-    tiny_builder=_tiny_ltx2(image_to_video=False),
+    tiny_builder=partial(_tiny_ltx2, image_to_video=False),
     dit_facts=_DIT_FACTS,
     aliases=("ltx2", "ltx-2"),
 )
@@ -63,7 +57,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
         diffusers_pipeline="LTX2ImageToVideoPipeline",
         pipeline_cls=LTX2ImageToVideoPipeline,
         task="image-to-video",  # with its soundtrack
-        tiny_builder=_tiny_ltx2(image_to_video=True),
+        tiny_builder=partial(_tiny_ltx2, image_to_video=True),
         aliases=(),
     ),
 )

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
+from diffserve.testing.tiny_writing import vision_tower_shape
 from diffserve.testing.tokenizers import build_gemma_tokenizer
 
 #: The prompt words the tiny tokenizer knows whole (others are spelled letter by letter).
@@ -74,14 +75,7 @@ def _gemma3(
         bos_token_id=bos,
         eos_token_id=eos,
     )
-    vision = SiglipVisionConfig(
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=28,
-        patch_size=14,
-    )
+    vision = SiglipVisionConfig(**vision_tower_shape(16, image_size=28, patch_size=14, num_layers=1))
     config = Gemma3Config(
         text_config=text.to_dict(),
         vision_config=vision.to_dict(),

@@ -73,14 +73,15 @@ class QwenImageDenoiser:
             references = ReferenceImages.of(req)
             if references.condition_latents is not None:
                 tokens = torch.cat([tokens, references.condition_latents.to(tokens.dtype)], dim=1)
-            grid = [(1, req.latent_height // 2, req.latent_width // 2), *references.condition_shapes]
+            height, width = req.latent_size
+            grid = [(1, height // 2, width // 2), *references.condition_shapes]
             for text in branch_texts(req):
                 latents.append(tokens)
                 texts.append(text)
-                timesteps.append(req.timesteps[req.step_index].expand(req.batch_size))
+                timesteps.append(req.schedule.timesteps[req.step_index].expand(req.batch_size))
                 shapes.extend([grid] * req.batch_size)
-                if req.guidance is not None:
-                    guidance.append(req.guidance)
+                if req.schedule.guidance is not None:
+                    guidance.append(req.schedule.guidance)
         first = reqs[0]
         text, text_mask = pad_text(texts)
         # Timesteps and guidance are already on the latents' device (timestep preparation put them there).
@@ -203,7 +204,7 @@ class QwenImagePipeline(Pipeline):
         one, and the input images' from the conditioning's `batch` roles) must line up."""
         return (
             tuple(req.latents.shape[1:]),
-            (req.latent_height, req.latent_width),
+            req.latent_size,
             *batch_signature(req.conditioning),
         )
 

@@ -4,21 +4,16 @@ the Qwen-Image DiT and its loader facts."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
-from diffserve.families.qwen_image.config import (
-    QwenImageEditPipelineConfig,
-    QwenImageEditPlusPipelineConfig,
-    QwenImagePipelineConfig,
-    qwen_image_default_sampling_params,
-)
 from diffserve.families.qwen_image.lora_rules import QWEN_IMAGE_RULES
 from diffserve.families.qwen_image.pipeline import (
     QwenImageEditPipeline,
     QwenImageEditPlusPipeline,
     QwenImagePipeline,
 )
-from diffserve.families.record import ModelFamily, TinyCheckpointBuilder, TinyCheckpointOptions
+from diffserve.families.record import ModelFamily, TinyCheckpointOptions
 from diffserve.loader.dit_facts import DitFacts, LoraFacts, SingleFileKeys
 from diffserve.loader.native_classes import NativeClasses
 from diffserve.loader.single_file_keys import identity_keys_plan
@@ -27,16 +22,12 @@ from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.vaes.autoencoder_kl_qwen_image import AutoencoderKLQwenImage
 
 
-def _tiny_qwen_image(variant: str) -> TinyCheckpointBuilder:
-    """The builder of one Qwen-Image folder kind ("t2i", "edit" or "edit_plus"); it imports its module when
-    called (transformers model classes the registry does not need)."""
+def _tiny_qwen_image(out_dir: Path, options: TinyCheckpointOptions, variant: str) -> Path:
+    """One Qwen-Image folder kind ("t2i", "edit" or "edit_plus"). Imports its module when called
+    (transformers model classes the registry does not need)."""
+    from diffserve.families.qwen_image.tiny import TinyQwenImageSpec, build_tiny_qwen_image
 
-    def build(out_dir: Path, options: TinyCheckpointOptions) -> Path:
-        from diffserve.families.qwen_image.tiny import TinyQwenImageSpec, build_tiny_qwen_image
-
-        return build_tiny_qwen_image(out_dir, TinyQwenImageSpec(variant=variant, seed=options.seed))
-
-    return build
+    return build_tiny_qwen_image(out_dir, TinyQwenImageSpec(variant=variant, seed=options.seed))
 
 
 _CLASSES = NativeClasses.of(
@@ -59,10 +50,8 @@ _QWEN_IMAGE = ModelFamily(
     diffusers_pipeline="QwenImagePipeline",
     pipeline_cls=QwenImagePipeline,
     native_classes=_CLASSES,
-    pipeline_config=QwenImagePipelineConfig(),
-    default_sampling_params=qwen_image_default_sampling_params,
     task="text-to-image",
-    tiny_builder=_tiny_qwen_image("t2i"),
+    tiny_builder=partial(_tiny_qwen_image, variant="t2i"),
     dit_facts=_DIT_FACTS,
 )
 
@@ -73,17 +62,15 @@ FAMILIES: tuple[ModelFamily, ...] = (
         name="qwen-image-edit",
         diffusers_pipeline="QwenImageEditPipeline",
         pipeline_cls=QwenImageEditPipeline,
-        pipeline_config=QwenImageEditPipelineConfig(),
         task="image-edit",
-        tiny_builder=_tiny_qwen_image("edit"),
+        tiny_builder=partial(_tiny_qwen_image, variant="edit"),
     ),
     replace(
         _QWEN_IMAGE,
         name="qwen-image-edit-plus",
         diffusers_pipeline="QwenImageEditPlusPipeline",
         pipeline_cls=QwenImageEditPlusPipeline,
-        pipeline_config=QwenImageEditPlusPipelineConfig(),
         task="image-edit",
-        tiny_builder=_tiny_qwen_image("edit_plus"),
+        tiny_builder=partial(_tiny_qwen_image, variant="edit_plus"),
     ),
 )

@@ -19,23 +19,26 @@ shift, resolution-dependent `mu`, terminal shift), so timestep schedules match t
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
 from diffserve.models.vaes.autoencoder_kl_qwen_image import AutoencoderKLQwenImage
+from diffserve.models.vaes.causal3d_blocks import LATENTS_MEAN, LATENTS_STD
 from diffserve.testing.qwen_tokenizers import build_qwen_tokenizer
 from diffserve.testing.tiny_writing import (
     DIFFUSERS_FORMAT_VERSION,
-    VAE_16CH_LATENTS_MEAN,
-    VAE_16CH_LATENTS_STD,
-    diffusers_config,
+    check_variant,
+    finish_tiny_folder,
+    qwen_text_shape,
     random_native_module,
     save_diffusers_model,
+    save_text_encoder,
+    tiny_folder,
+    write_scheduler_config,
 )
 
 #: The released Qwen-Image scheduler_config.json values (Qwen-Image-Edit and -Edit-2509 ship the same).
@@ -108,31 +111,18 @@ def qwen_image_model_index(variant: str = "t2i") -> dict:
 
 
 def _text_encoder(spec: TinyQwenImageSpec, tokenizer) -> Qwen2_5_VLForConditionalGeneration:
-    head_dim = spec.text_hidden_size // spec.text_heads
-    half = head_dim // 2
-    # Multimodal rotary sections (temporal, height, width) over the half head dim, in the released
-    # model's 16:24:24 proportions.
-    mrope_section = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]
+    text = qwen_text_shape(
+        tokenizer,
+        spec.text_hidden_size,
+        spec.text_layers,
+        spec.text_heads,
+        spec.text_kv_heads,
+        32768,
+        mrope=True,
+    )
     ids = tokenizer.convert_tokens_to_ids
     config = Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": len(tokenizer),
-            "hidden_size": spec.text_hidden_size,
-            "intermediate_size": spec.text_hidden_size * 2,
-            "num_hidden_layers": spec.text_layers,
-            "num_attention_heads": spec.text_heads,
-            "num_key_value_heads": spec.text_kv_heads,
-            "max_position_embeddings": 32768,
-            "rms_norm_eps": 1e-6,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 1000000.0,
-                "mrope_section": mrope_section,
-            },
-            "bos_token_id": ids("<|endoftext|>"),
-            "eos_token_id": ids("<|im_end|>"),
-            "pad_token_id": tokenizer.pad_token_id,
-        },
+        text_config=text,
         vision_config={
             "depth": spec.vision_depth,
             "hidden_size": spec.vision_hidden_size,
@@ -207,17 +197,11 @@ def load_qwen_vl_processor(directory: str | Path) -> Qwen2VLProcessor:
 def build_tiny_qwen_image(out_dir: str | Path, spec: TinyQwenImageSpec | None = None) -> Path:
     """Write a random-weight Qwen-Image folder (`spec.variant` picks t2i / edit / edit_plus); return its path."""
     spec = spec or TinyQwenImageSpec()
-    if spec.variant not in PIPELINE_CLASSES:
-        raise ValueError(
-            f"unknown Qwen-Image variant {spec.variant!r}; expected one of {sorted(PIPELINE_CLASSES)}"
-        )
-    root = Path(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(spec.seed)
+    check_variant("Qwen-Image", spec.variant, PIPELINE_CLASSES)
+    root = tiny_folder(out_dir, spec.seed)
 
     tokenizer = build_qwen_tokenizer()
-    _text_encoder(spec, tokenizer).save_pretrained(root / "text_encoder")
-    tokenizer.save_pretrained(root / "tokenizer")
+    save_text_encoder(root, _text_encoder(spec, tokenizer), tokenizer)
     if spec.variant != "t2i":
         write_qwen_vl_processor(root / "processor", tokenizer, max_pixels=spec.image_max_pixels)
 
@@ -248,19 +232,14 @@ def build_tiny_qwen_image(out_dir: str | Path, spec: TinyQwenImageSpec | None = 
         "temperal_downsample": [False] + [True] * (len(spec.vae_dim_mult) - 2),
         "dropout": 0.0,
         "input_channels": 3,
-        "latents_mean": list(VAE_16CH_LATENTS_MEAN),
-        "latents_std": list(VAE_16CH_LATENTS_STD),
+        "latents_mean": list(LATENTS_MEAN),
+        "latents_std": list(LATENTS_STD),
     }
     vae = random_native_module(AutoencoderKLQwenImage, vae_config, spec.seed + 20)
     save_diffusers_model(vae, root / "vae", "AutoencoderKLQwenImage", vae_config)
 
-    (root / "scheduler").mkdir(exist_ok=True)
-    (root / "scheduler" / "scheduler_config.json").write_text(
-        json.dumps(diffusers_config("FlowMatchEulerDiscreteScheduler", QWEN_IMAGE_SCHEDULER_CONFIG), indent=2)
-    )
-    (root / "model_index.json").write_text(json.dumps(qwen_image_model_index(spec.variant), indent=2))
-    (root / "diffserve_tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2))
-    return root
+    write_scheduler_config(root, "FlowMatchEulerDiscreteScheduler", QWEN_IMAGE_SCHEDULER_CONFIG)
+    return finish_tiny_folder(root, qwen_image_model_index(spec.variant), spec)
 
 
 def build_tiny_qwen_image_edit(out_dir: str | Path, spec: TinyQwenImageSpec | None = None) -> Path:

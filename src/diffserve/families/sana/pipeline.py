@@ -119,7 +119,7 @@ class SanaSprintDenoiser(SanaDenoiser):
             encoder_hidden_states=None,
             encoder_attention_mask=mask,
             timestep=scm,
-            guidance=torch.cat([req.guidance for req in reqs]),
+            guidance=torch.cat([req.schedule.guidance for req in reqs]),
             context=context,
         )
         prediction = (
@@ -203,7 +203,7 @@ class SanaPipeline(Pipeline):
 
     def batch_key(self, req: Req) -> tuple:
         """Text lengths may differ (the denoiser pads and masks); the latent grid must line up."""
-        return (tuple(req.latents.shape[1:]), (req.latent_height, req.latent_width))
+        return (tuple(req.latents.shape[1:]), req.latent_size)
 
 
 #: The one transformer sample_size Diffusers' SanaSprintPipeline bins sizes for (the 1024 px bins).

@@ -4,15 +4,11 @@ steps), which share the SANA linear-attention DiT and the DC-AE."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 from diffserve.families.record import ModelFamily, TinyCheckpointOptions
-from diffserve.families.sana.config import (
-    SanaPipelineConfig,
-    SanaSprintPipelineConfig,
-    sana_default_sampling_params,
-    sana_sprint_default_sampling_params,
-)
 from diffserve.families.sana.pipeline import SanaPipeline, SanaSprintPipeline
 from diffserve.loader.dit_facts import DitFacts
 from diffserve.loader.native_classes import NativeClasses
@@ -22,19 +18,13 @@ from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.schedulers.scm import SCMScheduler
 from diffserve.models.vaes.autoencoder_dc import AutoencoderDC
 
-# The tiny builders import their module when called (transformers model classes the registry does not need).
 
-
-def _tiny_sana(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+def _tiny_sana(out_dir: Path, options: TinyCheckpointOptions, **spec: Any) -> Path:
+    """A SANA folder (`spec`: fields of `TinySanaSpec`, SANA-Sprint's). Imports its module when called
+    (transformers model classes the registry does not need)."""
     from diffserve.families.sana.tiny import TinySanaSpec, build_tiny_sana
 
-    return build_tiny_sana(out_dir, TinySanaSpec(seed=options.seed))
-
-
-def _tiny_sana_sprint(out_dir: Path, options: TinyCheckpointOptions) -> Path:
-    from diffserve.families.sana.tiny import TinySanaSpec, build_tiny_sana
-
-    return build_tiny_sana(out_dir, TinySanaSpec(seed=options.seed, sprint=True, sample_size=32))
+    return build_tiny_sana(out_dir, TinySanaSpec(seed=options.seed, **spec))
 
 
 #: No quantization, LoRA or single-file support yet: the loader refuses them naming the DiT.
@@ -50,8 +40,6 @@ _SANA = ModelFamily(
         schedulers=(DPMSolverFlowScheduler, FlowMatchEulerScheduler),
         encoders=("Gemma2Model",),
     ),
-    pipeline_config=SanaPipelineConfig(),
-    default_sampling_params=sana_default_sampling_params,
     task="text-to-image",
     tiny_builder=_tiny_sana,
     dit_facts=_DIT_FACTS,
@@ -69,9 +57,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
             schedulers=(SCMScheduler,),
             encoders=("Gemma2Model",),
         ),
-        pipeline_config=SanaSprintPipelineConfig(),
-        default_sampling_params=sana_sprint_default_sampling_params,
-        tiny_builder=_tiny_sana_sprint,
+        tiny_builder=partial(_tiny_sana, sprint=True, sample_size=32),
         aliases=("sana_sprint",),
     ),
 )

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from diffserve.distributed.parallel_vae import decode_split
-from diffserve.request import Req
+from diffserve.request import LatentSize, Req
 from diffserve.stages.base import to_module
 from diffserve.stages.decoding import DecodeLayout, DecodingStage, tensor_to_pil
 from diffserve.stages.latent_preparation import SpatialLatentPreparationStage, initial_noise
@@ -253,7 +253,7 @@ class SanaLatentPreparationStage(SpatialLatentPreparationStage):
         h, w = height // self.vae_scale_factor, width // self.vae_scale_factor
         noise = initial_noise(req, (p.num_outputs_per_prompt, self.latent_channels, h, w), self.dtype)
         req.latents = noise.to(self.device)
-        req.latent_height, req.latent_width = h, w
+        req.latent_size = LatentSize(h, w)
         return req
 
 
@@ -284,5 +284,5 @@ class SanaDecodingStage(DecodingStage):
         images = decode_split(self.vae, latents)
         if self.binning.bins is not None:
             images = resize_and_crop(images, req.params.height, req.params.width)
-        req.images = tensor_to_pil(images)
+        req.outputs.images = tensor_to_pil(images)
         return req

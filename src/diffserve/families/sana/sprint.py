@@ -14,7 +14,7 @@ from diffserve.stages.timestep_preparation import set_schedule
 
 class SCMTimestepPreparationStage(Stage):
     needs = ("latents", "generator", "prompt_embeds")
-    sets = ("sigmas", "timesteps", "host_sigmas", "guidance", "scheduler_state")
+    sets = ("schedule", "schedule.guidance", "scheduler_state")
 
     def __init__(
         self,
@@ -34,7 +34,7 @@ class SCMTimestepPreparationStage(Stage):
         p = req.params
         steps = p.num_inference_steps
         intermediate = self.intermediate_timesteps if steps == 2 else None
-        set_schedule(req, self.scheduler.schedule(steps, self.max_timesteps, intermediate))
+        schedule = self.scheduler.schedule(steps, self.max_timesteps, intermediate)
         device = req.latents.device
         # Diffusers draws each step's noise after the initial latents, from the same generator.
         noise = self.scheduler.draw_noise(req.generator, steps, tuple(req.latents.shape))
@@ -43,5 +43,5 @@ class SCMTimestepPreparationStage(Stage):
         req.latents = req.latents * self.scheduler.config["sigma_data"]
         # As Diffusers: float32, then the text states' dtype, then the checkpoint's guidance scale.
         guidance = torch.full((req.batch_size,), float(p.guidance_scale), dtype=torch.float32, device=device)
-        req.guidance = guidance.to(req.prompt_embeds.dtype) * self.guidance_embeds_scale
+        set_schedule(req, schedule, guidance.to(req.prompt_embeds.dtype) * self.guidance_embeds_scale)
         return req

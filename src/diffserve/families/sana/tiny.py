@@ -18,16 +18,21 @@ QK-norms across heads (sample_size 32, the 1024 px bins) and the SCMScheduler co
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from diffusers import AutoencoderDC, SanaTransformer2DModel
 from transformers import Gemma2Config, Gemma2Model, GemmaTokenizer
 
 from diffserve.families.sana.config import SANA_COMPLEX_HUMAN_INSTRUCTION
-from diffserve.testing.tiny_writing import DIFFUSERS_FORMAT_VERSION, diffusers_config, save_diffusers_model
+from diffserve.testing.tiny_writing import (
+    DIFFUSERS_FORMAT_VERSION,
+    finish_tiny_folder,
+    save_diffusers_model,
+    save_text_encoder,
+    tiny_folder,
+    write_scheduler_config,
+)
 from diffserve.testing.tokenizers import build_gemma_tokenizer
 
 #: What scripts/convert_sana_to_diffusers.py writes for SANA's default "flow-dpm_solver" scheduler at
@@ -171,13 +176,10 @@ def build_tiny_sana(out_dir: str | Path, spec: TinySanaSpec | None = None) -> Pa
     spec = spec or TinySanaSpec()
     if spec.sprint and spec.sample_size != 32:
         raise ValueError(f"SanaSprintPipeline bins sizes for sample_size 32 only, got {spec.sample_size}")
-    root = Path(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(spec.seed)
+    root = tiny_folder(out_dir, spec.seed)
 
     tokenizer = build_gemma_tokenizer(SANA_COMPLEX_HUMAN_INSTRUCTION)
-    _gemma(tokenizer, spec).save_pretrained(root / "text_encoder")
-    tokenizer.save_pretrained(root / "tokenizer")
+    save_text_encoder(root, _gemma(tokenizer, spec), tokenizer)
 
     dit_config = _dit_config(spec)
     dit = SanaTransformer2DModel.from_config(dit_config)
@@ -186,13 +188,8 @@ def build_tiny_sana(out_dir: str | Path, spec: TinySanaSpec | None = None) -> Pa
     vae = AutoencoderDC.from_config(vae_config)
     save_diffusers_model(vae, root / "vae", "AutoencoderDC", vae_config)
 
-    (root / "scheduler").mkdir(exist_ok=True)
-    scheduler = (
-        diffusers_config("SCMScheduler", SANA_SPRINT_SCHEDULER_CONFIG)
-        if spec.sprint
-        else diffusers_config("DPMSolverMultistepScheduler", SANA_SCHEDULER_CONFIG)
-    )
-    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(scheduler, indent=2))
-    (root / "model_index.json").write_text(json.dumps(sana_model_index(spec.sprint), indent=2))
-    (root / "diffserve_tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2))
-    return root
+    if spec.sprint:
+        write_scheduler_config(root, "SCMScheduler", SANA_SPRINT_SCHEDULER_CONFIG)
+    else:
+        write_scheduler_config(root, "DPMSolverMultistepScheduler", SANA_SCHEDULER_CONFIG)
+    return finish_tiny_folder(root, sana_model_index(spec.sprint), spec)

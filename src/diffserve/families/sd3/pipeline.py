@@ -123,7 +123,7 @@ class SD3Denoiser:
                 encoder_hidden_states=torch.cat([req.prompt_embeds for req in members]),
                 pooled_projections=torch.cat([req.pooled_prompt_embeds for req in members]),
                 timestep=torch.cat(
-                    [req.timesteps[req.step_index].expand(req.batch_size) for req in members]
+                    [req.schedule.timesteps[req.step_index].expand(req.batch_size) for req in members]
                 ).to(members[0].latents.dtype),
                 skip_layers=layers,
             )

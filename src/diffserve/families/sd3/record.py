@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from diffserve.families.record import ModelFamily, TinyCheckpointOptions
-from diffserve.families.sd3.config import SD3PipelineConfig, sd3_default_sampling_params
 from diffserve.families.sd3.pipeline import SD3Pipeline
 from diffserve.families.sd3.single_file_keys import sd3_plan
 from diffserve.loader.dit_facts import DitFacts, LoraFacts, SingleFileKeys
@@ -37,8 +36,6 @@ FAMILIES: tuple[ModelFamily, ...] = (
             schedulers=(FlowMatchEulerScheduler,),
             encoders=("CLIPTextModelWithProjection", "T5EncoderModel"),
         ),
-        pipeline_config=SD3PipelineConfig(),
-        default_sampling_params=sd3_default_sampling_params,
         task="text-to-image",
         tiny_builder=_tiny_sd3,
         dit_facts=DitFacts(

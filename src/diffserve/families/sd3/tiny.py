@@ -10,12 +10,21 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
 from diffserve.models.dits.sd3 import SD3Transformer2DModel
 from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
-from diffserve.testing.tiny_writing import DIFFUSERS_FORMAT_VERSION, diffusers_config, save_diffusers_model
+from diffserve.testing.tiny_writing import (
+    DIFFUSERS_FORMAT_VERSION,
+    autoencoder_kl_config,
+    clip_text_config,
+    diffusers_config,
+    save_diffusers_model,
+    save_text_encoder,
+    t5_encoder_config,
+    tiny_folder,
+    write_json,
+)
 from diffserve.testing.tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
 
@@ -35,50 +44,16 @@ class TinySD3Spec:
     vae_norm_num_groups: int = 8  # must divide every VAE block width
 
 
-def _clip(tokenizer, hidden: int) -> CLIPTextModelWithProjection:
-    return CLIPTextModelWithProjection(
-        CLIPTextConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=hidden,
-            intermediate_size=hidden * 2,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            max_position_embeddings=77,
-            projection_dim=hidden,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    )
-
-
 def build_tiny_sd3(out_dir: str | Path, spec: TinySD3Spec | None = None) -> Path:
     """Write a random-weight SD3 folder to `out_dir` and return its path."""
     spec = spec or TinySD3Spec()
-    root = Path(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(spec.seed)
+    root = tiny_folder(out_dir, spec.seed)
     clip_tok = build_clip_tokenizer()
     t5_tok = build_t5_tokenizer()
-    for i, name in enumerate(("text_encoder", "text_encoder_2")):
-        _clip(clip_tok, spec.clip_hidden_size + 8 * i).save_pretrained(root / name)
-        clip_tok.save_pretrained(root / ("tokenizer" if i == 0 else "tokenizer_2"))
-    T5EncoderModel(
-        T5Config(
-            vocab_size=len(t5_tok),
-            d_model=spec.t5_hidden_size,
-            d_kv=8,
-            d_ff=spec.t5_hidden_size * 2,
-            num_layers=2,
-            num_heads=4,
-            feed_forward_proj="gated-gelu",
-            dense_act_fn="gelu_new",
-            is_gated_act=True,
-            pad_token_id=t5_tok.pad_token_id,
-            eos_token_id=t5_tok.eos_token_id,
-        )
-    ).save_pretrained(root / "text_encoder_3")
-    t5_tok.save_pretrained(root / "tokenizer_3")
+    for i, suffix in enumerate(("", "_2")):  # CLIP-L, then CLIP-G 8 wider
+        clip = CLIPTextModelWithProjection(clip_text_config(clip_tok, spec.clip_hidden_size + 8 * i))
+        save_text_encoder(root, clip, clip_tok, suffix)
+    save_text_encoder(root, T5EncoderModel(t5_encoder_config(t5_tok, spec.t5_hidden_size)), t5_tok, "_3")
 
     dit_config = {
         "sample_size": spec.sample_size,
@@ -101,23 +76,9 @@ def build_tiny_sd3(out_dir: str | Path, spec: TinySD3Spec | None = None) -> Path
         "SD3Transformer2DModel",
         dit_config,
     )
-    n = len(spec.vae_block_out_channels)
-    vae_config = {
-        "in_channels": 3,
-        "out_channels": 3,
-        "down_block_types": ["DownEncoderBlock2D"] * n,
-        "up_block_types": ["UpDecoderBlock2D"] * n,
-        "block_out_channels": list(spec.vae_block_out_channels),
-        "layers_per_block": 1,
-        "act_fn": "silu",
-        "latent_channels": 16,
-        "norm_num_groups": spec.vae_norm_num_groups,
-        "sample_size": 64,
-        "scaling_factor": 1.5305,
-        "shift_factor": 0.0609,
-        "use_quant_conv": False,
-        "use_post_quant_conv": False,
-    }
+    vae_config = autoencoder_kl_config(
+        spec.vae_block_out_channels, 16, spec.vae_norm_num_groups, scaling_factor=1.5305, shift_factor=0.0609
+    )
     save_diffusers_model(AutoencoderKL.from_config(vae_config), root / "vae", "AutoencoderKL", vae_config)
     (root / "scheduler").mkdir(exist_ok=True)
     (root / "scheduler" / "scheduler_config.json").write_text(
@@ -140,5 +101,5 @@ def build_tiny_sd3(out_dir: str | Path, spec: TinySD3Spec | None = None) -> Path
         "image_encoder": [None, None],
         "feature_extractor": [None, None],
     }
-    (root / "model_index.json").write_text(json.dumps(model_index, indent=2))
+    write_json(root / "model_index.json", model_index)
     return root

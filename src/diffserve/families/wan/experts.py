@@ -43,8 +43,8 @@ class ExpertSwitch:
 
     def expert(self, req: Req) -> int:
         """The expert of the request's next step."""
-        assert req.latent_height is not None and req.latent_width is not None
-        return self.experts(req.num_steps, req.latent_height, req.latent_width)[req.step_index]
+        assert req.latent_size is not None
+        return self.experts(req.num_steps, *req.latent_size)[req.step_index]
 
 
 def guidance_scale_of(req: Req, expert: int) -> float:

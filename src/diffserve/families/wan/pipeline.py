@@ -43,7 +43,7 @@ from diffserve.pipelines.cfg_batch import (
     split_guided,
     step_cache_for,
 )
-from diffserve.request import Req
+from diffserve.request import LatentSize, Req
 from diffserve.stages.base import Stage
 from diffserve.stages.denoising import DenoisingStage
 from diffserve.stages.input_validation import ImageInputRule, InputValidationStage, VideoRule
@@ -56,7 +56,7 @@ class VideoLatentPreparationStage(Stage):
     """Float32 noise of shape (batch, channels, latent frames, h, w), drawn on the request's CPU generator."""
 
     needs = ("generator", "prompt_embeds")
-    sets = ("latents", "latent_height", "latent_width")
+    sets = ("latents", "latent_size")
 
     def __init__(self, channels: int, spatial: int, temporal: int, device: torch.device) -> None:
         self.channels, self.spatial, self.temporal, self.device = channels, spatial, temporal, device
@@ -67,7 +67,7 @@ class VideoLatentPreparationStage(Stage):
         h, w = p.height // self.spatial, p.width // self.spatial
         shape = (p.num_outputs_per_prompt, self.channels, frames, h, w)
         req.latents = initial_noise(req, shape, torch.float32).to(self.device)
-        req.latent_height, req.latent_width = h, w
+        req.latent_size = LatentSize(h, w)
         return req
 
 
@@ -140,7 +140,7 @@ class WanDenoiser:
     def timestep_rows(self, req: Req) -> torch.Tensor:
         """(batch,) step timesteps, or with `expand_timesteps` (batch, tokens): the first frame's tokens
         at 0 when the image conditions it, as Diffusers' first-frame mask times t."""
-        t = req.timesteps[req.step_index]
+        t = req.schedule.timesteps[req.step_index]
         if not self.expand_timesteps:
             return t.expand(req.batch_size)
         frames, height, width = req.latents.shape[2:]

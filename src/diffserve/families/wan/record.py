@@ -4,10 +4,10 @@ experts and TI2V-5B) and image-to-video (`WanImageToVideoPipeline`), which share
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
-from diffserve.families.record import ModelFamily, TinyCheckpointBuilder, TinyCheckpointOptions
-from diffserve.families.wan.config import WanPipelineConfig, wan_default_sampling_params
+from diffserve.families.record import ModelFamily, TinyCheckpointOptions
 from diffserve.families.wan.lora_rules import WAN_RULES
 from diffserve.families.wan.pipeline import WanImageToVideoPipeline, WanPipeline
 from diffserve.families.wan.single_file_keys import wan_plan
@@ -19,22 +19,18 @@ from diffserve.models.schedulers.unipc_flow import UniPCFlowScheduler
 from diffserve.models.vaes.autoencoder_kl_wan import AutoencoderKLWan
 
 
-def _tiny_wan(image_to_video: bool) -> TinyCheckpointBuilder:
-    """The builder of a Wan text-to-video or image-to-video folder (Wan 2.1, or `options.wan_variant`); it
-    imports its module when called (transformers model classes the registry does not need)."""
+def _tiny_wan(out_dir: Path, options: TinyCheckpointOptions, image_to_video: bool) -> Path:
+    """A Wan text-to-video or image-to-video folder (Wan 2.1, or `options.wan_variant`). Imports its module
+    when called (transformers model classes the registry does not need)."""
+    from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
 
-    def build(out_dir: Path, options: TinyCheckpointOptions) -> Path:
-        from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
-
-        spec = TinyWanSpec(
-            image_to_video=image_to_video,
-            scheduler=options.scheduler,
-            seed=options.seed,
-            variant=options.wan_variant,
-        )
-        return build_tiny_wan(out_dir, spec)
-
-    return build
+    spec = TinyWanSpec(
+        image_to_video=image_to_video,
+        scheduler=options.scheduler,
+        seed=options.seed,
+        variant=options.wan_variant,
+    )
+    return build_tiny_wan(out_dir, spec)
 
 
 _CLASSES = NativeClasses.of(
@@ -59,10 +55,8 @@ _WAN_T2V = ModelFamily(
     diffusers_pipeline="WanPipeline",
     pipeline_cls=WanPipeline,
     native_classes=_CLASSES,
-    pipeline_config=WanPipelineConfig(),
-    default_sampling_params=wan_default_sampling_params,
     task="text-to-video",
-    tiny_builder=_tiny_wan(image_to_video=False),
+    tiny_builder=partial(_tiny_wan, image_to_video=False),
     dit_facts=_DIT_FACTS,
 )
 
@@ -74,6 +68,6 @@ FAMILIES: tuple[ModelFamily, ...] = (
         diffusers_pipeline="WanImageToVideoPipeline",
         pipeline_cls=WanImageToVideoPipeline,
         task="image-to-video",
-        tiny_builder=_tiny_wan(image_to_video=True),
+        tiny_builder=partial(_tiny_wan, image_to_video=True),
     ),
 )

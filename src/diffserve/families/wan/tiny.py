@@ -15,28 +15,26 @@ Variants (`TinyWanSpec.variant`), laid out as the released Diffusers folders:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
 
 from diffserve.models.dits.wan import WanTransformer3DModel
 from diffserve.models.vaes.autoencoder_kl_wan import AutoencoderKLWan
+from diffserve.models.vaes.causal3d_blocks import LATENTS_MEAN, LATENTS_STD
 from diffserve.testing.tiny_writing import (
     DIFFUSERS_FORMAT_VERSION,
-    VAE_16CH_LATENTS_MEAN,
-    VAE_16CH_LATENTS_STD,
-    diffusers_config,
     random_native_module,
     save_diffusers_model,
+    save_text_encoder,
+    t5_shape,
+    tiny_folder,
+    vision_tower_shape,
+    write_json,
+    write_scheduler_config,
 )
 from diffserve.testing.tokenizers import build_t5_tokenizer
-
-#: Wan 2.1's VAE is the one Qwen-Image's VAE was fine-tuned from; it shares the latent statistics.
-WAN_LATENTS_MEAN = VAE_16CH_LATENTS_MEAN
-WAN_LATENTS_STD = VAE_16CH_LATENTS_STD
 
 #: A flow-match Euler scheduler with Wan 2.1's 480p shift (the released checkpoints ship UniPC with
 #: the same flow_shift; see `unipc_scheduler_config`).
@@ -120,35 +118,14 @@ def wan_model_index(image_to_video: bool, scheduler_class: str, spec: TinyWanSpe
 
 def _write_text_encoder(root: Path, spec: TinyWanSpec) -> None:
     tokenizer = build_t5_tokenizer(512)
-    encoder = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=len(tokenizer),
-            d_model=spec.text_dim,
-            d_kv=8,
-            d_ff=spec.text_dim * 2,
-            num_layers=spec.text_layers,
-            num_heads=4,
-            feed_forward_proj="gated-gelu",
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-    )
-    encoder.save_pretrained(root / "text_encoder")
-    tokenizer.save_pretrained(root / "tokenizer")
+    shape = t5_shape(len(tokenizer), spec.text_dim, spec.text_layers)
+    config = UMT5Config(**shape, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    save_text_encoder(root, UMT5EncoderModel(config), tokenizer)
 
 
 def _write_image_encoder(root: Path, spec: TinyWanSpec) -> None:
-    encoder = CLIPVisionModel(
-        CLIPVisionConfig(
-            hidden_size=spec.clip_hidden_size,
-            intermediate_size=spec.clip_hidden_size * 2,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=spec.clip_image_size,
-            patch_size=spec.clip_patch_size,
-            projection_dim=spec.clip_hidden_size,
-        )
-    )
+    shape = vision_tower_shape(spec.clip_hidden_size, spec.clip_image_size, spec.clip_patch_size)
+    encoder = CLIPVisionModel(CLIPVisionConfig(**shape, projection_dim=spec.clip_hidden_size))
     encoder.save_pretrained(root / "image_encoder")
     size = spec.clip_image_size
     CLIPImageProcessor(
@@ -191,8 +168,8 @@ def _vae_config(spec: TinyWanSpec) -> dict:
         "attn_scales": [],
         "temperal_downsample": [False, True, True],
         "dropout": 0.0,
-        "latents_mean": list(WAN_LATENTS_MEAN),
-        "latents_std": list(WAN_LATENTS_STD),
+        "latents_mean": list(LATENTS_MEAN),  # the released Wan 2.1 VAE's
+        "latents_std": list(LATENTS_STD),
     }
     if spec.variant == "2.2-ti2v":  # Wan 2.2's layout: 2x2 patches of RGB into 12 channels, 16x in all
         config.update(
@@ -220,9 +197,7 @@ def build_tiny_wan(out_dir: str | Path, spec: TinyWanSpec | None = None) -> Path
         raise ValueError(
             "Wan 2.2 TI2V is one WanPipeline folder for both tasks: build it without image_to_video"
         )
-    root = Path(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(spec.seed)
+    root = tiny_folder(out_dir, spec.seed)
     _write_text_encoder(root, spec)
     dit_config = _dit_config(spec)
     dit = random_native_module(WanTransformer3DModel, dit_config, spec.seed + 10, spec.dit_weight_noise)
@@ -239,10 +214,7 @@ def build_tiny_wan(out_dir: str | Path, spec: TinyWanSpec | None = None) -> Path
         scheduler_class, scheduler_config = "UniPCMultistepScheduler", unipc_scheduler_config()
     else:
         scheduler_class, scheduler_config = "FlowMatchEulerDiscreteScheduler", FLOW_MATCH_SCHEDULER_CONFIG
-    (root / "scheduler").mkdir(exist_ok=True)
-    (root / "scheduler" / "scheduler_config.json").write_text(
-        json.dumps(diffusers_config(scheduler_class, scheduler_config), indent=2) + "\n"
-    )
+    write_scheduler_config(root, scheduler_class, scheduler_config, newline=True)
     index = wan_model_index(spec.image_to_video, scheduler_class, spec)
-    (root / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    write_json(root / "model_index.json", index, newline=True)
     return root

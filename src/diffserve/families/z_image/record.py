@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from diffserve.families.record import ModelFamily, TinyCheckpointOptions
-from diffserve.families.z_image.config import ZImagePipelineConfig, z_image_default_sampling_params
 from diffserve.families.z_image.lora_rules import Z_IMAGE_RULES
 from diffserve.families.z_image.pipeline import ZImagePipeline
 from diffserve.families.z_image.single_file_keys import UNUSED, z_image_plan
@@ -33,8 +32,6 @@ FAMILIES: tuple[ModelFamily, ...] = (
             schedulers=(FlowMatchEulerScheduler,),
             encoders=("Qwen3Model",),
         ),
-        pipeline_config=ZImagePipelineConfig(),
-        default_sampling_params=z_image_default_sampling_params,
         task="text-to-image",
         tiny_builder=_tiny_z_image,
         dit_facts=DitFacts(

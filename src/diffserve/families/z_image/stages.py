@@ -59,15 +59,15 @@ class ZImageTextEncodingStage(Stage):
 class ZImageTimestepPreparationStage(Stage):
     """Z-Image semantics: sigmas from a float32 linspace(1, 1/n) (as Diffusers), and the DiT's 1 - t / 1000."""
 
-    needs = ("latents", "latent_height", "latent_width")
-    sets = ("sigmas", "timesteps", "host_sigmas", "conditioning.dit_timesteps")
+    needs = ("latents", "latent_size")
+    sets = ("schedule", "conditioning.dit_timesteps")
 
     def __init__(self, scheduler: FlowMatchEulerScheduler) -> None:
         self.scheduler = scheduler
 
     def forward(self, req: Req) -> Req:
         steps = req.params.num_inference_steps
-        tokens = (req.latent_height // 2) * (req.latent_width // 2)
+        tokens = (req.latent_size.height // 2) * (req.latent_size.width // 2)
         mu = self.scheduler.resolution_shift_mu(tokens)
         base_sigmas = torch.linspace(1.0, 1 / steps, steps).tolist()
         schedule = self.scheduler.schedule(steps, mu=mu, sigmas=base_sigmas)

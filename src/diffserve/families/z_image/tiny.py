@@ -11,21 +11,21 @@ transformers `Qwen3Model`; the DiT is diffserve's native class (see `random_nati
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from transformers import Qwen3Config, Qwen3Model
+from transformers import Qwen3Model
 
 from diffserve.models.dits.z_image import ZImageTransformer2DModel
-from diffserve.testing.qwen_tokenizers import build_qwen_tokenizer
 from diffserve.testing.tiny_writing import (
     DIFFUSERS_FORMAT_VERSION,
-    diffusers_config,
+    finish_tiny_folder,
     random_native_module,
     save_diffusers_model,
+    tiny_folder,
     write_autoencoder_kl,
+    write_qwen3_text_encoder,
+    write_scheduler_config,
 )
 
 #: The released Z-Image-Turbo scheduler_config.json values: a fixed shift of 3, no resolution dependence.
@@ -69,31 +69,11 @@ def zimage_model_index() -> dict:
 def build_tiny_zimage(out_dir: str | Path, spec: TinyZImageSpec | None = None) -> Path:
     """Write a random-weight Z-Image folder to `out_dir` and return its path."""
     spec = spec or TinyZImageSpec()
-    root = Path(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(spec.seed)
+    root = tiny_folder(out_dir, spec.seed)
 
-    tokenizer = build_qwen_tokenizer()
-    text_encoder = Qwen3Model(
-        Qwen3Config(
-            vocab_size=len(tokenizer),
-            hidden_size=spec.text_hidden_size,
-            intermediate_size=spec.text_hidden_size * 2,
-            num_hidden_layers=spec.text_layers,
-            num_attention_heads=spec.text_heads,
-            num_key_value_heads=spec.text_kv_heads,
-            head_dim=spec.text_hidden_size // spec.text_heads,
-            max_position_embeddings=40960,
-            rms_norm_eps=1e-6,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-            tie_word_embeddings=True,
-            bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-            eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    ).eval()
-    text_encoder.save_pretrained(root / "text_encoder")
-    tokenizer.save_pretrained(root / "tokenizer")
+    write_qwen3_text_encoder(
+        root, Qwen3Model, spec.text_hidden_size, spec.text_layers, spec.text_heads, spec.text_kv_heads
+    )
 
     dit_config = {
         "all_patch_size": [2],
@@ -118,11 +98,5 @@ def build_tiny_zimage(out_dir: str | Path, spec: TinyZImageSpec | None = None) -
     write_autoencoder_kl(
         root / "vae", spec.vae_block_out_channels, spec.latent_channels, spec.vae_norm_num_groups
     )
-
-    (root / "scheduler").mkdir(exist_ok=True)
-    (root / "scheduler" / "scheduler_config.json").write_text(
-        json.dumps(diffusers_config("FlowMatchEulerDiscreteScheduler", ZIMAGE_SCHEDULER_CONFIG), indent=2)
-    )
-    (root / "model_index.json").write_text(json.dumps(zimage_model_index(), indent=2))
-    (root / "diffserve_tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2))
-    return root
+    write_scheduler_config(root, "FlowMatchEulerDiscreteScheduler", ZIMAGE_SCHEDULER_CONFIG)
+    return finish_tiny_folder(root, zimage_model_index(), spec)

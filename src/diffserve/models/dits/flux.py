@@ -61,8 +61,8 @@ from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.quantized_linear import linear_rows
 from diffserve.layers.residual import attention_mlp_residuals, fp16_clip, gated_residual
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding, checked_rope_axes, multi_axis_rope_tables
-from diffserve.models.config_keys import DiffusersConfigured
-from diffserve.models.step_cache import BatchStepCache, take_rows
+from diffserve.models.dits.base import DiffusersDiT, DiTConfig, check_tp_divides, shard_blocks
+from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ NORM_EPS = 1e-6
 
 
 @dataclass(frozen=True)
-class FluxTransformerConfig:
+class FluxTransformerConfig(DiTConfig):
     """The FLUX DiT's Diffusers config (`transformer/config.json`), one field per key.
 
     The defaults are FLUX.1-dev's and -schnell's (dev sets `guidance_embeds`). `out_channels` None
@@ -92,14 +92,7 @@ class FluxTransformerConfig:
 
     def __post_init__(self) -> None:
         axes = checked_rope_axes("axes_dims_rope", self.axes_dims_rope, self.attention_head_dim)
-        # A frozen dataclass normalises its own fields through object.__setattr__.
-        object.__setattr__(self, "axes_dims_rope", axes)
-        object.__setattr__(self, "out_channels", self.out_channels or self.in_channels)
-
-    @property
-    def inner_dim(self) -> int:
-        """The blocks' width, heads x head_dim."""
-        return self.num_attention_heads * self.attention_head_dim
+        self._normalise(axes_dims_rope=axes, out_channels=self.out_channels or self.in_channels)
 
 
 def _qk_norm(head_dim: int) -> RMSNorm:
@@ -303,14 +296,8 @@ class FluxTransformerBlock(nn.Module):
 
     def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
         """This rank's heads of both streams' attention and its slice of both MLPs (see the model's)."""
-        column = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
-        for name in column:
-            shard_linear(self.attn, name, ColumnParallelLinear, tp)
-        for name in ("to_out.0", "to_add_out"):
-            shard_linear(self.attn, name, RowParallelLinear, tp)
-        for ff in (self.ff, self.ff_context):
-            shard_linear(ff, "net.0.proj", ColumnParallelLinear, tp)
-            shard_linear(ff, "net.2", RowParallelLinear, tp)
+        for module in (self.attn, self.ff, self.ff_context):
+            module.shard_for_tensor_parallel(tp)
 
     def forward(
         self, x: torch.Tensor, ctx: torch.Tensor, emb: torch.Tensor, emb_ctx: torch.Tensor, rope: RopeTables
@@ -431,12 +418,10 @@ class FluxSingleTransformerBlock(nn.Module):
         return fp16_clip(gated_residual(residual, gate.unsqueeze(1), self.proj_out(joined)))
 
 
-class FluxTransformer2DModel(DiffusersConfigured, nn.Module):
-    """FLUX.1 DiT with Diffusers' config keys and state-dict names.
+class FluxTransformer2DModel(DiffusersDiT):
+    """FLUX.1 DiT (`DiffusersDiT`, from a `FluxTransformerConfig`).
 
-    Build it from a `FluxTransformerConfig` (or `from_config(config_json_dict)`); under
-    `torch.device("meta")` it allocates nothing, and `load_state_dict(sd, assign=True, strict=True)`
-    fills it. It holds no buffers and computes nothing from parameter values at construction.
+    It holds no buffers and computes nothing from parameter values at construction.
     `fuse_for_inference()` (the loader calls it after loading) merges projections for speed; state
     dicts keep Diffusers' names either way.
     """
@@ -445,11 +430,8 @@ class FluxTransformer2DModel(DiffusersConfigured, nn.Module):
     config_class = FluxTransformerConfig
 
     def __init__(self, config: FluxTransformerConfig) -> None:
-        super().__init__()
-        self.config = config
-        inner = config.inner_dim
-        heads, head_dim = config.num_attention_heads, config.attention_head_dim
-        self.inner_dim = inner
+        super().__init__(config)
+        inner, heads, head_dim = config.inner_dim, config.num_attention_heads, config.attention_head_dim
 
         self.time_text_embed = CombinedTimestepTextEmbedding(
             inner, config.pooled_projection_dim, config.guidance_embeds
@@ -467,11 +449,6 @@ class FluxTransformer2DModel(DiffusersConfigured, nn.Module):
         # Set by `fuse_for_inference()`: every adaLN projection as one Linear, and its output split.
         self.adaln_modulation: nn.Linear | None = None
         self._adaln_sizes: list[int] = []
-
-    @property
-    def hidden_width(self) -> int:
-        """The width of the DiT's hidden states (what a latent token's activations scale with)."""
-        return self.inner_dim
 
     def rope_tables(self, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> RopeTables:
         """Half-width (cos, sin) tables for the joint sequence [text; image].
@@ -499,17 +476,10 @@ class FluxTransformer2DModel(DiffusersConfigured, nn.Module):
         projections, QK-norms and the output head are replicated. `fuse_for_inference()` then fuses the
         local shards. The heads must divide `tp.tp_size` (ValueError naming both)."""
         heads = self.config.num_attention_heads
-        if heads % tp.tp_size:
-            raise ValueError(
-                f"--tp-size {tp.tp_size}: the FLUX DiT's {heads} attention heads do not divide over "
-                f"{tp.tp_size} tensor-parallel ranks"
-            )
-        if self.adaln_modulation is not None or any(not p.is_meta for p in self.parameters()):
+        check_tp_divides(tp, heads, f"the FLUX DiT's {heads} attention heads do not divide")
+        if self.adaln_modulation is not None:  # fused for inference: only after loading
             raise RuntimeError("shard_for_tensor_parallel: call it on the meta-built model, before loading")
-        for block in self.transformer_blocks:
-            block.shard_for_tensor_parallel(tp)
-        for block in self.single_transformer_blocks:
-            block.shard_for_tensor_parallel(tp)
+        shard_blocks(self, tp, [*self.transformer_blocks, *self.single_transformer_blocks])
 
     def _adaln_projections(self) -> list[tuple[str, nn.Linear]]:
         """(name, Linear) of every adaLN projection of SiLU(temb), in the order the forward consumes them."""
@@ -604,19 +574,14 @@ class FluxTransformer2DModel(DiffusersConfigured, nn.Module):
             raise ValueError("pass exactly one of encoder_hidden_states (T5 states) and context (embedded)")
         ctx = self.embed_context(encoder_hidden_states) if context is None else context
 
-        if step_cache is None:
-            x = self._run_blocks(x, ctx, block_mods, rope)
-        else:
-            x = step_cache.run(
-                x,
-                self._cache_signal(x, block_mods),
-                lambda rows: self._run_blocks(
-                    take_rows(x, rows),
-                    take_rows(ctx, rows),
-                    [take_rows(m, rows) for m in block_mods],
-                    rope,
-                ),
-            )
+        x = run_with_step_cache(
+            step_cache,
+            x,
+            lambda: self._cache_signal(x, block_mods),
+            lambda rows: self._run_blocks(
+                take_rows(x, rows), take_rows(ctx, rows), [take_rows(m, rows) for m in block_mods], rope
+            ),
+        )
         x = self.norm_out.modulate_projected(x, out_mod)
         return self.proj_out(x)
 

@@ -30,6 +30,7 @@ single-stream projections are already fused).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 import torch
@@ -38,19 +39,20 @@ from torch import nn
 
 from diffserve.layers.attention import attention
 from diffserve.layers.embeddings import timestep_sinusoids
+from diffserve.layers.joint_attention import RotaryJointAttention
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.residual import attention_mlp_residuals, fp16_clip, gated_residual
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding, checked_rope_axes, multi_axis_rope_tables
-from diffserve.models.config_keys import DiffusersConfigured
-from diffserve.models.step_cache import BatchStepCache, take_rows
+from diffserve.models.dits.base import DiffusersDiT, DiTConfig
+from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
 
 #: Number of position axes of FLUX.2's ids: (T, H, W, L).
 ROPE_AXES = 4
 
 
 @dataclass(frozen=True)
-class Flux2TransformerConfig:
+class Flux2TransformerConfig(DiTConfig):
     """The FLUX.2 DiT's Diffusers config (`transformer/config.json`), one field per key.
 
     The defaults are Diffusers' (FLUX.2-dev's). `out_channels` None means `in_channels` and is
@@ -76,14 +78,7 @@ class Flux2TransformerConfig:
     def __post_init__(self) -> None:
         # Four axes: (T, H, W, L).
         axes = checked_rope_axes("axes_dims_rope", self.axes_dims_rope, self.attention_head_dim, ROPE_AXES)
-        # A frozen dataclass normalises its own fields through object.__setattr__.
-        object.__setattr__(self, "axes_dims_rope", axes)
-        object.__setattr__(self, "out_channels", self.out_channels or self.in_channels)
-
-    @property
-    def inner_dim(self) -> int:
-        """The blocks' width, heads x head_dim."""
-        return self.num_attention_heads * self.attention_head_dim
+        self._normalise(axes_dims_rope=axes, out_channels=self.out_channels or self.in_channels)
 
     @property
     def mlp_hidden_dim(self) -> int:
@@ -200,44 +195,12 @@ def _split_heads(t: torch.Tensor, head_dim: int) -> torch.Tensor:
     return t.unflatten(-1, (-1, head_dim))
 
 
-class Flux2Attention(nn.Module):
-    """Double-stream joint attention over [text; image]: per-stream bias-free q/k/v/out and RMS QK-norms,
-    RoPE on the joint sequence. Diffusers' names (`to_*` image, `add_*_proj` / `to_add_out` text)."""
+class Flux2Attention(RotaryJointAttention):
+    """Double-stream joint attention over [text; image] (`RotaryJointAttention`): per-stream bias-free
+    q/k/v/out and RMS QK-norms, RoPE on the joint sequence."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, eps: float) -> None:
-        super().__init__()
-        inner = num_heads * head_dim
-        self.head_dim = head_dim
-        self.to_q = nn.Linear(dim, inner, bias=False)
-        self.to_k = nn.Linear(dim, inner, bias=False)
-        self.to_v = nn.Linear(dim, inner, bias=False)
-        self.norm_q = _qk_norm(head_dim, eps)
-        self.norm_k = _qk_norm(head_dim, eps)
-        self.to_out = nn.ModuleList([nn.Linear(inner, dim, bias=False)])
-        self.add_q_proj = nn.Linear(dim, inner, bias=False)
-        self.add_k_proj = nn.Linear(dim, inner, bias=False)
-        self.add_v_proj = nn.Linear(dim, inner, bias=False)
-        self.norm_added_q = _qk_norm(head_dim, eps)
-        self.norm_added_k = _qk_norm(head_dim, eps)
-        self.to_add_out = nn.Linear(inner, dim, bias=False)
-        self.rope = RotaryEmbedding()
-
-    def forward(
-        self, x: torch.Tensor, ctx: torch.Tensor, rope: RopeTables
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(image output, text output) for modulated image `x` and text `ctx`."""
-        d = self.head_dim
-        q = self.norm_q(_split_heads(self.to_q(x), d))
-        k = self.norm_k(_split_heads(self.to_k(x), d))
-        v = _split_heads(self.to_v(x), d)
-        cq = self.norm_added_q(_split_heads(self.add_q_proj(ctx), d))
-        ck = self.norm_added_k(_split_heads(self.add_k_proj(ctx), d))
-        cv = _split_heads(self.add_v_proj(ctx), d)
-        q, k = self.rope(torch.cat([cq, q], dim=1), torch.cat([ck, k], dim=1), *rope)
-        out = attention(q, k, torch.cat([cv, v], dim=1)).flatten(2)
-        ctx_out, x_out = out.split([ctx.shape[1], x.shape[1]], dim=1)
-        # Contiguous, as in Diffusers: CPU half-precision matmuls round differently on strided views.
-        return self.to_out[0](x_out.contiguous()), self.to_add_out(ctx_out.contiguous())
+        super().__init__(dim, num_heads, head_dim, partial(_qk_norm, head_dim, eps), bias=False)
 
 
 class Flux2ParallelSelfAttention(nn.Module):
@@ -320,12 +283,10 @@ class Flux2SingleTransformerBlock(nn.Module):
 # ------------------------------------------------------------------------------------------ model
 
 
-class Flux2Transformer2DModel(DiffusersConfigured, nn.Module):
+class Flux2Transformer2DModel(DiffusersDiT):
     """FLUX.2 DiT (dev and Klein) with Diffusers' config keys and state-dict names.
 
-    Build it from a `Flux2TransformerConfig` (or `from_config(config_json_dict)`); under
-    `torch.device("meta")` it allocates nothing, and `load_state_dict(sd, assign=True, strict=True)`
-    fills it. It holds no buffers.
+    Built from a `Flux2TransformerConfig` (`DiffusersDiT`). It holds no buffers.
 
     Call (see `forward`):
 
@@ -349,11 +310,9 @@ class Flux2Transformer2DModel(DiffusersConfigured, nn.Module):
     config_class = Flux2TransformerConfig
 
     def __init__(self, config: Flux2TransformerConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         inner, eps = config.inner_dim, config.eps
         heads, head_dim, mlp = config.num_attention_heads, config.attention_head_dim, config.mlp_hidden_dim
-        self.inner_dim = inner
 
         self.time_guidance_embed = Flux2TimestepGuidanceEmbedding(
             config.timestep_guidance_channels, inner, config.guidance_embeds
@@ -374,11 +333,6 @@ class Flux2Transformer2DModel(DiffusersConfigured, nn.Module):
         )
         self.norm_out = Flux2NormOut(inner, eps)
         self.proj_out = nn.Linear(inner, config.patch_size**2 * config.out_channels, bias=False)
-
-    @property
-    def hidden_width(self) -> int:
-        """The width of the DiT's hidden states (what a latent token's activations scale with)."""
-        return self.inner_dim
 
     def rope_tables(self, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> RopeTables:
         """Half-width (cos, sin) tables for the joint sequence [text; image] from (seq, 4) ids each.
@@ -460,16 +414,14 @@ class Flux2Transformer2DModel(DiffusersConfigured, nn.Module):
 
         x = self.x_embedder(hidden_states)
         ctx = self.embed_context(encoder_hidden_states) if context is None else context
-        if step_cache is None:
-            x = self._run_blocks(x, ctx, mods, rope)
-        else:
-            x = step_cache.run(
-                x,
-                self._cache_signal(x, mods),
-                lambda rows: self._run_blocks(
-                    take_rows(x, rows), take_rows(ctx, rows), tuple(take_rows(m, rows) for m in mods), rope
-                ),
-            )
+        x = run_with_step_cache(
+            step_cache,
+            x,
+            lambda: self._cache_signal(x, mods),
+            lambda rows: self._run_blocks(
+                take_rows(x, rows), take_rows(ctx, rows), tuple(take_rows(m, rows) for m in mods), rope
+            ),
+        )
         return self.proj_out(self.norm_out(x, temb_act))
 
     def _run_blocks(

@@ -59,7 +59,7 @@ from diffserve.layers.patches import video_patch_grid
 from diffserve.layers.residual import attention_mlp_residuals
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding, checked_rope_axes
 from diffserve.layers.shape_cache import BoundedCache
-from diffserve.models.config_keys import DiffusersConfigured
+from diffserve.models.dits.base import DiffusersDiT, DiTConfig
 from diffserve.models.dits.hunyuan_video15_embedders import (
     BYT5_PROJECTION_HIDDEN,
     HunyuanVideo15ByT5TextProjection,
@@ -76,7 +76,7 @@ ROPE_CACHE_SIZE = 16
 
 
 @dataclass(frozen=True)
-class HunyuanVideo15TransformerConfig:
+class HunyuanVideo15TransformerConfig(DiTConfig):
     """The HunyuanVideo 1.5 DiT's Diffusers config (`transformer/config.json`), one field per key.
 
     The defaults are Diffusers' (the 8.3B 480p/720p T2V and I2V checkpoints: 16 heads x 128, 54 layers).
@@ -108,14 +108,7 @@ class HunyuanVideo15TransformerConfig:
             raise ValueError(f"qk_norm {self.qk_norm!r} is not supported; HunyuanVideo 1.5 uses 'rms_norm'")
         # Three axes: (frame, row, column).
         rope_axes_dim = checked_rope_axes("rope_axes_dim", self.rope_axes_dim, self.attention_head_dim, 3)
-        # A frozen dataclass normalises its own fields through object.__setattr__.
-        object.__setattr__(self, "rope_axes_dim", rope_axes_dim)
-        object.__setattr__(self, "out_channels", self.out_channels or self.in_channels)
-
-    @property
-    def inner_dim(self) -> int:
-        """The blocks' width, heads x head_dim."""
-        return self.num_attention_heads * self.attention_head_dim
+        self._normalise(rope_axes_dim=rope_axes_dim, out_channels=self.out_channels or self.in_channels)
 
     @property
     def patch(self) -> tuple[int, int, int]:
@@ -234,22 +227,19 @@ def pack_context(segments: list[tuple[torch.Tensor, torch.Tensor]]) -> JointCont
     return JointContext(states.masked_fill(~mask.unsqueeze(-1), 0), mask)
 
 
-class HunyuanVideo15Transformer3DModel(DiffusersConfigured, nn.Module):
+class HunyuanVideo15Transformer3DModel(DiffusersDiT):
     """HunyuanVideo 1.5 DiT (T2V, I2V, MeanFlow-distilled) with Diffusers' config keys and state-dict names.
 
-    Build it from a `HunyuanVideo15TransformerConfig` (or `from_config(config_json_dict)`); under
-    `torch.device("meta")` it allocates nothing, and `load_state_dict(sd, assign=True, strict=True)`
-    fills it. It holds no buffers; RoPE tables are built on first use per latent grid and cached.
+    Built from a `HunyuanVideo15TransformerConfig` (`DiffusersDiT`). It holds no buffers; RoPE tables are
+    built on first use per latent grid and cached.
     """
 
     diffusers_class_name: ClassVar[str] = "HunyuanVideo15Transformer3DModel"
     config_class = HunyuanVideo15TransformerConfig
 
     def __init__(self, config: HunyuanVideo15TransformerConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         inner, heads, head_dim = config.inner_dim, config.num_attention_heads, config.attention_head_dim
-        self.inner_dim = inner
         self._rope_cache: BoundedCache[RopeTables] = BoundedCache(ROPE_CACHE_SIZE)
 
         self.x_embedder = HunyuanVideo15PatchEmbed(config.in_channels, inner, config.patch)
@@ -270,11 +260,6 @@ class HunyuanVideo15Transformer3DModel(DiffusersConfigured, nn.Module):
         )
         self.norm_out = AdaLayerNormContinuous(inner, eps=NORM_EPS)
         self.proj_out = nn.Linear(inner, math.prod(config.patch) * config.out_channels)
-
-    @property
-    def hidden_width(self) -> int:
-        """The width of the DiT's hidden states (what a latent token's activations scale with)."""
-        return self.inner_dim
 
     def rope_tables(self, frames: int, height: int, width: int, device: torch.device) -> RopeTables:
         """Half-width (cos, sin) float32 tables for a post-patch grid, cached per grid and device."""

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffserve.layers.attention import attention
+from diffserve.layers.attention_weights import AttentionWeights
 from diffserve.layers.embeddings import CombinedTimestepTextEmbedding, TimestepEmbedding, timestep_sinusoids
 from diffserve.layers.norms import LayerNorm
 
@@ -91,17 +92,8 @@ class SiluFeedForward(nn.Module):
         return self.net[2](self.net[0](x))
 
 
-class RefinerSelfAttention(nn.Module):
+class RefinerSelfAttention(AttentionWeights):
     """Plain multi-head self-attention with biases and no QK-norm (Diffusers' default `Attention`)."""
-
-    def __init__(self, dim: int, num_heads: int, head_dim: int) -> None:
-        super().__init__()
-        inner = num_heads * head_dim
-        self.head_dim = head_dim
-        self.to_q = nn.Linear(dim, inner)
-        self.to_k = nn.Linear(dim, inner)
-        self.to_v = nn.Linear(dim, inner)
-        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         q, k, v = (proj(x).unflatten(-1, (-1, self.head_dim)) for proj in (self.to_q, self.to_k, self.to_v))

@@ -38,7 +38,7 @@ from torch import nn
 
 from diffserve.layers.embeddings import GeluTanhTextProjection
 from diffserve.layers.norms import LayerNorm
-from diffserve.models.config_keys import DiffusersConfigured
+from diffserve.models.dits.base import DiffusersDiT, DiTConfig
 from diffserve.models.dits.ltx2_blocks import (
     BlockConditioning,
     LTX2AdaLayerNormSingle,
@@ -54,7 +54,7 @@ OUTPUT_NORM_EPS = 1e-6
 
 
 @dataclass(frozen=True)
-class LTX2VideoTransformerConfig:
+class LTX2VideoTransformerConfig(DiTConfig):
     """The DiT's Diffusers config (`transformer/config.json`), one field per key, Diffusers' defaults.
 
     LTX-2.0: rope_type "split", use_prompt_embeddings True (caption projections in the DiT).
@@ -139,14 +139,11 @@ class LTX2VideoTransformerConfig:
                 f"cross_attention_dim ({self.cross_attention_dim}) must equal num_attention_heads * "
                 f"attention_head_dim ({self.inner_dim}) with use_prompt_embeddings or cross-attention modulation"
             )
-        object.__setattr__(self, "vae_scale_factors", scale_factors)
-        object.__setattr__(self, "out_channels", self.out_channels or self.in_channels)
-        object.__setattr__(self, "audio_out_channels", self.audio_out_channels or self.audio_in_channels)
-
-    @property
-    def inner_dim(self) -> int:
-        """The video stream's width, heads x head_dim."""
-        return self.num_attention_heads * self.attention_head_dim
+        self._normalise(
+            vae_scale_factors=scale_factors,
+            out_channels=self.out_channels or self.in_channels,
+            audio_out_channels=self.audio_out_channels or self.audio_in_channels,
+        )
 
     @property
     def audio_inner_dim(self) -> int:
@@ -183,20 +180,18 @@ def _per_row(value: torch.Tensor, batch: int, tokens: int, name: str) -> torch.T
     return value
 
 
-class LTX2VideoTransformer3DModel(DiffusersConfigured, nn.Module):
+class LTX2VideoTransformer3DModel(DiffusersDiT):
     """The LTX-2 audio-video DiT on packed latent tokens (see the module docstring).
 
-    Build it from an `LTX2VideoTransformerConfig` (or `from_config(config_json_dict)`); under
-    `torch.device("meta")` it allocates nothing, and `load_state_dict(sd, assign=True, strict=True)`
-    fills it. `rope` / `audio_rope` expose Diffusers' `prepare_video_coords` / `prepare_audio_coords`.
+    Built from an `LTX2VideoTransformerConfig` (`DiffusersDiT`). `rope` / `audio_rope` expose Diffusers'
+    `prepare_video_coords` / `prepare_audio_coords`.
     """
 
     diffusers_class_name: ClassVar[str] = "LTX2VideoTransformer3DModel"
     config_class = LTX2VideoTransformerConfig
 
     def __init__(self, config: LTX2VideoTransformerConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         c = config
         inner, audio_inner = c.inner_dim, c.audio_inner_dim
 
@@ -283,11 +278,6 @@ class LTX2VideoTransformer3DModel(DiffusersConfigured, nn.Module):
         self.proj_out = nn.Linear(inner, c.out_channels)
         self.audio_norm_out = LayerNorm(audio_inner, eps=OUTPUT_NORM_EPS, elementwise_affine=False)
         self.audio_proj_out = nn.Linear(audio_inner, c.audio_out_channels)
-
-    @property
-    def hidden_width(self) -> int:
-        """The width of the video stream's hidden states."""
-        return self.config.inner_dim
 
     def forward(
         self,

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from diffserve.layers.attention import attention
+from diffserve.layers.attention_weights import AttentionWeights
 from diffserve.layers.embeddings import TimestepEmbedding, timestep_sinusoids
 from diffserve.layers.mlp import gelu_in_place
 from diffserve.layers.norms import RMSNorm
@@ -58,7 +60,7 @@ class Perturbation:
 NO_PERTURBATION = Perturbation()
 
 
-class LTX2Attention(nn.Module):
+class LTX2Attention(AttentionWeights):
     """Multi-head attention of the LTX-2 DiT and connectors; `context=None` is self-attention.
 
     `query_rope` rotates q (and k, unless `key_rope` is given: the audio<->video cross-attention
@@ -75,16 +77,12 @@ class LTX2Attention(nn.Module):
         out_bias: bool = True,
         gated: bool = False,
     ) -> None:
-        super().__init__()
-        inner = heads * dim_head
-        kv_dim = query_dim if cross_attention_dim is None else cross_attention_dim
+        # The QK-norms are over all heads together.
+        norm = partial(RMSNorm, heads * dim_head, eps=QK_NORM_EPS, round_once=True)
+        super().__init__(
+            query_dim, heads, dim_head, norm, kv_dim=cross_attention_dim, bias=bias, out_bias=out_bias
+        )
         self.heads = heads
-        self.to_q = nn.Linear(query_dim, inner, bias=bias)
-        self.to_k = nn.Linear(kv_dim, inner, bias=bias)
-        self.to_v = nn.Linear(kv_dim, inner, bias=bias)
-        self.norm_q = RMSNorm(inner, eps=QK_NORM_EPS, round_once=True)
-        self.norm_k = RMSNorm(inner, eps=QK_NORM_EPS, round_once=True)
-        self.to_out = nn.ModuleList([nn.Linear(inner, query_dim, bias=out_bias), nn.Identity()])
         self.to_gate_logits = nn.Linear(query_dim, heads) if gated else None
 
     def forward(

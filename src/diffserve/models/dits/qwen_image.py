@@ -66,10 +66,7 @@ from torch import nn
 
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.distributed.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
     TensorParallelRank,
-    shard_linear,
 )
 from diffserve.layers.adaln import AdaLayerNormContinuous
 from diffserve.layers.embeddings import TimestepEmbedding
@@ -80,8 +77,8 @@ from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.residual import fp16_clip, gated_residual
 from diffserve.layers.rotary import RopeTables, checked_rope_axes
 from diffserve.layers.shape_cache import BoundedCache
-from diffserve.models.config_keys import DiffusersConfigured
-from diffserve.models.step_cache import BatchStepCache, take_rows
+from diffserve.models.dits.base import DiffusersDiT, DiTConfig, check_tp_divides, shard_blocks
+from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
 
 # Qwen-Image's `RopeTables` (`layers/rotary.py`) are (seq, head_dim // 2) when every sample has the
 # same shapes, else (batch * seq, head_dim // 2), one block of rows per sample.
@@ -99,7 +96,7 @@ ROPE_CACHE_SIZE = 64
 
 
 @dataclass(frozen=True)
-class QwenImageTransformerConfig:
+class QwenImageTransformerConfig(DiTConfig):
     """The Qwen-Image DiT's Diffusers config (`transformer/config.json`), one field per key.
 
     The defaults are Qwen-Image's and Qwen-Image-Edit's (Edit-2511 sets `zero_cond_t`). `out_channels`
@@ -131,14 +128,7 @@ class QwenImageTransformerConfig:
             raise NotImplementedError("QwenImageTransformer2DModel: guidance_embeds=True is not supported")
         # Three axes: (frame, row, column).
         axes = checked_rope_axes("axes_dims_rope", self.axes_dims_rope, self.attention_head_dim, 3)
-        # A frozen dataclass normalises its own fields through object.__setattr__.
-        object.__setattr__(self, "axes_dims_rope", axes)
-        object.__setattr__(self, "out_channels", self.out_channels or self.in_channels)
-
-    @property
-    def inner_dim(self) -> int:
-        """The blocks' width, heads x head_dim."""
-        return self.num_attention_heads * self.attention_head_dim
+        self._normalise(axes_dims_rope=axes, out_channels=self.out_channels or self.in_channels)
 
 
 def _timestep_sinusoids(timesteps: torch.Tensor, dim: int = TIMESTEP_CHANNELS) -> torch.Tensor:
@@ -277,13 +267,8 @@ class QwenImageTransformerBlock(nn.Module):
 
     def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
         """This rank's heads of both streams' attention and its slice of both MLPs (see the model's)."""
-        for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
-            shard_linear(self.attn, name, ColumnParallelLinear, tp)
-        for name in ("to_out.0", "to_add_out"):
-            shard_linear(self.attn, name, RowParallelLinear, tp)
-        for mlp in (self.img_mlp, self.txt_mlp):
-            shard_linear(mlp, "net.0.proj", ColumnParallelLinear, tp)
-            shard_linear(mlp, "net.2", RowParallelLinear, tp)
+        for module in (self.attn, self.img_mlp, self.txt_mlp):
+            module.shard_for_tensor_parallel(tp)
 
     def _modulate(
         self, x: torch.Tensor, params: torch.Tensor, cond_tokens: torch.Tensor | None = None
@@ -361,22 +346,19 @@ def _per_sample_shapes(img_shapes: Any, batch: int) -> list[tuple[ImageShape, ..
     return out
 
 
-class QwenImageTransformer2DModel(DiffusersConfigured, nn.Module):
+class QwenImageTransformer2DModel(DiffusersDiT):
     """Qwen-Image DiT with Diffusers' config keys and state-dict names.
 
-    Build it from a `QwenImageTransformerConfig` (or `from_config(config_json_dict)`); under
-    `torch.device("meta")` it allocates nothing, and `load_state_dict(sd, assign=True, strict=True)`
-    fills it. It holds no buffers; RoPE tables are built on first use per shape and cached.
+    Built from a `QwenImageTransformerConfig` (`DiffusersDiT`). It holds no buffers; RoPE tables are built on
+    first use per shape and cached.
     """
 
     diffusers_class_name: ClassVar[str] = "QwenImageTransformer2DModel"
     config_class = QwenImageTransformerConfig
 
     def __init__(self, config: QwenImageTransformerConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         inner = config.inner_dim
-        self.inner_dim = inner
 
         self.pos_embed = QwenImageRope(config.axes_dims_rope)
         self.time_text_embed = QwenTimestepEmbedding(inner)
@@ -392,11 +374,6 @@ class QwenImageTransformer2DModel(DiffusersConfigured, nn.Module):
         self.norm_out = AdaLayerNormContinuous(inner)
         self.proj_out = nn.Linear(inner, config.patch_size * config.patch_size * config.out_channels)
 
-    @property
-    def hidden_width(self) -> int:
-        """The width of the DiT's hidden states (what a latent token's activations scale with)."""
-        return self.inner_dim
-
     def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
         """Make this model rank `tp.tp_rank`'s shard of a `tp.tp_size`-way tensor-parallel DiT; call it on
         the meta-built model, before the weights are loaded (the loader then reads only the shard).
@@ -407,15 +384,8 @@ class QwenImageTransformer2DModel(DiffusersConfigured, nn.Module):
         projections, the per-head QK-norms and the output head are replicated. The heads must divide
         `tp.tp_size` (ValueError naming both)."""
         heads = self.config.num_attention_heads
-        if heads % tp.tp_size:
-            raise ValueError(
-                f"--tp-size {tp.tp_size}: the Qwen-Image DiT's {heads} attention heads do not divide over "
-                f"{tp.tp_size} tensor-parallel ranks"
-            )
-        if any(not p.is_meta for p in self.parameters()):
-            raise RuntimeError("shard_for_tensor_parallel: call it on the meta-built model, before loading")
-        for block in self.transformer_blocks:
-            block.shard_for_tensor_parallel(tp)
+        check_tp_divides(tp, heads, f"the Qwen-Image DiT's {heads} attention heads do not divide")
+        shard_blocks(self, tp, self.transformer_blocks)
 
     def rope_tables(self, img_shapes: Any, txt_len: int, device: torch.device, batch: int = 1) -> RopeTables:
         """(cos, sin) tables for [text; images]; cached, so calling it every step costs a dict lookup."""
@@ -489,21 +459,19 @@ class QwenImageTransformer2DModel(DiffusersConfigured, nn.Module):
             ]
 
         rope = self.pos_embed(shapes, txt_seq, x.device)
-        if step_cache is None:
-            x = self._run_blocks(x, ctx, temb_act, rope, attn_mask, cond_tokens)
-        else:
-            x = step_cache.run(
-                x,
-                self._cache_signal(x, temb_act, cond_tokens, shapes),
-                lambda rows: self._run_blocks(
-                    take_rows(x, rows),
-                    take_rows(ctx, rows),
-                    _take_temb_rows(temb_act, rows, batch),
-                    _take_rope_rows(rope, rows, txt_seq + img_seq),
-                    _take_optional_rows(attn_mask, rows),
-                    _take_optional_rows(cond_tokens, rows),
-                ),
-            )
+        x = run_with_step_cache(
+            step_cache,
+            x,
+            lambda: self._cache_signal(x, temb_act, cond_tokens, shapes),
+            lambda rows: self._run_blocks(
+                take_rows(x, rows),
+                take_rows(ctx, rows),
+                _take_temb_rows(temb_act, rows, batch),
+                _take_rope_rows(rope, rows, txt_seq + img_seq),
+                _take_optional_rows(attn_mask, rows),
+                _take_optional_rows(cond_tokens, rows),
+            ),
+        )
 
         x = self.norm_out(x, temb_act[:batch])
         return self.proj_out(x)

@@ -30,6 +30,7 @@ the timestep embedding computed once per forward; text can be embedded once per 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 import torch
@@ -37,12 +38,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffserve.layers.attention import attention
+from diffserve.layers.attention_weights import AttentionWeights
 from diffserve.layers.embeddings import GeluTanhTextProjection, TimestepEmbedding, timestep_sinusoids
 from diffserve.layers.glumbconv import GLUMBConv
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.residual import fp16_clip, gated_residual
 from diffserve.layers.shape_cache import BoundedCache
-from diffserve.models.config_keys import DiffusersConfigured
+from diffserve.models.dits.base import DiffusersDiT, DiTConfig
 
 #: Sinusoid width of the timestep and guidance embeddings (Diffusers' `Timesteps(256, ...)`).
 TIMESTEP_CHANNELS = 256
@@ -58,7 +60,7 @@ SUPPORTED_QK_NORMS = (None, "rms_norm_across_heads")
 
 
 @dataclass(frozen=True)
-class SanaTransformerConfig:
+class SanaTransformerConfig(DiTConfig):
     """The SANA DiT's Diffusers config (`transformer/config.json`), one field per key.
 
     Defaults are Diffusers' (SANA 1.0 1.6B). `out_channels` None means `in_channels`. `dropout` is
@@ -89,7 +91,7 @@ class SanaTransformerConfig:
     timestep_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "out_channels", self.out_channels or self.in_channels)
+        self._normalise(out_channels=self.out_channels or self.in_channels)
         if self.qk_norm not in SUPPORTED_QK_NORMS:
             raise ValueError(
                 f"SanaTransformer2DModel: qk_norm={self.qk_norm!r} is not supported; "
@@ -108,11 +110,6 @@ class SanaTransformerConfig:
             )
         if self.interpolation_scale is not None and self.inner_dim % 4:
             raise ValueError(f"sincos positions need inner_dim divisible by 4, got {self.inner_dim}")
-
-    @property
-    def inner_dim(self) -> int:
-        """The blocks' width, heads x head_dim."""
-        return self.num_attention_heads * self.attention_head_dim
 
     @property
     def cross_inner_dim(self) -> int:
@@ -250,7 +247,7 @@ def _across_heads_norm(width: int) -> RMSNorm:
     return RMSNorm(width, eps=RMS_EPS)
 
 
-class SanaLinearAttention(nn.Module):
+class SanaLinearAttention(AttentionWeights):
     """Self-attention with a ReLU kernel: out_i = sum_j (q_i . k_j) v_j / sum_j (q_i . k_j), q, k = ReLU(.).
 
     Per head it forms [V; 1] K^T ((head_dim + 1) x head_dim), then that times Q, so the cost is linear in
@@ -261,15 +258,9 @@ class SanaLinearAttention(nn.Module):
     """
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, bias: bool, qk_norm: bool) -> None:
-        super().__init__()
-        inner = num_heads * head_dim
+        norm = partial(_across_heads_norm, num_heads * head_dim) if qk_norm else None
+        super().__init__(dim, num_heads, head_dim, norm, bias=bias)
         self.num_heads = num_heads
-        self.to_q = nn.Linear(dim, inner, bias=bias)
-        self.to_k = nn.Linear(dim, inner, bias=bias)
-        self.to_v = nn.Linear(dim, inner, bias=bias)
-        self.norm_q = _across_heads_norm(inner) if qk_norm else None
-        self.norm_k = _across_heads_norm(inner) if qk_norm else None
-        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(batch, tokens, dim) -> (batch, tokens, dim)."""
@@ -286,22 +277,15 @@ class SanaLinearAttention(nn.Module):
         return fp16_clip(self.to_out[0](out))
 
 
-class SanaCrossAttention(nn.Module):
+class SanaCrossAttention(AttentionWeights):
     """Softmax attention from the image tokens to the text, with the text padding masked by a bias."""
 
     def __init__(
         self, dim: int, context_dim: int, num_heads: int, head_dim: int, out_bias: bool, qk_norm: bool
     ) -> None:
-        super().__init__()
-        inner = num_heads * head_dim
+        norm = partial(_across_heads_norm, num_heads * head_dim) if qk_norm else None
+        super().__init__(dim, num_heads, head_dim, norm, kv_dim=context_dim, out_bias=out_bias)
         self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.to_q = nn.Linear(dim, inner)
-        self.to_k = nn.Linear(context_dim, inner)
-        self.to_v = nn.Linear(context_dim, inner)
-        self.norm_q = _across_heads_norm(inner) if qk_norm else None
-        self.norm_k = _across_heads_norm(inner) if qk_norm else None
-        self.to_out = nn.ModuleList([nn.Linear(inner, dim, bias=out_bias)])
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, mask_bias: torch.Tensor | None) -> torch.Tensor:
         """x (batch, tokens, dim), ctx (batch, L, context_dim), mask_bias (batch, 1, 1, L) or None."""
@@ -363,12 +347,11 @@ class SanaTransformerBlock(nn.Module):
         return gated_residual(x, gate_mlp, h.flatten(2).transpose(1, 2))
 
 
-class SanaTransformer2DModel(DiffusersConfigured, nn.Module):
+class SanaTransformer2DModel(DiffusersDiT):
     """SANA DiT with Diffusers' config keys and state-dict names.
 
-    Build it from a `SanaTransformerConfig` (or `from_config(config_json_dict)`); under
-    `torch.device("meta")` it allocates nothing, and `load_state_dict(sd, assign=True, strict=True)` fills
-    it (no buffers: the optional sincos positions are computed per latent size).
+    Built from a `SanaTransformerConfig` (`DiffusersDiT`); no buffers: the optional sincos positions are
+    computed per latent size.
 
         forward(hidden_states (B, in_channels, H, W) latents,
                 encoder_hidden_states (B, L, caption_channels) Gemma-2 states, or None with context=,
@@ -383,10 +366,8 @@ class SanaTransformer2DModel(DiffusersConfigured, nn.Module):
     config_class = SanaTransformerConfig
 
     def __init__(self, config: SanaTransformerConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         inner = config.inner_dim
-        self.inner_dim = inner
         self.patch_embed = SanaPatchEmbed(
             config.in_channels, inner, config.patch_size, config.sample_size, config.interpolation_scale
         )
@@ -401,11 +382,6 @@ class SanaTransformer2DModel(DiffusersConfigured, nn.Module):
         self.scale_shift_table = nn.Parameter(torch.empty(2, inner))
         self.norm_out = LayerNorm(inner, eps=1e-6, elementwise_affine=False)
         self.proj_out = nn.Linear(inner, config.patch_size * config.patch_size * int(config.out_channels))
-
-    @property
-    def hidden_width(self) -> int:
-        """The width of the DiT's hidden states (what a latent token's activations scale with)."""
-        return self.inner_dim
 
     def embed_context(self, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
         """Gemma-2 states (batch, L, caption_channels) -> the cross-attention context (batch, L, inner).

@@ -59,20 +59,18 @@ from torch import nn
 
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.distributed.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
     TensorParallelRank,
-    shard_linear,
 )
 from diffserve.layers.adaln import AdaLayerNormContinuous, AdaLayerNormZero
+from diffserve.layers.attention_weights import AttentionWeights, QKNormFactory
 from diffserve.layers.embeddings import CombinedTimestepTextEmbedding
 from diffserve.layers.feedforward import FeedForward
 from diffserve.layers.joint_attention import JointAttention
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.shape_cache import BoundedCache
-from diffserve.models.config_keys import DiffusersConfigured
-from diffserve.models.step_cache import BatchStepCache, take_rows
+from diffserve.models.dits.base import DiffusersDiT, DiTConfig, check_tp_divides, shard_blocks
+from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
 
 NORM_EPS = 1e-6
 QK_NORMS = (None, "rms_norm", "layer_norm")
@@ -83,7 +81,7 @@ ScopeFactory = Callable[[], AbstractContextManager[None]]
 
 
 @dataclass(frozen=True)
-class SD3TransformerConfig:
+class SD3TransformerConfig(DiTConfig):
     """The SD3 / SD3.5 DiT's Diffusers config (`transformer/config.json`), one field per key.
 
     SD3-medium: 24 layers, 24 heads, pos_embed_max_size 192; SD3.5-large: 38 layers, 38 heads,
@@ -117,15 +115,8 @@ class SD3TransformerConfig:
         bad = [i for i in dual if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"dual_attention_layers {bad} are outside 0..{self.num_layers - 1}")
-        # A frozen dataclass normalises its own fields through object.__setattr__.
-        object.__setattr__(self, "dual_attention_layers", dual)
-        if self.out_channels is None:
-            object.__setattr__(self, "out_channels", self.in_channels)
-
-    @property
-    def inner_dim(self) -> int:
-        """The blocks' width, heads x head_dim."""
-        return self.num_attention_heads * self.attention_head_dim
+        out_channels = self.in_channels if self.out_channels is None else self.out_channels
+        self._normalise(dual_attention_layers=dual, out_channels=out_channels)
 
 
 def sincos_2d_table(
@@ -212,6 +203,10 @@ def _qk_norm(kind: str, head_dim: int) -> nn.Module:
     return LayerNorm(head_dim, eps=NORM_EPS)
 
 
+def _qk_norm_factory(kind: str | None, head_dim: int) -> QKNormFactory | None:
+    return None if kind is None else partial(_qk_norm, kind, head_dim)
+
+
 def _heads(x: torch.Tensor, proj: nn.Linear, norm: nn.Module | None, head_dim: int) -> torch.Tensor:
     """Project to (batch, seq, heads, head_dim) and apply the optional per-head QK-norm."""
     x = proj(x).unflatten(-1, (-1, head_dim))
@@ -236,18 +231,9 @@ class SD3JointAttention(JointAttention):
     def __init__(
         self, dim: int, num_heads: int, head_dim: int, qk_norm: str | None, context_pre_only: bool
     ) -> None:
-        norm = None if qk_norm is None else partial(_qk_norm, qk_norm, head_dim)
+        norm = _qk_norm_factory(qk_norm, head_dim)
         super().__init__(dim, num_heads, head_dim, norm, context_out=not context_pre_only)
         self.context_pre_only = context_pre_only
-
-    def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
-        """This rank's heads of both streams: q/k/v column-parallel, the outputs row-parallel (the last
-        block has no text output). The per-head QK-norms stay whole; heads are reshaped by `head_dim`."""
-        for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
-            shard_linear(self, name, ColumnParallelLinear, tp)
-        shard_linear(self, "to_out.0", RowParallelLinear, tp)
-        if self.to_add_out is not None:
-            shard_linear(self, "to_add_out", RowParallelLinear, tp)
 
     def forward(
         self, x: torch.Tensor, ctx: torch.Tensor, text_queries: bool = False
@@ -275,26 +261,12 @@ class SD3JointAttention(JointAttention):
         return self.to_out[0](x_out), self.to_add_out(ctx_out)
 
 
-class SD3SelfAttention(nn.Module):
+class SD3SelfAttention(AttentionWeights):
     """Image-only self-attention of SD3.5's dual-attention blocks (`attn2`); `sequence_attention`, so
     within an image-only split scope it attends over every rank's image shard."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, qk_norm: str | None) -> None:
-        super().__init__()
-        inner = num_heads * head_dim
-        self.head_dim = head_dim
-        self.to_q = nn.Linear(dim, inner)
-        self.to_k = nn.Linear(dim, inner)
-        self.to_v = nn.Linear(dim, inner)
-        self.norm_q = _qk_norm(qk_norm, head_dim) if qk_norm is not None else None
-        self.norm_k = _qk_norm(qk_norm, head_dim) if qk_norm is not None else None
-        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
-
-    def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
-        """This rank's heads: q/k/v column-parallel, `to_out` row-parallel; the per-head QK-norms stay whole."""
-        for name in ("to_q", "to_k", "to_v"):
-            shard_linear(self, name, ColumnParallelLinear, tp)
-        shard_linear(self, "to_out.0", RowParallelLinear, tp)
+        super().__init__(dim, num_heads, head_dim, _qk_norm_factory(qk_norm, head_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hd = self.head_dim
@@ -366,8 +338,7 @@ class JointTransformerBlock(nn.Module):
             self.attn2.shard_for_tensor_parallel(tp)
         for ff in (self.ff, self.ff_context):
             if ff is not None:  # the last block has no text MLP
-                shard_linear(ff, "net.0.proj", ColumnParallelLinear, tp)
-                shard_linear(ff, "net.2", RowParallelLinear, tp)
+                ff.shard_for_tensor_parallel(tp)
 
     def forward(
         self,
@@ -406,23 +377,19 @@ class JointTransformerBlock(nn.Module):
         return ctx, x
 
 
-class SD3Transformer2DModel(DiffusersConfigured, nn.Module):
+class SD3Transformer2DModel(DiffusersDiT):
     """SD3 / SD3.5 MMDiT with Diffusers' config keys and state-dict names.
 
-    Build it from an `SD3TransformerConfig` (or `from_config(config_json_dict)`); under
-    `torch.device("meta")` it allocates nothing, and `load_state_dict(sd, assign=True, strict=True)`
-    fills it. Its one buffer, `pos_embed.pos_embed`, is persistent (in every SD3 checkpoint).
+    Built from an `SD3TransformerConfig` (`DiffusersDiT`). Its one buffer, `pos_embed.pos_embed`, is
+    persistent (in every SD3 checkpoint).
     """
 
     diffusers_class_name: ClassVar[str] = "SD3Transformer2DModel"
     config_class = SD3TransformerConfig
 
     def __init__(self, config: SD3TransformerConfig) -> None:
-        super().__init__()
-        self.config = config
-        inner = config.inner_dim
-        patch, layers = config.patch_size, config.num_layers
-        self.inner_dim = inner
+        super().__init__(config)
+        inner, patch, layers = config.inner_dim, config.patch_size, config.num_layers
 
         self.pos_embed = PatchEmbed(
             config.in_channels, inner, patch, config.sample_size // patch, config.pos_embed_max_size
@@ -445,11 +412,6 @@ class SD3Transformer2DModel(DiffusersConfigured, nn.Module):
         self.norm_out = AdaLayerNormContinuous(inner)
         self.proj_out = nn.Linear(inner, patch * patch * config.out_channels)
 
-    @property
-    def hidden_width(self) -> int:
-        """The width of the DiT's hidden states (what a latent token's activations scale with)."""
-        return self.inner_dim
-
     def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
         """Make this model rank `tp.tp_rank`'s shard of a `tp.tp_size`-way tensor-parallel DiT; call it on
         the meta-built model, before the weights are loaded (the loader then reads only the shard).
@@ -461,15 +423,8 @@ class SD3Transformer2DModel(DiffusersConfigured, nn.Module):
         replicated. `tp.tp_size` must divide the heads (ValueError naming both); the MLP width, four
         times heads x head_dim, then divides too."""
         heads = self.config.num_attention_heads
-        if heads % tp.tp_size:
-            raise ValueError(
-                f"--tp-size {tp.tp_size}: the SD3 DiT's {heads} attention heads do not divide over "
-                f"{tp.tp_size} tensor-parallel ranks"
-            )
-        if any(not p.is_meta for p in self.parameters()):
-            raise RuntimeError("shard_for_tensor_parallel: call it on the meta-built model, before loading")
-        for block in self.transformer_blocks:
-            block.shard_for_tensor_parallel(tp)
+        check_tp_divides(tp, heads, f"the SD3 DiT's {heads} attention heads do not divide")
+        shard_blocks(self, tp, self.transformer_blocks)
 
     def forward(
         self,
@@ -514,16 +469,14 @@ class SD3Transformer2DModel(DiffusersConfigured, nn.Module):
             raise ValueError(
                 f"skip_layers {bad} are outside the DiT's blocks 0..{len(self.transformer_blocks) - 1}"
             )
-        if step_cache is None:
-            x = self._run_blocks(x, ctx, temb_act, skip_layers)
-        else:
-            x = step_cache.run(
-                x,
-                self._cache_signal(x, temb_act),
-                lambda rows: self._run_blocks(
-                    take_rows(x, rows), take_rows(ctx, rows), take_rows(temb_act, rows), skip_layers
-                ),
-            )
+        x = run_with_step_cache(
+            step_cache,
+            x,
+            lambda: self._cache_signal(x, temb_act),
+            lambda rows: self._run_blocks(
+                take_rows(x, rows), take_rows(ctx, rows), take_rows(temb_act, rows), skip_layers
+            ),
+        )
 
         x = self.proj_out(self.norm_out(x, temb_act))  # (batch, h * w, p * p * out_channels)
         h, w = height // p, width // p

@@ -55,6 +55,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -70,14 +71,15 @@ from diffserve.distributed.tensor_parallel import (
     shard_rms_norm,
 )
 from diffserve.layers.attention import attention
+from diffserve.layers.attention_weights import AttentionWeights
 from diffserve.layers.embeddings import GeluTanhTextProjection, TimestepEmbedding, timestep_sinusoids
 from diffserve.layers.feedforward import FeedForward
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.patches import video_patch_grid
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding, multi_axis_rope_tables
 from diffserve.layers.shape_cache import BoundedCache
-from diffserve.models.config_keys import DiffusersConfigured
-from diffserve.models.step_cache import BatchStepCache, take_rows
+from diffserve.models.dits.base import DiffusersDiT, DiTConfig, check_tp_divides, shard_blocks
+from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
 from diffserve.platforms import Platform
 
 ROPE_THETA = 10000.0
@@ -88,7 +90,7 @@ ROPE_CACHE_SIZE = 16
 
 
 @dataclass(frozen=True)
-class WanTransformerConfig:
+class WanTransformerConfig(DiTConfig):
     """The Wan 2.1 DiT's Diffusers config (`transformer/config.json`), one field per key.
 
     Wan2.1-T2V-14B: 40 heads x 128, 40 layers, ffn 13824 (the defaults); Wan2.1-T2V-1.3B: 12 heads,
@@ -137,14 +139,7 @@ class WanTransformerConfig:
             )
         if self.pos_embed_seq_len is not None and self.image_dim is None:
             raise ValueError("pos_embed_seq_len (FLF2V) needs image_dim")
-        # A frozen dataclass normalises its own fields through object.__setattr__.
-        object.__setattr__(self, "patch_size", patch_size)
-        object.__setattr__(self, "out_channels", self.out_channels or self.in_channels)
-
-    @property
-    def inner_dim(self) -> int:
-        """The blocks' width, heads x head_dim."""
-        return self.num_attention_heads * self.attention_head_dim
+        self._normalise(patch_size=patch_size, out_channels=self.out_channels or self.in_channels)
 
 
 def wan_rope_axes_dims(head_dim: int) -> tuple[int, int, int]:
@@ -230,19 +225,13 @@ class WanConditionEmbedding(nn.Module):
         return temb, self.time_proj(F.silu(temb)).unflatten(-1, (6, -1))
 
 
-class _WanAttention(nn.Module):
+class _WanAttention(AttentionWeights):
     """What Wan's self- and cross-attention share (Diffusers' `WanAttention`): q/k/v and output
     projections, and RMSNorms of q and k over their full width (all heads together)."""
 
     def __init__(self, dim: int, num_heads: int, eps: float) -> None:
-        super().__init__()
+        super().__init__(dim, num_heads, dim // num_heads, partial(RMSNorm, dim, eps=eps, round_once=True))
         self.num_heads = num_heads
-        self.to_q = nn.Linear(dim, dim)
-        self.to_k = nn.Linear(dim, dim)
-        self.to_v = nn.Linear(dim, dim)
-        self.to_out = nn.ModuleList([nn.Linear(dim, dim), nn.Identity()])
-        self.norm_q = RMSNorm(dim, eps=eps, round_once=True)
-        self.norm_k = RMSNorm(dim, eps=eps, round_once=True)
 
     def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
         """This rank's heads: q and every k/v (the cross-attention's image k/v too) column-parallel with
@@ -331,10 +320,8 @@ class WanTransformerBlock(nn.Module):
 
     def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
         """This rank's heads of both attentions and its slice of the FFN features (see the model's)."""
-        self.attn1.shard_for_tensor_parallel(tp)
-        self.attn2.shard_for_tensor_parallel(tp)
-        shard_linear(self.ffn, "net.0.proj", ColumnParallelLinear, tp)
-        shard_linear(self.ffn, "net.2", RowParallelLinear, tp)
+        for module in (self.attn1, self.attn2, self.ffn):
+            module.shard_for_tensor_parallel(tp)
 
     def forward(
         self,
@@ -379,22 +366,19 @@ class EmbeddedContext(NamedTuple):
     image_len: int  # leading image tokens (I2V's CLIP states); 0 for text-to-video
 
 
-class WanTransformer3DModel(DiffusersConfigured, nn.Module):
+class WanTransformer3DModel(DiffusersDiT):
     """Wan 2.1 DiT (T2V, I2V, FLF2V) with Diffusers' config keys and state-dict names.
 
-    Build it from a `WanTransformerConfig` (or `from_config(config_json_dict)`); under
-    `torch.device("meta")` it allocates nothing, and `load_state_dict(sd, assign=True, strict=True)`
-    fills it. It holds no buffers; RoPE tables are built on first use per latent grid and cached.
+    Built from a `WanTransformerConfig` (`DiffusersDiT`). It holds no buffers; RoPE tables are built on first
+    use per latent grid and cached.
     """
 
     diffusers_class_name: ClassVar[str] = "WanTransformer3DModel"
     config_class = WanTransformerConfig
 
     def __init__(self, config: WanTransformerConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         inner, patch_size, eps = config.inner_dim, config.patch_size, config.eps
-        self.inner_dim = inner
         self.rope_axes_dims = wan_rope_axes_dims(config.attention_head_dim)
         self._rope_cache: BoundedCache[RopeTables] = BoundedCache(ROPE_CACHE_SIZE)
 
@@ -419,11 +403,6 @@ class WanTransformer3DModel(DiffusersConfigured, nn.Module):
         self.proj_out = nn.Linear(inner, config.out_channels * math.prod(patch_size))
         self.scale_shift_table = nn.Parameter(torch.zeros(1, 2, inner))
 
-    @property
-    def hidden_width(self) -> int:
-        """The width of the DiT's hidden states (what a latent token's activations scale with)."""
-        return self.inner_dim
-
     def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
         """Make this model rank `tp.tp_rank`'s shard of a `tp.tp_size`-way tensor-parallel DiT; call it on
         the meta-built model, before the weights are loaded (the loader then reads only the shard).
@@ -433,20 +412,9 @@ class WanTransformer3DModel(DiffusersConfigured, nn.Module):
         is replicated (module docstring). The heads and the FFN width must divide `tp.tp_size`
         (ValueError naming them)."""
         heads, ffn_dim = self.config.num_attention_heads, self.config.ffn_dim
-        if heads % tp.tp_size:
-            raise ValueError(
-                f"--tp-size {tp.tp_size}: the Wan DiT's {heads} attention heads do not divide over "
-                f"{tp.tp_size} tensor-parallel ranks"
-            )
-        if ffn_dim % tp.tp_size:
-            raise ValueError(
-                f"--tp-size {tp.tp_size}: the Wan DiT's FFN width ffn_dim={ffn_dim} does not divide over "
-                f"{tp.tp_size} tensor-parallel ranks"
-            )
-        if any(not p.is_meta for p in self.parameters()):
-            raise RuntimeError("shard_for_tensor_parallel: call it on the meta-built model, before loading")
-        for block in self.blocks:
-            block.shard_for_tensor_parallel(tp)
+        check_tp_divides(tp, heads, f"the Wan DiT's {heads} attention heads do not divide")
+        check_tp_divides(tp, ffn_dim, f"the Wan DiT's FFN width ffn_dim={ffn_dim} does not divide")
+        shard_blocks(self, tp, self.blocks)
 
     def rope_tables(self, frames: int, height: int, width: int, device: torch.device) -> RopeTables:
         """Half-width (cos, sin) float32 tables (frames*height*width, head_dim // 2) for a post-patch grid.
@@ -539,16 +507,14 @@ class WanTransformer3DModel(DiffusersConfigured, nn.Module):
         # Diffusers rounds temb to the text states' dtype; the pipeline passes everything in one dtype.
         temb, time_mod = self.condition_embedder.time(timestep, ctx.dtype)
 
-        if step_cache is None:
-            x = self._run_blocks(x, ctx, image_len, time_mod, rope)
-        else:
-            x = step_cache.run(
-                x,
-                self.blocks[0].modulated_input(x, time_mod),
-                lambda rows: self._run_blocks(
-                    take_rows(x, rows), take_rows(ctx, rows), image_len, take_rows(time_mod, rows), rope
-                ),
-            )
+        x = run_with_step_cache(
+            step_cache,
+            x,
+            lambda: self.blocks[0].modulated_input(x, time_mod),
+            lambda rows: self._run_blocks(
+                take_rows(x, rows), take_rows(ctx, rows), image_len, take_rows(time_mod, rows), rope
+            ),
+        )
 
         shift, scale = (self.scale_shift_table.float().unsqueeze(0) + temb.float().unsqueeze(2)).unbind(2)
         x = (self.norm_out(x.float()) * (1 + scale)).add_(shift).to(dtype)

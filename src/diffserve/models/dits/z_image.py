@@ -66,6 +66,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar, NamedTuple
 
 import torch
@@ -79,12 +80,13 @@ from diffserve.distributed.tensor_parallel import (
     TensorParallelRank,
     shard_linear,
 )
+from diffserve.layers.attention_weights import AttentionWeights
 from diffserve.layers.embeddings import timestep_sinusoids
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.rotary import checked_rope_axes
 from diffserve.layers.shape_cache import BoundedCache
-from diffserve.models.config_keys import DiffusersConfigured
-from diffserve.models.step_cache import BatchStepCache
+from diffserve.models.dits.base import DiffusersDiT, DiTConfig, check_tp_divides, shard_blocks
+from diffserve.models.step_cache import BatchStepCache, run_with_step_cache
 
 #: Sequences (image tokens, caption tokens) are padded per sample to a multiple of this.
 SEQ_MULTI_OF = 32
@@ -99,7 +101,7 @@ LAYOUT_CACHE_SIZE = 32
 
 
 @dataclass(frozen=True)
-class ZImageTransformerConfig:
+class ZImageTransformerConfig(DiTConfig):
     """The Z-Image DiT's Diffusers config (`transformer/config.json`), one field per key.
 
     The defaults are Z-Image-Turbo's. Sequences become tuples. `n_kv_heads` is accepted and ignored,
@@ -142,11 +144,17 @@ class ZImageTransformerConfig:
         checked_rope_axes("axes_dims", axes_dims, self.dim // self.n_heads)
         if len(axes_lens) != len(axes_dims) or len(axes_dims) != 3:
             raise ValueError(f"axes_dims {axes_dims} and axes_lens {axes_lens} must both have 3 entries")
-        # A frozen dataclass normalises its own fields through object.__setattr__.
-        object.__setattr__(self, "all_patch_size", all_patch_size)
-        object.__setattr__(self, "all_f_patch_size", all_f_patch_size)
-        object.__setattr__(self, "axes_dims", axes_dims)
-        object.__setattr__(self, "axes_lens", axes_lens)
+        self._normalise(
+            all_patch_size=all_patch_size,
+            all_f_patch_size=all_f_patch_size,
+            axes_dims=axes_dims,
+            axes_lens=axes_lens,
+        )
+
+    @property
+    def inner_dim(self) -> int:
+        """The blocks' width, `dim`."""
+        return self.dim
 
 
 def ffn_hidden_width(dim: int) -> int:
@@ -263,26 +271,13 @@ def _pad_rows(rows: Sequence[torch.Tensor], length: int, fill: int | complex) ->
     return out
 
 
-class ZImageAttention(nn.Module):
+class ZImageAttention(AttentionWeights):
     """Self-attention with per-head RMSNorm on q/k and complex RoPE; no biases (`attention.*` weights)."""
 
     def __init__(self, dim: int, num_heads: int, qk_norm: bool) -> None:
-        super().__init__()
-        self.head_dim = dim // num_heads
-        self.to_q = nn.Linear(dim, dim, bias=False)
-        self.to_k = nn.Linear(dim, dim, bias=False)
-        self.to_v = nn.Linear(dim, dim, bias=False)
-        self.norm_q = RMSNorm(self.head_dim, eps=QK_NORM_EPS) if qk_norm else None
-        self.norm_k = RMSNorm(self.head_dim, eps=QK_NORM_EPS) if qk_norm else None
-        self.to_out = nn.ModuleList([nn.Linear(dim, dim, bias=False)])
-
-    def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
-        """This rank's heads: q/k/v column-parallel (whole heads, as the checkpoint keeps them in three
-        tensors), `to_out` row-parallel. The per-head QK-norms (over head_dim) stay whole; the forward
-        counts heads from head_dim, so it runs on the local ones unchanged."""
-        for name in ("to_q", "to_k", "to_v"):
-            shard_linear(self, name, ColumnParallelLinear, tp)
-        shard_linear(self, "to_out.0", RowParallelLinear, tp)
+        head_dim = dim // num_heads
+        norm = partial(RMSNorm, head_dim, eps=QK_NORM_EPS) if qk_norm else None
+        super().__init__(dim, num_heads, head_dim, norm, bias=False, out_bias=False)
 
     def forward(
         self, x: torch.Tensor, cis: torch.Tensor, mask: torch.Tensor | None, query_rows: int | None = None
@@ -469,21 +464,18 @@ class ZImageTimestepEmbedder(nn.Module):
         return self.mlp(freqs.to(self.mlp[0].weight.dtype))
 
 
-class ZImageTransformer2DModel(DiffusersConfigured, nn.Module):
+class ZImageTransformer2DModel(DiffusersDiT):
     """Z-Image DiT with Diffusers' config keys and state-dict names (text-to-image path).
 
-    Build it from a `ZImageTransformerConfig` (or `from_config(config_json_dict)`); under
-    `torch.device("meta")` it allocates nothing, and `load_state_dict(sd, assign=True, strict=True)`
-    fills it. It holds no buffers; RoPE tables and batch layouts are computed on first use per device
-    and shape.
+    Built from a `ZImageTransformerConfig` (`DiffusersDiT`). It holds no buffers; RoPE tables and batch
+    layouts are computed on first use per device and shape.
     """
 
     diffusers_class_name: ClassVar[str] = "ZImageTransformer2DModel"
     config_class = ZImageTransformerConfig
 
     def __init__(self, config: ZImageTransformerConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         all_patch_size, all_f_patch_size = config.all_patch_size, config.all_f_patch_size
         in_channels, dim, n_heads = config.in_channels, config.dim, config.n_heads
         norm_eps, qk_norm, cap_feat_dim = config.norm_eps, config.qk_norm, config.cap_feat_dim
@@ -519,11 +511,6 @@ class ZImageTransformer2DModel(DiffusersConfigured, nn.Module):
         self._layouts: BoundedCache[_Layout] = BoundedCache(LAYOUT_CACHE_SIZE)
         self._caption_layouts: BoundedCache[_CaptionLayout] = BoundedCache(LAYOUT_CACHE_SIZE)
 
-    @property
-    def hidden_width(self) -> int:
-        """The width of the DiT's hidden states (what a latent token's activations scale with)."""
-        return self.config.dim
-
     def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
         """Make this model rank `tp.tp_rank`'s shard of a `tp.tp_size`-way tensor-parallel DiT; call it on
         the meta-built model, before the weights are loaded (the loader then reads only the shard).
@@ -532,22 +519,15 @@ class ZImageTransformer2DModel(DiffusersConfigured, nn.Module):
         column-parallel, `to_out` row-parallel) and 1/T of the SwiGLU hidden features (w1/w3 column,
         w2 row); everything else is replicated (module docstring). The heads and the MLP's hidden width
         must divide `tp.tp_size` (ValueError naming them)."""
-        heads, hidden = self.config.n_heads, ffn_hidden_width(self.config.dim)
-        if heads % tp.tp_size:
-            raise ValueError(
-                f"--tp-size {tp.tp_size}: the Z-Image DiT's {heads} attention heads do not divide over "
-                f"{tp.tp_size} tensor-parallel ranks"
-            )
-        if hidden % tp.tp_size:
-            raise ValueError(
-                f"--tp-size {tp.tp_size}: the Z-Image DiT's MLP hidden width {hidden} (int(dim * 8 / 3), "
-                f"dim={self.config.dim}) does not divide over {tp.tp_size} tensor-parallel ranks"
-            )
-        if any(not p.is_meta for p in self.parameters()):
-            raise RuntimeError("shard_for_tensor_parallel: call it on the meta-built model, before loading")
-        for blocks in (self.noise_refiner, self.context_refiner, self.layers):
-            for block in blocks:
-                block.shard_for_tensor_parallel(tp)
+        heads, dim = self.config.n_heads, self.config.dim
+        hidden = ffn_hidden_width(dim)
+        check_tp_divides(tp, heads, f"the Z-Image DiT's {heads} attention heads do not divide")
+        check_tp_divides(
+            tp,
+            hidden,
+            f"the Z-Image DiT's MLP hidden width {hidden} (int(dim * 8 / 3), dim={dim}) does not divide",
+        )
+        shard_blocks(self, tp, [*self.noise_refiner, *self.context_refiner, *self.layers])
 
     # ----------------------------------------------------------------------------------------- layout
 
@@ -771,14 +751,12 @@ class ZImageTransformer2DModel(DiffusersConfigured, nn.Module):
         img = torch.cat([img, self.x_pad_token.to(img.dtype), img.new_zeros(1, img.shape[1])])[layout.x_index]
         cap = _pad_rows([r.states for r in refined_captions], layout.caption_width, 0)
 
-        if step_cache is None:
-            h = self._run_blocks(img, cap, adaln, layout)
-        else:
-            h = step_cache.run(
-                img,
-                self._cache_signal(img, adaln),
-                lambda rows: self._run_blocks_for_rows(rows, img, cap, adaln, layout),
-            )
+        h = run_with_step_cache(
+            step_cache,
+            img,
+            lambda: self._cache_signal(img, adaln),
+            lambda rows: self._run_blocks_for_rows(rows, img, cap, adaln, layout),
+        )
 
         # Image tokens come first in every sample, so the final layer needs only the leading rows.
         out = self.all_final_layer[key](h[:, : max(layout.image_tokens)], adaln)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, ClassVar
 
 import numpy as np
@@ -185,34 +186,41 @@ class DPMSolverFlowScheduler:
         alpha = 1 - sigma
         return alpha, sigma, torch.log(alpha) - torch.log(sigma)
 
+    def _step_terms(
+        self, sigmas: torch.Tensor, i: int, order: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """What the updates from `sigmas[i]` to `sigmas[i + 1]` share: `alpha_t`, `sigma_t / sigma_s0`, the
+        log-SNR step `h`, and for the `order - 1` steps before it the ratios `r_k = h_k / h` (h_k the step
+        from `sigmas[i - k - 1]` to `sigmas[i - k]`)."""
+        alpha_t, sigma_t, lambda_t = self._alpha_sigma_lambda(sigmas[i + 1])
+        _, sigma_s0, lambda_s0 = self._alpha_sigma_lambda(sigmas[i])
+        h = lambda_t - lambda_s0
+        lambdas = [lambda_s0, *(self._alpha_sigma_lambda(sigmas[i - k])[2] for k in range(1, order))]
+        ratios = [(later - earlier) / h for later, earlier in pairwise(lambdas)]
+        return alpha_t, sigma_t / sigma_s0, h, ratios
+
     def _first_order(
         self, x0: torch.Tensor, sample: torch.Tensor, sigmas: torch.Tensor, i: int
     ) -> torch.Tensor:
         """DPM-Solver++(1) (DDIM) from `sigmas[i]` to `sigmas[i + 1]`."""
-        alpha_t, sigma_t, lambda_t = self._alpha_sigma_lambda(sigmas[i + 1])
-        _, sigma_s, lambda_s = self._alpha_sigma_lambda(sigmas[i])
-        h = lambda_t - lambda_s
-        return (sigma_t / sigma_s) * sample - (alpha_t * (torch.exp(-h) - 1.0)) * x0
+        alpha_t, sigma_ratio, h, _ = self._step_terms(sigmas, i, 1)
+        return sigma_ratio * sample - (alpha_t * (torch.exp(-h) - 1.0)) * x0
 
     def _second_order(
         self, history: list[torch.Tensor], sample: torch.Tensor, sigmas: torch.Tensor, i: int
     ) -> torch.Tensor:
         """Multistep DPM-Solver++(2M) from `sigmas[i]`, using the data predictions at `i` and `i - 1`."""
-        alpha_t, sigma_t, lambda_t = self._alpha_sigma_lambda(sigmas[i + 1])
-        _, sigma_s0, lambda_s0 = self._alpha_sigma_lambda(sigmas[i])
-        _, _, lambda_s1 = self._alpha_sigma_lambda(sigmas[i - 1])
+        alpha_t, sigma_ratio, h, (r0,) = self._step_terms(sigmas, i, 2)
         m0, m1 = history[-1], history[-2]
-        h, h_0 = lambda_t - lambda_s0, lambda_s0 - lambda_s1
-        r0 = h_0 / h
         d0, d1 = m0, (1.0 / r0) * (m0 - m1)
         if self.config["solver_type"] == "midpoint":
             return (
-                (sigma_t / sigma_s0) * sample
+                sigma_ratio * sample
                 - (alpha_t * (torch.exp(-h) - 1.0)) * d0
                 - 0.5 * (alpha_t * (torch.exp(-h) - 1.0)) * d1
             )
         return (
-            (sigma_t / sigma_s0) * sample
+            sigma_ratio * sample
             - (alpha_t * (torch.exp(-h) - 1.0)) * d0
             + (alpha_t * ((torch.exp(-h) - 1.0) / h + 1.0)) * d1
         )
@@ -221,18 +229,13 @@ class DPMSolverFlowScheduler:
         self, history: list[torch.Tensor], sample: torch.Tensor, sigmas: torch.Tensor, i: int
     ) -> torch.Tensor:
         """Multistep DPM-Solver++(3M) from `sigmas[i]`, using the data predictions at `i`, `i-1`, `i-2`."""
-        alpha_t, sigma_t, lambda_t = self._alpha_sigma_lambda(sigmas[i + 1])
-        _, sigma_s0, lambda_s0 = self._alpha_sigma_lambda(sigmas[i])
-        _, _, lambda_s1 = self._alpha_sigma_lambda(sigmas[i - 1])
-        _, _, lambda_s2 = self._alpha_sigma_lambda(sigmas[i - 2])
+        alpha_t, sigma_ratio, h, (r0, r1) = self._step_terms(sigmas, i, 3)
         m0, m1, m2 = history[-1], history[-2], history[-3]
-        h, h_0, h_1 = lambda_t - lambda_s0, lambda_s0 - lambda_s1, lambda_s1 - lambda_s2
-        r0, r1 = h_0 / h, h_1 / h
         d1_0, d1_1 = (1.0 / r0) * (m0 - m1), (1.0 / r1) * (m1 - m2)
         d1 = d1_0 + (r0 / (r0 + r1)) * (d1_0 - d1_1)
         d2 = (1.0 / (r0 + r1)) * (d1_0 - d1_1)
         return (
-            (sigma_t / sigma_s0) * sample
+            sigma_ratio * sample
             - (alpha_t * (torch.exp(-h) - 1.0)) * m0
             + (alpha_t * ((torch.exp(-h) - 1.0) / h + 1.0)) * d1
             - (alpha_t * ((torch.exp(-h) - 1.0 + h) / h**2 - 0.5)) * d2

@@ -55,6 +55,16 @@ class SigmaSchedule:
         return int(self.timesteps.shape[0])
 
 
+def shift_sigmas(sigmas: np.ndarray, shift: float, mu: float | None, time_shift_type: str) -> np.ndarray:
+    """Diffusers' flow-matching sigma shift: the static `shift * s / (1 + (shift - 1) * s)` when `mu` is
+    None, else the dynamic time shift by `mu` (`time_shift_type` "exponential" or "linear")."""
+    if mu is None:
+        return shift * sigmas / (1 + (shift - 1) * sigmas)
+    if time_shift_type == "exponential":
+        return math.exp(mu) / (math.exp(mu) + (1 / sigmas - 1) ** 1.0)
+    return mu / (mu + (1 / sigmas - 1) ** 1.0)
+
+
 class FlowMatchEulerScheduler:
     """Computes flow-matching sigma schedules and Euler steps. Stateless across requests."""
 
@@ -119,11 +129,6 @@ class FlowMatchEulerScheduler:
         slope = (max_shift - base_shift) / (max_len - base_len)
         return image_seq_len * slope + (base_shift - slope * base_len)
 
-    def _time_shift(self, mu: float, sigmas: np.ndarray) -> np.ndarray:
-        if self.config["time_shift_type"] == "exponential":
-            return math.exp(mu) / (math.exp(mu) + (1 / sigmas - 1) ** 1.0)
-        return mu / (mu + (1 / sigmas - 1) ** 1.0)
-
     def schedule(
         self, num_steps: int, mu: float | None = None, sigmas: np.ndarray | list[float] | None = None
     ) -> SigmaSchedule:
@@ -138,11 +143,8 @@ class FlowMatchEulerScheduler:
             base = np.array(sigmas).astype(np.float32)
             if len(base) != num_steps:
                 raise ValueError(f"got {len(base)} sigmas for {num_steps} steps")
-        if self.config["use_dynamic_shifting"]:
-            shifted = self._time_shift(mu, base)
-        else:
-            shift = self.config["shift"]
-            shifted = shift * base / (1 + (shift - 1) * base)
+        dynamic_mu = mu if self.config["use_dynamic_shifting"] else None
+        shifted = shift_sigmas(base, self.config["shift"], dynamic_mu, self.config["time_shift_type"])
         if self.config["shift_terminal"] and 1 - shifted[-1] != 0:
             # Stretch so the last sigma lands on shift_terminal. A one-step schedule ends at sigma 1,
             # where Diffusers divides 0 by 0 and returns NaN; it is left unstretched instead.

@@ -28,7 +28,6 @@ schedule they come from is checked on the host instead, once per request).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -37,7 +36,7 @@ import numpy as np
 import torch
 
 from diffserve.models.config_keys import checked_config_kwargs
-from diffserve.models.schedulers.flow_match_euler import SigmaSchedule
+from diffserve.models.schedulers.flow_match_euler import SigmaSchedule, shift_sigmas
 from diffserve.models.schedulers.step_order import check_history_length, checked_step_count
 
 #: Diffusers' `UniPCMultistepScheduler` config keys and defaults (a config missing a key means the
@@ -234,11 +233,6 @@ class UniPCFlowScheduler:
 
     # ----------------------------------------------------------------------------------- schedule
 
-    def _time_shift(self, mu: float, sigmas: np.ndarray) -> np.ndarray:
-        if self.config["time_shift_type"] == "exponential":
-            return math.exp(mu) / (math.exp(mu) + (1 / sigmas - 1))
-        return mu / (mu + (1 / sigmas - 1))
-
     def schedule(
         self, num_steps: int, mu: float | None = None, sigmas: np.ndarray | list[float] | None = None
     ) -> SigmaSchedule:
@@ -260,11 +254,8 @@ class UniPCFlowScheduler:
             base = np.array(sigmas)
             if len(base) != num_steps:
                 raise ValueError(f"got {len(base)} sigmas for {num_steps} steps")
-        if self.config["use_dynamic_shifting"]:
-            shifted = self._time_shift(mu, base)
-        else:
-            shift = self.config["flow_shift"]
-            shifted = shift * base / (1 + (shift - 1) * base)
+        dynamic_mu = mu if self.config["use_dynamic_shifting"] else None
+        shifted = shift_sigmas(base, self.config["flow_shift"], dynamic_mu, self.config["time_shift_type"])
         if self.config["shift_terminal"]:
             one_minus = 1 - shifted
             shifted = 1 - one_minus / (one_minus[-1] / (1 - self.config["shift_terminal"]))

@@ -31,15 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffserve.layers.glumbconv import GLUMBConv
-from diffserve.models.config_keys import DiffusersConfigured
+from diffserve.models.config_keys import DiffusersConfigured, check_choices, per_block
 from diffserve.models.vaes.blocks import get_activation
-from diffserve.models.vaes.tiling import (
-    TilingMixin,
-    decode_chunk_boundary,
-    per_sample,
-    stitch_tiles,
-    tile_starts,
-)
+from diffserve.models.vaes.tiling import StridedTilingMixin, decode_chunk_boundary, per_sample
 
 #: Every RMSNorm / BatchNorm in DC-AE uses this epsilon.
 NORM_EPS = 1e-5
@@ -341,21 +335,7 @@ class DCDecoder(nn.Module):
         return self.conv_out(self.conv_act(self.norm_out(x)))
 
 
-def _per_stage(name: str, value: str | Sequence[str], stages: int) -> tuple[str, ...]:
-    """A config value given once or per stage -> one per stage."""
-    values = (value,) * stages if isinstance(value, str) else tuple(value)
-    if len(values) != stages:
-        raise ValueError(f"AutoencoderDC: {name} has {len(values)} entries for {stages} stages")
-    return values
-
-
-def _checked(name: str, values: Sequence[str], allowed: Sequence[str]) -> None:
-    for value in values:
-        if value not in allowed:
-            raise ValueError(f"AutoencoderDC: {name} {value!r} is not supported; supported: {tuple(allowed)}")
-
-
-class AutoencoderDC(DiffusersConfigured, TilingMixin, nn.Module):
+class AutoencoderDC(DiffusersConfigured, StridedTilingMixin, nn.Module):
     """DC-AE with Diffusers' config and weight names.
 
         encode(image (B, in_channels, H, W) in [-1, 1], H and W multiples of spatial_compression_ratio)
@@ -392,14 +372,15 @@ class AutoencoderDC(DiffusersConfigured, TilingMixin, nn.Module):
     ) -> None:
         super().__init__()
         enc_stages, dec_stages = len(encoder_block_out_channels), len(decoder_block_out_channels)
-        enc_types = _per_stage("encoder_block_types", encoder_block_types, enc_stages)
-        dec_types = _per_stage("decoder_block_types", decoder_block_types, dec_stages)
-        norm_types = _per_stage("decoder_norm_types", decoder_norm_types, dec_stages)
-        act_fns = _per_stage("decoder_act_fns", decoder_act_fns, dec_stages)
-        _checked("block type", (*enc_types, *dec_types), BLOCK_TYPES)
-        _checked("decoder_norm_types", norm_types, NORM_TYPES)
-        _checked("downsample_block_type", (downsample_block_type.lower(),), DOWNSAMPLE_TYPES)
-        _checked("upsample_block_type", (upsample_block_type,), UPSAMPLE_TYPES)
+        owner = self.diffusers_class_name
+        enc_types = per_block(owner, "encoder_block_types", encoder_block_types, enc_stages)
+        dec_types = per_block(owner, "decoder_block_types", decoder_block_types, dec_stages)
+        norm_types = per_block(owner, "decoder_norm_types", decoder_norm_types, dec_stages)
+        act_fns = per_block(owner, "decoder_act_fns", decoder_act_fns, dec_stages)
+        check_choices(owner, "block type", (*enc_types, *dec_types), BLOCK_TYPES)
+        check_choices(owner, "decoder_norm_types", norm_types, NORM_TYPES)
+        check_choices(owner, "downsample_block_type", [downsample_block_type.lower()], DOWNSAMPLE_TYPES)
+        check_choices(owner, "upsample_block_type", [upsample_block_type], UPSAMPLE_TYPES)
         enc_scales = tuple(tuple(int(k) for k in s) for s in encoder_qkv_multiscales)
         dec_scales = tuple(tuple(int(k) for k in s) for s in decoder_qkv_multiscales)
         # JSON gives lists; tuples make the config comparable with Diffusers' defaults.
@@ -462,20 +443,9 @@ class AutoencoderDC(DiffusersConfigured, TilingMixin, nn.Module):
         """Pixels per latent along each side (Diffusers pipelines call this `vae_scale_factor`)."""
         return 2 ** (len(self.config["encoder_block_out_channels"]) - 1)
 
-    def enable_tiling(
-        self,
-        tile_sample_min_height: int | None = None,
-        tile_sample_min_width: int | None = None,
-        tile_sample_stride_height: int | None = None,
-        tile_sample_stride_width: int | None = None,
-    ) -> None:
-        """Encode / decode images larger than a tile in overlapping tiles (Diffusers' parameters, in pixels:
-        tiles of `tile_sample_min_*`, one every `tile_sample_stride_*`); None keeps the current value."""
-        self.use_tiling = True
-        self.tile_sample_min_height = tile_sample_min_height or self.tile_sample_min_height
-        self.tile_sample_min_width = tile_sample_min_width or self.tile_sample_min_width
-        self.tile_sample_stride_height = tile_sample_stride_height or self.tile_sample_stride_height
-        self.tile_sample_stride_width = tile_sample_stride_width or self.tile_sample_stride_width
+    def _enable_tiling_with(self, **tile_params: float | None) -> None:
+        super()._enable_tiling_with(**tile_params)
+        # Diffusers' latent tile sizes follow the pixel ones (they decide when a decode is tiled).
         self.tile_latent_min_height = self.tile_sample_min_height // self.spatial_compression_ratio
         self.tile_latent_min_width = self.tile_sample_min_width // self.spatial_compression_ratio
 
@@ -489,60 +459,34 @@ class AutoencoderDC(DiffusersConfigured, TilingMixin, nn.Module):
         return per_sample(self._encode_images, x, self.use_slicing)
 
     def _encode_images(self, x: torch.Tensor) -> torch.Tensor:
-        height, width = x.shape[-2:]
-        if self.use_tiling and (width > self.tile_sample_min_width or height > self.tile_sample_min_height):
-            return self._tiled_encode(x)
-        return self.encoder(x)
-
-    def _tiled_encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Overlapping pixel tiles (each padded at its bottom / right to a multiple of the compression
-        ratio) encoded and cross-faded in latents, cropped to the latent size (Diffusers' `tiled_encode`)."""
+        """The encoder, or with tiling on and `x` larger than a tile, Diffusers' `tiled_encode`: overlapping
+        pixel tiles encoded and cross-faded in latents, cropped to the latent size."""
+        if not self.tiles_needed(x, self.tile_sample_min_height, self.tile_sample_min_width):
+            return self.encoder(x)
         f = self.spatial_compression_ratio
-        min_h, min_w = self.tile_sample_min_height, self.tile_sample_min_width
-        stride_h, stride_w = self.tile_sample_stride_height // f, self.tile_sample_stride_width // f
-        rows = []
-        for i in tile_starts(x.shape[2], self.tile_sample_stride_height):
-            row = []
-            for j in tile_starts(x.shape[3], self.tile_sample_stride_width):
-                tile = x[:, :, i : i + min_h, j : j + min_w]
-                pad_h, pad_w = -tile.shape[2] % f, -tile.shape[3] % f
-                if pad_h or pad_w:
-                    tile = F.pad(tile, (0, pad_w, 0, pad_h))
-                row.append(self.encoder(tile))
-            rows.append(row)
-        latents = stitch_tiles(rows, min_h // f - stride_h, min_w // f - stride_w, stride_h, stride_w)
+        latents = self.run_strided_tiles(self._encode_tile, x, in_scale=1, out_scale=f)
         return latents[:, :, : x.shape[2] // f, : x.shape[3] // f]
+
+    def _encode_tile(self, tile: torch.Tensor) -> torch.Tensor:
+        """A pixel tile padded at its bottom / right to a multiple of the compression ratio, encoded."""
+        f = self.spatial_compression_ratio
+        pad_h, pad_w = -tile.shape[2] % f, -tile.shape[3] % f
+        if pad_h or pad_w:
+            tile = F.pad(tile, (0, pad_w, 0, pad_h))
+        return self.encoder(tile)
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """Unscaled latents (B, latent_channels, h, w) -> image batch (B, in_channels, h * f, w * f)."""
         return per_sample(self._decode_images, z, self.use_slicing)
 
     def _decode_images(self, z: torch.Tensor) -> torch.Tensor:
-        height, width = z.shape[-2:]
-        if self.use_tiling and (width > self.tile_latent_min_width or height > self.tile_latent_min_height):
-            return self._tiled_decode(z)
-        return self.decoder(z)
+        """The decoder, or with tiling on and `z` larger than a tile, Diffusers' `tiled_decode`: overlapping
+        latent tiles decoded and cross-faded (no final crop)."""
+        if not self.tiles_needed(z, self.tile_latent_min_height, self.tile_latent_min_width):
+            return self.decoder(z)
+        f = self.spatial_compression_ratio
+        return self.run_strided_tiles(self._decode_tile, z, in_scale=f, out_scale=1)
 
     def _decode_tile(self, z: torch.Tensor) -> torch.Tensor:
         decode_chunk_boundary()  # each tile is one decode chunk
         return self.decoder(z)
-
-    def _tiled_decode(self, z: torch.Tensor) -> torch.Tensor:
-        """Overlapping latent tiles decoded and cross-faded (Diffusers' `tiled_decode`: no final crop)."""
-        f = self.spatial_compression_ratio
-        latent_min_h, latent_min_w = self.tile_sample_min_height // f, self.tile_sample_min_width // f
-        stride_h, stride_w = self.tile_sample_stride_height, self.tile_sample_stride_width
-        rows = [
-            [
-                self._decode_tile(z[:, :, i : i + latent_min_h, j : j + latent_min_w])
-                for j in tile_starts(z.shape[3], stride_w // f)
-            ]
-            for i in tile_starts(z.shape[2], stride_h // f)
-        ]
-        return stitch_tiles(
-            rows,
-            self.tile_sample_min_height - stride_h,
-            self.tile_sample_min_width - stride_w,
-            stride_h,
-            stride_w,
-        )

@@ -27,13 +27,7 @@ from torch import nn
 
 from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.vaes.blocks import Decoder, Encoder
-from diffserve.models.vaes.tiling import (
-    TilingMixin,
-    decode_chunk_boundary,
-    per_sample,
-    stitch_tiles,
-    tile_starts,
-)
+from diffserve.models.vaes.tiling import TilingMixin, decode_chunk_boundary, per_sample, run_overlapping_tiles
 
 GeneratorArg = torch.Generator | Sequence[torch.Generator] | None
 
@@ -198,8 +192,7 @@ class AutoencoderKL(DiffusersConfigured, TilingMixin, nn.Module):
         return DiagonalGaussian.from_moments(per_sample(self._encode_moments, x, self.use_slicing))
 
     def _encode_moments(self, x: torch.Tensor) -> torch.Tensor:
-        height, width = x.shape[-2:]
-        if self.use_tiling and (width > self.tile_sample_min_size or height > self.tile_sample_min_size):
+        if self.tiles_needed(x, self.tile_sample_min_size, self.tile_sample_min_size):
             return self._tiled_encode(x)
         return self._encode_tile(x)
 
@@ -208,24 +201,18 @@ class AutoencoderKL(DiffusersConfigured, TilingMixin, nn.Module):
         return moments if self.quant_conv is None else self.quant_conv(moments)
 
     def _tiled_encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Moments from overlapping pixel tiles blended in latents (Diffusers' `_tiled_encode`: no final crop)."""
-        size, factor = self.tile_sample_min_size, self.tile_overlap_factor
-        stride = int(size * (1 - factor))
-        extent = int(self.tile_latent_min_size * factor)
-        keep = self.tile_latent_min_size - extent
-        rows = [
-            [self._encode_tile(x[:, :, i : i + size, j : j + size]) for j in tile_starts(x.shape[3], stride)]
-            for i in tile_starts(x.shape[2], stride)
-        ]
-        return stitch_tiles(rows, extent, extent, keep, keep)
+        """Moments from overlapping pixel tiles blended in latents (Diffusers' `_tiled_encode`)."""
+        sample, latent = self.tile_sample_min_size, self.tile_latent_min_size
+        return run_overlapping_tiles(
+            self._encode_tile, x, (sample, sample), (latent, latent), self.tile_overlap_factor
+        )
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """Unscaled latents (B, latent_channels, h, w) -> image batch in (roughly) [-1, 1]."""
         return per_sample(self._decode_images, z, self.use_slicing)
 
     def _decode_images(self, z: torch.Tensor) -> torch.Tensor:
-        size = self.tile_latent_min_size
-        if self.use_tiling and (z.shape[-1] > size or z.shape[-2] > size):
+        if self.tiles_needed(z, self.tile_latent_min_size, self.tile_latent_min_size):
             return self._tiled_decode(z)
         return self._decode_tile(z)
 
@@ -236,13 +223,8 @@ class AutoencoderKL(DiffusersConfigured, TilingMixin, nn.Module):
         return self.decoder(z)
 
     def _tiled_decode(self, z: torch.Tensor) -> torch.Tensor:
-        """Overlapping latent tiles decoded and cross-faded (Diffusers' `tiled_decode`: no final crop)."""
-        size, factor = self.tile_latent_min_size, self.tile_overlap_factor
-        stride = int(size * (1 - factor))
-        extent = int(self.tile_sample_min_size * factor)
-        keep = self.tile_sample_min_size - extent
-        rows = [
-            [self._decode_tile(z[:, :, i : i + size, j : j + size]) for j in tile_starts(z.shape[3], stride)]
-            for i in tile_starts(z.shape[2], stride)
-        ]
-        return stitch_tiles(rows, extent, extent, keep, keep)
+        """Overlapping latent tiles decoded and cross-faded (Diffusers' `tiled_decode`)."""
+        sample, latent = self.tile_sample_min_size, self.tile_latent_min_size
+        return run_overlapping_tiles(
+            self._decode_tile, z, (latent, latent), (sample, sample), self.tile_overlap_factor
+        )

@@ -19,6 +19,7 @@ a model built on the meta device.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -27,13 +28,7 @@ from torch import nn
 from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.vaes.autoencoder_kl import DiagonalGaussian
 from diffserve.models.vaes.hunyuan_video15_blocks import Decoder3D, Encoder3D
-from diffserve.models.vaes.tiling import (
-    TilingMixin,
-    decode_chunk_boundary,
-    per_sample,
-    stitch_tiles,
-    tile_starts,
-)
+from diffserve.models.vaes.tiling import TilingMixin, decode_chunk_boundary, per_sample, run_overlapping_tiles
 
 #: Diffusers' `AutoencoderKLHunyuanVideo15` config keys and defaults (those of the released VAE).
 HUNYUAN_VIDEO15_VAE_CONFIG_DEFAULTS: dict[str, Any] = {
@@ -148,12 +143,7 @@ class AutoencoderKLHunyuanVideo15(DiffusersConfigured, TilingMixin, nn.Module):
                 f"{self.diffusers_class_name}.enable_tiling: tile_overlap_factor must be in (0, 1), "
                 f"got {tile_overlap_factor}"
             )
-        for name, value in sizes.items():
-            if value is not None:
-                setattr(self, name, value)
-        if tile_overlap_factor is not None:
-            self.tile_overlap_factor = tile_overlap_factor
-        self.use_tiling = True
+        self._enable_tiling_with(**sizes, tile_overlap_factor=tile_overlap_factor)
 
     def encode(self, x: torch.Tensor) -> DiagonalGaussian:
         """Video (B, C, 1 + r_t*k, H, W) in [-1, 1] -> posterior over unscaled latents (B, latent, 1 + k, H/r_s, W/r_s).
@@ -162,63 +152,35 @@ class AutoencoderKLHunyuanVideo15(DiffusersConfigured, TilingMixin, nn.Module):
         """
         if x.ndim != 5:
             raise ValueError(f"expected a video batch (B, C, T, H, W), got shape {tuple(x.shape)}")
-        return DiagonalGaussian.from_moments(per_sample(self._encode, x, self.use_slicing))
+        sample, latent = self._tile_sizes()
+        run = partial(self._run, self.encoder, tile=sample, out_tile=latent)
+        return DiagonalGaussian.from_moments(per_sample(run, x, self.use_slicing))
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """Unscaled latents (B, latent, t, h, w) -> video (B, C, 1 + r_t*(t - 1), r_s*h, r_s*w), not clamped."""
         if z.ndim != 5:
             raise ValueError(f"expected video latents (B, C, t, h, w), got shape {tuple(z.shape)}")
-        return per_sample(self._decode, z, self.use_slicing)
+        sample, latent = self._tile_sizes()
+        return per_sample(partial(self._run, self.decoder, tile=latent, out_tile=sample), z, self.use_slicing)
 
-    def _encode(self, x: torch.Tensor) -> torch.Tensor:
-        height, width = x.shape[-2:]
-        if self.use_tiling and (width > self.tile_sample_min_width or height > self.tile_sample_min_height):
-            return self._tiled(
-                x,
-                self.encoder,
-                (self.tile_sample_min_height, self.tile_sample_min_width),
-                (self.tile_latent_min_height, self.tile_latent_min_width),
-            )
-        return self.encoder(x)
+    def _tile_sizes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(height, width) of a tile in pixels and in latents."""
+        return (
+            (self.tile_sample_min_height, self.tile_sample_min_width),
+            (self.tile_latent_min_height, self.tile_latent_min_width),
+        )
 
-    def _decode(self, z: torch.Tensor) -> torch.Tensor:
-        height, width = z.shape[-2:]
-        if self.use_tiling and (width > self.tile_latent_min_width or height > self.tile_latent_min_height):
-            return self._tiled(
-                z,
-                self.decoder,
-                (self.tile_latent_min_height, self.tile_latent_min_width),
-                (self.tile_sample_min_height, self.tile_sample_min_width),
-            )
-        return self.decoder(z)
-
-    def _tiled(
-        self,
-        x: torch.Tensor,
-        network: nn.Module,
-        tile_in: tuple[int, int],
-        tile_out: tuple[int, int],
+    def _run(
+        self, network: nn.Module, x: torch.Tensor, tile: tuple[int, int], out_tile: tuple[int, int]
     ) -> torch.Tensor:
-        """`network` over overlapping (tile_in) spatial tiles of `x`, stitched as Diffusers does.
-
-        Input tiles start every `int(tile_in * (1 - overlap))`; `int(tile_out * overlap)` output rows /
-        columns are blended and `tile_out` minus that kept per tile. The result is not cropped (Diffusers'
-        class does not crop either).
-        """
-        overlap = self.tile_overlap_factor
-        (in_h, in_w), (out_h, out_w) = tile_in, tile_out
-        blend_h, blend_w = int(out_h * overlap), int(out_w * overlap)
-        rows = [
-            [
-                _tile(network, x[..., i : i + in_h, j : j + in_w])
-                for j in tile_starts(x.shape[-1], int(in_w * (1 - overlap)))
-            ]
-            for i in tile_starts(x.shape[-2], int(in_h * (1 - overlap)))
-        ]
-        return stitch_tiles(rows, blend_h, blend_w, out_h - blend_h, out_w - blend_w)
+        """`network` (the encoder or the decoder) on `x`, or with tiling on and `x` larger than `tile`, on
+        overlapping spatial tiles stitched as Diffusers does (`tiling.py`), each tile a decode chunk
+        (`decode_chunk_boundary` before it; nothing when encoding)."""
+        if not self.tiles_needed(x, *tile):
+            return network(x)
+        return run_overlapping_tiles(partial(_tile, network), x, tile, out_tile, self.tile_overlap_factor)
 
 
 def _tile(network: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """One tile through `network`: a decode chunk (`decode_chunk_boundary` before it; nothing when encoding)."""
     decode_chunk_boundary()
     return network(x)

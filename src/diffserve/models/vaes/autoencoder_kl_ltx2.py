@@ -29,12 +29,13 @@ State-dict keys match Diffusers', so a checkpoint loads with `strict=True` into 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from diffserve.models.config_keys import DiffusersConfigured
+from diffserve.models.config_keys import DiffusersConfigured, check_choices, per_block
 from diffserve.models.vaes.autoencoder_kl import DiagonalGaussian
 from diffserve.models.vaes.ltx2_video_blocks import (
     DOWNSAMPLE_STRIDES,
@@ -44,11 +45,10 @@ from diffserve.models.vaes.ltx2_video_blocks import (
     LTX2VideoEncoder3d,
 )
 from diffserve.models.vaes.tiling import (
-    TilingMixin,
+    StridedTilingMixin,
     blend_t,
     decode_chunk_boundary,
     per_sample,
-    stitch_tiles,
     tile_starts,
 )
 
@@ -94,21 +94,7 @@ TILE_DEFAULTS: dict[str, int] = {
 }
 
 
-def _per_block(name: str, value: bool | Sequence[Any], count: int) -> tuple[Any, ...]:
-    """A per-block setting as a tuple of `count`; a bare bool applies to every block (Diffusers' rule)."""
-    values = (value,) * count if isinstance(value, bool) else tuple(value)
-    if len(values) != count:
-        raise ValueError(f"AutoencoderKLLTX2Video: {name} needs {count} entries, got {len(values)}: {values}")
-    return values
-
-
-def _check_choices(name: str, values: Sequence[str], allowed: Sequence[str]) -> None:
-    bad = [v for v in values if v not in allowed]
-    if bad:
-        raise ValueError(f"AutoencoderKLLTX2Video: {name} has {bad}; allowed values: {list(allowed)}")
-
-
-class AutoencoderKLLTX2Video(DiffusersConfigured, TilingMixin, nn.Module):
+class AutoencoderKLLTX2Video(DiffusersConfigured, StridedTilingMixin, nn.Module):
     """LTX-2's video VAE with Diffusers' config keys, weight names and tiling/slicing modes."""
 
     diffusers_class_name: ClassVar[str] = "AutoencoderKLLTX2Video"
@@ -175,23 +161,28 @@ class AutoencoderKLLTX2Video(DiffusersConfigured, TilingMixin, nn.Module):
         if patch_size_t != 1:
             # Diffusers' encoder/decoder widths ignore patch_size_t, so only 1 runs there either.
             raise ValueError(f"AutoencoderKLLTX2Video: patch_size_t must be 1, got {patch_size_t}")
+        owner = self.diffusers_class_name
         n_enc = len(block_out_channels)
         n_dec = len(decoder_block_out_channels)
-        enc_scaling = _per_block("spatio_temporal_scaling", spatio_temporal_scaling, n_enc)
-        dec_scaling = _per_block("decoder_spatio_temporal_scaling", decoder_spatio_temporal_scaling, n_dec)
-        _per_block("layers_per_block", layers_per_block, n_enc + 1)
-        _per_block("decoder_layers_per_block", decoder_layers_per_block, n_dec + 1)
-        _per_block("down_block_types", down_block_types, n_enc)
-        _check_choices("down_block_types", down_block_types, ["LTX2VideoDownBlock3D"])
-        _check_choices(
-            "downsample_type", _per_block("downsample_type", downsample_type, n_enc), list(DOWNSAMPLE_STRIDES)
+        enc_scaling = per_block(owner, "spatio_temporal_scaling", spatio_temporal_scaling, n_enc)
+        dec_scaling = per_block(
+            owner, "decoder_spatio_temporal_scaling", decoder_spatio_temporal_scaling, n_dec
         )
-        _check_choices(
-            "upsample_type", _per_block("upsample_type", upsample_type, n_dec), list(UPSAMPLE_STRIDES)
+        per_block(owner, "layers_per_block", layers_per_block, n_enc + 1)
+        per_block(owner, "decoder_layers_per_block", decoder_layers_per_block, n_dec + 1)
+        down_types = per_block(owner, "down_block_types", down_block_types, n_enc)
+        check_choices(owner, "down_block_types", down_types, ["LTX2VideoDownBlock3D"])
+        downsample_types = per_block(owner, "downsample_type", downsample_type, n_enc)
+        check_choices(owner, "downsample_type", downsample_types, DOWNSAMPLE_STRIDES)
+        check_choices(
+            owner, "upsample_type", per_block(owner, "upsample_type", upsample_type, n_dec), UPSAMPLE_STRIDES
         )
-        _per_block("upsample_factor", upsample_factor, n_dec)
-        _check_choices("encoder_spatial_padding_mode", [encoder_spatial_padding_mode], SPATIAL_PADDING_MODES)
-        _check_choices("decoder_spatial_padding_mode", [decoder_spatial_padding_mode], SPATIAL_PADDING_MODES)
+        per_block(owner, "upsample_factor", upsample_factor, n_dec)
+        for name, mode in (
+            ("encoder_spatial_padding_mode", encoder_spatial_padding_mode),
+            ("decoder_spatial_padding_mode", decoder_spatial_padding_mode),
+        ):
+            check_choices(owner, name, [mode], SPATIAL_PADDING_MODES)
 
         self.encoder = LTX2VideoEncoder3d(
             in_channels=in_channels,
@@ -215,9 +206,9 @@ class AutoencoderKLLTX2Video(DiffusersConfigured, TilingMixin, nn.Module):
             patch_size=patch_size,
             eps=resnet_norm_eps,
             is_causal=decoder_causal,
-            inject_noise=_per_block("decoder_inject_noise", decoder_inject_noise, n_dec + 1),
+            inject_noise=per_block(owner, "decoder_inject_noise", decoder_inject_noise, n_dec + 1),
             timestep_conditioning=timestep_conditioning,
-            upsample_residual=_per_block("upsample_residual", upsample_residual, n_dec),
+            upsample_residual=per_block(owner, "upsample_residual", upsample_residual, n_dec),
             upsample_factor=upsample_factor,
             spatial_padding_mode=decoder_spatial_padding_mode,
         )
@@ -273,9 +264,7 @@ class AutoencoderKLLTX2Video(DiffusersConfigured, TilingMixin, nn.Module):
                 raise ValueError(
                     f"AutoencoderKLLTX2Video.enable_tiling: {name} must be a positive int, got {value!r}"
                 )
-        for name, value in resolved.items():
-            setattr(self, name, value)
-        self.use_tiling = True
+        self._enable_tiling_with(**resolved)
 
     # ---- encode ---------------------------------------------------------------------------------
 
@@ -295,7 +284,7 @@ class AutoencoderKLLTX2Video(DiffusersConfigured, TilingMixin, nn.Module):
         # Diffusers keys temporal tiling of the encoder on `use_framewise_decoding` too.
         if self.use_framewise_decoding and frames > self.tile_sample_min_num_frames:
             return self._temporal_tiled_encode(x, causal)
-        if self.use_tiling and (width > self.tile_sample_min_width or height > self.tile_sample_min_height):
+        if self.tiles_needed(x, self.tile_sample_min_height, self.tile_sample_min_width):
             return self._tiled_encode(x, causal)
         return self.encoder(x, causal)
 
@@ -303,19 +292,8 @@ class AutoencoderKLLTX2Video(DiffusersConfigured, TilingMixin, nn.Module):
         """Encode overlapping spatial tiles; blend their overlaps in latent space."""
         _, _, _, height, width = x.shape
         ratio = self.spatial_compression_ratio
-        tile_h, tile_w = self.tile_sample_min_height, self.tile_sample_min_width
-        stride_h, stride_w = self.tile_sample_stride_height, self.tile_sample_stride_width
-        latent_stride_h, latent_stride_w = stride_h // ratio, stride_w // ratio
-        blend_h = tile_h // ratio - latent_stride_h
-        blend_w = tile_w // ratio - latent_stride_w
-        rows = [
-            [
-                self.encoder(x[:, :, :, i : i + tile_h, j : j + tile_w], causal)
-                for j in tile_starts(width, stride_w)
-            ]
-            for i in tile_starts(height, stride_h)
-        ]
-        moments = stitch_tiles(rows, blend_h, blend_w, latent_stride_h, latent_stride_w)
+        encode = partial(self.encoder, causal=causal)
+        moments = self.run_strided_tiles(encode, x, in_scale=1, out_scale=ratio)
         return moments[:, :, :, : height // ratio, : width // ratio]
 
     def _temporal_tiled_encode(self, x: torch.Tensor, causal: bool | None) -> torch.Tensor:
@@ -325,9 +303,7 @@ class AutoencoderKLLTX2Video(DiffusersConfigured, TilingMixin, nn.Module):
         latent_frames = (frames - 1) // ratio_t + 1
         latent_stride = self.tile_sample_stride_num_frames // ratio_t
         blend = self.tile_sample_min_num_frames // ratio_t - latent_stride
-        spatial = self.use_tiling and (
-            height > self.tile_sample_min_height or width > self.tile_sample_min_width
-        )
+        spatial = self.tiles_needed(x, self.tile_sample_min_height, self.tile_sample_min_width)
         tiles = []
         for n, start in enumerate(tile_starts(frames, self.tile_sample_stride_num_frames)):
             chunk = x[:, :, start : start + self.tile_sample_min_num_frames + 1]
@@ -371,7 +347,7 @@ class AutoencoderKLLTX2Video(DiffusersConfigured, TilingMixin, nn.Module):
             and frames > self.tile_sample_min_num_frames // self.temporal_compression_ratio
         ):
             return self._temporal_tiled_decode(z, temb, causal)
-        if self.use_tiling and self._needs_spatial_tiles(height, width):
+        if self._needs_spatial_tiles(z):
             return self._tiled_decode(z, temb, causal)
         return self.decoder(z, temb, causal)
 
@@ -380,12 +356,10 @@ class AutoencoderKLLTX2Video(DiffusersConfigured, TilingMixin, nn.Module):
         decode_chunk_boundary()
         return self.decoder(z, temb, causal)
 
-    def _needs_spatial_tiles(self, latent_height: int, latent_width: int) -> bool:
+    def _needs_spatial_tiles(self, z: torch.Tensor) -> bool:
+        """Whether tiling is on and the latents `z` are larger than one spatial tile."""
         ratio = self.spatial_compression_ratio
-        return (
-            latent_width > self.tile_sample_min_width // ratio
-            or latent_height > self.tile_sample_min_height // ratio
-        )
+        return self.tiles_needed(z, self.tile_sample_min_height // ratio, self.tile_sample_min_width // ratio)
 
     def _tiled_decode(self, z: torch.Tensor, temb: torch.Tensor | None, causal: bool | None) -> torch.Tensor:
         """Decode overlapping latent tiles; blend their overlaps in pixel space."""
@@ -406,20 +380,8 @@ class AutoencoderKLLTX2Video(DiffusersConfigured, TilingMixin, nn.Module):
                         f"too small for the decoder's reflect padding; change tile_sample_min_{side} / "
                         f"tile_sample_stride_{side}"
                     )
-        rows = [
-            [
-                self._decode_chunk(z[:, :, :, i : i + tile_h, j : j + tile_w], temb, causal)
-                for j in tile_starts(width, stride_w)
-            ]
-            for i in tile_starts(height, stride_h)
-        ]
-        video = stitch_tiles(
-            rows,
-            self.tile_sample_min_height - self.tile_sample_stride_height,
-            self.tile_sample_min_width - self.tile_sample_stride_width,
-            self.tile_sample_stride_height,
-            self.tile_sample_stride_width,
-        )
+        decode = partial(self._decode_chunk, temb=temb, causal=causal)
+        video = self.run_strided_tiles(decode, z, in_scale=ratio, out_scale=1)
         return video[:, :, :, : height * ratio, : width * ratio]
 
     def _temporal_tiled_decode(
@@ -438,7 +400,7 @@ class AutoencoderKLLTX2Video(DiffusersConfigured, TilingMixin, nn.Module):
         tiles = []
         for n, start in enumerate(tile_starts(frames, latent_stride)):
             chunk = z[:, :, start : start + latent_tile + 1]
-            if self.use_tiling and self._needs_spatial_tiles(chunk.shape[-2], chunk.shape[-1]):
+            if self._needs_spatial_tiles(chunk):
                 video = self._tiled_decode(chunk, temb, causal)
             else:
                 video = self._decode_chunk(chunk, temb, causal)

@@ -16,7 +16,9 @@ row-split decode), so the decoder also runs split by rows over several ranks wit
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -176,58 +178,45 @@ class MidBlock2D(nn.Module):
         return self.resnets[1](x)
 
 
-class DownEncoderBlock2D(nn.Module):
-    """`num_layers` resnets, then an optional stride-2 downsample."""
+class ResnetStage(nn.Module):
+    """One level of a VAE encoder or decoder: its resnets in order, then an optional resampler.
 
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        num_layers: int,
-        groups: int,
-        act_fn: str,
-        add_downsample: bool,
-    ) -> None:
+    The resampler is held as Diffusers names it, `<resamplers_name>.0` (`downsamplers.0` in a down block,
+    `upsamplers.0` in an up block), the list None on a level that keeps its size. Extra forward inputs
+    (a causal cache, say) go to every layer.
+    """
+
+    resamplers_name: ClassVar[str]
+
+    def __init__(self, resnets: Iterable[nn.Module], resampler: nn.Module | None) -> None:
         super().__init__()
-        self.resnets = nn.ModuleList(
-            ResnetBlock2D(in_channels if i == 0 else out_channels, out_channels, groups, act_fn)
-            for i in range(num_layers)
-        )
-        self.downsamplers = nn.ModuleList([Downsample2D(out_channels)]) if add_downsample else None
+        self.resnets = nn.ModuleList(resnets)
+        setattr(self, self.resamplers_name, None if resampler is None else nn.ModuleList([resampler]))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *context: Any) -> torch.Tensor:
         for resnet in self.resnets:
-            x = resnet(x)
-        if self.downsamplers is not None:
-            x = self.downsamplers[0](x)
-        return x
+            x = resnet(x, *context)
+        resamplers = getattr(self, self.resamplers_name)
+        return x if resamplers is None else resamplers[0](x, *context)
 
 
-class UpDecoderBlock2D(nn.Module):
-    """`num_layers` resnets, then an optional 2x upsample."""
+def resnet_chain(
+    resnet: Callable[[int, int], nn.Module], in_channels: int, out_channels: int, count: int
+) -> list[nn.Module]:
+    """`count` resnets `resnet(in, out)` from `in_channels` to `out_channels`: the first changes the width."""
+    return [resnet(in_channels if i == 0 else out_channels, out_channels) for i in range(count)]
 
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        num_layers: int,
-        groups: int,
-        act_fn: str,
-        add_upsample: bool,
-    ) -> None:
-        super().__init__()
-        self.resnets = nn.ModuleList(
-            ResnetBlock2D(in_channels if i == 0 else out_channels, out_channels, groups, act_fn)
-            for i in range(num_layers)
-        )
-        self.upsamplers = nn.ModuleList([Upsample2D(out_channels)]) if add_upsample else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for resnet in self.resnets:
-            x = resnet(x)
-        if self.upsamplers is not None:
-            x = self.upsamplers[0](x)
-        return x
+class DownEncoderBlock2D(ResnetStage):
+    """`ResnetBlock2D`s, then an optional stride-2 `Downsample2D`."""
+
+    resamplers_name = "downsamplers"
+
+
+class UpDecoderBlock2D(ResnetStage):
+    """`ResnetBlock2D`s, then an optional 2x `Upsample2D`."""
+
+    resamplers_name = "upsamplers"
 
 
 def _check_block_types(kind: str, types: Sequence[str], supported: tuple[str, ...], n: int) -> None:
@@ -264,14 +253,11 @@ class Encoder(nn.Module):
         )
         widths = list(block_out_channels)
         self.conv_in = HaloConv2d(in_channels, widths[0], kernel_size=3, padding=1)
+        resnet = partial(ResnetBlock2D, groups=norm_num_groups, act_fn=act_fn)
         self.down_blocks = nn.ModuleList(
             DownEncoderBlock2D(
-                in_channels=widths[max(i - 1, 0)],
-                out_channels=width,
-                num_layers=layers_per_block,
-                groups=norm_num_groups,
-                act_fn=act_fn,
-                add_downsample=i < len(widths) - 1,
+                resnet_chain(resnet, widths[max(i - 1, 0)], width, layers_per_block),
+                Downsample2D(width) if i < len(widths) - 1 else None,
             )
             for i, width in enumerate(widths)
         )
@@ -312,14 +298,11 @@ class Decoder(nn.Module):
         widths = list(reversed(block_out_channels))
         self.conv_in = HaloConv2d(latent_channels, widths[0], kernel_size=3, padding=1)
         self.mid_block = MidBlock2D(widths[0], norm_num_groups, act_fn, mid_block_add_attention)
+        resnet = partial(ResnetBlock2D, groups=norm_num_groups, act_fn=act_fn)
         self.up_blocks = nn.ModuleList(
             UpDecoderBlock2D(
-                in_channels=widths[max(i - 1, 0)],
-                out_channels=width,
-                num_layers=layers_per_block + 1,
-                groups=norm_num_groups,
-                act_fn=act_fn,
-                add_upsample=i < len(widths) - 1,
+                resnet_chain(resnet, widths[max(i - 1, 0)], width, layers_per_block + 1),
+                Upsample2D(width) if i < len(widths) - 1 else None,
             )
             for i, width in enumerate(widths)
         )

@@ -52,6 +52,7 @@ values; the channel RMS norms, nearest upsampling and temporal convs are local t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from itertools import pairwise
 from typing import Any, ClassVar
 
@@ -68,13 +69,8 @@ from diffserve.distributed.parallel_vae import (
 )
 from diffserve.layers.attention import attention
 from diffserve.models.vaes.autoencoder_kl import DiagonalGaussian
-from diffserve.models.vaes.tiling import (
-    TilingMixin,
-    decode_chunk_boundary,
-    per_sample,
-    stitch_tiles,
-    tile_starts,
-)
+from diffserve.models.vaes.blocks import ResnetStage, resnet_chain
+from diffserve.models.vaes.tiling import StridedTilingMixin, decode_chunk_boundary, per_sample
 
 #: Frames of input each causal conv keeps for the next chunk: a temporal kernel of 3 needs 2.
 CACHE_FRAMES = 2
@@ -302,24 +298,11 @@ class Downsample(nn.Module):
         return self.time_conv(torch.cat([previous, x], dim=2))
 
 
-class UpBlock(nn.Module):
-    """`num_res_blocks + 1` residual blocks, then an optional `Upsample` (which halves the width)."""
+class UpBlock(ResnetStage):
+    """`num_res_blocks + 1` residual blocks, then an optional `Upsample` (which halves the width); its
+    forward takes the clip's `CausalCache` after the input."""
 
-    def __init__(self, in_dim: int, out_dim: int, num_res_blocks: int, upsample: str | None) -> None:
-        super().__init__()
-        self.resnets = nn.ModuleList(
-            ResidualBlock(in_dim if i == 0 else out_dim, out_dim) for i in range(num_res_blocks + 1)
-        )
-        self.upsamplers = (
-            None if upsample is None else nn.ModuleList([Upsample(out_dim, temporal=upsample == "temporal")])
-        )
-
-    def forward(self, x: torch.Tensor, cache: CausalCache) -> torch.Tensor:
-        for resnet in self.resnets:
-            x = resnet(x, cache)
-        if self.upsamplers is not None:
-            x = self.upsamplers[0](x, cache)
-        return x
+    resamplers_name = "upsamplers"
 
 
 class SpaceTimeToChannels(nn.Module):
@@ -380,9 +363,7 @@ class ResidualDownBlock(nn.Module):
         self.avg_shortcut = SpaceTimeToChannels(
             in_dim, out_dim, factor_t=2 if temporal else 1, factor_s=2 if downsample else 1
         )
-        self.resnets = nn.ModuleList(
-            ResidualBlock(in_dim if i == 0 else out_dim, out_dim) for i in range(num_res_blocks)
-        )
+        self.resnets = nn.ModuleList(resnet_chain(ResidualBlock, in_dim, out_dim, num_res_blocks))
         self.downsampler = Downsample(out_dim, temporal=temporal) if downsample else None
 
     def forward(self, x: torch.Tensor, cache: CausalCache) -> torch.Tensor:
@@ -407,9 +388,7 @@ class ResidualUpBlock(nn.Module):
             if upsample
             else None
         )
-        self.resnets = nn.ModuleList(
-            ResidualBlock(in_dim if i == 0 else out_dim, out_dim) for i in range(num_res_blocks + 1)
-        )
+        self.resnets = nn.ModuleList(resnet_chain(ResidualBlock, in_dim, out_dim, num_res_blocks + 1))
         self.upsampler = Upsample(out_dim, temporal=temporal, out_dim=out_dim) if upsample else None
 
     def forward(self, x: torch.Tensor, cache: CausalCache) -> torch.Tensor:
@@ -507,10 +486,9 @@ class Decoder3d(nn.Module):
                 continue
             if level > 0:
                 in_dim //= 2
-            upsample = None
-            if level != len(dim_mult) - 1:
-                upsample = "temporal" if temporal_upsample[level] else "spatial"
-            blocks.append(UpBlock(in_dim, out_dim, num_res_blocks, upsample))
+            resnets = resnet_chain(ResidualBlock, in_dim, out_dim, num_res_blocks + 1)
+            upsampler = Upsample(out_dim, temporal=temporal_upsample[level]) if level != last else None
+            blocks.append(UpBlock(resnets, upsampler))
         self.up_blocks = nn.ModuleList(blocks)
         self.norm_out = ChannelRMSNorm(dims[-1], spatial_dims=3)
         self.conv_out = CausalConv3d(dims[-1], out_channels, 3, padding=1)
@@ -555,7 +533,7 @@ def unpatchify(x: torch.Tensor, patch: int) -> torch.Tensor:
     return x.reshape(b, cp // (patch * patch), t, h * patch, w * patch)
 
 
-class CausalVideoVAE(TilingMixin, nn.Module):
+class CausalVideoVAE(StridedTilingMixin, nn.Module):
     """The Wan 2.1 network, or with `residual` and `patch_size` Wan 2.2's; subclasses map their Diffusers
     config onto it and set `config`."""
 
@@ -632,21 +610,6 @@ class CausalVideoVAE(TilingMixin, nn.Module):
         """Frames per latent frame after the first one (4 for the released VAEs): T = 1 + ratio * (t - 1)."""
         return 2**self._temporal_downsamplings
 
-    def enable_tiling(
-        self,
-        tile_sample_min_height: int | None = None,
-        tile_sample_min_width: int | None = None,
-        tile_sample_stride_height: int | None = None,
-        tile_sample_stride_width: int | None = None,
-    ) -> None:
-        """Encode / decode frames larger than a tile in overlapping spatial tiles (Diffusers' parameters, in
-        pixels: tiles of `tile_sample_min_*`, one every `tile_sample_stride_*`); None keeps the current value."""
-        self.use_tiling = True
-        self.tile_sample_min_height = tile_sample_min_height or self.tile_sample_min_height
-        self.tile_sample_min_width = tile_sample_min_width or self.tile_sample_min_width
-        self.tile_sample_stride_height = tile_sample_stride_height or self.tile_sample_stride_height
-        self.tile_sample_stride_width = tile_sample_stride_width or self.tile_sample_stride_width
-
     def encode(self, x: torch.Tensor) -> DiagonalGaussian:
         """Video (B, C, T, H, W) in [-1, 1] -> posterior over unnormalised latents (B, z_dim, t, H/8, W/8).
 
@@ -660,8 +623,7 @@ class CausalVideoVAE(TilingMixin, nn.Module):
     def _encode_moments(self, x: torch.Tensor) -> torch.Tensor:
         if self.patch_size is not None:
             x = patchify(x, self.patch_size)
-        height, width = x.shape[-2:]
-        if self.use_tiling and (width > self.tile_sample_min_width or height > self.tile_sample_min_height):
+        if self.tiles_needed(x, self.tile_sample_min_height, self.tile_sample_min_width):
             return self._tiled_encode(x)
         return self.quant_conv(self._encode_chunks(x))
 
@@ -679,23 +641,8 @@ class CausalVideoVAE(TilingMixin, nn.Module):
         """Moments of (patchified) `x` from overlapping pixel tiles, blended in latents (Diffusers' tiled_encode)."""
         height, width = x.shape[-2:]
         ratio = self.spatial_compression_ratio // (self.patch_size or 1)  # of the patchified input
-        min_h, min_w = self.tile_sample_min_height, self.tile_sample_min_width
-        latent_stride_h = self.tile_sample_stride_height // ratio
-        latent_stride_w = self.tile_sample_stride_width // ratio
-        rows = [
-            [
-                self._encode_chunks(x[:, :, :, i : i + min_h, j : j + min_w], quant_each=True)
-                for j in tile_starts(width, self.tile_sample_stride_width)
-            ]
-            for i in tile_starts(height, self.tile_sample_stride_height)
-        ]
-        moments = stitch_tiles(
-            rows,
-            blend_height=min_h // ratio - latent_stride_h,
-            blend_width=min_w // ratio - latent_stride_w,
-            keep_height=latent_stride_h,
-            keep_width=latent_stride_w,
-        )
+        encode = partial(self._encode_chunks, quant_each=True)
+        moments = self.run_strided_tiles(encode, x, in_scale=1, out_scale=ratio)
         return moments[..., : height // ratio, : width // ratio]
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
@@ -705,10 +652,11 @@ class CausalVideoVAE(TilingMixin, nn.Module):
         return per_sample(self._decode_clip, z, self.use_slicing)
 
     def _decode_clip(self, z: torch.Tensor) -> torch.Tensor:
-        height, width = z.shape[-2:]
         ratio = self.spatial_compression_ratio
-        tiled = width > self.tile_sample_min_width // ratio or height > self.tile_sample_min_height // ratio
-        video = self._tiled_decode(z) if self.use_tiling and tiled else self._decode_frames(z)
+        tiled = self.tiles_needed(
+            z, self.tile_sample_min_height // ratio, self.tile_sample_min_width // ratio
+        )
+        video = self._tiled_decode(z) if tiled else self._decode_frames(z)
         if self.patch_size is not None:
             video = unpatchify(video, self.patch_size)
         return video.clamp_(-1.0, 1.0)
@@ -729,21 +677,5 @@ class CausalVideoVAE(TilingMixin, nn.Module):
         and clamp, so its sizes count patchified pixels."""
         height, width = z.shape[-2:]
         ratio, patch = self.spatial_compression_ratio, self.patch_size or 1
-        latent_min_h = self.tile_sample_min_height // ratio
-        latent_min_w = self.tile_sample_min_width // ratio
-        stride_h, stride_w = self.tile_sample_stride_height // patch, self.tile_sample_stride_width // patch
-        rows = [
-            [
-                self._decode_frames(z[:, :, :, i : i + latent_min_h, j : j + latent_min_w])
-                for j in tile_starts(width, self.tile_sample_stride_width // ratio)
-            ]
-            for i in tile_starts(height, self.tile_sample_stride_height // ratio)
-        ]
-        video = stitch_tiles(
-            rows,
-            blend_height=self.tile_sample_min_height // patch - stride_h,
-            blend_width=self.tile_sample_min_width // patch - stride_w,
-            keep_height=stride_h,
-            keep_width=stride_w,
-        )
+        video = self.run_strided_tiles(self._decode_frames, z, in_scale=ratio, out_scale=patch)
         return video[..., : height * ratio // patch, : width * ratio // patch]

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.models.vaes.blocks import ResnetStage, resnet_chain
 from diffserve.models.vaes.causal3d_blocks import ChannelRMSNorm
 from diffserve.models.vaes.tiling import decode_chunk_boundary
 
@@ -211,62 +212,16 @@ class Upsample(nn.Module):
         return h + shortcut
 
 
-class DownBlock(nn.Module):
-    """`num_layers` resnets, then an optional `Downsample` to `downsample_channels`."""
+class DownBlock(ResnetStage):
+    """`ResnetBlock`s, then an optional `Downsample`."""
 
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        num_layers: int,
-        downsample_channels: int | None,
-        temporal: bool,
-    ) -> None:
-        super().__init__()
-        self.resnets = nn.ModuleList(
-            ResnetBlock(in_channels if i == 0 else out_channels, out_channels) for i in range(num_layers)
-        )
-        self.downsamplers = (
-            None
-            if downsample_channels is None
-            else nn.ModuleList([Downsample(out_channels, downsample_channels, temporal)])
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for resnet in self.resnets:
-            x = resnet(x)
-        if self.downsamplers is not None:
-            x = self.downsamplers[0](x)
-        return x
+    resamplers_name = "downsamplers"
 
 
-class UpBlock(nn.Module):
-    """`num_layers` resnets, then an optional `Upsample` to `upsample_channels`."""
+class UpBlock(ResnetStage):
+    """`ResnetBlock`s, then an optional `Upsample`."""
 
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        num_layers: int,
-        upsample_channels: int | None,
-        temporal: bool,
-    ) -> None:
-        super().__init__()
-        self.resnets = nn.ModuleList(
-            ResnetBlock(in_channels if i == 0 else out_channels, out_channels) for i in range(num_layers)
-        )
-        self.upsamplers = (
-            None
-            if upsample_channels is None
-            else nn.ModuleList([Upsample(out_channels, upsample_channels, temporal)])
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for resnet in self.resnets:
-            x = resnet(x)
-        if self.upsamplers is not None:
-            x = self.upsamplers[0](x)
-        return x
+    resamplers_name = "upsamplers"
 
 
 def resampling_levels(spatial_compression_ratio: int, temporal_compression_ratio: int) -> tuple[int, int]:
@@ -331,7 +286,10 @@ class Encoder3D(nn.Module):
             if i < spatial_levels:
                 down_to = block_out_channels[i + 1] if downsample_match_channel else width
             temporal = spatial_levels - temporal_levels <= i < spatial_levels
-            blocks.append(DownBlock(channels, width, layers_per_block, down_to, temporal))
+            resnets = resnet_chain(ResnetBlock, channels, width, layers_per_block)
+            blocks.append(
+                DownBlock(resnets, None if down_to is None else Downsample(width, down_to, temporal))
+            )
             channels = width if down_to is None else down_to
         self.down_blocks = nn.ModuleList(blocks)
         self.mid_block = MidBlock(block_out_channels[-1])
@@ -391,7 +349,9 @@ class Decoder3D(nn.Module):
             up_to = None
             if i < spatial_levels:  # temporal levels are a subset (temporal <= spatial ratio)
                 up_to = block_out_channels[i + 1] if upsample_match_channel else width
-            blocks.append(UpBlock(channels, width, layers_per_block + 1, up_to, i < temporal_levels))
+            resnets = resnet_chain(ResnetBlock, channels, width, layers_per_block + 1)
+            upsampler = None if up_to is None else Upsample(width, up_to, i < temporal_levels)
+            blocks.append(UpBlock(resnets, upsampler))
             channels = width if up_to is None else up_to
         self.up_blocks = nn.ModuleList(blocks)
         self.norm_out = ChannelRMSNorm(block_out_channels[-1], spatial_dims=3)

@@ -120,6 +120,39 @@ def stitch_tiles(
     return torch.cat(stitched_rows, dim=ROWS_DIM)
 
 
+def run_tiles(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    tile: tuple[int, int],
+    stride: tuple[int, int],
+    blend: tuple[int, int],
+    keep: tuple[int, int],
+) -> torch.Tensor:
+    """`fn` on every tile of `x`'s last two dims and the outputs stitched: (rows, columns) tiles of `tile`
+    starting every `stride` (`tile_starts`), run in row-major order, then `stitch_tiles` with `blend` output
+    rows / columns cross-faded and `keep` kept per tile. Not cropped."""
+    rows = [
+        [fn(x[..., i : i + tile[0], j : j + tile[1]]) for j in tile_starts(x.shape[-1], stride[1])]
+        for i in tile_starts(x.shape[-2], stride[0])
+    ]
+    return stitch_tiles(rows, *blend, *keep)
+
+
+def run_overlapping_tiles(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    tile: tuple[int, int],
+    out_tile: tuple[int, int],
+    overlap: float,
+) -> torch.Tensor:
+    """`run_tiles` with Diffusers' overlap-factor parameters (AutoencoderKL, HunyuanVideo-1.5): tiles of
+    `tile` start every `int(tile * (1 - overlap))`; of each output (`out_tile`), `int(out_tile * overlap)`
+    rows / columns are cross-faded and the rest kept. Not cropped (Diffusers does not crop either)."""
+    stride = (int(tile[0] * (1 - overlap)), int(tile[1] * (1 - overlap)))
+    blend = (int(out_tile[0] * overlap), int(out_tile[1] * overlap))
+    return run_tiles(fn, x, tile, stride, blend, (out_tile[0] - blend[0], out_tile[1] - blend[1]))
+
+
 def per_sample(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, sliced: bool) -> torch.Tensor:
     """`fn(x)`, or with `sliced` and a batch of more than one, `fn` on each batch element concatenated
     (Diffusers' slicing: the same result, one element's activations at a time). Each element is a decode
@@ -145,6 +178,18 @@ class TilingMixin:
     use_tiling: bool = False
     use_slicing: bool = False
 
+    def tiles_needed(self, x: torch.Tensor, tile_height: int, tile_width: int) -> bool:
+        """Whether tiling is on and `x` (..., H, W) is larger than one `tile_height x tile_width` tile."""
+        return self.use_tiling and (x.shape[-1] > tile_width or x.shape[-2] > tile_height)
+
+    def _enable_tiling_with(self, **tile_params: float | None) -> None:
+        """Turn tiling on, setting each tile parameter given: None (or 0, as in Diffusers) keeps the
+        current value."""
+        for name, value in tile_params.items():
+            if value:
+                setattr(self, name, value)
+        self.use_tiling = True
+
     def disable_tiling(self) -> None:
         """Decode (and encode) the whole frame in one go again; the tile parameters are kept."""
         self.use_tiling = False
@@ -156,3 +201,47 @@ class TilingMixin:
     def disable_slicing(self) -> None:
         """Encode / decode the whole batch at once."""
         self.use_slicing = False
+
+
+class StridedTilingMixin(TilingMixin):
+    """`TilingMixin` for the VAEs whose Diffusers tile parameters are pixel sizes and strides (DC-AE, Wan,
+    Qwen-Image, LTX-2): tiles of `tile_sample_min_height x _width` pixels every `tile_sample_stride_*`
+    pixels, which `run_strided_tiles` cuts in the input's units and stitches in the output's."""
+
+    tile_sample_min_height: int
+    tile_sample_min_width: int
+    tile_sample_stride_height: int
+    tile_sample_stride_width: int
+
+    def enable_tiling(
+        self,
+        tile_sample_min_height: int | None = None,
+        tile_sample_min_width: int | None = None,
+        tile_sample_stride_height: int | None = None,
+        tile_sample_stride_width: int | None = None,
+    ) -> None:
+        """Encode / decode frames larger than a tile in overlapping tiles (Diffusers' parameters, in pixels:
+        tiles of `tile_sample_min_*`, one every `tile_sample_stride_*`); None keeps the current value."""
+        self._enable_tiling_with(
+            tile_sample_min_height=tile_sample_min_height,
+            tile_sample_min_width=tile_sample_min_width,
+            tile_sample_stride_height=tile_sample_stride_height,
+            tile_sample_stride_width=tile_sample_stride_width,
+        )
+
+    def run_strided_tiles(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, in_scale: int, out_scale: int
+    ) -> torch.Tensor:
+        """`run_tiles` over this VAE's tiles: the input has `in_scale` pixels per unit (1 for pixels, the
+        compression ratio for latents), the output `out_scale`; each output tile keeps one stride and
+        blends the rest of the tile, each rounded down to output units. Not cropped."""
+        tile_h, tile_w = self.tile_sample_min_height, self.tile_sample_min_width
+        stride_h, stride_w = self.tile_sample_stride_height, self.tile_sample_stride_width
+        return run_tiles(
+            fn,
+            x,
+            (tile_h // in_scale, tile_w // in_scale),
+            (stride_h // in_scale, stride_w // in_scale),
+            (tile_h // out_scale - stride_h // out_scale, tile_w // out_scale - stride_w // out_scale),
+            (stride_h // out_scale, stride_w // out_scale),
+        )
