@@ -1,6 +1,7 @@
 """`diffserve serve --num-gpus 2` (Ulysses 2 on the CPU: two rank processes over gloo): the openai SDK
 gets the same image as from a one-rank server, and a rank process that dies makes the engine exit, so
-the front end answers 503 and restarts it with new ranks, instead of hanging in a collective."""
+the front end answers 503 and restarts it with new ranks, instead of hanging in a collective. Ctrl-C
+then stops every rank in order: no gloo "Connection closed by peer ... GLHF!" (issue 31 item 8)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ import time
 import httpx
 import numpy as np
 import openai
+import psutil
 import pytest
 from PIL import Image
 from server_process import start_server
 
 BODY = dict(prompt="a red fox", size="64x64", extra_body={"seed": 3, "num_inference_steps": 3})
+#: What gloo prints when a peer's sockets close under a collective, and what a dying rank prints.
+NOISE = ("GLHF", "Connection closed by peer", "Connection reset by peer", "Traceback")
 
 
 def pixels(result) -> np.ndarray:
@@ -64,6 +68,15 @@ def test_two_ranks_serve_the_same_image_and_a_dead_rank_restarts_the_engine(
         new_workers = info["parallel"]["worker_pids"]
         assert info["restarts"] == 1 and len(new_workers) == 1 and new_workers != parallel["worker_pids"]
         assert np.abs(pixels(client(srv).images.generate(**BODY)) - one_rank_pixels).max() <= 1
+
+        # Ctrl-C as a terminal sends it: SIGINT to every process of the server (front end, engine, rank).
+        before = len(srv.log())
+        front_end = psutil.Process(srv.process.pid)
+        for process in (front_end, *front_end.children(recursive=True)):
+            process.send_signal(signal.SIGINT)
+        assert srv.process.wait(60) == 130
+        after = srv.log()[before:]
+        assert "Engine stopped" in after and not [noise for noise in NOISE if noise in after], after
     finally:
         stop(srv)
     time.sleep(1)

@@ -117,31 +117,38 @@ class RemoteJob:
             return False
         return failure is None or failure.kind == "died" or failure.code in _NOT_READY_CODES
 
-    async def start(self) -> msg.JobAccepted:
-        """Send the job until a replica accepts it; raises the engine's refusal (or EngineDiedError)."""
+    async def _open(self) -> tuple[Any, Any]:
+        """Send the job until a replica answers it as a replica that can run it: (its stream, its first
+        message after `Placed`). Raises the engine's refusal, or EngineDiedError once no replica is left
+        to try (`_may_send_again`)."""
         while True:
             self.sends += 1
             stream = self._stream = self.owner.send(for_replica(self.job))
             try:
                 first = await self._next(stream)
             except RayError as exc:
-                if self._may_send_again(None):
-                    logger.warning("Request %s: %s; sending it again", self.request_id, self._lost(exc))
-                    continue
-                raise self._lost(exc) from None
+                if not self._may_send_again(None):
+                    raise self._lost(exc) from None
+                logger.warning("Request %s: %s; sending it again", self.request_id, self._lost(exc))
+                continue
             if isinstance(first, ReplicaFailure):
-                if self._may_send_again(first):
-                    logger.warning("Request %s: replica %s: %s; sending it again", self.request_id, self.replica_id, first.message)  # fmt: skip
-                    continue
-                raise first.error()
-            if not isinstance(first, msg.JobAccepted):
-                raise RuntimeError(f"replica {self.replica_id} answered a job with {type(first).__name__}")
-            self.accepted = first
-            # Sent again, the job keeps the seed it was accepted with (what a video job's record shows).
-            params = dataclasses.replace(self.job.params, seed=first.params.seed)
-            self.job = dataclasses.replace(self.job, params=params)
-            self._task = asyncio.get_running_loop().create_task(self._follow(stream))
-            return first
+                if not self._may_send_again(first):
+                    raise first.error()
+                logger.warning("Request %s: replica %s: %s; sending it again", self.request_id, self.replica_id, first.message)  # fmt: skip
+                continue
+            return stream, first
+
+    async def start(self) -> msg.JobAccepted:
+        """Send the job until a replica accepts it; raises the engine's refusal (or EngineDiedError)."""
+        stream, first = await self._open()
+        if not isinstance(first, msg.JobAccepted):
+            raise RuntimeError(f"replica {self.replica_id} answered a job with {type(first).__name__}")
+        self.accepted = first
+        # Sent again, the job keeps the seed it was accepted with (what a video job's record shows).
+        params = dataclasses.replace(self.job.params, seed=first.params.seed)
+        self.job = dataclasses.replace(self.job, params=params)
+        self._task = asyncio.get_running_loop().create_task(self._follow(stream))
+        return first
 
     async def _next(self, stream: Any) -> Any:
         """The stream's first message after `Placed` (which names the replica)."""
@@ -157,18 +164,19 @@ class RemoteJob:
             while True:
                 try:
                     final = await self._events(stream)
-                except RayError as exc:
-                    final = None
+                except RayError as exc:  # the replica was lost
                     if not self._may_send_again(None):
                         self._fail(self._lost(exc))
                         return
                     logger.warning("Request %s: %s; sending it again", self.request_id, self._lost(exc))
-                if isinstance(final, ReplicaFailure) and not self._may_send_again(final):
-                    self._fail(final.error())
-                    return
-                if final is not None and not isinstance(final, ReplicaFailure):
-                    self._finish(await asyncio.to_thread(self._keep, final))
-                    return
+                else:
+                    if not isinstance(final, ReplicaFailure):
+                        self._finish(await asyncio.to_thread(self._keep, final))
+                        return
+                    if not self._may_send_again(final):
+                        self._fail(final.error())
+                        return
+                    logger.warning("Request %s: replica %s: %s; sending it again", self.request_id, self.replica_id, final.message)  # fmt: skip
                 stream = await self._send_again()
                 if stream is None:
                     return
@@ -183,27 +191,19 @@ class RemoteJob:
                 callback(self)
 
     async def _send_again(self) -> Any:
-        """The stream of the job sent to another replica, past its JobAccepted; None when that failed."""
-        self.sends += 1
-        stream = self._stream = self.owner.send(for_replica(self.job))
+        """The stream of the job sent to another replica, past its JobAccepted; None when that failed
+        (the outcome then says why)."""
         try:
-            first = await self._next(stream)
-        except RayError as exc:
-            if self._may_send_again(None):
-                return await self._send_again()
-            self._fail(self._lost(exc))
-            return None
-        if isinstance(first, ReplicaFailure):
-            if self._may_send_again(first):
-                return await self._send_again()
-            self._fail(first.error())
+            stream, _ = await self._open()
+        except Exception as exc:
+            self._fail(exc)
             return None
         logger.info("Request %s: now on replica %s (node %s)", self.request_id, self.replica_id, self.node_id)
         return stream
 
     async def _events(self, stream: Any) -> Any:
-        """Pass the job's events to its listener; the final message (a result or a failure), or None
-        when the stream ended without one."""
+        """Pass the job's events to its listener; the final message (a result or a failure). A stream
+        that ends without one raises RayError, as a lost replica's does."""
         async for item in stream:
             if isinstance(item, (msg.JobStarted, msg.JobProgress, msg.JobPreview)):
                 self.started = self.started or isinstance(item, msg.JobStarted)
@@ -238,6 +238,7 @@ class RemoteJob:
 
     def abandon(self, error: BaseException) -> None:
         """Stop following (the server stops): the stream is dropped, which cancels the job there."""
+        self.outcome.add_done_callback(lambda done: done.cancelled() or done.exception())  # maybe unread
         self._fail(error)
         if self._stream is not None:
             self._stream.cancel()

@@ -9,8 +9,8 @@ replica's health check, and Ray Serve replaces the replica.
 
 Methods (called by the ingress through the deployment's handle, engines.py):
 - `submit(job, loras)`: a streaming call (`handle.options(stream=True)`): `Placed`, then the engine's
-  messages for the job (JobAccepted, JobStarted, JobProgress, JobPreview), then its JobFinished (a video's
-  MP4 as `FinishedVideo`) or a `ReplicaFailure` (messages.py). The replica first catches up with the
+  messages for the job (JobAccepted, JobStarted, JobPreview, and a video job's JobProgress), then its
+  JobFinished (a video's MP4 as `FinishedVideo`) or a `ReplicaFailure` (messages.py). The replica first catches up with the
   LoRA log the job carries (lora_log.py). The call cancelled (client gone) cancels the job in the engine.
 - `cancel`, `load_lora`, `unload_lora`, `list_loras`, `info`: targeted at one replica with `replica_id`
   (router.py), which the replica checks is its own.
@@ -121,11 +121,15 @@ class EngineReplica:
             return job
         return dataclasses.replace(job, video_path=str(self.workdir / "videos" / Path(job.video_path).name))
 
-    def _on_event(self, load: JobLoad, events: asyncio.Queue, message: Any) -> None:
-        if isinstance(message, msg.JobProgress) and message.phase == "denoising":
-            load.total, load.done = message.total, message.step
-        elif isinstance(message, msg.JobProgress):
-            load.done = load.total
+    def _on_event(self, load: JobLoad, events: asyncio.Queue, job: msg.GenerateJob, message: Any) -> None:
+        """The engine's message about a job in flight: progress counts its waiting steps here, and is
+        passed on only for a video job (its record shows it; an image route has no use for it, and every
+        message streamed to the ingress costs a round of Ray's)."""
+        if isinstance(message, msg.JobProgress):
+            load.total = message.total if message.phase == "denoising" else load.total
+            load.done = message.step if message.phase == "denoising" else load.total
+            if job.video_path is None:
+                return
         events.put_nowait(message)
 
     async def submit(self, job: msg.GenerateJob, loras: LoraLog | None = None) -> AsyncIterator[Any]:
@@ -138,7 +142,9 @@ class EngineReplica:
                 if loras is not None:
                     await self._catch_up(loras)
                 local = self._local(job)
-                accepted, outcome = await self.client.submit(local, lambda m: self._on_event(load, events, m))
+                accepted, outcome = await self.client.submit(
+                    local, lambda m: self._on_event(load, events, job, m)
+                )
             except Exception as exc:
                 yield ReplicaFailure.of(exc)
                 return

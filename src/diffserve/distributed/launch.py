@@ -9,7 +9,8 @@ several nodes. Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT se
 each torchrun process is its rank (`is_follower` tells the others apart from rank 0).
 
 Workers never outlive their parent: each watches a pipe from it (EOF when the parent dies, however it
-dies) and its parent pid (`worker.watch_parent`), and exits at once. `RankGroup.close()` (idempotent;
+dies) and its parent pid (`worker.watch_parent`), and exits at once. They ignore Ctrl-C: rank 0 takes it
+between two ops and stops them with "stop" (`interrupts.py`). `RankGroup.close()` (idempotent;
 `DiffGenerator.close()`) stops and joins them, and an atexit hook calls it as a backstop.
 A worker that dies makes rank 0 fail fast: its exit is checked before every op, a collective with a dead
 gloo peer raises at once, and every wait is bounded by `--dist-timeout` otherwise.
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from diffserve.distributed.config import ParallelConfig
+from diffserve.distributed.interrupts import hold_interrupts, ignore_interrupts
 from diffserve.distributed.state import ParallelState, build_parallel_state
 from diffserve.distributed.worker import STOP, RankArgs, RankSpec, ServeRank, run_rank, worker_main
 from diffserve.platforms.base import Platform
@@ -130,7 +132,8 @@ class RankGroup:
         assert self.state is not None
         statuses: list[str | None] = [None] * self.state.world_size
         try:
-            dist.gather_object(status, statuses, dst=0, group=self.state.cpu_group)
+            with hold_interrupts():  # a Ctrl-C waits for every rank's answer (the ready exchange's too)
+                dist.gather_object(status, statuses, dst=0, group=self.state.cpu_group)
         except Exception as exc:
             self._channel_broke(exc)
         return statuses
@@ -225,7 +228,8 @@ def _spawn_local(
             name=f"diffserve-rank-{rank}",
             daemon=True,
         )
-        process.start()
+        with ignore_interrupts():  # inherited: the worker ignores Ctrl-C from its first instruction
+            process.start()
         watched.close()  # the child has its copy; ours would keep the pipe open after we die
         started.append((process, kept))
     return started

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -33,6 +34,12 @@ STOP = "stop"
 IDLE_CONTROL_TIMEOUT = timedelta(days=365)
 #: Seconds between a worker's checks that its parent process is still there.
 WATCHDOG_POLL_S = 0.5
+#: Seconds a worker whose op or control message failed waits for its pipe from rank 0 to close, before it
+#: reports the failure: rank 0's exit closes its sockets and the pipe together, a moment apart.
+RANK0_EXIT_WAIT_S = 0.5
+
+#: The read end of the pipe from this worker's parent (rank 0 of its node), once `watch_parent` runs.
+_parent_link: Connection | None = None
 
 
 class RankArgs(Protocol):
@@ -80,6 +87,8 @@ def send_status(state: ParallelState, status: str | None) -> None:
 def watch_parent(connection: Connection, parent_pid: int) -> None:
     """Exit this process at once when the parent is gone: its end of `connection` closes (EOF) or this
     process is re-parented (`os.getppid()` changes). A daemon thread: it never blocks an exit."""
+    global _parent_link
+    _parent_link = connection
 
     def watch() -> None:
         while True:
@@ -94,18 +103,42 @@ def watch_parent(connection: Connection, parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
+def exit_if_rank0_gone(wait_s: float = RANK0_EXIT_WAIT_S) -> None:
+    """Exit this worker at once, without a word, when its parent (rank 0) has exited: its pipe closes
+    within `wait_s`. Called before a failed op or control message is reported: with rank 0 gone (killed
+    by a second Ctrl-C, terminated while the server was still loading, crashed) the failure is only
+    gloo's broken link to it ("Connection closed by peer ... GLHF!"), the worker has nobody left to
+    report to, and rank 0's owner already says why it stopped. Nothing happens while rank 0 lives (nor in
+    a process that no parent pipe watches: torchrun's ranks, other nodes' first ranks)."""
+    if _parent_link is None:
+        return
+    try:
+        closed = _parent_link.poll(wait_s)  # the parent never sends: readable means EOF
+    except OSError:
+        closed = True
+    if closed:
+        os._exit(1)
+
+
 def worker_main(spec: RankSpec, connection: Connection | None, parent_pid: int) -> None:
     """Target of a spawned worker process. After rank 0's STOP it has left the process group and exits at
     once: the interpreter's teardown (seconds with torch loaded) outlasted rank 0's wait on a loaded
-    machine, so a clean Ctrl-C ended in terminated ranks and gloo's "Connection closed by peer". tqdm gets
-    a thread lock: its default is a named semaphore that `os._exit` would leave behind (the resource
-    tracker's "leaked semaphore" warning). A failure still raises (its traceback, exit code 1)."""
+    machine, so a clean Ctrl-C ended in terminated ranks and gloo's "Connection closed by peer". SIGINT
+    is ignored: a terminal's Ctrl-C reaches every rank, and rank 0 alone decides how they stop
+    (`interrupts.hold_interrupts`). tqdm gets a thread lock: its default is a named semaphore that
+    `os._exit` would leave behind (the resource tracker's "leaked semaphore" warning). A failure still
+    raises (its traceback, exit code 1), unless rank 0 is gone (`exit_if_rank0_gone`)."""
     import tqdm
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     tqdm.tqdm.set_lock(threading.RLock())
     if connection is not None:
         watch_parent(connection, parent_pid)
-    run_rank(spec)
+    try:
+        run_rank(spec)
+    except Exception:
+        exit_if_rank0_gone()
+        raise
     from multiprocessing import util
 
     util._run_finalizers(0)  # what the skipped teardown would run first: this process's semaphores unlinked

@@ -31,9 +31,16 @@ from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 from diffserve.configs.sampling_params import SamplingParams
+from diffserve.distributed.interrupts import hold_interrupts
 from diffserve.distributed.launch import RankFailedError, RankGroup
 from diffserve.distributed.state import ParallelState
-from diffserve.distributed.worker import STOP, describe_error, receive_message, send_status
+from diffserve.distributed.worker import (
+    STOP,
+    describe_error,
+    exit_if_rank0_gone,
+    receive_message,
+    send_status,
+)
 from diffserve.layers.attention import AttentionBackend
 from diffserve.platforms.base import Platform
 from diffserve.request import Req
@@ -112,14 +119,17 @@ class DistributedRunner(ModelRunner):
 
     def _run(self, op: Op, run_here: Callable[[], T]) -> T:
         """Broadcast `op`, run it here, gather the ranks' statuses; raise rank 0's own error, else the
-        first other rank's as RankFailedError, else return rank 0's result."""
-        self.ranks.broadcast(op)
-        try:
-            result = run_here()
-        except Exception as exc:
-            self.ranks.gather(describe_error(exc))  # the workers report too, whatever they did
-            raise
-        failed = [(rank, status) for rank, status in enumerate(self.ranks.gather(None)) if status is not None]
+        first other rank's as RankFailedError, else return rank 0's result. A Ctrl-C meanwhile waits for
+        the op's end (`hold_interrupts`): every rank is then between two ops, and can be told to stop."""
+        with hold_interrupts():
+            self.ranks.broadcast(op)
+            try:
+                result = run_here()
+            except Exception as exc:
+                self.ranks.gather(describe_error(exc))  # the workers report too, whatever they did
+                raise
+            statuses = self.ranks.gather(None)
+        failed = [(rank, status) for rank, status in enumerate(statuses) if status is not None]
         if failed:
             rank, status = failed[0]
             raise RankFailedError(f"rank {rank} failed in {op.kind}: {status}")
@@ -149,6 +159,7 @@ class OpFollower:
             self._injected_failure(op)
             self._run(op)
         except Exception as exc:
+            exit_if_rank0_gone()  # a collective that failed because rank 0 exited: nobody to report to
             logger.exception("op %s on requests %s failed", op.kind, ", ".join(op.request_ids))
             return describe_error(exc)
         return None

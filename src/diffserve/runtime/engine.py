@@ -159,8 +159,9 @@ class Engine:
     def cost(self, req: Req) -> RequestCost:
         return request_cost(self.pipeline.facts, req)
 
-    def enqueue(self, sr: ScheduledRequest) -> ScheduledRequest:
-        return self.scheduler.add(sr)
+    def enqueue(self, sr: ScheduledRequest, seq: int | None = None) -> ScheduledRequest:
+        """Queue a `prepare`d request; `seq`: its arrival number (`StepScheduler.reserve_seq`), else now."""
+        return self.scheduler.add(sr, seq)
 
     def submit(self, req: Req, priority: int = 0, payload: object | None = None) -> ScheduledRequest:
         return self.enqueue(self.prepare(req, priority, payload))

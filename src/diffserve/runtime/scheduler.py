@@ -88,9 +88,17 @@ class StepScheduler:
         self.batch_size_counts: Counter[int] = Counter()
         self.max_running_seen = 0
 
-    def add(self, sr: ScheduledRequest) -> ScheduledRequest:
+    def reserve_seq(self) -> int:
+        """An arrival number for a request `add`ed later: the server's engine numbers a job when it
+        receives it, then admits it on another thread, so it keeps its place among equal priorities
+        however long its admission takes."""
         with self._cond:
-            sr.seq = next(self._seq)
+            return next(self._seq)
+
+    def add(self, sr: ScheduledRequest, seq: int | None = None) -> ScheduledRequest:
+        """Queue `sr`, in arrival order among equal priorities: now, or `seq` from `reserve_seq`."""
+        with self._cond:
+            sr.seq = next(self._seq) if seq is None else seq
             sr.state = "waiting"
             self._waiting.append(sr)
             self._waiting.sort(key=lambda s: s.order)

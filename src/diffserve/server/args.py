@@ -90,6 +90,14 @@ class ServerArgs:
     max_engine_restarts: int = option(
         5, min=0, help="consecutive failed engine restarts before the server gives up"
     )
+    #: engine_client.py's watchdog over the engine's heartbeat (engine_liveness.py).
+    engine_watchdog_seconds: float = option(
+        600.0, cli="--engine-watchdog-seconds", min=0,
+        help="restart an engine that is stuck: one step, message or admission of it lasting this many "
+        "seconds, or this long without its heartbeat (/health says so; requests in flight get 503 "
+        "engine_died). Generous: one step of a large video model can take a minute, a --compile "
+        "recompilation several; 0: never (default: 600)",
+    )  # fmt: skip
     #: Off, the server makes no outbound requests.
     allow_url_images: bool = option(
         False, cli="--allow-url-images",

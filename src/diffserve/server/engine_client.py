@@ -1,7 +1,9 @@
 """The front end's side of the engine link: the engine process, its sockets and the requests in flight.
 
 The receive task resolves the requests' futures; the watch task restarts a dead engine process, failing
-its requests in flight (503). No call here blocks on model work.
+its requests in flight (503), and kills and restarts a stuck one the same way: a step, message or
+admission lasting `--engine-watchdog-seconds`, by the engine's heartbeat, or that long without one
+(`EngineHeartbeat`, engine_liveness.py). No call here blocks on model work.
 
 LoRA admin ops (`load_lora`, `unload_lora`, `list_loras`) go through `lora_client.LoraOps`; an engine
 process that (re)starts replays the loads and unloads made so far before it takes requests.
@@ -31,6 +33,7 @@ import zmq.asyncio
 
 from diffserve.server import protocol as msg
 from diffserve.server.args import ServerArgs
+from diffserve.server.engine_liveness import HEARTBEAT_INTERVAL_S
 from diffserve.server.engine_process import EngineProcessConfig, run_engine_process
 from diffserve.server.ipc_dirs import make_ipc_dir, remove_stale_ipc_dirs
 from diffserve.server.lora_client import LoraOpError, LoraOps, new_op_id
@@ -174,6 +177,11 @@ class EngineClient:
         self.ready_hooks: list[ReadyHook] = []
         #: LoRA admin ops in flight, and the loads and unloads replayed on an engine that (re)starts.
         self.loras = LoraOps(self.name, self._send_lora_op)
+        #: The ready engine's last heartbeat (None: none since it became ready) and when it was heard.
+        self._heartbeat: msg.EngineHeartbeat | None = None
+        self._heard_at = 0.0
+        #: Why the engine was killed as stuck (`_wedged`), until its replacement is ready.
+        self._wedge: str | None = None
 
     async def start(self) -> None:
         # A private 0700 directory: only this user reaches the sockets.
@@ -331,6 +339,9 @@ class EngineClient:
         return max(0, self.num_waiting - self.free_slots)
 
     def unavailable_error(self) -> EngineUnavailableError:
+        if self.state == EngineState.RESTARTING and self._wedge is not None:
+            message = f"the engine got stuck ({self._wedge}); the server is restarting it, retry shortly"
+            return EngineUnavailableError(message, "engine_wedged")
         if self.state == EngineState.FAILED:
             message = f"the engine failed and will not be restarted: {self.state_detail}"
             return EngineUnavailableError(message, "engine_failed")
@@ -494,7 +505,9 @@ class EngineClient:
                 logger.exception("Could not handle the engine's %s", type(message).__name__)
 
     def _dispatch(self, message: Any) -> None:
-        if isinstance(message, msg.EngineReady):
+        if isinstance(message, msg.EngineHeartbeat):
+            self._heartbeat, self._heard_at = message, time.monotonic()
+        elif isinstance(message, msg.EngineReady):
             self._on_ready(message)
         elif isinstance(message, msg.EngineFatal):
             self._fatal = message
@@ -551,6 +564,7 @@ class EngineClient:
                 self.on_fatal(1, self.state_detail)
                 return
         self.state, self.state_detail = EngineState.READY, ""
+        self._heartbeat, self._heard_at, self._wedge = None, time.monotonic(), None
         self._engine_ready = self._ever_ready = True
         self._failed_starts = 0
         a = self.args
@@ -559,19 +573,61 @@ class EngineClient:
         )
 
     async def _watch_loop(self) -> None:
+        tick = time.monotonic()
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
+            # This event loop held up (a long callback): the engine's heartbeats may wait unread in the
+            # socket, so its silence is judged at the next tick, once the receive task has run.
+            late, tick = time.monotonic() - tick > WATCH_INTERVAL_S + HEARTBEAT_INTERVAL_S, time.monotonic()
             process = self._process
-            if process is None or process.is_alive() or self.state == EngineState.STOPPED:
+            if process is None or self.state == EngineState.STOPPED:
                 continue
-            await self._on_engine_exit(process)
+            if not process.is_alive():
+                await self._on_engine_exit(process)
+            elif not late and (wedge := self._wedged()) is not None:
+                await self._restart_stuck(process, wedge)
 
-    async def _on_engine_exit(self, process: multiprocessing.process.BaseProcess) -> None:
+    def _wedged(self) -> str | None:
+        """Why the ready engine counts as stuck, or None: its longest turn in progress (a step, a message,
+        an admission) at its last heartbeat, plus the time since, exceeds --engine-watchdog-seconds; or
+        its heartbeats stopped that long ago (a frozen process). Starting, restarting and draining
+        engines are not watched (loading has no heartbeat; the drain has its own timeout)."""
+        limit = self.args.engine_watchdog_seconds
+        if not limit or self.state != EngineState.READY:
+            return None
+        silent = time.monotonic() - self._heard_at
+        beat = self._heartbeat
+        stalled = silent + (beat.stalled_seconds if beat is not None else 0.0)
+        if stalled <= limit:
+            return None
+        if beat is None or silent > 3 * HEARTBEAT_INTERVAL_S:
+            what = f"no heartbeat from its process for {silent:.0f} s"
+        else:
+            what = f"{beat.doing} has lasted {stalled:.0f} s"
+        return f"{what}, over --engine-watchdog-seconds {limit:g}"
+
+    async def _restart_stuck(self, process: multiprocessing.process.BaseProcess, wedge: str) -> None:
+        """Kill the stuck engine process, then restart it as one that died (`_on_engine_exit`): its
+        requests in flight get 503 `engine_died`, /health says why (`engine_wedged`) until it is back."""
+        logger.error(
+            "%s is stuck: %s; killing its process (pid %s) to restart it", self.name, wedge, process.pid
+        )
+        self._wedge = wedge
+        process.kill()
+        await asyncio.to_thread(process.join, ENGINE_KILL_WAIT_S)
+        if self.state != EngineState.STOPPED:  # `stop` ran meanwhile: it answers what was in flight
+            await self._on_engine_exit(process, cause=f"was killed because it was stuck ({wedge})")
+
+    async def _on_engine_exit(
+        self, process: multiprocessing.process.BaseProcess, cause: str | None = None
+    ) -> None:
+        """The engine process exited (or was killed, `cause` says why): answer what was in flight, then
+        restart it, with backoff while restarts keep failing, or give up."""
         self._process, self._engine_ready = None, False
         code, pid, fatal = process.exitcode, process.pid, self._fatal
         stopping = self.state == EngineState.STOPPING
         then = "the server is shutting down" if stopping else "the server is restarting it, retry shortly"
-        died = f"the engine process (pid {pid}) exited with code {code}"
+        died = f"the engine process (pid {pid}) {cause or f'exited with code {code}'}"
         for rid, pending in list(self._pending.items()):  # each told whether it had started there
             started = pending.started_at is not None
             where = (

@@ -3,10 +3,13 @@ engine's events out. The policy (validation, admission by the memory model, auto
 runtime's, as for `DiffGenerator` and the CLI; this process only chooses when the memory model is built
 (after its warm-up, calibrated).
 
-The main thread drives the engine's loop and its event hooks answer; the receiver thread queues jobs and
-passes cancels on; one encoder thread writes video jobs' MP4s off the step loop, and one LoRA thread runs
-the admin routes' loads and unloads between two steps (engine_loras.py). torch is imported inside
-`EngineProcess`, so the front end imports this module and stays light.
+The main thread drives the engine's loop and its event hooks answer; the receiver thread only receives:
+it hands each job to the admission threads (engine_admission.py: validation and memory fitting never
+hold the next message) and passes cancels on; one encoder thread writes video jobs' MP4s off the step
+loop, and one LoRA thread runs the admin routes' loads and unloads between two steps (engine_loras.py).
+A heartbeat thread reports how long the longest turn of the loop, the receiver or an admission has
+lasted (engine_liveness.py), for the front end's watchdog. torch is imported inside `EngineProcess`,
+so the front end imports this module and stays light.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from diffserve.outputs import CONTENT_TYPES, encode_image, output_metadata, save
 from diffserve.outputs.audio_track import save_video_with_audio
 from diffserve.outputs.images import bounded_metadata
 from diffserve.server import protocol as msg
+from diffserve.server.engine_admission import Admissions
+from diffserve.server.engine_liveness import HEARTBEAT_INTERVAL_S, Liveness
 from diffserve.server.engine_loras import EngineLoras
 from diffserve.server.image_files import image_path
 
@@ -185,6 +190,10 @@ class EngineProcess:
         self._encoding: dict[str, threading.Event] = {}
         self._encoding_lock = threading.Lock()
         self.engine.events = self
+        #: When the loop's, the receiver's and each admission's current turn began (the heartbeat's).
+        self.liveness = Liveness(describe_loop=self._describe_turn)
+        #: Jobs received and being admitted, off the receiver thread.
+        self.admissions = Admissions(self._admit_job, self.liveness)
         #: The LoRA admin ops (`POST/GET/DELETE /v1/loras`).
         self.loras = EngineLoras(self.engine, channel)
         from diffserve.runtime.engine import RequestLog
@@ -205,6 +214,7 @@ class EngineProcess:
         logger.info("Scheduler: %s", info["scheduler"])
         self.receiver = threading.Thread(target=self._receive_loop, name="engine-receiver", daemon=True)
         self.receiver.start()
+        threading.Thread(target=self._heartbeat_loop, name="engine-heartbeat", daemon=True).start()
         if getattr(self.generator, "ranks", None) is not None:
             threading.Thread(target=self._watch_ranks, name="rank-watchdog", daemon=True).start()
         self.channel.send(msg.EngineReady(pid=os.getpid(), info=info, probe_size=self.probe_size))
@@ -301,7 +311,9 @@ class EngineProcess:
 
     def run_forever(self) -> None:
         while not self.stop.is_set():
+            self.liveness.loop_turn()
             self.engine.run_once(timeout=0.5)
+        self.admissions.shutdown()  # each job still being admitted is answered (cancelled)
         # Shutdown flagged the running requests: one more step reports them cancelled.
         self.engine.cancel_all()
         self.engine.step()
@@ -310,30 +322,68 @@ class EngineProcess:
         self.receiver.join()  # it owns the inbox socket until it sees `stop`
         logger.debug("Engine loop ended")  # the front end logs "Engine stopped" (once) when it has exited
 
+    def _describe_turn(self) -> str:
+        """What the loop's turn is doing now, as the watchdog names it if that turn never ends."""
+        running, waiting = self.scheduler.num_running, self.scheduler.num_waiting
+        if not running and not waiting:
+            return "the engine loop, idle"
+        return f"one step of the engine loop ({running} running, {waiting} waiting)"
+
     def run_until_idle(self) -> None:  # tests drive the engine in-process with this
         self.engine.run_until_idle()
 
     def shutdown(self) -> None:
-        self.stop.set()
-        self.engine.cancel_all()  # the dropped waiting requests are reported through on_cancelled
+        with self.admissions.lock:  # a job being admitted now is either queued before, or sees `stop`
+            self.stop.set()
+            self.engine.cancel_all()  # the dropped waiting requests are reported through on_cancelled
 
     def _receive_loop(self) -> None:
+        """Receive, and hand each job to the admission threads: nothing slow runs here, so a cancel, a
+        LoRA op or the next job is taken while jobs are admitted. `_handle` does the rest."""
         while not self.stop.is_set():
+            self.liveness.receiver_turn("the receiver, waiting for a message")
             message = self.channel.recv(timeout_ms=500)
+            if message is None:
+                continue
+            self.liveness.receiver_turn(f"the receiver, handling a {type(message).__name__}")
             try:
-                if message is not None:
+                if isinstance(message, msg.GenerateJob):  # numbered now: it keeps its place in the queue
+                    self.admissions.submit(message, self.scheduler.reserve_seq())
+                else:
                     self._handle(message)
             except Exception as exc:  # one bad message must not stop the engine
                 logger.exception("engine: failed to handle %s", type(message).__name__)
                 if isinstance(message, msg.GenerateJob):
                     self.channel.send(msg.JobFailed(message.request_id, f"{type(exc).__name__}: {exc}"))
 
+    def _heartbeat_loop(self) -> None:
+        """Every HEARTBEAT_INTERVAL_S, the longest turn in progress (the front end's watchdog)."""
+        while not self.stop.wait(HEARTBEAT_INTERVAL_S):
+            stall = self.liveness.longest()
+            self.channel.send(msg.EngineHeartbeat(round(stall.seconds, 3), stall.doing))
+
+    def _admit_job(self, job: msg.GenerateJob, seq: int) -> None:
+        """`Admissions`' work for one job, on an admission thread: admitted and queued, or answered."""
+        try:
+            with self.admissions.lock:
+                dropped = self.stop.is_set() or self.admissions.cancelled(job.request_id)
+            if dropped:  # cancelled, or the engine stops, before its admission began
+                return self.channel.send(msg.JobCancelled(job.request_id))
+            self._submit(job, seq)
+        except Exception as exc:
+            logger.exception("engine: failed to admit request %s", job.request_id)
+            self.channel.send(msg.JobFailed(job.request_id, f"{type(exc).__name__}: {exc}"))
+
     def _handle(self, message: Any) -> None:
+        """What one message does, on the calling thread (a job: admitted now; tests drive it so)."""
         if isinstance(message, msg.GenerateJob):
             self._submit(message)
         elif isinstance(message, msg.CancelJob):
             rid = message.request_id
-            where = self.engine.cancel(rid)  # a waiting job is answered by on_cancelled
+            with self.admissions.lock:
+                where = self.engine.cancel(rid)  # a waiting job is answered by on_cancelled
+                if where is None and self.admissions.cancel(rid):  # answered once its admission ends
+                    where = "being admitted"
             with self._encoding_lock:
                 if where is None and rid in self._encoding:
                     self._encoding[rid].set()  # the encoder thread deletes the file and answers JobCancelled
@@ -348,7 +398,9 @@ class EngineProcess:
         else:
             logger.warning("engine: ignoring unknown message %r", message)
 
-    def _submit(self, job: msg.GenerateJob) -> None:
+    def _submit(self, job: msg.GenerateJob, seq: int | None = None) -> None:
+        """Admit `job` (validation and the memory model's check: `Engine.prepare`) and queue it with
+        arrival number `seq` (None: now), or answer why not: rejected, or cancelled meanwhile."""
         from diffserve.request import Req
         from diffserve.runtime import RequestTooLargeError
         from diffserve.runtime.calibration import PROBE_FRAMES
@@ -373,10 +425,15 @@ class EngineProcess:
             return self.channel.send(msg.JobRejected(rid, str(exc), param=exc.param, status=413))
         except UserError as exc:
             return self.channel.send(msg.JobRejected(rid, str(exc), param=getattr(exc, "param", None)))
-        if job.ack:  # before queueing: the main thread's JobStarted must come after it
-            self.channel.send(msg.JobAccepted(rid, _without_inputs(scheduled.req.params)))
-        scheduled.req.on_step = lambda req: self._on_step(job, req)
-        self.engine.enqueue(scheduled)
+        with self.admissions.lock:
+            if self.stop.is_set() or self.admissions.cancelled(rid):
+                self.engine.discard(scheduled)  # let go of the adapters it holds
+                logger.info("Request %s cancelled while it was admitted", rid)
+                return self.channel.send(msg.JobCancelled(rid))
+            if job.ack:  # before queueing: the main thread's JobStarted must come after it
+                self.channel.send(msg.JobAccepted(rid, _without_inputs(scheduled.req.params)))
+            scheduled.req.on_step = lambda req: self._on_step(job, req)
+            self.engine.enqueue(scheduled, seq)
 
     def on_started(self, sr: ScheduledRequest) -> None:
         if isinstance(sr.payload, msg.GenerateJob):  # its start line: `RequestLog.started`

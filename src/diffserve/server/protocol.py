@@ -3,7 +3,7 @@
 Front end -> engine: `GenerateJob`, `CancelJob`, `ShutdownEngine`, and the LoRA admin ops `LoadLora`,
 `UnloadLora`, `ListLoras`. Engine -> front end: each message as `(incarnation, message)`, `incarnation`
 counting engine (re)starts, so a message still in flight from an engine that died is recognised and
-dropped.
+dropped; once ready, an `EngineHeartbeat` every second.
 
     GenerateJob ──► JobRejected (bad parameters, or too large to ever fit in memory: never queued)
                 └─► [JobAccepted] ─► JobStarted ─► [JobProgress | JobPreview...] ─► JobFinished | JobCancelled | JobFailed
@@ -90,6 +90,15 @@ class EngineReady:
     pid: int
     info: dict[str, Any]
     probe_size: int  # side in pixels of the warm-up's and /health_generate's images (valid for this model)
+
+
+@dataclass
+class EngineHeartbeat:
+    """Sent every second once ready (`engine_liveness.py`): the longest turn in progress of the engine
+    loop, the receiver or an admission, for the front end's watchdog (`--engine-watchdog-seconds`)."""
+
+    stalled_seconds: float  # how long that turn has lasted: near 0 for an engine that makes progress
+    doing: str  # what it is, for the log line and /health's 503 when the engine is restarted for it
 
 
 @dataclass

@@ -50,7 +50,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from diffserve.distributed.state import current_parallel_state
 from diffserve.layers.attention import AttentionBackend, attention_hook_scope, run_attention_kernel
 from diffserve.layers.lora_rows import current_lora_rows
-from diffserve.runtime.compile import BACKEND as COMPILE_BACKEND
+from diffserve.runtime import compile as compile_settings
 from diffserve.runtime.compile import find_block_lists
 from diffserve.runtime.cuda_graph.backends import CaptureBackend
 from diffserve.runtime.cuda_graph.buckets import Buckets
@@ -238,7 +238,7 @@ class GraphRunner:
             if compiled is not None:
                 self._compiled[id(block)] = compiled
                 block._compiled_call_impl = None
-                inner = torch.compile(inner, backend=COMPILE_BACKEND, dynamic=True)
+                inner = torch.compile(inner, backend=compile_settings.BACKEND, dynamic=True)
             self._inner[id(block)] = inner
             block.forward = functools.partial(self._block_call, block)
         self.dit.forward = self.forward
