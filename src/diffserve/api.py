@@ -24,6 +24,7 @@ from diffserve.backends.diffusers_pipeline import (
     task_of,
 )
 from diffserve.backends.engine_checks import check_backend_args
+from diffserve.configs.cache_settings import parse_cache
 from diffserve.configs.engine_args import EngineArgs, LoraSpec
 from diffserve.configs.option import keyword_values, option_keywords
 from diffserve.configs.quality import check_default_quality, read_calibrated_policies
@@ -112,6 +113,9 @@ class GenerationOutput:
     frames: list[np.ndarray] = field(default_factory=list)
     #: Denoising steps that ran the DiT's blocks in full: fewer than all with an approximate quality tier.
     steps_computed_in_full: int = 0
+    #: With a cache method or an approximate tier: the method, its settings and the steps and blocks it
+    #: computed and reused (`RequestCache.report`); None on the exact path.
+    cache: dict[str, Any] | None = None
     #: Families that make sound with their video (LTX-2): one soundtrack per output video.
     audio: list[GeneratedAudio] = field(default_factory=list)
 
@@ -205,15 +209,17 @@ def load_model(
     try:
         default_quality = check_default_quality(engine_args.default_quality)  # "lossless" -> "high"
         calibrated = read_calibrated_policies(index.root, family.name)
+        default_cache = parse_cache(engine_args.cache_default)  # JSON text (or a mapping) -> settings
         pipeline = pipeline_cls(
             PipelineContext(
                 components, platform, dtype, folder_sampling_defaults=folder_defaults,
                 pipeline_options=index.options, default_quality=default_quality,
-                calibrated_step_cache=calibrated,
+                calibrated_step_cache=calibrated, default_cache=default_cache,
             )
         )  # fmt: skip
-    except InvalidRequestError as exc:  # the default tier is one this family does not have
-        raise UserError(f"--default-quality: {exc}") from exc
+    except InvalidRequestError as exc:  # a default tier or cache this family does not have
+        flag = "--cache-default" if exc.param == "cache" else "--default-quality"
+        raise UserError(f"{flag}: {exc}") from exc
     except ValueError as exc:
         raise UserError(str(exc)) from exc
     install_memory_plan(memory_plan, components, platform)  # before LoRA wraps the DiT's Linears
@@ -564,6 +570,7 @@ class DiffGenerator:
             output_paths=paths,
             total_seconds=total,
             steps_computed_in_full=req.steps_computed_in_full,
+            cache=req.cache_report,
             audio=audio,
         )
 

@@ -23,7 +23,7 @@ import threading
 import uuid
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import Field, dataclass, field, fields, replace
-from typing import Literal, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ from PIL import Image
 
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.layers.lora_rows import AppliedLora
-from diffserve.models.step_cache import StepCacheState
+from diffserve.models.cache_methods.base import RequestCache
 
 #: What requests batched into one DiT forward must agree on for a field: "shape", its shape past the
 #: batch axis (None when unset); "value", the value itself (made hashable: lists become tuples).
@@ -300,8 +300,9 @@ class Req:
     # The guided velocity the last step was taken with (after any family sign flip, as the scheduler
     # saw it): a reference, not a copy. Previews rebuild the predicted clean latent from it.
     last_prediction: torch.Tensor | None = field(default=None, metadata=role(stepped=True))
-    # Approximate quality tiers only: this request's step cache (reused DiT residuals and counts).
-    step_cache: StepCacheState | None = None
+    # An approximate quality tier's or a cache method's state (reused DiT residuals and counts); None on
+    # the exact path.
+    step_cache: RequestCache | None = None
 
     # Set by decoding.
     outputs: RequestOutputs = field(default_factory=RequestOutputs)
@@ -331,6 +332,11 @@ class Req:
     def steps_computed_in_full(self) -> int:
         """Steps that ran every DiT block: all of them unless an approximate quality tier reused some."""
         return self.step_index if self.step_cache is None else self.step_cache.steps_computed
+
+    @property
+    def cache_report(self) -> dict[str, Any] | None:
+        """The cache's method, settings and steps and blocks computed vs reused; None without one."""
+        return None if self.step_cache is None else self.step_cache.report()
 
     @property
     def is_denoised(self) -> bool:

@@ -237,3 +237,9 @@ def test_a_body_is_read_up_to_its_limit() -> None:
 
     assert asyncio.run(read(5)) == b"abcde"
     assert asyncio.run(read(4)) is None
+
+
+def test_serve_run_gives_models_and_server_as_json_text() -> None:
+    app = spec.parse_app_args({"models": '[{"model_path": "/m/flux", "num_replicas": 2}]', "server": "{}"})
+    assert app.models[0].num_replicas == 2
+    assert "must be JSON" in problems({"models": "[{nope"})

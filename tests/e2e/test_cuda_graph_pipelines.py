@@ -17,7 +17,12 @@ from diffserve.configs.engine_args import EngineArgs
 from diffserve.errors import UserError
 from diffserve.families.qwen_image.tiny import build_tiny_qwen_image
 from diffserve.families.z_image.tiny import build_tiny_zimage
-from diffserve.runtime.cuda_graph import DryRunBackend, check_cuda_graph_args, install_cuda_graphs, warmup_capture
+from diffserve.runtime.cuda_graph import (
+    DryRunBackend,
+    check_cuda_graph_args,
+    install_cuda_graphs,
+    warmup_capture,
+)
 from diffserve.runtime.cuda_graph.buckets import Buckets
 
 BUCKETS = Buckets(batch=(1, 2, 4), tokens=(16, 64, 256))
@@ -76,21 +81,29 @@ def test_warm_up_captures_then_unseen_sizes_are_missed(folders, caplog) -> None:
         caplog.set_level(logging.INFO, logger="diffserve.cuda_graph")
         with warmup_capture([runner], sizes_given=True):
             gen.warm_up([(64, 64)])
-        assert any("warm-up captured" in r.getMessage() and "MISSED" in r.getMessage() for r in caplog.records)
+        assert any(
+            "warm-up captured" in r.getMessage() and "MISSED" in r.getMessage() for r in caplog.records
+        )
         captured = runner.summary()["captured"]
         assert captured > 0 and not runner.capture_enabled
         _pixels(gen)  # the warm-up's size and a short prompt: replayed
         assert runner.summary()["missed"] == 0
         gen.generate(prompt=PROMPT, seed=1, height=32, width=64, num_inference_steps=1)  # a size never seen
         assert runner.summary()["missed"] >= 1 and runner.summary()["captured"] == captured
-        assert any("MISSED" in r.getMessage() and "not captured at warm-up" in r.getMessage() for r in caplog.records)
+        assert any(
+            "MISSED" in r.getMessage() and "not captured at warm-up" in r.getMessage() for r in caplog.records
+        )
     finally:
         runner.uninstall()
 
 
 def test_enable_cuda_graph_is_refused_on_the_cpu(folders) -> None:
-    with pytest.raises(UserError, match=r"--enable-cuda-graph needs an NVIDIA GPU \(CUDA graphs\); this engine runs on"):
-        DiffGenerator.from_pretrained(folders["flux"], device="cpu", show_progress=False, enable_cuda_graph=True)
+    with pytest.raises(
+        UserError, match=r"--enable-cuda-graph needs an NVIDIA GPU \(CUDA graphs\); this engine runs on"
+    ):
+        DiffGenerator.from_pretrained(
+            folders["flux"], device="cpu", show_progress=False, enable_cuda_graph=True
+        )
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,9 @@ MIN_COSINE = {AttentionBackend.SAGE_ATTN: 0.99}
 DEFAULT_MIN_COSINE = 0.9995
 
 
-@pytest.mark.parametrize("backend", [b for b in AttentionBackend if b is not AttentionBackend.SDPA], ids=lambda b: b.value)
+@pytest.mark.parametrize(
+    "backend", [b for b in AttentionBackend if b is not AttentionBackend.SDPA], ids=lambda b: b.value
+)
 @pytest.mark.parametrize(("seq", "kv_seq"), [(1024, 1024), (333, 777)], ids=["self", "cross-odd"])
 def test_backend_matches_sdpa(device: torch.device, backend: AttentionBackend, seq: int, kv_seq: int) -> None:
     facts = DeviceFacts.of(device, torch.bfloat16)
@@ -40,7 +42,9 @@ def test_backend_matches_sdpa(device: torch.device, backend: AttentionBackend, s
         want = attention(q, k, v, backend=AttentionBackend.SDPA)
     assert got.shape == want.shape and got.dtype == want.dtype
     similarity = cosine(got.float().cpu(), want.float().cpu())
-    assert similarity >= MIN_COSINE.get(backend, DEFAULT_MIN_COSINE), f"{backend.value}: cosine {similarity:.6f}"
+    assert similarity >= MIN_COSINE.get(backend, DEFAULT_MIN_COSINE), (
+        f"{backend.value}: cosine {similarity:.6f}"
+    )
 
 
 def test_auto_selection_on_this_device_is_logged_and_runs(device: torch.device, caplog) -> None:

@@ -43,7 +43,9 @@ def _one_cpu_thread(device: torch.device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", [FLUX, QWEN_IMAGE, Z_IMAGE])
-@pytest.mark.parametrize(("batch", "text", "ragged"), [(1, 8, False), (1, 7, False), (2, 13, True), (4, 5, True)])
+@pytest.mark.parametrize(
+    ("batch", "text", "ragged"), [(1, 8, False), (1, 7, False), (2, 13, True), (4, 5, True)]
+)
 def test_replay_is_byte_identical_to_eager(device, dtype, name, batch, text, ragged) -> None:
     """(1, 8): no padding at all; the others pad the prompt to its token bucket (Qwen-Image)."""
     dit = tiny_dit(name, device, dtype)

@@ -47,7 +47,9 @@ def _check(name: str, got: Any, want: Any) -> None:
     got, want = _flat(got), _flat(want)
     assert torch.isfinite(got).all(), f"{name}: non-finite output"
     similarity = cosine(got.cpu(), want.cpu())
-    assert similarity >= MIN_COSINE, f"{name}: cosine {similarity:.5f}, max abs diff {max_abs_diff(got.cpu(), want.cpu()):.3g}"
+    assert similarity >= MIN_COSINE, (
+        f"{name}: cosine {similarity:.5f}, max abs diff {max_abs_diff(got.cpu(), want.cpu()):.3g}"
+    )
 
 
 @pytest.mark.parametrize("name", [FLUX, QWEN_IMAGE, Z_IMAGE])
@@ -58,7 +60,9 @@ def test_dit_matches_diffusers_in_bf16(device: torch.device, name: str, batch: i
     reference, native = reference.to(device, torch.bfloat16), native.to(device, torch.bfloat16)
     if hasattr(native, "fuse_for_inference"):
         native.fuse_for_inference()
-    inputs = tiny_dit_inputs(name, batch, 7, ragged=batch > 1 and name != FLUX, device=device, dtype=torch.bfloat16)
+    inputs = tiny_dit_inputs(
+        name, batch, 7, ragged=batch > 1 and name != FLUX, device=device, dtype=torch.bfloat16
+    )
     with torch.inference_mode():
         want = _first(reference(**inputs, return_dict=False))
         got = native(**inputs)

@@ -134,16 +134,30 @@ def test_qwen_image_over_limit_prompt_runs_eager_with_one_log_line(caplog) -> No
 @pytest.mark.parametrize(("batch", "ragged"), [(1, False), (2, True), (4, True)])
 def test_zimage_keeps_native_prompt_length_and_is_bit_exact(batch: int, ragged: bool) -> None:
     dit, runner = eager_and_runner(Z_IMAGE)
-    short, long = tiny_dit_inputs(Z_IMAGE, batch, 20, ragged), tiny_dit_inputs(Z_IMAGE, batch, 25, ragged, seed=1)
+    short, long = (
+        tiny_dit_inputs(Z_IMAGE, batch, 20, ragged),
+        tiny_dit_inputs(Z_IMAGE, batch, 25, ragged, seed=1),
+    )
     expected = [dit(**short), dit(**long)]
     runner.install()
     padded = runner.padder.pad(short, batch, None)
-    assert [c.shape for c in padded.call["cap_feats"]] == [c.shape for c in short["cap_feats"]]  # no tokens added
+    assert [c.shape for c in padded.call["cap_feats"]] == [
+        c.shape for c in short["cap_feats"]
+    ]  # no tokens added
     assert padded.span is None and padded.extra == (32,) * batch  # the DiT's own rounding, in the key
     assert same(dit(**short), expected[0]) and same(dit(**long), expected[1])
     # 20 and 25 tokens both round to 32: one capture per batch bucket, replayed for both prompts.
     assert runner.summary()["replayed"] == 2
-    assert len({record.key for record in runner.graphs.values() if record.description.startswith(f"batch bucket {batch} ")}) == 1
+    assert (
+        len(
+            {
+                record.key
+                for record in runner.graphs.values()
+                if record.description.startswith(f"batch bucket {batch} ")
+            }
+        )
+        == 1
+    )
 
 
 # -- FLUX: fixed length ------------------------------------------------------------------------------------

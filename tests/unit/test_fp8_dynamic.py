@@ -75,7 +75,9 @@ def test_the_mode_is_declared_beside_the_weight_only_ones() -> None:
 
 def test_the_engine_refuses_fp8_compute_on_the_cpu_before_loading(tiny_flux_dir) -> None:
     with pytest.raises(UserError) as info:
-        DiffGenerator.from_pretrained(tiny_flux_dir, device="cpu", show_progress=False, quantization="fp8-dynamic")
+        DiffGenerator.from_pretrained(
+            tiny_flux_dir, device="cpu", show_progress=False, quantization="fp8-dynamic"
+        )
     message = str(info.value)
     assert "FP8 compute (--quantization fp8-dynamic) needs an NVIDIA GPU of compute capability 8.9" in message
     assert "(cpu, cpu), which has no FP8 matmul" in message and "--quantization int8 or fp8" in message
@@ -107,7 +109,9 @@ def test_emulation_is_what_scaled_mm_computes() -> None:
     layer = Fp8DynamicLinear.from_linear(_linear(64, 48))
     x = _activations(7, 64)
     args = (x, layer.weight, layer.weight_scale, layer.bias)
-    assert torch.equal(fp8_dynamic_matmul(*args, emulated_scaled_mm), fp8_dynamic_matmul(*args, torch._scaled_mm))
+    assert torch.equal(
+        fp8_dynamic_matmul(*args, emulated_scaled_mm), fp8_dynamic_matmul(*args, torch._scaled_mm)
+    )
 
 
 def test_layer_arithmetic_per_token_and_per_channel_scales() -> None:
@@ -120,7 +124,9 @@ def test_layer_arithmetic_per_token_and_per_channel_scales() -> None:
     # By hand: dequantized e4m3 operands, multiplied in float32.
     x_fp8, x_scale = quantize_activations(x)
     assert torch.equal(x_fp8.float().abs().amax(dim=1), torch.full((12,), 448.0))  # each token fills e4m3
-    expected = (x_fp8.float() * x_scale) @ (layer.weight.float() * layer.weight_scale[:, None]).T + linear.bias.float()
+    expected = (x_fp8.float() * x_scale) @ (
+        layer.weight.float() * layer.weight_scale[:, None]
+    ).T + linear.bias.float()
     assert torch.equal(y.view(12, 48), expected.to(torch.bfloat16))
     # Against the bf16 Linear: e4m3 rounding of both operands, small next to the output everywhere (the
     # rows and tokens span three orders of magnitude each).
@@ -153,7 +159,11 @@ def test_the_layer_refuses_what_fp8_matmuls_cannot_take() -> None:
 def test_quantize_dit_fp8_dynamic_on_a_tiny_flux(caplog) -> None:
     """Every quantizable Linear whose dims FP8 matmuls take becomes an `Fp8DynamicLinear` (the others keep
     their precision, logged), and the DiT's output stays close to bf16's."""
-    model = random_native_module(FluxTransformer2DModel, FLUX_TINY, 3, weight_noise=0.05).to(torch.bfloat16).eval()
+    model = (
+        random_native_module(FluxTransformer2DModel, FLUX_TINY, 3, weight_noise=0.05)
+        .to(torch.bfloat16)
+        .eval()
+    )
     g = torch.Generator().manual_seed(0)
     inputs = {
         "hidden_states": torch.randn(2, 16, 16, generator=g).to(torch.bfloat16),

@@ -100,6 +100,8 @@ def check_fields_taken(params: SamplingParams, signature: CallSignature) -> None
         refuse("loras", "LoRA adapters are not available with this backend")
     if params.extra:
         refuse("extra", "extra settings are not available with this backend")
+    if params.cache is not None and params.cache.method != "none":
+        refuse("cache", f"cache method {params.cache.method!r} runs on diffserve's native DiTs only")
     if params.quality is not None:
         try:
             tier = canonical_tier(params.quality)

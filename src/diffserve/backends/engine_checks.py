@@ -29,6 +29,7 @@ def unsupported_flags(args: EngineArgs) -> list[str]:
         "--dit-layerwise-offload": args.dit_layerwise_offload,
         "--offload": args.offload != "none",
         "--max-memory": args.max_memory is not None,
+        "--cache-default": args.cache_default is not None,
     }
     unsupported = [flag for flag, is_set in flags.items() if is_set]
     try:

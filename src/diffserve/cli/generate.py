@@ -14,6 +14,7 @@ from pathlib import Path
 
 from diffserve.cli.engine_flags import add_engine_flags, engine_args_from
 from diffserve.cli.lora_flags import lora_choices_from
+from diffserve.configs.cache_settings import cache_from_flag
 from diffserve.configs.option import add_option, add_options, option_of
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError, UserError
@@ -146,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
     flags = {f.name: getattr(args, f.name) for f in fields(SamplingParams) if f.name in vars(args)}
     flags.pop("prompt")
     flags["loras"] = lora_choices_from(args)  # --lora: loaded at start (engine_args), applied here
+    if flags.get("cache") is not None:  # its errors name the flag
+        flags["cache"] = cache_from_flag(flags["cache"], "--cache")
     # Checked before loading the model: a bad flag or path fails in a second, not after the weights load
     # (no --seed: any valid seed stands in for the random one drawn once the checks have passed).
     checked = {**flags, "seed": 0 if args.seed is None else args.seed}

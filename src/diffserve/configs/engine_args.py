@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from diffserve.configs.cache_settings import cache_default_from_flag
 from diffserve.configs.memory_options import (
     OFFLOAD_MODES,
     QUANTIZATION_MODES,
@@ -163,6 +164,13 @@ class EngineArgs:
         EXACT, cli="--default-quality", choices=DEFAULT_QUALITY_CHOICES, convert=canonical_default_quality,
         help="what quality='auto' means: high (exact; also hd, lossless) or a faster tier: medium, low, draft "
         "(default: high)",
+    )  # fmt: skip
+    #: `configs/cache_settings.py`; kept as the settings' JSON text (None: no default).
+    cache_default: str | None = option(
+        None, cli="--cache-default", convert=cache_default_from_flag, metavar="METHOD[:KEY=VALUE,...]|JSON",
+        commands=("serve",),
+        help="the cache accelerator of requests that set neither cache nor an approximate quality, as --cache "
+        "takes it (default: none, the exact path)",
     )  # fmt: skip
     #: `Platform.prepare_process`. Off by default: its effect depends on the host.
     tune_allocator: bool = option(

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from diffserve.configs.cache_settings import CACHE_HELP, CacheSettings, cache_from_flag, parse_cache
 from diffserve.configs.option import option
 from diffserve.configs.quality import ACCEPTED
 from diffserve.errors import InvalidRequestError
@@ -241,6 +242,12 @@ class SamplingParams:
         "work between steps, faster, at least 35/30/25 dB PSNR against the exact output), 'auto' or "
         "'standard' (unset: the engine's --default-quality). Responses report the tier that ran",
     )  # fmt: skip
+    #: A cache accelerator by name with its settings (`configs/cache_settings.py`); given as a mapping or
+    #: text, it is stored as the method's typed settings. Not with an approximate `quality`.
+    cache: CacheSettings | None = option(
+        None, cli="--cache", convert=cache_from_flag, http=True, metavar="METHOD[:KEY=VALUE,...]|JSON",
+        help=CACHE_HELP,
+    )  # fmt: skip
     #: Front ends turn paths, bytes, data URLs and (opt-in) URLs into images with
     #: `diffserve.image_inputs.load_image` before building the params, so the engine never touches the
     #: network or the user's files (their own spellings: `--image`, `image`/`images`, `image=`).
@@ -292,6 +299,11 @@ class SamplingParams:
         "stg_scale, modality_scale, guidance_rescale, motion_speed, ...; other families take none)",
     )  # fmt: skip
 
+    def __post_init__(self) -> None:
+        # Python callers and the HTTP body give `cache` as a mapping or text: kept as typed settings.
+        if self.cache is not None and not isinstance(self.cache, CacheSettings):
+            self.cache = parse_cache(self.cache)
+
     def with_defaults(self, defaults: SamplingParams) -> SamplingParams:
         """A copy where every `None` field takes the family default's value."""
         values = {}
@@ -320,6 +332,8 @@ class SamplingParams:
                     param=name,
                 )
         check_loras(self.loras)
+        if self.cache is not None:
+            parse_cache(self.cache)  # checks the settings' values (InvalidRequestError naming cache)
         for key, value in self.extra.items():
             for text in (key, value):
                 if isinstance(text, str):
@@ -392,6 +406,7 @@ class SamplingParams:
         """JSON-friendly fields (for PNG metadata and logs): input images appear as their sizes."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in IMAGE_FIELDS}
         out["extra"] = dict(self.extra)
+        out["cache"] = None if self.cache is None else self.cache.to_dict()
         out["loras"] = [{"name": c.name, "scale": c.scale} for c in self.loras]
         out["input_images"] = (
             None if self.input_images is None else [list(im.size) for im in self.input_images]

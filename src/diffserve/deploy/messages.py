@@ -1,8 +1,8 @@
 """What an `EngineReplica` sends the ingress besides the engine's own messages (server/protocol.py).
 
 A job's stream (`EngineReplica.submit`) yields `Placed` first (which replica took it), then the engine's
-JobAccepted, JobStarted, JobPreview and a video job's JobProgress as they come, and ends with JobFinished (a video
-job's MP4 travelling along as `FinishedVideo`) or a `ReplicaFailure`. Errors travel as data, not as
+JobAccepted, JobStarted, JobPreview and a video job's JobProgress as they come, and ends with
+JobFinished (a video job's MP4 travelling along as `FinishedVideo`) or a `ReplicaFailure`. Errors travel as data, not as
 raised exceptions: the engine client's errors carry fields (status, param, whether the job had started)
 that Ray's exception wrapping would not keep, and `ReplicaFailure.error()` gives the ingress the very
 exception the single server's routes answer.

@@ -17,15 +17,19 @@ diffserve.deploy.app:build_app` and a RayService's `serveConfigV2` give it as YA
         ...],
      "server": {"api_key": "...", "output_path": "/data/out", ...}}   # ServerArgs fields
 
+On `serve run`'s command line, where every value is text, `models` and `server` are given as JSON
+(`serve run diffserve.deploy.app:build_app models='[{"model_path": "/models/flux"}]'`).
+
 `engine_args` takes EngineArgs' field names with the values the flags make (`"loras"`: a list of
 `{"name", "path", "scale"}`; sizes such as `"max_memory": "20GiB"` as the flags read them); `server`
 takes ServerArgs' field names, and `output_path` (the engine flag, which holds the url images and the
 video jobs; it belongs to the ingress, so it is a server setting here). The API keys, when `server` has
-none, come from $DIFFSERVE_API_KEY and $DIFFSERVE_ADMIN_API_KEY, as `diffserve serve` reads them. Every key is checked against the
-declarations (configs/option.py): an unknown one is an error naming the closest ones, a value out of its
-bounds an error naming the rule. The settings Ray Serve owns are refused with the reason: `host` and
-`port` (Ray Serve's `http_options`), `dp_size` (the replicas are Ray's), the connection limits of
-uvicorn's server (Ray's proxy serves the connections) and `served_model_names` (each model's `name`).
+none, come from $DIFFSERVE_API_KEY and $DIFFSERVE_ADMIN_API_KEY, as `diffserve serve` reads them.
+Every key is checked against the declarations (configs/option.py): an unknown one is an error naming
+the closest ones, a value out of its bounds an error naming the rule. The settings Ray Serve owns are
+refused with the reason: `host` and `port` (Ray Serve's `http_options`), `dp_size` (the replicas are
+Ray's), the connection limits of uvicorn's server (Ray's proxy serves the connections) and
+`served_model_names` (each model's `name`).
 
 With several models each one's url images and video jobs live in `<output_path>/<model id>`.
 """
@@ -33,6 +37,7 @@ With several models each one's url images and video jobs live in `<output_path>/
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from pathlib import Path
@@ -208,6 +213,13 @@ def parse_app_args(args: dict[str, Any] | AppSpec) -> AppSpec:
     """Validate the builder's `args`; AppArgsError lists every problem, one a line, with its place."""
     if isinstance(args, AppSpec):
         return args
+    try:
+        args = {
+            **args,
+            **{key: json.loads(args[key]) for key in ("models", "server") if isinstance(args.get(key), str)},
+        }
+    except json.JSONDecodeError as exc:
+        raise AppArgsError(f"invalid diffserve Ray application arguments: `models` and `server` given as text must be JSON ({exc})") from None  # fmt: skip
     try:
         return AppSpec.model_validate(args)
     except ValidationError as exc:

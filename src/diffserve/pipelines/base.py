@@ -10,6 +10,8 @@ from typing import Any, ClassVar
 import torch
 from PIL import Image
 
+from diffserve.configs.cache_rule import CacheRule
+from diffserve.configs.cache_settings import CacheSettings, NoCache
 from diffserve.configs.quality import EXACT, QualityRule
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.step_cache_policy import StepCachePolicy
@@ -41,6 +43,8 @@ class PipelineContext:
     default_quality: str = EXACT
     #: Step-cache policies per tier from the model folder's calibration file (over the family's own).
     calibrated_step_cache: dict[str, StepCachePolicy] = field(default_factory=dict)
+    #: The cache of requests that set neither `cache` nor an approximate quality (`--cache-default`).
+    default_cache: CacheSettings | None = None
 
     def get(self, name: str) -> Any:
         return self.components[name].value
@@ -62,6 +66,10 @@ class Pipeline:
     #: The approximate quality tiers this family has, with its measured step-cache thresholds
     #: (empty: its DiT does not take a step cache, and only "high", the exact path, is served).
     step_cache_policies: ClassVar[dict[str, StepCachePolicy]] = {}
+    #: The family's TeaCache coefficients and MagCache ratios, the defaults of those settings (None: the
+    #: family records none; a magcache request must then bring its ratios).
+    teacache_coefficients: ClassVar[tuple[float, ...] | None] = None
+    mag_ratios: ClassVar[tuple[float, ...] | None] = None
     #: The family's typed conditioning (`Req.conditioning`): every request gets an empty one before its
     #: pre-denoise stages, so all requests of the pipeline carry the same class (None: the family needs none).
     conditioning_type: ClassVar[type[Conditioning] | None] = None
@@ -75,6 +83,7 @@ class Pipeline:
         if context.calibrated_step_cache and not self.step_cache_policies:
             raise ValueError(f"the model folder has step-cache calibration, but {name} has no step cache")
         self.use_step_cache_policies({**self.step_cache_policies, **context.calibrated_step_cache})
+        self._use_cache_methods(context)
         self._facts = self._declare_facts()
         if self.quality_rule.policies:
             logger.info(
@@ -94,6 +103,28 @@ class Pipeline:
         rule.resolve(None)  # a default tier the family does not have fails at startup, not per request
         self.quality_rule = rule
         self.input_validation_stage.quality = rule
+
+    def _use_cache_methods(self, context: PipelineContext) -> None:
+        """The `cache` methods requests may name (those the DiT runs) and the engine's default; a default
+        the DiT cannot run, or one next to an approximate `--default-quality`, fails at startup."""
+        transformer = context.get("transformer")
+        rule = CacheRule(
+            family=type(self).__name__,
+            methods=getattr(transformer, "cache_methods", frozenset()),
+            num_blocks=transformer.cache_block_count() if hasattr(transformer, "cache_block_count") else 0,
+            teacache_coefficients=self.teacache_coefficients,
+            mag_ratios=self.mag_ratios,
+        )
+        default = rule.resolve(context.default_cache)  # InvalidRequestError: reported as --cache-default's
+        default = None if isinstance(default, NoCache) else default
+        if default is not None and self.quality_rule.default_tier != EXACT:
+            raise ValueError(
+                f"--cache-default and --default-quality {self.quality_rule.default_tier} both choose how "
+                "requests reuse DiT work; pass one of them"
+            )
+        self.cache_rule = rule
+        self.input_validation_stage.cache_rule = rule
+        self.input_validation_stage.default_cache = default
 
     def build_stages(self, context: PipelineContext) -> list[Stage]:
         raise NotImplementedError

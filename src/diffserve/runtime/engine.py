@@ -563,9 +563,12 @@ def log_denoising(req: Req) -> None:
         )
     cache = req.step_cache
     if cache is not None:
+        chosen = f"quality={req.params.quality}" if req.params.quality != "high" else f"cache={cache.method}"
         logger.info(
-            "[%s] quality=%s: %d of %d steps computed in full, %d reused the cached residual",
-            req.request_id[:8], req.params.quality, cache.steps_computed, req.num_steps, cache.steps_reused,
+            "[%s] %s: %d of %d steps computed in full, %d reused the cached residual; DiT blocks computed %d, "
+            "reused %d",
+            req.request_id[:8], chosen, cache.steps_computed, req.num_steps, cache.steps_reused,
+            cache.blocks_computed, cache.blocks_reused,
         )  # fmt: skip
 
 

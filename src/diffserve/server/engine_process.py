@@ -79,6 +79,7 @@ def _finished(sr: ScheduledRequest, encode_seconds: float, timings: dict, **outp
         engine_seconds=time.perf_counter() - sr.started_at,
         encode_seconds=encode_seconds,
         steps_computed_in_full=req.steps_computed_in_full,
+        cache=req.cache_report,
         **outputs,
     )
 

@@ -88,6 +88,8 @@ def images_response(
         # diffserve extension: with an approximate quality, fewer steps ran the DiT in full.
         "num_inference_steps": p.num_inference_steps,
         "steps_computed_in_full": result.steps_computed_in_full,
+        # diffserve extension: the cache method (or tier) that ran, its settings, steps and blocks reused.
+        "cache": result.cache,
     }
 
 

@@ -81,6 +81,18 @@ class ServerMetrics:
             "diffserve_images_generated", "Images returned to clients", registry=r
         )
         self.videos_generated = Counter("diffserve_videos_generated", "Videos of /v1/videos jobs", registry=r)
+        self.dit_blocks = Counter(
+            "diffserve_dit_blocks",
+            "DiT block evaluations of requests with a cache method or an approximate quality tier, by whether "
+            "they were computed or reused from an earlier step (reused: the DiT work saved)",
+            ["outcome"], registry=r,
+        )  # fmt: skip
+        self.dit_steps = Counter(
+            "diffserve_dit_cached_steps",
+            "Denoising steps of requests with a cache method or an approximate quality tier, by whether their "
+            "cached blocks were computed or reused",
+            ["outcome"], registry=r,
+        )  # fmt: skip
         self.peak_memory = Gauge(
             "diffserve_peak_memory_bytes", "Peak memory of the last request (device memory; process RSS on CPU)",
             registry=r,
@@ -114,6 +126,11 @@ class ServerMetrics:
             self.step_seconds.observe(seconds)
         for size in result.batch_sizes:
             self.batch_size.observe(size)
+        if result.cache is not None:
+            self.dit_blocks.labels("computed").inc(result.cache["blocks_computed"])
+            self.dit_blocks.labels("reused").inc(result.cache["blocks_reused"])
+            self.dit_steps.labels("computed").inc(result.cache["steps_computed"])
+            self.dit_steps.labels("reused").inc(result.cache["steps_reused"])
         if result.peak_memory_bytes is not None:
             self.peak_memory.set(result.peak_memory_bytes)
             self._max_peak = max(self._max_peak, result.peak_memory_bytes)

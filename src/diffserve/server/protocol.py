@@ -177,6 +177,9 @@ class JobFinished:
     videos: list[EncodedVideo] = field(default_factory=list)  # video jobs (then `images` is empty)
     batch_sizes: list[int] = field(default_factory=list)  # requests in the DiT batch of each of its steps
     steps_computed_in_full: int | None = None  # fewer than the steps with an approximate quality tier
+    #: A cache method's or tier's report (`Req.cache_report`: method, settings, steps and blocks computed vs
+    #: reused); None on the exact path.
+    cache: dict[str, Any] | None = None
 
 
 @dataclass

@@ -19,6 +19,7 @@ from diffserve.configs.sampling_params import (
     SamplingParams,
     lora_choices,
 )
+from diffserve.server.cache_schema import CacheRequest, cache_field, cache_settings
 
 
 class ApiParamError(ValueError):
@@ -162,18 +163,26 @@ def extra_settings(value: Any) -> Any:
     return value
 
 
+_CACHE_NOTE = (
+    'for example {"method": "dbcache", "Fn_compute_blocks": 1, "residual_diff_threshold": 0.12} (in a '
+    "multipart form: that JSON as text); the response's `cache` reports the steps and blocks it computed "
+    "and reused"
+)
+
+
 def sampling_params(body: BaseModel, **fields: Any) -> SamplingParams:
     """The engine's parameters: the request's fields named as SamplingParams fields, then `fields`. An
     unset seed is drawn here, so that the answer can name it. `loras` are checked here (count, distinct
     names, scale range: InvalidRequestError naming `loras`); whether the engine has them, by the engine."""
     shared = {f.name for f in dataclasses.fields(SamplingParams)} & set(type(body).model_fields)
-    names = shared - {*fields, "seed", "loras"}
+    names = shared - {*fields, "seed", "loras", "cache"}
     seed = body.seed if body.seed is not None else secrets.randbelow(2**32)
     loras = _lora_choices(getattr(body, "loras", None))
     values = {name: getattr(body, name) for name in names}
     if values.get("extra") is None:
         values.pop("extra", None)  # unset: no family settings
-    return SamplingParams(seed=seed, loras=loras, **values, **fields)
+    cache = cache_settings(getattr(body, "cache", None))
+    return SamplingParams(seed=seed, loras=loras, cache=cache, **values, **fields)
 
 
 def _lora_choices(entries: list[LoraEntry] | None) -> list[LoraChoice]:
@@ -232,10 +241,12 @@ class ImageGenerationRequest(BaseModel):
     priority: Priority = None
     loras: list[LoraEntry] | None = sampling_field("loras", note=_LORAS_FORM)
     extra: dict[str, Any] | None = sampling_field("extra", note=f"for example {_EXTRA_EXAMPLE}")
+    cache: CacheRequest | None = sampling_field("cache", note=_CACHE_NOTE)
 
     _utf8 = field_validator("*")(utf8_text)
     _loras = field_validator("loras", mode="before")(lora_entries)
     _extra = field_validator("extra", mode="before")(extra_settings)
+    _cache = field_validator("cache", mode="before")(cache_field)
 
     def check_supported(self) -> None:
         for name, allowed in NO_OP_VALUES.items():
@@ -374,10 +385,12 @@ class VideoCreateRequest(BaseModel):
     extra: dict[str, Any] | None = sampling_field(
         "extra", note=f"for example {_EXTRA_EXAMPLE} (in a multipart form: that JSON as text)"
     )
+    cache: CacheRequest | None = sampling_field("cache", note=_CACHE_NOTE)
 
     _utf8 = field_validator("*")(utf8_text)
     _loras = field_validator("loras", mode="before")(lora_entries)
     _extra = field_validator("extra", mode="before")(extra_settings)
+    _cache = field_validator("cache", mode="before")(cache_field)
 
     def video_size(self) -> tuple[int | None, int | None]:
         if self.size is None or self.size.strip() == "auto":

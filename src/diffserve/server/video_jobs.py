@@ -68,7 +68,7 @@ _PARAM_FIELDS = (
 )  # fmt: skip
 _EXTENSIONS = (
     "phase", "num_frames", "fps", "seed", "num_inference_steps", "guidance_scale", "image_to_video", "quality",
-    "steps_computed_in_full",
+    "steps_computed_in_full", "cache",
 )  # fmt: skip
 
 
@@ -98,6 +98,7 @@ class VideoJob:
     image_to_video: bool = False
     quality: str | None = None  # the tier run: "high" (exact), "medium", "low" or "draft"
     steps_computed_in_full: int | None = None  # known when completed; fewer than the steps with a lossy tier
+    cache: dict[str, Any] | None = None  # known when completed: the cache's report (`Req.cache_report`)
     extra: dict[str, Any] = field(default_factory=dict)
     #: Who created it (access.Principal.owner: a digest of the client's key; "" without one). Never shown.
     owner: str = ""
@@ -395,6 +396,7 @@ class VideoJobManager:
             else:
                 job.file_bytes = result.videos[0].size_bytes if result.videos else None
                 job.steps_computed_in_full = result.steps_computed_in_full
+                job.cache = result.cache
                 self._finish(job, "completed")
         finally:
             self._active.pop(job.id, None)

@@ -9,10 +9,13 @@ from typing import ClassVar
 import torch
 from PIL import Image
 
+from diffserve.configs.cache_rule import CacheRule, choose_cache
+from diffserve.configs.cache_settings import CacheSettings
 from diffserve.configs.quality import EXACT, QualityRule
 from diffserve.configs.sampling_params import SKIP_LAYER_GUIDANCE_FIELDS, SamplingParams, check_strength
 from diffserve.errors import InvalidRequestError
 from diffserve.masks import check_mask_size, edit_mask
+from diffserve.models.cache_methods.registry import new_request_cache
 from diffserve.models.step_cache import StepCacheState
 from diffserve.request import Req
 from diffserve.runtime.contract import CfgMode
@@ -199,7 +202,7 @@ class SkipLayerGuidanceRule:
 
 
 class InputValidationStage(Stage):
-    sets = ("generator", "do_cfg")  # and step_cache, for an approximate quality tier
+    sets = ("generator", "do_cfg")  # and step_cache, for an approximate quality tier or a cache method
 
     #: Whether the family reads its own settings from `SamplingParams.extra` (it checks them in its
     #: `resolve`); a family that does not refuses a request that sends any, naming them.
@@ -236,6 +239,9 @@ class InputValidationStage(Stage):
         self.skip_layer_guidance = skip_layer_guidance
         self.expert_guidance = expert_guidance
         self.quality = QualityRule(family=self.image_inputs.pipeline_name)
+        #: The `cache` methods its DiT runs, and the engine's `--cache-default` (the pipeline sets both).
+        self.cache_rule = CacheRule(family=self.image_inputs.pipeline_name)
+        self.default_cache: CacheSettings | None = None
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         """Family defaults applied and validated; raises InvalidRequestError on bad input."""
@@ -268,6 +274,9 @@ class InputValidationStage(Stage):
         self.image_inputs.check_requested_strength(params)
         resolved = params.with_defaults(self.defaults)
         resolved.quality = self.quality.resolve(params.quality)
+        resolved.cache, resolved.quality = choose_cache(
+            params.cache, params.quality, resolved.quality, self.cache_rule, self.default_cache
+        )
         self.image_inputs.check(resolved)
         if self.video is not None:
             self.video.check(resolved)
@@ -293,7 +302,9 @@ class InputValidationStage(Stage):
         req.generator = torch.Generator("cpu").manual_seed(req.params.seed)
         p = req.params
         if p.quality != EXACT:
-            req.step_cache = StepCacheState(self.quality.policies[p.quality])
+            req.step_cache = StepCacheState(self.quality.policies[p.quality], self.cache_rule.num_blocks)
+        else:
+            req.step_cache = new_request_cache(p.cache, self.cache_rule.num_blocks)
         if self.cfg_mode == "none":
             req.do_cfg, req.cfg_scale = False, 1.0
         elif self.cfg_mode == "true_cfg":

@@ -94,7 +94,9 @@ def _flux_inputs(g: torch.Generator, batch: int, text: int, ragged: bool, device
         "encoder_hidden_states": torch.randn(batch, text, 32, generator=g).to(device, dtype),
         "pooled_projections": torch.randn(batch, 32, generator=g).to(device, dtype),
         "timestep": torch.rand(batch, generator=g).to(device),
-        "img_ids": torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0), indexing="ij"), -1)
+        "img_ids": torch.stack(
+            torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0), indexing="ij"), -1
+        )
         .reshape(16, 3)
         .to(device),
         "txt_ids": torch.zeros(text, 3, device=device),

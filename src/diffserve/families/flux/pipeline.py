@@ -155,6 +155,16 @@ class FluxPipeline(Pipeline):
         "draft": StepCachePolicy(threshold=1.6, max_reuse_in_a_row=5),
     }
 
+    #: TeaCache's published rescale polynomial for FLUX.1 (github.com/ali-vilab/TeaCache, TeaCache4FLUX).
+    teacache_coefficients = (4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01)
+    #: MagCache's residual magnitude ratios of FLUX.1-dev at 28 steps (github.com/Zehong-Ma/MagCache; the
+    #: values diffusers ships as `FLUX_MAG_RATIOS`): resampled to other step counts.
+    mag_ratios = (
+        1.0, 1.21094, 1.11719, 1.07812, 1.0625, 1.03906, 1.03125, 1.03906, 1.02344, 1.03125, 1.02344, 0.98047,
+        1.01562, 1.00781, 1.0, 1.00781, 1.0, 1.00781, 1.0, 1.0, 0.99609, 0.99609, 0.98047, 0.98828, 0.96484,
+        0.95703, 0.93359, 0.89062,
+    )  # fmt: skip
+
     def image_input_rule(self) -> ImageInputRule:
         """An optional input image (image-to-image, strength 0.6 by default as Diffusers') and mask."""
         return ImageInputRule(

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -45,10 +45,19 @@ class DiffusersDiT(DiffusersConfigured, nn.Module):
         self.config = config
         self.inner_dim: int = config.inner_dim
 
+    #: The cache methods its forward runs (`configs/cache_rule.py`): none unless the DiT declares them.
+    cache_methods: ClassVar[frozenset[str]] = frozenset()
+    #: Its block lists, in the order the cache methods count blocks (`cache_block_count`).
+    cache_block_lists: ClassVar[tuple[str, ...]] = ()
+
     @property
     def hidden_width(self) -> int:
         """The width of the DiT's hidden states (what a latent token's activations scale with)."""
         return self.inner_dim
+
+    def cache_block_count(self) -> int:
+        """The blocks a cache method counts (DBCache's Fn/Bn index them): those of `cache_block_lists`."""
+        return sum(len(getattr(self, name)) for name in self.cache_block_lists)
 
 
 def check_tp_divides(tp: TensorParallelRank, count: int, refusal: str) -> None:

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.distributed.tensor_parallel import (
     ColumnParallelLinear,
@@ -62,6 +63,7 @@ from diffserve.layers.quantized_linear import linear_rows
 from diffserve.layers.residual import attention_mlp_residuals, fp16_clip, gated_residual
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding, checked_rope_axes, multi_axis_rope_tables
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig, check_tp_divides, shard_blocks
+from diffserve.models.dits.flux_block_range import FluxBlockRange
 from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
 
 logger = logging.getLogger(__name__)
@@ -428,6 +430,8 @@ class FluxTransformer2DModel(DiffusersDiT):
 
     diffusers_class_name: ClassVar[str] = "FluxTransformer2DModel"
     config_class = FluxTransformerConfig
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
+    cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks", "single_transformer_blocks")
 
     def __init__(self, config: FluxTransformerConfig) -> None:
         super().__init__(config)
@@ -581,6 +585,7 @@ class FluxTransformer2DModel(DiffusersDiT):
             lambda rows: self._run_blocks(
                 take_rows(x, rows), take_rows(ctx, rows), [take_rows(m, rows) for m in block_mods], rope
             ),
+            blocks=lambda: self._block_range(x, ctx, block_mods, rope),
         )
         x = self.norm_out.modulate_projected(x, out_mod)
         return self.proj_out(x)
@@ -632,6 +637,18 @@ class FluxTransformer2DModel(DiffusersDiT):
                     h = block(h, next(mods_iter), rope)
                 x = h[:, ctx.shape[1] :]
         return split.gather(image, x)
+
+    def _block_range(
+        self, x: torch.Tensor, ctx: torch.Tensor, mods: Sequence[torch.Tensor], rope: RopeTables
+    ) -> FluxBlockRange:
+        """The blocks as one sequence for block-range cache methods (DBCache): two adaLN vectors per
+        double-stream block, one per single-stream block, in `_modulations` order."""
+        n_double = len(self.transformer_blocks)
+        per_block = [list(mods[2 * i : 2 * i + 2]) for i in range(n_double)]
+        per_block += [[m] for m in mods[2 * n_double :]]
+        return FluxBlockRange(
+            self.transformer_blocks, self.single_transformer_blocks, x, ctx, per_block, rope
+        )
 
     def _cache_signal(self, x: torch.Tensor, mods: Sequence[torch.Tensor]) -> torch.Tensor:
         """The first block's timestep-modulated image input: what the step cache watches change."""

@@ -1,0 +1,104 @@
+"""`CacheRule`: which cache methods a family's DiT runs, and a request's `cache` settings resolved for it.
+
+A method the DiT does not support is refused, naming the family and the method, never run as the exact
+path behind the user's back. Settings that depend on the model are checked or filled here: DBCache's
+first and last blocks must fit in the DiT's blocks; TeaCache's coefficients and MagCache's ratios default
+to the family's recorded ones (reported with the response, so the user sees which ran). No torch here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from diffserve.configs.cache_settings import (
+    CacheSettings,
+    DBCacheSettings,
+    MagCacheSettings,
+    NoCache,
+    TeaCacheSettings,
+)
+from diffserve.configs.quality import AUTO, EXACT, canonical_tier
+from diffserve.errors import InvalidRequestError
+
+#: The methods that reuse the residual of all blocks at once: every DiT with a step cache runs them.
+WHOLE_SPAN_METHODS = frozenset({"teacache", "magcache", "taylorseer", "scm"})
+#: The methods that also need the DiT's blocks run in ranges (`models/cache_methods/blocks.py`).
+BLOCK_RANGE_METHODS = frozenset({"dbcache"})
+
+
+@dataclass(frozen=True)
+class CacheRule:
+    """What the `cache` of a family's requests may be.
+
+    `methods`: the methods its DiT runs (besides "none"); `num_blocks`: the DiT's blocks, in the order the
+    cache methods count them (FLUX: the double-stream blocks, then the single-stream ones);
+    `teacache_coefficients` / `mag_ratios`: the family's defaults for those settings (None: it has none).
+    """
+
+    family: str
+    methods: frozenset[str] = frozenset()
+    num_blocks: int = 0
+    teacache_coefficients: tuple[float, ...] | None = None
+    mag_ratios: tuple[float, ...] | None = None
+
+    def resolve(self, settings: CacheSettings | None) -> CacheSettings | None:
+        """`settings` ready to run on this model (defaults filled), or a 400 naming `cache`."""
+        if settings is None or isinstance(settings, NoCache):
+            return settings
+        settings.check()
+        if settings.method not in self.methods:
+            has = ", ".join(sorted(self.methods)) if self.methods else "none yet"
+            raise InvalidRequestError(
+                f"cache method {settings.method!r} is not supported by {self.family}'s DiT yet (its cache "
+                f"methods: {has}); pass another method, or omit cache",
+                param="cache",
+            )
+        if isinstance(settings, DBCacheSettings):
+            used = settings.Fn_compute_blocks + settings.Bn_compute_blocks
+            if used > self.num_blocks:
+                raise InvalidRequestError(
+                    f"cache: dbcache's Fn_compute_blocks ({settings.Fn_compute_blocks}) + Bn_compute_blocks "
+                    f"({settings.Bn_compute_blocks}) exceed {self.family}'s {self.num_blocks} DiT blocks",
+                    param="cache",
+                )
+        if isinstance(settings, TeaCacheSettings) and settings.coefficients is None:
+            settings = dataclasses.replace(settings, coefficients=self.teacache_coefficients)
+        if isinstance(settings, MagCacheSettings) and settings.mag_ratios is None:
+            if self.mag_ratios is None and not settings.magcache_calibrate:
+                raise InvalidRequestError(
+                    f"cache: magcache needs mag_ratios for {self.family} (it records none): measure them "
+                    'once with {"method": "magcache", "magcache_calibrate": true} (the response reports '
+                    "them), then pass them as mag_ratios",
+                    param="cache",
+                )
+            settings = dataclasses.replace(settings, mag_ratios=self.mag_ratios)
+        return settings
+
+
+def choose_cache(
+    requested: CacheSettings | None,
+    requested_quality: str | None,
+    tier: str,
+    rule: CacheRule,
+    default: CacheSettings | None,
+) -> tuple[CacheSettings | None, str]:
+    """(the cache a request runs, resolved for its model; the quality tier it runs at).
+
+    A request's own `cache` wins over the engine's `--cache-default` (`NoCache`: the exact path); with an
+    approximate `quality` asked for by name it is a 400 (both pick how to skip work), while a `quality` left
+    unset or `auto` then means the exact tier. The default applies to requests that set neither cache nor an
+    approximate tier. `tier`: the request's resolved quality tier.
+    """
+    asked_tier = requested_quality is not None and canonical_tier(requested_quality) != AUTO
+    if requested is not None:
+        if asked_tier and tier != EXACT:
+            raise InvalidRequestError(
+                f"pass either cache or quality={requested_quality!r}: both choose how the DiT reuses work "
+                "between steps (quality 'high' or unset goes with any cache)",
+                param="cache",
+            )
+        return rule.resolve(requested), EXACT
+    if tier == EXACT and default is not None and not asked_tier:
+        return rule.resolve(default), EXACT
+    return None, tier

@@ -1,0 +1,72 @@
+"""What a DiT exposes so that a cache method can run its blocks in ranges: `Streams` and `BlockRange`.
+
+A cache method such as DBCache runs the first blocks, decides, then runs or skips the middle ones and
+runs the last ones; requests in one DiT batch may cut at different blocks. So a DiT that supports it
+hands the cache, per forward, a `BlockRange`: its blocks as one ordered sequence (FLUX: the double-stream
+blocks, then the single-stream ones) that runs any range `[start, stop)` on any rows, with the per-row
+inputs (timestep modulation, text, masks) bound inside it.
+
+Between two blocks the hidden state is `Streams`: the image tokens the output head reads, and, for
+dual-stream DiTs, the text tokens the blocks update (FLUX's single-stream blocks keep one joint sequence;
+their range splits it into the two streams at its ends, which copies values and changes none). Residuals
+and cached values are `Streams` too, so reusing the middle blocks adds to both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class Streams:
+    """The hidden state between two blocks, for some batch rows: `image` (rows, tokens, dim) and `text`
+    (rows, text tokens, dim), None for DiTs whose blocks do not update a text stream and after the last
+    block (nothing reads it there)."""
+
+    image: torch.Tensor
+    text: torch.Tensor | None = None
+
+    def take(self, rows: torch.Tensor) -> Streams:
+        """These streams restricted to batch rows `rows`."""
+        text = None if self.text is None else self.text.index_select(0, rows)
+        return Streams(self.image.index_select(0, rows), text)
+
+    def put(self, rows: torch.Tensor, part: Streams) -> Streams:
+        """A copy with batch rows `rows` replaced by `part` (a text-less `part`, the output of the last
+        block, drops the text stream: nothing reads it after the last block)."""
+        text = None if self.text is None or part.text is None else self.text.index_copy(0, rows, part.text)
+        return Streams(self.image.index_copy(0, rows, part.image), text)
+
+    def minus(self, other: Streams) -> Streams:
+        """The residual `self - other`, stream by stream (text only where both have it)."""
+        text = None if self.text is None or other.text is None else self.text - other.text
+        return Streams(self.image - other.image, text)
+
+    def plus(self, residual: Streams, need_text: bool) -> Streams:
+        """`self + residual`, stream by stream. `need_text`: blocks still follow, which read the text
+        stream, so the residual must carry one (RuntimeError otherwise)."""
+        if not need_text or self.text is None:  # the text is read no more (or there is none)
+            return Streams(self.image + residual.image, self.text)
+        if residual.text is None:
+            raise RuntimeError("the cached residual has no text stream, which the blocks after it read")
+        return Streams(self.image + residual.image, self.text + residual.text)
+
+
+class BlockRange(Protocol):
+    """A DiT forward's blocks as one ordered sequence of `num_blocks`, runnable in ranges."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    def start(self) -> Streams:
+        """The first block's input, every row of the batch."""
+        ...
+
+    def run(self, streams: Streams, rows: torch.Tensor | None, start: int, stop: int) -> Streams:
+        """Blocks `[start, stop)` on `streams`, which hold batch rows `rows` (None: every row): per-row
+        inputs are taken for those rows. Running the ranges `[0, a)`, `[a, b)`, ... `[z, num_blocks)` one
+        after the other gives the values the DiT's own block loop gives (its output: `image`)."""
+        ...
