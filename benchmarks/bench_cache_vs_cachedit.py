@@ -51,8 +51,6 @@ prediction): read the FLUX-shaped checkpoint's rows for speed, the demo model's 
 
 from __future__ import annotations
 
-import diffserve  # noqa: F401, I001  (first: OpenMP's passive wait policy is set before torch loads)
-
 import argparse
 import contextlib
 import dataclasses
@@ -69,6 +67,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+import diffserve  # noqa: F401  (before torch: OpenMP's passive wait policy is read when torch loads)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
@@ -109,7 +109,6 @@ def demo_prompts(count: int) -> list[str]:
     """`count` held-out prompts of the demo model, spread over its 60 held-out attribute sets (combinations
     it never saw in training), none of them a calibration prompt (`bench_quality.DEMO_PROMPTS`)."""
     from bench_quality import DEMO_PROMPTS
-
     from diffserve.demo import shapes_data
 
     captions = [shapes_data.caption(a) for a in shapes_data.held_out_attributes()]
@@ -129,8 +128,13 @@ def demo_checkpoint(args: argparse.Namespace) -> Checkpoint:
         prompts=demo_prompts(args.prompts),
         # The folder's recommended defaults (its diffserve.json), passed to both explicitly.
         request={
-            "height": 64, "width": 64, "num_inference_steps": args.steps, "max_sequence_length": 16,
-            "true_cfg_scale": 3.0, "negative_prompt": "", "guidance_scale": None,
+            "height": 64,
+            "width": 64,
+            "num_inference_steps": args.steps,
+            "max_sequence_length": 16,
+            "true_cfg_scale": 3.0,
+            "negative_prompt": "",
+            "guidance_scale": None,
         },  # fmt: skip
         true_cfg=True,
     )
@@ -174,7 +178,9 @@ def flux_checkpoint(args: argparse.Namespace) -> Checkpoint:
             config["attention_head_dim"],
         )  # fmt: skip
         if found != wanted:
-            raise SystemExit(f"{model_dir} holds a DiT of {found} (double, single, heads, head dim), not {wanted}")
+            raise SystemExit(
+                f"{model_dir} holds a DiT of {found} (double, single, heads, head dim), not {wanted}"
+            )
         log(f"reusing the FLUX-shaped checkpoint at {model_dir}")
     else:
         from diffserve.families.flux.tiny import build_tiny_flux
@@ -191,8 +197,11 @@ def flux_checkpoint(args: argparse.Namespace) -> Checkpoint:
         f"{width} wide, guidance-distilled, T5 length {spec.t5_max_length}), {size}x{size}",
         prompts=list(FLUX_PROMPTS[: args.prompts]),
         request={
-            "height": size, "width": size, "num_inference_steps": args.steps,
-            "max_sequence_length": spec.t5_max_length, "guidance_scale": 3.5,
+            "height": size,
+            "width": size,
+            "num_inference_steps": args.steps,
+            "max_sequence_length": spec.t5_max_length,
+            "guidance_scale": 3.5,
         },  # fmt: skip
         true_cfg=False,
     )
@@ -366,7 +375,14 @@ def build_rows(args: argparse.Namespace, ck: Checkpoint, ctx: dict[str, Any]) ->
         rows.append(Row(method, setting, "cache-dit", on, off, cache, barred=scm is None))
     if "teacache" in wanted:
         rows += [
-            Row("TeaCache", f"rel_l1_thresh {t:g}", None, None, None, {"method": "teacache", "rel_l1_thresh": t})
+            Row(
+                "TeaCache",
+                f"rel_l1_thresh {t:g}",
+                None,
+                None,
+                None,
+                {"method": "teacache", "rel_l1_thresh": t},
+            )
             for t in args.teacache_threshold_list
         ]
     return rows
@@ -446,7 +462,11 @@ class Engines:
             **self.ck.request,
         ).images[0]  # fmt: skip
         seconds = time.perf_counter() - start
-        return seconds, np.asarray(image.convert("RGB")), self.work.counts(self.ck.request["num_inference_steps"])
+        return (
+            seconds,
+            np.asarray(image.convert("RGB")),
+            self.work.counts(self.ck.request["num_inference_steps"]),
+        )
 
     def run_diffserve(self, prompt: str, cache: dict | None) -> tuple[float, np.ndarray, dict[str, Any]]:
         kwargs = {} if cache is None else {"cache": cache}
@@ -457,7 +477,11 @@ class Engines:
         report = getattr(out, "cache", None)
         if report:
             computed, reused = report.get("blocks_computed"), report.get("blocks_reused")
-            work = computed / (computed + reused) if computed is not None and reused and computed + reused else 1.0
+            work = (
+                computed / (computed + reused)
+                if computed is not None and reused and computed + reused
+                else 1.0
+            )
             counts = {"steps_reused": report.get("steps_reused", steps - out.steps_computed_in_full),
                       "block_work": work, "report": report}  # fmt: skip
         else:
@@ -570,7 +594,9 @@ def summarize(side: Side, exact: Side | None, diffusers_exact: Side | None) -> d
         out["diffserve_cache_report"] = reports[0]
     if exact is not None and exact.error is None:
         exact_medians = [statistics.median(s) for s in exact.seconds]
-        out["speedup_vs_own_exact"] = statistics.fmean(e / m for e, m in zip(exact_medians, medians, strict=True))
+        out["speedup_vs_own_exact"] = statistics.fmean(
+            e / m for e, m in zip(exact_medians, medians, strict=True)
+        )
         psnrs = [psnr_uint8(a, b) for a, b in zip(side.images, exact.images, strict=True)]
         out["psnr_vs_own_exact"] = psnrs
     if diffusers_exact is not None and diffusers_exact.error is None:
@@ -582,7 +608,9 @@ def summarize(side: Side, exact: Side | None, diffusers_exact: Side | None) -> d
 
 def paired_ratio(ref: Side, ours: Side) -> list[float]:
     """Reference time / diffserve time per (prompt, repeat): runs seconds apart, alternating."""
-    return [r / d for rs, ds in zip(ref.seconds, ours.seconds, strict=True) for r, d in zip(rs, ds, strict=True)]
+    return [
+        r / d for rs, ds in zip(ref.seconds, ours.seconds, strict=True) for r, d in zip(rs, ds, strict=True)
+    ]
 
 
 def run_checkpoint(args: argparse.Namespace, ck: Checkpoint) -> dict[str, Any]:
@@ -619,9 +647,13 @@ def run_checkpoint(args: argparse.Namespace, ck: Checkpoint) -> dict[str, Any]:
                 entry["reference_result"] = summarize(sides["reference"], d_exact, d_exact)
             entry["diffserve_result"] = summarize(sides["diffserve"], exact.get("diffserve"), d_exact)
             if "reference" in sides and sides["reference"].error is None and sides["diffserve"].error is None:
-                entry["time_ratio_reference_over_diffserve"] = paired_ratio(sides["reference"], sides["diffserve"])
+                entry["time_ratio_reference_over_diffserve"] = paired_ratio(
+                    sides["reference"], sides["diffserve"]
+                )
             results.append(entry)
-            log(f"  [{index + 1}/{len(rows)}] {row.method}, {row.setting}: {time.perf_counter() - start:.1f} s")
+            log(
+                f"  [{index + 1}/{len(rows)}] {row.method}, {row.setting}: {time.perf_counter() - start:.1f} s"
+            )
         return {
             "checkpoint": ck.name, "description": ck.description, "path": str(ck.path),
             "dit_parameters": harness.dit_parameter_count(ck.path), "prompts": ck.prompts,
@@ -676,7 +708,7 @@ def ratio_cells(entry: dict[str, Any]) -> tuple[str, str, str]:
             gap = a - b
         else:
             gap = math.inf if math.isinf(a) else -math.inf
-    gap_cell = "-" if gap is None else f"{gap:+.1f} dB"
+    gap_cell = "-" if gap is None else f"{0.0 if abs(gap) < 0.05 else gap:+.1f} dB"
     verdict = ""
     if entry["barred"] and gap is not None:
         verdict = "PASS" if gap >= -PSNR_GAP_DB and ratio >= SPEEDUP_BAR else "MISS"
@@ -701,7 +733,9 @@ def render(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
             name = {"diffusers hook": "diffusers + hook", "cache-dit": "diffusers + cache-dit"}.get(
                 entry["reference"], entry["reference"]
             )
-            lines.append(f"{head} {name} | " + " | ".join(side_cells(entry["reference_result"], steps)) + " |")
+            lines.append(
+                f"{head} {name} | " + " | ".join(side_cells(entry["reference_result"], steps)) + " |"
+            )
             head = "| | |"
         lines.append(f"{head} diffserve | " + " | ".join(side_cells(entry["diffserve_result"], steps)) + " |")
         if "reference_result" in entry:
@@ -713,7 +747,10 @@ def render(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
                     f"PSNR gap {gap_cell} | |"
                 )
     if result.get("mag_ratios"):
-        lines += ["", f"MagCache ratios (measured by diffusers' calibration on the first prompt): {result['mag_ratios']}"]
+        lines += [
+            "",
+            f"MagCache ratios (measured by diffusers' calibration on the first prompt): {result['mag_ratios']}",
+        ]
     return lines
 
 
@@ -749,7 +786,12 @@ def default_threads() -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoints", default="demo,flux", help="demo, flux or both (default: demo,flux)")
-    p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR, help="the FLUX-shaped checkpoint (built when missing)")
+    p.add_argument(
+        "--model-dir",
+        type=Path,
+        default=DEFAULT_MODEL_DIR,
+        help="the FLUX-shaped checkpoint (built when missing)",
+    )
     p.add_argument("--resolution", type=int, default=512, help="FLUX-shaped checkpoint's size (default: 512)")
     p.add_argument("--flux-double", type=int, default=2, help="double-stream blocks (default: 2)")
     p.add_argument("--flux-single", type=int, default=6, help="single-stream blocks (default: 6)")
@@ -757,9 +799,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--flux-head-dim", type=int, default=64, help="head width (default: 64; FLUX.1: 128)")
     p.add_argument("--steps", type=int, default=28, help="denoising steps (default: 28, FLUX.1-dev's)")
     p.add_argument("--prompts", type=int, default=4, help="prompts per checkpoint (default: 4)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and row, after a warm-up (default: 3)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per prompt and row, after a warm-up (default: 3)"
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core this process may use)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: every core this process may use)"
+    )
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of: {', '.join(METHODS)}")
     p.add_argument("--thresholds", default="0.08,0.12,0.2", help="DBCache residual_diff_threshold values")
     p.add_argument("--teacache-thresholds", default="0.25,0.4,0.6", help="TeaCache rel_l1_thresh values")
@@ -767,7 +813,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quick", action="store_true",
         help="smoke run: 12 steps, 1 prompt, 1 repeat, a tiny 8-block FLUX at 64x64; no figures to quote",
     )  # fmt: skip
-    p.add_argument("--json", "--out", dest="json", type=Path, default=None, help="also write the results as JSON")
+    p.add_argument(
+        "--json", "--out", dest="json", type=Path, default=None, help="also write the results as JSON"
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.prompts, args.repeats = 12, 1, 1

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from diffserve.distributed.config import ParallelConfig
 from diffserve.distributed.state import build_parallel_state, parallel_scope
-from diffserve.distributed.tensor_parallel import TensorParallelRank, tensor_parallel_shards
+from diffserve.layers.tensor_parallel import TensorParallelRank, tensor_parallel_shards
 from diffserve.models.dits.flux import FluxTransformer2DModel, FluxTransformerConfig
 from diffserve.testing.distributed import run_distributed
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from diffserve.distributed.config import ParallelConfig
 from diffserve.distributed.state import ParallelState, build_parallel_state, parallel_scope
-from diffserve.distributed.tensor_parallel import (
+from diffserve.layers.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     tensor_parallel_shards,

@@ -24,7 +24,7 @@ from torch import nn
 
 from diffserve.distributed.config import ParallelConfig
 from diffserve.distributed.state import ParallelState, build_parallel_state, parallel_scope
-from diffserve.distributed.tensor_parallel import tensor_parallel_shards
+from diffserve.layers.tensor_parallel import tensor_parallel_shards
 from diffserve.errors import ModelLoadError
 from diffserve.loader.safetensors_weights import load_safetensors_into
 from diffserve.models.dits.z_image import ZImageTransformer2DModel

@@ -25,7 +25,7 @@ from torch import nn
 from diffserve.distributed.config import ParallelConfig
 from diffserve.distributed.parallel_embedding import ColumnParallelEmbedding, parallel_embedding_shards
 from diffserve.distributed.state import build_parallel_state
-from diffserve.distributed.tensor_parallel import (
+from diffserve.layers.tensor_parallel import (
     ColumnParallelLinear,
     TensorParallelRank,
     tensor_parallel_shards,

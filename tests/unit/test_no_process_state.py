@@ -9,6 +9,7 @@ the dispatch decision, which is what two generators could get wrong.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 
@@ -38,12 +39,14 @@ TIMEOUT_S = 30.0
 
 @pytest.fixture(autouse=True)
 def fake_fast_kernels(monkeypatch) -> None:
-    monkeypatch.setattr(
-        attention_mod, "_flash", lambda q, k, v: torch.full_like(q, MARK[AttentionBackend.FLASH_ATTN])
-    )
-    monkeypatch.setattr(
-        attention_mod, "_sage", lambda q, k, v: torch.full_like(q, MARK[AttentionBackend.SAGE_ATTN])
-    )
+    """The kernel table's flash_attn and sage_attn entries replaced by fakes that take any call."""
+    for backend, mark in MARK.items():
+        fake = dataclasses.replace(
+            attention_mod.SPECS[backend],
+            call_unsupported=lambda q, k, v, mask: None,
+            run=lambda q, k, v, mask, mark=mark: torch.full_like(q, mark),
+        )
+        monkeypatch.setitem(attention_mod.SPECS, backend, fake)
 
 
 def qkv() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ from diffserve.configs.cache_settings import (
     TeaCacheSettings,
 )
 from diffserve.configs.quality import AUTO, EXACT, canonical_tier
+from diffserve.configs.step_masks import named_schedule
 from diffserve.errors import InvalidRequestError
 
 #: The methods that reuse the residual of all blocks at once: every DiT with a step cache runs them.
@@ -102,3 +103,17 @@ def choose_cache(
     if tier == EXACT and default is not None and not asked_tier:
         return rule.resolve(default), EXACT
     return None, tier
+
+
+def check_cache_steps(settings: CacheSettings | None, num_steps: int) -> None:
+    """A 400 naming `cache` when its named steps computation schedule has no form for the `num_steps`
+    denoising steps the request runs (cache-dit's schedules need 4, 6 or at least 8)."""
+    mask = getattr(settings, "steps_computation_mask", None)
+    if not isinstance(mask, str):
+        return
+    try:
+        named_schedule(mask, num_steps)
+    except ValueError as exc:
+        raise InvalidRequestError(
+            f"cache: {exc} (or pass cache 'none' for the exact path)", param="cache"
+        ) from None

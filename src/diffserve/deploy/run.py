@@ -21,23 +21,34 @@ APP_NAME = "diffserve"
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it
 
 
-def wait_for_signal() -> int:
-    """Block until SIGTERM (0) or SIGINT (130)."""
-    received: list[int] = []
-    stop = threading.Event()
+class StopSignals:
+    """SIGTERM and SIGINT, recorded while the server runs (a context manager). Installed once Ray is
+    connected (`ray.init` sets a SIGTERM handler of its own) and before the application starts: a
+    signal that comes while Ray Serve deploys it stops the server once the deployment is done."""
 
-    def handler(signum: int, frame: object) -> None:
-        received.append(signum)
-        stop.set()
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._stop = threading.Event()
+        self._previous: dict[int, Any] = {}
 
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        while not stop.wait(0.5):
+    def __enter__(self) -> StopSignals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._record)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+    def _record(self, signum: int, frame: object) -> None:
+        self.received.append(signum)
+        self._stop.set()
+
+    def wait(self) -> int:
+        """Until the first signal: the exit code, 0 for SIGTERM and 130 for SIGINT."""
+        while not self._stop.wait(0.5):
             pass
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-    return EXIT_INTERRUPTED if received[0] == signal.SIGINT else 0
+        return EXIT_INTERRUPTED if self.received[0] == signal.SIGINT else 0
 
 
 def serve_on_ray(app_args: dict[str, Any], address: str | None, host: str, port: int) -> int:
@@ -56,16 +67,19 @@ def serve_on_ray(app_args: dict[str, Any], address: str | None, host: str, port:
     else:
         ray.init(address=address, logging_level=logging.WARNING)
     try:
-        serve.start(http_options={"host": host, "port": port})
-        try:
-            serve.run(app, name=APP_NAME, route_prefix="/")
-        except RuntimeError as exc:
-            raise UserError(f"the Ray Serve application could not start: {exc}") from exc
-        models = ", ".join(str(model.get("name") or model["model_path"]) for model in app_args["models"])
-        logger.info("Serving %s on http://%s:%d (Ray Serve); SIGTERM or Ctrl-C stops it", models, host, port)
-        code = wait_for_signal()
-        logger.info("Stopping: Ray Serve drains the replicas")
-        return code
+        with StopSignals() as signals:
+            serve.start(http_options={"host": host, "port": port})
+            try:
+                serve.run(app, name=APP_NAME, route_prefix="/")
+            except RuntimeError as exc:
+                raise UserError(f"the Ray Serve application could not start: {exc}") from exc
+            models = ", ".join(str(model.get("name") or model["model_path"]) for model in app_args["models"])
+            logger.info(
+                "Serving %s on http://%s:%d (Ray Serve); SIGTERM or Ctrl-C stops it", models, host, port
+            )
+            code = signals.wait()
+            logger.info("Stopping: Ray Serve drains the replicas")
+            return code
     finally:
         if address is None:
             serve.shutdown()

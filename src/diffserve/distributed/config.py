@@ -5,7 +5,7 @@ negative CFG branches on different ranks) and 1 without. When `--ulysses-degree`
 what is left: `num_gpus / (cfg x tp x ring)`, as in SGLang. On the CPU each "gpu" is one rank process
 (gloo). Multi-node: `nnodes` machines with `num_gpus / nnodes` ranks each, joined at `dist_init_addr`.
 
-`--tp-size` above 1 shards the DiT's blocks over that many ranks (`distributed/tensor_parallel.py`);
+`--tp-size` above 1 shards the DiT's blocks over that many ranks (`layers/tensor_parallel.py`);
 whether the model's DiT supports it is checked against the model folder (`api.check_tensor_parallel`,
 FLUX today), before anything loads. Text encoders and VAEs stay whole on every rank.
 """

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffserve.distributed.tensor_parallel import ShardSpec, TensorParallelRank, shard_ranges
+from diffserve.layers.tensor_parallel import ShardSpec, TensorParallelRank, shard_ranges
 
 
 class ColumnParallelEmbedding(nn.Embedding):

@@ -20,14 +20,8 @@ from typing import Protocol
 
 import torch
 
-from diffserve.layers.attention_backends import (
-    AUTO,
-    SPECS,
-    AttentionBackend,
-    DeviceFacts,
-    sdpa,
-    select_attention_backend,
-)
+from diffserve.layers import attention_backends
+from diffserve.layers.attention_backends import AUTO, SPECS, AttentionBackend, DeviceFacts, sdpa
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +78,7 @@ def resolve_attention_backend(
     `AttentionBackendUnavailableError` (a ValueError), as does an unknown name."""
     if facts is None:
         facts = DeviceFacts.of(device, dtype) if device is not None else DeviceFacts(device_type, dtype=dtype)
-    selection = select_attention_backend(name or default, facts)
+    selection = attention_backends.select_attention_backend(name or default, facts)
     logger.info("Attention backend: %s", selection.describe())
     return selection.backend
 

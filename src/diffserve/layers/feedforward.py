@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffserve.distributed.tensor_parallel import (
+from diffserve.layers.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     TensorParallelRank,

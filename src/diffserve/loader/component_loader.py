@@ -16,7 +16,7 @@ import torch
 import transformers
 from torch import nn
 
-from diffserve.distributed.tensor_parallel import TensorParallelRank
+from diffserve.layers.tensor_parallel import TensorParallelRank
 from diffserve.errors import ModelLoadError
 from diffserve.layers.custom_op import dispatch_custom_ops
 from diffserve.loader.dit_weights import DitLoadOptions, finish_dit, load_dit_weights

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from diffserve.configs.memory_options import QUANTIZATION_MODES
-from diffserve.distributed.tensor_parallel import ParallelLinear
+from diffserve.layers.tensor_parallel import ParallelLinear
 from diffserve.errors import UserError
 from diffserve.layers.fp8_dynamic_linear import MODE as FP8_DYNAMIC
 from diffserve.layers.fp8_dynamic_linear import (

@@ -1,6 +1,6 @@
 """Streaming Diffusers safetensors weights (single file or sharded) into a module built on `meta`.
 
-A module holding tensor-parallel layers (`distributed/tensor_parallel.py`) gets only its rank's part of
+A module holding tensor-parallel layers (`layers/tensor_parallel.py`) gets only its rank's part of
 each sharded tensor: those ranges are read with safetensors' `get_slice`, never the whole tensor.
 Every tensor is read into memory the engine owns (`loader/owned_weights.py`): nothing loaded stays a
 view of its file's pages, so a file rewritten or truncated after the load changes nothing.
@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from diffserve.distributed.tensor_parallel import ShardSpec, tensor_parallel_shards
+from diffserve.layers.tensor_parallel import ShardSpec, tensor_parallel_shards
 from diffserve.errors import ModelLoadError
 from diffserve.loader.owned_weights import open_safetensors, owned
 

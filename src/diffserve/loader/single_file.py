@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from diffserve.distributed.tensor_parallel import tensor_parallel_shards
+from diffserve.layers.tensor_parallel import tensor_parallel_shards
 from diffserve.errors import ModelLoadError
 from diffserve.layers.gguf_linear import quantized_layer_kinds
 from diffserve.loader.dit_facts import DitFactsTable

@@ -58,7 +58,7 @@ from transformers.core_model_loading import (
 from transformers.monkey_patching import patch_output_recorders
 
 from diffserve.distributed.parallel_embedding import ColumnParallelEmbedding, parallel_embedding_shards
-from diffserve.distributed.tensor_parallel import (
+from diffserve.layers.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     ShardSpec,

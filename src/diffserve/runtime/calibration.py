@@ -10,6 +10,7 @@ import sys
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from diffserve.configs.cache_settings import NoCache
 from diffserve.configs.engine_args import EngineArgs
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.platforms.base import Platform
@@ -60,6 +61,7 @@ def probe_params(facts: PipelineFacts, prompt: str, side: int | None = None) -> 
         input_images=facts.probe_images(small, small),
         mask_image=facts.probe_mask(small, small),
         num_frames=PROBE_FRAMES if facts.makes_video else None,
+        cache=NoCache(),  # one step reuses nothing: the exact path, whatever the engine's --cache-default
     )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from diffserve.configs.cache_settings import NoCache
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError, UserError
 from diffserve.runtime.contract import PipelineFacts
@@ -160,7 +161,7 @@ def warmup_params(height: int, width: int, kind: str, cfg_mode: str, video: bool
         overrides["negative_prompt"] = WARMUP_NEGATIVE_PROMPTS[kind]
     return SamplingParams(
         prompt=WARMUP_PROMPT, height=height, width=width, num_inference_steps=WARMUP_STEPS,
-        num_frames=1 if video else None, **overrides,
+        num_frames=1 if video else None, cache=NoCache(), **overrides,
     )  # fmt: skip
 
 

@@ -41,7 +41,7 @@ from torch import nn
 
 from diffserve.configs.engine_args import LoraSpec
 from diffserve.configs.sampling_params import LoraChoice
-from diffserve.distributed.tensor_parallel import ParallelLinear
+from diffserve.layers.tensor_parallel import ParallelLinear
 from diffserve.errors import LoraBusyError, LoraError, LoraLimitError
 from diffserve.layers.fused_linear import FusedLinear
 from diffserve.layers.gguf_linear import quantized_layer_kinds

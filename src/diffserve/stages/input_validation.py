@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 from PIL import Image
 
-from diffserve.configs.cache_rule import CacheRule, choose_cache
+from diffserve.configs.cache_rule import CacheRule, check_cache_steps, choose_cache
 from diffserve.configs.cache_settings import CacheSettings
 from diffserve.configs.quality import EXACT, QualityRule
 from diffserve.configs.sampling_params import SKIP_LAYER_GUIDANCE_FIELDS, SamplingParams, check_strength
@@ -288,6 +288,10 @@ class InputValidationStage(Stage):
         resolved.validate(self.pixel_multiple, self.max_sequence_length_limit)
         if self.skip_layer_guidance is not None:  # after `validate`: the fields' types are checked there
             self.skip_layer_guidance.check(resolved)
+        steps = resolved.num_inference_steps
+        if resolved.input_images and resolved.strength is not None:  # image-to-image runs the last steps
+            steps = kept_steps(steps, resolved.strength)
+        check_cache_steps(resolved.cache, steps)
         if resolved.extra and not self.takes_family_settings:
             raise InvalidRequestError(
                 f"{self.image_inputs.pipeline_name} takes no family settings in extra, got "

@@ -14,8 +14,9 @@ and cached values are `Streams` too, so reusing the middle blocks adds to both.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -70,3 +71,48 @@ class BlockRange(Protocol):
         inputs are taken for those rows. Running the ranges `[0, a)`, `[a, b)`, ... `[z, num_blocks)` one
         after the other gives the values the DiT's own block loop gives (its output: `image`)."""
         ...
+
+
+class SequentialBlocks:
+    """A `BlockRange` for DiTs whose blocks run one after another on (image, text) streams.
+
+    `row_inputs(rows)` gives the per-row inputs the blocks read (timestep modulation, cross-attention
+    context, masks) for batch rows `rows` (None: all), once per range; `call(i, image, text, inputs)` runs
+    block i and returns (image, text) (text None where the DiT keeps no text stream, or after a last
+    block that drops it)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        x: torch.Tensor,
+        ctx: torch.Tensor | None,
+        row_inputs: Callable[[torch.Tensor | None], Any],
+        call: Callable[
+            [int, torch.Tensor, torch.Tensor | None, Any], tuple[torch.Tensor, torch.Tensor | None]
+        ],
+    ) -> None:
+        self._num_blocks, self.x, self.ctx = num_blocks, x, ctx
+        self.row_inputs, self.call = row_inputs, call
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    def start(self) -> Streams:
+        return Streams(self.x, self.ctx)
+
+    def run(self, streams: Streams, rows: torch.Tensor | None, start: int, stop: int) -> Streams:
+        inputs = self.row_inputs(rows)
+        x, ctx = streams.image, streams.text
+        for i in range(start, stop):
+            x, ctx = self.call(i, x, ctx, inputs)
+        return Streams(x, ctx)
+
+
+def refuse_sequence_parallel(split: object, family: str) -> None:
+    """RuntimeError when the DiT's sequence is split over ranks: block-range methods do not run there yet."""
+    if split is not None:
+        raise RuntimeError(
+            f"cache methods that run {family}'s blocks in ranges (dbcache) do not support sequence "
+            "parallelism yet; use a whole-span method (teacache, magcache, taylorseer, scm)"
+        )

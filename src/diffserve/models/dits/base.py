@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from diffserve.distributed.tensor_parallel import TensorParallelRank
+from diffserve.layers.tensor_parallel import TensorParallelRank
 from diffserve.models.config_keys import DiffusersConfigured
 
 

@@ -44,7 +44,7 @@ from torch import nn
 
 from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
-from diffserve.distributed.tensor_parallel import (
+from diffserve.layers.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     TensorParallelRank,

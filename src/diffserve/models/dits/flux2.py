@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.layers.attention import attention
 from diffserve.layers.embeddings import timestep_sinusoids
 from diffserve.layers.joint_attention import RotaryJointAttention
@@ -45,6 +46,7 @@ from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.residual import attention_mlp_residuals, fp16_clip, gated_residual
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding, checked_rope_axes, multi_axis_rope_tables
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig
+from diffserve.models.dits.flux_block_range import FluxBlockRange
 from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
 
 #: Number of position axes of FLUX.2's ids: (T, H, W, L).
@@ -283,6 +285,14 @@ class Flux2SingleTransformerBlock(nn.Module):
 # ------------------------------------------------------------------------------------------ model
 
 
+def _flux2_single(
+    block: nn.Module, h: torch.Tensor, mods: list[torch.Tensor], rope: RopeTables, text_len: int | None
+) -> torch.Tensor:
+    """FLUX.2's single-stream block in a `FluxBlockRange`: the model's last returns the image rows only."""
+    out = block(h, mods[0], rope)
+    return out if text_len is None else out[:, text_len:]
+
+
 class Flux2Transformer2DModel(DiffusersDiT):
     """FLUX.2 DiT (dev and Klein) with Diffusers' config keys and state-dict names.
 
@@ -308,6 +318,8 @@ class Flux2Transformer2DModel(DiffusersDiT):
 
     diffusers_class_name: ClassVar[str] = "Flux2Transformer2DModel"
     config_class = Flux2TransformerConfig
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
+    cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks", "single_transformer_blocks")
 
     def __init__(self, config: Flux2TransformerConfig) -> None:
         super().__init__(config)
@@ -421,8 +433,22 @@ class Flux2Transformer2DModel(DiffusersDiT):
             lambda rows: self._run_blocks(
                 take_rows(x, rows), take_rows(ctx, rows), tuple(take_rows(m, rows) for m in mods), rope
             ),
+            blocks=lambda: self._block_range(x, ctx, mods, rope),
         )
         return self.proj_out(self.norm_out(x, temb_act))
+
+    def _block_range(
+        self, x: torch.Tensor, ctx: torch.Tensor, mods: tuple[torch.Tensor, ...], rope: RopeTables
+    ) -> FluxBlockRange:
+        """The double- then single-stream blocks as one sequence for DBCache (every block of a kind shares
+        its modulation; the last returns the image rows, as `_run_blocks`)."""
+        mod_img, mod_txt, mod_single = mods
+        per_block = [[mod_img, mod_txt]] * len(self.transformer_blocks)
+        per_block += [[mod_single]] * len(self.single_transformer_blocks)
+        return FluxBlockRange(
+            self.transformer_blocks, self.single_transformer_blocks, x, ctx, per_block, rope,
+            single=_flux2_single,
+        )  # fmt: skip
 
     def _run_blocks(
         self,

@@ -64,8 +64,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.configs.cache_rule import WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
-from diffserve.distributed.tensor_parallel import (
+from diffserve.layers.tensor_parallel import (
     TensorParallelRank,
 )
 from diffserve.layers.adaln import AdaLayerNormContinuous
@@ -355,6 +356,8 @@ class QwenImageTransformer2DModel(DiffusersDiT):
 
     diffusers_class_name: ClassVar[str] = "QwenImageTransformer2DModel"
     config_class = QwenImageTransformerConfig
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS
+    cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
 
     def __init__(self, config: QwenImageTransformerConfig) -> None:
         super().__init__(config)

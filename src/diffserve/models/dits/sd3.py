@@ -57,8 +57,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.configs.cache_rule import WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
-from diffserve.distributed.tensor_parallel import (
+from diffserve.layers.tensor_parallel import (
     TensorParallelRank,
 )
 from diffserve.layers.adaln import AdaLayerNormContinuous, AdaLayerNormZero
@@ -386,6 +387,8 @@ class SD3Transformer2DModel(DiffusersDiT):
 
     diffusers_class_name: ClassVar[str] = "SD3Transformer2DModel"
     config_class = SD3TransformerConfig
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS
+    cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
 
     def __init__(self, config: SD3TransformerConfig) -> None:
         super().__init__(config)

@@ -62,8 +62,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.configs.cache_rule import WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
-from diffserve.distributed.tensor_parallel import (
+from diffserve.layers.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     TensorParallelRank,
@@ -375,6 +376,8 @@ class WanTransformer3DModel(DiffusersDiT):
 
     diffusers_class_name: ClassVar[str] = "WanTransformer3DModel"
     config_class = WanTransformerConfig
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS
+    cache_block_lists: ClassVar[tuple[str, ...]] = ("blocks",)
 
     def __init__(self, config: WanTransformerConfig) -> None:
         super().__init__(config)

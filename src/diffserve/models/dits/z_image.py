@@ -73,8 +73,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.configs.cache_rule import WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
-from diffserve.distributed.tensor_parallel import (
+from diffserve.layers.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     TensorParallelRank,
@@ -473,6 +474,8 @@ class ZImageTransformer2DModel(DiffusersDiT):
 
     diffusers_class_name: ClassVar[str] = "ZImageTransformer2DModel"
     config_class = ZImageTransformerConfig
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS
+    cache_block_lists: ClassVar[tuple[str, ...]] = ("noise_refiner", "layers")
 
     def __init__(self, config: ZImageTransformerConfig) -> None:
         super().__init__(config)
