@@ -30,7 +30,6 @@ import torch
 from torch import nn
 
 from diffserve.configs.memory_options import QUANTIZATION_MODES
-from diffserve.layers.tensor_parallel import ParallelLinear
 from diffserve.errors import UserError
 from diffserve.layers.fp8_dynamic_linear import MODE as FP8_DYNAMIC
 from diffserve.layers.fp8_dynamic_linear import (
@@ -41,6 +40,7 @@ from diffserve.layers.fp8_dynamic_linear import (
 from diffserve.layers.fused_linear import FusedLinear
 from diffserve.layers.gguf_linear import quantized_layer_kinds
 from diffserve.layers.quantized_linear import QuantizedLinear
+from diffserve.layers.tensor_parallel import ParallelLinear
 from diffserve.loader.dit_facts import DitFactsTable
 from diffserve.platforms.base import Platform
 
@@ -127,8 +127,9 @@ def quantize_dit(module: nn.Module, mode: str, dit_class: str, facts: DitFactsTa
         empty_cache()  # hand the full-precision weights' cached blocks back to the device
     after = tensor_bytes(module)
     logger.info(
-        "%s: %s quantization of %d Linears (kept in full precision: %s): weights %s -> %s (%.0f%%)",
-        dit_class, mode, len(names), ", ".join(sorted(facts.full_precision_modules(dit_class))),
+        "%s: %s %s of %d Linears (kept in full precision: %s): weights %s -> %s (%.0f%%)",
+        dit_class, mode, "quantization" if mode == FP8_DYNAMIC else "weight-only quantization", len(names),
+        ", ".join(sorted(facts.full_precision_modules(dit_class))),
         _size(before), _size(after), 100 * after / before,
     )  # fmt: skip
 

@@ -44,12 +44,6 @@ from torch import nn
 
 from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
-from diffserve.layers.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    TensorParallelRank,
-    shard_linear,
-)
 from diffserve.layers.adaln import AdaLayerNormContinuous, AdaLayerNormZero
 from diffserve.layers.embeddings import CombinedTimestepTextEmbedding
 from diffserve.layers.feedforward import FeedForward
@@ -62,6 +56,12 @@ from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.quantized_linear import linear_rows
 from diffserve.layers.residual import attention_mlp_residuals, fp16_clip, gated_residual
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding, checked_rope_axes, multi_axis_rope_tables
+from diffserve.layers.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelRank,
+    shard_linear,
+)
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig, check_tp_divides, shard_blocks
 from diffserve.models.dits.flux_block_range import FluxBlockRange
 from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows

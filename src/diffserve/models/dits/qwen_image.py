@@ -64,11 +64,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffserve.configs.cache_rule import WHOLE_SPAN_METHODS
+from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
-from diffserve.layers.tensor_parallel import (
-    TensorParallelRank,
-)
 from diffserve.layers.adaln import AdaLayerNormContinuous
 from diffserve.layers.embeddings import TimestepEmbedding
 from diffserve.layers.feedforward import FeedForward
@@ -78,6 +75,10 @@ from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.residual import fp16_clip, gated_residual
 from diffserve.layers.rotary import RopeTables, checked_rope_axes
 from diffserve.layers.shape_cache import BoundedCache
+from diffserve.layers.tensor_parallel import (
+    TensorParallelRank,
+)
+from diffserve.models.cache_methods.blocks import SequentialBlocks, refuse_sequence_parallel
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig, check_tp_divides, shard_blocks
 from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
 
@@ -356,7 +357,7 @@ class QwenImageTransformer2DModel(DiffusersDiT):
 
     diffusers_class_name: ClassVar[str] = "QwenImageTransformer2DModel"
     config_class = QwenImageTransformerConfig
-    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
     cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
 
     def __init__(self, config: QwenImageTransformerConfig) -> None:
@@ -474,6 +475,7 @@ class QwenImageTransformer2DModel(DiffusersDiT):
                 _take_optional_rows(attn_mask, rows),
                 _take_optional_rows(cond_tokens, rows),
             ),
+            blocks=lambda: self._block_range(x, ctx, temb_act, rope, attn_mask, cond_tokens, batch),
         )
 
         x = self.norm_out(x, temb_act[:batch])
@@ -499,6 +501,38 @@ class QwenImageTransformer2DModel(DiffusersDiT):
         for i, block in enumerate(self.transformer_blocks):
             ctx, x = block(x, ctx, temb_act, rope, attn_mask, cond_tokens, text_out=i < last)
         return x
+
+    def _block_range(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        temb_act: torch.Tensor,
+        rope: RopeTables,
+        attn_mask: torch.Tensor | None,
+        cond_tokens: torch.Tensor | None,
+        batch: int,
+    ) -> SequentialBlocks:
+        """The blocks as a `BlockRange` for DBCache, with `_run_blocks`' per-row inputs and last block."""
+        refuse_sequence_parallel(sequence_split([ctx.shape[1], x.shape[1]]), "Qwen-Image")
+        blocks, last, seq = (
+            self.transformer_blocks,
+            len(self.transformer_blocks) - 1,
+            ctx.shape[1] + x.shape[1],
+        )
+
+        def row_inputs(rows: torch.Tensor | None) -> tuple:
+            return (
+                _take_temb_rows(temb_act, rows, batch),
+                _take_rope_rows(rope, rows, seq),
+                _take_optional_rows(attn_mask, rows),
+                _take_optional_rows(cond_tokens, rows),
+            )
+
+        def call(i: int, x: torch.Tensor, ctx: torch.Tensor | None, inputs: tuple) -> tuple:
+            ctx, x = blocks[i](x, ctx, *inputs, text_out=i < last)
+            return x, ctx
+
+        return SequentialBlocks(len(blocks), x, ctx, row_inputs, call)
 
     def _run_blocks_split(
         self,

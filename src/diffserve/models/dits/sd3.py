@@ -57,11 +57,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffserve.configs.cache_rule import WHOLE_SPAN_METHODS
+from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
-from diffserve.layers.tensor_parallel import (
-    TensorParallelRank,
-)
 from diffserve.layers.adaln import AdaLayerNormContinuous, AdaLayerNormZero
 from diffserve.layers.attention_weights import AttentionWeights, QKNormFactory
 from diffserve.layers.embeddings import CombinedTimestepTextEmbedding
@@ -70,6 +67,10 @@ from diffserve.layers.joint_attention import JointAttention
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.shape_cache import BoundedCache
+from diffserve.layers.tensor_parallel import (
+    TensorParallelRank,
+)
+from diffserve.models.cache_methods.blocks import SequentialBlocks, refuse_sequence_parallel
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig, check_tp_divides, shard_blocks
 from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
 
@@ -387,7 +388,7 @@ class SD3Transformer2DModel(DiffusersDiT):
 
     diffusers_class_name: ClassVar[str] = "SD3Transformer2DModel"
     config_class = SD3TransformerConfig
-    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
     cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
 
     def __init__(self, config: SD3TransformerConfig) -> None:
@@ -479,6 +480,7 @@ class SD3Transformer2DModel(DiffusersDiT):
             lambda rows: self._run_blocks(
                 take_rows(x, rows), take_rows(ctx, rows), take_rows(temb_act, rows), skip_layers
             ),
+            blocks=lambda: self._block_range(x, ctx, temb_act, skip_layers),
         )
 
         x = self.proj_out(self.norm_out(x, temb_act))  # (batch, h * w, p * p * out_channels)
@@ -518,6 +520,21 @@ class SD3Transformer2DModel(DiffusersDiT):
                 if index not in skip_layers:
                     ctx, x = block(x, ctx, temb_act, text_queries=True, self_attention_scope=image_scope)
         return split.gather(image, x)
+
+    def _block_range(
+        self, x: torch.Tensor, ctx: torch.Tensor, temb_act: torch.Tensor, skip_layers: frozenset[int]
+    ) -> SequentialBlocks:
+        """The joint blocks as a `BlockRange` for DBCache, skipping `skip_layers` as `_run_blocks` does."""
+        refuse_sequence_parallel(sequence_split([x.shape[1], ctx.shape[1]]), "SD3")
+        blocks = self.transformer_blocks
+
+        def call(i: int, x: torch.Tensor, ctx: torch.Tensor | None, temb: torch.Tensor) -> tuple:
+            if i in skip_layers:
+                return x, ctx
+            ctx, x = blocks[i](x, ctx, temb)
+            return x, ctx
+
+        return SequentialBlocks(len(blocks), x, ctx, lambda rows: take_rows(temb_act, rows), call)
 
     def _cache_signal(self, x: torch.Tensor, temb_act: torch.Tensor) -> torch.Tensor:
         """The first block's timestep-modulated image input: what the step cache watches change."""

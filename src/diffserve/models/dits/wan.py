@@ -62,15 +62,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffserve.configs.cache_rule import WHOLE_SPAN_METHODS
+from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
-from diffserve.layers.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    TensorParallelRank,
-    shard_linear,
-    shard_rms_norm,
-)
 from diffserve.layers.attention import attention
 from diffserve.layers.attention_weights import AttentionWeights
 from diffserve.layers.embeddings import GeluTanhTextProjection, TimestepEmbedding, timestep_sinusoids
@@ -79,6 +72,14 @@ from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.patches import video_patch_grid
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding, multi_axis_rope_tables
 from diffserve.layers.shape_cache import BoundedCache
+from diffserve.layers.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelRank,
+    shard_linear,
+    shard_rms_norm,
+)
+from diffserve.models.cache_methods.blocks import SequentialBlocks, refuse_sequence_parallel
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig, check_tp_divides, shard_blocks
 from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
 from diffserve.platforms import Platform
@@ -376,7 +377,7 @@ class WanTransformer3DModel(DiffusersDiT):
 
     diffusers_class_name: ClassVar[str] = "WanTransformer3DModel"
     config_class = WanTransformerConfig
-    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
     cache_block_lists: ClassVar[tuple[str, ...]] = ("blocks",)
 
     def __init__(self, config: WanTransformerConfig) -> None:
@@ -517,6 +518,7 @@ class WanTransformer3DModel(DiffusersDiT):
             lambda rows: self._run_blocks(
                 take_rows(x, rows), take_rows(ctx, rows), image_len, take_rows(time_mod, rows), rope
             ),
+            blocks=lambda: self._block_range(x, ctx, image_len, time_mod, rope),
         )
 
         shift, scale = (self.scale_shift_table.float().unsqueeze(0) + temb.float().unsqueeze(2)).unbind(2)
@@ -549,6 +551,27 @@ class WanTransformer3DModel(DiffusersDiT):
         for block in self.blocks:
             x = block(x, ctx, img, time_mod, rope)
         return x
+
+    def _block_range(
+        self, x: torch.Tensor, context: torch.Tensor, image_len: int, time_mod: torch.Tensor, rope: RopeTables
+    ) -> SequentialBlocks:
+        """The blocks as a `BlockRange` for DBCache: one video stream (the text is cross-attention context,
+        which no block changes), per-row inputs split as `_run_blocks` splits them."""
+        refuse_sequence_parallel(sequence_split([x.shape[1]]), "Wan")
+
+        def row_inputs(rows: torch.Tensor | None) -> tuple:
+            rows_context = take_rows(context, rows)
+            if image_len:
+                img, ctx = rows_context[:, :image_len], rows_context[:, image_len:]
+            else:
+                img, ctx = None, rows_context
+            return ctx, img, take_rows(time_mod, rows)
+
+        def call(i: int, x: torch.Tensor, text: torch.Tensor | None, inputs: tuple) -> tuple:
+            ctx, img, rows_time_mod = inputs
+            return self.blocks[i](x, ctx, img, rows_time_mod, rope), None
+
+        return SequentialBlocks(len(self.blocks), x, None, row_inputs, call)
 
     def _run_blocks_split(
         self,

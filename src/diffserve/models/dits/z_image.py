@@ -75,17 +75,17 @@ from torch import nn
 
 from diffserve.configs.cache_rule import WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
+from diffserve.layers.attention_weights import AttentionWeights
+from diffserve.layers.embeddings import timestep_sinusoids
+from diffserve.layers.norms import LayerNorm, RMSNorm
+from diffserve.layers.rotary import checked_rope_axes
+from diffserve.layers.shape_cache import BoundedCache
 from diffserve.layers.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     TensorParallelRank,
     shard_linear,
 )
-from diffserve.layers.attention_weights import AttentionWeights
-from diffserve.layers.embeddings import timestep_sinusoids
-from diffserve.layers.norms import LayerNorm, RMSNorm
-from diffserve.layers.rotary import checked_rope_axes
-from diffserve.layers.shape_cache import BoundedCache
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig, check_tp_divides, shard_blocks
 from diffserve.models.step_cache import BatchStepCache, run_with_step_cache
 
