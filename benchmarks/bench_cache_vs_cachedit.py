@@ -3,7 +3,8 @@ per-request `cache=`, same method, same settings, same checkpoint, prompts and s
 
 Issue 33's benchmark. For every row (a method at one setting) both implementations generate the same
 prompts with the same seed, alternating (reference first on even (repeat, prompt) pairs, diffserve first
-on odd ones), after one untimed warm-up generation of each; torch's thread count is fixed (`--threads`).
+on odd ones), after an untimed warm-up (each prompt once on each engine, exact); torch's thread count is
+fixed (`--threads`); the machine's 1-minute load average before and after is in the table's header.
 Reported per implementation: end-to-end seconds (per prompt the median of `--repeats`, then the mean over
 prompts), the speed-up against its own exact output, the steps reused and the share of DiT blocks run,
 PSNR against its own exact output (diffusers' exact for cache-dit and the hooks, diffserve's exact for
@@ -654,10 +655,21 @@ def run_checkpoint(args: argparse.Namespace, ck: Checkpoint) -> dict[str, Any]:
             log(
                 f"  [{index + 1}/{len(rows)}] {row.method}, {row.setting}: {time.perf_counter() - start:.1f} s"
             )
+        # Every row left its engine exact (cache-dit patches the transformer's forward for good on its
+        # first enable_cache): the first prompt once more without a cache, against the exact row's image.
+        still_exact = {}
+        if exact:
+            _, image, _ = engines.run_diffusers(ck.prompts[0])
+            still_exact["diffusers"] = psnr_uint8(image, exact["diffusers"].images[0])
+            _, image, _ = engines.run_diffserve(ck.prompts[0], None)
+            still_exact["diffserve"] = psnr_uint8(image, exact["diffserve"].images[0])
+            if not all(math.isinf(v) for v in still_exact.values()):
+                log(f"  WARNING: an engine's exact output changed over the run: PSNR {still_exact}")
         return {
             "checkpoint": ck.name, "description": ck.description, "path": str(ck.path),
             "dit_parameters": harness.dit_parameter_count(ck.path), "prompts": ck.prompts,
             "request": ck.request, "mag_ratios": ctx.get("mag_ratios"), "rows": results,
+            "exact_after_the_rows_psnr": still_exact,
         }  # fmt: skip
     finally:
         engines.close()
@@ -746,6 +758,12 @@ def render(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
                     f"| | | **{entry['reference']} / diffserve time**{bar} | {time_cell} | | | | "
                     f"PSNR gap {gap_cell} | |"
                 )
+    changed = {k: v for k, v in result.get("exact_after_the_rows_psnr", {}).items() if not math.isinf(v)}
+    if changed:
+        lines += [
+            "",
+            f"**WARNING**: exact output changed over the run (PSNR to the first exact run): {changed}",
+        ]
     if result.get("mag_ratios"):
         lines += [
             "",

@@ -33,7 +33,6 @@ costs more than the tiny forwards); a family that raises on the ranks fails its 
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -48,7 +47,7 @@ from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel, QwenIm
 from diffserve.models.dits.sd3 import SD3Transformer2DModel, SD3TransformerConfig
 from diffserve.models.dits.wan import WanTransformer3DModel, WanTransformerConfig
 from diffserve.models.dits.z_image import ZImageTransformer2DModel, ZImageTransformerConfig
-from diffserve.testing.distributed import DistributedRunError, run_distributed
+from diffserve.testing.distributed import CaseResult, MeshRuns, case_results, run_distributed
 
 #: (world size, Ulysses degree, Ring degree) by test id.
 MESHES = {"ulysses2": (2, 2, 1), "ulysses2xring2": (4, 2, 2), "ulysses3-uneven": (3, 3, 1)}
@@ -366,18 +365,11 @@ FAMILIES = {
 
 def forward_on_rank(
     rank: int, world_size: int, ulysses: int, ring: int, inputs: dict[str, object]
-) -> dict[str, object]:
-    """The split forward of every family in `inputs` on this rank: its outputs, or the traceback of what it
-    raised."""
+) -> dict[str, CaseResult]:
+    """The split forward of every family in `inputs` on this rank."""
     config = ParallelConfig(num_gpus=world_size, ulysses_degree=ulysses, ring_degree=ring)
     state = build_parallel_state(config, local_rank=rank, control_timeout=timedelta(seconds=60))
-    results: dict[str, object] = {}
-    for family, family_inputs in inputs.items():
-        try:
-            results[family] = ("ok", FAMILIES[family].on_rank(state, family_inputs))
-        except Exception:  # noqa: BLE001 - reported by that family's test
-            results[family] = ("error", traceback.format_exc())
-    return results
+    return case_results(lambda family: FAMILIES[family].on_rank(state, inputs[family]), inputs)
 
 
 @pytest.fixture(scope="module")
@@ -394,31 +386,15 @@ def expected() -> Callable[[str], object]:
 
 
 @pytest.fixture(scope="module")
-def split_outputs() -> Callable[[str, str], list]:
+def split_outputs() -> MeshRuns:
     """A family's outputs by rank on a mesh: one `run_distributed` per mesh, for every family tested on it."""
-    runs: dict[str, list[dict[str, object]] | DistributedRunError] = {}
 
-    def get(family: str, mesh: str) -> list:
-        if mesh not in runs:
-            world_size, ulysses, ring = MESHES[mesh]
-            inputs = {name: f.inputs() for name, f in FAMILIES.items() if mesh in f.meshes}
-            try:
-                runs[mesh] = run_distributed(
-                    forward_on_rank, world_size, ulysses, ring, inputs, timeout_s=240
-                )
-            except DistributedRunError as error:
-                runs[mesh] = error
-        run = runs[mesh]
-        if isinstance(run, DistributedRunError):
-            raise run
-        errors = [
-            f"rank {rank} raised:\n{r[family][1]}" for rank, r in enumerate(run) if r[family][0] == "error"
-        ]
-        if errors:
-            raise DistributedRunError("\n".join(errors))
-        return [r[family][1] for r in run]
+    def start(mesh: str) -> list[dict[str, CaseResult]]:
+        world_size, ulysses, ring = MESHES[mesh]
+        inputs = {name: f.inputs() for name, f in FAMILIES.items() if mesh in f.meshes}
+        return run_distributed(forward_on_rank, world_size, ulysses, ring, inputs, timeout_s=240)
 
-    return get
+    return MeshRuns(start)
 
 
 CASES = [(name, mesh) for name, family in FAMILIES.items() for mesh in family.meshes]

@@ -25,7 +25,13 @@ from diffserve.distributed.sequence_parallel import (
     usp_attention,
 )
 from diffserve.testing import distributed as harness
-from diffserve.testing.distributed import DistributedRunError, run_distributed
+from diffserve.testing.distributed import (
+    CaseResult,
+    DistributedRunError,
+    MeshRuns,
+    case_results,
+    run_distributed,
+)
 
 #: fp32 tolerance against full SDPA; Ulysses runs the same kernel on the same numbers (key order
 #: aside), Ring re-associates the softmax sums.
@@ -296,3 +302,31 @@ def test_harness_reports_ranks_that_run_out_of_time() -> None:
 
     with pytest.raises(DistributedRunError, match=r"ranks \[1\] did not finish in time"):
         harness._check_alive([Running(), Running()], {0: ("ok", b"")}, deadline=0.0, seen_dead=set())
+
+
+def test_shared_mesh_runs_fail_only_the_case_that_raised() -> None:
+    """`MeshRuns` starts each mesh's run once; a case that raised on a rank fails its own lookups only, and
+    a run that failed fails every case on its mesh."""
+
+    def case(rank: int, name: str) -> int:
+        if name == "bad" and rank == 1:
+            raise ValueError("bad case on purpose")
+        return rank
+
+    started: list[str] = []
+
+    def start(mesh: str) -> list[dict[str, CaseResult]]:
+        started.append(mesh)
+        if mesh == "broken":
+            raise DistributedRunError("rank 0 exited with code 3 without a result")
+        return [case_results(lambda name, rank=rank: case(rank, name), ["good", "bad"]) for rank in range(2)]
+
+    runs = MeshRuns(start)
+    assert runs("good", "mesh") == [0, 1]
+    with pytest.raises(DistributedRunError, match="rank 1 raised:") as caught:
+        runs("bad", "mesh")
+    assert "bad case on purpose" in str(caught.value) and "rank 0 raised" not in str(caught.value)
+    for name in ("good", "bad"):
+        with pytest.raises(DistributedRunError, match="exited with code 3"):
+            runs(name, "broken")
+    assert started == ["mesh", "broken"]

@@ -11,13 +11,11 @@ two gloo ranks in one `run_distributed` call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import transformers
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -25,14 +23,14 @@ from torch import nn
 from diffserve.distributed.config import ParallelConfig
 from diffserve.distributed.parallel_embedding import ColumnParallelEmbedding, parallel_embedding_shards
 from diffserve.distributed.state import build_parallel_state
+from diffserve.errors import ModelLoadError
 from diffserve.layers.tensor_parallel import (
     ColumnParallelLinear,
     TensorParallelRank,
     tensor_parallel_shards,
 )
-from diffserve.errors import ModelLoadError
 from diffserve.loader.text_encoder_tp import load_tensor_parallel_encoder
-from diffserve.testing.distributed import run_distributed
+from diffserve.testing.distributed import LoadOnlyRank, run_distributed
 
 VOCAB, WIDTH, HEADS, KV_HEADS, FFN = 64, 32, 4, 2, 48
 T5_LIKE = dict(
@@ -73,15 +71,6 @@ SHARDED = {
     "Qwen2_5_VLForConditionalGeneration": 2 * 10,
 }
 WEIGHTS = "model.safetensors"
-
-
-@dataclass(frozen=True)
-class LoadOnlyRank:
-    """A TP rank for building and loading shards in this process (no group: no forward)."""
-
-    tp_size: int
-    tp_rank: int
-    tp_group: dist.ProcessGroup | None = None
 
 
 @pytest.fixture(scope="module")

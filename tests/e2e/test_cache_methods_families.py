@@ -1,8 +1,8 @@
-"""Cache methods by name on the other families with a step cache (issue 33): FLUX.2, SD3, Qwen-Image and
-Wan run DBCache through their blocks in ranges, Z-Image the whole-span methods only, and refuses DBCache
-naming itself.
+"""Cache methods by name on the other families (issue 33): FLUX.2, SD3, Qwen-Image, Wan, SANA and
+HunyuanVideo 1.5 run DBCache through their blocks in ranges, Z-Image the whole-span methods only, and refuses DBCache naming
+itself.
 
-Tiny random checkpoints with 4 blocks, 20 steps, 64x64 (Wan: 9 frames), CFG as each family's tier test
+Tiny random checkpoints with 4 blocks, 20 steps, 64x64 (Wan: 9 frames; HunyuanVideo 1.5: 48x48, 5), CFG as each family's tier test
 runs it. DBCache that never reuses is the exact output pixel for pixel (the range path computes what the
 DiT's own loop computes). The reusing settings are aggressive ones (threshold 1: reuse after the warm-up,
 at most one step in a row), since these random models' first-block residuals change by more than any
@@ -22,7 +22,9 @@ import pytest
 from diffserve import DiffGenerator, SamplingParams
 from diffserve.errors import InvalidRequestError
 from diffserve.families.flux2.tiny import TinyFlux2Spec, build_tiny_flux2
+from diffserve.families.hunyuan_video15.tiny import TinyHunyuanVideo15Spec, build_tiny_hunyuan_video15
 from diffserve.families.qwen_image.tiny import TinyQwenImageSpec, build_tiny_qwen_image
+from diffserve.families.sana.tiny import TinySanaSpec, build_tiny_sana
 from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
 from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
 from diffserve.families.z_image.tiny import build_tiny_zimage
@@ -61,6 +63,16 @@ CASES: dict[str, tuple[Callable[[Path], Path], dict[str, Any], dict[str, float]]
         lambda root: build_tiny_wan(root, TinyWanSpec(num_layers=4)),
         {**SQUARE, "num_frames": 9},
         {"dbcache": 29.6, "dbcache+taylorseer": 27.2, "teacache": 24.1},
+    ),
+    "sana": (
+        lambda root: build_tiny_sana(root, TinySanaSpec(num_layers=4)),
+        SQUARE,
+        {"dbcache": 57.5, "dbcache+taylorseer": 59.6, "teacache": 45.3},
+    ),
+    "hunyuan-video-1.5": (
+        lambda root: build_tiny_hunyuan_video15(root, TinyHunyuanVideo15Spec(num_layers=4)),
+        {"height": 48, "width": 48, "num_frames": 5},
+        {"dbcache": 26.9, "dbcache+taylorseer": 28.3, "teacache": 29.2},
     ),
 }
 SETTINGS = {"dbcache": DBCACHE, "dbcache+taylorseer": DBCACHE_TAYLORSEER, "teacache": TEACACHE}

@@ -1,4 +1,5 @@
-"""Breakable CUDA graphs through whole generations on the tiny checkpoints (dry-run capture backend, CPU):
+"""Breakable CUDA graphs through whole generations on the tiny checkpoints, on the CPU (CUDA graphs' replay
+emulated; the warm-up test with the dry-run backend):
 FLUX.1, Qwen-Image and Z-Image give the same pixels with the runner installed as without, with and
 without CFG (Qwen-Image's CFG branches have prompts of different lengths: a padding mask); the warm-up
 captures and afterwards an unseen size is MISSED and runs eager; `--enable-cuda-graph` is refused on the
@@ -24,6 +25,7 @@ from diffserve.runtime.cuda_graph import (
     warmup_capture,
 )
 from diffserve.runtime.cuda_graph.buckets import Buckets
+from diffserve.testing.graph_emulation import EmulatedGraphBackend
 
 BUCKETS = Buckets(batch=(1, 2, 4), tokens=(16, 64, 256))
 PROMPT = "a red fox in the snow"
@@ -62,7 +64,8 @@ def test_generation_through_the_graphs_is_pixel_identical(folders, family: str) 
     gen = _load(folders[family])
     expected = [_pixels(gen, **case) for case in CASES[family]]
     components = {name: c.value for name, c in gen.pipeline.context.components.items()}
-    [runner] = install_cuda_graphs(components, gen.platform, backend=DryRunBackend(), buckets=BUCKETS)
+    # CUDA graphs' replay emulated on the CPU (testing/graph_emulation.py): the replay path a GPU takes.
+    [runner] = install_cuda_graphs(components, gen.platform, backend=EmulatedGraphBackend(), buckets=BUCKETS)
     try:
         for case, want in zip(CASES[family], expected, strict=True):
             assert np.array_equal(_pixels(gen, **case), want), case

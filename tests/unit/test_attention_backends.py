@@ -272,3 +272,14 @@ def test_pinned_sdpa_adapters_keep_the_layout(monkeypatch) -> None:
         assert out.shape == q.shape
         torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
     assert not attention_mod._reported  # neither call fell back to plain SDPA
+
+
+def test_a_pinned_sdpa_kernel_that_refuses_the_inputs_falls_back_logged(caplog) -> None:
+    """On the CPU neither pinned kernel exists: torch refuses, and the call runs on SDPA, logged once."""
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    q, k, v = qkv()
+    for _ in range(2):
+        out = attention(q, k, v, backend=AttentionBackend.SDPA_EFFICIENT)
+    assert torch.equal(out, attention(q, k, v, backend="sdpa"))
+    [message] = [r.getMessage() for r in caplog.records]
+    assert message.startswith("sdpa_efficient refused these inputs (") and "using SDPA" in message

@@ -30,6 +30,7 @@ from diffserve.runtime.cuda_graph import (
     padder_for,
 )
 from diffserve.runtime.cuda_graph.padders import PROMPT_PADDERS, AttentionSpan
+from diffserve.testing.graph_emulation import EmulatedGraphBackend
 from diffserve.testing.tiny_dits import FLUX, QWEN_IMAGE, Z_IMAGE, tiny_dit, tiny_dit_inputs
 
 LOGGER = "diffserve.cuda_graph"
@@ -43,9 +44,18 @@ def same(a: Any, b: Any) -> bool:
     return torch.equal(a, b)
 
 
-def eager_and_runner(name: str, buckets: Buckets = BUCKETS, **runner_options: Any) -> tuple[Any, GraphRunner]:
+def eager_and_runner(
+    name: str, buckets: Buckets = BUCKETS, backend: str = "dry-run", **runner_options: Any
+) -> tuple[Any, GraphRunner]:
+    """The tiny DiT `name` and a runner for it (not installed) with the dry-run backend (recomputes each
+    replay eagerly through the static buffers) or the emulated one (replays recorded ops on the recorded
+    tensors, as a CUDA graph replays its kernels: `testing/graph_emulation.py`)."""
     dit = tiny_dit(name)
-    return dit, GraphRunner(dit, padder_for(dit), DryRunBackend(), buckets, **runner_options)
+    capture = DryRunBackend() if backend == "dry-run" else EmulatedGraphBackend()
+    return dit, GraphRunner(dit, padder_for(dit), capture, buckets, **runner_options)
+
+
+BACKENDS = pytest.mark.parametrize("backend", ["dry-run", "emulated"])
 
 
 @pytest.fixture(autouse=True)
@@ -65,10 +75,13 @@ def _one_thread_inference():
 # -- Qwen-Image: masked text ----------------------------------------------------------------------------
 
 
+@BACKENDS
 @pytest.mark.parametrize("text", [7, 8, 13])
 @pytest.mark.parametrize(("batch", "ragged"), [(1, False), (2, False), (2, True), (4, True)])
-def test_qwen_image_padding_to_every_bucket_is_bit_exact(text: int, batch: int, ragged: bool) -> None:
-    dit, runner = eager_and_runner(QWEN_IMAGE)
+def test_qwen_image_padding_to_every_bucket_is_bit_exact(
+    text: int, batch: int, ragged: bool, backend: str
+) -> None:
+    dit, runner = eager_and_runner(QWEN_IMAGE, backend=backend)
     inputs = tiny_dit_inputs(QWEN_IMAGE, batch, text, ragged=ragged)
     expected = dit(**inputs)
     runner.install()
@@ -131,9 +144,10 @@ def test_qwen_image_over_limit_prompt_runs_eager_with_one_log_line(caplog) -> No
 # -- Z-Image: native length -------------------------------------------------------------------------------
 
 
+@BACKENDS
 @pytest.mark.parametrize(("batch", "ragged"), [(1, False), (2, True), (4, True)])
-def test_zimage_keeps_native_prompt_length_and_is_bit_exact(batch: int, ragged: bool) -> None:
-    dit, runner = eager_and_runner(Z_IMAGE)
+def test_zimage_keeps_native_prompt_length_and_is_bit_exact(batch: int, ragged: bool, backend: str) -> None:
+    dit, runner = eager_and_runner(Z_IMAGE, backend=backend)
     short, long = (
         tiny_dit_inputs(Z_IMAGE, batch, 20, ragged),
         tiny_dit_inputs(Z_IMAGE, batch, 25, ragged, seed=1),
@@ -163,9 +177,10 @@ def test_zimage_keeps_native_prompt_length_and_is_bit_exact(batch: int, ragged: 
 # -- FLUX: fixed length ------------------------------------------------------------------------------------
 
 
+@BACKENDS
 @pytest.mark.parametrize("batch", [1, 2, 4])
-def test_flux_passes_the_text_through_and_is_bit_exact(batch: int) -> None:
-    dit, runner = eager_and_runner(FLUX)
+def test_flux_passes_the_text_through_and_is_bit_exact(batch: int, backend: str) -> None:
+    dit, runner = eager_and_runner(FLUX, backend=backend)
     inputs = tiny_dit_inputs(FLUX, batch, 12)
     expected = dit(**inputs)
     runner.install()
@@ -180,9 +195,10 @@ def test_flux_passes_the_text_through_and_is_bit_exact(batch: int) -> None:
 # -- batch buckets ------------------------------------------------------------------------------------------
 
 
+@BACKENDS
 @pytest.mark.parametrize("name", [QWEN_IMAGE, Z_IMAGE, FLUX])
-def test_a_batch_padded_to_its_bucket_keeps_its_rows(name: str) -> None:
-    dit, runner = eager_and_runner(name)
+def test_a_batch_padded_to_its_bucket_keeps_its_rows(name: str, backend: str) -> None:
+    dit, runner = eager_and_runner(name, backend=backend)
     inputs = tiny_dit_inputs(name, 3, 7, ragged=True)
     expected = dit(**inputs)
     runner.install()
@@ -297,3 +313,35 @@ def test_install_and_uninstall_leave_the_module_as_it_was() -> None:
 def test_the_padder_table_names_dits_only() -> None:
     assert set(PROMPT_PADDERS) == {QWEN_IMAGE, Z_IMAGE, FLUX}
     assert {p.contract for p in PROMPT_PADDERS.values()} == {"masked text", "native length", "fixed length"}
+
+
+@pytest.mark.parametrize("name", [QWEN_IMAGE, Z_IMAGE, FLUX])
+def test_replays_of_one_capture_with_new_inputs_follow_the_inputs(name: str) -> None:
+    """Graph semantics: each replay of a captured call reads the new call's values from the static
+    buffers (a runner that kept the first call's inputs would repeat its output)."""
+    dit, runner = eager_and_runner(name, backend="emulated", capture_all_buckets=False)
+    calls = [tiny_dit_inputs(name, 2, 7, ragged=True, seed=seed) for seed in range(3)]
+    expected = [dit(**call) for call in calls]
+    runner.install()
+    for call, want in zip(calls, expected, strict=True):
+        assert same(dit(**call), want)
+    assert runner.summary()["captured"] == 1 and runner.summary()["replayed"] == 3
+    assert runner.backend.replays > 0
+
+
+def test_the_emulated_backend_replays_like_a_graph() -> None:
+    """The emulation itself: a replay recomputes from what the recorded tensors hold now, in-place
+    writes and views included."""
+    backend = EmulatedGraphBackend()
+    x = torch.tensor([1.0, 2.0])
+    out = torch.zeros(2)
+    backend.begin_segment()
+    y = x * 2 + 1
+    out.copy_(y)
+    view = out[1:]
+    view.mul_(10)
+    segment = backend.end_segment()
+    assert out.tolist() == [3.0, 50.0]
+    x.copy_(torch.tensor([0.0, 1.0]))
+    backend.replay(segment)
+    assert out.tolist() == [1.0, 30.0] and y.tolist() == [1.0, 3.0]

@@ -161,6 +161,8 @@ class Run:
         return None
 
     def free(self) -> None:
+        """Release models: compiled code holds its modules (guards), so dynamo's caches go first."""
+        torch._dynamo.reset()
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -399,109 +401,132 @@ def uncompile(model: Any) -> None:
             module._compiled_call_impl = None
 
 
-def bench_flux(run: Run, shape: dict[str, Any], matmul_tflops: float | None) -> Section:
-    from diffserve.models.dits.flux import FluxTransformer2DModel
-    from diffserve.runtime.cuda_graph import Buckets, GraphRunner, padder_for
+class FluxBench:
+    """The FLUX.1-dev-shaped rows, in two parts so that the slow compiles come after the other models:
+    `eager_part` (diffusers eager, diffserve eager, breakable graphs, FP8 compute) and `compiled_part`
+    (diffusers + torch.compile, diffserve compiled, compiled + graphs), each on freshly built models."""
 
-    section = Section("flux", shape["label"])
-    steps = 1 if run.dry_run else 5
-    loop_steps = 2 if run.dry_run else 28
-    reference, native = build_pair(run, "FluxTransformer2DModel", FluxTransformer2DModel, shape["config"])
-    native.fuse_for_inference()
-    selection = choose_attention_backend(run)
-    section.notes.append(f"diffserve attention backend: {selection.describe()}")
-    inputs = {batch: flux_inputs(run, shape, batch) for batch in (1, 4)}
-    section.flops_per_image = count_flops(diffusers_step(reference, inputs[1]))
+    def __init__(self, run: Run, shape: dict[str, Any]) -> None:
+        self.run, self.shape = run, shape
+        self.section = Section("flux", shape["label"])
+        self.steps = 1 if run.dry_run else 5
+        self.loop_steps = 2 if run.dry_run else 28
 
-    def variant(
-        name: str, step_of: Callable[[dict[str, Any]], Callable[[], Any]], batches: tuple[int, ...] = (1, 4)
+    def _models(self) -> tuple[Any, Any, Any, dict[int, dict[str, Any]]]:
+        from diffserve.models.dits.flux import FluxTransformer2DModel
+
+        reference, native = build_pair(
+            self.run, "FluxTransformer2DModel", FluxTransformer2DModel, self.shape["config"]
+        )
+        native.fuse_for_inference()
+        selection = choose_attention_backend(self.run)
+        inputs = {batch: flux_inputs(self.run, self.shape, batch) for batch in (1, 4)}
+        return reference, native, selection, inputs
+
+    def _variant(
+        self,
+        name: str,
+        step_of: Callable[[dict[str, Any]], Callable[[], Any]],
+        inputs: dict[int, dict[str, Any]],
+        batches: tuple[int, ...] = (1, 4),
     ) -> None:
+        """Rows of `name` at each batch, and at batch 1 the 28-step denoising loop when it fits."""
+        run, loop_steps = self.run, self.loop_steps
         for batch in batches:
-            row = attempt(section, name, batch, lambda b=batch: step_row(run, step_of(inputs[b]), steps))
+            row = attempt(
+                self.section, name, batch, lambda b=batch: step_row(run, step_of(inputs[b]), self.steps)
+            )
             if row is None or batch != 1:
                 continue
-            estimate = loop_steps * row["s_per_step"] * 1.2 + 1
-            if run.allows(f"flux {name} {loop_steps}-step loop", estimate):
-                call = lambda i: step_of(i)()  # noqa: E731
-                loop = denoise_loop(call, inputs[1], loop_steps, "hidden_states")
+            if run.allows(f"flux {name} {loop_steps}-step loop", loop_steps * row["s_per_step"] * 1.2 + 1):
+                loop = denoise_loop(lambda i: step_of(i)(), inputs[1], loop_steps, "hidden_states")
                 row[f"steps{loop_steps}_s"] = timed_steps(run, loop, 1, warmup=0)
 
-    def diffusers_eager(i: dict[str, Any]) -> Callable[[], Any]:
-        return diffusers_step(reference, i)
+    def _graphs(self, native: Any) -> Any:
+        from diffserve.runtime.cuda_graph import Buckets, GraphRunner, padder_for
 
-    def diffserve_eager(i: dict[str, Any]) -> Callable[[], Any]:
-        return native_step(native, i, selection.backend)
+        buckets = Buckets(batch=(1, 4), tokens=(self.shape["text"],))
+        return GraphRunner(native, padder_for(native), graph_backend(self.run), buckets).install()
 
-    variant("diffusers eager", diffusers_eager)
-    variant("diffserve eager", diffserve_eager)
+    def eager_part(self, matmul_tflops: float | None) -> Section:
+        run, section = self.run, self.section
+        reference, native, selection, inputs = self._models()
+        section.notes.append(f"diffserve attention backend: {selection.describe()}")
+        section.flops_per_image = count_flops(diffusers_step(reference, inputs[1]))
 
-    runner = GraphRunner(
-        native, padder_for(native), graph_backend(run), Buckets(batch=(1, 4), tokens=(shape["text"],))
-    )
-    runner.install()
-    start = time.perf_counter()
-    try:
-        for batch in (1, 4):
-            native_step(native, inputs[batch], selection.backend)()  # captures
-        section.notes.append(f"BCG capture of batch 1 and 4: {time.perf_counter() - start:.1f} s")
-        variant("diffserve BCG", diffserve_eager)
-        section.notes.append(f"BCG counts: {runner.summary()}")
-    except Exception as exc:  # noqa: BLE001
-        traceback.print_exc()
-        section.add("diffserve BCG", 1, s_per_step=None, error=f"{type(exc).__name__}: {exc}")
-    finally:
-        runner.uninstall()
+        def diffserve(i: dict[str, Any]) -> Callable[[], Any]:
+            return native_step(native, i, selection.backend)
 
-    compile_estimate = 20 if run.dry_run else 150
-    # Each compiled batch kind is one more trace of every block class: the dry run traces batch 1 only.
-    compiled_batches = (1,) if run.dry_run else (1, 4)
-    if run.allows("flux diffusers + torch.compile", compile_estimate):
+        self._variant("diffusers eager", lambda i: diffusers_step(reference, i), inputs)
+        self._variant("diffserve eager", diffserve, inputs)
         start = time.perf_counter()
+        runner = self._graphs(native)
         try:
-            reference.compile_repeated_blocks(fullgraph=True, backend=run.compile_backend)
-            diffusers_step(reference, inputs[1])()
-            section.notes.append(
-                f"diffusers compile (regional) + first step: {time.perf_counter() - start:.1f} s"
-            )
-            variant("diffusers compiled", diffusers_eager, compiled_batches)
-        except Exception as exc:  # noqa: BLE001
+            for batch in (1, 4):
+                diffserve(inputs[batch])()  # captures
+            section.notes.append(f"BCG capture of batch 1 and 4: {time.perf_counter() - start:.1f} s")
+            self._variant("diffserve BCG", diffserve, inputs)
+            section.notes.append(f"BCG counts: {runner.summary()}")
+        except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
             traceback.print_exc()
-            section.add("diffusers compiled", 1, s_per_step=None, error=f"{type(exc).__name__}: {exc}")
-        uncompile(reference)
-    if run.allows("flux diffserve compiled", compile_estimate):
-        start = time.perf_counter()
-        try:
-            regional_compile(run, native)
-            diffserve_eager(inputs[1])()
-            section.notes.append(
-                f"diffserve compile (regional, dynamic) + first step: {time.perf_counter() - start:.1f} s"
-            )
-            variant("diffserve compiled", diffserve_eager, compiled_batches)
-            if run.allows("flux diffserve compiled + BCG", compile_estimate):
-                runner = GraphRunner(
-                    native,
-                    padder_for(native),
-                    graph_backend(run),
-                    Buckets(batch=(1, 4), tokens=(shape["text"],)),
+            section.add("diffserve BCG", 1, s_per_step=None, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            runner.uninstall()
+        if run.allows("flux diffserve fp8-dynamic", 10 if run.dry_run else 60):
+            name = "diffserve fp8-dynamic" + (" (emulated)" if run.dry_run else "")
+            try:
+                quantize_fp8_dynamic(run, native, "FluxTransformer2DModel")
+                self._variant(name, diffserve, inputs)
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                section.add(name, 1, s_per_step=None, error=f"{type(exc).__name__}: {exc}")
+        section.finish(matmul_tflops)
+        return section
+
+    def compiled_part(self, matmul_tflops: float | None) -> Section:
+        run, section = self.run, self.section
+        reference, native, selection, inputs = self._models()
+
+        def diffserve(i: dict[str, Any]) -> Callable[[], Any]:
+            return native_step(native, i, selection.backend)
+
+        estimate = 20 if run.dry_run else 120
+        # Each compiled batch kind is one more trace of every block class: the dry run traces batch 1 only.
+        batches = (1,) if run.dry_run else (1, 4)
+        if run.allows("flux diffusers + torch.compile", estimate):
+            start = time.perf_counter()
+            try:
+                reference.compile_repeated_blocks(fullgraph=True, backend=run.compile_backend)
+                diffusers_step(reference, inputs[1])()
+                section.notes.append(
+                    f"diffusers compile (regional) + first step: {time.perf_counter() - start:.1f} s"
                 )
-                runner.install()
-                try:
-                    variant("diffserve compiled + BCG", diffserve_eager, compiled_batches)
-                finally:
-                    runner.uninstall()
-        except Exception as exc:  # noqa: BLE001
-            traceback.print_exc()
-            section.add("diffserve compiled", 1, s_per_step=None, error=f"{type(exc).__name__}: {exc}")
-        uncompile(native)
-    if run.allows("flux diffserve fp8-dynamic", 10 if run.dry_run else 60):
-        try:
-            quantize_fp8_dynamic(run, native, "FluxTransformer2DModel")
-            variant("diffserve fp8-dynamic" + (" (emulated)" if run.dry_run else ""), diffserve_eager)
-        except Exception as exc:  # noqa: BLE001
-            traceback.print_exc()
-            section.add("diffserve fp8-dynamic", 1, s_per_step=None, error=f"{type(exc).__name__}: {exc}")
-    section.finish(matmul_tflops)
-    return section
+                self._variant("diffusers compiled", lambda i: diffusers_step(reference, i), inputs, batches)
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                section.add("diffusers compiled", 1, s_per_step=None, error=f"{type(exc).__name__}: {exc}")
+            uncompile(reference)
+        if run.allows("flux diffserve compiled", estimate):
+            start = time.perf_counter()
+            try:
+                regional_compile(run, native)
+                diffserve(inputs[1])()
+                section.notes.append(
+                    f"diffserve compile (regional, dynamic) + first step: {time.perf_counter() - start:.1f} s"
+                )
+                self._variant("diffserve compiled", diffserve, inputs, batches)
+                if run.allows("flux diffserve compiled + BCG", estimate):
+                    runner = self._graphs(native)
+                    try:
+                        self._variant("diffserve compiled + BCG", diffserve, inputs, batches)
+                    finally:
+                        runner.uninstall()
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                section.add("diffserve compiled", 1, s_per_step=None, error=f"{type(exc).__name__}: {exc}")
+            uncompile(native)
+        section.finish(matmul_tflops)
+        return section
 
 
 def quantize_fp8_dynamic(run: Run, model: Any, dit_class: str) -> None:
@@ -799,14 +824,16 @@ def main(argv: list[str] | None = None) -> int:
     from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
     from diffserve.models.dits.wan import WanTransformer3DModel
 
+    flux = FluxBench(run, shapes["flux"])
     plan: list[tuple[str, float, Callable[[], Section]]] = [
-        ("flux", 30 if run.dry_run else 200, lambda: bench_flux(run, shapes["flux"], matmul_tflops)),
+        ("flux", 20 if run.dry_run else 90, lambda: flux.eager_part(matmul_tflops)),
         ("qwen_image", 10 if run.dry_run else 60, lambda: bench_step_model(
             run, "qwen_image", shapes["qwen_image"], "QwenImageTransformer2DModel", QwenImageTransformer2DModel,
             qwen_inputs, (1, 2), 1 if run.dry_run else 3, matmul_tflops, with_graphs=True)),
         ("wan", 10 if run.dry_run else 60, lambda: bench_step_model(
             run, "wan", shapes["wan"], "WanTransformer3DModel", WanTransformer3DModel, wan_inputs, (1,),
             1, matmul_tflops, with_graphs=False)),
+        ("flux", 20 if run.dry_run else 150, lambda: flux.compiled_part(matmul_tflops)),
     ]  # fmt: skip
     for name, estimate, bench in plan:
         if name not in only or not run.allows(f"the {name} section", estimate):
@@ -817,10 +844,10 @@ def main(argv: list[str] | None = None) -> int:
             sections[name].notes.append(f"section time: {time.perf_counter() - started:.1f} s")
         except Exception as exc:  # noqa: BLE001 - the other sections still run
             traceback.print_exc()
-            section = Section(name, shapes[name]["label"])
+            section = sections.get(name) or Section(name, shapes[name]["label"])
             section.add("(section)", 1, s_per_step=None, error=f"{type(exc).__name__}: {exc}")
+            section.finish(matmul_tflops)
             sections[name] = section
-            run.free()
         run.free()
         report["sections"] = {n: s.to_json() for n, s in sections.items()}
         write_report(run, report)

@@ -51,6 +51,19 @@ else
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" tools/gpu/wheels/*.whl \
             || { echo "[check] wheel install failed" >&2; exit 3; }
         export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+        # The wheel must hold the code the tests here were written against: compare its sources with src/.
+        "$PY" - <<'PYEOF'
+import glob, pathlib, zipfile
+wheel = next(iter(glob.glob("tools/gpu/wheels/diffserve-*.whl")), None)
+if wheel:
+    names = [n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("diffserve/") and n.endswith(".py")]
+    with zipfile.ZipFile(wheel) as z:
+        stale = [n for n in names if not pathlib.Path("src", n).is_file() or pathlib.Path("src", n).read_bytes() != z.read(n)]
+    missing = [str(p.relative_to("src")) for p in pathlib.Path("src/diffserve").rglob("*.py") if str(p.relative_to("src")) not in names]
+    if stale or missing:
+        print(f"[check] WARNING: the diffserve wheel differs from src/ ({len(stale)} changed, {len(missing)} new files, "
+              f"e.g. {(stale + missing)[:3]}): re-run tools/gpu/prepare.sh before the call")
+PYEOF
     else
         echo "[check] no tools/gpu/wheels/ here (run tools/gpu/prepare.sh and carry it): using src/ and the machine's packages"
         export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"

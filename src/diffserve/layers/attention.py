@@ -120,8 +120,15 @@ def run_attention_kernel(
     if chosen is not AttentionBackend.SDPA:
         spec = SPECS[chosen]
         reason = spec.call_unsupported(q, k, v, attn_mask)
-        if reason is None:
+        if reason is None and spec.package is not None:
             return spec.run(q, k, v, attn_mask)
+        if reason is None:
+            # SDPA pinned to one of its kernels: torch knows best whether that kernel takes these inputs,
+            # and says so by refusing ("No available kernel").
+            try:
+                return spec.run(q, k, v, attn_mask)
+            except RuntimeError as exc:
+                reason = f"refused these inputs ({str(exc).strip().splitlines()[0][:160]})"
         _log_once(f"{chosen.value} {reason}; using SDPA for these calls")
     return sdpa(q, k, v, attn_mask)
 

@@ -92,6 +92,8 @@ class RequestCost:
     temporal_factor: int = 1
     condition_images: int = 0
     step_cache: bool = False
+    #: With a step cache: the hidden states per token it keeps (`RequestCache.kept_states`; the tiers' 2).
+    cache_states: int = 2
     steps: int = 0  # denoising steps: the schedule and per-step records grow with them
 
     @property
@@ -146,6 +148,7 @@ def request_cost(facts: PipelineFacts, req: Req) -> RequestCost:
         # Edit models append each input image's tokens, resized to about the output's area.
         condition_images=len(params.input_images or ()),
         step_cache=req.step_cache is not None,
+        cache_states=2 if req.step_cache is None else req.step_cache.kept_states,
         steps=int(params.num_inference_steps or 0),
     )
 
@@ -206,7 +209,8 @@ class MemoryModel:
     lora_reserved_bytes: int = 0
 
     def denoise_bytes(self, cost: RequestCost) -> float:
-        cache = self.step_cache_bytes_per_token * cost.batch_tokens if cost.step_cache else 0.0
+        per_state = self.step_cache_bytes_per_token / 2  # `_step_cache_bytes_per_token`: two hidden states
+        cache = per_state * cost.cache_states * cost.batch_tokens if cost.step_cache else 0.0
         schedule = BYTES_PER_STEP * cost.steps
         return self.fixed_bytes + self.bytes_per_token * cost.batch_tokens + cache + schedule
 

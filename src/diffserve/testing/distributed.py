@@ -10,6 +10,13 @@ outlives the caller.
 
 `fn` and `args` must be picklable by reference (a module-level function); results travel by value
 (standard pickle), so keep them small: scalars, or small tensors.
+
+Many tests can share one run per mesh (starting rank processes costs more than tiny forwards): on the
+ranks, `case_results` runs every case and keeps what each raised; in the parent, `MeshRuns` starts each
+mesh's run once and hands each test its own case's values, so a case that raises fails its own test only.
+
+`LoadOnlyRank` stands for a tensor-parallel rank in the test process itself, to build and load a model's
+shards there (no process group, so no forward of a row-parallel layer).
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ import pickle
 import queue
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
 from typing import TypeVar
@@ -35,6 +43,15 @@ T = TypeVar("T")
 _POLL_S = 0.2
 #: Seconds the other ranks get to report their errors after a first one.
 _ERROR_GRACE_S = 2.0
+
+
+@dataclass(frozen=True)
+class LoadOnlyRank:
+    """A TP rank for building and loading shards in this process (no group: no forward)."""
+
+    tp_size: int
+    tp_rank: int
+    tp_group: dist.ProcessGroup | None = None
 
 
 class DistributedRunError(RuntimeError):
@@ -173,3 +190,43 @@ def run_distributed(
         _stop(processes)
         results.close()
     return [pickle.loads(collected[rank][1]) for rank in range(world_size)]  # type: ignore[arg-type]
+
+
+#: A case's result on one rank: ("ok", its value) or ("error", the traceback of what it raised).
+CaseResult = tuple[str, object]
+
+
+def case_results(run: Callable[[str], object], cases: Iterable[str]) -> dict[str, CaseResult]:
+    """On a rank: `run(case)` for every case, by case; what one raises is kept as its traceback (for
+    `MeshRuns` to raise in that case's test) and the next case runs."""
+    results: dict[str, CaseResult] = {}
+    for case in cases:
+        try:
+            results[case] = ("ok", run(case))
+        except Exception:  # noqa: BLE001 - raised again in the parent, by that case's test
+            results[case] = ("error", traceback.format_exc())
+    return results
+
+
+class MeshRuns:
+    """One `run_distributed` per mesh, shared by the cases it runs: `start(mesh)` runs it (a rank function
+    that returns `case_results`), once per mesh; calling it with `(case, mesh)` gives that case's values by rank, or raises
+    `DistributedRunError` when the run failed or the case raised on any rank."""
+
+    def __init__(self, start: Callable[[str], list[dict[str, CaseResult]]]) -> None:
+        self._start = start
+        self._runs: dict[str, list[dict[str, CaseResult]] | DistributedRunError] = {}
+
+    def __call__(self, case: str, mesh: str) -> list[object]:
+        if mesh not in self._runs:
+            try:
+                self._runs[mesh] = self._start(mesh)
+            except DistributedRunError as error:
+                self._runs[mesh] = error
+        run = self._runs[mesh]
+        if isinstance(run, DistributedRunError):
+            raise run
+        errors = [f"rank {rank} raised:\n{r[case][1]}" for rank, r in enumerate(run) if r[case][0] == "error"]
+        if errors:
+            raise DistributedRunError("\n".join(errors))
+        return [r[case][1] for r in run]

@@ -104,6 +104,8 @@ class EmulatedGraphBackend:
             elif op.aliases:
                 continue  # a view: it sees its base's new values
             else:
-                fresh = [t for t in tree_flatten(op.func(*op.args, **op.kwargs))[0] if isinstance(t, torch.Tensor)]
+                fresh = [
+                    t for t in tree_flatten(op.func(*op.args, **op.kwargs))[0] if isinstance(t, torch.Tensor)
+                ]
                 for recorded, value in zip(op.outputs, fresh, strict=True):
                     recorded.copy_(value)

@@ -35,7 +35,7 @@ from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.hunyuan_video15 import HunyuanVideo15Transformer3DModel
 from diffserve.models.guiders.classifier_free_guidance import ClassifierFreeGuidance
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.pipelines.cfg_batch import advance_requests, split_guided
+from diffserve.pipelines.cfg_batch import advance_requests, split_guided, step_cache_for
 from diffserve.request import Req
 from diffserve.runtime.runner import CfgBranchView
 from diffserve.stages.base import Stage
@@ -150,6 +150,7 @@ class HunyuanVideo15Denoiser:
             encoder_hidden_states_2=torch.cat(glyph),
             encoder_attention_mask_2=torch.cat(glyph_mask),
             image_embeds=torch.cat(images) if images else None,
+            step_cache=step_cache_for(reqs),  # rows: each request's branches in turn, as it expects
         )
         guided = split_guided(prediction, reqs, self.guider.guide)
         for i, req in enumerate(reqs):

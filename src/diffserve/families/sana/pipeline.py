@@ -42,6 +42,7 @@ from diffserve.pipelines.cfg_batch import (
     gather_branches,
     pad_text,
     split_guided,
+    step_cache_for,
 )
 from diffserve.request import Req
 from diffserve.stages.base import Stage
@@ -86,6 +87,7 @@ class SanaDenoiser:
             encoder_attention_mask=mask,
             timestep=torch.cat(batch.timesteps) * self.timestep_scale,
             context=context,
+            step_cache=step_cache_for(reqs),  # rows in `gather_branches` order, as it expects
         ).float()
         if self.learned_sigma:
             prediction = prediction.chunk(2, dim=1)[0]
@@ -121,6 +123,7 @@ class SanaSprintDenoiser(SanaDenoiser):
             timestep=scm,
             guidance=torch.cat([req.schedule.guidance for req in reqs]),
             context=context,
+            step_cache=step_cache_for(reqs),
         )
         prediction = (
             (1 - 2 * scm_map) * model_input + (1 - 2 * scm_map + 2 * scm_map**2) * output

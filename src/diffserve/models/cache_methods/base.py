@@ -60,6 +60,12 @@ class RequestCache(ABC):
 
     # -- what the batch asks ----------------------------------------------------------------------------
 
+    @property
+    def kept_states(self) -> int:
+        """Hidden states per token this cache keeps (its residual, probe reference, Taylor factors): what
+        the admission control counts for it."""
+        return 2
+
     def span(self) -> tuple[int, int]:
         """(first, last): the blocks `[first, last)` that a reused step skips; default all of them."""
         return 0, self.num_blocks

@@ -49,6 +49,11 @@ class DBCacheState(RequestCache):
             first_difference_step=2,  # cache-dit's calibrator takes no difference before step 2
         )
 
+    @property
+    def kept_states(self) -> int:
+        """The middle blocks' residual and the first blocks' reference, plus TaylorSeer's factors."""
+        return 2 + (self.settings.taylorseer_order if self.settings.enable_taylorseer else 0)
+
     def span(self) -> tuple[int, int]:
         s = self.settings
         return s.Fn_compute_blocks, self.num_blocks - s.Bn_compute_blocks

@@ -44,6 +44,10 @@ class MagCacheState(RequestCache):
         self.cached = CachedResidual()
         self.measured_ratios: list[float] = []
 
+    @property
+    def kept_states(self) -> int:
+        return 1  # the residual
+
     def plan(self, step: int, num_steps: int) -> Plan:
         s = self.settings
         if s.magcache_calibrate:

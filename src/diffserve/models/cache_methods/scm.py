@@ -25,6 +25,10 @@ class ScmState(RequestCache):
             settings.taylorseer_order if settings.enable_taylorseer else None, None, 2
         )
 
+    @property
+    def kept_states(self) -> int:
+        return 1 + (self.settings.taylorseer_order if self.settings.enable_taylorseer else 0)
+
     def plan(self, step: int, num_steps: int) -> Plan:
         if self.mask is None:
             self.mask = steps_mask(self.settings.steps_computation_mask, num_steps)

@@ -22,6 +22,10 @@ class TaylorSeerState(RequestCache):
         self.settings = settings
         self.cached = CachedResidual(settings.taylorseer_order)
 
+    @property
+    def kept_states(self) -> int:
+        return 1 + self.settings.taylorseer_order  # the residual and its Taylor factors
+
     def plan(self, step: int, num_steps: int) -> Plan:
         s = self.settings
         warmup = step < s.disable_cache_before_step

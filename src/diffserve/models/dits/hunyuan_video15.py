@@ -49,6 +49,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import nn
 
+from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.layers.adaln import AdaLayerNormContinuous, AdaLayerNormZero
 from diffserve.layers.attention import attention
 from diffserve.layers.feedforward import FeedForward
@@ -59,6 +60,7 @@ from diffserve.layers.patches import video_patch_grid
 from diffserve.layers.residual import attention_mlp_residuals
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding, checked_rope_axes
 from diffserve.layers.shape_cache import BoundedCache
+from diffserve.models.cache_methods.blocks import SequentialBlocks
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig
 from diffserve.models.dits.hunyuan_video15_embedders import (
     BYT5_PROJECTION_HIDDEN,
@@ -67,6 +69,7 @@ from diffserve.models.dits.hunyuan_video15_embedders import (
     HunyuanVideo15TimeEmbedding,
     HunyuanVideo15TokenRefiner,
 )
+from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
 
 NORM_EPS = 1e-6
 #: `cond_type_embed` rows: which encoder a context token came from.
@@ -236,6 +239,8 @@ class HunyuanVideo15Transformer3DModel(DiffusersDiT):
 
     diffusers_class_name: ClassVar[str] = "HunyuanVideo15Transformer3DModel"
     config_class = HunyuanVideo15TransformerConfig
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
+    cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
 
     def __init__(self, config: HunyuanVideo15TransformerConfig) -> None:
         super().__init__(config)
@@ -319,6 +324,7 @@ class HunyuanVideo15Transformer3DModel(DiffusersDiT):
         encoder_attention_mask_2: torch.Tensor | None = None,
         image_embeds: torch.Tensor | None = None,
         attention_kwargs: Mapping[str, Any] | None = None,
+        step_cache: BatchStepCache | None = None,
     ) -> torch.Tensor:
         """Predict the flow-matching velocity for video latents (Diffusers' keyword arguments).
 
@@ -337,6 +343,8 @@ class HunyuanVideo15Transformer3DModel(DiffusersDiT):
                 T2V pipeline passes) or None means no image.
             attention_kwargs: accepted for call compatibility; must be None or empty (LoRA scales are
                 applied by diffserve's loader, not per call).
+            step_cache: rows of requests with a cache method, which may reuse the blocks' residual from an
+                earlier step (`models/step_cache.py`); None runs every block for every row (exact).
 
         Returns:
             The velocity (batch, out_channels, frames, height, width) in the activations' dtype; the
@@ -371,13 +379,53 @@ class HunyuanVideo15Transformer3DModel(DiffusersDiT):
             key_mask = torch.cat([video_keys, context.mask], dim=1)[:, None, None, :]
 
         temb_act = torch.nn.functional.silu(temb)
-        for block in self.transformer_blocks:
-            x, ctx = block(x, ctx, temb_act, rope, key_mask)
+        x = run_with_step_cache(
+            step_cache,
+            x,
+            lambda: self.transformer_blocks[0].norm1(x, temb_act)[0],
+            lambda rows: self._run_blocks(
+                take_rows(x, rows), take_rows(ctx, rows), take_rows(temb_act, rows), rope,
+                None if key_mask is None else take_rows(key_mask, rows),
+            ),
+            blocks=lambda: self._block_range(x, ctx, temb_act, rope, key_mask),
+        )  # fmt: skip
 
         x = self.proj_out(self.norm_out(x, temb_act))
         # (batch, F', H', W', C, p_t, p_h, p_w) -> (batch, C, F'*p_t, H'*p_h, W'*p_w)
         x = x.reshape(batch, *grid, -1, p_t, p_h, p_w).permute(0, 4, 1, 5, 2, 6, 3, 7)
         return x.reshape(batch, -1, frames, height, width)
+
+    def _run_blocks(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        temb_act: torch.Tensor,
+        rope: RopeTables,
+        key_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Every dual-stream block; the video tokens the output head reads."""
+        for block in self.transformer_blocks:
+            x, ctx = block(x, ctx, temb_act, rope, key_mask)
+        return x
+
+    def _block_range(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        temb_act: torch.Tensor,
+        rope: RopeTables,
+        key_mask: torch.Tensor | None,
+    ) -> SequentialBlocks:
+        """The blocks as a `BlockRange` for DBCache: video and context streams, both updated by every block."""
+
+        def row_inputs(rows: torch.Tensor | None) -> tuple:
+            return take_rows(temb_act, rows), None if key_mask is None else take_rows(key_mask, rows)
+
+        def call(i: int, x: torch.Tensor, ctx: torch.Tensor | None, inputs: tuple) -> tuple:
+            rows_temb, rows_mask = inputs
+            return self.transformer_blocks[i](x, ctx, rows_temb, rope, rows_mask)
+
+        return SequentialBlocks(len(self.transformer_blocks), x, ctx, row_inputs, call)
 
 
 def _check_tokens(name: str, states: torch.Tensor, mask: torch.Tensor | None, batch: int) -> None:

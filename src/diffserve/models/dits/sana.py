@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.layers.attention import attention
 from diffserve.layers.attention_weights import AttentionWeights
 from diffserve.layers.embeddings import GeluTanhTextProjection, TimestepEmbedding, timestep_sinusoids
@@ -44,7 +45,9 @@ from diffserve.layers.glumbconv import GLUMBConv
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.residual import fp16_clip, gated_residual
 from diffserve.layers.shape_cache import BoundedCache
+from diffserve.models.cache_methods.blocks import SequentialBlocks
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig
+from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
 
 #: Sinusoid width of the timestep and guidance embeddings (Diffusers' `Timesteps(256, ...)`).
 TIMESTEP_CHANNELS = 256
@@ -347,6 +350,10 @@ class SanaTransformerBlock(nn.Module):
         return gated_residual(x, gate_mlp, h.flatten(2).transpose(1, 2))
 
 
+def _optional_rows(t: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else take_rows(t, rows)
+
+
 class SanaTransformer2DModel(DiffusersDiT):
     """SANA DiT with Diffusers' config keys and state-dict names.
 
@@ -364,6 +371,8 @@ class SanaTransformer2DModel(DiffusersDiT):
 
     diffusers_class_name: ClassVar[str] = "SanaTransformer2DModel"
     config_class = SanaTransformerConfig
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
+    cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
 
     def __init__(self, config: SanaTransformerConfig) -> None:
         super().__init__(config)
@@ -411,6 +420,7 @@ class SanaTransformer2DModel(DiffusersDiT):
         timestep: torch.Tensor,
         guidance: torch.Tensor | None = None,
         context: torch.Tensor | None = None,
+        step_cache: BatchStepCache | None = None,
     ) -> torch.Tensor:
         """Predict from latents (see the class docstring for the arguments).
 
@@ -421,6 +431,8 @@ class SanaTransformer2DModel(DiffusersDiT):
             timestep: (batch,) or (1,), embedded as given (Diffusers' convention; see the module docstring).
             guidance: (batch,) or (1,) for guidance-embedding (Sprint) checkpoints, else None.
             context: `embed_context(encoder_hidden_states)`, given instead of `encoder_hidden_states`.
+            step_cache: rows of requests with a cache method, which may reuse the blocks' residual from an
+                earlier step (`models/step_cache.py`); None runs every block for every row (exact).
 
         Returns:
             (batch, out_channels, H, W), in the activation dtype.
@@ -450,8 +462,16 @@ class SanaTransformer2DModel(DiffusersDiT):
         mask_bias = self.mask_bias(encoder_attention_mask, dtype)
 
         h, w = height // p, width // p
-        for block in self.transformer_blocks:
-            x = block(x, ctx, mask_bias, modulation, h, w)
+        x = run_with_step_cache(
+            step_cache,
+            x,
+            lambda: self._cache_signal(x, modulation),
+            lambda rows: self._run_blocks(
+                take_rows(x, rows), take_rows(ctx, rows), _optional_rows(mask_bias, rows),
+                take_rows(modulation, rows), h, w,
+            ),
+            blocks=lambda: self._block_range(x, ctx, mask_bias, modulation, h, w),
+        )  # fmt: skip
 
         shift, scale = (self.scale_shift_table[None] + emb[:, None]).unbind(1)
         x = self.norm_out(x) * (1 + scale[:, None]) + shift[:, None]
@@ -459,3 +479,44 @@ class SanaTransformer2DModel(DiffusersDiT):
         # (batch, h*w, p*p*C) -> (batch, C, h*p, w*p)
         x = x.reshape(batch, h, w, p, p, -1).permute(0, 5, 1, 3, 2, 4)
         return x.reshape(batch, -1, h * p, w * p)
+
+    def _run_blocks(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        mask_bias: torch.Tensor | None,
+        modulation: torch.Tensor,
+        height: int,
+        width: int,
+    ) -> torch.Tensor:
+        """Every block, in order: the image tokens the output head reads."""
+        for block in self.transformer_blocks:
+            x = block(x, ctx, mask_bias, modulation, height, width)
+        return x
+
+    def _block_range(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        mask_bias: torch.Tensor | None,
+        modulation: torch.Tensor,
+        height: int,
+        width: int,
+    ) -> SequentialBlocks:
+        """The blocks as a `BlockRange` for DBCache: one image stream (the caption is cross-attention
+        context, which no block changes)."""
+
+        def row_inputs(rows: torch.Tensor | None) -> tuple:
+            return take_rows(ctx, rows), _optional_rows(mask_bias, rows), take_rows(modulation, rows)
+
+        def call(i: int, x: torch.Tensor, text: torch.Tensor | None, inputs: tuple) -> tuple:
+            return self.transformer_blocks[i](x, *inputs, height, width), None
+
+        return SequentialBlocks(len(self.transformer_blocks), x, None, row_inputs, call)
+
+    def _cache_signal(self, x: torch.Tensor, modulation: torch.Tensor) -> torch.Tensor:
+        """The first block's timestep-modulated input: what TeaCache-like methods watch change."""
+        block = self.transformer_blocks[0]
+        mods = block.scale_shift_table[None] + modulation.unflatten(1, (6, block.dim))
+        shift, scale = mods[:, 0:1], mods[:, 1:2]
+        return (block.norm1(x) * (1 + scale) + shift).to(x.dtype)

@@ -221,7 +221,7 @@ class GraphRunner:
         self._inner: dict[int, Callable[..., Any]] = {}
         self._compiled: dict[int, Callable[..., Any]] = {}
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
-        self._logged: set[str] = set()
+        self._logged: set[Any] = set()
         self.installed = False
 
     # -- installing -------------------------------------------------------------------------------
@@ -287,7 +287,7 @@ class GraphRunner:
             if key in self.failed or not self.capture_enabled:
                 self.stats["missed"] += 1
                 why = "its capture failed" if key in self.failed else "not captured at warm-up"
-                self._log_once(f"{PREFIX} {self.name}: MISSED {self.describe(padded)} ({why}): eager")
+                self._log_once(f"{PREFIX} {self.name}: MISSED {self.describe(padded)} ({why}): eager", key)
                 return self.original_forward(**call)
             record = self._capture(key, padded)
             if record is None:
@@ -334,9 +334,11 @@ class GraphRunner:
             return "several ranks (their collectives are not captured yet)"
         return None
 
-    def _log_once(self, message: str) -> None:
-        if message not in self._logged and len(self._logged) < MAX_LOGGED:
-            self._logged.add(message)
+    def _log_once(self, message: str, key: Any = None) -> None:
+        """Log `message` the first time it (or, given, `key`: one line per captured shape) comes up."""
+        seen = message if key is None else key
+        if seen not in self._logged and len(self._logged) < MAX_LOGGED:
+            self._logged.add(seen)
             logger.info(message)
 
     # -- capture ----------------------------------------------------------------------------------
