@@ -46,7 +46,7 @@ from diffserve.offload import install_memory_plan, log_plan, plan_memory, weight
 from diffserve.outputs import output_metadata, write_outputs
 from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.platforms import Platform, PlatformUnavailableError, resolve_platform
-from diffserve.registry import DIT_FACTS, FAMILIES, ModelFamily, resolve_family
+from diffserve.registry import DIT_FACTS, FAMILIES, PROMPT_PADDERS, ModelFamily, resolve_family
 from diffserve.request import Req
 from diffserve.runtime import Engine, MemoryModel, ScheduledRequest, SchedulerConfig
 from diffserve.runtime.compile import (
@@ -233,7 +233,7 @@ def load_model(
     )  # fmt: skip
     compiled = compile_pipeline({n: c.value for n, c in components.items()}) if engine_args.compile else []
     graphs = (
-        install_cuda_graphs({n: c.value for n, c in components.items()}, platform)
+        install_cuda_graphs({n: c.value for n, c in components.items()}, platform, PROMPT_PADDERS)
         if engine_args.enable_cuda_graph
         else []
     )

@@ -22,6 +22,7 @@ from diffserve.families.sd3 import record as sd3
 from diffserve.families.wan import record as wan
 from diffserve.families.z_image import record as z_image
 from diffserve.loader.dit_facts import DitFactsTable
+from diffserve.runtime.cuda_graph.padders import PromptPadder
 
 FAMILIES: tuple[ModelFamily, ...] = (
     *flux.FAMILIES,
@@ -41,12 +42,30 @@ REGISTRY: dict[str, ModelFamily] = {family.diffusers_pipeline: family for family
 #: Every native DiT's loader facts (quantization, LoRA conversion, single-file keys), from the records.
 DIT_FACTS = DitFactsTable(family.dit_facts for family in FAMILIES)
 
+
+def _prompt_padders() -> dict[str, PromptPadder]:
+    """DiT Diffusers class name -> the padder its families' records name (`--enable-cuda-graph`); families
+    sharing a DiT (a variant and its base) must name the same one."""
+    padders: dict[str, PromptPadder] = {}
+    for family in FAMILIES:
+        if family.prompt_padder is None:
+            continue
+        known = padders.setdefault(family.dit_facts.class_name, family.prompt_padder)
+        if known is not family.prompt_padder:
+            raise ValueError(f"two families name different prompt padders for {family.dit_facts.class_name}")
+    return padders
+
+
+#: What the runtime's breakable CUDA graphs read to pad a DiT's calls (runtime/cuda_graph/install.py).
+PROMPT_PADDERS = _prompt_padders()
+
 _BY_NAME: dict[str, ModelFamily] = {
     spelling: family for family in FAMILIES for spelling in (family.name, *family.aliases)
 }
 
 __all__ = [
     "DIT_FACTS",
+    "PROMPT_PADDERS",
     "FAMILIES",
     "REGISTRY",
     "ModelFamily",

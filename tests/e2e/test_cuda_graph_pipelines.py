@@ -18,6 +18,7 @@ from diffserve.configs.engine_args import EngineArgs
 from diffserve.errors import UserError
 from diffserve.families.qwen_image.tiny import build_tiny_qwen_image
 from diffserve.families.z_image.tiny import build_tiny_zimage
+from diffserve.registry import PROMPT_PADDERS
 from diffserve.runtime.cuda_graph import (
     DryRunBackend,
     check_cuda_graph_args,
@@ -65,7 +66,9 @@ def test_generation_through_the_graphs_is_pixel_identical(folders, family: str) 
     expected = [_pixels(gen, **case) for case in CASES[family]]
     components = {name: c.value for name, c in gen.pipeline.context.components.items()}
     # CUDA graphs' replay emulated on the CPU (testing/graph_emulation.py): the replay path a GPU takes.
-    [runner] = install_cuda_graphs(components, gen.platform, backend=EmulatedGraphBackend(), buckets=BUCKETS)
+    [runner] = install_cuda_graphs(
+        components, gen.platform, PROMPT_PADDERS, backend=EmulatedGraphBackend(), buckets=BUCKETS
+    )
     try:
         for case, want in zip(CASES[family], expected, strict=True):
             assert np.array_equal(_pixels(gen, **case), want), case
@@ -79,7 +82,9 @@ def test_generation_through_the_graphs_is_pixel_identical(folders, family: str) 
 def test_warm_up_captures_then_unseen_sizes_are_missed(folders, caplog) -> None:
     gen = _load(folders["qwen_image"])
     components = {name: c.value for name, c in gen.pipeline.context.components.items()}
-    [runner] = install_cuda_graphs(components, gen.platform, backend=DryRunBackend(), buckets=BUCKETS)
+    [runner] = install_cuda_graphs(
+        components, gen.platform, PROMPT_PADDERS, backend=DryRunBackend(), buckets=BUCKETS
+    )
     try:
         caplog.set_level(logging.INFO, logger="diffserve.cuda_graph")
         with warmup_capture([runner], sizes_given=True):

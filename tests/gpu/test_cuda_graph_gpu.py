@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from diffserve.registry import PROMPT_PADDERS
 from diffserve.runtime.cuda_graph import Buckets, CudaGraphBackend, GraphRunner, padder_for
 from diffserve.testing.graph_emulation import EmulatedGraphBackend
 from diffserve.testing.tiny_dits import FLUX, QWEN_IMAGE, Z_IMAGE, tiny_dit, tiny_dit_inputs
@@ -30,7 +31,7 @@ def _same(a: Any, b: Any) -> bool:
 def _runner(dit: torch.nn.Module, device: torch.device) -> GraphRunner:
     """CUDA graphs on a GPU; on the CPU, their replay semantics emulated (testing/graph_emulation.py)."""
     backend = CudaGraphBackend(device) if device.type == "cuda" else EmulatedGraphBackend()
-    return GraphRunner(dit, padder_for(dit), backend, BUCKETS).install()
+    return GraphRunner(dit, padder_for(dit, PROMPT_PADDERS), backend, BUCKETS).install()
 
 
 @pytest.fixture(autouse=True)

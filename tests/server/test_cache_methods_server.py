@@ -75,7 +75,9 @@ def test_a_named_schedule_needs_a_step_count_it_has(cache_server) -> None:
     response = post(cache_server, {"num_inference_steps": 5})
     assert response.status_code == 400
     error = response.json()["error"]
-    assert error["param"] == "cache" and "need 4, 6 or at least 8 steps, the request has 5" in error["message"]
+    assert (
+        error["param"] == "cache" and "need 4, 6 or at least 8 steps, the request has 5" in error["message"]
+    )
     assert "pass cache 'none'" in error["message"]
     assert post(cache_server, {"num_inference_steps": 5, "cache": "none"}).status_code == 200
 

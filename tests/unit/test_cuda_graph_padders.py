@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from diffserve.layers.lora_rows import AppliedLora, LoraRows, lora_rows_scope
+from diffserve.registry import PROMPT_PADDERS
 from diffserve.runtime.cuda_graph import (
     Buckets,
     CaptureMismatchError,
@@ -29,7 +30,7 @@ from diffserve.runtime.cuda_graph import (
     GraphRunner,
     padder_for,
 )
-from diffserve.runtime.cuda_graph.padders import PROMPT_PADDERS, AttentionSpan
+from diffserve.runtime.cuda_graph.padders import AttentionSpan
 from diffserve.testing.graph_emulation import EmulatedGraphBackend
 from diffserve.testing.tiny_dits import FLUX, QWEN_IMAGE, Z_IMAGE, tiny_dit, tiny_dit_inputs
 
@@ -52,7 +53,7 @@ def eager_and_runner(
     tensors, as a CUDA graph replays its kernels: `testing/graph_emulation.py`)."""
     dit = tiny_dit(name)
     capture = DryRunBackend() if backend == "dry-run" else EmulatedGraphBackend()
-    return dit, GraphRunner(dit, padder_for(dit), capture, buckets, **runner_options)
+    return dit, GraphRunner(dit, padder_for(dit, PROMPT_PADDERS), capture, buckets, **runner_options)
 
 
 BACKENDS = pytest.mark.parametrize("backend", ["dry-run", "emulated"])
@@ -96,7 +97,7 @@ def test_qwen_image_padding_to_every_bucket_is_bit_exact(
 
 def test_qwen_image_pads_embeddings_mask_rope_and_lengths_together() -> None:
     dit = tiny_dit(QWEN_IMAGE)
-    padder = padder_for(dit)
+    padder = padder_for(dit, PROMPT_PADDERS)
     inputs = tiny_dit_inputs(QWEN_IMAGE, 1, 7)
     padded = padder.pad(inputs, 1, 16)
     text, mask = padded.call["encoder_hidden_states"], padded.call["encoder_hidden_states_mask"]
@@ -119,7 +120,7 @@ def test_qwen_image_padding_needs_the_break_points_and_the_mask() -> None:
     dit = tiny_dit(QWEN_IMAGE)
     inputs = tiny_dit_inputs(QWEN_IMAGE, 1, 7)
     expected = dit(**inputs)
-    padded = padder_for(dit).pad(inputs, 1, 64).call
+    padded = padder_for(dit, PROMPT_PADDERS).pad(inputs, 1, 64).call
     with_mask = dit(**padded)
     torch.testing.assert_close(with_mask, expected, rtol=1e-4, atol=1e-4)
     without_mask = dit(**{**padded, "encoder_hidden_states_mask": None})

@@ -443,10 +443,13 @@ class FluxBench:
                 row[f"steps{loop_steps}_s"] = timed_steps(run, loop, 1, warmup=0)
 
     def _graphs(self, native: Any) -> Any:
+        from diffserve.registry import PROMPT_PADDERS
         from diffserve.runtime.cuda_graph import Buckets, GraphRunner, padder_for
 
         buckets = Buckets(batch=(1, 4), tokens=(self.shape["text"],))
-        return GraphRunner(native, padder_for(native), graph_backend(self.run), buckets).install()
+        return GraphRunner(
+            native, padder_for(native, PROMPT_PADDERS), graph_backend(self.run), buckets
+        ).install()
 
     def eager_part(self, matmul_tflops: float | None) -> Section:
         run, section = self.run, self.section
@@ -562,6 +565,7 @@ def bench_step_model(
     with_graphs: bool,
 ) -> Section:
     """diffusers eager and diffserve eager (and breakable graphs) steps of one DiT shape."""
+    from diffserve.registry import PROMPT_PADDERS
     from diffserve.runtime.cuda_graph import Buckets, GraphRunner, padder_for
 
     section = Section(name, shape["label"])
@@ -587,7 +591,7 @@ def bench_step_model(
             batch,
             lambda b=batch: step_row(run, native_step(native, inputs[b], selection.backend), steps),
         )
-    padder = padder_for(native)
+    padder = padder_for(native, PROMPT_PADDERS)
     if with_graphs and padder is not None:
         tokens = inputs[batches[0]].get("encoder_hidden_states")
         buckets = Buckets(batch=batches, tokens=(int(tokens.shape[1]),) if tokens is not None else (1,))

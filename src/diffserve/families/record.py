@@ -23,6 +23,7 @@ from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.loader.dit_facts import DitFacts
 from diffserve.loader.native_classes import NativeClasses
 from diffserve.pipelines.base import Pipeline
+from diffserve.runtime.cuda_graph.padders import PromptPadder
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,9 @@ class ModelFamily:
     dit_facts: DitFacts
     #: Other spellings of `name` accepted on input (resolved by `family_by_name` only).
     aliases: tuple[str, ...] = ()
+    #: `--enable-cuda-graph` opt-in: how the DiT's calls are padded to a captured (batch, token) bucket
+    #: (`runtime/cuda_graph/padders.py`); None: the family runs eager only, and the flag is refused.
+    prompt_padder: PromptPadder | None = None
 
     @property
     def step_cache_policies(self) -> Mapping[str, StepCachePolicy]:

@@ -6,13 +6,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from diffserve.layers.mlp import GeluProjection
 from diffserve.layers.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     TensorParallelRank,
     shard_linear,
 )
-from diffserve.layers.mlp import GeluProjection
 
 
 class FeedForward(nn.Module):

@@ -9,15 +9,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from diffserve.layers.attention import attention
+from diffserve.layers.attention_weights import AttentionWeights, QKNormFactory
+from diffserve.layers.rotary import RopeTables, RotaryEmbedding
 from diffserve.layers.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     TensorParallelRank,
     shard_linear,
 )
-from diffserve.layers.attention import attention
-from diffserve.layers.attention_weights import AttentionWeights, QKNormFactory
-from diffserve.layers.rotary import RopeTables, RotaryEmbedding
 
 Heads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 

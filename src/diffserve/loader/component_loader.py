@@ -16,9 +16,9 @@ import torch
 import transformers
 from torch import nn
 
-from diffserve.layers.tensor_parallel import TensorParallelRank
 from diffserve.errors import ModelLoadError
 from diffserve.layers.custom_op import dispatch_custom_ops
+from diffserve.layers.tensor_parallel import TensorParallelRank
 from diffserve.loader.dit_weights import DitLoadOptions, finish_dit, load_dit_weights
 from diffserve.loader.model_index import ComponentSpec, ModelIndex, read_json
 from diffserve.loader.native_classes import NativeClasses, NativeModelClass, NativeSchedulerClass

@@ -16,8 +16,8 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from diffserve.layers.tensor_parallel import ShardSpec, tensor_parallel_shards
 from diffserve.errors import ModelLoadError
+from diffserve.layers.tensor_parallel import ShardSpec, tensor_parallel_shards
 from diffserve.loader.owned_weights import open_safetensors, owned
 
 _WEIGHT_NAMES = ("diffusion_pytorch_model", "model")

@@ -38,9 +38,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from diffserve.layers.tensor_parallel import tensor_parallel_shards
 from diffserve.errors import ModelLoadError
 from diffserve.layers.gguf_linear import quantized_layer_kinds
+from diffserve.layers.tensor_parallel import tensor_parallel_shards
 from diffserve.loader.dit_facts import DitFactsTable
 from diffserve.loader.owned_weights import owned
 from diffserve.loader.quantize import quantizable_linears, tensor_bytes

@@ -58,6 +58,7 @@ from transformers.core_model_loading import (
 from transformers.monkey_patching import patch_output_recorders
 
 from diffserve.distributed.parallel_embedding import ColumnParallelEmbedding, parallel_embedding_shards
+from diffserve.errors import ModelLoadError
 from diffserve.layers.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -66,7 +67,6 @@ from diffserve.layers.tensor_parallel import (
     shard_linear,
     tensor_parallel_shards,
 )
-from diffserve.errors import ModelLoadError
 from diffserve.loader.owned_weights import open_safetensors, owned
 from diffserve.loader.safetensors_weights import SafeFile, find_weight_files
 

@@ -41,12 +41,12 @@ from torch import nn
 
 from diffserve.configs.engine_args import LoraSpec
 from diffserve.configs.sampling_params import LoraChoice
-from diffserve.layers.tensor_parallel import ParallelLinear
 from diffserve.errors import LoraBusyError, LoraError, LoraLimitError
 from diffserve.layers.fused_linear import FusedLinear
 from diffserve.layers.gguf_linear import quantized_layer_kinds
 from diffserve.layers.lora_linear import LayerAdapter, LoraLinear, LoraPiece
 from diffserve.layers.lora_rows import AppliedLora
+from diffserve.layers.tensor_parallel import ParallelLinear
 from diffserve.loader.dit_facts import DitFactsTable
 from diffserve.loader.lora_formats import convert_lora, read_lora_file
 from diffserve.loader.lora_formats.safetensors_file import lora_file_checked

@@ -17,6 +17,7 @@ from diffserve.loader.native_classes import NativeClasses
 from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
+from diffserve.runtime.cuda_graph.padders import FixedLengthPadder
 
 # Each tiny builder imports its module when called: those import transformers model classes that loading
 # the registry (every engine start) does not need.
@@ -72,6 +73,18 @@ _FLUX = ModelFamily(
     task="text-to-image",
     tiny_builder=_tiny_flux,
     dit_facts=_DIT_FACTS,
+    # T5 runs at its max_sequence_length: only the batch is padded.
+    prompt_padder=FixedLengthPadder(
+        rows_from="hidden_states",
+        batch_tensors=(
+            "hidden_states",
+            "encoder_hidden_states",
+            "context",
+            "pooled_projections",
+            "timestep",
+            "guidance",
+        ),
+    ),  # fmt: skip
 )
 
 FAMILIES: tuple[ModelFamily, ...] = (

@@ -20,6 +20,7 @@ from diffserve.loader.single_file_keys import identity_keys_plan
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.vaes.autoencoder_kl_qwen_image import AutoencoderKLQwenImage
+from diffserve.runtime.cuda_graph.padders import MaskedTextPadder
 
 
 def _tiny_qwen_image(out_dir: Path, options: TinyCheckpointOptions, variant: str) -> Path:
@@ -53,6 +54,14 @@ _QWEN_IMAGE = ModelFamily(
     task="text-to-image",
     tiny_builder=partial(_tiny_qwen_image, variant="t2i"),
     dit_facts=_DIT_FACTS,
+    # Text padded to the token bucket with the key mask (made at batch 1 too), RoPE and lengths following.
+    prompt_padder=MaskedTextPadder(
+        text="encoder_hidden_states",
+        mask="encoder_hidden_states_mask",
+        image_tokens_from="hidden_states",
+        batch_tensors=("hidden_states", "timestep", "guidance"),
+        batch_lists=("img_shapes",),
+    ),
 )
 
 FAMILIES: tuple[ModelFamily, ...] = (

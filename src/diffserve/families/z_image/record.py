@@ -13,6 +13,7 @@ from diffserve.loader.native_classes import NativeClasses
 from diffserve.models.dits.z_image import ZImageTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
+from diffserve.runtime.cuda_graph.padders import NativeLengthPadder
 
 
 def _tiny_z_image(out_dir: Path, options: TinyCheckpointOptions) -> Path:
@@ -34,6 +35,14 @@ FAMILIES: tuple[ModelFamily, ...] = (
         ),
         task="text-to-image",
         tiny_builder=_tiny_z_image,
+        # Extra caption tokens would be attended: prompts keep their length (the DiT rounds it to 32).
+        prompt_padder=NativeLengthPadder(
+            rows_from="x",
+            batch_tensors=("t",),
+            batch_lists=("x", "cap_feats", "refined_captions"),
+            caption_lists=("cap_feats", "refined_captions"),
+            multiple=32,  # the DiT's SEQ_MULTI_OF
+        ),
         dit_facts=DitFacts(
             class_name=ZImageTransformer2DModel.diffusers_class_name,
             full_precision_modules=frozenset(

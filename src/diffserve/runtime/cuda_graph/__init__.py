@@ -2,7 +2,7 @@
 token bucket) at warm-up and replayed with static buffers, broken around what cannot be captured.
 
 - `buckets.py`: the batch and token buckets a call is padded up to;
-- `padders.py`: per-DiT prompt padders (masked text, native length, fixed length) and their table;
+- `padders.py`: the prompt padders (masked text, native length, fixed length) families name in their records;
 - `runner.py`: `GraphRunner`, capture, replay, break points, eager fallbacks and their log lines;
 - `backends.py`: `CudaGraphBackend` (torch.cuda.CUDAGraph) and `DryRunBackend` (no CUDA: records,
   recomputes eagerly through the same buffers; the tests and `tools/gpu/check.sh --dry-run`);
@@ -12,11 +12,10 @@ token bucket) at warm-up and replayed with static buffers, broken around what ca
 from diffserve.runtime.cuda_graph.backends import CaptureBackend, CudaGraphBackend, DryRunBackend
 from diffserve.runtime.cuda_graph.buckets import Buckets
 from diffserve.runtime.cuda_graph.install import check_cuda_graph_args, install_cuda_graphs, warmup_capture
-from diffserve.runtime.cuda_graph.padders import PROMPT_PADDERS, PromptPadder, padder_for
+from diffserve.runtime.cuda_graph.padders import PromptPadder, padder_for
 from diffserve.runtime.cuda_graph.runner import CaptureMismatchError, GraphRunner
 
 __all__ = [
-    "PROMPT_PADDERS",
     "Buckets",
     "CaptureBackend",
     "CaptureMismatchError",

@@ -20,7 +20,7 @@ from diffserve.errors import UserError
 from diffserve.platforms.base import Platform
 from diffserve.runtime.cuda_graph.backends import CaptureBackend, CudaGraphBackend
 from diffserve.runtime.cuda_graph.buckets import Buckets
-from diffserve.runtime.cuda_graph.padders import PROMPT_PADDERS, padder_for
+from diffserve.runtime.cuda_graph.padders import PromptPadder, padder_for
 from diffserve.runtime.cuda_graph.runner import PREFIX, GraphRunner
 
 logger = logging.getLogger("diffserve.cuda_graph")
@@ -51,11 +51,13 @@ def check_cuda_graph_args(args: EngineArgs) -> None:
 def install_cuda_graphs(
     components: Mapping[str, object],
     platform: Platform,
+    padders: Mapping[str, PromptPadder],
     backend: CaptureBackend | None = None,
     buckets: Buckets | None = None,
 ) -> list[GraphRunner]:
-    """A `GraphRunner` installed on every DiT component (`transformer*`). UserError where the platform has
-    no CUDA graphs (unless a `backend` is given: the dry run) or a DiT has no prompt padder."""
+    """A `GraphRunner` installed on every DiT component (`transformer*`), padding its calls with its padder
+    in `padders` (by DiT class: the registry's `PROMPT_PADDERS`, from the families' records). UserError
+    where the platform has no CUDA graphs (unless a `backend` is given: the dry run) or a DiT has no padder."""
     if backend is None and (platform.device_type != "cuda" or platform.dispatch_key != "cuda"):
         raise UserError(
             f"--enable-cuda-graph needs an NVIDIA GPU (CUDA graphs); this engine runs on "
@@ -70,12 +72,12 @@ def install_cuda_graphs(
         raise UserError("--enable-cuda-graph: this pipeline has no DiT component ('transformer*') to capture")
     runners = []
     for name, module in dits.items():
-        padder = padder_for(module)
+        padder = padder_for(module, padders)
         if padder is None:
             dit_class = getattr(module, "diffusers_class_name", type(module).__name__)
             raise UserError(
                 f"--enable-cuda-graph: {dit_class} has no prompt padder yet (DiTs with one: "
-                f"{', '.join(sorted(PROMPT_PADDERS))})"
+                f"{', '.join(sorted(padders))})"
             )
         device_backend = backend or CudaGraphBackend(platform.device())
         runners.append(GraphRunner(module, padder, device_backend, buckets, name=name).install())

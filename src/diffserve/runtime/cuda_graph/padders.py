@@ -22,10 +22,9 @@ Three contracts cover the DiTs so far:
 Batch padding is the same for all: the last real row is repeated up to the batch bucket (rows never mix,
 so the copies change nothing of the real rows) and the output keeps the real rows.
 
-`PROMPT_PADDERS` maps a DiT's Diffusers class name to its padder (a DiT without one cannot be captured:
-`--enable-cuda-graph` is refused for it). It is keyed by the DiT rather than the family so that the
-runtime names no family (`tests/unit/test_family_isolation.py`); the design's place for it is each
-family's record (`ModelFamily.prompt_padder`), where it moves when the records next change.
+A family opts in by naming its padder in its record (`ModelFamily.prompt_padder`); the registry gathers
+them by DiT class (`diffserve.registry.PROMPT_PADDERS`) and hands that table to the runtime, which names
+no family. A DiT without one cannot be captured: `--enable-cuda-graph` is refused for it.
 """
 
 from __future__ import annotations
@@ -279,31 +278,8 @@ class MaskedTextPadder:
         return call_signature(padded.call)
 
 
-#: The DiT (by Diffusers class name) -> its padder. Families without one cannot run under
-#: `--enable-cuda-graph` yet (refused at start, naming these).
-PROMPT_PADDERS: dict[str, PromptPadder] = {
-    "QwenImageTransformer2DModel": MaskedTextPadder(
-        text="encoder_hidden_states",
-        mask="encoder_hidden_states_mask",
-        image_tokens_from="hidden_states",
-        batch_tensors=("hidden_states", "timestep", "guidance"),
-        batch_lists=("img_shapes",),
-    ),
-    "ZImageTransformer2DModel": NativeLengthPadder(
-        rows_from="x",
-        batch_tensors=("t",),
-        batch_lists=("x", "cap_feats", "refined_captions"),
-        caption_lists=("cap_feats", "refined_captions"),
-        multiple=32,  # the DiT's SEQ_MULTI_OF
-    ),
-    "FluxTransformer2DModel": FixedLengthPadder(
-        rows_from="hidden_states",
-        batch_tensors=("hidden_states", "encoder_hidden_states", "context", "pooled_projections", "timestep", "guidance"),
-    ),
-}  # fmt: skip
-
-
-def padder_for(dit: torch.nn.Module) -> PromptPadder | None:
-    """The padder of `dit`'s class (by its Diffusers name), or None when it has none."""
+def padder_for(dit: torch.nn.Module, padders: Mapping[str, PromptPadder]) -> PromptPadder | None:
+    """The padder of `dit`'s class (by its Diffusers name) in `padders` (the registry's `PROMPT_PADDERS`,
+    built from the families' records), or None when its family has none."""
     name = getattr(dit, "diffusers_class_name", type(dit).__name__)
-    return PROMPT_PADDERS.get(name)
+    return padders.get(name)
