@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_vaes import KL_LEVELS
 
 from diffserve.models.vaes.autoencoder_kl import AutoencoderKL, DiagonalGaussian
 from diffserve.testing.parity import (
@@ -19,12 +20,9 @@ MAX_ABS = 1e-4
 MIN_COS = 0.9999
 
 FLUX_STYLE = {
+    **KL_LEVELS,
     "in_channels": 3,
     "out_channels": 3,
-    "down_block_types": ["DownEncoderBlock2D"] * 2,
-    "up_block_types": ["UpDecoderBlock2D"] * 2,
-    "block_out_channels": [32, 64],
-    "layers_per_block": 1,
     "latent_channels": 16,
     "norm_num_groups": 32,
     "scaling_factor": 0.3611,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_vaes import FLUX2_TINY
 
 from diffserve.models.vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2
 from diffserve.testing.parity import (
@@ -19,20 +20,6 @@ from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline  # noqa: E402
 
 MAX_ABS = 1e-4
 MIN_COS = 0.9999
-
-TINY = {
-    "in_channels": 3,
-    "out_channels": 3,
-    "down_block_types": ["DownEncoderBlock2D"] * 2,
-    "up_block_types": ["UpDecoderBlock2D"] * 2,
-    "block_out_channels": [32, 64],
-    "layers_per_block": 1,
-    "latent_channels": 8,
-    "norm_num_groups": 16,
-    "sample_size": 32,
-    "batch_norm_eps": 1e-4,
-    "patch_size": [2, 2],
-}
 
 
 def _perturb(ref: torch.nn.Module) -> None:
@@ -49,7 +36,7 @@ def _pair(**overrides: object) -> tuple[torch.nn.Module, AutoencoderKLFlux2]:
     return parity_pair(
         diffusers.AutoencoderKLFlux2,
         AutoencoderKLFlux2,
-        {**TINY, **overrides},
+        {**FLUX2_TINY, **overrides},
         perturb=_perturb,
         force_upcast=True,
     )
@@ -93,7 +80,7 @@ def test_encode_mode_and_sample_match_non_square() -> None:
 @torch.no_grad()
 def test_decode_matches_non_square() -> None:
     ref, native = _pair()
-    z = torch.randn(2, TINY["latent_channels"], 6, 10, generator=torch.Generator().manual_seed(2))
+    z = torch.randn(2, FLUX2_TINY["latent_channels"], 6, 10, generator=torch.Generator().manual_seed(2))
     want = ref.decode(z).sample
     got = native.decode(z)
     assert got.shape == (2, 3, 12, 20)
@@ -104,7 +91,7 @@ def test_decode_matches_non_square() -> None:
 def test_decoder_block_out_channels() -> None:
     ref, native = _pair(decoder_block_out_channels=[16, 48])
     assert native.decoder.conv_in.out_channels == 48
-    z = torch.randn(1, TINY["latent_channels"], 4, 6, generator=torch.Generator().manual_seed(3))
+    z = torch.randn(1, FLUX2_TINY["latent_channels"], 4, 6, generator=torch.Generator().manual_seed(3))
     _compare("decode (own decoder widths)", native.decode(z), ref.decode(z).sample)
 
 
@@ -113,7 +100,7 @@ def test_patchify_and_bn_normalisation_follow_the_pipeline() -> None:
     """`patchify` + `normalize_latents` is `Flux2Pipeline._encode_vae_image`'s tail, and
     `denormalize_latents` + `unpatchify` the head of its decode, bit for bit, in fp32 and bf16."""
     ref, native = _pair()
-    z = torch.randn(2, TINY["latent_channels"], 6, 10, generator=torch.Generator().manual_seed(4))
+    z = torch.randn(2, FLUX2_TINY["latent_channels"], 6, 10, generator=torch.Generator().manual_seed(4))
     patched = Flux2Pipeline._patchify_latents(z)
     torch.testing.assert_close(native.patchify(z), patched, rtol=0, atol=0)
     torch.testing.assert_close(native.unpatchify(patched), z, rtol=0, atol=0)

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_vaes import WAN21_TINY, perturb_gains
 
 from diffserve.models.vaes.autoencoder_kl import DiagonalGaussian
 from diffserve.models.vaes.autoencoder_kl_qwen_image import AutoencoderKLQwenImage
@@ -14,7 +15,6 @@ from diffserve.testing.parity import (
     assert_same_state_dict_layout,
     native_from_reference,
     parity_pair,
-    perturb_parameters,
 )
 
 diffusers = pytest.importorskip("diffusers")
@@ -23,26 +23,12 @@ MAX_ABS = 1e-5
 MIN_COS = 0.9999
 
 #: All three downsampling levels of the released model (the last two temporal), at a tiny width.
-TINY: dict[str, Any] = {
-    "base_dim": 16,
-    "z_dim": 4,
-    "dim_mult": [1, 2, 2, 2],
-    "num_res_blocks": 1,
-    "attn_scales": [],
-    "temperal_downsample": [False, True, True],
-    "latents_mean": [0.1, -0.2, 0.3, -0.4],
-    "latents_std": [1.5, 2.0, 0.5, 1.0],
-}
-
-
-def _perturb(model: torch.nn.Module) -> None:
-    """Diffusers starts the RMS-norm gains at one; move every tensor so a misrouted weight shows."""
-    perturb_parameters(model, 0.02, gain_suffix="gamma")
+TINY: dict[str, Any] = WAN21_TINY
 
 
 @pytest.fixture(scope="module")
 def pair() -> tuple[torch.nn.Module, AutoencoderKLQwenImage]:
-    return parity_pair(diffusers.AutoencoderKLQwenImage, AutoencoderKLQwenImage, TINY, perturb=_perturb)
+    return parity_pair(diffusers.AutoencoderKLQwenImage, AutoencoderKLQwenImage, TINY, perturb=perturb_gains)
 
 
 def _compare(label: str, got: torch.Tensor, want: torch.Tensor, max_abs: float = MAX_ABS) -> None:

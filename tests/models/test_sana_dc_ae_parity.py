@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_vaes import DC_STAGES
 
 from diffserve.models.vaes.autoencoder_dc import AutoencoderDC
 from diffserve.testing.parity import (
@@ -27,21 +28,10 @@ MAX_ABS = 1e-4
 MIN_COS = 0.9999
 
 SANA_STYLE: dict[str, Any] = {
+    **DC_STAGES,
     "in_channels": 3,
-    "latent_channels": 8,
-    "attention_head_dim": 8,
-    "encoder_block_types": ["ResBlock", "EfficientViTBlock", "EfficientViTBlock"],
-    "decoder_block_types": ["ResBlock", "EfficientViTBlock", "EfficientViTBlock"],
-    "encoder_block_out_channels": [8, 16, 32],
-    "decoder_block_out_channels": [8, 16, 32],
     "encoder_layers_per_block": [1, 1, 2],
     "decoder_layers_per_block": [1, 2, 1],
-    "encoder_qkv_multiscales": [[], [], [5]],
-    "decoder_qkv_multiscales": [[], [], [5]],
-    "downsample_block_type": "Conv",
-    "upsample_block_type": "interpolate",
-    "decoder_norm_types": "rms_norm",
-    "decoder_act_fns": "silu",
     "scaling_factor": 0.41407,
 }
 IN_MIX_STYLE: dict[str, Any] = {

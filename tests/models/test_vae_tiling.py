@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_vaes import DC_STAGES, FLUX2_TINY, KL_TINY, WAN21_TINY, wan22_tiny
 
 from diffserve.models.vaes.autoencoder_dc import AutoencoderDC
 from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
@@ -29,6 +30,7 @@ from diffserve.models.vaes.autoencoder_kl_qwen_image import AutoencoderKLQwenIma
 from diffserve.models.vaes.autoencoder_kl_wan import AutoencoderKLWan
 from diffserve.models.vaes.tiling import blend_h, blend_t, blend_v, stitch_tiles
 from diffserve.testing.image_metrics import psnr_uint8
+from diffserve.testing.parity import parity_pair
 from diffserve.vae_tiling import SupportsTiling
 
 diffusers = pytest.importorskip("diffusers")
@@ -36,60 +38,8 @@ diffusers = pytest.importorskip("diffusers")
 MAX_ABS = 1e-5  # native vs Diffusers on the same weights (the VAE parity tests' bar)
 MIN_TILED_PSNR = 35.0  # tiled vs untiled decode, uint8 dB
 
-WAN21 = {
-    "base_dim": 16,
-    "z_dim": 4,
-    "dim_mult": [1, 2, 2, 2],
-    "num_res_blocks": 1,
-    "attn_scales": [],
-    "temperal_downsample": [False, True, True],
-    "latents_mean": [0.1, -0.2, 0.3, -0.4],
-    "latents_std": [1.5, 2.0, 0.5, 1.0],
-}
-WAN22 = {
-    "base_dim": 8,
-    "decoder_base_dim": 12,
-    "z_dim": 8,
-    "dim_mult": [1, 2, 4, 4],
-    "num_res_blocks": 1,
-    "attn_scales": [],
-    "temperal_downsample": [False, True, True],
-    "is_residual": True,
-    "in_channels": 12,
-    "out_channels": 12,
-    "patch_size": 2,
-    "scale_factor_spatial": 16,
-    "latents_mean": [0.0] * 8,
-    "latents_std": [1.0] * 8,
-}
-KL = {
-    "down_block_types": ["DownEncoderBlock2D"] * 2,
-    "up_block_types": ["UpDecoderBlock2D"] * 2,
-    "block_out_channels": [32, 64],
-    "layers_per_block": 1,
-    "latent_channels": 8,
-    "norm_num_groups": 16,
-    "sample_size": 32,
-    "use_quant_conv": True,
-    "use_post_quant_conv": True,
-}
-FLUX2 = {**KL, "batch_norm_eps": 1e-4, "patch_size": [2, 2]}
-DC = {
-    "latent_channels": 8,
-    "attention_head_dim": 8,
-    "encoder_block_types": ["ResBlock", "EfficientViTBlock", "EfficientViTBlock"],
-    "decoder_block_types": ["ResBlock", "EfficientViTBlock", "EfficientViTBlock"],
-    "encoder_block_out_channels": [8, 16, 32],
-    "decoder_block_out_channels": [8, 16, 32],
-    "encoder_layers_per_block": [1, 1, 1],
-    "decoder_layers_per_block": [1, 1, 1],
-    "encoder_qkv_multiscales": [[], [], [5]],
-    "decoder_qkv_multiscales": [[], [], [5]],
-    "downsample_block_type": "Conv",
-    "upsample_block_type": "interpolate",
-    "decoder_norm_types": "rms_norm",
-    "decoder_act_fns": "silu",
-}
+WAN22 = wan22_tiny(8, latents_mean=[0.0] * 8, latents_std=[1.0] * 8)
+DC = {**DC_STAGES, "encoder_layers_per_block": [1, 1, 1], "decoder_layers_per_block": [1, 1, 1]}
 
 Tensor = torch.Tensor
 
@@ -126,54 +76,31 @@ def _wh_params(size: int, stride: int) -> dict[str, int | float]:
     }
 
 
+#: Wan 2.1 / Qwen-Image (f = 8): 32-pixel tiles every 24 -> 4-latent tiles every 3 latents.
+WAN21_TILES: dict[str, Any] = dict(
+    config=WAN21_TINY, latent_shape=(4, 2, 5, 5), tile_params=_wh_params(32, 24), psnr_shape=(4, 1, 8, 8),
+    psnr_tile_params=_wh_params(48, 32),
+)  # fmt: skip
+#: KL and FLUX.2 (f = 2): 32-pixel / 16-latent tiles overlapping by a quarter.
+KL_TILES: dict[str, Any] = dict(
+    latent_shape=(8, 20, 20), tile_params=_kl_params(32), psnr_shape=(8, 24, 24),
+    psnr_tile_params=_kl_params(40, 0.5),
+)  # fmt: skip
 CASES = {
-    # Wan 2.1 / Qwen-Image (f = 8): 32-pixel tiles every 24 -> 4-latent tiles every 3 latents.
-    "wan2.1": Case(
-        AutoencoderKLWan,
-        "AutoencoderKLWan",
-        WAN21,
-        (4, 2, 5, 5),
-        _wh_params(32, 24),
-        (4, 1, 8, 8),
-        _wh_params(48, 32),
-    ),
-    "qwen-image": Case(
-        AutoencoderKLQwenImage,
-        "AutoencoderKLQwenImage",
-        WAN21,
-        (4, 2, 5, 5),
-        _wh_params(32, 24),
-        (4, 1, 8, 8),
-        _wh_params(48, 32),
-    ),
+    "wan2.1": Case(AutoencoderKLWan, "AutoencoderKLWan", **WAN21_TILES),
+    "qwen-image": Case(AutoencoderKLQwenImage, "AutoencoderKLQwenImage", **WAN21_TILES),
     # Wan 2.2 (f = 16 with 2x2 patches; tile sizes count patchified pixels): 3-latent tiles every 2.
     "wan2.2": Case(
-        AutoencoderKLWan,
-        "AutoencoderKLWan",
-        WAN22,
-        (8, 2, 4, 4),
-        _wh_params(48, 32),
-        (8, 1, 8, 8),
+        AutoencoderKLWan, "AutoencoderKLWan", WAN22, (8, 2, 4, 4), _wh_params(48, 32), (8, 1, 8, 8),
         _wh_params(96, 64),
     ),
-    # KL (f = 2): 32-pixel / 16-latent tiles overlapping by a quarter.
-    "kl": Case(
-        AutoencoderKL, "AutoencoderKL", KL, (8, 20, 20), _kl_params(32), (8, 24, 24), _kl_params(40, 0.5)
-    ),
-    "flux2": Case(
-        AutoencoderKLFlux2,
-        "AutoencoderKLFlux2",
-        FLUX2,
-        (8, 20, 20),
-        _kl_params(32),
-        (8, 24, 24),
-        _kl_params(40, 0.5),
-    ),
+    "kl": Case(AutoencoderKL, "AutoencoderKL", KL_TINY, **KL_TILES),
+    "flux2": Case(AutoencoderKLFlux2, "AutoencoderKLFlux2", FLUX2_TINY, **KL_TILES),
     # DC (f = 4): 64-pixel tiles every 48 -> 16-latent tiles every 12.
     "dc": Case(
         AutoencoderDC, "AutoencoderDC", DC, (8, 20, 20), _wh_params(64, 48), (8, 30, 40), _wh_params(64, 48)
     ),
-}
+}  # fmt: skip
 
 #: Attention outputs (zeroed) and residual branches' last convs (damped) of the decoders: see `_localised`.
 ATTENTION_OUT = re.compile(r"attentions\.\d+\.(proj|to_out)|attn\.norm_out")
@@ -215,13 +142,10 @@ NETWORK_CASES = sorted(set(CASES) - {"qwen-image"})
 def _pair(name: str) -> Pair:
     """Diffusers' class with perturbed random weights, and the native class loaded from its state dict."""
     spec = CASES[name]
-    torch.manual_seed(0)
-    ref = getattr(diffusers, spec.diffusers_name)(**spec.config).eval()
-    _perturb(ref)
-    with torch.device("meta"):
-        ours = spec.native.from_config({**dict(ref.config), "_class_name": spec.diffusers_name})
-    ours.load_state_dict(ref.state_dict(), strict=True, assign=True)
-    return spec, ref, ours.eval()
+    ref, ours = parity_pair(
+        getattr(diffusers, spec.diffusers_name), spec.native, spec.config, perturb=_perturb
+    )
+    return spec, ref, ours
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -413,7 +337,7 @@ def test_decode_split_tiles_inside_a_tiled_decode_scope() -> None:
     from diffserve.vae_tiling import tiled_decode_scope
 
     torch.manual_seed(0)
-    vae = AutoencoderKL(**KL).eval()
+    vae = AutoencoderKL(**KL_TINY).eval()
     vae.tile_sample_min_size, vae.tile_latent_min_size = 16, 8  # the switch stays off: the scope turns it on
     z = torch.randn(1, 8, 12, 12, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
