@@ -4,7 +4,9 @@ per-request `cache=`, same method, same settings, same checkpoint, prompts and s
 Issue 33's benchmark. For every row (a method at one setting) both implementations generate the same
 prompts with the same seed, alternating (reference first on even (repeat, prompt) pairs, diffserve first
 on odd ones), after an untimed warm-up (each prompt once on each engine, exact); torch's thread count is
-fixed (`--threads`); the machine's 1-minute load average before and after is in the table's header.
+fixed (`--threads`); the machine's 1-minute load average before and after is in the table's header. Next
+to every cached run, each implementation also runs exact (diffusers on a second pipeline without hooks),
+so the speed-up against exact is paired per run too (`--no-row-baseline`: against the exact row only).
 Reported per implementation: end-to-end seconds (per prompt the median of `--repeats`, then the mean over
 prompts), the speed-up against its own exact output, the steps reused and the share of DiT blocks run,
 PSNR against its own exact output (diffusers' exact for cache-dit and the hooks, diffserve's exact for
@@ -436,7 +438,7 @@ class BlockWork:
 class Engines:
     """diffusers' FluxPipeline and diffserve's DiffGenerator on one checkpoint, one process."""
 
-    def __init__(self, ck: Checkpoint, threads: int, seed: int) -> None:
+    def __init__(self, ck: Checkpoint, threads: int, seed: int, row_baseline: bool) -> None:
         import torch
         from diffusers import FluxPipeline
         from diffusers.utils import logging as diffusers_logging
@@ -448,17 +450,26 @@ class Engines:
         self.pipe = FluxPipeline.from_pretrained(ck.path, torch_dtype=torch.float32).to("cpu")
         self.pipe.set_progress_bar_config(disable=True)
         self.work = BlockWork(self.pipe.transformer)
+        # The per-row exact baseline runs on a second pipeline of its own, so that no cache is enabled and
+        # disabled around every run (cache-dit's enable_cache rebuilds its adapter).
+        self.exact_pipe = None
+        if row_baseline:
+            self.exact_pipe = FluxPipeline.from_pretrained(ck.path, torch_dtype=torch.float32).to("cpu")
+            self.exact_pipe.set_progress_bar_config(disable=True)
         self.generator = DiffGenerator.from_pretrained(
             ck.path, device="cpu", dtype="float32", show_progress=False, cpu_threads=threads
         )
         torch.set_num_threads(threads)
 
-    def run_diffusers(self, prompt: str) -> tuple[float, np.ndarray, dict[str, Any]]:
+    def run_diffusers(
+        self, prompt: str, exact_pipe: bool = False
+    ) -> tuple[float, np.ndarray, dict[str, Any]]:
         import torch
 
         self.work.reset()
+        pipe = self.exact_pipe if exact_pipe else self.pipe
         start = time.perf_counter()
-        image = self.pipe(
+        image = pipe(
             prompt=prompt, generator=torch.Generator("cpu").manual_seed(self.seed), output_type="pil",
             **self.ck.request,
         ).images[0]  # fmt: skip
@@ -524,6 +535,8 @@ class Side:
 
     name: str
     seconds: list[list[float]]  # per prompt, per repeat
+    #: The same implementation without a cache, timed next to each of those runs (per-row baseline).
+    baseline: list[list[float]]
     images: list[np.ndarray | None]
     counts: list[dict[str, Any] | None]
     error: str | None = None
@@ -535,11 +548,16 @@ def short_error(exc: BaseException) -> str:
 
 
 def run_row(engines: Engines, row: Row, repeats: int) -> dict[str, Side]:
+    """The row's runs: per repeat and prompt, each implementation with the row's cache (alternating which
+    goes first), each next to an exact run of its own when the engines keep a per-row baseline."""
     prompts = engines.ck.prompts
     sides: dict[str, Side] = {}
+    baseline = engines.exact_pipe is not None and row.method != "exact"
 
     def new_side(name: str) -> Side:
-        return Side(name, [[] for _ in prompts], [None] * len(prompts), [None] * len(prompts))
+        return Side(
+            name, [[] for _ in prompts], [[] for _ in prompts], [None] * len(prompts), [None] * len(prompts)
+        )
 
     if row.reference is not None:
         sides["reference"] = new_side(row.reference)
@@ -560,18 +578,26 @@ def run_row(engines: Engines, row: Row, repeats: int) -> dict[str, Side]:
                     side = sides.get(key)
                     if side is None or side.error is not None:
                         continue
+                    runs = [False, True] if baseline else [False]  # exact?
+                    if (repeat + p) % 2:
+                        runs.reverse()
                     try:
-                        if key == "reference":
-                            seconds, image, counts = engines.run_diffusers(prompt)
-                        else:
-                            seconds, image, counts = engines.run_diffserve(prompt, row.cache)
+                        for exact_run in runs:
+                            if key == "reference":
+                                seconds, image, counts = engines.run_diffusers(prompt, exact_pipe=exact_run)
+                            else:
+                                seconds, image, counts = engines.run_diffserve(
+                                    prompt, None if exact_run else row.cache
+                                )
+                            if exact_run:
+                                side.baseline[p].append(seconds)
+                                continue
+                            side.seconds[p].append(seconds)
+                            if side.images[p] is None:
+                                side.images[p], side.counts[p] = image, counts
                     except Exception as exc:  # noqa: BLE001  (reported in the table)
                         side.error = short_error(exc)
                         log(f"    {side.name} failed on {row.method} ({row.setting}): {side.error}")
-                        continue
-                    side.seconds[p].append(seconds)
-                    if side.images[p] is None:
-                        side.images[p], side.counts[p] = image, counts
     finally:
         if enabled:  # also after a failed run: the next row starts from the exact pipeline
             row.disable(engines.pipe)
@@ -593,11 +619,21 @@ def summarize(side: Side, exact: Side | None, diffusers_exact: Side | None) -> d
     reports = [c.get("report") for c in side.counts if c.get("report")]
     if reports:
         out["diffserve_cache_report"] = reports[0]
-    if exact is not None and exact.error is None:
+    if any(side.baseline):  # exact runs timed next to this row's runs: paired ratios
+        ratios = [
+            e / c
+            for es, cs in zip(side.baseline, side.seconds, strict=True)
+            for e, c in zip(es, cs, strict=True)
+        ]
+        out["speedup_vs_own_exact"] = statistics.median(ratios)
+        out["speedup_vs_own_exact_per_run"] = ratios
+        out["baseline_seconds_per_prompt"] = side.baseline
+    elif exact is not None and exact.error is None:  # against the exact row
         exact_medians = [statistics.median(s) for s in exact.seconds]
         out["speedup_vs_own_exact"] = statistics.fmean(
             e / m for e, m in zip(exact_medians, medians, strict=True)
         )
+    if exact is not None and exact.error is None:
         psnrs = [psnr_uint8(a, b) for a, b in zip(side.images, exact.images, strict=True)]
         out["psnr_vs_own_exact"] = psnrs
     if diffusers_exact is not None and diffusers_exact.error is None:
@@ -616,7 +652,7 @@ def paired_ratio(ref: Side, ours: Side) -> list[float]:
 
 def run_checkpoint(args: argparse.Namespace, ck: Checkpoint) -> dict[str, Any]:
     log(f"{ck.name}: loading both engines ({ck.path}) ...")
-    engines = Engines(ck, args.threads, args.seed)
+    engines = Engines(ck, args.threads, args.seed, args.row_baseline)
     ctx: dict[str, Any] = {}
     try:
         # Warm-up, untimed: first calls allocate; every prompt's text embeddings enter diffserve's prompt
@@ -624,6 +660,8 @@ def run_checkpoint(args: argparse.Namespace, ck: Checkpoint) -> dict[str, Any]:
         # these text encoders).
         for prompt in ck.prompts:
             engines.run_diffusers(prompt)
+            if engines.exact_pipe is not None:
+                engines.run_diffusers(prompt, exact_pipe=True)
             engines.run_diffserve(prompt, None)
         if "magcache" in args.method_list:
             try:
@@ -681,9 +719,12 @@ def run_checkpoint(args: argparse.Namespace, ck: Checkpoint) -> dict[str, Any]:
 def db(values: list[float] | None) -> str:
     if not values:
         return "-"
+    finite = [v for v in values if not math.isinf(v)]
+    if not finite:
+        return "identical"
+    if len(finite) < len(values):
+        return f"{len(values) - len(finite)}/{len(values)} identical, min {min(finite):.1f} dB"
     mean = statistics.fmean(values)
-    if math.isinf(mean):
-        return "identical" if all(math.isinf(v) for v in values) else "inf"
     return f"{mean:.1f} dB" if len(values) == 1 else f"{mean:.1f} dB (min {min(values):.1f})"
 
 
@@ -772,9 +813,16 @@ def render(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def legend() -> str:
+def legend(row_baseline: bool) -> str:
+    speedup = (
+        "`speed-up vs own exact`: the median over runs of the same implementation's exact run, timed next to "
+        "each cached run, over the cached run"
+        if row_baseline
+        else "`speed-up vs own exact`: against the exact row's times"
+    )
     return (
-        "Each row: per prompt the median of the repeats, then the mean over prompts. `steps reused`: steps whose "
+        f"End-to-end s: per prompt the median of the repeats, then the mean over prompts. {speedup}. "
+        "`steps reused`: steps whose "
         "last DiT block did not run (diffusers side: counted by hooks on the blocks; diffserve: its cache report). "
         "`DiT blocks run`: block forwards run as a share of all (diffusers side: blocks whose attention ran, so "
         "attention-level methods, PAB, FasterCache and diffusers' TaylorSeer, count the attention only). PSNR vs own "
@@ -821,6 +869,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--repeats", type=int, default=3, help="timed runs per prompt and row, after a warm-up (default: 3)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--no-row-baseline", dest="row_baseline", action="store_false",
+        help="time each implementation's exact output once (the exact row) instead of next to every cached run "
+        "(halves the runs; the speed-up against exact then spans the whole run's load changes)",
+    )  # fmt: skip
     p.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: every core this process may use)"
     )
@@ -878,7 +931,7 @@ def main(argv: list[str] | None = None) -> None:
     ]
     for result in results:
         lines += render(result, args) + [""]
-    lines.append(legend())
+    lines.append(legend(args.row_baseline))
     print("\n".join(lines))
     if args.json:
         harness.write_json(

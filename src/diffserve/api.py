@@ -28,7 +28,7 @@ from diffserve.configs.cache_settings import parse_cache
 from diffserve.configs.engine_args import EngineArgs, LoraSpec
 from diffserve.configs.option import keyword_values, option_keywords
 from diffserve.configs.quality import check_default_quality, read_calibrated_policies
-from diffserve.configs.sampling_params import SamplingParams, lora_choices
+from diffserve.configs.sampling_params import LoraChoice, SamplingParams, lora_choices
 from diffserve.distributed.config import ParallelConfigError
 from diffserve.distributed.launch import RankGroup, is_follower, start_ranks
 from diffserve.distributed.state import ParallelState
@@ -389,7 +389,15 @@ class DiffGenerator:
         """Short generations at each (height, width) (every batch kind of `WARMUP_KINDS` at the first), so
         compilation (`--compile`) and allocator growth happen now rather than in the first requests."""
         start = time.perf_counter()
-        runs = warm_up(self.generate_from_params, self.pipeline.facts, resolutions)
+        args, lora = self.engine_args, None
+        if args.compile and not args.lora_merge and (args.loras or args.lora_dir is not None):
+            # LoRA batches trace graphs of their own (layers/trace_scope.py): warm them up with an adapter
+            # loaded at start-up, or say when they will compile.
+            if args.loras:
+                lora = LoraChoice(args.loras[0].name)
+            else:
+                logger.info("--compile: no adapter loaded at start-up; LoRA batches compile on first use")
+        runs = warm_up(self.generate_from_params, self.pipeline.facts, resolutions, lora)
         logger.info(
             "Warm-up of %d size(s) done in %.2f seconds", len(resolutions), time.perf_counter() - start
         )

@@ -30,6 +30,7 @@ from diffserve.offload.components import OffloadGroup
 from diffserve.request import Req
 from diffserve.runtime.memory import estimated_memory_model
 from diffserve.testing.counting_platform import CountingPlatform
+from diffserve.testing.parity import denoise_joining, stack_uint8
 
 FLUX_PARAMS = dict(
     height=32,
@@ -330,25 +331,8 @@ def test_cli_logs_the_plan_and_the_components_that_can_stay_resident(tiny_flux_d
 
 def run_batched(gen: DiffGenerator, params: list[SamplingParams], join_after: list[int]) -> list[np.ndarray]:
     """Request i joins once `join_after[i]` batched steps have run (its text encoding between steps)."""
-    pipeline = gen.pipeline
-    waiting = [(Req(params=p), after) for p, after in zip(params, join_after, strict=True)]
-    running, done, steps = [], {}, 0
-    while waiting or running:
-        for req, after in [w for w in waiting if w[1] <= steps]:
-            waiting.remove((req, after))
-            running.append(pipeline.run_pre_denoise(pipeline.validate(req)))
-        groups: dict[tuple, list[Req]] = {}
-        for req in running:
-            groups.setdefault(pipeline.batch_key(req), []).append(req)
-        for group in groups.values():
-            pipeline.denoise_step(group)
-        steps += 1
-        for req in [r for r in running if r.is_denoised]:
-            running.remove(req)
-            done[req.params.prompt] = np.stack(
-                [np.asarray(im) for im in pipeline.run_post_denoise(req).outputs.images]
-            )
-    return [done[p.prompt] for p in params]
+    done = denoise_joining(gen.pipeline, params, join_after)
+    return [stack_uint8(done[p.prompt].outputs.images) for p in params]
 
 
 def test_requests_joining_a_step_batch_with_everything_offloaded(tiny_flux_dir) -> None:

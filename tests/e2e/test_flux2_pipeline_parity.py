@@ -40,8 +40,8 @@ from diffserve.loader.processors import load_processor_tokenizer
 from diffserve.request import Req
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 from diffserve.testing.parity import (
+    assert_batched_as_alone,
     assert_images_match,
-    denoise_together,
     diffusers_uint8,
     max_pixel_diff,
     smooth_random_image,
@@ -223,7 +223,6 @@ def test_requests_sharing_denoising_steps_match_each_run_alone(pipelines, varian
     """Two requests with other prompts, seeds, guidance (klein: one with CFG, one without) and step counts
     share DiT batches and give what each gives alone."""
     ours, _ = pipelines[variant]
-    pipeline = ours.pipeline
     image = smooth_random_image(64, 64, seed=1)
     common = dict(height=32, width=48, input_images=[image], max_sequence_length=MAX_LEN)
     params = [
@@ -232,16 +231,8 @@ def test_requests_sharing_denoising_steps_match_each_run_alone(pipelines, varian
             prompt="turn the sky green", seed=12, num_inference_steps=2, guidance_scale=1.0, **common
         ),
     ]
-    alone = [stack_uint8(ours.generate_from_params(p).images) for p in params]
-    running = [pipeline.run_pre_denoise(pipeline.validate(Req(params=p))) for p in params]
-    assert pipeline.batch_key(running[0]) == pipeline.batch_key(running[1])
-    done, step_sizes = denoise_together(pipeline, running)
+    step_sizes = assert_batched_as_alone(ours, params, variant)
     assert step_sizes.count(2) == 2  # two steps shared
-    for p, want in zip(params, alone, strict=True):
-        got = stack_uint8(done[p.prompt].outputs.images)
-        diff = max_pixel_diff(got, want)
-        print(f"{variant} batched vs alone {p.prompt!r}: max diff {diff}")
-        assert diff <= 1
 
 
 def test_batch_key_separates_reference_grids(pipelines) -> None:

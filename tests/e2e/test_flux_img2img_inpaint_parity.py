@@ -19,12 +19,10 @@ from diffserve import DiffGenerator, SamplingParams
 from diffserve.families.flux.tiny import TinyFluxSpec, build_tiny_flux
 from diffserve.families.flux.tiny_fill import build_tiny_flux_fill
 from diffserve.request import Req
-from diffserve.testing.image_metrics import psnr_uint8 as psnr
 from diffserve.testing.parity import (
+    assert_batched_as_alone,
     assert_images_match,
-    denoise_together,
     diffusers_uint8,
-    max_pixel_diff,
     smooth_random_image,
     stack_uint8,
 )
@@ -151,7 +149,6 @@ def test_mixed_strengths_share_steps_and_match_each_run_alone(flux) -> None:
     """Text-to-image, img2img at two strengths and an inpaint: their schedules start at different steps,
     they share DiT batches, and each one's pixels are what it gives alone."""
     ours, _, _ = flux
-    pipeline = ours.pipeline
     base = dict(height=HEIGHT, width=WIDTH, num_inference_steps=4, max_sequence_length=16)
     params = [
         SamplingParams(prompt="a", seed=1, **base),
@@ -168,16 +165,8 @@ def test_mixed_strengths_share_steps_and_match_each_run_alone(flux) -> None:
             **base,
         ),
     ]
-    alone = [stack_uint8(ours.generate_from_params(p).images) for p in params]
-    running = [pipeline.run_pre_denoise(pipeline.validate(Req(params=p))) for p in params]
-    assert [r.num_steps for r in running] == [4, 2, 3, 3]
-    assert len({pipeline.batch_key(r) for r in running}) == 1
-    done, step_sizes = denoise_together(pipeline, running)
-    assert max(step_sizes) == 4
-    for p, want in zip(params, alone, strict=True):
-        got = stack_uint8(done[p.prompt].outputs.images)
-        diff = max_pixel_diff(got, want)
-        print(
-            f"batched vs alone {p.prompt!r} (strength {p.strength}): max diff {diff}, PSNR {psnr(got, want):.1f} dB"
-        )
-        assert diff <= 1
+
+    def check_prepared(running: list[Req]) -> None:
+        assert [r.num_steps for r in running] == [4, 2, 3, 3]
+
+    assert max(assert_batched_as_alone(ours, params, "flux", check_prepared)) == 4

@@ -21,10 +21,9 @@ from diffserve.request import Req
 from diffserve.stages.reference_images import ReferenceImages
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 from diffserve.testing.parity import (
+    assert_batched_as_alone,
     assert_images_match,
-    denoise_together,
     diffusers_uint8,
-    max_pixel_diff,
     smooth_random_image,
     stack_uint8,
 )
@@ -142,7 +141,6 @@ def test_default_output_size_is_diffusers_default_whatever_the_input_shape(pipel
 
 def test_two_edits_sharing_denoising_steps_match_each_run_alone(pipelines) -> None:
     ours, _ = pipelines
-    pipeline = ours.pipeline
     params = [
         SamplingParams(
             prompt=PROMPT,
@@ -164,16 +162,8 @@ def test_two_edits_sharing_denoising_steps_match_each_run_alone(pipelines) -> No
             num_inference_steps=2,
         ),
     ]
-    alone = [stack_uint8(ours.generate_from_params(p).images) for p in params]
-    running = [pipeline.run_pre_denoise(pipeline.validate(Req(params=p))) for p in params]
-    assert pipeline.batch_key(running[0]) == pipeline.batch_key(running[1])
-    done, step_sizes = denoise_together(pipeline, running)
+    step_sizes = assert_batched_as_alone(ours, params, "kontext")
     assert step_sizes.count(2) == 2  # two steps shared
-    for p, want in zip(params, alone, strict=True):
-        got = stack_uint8(done[p.prompt].outputs.images)
-        diff = max_pixel_diff(got, want)
-        print(f"batched vs alone {p.prompt!r}: max diff {diff}, PSNR {psnr(got, want):.1f} dB")
-        assert diff <= 1
 
 
 def test_the_bar_sees_the_input_image(pipelines) -> None:

@@ -8,7 +8,9 @@ import torch
 from diffusers import FluxPipeline as DiffusersFluxPipeline
 
 from diffserve import DiffGenerator
-from diffserve.testing.parity import assert_images_match, diffusers_uint8, stack_uint8
+from diffserve.testing.parity import (
+    assert_generation_matches,
+)
 
 PSNR_BAR_DB = 40.0
 
@@ -41,21 +43,18 @@ CASES = [
 def test_pixels_match_diffusers(generators, variant, height, width, steps, extra) -> None:
     ours, reference = generators[variant]
     kwargs = dict(height=height, width=width, num_inference_steps=steps, max_sequence_length=32, **extra)
-    out = ours.generate(prompt="a red fox in the snow", seed=42, **kwargs)
-    ref_u8 = diffusers_uint8(reference, seed=42, prompt="a red fox in the snow", **kwargs)
     label = f"{variant} {height}x{width} {extra}"
-    assert_images_match(
-        stack_uint8(out.images), ref_u8, label, min_db=PSNR_BAR_DB, shape=(1, height, width, 3)
-    )
+    prompt = "a red fox in the snow"
+    assert_generation_matches(ours, reference, label, min_db=PSNR_BAR_DB, prompt=prompt, seed=42, **kwargs)
 
 
 def test_num_outputs_per_prompt_matches_diffusers_batch(generators) -> None:
     ours, reference = generators["dev"]
     kwargs = dict(height=32, width=32, num_inference_steps=2, max_sequence_length=16)
-    out = ours.generate(prompt="two foxes", seed=7, num_outputs_per_prompt=2, **kwargs)
-    ref_u8 = diffusers_uint8(reference, seed=7, prompt="two foxes", num_images_per_prompt=2, **kwargs)
-    ours_u8 = stack_uint8(out.images)
-    assert_images_match(ours_u8, ref_u8, "dev n=2", min_db=PSNR_BAR_DB)
+    ours_u8 = assert_generation_matches(
+        ours, reference, "dev n=2", min_db=PSNR_BAR_DB, prompt="two foxes", seed=7, num_outputs_per_prompt=2,
+        **kwargs,
+    )  # fmt: skip
     assert not np.array_equal(ours_u8[0], ours_u8[1]), "two outputs of one request must differ"
 
 

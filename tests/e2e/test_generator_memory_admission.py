@@ -18,7 +18,6 @@ from diffserve import DiffGenerator
 from diffserve.cli.main import EXIT_USER_ERROR, main
 from diffserve.configs.engine_args import EngineArgs
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
 from diffserve.platforms.base import MemoryInfo
 from diffserve.platforms.cpu import CpuPlatform
 from diffserve.request import Req
@@ -57,20 +56,6 @@ def budget(generator: DiffGenerator):
 
     yield set_budget
     generator.engine.memory = model
-
-
-@pytest.fixture
-def tiled_decodes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
-    """The latent shapes `AutoencoderKL` decodes in tiles, recorded."""
-    calls: list[tuple[int, ...]] = []
-    tiled_decode = AutoencoderKL._tiled_decode
-
-    def recording(self: AutoencoderKL, z):  # noqa: ANN001, ANN202
-        calls.append(tuple(z.shape))
-        return tiled_decode(self, z)
-
-    monkeypatch.setattr(AutoencoderKL, "_tiled_decode", recording)
-    return calls
 
 
 def test_the_generator_has_the_servers_memory_model(generator: DiffGenerator) -> None:

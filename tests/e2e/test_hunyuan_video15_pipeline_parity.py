@@ -15,14 +15,20 @@ import torch
 from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
 from diffusers.guiders import ClassifierFreeGuidance as DiffusersCFG
 
-from diffserve import DiffGenerator, SamplingParams
+from diffserve import SamplingParams
 from diffserve.errors import InvalidRequestError
 from diffserve.families.hunyuan_video15.text_encoding import HunyuanVideo15TextEncodingStage
 from diffserve.families.hunyuan_video15.tiny import TinyHunyuanVideo15Spec, build_tiny_hunyuan_video15
 from diffserve.models.guiders.classifier_free_guidance import ClassifierFreeGuidance
 from diffserve.request import Req
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
-from diffserve.testing.parity import assert_images_match, gradient_image, max_pixel_diff, to_uint8
+from diffserve.testing.parity import (
+    assert_images_match,
+    generator_and_reference,
+    gradient_image,
+    max_pixel_diff,
+    to_uint8,
+)
 
 PSNR_BAR_DB = 40.0
 PROMPT = 'a neon sign that says "OPEN" above a door'
@@ -36,9 +42,7 @@ def _compare(ours: list[np.ndarray], ref: np.ndarray, shape: tuple[int, ...], wh
 @pytest.fixture(scope="module")
 def t2v(tmp_path_factory):
     root = build_tiny_hunyuan_video15(tmp_path_factory.mktemp("hv15-t2v"))
-    reference = HunyuanVideo15Pipeline.from_pretrained(root, torch_dtype=torch.float32)
-    reference.set_progress_bar_config(disable=True)
-    return DiffGenerator.from_pretrained(root, device="cpu", show_progress=False), reference
+    return generator_and_reference(root, HunyuanVideo15Pipeline)
 
 
 #: The CFG request of the T2V parity test, also one of the two requests of the batching test.
@@ -50,6 +54,17 @@ CFG_PARAMS = SamplingParams(
     num_frames=5,
     num_inference_steps=2,
     negative_prompt="blurry, dark",
+)
+
+#: A one-step request without CFG: the other request of the batching test, and the preview test's.
+PLAIN_PARAMS = SamplingParams(
+    prompt="a quiet lake",
+    seed=8,
+    height=48,
+    width=80,
+    num_frames=5,
+    num_inference_steps=1,
+    guidance_scale=1.0,
 )
 
 
@@ -146,15 +161,7 @@ def test_guider_windows_are_refused() -> None:
 def test_two_requests_sharing_steps_equal_each_alone(t2v, cfg_frames) -> None:
     """A CFG request of two steps and a request without CFG of one step share the first step."""
     ours, _ = t2v
-    plain = SamplingParams(
-        prompt="a quiet lake",
-        seed=8,
-        height=48,
-        width=80,
-        num_frames=5,
-        num_inference_steps=1,
-        guidance_scale=1.0,
-    )
+    plain = PLAIN_PARAMS
     alone = [cfg_frames, np.stack(ours.generate_many([plain])[0].frames)]
     counts = ours.engine.scheduler.batch_size_counts
     shared_before = sum(n for size, n in counts.items() if size >= 2)
@@ -172,16 +179,7 @@ def test_preview_after_the_last_step_is_the_first_frame(t2v) -> None:
     """After the last step the predicted clean latents are the final ones: the preview (first latent frame
     decoded alone, which the causal VAE allows) is the video's first frame."""
     pipeline = t2v[0].pipeline
-    params = SamplingParams(
-        prompt="a quiet lake",
-        seed=8,
-        height=48,
-        width=80,
-        num_frames=5,
-        num_inference_steps=1,
-        guidance_scale=1.0,
-    )
-    req = pipeline.run_pre_denoise(pipeline.validate(Req(params=params)))
+    req = pipeline.run_pre_denoise(pipeline.validate(Req(params=PLAIN_PARAMS)))
     pipeline.denoise_step([req])
     preview = pipeline.preview_images(req)
     first_frame = pipeline.run_post_denoise(req).outputs.frames[0][0]
@@ -214,9 +212,7 @@ def i2v(tmp_path_factory):
         tmp_path_factory.mktemp("hv15-i2v"),
         TinyHunyuanVideo15Spec(image_to_video=True, use_meanflow=True, seed=1),
     )
-    reference = HunyuanVideo15ImageToVideoPipeline.from_pretrained(root, torch_dtype=torch.float32)
-    reference.set_progress_bar_config(disable=True)
-    return DiffGenerator.from_pretrained(root, device="cpu", show_progress=False), reference
+    return generator_and_reference(root, HunyuanVideo15ImageToVideoPipeline)
 
 
 def test_i2v_matches_diffusers(i2v) -> None:

@@ -10,6 +10,10 @@ the same, correct way, so the inpaint reference's latents are decoded as `Stable
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -29,10 +33,9 @@ from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
 from diffserve.families.z_image.tiny import build_tiny_zimage
 from diffserve.request import Req
 from diffserve.testing.parity import (
+    assert_batched_as_alone,
     assert_images_match,
-    denoise_together,
     diffusers_uint8,
-    max_pixel_diff,
     smooth_random_image,
     stack_uint8,
     to_uint8,
@@ -48,22 +51,32 @@ MASK = Image.new("L", (WIDTH, HEIGHT), 0)
 MASK.paste(255, (8, 8, 32, 24))
 
 
-def assert_matches(ours_u8: np.ndarray, ref_u8: np.ndarray, label: str, other: np.ndarray) -> None:
-    assert_images_match(ours_u8, ref_u8, label, min_db=PSNR_BAR_DB, control=other)
+@dataclass(frozen=True)
+class Family:
+    build: Callable[[Path], Path]
+    img2img: type
+    inpaint: type
+    max_sequence_length: int
+    #: Diffusers' size arguments (Z-Image's encodes the input image at its own size, which is diffserve's
+    #: default output size).
+    size: dict[str, int]
+    #: (strength, extra arguments) of the img2img cases.
+    img2img_cases: list[tuple[float, dict[str, object]]]
+    #: The inpainting arguments, and the label's words for them.
+    inpaint_kwargs: dict[str, object]
+    inpaint_label: str
+    #: Diffusers' inpainting pixels (default: `reference`).
+    inpaint_reference: Callable[..., np.ndarray] | None = None
 
-
-@pytest.fixture(scope="module")
-def sd3(tmp_path_factory):
-    root = build_tiny_sd3(tmp_path_factory.mktemp("tiny-sd3-i2i"), TinySD3Spec(seed=0))
-    ours = DiffGenerator.from_pretrained(root, device="cpu", show_progress=False)
-    img2img = StableDiffusion3Img2ImgPipeline.from_pretrained(root, torch_dtype=torch.float32)
-    return ours, img2img, StableDiffusion3InpaintPipeline(**img2img.components)
-
-
-def sd3_reference(pipe, seed: int, **kwargs) -> np.ndarray:
-    return diffusers_uint8(
-        pipe, seed=seed, prompt=PROMPT, height=HEIGHT, width=WIDTH, max_sequence_length=24, **kwargs
-    )
+    def reference(self, pipe, seed: int, **kwargs) -> np.ndarray:
+        return diffusers_uint8(
+            pipe,
+            seed=seed,
+            prompt=PROMPT,
+            max_sequence_length=self.max_sequence_length,
+            **self.size,
+            **kwargs,
+        )
 
 
 def sd3_inpaint_reference(pipe, seed: int, **kwargs) -> np.ndarray:
@@ -83,152 +96,84 @@ def sd3_inpaint_reference(pipe, seed: int, **kwargs) -> np.ndarray:
     return to_uint8(pipe.image_processor.postprocess(pixels, output_type="np"))
 
 
-@pytest.mark.parametrize(("strength", "extra"), [(0.3, {}), (0.8, {"guidance_scale": 1.0})])
-def test_sd3_img2img_matches_diffusers(sd3, strength, extra) -> None:
-    ours, img2img, _ = sd3
-    kwargs = dict(num_inference_steps=3, **extra)
-    out = ours.generate(
-        prompt=PROMPT, image=IMAGE, strength=strength, seed=5, max_sequence_length=24, **kwargs
-    )
-    ref = sd3_reference(img2img, 5, image=IMAGE, strength=strength, **kwargs)
-    other = stack_uint8(
-        ours.generate(
-            prompt=PROMPT, seed=5, height=HEIGHT, width=WIDTH, max_sequence_length=24, **kwargs
-        ).images
-    )
-    assert_matches(stack_uint8(out.images), ref, f"sd3 img2img strength {strength} {extra}", other)
+FAMILIES = {
+    "sd3": Family(
+        lambda root: build_tiny_sd3(root, TinySD3Spec(seed=0)),
+        StableDiffusion3Img2ImgPipeline, StableDiffusion3InpaintPipeline, 24, dict(height=HEIGHT, width=WIDTH),
+        [(0.3, {}), (0.8, {"guidance_scale": 1.0})],
+        dict(num_inference_steps=3, strength=0.7), "strength 0.7", sd3_inpaint_reference,
+    ),
+    "z_image": Family(
+        build_tiny_zimage, ZImageImg2ImgPipeline, ZImageInpaintPipeline, 64, {},
+        [(0.3, {"guidance_scale": 0.0}), (0.8, {"guidance_scale": 3.0})],
+        # Z-Image's inpainting default strength is 1.0 (its img2img's 0.6); n=2 with CFG.
+        dict(num_inference_steps=3, guidance_scale=2.0), "default strength 1.0",
+    ),
+    "qwen_image": Family(
+        build_tiny_qwen_image, QwenImageImg2ImgPipeline, QwenImageInpaintPipeline, 64,
+        dict(height=HEIGHT, width=WIDTH),
+        [(0.3, {"true_cfg_scale": 1.0}), (0.8, {"true_cfg_scale": 3.0, "negative_prompt": "blurry"})],
+        dict(num_inference_steps=3, strength=0.7, true_cfg_scale=1.0), "strength 0.7",
+    ),
+}  # fmt: skip
 
 
-def test_sd3_inpaint_two_outputs_match_diffusers(sd3) -> None:
-    ours, _, inpaint = sd3
-    kwargs = dict(num_inference_steps=3, strength=0.7)
-    out = ours.generate(
-        prompt=PROMPT,
-        image=IMAGE,
-        mask=MASK,
-        seed=4,
-        num_outputs_per_prompt=2,
-        max_sequence_length=24,
-        **kwargs,
-    )
-    ref = sd3_inpaint_reference(inpaint, 4, image=IMAGE, mask_image=MASK, num_images_per_prompt=2, **kwargs)
-    other = stack_uint8(
-        ours.generate(
-            prompt=PROMPT, image=IMAGE, seed=4, num_outputs_per_prompt=2, max_sequence_length=24, **kwargs
-        ).images
-    )
-    assert_matches(stack_uint8(out.images), ref, "sd3 inpaint n=2 strength 0.7", other)
-
-
-# -- Z-Image: Diffusers encodes the input image at its own size, which is diffserve's default output size.
 @pytest.fixture(scope="module")
-def z_image(tmp_path_factory):
-    root = build_tiny_zimage(tmp_path_factory.mktemp("tiny-zimage-i2i"))
-    ours = DiffGenerator.from_pretrained(root, device="cpu", show_progress=False)
-    img2img = ZImageImg2ImgPipeline.from_pretrained(root, torch_dtype=torch.float32)
-    return ours, img2img, ZImageInpaintPipeline(**img2img.components)
+def pipelines(tmp_path_factory) -> Callable[[str], tuple[DiffGenerator, object, object]]:
+    """A family's (diffserve generator, Diffusers img2img, Diffusers inpaint) on one tiny folder (made once)."""
+    cache: dict[str, tuple[DiffGenerator, object, object]] = {}
+
+    def get(family: str) -> tuple[DiffGenerator, object, object]:
+        if family not in cache:
+            spec = FAMILIES[family]
+            root = spec.build(tmp_path_factory.mktemp(f"tiny-{family}-i2i"))
+            ours = DiffGenerator.from_pretrained(root, device="cpu", show_progress=False)
+            img2img = spec.img2img.from_pretrained(root, torch_dtype=torch.float32)
+            cache[family] = (ours, img2img, spec.inpaint(**img2img.components))
+        return cache[family]
+
+    return get
 
 
-def z_image_reference(pipe, seed: int, **kwargs) -> np.ndarray:
-    return diffusers_uint8(pipe, seed=seed, prompt=PROMPT, max_sequence_length=64, **kwargs)
+IMG2IMG = [(family, *case) for family, spec in FAMILIES.items() for case in spec.img2img_cases]
 
 
-@pytest.mark.parametrize(
-    ("strength", "extra"), [(0.3, {"guidance_scale": 0.0}), (0.8, {"guidance_scale": 3.0})]
-)
-def test_z_image_img2img_matches_diffusers(z_image, strength, extra) -> None:
-    ours, img2img, _ = z_image
-    kwargs = dict(num_inference_steps=3, max_sequence_length=64, **extra)
-    out = ours.generate(prompt=PROMPT, image=IMAGE, strength=strength, seed=5, **kwargs)
-    ref = z_image_reference(img2img, 5, image=IMAGE, strength=strength, num_inference_steps=3, **extra)
-    other = stack_uint8(ours.generate(prompt=PROMPT, seed=5, height=HEIGHT, width=WIDTH, **kwargs).images)
-    assert_matches(stack_uint8(out.images), ref, f"z-image img2img strength {strength} {extra}", other)
-
-
-def test_z_image_inpaint_matches_diffusers(z_image) -> None:
-    """Z-Image's inpainting default strength is 1.0 (its img2img's 0.6); n=2 with CFG."""
-    ours, _, inpaint = z_image
-    kwargs = dict(num_inference_steps=3, guidance_scale=2.0)
-    out = ours.generate(
-        prompt=PROMPT,
-        image=IMAGE,
-        mask=MASK,
-        seed=4,
-        num_outputs_per_prompt=2,
-        max_sequence_length=64,
-        **kwargs,
-    )
-    ref = z_image_reference(inpaint, 4, image=IMAGE, mask_image=MASK, num_images_per_prompt=2, **kwargs)
-    other = stack_uint8(
-        ours.generate(
-            prompt=PROMPT, image=IMAGE, seed=4, num_outputs_per_prompt=2, max_sequence_length=64, **kwargs
-        ).images
-    )
-    assert_matches(stack_uint8(out.images), ref, "z-image inpaint n=2 default strength 1.0", other)
-
-
-# -- Qwen-Image ----------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def qwen_image(tmp_path_factory):
-    root = build_tiny_qwen_image(tmp_path_factory.mktemp("tiny-qwen-i2i"))
-    ours = DiffGenerator.from_pretrained(root, device="cpu", show_progress=False)
-    img2img = QwenImageImg2ImgPipeline.from_pretrained(root, torch_dtype=torch.float32)
-    return ours, img2img, QwenImageInpaintPipeline(**img2img.components)
-
-
-def qwen_reference(pipe, seed: int, **kwargs) -> np.ndarray:
-    return diffusers_uint8(
-        pipe, seed=seed, prompt=PROMPT, height=HEIGHT, width=WIDTH, max_sequence_length=64, **kwargs
-    )
-
-
-@pytest.mark.parametrize(
-    ("strength", "extra"),
-    [(0.3, {"true_cfg_scale": 1.0}), (0.8, {"true_cfg_scale": 3.0, "negative_prompt": "blurry"})],
-)
-def test_qwen_image_img2img_matches_diffusers(qwen_image, strength, extra) -> None:
-    ours, img2img, _ = qwen_image
+@pytest.mark.parametrize(("family", "strength", "extra"), IMG2IMG)
+def test_img2img_matches_diffusers(pipelines, family: str, strength: float, extra: dict) -> None:
+    spec = FAMILIES[family]
+    ours, img2img, _ = pipelines(family)
     kwargs = dict(num_inference_steps=3, **extra)
-    out = ours.generate(
-        prompt=PROMPT, image=IMAGE, strength=strength, seed=5, max_sequence_length=64, **kwargs
-    )
-    ref = qwen_reference(img2img, 5, image=IMAGE, strength=strength, **kwargs)
+    length = dict(max_sequence_length=spec.max_sequence_length)
+    out = ours.generate(prompt=PROMPT, image=IMAGE, strength=strength, seed=5, **length, **kwargs)
+    ref = spec.reference(img2img, 5, image=IMAGE, strength=strength, **kwargs)
     other = stack_uint8(
-        ours.generate(
-            prompt=PROMPT, seed=5, height=HEIGHT, width=WIDTH, max_sequence_length=64, **kwargs
-        ).images
+        ours.generate(prompt=PROMPT, seed=5, height=HEIGHT, width=WIDTH, **length, **kwargs).images
     )
-    assert_matches(stack_uint8(out.images), ref, f"qwen-image img2img strength {strength} {extra}", other)
+    label = f"{family.replace('_', '-')} img2img strength {strength} {extra}"
+    assert_images_match(stack_uint8(out.images), ref, label, min_db=PSNR_BAR_DB, control=other)
 
 
-def test_qwen_image_inpaint_two_outputs_match_diffusers(qwen_image) -> None:
-    ours, _, inpaint = qwen_image
-    kwargs = dict(num_inference_steps=3, strength=0.7, true_cfg_scale=1.0)
-    out = ours.generate(
-        prompt=PROMPT,
-        image=IMAGE,
-        mask=MASK,
-        seed=4,
-        num_outputs_per_prompt=2,
-        max_sequence_length=64,
-        **kwargs,
-    )
-    ref = qwen_reference(inpaint, 4, image=IMAGE, mask_image=MASK, num_images_per_prompt=2, **kwargs)
-    other = stack_uint8(
-        ours.generate(
-            prompt=PROMPT, image=IMAGE, seed=4, num_outputs_per_prompt=2, max_sequence_length=64, **kwargs
-        ).images
-    )
-    assert_matches(stack_uint8(out.images), ref, "qwen-image inpaint n=2 strength 0.7", other)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_inpaint_two_outputs_match_diffusers(pipelines, family: str) -> None:
+    spec = FAMILIES[family]
+    ours, _, inpaint = pipelines(family)
+    kwargs = spec.inpaint_kwargs
+    common = dict(prompt=PROMPT, image=IMAGE, seed=4, num_outputs_per_prompt=2)
+    length = dict(max_sequence_length=spec.max_sequence_length)
+    out = ours.generate(mask=MASK, **common, **length, **kwargs)
+    reference = spec.inpaint_reference or spec.reference
+    ref = reference(inpaint, 4, image=IMAGE, mask_image=MASK, num_images_per_prompt=2, **kwargs)
+    other = stack_uint8(ours.generate(**common, **length, **kwargs).images)
+    label = f"{family.replace('_', '-')} inpaint n=2 {spec.inpaint_label}"
+    assert_images_match(stack_uint8(out.images), ref, label, min_db=PSNR_BAR_DB, control=other)
 
 
 # -- batch invariance on the spatial-latent families (FLUX's: test_flux_img2img_inpaint_parity.py) -----
 @pytest.mark.parametrize("family", ["sd3", "z_image", "qwen_image"])
-def test_mixed_strengths_share_steps_and_match_each_run_alone(request, family) -> None:
+def test_mixed_strengths_share_steps_and_match_each_run_alone(pipelines, family: str) -> None:
     """Text-to-image, img2img and inpainting requests start at different steps of their schedules, share
     DiT batches, and each one's pixels are what it gives alone."""
-    ours = request.getfixturevalue(family)[0]
-    pipeline = ours.pipeline
+    ours = pipelines(family)[0]
     base = dict(height=HEIGHT, width=WIDTH, num_inference_steps=4, max_sequence_length=24)
     params = [
         SamplingParams(prompt="a", seed=1, **base),
@@ -242,14 +187,8 @@ def test_mixed_strengths_share_steps_and_match_each_run_alone(request, family) -
             **base,
         ),
     ]
-    alone = [stack_uint8(ours.generate_from_params(p).images) for p in params]
-    running = [pipeline.run_pre_denoise(pipeline.validate(Req(params=p))) for p in params]
-    assert [r.num_steps for r in running] == [4, 2, 3]
-    assert len({pipeline.batch_key(r) for r in running}) == 1
-    done, step_sizes = denoise_together(pipeline, running)
-    assert max(step_sizes) == 3
-    for p, want in zip(params, alone, strict=True):
-        got = stack_uint8(done[p.prompt].outputs.images)
-        diff = max_pixel_diff(got, want)
-        print(f"{family} batched vs alone {p.prompt!r} (strength {p.strength}): max diff {diff}")
-        assert diff <= 1
+
+    def check_prepared(running: list[Req]) -> None:
+        assert [r.num_steps for r in running] == [4, 2, 3]
+
+    assert max(assert_batched_as_alone(ours, params, family, check_prepared)) == 3

@@ -23,6 +23,7 @@ from diffserve.testing.image_metrics import psnr_uint8 as psnr
 from diffserve.testing.parity import (
     assert_images_match,
     assert_parity,
+    generator_and_reference,
     gradient_image,
     snr_db,
     stack_uint8,
@@ -48,9 +49,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def t2v(tmp_path_factory):
     root = build_tiny_ltx2(tmp_path_factory.mktemp("ltx2-t2v"), TinyLTX2Spec())
-    reference = LTX2Pipeline.from_pretrained(root, dtype=torch.float32)
-    reference.set_progress_bar_config(disable=True)
-    return DiffGenerator.from_pretrained(root, device="cpu", show_progress=False), reference
+    return generator_and_reference(root, LTX2Pipeline)
 
 
 def _compare(out, ref, frames: int, height: int, width: int, what: str, outputs: int = 1) -> None:
@@ -194,9 +193,7 @@ def test_ltx2_timestep_conditioned_vae_decodes_as_diffusers(tmp_path) -> None:
 @pytest.fixture(scope="module")
 def i2v(tmp_path_factory):
     root = build_tiny_ltx2(tmp_path_factory.mktemp("ltx2-i2v"), TinyLTX2Spec(image_to_video=True))
-    reference = LTX2ImageToVideoPipeline.from_pretrained(root, dtype=torch.float32)
-    reference.set_progress_bar_config(disable=True)
-    return DiffGenerator.from_pretrained(root, device="cpu", show_progress=False), reference
+    return generator_and_reference(root, LTX2ImageToVideoPipeline)
 
 
 def test_ltx2_i2v_matches_diffusers(i2v) -> None:

@@ -24,7 +24,13 @@ from diffserve.families.qwen_image.tiny import (
     load_qwen_vl_processor,
 )
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
-from diffserve.testing.parity import assert_images_match, diffusers_uint8, stack_uint8
+from diffserve.testing.parity import (
+    assert_generation_matches,
+    assert_images_match,
+    diffusers_uint8,
+    generator_and_reference,
+    stack_uint8,
+)
 
 PSNR_BAR_DB = 40.0
 CONDITION_AREA = 96 * 64
@@ -47,10 +53,7 @@ class _CountingForward:
 @pytest.fixture(scope="module")
 def t2i(tmp_path_factory):
     root = build_tiny_qwen_image(tmp_path_factory.mktemp("qwen-image"))
-    return (
-        DiffGenerator.from_pretrained(root, device="cpu", show_progress=False),
-        QwenImagePipeline.from_pretrained(root, torch_dtype=torch.float32),
-    )
+    return generator_and_reference(root, QwenImagePipeline)
 
 
 @pytest.mark.parametrize(
@@ -63,15 +66,9 @@ def t2i(tmp_path_factory):
 )
 def test_qwen_image_pixels_match_diffusers(t2i, height, width, steps, extra) -> None:
     ours, reference = t2i
-    kwargs = dict(height=height, width=width, num_inference_steps=steps, max_sequence_length=64)
-    out = ours.generate(prompt=PROMPT, seed=3, **kwargs, **extra)
-    ref_extra = dict(extra)
-    n = ref_extra.pop("num_outputs_per_prompt", 1)
-    ref_u8 = diffusers_uint8(reference, seed=3, prompt=PROMPT, num_images_per_prompt=n, **kwargs, **ref_extra)
+    kwargs = dict(height=height, width=width, num_inference_steps=steps, max_sequence_length=64, **extra)
     label = f"Qwen-Image {height}x{width} {extra}"
-    assert_images_match(
-        stack_uint8(out.images), ref_u8, label, min_db=PSNR_BAR_DB, shape=(n, height, width, 3)
-    )
+    assert_generation_matches(ours, reference, label, min_db=PSNR_BAR_DB, prompt=PROMPT, seed=3, **kwargs)
 
 
 def test_qwen_image_cfg_changes_the_image_and_runs_one_forward_per_step(t2i) -> None:

@@ -7,14 +7,19 @@ ships, and prompts go through SANA's complex human instruction (Diffusers' defau
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from diffusers import SanaPipeline
 
-from diffserve import DiffGenerator, SamplingParams
+from diffserve import SamplingParams
 from diffserve.families.sana.tiny import build_tiny_sana
-from diffserve.testing.parity import assert_images_match, diffusers_uint8, stack_uint8
+from diffserve.testing.parity import (
+    assert_generation_matches,
+    assert_images_match,
+    diffusers_uint8,
+    generator_and_reference,
+    stack_uint8,
+)
 
 PSNR_BAR_DB = 40.0
 
@@ -22,17 +27,7 @@ PSNR_BAR_DB = 40.0
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     root = build_tiny_sana(tmp_path_factory.mktemp("sana"))
-    reference = SanaPipeline.from_pretrained(root, dtype=torch.float32)
-    reference.set_progress_bar_config(disable=True)
-    return DiffGenerator.from_pretrained(root, device="cpu", show_progress=False), reference
-
-
-def _reference_u8(reference: SanaPipeline, prompt: str, seed: int, n: int, **kwargs) -> np.ndarray:
-    return diffusers_uint8(reference, seed=seed, prompt=prompt, num_images_per_prompt=n, **kwargs)
-
-
-def _check(name: str, ours: list, ref_u8: np.ndarray, shape: tuple[int, ...]) -> None:
-    assert_images_match(stack_uint8(ours), ref_u8, f"SANA {name}", min_db=PSNR_BAR_DB, shape=shape)
+    return generator_and_reference(root, SanaPipeline)
 
 
 @pytest.mark.parametrize(
@@ -49,9 +44,10 @@ def test_sana_pixels_match_diffusers(engines, height, width, steps, n, extra) ->
     ours, reference = engines
     prompt = "A red Fox in the snow"
     kwargs = dict(height=height, width=width, num_inference_steps=steps, **extra)
-    out = ours.generate(prompt=prompt, seed=3, num_outputs_per_prompt=n, **kwargs)
-    ref = _reference_u8(reference, prompt, 3, n, **kwargs)
-    _check(f"{height}x{width} n={n} {extra}", out.images, ref, (n, height, width, 3))
+    label = f"SANA {height}x{width} n={n} {extra}"
+    assert_generation_matches(
+        ours, reference, label, min_db=PSNR_BAR_DB, prompt=prompt, seed=3, num_outputs_per_prompt=n, **kwargs
+    )
 
 
 def test_sana_text_encoding_matches_diffusers(engines) -> None:
@@ -108,5 +104,6 @@ def test_requests_with_different_text_lengths_share_a_step_and_match_diffusers(e
             guidance_scale=p.guidance_scale,
             negative_prompt=p.negative_prompt or "",
         )
-        ref = _reference_u8(reference, p.prompt, p.seed, 1, **kwargs)
-        _check(f"batched {p.prompt[:12]!r}", out.images, ref, (1, 64, 96, 3))
+        ref = diffusers_uint8(reference, seed=p.seed, prompt=p.prompt, num_images_per_prompt=1, **kwargs)
+        label = f"SANA batched {p.prompt[:12]!r}"
+        assert_images_match(stack_uint8(out.images), ref, label, min_db=PSNR_BAR_DB, shape=(1, 64, 96, 3))

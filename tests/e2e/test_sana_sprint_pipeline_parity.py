@@ -9,13 +9,14 @@ order.
 from __future__ import annotations
 
 import pytest
-import torch
 from diffusers import SanaSprintPipeline
 
-from diffserve import DiffGenerator
 from diffserve.errors import InvalidRequestError
 from diffserve.families.sana.tiny import TinySanaSpec, build_tiny_sana
-from diffserve.testing.parity import assert_images_match, diffusers_uint8, stack_uint8
+from diffserve.testing.parity import (
+    assert_generation_matches,
+    generator_and_reference,
+)
 
 PSNR_BAR_DB = 40.0
 
@@ -23,9 +24,7 @@ PSNR_BAR_DB = 40.0
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     root = build_tiny_sana(tmp_path_factory.mktemp("sana_sprint"), TinySanaSpec(sprint=True, sample_size=32))
-    reference = SanaSprintPipeline.from_pretrained(root, dtype=torch.float32)
-    reference.set_progress_bar_config(disable=True)
-    return DiffGenerator.from_pretrained(root, device="cpu", show_progress=False), reference
+    return generator_and_reference(root, SanaSprintPipeline)
 
 
 @pytest.mark.parametrize(
@@ -38,12 +37,11 @@ def engines(tmp_path_factory):
 def test_sana_sprint_pixels_match_diffusers(engines, steps, n, reference_extra) -> None:
     ours, reference = engines
     kwargs = dict(height=64, width=96, num_inference_steps=steps, guidance_scale=4.5)
-    out = ours.generate(prompt="A cat in the Rain", seed=7, num_outputs_per_prompt=n, **kwargs)
-    ref_u8 = diffusers_uint8(
-        reference, seed=7, prompt="A cat in the Rain", num_images_per_prompt=n, **kwargs, **reference_extra
-    )
     label = f"SANA-Sprint {steps} step(s), n={n}"
-    assert_images_match(stack_uint8(out.images), ref_u8, label, min_db=PSNR_BAR_DB, shape=(n, 64, 96, 3))
+    assert_generation_matches(
+        ours, reference, label, min_db=PSNR_BAR_DB, prompt="A cat in the Rain", seed=7,
+        num_outputs_per_prompt=n, reference_extra=reference_extra, **kwargs,
+    )  # fmt: skip
 
 
 def test_sana_sprint_refuses_a_negative_prompt(engines) -> None:

@@ -8,7 +8,10 @@ from diffusers import StableDiffusion3Pipeline
 
 from diffserve import DiffGenerator
 from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
-from diffserve.testing.parity import assert_images_match, diffusers_uint8, stack_uint8
+from diffserve.testing.parity import (
+    assert_generation_matches,
+    generator_and_reference,
+)
 
 PSNR_BAR_DB = 40.0
 
@@ -21,10 +24,7 @@ def engines(request, tmp_path_factory):
         else TinySD3Spec(qk_norm="rms_norm", dual_attention_layers=(0,))
     )
     root = build_tiny_sd3(tmp_path_factory.mktemp(request.param), spec)
-    return (
-        DiffGenerator.from_pretrained(root, device="cpu", show_progress=False),
-        StableDiffusion3Pipeline.from_pretrained(root, torch_dtype=torch.float32),
-    )
+    return generator_and_reference(root, StableDiffusion3Pipeline)
 
 
 @pytest.mark.parametrize(
@@ -38,12 +38,9 @@ def engines(request, tmp_path_factory):
 def test_sd3_pixels_match_diffusers(engines, height, width, steps, extra) -> None:
     ours, reference = engines
     kwargs = dict(height=height, width=width, num_inference_steps=steps, max_sequence_length=24, **extra)
-    out = ours.generate(prompt="a red fox in the snow", seed=3, **kwargs)
-    ref_u8 = diffusers_uint8(reference, seed=3, prompt="a red fox in the snow", **kwargs)
     label = f"SD3 {height}x{width} {extra}"
-    assert_images_match(
-        stack_uint8(out.images), ref_u8, label, min_db=PSNR_BAR_DB, shape=(1, height, width, 3)
-    )
+    prompt = "a red fox in the snow"
+    assert_generation_matches(ours, reference, label, min_db=PSNR_BAR_DB, prompt=prompt, seed=3, **kwargs)
 
 
 def test_sd3_text_encoding_matches_diffusers(engines) -> None:
@@ -93,6 +90,6 @@ def test_sd3_without_t5_matches_diffusers(tmp_path) -> None:
         root, torch_dtype=torch.float32, text_encoder_3=None, tokenizer_3=None
     )
     kwargs = dict(height=64, width=48, num_inference_steps=2, guidance_scale=5.0, max_sequence_length=16)
-    out = ours.generate(prompt="a fox", seed=9, **kwargs)
-    ref_u8 = diffusers_uint8(reference, seed=9, prompt="a fox", **kwargs)
-    assert_images_match(stack_uint8(out.images), ref_u8, "SD3 without T5", min_db=PSNR_BAR_DB)
+    assert_generation_matches(
+        ours, reference, "SD3 without T5", min_db=PSNR_BAR_DB, prompt="a fox", seed=9, **kwargs
+    )

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from diffserve import DiffGenerator, SamplingParams
-from diffserve.request import Req
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
+from diffserve.testing.parity import denoise_joining
 
 #: (family builder, three requests' extra params: different steps / guidance / CFG on and off)
 CASES = {
@@ -71,35 +71,12 @@ def _params(extras: list[dict]) -> list[SamplingParams]:
     ]
 
 
-def _run_batched(gen: DiffGenerator, params: list[SamplingParams], join_after: list[int]) -> list[Req]:
-    """Request i joins once `join_after[i]` batched steps have run; finished requests leave."""
-    pipeline = gen.pipeline
-    waiting = [(Req(params=p), after) for p, after in zip(params, join_after, strict=True)]
-    running: list[Req] = []
-    done: list[Req] = []
-    steps = 0
-    while waiting or running:
-        for req, after in [w for w in waiting if w[1] <= steps]:
-            waiting.remove((req, after))
-            running.append(pipeline.run_pre_denoise(pipeline.validate(req)))
-        groups: dict[tuple, list[Req]] = {}
-        for req in running:
-            groups.setdefault(pipeline.batch_key(req), []).append(req)
-        for group in groups.values():
-            pipeline.denoise_step(group)
-        steps += 1
-        for req in [r for r in running if r.is_denoised]:
-            running.remove(req)
-            done.append(pipeline.run_post_denoise(req))
-    return done
-
-
 def test_batched_steps_give_the_images_each_request_gets_alone(case) -> None:
     family, gen, extras = case
     params = _params(extras)
     alone = [gen.generate_from_params(p).images for p in params]
-    reqs = _run_batched(gen, _params(extras), join_after=[0, 0, 2])  # the third joins mid-way
-    by_prompt = {r.params.prompt: r.outputs.images for r in reqs}
+    done = denoise_joining(gen.pipeline, _params(extras), join_after=[0, 0, 2])  # the third joins mid-way
+    by_prompt = {prompt: r.outputs.images for prompt, r in done.items()}
     for p, expected in zip(params, alone, strict=True):
         got = np.stack([np.asarray(im) for im in by_prompt[p.prompt]])
         want = np.stack([np.asarray(im) for im in expected])

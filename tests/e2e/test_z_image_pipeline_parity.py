@@ -6,11 +6,10 @@ import pytest
 import torch
 from diffusers import ZImagePipeline
 
-from diffserve import DiffGenerator
 from diffserve.errors import InvalidRequestError
 from diffserve.families.z_image.tiny import build_tiny_zimage
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
-from diffserve.testing.parity import assert_images_match, diffusers_uint8, stack_uint8
+from diffserve.testing.parity import assert_generation_matches, generator_and_reference, stack_uint8
 
 PSNR_BAR_DB = 40.0
 PROMPT = "a red fox in the snow"
@@ -19,10 +18,7 @@ PROMPT = "a red fox in the snow"
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     root = build_tiny_zimage(tmp_path_factory.mktemp("zimage"))
-    return (
-        DiffGenerator.from_pretrained(root, device="cpu", show_progress=False),
-        ZImagePipeline.from_pretrained(root, torch_dtype=torch.float32),
-    )
+    return generator_and_reference(root, ZImagePipeline)
 
 
 @pytest.mark.parametrize(
@@ -35,15 +31,9 @@ def engines(tmp_path_factory):
 )
 def test_z_image_pixels_match_diffusers(engines, height, width, steps, extra) -> None:
     ours, reference = engines
-    kwargs = dict(height=height, width=width, num_inference_steps=steps, max_sequence_length=64)
-    out = ours.generate(prompt=PROMPT, seed=3, **kwargs, **extra)
-    ref_extra = dict(extra)
-    n = ref_extra.pop("num_outputs_per_prompt", 1)
-    ref_u8 = diffusers_uint8(reference, seed=3, prompt=PROMPT, num_images_per_prompt=n, **kwargs, **ref_extra)
+    kwargs = dict(height=height, width=width, num_inference_steps=steps, max_sequence_length=64, **extra)
     label = f"Z-Image {height}x{width} {extra}"
-    assert_images_match(
-        stack_uint8(out.images), ref_u8, label, min_db=PSNR_BAR_DB, shape=(n, height, width, 3)
-    )
+    assert_generation_matches(ours, reference, label, min_db=PSNR_BAR_DB, prompt=PROMPT, seed=3, **kwargs)
 
 
 def test_z_image_cfg_changes_the_image(engines) -> None:

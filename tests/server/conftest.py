@@ -1,18 +1,18 @@
-"""The module-scoped `diffserve serve` subprocess serving the session's tiny FLUX checkpoint."""
+"""The module-scoped `diffserve serve` subprocess serving the session's tiny FLUX checkpoint, and the
+`openai` client of a module's `server`."""
 
 from __future__ import annotations
 
+import openai
 import pytest
-from server_process import API_KEY, MODEL_NAME, start_server
+from server_process import API_KEY, MODEL_NAME, serving
 
 
 @pytest.fixture(scope="module")
 def server(tiny_flux_dir, tmp_path_factory):
-    srv = start_server(
+    with serving(
         tiny_flux_dir,
         tmp_path_factory.mktemp("server"),
-        "--api-key",
-        API_KEY,
         "--served-model-name",
         MODEL_NAME,
         "flux-alias",
@@ -29,10 +29,13 @@ def server(tiny_flux_dir, tmp_path_factory):
         # test_server.py's long requests (20,000 steps) are above the default --max-inference-steps.
         "--max-inference-steps",
         "100000",
-    )
-    srv.api_key, srv.model_name = API_KEY, MODEL_NAME
-    try:
-        srv.wait_ready()
+        api_key=API_KEY,
+    ) as srv:
+        srv.model_name = MODEL_NAME
         yield srv
-    finally:
-        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    """The `openai` SDK's client of the module's `server` (a module may define its own)."""
+    return server.openai_client(timeout=300)

@@ -3,10 +3,14 @@ in --lora-dir (or name them) may try. Each writer returns the file's name relati
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from server_process import ServerProcess, serving
 
 from diffserve.testing.tiny_lora import dit_linears, write_random_lora
 
@@ -57,6 +61,17 @@ def write_hostile_loras(model_dir: Path, folder: Path) -> dict[str, str]:
 
 
 #: (what, POST /v1/loras body, the error's param, words its message has): each must be a 400, never a 500.
+
+
+@contextmanager
+def serving_hostile_loras(model_dir: Path, work: Path, *extra: str, **kwargs: Any) -> Iterator[ServerProcess]:
+    """A server (`server_process.serving`, no warm-up) whose --lora-dir, `work/loras`, holds the hostile
+    files next to good ones (`write_hostile_loras`)."""
+    write_hostile_loras(model_dir, work / "loras")
+    with serving(model_dir, work, "--lora-dir", str(work / "loras"), "--no-warmup", *extra, **kwargs) as srv:
+        yield srv
+
+
 HOSTILE_LOADS: list[tuple[str, dict, str, str]] = [
     ("nul-byte-path", {"name": "x", "path": "style\x00.safetensors"}, "path", "NUL byte"),
     ("5000-char-name", {"name": "n" * 5000, "path": "style.safetensors"}, "name", ""),

@@ -9,10 +9,16 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
+
+if TYPE_CHECKING:
+    import openai
 
 API_KEY = "test-key-123"
 MODEL_NAME = "tiny-flux"
@@ -40,6 +46,14 @@ class ServerProcess:
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def openai_client(self, timeout: float = 60) -> openai.OpenAI:
+        """The `openai` SDK's client of this server (its API key, else any), without retries."""
+        import openai
+
+        return openai.OpenAI(
+            base_url=f"{self.base_url}/v1", api_key=self.api_key or "unused", max_retries=0, timeout=timeout
+        )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -84,10 +98,13 @@ class ServerProcess:
 
 
 def start_server(
-    model_dir: Path, work_dir: Path, *extra: str, output_dir: Path | None = None
+    model_dir: Path, work_dir: Path, *extra: str, output_dir: Path | None = None, api_key: str | None = None
 ) -> ServerProcess:
-    """`output_dir`: default `work_dir/outputs`; pass another server's to restart on its files."""
+    """`output_dir`: default `work_dir/outputs`; pass another server's to restart on its files. `api_key`:
+    the server's `--api-key`, which the returned process's `headers` then send."""
     port = free_port()
+    if api_key is not None:
+        extra = (*extra, "--api-key", api_key)
     output_dir = output_dir or work_dir / "outputs"
     log_path = work_dir / "server.log"
     cmd = [
@@ -107,4 +124,16 @@ def start_server(
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    return ServerProcess(process, f"http://127.0.0.1:{port}", port, output_dir, log_path)
+    return ServerProcess(process, f"http://127.0.0.1:{port}", port, output_dir, log_path, api_key=api_key)
+
+
+@contextmanager
+def serving(model_dir: Path, work_dir: Path, *extra: str, **kwargs: Any) -> Iterator[ServerProcess]:
+    """`start_server(...)` ready to serve (/health 200), stopped on leaving (`ServerProcess.stop`): the body
+    of a module-scoped server fixture."""
+    srv = start_server(model_dir, work_dir, *extra, **kwargs)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()

@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
-from server_process import start_server
+from server_process import serving
 
 from diffserve.platforms.cpu import vm_hwm_resets
 
@@ -39,19 +39,15 @@ REQUESTS = [
 
 @pytest.fixture(scope="module")
 def batching_server(tiny_flux_dir, tmp_path_factory):
-    srv = start_server(
+    with serving(
         tiny_flux_dir,
         tmp_path_factory.mktemp("batching"),
         "--max-running-requests",
         "8",
         "--max-queue-size",
         "16",
-    )
-    try:
-        srv.wait_ready()
+    ) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def generate(srv, body: dict) -> list[np.ndarray]:

@@ -17,8 +17,9 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from api_checks import assert_error
 from PIL import Image
-from server_process import start_server
+from server_process import serving
 
 from diffserve.configs.engine_args import EngineArgs
 from diffserve.errors import InvalidRequestError
@@ -49,18 +50,6 @@ def png(width: int, height: int, noise: bool = False, seed: int = 0) -> bytes:
 
 def data_url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
-
-
-def assert_error(
-    response: httpx.Response, status: int, message_part: str, param: str | None = "<any>"
-) -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    assert message_part in body["error"]["message"], body
-    if param != "<any>":
-        assert body["error"]["param"] == param, body
-    return body["error"]
 
 
 # -- without a server -------------------------------------------------------------------------------
@@ -192,29 +181,23 @@ def test_load_images_helper(tmp_path) -> None:
 # -- against a server -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tiny_flux_dir, tmp_path_factory):
-    srv = start_server(
+    with serving(
         tiny_flux_dir,
         tmp_path_factory.mktemp("edits-server"),
-        "--api-key",
-        API_KEY,
         "--max-image-bytes",
         str(MAX_IMAGE_BYTES),
         "--max-image-pixels",
         str(MAX_IMAGE_PIXELS),
         "--max-body-bytes",
         str(MAX_BODY_BYTES),
-    )
-    srv.api_key = API_KEY
-    try:
-        srv.wait_ready()
+        api_key=API_KEY,
+    ) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    return server.openai_client()
 
 
 def edit(server, *, files=None, data=None, json_body=None, headers=None) -> httpx.Response:

@@ -14,8 +14,9 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from api_checks import b64_pixels
 from PIL import Image
-from server_process import start_server
+from server_process import serving
 
 WIDTH, HEIGHT = 48, 32
 FAST = {"num_inference_steps": 2, "guidance_scale": 30.0}
@@ -47,11 +48,6 @@ def white_mask() -> Image.Image:
     return mask
 
 
-def decode_b64(b64: str) -> np.ndarray:
-    with Image.open(io.BytesIO(base64.b64decode(b64))) as image:
-        return np.asarray(image.convert("RGB"))
-
-
 def assert_same_pixels(served: list[np.ndarray], offline: list[Image.Image]) -> None:
     """Equal up to float reduction order (the server's engine runs with one torch thread, this process not)."""
     assert len(served) == len(offline)
@@ -70,17 +66,8 @@ def tiny_flux_fill_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_flux_fill_dir, tmp_path_factory):
-    srv = start_server(tiny_flux_fill_dir, tmp_path_factory.mktemp("flux-fill-server"))
-    try:
-        srv.wait_ready()
+    with serving(tiny_flux_fill_dir, tmp_path_factory.mktemp("flux-fill-server")) as srv:
         yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +94,7 @@ def test_sdk_edit_with_an_alpha_mask_matches_the_python_api(server, client, offl
         response_format="b64_json",
         extra_body={"seed": 9, **FAST},
     )
-    served = [decode_b64(d.b64_json) for d in response.data]
+    served = [b64_pixels(d.b64_json) for d in response.data]
     assert [p.shape for p in served] == [(HEIGHT, WIDTH, 3)] * 2  # the input's size by default
     out = offline.generate(
         "a red ball", image=input_image(), mask=alpha_mask(), seed=9, num_outputs_per_prompt=2, **FAST
@@ -136,7 +123,7 @@ def test_json_body_with_a_black_and_white_mask_and_strength(server, offline) -> 
     r = httpx.post(f"{server.base_url}/v1/images/edits", json={**body, **FAST}, timeout=300)
     assert r.status_code == 200, r.text
     out = offline.generate("a cat", image=input_image(1), mask=white_mask(), seed=4, strength=0.5, **FAST)
-    assert_same_pixels([decode_b64(r.json()["data"][0]["b64_json"])], out.images)
+    assert_same_pixels([b64_pixels(r.json()["data"][0]["b64_json"])], out.images)
 
 
 def test_fill_needs_a_mask_of_the_image_size(server, client) -> None:

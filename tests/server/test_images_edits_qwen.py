@@ -13,8 +13,9 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from api_checks import b64_pixels
 from PIL import Image
-from server_process import start_server
+from server_process import serving
 
 #: A 2:1 input; the output keeps its aspect ratio when no size is given.
 INPUT_SIZE = (64, 32)
@@ -30,11 +31,6 @@ def input_png(size: tuple[int, int] = INPUT_SIZE, seed: int = 0) -> bytes:
     return buffer.getvalue()
 
 
-def decode_b64(b64: str) -> np.ndarray:
-    with Image.open(io.BytesIO(base64.b64decode(b64))) as image:
-        return np.asarray(image.convert("RGB"))
-
-
 @pytest.fixture(scope="module")
 def tiny_qwen_edit_dir(tmp_path_factory) -> Path:
     from diffserve.families.qwen_image.tiny import build_tiny_qwen_image_edit
@@ -44,17 +40,8 @@ def tiny_qwen_edit_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen_edit_dir, tmp_path_factory):
-    srv = start_server(tiny_qwen_edit_dir, tmp_path_factory.mktemp("qwen-edit-server"))
-    try:
-        srv.wait_ready()
+    with serving(tiny_qwen_edit_dir, tmp_path_factory.mktemp("qwen-edit-server")) as srv:
         yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def test_engine_warms_up_with_a_probe_image(server) -> None:
@@ -74,7 +61,7 @@ def test_sdk_edit_keeps_the_input_aspect_ratio(server, client, tiny_qwen_edit_di
         extra_body={"seed": 5, **FAST},
     )
     assert len(response.data) == 1
-    pixels = decode_b64(response.data[0].b64_json)
+    pixels = b64_pixels(response.data[0].b64_json)
     height, width = pixels.shape[:2]
     assert abs(width / height - INPUT_SIZE[0] / INPUT_SIZE[1]) < 0.05, (width, height)
     assert response.size == f"{width}x{height}" and response.model_extra["seed"] == 5
@@ -91,7 +78,7 @@ def test_sdk_edit_n2_with_size_matches_the_python_api(server, client, tiny_qwen_
         response_format="b64_json",
         extra_body={"seed": 9, **FAST},
     )
-    pixels = [decode_b64(d.b64_json) for d in response.data]
+    pixels = [b64_pixels(d.b64_json) for d in response.data]
     assert [p.shape for p in pixels] == [(32, 64, 3)] * 2
     assert pixels[0].std() > 0 and not np.array_equal(pixels[0], pixels[1])
 
@@ -149,7 +136,7 @@ def test_mask_and_second_image_are_refused(server, client) -> None:
     ok = client.images.edit(
         image=("in.png", input_png(), "image/png"), prompt="p", size="32x32", extra_body=FAST
     )
-    assert decode_b64(ok.data[0].b64_json).shape == (32, 32, 3)
+    assert b64_pixels(ok.data[0].b64_json).shape == (32, 32, 3)
 
 
 def test_cli_generate_with_image(tiny_qwen_edit_dir, tmp_path) -> None:

@@ -8,13 +8,12 @@ adapter a queued request names cannot be deleted (409) until it has run."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_process import ServerProcess, start_server
+from server_process import ServerProcess, serving
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from load_with_faults import LoadConfig, run_load  # noqa: E402
@@ -24,20 +23,11 @@ API_KEY = "load-key-0123"
 
 @pytest.fixture(scope="module")
 def srv(tiny_flux_dir, tmp_path_factory) -> Iterator[ServerProcess]:
-    server = start_server(
-        tiny_flux_dir, tmp_path_factory.mktemp("load"), "--api-key", API_KEY,
-        "--max-queue-size", "32", "--max-inference-steps", "2", "--no-warmup",
-    )  # fmt: skip
-    server.api_key = API_KEY
-    try:
-        server.wait_ready()
+    with serving(
+        tiny_flux_dir, tmp_path_factory.mktemp("load"),
+        "--max-queue-size", "32", "--max-inference-steps", "2", "--no-warmup", api_key=API_KEY,
+    ) as server:  # fmt: skip
         yield server
-    finally:
-        server.process.terminate()
-        try:
-            server.process.wait(30)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
 
 
 def test_load_with_an_engine_kill(srv: ServerProcess) -> None:
@@ -120,20 +110,12 @@ def test_load_while_a_slow_header_flood_holds_connections(srv: ServerProcess) ->
 @pytest.fixture(scope="module")
 def lora_srv(tiny_flux_dir, tmp_path_factory) -> Iterator[ServerProcess]:
     """One request runs at a time (the next ones queue), with a --lora-dir of good and hostile files."""
-    from hostile_loras import write_hostile_loras
+    from hostile_loras import serving_hostile_loras
 
     work = tmp_path_factory.mktemp("load-lora")
-    write_hostile_loras(tiny_flux_dir, work / "loras")
-    server = start_server(
-        tiny_flux_dir, work, "--api-key", API_KEY, "--lora-dir", str(work / "loras"),
-        "--max-running-requests", "1", "--max-inference-steps", "100000", "--no-warmup",
-    )  # fmt: skip
-    server.api_key = API_KEY
-    try:
-        server.wait_ready()
+    limits = ("--max-running-requests", "1", "--max-inference-steps", "100000")
+    with serving_hostile_loras(tiny_flux_dir, work, *limits, api_key=API_KEY) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def _post(srv: ServerProcess, path: str, body: dict, timeout: float = 120):

@@ -27,7 +27,7 @@ import pytest
 from openai import OpenAI
 from PIL import Image
 from push_recorder import PushRecorder
-from server_process import ServerProcess, start_server
+from server_process import ServerProcess, serving
 
 from diffserve.configs.engine_args import EngineArgs
 from diffserve.server import protocol as msg
@@ -66,22 +66,17 @@ def lora_dir(tiny_flux_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def srv(tiny_flux_dir, lora_dir, tmp_path_factory):
-    srv = start_server(
+    with serving(
         tiny_flux_dir,
         tmp_path_factory.mktemp("lora-server"),
-        "--api-key", API_KEY,
         "--served-model-name", MODEL,
         "--lora-dir", str(lora_dir),
         "--max-lora-memory", f"{MAX_LORA_MEMORY_MB}MiB",
         "--max-running-requests", "4",
         "--max-inference-steps", "100000",  # the in-use test's request runs until it is cancelled
-    )  # fmt: skip
-    srv.api_key = API_KEY
-    try:
-        srv.wait_ready()
+        api_key=API_KEY,
+    ) as srv:  # fmt: skip
         yield srv
-    finally:
-        srv.stop()
 
 
 def post(srv: ServerProcess, path: str, body: dict, timeout: float = 120) -> httpx.Response:

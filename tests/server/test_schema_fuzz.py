@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import base64
 import io
-import subprocess
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from server_process import ServerProcess, start_server
+from server_process import ServerProcess, serving
 
 schemathesis = pytest.importorskip(
     "schemathesis", reason="schemathesis is not installed (pip install schemathesis)"
@@ -76,11 +75,9 @@ OPERATIONS = [
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_flux_dir, tmp_path_factory) -> Iterator[ServerProcess]:
-    srv = start_server(
+    with serving(
         tiny_flux_dir,
         tmp_path_factory.mktemp("fuzz-server"),
-        "--api-key",
-        API_KEY,
         "--max-inference-steps",
         str(MAX_STEPS),
         "--max-queue-size",
@@ -90,17 +87,9 @@ def fuzz_server(tiny_flux_dir, tmp_path_factory) -> Iterator[ServerProcess]:
         "--max-image-bytes",
         "65536",
         "--no-warmup",
-    )
-    srv.api_key = API_KEY
-    try:
-        srv.wait_ready()
+        api_key=API_KEY,
+    ) as srv:
         yield srv
-    finally:
-        srv.process.terminate()
-        try:
-            srv.process.wait(30)
-        except subprocess.TimeoutExpired:
-            srv.process.kill()
 
 
 @pytest.fixture(scope="module")

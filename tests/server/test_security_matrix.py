@@ -22,7 +22,6 @@ import os
 import re
 import select
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from server_process import ServerProcess, start_server
+from server_process import ServerProcess, serving, start_server
 
 API_KEY = "matrix-key-0123"
 OTHER_KEY = "matrix-other-4567"  # a second client's key
@@ -103,22 +102,14 @@ def srv(tiny_flux_dir, tmp_path_factory) -> Iterator[ServerProcess]:
     # Canaries one level above the output dir, under names a traversal would reach.
     (work / "secret").write_bytes(CANARY)
     (work / f"{IMAGE_ID}.png").write_bytes(CANARY)
-    server = start_server(
+    with serving(
         tiny_flux_dir, work, "--api-key", f"{API_KEY},{OTHER_KEY}", "--admin-api-key", ADMIN_KEY,
         "--allow-url-images", "--max-body-bytes", str(MAX_BODY), "--max-image-bytes", str(MAX_IMAGE),
         "--max-inference-steps", "2", "--no-warmup", "--max-connections", str(MAX_CONNECTIONS),
         "--max-connections-per-client", str(PER_CLIENT), "--header-timeout", str(HEADER_TIMEOUT_S),
-    )  # fmt: skip
-    server.api_key = API_KEY
-    try:
-        server.wait_ready()
+    ) as server:  # fmt: skip
+        server.api_key = API_KEY  # the one of the two keys the tests send
         yield server
-    finally:
-        server.process.terminate()
-        try:
-            server.process.wait(30)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
 
 
 def raw(srv: ServerProcess, method: str, target: str, headers: dict[str, str] | None = None,
@@ -654,20 +645,12 @@ MAX_LORAS = 4
 @pytest.fixture(scope="module")
 def lora_srv(tiny_flux_dir, tmp_path_factory) -> Iterator[ServerProcess]:
     """A server with a --lora-dir holding hostile files (hostile_loras.py), at most MAX_LORAS adapters."""
-    from hostile_loras import write_hostile_loras
+    from hostile_loras import serving_hostile_loras
 
     work = tmp_path_factory.mktemp("security-lora")
-    write_hostile_loras(tiny_flux_dir, work / "loras")
-    server = start_server(
-        tiny_flux_dir, work, "--api-key", API_KEY, "--lora-dir", str(work / "loras"),
-        "--max-loras", str(MAX_LORAS), "--max-inference-steps", "2", "--no-warmup",
-    )  # fmt: skip
-    server.api_key = API_KEY
-    try:
-        server.wait_ready()
+    limits = ("--max-loras", str(MAX_LORAS), "--max-inference-steps", "2")
+    with serving_hostile_loras(tiny_flux_dir, work, *limits, api_key=API_KEY) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def lora_names(srv: ServerProcess) -> set[str]:

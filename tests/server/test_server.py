@@ -5,8 +5,6 @@ it down with SIGTERM."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import json
 import os
 import signal
@@ -18,21 +16,12 @@ import httpx
 import numpy as np
 import psutil
 import pytest
+from api_checks import assert_error, b64_pixels, decode
 from openai import OpenAI
-from PIL import Image
 
 SIZE = 32
 STEPS = 2
 LONG_STEPS = 20000  # minutes of work: only ever cancelled
-
-
-def decode(data: bytes) -> np.ndarray:
-    with Image.open(io.BytesIO(data)) as image:
-        return np.asarray(image.convert("RGB"))
-
-
-def b64_pixels(b64: str) -> np.ndarray:
-    return decode(base64.b64decode(b64))
 
 
 def post(srv, body: dict | bytes, headers: dict | None = None, timeout: float = 60) -> httpx.Response:
@@ -45,18 +34,6 @@ def post(srv, body: dict | bytes, headers: dict | None = None, timeout: float = 
             timeout=timeout,
         )
     return httpx.post(f"{srv.base_url}/v1/images/generations", json=body, headers=hdrs, timeout=timeout)
-
-
-def assert_error(
-    response: httpx.Response, status: int, message_part: str, param: str | None = "<any>"
-) -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    assert message_part in body["error"]["message"], body
-    if param != "<any>":
-        assert body["error"]["param"] == param, body
-    return body["error"]
 
 
 def open_raw_request(srv, body: dict) -> socket.socket:
@@ -98,7 +75,7 @@ def offline(tiny_flux_dir):
 
 @pytest.fixture(scope="module")
 def client(server) -> OpenAI:
-    return OpenAI(base_url=f"{server.base_url}/v1", api_key=server.api_key, max_retries=0, timeout=60)
+    return server.openai_client()
 
 
 def offline_pixels(offline, prompt: str, seed: int, n: int = 1) -> list[np.ndarray]:

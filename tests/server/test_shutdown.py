@@ -29,6 +29,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from api_checks import assert_error
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from push_recorder import PushRecorder
@@ -51,14 +52,6 @@ VIDEO_INFO = {"task": "text-to-video", "diffusers_pipeline": "WanPipeline"}
 LONG_STEPS = 20000  # minutes of work on the tiny models: only ever cancelled or interrupted
 FEW_SECONDS_STEPS = 3000  # several seconds of denoising on the tiny Wan (0.004 s a step on an idle CPU)
 EXIT_WAIT_S = 120  # far below the long --shutdown-timeout: exiting within it is not a wait for the timeout
-
-
-def assert_error(response: httpx.Response, status: int, message_part: str) -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    assert message_part in body["error"]["message"], body
-    return body["error"]
 
 
 def engine_client(tmp_path: Path, on_fatal=lambda code, message: None) -> EngineClient:

@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from server_process import start_server
+from server_process import serving
 
 LONG = {"prompt": "a fox", "num_frames": 1025, "size": "96x64", "num_inference_steps": 1}
 SHORT = {"prompt": "a cat", "num_frames": 5, "size": "32x32", "num_inference_steps": 1}
@@ -25,12 +25,8 @@ def server(tmp_path_factory):
     from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
 
     model_dir = build_tiny_wan(tmp_path_factory.mktemp("tiny-wan-decode"), TinyWanSpec())
-    srv = start_server(model_dir, tmp_path_factory.mktemp("decode-chunks"), "--no-warmup")
-    try:
-        srv.wait_ready()
+    with serving(model_dir, tmp_path_factory.mktemp("decode-chunks"), "--no-warmup") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def create(srv, body: dict) -> str:

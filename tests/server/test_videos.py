@@ -25,6 +25,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from api_checks import assert_error
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from PIL import Image
@@ -63,18 +64,6 @@ def stop(srv, sig: int = signal.SIGTERM) -> None:
         except subprocess.TimeoutExpired:
             srv.process.kill()
             srv.process.wait(10)
-
-
-def assert_error(
-    response: httpx.Response, status: int, message_part: str, param: str | None = "<any>"
-) -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    assert message_part in body["error"]["message"], body
-    if param != "<any>":
-        assert body["error"]["param"] == param, body
-    return body["error"]
 
 
 def decode_mp4(data: bytes) -> tuple[int, int, int, float]:
@@ -292,7 +281,7 @@ def srv(t2v):
 
 @pytest.fixture
 def client(srv) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=30)
+    return srv.openai_client(timeout=30)
 
 
 def create(srv, body: dict, **kwargs) -> httpx.Response:
@@ -578,7 +567,7 @@ def i2v(tmp_path_factory):
 
 
 def test_image_to_video_job_with_input_reference(i2v, tmp_path) -> None:
-    client = openai.OpenAI(base_url=f"{i2v.base_url}/v1", api_key="unused", max_retries=0, timeout=30)
+    client = i2v.openai_client(timeout=30)
     image_path = tmp_path / "first-frame.png"
     image_path.write_bytes(png_bytes(40, 40))
     with warnings.catch_warnings():

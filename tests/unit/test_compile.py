@@ -6,6 +6,7 @@ the whole file costs about one compilation of two block graphs for two batch kin
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import numpy as np
@@ -16,6 +17,7 @@ from torch import nn
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import UserError
 from diffserve.runtime.compile import (
+    ScopedCompiledCall,
     cfg_overrides,
     compile_pipeline,
     find_block_lists,
@@ -168,7 +170,9 @@ def test_blocks_are_compiled(compiled) -> None:
     generator, graphs = compiled
     dit = generator.pipeline.context.get("transformer")
     blocks = [*dit.transformer_blocks, *dit.single_transformer_blocks]
-    assert all(block._compiled_call_impl is not None for block in blocks)
+    # Entered with the request scope mirrored, so graphs resolve the backend and LoRA rows when traced.
+    assert all(isinstance(block._compiled_call_impl, ScopedCompiledCall) for block in blocks)
+    assert {r.cpu_gemm for r in generator.compiled_regions} <= {"onednn", "mkl"}
     assert [(r.path, r.block_class, r.blocks) for r in generator.compiled_regions] == [
         ("transformer.transformer_blocks", "FluxTransformerBlock", 1),
         ("transformer.single_transformer_blocks", "FluxSingleTransformerBlock", 1),
@@ -261,3 +265,64 @@ def test_zimage_texts_of_any_lengths_reuse_the_warmup_graphs(compiled_zimage) ->
         out = compiled_zimage.generate(height=32, width=48, num_inference_steps=2, seed=1, **params)
         assert len(out.images) == 1
     assert graphs_compiled() == before, "a Z-Image request compiled new graphs after the warm-up"
+
+
+# ------------------------------------------------------------------ LoRA and quantized layers, compiled
+
+
+@pytest.fixture(scope="module")
+def style_lora(tiny_flux_1x1, tmp_path_factory: pytest.TempPathFactory):
+    from diffserve.testing.tiny_lora import write_random_lora
+
+    path = tmp_path_factory.mktemp("compile-lora") / "style.safetensors"
+    return write_random_lora(tiny_flux_1x1, path, rank=4, alpha=8.0, seed=1, std=0.08)
+
+
+def _pixels(output) -> np.ndarray:  # noqa: ANN001 - a GenerationOutput
+    return np.asarray(output.images[0])
+
+
+@needs_cxx
+def test_a_mixed_lora_batch_compiles_at_warm_up_and_matches_eager(tiny_flux_1x1, style_lora) -> None:
+    """With an adapter loaded at start-up the warm-up also traces the LoRA batches' graphs (they resolve
+    "some row has LoRA" at trace time); a batch of a LoRA row and a plain row then compiles nothing and
+    each row matches eager's."""
+    from diffserve.api import DiffGenerator
+    from diffserve.configs.sampling_params import LoraChoice
+
+    loras = {"style": style_lora}
+    compiled = DiffGenerator.from_pretrained(
+        tiny_flux_1x1, device="cpu", show_progress=False, compile=True, loras=loras
+    )
+    eager = DiffGenerator.from_pretrained(tiny_flux_1x1, device="cpu", show_progress=False, loras=loras)
+    assert [r.kind for r in compiled.warmup_runs] == [
+        "no-cfg", "cfg", "cfg-uneven-text", "no-cfg+lora", "cfg+lora", "cfg-uneven-text+lora",
+    ]  # fmt: skip
+    requests = [
+        SamplingParams(prompt=PROMPT, loras=[LoraChoice("style", 0.8)], height=64, width=64,
+                       num_inference_steps=2, seed=3),
+        SamplingParams(prompt="a plain row", height=64, width=64, num_inference_steps=2, seed=4),
+    ]  # fmt: skip
+    before = graphs_compiled()
+    got = compiled.generate_many([dataclasses.replace(p) for p in requests])
+    assert graphs_compiled() == before, "a LoRA batch compiled new graphs after the warm-up"
+    expected = eager.generate_many(requests)
+    for out, ref in zip(got, expected, strict=True):
+        psnr = psnr_uint8(_pixels(out), _pixels(ref))
+        print(f"compiled vs eager, LoRA batch row: PSNR {psnr:.1f} dB")
+        assert psnr >= 40.0
+    plain = eager.generate(PROMPT, height=64, width=64, num_inference_steps=2, seed=3)
+    assert np.abs(_pixels(got[0]).astype(int) - _pixels(plain).astype(int)).max() > 5  # LoRA applied
+
+
+@needs_cxx
+def test_int8_quantized_layers_compile_and_match_eager(tiny_flux_1x1) -> None:
+    from diffserve.api import DiffGenerator
+
+    kwargs = {"device": "cpu", "show_progress": False, "quantization": "int8"}
+    compiled = DiffGenerator.from_pretrained(tiny_flux_1x1, compile=True, **kwargs)
+    eager = DiffGenerator.from_pretrained(tiny_flux_1x1, **kwargs)
+    params = {"height": 64, "width": 64, "num_inference_steps": 2, "seed": 5}
+    psnr = psnr_uint8(_pixels(compiled.generate(PROMPT, **params)), _pixels(eager.generate(PROMPT, **params)))
+    print(f"int8, compiled vs eager: PSNR {psnr:.1f} dB")
+    assert psnr >= 40.0

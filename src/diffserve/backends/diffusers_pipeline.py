@@ -31,8 +31,8 @@ from PIL import Image
 from diffserve.backends.diffusers_call import CallSignature, call_kwargs, check_fields_taken
 from diffserve.backends.diffusers_import import import_diffusers
 from diffserve.backends.diffusers_run import CallDone, DiffusersRun
+from diffserve.configs.quality import TierPreset
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.errors import InvalidRequestError, ModelLoadError
 from diffserve.loader.component_loader import LoadedComponent
 from diffserve.loader.owned_weights import detach_from_files
@@ -122,7 +122,7 @@ class DiffusersBackendPipeline:
     """A loaded Diffusers pipeline behind the engine's phases (see the module docstring)."""
 
     #: No approximate quality tiers: only "high", the pipeline as diffusers runs it (`Pipeline`'s attribute).
-    step_cache_policies: ClassVar[dict[str, StepCachePolicy]] = {}
+    step_cache_policies: ClassVar[dict[str, TierPreset]] = {}
 
     def __init__(self, pipe: Any, context: BackendContext) -> None:
         self.pipe, self.context = pipe, context

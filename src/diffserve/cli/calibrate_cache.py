@@ -1,15 +1,19 @@
-"""`diffserve calibrate-cache`: measure each approximate quality tier against the exact output (`high`)
-and store its thresholds.
+"""`diffserve calibrate-cache`: choose each approximate quality tier's preset for one model: the cache method
+and settings that compute the fewest DiT blocks while the tier keeps its PSNR against the exact output.
 
-For each tier (medium, low, draft): the step-cache policy that computes the fewest steps in full while
-the mean PSNR against the exact output over the calibration prompts stays `--margin-db` above the tier's
-bar (35 / 30 / 25 dB), binary-searched over a threshold grid per `max_reuse_in_a_row` (a larger threshold
-can only lower PSNR). Progress is logged with an estimate of the time left.
+For each tier (medium, low, draft) every candidate ladder (`configs/tier_candidates.py`: the original step
+cache, DBCache with and without TaylorSeer, TeaCache, TaylorSeer, SCM masks, MagCache with ratios measured
+here, as far as the model's DiT runs them; `--methods` narrows it) is binary-searched for its most
+aggressive rung whose mean PSNR over the calibration prompts stays `--margin-db` above the tier's bar
+(35 / 30 / 25 dB); the tier takes the rung, over all ladders, with the fewest DiT blocks computed (ties:
+the higher PSNR). Blocks, not seconds, decide: they do not depend on the host's load. Progress is logged
+with an estimate of the time left.
 
 The speed-up is then timed with the exact and the cached runs interleaved (`--timing-rounds` rounds, each
 prompt's exact and tier runs back to back, the order reversed every round), so a host whose load changes
 during the run slows both alike; it is reported as the median of the per-prompt ratios with their spread
-(min-max). The result, with its measurements, goes to `diffserve_step_cache.json` in the model folder."""
+(min-max). The presets, with their measurements (every candidate measured, and the best original step
+cache per tier for comparison), go to `diffserve_step_cache.json` in the model folder."""
 
 from __future__ import annotations
 
@@ -18,15 +22,30 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from diffserve.cli.engine_flags import add_engine_flags, engine_args_from
-from diffserve.configs.quality import APPROXIMATE_TIERS, EXACT, PSNR_BARS, write_calibration
+from diffserve.configs.quality import (
+    APPROXIMATE_TIERS,
+    EXACT,
+    PSNR_BARS,
+    TierPreset,
+    describe_preset,
+    preset_to_dict,
+    write_calibration,
+)
 from diffserve.configs.step_cache_policy import StepCachePolicy
+from diffserve.configs.tier_candidates import (
+    CANDIDATE_METHODS,
+    Ladder,
+    magcache_ladders,
+    method_ladders,
+    step_cache_ladders,
+)
 from diffserve.errors import UserError
 
 logger = logging.getLogger("diffserve.calibrate")
@@ -37,15 +56,13 @@ DEFAULT_PROMPTS = (
     "a close-up of a bowl of ramen with a soft-boiled egg, studio lighting",
     "an isometric illustration of a small futuristic city with flying cars",
 )
-THRESHOLDS = (0.02, 0.04, 0.07, 0.1, 0.15, 0.2, 0.3, 0.45, 0.6, 0.8, 1.2, 1.6)
-MAX_REUSE = (2, 3, 5)
 DEFAULT_TIMING_ROUNDS = 3
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "calibrate-cache",
-        help="measure the approximate quality tiers against the exact output; store their thresholds",
+        help="choose each approximate quality tier's cache method and settings for a model; store them",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -62,17 +79,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="mean PSNR kept above each tier's bar, for prompts unlike the calibration ones (default: 1)")  # fmt: skip
     add("--timing-rounds", type=int, default=DEFAULT_TIMING_ROUNDS, metavar="N",
         help=f"rounds of interleaved exact/cached runs timing speed-ups (default: {DEFAULT_TIMING_ROUNDS})")  # fmt: skip
+    add("--methods", default=None, metavar="M1,M2",
+        help=f"candidate methods, comma-separated, of {', '.join(CANDIDATE_METHODS)} (default: stepcache and "
+        "every method the model's DiT runs)")  # fmt: skip
     add("--dry-run", action="store_true", help="print the result without writing the file")
     p.set_defaults(handler=run)
 
 
 @dataclass(frozen=True)
 class Trial:
-    """One candidate policy measured over every calibration prompt."""
+    """One candidate preset measured over every calibration prompt."""
 
-    policy: StepCachePolicy
+    preset: TierPreset
     psnr_db: list[float]
     steps_computed: list[int]
+    blocks_computed: list[int]
 
     @property
     def mean_psnr(self) -> float:
@@ -81,6 +102,25 @@ class Trial:
     @property
     def mean_steps(self) -> float:
         return float(np.mean(self.steps_computed))
+
+    @property
+    def mean_blocks(self) -> float:
+        return float(np.mean(self.blocks_computed))
+
+    def summary(self) -> dict[str, Any]:
+        """What the calibration file records of it."""
+        return {
+            "preset": preset_to_dict(self.preset),
+            "mean_psnr_db": round(self.mean_psnr, 2),
+            "min_psnr_db": round(min(self.psnr_db), 2),
+            "mean_blocks_computed": self.mean_blocks,
+            "mean_steps_computed": self.mean_steps,
+        }
+
+
+def fastest(trials: Sequence[Trial]) -> Trial | None:
+    """The trial with the fewest DiT blocks computed (ties: the higher PSNR, then the earlier one)."""
+    return min(trials, key=lambda t: (t.mean_blocks, -t.mean_psnr), default=None)
 
 
 class Progress:
@@ -159,8 +199,12 @@ def spread(values: Sequence[float]) -> dict[str, float | int]:
     }
 
 
+#: A binary search of one ladder for one bar, where it stands: (ladder, floor_db, lo, hi).
+Search = tuple[Ladder, float, int, int]
+
+
 class Calibration:
-    """The exact references, then candidate policies measured against them (each measured once)."""
+    """The exact references, then candidate presets measured against them (each measured once)."""
 
     def __init__(
         self,
@@ -168,103 +212,126 @@ class Calibration:
         prompts: list[str],
         request: dict[str, Any],
         rounds: int,
-        searches: Sequence[tuple[StepCachePolicy, float]],
+        searches: Sequence[tuple[Sequence[Ladder], float]],
     ) -> None:
-        """`searches`: the (template, floor_db) of each `best_for` call to come, for the estimate of the
+        """`searches`: the (ladders, floor_db) of each `best_for` call to come, for the estimate of the
         time left."""
         self.generator = generator
         self.prompts = prompts
         self.request = request
         self.num_steps: int = request["num_inference_steps"]
-        self.trials: dict[StepCachePolicy, Trial] = {}
+        self.trials: dict[TierPreset, Trial] = {}
         self.progress = Progress()
         #: Generations the speed-up timing runs after the search (known up front, for the ETA).
         self.timing_generations = rounds * len(prompts) * (1 + len(APPROXIMATE_TIERS))
-        last = len(THRESHOLDS) - 1
-        #: Binary searches still to run or running: (template, max_reuse, floor_db, lo, hi).
-        self._searches = [(t, m, floor, 0, last) for t, floor in searches for m in MAX_REUSE]
+        #: Binary searches still to run or running.
+        self._searches: list[Search] = [
+            (ladder, floor, 0, len(ladder.presets) - 1) for ladders, floor in searches for ladder in ladders
+        ]
         self._generate(prompts[0], EXACT)  # warm-up: first calls allocate and fill caches
         self.reference = [_pixels(self._generate(prompt, EXACT)) for prompt in prompts]
         logger.info("Exact references done: %s", self.progress.describe(self.generations_left(), bound=True))
 
-    def _generate(self, prompt: str, quality: str) -> Any:
+    def _generate(self, prompt: str, quality: str, cache: Any = None) -> Any:
+        """One generation at `quality`; the exact one also without the engine's `--cache-default`."""
+        from diffserve.configs.cache_settings import NoCache
         from diffserve.configs.sampling_params import SamplingParams
 
+        if quality == EXACT and cache is None:
+            cache = NoCache()
         out = self.generator.generate_from_params(
-            SamplingParams(prompt=prompt, quality=quality, **self.request)
+            SamplingParams(prompt=prompt, quality=quality, cache=cache, **self.request)
         )
         self.progress.count()
         return out
+
+    def add_searches(self, searches: Sequence[tuple[Sequence[Ladder], float]]) -> None:
+        """Searches decided after the start (the magcache ladder, once its ratios are measured)."""
+        for ladders, floor in searches:
+            self._searches += [(ladder, floor, 0, len(ladder.presets) - 1) for ladder in ladders]
+
+    def measure_mag_ratios(self) -> tuple[float, ...]:
+        """The model's MagCache ratios at the calibration's step count: per step, the mean over the
+        calibration prompts of the measured ratio (`magcache_calibrate`, which reuses nothing)."""
+        from diffserve.configs.cache_settings import MagCacheSettings
+
+        measured = []
+        for prompt in self.prompts:
+            out = self._generate(prompt, EXACT, MagCacheSettings(magcache_calibrate=True))
+            measured.append(out.cache["measured_mag_ratios"])
+        ratios = tuple(round(float(r), 5) for r in np.mean(np.asarray(measured), axis=0))
+        logger.info("MagCache ratios measured over %d prompts: %s", len(self.prompts), list(ratios))
+        return ratios
 
     def generations_left(self) -> int:
         """At most this many generations are left (a search may stop early or find its trials measured)."""
         trials = sum(self._unmeasured_on_path(*search) for search in self._searches)
         return trials * len(self.prompts) + self.timing_generations
 
-    def _unmeasured_on_path(
-        self, template: StepCachePolicy, max_reuse: int, floor_db: float, lo: int, hi: int
-    ) -> int:
-        """Most candidates not measured yet that a binary search over THRESHOLDS[lo..hi] can still meet
-        (a measured one decides its way; an unmeasured one may go either way)."""
+    def _unmeasured_on_path(self, ladder: Ladder, floor_db: float, lo: int, hi: int) -> int:
+        """Most candidates not measured yet that a binary search over `ladder.presets[lo..hi]` can still
+        meet (a measured one decides its way; an unmeasured one may go either way)."""
         if lo > hi:
             return 0
         mid = (lo + hi) // 2
-        trial = self.trials.get(replace(template, threshold=THRESHOLDS[mid], max_reuse_in_a_row=max_reuse))
+        trial = self.trials.get(ladder.presets[mid])
         if trial is not None:
-            passes = trial.mean_psnr >= floor_db
-            nxt = (mid + 1, hi) if passes else (lo, mid - 1)
-            return self._unmeasured_on_path(template, max_reuse, floor_db, *nxt)
+            nxt = (mid + 1, hi) if trial.mean_psnr >= floor_db else (lo, mid - 1)
+            return self._unmeasured_on_path(ladder, floor_db, *nxt)
         return 1 + max(
-            self._unmeasured_on_path(template, max_reuse, floor_db, lo, mid - 1),
-            self._unmeasured_on_path(template, max_reuse, floor_db, mid + 1, hi),
+            self._unmeasured_on_path(ladder, floor_db, lo, mid - 1),
+            self._unmeasured_on_path(ladder, floor_db, mid + 1, hi),
         )
 
-    def trial(self, policy: StepCachePolicy) -> Trial:
-        """`policy` measured on every prompt as the `medium` tier (once; later calls reuse the result)."""
+    def trial(self, preset: TierPreset) -> Trial:
+        """`preset` measured on every prompt as the `medium` tier (once; later calls reuse the result)."""
         from diffserve.testing.image_metrics import psnr_uint8
 
-        if policy not in self.trials:
-            self.generator.pipeline.use_step_cache_policies({"medium": policy})
-            scores, steps = [], []
+        if preset not in self.trials:
+            self.generator.pipeline.use_step_cache_policies({"medium": preset})
+            scores, steps, blocks = [], [], []
             for prompt, reference in zip(self.prompts, self.reference, strict=True):
                 out = self._generate(prompt, "medium")
                 scores.append(psnr_uint8(_pixels(out), reference))
                 steps.append(out.steps_computed_in_full)
-            trial = self.trials[policy] = Trial(policy, scores, steps)
+                blocks.append(out.cache["blocks_computed"])
+            trial = self.trials[preset] = Trial(preset, scores, steps, blocks)
             logger.info(
-                "threshold %.3g, at most %d reused in a row: mean PSNR %.1f dB, %.1f of %d steps in full "
-                "(%s)", policy.threshold, policy.max_reuse_in_a_row, trial.mean_psnr, trial.mean_steps,
-                self.num_steps, self.progress.describe(self.generations_left(), bound=True),
+                "candidate %s: mean PSNR %.1f dB, %.1f blocks computed, %.1f of %d steps in full (%s)",
+                describe_preset(preset), trial.mean_psnr, trial.mean_blocks, trial.mean_steps, self.num_steps,
+                self.progress.describe(self.generations_left(), bound=True),
             )  # fmt: skip
-        return self.trials[policy]
+        return self.trials[preset]
 
-    def best_for(self, floor_db: float, template: StepCachePolicy) -> Trial | None:
-        """The trial with the fewest steps in full whose mean PSNR is at least `floor_db`."""
-        passing = []
-        for max_reuse in MAX_REUSE:
-            lo, hi, best = 0, len(THRESHOLDS) - 1, None
-            search = (template, max_reuse, floor_db, lo, hi)
-            index = self._searches.index(search) if search in self._searches else None
-            while lo <= hi:  # the largest threshold that still passes
-                mid = (lo + hi) // 2
-                if index is not None:  # where this search stands, for generations_left
-                    self._searches[index] = (template, max_reuse, floor_db, lo, hi)
-                policy = replace(template, threshold=THRESHOLDS[mid], max_reuse_in_a_row=max_reuse)
-                trial = self.trial(policy)
-                if trial.mean_psnr >= floor_db:
-                    best, lo = trial, mid + 1
-                else:
-                    hi = mid - 1
-            if index is not None:
-                del self._searches[index]
-            if best is not None:
-                passing.append(best)
-        return min(passing, key=lambda t: (t.mean_steps, -t.mean_psnr), default=None)
+    def search(self, ladder: Ladder, floor_db: float) -> Trial | None:
+        """The last rung of `ladder` whose mean PSNR is at least `floor_db` (binary search: PSNR is taken
+        to fall along a ladder), None when even its first fails."""
+        lo, hi, best = 0, len(ladder.presets) - 1, None
+        key: Search = (ladder, floor_db, lo, hi)
+        index = self._searches.index(key) if key in self._searches else None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if index is not None:  # where this search stands, for generations_left
+                self._searches[index] = (ladder, floor_db, lo, hi)
+            trial = self.trial(ladder.presets[mid])
+            if trial.mean_psnr >= floor_db:
+                best, lo = trial, mid + 1
+            else:
+                hi = mid - 1
+        if index is not None:
+            del self._searches[index]
+        return best
+
+    def best_for(self, floor_db: float, ladders: Sequence[Ladder]) -> tuple[Trial | None, dict[str, Trial]]:
+        """(the passing rung with the fewest blocks computed over all `ladders`, each ladder's passing rung)."""
+        passing = {ladder.name: self.search(ladder, floor_db) for ladder in ladders}
+        found = {name: trial for name, trial in passing.items() if trial is not None}
+        return fastest(list(found.values())), found
 
     def time_speedups(
-        self, chosen: dict[str, StepCachePolicy], rounds: int
+        self, chosen: dict[str, TierPreset], rounds: int
     ) -> tuple[dict[str, list[float]], list[float]]:
-        """Speed-ups of the chosen policies, timed interleaved with exact runs (`interleaved_speedups`)."""
+        """Speed-ups of the chosen presets, timed interleaved with exact runs (`interleaved_speedups`)."""
         self.generator.pipeline.use_step_cache_policies(chosen)
         self.timing_generations = rounds * len(self.prompts) * (1 + len(chosen))
 
@@ -280,6 +347,27 @@ class Calibration:
         return interleaved_speedups(
             self._generate, self.prompts, list(chosen), rounds, after_round=after_round
         )
+
+
+def candidate_methods(requested: str | None, dit_methods: frozenset[str], family: str) -> list[str]:
+    """The methods to search: `--methods` (each checked against the candidates and the DiT), else the
+    original step cache and every candidate method the DiT runs."""
+    if requested is None:
+        return [m for m in CANDIDATE_METHODS if m == "stepcache" or m in dit_methods]
+    names = [name.strip() for name in requested.split(",") if name.strip()]
+    for name in names:
+        if name not in CANDIDATE_METHODS:
+            raise UserError(
+                f"--methods: unknown method {name!r}; candidates are {', '.join(CANDIDATE_METHODS)}"
+            )
+        if name != "stepcache" and name not in dit_methods:
+            runs = ", ".join(sorted(dit_methods)) or "none"
+            raise UserError(
+                f"--methods: {family}'s DiT does not run {name!r} (it runs: {runs}, and stepcache)"
+            )
+    if not names:
+        raise UserError("--methods: name at least one method")
+    return names
 
 
 #: The loggers `run` quiets while it generates, restored when it returns (the CLI may run in-process).
@@ -315,33 +403,39 @@ def _calibrate(args: argparse.Namespace) -> int:
     for name in ("diffserve.stages", "diffserve.pipeline", "diffserve"):
         logging.getLogger(name).setLevel(logging.WARNING)
     logger.setLevel(logging.INFO)
-    defaults = generator.pipeline.step_cache_policies
-    if not defaults:
-        raise UserError(
-            f"{type(generator.pipeline).__name__} has no step cache: only {EXACT} (exact) is served"
-        )
+    pipeline = generator.pipeline
+    rule = pipeline.cache_rule
+    if not pipeline.step_cache_policies:  # a family without tiers (Wan 2.2 A14B: the experts switch)
+        raise UserError(f"{type(pipeline).__name__} has no step cache: only {EXACT} (exact) is served")
+    methods = candidate_methods(args.methods, rule.methods, type(pipeline).__name__)
     names = ("height", "width", "num_frames", "seed", "num_inference_steps")
     request = {"input_images": images, **{name: getattr(args, name) for name in names}}
     if args.num_inference_steps is None:  # the family's default, but at least 20 (where caching pays)
-        family_steps = generator.pipeline.resolve_params(SamplingParams(prompt=prompts[0], **request))
+        family_steps = pipeline.resolve_params(SamplingParams(prompt=prompts[0], **request))
         request["num_inference_steps"] = max(20, family_steps.num_inference_steps)
-    searches = {
-        tier: (defaults.get(tier, StepCachePolicy(threshold=0.0)), PSNR_BARS[tier] + args.margin_db)
-        for tier in APPROXIMATE_TIERS
-    }
-    calibration = Calibration(generator, prompts, request, args.timing_rounds, list(searches.values()))
+    floors = {tier: PSNR_BARS[tier] + args.margin_db for tier in APPROXIMATE_TIERS}
+    ladders = {tier: tier_ladders(tier, methods, pipeline.step_cache_policies) for tier in APPROXIMATE_TIERS}
+    calibration = Calibration(
+        generator, prompts, request, args.timing_rounds, [(ladders[t], floors[t]) for t in APPROXIMATE_TIERS]
+    )
+    if "magcache" in methods:  # its ladders need the model's ratios: measured on these prompts, the family's
+        magcache = magcache_ladders(calibration.measure_mag_ratios(), rule.mag_ratios is not None)
+        calibration.add_searches([(magcache, floors[t]) for t in APPROXIMATE_TIERS])
+        ladders = {tier: [*found, *magcache] for tier, found in ladders.items()}
     chosen: dict[str, Trial] = {}
-    for tier, (template, floor_db) in searches.items():
-        trial = calibration.best_for(floor_db, template)
+    stepcache_best: dict[str, Trial | None] = {}
+    for tier in APPROXIMATE_TIERS:
+        trial, passing = calibration.best_for(floors[tier], ladders[tier])
         if trial is None:
             bar = f"{PSNR_BARS[tier]} + {args.margin_db} dB"
-            raise UserError(f"no threshold keeps {tier} at {bar} on these prompts")
+            raise UserError(f"no candidate of {', '.join(methods)} keeps {tier} at {bar} on these prompts")
         chosen[tier] = trial
-    policies = {tier: trial.policy for tier, trial in chosen.items()}
+        stepcache_best[tier] = fastest([t for t in passing.values() if isinstance(t.preset, StepCachePolicy)])
+    presets = {tier: trial.preset for tier, trial in chosen.items()}
     logger.info(
         "Search done, timing the speed-ups: %s", calibration.progress.describe(calibration.generations_left())
     )
-    speedups, exact_seconds = calibration.time_speedups(policies, args.timing_rounds)
+    speedups, exact_seconds = calibration.time_speedups(presets, args.timing_rounds)
     measurements = {
         "prompts": prompts,
         "num_inference_steps": calibration.num_steps,
@@ -350,40 +444,58 @@ def _calibrate(args: argparse.Namespace) -> int:
         "width": args.width,
         "seed": args.seed,
         "timing_rounds": args.timing_rounds,
+        "methods": methods,
+        "blocks_per_generation": rule.num_blocks * calibration.num_steps,
         "exact_seconds_per_prompt": round(statistics.median(exact_seconds), 4),
         "tiers": {
             tier: {
-                "mean_psnr_db": round(trial.mean_psnr, 2),
-                "min_psnr_db": round(min(trial.psnr_db), 2),
-                "mean_steps_computed": trial.mean_steps,
+                **trial.summary(),
                 "speedup_vs_exact": spread(speedups[tier]),
+                "best_stepcache": None if stepcache_best[tier] is None else stepcache_best[tier].summary(),
             }
             for tier, trial in chosen.items()
         },
+        "candidates": [trial.summary() for trial in calibration.trials.values()],
     }
-    print(render(policies, measurements))
+    print(render(presets, measurements))
     if args.dry_run:
         return 0
-    path = write_calibration(Path(engine_args.model_path), generator.family.name, policies, measurements)
-    logger.info("Step-cache calibration written to %s", path)
+    path = write_calibration(Path(engine_args.model_path), generator.family.name, presets, measurements)
+    logger.info("Quality-tier presets written to %s", path)
     return 0
 
 
-def render(chosen: dict[str, StepCachePolicy], measurements: dict[str, Any]) -> str:
-    """The result as a Markdown table; the speed-up as median (min-max) over rounds x prompts."""
+def tier_ladders(tier: str, methods: Sequence[str], defaults: dict[str, TierPreset]) -> list[Ladder]:
+    """A tier's candidate ladders but magcache's: the original step cache's from the family's template
+    for the tier (its default preset where that is a step cache), then the other methods'."""
+    found: list[Ladder] = []
+    if "stepcache" in methods:
+        default = defaults.get(tier)
+        template = default if isinstance(default, StepCachePolicy) else StepCachePolicy(threshold=0.0)
+        found += step_cache_ladders(template)
+    return found + method_ladders(set(methods) - {"magcache"})
+
+
+def render(chosen: dict[str, TierPreset], measurements: dict[str, Any]) -> str:
+    """The result as a Markdown table: each tier's preset, its PSNR, the DiT blocks it computed (and the
+    best original step cache's, for comparison) and its speed-up as median (min-max) over rounds x prompts."""
     steps = measurements["num_inference_steps"]
+    total = measurements["blocks_per_generation"]
     lines = [
         f"Calibration over {len(measurements['prompts'])} prompts, {steps} steps; speed-up against the exact "
         f"output ({EXACT}): median (min-max) of {measurements['timing_rounds']} interleaved rounds x prompts:",
-        "| tier | bar | threshold | max reuse in a row | mean PSNR | min PSNR | steps in full | speed-up |",
-        "|---|---|---|---|---|---|---|---|",
+        "| tier | bar | preset | mean PSNR | min PSNR | blocks computed | stepcache's best: blocks (PSNR) | "
+        "steps in full | speed-up |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for tier, policy in chosen.items():
+    for tier, preset in chosen.items():
         m = measurements["tiers"][tier]
         s = m["speedup_vs_exact"]
+        old = m["best_stepcache"]
+        baseline = "-" if old is None else f"{old['mean_blocks_computed']:.1f} ({old['mean_psnr_db']:.1f} dB)"
         lines.append(
-            f"| {tier} | {PSNR_BARS[tier]:.0f} dB | {policy.threshold:g} | {policy.max_reuse_in_a_row} | "
-            f"{m['mean_psnr_db']:.1f} dB | {m['min_psnr_db']:.1f} dB | {m['mean_steps_computed']:.1f} / {steps} | "
-            f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f}x) |"
+            f"| {tier} | {PSNR_BARS[tier]:.0f} dB | {describe_preset(preset)} | {m['mean_psnr_db']:.1f} dB | "
+            f"{m['min_psnr_db']:.1f} dB | {m['mean_blocks_computed']:.1f} / {total} | {baseline} | "
+            f"{m['mean_steps_computed']:.1f} / {steps} | {s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f}x) |"
         )
     return "\n".join(lines)

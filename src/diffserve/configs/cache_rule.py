@@ -18,7 +18,8 @@ from diffserve.configs.cache_settings import (
     NoCache,
     TeaCacheSettings,
 )
-from diffserve.configs.quality import AUTO, EXACT, canonical_tier
+from diffserve.configs.quality import AUTO, EXACT, TierPreset, canonical_tier, describe_preset
+from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.configs.step_masks import named_schedule
 from diffserve.errors import InvalidRequestError
 
@@ -33,13 +34,16 @@ class CacheRule:
     """What the `cache` of a family's requests may be.
 
     `methods`: the methods its DiT runs (besides "none"); `num_blocks`: the DiT's blocks, in the order the
-    cache methods count them (FLUX: the double-stream blocks, then the single-stream ones);
+    cache methods count them (FLUX: the double-stream blocks, then the single-stream ones); `range_offset`:
+    its leading blocks that DBCache's Fn and Bn do not count and that always run (Z-Image's noise refiner,
+    as cache-dit counts its main layers only);
     `teacache_coefficients` / `mag_ratios`: the family's defaults for those settings (None: it has none).
     """
 
     family: str
     methods: frozenset[str] = frozenset()
     num_blocks: int = 0
+    range_offset: int = 0
     teacache_coefficients: tuple[float, ...] | None = None
     mag_ratios: tuple[float, ...] | None = None
 
@@ -57,10 +61,11 @@ class CacheRule:
             )
         if isinstance(settings, DBCacheSettings):
             used = settings.Fn_compute_blocks + settings.Bn_compute_blocks
-            if used > self.num_blocks:
+            counted = self.num_blocks - self.range_offset
+            if used > counted:
                 raise InvalidRequestError(
                     f"cache: dbcache's Fn_compute_blocks ({settings.Fn_compute_blocks}) + Bn_compute_blocks "
-                    f"({settings.Bn_compute_blocks}) exceed {self.family}'s {self.num_blocks} DiT blocks",
+                    f"({settings.Bn_compute_blocks}) exceed {self.family}'s {counted} DiT blocks",
                     param="cache",
                 )
         if isinstance(settings, TeaCacheSettings) and settings.coefficients is None:
@@ -75,6 +80,22 @@ class CacheRule:
                 )
             settings = dataclasses.replace(settings, mag_ratios=self.mag_ratios)
         return settings
+
+    def resolve_preset(self, tier: str, preset: TierPreset) -> TierPreset:
+        """A quality tier's `preset` ready to run on this model (as `resolve` does for a request's `cache`),
+        or a ValueError naming the tier: a preset this DiT cannot run is refused at startup, never served
+        as the exact path. The original step cache (`StepCachePolicy`) runs on every DiT with a step cache
+        (one that runs the whole-span methods)."""
+        if isinstance(preset, StepCachePolicy):
+            if not self.methods & WHOLE_SPAN_METHODS:
+                raise ValueError(f"quality {tier!r}: {self.family}'s DiT has no step cache")
+            return preset
+        try:
+            resolved = self.resolve(preset)
+        except InvalidRequestError as exc:
+            raise ValueError(f"quality {tier!r} runs {describe_preset(preset)}: {exc}") from None
+        assert resolved is not None and not isinstance(resolved, NoCache), "a preset reuses work"
+        return resolved
 
 
 def choose_cache(
@@ -116,4 +137,21 @@ def check_cache_steps(settings: CacheSettings | None, num_steps: int) -> None:
     except ValueError as exc:
         raise InvalidRequestError(
             f"cache: {exc} (or pass cache 'none' for the exact path)", param="cache"
+        ) from None
+
+
+def check_tier_steps(tier: str, preset: TierPreset, num_steps: int) -> None:
+    """A 400 naming `quality` when the tier's preset names a steps computation schedule that has no form
+    for the request's `num_steps` denoising steps (cache-dit's schedules need 4, 6 or at least 8): the
+    tier cannot keep its promise there, and running it exact instead would be a silent change."""
+    mask = getattr(preset, "steps_computation_mask", None)
+    if not isinstance(mask, str):
+        return
+    try:
+        named_schedule(mask, num_steps)
+    except ValueError as exc:
+        raise InvalidRequestError(
+            f"quality {tier!r} runs {describe_preset(preset)} on this model: {exc}; ask for quality 'high' "
+            "or another step count",
+            param="quality",
         ) from None

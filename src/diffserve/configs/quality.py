@@ -1,13 +1,17 @@
-"""The per-request `quality` field: which tiers exist, what they promise, and where their settings live.
+"""The per-request `quality` field: which tiers exist, what they promise, and what each one runs.
 
 The names follow OpenAI's meaning, where `high` is the best image: `high` is the exact path (also
 accepted as `hd` and `lossless`). `medium`, `low` and diffserve's own `draft` let the DiT reuse its
-blocks' work between steps (`models/step_cache.py`), each promising a mean PSNR against the exact output
-(`PSNR_BARS`). `auto` and OpenAI's `standard` mean the server's `--default-quality`. Every response,
-file and log reports the canonical tier (`high`, never `lossless`).
+blocks' work between steps, each promising a mean PSNR against the exact output (`PSNR_BARS`). `auto` and
+OpenAI's `standard` mean the server's `--default-quality`. Every response, file and log reports the
+canonical tier (`high`, never `lossless`).
 
-A family's thresholds per tier come from its pipeline class (measured defaults) and, when present, from
-a calibration file next to the model's `model_index.json`, written by `diffserve calibrate-cache`.
+An approximate tier is a preset (`TierPreset`): a cache method by name with its settings (DBCache,
+TeaCache, ...: `configs/cache_settings.py`), or diffserve's original step cache (`StepCachePolicy`). A
+family's presets per tier come from its pipeline class (measured defaults) and, when present, from a
+calibration file next to the model's `model_index.json`, written by `diffserve calibrate-cache`, which
+picks per tier the method and settings that compute the fewest DiT blocks while meeting the tier's bar.
+The response's `cache` report names the method and settings a tier request ran.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diffserve.configs.cache_settings import CacheSettings, NoCache, parse_cache
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.errors import InvalidRequestError
 
@@ -39,9 +44,14 @@ DEFAULT_QUALITY_CHOICES = (*TIERS, *(name for name, tier in ALIASES.items() if t
 #: Mean PSNR (dB) against the exact output that each approximate tier keeps, at least.
 PSNR_BARS = {"medium": 35.0, "low": 30.0, "draft": 25.0}
 
+#: What an approximate tier runs: a cache method with its settings, or the original step cache.
+TierPreset = CacheSettings | StepCachePolicy
+
 CALIBRATION_FILE = "diffserve_step_cache.json"
-#: Written into every calibration file. A file without it predates the OpenAI-aligned names.
-CALIBRATION_FORMAT = 2
+#: Written into every calibration file: 3 records a preset per tier ({"method": ..., settings}); 2 (still
+#: read) a step-cache policy per tier; a file without a format predates the OpenAI-aligned names.
+CALIBRATION_FORMAT = 3
+_STEP_CACHE_FORMAT = 2
 #: Tier names in calibration files without a format (before version 2) -> today's names (same bars).
 _FORMAT_1_TIERS = {"high": "medium", "medium": "low", "low": "draft"}
 
@@ -65,14 +75,16 @@ def check_default_quality(value: str) -> str:
 
 @dataclass(frozen=True)
 class QualityRule:
-    """What a family's requests may ask for: the server default and the approximate tiers it has.
+    """What a family's requests may ask for: the server default and the approximate tiers it has, each
+    with its preset.
 
     `default_tier` may be given under any name `--default-quality` accepts; it is stored canonical so that
     an `auto` request reports `high`, never `lossless`.
     """
 
     default_tier: str = EXACT
-    policies: Mapping[str, StepCachePolicy] = field(default_factory=dict)
+    #: Approximate tier -> the preset it runs (what the family and the model folder's calibration give).
+    policies: Mapping[str, TierPreset] = field(default_factory=dict)
     family: str = "this model"
 
     def __post_init__(self) -> None:
@@ -108,12 +120,58 @@ def calibration_path(model_root: str | Path) -> Path:
     return Path(model_root) / CALIBRATION_FILE
 
 
-def read_calibrated_policies(model_root: str | Path, family: str) -> dict[str, StepCachePolicy]:
-    """Tier -> policy from the model folder's calibration file, {} when it has none.
+def preset_to_dict(preset: TierPreset) -> dict[str, Any]:
+    """{"method": name, setting: value, ...}: how calibration files, logs and reports spell a preset."""
+    if isinstance(preset, StepCachePolicy):
+        return {"method": StepCachePolicy.method, **preset.to_dict()}
+    return preset.to_dict()
 
-    A file for another family, of an unknown format, or one that does not parse, is an error: thresholds
-    from the wrong model would silently change what a tier promises. A file without a format predates
-    the OpenAI-aligned names; it is read with a warning, its tiers renamed (`_FORMAT_1_TIERS`).
+
+def preset_from_dict(values: Mapping[str, Any]) -> TierPreset:
+    """A preset from its `preset_to_dict` form: "stepcache" is the original step cache, any other method a
+    cache method's settings, checked as a request's `cache` is (ValueError naming what is wrong)."""
+    method = values.get("method")
+    if method == StepCachePolicy.method:
+        return StepCachePolicy(**{k: v for k, v in values.items() if k != "method"})
+    try:
+        settings = parse_cache(dict(values))
+    except InvalidRequestError as exc:
+        raise ValueError(str(exc)) from None
+    if settings is None or isinstance(settings, NoCache):
+        raise ValueError(f"a tier's preset must reuse work; got method {method!r}")
+    return settings
+
+
+def describe_preset(preset: TierPreset) -> str:
+    """A one-line name for logs and tables: the method and the settings that differ from its defaults
+    ("dbcache(Fn_compute_blocks=1, residual_diff_threshold=0.12)")."""
+    default = type(preset)() if not isinstance(preset, StepCachePolicy) else None
+    values = preset_to_dict(preset)
+    defaults = {} if default is None else preset_to_dict(default)
+    shown = [
+        f"{k}={_short(v)}"
+        for k, v in values.items()
+        if k != "method" and (defaults.get(k, object()) != v or k == "steps_computation_mask")
+    ]
+    return f"{values['method']}({', '.join(shown)})"
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, list) and len(value) > 6:
+        return f"[{len(value)} values]"
+    if isinstance(value, list):
+        return "".join(map(str, value)) if set(value) <= {0, 1} else str(value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def read_calibrated_policies(model_root: str | Path, family: str) -> dict[str, TierPreset]:
+    """Tier -> preset from the model folder's calibration file, {} when it has none.
+
+    A file for another family, of an unknown format, or one that does not parse, is an error: presets
+    from the wrong model would silently change what a tier promises. Format 3 records a preset per tier;
+    format 2 a step-cache policy (threshold, ...) per tier, which still runs as one (`StepCachePolicy`). A
+    file without a format predates the OpenAI-aligned names; it is read with a warning, its tiers renamed
+    (`_FORMAT_1_TIERS`).
     """
     path = calibration_path(model_root)
     if not path.is_file():
@@ -123,7 +181,10 @@ def read_calibrated_policies(model_root: str | Path, family: str) -> dict[str, S
         if data.get("family") != family:
             raise ValueError(f"it was made for family {data.get('family')!r}, this model is {family!r}")
         tiers = _current_tier_names(path, data)
-        policies = {tier: StepCachePolicy(**values) for tier, values in tiers.items()}
+        if data.get("format") == CALIBRATION_FORMAT:
+            policies = {tier: preset_from_dict(values) for tier, values in tiers.items()}
+        else:
+            policies = {tier: StepCachePolicy(**values) for tier, values in tiers.items()}
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(
             f"{path} is not a valid step-cache calibration ({exc}); delete it or rerun "
@@ -133,9 +194,9 @@ def read_calibrated_policies(model_root: str | Path, family: str) -> dict[str, S
     if unknown:
         raise ValueError(f"{path}: unknown tiers {sorted(unknown)}; tiers are {', '.join(APPROXIMATE_TIERS)}")
     logger.info(
-        "Step-cache thresholds from %s: %s",
+        "Quality-tier presets from %s: %s",
         path.name,
-        {tier: policy.threshold for tier, policy in policies.items()},
+        {tier: describe_preset(preset) for tier, preset in policies.items()},
     )
     return policies
 
@@ -144,10 +205,13 @@ def _current_tier_names(path: Path, data: dict[str, Any]) -> dict[str, Any]:
     """The file's `tiers` under today's names (a format-1 file's are renamed, with a warning)."""
     version = data.get("format")
     tiers: dict[str, Any] = data["tiers"]
-    if version == CALIBRATION_FORMAT:
+    if version in (CALIBRATION_FORMAT, _STEP_CACHE_FORMAT):
         return tiers
     if version is not None:
-        raise ValueError(f"unknown format {version!r}; this diffserve reads format {CALIBRATION_FORMAT}")
+        raise ValueError(
+            f"unknown format {version!r}; this diffserve reads format {_STEP_CACHE_FORMAT} (step-cache "
+            f"thresholds) and {CALIBRATION_FORMAT} (cache-method presets)"
+        )
     unknown = set(tiers) - set(_FORMAT_1_TIERS)
     if unknown:
         raise ValueError(f"unknown tiers {sorted(unknown)} in a file without a format")
@@ -164,15 +228,16 @@ def _current_tier_names(path: Path, data: dict[str, Any]) -> dict[str, Any]:
 def write_calibration(
     model_root: str | Path,
     family: str,
-    policies: Mapping[str, StepCachePolicy],
+    policies: Mapping[str, TierPreset],
     measurements: Mapping[str, Any],
 ) -> Path:
-    """Store calibrated policies next to the model config (atomically: a reader never sees half a file)."""
+    """Store calibrated presets (format 3) next to the model config (atomically: a reader never sees half
+    a file)."""
     path = calibration_path(model_root)
     payload = {
         "format": CALIBRATION_FORMAT,
         "family": family,
-        "tiers": {tier: policy.to_dict() for tier, policy in policies.items()},
+        "tiers": {tier: preset_to_dict(preset) for tier, preset in policies.items()},
         "measurements": dict(measurements),
     }
     partial = path.with_name(path.name + ".partial")

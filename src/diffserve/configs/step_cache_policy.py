@@ -1,12 +1,18 @@
-"""`StepCachePolicy`: when an approximate-quality request may reuse the DiT blocks' residual.
+"""`StepCachePolicy`: diffserve's own step cache, the quality tiers' original method ("stepcache").
+
+A quality tier is a preset: a cache method by name with its settings (`configs/quality.py`), or this
+policy, which the tiers ran before they could name a method and which calibration files of format 2 record
+(a threshold per tier). It stays a candidate of `diffserve calibrate-cache`, so a calibrated tier never
+computes more blocks than this cache did at the same PSNR bar. It is not a `cache` a request can name.
 
 Configuration only (no torch), so the CLI and the HTTP front end can read and validate tiers without
-importing the model stack; the cache itself is `models/step_cache.py`.
+importing the model stack; the cache itself is `models/cache_methods/tier.py`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 
 @dataclass(frozen=True)
@@ -18,6 +24,9 @@ class StepCachePolicy:
     full at the start (the image's layout forms there) and at the end (fine detail). `max_reuse_in_a_row`:
     a full step is forced after this many reused ones, so the error cannot grow unchecked.
     """
+
+    #: Its name in responses, logs and calibration files (like a cache method's).
+    method: ClassVar[str] = "stepcache"
 
     threshold: float
     full_first_steps: int = 2

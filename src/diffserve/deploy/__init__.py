@@ -7,6 +7,8 @@ module's job:
 - spec.py: the application builder's arguments (`build_app(args)`), validated, as ServerArgs per model;
 - app.py: `build_app`, the Ray Serve application: one `EngineReplica` deployment per model, one ingress;
 - replica.py: `EngineReplica`, a replica owning one diffserve engine (server/engine_client.py);
+- disaggregated.py: a model's encode, denoise and decode phases as three deployments (`--disaggregate`),
+  its `DenoiserReplica`s calling the other two for each job;
 - router.py (+ router_registry.py): Ray Serve's request router for the replicas: fewest waiting steps;
 - engines.py: `RayEngines`, the server's `Engines` over one model's replicas (as server/replicas.py);
 - remote_job.py: one job's stream from its replica, resent when a replica is lost before it started,

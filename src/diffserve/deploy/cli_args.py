@@ -4,11 +4,14 @@ make. Imports no Ray: `serve --help` lists the flags without it, and `--ray` wit
 
     diffserve serve --ray [--ray-address auto|ray://HOST:10001] --model-path A [--model-path B ...]
                     (--num-replicas N | --min-replicas A --max-replicas B [--target-ongoing-requests T])
+                    [--disaggregate [--encoder-replicas N] [--decoder-replicas N]]
                     [every engine flag: --num-gpus, --quantization, --lora ...] [server flags]
 
 Every `--model-path` is one model (one Ray Serve deployment) with the same engine flags and replica
-counts; for models with their own settings, write the builder's args (spec.py) and use `serve run` or
-a RayService (docs/scale-out.md).
+counts; `--disaggregate` makes each model three deployments (encoder, denoiser, decoder:
+deploy/disaggregated.py), the replica flags then counting the denoisers. For models or stages with their
+own settings (a stage's devices, its engine flags), write the builder's args (spec.py) and use `serve
+run` or a RayService (docs/scale-out.md).
 """
 
 from __future__ import annotations
@@ -61,14 +64,34 @@ class RayServeArgs:
         help="with --ray and autoscaling: the requests waiting or running per replica the autoscaler aims at "
         "(default: 2)",
     )  # fmt: skip
+    disaggregate: bool = option(
+        False, cli="--disaggregate", group=RAY,
+        help="with --ray: run each model's text encoding, denoising and decoding as three deployments with "
+        "their own replicas, requests handed over through Ray's object store; the replica flags count the "
+        "denoisers (default: off)",
+    )  # fmt: skip
+    encoder_replicas: int | None = option(
+        None, cli="--encoder-replicas", min=1, metavar="N", group=RAY,
+        help="with --disaggregate: encoder replicas per model (default: 1)",
+    )  # fmt: skip
+    decoder_replicas: int | None = option(
+        None, cli="--decoder-replicas", min=1, metavar="N", group=RAY,
+        help="with --disaggregate: decoder replicas per model (default: 1)",
+    )  # fmt: skip
 
     def check(self) -> None:
-        """The Ray flags only with --ray, and a fixed count or autoscaling bounds, not both."""
+        """The Ray flags only with --ray, the stages' replicas only with --disaggregate, and a fixed count
+        or autoscaling bounds, not both."""
         given = [
-            f.name for f in dataclasses.fields(self) if f.name != "ray" and getattr(self, f.name) is not None
+            f.name
+            for f in dataclasses.fields(self)
+            if f.name != "ray" and getattr(self, f.name) not in (None, False)
         ]
         if not self.ray and given:
             raise UserError(f"--{given[0].replace('_', '-')} needs --ray")
+        stages = [name for name in given if name in ("encoder_replicas", "decoder_replicas")]
+        if stages and not self.disaggregate:
+            raise UserError(f"--{stages[0].replace('_', '-')} needs --disaggregate")
         scaling = [
             name for name in given if name in ("min_replicas", "max_replicas", "target_ongoing_requests")
         ]
@@ -76,6 +99,14 @@ class RayServeArgs:
             raise UserError("give --num-replicas or --min-replicas/--max-replicas (autoscaling), not both")
         if (self.min_replicas is None) != (self.max_replicas is None):
             raise UserError("autoscaling needs both --min-replicas and --max-replicas")
+
+    def disaggregated(self) -> dict[str, Any]:
+        """Each model's `disaggregate` field in the builder's args (empty without --disaggregate): the
+        encoder's and decoder's replica counts; the denoisers' are the model's replica fields."""
+        if not self.disaggregate:
+            return {}
+        counts = {"encoder": self.encoder_replicas, "decoder": self.decoder_replicas}
+        return {"disaggregate": {stage: {"num_replicas": n} for stage, n in counts.items() if n is not None}}
 
     def replicas(self) -> dict[str, Any]:
         """The replica fields of each model in the builder's args."""
@@ -100,7 +131,13 @@ def app_args_from(ray_args: RayServeArgs, server_args: ServerArgs, model_paths: 
     engine_values = engine_values_for_cli(engine)
     paths = [str(Path(path).absolute()) if Path(path).exists() else path for path in model_paths]
     models = [
-        {"model_path": path, **ray_args.replicas(), "engine_args": dict(engine_values)} for path in paths
+        {
+            "model_path": path,
+            **ray_args.replicas(),
+            "engine_args": dict(engine_values),
+            **ray_args.disaggregated(),
+        }
+        for path in paths
     ]
     if len(model_paths) == 1 and server_args.served_model_names:
         models[0]["name"] = server_args.served_model_names[0]

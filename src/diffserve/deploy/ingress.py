@@ -19,7 +19,7 @@ from ray.serve.handle import DeploymentHandle
 from diffserve.deploy.dispatch import ModelDispatcher
 from diffserve.deploy.engines import RayEngines
 from diffserve.deploy.replica import log_to_stderr
-from diffserve.deploy.spec import AppSpec, deployment_name, model_id
+from diffserve.deploy.spec import AppSpec, entry_deployment_name, model_id
 from diffserve.server.app import create_app
 from diffserve.server.args import ServerArgs
 from diffserve.server.metrics import ServerMetrics
@@ -33,9 +33,9 @@ class Ingress:
         self.spec, self.handles = spec, handles
         log_to_stderr(str(spec.server.get("log_level", "info")))
 
-    def model_app(self, server_args: ServerArgs, handle: DeploymentHandle) -> FastAPI:
-        """The single server's app for one model, its engine side that model's replicas."""
-        deployment = deployment_name(server_args.model_id)
+    def model_app(self, server_args: ServerArgs, handle: DeploymentHandle, deployment: str) -> FastAPI:
+        """The single server's app for one model, its engine side that model's replicas (`deployment`:
+        their deployment's name, or a disaggregated model's denoiser's)."""
 
         def engines(metrics: ServerMetrics) -> RayEngines:
             return RayEngines(handle, deployment, server_args, metrics)
@@ -46,6 +46,6 @@ class Ingress:
         apps = {}
         for model in self.spec.models:
             apps[model_id(model)] = self.model_app(
-                self.spec.server_args(model), self.handles[model_id(model)]
+                self.spec.server_args(model), self.handles[model_id(model)], entry_deployment_name(model)
             )
         return next(iter(apps.values())) if len(apps) == 1 else ModelDispatcher(apps)

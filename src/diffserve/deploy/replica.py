@@ -179,7 +179,7 @@ class EngineReplica:
             yield ReplicaFailure.of(error)
             return
         result: msg.JobFinished = outcome.result()
-        if job.video_path is None:
+        if job.video_path is None or result.handoff is not None:  # no video file: images, or a hand-off
             yield result
             return
         path = Path(job.video_path)

@@ -13,7 +13,13 @@ diffserve.deploy.app:build_app` and a RayService's `serveConfigV2` give it as YA
          "downscale_delay_s": 600,                #   600 s) and the load averaged over
          "look_back_period_s": 30,                #   this long (Ray's default, 30 s)
          "engine_args": {"num_gpus": 1, "quantization": "int8"},   # EngineArgs fields (the engine flags)
-         "ray_actor_options": {"num_cpus": 2, "num_gpus": 1}},     # Ray's per replica (default 1 CPU)
+         "ray_actor_options": {"num_cpus": 2, "num_gpus": 1},      # Ray's per replica (default 1 CPU)
+         "disaggregate": {                        # optional: encode, denoise, decode as three deployments
+             "encoder": {"num_replicas": 1,       #   each stage: a fixed replica count (default 1; the
+                         "ray_actor_options": {"num_gpus": 0.25},  #  denoiser's: the model's own),
+                         "engine_args": {"dit_cpu_offload": True}},  # Ray's resources, engine flags over
+             "denoiser": {"ray_actor_options": {"num_gpus": 1}},   #   the model's `engine_args`
+             "decoder": {"num_replicas": 2}}},
         ...],
      "server": {"api_key": "...", "output_path": "/data/out", ...}}   # ServerArgs fields
 
@@ -32,6 +38,12 @@ Ray's), the connection limits of uvicorn's server (Ray's proxy serves the connec
 `served_model_names` (each model's `name`).
 
 With several models each one's url images and video jobs live in `<output_path>/<model id>`.
+
+`disaggregate` (deploy/disaggregated.py) runs the model's requests in three deployments: the encoder
+(text and image encoding, latents, timesteps), the denoiser (the DiT's steps, batched; the deployment the
+ingress routes to, by waiting steps, and which autoscales with the model's replica fields) and the decoder
+(the VAE). The denoiser's replica count and `ray_actor_options` are given once: in `disaggregate.denoiser`
+or as the model's own. Each stage's engine runs on one device (`num_gpus` 1) with the native backend.
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from diffserve.configs.engine_args import EngineArgs, LoraSpec
 from diffserve.configs.option import keyword_values, options
 from diffserve.errors import UserError
+from diffserve.phases import Phase
 from diffserve.server.args import ServerArgs
 
 #: ServerArgs fields Ray Serve owns, and why each is refused in `server`.
@@ -95,8 +108,41 @@ def engine_args_of(model_path: str, values: dict[str, Any], output_path: str | N
     return engine_args
 
 
+#: The stages of a disaggregated model, as `disaggregate` names them, and the phase each runs.
+STAGE_PHASES: dict[str, Phase] = {"encoder": "encode", "denoiser": "denoise", "decoder": "decode"}
+#: The Ray Serve deployment class of a stage, in its deployment's name (`deployment_name`).
+STAGE_KINDS = {"encoder": "Encoder", "denoiser": "Denoiser", "decoder": "Decoder"}
+
+
+class StageSpec(BaseModel):
+    """One stage of a disaggregated model: its replicas, their Ray resources, and engine flags over the
+    model's `engine_args` (e.g. the DiT kept in host memory on an encoder's small GPU)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_replicas: int | None = Field(None, ge=1)  # None: 1 (the denoiser: the model's replica fields)
+    ray_actor_options: dict[str, Any] = Field(default_factory=dict)
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+
+
+class DisaggregateSpec(BaseModel):
+    """A model served in three deployments, one per phase of its requests (module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    encoder: StageSpec = Field(default_factory=StageSpec)
+    denoiser: StageSpec = Field(default_factory=StageSpec)
+    decoder: StageSpec = Field(default_factory=StageSpec)
+
+    def stage(self, name: str) -> StageSpec:
+        if name not in STAGE_PHASES:
+            raise ValueError(f"unknown stage {name!r}; the stages are {', '.join(STAGE_PHASES)}")
+        return getattr(self, name)
+
+
 class ModelSpec(BaseModel):
-    """One served model: its deployment's replicas (fixed or autoscaled), engine and Ray resources."""
+    """One served model: its deployment's replicas (fixed or autoscaled), engine and Ray resources; with
+    `disaggregate`, its three stages' deployments."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -111,6 +157,7 @@ class ModelSpec(BaseModel):
     look_back_period_s: float = Field(30.0, gt=0)  # the load is averaged over this long (Ray's default)
     engine_args: dict[str, Any] = Field(default_factory=dict)
     ray_actor_options: dict[str, Any] = Field(default_factory=dict)
+    disaggregate: DisaggregateSpec | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelSpec:
@@ -125,19 +172,62 @@ class ModelSpec(BaseModel):
             self.engine()
         except (UserError, TypeError) as exc:
             raise ValueError(f"engine_args: {exc}") from None
+        if self.disaggregate is not None:
+            self._check_stages(self.disaggregate, scaling)
         return self
 
-    def engine(self, output_path: str | None = None) -> EngineArgs:
-        return engine_args_of(self.model_path, self.engine_args, output_path)
+    def _check_stages(self, stages: DisaggregateSpec, scaling: list[str]) -> None:
+        """The denoiser's replicas and resources given once; every stage's engine on one device, native."""
+        denoiser = stages.denoiser
+        if denoiser.num_replicas is not None and (self.num_replicas is not None or scaling):
+            given = "num_replicas" if self.num_replicas is not None else ", ".join(scaling)
+            raise ValueError(
+                f"disaggregate.denoiser.num_replicas and the model's {given} both set the denoiser's replicas: "
+                "give one"
+            )
+        if denoiser.ray_actor_options and self.ray_actor_options:
+            raise ValueError(
+                "disaggregate.denoiser.ray_actor_options and the model's ray_actor_options both set the "
+                "denoiser's resources: give one"
+            )
+        for name in STAGE_PHASES:
+            try:
+                engine = self.engine(stage=name)
+            except (UserError, TypeError) as exc:
+                raise ValueError(f"disaggregate.{name}.engine_args: {exc}") from None
+            if engine.num_gpus != 1:
+                raise ValueError(
+                    f"disaggregate.{name}: num_gpus {engine.num_gpus}: a disaggregated stage's engine runs on "
+                    "one device (its requests arrive and leave as hand-offs, which other ranks do not get)"
+                )
+            if engine.backend != "native":
+                raise ValueError(
+                    f"disaggregate.{name}: backend {engine.backend!r} runs each request whole in diffusers' "
+                    "own loop; disaggregated stages need diffserve's native pipelines"
+                )
+
+    def engine(self, output_path: str | None = None, stage: str | None = None) -> EngineArgs:
+        """The EngineArgs of the model's replicas, or of one stage's (`stage`: its flags over the model's)."""
+        values = self.engine_args
+        if stage is not None:
+            if self.disaggregate is None:
+                raise ValueError(f"model {self.model_path} is not disaggregated: it has no {stage} stage")
+            values = {**values, **self.disaggregate.stage(stage).engine_args}
+        return engine_args_of(self.model_path, values, output_path)
 
     @property
     def autoscaled(self) -> bool:
         return self.num_replicas is None and self.min_replicas != self.max_replicas
 
     def deployment_options(self) -> dict[str, Any]:
-        """Ray Serve's options for this model's deployment: its replica count or autoscaling config, and
-        its actors' resources (one CPU unless `ray_actor_options` says otherwise)."""
-        options: dict[str, Any] = {"ray_actor_options": {"num_cpus": 1, **self.ray_actor_options}}
+        """Ray Serve's options for this model's deployment (disaggregated: its denoiser's): its replica
+        count or autoscaling config, and its actors' resources (one CPU unless `ray_actor_options` says
+        otherwise)."""
+        denoiser = self.disaggregate.denoiser if self.disaggregate is not None else StageSpec()
+        actor = {"num_cpus": 1, **self.ray_actor_options, **denoiser.ray_actor_options}
+        if denoiser.num_replicas is not None:
+            return {"ray_actor_options": actor, "num_replicas": denoiser.num_replicas}
+        options: dict[str, Any] = {"ray_actor_options": actor}
         if not self.autoscaled:
             options["num_replicas"] = self.num_replicas or self.min_replicas
             return options
@@ -151,6 +241,20 @@ class ModelSpec(BaseModel):
             "look_back_period_s": self.look_back_period_s,
         }
         return options
+
+    def stage_deployment_options(self, stage: str) -> dict[str, Any]:
+        """Ray Serve's options for one stage's deployment of a disaggregated model: the denoiser's are the
+        model's (`deployment_options`); the encoder's and decoder's a fixed replica count (default 1) and
+        their actors' resources (one CPU unless their `ray_actor_options` say otherwise)."""
+        if self.disaggregate is None:
+            raise ValueError(f"model {self.model_path} is not disaggregated: it has no {stage} stage")
+        if stage == "denoiser":
+            return self.deployment_options()
+        spec = self.disaggregate.stage(stage)
+        return {
+            "ray_actor_options": {"num_cpus": 1, **spec.ray_actor_options},
+            "num_replicas": spec.num_replicas or 1,
+        }
 
 
 class AppSpec(BaseModel):
@@ -188,15 +292,17 @@ class AppSpec(BaseModel):
                 fields[declared.name] = os.environ[env]
         return fields
 
-    def server_args(self, model: ModelSpec) -> ServerArgs:
+    def server_args(self, model: ModelSpec, stage: str | None = None) -> ServerArgs:
         """The ServerArgs `model`'s app and replicas run with (its files in their own folder when several
-        models share the server)."""
+        models share the server); `stage`: those of one stage's replicas of a disaggregated model (its
+        engine flags over the model's)."""
         values = keyword_values(ServerArgs, self._server_fields(), "server")
         output = str(self.server.get("output_path") or model.engine().output_path)
         if len(self.models) > 1:
             output = str(Path(output) / model_id(model))
         names = [model.name] if model.name else []
-        return ServerArgs(model.engine(output), served_model_names=names, **values)  # type: ignore[arg-type]
+        engine = model.engine(output, stage)
+        return ServerArgs(engine, served_model_names=names, **values)  # type: ignore[arg-type]
 
 
 def model_id(model: ModelSpec) -> str:
@@ -204,9 +310,25 @@ def model_id(model: ModelSpec) -> str:
     return model.name or Path(model.model_path).name or model.model_path
 
 
-def deployment_name(model: str) -> str:
-    """The Ray Serve deployment of model id `model`: `EngineReplica-<id>`, in the characters Ray allows."""
-    return "EngineReplica-" + re.sub(r"[^A-Za-z0-9._-]", "-", model)
+def deployment_name(model: str, kind: str = "EngineReplica") -> str:
+    """The Ray Serve deployment of model id `model`: `EngineReplica-<id>`, in the characters Ray allows
+    (`kind`: a disaggregated model's stage, `Encoder`, `Denoiser` or `Decoder`)."""
+    return f"{kind}-" + re.sub(r"[^A-Za-z0-9._-]", "-", model)
+
+
+def stage_deployment_name(model: ModelSpec, stage: str) -> str:
+    """The deployment of one stage of a disaggregated model (`Encoder-<id>`, ...)."""
+    return deployment_name(model_id(model), STAGE_KINDS[stage])
+
+
+def entry_deployment_name(model: ModelSpec) -> str:
+    """The deployment the ingress sends `model`'s jobs to: its replicas, or, disaggregated, its denoiser
+    (which runs each job's encoder and decoder calls)."""
+    return (
+        deployment_name(model_id(model))
+        if model.disaggregate is None
+        else stage_deployment_name(model, "denoiser")
+    )
 
 
 def parse_app_args(args: dict[str, Any] | AppSpec) -> AppSpec:

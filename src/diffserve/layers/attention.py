@@ -3,8 +3,9 @@
 FlashAttention 3 / 2, SageAttention, cuDNN or efficient SDPA), chosen per engine by
 `resolve_attention_backend`. A call the active kernel cannot take (a mask, a dtype, a head dim) runs on
 SDPA, logged once. Compiled code calls the opaque custom op `diffserve::attention`, which reads the scope
-when the graph runs: Dynamo cannot trace `ContextVar.get`, and a traced value would be baked into a
-shared graph.
+when the graph runs (Dynamo cannot trace `ContextVar.get`), except inside `--compile`'s scoped calls,
+where the backend is resolved at trace time and guarded (`layers/trace_scope.py`): SDPA is then traced
+as itself, so inductor can lower it and fuse around it.
 
 `attention_hook_scope` lets the breakable CUDA graphs (`runtime/cuda_graph/`) take over every attention
 call in its block: the call then becomes a break point between captured segments (the hook runs the
@@ -22,6 +23,7 @@ import torch
 
 from diffserve.layers import attention_backends
 from diffserve.layers.attention_backends import AUTO, SPECS, AttentionBackend, DeviceFacts, sdpa
+from diffserve.layers.trace_scope import traced_attention_backend
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +33,7 @@ __all__ = [
     "active_attention_backend",
     "attention",
     "attention_backend_scope",
+    "attention_hook_active",
     "attention_hook_scope",
     "resolve_attention_backend",
     "run_attention_kernel",
@@ -97,6 +100,11 @@ def attention_backend_scope(backend: AttentionBackend | str) -> Iterator[Attenti
 def active_attention_backend() -> AttentionBackend:
     """The backend `attention()` uses here and now: the innermost scope's, or SDPA outside any scope."""
     return _active_backend.get()
+
+
+def attention_hook_active() -> bool:
+    """Whether an `attention_hook_scope` with a hook is active here and now."""
+    return _active_hook.get() is not None
 
 
 @contextmanager
@@ -175,6 +183,14 @@ def attention(
     `backend` overrides the active scope's for this call."""
     if torch.compiler.is_compiling():
         name = None if backend is None else AttentionBackend(backend).value
+        # Resolved at trace time inside `--compile`'s scoped calls (layers/trace_scope.py, guarded: another
+        # backend gets its own graph): SDPA is traced as itself, so inductor lowers it and fuses around it;
+        # the other kernels stay the opaque op with their name. Unresolved: the op reads the scope at run time.
+        traced = traced_attention_backend()
+        if traced is not None:
+            name = name or traced
+            if name == AttentionBackend.SDPA.value:
+                return sdpa(q, k, v, attn_mask)
         return _attention_op(q, k, v, attn_mask, name)
     chosen = AttentionBackend(backend) if backend is not None else _active_backend.get()
     return _run(q, k, v, attn_mask, chosen)

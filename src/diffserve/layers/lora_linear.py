@@ -16,7 +16,9 @@ range, its rows of the adapter's rank, its `up` and its `scaling`.
 
 Under `torch.compile` the adapter work is one opaque op (`diffserve::lora_linear`): the compiled
 graph holds the layer's weight, bias and a CPU key tensor, never the adapters, so loading, unloading
-or switching adapters never recompiles.
+or switching adapters never recompiles. Inside `--compile`'s scoped calls a batch without LoRA rows is
+resolved at trace time (`layers/trace_scope.py`, guarded): its graph calls the base Linear, which
+inductor fuses like any other, and batches with LoRA rows get the graph with the op.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch import nn
 
 from diffserve.layers.fused_linear import FusedLinear
 from diffserve.layers.lora_rows import AdapterRows, LoraRows, current_lora_rows
+from diffserve.layers.trace_scope import traced_lora_rows
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,8 @@ class LoraLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
+            if traced_lora_rows() is False:  # resolved at trace time: no row of this batch has LoRA
+                return F.linear(x, self.weight, self.bias)
             return torch.ops.diffserve.lora_linear(x, self.weight, self.bias, self.lora_key)
         return self.forward_eager(x)
 

@@ -12,9 +12,8 @@ from PIL import Image
 
 from diffserve.configs.cache_rule import CacheRule
 from diffserve.configs.cache_settings import CacheSettings, NoCache
-from diffserve.configs.quality import EXACT, QualityRule
+from diffserve.configs.quality import EXACT, QualityRule, TierPreset, check_default_quality, describe_preset
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.loader.component_loader import LoadedComponent
 from diffserve.platforms import Platform
 from diffserve.request import Conditioning, Req, batch_signature
@@ -41,8 +40,8 @@ class PipelineContext:
     pipeline_options: dict[str, Any] = field(default_factory=dict)
     #: What quality "auto" means for this engine (`--default-quality`; any name it accepts).
     default_quality: str = EXACT
-    #: Step-cache policies per tier from the model folder's calibration file (over the family's own).
-    calibrated_step_cache: dict[str, StepCachePolicy] = field(default_factory=dict)
+    #: Presets per quality tier from the model folder's calibration file (over the family's own).
+    calibrated_step_cache: dict[str, TierPreset] = field(default_factory=dict)
     #: The cache of requests that set neither `cache` nor an approximate quality (`--cache-default`).
     default_cache: CacheSettings | None = None
 
@@ -63,9 +62,10 @@ class Pipeline:
     optional_components: ClassVar[tuple[str, ...]] = ()
     #: Height and width must be multiples of this (set by `build_stages` from the loaded VAE).
     pixel_multiple: int
-    #: The approximate quality tiers this family has, with its measured step-cache thresholds
-    #: (empty: its DiT does not take a step cache, and only "high", the exact path, is served).
-    step_cache_policies: ClassVar[dict[str, StepCachePolicy]] = {}
+    #: The approximate quality tiers this family has, each with its measured preset: a cache method and its
+    #: settings, or the original step cache (`configs/quality.py`); empty: its DiT does not take a step
+    #: cache, and only "high", the exact path, is served.
+    step_cache_policies: ClassVar[dict[str, TierPreset]] = {}
     #: The family's TeaCache coefficients and MagCache ratios, the defaults of those settings (None: the
     #: family records none; a magcache request must then bring its ratios).
     teacache_coefficients: ClassVar[tuple[float, ...] | None] = None
@@ -82,23 +82,25 @@ class Pipeline:
         name = type(self).__name__
         if context.calibrated_step_cache and not self.step_cache_policies:
             raise ValueError(f"the model folder has step-cache calibration, but {name} has no step cache")
-        self.use_step_cache_policies({**self.step_cache_policies, **context.calibrated_step_cache})
         self._use_cache_methods(context)
+        self.use_step_cache_policies({**self.step_cache_policies, **context.calibrated_step_cache})
         self._facts = self._declare_facts()
         if self.quality_rule.policies:
             logger.info(
                 "Quality tiers: high (exact), %s; default %s",
                 ", ".join(
-                    f"{tier} (threshold {policy.threshold:g})"
-                    for tier, policy in self.quality_rule.policies.items()
+                    f"{tier} ({describe_preset(preset)})"
+                    for tier, preset in self.quality_rule.policies.items()
                 ),
                 self.quality_rule.default_tier,
             )
 
-    def use_step_cache_policies(self, policies: dict[str, StepCachePolicy]) -> None:
-        """Serve these approximate tiers from now on (`diffserve calibrate-cache` tries candidates)."""
+    def use_step_cache_policies(self, policies: dict[str, TierPreset]) -> None:
+        """Serve these approximate tiers from now on, each preset resolved for the DiT (a preset it cannot
+        run is a ValueError naming the tier); `diffserve calibrate-cache` tries candidates through this."""
+        resolved = {tier: self.cache_rule.resolve_preset(tier, preset) for tier, preset in policies.items()}
         rule = QualityRule(
-            default_tier=self.context.default_quality, policies=policies, family=type(self).__name__
+            default_tier=self.context.default_quality, policies=resolved, family=type(self).__name__
         )
         rule.resolve(None)  # a default tier the family does not have fails at startup, not per request
         self.quality_rule = rule
@@ -112,14 +114,18 @@ class Pipeline:
             family=type(self).__name__,
             methods=getattr(transformer, "cache_methods", frozenset()),
             num_blocks=transformer.cache_block_count() if hasattr(transformer, "cache_block_count") else 0,
+            range_offset=transformer.cache_range_offset()
+            if hasattr(transformer, "cache_range_offset")
+            else 0,
             teacache_coefficients=self.teacache_coefficients,
             mag_ratios=self.mag_ratios,
         )
         default = rule.resolve(context.default_cache)  # InvalidRequestError: reported as --cache-default's
         default = None if isinstance(default, NoCache) else default
-        if default is not None and self.quality_rule.default_tier != EXACT:
+        default_tier = check_default_quality(context.default_quality)
+        if default is not None and default_tier != EXACT:
             raise ValueError(
-                f"--cache-default and --default-quality {self.quality_rule.default_tier} both choose how "
+                f"--cache-default and --default-quality {default_tier} both choose how "
                 "requests reuse DiT work; pass one of them"
             )
         self.cache_rule = rule

@@ -1,7 +1,17 @@
 """`--compile`: regional `torch.compile` of the DiT's repeated blocks (in place; compile time is per block
 class, the logic between blocks stays eager), and the start-up warm-up. `dynamic=True`, as batch shapes
 keep changing: sizes stay symbolic except 0 and 1, so a block class needs one graph for one-row batches
-and one for larger ones, per attention-mask kind, all built by the warm-up (`WARMUP_KINDS`)."""
+and one for larger ones, per attention-mask kind, all built by the warm-up (`WARMUP_KINDS`).
+
+Each compiled block is entered with the request's scope mirrored for tracing (`ScopedCompiledCall`,
+`layers/trace_scope.py`): the attention backend and whether any row has LoRA are resolved when a graph
+is traced and guarded, so under SDPA the graph holds SDPA itself and, without LoRA rows, plain Linears
+(inductor lowers and fuses both); another backend or a LoRA batch gets its own graph. On the CPU the
+graphs' fp32 matmuls run on oneDNN where a probe finds it faster than MKL (`runtime/compile_gemm.py`).
+
+Measured and not done (issue 37, benchmarks/README.md): compiling the whole DiT (or its whole block
+stack) as one graph instead of per block class ran within 1-2% of regional on the CPU, for a compile time
+that grows with the depth (57 blocks for FLUX.1) against a cold start that must not grow."""
 
 from __future__ import annotations
 
@@ -15,8 +25,12 @@ import torch
 from torch import nn
 
 from diffserve.configs.cache_settings import NoCache
-from diffserve.configs.sampling_params import SamplingParams
+from diffserve.configs.sampling_params import LoraChoice, SamplingParams
 from diffserve.errors import InvalidRequestError, UserError
+from diffserve.layers.attention import active_attention_backend, attention_hook_active
+from diffserve.layers.lora_rows import current_lora_rows
+from diffserve.layers.trace_scope import TraceScope, resolved_for_trace
+from diffserve.runtime.compile_gemm import GemmChoice, OneDnnLinearPass, choose_cpu_gemm
 from diffserve.runtime.contract import PipelineFacts
 
 logger = logging.getLogger("diffserve.compile")
@@ -33,6 +47,7 @@ class CompiledRegion:
     path: str  # e.g. "transformer.single_transformer_blocks"
     block_class: str
     blocks: int
+    cpu_gemm: str = "mkl"  # the fp32 CPU matmul kernel of its graphs: "onednn" or "mkl" (inductor's addmm)
 
 
 @dataclass(frozen=True)
@@ -56,9 +71,39 @@ def find_block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     return found
 
 
+def current_trace_scope() -> TraceScope:
+    """The scope of the calling thread/task as compiled graphs may resolve it (`layers/trace_scope.py`)."""
+    rows = current_lora_rows()
+    return TraceScope(
+        attention_backend=active_attention_backend().value,
+        attention_hooked=attention_hook_active(),
+        lora_rows=rows is not None and rows.active,
+    )
+
+
+class ScopedCompiledCall:
+    """A block's compiled call (`torch.compile(block._call_impl)`), entered with the caller's scope
+    mirrored for tracing, so that its graphs resolve the attention backend and LoRA rows at trace time
+    (guarded: one graph per backend and wrapper set)."""
+
+    def __init__(self, compiled: Callable[..., Any]) -> None:
+        self.compiled = compiled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with resolved_for_trace(current_trace_scope()):
+            return self.compiled(*args, **kwargs)
+
+
+def _computes_fp32_on_cpu(model: nn.Module) -> bool:
+    """Whether the model's floating-point weights are float32 on the CPU (where the GEMM probe applies)."""
+    weights = [p for p in model.parameters() if p.is_floating_point()]
+    return bool(weights) and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in weights)
+
+
 def compile_pipeline(components: Mapping[str, object]) -> list[CompiledRegion]:
-    """Compile every block of every DiT's (`transformer*` components') block lists in place; UserError when
-    there is nothing to compile."""
+    """Compile every block of every DiT's (`transformer*` components') block lists in place, each entered
+    through a `ScopedCompiledCall`, with oneDNN matmuls when the DiT computes in fp32 on a CPU where the
+    probe finds them faster; UserError when there is nothing to compile."""
     dits = {
         name: module
         for name, module in components.items()
@@ -70,19 +115,31 @@ def compile_pipeline(components: Mapping[str, object]) -> list[CompiledRegion]:
     limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, limit, max(getattr(config, limit), RECOMPILE_LIMIT))  # never lowered
     regions: list[CompiledRegion] = []
+    gemm: GemmChoice | None = None  # probed once, for the first DiT that computes in fp32 on the CPU
     for name, model in dits.items():
         found = find_block_lists(model)
         if not found:
             raise UserError(
                 f"--compile: {name} ({type(model).__name__}) has no repeated block list to compile"
             )
+        kernel = "mkl"
+        if _computes_fp32_on_cpu(model):
+            if gemm is None:
+                gemm = choose_cpu_gemm()
+                logger.info("--compile, fp32 CPU matmuls in the compiled blocks: %s", gemm.describe())
+            kernel = gemm.kernel
+        options = {"post_grad_custom_pre_pass": OneDnnLinearPass()} if kernel == "onednn" else None
         for list_name, blocks in found:
             for block in blocks:
-                block.compile(backend=BACKEND, dynamic=True)
-            regions.append(CompiledRegion(f"{name}.{list_name}", type(blocks[0]).__name__, len(blocks)))
+                compiled = torch.compile(block._call_impl, backend=BACKEND, dynamic=True, options=options)
+                block._compiled_call_impl = ScopedCompiledCall(compiled)  # what `Module.compile` sets
+            regions.append(
+                CompiledRegion(f"{name}.{list_name}", type(blocks[0]).__name__, len(blocks), kernel)
+            )
     for r in regions:
         logger.info(
-            "torch.compile (%s, dynamic shapes, regional): %s, %d x %s", BACKEND, r.path, r.blocks, r.block_class
+            "torch.compile (%s, dynamic shapes, regional, fp32 CPU matmuls: %s): %s, %d x %s",
+            BACKEND, r.cpu_gemm, r.path, r.blocks, r.block_class,
         )  # fmt: skip
     logger.info("Blocks compile on first use (one graph per block class and batch kind): in the warm-up")
     return regions
@@ -166,15 +223,27 @@ def warmup_params(height: int, width: int, kind: str, cfg_mode: str, video: bool
 
 
 def warm_up(
-    generate: Callable[[SamplingParams], object], facts: PipelineFacts, resolutions: Sequence[tuple[int, int]]
+    generate: Callable[[SamplingParams], object],
+    facts: PipelineFacts,
+    resolutions: Sequence[tuple[int, int]],
+    lora: LoraChoice | None = None,
 ) -> list[WarmupRun]:
     """Run `warmup_plan(resolutions)` through `generate`, one request each; a size the model refuses is a
-    UserError naming `--warmup-resolutions`."""
+    UserError naming `--warmup-resolutions`. With `lora` (an adapter loaded at start-up), the first size's
+    kinds run again applying it (kind "<kind>+lora"): batches with LoRA rows trace graphs of their own
+    (`layers/trace_scope.py`), built now rather than in the first LoRA request."""
 
+    plan = [(height, width, kind, False) for height, width, kind in warmup_plan(resolutions, facts.cfg_mode)]
+    if lora is not None and resolutions:
+        first = resolutions[0]
+        plan += [(h, w, kind, True) for h, w, kind, _ in plan if (h, w) == first and kind != "default"]
     runs = []
-    for height, width, kind in warmup_plan(resolutions, facts.cfg_mode):
+    for height, width, kind, with_lora in plan:
         params = warmup_params(height, width, kind, facts.cfg_mode, facts.makes_video)
         params.input_images = facts.probe_images(width, height)
+        if with_lora:
+            params.loras = [lora]
+            kind = f"{kind}+lora"
         graphs_before, start = compiled_graph_count(), time.perf_counter()
         try:
             generate(params)

@@ -42,6 +42,7 @@ from diffserve.distributed.worker import (
     send_status,
 )
 from diffserve.layers.attention import AttentionBackend
+from diffserve.phases import WHOLE, PhaseSpan
 from diffserve.platforms.base import Platform
 from diffserve.request import Req
 from diffserve.runtime.contract import EnginePipeline
@@ -81,7 +82,15 @@ class DistributedRunner(ModelRunner):
         #: Requests whose pre-denoise was broadcast and whose mirrors the workers still hold.
         self.mirrored: set[str] = set()
 
-    def pre_denoise(self, req: Req) -> Req:
+    def pre_denoise(self, req: Req, span: PhaseSpan = WHOLE) -> Req:
+        """Every rank encodes the request from its params (its mirror); a request's phases run apart
+        (`span`, disaggregated serving) only on one-rank engines: the other ranks have no mirror of a
+        request that arrived as a hand-off."""
+        if not span.whole:
+            raise ValueError(
+                f"this engine runs on {self.ranks.state.world_size} ranks: it runs whole requests only, "
+                f"not their {span} phase (a disaggregated stage runs on one device)"
+            )
         self.mirrored.add(req.request_id)
         run_here = super().pre_denoise
         return self._run(Op("pre_denoise", (req.request_id,), req.params), lambda: run_here(req))

@@ -2,7 +2,9 @@
 A `step`: cancelled requests leave, admitted ones run pre-denoise, one batch-key group runs one denoising
 step as one DiT batch, and every decode in progress runs one chunk (`DecodeTask`: a long video's decode
 never holds the other requests' steps, and a cancel stops it between two chunks); an error fails only its
-request (or group). Any thread
+request (or group). A request may run only some of its phases here (its `PhaseSpan`, phases.py: the
+engines of disaggregated serving): one that arrived as a hand-off skips validation and encoding, one that
+leaves as a hand-off is reported once its last phase here is done. Any thread
 submits; one at a time drives the loop (`run_to_completion`, for every caller: concurrent `generate`
 calls share DiT batches), with the engine's attention backend active. Its memory model (admission and
 automatic VAE tiling) is built here too, whoever drives the engine (`Engine.build_memory_model`)."""
@@ -25,6 +27,7 @@ from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError, LoraError, RequestCancelledError
 from diffserve.layers.attention import AttentionBackend
 from diffserve.logging_setup import shown_text
+from diffserve.phases import WHOLE, PhaseSpan
 from diffserve.platforms.base import Platform
 from diffserve.request import Req
 from diffserve.runtime.contract import EnginePipeline
@@ -59,7 +62,8 @@ class EngineEvents:
         """Admitted: its pre-denoise phase starts now."""
 
     def on_finished(self, sr: ScheduledRequest) -> None:
-        """Decoded: `sr.req.outputs` holds its images or frames; its slot is freed when this returns."""
+        """Its last phase here is done: decoded (`sr.req.outputs` holds its images or frames), or, for a
+        span ending before decode (`sr.span`), ready to be handed off; its slot is freed when this returns."""
 
     def on_cancelled(self, sr: ScheduledRequest) -> None:
         """Dropped after its `cancel_event` was set (`sr.req.step_index` steps done)."""
@@ -138,21 +142,27 @@ class Engine:
         )  # fmt: skip
         return model
 
-    def prepare(self, req: Req, priority: int = 0, payload: object | None = None) -> ScheduledRequest:
+    def prepare(
+        self, req: Req, priority: int = 0, payload: object | None = None, span: PhaseSpan = WHOLE
+    ) -> ScheduledRequest:
         """Validate (once) and cost the request, not queued yet (`enqueue`); raises InvalidRequestError, or
-        RequestTooLargeError when it can never fit in memory."""
+        RequestTooLargeError when it can never fit in memory. `span`: the phases this engine runs for it;
+        one starting after encode takes a request that arrived as a hand-off (runtime/handoff.py), which
+        its encoding engine validated. Its LoRA adapters are checked and held only where it denoises."""
         if req.cancel_event is None:
             req.cancel_event = threading.Event()
-        req = self.runner.validate(req)
+        if span.runs("encode"):
+            req = self.runner.validate(req)
         check_step_limit(self.config.max_inference_steps, req.params.num_inference_steps)
-        try:
-            self.runner.check_loras(req.params.loras)
-        except LoraError as exc:
-            raise InvalidRequestError(str(exc), param="loras") from None
+        if span.runs("denoise"):
+            try:
+                self.runner.check_loras(req.params.loras)
+            except LoraError as exc:
+                raise InvalidRequestError(str(exc), param="loras") from None
         cost = self.cost(req)
         if self.scheduler.memory is not None:
             self.scheduler.memory.check_alone(cost)
-        sr = ScheduledRequest(req=req, cost=cost, priority=int(priority), payload=payload)
+        sr = ScheduledRequest(req=req, cost=cost, priority=int(priority), payload=payload, span=span)
         self._hold_loras(sr)  # last: a request refused above holds nothing (else see `discard`)
         return sr
 
@@ -163,8 +173,10 @@ class Engine:
         """Queue a `prepare`d request; `seq`: its arrival number (`StepScheduler.reserve_seq`), else now."""
         return self.scheduler.add(sr, seq)
 
-    def submit(self, req: Req, priority: int = 0, payload: object | None = None) -> ScheduledRequest:
-        return self.enqueue(self.prepare(req, priority, payload))
+    def submit(
+        self, req: Req, priority: int = 0, payload: object | None = None, span: PhaseSpan = WHOLE
+    ) -> ScheduledRequest:
+        return self.enqueue(self.prepare(req, priority, payload, span))
 
     def cancel(self, request_id: str) -> str | None:
         """ "waiting" (dropped and reported now), "running" (leaves at its next step boundary) or None."""
@@ -307,13 +319,16 @@ class Engine:
             if self.request_log is not None:
                 self.request_log.started(sr, self.scheduler.num_running, self.scheduler.num_waiting)
             try:
-                sr.req = self.runner.pre_denoise(sr.req)
+                sr.req = self.runner.pre_denoise(sr.req, sr.span)
             except Exception as exc:
                 self._fail(sr, exc)
                 continue
+            if sr.span.last == "encode":  # encoded: handed off to the engine that denoises it
+                self._hand_off(sr)
+                continue
             if self.request_log is not None:
                 self.request_log.denoising(sr)
-            if sr.req.is_denoised:  # no steps to share (never with num_inference_steps >= 1)
+            if sr.req.is_denoised:  # no steps to share (never with num_inference_steps >= 1; a decode span)
                 self._complete(sr)
             else:
                 logger.info(
@@ -382,8 +397,12 @@ class Engine:
         if req.cancelled:
             self._drop_cancelled()
             return
-        self.runner.flush_step_times()  # its last steps' times (waits for its last step, once)
-        log_denoising(req)
+        if sr.span.runs("denoise"):
+            self.runner.flush_step_times()  # its last steps' times (waits for its last step, once)
+            log_denoising(req)
+        if sr.span.last == "denoise":  # denoised: handed off to the engine that decodes it
+            self._hand_off(sr)
+            return
         if self._interleaves_decodes():
             self._decode_queue.append(sr)
             self._start_decodes()
@@ -457,8 +476,14 @@ class Engine:
         sr.req = task.result
         self._report(sr)
 
+    def _hand_off(self, sr: ScheduledRequest) -> None:
+        """Its span ends before decode (`sr.span`): it leaves the denoising loop, then is reported as
+        finished here (its owner packs the hand-off, runtime/handoff.py, in `on_finished`)."""
+        self.runner.release(sr.req)
+        self._report(sr)
+
     def _report(self, sr: ScheduledRequest) -> None:
-        """Decoded: report it, then free its slot."""
+        """Decoded (or ready to hand off): report it, then free its slot."""
         if self.request_log is not None:
             self.request_log.decoded(sr)
         sr.peak_memory_bytes = self.runner.peak_memory_bytes()
@@ -505,7 +530,7 @@ class Engine:
         """An admitted request holds the adapters it names until it ends (unloading one is refused
         meanwhile); the ones not resident are read in the background, and it starts once they are."""
         registry = self.runner.loras
-        if registry is not None and sr.req.params.loras:
+        if registry is not None and sr.req.params.loras and sr.span.runs("denoise"):
             try:
                 registry.hold(id(sr), [choice.name for choice in sr.req.params.loras])
             except LoraError as exc:

@@ -16,6 +16,7 @@ from diffserve.distributed.state import ParallelState, current_parallel_state, p
 from diffserve.errors import LoraError
 from diffserve.layers.attention import AttentionBackend, attention_backend_scope
 from diffserve.layers.lora_rows import LoraRows, lora_rows_scope
+from diffserve.phases import WHOLE, PhaseSpan
 from diffserve.platforms.base import Platform
 from diffserve.platforms.step_timer import StepTimer
 from diffserve.request import Req, one_branch, stepped_fields
@@ -149,9 +150,15 @@ class ModelRunner:
         with self.model_scope():
             return self.pipeline.validate(req)
 
-    def pre_denoise(self, req: Req) -> Req:
-        """The request's adapters are pinned first (read now if only named in `--lora-dir`)."""
-        req.loras = self._lora_registry().acquire(req.params.loras) if req.params.loras else ()
+    def pre_denoise(self, req: Req, span: PhaseSpan = WHOLE) -> Req:
+        """The request's pre-denoise phase (encoding), its adapters pinned first where it denoises (read
+        now if only named in `--lora-dir`). `span` (phases.py): the phases this engine runs for it; one
+        that arrived as a hand-off (span after encode) was encoded by another engine: only its adapters
+        are pinned."""
+        pin = span.runs("denoise") and bool(req.params.loras)
+        req.loras = self._lora_registry().acquire(req.params.loras) if pin else ()
+        if not span.runs("encode"):
+            return req
         with self.model_scope():
             return self.pipeline.run_pre_denoise(req)
 

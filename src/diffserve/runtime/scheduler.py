@@ -14,6 +14,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from diffserve.phases import WHOLE, PhaseSpan
 from diffserve.request import Req
 from diffserve.runtime.memory import MemoryModel, RequestCost
 
@@ -51,6 +52,8 @@ class ScheduledRequest:
     priority: int = 0  # higher runs first; equal priorities run in arrival order
     seq: int = 0
     payload: object | None = None
+    #: The phases this engine runs for it (phases.py): all of them unless it arrived or leaves as a hand-off.
+    span: PhaseSpan = WHOLE
     state: Literal["waiting", "running", "finished", "cancelled", "failed"] = "waiting"
     submitted_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None

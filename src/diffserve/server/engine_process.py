@@ -37,6 +37,7 @@ from diffserve.logging_setup import configure_logging
 from diffserve.outputs import CONTENT_TYPES, encode_image, output_metadata, save_image, save_video
 from diffserve.outputs.audio_track import save_video_with_audio
 from diffserve.outputs.images import bounded_metadata
+from diffserve.phases import WHOLE, PhaseSpan
 from diffserve.server import protocol as msg
 from diffserve.server.engine_admission import Admissions
 from diffserve.server.engine_liveness import HEARTBEAT_INTERVAL_S, Liveness
@@ -44,6 +45,7 @@ from diffserve.server.engine_loras import EngineLoras
 from diffserve.server.image_files import image_path
 
 if TYPE_CHECKING:
+    from diffserve.request import Req
     from diffserve.runtime import ScheduledRequest
 
 logger = logging.getLogger("diffserve.engine")
@@ -402,7 +404,6 @@ class EngineProcess:
     def _submit(self, job: msg.GenerateJob, seq: int | None = None) -> None:
         """Admit `job` (validation and the memory model's check: `Engine.prepare`) and queue it with
         arrival number `seq` (None: now), or answer why not: rejected, or cancelled meanwhile."""
-        from diffserve.request import Req
         from diffserve.runtime import RequestTooLargeError
         from diffserve.runtime.calibration import PROBE_FRAMES
 
@@ -419,8 +420,14 @@ class EngineProcess:
             mismatch = msg.wrong_route(family.task, family.diffusers_pipeline, video)
             if mismatch is not None:  # the front end checks first; this is the engine's own guard
                 return self.channel.send(msg.JobRejected(rid, mismatch, param="model"))
+        span = job.phases or WHOLE
         try:
-            scheduled = self.engine.prepare(Req(params=params, request_id=rid), job.priority, payload=job)
+            req = self._request_of(job, span)
+        except ValueError as exc:
+            logger.error("Request %s: %s", rid, exc)
+            return self.channel.send(msg.JobFailed(rid, f"the request's hand-off is unusable: {exc}"))
+        try:
+            scheduled = self.engine.prepare(req, job.priority, payload=job, span=span)
         except RequestTooLargeError as exc:
             logger.info("Request %s refused: %s", rid, exc)
             return self.channel.send(msg.JobRejected(rid, str(exc), param=exc.param, status=413))
@@ -435,6 +442,21 @@ class EngineProcess:
                 self.channel.send(msg.JobAccepted(rid, _without_inputs(scheduled.req.params)))
             scheduled.req.on_step = lambda req: self._on_step(job, req)
             self.engine.enqueue(scheduled, seq)
+
+    def _request_of(self, job: msg.GenerateJob, span: PhaseSpan) -> Req:
+        """The job's request: a new one over its params, or, for a span after encode (disaggregated
+        serving), the one its hand-off brings, its tensors on this engine's device (ValueError when the
+        hand-off is missing or not for this span)."""
+        from diffserve.request import Req
+        from diffserve.runtime.handoff import unpack_handoff
+
+        if span.first == "encode":
+            if job.handoff is not None:
+                raise ValueError("a job that starts with its encode phase brings no hand-off")
+            return Req(params=job.params, request_id=job.request_id)
+        if job.handoff is None or job.handoff.next_phase != span.first:
+            raise ValueError(f"a job that starts with its {span.first} phase needs the hand-off for it")
+        return unpack_handoff(job.handoff, self.generator.platform.device())
 
     def on_started(self, sr: ScheduledRequest) -> None:
         if isinstance(sr.payload, msg.GenerateJob):  # its start line: `RequestLog.started`
@@ -459,6 +481,15 @@ class EngineProcess:
         """Decoded: encode the images and answer, or hand a video to the encoder thread."""
         job, req = sr.payload, sr.req
         if not isinstance(job, msg.GenerateJob):
+            return
+        if sr.span.next_phase is not None:  # its next phase runs on another engine: hand the request over
+            from diffserve.runtime.handoff import pack_handoff
+
+            handoff = pack_handoff(req, sr.span.next_phase)
+            sizes = list(sr.batch_sizes)
+            self.channel.send(
+                _finished(sr, 0.0, req.timings.stages, images=[], batch_sizes=sizes, handoff=handoff)
+            )
             return
         if job.video_path is not None:
             # Registered before the engine frees the slot: the job stays cancellable while its file is written.

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from diffserve.configs.sampling_params import SamplingParams
+from diffserve.phases import Handoff, PhaseSpan
 
 VIDEO_TASKS = ("text-to-video", "image-to-video")
 
@@ -48,6 +49,11 @@ class GenerateJob:
     ack: bool = False  # answer JobAccepted once the parameters are validated and the job is queued
     priority: int = 0  # higher is admitted first, equal priorities in arrival order
     partial_images: int = 0  # streamed images: previews sent as JobPreview, at evenly spaced steps
+    #: The phases the engine runs for this job (phases.py; None: all of them). Disaggregated serving
+    #: (deploy/disaggregated.py): a job whose span starts after encode brings its request as `handoff`;
+    #: one whose span ends before decode is answered with its request for the next phase (`JobFinished`).
+    phases: PhaseSpan | None = None
+    handoff: Handoff | None = None
 
 
 @dataclass
@@ -180,6 +186,9 @@ class JobFinished:
     #: A cache method's or tier's report (`Req.cache_report`: method, settings, steps and blocks computed vs
     #: reused); None on the exact path.
     cache: dict[str, Any] | None = None
+    #: A job whose phases end before decode (`GenerateJob.phases`): its request for the next phase, in
+    #: place of images.
+    handoff: Handoff | None = None
 
 
 @dataclass

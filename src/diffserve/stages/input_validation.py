@@ -9,14 +9,13 @@ from typing import ClassVar
 import torch
 from PIL import Image
 
-from diffserve.configs.cache_rule import CacheRule, check_cache_steps, choose_cache
+from diffserve.configs.cache_rule import CacheRule, check_cache_steps, check_tier_steps, choose_cache
 from diffserve.configs.cache_settings import CacheSettings
 from diffserve.configs.quality import EXACT, QualityRule
 from diffserve.configs.sampling_params import SKIP_LAYER_GUIDANCE_FIELDS, SamplingParams, check_strength
 from diffserve.errors import InvalidRequestError
 from diffserve.masks import check_mask_size, edit_mask
-from diffserve.models.cache_methods.registry import new_request_cache
-from diffserve.models.step_cache import StepCacheState
+from diffserve.models.cache_methods.registry import new_request_cache, new_tier_cache
 from diffserve.request import Req
 from diffserve.runtime.contract import CfgMode
 from diffserve.stages.base import Stage
@@ -292,6 +291,8 @@ class InputValidationStage(Stage):
         if resolved.input_images and resolved.strength is not None:  # image-to-image runs the last steps
             steps = kept_steps(steps, resolved.strength)
         check_cache_steps(resolved.cache, steps)
+        if resolved.quality != EXACT:
+            check_tier_steps(resolved.quality, self.quality.policies[resolved.quality], steps)
         if resolved.extra and not self.takes_family_settings:
             raise InvalidRequestError(
                 f"{self.image_inputs.pipeline_name} takes no family settings in extra, got "
@@ -304,11 +305,12 @@ class InputValidationStage(Stage):
         req.params = self.resolve(req.params)
         # A CPU generator: a seed gives the same image on every device, and Diffusers' with a CPU generator.
         req.generator = torch.Generator("cpu").manual_seed(req.params.seed)
-        p = req.params
+        p, rule = req.params, self.cache_rule
         if p.quality != EXACT:
-            req.step_cache = StepCacheState(self.quality.policies[p.quality], self.cache_rule.num_blocks)
+            preset = self.quality.policies[p.quality]  # resolved for the DiT when the pipeline started
+            req.step_cache = new_tier_cache(p.quality, preset, rule.num_blocks, rule.range_offset)
         else:
-            req.step_cache = new_request_cache(p.cache, self.cache_rule.num_blocks)
+            req.step_cache = new_request_cache(p.cache, rule.num_blocks, rule.range_offset)
         if self.cfg_mode == "none":
             req.do_cfg, req.cfg_scale = False, 1.0
         elif self.cfg_mode == "true_cfg":

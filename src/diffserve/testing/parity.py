@@ -7,10 +7,12 @@
   `diffusers_init_defaults` check the names, shapes and config defaults.
 - Schedulers: both sample with one deterministic fake model (`sample_with_diffusers`, `sample_natively`,
   step by step `sample_in_lockstep`, several requests on one object `sample_interleaved`).
-- Pipelines: Diffusers' pipeline and `DiffGenerator` run on the same tiny folder and seed
-  (`diffusers_uint8`, `stack_uint8`), and `assert_images_match` compares the 8-bit images or frames in
-  dB; `gradient_image` / `smooth_random_image` are the input images; `denoise_together` runs prepared
-  requests through shared denoising steps (each must give what it gives alone).
+- Pipelines: Diffusers' pipeline and `DiffGenerator` run on the same tiny folder
+  (`generator_and_reference`) and seed (`diffusers_uint8`, `stack_uint8`), and `assert_images_match`
+  compares the 8-bit images or frames in dB (`assert_generation_matches`: one text-to-image request on
+  both sides); `gradient_image` / `smooth_random_image` are the input images; `denoise_together` runs
+  prepared requests through shared denoising steps (`denoise_joining`: requests joining the batch
+  between steps), and `assert_batched_as_alone` checks that each gives what it gives alone.
 
 Every failure message states the measure that missed its bar next to the others (dB, max abs diff), so
 a failing run says how far off it is. Nothing here imports Diffusers: the tests pass its classes in
@@ -404,6 +406,16 @@ def diffusers_uint8(
     return to_uint8(out.frames if video else out.images)
 
 
+def generator_and_reference(root: Any, diffusers_cls: Any) -> tuple[Any, Any]:
+    """diffserve's `DiffGenerator` (CPU, no progress bar) and Diffusers' `diffusers_cls` pipeline (fp32, no
+    progress bar) on one model folder: the two sides of a pipeline parity test."""
+    from diffserve.api import DiffGenerator
+
+    reference = diffusers_cls.from_pretrained(root, dtype=torch.float32)
+    reference.set_progress_bar_config(disable=True)
+    return DiffGenerator.from_pretrained(root, device="cpu", show_progress=False), reference
+
+
 def max_pixel_diff(a: np.ndarray, b: np.ndarray) -> int:
     """The largest absolute difference of two uint8 arrays (no wrap-around)."""
     return int(np.abs(a.astype(np.int64) - b.astype(np.int64)).max())
@@ -442,6 +454,32 @@ def assert_images_match(
     return value
 
 
+def assert_generation_matches(
+    ours: Any,
+    reference: Callable[..., Any],
+    what: str,
+    *,
+    min_db: float,
+    prompt: str,
+    seed: int,
+    reference_extra: Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> np.ndarray:
+    """diffserve's `ours.generate(prompt=..., seed=..., **kwargs)` (a `DiffGenerator`) against Diffusers'
+    `reference` pipeline given the same arguments (`num_outputs_per_prompt` as `num_images_per_prompt`) and
+    `reference_extra`: `assert_images_match` at `min_db`, both of shape (outputs, height, width, 3).
+    Returns diffserve's uint8 images."""
+    n = kwargs.get("num_outputs_per_prompt", 1)
+    shared = {k: v for k, v in kwargs.items() if k != "num_outputs_per_prompt"}
+    ours_u8 = stack_uint8(ours.generate(prompt=prompt, seed=seed, **kwargs).images)
+    ref_u8 = diffusers_uint8(
+        reference, seed=seed, prompt=prompt, num_images_per_prompt=n, **shared, **(reference_extra or {})
+    )
+    shape = (n, kwargs["height"], kwargs["width"], 3)
+    assert_images_match(ours_u8, ref_u8, what, min_db=min_db, shape=shape)
+    return ours_u8
+
+
 class _DenoisingPipeline(Protocol):
     """The part of a native pipeline that `denoise_together` drives (requests already prepared)."""
 
@@ -464,3 +502,62 @@ def denoise_together(pipeline: _DenoisingPipeline, running: list[Any]) -> tuple[
             running.remove(req)
             done[req.params.prompt] = pipeline.run_post_denoise(req)
     return done, step_sizes
+
+
+def assert_batched_as_alone(
+    generator: Any,
+    params: Sequence[Any],
+    what: str,
+    check_prepared: Callable[[list[Any]], None] | None = None,
+) -> list[int]:
+    """Each request of `params` (`SamplingParams`, distinct prompts) run alone through `generator` (a
+    `DiffGenerator`), then all of them prepared as the engine admits them, which must give them one batch
+    key, and denoised together (`denoise_together`): each one's images must be within 1 (uint8) of what it
+    gives alone. `check_prepared(requests)` asserts more on the prepared requests (their step counts)
+    before they are denoised. Returns the number of requests each step held."""
+    from diffserve.request import Req
+
+    pipeline = generator.pipeline
+    alone = [stack_uint8(generator.generate_from_params(p).images) for p in params]
+    running = [pipeline.run_pre_denoise(pipeline.validate(Req(params=p))) for p in params]
+    keys = {pipeline.batch_key(r) for r in running}
+    assert len(keys) == 1, f"{what}: the requests do not share a batch: {keys}"
+    if check_prepared is not None:
+        check_prepared(running)
+    done, step_sizes = denoise_together(pipeline, running)
+    for p, want in zip(params, alone, strict=True):
+        got = stack_uint8(done[p.prompt].outputs.images)
+        diff = max_pixel_diff(got, want)
+        print(
+            f"{what} batched vs alone {p.prompt!r} (strength {p.strength}): max diff {diff}, "
+            f"PSNR {psnr_uint8(got, want):.1f} dB"
+        )
+        assert diff <= 1, f"{what}: {p.prompt!r} batched is {diff} off its output alone"
+    return step_sizes
+
+
+def denoise_joining(pipeline: Any, params: Sequence[Any], join_after: Sequence[int]) -> dict[str, Any]:
+    """Requests joining a running step batch, as the engine admits them: request i (`params[i]`, distinct
+    prompts) is validated and prepared once `join_after[i]` steps have run, each step runs one
+    `denoise_step` per batch key over the running requests, and a denoised request leaves
+    (`run_post_denoise`). Returns each request's result by prompt."""
+    from diffserve.request import Req
+
+    waiting = [(Req(params=p), after) for p, after in zip(params, join_after, strict=True)]
+    running: list[Any] = []
+    done: dict[str, Any] = {}
+    steps = 0
+    while waiting or running:
+        for req, after in [w for w in waiting if w[1] <= steps]:
+            waiting.remove((req, after))
+            running.append(pipeline.run_pre_denoise(pipeline.validate(req)))
+        groups: dict[Any, list[Any]] = {}
+        for req in running:
+            groups.setdefault(pipeline.batch_key(req), []).append(req)
+        for group in groups.values():
+            pipeline.denoise_step(group)
+        steps += 1
+        for req in [r for r in running if r.is_denoised]:
+            running.remove(req)
+            done[req.params.prompt] = pipeline.run_post_denoise(req)
+    return done

@@ -12,8 +12,8 @@ from typing import ClassVar
 
 import torch
 
+from diffserve.configs.quality import TierPreset
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.families.flux.conditioning import FluxFillConditioning
 from diffserve.families.flux.config import FluxFillPipelineConfig, flux_fill_default_sampling_params
 from diffserve.families.flux.fill_preparation import FluxFillPreparationStage
@@ -43,7 +43,7 @@ class FluxFillPipeline(FluxPipeline):
     denoiser_cls = FluxFillDenoiser
     conditioning_type = FluxFillConditioning
     #: Exact path only until the step cache is calibrated on a Fill checkpoint.
-    step_cache_policies: ClassVar[dict[str, StepCachePolicy]] = {}
+    step_cache_policies: ClassVar[dict[str, TierPreset]] = {}
 
     def image_input_rule(self) -> ImageInputRule:
         return ImageInputRule(

@@ -13,8 +13,8 @@ from typing import ClassVar
 
 import torch
 
+from diffserve.configs.quality import TierPreset
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.families.flux.conditioning import FluxKontextConditioning
 from diffserve.families.flux.config import FluxKontextPipelineConfig
 from diffserve.families.flux.kontext_preparation import (
@@ -65,7 +65,7 @@ class FluxKontextPipeline(FluxPipeline):
     conditioning_type = FluxKontextConditioning
     #: Exact path only until the step cache is calibrated on a Kontext checkpoint (the input-image
     #: tokens change what the cache's signal measures).
-    step_cache_policies: ClassVar[dict[str, StepCachePolicy]] = {}
+    step_cache_policies: ClassVar[dict[str, TierPreset]] = {}
 
     def image_input_rule(self) -> ImageInputRule:
         return ImageInputRule(

@@ -15,8 +15,8 @@ from typing import ClassVar
 import torch
 from PIL import Image
 
+from diffserve.configs.quality import TierPreset
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.families.flux2.conditioning import Flux2Conditioning
 from diffserve.families.flux2.config import (
     Flux2KleinPipelineConfig,
@@ -131,7 +131,7 @@ class Flux2Pipeline(Pipeline):
     pipeline_name: ClassVar[str] = "Flux2Pipeline"
     conditioning_type = Flux2Conditioning
     #: Exact path only: no step-cache tier has been calibrated on a FLUX.2 checkpoint.
-    step_cache_policies: ClassVar[dict[str, StepCachePolicy]] = {}
+    step_cache_policies: ClassVar[dict[str, TierPreset]] = {}
 
     def cfg_mode(self, context: PipelineContext) -> CfgMode:
         return "none"

@@ -5,10 +5,10 @@ Each DiT forward, for each request in the batch (`batch.py`):
 1. `plan(step, num_steps)`: COMPUTE (the blocks must run: warm-up, a mask's 1, a limit reached), REUSE
    (a schedule says so: MagCache, TaylorSeer's interval, a static mask) or MEASURE (decide from a probe).
 2. The probe, where the method has one (`probe`): "signal", the first block's timestep-modulated input
-   (TeaCache, the quality tiers), before any block runs; "residual", the first `span()[0]` blocks' output
-   minus their input (DBCache), after those blocks ran. `measure(probe)` gives its change as a 0-d tensor
-   (the batch fetches every request's in one transfer), `decide(change)` the choice, and `keep_probe`
-   what the method remembers of it.
+   (TeaCache, the step cache), before any block runs; "residual", the output of blocks
+   `[probe_base, span()[0])` minus their input (DBCache), after those blocks ran. `measure(probe)` gives
+   its change as a 0-d tensor (the batch fetches every request's in one transfer), `decide(change)` the
+   choice, and `keep_probe` what the method remembers of it.
 3. The blocks of `span()` = (first, last) run, or are replaced by `reused_residual()` added to their input;
    blocks before `first` and from `last` on always run. After a computed span, `store(residual)`.
 4. `record(reused)` counts the step: steps and blocks computed or reused, reported per request.
@@ -57,6 +57,8 @@ class RequestCache(ABC):
         self.history: list[bool] = []
         self.blocks_computed = 0
         self.blocks_reused = 0
+        #: The quality tier whose preset this cache runs (None: the request named its `cache` itself).
+        self.tier: str | None = None
 
     # -- what the batch asks ----------------------------------------------------------------------------
 
@@ -69,6 +71,12 @@ class RequestCache(ABC):
     def span(self) -> tuple[int, int]:
         """(first, last): the blocks `[first, last)` that a reused step skips; default all of them."""
         return 0, self.num_blocks
+
+    @property
+    def probe_base(self) -> int:
+        """A residual probe's base: the block whose input the probed blocks' output is compared with (the
+        probe is the residual of blocks `[probe_base, span()[0])`)."""
+        return 0
 
     @abstractmethod
     def plan(self, step: int, num_steps: int) -> Plan:
@@ -118,8 +126,10 @@ class RequestCache(ABC):
         return len(self.history) - self.steps_computed
 
     def report(self) -> dict[str, Any]:
-        """What a response says about this request's cache: the method, its settings, the counts."""
+        """What a response says about this request's cache: the method, its settings, the counts, and for
+        a quality tier's preset the tier (`quality`)."""
         return {
+            **({} if self.tier is None else {"quality": self.tier}),
             "method": self.method,
             "settings": self.settings_report(),
             "steps_computed": self.steps_computed,

@@ -51,11 +51,13 @@ class _Group:
     plan: Plan = Plan.COMPUTE
     reused: bool = False
     decided: bool = False
-    #: Block ranges only: the span `[first, last)` it may skip, its rows, and the span's input.
+    #: Block ranges only: the span `[first, last)` it may skip, its rows, the span's input, and the image
+    #: stream at its probe's base (the input of the blocks whose output residual it probes).
     first: int = 0
     last: int = 0
     rows: torch.Tensor | None = None
     span_input: Streams | None = None
+    probe_input: torch.Tensor | None = None
 
     @property
     def state(self) -> RequestCache | None:
@@ -187,16 +189,22 @@ class BatchStepCache:
 
     def _run_ranges(self, groups: list[_Group], blocks: BlockRange) -> torch.Tensor:
         n = blocks.num_blocks
-        cur = first = blocks.start()
-        for g in groups:
+        cur = blocks.start()
+        bases: dict[int, int] = {}  # group index -> the block its probe's residual starts at
+        for i, g in enumerate(groups):
             if g.state is not None and g.state.num_blocks != n:
                 raise ValueError(f"the request's cache counts {g.state.num_blocks} blocks, the DiT has {n}")
             g.first, g.last = (n, n) if g.state is None else g.state.span()
             g.rows = torch.arange(g.lo, g.hi, device=cur.image.device)
-        points = sorted({0, n, *(g.first for g in groups), *(g.last for g in groups)})
+            if g.state is not None and g.state.probe == "residual":
+                bases[i] = g.state.probe_base
+        points = sorted({0, n, *(g.first for g in groups), *(g.last for g in groups), *bases.values()})
         for a, b in zip(points, [*points[1:], None], strict=True):
+            for i, base in bases.items():
+                if base == a:
+                    groups[i].probe_input = cur.image.index_select(0, groups[i].rows)
             at_first = [g for g in groups if g.first == a]
-            self._probe_decisions(at_first, cur, first)
+            self._probe_decisions(at_first, cur)
             for g in at_first:
                 if g.reused:  # jump over the span: its input plus the cached residual
                     assert g.state is not None
@@ -217,14 +225,15 @@ class BatchStepCache:
                 g.state.record(g.reused)
         return cur.image
 
-    def _probe_decisions(self, at_first: list[_Group], cur: Streams, first: Streams) -> None:
+    def _probe_decisions(self, at_first: list[_Group], cur: Streams) -> None:
         """Decide the residual-probing requests whose first blocks end here: their probe is those blocks'
-        output residual on the image tokens."""
+        output residual on the image tokens (output minus the image stream at the probe's base)."""
         probing = [g for g in at_first if g.state is not None and g.state.probe == "residual"]
         if probing:
-            probes = [
-                cur.image.index_select(0, g.rows) - first.image.index_select(0, g.rows) for g in probing
-            ]
+            probes = []
+            for g in probing:
+                assert g.probe_input is not None, "the probe's base is a cut point before the span"
+                probes.append(cur.image.index_select(0, g.rows) - g.probe_input)
             self._decide(probing, probes)
 
     @staticmethod

@@ -53,7 +53,21 @@ class Streams:
             return Streams(self.image + residual.image, self.text)
         if residual.text is None:
             raise RuntimeError("the cached residual has no text stream, which the blocks after it read")
-        return Streams(self.image + residual.image, self.text + residual.text)
+        return Streams(
+            self.image + residual.image, self.text + _text_width(residual.text, self.text.shape[1])
+        )
+
+
+def _text_width(text: torch.Tensor, width: int) -> torch.Tensor:
+    """A cached text residual cut or zero-padded to this step's text width. DiTs that pad every row's
+    text to the batch's longest (Qwen-Image, Z-Image) give a request another width when the batch around
+    it changes; the positions past a row's own text are padding that attention masks as keys and the
+    output head never reads, so what the residual holds there changes nothing."""
+    if text.shape[1] == width:
+        return text
+    if text.shape[1] > width:
+        return text[:, :width]
+    return torch.nn.functional.pad(text, (0, 0, 0, width - text.shape[1]))
 
 
 class BlockRange(Protocol):

@@ -1,7 +1,7 @@
 """DBCache (cache-dit's Dual Block Cache), per request.
 
-Every step runs the first `Fn_compute_blocks` blocks. Their output residual (output minus the DiT's block
-input, image tokens) is compared with the one of the last step that ran the middle blocks: while the
+Every step runs the first `Fn_compute_blocks` blocks. Their output residual (output minus their input,
+image tokens) is compared with the one of the last step that ran the middle blocks: while the
 relative L1 change stays below `residual_diff_threshold`, the middle blocks are skipped and their cached
 residual (image and text streams) is added instead, optionally extrapolated by TaylorSeer. The last
 `Bn_compute_blocks` blocks always run. The checks before the threshold, in cache-dit's order: warm-up
@@ -32,9 +32,12 @@ class DBCacheState(RequestCache):
     method = "dbcache"
     probe = "residual"
 
-    def __init__(self, settings: DBCacheSettings, num_blocks: int) -> None:
+    def __init__(self, settings: DBCacheSettings, num_blocks: int, range_offset: int = 0) -> None:
+        """`range_offset`: the DiT's leading blocks that Fn and Bn do not count and that always run
+        (Z-Image's noise refiner: cache-dit's DBCache counts its main layers only)."""
         super().__init__(num_blocks)
         self.settings = settings
+        self.range_offset = range_offset
         self.mask: tuple[int, ...] | None = None
         self.mask_resolved = False
         self.probe_reference: torch.Tensor | None = None  # the Fn residual of the last computed step
@@ -56,7 +59,12 @@ class DBCacheState(RequestCache):
 
     def span(self) -> tuple[int, int]:
         s = self.settings
-        return s.Fn_compute_blocks, self.num_blocks - s.Bn_compute_blocks
+        return self.range_offset + s.Fn_compute_blocks, self.num_blocks - s.Bn_compute_blocks
+
+    @property
+    def probe_base(self) -> int:
+        """The first counted block: the probe is the residual of the first `Fn_compute_blocks` of them."""
+        return self.range_offset
 
     def _in_warmup(self, step: int) -> bool:
         s, warmup = self.settings, self.settings.max_warmup_steps

@@ -1,4 +1,5 @@
-"""The cache methods by name: a request's resolved settings -> its `RequestCache`."""
+"""The cache methods by name: a request's resolved settings (or its quality tier's preset) -> its
+`RequestCache`."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ from diffserve.configs.cache_settings import (
     TaylorSeerSettings,
     TeaCacheSettings,
 )
+from diffserve.configs.quality import TierPreset
+from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.models.cache_methods.base import RequestCache
 from diffserve.models.cache_methods.dbcache import DBCacheState
 from diffserve.models.cache_methods.magcache import MagCacheState
 from diffserve.models.cache_methods.scm import ScmState
 from diffserve.models.cache_methods.taylorseer import TaylorSeerState
 from diffserve.models.cache_methods.teacache import TeaCacheState
+from diffserve.models.cache_methods.tier import StepCacheState
 
 #: Settings class -> the state that runs it (`NoCache` has none: the exact path).
 STATES: dict[type[CacheSettings], Callable[..., RequestCache]] = {
@@ -30,8 +34,25 @@ STATES: dict[type[CacheSettings], Callable[..., RequestCache]] = {
 }
 
 
-def new_request_cache(settings: CacheSettings | None, num_blocks: int) -> RequestCache | None:
-    """A request's cache state for its resolved `settings` (None or `NoCache`: none, the exact path)."""
+def new_request_cache(
+    settings: CacheSettings | None, num_blocks: int, range_offset: int = 0
+) -> RequestCache | None:
+    """A request's cache state for its resolved `settings` (None or `NoCache`: none, the exact path).
+    `range_offset`: the DiT's leading blocks DBCache does not count (`CacheRule.range_offset`)."""
     if settings is None or isinstance(settings, NoCache):
         return None
+    if isinstance(settings, DBCacheSettings):
+        return DBCacheState(settings, num_blocks, range_offset)
     return STATES[type(settings)](settings, num_blocks)
+
+
+def new_tier_cache(tier: str, preset: TierPreset, num_blocks: int, range_offset: int = 0) -> RequestCache:
+    """The cache of a request at quality `tier`, which runs the tier's resolved `preset`; its report names
+    the tier next to the method and settings."""
+    state = StepCacheState(preset, num_blocks) if isinstance(preset, StepCachePolicy) else None
+    if state is None:
+        state = new_request_cache(preset, num_blocks, range_offset)
+    if state is None:
+        raise ValueError(f"quality {tier!r} has no preset that reuses work: {preset!r}")
+    state.tier = tier
+    return state

@@ -1,6 +1,7 @@
-"""The quality tiers' step cache (`quality="medium"|"low"|"draft"`), per request: TeaCache-like reuse of
-all blocks' residual while the accumulated relative L1 change of the first block's timestep-modulated
-input, since the last computed step, stays below the tier's calibrated threshold (`StepCachePolicy`).
+"""diffserve's step cache ("stepcache"), the quality tiers' original method and still one of the presets a
+tier may resolve to (`configs/quality.py`), per request: TeaCache-like reuse of all blocks' residual
+while the accumulated relative L1 change of the first block's timestep-modulated input, since the last
+computed step, stays below the policy's threshold (`StepCachePolicy`).
 
 The first `full_first_steps` and last `full_last_steps` steps always compute, and a step computes after
 `max_reuse_in_a_row` reused ones, so the error cannot grow unchecked.
@@ -20,7 +21,7 @@ from diffserve.models.cache_methods.blocks import Streams
 class StepCacheState(RequestCache):
     """One approximate-tier request's cache: what it last saw and what it can reuse, plus its counts."""
 
-    method = "quality-tier"
+    method = StepCachePolicy.method
     probe = "signal"
 
     def __init__(self, policy: StepCachePolicy, num_blocks: int = 0) -> None:

@@ -49,6 +49,9 @@ class DiffusersDiT(DiffusersConfigured, nn.Module):
     cache_methods: ClassVar[frozenset[str]] = frozenset()
     #: Its block lists, in the order the cache methods count blocks (`cache_block_count`).
     cache_block_lists: ClassVar[tuple[str, ...]] = ()
+    #: How many of `cache_block_lists` lead the sequence uncounted by DBCache's Fn and Bn: they always run
+    #: (Z-Image's noise refiner; cache-dit's DBCache counts the main layers only).
+    cache_leading_lists: ClassVar[int] = 0
 
     @property
     def hidden_width(self) -> int:
@@ -58,6 +61,10 @@ class DiffusersDiT(DiffusersConfigured, nn.Module):
     def cache_block_count(self) -> int:
         """The blocks a cache method counts (DBCache's Fn/Bn index them): those of `cache_block_lists`."""
         return sum(len(getattr(self, name)) for name in self.cache_block_lists)
+
+    def cache_range_offset(self) -> int:
+        """The leading blocks DBCache does not count (those of the first `cache_leading_lists` lists)."""
+        return sum(len(getattr(self, name)) for name in self.cache_block_lists[: self.cache_leading_lists])
 
 
 def check_tp_divides(tp: TensorParallelRank, count: int, refusal: str) -> None:

@@ -33,9 +33,10 @@ takes its result in place of `cap_feats` (given `cap_feats`, the forward refines
 the same method). The pipeline's denoiser refines a request's captions at its first step and keeps them
 in `Req.dit_context`.
 
-Step cache (approximate quality tiers, `models/step_cache.py`): the cached span is everything between
-the refined captions and embedded image tokens and the final layer, i.e. the noise refiner and the main
-layers. Its input `x` is the embedded, padded image tokens (what the noise refiner transforms) and its
+Step cache (quality tiers and cache methods, `models/step_cache.py`): the cached span is everything
+between the refined captions and embedded image tokens and the final layer, i.e. the noise refiner and the
+main layers; DBCache runs them in ranges (`z_image_block_range.py`), its Fn and Bn counting the main
+layers as cache-dit does. Its input `x` is the embedded, padded image tokens (what the noise refiner transforms) and its
 output the image part of the unified sequence after the last main layer, so the reused residual is
 "what all the blocks add to the image tokens". Rows that do run are run with the layout of their own
 samples (as if they were alone in the batch), so dropping a long-caption request from a step does not
@@ -73,7 +74,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffserve.configs.cache_rule import WHOLE_SPAN_METHODS
+from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.layers.attention_weights import AttentionWeights
 from diffserve.layers.embeddings import timestep_sinusoids
@@ -87,6 +88,7 @@ from diffserve.layers.tensor_parallel import (
     shard_linear,
 )
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig, check_tp_divides, shard_blocks
+from diffserve.models.dits.z_image_block_range import ZImageBlockRange
 from diffserve.models.step_cache import BatchStepCache, run_with_step_cache
 
 #: Sequences (image tokens, caption tokens) are padded per sample to a multiple of this.
@@ -474,8 +476,9 @@ class ZImageTransformer2DModel(DiffusersDiT):
 
     diffusers_class_name: ClassVar[str] = "ZImageTransformer2DModel"
     config_class = ZImageTransformerConfig
-    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
     cache_block_lists: ClassVar[tuple[str, ...]] = ("noise_refiner", "layers")
+    cache_leading_lists: ClassVar[int] = 1  # DBCache's Fn/Bn count the main layers (cache-dit's adapter)
 
     def __init__(self, config: ZImageTransformerConfig) -> None:
         super().__init__(config)
@@ -759,6 +762,15 @@ class ZImageTransformer2DModel(DiffusersDiT):
             img,
             lambda: self._cache_signal(img, adaln),
             lambda rows: self._run_blocks_for_rows(rows, img, cap, adaln, layout),
+            blocks=lambda: ZImageBlockRange(
+                self.noise_refiner,
+                self.layers,
+                img,
+                cap,
+                adaln,
+                lambda rows: layout if rows is None else self._rows_layout(rows, layout, img.device),
+                SEQ_MULTI_OF,
+            ),
         )
 
         # Image tokens come first in every sample, so the final layer needs only the leading rows.
@@ -816,14 +828,7 @@ class ZImageTransformer2DModel(DiffusersDiT):
         """
         if rows is None:
             return self._run_blocks(img, cap, adaln, layout)
-        picked = rows.tolist()
-        own = self.batch_layout(
-            [layout.sizes[i] for i in picked],
-            [layout.caption_lengths[i] for i in picked],
-            layout.patch_size,
-            layout.f_patch_size,
-            img.device,
-        )
+        own = self._rows_layout(rows, layout, img.device)
         x_len, c_len = own.x_cis.shape[1], own.caption_width
         h = self._run_blocks(
             img.index_select(0, rows)[:, :x_len].contiguous(),
@@ -832,6 +837,17 @@ class ZImageTransformer2DModel(DiffusersDiT):
             own,
         )
         return F.pad(h, (0, 0, 0, img.shape[1] - h.shape[1]))
+
+    def _rows_layout(self, rows: torch.Tensor, layout: _Layout, device: torch.device) -> _Layout:
+        """The layout of batch rows `rows` as if they were the whole batch (cached like any layout)."""
+        picked = rows.tolist()
+        return self.batch_layout(
+            [layout.sizes[i] for i in picked],
+            [layout.caption_lengths[i] for i in picked],
+            layout.patch_size,
+            layout.f_patch_size,
+            device,
+        )
 
     def _cache_signal(self, img: torch.Tensor, adaln: torch.Tensor) -> torch.Tensor:
         """The first modulated block's attention input on the image tokens: what the step cache watches."""

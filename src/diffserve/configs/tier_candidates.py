@@ -1,0 +1,143 @@
+"""The candidate presets `diffserve calibrate-cache` measures for the quality tiers, as ladders.
+
+A ladder is one kind of preset (a method with its other settings fixed) at rising aggressiveness: a
+larger threshold, a longer interval, a sparser mask. Along a ladder the PSNR against the exact output can
+only be expected to fall and the DiT blocks computed to fall with it, so the calibration binary-searches
+each ladder for its last rung that meets a tier's bar, then serves the tier with the rung, over all
+ladders, that computes the fewest blocks (`cli/calibrate_cache.py`).
+
+The grid is small on purpose (each rung costs a generation per calibration prompt) and covers each method
+at the settings its authors recommend:
+
+    stepcache   diffserve's original step cache at its thresholds, at most 2, 3 or 5 steps reused in a row,
+                from the tier's own template (its first and last full steps): the tiers' method before
+                presets, so a calibrated tier never computes more blocks than it did at the same bar.
+    dbcache     cache-dit's F1B0 (the first block decides, every other block is reused), two warm-up steps,
+                at most 3 steps reused in a row, at rising `residual_diff_threshold`; with and without
+                TaylorSeer (order 1, cache-dit's recommendation).
+    teacache    rising `rel_l1_thresh`, the family's coefficients (or the raw change where it has none).
+    taylorseer  every block every `cache_interval` steps after two warm-up steps, order 1 and 2.
+    scm         cache-dit's named step masks from slow to ultra (static: a 0 always reuses), with and
+                without TaylorSeer.
+    magcache    rising `magcache_thresh`, at most 4 steps reused in a row, with the model's magnitude
+                ratios measured by the calibration on its own prompts (`magcache_calibrate`), and with the
+                family's recorded ratios where it has them.
+
+No torch here: the grid is configuration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, replace
+
+from diffserve.configs.cache_settings import (
+    DBCacheSettings,
+    MagCacheSettings,
+    ScmSettings,
+    TaylorSeerSettings,
+    TeaCacheSettings,
+)
+from diffserve.configs.quality import TierPreset
+from diffserve.configs.step_cache_policy import StepCachePolicy
+
+#: The original step cache's grid (what `calibrate-cache` searched before presets).
+STEP_CACHE_THRESHOLDS = (0.02, 0.04, 0.07, 0.1, 0.15, 0.2, 0.3, 0.45, 0.6, 0.8, 1.2, 1.6)
+STEP_CACHE_MAX_REUSE = (2, 3, 5)
+DBCACHE_THRESHOLDS = (0.05, 0.1, 0.2, 0.35, 0.6, 1.0)
+TEACACHE_THRESHOLDS = (0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.2, 1.6, 2.4, 3.2)
+TAYLORSEER_INTERVALS = (2, 3, 4, 5, 6)
+SCM_SCHEDULES = ("slow", "medium", "fast", "ultra")
+MAGCACHE_THRESHOLDS = (0.02, 0.04, 0.06, 0.1, 0.15, 0.25, 0.4, 0.6, 1.0)
+MAGCACHE_K = 4
+#: What `--methods` accepts: the original step cache and every cache method that reuses work.
+CANDIDATE_METHODS = ("stepcache", "dbcache", "teacache", "taylorseer", "scm", "magcache")
+
+
+@dataclass(frozen=True)
+class Ladder:
+    """Candidate presets of one kind, from the most cautious to the most aggressive."""
+
+    name: str
+    presets: tuple[TierPreset, ...]
+
+
+def step_cache_ladders(template: StepCachePolicy) -> list[Ladder]:
+    """The original step cache's ladders from a tier's `template` (its first and last full steps kept)."""
+    return [
+        Ladder(
+            f"stepcache, at most {m} reused in a row",
+            tuple(replace(template, threshold=t, max_reuse_in_a_row=m) for t in STEP_CACHE_THRESHOLDS),
+        )
+        for m in STEP_CACHE_MAX_REUSE
+    ]
+
+
+def method_ladders(methods: Collection[str]) -> list[Ladder]:
+    """The ladders of the cache methods among `methods` but stepcache's (`step_cache_ladders`) and
+    magcache's (`magcache_ladders`: they need the model's ratios)."""
+    ladders: list[Ladder] = []
+    if "dbcache" in methods:
+        base = DBCacheSettings(
+            Fn_compute_blocks=1, Bn_compute_blocks=0, max_warmup_steps=2, max_continuous_cached_steps=3
+        )
+        for taylorseer in (False, True):
+            ladders.append(
+                Ladder(
+                    "dbcache F1B0" + (" + taylorseer" if taylorseer else ""),
+                    tuple(
+                        replace(base, residual_diff_threshold=t, enable_taylorseer=taylorseer)
+                        for t in DBCACHE_THRESHOLDS
+                    ),
+                )
+            )
+    if "teacache" in methods:
+        ladders.append(
+            Ladder("teacache", tuple(TeaCacheSettings(rel_l1_thresh=t) for t in TEACACHE_THRESHOLDS))
+        )
+    if "taylorseer" in methods:
+        for order in (1, 2):
+            ladders.append(
+                Ladder(
+                    f"taylorseer order {order}",
+                    tuple(
+                        TaylorSeerSettings(
+                            taylorseer_order=order, cache_interval=i, disable_cache_before_step=2
+                        )
+                        for i in TAYLORSEER_INTERVALS
+                    ),
+                )
+            )
+    if "scm" in methods:
+        for taylorseer in (False, True):
+            ladders.append(
+                Ladder(
+                    "scm" + (" + taylorseer" if taylorseer else ""),
+                    tuple(
+                        ScmSettings(steps_computation_mask=name, enable_taylorseer=taylorseer)
+                        for name in SCM_SCHEDULES
+                    ),
+                )
+            )
+    return ladders
+
+
+def magcache_ladders(measured: Sequence[float] | None, family_ratios: bool) -> list[Ladder]:
+    """MagCache's ladders: with the ratios the calibration `measured` on this model (None: not measured)
+    and, where the family records ratios (`family_ratios`), with those (`mag_ratios` left unset, so the
+    preset resolves to them: what a built-in default may use, not being tied to one checkpoint)."""
+    sources: list[tuple[str, tuple[float, ...] | None]] = []
+    if measured is not None:
+        sources.append(("magcache, measured ratios", tuple(round(float(r), 5) for r in measured)))
+    if family_ratios:
+        sources.append(("magcache, the family's ratios", None))
+    return [
+        Ladder(
+            name,
+            tuple(
+                MagCacheSettings(magcache_thresh=t, magcache_K=MAGCACHE_K, mag_ratios=ratios)
+                for t in MAGCACHE_THRESHOLDS
+            ),
+        )
+        for name, ratios in sources
+    ]
