@@ -48,14 +48,20 @@ compiled and warmed up inside from_pretrained, so in "load s"), `diffusers`, `di
 (`pipe.transformer.compile_repeated_blocks()` where diffusers' DiT class declares `_repeated_blocks`,
 Qwen-Image, Z-Image, Wan, FLUX.2 and FLUX.1 Kontext; else `pipe.transformer = torch.compile(pipe.transformer)`,
 SD3 and SANA; torch.compile
-defaults, compiling in the worker's first generation, reported as "first call s"), the order rotating
-per round. A compiled engine whose worker fails is reported as FAILED with its error instead of
+defaults, compiling in the worker's first generation, reported as "first call s") and
+`diffusers-compiled-full` (`pipe.transformer = torch.compile(pipe.transformer)` for every family: the
+whole transformer in one graph wherever diffusers' DiT has no graph break, which the worker prints; the
+same as `diffusers-compiled` for SD3 and SANA), the order rotating per round. A compiled engine whose worker fails is reported as FAILED with its error instead of
 ending the run. Per size, a `flop-count` worker first runs one step of eager diffusers with its DiT
 under torch's FLOP counter (linear layers) and an SDPA recorder (attention, counted as 4 x batch x
 heads x q_len x kv_len x head_dim per call), and the parent samples the fp32 `torch.mm` rate on the
 DiT's shapes before and after each round (roofline.py's method): each engine gets "% of matmul rate".
-The table's three ratios are diffusers eager / diffserve eager, diffusers eager / diffserve compiled and
-diffusers compiled / diffserve compiled.
+The table's ratios are diffusers eager / diffserve eager, diffusers eager / diffserve compiled,
+diffusers compiled / diffserve compiled and diffusers compiled whole / diffserve compiled.
+
+`--quick` (with or without `--compile`): 2 steps, 1 timed run, 1 round, and
+unless `--family` says otherwise the three families of issue 37's bar (qwen-image, wan-t2v,
+flux-kontext): a smoke run of every engine in some minutes, not a measurement.
 
     .venv/bin/python benchmarks/bench_families.py                                  # all fourteen; 4 steps
     .venv/bin/python benchmarks/bench_families.py --family flux2,flux2-klein,flux-kontext,sana
@@ -66,6 +72,7 @@ diffusers compiled / diffserve compiled.
     .venv/bin/python benchmarks/bench_families.py --model-dir /tmp/bench_families   # build once, reuse later
     .venv/bin/python benchmarks/bench_families.py --compile --model-dir /tmp/bench_families --json compiled.json
     .venv/bin/python benchmarks/bench_families.py --family z-image --compile --steps 1 --repeats 1 --resolutions 64
+    .venv/bin/python benchmarks/bench_families.py --compile --quick --model-dir /tmp/bench_families
 
 Ratios are diffusers / diffserve: above 1 means diffserve is faster (or, for RSS, smaller).
 """
@@ -102,8 +109,16 @@ WAN_NEGATIVE_PROMPT = "static, blurry, low quality, distorted"
 #: Frames per Wan video: 4k+1 (the VAE compresses time 4x after the first frame); 17 -> 5 latent frames.
 DEFAULT_NUM_FRAMES = 17
 #: `--compile` adds each project's compiled engine next to the eager two (`harness.ENGINES`).
-COMPILE_ENGINES = ("diffserve", "diffserve-compiled", "diffusers", "diffusers-compiled")
-COMPILED_ENGINES = ("diffserve-compiled", "diffusers-compiled")
+COMPILE_ENGINES = (
+    "diffserve",
+    "diffserve-compiled",
+    "diffusers",
+    "diffusers-compiled",
+    "diffusers-compiled-full",
+)
+COMPILED_ENGINES = ("diffserve-compiled", "diffusers-compiled", "diffusers-compiled-full")
+#: `--quick`'s families when `--family` is not given: the ones issue 37's compiled bar names.
+QUICK_FAMILIES = ("qwen-image", "wan-t2v", "flux-kontext")
 #: The `--compile` worker that counts one denoising step's DiT FLOPs on diffusers' pipeline (not timed).
 FLOP_COUNT = "flop-count"
 #: (label, diffusers engine, diffserve engine) of the `--compile` ratios: diffusers time / diffserve time.
@@ -111,6 +126,7 @@ RATIOS = (
     ("diffusers eager / diffserve eager", "diffusers", "diffserve"),
     ("diffusers eager / diffserve compiled", "diffusers", "diffserve-compiled"),
     ("diffusers compiled / diffserve compiled", "diffusers-compiled", "diffserve-compiled"),
+    ("diffusers compiled whole / diffserve compiled", "diffusers-compiled-full", "diffserve-compiled"),
 )
 
 
@@ -666,11 +682,12 @@ def diffusers_compile_form(folder: Path) -> tuple[str, tuple[str, ...]]:
     return ("regional", blocks) if blocks else ("full", ())
 
 
-def _load_diffusers(args: argparse.Namespace, family: Family, compiled: bool = False):
+def _load_diffusers(args: argparse.Namespace, family: Family, compiled: str | None = None):
     """diffusers' pipeline for the family, and its load times (imports, from_pretrained, compile setup).
 
-    `compiled` applies `diffusers_compile_form` with torch.compile's defaults; compilation itself
-    happens lazily, in the first generation.
+    `compiled` "default" applies `diffusers_compile_form`, "full" `torch.compile(pipe.transformer)` (the
+    whole transformer), both with torch.compile's defaults; compilation itself happens lazily, in the
+    first generation.
     """
     import torch
 
@@ -700,7 +717,7 @@ def _load_diffusers(args: argparse.Namespace, family: Family, compiled: bool = F
         pipe = pipeline_class.from_pretrained(folder, torch_dtype=torch.float32, **extra)
     pipe.to("cpu")
     if compiled:
-        form, _blocks = diffusers_compile_form(folder)
+        form = "full" if compiled == "full" else diffusers_compile_form(folder)[0]
         if form == "regional":
             pipe.transformer.compile_repeated_blocks()
         else:
@@ -750,7 +767,7 @@ def _diffusers_kwargs(args: argparse.Namespace, family: Family, size: int) -> di
     return kwargs
 
 
-def _run_diffusers(args: argparse.Namespace, family: Family, size: int, compiled: bool = False):
+def _run_diffusers(args: argparse.Namespace, family: Family, size: int, compiled: str | None = None):
     import torch
 
     pipe, load = _load_diffusers(args, family, compiled)
@@ -770,13 +787,22 @@ def _run_diffusers(args: argparse.Namespace, family: Family, size: int, compiled
 
         pipe.scheduler.step = timed_step
 
+    first_call = [compiled is not None]
+
     def generate():
         timer.reset()
+        breaks_before = _graph_breaks()
         output = pipe(
             generator=torch.Generator("cpu").manual_seed(args.seed),
             output_type="np" if family.video else "pil",
             **kwargs,
         )
+        if first_call[0]:  # where diffusers compiles: say whether its graph stayed whole
+            first_call[0] = False
+            print(
+                f"  diffusers {compiled} compile: {_graph_breaks() - breaks_before} graph break(s) in its first call",
+                file=sys.stderr,
+            )
         if family.video:  # floats in [0, 1], (batch, frames, height, width, 3)
             image = video_strip((output.frames[0] * 255).round().astype("uint8"))
         else:
@@ -786,11 +812,19 @@ def _run_diffusers(args: argparse.Namespace, family: Family, size: int, compiled
     return load, generate, counter
 
 
+def _graph_breaks() -> int:
+    """Graph breaks dynamo has recorded in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
 RUNNERS = {
     "diffserve": _run_diffserve,
     "diffserve-compiled": partial(_run_diffserve, compiled=True),
     "diffusers": _run_diffusers,
-    "diffusers-compiled": partial(_run_diffusers, compiled=True),
+    "diffusers-compiled": partial(_run_diffusers, compiled="default"),
+    "diffusers-compiled-full": partial(_run_diffusers, compiled="full"),
 }
 
 
@@ -1071,7 +1105,11 @@ def compile_form_line(family: Family, args: argparse.Namespace) -> str:
             f"`pipe.transformer = torch.compile(pipe.transformer)` (whole DiT: diffusers' "
             f"{family.pipeline} transformer declares no `_repeated_blocks`)"
         )
-    return f'- diffusers-compiled: {how}, torch.compile defaults; compiles in its first call ("first call s")'
+    return (
+        f'- diffusers-compiled: {how}, torch.compile defaults; compiles in its first call ("first call s")\n'
+        "- diffusers-compiled-full: `pipe.transformer = torch.compile(pipe.transformer)` (the whole "
+        "transformer; its worker prints the graph breaks of the first call), torch.compile defaults"
+    )
 
 
 def _ratio(
@@ -1199,7 +1237,8 @@ def compiled_legend() -> str:
         "Engines: `diffserve` and `diffusers` eager; `diffserve-compiled` (`compile=True`: compiles and warms up "
         'inside from_pretrained, so its compile cost is in "load s"); `diffusers-compiled` (regional '
         "`compile_repeated_blocks()` where diffusers' DiT class declares `_repeated_blocks`, else "
-        '`torch.compile(transformer)`; it compiles in the worker\'s first, uncounted generation, "first call s"). '
+        '`torch.compile(transformer)`; it compiles in the worker\'s first, uncounted generation, "first call s"); '
+        "`diffusers-compiled-full` (`torch.compile(transformer)`, the whole transformer, for every family). "
         '"load + first call s" is the time to a first image, compilation included for every engine. Each ratio '
         "is the named diffusers engine's time over the named diffserve engine's time (load, s/step, end-to-end; "
         "RSS: memory): > 1 means diffserve is faster or smaller. % of matmul rate = one step's FLOPs / s per step / "
@@ -1257,6 +1296,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "%% of this machine's matmul rate (see the module docstring)",
     )
     p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 2 steps, 1 timed run, 1 round; families "
+        f"{', '.join(QUICK_FAMILIES)} unless --family is given",
+    )
+    p.add_argument(
         "--mm-repeats", type=int, default=10, help="--compile: timed torch.mm calls per shape per sample"
     )
     p.add_argument(
@@ -1264,7 +1309,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     harness.add_output_args(p)
     p.set_defaults(resolutions=None)  # absent: each family's own default size (`Family.default_size`)
+    family_given = any(a == "--family" or a.startswith("--family=") for a in (argv or sys.argv[1:]))
     args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.repeats, args.rounds = 2, 1, 1
+        if not family_given:
+            args.family = ",".join(QUICK_FAMILIES)
     args.resolutions_given = args.resolutions is not None
     if not args.resolutions_given:
         args.resolutions = str(DEFAULT_SIZE)

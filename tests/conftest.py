@@ -34,7 +34,8 @@ FILE_SECONDS = {
     "tests/e2e/test_hunyuan_video15_pipeline_parity.py": 80,
     "tests/deploy/test_ray_serve.py": 120,  # a two-node Ray cluster, two models, a fault, autoscaling
     "tests/e2e/test_demo_model.py": 60,
-    "tests/distributed/test_tensor_parallel.py": 55,
+    "tests/distributed/test_tensor_parallel.py": 35,  # three whole generations under TP
+    "tests/distributed/test_dit_tensor_parallel.py": 25,  # one TP run per mesh for every family
     "tests/server/test_shutdown.py": 55,
     "tests/server/test_streaming.py": 50,
     "tests/e2e/test_img2img_inpaint_parity_other.py": 50,

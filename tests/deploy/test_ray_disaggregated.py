@@ -34,7 +34,7 @@ openai = pytest.importorskip("openai")
 DEMO = "shapes-demo"
 SIZE, STEPS, SEED = 64, 4, 42
 #: Steps of the two concurrent requests: enough for the second to arrive while the first denoises.
-BATCHED_STEPS = 40
+BATCHED_STEPS = 80
 PROMPT = "a large red circle in the center on a black background"
 READY_TIMEOUT_S = 240
 

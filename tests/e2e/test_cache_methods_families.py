@@ -1,9 +1,9 @@
-"""Cache methods by name on the other families (issue 33): FLUX.2, SD3, Qwen-Image, Wan, SANA and
-HunyuanVideo 1.5 run DBCache through their blocks in ranges, Z-Image the whole-span methods only, and refuses DBCache naming
-itself.
+"""Cache methods by name on the other families (issue 33): FLUX.2, SD3, Qwen-Image, Z-Image, Wan, SANA and
+HunyuanVideo 1.5 run DBCache through their blocks in ranges (Z-Image: its noise refiner always runs and Fn/Bn
+count its main layers, as cache-dit counts them).
 
-Tiny random checkpoints with 4 blocks, 20 steps, 64x64 (Wan: 9 frames; HunyuanVideo 1.5: 48x48, 5), CFG as each family's tier test
-runs it. DBCache that never reuses is the exact output pixel for pixel (the range path computes what the
+Tiny random checkpoints with 4 (DBCache-counted) blocks, 20 steps, 64x64 (Wan: 9 frames; HunyuanVideo 1.5:
+48x48, 5), CFG as each family's tier test runs it. DBCache that never reuses is the exact output pixel for pixel (the range path computes what the
 DiT's own loop computes). The reusing settings are aggressive ones (threshold 1: reuse after the warm-up,
 at most one step in a row), since these random models' first-block residuals change by more than any
 real threshold between steps; their PSNRs against the exact output, measured on CPU, are stated per case
@@ -27,7 +27,7 @@ from diffserve.families.qwen_image.tiny import TinyQwenImageSpec, build_tiny_qwe
 from diffserve.families.sana.tiny import TinySanaSpec, build_tiny_sana
 from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
 from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
-from diffserve.families.z_image.tiny import build_tiny_zimage
+from diffserve.families.z_image.tiny import TinyZImageSpec, build_tiny_zimage
 from diffserve.request import Req
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 
@@ -44,6 +44,11 @@ TEACACHE = {"method": "teacache", "rel_l1_thresh": 2.0, "coefficients": [1.0, 0.
 
 #: name -> (builder, generation kwargs, {setting name: measured PSNR in dB}); measured with seed 7.
 CASES: dict[str, tuple[Callable[[Path], Path], dict[str, Any], dict[str, float]]] = {
+    "z-image": (
+        lambda root: build_tiny_zimage(root, TinyZImageSpec(n_layers=4)),
+        SQUARE,
+        {"dbcache": 34.3, "dbcache+taylorseer": 35.9, "teacache": 20.8},
+    ),
     "flux2": (
         lambda root: build_tiny_flux2(root, TinyFlux2Spec(num_layers=2, num_single_layers=2)),
         SQUARE,
@@ -97,7 +102,8 @@ def test_dbcache_that_never_reuses_is_the_exact_output(family) -> None:
     name, generator, kwargs, _, exact = family
     out = generator.generate(PROMPT, cache=NEVER, **kwargs)
     np.testing.assert_array_equal(pixels(out), exact, err_msg=name)
-    assert out.cache["steps_reused"] == 0 and out.cache["blocks_computed"] == STEPS * 4
+    blocks = 5 if name == "z-image" else 4  # Z-Image: its noise refiner block too, which always runs
+    assert out.cache["steps_reused"] == 0 and out.cache["blocks_computed"] == STEPS * blocks
 
 
 def test_each_method_reuses_within_its_measured_psnr(family) -> None:
@@ -132,11 +138,24 @@ def test_a_mixed_batch_gives_each_request_its_own_output(family) -> None:
         assert batched.cache_report == alone.cache, (name, cache)
 
 
-def test_z_image_runs_the_whole_span_methods_and_refuses_dbcache(tmp_path) -> None:
-    generator = DiffGenerator.from_pretrained(build_tiny_zimage(tmp_path), device="cpu", show_progress=False)
+def test_z_image_dbcache_counts_the_main_layers_and_always_runs_the_refiner(tmp_path) -> None:
+    """Fn/Bn index Z-Image's main layers (its noise refiner always runs, counted as computed), and a
+    request whose Fn and Bn leave no middle layer reuses nothing; more than its main layers is a 400."""
+    generator = DiffGenerator.from_pretrained(
+        build_tiny_zimage(tmp_path, TinyZImageSpec(n_layers=4)), device="cpu", show_progress=False
+    )
     kwargs = {**SQUARE, "num_inference_steps": STEPS, "seed": 7}
-    with pytest.raises(InvalidRequestError, match="'dbcache' is not supported by ZImagePipeline's DiT yet"):
-        generator.generate(PROMPT, cache=DBCACHE, **kwargs)
-    exact = pixels(generator.generate(PROMPT, **kwargs))
-    out = generator.generate(PROMPT, cache=TEACACHE, **kwargs)
-    assert out.cache["steps_reused"] > 0 and psnr(pixels(out), exact) >= 24.1 - 4.0  # measured 24.1 dB
+    out = generator.generate(
+        PROMPT, cache={**DBCACHE, "Fn_compute_blocks": 2, "Bn_compute_blocks": 1}, **kwargs
+    )
+    reused = out.cache["steps_reused"]
+    assert reused > 0 and out.cache["blocks_reused"] == reused  # one middle layer: main layer 2 of 4
+    assert out.cache["blocks_computed"] == STEPS * 5 - reused
+    full = generator.generate(
+        PROMPT, cache={**DBCACHE, "Fn_compute_blocks": 2, "Bn_compute_blocks": 2}, **kwargs
+    )
+    assert full.cache["blocks_reused"] == 0
+    with pytest.raises(InvalidRequestError, match=r"exceed ZImagePipeline's 4 DiT blocks"):
+        generator.generate(
+            PROMPT, cache={**DBCACHE, "Fn_compute_blocks": 4, "Bn_compute_blocks": 1}, **kwargs
+        )

@@ -1,5 +1,7 @@
-"""`diffserve calibrate-cache` measures the tiers on a model folder and stores thresholds the engine then uses;
-it logs progress with an ETA and times the speed-up interleaved with exact runs, reported with its spread."""
+"""`diffserve calibrate-cache` chooses each tier's preset (cache method and settings) on a model folder and
+stores it for the engine, which then serves the tier with it and reports the method; the preset computes no
+more DiT blocks than the best original step cache at the same bar; it logs progress with an ETA and times
+the speed-up interleaved with exact runs, reported with its spread."""
 
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ import re
 import pytest
 
 from diffserve import DiffGenerator
-from diffserve.cli.calibrate_cache import Progress, interleaved_speedups, spread
+from diffserve.cli.calibrate_cache import Progress, candidate_methods, interleaved_speedups, spread
 from diffserve.cli.main import main
 from diffserve.configs.quality import CALIBRATION_FILE, CALIBRATION_FORMAT, PSNR_BARS
+from diffserve.errors import UserError
 from diffserve.families.flux.tiny import build_tiny_flux
 
 
@@ -65,8 +68,13 @@ def test_calibration_is_written_next_to_the_model_and_used(tmp_path, capsys, cal
     assert data["family"] == "flux" and set(data["tiers"]) == set(PSNR_BARS) == {"medium", "low", "draft"}
     for tier, bar in PSNR_BARS.items():
         measured = data["measurements"]["tiers"][tier]
+        assert measured["preset"] == data["tiers"][tier] and f"| {tier} | {bar:.0f} dB | " in table
         assert measured["mean_psnr_db"] >= bar + 1.0  # the default margin
         assert measured["mean_steps_computed"] < 8
+        # The original step cache is among the candidates: the preset never computes more blocks.
+        baseline = measured["best_stepcache"]
+        assert baseline["preset"]["method"] == "stepcache" and baseline["mean_psnr_db"] >= bar + 1.0
+        assert measured["mean_blocks_computed"] <= baseline["mean_blocks_computed"]
         speedup = measured["speedup_vs_exact"]
         assert speedup["samples"] == 2  # rounds x prompts
         assert 0 < speedup["min"] <= speedup["median"] <= speedup["max"]
@@ -77,17 +85,69 @@ def test_calibration_is_written_next_to_the_model_and_used(tmp_path, capsys, cal
     done_and_left = [(int(c[1]), int(c[2])) for c in counts if c]
     total = done_and_left[-1][0]
     assert done_and_left[-1][1] == 0 and len(done_and_left) >= 4
-    searched = [m for m in calibrate_log if m.startswith("threshold") and "ETA <= " in m]
+    searched = [m for m in calibrate_log if m.startswith("candidate ") and "ETA <= " in m]
     assert searched and all(done + left >= total for done, left in done_and_left)
     [search_done] = [m for m in calibrate_log if m.startswith("Search done")]
     done, left = (int(x) for x in re.search(r"(\d+) generations in \S+, (\d+) left", search_done).groups())
     assert done + left == total and left == 2 * 4  # exact: 2 rounds x 1 prompt x (high + 3 tiers)
     rounds = [m for m in calibrate_log if m.startswith("Timing round")]
     assert len(rounds) == 2 and rounds[-1].endswith("0 left, ETA 0m00s")
+    assert {c["preset"]["method"] for c in data["measurements"]["candidates"]} == {
+        "stepcache",
+        "dbcache",
+        "teacache",
+        "taylorseer",
+        "scm",
+        "magcache",
+    }  # every method the FLUX DiT runs, magcache with ratios measured on the prompts and FLUX.1's
     generator = DiffGenerator.from_pretrained(folder, device="cpu", show_progress=False)
-    assert {t: p.threshold for t, p in generator.pipeline.quality_rule.policies.items()} == {
-        t: v["threshold"] for t, v in data["tiers"].items()
-    }
+    for tier, preset in data["tiers"].items():
+        out = generator.generate("a red fox", height=32, width=32, num_inference_steps=8, quality=tier)
+        assert out.params.quality == tier and out.cache["quality"] == tier
+        assert out.cache["method"] == preset["method"]
+        assert {k: out.cache["settings"][k] for k in preset if preset[k] is not None} == {
+            k: v for k, v in preset.items() if v is not None
+        }  # the settings that ran: the recorded ones (a null one filled with the family's default)
+
+
+def test_methods_narrow_the_candidates(tmp_path, capsys) -> None:
+    folder = build_tiny_flux(tmp_path / "flux")
+    args = [
+        "calibrate-cache",
+        "--model-path",
+        str(folder),
+        "--prompt",
+        "a fox",
+        "--height",
+        "32",
+        "--width",
+        "32",
+    ]
+    code = main([*args, "--num-inference-steps", "8", "--timing-rounds", "1", "--methods", "stepcache,scm"])
+    assert code == 0
+    data = json.loads((folder / CALIBRATION_FILE).read_text())
+    assert {c["preset"]["method"] for c in data["measurements"]["candidates"]} == {"stepcache", "scm"}
+    assert {preset["method"] for preset in data["tiers"].values()} <= {"stepcache", "scm"}
+    capsys.readouterr()
+    assert main([*args, "--methods", "stepcache,easy"]) == 2
+    assert "--methods: unknown method 'easy'; candidates are stepcache, dbcache" in capsys.readouterr().err
+
+
+def test_methods_the_dit_does_not_run_are_refused() -> None:
+    whole_span = frozenset({"teacache", "magcache", "taylorseer", "scm"})
+    assert candidate_methods(None, whole_span, "X") == [
+        "stepcache",
+        "teacache",
+        "taylorseer",
+        "scm",
+        "magcache",
+    ]
+    with pytest.raises(
+        UserError, match=r"--methods: X's DiT does not run 'dbcache' \(it runs: magcache, scm"
+    ):
+        candidate_methods("dbcache", whole_span, "X")
+    with pytest.raises(UserError, match="name at least one method"):
+        candidate_methods(" , ", whole_span, "X")
 
 
 def test_dry_run_writes_nothing(tmp_path) -> None:

@@ -51,7 +51,10 @@ def test_default_request_and_off(cache_server) -> None:
 @pytest.mark.parametrize(
     ("cache", "message"),
     [
-        ({"method": "fbcache"}, "set method to one of none, dbcache, taylorseer, teacache, magcache, scm"),
+        (
+            {"method": "fbcache"},
+            "set method to one of none, dbcache, taylorseer, teacache, magcache, scm, easycache",
+        ),
         (
             {"method": "dbcache", "threshold": 0.1},
             "dbcache has no setting 'threshold'; its settings: Fn_compute_blocks",

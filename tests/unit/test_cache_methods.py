@@ -9,6 +9,7 @@ import torch
 
 from diffserve.configs.cache_settings import (
     DBCacheSettings,
+    EasyCacheSettings,
     MagCacheSettings,
     ScmSettings,
     TaylorSeerSettings,
@@ -102,6 +103,7 @@ SETTINGS = {
     "magcache": MagCacheSettings(magcache_thresh=0.2, mag_ratios=(1.0, 1.02, 1.01, 1.0, 0.99)),
     "taylorseer": TaylorSeerSettings(cache_interval=2, disable_cache_before_step=2),
     "scm": ScmSettings(steps_computation_mask=(1, 1, 0, 1, 0, 0, 1, 1)),
+    "easycache": EasyCacheSettings(reuse_threshold=0.5, start_percent=0.1),
 }
 
 
@@ -122,8 +124,8 @@ def test_each_method_reuses_and_counts_steps_and_blocks(name) -> None:
 
 
 def test_a_mixed_batch_gives_every_request_what_it_gets_alone() -> None:
-    names = [None, "dbcache", "teacache", "dbcache+taylorseer", "magcache", "taylorseer", "scm"]
-    sizes = [1, 2, 1, 2, 1, 1, 1]
+    names = [None, "dbcache", "teacache", "dbcache+taylorseer", "magcache", "taylorseer", "scm", "easycache"]
+    sizes = [1, 2, 1, 2, 1, 1, 1, 2]
     together = run_batch([None if n is None else fresh(n) for n in names], sizes, num_steps=8)
     for i, (name, n) in enumerate(zip(names, sizes, strict=True)):
         alone = run_batch([None if name is None else fresh(name)], [n], num_steps=8)[0]

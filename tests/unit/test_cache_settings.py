@@ -62,11 +62,12 @@ def test_an_unknown_method_names_the_methods() -> None:
         parse_cache({"method": "fbcache"})
     assert info.value.param == "cache"
     assert str(info.value) == (
-        "cache: method 'fbcache'; set method to one of none, dbcache, taylorseer, teacache, magcache, scm"
+        "cache: method 'fbcache'; set method to one of none, dbcache, taylorseer, teacache, magcache, scm, "
+        "easycache"
     )
     with pytest.raises(InvalidRequestError, match="no method; set method to one of"):
         parse_cache({"Fn_compute_blocks": 1})
-    assert METHOD_NAMES == ("none", "dbcache", "taylorseer", "teacache", "magcache", "scm")
+    assert METHOD_NAMES == ("none", "dbcache", "taylorseer", "teacache", "magcache", "scm", "easycache")
 
 
 def test_an_unknown_key_names_that_methods_settings() -> None:

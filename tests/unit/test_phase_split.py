@@ -1,11 +1,13 @@
 """A request's phases run apart (phases.py, runtime/handoff.py; the engines of `serve --ray --disaggregate`):
 encode, denoise and decode run as three engine requests with the request packed into a `Handoff` between
-them (pickled, as it crosses processes) give the pixels of the one-call generation, bit for bit; requests
-that arrive encoded still share DiT batches; what a hand-off refuses."""
+them (pickled, as it crosses processes) give the pixels of the one-call generation, bit for bit (a tiny
+FLUX.1 with true CFG, and a tiny Wan's video frames); requests that arrive encoded still share DiT
+batches; what a hand-off clears and what it refuses."""
 
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -49,10 +51,10 @@ def shipped(handoff: Handoff) -> Handoff:
     return pickle.loads(pickle.dumps(handoff))
 
 
-def in_phases(gen: DiffGenerator, seeds: list[int]) -> list:
+def in_phases(gen: DiffGenerator, seeds: list[int], make: Callable[[int], SamplingParams] = params) -> list:
     """Encode, denoise and decode each request as separate engine requests, hand-offs between them."""
     device = gen.platform.device()
-    encoded = run_phase(gen, [Req(params=params(seed)) for seed in seeds], PhaseSpan.only("encode"))
+    encoded = run_phase(gen, [Req(params=make(seed)) for seed in seeds], PhaseSpan.only("encode"))
     handoffs = [shipped(pack_handoff(sr.req, "denoise")) for sr in encoded]
     denoised = run_phase(gen, [unpack_handoff(h, device) for h in handoffs], PhaseSpan.only("denoise"))
     handoffs = [shipped(pack_handoff(sr.req, "decode")) for sr in denoised]
@@ -67,6 +69,22 @@ def test_phases_apart_equal_one_call(generator):
     assert denoised.batch_sizes == [1] * STEPS
     assert len(decoded.req.timings.steps) == STEPS  # the step times travel with the request
     assert decoded.req.params.seed == 7
+
+
+def test_video_phases_apart_equal_one_call(tmp_path):
+    from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
+
+    folder = build_tiny_wan(tmp_path / "tiny-wan", TinyWanSpec())
+    with DiffGenerator(EngineArgs(model_path=str(folder)), show_progress=False, memory_model=False) as gen:
+
+        def video(seed: int) -> SamplingParams:
+            return SamplingParams(
+                "a red fox running", height=32, width=32, num_frames=5, num_inference_steps=2, seed=seed
+            )
+
+        whole = gen.generate_from_params(video(4)).frames[0]
+        _, [decoded] = in_phases(gen, [4], video)
+    np.testing.assert_array_equal(decoded.req.outputs.frames[0], whole)
 
 
 def test_encoded_requests_share_dit_batches(generator):

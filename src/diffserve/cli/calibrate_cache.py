@@ -466,11 +466,15 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def tier_ladders(tier: str, methods: Sequence[str], defaults: dict[str, TierPreset]) -> list[Ladder]:
-    """A tier's candidate ladders but magcache's: the original step cache's from the family's template
-    for the tier (its default preset where that is a step cache), then the other methods'."""
+    """A tier's candidate ladders but magcache's: the family's default preset for the tier (when its
+    method is among `methods`: a calibrated tier then never computes more blocks than the default did at
+    the same bar), the original step cache's from the family's template for the tier (its default where
+    that is a step cache), then the other methods'."""
+    default = defaults.get(tier)
     found: list[Ladder] = []
+    if default is not None and default.method in methods:
+        found.append(Ladder("the family's default", (default,)))
     if "stepcache" in methods:
-        default = defaults.get(tier)
         template = default if isinstance(default, StepCachePolicy) else StepCachePolicy(threshold=0.0)
         found += step_cache_ladders(template)
     return found + method_ladders(set(methods) - {"magcache"})

@@ -24,7 +24,7 @@ from diffserve.configs.step_masks import named_schedule
 from diffserve.errors import InvalidRequestError
 
 #: The methods that reuse the residual of all blocks at once: every DiT with a step cache runs them.
-WHOLE_SPAN_METHODS = frozenset({"teacache", "magcache", "taylorseer", "scm"})
+WHOLE_SPAN_METHODS = frozenset({"teacache", "magcache", "taylorseer", "scm", "easycache"})
 #: The methods that also need the DiT's blocks run in ranges (`models/cache_methods/blocks.py`).
 BLOCK_RANGE_METHODS = frozenset({"dbcache"})
 
@@ -90,6 +90,12 @@ class CacheRule:
             if not self.methods & WHOLE_SPAN_METHODS:
                 raise ValueError(f"quality {tier!r}: {self.family}'s DiT has no step cache")
             return preset
+        if preset.method not in self.methods:
+            has = ", ".join(sorted(self.methods)) or "none"
+            raise ValueError(
+                f"quality {tier!r} runs {describe_preset(preset)}, which {self.family}'s DiT does not run "
+                f"(its cache methods: {has}); rerun `diffserve calibrate-cache` for this model"
+            )
         try:
             resolved = self.resolve(preset)
         except InvalidRequestError as exc:

@@ -19,6 +19,9 @@ hooks spell them, with cache-dit's defaults, so that a user's settings carry ove
                 `magcache_thresh`, at most `magcache_K` steps in a row, after the first `retention_ratio`
                 of the steps.
     scm         A fixed steps computation mask (cache-dit's SCM): 1 computes a step, 0 reuses.
+    easycache   EasyCache: the residual is reused while the output change estimated from each step's input
+                change and the blocks' transformation rate (measured between computed steps) stays below
+                `reuse_threshold` in sum, between `start_percent` and `end_percent` of the steps.
     none        No cache: the exact path, also when the server has a `--cache-default`.
 
 The accepted spellings (`parse_cache`): a mapping {"method": name, setting: value, ...}, a settings
@@ -245,10 +248,46 @@ class ScmSettings(CacheSettings):
         _check_mask(self.steps_computation_mask)
 
 
+@dataclass(frozen=True)
+class EasyCacheSettings(CacheSettings):
+    """EasyCache (arXiv 2507.02860): runtime-adaptive, no model-specific data. The blocks' transformation
+    rate k (output change / input change, measured between computed steps) turns each step's input change
+    into an estimated output change; the residual is reused while their sum stays below the threshold.
+    Names and defaults as ComfyUI's EasyCache node (diffusers and cache-dit have no EasyCache)."""
+
+    method: ClassVar[str] = "easycache"
+    summary: ClassVar[str] = (
+        "EasyCache: reuse the blocks' residual while the output change estimated from the input change and "
+        "the blocks' measured transformation rate, accumulated, stays below reuse_threshold"
+    )
+
+    reuse_threshold: float = setting(
+        0.2, min=0, help="reuse while the accumulated estimated relative output change is below this"
+    )
+    start_percent: float = setting(
+        0.15, min=0, max=1, help="this share of the first steps always runs (the warm-up)"
+    )
+    end_percent: float = setting(0.95, min=0, max=1, help="steps from this share of the steps on always run")
+
+    def check_method(self) -> None:
+        if self.start_percent > self.end_percent:
+            raise _fail(
+                f"easycache.start_percent ({self.start_percent:g}) must not exceed end_percent ({self.end_percent:g})"
+            )
+
+
 #: Every method by name.
 CACHE_METHODS: dict[str, type[CacheSettings]] = {
     cls.method: cls
-    for cls in (NoCache, DBCacheSettings, TaylorSeerSettings, TeaCacheSettings, MagCacheSettings, ScmSettings)
+    for cls in (
+        NoCache,
+        DBCacheSettings,
+        TaylorSeerSettings,
+        TeaCacheSettings,
+        MagCacheSettings,
+        ScmSettings,
+        EasyCacheSettings,
+    )
 }
 METHOD_NAMES = tuple(CACHE_METHODS)
 #: `--cache` and `--cache-default`'s help, and the HTTP field's description.

@@ -151,7 +151,7 @@ def describe_preset(preset: TierPreset) -> str:
     shown = [
         f"{k}={_short(v)}"
         for k, v in values.items()
-        if k != "method" and (defaults.get(k, object()) != v or k == "steps_computation_mask")
+        if k != "method" and (defaults.get(k, object()) != v or (k == "steps_computation_mask" and v))
     ]
     return f"{values['method']}({', '.join(shown)})"
 

@@ -13,15 +13,15 @@ at the settings its authors recommend:
                 from the tier's own template (its first and last full steps): the tiers' method before
                 presets, so a calibrated tier never computes more blocks than it did at the same bar.
     dbcache     cache-dit's F1B0 (the first block decides, every other block is reused), two warm-up steps,
-                at most 3 steps reused in a row, at rising `residual_diff_threshold`; with and without
-                TaylorSeer (order 1, cache-dit's recommendation).
+                at most 3 steps reused in a row, at rising `residual_diff_threshold`, then 5 in a row at
+                the top threshold; with and without TaylorSeer (order 1, cache-dit's recommendation).
     teacache    rising `rel_l1_thresh`, the family's coefficients (or the raw change where it has none).
     taylorseer  every block every `cache_interval` steps after two warm-up steps, order 1 and 2.
     scm         cache-dit's named step masks from slow to ultra (static: a 0 always reuses), with and
                 without TaylorSeer.
-    magcache    rising `magcache_thresh`, at most 4 steps reused in a row, with the model's magnitude
-                ratios measured by the calibration on its own prompts (`magcache_calibrate`), and with the
-                family's recorded ratios where it has them.
+    magcache    rising `magcache_thresh`, at most 4 steps reused in a row (then 6 and 10 at the top
+                threshold), with the model's magnitude ratios measured by the calibration on its own
+                prompts (`magcache_calibrate`), and with the family's recorded ratios where it has them.
 
 No torch here: the grid is configuration.
 """
@@ -45,11 +45,14 @@ from diffserve.configs.step_cache_policy import StepCachePolicy
 STEP_CACHE_THRESHOLDS = (0.02, 0.04, 0.07, 0.1, 0.15, 0.2, 0.3, 0.45, 0.6, 0.8, 1.2, 1.6)
 STEP_CACHE_MAX_REUSE = (2, 3, 5)
 DBCACHE_THRESHOLDS = (0.05, 0.1, 0.2, 0.35, 0.6, 1.0)
-TEACACHE_THRESHOLDS = (0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.2, 1.6, 2.4, 3.2)
+#: Past the top threshold (1: reuse whenever allowed), longer runs of reused steps.
+DBCACHE_MAX_CONTINUOUS = (3, 5)
+TEACACHE_THRESHOLDS = (0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.2, 1.6, 2.4, 3.2, 4.8, 6.4)
 TAYLORSEER_INTERVALS = (2, 3, 4, 5, 6)
 SCM_SCHEDULES = ("slow", "medium", "fast", "ultra")
 MAGCACHE_THRESHOLDS = (0.02, 0.04, 0.06, 0.1, 0.15, 0.25, 0.4, 0.6, 1.0)
-MAGCACHE_K = 4
+#: Steps reused in a row at most: the first along the thresholds, the others past the top one.
+MAGCACHE_K = (4, 6, 10)
 #: What `--methods` accepts: the original step cache and every cache method that reuses work.
 CANDIDATE_METHODS = ("stepcache", "dbcache", "teacache", "taylorseer", "scm", "magcache")
 
@@ -78,19 +81,17 @@ def method_ladders(methods: Collection[str]) -> list[Ladder]:
     magcache's (`magcache_ladders`: they need the model's ratios)."""
     ladders: list[Ladder] = []
     if "dbcache" in methods:
-        base = DBCacheSettings(
-            Fn_compute_blocks=1, Bn_compute_blocks=0, max_warmup_steps=2, max_continuous_cached_steps=3
-        )
+        first, *longer = DBCACHE_MAX_CONTINUOUS
         for taylorseer in (False, True):
-            ladders.append(
-                Ladder(
-                    "dbcache F1B0" + (" + taylorseer" if taylorseer else ""),
-                    tuple(
-                        replace(base, residual_diff_threshold=t, enable_taylorseer=taylorseer)
-                        for t in DBCACHE_THRESHOLDS
-                    ),
-                )
+            base = DBCacheSettings(
+                Fn_compute_blocks=1, Bn_compute_blocks=0, max_warmup_steps=2, enable_taylorseer=taylorseer
             )
+            rungs = [
+                replace(base, residual_diff_threshold=t, max_continuous_cached_steps=first)
+                for t in DBCACHE_THRESHOLDS
+            ]
+            rungs += [replace(rungs[-1], max_continuous_cached_steps=m) for m in longer]
+            ladders.append(Ladder("dbcache F1B0" + (" + taylorseer" if taylorseer else ""), tuple(rungs)))
     if "teacache" in methods:
         ladders.append(
             Ladder("teacache", tuple(TeaCacheSettings(rel_l1_thresh=t) for t in TEACACHE_THRESHOLDS))
@@ -131,13 +132,13 @@ def magcache_ladders(measured: Sequence[float] | None, family_ratios: bool) -> l
         sources.append(("magcache, measured ratios", tuple(round(float(r), 5) for r in measured)))
     if family_ratios:
         sources.append(("magcache, the family's ratios", None))
-    return [
-        Ladder(
-            name,
-            tuple(
-                MagCacheSettings(magcache_thresh=t, magcache_K=MAGCACHE_K, mag_ratios=ratios)
-                for t in MAGCACHE_THRESHOLDS
-            ),
-        )
-        for name, ratios in sources
-    ]
+    first, *longer = MAGCACHE_K
+    ladders = []
+    for name, ratios in sources:
+        rungs = [
+            MagCacheSettings(magcache_thresh=t, magcache_K=first, mag_ratios=ratios)
+            for t in MAGCACHE_THRESHOLDS
+        ]
+        rungs += [replace(rungs[-1], magcache_K=k) for k in longer]
+        ladders.append(Ladder(name, tuple(rungs)))
+    return ladders

@@ -46,6 +46,7 @@ from diffserve.families.ltx2.text_encoding import LTX2TextEncodingStage
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.ltx2 import LTX2VideoTransformer3DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.models.step_cache import BatchStepCache, CacheRows, batch_step_cache
 from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.request import Req
 from diffserve.runtime.runner import CfgBranchView
@@ -187,7 +188,9 @@ class LTX2Denoiser:
             ["pos"] + (["neg"] if req.do_cfg else []) + (["stg"] if plan.stg_rows else [])
             for req, plan in zip(reqs, plans, strict=True)
         ]
-        main = self._forward(reqs, main_kinds, isolate=False, plans=plans)
+        # The main rows (positive, negative, STG) run with the requests' caches; the modality-isolation rows
+        # run their own forward, exact: a request's cache counts one forward per step.
+        main = self._forward(reqs, main_kinds, isolate=False, plans=plans, cached=True)
         iso_reqs = [(req, plan) for req, plan in zip(reqs, plans, strict=True) if plan.modality_rows]
         iso = {}
         if iso_reqs:
@@ -201,9 +204,15 @@ class LTX2Denoiser:
             self._step(req, plan, rows)
 
     def _forward(
-        self, reqs: list[Req], kinds: list[list[str]], isolate: bool, plans: list[RequestGuidance]
+        self,
+        reqs: list[Req],
+        kinds: list[list[str]],
+        isolate: bool,
+        plans: list[RequestGuidance],
+        cached: bool = False,
     ) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-        """One DiT forward over the listed rows; per request {kind: (video velocity, audio velocity)} in float32."""
+        """One DiT forward over the listed rows; per request {kind: (video velocity, audio velocity)} in float32.
+        `cached`: with the requests' cache methods (each request's rows, all its kinds, decide together)."""
         video, audio, text, audio_text, masks, t_video, t_audio, perturb = ([] for _ in range(8))
         for req, req_kinds in zip(reqs, kinds, strict=True):
             t = req.schedule.timesteps[req.step_index]
@@ -244,6 +253,7 @@ class LTX2Denoiser:
             spatio_temporal_guidance_blocks=blocks,
             perturbation_mask=torch.cat(perturb) if stg_rows else None,
             use_cross_timestep=plans[0].settings.use_cross_timestep,
+            step_cache=self._step_cache(reqs, kinds) if cached else None,
         )
         video_out, audio_out = video_out.float(), audio_out.float()
         out, offset = [], 0
@@ -255,6 +265,17 @@ class LTX2Denoiser:
                 offset += n
             out.append(rows)
         return out
+
+    @staticmethod
+    def _step_cache(reqs: list[Req], kinds: list[list[str]]) -> BatchStepCache | None:
+        """The forward's step cache: each request's rows (batch size x its kinds), in `_forward`'s order;
+        None when no request has a cache."""
+        return batch_step_cache(
+            [
+                CacheRows(req.step_cache, req.batch_size * len(req_kinds), req.step_index, req.num_steps)
+                for req, req_kinds in zip(reqs, kinds, strict=True)
+            ]
+        )
 
     def _step(
         self, req: Req, plan: RequestGuidance, rows: dict[str, tuple[torch.Tensor, torch.Tensor]]

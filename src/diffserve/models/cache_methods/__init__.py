@@ -1,4 +1,5 @@
-"""Cache accelerators by the names users know (DBCache, TaylorSeer, TeaCache, MagCache, SCM), per request.
+"""Cache accelerators by the names users know (DBCache, TaylorSeer, TeaCache, MagCache, SCM, EasyCache),
+per request.
 
 `configs/cache_settings.py` declares each method's settings; here each method is one file (its per-request
 state, `base.RequestCache`), `registry.py` maps settings to states, `batch.py` runs one DiT forward over

@@ -5,7 +5,8 @@ Each DiT forward, for each request in the batch (`batch.py`):
 1. `plan(step, num_steps)`: COMPUTE (the blocks must run: warm-up, a mask's 1, a limit reached), REUSE
    (a schedule says so: MagCache, TaylorSeer's interval, a static mask) or MEASURE (decide from a probe).
 2. The probe, where the method has one (`probe`): "signal", the first block's timestep-modulated input
-   (TeaCache, the step cache), before any block runs; "residual", the output of blocks
+   (TeaCache, the step cache), before any block runs; "input", the blocks' input (EasyCache), also
+   before; "residual", the output of blocks
    `[probe_base, span()[0])` minus their input (DBCache), after those blocks ran. `measure(probe)` gives
    its change as a 0-d tensor (the batch fetches every request's in one transfer), `decide(change)` the
    choice, and `keep_probe` what the method remembers of it.
@@ -27,7 +28,7 @@ import torch
 from diffserve.models.cache_methods.blocks import Streams
 from diffserve.models.cache_methods.taylor import TaylorSeries
 
-Probe = Literal["none", "signal", "residual"]
+Probe = Literal["none", "signal", "input", "residual"]
 
 
 class Plan(enum.Enum):

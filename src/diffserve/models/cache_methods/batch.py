@@ -97,7 +97,7 @@ class BatchStepCache:
         for g in groups:
             if g.state is not None:
                 g.plan = g.state.plan(g.step, g.cache.num_steps)
-        self._signal_decisions(groups, signal)
+        self._early_decisions(groups, signal, x)
         whole = all(g.state is None or g.state.span() == (0, g.state.num_blocks) for g in groups)
         if whole:
             return self._run_whole(x, groups, run_blocks)
@@ -110,17 +110,28 @@ class BatchStepCache:
 
     # -- decisions ------------------------------------------------------------------------------------------
 
-    def _signal_decisions(self, groups: list[_Group], signal: Signal) -> None:
-        """Decide every signal-probing request now, before any block runs (one host transfer)."""
-        probing = [g for g in groups if g.state is not None and g.state.probe == "signal"]
+    def _early_decisions(self, groups: list[_Group], signal: Signal, x: torch.Tensor) -> None:
+        """Decide every request probing the signal or the blocks' input now, before any block runs (one
+        host transfer); the signal is computed only when a request probes it."""
+        probing = [g for g in groups if g.state is not None and g.state.probe in ("signal", "input")]
         if not probing:
             for g in groups:
                 self._settle(g)
             return
-        values = signal() if callable(signal) else signal
-        if values.shape[0] != self.total_rows:
-            raise ValueError(f"step cache covers {self.total_rows} rows, the signal has {values.shape[0]}")
-        self._decide(probing, [values[g.lo : g.hi] for g in probing])
+        values = None
+        if any(g.state is not None and g.state.probe == "signal" for g in probing):
+            values = signal() if callable(signal) else signal
+            if values.shape[0] != self.total_rows:
+                raise ValueError(
+                    f"step cache covers {self.total_rows} rows, the signal has {values.shape[0]}"
+                )
+        probes = []
+        for g in probing:
+            assert g.state is not None
+            source = x if g.state.probe == "input" else values
+            assert source is not None
+            probes.append(source[g.lo : g.hi])
+        self._decide(probing, probes)
         for g in groups:
             self._settle(g)
 

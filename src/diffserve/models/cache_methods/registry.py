@@ -8,6 +8,7 @@ from collections.abc import Callable
 from diffserve.configs.cache_settings import (
     CacheSettings,
     DBCacheSettings,
+    EasyCacheSettings,
     MagCacheSettings,
     NoCache,
     ScmSettings,
@@ -18,6 +19,7 @@ from diffserve.configs.quality import TierPreset
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.models.cache_methods.base import RequestCache
 from diffserve.models.cache_methods.dbcache import DBCacheState
+from diffserve.models.cache_methods.easycache import EasyCacheState
 from diffserve.models.cache_methods.magcache import MagCacheState
 from diffserve.models.cache_methods.scm import ScmState
 from diffserve.models.cache_methods.taylorseer import TaylorSeerState
@@ -31,6 +33,7 @@ STATES: dict[type[CacheSettings], Callable[..., RequestCache]] = {
     TeaCacheSettings: TeaCacheState,
     MagCacheSettings: MagCacheState,
     ScmSettings: ScmState,
+    EasyCacheSettings: EasyCacheState,
 }
 
 

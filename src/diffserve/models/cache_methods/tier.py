@@ -83,4 +83,4 @@ class StepCacheState(RequestCache):
             self.accumulated_change = 0.0
 
     def settings_report(self) -> dict[str, Any]:
-        return self.policy.to_dict()
+        return {"method": self.method, **self.policy.to_dict()}  # as the other methods' settings read

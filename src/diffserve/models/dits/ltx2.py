@@ -22,8 +22,10 @@ tokens; patchifying the latents is the pipeline's job, as in Diffusers.
 Numerics follow Diffusers: the activation dtype throughout (no fp32 upcast of the modulation), RoPE in
 float32 from float64 frequencies, RMSNorm statistics in float32.
 
-Not implemented here (the model runs unsplit on one device): sequence and tensor parallelism and the
-step cache. LoRA scaling through `attention_kwargs` is left to the engine's LoRA loader (a non-empty
+Cache methods (`step_cache`, `models/step_cache.py`): every method, on the residual of both streams packed
+into one hidden state per row (`ltx2_cache.py`); DBCache's Fn/Bn count `transformer_blocks`.
+
+Not implemented here (the model runs unsplit on one device): sequence and tensor parallelism. LoRA scaling through `attention_kwargs` is left to the engine's LoRA loader (a non-empty
 `attention_kwargs` is rejected).
 """
 
@@ -36,6 +38,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.layers.embeddings import GeluTanhTextProjection
 from diffserve.layers.norms import LayerNorm
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig
@@ -46,7 +49,9 @@ from diffserve.models.dits.ltx2_blocks import (
     Perturbation,
     gelu_approximation,
 )
+from diffserve.models.dits.ltx2_cache import LTX2Blocks, unpack
 from diffserve.models.dits.ltx2_rope import LTX2RotaryPosEmbed, check_rope_type
+from diffserve.models.step_cache import BatchStepCache, run_with_step_cache
 
 #: Multiplicative masks become this additive bias where they are 0 (Diffusers' convention).
 MASK_BIAS = -10000.0
@@ -189,6 +194,8 @@ class LTX2VideoTransformer3DModel(DiffusersDiT):
 
     diffusers_class_name: ClassVar[str] = "LTX2VideoTransformer3DModel"
     config_class = LTX2VideoTransformerConfig
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
+    cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
 
     def __init__(self, config: LTX2VideoTransformerConfig) -> None:
         super().__init__(config)
@@ -306,6 +313,7 @@ class LTX2VideoTransformer3DModel(DiffusersDiT):
         video_self_attention_mask: torch.Tensor | None = None,
         video_keyframes_mask: torch.Tensor | None = None,
         return_dict: bool = False,
+        step_cache: BatchStepCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Predict the video and audio velocities (Diffusers' arguments and meaning).
 
@@ -335,6 +343,8 @@ class LTX2VideoTransformer3DModel(DiffusersDiT):
             video_keyframes_mask: (batch, Tv, 1), non-zero on tokens that get `keyframes_abs_pos_embedding`
                 (ignored unless the model has it).
             return_dict: must be False; the native model returns Diffusers' tuple.
+            step_cache: the rows of requests with a cache method, which may reuse the blocks' residual of
+                both streams from an earlier step (`ltx2_cache.py`); None runs every block (exact).
 
         Returns:
             (video prediction (batch, Tv, out_channels), audio prediction (batch, Ta, audio_out_channels)),
@@ -428,8 +438,19 @@ class LTX2VideoTransformer3DModel(DiffusersDiT):
 
         stg_blocks = set(spatio_temporal_guidance_blocks or ())
         perturbation = self._perturbation(perturbation_mask, batch) if stg_blocks else Perturbation()
-        for index, block in enumerate(self.transformer_blocks):
-            x, a = block(x, a, cond, perturbation if index in stg_blocks else Perturbation())
+        if step_cache is None:
+            for index, block in enumerate(self.transformer_blocks):
+                x, a = block(x, a, cond, perturbation if index in stg_blocks else Perturbation())
+        else:
+            blocks = LTX2Blocks(self.transformer_blocks, x, a, cond, stg_blocks, perturbation)
+            packed = run_with_step_cache(
+                step_cache,
+                blocks.packed,
+                lambda: self.transformer_blocks[0].modulated_video_input(x, cond),
+                blocks.run_whole,
+                blocks=lambda: blocks,
+            )
+            x, a = unpack(packed, x.shape, a.shape)
 
         shift, scale = (self.scale_shift_table[None, None] + embedded_timestep[:, :, None]).unbind(2)
         video = self.proj_out(self.norm_out(x) * (1 + scale) + shift)

@@ -18,6 +18,7 @@ statistics (float32) are computed wider.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -56,8 +57,17 @@ class Perturbation:
     mask: torch.Tensor | None = None
     all_rows: bool = False
 
+    def for_rows(self, rows: torch.Tensor) -> Perturbation:
+        """This perturbation for batch rows `rows` only (a step cache runs the rows that compute)."""
+        return self if self.mask is None else Perturbation(_rows(self.mask, rows), self.all_rows)
+
 
 NO_PERTURBATION = Perturbation()
+
+
+def _rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`t` restricted to batch rows `rows`; a one-row tensor (shared by the batch) stays as it is."""
+    return t if t.shape[0] == 1 else t.index_select(0, rows)
 
 
 class LTX2Attention(AttentionWeights):
@@ -236,6 +246,19 @@ class BlockConditioning:
     video_self_attention_mask: torch.Tensor | None
     cross_modal: bool
 
+    def for_rows(self, rows: torch.Tensor) -> BlockConditioning:
+        """These inputs for batch rows `rows` only (a step cache runs the rows that compute): every
+        per-row tensor and RoPE table sliced, shared ones (one row) kept."""
+        values = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                value = _rows(value, rows)
+            elif isinstance(value, LTX2Rope):
+                value = dataclasses.replace(value, cos=_rows(value.cos, rows), sin=_rows(value.sin, rows))
+            values[f.name] = value
+        return BlockConditioning(**values)
+
 
 class LTX2VideoTransformerBlock(nn.Module):
     """One audio-video block (Diffusers' `LTX2VideoTransformerBlock` names).
@@ -393,6 +416,12 @@ class LTX2VideoTransformerBlock(nn.Module):
         x = x + self.ff(modulate(self.norm3(x), scale_mlp, shift_mlp)) * gate_mlp
         a = a + self.audio_ff(modulate(self.audio_norm3(a), a_scale_mlp, a_shift_mlp)) * a_gate_mlp
         return x, a
+
+    def modulated_video_input(self, x: torch.Tensor, cond: BlockConditioning) -> torch.Tensor:
+        """The video self-attention's input, `norm1(x) * (1 + scale) + shift`: the cheap, timestep-aware
+        value TeaCache and the step cache watch (one LayerNorm and the block's modulation)."""
+        shift_msa, scale_msa = modulation(self.scale_shift_table, cond.temb)[:2]
+        return modulate(self.norm1(x), scale_msa, shift_msa)
 
     def _audio_video_attention(
         self, x: torch.Tensor, a: torch.Tensor, cond: BlockConditioning
