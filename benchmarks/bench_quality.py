@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.calibrate:
         calibrate(args, prompts)
     from diffserve.api import DiffGenerator
+    from diffserve.configs.quality import describe_preset
     from diffserve.testing.image_metrics import psnr_uint8
 
     generator = DiffGenerator.from_pretrained(
@@ -159,7 +160,9 @@ def main(argv: list[str] | None = None) -> None:
             "steps_computed": statistics.mean(steps[tier].values()),
             "mean_psnr_db": statistics.mean(psnrs) if tier != EXACT else float("inf"),
             "min_psnr_db": min(psnrs) if tier != EXACT else float("inf"),
-            "threshold": None if tier == EXACT else generator.pipeline.quality_rule.policies[tier].threshold,
+            "preset": None
+            if tier == EXACT
+            else describe_preset(generator.pipeline.quality_rule.policies[tier]),
         }
     info = harness.machine_info()
     lines = [
@@ -167,15 +170,15 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.resolution}x{args.resolution}, {args.steps} steps, {len(prompts)} prompts x {args.rounds} "
         f"rounds, {info['cpu']} ({info['cores']} cores), torch {info['torch']}, fp32",
         "",
-        "| quality | threshold | end-to-end s | speed-up vs high (exact) | steps in full | mean PSNR | min PSNR |",
+        "| quality | preset | end-to-end s | speed-up vs high (exact) | steps in full | mean PSNR | min PSNR |",
         "|---|---|---|---|---|---|---|",
     ]
     for tier, r in rows.items():
         psnr = "exact" if tier == EXACT else f"{r['mean_psnr_db']:.1f} dB"
         low = "exact" if tier == EXACT else f"{r['min_psnr_db']:.1f} dB"
-        threshold = "-" if r["threshold"] is None else f"{r['threshold']:g}"
+        preset = "-" if r["preset"] is None else r["preset"]
         lines.append(
-            f"| {tier} | {threshold} | {r['seconds']:.2f} | {r['speedup']:.2f}x | "
+            f"| {tier} | {preset} | {r['seconds']:.2f} | {r['speedup']:.2f}x | "
             f"{r['steps_computed']:.1f} / {args.steps} | {psnr} | {low} |"
         )
     print("\n".join(lines))

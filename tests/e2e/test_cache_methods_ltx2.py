@@ -68,7 +68,14 @@ def _frames(out) -> np.ndarray:
 
 def test_every_method_is_offered_and_dbcache_that_never_reuses_is_exact(ltx2) -> None:
     generator, exact = ltx2
-    assert generator.pipeline.cache_rule.methods == {"dbcache", "taylorseer", "teacache", "magcache", "scm"}
+    assert generator.pipeline.cache_rule.methods == {
+        "dbcache",
+        "taylorseer",
+        "teacache",
+        "magcache",
+        "scm",
+        "easycache",
+    }
     out = generator.generate(PROMPT, seed=7, cache=NEVER, **KWARGS)
     np.testing.assert_array_equal(_frames(out), _frames(exact))
     np.testing.assert_array_equal(out.audio[0].waveform, exact.audio[0].waveform)

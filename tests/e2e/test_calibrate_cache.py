@@ -99,6 +99,7 @@ def test_calibration_is_written_next_to_the_model_and_used(tmp_path, capsys, cal
         "taylorseer",
         "scm",
         "magcache",
+        "easycache",
     }  # every method the FLUX DiT runs, magcache with ratios measured on the prompts and FLUX.1's
     generator = DiffGenerator.from_pretrained(folder, device="cpu", show_progress=False)
     for tier, preset in data["tiers"].items():
@@ -134,16 +135,17 @@ def test_methods_narrow_the_candidates(tmp_path, capsys) -> None:
 
 
 def test_methods_the_dit_does_not_run_are_refused() -> None:
-    whole_span = frozenset({"teacache", "magcache", "taylorseer", "scm"})
+    whole_span = frozenset({"teacache", "magcache", "taylorseer", "scm", "easycache"})
     assert candidate_methods(None, whole_span, "X") == [
         "stepcache",
         "teacache",
         "taylorseer",
         "scm",
         "magcache",
+        "easycache",
     ]
     with pytest.raises(
-        UserError, match=r"--methods: X's DiT does not run 'dbcache' \(it runs: magcache, scm"
+        UserError, match=r"--methods: X's DiT does not run 'dbcache' \(it runs: easycache, magcache"
     ):
         candidate_methods("dbcache", whole_span, "X")
     with pytest.raises(UserError, match="name at least one method"):

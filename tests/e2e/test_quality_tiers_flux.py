@@ -1,7 +1,8 @@
 """FLUX quality tiers end to end: `high` (also asked for as `hd` or `lossless`, and reported as `high`) is
 the exact path, each approximate tier (medium, low, draft) stays within its PSNR bar against it and reports
-how many steps it computed, tiers mix in one DiT batch, and the engine default and the model folder's
-calibration file take effect."""
+how many steps it computed and the preset (cache method and settings) it ran, tiers mix in one DiT batch,
+and the engine default and the model folder's calibration file (presets, or a format-2 file's thresholds)
+take effect."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from diffserve import DiffGenerator, SamplingParams
-from diffserve.configs.quality import PSNR_BARS, write_calibration
+from diffserve.configs.quality import PSNR_BARS, preset_to_dict, write_calibration
 from diffserve.errors import UserError
 from diffserve.families.flux.tiny import build_tiny_flux
 from diffserve.models.step_cache import StepCachePolicy
@@ -114,3 +115,46 @@ def test_the_folders_calibration_overrides_the_family_thresholds(flux_dir, tmp_p
         ).steps_computed_in_full
         < STEPS
     )  # other tiers keep the family's values
+
+
+def test_a_tier_request_reports_the_preset_it_ran(generator) -> None:
+    """The response's cache report names the tier, the method and the settings (defaults filled in)."""
+    pipeline = generator.pipeline
+    for tier in PSNR_BARS:
+        out = generator.generate(PROMPTS[0], num_inference_steps=STEPS, seed=4, quality=tier, **SIZE)
+        preset = pipeline.quality_rule.policies[tier]
+        assert out.cache["quality"] == tier and out.cache["method"] == preset.method
+        assert out.cache["settings"] == preset_to_dict(preset)
+        assert out.cache["steps_computed"] == out.steps_computed_in_full
+        assert out.cache["blocks_computed"] + out.cache["blocks_reused"] == STEPS * 3  # tiny FLUX: 3 blocks
+
+
+def test_a_calibrated_preset_runs_its_method_and_an_old_threshold_still_runs(flux_dir, tmp_path) -> None:
+    import json
+    import shutil
+
+    from diffserve.configs.cache_settings import DBCacheSettings
+    from diffserve.configs.quality import CALIBRATION_FILE
+
+    folder = shutil.copytree(flux_dir, tmp_path / "presets")
+    dbcache = DBCacheSettings(Fn_compute_blocks=1, residual_diff_threshold=1.0, max_warmup_steps=2)
+    write_calibration(folder, "flux", {"medium": dbcache}, {})
+    generator = DiffGenerator.from_pretrained(folder, device="cpu", show_progress=False)
+    out = generator.generate(PROMPTS[0], num_inference_steps=STEPS, seed=4, quality="medium", **SIZE)
+    assert out.cache["method"] == "dbcache" and out.cache["quality"] == "medium"
+    assert out.cache["steps_reused"] > 0 and out.cache["blocks_computed"] > out.cache["steps_computed"] * 3
+    # A format-2 file (a threshold per tier, what calibrate-cache wrote before presets) still runs.
+    (folder / CALIBRATION_FILE).write_text(
+        json.dumps({"format": 2, "family": "flux", "tiers": {"low": {"threshold": 0.0}}, "measurements": {}})
+    )
+    old = DiffGenerator.from_pretrained(folder, device="cpu", show_progress=False)
+    out = old.generate(PROMPTS[0], num_inference_steps=STEPS, seed=4, quality="low", **SIZE)
+    assert out.cache["method"] == "stepcache" and out.steps_computed_in_full == STEPS  # threshold 0
+    # A preset the DiT cannot run fails at load, naming the tier.
+    (folder / CALIBRATION_FILE).write_text(
+        json.dumps(
+            {"format": 3, "family": "flux", "tiers": {"low": {"method": "dbcache", "Fn_compute_blocks": 4}}}
+        )
+    )
+    with pytest.raises(UserError, match=r"quality 'low' runs dbcache\(Fn_compute_blocks=4\).*exceed"):
+        DiffGenerator.from_pretrained(folder, device="cpu", show_progress=False)

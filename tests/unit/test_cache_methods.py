@@ -15,10 +15,12 @@ from diffserve.configs.cache_settings import (
     TaylorSeerSettings,
     TeaCacheSettings,
 )
+from diffserve.errors import InvalidRequestError
 from diffserve.models.cache_methods.base import Plan
 from diffserve.models.cache_methods.batch import BatchStepCache, CacheRows
 from diffserve.models.cache_methods.blocks import Streams
 from diffserve.models.cache_methods.dbcache import DBCacheState
+from diffserve.models.cache_methods.easycache import EasyCacheState
 from diffserve.models.cache_methods.magcache import MagCacheState, resampled
 from diffserve.models.cache_methods.registry import new_request_cache
 from diffserve.models.cache_methods.taylor import TaylorSeries
@@ -257,3 +259,40 @@ def test_teacache_rescales_and_accumulates_and_computes_first_and_last() -> None
         if not reused:
             state.store(Streams(torch.zeros(1)), step)
     assert decisions == [False, True, True, False, True, False]  # 0.1, 0.2 < .25; 0.3 computes and resets
+
+
+def test_easycache_measures_the_transformation_rate_then_estimates_the_output_change() -> None:
+    """Blocks whose output changes by 1 while their input changes by 0.5: k = 2. Each step's estimate is
+    k * |input - the last computed input| / |the last computed output|, added up until a step computes."""
+    state = EasyCacheState(EasyCacheSettings(reuse_threshold=0.6, start_percent=0.0, end_percent=1.0), 4)
+    history = []
+    for step in range(7):
+        x = torch.full((1, 2, 2), 0.5 * step)  # the blocks' input
+        out = torch.full((1, 2, 2), 4.0 + step)  # their output
+        plan = state.plan(step, 7)
+        change = state.measure(x) if plan is Plan.MEASURE else None
+        reused = plan is Plan.MEASURE and state.decide(None if change is None else change.item(), step, 7)
+        state.keep_probe(x, reused)
+        if not reused:
+            state.store(Streams(out - x), step)
+        state.record(reused)
+        history.append(reused)
+        if step == 1:
+            assert state.rate is not None and state.rate.item() == pytest.approx(2.0)
+    # Steps 0 and 1 compute (k needs two). From step 1 (input 0.5, output 5): 2 * 0.5 / 5 = 0.2 reuses,
+    # 0.2 + 2 * 1.0 / 5 = 0.6 computes (k stays 2). From step 3 (input 1.5, output 7): 2 * 0.5 / 7 = 0.14
+    # and + 2 * 1.0 / 7 = 0.43 reuse, + 2 * 1.5 / 7 = 0.86 computes.
+    assert history == [False, False, True, False, True, True, False]
+
+
+def test_easycache_warms_up_and_cools_down_and_checks_its_window() -> None:
+    state = EasyCacheState(EasyCacheSettings(start_percent=0.25, end_percent=0.75), 4)
+    state.rate, state.input_prev = torch.tensor(1.0), torch.zeros(1)
+    state.cached.store(Streams(torch.zeros(1)), 0)
+    assert [state.plan(step, 8).value for step in range(8)] == ["compute"] * 2 + ["measure"] * 4 + [
+        "compute"
+    ] * 2
+    with pytest.raises(
+        InvalidRequestError, match="easycache.start_percent \\(0.5\\) must not exceed end_percent"
+    ):
+        EasyCacheSettings(start_percent=0.5, end_percent=0.4).check()

@@ -101,10 +101,10 @@ def test_a_format_2_files_thresholds_still_run_as_the_step_cache(tmp_path) -> No
 
 
 def test_a_file_with_a_bad_preset_is_a_clear_error(tmp_path) -> None:
-    bad = {"format": 3, "family": "flux", "tiers": {"low": {"method": "easycache"}}, "measurements": {}}
+    bad = {"format": 3, "family": "flux", "tiers": {"low": {"method": "fastcache"}}, "measurements": {}}
     (tmp_path / CALIBRATION_FILE).write_text(json.dumps(bad))
     with pytest.raises(
-        ValueError, match=r"is not a valid step-cache calibration \(cache: method 'easycache'"
+        ValueError, match=r"is not a valid step-cache calibration \(cache: method 'fastcache'"
     ):
         read_calibrated_policies(tmp_path, "flux")
     (tmp_path / CALIBRATION_FILE).write_text(json.dumps({**bad, "format": 4}))
@@ -120,7 +120,8 @@ def test_a_preset_is_resolved_for_the_dit_or_refused_naming_the_tier() -> None:
     assert RULE.resolve_preset("low", PRESETS[0]) is PRESETS[0]
     whole_span = CacheRule(family="ZPipeline", methods=WHOLE_SPAN_METHODS, num_blocks=3)
     with pytest.raises(
-        ValueError, match=r"quality 'medium' runs dbcache\(.*\), which ZPipeline's DiT does not run \(its cache methods: mag"
+        ValueError,
+        match=r"quality 'medium' runs dbcache\(.*\), which ZPipeline's DiT does not run \(its cache methods: easy",
     ):
         whole_span.resolve_preset("medium", PRESETS[1])
     with pytest.raises(ValueError, match="quality 'draft': NoCachePipeline's DiT has no step cache"):
@@ -158,11 +159,12 @@ def test_the_candidate_ladders_run_from_cautious_to_aggressive() -> None:
     assert all(p.full_last_steps == 3 and p.full_first_steps == 1 for p in first)  # the tier's template
     assert [p.threshold for p in first] == sorted(p.threshold for p in first)
     names = [
-        ladder.name for ladder in method_ladders({"dbcache", "teacache", "taylorseer", "scm", "magcache"})
+        ladder.name
+        for ladder in method_ladders({"dbcache", "teacache", "taylorseer", "scm", "magcache", "easycache"})
     ]
     assert names == [
         "dbcache F1B0", "dbcache F1B0 + taylorseer", "teacache", "taylorseer order 1", "taylorseer order 2",
-        "scm", "scm + taylorseer",
+        "scm", "scm + taylorseer", "easycache",
     ]  # fmt: skip
     (dbcache, *_) = method_ladders({"dbcache"})
     assert [p.max_continuous_cached_steps for p in dbcache.presets[-3:]] == [3, 3, 5]

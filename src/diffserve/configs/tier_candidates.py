@@ -22,6 +22,7 @@ at the settings its authors recommend:
     magcache    rising `magcache_thresh`, at most 4 steps reused in a row (then 6 and 10 at the top
                 threshold), with the model's magnitude ratios measured by the calibration on its own
                 prompts (`magcache_calibrate`), and with the family's recorded ratios where it has them.
+    easycache   rising `reuse_threshold`, its warm-up and cool-down at ComfyUI's defaults.
 
 No torch here: the grid is configuration.
 """
@@ -33,6 +34,7 @@ from dataclasses import dataclass, replace
 
 from diffserve.configs.cache_settings import (
     DBCacheSettings,
+    EasyCacheSettings,
     MagCacheSettings,
     ScmSettings,
     TaylorSeerSettings,
@@ -54,7 +56,8 @@ MAGCACHE_THRESHOLDS = (0.02, 0.04, 0.06, 0.1, 0.15, 0.25, 0.4, 0.6, 1.0)
 #: Steps reused in a row at most: the first along the thresholds, the others past the top one.
 MAGCACHE_K = (4, 6, 10)
 #: What `--methods` accepts: the original step cache and every cache method that reuses work.
-CANDIDATE_METHODS = ("stepcache", "dbcache", "teacache", "taylorseer", "scm", "magcache")
+CANDIDATE_METHODS = ("stepcache", "dbcache", "teacache", "taylorseer", "scm", "magcache", "easycache")
+EASYCACHE_THRESHOLDS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.2)
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,10 @@ def method_ladders(methods: Collection[str]) -> list[Ladder]:
                     ),
                 )
             )
+    if "easycache" in methods:
+        ladders.append(
+            Ladder("easycache", tuple(EasyCacheSettings(reuse_threshold=t) for t in EASYCACHE_THRESHOLDS))
+        )
     return ladders
 
 
