@@ -124,14 +124,30 @@ def test_methods_narrow_the_candidates(tmp_path, capsys) -> None:
         "--width",
         "32",
     ]
-    code = main([*args, "--num-inference-steps", "8", "--timing-rounds", "1", "--methods", "stepcache,scm"])
-    assert code == 0
+    more = [
+        "--num-inference-steps",
+        "8",
+        "--timing-rounds",
+        "1",
+        "--methods",
+        "stepcache,scm",
+        "--also-steps",
+        "4,5",
+    ]
+    assert main([*args, *more]) == 0
     data = json.loads((folder / CALIBRATION_FILE).read_text())
     assert {c["preset"]["method"] for c in data["measurements"]["candidates"]} == {"stepcache", "scm"}
-    assert {preset["method"] for preset in data["tiers"].values()} <= {"stepcache", "scm"}
+    # SCM's named masks have no 5-step form: a tier must not refuse 5 steps, so only the step cache passes.
+    assert {preset["method"] for preset in data["tiers"].values()} == {"stepcache"}
+    assert data["measurements"]["also_steps"] == [4, 5]
+    for tier, bar in PSNR_BARS.items():
+        at_steps = data["measurements"]["tiers"][tier]["mean_psnr_db_at_steps"]
+        assert set(at_steps) == {"4", "5"} and min(at_steps.values()) >= bar
     capsys.readouterr()
     assert main([*args, "--methods", "stepcache,easy"]) == 2
     assert "--methods: unknown method 'easy'; candidates are stepcache, dbcache" in capsys.readouterr().err
+    assert main([*args, "--also-steps", "4,x"]) == 2
+    assert "--also-steps: expected step counts such as 4,8, got '4,x'" in capsys.readouterr().err
 
 
 def test_methods_the_dit_does_not_run_are_refused() -> None:

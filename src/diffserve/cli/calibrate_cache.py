@@ -6,8 +6,10 @@ cache, DBCache with and without TaylorSeer, TeaCache, TaylorSeer, SCM masks, Mag
 here, as far as the model's DiT runs them; `--methods` narrows it) is binary-searched for its most
 aggressive rung whose mean PSNR over the calibration prompts stays `--margin-db` above the tier's bar
 (35 / 30 / 25 dB); the tier takes the rung, over all ladders, with the fewest DiT blocks computed (ties:
-the higher PSNR). Blocks, not seconds, decide: they do not depend on the host's load. Progress is logged
-with an estimate of the time left.
+the higher PSNR). Blocks, not seconds, decide: they do not depend on the host's load. `--also-steps`
+makes a candidate keep the bar at other step counts too (a preset runs at whatever step count a request
+asks for: MagCache, say, can hold 35 dB at 20 steps and fall under 30 at 4). Progress is logged with an
+estimate of the time left.
 
 The speed-up is then timed with the exact and the cached runs interleaved (`--timing-rounds` rounds, each
 prompt's exact and tier runs back to back, the order reversed every round), so a host whose load changes
@@ -79,6 +81,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="mean PSNR kept above each tier's bar, for prompts unlike the calibration ones (default: 1)")  # fmt: skip
     add("--timing-rounds", type=int, default=DEFAULT_TIMING_ROUNDS, metavar="N",
         help=f"rounds of interleaved exact/cached runs timing speed-ups (default: {DEFAULT_TIMING_ROUNDS})")  # fmt: skip
+    add("--also-steps", default=None, metavar="N1,N2",
+        help="other step counts each tier must also keep its bar at (no margin), e.g. a distilled model's "
+        "4,8: a candidate failing there is skipped (default: none)")  # fmt: skip
     add("--methods", default=None, metavar="M1,M2",
         help=f"candidate methods, comma-separated, of {', '.join(CANDIDATE_METHODS)} (default: stepcache and "
         "every method the model's DiT runs)")  # fmt: skip
@@ -213,14 +218,21 @@ class Calibration:
         request: dict[str, Any],
         rounds: int,
         searches: Sequence[tuple[Sequence[Ladder], float]],
+        also_steps: Sequence[int] = (),
+        margin_db: float = 0.0,
     ) -> None:
         """`searches`: the (ladders, floor_db) of each `best_for` call to come, for the estimate of the
-        time left."""
+        time left. `also_steps`: other step counts a passing candidate must also keep the bar at (its floor
+        less `margin_db`), so that a tier holds at the step counts it serves, not only the calibrated one."""
         self.generator = generator
         self.prompts = prompts
         self.request = request
         self.num_steps: int = request["num_inference_steps"]
+        self.also_steps = tuple(also_steps)
+        self.margin_db = margin_db
         self.trials: dict[TierPreset, Trial] = {}
+        #: (preset, step count) -> its mean PSNR there (-inf: the preset cannot run that step count).
+        self.psnr_at: dict[tuple[TierPreset, int], float] = {}
         self.progress = Progress()
         #: Generations the speed-up timing runs after the search (known up front, for the ETA).
         self.timing_generations = rounds * len(prompts) * (1 + len(APPROXIMATE_TIERS))
@@ -230,17 +242,23 @@ class Calibration:
         ]
         self._generate(prompts[0], EXACT)  # warm-up: first calls allocate and fill caches
         self.reference = [_pixels(self._generate(prompt, EXACT)) for prompt in prompts]
+        self.also_reference = {
+            steps: [_pixels(self._generate(prompt, EXACT, steps=steps)) for prompt in prompts]
+            for steps in self.also_steps
+        }
         logger.info("Exact references done: %s", self.progress.describe(self.generations_left(), bound=True))
 
-    def _generate(self, prompt: str, quality: str, cache: Any = None) -> Any:
-        """One generation at `quality`; the exact one also without the engine's `--cache-default`."""
+    def _generate(self, prompt: str, quality: str, cache: Any = None, steps: int | None = None) -> Any:
+        """One generation at `quality` (and `steps`, default the calibration's); the exact one also
+        without the engine's `--cache-default`."""
         from diffserve.configs.cache_settings import NoCache
         from diffserve.configs.sampling_params import SamplingParams
 
         if quality == EXACT and cache is None:
             cache = NoCache()
+        request = self.request if steps is None else {**self.request, "num_inference_steps": steps}
         out = self.generator.generate_from_params(
-            SamplingParams(prompt=prompt, quality=quality, cache=cache, **self.request)
+            SamplingParams(prompt=prompt, quality=quality, cache=cache, **request)
         )
         self.progress.count()
         return out
@@ -265,23 +283,70 @@ class Calibration:
 
     def generations_left(self) -> int:
         """At most this many generations are left (a search may stop early or find its trials measured)."""
-        trials = sum(self._unmeasured_on_path(*search) for search in self._searches)
-        return trials * len(self.prompts) + self.timing_generations
+        return sum(self._unmeasured_on_path(*search) for search in self._searches) + self.timing_generations
 
     def _unmeasured_on_path(self, ladder: Ladder, floor_db: float, lo: int, hi: int) -> int:
-        """Most candidates not measured yet that a binary search over `ladder.presets[lo..hi]` can still
-        meet (a measured one decides its way; an unmeasured one may go either way)."""
+        """Most generations a binary search over `ladder.presets[lo..hi]` can still run: a decided
+        candidate goes its way; an undecided one costs what deciding it takes and may go either way."""
         if lo > hi:
             return 0
         mid = (lo + hi) // 2
-        trial = self.trials.get(ladder.presets[mid])
-        if trial is not None:
-            nxt = (mid + 1, hi) if trial.mean_psnr >= floor_db else (lo, mid - 1)
+        preset = ladder.presets[mid]
+        decided = self._decided(preset, floor_db)
+        if decided is not None:
+            nxt = (mid + 1, hi) if decided else (lo, mid - 1)
             return self._unmeasured_on_path(ladder, floor_db, *nxt)
-        return 1 + max(
+        unknown_steps = sum((preset, s) not in self.psnr_at for s in self.also_steps)
+        cost = len(self.prompts) * ((preset not in self.trials) + unknown_steps)
+        return cost + max(
             self._unmeasured_on_path(ladder, floor_db, lo, mid - 1),
             self._unmeasured_on_path(ladder, floor_db, mid + 1, hi),
         )
+
+    def _decided(self, preset: TierPreset, floor_db: float) -> bool | None:
+        """Whether `preset` passes `floor_db` (and the bar at the other step counts), None while unknown."""
+        trial = self.trials.get(preset)
+        if trial is None:
+            return None
+        if trial.mean_psnr < floor_db:
+            return False
+        scores = [self.psnr_at.get((preset, s)) for s in self.also_steps]
+        if any(score is not None and score < floor_db - self.margin_db for score in scores):
+            return False
+        return None if None in scores else True
+
+    def passes(self, preset: TierPreset, floor_db: float) -> bool:
+        """`preset` keeps `floor_db` at the calibration's step count and, at each of `also_steps`, the bar
+        (the floor less the margin), measuring what it must."""
+        if self.trial(preset).mean_psnr < floor_db:
+            return False
+        return all(self.measure_at(preset, steps) >= floor_db - self.margin_db for steps in self.also_steps)
+
+    def measure_at(self, preset: TierPreset, steps: int) -> float:
+        """`preset`'s mean PSNR at `steps` steps (once); -inf when it cannot run that many (a named step
+        mask without a form there: the tier would refuse such requests)."""
+        from diffserve.errors import InvalidRequestError
+        from diffserve.testing.image_metrics import psnr_uint8
+
+        key = (preset, steps)
+        if key not in self.psnr_at:
+            self.generator.pipeline.use_step_cache_policies({"medium": preset})
+            try:
+                outs = [self._generate(prompt, "medium", steps=steps) for prompt in self.prompts]
+                scores = [
+                    psnr_uint8(_pixels(o), r) for o, r in zip(outs, self.also_reference[steps], strict=True)
+                ]
+                self.psnr_at[key] = float(np.mean(scores))
+            except InvalidRequestError as exc:
+                logger.info("candidate %s cannot run %d steps: %s", describe_preset(preset), steps, exc)
+                self.psnr_at[key] = float("-inf")
+            logger.info(
+                "candidate %s at %d steps: mean PSNR %.1f dB",
+                describe_preset(preset),
+                steps,
+                self.psnr_at[key],
+            )
+        return self.psnr_at[key]
 
     def trial(self, preset: TierPreset) -> Trial:
         """`preset` measured on every prompt as the `medium` tier (once; later calls reuse the result)."""
@@ -304,8 +369,8 @@ class Calibration:
         return self.trials[preset]
 
     def search(self, ladder: Ladder, floor_db: float) -> Trial | None:
-        """The last rung of `ladder` whose mean PSNR is at least `floor_db` (binary search: PSNR is taken
-        to fall along a ladder), None when even its first fails."""
+        """The last rung of `ladder` that `passes` `floor_db` (binary search: PSNR is taken to fall along a
+        ladder), None when even its first fails."""
         lo, hi, best = 0, len(ladder.presets) - 1, None
         key: Search = (ladder, floor_db, lo, hi)
         index = self._searches.index(key) if key in self._searches else None
@@ -313,9 +378,8 @@ class Calibration:
             mid = (lo + hi) // 2
             if index is not None:  # where this search stands, for generations_left
                 self._searches[index] = (ladder, floor_db, lo, hi)
-            trial = self.trial(ladder.presets[mid])
-            if trial.mean_psnr >= floor_db:
-                best, lo = trial, mid + 1
+            if self.passes(ladder.presets[mid], floor_db):
+                best, lo = self.trials[ladder.presets[mid]], mid + 1
             else:
                 hi = mid - 1
         if index is not None:
@@ -415,8 +479,15 @@ def _calibrate(args: argparse.Namespace) -> int:
         request["num_inference_steps"] = max(20, family_steps.num_inference_steps)
     floors = {tier: PSNR_BARS[tier] + args.margin_db for tier in APPROXIMATE_TIERS}
     ladders = {tier: tier_ladders(tier, methods, pipeline.step_cache_policies) for tier in APPROXIMATE_TIERS}
+    also_steps = parse_steps(args.also_steps)
     calibration = Calibration(
-        generator, prompts, request, args.timing_rounds, [(ladders[t], floors[t]) for t in APPROXIMATE_TIERS]
+        generator,
+        prompts,
+        request,
+        args.timing_rounds,
+        [(ladders[t], floors[t]) for t in APPROXIMATE_TIERS],
+        also_steps,
+        args.margin_db,
     )
     if "magcache" in methods:  # its ladders need the model's ratios: measured on these prompts, the family's
         magcache = magcache_ladders(calibration.measure_mag_ratios(), rule.mag_ratios is not None)
@@ -445,11 +516,15 @@ def _calibrate(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "timing_rounds": args.timing_rounds,
         "methods": methods,
+        "also_steps": list(also_steps),
         "blocks_per_generation": rule.num_blocks * calibration.num_steps,
         "exact_seconds_per_prompt": round(statistics.median(exact_seconds), 4),
         "tiers": {
             tier: {
                 **trial.summary(),
+                "mean_psnr_db_at_steps": {
+                    str(steps): round(calibration.psnr_at[(trial.preset, steps)], 2) for steps in also_steps
+                },
                 "speedup_vs_exact": spread(speedups[tier]),
                 "best_stepcache": None if stepcache_best[tier] is None else stepcache_best[tier].summary(),
             }
@@ -463,6 +538,19 @@ def _calibrate(args: argparse.Namespace) -> int:
     path = write_calibration(Path(engine_args.model_path), generator.family.name, presets, measurements)
     logger.info("Quality-tier presets written to %s", path)
     return 0
+
+
+def parse_steps(text: str | None) -> list[int]:
+    """`--also-steps`' step counts (UserError naming the flag for anything but positive integers)."""
+    if text is None:
+        return []
+    try:
+        steps = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"--also-steps: expected step counts such as 4,8, got {text!r}") from None
+    if not steps or any(n < 1 for n in steps):
+        raise UserError(f"--also-steps: expected positive step counts such as 4,8, got {text!r}")
+    return steps
 
 
 def tier_ladders(tier: str, methods: Sequence[str], defaults: dict[str, TierPreset]) -> list[Ladder]:
