@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     cpu_s = time.process_time() - cpu_start
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events)
-    gemm = sorted({r.cpu_gemm for r in getattr(generator, "compiled_regions", [])}) or ["-"]
+    regions = getattr(generator, "compiled_regions", [])  # trees before issue 37 record no `cpu_gemm`
+    gemm = sorted({getattr(r, "cpu_gemm", "mkl") for r in regions}) or ["-"]
     print(
         f"# {'compiled' if args.compile else 'eager'} diffserve, {args.size}x{args.size}, {args.steps} steps x "
         f"{args.profiled} generations (torch {torch.__version__}; compiled CPU GEMM: {', '.join(gemm)})"
