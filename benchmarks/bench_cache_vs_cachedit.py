@@ -882,14 +882,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--teacache-thresholds", default="0.25,0.4,0.6", help="TeaCache rel_l1_thresh values")
     p.add_argument(
         "--quick", action="store_true",
-        help="smoke run: 12 steps, 1 prompt, 1 repeat, a tiny 8-block FLUX at 64x64; no figures to quote",
+        help="smoke run: 12 steps, 1 prompt, 1 repeat, no per-row baseline, a tiny 8-block FLUX at 64x64; "
+        "no figures to quote",
     )  # fmt: skip
     p.add_argument(
         "--json", "--out", dest="json", type=Path, default=None, help="also write the results as JSON"
     )
     args = p.parse_args(argv)
     if args.quick:
-        args.steps, args.prompts, args.repeats = 12, 1, 1
+        args.steps, args.prompts, args.repeats, args.row_baseline = 12, 1, 1, False
     args.threads = args.threads or default_threads()
     args.checkpoint_list = [c.strip() for c in args.checkpoints.split(",") if c.strip()]
     args.method_list = [m.strip() for m in args.methods.split(",") if m.strip()]
