@@ -16,6 +16,7 @@ from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
 from diffusers.guiders import ClassifierFreeGuidance as DiffusersCFG
 
 from diffserve import SamplingParams
+from diffserve.api import DiffGenerator
 from diffserve.errors import InvalidRequestError
 from diffserve.families.hunyuan_video15.text_encoding import HunyuanVideo15TextEncodingStage
 from diffserve.families.hunyuan_video15.tiny import TinyHunyuanVideo15Spec, build_tiny_hunyuan_video15
@@ -42,7 +43,7 @@ def _compare(ours: list[np.ndarray], ref: np.ndarray, shape: tuple[int, ...], wh
 @pytest.fixture(scope="module")
 def t2v(tmp_path_factory):
     root = build_tiny_hunyuan_video15(tmp_path_factory.mktemp("hv15-t2v"))
-    return generator_and_reference(root, HunyuanVideo15Pipeline)
+    return generator_and_reference(DiffGenerator, root, HunyuanVideo15Pipeline)
 
 
 #: The CFG request of the T2V parity test, also one of the two requests of the batching test.
@@ -212,7 +213,7 @@ def i2v(tmp_path_factory):
         tmp_path_factory.mktemp("hv15-i2v"),
         TinyHunyuanVideo15Spec(image_to_video=True, use_meanflow=True, seed=1),
     )
-    return generator_and_reference(root, HunyuanVideo15ImageToVideoPipeline)
+    return generator_and_reference(DiffGenerator, root, HunyuanVideo15ImageToVideoPipeline)
 
 
 def test_i2v_matches_diffusers(i2v) -> None:

@@ -49,7 +49,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def t2v(tmp_path_factory):
     root = build_tiny_ltx2(tmp_path_factory.mktemp("ltx2-t2v"), TinyLTX2Spec())
-    return generator_and_reference(root, LTX2Pipeline)
+    return generator_and_reference(DiffGenerator, root, LTX2Pipeline)
 
 
 def _compare(out, ref, frames: int, height: int, width: int, what: str, outputs: int = 1) -> None:
@@ -193,7 +193,7 @@ def test_ltx2_timestep_conditioned_vae_decodes_as_diffusers(tmp_path) -> None:
 @pytest.fixture(scope="module")
 def i2v(tmp_path_factory):
     root = build_tiny_ltx2(tmp_path_factory.mktemp("ltx2-i2v"), TinyLTX2Spec(image_to_video=True))
-    return generator_and_reference(root, LTX2ImageToVideoPipeline)
+    return generator_and_reference(DiffGenerator, root, LTX2ImageToVideoPipeline)
 
 
 def test_ltx2_i2v_matches_diffusers(i2v) -> None:

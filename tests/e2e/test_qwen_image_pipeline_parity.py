@@ -53,7 +53,7 @@ class _CountingForward:
 @pytest.fixture(scope="module")
 def t2i(tmp_path_factory):
     root = build_tiny_qwen_image(tmp_path_factory.mktemp("qwen-image"))
-    return generator_and_reference(root, QwenImagePipeline)
+    return generator_and_reference(DiffGenerator, root, QwenImagePipeline)
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import torch
 from diffusers import SanaPipeline
 
 from diffserve import SamplingParams
+from diffserve.api import DiffGenerator
 from diffserve.families.sana.tiny import build_tiny_sana
 from diffserve.testing.parity import (
     assert_generation_matches,
@@ -27,7 +28,7 @@ PSNR_BAR_DB = 40.0
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     root = build_tiny_sana(tmp_path_factory.mktemp("sana"))
-    return generator_and_reference(root, SanaPipeline)
+    return generator_and_reference(DiffGenerator, root, SanaPipeline)
 
 
 @pytest.mark.parametrize(

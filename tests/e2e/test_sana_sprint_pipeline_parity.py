@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 from diffusers import SanaSprintPipeline
 
+from diffserve.api import DiffGenerator
 from diffserve.errors import InvalidRequestError
 from diffserve.families.sana.tiny import TinySanaSpec, build_tiny_sana
 from diffserve.testing.parity import (
@@ -24,7 +25,7 @@ PSNR_BAR_DB = 40.0
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     root = build_tiny_sana(tmp_path_factory.mktemp("sana_sprint"), TinySanaSpec(sprint=True, sample_size=32))
-    return generator_and_reference(root, SanaSprintPipeline)
+    return generator_and_reference(DiffGenerator, root, SanaSprintPipeline)
 
 
 @pytest.mark.parametrize(

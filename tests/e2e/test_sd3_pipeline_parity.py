@@ -24,7 +24,7 @@ def engines(request, tmp_path_factory):
         else TinySD3Spec(qk_norm="rms_norm", dual_attention_layers=(0,))
     )
     root = build_tiny_sd3(tmp_path_factory.mktemp(request.param), spec)
-    return generator_and_reference(root, StableDiffusion3Pipeline)
+    return generator_and_reference(DiffGenerator, root, StableDiffusion3Pipeline)
 
 
 @pytest.mark.parametrize(

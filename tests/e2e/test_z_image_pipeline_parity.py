@@ -6,6 +6,7 @@ import pytest
 import torch
 from diffusers import ZImagePipeline
 
+from diffserve.api import DiffGenerator
 from diffserve.errors import InvalidRequestError
 from diffserve.families.z_image.tiny import build_tiny_zimage
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
@@ -18,7 +19,7 @@ PROMPT = "a red fox in the snow"
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     root = build_tiny_zimage(tmp_path_factory.mktemp("zimage"))
-    return generator_and_reference(root, ZImagePipeline)
+    return generator_and_reference(DiffGenerator, root, ZImagePipeline)
 
 
 @pytest.mark.parametrize(

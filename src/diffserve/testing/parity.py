@@ -406,14 +406,14 @@ def diffusers_uint8(
     return to_uint8(out.frames if video else out.images)
 
 
-def generator_and_reference(root: Any, diffusers_cls: Any) -> tuple[Any, Any]:
-    """diffserve's `DiffGenerator` (CPU, no progress bar) and Diffusers' `diffusers_cls` pipeline (fp32, no
-    progress bar) on one model folder: the two sides of a pipeline parity test."""
-    from diffserve.api import DiffGenerator
-
+def generator_and_reference(generator_cls: Any, root: Any, diffusers_cls: Any) -> tuple[Any, Any]:
+    """diffserve's `generator_cls` (`DiffGenerator`: CPU, no progress bar) and Diffusers' `diffusers_cls`
+    pipeline (fp32, no progress bar) on one model folder: the two sides of a pipeline parity test. The
+    generator class is passed in: `testing` is imported by the families' tiny builders, so it may not
+    import the API (the package graph stays acyclic)."""
     reference = diffusers_cls.from_pretrained(root, dtype=torch.float32)
     reference.set_progress_bar_config(disable=True)
-    return DiffGenerator.from_pretrained(root, device="cpu", show_progress=False), reference
+    return generator_cls.from_pretrained(root, device="cpu", show_progress=False), reference
 
 
 def max_pixel_diff(a: np.ndarray, b: np.ndarray) -> int:
