@@ -47,7 +47,9 @@ class CompiledRegion:
     path: str  # e.g. "transformer.single_transformer_blocks"
     block_class: str
     blocks: int
-    cpu_gemm: str = "mkl"  # the fp32 CPU matmul kernel of its graphs: "onednn" or "mkl" (inductor's addmm)
+    #: Its graphs' fp32 CPU matmuls: "onednn", "mkl" (inductor's `addmm`), or "-" for a DiT that does not
+    #: compute in fp32 on the CPU (inductor's own matmuls).
+    cpu_gemm: str = "-"
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,7 @@ def compile_pipeline(components: Mapping[str, object]) -> list[CompiledRegion]:
             raise UserError(
                 f"--compile: {name} ({type(model).__name__}) has no repeated block list to compile"
             )
-        kernel = "mkl"
+        kernel = "-"
         if _computes_fp32_on_cpu(model):
             if gemm is None:
                 gemm = choose_cpu_gemm()
