@@ -34,6 +34,7 @@ FILE_SECONDS = {
     "tests/e2e/test_hunyuan_video15_pipeline_parity.py": 80,
     "tests/deploy/test_ray_serve.py": 120,  # a two-node Ray cluster, two models, a fault, autoscaling
     "tests/e2e/test_demo_model.py": 60,
+    "tests/benchmarks/test_bench_cache_vs_cachedit.py": 45,  # benchmarks/bench_cache_vs_cachedit.py --quick
     "tests/distributed/test_tensor_parallel.py": 35,  # three whole generations under TP
     "tests/distributed/test_dit_tensor_parallel.py": 25,  # one TP run per mesh for every family
     "tests/server/test_shutdown.py": 55,
