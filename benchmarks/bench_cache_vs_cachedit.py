@@ -26,19 +26,23 @@ Methods (`--methods`, default all):
     taylorseer          diffusers' `TaylorSeerCacheConfig` (interval 5, 3 warm-up steps, order 1, fp32 factors)
     magcache            diffusers' `MagCacheConfig` with ratios measured on this checkpoint first
                         (`calibrate=True`, untimed); diffserve gets the same ratios
-    seacache, fastercache, pab
-                        diffusers' `SeaCacheConfig`, `FasterCacheConfig`, `PyramidAttentionBroadcastConfig`
+    seacache            diffusers' `SeaCacheConfig` (defaults; FluxPipeline given its latents' grid and the
+                        step and sigma, `testing/sea_cache_reference`) <-> diffserve seacache, same settings
+                        (same decisions: tests/e2e/test_cache_methods_seacache.py)
+    fastercache, pab    diffusers' `FasterCacheConfig`, `PyramidAttentionBroadcastConfig` (attention-level reuse):
+                        diffserve has no such method, its row says so
     teacache            diffserve only (neither diffusers 0.42 nor cache-dit 1.5.3 ships TeaCache):
                         `rel_l1_thresh` at each `--teacache-thresholds`
 
 On the diffserve side a method this build does not run (an error from `generate`) is reported in the
-table as "not supported by this build (<error>)"; the reference side still runs.
+table as "not supported by this build (<error>)", and a reference method diffserve does not have (FasterCache,
+PAB) as "diffserve has no <method> method"; the reference side still runs.
 
 Checkpoints (`--checkpoints`, default both):
 
     demo   the shipped, trained demo model (FLUX.1 architecture, 2.3M DiT, 64x64, true CFG 3.0; cache-dit
-           with `enable_separate_cfg=True`, the CFG branch cached apart as FluxPipeline runs it apart) on
-           held-out prompts (attribute combinations it never saw; not the calibration prompts)
+           and diffserve with `enable_separate_cfg=True`, the CFG branch cached apart as FluxPipeline runs it
+           apart) on held-out prompts (attribute combinations it never saw; not the calibration prompts)
     flux   a random-weight FLUX.1-architecture checkpoint (`--model-dir`, built when missing): 2 double +
            6 single blocks of 8 heads x 64 (`--flux-*`), T5 length 512, guidance-distilled, at
            `--resolution` 512 (1,024 image + 512 text tokens)
@@ -304,9 +308,13 @@ def build_rows(args: argparse.Namespace, ck: Checkpoint, ctx: dict[str, Any]) ->
             )
         )  # fmt: skip
     if "seacache" in wanted:
-        on, off = hook(lambda pipe: SeaCacheConfig(threshold=0.25))
+        # diffusers' SeaCache needs FluxPipeline's latents on their grid and the loop's step and sigma, which
+        # FluxPipeline does not pass (without them the hook runs every block): supplied as its tests do.
+        from diffserve.testing.sea_cache_reference import disable_flux_sea_cache, enable_flux_sea_cache
+
         rows.append(
-            Row("diffusers hook: sea_cache", "threshold 0.25 (defaults)", "diffusers hook", on, off,
+            Row("diffusers hook: sea_cache", "threshold 0.25, residual_order 1 (defaults)", "diffusers hook",
+                lambda pipe: enable_flux_sea_cache(pipe, SeaCacheConfig(threshold=0.25)), disable_flux_sea_cache,
                 {"method": "seacache", "threshold": 0.25})
         )  # fmt: skip
     if "fastercache" in wanted:
@@ -346,7 +354,7 @@ def build_rows(args: argparse.Namespace, ck: Checkpoint, ctx: dict[str, Any]) ->
         )
 
     # FluxPipeline runs true CFG's branch as a second transformer call per step: cache-dit then caches
-    # it apart (its own setting for such pipelines); diffserve caches CFG branches as each method says.
+    # it apart (its own setting for such pipelines), and diffserve is given the same `enable_separate_cfg`.
     separate_cfg = True if ck.true_cfg else None
     dbcache_variants = []
     if "dbcache" in wanted:
@@ -370,6 +378,8 @@ def build_rows(args: argparse.Namespace, ck: Checkpoint, ctx: dict[str, Any]) ->
             "max_warmup_steps": config.max_warmup_steps, "max_cached_steps": config.max_cached_steps,
             "max_continuous_cached_steps": config.max_continuous_cached_steps,
         }  # fmt: skip
+        if separate_cfg is not None:
+            cache["enable_separate_cfg"] = separate_cfg
         setting = f"F1B0, residual_diff_threshold {threshold:g}"
         if taylor:
             # TaylorSeerCalibratorConfig's defaults: both streams' residuals extrapolated.
@@ -492,13 +502,19 @@ class Engines:
         report = getattr(out, "cache", None)
         if report:
             computed, reused = report.get("blocks_computed"), report.get("blocks_reused")
+            steps_reused = report.get("steps_reused", steps - out.steps_computed_in_full)
+            branch = report.get("cfg_branch")
+            if branch is not None and computed is not None and reused is not None:
+                # The CFG branch cached apart (`enable_separate_cfg`): both branches' work, per step as the
+                # diffusers side counts its two transformer calls.
+                computed, reused = computed + branch["blocks_computed"], reused + branch["blocks_reused"]
+                steps_reused = (steps_reused + branch["steps_reused"]) / 2
             work = (
                 computed / (computed + reused)
                 if computed is not None and reused and computed + reused
                 else 1.0
             )
-            counts = {"steps_reused": report.get("steps_reused", steps - out.steps_computed_in_full),
-                      "block_work": work, "report": report}  # fmt: skip
+            counts = {"steps_reused": steps_reused, "block_work": work, "report": report}
         else:
             counts = {"steps_reused": steps - out.steps_computed_in_full, "block_work": 1.0}
         return seconds, np.asarray(out.images[0].convert("RGB")), counts
@@ -565,6 +581,12 @@ def run_row(engines: Engines, row: Row, repeats: int) -> dict[str, Side]:
     if row.reference is not None:
         sides["reference"] = new_side(row.reference)
     sides["diffserve"] = new_side("diffserve")
+    from diffserve.configs.cache_settings import METHOD_NAMES
+
+    method = None if row.cache is None else row.cache.get("method")
+    if method is not None and method not in METHOD_NAMES:  # a reference method diffserve does not have
+        known = ", ".join(METHOD_NAMES)
+        sides["diffserve"].error = f"diffserve has no {method} method (its methods: {known})"
     enabled = False
     if row.enable is not None:
         try:
@@ -733,6 +755,8 @@ def db(values: list[float] | None) -> str:
 
 def side_cells(result: dict[str, Any], steps: int) -> list[str]:
     if "error" in result:
+        if result["error"].startswith("diffserve has no "):
+            return [result["error"], "", "", "", "", ""]
         what = "not supported by this build" if result["implementation"] == "diffserve" else "failed"
         return [f"{what} ({result['error']})", "", "", "", "", ""]
     speedup = result.get("speedup_vs_own_exact")

@@ -7,7 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +25,16 @@ from diffserve.backends.diffusers_pipeline import (
 )
 from diffserve.backends.engine_checks import check_backend_args
 from diffserve.configs.cache_settings import parse_cache
-from diffserve.configs.engine_args import EngineArgs, LoraSpec
+from diffserve.configs.engine_args import EngineArgs, LoraSpec, controlnet_specs
 from diffserve.configs.option import keyword_values, option_keywords
 from diffserve.configs.quality import check_default_quality, read_calibrated_policies
-from diffserve.configs.sampling_params import LoraChoice, SamplingParams, lora_choices
+from diffserve.configs.sampling_params import (
+    ControlNetChoice,
+    LoraChoice,
+    SamplingParams,
+    controlnet_choices,
+    lora_choices,
+)
 from diffserve.distributed.config import ParallelConfigError
 from diffserve.distributed.launch import RankGroup, is_follower, start_ranks
 from diffserve.distributed.state import ParallelState
@@ -37,6 +43,7 @@ from diffserve.errors import InvalidRequestError, ModelLoadError, RequestCancell
 from diffserve.image_inputs import ImageSource, load_images
 from diffserve.layers.attention import AttentionBackend, resolve_attention_backend
 from diffserve.loader.component_loader import LoadedComponent, load_components, supports_tensor_parallel
+from diffserve.loader.controlnets import load_controlnets, without_folder_controlnet
 from diffserve.loader.dit_weights import DitLoadOptions
 from diffserve.loader.folder_defaults import read_folder_sampling_defaults
 from diffserve.loader.model_index import ModelIndex, read_model_index
@@ -176,7 +183,23 @@ def load_model(
         raise UserError(str(exc)) from exc
     index = read_model_index(engine_args.model_path, engine_args.revision)
     if engine_args.backend == "diffusers":
+        if engine_args.controlnets:
+            raise UserError(
+                "--controlnet: per-request ControlNets need the native backend (not --backend diffusers)"
+            )
         return load_through_diffusers(index, platform, dtype, attention_backend)
+    # A ControlNet pipeline folder: its base pipeline, with its ControlNet served as "default".
+    index, folder_controlnet = without_folder_controlnet(index)
+    controlnet_specs_given = controlnet_specs(engine_args.controlnets)
+    if (controlnet_specs_given or folder_controlnet is not None) and (
+        (engine_args.ulysses_degree or 1) > 1
+        or engine_args.ring_degree > 1
+        or engine_args.enable_cfg_parallel
+    ):
+        raise UserError(
+            "ControlNets do not run under sequence parallelism (--ulysses-degree / --ring-degree) or "
+            "--enable-cfg-parallel yet"
+        )
     family = resolve_family(index.pipeline_class_name)
     tp_size = parallel_state.tp_size if parallel_state is not None else 1
     check_tensor_parallel(index, family, tp_size)
@@ -222,6 +245,7 @@ def load_model(
         raise UserError(f"{flag}: {exc}") from exc
     except ValueError as exc:
         raise UserError(str(exc)) from exc
+    load_controlnets(controlnet_specs_given, folder_controlnet, pipeline, family.name, platform, dtype)
     install_memory_plan(memory_plan, components, platform)  # before LoRA wraps the DiT's Linears
     if engine_args.vae_tiling:
         tiled = enable_tiling_on({n: c.value for n, c in components.items()})
@@ -288,6 +312,7 @@ class DiffGenerator:
         check_backend_args(engine_args)  # `--backend diffusers` with a flag it cannot honour: refused now
         if parallel.is_distributed and parallel.tp_size > 1:  # refused before anything is set up or started
             index = read_model_index(engine_args.model_path, engine_args.revision)
+            index = without_folder_controlnet(index)[0]
             check_tensor_parallel(index, resolve_family(index.pipeline_class_name), parallel.tp_size)
         try:
             platform = self.platform = resolve_platform(engine_args.device)
@@ -475,9 +500,13 @@ class DiffGenerator:
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not prompts or not all(isinstance(p, str) for p in prompts):
             raise UserError("prompt: pass a string or a non-empty list of strings")
+        control = {name: params.pop(name) for name in CONTROLNET_KEYWORDS if name in params}
         check_generate_keywords(params)
         if "loras" in params:
             params["loras"] = lora_choices(params["loras"])
+        if control or "controlnets" in params:
+            loaded = list(getattr(self.pipeline, "controlnets", {}))
+            params["controlnets"] = controlnet_entries(params.get("controlnets"), control, loaded)
         sampling = [SamplingParams(prompt=p, **params) for p in prompts]
         outputs = self.generate_many(sampling, save_output, output_path, output_file_name, save_frames)
         return outputs[0] if isinstance(prompt, str) else outputs
@@ -584,7 +613,76 @@ class DiffGenerator:
 
 
 #: `DiffGenerator.generate`'s own keyword arguments, besides the SamplingParams fields.
-_GENERATE_KEYWORDS = ("image", "mask", "save_output", "output_path", "output_file_name", "save_frames")
+#: Diffusers' `FluxControlNetPipeline` keywords `generate` takes, turned into `controlnets` entries.
+CONTROLNET_KEYWORDS = (
+    "control_image",
+    "controlnet_conditioning_scale",
+    "control_guidance_start",
+    "control_guidance_end",
+    "control_mode",
+)
+_GENERATE_KEYWORDS = (
+    "image", "mask", "save_output", "output_path", "output_file_name", "save_frames", *CONTROLNET_KEYWORDS,
+)  # fmt: skip
+
+
+def _per_entry(name: str, value: object, count: int) -> list[object]:
+    """A Diffusers ControlNet keyword's value for each of `count` entries: one value for all, or a list of
+    `count` (InvalidRequestError naming the keyword otherwise)."""
+    if not isinstance(value, (list, tuple)):
+        return [value] * count
+    if len(value) != count:
+        raise InvalidRequestError(
+            f"{name} lists {len(value)} values for {count} control image(s); give one, or one per image",
+            param=name,
+        )
+    return list(value)
+
+
+def controlnet_entries(
+    entries: object, keywords: Mapping[str, object], loaded: Sequence[str]
+) -> list[ControlNetChoice]:
+    """`generate`'s ControlNet arguments as `controlnets` entries, their images decoded: `controlnets=[...]`
+    (dicts or `ControlNetChoice`s, each image a path, bytes, PIL image or data URL), or Diffusers' keywords
+    (`control_image`, one image or a list, with `controlnet_conditioning_scale`, `control_guidance_start`,
+    `control_guidance_end` and `control_mode`, each one value or one per image), which apply the one loaded
+    ControlNet (with several loaded, name them in `controlnets`)."""
+    if keywords:
+        if entries:
+            raise InvalidRequestError(
+                "pass ControlNets either as controlnets=[...] or as control_image= and its keywords, not both",
+                param="controlnets",
+            )
+        if "control_image" not in keywords:
+            raise InvalidRequestError(
+                f"{', '.join(keywords)} without control_image: pass the control image", param="control_image"
+            )
+        if len(loaded) != 1:
+            have = ", ".join(map(repr, loaded)) or "none"
+            raise InvalidRequestError(
+                f"control_image applies the one loaded ControlNet, but {len(loaded)} are loaded ({have}): name "
+                'each in controlnets=[{"name": ..., "image": ...}]',
+                param="control_image",
+            )
+        images = keywords["control_image"]
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        n = len(images)
+        columns = {
+            "image": images,
+            "scale": _per_entry("controlnet_conditioning_scale", keywords.get("controlnet_conditioning_scale", 1.0), n),
+            "start": _per_entry("control_guidance_start", keywords.get("control_guidance_start", 0.0), n),
+            "end": _per_entry("control_guidance_end", keywords.get("control_guidance_end", 1.0), n),
+            "mode": _per_entry("control_mode", keywords.get("control_mode"), n),
+        }  # fmt: skip
+        entries = [{"name": loaded[0], **{k: v[i] for k, v in columns.items()}} for i in range(n)]
+    choices = controlnet_choices(entries)
+    decoded = []
+    for i, choice in enumerate(choices):
+        image = choice.image
+        if image is not None:
+            image = load_images(image, param=f"controlnets[{i}].image")[0]
+        decoded.append(replace(choice, image=image))
+    return decoded
 
 
 def check_generate_keywords(params: Mapping[str, object]) -> None:

@@ -11,9 +11,11 @@ its DiT and VAE under `models/` if they are new, one line in `FAMILIES` below, a
 from __future__ import annotations
 
 from diffserve.errors import ModelLoadError, UserError
+from diffserve.families.chroma import record as chroma
 from diffserve.families.flux import record as flux
 from diffserve.families.flux2 import record as flux2
 from diffserve.families.hunyuan_video15 import record as hunyuan_video15
+from diffserve.families.longcat_image import record as longcat_image
 from diffserve.families.ltx2 import record as ltx2
 from diffserve.families.qwen_image import record as qwen_image
 from diffserve.families.record import ModelFamily, TinyCheckpointBuilder, TinyCheckpointOptions
@@ -34,6 +36,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
     *flux2.FAMILIES,
     *hunyuan_video15.FAMILIES,
     *ltx2.FAMILIES,
+    *longcat_image.FAMILIES,
+    *chroma.FAMILIES,
 )
 
 #: Diffusers pipeline `_class_name` -> family.

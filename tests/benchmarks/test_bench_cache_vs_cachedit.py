@@ -1,8 +1,9 @@
 """Smoke test of benchmarks/bench_cache_vs_cachedit.py (issue 33): its quickest run (`--quick`: the demo
 model and a tiny 8-block FLUX at 64x64, 12 steps, one prompt, one run) completes, its table has a row for
 every method and setting on both checkpoints, cache-dit and diffusers' hooks run on both, the exact rows
-agree across the two engines, and every diffserve cell is either a measurement or says which cache this
-build does not support. The figures themselves are the benchmark's business, not this test's."""
+agree across the two engines, diffusers' SeaCache hook reuses the steps diffserve's seacache reuses, and
+every diffserve cell is either a measurement or says which cache this build does not support (or that
+diffserve has no such method: FasterCache, PAB). The figures themselves are the benchmark's business, not this test's."""
 
 from __future__ import annotations
 
@@ -76,8 +77,14 @@ def test_references_ran_and_exact_rows_agree(quick_run: tuple[str, dict]) -> Non
         for row in rows:
             if row["reference"] == "cache-dit" or row["method"] in (
                 "diffusers hook: first_block_cache", "diffusers hook: mag_cache", "diffusers hook: taylorseer_cache",
+                "diffusers hook: sea_cache",
             ):  # fmt: skip
                 assert "error" not in row["reference_result"], row
                 assert row["reference_result"]["seconds"] > 0
             ours = row["diffserve_result"]
             assert "error" in ours or (ours["seconds"] > 0 and 0 < ours["block_work"] <= 1), row
+            if row["method"] == "diffusers hook: sea_cache":
+                # The hook really caches (not its fail-open mode), and diffserve's seacache decides alike.
+                assert 0 < row["reference_result"]["steps_reused"] == ours["steps_reused"], row
+            if row["method"].removeprefix("diffusers hook: ") in HOOKS[-2:]:  # FasterCache, PAB: none here
+                assert ours["error"].startswith("diffserve has no "), row

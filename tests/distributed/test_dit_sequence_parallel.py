@@ -26,6 +26,8 @@ batches are CFG-like pairs (one latent, two prompts), so shards, padding masks a
   timestep, so every stream carries batch padding masked per sample and per-sample RoPE tables. Z-Image
   pads every stream to a multiple of 32 tokens, so degrees 2 and 4 always divide them; the 3-rank case
   cuts them unevenly (shard padding, masked too). The 3 heads do not divide the Ulysses degree 2.
+- LongCat-Image: FLUX's blocks and shapes with its own timestep embedding and position ids (a modality
+  axis, the image grid after the text), on the Ulysses-2 mesh.
 
 One `run_distributed` per mesh runs every family that mesh is tested on (starting the rank processes
 costs more than the tiny forwards); a family that raises on the ranks fails its own test only.
@@ -43,6 +45,7 @@ import torch
 from diffserve.distributed.config import ParallelConfig
 from diffserve.distributed.state import ParallelState, build_parallel_state, parallel_scope
 from diffserve.models.dits.flux import FluxTransformer2DModel, FluxTransformerConfig
+from diffserve.models.dits.longcat_image import LongCatImageTransformer2DModel, LongCatImageTransformerConfig
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel, QwenImageTransformerConfig
 from diffserve.models.dits.sd3 import SD3Transformer2DModel, SD3TransformerConfig
 from diffserve.models.dits.wan import WanTransformer3DModel, WanTransformerConfig
@@ -334,6 +337,48 @@ def z_image_check(outputs: list[list[torch.Tensor]], expected: list[torch.Tensor
 
 # ------------------------------------------------------------------------------------- on gloo ranks
 
+# -------------------------------------------------------------------------------------- LongCat-Image
+
+
+def tiny_longcat_image() -> LongCatImageTransformer2DModel:
+    torch.manual_seed(0)
+    config = LongCatImageTransformerConfig(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=8,
+        num_attention_heads=4, joint_attention_dim=24, pooled_projection_dim=24, axes_dims_rope=(2, 2, 4),
+    )  # fmt: skip
+    model = LongCatImageTransformer2DModel(config)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return model.eval()
+
+
+def longcat_image_inputs() -> dict[str, torch.Tensor]:
+    """FLUX's shapes and timesteps, with LongCat-Image's ids: (0, i, i) for the text, (1, text + row,
+    text + col) for the image."""
+    g = torch.Generator().manual_seed(1)
+    text, h, w = FLUX_TEXT_LEN, FLUX_GRID_H, FLUX_GRID_W
+    index = torch.arange(text, dtype=torch.float32)
+    rows = torch.arange(h, dtype=torch.float32).repeat_interleave(w) + text
+    cols = torch.arange(w, dtype=torch.float32).repeat(h) + text
+    return {
+        "hidden_states": torch.randn(2, h * w, 16, generator=g),
+        "encoder_hidden_states": torch.randn(2, text, 24, generator=g),
+        "timestep": torch.tensor([0.9, 0.3]),
+        "img_ids": torch.stack([torch.ones_like(rows), rows, cols], dim=-1),
+        "txt_ids": torch.stack([torch.zeros_like(index), index, index], dim=-1),
+    }
+
+
+def longcat_image_one_device() -> torch.Tensor:
+    with torch.no_grad():
+        return tiny_longcat_image()(**longcat_image_inputs())
+
+
+def longcat_image_on_rank(state: ParallelState, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    model = tiny_longcat_image()
+    with torch.no_grad(), parallel_scope(state):
+        return model(**inputs)
+
 
 def no_inputs() -> None:
     return None
@@ -359,6 +404,9 @@ FAMILIES = {
     "wan": Family(wan_one_device, wan_on_rank, wan_check, ("ulysses2xring2",)),
     "z-image": Family(
         z_image_one_device, z_image_on_rank, z_image_check, ("ulysses2xring2", "ulysses3-uneven")
+    ),
+    "longcat-image": Family(
+        longcat_image_one_device, longcat_image_on_rank, flux_check, ("ulysses2",), longcat_image_inputs
     ),
 }
 

@@ -60,7 +60,9 @@ from diffserve.layers.tensor_parallel import (
 )
 from diffserve.loader import safetensors_weights
 from diffserve.loader.safetensors_weights import load_safetensors_into
+from diffserve.models.dits.chroma import ChromaTransformer2DModel
 from diffserve.models.dits.flux import FluxTransformer2DModel
+from diffserve.models.dits.longcat_image import LongCatImageTransformer2DModel
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
 from diffserve.models.dits.sd3 import SD3Transformer2DModel
 from diffserve.models.dits.wan import WanTransformer3DModel
@@ -124,6 +126,46 @@ def flux_layer_errors(state: ParallelState) -> dict[str, float]:
             "column": (torch.cat(pieces, dim=-1) - first(x)).abs().max().item(),
             "row": (row(local_hidden) - second(hidden)).abs().max().item(),
         }
+
+
+# --------------------------------------------------------------------------------------------- Chroma
+
+#: FLUX's block widths (so `flux_shards` checks its blocks too), with a small approximator.
+CHROMA_CONFIG = {
+    "patch_size": 1, "in_channels": 16, "out_channels": None, "num_layers": 2, "num_single_layers": 2,
+    "attention_head_dim": 8, "num_attention_heads": 4, "joint_attention_dim": 24, "axes_dims_rope": [2, 2, 4],
+    "approximator_num_channels": 16, "approximator_hidden_dim": 32, "approximator_layers": 2,
+}  # fmt: skip
+
+
+def chroma_inputs() -> dict[str, torch.Tensor]:
+    """FLUX's inputs (no pooled text or guidance) with two rows' text masks of other lengths."""
+    from diffserve.families.flux.tiny import flux_dit_inputs
+
+    inputs = flux_dit_inputs(FLUX_GRID_H, FLUX_GRID_W, FLUX_TEXT_LEN, timesteps=[0.9, 0.3])
+    del inputs["pooled_projections"], inputs["guidance"]
+    lengths = torch.tensor([[2], [5]])
+    inputs["text_mask"] = (torch.arange(FLUX_TEXT_LEN)[None, :] <= lengths).float()
+    return inputs
+
+
+# -------------------------------------------------------------------------------------- LongCat-Image
+
+#: FLUX's block widths (so `flux_shards` checks its blocks too), without pooled text or guidance.
+LONGCAT_IMAGE_CONFIG = {
+    "patch_size": 1, "in_channels": 16, "num_layers": 2, "num_single_layers": 2, "attention_head_dim": 8,
+    "num_attention_heads": 4, "joint_attention_dim": 24, "pooled_projection_dim": 24, "axes_dims_rope": [2, 2, 4],
+}  # fmt: skip
+
+
+def longcat_image_inputs() -> dict[str, torch.Tensor]:
+    """FLUX's inputs without pooled text or guidance, the image tokens marked modality 1."""
+    from diffserve.families.flux.tiny import flux_dit_inputs
+
+    inputs = flux_dit_inputs(FLUX_GRID_H, FLUX_GRID_W, FLUX_TEXT_LEN, timesteps=[0.9, 0.3])
+    del inputs["pooled_projections"], inputs["guidance"]
+    inputs["img_ids"][:, 0] = 1
+    return inputs
 
 
 # ----------------------------------------------------------------------------------------- Qwen-Image
@@ -357,6 +399,18 @@ FAMILIES = {
         refused_over_3="the FLUX DiT's 4 attention heads do not divide over 3",
         layer_errors=flux_layer_errors, layer_bounds={"column": 1e-6, "row": 1e-6},
         reference_by_loader=True,
+    ),
+    "chroma": Family(
+        ChromaTransformer2DModel, CHROMA_CONFIG, chroma_inputs, 1e-5, ("tp2",),
+        # As FLUX's blocks: the approximator, embedders and output head stay whole.
+        sharded_weights=2 * 12 + 2 * 5, shards=flux_shards,
+        refused_over_3="--tp-size 3: the Chroma DiT's 4 attention heads do not divide over 3",
+    ),
+    "longcat-image": Family(
+        LongCatImageTransformer2DModel, LONGCAT_IMAGE_CONFIG, longcat_image_inputs, 1e-5, ("tp2",),
+        # As FLUX's blocks: the timestep embedding, embedders and output head stay whole.
+        sharded_weights=2 * 12 + 2 * 5, shards=flux_shards,
+        refused_over_3="--tp-size 3: the LongCat-Image DiT's 4 attention heads do not divide over 3",
     ),
     "qwen-image": Family(
         QwenImageTransformer2DModel, QWEN_CONFIG, qwen_inputs, 2e-6, ("tp2",),

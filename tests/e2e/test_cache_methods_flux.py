@@ -137,6 +137,7 @@ def test_requests_with_different_methods_share_a_batch_and_get_their_own_output(
         METHODS["dbcache+taylorseer"][0],
         "magcache",
         "easycache",
+        "seacache",
     ]
 
     def request(i: int, cache) -> Req:

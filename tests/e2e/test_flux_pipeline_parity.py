@@ -76,8 +76,8 @@ def test_initial_noise_matches_diffusers_seed(generators) -> None:
 
     stages = ours.pipeline.stages
     req = Req(params=SamplingParams(prompt="x", height=64, width=48, num_inference_steps=2, seed=123))
-    # validation, text encoding, input-image encoding (a no-op without an image), latent preparation
-    for stage in stages[:4]:
+    # validation, text encoding, control-image and input-image encoding (no-ops without images), latents
+    for stage in stages[:5]:
         req = stage(req, ours.platform)
     ref_latents, ref_ids = reference.prepare_latents(
         1, 16, 64, 48, torch.float32, torch.device("cpu"), torch.Generator("cpu").manual_seed(123)

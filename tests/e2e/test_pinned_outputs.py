@@ -73,6 +73,18 @@ CASES: dict[str, tuple[str, dict, dict]] = {
         {},
         {"height": 32, "width": 32, "num_inference_steps": 3, "guidance_scale": 3.0},
     ),
+    "chroma": (
+        "diffserve.families.chroma.tiny:build_tiny_chroma",
+        {},
+        {
+            "height": 48,
+            "width": 32,
+            "num_inference_steps": 3,
+            "guidance_scale": 4.0,
+            "negative_prompt": "blurry",
+            "max_sequence_length": 32,
+        },
+    ),
     "wan-t2v": (
         "diffserve.families.wan.tiny:build_tiny_wan",
         {},
@@ -82,6 +94,11 @@ CASES: dict[str, tuple[str, dict, dict]] = {
         "diffserve.families.wan.tiny:build_tiny_wan",
         {"image_to_video": True},
         {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 2, "input_images": "gradient"},
+    ),
+    "longcat-image": (
+        "diffserve.families.longcat_image.tiny:build_tiny_longcat_image",
+        {},
+        {"height": 32, "width": 48, "num_inference_steps": 3, "guidance_scale": 4.5},
     ),
 }
 

@@ -18,12 +18,15 @@ from torch import nn
 from diffserve import DiffGenerator
 from diffserve.cli.main import main
 from diffserve.errors import LoraError, UserError
+from diffserve.families.chroma.tiny import build_tiny_chroma
+from diffserve.families.longcat_image.tiny import build_tiny_longcat_image
 from diffserve.families.qwen_image.tiny import build_tiny_qwen_image
 from diffserve.families.sd3.tiny import build_tiny_sd3
 from diffserve.families.wan.tiny import build_tiny_wan
 from diffserve.families.z_image.tiny import build_tiny_zimage
 from diffserve.layers.quantized_linear import QuantizedLinear
 from diffserve.loader.quantize import quantizable_linears, quantize_dit, tensor_bytes
+from diffserve.models.dits.chroma import ChromaTransformer2DModel
 from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
 from diffserve.models.dits.sd3 import SD3Transformer2DModel
@@ -44,10 +47,14 @@ BUILDERS = {
     "qwen_image": build_tiny_qwen_image,
     "z_image": build_tiny_zimage,
     "wan": build_tiny_wan,
+    "chroma": build_tiny_chroma,
+    "longcat_image": build_tiny_longcat_image,
 }
 
 
-@pytest.fixture(scope="module", params=["flux", "sd3", "qwen_image", "z_image", "wan"])
+@pytest.fixture(
+    scope="module", params=["flux", "sd3", "qwen_image", "z_image", "wan", "chroma", "longcat_image"]
+)
 def family_folder(request, tmp_path_factory) -> tuple[str, Path]:
     if request.param == "flux":
         return "flux", request.getfixturevalue("tiny_flux_dir")
@@ -105,6 +112,7 @@ PUBLISHED_DITS: dict[str, tuple[type[nn.Module], dict]] = {
     "Qwen-Image": (QwenImageTransformer2DModel, {}),
     "Z-Image-Turbo": (ZImageTransformer2DModel, {}),
     "Wan2.1-T2V-14B": (WanTransformer3DModel, {}),
+    "Chroma1-HD": (ChromaTransformer2DModel, {}),
 }
 
 

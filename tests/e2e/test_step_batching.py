@@ -38,12 +38,39 @@ CASES = {
             },
         ],
     ),
+    "longcat-image": (
+        "diffserve.families.longcat_image.tiny:build_tiny_longcat_image",
+        [
+            {"num_inference_steps": 4, "guidance_scale": 4.5},
+            {"num_inference_steps": 3, "guidance_scale": 1.0},
+            {
+                "num_inference_steps": 5,
+                "guidance_scale": 3.0,
+                "negative_prompt": "blurry",
+                "num_outputs_per_prompt": 2,
+            },
+        ],
+    ),
     "z-image": (
         "diffserve.families.z_image.tiny:build_tiny_zimage",
         [
             {"num_inference_steps": 4, "guidance_scale": 4.0},
             {"num_inference_steps": 3, "guidance_scale": 0.0},
             {"num_inference_steps": 5, "guidance_scale": 2.0, "negative_prompt": "blurry and dark"},
+        ],
+    ),
+    "chroma": (
+        "diffserve.families.chroma.tiny:build_tiny_chroma",
+        [
+            {"num_inference_steps": 4, "guidance_scale": 4.0, "max_sequence_length": 32},
+            {"num_inference_steps": 3, "guidance_scale": 1.0, "max_sequence_length": 32},
+            {
+                "num_inference_steps": 5,
+                "guidance_scale": 2.0,
+                "negative_prompt": "blurry and dark",
+                "num_outputs_per_prompt": 2,
+                "max_sequence_length": 32,
+            },
         ],
     ),
 }

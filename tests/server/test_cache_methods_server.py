@@ -53,7 +53,7 @@ def test_default_request_and_off(cache_server) -> None:
     [
         (
             {"method": "fbcache"},
-            "set method to one of none, dbcache, taylorseer, teacache, magcache, scm, easycache",
+            "set method to one of none, dbcache, taylorseer, teacache, magcache, scm, easycache, seacache",
         ),
         (
             {"method": "dbcache", "threshold": 0.1},

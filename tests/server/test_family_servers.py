@@ -32,6 +32,16 @@ FAMILIES = {
         {"guidance_scale": 3.0},
         "true_cfg_scale",
     ),
+    "chroma": (
+        "diffserve.families.chroma.tiny:build_tiny_chroma",
+        {"guidance_scale": 4.0, "negative_prompt": "blurry"},
+        "true_cfg_scale",
+    ),
+    "longcat-image": (
+        "diffserve.families.longcat_image.tiny:build_tiny_longcat_image",
+        {"guidance_scale": 4.5, "negative_prompt": "blurry"},
+        "true_cfg_scale",
+    ),
 }
 WIDTH, HEIGHT = 48, 32
 

@@ -63,11 +63,13 @@ def test_an_unknown_method_names_the_methods() -> None:
     assert info.value.param == "cache"
     assert str(info.value) == (
         "cache: method 'fbcache'; set method to one of none, dbcache, taylorseer, teacache, magcache, scm, "
-        "easycache"
+        "easycache, seacache"
     )
     with pytest.raises(InvalidRequestError, match="no method; set method to one of"):
         parse_cache({"Fn_compute_blocks": 1})
-    assert METHOD_NAMES == ("none", "dbcache", "taylorseer", "teacache", "magcache", "scm", "easycache")
+    assert METHOD_NAMES == (
+        "none", "dbcache", "taylorseer", "teacache", "magcache", "scm", "easycache", "seacache",
+    )  # fmt: skip
 
 
 def test_an_unknown_key_names_that_methods_settings() -> None:

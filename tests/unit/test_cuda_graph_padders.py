@@ -32,7 +32,7 @@ from diffserve.runtime.cuda_graph import (
 )
 from diffserve.runtime.cuda_graph.padders import AttentionSpan
 from diffserve.testing.graph_emulation import EmulatedGraphBackend
-from diffserve.testing.tiny_dits import FLUX, QWEN_IMAGE, Z_IMAGE, tiny_dit, tiny_dit_inputs
+from diffserve.testing.tiny_dits import FLUX, LONGCAT_IMAGE, QWEN_IMAGE, Z_IMAGE, tiny_dit, tiny_dit_inputs
 
 LOGGER = "diffserve.cuda_graph"
 BUCKETS = Buckets(batch=(1, 2, 4), tokens=(8, 16, 64))
@@ -194,6 +194,19 @@ def test_flux_passes_the_text_through_and_is_bit_exact(batch: int, backend: str)
     assert record.breaks == 0 and len(record.blocks) == 3  # 1 double + 2 single blocks, one segment each
 
 
+@BACKENDS
+@pytest.mark.parametrize("batch", [1, 2, 4])
+def test_longcat_image_passes_the_text_through_and_is_bit_exact(batch: int, backend: str) -> None:
+    """FLUX's fixed-length contract on its blocks: every prompt is the pipeline's 512 tokens."""
+    dit, runner = eager_and_runner(LONGCAT_IMAGE, backend=backend)
+    inputs = tiny_dit_inputs(LONGCAT_IMAGE, batch, 12)
+    expected = dit(**inputs)
+    runner.install()
+    padded = runner.padder.pad(inputs, batch, None)
+    assert padded.call["encoder_hidden_states"] is inputs["encoder_hidden_states"] and padded.span is None
+    assert same(dit(**inputs), expected) and same(dit(**inputs), expected)
+
+
 # -- batch buckets ------------------------------------------------------------------------------------------
 
 
@@ -315,7 +328,7 @@ def test_install_and_uninstall_leave_the_module_as_it_was() -> None:
 
 
 def test_the_padder_table_names_dits_only() -> None:
-    assert set(PROMPT_PADDERS) == {QWEN_IMAGE, Z_IMAGE, FLUX}
+    assert set(PROMPT_PADDERS) == {QWEN_IMAGE, Z_IMAGE, FLUX, LONGCAT_IMAGE}
     assert {p.contract for p in PROMPT_PADDERS.values()} == {"masked text", "native length", "fixed length"}
 
 

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from diffserve.models.config_keys import config_from_diffusers
+from diffserve.models.dits.chroma import ChromaTransformer2DModel, ChromaTransformerConfig
 from diffserve.models.dits.flux import FluxTransformer2DModel, FluxTransformerConfig
+from diffserve.models.dits.longcat_image import LongCatImageTransformer2DModel, LongCatImageTransformerConfig
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel, QwenImageTransformerConfig
 from diffserve.models.dits.sd3 import SD3Transformer2DModel, SD3TransformerConfig
 from diffserve.models.dits.wan import WanTransformer3DModel, WanTransformerConfig
@@ -21,6 +23,8 @@ FAMILIES = [
     (QwenImageTransformer2DModel, QwenImageTransformerConfig),
     (ZImageTransformer2DModel, ZImageTransformerConfig),
     (WanTransformer3DModel, WanTransformerConfig),
+    (ChromaTransformer2DModel, ChromaTransformerConfig),
+    (LongCatImageTransformer2DModel, LongCatImageTransformerConfig),
 ]
 IDS = [model.diffusers_class_name for model, _ in FAMILIES]
 

@@ -34,10 +34,12 @@ PACKAGE_LABELS = {
     "sd3": "SD3",
     "qwen_image": "Qwen-Image",
     "z_image": "Z-Image",
+    "chroma": "Chroma",
     "sana": "SANA",
     "wan": "Wan",
     "hunyuan_video15": "HunyuanVideo 1.5",
     "ltx2": "LTX-2",
+    "longcat_image": "LongCat-Image",
 }
 #: The pages whose `*.py` mentions must name files of the tree.
 PAGES_NAMING_FILES = (README, REPO / "docs" / "architecture.md", REPO / "docs" / "adding-a-model.md")

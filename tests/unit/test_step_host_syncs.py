@@ -221,6 +221,7 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "sd3": ({"guidance_scale": 5.0}, {"guidance_scale": 1.0}),
     "qwen-image": ({"true_cfg_scale": 4.0, "negative_prompt": "blurry"}, {"true_cfg_scale": 1.0}),
     "z-image": ({"guidance_scale": 4.0}, {"guidance_scale": 0.0}),
+    "longcat-image": ({"guidance_scale": 4.5}, {"guidance_scale": 1.0}),
     "wan-t2v": ({"guidance_scale": 5.0, "num_frames": 5}, {"guidance_scale": 1.0, "num_frames": 5}),
     "wan-t2v-unipc": ({"guidance_scale": 5.0, "num_frames": 5}, {"guidance_scale": 1.0, "num_frames": 5}),
 }

@@ -24,7 +24,7 @@ from diffserve.configs.step_masks import named_schedule
 from diffserve.errors import InvalidRequestError
 
 #: The methods that reuse the residual of all blocks at once: every DiT with a step cache runs them.
-WHOLE_SPAN_METHODS = frozenset({"teacache", "magcache", "taylorseer", "scm", "easycache"})
+WHOLE_SPAN_METHODS = frozenset({"teacache", "magcache", "taylorseer", "scm", "easycache", "seacache"})
 #: The methods that also need the DiT's blocks run in ranges (`models/cache_methods/blocks.py`).
 BLOCK_RANGE_METHODS = frozenset({"dbcache"})
 
@@ -37,7 +37,10 @@ class CacheRule:
     cache methods count them (FLUX: the double-stream blocks, then the single-stream ones); `range_offset`:
     its leading blocks that DBCache's Fn and Bn do not count and that always run (Z-Image's noise refiner,
     as cache-dit counts its main layers only);
-    `teacache_coefficients` / `mag_ratios`: the family's defaults for those settings (None: it has none).
+    `teacache_coefficients` / `mag_ratios`: the family's defaults for those settings (None: it has none);
+    `separate_cfg`: DBCache's `enable_separate_cfg` default, cache-dit's for the model (true where diffusers'
+    pipeline runs the CFG branch as a forward of its own: Qwen-Image, Wan, HunyuanVideo 1.5);
+    `separate_cfg_supported`: whether the pipeline can give the CFG branch a cache state of its own.
     """
 
     family: str
@@ -46,6 +49,8 @@ class CacheRule:
     range_offset: int = 0
     teacache_coefficients: tuple[float, ...] | None = None
     mag_ratios: tuple[float, ...] | None = None
+    separate_cfg: bool = False
+    separate_cfg_supported: bool = True
 
     def resolve(self, settings: CacheSettings | None) -> CacheSettings | None:
         """`settings` ready to run on this model (defaults filled), or a 400 naming `cache`."""
@@ -66,6 +71,15 @@ class CacheRule:
                 raise InvalidRequestError(
                     f"cache: dbcache's Fn_compute_blocks ({settings.Fn_compute_blocks}) + Bn_compute_blocks "
                     f"({settings.Bn_compute_blocks}) exceed {self.family}'s {counted} DiT blocks",
+                    param="cache",
+                )
+            if settings.enable_separate_cfg is None:
+                separate = self.separate_cfg and self.separate_cfg_supported
+                settings = dataclasses.replace(settings, enable_separate_cfg=separate)
+            elif settings.enable_separate_cfg and not self.separate_cfg_supported:
+                raise InvalidRequestError(
+                    f"cache: dbcache's enable_separate_cfg is not supported by {self.family} (its guidance "
+                    "branches share one cache state); pass false or omit it",
                     param="cache",
                 )
         if isinstance(settings, TeaCacheSettings) and settings.coefficients is None:

@@ -22,6 +22,9 @@ hooks spell them, with cache-dit's defaults, so that a user's settings carry ove
     easycache   EasyCache: the residual is reused while the output change estimated from each step's input
                 change and the blocks' transformation rate (measured between computed steps) stays below
                 `reuse_threshold` in sum, between `start_percent` and `end_percent` of the steps.
+    seacache    SeaCache (diffusers' `SeaCacheConfig`): the residual is reused (or extrapolated) while the
+                accumulated relative L1 change of a spectrally filtered view of the input latents stays
+                below `threshold`, between `retention_steps` and `cache_end_steps`.
     none        No cache: the exact path, also when the server has a `--cache-default`.
 
 The accepted spellings (`parse_cache`): a mapping {"method": name, setting: value, ...}, a settings
@@ -164,6 +167,11 @@ class DBCacheSettings(CacheSettings):
     enable_taylorseer: bool = setting(False, help="extrapolate the reused residual with TaylorSeer")
     enable_encoder_taylorseer: bool = setting(False, help="TaylorSeer for the text stream's residual too")
     taylorseer_order: int = _taylorseer_order()
+    enable_separate_cfg: bool | None = setting(
+        None,
+        help="the CFG branch (negative prompt) keeps its own cache state and decisions (cache-dit's); null: "
+        "the model's default, as cache-dit's (true for Qwen-Image, Wan and HunyuanVideo 1.5)",
+    )
 
     def check_method(self) -> None:
         _check_mask(self.steps_computation_mask)
@@ -276,6 +284,36 @@ class EasyCacheSettings(CacheSettings):
             )
 
 
+@dataclass(frozen=True)
+class SeaCacheSettings(CacheSettings):
+    """SeaCache (arXiv 2602.18993), as diffusers' `SeaCacheConfig` (names and defaults): each step's input
+    latents, filtered by a spectral gain that keeps what the noise level leaves of the clean signal (a
+    power prior of exponent `power_exp`), are compared with the previous step's; while the accumulated
+    relative L1 change stays below `threshold` the blocks' residual is reused (order 1: extrapolated
+    linearly from the last two computed steps)."""
+
+    method: ClassVar[str] = "seacache"
+    summary: ClassVar[str] = (
+        "SeaCache: reuse the blocks' residual while the accumulated change of the spectrally filtered "
+        "input latents stays below threshold"
+    )
+
+    threshold: float = setting(
+        0.25, min=0, help="reuse while the accumulated relative L1 change is below this"
+    )
+    residual_order: int = setting(
+        1, min=0, max=1, help="0: reuse the last residual; 1: extrapolate from the last two computed steps"
+    )
+    retention_steps: int = setting(1, min=0, help="the first steps always run")
+    cache_end_steps: int = setting(1, min=0, help="the last steps always run")
+    max_consecutive_cached: int = setting(2, min=0, help="most steps reused in a row (0: no limit)")
+    power_exp: float = setting(3.0, min=0, help="exponent of the clean signal's power prior (> 0)")
+
+    def check_method(self) -> None:
+        if self.power_exp <= 0:
+            raise _fail(f"seacache.power_exp must be > 0, got {self.power_exp!r}")
+
+
 #: Every method by name.
 CACHE_METHODS: dict[str, type[CacheSettings]] = {
     cls.method: cls
@@ -287,6 +325,7 @@ CACHE_METHODS: dict[str, type[CacheSettings]] = {
         MagCacheSettings,
         ScmSettings,
         EasyCacheSettings,
+        SeaCacheSettings,
     )
 }
 METHOD_NAMES = tuple(CACHE_METHODS)

@@ -52,6 +52,43 @@ class LoraSpec:
     scale: float = 1.0
 
 
+@dataclass(frozen=True)
+class ControlNetSpec:
+    """A ControlNet loaded when the engine starts (`--controlnet [NAME=]PATH`): the name requests give it
+    (default: the folder's name) and its Diffusers model folder (config.json and safetensors)."""
+
+    name: str
+    path: str
+
+
+def controlnet_specs(value: object) -> list[ControlNetSpec]:
+    """`EngineArgs.controlnets` as specs: `--controlnet` texts `[NAME=]PATH`, `ControlNetSpec`s, or (from
+    Python) a {name: path} mapping; each name once. UserError naming `--controlnet` otherwise."""
+    if isinstance(value, dict):
+        value = [ControlNetSpec(str(name), str(path)) for name, path in value.items()]
+    specs: list[ControlNetSpec] = []
+    for item in value or ():
+        if isinstance(item, ControlNetSpec):
+            spec = item
+        elif isinstance(item, (str, Path)):
+            name, sep, path = str(item).partition("=")
+            if not sep:
+                name, path = Path(str(item)).name, str(item)
+            spec = ControlNetSpec(name.strip(), path)
+        else:
+            raise UserError(f"--controlnet: expected NAME=PATH, got {item!r}")
+        if not spec.name:
+            raise UserError(f"--controlnet {spec.path!r}: the ControlNet's NAME is empty (NAME=PATH)")
+        if not Path(spec.path).expanduser().is_dir():
+            raise UserError(
+                f"--controlnet {spec.name}={spec.path}: not a directory (a Diffusers ControlNet folder)"
+            )
+        if any(known.name == spec.name for known in specs):
+            raise UserError(f"--controlnet: two ControlNets are named {spec.name!r}; give each its own NAME")
+        specs.append(spec)
+    return specs
+
+
 def parse_resolution(text: str) -> tuple[int, int]:
     """'WIDTHxHEIGHT' (OpenAI's size order) -> (height, width)."""
     parts = text.lower().split("x")
@@ -254,6 +291,14 @@ class EngineArgs:
         64, cli="--max-loras", min=1, max=4096, metavar="N", group=LORA, commands=("serve",),
         help="most LoRA adapters the server knows at once (loaded, or named by requests from --lora-dir); "
         "loading one more is refused with 409 until one is unloaded (default: 64)",
+    )  # fmt: skip
+    #: ControlNets (FLUX.1) requests apply by name (`SamplingParams.controlnets`); from Python: {name: path}.
+    controlnets: list[ControlNetSpec] = option(
+        default_factory=list, cli="--controlnet", repeat=True, parse=str, metavar="[NAME=]PATH",
+        commands=("serve",),
+        help="a Diffusers FluxControlNetModel folder loaded at start as NAME (default: the folder's name); "
+        'repeatable. Requests apply it with "controlnets": [{"name": NAME, "image": ..., "scale": 0.7}] '
+        "(FLUX.1 only)",
     )  # fmt: skip
     # Memory: quantization, single-file weights, offload (docs/memory.md).
     quantization: str | None = option(

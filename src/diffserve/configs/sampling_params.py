@@ -14,8 +14,11 @@ from diffserve.errors import InvalidRequestError
 #: Most LoRA adapters one request may apply, and the range of a LoRA scale.
 MAX_LORAS_PER_REQUEST = 8
 MAX_LORA_SCALE = 100.0
-#: Fields holding images rather than JSON values.
-IMAGE_FIELDS = ("input_images", "mask_image")
+#: Most ControlNet entries one request may list, and the range of a ControlNet conditioning scale.
+MAX_CONTROLNETS_PER_REQUEST = 4
+MAX_CONTROLNET_SCALE = 10.0
+#: Fields holding images rather than JSON values (`controlnets` holds some in its entries).
+IMAGE_FIELDS = ("input_images", "mask_image", "controlnets")
 #: Longest prompt or negative prompt, in characters. Text encoders truncate to a few hundred tokens, so
 #: a longer text changes nothing but the memory it holds (queues, the prompt cache, logs).
 MAX_PROMPT_CHARS = 10_000
@@ -110,6 +113,105 @@ def check_loras(loras: object) -> None:
             )
     if len(set(names)) != len(names):
         raise InvalidRequestError("loras names a LoRA twice; list each adapter once", param="loras")
+
+
+@dataclass(frozen=True)
+class ControlNetChoice:
+    """One ControlNet a request applies (Diffusers' `FluxControlNetPipeline` keywords in brackets): a loaded
+    ControlNet by `name` (`--controlnet NAME=PATH`; "default" for a pipeline folder's own), its control
+    `image` (an RGB PIL image, resized to the output size), `scale` (`controlnet_conditioning_scale`), the
+    fractions of the schedule it acts between, `start` and `end` (`control_guidance_start` / `_end`), and a
+    Union ControlNet's control `mode` (`control_mode`)."""
+
+    name: str
+    image: Any = None
+    scale: float = 1.0
+    start: float = 0.0
+    end: float = 1.0
+    mode: int | None = None
+
+
+_CONTROLNET_KEYS = frozenset(f.name for f in fields(ControlNetChoice))
+
+
+def controlnet_choices(value: object) -> list[ControlNetChoice]:
+    """Python callers' spellings of `controlnets`: a list of `ControlNetChoice`s or of dicts with its
+    fields. InvalidRequestError (param "controlnets") for anything else; the values are checked by
+    `check_controlnets`."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise InvalidRequestError(
+            'controlnets must be a list such as [{"name": "canny", "image": <image>, "scale": 0.7}]',
+            param="controlnets",
+        )
+    choices = []
+    for entry in value:
+        if isinstance(entry, ControlNetChoice):
+            choices.append(entry)
+        elif isinstance(entry, dict) and set(entry) <= _CONTROLNET_KEYS and "name" in entry:
+            choices.append(ControlNetChoice(**entry))
+        else:
+            raise InvalidRequestError(
+                f"controlnets entries are {{name, image, scale, start, end, mode}}, got {entry!r}",
+                param="controlnets",
+            )
+    return choices
+
+
+def _is_number(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def check_controlnets(entries: object) -> None:
+    """The model-free checks of `controlnets` (InvalidRequestError naming the entry's field): a list of at
+    most MAX_CONTROLNETS_PER_REQUEST `ControlNetChoice`s, each with a name, a PIL image, a finite scale in
+    [0, MAX_CONTROLNET_SCALE], 0 <= start < end <= 1 and a mode that is None or an integer >= 0. Whether
+    the name is loaded and takes a mode is the pipeline's check."""
+    param = "controlnets"
+    if not isinstance(entries, (list, tuple)) or not all(isinstance(c, ControlNetChoice) for c in entries):
+        raise InvalidRequestError(
+            "controlnets must be a list of {name, image, scale, ...} entries", param=param
+        )
+    if len(entries) > MAX_CONTROLNETS_PER_REQUEST:
+        raise InvalidRequestError(
+            f"controlnets lists {len(entries)} entries; at most {MAX_CONTROLNETS_PER_REQUEST} are allowed",
+            param=param,
+        )
+    for i, entry in enumerate(entries):
+        where = f"controlnets[{i}]"
+        if not isinstance(entry.name, str) or not entry.name:
+            raise InvalidRequestError(f"{where}.name must be a non-empty string", param=param)
+        if entry.image is None:
+            raise InvalidRequestError(
+                f"{where}.image is missing: a ControlNet needs its control image", param=param
+            )
+        if not (hasattr(entry.image, "size") and hasattr(entry.image, "convert")):
+            raise InvalidRequestError(
+                f"{where}.image must be a decoded image (PIL), got {type(entry.image).__name__}", param=param
+            )
+        if not _is_number(entry.scale) or not 0 <= entry.scale <= MAX_CONTROLNET_SCALE:
+            raise InvalidRequestError(
+                f"{where}.scale (controlnet_conditioning_scale) must be a number in [0, "
+                f"{MAX_CONTROLNET_SCALE:g}], got {entry.scale!r}",
+                param=param,
+            )
+        for name in ("start", "end"):
+            value = getattr(entry, name)
+            if not _is_number(value) or not 0 <= value <= 1:
+                raise InvalidRequestError(
+                    f"{where}.{name} (control_guidance_{name}) must be a number in [0, 1], got {value!r}",
+                    param=param,
+                )
+        if not entry.start < entry.end:
+            raise InvalidRequestError(
+                f"{where}.start ({entry.start:g}) must be below its end ({entry.end:g})", param=param
+            )
+        mode = entry.mode
+        if mode is not None and (isinstance(mode, bool) or not isinstance(mode, int) or mode < 0):
+            raise InvalidRequestError(
+                f"{where}.mode (control_mode) must be an integer >= 0 or null, got {mode!r}", param=param
+            )
 
 
 def check_skip_layer_guidance(params: SamplingParams) -> None:
@@ -293,6 +395,13 @@ class SamplingParams:
         help=f"LoRA adapters to apply, at most {MAX_LORAS_PER_REQUEST}, each a name and a scale (1.0: as "
         f"trained; 0: off; negative: subtracted; within +-{MAX_LORA_SCALE:g}); unset: the base model",
     )  # fmt: skip
+    #: Empty: no ControlNet. Each entry names one the engine loaded (`EngineArgs.controlnets`).
+    controlnets: list[ControlNetChoice] = option(
+        default_factory=list, front_end_default=None, max_items=MAX_CONTROLNETS_PER_REQUEST, http=True,
+        help=f"ControlNets to apply (FLUX.1), at most {MAX_CONTROLNETS_PER_REQUEST}: each a loaded ControlNet's "
+        "name, its control image, a scale (controlnet_conditioning_scale), start and end fractions of the "
+        "schedule (control_guidance_start / _end) and a Union ControlNet's mode (control_mode)",
+    )  # fmt: skip
     extra: dict[str, Any] = option(
         default_factory=dict, front_end_default=None, http=True,
         help="the model family's own settings by name, checked by the family (LTX-2: audio_guidance_scale, "
@@ -332,6 +441,7 @@ class SamplingParams:
                     param=name,
                 )
         check_loras(self.loras)
+        check_controlnets(self.controlnets)
         if self.cache is not None:
             parse_cache(self.cache)  # checks the settings' values (InvalidRequestError naming cache)
         for key, value in self.extra.items():
@@ -412,4 +522,9 @@ class SamplingParams:
             None if self.input_images is None else [list(im.size) for im in self.input_images]
         )
         out["mask_image"] = None if self.mask_image is None else list(self.mask_image.size)
+        out["controlnets"] = [
+            {"name": c.name, "image": None if c.image is None else list(c.image.size), "scale": c.scale,
+             "start": c.start, "end": c.end, "mode": c.mode}
+            for c in self.controlnets
+        ]  # fmt: skip
         return out

@@ -70,6 +70,11 @@ class Pipeline:
     #: family records none; a magcache request must then bring its ratios).
     teacache_coefficients: ClassVar[tuple[float, ...] | None] = None
     mag_ratios: ClassVar[tuple[float, ...] | None] = None
+    #: DBCache's `enable_separate_cfg` default for the family, cache-dit's (true where diffusers' pipeline
+    #: runs the CFG branch as a transformer call of its own), and whether the family can give the CFG
+    #: branch a cache state of its own (`pipelines/cfg_batch.step_cache_for`).
+    cache_separate_cfg: ClassVar[bool] = False
+    cache_separate_cfg_supported: ClassVar[bool] = True
     #: The family's typed conditioning (`Req.conditioning`): every request gets an empty one before its
     #: pre-denoise stages, so all requests of the pipeline carry the same class (None: the family needs none).
     conditioning_type: ClassVar[type[Conditioning] | None] = None
@@ -119,6 +124,8 @@ class Pipeline:
             else 0,
             teacache_coefficients=self.teacache_coefficients,
             mag_ratios=self.mag_ratios,
+            separate_cfg=self.cache_separate_cfg,
+            separate_cfg_supported=self.cache_separate_cfg_supported,
         )
         default = rule.resolve(context.default_cache)  # InvalidRequestError: reported as --cache-default's
         default = None if isinstance(default, NoCache) else default

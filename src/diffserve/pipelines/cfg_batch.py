@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -16,6 +17,7 @@ from diffserve.distributed.cfg_parallel import gather_branch_rows
 from diffserve.models.step_cache import BatchStepCache, CacheRows, batch_step_cache
 from diffserve.request import Req
 from diffserve.runtime.runner import CfgBranchView
+from diffserve.stages.latent_preparation import unpack_latents
 from diffserve.stages.mask_preparation import keep_unmasked
 
 
@@ -136,14 +138,52 @@ def advance_requests(scheduler, reqs: list[Req], predictions: list[torch.Tensor]
         req.step_index += 1
 
 
+def latent_grid(latents: torch.Tensor, size: tuple[int, int] | None) -> torch.Tensor:
+    """A request's latents on their grid, (outputs, channels, frames, height, width), whatever the family's
+    layout: a latent video as it is, a latent image as one frame, 2x2-packed tokens (FLUX.1, FLUX.2,
+    Qwen-Image) unpacked, frame-major 1x1x1 tokens (LTX-2) unflattened, other tokens as one row."""
+    if latents.ndim == 5:
+        return latents
+    if latents.ndim == 4:
+        return latents.unsqueeze(2)
+    if latents.ndim == 3 and size is not None:
+        height, width = size
+        tokens, channels = latents.shape[1:]
+        if tokens == (height // 2) * (width // 2) and channels % 4 == 0:
+            return unpack_latents(latents, height, width).unsqueeze(2)
+        if height * width and tokens % (height * width) == 0:
+            return latents.transpose(1, 2).unflatten(2, (tokens // (height * width), height, width))
+    if latents.ndim == 3:
+        return latents.transpose(1, 2)[:, :, None, None, :]
+    return latents.reshape(latents.shape[0], 1, 1, 1, -1)
+
+
+def latent_probe(req: Req) -> tuple[torch.Tensor, float]:
+    """The request's latent probe (`cache_methods.batch.LatentProbe`): its latents on their grid and this
+    step's sigma (from the schedule's CPU copy: no host sync)."""
+    assert req.latents is not None and req.schedule is not None
+    sigma = float(req.schedule.host_sigmas[req.step_index])
+    return latent_grid(req.latents, req.latent_size), sigma
+
+
+def request_cache_rows(req: Req, rows_per_branch: int, branches: int) -> list[CacheRows]:
+    """A request's `CacheRows` for `branches` consecutive branches of `rows_per_branch` rows each (the
+    positive prompt's first): one group, or, when its cache keeps the CFG branch apart, the positive
+    rows with its cache and the rest with the CFG branch's."""
+    state = req.step_cache
+    latent = partial(latent_probe, req)
+    if state is not None and state.cfg_branch is not None and branches > 1:
+        rest = rows_per_branch * (branches - 1)
+        return [
+            CacheRows(state, rows_per_branch, req.step_index, req.num_steps, latent),
+            CacheRows(state.cfg_branch, rest, req.step_index, req.num_steps, latent),
+        ]
+    return [CacheRows(state, rows_per_branch * branches, req.step_index, req.num_steps, latent)]
+
+
 def step_cache_for(reqs: list[Req]) -> BatchStepCache | None:
     """The DiT's step cache for a batch built by `gather_branches` (each request's positive rows then
-    its negative rows), or None when no request in it uses an approximate quality tier."""
+    its negative rows), or None when no request in it has a cache."""
     return batch_step_cache(
-        [
-            CacheRows(
-                req.step_cache, req.batch_size * (2 if req.do_cfg else 1), req.step_index, req.num_steps
-            )
-            for req in reqs
-        ]
+        [rows for req in reqs for rows in request_cache_rows(req, req.batch_size, 2 if req.do_cfg else 1)]
     )

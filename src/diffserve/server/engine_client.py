@@ -133,7 +133,7 @@ class PendingRequest:
 async def _serialized(job: msg.GenerateJob) -> bytes:
     """The job as the engine's `recv_pyobj` reads it; pickled off the event loop when it carries images."""
     params = job.params
-    if params.input_images or params.mask_image is not None:
+    if params.input_images or params.mask_image is not None or params.controlnets:
         return await asyncio.to_thread(pickle.dumps, job, pickle.DEFAULT_PROTOCOL)
     return pickle.dumps(job, pickle.DEFAULT_PROTOCOL)
 

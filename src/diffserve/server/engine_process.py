@@ -62,7 +62,8 @@ def preview_steps(total_steps: int, partial_images: int) -> list[int]:
 
 def _without_inputs(params: SamplingParams) -> SamplingParams:
     """Resolved parameters as sent back, without the (possibly large) input images the front end has."""
-    return dataclasses.replace(params, input_images=None, mask_image=None)
+    controlnets = [dataclasses.replace(c, image=None) for c in params.controlnets]
+    return dataclasses.replace(params, input_images=None, mask_image=None, controlnets=controlnets)
 
 
 def _is_client_job(sr: ScheduledRequest) -> bool:

@@ -18,9 +18,10 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from diffserve.configs.sampling_params import SamplingParams
+from diffserve.configs.sampling_params import ControlNetChoice, SamplingParams
 from diffserve.outputs import CONTENT_TYPES
 from diffserve.server.app_state import AppState, ServerState, outcome_of
+from diffserve.server.controlnet_schema import decode_controlnets
 from diffserve.server.disconnects import ClientDisconnected, run_unless_disconnected
 from diffserve.server.errors import ApiError, documented
 from diffserve.server.image_edits import EDIT_REQUEST_BODY, EditModel, read_edit_request
@@ -149,12 +150,24 @@ async def serve_images(
     return JSONResponse(images_response(job, result, args.public_url or str(request.base_url), token_key))
 
 
+async def _controlnets(body: ImageGenerationRequest, state: ServerState) -> list[ControlNetChoice]:
+    """The request's `controlnets` with their control images decoded (off the event loop when any)."""
+    if not body.controlnets:
+        return []
+    args = state.args
+    return await asyncio.to_thread(
+        decode_controlnets, body.controlnets, args.allow_url_images, args.image_limits
+    )
+
+
 @router.post("/v1/images/generations", response_model=ImagesResponse, responses=_IMAGE_RESPONSES)
 async def create_images(body: ImageGenerationRequest, request: Request, state: ServerState) -> Response:
     async def build_job() -> tuple[GenerateJob, ImageGenerationRequest]:
         check_route(state.engine, video=False)
         state.check_model(body.model)
-        return make_job(request, body, body.to_sampling_params()), body
+        params = body.to_sampling_params()
+        params.controlnets = await _controlnets(body, state)
+        return make_job(request, body, params), body
 
     return await serve_images(state, request, build_job, "image_generation")
 
@@ -179,6 +192,7 @@ async def edit_images(request: Request, state: ServerState) -> Response:
         inputs = await read_edit_request(request, args.max_edit_body_bytes, model)
         state.check_model(inputs.body.model)
         params = inputs.body.to_sampling_params()
+        params.controlnets = await _controlnets(inputs.body, state)
         images = await inputs.decode(args.allow_url_images, args.image_limits)
         params.input_images, params.mask_image = images
         return make_job(request, inputs.body, params), inputs.body

@@ -20,6 +20,7 @@ from diffserve.configs.sampling_params import (
     lora_choices,
 )
 from diffserve.server.cache_schema import CacheRequest, cache_field, cache_settings
+from diffserve.server.controlnet_schema import CONTROLNETS_NOTE, ControlNetEntry, controlnet_entries
 
 
 class ApiParamError(ValueError):
@@ -175,7 +176,7 @@ def sampling_params(body: BaseModel, **fields: Any) -> SamplingParams:
     unset seed is drawn here, so that the answer can name it. `loras` are checked here (count, distinct
     names, scale range: InvalidRequestError naming `loras`); whether the engine has them, by the engine."""
     shared = {f.name for f in dataclasses.fields(SamplingParams)} & set(type(body).model_fields)
-    names = shared - {*fields, "seed", "loras", "cache"}
+    names = shared - {*fields, "seed", "loras", "cache", "controlnets"}  # controlnets: the route decodes them
     seed = body.seed if body.seed is not None else secrets.randbelow(2**32)
     loras = _lora_choices(getattr(body, "loras", None))
     values = {name: getattr(body, name) for name in names}
@@ -242,11 +243,13 @@ class ImageGenerationRequest(BaseModel):
     loras: list[LoraEntry] | None = sampling_field("loras", note=_LORAS_FORM)
     extra: dict[str, Any] | None = sampling_field("extra", note=f"for example {_EXTRA_EXAMPLE}")
     cache: CacheRequest | None = sampling_field("cache", note=_CACHE_NOTE)
+    controlnets: list[ControlNetEntry] | None = sampling_field("controlnets", note=CONTROLNETS_NOTE)
 
     _utf8 = field_validator("*")(utf8_text)
     _loras = field_validator("loras", mode="before")(lora_entries)
     _extra = field_validator("extra", mode="before")(extra_settings)
     _cache = field_validator("cache", mode="before")(cache_field)
+    _controlnets = field_validator("controlnets", mode="before")(controlnet_entries)
 
     def check_supported(self) -> None:
         for name, allowed in NO_OP_VALUES.items():

@@ -12,10 +12,15 @@ from PIL import Image
 from diffserve.configs.cache_rule import CacheRule, check_cache_steps, check_tier_steps, choose_cache
 from diffserve.configs.cache_settings import CacheSettings
 from diffserve.configs.quality import EXACT, QualityRule
-from diffserve.configs.sampling_params import SKIP_LAYER_GUIDANCE_FIELDS, SamplingParams, check_strength
+from diffserve.configs.sampling_params import (
+    SKIP_LAYER_GUIDANCE_FIELDS,
+    SamplingParams,
+    check_controlnets,
+    check_strength,
+)
 from diffserve.errors import InvalidRequestError
 from diffserve.masks import check_mask_size, edit_mask
-from diffserve.models.cache_methods.registry import new_request_cache, new_tier_cache
+from diffserve.models.cache_methods.registry import add_cfg_branch, new_request_cache, new_tier_cache
 from diffserve.request import Req
 from diffserve.runtime.contract import CfgMode
 from diffserve.stages.base import Stage
@@ -241,6 +246,9 @@ class InputValidationStage(Stage):
         #: The `cache` methods its DiT runs, and the engine's `--cache-default` (the pipeline sets both).
         self.cache_rule = CacheRule(family=self.image_inputs.pipeline_name)
         self.default_cache: CacheSettings | None = None
+        #: The family's model checks of `controlnets` (set by a pipeline that serves ControlNets); None: a
+        #: request listing any is refused.
+        self.controlnet_check: Callable[[SamplingParams], None] | None = None
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         """Family defaults applied and validated; raises InvalidRequestError on bad input."""
@@ -270,6 +278,15 @@ class InputValidationStage(Stage):
                 "low-noise expert's CFG scale of Wan 2.2 A14B (two-expert) folders",
                 param="guidance_scale_2",
             )
+        if params.controlnets:
+            if self.controlnet_check is None:
+                raise InvalidRequestError(
+                    f"controlnets is not a parameter of {self.image_inputs.pipeline_name}: this family serves no "
+                    "ControlNets (--controlnet NAME=PATH)",
+                    param="controlnets",
+                )
+            check_controlnets(params.controlnets)
+            self.controlnet_check(params)
         self.image_inputs.check_requested_strength(params)
         resolved = params.with_defaults(self.defaults)
         resolved.quality = self.quality.resolve(params.quality)
@@ -322,4 +339,7 @@ class InputValidationStage(Stage):
             req.cfg_scale = float(p.guidance_scale or 0.0)
             if req.do_cfg and p.negative_prompt is None:
                 p.negative_prompt = ""
+        if req.step_cache is not None and req.do_cfg:  # a method keeping the CFG branch apart: its own state
+            settings = self.quality.policies[p.quality] if p.quality != EXACT else p.cache
+            add_cfg_branch(req.step_cache, settings, rule.num_blocks, rule.range_offset)
         return req

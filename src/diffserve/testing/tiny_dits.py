@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from diffserve.models.dits.flux import FluxTransformer2DModel
+from diffserve.models.dits.longcat_image import LongCatImageTransformer2DModel
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
 from diffserve.models.dits.z_image import ZImageTransformer2DModel
 from diffserve.testing.tiny_writing import random_native_module
@@ -19,6 +20,7 @@ from diffserve.testing.tiny_writing import random_native_module
 QWEN_IMAGE = "QwenImageTransformer2DModel"
 Z_IMAGE = "ZImageTransformer2DModel"
 FLUX = "FluxTransformer2DModel"
+LONGCAT_IMAGE = "LongCatImageTransformer2DModel"
 
 #: The DiT configs of the tiny checkpoints (`families/*/tiny.py` defaults).
 TINY_CONFIGS: dict[str, tuple[type[nn.Module], dict[str, Any]]] = {
@@ -46,6 +48,14 @@ TINY_CONFIGS: dict[str, tuple[type[nn.Module], dict[str, Any]]] = {
             "patch_size": 1, "in_channels": 64, "out_channels": None, "num_layers": 1, "num_single_layers": 2,
             "attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 32,
             "pooled_projection_dim": 32, "guidance_embeds": True, "axes_dims_rope": [4, 6, 6],
+        },
+    ),
+    LONGCAT_IMAGE: (
+        LongCatImageTransformer2DModel,
+        {
+            "patch_size": 1, "in_channels": 64, "num_layers": 1, "num_single_layers": 2, "attention_head_dim": 16,
+            "num_attention_heads": 2, "joint_attention_dim": 32, "pooled_projection_dim": 32,
+            "axes_dims_rope": [4, 6, 6],
         },
     ),
 }  # fmt: skip
@@ -104,10 +114,23 @@ def _flux_inputs(g: torch.Generator, batch: int, text: int, ragged: bool, device
     }
 
 
+def _longcat_image_inputs(
+    g: torch.Generator, batch: int, text: int, ragged: bool, device, dtype
+) -> dict[str, Any]:
+    """FLUX's call without pooled text or guidance; text ids (0, i, i), image ids (1, text + row, text + col)."""
+    inputs = _flux_inputs(g, batch, text, ragged, device, dtype)
+    del inputs["pooled_projections"], inputs["guidance"]
+    index = torch.arange(float(text), device=device)
+    inputs["txt_ids"] = torch.stack([torch.zeros_like(index), index, index], dim=-1)
+    inputs["img_ids"] = inputs["img_ids"] + torch.tensor([1.0, text, text], device=device)
+    return inputs
+
+
 _INPUTS: dict[str, Callable[..., dict[str, Any]]] = {
     QWEN_IMAGE: _qwen_inputs,
     Z_IMAGE: _zimage_inputs,
     FLUX: _flux_inputs,
+    LONGCAT_IMAGE: _longcat_image_inputs,
 }
 
 

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from diffserve.loader.model_index import read_json, read_model_index
+from diffserve.models.dits.chroma import ChromaTransformer2DModel
 from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
 from diffserve.models.dits.sd3 import SD3Transformer2DModel
@@ -24,7 +25,7 @@ DIT_CLASSES: dict[str, type[nn.Module]] = {
     cls.__name__: cls
     for cls in (
         FluxTransformer2DModel, SD3Transformer2DModel, QwenImageTransformer2DModel, ZImageTransformer2DModel,
-        WanTransformer3DModel,
+        WanTransformer3DModel, ChromaTransformer2DModel,
     )
 }  # fmt: skip
 

@@ -6,11 +6,15 @@ every family that appends input-image tokens shares)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from diffserve.request import Conditioning
 from diffserve.stages.reference_images import ReferenceImages
+
+if TYPE_CHECKING:
+    from diffserve.families.flux.controlnet import FluxControls
 
 
 @dataclass
@@ -22,6 +26,8 @@ class FluxConditioning(Conditioning):
     text_ids: torch.Tensor | None = None
     #: (packed tokens, 3) ids (0, row, col) of the packed latent grid (set by `FluxLatentPreparationStage`).
     image_ids: torch.Tensor | None = None
+    #: The request's ControlNet entries, encoded (set by `ControlImageEncodingStage`; None without any).
+    controls: FluxControls | None = None
 
 
 @dataclass

@@ -42,6 +42,7 @@ class FluxFillPipeline(FluxPipeline):
     config = FluxFillPipelineConfig()
     denoiser_cls = FluxFillDenoiser
     conditioning_type = FluxFillConditioning
+    controlnet_classes: ClassVar[dict[str, type]] = {}  # Diffusers has no ControlNet pipeline for it
     #: Exact path only until the step cache is calibrated on a Fill checkpoint.
     step_cache_policies: ClassVar[dict[str, TierPreset]] = {}
 

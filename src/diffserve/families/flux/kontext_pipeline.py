@@ -63,6 +63,7 @@ class FluxKontextPipeline(FluxPipeline):
     config = FluxKontextPipelineConfig()
     denoiser_cls = FluxKontextDenoiser
     conditioning_type = FluxKontextConditioning
+    controlnet_classes: ClassVar[dict[str, type]] = {}  # Diffusers has no ControlNet pipeline for it
     #: Exact path only until the step cache is calibrated on a Kontext checkpoint (the input-image
     #: tokens change what the cache's signal measures).
     step_cache_policies: ClassVar[dict[str, TierPreset]] = {}

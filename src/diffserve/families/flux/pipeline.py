@@ -11,11 +11,13 @@ from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.families.flux.conditioning import FluxConditioning
 from diffserve.families.flux.config import FluxPipelineConfig, flux_default_sampling_params
+from diffserve.families.flux.controlnet import ControlImageEncodingStage, ControlNetRunner, check_controlnets
 from diffserve.families.flux.text_encoding import FluxTextEncodingStage
 from diffserve.layers.lora_rows import request_lora_scope
 from diffserve.layers.rotary import RopeTables
 from diffserve.layers.shape_cache import BoundedCache
 from diffserve.loader.folder_defaults import apply_overrides
+from diffserve.models.controlnets.flux import FluxControlNetModel
 from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.pipelines.base import Pipeline, PipelineContext
@@ -65,9 +67,16 @@ class FluxDenoiser:
     call must share the latent grid and text length (the scheduler buckets by shape).
     """
 
-    def __init__(self, transformer: FluxTransformer2DModel, scheduler: FlowMatchEulerScheduler) -> None:
+    def __init__(
+        self,
+        transformer: FluxTransformer2DModel,
+        scheduler: FlowMatchEulerScheduler,
+        controlnets: dict[str, FluxControlNetModel] | None = None,
+    ) -> None:
         self.transformer = transformer
         self.scheduler = scheduler
+        #: The engine's ControlNets by name (the pipeline's dict: loaded after the stages are built).
+        self.controlnets = ControlNetRunner({} if controlnets is None else controlnets)
         #: RoPE tables per request shape (least recently used evicted): a few shapes cover a workload.
         self._rope_cache: BoundedCache[RopeTables] = BoundedCache()
 
@@ -108,6 +117,8 @@ class FluxDenoiser:
         schedules = [r.schedule for r in reqs for _ in range(2 if r.do_cfg else 1)]
         guidance = [s.guidance for s in schedules if s.guidance is not None]
         first = reqs[0]
+        image_ids, text_ids = FluxConditioning.of(first).image_ids, FluxConditioning.of(first).text_ids
+        controls = self.controlnets.residuals(reqs, image_ids, text_ids) if self.controlnets.nets else []
         # Timesteps and guidance are already on the latents' device (timestep preparation put them there).
         prediction = self.transformer(
             hidden_states=self.image_tokens(batch, reqs),
@@ -115,11 +126,12 @@ class FluxDenoiser:
             context=torch.cat([self.context_for(r) for r in reqs]),
             pooled_projections=torch.cat(batch.pooled),
             timestep=torch.cat(batch.timesteps).to(first.latents.dtype) / 1000,
-            img_ids=FluxConditioning.of(first).image_ids,
-            txt_ids=FluxConditioning.of(first).text_ids,
+            img_ids=image_ids,
+            txt_ids=text_ids,
             guidance=torch.cat(guidance) if guidance else None,
             rope=self.rope_for(first),
             step_cache=step_cache_for(reqs),
+            **({"controlnet_residuals": controls} if controls else {}),
         )
         prediction = prediction[:, : first.latents.shape[1]]
         advance_requests(self.scheduler, reqs, split_guided(prediction, reqs))
@@ -146,6 +158,9 @@ class FluxPipeline(Pipeline):
     config = FluxPipelineConfig()
     denoiser_cls: ClassVar[type[FluxDenoiser]] = FluxDenoiser
     conditioning_type: ClassVar[type[FluxConditioning]] = FluxConditioning
+    #: The ControlNet classes the engine may load for this pipeline by config `_class_name`
+    #: (`loader/controlnets.py`); the variants (Kontext, Fill) take none.
+    controlnet_classes: ClassVar[dict[str, type]] = {"FluxControlNetModel": FluxControlNetModel}
     #: Thresholds from `diffserve calibrate-cache` on the trained demo model (benchmarks/README.md,
     #: "Quality tiers against the exact output").
     #: Calibrate a real checkpoint before trusting them there: a folder's own calibration file wins.
@@ -164,6 +179,10 @@ class FluxPipeline(Pipeline):
         1.01562, 1.00781, 1.0, 1.00781, 1.0, 1.00781, 1.0, 1.0, 0.99609, 0.99609, 0.98047, 0.98828, 0.96484,
         0.95703, 0.93359, 0.89062,
     )  # fmt: skip
+
+    def use_controlnets(self, nets: dict[str, FluxControlNetModel]) -> None:
+        """Serve `nets` by name from now on (requests name them in `controlnets`)."""
+        self.controlnets.update(nets)
 
     def image_input_rule(self) -> ImageInputRule:
         """An optional input image (image-to-image, strength 0.6 by default as Diffusers') and mask."""
@@ -187,6 +206,7 @@ class FluxPipeline(Pipeline):
         the generator first, as Diffusers does), then the initial noise."""
         device, dtype = context.platform.device(), context.dtype
         return [
+            ControlImageEncodingStage(context.get("vae"), device=device, dtype=dtype),
             InputImageEncodingStage(context.get("vae"), pack_latents, device=device, dtype=dtype),
             self.latent_preparation_stage(context),
         ]
@@ -221,7 +241,12 @@ class FluxPipeline(Pipeline):
             image_inputs=self.image_input_rule(),
             default_size=self.default_size(default_pixels),
         )
-        self.denoiser = self.denoiser_cls(transformer, scheduler)
+        #: The engine's ControlNets by name (`use_controlnets`), shared with the denoiser.
+        self.controlnets: dict[str, FluxControlNetModel] = {}
+        if self.controlnet_classes:
+            name = self.input_validation.image_inputs.pipeline_name
+            self.input_validation.controlnet_check = lambda p: check_controlnets(p, self.controlnets, name)
+        self.denoiser = self.denoiser_cls(transformer, scheduler, self.controlnets)
         return [
             self.input_validation,
             FluxTextEncodingStage(

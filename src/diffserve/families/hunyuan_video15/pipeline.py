@@ -160,6 +160,8 @@ class HunyuanVideo15Denoiser:
 
 
 class HunyuanVideo15Pipeline(Pipeline):
+    #: cache-dit runs its DBCache with the CFG branch apart for this pipeline (`enable_separate_cfg`).
+    cache_separate_cfg = True
     required_components = (
         "text_encoder",
         "tokenizer",

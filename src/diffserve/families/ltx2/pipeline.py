@@ -46,8 +46,9 @@ from diffserve.families.ltx2.text_encoding import LTX2TextEncodingStage
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.ltx2 import LTX2VideoTransformer3DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
-from diffserve.models.step_cache import BatchStepCache, CacheRows, batch_step_cache
+from diffserve.models.step_cache import BatchStepCache, batch_step_cache
 from diffserve.pipelines.base import Pipeline, PipelineContext
+from diffserve.pipelines.cfg_batch import request_cache_rows
 from diffserve.request import Req
 from diffserve.runtime.runner import CfgBranchView
 from diffserve.stages.base import Stage
@@ -272,8 +273,9 @@ class LTX2Denoiser:
         None when no request has a cache."""
         return batch_step_cache(
             [
-                CacheRows(req.step_cache, req.batch_size * len(req_kinds), req.step_index, req.num_steps)
+                rows
                 for req, req_kinds in zip(reqs, kinds, strict=True)
+                for rows in request_cache_rows(req, req.batch_size, len(req_kinds))
             ]
         )
 
@@ -316,6 +318,8 @@ class LTX2Denoiser:
 
 
 class LTX2Pipeline(Pipeline):
+    #: Its guidance branches (CFG, STG, modality) share one cache state per request.
+    cache_separate_cfg_supported = False
     required_components = (
         "text_encoder", "tokenizer", "connectors", "transformer", "vae", "audio_vae", "vocoder", "scheduler",
     )  # fmt: skip

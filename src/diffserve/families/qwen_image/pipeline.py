@@ -106,6 +106,8 @@ NOT_GUIDANCE_DISTILLED = "Qwen-Image is not guidance-distilled; use true_cfg_sca
 
 
 class QwenImagePipeline(Pipeline):
+    #: cache-dit runs its DBCache with the CFG branch apart for this pipeline (`enable_separate_cfg`).
+    cache_separate_cfg = True
     required_components = ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
     config = QwenImagePipelineConfig()
     pipeline_name = "QwenImagePipeline"

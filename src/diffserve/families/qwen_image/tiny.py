@@ -18,16 +18,16 @@ shift, resolution-dependent `mu`, terminal shift), so timestep schedules match t
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLProcessor
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
 from diffserve.models.vaes.autoencoder_kl_qwen_image import AutoencoderKLQwenImage
 from diffserve.models.vaes.causal3d_blocks import LATENTS_MEAN, LATENTS_STD
+from diffserve.testing.qwen_processors import load_qwen_vl_processor as load_qwen_vl_processor
+from diffserve.testing.qwen_processors import write_qwen_vl_processor
 from diffserve.testing.qwen_tokenizers import build_qwen_tokenizer
 from diffserve.testing.tiny_writing import (
     DIFFUSERS_FORMAT_VERSION,
@@ -142,56 +142,6 @@ def _text_encoder(spec: TinyQwenImageSpec, tokenizer) -> Qwen2_5_VLForConditiona
         tie_word_embeddings=False,
     )
     return Qwen2_5_VLForConditionalGeneration(config).eval()
-
-
-def write_qwen_vl_processor(directory: Path, tokenizer, max_pixels: int, min_pixels: int = 56 * 56) -> None:
-    """Write a `Qwen2VLProcessor` folder in the released checkpoints' layout, without needing torchvision.
-
-    Constructing a `Qwen2VLProcessor` needs its video processor, which transformers only provides with
-    torchvision installed; the files are written directly instead (tokenizer files, the image
-    processor's `preprocessor_config.json`, a `video_preprocessor_config.json`), as the released
-    Qwen-Image-Edit `processor/` folder has them.
-    """
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(directory)
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
-    image_processor.save_pretrained(directory)
-    config_path = directory / "preprocessor_config.json"
-    config = json.loads(config_path.read_text())
-    config.update({"processor_class": "Qwen2VLProcessor", "min_pixels": min_pixels, "max_pixels": max_pixels})
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    video = {
-        k: config[k]
-        for k in (
-            "do_convert_rgb",
-            "do_normalize",
-            "do_rescale",
-            "do_resize",
-            "image_mean",
-            "image_std",
-            "merge_size",
-            "patch_size",
-            "resample",
-            "rescale_factor",
-            "size",
-            "temporal_patch_size",
-            "min_pixels",
-            "max_pixels",
-        )
-    }
-    video.update({"video_processor_type": "Qwen2VLVideoProcessor", "processor_class": "Qwen2VLProcessor"})
-    (directory / "video_preprocessor_config.json").write_text(
-        json.dumps(video, indent=2, sort_keys=True) + "\n"
-    )
-
-
-def load_qwen_vl_processor(directory: str | Path) -> Qwen2VLProcessor:
-    """Load a processor folder image-only, as diffserve's loader does (no torchvision needed); pass it
-    as `processor=` to Diffusers' `QwenImageEdit*Pipeline.from_pretrained`, which would otherwise
-    try to build the video half too."""
-    from diffserve.loader.processors import load_image_text_processor
-
-    return load_image_text_processor("Qwen2VLProcessor", directory)
 
 
 def build_tiny_qwen_image(out_dir: str | Path, spec: TinyQwenImageSpec | None = None) -> Path:

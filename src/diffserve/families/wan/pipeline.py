@@ -203,6 +203,8 @@ class WanDenoiser:
 
 
 class WanPipeline(Pipeline):
+    #: cache-dit runs its DBCache with the CFG branch apart for this pipeline (`enable_separate_cfg`).
+    cache_separate_cfg = True
     required_components = ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
     #: Wan 2.2 A14B's low-noise expert (with `boundary_ratio` in model_index.json).
     optional_components: tuple[str, ...] = ("transformer_2",)

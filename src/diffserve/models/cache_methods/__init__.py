@@ -1,4 +1,4 @@
-"""Cache accelerators by the names users know (DBCache, TaylorSeer, TeaCache, MagCache, SCM, EasyCache),
+"""Cache accelerators by the names users know (DBCache, TaylorSeer, TeaCache, MagCache, SCM, EasyCache, SeaCache),
 per request.
 
 `configs/cache_settings.py` declares each method's settings; here each method is one file (its per-request

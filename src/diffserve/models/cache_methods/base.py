@@ -6,7 +6,8 @@ Each DiT forward, for each request in the batch (`batch.py`):
    (a schedule says so: MagCache, TaylorSeer's interval, a static mask) or MEASURE (decide from a probe).
 2. The probe, where the method has one (`probe`): "signal", the first block's timestep-modulated input
    (TeaCache, the step cache), before any block runs; "input", the blocks' input (EasyCache), also
-   before; "residual", the output of blocks
+   before; "latent", the request's input latents on their grid and the step's sigma (SeaCache: its
+   `indicator(grid, sigma)` is the probe), before; "residual", the output of blocks
    `[probe_base, span()[0])` minus their input (DBCache), after those blocks ran. `measure(probe)` gives
    its change as a 0-d tensor (the batch fetches every request's in one transfer), `decide(change)` the
    choice, and `keep_probe` what the method remembers of it.
@@ -14,7 +15,9 @@ Each DiT forward, for each request in the batch (`batch.py`):
    blocks before `first` and from `last` on always run. After a computed span, `store(residual)`.
 4. `record(reused)` counts the step: steps and blocks computed or reused, reported per request.
 
-The rows of one request (its outputs and CFG branches) always decide together.
+The rows of one request (its outputs and CFG branches) decide together, unless its method keeps the CFG
+branch apart (DBCache's `enable_separate_cfg`, cache-dit's): that branch's rows then have a state of their
+own (`cfg_branch`), with its own probe reference, residual, counters and decisions.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 from diffserve.models.cache_methods.blocks import Streams
 from diffserve.models.cache_methods.taylor import TaylorSeries
 
-Probe = Literal["none", "signal", "input", "residual"]
+Probe = Literal["none", "signal", "input", "residual", "latent"]
 
 
 class Plan(enum.Enum):
@@ -60,6 +63,9 @@ class RequestCache(ABC):
         self.blocks_reused = 0
         #: The quality tier whose preset this cache runs (None: the request named its `cache` itself).
         self.tier: str | None = None
+        #: The CFG (negative prompt) branch's own cache, for a method that keeps it apart
+        #: (`enable_separate_cfg`); None: the branches decide together, with this state.
+        self.cfg_branch: RequestCache | None = None
 
     # -- what the batch asks ----------------------------------------------------------------------------
 
@@ -90,6 +96,10 @@ class RequestCache(ABC):
     def decide(self, change: float | None, step: int, num_steps: int) -> bool:
         """True to reuse, for a MEASURE plan, given the probe's change."""
         raise NotImplementedError(f"{self.method} decides without a probe")
+
+    def indicator(self, grid: torch.Tensor, sigma: float) -> torch.Tensor:
+        """A "latent" probe from the request's latent grid and sigma."""
+        raise NotImplementedError(f"{self.method} does not probe the latents")
 
     def keep_probe(self, probe: torch.Tensor, reused: bool) -> None:
         """Remember what the method compares the next probe with (called every step it probes)."""
@@ -138,6 +148,16 @@ class RequestCache(ABC):
             "blocks_computed": self.blocks_computed,
             "blocks_reused": self.blocks_reused,
             **self.extra_report(),
+            **({} if self.cfg_branch is None else {"cfg_branch": self.cfg_branch.counts_report()}),
+        }
+
+    def counts_report(self) -> dict[str, Any]:
+        """The steps and blocks this state computed and reused (a separate CFG branch's report)."""
+        return {
+            "steps_computed": self.steps_computed,
+            "steps_reused": self.steps_reused,
+            "blocks_computed": self.blocks_computed,
+            "blocks_reused": self.blocks_reused,
         }
 
     def settings_report(self) -> dict[str, Any]:

@@ -29,16 +29,22 @@ from diffserve.models.cache_methods.blocks import BlockRange, Streams
 
 RunBlocks = Callable[[torch.Tensor | None], torch.Tensor]
 Signal = torch.Tensor | Callable[[], torch.Tensor]
+#: A request's input latents on their grid, (outputs, channels, frames, height, width), and its step's sigma.
+LatentProbe = Callable[[], tuple[torch.Tensor, float]]
 
 
 @dataclass(frozen=True)
 class CacheRows:
-    """A request's consecutive rows in the DiT batch, with its cache (None: always run the blocks)."""
+    """A request's consecutive rows in the DiT batch, with its cache (None: always run the blocks); or,
+    for a request whose cache keeps the CFG branch apart (`enable_separate_cfg`), one branch's rows with
+    that branch's cache. `latent`: the request's latent probe (`LatentProbe`), called only when its cache
+    probes the latents (SeaCache)."""
 
     state: RequestCache | None
     rows: int
     step_index: int
     num_steps: int
+    latent: LatentProbe | None = None
 
 
 @dataclass
@@ -111,9 +117,11 @@ class BatchStepCache:
     # -- decisions ------------------------------------------------------------------------------------------
 
     def _early_decisions(self, groups: list[_Group], signal: Signal, x: torch.Tensor) -> None:
-        """Decide every request probing the signal or the blocks' input now, before any block runs (one
-        host transfer); the signal is computed only when a request probes it."""
-        probing = [g for g in groups if g.state is not None and g.state.probe in ("signal", "input")]
+        """Decide every request probing the signal, the blocks' input or its latents now, before any block
+        runs (one host transfer); the signal is computed only when a request probes it."""
+        probing = [
+            g for g in groups if g.state is not None and g.state.probe in ("signal", "input", "latent")
+        ]
         if not probing:
             for g in groups:
                 self._settle(g)
@@ -128,6 +136,11 @@ class BatchStepCache:
         probes = []
         for g in probing:
             assert g.state is not None
+            if g.state.probe == "latent":
+                if g.cache.latent is None:
+                    raise RuntimeError(f"cache method {g.state.method!r} needs the request's latents")
+                probes.append(g.state.indicator(*g.cache.latent()))
+                continue
             source = x if g.state.probe == "input" else values
             assert source is not None
             probes.append(source[g.lo : g.hi])

@@ -12,6 +12,7 @@ from diffserve.configs.cache_settings import (
     MagCacheSettings,
     NoCache,
     ScmSettings,
+    SeaCacheSettings,
     TaylorSeerSettings,
     TeaCacheSettings,
 )
@@ -22,6 +23,7 @@ from diffserve.models.cache_methods.dbcache import DBCacheState
 from diffserve.models.cache_methods.easycache import EasyCacheState
 from diffserve.models.cache_methods.magcache import MagCacheState
 from diffserve.models.cache_methods.scm import ScmState
+from diffserve.models.cache_methods.seacache import SeaCacheState
 from diffserve.models.cache_methods.taylorseer import TaylorSeerState
 from diffserve.models.cache_methods.teacache import TeaCacheState
 from diffserve.models.cache_methods.tier import StepCacheState
@@ -34,6 +36,7 @@ STATES: dict[type[CacheSettings], Callable[..., RequestCache]] = {
     MagCacheSettings: MagCacheState,
     ScmSettings: ScmState,
     EasyCacheSettings: EasyCacheState,
+    SeaCacheSettings: SeaCacheState,
 }
 
 
@@ -47,6 +50,13 @@ def new_request_cache(
     if isinstance(settings, DBCacheSettings):
         return DBCacheState(settings, num_blocks, range_offset)
     return STATES[type(settings)](settings, num_blocks)
+
+
+def add_cfg_branch(state: RequestCache, settings: object, num_blocks: int, range_offset: int = 0) -> None:
+    """Give a CFG request's cache a state of its own for the CFG branch when its settings keep that branch
+    apart (DBCache's `enable_separate_cfg`, resolved by the family's `CacheRule`); else nothing."""
+    if isinstance(settings, DBCacheSettings) and settings.enable_separate_cfg:
+        state.cfg_branch = DBCacheState(settings, num_blocks, range_offset)
 
 
 def new_tier_cache(tier: str, preset: TierPreset, num_blocks: int, range_offset: int = 0) -> RequestCache:

@@ -62,6 +62,7 @@ from diffserve.layers.tensor_parallel import (
     TensorParallelRank,
     shard_linear,
 )
+from diffserve.models.controlnets.residuals import BlockResiduals, ResidualGroups
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig, check_tp_divides, shard_blocks
 from diffserve.models.dits.flux_block_range import FluxBlockRange
 from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
@@ -276,10 +277,18 @@ class FluxSelfAttention(nn.Module):
         self.norm_k = _qk_norm(head_dim)
         self.rope = RotaryEmbedding()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeTables) -> torch.Tensor:
-        """Attention over projected (batch, seq, heads, head_dim) q, k, v; returns (batch, seq, inner)."""
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: RopeTables,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention over projected (batch, seq, heads, head_dim) q, k, v; returns (batch, seq, inner).
+        `attn_mask`: broadcastable to (batch, heads, q seq, k seq), bool or an additive bias (None: none)."""
         q, k = self.rope(self.norm_q(q), self.norm_k(k), *rope)
-        return sequence_attention(q, k, v).flatten(2)
+        return sequence_attention(q, k, v, attn_mask).flatten(2)
 
 
 class FluxTransformerBlock(nn.Module):
@@ -302,13 +311,20 @@ class FluxTransformerBlock(nn.Module):
             module.shard_for_tensor_parallel(tp)
 
     def forward(
-        self, x: torch.Tensor, ctx: torch.Tensor, emb: torch.Tensor, emb_ctx: torch.Tensor, rope: RopeTables
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        emb: torch.Tensor,
+        emb_ctx: torch.Tensor,
+        rope: RopeTables,
+        attn_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`emb`/`emb_ctx`: this block's adaLN vectors for image and text (`norm1*.linear(SiLU(temb))`)."""
+        """`emb`/`emb_ctx`: this block's adaLN vectors for image and text (`norm1*.linear(SiLU(temb))`);
+        `attn_mask`: over [text; image] (`FluxSelfAttention.forward`'s; None for FLUX.1 itself)."""
         # Each stream's adaLN gives its normalised input and (gate_msa, shift_mlp, scale_mlp, gate_mlp).
         norm_x, *x_mods = self.norm1.modulate_projected(x, emb)
         norm_ctx, *ctx_mods = self.norm1_context.modulate_projected(ctx, emb_ctx)
-        attn_x, attn_ctx = self.attn(norm_x, norm_ctx, rope)
+        attn_x, attn_ctx = self.attn(norm_x, norm_ctx, rope, attn_mask)
         x = attention_mlp_residuals(x, attn_x, x_mods, self.norm2, self.ff, self.modulate)
         ctx = attention_mlp_residuals(
             ctx, attn_ctx, ctx_mods, self.norm2_context, self.ff_context, self.modulate
@@ -385,9 +401,15 @@ class FluxSingleTransformerBlock(nn.Module):
         )
 
     def forward(
-        self, h: torch.Tensor, emb: torch.Tensor, rope: RopeTables, text_len: int | None = None
+        self,
+        h: torch.Tensor,
+        emb: torch.Tensor,
+        rope: RopeTables,
+        text_len: int | None = None,
+        attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`emb`: this block's adaLN vectors (`norm.linear(SiLU(temb))`).
+        """`emb`: this block's adaLN vectors (`norm.linear(SiLU(temb))`); `attn_mask`: over [text; image]
+        (`FluxSelfAttention.forward`'s; None for FLUX.1 itself).
 
         `text_len`: set for the model's last block, whose text rows nothing reads. It returns the
         image rows (those after the first `text_len`) only, and computes for the text rows just what
@@ -406,7 +428,9 @@ class FluxSingleTransformerBlock(nn.Module):
             k_txt, v_txt = self._project_keys_values(norm_h[:, :text_len].contiguous())
             k, v = torch.cat([k_txt, k_img], dim=1), torch.cat([v_txt, v_img], dim=1)
             residual = h[:, text_len:]
-        attn = self.attn(q, k, v, rope)
+            if attn_mask is not None and attn_mask.ndim == 4 and attn_mask.shape[-2] > 1:
+                attn_mask = attn_mask[:, :, text_len:]  # the image rows' queries only
+        attn = self.attn(q, k, v, rope, attn_mask)
         if torch.compiler.is_compiling():
             # An out= write into a strided slice breaks the graph in two; inductor fuses the GELU into
             # the concatenation itself.
@@ -485,15 +509,19 @@ class FluxTransformer2DModel(DiffusersDiT):
             raise RuntimeError("shard_for_tensor_parallel: call it on the meta-built model, before loading")
         shard_blocks(self, tp, [*self.transformer_blocks, *self.single_transformer_blocks])
 
-    def _adaln_projections(self) -> list[tuple[str, nn.Linear]]:
-        """(name, Linear) of every adaLN projection of SiLU(temb), in the order the forward consumes them."""
+    def _block_adaln_projections(self) -> list[tuple[str, nn.Linear]]:
+        """(name, Linear) of the blocks' adaLN projections, in the order the forward consumes them."""
         named = []
         for i, block in enumerate(self.transformer_blocks):
             named.append((f"transformer_blocks.{i}.norm1.linear", block.norm1.linear))
             named.append((f"transformer_blocks.{i}.norm1_context.linear", block.norm1_context.linear))
         for i, block in enumerate(self.single_transformer_blocks):
             named.append((f"single_transformer_blocks.{i}.norm.linear", block.norm.linear))
-        return [*named, ("norm_out.linear", self.norm_out.linear)]
+        return named
+
+    def _adaln_projections(self) -> list[tuple[str, nn.Linear]]:
+        """(name, Linear) of every adaLN projection of SiLU(temb), in the order the forward consumes them."""
+        return [*self._block_adaln_projections(), ("norm_out.linear", self.norm_out.linear)]
 
     def fuse_for_inference(self) -> None:
         """Fuse projections that read the same input into one matmul each; call once the weights are loaded.
@@ -539,6 +567,11 @@ class FluxTransformer2DModel(DiffusersDiT):
         rope: RopeTables | None = None,
         step_cache: BatchStepCache | None = None,
         context: torch.Tensor | None = None,
+        controlnet_block_samples: Sequence[torch.Tensor] | None = None,
+        controlnet_single_block_samples: Sequence[torch.Tensor] | None = None,
+        controlnet_blocks_repeat: bool = False,
+        controlnet_rows: Sequence[int] | None = None,
+        controlnet_residuals: Sequence[BlockResiduals] | None = None,
     ) -> torch.Tensor:
         """Predict the flow-matching velocity for packed latents.
 
@@ -555,6 +588,13 @@ class FluxTransformer2DModel(DiffusersDiT):
             context: `embed_context(encoder_hidden_states)`, given instead of `encoder_hidden_states`
                 (then None): the T5 states are the same at every step of a request, so a caller running
                 many steps embeds them once.
+            controlnet_block_samples, controlnet_single_block_samples, controlnet_blocks_repeat: a
+                ControlNet's residuals, added to the image stream after the double- / single-stream
+                blocks as Diffusers' transformer adds them (`models/controlnets/residuals.py`).
+            controlnet_rows: the batch rows those samples belong to, one sample row each (None: every
+                row); the other rows run as without a ControlNet.
+            controlnet_residuals: instead of the above, residuals of several ControlNet groups, each on
+                its own rows (the engine's step batches, `families/flux/controlnet.py`).
 
         Returns:
             (batch, img_seq, patch_size**2 * out_channels).
@@ -577,40 +617,71 @@ class FluxTransformer2DModel(DiffusersDiT):
         if (context is None) == (encoder_hidden_states is None):
             raise ValueError("pass exactly one of encoder_hidden_states (T5 states) and context (embedded)")
         ctx = self.embed_context(encoder_hidden_states) if context is None else context
+        groups = list(controlnet_residuals or ())
+        if controlnet_block_samples or controlnet_single_block_samples:
+            groups.append(
+                BlockResiduals(
+                    double=list(controlnet_block_samples or ()),
+                    single=list(controlnet_single_block_samples or ()),
+                    rows=None if controlnet_rows is None else tuple(int(r) for r in controlnet_rows),
+                    repeat=controlnet_blocks_repeat,
+                )
+            )
+        controls = ResidualGroups(tuple(groups)) if groups else None
 
         x = run_with_step_cache(
             step_cache,
             x,
             lambda: self._cache_signal(x, block_mods),
             lambda rows: self._run_blocks(
-                take_rows(x, rows), take_rows(ctx, rows), [take_rows(m, rows) for m in block_mods], rope
+                take_rows(x, rows),
+                take_rows(ctx, rows),
+                [take_rows(m, rows) for m in block_mods],
+                rope,
+                None if controls is None else controls.take(rows),
             ),
-            blocks=lambda: self._block_range(x, ctx, block_mods, rope),
+            blocks=lambda: self._block_range(x, ctx, block_mods, rope, controls),
         )
         x = self.norm_out.modulate_projected(x, out_mod)
         return self.proj_out(x)
 
     def _run_blocks(
-        self, x: torch.Tensor, ctx: torch.Tensor, mods: Sequence[torch.Tensor], rope: RopeTables
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        mods: Sequence[torch.Tensor],
+        rope: RopeTables,
+        controls: ResidualGroups | None = None,
     ) -> torch.Tensor:
         """Every double- and single-stream block; returns the image tokens the output head reads.
 
-        `mods` are the blocks' adaLN vectors (`_modulations` without the output head's).
+        `mods` are the blocks' adaLN vectors (`_modulations` without the output head's); `controls`: the
+        ControlNet residuals of some rows, added after each block.
         """
         split = sequence_split([ctx.shape[1], x.shape[1]])
         if split is not None:
+            if controls is not None:
+                raise NotImplementedError("ControlNet residuals under sequence parallelism")
             return self._run_blocks_split(split, x, ctx, mods, rope)
         mods_iter = iter(mods)
-        for block in self.transformer_blocks:
+        n_double, n_single = len(self.transformer_blocks), len(self.single_transformer_blocks)
+        for i, block in enumerate(self.transformer_blocks):
             ctx, x = block(x, ctx, next(mods_iter), next(mods_iter), rope)
+            if controls is not None:
+                x = controls.add("double", i, n_double, x)
         txt_len = ctx.shape[1]
         if not self.single_transformer_blocks:
             return x
         h = torch.cat([ctx, x], dim=1)
         *leading, last = self.single_transformer_blocks
-        for block in leading:
+        for i, block in enumerate(leading):
             h = block(h, next(mods_iter), rope)
-        return last(h, next(mods_iter), rope, text_len=txt_len)
+            if controls is not None:
+                controls.add_in_place("single", i, n_single, h[:, txt_len:])
+        x = last(h, next(mods_iter), rope, text_len=txt_len)
+        if controls is not None:
+            x = controls.add("single", n_single - 1, n_single, x)
+        return x
 
     def _run_blocks_split(
         self,
@@ -639,7 +710,12 @@ class FluxTransformer2DModel(DiffusersDiT):
         return split.gather(image, x)
 
     def _block_range(
-        self, x: torch.Tensor, ctx: torch.Tensor, mods: Sequence[torch.Tensor], rope: RopeTables
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        mods: Sequence[torch.Tensor],
+        rope: RopeTables,
+        controls: ResidualGroups | None = None,
     ) -> FluxBlockRange:
         """The blocks as one sequence for block-range cache methods (DBCache): two adaLN vectors per
         double-stream block, one per single-stream block, in `_modulations` order."""
@@ -647,7 +723,13 @@ class FluxTransformer2DModel(DiffusersDiT):
         per_block = [list(mods[2 * i : 2 * i + 2]) for i in range(n_double)]
         per_block += [[m] for m in mods[2 * n_double :]]
         return FluxBlockRange(
-            self.transformer_blocks, self.single_transformer_blocks, x, ctx, per_block, rope
+            self.transformer_blocks,
+            self.single_transformer_blocks,
+            x,
+            ctx,
+            per_block,
+            rope,
+            controls=controls,
         )
 
     def _cache_signal(self, x: torch.Tensor, mods: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -19,6 +19,7 @@ from torch import nn
 from diffserve.distributed.sequence_split import sequence_split
 from diffserve.layers.rotary import RopeTables
 from diffserve.models.cache_methods.blocks import Streams
+from diffserve.models.controlnets.residuals import ResidualGroups
 from diffserve.models.step_cache import take_rows
 
 #: A double-stream block's call: (x, ctx, its adaLN vectors, rope) -> (ctx, x).
@@ -39,7 +40,8 @@ def flux_single(block: nn.Module, h, mods: list[torch.Tensor], rope: RopeTables,
 
 class FluxBlockRange:
     """One forward's blocks: `mods[i]` are block i's per-row adaLN vectors (each a list: FLUX.1's
-    double-stream blocks take two, its single-stream blocks one), `rope` the shared tables."""
+    double-stream blocks take two, its single-stream blocks one), `rope` the shared tables, `controls`
+    the ControlNet residuals of some rows (FLUX.1), added after each block as the whole forward adds them."""
 
     def __init__(
         self,
@@ -51,6 +53,7 @@ class FluxBlockRange:
         rope: RopeTables,
         double: DoubleCall = flux_double,
         single: SingleCall = flux_single,
+        controls: ResidualGroups | None = None,
     ) -> None:
         if sequence_split([ctx.shape[1], x.shape[1]]) is not None:
             raise RuntimeError(
@@ -60,6 +63,7 @@ class FluxBlockRange:
         self.double_blocks, self.single_blocks = list(double_blocks), list(single_blocks)
         self.x, self.ctx, self.mods, self.rope = x, ctx, list(mods), rope
         self.double, self.single = double, single
+        self.controls = controls
         if len(self.mods) != self.num_blocks:
             raise ValueError(f"{len(self.mods)} blocks' adaLN vectors for {self.num_blocks} blocks")
 
@@ -77,9 +81,12 @@ class FluxBlockRange:
         x, ctx = streams.image, streams.text
         if ctx is None:
             raise RuntimeError("FLUX's blocks need the text stream, which only the last block drops")
-        n_double = len(self.double_blocks)
+        n_double, n_single = len(self.double_blocks), len(self.single_blocks)
+        controls = None if self.controls is None else self.controls.take(rows)
         for i in range(start, min(stop, n_double)):
             ctx, x = self.double(self.double_blocks[i], x, ctx, self._mods(i, rows), self.rope)
+            if controls is not None:
+                x = controls.add("double", i, n_double, x)
         if stop <= n_double:
             return Streams(x, ctx)
         text_len = ctx.shape[1]
@@ -87,6 +94,11 @@ class FluxBlockRange:
         for i in range(max(start, n_double), stop):
             block, mods = self.single_blocks[i - n_double], self._mods(i, rows)
             if i == self.num_blocks - 1:
-                return Streams(self.single(block, h, mods, self.rope, text_len), None)
+                x = self.single(block, h, mods, self.rope, text_len)
+                if controls is not None:
+                    x = controls.add("single", i - n_double, n_single, x)
+                return Streams(x, None)
             h = self.single(block, h, mods, self.rope, None)
+            if controls is not None:
+                controls.add_in_place("single", i - n_double, n_single, h[:, text_len:])
         return Streams(h[:, text_len:], h[:, :text_len])

@@ -324,6 +324,8 @@ class GraphRunner:
         """Why this call cannot replay a graph at all, or None."""
         if call.get("step_cache") is not None:
             return "an approximate quality tier's step cache reuses block outputs between steps"
+        if call.get("controlnet_residuals") or call.get("controlnet_block_samples") is not None:
+            return "ControlNet residuals (their rows and samples change with every batch)"
         if torch.is_grad_enabled():
             return "autograd is on"
         rows = current_lora_rows()

@@ -1,0 +1,1 @@
+"""Chroma (Diffusers `ChromaPipeline`): see `record.py`."""

@@ -1,0 +1,182 @@
+"""Chroma (Diffusers `ChromaPipeline`): T5 text with its padding masked, FLUX.1's latents, timesteps and
+VAE, classic CFG (on when guidance_scale > 1; the negative prompt defaults to ""), and the Chroma DiT; with
+an input image, image-to-image from the same folder (Diffusers' `ChromaImg2ImgPipeline`).
+
+Every request's prompt and negative-prompt branches go through ONE DiT forward (Diffusers runs two): each
+row carries its own text mask, so requests and branches with different prompt lengths share a batch."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from diffserve.families.chroma.conditioning import ChromaConditioning
+from diffserve.families.chroma.config import ChromaPipelineConfig, chroma_default_sampling_params
+from diffserve.families.chroma.text_encoding import ChromaTextEncodingStage
+from diffserve.layers.lora_rows import request_lora_scope
+from diffserve.layers.rotary import RopeTables
+from diffserve.layers.shape_cache import BoundedCache
+from diffserve.loader.folder_defaults import apply_overrides
+from diffserve.models.dits.chroma import ChromaTransformer2DModel
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.pipelines.base import Pipeline, PipelineContext
+from diffserve.pipelines.cfg_batch import (
+    advance_requests,
+    branch_texts,
+    gather_branches,
+    split_guided,
+    step_cache_for,
+)
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+from diffserve.stages.decoding import DecodingStage
+from diffserve.stages.denoising import DenoisingStage
+from diffserve.stages.image_to_image import (
+    ImageToImageNoisingStage,
+    InputImageEncodingStage,
+    input_image_size,
+)
+from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
+from diffserve.stages.latent_preparation import LatentPreparationStage, latent_image_ids, pack_latents
+from diffserve.stages.timestep_preparation import TimestepPreparationStage
+
+
+class ChromaLatentPreparationStage(LatentPreparationStage):
+    """Initial noise packed into 2x2 latent patches, with the packed grid's (0, row, col) position ids."""
+
+    sets = ("latents", "latent_size", "conditioning.image_ids")
+
+    def forward(self, req: Req) -> Req:
+        req = super().forward(req)
+        assert req.latent_size is not None
+        height, width = req.latent_size
+        ChromaConditioning.of(req).image_ids = latent_image_ids(
+            height // 2, width // 2, self.device, self.dtype
+        )
+        return req
+
+
+class ChromaDenoiser:
+    """One denoising step over a list of Chroma requests, each at its own timestep, as one DiT batch (a
+    request with CFG contributes both branches). Requests in one call share the latent grid and the text
+    length (the batch key); their text masks may differ."""
+
+    def __init__(self, transformer: ChromaTransformer2DModel, scheduler: FlowMatchEulerScheduler) -> None:
+        self.transformer = transformer
+        self.scheduler = scheduler
+        #: RoPE tables per request shape (least recently used evicted).
+        self._rope_cache: BoundedCache[RopeTables] = BoundedCache()
+
+    def rope_for(self, req: Req) -> RopeTables:
+        """RoPE tables for the request's shape (text ids are zeros, image ids the packed grid), once per shape."""
+        conditioning = ChromaConditioning.of(req)
+        text_ids, image_ids = conditioning.text_ids, conditioning.image_ids
+        assert text_ids is not None and image_ids is not None
+        key = (text_ids.shape[0], req.latent_size, image_ids.dtype)
+        return self._rope_cache.get_or_build(
+            key, image_ids.device, lambda: self.transformer.rope_tables(text_ids, image_ids)
+        )
+
+    def context_for(self, req: Req) -> torch.Tensor:
+        """The request's text branches through the DiT's context embedder, once per request."""
+        if req.dit_context is None:
+            with request_lora_scope(req.loras):
+                req.dit_context = self.transformer.embed_context(torch.cat(branch_texts(req)))
+        return req.dit_context
+
+    @staticmethod
+    def text_masks(req: Req) -> torch.Tensor:
+        """The request's text masks in row order: the prompt's, then the negative prompt's with CFG."""
+        conditioning = ChromaConditioning.of(req)
+        if req.do_cfg:
+            return torch.cat([conditioning.text_mask, conditioning.negative_text_mask])
+        return conditioning.text_mask
+
+    @staticmethod
+    def dit_timesteps(reqs: list[Req], timesteps: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Each row's sigma (timestep / 1000) as Diffusers rounds it: ChromaPipeline rounds the timestep to
+        the latents' dtype before dividing, ChromaImg2ImgPipeline divides the float32 timestep (the DiT
+        then rounds both to its dtype; in float32 they are the same)."""
+        rows = iter(timesteps)
+        out = []
+        for req in reqs:
+            for _ in range(2 if req.do_cfg else 1):
+                t = next(rows)
+                out.append(t if req.params.input_images else t.to(dtype).float())
+        return torch.cat(out) / 1000
+
+    @torch.inference_mode()
+    def __call__(self, reqs: list[Req]) -> None:
+        batch = gather_branches(reqs)
+        first = reqs[0]
+        conditioning = ChromaConditioning.of(first)
+        # Timesteps are already on the latents' device (timestep preparation put them there).
+        prediction = self.transformer(
+            hidden_states=torch.cat(batch.latents),
+            encoder_hidden_states=None,
+            context=torch.cat([self.context_for(r) for r in reqs]),
+            timestep=self.dit_timesteps(reqs, batch.timesteps, first.latents.dtype),
+            img_ids=conditioning.image_ids,
+            txt_ids=conditioning.text_ids,
+            text_mask=torch.cat([self.text_masks(r) for r in reqs]),
+            rope=self.rope_for(first),
+            step_cache=step_cache_for(reqs),
+        )
+        advance_requests(self.scheduler, reqs, split_guided(prediction, reqs))
+
+
+class ChromaPipeline(Pipeline):
+    """Chroma text-to-image, and image-to-image with one input image noised by `strength` (0.9 by
+    default, as Diffusers' `ChromaImg2ImgPipeline`)."""
+
+    required_components = ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
+    config = ChromaPipelineConfig()
+    conditioning_type: ClassVar[type[ChromaConditioning]] = ChromaConditioning
+    #: No calibrated quality tiers yet: only "high", the exact path (the whole-span cache methods run).
+    step_cache_policies = {}
+
+    def build_stages(self, context: PipelineContext) -> list[Stage]:
+        transformer = context.get("transformer")
+        vae = context.get("vae")
+        scheduler = context.get("scheduler")
+        self.vae_scale_factor = 2 ** (len(vae.config["block_out_channels"]) - 1)
+        self.pixel_multiple = self.vae_scale_factor * self.config.latent_patch_size
+        device, dtype = context.platform.device(), context.dtype
+        default_pixels = self.config.default_sample_size * self.vae_scale_factor
+        self.input_validation = InputValidationStage(
+            defaults=apply_overrides(chroma_default_sampling_params(), context.folder_sampling_defaults),
+            pixel_multiple=self.pixel_multiple,
+            default_pixels=default_pixels,
+            max_sequence_length_limit=self.config.max_t5_sequence_length,
+            image_inputs=ImageInputRule(
+                pipeline_name="ChromaPipeline", max_images=1, default_strength=self.config.default_strength
+            ),
+            # Unset, the input image's size (floored); Diffusers' img2img takes the square default instead.
+            default_size=lambda params: input_image_size(
+                params, self.pixel_multiple, (default_pixels, default_pixels)
+            ),
+            unsupported_params={
+                "true_cfg_scale": "Chroma's CFG is set by guidance_scale (> 1 turns it on, with negative_prompt)"
+            },
+            cfg_mode="classic",
+        )
+        self.denoiser = ChromaDenoiser(transformer, scheduler)
+        return [
+            self.input_validation,
+            ChromaTextEncodingStage(
+                context.get("tokenizer"), context.get("text_encoder"), output_dtype=dtype
+            ),
+            # Image-to-image: the input image's latents are the generator's first draw, as in Diffusers.
+            InputImageEncodingStage(vae, pack_latents, device=device, dtype=dtype),
+            ChromaLatentPreparationStage(
+                latent_channels=transformer.config.in_channels // 4,
+                vae_scale_factor=self.vae_scale_factor,
+                device=device,
+                dtype=dtype,
+            ),
+            TimestepPreparationStage(scheduler, guidance_embeds=False),
+            ImageToImageNoisingStage(),
+            DenoisingStage(self.denoiser),
+            DecodingStage(vae),
+        ]

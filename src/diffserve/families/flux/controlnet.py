@@ -1,0 +1,240 @@
+"""ControlNets for FLUX.1 text-to-image, per request (Diffusers' `FluxControlNetPipeline`, one ControlNet or
+several as its `FluxMultiControlNetModel`, Union ControlNets with a control mode).
+
+The engine holds named ControlNets (`loader/controlnets.py`); a request lists the ones it applies
+(`SamplingParams.controlnets`). Diffusers' recipe, kept here:
+
+1. each control image, resized to the output size (Lanczos) and repeated once per output, is VAE-encoded
+   with a *sampled* posterior, in the order listed, before the initial noise is drawn (each draw comes
+   from the request's generator), then packed into 2x2 tokens;
+2. at step `i` of `n`, a ControlNet entry acts unless `i / n < start` or `(i + 1) / n > end`; an acting
+   entry's ControlNet reads the noisy latents, its control latents, the prompt's text states and pooled
+   embedding, the timestep and (if it embeds guidance) the guidance scale, and returns per-block residuals
+   times its scale. A request's entries' residuals are summed in order (blocks paired up as `zip` pairs
+   them), and added to the DiT's image stream for the prompt's rows and, with true CFG, the same ones
+   for the negative prompt's rows.
+
+In a step batch, each ControlNet runs once over the rows of every request that applies it at that step;
+the DiT adds each request's sum to its own rows only (`models/controlnets/residuals.py`): requests without
+a ControlNet share the batch and keep their values bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from PIL import Image
+from torch import nn
+
+from diffserve.configs.sampling_params import SamplingParams
+from diffserve.errors import InvalidRequestError
+from diffserve.families.flux.conditioning import FluxConditioning
+from diffserve.models.controlnets.flux import ControlNetBatch, FluxControlNetModel
+from diffserve.models.controlnets.residuals import BlockResiduals
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+from diffserve.stages.image_tensor import image_to_tensor
+from diffserve.stages.image_to_image import encode_sampled
+from diffserve.stages.latent_preparation import pack_latents
+
+
+@dataclass
+class ControlInput:
+    """One of a request's ControlNet entries, ready for the steps: the ControlNet's name, the packed control
+    latents (one row per output), its scale, start and end fractions and Union mode, and the prompt's text
+    states through that ControlNet's context embedder (computed at its first step)."""
+
+    name: str
+    latents: torch.Tensor
+    scale: float
+    start: float
+    end: float
+    mode: int | None
+    context: torch.Tensor | None = None
+
+    def acts_at(self, step: int, num_steps: int) -> bool:
+        """Diffusers' `controlnet_keep` for this entry at `step` of `num_steps` (1.0 in Diffusers)."""
+        return not (step / num_steps < self.start or (step + 1) / num_steps > self.end)
+
+
+@dataclass
+class FluxControls:
+    """What a FLUX.1 request carries for its ControlNets (`FluxConditioning.controls`)."""
+
+    inputs: list[ControlInput] = field(default_factory=list)
+
+
+def check_controlnets(params: SamplingParams, nets: Mapping[str, nn.Module], pipeline_name: str) -> None:
+    """The model checks of a request's `controlnets` (the model-free ones are `SamplingParams`'):
+    each name loaded, and a mode exactly when the ControlNet is a Union one, within its modes."""
+    param = "controlnets"
+    for i, entry in enumerate(params.controlnets):
+        where = f"controlnets[{i}]"
+        net = nets.get(entry.name)
+        if net is None:
+            loaded = ", ".join(repr(n) for n in nets) or "none (start the engine with --controlnet NAME=PATH)"
+            raise InvalidRequestError(
+                f"{where}.name {entry.name!r} is not a ControlNet this {pipeline_name} engine loaded; loaded: "
+                f"{loaded}",
+                param=param,
+            )
+        modes = net.config.num_mode
+        if modes is None and entry.mode is not None:
+            raise InvalidRequestError(
+                f"{where}.mode (control_mode): {entry.name!r} is not a Union ControlNet; leave mode unset",
+                param=param,
+            )
+        if modes is not None and (entry.mode is None or entry.mode >= modes):
+            got = "none" if entry.mode is None else entry.mode
+            raise InvalidRequestError(
+                f"{where}.mode (control_mode): {entry.name!r} is a Union ControlNet; give a mode in "
+                f"0..{modes - 1}, got {got}",
+                param=param,
+            )
+
+
+class ControlImageEncodingStage(Stage):
+    """Step 1 above: every control image's packed latents into `conditioning.controls`. Runs before the
+    input image's encoding and the initial noise: its posterior draws come first from the generator."""
+
+    needs = ("generator",)
+
+    def __init__(self, vae: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+        self.vae = vae
+        self.device = device
+        self.dtype = dtype
+
+    @torch.inference_mode()
+    def forward(self, req: Req) -> Req:
+        p = req.params
+        if not p.controlnets:
+            return req
+        inputs = []
+        for entry in p.controlnets:
+            image = entry.image.convert("RGB").resize((p.width, p.height), Image.Resampling.LANCZOS)
+            pixels = image_to_tensor(image).repeat(req.batch_size, 1, 1, 1)
+            latents = encode_sampled(self.vae, pixels, req.generator)
+            packed = pack_latents(latents.to(device=self.device, dtype=self.dtype))
+            inputs.append(ControlInput(entry.name, packed, entry.scale, entry.start, entry.end, entry.mode))
+        FluxConditioning.of(req).controls = FluxControls(inputs)
+        return req
+
+
+def _merge(total: list[torch.Tensor] | None, samples: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Diffusers' sum of several ControlNets' samples: pairwise, as many as both have."""
+    if total is None:
+        return samples
+    if not total or not samples:
+        return total
+    return [a + b for a, b in zip(total, samples)]  # noqa: B905 - Diffusers pairs them as zip does
+
+
+class ControlNetRunner:
+    """Runs the ControlNets of one step batch and hands the DiT each request's residuals."""
+
+    def __init__(self, nets: Mapping[str, FluxControlNetModel]) -> None:
+        self.nets = nets
+
+    def residuals(
+        self, reqs: list[Req], image_ids: torch.Tensor, text_ids: torch.Tensor
+    ) -> list[BlockResiduals]:
+        """The DiT's residual groups for this step: rows of requests whose entries act now (each request's
+        prompt rows, and its negative rows with true CFG); requests sharing their samples' block counts
+        share a group. Empty when no entry acts."""
+        acting: list[tuple[int, int, ControlInput]] = []  # (request, entry index, entry)
+        for r, req in enumerate(reqs):
+            controls = FluxConditioning.of(req).controls
+            if controls is None:
+                continue
+            for k, entry in enumerate(controls.inputs):
+                if entry.acts_at(req.step_index, req.num_steps):
+                    acting.append((r, k, entry))
+        if not acting:
+            return []
+        samples = self._run_nets(reqs, acting, image_ids, text_ids)
+        # Each request's sum over its acting entries, in the order it listed them.
+        per_request: dict[int, tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]] = {}
+        for r, k, _ in acting:
+            double, single = samples[(r, k)]
+            total_double, total_single = per_request.get(r, (None, None))
+            per_request[r] = (_merge(total_double, double), _merge(total_single, single))
+        # Batch rows of each request (`gather_branches`: its prompt rows, then its negative rows).
+        offsets, offset = [], 0
+        for req in reqs:
+            offsets.append(offset)
+            offset += req.batch_size * (2 if req.do_cfg else 1)
+        total_rows = offset
+        groups: dict[tuple[int, int], list[tuple[list[int], list[torch.Tensor], list[torch.Tensor]]]] = {}
+        for r, (double, single) in per_request.items():
+            req, start = reqs[r], offsets[r]
+            double, single = double or [], single or []
+            branches = 2 if req.do_cfg else 1
+            rows = list(range(start, start + branches * req.batch_size))
+            if branches == 2:
+                double = [torch.cat([s, s]) for s in double]
+                single = [torch.cat([s, s]) for s in single]
+            groups.setdefault((len(double), len(single)), []).append((rows, double, single))
+        out = []
+        for members in groups.values():
+            rows = [row for member in members for row in member[0]]
+            n_double, n_single = len(members[0][1]), len(members[0][2])
+            out.append(
+                BlockResiduals(
+                    double=[torch.cat([m[1][j] for m in members]) for j in range(n_double)],
+                    single=[torch.cat([m[2][j] for m in members]) for j in range(n_single)],
+                    rows=None if rows == list(range(total_rows)) else tuple(rows),
+                )
+            )
+        return out
+
+    def _run_nets(
+        self,
+        reqs: list[Req],
+        acting: list[tuple[int, int, ControlInput]],
+        image_ids: torch.Tensor,
+        text_ids: torch.Tensor,
+    ) -> dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """Each ControlNet once over the rows of the entries that use it; (request, entry) -> its samples."""
+        by_net: dict[str, list[tuple[int, int, ControlInput]]] = {}
+        for item in acting:
+            by_net.setdefault(item[2].name, []).append(item)
+        out = {}
+        for name, items in by_net.items():
+            net = self.nets[name]
+            dtype = items[0][2].latents.dtype
+            parts: dict[str, list[torch.Tensor]] = {
+                k: [] for k in ("x", "c", "ctx", "pooled", "t", "g", "m", "s")
+            }
+            for r, _, entry in items:
+                req = reqs[r]
+                n, device = req.batch_size, req.latents.device
+                if entry.context is None:
+                    entry.context = net.embed_context(req.prompt_embeds)
+                parts["x"].append(req.latents)
+                parts["c"].append(entry.latents)
+                parts["ctx"].append(entry.context)
+                parts["pooled"].append(req.pooled_prompt_embeds)
+                parts["t"].append(req.schedule.timesteps[req.step_index].expand(n).to(dtype) / 1000)
+                guidance = float(req.params.guidance_scale or 0.0)
+                parts["g"].append(torch.full((n,), guidance, dtype=torch.float32, device=device))
+                parts["m"].append(torch.full((n,), entry.mode or 0, dtype=torch.long, device=device))
+                parts["s"].append(torch.full((n,), float(entry.scale), dtype=torch.float32, device=device))
+            batch = ControlNetBatch(
+                latents=torch.cat(parts["x"]),
+                control=torch.cat(parts["c"]),
+                context=torch.cat(parts["ctx"]),
+                pooled=torch.cat(parts["pooled"]),
+                timestep=torch.cat(parts["t"]),
+                guidance=torch.cat(parts["g"]) if net.config.guidance_embeds else None,
+                modes=torch.cat(parts["m"]) if net.is_union else None,
+                scales=torch.cat(parts["s"]),
+            )
+            double, single = net(batch, image_ids, text_ids)
+            start = 0
+            for r, k, _ in items:
+                stop = start + reqs[r].batch_size
+                out[(r, k)] = ([s[start:stop] for s in double], [s[start:stop] for s in single])
+                start = stop
+        return out

@@ -1,0 +1,1 @@
+"""The LongCat-Image family (Diffusers `LongCatImagePipeline`): see `record.py`."""

@@ -1,0 +1,65 @@
+"""The LongCat-Image family's records: text-to-image (`LongCatImagePipeline`) and edit
+(`LongCatImageEditPipeline`), which share the DiT and its loader facts; the DiT is FLUX.1's blocks with
+its own timestep embedding, its text encoder Qwen2.5-VL, its VAE FLUX.1's kind of `AutoencoderKL`."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+
+from diffserve.families.longcat_image.pipeline import LongCatImageEditPipeline, LongCatImagePipeline
+from diffserve.families.record import ModelFamily, TinyCheckpointOptions
+from diffserve.loader.dit_facts import DitFacts
+from diffserve.loader.native_classes import NativeClasses
+from diffserve.models.dits.longcat_image import LongCatImageTransformer2DModel
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
+from diffserve.runtime.cuda_graph.padders import FixedLengthPadder
+
+
+def _tiny_longcat_image(out_dir: Path, options: TinyCheckpointOptions, variant: str) -> Path:
+    """One folder kind ("t2i" or "edit"). Imports its module when called (transformers model classes the
+    registry does not need)."""
+    from diffserve.families.longcat_image.tiny import TinyLongCatImageSpec, build_tiny_longcat_image
+
+    return build_tiny_longcat_image(out_dir, TinyLongCatImageSpec(variant=variant, seed=options.seed))
+
+
+_LONGCAT_IMAGE = ModelFamily(
+    name="longcat-image",
+    diffusers_pipeline="LongCatImagePipeline",
+    pipeline_cls=LongCatImagePipeline,
+    native_classes=NativeClasses.of(
+        models=(LongCatImageTransformer2DModel, AutoencoderKL),
+        schedulers=(FlowMatchEulerScheduler,),
+        encoders=("Qwen2_5_VLForConditionalGeneration",),
+    ),
+    task="text-to-image",
+    tiny_builder=partial(_tiny_longcat_image, variant="t2i"),
+    # Every prompt is padded to 512 tokens: only the batch is padded.
+    prompt_padder=FixedLengthPadder(
+        rows_from="hidden_states",
+        batch_tensors=("hidden_states", "encoder_hidden_states", "context", "timestep"),
+    ),
+    dit_facts=DitFacts(
+        class_name=LongCatImageTransformer2DModel.diffusers_class_name,
+        full_precision_modules=frozenset(
+            {"time_embed", "context_embedder", "x_embedder", "norm_out", "proj_out"}
+        ),
+    ),
+    aliases=("longcat", "longcat_image"),
+)
+
+FAMILIES: tuple[ModelFamily, ...] = (
+    _LONGCAT_IMAGE,
+    replace(
+        _LONGCAT_IMAGE,
+        name="longcat-image-edit",
+        diffusers_pipeline="LongCatImageEditPipeline",
+        pipeline_cls=LongCatImageEditPipeline,
+        task="image-edit",
+        tiny_builder=partial(_tiny_longcat_image, variant="edit"),
+        aliases=("longcat-edit", "longcat_image_edit"),
+    ),
+)

@@ -1,0 +1,147 @@
+"""Builder of small random-weight LongCat-Image checkpoints in the Diffusers `LongCatImagePipeline` and
+`LongCatImageEditPipeline` layouts (the same components; `TinyLongCatImageSpec.variant` picks).
+
+The folder has the released model's components: a Qwen2.5-VL text encoder (a full
+`Qwen2_5_VLForConditionalGeneration` with a tiny vision tower; the DiT's `joint_attention_dim` is its
+hidden size), the byte-level Qwen tokenizer, the `text_processor/` (the text-to-image pipeline's prompt
+rewriting reads it, the edit pipeline its image processor), FLUX.1's kind of 16-channel `AutoencoderKL` and a FLUX-style scheduler. It loads unchanged in
+diffserve and in Diffusers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+from diffserve.models.dits.longcat_image import LongCatImageTransformer2DModel
+from diffserve.testing.qwen_processors import write_qwen_vl_processor
+from diffserve.testing.qwen_tokenizers import build_qwen_tokenizer
+from diffserve.testing.tiny_writing import (
+    DIFFUSERS_FORMAT_VERSION,
+    check_variant,
+    finish_tiny_folder,
+    qwen_text_shape,
+    random_native_module,
+    save_diffusers_model,
+    save_text_encoder,
+    tiny_folder,
+    write_autoencoder_kl,
+    write_scheduler_config,
+)
+
+#: The released LongCat-Image scheduler_config.json values (FLUX.1's resolution-dependent shift).
+LONGCAT_IMAGE_SCHEDULER_CONFIG = {
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 1.15,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 4096,
+}
+
+
+@dataclass
+class TinyLongCatImageSpec:
+    """Shape of a tiny LongCat-Image checkpoint (a DiT of about 0.1M parameters)."""
+
+    num_layers: int = 1
+    num_single_layers: int = 2
+    num_attention_heads: int = 2
+    attention_head_dim: int = 16
+    axes_dims_rope: tuple[int, int, int] = (4, 6, 6)
+    latent_channels: int = 16
+    vae_block_out_channels: tuple[int, ...] = (16, 32, 32, 32)
+    vae_norm_num_groups: int = 8
+    text_hidden_size: int = 32
+    text_layers: int = 2
+    text_heads: int = 2
+    text_kv_heads: int = 1
+    vision_hidden_size: int = 16
+    vision_depth: int = 1
+    #: The most pixels the vision tower sees of an edit's input image (the real processor allows 12.8M).
+    image_max_pixels: int = 28 * 28 * 16
+    #: "t2i" (LongCatImagePipeline) or "edit" (LongCatImageEditPipeline).
+    variant: str = "t2i"
+    seed: int = 0
+
+
+PIPELINE_CLASSES = {"t2i": "LongCatImagePipeline", "edit": "LongCatImageEditPipeline"}
+
+
+def longcat_image_model_index(variant: str = "t2i") -> dict:
+    """The `model_index.json` of a LongCatImagePipeline ("t2i") or LongCatImageEditPipeline ("edit") folder:
+    the same components."""
+    return {
+        "_class_name": PIPELINE_CLASSES[variant],
+        "_diffusers_version": DIFFUSERS_FORMAT_VERSION,
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
+        "text_processor": ["transformers", "Qwen2VLProcessor"],
+        "tokenizer": ["transformers", "Qwen2Tokenizer"],
+        "transformer": ["diffusers", "LongCatImageTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+    }
+
+
+def _text_encoder(spec: TinyLongCatImageSpec, tokenizer) -> Qwen2_5_VLForConditionalGeneration:
+    text = qwen_text_shape(
+        tokenizer,
+        spec.text_hidden_size,
+        spec.text_layers,
+        spec.text_heads,
+        spec.text_kv_heads,
+        32768,
+        mrope=True,
+    )
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config={
+            "depth": spec.vision_depth,
+            "hidden_size": spec.vision_hidden_size,
+            "intermediate_size": spec.vision_hidden_size * 2,
+            "num_heads": 2,
+            "out_hidden_size": spec.text_hidden_size,
+            "fullatt_block_indexes": [spec.vision_depth - 1],
+        },
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        tie_word_embeddings=False,
+    )
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def build_tiny_longcat_image(out_dir: str | Path, spec: TinyLongCatImageSpec | None = None) -> Path:
+    """Write a random-weight LongCat-Image folder to `out_dir` and return its path."""
+    spec = spec or TinyLongCatImageSpec()
+    check_variant("LongCat-Image", spec.variant, PIPELINE_CLASSES)
+    root = tiny_folder(out_dir, spec.seed)
+
+    tokenizer = build_qwen_tokenizer()
+    save_text_encoder(root, _text_encoder(spec, tokenizer), tokenizer)
+    write_qwen_vl_processor(root / "text_processor", tokenizer, max_pixels=spec.image_max_pixels)
+
+    dit_config = {
+        "patch_size": 1,
+        "in_channels": spec.latent_channels * 4,
+        "num_layers": spec.num_layers,
+        "num_single_layers": spec.num_single_layers,
+        "attention_head_dim": spec.attention_head_dim,
+        "num_attention_heads": spec.num_attention_heads,
+        "joint_attention_dim": spec.text_hidden_size,
+        "pooled_projection_dim": spec.text_hidden_size,
+        "axes_dims_rope": list(spec.axes_dims_rope),
+    }
+    dit = random_native_module(LongCatImageTransformer2DModel, dit_config, spec.seed + 10, weight_noise=0.1)
+    save_diffusers_model(dit, root / "transformer", "LongCatImageTransformer2DModel", dit_config)
+
+    write_autoencoder_kl(
+        root / "vae", spec.vae_block_out_channels, spec.latent_channels, spec.vae_norm_num_groups
+    )
+    write_scheduler_config(root, "FlowMatchEulerDiscreteScheduler", LONGCAT_IMAGE_SCHEDULER_CONFIG)
+    return finish_tiny_folder(root, longcat_image_model_index(spec.variant), spec)

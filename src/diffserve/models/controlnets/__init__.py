@@ -1,0 +1,1 @@
+"""models/controlnets: ControlNets, native, loading Diffusers weights unchanged."""

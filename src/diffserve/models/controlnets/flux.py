@@ -1,0 +1,151 @@
+"""FLUX.1 ControlNet (InstantX / Shakker-Labs layout, Diffusers' `FluxControlNetModel`), native, loading
+Diffusers weights unchanged.
+
+A ControlNet is a shorter copy of the FLUX DiT (its own double- and single-stream blocks, the same
+embedders) whose image tokens are the noisy latents plus `controlnet_x_embedder(control latents)`. After
+each of its blocks, a zero-initialised Linear (`controlnet_blocks`, `controlnet_single_blocks`) maps the
+image stream to a residual; scaled by the request's conditioning scale, those residuals are added to
+the image stream of the DiT's blocks (`models/controlnets/residuals.py`). A Union ControlNet (`num_mode`
+set) prepends one embedded token, the control mode (canny, depth, ...), to its text stream.
+
+The blocks, embedders and projection fusion are the DiT's (`models/dits/flux.py`); the DiT's output head
+(`norm_out`, `proj_out`) does not exist here. XLabs' layout (`conditioning_embedding_channels`, a pixel
+space `input_hint_block`) is refused when the config is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffserve.models.dits.flux import FluxTransformer2DModel, FluxTransformerConfig
+
+
+@dataclass(frozen=True)
+class FluxControlNetConfig(FluxTransformerConfig):
+    """`controlnet/config.json` of a `FluxControlNetModel`: the DiT's keys, and Union's mode count."""
+
+    #: Union ControlNets: how many control modes the mode embedding holds (None: a single-mode model).
+    num_mode: int | None = None
+    #: XLabs' pixel-space hint encoder's width; not supported (None).
+    conditioning_embedding_channels: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.conditioning_embedding_channels is not None:
+            raise ValueError(
+                "FluxControlNetModel: XLabs-style ControlNets (conditioning_embedding_channels, a pixel "
+                "input_hint_block) are not supported; use an InstantX / Shakker-Labs style one"
+            )
+        if self.num_mode is not None and (isinstance(self.num_mode, bool) or self.num_mode < 1):
+            raise ValueError(f"FluxControlNetModel: num_mode must be a positive integer, got {self.num_mode}")
+
+
+@dataclass(frozen=True)
+class ControlNetBatch:
+    """One ControlNet forward's rows: each row a (request, control entry) at its own timestep.
+
+    `latents`, `control` (packed control latents) and `context` (the ControlNet's embedded text) are
+    (rows, tokens, width); `pooled` (rows, pooled dim); `timestep` and `guidance` (rows,) sigma and
+    embedded-guidance values (guidance None when the ControlNet has no guidance embedding); `modes` (rows,)
+    Union control modes or None; `scales` (rows,) conditioning scales."""
+
+    latents: torch.Tensor
+    control: torch.Tensor
+    context: torch.Tensor
+    pooled: torch.Tensor
+    timestep: torch.Tensor
+    guidance: torch.Tensor | None
+    modes: torch.Tensor | None
+    scales: torch.Tensor
+
+
+class FluxControlNetModel(FluxTransformer2DModel):
+    """FLUX.1 ControlNet: `forward` returns the scaled residual samples of its double- and single-stream
+    blocks, as Diffusers' (`controlnet_block_samples`, `controlnet_single_block_samples`)."""
+
+    diffusers_class_name: ClassVar[str] = "FluxControlNetModel"
+    config_class = FluxControlNetConfig
+    cache_methods: ClassVar[frozenset[str]] = frozenset()
+    cache_block_lists: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, config: FluxControlNetConfig) -> None:
+        super().__init__(config)
+        del self.norm_out, self.proj_out  # a ControlNet has no output head
+        inner = config.inner_dim
+        self.controlnet_blocks = nn.ModuleList([nn.Linear(inner, inner) for _ in range(config.num_layers)])
+        self.controlnet_single_blocks = nn.ModuleList(
+            [nn.Linear(inner, inner) for _ in range(config.num_single_layers)]
+        )
+        self.controlnet_mode_embedder = (
+            nn.Embedding(config.num_mode, inner) if config.num_mode is not None else None
+        )
+        self.controlnet_x_embedder = nn.Linear(config.in_channels, inner)
+
+    @property
+    def is_union(self) -> bool:
+        """Whether requests must name a control mode (`num_mode` set)."""
+        return self.controlnet_mode_embedder is not None
+
+    def _adaln_projections(self) -> list[tuple[str, nn.Linear]]:
+        """The blocks' adaLN projections (the DiT's list without the output head's)."""
+        return self._block_adaln_projections()
+
+    def shard_for_tensor_parallel(self, tp: object) -> None:  # type: ignore[override]
+        raise ValueError("FLUX.1 ControlNets run whole on every rank; they are not tensor-parallel")
+
+    def forward(  # type: ignore[override]
+        self,
+        batch: ControlNetBatch,
+        img_ids: torch.Tensor,
+        txt_ids: torch.Tensor,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The residual samples of every block, each (rows, image tokens, inner), times its row's scale.
+
+        `img_ids` / `txt_ids`: the request shape's position ids, as for the DiT (a Union ControlNet's mode
+        token takes the first text id, as Diffusers does)."""
+        x = self.x_embedder(batch.latents) + self.controlnet_x_embedder(batch.control)
+        # Rounded to the activation dtype before scaling, as Diffusers does.
+        timestep = batch.timestep.to(x.dtype) * 1000
+        guidance = None if batch.guidance is None else batch.guidance.to(x.dtype) * 1000
+        temb = self.time_text_embed(timestep, batch.pooled, guidance)
+        mods = self._modulations(F.silu(temb))
+        ctx = batch.context
+        if self.controlnet_mode_embedder is not None:
+            if batch.modes is None:
+                raise ValueError("a Union ControlNet needs a control mode per row")
+            mode_token = self.controlnet_mode_embedder(batch.modes[:, None])
+            ctx = torch.cat([mode_token, ctx], dim=1)
+            txt_ids = torch.cat([txt_ids[:1], txt_ids], dim=0)
+        rope = self.rope_tables(txt_ids, img_ids)
+
+        mods_iter = iter(mods)
+        double_samples = []
+        for block, head in zip(self.transformer_blocks, self.controlnet_blocks, strict=True):
+            ctx, x = block(x, ctx, next(mods_iter), next(mods_iter), rope)
+            double_samples.append(head(x))
+        single_samples = []
+        text_len = ctx.shape[1]
+        h = torch.cat([ctx, x], dim=1)
+        n_single = len(self.single_transformer_blocks)
+        pairs = zip(self.single_transformer_blocks, self.controlnet_single_blocks, strict=True)
+        for i, (block, head) in enumerate(pairs):
+            if i == n_single - 1:  # nothing reads the last block's text rows
+                image = block(h, next(mods_iter), rope, text_len=text_len)
+            else:
+                h = block(h, next(mods_iter), rope)
+                image = h[:, text_len:]
+            single_samples.append(head(image))
+        return _scaled(double_samples, batch.scales), _scaled(single_samples, batch.scales)
+
+
+def _scaled(samples: Sequence[torch.Tensor], scales: torch.Tensor) -> list[torch.Tensor]:
+    """Each sample times its row's scale, as Diffusers' `sample * conditioning_scale` (a Python float: the
+    product is computed in float32 for a reduced-precision sample, then rounded once)."""
+    per_row = scales.to(device=samples[0].device, dtype=torch.float32)[:, None, None] if samples else None
+    return [(s.float() * per_row).to(s.dtype) for s in samples]

@@ -1,0 +1,341 @@
+"""Chroma transformer (lodestones' FLUX.1-schnell derivative), native, loading Diffusers
+`ChromaTransformer2DModel` weights unchanged.
+
+Architecture: FLUX.1's DiT (`models/dits/flux.py`) with its conditioning replaced:
+
+    x   = x_embedder(packed latents)                      (batch, img_seq, inner)
+    ctx = context_embedder(T5 states)                     (batch, txt_seq, inner)
+    mods = approximator(sinusoids(t), sinusoids(0), sinusoids(1000 * index))
+                                                          (batch, n_mods, inner)   one per sample
+    num_layers x FLUX double-stream block, adaLN vectors read from `mods` (no projection of its own)
+    num_single_layers x FLUX single-stream block, likewise
+    out = proj_out(adaLN(x, mods[-2:]))
+
+There is no pooled text vector and no timestep MLP: the "distilled guidance layer" (an MLP of
+`approximator_layers` RMS-normed residual SiLU layers) maps, for every modulation index, the timestep's
+sinusoids, the (always zero) guidance's sinusoids and the index's own sinusoids to one adaLN vector. The
+vectors are laid out as [single blocks: 3 each][double blocks' image stream: 6 each][double blocks' text
+stream: 6 each][output head: shift, scale].
+
+T5's padding is masked the way Diffusers' ChromaPipeline does it: the mask over [text; image] (1 for the
+prompt's tokens, one padding token and every image token) enters attention as the additive bias
+`mask_q * mask_k`, so a kept query's scores are raised by 1 on every kept key, and a masked (padding)
+query attends unbiased. It is a bias, not a hard mask; it is what the checkpoints were made for.
+
+The blocks are FLUX.1's (`FluxTransformerBlock`, `FluxSingleTransformerBlock`: same weights, same
+maths, the same fused projections and last-block shortcut) with their adaLN projections pruned.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from diffserve.configs.cache_rule import WHOLE_SPAN_METHODS
+from diffserve.distributed.config import ParallelConfigError
+from diffserve.distributed.sequence_split import sequence_split
+from diffserve.layers.adaln import ADALN_EPS, AdaLayerNormZero
+from diffserve.layers.embeddings import TextProjection, timestep_sinusoids
+from diffserve.layers.modulation import Modulate
+from diffserve.layers.norms import LayerNorm
+from diffserve.layers.rotary import RopeTables, checked_rope_axes, multi_axis_rope_tables
+from diffserve.layers.tensor_parallel import TensorParallelRank
+from diffserve.models.dits.base import DiffusersDiT, DiTConfig, check_tp_divides, shard_blocks
+from diffserve.models.dits.flux import (
+    ROPE_THETA,
+    AdaLayerNormZeroSingle,
+    FluxSingleTransformerBlock,
+    FluxTransformerBlock,
+)
+from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChromaTransformerConfig(DiTConfig):
+    """The Chroma DiT's Diffusers config (`transformer/config.json`), one field per key; the defaults are
+    Chroma1-HD's. `out_channels` None means `in_channels`; sequences become tuples."""
+
+    patch_size: int = 1
+    in_channels: int = 64
+    out_channels: int | None = None
+    num_layers: int = 19
+    num_single_layers: int = 38
+    attention_head_dim: int = 128
+    num_attention_heads: int = 24
+    joint_attention_dim: int = 4096
+    axes_dims_rope: tuple[int, ...] = (16, 56, 56)
+    approximator_num_channels: int = 64
+    approximator_hidden_dim: int = 5120
+    approximator_layers: int = 5
+
+    def __post_init__(self) -> None:
+        axes = checked_rope_axes("axes_dims_rope", self.axes_dims_rope, self.attention_head_dim)
+        self._normalise(axes_dims_rope=axes, out_channels=self.out_channels or self.in_channels)
+
+    @property
+    def modulation_count(self) -> int:
+        """adaLN vectors per sample: 3 per single-stream block, 2 x 6 per double-stream block, 2 for the head."""
+        return 3 * self.num_single_layers + 2 * 6 * self.num_layers + 2
+
+
+# ---------------------------------------------------------------------------------------- layers
+
+
+class PrunedAdaLayerNormZero(nn.Module):
+    """A double-stream block's adaLN-Zero without its projection: the vectors come from the approximator.
+    (modulated x, gate_msa, shift_mlp, scale_mlp, gate_mlp) from (batch, 6 * dim), as FLUX's."""
+
+    modulate_projected = AdaLayerNormZero.modulate_projected
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = LayerNorm(dim, eps=ADALN_EPS, elementwise_affine=False)
+        self.modulate = Modulate()
+
+
+class PrunedAdaLayerNormZeroSingle(nn.Module):
+    """A single-stream block's adaLN-Zero without its projection: (modulated x, gate) from (batch, 3 * dim)."""
+
+    modulate_projected = AdaLayerNormZeroSingle.modulate_projected
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = LayerNorm(dim, eps=ADALN_EPS, elementwise_affine=False)
+        self.modulate = Modulate()
+
+
+class PrunedAdaLayerNormContinuous(nn.Module):
+    """The output head's adaLN from (batch, 2 * dim) given as (shift, scale): FLUX's order reversed."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = LayerNorm(dim, eps=ADALN_EPS, elementwise_affine=False)
+        self.modulate = Modulate()
+
+    def modulate_projected(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        shift, scale = emb.to(x.dtype).chunk(2, dim=1)
+        return self.modulate(self.norm(x), scale=scale, shift=shift)
+
+
+class ChromaTransformerBlock(FluxTransformerBlock):
+    """FLUX.1's double-stream block with its two adaLN projections pruned."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int) -> None:
+        super().__init__(dim, num_heads, head_dim)
+        self.norm1 = PrunedAdaLayerNormZero(dim)
+        self.norm1_context = PrunedAdaLayerNormZero(dim)
+
+
+class ChromaSingleTransformerBlock(FluxSingleTransformerBlock):
+    """FLUX.1's single-stream block with its adaLN projection pruned."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int) -> None:
+        super().__init__(dim, num_heads, head_dim)
+        self.norm = PrunedAdaLayerNormZeroSingle(dim)
+
+
+class ChromaApproximator(nn.Module):
+    """The distilled guidance layer: in_proj, `n_layers` pre-RMS-normed residual SiLU MLPs, out_proj
+    (Diffusers' names: `in_proj`, `layers.<i>.linear_1/2`, `norms.<i>.weight`, `out_proj`)."""
+
+    def __init__(self, in_dim: int, out_dim: int, hidden_dim: int, n_layers: int) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(in_dim, hidden_dim)
+        self.layers = nn.ModuleList([TextProjection(hidden_dim, hidden_dim) for _ in range(n_layers)])
+        # torch's RMSNorm (eps: the dtype's machine epsilon), as the checkpoints were trained with.
+        self.norms = nn.ModuleList([nn.RMSNorm(hidden_dim) for _ in range(n_layers)])
+        self.out_proj = nn.Linear(hidden_dim, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.in_proj(x)
+        for layer, norm in zip(self.layers, self.norms, strict=True):
+            x = x + layer(norm(x))
+        return self.out_proj(x)
+
+
+def attention_bias(text_mask: torch.Tensor, image_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """(batch, 1, seq, seq) additive bias over [text; image] from the (batch, text) 0/1 text mask:
+    `mask_q * mask_k`, every image token kept (Diffusers' ChromaPipeline and transformer, exactly)."""
+    batch = text_mask.shape[0]
+    mask = torch.cat([text_mask.to(dtype), text_mask.new_ones(batch, image_len, dtype=dtype)], dim=1)
+    return mask[:, None, None, :] * mask[:, None, :, None]
+
+
+# ---------------------------------------------------------------------------------------- model
+
+
+class ChromaTransformer2DModel(DiffusersDiT):
+    """Chroma DiT (`DiffusersDiT`, from a `ChromaTransformerConfig`). It holds no buffers: the
+    approximator's constant inputs are computed (on the CPU, as Diffusers' buffer is) per forward.
+    `fuse_for_inference()` fuses the blocks' q/k/v projections as FLUX's; state dicts keep Diffusers' names.
+    """
+
+    diffusers_class_name: ClassVar[str] = "ChromaTransformer2DModel"
+    config_class = ChromaTransformerConfig
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS
+    cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks", "single_transformer_blocks")
+
+    def __init__(self, config: ChromaTransformerConfig) -> None:
+        super().__init__(config)
+        inner, heads, head_dim = config.inner_dim, config.num_attention_heads, config.attention_head_dim
+        self.distilled_guidance_layer = ChromaApproximator(
+            config.approximator_num_channels,
+            inner,
+            config.approximator_hidden_dim,
+            config.approximator_layers,
+        )
+        self.context_embedder = nn.Linear(config.joint_attention_dim, inner)
+        self.x_embedder = nn.Linear(config.in_channels, inner)
+        self.transformer_blocks = nn.ModuleList(
+            [ChromaTransformerBlock(inner, heads, head_dim) for _ in range(config.num_layers)]
+        )
+        self.single_transformer_blocks = nn.ModuleList(
+            [ChromaSingleTransformerBlock(inner, heads, head_dim) for _ in range(config.num_single_layers)]
+        )
+        self.norm_out = PrunedAdaLayerNormContinuous(inner)
+        self.proj_out = nn.Linear(inner, config.patch_size * config.patch_size * config.out_channels)
+        self._fused = False
+
+    def rope_tables(self, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> RopeTables:
+        """Half-width (cos, sin) tables for [text; image], as FLUX.1's (a function of the request's shape)."""
+        axes_dims = self.config.axes_dims_rope
+        for name, ids in (("txt_ids", txt_ids), ("img_ids", img_ids)):
+            if ids.ndim != 2:
+                raise ValueError(f"{name} must be 2-D (seq, {len(axes_dims)}), got {tuple(ids.shape)}")
+        return multi_axis_rope_tables(torch.cat([txt_ids, img_ids], dim=0), axes_dims, ROPE_THETA)
+
+    def embed_context(self, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+        """T5 states (batch, txt_seq, joint_attention_dim) -> the blocks' text stream (batch, txt_seq, inner)."""
+        return self.context_embedder(encoder_hidden_states)
+
+    def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
+        """This rank's heads and MLP features of every block, as `FluxTransformer2DModel`'s; the
+        approximator, embedders and output head stay whole. Call it on the meta-built model."""
+        heads = self.config.num_attention_heads
+        check_tp_divides(tp, heads, f"the Chroma DiT's {heads} attention heads do not divide")
+        shard_blocks(self, tp, [*self.transformer_blocks, *self.single_transformer_blocks])
+
+    def fuse_for_inference(self) -> None:
+        """Fuse each block's q/k/v (with the MLP input in single-stream blocks), as FLUX.1's; once loaded."""
+        if self._fused:
+            return
+        layers = sum(block.attn.fuse_projections() for block in self.transformer_blocks)
+        layers += sum(block.fuse_projections() for block in self.single_transformer_blocks)
+        self._fused = True
+        logger.info("Chroma DiT: fused QKV in %d attention layers", layers)
+
+    def approximator_input(self, timestep: torch.Tensor) -> torch.Tensor:
+        """(batch, modulation_count, approximator_num_channels): per modulation index, the sinusoids of the
+        timestep (scaled by 1000) and of a zero guidance, then those of the index x 1000."""
+        channels = self.config.approximator_num_channels // 4
+        count, batch, dtype = self.config.modulation_count, timestep.shape[0], timestep.dtype
+        step = timestep_sinusoids(timestep, channels).to(dtype)
+        # Constant inputs on the CPU (Diffusers computes them there: its index table is a buffer made at
+        # construction), then moved: bit-identical on every device.
+        guidance = timestep_sinusoids(torch.zeros(batch), channels).to(dtype=dtype, device=timestep.device)
+        index = timestep_sinusoids(torch.arange(count) * 1000.0, 2 * channels)
+        index = index.to(dtype=dtype, device=timestep.device)
+        step_guidance = torch.cat([step, guidance], dim=1).unsqueeze(1).expand(batch, count, 2 * channels)
+        return torch.cat([step_guidance, index.expand(batch, count, 2 * channels)], dim=-1)
+
+    def modulations(self, timestep: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """(the blocks' adaLN vectors in the order the blocks run: image then text per double-stream block,
+        then one per single-stream block, each (batch, n * inner); the output head's (batch, 2 * inner))."""
+        mods = self.distilled_guidance_layer(self.approximator_input(timestep))
+        n_single, n_double = len(self.single_transformer_blocks), len(self.transformer_blocks)
+        image_at, text_at = 3 * n_single, 3 * n_single + 6 * n_double
+        ordered = []
+        for i in range(n_double):
+            ordered.append(mods[:, image_at + 6 * i : image_at + 6 * i + 6].flatten(1))
+            ordered.append(mods[:, text_at + 6 * i : text_at + 6 * i + 6].flatten(1))
+        ordered += [mods[:, 3 * i : 3 * i + 3].flatten(1) for i in range(n_single)]
+        return ordered, mods[:, -2:].flatten(1)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None,
+        timestep: torch.Tensor,
+        img_ids: torch.Tensor,
+        txt_ids: torch.Tensor,
+        text_mask: torch.Tensor | None = None,
+        rope: RopeTables | None = None,
+        step_cache: BatchStepCache | None = None,
+        context: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Predict the flow-matching velocity for packed latents.
+
+        Args:
+            hidden_states: packed image latents (batch, img_seq, in_channels).
+            encoder_hidden_states: T5 states (batch, txt_seq, joint_attention_dim).
+            timestep: (batch,) or (1,) sigma in [0, 1]; scaled by 1000 here, as in Diffusers.
+            img_ids, txt_ids: position ids (img_seq, 3) and (txt_seq, 3), shared by the batch.
+            text_mask: (batch, txt_seq) 1 for the text tokens attention keeps, 0 for masked padding
+                (the additive bias of `attention_bias`); None: no bias.
+            rope: precomputed `rope_tables(txt_ids, img_ids)`; computed from the ids when None.
+            step_cache: rows that may reuse the blocks' residual of an earlier step (whole-span methods).
+            context: `embed_context(encoder_hidden_states)`, given instead of `encoder_hidden_states`.
+
+        Returns:
+            (batch, img_seq, patch_size**2 * out_channels).
+        """
+        batch = hidden_states.shape[0]
+        if timestep.ndim != 1 or timestep.shape[0] not in (1, batch):
+            raise ValueError(f"timestep must have shape ({batch},) or (1,), got {tuple(timestep.shape)}")
+        if (context is None) == (encoder_hidden_states is None):
+            raise ValueError("pass exactly one of encoder_hidden_states (T5 states) and context (embedded)")
+        if rope is None:
+            rope = self.rope_tables(txt_ids, img_ids)
+        x = self.x_embedder(hidden_states)
+        timestep = timestep.to(x.dtype).expand(batch) * 1000
+        block_mods, out_mod = self.modulations(timestep)
+        ctx = self.embed_context(encoder_hidden_states) if context is None else context
+        bias = None if text_mask is None else attention_bias(text_mask, x.shape[1], x.dtype)
+        x = run_with_step_cache(
+            step_cache,
+            x,
+            lambda: self.transformer_blocks[0].norm1.modulate_projected(x, block_mods[0])[0],
+            lambda rows: self._run_blocks(
+                take_rows(x, rows),
+                take_rows(ctx, rows),
+                [take_rows(m, rows) for m in block_mods],
+                rope,
+                None if bias is None else take_rows(bias, rows),
+            ),
+        )
+        return self.proj_out(self.norm_out.modulate_projected(x, out_mod))
+
+    def _run_blocks(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        mods: Sequence[torch.Tensor],
+        rope: RopeTables,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Every block; returns the image tokens the output head reads (the last single-stream block
+        computes only those, as FLUX.1's)."""
+        if sequence_split([ctx.shape[1], x.shape[1]]) is not None:
+            raise ParallelConfigError(
+                "sequence parallelism (--ulysses-degree / --ring-degree) is not implemented for the Chroma "
+                "DiT (its text-padding bias is not a per-key mask); serve it with --tp-size or "
+                "--enable-cfg-parallel instead"
+            )
+        mods_iter = iter(mods)
+        for block in self.transformer_blocks:
+            ctx, x = block(x, ctx, next(mods_iter), next(mods_iter), rope, bias)
+        if not self.single_transformer_blocks:
+            return x
+        text_len = ctx.shape[1]
+        h = torch.cat([ctx, x], dim=1)
+        *leading, last = self.single_transformer_blocks
+        for block in leading:
+            h = block(h, next(mods_iter), rope, attn_mask=bias)
+        return last(h, next(mods_iter), rope, text_len=text_len, attn_mask=bias)

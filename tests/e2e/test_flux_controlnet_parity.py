@@ -1,0 +1,282 @@
+"""FLUX.1 ControlNets per request: diffserve against Diffusers' `FluxControlNetPipeline` on one tiny FLUX
+folder and tiny random ControlNets (Diffusers layout), same seed, fp32, PSNR >= 40 dB: one ControlNet
+(Diffusers' keywords), a Union ControlNet's mode, two ControlNets in one request (Diffusers'
+`FluxMultiControlNetModel`, with a start fraction) and true CFG; each with a control run (another control
+image, another mode, one ControlNet left out) that must score well below the bar. Then step batching:
+requests with other ControlNets, images and scales, and requests without any, share one DiT batch, each
+as it is alone; the rows without a ControlNet bit for bit. Then the refusals of bad entries.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FluxControlNetImg2ImgPipeline, FluxControlNetInpaintPipeline, FluxControlNetPipeline
+from diffusers import FluxControlNetModel as DiffusersControlNet
+from diffusers import FluxPipeline as DiffusersFluxPipeline
+from diffusers.models.controlnets.controlnet_flux import FluxMultiControlNetModel
+from PIL import Image
+
+from diffserve import DiffGenerator, SamplingParams
+from diffserve.api import controlnet_entries
+from diffserve.configs.engine_args import ControlNetSpec
+from diffserve.configs.sampling_params import ControlNetChoice
+from diffserve.errors import InvalidRequestError, UserError
+from diffserve.families.flux.tiny import TinyFluxSpec, build_tiny_flux
+from diffserve.families.flux.tiny_controlnet import (
+    TinyFluxControlNetSpec,
+    build_tiny_flux_controlnet,
+    build_tiny_flux_controlnet_pipeline,
+)
+from diffserve.loader.controlnets import load_controlnets
+from diffserve.request import Req
+from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
+from diffserve.testing.parity import (
+    assert_batched_as_alone,
+    assert_images_match,
+    denoise_together,
+    diffusers_uint8,
+    smooth_random_image,
+    stack_uint8,
+)
+
+PSNR_BAR_DB = 40.0
+PROMPT = "a fox in the snow"
+HEIGHT, WIDTH = 48, 80  # non-square: the packed grid's rows and columns differ
+KW = dict(num_inference_steps=3, max_sequence_length=16, guidance_scale=3.5)
+EDGES = smooth_random_image(WIDTH, HEIGHT, seed=11)
+DEPTH = smooth_random_image(WIDTH, HEIGHT, seed=12)
+OTHER = smooth_random_image(WIDTH, HEIGHT, seed=13)
+UNION_MODES = 4
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny-flux-controlnet")
+    flux = TinyFluxSpec(seed=0)
+    folder = build_tiny_flux(root / "flux", flux)
+    canny = build_tiny_flux_controlnet(root / "canny", TinyFluxControlNetSpec(flux, seed=1))
+    union = build_tiny_flux_controlnet(
+        root / "union",
+        TinyFluxControlNetSpec(flux, num_layers=2, num_single_layers=1, num_mode=UNION_MODES, seed=2),
+    )
+    ours = DiffGenerator.from_pretrained(
+        folder, device="cpu", show_progress=False, controlnets={"canny": canny, "union": union}
+    )
+    base = DiffusersFluxPipeline.from_pretrained(folder, dtype=torch.float32)
+    nets = {
+        name: DiffusersControlNet.from_pretrained(path) for name, path in (("canny", canny), ("union", union))
+    }
+
+    def reference(controlnet, seed: int, cls=FluxControlNetPipeline, **kwargs) -> np.ndarray:
+        accepted = inspect.signature(cls.__init__).parameters
+        pipe = cls(**{k: v for k, v in base.components.items() if k in accepted}, controlnet=controlnet)
+        pipe.set_progress_bar_config(disable=True)
+        return diffusers_uint8(pipe, seed=seed, prompt=PROMPT, height=HEIGHT, width=WIDTH, **KW, **kwargs)
+
+    return ours, nets, reference
+
+
+def generate(ours, seed: int, **kwargs) -> np.ndarray:
+    return stack_uint8(
+        ours.generate(prompt=PROMPT, seed=seed, height=HEIGHT, width=WIDTH, **KW, **kwargs).images
+    )
+
+
+def test_one_controlnet_matches_diffusers(setup) -> None:
+    ours, nets, reference = setup
+    entry = {"name": "canny", "image": EDGES, "scale": 0.8}
+    got = generate(ours, 5, controlnets=[entry])
+    ref = reference(nets["canny"], 5, control_image=EDGES, controlnet_conditioning_scale=0.8)
+    other = generate(ours, 5, controlnets=[{**entry, "image": OTHER}])
+    assert_images_match(got, ref, "one ControlNet", min_db=PSNR_BAR_DB, control=other)
+    assert_images_match(generate(ours, 5, controlnets=[{**entry, "image": EDGES}]), got, "again", min_db=99)
+
+
+def test_union_mode_matches_diffusers(setup) -> None:
+    """A Union ControlNet's mode token (one of 17 text tokens here: another mode moves the tiny model's
+    output less than another image does, but it moves it)."""
+    ours, nets, reference = setup
+    got = generate(ours, 7, controlnets=[ControlNetChoice("union", DEPTH, scale=0.7, mode=2)])
+    ref = reference(nets["union"], 7, control_image=DEPTH, controlnet_conditioning_scale=0.7, control_mode=2)
+    other = generate(ours, 7, controlnets=[ControlNetChoice("union", OTHER, scale=0.7, mode=2)])
+    assert_images_match(got, ref, "Union ControlNet mode 2", min_db=PSNR_BAR_DB, control=other)
+    other_mode = generate(ours, 7, controlnets=[ControlNetChoice("union", DEPTH, scale=0.7, mode=0)])
+    assert not np.array_equal(other_mode, got)
+
+
+def test_two_controlnets_with_a_start_and_true_cfg_match_diffusers_multi(setup) -> None:
+    ours, nets, reference = setup
+    cfg = dict(true_cfg_scale=2.0, negative_prompt="blurry")
+    entries = [
+        {"name": "canny", "image": EDGES, "scale": 0.6},
+        {"name": "union", "image": DEPTH, "scale": 0.9, "start": 0.34, "mode": 1},
+    ]
+    got = generate(ours, 9, controlnets=entries, **cfg)
+    ref = reference(
+        FluxMultiControlNetModel([nets["canny"], nets["union"]]), 9,
+        control_image=[EDGES, DEPTH], controlnet_conditioning_scale=[0.6, 0.9],
+        control_guidance_start=[0.0, 0.34], control_guidance_end=[1.0, 1.0], control_mode=[None, 1], **cfg,
+    )  # fmt: skip
+    other = generate(ours, 9, controlnets=entries[:1], **cfg)
+    assert_images_match(got, ref, "two ControlNets (Multi), true CFG", min_db=PSNR_BAR_DB, control=other)
+
+
+def test_a_controlnet_pipeline_folder_serves_its_controlnet_with_diffusers_keywords(tmp_path) -> None:
+    """A `FluxControlNetPipeline` folder: its `controlnet` is loaded as "default", and Diffusers' keywords
+    on `generate` apply it (the one loaded)."""
+    folder = build_tiny_flux_controlnet_pipeline(
+        tmp_path / "pipe", TinyFluxControlNetSpec(TinyFluxSpec(seed=3), num_mode=2, seed=4)
+    )
+    ours = DiffGenerator.from_pretrained(folder, device="cpu", show_progress=False)
+    assert list(ours.pipeline.controlnets) == ["default"]
+    pipe = FluxControlNetPipeline.from_pretrained(folder, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    control = dict(
+        control_image=EDGES, controlnet_conditioning_scale=1.1, control_guidance_end=0.67, control_mode=1
+    )
+    got = generate(ours, 3, **control)
+    ref = diffusers_uint8(pipe, seed=3, prompt=PROMPT, height=HEIGHT, width=WIDTH, **KW, **control)
+    other = generate(ours, 3, **{**control, "control_image": OTHER})
+    assert_images_match(got, ref, "FluxControlNetPipeline folder", min_db=PSNR_BAR_DB, control=other)
+
+
+def test_diffusers_keywords_become_entries() -> None:
+    entries = controlnet_entries(
+        None,
+        {"control_image": [EDGES, DEPTH], "controlnet_conditioning_scale": [0.5, 0.7], "control_mode": 1},
+        ["union"],
+    )
+    assert [(e.name, e.scale, e.start, e.end, e.mode) for e in entries] == [
+        ("union", 0.5, 0.0, 1.0, 1),
+        ("union", 0.7, 0.0, 1.0, 1),
+    ]
+    with pytest.raises(InvalidRequestError, match="controlnet_conditioning_scale lists 3 values"):
+        controlnet_entries(
+            None, {"control_image": [EDGES], "controlnet_conditioning_scale": [1, 2, 3]}, ["u"]
+        )
+
+
+@pytest.mark.parametrize("inpaint", [False, True])
+def test_with_an_input_image_matches_diffusers_img2img_and_inpaint(setup, inpaint) -> None:
+    """Diffusers' `FluxControlNetImg2ImgPipeline` / `FluxControlNetInpaintPipeline`: the control image's
+    posterior draw comes before the input image's."""
+    ours, nets, reference = setup
+    mask = Image.new("L", (WIDTH, HEIGHT), 0)
+    mask.paste(255, (16, 8, 56, 40))
+    inputs = dict(image=OTHER, strength=0.7, **({"mask": mask} if inpaint else {}))
+    entry = {"name": "canny", "image": EDGES, "scale": 0.8}
+    got = generate(ours, 5, controlnets=[entry], **inputs)
+    cls = FluxControlNetInpaintPipeline if inpaint else FluxControlNetImg2ImgPipeline
+    ref = reference(
+        nets["canny"], 5, cls=cls, image=OTHER, strength=0.7, control_image=EDGES,
+        controlnet_conditioning_scale=0.8, **({"mask_image": mask} if inpaint else {}),
+    )  # fmt: skip
+    other = generate(ours, 5, controlnets=[{**entry, "image": DEPTH}], **inputs)
+    what = "inpaint" if inpaint else "img2img"
+    assert_images_match(got, ref, f"one ControlNet, {what}", min_db=PSNR_BAR_DB, control=other)
+
+
+def test_diffusers_keywords_need_one_loaded_controlnet(setup) -> None:
+    ours, _, _ = setup
+    with pytest.raises(InvalidRequestError, match="2 are loaded"):
+        generate(ours, 1, control_image=EDGES)
+
+
+def _params(prompt: str, seed: int, controlnets=()) -> SamplingParams:
+    return SamplingParams(
+        prompt=prompt, seed=seed, height=HEIGHT, width=WIDTH, controlnets=list(controlnets), **KW
+    )
+
+
+def test_requests_with_other_controlnets_batch_as_alone(setup) -> None:
+    ours, _, _ = setup
+    params = [
+        _params("canny strong", 1, [ControlNetChoice("canny", EDGES, scale=1.2)]),
+        _params("canny weak other image", 2, [ControlNetChoice("canny", OTHER, scale=0.4, end=0.67)]),
+        _params("union and canny", 3, [ControlNetChoice("union", DEPTH, mode=3), ControlNetChoice("canny", EDGES)]),
+        _params("no controlnet", 4),
+    ]  # fmt: skip
+    assert assert_batched_as_alone(ours, params, "ControlNet batch")[0] == 4
+
+
+def test_controlnets_next_to_a_block_range_cache_batch_as_alone(setup) -> None:
+    """DBCache runs the DiT's blocks in ranges over some rows: the residuals follow the rows it computes."""
+    ours, _, _ = setup
+    dbcache = {"method": "dbcache", "Fn_compute_blocks": 1, "Bn_compute_blocks": 0}
+    kw = {**KW, "num_inference_steps": 5, "height": HEIGHT, "width": WIDTH}
+    params = [
+        SamplingParams(prompt="ctrl", seed=1, controlnets=[ControlNetChoice("canny", EDGES, 0.9)], **kw),
+        SamplingParams(prompt="cached", seed=2, cache=dbcache, **kw),
+        SamplingParams(
+            prompt="ctrl and cache", seed=3, cache=dbcache, **kw,
+            controlnets=[ControlNetChoice("union", DEPTH, 0.5, start=0.2, mode=1)],
+        ),
+    ]  # fmt: skip
+    assert_batched_as_alone(ours, params, "ControlNets next to DBCache")
+
+
+def test_rows_without_a_controlnet_are_bit_identical(setup) -> None:
+    """The same request without a ControlNet, batched next to a controlled request and next to the same
+    request without its ControlNet: bit-identical images."""
+    ours, _, _ = setup
+    pipeline = ours.pipeline
+    plain = _params("plain", 4)
+
+    def batch_with(neighbour: SamplingParams) -> np.ndarray:
+        running = [pipeline.run_pre_denoise(pipeline.validate(Req(params=p))) for p in (neighbour, plain)]
+        done, _ = denoise_together(pipeline, running)
+        return stack_uint8(done["plain"].outputs.images)
+
+    controlled = batch_with(_params("neighbour", 1, [ControlNetChoice("canny", EDGES, scale=1.5)]))
+    uncontrolled = batch_with(_params("neighbour", 1))
+    assert np.array_equal(controlled, uncontrolled)
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        (ControlNetChoice("nope", EDGES), r"controlnets\[0\].name 'nope' is not a ControlNet"),
+        (ControlNetChoice("canny", None), r"controlnets\[0\].image is missing"),
+        (ControlNetChoice("canny", EDGES, scale=11.0), r"controlnets\[0\].scale"),
+        (ControlNetChoice("canny", EDGES, scale=float("nan")), r"controlnets\[0\].scale"),
+        (ControlNetChoice("canny", EDGES, start=0.5, end=0.5), r"controlnets\[0\].start"),
+        (ControlNetChoice("canny", EDGES, mode=1), r"controlnets\[0\].mode.*not a Union"),
+        (ControlNetChoice("union", EDGES), r"controlnets\[0\].mode.*Union ControlNet; give a mode in 0..3"),
+        (ControlNetChoice("union", EDGES, mode=UNION_MODES), r"controlnets\[0\].mode"),
+    ],
+)
+def test_bad_entries_are_refused_naming_the_field(setup, entry, message) -> None:
+    ours, _, _ = setup
+    with pytest.raises(InvalidRequestError, match=message) as caught:
+        ours.pipeline.validate(Req(params=_params("bad", 1, [entry])))
+    assert caught.value.param == "controlnets"
+
+
+def test_a_family_without_controlnets_refuses_the_field() -> None:
+    stage = InputValidationStage(
+        defaults=SamplingParams(num_inference_steps=2),
+        pixel_multiple=16,
+        default_pixels=64,
+        max_sequence_length_limit=None,
+        image_inputs=ImageInputRule(pipeline_name="StableDiffusion3Pipeline"),
+    )
+    params = SamplingParams(prompt="x", controlnets=[ControlNetChoice("canny", EDGES)])
+    with pytest.raises(
+        InvalidRequestError, match="controlnets is not a parameter of StableDiffusion3Pipeline"
+    ):
+        stage.resolve(params)
+
+
+def test_other_families_refuse_controlnets() -> None:
+    class NoControlNets:
+        pass
+
+    spec = ControlNetSpec("canny", "/nonexistent")
+    with pytest.raises(
+        UserError, match=r"--controlnet: the sd3 family \(NoControlNets\) takes no ControlNets"
+    ):
+        load_controlnets([spec], None, NoControlNets(), "sd3", platform=None, dtype=torch.float32)
