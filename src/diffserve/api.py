@@ -164,6 +164,21 @@ def check_tensor_parallel(index: ModelIndex, family: ModelFamily, tp_size: int) 
         )
 
 
+def check_sequence_parallel(index: ModelIndex, family: ModelFamily, sp_degree: int) -> None:
+    """Sequence parallelism (`--ulysses-degree` x `--ring-degree` above 1) needs a DiT that splits its
+    sequence (`sequence_parallel`, true for every native DiT but those that declare otherwise): else a
+    ParallelConfigError naming the family, raised before anything loads."""
+    if sp_degree == 1:
+        return
+    spec = index.components.get("transformer")
+    dit = family.native_classes.models.get(spec.class_name) if spec is not None else None
+    if dit is not None and not getattr(dit, "sequence_parallel", True):
+        raise ParallelConfigError(
+            f"--ulysses-degree x --ring-degree = {sp_degree}: sequence parallelism is not implemented for the "
+            f"{family.name} family's DiT ({spec.class_name}); use --tp-size or --enable-cfg-parallel instead"
+        )
+
+
 def load_model(
     engine_args: EngineArgs, platform: Platform, parallel_state: ParallelState | None = None
 ) -> LoadedModel:
@@ -203,6 +218,7 @@ def load_model(
     family = resolve_family(index.pipeline_class_name)
     tp_size = parallel_state.tp_size if parallel_state is not None else 1
     check_tensor_parallel(index, family, tp_size)
+    check_sequence_parallel(index, family, parallel_state.sp_degree if parallel_state is not None else 1)
     pipeline_cls = family.pipeline_cls
     logger.info(
         "Resolved pipeline: %s -> diffserve %s (%s, native)",
@@ -310,10 +326,13 @@ class DiffGenerator:
         self.engine_args = engine_args
         parallel = engine_args.parallel_config()  # ParallelConfigError before anything starts or loads
         check_backend_args(engine_args)  # `--backend diffusers` with a flag it cannot honour: refused now
-        if parallel.is_distributed and parallel.tp_size > 1:  # refused before anything is set up or started
+        sp_degree = parallel.sequence_parallel_degree
+        if parallel.is_distributed and (parallel.tp_size > 1 or sp_degree > 1):  # refused before any start
             index = read_model_index(engine_args.model_path, engine_args.revision)
             index = without_folder_controlnet(index)[0]
-            check_tensor_parallel(index, resolve_family(index.pipeline_class_name), parallel.tp_size)
+            family = resolve_family(index.pipeline_class_name)
+            check_tensor_parallel(index, family, parallel.tp_size)
+            check_sequence_parallel(index, family, sp_degree)
         try:
             platform = self.platform = resolve_platform(engine_args.device)
         except PlatformUnavailableError as exc:

@@ -1,5 +1,5 @@
-"""Whole Chroma generations: diffserve against Diffusers' ChromaPipeline (and ChromaImg2ImgPipeline with
-an input image), same folder and seed; and step batching (requests with other prompt lengths, CFG on and
+"""Whole Chroma generations: diffserve against Diffusers' ChromaPipeline (ChromaImg2ImgPipeline with an
+input image, ChromaInpaintPipeline with a mask too), same folder and seed; and step batching (requests with other prompt lengths, CFG on and
 off, sharing DiT forwards) against each alone."""
 
 from __future__ import annotations
@@ -7,12 +7,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from diffusers import ChromaImg2ImgPipeline, ChromaPipeline
+from diffusers import ChromaImg2ImgPipeline, ChromaInpaintPipeline, ChromaPipeline
+from PIL import Image
 
 from diffserve import SamplingParams
-from diffserve.api import DiffGenerator
+from diffserve.api import DiffGenerator, check_sequence_parallel
+from diffserve.distributed.config import ParallelConfigError
 from diffserve.errors import InvalidRequestError
 from diffserve.families.chroma.tiny import build_tiny_chroma
+from diffserve.loader.model_index import read_model_index
+from diffserve.registry import family_by_name
 from diffserve.request import Req
 from diffserve.testing.parity import (
     assert_batched_as_alone,
@@ -98,10 +102,13 @@ def test_text_encoding_and_mask_match_diffusers(engines) -> None:
 
 
 def test_requests_batched_equal_each_alone(engines) -> None:
-    """Requests with other prompt lengths (other text masks), CFG on and off and other step counts share
-    DiT forwards; each image is within one uint8 level of the request's image alone."""
+    """Requests with other prompt lengths (other text masks), CFG on and off, other step counts, image-to-
+    image and inpainting share DiT forwards; each image is within one uint8 level of its image alone."""
     ours, _ = engines
     base = dict(height=32, width=48, max_sequence_length=MAX_LEN)
+    image = smooth_random_image(48, 32, seed=4)
+    mask = Image.new("L", (48, 32), 0)
+    mask.paste(255, (8, 8, 40, 24))
     params = [
         SamplingParams(prompt="a fox", seed=1, num_inference_steps=3, guidance_scale=4.0, **base),
         SamplingParams(
@@ -116,9 +123,22 @@ def test_requests_batched_equal_each_alone(engines) -> None:
             num_outputs_per_prompt=2,
             **base,
         ),
+        SamplingParams(
+            prompt="a house", seed=4, num_inference_steps=6, strength=0.5, input_images=[image], **base
+        ),
+        SamplingParams(
+            prompt="a boat",
+            seed=5,
+            num_inference_steps=4,
+            strength=0.75,
+            guidance_scale=3.0,
+            input_images=[image],
+            mask_image=mask,
+            **base,
+        ),
     ]
     step_sizes = assert_batched_as_alone(ours, params, "Chroma")
-    assert step_sizes == [3, 3, 2]
+    assert step_sizes == [5, 5, 4]  # the CFG-less request runs 2 steps, the others 3
 
 
 def test_chroma_refuses_what_it_does_not_take(engines) -> None:
@@ -127,9 +147,9 @@ def test_chroma_refuses_what_it_does_not_take(engines) -> None:
     with pytest.raises(InvalidRequestError, match="true_cfg_scale.*guidance_scale") as info:
         ours.generate(true_cfg_scale=4.0, **kwargs)
     assert info.value.param == "true_cfg_scale"
-    with pytest.raises(InvalidRequestError, match="mask"):
-        image = smooth_random_image(32, 32, seed=1)
-        ours.generate(image=image, mask=image.convert("L"), **kwargs)
+    image = smooth_random_image(32, 32, seed=1)
+    with pytest.raises(InvalidRequestError, match="ChromaPipeline"):
+        ours.generate(input_images=[image, image], **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -155,6 +175,36 @@ def test_chroma_img2img_matches_diffusers(engines, strength, extra) -> None:
     text_only = stack_uint8(ours.generate(prompt=PROMPT, seed=7, **kwargs).images)
     assert_images_match(
         ours_u8, ref, f"Chroma img2img strength {strength}", min_db=PSNR_BAR_DB, control=text_only
+    )
+
+
+@pytest.mark.parametrize(
+    ("strength", "extra"),
+    [
+        (0.8, {"guidance_scale": 4.0, "negative_prompt": "blurry"}),
+        (None, {"guidance_scale": 1.0}),  # Diffusers' default inpainting strength, 0.6
+    ],
+)
+def test_chroma_inpainting_matches_diffusers(engines, strength, extra) -> None:
+    ours, reference = engines
+    inpaint = ChromaInpaintPipeline(**reference.components)
+    inpaint.set_progress_bar_config(disable=True)
+    # Diffusers 0.42.1's ChromaInpaintPipeline reads `transformer.config.guidance_embeds`, a key Chroma's
+    # transformer does not have, and then never uses what it computes from it: give it the key.
+    inpaint.transformer.register_to_config(guidance_embeds=False)
+    image = smooth_random_image(80, 48, seed=3)
+    mask = Image.new("L", (80, 48), 0)
+    mask.paste(255, (16, 8, 56, 40))  # white: repaint
+    # ChromaInpaintPipeline's own step, guidance and text-length defaults differ: both sides get them.
+    kwargs = dict(height=48, width=80, num_inference_steps=4, max_sequence_length=MAX_LEN, **extra)
+    strengths = {} if strength is None else {"strength": strength}
+    ours_u8 = stack_uint8(
+        ours.generate(prompt=PROMPT, image=image, mask=mask, seed=9, **strengths, **kwargs).images
+    )
+    ref = diffusers_uint8(inpaint, seed=9, prompt=PROMPT, image=image, mask_image=mask, **strengths, **kwargs)
+    unmasked = stack_uint8(ours.generate(prompt=PROMPT, image=image, seed=9, **strengths, **kwargs).images)
+    assert_images_match(
+        ours_u8, ref, f"Chroma inpainting strength {strength}", min_db=PSNR_BAR_DB, control=unmasked
     )
 
 
@@ -212,3 +262,13 @@ def test_lora_adapters_match_diffusers(tmp_path) -> None:
     want = diffusers_uint8(reference, seed=3, prompt=PROMPT, **kwargs)
     assert_images_match(got, want, "Chroma with two LoRAs", min_db=PSNR_BAR_DB, control=base)
     assert np.array_equal(stack_uint8(ours.generate(prompt=PROMPT, seed=3, **kwargs).images), base)
+
+
+def test_sequence_parallelism_is_refused_before_loading(engines) -> None:
+    """Its padding bias is not a per-key mask: --ulysses-degree / --ring-degree are refused by name."""
+    ours, _ = engines
+    index = read_model_index(ours.engine_args.model_path)
+    family = family_by_name("chroma")
+    check_sequence_parallel(index, family, 1)
+    with pytest.raises(ParallelConfigError, match="chroma family's DiT.*--tp-size or --enable-cfg-parallel"):
+        check_sequence_parallel(index, family, 2)

@@ -20,6 +20,8 @@ class ChromaPipelineConfig:
     #: Image-to-image strength when a request with an input image leaves it unset (Diffusers'
     #: `ChromaImg2ImgPipeline`: 0.9).
     default_strength: float = 0.9
+    #: The same with a mask (Diffusers' `ChromaInpaintPipeline`: 0.6).
+    default_inpaint_strength: float = 0.6
 
 
 def chroma_default_sampling_params() -> SamplingParams:

@@ -1,6 +1,7 @@
 """Chroma (Diffusers `ChromaPipeline`): T5 text with its padding masked, FLUX.1's latents, timesteps and
 VAE, classic CFG (on when guidance_scale > 1; the negative prompt defaults to ""), and the Chroma DiT; with
-an input image, image-to-image from the same folder (Diffusers' `ChromaImg2ImgPipeline`).
+an input image, image-to-image from the same folder (Diffusers' `ChromaImg2ImgPipeline`), and with a mask
+too, inpainting (`ChromaInpaintPipeline`).
 
 Every request's prompt and negative-prompt branches go through ONE DiT forward (Diffusers runs two): each
 row carries its own text mask, so requests and branches with different prompt lengths share a batch."""
@@ -39,6 +40,7 @@ from diffserve.stages.image_to_image import (
 )
 from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
 from diffserve.stages.latent_preparation import LatentPreparationStage, latent_image_ids, pack_latents
+from diffserve.stages.mask_preparation import InpaintMaskStage
 from diffserve.stages.timestep_preparation import TimestepPreparationStage
 
 
@@ -95,15 +97,17 @@ class ChromaDenoiser:
 
     @staticmethod
     def dit_timesteps(reqs: list[Req], timesteps: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """Each row's sigma (timestep / 1000) as Diffusers rounds it: ChromaPipeline rounds the timestep to
-        the latents' dtype before dividing, ChromaImg2ImgPipeline divides the float32 timestep (the DiT
-        then rounds both to its dtype; in float32 they are the same)."""
+        """Each row's sigma (timestep / 1000) as Diffusers rounds it: ChromaPipeline and
+        ChromaInpaintPipeline round the timestep to the latents' dtype before dividing,
+        ChromaImg2ImgPipeline divides the float32 timestep (the DiT then rounds both to its dtype; in
+        float32 they are the same)."""
         rows = iter(timesteps)
         out = []
         for req in reqs:
             for _ in range(2 if req.do_cfg else 1):
                 t = next(rows)
-                out.append(t if req.params.input_images else t.to(dtype).float())
+                image_to_image = req.params.input_images and req.params.mask_image is None
+                out.append(t if image_to_image else t.to(dtype).float())
         return torch.cat(out) / 1000
 
     @torch.inference_mode()
@@ -127,8 +131,9 @@ class ChromaDenoiser:
 
 
 class ChromaPipeline(Pipeline):
-    """Chroma text-to-image, and image-to-image with one input image noised by `strength` (0.9 by
-    default, as Diffusers' `ChromaImg2ImgPipeline`)."""
+    """Chroma text-to-image; image-to-image with one input image noised by `strength` (0.9 by default,
+    as Diffusers' `ChromaImg2ImgPipeline`), and inpainting with a mask too (0.6 by default, as
+    `ChromaInpaintPipeline`; the folder's step, guidance and text-length defaults stay ChromaPipeline's)."""
 
     required_components = ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
     config = ChromaPipelineConfig()
@@ -144,13 +149,18 @@ class ChromaPipeline(Pipeline):
         self.pixel_multiple = self.vae_scale_factor * self.config.latent_patch_size
         device, dtype = context.platform.device(), context.dtype
         default_pixels = self.config.default_sample_size * self.vae_scale_factor
+        latent_channels = transformer.config.in_channels // 4
         self.input_validation = InputValidationStage(
             defaults=apply_overrides(chroma_default_sampling_params(), context.folder_sampling_defaults),
             pixel_multiple=self.pixel_multiple,
             default_pixels=default_pixels,
             max_sequence_length_limit=self.config.max_t5_sequence_length,
             image_inputs=ImageInputRule(
-                pipeline_name="ChromaPipeline", max_images=1, default_strength=self.config.default_strength
+                pipeline_name="ChromaPipeline",
+                max_images=1,
+                inpainting=True,
+                default_strength=self.config.default_strength,
+                default_inpaint_strength=self.config.default_inpaint_strength,
             ),
             # Unset, the input image's size (floored); Diffusers' img2img takes the square default instead.
             default_size=lambda params: input_image_size(
@@ -170,13 +180,14 @@ class ChromaPipeline(Pipeline):
             # Image-to-image: the input image's latents are the generator's first draw, as in Diffusers.
             InputImageEncodingStage(vae, pack_latents, device=device, dtype=dtype),
             ChromaLatentPreparationStage(
-                latent_channels=transformer.config.in_channels // 4,
+                latent_channels=latent_channels,
                 vae_scale_factor=self.vae_scale_factor,
                 device=device,
                 dtype=dtype,
             ),
             TimestepPreparationStage(scheduler, guidance_embeds=False),
             ImageToImageNoisingStage(),
+            InpaintMaskStage(latent_channels, pack_latents),
             DenoisingStage(self.denoiser),
             DecodingStage(vae),
         ]

@@ -45,6 +45,9 @@ class DiffusersDiT(DiffusersConfigured, nn.Module):
         self.config = config
         self.inner_dim: int = config.inner_dim
 
+    #: Whether its forward splits its sequence over sequence-parallel ranks (`--ulysses-degree` /
+    #: `--ring-degree`); a DiT that cannot is refused at load (`api.check_sequence_parallel`).
+    sequence_parallel: ClassVar[bool] = True
     #: The cache methods its forward runs (`configs/cache_rule.py`): none unless the DiT declares them.
     cache_methods: ClassVar[frozenset[str]] = frozenset()
     #: Its block lists, in the order the cache methods count blocks (`cache_block_count`).

@@ -179,6 +179,8 @@ class ChromaTransformer2DModel(DiffusersDiT):
 
     diffusers_class_name: ClassVar[str] = "ChromaTransformer2DModel"
     config_class = ChromaTransformerConfig
+    #: Its text-padding bias is not a per-key mask, which the sequence-parallel attention takes: refused.
+    sequence_parallel: ClassVar[bool] = False
     cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS
     cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks", "single_transformer_blocks")
 
