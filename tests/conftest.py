@@ -17,6 +17,12 @@ import pytest
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 
+# OpenMP reads its wait policy once, when torch loads: diffserve's passive policy (diffserve.openmp_env) must
+# be in place before any test module imports torch, or each worker's threads spin while they wait and, with
+# the other worker, the servers and the ranks the suite starts on the same cores, steps run 4-30x slower
+# (two runs of tests/e2e/test_calibrate_cache.py side by side: 47.6 s spinning, 10.9 s passive).
+import diffserve.openmp_env  # noqa: E402, F401  (before any test module imports torch)
+
 #: About how many seconds the longest test files take on an idle 2-core machine (a run on a loaded machine,
 #: scaled down; what matters is the ranking). `make test` (`--dist loadfile`) hands whole files to its two
 #: workers in collection order: these first, longest first, then the others in their order, so the last

@@ -20,6 +20,7 @@ from diffserve.families.ltx2 import record as ltx2
 from diffserve.families.qwen_image import record as qwen_image
 from diffserve.families.record import ModelFamily, TinyCheckpointBuilder, TinyCheckpointOptions
 from diffserve.families.sana import record as sana
+from diffserve.families.sana_video import record as sana_video
 from diffserve.families.sd3 import record as sd3
 from diffserve.families.wan import record as wan
 from diffserve.families.z_image import record as z_image
@@ -33,6 +34,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     *z_image.FAMILIES,
     *wan.FAMILIES,
     *sana.FAMILIES,
+    *sana_video.FAMILIES,
     *flux2.FAMILIES,
     *hunyuan_video15.FAMILIES,
     *ltx2.FAMILIES,

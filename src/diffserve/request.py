@@ -314,6 +314,9 @@ class Req:
     # request at the next step boundary; `on_step(req)` is called after every denoising step.
     cancel_event: threading.Event | None = None
     on_step: Callable[[Req], None] | None = None
+    #: A streamed video job: called on the decode's thread with each temporal chunk's pixels as the VAE
+    #: decodes them (vae_tiling.decode_output_scope; only where the VAE decodes the clip whole).
+    on_decoded: Callable[[Any], None] | None = None
 
     @property
     def cancelled(self) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -119,3 +119,31 @@ def decode_chunk_boundary() -> None:
     hook = _chunk_hook.get()
     if hook is not None:
         hook()
+
+
+_output_hook: ContextVar[Callable[[Any], None] | None] = ContextVar("diffserve_decode_output", default=None)
+
+
+@contextmanager
+def decode_output_scope(hook: Callable[[Any], None] | None) -> Iterator[None]:
+    """Inside the block, a VAE that decodes a clip whole (one device, untiled) hands each temporal chunk's
+    final pixels to `hook` as soon as it has them (`decode_chunk_output`): a streamed video job publishes
+    them while the rest decodes (outputs/fmp4.py). None: nothing is handed out."""
+    token = _output_hook.set(hook)
+    try:
+        yield
+    finally:
+        _output_hook.reset(token)
+
+
+def decode_output_wanted() -> bool:
+    """Whether a decode in progress here should hand out its chunks (`decode_output_scope`)."""
+    return _output_hook.get() is not None
+
+
+def decode_chunk_output(pixels: Any) -> None:
+    """Called by a VAE with one temporal chunk of the clip it decodes, (B, C, frames, H, W) in [-1, 1], in
+    order: runs the hook of `decode_output_scope`, if any."""
+    hook = _output_hook.get()
+    if hook is not None:
+        hook(pixels)

@@ -27,6 +27,7 @@ from diffserve.families.hunyuan_video15.tiny import TinyHunyuanVideo15Spec, buil
 from diffserve.families.longcat_image.tiny import TinyLongCatImageSpec, build_tiny_longcat_image
 from diffserve.families.qwen_image.tiny import TinyQwenImageSpec, build_tiny_qwen_image
 from diffserve.families.sana.tiny import TinySanaSpec, build_tiny_sana
+from diffserve.families.sana_video.tiny import TinySanaVideoSpec, build_tiny_sana_video
 from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
 from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
 from diffserve.families.z_image.tiny import TinyZImageSpec, build_tiny_zimage
@@ -76,6 +77,11 @@ CASES: dict[str, tuple[Callable[[Path], Path], dict[str, Any], dict[str, float]]
         lambda root: build_tiny_sana(root, TinySanaSpec(num_layers=4)),
         SQUARE,
         {"dbcache": 57.5, "dbcache+taylorseer": 59.6, "teacache": 45.3, "seacache": 54.0},
+    ),
+    "sana-video": (
+        lambda root: build_tiny_sana_video(root, TinySanaVideoSpec(num_layers=4)),
+        {**SQUARE, "num_frames": 5, "extra": {"use_resolution_binning": False}},
+        {"dbcache": 19.6, "dbcache+taylorseer": 17.7, "teacache": 19.0, "seacache": 28.7},
     ),
     "hunyuan-video-1.5": (
         lambda root: build_tiny_hunyuan_video15(root, TinyHunyuanVideo15Spec(num_layers=4)),

@@ -100,6 +100,19 @@ CASES: dict[str, tuple[str, dict, dict]] = {
         {},
         {"height": 32, "width": 48, "num_inference_steps": 3, "guidance_scale": 4.5},
     ),
+    "sana-video": (
+        "diffserve.families.sana_video.tiny:build_tiny_sana_video",
+        {},
+        {
+            "height": 32,
+            "width": 64,
+            "num_frames": 5,
+            "num_inference_steps": 2,
+            "guidance_scale": 4.0,
+            "negative_prompt": "blurry",
+            "extra": {"use_resolution_binning": False},
+        },
+    ),
 }
 
 

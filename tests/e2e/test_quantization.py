@@ -21,6 +21,7 @@ from diffserve.errors import LoraError, UserError
 from diffserve.families.chroma.tiny import build_tiny_chroma
 from diffserve.families.longcat_image.tiny import build_tiny_longcat_image
 from diffserve.families.qwen_image.tiny import build_tiny_qwen_image
+from diffserve.families.sana_video.tiny import build_tiny_sana_video
 from diffserve.families.sd3.tiny import build_tiny_sd3
 from diffserve.families.wan.tiny import build_tiny_wan
 from diffserve.families.z_image.tiny import build_tiny_zimage
@@ -49,11 +50,13 @@ BUILDERS = {
     "wan": build_tiny_wan,
     "chroma": build_tiny_chroma,
     "longcat_image": build_tiny_longcat_image,
+    "sana_video": build_tiny_sana_video,
 }
 
 
 @pytest.fixture(
-    scope="module", params=["flux", "sd3", "qwen_image", "z_image", "wan", "chroma", "longcat_image"]
+    scope="module",
+    params=["flux", "sd3", "qwen_image", "z_image", "wan", "chroma", "longcat_image", "sana_video"],
 )
 def family_folder(request, tmp_path_factory) -> tuple[str, Path]:
     if request.param == "flux":
@@ -65,6 +68,9 @@ def _generate(gen: DiffGenerator, family: str) -> np.ndarray:
     kwargs = dict(prompt="a red fox in the snow", seed=42, height=64, width=64, num_inference_steps=2)
     if family == "wan":
         return np.stack(gen.generate(num_frames=5, **kwargs).frames)
+    if family == "sana_video":  # its 480p aspect-ratio bins are too large for a quick test
+        extra = {"use_resolution_binning": False}
+        return np.stack(gen.generate(num_frames=5, extra=extra, **kwargs).frames)
     return np.stack([np.asarray(image) for image in gen.generate(**kwargs).images])
 
 

@@ -60,6 +60,7 @@ OPERATIONS = [
     "GET /v1/videos/{video_id}",
     "DELETE /v1/videos/{video_id}",
     "GET /v1/videos/{video_id}/content",
+    "GET /v1/videos/{video_id}/stream",
     "GET /v1/models",
     "GET /v1/models/{model_id}",
     "GET /v1/loras",

@@ -57,6 +57,7 @@ ROUTES = [
     ("GET", f"/v1/videos/{VIDEO_ID}"),
     ("DELETE", f"/v1/videos/{VIDEO_ID}"),
     ("GET", f"/v1/videos/{VIDEO_ID}/content"),
+    ("GET", f"/v1/videos/{VIDEO_ID}/stream"),
     ("GET", "/v1/models"),
     ("GET", "/v1/models/tiny-flux"),
     ("GET", "/v1/loras"),
@@ -75,6 +76,7 @@ ID_ROUTES = [
     ("GET", "/v1/videos/{}"),
     ("DELETE", "/v1/videos/{}"),
     ("GET", "/v1/videos/{}/content"),
+    ("GET", "/v1/videos/{}/stream"),
     ("GET", "/v1/models/{}"),
     ("DELETE", "/v1/loras/{}"),
 ]

@@ -1,4 +1,4 @@
-"""`/v1/videos` on the wave-2 video families (Wan 2.2 TI2V-5B, LTX-2), through real `diffserve
+"""`/v1/videos` on the wave-2 video families (Wan 2.2 TI2V-5B, LTX-2, SANA-Video), through real `diffserve
 serve` processes driven by the official `openai` SDK: the clip served has the frame count the family's
 frame rule gives for the seconds asked, and its frames equal those of the in-process API's MP4 for the
 same seed, both written by the same encoder: >= 30 dB over the clip (most frames decode identical; x264's
@@ -10,6 +10,7 @@ LTX-2's clip carries its soundtrack: an AAC track as long as the video, equal to
 from __future__ import annotations
 
 import io
+import json
 import warnings
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from server_process import start_server
 
 from diffserve import DiffGenerator
 from diffserve.families.ltx2.tiny import build_tiny_ltx2
+from diffserve.families.sana_video.tiny import build_tiny_sana_video
 from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
 from diffserve.outputs.audio_track import read_audio_track
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
@@ -32,9 +34,13 @@ WIDTH, HEIGHT, FPS, STEPS, SEED = 96, 64, 8, 4, 5
 FAMILIES = {
     "wan-2.2-ti2v": lambda out: build_tiny_wan(out, TinyWanSpec(variant="2.2-ti2v")),
     "ltx2": build_tiny_ltx2,
+    "sana-video": build_tiny_sana_video,
 }
 #: family -> frames for 1 s at FPS: Wan's 4k+1, LTX's 8k+1 (8 frames -> 9 either way)
-FRAMES = {"wan-2.2-ti2v": 9, "ltx2": 9}
+FRAMES = {"wan-2.2-ti2v": 9, "ltx2": 9, "sana-video": 9}
+#: family -> what its requests add: SANA-Video generates at its 480p aspect-ratio bins unless told not to
+#: (Diffusers' use_resolution_binning), too large for a quick test.
+REQUEST_EXTRAS = {"sana-video": {"extra": {"use_resolution_binning": False}}}
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -113,11 +119,13 @@ def local_clip(generator: DiffGenerator, tmp_path: Path, num_frames: int, **extr
 
 def test_text_to_video_job_matches_the_python_api(served, tmp_path) -> None:
     family, srv, generator = served
-    frames, fps, extras, data = served_clip(srv)
+    family_extras = REQUEST_EXTRAS.get(family, {})
+    # A multipart form (the SDK's videos.create) carries `extra` as its JSON text.
+    frames, fps, extras, data = served_clip(srv, **{k: json.dumps(v) for k, v in family_extras.items()})
     n = FRAMES[family]
     assert extras["num_frames"] == n and fps == FPS
     assert frames.shape == (n, HEIGHT, WIDTH, 3)
-    value = psnr(frames, local_clip(generator, tmp_path, n))
+    value = psnr(frames, local_clip(generator, tmp_path, n, **family_extras))
     print(f"{family} text-to-video: served vs in-process {value:.1f} dB")
     assert value >= 30.0
     if family == "ltx2":

@@ -13,6 +13,7 @@ from diffserve.models.dits.chroma import ChromaTransformer2DModel, ChromaTransfo
 from diffserve.models.dits.flux import FluxTransformer2DModel, FluxTransformerConfig
 from diffserve.models.dits.longcat_image import LongCatImageTransformer2DModel, LongCatImageTransformerConfig
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel, QwenImageTransformerConfig
+from diffserve.models.dits.sana_video import SanaVideoTransformer3DModel, SanaVideoTransformerConfig
 from diffserve.models.dits.sd3 import SD3Transformer2DModel, SD3TransformerConfig
 from diffserve.models.dits.wan import WanTransformer3DModel, WanTransformerConfig
 from diffserve.models.dits.z_image import ZImageTransformer2DModel, ZImageTransformerConfig
@@ -25,6 +26,7 @@ FAMILIES = [
     (WanTransformer3DModel, WanTransformerConfig),
     (ChromaTransformer2DModel, ChromaTransformerConfig),
     (LongCatImageTransformer2DModel, LongCatImageTransformerConfig),
+    (SanaVideoTransformer3DModel, SanaVideoTransformerConfig),
 ]
 IDS = [model.diffusers_class_name for model, _ in FAMILIES]
 

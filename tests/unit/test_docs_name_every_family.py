@@ -36,6 +36,7 @@ PACKAGE_LABELS = {
     "z_image": "Z-Image",
     "chroma": "Chroma",
     "sana": "SANA",
+    "sana_video": "SANA-Video",
     "wan": "Wan",
     "hunyuan_video15": "HunyuanVideo 1.5",
     "ltx2": "LTX-2",

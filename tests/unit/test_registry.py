@@ -33,8 +33,10 @@ def test_native_classes_are_keyed_by_the_diffusers_name_each_class_declares(fami
     for table in tables:
         for class_name, cls in table.items():
             assert cls.diffusers_class_name == class_name
-    # A DiT and a VAE; LTX-2 adds its text connectors, audio VAE and vocoders.
-    assert len(family.native_classes.models) == (6 if family.name.startswith("ltx2") else 2)
+    # A DiT and a VAE; LTX-2 adds its text connectors, audio VAE and vocoders; SANA-Video takes Wan 2.1's
+    # VAE (480p folders) or LTX-2's (720p).
+    models = {"sana-video": 3}.get(family.name, 6 if family.name.startswith("ltx2") else 2)
+    assert len(family.native_classes.models) == models
     assert family.native_classes.schedulers
     assert family.step_cache_policies is family.pipeline_cls.step_cache_policies
 

@@ -224,6 +224,10 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "longcat-image": ({"guidance_scale": 4.5}, {"guidance_scale": 1.0}),
     "wan-t2v": ({"guidance_scale": 5.0, "num_frames": 5}, {"guidance_scale": 1.0, "num_frames": 5}),
     "wan-t2v-unipc": ({"guidance_scale": 5.0, "num_frames": 5}, {"guidance_scale": 1.0, "num_frames": 5}),
+    "sana-video": (
+        {"guidance_scale": 5.0, "num_frames": 5, "extra": {"use_resolution_binning": False}},
+        {"guidance_scale": 1.0, "num_frames": 5, "extra": {"use_resolution_binning": False}},
+    ),
 }
 STEPS = 3
 

@@ -146,32 +146,36 @@ def choose_cache(
     return None, tier
 
 
-def check_cache_steps(settings: CacheSettings | None, num_steps: int) -> None:
-    """A 400 naming `cache` when its named steps computation schedule has no form for the `num_steps`
-    denoising steps the request runs (cache-dit's schedules need 4, 6 or at least 8)."""
+def named_schedule_error(settings: object, num_steps: int) -> str | None:
+    """Why the named steps computation schedule (`steps_computation_mask`) of a cache method's settings or
+    a tier's preset has no form for `num_steps` denoising steps; None where it has one, or where the
+    settings name no schedule (a mask given as a list, or none). The request checks word the refusal."""
     mask = getattr(settings, "steps_computation_mask", None)
     if not isinstance(mask, str):
-        return
+        return None
     try:
         named_schedule(mask, num_steps)
     except ValueError as exc:
-        raise InvalidRequestError(
-            f"cache: {exc} (or pass cache 'none' for the exact path)", param="cache"
-        ) from None
+        return str(exc)
+    return None
+
+
+def check_cache_steps(settings: CacheSettings | None, num_steps: int) -> None:
+    """A 400 naming `cache` when its named steps computation schedule has no form for the `num_steps`
+    denoising steps the request runs (cache-dit's schedules need 4, 6 or at least 8)."""
+    error = named_schedule_error(settings, num_steps)
+    if error is not None:
+        raise InvalidRequestError(f"cache: {error} (or pass cache 'none' for the exact path)", param="cache")
 
 
 def check_tier_steps(tier: str, preset: TierPreset, num_steps: int) -> None:
     """A 400 naming `quality` when the tier's preset names a steps computation schedule that has no form
     for the request's `num_steps` denoising steps (cache-dit's schedules need 4, 6 or at least 8): the
     tier cannot keep its promise there, and running it exact instead would be a silent change."""
-    mask = getattr(preset, "steps_computation_mask", None)
-    if not isinstance(mask, str):
-        return
-    try:
-        named_schedule(mask, num_steps)
-    except ValueError as exc:
+    error = named_schedule_error(preset, num_steps)
+    if error is not None:
         raise InvalidRequestError(
-            f"quality {tier!r} runs {describe_preset(preset)} on this model: {exc}; ask for quality 'high' "
+            f"quality {tier!r} runs {describe_preset(preset)} on this model: {error}; ask for quality 'high' "
             "or another step count",
             param="quality",
-        ) from None
+        )

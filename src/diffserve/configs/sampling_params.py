@@ -405,7 +405,8 @@ class SamplingParams:
     extra: dict[str, Any] = option(
         default_factory=dict, front_end_default=None, http=True,
         help="the model family's own settings by name, checked by the family (LTX-2: audio_guidance_scale, "
-        "stg_scale, modality_scale, guidance_rescale, motion_speed, ...; other families take none)",
+        "stg_scale, modality_scale, guidance_rescale, motion_speed, ...; SANA-Video: use_resolution_binning; "
+        "LongCat-Image: enable_cfg_renorm, cfg_renorm_min; other families take none)",
     )  # fmt: skip
 
     def __post_init__(self) -> None:

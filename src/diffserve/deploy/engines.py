@@ -41,6 +41,7 @@ from diffserve.server.args import ServerArgs
 from diffserve.server.engine_client import EngineState, EngineUnavailableError, JobListener, ReadyHook
 from diffserve.server.lora_client import LoraOpError, new_op_id
 from diffserve.server.metrics import ServerMetrics
+from diffserve.server.replica_loras import load_on_all_or_none, on_replica
 
 logger = logging.getLogger("diffserve.server")
 
@@ -217,26 +218,15 @@ class RayEngines:
     async def load_lora(self, name: str, path: str, strict: bool = True) -> msg.LoraOpDone:
         """Load on every running replica, or on none: where it loaded it is unloaded again when another
         replica refused it, and that refusal is the answer."""
-        ready = self._ready_replicas()
-        results = await asyncio.gather(
-            *(self._call(r.replica, "load_lora", name, path, strict) for r in ready), return_exceptions=True
+        done = await load_on_all_or_none(
+            self._ready_replicas(),
+            lambda r: self._call(r.replica, "load_lora", name, path, strict),
+            lambda r: self._call(r.replica, "unload_lora", name),
+            lambda r: r.replica,
+            name,
         )
-        failed = [(r, e) for r, e in zip(ready, results, strict=True) if isinstance(e, BaseException)]
-        if failed:
-            loaded = [r for r, e in zip(ready, results, strict=True) if not isinstance(e, BaseException)]
-            for replica in loaded:
-                try:
-                    await self._call(replica.replica, "unload_lora", name)
-                except Exception as exc:
-                    logger.error(
-                        "Replica %s: could not undo the load of LoRA %r: %s", replica.replica, name, exc
-                    )
-            replica, error = failed[0]
-            if not loaded or not isinstance(error, Exception):
-                raise error  # every replica refused it alike (a bad path or file): their answer
-            raise _on_replica(replica, error, f"LoRA {name!r} was loaded on no replica")
         self._log = self._log.recorded(msg.LoadLora(new_op_id(), name, path, strict))
-        return next(r for r in results if isinstance(r, msg.LoraOpDone))
+        return done
 
     async def unload_lora(self, name: str) -> msg.LoraOpDone:
         """Unload from every running replica: 404 when none had it, a replica's refusal (409: in use
@@ -255,7 +245,7 @@ class RayEngines:
             if not isinstance(error, Exception):
                 raise error
             where = f"unloaded from {len(done)} of {len(ready)} replicas"
-            raise _on_replica(replica, error, f"LoRA {name!r} was {where}")
+            raise on_replica(replica.replica, error, f"LoRA {name!r} was {where}")
         if not done:
             raise next(r for r in results if isinstance(r, BaseException))  # every replica's 404
         return done[0]
@@ -473,13 +463,3 @@ def outside_request(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     calls by that id, so two calls of one request at once (a LoRA op sent to every replica, a cancel
     next to its job) would be taken for one. A fresh context gives each call its own id."""
     return contextvars.Context().run(call, *args, **kwargs)
-
-
-def _on_replica(replica: RemoteReplica, error: Exception, outcome: str) -> Exception:
-    """`error` from one replica's LoRA op, its message naming the replica and the op's `outcome`."""
-    message = f"replica {replica.replica}: {error}; {outcome}"
-    if isinstance(error, LoraOpError):
-        return LoraOpError(message, error.status, error.param, error.code)
-    if isinstance(error, EngineUnavailableError):
-        return EngineUnavailableError(message, error.code)
-    return error

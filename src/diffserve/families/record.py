@@ -14,10 +14,11 @@ spellings accepted on input, and only the registry's `family_by_name` reads them
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.loader.dit_facts import DitFacts
@@ -47,6 +48,25 @@ class TinyCheckpointBuilder(Protocol):
     missing) and returns the folder's path."""
 
     def __call__(self, out_dir: Path, options: TinyCheckpointOptions) -> Path: ...
+
+
+def lazy_tiny_builder(
+    module: str, builder: str, spec: str, options_fields: tuple[str, ...] = (), **spec_fields: Any
+) -> TinyCheckpointBuilder:
+    """The `tiny_builder` of a record whose builder takes a spec dataclass: it writes
+    `builder(out_dir, spec(seed=..., **fields))`, the spec given the options' seed, the `options_fields`
+    of `TinyCheckpointOptions` by their names and the record's `spec_fields` (its variant). `builder` and
+    `spec` are names in the tiny `module`, imported only when a checkpoint is written: it loads
+    transformers model classes that listing the families does not need."""
+
+    def build(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+        tiny = importlib.import_module(module)
+        chosen = {name: getattr(options, name) for name in options_fields}
+        return getattr(tiny, builder)(
+            out_dir, getattr(tiny, spec)(seed=options.seed, **chosen, **spec_fields)
+        )
+
+    return build
 
 
 @dataclass(frozen=True)

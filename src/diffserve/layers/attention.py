@@ -141,18 +141,11 @@ def run_attention_kernel(
     return sdpa(q, k, v, attn_mask)
 
 
-def _run(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    chosen: AttentionBackend,
-) -> torch.Tensor:
-    """The active hook's result for this call, else the kernel's."""
+def _active_runner() -> AttentionHook:
+    """What runs an attention call now: the active hook (`attention_hook_scope`), else the kernel itself
+    (`run_attention_kernel`)."""
     hook = _active_hook.get()
-    if hook is not None:
-        return hook(q, k, v, attn_mask, chosen)
-    return run_attention_kernel(q, k, v, attn_mask, chosen)
+    return run_attention_kernel if hook is None else hook
 
 
 @torch.library.custom_op("diffserve::attention", mutates_args=())
@@ -162,7 +155,7 @@ def _attention_op(
     """`attention()` as compiled graphs call it, the backend read when the graph runs; contiguous, as the
     fake implementation declares."""
     chosen = AttentionBackend(backend) if backend is not None else _active_backend.get()
-    return _run(q, k, v, attn_mask, chosen).contiguous()
+    return _active_runner()(q, k, v, attn_mask, chosen).contiguous()
 
 
 @_attention_op.register_fake
@@ -193,4 +186,4 @@ def attention(
                 return sdpa(q, k, v, attn_mask)
         return _attention_op(q, k, v, attn_mask, name)
     chosen = AttentionBackend(backend) if backend is not None else _active_backend.get()
-    return _run(q, k, v, attn_mask, chosen)
+    return _active_runner()(q, k, v, attn_mask, chosen)

@@ -44,14 +44,22 @@ def _fp16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return blocks[..., start : start + 2].view(torch.float16).float()
 
 
-def _result(rows: int, width: int, dtype: torch.dtype, like: torch.Tensor, out: torch.Tensor | None):
+def _blocks_and_result(
+    packed: torch.Tensor, block_bytes: int, block_values: int, dtype: torch.dtype, out: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantized rows (rows, blocks * block_bytes) uint8 viewed as (rows, blocks, block_bytes), and
+    the (rows, blocks * block_values) `dtype` tensor they dequantize into: `out` (checked) or a new one.
+    Every GGUF block format dequantizes through these two."""
+    rows = packed.shape[0]
+    blocks = packed.view(rows, -1, block_bytes)
+    width = blocks.shape[1] * block_values
     if out is None:
-        return torch.empty(rows, width, dtype=dtype, device=like.device)
+        return blocks, torch.empty(rows, width, dtype=dtype, device=packed.device)
     if out.shape != (rows, width) or out.dtype != dtype:
         raise ValueError(
             f"out must be {dtype} of shape ({rows}, {width}), got {out.dtype} {tuple(out.shape)}"
         )
-    return out
+    return blocks, out
 
 
 def dequantize_q8_0(
@@ -60,8 +68,7 @@ def dequantize_q8_0(
     """Q8_0 rows (rows, blocks * 34) uint8 -> (rows, blocks * 32) in `dtype`, computed in float32 and
     written into `out` when given."""
     rows = packed.shape[0]
-    blocks = packed.view(rows, -1, 34)
-    result = _result(rows, blocks.shape[1] * 32, dtype, packed, out)
+    blocks, result = _blocks_and_result(packed, 34, 32, dtype, out)
     weights = blocks[..., 2:].view(torch.int8).to(torch.float32)
     torch.mul(weights, _fp16(blocks, 0), out=result.view(rows, -1, 32))  # cast to `dtype` as written
     return result
@@ -73,9 +80,8 @@ def dequantize_q4_k(
     """Q4_K rows (rows, blocks * 144) uint8 -> (rows, blocks * 256) in `dtype`, computed in float32 and
     written into `out` when given."""
     rows = packed.shape[0]
-    blocks = packed.view(rows, -1, 144)
+    blocks, result = _blocks_and_result(packed, 144, 256, dtype, out)
     n = blocks.shape[1]
-    result = _result(rows, n * 256, dtype, packed, out)
     low, high, mixed = blocks[..., 4:16].reshape(rows, n, 3, 4).unbind(2)  # scale bytes 0-3, 4-7, 8-11
     scales = torch.cat([low & 0x3F, (mixed & 0x0F) | ((low >> 2) & 0x30)], dim=-1)
     mins = torch.cat([high & 0x3F, (mixed >> 4) | ((high >> 2) & 0x30)], dim=-1)

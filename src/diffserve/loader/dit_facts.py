@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -84,25 +84,33 @@ class DitFactsTable:
     def _supported(self, has: Callable[[DitFacts], object]) -> list[str]:
         return sorted(name for name, fact in self._by_class.items() if has(fact) is not None)
 
+    def _required(self, class_name: str, field: str, refusal: Callable[[str], Exception]) -> Any:
+        """The fact `field` of `class_name`'s DiT; for a DiT without it (or an unknown class), the error
+        `refusal` makes of the DiTs that have it (comma-separated), raised."""
+        value = getattr(self.get(class_name), field, None)
+        if value is None:
+            raise refusal(", ".join(self._supported(lambda f: getattr(f, field))))
+        return value
+
     def full_precision_modules(self, class_name: str) -> frozenset[str]:
         """The modules `--quantization` keeps in full precision, or a UserError for a DiT without support."""
-        fact = self.get(class_name)
-        if fact is None or fact.full_precision_modules is None:
-            supported = self._supported(lambda f: f.full_precision_modules)
-            raise UserError(
-                f"--quantization is not supported for {class_name}; supported DiTs: {', '.join(supported)}"
-            )
-        return fact.full_precision_modules
+        return self._required(
+            class_name,
+            "full_precision_modules",
+            lambda supported: UserError(
+                f"--quantization is not supported for {class_name}; supported DiTs: {supported}"
+            ),
+        )
 
     def lora(self, class_name: str) -> LoraFacts:
         """The LoRA conversion facts of `class_name`, or a LoraError for a DiT without LoRA support."""
-        fact = self.get(class_name)
-        if fact is None or fact.lora is None:
-            supported = self._supported(lambda f: f.lora)
-            raise LoraError(
-                f"LoRA adapters are not supported for {class_name}; supported: {', '.join(supported)}"
-            )
-        return fact.lora
+        return self._required(
+            class_name,
+            "lora",
+            lambda supported: LoraError(
+                f"LoRA adapters are not supported for {class_name}; supported: {supported}"
+            ),
+        )
 
     def lora_classes(self) -> tuple[str, ...]:
         """The DiT classes LoRA adapters can be loaded into."""

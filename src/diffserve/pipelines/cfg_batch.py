@@ -14,6 +14,7 @@ from functools import partial
 import torch
 
 from diffserve.distributed.cfg_parallel import gather_branch_rows
+from diffserve.layers.lora_rows import request_lora_scope
 from diffserve.models.step_cache import BatchStepCache, CacheRows, batch_step_cache
 from diffserve.request import Req
 from diffserve.runtime.runner import CfgBranchView
@@ -33,6 +34,26 @@ def branch_texts(req: Req) -> list[torch.Tensor]:
     """The request's text states per branch, in row order: the prompt's, then the negative prompt's
     when it runs CFG."""
     return [req.prompt_embeds, req.negative_prompt_embeds] if req.do_cfg else [req.prompt_embeds]
+
+
+def embedded_context(transformer, req: Req) -> torch.Tensor:
+    """The request's text branches (`branch_texts`, in row order) through the DiT's context embedder
+    (`transformer.embed_context`), under the request's LoRA scope, once per request: kept on
+    `req.dit_context` and reused at every step, as the text does not change between steps."""
+    if req.dit_context is None:
+        with request_lora_scope(req.loras):
+            req.dit_context = transformer.embed_context(torch.cat(branch_texts(req)))
+    return req.dit_context
+
+
+def with_branch_conditions(
+    batch: BranchBatch, reqs: list[Req], condition: Callable[[Req], torch.Tensor], dim: int
+) -> torch.Tensor:
+    """The DiT's image tokens, one row per branch (`batch`, gathered from `reqs`): each branch's noisy
+    tokens joined with its request's `condition(req)` along `dim` (1: tokens appended, an editor's
+    input image; 2: channels widened, an inpainting condition)."""
+    conditions = [condition(r) for r in reqs for _ in range(2 if r.do_cfg else 1)]
+    return torch.cat([torch.cat([x, c], dim=dim) for x, c in zip(batch.latents, conditions, strict=True)])
 
 
 def gather_branches(reqs: list[Req]) -> BranchBatch:
@@ -61,9 +82,8 @@ def pad_text(texts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | No
     for t in texts:
         rows, length, dim = t.shape
         padded.append(torch.cat([t, t.new_zeros(rows, longest - length, dim)], dim=1))
-        mask = torch.zeros(rows, longest, dtype=torch.bool, device=t.device)
-        mask[:, :length] = True
-        masks.append(mask)
+        # Built on the device (no host scalar copied in, which a step must not make).
+        masks.append((torch.arange(longest, device=t.device) < length).expand(rows, longest))
     return torch.cat(padded), torch.cat(masks)
 
 

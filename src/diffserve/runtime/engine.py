@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError, LoraError, RequestCancelledError
@@ -35,7 +35,7 @@ from diffserve.runtime.decode_task import DecodeTask
 from diffserve.runtime.memory import NO_OFFLOAD, MemoryModel, RequestCost, WeightResidency, request_cost
 from diffserve.runtime.runner import ModelRunner
 from diffserve.runtime.scheduler import ScheduledRequest, SchedulerConfig, StepScheduler
-from diffserve.vae_tiling import decode_chunk_scope, tiled_decode_scope
+from diffserve.vae_tiling import decode_chunk_scope, decode_output_scope, tiled_decode_scope
 
 if TYPE_CHECKING:
     from diffserve.configs.engine_args import EngineArgs
@@ -377,6 +377,11 @@ class Engine:
             )
         return tiled
 
+    def _output_hook(self, req: Req) -> Callable[[Any], None] | None:
+        """A streamed video job's `on_decoded`, handed the decoded chunks (vae_tiling.decode_output_scope)
+        on one rank only: split over ranks, a rank's VAE decodes a band of rows, not the frames."""
+        return req.on_decoded if self._one_rank() else None
+
     def _one_rank(self) -> bool:
         state = self.runner.parallel_state
         return state is None or state.world_size == 1
@@ -411,7 +416,11 @@ class Engine:
             self.request_log.decoding(sr)
         check = _cancel_check(req) if self._one_rank() else None
         try:
-            with tiled_decode_scope(self._decode_tiled(sr)), decode_chunk_scope(check):
+            with (
+                tiled_decode_scope(self._decode_tiled(sr)),
+                decode_chunk_scope(check),
+                decode_output_scope(self._output_hook(req)),
+            ):
                 sr.req = self.runner.post_denoise(req)
         except Exception as exc:
             self._fail(sr, exc)
@@ -428,7 +437,8 @@ class Engine:
             if self.request_log is not None:
                 self.request_log.decoding(sr)
             tiled = self._decode_tiled(sr)
-            with tiled_decode_scope(tiled):  # the task's thread runs in a copy of this context
+            # The task's thread runs in a copy of this context.
+            with tiled_decode_scope(tiled), decode_output_scope(self._output_hook(sr.req)):
                 call = functools.partial(self.runner.post_denoise, sr.req)
                 task = DecodeTask(call, f"decode-{sr.request_id[:8]}", self.platform.bind_device)
             self._decodes[sr] = (task, tiled)

@@ -201,8 +201,22 @@ class PathRedactionMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         principal = scope.get("state", {}).get(PRINCIPAL_STATE)
-        if scope["type"] != "http" or not isinstance(principal, Principal) or principal.admin:
+        if (
+            scope["type"] not in ("http", "websocket")
+            or not isinstance(principal, Principal)
+            or principal.admin
+        ):
             await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":  # /v1/realtime/videos: each JSON text message, redacted
+
+            async def redacting_ws_send(message: Message) -> None:
+                if message["type"] == "websocket.send" and message.get("text"):
+                    text = self.redactor.body(message["text"].encode("utf-8", "surrogateescape"))
+                    message = {**message, "text": text.decode("utf-8", "surrogateescape")}
+                await send(message)
+
+            await self.app(scope, receive, redacting_ws_send)
             return
         start: Message | None = None
         chunks: list[bytes] = []

@@ -9,6 +9,7 @@ through that state:
   image_edits.py) answer OpenAI's ImagesResponse, or its server-sent events with `"stream": true`
   (streaming.py); `/v1/images/{image_id}/content` serves url answers' files;
 - video_routes.py: `/v1/videos` answers with a job at once and runs it in the background (video_jobs.py);
+  video_stream_routes.py publishes the chunks of `"stream": true` jobs (SSE, `/v1/realtime/videos`);
 - lora_routes.py: `/v1/loras` loads, lists and unloads the LoRA adapters requests name in `loras`;
 - webui_routes.py: the playground at `/` (unless --no-webui);
 - status_routes.py: `/v1/models`, `/health`, `/health_generate` and `/server_info`;
@@ -35,6 +36,7 @@ from diffserve.server import (
     metrics_routes,
     status_routes,
     video_routes,
+    video_stream_routes,
     webui_routes,
 )
 from diffserve.server.access import PathRedactionMiddleware, PathRedactor, server_path_roots
@@ -73,6 +75,7 @@ def create_app(
     add_middleware(app, args, state.metrics)
     app.include_router(image_routes.router)
     app.include_router(video_routes.router)
+    app.include_router(video_stream_routes.router)
     app.include_router(lora_routes.router)
     if args.webui:
         app.include_router(webui_routes.router)

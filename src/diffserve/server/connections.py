@@ -208,6 +208,22 @@ class GuardedH11Protocol(H11Protocol):
         super().data_received(data)
         self._check_headers()
 
+    def handle_websocket_upgrade(self, event: Any) -> None:
+        """A WebSocket (`/v1/realtime/videos`): its headers came, and the socket is the WebSocket
+        protocol's from now on; it holds this connection's room in the guard until it is lost."""
+        self._stop_waiting()
+        super().handle_websocket_upgrade(event)
+        websocket = self.transport.get_protocol()
+        lost = websocket.connection_lost
+
+        def release(exc: Exception | None) -> None:
+            if self._admitted:
+                self._admitted = False
+                self.guard.release(self._host)
+            lost(exc)
+
+        websocket.connection_lost = release  # type: ignore[method-assign]
+
     def on_response_complete(self) -> None:
         self._await_headers()  # before uvicorn starts on a pipelined request, which then clears it
         super().on_response_complete()

@@ -113,7 +113,7 @@ class JobFailedError(Exception):
 
 
 #: Called with a submitted job's JobStarted, JobProgress and JobPreview messages, on the event loop.
-JobListener = Callable[[msg.JobStarted | msg.JobProgress | msg.JobPreview], None]
+JobListener = Callable[[msg.JobStarted | msg.JobProgress | msg.JobPreview | msg.JobChunk], None]
 #: Called with the engine's info (EngineReady.info) each time an engine process reports ready, before
 #: requests are accepted; raising makes the engine client fail (the server stops).
 ReadyHook = Callable[[dict[str, Any]], None]
@@ -525,7 +525,9 @@ class EngineClient:
             )
         elif isinstance(message, (msg.LoraOpDone, msg.LoraOpFailed)):
             self.loras.answer(message)
-        elif isinstance(message, (msg.JobAccepted, msg.JobStarted, msg.JobProgress, msg.JobPreview)):
+        elif isinstance(
+            message, (msg.JobAccepted, msg.JobStarted, msg.JobProgress, msg.JobPreview, msg.JobChunk)
+        ):
             if (pending := self._pending.get(message.request_id)) is None:
                 return
             if isinstance(message, msg.JobAccepted):

@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +36,7 @@ from diffserve.errors import LoraError, UserError
 from diffserve.logging_setup import configure_logging
 from diffserve.outputs import CONTENT_TYPES, encode_image, output_metadata, save_image, save_video
 from diffserve.outputs.audio_track import save_video_with_audio
+from diffserve.outputs.fmp4 import StreamedMp4File
 from diffserve.outputs.images import bounded_metadata
 from diffserve.phases import WHOLE, PhaseSpan
 from diffserve.server import protocol as msg
@@ -193,6 +194,9 @@ class EngineProcess:
         #: Video jobs whose file is being written -> their cancel flag (the job's `cancel_event`).
         self._encoding: dict[str, threading.Event] = {}
         self._encoding_lock = threading.Lock()
+        #: Streamed video jobs whose decode hands out its chunks -> their file being written. Under
+        #: `_encoding_lock`.
+        self._streams: dict[str, StreamedMp4File] = {}
         self.engine.events = self
         #: When the loop's, the receiver's and each admission's current turn began (the heartbeat's).
         self.liveness = Liveness(describe_loop=self._describe_turn)
@@ -442,6 +446,8 @@ class EngineProcess:
             if job.ack:  # before queueing: the main thread's JobStarted must come after it
                 self.channel.send(msg.JobAccepted(rid, _without_inputs(scheduled.req.params)))
             scheduled.req.on_step = lambda req: self._on_step(job, req)
+            if job.stream_chunks and job.video_path is not None:
+                scheduled.req.on_decoded = self._chunk_publisher(job, scheduled)
             self.engine.enqueue(scheduled, seq)
 
     def _request_of(self, job: msg.GenerateJob, span: PhaseSpan) -> Req:
@@ -465,11 +471,13 @@ class EngineProcess:
 
     def on_cancelled(self, sr: ScheduledRequest) -> None:
         if isinstance(sr.payload, msg.GenerateJob):
+            self._drop_stream(sr.request_id)
             self.channel.send(msg.JobCancelled(sr.request_id, at_step=sr.req.step_index))
 
     def on_failed(self, sr: ScheduledRequest, error: BaseException) -> None:
         if not isinstance(sr.payload, msg.GenerateJob):
             return
+        self._drop_stream(sr.request_id)
         user_error = isinstance(error, UserError)
         if not user_error:
             logger.error("Request %s failed", sr.request_id, exc_info=error)
@@ -523,12 +531,65 @@ class EngineProcess:
         for index in indices:
             self.channel.send(msg.JobPreview(req.request_id, index, req.step_index, total, encoded))
 
+    def _chunk_publisher(self, job: msg.GenerateJob, sr: ScheduledRequest) -> Callable[[Any], None]:
+        """A streamed job's `Req.on_decoded`, called on the decode's thread with each temporal chunk's
+        pixels: the frames go to the encoder thread, which appends them to the job's file and sends them
+        (`JobChunk`), while the decode goes on. If a chunk cannot be handed out, the rest of the file is
+        written after the decode (`_write_video`), as for a VAE that hands out nothing."""
+        rid = job.request_id
+
+        def publish(pixels: Any) -> None:
+            from diffserve.stages.video_vae_decoding import video_to_uint8
+
+            with self._encoding_lock:
+                stream = self._streams.get(rid)
+                if stream is None:
+                    params = sr.req.params
+                    sink = self._chunk_sink(rid, params.fps)
+                    path = Path(job.video_path or "")
+                    stream = self._streams[rid] = StreamedMp4File(
+                        path, params.fps, self._metadata(params), sink
+                    )
+            if not stream.live:
+                return  # a chunk could not be handed out: the rest is written after the decode
+            try:
+                videos = video_to_uint8(pixels)
+                if len(videos) != 1:
+                    raise ValueError(f"a decode chunk of {len(videos)} videos")
+                self.encoder.submit(stream.add_safely, videos[0])  # in order, before the job's _write_video
+            except Exception:
+                logger.exception(
+                    "Request %s: a decoded chunk could not be streamed; the rest follows the decode", rid
+                )
+                stream.live = False
+
+        return publish
+
+    def _chunk_sink(self, rid: str, fps: int) -> Callable[..., None]:
+        def send(
+            index: int, start: int, count: int, data: bytes, init: bytes | None, mime: str | None
+        ) -> None:
+            self.channel.send(msg.JobChunk(rid, index, start, count, int(fps), data, init, mime))
+
+        return send
+
+    def _drop_stream(self, rid: str) -> None:
+        """A streamed job ended without its file: delete what its chunks wrote (after them, in order)."""
+        with self._encoding_lock:
+            stream = self._streams.pop(rid, None)
+        if stream is not None:
+            self.encoder.submit(stream.abort)
+
     def _write_video(self, sr: ScheduledRequest, job: msg.GenerateJob) -> None:
         """Write the MP4 atomically, then JobFinished (or JobCancelled / JobFailed)."""
         rid, req, path = sr.request_id, sr.req, Path(job.video_path or "")
         cancelled = msg.JobCancelled(rid, at_step=len(req.timings.steps))
+        with self._encoding_lock:  # the chunks its decode handed out are written: this thread ran them
+            stream = self._streams.pop(rid, None)
         try:
             if sr.cancel_event.is_set():
+                if stream is not None:
+                    stream.abort()
                 return self.channel.send(cancelled)
             videos = req.outputs.frames or []
             if len(videos) != 1:
@@ -536,8 +597,26 @@ class EngineProcess:
             frames, params = videos[0], _without_inputs(req.params)
             encode_start = time.perf_counter()
             if req.outputs.audio:  # a soundtrack (LTX-2): the MP4 carries it as an AAC track
+                if stream is not None:  # its VAE hands out no chunks (they could not be this file)
+                    stream.abort()
                 waveform, rate = req.outputs.audio[0].numpy(), int(req.outputs.audio_sample_rate)
                 save_video_with_audio(frames, path, params.fps, self._metadata(params), waveform, rate)
+            elif job.stream_chunks:  # fragmented, each VAE chunk sent as it is written (outputs/fmp4.py)
+                factor = int(getattr(self.facts, "temporal_factor", 1) or 1)
+                if stream is None:  # no chunk handed out during the decode: all of them now
+                    stream = StreamedMp4File(
+                        path, params.fps, self._metadata(params), self._chunk_sink(rid, params.fps)
+                    )
+                elif not stream.matches(frames):
+                    logger.warning("Request %s: the streamed chunks differ from the decoded clip", rid)
+                logger.info(
+                    "Request %s: %d of %d frames streamed as they were decoded", rid, stream.frames_written,
+                    len(frames),
+                )  # fmt: skip
+                try:
+                    stream.finish(frames, factor, sr.cancel_event.is_set)
+                except InterruptedError:
+                    return self.channel.send(cancelled)
             else:
                 save_video(frames, path, params.fps, self._metadata(params), "mp4")
             encode_seconds = time.perf_counter() - encode_start
@@ -557,6 +636,8 @@ class EngineProcess:
             self.channel.send(_finished(sr, encode_seconds, timings, images=[], videos=[video]))
         except Exception as exc:
             logger.exception("Request %s failed while writing its video", rid)
+            if stream is not None:
+                stream.abort()
             path.unlink(missing_ok=True)
             self.channel.send(msg.JobFailed(rid, f"writing the video failed: {type(exc).__name__}: {exc}"))
         finally:

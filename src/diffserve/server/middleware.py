@@ -129,7 +129,7 @@ class ApiKeyMiddleware:
         self.api_key = keys[0] if keys else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         principal, problem = self._principal(scope)
@@ -138,6 +138,9 @@ class ApiKeyMiddleware:
         if principal is not None:
             scope.setdefault("state", {})[PRINCIPAL_STATE] = principal
             await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":  # refused before the handshake: the client sees HTTP 403
+            await send({"type": "websocket.close", "code": 1008, "reason": problem[:120]})
             return
         headers = {"WWW-Authenticate": "Bearer"}
         await error_response(401, problem, None, "invalid_api_key", headers)(scope, receive, send)

@@ -6,7 +6,7 @@ counting engine (re)starts, so a message still in flight from an engine that die
 dropped; once ready, an `EngineHeartbeat` every second.
 
     GenerateJob ──► JobRejected (bad parameters, or too large to ever fit in memory: never queued)
-                └─► [JobAccepted] ─► JobStarted ─► [JobProgress | JobPreview...] ─► JobFinished | JobCancelled | JobFailed
+                └─► [JobAccepted] ─► JobStarted ─► [JobProgress | JobPreview | JobChunk...] ─► JobFinished | JobCancelled | JobFailed
                                   └─► JobCancelled (cancelled while still waiting)
     LoadLora | UnloadLora | ListLoras ──► LoraOpDone | LoraOpFailed  (matched by `op_id`)
 
@@ -46,6 +46,9 @@ class GenerateJob:
     output_compression: int | None = None  # jpeg and webp quality (0-100); None: 100, OpenAI's default
     internal: bool = False  # /health_generate's probe: left out of the queue-time metric
     video_path: str | None = None  # a /v1/videos job: the engine writes the MP4 here
+    #: A /v1/videos job with `stream`: its MP4 is fragmented, one segment per VAE chunk, each sent as a
+    #: `JobChunk` as soon as it is in the file (outputs/fmp4.py).
+    stream_chunks: bool = False
     ack: bool = False  # answer JobAccepted once the parameters are validated and the job is queued
     priority: int = 0  # higher is admitted first, equal priorities in arrival order
     partial_images: int = 0  # streamed images: previews sent as JobPreview, at evenly spaced steps
@@ -151,6 +154,22 @@ class JobPreview:
     step: int
     total_steps: int
     images: list[bytes]
+
+
+@dataclass
+class JobChunk:
+    """Chunk `index` of a streamed video job (`GenerateJob.stream_chunks`): its frames as a fragmented-MP4
+    media segment, written to the job's file before this is sent. The first chunk brings the init segment
+    and its MediaSource type; the file is the init segment and every chunk's segment, in order."""
+
+    request_id: str
+    index: int
+    start_frame: int
+    num_frames: int
+    fps: int
+    data: bytes
+    init: bytes | None = None
+    mime_type: str | None = None
 
 
 @dataclass

@@ -38,6 +38,7 @@ from diffserve.server.engine_client import (
 )
 from diffserve.server.lora_client import LoraOpError, new_op_id
 from diffserve.server.metrics import ServerMetrics
+from diffserve.server.replica_loras import load_on_all_or_none, on_replica
 
 logger = logging.getLogger("diffserve.server")
 
@@ -90,16 +91,6 @@ class Engines(Protocol):
     async def wait_drained(self) -> None: ...
     def abort(self, reason: str) -> None: ...
     def kill_engine(self) -> None: ...
-
-
-def _on_replica(client: EngineClient, error: Exception, outcome: str) -> Exception:
-    """`error` from one replica's LoRA op, its message naming the replica and the op's `outcome`."""
-    message = f"replica {client.replica}: {error}; {outcome}"
-    if isinstance(error, LoraOpError):
-        return LoraOpError(message, error.status, error.param, error.code)
-    if isinstance(error, EngineUnavailableError):
-        return EngineUnavailableError(message, error.code)
-    return error
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -298,26 +289,16 @@ class ReplicaSet:
         """Load on every ready replica, or on none: where it loaded it is unloaded again when another
         replica refused it, and that refusal is the answer."""
         ready, later = self._lora_targets()
-        results = await asyncio.gather(
-            *(c.load_lora(name, path, strict) for c in ready), return_exceptions=True
+        done = await load_on_all_or_none(
+            ready,
+            lambda c: c.load_lora(name, path, strict),
+            lambda c: c.unload_lora(name),
+            lambda c: c.replica,
+            name,
         )
-        failed = [(c, r) for c, r in zip(ready, results, strict=True) if isinstance(r, BaseException)]
-        if failed:
-            loaded = [c for c, r in zip(ready, results, strict=True) if not isinstance(r, BaseException)]
-            for client in loaded:
-                try:
-                    await client.unload_lora(name)
-                except Exception as exc:
-                    logger.error(
-                        "Replica %d: could not undo the load of LoRA %r: %s", client.replica, name, exc
-                    )
-            client, error = failed[0]
-            if not loaded or not isinstance(error, Exception):
-                raise error  # every replica refused it alike (a bad path or file): their answer
-            raise _on_replica(client, error, f"LoRA {name!r} was loaded on no replica")
         for client in later:
             client.loras.record(msg.LoadLora(new_op_id(), name, path, strict))
-        return next(r for r in results if isinstance(r, msg.LoraOpDone))
+        return done
 
     async def unload_lora(self, name: str) -> msg.LoraOpDone:
         """Unload from every ready replica: 404 when none had it, a replica's refusal (409: in use there)
@@ -344,7 +325,7 @@ class ReplicaSet:
                 if unloaded
                 else "unloaded from none"
             )
-            raise _on_replica(client, error, f"LoRA {name!r} was {where}")
+            raise on_replica(client.replica, error, f"LoRA {name!r} was {where}")
         if not done:
             raise next(r for r in results if isinstance(r, BaseException))  # every replica's 404
         return done[0]

@@ -138,7 +138,9 @@ def serve(args: ServerArgs) -> int:
     guard = ConnectionGuard(max_connections, args.max_connections_per_client, args.header_timeout)
     config = uvicorn.Config(
         app, args.host, args.port, log_config=None, access_log=False, timeout_graceful_shutdown=backstop,
-        http=guarded_protocol(guard), ws="none", timeout_keep_alive=args.keep_alive_timeout,  # type: ignore[arg-type]
+        http=guarded_protocol(guard), timeout_keep_alive=args.keep_alive_timeout,  # type: ignore[arg-type]
+        # WebSockets: /v1/realtime/videos only; its first message is a POST /v1/videos body.
+        ws="websockets-sansio", ws_max_size=max(args.max_video_body_bytes, 1 << 16),
         limit_concurrency=2 * max_connections,  # a backstop: the guard holds connections to the cap
     )  # fmt: skip
     engine: Engines = app_state_of(app).engine

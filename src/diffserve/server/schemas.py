@@ -389,6 +389,11 @@ class VideoCreateRequest(BaseModel):
         "extra", note=f"for example {_EXTRA_EXAMPLE} (in a multipart form: that JSON as text)"
     )
     cache: CacheRequest | None = sampling_field("cache", note=_CACHE_NOTE)
+    stream: bool | None = Field(
+        None,
+        description="publish each decoded chunk as a fragmented-MP4 segment (GET /v1/videos/{id}/stream, "
+        "WebSocket /v1/realtime/videos); the MP4 is then fragmented: its init segment and the chunks' segments",
+    )
 
     _utf8 = field_validator("*")(utf8_text)
     _loras = field_validator("loras", mode="before")(lora_entries)

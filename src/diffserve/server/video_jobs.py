@@ -32,8 +32,9 @@ from diffserve.server.engine_client import (
     JobRejectedError,
 )
 from diffserve.server.metrics import ServerMetrics
-from diffserve.server.protocol import VIDEO_TASKS, GenerateJob, JobFinished, JobProgress, JobStarted
+from diffserve.server.protocol import VIDEO_TASKS, GenerateJob, JobChunk, JobFinished, JobProgress, JobStarted
 from diffserve.server.replicas import Engines
+from diffserve.server.video_stream import ChunkStream, file_stream
 
 logger = logging.getLogger("diffserve.server")
 
@@ -68,7 +69,7 @@ _PARAM_FIELDS = (
 )  # fmt: skip
 _EXTENSIONS = (
     "phase", "num_frames", "fps", "seed", "num_inference_steps", "guidance_scale", "image_to_video", "quality",
-    "steps_computed_in_full", "cache",
+    "steps_computed_in_full", "cache", "stream",
 )  # fmt: skip
 
 
@@ -102,6 +103,10 @@ class VideoJob:
     extra: dict[str, Any] = field(default_factory=dict)
     #: Who created it (access.Principal.owner: a digest of the client's key; "" without one). Never shown.
     owner: str = ""
+    #: Created with `stream: true`: its chunks are published as they are decoded (video_stream.py).
+    stream: bool = False
+    #: A completed streamed job: (first frame, frame count) of each chunk, its file's segments. Never shown.
+    chunk_frames: list[list[int]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -251,6 +256,8 @@ class VideoJobManager:
         #: Jobs the engine has in flight: the live records (progress is kept here, not in SQLite).
         self._active: dict[str, VideoJob] = {}
         self._followers: dict[str, asyncio.Task] = {}
+        #: The chunks of streamed jobs in flight (video_stream.py).
+        self._streams: dict[str, ChunkStream] = {}
         self._sweeper: asyncio.Task | None = None
 
     @property
@@ -321,22 +328,29 @@ class VideoJobManager:
         partial_path(path).unlink(missing_ok=True)
 
     async def create(
-        self, params: SamplingParams, model: str, image_to_video: bool, priority: int = 0, owner: str = ""
-    ) -> VideoJob:
-        """Submit a job of `owner` and record it once the engine accepted it. Raises what
-        `Engines.submit` raises."""
+        self, params: SamplingParams, model: str, image_to_video: bool, priority: int = 0, owner: str = "",
+        stream: bool = False,
+    ) -> VideoJob:  # fmt: skip
+        """Submit a job of `owner` and record it once the engine accepted it (`stream`: publish its chunks,
+        `chunks()`). Raises what `Engines.submit` raises."""
         assert self.store is not None
         video_id = f"video_{uuid.uuid4().hex}"
         job = VideoJob(
-            video_id, "queued", model, params.prompt, time.time(), image_to_video=image_to_video, owner=owner
-        )
+            video_id, "queued", model, params.prompt, time.time(), image_to_video=image_to_video, owner=owner,
+            stream=stream,
+        )  # fmt: skip
         path = str(video_file(self.output_dir, video_id))
         self._active[video_id], arrived = job, time.monotonic()
+        if stream:
+            self._streams[video_id] = ChunkStream()
         try:
-            engine_job = GenerateJob(video_id, params, video_path=path, priority=priority)
+            engine_job = GenerateJob(
+                video_id, params, video_path=path, priority=priority, stream_chunks=stream
+            )
             accepted, outcome = await self.engine.submit(engine_job, lambda m: self._on_event(job, m))
         except BaseException:
             self._active.pop(video_id, None)
+            self._streams.pop(video_id, None)
             raise
         job.apply_params(accepted.params)
         try:  # stored only once its answer can be rendered: GET /v1/videos renders every stored job
@@ -345,6 +359,7 @@ class VideoJobManager:
             self.engine.cancel(video_id)
             outcome.add_done_callback(lambda done: done.cancelled() or done.exception())  # its cancellation
             self._active.pop(video_id, None)
+            self._streams.pop(video_id, None)
             raise JobRejectedError(f"the job cannot be represented in a response: {exc}", None) from exc
         self.store.insert(job)
         self._followers[video_id] = asyncio.get_running_loop().create_task(
@@ -356,8 +371,12 @@ class VideoJobManager:
         )  # fmt: skip
         return job
 
-    def _on_event(self, job: VideoJob, message: JobStarted | JobProgress) -> None:
+    def _on_event(self, job: VideoJob, message: JobStarted | JobProgress | JobChunk) -> None:
         if job.finished:  # cancelled by DELETE: the engine's last words change nothing
+            return
+        if isinstance(message, JobChunk):
+            if (stream := self._streams.get(job.id)) is not None:
+                stream.add(message)
             return
         if isinstance(message, JobStarted):
             job.status, job.phase = "in_progress", "denoising"
@@ -395,12 +414,16 @@ class VideoJobManager:
                 self._remove(job.id)
             else:
                 job.file_bytes = result.videos[0].size_bytes if result.videos else None
+                if (stream := self._streams.get(job.id)) is not None:
+                    job.chunk_frames = stream.chunk_frames()
                 job.steps_computed_in_full = result.steps_computed_in_full
                 job.cache = result.cache
                 self._finish(job, "completed")
         finally:
             self._active.pop(job.id, None)
             self._followers.pop(job.id, None)
+            if (stream := self._streams.pop(job.id, None)) is not None:
+                stream.finish()  # its subscribers send what they have not yet, then the job
 
     def _finish(
         self, job: VideoJob, status: VideoStatus, code: str | None = None, message: str | None = None
@@ -446,6 +469,8 @@ class VideoJobManager:
         job.status = job.phase = "cancelled"
         job.completed_at = time.time()
         self._save(job)
+        if (stream := self._streams.pop(video_id, None)) is not None:
+            stream.finish()
         self.engine.cancel(video_id)
         if (follower := self._followers.get(video_id)) is not None:
             # The engine confirms within a denoising step (or once a file being written is deleted).
@@ -453,3 +478,19 @@ class VideoJobManager:
         self._remove(video_id)
         logger.info("Video job %s cancelled", video_id)
         return job
+
+    async def chunks(self, job: VideoJob) -> ChunkStream | None:
+        """The chunks of a streamed job: live while it is in flight, read from its file once completed;
+        None when there are none to give (not created with `stream`, failed, cancelled, file gone)."""
+        if not job.stream:
+            return None
+        if (stream := self._streams.get(job.id)) is not None:
+            return stream
+        if job.status != "completed" or not job.chunk_frames:  # none: a model with a soundtrack (LTX-2)
+            return None
+        path = video_file(self.output_dir, job.id)
+        try:
+            return await asyncio.to_thread(file_stream, path, job.chunk_frames, job.fps or 1)
+        except (OSError, ValueError):
+            logger.warning("Video job %s: its streamed chunks cannot be read back from its file", job.id)
+            return None

@@ -6,6 +6,8 @@ GET    /v1/videos/{id}            one job: status, progress, error
 GET    /v1/videos/{id}/content    the MP4 (`variant=video`), with HTTP Range support
 DELETE /v1/videos/{id}            cancel a job in flight, or delete a finished one
 
+Jobs created with `"stream": true` also publish their chunks (video_stream_routes.py).
+
 A job belongs to the key that created it (access.py): on a server with client keys another key's job is
 a 404 on every route and absent from the list; the admin key sees every job.
 """
@@ -130,11 +132,26 @@ def found(state: AppState, video_id: str, caller: Principal) -> VideoJob:
 @router.post("/v1/videos", responses=_ERRORS, openapi_extra=_create_request_body())
 async def create_video(request: Request, state: ServerState, caller: Caller) -> JSONResponse:
     """Create a video job; answers at once with the job (`status: "queued"`). Poll
-    `GET /v1/videos/{id}` until `completed`, then download `GET /v1/videos/{id}/content`."""
+    `GET /v1/videos/{id}` until `completed`, then download `GET /v1/videos/{id}/content`. With
+    `"stream": true` its chunks are published as they are decoded (`GET /v1/videos/{id}/stream`)."""
+    try:
+        check_route(state.engine, video=True)
+        body, reference = await read_video_request(request, state.args.max_video_body_bytes)
+    except Exception as exc:
+        state.count_failure(exc)
+        raise
+    job = await submit_video(state, caller, body, reference)
+    return JSONResponse(job.to_api(state.video_jobs.ttl))
+
+
+async def submit_video(
+    state: AppState, caller: Principal, body: VideoCreateRequest, reference: RawImage | None
+) -> VideoJob:
+    """Create the job a validated body asks for (POST /v1/videos, /v1/realtime/videos); raises ApiError,
+    ApiParamError and what the engine answers, counted as failed submissions."""
     args, engine, jobs = state.args, state.engine, state.video_jobs
     try:
         check_route(engine, video=True)
-        body, reference = await read_video_request(request, args.max_video_body_bytes)
         state.check_model(body.model)
         info = engine.engine_info
         task, pipeline = info.get("task"), info.get("diffusers_pipeline", "this model")
@@ -162,9 +179,10 @@ async def create_video(request: Request, state: ServerState, caller: Caller) -> 
             params.input_images = [image]
         try:
             i2v, priority = reference is not None, body.priority or 0
-            job = await jobs.create(
-                params, args.model_id, image_to_video=i2v, priority=priority, owner=caller.owner
-            )
+            return await jobs.create(
+                params, args.model_id, image_to_video=i2v, priority=priority, owner=caller.owner,
+                stream=bool(body.stream),
+            )  # fmt: skip
         except JobRejectedError as exc:  # named by the field of this route
             exc.param = _PARAM_NAMES.get(exc.param or "", exc.param)
             raise
@@ -172,7 +190,6 @@ async def create_video(request: Request, state: ServerState, caller: Caller) -> 
         # The manager counts the job's own outcome; this counts a submission that failed.
         state.count_failure(exc)
         raise
-    return JSONResponse(job.to_api(jobs.ttl))
 
 
 @router.get("/v1/videos", responses=_ERRORS)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from PIL import Image
@@ -24,7 +24,7 @@ from diffserve.models.cache_methods.registry import add_cfg_branch, new_request_
 from diffserve.request import Req
 from diffserve.runtime.contract import CfgMode
 from diffserve.stages.base import Stage
-from diffserve.stages.image_to_image import kept_steps
+from diffserve.stages.image_to_image import input_image_size, kept_steps
 
 
 @dataclass(frozen=True)
@@ -343,3 +343,38 @@ class InputValidationStage(Stage):
             settings = self.quality.policies[p.quality] if p.quality != EXACT else p.cache
             add_cfg_branch(req.step_cache, settings, rule.num_blocks, rule.range_offset)
         return req
+
+
+def one_image_input_validation(
+    pipeline_name: str,
+    defaults: SamplingParams,
+    pixel_multiple: int,
+    default_pixels: int,
+    max_sequence_length_limit: int | None,
+    default_strength: float | None,
+    default_inpaint_strength: float | None = None,
+    **options: Any,
+) -> InputValidationStage:
+    """The input validation of a text-to-image pipeline that also runs image-to-image and inpainting from
+    the same folder: at most one input image (and a mask), noised by `default_strength` (with a mask,
+    `default_inpaint_strength` where that differs) unless the request sets it. A request that leaves its
+    size unset gets the input image's, floored to `pixel_multiple` (Diffusers' img2img takes the square
+    default instead), else the square `default_pixels`. `options`: the rest of `InputValidationStage`'s
+    keywords (CFG mode, unsupported parameters, ...)."""
+    return InputValidationStage(
+        defaults=defaults,
+        pixel_multiple=pixel_multiple,
+        default_pixels=default_pixels,
+        max_sequence_length_limit=max_sequence_length_limit,
+        image_inputs=ImageInputRule(
+            pipeline_name=pipeline_name,
+            max_images=1,
+            inpainting=True,
+            default_strength=default_strength,
+            default_inpaint_strength=default_inpaint_strength,
+        ),
+        default_size=lambda params: input_image_size(
+            params, pixel_multiple, (default_pixels, default_pixels)
+        ),
+        **options,
+    )

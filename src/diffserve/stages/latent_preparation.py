@@ -3,6 +3,8 @@ Qwen-Image); the packed grid's FLUX.1 position ids."""
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import torch
 
 from diffserve.request import LatentSize, Req
@@ -72,5 +74,51 @@ class LatentPreparationStage(SpatialLatentPreparationStage):
         shape = (p.num_outputs_per_prompt, self.latent_channels, h, w)
         noise = initial_noise(req, shape, self.dtype)
         req.latents = pack_latents(noise).to(self.device)
+        req.latent_size = LatentSize(h, w)
+        return req
+
+
+class PackedLatentIdsPreparationStage(LatentPreparationStage):
+    """Initial noise packed into 2x2 latent patches, with the packed grid's (0, row, col) position ids set
+    on the request's conditioning (`conditioning_type.of(req).image_ids`), as the FLUX-style DiTs read
+    them. A family's stage names its conditioning type."""
+
+    sets = ("latents", "latent_size", "conditioning.image_ids")
+    conditioning_type: ClassVar[Any]
+
+    def forward(self, req: Req) -> Req:
+        req = super().forward(req)
+        assert req.latent_size is not None
+        height, width = req.latent_size
+        ids = latent_image_ids(height // 2, width // 2, self.device, self.dtype)
+        self.conditioning_type.of(req).image_ids = ids
+        return req
+
+
+class VideoLatentPreparationStage(Stage):
+    """Initial noise of shape (batch, channels, latent frames, h, w) for a video VAE that compresses
+    `temporal` frames (the first alone) and `spatial` pixels per side into one latent, drawn in `dtype`
+    (float32 unless the family's reference draws it in the DiT's) on the request's CPU generator."""
+
+    needs = ("generator", "prompt_embeds")
+    sets = ("latents", "latent_size")
+
+    def __init__(
+        self,
+        channels: int,
+        spatial: int,
+        temporal: int,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.channels, self.spatial, self.temporal = channels, spatial, temporal
+        self.device, self.dtype = device, dtype
+
+    def forward(self, req: Req) -> Req:
+        p = req.params
+        frames = (p.num_frames - 1) // self.temporal + 1
+        h, w = p.height // self.spatial, p.width // self.spatial
+        shape = (p.num_outputs_per_prompt, self.channels, frames, h, w)
+        req.latents = initial_noise(req, shape, self.dtype).to(self.device)
         req.latent_size = LatentSize(h, w)
         return req

@@ -6,11 +6,28 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch import nn
 
 from diffserve.request import Req
+from diffserve.stages.base import Stage
 from diffserve.stages.prompt_cache import PromptEmbeddingCache
 
 logger = logging.getLogger("diffserve.stages")
+
+
+class CachedTextEncodingStage(Stage):
+    """A text-encoding stage over one tokenizer and one text encoder, whose prompts' embeddings go through
+    a `PromptEmbeddingCache` and come out in `output_dtype`. The families' stages of that kind share this
+    constructor and write their own `encode` and `forward` (the tokenizing and what they set differ)."""
+
+    needs = ("do_cfg",)
+    sets = ("prompt_embeds",)
+
+    def __init__(self, tokenizer, text_encoder: nn.Module, output_dtype: torch.dtype) -> None:
+        self.tokenizer = tokenizer
+        self.text_encoder = text_encoder
+        self.output_dtype = output_dtype
+        self.cache = PromptEmbeddingCache()
 
 
 def tokenize(tokenizer, prompts: list[str], max_length: int, device: torch.device) -> torch.Tensor:

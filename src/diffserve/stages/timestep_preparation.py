@@ -42,10 +42,14 @@ class TimestepPreparationStage(Stage):
         self.scheduler = scheduler
         self.guidance_embeds = guidance_embeds
 
+    def shift_mu(self, image_seq_len: int, steps: int) -> float:
+        """The schedule's shift for `image_seq_len` packed image tokens: the scheduler's resolution shift
+        (a family with another rule overrides this)."""
+        return self.scheduler.resolution_shift_mu(image_seq_len)
+
     def forward(self, req: Req) -> Req:
         steps = req.params.num_inference_steps
-        image_seq_len = int(req.latents.shape[1])
-        mu = self.scheduler.resolution_shift_mu(image_seq_len)
+        mu = self.shift_mu(int(req.latents.shape[1]), steps)
         base_sigmas = np.linspace(1.0, 1 / steps, steps)
         guidance = embedded_guidance(req) if self.guidance_embeds else None
         set_schedule(req, self.scheduler.schedule(steps, mu=mu, sigmas=base_sigmas), guidance)

@@ -72,7 +72,13 @@ class VideoVaeDecodingStage(Stage):
     @torch.inference_mode()
     def forward(self, req: Req) -> Req:
         video = decode_split(self.vae, denormalize_latents(self.vae, to_module(self.vae, req.latents)))
-        array = (video / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).float().cpu().numpy()
-        # Rounding as Diffusers' processors do.
-        req.outputs.frames = list((array * 255).round().astype(np.uint8))
+        req.outputs.frames = video_to_uint8(video)
         return req
+
+
+def video_to_uint8(video: torch.Tensor) -> list[np.ndarray]:
+    """(B, C, F, H, W) pixels in [-1, 1] -> one uint8 (F, H, W, 3) array per video, rounded as Diffusers'
+    processors do. Elementwise, so a temporal chunk converts to exactly its frames of the whole clip (what
+    a streamed job publishes while the rest decodes)."""
+    array = (video / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).float().cpu().numpy()
+    return list((array * 255).round().astype(np.uint8))

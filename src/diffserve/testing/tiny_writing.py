@@ -13,7 +13,13 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 from torch import nn
-from transformers import CLIPTextConfig, Qwen3Config, T5Config
+from transformers import (
+    CLIPTextConfig,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen3Config,
+    T5Config,
+)
 
 from diffserve.loader.native_classes import NativeModelClass
 from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
@@ -21,6 +27,19 @@ from diffserve.testing.qwen_tokenizers import build_qwen_tokenizer
 
 #: Written as `_diffusers_version` so diffusers recognises the files; not a runtime requirement.
 DIFFUSERS_FORMAT_VERSION = "0.32.0"
+
+#: The released FLUX.1 scheduler_config.json values: FlowMatchEuler with the shift growing with the image's
+#: token count. The FLUX-derived families (Chroma, LongCat-Image; FLUX.2 with keys of its own after these)
+#: ship the same, so their builders write this one mapping.
+RESOLUTION_SHIFT_SCHEDULER_CONFIG = {
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 1.15,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 4096,
+}
 
 
 def tiny_folder(out_dir: str | Path, seed: int) -> Path:
@@ -226,6 +245,62 @@ def write_qwen3_text_encoder(
         tie_word_embeddings=True,
     )
     save_text_encoder(root, model_cls(config).eval(), tokenizer)
+
+
+def double_single_stream_dit_config(
+    spec: Any, joint_attention_dim: int, out_channels: bool = True
+) -> dict[str, Any]:
+    """The leading keys of a FLUX-style DiT's config (double-stream blocks, then single-stream ones) from a
+    tiny spec's `latent_channels`, `num_layers`, `num_single_layers`, `attention_head_dim` and
+    `num_attention_heads`: patchified 2x2 latents in, as many out. The builders of that kind of DiT add
+    their own keys after these; `out_channels=False` leaves out the `out_channels: None` key for a config
+    that has none (the written config.json keeps its key order)."""
+    config: dict[str, Any] = {"patch_size": 1, "in_channels": spec.latent_channels * 4}
+    if out_channels:
+        config["out_channels"] = None
+    config.update(
+        num_layers=spec.num_layers,
+        num_single_layers=spec.num_single_layers,
+        attention_head_dim=spec.attention_head_dim,
+        num_attention_heads=spec.num_attention_heads,
+        joint_attention_dim=joint_attention_dim,
+    )
+    return config
+
+
+def qwen2_5_vl_encoder(spec: Any, tokenizer: Any, **vision_config: Any) -> Qwen2_5_VLForConditionalGeneration:
+    """A tiny Qwen2.5-VL text encoder (the full model with its vision tower, in eval mode) from a spec's
+    `text_hidden_size`, `text_layers`, `text_heads`, `text_kv_heads`, `vision_hidden_size` and
+    `vision_depth`, over the byte-level Qwen tokenizer; `vision_config` adds keys to the tower's config
+    (patch and window sizes, which the families that set them write out)."""
+    text = qwen_text_shape(
+        tokenizer,
+        spec.text_hidden_size,
+        spec.text_layers,
+        spec.text_heads,
+        spec.text_kv_heads,
+        32768,
+        mrope=True,
+    )
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config={
+            "depth": spec.vision_depth,
+            "hidden_size": spec.vision_hidden_size,
+            "intermediate_size": spec.vision_hidden_size * 2,
+            "num_heads": 2,
+            "out_hidden_size": spec.text_hidden_size,
+            **vision_config,
+            "fullatt_block_indexes": [spec.vision_depth - 1],
+        },
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        tie_word_embeddings=False,
+    )
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
 def vision_tower_shape(

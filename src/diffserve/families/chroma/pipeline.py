@@ -15,7 +15,6 @@ import torch
 from diffserve.families.chroma.conditioning import ChromaConditioning
 from diffserve.families.chroma.config import ChromaPipelineConfig, chroma_default_sampling_params
 from diffserve.families.chroma.text_encoding import ChromaTextEncodingStage
-from diffserve.layers.lora_rows import request_lora_scope
 from diffserve.layers.rotary import RopeTables
 from diffserve.layers.shape_cache import BoundedCache
 from diffserve.loader.folder_defaults import apply_overrides
@@ -24,7 +23,7 @@ from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.pipelines.cfg_batch import (
     advance_requests,
-    branch_texts,
+    embedded_context,
     gather_branches,
     split_guided,
     step_cache_for,
@@ -33,30 +32,15 @@ from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.decoding import DecodingStage
 from diffserve.stages.denoising import DenoisingStage
-from diffserve.stages.image_to_image import (
-    ImageToImageNoisingStage,
-    InputImageEncodingStage,
-    input_image_size,
-)
-from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
-from diffserve.stages.latent_preparation import LatentPreparationStage, latent_image_ids, pack_latents
+from diffserve.stages.image_to_image import ImageToImageNoisingStage, InputImageEncodingStage
+from diffserve.stages.input_validation import one_image_input_validation
+from diffserve.stages.latent_preparation import PackedLatentIdsPreparationStage, pack_latents
 from diffserve.stages.mask_preparation import InpaintMaskStage
 from diffserve.stages.timestep_preparation import TimestepPreparationStage
 
 
-class ChromaLatentPreparationStage(LatentPreparationStage):
-    """Initial noise packed into 2x2 latent patches, with the packed grid's (0, row, col) position ids."""
-
-    sets = ("latents", "latent_size", "conditioning.image_ids")
-
-    def forward(self, req: Req) -> Req:
-        req = super().forward(req)
-        assert req.latent_size is not None
-        height, width = req.latent_size
-        ChromaConditioning.of(req).image_ids = latent_image_ids(
-            height // 2, width // 2, self.device, self.dtype
-        )
-        return req
+class ChromaLatentPreparationStage(PackedLatentIdsPreparationStage):
+    conditioning_type = ChromaConditioning
 
 
 class ChromaDenoiser:
@@ -82,10 +66,7 @@ class ChromaDenoiser:
 
     def context_for(self, req: Req) -> torch.Tensor:
         """The request's text branches through the DiT's context embedder, once per request."""
-        if req.dit_context is None:
-            with request_lora_scope(req.loras):
-                req.dit_context = self.transformer.embed_context(torch.cat(branch_texts(req)))
-        return req.dit_context
+        return embedded_context(self.transformer, req)
 
     @staticmethod
     def text_masks(req: Req) -> torch.Tensor:
@@ -150,22 +131,14 @@ class ChromaPipeline(Pipeline):
         device, dtype = context.platform.device(), context.dtype
         default_pixels = self.config.default_sample_size * self.vae_scale_factor
         latent_channels = transformer.config.in_channels // 4
-        self.input_validation = InputValidationStage(
+        self.input_validation = one_image_input_validation(
+            "ChromaPipeline",
             defaults=apply_overrides(chroma_default_sampling_params(), context.folder_sampling_defaults),
             pixel_multiple=self.pixel_multiple,
             default_pixels=default_pixels,
             max_sequence_length_limit=self.config.max_t5_sequence_length,
-            image_inputs=ImageInputRule(
-                pipeline_name="ChromaPipeline",
-                max_images=1,
-                inpainting=True,
-                default_strength=self.config.default_strength,
-                default_inpaint_strength=self.config.default_inpaint_strength,
-            ),
-            # Unset, the input image's size (floored); Diffusers' img2img takes the square default instead.
-            default_size=lambda params: input_image_size(
-                params, self.pixel_multiple, (default_pixels, default_pixels)
-            ),
+            default_strength=self.config.default_strength,
+            default_inpaint_strength=self.config.default_inpaint_strength,
             unsupported_params={
                 "true_cfg_scale": "Chroma's CFG is set by guidance_scale (> 1 turns it on, with negative_prompt)"
             },

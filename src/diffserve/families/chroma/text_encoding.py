@@ -7,28 +7,18 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch import nn
 
 from diffserve.families.chroma.conditioning import ChromaConditioning
 from diffserve.request import Req
-from diffserve.stages.base import Stage
-from diffserve.stages.prompt_cache import PromptEmbeddingCache
-from diffserve.stages.text_encoding import request_prompts, set_sequence_embeds
+from diffserve.stages.text_encoding import CachedTextEncodingStage, request_prompts, set_sequence_embeds
 
 logger = logging.getLogger("diffserve.stages")
 
 
-class ChromaTextEncodingStage(Stage):
+class ChromaTextEncodingStage(CachedTextEncodingStage):
     """T5 states and the DiT's text mask per branch (prompt, and the negative prompt with CFG)."""
 
-    needs = ("do_cfg",)
     sets = ("prompt_embeds", "conditioning.text_ids", "conditioning.text_mask")
-
-    def __init__(self, tokenizer, text_encoder: nn.Module, output_dtype: torch.dtype) -> None:
-        self.tokenizer = tokenizer
-        self.text_encoder = text_encoder
-        self.output_dtype = output_dtype
-        self.cache = PromptEmbeddingCache()
 
     @torch.inference_mode()
     def encode(self, prompts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:

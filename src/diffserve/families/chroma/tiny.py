@@ -15,6 +15,8 @@ from transformers import T5EncoderModel
 from diffserve.models.dits.chroma import ChromaTransformer2DModel
 from diffserve.testing.tiny_writing import (
     DIFFUSERS_FORMAT_VERSION,
+    RESOLUTION_SHIFT_SCHEDULER_CONFIG,
+    double_single_stream_dit_config,
     finish_tiny_folder,
     save_diffusers_model,
     save_text_encoder,
@@ -25,16 +27,8 @@ from diffserve.testing.tiny_writing import (
 )
 from diffserve.testing.tokenizers import build_t5_tokenizer
 
-#: The released Chroma1-HD scheduler_config.json values (FLUX.1's resolution-dependent shift).
-CHROMA_SCHEDULER_CONFIG = {
-    "num_train_timesteps": 1000,
-    "shift": 3.0,
-    "use_dynamic_shifting": True,
-    "base_shift": 0.5,
-    "max_shift": 1.15,
-    "base_image_seq_len": 256,
-    "max_image_seq_len": 4096,
-}
+#: The released Chroma1-HD scheduler_config.json values: FLUX.1's (resolution-dependent shift).
+CHROMA_SCHEDULER_CONFIG = RESOLUTION_SHIFT_SCHEDULER_CONFIG
 
 
 @dataclass
@@ -83,14 +77,7 @@ def build_tiny_chroma(out_dir: str | Path, spec: TinyChromaSpec | None = None) -
     save_text_encoder(root, t5, tokenizer)
 
     dit_config = {
-        "patch_size": 1,
-        "in_channels": spec.latent_channels * 4,
-        "out_channels": None,
-        "num_layers": spec.num_layers,
-        "num_single_layers": spec.num_single_layers,
-        "attention_head_dim": spec.attention_head_dim,
-        "num_attention_heads": spec.num_attention_heads,
-        "joint_attention_dim": spec.text_hidden_size,
+        **double_single_stream_dit_config(spec, spec.text_hidden_size),
         "axes_dims_rope": list(spec.axes_dims_rope),
         "approximator_num_channels": spec.approximator_num_channels,
         "approximator_hidden_dim": spec.approximator_hidden_dim,

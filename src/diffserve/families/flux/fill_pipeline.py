@@ -19,7 +19,7 @@ from diffserve.families.flux.config import FluxFillPipelineConfig, flux_fill_def
 from diffserve.families.flux.fill_preparation import FluxFillPreparationStage
 from diffserve.families.flux.pipeline import FluxDenoiser, FluxPipeline
 from diffserve.pipelines.base import PipelineContext
-from diffserve.pipelines.cfg_batch import BranchBatch
+from diffserve.pipelines.cfg_batch import BranchBatch, with_branch_conditions
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.image_to_image import ImageToImageNoisingStage
@@ -30,10 +30,7 @@ class FluxFillDenoiser(FluxDenoiser):
     """One step over Fill requests: each branch's noisy tokens widened by its request's condition channels."""
 
     def image_tokens(self, batch: BranchBatch, reqs: list[Req]) -> torch.Tensor:
-        conditions = [
-            FluxFillConditioning.of(r).channel_condition for r in reqs for _ in range(2 if r.do_cfg else 1)
-        ]
-        return torch.cat([torch.cat([x, c], dim=2) for x, c in zip(batch.latents, conditions, strict=True)])
+        return with_branch_conditions(batch, reqs, lambda r: FluxFillConditioning.of(r).channel_condition, 2)
 
 
 class FluxFillPipeline(FluxPipeline):

@@ -25,7 +25,7 @@ from diffserve.families.flux.kontext_preparation import (
 from diffserve.families.flux.pipeline import FluxDenoiser, FluxPipeline
 from diffserve.layers.rotary import RopeTables
 from diffserve.pipelines.base import PipelineContext
-from diffserve.pipelines.cfg_batch import BranchBatch
+from diffserve.pipelines.cfg_batch import BranchBatch, with_branch_conditions
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.input_validation import ImageInputRule
@@ -51,10 +51,9 @@ class FluxKontextDenoiser(FluxDenoiser):
 
     def image_tokens(self, batch: BranchBatch, reqs: list[Req]) -> torch.Tensor:
         """Each branch's noisy tokens followed by its request's input-image tokens."""
-        conditions = [
-            FluxKontextConditioning.of(r).condition_latents for r in reqs for _ in range(2 if r.do_cfg else 1)
-        ]
-        return torch.cat([torch.cat([x, c], dim=1) for x, c in zip(batch.latents, conditions, strict=True)])
+        return with_branch_conditions(
+            batch, reqs, lambda r: FluxKontextConditioning.of(r).condition_latents, 1
+        )
 
 
 class FluxKontextPipeline(FluxPipeline):

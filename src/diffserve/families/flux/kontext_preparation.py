@@ -10,10 +10,9 @@ from PIL import Image
 from torch import nn
 
 from diffserve.request import Req
-from diffserve.stages.base import Stage, to_module
-from diffserve.stages.image_tensor import image_to_tensor
-from diffserve.stages.latent_preparation import latent_image_ids, pack_latents
-from diffserve.stages.reference_images import ReferenceImages
+from diffserve.stages.base import Stage
+from diffserve.stages.latent_preparation import latent_image_ids
+from diffserve.stages.reference_images import set_packed_reference
 
 
 def kontext_condition_size(
@@ -79,8 +78,6 @@ class FluxKontextPreparationStage(Stage):
         self.auto_resize = auto_resize
         self.device = device
         self.dtype = dtype
-        self.scaling_factor = float(vae.config["scaling_factor"])
-        self.shift_factor = float(vae.config.get("shift_factor") or 0.0)
 
     @torch.inference_mode()
     def forward(self, req: Req) -> Req:
@@ -89,11 +86,5 @@ class FluxKontextPreparationStage(Stage):
             original, self.pixel_multiple, self.preferred_resolutions, self.auto_resize
         )
         image = original.resize(size, Image.Resampling.LANCZOS)
-        pixels = to_module(self.vae, image_to_tensor(image))
-        latents = (self.vae.encode(pixels).mode() - self.shift_factor) * self.scaling_factor
-        packed = pack_latents(latents).to(device=self.device, dtype=self.dtype)
-        references = ReferenceImages.of(req)
-        references.condition_images = [image]
-        references.condition_latents = packed.repeat(req.batch_size, 1, 1)
-        references.condition_shapes = [(1, latents.shape[-2] // 2, latents.shape[-1] // 2)]
+        set_packed_reference(req, self.vae, image, image, self.device, self.dtype)
         return req

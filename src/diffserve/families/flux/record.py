@@ -4,14 +4,13 @@ share the FLUX.1 DiT and its loader facts."""
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 from diffserve.families.flux.fill_pipeline import FluxFillPipeline
 from diffserve.families.flux.kontext_pipeline import FluxKontextPipeline
 from diffserve.families.flux.lora_formats import convert_flux_lora
 from diffserve.families.flux.pipeline import FluxPipeline
 from diffserve.families.flux.single_file_keys import flux_plan
-from diffserve.families.record import ModelFamily, TinyCheckpointOptions
+from diffserve.families.record import ModelFamily, lazy_tiny_builder
 from diffserve.loader.dit_facts import DitFacts, LoraFacts, SingleFileKeys
 from diffserve.loader.native_classes import NativeClasses
 from diffserve.models.dits.flux import FluxTransformer2DModel
@@ -21,30 +20,6 @@ from diffserve.runtime.cuda_graph.padders import FixedLengthPadder
 
 # Each tiny builder imports its module when called: those import transformers model classes that loading
 # the registry (every engine start) does not need.
-
-
-def _tiny_flux(out_dir: Path, options: TinyCheckpointOptions) -> Path:
-    from diffserve.families.flux.tiny import TinyFluxSpec, build_tiny_flux
-
-    return build_tiny_flux(out_dir, TinyFluxSpec(seed=options.seed, guidance_embeds=options.guidance_embeds))
-
-
-def _tiny_flux_kontext(out_dir: Path, options: TinyCheckpointOptions) -> Path:
-    from diffserve.families.flux.tiny import TinyFluxSpec
-    from diffserve.families.flux.tiny_kontext import build_tiny_flux_kontext
-
-    return build_tiny_flux_kontext(
-        out_dir, TinyFluxSpec(seed=options.seed, guidance_embeds=options.guidance_embeds)
-    )
-
-
-def _tiny_flux_fill(out_dir: Path, options: TinyCheckpointOptions) -> Path:
-    from diffserve.families.flux.tiny import TinyFluxSpec
-    from diffserve.families.flux.tiny_fill import build_tiny_flux_fill
-
-    return build_tiny_flux_fill(
-        out_dir, TinyFluxSpec(seed=options.seed, guidance_embeds=options.guidance_embeds)
-    )
 
 
 _CLASSES = NativeClasses.of(
@@ -71,7 +46,9 @@ _FLUX = ModelFamily(
     pipeline_cls=FluxPipeline,
     native_classes=_CLASSES,
     task="text-to-image",
-    tiny_builder=_tiny_flux,
+    tiny_builder=lazy_tiny_builder(
+        "diffserve.families.flux.tiny", "build_tiny_flux", "TinyFluxSpec", ("guidance_embeds",)
+    ),
     dit_facts=_DIT_FACTS,
     # T5 runs at its max_sequence_length: only the batch is padded.
     prompt_padder=FixedLengthPadder(
@@ -95,7 +72,12 @@ FAMILIES: tuple[ModelFamily, ...] = (
         diffusers_pipeline="FluxKontextPipeline",
         pipeline_cls=FluxKontextPipeline,
         task="image-edit",
-        tiny_builder=_tiny_flux_kontext,
+        tiny_builder=lazy_tiny_builder(
+            "diffserve.families.flux.tiny_kontext",
+            "build_tiny_flux_kontext",
+            "TinyFluxSpec",
+            ("guidance_embeds",),
+        ),
         aliases=("kontext", "flux_kontext"),
     ),
     replace(
@@ -104,7 +86,9 @@ FAMILIES: tuple[ModelFamily, ...] = (
         diffusers_pipeline="FluxFillPipeline",
         pipeline_cls=FluxFillPipeline,
         task="image-edit",
-        tiny_builder=_tiny_flux_fill,
+        tiny_builder=lazy_tiny_builder(
+            "diffserve.families.flux.tiny_fill", "build_tiny_flux_fill", "TinyFluxSpec", ("guidance_embeds",)
+        ),
         aliases=("flux_fill",),
     ),
 )

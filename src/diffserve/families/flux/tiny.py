@@ -16,7 +16,9 @@ from transformers import CLIPTextModel, T5EncoderModel
 from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.testing.tiny_writing import (
     DIFFUSERS_FORMAT_VERSION,
+    RESOLUTION_SHIFT_SCHEDULER_CONFIG,
     clip_text_config,
+    double_single_stream_dit_config,
     finish_tiny_folder,
     save_diffusers_model,
     save_text_encoder,
@@ -28,15 +30,7 @@ from diffserve.testing.tiny_writing import (
 from diffserve.testing.tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
 #: The released FLUX.1 scheduler_config.json values (resolution-dependent shift).
-FLUX_SCHEDULER_CONFIG = {
-    "num_train_timesteps": 1000,
-    "shift": 3.0,
-    "use_dynamic_shifting": True,
-    "base_shift": 0.5,
-    "max_shift": 1.15,
-    "base_image_seq_len": 256,
-    "max_image_seq_len": 4096,
-}
+FLUX_SCHEDULER_CONFIG = RESOLUTION_SHIFT_SCHEDULER_CONFIG
 
 
 @dataclass
@@ -89,14 +83,7 @@ def build_tiny_flux(out_dir: str | Path, spec: TinyFluxSpec | None = None) -> Pa
     save_text_encoder(root, t5, t5_tokenizer, "_2")
 
     dit_config = {
-        "patch_size": 1,
-        "in_channels": spec.latent_channels * 4,
-        "out_channels": None,
-        "num_layers": spec.num_layers,
-        "num_single_layers": spec.num_single_layers,
-        "attention_head_dim": spec.attention_head_dim,
-        "num_attention_heads": spec.num_attention_heads,
-        "joint_attention_dim": spec.text_hidden_size,
+        **double_single_stream_dit_config(spec, spec.text_hidden_size),
         "pooled_projection_dim": spec.text_hidden_size,
         "guidance_embeds": spec.guidance_embeds,
         "axes_dims_rope": list(spec.axes_dims_rope),

@@ -7,19 +7,17 @@ step count as well as the image size), and the decoding (tokens -> patchified la
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from PIL import Image
 
 from diffserve.distributed.parallel_vae import decode_split
 from diffserve.families.flux2.conditioning import Flux2Conditioning
-from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2
 from diffserve.request import LatentSize, Req
 from diffserve.stages.base import Stage, to_module
 from diffserve.stages.decoding import tensor_to_pil
 from diffserve.stages.latent_preparation import initial_noise
-from diffserve.stages.timestep_preparation import embedded_guidance, set_schedule
+from diffserve.stages.timestep_preparation import TimestepPreparationStage
 
 
 def flux2_grid_ids(rows: int, cols: int, time: int, device: torch.device) -> torch.Tensor:
@@ -82,24 +80,12 @@ class Flux2LatentPreparationStage(Stage):
         return req
 
 
-class Flux2TimestepPreparationStage(Stage):
+class Flux2TimestepPreparationStage(TimestepPreparationStage):
     """Sigmas linspace(1, 1/n, n) shifted by `compute_empirical_mu(tokens, n)`; with `guidance_embeds`
     (FLUX.2-dev) the request's guidance scale, which the DiT embeds."""
 
-    needs = ("latents",)
-    sets = ("schedule",)
-
-    def __init__(self, scheduler: FlowMatchEulerScheduler, guidance_embeds: bool) -> None:
-        self.scheduler = scheduler
-        self.guidance_embeds = guidance_embeds
-
-    def forward(self, req: Req) -> Req:
-        steps = req.params.num_inference_steps
-        mu = compute_empirical_mu(int(req.latents.shape[1]), steps)
-        base_sigmas = np.linspace(1.0, 1 / steps, steps)
-        guidance = embedded_guidance(req) if self.guidance_embeds else None
-        set_schedule(req, self.scheduler.schedule(steps, mu=mu, sigmas=base_sigmas), guidance)
-        return req
+    def shift_mu(self, image_seq_len: int, steps: int) -> float:
+        return compute_empirical_mu(image_seq_len, steps)
 
 
 class Flux2DecodingStage(Stage):

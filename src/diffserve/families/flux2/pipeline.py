@@ -37,14 +37,19 @@ from diffserve.families.flux2.reference_images import (
     reference_ids,
 )
 from diffserve.families.flux2.text_encoding import Flux2KleinTextEncodingStage, Flux2TextEncodingStage
-from diffserve.layers.lora_rows import request_lora_scope
 from diffserve.layers.rotary import RopeTables
 from diffserve.layers.shape_cache import BoundedCache
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.flux2 import Flux2Transformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.pipelines.cfg_batch import advance_requests, branch_texts, split_guided, step_cache_for
+from diffserve.pipelines.cfg_batch import (
+    advance_requests,
+    branch_texts,
+    embedded_context,
+    split_guided,
+    step_cache_for,
+)
 from diffserve.request import Req
 from diffserve.runtime.contract import CfgMode
 from diffserve.stages.base import Stage
@@ -89,10 +94,7 @@ class Flux2Denoiser:
     def context_for(self, req: Req) -> torch.Tensor:
         """The request's text branches through the DiT's context embedder, once per request (the
         (L x 3 * hidden) @ (3 * hidden x inner) matmul is the same at every step)."""
-        if req.dit_context is None:
-            with request_lora_scope(req.loras):
-                req.dit_context = self.transformer.embed_context(torch.cat(branch_texts(req)))
-        return req.dit_context
+        return embedded_context(self.transformer, req)
 
     @torch.inference_mode()
     def __call__(self, reqs: list[Req]) -> None:

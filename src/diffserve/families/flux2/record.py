@@ -5,24 +5,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import partial
-from pathlib import Path
 
 from diffserve.families.flux2.pipeline import Flux2KleinPipeline, Flux2Pipeline
-from diffserve.families.record import ModelFamily, TinyCheckpointOptions
+from diffserve.families.record import ModelFamily, lazy_tiny_builder
 from diffserve.loader.dit_facts import DitFacts
 from diffserve.loader.native_classes import NativeClasses
 from diffserve.models.dits.flux2 import Flux2Transformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2
 
-
-def _tiny_flux2(out_dir: Path, options: TinyCheckpointOptions, variant: str) -> Path:
-    """A FLUX.2-dev ("dev") or FLUX.2 [klein] ("klein") folder. Imports its module when called (transformers
-    model classes the registry does not need)."""
-    from diffserve.families.flux2.tiny import TinyFlux2Spec, build_tiny_flux2
-
-    return build_tiny_flux2(out_dir, TinyFlux2Spec(variant=variant, seed=options.seed))
-
+#: The tiny builder; each record names its variant of the spec.
+_tiny = partial(lazy_tiny_builder, "diffserve.families.flux2.tiny", "build_tiny_flux2", "TinyFlux2Spec")
 
 _CLASSES = NativeClasses.of(
     models=(Flux2Transformer2DModel, AutoencoderKLFlux2),
@@ -38,7 +31,7 @@ _FLUX2 = ModelFamily(
     pipeline_cls=Flux2Pipeline,
     native_classes=_CLASSES,
     task="text-to-image",  # with optional reference images (multi-reference editing)
-    tiny_builder=partial(_tiny_flux2, variant="dev"),
+    tiny_builder=_tiny(variant="dev"),
     dit_facts=_DIT_FACTS,
     aliases=("flux2-dev", "flux.2"),
 )
@@ -50,7 +43,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
         name="flux2-klein",
         diffusers_pipeline="Flux2KleinPipeline",
         pipeline_cls=Flux2KleinPipeline,
-        tiny_builder=partial(_tiny_flux2, variant="klein"),
+        tiny_builder=_tiny(variant="klein"),
         aliases=("flux2_klein", "klein"),
     ),
 )

@@ -41,7 +41,9 @@ from diffserve.models.vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2
 from diffserve.testing.qwen_tokenizers import _whole_word_merges
 from diffserve.testing.tiny_writing import (
     DIFFUSERS_FORMAT_VERSION,
+    RESOLUTION_SHIFT_SCHEDULER_CONFIG,
     check_variant,
+    double_single_stream_dit_config,
     finish_tiny_folder,
     random_native_module,
     save_diffusers_model,
@@ -98,13 +100,7 @@ MISTRAL_CHAT_TEMPLATE = (
 
 #: The released FLUX.2-dev / klein scheduler_config.json values.
 FLUX2_SCHEDULER_CONFIG = {
-    "num_train_timesteps": 1000,
-    "shift": 3.0,
-    "use_dynamic_shifting": True,
-    "base_shift": 0.5,
-    "max_shift": 1.15,
-    "base_image_seq_len": 256,
-    "max_image_seq_len": 4096,
+    **RESOLUTION_SHIFT_SCHEDULER_CONFIG,
     "invert_sigmas": False,
     "shift_terminal": None,
     "time_shift_type": "exponential",
@@ -311,14 +307,7 @@ def build_tiny_flux2(out_dir: str | Path, spec: TinyFlux2Spec | None = None) -> 
         write_qwen3_text_encoder(root, Qwen3ForCausalLM, spec.text_hidden_size, spec.encoder_layers)
 
     dit_config = {
-        "patch_size": 1,
-        "in_channels": spec.latent_channels * 4,
-        "out_channels": None,
-        "num_layers": spec.num_layers,
-        "num_single_layers": spec.num_single_layers,
-        "attention_head_dim": spec.attention_head_dim,
-        "num_attention_heads": spec.num_attention_heads,
-        "joint_attention_dim": 3 * spec.text_hidden_size,
+        **double_single_stream_dit_config(spec, 3 * spec.text_hidden_size),
         "timestep_guidance_channels": spec.timestep_guidance_channels,
         "mlp_ratio": 3.0,
         "axes_dims_rope": list(spec.axes_dims_rope),

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from diffserve.families.hunyuan_video15.sizes import resize_and_crop
-from diffserve.request import Conditioning, LatentSize, Req, role
+from diffserve.request import Conditioning, Req, role
 from diffserve.stages.base import Stage, to_module
 from diffserve.stages.image_tensor import image_to_tensor
-from diffserve.stages.latent_preparation import initial_noise
+from diffserve.stages.latent_preparation import VideoLatentPreparationStage
 
 
 @dataclass
@@ -50,27 +50,9 @@ class HunyuanVideo15Conditioning(Conditioning):
     image_embeds: torch.Tensor | None = field(default=None, metadata=role(batch="shape"))
 
 
-class HunyuanVideo15LatentPreparationStage(Stage):
+class HunyuanVideo15LatentPreparationStage(VideoLatentPreparationStage):
     """Initial noise (batch, channels, latent frames, h, w) in the DiT's dtype (Diffusers draws it in that
     dtype), from the request's CPU generator."""
-
-    needs = ("generator", "prompt_embeds")
-    sets = ("latents", "latent_size")
-
-    def __init__(
-        self, channels: int, spatial: int, temporal: int, device: torch.device, dtype: torch.dtype
-    ) -> None:
-        self.channels, self.spatial, self.temporal = channels, spatial, temporal
-        self.device, self.dtype = device, dtype
-
-    def forward(self, req: Req) -> Req:
-        p = req.params
-        frames = (p.num_frames - 1) // self.temporal + 1
-        h, w = p.height // self.spatial, p.width // self.spatial
-        shape = (p.num_outputs_per_prompt, self.channels, frames, h, w)
-        req.latents = initial_noise(req, shape, self.dtype).to(self.device)
-        req.latent_size = LatentSize(h, w)
-        return req
 
 
 class HunyuanVideo15EmptyConditionStage(Stage):

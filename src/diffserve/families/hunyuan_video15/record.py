@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import partial
-from pathlib import Path
 
 from diffserve.families.hunyuan_video15.pipeline import (
     HunyuanVideo15ImageToVideoPipeline,
     HunyuanVideo15Pipeline,
 )
-from diffserve.families.record import ModelFamily, TinyCheckpointOptions
+from diffserve.families.record import ModelFamily, lazy_tiny_builder
 from diffserve.loader.dit_facts import DitFacts
 from diffserve.loader.native_classes import NativeClasses
 from diffserve.models.dits.hunyuan_video15 import HunyuanVideo15Transformer3DModel
@@ -19,15 +18,13 @@ from diffserve.models.guiders.classifier_free_guidance import ClassifierFreeGuid
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.vaes.autoencoder_kl_hunyuan_video15 import AutoencoderKLHunyuanVideo15
 
-
-def _tiny_hunyuan_video15(out_dir: Path, options: TinyCheckpointOptions, image_to_video: bool) -> Path:
-    """A HunyuanVideo 1.5 text-to-video or image-to-video folder (needs diffusers installed). Imports its
-    module when called."""
-    from diffserve.families.hunyuan_video15.tiny import TinyHunyuanVideo15Spec, build_tiny_hunyuan_video15
-
-    spec = TinyHunyuanVideo15Spec(image_to_video=image_to_video, seed=options.seed)
-    return build_tiny_hunyuan_video15(out_dir, spec)
-
+#: The tiny builder (it needs diffusers installed); each record names its variant of the spec.
+_tiny = partial(
+    lazy_tiny_builder,
+    "diffserve.families.hunyuan_video15.tiny",
+    "build_tiny_hunyuan_video15",
+    "TinyHunyuanVideo15Spec",
+)
 
 _CLASSES = NativeClasses.of(
     models=(HunyuanVideo15Transformer3DModel, AutoencoderKLHunyuanVideo15),
@@ -44,7 +41,7 @@ _HUNYUAN_VIDEO15_T2V = ModelFamily(
     pipeline_cls=HunyuanVideo15Pipeline,
     native_classes=_CLASSES,
     task="text-to-video",
-    tiny_builder=partial(_tiny_hunyuan_video15, image_to_video=False),
+    tiny_builder=_tiny(image_to_video=False),
     dit_facts=_DIT_FACTS,
     aliases=("hunyuan-video15", "hunyuanvideo15-t2v"),
 )
@@ -57,7 +54,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
         diffusers_pipeline="HunyuanVideo15ImageToVideoPipeline",
         pipeline_cls=HunyuanVideo15ImageToVideoPipeline,
         task="image-to-video",
-        tiny_builder=partial(_tiny_hunyuan_video15, image_to_video=True),
+        tiny_builder=_tiny(image_to_video=True),
         aliases=("hunyuanvideo15-i2v",),
     ),
 )

@@ -23,10 +23,8 @@ from diffserve.families.longcat_image.stages import (
     text_position_ids,
 )
 from diffserve.request import Req
-from diffserve.stages.base import Stage, to_module
-from diffserve.stages.image_tensor import image_to_tensor
-from diffserve.stages.latent_preparation import pack_latents
-from diffserve.stages.reference_images import ReferenceImages
+from diffserve.stages.base import Stage
+from diffserve.stages.reference_images import ReferenceImages, set_packed_reference
 from diffserve.stages.text_encoding import request_prompts, set_sequence_embeds
 
 IMAGE_PAD, VISION_START = "<|image_pad|>", "<|vision_start|>"
@@ -43,8 +41,6 @@ class LongCatEditPreparationStage(Stage):
         self.vae = vae
         self.device = device
         self.dtype = dtype
-        self.scaling_factor = float(vae.config["scaling_factor"])
-        self.shift_factor = float(vae.config.get("shift_factor") or 0.0)
 
     @torch.inference_mode()
     def forward(self, req: Req) -> Req:
@@ -52,13 +48,7 @@ class LongCatEditPreparationStage(Stage):
         (original,) = p.input_images
         image = original.resize((p.width, p.height), Image.Resampling.LANCZOS)
         shown = image.resize((p.width // 2, p.height // 2), Image.Resampling.LANCZOS)
-        pixels = to_module(self.vae, image_to_tensor(image))
-        latents = (self.vae.encode(pixels).mode() - self.shift_factor) * self.scaling_factor
-        packed = pack_latents(latents).to(device=self.device, dtype=self.dtype)
-        references = ReferenceImages.of(req)
-        references.condition_images = [shown]
-        references.condition_latents = packed.repeat(req.batch_size, 1, 1)
-        references.condition_shapes = [(1, latents.shape[-2] // 2, latents.shape[-1] // 2)]
+        set_packed_reference(req, self.vae, image, shown, self.device, self.dtype)
         return req
 
 

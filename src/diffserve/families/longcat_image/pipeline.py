@@ -10,7 +10,7 @@ LongCat-Image's per-token renormalisation (`renormalised_cfg`).
 from __future__ import annotations
 
 from functools import partial
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -35,7 +35,6 @@ from diffserve.families.longcat_image.edit_stages import (
     LongCatEditTextEncodingStage,
 )
 from diffserve.families.longcat_image.stages import LongCatLatentPreparationStage, LongCatTextEncodingStage
-from diffserve.layers.lora_rows import request_lora_scope
 from diffserve.layers.rotary import RopeTables
 from diffserve.layers.shape_cache import BoundedCache
 from diffserve.loader.folder_defaults import apply_overrides
@@ -46,6 +45,7 @@ from diffserve.pipelines.cfg_batch import (
     BranchBatch,
     advance_requests,
     branch_texts,
+    embedded_context,
     gather_branches,
     split_guided,
     step_cache_for,
@@ -98,10 +98,7 @@ class LongCatImageDenoiser:
 
     def context_for(self, req: Req) -> torch.Tensor:
         """The request's text branches through the DiT's context embedder, once per request."""
-        if req.dit_context is None:
-            with request_lora_scope(req.loras):
-                req.dit_context = self.transformer.embed_context(torch.cat(branch_texts(req)))
-        return req.dit_context
+        return embedded_context(self.transformer, req)
 
     def image_tokens(self, batch: BranchBatch, reqs: list[Req]) -> torch.Tensor:
         """The DiT's image tokens, one row per branch: the noisy latents (an edit appends its input image's
@@ -174,50 +171,87 @@ class LongCatImagePipeline(Pipeline):
         "draft": StepCachePolicy(threshold=1.6, max_reuse_in_a_row=5),
     }
 
+    #: How the refusals of request fields name the model.
+    display_name = "LongCat-Image"
+    denoiser_cls: ClassVar[type[LongCatImageDenoiser]] = LongCatImageDenoiser
+    latent_stage_cls: ClassVar[type[LongCatLatentPreparationStage]] = LongCatLatentPreparationStage
+    #: The initial noise's dtype (Diffusers draws the text-to-image noise in float32); None: the model's.
+    noise_dtype: ClassVar[torch.dtype | None] = torch.float32
+
+    def validation_for(self, context: PipelineContext) -> InputValidationStage:
+        """Text-to-image only, with the family's settings in `extra`."""
+        return self.validation(
+            context,
+            longcat_image_default_sampling_params(),
+            ImageInputRule(pipeline_name="LongCatImagePipeline"),
+            LongCatImageInputValidationStage,
+        )
+
+    def validation(
+        self,
+        context: PipelineContext,
+        defaults: SamplingParams,
+        image_inputs: ImageInputRule,
+        stage_cls: type[InputValidationStage] = InputValidationStage,
+        **options: Any,
+    ) -> InputValidationStage:
+        """The input validation both pipelines share: classic CFG (guidance_scale, not true_cfg_scale), and
+        the whole `tokenizer_max_length` encoded whatever max_sequence_length a request asks for."""
+        config = self.config
+        return stage_cls(
+            defaults=apply_overrides(defaults, context.folder_sampling_defaults),
+            pixel_multiple=self.pixel_multiple,
+            default_pixels=config.default_sample_size * self.vae_scale_factor,
+            max_sequence_length_limit=config.tokenizer_max_length,
+            cfg_mode="classic",
+            image_inputs=image_inputs,
+            unsupported_params={
+                "true_cfg_scale": f"{self.display_name}'s CFG is set by guidance_scale (> 1 turns it on)",
+                "max_sequence_length": (
+                    f"{self.display_name} always encodes {config.tokenizer_max_length} prompt tokens (padded)"
+                ),
+            },
+            **options,
+        )
+
+    def text_stage_kwargs(self, context: PipelineContext) -> dict[str, Any]:
+        """The text encoding stage's arguments (the edit pipeline's stage takes more)."""
+        config = self.config
+        return {
+            "tokenizer": context.get("tokenizer"),
+            "text_encoder": context.get("text_encoder"),
+            "prefix": config.prompt_prefix,
+            "suffix": config.prompt_suffix,
+            "max_length": config.tokenizer_max_length,
+            "output_dtype": context.dtype,
+        }
+
+    def encoding_stages(self, context: PipelineContext) -> list[Stage]:
+        """The stages between input validation and latent preparation: the prompt's."""
+        return [LongCatTextEncodingStage(**self.text_stage_kwargs(context))]
+
+    def latent_preparation_stage(self, context: PipelineContext) -> Stage:
+        return self.latent_stage_cls(
+            latent_channels=self.config.latent_channels,
+            vae_scale_factor=self.vae_scale_factor,
+            device=context.platform.device(),
+            dtype=context.dtype,
+            noise_dtype=self.noise_dtype or context.dtype,
+        )
+
     def build_stages(self, context: PipelineContext) -> list[Stage]:
         transformer = context.get("transformer")
         vae = context.get("vae")
         scheduler = context.get("scheduler")
-        config = self.config
         self.vae_scale_factor = 2 ** (len(vae.config["block_out_channels"]) - 1)
-        self.pixel_multiple = self.vae_scale_factor * config.latent_patch_size
-        default_pixels = config.default_sample_size * self.vae_scale_factor
-        self.input_validation = LongCatImageInputValidationStage(
-            defaults=apply_overrides(
-                longcat_image_default_sampling_params(), context.folder_sampling_defaults
-            ),
-            pixel_multiple=self.pixel_multiple,
-            default_pixels=default_pixels,
-            max_sequence_length_limit=config.tokenizer_max_length,
-            cfg_mode="classic",
-            image_inputs=ImageInputRule(pipeline_name="LongCatImagePipeline"),
-            unsupported_params={
-                "true_cfg_scale": "LongCat-Image's CFG is set by guidance_scale (> 1 turns it on)",
-                "max_sequence_length": (
-                    f"LongCat-Image always encodes {config.tokenizer_max_length} prompt tokens (padded)"
-                ),
-            },
-        )
-        device = context.platform.device()
+        self.pixel_multiple = self.vae_scale_factor * self.config.latent_patch_size
+        self.input_validation = self.validation_for(context)
         return [
             self.input_validation,
-            LongCatTextEncodingStage(
-                context.get("tokenizer"),
-                context.get("text_encoder"),
-                prefix=config.prompt_prefix,
-                suffix=config.prompt_suffix,
-                max_length=config.tokenizer_max_length,
-                output_dtype=context.dtype,
-            ),
-            LongCatLatentPreparationStage(
-                latent_channels=config.latent_channels,
-                vae_scale_factor=self.vae_scale_factor,
-                device=device,
-                dtype=context.dtype,
-                noise_dtype=torch.float32,
-            ),
+            *self.encoding_stages(context),
+            self.latent_preparation_stage(context),
             TimestepPreparationStage(scheduler, guidance_embeds=False),
-            DenoisingStage(LongCatImageDenoiser(transformer, scheduler)),
+            DenoisingStage(self.denoiser_cls(transformer, scheduler)),
             DecodingStage(vae),
         ]
 
@@ -247,54 +281,31 @@ class LongCatImageEditPipeline(LongCatImagePipeline):
     config = LongCatImageEditPipelineConfig()
     conditioning_type: ClassVar[type[LongCatImageConditioning]] = LongCatImageEditConditioning
 
-    def build_stages(self, context: PipelineContext) -> list[Stage]:
-        transformer = context.get("transformer")
-        vae = context.get("vae")
-        scheduler = context.get("scheduler")
-        config = self.config
-        self.vae_scale_factor = 2 ** (len(vae.config["block_out_channels"]) - 1)
-        self.pixel_multiple = self.vae_scale_factor * config.latent_patch_size
-        area, multiple = config.output_area, config.size_multiple
-        self.input_validation = InputValidationStage(
-            defaults=apply_overrides(
-                longcat_image_edit_default_sampling_params(), context.folder_sampling_defaults
-            ),
-            pixel_multiple=self.pixel_multiple,
-            default_pixels=config.default_sample_size * self.vae_scale_factor,
-            max_sequence_length_limit=config.tokenizer_max_length,
-            cfg_mode="classic",
-            image_inputs=ImageInputRule(
+    display_name = "LongCat-Image-Edit"
+    denoiser_cls: ClassVar[type[LongCatImageDenoiser]] = LongCatImageEditDenoiser
+    latent_stage_cls: ClassVar[type[LongCatLatentPreparationStage]] = LongCatEditLatentPreparationStage
+    noise_dtype: ClassVar[torch.dtype | None] = None
+
+    def validation_for(self, context: PipelineContext) -> InputValidationStage:
+        """One input image; the output size follows its aspect ratio (`edit_output_size`) when unset."""
+        area, multiple = self.config.output_area, self.config.size_multiple
+        return self.validation(
+            context,
+            longcat_image_edit_default_sampling_params(),
+            ImageInputRule(
                 pipeline_name="LongCatImageEditPipeline", task="image-edit", min_images=1, max_images=1
             ),
             default_size=lambda params: edit_output_size(*params.input_images[0].size, area, multiple),
-            unsupported_params={
-                "true_cfg_scale": "LongCat-Image-Edit's CFG is set by guidance_scale (> 1 turns it on)",
-                "max_sequence_length": (
-                    f"LongCat-Image-Edit always encodes {config.tokenizer_max_length} prompt tokens (padded)"
-                ),
-            },
         )
-        device = context.platform.device()
+
+    def encoding_stages(self, context: PipelineContext) -> list[Stage]:
+        """The input image's latents, then the instruction with the image (its vision tower's input)."""
         return [
-            self.input_validation,
-            LongCatEditPreparationStage(vae, device=device, dtype=context.dtype),
+            LongCatEditPreparationStage(
+                context.get("vae"), device=context.platform.device(), dtype=context.dtype
+            ),
             LongCatEditTextEncodingStage(
-                context.get("tokenizer"),
-                context.get("text_encoder"),
-                prefix=config.prompt_prefix,
-                suffix=config.prompt_suffix,
-                max_length=config.tokenizer_max_length,
-                output_dtype=context.dtype,
+                **self.text_stage_kwargs(context),
                 image_processor=context.get("text_processor").image_processor,
             ),
-            LongCatEditLatentPreparationStage(
-                latent_channels=config.latent_channels,
-                vae_scale_factor=self.vae_scale_factor,
-                device=device,
-                dtype=context.dtype,
-                noise_dtype=context.dtype,
-            ),
-            TimestepPreparationStage(scheduler, guidance_embeds=False),
-            DenoisingStage(LongCatImageEditDenoiser(transformer, scheduler)),
-            DecodingStage(vae),
         ]

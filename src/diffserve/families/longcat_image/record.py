@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import partial
-from pathlib import Path
 
 from diffserve.families.longcat_image.pipeline import LongCatImageEditPipeline, LongCatImagePipeline
-from diffserve.families.record import ModelFamily, TinyCheckpointOptions
+from diffserve.families.record import ModelFamily, lazy_tiny_builder
 from diffserve.loader.dit_facts import DitFacts
 from diffserve.loader.native_classes import NativeClasses
 from diffserve.models.dits.longcat_image import LongCatImageTransformer2DModel
@@ -17,14 +16,13 @@ from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
 from diffserve.runtime.cuda_graph.padders import FixedLengthPadder
 
-
-def _tiny_longcat_image(out_dir: Path, options: TinyCheckpointOptions, variant: str) -> Path:
-    """One folder kind ("t2i" or "edit"). Imports its module when called (transformers model classes the
-    registry does not need)."""
-    from diffserve.families.longcat_image.tiny import TinyLongCatImageSpec, build_tiny_longcat_image
-
-    return build_tiny_longcat_image(out_dir, TinyLongCatImageSpec(variant=variant, seed=options.seed))
-
+#: The tiny builder; each record names its variant of the spec.
+_tiny = partial(
+    lazy_tiny_builder,
+    "diffserve.families.longcat_image.tiny",
+    "build_tiny_longcat_image",
+    "TinyLongCatImageSpec",
+)
 
 _LONGCAT_IMAGE = ModelFamily(
     name="longcat-image",
@@ -36,7 +34,7 @@ _LONGCAT_IMAGE = ModelFamily(
         encoders=("Qwen2_5_VLForConditionalGeneration",),
     ),
     task="text-to-image",
-    tiny_builder=partial(_tiny_longcat_image, variant="t2i"),
+    tiny_builder=_tiny(variant="t2i"),
     # Every prompt is padded to 512 tokens: only the batch is padded.
     prompt_padder=FixedLengthPadder(
         rows_from="hidden_states",
@@ -59,7 +57,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
         diffusers_pipeline="LongCatImageEditPipeline",
         pipeline_cls=LongCatImageEditPipeline,
         task="image-edit",
-        tiny_builder=partial(_tiny_longcat_image, variant="edit"),
+        tiny_builder=_tiny(variant="edit"),
         aliases=("longcat-edit", "longcat_image_edit"),
     ),
 )

@@ -13,16 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
 from diffserve.models.dits.longcat_image import LongCatImageTransformer2DModel
 from diffserve.testing.qwen_processors import write_qwen_vl_processor
 from diffserve.testing.qwen_tokenizers import build_qwen_tokenizer
 from diffserve.testing.tiny_writing import (
     DIFFUSERS_FORMAT_VERSION,
+    RESOLUTION_SHIFT_SCHEDULER_CONFIG,
     check_variant,
+    double_single_stream_dit_config,
     finish_tiny_folder,
-    qwen_text_shape,
+    qwen2_5_vl_encoder,
     random_native_module,
     save_diffusers_model,
     save_text_encoder,
@@ -31,16 +31,8 @@ from diffserve.testing.tiny_writing import (
     write_scheduler_config,
 )
 
-#: The released LongCat-Image scheduler_config.json values (FLUX.1's resolution-dependent shift).
-LONGCAT_IMAGE_SCHEDULER_CONFIG = {
-    "num_train_timesteps": 1000,
-    "shift": 3.0,
-    "use_dynamic_shifting": True,
-    "base_shift": 0.5,
-    "max_shift": 1.15,
-    "base_image_seq_len": 256,
-    "max_image_seq_len": 4096,
-}
+#: The released LongCat-Image scheduler_config.json values: FLUX.1's.
+LONGCAT_IMAGE_SCHEDULER_CONFIG = RESOLUTION_SHIFT_SCHEDULER_CONFIG
 
 
 @dataclass
@@ -86,36 +78,6 @@ def longcat_image_model_index(variant: str = "t2i") -> dict:
     }
 
 
-def _text_encoder(spec: TinyLongCatImageSpec, tokenizer) -> Qwen2_5_VLForConditionalGeneration:
-    text = qwen_text_shape(
-        tokenizer,
-        spec.text_hidden_size,
-        spec.text_layers,
-        spec.text_heads,
-        spec.text_kv_heads,
-        32768,
-        mrope=True,
-    )
-    ids = tokenizer.convert_tokens_to_ids
-    config = Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config={
-            "depth": spec.vision_depth,
-            "hidden_size": spec.vision_hidden_size,
-            "intermediate_size": spec.vision_hidden_size * 2,
-            "num_heads": 2,
-            "out_hidden_size": spec.text_hidden_size,
-            "fullatt_block_indexes": [spec.vision_depth - 1],
-        },
-        image_token_id=ids("<|image_pad|>"),
-        video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"),
-        vision_end_token_id=ids("<|vision_end|>"),
-        tie_word_embeddings=False,
-    )
-    return Qwen2_5_VLForConditionalGeneration(config).eval()
-
-
 def build_tiny_longcat_image(out_dir: str | Path, spec: TinyLongCatImageSpec | None = None) -> Path:
     """Write a random-weight LongCat-Image folder to `out_dir` and return its path."""
     spec = spec or TinyLongCatImageSpec()
@@ -123,17 +85,11 @@ def build_tiny_longcat_image(out_dir: str | Path, spec: TinyLongCatImageSpec | N
     root = tiny_folder(out_dir, spec.seed)
 
     tokenizer = build_qwen_tokenizer()
-    save_text_encoder(root, _text_encoder(spec, tokenizer), tokenizer)
+    save_text_encoder(root, qwen2_5_vl_encoder(spec, tokenizer), tokenizer)
     write_qwen_vl_processor(root / "text_processor", tokenizer, max_pixels=spec.image_max_pixels)
 
     dit_config = {
-        "patch_size": 1,
-        "in_channels": spec.latent_channels * 4,
-        "num_layers": spec.num_layers,
-        "num_single_layers": spec.num_single_layers,
-        "attention_head_dim": spec.attention_head_dim,
-        "num_attention_heads": spec.num_attention_heads,
-        "joint_attention_dim": spec.text_hidden_size,
+        **double_single_stream_dit_config(spec, spec.text_hidden_size, out_channels=False),
         "pooled_projection_dim": spec.text_hidden_size,
         "axes_dims_rope": list(spec.axes_dims_rope),
     }

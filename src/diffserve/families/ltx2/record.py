@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import partial
-from pathlib import Path
 
 from diffserve.families.ltx2.pipeline import LTX2ImageToVideoPipeline, LTX2Pipeline
-from diffserve.families.record import ModelFamily, TinyCheckpointOptions
+from diffserve.families.record import ModelFamily, lazy_tiny_builder
 from diffserve.loader.dit_facts import DitFacts
 from diffserve.loader.native_classes import NativeClasses
 from diffserve.models.dits.ltx2 import LTX2VideoTransformer3DModel
@@ -18,14 +17,8 @@ from diffserve.models.vaes.autoencoder_kl_ltx2 import AutoencoderKLLTX2Video
 from diffserve.models.vaes.autoencoder_kl_ltx2_audio import AutoencoderKLLTX2Audio
 from diffserve.models.vaes.ltx2_vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 
-
-def _tiny_ltx2(out_dir: Path, options: TinyCheckpointOptions, image_to_video: bool) -> Path:
-    """An LTX-2 text-to-video or image-to-video folder (needs diffusers installed). Imports its module when
-    called."""
-    from diffserve.families.ltx2.tiny import TinyLTX2Spec, build_tiny_ltx2
-
-    return build_tiny_ltx2(out_dir, TinyLTX2Spec(image_to_video=image_to_video, seed=options.seed))
-
+#: The tiny builder (it needs diffusers installed); each record names its variant of the spec.
+_tiny = partial(lazy_tiny_builder, "diffserve.families.ltx2.tiny", "build_tiny_ltx2", "TinyLTX2Spec")
 
 _CLASSES = NativeClasses.of(
     models=(
@@ -44,7 +37,7 @@ _LTX2_T2V = ModelFamily(
     pipeline_cls=LTX2Pipeline,
     native_classes=_CLASSES,
     task="text-to-video",  # with its soundtrack
-    tiny_builder=partial(_tiny_ltx2, image_to_video=False),
+    tiny_builder=_tiny(image_to_video=False),
     dit_facts=_DIT_FACTS,
     aliases=("ltx2", "ltx-2"),
 )
@@ -57,7 +50,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
         diffusers_pipeline="LTX2ImageToVideoPipeline",
         pipeline_cls=LTX2ImageToVideoPipeline,
         task="image-to-video",  # with its soundtrack
-        tiny_builder=partial(_tiny_ltx2, image_to_video=True),
+        tiny_builder=_tiny(image_to_video=True),
         aliases=(),
     ),
 )

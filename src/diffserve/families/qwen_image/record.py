@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import partial
-from pathlib import Path
 
 from diffserve.families.qwen_image.lora_rules import QWEN_IMAGE_RULES
 from diffserve.families.qwen_image.pipeline import (
@@ -13,7 +12,7 @@ from diffserve.families.qwen_image.pipeline import (
     QwenImageEditPlusPipeline,
     QwenImagePipeline,
 )
-from diffserve.families.record import ModelFamily, TinyCheckpointOptions
+from diffserve.families.record import ModelFamily, lazy_tiny_builder
 from diffserve.loader.dit_facts import DitFacts, LoraFacts, SingleFileKeys
 from diffserve.loader.native_classes import NativeClasses
 from diffserve.loader.single_file_keys import identity_keys_plan
@@ -22,14 +21,10 @@ from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.vaes.autoencoder_kl_qwen_image import AutoencoderKLQwenImage
 from diffserve.runtime.cuda_graph.padders import MaskedTextPadder
 
-
-def _tiny_qwen_image(out_dir: Path, options: TinyCheckpointOptions, variant: str) -> Path:
-    """One Qwen-Image folder kind ("t2i", "edit" or "edit_plus"). Imports its module when called
-    (transformers model classes the registry does not need)."""
-    from diffserve.families.qwen_image.tiny import TinyQwenImageSpec, build_tiny_qwen_image
-
-    return build_tiny_qwen_image(out_dir, TinyQwenImageSpec(variant=variant, seed=options.seed))
-
+#: The tiny builder; each record names its variant of the spec.
+_tiny = partial(
+    lazy_tiny_builder, "diffserve.families.qwen_image.tiny", "build_tiny_qwen_image", "TinyQwenImageSpec"
+)
 
 _CLASSES = NativeClasses.of(
     models=(QwenImageTransformer2DModel, AutoencoderKLQwenImage),
@@ -52,7 +47,7 @@ _QWEN_IMAGE = ModelFamily(
     pipeline_cls=QwenImagePipeline,
     native_classes=_CLASSES,
     task="text-to-image",
-    tiny_builder=partial(_tiny_qwen_image, variant="t2i"),
+    tiny_builder=_tiny(variant="t2i"),
     dit_facts=_DIT_FACTS,
     # Text padded to the token bucket with the key mask (made at batch 1 too), RoPE and lengths following.
     prompt_padder=MaskedTextPadder(
@@ -72,7 +67,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
         diffusers_pipeline="QwenImageEditPipeline",
         pipeline_cls=QwenImageEditPipeline,
         task="image-edit",
-        tiny_builder=partial(_tiny_qwen_image, variant="edit"),
+        tiny_builder=_tiny(variant="edit"),
     ),
     replace(
         _QWEN_IMAGE,
@@ -80,6 +75,6 @@ FAMILIES: tuple[ModelFamily, ...] = (
         diffusers_pipeline="QwenImageEditPlusPipeline",
         pipeline_cls=QwenImageEditPlusPipeline,
         task="image-edit",
-        tiny_builder=partial(_tiny_qwen_image, variant="edit_plus"),
+        tiny_builder=_tiny(variant="edit_plus"),
     ),
 )

@@ -21,8 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
 from diffserve.models.vaes.autoencoder_kl_qwen_image import AutoencoderKLQwenImage
 from diffserve.models.vaes.causal3d_blocks import LATENTS_MEAN, LATENTS_STD
@@ -33,7 +31,7 @@ from diffserve.testing.tiny_writing import (
     DIFFUSERS_FORMAT_VERSION,
     check_variant,
     finish_tiny_folder,
-    qwen_text_shape,
+    qwen2_5_vl_encoder,
     random_native_module,
     save_diffusers_model,
     save_text_encoder,
@@ -110,40 +108,6 @@ def qwen_image_model_index(variant: str = "t2i") -> dict:
     return index
 
 
-def _text_encoder(spec: TinyQwenImageSpec, tokenizer) -> Qwen2_5_VLForConditionalGeneration:
-    text = qwen_text_shape(
-        tokenizer,
-        spec.text_hidden_size,
-        spec.text_layers,
-        spec.text_heads,
-        spec.text_kv_heads,
-        32768,
-        mrope=True,
-    )
-    ids = tokenizer.convert_tokens_to_ids
-    config = Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config={
-            "depth": spec.vision_depth,
-            "hidden_size": spec.vision_hidden_size,
-            "intermediate_size": spec.vision_hidden_size * 2,
-            "num_heads": 2,
-            "out_hidden_size": spec.text_hidden_size,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "window_size": 112,
-            "fullatt_block_indexes": [spec.vision_depth - 1],
-        },
-        image_token_id=ids("<|image_pad|>"),
-        video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"),
-        vision_end_token_id=ids("<|vision_end|>"),
-        tie_word_embeddings=False,
-    )
-    return Qwen2_5_VLForConditionalGeneration(config).eval()
-
-
 def build_tiny_qwen_image(out_dir: str | Path, spec: TinyQwenImageSpec | None = None) -> Path:
     """Write a random-weight Qwen-Image folder (`spec.variant` picks t2i / edit / edit_plus); return its path."""
     spec = spec or TinyQwenImageSpec()
@@ -151,7 +115,10 @@ def build_tiny_qwen_image(out_dir: str | Path, spec: TinyQwenImageSpec | None = 
     root = tiny_folder(out_dir, spec.seed)
 
     tokenizer = build_qwen_tokenizer()
-    save_text_encoder(root, _text_encoder(spec, tokenizer), tokenizer)
+    encoder = qwen2_5_vl_encoder(
+        spec, tokenizer, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112
+    )
+    save_text_encoder(root, encoder, tokenizer)
     if spec.variant != "t2i":
         write_qwen_vl_processor(root / "processor", tokenizer, max_pixels=spec.image_max_pixels)
 

@@ -13,8 +13,11 @@ back (`families/sana/resolution.py`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from diffserve.configs.sampling_params import SamplingParams
 from diffserve.families.sana.config import (
     SanaPipelineConfig,
     SanaSprintPipelineConfig,
@@ -154,19 +157,17 @@ class SanaPipeline(Pipeline):
                 "scheduler with use_dynamic_shifting=True is not supported"
             )
         text_stage = self.text_stage(context)
-        self.input_validation = InputValidationStage(
-            defaults=apply_overrides(sana_default_sampling_params(), context.folder_sampling_defaults),
-            pixel_multiple=self.pixel_multiple,
-            default_pixels=self.config.default_size,
-            max_sequence_length_limit=self.sequence_limit(text_stage, context),
-            image_inputs=ImageInputRule(pipeline_name="SanaPipeline"),
+        self.input_validation = self.validation(
+            context,
+            sana_default_sampling_params(),
+            text_stage,
+            "SanaPipeline",
             unsupported_params={
                 "true_cfg_scale": "SANA runs classic CFG, set by guidance_scale (with negative_prompt)",
             },
             cfg_mode="classic",
         )
-        bins = bins_for_sample_size(dit.sample_size) if self.config.use_resolution_binning else None
-        binning = ResolutionBinning(bins)
+        binning = self.binning(dit.sample_size)
         return [
             self.input_validation,
             text_stage,
@@ -175,6 +176,31 @@ class SanaPipeline(Pipeline):
             DenoisingStage(SanaDenoiser(transformer, scheduler, context.dtype)),
             SanaDecodingStage(vae, binning),
         ]
+
+    def validation(
+        self,
+        context: PipelineContext,
+        defaults: SamplingParams,
+        text_stage: SanaTextEncodingStage,
+        pipeline_name: str,
+        **options: Any,
+    ) -> InputValidationStage:
+        """The input validation both SANA pipelines share: text only, the configured default size, and
+        the sequence limit of their text stage; `options`, the rest of `InputValidationStage`'s keywords."""
+        return InputValidationStage(
+            defaults=apply_overrides(defaults, context.folder_sampling_defaults),
+            pixel_multiple=self.pixel_multiple,
+            default_pixels=self.config.default_size,
+            max_sequence_length_limit=self.sequence_limit(text_stage, context),
+            image_inputs=ImageInputRule(pipeline_name=pipeline_name),
+            **options,
+        )
+
+    def binning(self, sample_size: int) -> ResolutionBinning:
+        """The sizes requests are binned to for a DiT of `sample_size`, or none when binning is off."""
+        return ResolutionBinning(
+            bins_for_sample_size(sample_size) if self.config.use_resolution_binning else None
+        )
 
     def text_stage(self, context: PipelineContext) -> SanaTextEncodingStage:
         """Gemma-2 with SANA's prompt handling; also sets the pixel granularity from the VAE and DiT."""
@@ -235,20 +261,18 @@ class SanaSprintPipeline(SanaPipeline):
                 f"only (Diffusers refuses others), got {dit.sample_size}"
             )
         text_stage = self.text_stage(context)
-        self.input_validation = InputValidationStage(
-            defaults=apply_overrides(sana_sprint_default_sampling_params(), context.folder_sampling_defaults),
-            pixel_multiple=self.pixel_multiple,
-            default_pixels=self.config.default_size,
-            max_sequence_length_limit=self.sequence_limit(text_stage, context),
-            image_inputs=ImageInputRule(pipeline_name="SanaSprintPipeline"),
+        self.input_validation = self.validation(
+            context,
+            sana_sprint_default_sampling_params(),
+            text_stage,
+            "SanaSprintPipeline",
             cfg_mode="none",
             unsupported_params={
                 "true_cfg_scale": "SANA-Sprint embeds guidance_scale in the DiT and runs no CFG",
                 "negative_prompt": "SANA-Sprint embeds guidance_scale in the DiT and reads no negative prompt",
             },
         )
-        bins = bins_for_sample_size(dit.sample_size) if self.config.use_resolution_binning else None
-        binning = ResolutionBinning(bins)
+        binning = self.binning(dit.sample_size)
         return [
             self.input_validation,
             text_stage,

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import partial
-from pathlib import Path
-from typing import Any
 
-from diffserve.families.record import ModelFamily, TinyCheckpointOptions
+from diffserve.families.record import ModelFamily, lazy_tiny_builder
 from diffserve.families.sana.pipeline import SanaPipeline, SanaSprintPipeline
 from diffserve.loader.dit_facts import DitFacts
 from diffserve.loader.native_classes import NativeClasses
@@ -18,14 +16,8 @@ from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.schedulers.scm import SCMScheduler
 from diffserve.models.vaes.autoencoder_dc import AutoencoderDC
 
-
-def _tiny_sana(out_dir: Path, options: TinyCheckpointOptions, **spec: Any) -> Path:
-    """A SANA folder (`spec`: fields of `TinySanaSpec`, SANA-Sprint's). Imports its module when called
-    (transformers model classes the registry does not need)."""
-    from diffserve.families.sana.tiny import TinySanaSpec, build_tiny_sana
-
-    return build_tiny_sana(out_dir, TinySanaSpec(seed=options.seed, **spec))
-
+#: The tiny builder; each record names its variant of the spec.
+_tiny = partial(lazy_tiny_builder, "diffserve.families.sana.tiny", "build_tiny_sana", "TinySanaSpec")
 
 #: No quantization, LoRA or single-file support yet: the loader refuses them naming the DiT.
 _DIT_FACTS = DitFacts(class_name=SanaTransformer2DModel.diffusers_class_name)
@@ -41,7 +33,7 @@ _SANA = ModelFamily(
         encoders=("Gemma2Model",),
     ),
     task="text-to-image",
-    tiny_builder=_tiny_sana,
+    tiny_builder=_tiny(),
     dit_facts=_DIT_FACTS,
 )
 
@@ -57,7 +49,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
             schedulers=(SCMScheduler,),
             encoders=("Gemma2Model",),
         ),
-        tiny_builder=partial(_tiny_sana, sprint=True, sample_size=32),
+        tiny_builder=_tiny(sprint=True, sample_size=32),
         aliases=("sana_sprint",),
     ),
 )

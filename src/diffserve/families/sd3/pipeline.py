@@ -23,13 +23,11 @@ from diffserve.runtime.runner import CfgBranchView
 from diffserve.stages.base import Stage
 from diffserve.stages.decoding import DecodingStage
 from diffserve.stages.denoising import DenoisingStage
-from diffserve.stages.image_to_image import (
-    ImageToImageNoisingStage,
-    InputImageEncodingStage,
-    input_image_size,
-    spatial_latents,
+from diffserve.stages.image_to_image import ImageToImageNoisingStage, InputImageEncodingStage, spatial_latents
+from diffserve.stages.input_validation import (
+    SkipLayerGuidanceRule,
+    one_image_input_validation,
 )
-from diffserve.stages.input_validation import ImageInputRule, InputValidationStage, SkipLayerGuidanceRule
 from diffserve.stages.latent_preparation import SpatialLatentPreparationStage
 from diffserve.stages.mask_preparation import InpaintMaskStage
 from diffserve.stages.text_encoding import clip_context_length
@@ -160,18 +158,13 @@ class SD3Pipeline(Pipeline):
         self.pixel_multiple = self.vae_scale_factor * patch
         default = transformer.config.sample_size * self.vae_scale_factor
         device, dtype = context.platform.device(), context.dtype
-        self.input_validation = InputValidationStage(
+        self.input_validation = one_image_input_validation(
+            "StableDiffusion3Pipeline",
             defaults=apply_overrides(sd3_default_sampling_params(), context.folder_sampling_defaults),
             pixel_multiple=self.pixel_multiple,
             default_pixels=default,
             max_sequence_length_limit=self.config.max_t5_sequence_length,
-            image_inputs=ImageInputRule(
-                pipeline_name="StableDiffusion3Pipeline",
-                max_images=1,
-                inpainting=True,
-                default_strength=self.config.default_strength,
-            ),
-            default_size=lambda params: input_image_size(params, self.pixel_multiple, (default, default)),
+            default_strength=self.config.default_strength,
             unsupported_params={
                 "true_cfg_scale": "SD3 runs classic CFG, set by guidance_scale (with negative_prompt)",
             },

@@ -45,32 +45,13 @@ from diffserve.pipelines.cfg_batch import (
     split_guided,
     step_cache_for,
 )
-from diffserve.request import LatentSize, Req
+from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.denoising import DenoisingStage
 from diffserve.stages.input_validation import ImageInputRule, InputValidationStage, VideoRule
-from diffserve.stages.latent_preparation import initial_noise
+from diffserve.stages.latent_preparation import VideoLatentPreparationStage
 from diffserve.stages.timestep_preparation import DefaultTimestepPreparationStage
 from diffserve.stages.video_vae_decoding import VideoVaeDecodingStage
-
-
-class VideoLatentPreparationStage(Stage):
-    """Float32 noise of shape (batch, channels, latent frames, h, w), drawn on the request's CPU generator."""
-
-    needs = ("generator", "prompt_embeds")
-    sets = ("latents", "latent_size")
-
-    def __init__(self, channels: int, spatial: int, temporal: int, device: torch.device) -> None:
-        self.channels, self.spatial, self.temporal, self.device = channels, spatial, temporal, device
-
-    def forward(self, req: Req) -> Req:
-        p = req.params
-        frames = (p.num_frames - 1) // self.temporal + 1
-        h, w = p.height // self.spatial, p.width // self.spatial
-        shape = (p.num_outputs_per_prompt, self.channels, frames, h, w)
-        req.latents = initial_noise(req, shape, torch.float32).to(self.device)
-        req.latent_size = LatentSize(h, w)
-        return req
 
 
 class ExpertContext(NamedTuple):

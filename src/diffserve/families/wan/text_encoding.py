@@ -7,12 +7,9 @@ import html
 import re
 
 import torch
-from torch import nn
 
 from diffserve.request import Req
-from diffserve.stages.base import Stage
-from diffserve.stages.prompt_cache import PromptEmbeddingCache
-from diffserve.stages.text_encoding import request_prompts, set_sequence_embeds
+from diffserve.stages.text_encoding import CachedTextEncodingStage, request_prompts, set_sequence_embeds
 
 try:  # Diffusers fixes mojibake with ftfy when it is installed; do the same so prompts match.
     import ftfy
@@ -28,16 +25,7 @@ def clean_prompt(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
-class WanTextEncodingStage(Stage):
-    needs = ("do_cfg",)
-    sets = ("prompt_embeds",)
-
-    def __init__(self, tokenizer, text_encoder: nn.Module, output_dtype: torch.dtype) -> None:
-        self.tokenizer = tokenizer
-        self.text_encoder = text_encoder
-        self.output_dtype = output_dtype
-        self.cache = PromptEmbeddingCache()
-
+class WanTextEncodingStage(CachedTextEncodingStage):
     @torch.inference_mode()
     def encode(self, prompts: list[str], max_sequence_length: int) -> torch.Tensor:
         """(len(prompts), max_sequence_length, dim): real tokens' states, then zeros."""

@@ -32,13 +32,8 @@ from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.decoding import DecodingStage
 from diffserve.stages.denoising import DenoisingStage
-from diffserve.stages.image_to_image import (
-    ImageToImageNoisingStage,
-    InputImageEncodingStage,
-    input_image_size,
-    spatial_latents,
-)
-from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
+from diffserve.stages.image_to_image import ImageToImageNoisingStage, InputImageEncodingStage, spatial_latents
+from diffserve.stages.input_validation import one_image_input_validation
 from diffserve.stages.latent_preparation import SpatialLatentPreparationStage
 from diffserve.stages.mask_preparation import InpaintMaskStage
 
@@ -111,19 +106,14 @@ class ZImagePipeline(Pipeline):
         self.pixel_multiple = self.vae_scale_factor * 2
         default = self.config.default_pixels
         device = context.platform.device()
-        self.input_validation = InputValidationStage(
+        self.input_validation = one_image_input_validation(
+            "ZImagePipeline",
             defaults=apply_overrides(z_image_default_sampling_params(), context.folder_sampling_defaults),
             pixel_multiple=self.pixel_multiple,
             default_pixels=default,
             max_sequence_length_limit=self.config.max_sequence_length_limit,
-            image_inputs=ImageInputRule(
-                pipeline_name="ZImagePipeline",
-                max_images=1,
-                inpainting=True,
-                default_strength=self.config.default_strength,
-                default_inpaint_strength=self.config.default_inpaint_strength,
-            ),
-            default_size=lambda params: input_image_size(params, self.pixel_multiple, (default, default)),
+            default_strength=self.config.default_strength,
+            default_inpaint_strength=self.config.default_inpaint_strength,
             unsupported_params={
                 "true_cfg_scale": "Z-Image's CFG is set by guidance_scale (> 0 turns it on, with negative_prompt)"
             },

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from diffserve.families.record import ModelFamily, TinyCheckpointOptions
+from diffserve.families.record import ModelFamily, lazy_tiny_builder
 from diffserve.families.z_image.lora_rules import Z_IMAGE_RULES
 from diffserve.families.z_image.pipeline import ZImagePipeline
 from diffserve.families.z_image.single_file_keys import UNUSED, z_image_plan
@@ -14,14 +12,6 @@ from diffserve.models.dits.z_image import ZImageTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
 from diffserve.runtime.cuda_graph.padders import NativeLengthPadder
-
-
-def _tiny_z_image(out_dir: Path, options: TinyCheckpointOptions) -> Path:
-    """Imports its module when called (transformers model classes the registry does not need)."""
-    from diffserve.families.z_image.tiny import TinyZImageSpec, build_tiny_zimage
-
-    return build_tiny_zimage(out_dir, TinyZImageSpec(seed=options.seed))
-
 
 FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily(
@@ -34,7 +24,9 @@ FAMILIES: tuple[ModelFamily, ...] = (
             encoders=("Qwen3Model",),
         ),
         task="text-to-image",
-        tiny_builder=_tiny_z_image,
+        tiny_builder=lazy_tiny_builder(
+            "diffserve.families.z_image.tiny", "build_tiny_zimage", "TinyZImageSpec"
+        ),
         # Extra caption tokens would be attended: prompts keep their length (the DiT rounds it to 32).
         prompt_padder=NativeLengthPadder(
             rows_from="x",

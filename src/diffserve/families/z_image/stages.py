@@ -5,27 +5,16 @@ Timesteps: sigmas from a float32 linspace(1, 1/n) as Diffusers, and the DiT's ow
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from diffserve.families.z_image.conditioning import ZImageConditioning
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.request import Req
 from diffserve.stages.base import Stage
-from diffserve.stages.prompt_cache import PromptEmbeddingCache
-from diffserve.stages.text_encoding import request_prompts, set_sequence_embeds
+from diffserve.stages.text_encoding import CachedTextEncodingStage, request_prompts, set_sequence_embeds
 from diffserve.stages.timestep_preparation import set_schedule
 
 
-class ZImageTextEncodingStage(Stage):
-    needs = ("do_cfg",)
-    sets = ("prompt_embeds",)
-
-    def __init__(self, tokenizer, text_encoder: nn.Module, output_dtype: torch.dtype) -> None:
-        self.tokenizer = tokenizer
-        self.text_encoder = text_encoder
-        self.output_dtype = output_dtype
-        self.cache = PromptEmbeddingCache()
-
+class ZImageTextEncodingStage(CachedTextEncodingStage):
     @torch.inference_mode()
     def encode(self, prompts: list[str], max_sequence_length: int) -> list[torch.Tensor]:
         """One (tokens, hidden) tensor per prompt, real tokens only."""

@@ -17,8 +17,8 @@ import torch
 
 from diffserve.configs.cache_settings import DBCacheSettings
 from diffserve.configs.step_masks import named_schedule
-from diffserve.models.cache_methods.base import CachedResidual, Plan, RequestCache, relative_l1
-from diffserve.models.cache_methods.blocks import Streams
+from diffserve.models.cache_methods.base import CachedResidual, Plan, relative_l1
+from diffserve.models.cache_methods.residual_state import CachedResidualState
 
 
 def steps_mask(mask: tuple[int, ...] | str | None, num_steps: int) -> tuple[int, ...] | None:
@@ -28,14 +28,20 @@ def steps_mask(mask: tuple[int, ...] | str | None, num_steps: int) -> tuple[int,
     return mask
 
 
-class DBCacheState(RequestCache):
+class DBCacheState(CachedResidualState):
     method = "dbcache"
     probe = "residual"
 
     def __init__(self, settings: DBCacheSettings, num_blocks: int, range_offset: int = 0) -> None:
         """`range_offset`: the DiT's leading blocks that Fn and Bn do not count and that always run
         (Z-Image's noise refiner: cache-dit's DBCache counts its main layers only)."""
-        super().__init__(num_blocks)
+        order = settings.taylorseer_order
+        cached = CachedResidual(
+            order if settings.enable_taylorseer else None,
+            order if settings.enable_encoder_taylorseer else None,
+            first_difference_step=2,  # cache-dit's calibrator takes no difference before step 2
+        )
+        super().__init__(num_blocks, cached)
         self.settings = settings
         self.range_offset = range_offset
         self.mask: tuple[int, ...] | None = None
@@ -45,12 +51,6 @@ class DBCacheState(RequestCache):
         self.cached_in_a_row = 0
         self.accumulated_diff = 0.0
         self.diffs: list[float] = []
-        order = settings.taylorseer_order
-        self.cached = CachedResidual(
-            order if settings.enable_taylorseer else None,
-            order if settings.enable_encoder_taylorseer else None,
-            first_difference_step=2,  # cache-dit's calibrator takes no difference before step 2
-        )
 
     @property
     def kept_states(self) -> int:
@@ -111,16 +111,6 @@ class DBCacheState(RequestCache):
     def keep_probe(self, probe: torch.Tensor, reused: bool) -> None:
         if not reused:  # cache-dit keeps the Fn residual of computed steps only
             self.probe_reference = probe.detach()
-
-    @property
-    def has_residual(self) -> bool:
-        return self.cached.present
-
-    def reused_residual(self, step: int) -> Streams:
-        return self.cached.at(step)
-
-    def store(self, residual: Streams, step: int) -> None:
-        self.cached.store(residual, step)
 
     def record(self, reused: bool) -> None:
         super().record(reused)

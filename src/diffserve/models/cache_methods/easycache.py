@@ -21,22 +21,22 @@ from typing import Any
 import torch
 
 from diffserve.configs.cache_settings import EasyCacheSettings
-from diffserve.models.cache_methods.base import CachedResidual, Plan, RequestCache
+from diffserve.models.cache_methods.base import CachedResidual, Plan
 from diffserve.models.cache_methods.blocks import Streams
+from diffserve.models.cache_methods.residual_state import AccumulatedChange, CachedResidualState
 
 
 def _mean_abs_change(current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
     return (current - previous).abs().mean()
 
 
-class EasyCacheState(RequestCache):
+class EasyCacheState(CachedResidualState):
     method = "easycache"
     probe = "input"
 
     def __init__(self, settings: EasyCacheSettings, num_blocks: int) -> None:
-        super().__init__(num_blocks)
+        super().__init__(num_blocks, CachedResidual())
         self.settings = settings
-        self.cached = CachedResidual()
         #: The blocks' input and output at the last computed step, and the output's mean magnitude.
         self.input_prev: torch.Tensor | None = None
         self.output_prev: torch.Tensor | None = None
@@ -45,7 +45,7 @@ class EasyCacheState(RequestCache):
         self.rate: torch.Tensor | None = None
         #: This step's input while it computes (k and the references are updated when it stores).
         self.pending_input: torch.Tensor | None = None
-        self.accumulated = 0.0
+        self.accumulated = AccumulatedChange()
 
     @property
     def kept_states(self) -> int:
@@ -67,28 +67,14 @@ class EasyCacheState(RequestCache):
         return self.rate * _mean_abs_change(probe, self.input_prev) / self.output_norm.clamp_min(1e-12)
 
     def decide(self, change: float | None, step: int, num_steps: int) -> bool:
-        if change is None:
-            self.accumulated = 0.0
-            return False
-        self.accumulated += change
-        if self.accumulated < self.settings.reuse_threshold:
-            return True
-        self.accumulated = 0.0
-        return False
+        return self.accumulated.reuses(change, self.settings.reuse_threshold)
 
     def keep_probe(self, probe: torch.Tensor, reused: bool) -> None:
         self.pending_input = None if reused else probe.detach()
 
-    @property
-    def has_residual(self) -> bool:
-        return self.cached.present
-
-    def reused_residual(self, step: int) -> Streams:
-        return self.cached.at(step)
-
     def store(self, residual: Streams, step: int) -> None:
         """A computed step: its residual, and from its input and output the new k and references."""
-        self.cached.store(residual, step)
+        super().store(residual, step)
         if self.pending_input is None:
             raise RuntimeError("easycache stores a step whose input it was not given (probe 'input')")
         current_in = self.pending_input

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from diffserve.configs.cache_settings import MagCacheSettings
-from diffserve.models.cache_methods.base import CachedResidual, Plan, RequestCache
+from diffserve.models.cache_methods.base import CachedResidual, Plan
 from diffserve.models.cache_methods.blocks import Streams
+from diffserve.models.cache_methods.residual_state import CachedResidualState
 
 
 def resampled(ratios: tuple[float, ...], num_steps: int) -> list[float]:
@@ -31,17 +32,16 @@ def resampled(ratios: tuple[float, ...], num_steps: int) -> list[float]:
     return [ratios[round(i * scale)] for i in range(num_steps)]
 
 
-class MagCacheState(RequestCache):
+class MagCacheState(CachedResidualState):
     method = "magcache"
 
     def __init__(self, settings: MagCacheSettings, num_blocks: int) -> None:
-        super().__init__(num_blocks)
+        super().__init__(num_blocks, CachedResidual())
         self.settings = settings
         self.ratios: list[float] | None = None
         self.accumulated_ratio = 1.0
         self.accumulated_error = 0.0
         self.accumulated_steps = 0
-        self.cached = CachedResidual()
         self.measured_ratios: list[float] = []
 
     @property
@@ -69,17 +69,10 @@ class MagCacheState(RequestCache):
         self.accumulated_ratio, self.accumulated_error, self.accumulated_steps = 1.0, 0.0, 0
         return Plan.COMPUTE
 
-    @property
-    def has_residual(self) -> bool:
-        return self.cached.present
-
-    def reused_residual(self, step: int) -> Streams:
-        return self.cached.at(step)
-
     def store(self, residual: Streams, step: int) -> None:
         if self.settings.magcache_calibrate:
             self.measured_ratios.append(self._ratio(residual.image))
-        self.cached.store(residual, step)
+        super().store(residual, step)
 
     def _ratio(self, current: torch.Tensor) -> float:
         if self.cached.residual is None:

@@ -9,21 +9,19 @@ from __future__ import annotations
 from typing import Any
 
 from diffserve.configs.cache_settings import ScmSettings
-from diffserve.models.cache_methods.base import CachedResidual, Plan, RequestCache
-from diffserve.models.cache_methods.blocks import Streams
+from diffserve.models.cache_methods.base import CachedResidual, Plan
 from diffserve.models.cache_methods.dbcache import steps_mask
+from diffserve.models.cache_methods.residual_state import CachedResidualState
 
 
-class ScmState(RequestCache):
+class ScmState(CachedResidualState):
     method = "scm"
 
     def __init__(self, settings: ScmSettings, num_blocks: int) -> None:
-        super().__init__(num_blocks)
+        order = settings.taylorseer_order if settings.enable_taylorseer else None
+        super().__init__(num_blocks, CachedResidual(order, None, 2))
         self.settings = settings
         self.mask: tuple[int, ...] | None = None
-        self.cached = CachedResidual(
-            settings.taylorseer_order if settings.enable_taylorseer else None, None, 2
-        )
 
     @property
     def kept_states(self) -> int:
@@ -36,16 +34,6 @@ class ScmState(RequestCache):
         if step >= len(self.mask) or self.mask[step] == 1 or not self.cached.present:
             return Plan.COMPUTE
         return Plan.REUSE
-
-    @property
-    def has_residual(self) -> bool:
-        return self.cached.present
-
-    def reused_residual(self, step: int) -> Streams:
-        return self.cached.at(step)
-
-    def store(self, residual: Streams, step: int) -> None:
-        self.cached.store(residual, step)
 
     def settings_report(self) -> dict[str, Any]:
         return {**self.settings.to_dict(), "resolved_mask": list(self.mask or ())}

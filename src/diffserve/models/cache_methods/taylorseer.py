@@ -10,17 +10,16 @@ from __future__ import annotations
 from typing import Any
 
 from diffserve.configs.cache_settings import TaylorSeerSettings
-from diffserve.models.cache_methods.base import CachedResidual, Plan, RequestCache
-from diffserve.models.cache_methods.blocks import Streams
+from diffserve.models.cache_methods.base import CachedResidual, Plan
+from diffserve.models.cache_methods.residual_state import CachedResidualState
 
 
-class TaylorSeerState(RequestCache):
+class TaylorSeerState(CachedResidualState):
     method = "taylorseer"
 
     def __init__(self, settings: TaylorSeerSettings, num_blocks: int) -> None:
-        super().__init__(num_blocks)
+        super().__init__(num_blocks, CachedResidual(settings.taylorseer_order))
         self.settings = settings
-        self.cached = CachedResidual(settings.taylorseer_order)
 
     @property
     def kept_states(self) -> int:
@@ -34,16 +33,6 @@ class TaylorSeerState(RequestCache):
         if warmup or interval or cooldown or not self.cached.present:
             return Plan.COMPUTE
         return Plan.REUSE
-
-    @property
-    def has_residual(self) -> bool:
-        return self.cached.present
-
-    def reused_residual(self, step: int) -> Streams:
-        return self.cached.at(step)
-
-    def store(self, residual: Streams, step: int) -> None:
-        self.cached.store(residual, step)
 
     def settings_report(self) -> dict[str, Any]:
         return self.settings.to_dict()

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from diffserve.configs.cache_settings import TeaCacheSettings
-from diffserve.models.cache_methods.base import CachedResidual, Plan, RequestCache, relative_l1
-from diffserve.models.cache_methods.blocks import Streams
+from diffserve.models.cache_methods.base import CachedResidual, Plan, relative_l1
+from diffserve.models.cache_methods.residual_state import AccumulatedChange, CachedResidualState
 
 
 def polynomial(coefficients: tuple[float, ...] | None, x: float) -> float:
@@ -28,20 +28,19 @@ def polynomial(coefficients: tuple[float, ...] | None, x: float) -> float:
     return value
 
 
-class TeaCacheState(RequestCache):
+class TeaCacheState(CachedResidualState):
     method = "teacache"
     probe = "signal"
 
     def __init__(self, settings: TeaCacheSettings, num_blocks: int) -> None:
-        super().__init__(num_blocks)
+        super().__init__(num_blocks, CachedResidual())
         self.settings = settings
         self.previous_signal: torch.Tensor | None = None
-        self.accumulated = 0.0
-        self.cached = CachedResidual()
+        self.accumulated = AccumulatedChange()
 
     def plan(self, step: int, num_steps: int) -> Plan:
         if step == 0 or step == num_steps - 1 or not self.cached.present:
-            self.accumulated = 0.0
+            self.accumulated.reset()
             return Plan.COMPUTE
         return Plan.MEASURE
 
@@ -49,27 +48,11 @@ class TeaCacheState(RequestCache):
         return relative_l1(probe, self.previous_signal)
 
     def decide(self, change: float | None, step: int, num_steps: int) -> bool:
-        if change is None:
-            self.accumulated = 0.0
-            return False
-        self.accumulated += polynomial(self.settings.coefficients, change)
-        if self.accumulated < self.settings.rel_l1_thresh:
-            return True
-        self.accumulated = 0.0
-        return False
+        rescaled = None if change is None else polynomial(self.settings.coefficients, change)
+        return self.accumulated.reuses(rescaled, self.settings.rel_l1_thresh)
 
     def keep_probe(self, probe: torch.Tensor, reused: bool) -> None:
         self.previous_signal = probe.detach()
-
-    @property
-    def has_residual(self) -> bool:
-        return self.cached.present
-
-    def reused_residual(self, step: int) -> Streams:
-        return self.cached.at(step)
-
-    def store(self, residual: Streams, step: int) -> None:
-        self.cached.store(residual, step)
 
     def settings_report(self) -> dict[str, Any]:
         return self.settings.to_dict()

@@ -14,23 +14,22 @@ from typing import Any
 import torch
 
 from diffserve.configs.step_cache_policy import StepCachePolicy
-from diffserve.models.cache_methods.base import CachedResidual, Plan, RequestCache, relative_l1
-from diffserve.models.cache_methods.blocks import Streams
+from diffserve.models.cache_methods.base import CachedResidual, Plan, relative_l1
+from diffserve.models.cache_methods.residual_state import CachedResidualState
 
 
-class StepCacheState(RequestCache):
+class StepCacheState(CachedResidualState):
     """One approximate-tier request's cache: what it last saw and what it can reuse, plus its counts."""
 
     method = StepCachePolicy.method
     probe = "signal"
 
     def __init__(self, policy: StepCachePolicy, num_blocks: int = 0) -> None:
-        super().__init__(num_blocks)
+        super().__init__(num_blocks, CachedResidual())
         self.policy = policy
         self.accumulated_change = 0.0
         self.last_signal: torch.Tensor | None = None
         self.reused_in_a_row = 0
-        self.cached = CachedResidual()
 
     @property
     def residual(self) -> torch.Tensor | None:
@@ -63,16 +62,6 @@ class StepCacheState(RequestCache):
 
     def keep_probe(self, probe: torch.Tensor, reused: bool) -> None:
         self.last_signal = probe.detach().clone()
-
-    @property
-    def has_residual(self) -> bool:
-        return self.cached.present
-
-    def reused_residual(self, step: int) -> Streams:
-        return self.cached.at(step)
-
-    def store(self, residual: Streams, step: int) -> None:
-        self.cached.store(residual, step)
 
     def record(self, reused: bool) -> None:
         super().record(reused)

@@ -43,15 +43,16 @@ from diffserve.layers.adaln import ADALN_EPS, AdaLayerNormZero
 from diffserve.layers.embeddings import TextProjection, timestep_sinusoids
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm
-from diffserve.layers.rotary import RopeTables, checked_rope_axes, multi_axis_rope_tables
+from diffserve.layers.rotary import RopeTables, checked_rope_axes
 from diffserve.layers.tensor_parallel import TensorParallelRank
-from diffserve.models.dits.base import DiffusersDiT, DiTConfig, check_tp_divides, shard_blocks
+from diffserve.models.dits.base import DiTConfig, check_tp_divides, shard_blocks
 from diffserve.models.dits.flux import (
-    ROPE_THETA,
     AdaLayerNormZeroSingle,
     FluxSingleTransformerBlock,
     FluxTransformerBlock,
 )
+from diffserve.models.dits.flux_streams import FluxStreamsDiT
+from diffserve.models.dits.input_checks import check_one_text_input, check_per_sample
 from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
 
 logger = logging.getLogger(__name__)
@@ -171,7 +172,7 @@ def attention_bias(text_mask: torch.Tensor, image_len: int, dtype: torch.dtype) 
 # ---------------------------------------------------------------------------------------- model
 
 
-class ChromaTransformer2DModel(DiffusersDiT):
+class ChromaTransformer2DModel(FluxStreamsDiT):
     """Chroma DiT (`DiffusersDiT`, from a `ChromaTransformerConfig`). It holds no buffers: the
     approximator's constant inputs are computed (on the CPU, as Diffusers' buffer is) per forward.
     `fuse_for_inference()` fuses the blocks' q/k/v projections as FLUX's; state dicts keep Diffusers' names.
@@ -186,36 +187,15 @@ class ChromaTransformer2DModel(DiffusersDiT):
 
     def __init__(self, config: ChromaTransformerConfig) -> None:
         super().__init__(config)
-        inner, heads, head_dim = config.inner_dim, config.num_attention_heads, config.attention_head_dim
+        inner = config.inner_dim
         self.distilled_guidance_layer = ChromaApproximator(
             config.approximator_num_channels,
             inner,
             config.approximator_hidden_dim,
             config.approximator_layers,
         )
-        self.context_embedder = nn.Linear(config.joint_attention_dim, inner)
-        self.x_embedder = nn.Linear(config.in_channels, inner)
-        self.transformer_blocks = nn.ModuleList(
-            [ChromaTransformerBlock(inner, heads, head_dim) for _ in range(config.num_layers)]
-        )
-        self.single_transformer_blocks = nn.ModuleList(
-            [ChromaSingleTransformerBlock(inner, heads, head_dim) for _ in range(config.num_single_layers)]
-        )
-        self.norm_out = PrunedAdaLayerNormContinuous(inner)
-        self.proj_out = nn.Linear(inner, config.patch_size * config.patch_size * config.out_channels)
+        self._add_streams(ChromaTransformerBlock, ChromaSingleTransformerBlock, PrunedAdaLayerNormContinuous)
         self._fused = False
-
-    def rope_tables(self, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> RopeTables:
-        """Half-width (cos, sin) tables for [text; image], as FLUX.1's (a function of the request's shape)."""
-        axes_dims = self.config.axes_dims_rope
-        for name, ids in (("txt_ids", txt_ids), ("img_ids", img_ids)):
-            if ids.ndim != 2:
-                raise ValueError(f"{name} must be 2-D (seq, {len(axes_dims)}), got {tuple(ids.shape)}")
-        return multi_axis_rope_tables(torch.cat([txt_ids, img_ids], dim=0), axes_dims, ROPE_THETA)
-
-    def embed_context(self, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
-        """T5 states (batch, txt_seq, joint_attention_dim) -> the blocks' text stream (batch, txt_seq, inner)."""
-        return self.context_embedder(encoder_hidden_states)
 
     def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
         """This rank's heads and MLP features of every block, as `FluxTransformer2DModel`'s; the
@@ -289,10 +269,8 @@ class ChromaTransformer2DModel(DiffusersDiT):
             (batch, img_seq, patch_size**2 * out_channels).
         """
         batch = hidden_states.shape[0]
-        if timestep.ndim != 1 or timestep.shape[0] not in (1, batch):
-            raise ValueError(f"timestep must have shape ({batch},) or (1,), got {tuple(timestep.shape)}")
-        if (context is None) == (encoder_hidden_states is None):
-            raise ValueError("pass exactly one of encoder_hidden_states (T5 states) and context (embedded)")
+        check_per_sample(batch, timestep=timestep)
+        check_one_text_input(encoder_hidden_states, context, "T5 states")
         if rope is None:
             rope = self.rope_tables(txt_ids, img_ids)
         x = self.x_embedder(hidden_states)

@@ -55,7 +55,7 @@ from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.quantized_linear import linear_rows
 from diffserve.layers.residual import attention_mlp_residuals, fp16_clip, gated_residual
-from diffserve.layers.rotary import RopeTables, RotaryEmbedding, checked_rope_axes, multi_axis_rope_tables
+from diffserve.layers.rotary import RopeTables, RotaryEmbedding, checked_rope_axes
 from diffserve.layers.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -63,13 +63,14 @@ from diffserve.layers.tensor_parallel import (
     shard_linear,
 )
 from diffserve.models.controlnets.residuals import BlockResiduals, ResidualGroups
-from diffserve.models.dits.base import DiffusersDiT, DiTConfig, check_tp_divides, shard_blocks
+from diffserve.models.dits.base import DiTConfig, check_tp_divides, shard_blocks
 from diffserve.models.dits.flux_block_range import FluxBlockRange
+from diffserve.models.dits.flux_streams import FluxStreamsDiT
+from diffserve.models.dits.input_checks import check_one_text_input, check_per_sample
 from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
 
 logger = logging.getLogger(__name__)
 
-ROPE_THETA = 10000.0
 NORM_EPS = 1e-6
 
 
@@ -444,7 +445,7 @@ class FluxSingleTransformerBlock(nn.Module):
         return fp16_clip(gated_residual(residual, gate.unsqueeze(1), self.proj_out(joined)))
 
 
-class FluxTransformer2DModel(DiffusersDiT):
+class FluxTransformer2DModel(FluxStreamsDiT):
     """FLUX.1 DiT (`DiffusersDiT`, from a `FluxTransformerConfig`).
 
     It holds no buffers and computes nothing from parameter values at construction.
@@ -459,40 +460,14 @@ class FluxTransformer2DModel(DiffusersDiT):
 
     def __init__(self, config: FluxTransformerConfig) -> None:
         super().__init__(config)
-        inner, heads, head_dim = config.inner_dim, config.num_attention_heads, config.attention_head_dim
-
+        inner = config.inner_dim
         self.time_text_embed = CombinedTimestepTextEmbedding(
             inner, config.pooled_projection_dim, config.guidance_embeds
         )
-        self.context_embedder = nn.Linear(config.joint_attention_dim, inner)
-        self.x_embedder = nn.Linear(config.in_channels, inner)
-        self.transformer_blocks = nn.ModuleList(
-            [FluxTransformerBlock(inner, heads, head_dim) for _ in range(config.num_layers)]
-        )
-        self.single_transformer_blocks = nn.ModuleList(
-            [FluxSingleTransformerBlock(inner, heads, head_dim) for _ in range(config.num_single_layers)]
-        )
-        self.norm_out = AdaLayerNormContinuous(inner)
-        self.proj_out = nn.Linear(inner, config.patch_size * config.patch_size * config.out_channels)
+        self._add_streams(FluxTransformerBlock, FluxSingleTransformerBlock, AdaLayerNormContinuous)
         # Set by `fuse_for_inference()`: every adaLN projection as one Linear, and its output split.
         self.adaln_modulation: nn.Linear | None = None
         self._adaln_sizes: list[int] = []
-
-    def rope_tables(self, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> RopeTables:
-        """Half-width (cos, sin) tables for the joint sequence [text; image].
-
-        They depend only on the ids, i.e. on the request's shape; a caller that runs many steps (or
-        many same-shape requests) can compute them once and pass them to `forward(rope=...)`.
-        """
-        axes_dims = self.config.axes_dims_rope
-        for name, ids in (("txt_ids", txt_ids), ("img_ids", img_ids)):
-            if ids.ndim != 2:
-                raise ValueError(f"{name} must be 2-D (seq, {len(axes_dims)}), got {tuple(ids.shape)}")
-        return multi_axis_rope_tables(torch.cat([txt_ids, img_ids], dim=0), axes_dims, ROPE_THETA)
-
-    def embed_context(self, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
-        """T5 states (batch, txt_seq, joint_attention_dim) -> the blocks' text stream (batch, txt_seq, inner)."""
-        return self.context_embedder(encoder_hidden_states)
 
     def shard_for_tensor_parallel(self, tp: TensorParallelRank) -> None:
         """Make this model rank `tp.tp_rank`'s shard of a `tp.tp_size`-way tensor-parallel DiT; call it on
@@ -600,9 +575,7 @@ class FluxTransformer2DModel(DiffusersDiT):
             (batch, img_seq, patch_size**2 * out_channels).
         """
         batch = hidden_states.shape[0]
-        for name, t in (("timestep", timestep), ("guidance", guidance)):
-            if t is not None and (t.ndim != 1 or t.shape[0] not in (1, batch)):
-                raise ValueError(f"{name} must have shape ({batch},) or (1,), got {tuple(t.shape)}")
+        check_per_sample(batch, timestep=timestep, guidance=guidance)
         if rope is None:
             rope = self.rope_tables(txt_ids, img_ids)
 
@@ -614,8 +587,7 @@ class FluxTransformer2DModel(DiffusersDiT):
         temb = self.time_text_embed(timestep, pooled_projections, guidance)
         # Every adaLN projects SiLU(temb): compute it once, and all projections at once when fused.
         *block_mods, out_mod = self._modulations(F.silu(temb))
-        if (context is None) == (encoder_hidden_states is None):
-            raise ValueError("pass exactly one of encoder_hidden_states (T5 states) and context (embedded)")
+        check_one_text_input(encoder_hidden_states, context, "T5 states")
         ctx = self.embed_context(encoder_hidden_states) if context is None else context
         groups = list(controlnet_residuals or ())
         if controlnet_block_samples or controlnet_single_block_samples:

@@ -47,6 +47,7 @@ from diffserve.layers.residual import attention_mlp_residuals, fp16_clip, gated_
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding, checked_rope_axes, multi_axis_rope_tables
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig
 from diffserve.models.dits.flux_block_range import FluxBlockRange
+from diffserve.models.dits.input_checks import check_one_text_input, check_per_sample
 from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
 
 #: Number of position axes of FLUX.2's ids: (T, H, W, L).
@@ -401,11 +402,8 @@ class Flux2Transformer2DModel(DiffusersDiT):
             (batch, img_seq, patch_size**2 * out_channels), one prediction per image token passed.
         """
         batch = hidden_states.shape[0]
-        for name, t in (("timestep", timestep), ("guidance", guidance)):
-            if t is not None and (t.ndim != 1 or t.shape[0] not in (1, batch)):
-                raise ValueError(f"{name} must have shape ({batch},) or (1,), got {tuple(t.shape)}")
-        if (context is None) == (encoder_hidden_states is None):
-            raise ValueError("pass exactly one of encoder_hidden_states (text states) and context (embedded)")
+        check_per_sample(batch, timestep=timestep, guidance=guidance)
+        check_one_text_input(encoder_hidden_states, context, "text states")
         if rope is None:
             if img_ids is None or txt_ids is None:
                 raise ValueError("pass rope (rope_tables(txt_ids, img_ids)) or both img_ids and txt_ids")

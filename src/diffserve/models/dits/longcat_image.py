@@ -33,6 +33,7 @@ from diffserve.models.dits.flux import (
     FluxTransformer2DModel,
     FluxTransformerBlock,
 )
+from diffserve.models.dits.input_checks import check_one_text_input, check_per_sample
 from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
 
 #: Channels of the timestep sinusoids (Diffusers' `Timesteps(num_channels=256)`).
@@ -91,18 +92,8 @@ class LongCatImageTransformer2DModel(FluxTransformer2DModel):
     def __init__(self, config: LongCatImageTransformerConfig) -> None:
         # FLUX.1's modules but its timestep embedding (so its own constructor is skipped, not undone).
         DiffusersDiT.__init__(self, config)
-        inner, heads, head_dim = config.inner_dim, config.num_attention_heads, config.attention_head_dim
-        self.time_embed = LongCatTimestepEmbedding(inner)
-        self.context_embedder = nn.Linear(config.joint_attention_dim, inner)
-        self.x_embedder = nn.Linear(config.in_channels, inner)
-        self.transformer_blocks = nn.ModuleList(
-            [FluxTransformerBlock(inner, heads, head_dim) for _ in range(config.num_layers)]
-        )
-        self.single_transformer_blocks = nn.ModuleList(
-            [FluxSingleTransformerBlock(inner, heads, head_dim) for _ in range(config.num_single_layers)]
-        )
-        self.norm_out = AdaLayerNormContinuous(inner)
-        self.proj_out = nn.Linear(inner, config.patch_size * config.patch_size * config.out_channels)
+        self.time_embed = LongCatTimestepEmbedding(config.inner_dim)
+        self._add_streams(FluxTransformerBlock, FluxSingleTransformerBlock, AdaLayerNormContinuous)
         self.adaln_modulation: nn.Linear | None = None
         self._adaln_sizes: list[int] = []
 
@@ -139,12 +130,8 @@ class LongCatImageTransformer2DModel(FluxTransformer2DModel):
             (batch, img_seq, patch_size**2 * in_channels).
         """
         batch = hidden_states.shape[0]
-        if timestep.ndim != 1 or timestep.shape[0] not in (1, batch):
-            raise ValueError(f"timestep must have shape ({batch},) or (1,), got {tuple(timestep.shape)}")
-        if (context is None) == (encoder_hidden_states is None):
-            raise ValueError(
-                "pass exactly one of encoder_hidden_states (encoder states) and context (embedded)"
-            )
+        check_per_sample(batch, timestep=timestep)
+        check_one_text_input(encoder_hidden_states, context, "encoder states")
         if rope is None:
             rope = self.rope_tables(txt_ids, img_ids)
 

@@ -80,6 +80,7 @@ from diffserve.layers.tensor_parallel import (
 )
 from diffserve.models.cache_methods.blocks import SequentialBlocks, refuse_sequence_parallel
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig, check_tp_divides, shard_blocks
+from diffserve.models.dits.input_checks import check_per_sample
 from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
 
 # Qwen-Image's `RopeTables` (`layers/rotary.py`) are (seq, head_dim // 2) when every sample has the
@@ -429,8 +430,7 @@ class QwenImageTransformer2DModel(DiffusersDiT):
         del guidance
         batch, img_seq = hidden_states.shape[:2]
         txt_seq = encoder_hidden_states.shape[1]
-        if timestep.ndim != 1 or timestep.shape[0] not in (1, batch):
-            raise ValueError(f"timestep must have shape ({batch},) or (1,), got {tuple(timestep.shape)}")
+        check_per_sample(batch, timestep=timestep)
         shapes = _per_sample_shapes(img_shapes, batch)
         for sample in shapes:
             tokens = sum(f * h * w for f, h, w in sample)

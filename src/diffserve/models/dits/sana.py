@@ -47,6 +47,7 @@ from diffserve.layers.residual import fp16_clip, gated_residual
 from diffserve.layers.shape_cache import BoundedCache
 from diffserve.models.cache_methods.blocks import SequentialBlocks
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig
+from diffserve.models.dits.input_checks import check_one_text_input, check_per_sample
 from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
 
 #: Sinusoid width of the timestep and guidance embeddings (Diffusers' `Timesteps(256, ...)`).
@@ -445,13 +446,8 @@ class SanaTransformer2DModel(DiffusersDiT):
         p = self.config.patch_size
         if height % p or width % p:
             raise ValueError(f"latent size {height}x{width} is not a multiple of patch_size {p}")
-        for name, t in (("timestep", timestep), ("guidance", guidance)):
-            if t is not None and (t.ndim != 1 or t.shape[0] not in (1, batch)):
-                raise ValueError(f"{name} must have shape ({batch},) or (1,), got {tuple(t.shape)}")
-        if (context is None) == (encoder_hidden_states is None):
-            raise ValueError(
-                "pass exactly one of encoder_hidden_states (Gemma-2 states) and context (embedded)"
-            )
+        check_per_sample(batch, timestep=timestep, guidance=guidance)
+        check_one_text_input(encoder_hidden_states, context, "Gemma-2 states")
 
         dtype = hidden_states.dtype
         x = self.patch_embed(hidden_states)

@@ -72,6 +72,7 @@ from diffserve.layers.tensor_parallel import (
 )
 from diffserve.models.cache_methods.blocks import SequentialBlocks, refuse_sequence_parallel
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig, check_tp_divides, shard_blocks
+from diffserve.models.dits.input_checks import check_per_sample
 from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
 
 NORM_EPS = 1e-6
@@ -460,8 +461,7 @@ class SD3Transformer2DModel(DiffusersDiT):
             raise ValueError(
                 f"latent height and width must be divisible by patch_size {p}, got {height}x{width}"
             )
-        if timestep.ndim != 1 or timestep.shape[0] not in (1, batch):
-            raise ValueError(f"timestep must have shape ({batch},) or (1,), got {tuple(timestep.shape)}")
+        check_per_sample(batch, timestep=timestep)
 
         x = self.pos_embed(hidden_states)
         temb = self.time_text_embed(timestep, pooled_projections)

@@ -88,6 +88,7 @@ from diffserve.layers.tensor_parallel import (
     shard_linear,
 )
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig, check_tp_divides, shard_blocks
+from diffserve.models.dits.input_checks import check_per_sample
 from diffserve.models.dits.z_image_block_range import ZImageBlockRange
 from diffserve.models.step_cache import BatchStepCache, run_with_step_cache
 
@@ -725,8 +726,7 @@ class ZImageTransformer2DModel(DiffusersDiT):
         for xi in x:
             if xi.ndim != 4 or xi.shape[0] != channels:
                 raise ValueError(f"each latent must be ({channels}, F, H, W), got {tuple(xi.shape)}")
-        if t.ndim != 1 or t.shape[0] not in (1, batch):
-            raise ValueError(f"t must have shape ({batch},) or (1,), got {tuple(t.shape)}")
+        check_per_sample(batch, t=t)
 
         if refined_captions is None:
             refined_captions = self.refine_captions(cap_feats)

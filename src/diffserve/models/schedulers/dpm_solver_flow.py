@@ -35,39 +35,19 @@ import torch
 
 from diffserve.models.config_keys import checked_config_kwargs
 from diffserve.models.schedulers.flow_match_euler import SigmaSchedule
+from diffserve.models.schedulers.multistep_defaults import MULTISTEP_CONFIG_DEFAULTS
 from diffserve.models.schedulers.step_order import check_history_length, checked_step_count
 
 #: Diffusers' `DPMSolverMultistepScheduler` config keys and their defaults (a config missing a key
 #: means the Diffusers default).
 DPM_SOLVER_CONFIG_DEFAULTS: dict[str, Any] = {
-    "num_train_timesteps": 1000,
-    "beta_start": 0.0001,
-    "beta_end": 0.02,
-    "beta_schedule": "linear",
-    "trained_betas": None,
-    "solver_order": 2,
-    "prediction_type": "epsilon",
-    "thresholding": False,
-    "dynamic_thresholding_ratio": 0.995,
-    "sample_max_value": 1.0,
+    **MULTISTEP_CONFIG_DEFAULTS,
     "algorithm_type": "dpmsolver++",
     "solver_type": "midpoint",
-    "lower_order_final": True,
     "euler_at_final": False,
-    "use_karras_sigmas": False,
-    "use_exponential_sigmas": False,
-    "use_beta_sigmas": False,
     "use_lu_lambdas": False,
-    "use_flow_sigmas": False,
-    "flow_shift": 1.0,
-    "final_sigmas_type": "zero",
     "lambda_min_clipped": -float("inf"),
     "variance_type": None,
-    "timestep_spacing": "linspace",
-    "steps_offset": 0,
-    "rescale_betas_zero_snr": False,
-    "use_dynamic_shifting": False,
-    "time_shift_type": "exponential",
 }
 
 #: Diffusers maps these solver names of other multistep solvers onto "midpoint".

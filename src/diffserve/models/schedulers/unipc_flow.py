@@ -37,38 +37,18 @@ import torch
 
 from diffserve.models.config_keys import checked_config_kwargs
 from diffserve.models.schedulers.flow_match_euler import SigmaSchedule, shift_sigmas
+from diffserve.models.schedulers.multistep_defaults import MULTISTEP_CONFIG_DEFAULTS
 from diffserve.models.schedulers.step_order import check_history_length, checked_step_count
 
 #: Diffusers' `UniPCMultistepScheduler` config keys and defaults (a config missing a key means the
 #: Diffusers default). Only the flow-matching path is implemented: a config must set
 #: use_flow_sigmas=True and prediction_type="flow_prediction", as Wan 2.1's does.
 UNIPC_CONFIG_DEFAULTS: dict[str, Any] = {
-    "num_train_timesteps": 1000,
-    "beta_start": 0.0001,
-    "beta_end": 0.02,
-    "beta_schedule": "linear",
-    "trained_betas": None,
-    "solver_order": 2,
-    "prediction_type": "epsilon",
-    "thresholding": False,
-    "dynamic_thresholding_ratio": 0.995,
-    "sample_max_value": 1.0,
+    **MULTISTEP_CONFIG_DEFAULTS,
     "predict_x0": True,
     "solver_type": "bh2",
-    "lower_order_final": True,
     "disable_corrector": [],
     "solver_p": None,
-    "use_karras_sigmas": False,
-    "use_exponential_sigmas": False,
-    "use_beta_sigmas": False,
-    "use_flow_sigmas": False,
-    "flow_shift": 1.0,
-    "timestep_spacing": "linspace",
-    "steps_offset": 0,
-    "final_sigmas_type": "zero",
-    "rescale_betas_zero_snr": False,
-    "use_dynamic_shifting": False,
-    "time_shift_type": "exponential",
     "sigma_min": None,
     "sigma_max": None,
     "shift_terminal": None,

@@ -17,7 +17,7 @@ takes none: there one sets the attributes). `enable_slicing()` encodes / decodes
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
@@ -86,6 +86,21 @@ class DiagonalGaussian:
         return self.mean
 
 
+def kl_decoder(config: Mapping[str, Any], block_out_channels: Sequence[int]) -> Decoder:
+    """The decoder of a KL autoencoder with `config` (`AutoencoderKL`'s keys) at widths `block_out_channels`:
+    the config's own, or FLUX.2's `decoder_block_out_channels` where they differ from the encoder's."""
+    return Decoder(
+        latent_channels=config["latent_channels"],
+        out_channels=config["out_channels"],
+        up_block_types=config["up_block_types"],
+        block_out_channels=block_out_channels,
+        layers_per_block=config["layers_per_block"],
+        norm_num_groups=config["norm_num_groups"],
+        act_fn=config["act_fn"],
+        mid_block_add_attention=config["mid_block_add_attention"],
+    )
+
+
 class AutoencoderKL(DiffusersConfigured, TilingMixin, nn.Module):
     """KL-regularised convolutional autoencoder with diffusers' config and weight names."""
 
@@ -147,16 +162,7 @@ class AutoencoderKL(DiffusersConfigured, TilingMixin, nn.Module):
             act_fn=act_fn,
             mid_block_add_attention=mid_block_add_attention,
         )
-        self.decoder = Decoder(
-            latent_channels=latent_channels,
-            out_channels=out_channels,
-            up_block_types=up_block_types,
-            block_out_channels=block_out_channels,
-            layers_per_block=layers_per_block,
-            norm_num_groups=norm_num_groups,
-            act_fn=act_fn,
-            mid_block_add_attention=mid_block_add_attention,
-        )
+        self.decoder = kl_decoder(self.config, block_out_channels)
         # 1x1 convs on the moments / latents; SD-era VAEs have them, FLUX and SD3 drop them.
         self.quant_conv = nn.Conv2d(2 * latent_channels, 2 * latent_channels, 1) if use_quant_conv else None
         self.post_quant_conv = nn.Conv2d(latent_channels, latent_channels, 1) if use_post_quant_conv else None

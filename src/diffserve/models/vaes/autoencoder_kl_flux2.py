@@ -24,8 +24,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
-from diffserve.models.vaes.blocks import Decoder
+from diffserve.models.vaes.autoencoder_kl import AutoencoderKL, kl_decoder
+
+#: `AutoencoderKL`'s config keys that FLUX.2's config has not: its latents are normalised by `bn` instead.
+_KL_ONLY_KEYS = ("scaling_factor", "shift_factor", "latents_mean", "latents_std")
 
 
 class LatentBatchNorm(nn.Module):
@@ -126,37 +128,16 @@ class AutoencoderKLFlux2(AutoencoderKL):
         decoder_widths = tuple(decoder_block_out_channels or block_out_channels)
         if decoder_widths != tuple(block_out_channels):
             # The decoder alone has other widths (Diffusers' `decoder_block_out_channels`).
-            self.decoder = Decoder(
-                latent_channels=latent_channels,
-                out_channels=out_channels,
-                up_block_types=up_block_types,
-                block_out_channels=decoder_widths,
-                layers_per_block=layers_per_block,
-                norm_num_groups=norm_num_groups,
-                act_fn=act_fn,
-                mid_block_add_attention=mid_block_add_attention,
-            )
+            self.decoder = kl_decoder(self.config, decoder_widths)
         patch = tuple(int(p) for p in patch_size)
         if len(patch) != 2:
             raise ValueError(f"patch_size must be (height, width), got {patch}")
         self.bn = LatentBatchNorm(math.prod(patch) * latent_channels, batch_norm_eps, batch_norm_momentum)
         self.config: dict[str, Any] = {
-            "in_channels": in_channels,
-            "out_channels": out_channels,
-            "down_block_types": tuple(down_block_types),
-            "up_block_types": tuple(up_block_types),
-            "block_out_channels": tuple(block_out_channels),
+            **{key: value for key, value in self.config.items() if key not in _KL_ONLY_KEYS},
             "decoder_block_out_channels": None
             if decoder_block_out_channels is None
             else tuple(decoder_block_out_channels),
-            "layers_per_block": layers_per_block,
-            "act_fn": act_fn,
-            "latent_channels": latent_channels,
-            "norm_num_groups": norm_num_groups,
-            "sample_size": tuple(sample_size) if isinstance(sample_size, Sequence) else sample_size,
-            "use_quant_conv": use_quant_conv,
-            "use_post_quant_conv": use_post_quant_conv,
-            "mid_block_add_attention": mid_block_add_attention,
             "batch_norm_eps": batch_norm_eps,
             "batch_norm_momentum": batch_norm_momentum,
             "patch_size": patch,

@@ -71,6 +71,7 @@ from diffserve.layers.attention import attention
 from diffserve.models.vaes.autoencoder_kl import DiagonalGaussian
 from diffserve.models.vaes.blocks import ResnetStage, resnet_chain
 from diffserve.models.vaes.tiling import StridedTilingMixin, decode_chunk_boundary, per_sample
+from diffserve.vae_tiling import decode_chunk_output, decode_output_wanted
 
 #: Frames of input each causal conv keeps for the next chunk: a temporal kernel of 3 needs 2.
 CACHE_FRAMES = 2
@@ -656,20 +657,25 @@ class CausalVideoVAE(StridedTilingMixin, nn.Module):
         tiled = self.tiles_needed(
             z, self.tile_sample_min_height // ratio, self.tile_sample_min_width // ratio
         )
-        video = self._tiled_decode(z) if tiled else self._decode_frames(z)
+        video = self._tiled_decode(z) if tiled else self._decode_frames(z, publish=True)
         if self.patch_size is not None:
             video = unpatchify(video, self.patch_size)
         return video.clamp_(-1.0, 1.0)
 
-    def _decode_frames(self, z: torch.Tensor) -> torch.Tensor:
+    def _decode_frames(self, z: torch.Tensor, publish: bool = False) -> torch.Tensor:
         """post_quant_conv and the decoder one latent frame at a time with one causal cache; before
-        unpatchify and clamp. Each latent frame is a decode chunk (`decode_chunk_boundary` before it)."""
+        unpatchify and clamp. Each latent frame is a decode chunk (`decode_chunk_boundary` before it);
+        with `publish` (the whole clip, untiled) its final pixels are handed out (`decode_chunk_output`)."""
         cache = CausalCache()
         x = self.post_quant_conv(z)
         frames = []
+        publish = publish and decode_output_wanted()
         for i in range(x.shape[2]):
             decode_chunk_boundary()
             frames.append(self.decoder(x[:, :, i : i + 1], cache))
+            if publish:
+                chunk = frames[-1] if self.patch_size is None else unpatchify(frames[-1], self.patch_size)
+                decode_chunk_output(chunk.clamp(-1.0, 1.0))
         return torch.cat(frames, dim=2)
 
     def _tiled_decode(self, z: torch.Tensor) -> torch.Tensor:

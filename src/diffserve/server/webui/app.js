@@ -1,5 +1,6 @@
 // diffserve playground: a client of the server's public routes only (/server_info, /v1/loras,
-// /v1/images/generations and /edits with "stream": true, /v1/videos). No framework, no build, no CDN.
+// /v1/images/generations and /edits with "stream": true, /v1/videos and their chunk streams). No framework,
+// no build, no CDN.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -739,6 +740,7 @@ async function runVideo() {
   const params = formParams();
   if (!params.prompt) throw new Error("write a prompt first");
   delete params.n;
+  params.stream = true; // its chunks play as they are decoded (playLive)
   const file = $("video-reference").files[0];
   let options;
   if (file) {
@@ -752,12 +754,66 @@ async function runVideo() {
     options = { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(params) };
   }
   setRunning(new AbortController());
+  let job;
   try {
-    await api("/v1/videos", options); // the job shows in the list below, with its progress
+    job = await (await api("/v1/videos", options)).json(); // the job shows in the list below, with its progress
   } finally {
     setRunning(null);
   }
+  playLive(job).catch((err) => showError(`live playback: ${err.message || err}`));
   await refreshJobs();
+}
+
+// A streamed job plays while it is decoded: the init segment and each chunk's media segment of
+// GET /v1/videos/{id}/stream (fragmented MP4) appended in order to a MediaSource. Where the browser's
+// MediaSource cannot play the type, the job plays from its file once completed, as every job does.
+async function playLive(job) {
+  const box = $("live-video");
+  const response = await api(`/v1/videos/${encodeURIComponent(job.id)}/stream`);
+  const video = document.createElement("video");
+  Object.assign(video, { id: "live-player", muted: true, playsInline: true, controls: true, autoplay: true });
+  const label = Object.assign(document.createElement("div"), { className: "meta", textContent: `live: ${job.prompt}` });
+  let source = null;
+  let buffer = null;
+  const queue = [];
+  let ended = false;
+  const pump = () => {
+    if (!buffer || buffer.updating || source.readyState !== "open") return;
+    if (queue.length) buffer.appendBuffer(queue.shift());
+    else if (ended) source.endOfStream();
+  };
+  for await (const { event, data } of sseEvents(response)) {
+    if (event === "video.init") {
+      if (!window.MediaSource || !MediaSource.isTypeSupported(data.mime_type)) {
+        video.dataset.unsupported = data.mime_type; // the player below plays the file once completed
+        continue;
+      }
+      source = new MediaSource();
+      video.src = URL.createObjectURL(source);
+      box.replaceChildren(label, video);
+      box.hidden = false;
+      await new Promise((resolve) => source.addEventListener("sourceopen", resolve, { once: true }));
+      buffer = source.addSourceBuffer(data.mime_type);
+      buffer.addEventListener("updateend", pump);
+      queue.push(base64Bytes(data.data));
+    } else if (event === "video.chunk" && source) {
+      queue.push(base64Bytes(data.data));
+      video.dataset.chunks = String(data.index + 1);
+      label.textContent = `live: chunk ${data.index + 1}, up to ${data.end_time.toFixed(2)} s · ${job.prompt}`;
+    } else if (event === "video.done") {
+      ended = true;
+      label.textContent = `${data.video.status}: ${job.prompt}`;
+      refreshJobs();
+    }
+    pump();
+  }
+}
+
+function base64Bytes(text) {
+  const raw = atob(text);
+  const bytes = new Uint8Array(raw.length);
+  for (let i = 0; i < raw.length; i++) bytes[i] = raw.charCodeAt(i);
+  return bytes;
 }
 
 async function videoUrl(id) {

@@ -1,0 +1,1 @@
+"""SANA-Video (Diffusers' `SanaVideoPipeline`): see `record.py`."""

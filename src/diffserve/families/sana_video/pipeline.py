@@ -1,0 +1,167 @@
+"""SANA-Video (Diffusers `SanaVideoPipeline`): Gemma-2 text, SANA's linear-attention DiT carried to video
+(`models/dits/sana_video.py`) on Wan 2.1 VAE latents, flow DPM-Solver++, classic CFG.
+
+Every request's prompt and negative-prompt branches go through one DiT forward (Diffusers concatenates
+them too). Each text keeps only its real tokens (`stages.py`); the denoiser embeds each branch once per
+request, right-pads the embedded texts to the longest in the batch and masks the padding, which the
+cross-attention weighs exactly 0, as Diffusers weighs its own padding. Latents and the scheduler stay
+float32 whatever the DiT's dtype, as in Diffusers. `use_resolution_binning` (on by default, as in
+Diffusers) is a request setting in `SamplingParams.extra`. The VAE is Wan 2.1's (the 480p folders) or
+LTX-2's (the 720p folders: 32x spatial and 8x temporal compression, so frames 8k+1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffserve.families.sana_video.config import (
+    SanaVideoPipelineConfig,
+    sana_video_default_sampling_params,
+)
+from diffserve.families.sana_video.stages import (
+    ResolutionBins,
+    SanaVideoDecodingStage,
+    SanaVideoInputValidationStage,
+    SanaVideoLatentPreparationStage,
+    SanaVideoTextEncodingStage,
+)
+from diffserve.layers.lora_rows import request_lora_scope
+from diffserve.loader.folder_defaults import apply_overrides
+from diffserve.models.dits.sana_video import SanaVideoTransformer3DModel
+from diffserve.models.schedulers.dpm_solver_flow import DPMSolverFlowScheduler
+from diffserve.models.vaes.autoencoder_kl_ltx2 import AutoencoderKLLTX2Video
+from diffserve.pipelines.base import Pipeline, PipelineContext
+from diffserve.pipelines.cfg_batch import (
+    advance_requests,
+    branch_texts,
+    gather_branches,
+    pad_text,
+    split_guided,
+    step_cache_for,
+)
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+from diffserve.stages.denoising import DenoisingStage
+from diffserve.stages.input_validation import ImageInputRule, VideoRule
+from diffserve.stages.timestep_preparation import DefaultTimestepPreparationStage
+
+PIPELINE_NAME = "SanaVideoPipeline"
+
+
+class SanaVideoDenoiser:
+    """One step over a list of SANA-Video requests (same latent grid), each at its own timestep."""
+
+    def __init__(
+        self, transformer: SanaVideoTransformer3DModel, scheduler: DPMSolverFlowScheduler, dtype: torch.dtype
+    ) -> None:
+        self.transformer = transformer
+        self.scheduler = scheduler
+        self.dtype = dtype
+        config = transformer.config
+        # A DiT predicting a learned variance too: Diffusers keeps the first half of its channels.
+        self.learned_sigma = int(config.out_channels) // 2 == int(config.in_channels)
+
+    def context_for(self, req: Req) -> list[torch.Tensor]:
+        """The request's text branches through the DiT's caption embedder, once per request."""
+        if req.dit_context is None:
+            with request_lora_scope(req.loras):
+                req.dit_context = [self.transformer.embed_context(text) for text in branch_texts(req)]
+        return req.dit_context
+
+    @torch.inference_mode()
+    def __call__(self, reqs: list[Req]) -> None:
+        batch = gather_branches(reqs)
+        context, mask = pad_text([branch for req in reqs for branch in self.context_for(req)])
+        prediction = self.transformer(
+            hidden_states=torch.cat(batch.latents).to(self.dtype),
+            encoder_hidden_states=None,
+            encoder_attention_mask=mask,
+            timestep=torch.cat(batch.timesteps),
+            context=context,
+            step_cache=step_cache_for(reqs),  # rows in `gather_branches` order, as it expects
+        ).float()
+        if self.learned_sigma:
+            prediction = prediction.chunk(2, dim=1)[0]
+        advance_requests(self.scheduler, reqs, split_guided(prediction, reqs))
+
+
+class SanaVideoPipeline(Pipeline):
+    required_components = ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
+    config = SanaVideoPipelineConfig()
+    #: No calibrated quality tiers yet: only "high", the exact path (cache methods may still be asked for).
+    step_cache_policies = {}
+
+    def build_stages(self, context: PipelineContext) -> list[Stage]:
+        transformer = context.get("transformer")
+        vae = context.get("vae")
+        scheduler = context.get("scheduler")
+        dit = transformer.config
+        if dit.guidance_embeds:
+            raise ValueError(
+                "this SANA-Video transformer embeds a guidance scale (guidance_embeds=True); "
+                f"{PIPELINE_NAME} passes none (Diffusers' cannot run it either)"
+            )
+        if scheduler.config.get("use_dynamic_shifting"):
+            raise ValueError(
+                f"{PIPELINE_NAME} sets its schedule without a resolution shift (Diffusers passes no mu): a "
+                "scheduler with use_dynamic_shifting=True is not supported"
+            )
+        if isinstance(vae, AutoencoderKLLTX2Video) and vae.config["timestep_conditioning"]:
+            raise ValueError(
+                f"this LTX-2 VAE's decoder takes a decode timestep (timestep_conditioning=True); {PIPELINE_NAME} "
+                "passes none (Diffusers' cannot decode with it either)"
+            )
+        # Wan 2.1's VAE (8x, 4x) or LTX-2's (32x, 8x): the latent grid and the frame rule follow it.
+        spatial = int(vae.spatial_compression_ratio)
+        temporal = int(vae.temporal_compression_ratio)
+        self.pixel_multiple = max(self.config.pixel_multiple, spatial * dit.patch_size[1])
+        text_stage = SanaVideoTextEncodingStage(
+            context.get("tokenizer"),
+            context.get("text_encoder"),
+            self.config.complex_human_instruction,
+            output_dtype=context.dtype,
+        )
+        positions = int(context.get("text_encoder").config.max_position_embeddings)
+        bins = ResolutionBins(int(dit.sample_size))
+        self.input_validation = SanaVideoInputValidationStage(
+            defaults=apply_overrides(sana_video_default_sampling_params(), context.folder_sampling_defaults),
+            pixel_multiple=self.pixel_multiple,
+            default_pixels=self.config.default_height,
+            max_sequence_length_limit=positions - text_stage.longest_sequence(0),
+            cfg_mode="classic",
+            image_inputs=ImageInputRule(pipeline_name=PIPELINE_NAME, task="text-to-video"),
+            default_size=lambda _params: (self.config.default_height, self.config.default_width),
+            unsupported_params={
+                "true_cfg_scale": "SANA-Video runs classic CFG, set by guidance_scale (> 1 turns it on)",
+            },
+            video=VideoRule(temporal_factor=temporal),
+            bins=bins,
+            generation_multiple=self.config.pixel_multiple,
+            min_side=2 * spatial if self.reflect_padded(vae) else 0,
+        )
+        return [
+            self.input_validation,
+            text_stage,
+            SanaVideoLatentPreparationStage(
+                channels=int(dit.in_channels),
+                spatial=spatial,
+                temporal=temporal,
+                bins=bins,
+                device=context.platform.device(),
+            ),
+            DefaultTimestepPreparationStage(scheduler, patch_size=dit.patch_size[1]),
+            DenoisingStage(SanaVideoDenoiser(transformer, scheduler, context.dtype)),
+            SanaVideoDecodingStage(vae),
+        ]
+
+    @staticmethod
+    def reflect_padded(vae: torch.nn.Module) -> bool:
+        """Whether the VAE's decoder pads by reflection (LTX-2's), which one latent row cannot do."""
+        return (
+            isinstance(vae, AutoencoderKLLTX2Video)
+            and vae.config["decoder_spatial_padding_mode"] == "reflect"
+        )
+
+    def batch_key(self, req: Req) -> tuple:
+        """Text lengths may differ (the denoiser pads and masks); the latent grid must line up."""
+        return (tuple(req.latents.shape[1:]), req.latent_size)

@@ -1,0 +1,385 @@
+"""SANA-Video transformer (NVIDIA), native, loading Diffusers `SanaVideoTransformer3DModel` weights unchanged.
+
+SANA's linear-attention DiT carried to video latents (Wan 2.1's VAE in the released 480p model):
+
+    x    = Conv3d patchify(latents), (frame, row, column) row-major tokens          (batch, F*H*W, inner)
+    rope = Wan's three-axis RoPE tables for the F x H x W token grid
+    ctx  = RMSNorm(GELU-MLP(Gemma-2 states))                                          (batch, L, inner)
+    emb  = MLP(sinusoids(t));  mods = Linear(SiLU(emb))                              adaLN-single
+    num_layers x block:
+        x += gate_msa * ReLU-linear-attention(adaLN(x), rope)   numerator on RoPE-rotated q, k;
+                                                                normaliser on the unrotated ones
+        x += softmax cross-attention(x, ctx, text mask)         no norm, no gate (as SANA)
+        x += gate_mlp * GLUMBTempConv(adaLN(x))                 SANA's Mix-FFN per frame, then a
+                                                                residual 3-tap temporal conv
+    out  = proj_out(adaLN(x, emb)) unpatchified to (batch, out_channels, frames, height, width)
+
+The linear attention per head: out_i = sum_j (q~_i . k~_j) v_j / sum_j (q_i . k_j), with q, k = ReLU(.)
+and q~, k~ their RoPE rotations. The products run in float32, the normaliser in the activation dtype
+(as in Diffusers).
+
+What SANA-Video shares with SANA's image DiT comes from `models/dits/sana.py` (adaLN-single, the
+guidance embedding, the masked cross-attention, the mask bias) and `layers/` (GLUMBConv, the RoPE
+rotation and tables, Wan's split of a head over the three axes).
+
+Timestep convention: `forward(timestep=...)` embeds the values as given (Diffusers' pipeline passes the
+scheduler's t in [0, 1000]).
+
+Differences from Diffusers that do not change the numbers: the RoPE tables are half width, built for the
+token grid only (not `rope_max_seq_len` positions) and rotated in float32 (Diffusers rotates in float64
+and rounds to float32); text can be embedded once per request (`embed_context`); the timestep embedding
+is computed once per forward for the blocks and the head.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
+from diffserve.distributed.sequence_split import sequence_split
+from diffserve.layers.attention_weights import AttentionWeights
+from diffserve.layers.embeddings import GeluTanhTextProjection
+from diffserve.layers.glumbconv import GLUMBConv
+from diffserve.layers.norms import LayerNorm, RMSNorm
+from diffserve.layers.residual import gated_residual
+from diffserve.layers.rotary import RopeTables, RotaryEmbedding, multi_axis_rope_tables
+from diffserve.layers.shape_cache import BoundedCache
+from diffserve.models.cache_methods.blocks import SequentialBlocks, refuse_sequence_parallel
+from diffserve.models.dits.base import DiffusersDiT, DiTConfig
+from diffserve.models.dits.input_checks import check_one_text_input, check_per_sample
+from diffserve.models.dits.sana import (
+    LINEAR_ATTENTION_EPS,
+    RMS_EPS,
+    AdaLayerNormSingle,
+    SanaCrossAttention,
+    SanaTransformer2DModel,
+    TimestepGuidanceEmbedding,
+)
+from diffserve.models.dits.wan import wan_rope_axes_dims
+from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
+
+#: Wan's RoPE base, which SANA-Video's position embedding keeps.
+ROPE_THETA = 10000.0
+#: QK-norms Diffusers' Attention builds for this DiT (None or RMSNorm over all heads).
+SUPPORTED_QK_NORMS = (None, "rms_norm_across_heads")
+#: Tables kept per (grid, device).
+ROPE_CACHE_SIZE = 8
+
+
+@dataclass(frozen=True)
+class SanaVideoTransformerConfig(DiTConfig):
+    """The SANA-Video DiT's Diffusers config (`transformer/config.json`), one field per key, Diffusers'
+    defaults (the 2B 480p model). `sample_size` (30: 480p, 22: 720p) picks the pipeline's aspect-ratio
+    bins; `dropout` and `interpolation_scale` are accepted and unused, as in Diffusers."""
+
+    in_channels: int = 16
+    out_channels: int | None = 16
+    num_attention_heads: int = 20
+    attention_head_dim: int = 112
+    num_layers: int = 20
+    num_cross_attention_heads: int | None = 20
+    cross_attention_head_dim: int | None = 112
+    cross_attention_dim: int | None = 2240
+    caption_channels: int = 2304
+    mlp_ratio: float = 2.5
+    dropout: float = 0.0
+    attention_bias: bool = False
+    sample_size: int = 30
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    norm_elementwise_affine: bool = False
+    norm_eps: float = 1e-6
+    interpolation_scale: int | None = None
+    guidance_embeds: bool = False
+    guidance_embeds_scale: float = 0.1
+    qk_norm: str | None = "rms_norm_across_heads"
+    rope_max_seq_len: int = 1024
+
+    def __post_init__(self) -> None:
+        patch = tuple(int(p) for p in self.patch_size)
+        if len(patch) != 3:
+            raise ValueError(
+                f"SanaVideoTransformer3DModel: patch_size must be (t, h, w), got {self.patch_size}"
+            )
+        self._normalise(patch_size=patch, out_channels=self.out_channels or self.in_channels)
+        if self.qk_norm not in SUPPORTED_QK_NORMS:
+            raise ValueError(
+                f"SanaVideoTransformer3DModel: qk_norm={self.qk_norm!r} is not supported; one of "
+                f"{SUPPORTED_QK_NORMS}"
+            )
+        if self.cross_attention_dim is None or not self.num_cross_attention_heads:
+            raise ValueError(
+                "SanaVideoTransformer3DModel: cross_attention_dim / num_cross_attention_heads None (no text "
+                "cross-attention) is not supported (Diffusers' block cannot run without it either)"
+            )
+        if self.cross_attention_dim != self.inner_dim:
+            raise ValueError(
+                f"SanaVideoTransformer3DModel: cross_attention_dim ({self.cross_attention_dim}) must equal "
+                f"num_attention_heads * attention_head_dim ({self.inner_dim}): the caption projection "
+                "outputs the inner width"
+            )
+        if any(d % 2 for d in wan_rope_axes_dims(self.attention_head_dim)):
+            raise ValueError(
+                f"SanaVideoTransformer3DModel: attention_head_dim {self.attention_head_dim} splits into odd "
+                f"RoPE axes {wan_rope_axes_dims(self.attention_head_dim)}"
+            )
+
+
+def _across_heads_norm(width: int) -> RMSNorm:
+    return RMSNorm(width, eps=RMS_EPS)
+
+
+class SanaVideoLinearAttention(AttentionWeights):
+    """ReLU linear self-attention with RoPE on its numerator (see the module docstring)."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int, bias: bool, qk_norm: bool) -> None:
+        norm = partial(_across_heads_norm, num_heads * head_dim) if qk_norm else None
+        super().__init__(dim, num_heads, head_dim, norm, bias=bias)
+        self.num_heads = num_heads
+        self.rope = RotaryEmbedding()
+
+    def forward(self, x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+        """(batch, tokens, dim) -> (batch, tokens, dim); `rope`: (tokens, head_dim / 2) tables."""
+        q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
+        if self.norm_q is not None:
+            q, k = self.norm_q(q), self.norm_k(k)
+        # (batch, tokens, heads, head_dim)
+        q, k, v = (t.unflatten(2, (self.num_heads, -1)) for t in (q, k, v))
+        q, k = F.relu(q), F.relu(k)
+        q_rot, k_rot = self.rope(q, k, *rope)
+        # (batch, heads, head_dim, tokens)
+        q, k = q.permute(0, 2, 3, 1), k.permute(0, 2, 3, 1)
+        q_rot, k_rot, v = (t.permute(0, 2, 3, 1).float() for t in (q_rot, k_rot, v))
+        normaliser = 1 / (k.sum(dim=-1, keepdim=True).transpose(-2, -1) @ q + LINEAR_ATTENTION_EPS)
+        out = ((v @ k_rot.transpose(-1, -2)) @ q_rot) * normaliser
+        out = out.flatten(1, 2).transpose(1, 2).to(x.dtype)
+        return self.to_out[0](out)
+
+
+class GLUMBTempConv(GLUMBConv):
+    """SANA's Mix-FFN on every frame, then `h + conv_temp(h)`: a 3-tap convolution along the frames of
+    each channel and pixel (Diffusers' `GLUMBTempConv`, no norm, no outer residual)."""
+
+    def __init__(self, dim: int, expand_ratio: float) -> None:
+        super().__init__(dim, dim, expand_ratio)
+        self.conv_temp = nn.Conv2d(dim, dim, kernel_size=(3, 1), padding=(1, 0), bias=False)
+
+    def forward_video(self, x: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
+        """(batch, frames * height * width, dim) tokens -> the same shape."""
+        batch, _, dim = x.shape
+        maps = x.reshape(batch * frames, height, width, dim).permute(0, 3, 1, 2)
+        h = super().forward(maps)  # (batch * frames, dim, height, width)
+        temporal = h.view(batch, frames, dim, height * width).permute(0, 2, 1, 3)  # (B, C, F, HW)
+        temporal = temporal + self.conv_temp(temporal)
+        return temporal.permute(0, 2, 3, 1).reshape(batch, frames * height * width, dim)
+
+
+class SanaVideoTransformerBlock(nn.Module):
+    """Linear self-attention with RoPE, cross-attention to the text, GLUMBTempConv; adaLN-single modulated."""
+
+    def __init__(self, config: SanaVideoTransformerConfig) -> None:
+        super().__init__()
+        dim = config.inner_dim
+        qk_norm = config.qk_norm is not None
+        self.dim = dim
+        self.norm1 = LayerNorm(dim, eps=config.norm_eps, elementwise_affine=False)
+        self.attn1 = SanaVideoLinearAttention(
+            dim, config.num_attention_heads, config.attention_head_dim, config.attention_bias, qk_norm
+        )
+        self.norm2 = LayerNorm(dim, eps=config.norm_eps, elementwise_affine=config.norm_elementwise_affine)
+        self.attn2 = SanaCrossAttention(
+            dim,
+            int(config.cross_attention_dim),
+            int(config.num_cross_attention_heads),
+            int(config.cross_attention_head_dim),
+            out_bias=True,
+            qk_norm=qk_norm,
+        )
+        self.ff = GLUMBTempConv(dim, config.mlp_ratio)
+        self.scale_shift_table = nn.Parameter(torch.randn(6, dim) / dim**0.5)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        mask_bias: torch.Tensor | None,
+        modulation: torch.Tensor,
+        rope: RopeTables,
+        grid: tuple[int, int, int],
+    ) -> torch.Tensor:
+        """x (batch, F*H*W, dim); modulation (batch, 6 * dim); grid the (F, H, W) token grid."""
+        mods = self.scale_shift_table[None] + modulation.unflatten(1, (6, self.dim))
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods.unsqueeze(2).unbind(1)
+
+        h = (self.norm1(x) * (1 + scale_msa) + shift_msa).to(x.dtype)
+        x = gated_residual(x, gate_msa, self.attn1(h, rope))
+        x = x + self.attn2(x, ctx, mask_bias)
+
+        h = self.norm2(x) * (1 + scale_mlp) + shift_mlp
+        return gated_residual(x, gate_mlp, self.ff.forward_video(h, *grid))
+
+
+def _optional_rows(t: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else take_rows(t, rows)
+
+
+class SanaVideoTransformer3DModel(DiffusersDiT):
+    """SANA-Video DiT with Diffusers' config keys and state-dict names.
+
+    forward(hidden_states (B, in_channels, F, H, W) latents,
+            encoder_hidden_states (B, L, caption_channels) Gemma-2 states, or None with context=,
+            encoder_attention_mask (B, L) 1 = token / 0 = padding, or None,
+            timestep (B,) or (1,) embedded as given,
+            guidance (B,) or (1,) for guidance_embeds checkpoints (already x guidance_embeds_scale),
+            context=embed_context(encoder_hidden_states))
+        -> (B, out_channels, F, H, W) flow velocity.
+    """
+
+    diffusers_class_name: ClassVar[str] = "SanaVideoTransformer3DModel"
+    config_class = SanaVideoTransformerConfig
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
+    cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
+    #: The linear attention sums over every token: the sequence is not split over ranks.
+    sequence_parallel: ClassVar[bool] = False
+
+    def __init__(self, config: SanaVideoTransformerConfig) -> None:
+        super().__init__(config)
+        inner = config.inner_dim
+        patch = config.patch_size
+        self.patch_embedding = nn.Conv3d(config.in_channels, inner, kernel_size=patch, stride=patch)
+        self.time_embed: AdaLayerNormSingle | TimestepGuidanceEmbedding = (
+            TimestepGuidanceEmbedding(inner) if config.guidance_embeds else AdaLayerNormSingle(inner)
+        )
+        self.caption_projection = GeluTanhTextProjection(config.caption_channels, inner)
+        self.caption_norm = RMSNorm(inner, eps=RMS_EPS)
+        self.transformer_blocks = nn.ModuleList(
+            [SanaVideoTransformerBlock(config) for _ in range(config.num_layers)]
+        )
+        self.scale_shift_table = nn.Parameter(torch.randn(2, inner) / inner**0.5)
+        self.norm_out = LayerNorm(inner, eps=1e-6, elementwise_affine=False)
+        self.proj_out = nn.Linear(inner, math.prod(patch) * int(config.out_channels))
+        self.rope_axes_dims = wan_rope_axes_dims(config.attention_head_dim)
+        self._rope_cache: BoundedCache[RopeTables] = BoundedCache(ROPE_CACHE_SIZE)
+
+    def rope_tables(self, frames: int, height: int, width: int, device: torch.device) -> RopeTables:
+        """Half-width (cos, sin) float32 tables (frames*height*width, head_dim // 2) for a post-patch grid,
+        cached per grid and device."""
+
+        def build() -> RopeTables:
+            if max(frames, height, width) > self.config.rope_max_seq_len:
+                raise ValueError(
+                    f"latent grid {(frames, height, width)} (after patching) exceeds rope_max_seq_len "
+                    f"({self.config.rope_max_seq_len}) along one axis"
+                )
+            axes = [torch.arange(n, device=device) for n in (frames, height, width)]
+            ids = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
+            return multi_axis_rope_tables(ids, self.rope_axes_dims, ROPE_THETA)
+
+        return self._rope_cache.get_or_build((frames, height, width), device, build)
+
+    def embed_context(self, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+        """Gemma-2 states (batch, L, caption_channels) -> the cross-attention context (batch, L, inner)."""
+        return self.caption_norm(self.caption_projection(encoder_hidden_states))
+
+    mask_bias = staticmethod(SanaTransformer2DModel.mask_bias)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None,
+        encoder_attention_mask: torch.Tensor | None,
+        timestep: torch.Tensor,
+        guidance: torch.Tensor | None = None,
+        context: torch.Tensor | None = None,
+        step_cache: BatchStepCache | None = None,
+    ) -> torch.Tensor:
+        """Predict the flow velocity of video latents (see the class docstring for the arguments);
+        `step_cache`: rows of requests with a cache method (`models/step_cache.py`), None runs every block."""
+        if hidden_states.ndim != 5:
+            raise ValueError(
+                f"hidden_states must be (batch, C, frames, H, W) latents, got {tuple(hidden_states.shape)}"
+            )
+        batch, _, frames, height, width = hidden_states.shape
+        p_t, p_h, p_w = self.config.patch_size
+        if frames % p_t or height % p_h or width % p_w:
+            raise ValueError(
+                f"latent grid {frames}x{height}x{width} is not a multiple of patch_size {self.config.patch_size}"
+            )
+        check_per_sample(batch, timestep=timestep, guidance=guidance)
+        check_one_text_input(encoder_hidden_states, context, "Gemma-2 states")
+
+        grid = (frames // p_t, height // p_h, width // p_w)
+        rope = self.rope_tables(*grid, hidden_states.device)
+        x = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2)
+        guidance = None if guidance is None else guidance.expand(batch)
+        modulation, emb = self.time_embed(timestep.expand(batch), guidance, x.dtype)
+        ctx = self.embed_context(encoder_hidden_states) if context is None else context
+        mask_bias = self.mask_bias(encoder_attention_mask, hidden_states.dtype)
+
+        x = run_with_step_cache(
+            step_cache,
+            x,
+            lambda: self._cache_signal(x, modulation),
+            lambda rows: self._run_blocks(
+                take_rows(x, rows), take_rows(ctx, rows), _optional_rows(mask_bias, rows),
+                take_rows(modulation, rows), rope, grid,
+            ),
+            blocks=lambda: self._block_range(x, ctx, mask_bias, modulation, rope, grid),
+        )  # fmt: skip
+
+        shift, scale = (self.scale_shift_table[None] + emb[:, None]).unbind(1)
+        x = self.norm_out(x) * (1 + scale[:, None]) + shift[:, None]
+        x = self.proj_out(x)
+        f, h, w = grid
+        x = x.reshape(batch, f, h, w, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return x.reshape(batch, -1, f * p_t, h * p_h, w * p_w)
+
+    def _run_blocks(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        mask_bias: torch.Tensor | None,
+        modulation: torch.Tensor,
+        rope: RopeTables,
+        grid: tuple[int, int, int],
+    ) -> torch.Tensor:
+        if sequence_split([x.shape[1]]) is not None:
+            raise RuntimeError(
+                "SANA-Video's linear attention sums over every token: its sequence cannot be split over ranks"
+            )
+        for block in self.transformer_blocks:
+            x = block(x, ctx, mask_bias, modulation, rope, grid)
+        return x
+
+    def _block_range(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        mask_bias: torch.Tensor | None,
+        modulation: torch.Tensor,
+        rope: RopeTables,
+        grid: tuple[int, int, int],
+    ) -> SequentialBlocks:
+        """The blocks as a `BlockRange` for DBCache: one video stream (the text is context no block changes)."""
+        refuse_sequence_parallel(sequence_split([x.shape[1]]), "SANA-Video")
+
+        def row_inputs(rows: torch.Tensor | None) -> tuple:
+            return take_rows(ctx, rows), _optional_rows(mask_bias, rows), take_rows(modulation, rows)
+
+        def call(i: int, x: torch.Tensor, text: torch.Tensor | None, inputs: tuple) -> tuple:
+            return self.transformer_blocks[i](x, *inputs, rope, grid), None
+
+        return SequentialBlocks(len(self.transformer_blocks), x, None, row_inputs, call)
+
+    def _cache_signal(self, x: torch.Tensor, modulation: torch.Tensor) -> torch.Tensor:
+        """The first block's timestep-modulated input: what TeaCache-like methods watch change."""
+        block = self.transformer_blocks[0]
+        mods = block.scale_shift_table[None] + modulation.unflatten(1, (6, block.dim))
+        shift, scale = mods[:, 0:1], mods[:, 1:2]
+        return (block.norm1(x) * (1 + scale) + shift).to(x.dtype)
