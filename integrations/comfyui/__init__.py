@@ -5,13 +5,14 @@ server's OpenAI-compatible routes with the standard library; they never import d
 environment needs nothing beyond what it has (torch, numpy, Pillow, PyAV).
 """
 
-from .nodes import DiffserveEdit, DiffserveGenerate, DiffserveLoras, DiffserveVideo
+from .nodes import DiffserveControlNet, DiffserveEdit, DiffserveGenerate, DiffserveLoras, DiffserveVideo
 
 NODE_CLASS_MAPPINGS = {
     "DiffserveGenerate": DiffserveGenerate,
     "DiffserveEdit": DiffserveEdit,
     "DiffserveVideo": DiffserveVideo,
     "DiffserveLoras": DiffserveLoras,
+    "DiffserveControlNet": DiffserveControlNet,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
@@ -19,6 +20,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "DiffserveEdit": "diffserve Edit (image + mask)",
     "DiffserveVideo": "diffserve Video",
     "DiffserveLoras": "diffserve LoRAs",
+    "DiffserveControlNet": "diffserve ControlNet",
 }
 
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]

@@ -22,6 +22,10 @@ CATEGORY = "diffserve"
 DEFAULT_SERVER_URL = "http://127.0.0.1:30000"
 #: The type of the LoRA selection passed from DiffserveLoras to the other nodes.
 LORAS_TYPE = "DIFFSERVE_LORAS"
+#: The type of the ControlNet list passed from DiffserveControlNet to the image nodes (the `controlnets`
+#: request field: {name, image (a PNG data URL), scale, start, end, mode?} entries).
+CONTROLNETS_TYPE = "DIFFSERVE_CONTROLNETS"
+MAX_CONTROLNET_SCALE = 10.0  # the server's bound
 QUALITIES = ["auto", "high", "medium", "low", "draft"]
 MAX_SEED = 2**63 - 1  # the server's bound
 MAX_SIDE = 4096
@@ -79,6 +83,10 @@ def _batch_input() -> dict:
 
 def _loras_input() -> dict:
     return {"loras": (LORAS_TYPE, {"tooltip": "from a diffserve LoRAs node"})}
+
+
+def _controlnets_input() -> dict:
+    return {"controlnets": (CONTROLNETS_TYPE, {"tooltip": "from a diffserve ControlNet node (FLUX.1)"})}
 
 
 def request_fields(
@@ -140,17 +148,19 @@ class DiffserveGenerate:
                 **_batch_input(),
                 **_quality_input(),
             },
-            "optional": {**_connection_inputs(600), **_loras_input()},
+            "optional": {**_connection_inputs(600), **_loras_input(), **_controlnets_input()},
         }
 
     def generate(
         self, server_url: str, prompt: str, negative_prompt: str, width: int, height: int, steps: int,
         guidance: float, seed: int, n: int, quality: str, api_key: str = "", model: str = "",
-        timeout_s: int = 600, loras: LoraList | None = None,
+        timeout_s: int = 600, loras: LoraList | None = None, controlnets: list[dict] | None = None,
     ) -> tuple[torch.Tensor]:  # fmt: skip
         client = DiffserveClient(server_url, api_key, timeout_s)
         body = request_fields(prompt, negative_prompt, steps, guidance, seed, quality, model, loras)
         body |= image_size_fields(width, height) | {"n": n, **IMAGE_OUTPUT}
+        if controlnets:
+            body["controlnets"] = controlnets
         answer = client.post_json("/v1/images/generations", body)
         return (stack(decode_b64_images(answer["data"])),)
 
@@ -186,6 +196,7 @@ class DiffserveEdit:
                 ),
                 **_connection_inputs(600),
                 **_loras_input(),
+                **_controlnets_input(),
             },
         }
 
@@ -193,11 +204,13 @@ class DiffserveEdit:
         self, server_url: str, image: torch.Tensor, prompt: str, negative_prompt: str, width: int, height: int,
         steps: int, guidance: float, seed: int, n: int, quality: str, mask: torch.Tensor | None = None,
         strength: float = -1.0, api_key: str = "", model: str = "", timeout_s: int = 600,
-        loras: LoraList | None = None,
+        loras: LoraList | None = None, controlnets: list[dict] | None = None,
     ) -> tuple[torch.Tensor]:  # fmt: skip
         client = DiffserveClient(server_url, api_key, timeout_s)
         body = request_fields(prompt, negative_prompt, steps, guidance, seed, quality, model, loras)
         body |= image_size_fields(width, height) | {"n": n, **IMAGE_OUTPUT}
+        if controlnets:
+            body["controlnets"] = controlnets
         if strength >= 0:
             body["strength"] = strength
         fields = form_fields(body)
@@ -313,3 +326,85 @@ class DiffserveLoras:
         listed = served_loras(client)
         check_served(client, chosen, listed)
         return (chosen, "\n".join(listed))
+
+
+class DiffserveControlNet:
+    """A ControlNet to apply (FLUX.1): one the server loaded (`--controlnet NAME=PATH`, listed in
+    `/server_info`), its control image (the batch's first) and Diffusers' settings, added to an optional
+    upstream list (chained nodes: several ControlNets in one request). Also lists what the server serves."""
+
+    CATEGORY = CATEGORY
+    FUNCTION = "select"
+    RETURN_TYPES = (CONTROLNETS_TYPE, "STRING")
+    RETURN_NAMES = ("controlnets", "available")
+    DESCRIPTION = "Apply a ControlNet served by a diffserve server (--controlnet) with a control image."
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict:
+        fraction = {"min": 0.0, "max": 1.0, "step": 0.01}
+        return {
+            "required": {
+                **_server_input(),
+                "image": ("IMAGE", {"tooltip": "the control image (edges, depth, pose...); a batch's first"}),
+                "controlnet": (
+                    "STRING",
+                    {"default": "", "tooltip": "a loaded ControlNet; empty: the only one"},
+                ),
+                "scale": (
+                    "FLOAT",
+                    {
+                        "default": 1.0,
+                        "min": 0.0,
+                        "max": MAX_CONTROLNET_SCALE,
+                        "step": 0.05,
+                        "tooltip": "controlnet_conditioning_scale",
+                    },
+                ),  # fmt: skip
+                "start": ("FLOAT", {"default": 0.0, **fraction, "tooltip": "control_guidance_start"}),
+                "end": ("FLOAT", {"default": 1.0, **fraction, "tooltip": "control_guidance_end"}),
+            },
+            "optional": {
+                "mode": (
+                    "INT",
+                    {"default": -1, "min": -1, "max": 255, "tooltip": "a Union ControlNet's mode; -1: none"},
+                ),
+                "api_key": (
+                    "STRING",
+                    {"default": "", "tooltip": "empty: $DIFFSERVE_API_KEY if set, else none"},
+                ),
+                "controlnets": (CONTROLNETS_TYPE, {"tooltip": "a list to extend (chained ControlNet nodes)"}),
+            },
+        }
+
+    def select(
+        self, server_url: str, image: torch.Tensor, controlnet: str, scale: float, start: float, end: float,
+        mode: int = -1, api_key: str = "", controlnets: list[dict] | None = None,
+    ) -> tuple[list[dict], str]:  # fmt: skip
+        if not start < end:
+            raise ValueError(f"start ({start:g}) must be below end ({end:g})")
+        client = DiffserveClient(server_url, api_key, 60)
+        served = client.get_json("/server_info").get("engine", {}).get("controlnets") or []
+        names = [entry["name"] for entry in served]
+        chosen = controlnet.strip()
+        if not chosen:
+            if len(names) != 1:
+                listed = ", ".join(names) or "none"
+                raise ValueError(f"name the ControlNet to apply (the server serves: {listed})")
+            chosen = names[0]
+        elif chosen not in names:
+            listed = ", ".join(names) or "none"
+            raise ValueError(
+                f"the diffserve server has no ControlNet named {chosen!r} (it serves: {listed}); start it with "
+                "--controlnet NAME=PATH"
+            )
+        images = image[None] if image.ndim == 3 else image
+        entry = {
+            "name": chosen,
+            "image": image_data_url(images[0]),
+            "scale": scale,
+            "start": start,
+            "end": end,
+        }
+        if mode >= 0:
+            entry["mode"] = mode
+        return ([*(controlnets or []), entry], "\n".join(names))

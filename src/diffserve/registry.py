@@ -69,6 +69,22 @@ _BY_NAME: dict[str, ModelFamily] = {
     spelling: family for family in FAMILIES for spelling in (family.name, *family.aliases)
 }
 
+
+def _extra_tiny_builders() -> dict[str, TinyCheckpointBuilder]:
+    """The records' extra make-tiny targets by name (`ModelFamily.extra_tiny_builders`), each name unique
+    among them and the families' spellings."""
+    builders: dict[str, TinyCheckpointBuilder] = {}
+    for family in FAMILIES:
+        for name, builder in family.extra_tiny_builders:
+            if name in builders or name in _BY_NAME:
+                raise ValueError(f"make-tiny target {name!r} is named twice")
+            builders[name] = builder
+    return builders
+
+
+#: make-tiny targets that are no family (add-on models such as ControlNets) -> their builders.
+EXTRA_TINY_BUILDERS = _extra_tiny_builders()
+
 __all__ = [
     "DIT_FACTS",
     "PROMPT_PADDERS",
@@ -79,6 +95,8 @@ __all__ = [
     "TinyCheckpointOptions",
     "family_by_name",
     "family_names",
+    "tiny_builder_by_name",
+    "tiny_target_names",
     "pipelines_for_task",
     "resolve_family",
 ]
@@ -101,6 +119,23 @@ def family_by_name(name: str) -> ModelFamily:
     if family is None:
         raise UserError(f"unknown model family {name!r}; families: {', '.join(family_names())}")
     return family
+
+
+def tiny_target_names() -> tuple[str, ...]:
+    """What `diffserve make-tiny` writes: every family's name, then the records' extra targets."""
+    return (*family_names(), *EXTRA_TINY_BUILDERS)
+
+
+def tiny_builder_by_name(name: str) -> TinyCheckpointBuilder:
+    """The builder `diffserve make-tiny NAME` runs: a family's (by name or alias) or an extra target's;
+    a UserError listing the targets otherwise."""
+    builder = EXTRA_TINY_BUILDERS.get(name)
+    if builder is not None:
+        return builder
+    family = _BY_NAME.get(name)
+    if family is None:
+        raise UserError(f"unknown make-tiny target {name!r}; targets: {', '.join(tiny_target_names())}")
+    return family.tiny_builder
 
 
 def resolve_family(pipeline_class_name: str) -> ModelFamily:

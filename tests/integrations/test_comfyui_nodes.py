@@ -1,7 +1,7 @@
 """The ComfyUI node pack (`integrations/comfyui/`) against real `diffserve serve` processes.
 
 Three servers start together (module-scoped): the session's tiny FLUX (text to image, image to image
-and inpainting edits, an API key, a LoRA loaded at start and a --lora-dir), a tiny FLUX.1 Kontext
+and inpainting edits, an API key, a LoRA loaded at start and a --lora-dir, a tiny ControlNet), a tiny FLUX.1 Kontext
 (instruction edits) and a tiny Wan 2.1 text-to-video.
 Each node's output is compared with the server's answer to the same request sent directly with httpx
 and decoded here independently (PIL, PyAV): equal to the bit, as ComfyUI IMAGE tensors (float32
@@ -41,6 +41,7 @@ VIDEO_FRAMES, VIDEO_FPS = 5, 8
 def servers(tiny_flux_dir, tmp_path_factory):
     """All three servers, started at once (their start-ups overlap); each fixture below waits for its own."""
     from diffserve.families.flux.tiny import TinyFluxSpec
+    from diffserve.families.flux.tiny_controlnet import TinyFluxControlNetSpec, build_tiny_flux_controlnet
     from diffserve.families.flux.tiny_kontext import build_tiny_flux_kontext
     from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
     from diffserve.testing.tiny_lora import write_random_lora
@@ -50,6 +51,7 @@ def servers(tiny_flux_dir, tmp_path_factory):
     # std 0.2: visibly different images on the tiny model.
     write_random_lora(tiny_flux_dir, lora_dir / "ink.safetensors", rank=2, seed=1, std=0.2)
     kontext = build_tiny_flux_kontext(root / "tiny-kontext", TinyFluxSpec(seed=3))
+    canny = build_tiny_flux_controlnet(root / "canny", TinyFluxControlNetSpec(TinyFluxSpec(seed=0), seed=1))
     wan = build_tiny_wan(root / "tiny-wan", TinyWanSpec())
     work = {name: root / f"{name}-server" for name in ("flux", "kontext", "wan")}
     for folder in work.values():
@@ -64,6 +66,8 @@ def servers(tiny_flux_dir, tmp_path_factory):
             f"ink={lora_dir / 'ink.safetensors'}",
             "--lora-dir",
             str(lora_dir),
+            "--controlnet",
+            f"canny={canny}",
         ),  # fmt: skip
         "kontext": start_server(kontext, work["kontext"]),
         "wan": start_server(wan, work["wan"]),
@@ -112,6 +116,9 @@ def run_node(pack, name: str, **inputs) -> tuple:
             assert isinstance(value, float if kind == "FLOAT" else str), value
         elif kind == "DIFFSERVE_LORAS":
             assert isinstance(value, list) and all(set(entry) == {"name", "scale"} for entry in value)
+        elif kind == "DIFFSERVE_CONTROLNETS":
+            keys = {"name", "image", "scale", "start", "end"}
+            assert isinstance(value, list) and all(keys <= set(entry) <= keys | {"mode"} for entry in value)
     return outputs
 
 
@@ -148,6 +155,7 @@ def test_node_declarations_are_consistent(pack) -> None:
         "DiffserveEdit",
         "DiffserveVideo",
         "DiffserveLoras",
+        "DiffserveControlNet",
     }
     assert set(pack.NODE_DISPLAY_NAME_MAPPINGS) == set(pack.NODE_CLASS_MAPPINGS)
     for name, cls in pack.NODE_CLASS_MAPPINGS.items():
@@ -263,6 +271,44 @@ def test_generate_equals_the_servers_images(pack, flux) -> None:
     assert images.shape == (2, SIZE, SIZE, 3)
     assert torch.equal(images, expected)
     assert not torch.equal(images[0], images[1])  # n images, not one image n times
+
+
+def test_controlnet_node_feeds_generate_as_the_server_answers(pack, flux) -> None:
+    rng = np.random.default_rng(5)
+    control = rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)
+    control_tensor = torch.from_numpy(control.astype(np.float32) / 255.0)[None]
+    server = {"server_url": f"{flux.base_url}/v1", "api_key": API_KEY}
+    # An empty name takes the only ControlNet loaded; the server's list comes back as `available`.
+    controlnets, available = run_node(
+        pack,
+        "DiffserveControlNet",
+        **server,
+        image=control_tensor,
+        controlnet="",
+        scale=0.8,
+        start=0.0,
+        end=0.9,
+    )
+    assert available == "canny"
+    (entry,) = controlnets
+    assert (entry["name"], entry["scale"], entry["start"], entry["end"]) == ("canny", 0.8, 0.0, 0.9)
+    assert base64.b64decode(entry["image"].split(",", 1)[1]) == png_of(control)
+    (images,) = run_node(pack, "DiffserveGenerate", **server, **sampling(), controlnets=controlnets)
+    body = {
+        "prompt": "a red fox", "width": SIZE, "height": SIZE, "num_inference_steps": STEPS, "guidance_scale": 3.5,
+        "seed": SEED, "n": 1,
+        "controlnets": [{"name": "canny", "image": base64.b64encode(png_of(control)).decode(), "scale": 0.8,
+                         "start": 0.0, "end": 0.9}],
+    }  # fmt: skip
+    expected = direct_images(
+        httpx.post(f"{flux.base_url}/v1/images/generations", json=body, headers=AUTH, timeout=120)
+    )
+    assert torch.equal(images, expected)
+    (plain,) = run_node(pack, "DiffserveGenerate", **server, **sampling())
+    assert (images - plain).abs().mean().item() > 1 / 255  # the ControlNet acted
+    with pytest.raises(ValueError, match="no ControlNet named 'depth'.*serves: canny"):
+        run_node(pack, "DiffserveControlNet", **server, image=control_tensor, controlnet="depth", scale=1.0,
+                 start=0.0, end=1.0)  # fmt: skip
 
 
 def test_api_key_from_the_environment(pack, flux, monkeypatch) -> None:

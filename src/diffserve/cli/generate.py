@@ -9,9 +9,10 @@ import os
 import secrets
 import tempfile
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
+from diffserve.cli.controlnet_flags import add_controlnet_flags, controlnet_choices_from
 from diffserve.cli.engine_flags import add_engine_flags, engine_args_from
 from diffserve.cli.lora_flags import lora_choices_from
 from diffserve.configs.cache_settings import cache_from_flag
@@ -41,6 +42,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "pixels mark the area to repaint (FLUX, SD3 and FLUX.1 Fill folders)")  # fmt: skip
     # The SamplingParams flags, unchecked here: `check_params` reports a bad value naming the flag.
     add_options(p, SamplingParams, "generate", skip=("prompt",))
+    add_controlnet_flags(p)
     add("--save-frames", action="store_true", help="video models: also write every frame as a PNG")
     add("--output-file-name", default=None, help="file name instead of the generated one")
     add("--save-output", action=argparse.BooleanOptionalAction, default=True,
@@ -147,6 +149,11 @@ def run(args: argparse.Namespace) -> int:
     flags = {f.name: getattr(args, f.name) for f in fields(SamplingParams) if f.name in vars(args)}
     flags.pop("prompt")
     flags["loras"] = lora_choices_from(args)  # --lora: loaded at start (engine_args), applied here
+    # --controlnet is loaded at start (engine_args); --control-image and its flags apply it here.
+    flags["controlnets"] = controlnet_choices_from(args)
+    if flags["controlnets"]:
+        control = load_images(Path(args.control_image), param="--control-image")[0]
+        flags["controlnets"] = [replace(flags["controlnets"][0], image=control)]
     if flags.get("cache") is not None:  # its errors name the flag
         flags["cache"] = cache_from_flag(flags["cache"], "--cache")
     # Checked before loading the model: a bad flag or path fails in a second, not after the weights load

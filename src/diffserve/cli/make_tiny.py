@@ -23,17 +23,17 @@ class _FamilyNames:
 
     def __contains__(self, name: object) -> bool:
         from diffserve.errors import UserError
-        from diffserve.registry import family_by_name
+        from diffserve.registry import tiny_builder_by_name
 
         try:
-            return isinstance(name, str) and family_by_name(name) is not None
+            return isinstance(name, str) and tiny_builder_by_name(name) is not None
         except UserError:
             return False
 
     def __iter__(self) -> Iterator[str]:
-        from diffserve.registry import family_names
+        from diffserve.registry import tiny_target_names
 
-        return iter(family_names())
+        return iter(tiny_target_names())
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -43,7 +43,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Write a small random-weight checkpoint in Diffusers layout; draws noise, not pictures.",
     )
     add = p.add_argument
-    add("family", choices=_FamilyNames(), metavar="FAMILY", help="model family: %(choices)s")
+    add(
+        "family",
+        choices=_FamilyNames(),
+        metavar="FAMILY",
+        help="model family, or an add-on model of one (a ControlNet): %(choices)s",
+    )
     add(
         "output_dir",
         help="folder to write (created if missing; an existing one must be empty, unless --force)",
@@ -63,20 +68,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from diffserve.registry import TinyCheckpointOptions, family_by_name
+    from diffserve.registry import TinyCheckpointOptions, tiny_builder_by_name
 
-    family = family_by_name(args.family)
+    builder = tiny_builder_by_name(args.family)
     if not args.force:
         refuse_non_empty_folder(Path(args.output_dir))
     options = TinyCheckpointOptions(
         args.seed, not args.no_guidance_embeds, args.sd35, args.scheduler, wan_variant=args.wan_variant
     )
     before = _file_states(Path(args.output_dir))
-    path = family.tiny_builder(Path(args.output_dir), options)
+    path = builder(Path(args.output_dir), options)
     for file, state in _file_states(path).items():
         if before.get(file) != state:  # written now (a file of the folder --force wrote into keeps its mode)
             give_umask_mode(file)
-    logger.info("Wrote tiny %s checkpoint to %s", family.name, path)
+    logger.info("Wrote tiny %s checkpoint to %s", args.family, path)
     return 0
 
 

@@ -295,10 +295,10 @@ class EngineArgs:
     #: ControlNets (FLUX.1) requests apply by name (`SamplingParams.controlnets`); from Python: {name: path}.
     controlnets: list[ControlNetSpec] = option(
         default_factory=list, cli="--controlnet", repeat=True, parse=str, metavar="[NAME=]PATH",
-        commands=("serve",),
+        commands=("serve", "generate"),
         help="a Diffusers FluxControlNetModel folder loaded at start as NAME (default: the folder's name); "
-        'repeatable. Requests apply it with "controlnets": [{"name": NAME, "image": ..., "scale": 0.7}] '
-        "(FLUX.1 only)",
+        'repeatable. Requests apply it with "controlnets": [{"name": NAME, "image": ..., "scale": 0.7}]; '
+        "generate applies it with --control-image (FLUX.1 only)",
     )  # fmt: skip
     # Memory: quantization, single-file weights, offload (docs/memory.md).
     quantization: str | None = option(

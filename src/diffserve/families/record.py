@@ -91,6 +91,10 @@ class ModelFamily:
     #: `--enable-cuda-graph` opt-in: how the DiT's calls are padded to a captured (batch, token) bucket
     #: (`runtime/cuda_graph/padders.py`); None: the family runs eager only, and the flag is refused.
     prompt_padder: PromptPadder | None = None
+    #: Other tiny checkpoints `diffserve make-tiny NAME DIR` writes for this family, as (NAME, builder)
+    #: pairs: add-on models that are no family of their own (a FLUX.1 ControlNet folder). A NAME is unique
+    #: among every family's names, aliases and extra builders (the registry checks).
+    extra_tiny_builders: tuple[tuple[str, TinyCheckpointBuilder], ...] = ()
 
     @property
     def step_cache_policies(self) -> Mapping[str, StepCachePolicy]:

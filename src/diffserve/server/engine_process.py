@@ -277,7 +277,7 @@ class EngineProcess:
         g, facts, s = self.generator, self.facts, self.scheduler
         probe = SamplingParams("-", input_images=self.probe_images, mask_image=self.probe_mask)
         defaults = resolved_params(g.pipeline, probe).to_dict()
-        for key in ("prompt", "seed", "extra", "input_images", "mask_image", "loras"):
+        for key in ("prompt", "seed", "extra", "input_images", "mask_image", "loras", "controlnets"):
             defaults.pop(key, None)
         if self.probe_images:  # an edit model: its default size follows the input image
             defaults["height"] = defaults["width"] = None
@@ -312,6 +312,12 @@ class EngineProcess:
             },
             "warmup_seconds": None if warmup_seconds is None else round(warmup_seconds, 3),
             "loras": self.loras.summary(),
+            # The ControlNets requests may name (--controlnet; "default": the folder's own), each with a
+            # Union ControlNet's number of control modes (None: no mode); the playground lists them.
+            "controlnets": [
+                {"name": name, "modes": getattr(getattr(net, "config", None), "num_mode", None)}
+                for name, net in getattr(g.pipeline, "controlnets", {}).items()
+            ],
             "replica": self.config.replica,
             # str(): torch's version object would make the front end import torch to unpickle it.
             "versions": {"diffserve": diffserve.__version__, "torch": str(torch.__version__)},

@@ -50,6 +50,17 @@ _FLUX = ModelFamily(
         "diffserve.families.flux.tiny", "build_tiny_flux", "TinyFluxSpec", ("guidance_embeds",)
     ),
     dit_facts=_DIT_FACTS,
+    extra_tiny_builders=(
+        (
+            "flux-controlnet",
+            lazy_tiny_builder(
+                "diffserve.families.flux.tiny_controlnet",
+                "build_tiny_flux_controlnet_for",
+                "TinyFluxSpec",
+                ("guidance_embeds",),
+            ),
+        ),
+    ),
     # T5 runs at its max_sequence_length: only the batch is padded.
     prompt_padder=FixedLengthPadder(
         rows_from="hidden_states",
@@ -79,6 +90,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
             ("guidance_embeds",),
         ),
         aliases=("kontext", "flux_kontext"),
+        extra_tiny_builders=(),
     ),
     replace(
         _FLUX,
@@ -90,5 +102,6 @@ FAMILIES: tuple[ModelFamily, ...] = (
             "diffserve.families.flux.tiny_fill", "build_tiny_flux_fill", "TinyFluxSpec", ("guidance_embeds",)
         ),
         aliases=("flux_fill",),
+        extra_tiny_builders=(),
     ),
 )

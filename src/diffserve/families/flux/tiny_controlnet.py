@@ -57,6 +57,12 @@ def build_tiny_flux_controlnet(out_dir: str | Path, spec: TinyFluxControlNetSpec
     return root
 
 
+def build_tiny_flux_controlnet_for(out_dir: str | Path, flux: TinyFluxSpec) -> Path:
+    """`diffserve make-tiny flux-controlnet DIR`: a ControlNet for the tiny FLUX.1 folder that `make-tiny
+    flux` writes with the same options (its DiT's shapes and guidance embedding), seeded by `flux.seed`."""
+    return build_tiny_flux_controlnet(out_dir, TinyFluxControlNetSpec(flux, seed=flux.seed))
+
+
 def build_tiny_flux_controlnet_pipeline(out_dir: str | Path, spec: TinyFluxControlNetSpec) -> Path:
     """Write a random-weight `FluxControlNetPipeline` folder (a tiny FLUX.1 folder with a `controlnet`
     component) to `out_dir` and return its path."""

@@ -13,6 +13,8 @@ optional mask of the area to repaint.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from diffserve.configs.step_cache_policy import StepCachePolicy
@@ -22,9 +24,15 @@ from diffserve.families.qwen_image.config import (
     QwenImagePipelineConfig,
     qwen_image_default_sampling_params,
 )
+from diffserve.families.qwen_image.controlnet import (
+    QwenControlImageEncodingStage,
+    QwenControlNetRunner,
+    QwenImageConditioning,
+)
 from diffserve.families.qwen_image.edit_preparation import QwenImageEditPreparationStage, edit_output_size
 from diffserve.families.qwen_image.text_encoding import QwenEditTextEncodingStage, QwenTextEncodingStage
 from diffserve.loader.folder_defaults import apply_overrides
+from diffserve.models.controlnets.qwen_image import QwenImageControlNetModel
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.pipelines.base import Pipeline, PipelineContext
@@ -35,6 +43,7 @@ from diffserve.pipelines.cfg_batch import (
     split_guided,
     step_cache_for,
 )
+from diffserve.pipelines.controlnet_steps import check_controlnet_entries
 from diffserve.request import Req, batch_signature
 from diffserve.stages.base import Stage
 from diffserve.stages.denoising import DenoisingStage
@@ -61,9 +70,16 @@ def norm_preserving_cfg(positive: torch.Tensor, negative: torch.Tensor, scale: f
 class QwenImageDenoiser:
     """One step over a list of Qwen-Image requests (same latent grid), each at its own timestep."""
 
-    def __init__(self, transformer: QwenImageTransformer2DModel, scheduler: FlowMatchEulerScheduler) -> None:
+    def __init__(
+        self,
+        transformer: QwenImageTransformer2DModel,
+        scheduler: FlowMatchEulerScheduler,
+        controlnets: dict[str, QwenImageControlNetModel] | None = None,
+    ) -> None:
         self.transformer = transformer
         self.scheduler = scheduler
+        #: The engine's ControlNets by name (the pipeline's dict: loaded after the stages are built).
+        self.controlnets = QwenControlNetRunner({} if controlnets is None else controlnets)
 
     @torch.inference_mode()
     def __call__(self, reqs: list[Req]) -> None:
@@ -84,6 +100,7 @@ class QwenImageDenoiser:
                     guidance.append(req.schedule.guidance)
         first = reqs[0]
         text, text_mask = pad_text(texts)
+        controls = self.controlnets.residuals(reqs) if self.controlnets.nets else []
         # Timesteps and guidance are already on the latents' device (timestep preparation put them there).
         prediction = self.transformer(
             hidden_states=torch.cat(latents),
@@ -93,6 +110,7 @@ class QwenImageDenoiser:
             img_shapes=shapes,
             guidance=torch.cat(guidance) if guidance else None,
             step_cache=step_cache_for(reqs),  # rows are in `gather_branches` order, as it expects
+            **({"controlnet_residuals": controls} if controls else {}),
         )
         prediction = prediction[:, : first.latents.shape[1]]
         advance_requests(self.scheduler, reqs, split_guided(prediction, reqs, combine=norm_preserving_cfg))
@@ -111,8 +129,12 @@ class QwenImagePipeline(Pipeline):
     required_components = ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
     config = QwenImagePipelineConfig()
     pipeline_name = "QwenImagePipeline"
-    #: Empty for text-to-image and image-to-image; an edit's input images are appended as tokens.
-    conditioning_type = ReferenceImages
+    #: Empty references for text-to-image and image-to-image (an edit's input images are appended as
+    #: tokens), and the request's ControlNet entries.
+    conditioning_type: ClassVar[type[ReferenceImages]] = QwenImageConditioning
+    #: The ControlNet classes the engine may load for this pipeline by config `_class_name`
+    #: (`loader/controlnets.py`); the Edit pipelines take none.
+    controlnet_classes: ClassVar[dict[str, type]] = {"QwenImageControlNetModel": QwenImageControlNetModel}
     #: Measured on the tiny test model (20 steps, 64x64, text-to-image and edit alike): 14 / 9 / 5 steps in
     #: full for medium / low / draft at about 38 / 32 / 28 dB. Its random weights make the timestep
     #: modulation, hence the signal, jump by ~100% every step, so thresholds above 1 leave the schedule to
@@ -159,17 +181,24 @@ class QwenImagePipeline(Pipeline):
     def before_denoising_stages(self, context: PipelineContext) -> list[Stage]:
         return []
 
+    def use_controlnets(self, nets: dict[str, QwenImageControlNetModel]) -> None:
+        """Serve `nets` by name from now on (requests name them in `controlnets`)."""
+        self.controlnets.update(nets)
+
     def image_to_image_stages(self, context: PipelineContext) -> list[Stage]:
-        """Before latent preparation: the optional input image's latents (the generator's first draw, as in
-        Diffusers' `QwenImageImg2ImgPipeline`)."""
+        """Before latent preparation: the control images' latents, then the optional input image's (the
+        generator's first draws, as in Diffusers' `QwenImageControlNetPipeline` and
+        `QwenImageImg2ImgPipeline`)."""
+        device = context.platform.device()
         return [
+            QwenControlImageEncodingStage(context.get("vae"), device, context.dtype),
             InputImageEncodingStage(
                 context.get("vae"),
                 pack_latents,
                 context.platform.device(),
                 context.dtype,
                 encode=encode_sampled_video_vae,
-            )
+            ),
         ]
 
     def noising_stages(self, context: PipelineContext) -> list[Stage]:
@@ -184,6 +213,13 @@ class QwenImagePipeline(Pipeline):
         self.vae_scale_factor = _vae_scale_factor(vae)
         self.pixel_multiple = self.vae_scale_factor * 2  # latents are packed in 2x2 patches
         self.input_validation = self.validation_stage(context)
+        #: The engine's ControlNets by name (`use_controlnets`), shared with the denoiser.
+        self.controlnets: dict[str, QwenImageControlNetModel] = {}
+        if self.controlnet_classes:
+            name = self.input_validation.image_inputs.pipeline_name
+            self.input_validation.controlnet_check = lambda p: check_controlnet_entries(
+                p, self.controlnets, name
+            )
         return [
             self.input_validation,
             *self.before_denoising_stages(context),
@@ -197,7 +233,7 @@ class QwenImagePipeline(Pipeline):
             ),
             TimestepPreparationStage(scheduler, guidance_embeds=transformer.config.guidance_embeds),
             *self.noising_stages(context),
-            DenoisingStage(QwenImageDenoiser(transformer, scheduler)),
+            DenoisingStage(QwenImageDenoiser(transformer, scheduler, self.controlnets)),
             VideoVaeImageDecodingStage(vae),
         ]
 
@@ -216,6 +252,8 @@ class QwenImageEditPipeline(QwenImagePipeline):
 
     required_components = ("text_encoder", "tokenizer", "processor", "vae", "transformer", "scheduler")
     config = QwenImageEditPipelineConfig()
+    conditioning_type: ClassVar[type[ReferenceImages]] = ReferenceImages
+    controlnet_classes: ClassVar[dict[str, type]] = {}
     pipeline_name = "QwenImageEditPipeline"
 
     def validation_stage(self, context: PipelineContext) -> InputValidationStage:

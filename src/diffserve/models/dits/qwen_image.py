@@ -79,6 +79,7 @@ from diffserve.layers.tensor_parallel import (
     TensorParallelRank,
 )
 from diffserve.models.cache_methods.blocks import SequentialBlocks, refuse_sequence_parallel
+from diffserve.models.controlnets.residuals import BlockResiduals, ResidualGroups
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig, check_tp_divides, shard_blocks
 from diffserve.models.dits.input_checks import check_per_sample
 from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
@@ -405,6 +406,8 @@ class QwenImageTransformer2DModel(DiffusersDiT):
         img_shapes: Any,
         guidance: torch.Tensor | None = None,
         step_cache: BatchStepCache | None = None,
+        controlnet_block_samples: Sequence[torch.Tensor] | None = None,
+        controlnet_residuals: Sequence[BlockResiduals] | None = None,
     ) -> torch.Tensor:
         """Predict the flow-matching velocity for packed latents.
 
@@ -423,6 +426,10 @@ class QwenImageTransformer2DModel(DiffusersDiT):
                 an earlier step (`models/step_cache.py`); None runs every block for every row (exact).
                 The residual covers every image token (conditioning images too); the signal only the
                 generated image's.
+            controlnet_block_samples: a ControlNet's residuals for every row, Diffusers' keyword: sample
+                `i // ceil(num_layers / len(samples))` is added to the image stream after block `i`.
+            controlnet_residuals: instead, residuals of several ControlNet groups, each on its own rows
+                (the engine's step batches; `models/controlnets/residuals.py`).
 
         Returns:
             (batch, img_seq, patch_size**2 * out_channels).
@@ -463,6 +470,10 @@ class QwenImageTransformer2DModel(DiffusersDiT):
             ]
 
         rope = self.pos_embed(shapes, txt_seq, x.device)
+        groups = list(controlnet_residuals or ())
+        if controlnet_block_samples:
+            groups.append(BlockResiduals(double=list(controlnet_block_samples), single=()))
+        controls = ResidualGroups(tuple(groups)) if groups else None
         x = run_with_step_cache(
             step_cache,
             x,
@@ -474,8 +485,9 @@ class QwenImageTransformer2DModel(DiffusersDiT):
                 _take_rope_rows(rope, rows, txt_seq + img_seq),
                 _take_optional_rows(attn_mask, rows),
                 _take_optional_rows(cond_tokens, rows),
+                None if controls is None else controls.take(rows),
             ),
-            blocks=lambda: self._block_range(x, ctx, temb_act, rope, attn_mask, cond_tokens, batch),
+            blocks=lambda: self._block_range(x, ctx, temb_act, rope, attn_mask, cond_tokens, batch, controls),
         )
 
         x = self.norm_out(x, temb_act[:batch])
@@ -489,17 +501,23 @@ class QwenImageTransformer2DModel(DiffusersDiT):
         rope: RopeTables,
         attn_mask: torch.Tensor | None,
         cond_tokens: torch.Tensor | None,
+        controls: ResidualGroups | None = None,
     ) -> torch.Tensor:
-        """Every double-stream block; returns the image tokens the output head reads.
+        """Every double-stream block; returns the image tokens the output head reads. `controls`: the
+        ControlNet residuals of some rows, added to the image stream after each block.
 
         The last block skips its text stream's output (`text_out=False`): nothing reads it.
         """
         split = sequence_split([ctx.shape[1], x.shape[1]])
         if split is not None:
+            if controls is not None:
+                raise NotImplementedError("ControlNet residuals under sequence parallelism")
             return self._run_blocks_split(split, x, ctx, temb_act, rope, attn_mask, cond_tokens)
         last = len(self.transformer_blocks) - 1
         for i, block in enumerate(self.transformer_blocks):
             ctx, x = block(x, ctx, temb_act, rope, attn_mask, cond_tokens, text_out=i < last)
+            if controls is not None:
+                x = controls.add("double", i, last + 1, x)
         return x
 
     def _block_range(
@@ -511,6 +529,7 @@ class QwenImageTransformer2DModel(DiffusersDiT):
         attn_mask: torch.Tensor | None,
         cond_tokens: torch.Tensor | None,
         batch: int,
+        controls: ResidualGroups | None = None,
     ) -> SequentialBlocks:
         """The blocks as a `BlockRange` for DBCache, with `_run_blocks`' per-row inputs and last block."""
         refuse_sequence_parallel(sequence_split([ctx.shape[1], x.shape[1]]), "Qwen-Image")
@@ -526,10 +545,14 @@ class QwenImageTransformer2DModel(DiffusersDiT):
                 _take_rope_rows(rope, rows, seq),
                 _take_optional_rows(attn_mask, rows),
                 _take_optional_rows(cond_tokens, rows),
+                None if controls is None else controls.take(rows),
             )
 
         def call(i: int, x: torch.Tensor, ctx: torch.Tensor | None, inputs: tuple) -> tuple:
-            ctx, x = blocks[i](x, ctx, *inputs, text_out=i < last)
+            *block_inputs, row_controls = inputs
+            ctx, x = blocks[i](x, ctx, *block_inputs, text_out=i < last)
+            if row_controls is not None:
+                x = row_controls.add("double", i, last + 1, x)
             return x, ctx
 
         return SequentialBlocks(len(blocks), x, ctx, row_inputs, call)

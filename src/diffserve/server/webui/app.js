@@ -18,6 +18,7 @@ const state = {
   running: null, // AbortController of the request in flight
   current: [], // the images shown in the viewer: {blob, url, entry}
   editImage: null, // {blob, width, height} of the edit tab's input
+  controlImage: null, // the generate tab's ControlNet control image (a File)
   maskPainted: false,
   erasing: false,
   videoUrls: new Map(), // video id -> blob URL of its MP4
@@ -409,6 +410,7 @@ function configure(info) {
   placeholder("guidance", defaults.guidance_scale);
   placeholder("true-cfg", defaults.true_cfg_scale);
   placeholder("strength", defaults.strength);
+  configureControlNets(engine.controlnets || []);
   const first = ["generate", "edit", "video"].find((tab) => !$(`tab-${tab}`).hidden);
   selectTab(first || "generate");
 }
@@ -420,6 +422,7 @@ function selectTab(tab) {
   }
   $("edit-inputs").hidden = tab !== "edit";
   $("video-inputs").hidden = tab !== "video";
+  $("controlnet-box").hidden = tab !== "generate" || !controlNets().length;
   $("video-jobs").hidden = tab !== "video";
   $("gallery-box").hidden = tab === "video";
   $("viewer").hidden = tab === "video";
@@ -429,6 +432,53 @@ function selectTab(tab) {
   $("run").textContent = { generate: "Generate", edit: "Edit image", video: "Create video" }[tab];
   fillSizes((state.info && state.info.engine && state.info.engine.default_params) || {});
   if (tab === "video") refreshJobs();
+}
+
+// The ControlNets the server loaded (/server_info's engine.controlnets: [{name, modes}]), if any.
+function controlNets() {
+  return (state.info && state.info.engine && state.info.engine.controlnets) || [];
+}
+
+function configureControlNets(nets) {
+  const select = $("controlnet-name");
+  select.replaceChildren(Object.assign(document.createElement("option"), { value: "", textContent: "none" }));
+  for (const net of nets) {
+    select.append(Object.assign(document.createElement("option"), { value: net.name, textContent: net.name }));
+  }
+  $("controlnet-count").textContent = nets.length ? `(${nets.length} loaded)` : "";
+  showControlMode();
+}
+
+function showControlMode() {
+  const net = controlNets().find((n) => n.name === $("controlnet-name").value);
+  const modes = net ? net.modes : null;
+  $("control-mode-label").hidden = !modes;
+  if (modes) $("control-mode").max = modes - 1;
+}
+
+function fileToDataUrl(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(new Error("the control image could not be read"));
+    reader.readAsDataURL(file);
+  });
+}
+
+// The request's `controlnets` field (generate tab): the chosen ControlNet with its control image, or null.
+async function chosenControlNets() {
+  const name = $("controlnet-name").value;
+  if (state.tab !== "generate" || !name) return null;
+  if (!state.controlImage) throw new Error(`choose a control image for the ControlNet ${name}`);
+  const entry = {
+    name,
+    image: await fileToDataUrl(state.controlImage),
+    scale: numberOrNull("control-scale") ?? 1,
+    start: numberOrNull("control-start") ?? 0,
+    end: numberOrNull("control-end") ?? 1,
+  };
+  if (!$("control-mode-label").hidden) entry.mode = numberOrNull("control-mode") ?? 0;
+  return [entry];
 }
 
 async function loadLoras() {
@@ -577,7 +627,10 @@ async function runImages() {
     form.append("partial_images", String(previews));
     options = { method: "POST", body: form };
   } else {
+    // The control image goes in the request only: the gallery keeps the parameters without it.
+    const controlnets = await chosenControlNets();
     const body = { ...params, stream: true, partial_images: previews };
+    if (controlnets) body.controlnets = controlnets;
     options = { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) };
   }
   const controller = new AbortController();
@@ -954,6 +1007,10 @@ function wire() {
       showError(err.message);
     }
   });
+  $("control-file").addEventListener("change", () => {
+    state.controlImage = $("control-file").files[0] || null;
+  });
+  $("controlnet-name").addEventListener("change", showControlMode);
   $("gallery-clear").addEventListener("click", () => {
     if (!confirm("Remove every image of this browser's gallery?")) return;
     localStorage.removeItem(GALLERY_STORE);

@@ -1,0 +1,141 @@
+"""ControlNets for Qwen-Image text-to-image, per request (Diffusers' `QwenImageControlNetPipeline`, one
+ControlNet, or one Union ControlNet over several control images as its `QwenImageMultiControlNetModel`).
+
+The engine holds named ControlNets (`loader/controlnets.py`); a request lists the ones it applies
+(`SamplingParams.controlnets`; the same name several times is Diffusers' Multi form). Diffusers' recipe:
+
+1. each control image, resized to the output size (Lanczos) and repeated once per output, is encoded by
+   the video VAE as one frame with a *sampled* posterior, normalised by the VAE's per-channel statistics,
+   in the order listed and before the initial noise is drawn (each draw from the request's generator),
+   then packed into 2x2 tokens;
+2. at step `i` of `n`, an entry acts unless `i / n < start` or `(i + 1) / n > end`; an acting entry's
+   ControlNet reads the noisy latents, its control latents, the prompt's text states (and mask) and the
+   timestep, and returns per-block residuals times its scale. A request's entries' residuals are summed in
+   order, and added to the DiT's image stream for the prompt's rows and, with true CFG, the same ones for
+   the negative prompt's rows.
+
+In a step batch, each ControlNet runs once over the rows of every request that applies it at that step;
+the DiT adds each request's sum to its own rows only: requests without a ControlNet keep their values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from PIL import Image
+from torch import nn
+
+from diffserve.models.controlnets.qwen_image import QwenControlNetBatch, QwenImageControlNetModel
+from diffserve.models.controlnets.residuals import BlockResiduals
+from diffserve.pipelines.cfg_batch import pad_text
+from diffserve.pipelines.controlnet_steps import (
+    EncodedControl,
+    acting_entries,
+    double_stream_groups,
+    merge_samples,
+)
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+from diffserve.stages.image_tensor import image_to_tensor
+from diffserve.stages.image_to_image import encode_sampled_video_vae
+from diffserve.stages.latent_preparation import pack_latents
+from diffserve.stages.reference_images import ReferenceImages
+
+
+@dataclass
+class QwenImageConditioning(ReferenceImages):
+    """Qwen-Image text-to-image's: `ReferenceImages` (empty here) and the request's ControlNet entries."""
+
+    #: Set by `QwenControlImageEncodingStage`; empty without any.
+    controls: list[EncodedControl] = field(default_factory=list)
+
+
+def controls_of(req: Req) -> list[EncodedControl]:
+    conditioning = req.conditioning
+    return conditioning.controls if isinstance(conditioning, QwenImageConditioning) else []
+
+
+class QwenControlImageEncodingStage(Stage):
+    """Step 1 above: every control image's packed latents into the conditioning's `controls`. Runs before
+    the input image's encoding and the initial noise: its posterior draws come first from the generator."""
+
+    needs = ("generator",)
+
+    def __init__(self, vae: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+        self.vae = vae
+        self.device = device
+        self.dtype = dtype
+
+    @torch.inference_mode()
+    def forward(self, req: Req) -> Req:
+        p = req.params
+        if not p.controlnets:
+            return req
+        inputs = []
+        for entry in p.controlnets:
+            image = entry.image.convert("RGB").resize((p.width, p.height), Image.Resampling.LANCZOS)
+            pixels = image_to_tensor(image).repeat(req.batch_size, 1, 1, 1)
+            latents = encode_sampled_video_vae(self.vae, pixels, req.generator)
+            packed = pack_latents(latents.to(device=self.device, dtype=self.dtype))
+            inputs.append(EncodedControl(entry.name, packed, entry.scale, entry.start, entry.end, entry.mode))
+        QwenImageConditioning.of(req).controls = inputs
+        return req
+
+
+class QwenControlNetRunner:
+    """Runs the ControlNets of one step batch and hands the DiT each request's residuals."""
+
+    def __init__(self, nets: Mapping[str, QwenImageControlNetModel]) -> None:
+        self.nets = nets
+
+    def residuals(self, reqs: list[Req]) -> list[BlockResiduals]:
+        """The DiT's residual groups for this step (empty when no entry acts)."""
+        acting = acting_entries(reqs, controls_of)
+        if not acting:
+            return []
+        by_net: dict[str, list[tuple[int, int, EncodedControl]]] = {}
+        for item in acting:
+            by_net.setdefault(item[2].name, []).append(item)
+        samples: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for name, items in by_net.items():
+            samples.update(self._run(self.nets[name], reqs, items))
+        per_request: dict[int, list[torch.Tensor]] = {}
+        for r, k, _ in acting:  # in each request's listed order
+            per_request[r] = merge_samples(per_request.get(r), samples[(r, k)])
+        return double_stream_groups(reqs, per_request)
+
+    @staticmethod
+    def _run(
+        net: QwenImageControlNetModel, reqs: list[Req], items: list[tuple[int, int, EncodedControl]]
+    ) -> dict[tuple[int, int], list[torch.Tensor]]:
+        """One forward of `net` over the rows of `items`; (request, entry) -> its samples."""
+        latents, control, texts, timesteps, scales, shapes = [], [], [], [], [], []
+        for r, _, entry in items:
+            req = reqs[r]
+            n, device = req.batch_size, req.latents.device
+            height, width = req.latent_size
+            latents.append(req.latents)
+            control.append(entry.latents)
+            texts.append(req.prompt_embeds)
+            timesteps.append(req.schedule.timesteps[req.step_index].expand(n).to(req.latents.dtype) / 1000)
+            scales.append(torch.full((n,), float(entry.scale), dtype=torch.float32, device=device))
+            shapes.extend([[(1, height // 2, width // 2)]] * n)
+        text, text_mask = pad_text(texts)
+        batch = QwenControlNetBatch(
+            latents=torch.cat(latents),
+            control=torch.cat(control),
+            text=text,
+            text_mask=text_mask,
+            timestep=torch.cat(timesteps),
+            scales=torch.cat(scales),
+            img_shapes=shapes,
+        )
+        out = net(batch)
+        result, start = {}, 0
+        for r, k, _ in items:
+            stop = start + reqs[r].batch_size
+            result[(r, k)] = [s[start:stop] for s in out]
+            start = stop
+        return result

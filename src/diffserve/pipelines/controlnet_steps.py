@@ -1,0 +1,118 @@
+"""What every family serving ControlNets per request shares (FLUX.1's recipe, `families/flux/controlnet.py`,
+made family-neutral): a request's encoded entries (`EncodedControl`), the model checks of its `controlnets`,
+Diffusers' sum of several ControlNets' samples, and the placement of each request's residuals on its rows
+of a step batch (`BlockResiduals`, one group per sample-count signature).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from diffserve.configs.sampling_params import SamplingParams
+from diffserve.errors import InvalidRequestError
+from diffserve.models.controlnets.residuals import BlockResiduals
+from diffserve.request import Req
+
+
+@dataclass
+class EncodedControl:
+    """One of a request's ControlNet entries, ready for the steps: the ControlNet's name, the packed control
+    latents (one row per output), its scale, start and end fractions and Union mode."""
+
+    name: str
+    latents: torch.Tensor
+    scale: float
+    start: float
+    end: float
+    mode: int | None = None
+
+    def acts_at(self, step: int, num_steps: int) -> bool:
+        """Diffusers' `controlnet_keep` for this entry at `step` of `num_steps` (1.0 in Diffusers)."""
+        return not (step / num_steps < self.start or (step + 1) / num_steps > self.end)
+
+
+def check_controlnet_entries(
+    params: SamplingParams, nets: Mapping[str, nn.Module], pipeline_name: str
+) -> None:
+    """The model checks of a request's `controlnets`: each name loaded, and a mode exactly when the
+    ControlNet's config has `num_mode` (a Union ControlNet with a mode token), within its modes."""
+    param = "controlnets"
+    for i, entry in enumerate(params.controlnets):
+        where = f"controlnets[{i}]"
+        net = nets.get(entry.name)
+        if net is None:
+            loaded = ", ".join(repr(n) for n in nets) or "none (start the engine with --controlnet NAME=PATH)"
+            raise InvalidRequestError(
+                f"{where}.name {entry.name!r} is not a ControlNet this {pipeline_name} engine loaded; loaded: "
+                f"{loaded}",
+                param=param,
+            )
+        modes = getattr(net.config, "num_mode", None)
+        if modes is None and entry.mode is not None:
+            raise InvalidRequestError(
+                f"{where}.mode (control_mode): {entry.name!r} takes no control mode; leave mode unset",
+                param=param,
+            )
+        if modes is not None and (entry.mode is None or entry.mode >= modes):
+            got = "none" if entry.mode is None else entry.mode
+            raise InvalidRequestError(
+                f"{where}.mode (control_mode): {entry.name!r} is a Union ControlNet; give a mode in "
+                f"0..{modes - 1}, got {got}",
+                param=param,
+            )
+
+
+def merge_samples(total: list[torch.Tensor] | None, samples: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Diffusers' sum of several ControlNets' (or control images') samples: pairwise, as many as both have."""
+    if total is None:
+        return samples
+    if not total or not samples:
+        return total
+    return [a + b for a, b in zip(total, samples)]  # noqa: B905 - Diffusers pairs them as zip does
+
+
+def acting_entries(reqs: list[Req], inputs_of) -> list[tuple[int, int, EncodedControl]]:
+    """(request index, entry index, entry) of every entry acting at its request's current step;
+    `inputs_of(req)` lists a request's entries."""
+    acting = []
+    for r, req in enumerate(reqs):
+        for k, entry in enumerate(inputs_of(req)):
+            if entry.acts_at(req.step_index, req.num_steps):
+                acting.append((r, k, entry))
+    return acting
+
+
+def double_stream_groups(
+    reqs: list[Req], per_request: Mapping[int, list[torch.Tensor]]
+) -> list[BlockResiduals]:
+    """Each request's summed samples on its rows of the step batch (`gather_branches` order: its prompt rows,
+    then with CFG its negative rows, which get the same samples, as Diffusers adds them to both branches);
+    requests whose sample counts agree share one group."""
+    offsets, offset = [], 0
+    for req in reqs:
+        offsets.append(offset)
+        offset += req.batch_size * (2 if req.do_cfg else 1)
+    total_rows = offset
+    groups: dict[int, list[tuple[list[int], list[torch.Tensor]]]] = {}
+    for r, samples in per_request.items():
+        req, start = reqs[r], offsets[r]
+        branches = 2 if req.do_cfg else 1
+        rows = list(range(start, start + branches * req.batch_size))
+        if branches == 2:
+            samples = [torch.cat([s, s]) for s in samples]
+        groups.setdefault(len(samples), []).append((rows, samples))
+    out = []
+    for count, members in groups.items():
+        rows = [row for member in members for row in member[0]]
+        out.append(
+            BlockResiduals(
+                double=[torch.cat([m[1][j] for m in members]) for j in range(count)],
+                single=(),
+                rows=None if rows == list(range(total_rows)) else tuple(rows),
+            )
+        )
+    return out
