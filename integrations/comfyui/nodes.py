@@ -86,7 +86,7 @@ def _loras_input() -> dict:
 
 
 def _controlnets_input() -> dict:
-    return {"controlnets": (CONTROLNETS_TYPE, {"tooltip": "from a diffserve ControlNet node (FLUX.1)"})}
+    return {"controlnets": (CONTROLNETS_TYPE, {"tooltip": "from a diffserve ControlNet node"})}
 
 
 def request_fields(
@@ -329,7 +329,7 @@ class DiffserveLoras:
 
 
 class DiffserveControlNet:
-    """A ControlNet to apply (FLUX.1): one the server loaded (`--controlnet NAME=PATH`, listed in
+    """A ControlNet to apply: one the server loaded (`--controlnet NAME=PATH`, listed in
     `/server_info`), its control image (the batch's first) and Diffusers' settings, added to an optional
     upstream list (chained nodes: several ControlNets in one request). Also lists what the server serves."""
 

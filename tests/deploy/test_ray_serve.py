@@ -21,6 +21,7 @@ import os
 import re
 import signal
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -401,8 +402,14 @@ def test_autoscaling_goes_to_two_replicas_under_a_queue_and_back_to_one(app, cli
         info = httpx.get(f"{app.base_url}/server_info", timeout=30).json()
         return sum(r["state"] == "ready" for r in info["replicas"])
 
-    def one(seed: int) -> None:
-        client.images.generate(model=DEMO, prompt=PROMPT, size=f"{SIZE}x{SIZE}", extra_body={"seed": seed, "num_inference_steps": 60})  # fmt: skip
+    stop = threading.Event()
+
+    def keep_busy(seed: int) -> None:
+        """One client that sends a request after each answer until the second replica is up: the queue
+        stays at 8 for as long as the scale-up takes, and no more work than that is left to finish."""
+        while not stop.is_set():
+            client.images.generate(model=DEMO, prompt=PROMPT, size=f"{SIZE}x{SIZE}", extra_body={"seed": seed, "num_inference_steps": 60})  # fmt: skip
+            seed += 8
 
     deadline = time.monotonic() + READY_TIMEOUT_S
     while httpx.get(f"{app.base_url}/health", timeout=10).status_code != 200 and time.monotonic() < deadline:
@@ -410,11 +417,12 @@ def test_autoscaling_goes_to_two_replicas_under_a_queue_and_back_to_one(app, cli
     seen = [ready_replicas()]
     assert seen == [1]
     with ThreadPoolExecutor(8) as pool:
-        load = [pool.submit(one, seed) for seed in range(48)]
+        load = [pool.submit(keep_busy, seed) for seed in range(8)]
         deadline = time.monotonic() + 90
         while seen[-1] < 2 and time.monotonic() < deadline:
             time.sleep(0.5)
             seen.append(ready_replicas())
+        stop.set()
         for future in load:
             future.result(timeout=300)
     assert seen[-1] == 2, f"no second replica under a queue of 8: {seen}"

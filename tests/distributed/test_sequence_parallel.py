@@ -286,8 +286,13 @@ def test_harness_reports_a_rank_error_with_its_traceback() -> None:
 
 
 def _exits_on_rank_one(rank: int, world_size: int) -> int:
+    # Both ranks finish connecting first: a rank 0 that returned at once could close its end while rank 1
+    # (slower on a loaded machine) was still connecting, and rank 1 would then fail in gloo's set-up
+    # instead of dying as the test means it to.
+    dist.barrier()
     if rank == 1:
         os._exit(3)  # dies without reporting, as a killed rank would
+    dist.barrier()  # rank 0 waits for the peer that died (the harness reports the death)
     return rank
 
 

@@ -262,12 +262,10 @@ def test_a_family_without_controlnets_refuses_the_field() -> None:
         pixel_multiple=16,
         default_pixels=64,
         max_sequence_length_limit=None,
-        image_inputs=ImageInputRule(pipeline_name="StableDiffusion3Pipeline"),
+        image_inputs=ImageInputRule(pipeline_name="SanaPipeline"),
     )
     params = SamplingParams(prompt="x", controlnets=[ControlNetChoice("canny", EDGES)])
-    with pytest.raises(
-        InvalidRequestError, match="controlnets is not a parameter of StableDiffusion3Pipeline"
-    ):
+    with pytest.raises(InvalidRequestError, match="controlnets is not a parameter of SanaPipeline"):
         stage.resolve(params)
 
 
@@ -277,6 +275,6 @@ def test_other_families_refuse_controlnets() -> None:
 
     spec = ControlNetSpec("canny", "/nonexistent")
     with pytest.raises(
-        UserError, match=r"--controlnet: the sd3 family \(NoControlNets\) takes no ControlNets"
+        UserError, match=r"--controlnet: the sana family \(NoControlNets\) takes no ControlNets"
     ):
-        load_controlnets([spec], None, NoControlNets(), "sd3", platform=None, dtype=torch.float32)
+        load_controlnets([spec], None, NoControlNets(), "sana", platform=None, dtype=torch.float32)

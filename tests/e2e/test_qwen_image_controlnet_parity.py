@@ -17,8 +17,10 @@ from diffusers import QwenImagePipeline as DiffusersQwenImagePipeline
 from diffusers.models.controlnets.controlnet_qwenimage import QwenImageMultiControlNetModel
 
 from diffserve import DiffGenerator, SamplingParams
+from diffserve.configs.engine_args import ControlNetSpec
 from diffserve.configs.sampling_params import ControlNetChoice
-from diffserve.errors import InvalidRequestError
+from diffserve.errors import InvalidRequestError, UserError
+from diffserve.families.qwen_image.pipeline import QwenImageEditPipeline, QwenImageEditPlusPipeline
 from diffserve.families.qwen_image.tiny import TinyQwenImageSpec, build_tiny_qwen_image
 from diffserve.families.qwen_image.tiny_controlnet import (
     TinyQwenImageControlNetSpec,
@@ -26,6 +28,7 @@ from diffserve.families.qwen_image.tiny_controlnet import (
     build_tiny_qwen_image_controlnet_pipeline,
     sharpen_vae_posterior,
 )
+from diffserve.loader.controlnets import load_controlnets
 from diffserve.request import Req
 from diffserve.testing.parity import (
     assert_batched_as_alone,
@@ -128,7 +131,7 @@ def test_a_controlnet_pipeline_folder_serves_its_controlnet_with_diffusers_keywo
 def _params(prompt: str, seed: int, controlnets=(), **extra) -> SamplingParams:
     return SamplingParams(
         prompt=prompt, seed=seed, height=HEIGHT, width=WIDTH, controlnets=list(controlnets),
-        **KW, **{**NO_CFG, **extra},
+        **{**KW, **NO_CFG, **extra},
     )  # fmt: skip
 
 
@@ -141,6 +144,19 @@ def test_a_controlnet_row_and_a_plain_row_batch_as_alone(setup) -> None:
         _params("no controlnet", 4),
     ]  # fmt: skip
     assert assert_batched_as_alone(ours, params, "Qwen-Image ControlNet batch")[0] == 3
+
+
+def test_controlnets_next_to_a_block_range_cache_batch_as_alone(setup) -> None:
+    """DBCache runs the DiT's blocks in ranges over some rows: the residuals follow the rows it computes."""
+    ours, _, _ = setup
+    dbcache = {"method": "dbcache", "Fn_compute_blocks": 1, "Bn_compute_blocks": 0}
+    params = [
+        _params("ctrl", 1, [ControlNetChoice("canny", EDGES, 0.9)], num_inference_steps=5),
+        _params("cached", 2, cache=dbcache, num_inference_steps=5),
+        _params("ctrl and cache", 3, [ControlNetChoice("union", DEPTH, 0.5, start=0.2)], cache=dbcache,
+                num_inference_steps=5),
+    ]  # fmt: skip
+    assert_batched_as_alone(ours, params, "Qwen-Image ControlNets next to DBCache")
 
 
 def test_rows_without_a_controlnet_are_bit_identical(setup) -> None:
@@ -162,7 +178,7 @@ def test_rows_without_a_controlnet_are_bit_identical(setup) -> None:
     ("entry", "message"),
     [
         (ControlNetChoice("nope", EDGES), r"controlnets\[0\].name 'nope' is not a ControlNet"),
-        (ControlNetChoice("canny", EDGES, mode=1), r"controlnets\[0\].mode.*takes no control mode"),
+        (ControlNetChoice("canny", EDGES, mode=1), r"controlnets\[0\].mode.*not a Union"),
     ],
 )
 def test_bad_entries_are_refused_naming_the_field(setup, entry, message) -> None:
@@ -170,3 +186,15 @@ def test_bad_entries_are_refused_naming_the_field(setup, entry, message) -> None
     with pytest.raises(InvalidRequestError, match=message) as caught:
         ours.pipeline.validate(Req(params=_params("bad", 1, [entry])))
     assert caught.value.param == "controlnets"
+
+
+@pytest.mark.parametrize("cls", [QwenImageEditPipeline, QwenImageEditPlusPipeline])
+def test_the_edit_pipelines_refuse_controlnets(cls) -> None:
+    """Diffusers has no ControlNet pipeline for Qwen-Image-Edit: `--controlnet` is refused, naming it."""
+    spec = ControlNetSpec("canny", "/nonexistent")
+    with pytest.raises(
+        UserError, match=rf"--controlnet: the qwen-image-edit family \({cls.__name__}\) takes no"
+    ):
+        load_controlnets(
+            [spec], None, object.__new__(cls), "qwen-image-edit", platform=None, dtype=torch.float32
+        )

@@ -293,7 +293,7 @@ def test_a_replay_that_leaves_its_capture_is_an_error(monkeypatch) -> None:
     inputs = tiny_dit_inputs(QWEN_IMAGE, 1, 7)
     dit(**inputs)
 
-    def run_all_with_text(x, ctx, temb, rope, mask, cond):  # noqa: ANN001, ANN202
+    def run_all_with_text(x, ctx, temb, rope, mask, cond, controls=None):  # noqa: ANN001, ANN202
         for block in dit.transformer_blocks:  # the last block too computes its text output
             ctx, x = block(x, ctx, temb, rope, mask, cond, text_out=True)
         return x

@@ -101,7 +101,7 @@ def test_qwen_image_last_block_skips_the_text_output_with_the_same_image() -> No
     }
     trimmed, trimmed_flops = _matmul_flops(lambda: model(**inputs))
 
-    def every_block_updates_the_text(x, ctx, temb_act, rope, attn_mask, cond_tokens):
+    def every_block_updates_the_text(x, ctx, temb_act, rope, attn_mask, cond_tokens, controls=None):
         for block in model.transformer_blocks:
             ctx, x = block(x, ctx, temb_act, rope, attn_mask, cond_tokens)
         return x

@@ -26,8 +26,8 @@ _NEEDS_IMAGE = {
 def add_controlnet_flags(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--control-image", default=None, metavar="PATH",
-        help="FLUX.1: the control image of the ControlNet loaded with --controlnet NAME=PATH (or of a "
-        "FluxControlNetPipeline folder's own); resized to the output size")  # fmt: skip
+        help="the control image of the ControlNet loaded with --controlnet NAME=PATH (or of a ControlNet "
+        "pipeline folder's own); resized to the output size")  # fmt: skip
     add("--controlnet-conditioning-scale", type=float, default=None, metavar="SCALE",
         help=f"the ControlNet's scale, 0..{MAX_CONTROLNET_SCALE:g} (default 1.0)")  # fmt: skip
     add("--control-guidance-start", type=float, default=None, metavar="FRACTION",
@@ -63,7 +63,7 @@ def controlnet_name(args: argparse.Namespace) -> str:
         return controlnet_specs(loaded)[0].name
     if _folder_controlnet(getattr(args, "model_path", None)):
         return "default"
-    raise UserError("--control-image needs a ControlNet: load one with --controlnet NAME=PATH (FLUX.1)")
+    raise UserError("--control-image needs a ControlNet: load one with --controlnet NAME=PATH")
 
 
 def controlnet_choices_from(args: argparse.Namespace) -> list[ControlNetChoice]:

@@ -292,13 +292,13 @@ class EngineArgs:
         help="most LoRA adapters the server knows at once (loaded, or named by requests from --lora-dir); "
         "loading one more is refused with 409 until one is unloaded (default: 64)",
     )  # fmt: skip
-    #: ControlNets (FLUX.1) requests apply by name (`SamplingParams.controlnets`); from Python: {name: path}.
+    #: ControlNets (FLUX.1, Qwen-Image, SD3) requests apply by name (`SamplingParams.controlnets`); from Python: {name: path}.
     controlnets: list[ControlNetSpec] = option(
         default_factory=list, cli="--controlnet", repeat=True, parse=str, metavar="[NAME=]PATH",
         commands=("serve", "generate"),
-        help="a Diffusers FluxControlNetModel folder loaded at start as NAME (default: the folder's name); "
+        help="a Diffusers FluxControlNetModel, QwenImageControlNetModel or SD3ControlNetModel folder loaded at start as NAME (default: the folder's name); "
         'repeatable. Requests apply it with "controlnets": [{"name": NAME, "image": ..., "scale": 0.7}]; '
-        "generate applies it with --control-image (FLUX.1 only)",
+        "generate applies it with --control-image (FLUX.1, Qwen-Image and SD3 text-to-image only)",
     )  # fmt: skip
     # Memory: quantization, single-file weights, offload (docs/memory.md).
     quantization: str | None = option(

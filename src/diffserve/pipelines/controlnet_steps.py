@@ -54,7 +54,7 @@ def check_controlnet_entries(
         modes = getattr(net.config, "num_mode", None)
         if modes is None and entry.mode is not None:
             raise InvalidRequestError(
-                f"{where}.mode (control_mode): {entry.name!r} takes no control mode; leave mode unset",
+                f"{where}.mode (control_mode): {entry.name!r} is not a Union ControlNet; leave mode unset",
                 param=param,
             )
         if modes is not None and (entry.mode is None or entry.mode >= modes):
@@ -87,11 +87,17 @@ def acting_entries(reqs: list[Req], inputs_of) -> list[tuple[int, int, EncodedCo
 
 
 def double_stream_groups(
-    reqs: list[Req], per_request: Mapping[int, list[torch.Tensor]]
+    reqs: list[Req],
+    per_request: Mapping[int, list[torch.Tensor]],
+    *,
+    per_branch: bool = False,
+    truncating: bool = False,
 ) -> list[BlockResiduals]:
     """Each request's summed samples on its rows of the step batch (`gather_branches` order: its prompt rows,
     then with CFG its negative rows, which get the same samples, as Diffusers adds them to both branches);
-    requests whose sample counts agree share one group."""
+    requests whose sample counts agree share one group. `per_branch`: the samples already cover every row of
+    the request (the ControlNet ran on each branch with its own text, as SD3's pipeline does); `truncating`:
+    the DiT's sample arithmetic (`BlockResiduals`)."""
     offsets, offset = [], 0
     for req in reqs:
         offsets.append(offset)
@@ -102,7 +108,7 @@ def double_stream_groups(
         req, start = reqs[r], offsets[r]
         branches = 2 if req.do_cfg else 1
         rows = list(range(start, start + branches * req.batch_size))
-        if branches == 2:
+        if branches == 2 and not per_branch:
             samples = [torch.cat([s, s]) for s in samples]
         groups.setdefault(len(samples), []).append((rows, samples))
     out = []
@@ -113,6 +119,7 @@ def double_stream_groups(
                 double=[torch.cat([m[1][j] for m in members]) for j in range(count)],
                 single=(),
                 rows=None if rows == list(range(total_rows)) else tuple(rows),
+                truncating=truncating,
             )
         )
     return out

@@ -29,10 +29,10 @@ from PIL import Image
 from torch import nn
 
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.errors import InvalidRequestError
 from diffserve.families.flux.conditioning import FluxConditioning
 from diffserve.models.controlnets.flux import ControlNetBatch, FluxControlNetModel
 from diffserve.models.controlnets.residuals import BlockResiduals
+from diffserve.pipelines.controlnet_steps import check_controlnet_entries, merge_samples
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.image_tensor import image_to_tensor
@@ -67,32 +67,9 @@ class FluxControls:
 
 
 def check_controlnets(params: SamplingParams, nets: Mapping[str, nn.Module], pipeline_name: str) -> None:
-    """The model checks of a request's `controlnets` (the model-free ones are `SamplingParams`'):
-    each name loaded, and a mode exactly when the ControlNet is a Union one, within its modes."""
-    param = "controlnets"
-    for i, entry in enumerate(params.controlnets):
-        where = f"controlnets[{i}]"
-        net = nets.get(entry.name)
-        if net is None:
-            loaded = ", ".join(repr(n) for n in nets) or "none (start the engine with --controlnet NAME=PATH)"
-            raise InvalidRequestError(
-                f"{where}.name {entry.name!r} is not a ControlNet this {pipeline_name} engine loaded; loaded: "
-                f"{loaded}",
-                param=param,
-            )
-        modes = net.config.num_mode
-        if modes is None and entry.mode is not None:
-            raise InvalidRequestError(
-                f"{where}.mode (control_mode): {entry.name!r} is not a Union ControlNet; leave mode unset",
-                param=param,
-            )
-        if modes is not None and (entry.mode is None or entry.mode >= modes):
-            got = "none" if entry.mode is None else entry.mode
-            raise InvalidRequestError(
-                f"{where}.mode (control_mode): {entry.name!r} is a Union ControlNet; give a mode in "
-                f"0..{modes - 1}, got {got}",
-                param=param,
-            )
+    """The model checks of a request's `controlnets` (the model-free ones are `SamplingParams`'): each name
+    loaded, and a mode exactly when the ControlNet is a Union one, within its modes."""
+    check_controlnet_entries(params, nets, pipeline_name)
 
 
 class ControlImageEncodingStage(Stage):
@@ -120,15 +97,6 @@ class ControlImageEncodingStage(Stage):
             inputs.append(ControlInput(entry.name, packed, entry.scale, entry.start, entry.end, entry.mode))
         FluxConditioning.of(req).controls = FluxControls(inputs)
         return req
-
-
-def _merge(total: list[torch.Tensor] | None, samples: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Diffusers' sum of several ControlNets' samples: pairwise, as many as both have."""
-    if total is None:
-        return samples
-    if not total or not samples:
-        return total
-    return [a + b for a, b in zip(total, samples)]  # noqa: B905 - Diffusers pairs them as zip does
 
 
 class ControlNetRunner:
@@ -159,7 +127,7 @@ class ControlNetRunner:
         for r, k, _ in acting:
             double, single = samples[(r, k)]
             total_double, total_single = per_request.get(r, (None, None))
-            per_request[r] = (_merge(total_double, double), _merge(total_single, single))
+            per_request[r] = (merge_samples(total_double, double), merge_samples(total_single, single))
         # Batch rows of each request (`gather_branches`: its prompt rows, then its negative rows).
         offsets, offset = [], 0
         for req in reqs:

@@ -6,18 +6,27 @@ The same folder serves image-to-image and inpainting (Diffusers' `StableDiffusio
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.errors import InvalidRequestError
 from diffserve.families.sd3.config import SD3PipelineConfig, sd3_default_sampling_params
+from diffserve.families.sd3.controlnet import (
+    SD3Conditioning,
+    SD3ControlImageEncodingStage,
+    SD3ControlNetRunner,
+)
 from diffserve.families.sd3.text_encoding import SD3TextEncodingStage
 from diffserve.layers.lora_rows import LoraRows, lora_rows_scope
 from diffserve.loader.folder_defaults import apply_overrides
+from diffserve.models.controlnets.sd3 import SD3ControlNetModel
 from diffserve.models.dits.sd3 import SD3Transformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.pipelines.cfg_batch import advance_requests, gather_branches, split_guided, step_cache_for
+from diffserve.pipelines.controlnet_steps import check_controlnet_entries
 from diffserve.request import Req
 from diffserve.runtime.runner import CfgBranchView
 from diffserve.stages.base import Stage
@@ -72,19 +81,28 @@ class SD3Denoiser:
     exactly, without the step cache); a step with no such request runs as without the feature.
     """
 
-    def __init__(self, transformer: SD3Transformer2DModel, scheduler: FlowMatchEulerScheduler) -> None:
+    def __init__(
+        self,
+        transformer: SD3Transformer2DModel,
+        scheduler: FlowMatchEulerScheduler,
+        controlnets: dict[str, SD3ControlNetModel] | None = None,
+    ) -> None:
         self.transformer = transformer
         self.scheduler = scheduler
+        #: The engine's ControlNets by name (the pipeline's dict: loaded after the stages are built).
+        self.controlnets = SD3ControlNetRunner({} if controlnets is None else controlnets)
 
     @torch.inference_mode()
     def __call__(self, reqs: list[Req]) -> None:
         batch = gather_branches(reqs)
+        controls = self.controlnets.residuals(reqs) if self.controlnets.nets else []
         prediction = self.transformer(
             hidden_states=torch.cat(batch.latents),
             encoder_hidden_states=torch.cat(batch.text),
             pooled_projections=torch.cat(batch.pooled),
             timestep=torch.cat(batch.timesteps).to(reqs[0].latents.dtype),  # already on the latents' device
             step_cache=step_cache_for(reqs),
+            **({"controlnet_residuals": controls} if controls else {}),
         )
         guided = split_guided(prediction, reqs)
         self._skip_layer_guidance(reqs, prediction, guided)
@@ -140,6 +158,10 @@ class SD3Pipeline(Pipeline):
     #: SD3 runs without T5 (its sequence part is then zeros, as in Diffusers), saving ~9 GB on the real model.
     optional_components = ("text_encoder_3", "tokenizer_3")
     config = SD3PipelineConfig()
+    conditioning_type: ClassVar[type[SD3Conditioning]] = SD3Conditioning
+    #: The ControlNet classes the engine may load for this pipeline by config `_class_name`
+    #: (`loader/controlnets.py`).
+    controlnet_classes: ClassVar[dict[str, type]] = {"SD3ControlNetModel": SD3ControlNetModel}
     #: FLUX's provisional values from before its calibration on the demo model: the tiny test model (20 steps, 64x64) clears every bar by 15+ dB with them (10 / 7 / 5
     #: steps in full for medium / low / draft) and does not tell thresholds apart (2 full steps still give
     #: 46 dB), so they stay as on the closest real family until `diffserve calibrate-cache` replaces them.
@@ -148,6 +170,19 @@ class SD3Pipeline(Pipeline):
         "low": StepCachePolicy(threshold=0.25, max_reuse_in_a_row=3),
         "draft": StepCachePolicy(threshold=0.5, max_reuse_in_a_row=5),
     }
+
+    def use_controlnets(self, nets: dict[str, SD3ControlNetModel]) -> None:
+        """Serve `nets` by name from now on (requests name them in `controlnets`)."""
+        self.controlnets.update(nets)
+
+    def _check_controlnets(self, params) -> None:
+        check_controlnet_entries(params, self.controlnets, "StableDiffusion3Pipeline")
+        if params.skip_guidance_layers:
+            raise InvalidRequestError(
+                "skip_guidance_layers with controlnets: Diffusers' StableDiffusion3ControlNetPipeline has no "
+                "skip-layer guidance; leave one of them out",
+                param="controlnets",
+            )
 
     def build_stages(self, context: PipelineContext) -> list[Stage]:
         transformer = context.get("transformer")
@@ -171,6 +206,9 @@ class SD3Pipeline(Pipeline):
             cfg_mode="classic",
             skip_layer_guidance=SkipLayerGuidanceRule(num_layers=transformer.config.num_layers),
         )
+        #: The engine's ControlNets by name (`use_controlnets`), shared with the denoiser.
+        self.controlnets: dict[str, SD3ControlNetModel] = {}
+        self.input_validation.controlnet_check = self._check_controlnets
         clip_tokenizer = context.get("tokenizer")
         clip_max_length = clip_context_length(clip_tokenizer, self.config.clip_max_length)
         return [
@@ -192,9 +230,11 @@ class SD3Pipeline(Pipeline):
                 device=device,
                 dtype=dtype,
             ),
+            # The control images' posteriors draw from a generator of their own: any place would do.
+            SD3ControlImageEncodingStage(vae, self.controlnets, device=device, dtype=dtype),
             DefaultTimestepPreparationStage(scheduler, patch_size=patch),
             ImageToImageNoisingStage(),
             InpaintMaskStage(transformer.config.in_channels, spatial_latents),
-            DenoisingStage(SD3Denoiser(transformer, scheduler)),
+            DenoisingStage(SD3Denoiser(transformer, scheduler, self.controlnets)),
             DecodingStage(vae, packed_latents=False),
         ]

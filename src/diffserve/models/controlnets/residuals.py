@@ -3,7 +3,8 @@
 Diffusers' `FluxTransformer2DModel` takes `controlnet_block_samples` (one per ControlNet double-stream
 block) and `controlnet_single_block_samples`, and adds, after DiT block `i`, the sample
 `i // ceil(n_blocks / n_samples)` to the image stream (XLabs' ControlNets: `i % n_samples` for the
-double-stream blocks, `controlnet_blocks_repeat`). `BlockResiduals` holds those samples for the rows of
+double-stream blocks, `controlnet_blocks_repeat`); SD3's transformer adds sample
+`int(i / (n_blocks / n_samples))` (`truncating`). `BlockResiduals` holds those samples for the rows of
 a step's batch that use a ControlNet: the other rows are not touched, so they keep the values of a batch
 without any ControlNet, bit for bit.
 """
@@ -20,12 +21,14 @@ import torch
 @dataclass(frozen=True)
 class BlockResiduals:
     """Samples of shape (len(rows), image tokens, inner) each, for the batch rows `rows` (None: every row,
-    in order). `repeat`: XLabs' cycling of the double-stream samples."""
+    in order). `repeat`: XLabs' cycling of the double-stream samples; `truncating`: SD3's float interval,
+    truncated, instead of the ceiled integer one."""
 
     double: Sequence[torch.Tensor]
     single: Sequence[torch.Tensor]
     rows: tuple[int, ...] | None = None
     repeat: bool = False
+    truncating: bool = False
 
     def __post_init__(self) -> None:
         if self.rows is not None and len(set(self.rows)) != len(self.rows):
@@ -39,6 +42,8 @@ class BlockResiduals:
             return None
         if kind == "double" and self.repeat:
             return samples[index % len(samples)]
+        if self.truncating:
+            return samples[int(index / (num_blocks / len(samples)))]
         interval = math.ceil(num_blocks / len(samples))
         return samples[index // interval]
 
@@ -87,6 +92,7 @@ class BlockResiduals:
             single=[s.index_select(0, picks) for s in self.single],
             rows=new_rows,
             repeat=self.repeat,
+            truncating=self.truncating,
         )
 
 

@@ -47,7 +47,7 @@ and Ring then move this rank's heads only.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -71,6 +71,7 @@ from diffserve.layers.tensor_parallel import (
     TensorParallelRank,
 )
 from diffserve.models.cache_methods.blocks import SequentialBlocks, refuse_sequence_parallel
+from diffserve.models.controlnets.residuals import BlockResiduals, ResidualGroups
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig, check_tp_divides, shard_blocks
 from diffserve.models.dits.input_checks import check_per_sample
 from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
@@ -439,6 +440,8 @@ class SD3Transformer2DModel(DiffusersDiT):
         timestep: torch.Tensor,
         step_cache: BatchStepCache | None = None,
         skip_layers: frozenset[int] = frozenset(),
+        block_controlnet_hidden_states: Sequence[torch.Tensor] | None = None,
+        controlnet_residuals: Sequence[BlockResiduals] | None = None,
     ) -> torch.Tensor:
         """Predict the flow-matching velocity for latents.
 
@@ -451,6 +454,11 @@ class SD3Transformer2DModel(DiffusersDiT):
                 an earlier step (`models/step_cache.py`); None runs every block for every row (exact).
             skip_layers: block indices that every row skips, passing its image and text states on
                 unchanged (skip-layer guidance, Diffusers' `skip_layers`); empty runs every block.
+            block_controlnet_hidden_states: a ControlNet's residuals for every row, Diffusers' keyword:
+                after block `i` (skipped or not; the last, `context_pre_only` block excepted), sample
+                `int(i / (num_blocks / len(samples)))` is added to the image stream.
+            controlnet_residuals: instead, residuals of several groups, each on its own rows
+                (`models/controlnets/residuals.py`, `truncating` ones).
 
         Returns:
             (batch, out_channels, H, W).
@@ -473,14 +481,23 @@ class SD3Transformer2DModel(DiffusersDiT):
             raise ValueError(
                 f"skip_layers {bad} are outside the DiT's blocks 0..{len(self.transformer_blocks) - 1}"
             )
+        groups = list(controlnet_residuals or ())
+        if block_controlnet_hidden_states:
+            samples = list(block_controlnet_hidden_states)
+            groups.append(BlockResiduals(double=samples, single=(), truncating=True))
+        controls = ResidualGroups(tuple(groups)) if groups else None
         x = run_with_step_cache(
             step_cache,
             x,
             lambda: self._cache_signal(x, temb_act),
             lambda rows: self._run_blocks(
-                take_rows(x, rows), take_rows(ctx, rows), take_rows(temb_act, rows), skip_layers
+                take_rows(x, rows),
+                take_rows(ctx, rows),
+                take_rows(temb_act, rows),
+                skip_layers,
+                None if controls is None else controls.take(rows),
             ),
-            blocks=lambda: self._block_range(x, ctx, temb_act, skip_layers),
+            blocks=lambda: self._block_range(x, ctx, temb_act, skip_layers, controls),
         )
 
         x = self.proj_out(self.norm_out(x, temb_act))  # (batch, h * w, p * p * out_channels)
@@ -489,16 +506,27 @@ class SD3Transformer2DModel(DiffusersDiT):
         return x.reshape(batch, out_channels, height, width)
 
     def _run_blocks(
-        self, x: torch.Tensor, ctx: torch.Tensor, temb_act: torch.Tensor, skip_layers: frozenset[int]
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        temb_act: torch.Tensor,
+        skip_layers: frozenset[int],
+        controls: ResidualGroups | None = None,
     ) -> torch.Tensor:
         """Every joint block but `skip_layers`; returns the image tokens the output head reads (the last
-        block drops the text)."""
+        block drops the text). `controls`: ControlNet residuals of some rows, added after each block but
+        the last."""
         split = sequence_split([x.shape[1], ctx.shape[1]])
         if split is not None:
+            if controls is not None:
+                raise NotImplementedError("ControlNet residuals under sequence parallelism")
             return self._run_blocks_split(split, x, ctx, temb_act, skip_layers)
+        n = len(self.transformer_blocks)
         for index, block in enumerate(self.transformer_blocks):
             if index not in skip_layers:
                 ctx, x = block(x, ctx, temb_act)
+            if controls is not None and not block.context_pre_only:
+                x = controls.add("double", index, n, x)
         return x
 
     def _run_blocks_split(
@@ -522,19 +550,30 @@ class SD3Transformer2DModel(DiffusersDiT):
         return split.gather(image, x)
 
     def _block_range(
-        self, x: torch.Tensor, ctx: torch.Tensor, temb_act: torch.Tensor, skip_layers: frozenset[int]
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        temb_act: torch.Tensor,
+        skip_layers: frozenset[int],
+        controls: ResidualGroups | None = None,
     ) -> SequentialBlocks:
-        """The joint blocks as a `BlockRange` for DBCache, skipping `skip_layers` as `_run_blocks` does."""
+        """The joint blocks as a `BlockRange` for DBCache, skipping `skip_layers` and adding `controls` as
+        `_run_blocks` does."""
         refuse_sequence_parallel(sequence_split([x.shape[1], ctx.shape[1]]), "SD3")
         blocks = self.transformer_blocks
 
-        def call(i: int, x: torch.Tensor, ctx: torch.Tensor | None, temb: torch.Tensor) -> tuple:
-            if i in skip_layers:
-                return x, ctx
-            ctx, x = blocks[i](x, ctx, temb)
+        def row_inputs(rows: torch.Tensor | None) -> tuple:
+            return take_rows(temb_act, rows), None if controls is None else controls.take(rows)
+
+        def call(i: int, x: torch.Tensor, ctx: torch.Tensor | None, inputs: tuple) -> tuple:
+            temb, row_controls = inputs
+            if i not in skip_layers:
+                ctx, x = blocks[i](x, ctx, temb)
+            if row_controls is not None and not blocks[i].context_pre_only:
+                x = row_controls.add("double", i, len(blocks), x)
             return x, ctx
 
-        return SequentialBlocks(len(blocks), x, ctx, lambda rows: take_rows(temb_act, rows), call)
+        return SequentialBlocks(len(blocks), x, ctx, row_inputs, call)
 
     def _cache_signal(self, x: torch.Tensor, temb_act: torch.Tensor) -> torch.Tensor:
         """The first block's timestep-modulated image input: what the step cache watches change."""

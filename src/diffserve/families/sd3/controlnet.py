@@ -1,0 +1,168 @@
+"""ControlNets for SD3 text-to-image, per request (Diffusers' `StableDiffusion3ControlNetPipeline`, one
+ControlNet or several as its `SD3MultiControlNetModel`).
+
+The engine holds named ControlNets (`loader/controlnets.py`); a request lists the ones it applies
+(`SamplingParams.controlnets`). Diffusers' recipe, which differs from FLUX.1's and Qwen-Image's:
+
+1. each control image, resized to the output size (Lanczos) and repeated once per output and, with CFG,
+   once per branch (the negative branch's rows first), is VAE-encoded with a *sampled* posterior, then
+   `(z - shift) * scale` (shift 0 for the InstantX ControlNets, `force_zeros_for_pooled_projection`).
+   Diffusers draws that posterior noise from torch's global RNG; here it comes from a generator of its own
+   seeded with the request's seed, so that the two agree when the global RNG is seeded with it too (the
+   request's generator, which draws the initial noise, is left alone);
+2. at step `i` of `n`, an entry acts unless `i / n < start` or `(i + 1) / n > end`; an acting entry's
+   ControlNet runs on every branch with that branch's latents, control latents, text and pooled embedding
+   (zeros with `force_zeros_for_pooled_projection`) and timestep, and returns per-block residuals times its
+   scale; a request's entries' residuals are summed in order, each branch its own.
+
+In a step batch, each ControlNet runs once over the rows of every request that applies it at that step;
+the DiT adds each request's sums to its own rows only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from PIL import Image
+from torch import nn
+
+from diffserve.errors import InvalidRequestError
+from diffserve.models.controlnets.residuals import BlockResiduals
+from diffserve.models.controlnets.sd3 import SD3ControlNetModel
+from diffserve.pipelines.controlnet_steps import (
+    EncodedControl,
+    acting_entries,
+    double_stream_groups,
+    merge_samples,
+)
+from diffserve.request import Conditioning, Req
+from diffserve.runtime.runner import CfgBranchView
+from diffserve.stages.base import Stage, to_module
+from diffserve.stages.image_tensor import image_to_tensor
+
+
+@dataclass
+class SD3Conditioning(Conditioning):
+    """SD3's per-request conditioning: its ControlNet entries (set by `SD3ControlImageEncodingStage`)."""
+
+    controls: list[EncodedControl] = field(default_factory=list)
+
+
+def controls_of(req: Req) -> list[EncodedControl]:
+    conditioning = req.conditioning
+    return conditioning.controls if isinstance(conditioning, SD3Conditioning) else []
+
+
+class SD3ControlImageEncodingStage(Stage):
+    """Step 1 above: every control image's latents, one row per output and branch in the DiT batch's row
+    order (prompt rows, then the negative prompt's), into the conditioning's `controls`."""
+
+    def __init__(
+        self, vae: nn.Module, nets: Mapping[str, nn.Module], device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.vae = vae
+        self.nets = nets
+        self.device = device
+        self.dtype = dtype
+
+    @torch.inference_mode()
+    def forward(self, req: Req) -> Req:
+        p = req.params
+        if not p.controlnets:
+            return req
+        vae_device = next(self.vae.parameters()).device
+        generator = torch.Generator(vae_device)
+        if p.seed is not None:
+            generator.manual_seed(int(p.seed))
+        else:
+            generator.seed()
+        branches = 2 if req.do_cfg else 1
+        scaling = float(self.vae.config["scaling_factor"])
+        inputs = []
+        for entry in p.controlnets:
+            net = self.nets[entry.name]
+            shift = (
+                0.0 if net.config.force_zeros_for_pooled_projection else self.vae.config.get("shift_factor")
+            )
+            image = entry.image.convert("RGB").resize((p.width, p.height), Image.Resampling.LANCZOS)
+            pixels = image_to_tensor(image).repeat(req.batch_size * branches, 1, 1, 1)
+            latents = self.vae.encode(to_module(self.vae, pixels)).sample(generator)
+            latents = (latents - float(shift or 0.0)) * scaling
+            if branches == 2:  # Diffusers' rows are [negative; prompt]; the DiT batch's [prompt; negative]
+                n = req.batch_size
+                latents = torch.cat([latents[n:], latents[:n]])
+            latents = latents.to(device=self.device, dtype=self.dtype)
+            inputs.append(
+                EncodedControl(entry.name, latents, entry.scale, entry.start, entry.end, entry.mode)
+            )
+        SD3Conditioning.of(req).controls = inputs
+        return req
+
+
+class SD3ControlNetRunner:
+    """Runs the ControlNets of one step batch and hands the DiT each request's residuals."""
+
+    def __init__(self, nets: Mapping[str, SD3ControlNetModel]) -> None:
+        self.nets = nets
+
+    def residuals(self, reqs: list[Req]) -> list[BlockResiduals]:
+        """The DiT's residual groups for this step (empty when no entry acts)."""
+        acting = acting_entries(reqs, controls_of)
+        if not acting:
+            return []
+        by_net: dict[str, list[tuple[int, int, EncodedControl]]] = {}
+        for item in acting:
+            by_net.setdefault(item[2].name, []).append(item)
+        samples: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for name, items in by_net.items():
+            samples.update(self._run(self.nets[name], reqs, items))
+        per_request: dict[int, list[torch.Tensor]] = {}
+        for r, k, _ in acting:  # in each request's listed order
+            per_request[r] = merge_samples(per_request.get(r), samples[(r, k)])
+        return double_stream_groups(reqs, per_request, per_branch=True, truncating=True)
+
+    @staticmethod
+    def _run(
+        net: SD3ControlNetModel, reqs: list[Req], items: list[tuple[int, int, EncodedControl]]
+    ) -> dict[tuple[int, int], list[torch.Tensor]]:
+        """One forward of `net` over every branch row of `items`; (request, entry) -> its samples."""
+        latents, control, texts, pooled, timesteps, scales = [], [], [], [], [], []
+        zero_pooled = net.config.force_zeros_for_pooled_projection
+        for r, _, entry in items:
+            req = reqs[r]
+            if isinstance(req, CfgBranchView):  # its control latents hold both branches' rows
+                raise InvalidRequestError(
+                    "controlnets is not supported with CFG parallelism (--cfg-parallel) on SD3 yet",
+                    param="controlnets",
+                )
+            branches = [(req.prompt_embeds, req.pooled_prompt_embeds)]
+            if req.do_cfg:
+                branches.append((req.negative_prompt_embeds, req.negative_pooled_prompt_embeds))
+            t = req.schedule.timesteps[req.step_index]
+            for text, pool in branches:
+                latents.append(req.latents)
+                texts.append(text)
+                pooled.append(torch.zeros_like(pool) if zero_pooled else pool)
+                timesteps.append(t.expand(req.batch_size))
+            control.append(entry.latents)
+            rows = req.batch_size * len(branches)
+            scales.append(
+                torch.full((rows,), float(entry.scale), dtype=torch.float32, device=req.latents.device)
+            )
+        out = net(
+            hidden_states=torch.cat(latents),
+            controlnet_cond=torch.cat(control),
+            encoder_hidden_states=torch.cat(texts),
+            pooled_projections=torch.cat(pooled),
+            timestep=torch.cat(timesteps).to(latents[0].dtype),
+            scales=torch.cat(scales),
+        )
+        result, start = {}, 0
+        for r, k, _ in items:
+            req = reqs[r]
+            stop = start + req.batch_size * (2 if req.do_cfg else 1)
+            result[(r, k)] = [s[start:stop] for s in out]
+            start = stop
+        return result

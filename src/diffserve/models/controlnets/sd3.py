@@ -1,0 +1,119 @@
+"""SD3 ControlNet (Diffusers' `SD3ControlNetModel`, InstantX / Stability layout with joint blocks), native,
+loading Diffusers weights unchanged.
+
+A shorter copy of the SD3 DiT (its own joint blocks, every one updating the text stream, the same patch,
+timestep and caption embedders) whose image tokens are the patched latents (with their position table)
+plus `pos_embed_input(control latents)`, a patch projection without positions. After each block a
+zero-initialised Linear (`controlnet_blocks`) maps the image stream to a residual; scaled by the request's
+conditioning scale, those are what the SD3 DiT takes as `block_controlnet_hidden_states`
+(`models/dits/sd3.py`, `BlockResiduals(truncating=True)`).
+
+Refused when the config is read: SD3.5-Large's ControlNets (`use_pos_embed` false, no
+`joint_attention_dim`: single-stream blocks on pre-patched tokens) and the inpainting one
+(`extra_conditioning_channels`). Not wired to a pipeline yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffserve.models.dits.sd3 import JointTransformerBlock, SD3Transformer2DModel, SD3TransformerConfig
+
+
+@dataclass(frozen=True)
+class SD3ControlNetConfig(SD3TransformerConfig):
+    """`controlnet/config.json` of an `SD3ControlNetModel`: the DiT's keys and the ControlNet's own."""
+
+    extra_conditioning_channels: int = 0
+    pos_embed_type: str | None = "sincos"
+    use_pos_embed: bool = True
+    #: The pipeline hands the ControlNet zeros for the pooled projection (read by the pipeline).
+    force_zeros_for_pooled_projection: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.use_pos_embed or self.joint_attention_dim is None or self.pos_embed_type != "sincos":
+            raise ValueError(
+                "SD3ControlNetModel: SD3.5-Large style ControlNets (use_pos_embed false, single-stream blocks "
+                "without joint_attention_dim) are not supported; use one with joint blocks"
+            )
+        if self.extra_conditioning_channels:
+            raise ValueError(
+                "SD3ControlNetModel: inpainting ControlNets (extra_conditioning_channels="
+                f"{self.extra_conditioning_channels}) are not supported"
+            )
+        super().__post_init__()
+
+
+class ControlPatchEmbed(nn.Module):
+    """Diffusers' `PatchEmbed` without a position table: the conv patchify, flattened to tokens."""
+
+    def __init__(self, in_channels: int, dim: int, patch_size: int) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(in_channels, dim, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.proj(latents).flatten(2).transpose(1, 2)
+
+
+class SD3ControlNetModel(SD3Transformer2DModel):
+    """SD3 ControlNet: `forward` returns the scaled residual samples of its blocks, as Diffusers'
+    `controlnet_block_samples`."""
+
+    diffusers_class_name: ClassVar[str] = "SD3ControlNetModel"
+    config_class = SD3ControlNetConfig
+    cache_methods: ClassVar[frozenset[str]] = frozenset()
+    cache_block_lists: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, config: SD3ControlNetConfig) -> None:
+        super().__init__(config)
+        del self.norm_out, self.proj_out  # a ControlNet has no output head
+        inner = config.inner_dim
+        # Every block updates the text stream (the DiT's last one does not).
+        self.transformer_blocks = nn.ModuleList(
+            [
+                JointTransformerBlock(
+                    inner,
+                    config.num_attention_heads,
+                    config.attention_head_dim,
+                    context_pre_only=False,
+                    qk_norm=config.qk_norm,
+                    use_dual_attention=i in config.dual_attention_layers,
+                )
+                for i in range(config.num_layers)
+            ]
+        )
+        self.controlnet_blocks = nn.ModuleList([nn.Linear(inner, inner) for _ in range(config.num_layers)])
+        self.pos_embed_input = ControlPatchEmbed(config.in_channels, inner, config.patch_size)
+
+    def shard_for_tensor_parallel(self, tp: object) -> None:  # type: ignore[override]
+        raise ValueError("SD3 ControlNets run whole on every rank; they are not tensor-parallel")
+
+    def forward(  # type: ignore[override]
+        self,
+        hidden_states: torch.Tensor,
+        controlnet_cond: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        pooled_projections: torch.Tensor,
+        timestep: torch.Tensor,
+        scales: torch.Tensor,
+    ) -> list[torch.Tensor]:
+        """The residual sample of every block, each (rows, image tokens, inner), times its row's scale.
+
+        `hidden_states` / `controlnet_cond`: (rows, channels, H, W) latents and control latents;
+        `timestep` in Diffusers' units (sigma * 1000), as for the DiT; `scales` (rows,)."""
+        x = self.pos_embed(hidden_states)
+        temb_act = F.silu(self.time_text_embed(timestep, pooled_projections))
+        ctx = self.context_embedder(encoder_hidden_states)
+        x = x + self.pos_embed_input(controlnet_cond)
+        samples = []
+        for block, head in zip(self.transformer_blocks, self.controlnet_blocks, strict=True):
+            ctx, x = block(x, ctx, temb_act)
+            samples.append(head(x))
+        per_row = scales.to(device=x.device, dtype=torch.float32)[:, None, None]
+        # Diffusers' `sample * conditioning_scale` with a Python float: computed in float32, rounded once.
+        return [(s.float() * per_row).to(s.dtype) for s in samples]
