@@ -35,8 +35,8 @@ from diffserve.request import LatentSize, Req
 from diffserve.stages.base import Stage, to_module
 from diffserve.stages.decoding import DecodeLayout
 from diffserve.stages.input_validation import InputValidationStage
+from diffserve.stages.instructed_gemma_text import InstructedGemmaTextEncodingStage
 from diffserve.stages.latent_preparation import initial_noise
-from diffserve.stages.prompt_cache import PromptEmbeddingCache
 from diffserve.stages.video_vae_decoding import VideoVaeDecodingStage
 
 # ------------------------------------------------------------------------------ resolution binning
@@ -127,77 +127,8 @@ class SanaVideoInputValidationStage(InputValidationStage):
 # ------------------------------------------------------------------------------------------ text
 
 
-def preprocess(text: str) -> str:
-    """Diffusers' `_text_preprocessing` with `clean_caption=False` (its default): lower case, stripped."""
-    return text.lower().strip()
-
-
-class SanaVideoTextEncodingStage(Stage):
-    needs = ("do_cfg",)
-    sets = ("prompt_embeds",)
-
-    def __init__(
-        self, tokenizer, text_encoder: nn.Module, instruction: tuple[str, ...], output_dtype: torch.dtype
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.text_encoder = text_encoder
-        self.instruction = "\n".join(instruction) if instruction else None
-        # Diffusers counts the instruction's tokens with its `<bos>`.
-        self.instruction_tokens = len(tokenizer.encode(self.instruction)) if self.instruction else 0
-        self.output_dtype = output_dtype
-        self.cache = PromptEmbeddingCache()
-
-    def longest_sequence(self, max_sequence_length: int) -> int:
-        """Tokens Gemma-2 reads for a prompt at this max_sequence_length."""
-        if self.instruction is None:
-            return max_sequence_length
-        return self.instruction_tokens + max_sequence_length - 2
-
-    @torch.inference_mode()
-    def encode(self, texts: list[str], max_sequence_length: int, instructed: bool) -> list[torch.Tensor]:
-        """One (1, real tokens, hidden) tensor per text (see the module docstring)."""
-        texts = [preprocess(t) for t in texts]
-        length = max_sequence_length
-        if instructed and self.instruction is not None:
-            texts = [self.instruction + t for t in texts]
-            length = self.longest_sequence(max_sequence_length)
-        inputs = self.tokenizer(
-            texts,
-            padding="max_length",
-            max_length=length,
-            truncation=True,
-            add_special_tokens=True,
-            padding_side="right",
-            return_tensors="pt",
-        )
-        device = next(self.text_encoder.parameters()).device
-        mask = inputs.attention_mask.to(device)
-        states = self.text_encoder(inputs.input_ids.to(device), attention_mask=mask)[0]
-        if instructed:
-            keep = [0, *range(-max_sequence_length + 1, 0)]
-            states, mask = states[:, keep], mask[:, keep]
-        out = []
-        for row_states, row_mask in zip(states, mask.bool(), strict=True):
-            real = int(row_mask.sum())
-            if not bool(row_mask[:real].all()):
-                raise RuntimeError("SANA-Video's text mask is expected to keep its real tokens first")
-            out.append(row_states[None, :real].to(self.output_dtype))
-        return out
-
-    def forward(self, req: Req) -> Req:
-        p = req.params
-        n = p.num_outputs_per_prompt
-
-        def encoder(instructed: bool):
-            return lambda batch: self.encode(batch, p.max_sequence_length, instructed)
-
-        settings = (p.max_sequence_length,)
-        (prompt,) = self.cache.lookup([p.prompt], ("prompt", *settings), encoder(True))
-        req.prompt_embeds = prompt.repeat(n, 1, 1)
-        if req.do_cfg:
-            (negative,) = self.cache.lookup([p.negative_prompt], ("negative", *settings), encoder(False))
-            req.negative_prompt_embeds = negative.repeat(n, 1, 1)
-        return req
+class SanaVideoTextEncodingStage(InstructedGemmaTextEncodingStage):
+    """SanaVideoPipeline's prompt encoding (its video instruction), under SANA-Video's own stage name."""
 
 
 # --------------------------------------------------------------------------------------- latents
