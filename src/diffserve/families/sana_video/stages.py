@@ -177,9 +177,8 @@ def _latent_statistics(vae: nn.Module, latents: torch.Tensor) -> tuple[torch.Ten
 
 def _without_chunk_handout():
     """A scope in which the VAE hands no decoded chunk out early (a streamed job's frames): a binned clip is
-    resized after its decode, so its chunks are not its frames. The engine's hook, where this tree has one."""
-    scope = getattr(vae_tiling, "decode_output_scope", None)
-    return nullcontext() if scope is None else scope(None)
+    resized after its decode, so its chunks are not its frames."""
+    return vae_tiling.decode_output_scope(None)
 
 
 class SanaVideoDecodingStage(VideoVaeDecodingStage):
