@@ -372,6 +372,7 @@ class DiffGenerator:
             max_running_requests=1 if one_at_a_time else engine_args.max_running_requests,
             max_batch_tokens=max_tokens,
             max_inference_steps=engine_args.max_inference_steps,
+            batch_policy=engine_args.batch_policy,
         )
         runner = (
             DistributedRunner(self.pipeline, platform, self.attention_backend, self.ranks)

@@ -59,7 +59,9 @@ def one_thread():
 @pytest.fixture(scope="module")
 def ltx2(tmp_path_factory):
     folder = build_tiny_ltx2(tmp_path_factory.mktemp("ltx2-cache"), TinyLTX2Spec(num_layers=4))
-    generator = DiffGenerator.from_pretrained(folder, device="cpu", show_progress=False)
+    generator = DiffGenerator.from_pretrained(
+        folder, device="cpu", show_progress=False, batch_policy="throughput"
+    )
     return generator, generator.generate(PROMPT, seed=7, **KWARGS)
 
 

@@ -33,7 +33,7 @@ def lora_dir(tiny_flux_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 @pytest.fixture(scope="module")
 def gen(tiny_flux_dir: Path, lora_dir: Path):
     generator = DiffGenerator.from_pretrained(
-        tiny_flux_dir, device="cpu", show_progress=False, lora_dir=lora_dir
+        tiny_flux_dir, device="cpu", show_progress=False, lora_dir=lora_dir, batch_policy="throughput"
     )
     base_before_any_lora = _pixels(generator.generate("a red fox", **BASE))
     generator.load_lora("style", lora_dir / "style.safetensors")

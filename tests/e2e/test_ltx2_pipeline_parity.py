@@ -174,7 +174,7 @@ def test_ltx2_timestep_conditioned_vae_decodes_as_diffusers(tmp_path) -> None:
     root = build_tiny_ltx2(tmp_path / "ltx2-tc", TinyLTX2Spec(timestep_conditioning=True))
     reference = LTX2Pipeline.from_pretrained(root, dtype=torch.float32)
     reference.set_progress_bar_config(disable=True)
-    ours = DiffGenerator.from_pretrained(root, device="cpu", show_progress=False)
+    ours = DiffGenerator.from_pretrained(root, device="cpu", show_progress=False, batch_policy="throughput")
     extra = {"decode_timestep": 0.05, "decode_noise_scale": 0.025}
     kwargs = dict(height=64, width=96, num_frames=9, num_inference_steps=2, guidance_scale=3.0)
     out = ours.generate(prompt=PROMPT, seed=2, max_sequence_length=MSL, extra=extra, **kwargs)

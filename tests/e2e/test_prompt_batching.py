@@ -35,7 +35,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def generator() -> DiffGenerator:
     return DiffGenerator.from_pretrained(
-        demo_model_path(), device="cpu", dtype="float32", show_progress=False
+        demo_model_path(), device="cpu", dtype="float32", show_progress=False, batch_policy="throughput"
     )
 
 

@@ -88,7 +88,8 @@ def _build(target: str, out_dir):
 def case(request, tmp_path_factory):
     builder, extras = CASES[request.param]
     root = _build(builder, tmp_path_factory.mktemp(request.param))
-    return request.param, DiffGenerator.from_pretrained(root, device="cpu", show_progress=False), extras
+    gen = DiffGenerator.from_pretrained(root, device="cpu", show_progress=False, batch_policy="throughput")
+    return request.param, gen, extras
 
 
 def _params(extras: list[dict]) -> list[SamplingParams]:

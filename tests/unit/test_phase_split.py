@@ -24,7 +24,8 @@ SIZE, STEPS = 64, 3
 
 @pytest.fixture(scope="module")
 def generator(tiny_flux_dir):
-    gen = DiffGenerator(EngineArgs(model_path=str(tiny_flux_dir)), show_progress=False, memory_model=False)
+    args = EngineArgs(model_path=str(tiny_flux_dir), batch_policy="throughput")
+    gen = DiffGenerator(args, show_progress=False, memory_model=False)
     yield gen
     gen.close()
 

@@ -289,7 +289,7 @@ def _run_engine(
     scheduler = Engine(
         gen.pipeline,
         platform,
-        SchedulerConfig(max_running_requests=2),
+        SchedulerConfig(max_running_requests=2, batch_policy="throughput"),
         attention_backend=gen.engine.attention_backend,
     )
     if logs is not None:

@@ -95,7 +95,9 @@ class Recorder(EngineEvents):
 
 
 def make(gen: DiffGenerator, pipeline=None, **config) -> tuple[Engine, Recorder]:
-    """A fresh engine over the generator's pipeline (or `pipeline`, wrapping it), with recorded events."""
+    """A fresh engine over the generator's pipeline (or `pipeline`, wrapping it), with recorded events; the
+    `throughput` batch policy unless named (these tests check batching itself, whatever it costs)."""
+    config.setdefault("batch_policy", "throughput")
     ref: list = []
     events = Recorder(ref)
     memory = config.pop("memory", None)

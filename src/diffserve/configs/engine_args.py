@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from diffserve.configs.batching import BATCH_POLICIES
 from diffserve.configs.cache_settings import cache_default_from_flag
 from diffserve.configs.memory_options import (
     OFFLOAD_MODES,
@@ -167,6 +168,13 @@ class EngineArgs:
     max_batch_tokens: int | None = option(
         None, cli="--max-batch-tokens", min=1, commands=("serve",),
         help="cap on running latent tokens x CFG branches x outputs (default: 65536; 16384 on CPU)",
+    )  # fmt: skip
+    #: `diffserve.runtime.batch_policy`: how many running requests share a DiT step.
+    batch_policy: str = option(
+        "auto", cli="--batch-policy", choices=BATCH_POLICIES, commands=("serve", "generate"),
+        help="how many running requests share a denoising step: auto (as many as the measured step times say "
+        "pays in throughput, else fewer: shortest remaining first), throughput (every request of a shape, "
+        "shapes in turn) or latency (one at a time, shortest remaining first) (default: auto)",
     )  # fmt: skip
     #: The admission budget: a share of the free memory measured after warm-up.
     mem_fraction: float = option(

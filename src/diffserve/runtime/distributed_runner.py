@@ -95,9 +95,10 @@ class DistributedRunner(ModelRunner):
         run_here = super().pre_denoise
         return self._run(Op("pre_denoise", (req.request_id,), req.params), lambda: run_here(req))
 
-    def denoise_step(self, reqs: list[Req]) -> None:
+    def denoise_step(self, reqs: list[Req], step_samples: list[float] | None = None) -> None:
         run_here = super().denoise_step
-        self._run(Op("denoise_step", tuple(req.request_id for req in reqs)), lambda: run_here(reqs))
+        op = Op("denoise_step", tuple(req.request_id for req in reqs))
+        self._run(op, lambda: run_here(reqs, step_samples))
 
     def post_denoise(self, req: Req) -> Req:
         """Decoding runs on every rank, split by rows; the workers then drop their mirror."""

@@ -340,7 +340,7 @@ class Engine:
 
     def _denoise(self, group: list[ScheduledRequest]) -> None:
         try:
-            self.runner.denoise_step([sr.req for sr in group])
+            self.runner.denoise_step([sr.req for sr in group], self.scheduler.step_samples(group))
         except Exception as exc:
             logger.exception(
                 "A denoising step over %d request(s) failed: %s",

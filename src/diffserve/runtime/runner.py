@@ -162,16 +162,18 @@ class ModelRunner:
         with self.model_scope():
             return self.pipeline.run_pre_denoise(req)
 
-    def denoise_step(self, reqs: list[Req]) -> None:
-        """One DiT batch over `reqs`; each request's `timings.steps` gets this step's time when it is known.
-        Each row applies its request's LoRA adapters (none: the base weights)."""
+    def denoise_step(self, reqs: list[Req], step_samples: list[float] | None = None) -> None:
+        """One DiT batch over `reqs`; each request's `timings.steps`, and `step_samples` (the batch policy's
+        curve), get this step's time when it is known. Each row applies its request's LoRA adapters (none:
+        the base weights)."""
         with self.model_scope():
             start = self.step_timer.start()
             batch = self.cfg_views.enter(reqs)  # `reqs` itself unless CFG-parallel splits some
             with lora_rows_scope(batch_lora_rows(batch)):
                 self.pipeline.denoise_step(batch)
             self.cfg_views.leave(batch)
-            self.step_timer.stop(start, *(req.timings.steps for req in reqs))
+            samples = () if step_samples is None else (step_samples,)
+            self.step_timer.stop(start, *(req.timings.steps for req in reqs), *samples)
 
     def post_denoise(self, req: Req) -> Req:
         self.release(req)

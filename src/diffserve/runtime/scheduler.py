@@ -1,8 +1,11 @@
 """`StepScheduler`: what runs next, decided at every denoising step boundary; it never calls a model.
 Admission follows queue order (`priority`, then arrival) within the running set's limits; a head that
 does not fit blocks the queue (large requests are not starved); an empty running set always admits.
-Requests with equal `batch_key`s share a DiT batch, each at its own step; groups take turns round-robin.
-`add`/`cancel` work from any thread; decisions are made on the engine's driving thread."""
+Requests with equal `batch_key`s may share a DiT batch, each at its own step; how many do is the batch
+policy's choice (runtime/batch_policy.py: `throughput` batches a whole group and groups take turns
+round-robin; `latency` and `auto` serve the first request in shortest-remaining order, `auto` with as many
+of its group as the measured step times say pays). `add`/`cancel` work from any thread; decisions are made
+on the engine's driving thread."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from typing import Literal
 
 from diffserve.phases import WHOLE, PhaseSpan
 from diffserve.request import Req
+from diffserve.runtime.batch_policy import BATCH_POLICIES, BatchPolicy, Candidate, step_order, token_bucket
 from diffserve.runtime.memory import MemoryModel, RequestCost
 
 
@@ -27,13 +31,19 @@ def default_max_batch_tokens(device_type: str) -> int:
 @dataclass
 class SchedulerConfig:
     """Limits (None: no limit): requests running at once; the running set's latent tokens x CFG branches x
-    outputs; denoising steps one request may ask for (`Engine.prepare` refuses more)."""
+    outputs; denoising steps one request may ask for (`Engine.prepare` refuses more); and the batch policy
+    (runtime/batch_policy.py: how many running requests share a step)."""
 
     max_running_requests: int = 8
     max_batch_tokens: int | None = None
     max_inference_steps: int | None = 1000
+    batch_policy: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.batch_policy not in BATCH_POLICIES:
+            raise ValueError(
+                f"batch_policy must be one of {', '.join(BATCH_POLICIES)}, got {self.batch_policy!r}"
+            )
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
@@ -58,6 +68,7 @@ class ScheduledRequest:
     submitted_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
     batch_sizes: list[int] = field(default_factory=list)  # DiT batch size of each of its steps
+    skipped_steps: int = 0  # steps it could have run but the batch policy passed it over (ageing)
     peak_memory_bytes: int | None = None  # the platform's, since the running set was last empty
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -75,12 +86,26 @@ class ScheduledRequest:
     def order(self) -> tuple[int, int]:
         return (-self.priority, self.seq)
 
+    @property
+    def rows(self) -> int:
+        """Its rows in a DiT batch: CFG branches x outputs."""
+        return self.cost.branches * self.cost.outputs
+
+    @property
+    def token_bucket(self) -> int:
+        return token_bucket(self.cost.tokens)
+
+    def candidate(self) -> Candidate:
+        remaining = self.req.num_steps - self.req.step_index if self.req.schedule is not None else 0
+        return Candidate(self.rows, remaining, self.priority, self.seq, self.skipped_steps)
+
 
 class StepScheduler:
     def __init__(self, config: SchedulerConfig | None = None, memory: MemoryModel | None = None) -> None:
         """`memory`: None admits without a memory check."""
         self.config = config or SchedulerConfig()
         self.memory = memory
+        self.policy = BatchPolicy(self.config.batch_policy)
         self._cond = threading.Condition()
         self._seq = itertools.count()
         self._waiting: list[ScheduledRequest] = []  # kept sorted by `order`
@@ -178,6 +203,11 @@ class StepScheduler:
         limit = self.config.max_batch_tokens
         if limit is not None and sum(r.cost.batch_tokens for r in running) + sr.cost.batch_tokens > limit:
             return False
+        room = self.policy.running_room(sr.token_bucket)
+        if room is not None:
+            bucket = sr.token_bucket
+            if sum(1 for r in running if r.token_bucket == bucket and not r.req.is_denoised) >= room:
+                return False
         return self.memory is None or self.memory.fits([r.cost for r in running], sr.cost)
 
     def admit(self, ready: Callable[[ScheduledRequest], bool] | None = None) -> list[ScheduledRequest]:
@@ -200,8 +230,8 @@ class StepScheduler:
     def next_group(
         self, batch_key: Callable[[Req], Hashable]
     ) -> tuple[list[ScheduledRequest], list[tuple[ScheduledRequest, Exception]]]:
-        """The running requests of the batch key whose turn it is (round-robin over keys), and the
-        requests whose key could not be computed (the engine fails them)."""
+        """The running requests that share the next DiT step (the batch policy's choice: see the module
+        docstring), and the requests whose key could not be computed (the engine fails them)."""
         groups: dict[Hashable, list[ScheduledRequest]] = {}
         broken: list[tuple[ScheduledRequest, Exception]] = []
         with self._cond:
@@ -215,6 +245,19 @@ class StepScheduler:
             groups.setdefault(key, []).append(sr)
         if not groups:
             return [], broken
+        if self.policy.name == "throughput":
+            key = self._next_in_rotation(groups)
+            group = groups[key]
+        else:
+            key, group = self._shortest_first(groups)
+        self.steps_per_group[key] += 1
+        for sr in running:
+            if sr not in group:
+                sr.skipped_steps += 1
+        return group, broken
+
+    def _next_in_rotation(self, groups: dict[Hashable, list[ScheduledRequest]]) -> Hashable:
+        """The key whose turn it is, round-robin over the keys that have running requests."""
         for key in [k for k in self._rotation if k not in groups]:
             self._rotation.remove(key)
         for key in groups:
@@ -222,8 +265,23 @@ class StepScheduler:
                 self._rotation.append(key)
         key = self._rotation[0]
         self._rotation.rotate(-1)
-        self.steps_per_group[key] += 1
-        return groups[key], broken
+        return key
+
+    def _shortest_first(
+        self, groups: dict[Hashable, list[ScheduledRequest]]
+    ) -> tuple[Hashable, list[ScheduledRequest]]:
+        """The group of the request first in `step_order`, cut to as many (in that order) as the policy
+        chooses for their token bucket."""
+        keyed = [(key, sr) for key, members in groups.items() for sr in members]
+        ordered = [keyed[i] for i in step_order([sr.candidate() for _, sr in keyed])]
+        key = ordered[0][0]
+        members = [sr for k, sr in ordered if k == key]
+        count = self.policy.choose(members[0].token_bucket, [sr.rows for sr in members])
+        return key, members[:count]
+
+    def step_samples(self, group: list[ScheduledRequest]) -> list[float]:
+        """The list the time of `group`'s step goes to: the batch policy's curve at its bucket and rows."""
+        return self.policy.curve.samples(group[0].token_bucket, sum(sr.rows for sr in group))
 
     def record_step(self, group: list[ScheduledRequest]) -> None:
         self.batch_size_counts[len(group)] += 1

@@ -124,7 +124,8 @@ class FakeGenerator:
         self.engine = Engine(
             self.pipeline,
             self.platform,
-            config or SchedulerConfig(max_batch_tokens=16384),
+            # Its steps take no time: the measured policy would choose on noise; this one batches.
+            config or SchedulerConfig(max_batch_tokens=16384, batch_policy="throughput"),
             attention_backend=AttentionBackend.SDPA,
         )
 

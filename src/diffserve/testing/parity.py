@@ -410,10 +410,13 @@ def generator_and_reference(generator_cls: Any, root: Any, diffusers_cls: Any) -
     """diffserve's `generator_cls` (`DiffGenerator`: CPU, no progress bar) and Diffusers' `diffusers_cls`
     pipeline (fp32, no progress bar) on one model folder: the two sides of a pipeline parity test. The
     generator class is passed in: `testing` is imported by the families' tiny builders, so it may not
-    import the API (the package graph stays acyclic)."""
+    import the API (the package graph stays acyclic). The generator batches every request of a shape
+    (`batch_policy="throughput"`), so a test of requests sharing steps gets shared steps whatever the
+    measured step times say."""
     reference = diffusers_cls.from_pretrained(root, dtype=torch.float32)
     reference.set_progress_bar_config(disable=True)
-    return generator_cls.from_pretrained(root, device="cpu", show_progress=False), reference
+    ours = generator_cls.from_pretrained(root, device="cpu", show_progress=False, batch_policy="throughput")
+    return ours, reference
 
 
 def max_pixel_diff(a: np.ndarray, b: np.ndarray) -> int:
