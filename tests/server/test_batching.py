@@ -46,6 +46,8 @@ def batching_server(tiny_flux_dir, tmp_path_factory):
         "8",
         "--max-queue-size",
         "16",
+        "--batch-policy",  # every request of a shape in each step: this file checks batching itself
+        "throughput",
     ) as srv:
         yield srv
 
@@ -111,6 +113,17 @@ def test_server_info_reports_the_scheduler(batching_server) -> None:
     assert scheduler["mem_fraction"] == 0.9 and scheduler["memory_model"]["source"] == source
     assert scheduler["memory_model"]["budget_mb"] > 0
     assert info["server_args"]["engine_args"]["max_running_requests"] == 8
+
+
+def test_server_info_and_metrics_show_the_measured_step_curve(batching_server) -> None:
+    generate(batching_server, {"prompt": "a curve", "num_inference_steps": 3})
+    batching = batching_server.info()["engine"]["batching"]
+    assert batching["policy"] == "throughput"
+    bucket = batching["step_seconds"]["4"]  # 32x32 pixels: 2x2 packed latent tokens of 16-pixel squares
+    assert bucket["1"]["seconds"] > 0 and bucket["1"]["seconds_per_row"] == bucket["1"]["seconds"]
+    text = httpx.get(f"{batching_server.base_url}/metrics", timeout=10).text
+    assert metric(text, 'diffserve_batch_policy{policy="throughput"}') == 1.0
+    assert metric(text, 'diffserve_dit_step_seconds_per_row{bucket="4",rows="1"}') > 0
 
 
 def test_priority_field_is_accepted(batching_server) -> None:

@@ -219,6 +219,7 @@ def combined(
     merged = dataclasses.replace(
         result,
         batch_sizes=list(denoised.batch_sizes),
+        batching=denoised.batching,
         steps_computed_in_full=denoised.steps_computed_in_full,
         cache=denoised.cache,
         peak_memory_bytes=max(highest) if highest else None,

@@ -76,21 +76,29 @@ class StepCostCurve:
     _warm: set[tuple[int, int]] = field(default_factory=set)
 
     def samples(self, bucket: int, rows: int) -> list[float]:
-        return self._samples.setdefault((bucket, rows), [])
+        """The list the next step's time goes to (on the engine's thread, which alone changes the lists):
+        trimmed to the last `window` times, and without a shape's first time once it has a second."""
+        key = (bucket, rows)
+        times = self._samples.setdefault(key, [])
+        if key not in self._warm and len(times) > 1:
+            del times[0]
+            self._warm.add(key)
+        del times[: -self.window]
+        return times
 
     def seconds(self, bucket: int, rows: int) -> float | None:
-        """The median of the last `window` times of a step of `rows` rows in `bucket`; None: not measured."""
-        times = self._samples.get((bucket, rows))
+        """The median of the last `window` times of a step of `rows` rows in `bucket` (the first time
+        left out once there is another); None: not measured. Reads copies: any thread may call it."""
+        key = (bucket, rows)
+        times = list(self._samples.get(key, ()))
+        if key not in self._warm and len(times) > 1:
+            times = times[1:]
         if not times:
             return None
-        if len(times) > 1 and (bucket, rows) not in self._warm:
-            del times[0]
-            self._warm.add((bucket, rows))
-        del times[: -self.window]  # bounded: the oldest times are dropped when read
-        return statistics.median(times)
+        return statistics.median(times[-self.window :])
 
     def measured_rows(self, bucket: int) -> list[int]:
-        return sorted(r for (b, r), times in self._samples.items() if b == bucket and times)
+        return sorted(r for (b, r), times in list(self._samples.items()) if b == bucket and times)
 
     def per_row(self, bucket: int, rows: int) -> float | None:
         """Seconds per row of a `rows`-row step: measured, or interpolated between the two measured batches
@@ -117,13 +125,14 @@ class StepCostCurve:
     def snapshot(self) -> dict[str, dict[str, dict[str, float | int]]]:
         """For /server_info and the metrics: {bucket: {rows: {"seconds", "seconds_per_row", "samples"}}}."""
         out: dict[str, dict[str, dict[str, float | int]]] = {}
-        for bucket, rows in sorted(k for k, times in self._samples.items() if times):
+        samples = dict(self._samples)  # a copy: the engine's thread may add a shape meanwhile
+        for bucket, rows in sorted(k for k, times in samples.items() if times):
             seconds = self.seconds(bucket, rows)
             assert seconds is not None
             out.setdefault(str(bucket), {})[str(rows)] = {
                 "seconds": round(seconds, 6),
                 "seconds_per_row": round(seconds / rows, 6),
-                "samples": len(self._samples[(bucket, rows)]),
+                "samples": len(samples[(bucket, rows)]),
             }
         return out
 
@@ -199,7 +208,7 @@ class BatchPolicy:
         return {
             "policy": self.name,
             "step_seconds": self.curve.snapshot(),
-            "last_decision": {str(b): reason for b, reason in sorted(self.last_reason.items())},
+            "last_decision": {str(b): reason for b, reason in sorted(dict(self.last_reason).items())},
         }
 
 

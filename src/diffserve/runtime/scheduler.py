@@ -198,17 +198,22 @@ class StepScheduler:
         running = self._running
         if not running:
             return True
-        if len(running) >= self.config.max_running_requests:
-            return False
-        limit = self.config.max_batch_tokens
-        if limit is not None and sum(r.cost.batch_tokens for r in running) + sr.cost.batch_tokens > limit:
-            return False
         room = self.policy.running_room(sr.token_bucket)
         if room is not None:
             bucket = sr.token_bucket
             if sum(1 for r in running if r.token_bucket == bucket and not r.req.is_denoised) >= room:
                 return False
-        return self.memory is None or self.memory.fits([r.cost for r in running], sr.cost)
+        return self.within_limits([r.cost for r in running], sr.cost)
+
+    def within_limits(self, running: list[RequestCost], cost: RequestCost) -> bool:
+        """Whether a request of `cost` may run beside `running` under max_running_requests, max_batch_tokens
+        and the memory model (the batch policy aside)."""
+        if len(running) >= self.config.max_running_requests:
+            return False
+        limit = self.config.max_batch_tokens
+        if limit is not None and sum(c.batch_tokens for c in running) + cost.batch_tokens > limit:
+            return False
+        return self.memory is None or self.memory.fits(running, cost)
 
     def admit(self, ready: Callable[[ScheduledRequest], bool] | None = None) -> list[ScheduledRequest]:
         """Waiting requests that start now (moved to the running set, in queue order). `ready`: whether a

@@ -513,6 +513,8 @@ class EngineClient:
             self._fatal = message
             logger.error("%s failed to start: %s", self.name, message.message)
         elif isinstance(message, msg.JobFinished):
+            if message.batching is not None:  # /server_info's last known curve
+                self.engine_info = {**self.engine_info, "batching": message.batching}
             self._resolve(message.request_id, result=message)
         elif isinstance(message, msg.JobRejected):
             error = JobRejectedError(message.message, message.param, message.status)

@@ -72,7 +72,9 @@ def _is_client_job(sr: ScheduledRequest) -> bool:
     return isinstance(sr.payload, msg.GenerateJob) and not sr.payload.internal
 
 
-def _finished(sr: ScheduledRequest, encode_seconds: float, timings: dict, **outputs: Any) -> msg.JobFinished:
+def _finished(
+    sr: ScheduledRequest, encode_seconds: float, timings: dict, batching: dict[str, Any], **outputs: Any
+) -> msg.JobFinished:
     req = sr.req
     return msg.JobFinished(
         sr.request_id,
@@ -84,6 +86,8 @@ def _finished(sr: ScheduledRequest, encode_seconds: float, timings: dict, **outp
         encode_seconds=encode_seconds,
         steps_computed_in_full=req.steps_computed_in_full,
         cache=req.cache_report,
+        batch_sizes=list(sr.batch_sizes),
+        batching=batching,
         **outputs,
     )
 
@@ -218,6 +222,7 @@ class EngineProcess:
         # The runtime's memory model, as DiffGenerator's; calibrated at warm-up where the platform has a
         # peak counter (the CPU too, on Linux), estimated with --no-warmup or when calibration fails.
         self.generator.build_memory_model(calibrate=self.config.warmup)
+        self._measure_step_curve()
         info = self.info(warmup_seconds)
         logger.info("Scheduler: %s", info["scheduler"])
         self.receiver = threading.Thread(target=self._receive_loop, name="engine-receiver", daemon=True)
@@ -227,6 +232,19 @@ class EngineProcess:
             threading.Thread(target=self._watch_ranks, name="rank-watchdog", daemon=True).start()
         self.channel.send(msg.EngineReady(pid=os.getpid(), info=info, probe_size=self.probe_size))
         logger.info("Engine ready (pid %d)", os.getpid())
+
+    def _measure_step_curve(self) -> None:
+        """With --batch-policy auto, the warm-up's step times at batches of 1, 2, 4, ... probe requests
+        (runtime/step_curve_probe.py); other sizes are measured while serving."""
+        s = self.scheduler
+        if not self.config.warmup or s.policy.name != "auto" or s.config.max_running_requests < 2:
+            return
+        from diffserve.runtime.step_curve_probe import measure_step_curve
+
+        try:
+            measure_step_curve(self.engine, self.probe_params("batch curve"), s.config.max_running_requests)
+        except Exception:  # the policy measures while serving instead
+            logger.exception("Batch policy: the warm-up measurement failed; measuring while serving")
 
     def _parallel_info(self) -> dict[str, Any]:
         """The rank layout (degrees) and the pids of this engine's other rank processes."""
@@ -310,6 +328,7 @@ class EngineProcess:
                 "mem_fraction": self.config.engine_args.mem_fraction,
                 "memory_model": self._describe_memory(),
             },
+            "batching": self._batching(),
             "warmup_seconds": None if warmup_seconds is None else round(warmup_seconds, 3),
             "loras": self.loras.summary(),
             # The ControlNets requests may name (--controlnet; "default": the folder's own), each with a
@@ -501,9 +520,8 @@ class EngineProcess:
             from diffserve.runtime.handoff import pack_handoff
 
             handoff = pack_handoff(req, sr.span.next_phase)
-            sizes = list(sr.batch_sizes)
             self.channel.send(
-                _finished(sr, 0.0, req.timings.stages, images=[], batch_sizes=sizes, handoff=handoff)
+                _finished(sr, 0.0, req.timings.stages, self._batching(), images=[], handoff=handoff)
             )
             return
         if job.video_path is not None:
@@ -517,8 +535,11 @@ class EngineProcess:
         encode_start = time.perf_counter()
         images = self._encode(job, req.outputs.images or [], req.params)
         encode_seconds = time.perf_counter() - encode_start  # its finish line: `RequestLog.ended`, next
-        sizes = list(sr.batch_sizes)
-        self.channel.send(_finished(sr, encode_seconds, req.timings.stages, images=images, batch_sizes=sizes))
+        self.channel.send(_finished(sr, encode_seconds, req.timings.stages, self._batching(), images=images))
+
+    def _batching(self) -> dict[str, Any]:
+        """The batch policy and its measured curve, as /server_info shows them (any thread may ask)."""
+        return self.engine.scheduler.policy.describe()
 
     def _on_step(self, job: msg.GenerateJob, req: Any) -> None:
         """`Req.on_step`: one JobProgress per step (the last one starts decoding), and the job's previews."""
@@ -639,7 +660,9 @@ class EngineProcess:
                 rid, encode_seconds, num_frames, size, time.perf_counter() - sr.submitted_at,
             )  # fmt: skip
             timings = {**req.timings.stages, "VideoEncoding": encode_seconds}
-            self.channel.send(_finished(sr, encode_seconds, timings, images=[], videos=[video]))
+            self.channel.send(
+                _finished(sr, encode_seconds, timings, self._batching(), images=[], videos=[video])
+            )
         except Exception as exc:
             logger.exception("Request %s failed while writing its video", rid)
             if stream is not None:

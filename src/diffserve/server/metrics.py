@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -77,6 +77,18 @@ class ServerMetrics:
             "share of requests' steps that ran batched)",
             buckets=_BATCH_BUCKETS, registry=r,
         )  # fmt: skip
+        self.step_seconds_per_row = Gauge(
+            "diffserve_dit_step_seconds_per_row",
+            "The batch policy's measured curve: median seconds of a DiT step per batch row, by token bucket (a "
+            "request's latent tokens, rounded up to a power of two) and rows in the batch (as last reported)",
+            ["bucket", "rows"], registry=r,
+        )  # fmt: skip
+        self.batch_policy = Gauge(
+            "diffserve_batch_policy",
+            "The engine's --batch-policy (1 for the one in use)",
+            ["policy"],
+            registry=r,
+        )
         self.images_generated = Counter(
             "diffserve_images_generated", "Images returned to clients", registry=r
         )
@@ -126,6 +138,8 @@ class ServerMetrics:
             self.step_seconds.observe(seconds)
         for size in result.batch_sizes:
             self.batch_size.observe(size)
+        if result.batching is not None:
+            self.observe_batching(result.batching)
         if result.cache is not None:
             self.dit_blocks.labels("computed").inc(result.cache["blocks_computed"])
             self.dit_blocks.labels("reused").inc(result.cache["blocks_reused"])
@@ -135,6 +149,14 @@ class ServerMetrics:
             self.peak_memory.set(result.peak_memory_bytes)
             self._max_peak = max(self._max_peak, result.peak_memory_bytes)
             self.max_peak_memory.set(self._max_peak)
+
+    def observe_batching(self, batching: dict[str, Any]) -> None:
+        """The batch policy and its curve (`BatchPolicy.describe`); labels are bounded by the token buckets
+        (powers of two) and batch rows the engine can run."""
+        self.batch_policy.labels(batching["policy"]).set(1)
+        for bucket, by_rows in batching["step_seconds"].items():
+            for rows, point in by_rows.items():
+                self.step_seconds_per_row.labels(bucket, rows).set(point["seconds_per_row"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

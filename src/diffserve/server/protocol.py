@@ -208,6 +208,9 @@ class JobFinished:
     #: A job whose phases end before decode (`GenerateJob.phases`): its request for the next phase, in
     #: place of images.
     handoff: Handoff | None = None
+    #: The engine's batch policy when it finished (`BatchPolicy.describe`: the policy, the measured step
+    #: seconds per token bucket and rows, the last decision's reason): /server_info's and the metrics'.
+    batching: dict[str, Any] | None = None
 
 
 @dataclass

@@ -29,7 +29,7 @@ from diffserve.server.schemas import ModelCard, ModelList
 _ERRORS = documented(400, 401, 404, 413, 429, 500, 503)
 #: Engine info that differs between replicas: with several, shown per replica, not in `engine`. `node`:
 #: where a Ray Serve replica runs (deploy/engines.py); None for the engine processes of this machine.
-_PER_REPLICA_INFO = ("load_seconds", "warmup_seconds", "device_name", "node")
+_PER_REPLICA_INFO = ("load_seconds", "warmup_seconds", "device_name", "node", "batching")
 
 router = APIRouter()
 
