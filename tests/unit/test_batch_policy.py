@@ -75,6 +75,7 @@ def test_auto_stops_growing_where_rows_cost_as_much_each() -> None:
     policy.curve.samples(256, 2).extend([compute_bound(2)] * 2)
     assert policy.choose(256, [1] * 8) == 1 and policy.last_reason[256] == "measured"
     assert policy.running_room(256) == 2  # the next request is admitted (encoded) while one steps
+    assert BatchPolicy("auto").running_room(512) == 2 and BatchPolicy("throughput").running_room(512) is None
 
 
 def test_auto_counts_rows_not_requests() -> None:

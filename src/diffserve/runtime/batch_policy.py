@@ -146,7 +146,7 @@ class BatchPolicy:
         self.name: BatchPolicyName = name  # type: ignore[assignment]  # checked above
         self.curve = curve or StepCostCurve()
         self._decisions: dict[int, int] = {}
-        #: The last number of requests chosen per bucket (admission keeps about twice as many running).
+        #: The last number of requests chosen per bucket (admission keeps at most twice as many running).
         self._last_choice: dict[int, int] = {}
         #: Why the last decision per bucket was made ("measured", "exploring", "re-measuring", ...).
         self.last_reason: dict[int, str] = {}
@@ -162,18 +162,17 @@ class BatchPolicy:
         count = self._decisions[bucket] = self._decisions.get(bucket, 0) + 1
         chosen, reason = self._auto(bucket, rows, count)
         self.last_reason[bucket] = reason
-        if reason == "measured":
-            self._last_choice[bucket] = chosen
+        self._last_choice[bucket] = chosen
         return chosen
 
     def running_room(self, bucket: int) -> int | None:
         """How many requests of `bucket` may be denoising at once under this policy (None: no limit beyond
-        the scheduler's): `latency` one; `auto` twice its last measured choice (room to re-measure a larger
-        batch, and the next request encoded while one steps), unlimited until it has one."""
+        the scheduler's): `latency` one; `auto` twice its last choice, two before its first (room for the
+        next, larger batch it may try, and for the next request to be encoded while the chosen ones step)."""
         if self.name == "latency":
             return 1
-        if self.name == "auto" and bucket in self._last_choice:
-            return 2 * self._last_choice[bucket]
+        if self.name == "auto":
+            return 2 * self._last_choice.get(bucket, 1)
         return None
 
     def _auto(self, bucket: int, rows: Sequence[int], count: int) -> tuple[int, str]:
