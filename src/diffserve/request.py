@@ -258,6 +258,10 @@ class Req:
     # Set by input validation.
     generator: torch.Generator | None = None
     do_cfg: bool | None = None  # run a negative branch: FLUX's true CFG, SD3's classic CFG
+    #: Images one output's DiT sequence generates, each a full image of tokens decoded on its own (1; a
+    #: family that makes several per output says how many, e.g. Qwen-Image-Layered's layers and composite):
+    #: the memory model and `--max-batch-tokens` count them.
+    latent_images: int = 1
     cfg_scale: float = 1.0  # prediction = negative + cfg_scale * (positive - negative)
 
     # Set by text encoding: (batch, seq, dim) sequence embeddings and (batch, dim) pooled ones. For

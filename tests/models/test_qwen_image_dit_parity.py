@@ -29,6 +29,8 @@ TINY: dict[str, Any] = {
     "axes_dims_rope": (4, 6, 6),
 }
 TINY_ZERO_COND: dict[str, Any] = {**TINY, "zero_cond_t": True}
+#: Qwen-Image-Layered: layer-aware RoPE and the additional timestep embedding.
+TINY_LAYERED: dict[str, Any] = {**TINY, "use_layer3d_rope": True, "use_additional_t_cond": True}
 
 # Non-square generated image (6 x 4 patches) and, for edit calls, a 4 x 4 conditioning image.
 GEN = (1, 6, 4)
@@ -176,8 +178,6 @@ def test_parity_bf16() -> None:
 def test_config_errors() -> None:
     with pytest.raises(ValueError, match="QwenImageTransformer2DModel config has unknown keys"):
         QwenImageTransformer2DModel.from_config({**TINY, "num_single_layers": 3})
-    with pytest.raises(NotImplementedError, match="Layered"):
-        QwenImageTransformer2DModel.from_config({**TINY, "use_layer3d_rope": True})
     with pytest.raises(ValueError, match="img_shapes"):
         with torch.device("meta"):
             ours = QwenImageTransformer2DModel(QwenImageTransformerConfig(**TINY))
@@ -188,3 +188,41 @@ def test_config_errors() -> None:
             torch.zeros(1, device="meta"),
             [[GEN]],
         )
+
+
+def test_layered_state_dict_keys_and_shapes_match_diffusers() -> None:
+    ref = DiffusersQwenImage(**TINY_LAYERED)
+    with torch.device("meta"):
+        ours = QwenImageTransformer2DModel(QwenImageTransformerConfig(**TINY_LAYERED))
+    assert_same_state_dict_layout(ours, ref)
+    assert "time_text_embed.addition_t_embedding.weight" in ours.state_dict()
+
+
+# Layered shapes: the composite and its layers, then the input image (frame position -1). With 2x2
+# patches and 5 layers the text starts after the layer index (5 > 2 // 2), the other branch of the rule.
+LAYERED_SHAPES = [[GEN] * 3 + [GEN], [(1, 2, 2)] * 6 + [(1, 2, 2)]]
+
+
+@pytest.mark.parametrize("shapes", LAYERED_SHAPES, ids=["3 layers 6x4", "6 layers 2x2"])
+def test_layered_rope_tables_match_diffusers(shapes: list[tuple[int, int, int]]) -> None:
+    ref, ours = _pair(TINY_LAYERED)
+    img_freqs, txt_freqs = ref.pos_embed([shapes], max_txt_seq_len=5, device=torch.device("cpu"))
+    cos, sin = ours.rope_tables([shapes], 5, torch.device("cpu"))
+    expected = torch.cat([txt_freqs, img_freqs], dim=0)
+    assert torch.equal(cos, expected.real) and torch.equal(sin, expected.imag)
+
+
+@pytest.mark.parametrize("shapes", LAYERED_SHAPES, ids=["3 layers 6x4", "6 layers 2x2"])
+@pytest.mark.parametrize("is_rgb", [[0, 0], [0, 1]], ids=["rgba", "mixed"])
+def test_layered_parity(shapes: list[tuple[int, int, int]], is_rgb: list[int]) -> None:
+    ref, ours = _pair(TINY_LAYERED)
+    inputs = _inputs(2, shapes, [0.8, 0.3], mask=True)
+    inputs["additional_t_cond"] = torch.tensor(is_rgb)
+    _compare(ref, ours, f"layered {len(shapes) - 2} layers b=2 is_rgb={is_rgb}", **inputs)
+
+
+def test_layered_needs_additional_t_cond() -> None:
+    _, ours = _pair(TINY_LAYERED)
+    inputs = _inputs(1, LAYERED_SHAPES[0], [0.5])
+    with pytest.raises(ValueError, match="additional_t_cond"), torch.no_grad():
+        ours(**inputs)

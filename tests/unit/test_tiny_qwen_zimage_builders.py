@@ -1,4 +1,5 @@
-"""Tiny Qwen-Image / Qwen-Image-Edit(-Plus) / Z-Image folders load and run in the Diffusers pipelines.
+"""Tiny Qwen-Image / Qwen-Image-Edit(-Plus) / -Layered / Z-Image folders load and run in the Diffusers
+pipelines.
 
 Each builder's folder is loaded with the Diffusers pipeline class its model_index names and run for two
 steps at a non-square size with classifier-free guidance on, so every component (tokenizer template,
@@ -134,6 +135,38 @@ def test_qwen_image_edit_pipelines_run(tmp_path, variant: str, pipeline_class: s
         generator=torch.Generator("cpu").manual_seed(0),
     )
     _assert_real_image(out.images[0])
+
+
+def test_qwen_image_layered_folder_runs_in_diffusers(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layered variant: an RGBA VAE, the layer-aware DiT, a processor; Diffusers' pipeline decomposes an
+    RGBA image into its layers (its ~640x640 working area scaled down 64x, as the edit pipelines' above)."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_layered
+
+    original = pipeline_qwenimage_layered.calculate_dimensions
+    monkeypatch.setattr(
+        pipeline_qwenimage_layered, "calculate_dimensions", lambda area, ratio: original(area / 64, ratio)
+    )
+    root = build_tiny_qwen_image(tmp_path / "layered", TinyQwenImageSpec(variant="layered"))
+    index = json.loads((root / "model_index.json").read_text())
+    assert index["_class_name"] == "QwenImageLayeredPipeline" and "processor" in index
+    pipe = diffusers.QwenImageLayeredPipeline.from_pretrained(
+        root, processor=load_qwen_vl_processor(root / "processor")
+    )
+    pipe.set_progress_bar_config(disable=True)
+    assert pipe.vae.config.input_channels == 4
+    assert pipe.transformer.config.use_layer3d_rope and pipe.transformer.config.use_additional_t_cond
+    out = pipe(
+        image=_input_image().convert("RGBA"),
+        prompt="a red cat on a blue sofa",
+        negative_prompt="blurry",
+        true_cfg_scale=4.0,
+        layers=2,
+        num_inference_steps=2,
+        generator=torch.Generator("cpu").manual_seed(0),
+    )
+    (layers,) = out.images
+    assert len(layers) == 2 and all(layer.mode == "RGBA" for layer in layers)
+    assert np.asarray(layers[0], dtype=np.float32).std() > 0.5, "output layer is constant"
 
 
 def test_zimage_pipeline_runs(tmp_path) -> None:

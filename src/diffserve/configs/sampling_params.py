@@ -406,7 +406,8 @@ class SamplingParams:
         default_factory=dict, front_end_default=None, http=True,
         help="the model family's own settings by name, checked by the family (LTX-2: audio_guidance_scale, "
         "stg_scale, modality_scale, guidance_rescale, motion_speed, ...; SANA-Video: use_resolution_binning; "
-        "LongCat-Image: enable_cfg_renorm, cfg_renorm_min; other families take none)",
+        "LongCat-Image: enable_cfg_renorm, cfg_renorm_min; Qwen-Image-Layered: layers, resolution, cfg_normalize; "
+        "other families take none)",
     )  # fmt: skip
 
     def __post_init__(self) -> None:

@@ -137,13 +137,15 @@ def request_cost(facts: PipelineFacts, req: Req) -> RequestCost:
     if params.height is None or params.width is None:
         raise ValueError("request_cost needs a validated request (height and width resolved)")
     video = facts.makes_video and params.num_frames is not None
+    # Several latent images per output (an image family's `Req.latent_images`) cost as frames of a video
+    # without temporal compression: each its own tokens, each decoded.
     return RequestCost(
         height=int(params.height),
         width=int(params.width),
         pixel_multiple=facts.pixel_multiple,
         branches=2 if req.do_cfg else 1,
         outputs=int(params.num_outputs_per_prompt),
-        frames=int(params.num_frames) if video else 1,
+        frames=int(params.num_frames) if video else max(int(req.latent_images), 1),
         temporal_factor=facts.temporal_factor if video else 1,
         # Edit models append each input image's tokens, resized to about the output's area.
         condition_images=len(params.input_images or ()),

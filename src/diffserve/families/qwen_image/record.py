@@ -1,11 +1,12 @@
-"""The Qwen-Image family's records: text-to-image, Edit and Edit-Plus (several input images), which share
-the Qwen-Image DiT and its loader facts."""
+"""The Qwen-Image family's records: text-to-image, Edit, Edit-Plus (several input images) and Layered (an
+image decomposed into RGBA layers), which share the Qwen-Image DiT and its loader facts."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from functools import partial
 
+from diffserve.families.qwen_image.layered import QwenImageLayeredPipeline
 from diffserve.families.qwen_image.lora_rules import QWEN_IMAGE_RULES
 from diffserve.families.qwen_image.pipeline import (
     QwenImageEditPipeline,
@@ -76,5 +77,15 @@ FAMILIES: tuple[ModelFamily, ...] = (
         pipeline_cls=QwenImageEditPlusPipeline,
         task="image-edit",
         tiny_builder=_tiny(variant="edit_plus"),
+    ),
+    replace(
+        _QWEN_IMAGE,
+        name="qwen-image-layered",
+        diffusers_pipeline="QwenImageLayeredPipeline",
+        pipeline_cls=QwenImageLayeredPipeline,
+        task="image-edit",
+        tiny_builder=_tiny(variant="layered"),
+        # Eager only: its DiT calls carry the layered timestep index the padders do not pad.
+        prompt_padder=None,
     ),
 )

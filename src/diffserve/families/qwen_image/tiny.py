@@ -1,6 +1,6 @@
 """Builders of small random-weight Qwen-Image checkpoints in the Diffusers layouts.
 
-Three folder kinds share the same components and differ in `model_index.json`:
+Four folder kinds share the same components and differ in `model_index.json` (Layered, also in two configs):
 
 * `QwenImagePipeline` (text to image): a Qwen2.5-VL text encoder whose last hidden state conditions
   an MMDiT, a 16-channel causal-3D VAE (`AutoencoderKLQwenImage`, 8x spatial compression, latents
@@ -8,6 +8,8 @@ Three folder kinds share the same components and differ in `model_index.json`:
 * `QwenImageEditPipeline`: the same plus `processor` (`Qwen2VLProcessor`), because the edit pipeline
   shows the input image to the vision-language encoder as well as VAE-encoding it into the DiT input;
 * `QwenImageEditPlusPipeline` (Qwen-Image-Edit-2509 style, several input images): same files as Edit.
+* `QwenImageLayeredPipeline` (an image decomposed into RGBA layers): the files of Edit, with a VAE of
+  four pixel channels (RGBA) and a DiT with layer-aware RoPE and the additional timestep embedding.
 
 The text encoder is a full `Qwen2_5_VLForConditionalGeneration` (the pipelines load that class), with
 a tiny vision tower; the DiT's `joint_attention_dim` equals its text hidden size. The DiT and VAE
@@ -61,6 +63,7 @@ PIPELINE_CLASSES = {
     "t2i": "QwenImagePipeline",
     "edit": "QwenImageEditPipeline",
     "edit_plus": "QwenImageEditPlusPipeline",
+    "layered": "QwenImageLayeredPipeline",
 }
 
 
@@ -68,9 +71,9 @@ PIPELINE_CLASSES = {
 class TinyQwenImageSpec:
     """Shape of a tiny Qwen-Image checkpoint. Defaults give a ~0.12M-parameter DiT.
 
-    `variant` picks the pipeline: "t2i", "edit" or "edit_plus". `image_max_pixels` caps the picture the
-    vision tower sees (the real processor allows 12.8M pixels; a small cap keeps the tower's sequence
-    to a few dozen patches whatever size the edit pipelines resize the input to).
+    `variant` picks the pipeline: "t2i", "edit", "edit_plus" or "layered". `image_max_pixels` caps the
+    picture the vision tower sees (the real processor allows 12.8M pixels; a small cap keeps the tower's
+    sequence to a few dozen patches whatever size the edit pipelines resize the input to).
     """
 
     variant: str = "t2i"
@@ -93,7 +96,7 @@ class TinyQwenImageSpec:
 
 
 def qwen_image_model_index(variant: str = "t2i") -> dict:
-    """The `model_index.json` of a Qwen-Image / -Edit / -Edit-Plus folder."""
+    """The `model_index.json` of a Qwen-Image / -Edit / -Edit-Plus / -Layered folder."""
     index = {
         "_class_name": PIPELINE_CLASSES[variant],
         "_diffusers_version": DIFFUSERS_FORMAT_VERSION,
@@ -109,7 +112,8 @@ def qwen_image_model_index(variant: str = "t2i") -> dict:
 
 
 def build_tiny_qwen_image(out_dir: str | Path, spec: TinyQwenImageSpec | None = None) -> Path:
-    """Write a random-weight Qwen-Image folder (`spec.variant` picks t2i / edit / edit_plus); return its path."""
+    """Write a random-weight Qwen-Image folder (`spec.variant` picks t2i / edit / edit_plus / layered); return
+    its path."""
     spec = spec or TinyQwenImageSpec()
     check_variant("Qwen-Image", spec.variant, PIPELINE_CLASSES)
     root = tiny_folder(out_dir, spec.seed)
@@ -123,6 +127,7 @@ def build_tiny_qwen_image(out_dir: str | Path, spec: TinyQwenImageSpec | None = 
         write_qwen_vl_processor(root / "processor", tokenizer, max_pixels=spec.image_max_pixels)
 
     latent_channels = 16
+    layered = spec.variant == "layered"
     dit_config = {
         "patch_size": 2,
         "in_channels": latent_channels * 4,
@@ -134,8 +139,8 @@ def build_tiny_qwen_image(out_dir: str | Path, spec: TinyQwenImageSpec | None = 
         "guidance_embeds": False,
         "axes_dims_rope": list(spec.axes_dims_rope),
         "zero_cond_t": spec.zero_cond_t,
-        "use_additional_t_cond": False,
-        "use_layer3d_rope": False,
+        "use_additional_t_cond": layered,
+        "use_layer3d_rope": layered,
     }
     dit = random_native_module(QwenImageTransformer2DModel, dit_config, spec.seed + 10, weight_noise=0.2)
     save_diffusers_model(dit, root / "transformer", "QwenImageTransformer2DModel", dit_config)
@@ -148,7 +153,7 @@ def build_tiny_qwen_image(out_dir: str | Path, spec: TinyQwenImageSpec | None = 
         "attn_scales": [],
         "temperal_downsample": [False] + [True] * (len(spec.vae_dim_mult) - 2),
         "dropout": 0.0,
-        "input_channels": 3,
+        "input_channels": 4 if layered else 3,
         "latents_mean": list(LATENTS_MEAN),
         "latents_std": list(LATENTS_STD),
     }
@@ -167,3 +172,8 @@ def build_tiny_qwen_image_edit(out_dir: str | Path, spec: TinyQwenImageSpec | No
 def build_tiny_qwen_image_edit_plus(out_dir: str | Path, spec: TinyQwenImageSpec | None = None) -> Path:
     """A Qwen-Image-Edit-Plus (2509-style, multi-image) folder: `variant="edit_plus"`."""
     return build_tiny_qwen_image(out_dir, replace(spec or TinyQwenImageSpec(), variant="edit_plus"))
+
+
+def build_tiny_qwen_image_layered(out_dir: str | Path, spec: TinyQwenImageSpec | None = None) -> Path:
+    """A Qwen-Image-Layered folder (RGBA VAE, layer-aware DiT): `variant="layered"`."""
+    return build_tiny_qwen_image(out_dir, replace(spec or TinyQwenImageSpec(), variant="layered"))

@@ -25,6 +25,12 @@ prompt lengths, in one forward.
 `zero_cond_t` (Qwen-Image-Edit-2511 style): conditioning-image tokens are modulated with the
 embedding of t = 0 (they are clean), the generated image and the text with that of the real t.
 
+Qwen-Image-Layered (`use_layer3d_rope`, `use_additional_t_cond`): a sample's image list is the layers it
+generates (the composite first, then each RGBA layer, frame positions 0, 1, 2, ...) followed by the one
+input image it decomposes, whose frame position is -1; the text starts after both the largest centred
+row/column position and the last layer's index. Its timestep embedding adds a learnt 2-entry embedding
+chosen per sample by `additional_t_cond` (Diffusers' pipeline passes 0 for every sample).
+
 Every block is conditioned through adaLN on `temb`, which has one row per sample, so one forward can
 serve requests at different timesteps (the engine's step-level batching).
 
@@ -121,11 +127,6 @@ class QwenImageTransformerConfig(DiTConfig):
     use_layer3d_rope: bool = False
 
     def __post_init__(self) -> None:
-        if self.use_layer3d_rope or self.use_additional_t_cond:
-            raise NotImplementedError(
-                "QwenImageTransformer2DModel: the Qwen-Image-Layered options (use_layer3d_rope, "
-                "use_additional_t_cond) are not implemented natively"
-            )
         if self.guidance_embeds:
             # Diffusers builds no guidance embedder for this class and its forward fails when given
             # guidance, so no working checkpoint sets this.
@@ -149,14 +150,29 @@ def _timestep_sinusoids(timesteps: torch.Tensor, dim: int = TIMESTEP_CHANNELS) -
 
 
 class QwenTimestepEmbedding(nn.Module):
-    """temb = MLP(sinusoids(t)); a module of its own for the `time_text_embed.timestep_embedder` names."""
+    """temb = MLP(sinusoids(t)); a module of its own for the `time_text_embed.timestep_embedder` names.
 
-    def __init__(self, dim: int) -> None:
+    With `additional` (Qwen-Image-Layered's `use_additional_t_cond`), a learnt embedding of a per-sample
+    index in {0, 1} (`addition_t_embedding`) is added to it."""
+
+    def __init__(self, dim: int, additional: bool = False) -> None:
         super().__init__()
         self.timestep_embedder = TimestepEmbedding(TIMESTEP_CHANNELS, dim)
+        self.addition_t_embedding = nn.Embedding(2, dim) if additional else None
 
-    def forward(self, timestep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self.timestep_embedder(_timestep_sinusoids(timestep).to(dtype))
+    def forward(
+        self, timestep: torch.Tensor, dtype: torch.dtype, additional: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        temb = self.timestep_embedder(_timestep_sinusoids(timestep).to(dtype))
+        if self.addition_t_embedding is None:
+            return temb
+        if additional is None:
+            raise ValueError("this Qwen-Image DiT (use_additional_t_cond) needs additional_t_cond")
+        # One index per sample; with zero_cond_t's doubled timesteps, the same index for both halves.
+        index = additional.to(device=temb.device, dtype=torch.long).reshape(-1)
+        if index.shape[0] not in (1, temb.shape[0]):
+            index = index.repeat(temb.shape[0] // index.shape[0])
+        return temb + self.addition_t_embedding(index).to(dtype)
 
 
 def _axis_angles(positions: torch.Tensor, dim: int) -> torch.Tensor:
@@ -182,17 +198,26 @@ class QwenImageRope(nn.Module):
     denoising steps reuse the same device tensors and every device sees the reference bits.
     """
 
-    def __init__(self, axes_dims: Sequence[int]) -> None:
+    def __init__(self, axes_dims: Sequence[int], layered: bool = False) -> None:
+        """`layered`: Qwen-Image-Layered's positions (`use_layer3d_rope`, see the module docstring)."""
         super().__init__()
         self.axes_dims = tuple(axes_dims)
+        self.layered = layered
         self._cache: BoundedCache[RopeTables] = BoundedCache(ROPE_CACHE_SIZE)
 
     def _sample_angles(self, shapes: tuple[ImageShape, ...], txt_len: int) -> torch.Tensor:
         """(txt_len + image tokens, head_dim // 2) angles for one sample's [text; images]."""
         d_frame, d_row, d_col = self.axes_dims
         images = []
+        last = len(shapes) - 1
         for index, (frames, height, width) in enumerate(shapes):
-            f = _axis_angles(torch.arange(index, index + frames), d_frame)
+            # Layered: the decomposed input image (the last) sits at frame position -1.
+            frame_pos = (
+                torch.arange(-frames, 0)
+                if self.layered and index == last
+                else torch.arange(index, index + frames)
+            )
+            f = _axis_angles(frame_pos, d_frame)
             h = _axis_angles(_centred(height), d_row)
             w = _axis_angles(_centred(width), d_col)
             grid = (frames, height, width)
@@ -207,6 +232,8 @@ class QwenImageRope(nn.Module):
                 ).reshape(frames * height * width, -1)
             )
         start = max(max(h // 2, w // 2) for _, h, w in shapes)
+        if self.layered:
+            start = max(start, last)
         txt_pos = torch.arange(start, start + txt_len)
         text = torch.cat([_axis_angles(txt_pos, d) for d in self.axes_dims], dim=-1)
         return torch.cat([text, *images], dim=0)
@@ -366,8 +393,8 @@ class QwenImageTransformer2DModel(DiffusersDiT):
         super().__init__(config)
         inner = config.inner_dim
 
-        self.pos_embed = QwenImageRope(config.axes_dims_rope)
-        self.time_text_embed = QwenTimestepEmbedding(inner)
+        self.pos_embed = QwenImageRope(config.axes_dims_rope, layered=config.use_layer3d_rope)
+        self.time_text_embed = QwenTimestepEmbedding(inner, additional=config.use_additional_t_cond)
         self.txt_norm = RMSNorm(config.joint_attention_dim, eps=NORM_EPS)
         self.img_in = nn.Linear(config.in_channels, inner)
         self.txt_in = nn.Linear(config.joint_attention_dim, inner)
@@ -408,6 +435,7 @@ class QwenImageTransformer2DModel(DiffusersDiT):
         step_cache: BatchStepCache | None = None,
         controlnet_block_samples: Sequence[torch.Tensor] | None = None,
         controlnet_residuals: Sequence[BlockResiduals] | None = None,
+        additional_t_cond: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Predict the flow-matching velocity for packed latents.
 
@@ -430,6 +458,8 @@ class QwenImageTransformer2DModel(DiffusersDiT):
                 `i // ceil(num_layers / len(samples))` is added to the image stream after block `i`.
             controlnet_residuals: instead, residuals of several ControlNet groups, each on its own rows
                 (the engine's step batches; `models/controlnets/residuals.py`).
+            additional_t_cond: (batch,) or (1,) int in {0, 1}, required by (and only read by) a DiT with
+                `use_additional_t_cond` (Qwen-Image-Layered; its pipeline passes 0).
 
         Returns:
             (batch, img_seq, patch_size**2 * out_channels).
@@ -453,7 +483,9 @@ class QwenImageTransformer2DModel(DiffusersDiT):
         if self.config.zero_cond_t:
             t = torch.cat([t, t * 0])
             cond_tokens = _condition_token_mask(shapes, img_seq, batch, x.device)
-        temb_act = F.silu(self.time_text_embed(t, x.dtype))  # every adaLN projects SiLU(temb)
+        temb_act = F.silu(
+            self.time_text_embed(t, x.dtype, additional_t_cond)
+        )  # every adaLN projects SiLU(temb)
         ctx = self.txt_in(self.txt_norm(encoder_hidden_states))
 
         attn_mask = None
