@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from diffserve.errors import ModelLoadError, UserError
 from diffserve.families.chroma import record as chroma
+from diffserve.families.cogvideox import record as cogvideox
 from diffserve.families.flux import record as flux
 from diffserve.families.flux2 import record as flux2
 from diffserve.families.hunyuan_video15 import record as hunyuan_video15
@@ -40,6 +41,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     *ltx2.FAMILIES,
     *longcat_image.FAMILIES,
     *chroma.FAMILIES,
+    *cogvideox.FAMILIES,
 )
 
 #: Diffusers pipeline `_class_name` -> family.

@@ -1,6 +1,7 @@
-"""`--backend diffusers` end to end: Diffusers pipeline classes diffserve has not ported (SDXL, CogVideoX),
-on tiny random checkpoints built with diffusers' own classes, served through diffserve and compared with
-calling diffusers directly on the same folder and seed.
+"""`--backend diffusers` end to end: Diffusers pipeline classes run by diffusers itself (SDXL, which diffserve
+has not ported; CogVideoX, which it also runs natively), on tiny random checkpoints built with diffusers'
+own classes, served through diffserve and compared with calling diffusers directly on the same folder and
+seed.
 
 - SDXL through a real `diffserve serve --backend diffusers` process and the openai SDK: the images equal
   diffusers' (max pixel difference and PSNR printed); a field the pipeline does not take is a 400 naming

@@ -68,6 +68,19 @@ CASES: dict[str, tuple[str, dict, dict]] = {
             "input_images": "gradient",
         },
     ),
+    "qwen-image-layered": (
+        "diffserve.families.qwen_image.tiny:build_tiny_qwen_image_layered",
+        {},
+        {
+            "height": 32,
+            "width": 48,
+            "num_inference_steps": 2,
+            "true_cfg_scale": 2.0,
+            "negative_prompt": "dark",
+            "input_images": "gradient",
+            "extra": {"layers": 2},
+        },
+    ),
     "z-image": (
         "diffserve.families.z_image.tiny:build_tiny_zimage",
         {},
@@ -113,6 +126,24 @@ CASES: dict[str, tuple[str, dict, dict]] = {
             "extra": {"use_resolution_binning": False},
         },
     ),
+    "cogvideox-t2v": (
+        "diffserve.families.cogvideox.tiny:build_tiny_cogvideox",
+        {},
+        {"height": 32, "width": 48, "num_frames": 9, "num_inference_steps": 2, "guidance_scale": 6.0},
+    ),
+    "cogvideox-i2v": (
+        "diffserve.families.cogvideox.tiny:build_tiny_cogvideox",
+        {"variant": "1.5", "image_to_video": True},
+        {
+            "height": 48,
+            "width": 64,
+            "num_frames": 9,
+            "num_inference_steps": 2,
+            "guidance_scale": 6.0,
+            "input_images": "gradient",
+            "extra": {"use_dynamic_cfg": True},
+        },
+    ),
 }
 
 
@@ -134,7 +165,8 @@ def _build(name: str, out_dir: Path) -> Path:
 
 
 def generate_pinned(name: str, out_dir: Path) -> np.ndarray:
-    """The case's output as one uint8 array: (outputs, H, W, 3) for images, (outputs, F, H, W, 3) for videos."""
+    """The case's output as one uint8 array: (outputs, H, W, 3) for images (4 channels for RGBA ones:
+    Qwen-Image-Layered's layers), (outputs, F, H, W, 3) for videos."""
     from diffserve import DiffGenerator
 
     root = _build(name, out_dir)
@@ -145,7 +177,9 @@ def generate_pinned(name: str, out_dir: Path) -> np.ndarray:
     out = generator.generate(prompt="a red fox in the snow", seed=7, **params)
     if out.frames:
         return np.stack(out.frames)
-    return np.stack([np.asarray(image.convert("RGB")) for image in out.images])
+    return np.stack(
+        [np.asarray(image if image.mode == "RGBA" else image.convert("RGB")) for image in out.images]
+    )
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

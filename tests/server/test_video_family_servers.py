@@ -23,6 +23,7 @@ from PIL import Image
 from server_process import start_server
 
 from diffserve import DiffGenerator
+from diffserve.families.cogvideox.tiny import TinyCogVideoXSpec, build_tiny_cogvideox
 from diffserve.families.ltx2.tiny import build_tiny_ltx2
 from diffserve.families.sana_video.tiny import build_tiny_sana_video
 from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
@@ -35,9 +36,16 @@ FAMILIES = {
     "wan-2.2-ti2v": lambda out: build_tiny_wan(out, TinyWanSpec(variant="2.2-ti2v")),
     "ltx2": build_tiny_ltx2,
     "sana-video": build_tiny_sana_video,
+    "cogvideox": build_tiny_cogvideox,
+    # CogVideoX 1.5 image-to-video, its positions reaching the 96-pixel width.
+    "cogvideox-i2v": lambda out: build_tiny_cogvideox(
+        out, TinyCogVideoXSpec(variant="1.5", image_to_video=True, sample_width=12)
+    ),
 }
 #: family -> frames for 1 s at FPS: Wan's 4k+1, LTX's 8k+1 (8 frames -> 9 either way)
-FRAMES = {"wan-2.2-ti2v": 9, "ltx2": 9, "sana-video": 9}
+FRAMES = {"wan-2.2-ti2v": 9, "ltx2": 9, "sana-video": 9, "cogvideox": 9, "cogvideox-i2v": 9}
+#: Families whose folders make image-to-video only (the text-to-video test skips them).
+IMAGE_TO_VIDEO_ONLY = {"cogvideox-i2v"}
 #: family -> what its requests add: SANA-Video generates at its 480p aspect-ratio bins unless told not to
 #: (Diffusers' use_resolution_binning), too large for a quick test.
 REQUEST_EXTRAS = {"sana-video": {"extra": {"use_resolution_binning": False}}}
@@ -119,6 +127,8 @@ def local_clip(generator: DiffGenerator, tmp_path: Path, num_frames: int, **extr
 
 def test_text_to_video_job_matches_the_python_api(served, tmp_path) -> None:
     family, srv, generator = served
+    if family in IMAGE_TO_VIDEO_ONLY:
+        pytest.skip("an image-to-video folder needs an input image")
     family_extras = REQUEST_EXTRAS.get(family, {})
     # A multipart form (the SDK's videos.create) carries `extra` as its JSON text.
     frames, fps, extras, data = served_clip(srv, **{k: json.dumps(v) for k, v in family_extras.items()})
@@ -139,8 +149,8 @@ def test_text_to_video_job_matches_the_python_api(served, tmp_path) -> None:
 
 def test_ti2v_makes_image_to_video_on_the_same_server(served, tmp_path) -> None:
     family, srv, generator = served
-    if family != "wan-2.2-ti2v":
-        pytest.skip("only Wan 2.2 TI2V-5B folders make both text- and image-to-video")
+    if family != "wan-2.2-ti2v" and family not in IMAGE_TO_VIDEO_ONLY:
+        pytest.skip("only Wan 2.2 TI2V-5B folders (and image-to-video ones) take an input image")
     pixels = np.random.default_rng(1).integers(0, 256, (48, 80, 3), dtype=np.uint8)  # non-square input
     image_path = tmp_path / "first-frame.png"
     Image.fromarray(pixels).save(image_path)

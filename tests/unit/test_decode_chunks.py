@@ -18,7 +18,7 @@ from diffserve.errors import RequestCancelledError
 from diffserve.layers.attention import AttentionBackend
 from diffserve.platforms.cpu import CpuPlatform
 from diffserve.request import Req
-from diffserve.runtime import Engine
+from diffserve.runtime import Engine, SchedulerConfig
 from diffserve.runtime.decode_task import DecodeTask
 from diffserve.runtime.engine import EngineEvents, RequestLog
 from diffserve.runtime.memory import MemoryModel
@@ -65,8 +65,15 @@ class Recorder(EngineEvents):
 
 
 def engine_for(pipeline: ChunkedDecodePipeline, memory: MemoryModel | None = None) -> Engine:
+    # Requests of equal steps denoise together (the measured policy would choose on the fake's noise).
+    config = SchedulerConfig(batch_policy="throughput")
     return Engine(
-        pipeline, CpuPlatform(), events=Recorder(), memory=memory, attention_backend=AttentionBackend.SDPA
+        pipeline,
+        CpuPlatform(),
+        config,
+        events=Recorder(),
+        memory=memory,
+        attention_backend=AttentionBackend.SDPA,
     )
 
 

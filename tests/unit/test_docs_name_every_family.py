@@ -38,6 +38,7 @@ PACKAGE_LABELS = {
     "sana": "SANA",
     "sana_video": "SANA-Video",
     "wan": "Wan",
+    "cogvideox": "CogVideoX",
     "hunyuan_video15": "HunyuanVideo 1.5",
     "ltx2": "LTX-2",
     "longcat_image": "LongCat-Image",
