@@ -34,7 +34,7 @@ MODES = {
     "full batching": ["--batch-policy", "throughput"],
     "auto": ["--batch-policy", "auto"],
 }
-DEFAULT_CASES = "flux-small:256,flux-small:512,tiny:64,demo:256"
+DEFAULT_CASES = "flux-small:256,flux-small:512,tiny:64,demo:64"
 
 
 def resolve(model: str, work: Path) -> str:
