@@ -137,3 +137,21 @@ def serving(model_dir: Path, work_dir: Path, *extra: str, **kwargs: Any) -> Iter
         yield srv
     finally:
         srv.stop()
+
+
+def generate_pixels(srv: ServerProcess, body: dict[str, Any], timeout: float = 120) -> list[Any]:
+    """POST /v1/images/generations (32x32 unless `body` sets a size), 200 asserted: each image's RGB pixels
+    as an int array (numpy and PIL are imported here, not by every importer)."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    r = httpx.post(f"{srv.base_url}/v1/images/generations", json={"size": "32x32", **body}, timeout=timeout)
+    assert r.status_code == 200, r.text
+    out = []
+    for item in r.json()["data"]:
+        with Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))) as image:
+            out.append(np.asarray(image.convert("RGB")).astype(int))
+    return out

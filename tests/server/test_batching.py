@@ -5,8 +5,6 @@ in memory gets 413 with the numbers."""
 
 from __future__ import annotations
 
-import base64
-import io
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,8 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
-from PIL import Image
-from server_process import serving
+from server_process import generate_pixels, serving
 
 from diffserve.platforms.cpu import vm_hwm_resets
 
@@ -52,16 +49,6 @@ def batching_server(tiny_flux_dir, tmp_path_factory):
         yield srv
 
 
-def generate(srv, body: dict) -> list[np.ndarray]:
-    r = httpx.post(f"{srv.base_url}/v1/images/generations", json={"size": "32x32", **body}, timeout=120)
-    assert r.status_code == 200, r.text
-    out = []
-    for item in r.json()["data"]:
-        with Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))) as image:
-            out.append(np.asarray(image.convert("RGB")).astype(int))
-    return out
-
-
 def metric(text: str, name: str) -> float:
     for line in text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
@@ -83,7 +70,7 @@ def test_concurrent_requests_are_batched_and_equal_each_alone(batching_server) -
     watcher.start()
     try:
         with ThreadPoolExecutor(len(REQUESTS)) as pool:
-            batched = list(pool.map(lambda body: generate(srv, body), REQUESTS))
+            batched = list(pool.map(lambda body: generate_pixels(srv, body), REQUESTS))
     finally:
         stop.set()
         watcher.join()
@@ -97,7 +84,7 @@ def test_concurrent_requests_are_batched_and_equal_each_alone(batching_server) -
     assert observed == sum(b["num_inference_steps"] for b in REQUESTS) and alone_steps < observed
 
     for body, got in zip(REQUESTS, batched, strict=True):
-        want = generate(srv, body)  # alone: nothing else is in flight now
+        want = generate_pixels(srv, body)  # alone: nothing else is in flight now
         assert len(got) == len(want) == body.get("n", 1)
         diff = max(int(np.abs(g - w).max()) for g, w in zip(got, want, strict=True))
         print(f"{body['prompt']!r}: batched vs alone max abs pixel diff {diff}")
@@ -116,7 +103,7 @@ def test_server_info_reports_the_scheduler(batching_server) -> None:
 
 
 def test_server_info_and_metrics_show_the_measured_step_curve(batching_server) -> None:
-    generate(batching_server, {"prompt": "a curve", "num_inference_steps": 3})
+    generate_pixels(batching_server, {"prompt": "a curve", "num_inference_steps": 3})
     batching = batching_server.info()["engine"]["batching"]
     assert batching["policy"] == "throughput"
     bucket = batching["step_seconds"]["4"]  # 32x32 pixels: 2x2 packed latent tokens of 16-pixel squares
@@ -127,7 +114,7 @@ def test_server_info_and_metrics_show_the_measured_step_curve(batching_server) -
 
 
 def test_priority_field_is_accepted(batching_server) -> None:
-    assert generate(batching_server, {"prompt": "urgent", "num_inference_steps": 1, "priority": 5})
+    assert generate_pixels(batching_server, {"prompt": "urgent", "num_inference_steps": 1, "priority": 5})
     r = httpx.post(
         f"{batching_server.base_url}/v1/images/generations",
         json={"prompt": "x", "priority": 10**6},
