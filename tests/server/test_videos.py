@@ -426,8 +426,7 @@ def test_list_paginates_newest_first(srv, client, t2v) -> None:
         (
             {"input_reference": "data:image/png;base64,AAAA"},
             # The list names every registered image-to-video pipeline (it grows with the families).
-            "takes no input_reference; animating an image needs an image-to-video model (WanImageToVideoPipeline, "
-            "HunyuanVideo15ImageToVideoPipeline, LTX2ImageToVideoPipeline",
+            "takes no input_reference; animating an image needs an image-to-video model (WanImageToVideoPipeline",
             "input_reference",
         ),
         ({"model": "sora-2"}, "is not served here", "model"),
