@@ -74,8 +74,8 @@ def worker_processes(gen: DiffGenerator) -> list:
 
 def test_cfg_parallel_matches_one_rank_and_stops_its_ranks(tiny_flux_dir, reference, monkeypatch) -> None:
     monkeypatch.setenv(FAILURE_HOOK_ENV, "pre_denoise:boom")  # read by the workers: see the failure test
-    with DiffGenerator.from_pretrained(
-        tiny_flux_dir, show_progress=False, num_gpus=2, enable_cfg_parallel=True
+    with DiffGenerator.from_pretrained(  # the throughput policy: the two requests share every step
+        tiny_flux_dir, show_progress=False, num_gpus=2, enable_cfg_parallel=True, batch_policy="throughput"
     ) as gen:
         workers = worker_processes(gen)
         assert [w.is_alive() for w in workers] == [True]
@@ -117,8 +117,8 @@ def test_ulysses_two_ranks_matches_one_rank(tiny_flux_dir, reference) -> None:
 
 
 def test_a_dead_worker_fails_requests_fast(tiny_flux_dir) -> None:
-    with DiffGenerator.from_pretrained(
-        tiny_flux_dir, show_progress=False, num_gpus=2, enable_cfg_parallel=True
+    with DiffGenerator.from_pretrained(  # the throughput policy: the two requests share every step
+        tiny_flux_dir, show_progress=False, num_gpus=2, enable_cfg_parallel=True, batch_policy="throughput"
     ) as gen:
         (worker,) = worker_processes(gen)
         os.kill(worker.pid, signal.SIGKILL)

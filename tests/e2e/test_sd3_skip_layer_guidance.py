@@ -36,7 +36,7 @@ def engines(tmp_path_factory):
     spec = TinySD3Spec(num_layers=NUM_LAYERS, qk_norm="rms_norm", dual_attention_layers=(0,))
     root = build_tiny_sd3(tmp_path_factory.mktemp("sd35_slg"), spec)
     return (
-        DiffGenerator.from_pretrained(root, device="cpu", show_progress=False),
+        DiffGenerator.from_pretrained(root, device="cpu", show_progress=False, batch_policy="throughput"),
         StableDiffusion3Pipeline.from_pretrained(root, torch_dtype=torch.float32),
     )
 

@@ -73,6 +73,7 @@ def srv(tiny_flux_dir, lora_dir, tmp_path_factory):
         "--lora-dir", str(lora_dir),
         "--max-lora-memory", f"{MAX_LORA_MEMORY_MB}MiB",
         "--max-running-requests", "4",
+        "--batch-policy", "throughput",  # requests with different adapters must share steps here
         "--max-inference-steps", "100000",  # the in-use test's request runs until it is cancelled
         api_key=API_KEY,
     ) as srv:  # fmt: skip
