@@ -23,49 +23,90 @@ sys.dont_write_bytecode = False
 # (two runs of tests/e2e/test_calibrate_cache.py side by side: 47.6 s spinning, 10.9 s passive).
 import diffserve.openmp_env  # noqa: E402, F401  (before any test module imports torch)
 
+
+def _share_httpx_default_ssl_context() -> None:
+    """httpx builds a new SSL context for every `httpx.get(...)` / `httpx.Client()` (a CA bundle parsed
+    again: about 30 ms of CPU), though the suite only talks plain HTTP to the loopback: its polling loops (a
+    starting server's /health every 0.1 s, a job's status, ...) spent a third of a core on it while they
+    waited. The default context (verify=True, no client certificate) is built once per test process for
+    each CA bundle the environment names (SSL_CERT_FILE / SSL_CERT_DIR, which httpx reads) and shared; any
+    other arguments build theirs as before."""
+    try:
+        from httpx._transports import default as transports
+    except ImportError:  # another httpx layout: every client builds its own, as before
+        return
+    build = getattr(transports, "create_ssl_context", None)
+    if build is None:
+        return
+    shared: dict[tuple[object, ...], object] = {}
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is not True or cert is not None:
+            return build(verify=verify, cert=cert, trust_env=trust_env)
+        bundle = (os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR")) if trust_env else None
+        if bundle not in shared:
+            shared[bundle] = build(verify=verify, cert=cert, trust_env=trust_env)
+        return shared[bundle]
+
+    transports.create_ssl_context = create_ssl_context
+
+
+_share_httpx_default_ssl_context()
+
 #: About how many seconds the longest test files take on an idle 2-core machine (a run on a loaded machine,
-#: scaled down; what matters is the ranking). `make test` (`--dist loadfile`) hands whole files to its two
-#: workers in collection order: these first, longest first, then the others in their order, so the last
-#: files to start are short ones and both workers finish together. A new long file belongs here.
+#: scaled down; what matters is the ranking; files remeasured under 15 s are no longer listed). `make test`
+#: (`--dist loadfile`) hands whole files (or `SHARED_UNITS`) to its two workers in collection order: these
+#: first, longest first, then the others in their order, so the last files to start are short ones and both
+#: workers finish together. A new long file belongs here.
 FILE_SECONDS = {
-    "tests/e2e/test_docs_examples.py": 200,  # every document; its servers are shared between them
-    "tests/unit/test_compile.py": 300,  # four cold inductor compiles (plain, Z-Image, LoRA batches, int8)
+    "tests/e2e/test_docs_examples.py": 250,  # every document; its servers are shared between them
+    # A unit of two files (`SHARED_UNITS`): one two-node Ray cluster, three applications, a fault, autoscaling.
+    "tests/deploy/test_ray_serve.py": 110,
+    "tests/unit/test_compile.py": 60,  # four cold inductor compiles (plain, Z-Image, LoRA batches, int8)
     "tests/tools/test_gpu_check.py": 60,  # tools/gpu/check.sh --dry-run: GPU tests on the CPU, the bench
-    "tests/e2e/test_quality_tiers_zimage_wan.py": 155,
-    "tests/unit/test_step_scheduler.py": 145,
-    "tests/integrations/test_comfyui_nodes.py": 115,
-    "tests/e2e/test_component_offload.py": 110,
-    "tests/browser/test_webui.py": 100,  # with Chromium installed (`make test` as root)
-    "tests/e2e/test_lora_parity_flux_sd3.py": 95,
-    "tests/e2e/test_hunyuan_video15_pipeline_parity.py": 80,
-    "tests/deploy/test_ray_serve.py": 120,  # a two-node Ray cluster, two models, a fault, autoscaling
-    "tests/e2e/test_demo_model.py": 60,
-    "tests/benchmarks/test_bench_cache_vs_cachedit.py": 45,  # benchmarks/bench_cache_vs_cachedit.py --quick
-    "tests/distributed/test_tensor_parallel.py": 35,  # three whole generations under TP
-    "tests/distributed/test_dit_tensor_parallel.py": 25,  # one TP run per mesh for every family
-    "tests/server/test_shutdown.py": 55,
-    "tests/server/test_streaming.py": 50,
-    "tests/e2e/test_img2img_inpaint_parity_other.py": 50,
-    "tests/server/test_replicas.py": 45,
-    "tests/e2e/test_wan_pipeline_parity.py": 45,
-    "tests/e2e/test_lora_parity_qwen_zimage_wan.py": 45,
-    "tests/e2e/test_sd3_skip_layer_guidance.py": 45,
-    "tests/e2e/test_diffusers_backend.py": 45,
-    "tests/server/test_images_edits_qwen.py": 40,
-    "tests/e2e/test_cli_generate.py": 35,
-    "tests/models/test_qwen_image_vae_parity.py": 35,
-    "tests/e2e/test_flux_kontext_pipeline_parity.py": 35,
+    "tests/server/test_images_edits_qwen.py": 50,
+    "tests/integrations/test_comfyui_nodes.py": 50,
+    "tests/server/test_shutdown.py": 50,
+    "tests/server/test_streaming.py": 40,
+    "tests/server/test_replicas.py": 35,
+    "tests/server/test_security_matrix.py": 35,
+    "tests/server/test_family_servers.py": 35,
+    "tests/server/test_videos.py": 35,
     "tests/e2e/test_quantization.py": 35,
-    "tests/server/test_videos.py": 30,
+    "tests/e2e/test_flux_kontext_pipeline_parity.py": 35,
+    "tests/models/test_qwen_image_vae_parity.py": 35,
+    "tests/e2e/test_diffusers_backend.py": 32,
     "tests/models/test_ltx2_dit_parity.py": 30,
     "tests/server/test_images_edits.py": 30,
     "tests/distributed/test_sequence_parallel.py": 30,
     "tests/e2e/test_wan22_pipeline_parity.py": 30,
+    "tests/deploy/test_ray_cli.py": 30,
+    "tests/distributed/test_tensor_parallel.py": 25,  # three whole generations under TP
+    "tests/distributed/test_dit_tensor_parallel.py": 25,  # one TP run per mesh for every family
+    "tests/browser/test_webui.py": 25,  # with Chromium installed (`make test` as root)
+    "tests/benchmarks/test_bench_cache_vs_cachedit.py": 25,  # benchmarks/bench_cache_vs_cachedit.py --quick
     "tests/unit/test_layerwise_offload.py": 25,
+    "tests/e2e/test_cli_generate.py": 20,
     "tests/server/test_multi_rank_server.py": 20,
     "tests/e2e/test_sd3_pipeline_parity.py": 20,
-    "tests/deploy/test_ray_cli.py": 30,
 }
+
+
+#: Files run as one unit by one worker, one after the other (the first named is the unit's name and place in
+#: the order): they share what tests/deploy/conftest.py starts once for them, a two-node Ray cluster.
+SHARED_UNITS = {
+    "tests/deploy/test_ray_serve.py": (
+        "tests/deploy/test_ray_serve.py",
+        "tests/deploy/test_ray_disaggregated.py",
+    ),
+}
+UNIT_OF = {file: unit for unit, files in SHARED_UNITS.items() for file in files}
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit of work a test belongs to: its file, or the `SHARED_UNITS` entry that names the file."""
+    file = nodeid.split("::", 1)[0]
+    return UNIT_OF.get(file, file)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -75,13 +116,32 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.loadscopereorder = False
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadfile`, with the files of a `SHARED_UNITS` entry handed out together as one unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedUnitScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    return SharedUnitScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The items of `FILE_SECONDS`' files first, longest file first; the rest keep their order."""
+    """The items of `FILE_SECONDS`' files first, longest file first; the rest keep their order. The files of
+    a `SHARED_UNITS` entry follow each other, at their unit's place."""
+    first_seen: dict[str, int] = {}
+    for index, item in enumerate(items):
+        first_seen.setdefault(unit_of(item.nodeid), index)
 
-    def key(item: pytest.Item) -> float:
-        return -FILE_SECONDS.get(item.nodeid.split("::", 1)[0], 0)
+    def key(item: pytest.Item) -> tuple[float, int]:
+        unit = unit_of(item.nodeid)
+        return -FILE_SECONDS.get(unit, 0), first_seen[unit]
 
-    items.sort(key=key)  # stable: order within a file and among the other files is kept
+    items.sort(key=key)  # stable: order within a unit is kept, and so is the order of the other files
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,8 @@ ingress counts at /metrics); a streamed image with a preview (made on the denois
 through /v1/loras applies (on the denoiser's DiT); /health_generate's probe runs through the three
 stages; a request the engine refuses is the single server's 400.
 
-One cluster and one application for the module (about a minute on 2 busy cores).
+One application for the module, on the cluster tests/deploy/conftest.py shares with test_ray_serve.py
+(about a minute on 2 busy cores).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import base64
 import io
 import re
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -37,12 +37,6 @@ SIZE, STEPS, SEED = 64, 4, 42
 BATCHED_STEPS = 80
 PROMPT = "a large red circle in the center on a black background"
 READY_TIMEOUT_S = 240
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pixels(data: str) -> np.ndarray:
@@ -74,57 +68,41 @@ def lora_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory, lora_dir):
-    """A head node (1 CPU, "small": the encoder and decoder) and a worker node (1 CPU, "big": the
-    denoiser), Serve's proxy on the head, the demo model disaggregated; shut down after the module."""
+def app(cluster, tmp_path_factory, lora_dir):
+    """The demo model disaggregated on the shared cluster (tests/deploy/conftest.py): the encoder and decoder
+    on the head node ("small"), the denoiser on the worker ("big"); deleted after the module."""
     from ray import serve
-    from ray.cluster_utils import Cluster
 
     from diffserve.configs.demo_model import demo_model_path
     from diffserve.deploy.app import build_app
 
-    memory = 80 * 2**20
-    nodes = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 1, "resources": {"small": 2}, "object_store_memory": memory, "include_dashboard": False
-        },
-    )  # fmt: skip
+    small = {"num_cpus": 0, "resources": {"small": 1}}
+    args = {
+        "models": [
+            {
+                "model_path": str(demo_model_path()),
+                "engine_args": {"lora_dir": str(lora_dir)},
+                "disaggregate": {
+                    "encoder": {"ray_actor_options": small},
+                    "denoiser": {"num_replicas": 1, "ray_actor_options": {"resources": {"big": 1}}},
+                    "decoder": {"ray_actor_options": small},
+                },
+            }
+        ],
+        "server": {"output_path": str(tmp_path_factory.mktemp("ray-out")), "log_level": "warning"},
+    }
+    started = time.monotonic()
     try:
-        nodes.add_node(num_cpus=1, resources={"big": 1}, object_store_memory=memory)
-        ray.init(address=nodes.address, log_to_driver=False)
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-        small = {"num_cpus": 0, "resources": {"small": 1}}
-        args = {
-            "models": [
-                {
-                    "model_path": str(demo_model_path()),
-                    "engine_args": {"lora_dir": str(lora_dir)},
-                    "disaggregate": {
-                        "encoder": {"ray_actor_options": small},
-                        "denoiser": {"num_replicas": 1, "ray_actor_options": {"resources": {"big": 1}}},
-                        "decoder": {"ray_actor_options": small},
-                    },
-                }
-            ],
-            "server": {"output_path": str(tmp_path_factory.mktemp("ray-out")), "log_level": "warning"},
-        }
-        started = time.monotonic()
         serve.run(build_app(args), name="diffserve", route_prefix="/")
-        base_url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while httpx.get(f"{base_url}/health", timeout=10).status_code != 200:
+        while httpx.get(f"{cluster.base_url}/health", timeout=10).status_code != 200:
             assert time.monotonic() < deadline, f"not ready after {READY_TIMEOUT_S} s"
             time.sleep(0.2)
         print(f"application ready in {time.monotonic() - started:.1f} s")
-        yield SimpleNamespace(base_url=base_url, nodes=nodes)
+        yield SimpleNamespace(base_url=cluster.base_url, nodes=cluster.nodes)
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            nodes.shutdown()
+        for name in list(serve.status().applications):
+            serve.delete(name)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ model; a LoRA loaded through /v1/loras reaches every replica. Last, a replica ki
 request gets its image or a 503, and Ray Serve's replacement serves, the LoRA loaded before it started
 included.
 
-One cluster and one application for the module (about two minutes on 2 busy cores).
+One application for the module (and the autoscaling test's, last) on the cluster tests/deploy/conftest.py
+shares with test_ray_disaggregated.py (about two minutes on 2 busy cores).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import io
 import os
 import re
 import signal
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,12 +43,6 @@ PROMPT = "a large red circle in the center on a black background"
 READY_TIMEOUT_S = 300
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def pixels(data: bytes | str) -> np.ndarray:
     raw = base64.b64decode(data) if isinstance(data, str) else data
     return np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"))
@@ -58,37 +52,6 @@ def png(width: int, height: int) -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", (width, height), (200, 40, 40)).save(buffer, format="PNG")
     return buffer.getvalue()
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """A head and a worker node of 1 CPU each, Serve's proxy on the head; shut down after the module."""
-    from ray import serve
-    from ray.cluster_utils import Cluster
-
-    # The autoscaling test's load reaches Ray Serve's autoscaler within a second (default: every 10 s).
-    fast = {f"RAY_SERVE_{who}_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5" for who in ("HANDLE", "REPLICA")}
-    saved = {name: os.environ.get(name) for name in fast}
-    os.environ.update(fast)  # the nodes' processes inherit them
-    memory = 80 * 2**20
-    nodes = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "object_store_memory": memory, "include_dashboard": False},
-    )
-    try:
-        nodes.add_node(num_cpus=1, object_store_memory=memory)
-        ray.init(address=nodes.address, log_to_driver=False)
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-        yield SimpleNamespace(nodes=nodes, base_url=f"http://127.0.0.1:{port}")
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            nodes.shutdown()
-            for name, value in saved.items():
-                os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +77,8 @@ def lora_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def app(cluster, wan_dir, lora_dir, tmp_path_factory):
-    """The application: the demo model on 2 replicas (1 CPU each: one per node) and the tiny Wan on one."""
+    """The application: the demo model on 2 replicas (1 CPU each: one per node) and the tiny Wan on one;
+    deleted after the module (the autoscaling test's, once it has replaced it)."""
     from ray import serve
 
     from diffserve.configs.demo_model import demo_model_path
@@ -138,19 +102,23 @@ def app(cluster, wan_dir, lora_dir, tmp_path_factory):
         "server": {"output_path": str(output), "log_level": "warning"},
     }
     started = time.monotonic()
-    serve.run(build_app(args), name="diffserve", route_prefix="/")
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        health = httpx.get(f"{cluster.base_url}/health", timeout=10)
-        info = httpx.get(f"{cluster.base_url}/server_info", timeout=10).json()
-        demo_ready = sum(r["state"] == "ready" for r in info["models"][DEMO]["replicas"]) == 2
-        if health.status_code == 200 and demo_ready:
-            break
-        time.sleep(0.5)
-    else:
-        raise AssertionError(f"not ready after {READY_TIMEOUT_S} s: {health.text}")
-    print(f"application ready in {time.monotonic() - started:.1f} s")
-    return SimpleNamespace(base_url=cluster.base_url, output=output)
+    try:
+        serve.run(build_app(args), name="diffserve", route_prefix="/")
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            health = httpx.get(f"{cluster.base_url}/health", timeout=10)
+            info = httpx.get(f"{cluster.base_url}/server_info", timeout=10).json()
+            demo_ready = sum(r["state"] == "ready" for r in info["models"][DEMO]["replicas"]) == 2
+            if health.status_code == 200 and demo_ready:
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"not ready after {READY_TIMEOUT_S} s: {health.text}")
+        print(f"application ready in {time.monotonic() - started:.1f} s")
+        yield SimpleNamespace(base_url=cluster.base_url, output=output)
+    finally:
+        for name in list(serve.status().applications):  # this one, or the autoscaling test's
+            serve.delete(name)
 
 
 @pytest.fixture(scope="module")
