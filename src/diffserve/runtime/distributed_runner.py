@@ -70,6 +70,8 @@ class Op:
 class DistributedRunner(ModelRunner):
     """Rank 0's runner: each phase is broadcast, run here, then every rank's status is checked."""
 
+    mirrors_requests = True
+
     def __init__(
         self,
         pipeline: EnginePipeline,

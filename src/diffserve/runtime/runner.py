@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
+from typing import ClassVar
 
 from PIL import Image
 
@@ -123,6 +124,10 @@ def batch_lora_rows(batch: list[Req]) -> LoraRows | None:
 
 
 class ModelRunner:
+    #: Whether other ranks hold a mirror of each request (made by `pre_denoise`): a request copied on this
+    #: rank alone would be unknown to them.
+    mirrors_requests: ClassVar[bool] = False
+
     def __init__(
         self,
         pipeline: EnginePipeline,

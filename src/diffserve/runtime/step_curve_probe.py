@@ -1,15 +1,18 @@
 """The batch policy's first measurements, taken at the server's warm-up: DiT steps of 1, 2, 4, ... probe
 requests at the probe size, two of each (the first pays a shape's one-off costs and is left out), into the
 policy's curve (runtime/batch_policy.py). Other sizes are measured while serving, where the policy
-explores. Runs while no other request does: the probes are stepped directly, never queued or decoded."""
+explores. Runs while no other request does: the probes are stepped directly, never queued or decoded. On
+one rank one probe is encoded and the others are copies of it (an edit model's input-image encoding is
+most of a tiny model's request); only their step times matter."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import replace
 
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.request import Req
+from diffserve.request import Req, new_request_id
 from diffserve.runtime.batch_policy import token_bucket
 from diffserve.runtime.engine import Engine
 from diffserve.runtime.memory import RequestCost
@@ -36,11 +39,17 @@ def measure_step_curve(engine: Engine, params: SamplingParams, most: int) -> lis
     costs: list[RequestCost] = []
     try:
         for seed in range(sizes[-1]):
-            req = engine.runner.validate(Req(params=replace(params, seed=seed, num_inference_steps=steps)))
-            cost = engine.cost(req)
+            copy = bool(reqs) and not engine.runner.mirrors_requests
+            if copy:
+                req, cost = dataclasses.replace(reqs[0], request_id=new_request_id()), costs[0]
+            else:
+                req = engine.runner.validate(
+                    Req(params=replace(params, seed=seed, num_inference_steps=steps))
+                )
+                cost = engine.cost(req)
             if costs and not engine.scheduler.within_limits(costs, cost):
                 break
-            reqs.append(engine.runner.pre_denoise(req))
+            reqs.append(req if copy else engine.runner.pre_denoise(req))
             costs.append(cost)
         measured = [k for k in sizes if k <= len(reqs)]
         curve = engine.scheduler.policy.curve
