@@ -1,0 +1,1 @@
+"""Mochi 1 (Diffusers `MochiPipeline`): see `record.py`."""
