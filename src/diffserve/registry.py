@@ -18,6 +18,7 @@ from diffserve.families.flux2 import record as flux2
 from diffserve.families.hunyuan_video15 import record as hunyuan_video15
 from diffserve.families.longcat_image import record as longcat_image
 from diffserve.families.ltx2 import record as ltx2
+from diffserve.families.mochi import record as mochi
 from diffserve.families.qwen_image import record as qwen_image
 from diffserve.families.record import ModelFamily, TinyCheckpointBuilder, TinyCheckpointOptions
 from diffserve.families.sana import record as sana
@@ -42,6 +43,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     *longcat_image.FAMILIES,
     *chroma.FAMILIES,
     *cogvideox.FAMILIES,
+    *mochi.FAMILIES,
 )
 
 #: Diffusers pipeline `_class_name` -> family.

@@ -21,11 +21,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from diffusers import QwenImagePipeline, WanImageToVideoPipeline, WanPipeline, ZImagePipeline
+from diffusers import (
+    QwenImagePipeline,
+    SkyReelsV2Pipeline,
+    WanImageToVideoPipeline,
+    WanPipeline,
+    ZImagePipeline,
+)
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
 from diffserve import DiffGenerator
 from diffserve.families.qwen_image.tiny import build_tiny_qwen_image
+from diffserve.families.wan.skyreels_v2_tiny import build_tiny_skyreels_v2
 from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
 from diffserve.families.z_image.tiny import build_tiny_zimage
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
@@ -164,6 +171,18 @@ FAMILIES: dict[str, Family] = {
         dict(
             height=32, width=48, num_frames=5, num_inference_steps=2, guidance_scale=5.0,
             negative_prompt="static", image=gradient_image(width=60, height=40),
+        ),
+        video=True,
+    ),
+    # SkyReels-V2: Wan 2.1's module names over its own DiT class (float64 timestep sinusoids).
+    "skyreels-v2": Family(
+        build_tiny_skyreels_v2,
+        lambda root: SkyReelsV2Pipeline.from_pretrained(root, torch_dtype=torch.float32),
+        _wan_files,
+        ("musubi", "diffusion_model"),
+        dict(
+            height=32, width=32, num_frames=5, num_inference_steps=2, max_sequence_length=64,
+            guidance_scale=6.0, negative_prompt="blurry",
         ),
         video=True,
     ),

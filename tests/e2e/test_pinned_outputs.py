@@ -108,6 +108,21 @@ CASES: dict[str, tuple[str, dict, dict]] = {
         {"image_to_video": True},
         {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 2, "input_images": "gradient"},
     ),
+    "skyreels-v2": (
+        "diffserve.families.wan.skyreels_v2_tiny:build_tiny_skyreels_v2",
+        {},
+        {"height": 32, "width": 48, "num_frames": 5, "num_inference_steps": 2, "guidance_scale": 6.0},
+    ),
+    "skyreels-v2-i2v": (
+        "diffserve.families.wan.skyreels_v2_tiny:build_tiny_skyreels_v2",
+        {"image_to_video": True},
+        {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 2, "input_images": "gradient"},
+    ),
+    "skyreels-v2-df": (
+        "diffserve.families.wan.skyreels_v2_tiny:build_tiny_skyreels_v2",
+        {"diffusion_forcing": True, "num_frame_per_block": 2},
+        {"height": 32, "width": 48, "num_frames": 5, "num_inference_steps": 3, "guidance_scale": 6.0},
+    ),
     "longcat-image": (
         "diffserve.families.longcat_image.tiny:build_tiny_longcat_image",
         {},
@@ -143,6 +158,11 @@ CASES: dict[str, tuple[str, dict, dict]] = {
             "input_images": "gradient",
             "extra": {"use_dynamic_cfg": True},
         },
+    ),
+    "mochi": (
+        "diffserve.families.mochi.tiny:build_tiny_mochi",
+        {},
+        {"height": 32, "width": 48, "num_frames": 7, "num_inference_steps": 3, "guidance_scale": 4.5},
     ),
 }
 

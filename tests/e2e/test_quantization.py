@@ -23,6 +23,7 @@ from diffserve.families.longcat_image.tiny import build_tiny_longcat_image
 from diffserve.families.qwen_image.tiny import build_tiny_qwen_image
 from diffserve.families.sana_video.tiny import build_tiny_sana_video
 from diffserve.families.sd3.tiny import build_tiny_sd3
+from diffserve.families.wan.skyreels_v2_tiny import TinySkyReelsV2Spec, build_tiny_skyreels_v2
 from diffserve.families.wan.tiny import build_tiny_wan
 from diffserve.families.z_image.tiny import build_tiny_zimage
 from diffserve.layers.quantized_linear import QuantizedLinear
@@ -48,6 +49,8 @@ BUILDERS = {
     "qwen_image": build_tiny_qwen_image,
     "z_image": build_tiny_zimage,
     "wan": build_tiny_wan,
+    # SkyReels-V2's diffusion-forcing DiT: Wan's with the fps embedding and projection kept in full precision.
+    "skyreels_v2_df": lambda out: build_tiny_skyreels_v2(out, TinySkyReelsV2Spec(diffusion_forcing=True)),
     "chroma": build_tiny_chroma,
     "longcat_image": build_tiny_longcat_image,
     "sana_video": build_tiny_sana_video,
@@ -56,7 +59,17 @@ BUILDERS = {
 
 @pytest.fixture(
     scope="module",
-    params=["flux", "sd3", "qwen_image", "z_image", "wan", "chroma", "longcat_image", "sana_video"],
+    params=[
+        "flux",
+        "sd3",
+        "qwen_image",
+        "z_image",
+        "wan",
+        "skyreels_v2_df",
+        "chroma",
+        "longcat_image",
+        "sana_video",
+    ],
 )
 def family_folder(request, tmp_path_factory) -> tuple[str, Path]:
     if request.param == "flux":
@@ -66,7 +79,7 @@ def family_folder(request, tmp_path_factory) -> tuple[str, Path]:
 
 def _generate(gen: DiffGenerator, family: str) -> np.ndarray:
     kwargs = dict(prompt="a red fox in the snow", seed=42, height=64, width=64, num_inference_steps=2)
-    if family == "wan":
+    if family in ("wan", "skyreels_v2_df"):
         return np.stack(gen.generate(num_frames=5, **kwargs).frames)
     if family == "sana_video":  # its 480p aspect-ratio bins are too large for a quick test
         extra = {"use_resolution_binning": False}

@@ -25,7 +25,9 @@ from server_process import start_server
 from diffserve import DiffGenerator
 from diffserve.families.cogvideox.tiny import TinyCogVideoXSpec, build_tiny_cogvideox
 from diffserve.families.ltx2.tiny import build_tiny_ltx2
+from diffserve.families.mochi.tiny import build_tiny_mochi
 from diffserve.families.sana_video.tiny import build_tiny_sana_video
+from diffserve.families.wan.skyreels_v2_tiny import TinySkyReelsV2Spec, build_tiny_skyreels_v2
 from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
 from diffserve.outputs.audio_track import read_audio_track
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
@@ -41,11 +43,25 @@ FAMILIES = {
     "cogvideox-i2v": lambda out: build_tiny_cogvideox(
         out, TinyCogVideoXSpec(variant="1.5", image_to_video=True, sample_width=12)
     ),
+    "mochi": build_tiny_mochi,
+    "skyreels-v2": build_tiny_skyreels_v2,
+    "skyreels-v2-i2v": lambda out: build_tiny_skyreels_v2(out, TinySkyReelsV2Spec(image_to_video=True)),
+    "skyreels-v2-df": lambda out: build_tiny_skyreels_v2(out, TinySkyReelsV2Spec(diffusion_forcing=True)),
 }
 #: family -> frames for 1 s at FPS: Wan's 4k+1, LTX's 8k+1 (8 frames -> 9 either way)
-FRAMES = {"wan-2.2-ti2v": 9, "ltx2": 9, "sana-video": 9, "cogvideox": 9, "cogvideox-i2v": 9}
+FRAMES = {
+    "wan-2.2-ti2v": 9,
+    "ltx2": 9,
+    "sana-video": 9,
+    "cogvideox": 9,
+    "cogvideox-i2v": 9,
+    "mochi": 7,
+    "skyreels-v2": 9,
+    "skyreels-v2-i2v": 9,
+    "skyreels-v2-df": 9,
+}
 #: Families whose folders make image-to-video only (the text-to-video test skips them).
-IMAGE_TO_VIDEO_ONLY = {"cogvideox-i2v"}
+IMAGE_TO_VIDEO_ONLY = {"cogvideox-i2v", "skyreels-v2-i2v"}
 #: family -> what its requests add: SANA-Video generates at its 480p aspect-ratio bins unless told not to
 #: (Diffusers' use_resolution_binning), too large for a quick test.
 REQUEST_EXTRAS = {"sana-video": {"extra": {"use_resolution_binning": False}}}

@@ -42,6 +42,7 @@ PACKAGE_LABELS = {
     "hunyuan_video15": "HunyuanVideo 1.5",
     "ltx2": "LTX-2",
     "longcat_image": "LongCat-Image",
+    "mochi": "Mochi",
 }
 #: The pages whose `*.py` mentions must name files of the tree.
 PAGES_NAMING_FILES = (README, REPO / "docs" / "architecture.md", REPO / "docs" / "adding-a-model.md")

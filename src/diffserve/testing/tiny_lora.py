@@ -17,6 +17,7 @@ from diffserve.models.dits.chroma import ChromaTransformer2DModel
 from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
 from diffserve.models.dits.sd3 import SD3Transformer2DModel
+from diffserve.models.dits.skyreels_v2 import SkyReelsV2Transformer3DModel
 from diffserve.models.dits.wan import WanTransformer3DModel
 from diffserve.models.dits.z_image import ZImageTransformer2DModel
 
@@ -25,7 +26,7 @@ DIT_CLASSES: dict[str, type[nn.Module]] = {
     cls.__name__: cls
     for cls in (
         FluxTransformer2DModel, SD3Transformer2DModel, QwenImageTransformer2DModel, ZImageTransformer2DModel,
-        WanTransformer3DModel, ChromaTransformer2DModel,
+        WanTransformer3DModel, ChromaTransformer2DModel, SkyReelsV2Transformer3DModel,
     )
 }  # fmt: skip
 

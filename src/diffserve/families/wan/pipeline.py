@@ -16,7 +16,7 @@ Wan 2.2 folders keep these class names and say what they are in model_index.json
 
 from __future__ import annotations
 
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -157,6 +157,7 @@ class WanDenoiser:
             encoder_hidden_states=None,
             context=EmbeddedContext(torch.cat([c.states for c in contexts]), contexts[0].image_len),
             step_cache=step_cache_for(reqs),
+            **self.extra_dit_inputs(reqs),
         )
         advance_requests(self.scheduler, reqs, self._guided(prediction.float(), reqs, expert))
         if self.expand_timesteps:
@@ -164,6 +165,10 @@ class WanDenoiser:
                 if req.is_denoised and WanConditioning.of(req).condition_latents is not None:
                     # As Diffusers after its loop: the image's latents are the clip's first frame.
                     req.latents = self.model_input(req)
+
+    def extra_dit_inputs(self, reqs: list[Req]) -> dict[str, Any]:
+        """DiT keywords beyond Wan's, for the rows of `reqs` (none for Wan)."""
+        return {}
 
     @staticmethod
     def _guided(prediction: torch.Tensor, reqs: list[Req], expert: int) -> list[torch.Tensor]:
@@ -192,6 +197,8 @@ class WanPipeline(Pipeline):
     config = WanPipelineConfig()
     pipeline_name = "WanPipeline"
     conditioning_type = WanConditioning
+    denoiser_cls: ClassVar[type[WanDenoiser]] = WanDenoiser
+    input_validation_cls: ClassVar[type[InputValidationStage]] = InputValidationStage
     #: Chosen by `diffserve calibrate-cache` on the tiny random-weight T2V test model (`build_tiny_wan`, 20
     #: steps, 64x64, 9 frames, CFG 5, the four built-in prompts, 1 dB margin, every candidate also holding
     #: the bar at 4 and 8 steps), a preset replacing the former step-cache threshold only where it computes
@@ -216,7 +223,7 @@ class WanPipeline(Pipeline):
         transformers = (transformer,) if switch is None else (transformer, context.get("transformer_2"))
         if switch is not None:
             self.step_cache_policies = {}
-        self.denoiser = WanDenoiser(transformers, scheduler, switch, self.expand_timesteps)
+        self.denoiser = self.denoiser_cls(transformers, scheduler, switch, self.expand_timesteps)
         self.spatial = int(vae.spatial_compression_ratio)
         self.temporal = int(vae.temporal_compression_ratio)
         self.pixel_multiple = self.spatial * transformer.config.patch_size[1]
@@ -226,10 +233,10 @@ class WanPipeline(Pipeline):
                 "it is the low-noise expert's CFG scale of Wan 2.2 A14B folders (boundary_ratio in "
                 "model_index.json); this folder has one DiT"
             )
-        defaults = wan_default_sampling_params()
+        defaults = self.default_sampling_params()
         if self.expand_timesteps:
             defaults = apply_overrides(defaults, {"fps": self.config.ti2v_fps})
-        self.input_validation = InputValidationStage(
+        self.input_validation = self.input_validation_cls(
             defaults=apply_overrides(defaults, context.folder_sampling_defaults),
             pixel_multiple=self.pixel_multiple,
             default_pixels=self.config.default_height,
@@ -279,6 +286,11 @@ class WanPipeline(Pipeline):
     def batch_key(self, req: Req) -> tuple:
         """The base key plus the expert of the request's next step (evaluated at every step)."""
         return (*super().batch_key(req), self.denoiser.expert_of(req))
+
+    @staticmethod
+    def default_sampling_params() -> SamplingParams:
+        """Diffusers' `__call__` defaults of the pipeline this class serves."""
+        return wan_default_sampling_params()
 
     def image_input_rule(self) -> ImageInputRule:
         if self.expand_timesteps:  # Wan 2.2 TI2V: text-to-video, or image-to-video with one image

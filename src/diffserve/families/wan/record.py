@@ -1,5 +1,7 @@
 """The Wan family's records (Wan 2.1 and 2.2): text-to-video (`WanPipeline`, also Wan 2.2 A14B's two
-experts and TI2V-5B) and image-to-video (`WanImageToVideoPipeline`), which share the Wan DiT's facts."""
+experts and TI2V-5B) and image-to-video (`WanImageToVideoPipeline`), which share the Wan DiT's facts; and
+SkyReels-V2's (`SkyReelsV2Pipeline`, `SkyReelsV2ImageToVideoPipeline`): Wan 2.1's pipelines over its own
+DiT (Wan's with float64 timestep sinusoids, fps injection and block-causal attention)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,14 @@ from diffserve.families.record import ModelFamily, TinyCheckpointOptions
 from diffserve.families.wan.lora_rules import WAN_RULES
 from diffserve.families.wan.pipeline import WanImageToVideoPipeline, WanPipeline
 from diffserve.families.wan.single_file_keys import wan_plan
+from diffserve.families.wan.skyreels_v2 import (
+    SkyReelsV2DiffusionForcingPipeline,
+    SkyReelsV2ImageToVideoPipeline,
+    SkyReelsV2Pipeline,
+)
 from diffserve.loader.dit_facts import DitFacts, LoraFacts, SingleFileKeys
 from diffserve.loader.native_classes import NativeClasses
+from diffserve.models.dits.skyreels_v2 import SkyReelsV2Transformer3DModel
 from diffserve.models.dits.wan import WanTransformer3DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.schedulers.unipc_flow import UniPCFlowScheduler
@@ -31,6 +39,18 @@ def _tiny_wan(out_dir: Path, options: TinyCheckpointOptions, image_to_video: boo
         variant=options.wan_variant,
     )
     return build_tiny_wan(out_dir, spec)
+
+
+def _tiny_skyreels_v2(
+    out_dir: Path, options: TinyCheckpointOptions, image_to_video: bool, diffusion_forcing: bool = False
+) -> Path:
+    """A SkyReels-V2 text-to-video, image-to-video or diffusion-forcing folder; imports its module when called."""
+    from diffserve.families.wan.skyreels_v2_tiny import TinySkyReelsV2Spec, build_tiny_skyreels_v2
+
+    spec = TinySkyReelsV2Spec(
+        image_to_video=image_to_video, diffusion_forcing=diffusion_forcing, seed=options.seed
+    )
+    return build_tiny_skyreels_v2(out_dir, spec)
 
 
 _CLASSES = NativeClasses.of(
@@ -69,5 +89,48 @@ FAMILIES: tuple[ModelFamily, ...] = (
         pipeline_cls=WanImageToVideoPipeline,
         task="image-to-video",
         tiny_builder=partial(_tiny_wan, image_to_video=True),
+    ),
+)
+
+_SKYREELS_V2_T2V = ModelFamily(
+    name="skyreels-v2",
+    diffusers_pipeline="SkyReelsV2Pipeline",
+    pipeline_cls=SkyReelsV2Pipeline,
+    native_classes=NativeClasses.of(
+        models=(SkyReelsV2Transformer3DModel, AutoencoderKLWan),
+        schedulers=(UniPCFlowScheduler, FlowMatchEulerScheduler),
+        encoders=("UMT5EncoderModel", "T5EncoderModel", "CLIPVisionModelWithProjection", "CLIPVisionModel"),
+    ),
+    task="text-to-video",
+    tiny_builder=partial(_tiny_skyreels_v2, image_to_video=False),
+    dit_facts=DitFacts(
+        class_name=SkyReelsV2Transformer3DModel.diffusers_class_name,
+        full_precision_modules=frozenset(
+            {"condition_embedder", "proj_out", "fps_embedding", "fps_projection"}
+        ),
+        # Wan's module names: Diffusers converts SkyReels-V2's musubi and original-name files as Wan's.
+        lora=LoraFacts(rules=tuple(WAN_RULES)),
+    ),
+    aliases=("skyreels-v2-t2v", "skyreels_v2"),
+)
+
+FAMILIES += (
+    _SKYREELS_V2_T2V,
+    replace(
+        _SKYREELS_V2_T2V,
+        name="skyreels-v2-i2v",
+        diffusers_pipeline="SkyReelsV2ImageToVideoPipeline",
+        pipeline_cls=SkyReelsV2ImageToVideoPipeline,
+        task="image-to-video",
+        tiny_builder=partial(_tiny_skyreels_v2, image_to_video=True),
+        aliases=("skyreels_v2_i2v",),
+    ),
+    replace(
+        _SKYREELS_V2_T2V,
+        name="skyreels-v2-df",
+        diffusers_pipeline="SkyReelsV2DiffusionForcingPipeline",
+        pipeline_cls=SkyReelsV2DiffusionForcingPipeline,
+        tiny_builder=partial(_tiny_skyreels_v2, image_to_video=False, diffusion_forcing=True),
+        aliases=("skyreels_v2_df",),
     ),
 )

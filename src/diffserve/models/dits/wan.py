@@ -256,11 +256,15 @@ class WanSelfAttention(_WanAttention):
         super().__init__(dim, num_heads, eps)
         self.rope = RotaryEmbedding()
 
-    def forward(self, x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: RopeTables, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         q = self.norm_q(self.to_q(x)).unflatten(-1, (self.num_heads, -1))
         k = self.norm_k(self.to_k(x)).unflatten(-1, (self.num_heads, -1))
         v = self.to_v(x).unflatten(-1, (self.num_heads, -1))
         q, k = self.rope(q, k, *rope)
+        if attn_mask is not None:  # a (1, 1, seq, seq) mask (block-causal frames): never sequence-split
+            return self.to_out[0](attention(q, k, v, attn_mask).flatten(2))
         # Over every rank's video tokens when the sequence is split (`_run_blocks_split`).
         return self.to_out[0](sequence_attention(q, k, v).flatten(2))
 
@@ -332,6 +336,7 @@ class WanTransformerBlock(nn.Module):
         img: torch.Tensor | None,
         time_mod: torch.Tensor,
         rope: RopeTables,
+        attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # time_mod: (batch, 1 or seq, 6, dim); each vector broadcasts over (batch, seq, dim).
         mod = self.scale_shift_table.float().unsqueeze(0) + time_mod.float()
@@ -339,7 +344,7 @@ class WanTransformerBlock(nn.Module):
         dtype = x.dtype
 
         h = self._modulate_attention_input(x, shift_msa, scale_msa)
-        x = (self.attn1(h, rope) * gate_msa).add_(x.float()).to(dtype)
+        x = (self.attn1(h, rope, attn_mask) * gate_msa).add_(x.float()).to(dtype)
 
         h = self.norm2(x.float()).to(dtype) if self.norm2 is not None else x
         x = x + self.attn2(h, ctx, img)
