@@ -19,13 +19,11 @@ from diffserve.errors import InvalidRequestError
 from diffserve.families.mochi.stages import linear_quadratic_sigmas
 from diffserve.families.mochi.tiny import TinyMochiSpec, build_tiny_mochi
 from diffserve.request import Req
-from diffserve.testing.image_metrics import psnr_uint8
 from diffserve.testing.parity import (
+    assert_batched_as_alone,
     assert_images_match,
     assert_parity,
-    denoise_together,
     generator_and_reference,
-    max_pixel_diff,
     to_uint8,
 )
 
@@ -142,16 +140,8 @@ def test_requests_share_steps_and_match_each_alone(folders) -> None:
             prompt="a boat on a lake", seed=6, num_inference_steps=2, guidance_scale=1.0, **common
         ),
     ]
-    alone = [np.stack(ours.generate_from_params(p).frames) for p in params]
-    pipeline = ours.pipeline
-    running = [pipeline.run_pre_denoise(pipeline.validate(Req(params=p))) for p in params]
-    assert len({pipeline.batch_key(r) for r in running}) == 1
-    done, step_sizes = denoise_together(pipeline, running)
+    step_sizes = assert_batched_as_alone(ours, params, "Mochi", video=True)
     assert step_sizes[0] == 2
-    for p, want in zip(params, alone, strict=True):
-        got = np.stack(done[p.prompt].outputs.frames)
-        print(f"Mochi batched vs alone {p.prompt!r}: PSNR {psnr_uint8(got, want):.1f} dB")
-        assert max_pixel_diff(got, want) <= 1
 
 
 def test_frame_count_and_steps_are_checked(folders) -> None:

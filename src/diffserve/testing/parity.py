@@ -512,16 +512,20 @@ def assert_batched_as_alone(
     params: Sequence[Any],
     what: str,
     check_prepared: Callable[[list[Any]], None] | None = None,
+    video: bool = False,
 ) -> list[int]:
     """Each request of `params` (`SamplingParams`, distinct prompts) run alone through `generator` (a
     `DiffGenerator`), then all of them prepared as the engine admits them, which must give them one batch
-    key, and denoised together (`denoise_together`): each one's images must be within 1 (uint8) of what it
-    gives alone. `check_prepared(requests)` asserts more on the prepared requests (their step counts)
-    before they are denoised. Returns the number of requests each step held."""
+    key, and denoised together (`denoise_together`): each one's images (`video`: frames) must be within 1
+    (uint8) of what it gives alone. `check_prepared(requests)` asserts more on the prepared requests (their
+    step counts) before they are denoised. Returns the number of requests each step held."""
     from diffserve.request import Req
 
+    def pixels(outputs: Any) -> np.ndarray:
+        return stack_uint8(outputs.frames if video else outputs.images)
+
     pipeline = generator.pipeline
-    alone = [stack_uint8(generator.generate_from_params(p).images) for p in params]
+    alone = [pixels(generator.generate_from_params(p)) for p in params]
     running = [pipeline.run_pre_denoise(pipeline.validate(Req(params=p))) for p in params]
     keys = {pipeline.batch_key(r) for r in running}
     assert len(keys) == 1, f"{what}: the requests do not share a batch: {keys}"
@@ -529,7 +533,7 @@ def assert_batched_as_alone(
         check_prepared(running)
     done, step_sizes = denoise_together(pipeline, running)
     for p, want in zip(params, alone, strict=True):
-        got = stack_uint8(done[p.prompt].outputs.images)
+        got = pixels(done[p.prompt].outputs)
         diff = max_pixel_diff(got, want)
         print(
             f"{what} batched vs alone {p.prompt!r} (strength {p.strength}): max diff {diff}, "

@@ -28,7 +28,7 @@ from torch import nn
 from diffserve.distributed.sequence_split import sequence_split
 from diffserve.layers.patches import video_patch_grid
 from diffserve.models.dits.wan import EmbeddedContext, WanTransformer3DModel, WanTransformerConfig
-from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
+from diffserve.models.step_cache import BatchStepCache
 
 
 @dataclass(frozen=True)
@@ -135,19 +135,13 @@ class SkyReelsV2Transformer3DModel(WanTransformer3DModel):
         index (0 or 1) per row or one for all, needed by `inject_sample_info` models and ignored by others.
         """
         grid = video_patch_grid(hidden_states, self.config.patch_size)
-        batch, _, frames, height, width = hidden_states.shape
-        p_t, p_h, p_w = self.config.patch_size
+        batch = hidden_states.shape[0]
         seq = math.prod(grid)
         tokens_per_frame = grid[1] * grid[2]
         per_frame = timestep.ndim == 2 and timestep.shape[1] == grid[0] and grid[0] != seq
         timestep = timestep.expand(batch, -1) if per_frame else self._timestep_rows(timestep, batch, seq)
 
-        if context is None:
-            if encoder_hidden_states is None:
-                raise ValueError("pass encoder_hidden_states (UMT5 states) or context (embedded)")
-            context = self.embed_context(encoder_hidden_states, encoder_hidden_states_image)
-        elif encoder_hidden_states is not None or encoder_hidden_states_image is not None:
-            raise ValueError("pass either the text/image states or their embedded context, not both")
+        context = self._context_of(context, encoder_hidden_states, encoder_hidden_states_image)
         ctx, image_len = context.states, context.image_len
 
         rope = self.rope_tables(*grid, hidden_states.device)
@@ -169,18 +163,5 @@ class SkyReelsV2Transformer3DModel(WanTransformer3DModel):
             for block in self.blocks:
                 x = block(x, txt, img, time_mod, rope, mask)
         else:
-            x = run_with_step_cache(
-                step_cache,
-                x,
-                lambda: self.blocks[0].modulated_input(x, time_mod),
-                lambda rows: self._run_blocks(
-                    take_rows(x, rows), take_rows(ctx, rows), image_len, take_rows(time_mod, rows), rope
-                ),
-                blocks=lambda: self._block_range(x, ctx, image_len, time_mod, rope),
-            )
-
-        shift, scale = (self.scale_shift_table.float().unsqueeze(0) + temb.float().unsqueeze(2)).unbind(2)
-        x = (self.norm_out(x.float()) * (1 + scale)).add_(shift).to(dtype)
-        x = self.proj_out(x)
-        x = x.reshape(batch, *grid, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
-        return x.reshape(batch, -1, frames, height, width)
+            x = self._blocks_with_step_cache(step_cache, x, ctx, image_len, time_mod, rope)
+        return self._output_head(x, temb, dtype, grid, tuple(hidden_states.shape))

@@ -497,17 +497,10 @@ class WanTransformer3DModel(DiffusersDiT):
             (batch, out_channels, frames, height, width), in the dtype of `hidden_states`.
         """
         grid = video_patch_grid(hidden_states, self.config.patch_size)
-        batch, _, frames, height, width = hidden_states.shape
-        p_t, p_h, p_w = self.config.patch_size
+        batch = hidden_states.shape[0]
         seq = math.prod(grid)
         timestep = self._timestep_rows(timestep, batch, seq)
-
-        if context is None:
-            if encoder_hidden_states is None:
-                raise ValueError("pass encoder_hidden_states (UMT5 states) or context (embedded)")
-            context = self.embed_context(encoder_hidden_states, encoder_hidden_states_image)
-        elif encoder_hidden_states is not None or encoder_hidden_states_image is not None:
-            raise ValueError("pass either the text/image states or their embedded context, not both")
+        context = self._context_of(context, encoder_hidden_states, encoder_hidden_states_image)
         ctx, image_len = context.states, context.image_len
 
         rope = self.rope_tables(*grid, hidden_states.device)
@@ -515,8 +508,35 @@ class WanTransformer3DModel(DiffusersDiT):
         dtype = x.dtype
         # Diffusers rounds temb to the text states' dtype; the pipeline passes everything in one dtype.
         temb, time_mod = self.condition_embedder.time(timestep, ctx.dtype)
+        x = self._blocks_with_step_cache(step_cache, x, ctx, image_len, time_mod, rope)
+        return self._output_head(x, temb, dtype, grid, tuple(hidden_states.shape))
 
-        x = run_with_step_cache(
+    def _context_of(
+        self,
+        context: EmbeddedContext | None,
+        encoder_hidden_states: torch.Tensor | None,
+        encoder_hidden_states_image: torch.Tensor | None,
+    ) -> EmbeddedContext:
+        """`context` as given, or embedded from the text (and image) states; exactly one of the two."""
+        if context is None:
+            if encoder_hidden_states is None:
+                raise ValueError("pass encoder_hidden_states (UMT5 states) or context (embedded)")
+            return self.embed_context(encoder_hidden_states, encoder_hidden_states_image)
+        if encoder_hidden_states is not None or encoder_hidden_states_image is not None:
+            raise ValueError("pass either the text/image states or their embedded context, not both")
+        return context
+
+    def _blocks_with_step_cache(
+        self,
+        step_cache: BatchStepCache | None,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        image_len: int,
+        time_mod: torch.Tensor,
+        rope: RopeTables,
+    ) -> torch.Tensor:
+        """Every block over `x`, or the step cache's rows reusing an earlier step's residual."""
+        return run_with_step_cache(
             step_cache,
             x,
             lambda: self.blocks[0].modulated_input(x, time_mod),
@@ -526,6 +546,17 @@ class WanTransformer3DModel(DiffusersDiT):
             blocks=lambda: self._block_range(x, ctx, image_len, time_mod, rope),
         )
 
+    def _output_head(
+        self,
+        x: torch.Tensor,
+        temb: torch.Tensor,
+        dtype: torch.dtype,
+        grid: tuple[int, int, int],
+        shape: tuple[int, ...],
+    ) -> torch.Tensor:
+        """The modulated output norm and projection, unpatchified to `shape` (the latents' (batch, C, F, H, W))."""
+        batch, _, frames, height, width = shape
+        p_t, p_h, p_w = self.config.patch_size
         shift, scale = (self.scale_shift_table.float().unsqueeze(0) + temb.float().unsqueeze(2)).unbind(2)
         x = (self.norm_out(x.float()) * (1 + scale)).add_(shift).to(dtype)
         x = self.proj_out(x)
