@@ -21,6 +21,7 @@ never starved; arrival order breaks ties."""
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -106,20 +107,15 @@ class StepCostCurve:
         measured = self.measured_rows(bucket)
         if not measured or rows > measured[-1]:
             return None
-        if rows in measured:
-            return self._per_row_measured(bucket, rows)
         if rows < measured[0]:
             return None
-        above = next(r for r in measured if r > rows)
-        below = max(r for r in measured if r < rows)
+        below = max(r for r in measured if r <= rows)
+        above = next(r for r in measured if r >= rows)
         t_below, t_above = self.seconds(bucket, below), self.seconds(bucket, above)
         assert t_below is not None and t_above is not None
-        seconds = t_below + (t_above - t_below) * (rows - below) / (above - below)
-        return seconds / rows
-
-    def _per_row_measured(self, bucket: int, rows: int) -> float:
-        seconds = self.seconds(bucket, rows)
-        assert seconds is not None
+        seconds = (
+            t_below if above == below else t_below + (t_above - t_below) * (rows - below) / (above - below)
+        )
         return seconds / rows
 
     def snapshot(self) -> dict[str, dict[str, dict[str, float | int]]]:
@@ -176,7 +172,7 @@ class BatchPolicy:
         return None
 
     def _auto(self, bucket: int, rows: Sequence[int], count: int) -> tuple[int, str]:
-        prefix = list(_prefix_sums(rows))
+        prefix = list(itertools.accumulate(rows))
         measured = self.curve.measured_rows(bucket)
         if not measured:
             return 1, "measuring"
@@ -189,8 +185,7 @@ class BatchPolicy:
         best = _smallest_near_cheapest(costs)
         if best == 0:  # even one request's rows are below or above what was measured: measure them
             return 1, "measuring"
-        larger = next((k for k, total in enumerate(prefix, start=1) if total > measured[-1]), None)
-        if larger is not None and prefix[best - 1] >= measured[-1] * 0.75:
+        if prefix[-1] > measured[-1] and prefix[best - 1] >= measured[-1] * 0.75:
             # The best is at the measured frontier: try about twice its rows once.
             target = 2 * measured[-1]
             return next(
@@ -221,11 +216,3 @@ def _smallest_near_cheapest(costs: Sequence[float]) -> int:
     if cheapest > costs[0] * (1 - MIN_GAIN):
         return 1
     return next(k for k, cost in enumerate(costs, start=1) if cost <= cheapest * (1 + TOLERANCE))
-
-
-def _prefix_sums(values: Sequence[int]) -> list[int]:
-    total, out = 0, []
-    for value in values:
-        total += value
-        out.append(total)
-    return out
