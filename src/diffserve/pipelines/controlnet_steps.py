@@ -6,7 +6,7 @@ of a step batch (`BlockResiduals`, one group per sample-count signature).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +84,27 @@ def acting_entries(reqs: list[Req], inputs_of) -> list[tuple[int, int, EncodedCo
             if entry.acts_at(req.step_index, req.num_steps):
                 acting.append((r, k, entry))
     return acting
+
+
+def samples_per_request(
+    reqs: list[Req],
+    inputs_of: Callable[[Req], list[EncodedControl]],
+    run: Callable[[str, list[tuple[int, int, EncodedControl]]], dict[tuple[int, int], list[torch.Tensor]]],
+) -> dict[int, list[torch.Tensor]]:
+    """Each request's residual samples for this step, by request index (empty when no entry acts): the
+    acting entries (`acting_entries`) grouped by ControlNet, each group run once (`run(name, entries)`: the
+    samples per (request, entry) index), then summed per request in the order it listed its entries."""
+    acting = acting_entries(reqs, inputs_of)
+    by_net: dict[str, list[tuple[int, int, EncodedControl]]] = {}
+    for item in acting:
+        by_net.setdefault(item[2].name, []).append(item)
+    samples: dict[tuple[int, int], list[torch.Tensor]] = {}
+    for name, items in by_net.items():
+        samples.update(run(name, items))
+    per_request: dict[int, list[torch.Tensor]] = {}
+    for r, k, _ in acting:
+        per_request[r] = merge_samples(per_request.get(r), samples[(r, k)])
+    return per_request
 
 
 def double_stream_groups(

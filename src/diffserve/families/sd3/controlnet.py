@@ -33,9 +33,8 @@ from diffserve.models.controlnets.residuals import BlockResiduals
 from diffserve.models.controlnets.sd3 import SD3ControlNetModel
 from diffserve.pipelines.controlnet_steps import (
     EncodedControl,
-    acting_entries,
     double_stream_groups,
-    merge_samples,
+    samples_per_request,
 )
 from diffserve.request import Conditioning, Req
 from diffserve.runtime.runner import CfgBranchView
@@ -109,18 +108,11 @@ class SD3ControlNetRunner:
 
     def residuals(self, reqs: list[Req]) -> list[BlockResiduals]:
         """The DiT's residual groups for this step (empty when no entry acts)."""
-        acting = acting_entries(reqs, controls_of)
-        if not acting:
+        per_request = samples_per_request(
+            reqs, controls_of, lambda name, items: self._run(self.nets[name], reqs, items)
+        )
+        if not per_request:
             return []
-        by_net: dict[str, list[tuple[int, int, EncodedControl]]] = {}
-        for item in acting:
-            by_net.setdefault(item[2].name, []).append(item)
-        samples: dict[tuple[int, int], list[torch.Tensor]] = {}
-        for name, items in by_net.items():
-            samples.update(self._run(self.nets[name], reqs, items))
-        per_request: dict[int, list[torch.Tensor]] = {}
-        for r, k, _ in acting:  # in each request's listed order
-            per_request[r] = merge_samples(per_request.get(r), samples[(r, k)])
         return double_stream_groups(reqs, per_request, per_branch=True, truncating=True)
 
     @staticmethod
