@@ -19,6 +19,8 @@ from diffserve.runtime.memory import (
     RequestCost,
     RequestTooLargeError,
     estimated_memory_model,
+    fit_bounding_line,
+    fit_line,
     fitting_changes,
     output_buffer_bytes_per_pixel,
 )
@@ -162,3 +164,19 @@ def test_steps_count_in_the_estimate() -> None:
     few, many = replace(video(), steps=50), replace(video(), steps=50 + 10**6)
     assert model.estimate(many) - model.estimate(few) == 10**6 * BYTES_PER_STEP
     assert not model.fits_alone(replace(video(), steps=10**9))
+
+
+def test_a_noisy_counter_bounds_the_larger_probe_from_zero() -> None:
+    # A small probe read high (allocator pages): the two-point line tilts under the larger probe's y / x.
+    xs, ys = (100.0, 400.0), (90.0, 180.0)
+    assert fit_line(xs, ys) == (0.3, 60.0)
+    assert fit_bounding_line(xs, ys, noisy=False) == (0.3, 60.0)
+    slope, intercept = fit_bounding_line(xs, ys, noisy=True)
+    assert (slope, intercept) == (0.45, 60.0)
+    # A true line with a non-negative fixed term, probed exactly: raising the slope only adds headroom.
+    for size in (400.0, 800.0, 5000.0):
+        assert slope * size + intercept >= 0.3 * size + 60.0
+    assert fit_bounding_line((100.0, 400.0), (10.0, 200.0), noisy=True) == fit_line(
+        (100.0, 400.0), (10.0, 200.0)
+    )
+    assert CpuPlatform().peak_counter_is_noisy()

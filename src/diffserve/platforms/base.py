@@ -88,6 +88,13 @@ class Platform(ABC):
         can measure each phase's peak (runtime/calibration.py); else the memory model is estimated."""
         return True
 
+    def peak_counter_is_noisy(self) -> bool:
+        """Whether the peak counter reads allocator effects as well as live tensors (a process's VmHWM:
+        pages glibc kept or reuses). Calibration then bounds its fitted slopes from below by the larger
+        probe's bytes per unit (runtime/memory.py: `fit_bounding_line`); an exact counter (a device
+        allocator's peak) keeps the two-point fit."""
+        return False
+
     def prepare_process(self) -> None:  # noqa: B027  (optional hook, no-op by default)
         """Process-wide allocator tuning (`--tune-allocator`, opt-in: its effect is host-dependent)."""
 

@@ -319,6 +319,9 @@ class CpuPlatform(Platform):
     def has_peak_counter(self) -> bool:
         return vm_hwm_resets()
 
+    def peak_counter_is_noisy(self) -> bool:
+        return True
+
     def reset_peak_memory(self, index: int | None = None) -> None:
         if vm_hwm_resets():
             reset_vm_hwm()

@@ -429,6 +429,17 @@ def fit_line(xs: tuple[float, float], ys: tuple[float, float]) -> tuple[float, f
     return slope, max(ys[0] - slope * xs[0], 0.0)
 
 
+def fit_bounding_line(xs: tuple[float, float], ys: tuple[float, float], noisy: bool) -> tuple[float, float]:
+    """`fit_line`, with a `noisy` counter's slope raised to at least the larger point's `y / x` (the line
+    through zero and that point). A small probe that reads high (allocator pages counted) tilts the
+    two-point line under the larger requests it must bound; with a non-negative fixed term, the line
+    through zero and the larger probe is above the true line for every larger request."""
+    slope, intercept = fit_line(xs, ys)
+    if noisy and xs[1] > 0:
+        slope = max(slope, ys[1] / xs[1])
+    return slope, intercept
+
+
 @dataclass(frozen=True)
 class PhasePeaks:
     """One calibration request: its cost and each phase's peak above the resident baseline."""
@@ -460,17 +471,19 @@ def measured_memory_model(
         )
         return estimated_memory_model(facts, platform, mem_fraction, weights)
     first, last = points[0], points[-1]
-    per_token, fixed = fit_line(
-        (first.cost.batch_tokens, last.cost.batch_tokens), (first.denoise_bytes, last.denoise_bytes)
+    noisy = platform.peak_counter_is_noisy()
+    per_token, fixed = fit_bounding_line(
+        (first.cost.batch_tokens, last.cost.batch_tokens), (first.denoise_bytes, last.denoise_bytes), noisy
     )
     per_output_pixel = _output_buffer_bytes_per_pixel(facts, platform)
 
     def activations(point: PhasePeaks) -> float:
         return point.decode_bytes - per_output_pixel * point.cost.pixels * point.cost.outputs
 
-    per_pixel, decode_fixed = fit_line(
+    per_pixel, decode_fixed = fit_bounding_line(
         (first.cost.chunk_pixels * first.cost.outputs, last.cost.chunk_pixels * last.cost.outputs),
         (activations(first), activations(last)),
+        noisy,
     )
     model = MemoryModel(
         bytes_per_token=per_token * MEASURED_HEADROOM,
