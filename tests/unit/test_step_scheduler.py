@@ -356,6 +356,10 @@ class ScriptedPlatform:
     def has_peak_counter(self) -> bool:
         return True
 
+    def peak_counter_is_noisy(self) -> bool:
+        """Scripted readings are exact: the two-point fit is kept."""
+        return False
+
     def reset_peak_memory(self) -> None:
         pass
 

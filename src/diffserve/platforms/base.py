@@ -90,8 +90,8 @@ class Platform(ABC):
 
     def peak_counter_is_noisy(self) -> bool:
         """Whether the peak counter reads allocator effects as well as live tensors (a process's VmHWM:
-        pages glibc kept or reuses). Calibration then bounds its fitted slopes from below by the larger
-        probe's bytes per unit (runtime/memory.py: `fit_bounding_line`); an exact counter (a device
+        pages glibc kept or reuses). Calibration then bounds the decode line's slope from below by the
+        larger probe's bytes per pixel (runtime/memory.py: `fit_bounding_line`); an exact counter (a device
         allocator's peak) keeps the two-point fit."""
         return False
 

@@ -471,19 +471,21 @@ def measured_memory_model(
         )
         return estimated_memory_model(facts, platform, mem_fraction, weights)
     first, last = points[0], points[-1]
-    noisy = platform.peak_counter_is_noisy()
-    per_token, fixed = fit_bounding_line(
-        (first.cost.batch_tokens, last.cost.batch_tokens), (first.denoise_bytes, last.denoise_bytes), noisy
+    per_token, fixed = fit_line(
+        (first.cost.batch_tokens, last.cost.batch_tokens), (first.denoise_bytes, last.denoise_bytes)
     )
     per_output_pixel = _output_buffer_bytes_per_pixel(facts, platform)
 
     def activations(point: PhasePeaks) -> float:
         return point.decode_bytes - per_output_pixel * point.cost.pixels * point.cost.outputs
 
+    # Decoding's activations are per pixel by nature (convolutions over the frames), so on a noisy counter
+    # its slope may be bounded by the line through zero; denoising keeps the two-point fit (on a small
+    # model its fixed part, the text states and the step's own tensors, would make that bound far too high).
     per_pixel, decode_fixed = fit_bounding_line(
         (first.cost.chunk_pixels * first.cost.outputs, last.cost.chunk_pixels * last.cost.outputs),
         (activations(first), activations(last)),
-        noisy,
+        platform.peak_counter_is_noisy(),
     )
     model = MemoryModel(
         bytes_per_token=per_token * MEASURED_HEADROOM,
