@@ -15,11 +15,14 @@ from diffserve.families.chroma import record as chroma
 from diffserve.families.cogvideox import record as cogvideox
 from diffserve.families.flux import record as flux
 from diffserve.families.flux2 import record as flux2
+from diffserve.families.hidream import record as hidream
+from diffserve.families.hunyuan_video import record as hunyuan_video
 from diffserve.families.hunyuan_video15 import record as hunyuan_video15
 from diffserve.families.longcat_image import record as longcat_image
 from diffserve.families.ltx2 import record as ltx2
 from diffserve.families.mochi import record as mochi
 from diffserve.families.qwen_image import record as qwen_image
+from diffserve.families.qwen_image21 import record as qwen_image21
 from diffserve.families.record import ModelFamily, TinyCheckpointBuilder, TinyCheckpointOptions
 from diffserve.families.sana import record as sana
 from diffserve.families.sana_video import record as sana_video
@@ -33,17 +36,20 @@ FAMILIES: tuple[ModelFamily, ...] = (
     *flux.FAMILIES,
     *sd3.FAMILIES,
     *qwen_image.FAMILIES,
+    *qwen_image21.FAMILIES,
     *z_image.FAMILIES,
     *wan.FAMILIES,
     *sana.FAMILIES,
     *sana_video.FAMILIES,
     *flux2.FAMILIES,
     *hunyuan_video15.FAMILIES,
+    *hunyuan_video.FAMILIES,
     *ltx2.FAMILIES,
     *longcat_image.FAMILIES,
     *chroma.FAMILIES,
     *cogvideox.FAMILIES,
     *mochi.FAMILIES,
+    *hidream.FAMILIES,
 )
 
 #: Diffusers pipeline `_class_name` -> family.

@@ -164,6 +164,34 @@ CASES: dict[str, tuple[str, dict, dict]] = {
         {},
         {"height": 32, "width": 48, "num_frames": 7, "num_inference_steps": 3, "guidance_scale": 4.5},
     ),
+    "hunyuan-video": (
+        "diffserve.families.hunyuan_video.tiny:build_tiny_hunyuan_video",
+        {},
+        {"height": 32, "width": 48, "num_frames": 5, "num_inference_steps": 2, "guidance_scale": 6.0},
+    ),
+    "hidream-i1": (
+        "diffserve.families.hidream.tiny:build_tiny_hidream",
+        {},
+        {
+            "height": 32,
+            "width": 56,
+            "num_inference_steps": 2,
+            "guidance_scale": 4.0,
+            "negative_prompt": "blurry",
+            "max_sequence_length": 16,
+        },
+    ),
+    "qwen-image-2.1": (
+        "diffserve.families.qwen_image21.tiny:build_tiny_qwen_image21",
+        {},
+        {
+            "height": 32,
+            "width": 32,
+            "num_inference_steps": 2,
+            "true_cfg_scale": 3.0,
+            "negative_prompt": "blurry",
+        },
+    ),
 }
 
 

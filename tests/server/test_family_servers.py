@@ -42,8 +42,16 @@ FAMILIES = {
         {"guidance_scale": 4.5, "negative_prompt": "blurry"},
         "true_cfg_scale",
     ),
+    # RGBA output (its VAE's four channels), served as PNG with alpha.
+    "qwen-image-2.1": (
+        "diffserve.families.qwen_image21.tiny:build_tiny_qwen_image21",
+        {"true_cfg_scale": 3.0, "negative_prompt": "blurry"},
+        "guidance_scale",
+    ),
 }
 WIDTH, HEIGHT = 48, 32
+#: family -> (width, height) where the family's pixel multiple is not 16 (Qwen-Image 2.1: 32).
+SIZES = {"qwen-image-2.1": (64, 32)}
 
 
 def _build(target: str, out_dir: Path) -> Path:
@@ -69,20 +77,21 @@ def test_generation_with_the_openai_sdk_matches_the_python_api(served) -> None:
     family, model_dir, srv, extras, _ = served
     client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused")
     body = {"seed": 11, "num_inference_steps": 2, **extras}
+    width, height = SIZES.get(family, (WIDTH, HEIGHT))
     result = client.images.generate(
         model=str(model_dir),
         prompt="a red fox",
-        size=f"{WIDTH}x{HEIGHT}",
+        size=f"{width}x{height}",
         response_format="b64_json",
         extra_body=body,
     )
     with Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json))) as image:
         served_pixels = np.asarray(image.convert("RGB"))
-    assert served_pixels.shape == (HEIGHT, WIDTH, 3)
+    assert served_pixels.shape == (height, width, 3)
     local = DiffGenerator.from_pretrained(model_dir, device="cpu", show_progress=False).generate(
-        prompt="a red fox", height=HEIGHT, width=WIDTH, **body
+        prompt="a red fox", height=height, width=width, **body
     )
-    value = psnr(served_pixels, np.asarray(local.images[0]))
+    value = psnr(served_pixels, np.asarray(local.images[0].convert("RGB")))
     print(f"{family}: served vs in-process PSNR {value:.2f} dB")
     assert value >= 40.0
 

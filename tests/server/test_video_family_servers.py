@@ -24,6 +24,7 @@ from server_process import start_server
 
 from diffserve import DiffGenerator
 from diffserve.families.cogvideox.tiny import TinyCogVideoXSpec, build_tiny_cogvideox
+from diffserve.families.hunyuan_video.tiny import build_tiny_hunyuan_video
 from diffserve.families.ltx2.tiny import build_tiny_ltx2
 from diffserve.families.mochi.tiny import build_tiny_mochi
 from diffserve.families.sana_video.tiny import build_tiny_sana_video
@@ -44,6 +45,7 @@ FAMILIES = {
         out, TinyCogVideoXSpec(variant="1.5", image_to_video=True, sample_width=12)
     ),
     "mochi": build_tiny_mochi,
+    "hunyuan-video": build_tiny_hunyuan_video,
     "skyreels-v2": build_tiny_skyreels_v2,
     "skyreels-v2-i2v": lambda out: build_tiny_skyreels_v2(out, TinySkyReelsV2Spec(image_to_video=True)),
     "skyreels-v2-df": lambda out: build_tiny_skyreels_v2(out, TinySkyReelsV2Spec(diffusion_forcing=True)),
@@ -56,6 +58,7 @@ FRAMES = {
     "cogvideox": 9,
     "cogvideox-i2v": 9,
     "mochi": 7,
+    "hunyuan-video": 9,
     "skyreels-v2": 9,
     "skyreels-v2-i2v": 9,
     "skyreels-v2-df": 9,

@@ -43,6 +43,9 @@ PACKAGE_LABELS = {
     "ltx2": "LTX-2",
     "longcat_image": "LongCat-Image",
     "mochi": "Mochi",
+    "hidream": "HiDream-I1",
+    "hunyuan_video": "HunyuanVideo 1.0",
+    "qwen_image21": "Qwen-Image 2.1",
 }
 #: The pages whose `*.py` mentions must name files of the tree.
 PAGES_NAMING_FILES = (README, REPO / "docs" / "architecture.md", REPO / "docs" / "adding-a-model.md")

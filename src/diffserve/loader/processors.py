@@ -123,7 +123,9 @@ def load_image_text_processor(class_name: str, directory: str | Path):
         cls = _image_only(named)
     image_processor = transformers.AutoImageProcessor.from_pretrained(str(directory), local_files_only=True)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    return cls(image_processor=image_processor, tokenizer=tokenizer)
+    return cls(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=processor_chat_template(directory)
+    )
 
 
 #: Processors of which diffserve loads only the tokenizer, with the processor's chat template. FLUX.2-dev's
@@ -137,15 +139,22 @@ _PROCESSOR_TEMPLATE_JINJA = "chat_template.jinja"
 _PROCESSOR_TEMPLATE_JSON = "chat_template.json"
 
 
+def processor_chat_template(directory: str | Path) -> str | None:
+    """The chat template a processor folder ships (`chat_template.jinja`, else the legacy JSON), or None."""
+    jinja, legacy = Path(directory) / _PROCESSOR_TEMPLATE_JINJA, Path(directory) / _PROCESSOR_TEMPLATE_JSON
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    if legacy.is_file():
+        return json.loads(legacy.read_text(encoding="utf-8"))["chat_template"]
+    return None
+
+
 def load_processor_tokenizer(directory: str | Path):
     """The tokenizer of a processor folder, carrying the chat template the processor would apply."""
     directory = Path(directory)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    jinja, legacy = directory / _PROCESSOR_TEMPLATE_JINJA, directory / _PROCESSOR_TEMPLATE_JSON
-    if jinja.is_file():
-        tokenizer.chat_template = jinja.read_text(encoding="utf-8")
-    elif legacy.is_file():
-        tokenizer.chat_template = json.loads(legacy.read_text(encoding="utf-8"))["chat_template"]
+    if (template := processor_chat_template(directory)) is not None:
+        tokenizer.chat_template = template
     if tokenizer.chat_template is None:
         raise ValueError(
             f"{directory} has no chat template ({_PROCESSOR_TEMPLATE_JINJA} or {_PROCESSOR_TEMPLATE_JSON})"

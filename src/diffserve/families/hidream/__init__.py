@@ -1,0 +1,1 @@
+"""HiDream-I1 (Diffusers `HiDreamImagePipeline`): see `record.py`."""

@@ -1,0 +1,73 @@
+"""HiDream-I1's own stages: its size rule at validation and its timestep rule.
+
+- Size: Diffusers rescales every request to the area of its default size (`default_sample_size` latent
+  pixels per side times the VAE's factor: 1024 x 1024 with the 8x VAE), keeping the aspect ratio, each side
+  floored to a multiple of twice the VAE's factor; the output has that size. Validation applies the rule
+  once (a request's height and width become the sizes it generates), with the default size for a side the
+  request leaves unset.
+- Timesteps: the folder's scheduler's own schedule. Flow-matching Euler gets `mu` from Diffusers'
+  default shift line at the DiT's `max_seq` (used only when the scheduler shifts dynamically); UniPC gets
+  the step count alone, as Diffusers calls it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from diffserve.configs.sampling_params import SamplingParams
+from diffserve.errors import InvalidRequestError
+from diffserve.families.hidream.config import HiDreamPipelineConfig, rescaled_size, schedule_shift_mu
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.models.schedulers.unipc_flow import UniPCFlowScheduler
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+from diffserve.stages.input_validation import InputValidationStage
+from diffserve.stages.timestep_preparation import set_schedule
+
+
+class HiDreamInputValidationStage(InputValidationStage):
+    """The shared validation, after Diffusers' size rule (module docstring)."""
+
+    def __init__(self, *, vae_scale_factor: int, default_sample_size: int, **options) -> None:
+        super().__init__(**options)
+        self.max_side = default_sample_size * vae_scale_factor
+        self.division = vae_scale_factor * 2
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        height = self.max_side if params.height is None else params.height
+        width = self.max_side if params.width is None else params.width
+        if not all(isinstance(side, int) and side > 0 for side in (height, width)):
+            return super().resolve(params)  # the shared validation names the bad field
+        rescaled = rescaled_size(height, width, self.max_side, self.division)
+        for name, side in zip(("height", "width"), rescaled, strict=True):
+            if side % self.pixel_multiple:  # only a DiT with patches larger than 2 (none released)
+                raise InvalidRequestError(
+                    f"HiDream-I1 generates {rescaled[0]}x{rescaled[1]} for {height}x{width} (Diffusers' area "
+                    f"rule), and its {name} is not a multiple of {self.pixel_multiple} (this DiT's patch in "
+                    "pixels): ask for another aspect ratio",
+                    param=name,
+                )
+        return super().resolve(replace(params, height=rescaled[0], width=rescaled[1]))
+
+
+class HiDreamTimestepPreparationStage(Stage):
+    needs = ("latents",)
+    sets = ("schedule",)
+
+    def __init__(
+        self,
+        scheduler: FlowMatchEulerScheduler | UniPCFlowScheduler,
+        max_seq: int,
+        config: HiDreamPipelineConfig,
+    ) -> None:
+        self.scheduler = scheduler
+        self.mu = schedule_shift_mu(config, max_seq)
+
+    def forward(self, req: Req) -> Req:
+        steps = req.params.num_inference_steps
+        if isinstance(self.scheduler, UniPCFlowScheduler):
+            schedule = self.scheduler.schedule(steps)
+        else:
+            schedule = self.scheduler.schedule(steps, mu=self.mu)
+        set_schedule(req, schedule)
+        return req

@@ -1,0 +1,1 @@
+"""HunyuanVideo 1.0 (Diffusers `HunyuanVideoPipeline`): see `record.py`."""

@@ -1,0 +1,41 @@
+"""The HunyuanVideo (1.0) family's record: text-to-video (`HunyuanVideoPipeline`): Llama and CLIP text, the
+double/single-stream DiT with embedded guidance on HunyuanVideo's causal VAE latents, flow-matching Euler
+steps over shifted linear sigmas, optional true CFG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffserve.families.hunyuan_video.pipeline import HunyuanVideoPipeline
+from diffserve.families.record import ModelFamily, TinyCheckpointOptions
+from diffserve.loader.dit_facts import DitFacts
+from diffserve.loader.native_classes import NativeClasses
+from diffserve.models.dits.hunyuan_video import HunyuanVideoTransformer3DModel
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.models.vaes.autoencoder_kl_hunyuan_video import AutoencoderKLHunyuanVideo
+
+
+def _tiny_hunyuan_video(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+    """Imports its module when called (transformers model classes the registry does not need)."""
+    from diffserve.families.hunyuan_video.tiny import TinyHunyuanVideoSpec, build_tiny_hunyuan_video
+
+    return build_tiny_hunyuan_video(out_dir, TinyHunyuanVideoSpec(seed=options.seed))
+
+
+FAMILIES: tuple[ModelFamily, ...] = (
+    ModelFamily(
+        name="hunyuan-video",
+        diffusers_pipeline="HunyuanVideoPipeline",
+        pipeline_cls=HunyuanVideoPipeline,
+        native_classes=NativeClasses.of(
+            models=(HunyuanVideoTransformer3DModel, AutoencoderKLHunyuanVideo),
+            schedulers=(FlowMatchEulerScheduler,),
+            encoders=("LlamaModel", "CLIPTextModel"),
+        ),
+        task="text-to-video",
+        tiny_builder=_tiny_hunyuan_video,
+        # No quantization, LoRA or single-file support yet: the loader refuses them naming the DiT.
+        dit_facts=DitFacts(class_name=HunyuanVideoTransformer3DModel.diffusers_class_name),
+        aliases=("hunyuanvideo", "hunyuan_video", "hunyuan-video-t2v"),
+    ),
+)

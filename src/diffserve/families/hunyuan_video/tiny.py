@@ -1,0 +1,176 @@
+"""Builder of small random-weight HunyuanVideo checkpoints in the Diffusers `HunyuanVideoPipeline` layout.
+
+A Llama text encoder (`LlamaModel`, 3 layers: the pipeline reads the third-to-last hidden states) with an
+in-memory Llama-3-style tokenizer (`llama_template_tokenizer`), a CLIP text encoder with its tokenizer, the
+native DiT (`HunyuanVideoTransformer3DModel`, state dict in Diffusers' names, every weight noised so the
+text matters, guidance embedding on as released), the native VAE (the released 4 levels at tiny widths,
+encoder weights included) and the released flow-matching scheduler config (static shift 7).
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import AddedToken
+from transformers import CLIPTextModel, LlamaConfig, LlamaModel, LlamaTokenizer
+
+from diffserve.families.hunyuan_video.config import PROMPT_TEMPLATE
+from diffserve.models.dits.hunyuan_video import HunyuanVideoTransformer3DModel
+from diffserve.models.vaes.autoencoder_kl_hunyuan_video import AutoencoderKLHunyuanVideo
+from diffserve.testing.tiny_writing import (
+    DIFFUSERS_FORMAT_VERSION,
+    clip_text_config,
+    finish_tiny_folder,
+    random_native_module,
+    save_diffusers_model,
+    save_text_encoder,
+    tiny_folder,
+    write_scheduler_config,
+)
+from diffserve.testing.tokenizers import build_clip_tokenizer
+
+#: The released HunyuanVideo folder's scheduler config.
+SCHEDULER_CONFIG = {"num_train_timesteps": 1000, "shift": 7.0, "use_dynamic_shifting": False}
+#: Llama-3's markers of chat turns, single tokens as in the real vocabulary.
+HEADER_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+
+
+def llama_template_tokenizer() -> LlamaTokenizer:
+    """A Llama tokenizer (byte fallback, Metaspace) whose words of the family's prompt template are single
+    tokens, as in the real vocabulary, so the template's system part stays about as long as the pipeline's
+    fixed crop (95 tokens) assumes; Llama-3's begin / end-of-text tokens, the end one padding on the right."""
+    vocab = {token: i for i, token in enumerate(("<unk>", "<|begin_of_text|>", "<|end_of_text|>"))}
+    for byte in range(256):
+        vocab[f"<0x{byte:02X}>"] = len(vocab)
+    for char in ["▁", *string.ascii_letters, *string.digits, *string.punctuation]:
+        vocab.setdefault(char, len(vocab))
+    merges: list[tuple[str, str]] = []
+    spaced = re.findall(r"(?<= )[A-Za-z]+", PROMPT_TEMPLATE)
+    unspaced = re.findall(r"(?<![ A-Za-z])[A-Za-z]+", PROMPT_TEMPLATE)
+    # Space-led words first (their pairs start with "▁"), then the words that follow a newline or marker.
+    for word, piece in [(w, "▁") for w in dict.fromkeys(spaced)] + [(w, "") for w in dict.fromkeys(unspaced)]:
+        for char in word:
+            if piece and piece + char not in vocab:
+                merges.append((piece, char))
+                vocab[piece + char] = len(vocab)
+            piece += char
+    tokenizer = LlamaTokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token="<unk>",
+        bos_token="<|begin_of_text|>",
+        eos_token="<|end_of_text|>",
+        pad_token="<|end_of_text|>",
+        add_bos_token=True,
+        add_eos_token=False,
+        padding_side="right",
+    )
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": [AddedToken(t, special=True, normalized=False) for t in HEADER_TOKENS]}
+    )
+    return tokenizer
+
+
+@dataclass
+class TinyHunyuanVideoSpec:
+    """Shape of a tiny HunyuanVideo checkpoint."""
+
+    num_layers: int = 1
+    num_single_layers: int = 1
+    num_attention_heads: int = 2
+    attention_head_dim: int = 16
+    text_dim: int = 32
+    text_layers: int = 3
+    pooled_dim: int = 16
+    latent_channels: int = 4
+    guidance_embeds: bool = True
+    dit_weight_noise: float = 0.2
+    seed: int = 0
+
+
+def _dit_config(spec: TinyHunyuanVideoSpec) -> dict:
+    return {
+        "in_channels": spec.latent_channels,
+        "out_channels": spec.latent_channels,
+        "num_attention_heads": spec.num_attention_heads,
+        "attention_head_dim": spec.attention_head_dim,
+        "num_layers": spec.num_layers,
+        "num_single_layers": spec.num_single_layers,
+        "num_refiner_layers": 1,
+        "mlp_ratio": 4.0,
+        "patch_size": 2,
+        "patch_size_t": 1,
+        "qk_norm": "rms_norm",
+        "guidance_embeds": spec.guidance_embeds,
+        "text_embed_dim": spec.text_dim,
+        "pooled_projection_dim": spec.pooled_dim,
+        "rope_theta": 256.0,
+        "rope_axes_dim": (4, 6, 6),
+        "image_condition_type": None,
+    }
+
+
+def _vae_config(spec: TinyHunyuanVideoSpec) -> dict:
+    return {
+        "latent_channels": spec.latent_channels,
+        "block_out_channels": (8, 16, 16, 16),
+        "layers_per_block": 1,
+        "norm_num_groups": 4,
+        "scaling_factor": 0.476986,
+    }
+
+
+def _llama(tokenizer: LlamaTokenizer, spec: TinyHunyuanVideoSpec) -> LlamaModel:
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.text_dim,
+        intermediate_size=2 * spec.text_dim,
+        num_hidden_layers=spec.text_layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return LlamaModel(config)
+
+
+def hunyuan_video_model_index() -> dict:
+    """The `model_index.json` of a HunyuanVideo folder."""
+    return {
+        "_class_name": "HunyuanVideoPipeline",
+        "_diffusers_version": DIFFUSERS_FORMAT_VERSION,
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "LlamaModel"],
+        "text_encoder_2": ["transformers", "CLIPTextModel"],
+        "tokenizer": ["transformers", "LlamaTokenizerFast"],
+        "tokenizer_2": ["transformers", "CLIPTokenizer"],
+        "transformer": ["diffusers", "HunyuanVideoTransformer3DModel"],
+        "vae": ["diffusers", "AutoencoderKLHunyuanVideo"],
+    }
+
+
+def build_tiny_hunyuan_video(out_dir: str | Path, spec: TinyHunyuanVideoSpec | None = None) -> Path:
+    """Write a random-weight HunyuanVideo folder to `out_dir` and return its path."""
+    spec = spec or TinyHunyuanVideoSpec()
+    root = tiny_folder(out_dir, spec.seed)
+    tokenizer = llama_template_tokenizer()
+    save_text_encoder(root, _llama(tokenizer, spec), tokenizer)
+    clip_tokenizer = build_clip_tokenizer(77)
+    save_text_encoder(
+        root, CLIPTextModel(clip_text_config(clip_tokenizer, spec.pooled_dim)), clip_tokenizer, suffix="_2"
+    )
+    dit_config = _dit_config(spec)
+    dit = random_native_module(
+        HunyuanVideoTransformer3DModel, dit_config, spec.seed + 10, spec.dit_weight_noise
+    )
+    save_diffusers_model(dit, root / "transformer", "HunyuanVideoTransformer3DModel", dit_config)
+    vae_config = _vae_config(spec)
+    vae = random_native_module(AutoencoderKLHunyuanVideo, vae_config, spec.seed + 20, 0.02)
+    save_diffusers_model(vae, root / "vae", "AutoencoderKLHunyuanVideo", vae_config)
+    write_scheduler_config(root, "FlowMatchEulerDiscreteScheduler", SCHEDULER_CONFIG)
+    return finish_tiny_folder(root, hunyuan_video_model_index(), spec)

@@ -1,0 +1,34 @@
+"""Qwen-Image 2.1's fixed facts (its prompt template, sizes) and the defaults of Diffusers'
+`QwenImage21Pipeline.__call__`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from diffserve.configs.sampling_params import SamplingParams
+
+#: The system turn of every prompt; its tokens' hidden states are dropped (Diffusers' `sys_prompt`).
+SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
+#: The text-to-image template, a raw string (not the processor's chat template: the two tokenize
+#: differently and the checkpoint was trained on this one).
+TEXT_TO_IMAGE_TEMPLATE = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n{{}}<|im_end|>\n<|im_start|>assistant\n"
+#: Model-index key of the author's sampling sigmas (terminal sigma excluded); their count is the step count.
+SAMPLE_SIGMAS_KEY = "sample_sigmas"
+
+
+@dataclass(frozen=True)
+class QwenImage21PipelineConfig:
+    """Constants that are not in the checkpoint's config files."""
+
+    template: str = TEXT_TO_IMAGE_TEMPLATE
+    system_prompt: str = SYSTEM_PROMPT
+    #: Height and width default to this (Diffusers' `output_resolution`).
+    default_resolution: int = 1024
+    #: Pixels per latent pixel (Diffusers hard-codes 16: the VAE's compression; the DiT is unpatched).
+    vae_scale_factor: int = 16
+
+
+def qwen_image21_default_sampling_params(steps: int = 40) -> SamplingParams:
+    """Diffusers' defaults: 40 steps (or the folder's `sample_sigmas` count, `steps`), true_cfg_scale 1
+    (the model is meant to be sampled without guidance: CFG needs true_cfg_scale > 1 and a negative prompt)."""
+    return SamplingParams(num_inference_steps=steps, true_cfg_scale=1.0)

@@ -1,0 +1,140 @@
+"""Qwen-Image 2.1 (Diffusers `QwenImage21Pipeline`), text to image: Qwen3-VL prompt states, the
+block-causal single-stream DiT (`models/dits/qwen_image21.py`) on unpatched 64-channel latents of its
+16x VAE, flow-matching Euler steps, true CFG (`negative + scale * (positive - negative)`, on when
+true_cfg_scale > 1 and a negative prompt is given; the model is meant to run without it).
+
+Every request's prompt and negative-prompt branches go through one DiT forward; requests at different steps
+and with prompts of different lengths share it (the DiT keeps each row's own text length). Diffusers
+caches the text's keys and values after the first step (`use_kv_cache`); diffserve recomputes them, which
+is its `use_kv_cache=False` (the same values in float32; in reduced precision Diffusers documents that the
+two settings differ by rounding).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from diffserve.configs.quality import TierPreset
+from diffserve.families.qwen_image21.config import (
+    SAMPLE_SIGMAS_KEY,
+    QwenImage21PipelineConfig,
+    qwen_image21_default_sampling_params,
+)
+from diffserve.families.qwen_image21.stages import (
+    PIPELINE_NAME,
+    QwenImage21DecodingStage,
+    QwenImage21InputValidationStage,
+    QwenImage21LatentPreparationStage,
+    QwenImage21TimestepPreparationStage,
+)
+from diffserve.families.qwen_image21.text_encoding import QwenImage21TextEncodingStage
+from diffserve.loader.folder_defaults import apply_overrides
+from diffserve.models.dits.qwen_image21 import QwenImage21Transformer2DModel
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.pipelines.base import Pipeline, PipelineContext
+from diffserve.pipelines.cfg_batch import advance_requests, branch_texts, split_guided
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+from diffserve.stages.denoising import DenoisingStage
+from diffserve.stages.input_validation import ImageInputRule
+
+
+class QwenImage21Denoiser:
+    """One step over a list of Qwen-Image 2.1 requests of one latent grid, each at its own timestep."""
+
+    def __init__(
+        self, transformer: QwenImage21Transformer2DModel, scheduler: FlowMatchEulerScheduler
+    ) -> None:
+        self.transformer = transformer
+        self.scheduler = scheduler
+
+    @torch.inference_mode()
+    def __call__(self, reqs: list[Req]) -> None:
+        latents, texts, lengths, timesteps = [], [], [], []
+        for req in reqs:
+            t = req.schedule.timesteps[req.step_index]
+            for text in branch_texts(req):
+                latents.append(req.latents)
+                texts.append(text)
+                lengths.extend([text.shape[1]] * req.batch_size)
+                timesteps.append(t.expand(req.batch_size))
+        longest = max(lengths)
+        text = torch.cat([torch.nn.functional.pad(t, (0, 0, 0, longest - t.shape[1])) for t in texts])
+        first = reqs[0]
+        prediction = self.transformer(
+            hidden_states=torch.cat(latents),
+            encoder_hidden_states=text,
+            text_lengths=lengths,
+            timestep=torch.cat(timesteps).to(first.latents.dtype) / 1000,
+            grid=tuple(first.latent_size),
+        )
+        advance_requests(self.scheduler, reqs, split_guided(prediction, reqs))
+
+
+def sample_sigmas(context: PipelineContext) -> tuple[float, ...] | None:
+    """The folder's `sample_sigmas` (model_index.json), checked: a non-empty list of numbers, or None."""
+    value = context.pipeline_options.get(SAMPLE_SIGMAS_KEY)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value or not all(isinstance(v, (int, float)) for v in value):
+        raise ValueError(f"{PIPELINE_NAME}: model_index.json's {SAMPLE_SIGMAS_KEY} must be a list of numbers")
+    return tuple(float(v) for v in value)
+
+
+class QwenImage21Pipeline(Pipeline):
+    required_components = ("text_encoder", "processor", "vae", "transformer", "scheduler")
+    config = QwenImage21PipelineConfig()
+    pipeline_name = PIPELINE_NAME
+    #: No calibrated quality tiers yet: only "high", the exact path.
+    step_cache_policies: ClassVar[dict[str, TierPreset]] = {}
+
+    def build_stages(self, context: PipelineContext) -> list[Stage]:
+        transformer = context.get("transformer")
+        vae = context.get("vae")
+        scheduler = context.get("scheduler")
+        scale = self.config.vae_scale_factor
+        if vae.spatial_compression_ratio != scale:
+            raise ValueError(f"{PIPELINE_NAME} needs a {scale}x VAE, got {vae.spatial_compression_ratio}x")
+        self.pixel_multiple = scale * 2
+        fixed = sample_sigmas(context)
+        steps = (
+            len(fixed) if fixed is not None else qwen_image21_default_sampling_params().num_inference_steps
+        )
+        size = self.config.default_resolution
+        self.input_validation = QwenImage21InputValidationStage(
+            sample_sigmas=fixed,
+            rgba=int(vae.config["out_channels"]) == 4,
+            defaults=apply_overrides(
+                qwen_image21_default_sampling_params(steps), context.folder_sampling_defaults
+            ),
+            pixel_multiple=self.pixel_multiple,
+            default_pixels=size,
+            max_sequence_length_limit=None,
+            image_inputs=ImageInputRule(pipeline_name=self.pipeline_name),
+            unsupported_params={
+                "guidance_scale": "Qwen-Image 2.1 is not guidance-distilled; use true_cfg_scale with a negative_prompt",
+                "max_sequence_length": "Qwen-Image 2.1 reads the whole prompt (Diffusers does not truncate it)",
+            },
+        )
+        return [
+            self.input_validation,
+            QwenImage21TextEncodingStage(
+                context.get("processor"),
+                context.get("text_encoder"),
+                self.config.template,
+                self.config.system_prompt,
+                context.dtype,
+            ),
+            QwenImage21LatentPreparationStage(
+                transformer.config.in_channels, scale, context.platform.device(), context.dtype
+            ),
+            QwenImage21TimestepPreparationStage(scheduler, fixed),
+            DenoisingStage(QwenImage21Denoiser(transformer, scheduler)),
+            QwenImage21DecodingStage(vae),
+        ]
+
+    def batch_key(self, req: Req) -> tuple:
+        """Text lengths may differ (the DiT keeps each row's own); the latent grid must agree."""
+        return (tuple(req.latents.shape[1:]), req.latent_size)

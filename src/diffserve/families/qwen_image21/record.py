@@ -1,0 +1,32 @@
+"""The Qwen-Image 2.1 family's record: text to image (`QwenImage21Pipeline`): Qwen3-VL prompt states, a
+block-causal single-stream DiT on the latents of its 16x RGBA VAE, flow-matching Euler steps."""
+
+from __future__ import annotations
+
+from diffserve.families.qwen_image21.pipeline import QwenImage21Pipeline
+from diffserve.families.record import ModelFamily, lazy_tiny_builder
+from diffserve.loader.dit_facts import DitFacts
+from diffserve.loader.native_classes import NativeClasses
+from diffserve.models.dits.qwen_image21 import QwenImage21Transformer2DModel
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.models.vaes.autoencoder_kl_qwen_image21 import AutoencoderKLQwenImage21
+
+FAMILIES: tuple[ModelFamily, ...] = (
+    ModelFamily(
+        name="qwen-image-2.1",
+        diffusers_pipeline="QwenImage21Pipeline",
+        pipeline_cls=QwenImage21Pipeline,
+        native_classes=NativeClasses.of(
+            models=(QwenImage21Transformer2DModel, AutoencoderKLQwenImage21),
+            schedulers=(FlowMatchEulerScheduler,),
+            encoders=("Qwen3VLForConditionalGeneration",),
+        ),
+        task="text-to-image",
+        tiny_builder=lazy_tiny_builder(
+            "diffserve.families.qwen_image21.tiny", "build_tiny_qwen_image21", "TinyQwenImage21Spec"
+        ),
+        # No quantization, LoRA or single-file support yet: the loader refuses them naming the DiT.
+        dit_facts=DitFacts(class_name=QwenImage21Transformer2DModel.diffusers_class_name),
+        aliases=("qwenimage21", "qwen_image21", "qwen-image21", "qwen-image-21"),
+    ),
+)

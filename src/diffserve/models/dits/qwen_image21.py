@@ -1,0 +1,326 @@
+"""Qwen-Image 2.1 transformer, native, loading Diffusers `QwenImage21Transformer2DModel` weights unchanged.
+
+One single-stream sequence per sample: the Qwen3-VL prompt states, then the target image's latent tokens
+(unpatched: one token per latent pixel, 16x16 image pixels). Text-to-image only (no condition images):
+
+    text = txt_in(states): zero-centred RMSNorm, Linear, tanh-GELU, Linear              (B, L, inner)
+    img  = img_in(latents)                                                              (B, N, inner)
+    temb = MLP(sinusoids(1000 t)); with `causal_condition` one more row at t = 0        (B [+1], inner)
+    mod  = Linear(SiLU(temb)), shared by every block: (scale1, gate1, scale2, gate2)
+    num_layers x block (no per-block modulation weights):
+        x += tanh(gate1) * attn(LayerNorm(x) * (1 + scale1))
+        x += tanh(gate2) * SwiGLU(LayerNorm(x) * (1 + scale2))
+    out  = proj_out(LayerNorm(img) * (1 + Linear(SiLU(temb))))                          (B, N, out_channels)
+
+Attention is block-causal: text tokens see the text before them (causally), image tokens see all of the
+text and the whole image. With `causal_condition` the text is modulated from t = 0 (its activations do not
+depend on the step); the image from its own sample's timestep.
+
+RoPE (3 axes: frame, height, width, each an interleaved-pair slice of the head): text token i sits at
+(i, i, i); the image's tokens at frame L (the sample's text length) on a height/width grid centred on 0.
+
+Batching: each sample keeps its own text length. Text is right-padded to the longest in the batch; the
+padding is never a key and each sample's image frame position is its own length, so a sample's output is
+the one it gives alone (Diffusers' pipeline encodes one prompt per call and never pads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffserve.layers.attention import attention
+from diffserve.layers.embeddings import timestep_sinusoids
+from diffserve.layers.norms import RMSNorm
+from diffserve.layers.rotary import checked_rope_axes
+from diffserve.models.dits.base import DiffusersDiT, DiTConfig
+
+#: Sinusoid channels of the timestep embedding, and the factor the [0, 1] timestep is scaled by first.
+TIMESTEP_CHANNELS = 256
+TIME_FACTOR = 1000.0
+ROPE_THETA = 10000
+
+
+@dataclass(frozen=True)
+class QwenImage21TransformerConfig(DiTConfig):
+    """The Qwen-Image 2.1 DiT's Diffusers config (`transformer/config.json`), Diffusers' defaults."""
+
+    patch_size: int = 1
+    in_channels: int = 64
+    out_channels: int | None = 64
+    num_layers: int = 32
+    attention_head_dim: int = 128
+    num_attention_heads: int = 32
+    context_in_dim: int = 4096
+    mlp_ratio: int = 3
+    axes_dims_rope: tuple[int, int, int] = (16, 56, 56)
+    eps: float = 1e-6
+    causal_condition: bool = True
+
+    def __post_init__(self) -> None:
+        if self.patch_size != 1:
+            # Diffusers' pipeline packs latents as a plain flatten: only unpatched latents are served.
+            raise ValueError(f"QwenImage21Transformer2DModel: patch_size must be 1, got {self.patch_size}")
+        axes = checked_rope_axes("axes_dims_rope", self.axes_dims_rope, self.attention_head_dim, count=3)
+        self._normalise(axes_dims_rope=axes, out_channels=self.out_channels or self.in_channels)
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm whose stored weight is `scale - 1` (Diffusers' `QwenImage21ZeroCenterRMSNorm`), in float32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (self.weight.float() + 1)).to(x.dtype)
+
+
+class TextProjection(nn.Module):
+    """Prompt states -> the DiT's width: norm, Linear, tanh-GELU, Linear (all bias-free)."""
+
+    def __init__(self, in_dim: int, dim: int, eps: float) -> None:
+        super().__init__()
+        self.text_norm = ZeroCenteredRMSNorm(in_dim, eps)
+        self.in_layer = nn.Linear(in_dim, dim, bias=False)
+        self.out_layer = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_layer(F.gelu(self.in_layer(self.text_norm(x)), approximate="tanh"))
+
+
+class TimestepMLP(nn.Module):
+    """Diffusers' `TimestepEmbedding(256, dim, sample_proj_bias=False)`: Linear, SiLU, Linear, bias-free."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(TIMESTEP_CHANNELS, dim, bias=False)
+        self.linear_2 = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class TimeEmbedding(nn.Module):
+    """(rows,) timesteps in [0, 1] -> (rows, dim): cosines then sines of 1000 t (float32), then the MLP."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.timestep_embedder = TimestepMLP(dim)
+
+    def forward(self, timestep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        scaled = TIME_FACTOR * timestep.float()
+        features = timestep_sinusoids(scaled, TIMESTEP_CHANNELS).to(timestep.dtype)
+        return self.timestep_embedder(features.to(dtype))
+
+
+class SwiGLU(nn.Module):
+    """out(SiLU(gate_layer(x)) * proj(x)), bias-free."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, hidden, bias=False)
+        self.out = nn.Linear(hidden, dim, bias=False)
+        self.gate_layer = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.silu(self.gate_layer(x)) * self.proj(x))
+
+
+def rotate(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+    """(B, S, heads, head_dim) rotated pairwise by complex `cis` (B or 1, S, head_dim / 2), in float32."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * cis.unsqueeze(2)).flatten(3).type_as(x)
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Complex RoPE factors: `text` (1, L, head_dim / 2) shared by the batch, `image` (B, N, head_dim / 2)."""
+
+    text: torch.Tensor
+    image: torch.Tensor
+
+
+class Attention(nn.Module):
+    """Block-causal attention with Diffusers' `QwenImage21Attention` weights (bias-free, q/k RMSNorm)."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, eps: float) -> None:
+        super().__init__()
+        inner = heads * head_dim
+        self.head_dim = head_dim
+        self.to_q = nn.Linear(dim, inner, bias=False)
+        self.to_k = nn.Linear(dim, inner, bias=False)
+        self.to_v = nn.Linear(dim, inner, bias=False)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim, bias=False), nn.Identity()])
+        self.norm_q = RMSNorm(head_dim, eps=eps)
+        self.norm_k = RMSNorm(head_dim, eps=eps)
+
+    def qkv(self, x: torch.Tensor, cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = self.to_q(x).unflatten(-1, (-1, self.head_dim))
+        k = self.to_k(x).unflatten(-1, (-1, self.head_dim))
+        v = self.to_v(x).unflatten(-1, (-1, self.head_dim))
+        q = self.norm_q(q).to(v.dtype)
+        k = self.norm_k(k).to(v.dtype)
+        return rotate(q, cis), rotate(k, cis), v
+
+    def forward(
+        self, text: torch.Tensor, image: torch.Tensor, rope: Rope, masks: AttentionMasks
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        tq, tk, tv = self.qkv(text, rope.text)
+        iq, ik, iv = self.qkv(image, rope.image)
+        text_out = attention(tq, tk, tv, attn_mask=masks.text)
+        image_out = attention(iq, torch.cat([tk, ik], 1), torch.cat([tv, iv], 1), attn_mask=masks.image)
+        project = self.to_out[0]
+        return project(text_out.flatten(2).type_as(tq)), project(image_out.flatten(2).type_as(iq))
+
+
+@dataclass(frozen=True)
+class AttentionMasks:
+    """`text`: (B, 1, L, L) causal over valid keys; `image`: (B, 1, 1, L + N) valid keys, or None (no padding)."""
+
+    text: torch.Tensor
+    image: torch.Tensor | None
+
+    @classmethod
+    def of(cls, lengths: list[int], text_len: int, image_len: int, device: torch.device) -> AttentionMasks:
+        positions = torch.arange(text_len, device=device)
+        valid = positions[None, :] < torch.tensor(lengths, device=device)[:, None]  # (B, L)
+        causal = positions[None, :] <= positions[:, None]  # (L, L): key <= query
+        text = (causal[None] & valid[:, None, :])[:, None]
+        image = None
+        if min(lengths) < text_len:
+            keys = torch.cat([valid, valid.new_ones(len(lengths), image_len)], dim=1)
+            image = keys[:, None, None, :]
+        return cls(text, image)
+
+
+class Block(nn.Module):
+    """Single-stream block; its scales and gates come from the model's shared modulation."""
+
+    def __init__(self, config: QwenImage21TransformerConfig) -> None:
+        super().__init__()
+        dim = config.inner_dim
+        self.eps = config.eps
+        self.attn = Attention(dim, config.num_attention_heads, config.attention_head_dim, config.eps)
+        self.img_mlp = SwiGLU(dim, dim * config.mlp_ratio)
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), eps=self.eps)
+
+    def forward(
+        self,
+        text: torch.Tensor,
+        image: torch.Tensor,
+        text_mod: torch.Tensor,
+        image_mod: torch.Tensor,
+        rope: Rope,
+        masks: AttentionMasks,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`text_mod` / `image_mod`: (B or 1, 1, 4 * dim) modulation rows of the text / image tokens."""
+        t_scale1, t_gate1, t_scale2, t_gate2 = text_mod.chunk(4, dim=-1)
+        i_scale1, i_gate1, i_scale2, i_gate2 = image_mod.chunk(4, dim=-1)
+        text_attn, image_attn = self.attn(
+            self.norm(text) * (1 + t_scale1), self.norm(image) * (1 + i_scale1), rope, masks
+        )
+        text = text + t_gate1.tanh() * text_attn
+        image = image + i_gate1.tanh() * image_attn
+        text = text + t_gate2.tanh() * self.img_mlp(self.norm(text) * (1 + t_scale2))
+        image = image + i_gate2.tanh() * self.img_mlp(self.norm(image) * (1 + i_scale2))
+        if image.dtype == torch.float16:
+            text, image = text.clip(-65504, 65504), image.clip(-65504, 65504)
+        return text, image
+
+
+class OutputNorm(nn.Module):
+    """LayerNorm(x) * (1 + Linear(SiLU(temb))): scale only (Diffusers' `QwenImage21AdaLayerNormContinuous`)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.linear = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        scale = self.linear(F.silu(temb).to(x.dtype))[:, None]
+        return F.layer_norm(x, (x.shape[-1],), eps=self.eps) * (1 + scale)
+
+
+class QwenImage21Transformer2DModel(DiffusersDiT):
+    diffusers_class_name: ClassVar[str] = "QwenImage21Transformer2DModel"
+    config_class = QwenImage21TransformerConfig
+    #: The forward runs on one device (no sequence split yet).
+    sequence_parallel: ClassVar[bool] = False
+
+    def __init__(self, config: QwenImage21TransformerConfig) -> None:
+        super().__init__(config)
+        inner = config.inner_dim
+        self.time_text_embed = TimeEmbedding(inner)
+        self.txt_in = TextProjection(config.context_in_dim, inner, config.eps)
+        self.img_in = nn.Linear(config.in_channels, inner, bias=False)
+        self.modulation = nn.Sequential(nn.SiLU(), nn.Linear(inner, 4 * inner, bias=False))
+        self.transformer_blocks = nn.ModuleList([Block(config) for _ in range(config.num_layers)])
+        self.norm_out = OutputNorm(inner, config.eps)
+        self.proj_out = nn.Linear(inner, config.out_channels, bias=False)
+
+    def rope(self, lengths: list[int], text_len: int, grid: tuple[int, int], device: torch.device) -> Rope:
+        """Text at (i, i, i); sample b's image at frame lengths[b], rows and columns centred on zero."""
+        height, width = grid
+
+        def cis(positions: torch.Tensor, axis: int) -> torch.Tensor:
+            dim = self.config.axes_dims_rope[axis]
+            inv_freq = 1.0 / torch.pow(ROPE_THETA, torch.arange(0, dim, 2, device=device).float().div(dim))
+            angles = positions.to(torch.float32)[..., None] * inv_freq
+            return torch.polar(torch.ones_like(angles), angles)
+
+        text_pos = torch.arange(text_len, device=device)
+        text = torch.cat([cis(text_pos, axis) for axis in range(3)], dim=-1)[None]
+        rows = torch.arange(-(height - height // 2), height // 2, device=device).repeat_interleave(width)
+        cols = torch.arange(-(width - width // 2), width // 2, device=device).repeat(height)
+        frames = torch.tensor(lengths, device=device)[:, None].expand(-1, height * width)
+        n = len(lengths)
+        image = torch.cat(
+            [cis(frames, 0), cis(rows, 1)[None].expand(n, -1, -1), cis(cols, 2)[None].expand(n, -1, -1)],
+            dim=-1,
+        )
+        return Rope(text, image)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        text_lengths: list[int],
+        timestep: torch.Tensor,
+        grid: tuple[int, int],
+    ) -> torch.Tensor:
+        """(B, h * w, in_channels) target latents (row-major over the latent `grid` (h, w)), (B, L,
+        context_in_dim) prompt states right-padded past each sample's `text_lengths[b]` valid tokens, and
+        (B,) timesteps in [0, 1] -> the (B, h * w, out_channels) prediction."""
+        batch, tokens, _ = hidden_states.shape
+        if grid[0] * grid[1] != tokens:
+            raise ValueError(f"grid {grid} does not hold {tokens} latent tokens")
+        if len(text_lengths) != batch or max(text_lengths) > encoder_hidden_states.shape[1]:
+            raise ValueError(
+                f"text_lengths {text_lengths} do not fit text of shape {tuple(encoder_hidden_states.shape)}"
+            )
+        image = self.img_in(hidden_states)
+        text = self.txt_in(encoder_hidden_states)
+        timestep = timestep.to(image.dtype)
+        causal = self.config.causal_condition
+        if causal:
+            timestep = torch.cat([timestep, timestep.new_zeros(1)])
+        temb = self.time_text_embed(timestep, image.dtype)
+        modulation = self.modulation(temb)[:, None]
+        text_mod = modulation[-1:] if causal else modulation
+        image_mod = modulation[:batch]
+        text_len = text.shape[1]
+        rope = self.rope(text_lengths, text_len, grid, image.device)
+        masks = AttentionMasks.of(text_lengths, text_len, tokens, image.device)
+        for block in self.transformer_blocks:
+            text, image = block(text, image, text_mod, image_mod, rope, masks)
+        return self.proj_out(self.norm_out(image, temb[:batch]))

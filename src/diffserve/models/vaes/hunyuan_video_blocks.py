@@ -1,0 +1,286 @@
+"""Building blocks of HunyuanVideo's (1.0) video VAE (Diffusers' `AutoencoderKLHunyuanVideo`): the encoder
+and decoder networks that `autoencoder_kl_hunyuan_video.py` wraps.
+
+Layout: activations are (batch, channels, frames, height, width). A causal 3-D conv net with GroupNorm
+ResNet blocks: every convolution pads by *replicating* edge values, all its temporal padding in front
+(output frame t sees input frames <= t). Downsamplers are stride-2 causal convs; upsamplers repeat
+pixels (nearest) then convolve, the clip's first frame never doubled in time (a video of 1 + 4k frames
+has 1 + k latent frames). The mid-block attention is single-head over every pixel of the clip, block-
+causal in time (a pixel sees the pixels of its own and earlier frames); it is computed one query frame
+at a time against the keys of the frames so far, which gives Diffusers' masked softmax without its
+(frames*pixels)^2 mask.
+
+Which levels resample (Diffusers' rule, 4x temporal compression, the only one its decoder builds): level i
+of n halves (doubles) space while i < log2(spatial ratio), and time at levels n - 3 and n - 2.
+
+Module and parameter names follow Diffusers (`down_blocks.0.resnets.0.conv1.conv.weight`,
+`mid_block.attentions.0.group_norm.weight`, `up_blocks.0.upsamplers.0.conv.conv.weight`) so checkpoints
+load with `strict=True` into a model built on the meta device. Inference only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NORM_EPS = 1e-6
+
+
+class CausalConv3d(nn.Module):
+    """Conv3d, causal in time: `kernel - 1` frames replicated in front, `kernel // 2` pixels replicated on
+    every side, then the conv (unpadded) with `stride`. The conv is the child `conv` for Diffusers' keys."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int = 3,
+        stride: tuple[int, int, int] = (1, 1, 1),
+    ) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(in_channels, out_channels, kernel_size, stride)
+        half = kernel_size // 2
+        self.padding = (half, half, half, half, kernel_size - 1, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if any(self.padding):
+            x = F.pad(x, self.padding, mode="replicate")
+        return self.conv(x)
+
+
+class ResnetBlock(nn.Module):
+    """(GroupNorm, SiLU, causal conv) twice, plus a 1x1x1 causal-conv shortcut when the width changes."""
+
+    def __init__(self, in_channels: int, out_channels: int, groups: int) -> None:
+        super().__init__()
+        self.norm1 = nn.GroupNorm(groups, in_channels, eps=NORM_EPS)
+        self.conv1 = CausalConv3d(in_channels, out_channels)
+        self.norm2 = nn.GroupNorm(groups, out_channels, eps=NORM_EPS)
+        self.conv2 = CausalConv3d(out_channels, out_channels)
+        self.conv_shortcut = (
+            CausalConv3d(in_channels, out_channels, 1) if in_channels != out_channels else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = self.conv2(F.silu(self.norm2(h)))
+        shortcut = x if self.conv_shortcut is None else self.conv_shortcut(x)
+        return h + shortcut
+
+
+class CausalFrameAttention(nn.Module):
+    """Single-head self-attention over all pixels of the clip, block-causal in time, residual; Diffusers'
+    `Attention` names (`group_norm`, `to_q`, `to_k`, `to_v`, `to_out.0`), Linear projections per pixel."""
+
+    def __init__(self, channels: int, groups: int) -> None:
+        super().__init__()
+        self.group_norm = nn.GroupNorm(groups, channels, eps=NORM_EPS)
+        self.to_q = nn.Linear(channels, channels)
+        self.to_k = nn.Linear(channels, channels)
+        self.to_v = nn.Linear(channels, channels)
+        self.to_out = nn.ModuleList([nn.Linear(channels, channels)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, t, h, w = x.shape
+        # (B, C, T, H, W) -> (B, T*H*W, C) tokens, frame-major.
+        y = self.group_norm(x).flatten(2).transpose(1, 2)
+        q, k, v = (proj(y).unsqueeze(1) for proj in (self.to_q, self.to_k, self.to_v))
+        pixels = h * w
+        out = torch.cat(
+            [
+                F.scaled_dot_product_attention(
+                    q[:, :, i * pixels : (i + 1) * pixels],
+                    k[:, :, : (i + 1) * pixels],
+                    v[:, :, : (i + 1) * pixels],
+                )
+                for i in range(t)
+            ],
+            dim=2,
+        )
+        out = self.to_out[0](out.squeeze(1))
+        return out.transpose(1, 2).reshape(b, c, t, h, w) + x
+
+
+class MidBlock(nn.Module):
+    """resnet -> attention (unless switched off) -> resnet at the lowest resolution."""
+
+    def __init__(self, channels: int, groups: int, add_attention: bool) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList(
+            [ResnetBlock(channels, channels, groups), ResnetBlock(channels, channels, groups)]
+        )
+        self.attentions = nn.ModuleList([CausalFrameAttention(channels, groups) if add_attention else None])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.resnets[0](x)
+        if self.attentions[0] is not None:
+            x = self.attentions[0](x)
+        return self.resnets[1](x)
+
+
+class Downsample(nn.Module):
+    """A causal conv with stride (time, 2, 2) or (1, 2, 2) (or time only), Diffusers' `downsamplers.0`."""
+
+    def __init__(self, channels: int, stride: tuple[int, int, int]) -> None:
+        super().__init__()
+        self.conv = CausalConv3d(channels, channels, 3, stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+class Upsample(nn.Module):
+    """Nearest upsampling by `factor` (time, h, w) with the first frame upsampled in space only, then a
+    causal conv (Diffusers' `upsamplers.0`)."""
+
+    def __init__(self, channels: int, factor: tuple[int, int, int]) -> None:
+        super().__init__()
+        self.factor = factor
+        self.conv = CausalConv3d(channels, channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = F.interpolate(x[:, :, 0], scale_factor=self.factor[1:], mode="nearest").unsqueeze(2)
+        if x.shape[2] > 1:
+            rest = F.interpolate(x[:, :, 1:].contiguous(), scale_factor=self.factor, mode="nearest")
+            first = torch.cat([first, rest], dim=2)
+        return self.conv(first)
+
+
+class DownBlock(nn.Module):
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        layers: int,
+        groups: int,
+        stride: tuple[int, int, int] | None,
+    ) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList(
+            [
+                ResnetBlock(in_channels if i == 0 else out_channels, out_channels, groups)
+                for i in range(layers)
+            ]
+        )
+        self.downsamplers = nn.ModuleList([Downsample(out_channels, stride)]) if stride is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for resnet in self.resnets:
+            x = resnet(x)
+        return x if self.downsamplers is None else self.downsamplers[0](x)
+
+
+class UpBlock(nn.Module):
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        layers: int,
+        groups: int,
+        factor: tuple[int, int, int] | None,
+    ) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList(
+            [
+                ResnetBlock(in_channels if i == 0 else out_channels, out_channels, groups)
+                for i in range(layers)
+            ]
+        )
+        self.upsamplers = nn.ModuleList([Upsample(out_channels, factor)]) if factor is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for resnet in self.resnets:
+            x = resnet(x)
+        return x if self.upsamplers is None else self.upsamplers[0](x)
+
+
+def resampling(levels: int, spatial_ratio: int, temporal_ratio: int) -> list[tuple[int, int, int] | None]:
+    """Per level, its (time, h, w) resampling factor, or None when it keeps the size (module docstring)."""
+    if temporal_ratio != 4:
+        raise ValueError(
+            f"HunyuanVideo VAE: temporal_compression_ratio {temporal_ratio} is not supported (Diffusers builds 4 only)"
+        )
+    spatial_levels = int(math.log2(spatial_ratio))
+    temporal_levels = int(math.log2(temporal_ratio))
+    factors: list[tuple[int, int, int] | None] = []
+    for i in range(levels):
+        spatial = i < spatial_levels
+        temporal = i >= levels - 1 - temporal_levels and i != levels - 1
+        factors.append(
+            (2 if temporal else 1, 2 if spatial else 1, 2 if spatial else 1) if spatial or temporal else None
+        )
+    return factors
+
+
+class Encoder3D(nn.Module):
+    """Video (B, in, T, H, W) -> moments (B, 2 * latent, 1 + (T - 1) / 4, H / 8, W / 8)."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        block_out_channels: Sequence[int],
+        layers_per_block: int,
+        groups: int,
+        spatial_ratio: int,
+        temporal_ratio: int,
+        mid_attention: bool,
+    ) -> None:
+        super().__init__()
+        self.conv_in = CausalConv3d(in_channels, block_out_channels[0])
+        factors = resampling(len(block_out_channels), spatial_ratio, temporal_ratio)
+        previous = block_out_channels[0]
+        blocks = []
+        for channels, factor in zip(block_out_channels, factors, strict=True):
+            blocks.append(DownBlock(previous, channels, layers_per_block, groups, factor))
+            previous = channels
+        self.down_blocks = nn.ModuleList(blocks)
+        self.mid_block = MidBlock(block_out_channels[-1], groups, mid_attention)
+        self.conv_norm_out = nn.GroupNorm(groups, block_out_channels[-1], eps=NORM_EPS)
+        self.conv_out = CausalConv3d(block_out_channels[-1], out_channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv_in(x)
+        for block in self.down_blocks:
+            x = block(x)
+        x = self.mid_block(x)
+        return self.conv_out(F.silu(self.conv_norm_out(x)))
+
+
+class Decoder3D(nn.Module):
+    """Latents (B, latent, t, h, w) -> video (B, out, 1 + 4 (t - 1), 8h, 8w), not clamped."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        block_out_channels: Sequence[int],
+        layers_per_block: int,
+        groups: int,
+        spatial_ratio: int,
+        temporal_ratio: int,
+        mid_attention: bool,
+    ) -> None:
+        super().__init__()
+        reversed_channels = list(reversed(block_out_channels))
+        self.conv_in = CausalConv3d(in_channels, reversed_channels[0])
+        self.mid_block = MidBlock(reversed_channels[0], groups, mid_attention)
+        factors = resampling(len(block_out_channels), spatial_ratio, temporal_ratio)
+        previous = reversed_channels[0]
+        blocks = []
+        for channels, factor in zip(reversed_channels, factors, strict=True):
+            blocks.append(UpBlock(previous, channels, layers_per_block + 1, groups, factor))
+            previous = channels
+        self.up_blocks = nn.ModuleList(blocks)
+        self.conv_norm_out = nn.GroupNorm(groups, block_out_channels[0], eps=NORM_EPS)
+        self.conv_out = CausalConv3d(block_out_channels[0], out_channels)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        x = self.mid_block(self.conv_in(z))
+        for block in self.up_blocks:
+            x = block(x)
+        return self.conv_out(F.silu(self.conv_norm_out(x)))

@@ -1,0 +1,169 @@
+"""Whole HunyuanVideo generations: diffserve against Diffusers' `HunyuanVideoPipeline`, same tiny folder and
+seed, fp32.
+
+Each case compares the final latents (before decoding) in dB and the decoded frames as uint8 PSNR, with a
+control (another prompt) that must fall below the bar: embedded guidance alone (true CFG off, and off
+without a negative prompt even at true_cfg_scale > 1), true CFG with a negative prompt, non-square sizes,
+a shorter text length, a clip long enough for the VAE's frame chunks, 2 outputs per prompt; the text encoding (states, mask, pooled) alone; two requests
+at different steps and CFG sharing steps equal each alone; a folder whose DiT has no guidance embedding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers import HunyuanVideoPipeline as DiffusersHunyuanVideo
+
+from diffserve import SamplingParams
+from diffserve.api import DiffGenerator
+from diffserve.errors import InvalidRequestError
+from diffserve.families.hunyuan_video.tiny import TinyHunyuanVideoSpec, build_tiny_hunyuan_video
+from diffserve.request import Req
+from diffserve.testing.parity import (
+    assert_batched_as_alone,
+    assert_images_match,
+    assert_parity,
+    generator_and_reference,
+    to_uint8,
+)
+
+LATENT_MIN_DB = 80.0
+PSNR_BAR_DB = 40.0
+PROMPT = "A red Fox running in the snow"
+OTHER_PROMPT = "a blue bird on a branch"
+
+FOLDERS = {
+    "default": TinyHunyuanVideoSpec(),
+    "no-guidance-embeds": TinyHunyuanVideoSpec(guidance_embeds=False, seed=1),
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    cache: dict[str, tuple[DiffGenerator, object]] = {}
+
+    def get(name: str):
+        if name not in cache:
+            root = build_tiny_hunyuan_video(tmp_path_factory.mktemp(f"hunyuan-video-{name}"), FOLDERS[name])
+            cache[name] = generator_and_reference(DiffGenerator, root, DiffusersHunyuanVideo)
+        return cache[name]
+
+    return get
+
+
+def _ours(gen: DiffGenerator, params: SamplingParams) -> tuple[torch.Tensor, np.ndarray]:
+    """diffserve's final latents (batch, channels, frames, h, w) and its uint8 frames."""
+    pipeline = gen.pipeline
+    req = pipeline.run_pre_denoise(pipeline.validate(Req(params=params)))
+    while not req.is_denoised:
+        pipeline.denoise_step([req])
+    latents = req.latents.clone()
+    return latents, np.stack(pipeline.run_post_denoise(req).outputs.frames)
+
+
+def _reference(reference, seed: int, **kwargs) -> tuple[torch.Tensor, np.ndarray]:
+    def run(output_type: str):
+        return reference(
+            generator=torch.Generator("cpu").manual_seed(seed), output_type=output_type, **kwargs
+        )
+
+    return run("latent").frames, to_uint8(run("np").frames)
+
+
+CASES = [
+    # (folder, height, width, frames, steps, options)
+    ("default", 32, 48, 5, 2, {"guidance_scale": 6.0}),
+    ("default", 48, 32, 9, 2, {"true_cfg_scale": 4.0, "negative_prompt": "blurry", "guidance_scale": 3.5}),
+    ("default", 32, 32, 1, 2, {"true_cfg_scale": 4.0, "max_sequence_length": 24}),
+    # 6 latent frames: the VAE decodes in Diffusers' overlapping frame chunks.
+    ("default", 32, 32, 21, 2, {"guidance_scale": 6.0}),
+    ("no-guidance-embeds", 32, 48, 5, 2, {"true_cfg_scale": 2.5, "negative_prompt": ""}),
+]
+
+
+@pytest.mark.parametrize(("folder", "height", "width", "frames", "steps", "options"), CASES)
+def test_hunyuan_video_matches_diffusers(folders, folder, height, width, frames, steps, options) -> None:
+    ours, reference = folders(folder)
+    seed = 3
+    common = dict(height=height, width=width, num_inference_steps=steps, num_frames=frames, **options)
+    params = SamplingParams(prompt=PROMPT, seed=seed, **common)
+    got_latents, got = _ours(ours, params)
+    want_latents, want = _reference(reference, seed, prompt=PROMPT, **common)
+    label = f"HunyuanVideo {folder} {frames}x{height}x{width} {steps} steps {options}"
+    db = assert_parity(got_latents, want_latents, f"{label} latents", min_db=LATENT_MIN_DB)
+    control_params = SamplingParams(**{**params.__dict__, "prompt": OTHER_PROMPT})
+    control = np.stack(ours.generate_from_params(control_params).frames)
+    pixels = assert_images_match(got, want, label, min_db=PSNR_BAR_DB, control=control)
+    print(f"{label}: latents {db}, frames {pixels:.1f} dB PSNR against Diffusers")
+
+
+def test_two_outputs_per_prompt_match(folders) -> None:
+    ours, reference = folders("default")
+    common = dict(height=32, width=48, num_inference_steps=2, num_frames=5, true_cfg_scale=3.0)
+    params = SamplingParams(prompt=PROMPT, negative_prompt="ugly", num_outputs_per_prompt=2, seed=2, **common)
+    got_latents, got = _ours(ours, params)
+    want_latents, want = _reference(
+        reference, 2, prompt=PROMPT, negative_prompt="ugly", num_videos_per_prompt=2, **common
+    )
+    assert got.shape[0] == 2
+    assert_parity(got_latents, want_latents, "HunyuanVideo 2 per prompt latents", min_db=LATENT_MIN_DB)
+    assert_images_match(got, want, "HunyuanVideo 2 per prompt", min_db=PSNR_BAR_DB)
+
+
+def test_text_encoding_matches_diffusers(folders) -> None:
+    ours, reference = folders("default")
+    stage = ours.pipeline.stages[1]
+    for prompt, msl in (("A Red fox", 256), ("A Red fox jumps", 7), ("", 16)):
+        want, want_pooled, want_mask = reference.encode_prompt(prompt, max_sequence_length=msl)
+        ((got, mask, pooled),) = stage.encode([prompt], msl)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(pooled, want_pooled, rtol=1e-5, atol=1e-6)
+        assert torch.equal(mask, want_mask.bool())
+
+
+def test_requests_share_steps_and_match_each_alone(folders) -> None:
+    ours, _ = folders("default")
+    common = dict(height=32, width=48, num_frames=5)
+    params = [
+        SamplingParams(
+            prompt="a cat",
+            seed=5,
+            num_inference_steps=3,
+            true_cfg_scale=3.0,
+            negative_prompt="dark",
+            **common,
+        ),
+        SamplingParams(
+            prompt="a boat on a lake", seed=6, num_inference_steps=2, guidance_scale=4.0, **common
+        ),
+    ]
+    step_sizes = assert_batched_as_alone(ours, params, "HunyuanVideo", video=True)
+    assert step_sizes[0] == 2
+
+
+def test_frame_count_is_checked(folders) -> None:
+    ours, _ = folders("default")
+    with pytest.raises(InvalidRequestError, match="num_frames"):
+        ours.generate(prompt=PROMPT, num_frames=6, height=32, width=32)
+
+
+def test_bfloat16_matches_diffusers(tmp_path) -> None:
+    """In bfloat16 too: the guidance rounded in the DiT's dtype, the timesteps in the latents' (float32 at
+    the first step, bfloat16 after it), the Euler step in float32 leaving bfloat16 latents. The latents are
+    held to 30 dB only: one bf16 DiT forward is ~70 dB from Diffusers' (CPU kernels round differently), and
+    diffserve runs the CFG branches as one batch of two where Diffusers runs two forwards (another CPU
+    rounding), which true CFG (x3) and three steps of a random tiny DiT amplify; the frames meet the bar."""
+    root = build_tiny_hunyuan_video(tmp_path, TinyHunyuanVideoSpec())
+    reference = DiffusersHunyuanVideo.from_pretrained(root, dtype=torch.bfloat16)
+    reference.set_progress_bar_config(disable=True)
+    ours = DiffGenerator.from_pretrained(root, device="cpu", show_progress=False, dtype="bfloat16")
+    common = dict(
+        height=32, width=48, num_inference_steps=3, num_frames=5, true_cfg_scale=3.0, negative_prompt="dark"
+    )
+    got_latents, got = _ours(ours, SamplingParams(prompt=PROMPT, seed=3, **common))
+    assert got_latents.dtype == torch.bfloat16
+    want_latents, want = _reference(reference, 3, prompt=PROMPT, **common)
+    db = assert_parity(got_latents.float(), want_latents.float(), "HunyuanVideo bf16 latents", min_db=30.0)
+    pixels = assert_images_match(got, want, "HunyuanVideo bf16 frames", min_db=PSNR_BAR_DB)
+    print(f"HunyuanVideo bf16: latents {db}, frames {pixels:.1f} dB")
