@@ -425,13 +425,14 @@ class Reader:
             return
         if block.server_args is not None:
             self._serve(marker_server_block(block.server_args), block.where)
-        print(f"RUN {block.where} ({block.language})")
+        started = time.monotonic()
         if block.starts_server:
             self._serve(block.code, block.where)
         elif block.language == "bash":
             self._run_bash(rewrite(block.code, self.port, self.tmp_root), block.where)
         else:
             self._run_python(rewrite(block.code, self.port, self.tmp_root), block.where)
+        print(f"RAN {block.where} ({block.language}) in {time.monotonic() - started:.1f} s")
 
     def _run_bash(self, code: str, where: str) -> None:
         _refuse_stale_install(code, self.workdir, self.env)

@@ -120,14 +120,17 @@ def test_layers_match_diffusers(pipelines, size, options) -> None:
 
 def test_two_outputs_per_prompt_give_each_its_layers(pipelines) -> None:
     """Outputs follow each other, `layers` images each; the first output equals a one-output request's
-    (the second draws its noise after the first, so only the first is compared)."""
+    within one uint8 level, the project's batched-as-alone bar (the second draws its noise after the first,
+    so only the first is compared)."""
     _, ours, _ = pipelines
     image = _input_image(64, 80)
     kwargs = dict(prompt=PROMPT, image=image, seed=7, num_inference_steps=2, true_cfg_scale=1.0)
     two = ours.generate(num_outputs_per_prompt=2, extra={"layers": 2}, **kwargs)
     assert len(two.images) == 4
     one = ours.generate(extra={"layers": 2}, **kwargs)
-    np.testing.assert_array_equal(stack_uint8(two.images[:2]), stack_uint8(one.images))
+    first, alone = stack_uint8(two.images[:2]).astype(np.int16), stack_uint8(one.images).astype(np.int16)
+    assert first.shape == alone.shape
+    assert int(np.abs(first - alone).max()) <= 1
 
 
 def test_a_request_may_set_the_layers_size(pipelines) -> None:

@@ -140,9 +140,20 @@ class CausalConv3d(nn.Conv3d):
             check_halo_conv(self, space_pad[2])
             x = with_halo_rows(x, space_pad[2], split)
             space_pad = (space_pad[0], space_pad[1], 0, 0)
+        if x.shape[2] == 1 and time_pad == self.kernel_size[0] - 1 and self.stride[0] == 1:
+            return self._one_frame(x, space_pad)
         if time_pad or any(space_pad):
             x = F.pad(x, (*space_pad, time_pad, 0))
         return super().forward(x)
+
+    def _one_frame(self, x: torch.Tensor, space_pad: tuple[int, int, int, int]) -> torch.Tensor:
+        """One frame behind all-zero temporal padding (an image, or a clip's first frame): only the kernel's
+        last temporal slice meets data, so this is a 2-D convolution with that slice, a third of the work of
+        the padded 3-D one and the same sum less its zero terms."""
+        frame = F.pad(x[:, :, 0], space_pad) if any(space_pad) else x[:, :, 0]
+        weight = self.weight[:, :, -1]
+        out = F.conv2d(frame, weight, self.bias, self.stride[1:], 0, self.dilation[1:], self.groups)
+        return out.unsqueeze(2)
 
     @staticmethod
     def _frames_to_keep(x: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
