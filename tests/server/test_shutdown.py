@@ -50,7 +50,7 @@ from diffserve.server.video_jobs import VideoJob, VideoJobManager, VideoJobStore
 IMAGE_INFO = {"task": "text-to-image", "diffusers_pipeline": "FluxPipeline"}
 VIDEO_INFO = {"task": "text-to-video", "diffusers_pipeline": "WanPipeline"}
 LONG_STEPS = 20000  # minutes of work on the tiny models: only ever cancelled or interrupted
-FEW_SECONDS_STEPS = 3000  # several seconds of denoising on the tiny Wan (0.004 s a step on an idle CPU)
+FEW_SECONDS_STEPS = 1500  # seconds of denoising on the tiny Wan (0.004 s a step on an idle CPU)
 EXIT_WAIT_S = 120  # far below the long --shutdown-timeout: exiting within it is not a wait for the timeout
 
 
