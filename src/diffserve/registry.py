@@ -16,6 +16,7 @@ from diffserve.families.cogvideox import record as cogvideox
 from diffserve.families.flux import record as flux
 from diffserve.families.flux2 import record as flux2
 from diffserve.families.hidream import record as hidream
+from diffserve.families.hunyuan_image import record as hunyuan_image
 from diffserve.families.hunyuan_video import record as hunyuan_video
 from diffserve.families.hunyuan_video15 import record as hunyuan_video15
 from diffserve.families.longcat_image import record as longcat_image
@@ -42,6 +43,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     *sana.FAMILIES,
     *sana_video.FAMILIES,
     *flux2.FAMILIES,
+    *hunyuan_image.FAMILIES,
     *hunyuan_video15.FAMILIES,
     *hunyuan_video.FAMILIES,
     *ltx2.FAMILIES,

@@ -192,6 +192,11 @@ CASES: dict[str, tuple[str, dict, dict]] = {
             "negative_prompt": "blurry",
         },
     ),
+    "hunyuan-image-2.1": (
+        "diffserve.families.hunyuan_image.tiny:build_tiny_hunyuan_image",
+        {},
+        {"height": 32, "width": 64, "num_inference_steps": 3, "negative_prompt": "blurry"},
+    ),
 }
 
 

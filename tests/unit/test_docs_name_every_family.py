@@ -46,6 +46,7 @@ PACKAGE_LABELS = {
     "hidream": "HiDream-I1",
     "hunyuan_video": "HunyuanVideo 1.0",
     "qwen_image21": "Qwen-Image 2.1",
+    "hunyuan_image": "HunyuanImage 2.1",
 }
 #: The pages whose `*.py` mentions must name files of the tree.
 PAGES_NAMING_FILES = (README, REPO / "docs" / "architecture.md", REPO / "docs" / "adding-a-model.md")

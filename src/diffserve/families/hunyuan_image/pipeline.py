@@ -1,0 +1,298 @@
+"""HunyuanImage 2.1 (Diffusers `HunyuanImagePipeline`): stages and the batched denoising step.
+
+Guidance follows the folder's guider components (`guider.py`): `ocr_guider` for a prompt with quoted text
+when the folder has one, else `guider`; without either (the distilled folders) no guidance runs. The chosen
+guider fixes the formula and its APG settings; its `guidance_scale` is the default CFG scale, which a
+request's `guidance_scale` replaces. The two branches of every request share one DiT forward, with the
+request's own negative prompt (empty by default, as Diffusers encodes None). Guidance-distilled DiTs
+(`guidance_embeds`) embed `extra["distilled_guidance_scale"]` (Diffusers' default 3.25) times 1000; MeanFlow
+DiTs (`use_meanflow`) also read the next step's timestep (0 after the last), as Diffusers passes them.
+
+Dtypes as in Diffusers: the noise, latents, timesteps and guidance are in the DiT's dtype, and so is the
+guided prediction; the Euler step runs in float32.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from diffserve.configs.option import settings_from
+from diffserve.configs.quality import TierPreset
+from diffserve.configs.sampling_params import SamplingParams
+from diffserve.errors import InvalidRequestError, ModelLoadError
+from diffserve.families.hunyuan_image.conditioning import HunyuanImageConditioning
+from diffserve.families.hunyuan_image.config import (
+    HunyuanImagePipelineConfig,
+    HunyuanImageSettings,
+    hunyuan_image_default_sampling_params,
+)
+from diffserve.families.hunyuan_image.guider import AdaptiveProjectedMixGuidance
+from diffserve.families.hunyuan_image.text_encoding import HunyuanImageTextEncodingStage, glyph_text
+from diffserve.loader.folder_defaults import apply_overrides
+from diffserve.models.dits.hunyuan_image import HunyuanImageTransformer2DModel
+from diffserve.pipelines.base import Pipeline, PipelineContext
+from diffserve.pipelines.cfg_batch import advance_requests, split_guided
+from diffserve.request import Req
+from diffserve.runtime.runner import CfgBranchView
+from diffserve.stages.base import Stage
+from diffserve.stages.decoding import DecodingStage
+from diffserve.stages.denoising import DenoisingStage
+from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
+from diffserve.stages.latent_preparation import SpatialLatentPreparationStage
+from diffserve.stages.timestep_preparation import set_schedule
+
+
+class HunyuanImageInputValidationStage(InputValidationStage):
+    """Input validation whose CFG decision is the chosen guider's (`guider_for`): the negative branch runs
+    when that guider is enabled and the CFG scale (the request's, else the guider's) is not its neutral one.
+    Guidance-distilled DiTs take `extra["distilled_guidance_scale"]`; other folders refuse any `extra`."""
+
+    takes_family_settings = True
+
+    def __init__(
+        self,
+        guider: AdaptiveProjectedMixGuidance | None,
+        ocr_guider: AdaptiveProjectedMixGuidance | None,
+        guidance_embeds: bool,
+        **kwargs,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.guider = guider
+        self.ocr_guider = ocr_guider
+        self.guidance_embeds = guidance_embeds
+
+    def guider_for(self, prompt: str) -> AdaptiveProjectedMixGuidance | None:
+        """`ocr_guider` for a prompt whose quoted text the glyph encoder reads (when the folder has one),
+        else `guider`; None when the folder has neither or the one chosen is disabled."""
+        chosen = (
+            self.ocr_guider if glyph_text(prompt) is not None and self.ocr_guider is not None else self.guider
+        )
+        return chosen if chosen is not None and chosen.enabled else None
+
+    def settings(self, params: SamplingParams) -> HunyuanImageSettings:
+        """The request's `extra` settings (refused unless the DiT embeds guidance)."""
+        allowed = ["distilled_guidance_scale"] if self.guidance_embeds else []
+        return settings_from(HunyuanImageSettings, params.extra, "extra", allowed)
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        resolved = super().resolve(params)
+        self.settings(resolved)  # raises on unknown keys or bad values
+        if resolved.guidance_scale is not None and self.guider_for(resolved.prompt) is None:
+            raise InvalidRequestError(
+                f"guidance_scale is not a parameter of {self.image_inputs.pipeline_name} with this folder: it "
+                "has no enabled guider (a guidance-distilled model embeds extra's distilled_guidance_scale)",
+                param="guidance_scale",
+            )
+        return resolved
+
+    def forward(self, req: Req) -> Req:
+        req = super().forward(req)
+        p = req.params
+        guider = self.guider_for(p.prompt)
+        conditioning = HunyuanImageConditioning.of(req)
+        conditioning.guider = guider
+        req.cfg_scale = (
+            float(p.guidance_scale if p.guidance_scale is not None else guider.guidance_scale)
+            if guider
+            else 1.0
+        )
+        req.do_cfg = guider is not None and guider.runs_cfg(req.cfg_scale)
+        if req.do_cfg and p.negative_prompt is None:
+            p.negative_prompt = ""  # what Diffusers encodes for a missing negative prompt
+        return req
+
+
+class HunyuanImageTimestepPreparationStage(Stage):
+    """Sigmas linspace(1, 0, steps + 1) without the final 0, shifted by the scheduler's `shift`; for a
+    guidance-distilled DiT, the embedded guidance (distilled scale times 1000, in the DiT's dtype)."""
+
+    needs = ("latents",)
+    sets = ("schedule",)
+
+    def __init__(
+        self,
+        scheduler,
+        settings: HunyuanImageInputValidationStage,
+        guidance_embeds: bool,
+        multiplier: float,
+        dtype: torch.dtype,
+    ) -> None:
+        if scheduler.config["use_dynamic_shifting"]:
+            raise ModelLoadError(
+                "scheduler_config.json sets use_dynamic_shifting, but HunyuanImage's pipeline passes no "
+                "resolution shift (Diffusers refuses such a folder too): set it to false"
+            )
+        self.scheduler = scheduler
+        self.settings = settings
+        self.guidance_embeds = guidance_embeds
+        self.multiplier = multiplier
+        self.dtype = dtype
+
+    def forward(self, req: Req) -> Req:
+        steps = req.params.num_inference_steps
+        base = np.linspace(1.0, 0.0, steps + 1)[:-1]
+        guidance = None
+        if self.guidance_embeds:
+            scale = self.settings.settings(req.params).distilled_guidance_scale
+            guidance = torch.full((req.batch_size,), scale, dtype=self.dtype, device=req.latents.device)
+            guidance = guidance * self.multiplier
+        set_schedule(req, self.scheduler.schedule(steps, sigmas=base), guidance)
+        return req
+
+
+def _both_branches(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """`split_guided`'s combine that keeps both branches, (2, rows, ...): the guider needs the request."""
+    return torch.stack([cond, uncond])
+
+
+class HunyuanImageDenoiser:
+    """One step over a list of requests of one latent shape, each at its own timestep and guidance step."""
+
+    def __init__(self, transformer: HunyuanImageTransformer2DModel, scheduler, meanflow: bool) -> None:
+        self.transformer = transformer
+        self.scheduler = scheduler
+        self.meanflow = meanflow
+        self.dtype = next(transformer.parameters()).dtype
+
+    def branch_inputs(self, req: Req) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(text states, mask, glyph states, mask) per branch in row order: the prompt's, then the negative's."""
+        c = HunyuanImageConditioning.of(req)
+        branches = [(req.prompt_embeds, c.prompt_embeds_mask, c.prompt_embeds_2, c.prompt_embeds_mask_2)]
+        if req.do_cfg:
+            branches.append(
+                (
+                    req.negative_prompt_embeds,
+                    c.negative_prompt_embeds_mask,
+                    c.negative_prompt_embeds_2,
+                    c.negative_prompt_embeds_mask_2,
+                )
+            )
+        return branches
+
+    def next_timesteps(self, req: Req) -> torch.Tensor:
+        """MeanFlow's second time: the next step's timestep, 0 after the last."""
+        if req.step_index + 1 < req.num_steps:
+            return req.schedule.timesteps[req.step_index + 1]
+        return torch.zeros((), device=req.schedule.timesteps.device, dtype=req.schedule.timesteps.dtype)
+
+    @torch.inference_mode()
+    def __call__(self, reqs: list[Req]) -> None:
+        latents, timesteps, timesteps_r, guidance = [], [], [], []
+        text, text_mask, glyph, glyph_mask = [], [], [], []
+        for req in reqs:
+            t = req.schedule.timesteps[req.step_index].expand(req.batch_size).to(self.dtype)
+            for states, mask, states_2, mask_2 in self.branch_inputs(req):
+                latents.append(req.latents.to(self.dtype))
+                timesteps.append(t)
+                if self.meanflow:
+                    timesteps_r.append(self.next_timesteps(req).expand(req.batch_size).to(self.dtype))
+                if req.schedule.guidance is not None:
+                    guidance.append(req.schedule.guidance)
+                text.append(states)
+                text_mask.append(mask)
+                glyph.append(states_2)
+                glyph_mask.append(mask_2)
+        prediction = self.transformer(
+            hidden_states=torch.cat(latents),
+            timestep=torch.cat(timesteps),
+            encoder_hidden_states=torch.cat(text),
+            encoder_attention_mask=torch.cat(text_mask),
+            timestep_r=torch.cat(timesteps_r) if timesteps_r else None,
+            encoder_hidden_states_2=torch.cat(glyph),
+            encoder_attention_mask_2=torch.cat(glyph_mask),
+            guidance=torch.cat(guidance) if guidance else None,
+        )
+        branches = split_guided(prediction, reqs, _both_branches)
+        guided = [self.guide(req, rows) for req, rows in zip(reqs, branches, strict=True)]
+        advance_requests(self.scheduler, reqs, guided)
+
+    def guide(self, req: Req, rows: torch.Tensor) -> torch.Tensor:
+        """The request's prediction: its rows as they are without guidance, else its guider's combination of
+        its (cond, uncond) pair at its step, the request's momentum advanced."""
+        if not (req.do_cfg or isinstance(req, CfgBranchView)):
+            return rows
+        conditioning = HunyuanImageConditioning.of(req)
+        guider = conditioning.guider
+        assert guider is not None, "a guided HunyuanImage request carries the guider its prompt chose"
+        pred, conditioning.momentum = guider.guide(
+            rows[0], rows[1], req.cfg_scale, req.step_index, conditioning.momentum
+        )
+        return pred
+
+
+class HunyuanImagePipeline(Pipeline):
+    required_components = (
+        "text_encoder",
+        "tokenizer",
+        "text_encoder_2",
+        "tokenizer_2",
+        "transformer",
+        "vae",
+        "scheduler",
+    )
+    optional_components = ("guider", "ocr_guider")
+    config = HunyuanImagePipelineConfig()
+    pipeline_name = "HunyuanImagePipeline"
+    conditioning_type = HunyuanImageConditioning
+    #: Its DiT takes no step cache: only "high", the exact path.
+    step_cache_policies: ClassVar[dict[str, TierPreset]] = {}
+
+    def build_stages(self, context: PipelineContext) -> list[Stage]:
+        transformer: HunyuanImageTransformer2DModel = context.get("transformer")
+        vae = context.get("vae")
+        scheduler = context.get("scheduler")
+        dit = transformer.config
+        spatial = int(vae.spatial_compression_ratio)
+        self.pixel_multiple = spatial * dit.patch_size[0]
+        if dit.patch_size[0] != dit.patch_size[1]:
+            raise ModelLoadError(f"HunyuanImage DiT patch {dit.patch_size} is not square")
+        self.denoiser = HunyuanImageDenoiser(transformer, scheduler, bool(dit.use_meanflow))
+        default_side = self.config.default_latent_size * spatial
+        self.input_validation = HunyuanImageInputValidationStage(
+            context.get_optional("guider"),
+            context.get_optional("ocr_guider"),
+            bool(dit.guidance_embeds),
+            defaults=apply_overrides(
+                hunyuan_image_default_sampling_params(), context.folder_sampling_defaults
+            ),
+            pixel_multiple=self.pixel_multiple,
+            default_pixels=default_side,
+            max_sequence_length_limit=None,
+            cfg_mode="none",
+            image_inputs=ImageInputRule(pipeline_name=self.pipeline_name, task="text-to-image"),
+            unsupported_params={
+                "true_cfg_scale": "its guidance is the folder's guider, whose CFG scale guidance_scale sets",
+                "max_sequence_length": f"its text is {self.config.text_tokens} Qwen2.5-VL tokens and "
+                f"{self.config.glyph_tokens} ByT5 bytes, fixed as in Diffusers",
+            },
+        )
+        return [
+            self.input_validation,
+            HunyuanImageTextEncodingStage(
+                context.get("tokenizer"),
+                context.get("text_encoder"),
+                context.get("tokenizer_2"),
+                context.get("text_encoder_2"),
+                self.config,
+                output_dtype=self.denoiser.dtype,
+                device=context.platform.device(),
+            ),
+            SpatialLatentPreparationStage(
+                latent_channels=dit.in_channels,
+                vae_scale_factor=spatial,
+                device=context.platform.device(),
+                dtype=self.denoiser.dtype,
+            ),
+            HunyuanImageTimestepPreparationStage(
+                scheduler,
+                self.input_validation,
+                bool(dit.guidance_embeds),
+                self.config.guidance_embedding_multiplier,
+                self.denoiser.dtype,
+            ),
+            DenoisingStage(self.denoiser),
+            DecodingStage(vae, packed_latents=False),
+        ]

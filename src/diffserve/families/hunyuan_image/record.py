@@ -1,0 +1,43 @@
+"""The HunyuanImage 2.1 family's record: text-to-image (`HunyuanImagePipeline`): Qwen2.5-VL and ByT5 (glyph)
+text, a double- and single-stream DiT on a 32x VAE's latents, flow-matching Euler steps, and the folder's
+adaptive-projected guidance (its `guider` / `ocr_guider` components)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffserve.families.hunyuan_image.guider import AdaptiveProjectedMixGuidance
+from diffserve.families.hunyuan_image.pipeline import HunyuanImagePipeline
+from diffserve.families.record import ModelFamily, TinyCheckpointOptions
+from diffserve.loader.dit_facts import DitFacts
+from diffserve.loader.native_classes import NativeClasses
+from diffserve.models.dits.hunyuan_image import HunyuanImageTransformer2DModel
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
+from diffserve.models.vaes.autoencoder_kl_hunyuan_image import AutoencoderKLHunyuanImage
+
+
+def _tiny_hunyuan_image(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+    """Imports its module when called (transformers model classes the registry does not need)."""
+    from diffserve.families.hunyuan_image.tiny import TinyHunyuanImageSpec, build_tiny_hunyuan_image
+
+    return build_tiny_hunyuan_image(out_dir, TinyHunyuanImageSpec(seed=options.seed))
+
+
+FAMILIES: tuple[ModelFamily, ...] = (
+    ModelFamily(
+        name="hunyuan-image-2.1",
+        diffusers_pipeline="HunyuanImagePipeline",
+        pipeline_cls=HunyuanImagePipeline,
+        native_classes=NativeClasses.of(
+            models=(HunyuanImageTransformer2DModel, AutoencoderKLHunyuanImage),
+            schedulers=(FlowMatchEulerScheduler,),
+            guiders=(AdaptiveProjectedMixGuidance,),
+            encoders=("Qwen2_5_VLForConditionalGeneration", "T5EncoderModel"),
+        ),
+        task="text-to-image",
+        tiny_builder=_tiny_hunyuan_image,
+        # No quantization, LoRA or single-file support yet: the loader refuses them naming the DiT.
+        dit_facts=DitFacts(class_name=HunyuanImageTransformer2DModel.diffusers_class_name),
+        aliases=("hunyuanimage", "hunyuan-image", "hunyuanimage-2.1", "hunyuan_image"),
+    ),
+)
