@@ -19,13 +19,11 @@ from diffserve import SamplingParams
 from diffserve.api import DiffGenerator
 from diffserve.errors import InvalidRequestError
 from diffserve.families.hunyuan_video.tiny import TinyHunyuanVideoSpec, build_tiny_hunyuan_video
-from diffserve.request import Req
-from diffserve.testing.parity import (
-    assert_batched_as_alone,
-    assert_images_match,
-    assert_parity,
-    generator_and_reference,
-    to_uint8,
+from diffserve.testing.parity import assert_batched_as_alone, assert_images_match, assert_parity
+from diffserve.testing.video_parity import (
+    diffusers_latents_and_frames,
+    final_latents_and_frames,
+    folder_pairs,
 )
 
 LATENT_MIN_DB = 80.0
@@ -41,34 +39,12 @@ FOLDERS = {
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    cache: dict[str, tuple[DiffGenerator, object]] = {}
-
-    def get(name: str):
-        if name not in cache:
-            root = build_tiny_hunyuan_video(tmp_path_factory.mktemp(f"hunyuan-video-{name}"), FOLDERS[name])
-            cache[name] = generator_and_reference(DiffGenerator, root, DiffusersHunyuanVideo)
-        return cache[name]
-
-    return get
-
-
-def _ours(gen: DiffGenerator, params: SamplingParams) -> tuple[torch.Tensor, np.ndarray]:
-    """diffserve's final latents (batch, channels, frames, h, w) and its uint8 frames."""
-    pipeline = gen.pipeline
-    req = pipeline.run_pre_denoise(pipeline.validate(Req(params=params)))
-    while not req.is_denoised:
-        pipeline.denoise_step([req])
-    latents = req.latents.clone()
-    return latents, np.stack(pipeline.run_post_denoise(req).outputs.frames)
-
-
-def _reference(reference, seed: int, **kwargs) -> tuple[torch.Tensor, np.ndarray]:
-    def run(output_type: str):
-        return reference(
-            generator=torch.Generator("cpu").manual_seed(seed), output_type=output_type, **kwargs
-        )
-
-    return run("latent").frames, to_uint8(run("np").frames)
+    return folder_pairs(
+        lambda name: tmp_path_factory.mktemp(f"hunyuan-video-{name}"),
+        lambda name, root: build_tiny_hunyuan_video(root, FOLDERS[name]),
+        DiffGenerator,
+        DiffusersHunyuanVideo,
+    )
 
 
 CASES = [
@@ -88,8 +64,8 @@ def test_hunyuan_video_matches_diffusers(folders, folder, height, width, frames,
     seed = 3
     common = dict(height=height, width=width, num_inference_steps=steps, num_frames=frames, **options)
     params = SamplingParams(prompt=PROMPT, seed=seed, **common)
-    got_latents, got = _ours(ours, params)
-    want_latents, want = _reference(reference, seed, prompt=PROMPT, **common)
+    got_latents, got = final_latents_and_frames(ours, params)
+    want_latents, want = diffusers_latents_and_frames(reference, seed, prompt=PROMPT, **common)
     label = f"HunyuanVideo {folder} {frames}x{height}x{width} {steps} steps {options}"
     db = assert_parity(got_latents, want_latents, f"{label} latents", min_db=LATENT_MIN_DB)
     control_params = SamplingParams(**{**params.__dict__, "prompt": OTHER_PROMPT})
@@ -102,8 +78,8 @@ def test_two_outputs_per_prompt_match(folders) -> None:
     ours, reference = folders("default")
     common = dict(height=32, width=48, num_inference_steps=2, num_frames=5, true_cfg_scale=3.0)
     params = SamplingParams(prompt=PROMPT, negative_prompt="ugly", num_outputs_per_prompt=2, seed=2, **common)
-    got_latents, got = _ours(ours, params)
-    want_latents, want = _reference(
+    got_latents, got = final_latents_and_frames(ours, params)
+    want_latents, want = diffusers_latents_and_frames(
         reference, 2, prompt=PROMPT, negative_prompt="ugly", num_videos_per_prompt=2, **common
     )
     assert got.shape[0] == 2
@@ -161,9 +137,9 @@ def test_bfloat16_matches_diffusers(tmp_path) -> None:
     common = dict(
         height=32, width=48, num_inference_steps=3, num_frames=5, true_cfg_scale=3.0, negative_prompt="dark"
     )
-    got_latents, got = _ours(ours, SamplingParams(prompt=PROMPT, seed=3, **common))
+    got_latents, got = final_latents_and_frames(ours, SamplingParams(prompt=PROMPT, seed=3, **common))
     assert got_latents.dtype == torch.bfloat16
-    want_latents, want = _reference(reference, 3, prompt=PROMPT, **common)
+    want_latents, want = diffusers_latents_and_frames(reference, 3, prompt=PROMPT, **common)
     db = assert_parity(got_latents.float(), want_latents.float(), "HunyuanVideo bf16 latents", min_db=30.0)
     pixels = assert_images_match(got, want, "HunyuanVideo bf16 frames", min_db=PSNR_BAR_DB)
     print(f"HunyuanVideo bf16: latents {db}, frames {pixels:.1f} dB")

@@ -169,6 +169,21 @@ CASES: dict[str, tuple[str, dict, dict]] = {
         {},
         {"height": 32, "width": 48, "num_frames": 5, "num_inference_steps": 2, "guidance_scale": 6.0},
     ),
+    "hunyuan-video-i2v": (
+        "diffserve.families.hunyuan_video.image_to_video_tiny:build_tiny_hunyuan_video_i2v",
+        {},
+        {
+            "height": 32,
+            "width": 48,
+            "num_frames": 5,
+            "num_inference_steps": 2,
+            "guidance_scale": 6.0,
+            "true_cfg_scale": 2.0,
+            "negative_prompt": "blurry",
+            "max_sequence_length": 32,
+            "input_images": "gradient",
+        },
+    ),
     "hidream-i1": (
         "diffserve.families.hidream.tiny:build_tiny_hidream",
         {},

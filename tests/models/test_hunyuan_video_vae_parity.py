@@ -14,13 +14,8 @@ from diffserve.models.vaes.autoencoder_kl_hunyuan_video import (
     HUNYUAN_VIDEO_VAE_CONFIG_DEFAULTS,
     AutoencoderKLHunyuanVideo,
 )
-from diffserve.testing.parity import (
-    assert_parity,
-    assert_same_state_dict_layout,
-    diffusers_init_defaults,
-    parity_pair,
-    randomize_norms,
-)
+from diffserve.testing.parity import assert_parity, assert_same_state_dict_layout, parity_pair
+from diffserve.testing.vae_parity import assert_config_defaults_are_diffusers, tiled_decodes, weight_noise
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -33,26 +28,17 @@ TINY: dict[str, Any] = {
 }
 
 
-def _perturb(model: torch.nn.Module) -> None:
-    for p in model.parameters():
-        p.add_(0.05 * torch.randn_like(p))
-    randomize_norms(model)
-
-
 @pytest.fixture(scope="module")
 def pair():
-    return parity_pair(diffusers.AutoencoderKLHunyuanVideo, AutoencoderKLHunyuanVideo, TINY, perturb=_perturb)
-
-
-def _norm(v: Any) -> Any:
-    return tuple(v) if isinstance(v, list | tuple) else v
+    return parity_pair(
+        diffusers.AutoencoderKLHunyuanVideo, AutoencoderKLHunyuanVideo, TINY, perturb=weight_noise(0.05)
+    )
 
 
 def test_config_defaults_are_diffusers() -> None:
-    defaults = diffusers_init_defaults(diffusers.AutoencoderKLHunyuanVideo)
-    assert {k: _norm(v) for k, v in defaults.items()} == {
-        k: _norm(v) for k, v in HUNYUAN_VIDEO_VAE_CONFIG_DEFAULTS.items()
-    }
+    assert_config_defaults_are_diffusers(
+        diffusers.AutoencoderKLHunyuanVideo, HUNYUAN_VIDEO_VAE_CONFIG_DEFAULTS
+    )
 
 
 def test_released_layout_builds_on_meta_with_diffusers_keys() -> None:
@@ -85,15 +71,7 @@ def test_tiled_decode_matches(pair) -> None:
         "tile_sample_stride_height": 24,
         "tile_sample_stride_width": 16,
     }
-    ref.enable_tiling(**tiles)
-    ours.enable_tiling(**tiles)
-    try:
-        with torch.no_grad():
-            want = ref.decode(z).sample
-            got = ours.decode(z)
-    finally:
-        ref.disable_tiling()
-        ours.disable_tiling()
+    got, want = tiled_decodes(ref, ours, z, tiles)
     assert got.shape == want.shape
     db = assert_parity(got, want, "hunyuan video vae tiled decode", min_db=MIN_DB)
     print(f"hunyuan video vae tiled decode: {db}")

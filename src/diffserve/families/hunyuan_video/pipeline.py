@@ -16,8 +16,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+from torch import nn
 
 from diffserve.configs.quality import TierPreset
+from diffserve.configs.sampling_params import SamplingParams
 from diffserve.families.hunyuan_video.conditioning import HunyuanVideoConditioning
 from diffserve.families.hunyuan_video.config import (
     HunyuanVideoPipelineConfig,
@@ -48,6 +50,21 @@ def branch_inputs(req: Req) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tens
     return branches
 
 
+def pad_texts(
+    states: list[torch.Tensor], masks: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Text states (rows, L_i, dim) and masks (rows, L_i) padded on the right to the longest L_i, with zeros
+    and False (image-to-video's negative prompt carries more image tokens than its prompt). The DiT masks
+    keys past each row's valid count, so the padding is never attended; equal lengths pass unchanged."""
+    longest = max(s.shape[1] for s in states)
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        extra = longest - x.shape[1]
+        return x if extra == 0 else torch.cat([x, x.new_zeros(x.shape[0], extra, *x.shape[2:])], dim=1)
+
+    return [pad(s) for s in states], [pad(m) for m in masks]
+
+
 class HunyuanVideoDenoiser:
     """One step over a list of HunyuanVideo requests of one latent shape, each at its own timestep."""
 
@@ -63,19 +80,29 @@ class HunyuanVideoDenoiser:
         self.dtype = dtype
         self.guidance_multiplier = guidance_multiplier
 
+    def model_input(self, req: Req) -> torch.Tensor:
+        """The DiT's latent input of a request (in the latents' dtype; the step casts it)."""
+        return req.latents
+
+    def advance(self, reqs: list[Req], predictions: list[torch.Tensor]) -> None:
+        """One Euler step of each request along its own sigmas."""
+        advance_requests(self.scheduler, reqs, predictions)
+
     @torch.inference_mode()
     def __call__(self, reqs: list[Req]) -> None:
         latents, timesteps, texts, masks, pooled, guidance = [], [], [], [], [], []
         for req in reqs:
             t = req.schedule.timesteps[req.step_index].to(req.latents.dtype).expand(req.batch_size)
+            model_input = self.model_input(req).to(self.dtype)
             for states, mask, pool in branch_inputs(req):
-                latents.append(req.latents.to(self.dtype))
+                latents.append(model_input)
                 timesteps.append(t)
                 texts.append(states)
                 masks.append(mask)
                 pooled.append(pool)
                 if req.schedule.guidance is not None:
                     guidance.append(req.schedule.guidance.to(self.dtype) * self.guidance_multiplier)
+        texts, masks = pad_texts(texts, masks)
         prediction = self.transformer(
             hidden_states=torch.cat(latents),
             timestep=torch.cat(timesteps),
@@ -84,7 +111,7 @@ class HunyuanVideoDenoiser:
             pooled_projections=torch.cat(pooled),
             guidance=torch.cat(guidance) if guidance else None,
         )
-        advance_requests(self.scheduler, reqs, split_guided(prediction, reqs))
+        self.advance(reqs, split_guided(prediction, reqs))
 
 
 class HunyuanVideoPipeline(Pipeline):
@@ -107,45 +134,73 @@ class HunyuanVideoPipeline(Pipeline):
         transformer = context.get("transformer")
         vae = context.get("vae")
         scheduler = context.get("scheduler")
-        text_encoder = context.get("text_encoder")
-        dit = transformer.config
         self.spatial = int(vae.spatial_compression_ratio)
         self.temporal = int(vae.temporal_compression_ratio)
-        self.pixel_multiple = self.spatial * dit.patch_size
+        self.pixel_multiple = self.spatial * transformer.config.patch_size
         size = (self.config.default_height, self.config.default_width)
-        self.input_validation = InputValidationStage(
-            defaults=apply_overrides(
-                hunyuan_video_default_sampling_params(), context.folder_sampling_defaults
-            ),
+        self.input_validation = self.make_input_validation(
+            defaults=apply_overrides(self.default_params(), context.folder_sampling_defaults),
             pixel_multiple=self.pixel_multiple,
             default_pixels=self.config.default_height,
-            max_sequence_length_limit=int(text_encoder.config.max_position_embeddings)
-            - self.config.crop_start,
+            max_sequence_length_limit=self.text_token_limit(context.get("text_encoder")),
             cfg_mode="true_cfg",
-            image_inputs=ImageInputRule(pipeline_name=self.pipeline_name, task="text-to-video"),
+            image_inputs=self.image_input_rule(),
             default_size=lambda _params: size,
             video=VideoRule(temporal_factor=self.temporal),
         )
-        self.denoiser = HunyuanVideoDenoiser(
-            transformer, scheduler, context.dtype, self.config.guidance_multiplier
-        )
+        self.denoiser = self.make_denoiser(context)
         return [
             self.input_validation,
-            HunyuanVideoTextEncodingStage(
-                context.get("tokenizer"),
-                text_encoder,
-                context.get("tokenizer_2"),
-                context.get("text_encoder_2"),
-                self.config,
-                output_dtype=context.dtype,
-            ),
-            VideoLatentPreparationStage(
-                channels=dit.in_channels,
-                spatial=self.spatial,
-                temporal=self.temporal,
-                device=context.platform.device(),
-            ),
-            HunyuanVideoTimestepPreparationStage(scheduler, dit.guidance_embeds),
+            self.text_encoding_stage(context),
+            *self.latent_stages(context),
+            HunyuanVideoTimestepPreparationStage(scheduler, transformer.config.guidance_embeds),
             DenoisingStage(self.denoiser),
-            HunyuanVideoDecodingStage(vae),
+            self.video_decoding_stage(vae),
         ]
+
+    def make_input_validation(self, **kwargs) -> InputValidationStage:
+        """The validation stage from `InputValidationStage`'s keywords."""
+        return InputValidationStage(**kwargs)
+
+    def default_params(self) -> SamplingParams:
+        return hunyuan_video_default_sampling_params()
+
+    def image_input_rule(self) -> ImageInputRule:
+        return ImageInputRule(pipeline_name=self.pipeline_name, task="text-to-video")
+
+    def text_token_limit(self, text_encoder: nn.Module) -> int:
+        """The largest `max_sequence_length`: the Llama positions left after the template's crop."""
+        return int(text_encoder.config.max_position_embeddings) - self.config.crop_start
+
+    def text_encoding_stage(self, context: PipelineContext) -> Stage:
+        return HunyuanVideoTextEncodingStage(
+            context.get("tokenizer"),
+            context.get("text_encoder"),
+            context.get("tokenizer_2"),
+            context.get("text_encoder_2"),
+            self.config,
+            output_dtype=context.dtype,
+        )
+
+    def latent_stages(self, context: PipelineContext) -> list[Stage]:
+        """The initial latents: float32 noise of the DiT's channels."""
+        return [self.noise_stage(context, context.get("transformer").config.in_channels)]
+
+    def noise_stage(self, context: PipelineContext, channels: int) -> Stage:
+        return VideoLatentPreparationStage(
+            channels=channels,
+            spatial=self.spatial,
+            temporal=self.temporal,
+            device=context.platform.device(),
+        )
+
+    def video_decoding_stage(self, vae: nn.Module) -> Stage:
+        return HunyuanVideoDecodingStage(vae)
+
+    def make_denoiser(self, context: PipelineContext) -> HunyuanVideoDenoiser:
+        return HunyuanVideoDenoiser(
+            context.get("transformer"),
+            context.get("scheduler"),
+            context.dtype,
+            self.config.guidance_multiplier,
+        )

@@ -1,11 +1,14 @@
-"""The HunyuanVideo (1.0) family's record: text-to-video (`HunyuanVideoPipeline`): Llama and CLIP text, the
+"""The HunyuanVideo (1.0) family's records: text-to-video (`HunyuanVideoPipeline`): Llama and CLIP text, the
 double/single-stream DiT with embedded guidance on HunyuanVideo's causal VAE latents, flow-matching Euler
-steps over shifted linear sigmas, optional true CFG."""
+steps over shifted linear sigmas, optional true CFG; and image-to-video (`HunyuanVideoImageToVideoPipeline`):
+Llava reads the prompt with the input image, whose VAE latents condition the DiT ("token_replace" or
+"latent_concat"). Both records share the DiT class and its facts."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from diffserve.families.hunyuan_video.image_to_video_pipeline import HunyuanVideoImageToVideoPipeline
 from diffserve.families.hunyuan_video.pipeline import HunyuanVideoPipeline
 from diffserve.families.record import ModelFamily, TinyCheckpointOptions
 from diffserve.loader.dit_facts import DitFacts
@@ -22,6 +25,19 @@ def _tiny_hunyuan_video(out_dir: Path, options: TinyCheckpointOptions) -> Path:
     return build_tiny_hunyuan_video(out_dir, TinyHunyuanVideoSpec(seed=options.seed))
 
 
+def _tiny_hunyuan_video_i2v(out_dir: Path, options: TinyCheckpointOptions) -> Path:
+    """Imports its module when called (transformers model classes the registry does not need)."""
+    from diffserve.families.hunyuan_video.image_to_video_tiny import (
+        TinyHunyuanVideoI2VSpec,
+        build_tiny_hunyuan_video_i2v,
+    )
+
+    return build_tiny_hunyuan_video_i2v(out_dir, TinyHunyuanVideoI2VSpec(seed=options.seed))
+
+
+#: No quantization, LoRA or single-file support yet: the loader refuses them naming the DiT.
+_DIT_FACTS = DitFacts(class_name=HunyuanVideoTransformer3DModel.diffusers_class_name)
+
 FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily(
         name="hunyuan-video",
@@ -34,8 +50,21 @@ FAMILIES: tuple[ModelFamily, ...] = (
         ),
         task="text-to-video",
         tiny_builder=_tiny_hunyuan_video,
-        # No quantization, LoRA or single-file support yet: the loader refuses them naming the DiT.
-        dit_facts=DitFacts(class_name=HunyuanVideoTransformer3DModel.diffusers_class_name),
+        dit_facts=_DIT_FACTS,
         aliases=("hunyuanvideo", "hunyuan_video", "hunyuan-video-t2v"),
+    ),
+    ModelFamily(
+        name="hunyuan-video-i2v",
+        diffusers_pipeline="HunyuanVideoImageToVideoPipeline",
+        pipeline_cls=HunyuanVideoImageToVideoPipeline,
+        native_classes=NativeClasses.of(
+            models=(HunyuanVideoTransformer3DModel, AutoencoderKLHunyuanVideo),
+            schedulers=(FlowMatchEulerScheduler,),
+            encoders=("LlavaForConditionalGeneration", "CLIPTextModel"),
+        ),
+        task="image-to-video",
+        tiny_builder=_tiny_hunyuan_video_i2v,
+        dit_facts=_DIT_FACTS,
+        aliases=("hunyuanvideo-i2v", "hunyuan_video_i2v"),
     ),
 )

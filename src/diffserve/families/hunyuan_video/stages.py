@@ -4,7 +4,7 @@
   scheduler (its static `shift`, 7 for the released folder); with the DiT's guidance embedding, the
   request's `guidance_scale` travels with the schedule (the denoiser multiplies it by 1000).
 - Decoding: the latents cast to the VAE's dtype, divided by its `scaling_factor` (no per-channel
-  statistics), decoded to uint8 frames.
+  statistics), decoded to uint8 frames (image-to-video's "latent_concat" drops the first decoded frames).
 """
 
 from __future__ import annotations
@@ -49,9 +49,10 @@ class HunyuanVideoDecodingStage(Stage):
     needs = ("latents",)
     sets = ("outputs.frames",)
 
-    def __init__(self, vae: nn.Module) -> None:
+    def __init__(self, vae: nn.Module, dropped_frames: int = 0) -> None:
         self.vae = vae
         self.scaling_factor = float(vae.config["scaling_factor"])
+        self.dropped_frames = dropped_frames
 
     def decode_layout(self) -> DecodeLayout:
         raise NotImplementedError("HunyuanVideo has no step previews yet")
@@ -59,5 +60,5 @@ class HunyuanVideoDecodingStage(Stage):
     @torch.inference_mode()
     def forward(self, req: Req) -> Req:
         latents = to_module(self.vae, req.latents) / self.scaling_factor
-        req.outputs.frames = video_to_uint8(decode_split(self.vae, latents))
+        req.outputs.frames = video_to_uint8(decode_split(self.vae, latents)[:, :, self.dropped_frames :])
         return req

@@ -38,18 +38,25 @@ SCHEDULER_CONFIG = {"num_train_timesteps": 1000, "shift": 7.0, "use_dynamic_shif
 HEADER_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 
 
-def llama_template_tokenizer() -> LlamaTokenizer:
-    """A Llama tokenizer (byte fallback, Metaspace) whose words of the family's prompt template are single
+def llama_template_tokenizer(
+    template: str = PROMPT_TEMPLATE,
+    special_tokens: tuple[str, ...] = HEADER_TOKENS,
+    words: tuple[str, ...] = (),
+    pad_token: str = "<|end_of_text|>",
+) -> LlamaTokenizer:
+    """A Llama tokenizer (byte fallback, Metaspace) whose words of the family's prompt `template` are single
     tokens, as in the real vocabulary, so the template's system part stays about as long as the pipeline's
-    fixed crop (95 tokens) assumes; Llama-3's begin / end-of-text tokens, the end one padding on the right."""
+    fixed crop (95 tokens) assumes; Llama-3's begin / end-of-text tokens, `pad_token` padding on the right.
+    `special_tokens` are added whole; `words` are added as plain tokens (whole wherever they occur), for
+    template pieces whose position the pipeline fixes."""
     vocab = {token: i for i, token in enumerate(("<unk>", "<|begin_of_text|>", "<|end_of_text|>"))}
     for byte in range(256):
         vocab[f"<0x{byte:02X}>"] = len(vocab)
     for char in ["▁", *string.ascii_letters, *string.digits, *string.punctuation]:
         vocab.setdefault(char, len(vocab))
     merges: list[tuple[str, str]] = []
-    spaced = re.findall(r"(?<= )[A-Za-z]+", PROMPT_TEMPLATE)
-    unspaced = re.findall(r"(?<![ A-Za-z])[A-Za-z]+", PROMPT_TEMPLATE)
+    spaced = re.findall(r"(?<= )[A-Za-z]+", template)
+    unspaced = re.findall(r"(?<![ A-Za-z])[A-Za-z]+", template)
     # Space-led words first (their pairs start with "▁"), then the words that follow a newline or marker.
     for word, piece in [(w, "▁") for w in dict.fromkeys(spaced)] + [(w, "") for w in dict.fromkeys(unspaced)]:
         for char in word:
@@ -63,14 +70,18 @@ def llama_template_tokenizer() -> LlamaTokenizer:
         unk_token="<unk>",
         bos_token="<|begin_of_text|>",
         eos_token="<|end_of_text|>",
-        pad_token="<|end_of_text|>",
+        pad_token=pad_token if pad_token in vocab else None,
         add_bos_token=True,
         add_eos_token=False,
         padding_side="right",
     )
     tokenizer.add_special_tokens(
-        {"additional_special_tokens": [AddedToken(t, special=True, normalized=False) for t in HEADER_TOKENS]}
+        {"additional_special_tokens": [AddedToken(t, special=True, normalized=False) for t in special_tokens]}
     )
+    if pad_token not in vocab:
+        tokenizer.pad_token = pad_token
+    if words:
+        tokenizer.add_tokens([AddedToken(w, normalized=False) for w in words])
     return tokenizer
 
 
@@ -91,7 +102,7 @@ class TinyHunyuanVideoSpec:
     seed: int = 0
 
 
-def _dit_config(spec: TinyHunyuanVideoSpec) -> dict:
+def tiny_dit_config(spec: TinyHunyuanVideoSpec) -> dict:
     return {
         "in_channels": spec.latent_channels,
         "out_channels": spec.latent_channels,
@@ -113,7 +124,7 @@ def _dit_config(spec: TinyHunyuanVideoSpec) -> dict:
     }
 
 
-def _vae_config(spec: TinyHunyuanVideoSpec) -> dict:
+def tiny_vae_config(spec: TinyHunyuanVideoSpec) -> dict:
     return {
         "latent_channels": spec.latent_channels,
         "block_out_channels": (8, 16, 16, 16),
@@ -154,23 +165,28 @@ def hunyuan_video_model_index() -> dict:
     }
 
 
+def write_clip_dit_vae_scheduler(root: Path, spec: TinyHunyuanVideoSpec, dit_config: dict) -> None:
+    """The components after the Llama encoder (built first: the folder's random weights follow that order):
+    the CLIP text encoder with its tokenizer, the DiT from `dit_config`, the VAE and the scheduler."""
+    clip_tokenizer = build_clip_tokenizer(77)
+    save_text_encoder(
+        root, CLIPTextModel(clip_text_config(clip_tokenizer, spec.pooled_dim)), clip_tokenizer, suffix="_2"
+    )
+    dit = random_native_module(
+        HunyuanVideoTransformer3DModel, dit_config, spec.seed + 10, spec.dit_weight_noise
+    )
+    save_diffusers_model(dit, root / "transformer", "HunyuanVideoTransformer3DModel", dit_config)
+    vae_config = tiny_vae_config(spec)
+    vae = random_native_module(AutoencoderKLHunyuanVideo, vae_config, spec.seed + 20, 0.02)
+    save_diffusers_model(vae, root / "vae", "AutoencoderKLHunyuanVideo", vae_config)
+    write_scheduler_config(root, "FlowMatchEulerDiscreteScheduler", SCHEDULER_CONFIG)
+
+
 def build_tiny_hunyuan_video(out_dir: str | Path, spec: TinyHunyuanVideoSpec | None = None) -> Path:
     """Write a random-weight HunyuanVideo folder to `out_dir` and return its path."""
     spec = spec or TinyHunyuanVideoSpec()
     root = tiny_folder(out_dir, spec.seed)
     tokenizer = llama_template_tokenizer()
     save_text_encoder(root, _llama(tokenizer, spec), tokenizer)
-    clip_tokenizer = build_clip_tokenizer(77)
-    save_text_encoder(
-        root, CLIPTextModel(clip_text_config(clip_tokenizer, spec.pooled_dim)), clip_tokenizer, suffix="_2"
-    )
-    dit_config = _dit_config(spec)
-    dit = random_native_module(
-        HunyuanVideoTransformer3DModel, dit_config, spec.seed + 10, spec.dit_weight_noise
-    )
-    save_diffusers_model(dit, root / "transformer", "HunyuanVideoTransformer3DModel", dit_config)
-    vae_config = _vae_config(spec)
-    vae = random_native_module(AutoencoderKLHunyuanVideo, vae_config, spec.seed + 20, 0.02)
-    save_diffusers_model(vae, root / "vae", "AutoencoderKLHunyuanVideo", vae_config)
-    write_scheduler_config(root, "FlowMatchEulerDiscreteScheduler", SCHEDULER_CONFIG)
+    write_clip_dit_vae_scheduler(root, spec, tiny_dit_config(spec))
     return finish_tiny_folder(root, hunyuan_video_model_index(), spec)

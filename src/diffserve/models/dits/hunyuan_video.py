@@ -14,7 +14,12 @@ Architecture (MMDiT over spatio-temporal patches: double-stream blocks, then sin
 RoPE rotates the video queries and keys only (per-head RMSNorm on q and k first), with the same
 (frame, row, column) tables as HunyuanVideo 1.5 (`hunyuan_video15_rope_tables`). The double-stream block
 and the token refiner's layers are HunyuanVideo 1.5's (same maths and weight names); what differs is here:
-the single-stream blocks, the guidance embedding and the refiner's mask.
+the single-stream blocks (`hunyuan_video_single_block.py`), the guidance embedding and the refiner's mask.
+
+Image-to-video DiTs (`image_condition_type`, Diffusers' `HunyuanVideoImageToVideoPipeline`):
+"latent_concat" reads the pipeline's channel concat [noisy latents; image latents; mask] (in_channels
+2C + 1) with the plain blocks; "token_replace" reads the image's latents as the first latent frame and
+modulates that frame's tokens at timestep 0 (`hunyuan_video_token_replace.py`).
 
 Text mask. Diffusers masks, in every block, the context keys at positions >= the row's count of valid
 tokens (it assumes right padding); the refiner's self-attention masks query and key rows by the mask
@@ -26,8 +31,7 @@ same runs without a mask). The cut reads the counts on the host (one sync per fo
 Differences from Diffusers' forward that do not change the numbers for the inputs its pipeline passes:
 - Latents whose frame or spatial size is not a multiple of the patch size are rejected, not cropped.
 - `forward` returns the sample tensor itself (Diffusers' `return_dict=False` gives `(sample,)`).
-- `qk_norm` other than "rms_norm" (the released checkpoints' value) is rejected, and so is an
-  `image_condition_type` (the image-to-video checkpoints, whose pipeline is not served natively yet).
+- `qk_norm` other than "rms_norm" (the released checkpoints' value) is rejected.
 
 Not implemented yet: sequence and tensor parallelism and the step cache (the model is refused for them).
 """
@@ -44,29 +48,48 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffserve.layers.adaln import AdaLayerNormContinuous
-from diffserve.layers.attention import attention
 from diffserve.layers.embeddings import CombinedTimestepTextEmbedding
-from diffserve.layers.modulation import Modulate
-from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.patches import video_patch_grid
-from diffserve.layers.residual import gated_residual
-from diffserve.layers.rotary import RopeTables, RotaryEmbedding, checked_rope_axes
-from diffserve.layers.shape_cache import BoundedCache
-from diffserve.models.dits.base import DiffusersDiT, DiTConfig
+from diffserve.models.dits.base import DiTConfig
 from diffserve.models.dits.hunyuan_video15 import (
     HunyuanVideo15PatchEmbed,
     HunyuanVideo15TransformerBlock,
-    hunyuan_video15_rope_tables,
+    HunyuanVideoGridDiT,
+    VideoGridConfig,
+    check_tokens,
+    normalise_grid_config,
+    refuse_attention_kwargs,
+    timestep_rows,
 )
 from diffserve.models.dits.hunyuan_video15_embedders import HunyuanVideo15TokenRefiner
+from diffserve.models.dits.hunyuan_video_single_block import (
+    NORM_EPS,
+    AdaLayerNormZeroSingle,
+    HunyuanVideoSelfAttention,
+    HunyuanVideoSingleTransformerBlock,
+)
+from diffserve.models.dits.hunyuan_video_token_replace import (
+    FirstFrame,
+    HunyuanVideoTokenReplaceSingleTransformerBlock,
+    HunyuanVideoTokenReplaceTransformerBlock,
+    first_frame_temb,
+)
 
-NORM_EPS = 1e-6
-#: RoPE tables kept per (grid, device); a server sees a handful of video sizes.
-ROPE_CACHE_SIZE = 16
+__all__ = [
+    "AdaLayerNormZeroSingle",
+    "HunyuanVideoSelfAttention",
+    "HunyuanVideoSingleTransformerBlock",
+    "HunyuanVideoTokenRefiner",
+    "HunyuanVideoTransformer3DModel",
+    "HunyuanVideoTransformerConfig",
+]
+
+#: Diffusers' `image_condition_type` values: how an image-to-video DiT reads the input image's latents.
+IMAGE_CONDITION_TYPES = ("latent_concat", "token_replace")
 
 
 @dataclass(frozen=True)
-class HunyuanVideoTransformerConfig(DiTConfig):
+class HunyuanVideoTransformerConfig(VideoGridConfig, DiTConfig):
     """The HunyuanVideo DiT's Diffusers config (`transformer/config.json`), one field per key.
 
     The defaults are Diffusers' (the released 13B text-to-video model: 24 heads x 128, 20 double and 40
@@ -93,20 +116,17 @@ class HunyuanVideoTransformerConfig(DiTConfig):
     image_condition_type: str | None = None
 
     def __post_init__(self) -> None:
-        if self.qk_norm != "rms_norm":
-            raise ValueError(f"qk_norm {self.qk_norm!r} is not supported; HunyuanVideo uses 'rms_norm'")
-        if self.image_condition_type is not None:
+        if self.image_condition_type not in (None, *IMAGE_CONDITION_TYPES):
             raise ValueError(
-                f"image_condition_type {self.image_condition_type!r} (a HunyuanVideo image-to-video DiT) is "
-                "not supported natively yet; only text-to-video checkpoints (None) are"
+                f"image_condition_type {self.image_condition_type!r} is not a HunyuanVideo one: None "
+                f"(text-to-video) or one of {IMAGE_CONDITION_TYPES} (image-to-video)"
             )
-        rope_axes_dim = checked_rope_axes("rope_axes_dim", self.rope_axes_dim, self.attention_head_dim, 3)
-        self._normalise(rope_axes_dim=rope_axes_dim, out_channels=self.out_channels or self.in_channels)
+        normalise_grid_config(self, "HunyuanVideo")
 
     @property
-    def patch(self) -> tuple[int, int, int]:
-        """(frames, height, width) patch size of the latent grid."""
-        return self.patch_size_t, self.patch_size, self.patch_size
+    def token_replace(self) -> bool:
+        """Whether the first latent frame's tokens are modulated at timestep 0 (`token_replace`)."""
+        return self.image_condition_type == "token_replace"
 
 
 class HunyuanVideoTokenRefiner(HunyuanVideo15TokenRefiner):
@@ -123,84 +143,11 @@ class HunyuanVideoTokenRefiner(HunyuanVideo15TokenRefiner):
         return self.token_refiner(self.proj_in(states), temb, pairs)
 
 
-class HunyuanVideoSelfAttention(nn.Module):
-    """The single-stream block's attention weights (Diffusers' `Attention(pre_only=True)`: no output
-    projection) and its per-head RMSNorms; RoPE on the leading video tokens only."""
-
-    def __init__(self, dim: int, num_heads: int, head_dim: int) -> None:
-        super().__init__()
-        inner = num_heads * head_dim
-        self.head_dim = head_dim
-        self.to_q = nn.Linear(dim, inner)
-        self.to_k = nn.Linear(dim, inner)
-        self.to_v = nn.Linear(dim, inner)
-        self.norm_q = RMSNorm(head_dim, eps=NORM_EPS)
-        self.norm_k = RMSNorm(head_dim, eps=NORM_EPS)
-        self.rope = RotaryEmbedding()
-
-    def forward(
-        self, h: torch.Tensor, video_len: int, rope: RopeTables, key_mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Attention over [video; ctx] `h` (batch, seq, dim); returns (batch, seq, inner)."""
-        q, k, v = (proj(h).unflatten(-1, (-1, self.head_dim)) for proj in (self.to_q, self.to_k, self.to_v))
-        q, k = self.norm_q(q), self.norm_k(k)
-        q_video, k_video = self.rope(q[:, :video_len], k[:, :video_len], *rope)
-        q = torch.cat([q_video, q[:, video_len:]], dim=1)
-        k = torch.cat([k_video, k[:, video_len:]], dim=1)
-        return attention(q, k, v, key_mask).flatten(2)
-
-
-class HunyuanVideoSingleTransformerBlock(nn.Module):
-    """Single-stream block on [video; ctx]: h + gate * proj_out([attention(x); GELU_tanh(proj_mlp(x))]),
-    x the adaLN-Zero-modulated h."""
-
-    def __init__(self, num_heads: int, head_dim: int, mlp_ratio: float) -> None:
-        super().__init__()
-        dim = num_heads * head_dim
-        mlp_dim = int(dim * mlp_ratio)
-        self.attn = HunyuanVideoSelfAttention(dim, num_heads, head_dim)
-        self.norm = AdaLayerNormZeroSingle(dim)
-        self.proj_mlp = nn.Linear(dim, mlp_dim)
-        self.proj_out = nn.Linear(dim + mlp_dim, dim)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        temb_act: torch.Tensor,
-        rope: RopeTables,
-        key_mask: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(video, context) after the block; `temb_act` = SiLU(temb), (batch, inner)."""
-        video_len = x.shape[1]
-        h = torch.cat([x, ctx], dim=1)
-        norm_h, gate = self.norm(h, temb_act)
-        mlp = F.gelu(self.proj_mlp(norm_h), approximate="tanh")
-        attn = self.attn(norm_h, video_len, rope, key_mask)
-        h = gated_residual(h, gate.unsqueeze(1), self.proj_out(torch.cat([attn, mlp], dim=2)))
-        return h[:, :video_len], h[:, video_len:]
-
-
-class AdaLayerNormZeroSingle(nn.Module):
-    """adaLN-Zero of a single-stream block: Linear(SiLU(temb)) -> (shift, scale, gate); returns the
-    modulated input and the gate."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(dim, 3 * dim)
-        self.norm = LayerNorm(dim, eps=NORM_EPS, elementwise_affine=False)
-        self.modulate = Modulate()
-
-    def forward(self, x: torch.Tensor, temb_act: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        shift, scale, gate = self.linear(temb_act).chunk(3, dim=1)
-        return self.modulate(self.norm(x), scale=scale, shift=shift), gate
-
-
-class HunyuanVideoTransformer3DModel(DiffusersDiT):
-    """HunyuanVideo text-to-video DiT with Diffusers' config keys and state-dict names.
+class HunyuanVideoTransformer3DModel(HunyuanVideoGridDiT):
+    """HunyuanVideo text-to-video and image-to-video DiT with Diffusers' config keys and state-dict names.
 
     Built from a `HunyuanVideoTransformerConfig` (`DiffusersDiT`). It holds no buffers; RoPE tables are
-    built on first use per latent grid and cached.
+    built on first use per latent grid and cached (`HunyuanVideoGridDiT`, with 1.5's DiT).
     """
 
     diffusers_class_name: ClassVar[str] = "HunyuanVideoTransformer3DModel"
@@ -211,7 +158,6 @@ class HunyuanVideoTransformer3DModel(DiffusersDiT):
     def __init__(self, config: HunyuanVideoTransformerConfig) -> None:
         super().__init__(config)
         inner, heads, head_dim = config.inner_dim, config.num_attention_heads, config.attention_head_dim
-        self._rope_cache: BoundedCache[RopeTables] = BoundedCache(ROPE_CACHE_SIZE)
 
         self.x_embedder = HunyuanVideo15PatchEmbed(config.in_channels, inner, config.patch)
         self.context_embedder = HunyuanVideoTokenRefiner(
@@ -220,30 +166,19 @@ class HunyuanVideoTransformer3DModel(DiffusersDiT):
         self.time_text_embed = CombinedTimestepTextEmbedding(
             inner, config.pooled_projection_dim, guidance_embeds=config.guidance_embeds
         )
+        double, single = (
+            (HunyuanVideoTokenReplaceTransformerBlock, HunyuanVideoTokenReplaceSingleTransformerBlock)
+            if config.token_replace
+            else (HunyuanVideo15TransformerBlock, HunyuanVideoSingleTransformerBlock)
+        )
         self.transformer_blocks = nn.ModuleList(
-            [
-                HunyuanVideo15TransformerBlock(heads, head_dim, config.mlp_ratio)
-                for _ in range(config.num_layers)
-            ]
+            [double(heads, head_dim, config.mlp_ratio) for _ in range(config.num_layers)]
         )
         self.single_transformer_blocks = nn.ModuleList(
-            [
-                HunyuanVideoSingleTransformerBlock(heads, head_dim, config.mlp_ratio)
-                for _ in range(config.num_single_layers)
-            ]
+            [single(heads, head_dim, config.mlp_ratio) for _ in range(config.num_single_layers)]
         )
         self.norm_out = AdaLayerNormContinuous(inner, eps=NORM_EPS)
         self.proj_out = nn.Linear(inner, math.prod(config.patch) * config.out_channels)
-
-    def rope_tables(self, frames: int, height: int, width: int, device: torch.device) -> RopeTables:
-        """Half-width (cos, sin) float32 tables for a post-patch grid, cached per grid and device."""
-        return self._rope_cache.get_or_build(
-            (frames, height, width),
-            device,
-            lambda: hunyuan_video15_rope_tables(
-                frames, height, width, self.config.rope_axes_dim, self.config.rope_theta, device
-            ),
-        )
 
     def forward(
         self,
@@ -258,7 +193,9 @@ class HunyuanVideoTransformer3DModel(DiffusersDiT):
         """Predict the flow-matching velocity for video latents (Diffusers' keyword arguments).
 
         Args:
-            hidden_states: (batch, in_channels, frames, height, width) noisy latents.
+            hidden_states: (batch, in_channels, frames, height, width) noisy latents ("latent_concat":
+                with the image latents and mask on channels; "token_replace": the image's latents as the
+                first frame).
             timestep: (batch,) or (1,) scheduler timesteps in [0, 1000], one per row (rows may be at
                 different steps).
             encoder_hidden_states: Llama states (batch, txt, text_embed_dim).
@@ -271,17 +208,17 @@ class HunyuanVideoTransformer3DModel(DiffusersDiT):
         Returns:
             The velocity (batch, out_channels, frames, height, width) in the activations' dtype.
         """
-        if attention_kwargs:
-            raise ValueError(
-                f"attention_kwargs {sorted(attention_kwargs)} are not supported; pass None (LoRA is applied at load)"
-            )
+        refuse_attention_kwargs(attention_kwargs)
         grid = video_patch_grid(hidden_states, self.config.patch)
-        batch, _, frames, height, width = hidden_states.shape
-        p_t, p_h, p_w = self.config.patch
-        timestep = _rows("timestep", timestep, batch)
+        batch = hidden_states.shape[0]
+        timestep = timestep_rows("timestep", timestep, batch)
         if guidance is not None:
-            guidance = _rows("guidance", guidance, batch)
-        _check_text(encoder_hidden_states, encoder_attention_mask, pooled_projections, batch)
+            guidance = timestep_rows("guidance", guidance, batch)
+        check_tokens("encoder_hidden_states", encoder_hidden_states, encoder_attention_mask, batch)
+        if pooled_projections.ndim != 2 or pooled_projections.shape[0] != batch:
+            raise ValueError(
+                f"pooled_projections must be (batch={batch}, dim), got {tuple(pooled_projections.shape)}"
+            )
 
         rope = self.rope_tables(*grid, hidden_states.device)
         temb = self.time_text_embed(timestep, pooled_projections, guidance)
@@ -291,15 +228,17 @@ class HunyuanVideoTransformer3DModel(DiffusersDiT):
         ctx, key_mask = _cut_context(ctx, encoder_attention_mask, x.shape[1])
 
         temb_act = F.silu(temb)
+        # token_replace: the first latent frame's tokens are modulated by their own (timestep 0) temb.
+        first: tuple[FirstFrame, ...] = ()
+        if self.config.token_replace:
+            first_act = F.silu(first_frame_temb(self.time_text_embed, timestep, pooled_projections))
+            first = (FirstFrame(grid[1] * grid[2], first_act),)
         for block in self.transformer_blocks:
-            x, ctx = block(x, ctx, temb_act, rope, key_mask)
+            x, ctx = block(x, ctx, temb_act, rope, key_mask, *first)
         for block in self.single_transformer_blocks:
-            x, ctx = block(x, ctx, temb_act, rope, key_mask)
+            x, ctx = block(x, ctx, temb_act, rope, key_mask, *first)
 
-        x = self.proj_out(self.norm_out(x, temb_act))
-        # (batch, F', H', W', C, p_t, p_h, p_w) -> (batch, C, F'*p_t, H'*p_h, W'*p_w)
-        x = x.reshape(batch, *grid, -1, p_t, p_h, p_w).permute(0, 4, 1, 5, 2, 6, 3, 7)
-        return x.reshape(batch, -1, frames, height, width)
+        return self.unpatchify(self.proj_out(self.norm_out(x, temb_act)), grid, hidden_states.shape)
 
 
 def _cut_context(
@@ -315,26 +254,3 @@ def _cut_context(
     text_keys = torch.arange(longest, device=ctx.device)[None, :] < counts[:, None]
     video_keys = text_keys.new_ones(ctx.shape[0], video_len)
     return ctx, torch.cat([video_keys, text_keys], dim=1)[:, None, None, :]
-
-
-def _check_text(states: torch.Tensor, mask: torch.Tensor, pooled: torch.Tensor, batch: int) -> None:
-    """Llama states (batch, txt, dim) with a (batch, txt) mask, and (batch, dim) pooled CLIP text."""
-    if states.ndim != 3 or states.shape[0] != batch:
-        raise ValueError(
-            f"encoder_hidden_states must be (batch={batch}, tokens, dim), got {tuple(states.shape)}"
-        )
-    if tuple(mask.shape) != tuple(states.shape[:2]):
-        raise ValueError(
-            f"encoder_attention_mask must be {tuple(states.shape[:2])} (batch, tokens), got {tuple(mask.shape)}"
-        )
-    if pooled.ndim != 2 or pooled.shape[0] != batch:
-        raise ValueError(f"pooled_projections must be (batch={batch}, dim), got {tuple(pooled.shape)}")
-
-
-def _rows(name: str, values: torch.Tensor, batch: int) -> torch.Tensor:
-    """Per-row values as (batch,): one per row, or one for the whole batch."""
-    if values.ndim == 0:
-        values = values.reshape(1)
-    if values.ndim == 1 and values.shape[0] in (1, batch):
-        return values.expand(batch)
-    raise ValueError(f"{name} must have shape ({batch},) or (1,), got {tuple(values.shape)}")

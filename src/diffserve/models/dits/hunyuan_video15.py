@@ -78,8 +78,35 @@ TEXT_TYPE, GLYPH_TYPE, IMAGE_TYPE = 0, 1, 2
 ROPE_CACHE_SIZE = 16
 
 
+class VideoGridConfig:
+    """The latent-grid facts of a HunyuanVideo DiT's config (1.0's and 1.5's, both with these fields)."""
+
+    in_channels: int
+    out_channels: int | None
+    attention_head_dim: int
+    patch_size: int
+    patch_size_t: int
+    qk_norm: str
+    rope_axes_dim: tuple[int, ...]
+
+    @property
+    def patch(self) -> tuple[int, int, int]:
+        """(frames, height, width) patch size of the latent grid."""
+        return self.patch_size_t, self.patch_size, self.patch_size
+
+
+def normalise_grid_config(config: DiTConfig, model: str) -> None:
+    """A HunyuanVideo DiT config's checks and normalisation (from its `__post_init__`): per-head RMSNorm on
+    q and k (the only `qk_norm` the released checkpoints use), three RoPE axes (frame, row, column) as a
+    tuple, and `out_channels` None resolved to `in_channels`."""
+    if config.qk_norm != "rms_norm":
+        raise ValueError(f"qk_norm {config.qk_norm!r} is not supported; {model} uses 'rms_norm'")
+    rope_axes_dim = checked_rope_axes("rope_axes_dim", config.rope_axes_dim, config.attention_head_dim, 3)
+    config._normalise(rope_axes_dim=rope_axes_dim, out_channels=config.out_channels or config.in_channels)
+
+
 @dataclass(frozen=True)
-class HunyuanVideo15TransformerConfig(DiTConfig):
+class HunyuanVideo15TransformerConfig(VideoGridConfig, DiTConfig):
     """The HunyuanVideo 1.5 DiT's Diffusers config (`transformer/config.json`), one field per key.
 
     The defaults are Diffusers' (the 8.3B 480p/720p T2V and I2V checkpoints: 16 heads x 128, 54 layers).
@@ -107,16 +134,7 @@ class HunyuanVideo15TransformerConfig(DiTConfig):
     use_meanflow: bool = False
 
     def __post_init__(self) -> None:
-        if self.qk_norm != "rms_norm":
-            raise ValueError(f"qk_norm {self.qk_norm!r} is not supported; HunyuanVideo 1.5 uses 'rms_norm'")
-        # Three axes: (frame, row, column).
-        rope_axes_dim = checked_rope_axes("rope_axes_dim", self.rope_axes_dim, self.attention_head_dim, 3)
-        self._normalise(rope_axes_dim=rope_axes_dim, out_channels=self.out_channels or self.in_channels)
-
-    @property
-    def patch(self) -> tuple[int, int, int]:
-        """(frames, height, width) patch size of the latent grid."""
-        return self.patch_size_t, self.patch_size, self.patch_size
+        normalise_grid_config(self, "HunyuanVideo 1.5")
 
 
 def hunyuan_video15_rope_tables(
@@ -230,7 +248,43 @@ def pack_context(segments: list[tuple[torch.Tensor, torch.Tensor]]) -> JointCont
     return JointContext(states.masked_fill(~mask.unsqueeze(-1), 0), mask)
 
 
-class HunyuanVideo15Transformer3DModel(DiffusersDiT):
+class HunyuanVideoGridDiT(DiffusersDiT):
+    """What the HunyuanVideo DiTs (1.0's `HunyuanVideoTransformer3DModel` and 1.5's) do on their latent
+    grid alike: RoPE tables cached per post-patch grid and device, Diffusers' `attention_kwargs` refused,
+    and the output head's unpatchify. Their configs have `patch`, `rope_axes_dim` and `rope_theta`."""
+
+    def __init__(self, config: DiTConfig) -> None:
+        super().__init__(config)
+        self._rope_cache: BoundedCache[RopeTables] = BoundedCache(ROPE_CACHE_SIZE)
+
+    def rope_tables(self, frames: int, height: int, width: int, device: torch.device) -> RopeTables:
+        """Half-width (cos, sin) float32 tables for a post-patch grid, cached per grid and device."""
+        return self._rope_cache.get_or_build(
+            (frames, height, width),
+            device,
+            lambda: hunyuan_video15_rope_tables(
+                frames, height, width, self.config.rope_axes_dim, self.config.rope_theta, device
+            ),
+        )
+
+    def unpatchify(self, x: torch.Tensor, grid: tuple[int, int, int], shape: torch.Size) -> torch.Tensor:
+        """The output head's tokens (batch, F'*H'*W', C * p_t * p_h * p_w) as latents of the input's `shape`
+        (batch, C, F'*p_t, H'*p_h, W'*p_w)."""
+        batch, _, frames, height, width = shape
+        p_t, p_h, p_w = self.config.patch
+        x = x.reshape(batch, *grid, -1, p_t, p_h, p_w).permute(0, 4, 1, 5, 2, 6, 3, 7)
+        return x.reshape(batch, -1, frames, height, width)
+
+
+def refuse_attention_kwargs(attention_kwargs: Mapping[str, Any] | None) -> None:
+    """Diffusers' per-call `attention_kwargs` (LoRA scales): diffserve applies LoRA at load, so none."""
+    if attention_kwargs:
+        raise ValueError(
+            f"attention_kwargs {sorted(attention_kwargs)} are not supported; pass None (LoRA is applied at load)"
+        )
+
+
+class HunyuanVideo15Transformer3DModel(HunyuanVideoGridDiT):
     """HunyuanVideo 1.5 DiT (T2V, I2V, MeanFlow-distilled) with Diffusers' config keys and state-dict names.
 
     Built from a `HunyuanVideo15TransformerConfig` (`DiffusersDiT`). It holds no buffers; RoPE tables are
@@ -245,7 +299,6 @@ class HunyuanVideo15Transformer3DModel(DiffusersDiT):
     def __init__(self, config: HunyuanVideo15TransformerConfig) -> None:
         super().__init__(config)
         inner, heads, head_dim = config.inner_dim, config.num_attention_heads, config.attention_head_dim
-        self._rope_cache: BoundedCache[RopeTables] = BoundedCache(ROPE_CACHE_SIZE)
 
         self.x_embedder = HunyuanVideo15PatchEmbed(config.in_channels, inner, config.patch)
         self.image_embedder = HunyuanVideo15ImageProjection(config.image_embed_dim, inner)
@@ -266,16 +319,6 @@ class HunyuanVideo15Transformer3DModel(DiffusersDiT):
         self.norm_out = AdaLayerNormContinuous(inner, eps=NORM_EPS)
         self.proj_out = nn.Linear(inner, math.prod(config.patch) * config.out_channels)
 
-    def rope_tables(self, frames: int, height: int, width: int, device: torch.device) -> RopeTables:
-        """Half-width (cos, sin) float32 tables for a post-patch grid, cached per grid and device."""
-        return self._rope_cache.get_or_build(
-            (frames, height, width),
-            device,
-            lambda: hunyuan_video15_rope_tables(
-                frames, height, width, self.config.rope_axes_dim, self.config.rope_theta, device
-            ),
-        )
-
     def embed_context(
         self,
         timestep: torch.Tensor,
@@ -288,7 +331,7 @@ class HunyuanVideo15Transformer3DModel(DiffusersDiT):
         """The blocks' context tokens for (batch,) `timestep`: image, glyph and refined text tokens, each
         plus its `cond_type_embed` row, valid tokens first (`pack_context`). Arguments as in `forward`."""
         batch = encoder_hidden_states.shape[0]
-        _check_tokens("encoder_hidden_states", encoder_hidden_states, encoder_attention_mask, batch)
+        check_tokens("encoder_hidden_states", encoder_hidden_states, encoder_attention_mask, batch)
         text_mask = encoder_attention_mask.bool()
         text = self.context_embedder(encoder_hidden_states, timestep, text_mask)
         segments = [(text + self.cond_type_embed.weight[TEXT_TYPE], text_mask)]
@@ -298,7 +341,7 @@ class HunyuanVideo15Transformer3DModel(DiffusersDiT):
                 "pass encoder_hidden_states_2 (ByT5 states) and encoder_attention_mask_2 together"
             )
         if encoder_hidden_states_2 is not None:
-            _check_tokens("encoder_hidden_states_2", encoder_hidden_states_2, encoder_attention_mask_2, batch)
+            check_tokens("encoder_hidden_states_2", encoder_hidden_states_2, encoder_attention_mask_2, batch)
             glyph = self.context_embedder_2(encoder_hidden_states_2) + self.cond_type_embed.weight[GLYPH_TYPE]
             segments.insert(0, (glyph, encoder_attention_mask_2.bool()))
 
@@ -350,16 +393,12 @@ class HunyuanVideo15Transformer3DModel(DiffusersDiT):
             The velocity (batch, out_channels, frames, height, width) in the activations' dtype; the
             tensor itself, not Diffusers' `(sample,)` tuple or output object.
         """
-        if attention_kwargs:
-            raise ValueError(
-                f"attention_kwargs {sorted(attention_kwargs)} are not supported; pass None (LoRA is applied at load)"
-            )
+        refuse_attention_kwargs(attention_kwargs)
         grid = video_patch_grid(hidden_states, self.config.patch)
-        batch, _, frames, height, width = hidden_states.shape
-        p_t, p_h, p_w = self.config.patch
-        timestep = _timestep_rows("timestep", timestep, batch)
+        batch = hidden_states.shape[0]
+        timestep = timestep_rows("timestep", timestep, batch)
         if timestep_r is not None:
-            timestep_r = _timestep_rows("timestep_r", timestep_r, batch)
+            timestep_r = timestep_rows("timestep_r", timestep_r, batch)
 
         temb = self.time_embed(timestep, timestep_r)
         context = self.embed_context(
@@ -390,10 +429,7 @@ class HunyuanVideo15Transformer3DModel(DiffusersDiT):
             blocks=lambda: self._block_range(x, ctx, temb_act, rope, key_mask),
         )  # fmt: skip
 
-        x = self.proj_out(self.norm_out(x, temb_act))
-        # (batch, F', H', W', C, p_t, p_h, p_w) -> (batch, C, F'*p_t, H'*p_h, W'*p_w)
-        x = x.reshape(batch, *grid, -1, p_t, p_h, p_w).permute(0, 4, 1, 5, 2, 6, 3, 7)
-        return x.reshape(batch, -1, frames, height, width)
+        return self.unpatchify(self.proj_out(self.norm_out(x, temb_act)), grid, hidden_states.shape)
 
     def _run_blocks(
         self,
@@ -428,7 +464,7 @@ class HunyuanVideo15Transformer3DModel(DiffusersDiT):
         return SequentialBlocks(len(self.transformer_blocks), x, ctx, row_inputs, call)
 
 
-def _check_tokens(name: str, states: torch.Tensor, mask: torch.Tensor | None, batch: int) -> None:
+def check_tokens(name: str, states: torch.Tensor, mask: torch.Tensor | None, batch: int) -> None:
     """`states` (batch, seq, dim) with a (batch, seq) mask."""
     if states.ndim != 3 or states.shape[0] != batch:
         raise ValueError(f"{name} must be (batch={batch}, tokens, dim), got {tuple(states.shape)}")
@@ -437,8 +473,8 @@ def _check_tokens(name: str, states: torch.Tensor, mask: torch.Tensor | None, ba
         raise ValueError(f"the mask of {name} must be {tuple(states.shape[:2])} (batch, tokens), got {got}")
 
 
-def _timestep_rows(name: str, timestep: torch.Tensor, batch: int) -> torch.Tensor:
-    """Timesteps as (batch,): one per row, or one for the whole batch."""
+def timestep_rows(name: str, timestep: torch.Tensor, batch: int) -> torch.Tensor:
+    """Timesteps (or another per-row value: the guidance) as (batch,): one per row, or one for the whole batch."""
     if timestep.ndim == 0:
         timestep = timestep.reshape(1)
     if timestep.ndim == 1 and timestep.shape[0] in (1, batch):

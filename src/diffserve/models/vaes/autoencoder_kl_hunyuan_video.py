@@ -31,8 +31,9 @@ from torch import nn
 
 from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.vaes.autoencoder_kl import DiagonalGaussian
+from diffserve.models.vaes.autoencoder_kl_hunyuan_video15 import HunyuanVideoVaeShapes, decode_tile
 from diffserve.models.vaes.hunyuan_video_blocks import Decoder3D, Encoder3D
-from diffserve.models.vaes.tiling import StridedTilingMixin, blend_t, decode_chunk_boundary, per_sample
+from diffserve.models.vaes.tiling import StridedTilingMixin, blend_t, per_sample
 
 DOWN_BLOCK = "HunyuanVideoDownBlock3D"
 UP_BLOCK = "HunyuanVideoUpBlock3D"
@@ -55,7 +56,7 @@ HUNYUAN_VIDEO_VAE_CONFIG_DEFAULTS: dict[str, Any] = {
 }
 
 
-class AutoencoderKLHunyuanVideo(DiffusersConfigured, StridedTilingMixin, nn.Module):
+class AutoencoderKLHunyuanVideo(HunyuanVideoVaeShapes, DiffusersConfigured, StridedTilingMixin, nn.Module):
     """HunyuanVideo's causal video VAE with Diffusers' config keys and weight names."""
 
     diffusers_class_name: ClassVar[str] = "AutoencoderKLHunyuanVideo"
@@ -120,16 +121,6 @@ class AutoencoderKLHunyuanVideo(DiffusersConfigured, StridedTilingMixin, nn.Modu
         self.tile_sample_min_num_frames = 16
         self.tile_sample_stride_num_frames = 12
 
-    @property
-    def spatial_compression_ratio(self) -> int:
-        """Pixels per latent along each side (8 for the released VAE)."""
-        return self.config["spatial_compression_ratio"]
-
-    @property
-    def temporal_compression_ratio(self) -> int:
-        """Frames per latent frame after the first (4): T = 1 + ratio * (t - 1)."""
-        return self.config["temporal_compression_ratio"]
-
     def enable_tiling(
         self,
         tile_sample_min_height: int | None = None,
@@ -152,14 +143,12 @@ class AutoencoderKLHunyuanVideo(DiffusersConfigured, StridedTilingMixin, nn.Modu
 
     def encode(self, x: torch.Tensor) -> DiagonalGaussian:
         """Video (B, C, 1 + 4k, H, W) in [-1, 1] -> posterior over unscaled latents (B, latent, 1 + k, H/8, W/8)."""
-        if x.ndim != 5:
-            raise ValueError(f"expected a video batch (B, C, T, H, W), got shape {tuple(x.shape)}")
+        self.check_video(x)
         return DiagonalGaussian.from_moments(per_sample(self._encode, x, self.use_slicing))
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """Unscaled latents (B, latent, t, h, w) -> video (B, C, 1 + 4 (t - 1), 8h, 8w), not clamped."""
-        if z.ndim != 5:
-            raise ValueError(f"expected video latents (B, C, t, h, w), got shape {tuple(z.shape)}")
+        self.check_latents(z)
         return per_sample(self._decode, z, self.use_slicing)
 
     def _encode_frames(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,7 +171,7 @@ class AutoencoderKLHunyuanVideo(DiffusersConfigured, StridedTilingMixin, nn.Modu
             z, self.tile_sample_min_height // ratio, self.tile_sample_min_width // ratio
         ):
             return run(z)
-        video = self.run_strided_tiles(partial(_tile, run), z, ratio, 1)
+        video = self.run_strided_tiles(partial(decode_tile, run), z, ratio, 1)
         return video[..., : z.shape[-2] * ratio, : z.shape[-1] * ratio]
 
     def _decode_network(self, z: torch.Tensor) -> torch.Tensor:
@@ -204,7 +193,7 @@ class AutoencoderKLHunyuanVideo(DiffusersConfigured, StridedTilingMixin, nn.Modu
         tile, stride = self.tile_sample_min_num_frames, self.tile_sample_stride_num_frames
         if z.shape[2] <= tile // ratio:
             return self._decode_frames(z)
-        decode = partial(_tile, self._decode_frames)
+        decode = partial(decode_tile, self._decode_frames)
         return _chunked(decode, z, tile // ratio + 1, stride // ratio, tile - stride, stride)[:, :, :frames]
 
 
@@ -227,8 +216,3 @@ def _chunked(
     for previous, out in zip(outputs, outputs[1:], strict=False):
         kept.append(blend_t(previous, out, blend)[:, :, :keep])
     return torch.cat(kept, dim=2)
-
-
-def _tile(run: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor) -> torch.Tensor:
-    decode_chunk_boundary()
-    return run(z)

@@ -18,7 +18,7 @@ a model built on the meta device.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, ClassVar
 
@@ -45,7 +45,34 @@ HUNYUAN_VIDEO15_VAE_CONFIG_DEFAULTS: dict[str, Any] = {
 }
 
 
-class AutoencoderKLHunyuanVideo15(DiffusersConfigured, TilingMixin, nn.Module):
+class HunyuanVideoVaeShapes:
+    """What the HunyuanVideo VAEs (1.0's and 1.5's) state alike: the compression ratios their configs hold
+    and the checks of `encode`'s videos and `decode`'s latents."""
+
+    config: Mapping[str, Any]
+
+    @property
+    def spatial_compression_ratio(self) -> int:
+        """Pixels per latent along each side (8 for 1.0's released VAE, 16 for 1.5's)."""
+        return self.config["spatial_compression_ratio"]
+
+    @property
+    def temporal_compression_ratio(self) -> int:
+        """Frames per latent frame after the first (4 for the released VAEs): T = 1 + ratio * (t - 1)."""
+        return self.config["temporal_compression_ratio"]
+
+    @staticmethod
+    def check_video(x: torch.Tensor) -> None:
+        if x.ndim != 5:
+            raise ValueError(f"expected a video batch (B, C, T, H, W), got shape {tuple(x.shape)}")
+
+    @staticmethod
+    def check_latents(z: torch.Tensor) -> None:
+        if z.ndim != 5:
+            raise ValueError(f"expected video latents (B, C, t, h, w), got shape {tuple(z.shape)}")
+
+
+class AutoencoderKLHunyuanVideo15(HunyuanVideoVaeShapes, DiffusersConfigured, TilingMixin, nn.Module):
     """HunyuanVideo-1.5's causal video VAE with Diffusers' config keys and weight names."""
 
     diffusers_class_name: ClassVar[str] = "AutoencoderKLHunyuanVideo15"
@@ -103,16 +130,6 @@ class AutoencoderKLHunyuanVideo15(DiffusersConfigured, TilingMixin, nn.Module):
         self.tile_latent_min_width = self.tile_sample_min_width // spatial_compression_ratio
         self.tile_overlap_factor = 0.25
 
-    @property
-    def spatial_compression_ratio(self) -> int:
-        """Pixels per latent along each side (16 for the released VAE)."""
-        return self.config["spatial_compression_ratio"]
-
-    @property
-    def temporal_compression_ratio(self) -> int:
-        """Frames per latent frame after the first (4 for the released VAE): T = 1 + ratio * (t - 1)."""
-        return self.config["temporal_compression_ratio"]
-
     def enable_tiling(
         self,
         tile_sample_min_height: int | None = None,
@@ -150,16 +167,14 @@ class AutoencoderKLHunyuanVideo15(DiffusersConfigured, TilingMixin, nn.Module):
 
         H and W must be multiples of `spatial_compression_ratio` (those of every tile, when tiled).
         """
-        if x.ndim != 5:
-            raise ValueError(f"expected a video batch (B, C, T, H, W), got shape {tuple(x.shape)}")
+        self.check_video(x)
         sample, latent = self._tile_sizes()
         run = partial(self._run, self.encoder, tile=sample, out_tile=latent)
         return DiagonalGaussian.from_moments(per_sample(run, x, self.use_slicing))
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """Unscaled latents (B, latent, t, h, w) -> video (B, C, 1 + r_t*(t - 1), r_s*h, r_s*w), not clamped."""
-        if z.ndim != 5:
-            raise ValueError(f"expected video latents (B, C, t, h, w), got shape {tuple(z.shape)}")
+        self.check_latents(z)
         sample, latent = self._tile_sizes()
         return per_sample(partial(self._run, self.decoder, tile=latent, out_tile=sample), z, self.use_slicing)
 
@@ -178,9 +193,12 @@ class AutoencoderKLHunyuanVideo15(DiffusersConfigured, TilingMixin, nn.Module):
         (`decode_chunk_boundary` before it; nothing when encoding)."""
         if not self.tiles_needed(x, *tile):
             return network(x)
-        return run_overlapping_tiles(partial(_tile, network), x, tile, out_tile, self.tile_overlap_factor)
+        return run_overlapping_tiles(
+            partial(decode_tile, network), x, tile, out_tile, self.tile_overlap_factor
+        )
 
 
-def _tile(network: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def decode_tile(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """`run(x)` as one decode chunk (`decode_chunk_boundary` first): a tile or a chunk of frames."""
     decode_chunk_boundary()
-    return network(x)
+    return run(x)

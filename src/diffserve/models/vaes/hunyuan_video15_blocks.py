@@ -54,17 +54,44 @@ def _group_mean(x: torch.Tensor, channels: int) -> torch.Tensor:
 
 
 class CausalConv3d(nn.Module):
-    """3x3x3 (by default) conv, causal in time; all padding replicates edge values (2 frames in front,
-    `k // 2` pixels per side). The conv is the child `conv` for Diffusers' key names."""
+    """3x3x3 (by default) conv, causal in time; all padding replicates edge values (`k - 1` frames in front,
+    `k // 2` pixels per side), then the conv (unpadded) with `stride`. The conv is the child `conv` for
+    Diffusers' key names. HunyuanVideo 1.0's VAE uses it too (with strides, and 1x1x1 shortcuts)."""
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int = 3) -> None:
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int = 3,
+        stride: tuple[int, int, int] = (1, 1, 1),
+    ) -> None:
         super().__init__()
-        self.conv = nn.Conv3d(in_channels, out_channels, kernel_size)
+        self.conv = nn.Conv3d(in_channels, out_channels, kernel_size, stride)
         half = kernel_size // 2
         self.padding = (half, half, half, half, kernel_size - 1, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(F.pad(x, self.padding, mode="replicate"))
+        if any(self.padding):  # a 1x1x1 kernel pads nothing
+            x = F.pad(x, self.padding, mode="replicate")
+        return self.conv(x)
+
+
+def frame_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pixels: int) -> torch.Tensor:
+    """Single-head attention over frame-major tokens (B, 1, frames * pixels, C), block-causal in time: the
+    queries of frame t attend the keys of frames 0..t. One query frame at a time over the frames so far,
+    which gives Diffusers' masked softmax without its (frames*pixels)^2 mask."""
+    frames = q.shape[2] // pixels
+    return torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                q[:, :, i * pixels : (i + 1) * pixels],
+                k[:, :, : (i + 1) * pixels],
+                v[:, :, : (i + 1) * pixels],
+            )
+            for i in range(frames)
+        ],
+        dim=2,
+    )
 
 
 class ResnetBlock(nn.Module):
@@ -110,19 +137,7 @@ class AttentionBlock(nn.Module):
             proj(y).flatten(2).transpose(1, 2).unsqueeze(1).contiguous()
             for proj in (self.to_q, self.to_k, self.to_v)
         )
-        pixels = h * w
-        out = torch.cat(
-            [
-                F.scaled_dot_product_attention(
-                    q[:, :, i * pixels : (i + 1) * pixels],
-                    k[:, :, : (i + 1) * pixels],
-                    v[:, :, : (i + 1) * pixels],
-                )
-                for i in range(t)
-            ],
-            dim=2,
-        )
-        out = out.squeeze(1).transpose(1, 2).reshape(b, c, t, h, w)
+        out = frame_causal_attention(q, k, v, h * w).squeeze(1).transpose(1, 2).reshape(b, c, t, h, w)
         return self.proj_out(out) + x
 
 
@@ -213,7 +228,7 @@ class Upsample(nn.Module):
 
 
 class DownBlock(ResnetStage):
-    """`ResnetBlock`s, then an optional `Downsample`."""
+    """`ResnetBlock`s, then an optional `Downsample` (HunyuanVideo 1.0's VAE holds its own the same way)."""
 
     resamplers_name = "downsamplers"
 

@@ -16,40 +16,30 @@ of n halves (doubles) space while i < log2(spatial ratio), and time at levels n 
 Module and parameter names follow Diffusers (`down_blocks.0.resnets.0.conv1.conv.weight`,
 `mid_block.attentions.0.group_norm.weight`, `up_blocks.0.upsamplers.0.conv.conv.weight`) so checkpoints
 load with `strict=True` into a model built on the meta device. Inference only.
+
+The causal convolution, the block-causal attention loop and the (resnets, resampler) levels are
+HunyuanVideo 1.5's (`hunyuan_video15_blocks.py`); the GroupNorm resnets and the resamplers are its own.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.models.vaes.blocks import resnet_chain
+from diffserve.models.vaes.hunyuan_video15_blocks import (
+    CausalConv3d,
+    DownBlock,
+    UpBlock,
+    frame_causal_attention,
+)
+
 NORM_EPS = 1e-6
-
-
-class CausalConv3d(nn.Module):
-    """Conv3d, causal in time: `kernel - 1` frames replicated in front, `kernel // 2` pixels replicated on
-    every side, then the conv (unpadded) with `stride`. The conv is the child `conv` for Diffusers' keys."""
-
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        kernel_size: int = 3,
-        stride: tuple[int, int, int] = (1, 1, 1),
-    ) -> None:
-        super().__init__()
-        self.conv = nn.Conv3d(in_channels, out_channels, kernel_size, stride)
-        half = kernel_size // 2
-        self.padding = (half, half, half, half, kernel_size - 1, 0)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if any(self.padding):
-            x = F.pad(x, self.padding, mode="replicate")
-        return self.conv(x)
 
 
 class ResnetBlock(nn.Module):
@@ -89,19 +79,7 @@ class CausalFrameAttention(nn.Module):
         # (B, C, T, H, W) -> (B, T*H*W, C) tokens, frame-major.
         y = self.group_norm(x).flatten(2).transpose(1, 2)
         q, k, v = (proj(y).unsqueeze(1) for proj in (self.to_q, self.to_k, self.to_v))
-        pixels = h * w
-        out = torch.cat(
-            [
-                F.scaled_dot_product_attention(
-                    q[:, :, i * pixels : (i + 1) * pixels],
-                    k[:, :, : (i + 1) * pixels],
-                    v[:, :, : (i + 1) * pixels],
-                )
-                for i in range(t)
-            ],
-            dim=2,
-        )
-        out = self.to_out[0](out.squeeze(1))
+        out = self.to_out[0](frame_causal_attention(q, k, v, h * w).squeeze(1))
         return out.transpose(1, 2).reshape(b, c, t, h, w) + x
 
 
@@ -150,54 +128,6 @@ class Upsample(nn.Module):
         return self.conv(first)
 
 
-class DownBlock(nn.Module):
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        layers: int,
-        groups: int,
-        stride: tuple[int, int, int] | None,
-    ) -> None:
-        super().__init__()
-        self.resnets = nn.ModuleList(
-            [
-                ResnetBlock(in_channels if i == 0 else out_channels, out_channels, groups)
-                for i in range(layers)
-            ]
-        )
-        self.downsamplers = nn.ModuleList([Downsample(out_channels, stride)]) if stride is not None else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for resnet in self.resnets:
-            x = resnet(x)
-        return x if self.downsamplers is None else self.downsamplers[0](x)
-
-
-class UpBlock(nn.Module):
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        layers: int,
-        groups: int,
-        factor: tuple[int, int, int] | None,
-    ) -> None:
-        super().__init__()
-        self.resnets = nn.ModuleList(
-            [
-                ResnetBlock(in_channels if i == 0 else out_channels, out_channels, groups)
-                for i in range(layers)
-            ]
-        )
-        self.upsamplers = nn.ModuleList([Upsample(out_channels, factor)]) if factor is not None else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for resnet in self.resnets:
-            x = resnet(x)
-        return x if self.upsamplers is None else self.upsamplers[0](x)
-
-
 def resampling(levels: int, spatial_ratio: int, temporal_ratio: int) -> list[tuple[int, int, int] | None]:
     """Per level, its (time, h, w) resampling factor, or None when it keeps the size (module docstring)."""
     if temporal_ratio != 4:
@@ -236,7 +166,8 @@ class Encoder3D(nn.Module):
         previous = block_out_channels[0]
         blocks = []
         for channels, factor in zip(block_out_channels, factors, strict=True):
-            blocks.append(DownBlock(previous, channels, layers_per_block, groups, factor))
+            resnets = resnet_chain(partial(ResnetBlock, groups=groups), previous, channels, layers_per_block)
+            blocks.append(DownBlock(resnets, None if factor is None else Downsample(channels, factor)))
             previous = channels
         self.down_blocks = nn.ModuleList(blocks)
         self.mid_block = MidBlock(block_out_channels[-1], groups, mid_attention)
@@ -273,7 +204,10 @@ class Decoder3D(nn.Module):
         previous = reversed_channels[0]
         blocks = []
         for channels, factor in zip(reversed_channels, factors, strict=True):
-            blocks.append(UpBlock(previous, channels, layers_per_block + 1, groups, factor))
+            resnets = resnet_chain(
+                partial(ResnetBlock, groups=groups), previous, channels, layers_per_block + 1
+            )
+            blocks.append(UpBlock(resnets, None if factor is None else Upsample(channels, factor)))
             previous = channels
         self.up_blocks = nn.ModuleList(blocks)
         self.conv_norm_out = nn.GroupNorm(groups, block_out_channels[0], eps=NORM_EPS)
