@@ -48,6 +48,12 @@ def pixels(data: bytes | str) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"))
 
 
+def same_image(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal within one uint8 level: concurrent requests may share a DiT batch or run alone, whichever the
+    timing gives, and batched equals alone to that bar."""
+    return a.shape == b.shape and int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max()) <= 1
+
+
 def png(width: int, height: int) -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", (width, height), (200, 40, 40)).save(buffer, format="PNG")
@@ -278,7 +284,8 @@ def test_server_info_health_and_metrics_cover_every_model(app) -> None:
 
 
 def lora_images(client, n: int) -> list[np.ndarray]:
-    """`n` images with the adapter `ink` at once, seed SEED (each the same, whichever replica made it)."""
+    """`n` images with the adapter `ink` at once, seed SEED (each the same within a level, whichever replica
+    made it)."""
     body = {"seed": SEED, "num_inference_steps": STEPS, "loras": [{"name": "ink", "scale": 1.0}]}
 
     def one(_: int) -> np.ndarray:
@@ -298,7 +305,7 @@ def test_a_lora_loaded_through_the_api_reaches_every_replica(app, client) -> Non
     listed = httpx.get(url, params={"model": DEMO}, timeout=30).json()
     assert [a["id"] for a in listed["data"]] == ["ink"]
     images = lora_images(client, 4)
-    assert all(np.array_equal(images[0], image) for image in images[1:])
+    assert all(same_image(images[0], image) for image in images[1:])
     base = client.images.generate(model=DEMO, prompt=PROMPT, size=f"{SIZE}x{SIZE}", extra_body={"seed": SEED, "num_inference_steps": STEPS})  # fmt: skip
     assert not np.array_equal(images[0], pixels(base.data[0].b64_json)), "the adapter changes the image"
     app.lora_image = images[0]  # the fault test's replacement replica must make it too
@@ -344,7 +351,7 @@ def test_a_killed_replica_loses_no_request_and_is_replaced(app, client) -> None:
     # Both serve, the replacement with the adapter loaded through /v1/loras before it started.
     before = {r["replica"]: r["completed"] for r in fresh}
     images = lora_images(client, 8)
-    assert all(np.array_equal(app.lora_image, image) for image in images)
+    assert all(same_image(app.lora_image, image) for image in images)
     time.sleep(1.5)
     after = {r["replica"]: r["completed"] for r in server_info(app)["models"][DEMO]["replicas"]}
     assert all(after[k] > before[k] for k in before), (before, after)
