@@ -512,7 +512,7 @@ class DiffGenerator:
         if image is not None:
             if "input_images" in params:
                 raise UserError("pass the input images as either image= or input_images=, not both")
-            params["input_images"] = load_images(image, param="image")
+            params["input_images"] = load_images(image, param="image", keep_alpha=True)
         if mask is not None:
             if isinstance(mask, (list, tuple)):
                 raise UserError("mask: pass one mask image, not a list")

@@ -16,7 +16,9 @@ decompression-bomb error/warning are turned into `ImageTooLargeError` without ch
 settings.
 
 The result has the EXIF orientation applied and is converted with `.convert("RGB")`: an alpha channel is
-dropped, not composited onto a background, so fully transparent pixels keep whatever colour they store.
+dropped, not composited onto a background, so fully transparent pixels keep whatever colour they store;
+with `keep_alpha`, an image with transparency is RGBA instead (masks; input images, whose alpha the
+family's validation drops unless it reads it).
 
 URL fetching (`http.client`, no proxies, no redirects) refuses hosts for which any resolved address is
 private, loopback, link-local, multicast, reserved, unspecified or otherwise not globally routable, then

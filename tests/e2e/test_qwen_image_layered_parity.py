@@ -21,6 +21,7 @@ from diffserve.families.qwen_image import layered
 from diffserve.families.qwen_image.tiny import build_tiny_qwen_image_layered, load_qwen_vl_processor
 from diffserve.registry import resolve_family
 from diffserve.request import Req
+from diffserve.testing.image_metrics import psnr_uint8
 from diffserve.testing.parity import assert_images_match, stack_uint8
 
 PSNR_BAR_DB = 40.0
@@ -52,9 +53,9 @@ def pipelines(tmp_path_factory):
     patch.undo()
 
 
-def _input_image(height: int, width: int, seed: int = 0) -> Image.Image:
-    """An opaque RGBA image with structure (gradients plus blocks), so the VAE sees more than noise.
-    Opaque: diffserve's image loaders hand the pipeline RGB, which it reads as alpha 255."""
+def _input_image(height: int, width: int, seed: int = 0, transparent: bool = False) -> Image.Image:
+    """An RGBA image with structure (gradients plus blocks), so the VAE sees more than noise; opaque, or
+    with `transparent` a left half fully and a band half transparent."""
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:height, 0:width]
     base = np.stack([x / width, y / height, (x + y) / (width + height)], axis=-1) * 200
@@ -63,6 +64,9 @@ def _input_image(height: int, width: int, seed: int = 0) -> Image.Image:
     )
     rgb = (base + blocks).astype(np.uint8)
     alpha = np.full((height, width, 1), 255, dtype=np.uint8)
+    if transparent:
+        alpha[:, : width // 2] = 0
+        alpha[height // 3 : height // 2] = 128
     return Image.fromarray(np.concatenate([rgb, alpha], axis=-1), mode="RGBA")
 
 
@@ -233,3 +237,21 @@ def test_admission_counts_every_layer(pipelines) -> None:
         costs[layers] = ours.engine.cost(ours.pipeline.validate(Req(params=params)))
     # (1 layer + the composite + the input) vs (4 + 1 + 1) images of tokens; 2 vs 5 latent images decoded
     assert costs[4].tokens == 2 * costs[1].tokens and (costs[1].frames, costs[4].frames) == (2, 5)
+
+
+def test_a_transparent_input_is_read_with_its_alpha(pipelines, tmp_path) -> None:
+    """Diffusers reads the input's alpha; so does `DiffGenerator`, given a PIL image or a PNG file through the
+    shared loader (the CLI's and the server's keep transparency too). The tiny model barely reacts to alpha,
+    so the bar here is exactness: an opaque copy of the input (the alpha dropped) lands far below it."""
+    _, ours, reference = pipelines
+    image = _input_image(48, 64, transparent=True)
+    path = tmp_path / "transparent.png"
+    image.save(path)
+    call = {"prompt": PROMPT, "seed": 3, "num_inference_steps": 2, "max_sequence_length": 64}
+    ref = _reference_layers(reference, image, true_cfg_scale=1.0, layers=2, **call)
+    opaque = ours.generate(image=image.convert("RGB"), true_cfg_scale=1.0, extra={"layers": 2}, **call)
+    opaque_db = psnr_uint8(stack_uint8(opaque.images), ref)
+    for source in (image, path):
+        out = ours.generate(image=source, true_cfg_scale=1.0, extra={"layers": 2}, **call)
+        value = assert_images_match(stack_uint8(out.images), ref, f"transparent input ({type(source).__name__})", min_db=PSNR_BAR_DB)  # fmt: skip
+        assert value >= 90.0 > opaque_db, (value, opaque_db)

@@ -23,7 +23,7 @@ from PIL import Image
 
 import diffserve.image_inputs as image_inputs
 from diffserve.errors import InvalidRequestError
-from diffserve.image_inputs import ImageInputLimits, ImageTooLargeError, load_image
+from diffserve.image_inputs import ImageInputLimits, ImageTooLargeError, load_image, load_images
 
 # ------------------------------------------------------------------------------------------------ helpers
 
@@ -471,3 +471,19 @@ def test_url_byte_limit(local_server, path):
 def test_url_timeout(local_server):
     with pytest.raises(InvalidRequestError, match="timed out"):
         load_image(f"{local_server}/slow", allow_urls=True, limits=ImageInputLimits(url_timeout_s=0.3))
+
+
+def test_a_family_that_reads_no_alpha_gets_rgb_whatever_loaded_the_image() -> None:
+    """Input images are loaded with their transparency (`keep_alpha`); a family's validation drops it
+    unless its rule keeps it (Qwen-Image-Layered's), so every other family sees the RGB it always saw."""
+    from diffserve.configs.sampling_params import SamplingParams
+    from diffserve.stages.input_validation import ImageInputRule
+
+    rgba = Image.new("RGBA", (16, 16), (10, 20, 30, 0))
+    loaded = load_images(rgba, param="image", keep_alpha=True)
+    assert loaded[0].mode == "RGBA"
+    for keep_alpha, mode in ((False, "RGB"), (True, "RGBA")):
+        params = SamplingParams("a fox", input_images=list(loaded))
+        ImageInputRule(task="image-edit", min_images=1, max_images=1, keep_alpha=keep_alpha).check(params)
+        assert [image.mode for image in params.input_images] == [mode]
+        assert params.input_images[0].getpixel((0, 0))[:3] == (10, 20, 30)  # dropped, not composited

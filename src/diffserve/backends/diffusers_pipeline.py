@@ -221,6 +221,12 @@ class DiffusersBackendPipeline:
             raise InvalidRequestError(
                 f"mask_image: {self.signature.pipeline_name} needs a mask", param="mask_image"
             )
+        if resolved.input_images:  # RGB, as before the loaders kept transparency for families that read it
+            rgb = [
+                im.convert("RGB") if getattr(im, "mode", None) == "RGBA" else im
+                for im in resolved.input_images
+            ]
+            resolved = replace(resolved, input_images=rgb)
         req.params = replace(resolved, quality="high")
         req.generator = torch.Generator("cpu").manual_seed(resolved.seed)
         guidance = resolved.guidance_scale

@@ -164,7 +164,10 @@ def run(args: argparse.Namespace) -> int:
     if args.save_output:
         check_output_path(args.output_path)
     # Paths only: a string that is not an existing file is an error, never a URL download.
-    images = load_images([Path(p) for p in args.image], param="--image") if args.image else None
+    # Transparency kept: the family's validation drops it unless it reads alpha (Qwen-Image-Layered).
+    images = (
+        load_images([Path(p) for p in args.image], param="--image", keep_alpha=True) if args.image else None
+    )
     mask = load_images(Path(args.mask), param="--mask", keep_alpha=True)[0] if args.mask else None
     flags["seed"] = seed_or_random(args.seed)
     params_list = [SamplingParams(prompt=p, input_images=images, mask_image=mask, **flags) for p in prompts]

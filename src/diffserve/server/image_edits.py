@@ -146,7 +146,11 @@ class EditInputs:
         Raises InvalidRequestError, and ApiError 429 when a pool is full."""
         if self.model is not None and (error := self.model.count_error(len(self.images))) is not None:
             raise error
-        images = [await load_input_image(src, name, allow_urls, limits) for name, src in self.images]
+        # Transparency kept: the engine's validation drops it unless the family reads alpha.
+        images = [
+            await load_input_image(src, name, allow_urls, limits, keep_alpha=True)
+            for name, src in self.images
+        ]
         mask = None
         if self.mask is not None:  # its alpha is kept: transparent pixels mark the area to edit
             mask = await load_input_image(self.mask[1], self.mask[0], allow_urls, limits, keep_alpha=True)

@@ -45,6 +45,9 @@ class ImageInputRule:
     #: The default strength of a request with a mask, when it differs (Z-Image's inpainting: 1.0).
     default_inpaint_strength: float | None = None
     mask_required: bool = False
+    #: Input images keep their alpha channel (Qwen-Image-Layered decomposes RGBA); elsewhere an RGBA input
+    #: is converted to RGB here, its alpha dropped (not composited), whichever surface loaded it.
+    keep_alpha: bool = False
 
     def check_requested_strength(self, params: SamplingParams) -> None:
         """The request's own `strength` (before defaults): a number in [0, 1], on a family that noises an
@@ -88,6 +91,10 @@ class ImageInputRule:
                     "use diffserve.image_inputs.load_image for paths, bytes and data URLs",
                     param="image",
                 )
+        if images and not self.keep_alpha:
+            params.input_images = [
+                image.convert("RGB") if image.mode == "RGBA" else image for image in images
+            ]
         if params.mask_image is not None and not self.inpainting:
             raise InvalidRequestError(
                 f"mask is not supported by {self.pipeline_name}: it edits the whole image from the prompt "

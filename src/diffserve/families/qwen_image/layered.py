@@ -17,9 +17,9 @@ and `width` (multiples of 16): the input image is then resized to exactly that s
 
 Differences from Diffusers, all refused with a message rather than run differently: an empty prompt
 (Diffusers then captions the image with the vision-language model; diffserve needs the prompt), image
-formats without alpha (`output_format` must be png). The input image's alpha is read when the caller
-hands over an RGBA image as it is; the shared image loaders (CLI, HTTP, `DiffGenerator`) give RGB, which is
-treated as opaque (alpha 255). The negative prompt defaults to " " as in the family's other pipelines
+formats without alpha (`output_format` must be png). The input image's alpha is read as Diffusers reads
+an RGBA image: the CLI, HTTP and `DiffGenerator` loaders keep an input's transparency and this family's
+validation keeps it (`ImageInputRule.keep_alpha`); an image without transparency is opaque (alpha 255). The negative prompt defaults to " " as in the family's other pipelines
 (Diffusers' layered example sends none, which turns true CFG off): send `true_cfg_scale=1` to run without.
 """
 
@@ -353,7 +353,11 @@ class QwenImageLayeredPipeline(QwenImagePipeline):
             default_pixels=self.config.default_sample_size * self.vae_scale_factor,
             max_sequence_length_limit=self.config.max_sequence_length_limit,
             image_inputs=ImageInputRule(
-                pipeline_name=self.pipeline_name, task="image-edit", min_images=1, max_images=1
+                pipeline_name=self.pipeline_name,
+                task="image-edit",
+                min_images=1,
+                max_images=1,
+                keep_alpha=True,
             ),
             unsupported_params={"guidance_scale": NOT_GUIDANCE_DISTILLED},
         )
