@@ -19,8 +19,15 @@ from diffserve import DiffGenerator
 from diffserve.cli.main import main
 from diffserve.errors import LoraError, UserError
 from diffserve.families.chroma.tiny import build_tiny_chroma
+from diffserve.families.cogvideox.tiny import TinyCogVideoXSpec, build_tiny_cogvideox
+from diffserve.families.hidream.tiny import build_tiny_hidream
+from diffserve.families.hunyuan_image.tiny import TinyHunyuanImageSpec, build_tiny_hunyuan_image
+from diffserve.families.hunyuan_video.image_to_video_tiny import build_tiny_hunyuan_video_i2v
+from diffserve.families.hunyuan_video.tiny import build_tiny_hunyuan_video
 from diffserve.families.longcat_image.tiny import build_tiny_longcat_image
+from diffserve.families.mochi.tiny import build_tiny_mochi
 from diffserve.families.qwen_image.tiny import build_tiny_qwen_image
+from diffserve.families.qwen_image21.tiny import TinyQwenImage21Spec, build_tiny_qwen_image21
 from diffserve.families.sana_video.tiny import build_tiny_sana_video
 from diffserve.families.sd3.tiny import build_tiny_sd3
 from diffserve.families.wan.skyreels_v2_tiny import TinySkyReelsV2Spec, build_tiny_skyreels_v2
@@ -29,13 +36,20 @@ from diffserve.families.z_image.tiny import build_tiny_zimage
 from diffserve.layers.quantized_linear import QuantizedLinear
 from diffserve.loader.quantize import quantizable_linears, quantize_dit, tensor_bytes
 from diffserve.models.dits.chroma import ChromaTransformer2DModel
+from diffserve.models.dits.cogvideox import CogVideoXTransformer3DModel
 from diffserve.models.dits.flux import FluxTransformer2DModel
+from diffserve.models.dits.hidream_image import HiDreamImageTransformer2DModel
+from diffserve.models.dits.hunyuan_image import HunyuanImageTransformer2DModel
+from diffserve.models.dits.hunyuan_video import HunyuanVideoTransformer3DModel
+from diffserve.models.dits.mochi import MochiTransformer3DModel
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
+from diffserve.models.dits.qwen_image21 import QwenImage21Transformer2DModel
 from diffserve.models.dits.sd3 import SD3Transformer2DModel
 from diffserve.models.dits.wan import WanTransformer3DModel
 from diffserve.models.dits.z_image import ZImageTransformer2DModel
 from diffserve.registry import DIT_FACTS
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
+from diffserve.testing.parity import gradient_image
 from diffserve.testing.tiny_lora import write_random_lora
 
 #: PSNR of the whole generation against full precision. int8: the issue's bar. fp8: measured 43-57 dB
@@ -54,6 +68,24 @@ BUILDERS = {
     "chroma": build_tiny_chroma,
     "longcat_image": build_tiny_longcat_image,
     "sana_video": build_tiny_sana_video,
+    # The tiny builders noise every DiT weight by N(0, 0.2), ten times a real checkpoint's ~0.02: that
+    # amplifies e4m3's rounding to 31 dB (Qwen-Image 2.1) and 34 dB (CogVideoX 1.5) for fp8, int8 46-48 dB.
+    # N(0, 0.15) / N(0, 0.1) still leave the text mattering and give 42 / 50 dB (int8 54 / 57 dB).
+    "qwen_image21": lambda out: build_tiny_qwen_image21(out, TinyQwenImage21Spec(dit_weight_noise=0.15)),
+    # CogVideoX 1.5: its patch embedder is a Linear (1.0's a Conv), kept in full precision
+    "cogvideox": lambda out: build_tiny_cogvideox(
+        out, TinyCogVideoXSpec(variant="1.5", dit_weight_noise=0.1)
+    ),
+    "mochi": build_tiny_mochi,
+    "hunyuan_video": build_tiny_hunyuan_video,
+    # its DiT with the image-to-video ("token_replace") blocks
+    "hunyuan_video_i2v": build_tiny_hunyuan_video_i2v,
+    # the MoE DiT: every routed and shared expert's Linears are quantized
+    "hidream": build_tiny_hidream,
+    # The tiny builder noises every DiT weight by N(0, 1), far above a real checkpoint's ~0.02: that
+    # amplifies e4m3's rounding to 31-37 dB for fp8 (int8 44-47 dB); N(0, 0.5) still leaves the text
+    # mattering and gives 53-54 dB.
+    "hunyuan_image": lambda out: build_tiny_hunyuan_image(out, TinyHunyuanImageSpec(dit_weight_noise=0.5)),
 }
 
 
@@ -69,6 +101,13 @@ BUILDERS = {
         "chroma",
         "longcat_image",
         "sana_video",
+        "qwen_image21",
+        "cogvideox",
+        "mochi",
+        "hunyuan_video",
+        "hunyuan_video_i2v",
+        "hidream",
+        "hunyuan_image",
     ],
 )
 def family_folder(request, tmp_path_factory) -> tuple[str, Path]:
@@ -79,8 +118,14 @@ def family_folder(request, tmp_path_factory) -> tuple[str, Path]:
 
 def _generate(gen: DiffGenerator, family: str) -> np.ndarray:
     kwargs = dict(prompt="a red fox in the snow", seed=42, height=64, width=64, num_inference_steps=2)
-    if family in ("wan", "skyreels_v2_df"):
+    if family in ("wan", "skyreels_v2_df", "hunyuan_video", "cogvideox"):
         return np.stack(gen.generate(num_frames=5, **kwargs).frames)
+    if family == "hunyuan_video_i2v":
+        return np.stack(
+            gen.generate(num_frames=5, image=gradient_image(width=64, height=64), **kwargs).frames
+        )
+    if family == "mochi":  # Mochi takes 6k + 1 frames
+        return np.stack(gen.generate(num_frames=7, **kwargs).frames)
     if family == "sana_video":  # its 480p aspect-ratio bins are too large for a quick test
         extra = {"use_resolution_binning": False}
         return np.stack(gen.generate(num_frames=5, extra=extra, **kwargs).frames)
@@ -132,6 +177,32 @@ PUBLISHED_DITS: dict[str, tuple[type[nn.Module], dict]] = {
     "Z-Image-Turbo": (ZImageTransformer2DModel, {}),
     "Wan2.1-T2V-14B": (WanTransformer3DModel, {}),
     "Chroma1-HD": (ChromaTransformer2DModel, {}),
+    # Diffusers' defaults: Qwen-Image 2.1's and Mochi 1's configs; CogVideoX-2B's, made 5B's here
+    "Qwen-Image-2.1": (QwenImage21Transformer2DModel, {}),
+    "CogVideoX-5B": (
+        CogVideoXTransformer3DModel,
+        {"num_attention_heads": 48, "num_layers": 42, "use_rotary_positional_embeddings": True},
+    ),
+    "Mochi-1": (MochiTransformer3DModel, {}),
+    "HunyuanVideo": (HunyuanVideoTransformer3DModel, {}),
+    "HunyuanImage-2.1": (HunyuanImageTransformer2DModel, {}),
+    "HiDream-I1-Full": (
+        HiDreamImageTransformer2DModel,
+        {
+            "patch_size": 2,
+            "num_layers": 16,
+            "num_single_layers": 32,
+            "attention_head_dim": 128,
+            "num_attention_heads": 20,
+            "caption_channels": [4096, 4096],
+            "text_emb_dim": 2048,
+            "num_routed_experts": 4,
+            "num_activated_experts": 2,
+            "axes_dims_rope": [64, 32, 32],
+            "max_resolution": [128, 128],
+            "llama_layers": list(range(32)) + [31] * 16,
+        },
+    ),  # fmt: skip
 }
 
 

@@ -41,6 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from diffserve.configs.demo_model import model_path_or_demo
     from diffserve.loader.model_index import read_model_index
+    from diffserve.registry import DIT_FACTS
     from diffserve.testing.tiny_lora import DIT_CLASSES, write_random_lora
 
     if args.rank < 1:
@@ -56,10 +57,12 @@ def run(args: argparse.Namespace) -> int:
         )
     model_path = model_path_or_demo(args.model_path)
     transformer = read_model_index(model_path).components.get("transformer")
-    if transformer is None or transformer.class_name not in DIT_CLASSES:
+    supported = set(DIT_FACTS.lora_classes()) & set(DIT_CLASSES)
+    if transformer is None or transformer.class_name not in supported:
         found = transformer.class_name if transformer is not None else "no transformer"
         raise UserError(
-            f"{model_path} has {found}; make-lora supports the native DiTs: {', '.join(sorted(DIT_CLASSES))}"
+            f"{model_path} has {found}; make-lora supports the native DiTs that take LoRA adapters: "
+            f"{', '.join(sorted(supported))}"
         )
     out = write_random_lora(
         model_path, out_file, rank=args.rank, alpha=args.alpha, seed=args.seed, std=args.std

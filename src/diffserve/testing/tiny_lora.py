@@ -12,23 +12,42 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from diffserve.errors import UserError
 from diffserve.loader.model_index import read_json, read_model_index
 from diffserve.models.dits.chroma import ChromaTransformer2DModel
+from diffserve.models.dits.cogvideox import CogVideoXTransformer3DModel
 from diffserve.models.dits.flux import FluxTransformer2DModel
+from diffserve.models.dits.hidream_image import HiDreamImageTransformer2DModel
+from diffserve.models.dits.hunyuan_image import HunyuanImageTransformer2DModel
+from diffserve.models.dits.hunyuan_video import HunyuanVideoTransformer3DModel
+from diffserve.models.dits.mochi import MochiTransformer3DModel
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
+from diffserve.models.dits.qwen_image21 import QwenImage21Transformer2DModel
 from diffserve.models.dits.sd3 import SD3Transformer2DModel
 from diffserve.models.dits.skyreels_v2 import SkyReelsV2Transformer3DModel
 from diffserve.models.dits.wan import WanTransformer3DModel
 from diffserve.models.dits.z_image import ZImageTransformer2DModel
 
-#: The native DiT of each Diffusers transformer class (what `native_classes` of the registry holds).
+#: The native DiT of each Diffusers transformer class (what `native_classes` of the registry holds; named
+#: here, not read from the registry, which imports the families that import `testing`).
 DIT_CLASSES: dict[str, type[nn.Module]] = {
-    cls.__name__: cls
+    cls.diffusers_class_name: cls
     for cls in (
         FluxTransformer2DModel, SD3Transformer2DModel, QwenImageTransformer2DModel, ZImageTransformer2DModel,
         WanTransformer3DModel, ChromaTransformer2DModel, SkyReelsV2Transformer3DModel,
+        HunyuanVideoTransformer3DModel, HiDreamImageTransformer2DModel, HunyuanImageTransformer2DModel,
+        QwenImage21Transformer2DModel, CogVideoXTransformer3DModel, MochiTransformer3DModel,
     )
 }  # fmt: skip
+
+
+def dit_class(class_name: str) -> type[nn.Module]:
+    """The native DiT of Diffusers transformer class `class_name` (a LoRA can be written for any of
+    `DIT_CLASSES`, also to check that a DiT without LoRA support refuses it)."""
+    if class_name not in DIT_CLASSES:
+        raise UserError(f"{class_name}: random LoRA files are written for {', '.join(sorted(DIT_CLASSES))}")
+    return DIT_CLASSES[class_name]
+
 
 #: Module paths a typical LoRA trains: every Linear inside the repeated blocks (attention, MLP, adaLN).
 BLOCK_LINEARS = re.compile(
@@ -41,7 +60,7 @@ def dit_linears(model_path: str | Path) -> dict[str, tuple[int, int]]:
     (built on the meta device from its config.json: nothing is read but the config)."""
     index = read_model_index(str(model_path))
     spec = index.components["transformer"]
-    cls = DIT_CLASSES[spec.class_name]
+    cls = dit_class(spec.class_name)
     with torch.device("meta"):
         model = cls.from_config(read_json(spec.path / "config.json"))
     return {

@@ -92,13 +92,15 @@ class CogVideoXDenoiser:
                 inputs.append(x)
                 texts.append(text)
                 timesteps.append(t.expand(req.batch_size))
+        timestep = torch.cat(timesteps)
         ofs = None
-        if self.ofs is not None:
-            ofs = torch.full((1,), self.ofs, dtype=self.dtype, device=inputs[0].device)
+        if self.ofs is not None:  # one per row (Diffusers embeds one and broadcasts it): a row's LoRA
+            # adapters (layers/lora_rows.py) reach its own ofs embedding
+            ofs = torch.full(timestep.shape, self.ofs, dtype=self.dtype, device=inputs[0].device)
         prediction = self.transformer(
             hidden_states=torch.cat(inputs).to(self.dtype),
             encoder_hidden_states=torch.cat(texts).to(self.dtype),
-            timestep=torch.cat(timesteps),
+            timestep=timestep,
             ofs=ofs,
         ).float()
         offset = 0

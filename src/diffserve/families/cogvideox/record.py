@@ -10,7 +10,7 @@ from pathlib import Path
 
 from diffserve.families.cogvideox.pipeline import CogVideoXImageToVideoPipeline, CogVideoXPipeline
 from diffserve.families.record import ModelFamily, TinyCheckpointOptions
-from diffserve.loader.dit_facts import DitFacts
+from diffserve.loader.dit_facts import DitFacts, LoraFacts
 from diffserve.loader.native_classes import NativeClasses
 from diffserve.models.dits.cogvideox import CogVideoXTransformer3DModel
 from diffserve.models.schedulers.cogvideox_ddim import CogVideoXDDIMScheduler, CogVideoXDPMScheduler
@@ -35,8 +35,16 @@ _T2V = ModelFamily(
     ),
     task="text-to-video",
     tiny_builder=partial(_tiny_cogvideox, image_to_video=False),
-    # No quantization, LoRA or single-file support yet: the loader refuses them naming the DiT.
-    dit_facts=DitFacts(class_name=CogVideoXTransformer3DModel.diffusers_class_name),
+    dit_facts=DitFacts(
+        class_name=CogVideoXTransformer3DModel.diffusers_class_name,
+        # The patch and text embedder, the timestep (and 1.5-I2V's ofs) embedders and the output head.
+        full_precision_modules=frozenset(
+            {"patch_embed", "time_embedding", "ofs_embedding", "norm_out", "proj_out"}
+        ),
+        # Diffusers' `CogVideoXLoraLoaderMixin` converts no other layout: Diffusers/PEFT files only.
+        lora=LoraFacts(),
+        # No single-file support yet: the loader refuses it naming the DiT.
+    ),
     aliases=("cogvideox", "cogvideo"),
 )
 

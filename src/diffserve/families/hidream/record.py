@@ -4,9 +4,10 @@ flow-matching Euler or UniPC steps."""
 
 from __future__ import annotations
 
+from diffserve.families.hidream.lora_rules import refuse_routed_experts
 from diffserve.families.hidream.pipeline import HiDreamPipeline
 from diffserve.families.record import ModelFamily, lazy_tiny_builder
-from diffserve.loader.dit_facts import DitFacts
+from diffserve.loader.dit_facts import DitFacts, LoraFacts
 from diffserve.loader.native_classes import NativeClasses
 from diffserve.models.dits.hidream_image import HiDreamImageTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
@@ -27,8 +28,20 @@ FAMILIES: tuple[ModelFamily, ...] = (
         tiny_builder=lazy_tiny_builder(
             "diffserve.families.hidream.tiny", "build_tiny_hidream", "TinyHiDreamSpec"
         ),
-        # No quantization, LoRA or single-file support yet: the loader refuses them naming the DiT.
-        dit_facts=DitFacts(class_name=HiDreamImageTransformer2DModel.diffusers_class_name),
+        dit_facts=DitFacts(
+            class_name=HiDreamImageTransformer2DModel.diffusers_class_name,
+            # `--quantization`: the patch, timestep and pooled-text embedders, the caption projections
+            # and the output head (`final_layer`) stay in full precision; every Linear of the blocks,
+            # each routed and shared expert's included, is quantized (the MoE gate is no Linear).
+            full_precision_modules=frozenset(
+                {"x_embedder", "t_embedder", "p_embedder", "caption_projection", "final_layer"}
+            ),
+            # LoRA: Diffusers/PEFT-format files, and `diffusion_model.` ones, whose module names are
+            # Diffusers' own (`_convert_non_diffusers_hidream_lora_to_diffusers` only strips the prefix);
+            # adapters on the routed MoE experts are refused (lora_rules.py).
+            lora=LoraFacts(components=("transformer",), rules=(), community=refuse_routed_experts),
+        ),
+        # No single-file support yet: the loader refuses it naming the DiT.
         aliases=("hidream", "hidream-i1-full", "hidream-i1-dev", "hidream-i1-fast"),
     ),
 )

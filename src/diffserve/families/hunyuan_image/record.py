@@ -36,8 +36,23 @@ FAMILIES: tuple[ModelFamily, ...] = (
         ),
         task="text-to-image",
         tiny_builder=_tiny_hunyuan_image,
-        # No quantization, LoRA or single-file support yet: the loader refuses them naming the DiT.
-        dit_facts=DitFacts(class_name=HunyuanImageTransformer2DModel.diffusers_class_name),
+        dit_facts=DitFacts(
+            class_name=HunyuanImageTransformer2DModel.diffusers_class_name,
+            # `--quantization`: the patch embedder, both text inputs (the Qwen token refiner and the
+            # ByT5 projection), the timestep / guidance embedder and the output head stay in full precision.
+            full_precision_modules=frozenset(
+                {
+                    "x_embedder",
+                    "context_embedder",
+                    "context_embedder_2",
+                    "time_guidance_embed",
+                    "norm_out",
+                    "proj_out",
+                }
+            ),
+            # No LoRA: Diffusers' `HunyuanImagePipeline` has no LoRA loader (no `load_lora_weights`).
+            # No single-file support yet: the loader refuses both naming the DiT.
+        ),
         aliases=("hunyuanimage", "hunyuan-image", "hunyuanimage-2.1", "hunyuan_image"),
     ),
 )

@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from diffserve.families.hunyuan_video.image_to_video_pipeline import HunyuanVideoImageToVideoPipeline
+from diffserve.families.hunyuan_video.lora_rules import refuse_original_names
 from diffserve.families.hunyuan_video.pipeline import HunyuanVideoPipeline
 from diffserve.families.record import ModelFamily, TinyCheckpointOptions
-from diffserve.loader.dit_facts import DitFacts
+from diffserve.loader.dit_facts import DitFacts, LoraFacts
 from diffserve.loader.native_classes import NativeClasses
 from diffserve.models.dits.hunyuan_video import HunyuanVideoTransformer3DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
@@ -35,8 +36,18 @@ def _tiny_hunyuan_video_i2v(out_dir: Path, options: TinyCheckpointOptions) -> Pa
     return build_tiny_hunyuan_video_i2v(out_dir, TinyHunyuanVideoI2VSpec(seed=options.seed))
 
 
-#: No quantization, LoRA or single-file support yet: the loader refuses them naming the DiT.
-_DIT_FACTS = DitFacts(class_name=HunyuanVideoTransformer3DModel.diffusers_class_name)
+#: `--quantization` keeps the patch, timestep / guidance / pooled-text embedders, the token refiner
+#: (`context_embedder`: the text projection and its refiner blocks) and the output head in full precision.
+#: LoRA: Diffusers/PEFT-format files (`HunyuanVideoLoraLoaderMixin` loads the transformer only); files in
+#: the original checkpoint's names are refused with that reason (lora_rules.py).
+#: No single-file support yet: the loader refuses it naming the DiT.
+_DIT_FACTS = DitFacts(
+    class_name=HunyuanVideoTransformer3DModel.diffusers_class_name,
+    full_precision_modules=frozenset(
+        {"x_embedder", "context_embedder", "time_text_embed", "norm_out", "proj_out"}
+    ),
+    lora=LoraFacts(components=("transformer",), community=refuse_original_names),
+)
 
 FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily(

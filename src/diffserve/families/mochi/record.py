@@ -7,7 +7,7 @@ from pathlib import Path
 
 from diffserve.families.mochi.pipeline import MochiPipeline
 from diffserve.families.record import ModelFamily, TinyCheckpointOptions
-from diffserve.loader.dit_facts import DitFacts
+from diffserve.loader.dit_facts import DitFacts, LoraFacts
 from diffserve.loader.native_classes import NativeClasses
 from diffserve.models.dits.mochi import MochiTransformer3DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
@@ -33,8 +33,14 @@ FAMILIES: tuple[ModelFamily, ...] = (
         ),
         task="text-to-video",
         tiny_builder=_tiny_mochi,
-        # No quantization, LoRA or single-file support yet: the loader refuses them naming the DiT.
-        dit_facts=DitFacts(class_name=MochiTransformer3DModel.diffusers_class_name),
+        dit_facts=DitFacts(
+            class_name=MochiTransformer3DModel.diffusers_class_name,
+            # The patch embedder, the timestep and caption embedders (with the attention pooler), the head.
+            full_precision_modules=frozenset({"patch_embed", "time_embed", "norm_out", "proj_out"}),
+            # Diffusers' `Mochi1LoraLoaderMixin` converts no other layout: Diffusers/PEFT files only.
+            lora=LoraFacts(),
+            # No single-file support yet: the loader refuses it naming the DiT.
+        ),
         aliases=("mochi-1", "mochi1"),
     ),
 )

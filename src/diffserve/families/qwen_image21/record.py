@@ -3,9 +3,10 @@ block-causal single-stream DiT on the latents of its 16x RGBA VAE, flow-matching
 
 from __future__ import annotations
 
+from diffserve.families.qwen_image21.lora_rules import QWEN_IMAGE21_RULES
 from diffserve.families.qwen_image21.pipeline import QwenImage21Pipeline
 from diffserve.families.record import ModelFamily, lazy_tiny_builder
-from diffserve.loader.dit_facts import DitFacts
+from diffserve.loader.dit_facts import DitFacts, LoraFacts
 from diffserve.loader.native_classes import NativeClasses
 from diffserve.models.dits.qwen_image21 import QwenImage21Transformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
@@ -25,8 +26,16 @@ FAMILIES: tuple[ModelFamily, ...] = (
         tiny_builder=lazy_tiny_builder(
             "diffserve.families.qwen_image21.tiny", "build_tiny_qwen_image21", "TinyQwenImage21Spec"
         ),
-        # No quantization, LoRA or single-file support yet: the loader refuses them naming the DiT.
-        dit_facts=DitFacts(class_name=QwenImage21Transformer2DModel.diffusers_class_name),
+        dit_facts=DitFacts(
+            class_name=QwenImage21Transformer2DModel.diffusers_class_name,
+            # The embedders, the modulation shared by every block (its timestep projection) and the head.
+            full_precision_modules=frozenset(
+                {"time_text_embed", "txt_in", "img_in", "modulation", "norm_out", "proj_out"}
+            ),
+            # Diffusers' `QwenImage21Pipeline` loads LoRAs with Qwen-Image's `QwenImageLoraLoaderMixin`.
+            lora=LoraFacts(rules=tuple(QWEN_IMAGE21_RULES)),
+            # No single-file support yet: the loader refuses it naming the DiT.
+        ),
         aliases=("qwenimage21", "qwen_image21", "qwen-image21", "qwen-image-21"),
     ),
 )

@@ -21,7 +21,8 @@ RoPE (3 axes: frame, height, width, each an interleaved-pair slice of the head):
 
 Batching: each sample keeps its own text length. Text is right-padded to the longest in the batch; the
 padding is never a key and each sample's image frame position is its own length, so a sample's output is
-the one it gives alone (Diffusers' pipeline encodes one prompt per call and never pads).
+the one it gives alone (Diffusers' pipeline encodes one prompt per call and never pads). In a batch whose
+rows apply LoRA adapters of their own, the text's t = 0 modulation row is computed per row.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch import nn
 
 from diffserve.layers.attention import attention
 from diffserve.layers.embeddings import timestep_sinusoids
+from diffserve.layers.lora_rows import current_lora_rows
 from diffserve.layers.norms import RMSNorm
 from diffserve.layers.rotary import checked_rope_axes
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig
@@ -312,12 +314,21 @@ class QwenImage21Transformer2DModel(DiffusersDiT):
         text = self.txt_in(encoder_hidden_states)
         timestep = timestep.to(image.dtype)
         causal = self.config.causal_condition
-        if causal:
-            timestep = torch.cat([timestep, timestep.new_zeros(1)])
-        temb = self.time_text_embed(timestep, image.dtype)
-        modulation = self.modulation(temb)[:, None]
-        text_mod = modulation[-1:] if causal else modulation
-        image_mod = modulation[:batch]
+        lora_rows = current_lora_rows()
+        if causal and lora_rows is not None and lora_rows.active and lora_rows.num_rows is not None:
+            # The rows apply their own LoRA adapters (layers/lora_rows.py), which may reach the timestep
+            # embedder and the modulation: the text's t = 0 row is then computed per row, as each sample
+            # would get it alone (the same values without adapters).
+            temb = self.time_text_embed(timestep, image.dtype)
+            image_mod = self.modulation(temb)[:, None]
+            text_mod = self.modulation(self.time_text_embed(timestep.new_zeros(batch), image.dtype))[:, None]
+        else:
+            if causal:
+                timestep = torch.cat([timestep, timestep.new_zeros(1)])
+            temb = self.time_text_embed(timestep, image.dtype)
+            modulation = self.modulation(temb)[:, None]
+            text_mod = modulation[-1:] if causal else modulation
+            image_mod = modulation[:batch]
         text_len = text.shape[1]
         rope = self.rope(text_lengths, text_len, grid, image.device)
         masks = AttentionMasks.of(text_lengths, text_len, tokens, image.device)
