@@ -1,5 +1,6 @@
 """diffserve vs diffusers per model family: SD3, Qwen-Image, Qwen-Image-Edit, Z-Image, Wan 2.1 T2V and I2V, Wan 2.2 A14B and TI2V-5B, HunyuanVideo 1.5, LTX-2,
-FLUX.2-dev, FLUX.2 [klein], FLUX.1 Kontext and SANA.
+FLUX.2-dev, FLUX.2 [klein], FLUX.1 Kontext, SANA, CogVideoX 1.5, Mochi 1, SkyReels-V2 T2V, HunyuanVideo 1.0 T2V,
+HiDream-I1, Qwen-Image 2.1 and HunyuanImage 2.1.
 
 The method of `bench_flux_vs_diffusers.py` (shared through `harness.py`), one family after the other:
 build (or reuse) a random-weight checkpoint of realistic block shape (64-dim heads, 8 of them or 12
@@ -42,6 +43,18 @@ SANA's resolution binning (on by default in both engines) generates every square
 by default: 16x16 latents, 256 tokens, the other image families' count at 256x256. Its linear attention
 runs as plain matmuls, counted by the FLOP counter as linear work; only its cross-attention is SDPA.
 
+The later families (each builder's tiny checkpoint widened to 8x64 heads, or Wan's 12x64 for SkyReels-V2;
+VAE layouts the builders hard-code are widened during the build where they are narrower than the released
+ones' proportions allow): CogVideoX 1.5 (guidance 6, static), Mochi 1 (guidance 4.5; its 6x temporal VAE
+takes 6k+1 frames, so `--num-frames` is rounded down: 17 -> 13), SkyReels-V2 T2V (guidance 6 with Wan's
+negative prompt), HunyuanVideo 1.0 (guidance 6 embedded in the DiT: guidance-distilled, no negative
+branch), HiDream-I1 (Full: guidance 5, UniPC), Qwen-Image 2.1 (no CFG: true_cfg_scale 1, the model's
+default) and HunyuanImage 2.1 (the folder's APG/CFG guiders, scale 3.5). The video ones default to 128x128.
+HiDream's pipelines (both) rescale every request to their default area, 128x128 with the builder's scale-1
+VAE, so it is measured at 128x128 (any `--resolutions` is generated at 128x128 by both); HunyuanImage 2.1's
+32x VAE runs at 512x512 by default (16x16 latents, 256 tokens). Qwen-Image 2.1's diffusers pipeline gets
+the Qwen3-VL processor diffserve loads (transformers builds one only with torchvision).
+
 `--compile` adds two engines, so four per family and size: `diffserve`, `diffserve-compiled`
 (`DiffGenerator.from_pretrained(path, compile=True)`: regional inductor compile of the DiT's block lists,
 compiled and warmed up inside from_pretrained, so in "load s"), `diffusers`, `diffusers-compiled`
@@ -63,11 +76,13 @@ diffusers compiled / diffserve compiled and diffusers compiled whole / diffserve
 unless `--family` says otherwise the three families of issue 37's bar (qwen-image, wan-t2v,
 flux-kontext): a smoke run of every engine in some minutes, not a measurement.
 
-    .venv/bin/python benchmarks/bench_families.py                                  # all fourteen; 4 steps
+    .venv/bin/python benchmarks/bench_families.py                                  # all twenty-one; 4 steps
     .venv/bin/python benchmarks/bench_families.py --family flux2,flux2-klein,flux-kontext,sana
     .venv/bin/python benchmarks/bench_families.py --family wan-t2v,wan-i2v --num-frames 17
     .venv/bin/python benchmarks/bench_families.py --family wan22-a14b,wan22-ti2v --num-frames 17
     .venv/bin/python benchmarks/bench_families.py --family hunyuan-video15,ltx2 --num-frames 17
+    .venv/bin/python benchmarks/bench_families.py --family cogvideox,mochi,skyreels-v2,hunyuan-video
+    .venv/bin/python benchmarks/bench_families.py --family hidream,qwen-image21,hunyuan-image
     .venv/bin/python benchmarks/bench_families.py --family qwen-image --resolutions 256,512 --json out.json
     .venv/bin/python benchmarks/bench_families.py --model-dir /tmp/bench_families   # build once, reuse later
     .venv/bin/python benchmarks/bench_families.py --compile --model-dir /tmp/bench_families --json compiled.json
@@ -149,6 +164,12 @@ class Family:
     #: images' worth of work, so the Wan families default to 128x128 (one generation in ~10-30 s on 2 cores);
     #: SANA to 512x512, the size its resolution binning generates (`SANA_SIZE`).
     default_size: int = DEFAULT_SIZE
+    #: Frames a video takes are k * frame_step + 1 (the VAE's temporal compression): `--num-frames` is
+    #: rounded down to that (Mochi's 6x VAE: 17 -> 13; see `family_frames`).
+    frame_step: int = 4
+    #: The fewest denoising steps the pipelines take (Mochi's linear-quadratic schedule needs 2); the
+    #: `flop-count` worker runs this many and divides by it.
+    min_steps: int = 1
     #: The same setting spelled per engine where the two spell it differently (LTX-2's STG blocks: a
     #: diffusers keyword, diffserve's `extra`).
     diffserve_only: dict[str, Any] = field(default_factory=dict)
@@ -371,6 +392,227 @@ def _sana_build(path: Path) -> None:
 SANA_SAMPLE_SIZE = 16
 SANA_SIZE = 512
 
+
+def _cogvideox_build(path: Path) -> None:
+    from unittest import mock
+
+    from diffserve.families.cogvideox import tiny
+    from diffserve.families.cogvideox.tiny import TinyCogVideoXSpec
+
+    def vae_config(spec):  # the builder's VAE is (8, 8, 16, 16): widen it to the released layout's shape
+        return {
+            **original_vae_config(spec),
+            "block_out_channels": list(COGVIDEOX_VAE_CHANNELS),
+            "norm_num_groups": 32,
+        }
+
+    original_vae_config = tiny._vae_config
+    with mock.patch.object(tiny, "_vae_config", vae_config):
+        tiny.build_tiny_cogvideox(
+            path,
+            TinyCogVideoXSpec(
+                variant="1.5",
+                num_layers=3,
+                num_attention_heads=8,
+                attention_head_dim=64,  # width 512 (CogVideoX1.5-5B: 48 x 64, 42 blocks)
+                time_embed_dim=512,
+                text_dim=256,
+                text_layers=2,
+                latent_channels=16,  # as the released VAE
+                sample_height=COGVIDEOX_SAMPLE_SIZE,
+                sample_width=COGVIDEOX_SAMPLE_SIZE,
+                sample_frames=DEFAULT_NUM_FRAMES,
+                dit_weight_noise=VIDEO_DIT_WEIGHT_NOISE,
+                seed=0,
+            ),
+        )
+
+
+#: CogVideoX 1.5's RoPE is sliced out of a `sample_size`-wide grid: 32 latents covers frames up to 256x256.
+COGVIDEOX_SAMPLE_SIZE = 32
+#: The released CogVideoX VAE's (128, 256, 256, 512) at a quarter of the width.
+COGVIDEOX_VAE_CHANNELS = (32, 64, 64, 128)
+#: N(0, 0.05) on every DiT weight for the 512-wide video DiTs (the builders' 0.2 is for 32-wide test models).
+VIDEO_DIT_WEIGHT_NOISE = 0.05
+
+
+def _mochi_build(path: Path) -> None:
+    from unittest import mock
+
+    from diffserve.families.mochi import tiny
+    from diffserve.families.mochi.tiny import TinyMochiSpec
+
+    def vae_config(spec):  # the builder's decoder is (32, 32, 32, 64): widen it towards the released one
+        return {**original_vae_config(spec), "decoder_block_out_channels": MOCHI_DECODER_CHANNELS}
+
+    original_vae_config = tiny._vae_config
+    with mock.patch.object(tiny, "_vae_config", vae_config):
+        tiny.build_tiny_mochi(
+            path,
+            TinyMochiSpec(
+                num_layers=3,
+                num_attention_heads=8,
+                attention_head_dim=64,  # width 512 (Mochi 1: 24 x 128, 48 blocks)
+                pooled_projection_dim=256,  # the text stream's width (released 1536 next to 3072)
+                time_embed_dim=256,
+                text_dim=256,
+                text_layers=2,
+                dit_weight_noise=VIDEO_DIT_WEIGHT_NOISE,
+                seed=0,
+            ),
+        )
+
+
+#: The released Mochi decoder's (128, 256, 512, 768) at a quarter of the width.
+MOCHI_DECODER_CHANNELS = (32, 64, 128, 192)
+
+
+def _skyreels_v2_build(path: Path) -> None:
+    from functools import partial as bind
+    from unittest import mock
+
+    from diffserve.families.wan import skyreels_v2_tiny
+    from diffserve.families.wan.tiny import TinyWanSpec
+
+    # The builder always uses the tiny Wan shapes (`TinyWanSpec(image_to_video, seed)`): give it wan-t2v's.
+    wan_spec = bind(
+        TinyWanSpec,
+        num_layers=3,
+        num_attention_heads=12,
+        attention_head_dim=64,
+        ffn_dim=4480,
+        freq_dim=256,
+        text_dim=256,
+        text_layers=2,
+        vae_base_dim=32,
+        dit_weight_noise=WAN_DIT_WEIGHT_NOISE,
+    )
+    with mock.patch.object(skyreels_v2_tiny, "TinyWanSpec", wan_spec):
+        skyreels_v2_tiny.build_tiny_skyreels_v2(path, skyreels_v2_tiny.TinySkyReelsV2Spec(seed=0))
+
+
+def _hunyuan_video_build(path: Path) -> None:
+    from unittest import mock
+
+    from diffserve.families.hunyuan_video import tiny
+    from diffserve.families.hunyuan_video.tiny import TinyHunyuanVideoSpec
+
+    spec = TinyHunyuanVideoSpec(
+        num_layers=2,
+        num_single_layers=2,
+        num_attention_heads=8,
+        attention_head_dim=64,  # width 512 (HunyuanVideo: 24 x 128, 20 double + 40 single blocks)
+        text_dim=256,
+        text_layers=3,  # the pipeline reads the states two layers below the last
+        pooled_dim=64,
+        latent_channels=16,  # as the released VAE
+        guidance_embeds=True,
+        dit_weight_noise=VIDEO_DIT_WEIGHT_NOISE,
+        seed=0,
+    )
+    dit_config = {**tiny.tiny_dit_config(spec), "rope_axes_dim": (16, 24, 24)}  # the builder's is (4, 6, 6)
+
+    def vae_config(spec):  # the builder's VAE is (8, 16, 16, 16): widen it to the released layout's shape
+        return {
+            **original_vae_config(spec),
+            "block_out_channels": HUNYUAN_VIDEO_VAE_CHANNELS,
+            "norm_num_groups": 32,
+        }
+
+    original_vae_config = tiny.tiny_vae_config
+    root = tiny.tiny_folder(path, spec.seed)
+    tokenizer = tiny.llama_template_tokenizer()
+    tiny.save_text_encoder(root, tiny._llama(tokenizer, spec), tokenizer)
+    with mock.patch.object(tiny, "tiny_vae_config", vae_config):
+        tiny.write_clip_dit_vae_scheduler(root, spec, dit_config)
+    tiny.finish_tiny_folder(root, tiny.hunyuan_video_model_index(), spec)
+
+
+#: The released HunyuanVideo VAE's (128, 256, 512, 512) at a quarter of the width.
+HUNYUAN_VIDEO_VAE_CHANNELS = (32, 64, 128, 128)
+
+
+def _hidream_build(path: Path) -> None:
+    from diffserve.families.hidream.tiny import TinyHiDreamSpec, build_tiny_hidream
+
+    build_tiny_hidream(
+        path,
+        TinyHiDreamSpec(
+            num_layers=2,
+            num_single_layers=2,
+            num_attention_heads=8,
+            attention_head_dim=64,  # width 512 (HiDream-I1: 20 x 128, 16 double + 32 single blocks)
+            axes_dims_rope=(32, 16, 16),  # the released (64, 32, 32) at half the head dim
+            patch_size=8,  # the builder's: with its scale-1 VAE, 128x128 latents in 256 tokens
+            latent_channels=16,
+            clip_hidden_size=64,
+            t5_hidden_size=256,
+            llama_hidden_size=256,
+            llama_layers=3,
+            dit_weight_noise=0.02,
+            scheduler="unipc",  # HiDream-I1-Full's (the CFG model; Dev and Fast are distilled)
+            seed=0,
+        ),
+    )
+
+
+#: HiDream's pipelines (both) rescale every request to the default area, (128 x VAE factor)^2: the
+#: builder's VAE has factor 1, so every image is 128x128 pixels (128x128 latents, 256 tokens of 8x8).
+HIDREAM_SIZE = 128
+
+
+def _qwen_image21_build(path: Path) -> None:
+    from diffserve.families.qwen_image21.tiny import TinyQwenImage21Spec, build_tiny_qwen_image21
+
+    build_tiny_qwen_image21(
+        path,
+        TinyQwenImage21Spec(
+            num_layers=8,  # single-stream blocks: 8 make a DiT of the others' size (~30M parameters)
+            num_attention_heads=8,
+            attention_head_dim=64,
+            axes_dims_rope=(8, 28, 28),
+            latent_channels=64,  # as the released 16x VAE
+            text_hidden_size=256,
+            text_layers=2,
+            vae_base_dim=32,
+            vae_dim_mult=(1, 2, 4, 4, 4),
+            dit_weight_noise=0.02,
+            seed=0,
+        ),
+    )
+
+
+def _hunyuan_image_build(path: Path) -> None:
+    from diffserve.families.hunyuan_image.tiny import TinyHunyuanImageSpec, build_tiny_hunyuan_image
+
+    build_tiny_hunyuan_image(
+        path,
+        TinyHunyuanImageSpec(
+            num_layers=2,
+            num_single_layers=2,
+            num_refiner_layers=1,
+            num_attention_heads=8,
+            attention_head_dim=64,  # width 512 (HunyuanImage 2.1: 28 x 128, 20 double + 40 single)
+            rope_axes_dim=(32, 32),
+            latent_channels=64,  # as the released 32x VAE
+            vae_block_out_channels=(32, 64, 128, 128, 256, 256),
+            text_hidden_size=256,
+            text_layers=3,
+            text_heads=4,
+            text_kv_heads=2,
+            vision_hidden_size=32,
+            vision_depth=1,
+            glyph_hidden_size=64,
+            dit_weight_noise=0.05,
+            dit_output_scale=1.0,
+            seed=0,
+        ),
+    )
+
+
+#: HunyuanImage 2.1's 32x VAE: 512x512 is 16x16 latents, 256 tokens, the other image families' count at 256.
+HUNYUAN_IMAGE_SIZE = 512
+
 _WAN_CHECKPOINT = (
     "Wan 2.1 layout, 3 blocks, 12x64 heads (width 768; 1.3B: 12x128, 30 blocks), ffn 4480, freq dim 256, "
     "text dim 256 (a 2-layer UMT5 encoder, 512 tokens), causal-3D VAE base dim 32, mults (1, 2, 4, 4), "
@@ -588,6 +830,122 @@ FAMILIES: dict[str, Family] = {
             sampling={"guidance_scale": 4.5, "max_sequence_length": 300},
             default_size=SANA_SIZE,
         ),
+        Family(
+            name="cogvideox",
+            pipeline="CogVideoXPipeline",
+            checkpoint=(
+                "CogVideoX 1.5 layout (RoPE over 2-frame temporal patches, no patch bias), 3 blocks, 8x64 heads "
+                "(width 512), time embedding 512, text dim 256 (a 2-layer T5 encoder, 226 tokens), sample "
+                f"size {COGVIDEOX_SAMPLE_SIZE}x{COGVIDEOX_SAMPLE_SIZE} latents (the RoPE grid), weight noise "
+                f"{VIDEO_DIT_WEIGHT_NOISE}, CogVideoX VAE {COGVIDEOX_VAE_CHANNELS} with 16 latent channels "
+                "(8x spatial, 4x temporal, invert_scale_latents), CogVideoX DPM (v-prediction)"
+            ),
+            cfg="guidance_scale 6 (static: use_dynamic_cfg off, the pipeline default), default (empty) "
+            "negative prompt",
+            build=_cogvideox_build,
+            sampling={"guidance_scale": 6.0},
+            video=True,
+            default_size=128,
+        ),
+        Family(
+            name="mochi",
+            pipeline="MochiPipeline",
+            checkpoint=(
+                "Mochi 1 layout (asymmetric text stream, qk RMSNorm, SwiGLU), 3 blocks, 8x64 heads (width 512), "
+                "text stream width 256, time embedding 256, text dim 256 (a 2-layer T5 encoder, 256 tokens), "
+                f"weight noise {VIDEO_DIT_WEIGHT_NOISE}, Mochi VAE decoder {MOCHI_DECODER_CHANNELS} with 12 "
+                "latent channels (8x spatial, 6x temporal), linear-quadratic flow-matching schedule"
+            ),
+            cfg="guidance_scale 4.5, default (empty) negative prompt; frames rounded down to 6k+1 "
+            "(Mochi's 6x temporal VAE: 17 -> 13, 3 latent frames); 2 steps at least (its schedule)",
+            build=_mochi_build,
+            sampling={"guidance_scale": 4.5, "max_sequence_length": 256},
+            video=True,
+            default_size=128,
+            frame_step=6,
+            min_steps=2,
+        ),
+        Family(
+            name="skyreels-v2",
+            pipeline="SkyReelsV2Pipeline",
+            checkpoint=_WAN_CHECKPOINT.replace(
+                "Wan 2.1 layout", "SkyReels-V2 T2V layout (the Wan 2.1 DiT)"
+            ).replace("UniPC (flow_shift 3)", "UniPC (flow_shift 8, the released T2V's)"),
+            cfg=f"guidance_scale 6, negative prompt {WAN_NEGATIVE_PROMPT!r}",
+            build=_skyreels_v2_build,
+            sampling={
+                "guidance_scale": 6.0,
+                "negative_prompt": WAN_NEGATIVE_PROMPT,
+                "max_sequence_length": 512,
+            },
+            video=True,
+            default_size=128,
+        ),
+        Family(
+            name="hunyuan-video",
+            pipeline="HunyuanVideoPipeline",
+            checkpoint=(
+                "HunyuanVideo 1.0 T2V layout, 2 double + 2 single blocks + 1 token-refiner block, 8x64 heads "
+                "(width 512), RoPE (16, 24, 24), guidance embedding, a 3-layer Llama of width 256 (the prompt "
+                f"template's states) and a CLIP text model of width 64 (pooled), weight noise "
+                f"{VIDEO_DIT_WEIGHT_NOISE}, VAE {HUNYUAN_VIDEO_VAE_CHANNELS} with 16 latent channels (8x "
+                "spatial, 4x temporal)"
+            ),
+            cfg="guidance_scale 6, embedded in the DiT (guidance-distilled: true_cfg_scale 1, no negative "
+            "branch), as both pipelines default",
+            build=_hunyuan_video_build,
+            sampling={"guidance_scale": 6.0},
+            video=True,
+            default_size=128,
+        ),
+        Family(
+            name="hidream",
+            pipeline="HiDreamImagePipeline",
+            checkpoint=(
+                "HiDream-I1 layout (MoE feed-forward: 4 routed experts, 2 active, and a shared one), 2 double + "
+                "2 single blocks, 8x64 heads (width 512), RoPE axes (32, 16, 16), 8x8 patches, text from two "
+                "CLIPs (width 64, 72), a T5 of width 256 and a 3-layer Llama of width 256 (its layers fed per "
+                "block), weight noise 0.02, the builder's one-level VAE (16 latent channels, scale factor 1), "
+                "HiDream-I1-Full's UniPC"
+            ),
+            cfg=(
+                "guidance_scale 5, default (empty) negative prompt (HiDream-I1-Full). Both pipelines rescale "
+                f"every request to the default area, {HIDREAM_SIZE}x{HIDREAM_SIZE} with this VAE (128x128 "
+                "latents, 256 tokens), so it runs at that size and any --resolutions is generated as "
+                f"{HIDREAM_SIZE}x{HIDREAM_SIZE} by both"
+            ),
+            build=_hidream_build,
+            sampling={"guidance_scale": 5.0, "max_sequence_length": 128},
+            default_size=HIDREAM_SIZE,
+        ),
+        Family(
+            name="qwen-image21",
+            pipeline="QwenImage21Pipeline",
+            checkpoint=(
+                "Qwen-Image 2.1 layout (causal condition, mlp ratio 3, 1x1 patches), 8 blocks, 8x64 heads "
+                "(width 512), RoPE axes (8, 28, 28), context dim 256 (a 2-layer Qwen3-VL text model of width "
+                "256), weight noise 0.02, 16x VAE base dim 32, mults (1, 2, 4, 4, 4), 64 latent channels"
+            ),
+            cfg="none: true_cfg_scale 1, the pipelines' default (the model is meant to run without CFG)",
+            build=_qwen_image21_build,
+            sampling={},
+        ),
+        Family(
+            name="hunyuan-image",
+            pipeline="HunyuanImagePipeline",
+            checkpoint=(
+                "HunyuanImage 2.1 layout, 2 double + 2 single blocks + 1 token-refiner block, 8x64 heads "
+                "(width 512), RoPE (32, 32), 1x1 patches, a 3-layer Qwen2.5-VL text model of width 256 and a "
+                "ByT5 glyph encoder of width 64, weight noise 0.05, 32x VAE (32, 64, 128, 128, 256, 256) with "
+                f"64 latent channels; runs at {HUNYUAN_IMAGE_SIZE}x{HUNYUAN_IMAGE_SIZE} (16x16 latents, 256 "
+                "tokens)"
+            ),
+            cfg="the folder's guiders (AdaptiveProjectedMixGuidance: CFG scale 3.5, APG from step 0; the OCR "
+            "guider, scale 5, for quoted text), default (empty) negative prompt",
+            build=_hunyuan_image_build,
+            sampling={},
+            default_size=HUNYUAN_IMAGE_SIZE,
+        ),
     )
 }
 
@@ -629,8 +987,13 @@ def _generation_kwargs(args: argparse.Namespace, family: Family, size: int) -> d
     if family.image_input:
         kwargs["image"] = edit_input_image(size)
     if family.video:
-        kwargs["num_frames"] = args.num_frames
+        kwargs["num_frames"] = family_frames(args, family)
     return kwargs
+
+
+def family_frames(args: argparse.Namespace, family: Family) -> int:
+    """`--num-frames` rounded down to the family's k * frame_step + 1 (the same for the 4x-temporal VAEs)."""
+    return (args.num_frames - 1) // family.frame_step * family.frame_step + 1
 
 
 def _diffserve_kwargs(args: argparse.Namespace, family: Family, size: int) -> dict:
@@ -711,6 +1074,14 @@ def _load_diffusers(args: argparse.Namespace, family: Family, compiled: str | No
             full_area = diffusers_edit.calculate_dimensions
             area = args.edit_condition_area
             diffusers_edit.calculate_dimensions = lambda target_area, ratio: full_area(area, ratio)
+    if family.name == "qwen-image21":
+        from diffserve.loader.processors import load_image_text_processor
+
+        # transformers builds a Qwen3-VL processor only with torchvision: hand diffusers the one diffserve
+        # loads, with the folder's chat template (as tests/e2e/test_qwen_image21_pipeline_parity.py does).
+        processor = load_image_text_processor("Qwen3VLProcessor", folder / "processor")
+        processor.chat_template = (folder / "processor" / "chat_template.jinja").read_text()
+        extra["processor"] = processor
     if family.name == "flux2":
         pipe = _diffusers_flux2_dev(folder)
     else:
@@ -888,9 +1259,9 @@ class DitFlopMeter:
 
 
 def count_step_flops(args: argparse.Namespace, family: Family, size: int) -> None:
-    """The `flop-count` worker: one 1-step generation of eager diffusers under `DitFlopMeter`; prints
-    the per-step work after `harness.RESULT_MARKER`. Every step of these schedulers runs the same DiT
-    shapes, so one step is the work of each."""
+    """The `flop-count` worker: one 1-step generation (`Family.min_steps`: Mochi's 2) of eager diffusers
+    under `DitFlopMeter`; prints the per-step work after `harness.RESULT_MARKER`. Every step of these
+    schedulers runs the same DiT shapes, so one step is the work of each."""
     import torch
 
     pipe, _load = _load_diffusers(args, family)
@@ -898,10 +1269,11 @@ def count_step_flops(args: argparse.Namespace, family: Family, size: int) -> Non
     # its `scale_shift_table` parameter to a sub-module, which under inference_mode has no grad_fn to hook.
     pipe.transformer.requires_grad_(False)
     meter = DitFlopMeter(pipe.transformer)
-    kwargs = dict(_diffusers_kwargs(args, family, size), num_inference_steps=1)
+    steps = family.min_steps
+    kwargs = dict(_diffusers_kwargs(args, family, size), num_inference_steps=steps)
     with torch.inference_mode():
         pipe(generator=torch.Generator("cpu").manual_seed(args.seed), output_type="latent", **kwargs)
-    result = {"engine": FLOP_COUNT, "resolution": size, **meter.summary(steps=1)}
+    result = {"engine": FLOP_COUNT, "resolution": size, **meter.summary(steps=steps)}
     print(harness.RESULT_MARKER + json.dumps(result), flush=True)
 
 
@@ -990,7 +1362,7 @@ def family_setting_lines(family: Family, dit_params: int, args: argparse.Namespa
     ]
     if family.video:
         out.append(
-            f"- video: {args.num_frames} frames per generation (resolution below is per frame); PSNR over "
+            f"- video: {family_frames(args, family)} frames per generation (resolution below is per frame); PSNR over "
             "all frames, uint8 (diffusers' float frames as (x * 255).round())"
         )
     if family.name == "qwen-image-edit":
@@ -1035,7 +1407,7 @@ def render_summary(args: argparse.Namespace, results: dict[str, dict]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, res in results.items():
-        frames = f" x {args.num_frames} frames" if FAMILIES[name].video else ""
+        frames = f" x {family_frames(args, FAMILIES[name])} frames" if FAMILIES[name].video else ""
         for size in family_sizes(args, FAMILIES[name]):
             ours, ref = res["rows"][size]["diffserve"], res["rows"][size]["diffusers"]
             out.append(
@@ -1210,7 +1582,7 @@ def render_compiled_summary(args: argparse.Namespace, results: dict[str, dict]) 
     ]
     for name, res in results.items():
         family = FAMILIES[name]
-        frames = f" x {args.num_frames} frames" if family.video else ""
+        frames = f" x {family_frames(args, family)} frames" if family.video else ""
         form = diffusers_compile_form(args.model_dir / name)[0]
         for size in family_sizes(args, family):
             rows = res["measured"][size]["rows"]
@@ -1265,7 +1637,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     harness.add_run_args(
         p,
-        f"{DEFAULT_SIZE}; the Wan families 128, SANA {SANA_SIZE}",
+        f"{DEFAULT_SIZE}; the video families 128, SANA and HunyuanImage {SANA_SIZE}, HiDream {HIDREAM_SIZE}",
         "parent folder of the checkpoints, one sub-folder per family (built there if missing); "
         "default: a temporary folder",
     )
@@ -1287,7 +1659,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--num-frames",
         type=int,
         default=DEFAULT_NUM_FRAMES,
-        help=f"frames per video of the Wan families, 4k+1 (default: {DEFAULT_NUM_FRAMES})",
+        help=f"frames per video of the video families, 4k+1 (Mochi rounds it down to 6k+1; default: {DEFAULT_NUM_FRAMES})",
     )
     p.add_argument(
         "--compile",
@@ -1429,7 +1801,7 @@ def main(argv: list[str] | None = None) -> None:
                         "sampling": FAMILIES[name].sampling,
                         "dit_parameters": res["dit_parameters"],
                         "resolutions": family_sizes(args, FAMILIES[name]),
-                        "num_frames": args.num_frames if FAMILIES[name].video else None,
+                        "num_frames": family_frames(args, FAMILIES[name]) if FAMILIES[name].video else None,
                         **family_json(args, name, res),
                     }
                     for name, res in results.items()

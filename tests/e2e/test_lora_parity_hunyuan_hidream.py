@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from diffusers import HiDreamImagePipeline, HunyuanVideoImageToVideoPipeline, HunyuanVideoPipeline
-from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from safetensors.torch import load_file, save_file
 
 from diffserve import DiffGenerator
@@ -34,19 +31,19 @@ from diffserve.families.hunyuan_image.tiny import build_tiny_hunyuan_image
 from diffserve.families.hunyuan_video.image_to_video_tiny import build_tiny_hunyuan_video_i2v
 from diffserve.families.hunyuan_video.tiny import build_tiny_hunyuan_video
 from diffserve.testing import tiny_lora
-from diffserve.testing.image_metrics import psnr_uint8 as psnr
-from diffserve.testing.parity import assert_images_match, diffusers_uint8, smooth_random_image, stack_uint8
+from diffserve.testing.lora_parity import (
+    RANK,
+    STD,
+    Engines,
+    Family,
+    Loras,
+    Suite,
+    check_generation_matches_diffusers,
+    check_no_lora_after_loras,
+    float32_pipeline,
+)
+from diffserve.testing.parity import smooth_random_image
 
-PSNR_BAR_DB = 40.0
-#: A LoRA output must be further than this from the base output (and the second adapter's output from
-#: the first's alone), so that matching Diffusers at PSNR_BAR_DB shows the adapter was applied right.
-CHANGED_BAR_DB = 32.0
-PROMPT = "a red fox in the snow"
-SEED = 3
-RANK = 4
-STD = 0.2  # of the random LoRA factors: large enough that every adapter visibly changes the output
-ONE = (("a", 0.8),)
-TWO = (("a", 0.8), ("b", 0.5))
 #: Every Linear of the repeated blocks: HunyuanVideo's double- and single-stream blocks; HiDream's
 #: (`double_stream_blocks.0.block.…`) but its routed MoE experts, on which adapters are refused.
 BLOCKS = re.compile(
@@ -76,24 +73,14 @@ def _diffusion_model_file(root: Path, out: Path, pattern: re.Pattern[str] = BLOC
     return out
 
 
-@dataclass(frozen=True)
-class Family:
-    """How to build, run and LoRA-load one family; `request`: generation arguments both sides take."""
-
-    build: Callable[[Path], Path]
-    reference: type[DiffusionPipeline]
-    request: dict[str, object]
-    #: the family's non-Diffusers files, by name (the test ids)
-    originals: tuple[str, ...] = ()
-    video: bool = False
-    #: diffserve's name of an input image argument Diffusers calls `image`
-    image: object = None
+def _hidream_files(root: Path, out: Path) -> dict[str, Path]:
+    return {"diffusion_model": _diffusion_model_file(root, out / "dm.safetensors")}
 
 
 FAMILIES: dict[str, Family] = {
     "hunyuan-video": Family(
         build_tiny_hunyuan_video,
-        HunyuanVideoPipeline,
+        float32_pipeline(HunyuanVideoPipeline),
         dict(
             height=32, width=48, num_frames=5, num_inference_steps=2, max_sequence_length=40,
             guidance_scale=3.5, true_cfg_scale=4.0, negative_prompt="blurry",
@@ -102,7 +89,7 @@ FAMILIES: dict[str, Family] = {
     ),
     "hunyuan-video-i2v": Family(
         build_tiny_hunyuan_video_i2v,
-        HunyuanVideoImageToVideoPipeline,
+        float32_pipeline(HunyuanVideoImageToVideoPipeline),
         dict(
             height=32, width=48, num_frames=5, num_inference_steps=2, max_sequence_length=40,
             guidance_scale=3.5, true_cfg_scale=4.0, negative_prompt="blurry",
@@ -112,126 +99,39 @@ FAMILIES: dict[str, Family] = {
     ),
     "hidream": Family(
         build_tiny_hidream,
-        HiDreamImagePipeline,
+        float32_pipeline(HiDreamImagePipeline),
         dict(
             height=32, width=32, num_inference_steps=2, max_sequence_length=24,
             guidance_scale=5.0, negative_prompt="blurry",
         ),
+        original_files=_hidream_files,
         originals=("diffusion_model",),
     ),
 }  # fmt: skip
 
-Loras = tuple[tuple[str, float], ...]
-
-
-@dataclass
-class Engines:
-    """One family's two pipelines with every adapter loaded, and diffserve's base output taken before
-    any adapter was; diffserve's LoRA outputs are kept per adapter set (each is generated once)."""
-
-    family: Family
-    root: Path
-    ours: DiffGenerator
-    reference: DiffusionPipeline
-    ours_base: np.ndarray
-    _ours_outputs: dict[Loras, np.ndarray] = field(default_factory=dict)
-
-    def run_ours(self, loras: Loras) -> np.ndarray:
-        if loras not in self._ours_outputs:
-            self._ours_outputs[loras] = _generate(self.ours, self.family, loras)
-        return self._ours_outputs[loras]
-
-    def run_reference(self, loras: Loras) -> np.ndarray:
-        names = [name for name, _ in loras]
-        self.reference.set_adapters(names, adapter_weights=[scale for _, scale in loras])
-        image = {} if self.family.image is None else {"image": self.family.image}
-        return diffusers_uint8(
-            self.reference, seed=SEED, video=self.family.video, prompt=PROMPT, **image, **self.family.request
-        )
-
-
-def _generate(ours: DiffGenerator, family: Family, loras: Loras) -> np.ndarray:
-    image = {} if family.image is None else {"input_images": [family.image]}
-    out = ours.generate(
-        prompt=PROMPT, seed=SEED, loras=[{"name": n, "scale": s} for n, s in loras], **image, **family.request
-    )
-    return stack_uint8(out.frames if family.video else out.images)
-
-
-def _start(name: str, directory: Path) -> Engines:
-    """Build `name`'s folder and LoRA files under `directory`, both pipelines and diffserve's base
-    output, then load every adapter into both."""
-    family = FAMILIES[name]
-    root = family.build(directory / "model")
-    loras = directory / "loras"
-    files = {
-        # PEFT layout, alpha 8 != rank 4 in `lora_adapter_metadata` (scaling 2)
-        "a": _write_lora(root, loras / "a.safetensors", rank=RANK, alpha=8.0, seed=1, std=STD),
-        # rank 2, no metadata: alpha = rank (larger factors, so that its share of TWO is large too)
-        "b": _write_lora(root, loras / "b.safetensors", rank=2, seed=2, std=1.5 * STD),
-    }
-    if "diffusion_model" in family.originals:
-        files["diffusion_model"] = _diffusion_model_file(root, loras / "dm.safetensors")
-    ours = DiffGenerator.from_pretrained(root, device="cpu", show_progress=False)
-    reference = family.reference.from_pretrained(root, torch_dtype=torch.float32)
-    reference.set_progress_bar_config(disable=True)
-    engines = Engines(family, root, ours, reference, _generate(ours, family, ()))
-    for adapter, path in files.items():
-        ours.load_lora(adapter, path)
-        reference.load_lora_weights(str(path), adapter_name=adapter)
-    return engines
+# Diffusers' base output is not compared here: a request without LoRA is checked against diffserve's own
+SUITE = Suite(DiffGenerator, FAMILIES, a_pattern=BLOCKS, b_pattern=BLOCKS, reference_base=False)
 
 
 @pytest.fixture(scope="module")
 def engines_of(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Engines]]:
     """A family's `Engines`, started on first use and kept for the module."""
-    started: dict[str, Engines] = {}
-
-    def get(name: str) -> Engines:
-        if name not in started:
-            started[name] = _start(name, tmp_path_factory.mktemp(name))
-        return started[name]
-
-    yield get
-    for engines in started.values():
-        engines.ours.close()
+    with SUITE.engines(tmp_path_factory.mktemp) as get:
+        yield get
 
 
-def _cases() -> list:
-    cases = []
-    for name, family in FAMILIES.items():
-        cases.append(pytest.param(name, ONE, id=f"{name}-one"))
-        cases.append(pytest.param(name, TWO, id=f"{name}-two"))
-        cases.extend(pytest.param(name, ((o, 0.7),), id=f"{name}-{o}") for o in family.originals)
-    return cases
-
-
-@pytest.mark.parametrize(("family", "loras"), _cases())
+@pytest.mark.parametrize(("family", "loras"), [pytest.param(f, loras, id=i) for f, loras, i in SUITE.cases()])
 def test_lora_generation_matches_diffusers(
     engines_of: Callable[[str], Engines], family: str, loras: Loras
 ) -> None:
-    engines = engines_of(family)
-    ours = engines.run_ours(loras)
-    reference = engines.run_reference(loras)
-    assert ours.shape == reference.shape == engines.ours_base.shape
-    changed = psnr(ours, engines.ours_base)
-    print(f"{family} {loras}: {changed:.2f} dB against the base output")
-    assert changed < CHANGED_BAR_DB, "the adapters barely change the output: the comparison proves nothing"
-    assert_images_match(ours, reference, f"{family} {loras} against Diffusers", min_db=PSNR_BAR_DB)
-    if len(loras) > 1:
-        alone = psnr(ours, engines.run_ours(loras[:1]))
-        print(f"  against {loras[0][0]} alone: {alone:.2f} dB")
-        assert alone < CHANGED_BAR_DB, "the second adapter barely changes the output"
+    check_generation_matches_diffusers(engines_of(family), family, loras)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_no_lora_after_loras_is_the_base_bit_for_bit(
     engines_of: Callable[[str], Engines], family: str
 ) -> None:
-    engines = engines_of(family)
-    engines.run_ours(TWO)
-    after = _generate(engines.ours, engines.family, ())
-    assert np.array_equal(after, engines.ours_base)
+    check_no_lora_after_loras(engines_of(family))
 
 
 def test_hunyuan_image_refuses_lora(tmp_path: Path) -> None:

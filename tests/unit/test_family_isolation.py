@@ -9,6 +9,8 @@ import ast
 import re
 from pathlib import Path
 
+from python_sources import parse_python
+
 import diffserve
 from diffserve.registry import FAMILIES
 
@@ -31,7 +33,7 @@ def family_markers() -> dict[str, set[str]]:
         names.update({family.diffusers_pipeline, family.name, *family.aliases})
     for package, names in markers.items():
         for path in (FAMILIES_DIR / package).rglob("*.py"):
-            tree = ast.parse(path.read_text())
+            tree = parse_python(path)
             names.update(node.name for node in tree.body if isinstance(node, ast.ClassDef))
     return markers
 
@@ -39,7 +41,7 @@ def family_markers() -> dict[str, set[str]]:
 def _strings_and_names(path: Path) -> tuple[set[str], set[str], set[str]]:
     """Identifiers used, string constants, and imported module names of one source file (docstrings and
     comments are prose and do not count)."""
-    tree = ast.parse(path.read_text())
+    tree = parse_python(path)
     docstrings = {
         id(node.body[0].value)
         for node in ast.walk(tree)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from python_sources import parse_python
+
 import diffserve
 
 ROOT = Path(diffserve.__file__).parent
@@ -30,7 +32,7 @@ def _module_name(path: Path) -> str:
 
 def _imports(path: Path) -> set[str]:
     """Dotted names of the diffserve modules `path` imports."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = parse_python(path)
     package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(tree):

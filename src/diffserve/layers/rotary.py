@@ -51,6 +51,22 @@ def multi_axis_rope_tables(ids: torch.Tensor, axes_dims: Sequence[int], theta: f
     return angle.cos().float(), angle.sin().float()
 
 
+def grid_rope_tables(
+    sizes: Sequence[int], axes_dims: Sequence[int], theta: float, device: torch.device
+) -> RopeTables:
+    """Half-width float32 (cos, sin) tables (prod(sizes), head_dim // 2) for a post-patch grid of `sizes`
+    (one position per axis: frame, row, column, ...), in the flattened patch order (first axis slowest);
+    angles in float32, as Diffusers' HunyuanVideo-style position embeddings compute them."""
+    axes = [torch.arange(n, device=device, dtype=torch.float32) for n in sizes]
+    grid = torch.meshgrid(*axes, indexing="ij")
+    angles = []
+    for pos, dim in zip(grid, axes_dims, strict=True):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+        angles.append(torch.outer(pos.reshape(-1), inv_freq))
+    angle = torch.cat(angles, dim=1)
+    return angle.cos(), angle.sin()
+
+
 class RotaryEmbedding(CustomOp):
     """Rotates q and k (batch, seq, heads, head_dim) by the tables in float32, as Diffusers'
     `apply_rotary_emb(..., use_real=True)`. `q` may hold only the *last* `q.shape[1]` positions (a DiT's

@@ -158,6 +158,14 @@ def advance_requests(scheduler, reqs: list[Req], predictions: list[torch.Tensor]
         req.step_index += 1
 
 
+def next_timesteps(req: Req) -> torch.Tensor:
+    """MeanFlow's second time for `req`'s step: the next step's timestep, 0 after the last (as Diffusers'
+    MeanFlow pipelines pass it)."""
+    if req.step_index + 1 < req.num_steps:
+        return req.schedule.timesteps[req.step_index + 1]
+    return torch.zeros((), device=req.schedule.timesteps.device, dtype=req.schedule.timesteps.dtype)
+
+
 def latent_grid(latents: torch.Tensor, size: tuple[int, int] | None) -> torch.Tensor:
     """A request's latents on their grid, (outputs, channels, frames, height, width), whatever the family's
     layout: a latent video as it is, a latent image as one frame, 2x2-packed tokens (FLUX.1, FLUX.2,

@@ -34,7 +34,7 @@ from diffserve.families.hunyuan_image.text_encoding import HunyuanImageTextEncod
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.hunyuan_image import HunyuanImageTransformer2DModel
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.pipelines.cfg_batch import advance_requests, split_guided
+from diffserve.pipelines.cfg_batch import advance_requests, next_timesteps, split_guided
 from diffserve.request import Req
 from diffserve.runtime.runner import CfgBranchView
 from diffserve.stages.base import Stage
@@ -157,38 +157,17 @@ class HunyuanImageDenoiser:
         self.meanflow = meanflow
         self.dtype = next(transformer.parameters()).dtype
 
-    def branch_inputs(self, req: Req) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(text states, mask, glyph states, mask) per branch in row order: the prompt's, then the negative's."""
-        c = HunyuanImageConditioning.of(req)
-        branches = [(req.prompt_embeds, c.prompt_embeds_mask, c.prompt_embeds_2, c.prompt_embeds_mask_2)]
-        if req.do_cfg:
-            branches.append(
-                (
-                    req.negative_prompt_embeds,
-                    c.negative_prompt_embeds_mask,
-                    c.negative_prompt_embeds_2,
-                    c.negative_prompt_embeds_mask_2,
-                )
-            )
-        return branches
-
-    def next_timesteps(self, req: Req) -> torch.Tensor:
-        """MeanFlow's second time: the next step's timestep, 0 after the last."""
-        if req.step_index + 1 < req.num_steps:
-            return req.schedule.timesteps[req.step_index + 1]
-        return torch.zeros((), device=req.schedule.timesteps.device, dtype=req.schedule.timesteps.dtype)
-
     @torch.inference_mode()
     def __call__(self, reqs: list[Req]) -> None:
         latents, timesteps, timesteps_r, guidance = [], [], [], []
         text, text_mask, glyph, glyph_mask = [], [], [], []
         for req in reqs:
             t = req.schedule.timesteps[req.step_index].expand(req.batch_size).to(self.dtype)
-            for states, mask, states_2, mask_2 in self.branch_inputs(req):
+            for states, mask, states_2, mask_2 in HunyuanImageConditioning.of(req).text_branches(req):
                 latents.append(req.latents.to(self.dtype))
                 timesteps.append(t)
                 if self.meanflow:
-                    timesteps_r.append(self.next_timesteps(req).expand(req.batch_size).to(self.dtype))
+                    timesteps_r.append(next_timesteps(req).expand(req.batch_size).to(self.dtype))
                 if req.schedule.guidance is not None:
                     guidance.append(req.schedule.guidance)
                 text.append(states)

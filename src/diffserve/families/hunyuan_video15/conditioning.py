@@ -18,31 +18,19 @@ import torch
 from torch import nn
 
 from diffserve.families.hunyuan_video15.sizes import resize_and_crop
-from diffserve.request import Conditioning, Req, role
+from diffserve.request import Req, role
 from diffserve.stages.base import Stage, to_module
+from diffserve.stages.glyph_text_encoding import GlyphTextConditioning
 from diffserve.stages.image_tensor import image_to_tensor
 from diffserve.stages.latent_preparation import VideoLatentPreparationStage
 
 
 @dataclass
-class HunyuanVideo15Conditioning(Conditioning):
+class HunyuanVideo15Conditioning(GlyphTextConditioning):
     """HunyuanVideo 1.5's per-request inputs beyond `Req`. Its DiT reads fixed-length padded text with its
     mask, so each text branch has (batch, seq) masks of `Req.prompt_embeds` and a second encoder's
-    sequence states with their masks (ByT5's states of the prompt's quoted text); the negative branch's
-    are paired with the prompt's (`negative_of`), which is all CFG-parallel views need to split them."""
+    sequence states with their masks (ByT5's states of the prompt's quoted text: `GlyphTextConditioning`)."""
 
-    prompt_embeds_mask: torch.Tensor | None = None
-    negative_prompt_embeds_mask: torch.Tensor | None = field(
-        default=None, metadata=role(negative_of="prompt_embeds_mask")
-    )
-    prompt_embeds_2: torch.Tensor | None = None
-    negative_prompt_embeds_2: torch.Tensor | None = field(
-        default=None, metadata=role(negative_of="prompt_embeds_2")
-    )
-    prompt_embeds_mask_2: torch.Tensor | None = None
-    negative_prompt_embeds_mask_2: torch.Tensor | None = field(
-        default=None, metadata=role(negative_of="prompt_embeds_mask_2")
-    )
     #: (batch, channels + 1, frames, h, w): condition latents and the mask of the frames they fill,
     #: concatenated with the noisy latents on channels (zeros for text-to-video).
     condition_latents: torch.Tensor | None = field(default=None, metadata=role(batch="shape"))

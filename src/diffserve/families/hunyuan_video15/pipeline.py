@@ -35,7 +35,7 @@ from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.hunyuan_video15 import HunyuanVideo15Transformer3DModel
 from diffserve.models.guiders.classifier_free_guidance import ClassifierFreeGuidance
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.pipelines.cfg_batch import advance_requests, split_guided, step_cache_for
+from diffserve.pipelines.cfg_batch import advance_requests, next_timesteps, split_guided, step_cache_for
 from diffserve.request import Req
 from diffserve.runtime.runner import CfgBranchView
 from diffserve.stages.base import Stage
@@ -99,27 +99,6 @@ class HunyuanVideo15Denoiser:
         self.meanflow = meanflow
         self.dtype = next(transformer.parameters()).dtype
 
-    def branch_inputs(self, req: Req) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(text states, mask, glyph states, mask) per branch in row order: the prompt's, then the negative's."""
-        c = HunyuanVideo15Conditioning.of(req)
-        branches = [(req.prompt_embeds, c.prompt_embeds_mask, c.prompt_embeds_2, c.prompt_embeds_mask_2)]
-        if req.do_cfg:
-            branches.append(
-                (
-                    req.negative_prompt_embeds,
-                    c.negative_prompt_embeds_mask,
-                    c.negative_prompt_embeds_2,
-                    c.negative_prompt_embeds_mask_2,
-                )
-            )
-        return branches
-
-    def next_timesteps(self, req: Req) -> torch.Tensor:
-        """MeanFlow's second time: the next step's timestep, 0 after the last (as Diffusers' I2V pipeline)."""
-        if req.step_index + 1 < req.num_steps:
-            return req.schedule.timesteps[req.step_index + 1]
-        return torch.zeros((), device=req.schedule.timesteps.device, dtype=req.schedule.timesteps.dtype)
-
     @torch.inference_mode()
     def __call__(self, reqs: list[Req]) -> None:
         latents, timesteps, timesteps_r, images = [], [], [], []
@@ -128,11 +107,11 @@ class HunyuanVideo15Denoiser:
             conditioning = HunyuanVideo15Conditioning.of(req)
             model_input = torch.cat([req.latents, conditioning.condition_latents], dim=1).to(self.dtype)
             t = req.schedule.timesteps[req.step_index].expand(req.batch_size).to(self.dtype)
-            for states, mask, states_2, mask_2 in self.branch_inputs(req):
+            for states, mask, states_2, mask_2 in conditioning.text_branches(req):
                 latents.append(model_input)
                 timesteps.append(t)
                 if self.meanflow:
-                    timesteps_r.append(self.next_timesteps(req).expand(req.batch_size).to(self.dtype))
+                    timesteps_r.append(next_timesteps(req).expand(req.batch_size).to(self.dtype))
                 if conditioning.image_embeds is not None:
                     images.append(conditioning.image_embeds)
                 text.append(states)

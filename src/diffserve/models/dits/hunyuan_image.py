@@ -49,11 +49,16 @@ from torch import nn
 
 from diffserve.layers.adaln import AdaLayerNormContinuous
 from diffserve.layers.embeddings import TimestepEmbedding
-from diffserve.layers.rotary import RopeTables, checked_rope_axes
+from diffserve.layers.rotary import RopeTables, checked_rope_axes, grid_rope_tables
 from diffserve.layers.shape_cache import BoundedCache
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig
 from diffserve.models.dits.hunyuan_video import HunyuanVideoSingleTransformerBlock, HunyuanVideoTokenRefiner
-from diffserve.models.dits.hunyuan_video15 import HunyuanVideo15TransformerBlock, pack_context
+from diffserve.models.dits.hunyuan_video15 import (
+    HunyuanVideo15TransformerBlock,
+    check_tokens,
+    pack_context,
+    timestep_rows,
+)
 from diffserve.models.dits.hunyuan_video15_embedders import (
     BYT5_PROJECTION_HIDDEN,
     TIMESTEP_CHANNELS,
@@ -111,14 +116,7 @@ def hunyuan_image_rope_tables(
 ) -> RopeTables:
     """Half-width float32 (cos, sin) tables (height*width, head_dim // 2) for a post-patch grid, in the
     flattened patch order (row, column); angles in float32, as Diffusers computes them."""
-    axes = [torch.arange(n, device=device, dtype=torch.float32) for n in (height, width)]
-    grid = torch.meshgrid(*axes, indexing="ij")
-    angles = []
-    for pos, dim in zip(grid, axes_dims, strict=True):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
-        angles.append(torch.outer(pos.reshape(-1), inv_freq))
-    angle = torch.cat(angles, dim=1)
-    return angle.cos(), angle.sin()
+    return grid_rope_tables((height, width), axes_dims, theta, device)
 
 
 class HunyuanImagePatchEmbed(nn.Module):
@@ -262,10 +260,10 @@ class HunyuanImageTransformer2DModel(DiffusersDiT):
         if height % p_h or width % p_w:
             raise ValueError(f"latent size {height}x{width} is not a multiple of the patch {p_h}x{p_w}")
         grid = (height // p_h, width // p_w)
-        timestep = _rows("timestep", timestep, batch)
-        timestep_r = None if timestep_r is None else _rows("timestep_r", timestep_r, batch)
-        guidance = None if guidance is None else _rows("guidance", guidance, batch)
-        _check_tokens("encoder_hidden_states", encoder_hidden_states, encoder_attention_mask, batch)
+        timestep = timestep_rows("timestep", timestep, batch)
+        timestep_r = None if timestep_r is None else timestep_rows("timestep_r", timestep_r, batch)
+        guidance = None if guidance is None else timestep_rows("guidance", guidance, batch)
+        check_tokens("encoder_hidden_states", encoder_hidden_states, encoder_attention_mask, batch)
 
         rope = self.rope_tables(*grid, hidden_states.device)
         temb = self.time_guidance_embed(timestep, timestep_r, guidance)
@@ -273,7 +271,7 @@ class HunyuanImageTransformer2DModel(DiffusersDiT):
         text_mask = encoder_attention_mask.bool()
         segments = [(self.context_embedder(encoder_hidden_states, timestep, text_mask), text_mask)]
         if self.context_embedder_2 is not None and encoder_hidden_states_2 is not None:
-            _check_tokens("encoder_hidden_states_2", encoder_hidden_states_2, encoder_attention_mask_2, batch)
+            check_tokens("encoder_hidden_states_2", encoder_hidden_states_2, encoder_attention_mask_2, batch)
             glyphs = self.context_embedder_2(encoder_hidden_states_2)
             segments.insert(0, (glyphs, encoder_attention_mask_2.bool()))
         context = pack_context(segments)
@@ -293,21 +291,3 @@ class HunyuanImageTransformer2DModel(DiffusersDiT):
         # (batch, H', W', C, p_h, p_w) -> (batch, C, H'*p_h, W'*p_w)
         x = x.reshape(batch, *grid, -1, p_h, p_w).permute(0, 3, 1, 4, 2, 5)
         return x.reshape(batch, -1, height, width)
-
-
-def _check_tokens(name: str, states: torch.Tensor, mask: torch.Tensor | None, batch: int) -> None:
-    """`states` (batch, seq, dim) with a (batch, seq) mask."""
-    if states.ndim != 3 or states.shape[0] != batch:
-        raise ValueError(f"{name} must be (batch={batch}, tokens, dim), got {tuple(states.shape)}")
-    if mask is None or tuple(mask.shape) != tuple(states.shape[:2]):
-        got = None if mask is None else tuple(mask.shape)
-        raise ValueError(f"the mask of {name} must be {tuple(states.shape[:2])} (batch, tokens), got {got}")
-
-
-def _rows(name: str, values: torch.Tensor, batch: int) -> torch.Tensor:
-    """Per-row values as (batch,): one per row, or one for the whole batch."""
-    if values.ndim == 0:
-        values = values.reshape(1)
-    if values.ndim == 1 and values.shape[0] in (1, batch):
-        return values.expand(batch)
-    raise ValueError(f"{name} must have shape ({batch},) or (1,), got {tuple(values.shape)}")

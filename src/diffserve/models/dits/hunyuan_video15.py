@@ -58,7 +58,7 @@ from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.patches import video_patch_grid
 from diffserve.layers.residual import attention_mlp_residuals
-from diffserve.layers.rotary import RopeTables, RotaryEmbedding, checked_rope_axes
+from diffserve.layers.rotary import RopeTables, RotaryEmbedding, checked_rope_axes, grid_rope_tables
 from diffserve.layers.shape_cache import BoundedCache
 from diffserve.models.cache_methods.blocks import SequentialBlocks
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig
@@ -142,14 +142,7 @@ def hunyuan_video15_rope_tables(
 ) -> RopeTables:
     """Half-width float32 (cos, sin) tables (frames*height*width, head_dim // 2) for a post-patch grid, in
     the flattened patch order (frame, row, column); angles in float32, as Diffusers computes them."""
-    axes = [torch.arange(n, device=device, dtype=torch.float32) for n in (frames, height, width)]
-    grid = torch.meshgrid(*axes, indexing="ij")
-    angles = []
-    for pos, dim in zip(grid, axes_dims, strict=True):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
-        angles.append(torch.outer(pos.reshape(-1), inv_freq))
-    angle = torch.cat(angles, dim=1)
-    return angle.cos(), angle.sin()
+    return grid_rope_tables((frames, height, width), axes_dims, theta, device)
 
 
 class HunyuanVideo15PatchEmbed(nn.Module):

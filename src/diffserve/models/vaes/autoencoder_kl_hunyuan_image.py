@@ -331,11 +331,7 @@ class AutoencoderKLHunyuanImage(DiffusersConfigured, TilingMixin, nn.Module):
                 f"{self.diffusers_class_name}.enable_tiling: tile_sample_min_size must be at least "
                 f"{self.spatial_compression_ratio} pixels, got {tile_sample_min_size}"
             )
-        if tile_overlap_factor is not None and not 0.0 < tile_overlap_factor < 1.0:
-            raise ValueError(
-                f"{self.diffusers_class_name}.enable_tiling: tile_overlap_factor must be in (0, 1), "
-                f"got {tile_overlap_factor}"
-            )
+        self._check_overlap_factor(tile_overlap_factor)
         self._enable_tiling_with(
             tile_sample_min_size=tile_sample_min_size, tile_overlap_factor=tile_overlap_factor
         )

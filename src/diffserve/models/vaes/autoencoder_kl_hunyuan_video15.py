@@ -155,11 +155,7 @@ class AutoencoderKLHunyuanVideo15(HunyuanVideoVaeShapes, DiffusersConfigured, Ti
                 raise ValueError(
                     f"{self.diffusers_class_name}.enable_tiling: {name} must be >= 1, got {value}"
                 )
-        if tile_overlap_factor is not None and not 0.0 < tile_overlap_factor < 1.0:
-            raise ValueError(
-                f"{self.diffusers_class_name}.enable_tiling: tile_overlap_factor must be in (0, 1), "
-                f"got {tile_overlap_factor}"
-            )
+        self._check_overlap_factor(tile_overlap_factor)
         self._enable_tiling_with(**sizes, tile_overlap_factor=tile_overlap_factor)
 
     def encode(self, x: torch.Tensor) -> DiagonalGaussian:

@@ -190,6 +190,14 @@ class TilingMixin:
                 setattr(self, name, value)
         self.use_tiling = True
 
+    def _check_overlap_factor(self, tile_overlap_factor: float | None) -> None:
+        """`enable_tiling`'s check of a fractional overlap (None: kept): it must be in (0, 1)."""
+        if tile_overlap_factor is not None and not 0.0 < tile_overlap_factor < 1.0:
+            raise ValueError(
+                f"{self.diffusers_class_name}.enable_tiling: tile_overlap_factor must be in (0, 1), "
+                f"got {tile_overlap_factor}"
+            )
+
     def disable_tiling(self) -> None:
         """Decode (and encode) the whole frame in one go again; the tile parameters are kept."""
         self.use_tiling = False
