@@ -16,6 +16,7 @@ from diffusers import QwenImage21Pipeline as DiffusersQwenImage21
 from diffserve import SamplingParams
 from diffserve.api import DiffGenerator
 from diffserve.errors import InvalidRequestError
+from diffserve.families.qwen_image21.text_encoding import QwenImage21TextEncodingStage
 from diffserve.families.qwen_image21.tiny import build_tiny_qwen_image21
 from diffserve.loader.processors import load_image_text_processor
 from diffserve.testing.parity import (
@@ -112,7 +113,7 @@ def test_sample_sigmas_fix_the_schedule(folders, caplog) -> None:
 
 def test_prompt_states_match_diffusers(folders) -> None:
     ours, reference = folders["default"]
-    stage = ours.pipeline.stages[1]
+    stage = next(s for s in ours.pipeline.stages if isinstance(s, QwenImage21TextEncodingStage))
     assert stage.drop == reference._drop_idx
     for prompt in ("A red fox", "", "a much longer prompt about a red fox in the snow"):
         want, mask, _ = reference.encode_prompt(prompt)

@@ -1,4 +1,4 @@
-"""Qwen-Image 2.1's fixed facts (its prompt template, sizes) and the defaults of Diffusers'
+"""Qwen-Image 2.1's fixed facts (its prompt templates, sizes) and the defaults of Diffusers'
 `QwenImage21Pipeline.__call__`."""
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
 #: The text-to-image template, a raw string (not the processor's chat template: the two tokenize
 #: differently and the checkpoint was trained on this one).
 TEXT_TO_IMAGE_TEMPLATE = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n{{}}<|im_end|>\n<|im_start|>assistant\n"
+#: One condition image's vision slots in the user turn (1-based index); images after the first are
+#: preceded by a space, and all of them by the prompt (Diffusers' `prompt_template_ti2i`).
+IMAGE_SLOT = "<image{}><|vision_start|><|image_pad|><|vision_end|>"
 #: Model-index key of the author's sampling sigmas (terminal sigma excluded); their count is the step count.
 SAMPLE_SIGMAS_KEY = "sample_sigmas"
 
@@ -21,8 +24,10 @@ class QwenImage21PipelineConfig:
     """Constants that are not in the checkpoint's config files."""
 
     template: str = TEXT_TO_IMAGE_TEMPLATE
+    image_slot: str = IMAGE_SLOT
     system_prompt: str = SYSTEM_PROMPT
-    #: Height and width default to this (Diffusers' `output_resolution`).
+    #: Height and width default to this, or to about this squared in pixels at the last condition
+    #: image's aspect ratio, the size condition images are resized to (Diffusers' `output_resolution`).
     default_resolution: int = 1024
     #: Pixels per latent pixel (Diffusers hard-codes 16: the VAE's compression; the DiT is unpatched).
     vae_scale_factor: int = 16

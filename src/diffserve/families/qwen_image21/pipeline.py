@@ -1,10 +1,13 @@
-"""Qwen-Image 2.1 (Diffusers `QwenImage21Pipeline`), text to image: Qwen3-VL prompt states, the
+"""Qwen-Image 2.1 (Diffusers `QwenImage21Pipeline`), text to image and, with input images, image-conditioned
+(`conditioning.py`: the images in the prompt's vision slots and, VAE-encoded, in the DiT's prefix; the
+output size defaults to the last image's aspect ratio): Qwen3-VL prompt states, the
 block-causal single-stream DiT (`models/dits/qwen_image21.py`) on unpatched 64-channel latents of its
 16x VAE, flow-matching Euler steps, true CFG (`negative + scale * (positive - negative)`, on when
 true_cfg_scale > 1 and a negative prompt is given; the model is meant to run without it).
 
-Every request's prompt and negative-prompt branches go through one DiT forward; requests at different steps
-and with prompts of different lengths share it (the DiT keeps each row's own text length). Diffusers
+Every request's prompt and negative-prompt branches go through one DiT forward; requests at different steps,
+with prompts of different lengths and with or without condition images share it (the DiT keeps each row's
+own prefix). Diffusers
 caches the text's keys and values after the first step (`use_kv_cache`); diffserve recomputes them, which
 is its `use_kv_cache=False` (the same values in float32; in reduced precision Diffusers documents that the
 two settings differ by rounding).
@@ -17,6 +20,11 @@ from typing import ClassVar
 import torch
 
 from diffserve.configs.quality import TierPreset
+from diffserve.families.qwen_image21.conditioning import (
+    QwenImage21Conditioning,
+    QwenImage21ConditionStage,
+    default_output_size,
+)
 from diffserve.families.qwen_image21.config import (
     SAMPLE_SIGMAS_KEY,
     QwenImage21PipelineConfig,
@@ -52,14 +60,16 @@ class QwenImage21Denoiser:
 
     @torch.inference_mode()
     def __call__(self, reqs: list[Req]) -> None:
-        latents, texts, lengths, timesteps = [], [], [], []
+        latents, texts, lengths, timesteps, conditions = [], [], [], [], []
         for req in reqs:
             t = req.schedule.timesteps[req.step_index]
-            for text in branch_texts(req):
+            conditioning = QwenImage21Conditioning.of(req)
+            for branch, text in enumerate(branch_texts(req)):
                 latents.append(req.latents)
                 texts.append(text)
                 lengths.extend([text.shape[1]] * req.batch_size)
                 timesteps.append(t.expand(req.batch_size))
+                conditions.extend([conditioning.blocks(branch)] * req.batch_size)
         longest = max(lengths)
         text = torch.cat([torch.nn.functional.pad(t, (0, 0, 0, longest - t.shape[1])) for t in texts])
         first = reqs[0]
@@ -69,6 +79,7 @@ class QwenImage21Denoiser:
             text_lengths=lengths,
             timestep=torch.cat(timesteps).to(first.latents.dtype) / 1000,
             grid=tuple(first.latent_size),
+            conditions=conditions,
         )
         advance_requests(self.scheduler, reqs, split_guided(prediction, reqs))
 
@@ -87,6 +98,9 @@ class QwenImage21Pipeline(Pipeline):
     required_components = ("text_encoder", "processor", "vae", "transformer", "scheduler")
     config = QwenImage21PipelineConfig()
     pipeline_name = PIPELINE_NAME
+    conditioning_type = QwenImage21Conditioning
+    #: Diffusers sets no limit on condition images; this bounds one request's encoder and DiT prefix.
+    max_input_images = 8
     #: No calibrated quality tiers yet: only "high", the exact path.
     step_cache_policies: ClassVar[dict[str, TierPreset]] = {}
 
@@ -112,7 +126,12 @@ class QwenImage21Pipeline(Pipeline):
             pixel_multiple=self.pixel_multiple,
             default_pixels=size,
             max_sequence_length_limit=None,
-            image_inputs=ImageInputRule(pipeline_name=self.pipeline_name),
+            default_size=lambda params: default_output_size(params, size, self.pixel_multiple),
+            image_inputs=ImageInputRule(
+                pipeline_name=self.pipeline_name,
+                max_images=self.max_input_images,
+                keep_alpha=True,  # composited over white for the text encoder; the RGBA VAE reads alpha
+            ),
             unsupported_params={
                 "guidance_scale": "Qwen-Image 2.1 is not guidance-distilled; use true_cfg_scale with a negative_prompt",
                 "max_sequence_length": "Qwen-Image 2.1 reads the whole prompt (Diffusers does not truncate it)",
@@ -120,10 +139,12 @@ class QwenImage21Pipeline(Pipeline):
         )
         return [
             self.input_validation,
+            QwenImage21ConditionStage(vae, size, context.platform.device(), context.dtype),
             QwenImage21TextEncodingStage(
                 context.get("processor"),
                 context.get("text_encoder"),
                 self.config.template,
+                self.config.image_slot,
                 self.config.system_prompt,
                 context.dtype,
             ),

@@ -1,5 +1,7 @@
-"""The Qwen-Image 2.1 family's record: text to image (`QwenImage21Pipeline`): Qwen3-VL prompt states, a
-block-causal single-stream DiT on the latents of its 16x RGBA VAE, flow-matching Euler steps."""
+"""The Qwen-Image 2.1 family's record: text to image, and image-conditioned with input images
+(`QwenImage21Pipeline`): Qwen3-VL prompt states (condition images in their vision slots), a block-causal
+single-stream DiT on the latents of its 16x RGBA VAE (condition images' latents in its prefix),
+flow-matching Euler steps."""
 
 from __future__ import annotations
 

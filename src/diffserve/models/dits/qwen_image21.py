@@ -1,7 +1,8 @@
 """Qwen-Image 2.1 transformer, native, loading Diffusers `QwenImage21Transformer2DModel` weights unchanged.
 
-One single-stream sequence per sample: the Qwen3-VL prompt states, then the target image's latent tokens
-(unpatched: one token per latent pixel, 16x16 image pixels). Text-to-image only (no condition images):
+One single-stream sequence per sample: the prefix (the Qwen3-VL prompt states, with each condition
+image's latent tokens in place of its vision slots: one slot stands for 2x2 latent tokens), then the
+target image's latent tokens (unpatched: one token per latent pixel, 16x16 image pixels):
 
     text = txt_in(states): zero-centred RMSNorm, Linear, tanh-GELU, Linear              (B, L, inner)
     img  = img_in(latents)                                                              (B, N, inner)
@@ -12,21 +13,25 @@ One single-stream sequence per sample: the Qwen3-VL prompt states, then the targ
         x += tanh(gate2) * SwiGLU(LayerNorm(x) * (1 + scale2))
     out  = proj_out(LayerNorm(img) * (1 + Linear(SiLU(temb))))                          (B, N, out_channels)
 
-Attention is block-causal: text tokens see the text before them (causally), image tokens see all of the
-text and the whole image. With `causal_condition` the text is modulated from t = 0 (its activations do not
-depend on the step); the image from its own sample's timestep.
+Attention is block-causal: prefix tokens see the prefix before them (causally), a condition image's
+tokens also see their whole image; the target's tokens see all of the prefix and the whole target. With
+`causal_condition` the prefix is modulated from t = 0 (its activations do not depend on the step); the
+target from its own sample's timestep.
 
-RoPE (3 axes: frame, height, width, each an interleaved-pair slice of the head): text token i sits at
-(i, i, i); the image's tokens at frame L (the sample's text length) on a height/width grid centred on 0.
+RoPE (3 axes: frame, height, width, each an interleaved-pair slice of the head): a running position
+advances one per text token, which sits at (p, p, p); an image block (condition or target) sits at frame
+p on a height/width grid centred on 0, and advances p by max(h, w).
 
-Batching: each sample keeps its own text length. Text is right-padded to the longest in the batch; the
-padding is never a key and each sample's image frame position is its own length, so a sample's output is
-the one it gives alone (Diffusers' pipeline encodes one prompt per call and never pads). In a batch whose
-rows apply LoRA adapters of their own, the text's t = 0 modulation row is computed per row.
+Batching: each sample keeps its own prefix (text length, condition images). Prefixes are right-padded to
+the longest in the batch; the padding is never a key and each sample's positions are its own, so a
+sample's output is the one it gives alone (Diffusers' pipeline encodes one prompt per call and never
+pads). In a batch whose rows apply LoRA adapters of their own, the prefix's t = 0 modulation row is
+computed per row.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -143,8 +148,27 @@ def rotate(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class ConditionBlock:
+    """One condition image of a sample: its packed latents (h * w, in_channels, row-major over `grid`
+    (h, w)) take the place of the `slots` vision-slot states that start at text index `slot`."""
+
+    slot: int
+    slots: int
+    latents: torch.Tensor
+    grid: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        h, w = self.grid
+        if h * w != 4 * self.slots or self.latents.shape[0] != h * w:
+            raise ValueError(
+                f"condition image of grid {self.grid} ({self.latents.shape[0]} latent tokens) does not fill "
+                f"{self.slots} vision slots of 2x2 latent tokens"
+            )
+
+
+@dataclass(frozen=True)
 class Rope:
-    """Complex RoPE factors: `text` (1, L, head_dim / 2) shared by the batch, `image` (B, N, head_dim / 2)."""
+    """Complex RoPE factors: `text` (B, P, head_dim / 2) of the prefix, `image` (B, N, head_dim / 2)."""
 
     text: torch.Tensor
     image: torch.Tensor
@@ -185,17 +209,23 @@ class Attention(nn.Module):
 
 @dataclass(frozen=True)
 class AttentionMasks:
-    """`text`: (B, 1, L, L) causal over valid keys; `image`: (B, 1, 1, L + N) valid keys, or None (no padding)."""
+    """`text`: (B, 1, P, P) block-causal over valid keys; `image`: (B, 1, 1, P + N) valid keys, or None
+    (no padding)."""
 
     text: torch.Tensor
     image: torch.Tensor | None
 
     @classmethod
-    def of(cls, lengths: list[int], text_len: int, image_len: int, device: torch.device) -> AttentionMasks:
+    def of(
+        cls, lengths: list[int], block_ids: torch.Tensor, image_len: int, device: torch.device
+    ) -> AttentionMasks:
+        """`block_ids`: (B, P) the condition image each prefix token belongs to, -1 for text."""
+        text_len = block_ids.shape[1]
         positions = torch.arange(text_len, device=device)
-        valid = positions[None, :] < torch.tensor(lengths, device=device)[:, None]  # (B, L)
-        causal = positions[None, :] <= positions[:, None]  # (L, L): key <= query
-        text = (causal[None] & valid[:, None, :])[:, None]
+        valid = positions[None, :] < torch.tensor(lengths, device=device)[:, None]  # (B, P)
+        causal = positions[None, :] <= positions[:, None]  # (P, P): key <= query
+        same_image = (block_ids[:, :, None] == block_ids[:, None, :]) & (block_ids[:, :, None] >= 0)
+        text = ((causal[None] | same_image) & valid[:, None, :])[:, None]
         image = None
         if min(lengths) < text_len:
             keys = torch.cat([valid, valid.new_ones(len(lengths), image_len)], dim=1)
@@ -270,26 +300,74 @@ class QwenImage21Transformer2DModel(DiffusersDiT):
         self.norm_out = OutputNorm(inner, config.eps)
         self.proj_out = nn.Linear(inner, config.out_channels, bias=False)
 
-    def rope(self, lengths: list[int], text_len: int, grid: tuple[int, int], device: torch.device) -> Rope:
-        """Text at (i, i, i); sample b's image at frame lengths[b], rows and columns centred on zero."""
-        height, width = grid
+    def cis(self, positions: torch.Tensor, axis: int) -> torch.Tensor:
+        """Complex factors of integer `positions` on one RoPE axis."""
+        dim = self.config.axes_dims_rope[axis]
+        device = positions.device
+        inv_freq = 1.0 / torch.pow(ROPE_THETA, torch.arange(0, dim, 2, device=device).float().div(dim))
+        angles = positions.to(torch.float32)[..., None] * inv_freq
+        return torch.polar(torch.ones_like(angles), angles)
 
-        def cis(positions: torch.Tensor, axis: int) -> torch.Tensor:
-            dim = self.config.axes_dims_rope[axis]
-            inv_freq = 1.0 / torch.pow(ROPE_THETA, torch.arange(0, dim, 2, device=device).float().div(dim))
-            angles = positions.to(torch.float32)[..., None] * inv_freq
-            return torch.polar(torch.ones_like(angles), angles)
+    def prefix(
+        self, text: torch.Tensor, lengths: list[int], conditions: Sequence[Sequence[ConditionBlock]]
+    ) -> tuple[torch.Tensor, list[int], torch.Tensor, torch.Tensor, list[int]]:
+        """Each sample's prefix: its embedded text with its condition images' embedded latents in place of
+        their vision slots, right-padded. Returns the (B, P, dim) prefix, its valid lengths, (B, P, 3)
+        RoPE positions, (B, P) block ids (-1 text) and each sample's target frame position."""
+        device = text.device
+        rows, positions, ids, lengths_out, frames = [], [], [], [], []
+        for b, (length, blocks) in enumerate(zip(lengths, conditions, strict=True)):
+            pieces, pos, id_pieces = [], [], []
+            cursor, position = 0, 0
+            for index, block in enumerate(blocks):
+                if block.slot < cursor or block.slot + block.slots > length:
+                    raise ValueError(f"condition image {index} of sample {b} lies outside its text")
+                n_text = block.slot - cursor
+                pieces.append(text[b, cursor : block.slot])
+                pos.append(torch.arange(position, position + n_text, device=device)[:, None].expand(-1, 3))
+                id_pieces.append(torch.full((n_text,), -1, device=device))
+                position += n_text
+                pieces.append(self.img_in(block.latents.to(text.dtype)))
+                h, w = block.grid
+                pos.append(self.grid_positions(position, h, w, device))
+                id_pieces.append(torch.full((h * w,), index, device=device))
+                position += max(h, w)
+                cursor = block.slot + block.slots
+            n_text = length - cursor
+            pieces.append(text[b, cursor:length])
+            pos.append(torch.arange(position, position + n_text, device=device)[:, None].expand(-1, 3))
+            id_pieces.append(torch.full((n_text,), -1, device=device))
+            rows.append(torch.cat(pieces))
+            positions.append(torch.cat(pos))
+            ids.append(torch.cat(id_pieces))
+            lengths_out.append(rows[-1].shape[0])
+            frames.append(position + n_text)
+        longest = max(lengths_out)
 
-        text_pos = torch.arange(text_len, device=device)
-        text = torch.cat([cis(text_pos, axis) for axis in range(3)], dim=-1)[None]
+        def pad(x: torch.Tensor, value: float) -> torch.Tensor:
+            return F.pad(x, (0, 0) * (x.dim() - 1) + (0, longest - x.shape[0]), value=value)
+
+        return (
+            torch.stack([pad(r, 0.0) for r in rows]),
+            lengths_out,
+            torch.stack([pad(p, 0) for p in positions]),
+            torch.stack([pad(i, -1) for i in ids]),
+            frames,
+        )
+
+    @staticmethod
+    def grid_positions(frame: int, height: int, width: int, device: torch.device) -> torch.Tensor:
+        """(h * w, 3) positions of an image block at `frame`, rows and columns centred on zero."""
         rows = torch.arange(-(height - height // 2), height // 2, device=device).repeat_interleave(width)
         cols = torch.arange(-(width - width // 2), width // 2, device=device).repeat(height)
-        frames = torch.tensor(lengths, device=device)[:, None].expand(-1, height * width)
-        n = len(lengths)
-        image = torch.cat(
-            [cis(frames, 0), cis(rows, 1)[None].expand(n, -1, -1), cis(cols, 2)[None].expand(n, -1, -1)],
-            dim=-1,
-        )
+        return torch.stack([torch.full_like(rows, frame), rows, cols], dim=-1)
+
+    def rope(self, prefix_positions: torch.Tensor, frames: list[int], grid: tuple[int, int]) -> Rope:
+        """The prefix at its own positions; sample b's target at frame `frames[b]`."""
+        device = prefix_positions.device
+        image_positions = torch.stack([self.grid_positions(f, *grid, device) for f in frames])
+        text = torch.cat([self.cis(prefix_positions[..., axis], axis) for axis in range(3)], dim=-1)
+        image = torch.cat([self.cis(image_positions[..., axis], axis) for axis in range(3)], dim=-1)
         return Rope(text, image)
 
     def forward(
@@ -299,10 +377,12 @@ class QwenImage21Transformer2DModel(DiffusersDiT):
         text_lengths: list[int],
         timestep: torch.Tensor,
         grid: tuple[int, int],
+        conditions: Sequence[Sequence[ConditionBlock]] | None = None,
     ) -> torch.Tensor:
         """(B, h * w, in_channels) target latents (row-major over the latent `grid` (h, w)), (B, L,
-        context_in_dim) prompt states right-padded past each sample's `text_lengths[b]` valid tokens, and
-        (B,) timesteps in [0, 1] -> the (B, h * w, out_channels) prediction."""
+        context_in_dim) prompt states right-padded past each sample's `text_lengths[b]` valid tokens,
+        (B,) timesteps in [0, 1] and, per sample, its condition images (in text order; None: none) ->
+        the (B, h * w, out_channels) prediction."""
         batch, tokens, _ = hidden_states.shape
         if grid[0] * grid[1] != tokens:
             raise ValueError(f"grid {grid} does not hold {tokens} latent tokens")
@@ -310,14 +390,19 @@ class QwenImage21Transformer2DModel(DiffusersDiT):
             raise ValueError(
                 f"text_lengths {text_lengths} do not fit text of shape {tuple(encoder_hidden_states.shape)}"
             )
+        conditions = conditions if conditions is not None else [()] * batch
+        if len(conditions) != batch:
+            raise ValueError(f"{len(conditions)} rows of condition images for a batch of {batch}")
         image = self.img_in(hidden_states)
-        text = self.txt_in(encoder_hidden_states)
+        text, lengths, positions, block_ids, frames = self.prefix(
+            self.txt_in(encoder_hidden_states), list(text_lengths), conditions
+        )
         timestep = timestep.to(image.dtype)
         causal = self.config.causal_condition
         lora_rows = current_lora_rows()
         if causal and lora_rows is not None and lora_rows.active and lora_rows.num_rows is not None:
             # The rows apply their own LoRA adapters (layers/lora_rows.py), which may reach the timestep
-            # embedder and the modulation: the text's t = 0 row is then computed per row, as each sample
+            # embedder and the modulation: the prefix's t = 0 row is then computed per row, as each sample
             # would get it alone (the same values without adapters).
             temb = self.time_text_embed(timestep, image.dtype)
             image_mod = self.modulation(temb)[:, None]
@@ -329,9 +414,8 @@ class QwenImage21Transformer2DModel(DiffusersDiT):
             modulation = self.modulation(temb)[:, None]
             text_mod = modulation[-1:] if causal else modulation
             image_mod = modulation[:batch]
-        text_len = text.shape[1]
-        rope = self.rope(text_lengths, text_len, grid, image.device)
-        masks = AttentionMasks.of(text_lengths, text_len, tokens, image.device)
+        rope = self.rope(positions, frames, grid)
+        masks = AttentionMasks.of(lengths, block_ids, tokens, image.device)
         for block in self.transformer_blocks:
             text, image = block(text, image, text_mod, image_mod, rope, masks)
         return self.proj_out(self.norm_out(image, temb[:batch]))
