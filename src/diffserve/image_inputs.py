@@ -532,6 +532,15 @@ def _decode(data: bytes, *, param: str, limits: ImageInputLimits, keep_alpha: bo
 ImageSource = str | Path | bytes | bytearray | memoryview | Image.Image
 
 
+def without_alpha(images: list[Image.Image]) -> list[Image.Image]:
+    """`images` with each RGBA PIL image converted to RGB (its alpha dropped, not composited), the others
+    as given: what a family that reads no alpha gets from the loaders' `keep_alpha` input images."""
+    return [
+        image.convert("RGB") if isinstance(image, Image.Image) and image.mode == "RGBA" else image
+        for image in images
+    ]
+
+
 def load_images(
     sources: ImageSource | Sequence[ImageSource],
     *,

@@ -34,6 +34,7 @@ from diffserve.backends.diffusers_run import CallDone, DiffusersRun
 from diffserve.configs.quality import TierPreset
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError, ModelLoadError
+from diffserve.image_inputs import without_alpha
 from diffserve.loader.component_loader import LoadedComponent
 from diffserve.loader.owned_weights import detach_from_files
 from diffserve.platforms import Platform
@@ -222,11 +223,7 @@ class DiffusersBackendPipeline:
                 f"mask_image: {self.signature.pipeline_name} needs a mask", param="mask_image"
             )
         if resolved.input_images:  # RGB, as before the loaders kept transparency for families that read it
-            rgb = [
-                im.convert("RGB") if getattr(im, "mode", None) == "RGBA" else im
-                for im in resolved.input_images
-            ]
-            resolved = replace(resolved, input_images=rgb)
+            resolved = replace(resolved, input_images=without_alpha(resolved.input_images))
         req.params = replace(resolved, quality="high")
         req.generator = torch.Generator("cpu").manual_seed(resolved.seed)
         guidance = resolved.guidance_scale

@@ -19,6 +19,7 @@ from diffserve.configs.sampling_params import (
     check_strength,
 )
 from diffserve.errors import InvalidRequestError
+from diffserve.image_inputs import without_alpha
 from diffserve.masks import check_mask_size, edit_mask
 from diffserve.models.cache_methods.registry import add_cfg_branch, new_request_cache, new_tier_cache
 from diffserve.request import Req
@@ -92,9 +93,7 @@ class ImageInputRule:
                     param="image",
                 )
         if images and not self.keep_alpha:
-            params.input_images = [
-                image.convert("RGB") if image.mode == "RGBA" else image for image in images
-            ]
+            params.input_images = without_alpha(images)
         if params.mask_image is not None and not self.inpainting:
             raise InvalidRequestError(
                 f"mask is not supported by {self.pipeline_name}: it edits the whole image from the prompt "
