@@ -143,14 +143,18 @@ def test_skyreels_v2_diffusion_forcing_frames_match_diffusers(
 
 
 def test_skyreels_v2_diffusion_forcing_refuses_unserved_modes(df) -> None:
+    """What Diffusers fails on: a long video without overlap_history, an overlap as long as a window, a
+    window of partial causal blocks. (The modes it serves: tests/e2e/test_skyreels_v2_forcing_parity.py.)"""
     ours, _ = df
     kwargs = dict(height=32, width=32, num_frames=5, num_inference_steps=1)
-    with pytest.raises(InvalidRequestError, match="ar_step"):
-        ours.generate(prompt=PROMPT, extra={"ar_step": 5}, **kwargs)
-    with pytest.raises(InvalidRequestError, match="long videos"):
+    with pytest.raises(InvalidRequestError, match="overlap_history"):
+        ours.generate(prompt=PROMPT, **{**kwargs, "num_frames": 9}, extra={"base_num_frames": 5})
+    with pytest.raises(InvalidRequestError, match="overlap_history"):
         ours.generate(
-            prompt=PROMPT, **{**kwargs, "num_frames": 9}, extra={"base_num_frames": 5, "overlap_history": 1}
+            prompt=PROMPT, **{**kwargs, "num_frames": 9}, extra={"base_num_frames": 5, "overlap_history": 5}
         )
+    with pytest.raises(InvalidRequestError, match="causal block"):
+        ours.generate(prompt=PROMPT, **{**kwargs, "num_frames": 9}, extra={"causal_block_size": 2})
     with pytest.raises(InvalidRequestError, match="unknown|not_a_setting"):
         ours.generate(prompt=PROMPT, extra={"not_a_setting": 1}, **kwargs)
 

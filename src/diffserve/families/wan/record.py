@@ -14,6 +14,7 @@ from diffserve.families.wan.lora_rules import WAN_RULES
 from diffserve.families.wan.pipeline import WanImageToVideoPipeline, WanPipeline
 from diffserve.families.wan.single_file_keys import wan_plan
 from diffserve.families.wan.skyreels_v2 import (
+    SkyReelsV2DiffusionForcingImageToVideoPipeline,
     SkyReelsV2DiffusionForcingPipeline,
     SkyReelsV2ImageToVideoPipeline,
     SkyReelsV2Pipeline,
@@ -132,5 +133,14 @@ FAMILIES += (
         pipeline_cls=SkyReelsV2DiffusionForcingPipeline,
         tiny_builder=partial(_tiny_skyreels_v2, image_to_video=False, diffusion_forcing=True),
         aliases=("skyreels_v2_df",),
+    ),
+    replace(
+        _SKYREELS_V2_T2V,
+        name="skyreels-v2-df-i2v",
+        diffusers_pipeline="SkyReelsV2DiffusionForcingImageToVideoPipeline",
+        pipeline_cls=SkyReelsV2DiffusionForcingImageToVideoPipeline,
+        task="image-to-video",
+        tiny_builder=partial(_tiny_skyreels_v2, image_to_video=True, diffusion_forcing=True),
+        aliases=("skyreels_v2_df_i2v",),
     ),
 )

@@ -4,8 +4,9 @@ DiT, the Wan 2.1 VAE, UniPC with flow sigmas (flow_shift 8.0 for text-to-video, 
 for image-to-video, a CLIP vision encoder with projection. The image processor is a `CLIPImageProcessor`
 (the released folders ship a `CLIPProcessor`, whose tokenizer the pipelines never use).
 
-`diffusion_forcing` writes a `SkyReelsV2DiffusionForcingPipeline` folder (the DiT injects fps). Used by the
-tests and `diffserve make-tiny skyreels-v2` / `skyreels-v2-i2v` / `skyreels-v2-df`.
+`diffusion_forcing` writes a `SkyReelsV2DiffusionForcingPipeline` folder (the DiT injects fps), with
+`image_to_video` a `SkyReelsV2DiffusionForcingImageToVideoPipeline` one (the same components: no CLIP). Used
+by the tests and `diffserve make-tiny skyreels-v2` / `skyreels-v2-i2v` / `skyreels-v2-df` / `skyreels-v2-df-i2v`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from diffserve.testing.tiny_writing import (
 
 @dataclass
 class TinySkyReelsV2Spec:
-    """Shape of a tiny SkyReels-V2 checkpoint (the tiny Wan 2.1 shapes); `image_to_video` adds CLIP."""
+    """Shape of a tiny SkyReels-V2 checkpoint (the tiny Wan 2.1 shapes); `image_to_video` adds CLIP (not to a
+    diffusion-forcing folder)."""
 
     image_to_video: bool = False
     #: A `SkyReelsV2DiffusionForcingPipeline` folder: the DiT injects fps (`inject_sample_info`).
@@ -59,16 +61,25 @@ def _write_image_encoder(root: Path, wan: TinyWanSpec) -> None:
     ).save_pretrained(root / "image_processor")
 
 
+def _pipeline_name(spec: TinySkyReelsV2Spec) -> str:
+    """The folder's Diffusers pipeline (model_index.json's _class_name)."""
+    if spec.diffusion_forcing:
+        return (
+            "SkyReelsV2DiffusionForcingImageToVideoPipeline"
+            if spec.image_to_video
+            else "SkyReelsV2DiffusionForcingPipeline"
+        )
+    return "SkyReelsV2ImageToVideoPipeline" if spec.image_to_video else "SkyReelsV2Pipeline"
+
+
 def build_tiny_skyreels_v2(out_dir: str | Path, spec: TinySkyReelsV2Spec | None = None) -> Path:
     """Write a random-weight SkyReels-V2 folder (T2V, or I2V with `spec.image_to_video`); return its path."""
     spec = spec or TinySkyReelsV2Spec()
-    wan = TinyWanSpec(image_to_video=spec.image_to_video, seed=spec.seed)
+    # The diffusion-forcing image-to-video folder has the text-to-video DiT and no image encoder.
+    clip = spec.image_to_video and not spec.diffusion_forcing
+    wan = TinyWanSpec(image_to_video=clip, seed=spec.seed)
     root = tiny_folder(out_dir, spec.seed)
     _write_text_encoder(root, wan)
-    if spec.diffusion_forcing and spec.image_to_video:
-        raise ValueError(
-            "the diffusion-forcing folder served is text-to-video: build it without image_to_video"
-        )
     dit_config = {
         **_dit_config(wan),
         "inject_sample_info": spec.diffusion_forcing,
@@ -80,13 +91,7 @@ def build_tiny_skyreels_v2(out_dir: str | Path, spec: TinySkyReelsV2Spec | None 
     vae = random_native_module(AutoencoderKLWan, vae_config, spec.seed + 20)
     save_diffusers_model(vae, root / "vae", "AutoencoderKLWan", vae_config)
     index: dict = {
-        "_class_name": (
-            "SkyReelsV2ImageToVideoPipeline"
-            if spec.image_to_video
-            else "SkyReelsV2DiffusionForcingPipeline"
-            if spec.diffusion_forcing
-            else "SkyReelsV2Pipeline"
-        ),
+        "_class_name": _pipeline_name(spec),
         "_diffusers_version": DIFFUSERS_FORMAT_VERSION,
         "scheduler": ["diffusers", "UniPCMultistepScheduler"],
         "text_encoder": ["transformers", "UMT5EncoderModel"],
@@ -94,7 +99,7 @@ def build_tiny_skyreels_v2(out_dir: str | Path, spec: TinySkyReelsV2Spec | None 
         "transformer": ["diffusers", "SkyReelsV2Transformer3DModel"],
         "vae": ["diffusers", "AutoencoderKLWan"],
     }
-    if spec.image_to_video:
+    if clip:
         _write_image_encoder(root, wan)
         index["image_encoder"] = ["transformers", "CLIPVisionModelWithProjection"]
         index["image_processor"] = ["transformers", "CLIPImageProcessor"]

@@ -101,11 +101,11 @@ class SkyReelsV2Transformer3DModel(WanTransformer3DModel):
         return temb, time_mod
 
     def block_causal_mask(
-        self, frames: int, height: int, width: int, device: torch.device
+        self, frames: int, height: int, width: int, device: torch.device, per_block: int | None = None
     ) -> torch.Tensor | None:
         """(1, 1, seq, seq) bool: frame block `i`'s tokens attend to blocks `<= i`; None for one frame a block.
-        Frames past the last whole block get block indices too (as in Diffusers, which fails on them)."""
-        per_block = int(self.config.num_frame_per_block)
+        `per_block`: frames per block (None: the config's `num_frame_per_block`)."""
+        per_block = int(self.config.num_frame_per_block if per_block is None else per_block)
         if per_block <= 1:
             return None
         if frames % per_block:
@@ -127,12 +127,15 @@ class SkyReelsV2Transformer3DModel(WanTransformer3DModel):
         fps: torch.Tensor | list[int] | None = None,
         step_cache: BatchStepCache | None = None,
         context: EmbeddedContext | None = None,
+        num_frame_per_block: int | None = None,
     ) -> torch.Tensor:
         """Predict the flow-matching velocity for video latents (`WanTransformer3DModel.forward`'s inputs).
 
         `timestep`: (batch,) or (1,) one per row; (batch, latent frames) one per frame (diffusion forcing,
         Diffusers' `enable_diffusion_forcing=True`); or (batch, tokens) one per patch token. `fps`: the
         index (0 or 1) per row or one for all, needed by `inject_sample_info` models and ignored by others.
+        `num_frame_per_block`: the block-causal attention's frames per block for this call (None: the config's;
+        Diffusers' diffusion-forcing pipelines set it from their `causal_block_size`).
         """
         grid = video_patch_grid(hidden_states, self.config.patch_size)
         batch = hidden_states.shape[0]
@@ -145,7 +148,7 @@ class SkyReelsV2Transformer3DModel(WanTransformer3DModel):
         ctx, image_len = context.states, context.image_len
 
         rope = self.rope_tables(*grid, hidden_states.device)
-        mask = self.block_causal_mask(*grid, hidden_states.device)
+        mask = self.block_causal_mask(*grid, hidden_states.device, num_frame_per_block)
         x = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
         dtype = x.dtype
         temb, time_mod = self.time_embedding(timestep, ctx.dtype, fps)

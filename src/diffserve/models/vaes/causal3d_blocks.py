@@ -183,8 +183,21 @@ class ChannelRMSNorm(nn.Module):
         upcast = x.dtype in (torch.float16, torch.bfloat16) or str(x.dtype).startswith(
             ("torch.float8", "torch.float4")
         )
-        normalized = F.normalize(x.float() if upcast else x, dim=1).to(x.dtype)
+        normalized = normalize_channels(x.float() if upcast else x).to(x.dtype)
         return normalized * self.scale * self.gamma
+
+
+def normalize_channels(x: torch.Tensor) -> torch.Tensor:
+    """`F.normalize(x, dim=1)`. On the CPU the squared norm is summed channel by channel instead: torch's
+    CPU norm kernel reduces the strided channel axis slowly (2-8x slower at a VAE's widths and sizes),
+    while a running sum of channel products streams through memory and needs no full-size temporary. The
+    same maths; the sum's float rounding may differ in the last bit."""
+    if x.device.type != "cpu" or x.shape[1] == 0:
+        return F.normalize(x, dim=1)
+    squared = x[:, 0].square()
+    for channel in range(1, x.shape[1]):
+        squared.addcmul_(x[:, channel], x[:, channel])
+    return x / squared.sqrt_().clamp_min_(1e-12).unsqueeze(1)
 
 
 class ResidualBlock(nn.Module):
