@@ -6,6 +6,8 @@ writes nothing, and both exit 0."""
 from __future__ import annotations
 
 import os
+import random
+import socket
 import subprocess
 import sys
 
@@ -13,13 +15,26 @@ import numpy as np
 from PIL import Image
 
 from diffserve.api import DiffGenerator
-from diffserve.distributed.launch import free_port
+
+
+def unassigned_port() -> int:
+    """A loopback port free now, below the ephemeral range (32768+ on Linux) from which the OS hands out
+    the ports of other tests' listeners and connections, so none of them takes it before the nodes bind it."""
+    while True:
+        port = random.randrange(20000, 32000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+
 
 ARGS = ["--prompt", "a fox", "--height", "64", "--width", "48", "--num-inference-steps", "2", "--seed", "1"]
 
 
 def test_two_nodes_over_the_loopback_make_the_one_rank_image(tiny_flux_dir, tmp_path) -> None:
-    port = free_port()
+    port = unassigned_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
     def node(rank: int) -> subprocess.Popen:

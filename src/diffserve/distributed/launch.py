@@ -4,8 +4,8 @@ The process that creates the `DiffGenerator` (the CLI, a script, the server's en
 its engine schedules. `start_ranks` spawns the other ranks of its node as worker processes ('spawn'
 context), each on its own device (platform device index = local rank; on the CPU every rank uses the
 CPU: each "gpu" is one rank process over gloo), and joins them in a process group on the platform's
-backend through torch.distributed's TCP rendezvous: a free loopback port, or `--dist-init-addr` on
-several nodes. Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT set) nothing is spawned:
+backend through a store rank 0 opens on a loopback port the OS assigns (`rendezvous.py`), or through
+torch's TCP rendezvous at `--dist-init-addr` on several nodes. Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT set) nothing is spawned:
 each torchrun process is its rank (`is_follower` tells the others apart from rank 0).
 
 Workers never outlive their parent: each watches a pipe from it (EOF when the parent dies, however it
@@ -22,7 +22,6 @@ import atexit
 import logging
 import multiprocessing as mp
 import os
-import socket
 from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -34,6 +33,7 @@ import torch.distributed as dist
 
 from diffserve.distributed.config import ParallelConfig
 from diffserve.distributed.interrupts import hold_interrupts, ignore_interrupts
+from diffserve.distributed.rendezvous import join_process_group, open_local_store
 from diffserve.distributed.state import ParallelState, build_parallel_state
 from diffserve.distributed.worker import STOP, RankArgs, RankSpec, ServeRank, run_rank, worker_main
 from diffserve.platforms.base import Platform
@@ -47,13 +47,6 @@ JOIN_TIMEOUT_S = 10.0
 
 class RankFailedError(RuntimeError):
     """Another rank failed an op, died, or did not answer in time."""
-
-
-def free_port() -> int:
-    """A TCP port on the loopback that is free now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def under_torchrun() -> bool:
@@ -71,7 +64,9 @@ def is_follower(config: ParallelConfig) -> bool:
     return config.is_distributed and global_rank(config) != 0
 
 
-def _init_method(config: ParallelConfig) -> str:
+def _init_method(config: ParallelConfig) -> str | None:
+    """torch's rendezvous URL of a torchrun or multi-node launch; None for one node's own ranks (rank 0
+    opens a loopback store for them: `open_local_store`)."""
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if world != config.num_gpus:
@@ -81,15 +76,19 @@ def _init_method(config: ParallelConfig) -> str:
         return f"tcp://{config.dist_init_addr}"
     if config.nnodes > 1:
         raise RankFailedError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
-    return f"tcp://127.0.0.1:{free_port()}"
+    return None
 
 
 class RankGroup:
     """Rank 0's handle on the ranks: the process group, its `ParallelState`, the local worker processes
     and the control channel (one broadcast op, then one gathered status per rank)."""
 
-    def __init__(self, processes: list[tuple[BaseProcess, Connection]]) -> None:
+    def __init__(
+        self, processes: list[tuple[BaseProcess, Connection]], store: dist.TCPStore | None = None
+    ) -> None:
         self.processes = processes
+        #: The loopback store rank 0 opened for one node's ranks (kept alive with the group), or None.
+        self.store = store
         self.state: ParallelState | None = None
         self.closed = False
         self.failure: RankFailedError | None = None  # once set, every op fails at once with it
@@ -98,10 +97,9 @@ class RankGroup:
     def join(self, spec: RankSpec, platform: Platform) -> None:
         """Join the process group as rank 0 and build its state (blocks until every rank has joined)."""
         timeout = timedelta(seconds=spec.args.dist_timeout)
-        dist.init_process_group(
-            platform.dist_backend, init_method=spec.init_method, rank=0, world_size=spec.world_size,
-            timeout=timeout,
-        )  # fmt: skip
+        join_process_group(
+            platform.dist_backend, spec.init_method, 0, spec.world_size, timeout, store=self.store
+        )
         self.state = build_parallel_state(spec.args.parallel_config(), spec.local_rank, timeout)
 
     def check_alive(self) -> None:
@@ -170,9 +168,11 @@ class RankGroup:
 def start_ranks(args: RankArgs, platform: Platform, serve: ServeRank) -> RankGroup:
     """Rank 0: spawn this node's other ranks (each runs `serve`) and join the process group with them."""
     config = args.parallel_config()
-    init_method = _init_method(config)
+    init_method, store = _init_method(config), None
+    if init_method is None:
+        store, init_method = open_local_store(config.num_gpus, timedelta(seconds=args.dist_timeout))
     spec = _spec(args, config, 0, 0, init_method, serve)
-    group = RankGroup(_spawn_local(spec, config, first_rank=0))
+    group = RankGroup(_spawn_local(spec, config, first_rank=0), store)
     try:
         group.join(spec, platform)
     except BaseException:
@@ -187,6 +187,8 @@ def run_follower(args: RankArgs, serve: ServeRank) -> None:
     torchrun), then `serve` rank 0's ops as a rank in this process until it says stop."""
     config = args.parallel_config()
     init_method = _init_method(config)
+    if init_method is None:
+        raise RankFailedError("a follower rank needs torchrun or --dist-init-addr (node 0's address)")
     rank = global_rank(config)
     local_rank = int(os.environ["LOCAL_RANK"]) if under_torchrun() else 0
     spec = _spec(args, config, rank, local_rank, init_method, serve)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from diffserve.distributed.config import ParallelConfig
+from diffserve.distributed.rendezvous import join_process_group
 from diffserve.distributed.state import ParallelState, build_parallel_state
 from diffserve.platforms import Platform, resolve_platform
 
@@ -63,7 +64,9 @@ class RankSpec:
     rank: int
     local_rank: int
     world_size: int
-    init_method: str  # "tcp://host:port", or "env://" under torchrun
+    init_method: (
+        str  # "diffserve-store://127.0.0.1:port" (one node), "tcp://host:port", or "env://" (torchrun)
+    )
     num_threads: int
     serve: ServeRank
     log_level: int = logging.WARNING
@@ -154,9 +157,9 @@ def run_rank(spec: RankSpec) -> None:
     logging.basicConfig(level=spec.log_level, format=f"[rank {spec.rank}] %(asctime)s %(message)s")
     platform = resolve_platform(spec.args.device).for_rank(spec.local_rank)
     platform.bind_device()
-    dist.init_process_group(
-        platform.dist_backend, init_method=spec.init_method, rank=spec.rank, world_size=spec.world_size,
-        timeout=timedelta(seconds=spec.args.dist_timeout),
+    join_process_group(
+        platform.dist_backend, spec.init_method, spec.rank, spec.world_size,
+        timedelta(seconds=spec.args.dist_timeout),
     )  # fmt: skip
     try:
         state = build_parallel_state(spec.args.parallel_config(), spec.local_rank, IDLE_CONTROL_TIMEOUT)

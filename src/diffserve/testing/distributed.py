@@ -1,7 +1,7 @@
 """Run a function on `world_size` local rank processes joined in a gloo process group (tests, benchmarks).
 
 `run_distributed(fn, world_size, *args)` starts one process per rank, each with one torch thread, joins
-them with `init_process_group("gloo", init_method="tcp://127.0.0.1:<free port>")`, calls
+them in a gloo group through a loopback store this process opens (`distributed.rendezvous`), calls
 `fn(rank, world_size, *args)` and returns the values by rank. An exception on any rank is re-raised
 in the parent with that rank's traceback; the other ranks (likely blocked in a collective) are then
 terminated. Every process is daemonic and is joined or terminated before the call returns, so none
@@ -39,7 +39,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from diffserve.distributed.launch import free_port
+from diffserve.distributed.rendezvous import join_process_group, open_local_store
 
 T = TypeVar("T")
 
@@ -67,7 +67,7 @@ class DistributedRunError(RuntimeError):
 def _rank_main(
     rank: int,
     world_size: int,
-    port: int,
+    init_method: str,
     timeout_s: float,
     results: mp.Queue,
     fn: Callable[..., object],
@@ -77,13 +77,7 @@ def _rank_main(
     torch.set_num_threads(1)
     try:
         try:
-            dist.init_process_group(
-                "gloo",
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world_size,
-                timeout=timedelta(seconds=timeout_s),
-            )
+            join_process_group("gloo", init_method, rank, world_size, timedelta(seconds=timeout_s))
             message = (rank, "ok", pickle.dumps(fn(rank, world_size, *args)))
         except BaseException:  # noqa: BLE001 - everything is reported to the parent, which re-raises
             message = (rank, "error", traceback.format_exc())
@@ -177,11 +171,13 @@ def run_distributed(
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(list(RANK_PRELOAD))
     results: mp.Queue = context.Queue()
-    port = free_port()
+    # The ranks join a store this process opens on a port the OS assigns now (no free-port race with
+    # the other test workers' groups); it lives until the ranks are done.
+    store, init_method = open_local_store(world_size, timedelta(seconds=timeout_s))  # noqa: F841 (kept alive)
     processes: list[BaseProcess] = [
         context.Process(
             target=_rank_main,
-            args=(rank, world_size, port, timeout_s, results, fn, args),
+            args=(rank, world_size, init_method, timeout_s, results, fn, args),
             name=f"diffserve-rank-{rank}",
             daemon=True,
         )
