@@ -11,11 +11,12 @@ test_ray_serve.py's replicas (1 CPU each) land one per node whatever the custom 
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from diffserve.testing.ports import unassigned_port
 
 #: The files that use the shared cluster (the `cluster` fixture), which tests/conftest.py's `SHARED_UNITS`
 #: groups: a test of any other file tears the cluster down first.
@@ -27,12 +28,6 @@ RAY_CLUSTER_FILES = tuple(
 FAST_AUTOSCALING_METRICS = {
     f"RAY_SERVE_{who}_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5" for who in ("HANDLE", "REPLICA")
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class SharedCluster:
@@ -64,7 +59,7 @@ class SharedCluster:
         try:
             nodes.add_node(num_cpus=1, resources={"big": 1}, object_store_memory=memory)
             ray.init(address=nodes.address, log_to_driver=False)
-            port = free_port()
+            port = unassigned_port()
             serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         except BaseException:
             ray.shutdown()

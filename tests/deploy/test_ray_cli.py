@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,20 +15,16 @@ import httpx
 import psutil
 import pytest
 
+from diffserve.testing.ports import unassigned_port
+
 pytest.importorskip("ray", reason='the Ray Serve tests need the extra: pip install "diffserve[ray]"')
 openai = pytest.importorskip("openai")
 
 STARTUP_TIMEOUT_S = 240
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_ray_serves_and_stops_on_sigterm(tmp_path) -> None:
-    port = free_port()
+    port = unassigned_port()
     log = tmp_path / "serve.log"
     command = [sys.executable, "-m", "diffserve.cli.main", "serve", "--ray", "--num-replicas", "1",
                "--port", str(port), "--output-path", str(tmp_path / "out"), "--log-level", "warning"]  # fmt: skip

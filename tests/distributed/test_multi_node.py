@@ -6,8 +6,6 @@ writes nothing, and both exit 0."""
 from __future__ import annotations
 
 import os
-import random
-import socket
 import subprocess
 import sys
 
@@ -15,20 +13,7 @@ import numpy as np
 from PIL import Image
 
 from diffserve.api import DiffGenerator
-
-
-def unassigned_port() -> int:
-    """A loopback port free now, below the ephemeral range (32768+ on Linux) from which the OS hands out
-    the ports of other tests' listeners and connections, so none of them takes it before the nodes bind it."""
-    while True:
-        port = random.randrange(20000, 32000)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-
+from diffserve.testing.ports import unassigned_port
 
 ARGS = ["--prompt", "a fox", "--height", "64", "--width", "48", "--num-inference-steps", "2", "--seed", "1"]
 

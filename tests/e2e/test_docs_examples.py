@@ -45,6 +45,8 @@ import httpx
 import pytest
 from markdown_it import MarkdownIt
 
+from diffserve.testing.ports import unassigned_port
+
 REPO = Path(__file__).resolve().parents[2]
 DOCUMENTS = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))
 RUN_LANGUAGES = ("bash", "python")
@@ -139,12 +141,6 @@ def marker_server_block(server_args: str) -> str:
 def marker_server_command(server_args: str, port: int, tmp_root: Path) -> str:
     """The `diffserve serve` command a server marker asks for, rewritten as the document's blocks are."""
     return rewrite(marker_server_block(server_args), port, tmp_root)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class PortForward:
@@ -463,7 +459,7 @@ class Reader:
         self.release_server()
         canonical = canonical_serve_command(documented)
         self.servers.used(canonical)
-        port = free_port()
+        port = unassigned_port()
         code = rewrite(documented, port, self.tmp_root)
         split = split_serve(code) if canonical is not None and code.count(str(port)) == 1 else None
         if split is None:  # not a plain serve line: start the whole block, never shared

@@ -25,9 +25,10 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from server_process import free_port, start_server
+from server_process import start_server
 
 from diffserve.masks import edit_mask
+from diffserve.testing.ports import unassigned_port
 
 PACK_DIR = Path(__file__).resolve().parents[2] / "integrations" / "comfyui"
 API_KEY = "comfy-key-42"
@@ -247,7 +248,7 @@ def test_lora_selection_text(pack) -> None:
 
 
 def test_unreachable_server_names_the_url(pack) -> None:
-    url = f"http://127.0.0.1:{free_port()}"
+    url = f"http://127.0.0.1:{unassigned_port()}"
     with pytest.raises(
         pack.client.DiffserveError, match=r"cannot reach the diffserve server at http://127\.0\.0\.1"
     ):

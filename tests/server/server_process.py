@@ -5,7 +5,6 @@ A plain module (not conftest.py) so test files can import `start_server` by name
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,18 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from diffserve.testing.ports import unassigned_port
+
 if TYPE_CHECKING:
     import openai
 
 API_KEY = "test-key-123"
 MODEL_NAME = "tiny-flux"
 STARTUP_TIMEOUT_S = 180
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -102,7 +97,7 @@ def start_server(
 ) -> ServerProcess:
     """`output_dir`: default `work_dir/outputs`; pass another server's to restart on its files. `api_key`:
     the server's `--api-key`, which the returned process's `headers` then send."""
-    port = free_port()
+    port = unassigned_port()
     if api_key is not None:
         extra = (*extra, "--api-key", api_key)
     output_dir = output_dir or work_dir / "outputs"
