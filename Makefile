@@ -32,9 +32,9 @@ demo: $(RUNTIME_STAMP)
 
 # The tests cache byte code (git-ignored __pycache__/) even where PYTHONDONTWRITEBYTECODE is set: the suite
 # starts hundreds of Python processes, and tests/conftest.py re-enables it for them; the empty value here also
-# covers pytest's own start-up (its plugins' rewritten modules). Three workers on two cores: many tests wait on
-# processes they started (servers and engines loading, rank processes, sleeps of shutdown and watchdog tests),
-# and a third worker fills that idle CPU (one machine, same tree: 687 s with -n 3, 790-825 s with -n 2).
+# covers pytest's own start-up (its plugins' rewritten modules). Two workers, one per core: a third one
+# (tried: 687 s in a warm tree) gained nothing from a fresh clone (874 s against 832 s with two), where the
+# cold compiles and the README's CLI runs are CPU-bound, and it made the Ray tests 2.5x slower.
 # tests/conftest.py orders the files so that the longest start first.
 # tests/browser drives the web UI in a headless Chromium: as root with apt-get, Debian's is installed when
 # missing (quietly); otherwise those tests skip, saying why.
@@ -45,7 +45,7 @@ test: $(TEST_STAMP)
 		echo "make test: could not install chromium with apt-get; tests/browser will be skipped"
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m ruff format --check $(LINT_PATHS)
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n 3 --dist loadfile tests
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n 2 --dist loadfile tests
 
 lint: $(TEST_STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)

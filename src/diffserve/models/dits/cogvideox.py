@@ -26,6 +26,13 @@ Positions, as Diffusers' pipeline and patch embedding make them:
   the video's grid resizes to (`linspace`); 1.5 numbers them 0, 1, 2, ... up to that grid (`slice`).
 
 Timesteps are embedded per sample, so requests at different steps share one forward.
+
+Sequence parallelism (Ulysses, Ring, USP; `distributed/sequence_split.py`): the text and the video tokens
+are two streams, each split over the sequence-parallel ranks after the positions are added (so every token
+keeps its own); the RoPE rows are cut with the video tokens. Every block's attention runs over the local
+[text; video] shards with `sequence_attention` (the shards' padding masked; CogVideoX has no text mask),
+everything else in a block is per token, and the video tokens are gathered before the output head. With
+one sequence-parallel rank nothing changes.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffserve.layers.attention import attention
+from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.layers.embeddings import TimestepEmbedding, timestep_sinusoids
 from diffserve.layers.feedforward import FeedForward
 from diffserve.layers.shape_cache import BoundedCache
@@ -237,7 +244,8 @@ class JointAttention(nn.Module):
         if rope is not None:
             q = torch.cat([q[:, :text_len], apply_rope(q[:, text_len:], *rope)], dim=1)
             k = torch.cat([k[:, :text_len], apply_rope(k[:, text_len:], *rope)], dim=1)
-        return self.to_out[0](attention(q, k, v).reshape(b, n, -1))
+        # Over every rank's tokens inside a sequence-split scope; plain attention on one rank.
+        return self.to_out[0](sequence_attention(q, k, v).reshape(b, n, -1))
 
 
 class CogVideoXBlock(nn.Module):
@@ -304,8 +312,6 @@ class PatchEmbed(nn.Module):
 class CogVideoXTransformer3DModel(DiffusersDiT):
     diffusers_class_name: ClassVar[str] = "CogVideoXTransformer3DModel"
     config_class = CogVideoXTransformerConfig
-    #: The forward runs on one device (no sequence split yet).
-    sequence_parallel: ClassVar[bool] = False
 
     def __init__(self, config: CogVideoXTransformerConfig) -> None:
         super().__init__(config)
@@ -403,8 +409,11 @@ class CogVideoXTransformer3DModel(DiffusersDiT):
             tokens = tokens + self.positions(f, h, w, n, tokens.device, tokens.dtype)
         text, x = tokens[:, :n], tokens[:, n:]
         rope = self.rope(f, h, w, hidden_states.device)
-        for block in self.transformer_blocks:
-            x, text = block(x, text, emb, rope)
+        split = sequence_split([n, x.shape[1]])
+        if split is None:
+            x = self._run_blocks(x, text, emb, rope)
+        else:
+            x = self._run_blocks_split(split, x, text, emb, rope)
         x = self.proj_out(self.norm_out(self.norm_final(x), emb))
         p = c.patch_size
         if c.patch_size_t is None:
@@ -413,6 +422,38 @@ class CogVideoXTransformer3DModel(DiffusersDiT):
         pt = c.patch_size_t
         out = x.reshape(b, (f + pt - 1) // pt, h // p, w // p, -1, pt, p, p)
         return out.permute(0, 1, 5, 4, 2, 6, 3, 7).flatten(6, 7).flatten(4, 5).flatten(1, 2)
+
+    def _run_blocks(
+        self,
+        x: torch.Tensor,
+        text: torch.Tensor,
+        emb: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """Every block over the video and text tokens; the video tokens the output head reads."""
+        for block in self.transformer_blocks:
+            x, text = block(x, text, emb, rope)
+        return x
+
+    def _run_blocks_split(
+        self,
+        split: SequenceSplit,
+        x: torch.Tensor,
+        text: torch.Tensor,
+        emb: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """`_run_blocks` with the text (stream 0) and video (stream 1) tokens split over the
+        sequence-parallel ranks: the blocks concatenate the local [text; video] shards in the split's
+        stream order, the scope masks the shards' padding, and the RoPE rows (video only) are cut with the
+        video tokens. The video tokens are gathered back at the end."""
+        text_stream, video = 0, 1
+        if rope is not None:
+            rope = (split.split(video, rope[0], dim=0), split.split(video, rope[1], dim=0))
+        x, text = split.split(video, x), split.split(text_stream, text)
+        with split.attention_scope(x.shape[0], x.device):
+            x = self._run_blocks(x, text, emb, rope)
+        return split.gather(video, x)
 
 
 class _AdaLayerNormOut(nn.Module):

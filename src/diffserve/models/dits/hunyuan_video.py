@@ -33,7 +33,16 @@ Differences from Diffusers' forward that do not change the numbers for the input
 - `forward` returns the sample tensor itself (Diffusers' `return_dict=False` gives `(sample,)`).
 - `qk_norm` other than "rms_norm" (the released checkpoints' value) is rejected.
 
-Not implemented yet: sequence and tensor parallelism and the step cache (the model is refused for them).
+Sequence parallelism (Ulysses, Ring, USP; `distributed/sequence_split.py`): the video tokens (with their
+RoPE rows) and the cut context tokens are two streams, each split over the sequence-parallel ranks; every
+block's joint attention runs over the local [video; context] shards with `sequence_attention`, the text
+mask (the counts' key mask) and the shards' padding masked, and the video tokens are gathered before the
+output head. The token refiner runs whole on every rank (its (txt, txt) mask masks queries too, and the
+text is short). "token_replace" splits too: the first frame is the leading video tokens, so each rank
+modulates the first-frame tokens its shard holds (`_local_first_frame`). With one sequence-parallel rank
+nothing changes.
+
+Not implemented yet: tensor parallelism and the step cache (the model is refused for them).
 """
 
 from __future__ import annotations
@@ -47,9 +56,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.distributed.sequence_split import SequenceSplit, sequence_split
 from diffserve.layers.adaln import AdaLayerNormContinuous
 from diffserve.layers.embeddings import CombinedTimestepTextEmbedding
 from diffserve.layers.patches import video_patch_grid
+from diffserve.layers.rotary import RopeTables
 from diffserve.models.dits.base import DiTConfig
 from diffserve.models.dits.hunyuan_video15 import (
     HunyuanVideo15PatchEmbed,
@@ -152,8 +163,6 @@ class HunyuanVideoTransformer3DModel(HunyuanVideoGridDiT):
 
     diffusers_class_name: ClassVar[str] = "HunyuanVideoTransformer3DModel"
     config_class = HunyuanVideoTransformerConfig
-    #: Its forward runs whole on one device: sequence parallelism is refused at load.
-    sequence_parallel: ClassVar[bool] = False
 
     def __init__(self, config: HunyuanVideoTransformerConfig) -> None:
         super().__init__(config)
@@ -233,12 +242,61 @@ class HunyuanVideoTransformer3DModel(HunyuanVideoGridDiT):
         if self.config.token_replace:
             first_act = F.silu(first_frame_temb(self.time_text_embed, timestep, pooled_projections))
             first = (FirstFrame(grid[1] * grid[2], first_act),)
+        split = sequence_split([x.shape[1], ctx.shape[1]])
+        if split is None:
+            x = self._run_blocks(x, ctx, temb_act, rope, key_mask, first)
+        else:
+            x = self._run_blocks_split(split, x, ctx, temb_act, rope, key_mask, first)
+        return self.unpatchify(self.proj_out(self.norm_out(x, temb_act)), grid, hidden_states.shape)
+
+    def _run_blocks(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        temb_act: torch.Tensor,
+        rope: RopeTables,
+        key_mask: torch.Tensor | None,
+        first: tuple[FirstFrame, ...],
+    ) -> torch.Tensor:
+        """Every double- then single-stream block; the video tokens the output head reads."""
         for block in self.transformer_blocks:
             x, ctx = block(x, ctx, temb_act, rope, key_mask, *first)
         for block in self.single_transformer_blocks:
             x, ctx = block(x, ctx, temb_act, rope, key_mask, *first)
+        return x
 
-        return self.unpatchify(self.proj_out(self.norm_out(x, temb_act)), grid, hidden_states.shape)
+    def _run_blocks_split(
+        self,
+        split: SequenceSplit,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        temb_act: torch.Tensor,
+        rope: RopeTables,
+        key_mask: torch.Tensor | None,
+        first: tuple[FirstFrame, ...],
+    ) -> torch.Tensor:
+        """`_run_blocks` with the video (stream 0) and context (stream 1) tokens split over the
+        sequence-parallel ranks (module docstring).
+
+        The blocks concatenate [video; context] locally in the order of the split's streams, so the
+        scope's joint key mask (the shards' padding, the context's text mask) lines up with their keys;
+        they get no `key_mask` of their own. The RoPE tables cover the video tokens only and are cut
+        like them. The video tokens are gathered back at the end."""
+        video, context = 0, 1
+        text_mask = None if key_mask is None else key_mask[:, 0, 0, x.shape[1] :]
+        rope = tuple(split.split(video, table, dim=0) for table in rope)
+        first = tuple(_local_first_frame(split, f) for f in first)
+        x, ctx = split.split(video, x), split.split(context, ctx)
+        with split.attention_scope(x.shape[0], x.device, [None, text_mask]):
+            x = self._run_blocks(x, ctx, temb_act, rope, None, first)
+        return split.gather(video, x)
+
+
+def _local_first_frame(split: SequenceSplit, first: FirstFrame) -> FirstFrame:
+    """`first` on this rank's video shard: the first frame is the leading `first.tokens` video tokens, so
+    the shard's own first-frame tokens lead it too; their count is its overlap with them (0 past them)."""
+    shard = split.shards[0]
+    return first._replace(tokens=max(0, min(shard.shard_len, first.tokens - shard.start)))
 
 
 def _cut_context(

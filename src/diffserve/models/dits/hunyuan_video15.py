@@ -50,8 +50,8 @@ import torch
 from torch import nn
 
 from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
+from diffserve.distributed.sequence_split import sequence_attention
 from diffserve.layers.adaln import AdaLayerNormContinuous, AdaLayerNormZero
-from diffserve.layers.attention import attention
 from diffserve.layers.feedforward import FeedForward
 from diffserve.layers.joint_attention import JointAttention
 from diffserve.layers.modulation import Modulate
@@ -171,7 +171,11 @@ class HunyuanVideo15Attention(JointAttention):
         q, k, v = self.image_heads(x)
         q, k = self.rope(q, k, *rope)
         cq, ck, cv = self.text_heads(ctx)
-        out = attention(torch.cat([q, cq], 1), torch.cat([k, ck], 1), torch.cat([v, cv], 1), key_mask)
+        # Over every rank's tokens inside a sequence-split scope (HunyuanVideo 1.0 and HunyuanImage 2.1
+        # open one; HunyuanVideo 1.5 does not); plain attention otherwise.
+        out = sequence_attention(
+            torch.cat([q, cq], 1), torch.cat([k, ck], 1), torch.cat([v, cv], 1), key_mask
+        )
         x_out, ctx_out = out.flatten(2).split([x.shape[1], ctx.shape[1]], dim=1)
         return self.to_out[0](x_out), self.to_add_out(ctx_out)
 

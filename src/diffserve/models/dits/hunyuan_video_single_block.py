@@ -1,6 +1,10 @@
 """HunyuanVideo (1.0)'s single-stream block (Diffusers' `HunyuanVideoSingleTransformerBlock`, weight names
 included): one adaLN-Zero over [video; context], attention (RoPE on the video tokens) and a tanh-GELU MLP in
-parallel, one output projection. HunyuanImage 2.1's DiT reuses it."""
+parallel, one output projection. HunyuanImage 2.1's DiT reuses it.
+
+Under a sequence split (HunyuanVideo 1.0's, HunyuanImage 2.1's), `x` and `ctx` are this rank's shards of
+the two streams and the attention (`sequence_attention`) reaches every rank's keys; outside a split scope it
+is plain attention."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffserve.layers.attention import attention
+from diffserve.distributed.sequence_split import sequence_attention
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.residual import gated_residual
@@ -41,7 +45,9 @@ class HunyuanVideoSelfAttention(nn.Module):
         q_video, k_video = self.rope(q[:, :video_len], k[:, :video_len], *rope)
         q = torch.cat([q_video, q[:, video_len:]], dim=1)
         k = torch.cat([k_video, k[:, video_len:]], dim=1)
-        return attention(q, k, v, key_mask).flatten(2)
+        # Over every rank's tokens inside a sequence-split scope (HunyuanVideo 1.0's, HunyuanImage 2.1's);
+        # plain attention otherwise.
+        return sequence_attention(q, k, v, key_mask).flatten(2)
 
 
 class HunyuanVideoSingleTransformerBlock(nn.Module):

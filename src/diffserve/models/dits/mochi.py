@@ -14,6 +14,17 @@
 
 Inputs and outputs are in Diffusers' layout (batch, channels, frames, height, width). Timesteps are embedded
 per sample, so requests at different steps share one forward; each sample has its own text mask.
+
+Sequence parallelism (Ulysses, Ring, USP; `distributed/sequence_split.py`): the video and the text tokens
+are two streams, each split over the sequence-parallel ranks (the RoPE rows with the video tokens); every
+block's joint attention runs once over the local [video; text] shards with `sequence_attention`, the text
+mask and the shards' padding masked as keys. That equals the one-device forward's per-length groups for
+the video: a padded text token is a key in no group, and what it computes as a query (zero on one device,
+an attention output here) reaches only its own padded position, which no key, no valid token and not the
+output ever read. A text mask that is not a prefix of valid tokens (T5's padding always is) cannot be
+split: the one-device forward adds each sample's valid tokens' outputs to the leading text positions
+(Diffusers' valid-first packing), a permutation across the text shards; it is refused (ValueError). With
+one sequence-parallel rank nothing changes.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.layers.adaln import AdaLayerNormContinuous
 from diffserve.layers.attention import attention
 from diffserve.layers.embeddings import TimestepEmbedding, timestep_sinusoids
@@ -177,7 +189,9 @@ class MochiAttention(nn.Module):
         tv = layout.valid_first(self.add_v_proj(text).unflatten(2, (h, -1)))
         n, total = x.shape[1], x.shape[1] + text.shape[1]
         if len(layout.groups) == 1 and layout.groups[0][0] == text.shape[1]:
-            out = attention(torch.cat([q, tq], 1), torch.cat([k, tk], 1), torch.cat([v, tv], 1))
+            # Every text token at once: also the sequence-split case (`TextLayout.whole`), where the scope
+            # masks the padded text keys and `sequence_attention` reaches every rank's tokens.
+            out = sequence_attention(torch.cat([q, tq], 1), torch.cat([k, tk], 1), torch.cat([v, tv], 1))
         else:
             # Each group of rows with the same number of valid text tokens attends over the video and those
             # tokens only (Diffusers runs each sample so); the text rows past them stay zero.
@@ -223,6 +237,11 @@ class TextLayout:
             (length, torch.tensor(rows, device=mask.device)) for length, rows in sorted(by_length.items())
         )
         return cls(order, groups)
+
+    @classmethod
+    def whole(cls, batch: int, length: int, device: torch.device) -> TextLayout:
+        """Every one of `length` text tokens in every row, unordered: one attention over them all."""
+        return cls(None, ((length, torch.arange(batch, device=device)),))
 
     def valid_first(self, tokens: torch.Tensor) -> torch.Tensor:
         """(batch, L, ...) text tokens with each sample's valid ones moved to the front."""
@@ -335,8 +354,6 @@ def rope_positions(frames: int, height: int, width: int, device) -> torch.Tensor
 class MochiTransformer3DModel(DiffusersDiT):
     diffusers_class_name: ClassVar[str] = "MochiTransformer3DModel"
     config_class = MochiTransformerConfig
-    #: The forward runs on one device (no sequence split yet).
-    sequence_parallel: ClassVar[bool] = False
 
     def __init__(self, config: MochiTransformerConfig) -> None:
         super().__init__(config)
@@ -377,8 +394,53 @@ class MochiTransformer3DModel(DiffusersDiT):
         x = x.flatten(2).transpose(1, 2).unflatten(0, (b, f)).flatten(1, 2)
         rope = self.rope(f, h // p, w // p, x.device)
         layout = TextLayout.of(mask)
-        for block in self.transformer_blocks:
-            x, text = block(x, text, temb, layout, rope)
+        split = sequence_split([x.shape[1], text.shape[1]])
+        if split is None:
+            x = self._run_blocks(x, text, temb, layout, rope)
+        else:
+            x = self._run_blocks_split(split, x, text, temb, layout, mask, rope)
         x = self.proj_out(self.norm_out(x, F.silu(temb)))
         out = x.reshape(b, f, h // p, w // p, p, p, -1).permute(0, 6, 1, 2, 4, 3, 5)
         return out.reshape(b, -1, f, h, w)
+
+    def _run_blocks(
+        self,
+        x: torch.Tensor,
+        text: torch.Tensor,
+        temb: torch.Tensor,
+        layout: TextLayout,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """Every block over the video and text tokens; the video tokens the output head reads."""
+        for block in self.transformer_blocks:
+            x, text = block(x, text, temb, layout, rope)
+        return x
+
+    def _run_blocks_split(
+        self,
+        split: SequenceSplit,
+        x: torch.Tensor,
+        text: torch.Tensor,
+        temb: torch.Tensor,
+        layout: TextLayout,
+        mask: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """`_run_blocks` with the video (stream 0) and text (stream 1) tokens split over the
+        sequence-parallel ranks (module docstring): one attention per block over the local [video; text]
+        shards, the text mask as the scope's key mask (None when every token is valid). The video tokens
+        are gathered back at the end. ValueError for a text mask that is not a prefix of valid tokens."""
+        if layout.order is not None:
+            raise ValueError(
+                "Mochi's sequence split (--ulysses-degree / --ring-degree) needs each sample's valid text "
+                "tokens first (a prefix mask, as T5's padding): this mask has padding between valid tokens"
+            )
+        video, text_stream = 0, 1
+        all_valid = len(layout.groups) == 1 and layout.groups[0][0] == text.shape[1]
+        text_mask = None if all_valid else mask
+        rope = (split.split(video, rope[0], dim=0), split.split(video, rope[1], dim=0))
+        x, text = split.split(video, x), split.split(text_stream, text)
+        whole = TextLayout.whole(x.shape[0], text.shape[1], x.device)
+        with split.attention_scope(x.shape[0], x.device, [None, text_mask]):
+            x = self._run_blocks(x, text, temb, whole, rope)
+        return split.gather(video, x)

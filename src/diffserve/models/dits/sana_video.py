@@ -29,6 +29,16 @@ Differences from Diffusers that do not change the numbers: the RoPE tables are h
 token grid only (not `rope_max_seq_len` positions) and rotated in float32 (Diffusers rotates in float64
 and rounds to float32); text can be embedded once per request (`embed_context`); the timestep embedding
 is computed once per forward for the blocks and the head.
+
+Sequence parallelism (Ulysses, Ring, USP; `distributed/sequence_split.py`): the video is split over the
+sequence-parallel ranks by whole latent frames (`sequence_split` over the frame axis, the last shards
+padded with zero frames), each rank holding its frames' tokens and RoPE rows (`FrameShard`). The linear
+attention's sums over the tokens (sum_j k~_j v_j^T and sum_j k_j) are all-reduced over the ranks, the
+padded frames' keys zeroed first; the Mix-FFN is per frame and runs locally; the 3-tap temporal conv reads
+the neighbouring ranks' edge frames (one all-gather of two frames per rank); the cross-attention reads the
+replicated text. The frames are gathered before the output head. The sums are reordered (one partial
+sum per rank), so the split equals the one-device forward up to float rounding. DBCache (block ranges)
+is refused under the split. With one sequence-parallel rank nothing changes.
 """
 
 from __future__ import annotations
@@ -39,11 +49,14 @@ from functools import partial
 from typing import ClassVar
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
-from diffserve.distributed.sequence_split import sequence_split
+from diffserve.distributed.sequence_parallel import SequenceShard
+from diffserve.distributed.sequence_split import SequenceSplit, sequence_split
 from diffserve.layers.attention_weights import AttentionWeights
 from diffserve.layers.embeddings import GeluTanhTextProjection
 from diffserve.layers.glumbconv import GLUMBConv
@@ -131,6 +144,44 @@ class SanaVideoTransformerConfig(DiTConfig):
             )
 
 
+@dataclass(frozen=True)
+class FrameShard:
+    """This rank's latent frames of a video split over the sequence-parallel ranks by whole frames: what
+    the blocks need for the sums and the temporal conv that cross the shards."""
+
+    shard: SequenceShard  # over the frame axis: `shard_len` local frames, the last ones maybe padding
+    group: ProcessGroup  # every sequence-parallel rank, in shard order
+    tokens_per_frame: int
+
+    def token_valid(self, device: torch.device) -> torch.Tensor:
+        """(local tokens,) bool: False on the tokens of padded frames."""
+        frames = torch.arange(self.shard.shard_len, device=device) < self.shard.valid_len
+        return frames.repeat_interleave(self.tokens_per_frame)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of `t` over every rank of the split."""
+        t = t.contiguous()
+        dist.all_reduce(t, group=self.group)
+        return t
+
+    def with_neighbours(self, temporal: torch.Tensor) -> torch.Tensor:
+        """(batch, C, local frames, pixels) -> (batch, C, local frames + 2, pixels): the padded frames
+        zeroed, the previous rank's last frame before them and the next rank's first frame after (zeros
+        past the video's ends), what a 3-tap conv along the frames reads at the shard's edges."""
+        valid = self.shard.valid_len
+        if valid < self.shard.shard_len:
+            temporal = torch.cat(
+                [temporal[:, :, :valid], temporal.new_zeros(temporal[:, :, valid:].shape)], 2
+            )
+        edges = torch.cat([temporal[:, :, :1], temporal[:, :, -1:]], dim=2).contiguous()
+        parts = [torch.empty_like(edges) for _ in range(self.shard.degree)]
+        dist.all_gather(parts, edges, group=self.group)
+        index, zero = self.shard.index, torch.zeros_like(edges[:, :, :1])
+        before = parts[index - 1][:, :, 1:] if index > 0 else zero
+        after = parts[index + 1][:, :, :1] if index + 1 < self.shard.degree else zero
+        return torch.cat([before, temporal, after], dim=2)
+
+
 def _across_heads_norm(width: int) -> RMSNorm:
     return RMSNorm(width, eps=RMS_EPS)
 
@@ -144,8 +195,9 @@ class SanaVideoLinearAttention(AttentionWeights):
         self.num_heads = num_heads
         self.rope = RotaryEmbedding()
 
-    def forward(self, x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
-        """(batch, tokens, dim) -> (batch, tokens, dim); `rope`: (tokens, head_dim / 2) tables."""
+    def forward(self, x: torch.Tensor, rope: RopeTables, frames: FrameShard | None = None) -> torch.Tensor:
+        """(batch, tokens, dim) -> (batch, tokens, dim); `rope`: (tokens, head_dim / 2) tables. `frames`:
+        under a sequence split, this rank's frames; the sums over the tokens then cover every rank's."""
         q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
         if self.norm_q is not None:
             q, k = self.norm_q(q), self.norm_k(k)
@@ -156,8 +208,30 @@ class SanaVideoLinearAttention(AttentionWeights):
         # (batch, heads, head_dim, tokens)
         q, k = q.permute(0, 2, 3, 1), k.permute(0, 2, 3, 1)
         q_rot, k_rot, v = (t.permute(0, 2, 3, 1).float() for t in (q_rot, k_rot, v))
+        if frames is not None:
+            return self._split_output(x, q, k, q_rot, k_rot, v, frames)
         normaliser = 1 / (k.sum(dim=-1, keepdim=True).transpose(-2, -1) @ q + LINEAR_ATTENTION_EPS)
         out = ((v @ k_rot.transpose(-1, -2)) @ q_rot) * normaliser
+        out = out.flatten(1, 2).transpose(1, 2).to(x.dtype)
+        return self.to_out[0](out)
+
+    def _split_output(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_rot: torch.Tensor,
+        k_rot: torch.Tensor,
+        v: torch.Tensor,
+        frames: FrameShard,
+    ) -> torch.Tensor:
+        """`forward`'s output from (batch, heads, head_dim, local tokens) q, k (and rotated) and v, with
+        the key sums all-reduced over the ranks; the padded frames' keys are zeroed first."""
+        padding = ~frames.token_valid(k.device)
+        k, k_rot = k.masked_fill(padding, 0), k_rot.masked_fill(padding, 0)
+        key_sum = frames.all_reduce(k.sum(dim=-1, keepdim=True))
+        normaliser = 1 / (key_sum.transpose(-2, -1) @ q + LINEAR_ATTENTION_EPS)
+        out = (frames.all_reduce(v @ k_rot.transpose(-1, -2)) @ q_rot) * normaliser
         out = out.flatten(1, 2).transpose(1, 2).to(x.dtype)
         return self.to_out[0](out)
 
@@ -170,13 +244,19 @@ class GLUMBTempConv(GLUMBConv):
         super().__init__(dim, dim, expand_ratio)
         self.conv_temp = nn.Conv2d(dim, dim, kernel_size=(3, 1), padding=(1, 0), bias=False)
 
-    def forward_video(self, x: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
-        """(batch, frames * height * width, dim) tokens -> the same shape."""
+    def forward_video(
+        self, x: torch.Tensor, frames: int, height: int, width: int, shard: FrameShard | None = None
+    ) -> torch.Tensor:
+        """(batch, frames * height * width, dim) tokens -> the same shape. `shard`: under a sequence split,
+        this rank's `frames`; the temporal conv then reads the neighbouring ranks' edge frames."""
         batch, _, dim = x.shape
         maps = x.reshape(batch * frames, height, width, dim).permute(0, 3, 1, 2)
         h = super().forward(maps)  # (batch * frames, dim, height, width)
         temporal = h.view(batch, frames, dim, height * width).permute(0, 2, 1, 3)  # (B, C, F, HW)
-        temporal = temporal + self.conv_temp(temporal)
+        if shard is None:
+            temporal = temporal + self.conv_temp(temporal)
+        else:
+            temporal = temporal + self.conv_temp(shard.with_neighbours(temporal))[:, :, 1:-1]
         return temporal.permute(0, 2, 3, 1).reshape(batch, frames * height * width, dim)
 
 
@@ -212,17 +292,19 @@ class SanaVideoTransformerBlock(nn.Module):
         modulation: torch.Tensor,
         rope: RopeTables,
         grid: tuple[int, int, int],
+        frames: FrameShard | None = None,
     ) -> torch.Tensor:
-        """x (batch, F*H*W, dim); modulation (batch, 6 * dim); grid the (F, H, W) token grid."""
+        """x (batch, F*H*W, dim); modulation (batch, 6 * dim); grid the (F, H, W) token grid (this rank's
+        frames under a sequence split, `frames` then telling which they are)."""
         mods = self.scale_shift_table[None] + modulation.unflatten(1, (6, self.dim))
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods.unsqueeze(2).unbind(1)
 
         h = (self.norm1(x) * (1 + scale_msa) + shift_msa).to(x.dtype)
-        x = gated_residual(x, gate_msa, self.attn1(h, rope))
+        x = gated_residual(x, gate_msa, self.attn1(h, rope, frames))
         x = x + self.attn2(x, ctx, mask_bias)
 
         h = self.norm2(x) * (1 + scale_mlp) + shift_mlp
-        return gated_residual(x, gate_mlp, self.ff.forward_video(h, *grid))
+        return gated_residual(x, gate_mlp, self.ff.forward_video(h, *grid, frames))
 
 
 def _optional_rows(t: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
@@ -245,8 +327,6 @@ class SanaVideoTransformer3DModel(DiffusersDiT):
     config_class = SanaVideoTransformerConfig
     cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
     cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
-    #: The linear attention sums over every token: the sequence is not split over ranks.
-    sequence_parallel: ClassVar[bool] = False
 
     def __init__(self, config: SanaVideoTransformerConfig) -> None:
         super().__init__(config)
@@ -349,13 +429,38 @@ class SanaVideoTransformer3DModel(DiffusersDiT):
         rope: RopeTables,
         grid: tuple[int, int, int],
     ) -> torch.Tensor:
-        if sequence_split([x.shape[1]]) is not None:
-            raise RuntimeError(
-                "SANA-Video's linear attention sums over every token: its sequence cannot be split over ranks"
-            )
+        split = sequence_split([grid[0]])  # by whole frames
+        if split is not None:
+            return self._run_blocks_split(split, x, ctx, mask_bias, modulation, rope, grid)
         for block in self.transformer_blocks:
             x = block(x, ctx, mask_bias, modulation, rope, grid)
         return x
+
+    def _run_blocks_split(
+        self,
+        split: SequenceSplit,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        mask_bias: torch.Tensor | None,
+        modulation: torch.Tensor,
+        rope: RopeTables,
+        grid: tuple[int, int, int],
+    ) -> torch.Tensor:
+        """`_run_blocks` with the video split over the sequence-parallel ranks by whole frames (module
+        docstring): the tokens and RoPE rows of this rank's frames, the blocks on the local (frames, H, W)
+        grid, the frames gathered back at the end."""
+        frames, height, width = grid
+        shard = FrameShard(split.shards[0], split.group, height * width)
+
+        def by_frame(t: torch.Tensor, dim: int) -> torch.Tensor:
+            local = split.split(0, t.unflatten(dim, (frames, height * width)), dim=dim)
+            return local.flatten(dim, dim + 1)
+
+        x, rope = by_frame(x, 1), (by_frame(rope[0], 0), by_frame(rope[1], 0))
+        local_grid = (shard.shard.shard_len, height, width)
+        for block in self.transformer_blocks:
+            x = block(x, ctx, mask_bias, modulation, rope, local_grid, shard)
+        return split.gather(0, x.unflatten(1, (local_grid[0], height * width)), dim=1).flatten(1, 2)
 
     def _block_range(
         self,
