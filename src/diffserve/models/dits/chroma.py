@@ -24,11 +24,21 @@ query attends unbiased. It is a bias, not a hard mask; it is what the checkpoint
 
 The blocks are FLUX.1's (`FluxTransformerBlock`, `FluxSingleTransformerBlock`: same weights, same
 maths, the same fused projections and last-block shortcut) with their adaLN projections pruned.
+
+Sequence parallelism (Ulysses, Ring, USP; `distributed/sequence_split.py`): as FLUX.1's, the text and image
+streams are split over the sequence-parallel ranks, every block runs on this rank's shards (the last
+single-stream block whole, without its image-rows shortcut) and the image stream is gathered before the
+output head. The text-padding bias `mask_q * mask_k` is not a per-key mask, which is all the split
+attention takes, but it is rank one: `token_bias_attention` carries it in extra channels of every head
+(q gets mask_q, k gets mask_k), so it travels with the shards through the all-to-all and the ring and the
+scores get exactly the bias. Exact in fp32; in half precision q's scaling by sqrt((d + 8) / d) rounds once
+more than on one device. With one sequence-parallel rank nothing changes.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -37,8 +47,7 @@ import torch
 from torch import nn
 
 from diffserve.configs.cache_rule import WHOLE_SPAN_METHODS
-from diffserve.distributed.config import ParallelConfigError
-from diffserve.distributed.sequence_split import sequence_split
+from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.layers.adaln import ADALN_EPS, AdaLayerNormZero
 from diffserve.layers.embeddings import TextProjection, timestep_sinusoids
 from diffserve.layers.modulation import Modulate
@@ -125,21 +134,63 @@ class PrunedAdaLayerNormContinuous(nn.Module):
         return self.modulate(self.norm(x), scale=scale, shift=shift)
 
 
+#: Channels appended to every head to carry the text-padding bias through a split attention: two carry
+#: it, the rest are zeros that keep the head width a multiple of 8 (fused kernels' alignment).
+BIAS_CHANNELS = 8
+
+
+def token_bias_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_mask: torch.Tensor
+) -> torch.Tensor:
+    """`sequence_attention` of (batch, seq, heads, d) q, k, v with the additive bias `mask_q * mask_k`,
+    from `token_mask`, the (batch, seq) 0/1 mask of these (this rank's local) tokens: Chroma's text-padding
+    bias over a split sequence, where the attention takes per-key masks only.
+
+    The bias is rank one, so it rides in `BIAS_CHANNELS` extra channels of every head: the attention's scale
+    becomes 1/sqrt(d'), d' = d + BIAS_CHANNELS, so q's own channels are scaled by sqrt(d' / d), q's extra
+    channels hold mask_q and k's mask_k * sqrt(d') (split into a value and its rounding residual in the
+    dtype, so the bias is 1 within fp32 rounding even in half precision); v's are zeros, and those output
+    channels are dropped. Each score is then q.k / sqrt(d) + mask_q * mask_k."""
+    head_dim = q.shape[-1]
+    width = head_dim + BIAS_CHANNELS
+    root = math.sqrt(width)
+    high = torch.tensor(root, dtype=q.dtype).item()
+    mask = token_mask.to(q.dtype)[:, :, None, None].expand(*q.shape[:3], 1)
+    zeros = q.new_zeros(*q.shape[:3], BIAS_CHANNELS - 2)
+    q = torch.cat([q * math.sqrt(width / head_dim), mask, mask, zeros], dim=-1)
+    k = torch.cat([k, mask * high, mask * (root - high), zeros], dim=-1)
+    v = torch.cat([v, q.new_zeros(*v.shape[:3], BIAS_CHANNELS)], dim=-1)
+    return sequence_attention(q, k, v)[..., :head_dim]
+
+
+def chroma_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """The blocks' attention: `sequence_attention` with the dense (batch, 1, seq, seq) bias of
+    `attention_bias` (or none) on one device; with a (batch, local seq) token mask, which only a split
+    forward passes, `token_bias_attention`."""
+    if attn_mask is not None and attn_mask.ndim == 2:
+        return token_bias_attention(q, k, v, attn_mask)
+    return sequence_attention(q, k, v, attn_mask)
+
+
 class ChromaTransformerBlock(FluxTransformerBlock):
-    """FLUX.1's double-stream block with its two adaLN projections pruned."""
+    """FLUX.1's double-stream block with its two adaLN projections pruned, attending by `chroma_attention`."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int) -> None:
         super().__init__(dim, num_heads, head_dim)
         self.norm1 = PrunedAdaLayerNormZero(dim)
         self.norm1_context = PrunedAdaLayerNormZero(dim)
+        self.attn.attend = chroma_attention
 
 
 class ChromaSingleTransformerBlock(FluxSingleTransformerBlock):
-    """FLUX.1's single-stream block with its adaLN projection pruned."""
+    """FLUX.1's single-stream block with its adaLN projection pruned, attending by `chroma_attention`."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int) -> None:
         super().__init__(dim, num_heads, head_dim)
         self.norm = PrunedAdaLayerNormZeroSingle(dim)
+        self.attn.attend = chroma_attention
 
 
 class ChromaApproximator(nn.Module):
@@ -180,8 +231,6 @@ class ChromaTransformer2DModel(FluxStreamsDiT):
 
     diffusers_class_name: ClassVar[str] = "ChromaTransformer2DModel"
     config_class = ChromaTransformerConfig
-    #: Its text-padding bias is not a per-key mask, which the sequence-parallel attention takes: refused.
-    sequence_parallel: ClassVar[bool] = False
     cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS
     cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks", "single_transformer_blocks")
 
@@ -277,7 +326,6 @@ class ChromaTransformer2DModel(FluxStreamsDiT):
         timestep = timestep.to(x.dtype).expand(batch) * 1000
         block_mods, out_mod = self.modulations(timestep)
         ctx = self.embed_context(encoder_hidden_states) if context is None else context
-        bias = None if text_mask is None else attention_bias(text_mask, x.shape[1], x.dtype)
         x = run_with_step_cache(
             step_cache,
             x,
@@ -287,7 +335,7 @@ class ChromaTransformer2DModel(FluxStreamsDiT):
                 take_rows(ctx, rows),
                 [take_rows(m, rows) for m in block_mods],
                 rope,
-                None if bias is None else take_rows(bias, rows),
+                None if text_mask is None else take_rows(text_mask, rows),
             ),
         )
         return self.proj_out(self.norm_out.modulate_projected(x, out_mod))
@@ -298,16 +346,14 @@ class ChromaTransformer2DModel(FluxStreamsDiT):
         ctx: torch.Tensor,
         mods: Sequence[torch.Tensor],
         rope: RopeTables,
-        bias: torch.Tensor | None,
+        text_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         """Every block; returns the image tokens the output head reads (the last single-stream block
-        computes only those, as FLUX.1's)."""
-        if sequence_split([ctx.shape[1], x.shape[1]]) is not None:
-            raise ParallelConfigError(
-                "sequence parallelism (--ulysses-degree / --ring-degree) is not implemented for the Chroma "
-                "DiT (its text-padding bias is not a per-key mask); serve it with --tp-size or "
-                "--enable-cfg-parallel instead"
-            )
+        computes only those, as FLUX.1's). `text_mask`: `forward`'s, of these rows."""
+        split = sequence_split([ctx.shape[1], x.shape[1]])
+        if split is not None:
+            return self._run_blocks_split(split, x, ctx, mods, rope, text_mask)
+        bias = None if text_mask is None else attention_bias(text_mask, x.shape[1], x.dtype)
         mods_iter = iter(mods)
         for block in self.transformer_blocks:
             ctx, x = block(x, ctx, next(mods_iter), next(mods_iter), rope, bias)
@@ -319,3 +365,35 @@ class ChromaTransformer2DModel(FluxStreamsDiT):
         for block in leading:
             h = block(h, next(mods_iter), rope, attn_mask=bias)
         return last(h, next(mods_iter), rope, text_len=text_len, attn_mask=bias)
+
+    def _run_blocks_split(
+        self,
+        split: SequenceSplit,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        mods: Sequence[torch.Tensor],
+        rope: RopeTables,
+        text_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """`_run_blocks` with the text (stream 0) and image (stream 1) tokens split over the sequence-parallel
+        ranks (module docstring): the blocks get the local [text; image] token mask in place of the dense
+        bias (`chroma_attention`), the last single-stream block runs whole (its image-rows shortcut would give
+        queries and keys different lengths), and the image stream is gathered back at the end."""
+        text, image = 0, 1
+        token_mask = None
+        if text_mask is not None:
+            local_text = split.split(text, text_mask.to(x.dtype))
+            local_image = local_text.new_ones(x.shape[0], split.shards[image].shard_len)
+            token_mask = torch.cat([local_text, local_image], dim=1)
+        x, ctx = split.split(image, x), split.split(text, ctx)
+        rope = split.split_rope(rope)
+        mods_iter = iter(mods)
+        with split.attention_scope(x.shape[0], x.device):
+            for block in self.transformer_blocks:
+                ctx, x = block(x, ctx, next(mods_iter), next(mods_iter), rope, token_mask)
+            if self.single_transformer_blocks:
+                h = torch.cat([ctx, x], dim=1)
+                for block in self.single_transformer_blocks:
+                    h = block(h, next(mods_iter), rope, attn_mask=token_mask)
+                x = h[:, ctx.shape[1] :]
+        return split.gather(image, x)

@@ -48,7 +48,7 @@ from diffserve.layers.adaln import AdaLayerNormContinuous, AdaLayerNormZero
 from diffserve.layers.embeddings import CombinedTimestepTextEmbedding
 from diffserve.layers.feedforward import FeedForward
 from diffserve.layers.fused_linear import FusedLinear
-from diffserve.layers.joint_attention import Heads, RotaryJointAttention
+from diffserve.layers.joint_attention import AttentionFn, Heads, RotaryJointAttention
 from diffserve.layers.lora_linear import LoraLinear
 from diffserve.layers.mlp import gelu_tanh_logistic
 from diffserve.layers.modulation import Modulate
@@ -266,7 +266,12 @@ class FluxSelfAttention(nn.Module):
 
     The block owns the projections' use because it fuses them with its MLP input projection (all
     four read the same modulated input); this module keeps the q/k/v weights under Diffusers' names.
+    `attend` is the attention it runs, as `FluxJointAttention.attend` (a DiT built on these blocks may set
+    its own on the instance: Chroma's text-padding bias).
     """
+
+    #: Over this rank's shard when the sequence is split.
+    attend: AttentionFn = staticmethod(sequence_attention)
 
     def __init__(self, dim: int, num_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -289,7 +294,7 @@ class FluxSelfAttention(nn.Module):
         """Attention over projected (batch, seq, heads, head_dim) q, k, v; returns (batch, seq, inner).
         `attn_mask`: broadcastable to (batch, heads, q seq, k seq), bool or an additive bias (None: none)."""
         q, k = self.rope(self.norm_q(q), self.norm_k(k), *rope)
-        return sequence_attention(q, k, v, attn_mask).flatten(2)
+        return self.attend(q, k, v, attn_mask).flatten(2)
 
 
 class FluxTransformerBlock(nn.Module):

@@ -26,6 +26,16 @@ Mixture of experts (DeepSeek-style, inference path): each token's gate scores ar
 scores as weights, expert by expert in index order, plus the shared expert. No auxiliary loss (training only).
 
 Timesteps and pooled embeddings are per sample, so requests at different steps share one forward.
+
+Sequence parallelism (Ulysses, Ring, USP; `distributed/sequence_split.py`): three streams are split over
+the sequence-parallel ranks, each on its own: the image tokens (a padded grid's padding included), the
+text stream [T5 ; last Llama layer] and the per-block Llama tokens (every block's `llama[i]` has the same
+length and is cut alike). Each rank keeps its shards in the joint order [image ; text ; Llama] (the order
+of the RoPE tables, which are cut alike), so a double-stream block's text is [text shard ; Llama shard]
+and keeps its first (text shard) tokens, and a single-stream block's input is [image shard ; text shard ;
+Llama shard]. The attention is `sequence_attention` with the shards' padding masked; the padded grid's
+key zeroing is per token, so each rank zeroes its own keys. The image tokens are gathered before the
+output head. With one sequence-parallel rank nothing changes.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffserve.layers.attention import attention
+from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.layers.embeddings import TimestepEmbedding, timestep_sinusoids
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding, multi_axis_rope_tables
@@ -250,7 +260,7 @@ class HiDreamAttention(nn.Module):
             tq, tk, tv = self._qkv(text, "_t")
             q, k, v = torch.cat([q, tq], 1), torch.cat([k, tk], 1), torch.cat([v, tv], 1)
         q, k = self._rotate(q, k, positions)
-        out = attention(q, k, v).flatten(2, 3)
+        out = sequence_attention(q, k, v).flatten(2, 3)
         if text is None:
             return self.to_out(out), None
         return self.to_out(out[:, :n]), self.to_out_t(out[:, n:])
@@ -383,8 +393,6 @@ def image_positions(grid: tuple[int, int], padded_to: int | None, text_tokens: i
 class HiDreamImageTransformer2DModel(DiffusersDiT):
     diffusers_class_name: ClassVar[str] = "HiDreamImageTransformer2DModel"
     config_class = HiDreamImageTransformerConfig
-    #: The forward runs on one device (no sequence split yet).
-    sequence_parallel: ClassVar[bool] = False
 
     def __init__(self, config: HiDreamImageTransformerConfig) -> None:
         config.check()
@@ -479,6 +487,26 @@ class HiDreamImageTransformer2DModel(DiffusersDiT):
         positions = self.positions(
             grid, image_mask is not None, text_len + llama[0].shape[1], image_mask, x.device
         )
+        split = sequence_split([x.shape[1], text_len, llama[0].shape[1]])
+        if split is None:
+            x = self._run_blocks(x, text, llama, temb, positions)
+        else:
+            x = self._run_blocks_split(split, x, text, llama, temb, positions)
+        return self.unpatchify(self.final_layer(x, temb), grid)
+
+    def _run_blocks(
+        self,
+        x: torch.Tensor,
+        text: torch.Tensor,
+        llama: Sequence[torch.Tensor],
+        temb: torch.Tensor,
+        positions: Positions,
+    ) -> torch.Tensor:
+        """Every double- then single-stream block over the image tokens `x`, the text stream and each
+        block's Llama tokens; returns the image tokens the output head reads."""
+        config = self.config
+        image_mask = positions.image_mask
+        text_len = text.shape[1]
         for i, wrapper in enumerate(self.double_stream_blocks):
             x, text = wrapper.block(x, torch.cat([text, llama[i]], dim=1), temb, positions)
             text = text[:, :text_len]
@@ -493,5 +521,27 @@ class HiDreamImageTransformer2DModel(DiffusersDiT):
         for j, wrapper in enumerate(self.single_stream_blocks):
             x = wrapper.block(torch.cat([x, llama[config.num_layers + j]], dim=1), key_mask, temb, positions)
             x = x[:, :joint_len]
-        out = self.final_layer(x[:, :image_len], temb)
-        return self.unpatchify(out, grid)
+        return x[:, :image_len]
+
+    def _run_blocks_split(
+        self,
+        split: SequenceSplit,
+        x: torch.Tensor,
+        text: torch.Tensor,
+        llama: Sequence[torch.Tensor],
+        temb: torch.Tensor,
+        positions: Positions,
+    ) -> torch.Tensor:
+        """`_run_blocks` with the image (stream 0), text (1) and Llama (2) tokens split over the
+        sequence-parallel ranks (module docstring): the blocks run on this rank's shards in the joint order,
+        the RoPE tables and the padded grid's key mask are cut like the tokens, and the image tokens are
+        gathered back at the end."""
+        image, text_stream, llama_stream = 0, 1, 2
+        image_mask = positions.image_mask
+        local_mask = None if image_mask is None else split.split(image, image_mask)
+        local = Positions(split.split_rope(positions.rope), positions.half_head, local_mask)
+        x, text = split.split(image, x), split.split(text_stream, text)
+        llama = [split.split(llama_stream, states) for states in llama]
+        with split.attention_scope(x.shape[0], x.device):
+            x = self._run_blocks(x, text, llama, temb, local)
+        return split.gather(image, x)

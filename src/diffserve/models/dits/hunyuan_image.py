@@ -33,7 +33,15 @@ Differences from Diffusers' forward that do not change the numbers for the input
 - `forward` returns the sample tensor itself (Diffusers' `return_dict=False` gives `(sample,)`).
 - `qk_norm` other than "rms_norm" (the released checkpoints' value) is rejected.
 
-Not implemented (refused at load or by the engine): sequence and tensor parallelism, the step cache.
+Sequence parallelism (Ulysses, Ring, USP; `distributed/sequence_split.py`), as HunyuanVideo's: the image
+tokens (with their RoPE rows) and the packed context tokens are two streams, each split over the
+sequence-parallel ranks; every block's joint attention runs over the local [image; context] shards with
+`sequence_attention`, the context's padding mask and the shards' padding masked, and the image tokens are
+gathered before the output head. The token refiner and the glyph projection run whole on every rank (the
+refiner's (txt, txt) mask masks queries too, and the text is short). With one sequence-parallel rank
+nothing changes.
+
+Not implemented (refused at load or by the engine): tensor parallelism, the step cache.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.distributed.sequence_split import SequenceSplit, sequence_split
 from diffserve.layers.adaln import AdaLayerNormContinuous
 from diffserve.layers.embeddings import TimestepEmbedding
 from diffserve.layers.rotary import RopeTables, checked_rope_axes, grid_rope_tables
@@ -171,8 +180,6 @@ class HunyuanImageTransformer2DModel(DiffusersDiT):
 
     diffusers_class_name: ClassVar[str] = "HunyuanImageTransformer2DModel"
     config_class = HunyuanImageTransformerConfig
-    #: Its forward runs whole on one device: sequence parallelism is refused at load.
-    sequence_parallel: ClassVar[bool] = False
 
     def __init__(self, config: HunyuanImageTransformerConfig) -> None:
         super().__init__(config)
@@ -282,12 +289,49 @@ class HunyuanImageTransformer2DModel(DiffusersDiT):
             key_mask = torch.cat([image_keys, context.mask], dim=1)[:, None, None, :]
 
         temb_act = F.silu(temb)
-        for block in self.transformer_blocks:
-            x, ctx = block(x, ctx, temb_act, rope, key_mask)
-        for block in self.single_transformer_blocks:
-            x, ctx = block(x, ctx, temb_act, rope, key_mask)
+        split = sequence_split([x.shape[1], ctx.shape[1]])
+        if split is None:
+            x = self._run_blocks(x, ctx, temb_act, rope, key_mask)
+        else:
+            x = self._run_blocks_split(split, x, ctx, temb_act, rope, context.mask)
 
         x = self.proj_out(self.norm_out(x, temb_act))
         # (batch, H', W', C, p_h, p_w) -> (batch, C, H'*p_h, W'*p_w)
         x = x.reshape(batch, *grid, -1, p_h, p_w).permute(0, 3, 1, 4, 2, 5)
         return x.reshape(batch, -1, height, width)
+
+    def _run_blocks(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        temb_act: torch.Tensor,
+        rope: RopeTables,
+        key_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Every double- then single-stream block; the image tokens the output head reads."""
+        for block in self.transformer_blocks:
+            x, ctx = block(x, ctx, temb_act, rope, key_mask)
+        for block in self.single_transformer_blocks:
+            x, ctx = block(x, ctx, temb_act, rope, key_mask)
+        return x
+
+    def _run_blocks_split(
+        self,
+        split: SequenceSplit,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        temb_act: torch.Tensor,
+        rope: RopeTables,
+        context_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """`_run_blocks` with the image (stream 0) and context (stream 1) tokens split over the
+        sequence-parallel ranks (module docstring). The blocks concatenate [image; context] locally in the
+        streams' order, so the scope's joint key mask (the shards' padding, `context_mask` (batch, ctx))
+        lines up with their keys; they get no key mask of their own. The RoPE tables cover the image tokens
+        only and are cut like them."""
+        image, context = 0, 1
+        rope = tuple(split.split(image, table, dim=0) for table in rope)
+        x, ctx = split.split(image, x), split.split(context, ctx)
+        with split.attention_scope(x.shape[0], x.device, [None, context_mask]):
+            x = self._run_blocks(x, ctx, temb_act, rope, None)
+        return split.gather(image, x)

@@ -27,6 +27,15 @@ the longest in the batch; the padding is never a key and each sample's positions
 sample's output is the one it gives alone (Diffusers' pipeline encodes one prompt per call and never
 pads). In a batch whose rows apply LoRA adapters of their own, the prefix's t = 0 modulation row is
 computed per row.
+
+Sequence parallelism (Ulysses, Ring, USP; `distributed/sequence_split.py`): the target's image tokens (with
+their RoPE rows) are split over the sequence-parallel ranks and gathered before the output head. The
+prefix is not split: its block-causal attention masks per query, which the split attention (per-key masks
+only) cannot take, so every rank runs the prefix whole, as on one device (its cost does not shrink with
+the degree). The target's attention reads the whole prefix: each rank passes its shard of the prefix's
+q/k/v with its image shard to `sequence_attention` (the prefix's padding and the shards' padding masked
+as keys) and keeps the image queries' output, so the keys are every prefix and every image token.
+With one sequence-parallel rank nothing changes.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.layers.attention import attention
 from diffserve.layers.embeddings import timestep_sinusoids
 from diffserve.layers.lora_rows import current_lora_rows
@@ -197,12 +207,24 @@ class Attention(nn.Module):
         return rotate(q, cis), rotate(k, cis), v
 
     def forward(
-        self, text: torch.Tensor, image: torch.Tensor, rope: Rope, masks: AttentionMasks
+        self,
+        text: torch.Tensor,
+        image: torch.Tensor,
+        rope: Rope,
+        masks: AttentionMasks,
+        split: SequenceSplit | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prefix output, image output). `split`: the [prefix, image] streams' split when `image` is this
+        rank's shard (the prefix is whole; module docstring), inside its `attention_scope`."""
         tq, tk, tv = self.qkv(text, rope.text)
         iq, ik, iv = self.qkv(image, rope.image)
         text_out = attention(tq, tk, tv, attn_mask=masks.text)
-        image_out = attention(iq, torch.cat([tk, ik], 1), torch.cat([tv, iv], 1), attn_mask=masks.image)
+        if split is None:
+            image_out = attention(iq, torch.cat([tk, ik], 1), torch.cat([tv, iv], 1), attn_mask=masks.image)
+        else:
+            prefix = 0
+            q, k, v = (torch.cat([split.split(prefix, t), i], 1) for t, i in ((tq, iq), (tk, ik), (tv, iv)))
+            image_out = sequence_attention(q, k, v)[:, split.shards[prefix].shard_len :]
         project = self.to_out[0]
         return project(text_out.flatten(2).type_as(tq)), project(image_out.flatten(2).type_as(iq))
 
@@ -254,12 +276,14 @@ class Block(nn.Module):
         image_mod: torch.Tensor,
         rope: Rope,
         masks: AttentionMasks,
+        split: SequenceSplit | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`text_mod` / `image_mod`: (B or 1, 1, 4 * dim) modulation rows of the text / image tokens."""
+        """`text_mod` / `image_mod`: (B or 1, 1, 4 * dim) modulation rows of the text / image tokens;
+        `split`: `Attention.forward`'s."""
         t_scale1, t_gate1, t_scale2, t_gate2 = text_mod.chunk(4, dim=-1)
         i_scale1, i_gate1, i_scale2, i_gate2 = image_mod.chunk(4, dim=-1)
         text_attn, image_attn = self.attn(
-            self.norm(text) * (1 + t_scale1), self.norm(image) * (1 + i_scale1), rope, masks
+            self.norm(text) * (1 + t_scale1), self.norm(image) * (1 + i_scale1), rope, masks, split
         )
         text = text + t_gate1.tanh() * text_attn
         image = image + i_gate1.tanh() * image_attn
@@ -286,8 +310,6 @@ class OutputNorm(nn.Module):
 class QwenImage21Transformer2DModel(DiffusersDiT):
     diffusers_class_name: ClassVar[str] = "QwenImage21Transformer2DModel"
     config_class = QwenImage21TransformerConfig
-    #: The forward runs on one device (no sequence split yet).
-    sequence_parallel: ClassVar[bool] = False
 
     def __init__(self, config: QwenImage21TransformerConfig) -> None:
         super().__init__(config)
@@ -416,6 +438,32 @@ class QwenImage21Transformer2DModel(DiffusersDiT):
             image_mod = modulation[:batch]
         rope = self.rope(positions, frames, grid)
         masks = AttentionMasks.of(lengths, block_ids, tokens, image.device)
-        for block in self.transformer_blocks:
-            text, image = block(text, image, text_mod, image_mod, rope, masks)
+        split = sequence_split([text.shape[1], tokens])
+        if split is None:
+            for block in self.transformer_blocks:
+                text, image = block(text, image, text_mod, image_mod, rope, masks)
+        else:
+            image = self._run_blocks_split(split, text, image, text_mod, image_mod, rope, masks)
         return self.proj_out(self.norm_out(image, temb[:batch]))
+
+    def _run_blocks_split(
+        self,
+        split: SequenceSplit,
+        text: torch.Tensor,
+        image: torch.Tensor,
+        text_mod: torch.Tensor,
+        image_mod: torch.Tensor,
+        rope: Rope,
+        masks: AttentionMasks,
+    ) -> torch.Tensor:
+        """The blocks with the image tokens (stream 1) split over the sequence-parallel ranks and the prefix
+        (stream 0) whole on every rank (module docstring); the image tokens gathered back at the end. The
+        prefix's padding (`masks.image`'s prefix keys) is the image attention's key mask."""
+        target = 1
+        image = split.split(target, image)
+        rope = Rope(rope.text, split.split(target, rope.image))
+        prefix_keys = None if masks.image is None else masks.image[:, 0, 0, : text.shape[1]]
+        with split.attention_scope(image.shape[0], image.device, [prefix_keys, None]):
+            for block in self.transformer_blocks:
+                text, image = block(text, image, text_mod, image_mod, rope, masks, split)
+        return split.gather(target, image)
