@@ -41,7 +41,7 @@ from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.cogvideox import CogVideoXTransformer3DModel
 from diffserve.models.schedulers.cogvideox_ddim import CogVideoXDPMScheduler
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.pipelines.cfg_batch import branch_texts, classic_cfg, split_guided
+from diffserve.pipelines.cfg_batch import branch_texts, classic_cfg, split_guided, step_cache_for
 from diffserve.request import Req
 from diffserve.stages.base import Stage, to_module
 from diffserve.stages.decoding import tensor_to_pil
@@ -102,6 +102,7 @@ class CogVideoXDenoiser:
             encoder_hidden_states=torch.cat(texts).to(self.dtype),
             timestep=timestep,
             ofs=ofs,
+            step_cache=step_cache_for(reqs),  # rows: each request's branches in turn, as it expects
         ).float()
         offset = 0
         for req in reqs:  # one request at a time: a CFG scale of its own at each step (use_dynamic_cfg)

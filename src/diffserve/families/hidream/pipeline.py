@@ -24,7 +24,7 @@ from diffserve.models.dits.hidream_image import HiDreamImageTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.schedulers.unipc_flow import UniPCFlowScheduler
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.pipelines.cfg_batch import advance_requests, gather_branches, split_guided
+from diffserve.pipelines.cfg_batch import advance_requests, gather_branches, split_guided, step_cache_for
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.decoding import DecodingStage
@@ -63,6 +63,7 @@ class HiDreamDenoiser:
             encoder_hidden_states_t5=torch.cat(batch.text),
             encoder_hidden_states_llama3=torch.cat(llama, dim=1),
             pooled_embeds=torch.cat(batch.pooled),
+            step_cache=step_cache_for(reqs),  # rows in `gather_branches` order, as it expects
         )
         advance_requests(self.scheduler, reqs, split_guided(-prediction, reqs))
 

@@ -34,7 +34,7 @@ from diffserve.families.hunyuan_image.text_encoding import HunyuanImageTextEncod
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.hunyuan_image import HunyuanImageTransformer2DModel
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.pipelines.cfg_batch import advance_requests, next_timesteps, split_guided
+from diffserve.pipelines.cfg_batch import advance_requests, next_timesteps, split_guided, step_cache_for
 from diffserve.request import Req
 from diffserve.runtime.runner import CfgBranchView
 from diffserve.stages.base import Stage
@@ -183,6 +183,7 @@ class HunyuanImageDenoiser:
             encoder_hidden_states_2=torch.cat(glyph),
             encoder_attention_mask_2=torch.cat(glyph_mask),
             guidance=torch.cat(guidance) if guidance else None,
+            step_cache=step_cache_for(reqs),  # rows: each request's branches in turn, as it expects
         )
         branches = split_guided(prediction, reqs, _both_branches)
         guided = [self.guide(req, rows) for req, rows in zip(reqs, branches, strict=True)]
@@ -218,6 +219,9 @@ class HunyuanImagePipeline(Pipeline):
     conditioning_type = HunyuanImageConditioning
     #: Its DiT takes no step cache: only "high", the exact path.
     step_cache_policies: ClassVar[dict[str, TierPreset]] = {}
+    #: cache-dit runs its DBCache with the CFG branch apart for this pipeline (`enable_separate_cfg`: the
+    #: guider's two branches are forwards of their own in Diffusers' pipeline).
+    cache_separate_cfg = True
 
     def build_stages(self, context: PipelineContext) -> list[Stage]:
         transformer: HunyuanImageTransformer2DModel = context.get("transformer")

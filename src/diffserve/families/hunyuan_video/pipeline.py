@@ -33,7 +33,7 @@ from diffserve.families.hunyuan_video.text_encoding import HunyuanVideoTextEncod
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.hunyuan_video import HunyuanVideoTransformer3DModel
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.pipelines.cfg_batch import advance_requests, split_guided
+from diffserve.pipelines.cfg_batch import advance_requests, split_guided, step_cache_for
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.denoising import DenoisingStage
@@ -110,6 +110,7 @@ class HunyuanVideoDenoiser:
             encoder_attention_mask=torch.cat(masks),
             pooled_projections=torch.cat(pooled),
             guidance=torch.cat(guidance) if guidance else None,
+            step_cache=step_cache_for(reqs),  # rows: each request's branches in turn, as it expects
         )
         self.advance(reqs, split_guided(prediction, reqs))
 

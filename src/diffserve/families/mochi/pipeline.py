@@ -27,7 +27,7 @@ from diffserve.families.mochi.stages import (
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.mochi import MochiTransformer3DModel
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.pipelines.cfg_batch import advance_requests, branch_texts, split_guided
+from diffserve.pipelines.cfg_batch import advance_requests, branch_texts, split_guided, step_cache_for
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.denoising import DenoisingStage
@@ -65,6 +65,7 @@ class MochiDenoiser:
             encoder_hidden_states=torch.cat(texts).to(self.dtype),
             timestep=torch.cat(timesteps).to(self.dtype),
             encoder_attention_mask=torch.cat(masks),
+            step_cache=step_cache_for(reqs),  # rows: each request's branches in turn, as it expects
         ).float()
         advance_requests(self.scheduler, reqs, split_guided(prediction, reqs))
         for req in reqs:

@@ -42,7 +42,7 @@ from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.qwen_image21 import QwenImage21Transformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.pipelines.cfg_batch import advance_requests, branch_texts, split_guided
+from diffserve.pipelines.cfg_batch import advance_requests, branch_texts, split_guided, step_cache_for
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.denoising import DenoisingStage
@@ -80,6 +80,7 @@ class QwenImage21Denoiser:
             timestep=torch.cat(timesteps).to(first.latents.dtype) / 1000,
             grid=tuple(first.latent_size),
             conditions=conditions,
+            step_cache=step_cache_for(reqs),  # rows: each request's branches in turn, as it expects
         )
         advance_requests(self.scheduler, reqs, split_guided(prediction, reqs))
 
@@ -103,6 +104,9 @@ class QwenImage21Pipeline(Pipeline):
     max_input_images = 8
     #: No calibrated quality tiers yet: only "high", the exact path.
     step_cache_policies: ClassVar[dict[str, TierPreset]] = {}
+    #: DBCache keeps the CFG branch apart (`enable_separate_cfg`), as cache-dit does for Qwen-Image: the
+    #: negative prompt is a forward of its own in Diffusers' pipeline.
+    cache_separate_cfg = True
 
     def build_stages(self, context: PipelineContext) -> list[Stage]:
         transformer = context.get("transformer")

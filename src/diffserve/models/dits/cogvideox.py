@@ -33,6 +33,12 @@ keeps its own); the RoPE rows are cut with the video tokens. Every block's atten
 [text; video] shards with `sequence_attention` (the shards' padding masked; CogVideoX has no text mask),
 everything else in a block is per token, and the video tokens are gathered before the output head. With
 one sequence-parallel rank nothing changes.
+
+Cache methods (`models/step_cache.py`, issue 33): the cached span is every block, from the video tokens
+after the positions to those `norm_final` reads; the watched signal is the first block's modulated video
+input. DBCache counts the blocks as cache-dit's CogVideoX adapter does and runs them in ranges on (video,
+text) streams; it is refused under a sequence split (`refuse_sequence_parallel`), the whole-span methods
+run there.
 """
 
 from __future__ import annotations
@@ -45,11 +51,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.layers.embeddings import TimestepEmbedding, timestep_sinusoids
 from diffserve.layers.feedforward import FeedForward
 from diffserve.layers.shape_cache import BoundedCache
+from diffserve.models.cache_methods.blocks import SequentialBlocks, refuse_sequence_parallel
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig
+from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
 
 ROPE_THETA = 10000.0
 #: Position tables kept per (grid, device).
@@ -312,6 +321,8 @@ class PatchEmbed(nn.Module):
 class CogVideoXTransformer3DModel(DiffusersDiT):
     diffusers_class_name: ClassVar[str] = "CogVideoXTransformer3DModel"
     config_class = CogVideoXTransformerConfig
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
+    cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
 
     def __init__(self, config: CogVideoXTransformerConfig) -> None:
         super().__init__(config)
@@ -395,9 +406,11 @@ class CogVideoXTransformer3DModel(DiffusersDiT):
         encoder_hidden_states: torch.Tensor,
         timestep: torch.Tensor,
         ofs: torch.Tensor | None = None,
+        step_cache: BatchStepCache | None = None,
     ) -> torch.Tensor:
         """(batch, frames, channels, H, W) latents, (batch, L, text_embed_dim) T5 states and (batch,)
-        timesteps -> (batch, frames, out_channels, H, W)."""
+        timesteps -> (batch, frames, out_channels, H, W). `step_cache`: rows of requests with a cache
+        method, which may reuse the blocks' residual from an earlier step; None runs every block (exact)."""
         c = self.config
         b, f, _, h, w = hidden_states.shape
         dtype = hidden_states.dtype
@@ -409,11 +422,13 @@ class CogVideoXTransformer3DModel(DiffusersDiT):
             tokens = tokens + self.positions(f, h, w, n, tokens.device, tokens.dtype)
         text, x = tokens[:, :n], tokens[:, n:]
         rope = self.rope(f, h, w, hidden_states.device)
-        split = sequence_split([n, x.shape[1]])
-        if split is None:
-            x = self._run_blocks(x, text, emb, rope)
-        else:
-            x = self._run_blocks_split(split, x, text, emb, rope)
+        x = run_with_step_cache(
+            step_cache,
+            x,
+            lambda: self.transformer_blocks[0].norm1(x, text, emb)[0],
+            lambda rows: self._blocks(take_rows(x, rows), take_rows(text, rows), take_rows(emb, rows), rope),
+            blocks=lambda: self._block_range(x, text, emb, rope),
+        )
         x = self.proj_out(self.norm_out(self.norm_final(x), emb))
         p = c.patch_size
         if c.patch_size_t is None:
@@ -422,6 +437,36 @@ class CogVideoXTransformer3DModel(DiffusersDiT):
         pt = c.patch_size_t
         out = x.reshape(b, (f + pt - 1) // pt, h // p, w // p, -1, pt, p, p)
         return out.permute(0, 1, 5, 4, 2, 6, 3, 7).flatten(6, 7).flatten(4, 5).flatten(1, 2)
+
+    def _blocks(
+        self,
+        x: torch.Tensor,
+        text: torch.Tensor,
+        emb: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """Every block over these rows, on one device or over the sequence-parallel ranks."""
+        split = sequence_split([text.shape[1], x.shape[1]])
+        if split is None:
+            return self._run_blocks(x, text, emb, rope)
+        return self._run_blocks_split(split, x, text, emb, rope)
+
+    def _block_range(
+        self,
+        x: torch.Tensor,
+        text: torch.Tensor,
+        emb: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> SequentialBlocks:
+        """The blocks as a `BlockRange` for DBCache: video and text streams, both updated by every block."""
+        refuse_sequence_parallel(sequence_split([text.shape[1], x.shape[1]]), "CogVideoX")
+
+        def call(i: int, x: torch.Tensor, text: torch.Tensor | None, rows_emb: torch.Tensor) -> tuple:
+            return self.transformer_blocks[i](x, text, rows_emb, rope)
+
+        return SequentialBlocks(
+            len(self.transformer_blocks), x, text, lambda rows: take_rows(emb, rows), call
+        )
 
     def _run_blocks(
         self,

@@ -36,10 +36,16 @@ and keeps its first (text shard) tokens, and a single-stream block's input is [i
 Llama shard]. The attention is `sequence_attention` with the shards' padding masked; the padded grid's
 key zeroing is per token, so each rank zeroes its own keys. The image tokens are gathered before the
 output head. With one sequence-parallel rank nothing changes.
+
+Step cache (`models/step_cache.py`, the cache methods by name): the whole-span methods reuse the residual
+of every block; DBCache runs the blocks in ranges (`HiDreamBlockRange`) counted as cache-dit's HiDream
+adapter counts them: the double-stream blocks, then the single-stream ones. Block-range methods are
+refused under sequence parallelism.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -48,12 +54,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.layers.embeddings import TimestepEmbedding, timestep_sinusoids
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding, multi_axis_rope_tables
 from diffserve.layers.shape_cache import BoundedCache
+from diffserve.models.cache_methods.blocks import Streams, refuse_sequence_parallel
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig
+from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
 
 #: Diffusers' fixed constants: the blocks' LayerNorm eps, the q/k RMSNorms' eps, the sinusoid width of
 #: the timestep embedding, the SwiGLU hidden rounding and the RoPE base.
@@ -390,9 +399,89 @@ def image_positions(grid: tuple[int, int], padded_to: int | None, text_tokens: i
     return torch.cat([ids, ids.new_zeros(tail, 3)])
 
 
+def single_key_mask(image_mask: torch.Tensor | None, joint_len: int, llama_len: int) -> torch.Tensor | None:
+    """The single-stream blocks' (batch, image + text + Llama tokens) key mask: a padded grid's image mask,
+    then ones for the text and the block's Llama tokens; None for an unpadded grid."""
+    if image_mask is None:
+        return None
+    image_len = image_mask.shape[1]
+    return torch.cat(
+        [image_mask, image_mask.new_ones(image_mask.shape[0], joint_len - image_len + llama_len)], 1
+    )
+
+
+@dataclass(frozen=True)
+class BlockInputs:
+    """What every block of one forward reads besides its streams, for some batch rows: the timestep
+    embedding, each block's Llama tokens and the positions (with the rows' image mask)."""
+
+    temb: torch.Tensor
+    llama: Sequence[torch.Tensor]
+    positions: Positions
+
+    def take(self, rows: torch.Tensor | None) -> BlockInputs:
+        """These inputs for batch rows `rows` (None: all)."""
+        if rows is None:
+            return self
+        mask = self.positions.image_mask
+        positions = dataclasses.replace(
+            self.positions, image_mask=None if mask is None else take_rows(mask, rows)
+        )
+        return BlockInputs(take_rows(self.temb, rows), [take_rows(t, rows) for t in self.llama], positions)
+
+
+class HiDreamBlockRange:
+    """HiDream's blocks as one sequence runnable in ranges (`cache_methods.blocks.BlockRange`): the
+    double-stream blocks on the image and text streams, then the single-stream blocks on the joint
+    [image ; text] sequence, which a range joins at its start and splits at its end (copies, no arithmetic).
+    Running `[0, a)`, `[a, b)`, ... gives each row the values of `_run_blocks`."""
+
+    def __init__(
+        self,
+        double_blocks: Sequence[nn.Module],
+        single_blocks: Sequence[nn.Module],
+        x: torch.Tensor,
+        text: torch.Tensor,
+        inputs: BlockInputs,
+    ) -> None:
+        self.double_blocks, self.single_blocks = list(double_blocks), list(single_blocks)
+        self.x, self.text, self.inputs = x, text, inputs
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.double_blocks) + len(self.single_blocks)
+
+    def start(self) -> Streams:
+        return Streams(self.x, self.text)
+
+    def run(self, streams: Streams, rows: torch.Tensor | None, start: int, stop: int) -> Streams:
+        x, text = streams.image, streams.text
+        if text is None:
+            raise RuntimeError("HiDream's blocks need the text stream")
+        inputs = self.inputs.take(rows)
+        n_double, text_len = len(self.double_blocks), text.shape[1]
+        for i in range(start, min(stop, n_double)):
+            block = self.double_blocks[i].block
+            x, text = block(x, torch.cat([text, inputs.llama[i]], dim=1), inputs.temb, inputs.positions)
+            text = text[:, :text_len]
+        if stop <= n_double:
+            return Streams(x, text)
+        image_len = x.shape[1]
+        h = torch.cat([x, text], dim=1)
+        joint_len = h.shape[1]
+        key_mask = single_key_mask(inputs.positions.image_mask, joint_len, inputs.llama[0].shape[1])
+        for i in range(max(start, n_double), stop):
+            block = self.single_blocks[i - n_double].block
+            h = block(torch.cat([h, inputs.llama[i]], dim=1), key_mask, inputs.temb, inputs.positions)
+            h = h[:, :joint_len]
+        return Streams(h[:, :image_len], h[:, image_len:])
+
+
 class HiDreamImageTransformer2DModel(DiffusersDiT):
     diffusers_class_name: ClassVar[str] = "HiDreamImageTransformer2DModel"
     config_class = HiDreamImageTransformerConfig
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
+    cache_block_lists: ClassVar[tuple[str, ...]] = ("double_stream_blocks", "single_stream_blocks")
 
     def __init__(self, config: HiDreamImageTransformerConfig) -> None:
         config.check()
@@ -464,10 +553,13 @@ class HiDreamImageTransformer2DModel(DiffusersDiT):
         encoder_hidden_states_t5: torch.Tensor,
         encoder_hidden_states_llama3: torch.Tensor,
         pooled_embeds: torch.Tensor,
+        step_cache: BatchStepCache | None = None,
     ) -> torch.Tensor:
         """(batch, C, H, W) latents, (batch,) timesteps, (batch, L5, t5 width) T5 states, (Llama layers,
         batch, Ll, Llama width) Llama hidden states (every layer, as the pipeline stacks them) and
-        (batch, text_emb_dim) pooled CLIP embeddings -> (batch, out_channels, H, W)."""
+        (batch, text_emb_dim) pooled CLIP embeddings -> (batch, out_channels, H, W). `step_cache`: rows of
+        requests with a cache method, which may reuse the blocks' residual from an earlier step
+        (`models/step_cache.py`); None runs every block for every row (exact)."""
         config = self.config
         _, _, h, w = hidden_states.shape
         p = config.patch_size
@@ -488,11 +580,31 @@ class HiDreamImageTransformer2DModel(DiffusersDiT):
             grid, image_mask is not None, text_len + llama[0].shape[1], image_mask, x.device
         )
         split = sequence_split([x.shape[1], text_len, llama[0].shape[1]])
-        if split is None:
-            x = self._run_blocks(x, text, llama, temb, positions)
-        else:
-            x = self._run_blocks_split(split, x, text, llama, temb, positions)
+        inputs = BlockInputs(temb, llama, positions)
+
+        def run_blocks(rows: torch.Tensor | None) -> torch.Tensor:
+            part = inputs.take(rows)
+            if split is None:
+                return self._run_blocks(
+                    take_rows(x, rows), take_rows(text, rows), part.llama, part.temb, part.positions
+                )
+            return self._run_blocks_split(
+                split, take_rows(x, rows), take_rows(text, rows), part.llama, part.temb, part.positions
+            )
+
+        def block_range() -> HiDreamBlockRange:
+            refuse_sequence_parallel(split, "HiDream-I1")
+            return HiDreamBlockRange(self.double_stream_blocks, self.single_stream_blocks, x, text, inputs)
+
+        x = run_with_step_cache(step_cache, x, lambda: self._cache_signal(x, temb), run_blocks, block_range)
         return self.unpatchify(self.final_layer(x, temb), grid)
+
+    def _cache_signal(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        """The first block's timestep-modulated image input: what the step cache watches change."""
+        block = (self.double_stream_blocks or self.single_stream_blocks)[0].block
+        chunks = 12 if isinstance(block, DoubleStreamBlock) else 6
+        shift, scale = block.adaLN_modulation(temb)[:, None].chunk(chunks, dim=-1)[:2]
+        return modulate(x, block.norm1_i, shift, scale)
 
     def _run_blocks(
         self,
@@ -513,11 +625,7 @@ class HiDreamImageTransformer2DModel(DiffusersDiT):
         image_len = x.shape[1]
         x = torch.cat([x, text], dim=1)
         joint_len = x.shape[1]
-        key_mask = None
-        if image_mask is not None:
-            key_mask = torch.cat(
-                [image_mask, image_mask.new_ones(x.shape[0], joint_len - image_len + llama[0].shape[1])], 1
-            )
+        key_mask = single_key_mask(image_mask, joint_len, llama[0].shape[1])
         for j, wrapper in enumerate(self.single_stream_blocks):
             x = wrapper.block(torch.cat([x, llama[config.num_layers + j]], dim=1), key_mask, temb, positions)
             x = x[:, :joint_len]

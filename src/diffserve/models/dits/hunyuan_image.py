@@ -41,7 +41,12 @@ gathered before the output head. The token refiner and the glyph projection run 
 refiner's (txt, txt) mask masks queries too, and the text is short). With one sequence-parallel rank
 nothing changes.
 
-Not implemented (refused at load or by the engine): tensor parallelism, the step cache.
+Step cache (`models/step_cache.py`, the cache methods by name): the whole-span methods reuse the residual
+of every block; DBCache runs the blocks in ranges (`SequentialBlocks`), counted as for FLUX: the
+double-stream blocks, then the single-stream ones (both update the image and the context streams).
+Block-range methods are refused under sequence parallelism.
+
+Not implemented (refused at load or by the engine): tensor parallelism.
 """
 
 from __future__ import annotations
@@ -55,11 +60,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_split
 from diffserve.layers.adaln import AdaLayerNormContinuous
 from diffserve.layers.embeddings import TimestepEmbedding
 from diffserve.layers.rotary import RopeTables, checked_rope_axes, grid_rope_tables
 from diffserve.layers.shape_cache import BoundedCache
+from diffserve.models.cache_methods.blocks import SequentialBlocks, refuse_sequence_parallel
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig
 from diffserve.models.dits.hunyuan_video import HunyuanVideoSingleTransformerBlock, HunyuanVideoTokenRefiner
 from diffserve.models.dits.hunyuan_video15 import (
@@ -74,6 +81,7 @@ from diffserve.models.dits.hunyuan_video15_embedders import (
     HunyuanVideo15ByT5TextProjection,
     timestep_embedding,
 )
+from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
 
 NORM_EPS = 1e-6
 #: RoPE tables kept per (grid, device); a server sees a handful of image sizes.
@@ -180,6 +188,8 @@ class HunyuanImageTransformer2DModel(DiffusersDiT):
 
     diffusers_class_name: ClassVar[str] = "HunyuanImageTransformer2DModel"
     config_class = HunyuanImageTransformerConfig
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
+    cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks", "single_transformer_blocks")
 
     def __init__(self, config: HunyuanImageTransformerConfig) -> None:
         super().__init__(config)
@@ -234,6 +244,7 @@ class HunyuanImageTransformer2DModel(DiffusersDiT):
         encoder_attention_mask_2: torch.Tensor | None = None,
         guidance: torch.Tensor | None = None,
         attention_kwargs: Mapping[str, Any] | None = None,
+        step_cache: BatchStepCache | None = None,
     ) -> torch.Tensor:
         """Predict the flow-matching velocity for image latents (Diffusers' keyword arguments).
 
@@ -250,6 +261,8 @@ class HunyuanImageTransformer2DModel(DiffusersDiT):
             guidance: (batch,) embedded guidance (the distilled guidance scale * 1000); required exactly
                 when the config has `guidance_embeds`.
             attention_kwargs: accepted for call compatibility; must be None or empty.
+            step_cache: rows of requests with a cache method, which may reuse the blocks' residual from an
+                earlier step (`models/step_cache.py`); None runs every block for every row (exact).
 
         Returns:
             The velocity (batch, out_channels, height, width) in the activations' dtype.
@@ -290,10 +303,22 @@ class HunyuanImageTransformer2DModel(DiffusersDiT):
 
         temb_act = F.silu(temb)
         split = sequence_split([x.shape[1], ctx.shape[1]])
-        if split is None:
-            x = self._run_blocks(x, ctx, temb_act, rope, key_mask)
-        else:
-            x = self._run_blocks_split(split, x, ctx, temb_act, rope, context.mask)
+
+        def run_blocks(rows: torch.Tensor | None) -> torch.Tensor:
+            row_x, row_ctx, row_temb = take_rows(x, rows), take_rows(ctx, rows), take_rows(temb_act, rows)
+            if split is None:
+                row_mask = None if key_mask is None else take_rows(key_mask, rows)
+                return self._run_blocks(row_x, row_ctx, row_temb, rope, row_mask)
+            row_context_mask = None if context.mask is None else take_rows(context.mask, rows)
+            return self._run_blocks_split(split, row_x, row_ctx, row_temb, rope, row_context_mask)
+
+        def block_range() -> SequentialBlocks:
+            refuse_sequence_parallel(split, "HunyuanImage 2.1")
+            return self._block_range(x, ctx, temb_act, rope, key_mask)
+
+        x = run_with_step_cache(
+            step_cache, x, lambda: self._first_block(x, temb_act), run_blocks, block_range
+        )
 
         x = self.proj_out(self.norm_out(x, temb_act))
         # (batch, H', W', C, p_h, p_w) -> (batch, C, H'*p_h, W'*p_w)
@@ -314,6 +339,36 @@ class HunyuanImageTransformer2DModel(DiffusersDiT):
         for block in self.single_transformer_blocks:
             x, ctx = block(x, ctx, temb_act, rope, key_mask)
         return x
+
+    def _block_list(self) -> list[nn.Module]:
+        """The blocks in the order they run (and the cache methods count them)."""
+        return [*self.transformer_blocks, *self.single_transformer_blocks]
+
+    def _first_block(self, x: torch.Tensor, temb_act: torch.Tensor) -> torch.Tensor:
+        """The first block's timestep-modulated image input: what the step cache watches change."""
+        first = self._block_list()[0]
+        norm = first.norm1 if isinstance(first, HunyuanVideo15TransformerBlock) else first.norm
+        return norm(x, temb_act)[0]
+
+    def _block_range(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        temb_act: torch.Tensor,
+        rope: RopeTables,
+        key_mask: torch.Tensor | None,
+    ) -> SequentialBlocks:
+        """The blocks as a `BlockRange` for DBCache: image and context streams, both updated by every block."""
+        blocks = self._block_list()
+
+        def row_inputs(rows: torch.Tensor | None) -> tuple:
+            return take_rows(temb_act, rows), None if key_mask is None else take_rows(key_mask, rows)
+
+        def call(i: int, x: torch.Tensor, ctx: torch.Tensor | None, inputs: tuple) -> tuple:
+            rows_temb, rows_mask = inputs
+            return blocks[i](x, ctx, rows_temb, rope, rows_mask)
+
+        return SequentialBlocks(len(blocks), x, ctx, row_inputs, call)
 
     def _run_blocks_split(
         self,

@@ -42,7 +42,13 @@ text is short). "token_replace" splits too: the first frame is the leading video
 modulates the first-frame tokens its shard holds (`_local_first_frame`). With one sequence-parallel rank
 nothing changes.
 
-Not implemented yet: tensor parallelism and the step cache (the model is refused for them).
+Cache methods (`models/step_cache.py`, issue 33): the cached span is every block, from the patch
+embedding's tokens to the video tokens `norm_out` reads; the watched signal is the first double-stream
+block's modulated video input. DBCache counts the double-stream blocks, then the single-stream ones (as
+cache-dit's HunyuanVideo adapter lists them) and runs them in ranges on (video, context) streams; it is
+refused under a sequence split (`refuse_sequence_parallel`), the whole-span methods run there.
+
+Not implemented yet: tensor parallelism (the model is refused for it).
 """
 
 from __future__ import annotations
@@ -56,11 +62,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_split
 from diffserve.layers.adaln import AdaLayerNormContinuous
 from diffserve.layers.embeddings import CombinedTimestepTextEmbedding
 from diffserve.layers.patches import video_patch_grid
 from diffserve.layers.rotary import RopeTables
+from diffserve.models.cache_methods.blocks import SequentialBlocks, refuse_sequence_parallel
 from diffserve.models.dits.base import DiTConfig
 from diffserve.models.dits.hunyuan_video15 import (
     HunyuanVideo15PatchEmbed,
@@ -85,6 +93,7 @@ from diffserve.models.dits.hunyuan_video_token_replace import (
     HunyuanVideoTokenReplaceTransformerBlock,
     first_frame_temb,
 )
+from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
 
 __all__ = [
     "AdaLayerNormZeroSingle",
@@ -163,6 +172,8 @@ class HunyuanVideoTransformer3DModel(HunyuanVideoGridDiT):
 
     diffusers_class_name: ClassVar[str] = "HunyuanVideoTransformer3DModel"
     config_class = HunyuanVideoTransformerConfig
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
+    cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks", "single_transformer_blocks")
 
     def __init__(self, config: HunyuanVideoTransformerConfig) -> None:
         super().__init__(config)
@@ -198,6 +209,7 @@ class HunyuanVideoTransformer3DModel(HunyuanVideoGridDiT):
         pooled_projections: torch.Tensor,
         guidance: torch.Tensor | None = None,
         attention_kwargs: Mapping[str, Any] | None = None,
+        step_cache: BatchStepCache | None = None,
     ) -> torch.Tensor:
         """Predict the flow-matching velocity for video latents (Diffusers' keyword arguments).
 
@@ -213,6 +225,8 @@ class HunyuanVideoTransformer3DModel(HunyuanVideoGridDiT):
             guidance: (batch,) embedded guidance (the pipeline's guidance_scale * 1000); required exactly
                 when the config has `guidance_embeds`.
             attention_kwargs: accepted for call compatibility; must be None or empty.
+            step_cache: rows of requests with a cache method, which may reuse the blocks' residual from an
+                earlier step (`models/step_cache.py`); None runs every block for every row (exact).
 
         Returns:
             The velocity (batch, out_channels, frames, height, width) in the activations' dtype.
@@ -242,12 +256,61 @@ class HunyuanVideoTransformer3DModel(HunyuanVideoGridDiT):
         if self.config.token_replace:
             first_act = F.silu(first_frame_temb(self.time_text_embed, timestep, pooled_projections))
             first = (FirstFrame(grid[1] * grid[2], first_act),)
+        x = run_with_step_cache(
+            step_cache,
+            x,
+            lambda: self.transformer_blocks[0].norm1(x, temb_act)[0],
+            lambda rows: self._blocks(
+                take_rows(x, rows), take_rows(ctx, rows), take_rows(temb_act, rows), rope,
+                None if key_mask is None else take_rows(key_mask, rows),
+                tuple(f._replace(temb_act=take_rows(f.temb_act, rows)) for f in first),
+            ),
+            blocks=lambda: self._block_range(x, ctx, temb_act, rope, key_mask, first),
+        )  # fmt: skip
+        return self.unpatchify(self.proj_out(self.norm_out(x, temb_act)), grid, hidden_states.shape)
+
+    def _blocks(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        temb_act: torch.Tensor,
+        rope: RopeTables,
+        key_mask: torch.Tensor | None,
+        first: tuple[FirstFrame, ...],
+    ) -> torch.Tensor:
+        """Every block over these rows, on one device or over the sequence-parallel ranks."""
         split = sequence_split([x.shape[1], ctx.shape[1]])
         if split is None:
-            x = self._run_blocks(x, ctx, temb_act, rope, key_mask, first)
-        else:
-            x = self._run_blocks_split(split, x, ctx, temb_act, rope, key_mask, first)
-        return self.unpatchify(self.proj_out(self.norm_out(x, temb_act)), grid, hidden_states.shape)
+            return self._run_blocks(x, ctx, temb_act, rope, key_mask, first)
+        return self._run_blocks_split(split, x, ctx, temb_act, rope, key_mask, first)
+
+    def _block_range(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        temb_act: torch.Tensor,
+        rope: RopeTables,
+        key_mask: torch.Tensor | None,
+        first: tuple[FirstFrame, ...],
+    ) -> SequentialBlocks:
+        """The double- then single-stream blocks as one `BlockRange` for DBCache (cache-dit's order), on
+        (video, context) streams that every block updates; per-row inputs taken as `_blocks` takes them."""
+        refuse_sequence_parallel(sequence_split([x.shape[1], ctx.shape[1]]), "HunyuanVideo")
+        blocks = [*self.transformer_blocks, *self.single_transformer_blocks]
+
+        def row_inputs(rows: torch.Tensor | None) -> tuple:
+            rows_first = tuple(f._replace(temb_act=take_rows(f.temb_act, rows)) for f in first)
+            return (
+                take_rows(temb_act, rows),
+                None if key_mask is None else take_rows(key_mask, rows),
+                rows_first,
+            )
+
+        def call(i: int, x: torch.Tensor, ctx: torch.Tensor | None, inputs: tuple) -> tuple:
+            rows_temb, rows_mask, rows_first = inputs
+            return blocks[i](x, ctx, rows_temb, rope, rows_mask, *rows_first)
+
+        return SequentialBlocks(len(blocks), x, ctx, row_inputs, call)
 
     def _run_blocks(
         self,

@@ -25,6 +25,12 @@ output ever read. A text mask that is not a prefix of valid tokens (T5's padding
 split: the one-device forward adds each sample's valid tokens' outputs to the leading text positions
 (Diffusers' valid-first packing), a permutation across the text shards; it is refused (ValueError). With
 one sequence-parallel rank nothing changes.
+
+Cache methods (`models/step_cache.py`, issue 33): the cached span is every block, from the patch tokens to
+the video tokens `norm_out` reads; the watched signal is the first block's modulated video input. DBCache
+counts the blocks as cache-dit's Mochi adapter does and runs them in ranges on (video, text) streams (the
+text layout found again for the rows a range runs); it is refused under a sequence split
+(`refuse_sequence_parallel`), the whole-span methods run there.
 """
 
 from __future__ import annotations
@@ -36,12 +42,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.layers.adaln import AdaLayerNormContinuous
 from diffserve.layers.attention import attention
 from diffserve.layers.embeddings import TimestepEmbedding, timestep_sinusoids
 from diffserve.layers.shape_cache import BoundedCache
+from diffserve.models.cache_methods.blocks import SequentialBlocks, refuse_sequence_parallel
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig
+from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
 
 #: Diffusers' eps of the modulated RMSNorms and of the per-head q/k norms.
 BLOCK_EPS = 1e-6
@@ -354,6 +363,8 @@ def rope_positions(frames: int, height: int, width: int, device) -> torch.Tensor
 class MochiTransformer3DModel(DiffusersDiT):
     diffusers_class_name: ClassVar[str] = "MochiTransformer3DModel"
     config_class = MochiTransformerConfig
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
+    cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
 
     def __init__(self, config: MochiTransformerConfig) -> None:
         super().__init__(config)
@@ -383,9 +394,11 @@ class MochiTransformer3DModel(DiffusersDiT):
         encoder_hidden_states: torch.Tensor,
         timestep: torch.Tensor,
         encoder_attention_mask: torch.Tensor,
+        step_cache: BatchStepCache | None = None,
     ) -> torch.Tensor:
         """(batch, channels, frames, H, W) latents, (batch, L, text_embed_dim) T5 states, their (batch, L) mask
-        and (batch,) timesteps -> (batch, out_channels, frames, H, W)."""
+        and (batch,) timesteps -> (batch, out_channels, frames, H, W). `step_cache`: rows of requests with
+        a cache method, which may reuse the blocks' residual from an earlier step; None runs every block."""
         b, c, f, h, w = hidden_states.shape
         p = self.config.patch_size
         mask = encoder_attention_mask.bool()
@@ -394,14 +407,59 @@ class MochiTransformer3DModel(DiffusersDiT):
         x = x.flatten(2).transpose(1, 2).unflatten(0, (b, f)).flatten(1, 2)
         rope = self.rope(f, h // p, w // p, x.device)
         layout = TextLayout.of(mask)
-        split = sequence_split([x.shape[1], text.shape[1]])
-        if split is None:
-            x = self._run_blocks(x, text, temb, layout, rope)
-        else:
-            x = self._run_blocks_split(split, x, text, temb, layout, mask, rope)
+        x = run_with_step_cache(
+            step_cache,
+            x,
+            lambda: self.transformer_blocks[0].norm1(x, temb)[0],
+            lambda rows: self._blocks(
+                take_rows(x, rows), take_rows(text, rows), take_rows(temb, rows),
+                layout if rows is None else TextLayout.of(take_rows(mask, rows)), take_rows(mask, rows), rope,
+            ),
+            blocks=lambda: self._block_range(x, text, temb, layout, mask, rope),
+        )  # fmt: skip
         x = self.proj_out(self.norm_out(x, F.silu(temb)))
         out = x.reshape(b, f, h // p, w // p, p, p, -1).permute(0, 6, 1, 2, 4, 3, 5)
         return out.reshape(b, -1, f, h, w)
+
+    def _blocks(
+        self,
+        x: torch.Tensor,
+        text: torch.Tensor,
+        temb: torch.Tensor,
+        layout: TextLayout,
+        mask: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """Every block over these rows (`layout` and `mask` theirs), on one device or over the
+        sequence-parallel ranks."""
+        split = sequence_split([x.shape[1], text.shape[1]])
+        if split is None:
+            return self._run_blocks(x, text, temb, layout, rope)
+        return self._run_blocks_split(split, x, text, temb, layout, mask, rope)
+
+    def _block_range(
+        self,
+        x: torch.Tensor,
+        text: torch.Tensor,
+        temb: torch.Tensor,
+        layout: TextLayout,
+        mask: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> SequentialBlocks:
+        """The blocks as a `BlockRange` for DBCache: video and text streams (the last block leaves the text
+        as it is). A range on some rows finds their text layout again (one host read of their mask)."""
+        refuse_sequence_parallel(sequence_split([x.shape[1], text.shape[1]]), "Mochi")
+
+        def row_inputs(rows: torch.Tensor | None) -> tuple[torch.Tensor, TextLayout]:
+            if rows is None:
+                return temb, layout
+            return take_rows(temb, rows), TextLayout.of(take_rows(mask, rows))
+
+        def call(i: int, x: torch.Tensor, text: torch.Tensor | None, inputs: tuple) -> tuple:
+            rows_temb, rows_layout = inputs
+            return self.transformer_blocks[i](x, text, rows_temb, rows_layout, rope)
+
+        return SequentialBlocks(len(self.transformer_blocks), x, text, row_inputs, call)
 
     def _run_blocks(
         self,

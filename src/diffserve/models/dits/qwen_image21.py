@@ -36,6 +36,10 @@ the degree). The target's attention reads the whole prefix: each rank passes its
 q/k/v with its image shard to `sequence_attention` (the prefix's padding and the shards' padding masked
 as keys) and keeps the image queries' output, so the keys are every prefix and every image token.
 With one sequence-parallel rank nothing changes.
+
+Step cache (`models/step_cache.py`, the cache methods by name): the whole-span methods reuse the residual
+of every block; DBCache runs the blocks in ranges (`SequentialBlocks`) on the image and prefix streams,
+both updated by every block. Block-range methods are refused under sequence parallelism.
 """
 
 from __future__ import annotations
@@ -48,13 +52,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.layers.attention import attention
 from diffserve.layers.embeddings import timestep_sinusoids
 from diffserve.layers.lora_rows import current_lora_rows
 from diffserve.layers.norms import RMSNorm
 from diffserve.layers.rotary import checked_rope_axes
+from diffserve.models.cache_methods.blocks import SequentialBlocks, refuse_sequence_parallel
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig
+from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
 
 #: Sinusoid channels of the timestep embedding, and the factor the [0, 1] timestep is scaled by first.
 TIMESTEP_CHANNELS = 256
@@ -183,6 +190,10 @@ class Rope:
     text: torch.Tensor
     image: torch.Tensor
 
+    def take(self, rows: torch.Tensor | None) -> Rope:
+        """These factors for batch rows `rows` (None: all)."""
+        return Rope(take_rows(self.text, rows), take_rows(self.image, rows))
+
 
 class Attention(nn.Module):
     """Block-causal attention with Diffusers' `QwenImage21Attention` weights (bias-free, q/k RMSNorm)."""
@@ -254,6 +265,12 @@ class AttentionMasks:
             image = keys[:, None, None, :]
         return cls(text, image)
 
+    def take(self, rows: torch.Tensor | None) -> AttentionMasks:
+        """These masks for batch rows `rows` (None: all)."""
+        return AttentionMasks(
+            take_rows(self.text, rows), None if self.image is None else take_rows(self.image, rows)
+        )
+
 
 class Block(nn.Module):
     """Single-stream block; its scales and gates come from the model's shared modulation."""
@@ -310,6 +327,8 @@ class OutputNorm(nn.Module):
 class QwenImage21Transformer2DModel(DiffusersDiT):
     diffusers_class_name: ClassVar[str] = "QwenImage21Transformer2DModel"
     config_class = QwenImage21TransformerConfig
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
+    cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
 
     def __init__(self, config: QwenImage21TransformerConfig) -> None:
         super().__init__(config)
@@ -400,11 +419,14 @@ class QwenImage21Transformer2DModel(DiffusersDiT):
         timestep: torch.Tensor,
         grid: tuple[int, int],
         conditions: Sequence[Sequence[ConditionBlock]] | None = None,
+        step_cache: BatchStepCache | None = None,
     ) -> torch.Tensor:
         """(B, h * w, in_channels) target latents (row-major over the latent `grid` (h, w)), (B, L,
         context_in_dim) prompt states right-padded past each sample's `text_lengths[b]` valid tokens,
         (B,) timesteps in [0, 1] and, per sample, its condition images (in text order; None: none) ->
-        the (B, h * w, out_channels) prediction."""
+        the (B, h * w, out_channels) prediction. `step_cache`: rows of requests with a cache method, which
+        may reuse the blocks' residual from an earlier step (`models/step_cache.py`); None runs every block
+        for every row (exact)."""
         batch, tokens, _ = hidden_states.shape
         if grid[0] * grid[1] != tokens:
             raise ValueError(f"grid {grid} does not hold {tokens} latent tokens")
@@ -439,12 +461,63 @@ class QwenImage21Transformer2DModel(DiffusersDiT):
         rope = self.rope(positions, frames, grid)
         masks = AttentionMasks.of(lengths, block_ids, tokens, image.device)
         split = sequence_split([text.shape[1], tokens])
-        if split is None:
-            for block in self.transformer_blocks:
-                text, image = block(text, image, text_mod, image_mod, rope, masks)
-        else:
-            image = self._run_blocks_split(split, text, image, text_mod, image_mod, rope, masks)
+
+        def run_blocks(rows: torch.Tensor | None) -> torch.Tensor:
+            args = (take_rows(text, rows), take_rows(image, rows), take_rows(text_mod, rows))
+            args += (take_rows(image_mod, rows), rope.take(rows), masks.take(rows))
+            if split is None:
+                return self._run_blocks(*args)
+            return self._run_blocks_split(split, *args)
+
+        def block_range() -> SequentialBlocks:
+            refuse_sequence_parallel(split, "Qwen-Image 2.1")
+            return self._block_range(text, image, text_mod, image_mod, rope, masks)
+
+        image = run_with_step_cache(
+            step_cache, image, lambda: self._cache_signal(image, image_mod), run_blocks, block_range
+        )
         return self.proj_out(self.norm_out(image, temb[:batch]))
+
+    def _run_blocks(
+        self,
+        text: torch.Tensor,
+        image: torch.Tensor,
+        text_mod: torch.Tensor,
+        image_mod: torch.Tensor,
+        rope: Rope,
+        masks: AttentionMasks,
+    ) -> torch.Tensor:
+        """Every block over the prefix and the image tokens; the image tokens the output head reads."""
+        for block in self.transformer_blocks:
+            text, image = block(text, image, text_mod, image_mod, rope, masks)
+        return image
+
+    def _cache_signal(self, image: torch.Tensor, image_mod: torch.Tensor) -> torch.Tensor:
+        """The first block's modulated image input: what the step cache watches change."""
+        scale = image_mod.chunk(4, dim=-1)[0]
+        return self.transformer_blocks[0].norm(image) * (1 + scale)
+
+    def _block_range(
+        self,
+        text: torch.Tensor,
+        image: torch.Tensor,
+        text_mod: torch.Tensor,
+        image_mod: torch.Tensor,
+        rope: Rope,
+        masks: AttentionMasks,
+    ) -> SequentialBlocks:
+        """The blocks as a `BlockRange` for DBCache: the image stream and the prefix (its text stream)."""
+
+        def row_inputs(rows: torch.Tensor | None) -> tuple:
+            return take_rows(text_mod, rows), take_rows(image_mod, rows), rope.take(rows), masks.take(rows)
+
+        def call(i: int, x: torch.Tensor, prefix: torch.Tensor | None, inputs: tuple) -> tuple:
+            if prefix is None:
+                raise RuntimeError("Qwen-Image 2.1's blocks need the prefix stream")
+            prefix, x = self.transformer_blocks[i](prefix, x, *inputs)
+            return x, prefix
+
+        return SequentialBlocks(len(self.transformer_blocks), image, text, row_inputs, call)
 
     def _run_blocks_split(
         self,

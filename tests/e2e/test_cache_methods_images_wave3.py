@@ -1,0 +1,133 @@
+"""Cache methods by name (issue 33) on HiDream-I1, HunyuanImage 2.1 and Qwen-Image 2.1: DBCache runs their
+blocks in ranges (HiDream and HunyuanImage: the double-stream blocks, then the single-stream ones, as
+cache-dit counts them; Qwen-Image 2.1: its single-stream blocks over the prefix and the image), and the
+whole-span methods (TaylorSeer, TeaCache) reuse the residual of every block.
+
+Tiny random checkpoints with 4 blocks, 10 steps, each family's default guidance (Qwen-Image 2.1 with a
+negative prompt and true CFG). DBCache that never reuses is the exact output pixel for pixel (the range
+path computes what the DiT's own loop computes). The reusing settings are aggressive ones (threshold 1:
+reuse after a 3-step warm-up, at most one step in a row), since these random models' first-block
+residuals change by more than any real threshold between steps; their PSNRs against the exact output,
+measured on CPU with seed 7, are stated per case and the floors sit 4 dB below. A tiny random model's
+PSNRs say nothing about a trained one's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from diffserve import DiffGenerator, SamplingParams
+from diffserve.families.hidream.tiny import TinyHiDreamSpec, build_tiny_hidream
+from diffserve.families.hunyuan_image.tiny import TinyHunyuanImageSpec, build_tiny_hunyuan_image
+from diffserve.families.qwen_image21.tiny import TinyQwenImage21Spec, build_tiny_qwen_image21
+from diffserve.request import Req
+from diffserve.testing.image_metrics import psnr_uint8 as psnr
+
+STEPS = 10
+BLOCKS = 4
+PROMPT = "a red fox in the snow"
+NEVER = {"method": "dbcache", "Fn_compute_blocks": 1, "Bn_compute_blocks": 1, "residual_diff_threshold": 0}
+DBCACHE = {
+    "method": "dbcache", "Fn_compute_blocks": 1, "Bn_compute_blocks": 1, "residual_diff_threshold": 1.0,
+    "max_warmup_steps": 3, "max_continuous_cached_steps": 1,
+}  # fmt: skip
+DBCACHE_TAYLORSEER = {**DBCACHE, "Fn_compute_blocks": 2, "Bn_compute_blocks": 0, "enable_taylorseer": True}
+TAYLORSEER = {"method": "taylorseer"}  # cache-dit's defaults: reuse after step 3, every 5th step computed
+TEACACHE = {"method": "teacache", "rel_l1_thresh": 2.0, "coefficients": [1.0, 0.0]}  # the raw change
+SETTINGS = {
+    "dbcache": DBCACHE,
+    "dbcache+taylorseer": DBCACHE_TAYLORSEER,
+    "taylorseer": TAYLORSEER,
+    "teacache": TEACACHE,
+}
+
+#: name -> (builder, generation kwargs, {setting name: measured PSNR in dB}).
+CASES: dict[str, tuple[Callable[[Path], Path], dict[str, Any], dict[str, float]]] = {
+    "hidream": (
+        lambda root: build_tiny_hidream(root, TinyHiDreamSpec(num_layers=2, num_single_layers=2)),
+        {"height": 32, "width": 32},  # HiDream's area rule makes it 128x128
+        {"dbcache": 41.2, "dbcache+taylorseer": 39.0, "taylorseer": 23.8, "teacache": 30.1},
+    ),
+    "hunyuan-image": (
+        lambda root: build_tiny_hunyuan_image(root, TinyHunyuanImageSpec(num_layers=2, num_single_layers=2)),
+        {"height": 64, "width": 64},
+        {"dbcache": 20.9, "dbcache+taylorseer": 20.9, "taylorseer": 21.4, "teacache": 21.0},
+    ),
+    "qwen-image-2.1": (
+        lambda root: build_tiny_qwen_image21(root, TinyQwenImage21Spec(num_layers=4)),
+        {"height": 32, "width": 32, "true_cfg_scale": 4.0, "negative_prompt": "ugly"},
+        {"dbcache": 15.6, "dbcache+taylorseer": 18.3, "taylorseer": 13.7, "teacache": 15.1},
+    ),
+}
+
+
+def pixels(out) -> np.ndarray:
+    return np.asarray(out.images[0].convert("RGB"))
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def family(request, tmp_path_factory):
+    build, kwargs, measured = CASES[request.param]
+    generator = DiffGenerator.from_pretrained(
+        build(tmp_path_factory.mktemp(request.param)), device="cpu", show_progress=False
+    )
+    kwargs = {**kwargs, "num_inference_steps": STEPS, "seed": 7}
+    exact = pixels(generator.generate(PROMPT, **kwargs))
+    return request.param, generator, kwargs, measured, exact
+
+
+def test_dbcache_that_never_reuses_is_the_exact_output(family) -> None:
+    name, generator, kwargs, _, exact = family
+    out = generator.generate(PROMPT, cache=NEVER, **kwargs)
+    np.testing.assert_array_equal(pixels(out), exact, err_msg=name)
+    assert out.cache["steps_reused"] == 0 and out.cache["blocks_computed"] == STEPS * BLOCKS
+
+
+def test_each_method_reuses_within_its_measured_psnr(family) -> None:
+    name, generator, kwargs, measured, exact = family
+    for setting, db in measured.items():
+        out = generator.generate(PROMPT, cache=SETTINGS[setting], **kwargs)
+        score = psnr(pixels(out), exact)
+        print(f"{name} {setting}: {score:.1f} dB, {out.cache['steps_reused']} of {STEPS} steps reused")
+        assert out.cache["steps_reused"] > 0 and out.cache["blocks_reused"] > 0, (name, setting)
+        assert db - 4.0 <= score < float("inf"), (name, setting, score)
+
+
+def test_a_mixed_batch_gives_each_request_its_own_output(family) -> None:
+    name, generator, kwargs, _, _ = family
+    pipeline = generator.pipeline
+    caches = [DBCACHE, TEACACHE]
+    params = {k: v for k, v in kwargs.items() if k != "seed"}
+    reqs = [
+        pipeline.run_pre_denoise(
+            pipeline.validate(Req(SamplingParams(prompt=PROMPT, seed=i, cache=c, **params)))
+        )
+        for i, c in enumerate(caches)
+    ]
+    assert len({pipeline.batch_key(r) for r in reqs}) == 1
+    while not all(r.is_denoised for r in reqs):
+        pipeline.denoise_step(reqs)
+    for i, (cache, req) in enumerate(zip(caches, reqs, strict=True)):
+        batched = pipeline.run_post_denoise(req)
+        alone = generator.generate(PROMPT, seed=i, cache=cache, **params)
+        got = pixels(batched.outputs).astype(int)
+        assert np.abs(got - pixels(alone).astype(int)).max() <= 1, (name, cache)
+        assert batched.cache_report == alone.cache, (name, cache)
+
+
+def test_hidream_dbcache_on_a_padded_grid(tmp_path) -> None:
+    """A non-square HiDream grid is padded to `max_seq` tokens whose keys are masked: the block ranges
+    carry that mask (each row's), so DBCache that never reuses is still the exact output."""
+    generator = DiffGenerator.from_pretrained(
+        CASES["hidream"][0](tmp_path), device="cpu", show_progress=False
+    )
+    kwargs = {"height": 32, "width": 56, "num_inference_steps": STEPS, "seed": 7}  # 96x168 (area rule)
+    exact = pixels(generator.generate(PROMPT, **kwargs))
+    assert exact.shape == (96, 168, 3)
+    np.testing.assert_array_equal(pixels(generator.generate(PROMPT, cache=NEVER, **kwargs)), exact)
+    assert generator.generate(PROMPT, cache=DBCACHE, **kwargs).cache["steps_reused"] > 0
