@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from diffserve import DiffGenerator, SamplingParams
+from diffserve import DiffGenerator
 from diffserve.errors import InvalidRequestError
 from diffserve.families.flux2.tiny import TinyFlux2Spec, build_tiny_flux2
 from diffserve.families.hunyuan_video15.tiny import TinyHunyuanVideo15Spec, build_tiny_hunyuan_video15
@@ -31,7 +31,7 @@ from diffserve.families.sana_video.tiny import TinySanaVideoSpec, build_tiny_san
 from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
 from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
 from diffserve.families.z_image.tiny import TinyZImageSpec, build_tiny_zimage
-from diffserve.request import Req
+from diffserve.testing.cache_parity import assert_mixed_caches_as_alone
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 
 STEPS = 20
@@ -137,24 +137,9 @@ def test_each_method_reuses_within_its_measured_psnr(family) -> None:
 
 def test_a_mixed_batch_gives_each_request_its_own_output(family) -> None:
     name, generator, kwargs, _, _ = family
-    pipeline = generator.pipeline
     caches = [None, DBCACHE, TEACACHE]
     params = {k: v for k, v in kwargs.items() if k != "seed"}
-    reqs = [
-        pipeline.run_pre_denoise(
-            pipeline.validate(Req(SamplingParams(prompt=PROMPT, seed=i, cache=c, **params)))
-        )
-        for i, c in enumerate(caches)
-    ]
-    assert len({pipeline.batch_key(r) for r in reqs}) == 1
-    while not all(r.is_denoised for r in reqs):
-        pipeline.denoise_step(reqs)
-    for i, (cache, req) in enumerate(zip(caches, reqs, strict=True)):
-        batched = pipeline.run_post_denoise(req)
-        alone = generator.generate(PROMPT, seed=i, cache=cache, **params)
-        got = pixels(batched.outputs).astype(int)
-        assert np.abs(got - pixels(alone).astype(int)).max() <= 1, (name, cache)
-        assert batched.cache_report == alone.cache, (name, cache)
+    assert_mixed_caches_as_alone(name, generator, params, caches, [PROMPT] * len(caches))
 
 
 def test_z_image_dbcache_counts_the_main_layers_and_always_runs_the_refiner(tmp_path) -> None:

@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from diffserve import DiffGenerator, SamplingParams
+from diffserve import DiffGenerator
 from diffserve.families.hidream.tiny import TinyHiDreamSpec, build_tiny_hidream
 from diffserve.families.hunyuan_image.tiny import TinyHunyuanImageSpec, build_tiny_hunyuan_image
 from diffserve.families.qwen_image21.tiny import TinyQwenImage21Spec, build_tiny_qwen_image21
-from diffserve.request import Req
+from diffserve.testing.cache_parity import assert_mixed_caches_as_alone
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 
 STEPS = 10
@@ -100,24 +100,9 @@ def test_each_method_reuses_within_its_measured_psnr(family) -> None:
 
 def test_a_mixed_batch_gives_each_request_its_own_output(family) -> None:
     name, generator, kwargs, _, _ = family
-    pipeline = generator.pipeline
     caches = [DBCACHE, TEACACHE]
     params = {k: v for k, v in kwargs.items() if k != "seed"}
-    reqs = [
-        pipeline.run_pre_denoise(
-            pipeline.validate(Req(SamplingParams(prompt=PROMPT, seed=i, cache=c, **params)))
-        )
-        for i, c in enumerate(caches)
-    ]
-    assert len({pipeline.batch_key(r) for r in reqs}) == 1
-    while not all(r.is_denoised for r in reqs):
-        pipeline.denoise_step(reqs)
-    for i, (cache, req) in enumerate(zip(caches, reqs, strict=True)):
-        batched = pipeline.run_post_denoise(req)
-        alone = generator.generate(PROMPT, seed=i, cache=cache, **params)
-        got = pixels(batched.outputs).astype(int)
-        assert np.abs(got - pixels(alone).astype(int)).max() <= 1, (name, cache)
-        assert batched.cache_report == alone.cache, (name, cache)
+    assert_mixed_caches_as_alone(name, generator, params, caches, [PROMPT] * len(caches))
 
 
 def test_hidream_dbcache_on_a_padded_grid(tmp_path) -> None:

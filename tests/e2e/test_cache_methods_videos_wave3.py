@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from diffserve import DiffGenerator, SamplingParams
+from diffserve import DiffGenerator
 from diffserve.families.cogvideox.tiny import TinyCogVideoXSpec, build_tiny_cogvideox
 from diffserve.families.hunyuan_video.image_to_video_tiny import (
     TinyHunyuanVideoI2VSpec,
@@ -29,7 +29,7 @@ from diffserve.families.hunyuan_video.image_to_video_tiny import (
 )
 from diffserve.families.hunyuan_video.tiny import TinyHunyuanVideoSpec, build_tiny_hunyuan_video
 from diffserve.families.mochi.tiny import TinyMochiSpec, build_tiny_mochi
-from diffserve.request import Req
+from diffserve.testing.cache_parity import assert_mixed_caches_as_alone
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 
 STEPS = 10
@@ -111,23 +111,10 @@ def test_each_method_reuses_within_its_measured_psnr(family) -> None:
 
 def test_a_mixed_batch_gives_each_request_its_own_output(family) -> None:
     name, generator, kwargs, _, _ = family
-    pipeline = generator.pipeline
     caches = [None, DBCACHE, SETTINGS["teacache"]]
-    prompts = [PROMPT, "a cat", "a blue car on a long empty road at night"]  # text masks of their own
     params = {k: v for k, v in kwargs.items() if k != "seed"}
-    reqs = [
-        pipeline.run_pre_denoise(pipeline.validate(Req(SamplingParams(prompt=p, seed=i, cache=c, **params))))
-        for i, (p, c) in enumerate(zip(prompts, caches, strict=True))
-    ]
-    assert len({pipeline.batch_key(r) for r in reqs}) == 1
-    while not all(r.is_denoised for r in reqs):
-        pipeline.denoise_step(reqs)
-    for i, (prompt, cache, req) in enumerate(zip(prompts, caches, reqs, strict=True)):
-        batched = pipeline.run_post_denoise(req)
-        alone = generator.generate(prompt, seed=i, cache=cache, **params)
-        got = frames(batched.outputs).astype(int)
-        assert np.abs(got - frames(alone).astype(int)).max() <= 1, (name, cache)
-        assert batched.cache_report == alone.cache, (name, cache)
+    prompts = [PROMPT, "a cat", "a blue car on a long empty road at night"]  # text masks of their own
+    assert_mixed_caches_as_alone(name, generator, params, caches, prompts)
 
 
 def test_hunyuan_video_token_replace_i2v_runs_dbcache(tmp_path) -> None:
