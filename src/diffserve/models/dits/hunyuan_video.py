@@ -261,9 +261,7 @@ class HunyuanVideoTransformer3DModel(HunyuanVideoGridDiT):
             x,
             lambda: self.transformer_blocks[0].norm1(x, temb_act)[0],
             lambda rows: self._blocks(
-                take_rows(x, rows), take_rows(ctx, rows), take_rows(temb_act, rows), rope,
-                None if key_mask is None else take_rows(key_mask, rows),
-                tuple(f._replace(temb_act=take_rows(f.temb_act, rows)) for f in first),
+                take_rows(x, rows), take_rows(ctx, rows), rope, *_row_inputs(rows, temb_act, key_mask, first)
             ),
             blocks=lambda: self._block_range(x, ctx, temb_act, rope, key_mask, first),
         )  # fmt: skip
@@ -273,8 +271,8 @@ class HunyuanVideoTransformer3DModel(HunyuanVideoGridDiT):
         self,
         x: torch.Tensor,
         ctx: torch.Tensor,
-        temb_act: torch.Tensor,
         rope: RopeTables,
+        temb_act: torch.Tensor,
         key_mask: torch.Tensor | None,
         first: tuple[FirstFrame, ...],
     ) -> torch.Tensor:
@@ -299,12 +297,7 @@ class HunyuanVideoTransformer3DModel(HunyuanVideoGridDiT):
         blocks = [*self.transformer_blocks, *self.single_transformer_blocks]
 
         def row_inputs(rows: torch.Tensor | None) -> tuple:
-            rows_first = tuple(f._replace(temb_act=take_rows(f.temb_act, rows)) for f in first)
-            return (
-                take_rows(temb_act, rows),
-                None if key_mask is None else take_rows(key_mask, rows),
-                rows_first,
-            )
+            return _row_inputs(rows, temb_act, key_mask, first)
 
         def call(i: int, x: torch.Tensor, ctx: torch.Tensor | None, inputs: tuple) -> tuple:
             rows_temb, rows_mask, rows_first = inputs
@@ -375,3 +368,18 @@ def _cut_context(
     text_keys = torch.arange(longest, device=ctx.device)[None, :] < counts[:, None]
     video_keys = text_keys.new_ones(ctx.shape[0], video_len)
     return ctx, torch.cat([video_keys, text_keys], dim=1)[:, None, None, :]
+
+
+def _row_inputs(
+    rows: torch.Tensor | None,
+    temb_act: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    first: tuple[FirstFrame, ...],
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple[FirstFrame, ...]]:
+    """The per-row block inputs of the batch rows `rows` (None: all): the timestep activation, the key mask
+    and token_replace's first-frame activation, as the whole-span cache methods and DBCache's ranges take them."""
+    return (
+        take_rows(temb_act, rows),
+        None if key_mask is None else take_rows(key_mask, rows),
+        tuple(f._replace(temb_act=take_rows(f.temb_act, rows)) for f in first),
+    )
