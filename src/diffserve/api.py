@@ -495,6 +495,7 @@ class DiffGenerator:
         *,
         image: ImageSource | Sequence[ImageSource] | None = None,
         mask: ImageSource | None = None,
+        video: Sequence[ImageSource | np.ndarray] | np.ndarray | None = None,
         save_output: bool = False,
         output_path: str | None = None,
         output_file_name: str | None = None,
@@ -508,7 +509,14 @@ class DiffGenerator:
         a PIL image or a base64 data URL (never an http(s) URL). On FLUX.1, SD3, Z-Image and Qwen-Image
         folders an `image` runs image-to-image (`strength=`, 0-1, the SamplingParams field) and a `mask`
         inpaints; FLUX.1 Fill needs both. A mask's transparent pixels, or without alpha its white ones,
-        mark the area to repaint (`diffserve.masks`)."""
+        mark the area to repaint (`diffserve.masks`). `video` (`input_video`): the frames of a video to
+        extend (SkyReels-V2 diffusion forcing's video-to-video folders; other families refuse it), as a
+        sequence of images (each as `image` takes it, or a uint8 (H, W, 3) array) or a uint8 (F, H, W, 3)
+        array; only this API takes an input video (the CLI and the HTTP server have no such field)."""
+        if video is not None:
+            if "input_video" in params:
+                raise UserError("pass the input video as either video= or input_video=, not both")
+            params["input_video"] = _video_frames(video)
         if image is not None:
             if "input_images" in params:
                 raise UserError("pass the input images as either image= or input_images=, not both")
@@ -642,7 +650,7 @@ CONTROLNET_KEYWORDS = (
     "control_mode",
 )
 _GENERATE_KEYWORDS = (
-    "image", "mask", "save_output", "output_path", "output_file_name", "save_frames", *CONTROLNET_KEYWORDS,
+    "image", "mask", "video", "save_output", "output_path", "output_file_name", "save_frames", *CONTROLNET_KEYWORDS,
 )  # fmt: skip
 
 
@@ -703,6 +711,28 @@ def controlnet_entries(
             image = load_images(image, param=f"controlnets[{i}].image")[0]
         decoded.append(replace(choice, image=image))
     return decoded
+
+
+def _video_frames(video: Sequence[ImageSource | np.ndarray] | np.ndarray) -> list[Image.Image]:
+    """`generate(video=...)`'s frames as RGB PIL images, in order: a uint8 (F, H, W, 3) array, or a sequence
+    of frames, each a uint8 (H, W, 3) array or anything `load_images` reads (InvalidRequestError otherwise,
+    or for no frame)."""
+    frames = list(video)
+    if not frames:
+        raise InvalidRequestError("video: pass at least one frame", param="video")
+    loaded = []
+    for index, frame in enumerate(frames):
+        if isinstance(frame, np.ndarray):
+            if frame.dtype != np.uint8 or frame.ndim != 3 or frame.shape[2] != 3:
+                raise InvalidRequestError(
+                    f"video: frame {index} is a {frame.dtype} array of shape {frame.shape}; frames as arrays "
+                    "must be uint8 (height, width, 3)",
+                    param="video",
+                )
+            loaded.append(Image.fromarray(frame))
+        else:
+            loaded.extend(load_images(frame, param="video"))
+    return loaded
 
 
 def check_generate_keywords(params: Mapping[str, object]) -> None:

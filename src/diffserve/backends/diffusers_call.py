@@ -92,6 +92,8 @@ def check_fields_taken(params: SamplingParams, signature: CallSignature) -> None
         refuse("input_images", f"{pipeline}.__call__ takes no input image")
     if params.input_images and len(params.input_images) > 1:
         refuse("input_images", "this backend passes at most one input image")
+    if params.input_video is not None:
+        refuse("video", "this backend passes no input video (video-to-video families run natively)")
     if params.mask_image is not None and not signature.takes("mask_image"):
         refuse("mask_image", f"{pipeline}.__call__ takes no mask")
     if (params.fps is not None or params.video_format is not None) and not signature.makes_video:

@@ -18,7 +18,7 @@ MAX_LORA_SCALE = 100.0
 MAX_CONTROLNETS_PER_REQUEST = 4
 MAX_CONTROLNET_SCALE = 10.0
 #: Fields holding images rather than JSON values (`controlnets` holds some in its entries).
-IMAGE_FIELDS = ("input_images", "mask_image", "controlnets")
+IMAGE_FIELDS = ("input_images", "mask_image", "controlnets", "input_video")
 #: Longest prompt or negative prompt, in characters. Text encoders truncate to a few hundred tokens, so
 #: a longer text changes nothing but the memory it holds (queues, the prompt cache, logs).
 MAX_PROMPT_CHARS = 10_000
@@ -362,6 +362,13 @@ class SamplingParams:
         None,
         help="inpainting mask (a PIL image of the input image's size); only families that inpaint take it",
     )
+    #: Given only on `DiffGenerator.generate(video=...)` (no CLI flag or HTTP field): the families that extend
+    #: a video read it (`InputValidationStage.takes_input_video`), every other one refuses it.
+    input_video: list[Any] | None = option(
+        None,
+        help="video-to-video families (SkyReels-V2 diffusion forcing's video extension): the input video's "
+        "frames, as decoded RGB PIL images in order",
+    )
     #: The schedule keeps its last `int(num_inference_steps * strength)` steps, as Diffusers' `get_timesteps`.
     strength: float | None = option(
         None, cli="--strength", min=0, max=1, http=True,
@@ -524,6 +531,7 @@ class SamplingParams:
             None if self.input_images is None else [list(im.size) for im in self.input_images]
         )
         out["mask_image"] = None if self.mask_image is None else list(self.mask_image.size)
+        out["input_video"] = None if self.input_video is None else {"frames": len(self.input_video)}
         out["controlnets"] = [
             {"name": c.name, "image": None if c.image is None else list(c.image.size), "scale": c.scale,
              "start": c.start, "end": c.end, "mode": c.mode}

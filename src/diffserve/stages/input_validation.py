@@ -217,6 +217,9 @@ class InputValidationStage(Stage):
     #: Whether the family reads its own settings from `SamplingParams.extra` (it checks them in its
     #: `resolve`); a family that does not refuses a request that sends any, naming them.
     takes_family_settings: ClassVar[bool] = False
+    #: Whether the family extends an input video (`SamplingParams.input_video`, given on
+    #: `DiffGenerator.generate(video=...)`); one that does not refuses a request that sends one.
+    takes_input_video: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -258,6 +261,12 @@ class InputValidationStage(Stage):
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         """Family defaults applied and validated; raises InvalidRequestError on bad input."""
+        if params.input_video is not None and not self.takes_input_video:
+            raise InvalidRequestError(
+                f"video is not a parameter of {self.image_inputs.pipeline_name}: it extends no input video "
+                "(only video-to-video families, which extend a video, take one)",
+                param="video",
+            )
         for name, why in self.unsupported_params.items():
             if getattr(params, name) is not None:
                 raise InvalidRequestError(

@@ -1,6 +1,7 @@
 """The Wan family's records (Wan 2.1 and 2.2): text-to-video (`WanPipeline`, also Wan 2.2 A14B's two
 experts and TI2V-5B) and image-to-video (`WanImageToVideoPipeline`), which share the Wan DiT's facts; and
-SkyReels-V2's (`SkyReelsV2Pipeline`, `SkyReelsV2ImageToVideoPipeline`): Wan 2.1's pipelines over its own
+SkyReels-V2's (`SkyReelsV2Pipeline`, `SkyReelsV2ImageToVideoPipeline`, and the diffusion-forcing text-,
+image- and video-to-video pipelines): Wan 2.1's pipelines over its own
 DiT (Wan's with float64 timestep sinusoids, fps injection and block-causal attention)."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from diffserve.families.wan.skyreels_v2 import (
     SkyReelsV2ImageToVideoPipeline,
     SkyReelsV2Pipeline,
 )
+from diffserve.families.wan.skyreels_v2_v2v import SkyReelsV2DiffusionForcingVideoToVideoPipeline
 from diffserve.loader.dit_facts import DitFacts, LoraFacts, SingleFileKeys
 from diffserve.loader.native_classes import NativeClasses
 from diffserve.models.dits.skyreels_v2 import SkyReelsV2Transformer3DModel
@@ -43,13 +45,21 @@ def _tiny_wan(out_dir: Path, options: TinyCheckpointOptions, image_to_video: boo
 
 
 def _tiny_skyreels_v2(
-    out_dir: Path, options: TinyCheckpointOptions, image_to_video: bool, diffusion_forcing: bool = False
+    out_dir: Path,
+    options: TinyCheckpointOptions,
+    image_to_video: bool,
+    diffusion_forcing: bool = False,
+    video_to_video: bool = False,
 ) -> Path:
-    """A SkyReels-V2 text-to-video, image-to-video or diffusion-forcing folder; imports its module when called."""
+    """A SkyReels-V2 text-to-video, image-to-video or diffusion-forcing (text-, image- or video-to-video)
+    folder; imports its module when called."""
     from diffserve.families.wan.skyreels_v2_tiny import TinySkyReelsV2Spec, build_tiny_skyreels_v2
 
     spec = TinySkyReelsV2Spec(
-        image_to_video=image_to_video, diffusion_forcing=diffusion_forcing, seed=options.seed
+        image_to_video=image_to_video,
+        diffusion_forcing=diffusion_forcing,
+        video_to_video=video_to_video,
+        seed=options.seed,
     )
     return build_tiny_skyreels_v2(out_dir, spec)
 
@@ -142,5 +152,16 @@ FAMILIES += (
         task="image-to-video",
         tiny_builder=partial(_tiny_skyreels_v2, image_to_video=True, diffusion_forcing=True),
         aliases=("skyreels_v2_df_i2v",),
+    ),
+    replace(
+        _SKYREELS_V2_T2V,
+        name="skyreels-v2-df-v2v",
+        diffusers_pipeline="SkyReelsV2DiffusionForcingVideoToVideoPipeline",
+        pipeline_cls=SkyReelsV2DiffusionForcingVideoToVideoPipeline,
+        task="video-to-video",
+        tiny_builder=partial(
+            _tiny_skyreels_v2, image_to_video=False, diffusion_forcing=True, video_to_video=True
+        ),
+        aliases=("skyreels_v2_df_v2v",),
     ),
 )

@@ -7,8 +7,8 @@ step, with their own defaults: 544x960, 97 frames, 50 steps, CFG 6.0 (text-to-vi
 (image-to-video), 24 fps output. The image-to-video default size is 544x960 whatever the image's aspect
 ratio (Diffusers' default), not Wan's area-preserving size. Neither passes `fps` to the DiT.
 
-Diffusion forcing is served in every mode of Diffusers' text-to-video and image-to-video pipelines (not the
-video-to-video one, nor image-to-video's `last_image`): synchronous (`ar_step` 0) or asynchronous (`ar_step`
+Diffusion forcing is served in every mode of Diffusers' text-to-video, image-to-video and video-to-video
+pipelines (the video extension in `skyreels_v2_v2v.py`; not image-to-video's `last_image`): synchronous (`ar_step` 0) or asynchronous (`ar_step`
 > 0, causal blocks of `causal_block_size` frames lagging one another), over one window or, for a long video (`num_frames` > `base_num_frames` with `overlap_history`, `addnoise_condition`), several.
 Each row of Diffusers' step matrix is one engine step (`skyreels_v2_forcing_plan.py`): the DiT sees the
 window with each frame at its row's timestep, and the frames the row updates are stepped with their own

@@ -5,8 +5,10 @@ for image-to-video, a CLIP vision encoder with projection. The image processor i
 (the released folders ship a `CLIPProcessor`, whose tokenizer the pipelines never use).
 
 `diffusion_forcing` writes a `SkyReelsV2DiffusionForcingPipeline` folder (the DiT injects fps), with
-`image_to_video` a `SkyReelsV2DiffusionForcingImageToVideoPipeline` one (the same components: no CLIP). Used
-by the tests and `diffserve make-tiny skyreels-v2` / `skyreels-v2-i2v` / `skyreels-v2-df` / `skyreels-v2-df-i2v`.
+`image_to_video` a `SkyReelsV2DiffusionForcingImageToVideoPipeline` one, with `video_to_video` a
+`SkyReelsV2DiffusionForcingVideoToVideoPipeline` one (the same components: no CLIP). Used by the tests and
+`diffserve make-tiny skyreels-v2` / `skyreels-v2-i2v` / `skyreels-v2-df` / `skyreels-v2-df-i2v` /
+`skyreels-v2-df-v2v`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class TinySkyReelsV2Spec:
     image_to_video: bool = False
     #: A `SkyReelsV2DiffusionForcingPipeline` folder: the DiT injects fps (`inject_sample_info`).
     diffusion_forcing: bool = False
+    #: With `diffusion_forcing`: a `SkyReelsV2DiffusionForcingVideoToVideoPipeline` folder (video extension).
+    video_to_video: bool = False
     #: The DiT's frames per causal block (diffusion forcing's block-causal attention when > 1).
     num_frame_per_block: int = 1
     seed: int = 0
@@ -63,6 +67,10 @@ def _write_image_encoder(root: Path, wan: TinyWanSpec) -> None:
 
 def _pipeline_name(spec: TinySkyReelsV2Spec) -> str:
     """The folder's Diffusers pipeline (model_index.json's _class_name)."""
+    if spec.video_to_video:
+        if not spec.diffusion_forcing or spec.image_to_video:
+            raise ValueError("video_to_video is a diffusion-forcing folder, not an image-to-video one")
+        return "SkyReelsV2DiffusionForcingVideoToVideoPipeline"
     if spec.diffusion_forcing:
         return (
             "SkyReelsV2DiffusionForcingImageToVideoPipeline"

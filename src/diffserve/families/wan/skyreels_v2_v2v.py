@@ -1,0 +1,184 @@
+"""SkyReels-V2 diffusion forcing's video extension (Diffusers' `SkyReelsV2DiffusionForcingVideoToVideoPipeline`).
+
+The input video's frames are resized (Lanczos) to the output size; its last `overlap_history` frames are
+VAE-encoded (posterior mode, normalised) and, cut to whole causal blocks, start the first window as a long
+video's prefix starts the next ones (never stepped; noised anew at every step with `addnoise_condition`).
+`num_frames` counts the frames of the latents generated from there, the re-encoded overlap included: the
+windows are those of a text-to-video request of `num_frames` (one unless it exceeds `base_num_frames`).
+The output is every input frame (resized, as Diffusers' video processor gives them) followed by the decoded
+latents, so the overlap's frames appear twice, as in Diffusers.
+
+The input video comes only as `SamplingParams.input_video` (`DiffGenerator.generate(video=...)`); the CLI
+and the HTTP server send none, so this family refuses their requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import nn
+
+from diffserve.configs.sampling_params import SamplingParams
+from diffserve.errors import InvalidRequestError
+from diffserve.families.wan.image_to_video_preparation import encode_condition, resized_frame
+from diffserve.families.wan.skyreels_v2 import (
+    SkyReelsV2DiffusionForcingPipeline,
+    SkyReelsV2DiffusionForcingValidationStage,
+    skyreels_v2_default_sampling_params,
+)
+from diffserve.families.wan.skyreels_v2_forcing_settings import causal_block, skyreels_v2_df_settings
+from diffserve.families.wan.skyreels_v2_forcing_state import SkyReelsV2ForcingConditioning
+from diffserve.image_inputs import without_alpha
+from diffserve.pipelines.base import PipelineContext
+from diffserve.request import Req
+from diffserve.stages.base import Stage
+from diffserve.stages.video_vae_decoding import VideoVaeDecodingStage, video_to_uint8
+
+#: Diffusers' V2V default `num_frames` is 120, which its `__call__` rounds down to 4k+1 (117) before running.
+DEFAULT_NUM_FRAMES = 117
+
+
+@dataclass
+class SkyReelsV2VideoToVideoConditioning(SkyReelsV2ForcingConditioning):
+    """Diffusion forcing's conditioning (`condition_latents`: the input video's prefix latents, batch, channels,
+    frames, h, w) and the input video's resized frames, which lead the output."""
+
+    #: (1, 3, frames, height, width) float32 in [-1, 1]: every input frame at the output size.
+    input_pixels: torch.Tensor | None = None
+
+
+def video_pixels(frames: list[Image.Image], height: int, width: int) -> torch.Tensor:
+    """The input frames resized as Diffusers' video processor resizes them, (1, 3, frames, H, W) in [-1, 1]."""
+    return torch.cat([resized_frame(frame, height, width) for frame in frames], dim=2)
+
+
+def prefix_latent_frames(input_frames: int, overlap_history: int, temporal: int, block: int) -> int:
+    """The latent frames the input video's last `overlap_history` frames give (the causal VAE's 1 + (T - 1)
+    // temporal), cut to whole causal blocks of `block` frames as Diffusers cuts them."""
+    encoded = (min(input_frames, overlap_history) - 1) // temporal + 1
+    return encoded - encoded % block
+
+
+class SkyReelsV2VideoToVideoValidationStage(SkyReelsV2DiffusionForcingValidationStage):
+    """Diffusion forcing's checks plus the input video (decoded images, at least one frame) and what Diffusers'
+    video extension needs to run: `overlap_history` (the frames it continues from), shorter than a window,
+    and `num_frames` giving more latent frames than the overlap (else Diffusers runs no window)."""
+
+    takes_input_video = True
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        name = self.image_inputs.pipeline_name
+        if not params.input_video:
+            raise InvalidRequestError(
+                f"{name} extends an input video and got none: pass its frames as "
+                "DiffGenerator.generate(video=[...]) (the CLI and the HTTP server take no input video)",
+                param="video",
+            )
+        resolved = super().resolve(params)
+        frames = list(resolved.input_video or [])
+        for index, frame in enumerate(frames):
+            if not isinstance(frame, Image.Image):
+                raise InvalidRequestError(
+                    f"{name}: input video frame {index} is a {type(frame).__name__}, not a decoded PIL image",
+                    param="video",
+                )
+        resolved.input_video = [frame.convert("RGB") for frame in without_alpha(frames)]
+        settings = skyreels_v2_df_settings(resolved)
+        if settings.overlap_history is None:
+            raise InvalidRequestError(
+                f"{name} needs overlap_history in extra: the input video's last frames the extension "
+                "continues from (17 or 37 recommended)",
+                param="extra",
+            )
+
+        def latent(count: int) -> int:
+            return (count - 1) // self.temporal + 1
+
+        overlap, base = latent(settings.overlap_history), latent(settings.base_num_frames)
+        if overlap >= base:
+            raise InvalidRequestError(
+                f"{name}: overlap_history {settings.overlap_history} ({overlap} latent frames) must be shorter "
+                f"than a window (base_num_frames {settings.base_num_frames}: {base} latent frames)",
+                param="extra",
+            )
+        total = latent(int(resolved.num_frames))
+        if total <= overlap:
+            raise InvalidRequestError(
+                f"{name}: num_frames {resolved.num_frames} ({total} latent frames) must give more latent frames "
+                f"than overlap_history {settings.overlap_history} ({overlap}): they count the continued "
+                "frames too",
+                param="num_frames",
+            )
+        return resolved
+
+
+class SkyReelsV2VideoPrefixStage(Stage):
+    """The input video at the output size (kept for the output) and its last `overlap_history` frames' latents,
+    cut to whole causal blocks, as the first window's prefix (`condition_latents`, one copy per output)."""
+
+    sets = ()
+
+    def __init__(self, vae: nn.Module, temporal: int, dit_frames_per_block: int) -> None:
+        self.vae = vae
+        self.temporal = temporal
+        self.dit_frames_per_block = dit_frames_per_block
+
+    @torch.inference_mode()
+    def forward(self, req: Req) -> Req:
+        p = req.params
+        assert p.input_video and p.height is not None and p.width is not None
+        settings = skyreels_v2_df_settings(p)
+        assert settings.overlap_history is not None
+        pixels = video_pixels(p.input_video, p.height, p.width)
+        latents = encode_condition(self.vae, pixels[:, :, -settings.overlap_history :])
+        block = causal_block(settings, self.dit_frames_per_block)
+        kept = prefix_latent_frames(len(p.input_video), settings.overlap_history, self.temporal, block)
+        assert latents.shape[2] - latents.shape[2] % block == kept
+        conditioning = SkyReelsV2VideoToVideoConditioning.of(req)
+        conditioning.condition_latents = latents[:, :, :kept].repeat(req.batch_size, 1, 1, 1, 1)
+        conditioning.input_pixels = pixels
+        return req
+
+
+class SkyReelsV2VideoExtensionDecodingStage(VideoVaeDecodingStage):
+    """The video's latents decoded, after the input video's resized frames (Diffusers concatenates them in
+    [-1, 1] before converting; the conversion is per element, so converting each part alone is the same)."""
+
+    @torch.inference_mode()
+    def forward(self, req: Req) -> Req:
+        super().forward(req)
+        pixels = SkyReelsV2VideoToVideoConditioning.of(req).input_pixels
+        assert pixels is not None and req.outputs.frames is not None
+        given = video_to_uint8(pixels)[0]
+        req.outputs.frames = [np.concatenate([given, frames]) for frames in req.outputs.frames]
+        return req
+
+
+class SkyReelsV2DiffusionForcingVideoToVideoPipeline(SkyReelsV2DiffusionForcingPipeline):
+    """Extends an input video (`input_video`) by diffusion forcing, in every mode of the text-to-video one
+    (synchronous or asynchronous, one window or several); see the module's docstring for the frames."""
+
+    pipeline_name = "SkyReelsV2DiffusionForcingVideoToVideoPipeline"
+    conditioning_type = SkyReelsV2VideoToVideoConditioning
+    input_validation_cls = SkyReelsV2VideoToVideoValidationStage
+
+    @staticmethod
+    def default_sampling_params() -> SamplingParams:
+        params = skyreels_v2_default_sampling_params()
+        params.num_frames = DEFAULT_NUM_FRAMES
+        return params
+
+    def build_stages(self, context: PipelineContext) -> list[Stage]:
+        stages = super().build_stages(context)
+        vae = context.get("vae")
+        return [
+            SkyReelsV2VideoExtensionDecodingStage(vae) if type(stage) is VideoVaeDecodingStage else stage
+            for stage in stages
+        ]
+
+    def before_denoising_stages(self, context: PipelineContext) -> list[Stage]:
+        frames_per_block = int(context.get("transformer").config.num_frame_per_block)
+        return [SkyReelsV2VideoPrefixStage(context.get("vae"), self.temporal, frames_per_block)]
