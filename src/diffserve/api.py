@@ -512,7 +512,8 @@ class DiffGenerator:
         mark the area to repaint (`diffserve.masks`). `video` (`input_video`): the frames of a video to
         extend (SkyReels-V2 diffusion forcing's video-to-video folders; other families refuse it), as a
         sequence of images (each as `image` takes it, or a uint8 (H, W, 3) array) or a uint8 (F, H, W, 3)
-        array; only this API takes an input video (the CLI and the HTTP server have no such field)."""
+        array (a video file: decode it with `diffserve.video_inputs.load_video`, as `diffserve generate
+        --video PATH` and POST /v1/videos' `video` do)."""
         if video is not None:
             if "input_video" in params:
                 raise UserError("pass the input video as either video= or input_video=, not both")

@@ -17,8 +17,9 @@ from diffserve.cli.engine_flags import add_engine_flags, engine_args_from
 from diffserve.cli.lora_flags import lora_choices_from
 from diffserve.configs.cache_settings import cache_from_flag
 from diffserve.configs.option import add_option, add_options, option_of
-from diffserve.configs.sampling_params import SamplingParams
+from diffserve.configs.sampling_params import SamplingParams, extra_from_flag
 from diffserve.errors import InvalidRequestError, UserError
+from diffserve.video_inputs import MAX_INPUT_VIDEO_FRAMES
 
 logger = logging.getLogger("diffserve")
 
@@ -37,6 +38,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add("--image", action="append", default=None, metavar="PATH",
         help="input image of an edit model (repeat for several, in order), or the start image of image-to-image "
         "(FLUX, SD3); png, jpeg, webp, bmp or gif")  # fmt: skip
+    add("--video", default=None, metavar="PATH",
+        help="the video to extend (video-to-video folders: SkyReels-V2 diffusion forcing's extension, with "
+        "--extra '{\"overlap_history\": 17}'); mp4, mov, webm, gif or webp, at most "
+        f"{MAX_INPUT_VIDEO_FRAMES} frames")  # fmt: skip
     add("--mask", default=None, metavar="PATH",
         help="inpainting mask of the --image's size: transparent pixels (alpha 0) or, without alpha, white "
         "pixels mark the area to repaint (FLUX, SD3 and FLUX.1 Fill folders)")  # fmt: skip
@@ -138,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     from diffserve.api import DiffGenerator, serve_rank
     from diffserve.distributed.launch import is_follower, run_follower
     from diffserve.image_inputs import load_images
+    from diffserve.video_inputs import VideoInputLimits, load_video
 
     start = time.perf_counter()
     engine_args = engine_args_from(args)
@@ -156,6 +162,9 @@ def run(args: argparse.Namespace) -> int:
         flags["controlnets"] = [replace(flags["controlnets"][0], image=control)]
     if flags.get("cache") is not None:  # its errors name the flag
         flags["cache"] = cache_from_flag(flags["cache"], "--cache")
+    extra = flags.pop("extra", None)  # unset: no family settings
+    if extra is not None:
+        flags["extra"] = extra_from_flag(extra, "--extra")
     # Checked before loading the model: a bad flag or path fails in a second, not after the weights load
     # (no --seed: any valid seed stands in for the random one drawn once the checks have passed).
     checked = {**flags, "seed": 0 if args.seed is None else args.seed}
@@ -169,8 +178,12 @@ def run(args: argparse.Namespace) -> int:
         load_images([Path(p) for p in args.image], param="--image", keep_alpha=True) if args.image else None
     )
     mask = load_images(Path(args.mask), param="--mask", keep_alpha=True)[0] if args.mask else None
+    video = load_video(Path(args.video), param="--video", limits=VideoInputLimits()) if args.video else None
     flags["seed"] = seed_or_random(args.seed)
-    params_list = [SamplingParams(prompt=p, input_images=images, mask_image=mask, **flags) for p in prompts]
+    params_list = [
+        SamplingParams(prompt=p, input_images=images, mask_image=mask, input_video=video, **flags)
+        for p in prompts
+    ]
     with DiffGenerator(engine_args) as generator:  # with --num-gpus > 1 its exit stops the other ranks
         if len(params_list) > 1:
             logger.info("Processing %d prompts together (their steps share DiT batches)", len(params_list))

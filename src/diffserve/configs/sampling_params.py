@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from PIL import Image
+
 from diffserve.configs.cache_settings import CACHE_HELP, CacheSettings, cache_from_flag, parse_cache
 from diffserve.configs.option import option
 from diffserve.configs.quality import ACCEPTED
@@ -51,6 +53,24 @@ def check_text(name: str, value: str) -> None:
             f"{exc.start}; send UTF-8 text",
             param=name,
         ) from None
+
+
+def extra_from_flag(text: str, flag: str) -> dict[str, Any]:
+    """`--extra`'s convert: a JSON object of the family's settings (`SamplingParams.extra`), which the family
+    checks; InvalidRequestError naming the flag for text that is not one."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise InvalidRequestError(f"{flag} must be a JSON object of settings: {exc}", param="extra") from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(
+            f"{flag} must be a JSON object of settings (for example '{{\"overlap_history\": 17}}'), got "
+            f"{type(value).__name__}",
+            param="extra",
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -362,9 +382,11 @@ class SamplingParams:
         None,
         help="inpainting mask (a PIL image of the input image's size); only families that inpaint take it",
     )
-    #: Given only on `DiffGenerator.generate(video=...)` (no CLI flag or HTTP field): the families that extend
-    #: a video read it (`InputValidationStage.takes_input_video`), every other one refuses it.
-    input_video: list[Any] | None = option(
+    #: Front ends decode the input video with `diffserve.video_inputs.load_video` (bounded: frames, pixels,
+    #: bytes) before building the params, as the input images (their own spellings: `--video PATH`, the
+    #: `video` file or data URL of POST /v1/videos, `generate(video=...)`). The families that extend a video
+    #: read it (`InputValidationStage.takes_input_video`), every other one refuses it.
+    input_video: list[Image.Image] | None = option(
         None,
         help="video-to-video families (SkyReels-V2 diffusion forcing's video extension): the input video's "
         "frames, as decoded RGB PIL images in order",
@@ -410,10 +432,12 @@ class SamplingParams:
         "schedule (control_guidance_start / _end) and a Union ControlNet's mode (control_mode)",
     )  # fmt: skip
     extra: dict[str, Any] = option(
-        default_factory=dict, front_end_default=None, http=True,
+        default_factory=dict, front_end_default=None, http=True, cli="--extra", convert=extra_from_flag,
+        commands=("generate",), metavar="JSON",
         help="the model family's own settings by name, checked by the family (LTX-2: audio_guidance_scale, "
         "stg_scale, modality_scale, guidance_rescale, motion_speed, ...; SANA-Video: use_resolution_binning; "
         "LongCat-Image: enable_cfg_renorm, cfg_renorm_min; Qwen-Image-Layered: layers, resolution, cfg_normalize; "
+        "SkyReels-V2 diffusion forcing: ar_step, causal_block_size, base_num_frames, overlap_history, addnoise_condition; "
         "other families take none)",
     )  # fmt: skip
 

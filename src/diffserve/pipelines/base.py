@@ -173,6 +173,7 @@ class Pipeline:
             temporal_factor=1 if video is None else video.temporal_factor,
             max_frames=0 if video is None else video.max_frames,
             max_fps=0 if video is None else video.max_fps,
+            video_probe=validation.video_probe(),
         )
 
     @property

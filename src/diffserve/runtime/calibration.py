@@ -50,10 +50,12 @@ def round_up(pixels: int, multiple: int) -> int:
 def probe_params(facts: PipelineFacts, prompt: str, side: int | None = None) -> SamplingParams:
     """A one-step request every pipeline accepts: `side` pixels square (default `PROBE_PIXELS`, rounded up
     to the pixel multiple), with the input images and mask the family requires (at the default side) and
-    one frame for a video family. The server's warm-up and /health_generate, and calibration, run these."""
+    one frame for a video family; a family that extends a video gets a grey clip of its probe's frames at
+    `side` and one chunk to generate (`PipelineFacts.with_probe_video`). The server's warm-up and
+    /health_generate, and calibration, run these."""
     small = round_up(PROBE_PIXELS, facts.pixel_multiple)
     side = side or small
-    return SamplingParams(
+    params = SamplingParams(
         prompt,
         height=side,
         width=side,
@@ -63,6 +65,7 @@ def probe_params(facts: PipelineFacts, prompt: str, side: int | None = None) -> 
         num_frames=PROBE_FRAMES if facts.makes_video else None,
         cache=NoCache(),  # one step reuses nothing: the exact path, whatever the engine's --cache-default
     )
+    return facts.with_probe_video(params, side, side)
 
 
 def calibration_probes(facts: PipelineFacts, platform: Platform) -> list[SamplingParams]:

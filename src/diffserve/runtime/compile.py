@@ -243,6 +243,7 @@ def warm_up(
     for height, width, kind, with_lora in plan:
         params = warmup_params(height, width, kind, facts.cfg_mode, facts.makes_video)
         params.input_images = facts.probe_images(width, height)
+        facts.with_probe_video(params, width, height)  # a family that extends a video: a grey clip
         if with_lora:
             params.loras = [lora]
             kind = f"{kind}+lora"

@@ -19,6 +19,16 @@ CfgMode = Literal["true_cfg", "classic", "positive_gap", "none"]
 
 
 @dataclass(frozen=True)
+class VideoProbe:
+    """What a probe request (warm-up, calibration, /health_generate, /server_info's defaults) of a family that
+    extends an input video adds so that the family accepts it: a plain grey clip of `input_frames` frames
+    and the family settings (`SamplingParams.extra`) the extension needs (SkyReels-V2's `overlap_history`)."""
+
+    input_frames: int
+    extra: tuple[tuple[str, object], ...] = ()
+
+
+@dataclass(frozen=True)
 class PipelineFacts:
     """A loaded pipeline's fixed properties, as the runtime uses them."""
 
@@ -35,6 +45,7 @@ class PipelineFacts:
     temporal_factor: int = 1  # `num_frames` = temporal_factor * k + 1; 1 for images
     max_frames: int = 0
     max_fps: int = 0
+    video_probe: VideoProbe | None = None  # a family that extends an input video (video-to-video)
 
     def probe_images(self, width: int, height: int) -> list[Image.Image] | None:
         """Plain grey input images for a warm-up or health probe of a family that requires them (edit,
@@ -46,6 +57,25 @@ class PipelineFacts:
     def probe_mask(self, width: int, height: int) -> Image.Image | None:
         """An all-white mask (repaint everything) for a probe of a family that requires one; else None."""
         return Image.new("L", (width, height), 255) if self.requires_mask else None
+
+    def with_probe_video(
+        self, params: SamplingParams, width: int, height: int, set_frames: bool = True
+    ) -> SamplingParams:
+        """`params` (changed in place, and returned) with what a probe of a family that extends an input
+        video needs: a grey `width` x `height` input video where none is given, the `video_probe`'s family
+        settings where `extra` lacks them and, with `set_frames`, `temporal_factor + 1` frames (one chunk
+        after the first frame: the one-frame clip of the other video probes is no extension). Other
+        families' params are returned unchanged."""
+        probe = self.video_probe
+        if probe is None:
+            return params
+        if params.input_video is None:
+            frame = Image.new("RGB", (width, height), (128, 128, 128))
+            params.input_video = [frame] * probe.input_frames
+        params.extra = {**dict(probe.extra), **(params.extra or {})}
+        if set_frames:
+            params.num_frames = self.temporal_factor + 1
+        return params
 
 
 class EnginePipeline(Protocol):

@@ -131,9 +131,10 @@ class PendingRequest:
 
 
 async def _serialized(job: msg.GenerateJob) -> bytes:
-    """The job as the engine's `recv_pyobj` reads it; pickled off the event loop when it carries images."""
+    """The job as the engine's `recv_pyobj` reads it; pickled off the event loop when it carries images (or
+    an input video's frames)."""
     params = job.params
-    if params.input_images or params.mask_image is not None or params.controlnets:
+    if params.input_images or params.mask_image is not None or params.controlnets or params.input_video:
         return await asyncio.to_thread(pickle.dumps, job, pickle.DEFAULT_PROTOCOL)
     return pickle.dumps(job, pickle.DEFAULT_PROTOCOL)
 

@@ -64,7 +64,9 @@ def preview_steps(total_steps: int, partial_images: int) -> list[int]:
 def _without_inputs(params: SamplingParams) -> SamplingParams:
     """Resolved parameters as sent back, without the (possibly large) input images the front end has."""
     controlnets = [dataclasses.replace(c, image=None) for c in params.controlnets]
-    return dataclasses.replace(params, input_images=None, mask_image=None, controlnets=controlnets)
+    return dataclasses.replace(
+        params, input_images=None, mask_image=None, input_video=None, controlnets=controlnets
+    )
 
 
 def _is_client_job(sr: ScheduledRequest) -> bool:
@@ -294,7 +296,9 @@ class EngineProcess:
 
         g, facts, s = self.generator, self.facts, self.scheduler
         probe = SamplingParams("-", input_images=self.probe_images, mask_image=self.probe_mask)
+        facts.with_probe_video(probe, self.probe_size, self.probe_size, set_frames=False)  # video-to-video
         defaults = resolved_params(g.pipeline, probe).to_dict()
+        defaults.pop("input_video", None)
         for key in ("prompt", "seed", "extra", "input_images", "mask_image", "loras", "controlnets"):
             defaults.pop(key, None)
         if self.probe_images:  # an edit model: its default size follows the input image
@@ -443,6 +447,7 @@ class EngineProcess:
                 params.input_images = list(self.probe_images)
             if self.probe_mask is not None and params.mask_image is None:
                 params.mask_image = self.probe_mask
+            self.facts.with_probe_video(params, self.probe_size, self.probe_size)  # video-to-video: a clip
             if self.is_video and params.num_frames is None:
                 params.num_frames = PROBE_FRAMES
         else:
@@ -471,7 +476,9 @@ class EngineProcess:
             if job.ack:  # before queueing: the main thread's JobStarted must come after it
                 self.channel.send(msg.JobAccepted(rid, _without_inputs(scheduled.req.params)))
             scheduled.req.on_step = lambda req: self._on_step(job, req)
-            if job.stream_chunks and job.video_path is not None:
+            # Only where this engine decodes (a denoise-only span's request is handed off undecoded): a
+            # chunked model (SkyReels-V2 DF) decodes finished windows while it denoises.
+            if job.stream_chunks and job.video_path is not None and span.runs("decode"):
                 scheduled.req.on_decoded = self._chunk_publisher(job, scheduled)
             self.engine.enqueue(scheduled, seq)
 

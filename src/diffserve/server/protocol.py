@@ -21,7 +21,7 @@ from typing import Any, Literal
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.phases import Handoff, PhaseSpan
 
-VIDEO_TASKS = ("text-to-video", "image-to-video")
+VIDEO_TASKS = ("text-to-video", "image-to-video", "video-to-video")
 
 
 def wrong_route(task: str, pipeline: str, video: bool) -> str | None:

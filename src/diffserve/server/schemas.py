@@ -374,6 +374,13 @@ class VideoCreateRequest(BaseModel):
     )
     #: The first frame (image-to-video models): an uploaded file, or a data URL / {image_url}.
     input_reference: str | ImageReference | None = None
+    #: The video to extend (video-to-video models): decoded by the route (`diffserve.video_inputs`).
+    video: str | None = Field(
+        None,
+        description="video-to-video models (SkyReels-V2 diffusion forcing's video extension): the video to "
+        "extend, as a base64 data URL (data:video/mp4;base64,...; MP4, WebM, GIF or WebP), or in a multipart "
+        "form a file part",
+    )
     num_frames: int | None = sampling_field("num_frames")  # excludes seconds
     fps: int | None = sampling_field("fps")
     seed: int | None = sampling_field("seed")

@@ -1,6 +1,7 @@
 """`/v1/videos`: OpenAI's video API (as SGLang and vLLM-Omni serve it) over `VideoJobManager`.
 
-POST   /v1/videos                 create a job (JSON or multipart, as `client.videos.create` sends it)
+POST   /v1/videos                 create a job (JSON or multipart, as `client.videos.create` sends it);
+                                  video-to-video models take the video to extend as `video`
 GET    /v1/videos                 list jobs (`limit`, `after`, `order`), newest first
 GET    /v1/videos/{id}            one job: status, progress, error
 GET    /v1/videos/{id}/content    the MP4 (`variant=video`), with HTTP Range support
@@ -14,11 +15,14 @@ a 404 on every route and absent from the list; the admin key sees every job.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
+from PIL import Image
 
+from diffserve.image_inputs import ImageTooLargeError
 from diffserve.server.access import Caller, Principal
 from diffserve.server.app_state import AppState, ServerState
 from diffserve.server.engine_client import JobRejectedError
@@ -27,14 +31,17 @@ from diffserve.server.image_edits import inline_schema
 from diffserve.server.model_info import suggested_pipelines
 from diffserve.server.protocol import wrong_route
 from diffserve.server.replicas import Engines
-from diffserve.server.request_body import RawImage, check_source, load_input_image, read_body
+from diffserve.server.request_body import DECODE_POOL, RawImage, check_source, load_input_image, read_body
 from diffserve.server.schemas import VIDEO_ACCEPTED_FIELDS, ApiParamError, ImageReference, VideoCreateRequest
 from diffserve.server.streaming import ContentFileResponse
 from diffserve.server.video_jobs import VIDEO_ID_PATTERN, VideoJob, video_file
+from diffserve.video_inputs import VideoInputLimits, load_video, refuse_input_video
 
 DEFAULT_LIST_LIMIT = 20
 MAX_LIST_LIMIT = 100
 _REFERENCE_PARTS = ("input_reference", "input_reference[image_url]", "input_reference[file_id]")
+#: The multipart part of the video to extend (video-to-video models).
+VIDEO_PART = "video"
 #: Engine parameter names -> the request field a client of this route set.
 _PARAM_NAMES = {"height": "size", "width": "size", "image": "input_reference"}
 
@@ -45,8 +52,12 @@ def _create_request_body() -> dict[str, Any]:
     """POST /v1/videos reads its body itself: its `openapi_extra`, both forms `client.videos.create` and
     JSON clients send, so /docs and schema fuzzers see the real fields."""
     binary = {"type": "string", "format": "binary", "description": "the first frame (image-to-video)"}
-    text = {name: {"type": "string"} for name in VIDEO_ACCEPTED_FIELDS if name != "input_reference"}
-    form = {"type": "object", "required": ["prompt"], "properties": {"input_reference": binary, **text}}
+    video = {"type": "string", "format": "binary", "description": "the video to extend (video-to-video)"}
+    text = {
+        name: {"type": "string"} for name in VIDEO_ACCEPTED_FIELDS if name not in ("input_reference", "video")
+    }
+    properties = {"input_reference": binary, VIDEO_PART: video, **text}
+    form = {"type": "object", "required": ["prompt"], "properties": properties}
     json_schema = inline_schema(VideoCreateRequest.model_json_schema())
     content = {"multipart/form-data": {"schema": form}, "application/json": {"schema": json_schema}}
     return {"requestBody": {"required": True, "content": content}}
@@ -62,26 +73,34 @@ _CONTENT_RESPONSES = {
 
 async def read_video_request(
     request: Request, max_part_bytes: int
-) -> tuple[VideoCreateRequest, RawImage | None]:
-    """The body's fields and raw first frame, not decoded yet: multipart as `client.videos.create` sends it,
-    or JSON with `input_reference` a data URL or `{"image_url": ...}`."""
+) -> tuple[VideoCreateRequest, RawImage | None, RawImage | None]:
+    """The body's fields, raw first frame and raw video to extend, not decoded yet: multipart as
+    `client.videos.create` sends it (the video as a file part `video`), or JSON with `input_reference` a
+    data URL or `{"image_url": ...}` and `video` a data URL. Each part is bounded by `max_part_bytes`."""
     body, files = await read_body(
-        request, VideoCreateRequest, VIDEO_ACCEPTED_FIELDS, _REFERENCE_PARTS, text_only=None,
+        request, VideoCreateRequest, VIDEO_ACCEPTED_FIELDS, (*_REFERENCE_PARTS, VIDEO_PART), text_only=None,
         empty="request body is required: a JSON object with at least 'prompt' (or multipart)",
         send="application/json or multipart/form-data",
-        max_files=1, max_fields=len(VIDEO_ACCEPTED_FIELDS) + 2, max_part_size=max_part_bytes,
+        max_files=2, max_fields=len(VIDEO_ACCEPTED_FIELDS) + 2, max_part_size=max_part_bytes,
     )  # fmt: skip
     if files is None:
         reference = body.input_reference
         if isinstance(reference, ImageReference):
             reference = reference.source("input_reference")
-        return body, reference
-    if len(files) > 1:
+        return body, reference, body.video
+    videos = [value for name, value in files if name == VIDEO_PART]
+    references = [(name, value) for name, value in files if name != VIDEO_PART]
+    if len(videos) > 1:
+        raise ApiParamError("video is given more than once", param=VIDEO_PART)
+    if videos and body.video is not None:
+        raise ApiParamError("video is given both as a file part and as a text field", param=VIDEO_PART)
+    if len(references) > 1:
         raise ApiParamError("input_reference is given more than once", param="input_reference")
-    for name, value in files:
+    for name, value in references:
         if name == "input_reference[file_id]":
             ImageReference(file_id=str(value)).source("input_reference")  # raises: no Files API
-    return body, files[0][1] if files else None
+    video = videos[0] if videos else body.video
+    return body, references[0][1] if references else None, video
 
 
 def no_content_message(job: VideoJob) -> str:
@@ -136,19 +155,25 @@ async def create_video(request: Request, state: ServerState, caller: Caller) -> 
     `"stream": true` its chunks are published as they are decoded (`GET /v1/videos/{id}/stream`)."""
     try:
         check_route(state.engine, video=True)
-        body, reference = await read_video_request(request, state.args.max_video_body_bytes)
+        body, reference, video = await read_video_request(request, state.args.max_video_body_bytes)
     except Exception as exc:
         state.count_failure(exc)
         raise
-    job = await submit_video(state, caller, body, reference)
+    job = await submit_video(state, caller, body, reference, video)
     return JSONResponse(job.to_api(state.video_jobs.ttl))
 
 
 async def submit_video(
-    state: AppState, caller: Principal, body: VideoCreateRequest, reference: RawImage | None
+    state: AppState,
+    caller: Principal,
+    body: VideoCreateRequest,
+    reference: RawImage | None,
+    input_video: RawImage | None = None,
 ) -> VideoJob:
     """Create the job a validated body asks for (POST /v1/videos, /v1/realtime/videos); raises ApiError,
-    ApiParamError and what the engine answers, counted as failed submissions."""
+    ApiParamError and what the engine answers, counted as failed submissions. `input_video`: the raw video to
+    extend (an upload or a data URL; None: the body's `video` field, if any)."""
+    input_video = body.video if input_video is None else input_video
     args, engine, jobs = state.args, state.engine, state.video_jobs
     try:
         check_route(engine, video=True)
@@ -171,6 +196,18 @@ async def submit_video(
                 f"needs an image-to-video model ({suggested_pipelines(info, 'image-to-video')})",
                 param="input_reference",
             )
+        if task == "video-to-video" and input_video is None:
+            raise ApiParamError(
+                f"{pipeline} extends an input video: send it as video (a file upload, or in JSON a base64 "
+                "data URL data:video/mp4;base64,...)",
+                param=VIDEO_PART,
+            )
+        if task != "video-to-video" and input_video is not None:  # refused before the upload is decoded
+            raise refuse_input_video(str(pipeline))
+        if input_video is not None:
+            params.input_video = await load_input_video(
+                input_video, args.max_image_bytes, args.max_image_pixels
+            )
         if reference is not None:
             check_source("input_reference", reference)
             image = await load_input_image(
@@ -190,6 +227,24 @@ async def submit_video(
         # The manager counts the job's own outcome; this counts a submission that failed.
         state.count_failure(exc)
         raise
+
+
+async def load_input_video(source: RawImage, max_bytes: int, max_frame_pixels: int) -> list[Image.Image]:
+    """The video to extend as RGB frames, decoded in the input-decoding pool (never on the event loop),
+    within the upload bounds of an input image (`--max-image-bytes`, `--max-image-pixels` a frame) and
+    `diffserve.video_inputs`' frame and total-pixel bounds: InvalidRequestError naming `video` (400; 413
+    for the encoded size). No URL is fetched: an upload or a data URL only."""
+    if isinstance(source, str) and not source.strip()[:5].lower() == "data:":
+        raise ApiParamError(
+            "video: expected an uploaded file or a base64 data URL (data:video/mp4;base64,...); the server "
+            "fetches no URL and reads no file path",
+            param=VIDEO_PART,
+        )
+    limits = VideoInputLimits(max_bytes=max_bytes, max_frame_pixels=max_frame_pixels)
+    try:
+        return await DECODE_POOL.run(functools.partial(load_video, source, param=VIDEO_PART, limits=limits))
+    except ImageTooLargeError as exc:  # 413, naming the server's bound
+        raise ImageTooLargeError(f"{exc} (this server's --max-image-bytes)", param=VIDEO_PART) from None
 
 
 @router.get("/v1/videos", responses=_ERRORS)

@@ -23,9 +23,10 @@ from diffserve.image_inputs import without_alpha
 from diffserve.masks import check_mask_size, edit_mask
 from diffserve.models.cache_methods.registry import add_cfg_branch, new_request_cache, new_tier_cache
 from diffserve.request import Req
-from diffserve.runtime.contract import CfgMode
+from diffserve.runtime.contract import CfgMode, VideoProbe
 from diffserve.stages.base import Stage
 from diffserve.stages.image_to_image import input_image_size, kept_steps
+from diffserve.video_inputs import refuse_input_video
 
 
 @dataclass(frozen=True)
@@ -217,8 +218,9 @@ class InputValidationStage(Stage):
     #: Whether the family reads its own settings from `SamplingParams.extra` (it checks them in its
     #: `resolve`); a family that does not refuses a request that sends any, naming them.
     takes_family_settings: ClassVar[bool] = False
-    #: Whether the family extends an input video (`SamplingParams.input_video`, given on
-    #: `DiffGenerator.generate(video=...)`); one that does not refuses a request that sends one.
+    #: Whether the family extends an input video (`SamplingParams.input_video`: `generate(video=...)`,
+    #: `diffserve generate --video`, POST /v1/videos' `video`); one that does not refuses a request that
+    #: sends one (`refuse_input_video`).
     takes_input_video: ClassVar[bool] = False
 
     def __init__(
@@ -259,14 +261,15 @@ class InputValidationStage(Stage):
         #: request listing any is refused.
         self.controlnet_check: Callable[[SamplingParams], None] | None = None
 
+    def video_probe(self) -> VideoProbe | None:
+        """What a probe request (warm-up, calibration, /health_generate) must add for this family to accept
+        it: None but for families that extend an input video (`takes_input_video`), which need one."""
+        return None
+
     def resolve(self, params: SamplingParams) -> SamplingParams:
         """Family defaults applied and validated; raises InvalidRequestError on bad input."""
         if params.input_video is not None and not self.takes_input_video:
-            raise InvalidRequestError(
-                f"video is not a parameter of {self.image_inputs.pipeline_name}: it extends no input video "
-                "(only video-to-video families, which extend a video, take one)",
-                param="video",
-            )
+            raise refuse_input_video(self.image_inputs.pipeline_name)
         for name, why in self.unsupported_params.items():
             if getattr(params, name) is not None:
                 raise InvalidRequestError(

@@ -26,6 +26,10 @@ from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError
 from diffserve.families.wan.config import WanPipelineConfig
 from diffserve.families.wan.pipeline import WanImageToVideoPipeline, WanPipeline
+from diffserve.families.wan.skyreels_v2_forcing_decode import (
+    ForcingWindowDecoder,
+    SkyReelsV2ForcingDecodingStage,
+)
 from diffserve.families.wan.skyreels_v2_forcing_denoiser import SkyReelsV2DiffusionForcingDenoiser
 from diffserve.families.wan.skyreels_v2_forcing_settings import (
     causal_block,
@@ -43,6 +47,7 @@ from diffserve.stages.base import Stage
 from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
 from diffserve.stages.latent_preparation import VideoLatentPreparationStage
 from diffserve.stages.timestep_preparation import DefaultTimestepPreparationStage
+from diffserve.stages.video_vae_decoding import VideoVaeDecodingStage
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,21 @@ class SkyReelsV2DiffusionForcingPipeline(SkyReelsV2Pipeline):
     denoiser_cls = SkyReelsV2DiffusionForcingDenoiser
     input_validation_cls = SkyReelsV2DiffusionForcingValidationStage
     step_cache_policies: ClassVar[dict[str, TierPreset]] = {}
+
+    def __init__(self, context: PipelineContext) -> None:
+        super().__init__(context)
+        self._stream_windows()
+
+    def _stream_windows(self) -> None:
+        """Streamed jobs' finished windows decoded while they denoise (`skyreels_v2_forcing_decode.py`),
+        where the decode is Wan's plain one (exactly `VideoVaeDecodingStage`, whose output is the decoded
+        latents alone); done once every subclass has built its stages, so a subclass that decodes otherwise
+        (video-to-video prepends the input frames) keeps its own decode and streams at the final decode."""
+        index = self._denoising_index + 1
+        stage = self.stages[index]
+        if type(stage) is VideoVaeDecodingStage:
+            self.stages[index] = SkyReelsV2ForcingDecodingStage(stage.vae)
+            self.denoiser.window_decoder = ForcingWindowDecoder(stage.vae)
 
     def build_stages(self, context: PipelineContext) -> list[Stage]:
         stages = super().build_stages(context)

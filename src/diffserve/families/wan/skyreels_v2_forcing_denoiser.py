@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from diffserve.families.wan.pipeline import WanDenoiser
+from diffserve.families.wan.skyreels_v2_forcing_decode import ForcingWindowDecoder
 from diffserve.families.wan.skyreels_v2_forcing_state import SkyReelsV2ForcingConditioning
 from diffserve.families.wan.skyreels_v2_forcing_step import advance_forcing, forcing_inputs
 from diffserve.models.dits.wan import EmbeddedContext
@@ -18,7 +19,12 @@ from diffserve.request import Req
 class SkyReelsV2DiffusionForcingDenoiser(WanDenoiser):
     """Every latent frame of a request's window at its own timestep (Diffusers' diffusion-forcing DiT call),
     with the fps index (0 for 16 fps, 1 otherwise) and the requests' causal block; each request then steps the
-    frames its row updates (`advance_forcing`)."""
+    frames its row updates (`advance_forcing`). With a `window_decoder` (set by the pipeline), a streamed
+    request's finished windows are then decoded a frame per step and published while it goes on."""
+
+    #: Decodes streamed requests' finished windows between their steps; None: none are (the final decode
+    #: decodes every frame, as Diffusers does).
+    window_decoder: ForcingWindowDecoder | None = None
 
     def _step(self, expert: int, reqs: list[Req]) -> None:
         latents, timesteps = [], []
@@ -38,6 +44,9 @@ class SkyReelsV2DiffusionForcingDenoiser(WanDenoiser):
         )
         for req, guided in zip(reqs, self._guided(prediction.float(), reqs, expert), strict=True):
             advance_forcing(self.scheduler, req, guided, self.dtype)
+        if self.window_decoder is not None:  # once every request of the batch has advanced
+            for req in reqs:
+                self.window_decoder.after_step(req)
 
     def extra_dit_inputs(self, reqs: list[Req]) -> dict[str, Any]:
         rows = []

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from diffserve.families.wan.conditioning import WanConditioning
@@ -42,12 +43,31 @@ class FrameScheduler(Protocol):
 
 
 @dataclass(eq=False)
+class WindowDecode:
+    """A streamed request's decode of its finished latent frames while it denoises
+    (`skyreels_v2_forcing_decode.py`): the VAE's causal cache over the frames decoded so far (a
+    `CausalCache`, on the VAE's device), how many latent frames that is, and their frames as the output
+    has them, one uint8 (frames, H, W, 3) host array per latent frame (`video_to_uint8` is elementwise, so
+    converting a chunk gives exactly its frames of the whole clip), which the final decode joins to the
+    rest."""
+
+    cache: object
+    frames: int = 0
+    pixels: list[np.ndarray] = field(default_factory=list)
+    #: Set when a decode between steps failed: no more are tried, and the final decode decodes the whole
+    #: clip without handing out the chunks already streamed again.
+    failed: bool = False
+
+
+@dataclass(eq=False)
 class ForcingProgress:
     """What the steps advance besides the latents: a scheduler state per frame group of the current window
-    (None until the group's first step) and the video's finished latent frames (previous windows')."""
+    (None until the group's first step), the video's finished latent frames (previous windows'), and, for a
+    streamed request, the decode of those frames so far (None until its first frame is decoded)."""
 
     states: list[object | None]
     video: torch.Tensor | None = None
+    decoded: WindowDecode | None = None
 
 
 @dataclass

@@ -8,8 +8,10 @@ windows are those of a text-to-video request of `num_frames` (one unless it exce
 The output is every input frame (resized, as Diffusers' video processor gives them) followed by the decoded
 latents, so the overlap's frames appear twice, as in Diffusers.
 
-The input video comes only as `SamplingParams.input_video` (`DiffGenerator.generate(video=...)`); the CLI
-and the HTTP server send none, so this family refuses their requests.
+The input video comes as `SamplingParams.input_video`, decoded frames: `DiffGenerator.generate(video=...)`,
+`diffserve generate --video PATH` and POST /v1/videos' `video` (a file upload or a data URL) give it. The
+server's warm-up, calibration and /health_generate probes send a grey one-frame clip continued from its one
+frame (`video_probe`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from diffserve.families.wan.skyreels_v2_forcing_state import SkyReelsV2ForcingCo
 from diffserve.image_inputs import without_alpha
 from diffserve.pipelines.base import PipelineContext
 from diffserve.request import Req
+from diffserve.runtime.contract import VideoProbe
 from diffserve.stages.base import Stage
 from diffserve.stages.video_vae_decoding import VideoVaeDecodingStage, video_to_uint8
 
@@ -69,12 +72,17 @@ class SkyReelsV2VideoToVideoValidationStage(SkyReelsV2DiffusionForcingValidation
 
     takes_input_video = True
 
+    def video_probe(self) -> VideoProbe:
+        """One grey frame continued from that frame (`overlap_history` 1: one latent frame, less than the
+        probe's `temporal_factor + 1` frames give)."""
+        return VideoProbe(input_frames=1, extra=(("overlap_history", 1),))
+
     def resolve(self, params: SamplingParams) -> SamplingParams:
         name = self.image_inputs.pipeline_name
         if not params.input_video:
             raise InvalidRequestError(
-                f"{name} extends an input video and got none: pass its frames as "
-                "DiffGenerator.generate(video=[...]) (the CLI and the HTTP server take no input video)",
+                f"{name} extends an input video and got none: pass it as DiffGenerator.generate(video=[...]), "
+                "diffserve generate --video PATH, or POST /v1/videos' video (a file or a data URL)",
                 param="video",
             )
         resolved = super().resolve(params)
