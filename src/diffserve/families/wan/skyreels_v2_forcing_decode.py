@@ -5,7 +5,7 @@ Diffusers' `SkyReelsV2DiffusionForcingPipeline` decodes a long video once, after
 windows' latents are joined (each later window without its overlap frames, which the video already has)
 and the whole latent video goes through the VAE. A window's appended latent frames never change after it
 finishes (the next windows only read them as their prefix), and the Wan VAE decodes causally, one latent
-frame at a time with a cache of the previous frames' activations (`CausalVideoVAE._decode_frames`): a
+frame at a time with a cache of the previous frames' activations (`CausalVideoVAE.decode_frames`): a
 latent frame's pixels depend on it and the frames before it only. So decoding the finished frames early,
 in order, with one cache kept for the whole clip, gives the final decode's pixels; the final decode
 continues that cache over the frames left and joins the pixels already made, so the file is the streamed
@@ -38,7 +38,7 @@ from diffserve.families.wan.skyreels_v2_forcing_state import (
     SkyReelsV2ForcingConditioning,
     WindowDecode,
 )
-from diffserve.models.vaes.causal3d_blocks import CausalCache, CausalVideoVAE, unpatchify
+from diffserve.models.vaes.causal3d_blocks import CausalCache, CausalVideoVAE
 from diffserve.request import Req
 from diffserve.stages.base import to_module
 from diffserve.stages.video_vae_decoding import (
@@ -46,7 +46,7 @@ from diffserve.stages.video_vae_decoding import (
     denormalize_latents,
     video_to_uint8,
 )
-from diffserve.vae_tiling import decode_chunk_boundary, decode_chunk_output, decode_output_scope
+from diffserve.vae_tiling import decode_chunk_output, decode_output_scope
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +67,9 @@ def streams_windows(vae: nn.Module, req: Req) -> bool:
 
 def decode_frames(vae: CausalVideoVAE, req: Req, limit: int | None, publish: PixelSink) -> int:
     """Decode up to `limit` (None: all) of the request's finished latent frames not decoded yet, in order,
-    continuing its clip's causal cache; each frame's pixels are handed to `publish` and kept as the output's
-    uint8 frames (`WindowDecode.pixels`). Returns how many were decoded. The steps the VAE's own whole-clip decode takes, per frame:
-    denormalise, `post_quant_conv`, the decoder with the clip's cache, unpatchify, clamp."""
+    continuing its clip's causal cache (`CausalVideoVAE.decode_frames`, the loop of the VAE's own
+    whole-clip decode); each frame's pixels are handed to `publish` and kept as the output's uint8 frames
+    (`WindowDecode.pixels`). Returns how many were decoded."""
     progress = SkyReelsV2ForcingConditioning.of(req).progress
     assert progress is not None, "diffusion-forcing timestep preparation has not run"
     video = progress.video
@@ -80,22 +80,21 @@ def decode_frames(vae: CausalVideoVAE, req: Req, limit: int | None, publish: Pix
     done = progress.decoded
     if done.failed:
         return 0
-    stop = video.shape[2] if limit is None else min(video.shape[2], done.frames + limit)
-    count = 0
+    start = done.frames
+    stop = video.shape[2] if limit is None else min(video.shape[2], start + limit)
+    if stop <= start:
+        return 0
+    assert isinstance(done.cache, CausalCache)
+
+    def keep(pixels: torch.Tensor) -> None:
+        done.pixels.append(video_to_uint8(pixels)[0])
+        done.frames += 1
+        publish(pixels)
+
     with torch.inference_mode():
-        for index in range(done.frames, stop):
-            decode_chunk_boundary()
-            latent = denormalize_latents(vae, to_module(vae, video[:, :, index : index + 1]))
-            assert isinstance(done.cache, CausalCache)
-            pixels = vae.decoder(vae.post_quant_conv(latent), done.cache)
-            if vae.patch_size is not None:
-                pixels = unpatchify(pixels, vae.patch_size)
-            pixels = pixels.clamp(-1.0, 1.0)
-            done.pixels.append(video_to_uint8(pixels)[0])
-            done.frames += 1
-            count += 1
-            publish(pixels)
-    return count
+        latents = denormalize_latents(vae, to_module(vae, video[:, :, start:stop]))
+        vae.decode_frames(latents, done.cache, keep)
+    return done.frames - start
 
 
 class ForcingWindowDecoder:

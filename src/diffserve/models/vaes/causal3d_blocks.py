@@ -51,7 +51,7 @@ values; the channel RMS norms, nearest upsampling and temporal convs are local t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from itertools import pairwise
 from typing import Any, ClassVar
@@ -687,19 +687,31 @@ class CausalVideoVAE(StridedTilingMixin, nn.Module):
         return video.clamp_(-1.0, 1.0)
 
     def _decode_frames(self, z: torch.Tensor, publish: bool = False) -> torch.Tensor:
-        """post_quant_conv and the decoder one latent frame at a time with one causal cache; before
-        unpatchify and clamp. Each latent frame is a decode chunk (`decode_chunk_boundary` before it);
-        with `publish` (the whole clip, untiled) its final pixels are handed out (`decode_chunk_output`)."""
-        cache = CausalCache()
+        """`decode_frames` over a whole clip (a new causal cache); with `publish` (the whole clip, untiled)
+        each frame's final pixels are handed out (`decode_chunk_output`)."""
+        on_frame = decode_chunk_output if publish and decode_output_wanted() else None
+        return self.decode_frames(z, CausalCache(), on_frame)
+
+    def decode_frames(
+        self,
+        z: torch.Tensor,
+        cache: CausalCache,
+        on_frame: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """Unnormalised latent frames (B, z_dim, t, h, w) that continue the clip `cache` has seen (a new
+        cache: the clip's first frames) -> their pixels before unpatchify and clamp: post_quant_conv, then
+        the decoder one latent frame at a time, updating `cache`. Each latent frame is a decode chunk
+        (`decode_chunk_boundary` before it); `on_frame` gets each one's final pixels (unpatchified,
+        clamped to [-1, 1]) once it is decoded. The whole-clip decode and SkyReels-V2 diffusion forcing's
+        window-by-window decode (`skyreels_v2_forcing_decode.py`) both run this loop."""
         x = self.post_quant_conv(z)
         frames = []
-        publish = publish and decode_output_wanted()
         for i in range(x.shape[2]):
             decode_chunk_boundary()
             frames.append(self.decoder(x[:, :, i : i + 1], cache))
-            if publish:
+            if on_frame is not None:
                 chunk = frames[-1] if self.patch_size is None else unpatchify(frames[-1], self.patch_size)
-                decode_chunk_output(chunk.clamp(-1.0, 1.0))
+                on_frame(chunk.clamp(-1.0, 1.0))
         return torch.cat(frames, dim=2)
 
     def _tiled_decode(self, z: torch.Tensor) -> torch.Tensor:
