@@ -103,16 +103,22 @@ def _image_only(cls: type) -> type:
     return ImageOnlyProcessor
 
 
-IMAGE_ONLY_PROCESSORS: dict[str, type] = {
-    name: _image_only(getattr(transformers, name)) for name in ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
-}
+#: The Qwen-VL processors built from their image and text parts only (`_image_only`).
+IMAGE_ONLY_PROCESSOR_NAMES: frozenset[str] = frozenset({"Qwen2VLProcessor", "Qwen2_5_VLProcessor"})
+
+
+@functools.cache
+def image_only_processor(class_name: str) -> type:
+    """`_image_only` of transformers' `class_name`, built on first use: reading the class imports
+    transformers' processing modules, which every process that imports this loader would pay for at start."""
+    return _image_only(getattr(transformers, class_name))
 
 
 def load_image_text_processor(class_name: str, directory: str | Path):
     """The named processor from a `processor/` folder. One with a video part (the Qwen-VL processors) is
     built from its image and text parts only, as the video processor needs torchvision; another is the
     processor transformers' `from_pretrained` builds."""
-    cls = IMAGE_ONLY_PROCESSORS.get(class_name)
+    cls = image_only_processor(class_name) if class_name in IMAGE_ONLY_PROCESSOR_NAMES else None
     if cls is None:
         named = transformers_class(class_name)
         if named is None or needs_missing_backend(named):
