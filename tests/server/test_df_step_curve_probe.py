@@ -3,8 +3,9 @@ the probe's copies of its first request must step states of their own. A diffusi
 its frame groups' UniPC states in its conditioning; copies sharing it made the first copy's first step
 restart the first probe's states, and its next step failed ("UniPC steps must be consecutive"), so the
 server logged "the warm-up measurement failed". In process, as the engine process calls it: the tiny
-text-to-video and video-extension folders are measured at batches of 1 and 2 (two samples each); the
-image-to-video folder's probe (one frame: the input image's) has no step to measure, which is logged."""
+text-to-video and video-extension folders are measured at batches of 1 and 2 (two samples each); an
+image-to-video request of one frame (the input image's: what its probe was before the family declared
+`probe_frames`, tests/server/test_probe_frames.py) has no step to measure, which is logged."""
 
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ def test_a_probe_copy_steps_its_own_frame_states(tmp_path_factory) -> None:
 def test_a_probe_without_steps_is_logged_not_measured(tmp_path_factory, caplog) -> None:
     gen = load(tmp_path_factory, "i2v")
     params = probe_params(gen.pipeline.facts, "batch curve")
+    params.num_frames = 1  # the input image alone: nothing to denoise
     with caplog.at_level(logging.INFO, logger="diffserve.runtime"):
         assert measure_step_curve(gen.engine, params, 2) == []
     assert "has 0 denoising steps" in caplog.text and "measuring while serving" in caplog.text

@@ -174,6 +174,7 @@ class Pipeline:
             max_frames=0 if video is None else video.max_frames,
             max_fps=0 if video is None else video.max_fps,
             video_probe=validation.video_probe(),
+            probe_frames=validation.probe_frames(),
         )
 
     @property

@@ -38,8 +38,8 @@ logger = logging.getLogger("diffserve.runtime")
 #: Runs of each calibration probe; the fit takes each phase's highest peak over them.
 PROBE_REPEATS = 2
 #: Warm-up, calibration and health probes draw an image this wide (rounded up to the model's granularity);
-#: video families a one-frame clip (1 = 4 * 0 + 1 is always valid).
-PROBE_PIXELS, PROBE_FRAMES = 64, 1
+#: video families a clip of their `PipelineFacts.probe_frames` (one frame for most).
+PROBE_PIXELS = 64
 
 
 def round_up(pixels: int, multiple: int) -> int:
@@ -49,8 +49,8 @@ def round_up(pixels: int, multiple: int) -> int:
 
 def probe_params(facts: PipelineFacts, prompt: str, side: int | None = None) -> SamplingParams:
     """A one-step request every pipeline accepts: `side` pixels square (default `PROBE_PIXELS`, rounded up
-    to the pixel multiple), with the input images and mask the family requires (at the default side) and
-    one frame for a video family; a family that extends a video gets a grey clip of its probe's frames at
+    to the pixel multiple), with the input images and mask the family requires (at the default side) and,
+    for a video family, its `probe_frames` (the fewest frames that leave a step to denoise); a family that extends a video gets a grey clip of its probe's frames at
     `side` and one chunk to generate (`PipelineFacts.with_probe_video`). The server's warm-up and
     /health_generate, and calibration, run these."""
     small = round_up(PROBE_PIXELS, facts.pixel_multiple)
@@ -62,7 +62,7 @@ def probe_params(facts: PipelineFacts, prompt: str, side: int | None = None) -> 
         num_inference_steps=1,
         input_images=facts.probe_images(small, small),
         mask_image=facts.probe_mask(small, small),
-        num_frames=PROBE_FRAMES if facts.makes_video else None,
+        num_frames=facts.probe_frames if facts.makes_video else None,
         cache=NoCache(),  # one step reuses nothing: the exact path, whatever the engine's --cache-default
     )
     return facts.with_probe_video(params, side, side)
@@ -120,11 +120,12 @@ def _peak_of_repeats(engine: Engine, params: SamplingParams) -> PhasePeaks:
 
 
 def calibration_params(facts: PipelineFacts, params: SamplingParams) -> SamplingParams:
-    """A video probe decodes a full chunk after the first frame (temporal_factor + 1 frames), so the peak
-    seen includes a whole decoder call and the causal cache carried into it; images as given."""
+    """A video probe decodes at least a full chunk after the first frame (temporal_factor + 1 frames), so
+    the peak seen includes a whole decoder call and the causal cache carried into it, and has at least the
+    family's `probe_frames` (so that it denoises a step); images as given."""
     if not facts.makes_video:
         return params
-    return replace(params, num_frames=facts.temporal_factor + 1)
+    return replace(params, num_frames=max(facts.temporal_factor + 1, facts.probe_frames))
 
 
 def calibrate_memory_model(

@@ -211,8 +211,11 @@ def warmup_plan(
     return plan
 
 
-def warmup_params(height: int, width: int, kind: str, cfg_mode: str, video: bool) -> SamplingParams:
-    """A short generation of one warm-up `kind` at one size (a one-frame clip for a video family)."""
+def warmup_params(
+    height: int, width: int, kind: str, cfg_mode: str, video: bool, frames: int = 1
+) -> SamplingParams:
+    """A short generation of one warm-up `kind` at one size (a clip of `frames` for a video family: its
+    `PipelineFacts.probe_frames`, the fewest with a step to denoise, so the DiT's graphs are compiled)."""
     overrides: dict[str, Any] = {}
     if kind != "default":
         overrides = dict(cfg_overrides(cfg_mode)[kind != "no-cfg"])
@@ -220,7 +223,7 @@ def warmup_params(height: int, width: int, kind: str, cfg_mode: str, video: bool
         overrides["negative_prompt"] = WARMUP_NEGATIVE_PROMPTS[kind]
     return SamplingParams(
         prompt=WARMUP_PROMPT, height=height, width=width, num_inference_steps=WARMUP_STEPS,
-        num_frames=1 if video else None, cache=NoCache(), **overrides,
+        num_frames=frames if video else None, cache=NoCache(), **overrides,
     )  # fmt: skip
 
 
@@ -241,7 +244,7 @@ def warm_up(
         plan += [(h, w, kind, True) for h, w, kind, _ in plan if (h, w) == first and kind != "default"]
     runs = []
     for height, width, kind, with_lora in plan:
-        params = warmup_params(height, width, kind, facts.cfg_mode, facts.makes_video)
+        params = warmup_params(height, width, kind, facts.cfg_mode, facts.makes_video, facts.probe_frames)
         params.input_images = facts.probe_images(width, height)
         facts.with_probe_video(params, width, height)  # a family that extends a video: a grey clip
         if with_lora:

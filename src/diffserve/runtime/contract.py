@@ -46,6 +46,10 @@ class PipelineFacts:
     max_frames: int = 0
     max_fps: int = 0
     video_probe: VideoProbe | None = None  # a family that extends an input video (video-to-video)
+    #: A video family's frames in a probe request (warm-up, calibration, /health_generate, the batch
+    #: policy's measurement): the fewest that leave at least one denoising step (1 for most; more where the
+    #: first frames come given, as diffusion forcing's input image, and a window is whole causal blocks).
+    probe_frames: int = 1
 
     def probe_images(self, width: int, height: int) -> list[Image.Image] | None:
         """Plain grey input images for a warm-up or health probe of a family that requires them (edit,
@@ -63,9 +67,9 @@ class PipelineFacts:
     ) -> SamplingParams:
         """`params` (changed in place, and returned) with what a probe of a family that extends an input
         video needs: a grey `width` x `height` input video where none is given, the `video_probe`'s family
-        settings where `extra` lacks them and, with `set_frames`, `temporal_factor + 1` frames (one chunk
-        after the first frame: the one-frame clip of the other video probes is no extension). Other
-        families' params are returned unchanged."""
+        settings where `extra` lacks them and, with `set_frames`, its `probe_frames` (at least one chunk
+        after the first frame: a one-frame clip is no extension). Other families' params are returned
+        unchanged."""
         probe = self.video_probe
         if probe is None:
             return params
@@ -74,7 +78,7 @@ class PipelineFacts:
             params.input_video = [frame] * probe.input_frames
         params.extra = {**dict(probe.extra), **(params.extra or {})}
         if set_frames:
-            params.num_frames = self.temporal_factor + 1
+            params.num_frames = self.probe_frames
         return params
 
 

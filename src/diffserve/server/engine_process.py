@@ -439,7 +439,6 @@ class EngineProcess:
         """Admit `job` (validation and the memory model's check: `Engine.prepare`) and queue it with
         arrival number `seq` (None: now), or answer why not: rejected, or cancelled meanwhile."""
         from diffserve.runtime import RequestTooLargeError
-        from diffserve.runtime.calibration import PROBE_FRAMES
 
         rid, params = job.request_id, job.params
         if job.internal:  # /health_generate: the probe's input images and frames where the model needs them
@@ -449,7 +448,7 @@ class EngineProcess:
                 params.mask_image = self.probe_mask
             self.facts.with_probe_video(params, self.probe_size, self.probe_size)  # video-to-video: a clip
             if self.is_video and params.num_frames is None:
-                params.num_frames = PROBE_FRAMES
+                params.num_frames = self.facts.probe_frames  # the fewest with a step to denoise
         else:
             family, video = self.generator.family, job.video_path is not None
             mismatch = msg.wrong_route(family.task, family.diffusers_pipeline, video)

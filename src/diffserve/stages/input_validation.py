@@ -266,6 +266,12 @@ class InputValidationStage(Stage):
         it: None but for families that extend an input video (`takes_input_video`), which need one."""
         return None
 
+    def probe_frames(self) -> int:
+        """A video family's frames in a probe request (`PipelineFacts.probe_frames`): the fewest this family
+        accepts that leave at least one step to denoise. One (valid under every `VideoRule`: temporal
+        factor x 0 + 1) unless a family's first frames come given and its windows are whole blocks."""
+        return 1
+
     def resolve(self, params: SamplingParams) -> SamplingParams:
         """Family defaults applied and validated; raises InvalidRequestError on bad input."""
         if params.input_video is not None and not self.takes_input_video:

@@ -105,6 +105,19 @@ class SkyReelsV2DiffusionForcingValidationStage(InputValidationStage):
     frames_per_block: int = 1
     temporal: int = 4
 
+    def probe_given_latent_frames(self) -> int:
+        """Latent frames a probe request's window starts with already given: the input image's one
+        (image-to-video), none from text."""
+        return 1 if self.image_inputs.min_images > 0 else 0
+
+    def probe_frames(self) -> int:
+        """The fewest frames whose window (whole causal blocks of the DiT's `num_frame_per_block`) holds a
+        block after the given latent frames cut to whole blocks (`probe_given_latent_frames`): with one
+        frame, an image-to-video probe's window is the input image alone and denoises nothing."""
+        block = self.frames_per_block
+        latent_frames = (self.probe_given_latent_frames() // block + 1) * block
+        return self.temporal * (latent_frames - 1) + 1
+
     def resolve(self, params: SamplingParams) -> SamplingParams:
         resolved = super().resolve(params)
         settings = skyreels_v2_df_settings(resolved)

@@ -11,7 +11,7 @@ latents, so the overlap's frames appear twice, as in Diffusers.
 The input video comes as `SamplingParams.input_video`, decoded frames: `DiffGenerator.generate(video=...)`,
 `diffserve generate --video PATH` and POST /v1/videos' `video` (a file upload or a data URL) give it. The
 server's warm-up, calibration and /health_generate probes send a grey one-frame clip continued from its one
-frame (`video_probe`).
+frame (`video_probe`), generating `probe_frames`.
 """
 
 from __future__ import annotations
@@ -73,9 +73,13 @@ class SkyReelsV2VideoToVideoValidationStage(SkyReelsV2DiffusionForcingValidation
     takes_input_video = True
 
     def video_probe(self) -> VideoProbe:
-        """One grey frame continued from that frame (`overlap_history` 1: one latent frame, less than the
-        probe's `temporal_factor + 1` frames give)."""
+        """One grey frame continued from that frame (`overlap_history` 1: one latent frame, fewer than the
+        probe's `probe_frames` give)."""
         return VideoProbe(input_frames=1, extra=(("overlap_history", 1),))
+
+    def probe_given_latent_frames(self) -> int:
+        """The probe's one-frame input video: one latent frame (`overlap_history` 1)."""
+        return 1
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         name = self.image_inputs.pipeline_name
