@@ -53,38 +53,36 @@ def _share_httpx_default_ssl_context() -> None:
 
 _share_httpx_default_ssl_context()
 
-#: About how many seconds the longest test files took in one run with three workers on an idle 2-core
-#: machine (each file sharing the CPU: what matters is the ranking; files measured under 20 s are not
-#: listed; the README's document runs only where the .venv's install stamp is fresh, as in a clone). `make test` (`--dist loadfile`) hands whole files (or `SHARED_UNITS`) to its workers in
-#: collection order: these first, longest first, then the others in their order, so the last files to start
-#: are short ones and the workers finish together. A new long file belongs here.
+#: About how many seconds of one worker's time the longest test files take (what matters is the ranking;
+#: files under 20 s are not listed). `make test` (`--dist loadfile`) hands whole files (or `SHARED_UNITS`)
+#: to its workers in collection order: these first, longest first, then the others in their order, so the
+#: last files to start are short ones and the workers finish together. A new long file belongs here.
 FILE_SECONDS = {
-    # A unit of two files (`SHARED_UNITS`): one two-node Ray cluster, three applications, a fault, autoscaling.
-    "tests/deploy/test_ray_serve.py": 282,
+    # From `--durations` of a fresh clone's `make test` (2026-12-05, a loaded machine: its figures halved;
+    # the documents' and the cold compiles' as on an idle one).
     "tests/e2e/test_docs_examples.py": 345,  # every document; its servers are shared between them
-    "tests/server/test_video_family_servers.py": 71,
-    "tests/distributed/test_multi_rank_engine.py": 61,
-    "tests/server/test_multi_rank_server.py": 49,
-    "tests/unit/test_compile.py": 47,  # four cold inductor compiles (plain, Z-Image, LoRA batches, int8)
-    "tests/browser/test_webui.py": 44,  # with Chromium installed (`make test` as root)
+    "tests/unit/test_compile.py": 129,  # four cold inductor compiles (plain, Z-Image, LoRA batches, int8)
+    # A unit of two files (`SHARED_UNITS`): one two-node Ray cluster, three applications, a fault, autoscaling.
+    "tests/deploy/test_ray_serve.py": 100,
+    "tests/server/test_video_family_servers.py": 68,
+    "tests/tools/test_gpu_check.py": 60,  # tools/gpu/check.sh --dry-run: GPU tests on the CPU, the bench
+    "tests/distributed/test_dit_sequence_parallel_images_wave3.py": 45,
+    "tests/server/test_shutdown.py": 44,
     "tests/server/test_family_servers.py": 44,
-    "tests/e2e/test_cache_methods_families.py": 43,
-    "tests/integrations/test_comfyui_nodes.py": 42,
-    "tests/server/test_load_with_faults.py": 40,
-    "tests/e2e/test_quantization.py": 39,
-    "tests/tools/test_gpu_check.py": 37,  # tools/gpu/check.sh --dry-run: GPU tests on the CPU, the bench
-    "tests/distributed/test_tensor_parallel.py": 37,  # three whole generations under TP
-    "tests/deploy/test_ray_cli.py": 36,
-    "tests/server/test_security_matrix.py": 36,
-    "tests/server/test_videos.py": 28,
-    "tests/server/test_images_edits_qwen.py": 27,
-    "tests/distributed/test_rank_interrupts.py": 26,
-    "tests/server/test_shutdown.py": 25,
-    "tests/e2e/test_flux_kontext_pipeline_parity.py": 25,
-    "tests/server/test_server.py": 22,
-    "tests/benchmarks/test_bench_cache_vs_cachedit.py": 22,  # benchmarks/bench_cache_vs_cachedit.py --quick
-    "tests/server/test_schema_fuzz.py": 20,
-    "tests/e2e/test_component_offload.py": 20,
+    "tests/integrations/test_comfyui_nodes.py": 39,
+    "tests/distributed/test_multi_rank_engine.py": 39,
+    "tests/server/test_load_with_faults.py": 38,
+    "tests/server/test_videos.py": 37,
+    "tests/e2e/test_flux_kontext_pipeline_parity.py": 34,
+    "tests/server/test_schema_fuzz.py": 30,
+    "tests/distributed/test_dit_sequence_parallel_videos_wave3.py": 26,
+    "tests/server/test_images_edits_qwen.py": 25,
+    "tests/e2e/test_component_offload.py": 24,
+    "tests/server/test_multi_rank_server.py": 23,
+    "tests/e2e/test_diffusers_backend.py": 23,
+    "tests/browser/test_webui.py": 21,  # with Chromium installed (`make test` as root)
+    "tests/benchmarks/test_bench_cache_vs_cachedit.py": 20,  # benchmarks/bench_cache_vs_cachedit.py --quick
+    "tests/distributed/test_tensor_parallel.py": 20,  # three whole generations under TP
 }
 
 
