@@ -11,8 +11,6 @@ would find it.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import numpy as np
 import pytest
 import torch
@@ -35,6 +33,7 @@ from diffserve.testing.parity import (
     gradient_image,
     smooth_random_image,
 )
+from diffserve.testing.video_parity import randn_like_from
 
 PSNR_BAR_DB = 40.0
 PROMPT = "a red fox running through snow"
@@ -49,20 +48,9 @@ def df(tmp_path_factory):
     return generator_and_reference(DiffGenerator, root, SkyReelsV2DiffusionForcingPipeline)
 
 
-@contextmanager
 def addnoise_from(seed: int):
     """Diffusers' `torch.randn_like` drawing from diffserve's addnoise generator for a request seeded `seed`."""
-    generator = torch.Generator("cpu").manual_seed(addnoise_seed(seed))
-    original = torch.randn_like
-
-    def seeded(tensor: torch.Tensor, **_: object) -> torch.Tensor:
-        return torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype, device=tensor.device)
-
-    torch.randn_like = seeded
-    try:
-        yield
-    finally:
-        torch.randn_like = original
+    return randn_like_from(addnoise_seed(seed))
 
 
 def generate_both(

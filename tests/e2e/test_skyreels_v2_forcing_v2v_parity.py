@@ -15,8 +15,6 @@ would find it.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import numpy as np
 import pytest
 import torch
@@ -36,6 +34,7 @@ from diffserve.testing.parity import (
     smooth_random_image,
     to_uint8,
 )
+from diffserve.testing.video_parity import randn_like_from
 
 PSNR_BAR_DB = 40.0
 PROMPT = "a red fox running through snow"
@@ -59,20 +58,9 @@ def v2v(tmp_path_factory):
     return generator_and_reference(DiffGenerator, root, SkyReelsV2DiffusionForcingVideoToVideoPipeline)
 
 
-@contextmanager
 def addnoise_from(seed: int):
     """Diffusers' `torch.randn_like` drawing from diffserve's addnoise generator for a request seeded `seed`."""
-    generator = torch.Generator("cpu").manual_seed(addnoise_seed(seed))
-    original = torch.randn_like
-
-    def seeded(tensor: torch.Tensor, **_: object) -> torch.Tensor:
-        return torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype, device=tensor.device)
-
-    torch.randn_like = seeded
-    try:
-        yield
-    finally:
-        torch.randn_like = original
+    return randn_like_from(addnoise_seed(seed))
 
 
 def ours(v2v, video, seed: int, forcing: dict, **kwargs) -> np.ndarray:

@@ -3,7 +3,8 @@ and a module's tiny folders, built once each with their diffserve generator and 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -57,3 +58,21 @@ def folder_pairs(
         return cache[name]
 
     return get
+
+
+@contextmanager
+def randn_like_from(seed: int) -> Iterator[None]:
+    """Inside the block `torch.randn_like` draws from one CPU generator seeded `seed`: a Diffusers pipeline
+    that draws noise from torch's global RNG (SkyReels-V2 diffusion forcing's `addnoise_condition`) then
+    draws what a diffserve request draws from a generator of its own."""
+    generator = torch.Generator("cpu").manual_seed(seed)
+    original = torch.randn_like
+
+    def seeded(tensor: torch.Tensor, **_: object) -> torch.Tensor:
+        return torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype, device=tensor.device)
+
+    torch.randn_like = seeded
+    try:
+        yield
+    finally:
+        torch.randn_like = original
