@@ -1,6 +1,7 @@
-"""The check every cache-method test file makes per family (`tests/e2e/test_cache_methods_*.py`): requests
-with different `cache` settings stepped together in one DiT batch each give what they give alone (within
-one uint8 level: a batch may round a pixel the other way) and the same cache report."""
+"""What the cache-method and quality-tier test files check per family (`tests/e2e/test_cache_methods_*.py`,
+`tests/e2e/test_quality_tiers_wave3.py`): requests with different `cache` settings or `quality` tiers
+stepped together in one DiT batch each give what they give alone (within one uint8 level: a batch may
+round a pixel the other way), the same cache report and the same steps computed in full."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ class CachingGenerator(Protocol):
 
     pipeline: Pipeline
 
-    def generate(self, *args: Any, **kwargs: Any) -> Any: ...
+    def generate_from_params(self, params: SamplingParams) -> Any: ...
 
 
 def first_output_pixels(output: Any) -> np.ndarray:
@@ -36,17 +37,33 @@ def assert_mixed_caches_as_alone(
 ) -> None:
     """Request i (`prompts[i]`, seed i, `caches[i]`, `params`) stepped in one batch with the others equals
     itself generated alone, and reports the same cache counts; they must share one batch key."""
-    pipeline = generator.pipeline
-    reqs = [
-        pipeline.run_pre_denoise(pipeline.validate(Req(SamplingParams(prompt=p, seed=i, cache=c, **params))))
+    requests = [
+        SamplingParams(prompt=p, seed=i, cache=c, **params)
         for i, (p, c) in enumerate(zip(prompts, caches, strict=True))
     ]
+    assert_batched_as_alone(name, generator, requests)
+
+
+def assert_batched_as_alone(
+    name: str,
+    generator: CachingGenerator,
+    requests: Sequence[SamplingParams],
+    alone: Sequence[Any | None] | None = None,
+) -> None:
+    """`requests` stepped in one DiT batch each equal themselves generated alone, and report the same cache
+    counts and steps computed in full; they must share one batch key. `alone`: the outputs the caller
+    already generated alone, in order (None, or a None entry: generated here)."""
+    pipeline = generator.pipeline
+    reqs = [pipeline.run_pre_denoise(pipeline.validate(Req(params))) for params in requests]
     assert len({pipeline.batch_key(r) for r in reqs}) == 1, name
     while not all(r.is_denoised for r in reqs):
         pipeline.denoise_step(reqs)
-    for i, (prompt, cache, req) in enumerate(zip(prompts, caches, reqs, strict=True)):
+    known = list(alone) if alone is not None else [None] * len(requests)
+    for params, req, given in zip(requests, reqs, known, strict=True):
+        label = (name, params.quality, params.cache)
         batched = pipeline.run_post_denoise(req)
-        alone = generator.generate(prompt, seed=i, cache=cache, **params)
+        single = given if given is not None else generator.generate_from_params(params)
         got = first_output_pixels(batched.outputs).astype(int)
-        assert np.abs(got - first_output_pixels(alone).astype(int)).max() <= 1, (name, cache)
-        assert batched.cache_report == alone.cache, (name, cache)
+        assert np.abs(got - first_output_pixels(single).astype(int)).max() <= 1, label
+        assert batched.cache_report == single.cache, label
+        assert batched.steps_computed_in_full == single.steps_computed_in_full, label

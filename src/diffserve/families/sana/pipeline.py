@@ -138,7 +138,7 @@ class SanaSprintDenoiser(SanaDenoiser):
 class SanaPipeline(Pipeline):
     required_components = ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
     config = SanaPipelineConfig()
-    #: The SANA DiT takes no step cache: only "high", the exact path.
+    #: No calibrated quality tiers yet: only "high", the exact path (the cache methods run by name).
     step_cache_policies = {}
 
     def build_stages(self, context: PipelineContext) -> list[Stage]:
