@@ -175,6 +175,8 @@ class Pipeline:
             max_fps=0 if video is None else video.max_fps,
             video_probe=validation.video_probe(),
             probe_frames=validation.probe_frames(),
+            probe_steps=validation.probe_steps(),
+            probe_extra=validation.probe_extra(),
         )
 
     @property

@@ -227,6 +227,16 @@ def warmup_params(
     )  # fmt: skip
 
 
+def warmup_request(facts: PipelineFacts, height: int, width: int, kind: str) -> SamplingParams:
+    """`warmup_params` completed as the family's probes are: its input images and mask, a grey clip where
+    it extends a video, at least its `probe_steps` and its `probe_extra` settings."""
+    params = warmup_params(height, width, kind, facts.cfg_mode, facts.makes_video, facts.probe_frames)
+    params.input_images = facts.probe_images(width, height)
+    params.mask_image = facts.probe_mask(width, height)  # a family whose every request carries one
+    facts.with_probe_video(params, width, height)  # a family that extends a video: a grey clip
+    return facts.with_probe_settings(params)
+
+
 def warm_up(
     generate: Callable[[SamplingParams], object],
     facts: PipelineFacts,
@@ -244,9 +254,7 @@ def warm_up(
         plan += [(h, w, kind, True) for h, w, kind, _ in plan if (h, w) == first and kind != "default"]
     runs = []
     for height, width, kind, with_lora in plan:
-        params = warmup_params(height, width, kind, facts.cfg_mode, facts.makes_video, facts.probe_frames)
-        params.input_images = facts.probe_images(width, height)
-        facts.with_probe_video(params, width, height)  # a family that extends a video: a grey clip
+        params = warmup_request(facts, height, width, kind)
         if with_lora:
             params.loras = [lora]
             kind = f"{kind}+lora"
@@ -255,10 +263,10 @@ def warm_up(
             generate(params)
         except InvalidRequestError as exc:
             raise UserError(f"--warmup-resolutions {width}x{height}: {exc}") from exc
-        run = WarmupRun(height, width, kind, time.perf_counter() - start)
+        run, steps = WarmupRun(height, width, kind, time.perf_counter() - start), params.num_inference_steps
         logger.info(
             "Warm-up %dx%d (WxH), %s, %d steps: %.2f s, %d graphs compiled",
-            width, height, kind, WARMUP_STEPS, run.seconds, compiled_graph_count() - graphs_before,
+            width, height, kind, steps, run.seconds, compiled_graph_count() - graphs_before,
         )  # fmt: skip
         runs.append(run)
     log_graph_breaks()

@@ -50,6 +50,13 @@ class PipelineFacts:
     #: policy's measurement): the fewest that leave at least one denoising step (1 for most; more where the
     #: first frames come given, as diffusion forcing's input image, and a window is whole causal blocks).
     probe_frames: int = 1
+    #: Denoising steps in a probe request: the fewest the family's schedule accepts (1 for most; Mochi's
+    #: linear-quadratic schedule needs 2). Every probe runs at least this many.
+    probe_steps: int = 1
+    #: Family settings (`SamplingParams.extra`) every probe request sets so that the family runs it at the
+    #: size it asks for, as its memory cost (`runtime.memory.request_cost`) counts it: SANA-Video's
+    #: resolution binning off (it would generate any probe at one 480p bin, refused as no multiple of 32).
+    probe_extra: tuple[tuple[str, object], ...] = ()
 
     def probe_images(self, width: int, height: int) -> list[Image.Image] | None:
         """Plain grey input images for a warm-up or health probe of a family that requires them (edit,
@@ -61,6 +68,17 @@ class PipelineFacts:
     def probe_mask(self, width: int, height: int) -> Image.Image | None:
         """An all-white mask (repaint everything) for a probe of a family that requires one; else None."""
         return Image.new("L", (width, height), 255) if self.requires_mask else None
+
+    def with_probe_settings(self, params: SamplingParams) -> SamplingParams:
+        """`params` (changed in place, and returned) as every probe request of this family must be: at least
+        `probe_steps` denoising steps where a step count is set (None keeps the family's default), and the
+        `probe_extra` settings where `extra` lacks them. Families that declare neither are unchanged."""
+        steps = params.num_inference_steps
+        if steps is not None and steps < self.probe_steps:
+            params.num_inference_steps = self.probe_steps
+        if self.probe_extra:
+            params.extra = {**dict(self.probe_extra), **(params.extra or {})}
+        return params
 
     def with_probe_video(
         self, params: SamplingParams, width: int, height: int, set_frames: bool = True

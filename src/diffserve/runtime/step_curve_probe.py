@@ -17,6 +17,7 @@ from dataclasses import replace
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.request import Req, new_request_id, stepped_fields
 from diffserve.runtime.batch_policy import token_bucket
+from diffserve.runtime.contract import PipelineFacts
 from diffserve.runtime.engine import Engine
 from diffserve.runtime.memory import RequestCost
 
@@ -47,12 +48,19 @@ def probe_copy(req: Req) -> Req:
     return replace(req, request_id=new_request_id(), **own)  # type: ignore[arg-type]
 
 
+def curve_probe_params(facts: PipelineFacts, params: SamplingParams, most: int, seed: int) -> SamplingParams:
+    """The measurement's request `seed` of probe `params`: enough steps for the first probe to run in every
+    batch of `batch_sizes_to_probe(most)`, and never fewer than the family's `probe_steps`."""
+    steps = STEPS_PER_BATCH * len(batch_sizes_to_probe(most)) + 1  # the first probe runs in every batch
+    return facts.with_probe_settings(replace(params, seed=seed, num_inference_steps=steps))
+
+
 def measure_step_curve(engine: Engine, params: SamplingParams, most: int) -> list[int]:
     """Step up to `most` copies of `params` (seeds 0, 1, ...) in batches of `batch_sizes_to_probe`, as many
     as the scheduler's limits and memory model admit together; returns the batch sizes measured (none when
     the probe request has fewer denoising steps than the first probe would run: logged)."""
     sizes = batch_sizes_to_probe(most)
-    steps = STEPS_PER_BATCH * len(sizes) + 1  # the first probe runs in every batch
+    facts = engine.pipeline.facts
     reqs: list[Req] = []
     costs: list[RequestCost] = []
     try:
@@ -61,9 +69,7 @@ def measure_step_curve(engine: Engine, params: SamplingParams, most: int) -> lis
             if copy:
                 req, cost = probe_copy(reqs[0]), costs[0]
             else:
-                req = engine.runner.validate(
-                    Req(params=replace(params, seed=seed, num_inference_steps=steps))
-                )
+                req = engine.runner.validate(Req(params=curve_probe_params(facts, params, most, seed)))
                 cost = engine.cost(req)
             if costs and not engine.scheduler.within_limits(costs, cost):
                 break
@@ -75,7 +81,7 @@ def measure_step_curve(engine: Engine, params: SamplingParams, most: int) -> lis
             logger.info(
                 "Batch policy: step times are not measured at warm-up: the probe request of %s has %d "
                 "denoising steps (for %d requested), the measurement needs %d; measuring while serving",
-                engine.pipeline.facts.name, reqs[0].num_steps, steps, needed,
+                facts.name, reqs[0].num_steps, reqs[0].params.num_inference_steps, needed,
             )  # fmt: skip
             return []
         curve = engine.scheduler.policy.curve

@@ -275,7 +275,7 @@ class EngineProcess:
                 exit_now(1)
 
     def probe_params(self, prompt: str, side: int | None = None) -> SamplingParams:
-        """The warm-up's and /health_generate's one-step request (`runtime.calibration.probe_params`)."""
+        """The warm-up's and the batch policy's probe request (`runtime.calibration.probe_params`)."""
         from diffserve.runtime.calibration import probe_params
 
         return probe_params(self.facts, prompt, side)
@@ -441,14 +441,10 @@ class EngineProcess:
         from diffserve.runtime import RequestTooLargeError
 
         rid, params = job.request_id, job.params
-        if job.internal:  # /health_generate: the probe's input images and frames where the model needs them
-            if self.probe_images and not params.input_images:
-                params.input_images = list(self.probe_images)
-            if self.probe_mask is not None and params.mask_image is None:
-                params.mask_image = self.probe_mask
-            self.facts.with_probe_video(params, self.probe_size, self.probe_size)  # video-to-video: a clip
-            if self.is_video and params.num_frames is None:
-                params.num_frames = self.facts.probe_frames  # the fewest with a step to denoise
+        if job.internal:  # /health_generate: completed as the family's probes are (inputs, frames, steps)
+            from diffserve.runtime.calibration import health_probe_params
+
+            health_probe_params(self.facts, params, self.probe_size)
         else:
             family, video = self.generator.family, job.video_path is not None
             mismatch = msg.wrong_route(family.task, family.diffusers_pipeline, video)

@@ -1,4 +1,5 @@
-"""`/health_generate`'s generation: a real 1-step generation at a small size, through the queue.
+"""`/health_generate`'s generation: a real short generation at a small size, through the queue (one step,
+or the family's `PipelineFacts.probe_steps`: the engine completes the probe as the family's probes are).
 
 The route needs no API key, so the probe is rate-limited here: one generation in flight at a time, shared
 by concurrent callers, and its result reused for a while (status_routes.py serves it).
@@ -22,6 +23,13 @@ from diffserve.server.protocol import GenerateJob
 from diffserve.server.replicas import Engines
 
 logger = logging.getLogger("diffserve.server")
+
+
+def health_check_params(size: int) -> SamplingParams:
+    """The probe's request as this front end sends it: `size` pixels square, one step. The engine completes
+    it for its family (`runtime.calibration.health_probe_params`: input images, frames, at least its
+    probe steps, its probe settings)."""
+    return SamplingParams(prompt="health check", height=size, width=size, num_inference_steps=1)
 
 
 @dataclass(frozen=True)
@@ -72,7 +80,7 @@ class HealthProbe:
 
     async def _run(self, request_id: str) -> ProbeResult:
         engine, size = self.engine, self.engine.probe_size
-        params = SamplingParams(prompt="health check", height=size, width=size, num_inference_steps=1)
+        params = health_check_params(size)
         job = GenerateJob(request_id, params, internal=True)
         incarnation, start = engine.incarnation, time.monotonic()
         try:
@@ -86,6 +94,7 @@ class HealthProbe:
         else:
             seconds, engine_seconds = round(time.monotonic() - start, 4), round(result.engine_seconds, 4)
             body = {"status": "ok", "seconds": seconds, "engine_seconds": engine_seconds}
-            status, body = 200, {**body, "size": f"{size}x{size}", "num_inference_steps": 1}
+            steps = result.params.num_inference_steps  # the family's probe steps (the engine's)
+            status, body = 200, {**body, "size": f"{size}x{size}", "num_inference_steps": steps}
         self._last = ProbeResult(status, body, time.monotonic(), incarnation)
         return self._last

@@ -272,6 +272,17 @@ class InputValidationStage(Stage):
         factor x 0 + 1) unless a family's first frames come given and its windows are whole blocks."""
         return 1
 
+    def probe_steps(self) -> int:
+        """Denoising steps in a probe request (`PipelineFacts.probe_steps`): the fewest this family's
+        schedule accepts. One unless a family's `resolve` refuses a one-step request."""
+        return 1
+
+    def probe_extra(self) -> tuple[tuple[str, object], ...]:
+        """Family settings (`SamplingParams.extra`) a probe request sets (`PipelineFacts.probe_extra`) so that
+        this family accepts it and generates it at the size it asks for, as its memory cost counts it. None
+        unless a family's setting changes the generated size (SANA-Video's resolution binning)."""
+        return ()
+
     def resolve(self, params: SamplingParams) -> SamplingParams:
         """Family defaults applied and validated; raises InvalidRequestError on bad input."""
         if params.input_video is not None and not self.takes_input_video:

@@ -43,14 +43,22 @@ def linear_quadratic_sigmas(num_steps: int, threshold_noise: float) -> list[floa
     return [1.0 - s for s in rising]
 
 
+#: The fewest steps Mochi's schedule takes: its linear half (n // 2 steps) needs one.
+MIN_STEPS = 2
+
+
 class MochiInputValidationStage(InputValidationStage):
-    """The shared validation, plus at least two steps (the schedule's linear half needs one)."""
+    """The shared validation, plus at least `MIN_STEPS` steps, which its probe requests run too."""
+
+    def probe_steps(self) -> int:
+        """`MIN_STEPS`: a one-step probe (warm-up, calibration, /health_generate) would be refused."""
+        return MIN_STEPS
 
     def resolve(self, params):
         resolved = super().resolve(params)
-        if resolved.num_inference_steps < 2:
+        if resolved.num_inference_steps < MIN_STEPS:
             raise InvalidRequestError(
-                "num_inference_steps must be at least 2 for Mochi (its linear-quadratic schedule), "
+                f"num_inference_steps must be at least {MIN_STEPS} for Mochi (its linear-quadratic schedule), "
                 f"got {resolved.num_inference_steps}",
                 param="num_inference_steps",
             )

@@ -103,6 +103,13 @@ class SanaVideoInputValidationStage(InputValidationStage):
         self.generation_multiple = generation_multiple
         self.min_side = min_side
 
+    def probe_extra(self) -> tuple[tuple[str, object], ...]:
+        """Resolution binning off: with it, every square probe is generated at one bin (624x624 at 480p,
+        refused as no multiple of 32), and both calibration sizes at the same one, so the memory line
+        would be fitted to two equal points and charged to the sizes asked for. Off, a probe runs at its
+        own size, which is what a request's memory cost counts."""
+        return (("use_resolution_binning", False),)
+
     def resolve(self, params):
         resolved = super().resolve(params)
         sana_video_settings(resolved)  # raises on unknown keys or bad values
