@@ -205,16 +205,10 @@ def load_model(
         return load_through_diffusers(index, platform, dtype, attention_backend)
     # A ControlNet pipeline folder: its base pipeline, with its ControlNet served as "default".
     index, folder_controlnet = without_folder_controlnet(index)
+    # ControlNets run whole on every rank (CFG-parallel: each rank on its branch's rows; sequence
+    # parallelism: each rank adds its image shard's slice of the residuals; TP: the DiT's image stream is
+    # whole on every rank), so every parallel mode takes them.
     controlnet_specs_given = controlnet_specs(engine_args.controlnets)
-    if (controlnet_specs_given or folder_controlnet is not None) and (
-        (engine_args.ulysses_degree or 1) > 1
-        or engine_args.ring_degree > 1
-        or engine_args.enable_cfg_parallel
-    ):
-        raise UserError(
-            "ControlNets do not run under sequence parallelism (--ulysses-degree / --ring-degree) or "
-            "--enable-cfg-parallel yet"
-        )
     family = resolve_family(index.pipeline_class_name)
     tp_size = parallel_state.tp_size if parallel_state is not None else 1
     check_tensor_parallel(index, family, tp_size)

@@ -67,6 +67,11 @@ class BackendFamily:
     task: str
 
 
+#: Denoising steps of a probe request through this backend (`DiffusersBackendPipeline._probe_steps`): two,
+#: the fewest every schedule of the Diffusers pipelines it serves accepts (Mochi's refuses one).
+BACKEND_PROBE_STEPS = 2
+
+
 @dataclass(frozen=True)
 class BackendContext:
     """The loaded Diffusers pipeline's components (as the memory model and offload reports read them)."""
@@ -158,10 +163,20 @@ class DiffusersBackendPipeline:
             temporal_factor=temporal_factor(pipe) if video else 1,
             max_frames=MAX_FRAMES if video else 0,
             max_fps=MAX_FPS if video else 0,
+            probe_steps=self._probe_steps(),
         )
         self.defaults = self._default_params()
         #: The request whose call is in progress (the engine runs one at a time), by request id.
         self._runs: dict[str, DiffusersRun] = {}
+
+    def _probe_steps(self) -> int:
+        """Denoising steps of this pipeline's probe requests (warm-up, calibration, /health_generate):
+        `BACKEND_PROBE_STEPS`, or the signature's default step count where that is fewer. The backend
+        cannot read the fewest steps a Diffusers pipeline's schedule takes, and some take no single step
+        (a linear-quadratic schedule of n // 2 linear steps divides by zero at n = 1), so a probe never
+        runs one."""
+        default = _int_or_none(self.signature.number_default("num_inference_steps"))
+        return BACKEND_PROBE_STEPS if default is None or default < 1 else min(BACKEND_PROBE_STEPS, default)
 
     def _dit_width(self) -> int:
         """The denoiser's hidden width, as the memory estimate reads it (heads x head dim, or channels)."""

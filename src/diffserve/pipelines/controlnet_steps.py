@@ -16,6 +16,7 @@ from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError
 from diffserve.models.controlnets.residuals import BlockResiduals
 from diffserve.request import Req
+from diffserve.runtime.runner import CfgBranchView
 
 
 @dataclass
@@ -64,6 +65,17 @@ def check_controlnet_entries(
                 f"0..{modes - 1}, got {got}",
                 param=param,
             )
+
+
+def prompt_request(req: Req) -> Req:
+    """The request whose `prompt_embeds` / `pooled_prompt_embeds` are the prompt's: `req` itself, or under
+    CFG-parallel the request a `CfgBranchView` stands for. FLUX.1's and Qwen-Image's ControlNets read the
+    prompt's text for both CFG branches (Diffusers adds the same residuals to the negative rows), so the
+    negative branch's rank must run them on the prompt's text too, not on its own branch's."""
+    if isinstance(req, CfgBranchView):
+        assert req.source is not None
+        return req.source
+    return req
 
 
 def merge_samples(total: list[torch.Tensor] | None, samples: list[torch.Tensor]) -> list[torch.Tensor]:

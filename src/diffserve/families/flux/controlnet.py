@@ -17,6 +17,12 @@ The engine holds named ControlNets (`loader/controlnets.py`); a request lists th
 In a step batch, each ControlNet runs once over the rows of every request that applies it at that step;
 the DiT adds each request's sum to its own rows only (`models/controlnets/residuals.py`): requests without
 a ControlNet share the batch and keep their values bit for bit.
+
+On several ranks the ControlNets run whole on every rank (they are small next to the DiT, and need no
+communication then): under CFG-parallel each cfg rank runs them over its branch view's rows, on the
+prompt's text (`prompt_request`), so both ranks add the residuals one rank would; under sequence
+parallelism the DiT adds to each image shard the matching slice of the whole-sequence residuals; under
+tensor parallelism the DiT's image stream is whole on every rank and takes them as on one.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from diffserve.configs.sampling_params import SamplingParams
 from diffserve.families.flux.conditioning import FluxConditioning
 from diffserve.models.controlnets.flux import ControlNetBatch, FluxControlNetModel
 from diffserve.models.controlnets.residuals import BlockResiduals
-from diffserve.pipelines.controlnet_steps import check_controlnet_entries, merge_samples
+from diffserve.pipelines.controlnet_steps import check_controlnet_entries, merge_samples, prompt_request
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.image_tensor import image_to_tensor
@@ -178,12 +184,13 @@ class ControlNetRunner:
             for r, _, entry in items:
                 req = reqs[r]
                 n, device = req.batch_size, req.latents.device
+                prompt = prompt_request(req)  # the prompt's text on both CFG ranks
                 if entry.context is None:
-                    entry.context = net.embed_context(req.prompt_embeds)
+                    entry.context = net.embed_context(prompt.prompt_embeds)
                 parts["x"].append(req.latents)
                 parts["c"].append(entry.latents)
                 parts["ctx"].append(entry.context)
-                parts["pooled"].append(req.pooled_prompt_embeds)
+                parts["pooled"].append(prompt.pooled_prompt_embeds)
                 parts["t"].append(req.schedule.timesteps[req.step_index].expand(n).to(dtype) / 1000)
                 guidance = float(req.params.guidance_scale or 0.0)
                 parts["g"].append(torch.full((n,), guidance, dtype=torch.float32, device=device))

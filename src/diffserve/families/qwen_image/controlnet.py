@@ -33,6 +33,7 @@ from diffserve.pipelines.cfg_batch import pad_text
 from diffserve.pipelines.controlnet_steps import (
     EncodedControl,
     double_stream_groups,
+    prompt_request,
     samples_per_request,
 )
 from diffserve.request import Req
@@ -110,7 +111,7 @@ class QwenControlNetRunner:
             height, width = req.latent_size
             latents.append(req.latents)
             control.append(entry.latents)
-            texts.append(req.prompt_embeds)
+            texts.append(prompt_request(req).prompt_embeds)  # the prompt's text on both CFG ranks
             timesteps.append(req.schedule.timesteps[req.step_index].expand(n).to(req.latents.dtype) / 1000)
             scales.append(torch.full((n,), float(entry.scale), dtype=torch.float32, device=device))
             shapes.extend([[(1, height // 2, width // 2)]] * n)

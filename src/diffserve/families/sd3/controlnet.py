@@ -28,7 +28,6 @@ import torch
 from PIL import Image
 from torch import nn
 
-from diffserve.errors import InvalidRequestError
 from diffserve.models.controlnets.residuals import BlockResiduals
 from diffserve.models.controlnets.sd3 import SD3ControlNetModel
 from diffserve.pipelines.controlnet_steps import (
@@ -124,11 +123,12 @@ class SD3ControlNetRunner:
         zero_pooled = net.config.force_zeros_for_pooled_projection
         for r, _, entry in items:
             req = reqs[r]
-            if isinstance(req, CfgBranchView):  # its control latents hold both branches' rows
-                raise InvalidRequestError(
-                    "controlnets is not supported with CFG parallelism (--cfg-parallel) on SD3 yet",
-                    param="controlnets",
-                )
+            cond = entry.latents
+            if isinstance(req, CfgBranchView):
+                # CFG-parallel: the view's text is its branch's; its control rows are that branch's of
+                # the request's [prompt rows; negative rows].
+                n = req.batch_size
+                cond = cond[req.branch * n : (req.branch + 1) * n]
             branches = [(req.prompt_embeds, req.pooled_prompt_embeds)]
             if req.do_cfg:
                 branches.append((req.negative_prompt_embeds, req.negative_pooled_prompt_embeds))
@@ -138,7 +138,7 @@ class SD3ControlNetRunner:
                 texts.append(text)
                 pooled.append(torch.zeros_like(pool) if zero_pooled else pool)
                 timesteps.append(t.expand(req.batch_size))
-            control.append(entry.latents)
+            control.append(cond)
             rows = req.batch_size * len(branches)
             scales.append(
                 torch.full((rows,), float(entry.scale), dtype=torch.float32, device=req.latents.device)

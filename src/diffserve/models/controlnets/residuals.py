@@ -12,7 +12,7 @@ without any ControlNet, bit for bit.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +71,18 @@ class BlockResiduals:
         rows = torch.tensor(self.rows, device=image.device)
         image[rows] = image.index_select(0, rows) + sample
 
+    def map_tokens(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> BlockResiduals:
+        """The same residuals with every sample's token axis remapped by `fn` (rows untouched): under
+        sequence parallelism, this rank's shard of the image tokens (`SequenceSplit.split`), so each rank
+        adds the slice of the whole-sequence residuals that matches the image tokens it holds."""
+        return BlockResiduals(
+            double=[fn(s) for s in self.double],
+            single=[fn(s) for s in self.single],
+            rows=self.rows,
+            repeat=self.repeat,
+            truncating=self.truncating,
+        )
+
     def take(self, rows: torch.Tensor | None) -> BlockResiduals | None:
         """The residuals of a forward over batch rows `rows` only (a step cache's computed rows; None: all),
         renumbered to positions within `rows`; None when none of `rows` has any."""
@@ -111,6 +123,10 @@ class ResidualGroups:
     def add_in_place(self, kind: str, index: int, num_blocks: int, image: torch.Tensor) -> None:
         for group in self.groups:
             group.add_in_place(kind, index, num_blocks, image)
+
+    def map_tokens(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> ResidualGroups:
+        """Every group's `BlockResiduals.map_tokens`."""
+        return ResidualGroups(tuple(group.map_tokens(fn) for group in self.groups))
 
     def take(self, rows: torch.Tensor | None) -> ResidualGroups | None:
         kept = tuple(g for g in (group.take(rows) for group in self.groups) if g is not None)

@@ -637,9 +637,7 @@ class FluxTransformer2DModel(FluxStreamsDiT):
         """
         split = sequence_split([ctx.shape[1], x.shape[1]])
         if split is not None:
-            if controls is not None:
-                raise NotImplementedError("ControlNet residuals under sequence parallelism")
-            return self._run_blocks_split(split, x, ctx, mods, rope)
+            return self._run_blocks_split(split, x, ctx, mods, rope, controls)
         mods_iter = iter(mods)
         n_double, n_single = len(self.transformer_blocks), len(self.single_transformer_blocks)
         for i, block in enumerate(self.transformer_blocks):
@@ -667,23 +665,36 @@ class FluxTransformer2DModel(FluxStreamsDiT):
         ctx: torch.Tensor,
         mods: Sequence[torch.Tensor],
         rope: RopeTables,
+        controls: ResidualGroups | None = None,
     ) -> torch.Tensor:
         """`_run_blocks` with the text and image streams split over the sequence-parallel ranks: every
         block runs on this rank's shards, attention gathers the keys (`sequence_attention`), and the image
         stream is gathered back at the end. The last block runs whole (its image-rows-only shortcut would
-        give queries and keys different lengths, which the all-to-all cannot take)."""
+        give queries and keys different lengths, which the all-to-all cannot take).
+
+        `controls` (computed over the whole sequence, on every rank): each sample is cut to this rank's
+        image shard, so the rank adds the slice matching the tokens it holds (zeros on the shard's
+        padding, which the gather drops)."""
         text, image = 0, 1
         x, ctx = split.split(image, x), split.split(text, ctx)
         rope = split.split_rope(rope)
+        if controls is not None:
+            controls = controls.map_tokens(lambda sample: split.split(image, sample))
         mods_iter = iter(mods)
+        n_double, n_single = len(self.transformer_blocks), len(self.single_transformer_blocks)
         with split.attention_scope(x.shape[0], x.device):
-            for block in self.transformer_blocks:
+            for i, block in enumerate(self.transformer_blocks):
                 ctx, x = block(x, ctx, next(mods_iter), next(mods_iter), rope)
+                if controls is not None:
+                    x = controls.add("double", i, n_double, x)
             if self.single_transformer_blocks:
+                txt_len = ctx.shape[1]
                 h = torch.cat([ctx, x], dim=1)
-                for block in self.single_transformer_blocks:
+                for i, block in enumerate(self.single_transformer_blocks):
                     h = block(h, next(mods_iter), rope)
-                x = h[:, ctx.shape[1] :]
+                    if controls is not None:
+                        controls.add_in_place("single", i, n_single, h[:, txt_len:])
+                x = h[:, txt_len:]
         return split.gather(image, x)
 
     def _block_range(

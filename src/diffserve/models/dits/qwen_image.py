@@ -542,9 +542,7 @@ class QwenImageTransformer2DModel(DiffusersDiT):
         """
         split = sequence_split([ctx.shape[1], x.shape[1]])
         if split is not None:
-            if controls is not None:
-                raise NotImplementedError("ControlNet residuals under sequence parallelism")
-            return self._run_blocks_split(split, x, ctx, temb_act, rope, attn_mask, cond_tokens)
+            return self._run_blocks_split(split, x, ctx, temb_act, rope, attn_mask, cond_tokens, controls)
         last = len(self.transformer_blocks) - 1
         for i, block in enumerate(self.transformer_blocks):
             ctx, x = block(x, ctx, temb_act, rope, attn_mask, cond_tokens, text_out=i < last)
@@ -598,11 +596,13 @@ class QwenImageTransformer2DModel(DiffusersDiT):
         rope: RopeTables,
         attn_mask: torch.Tensor | None,
         cond_tokens: torch.Tensor | None,
+        controls: ResidualGroups | None = None,
     ) -> torch.Tensor:
         """`_run_blocks` with the text and image streams split over the sequence-parallel ranks: every
         block runs on this rank's shards (RoPE rows and conditioning-token flags split with them), the
         joint attention gathers the keys (`sequence_attention`, the text padding as its key mask), and
-        the image stream is gathered back at the end."""
+        the image stream is gathered back at the end. `controls` (whole-sequence ControlNet residuals):
+        each rank adds the slice of every sample that matches its image shard."""
         text, image = 0, 1
         batch, txt_len = x.shape[0], ctx.shape[1]
         # The joint key mask is [text padding mask; all true]: only its text part is a real mask.
@@ -611,10 +611,14 @@ class QwenImageTransformer2DModel(DiffusersDiT):
         if cond_tokens is not None:
             cond_tokens = split.split(image, cond_tokens)  # padding rows: False (real t), dropped anyway
         x, ctx = split.split(image, x), split.split(text, ctx)
+        if controls is not None:
+            controls = controls.map_tokens(lambda sample: split.split(image, sample))
         last = len(self.transformer_blocks) - 1
         with split.attention_scope(batch, x.device, [text_mask, None]):
             for i, block in enumerate(self.transformer_blocks):
                 ctx, x = block(x, ctx, temb_act, rope, None, cond_tokens, text_out=i < last)
+                if controls is not None:
+                    x = controls.add("double", i, last + 1, x)
         return split.gather(image, x)
 
     def _cache_signal(

@@ -518,9 +518,7 @@ class SD3Transformer2DModel(DiffusersDiT):
         the last."""
         split = sequence_split([x.shape[1], ctx.shape[1]])
         if split is not None:
-            if controls is not None:
-                raise NotImplementedError("ControlNet residuals under sequence parallelism")
-            return self._run_blocks_split(split, x, ctx, temb_act, skip_layers)
+            return self._run_blocks_split(split, x, ctx, temb_act, skip_layers, controls)
         n = len(self.transformer_blocks)
         for index, block in enumerate(self.transformer_blocks):
             if index not in skip_layers:
@@ -536,17 +534,25 @@ class SD3Transformer2DModel(DiffusersDiT):
         ctx: torch.Tensor,
         temb_act: torch.Tensor,
         skip_layers: frozenset[int],
+        controls: ResidualGroups | None = None,
     ) -> torch.Tensor:
         """`_run_blocks` with the image and text streams split over the sequence-parallel ranks (joint
         order [image; text]): every block runs on this rank's shards, the joint attention and `attn2`
-        gather their keys (`sequence_attention`), and the image stream is gathered back at the end."""
+        gather their keys (`sequence_attention`), and the image stream is gathered back at the end.
+        `controls` (whole-sequence ControlNet residuals): each rank adds the slice of every sample that
+        matches its image shard."""
         image, text = 0, 1
         x, ctx = split.split(image, x), split.split(text, ctx)
+        if controls is not None:
+            controls = controls.map_tokens(lambda sample: split.split(image, sample))
         image_scope = partial(split.stream_scope, image, x.shape[0], x.device)
+        n = len(self.transformer_blocks)
         with split.attention_scope(x.shape[0], x.device):
             for index, block in enumerate(self.transformer_blocks):
                 if index not in skip_layers:
                     ctx, x = block(x, ctx, temb_act, text_queries=True, self_attention_scope=image_scope)
+                if controls is not None and not block.context_pre_only:
+                    x = controls.add("double", index, n, x)
         return split.gather(image, x)
 
     def _block_range(

@@ -1,0 +1,111 @@
+"""Tiny ControlNet cases for multi-rank engine tests (tests/distributed/test_controlnet_parallel*.py): per
+family (FLUX.1, Qwen-Image, SD3) a tiny folder, a tiny random ControlNet for it, and a request with CFG and
+a negative prompt in that family's keywords (so the two CFG branches differ), generated at one size.
+
+The size, 48x80, gives FLUX.1 and Qwen-Image a 3x5 packed grid and SD3 a 3x5 patch grid: 15 image tokens,
+which 2 sequence-parallel ranks cannot split evenly (their shards are padded).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from diffserve.api import DiffGenerator
+from diffserve.families.flux.tiny import TinyFluxSpec, build_tiny_flux
+from diffserve.families.flux.tiny_controlnet import TinyFluxControlNetSpec, build_tiny_flux_controlnet
+from diffserve.families.qwen_image.tiny import TinyQwenImageSpec, build_tiny_qwen_image
+from diffserve.families.qwen_image.tiny_controlnet import (
+    TinyQwenImageControlNetSpec,
+    build_tiny_qwen_image_controlnet,
+    sharpen_vae_posterior,
+)
+from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
+from diffserve.families.sd3.tiny_controlnet import TinySD3ControlNetSpec, build_tiny_sd3_controlnet
+from diffserve.testing.parity import smooth_random_image
+
+HEIGHT, WIDTH = 48, 80
+#: The control image of the parity runs, and another one for the control runs.
+EDGES = smooth_random_image(WIDTH, HEIGHT, seed=11)
+OTHER = smooth_random_image(WIDTH, HEIGHT, seed=13)
+#: The ControlNet's name in the engines the cases start.
+NAME = "canny"
+
+
+@dataclass(frozen=True)
+class ControlNetCase:
+    """A family's tiny folder, its ControlNet and the CFG keywords of its requests."""
+
+    folder: Path
+    controlnet: Path
+    request: dict[str, object] = field(default_factory=dict)
+
+    def generator(self, **options: object) -> DiffGenerator:
+        """An engine on the CPU with the ControlNet loaded as `NAME` (`options`: the parallel flags)."""
+        return DiffGenerator.from_pretrained(
+            self.folder, device="cpu", show_progress=False, controlnets={NAME: self.controlnet}, **options
+        )
+
+    def generate(self, gen: DiffGenerator, image: Image.Image) -> np.ndarray:
+        """The request's image (uint8 values as int16), the ControlNet applied with `image`, seed 5."""
+        result = gen.generate(
+            prompt="a fox in the snow", height=HEIGHT, width=WIDTH, num_inference_steps=2, seed=5,
+            controlnets=[{"name": NAME, "image": image, "scale": 1.0}], **self.request,
+        )  # fmt: skip
+        return np.asarray(result.images[0], dtype=np.int16)
+
+
+def flux_case(root: Path) -> ControlNetCase:
+    """FLUX.1 with true CFG (and its guidance embedding)."""
+    flux = TinyFluxSpec(seed=0)
+    folder = build_tiny_flux(root / "flux", flux)
+    canny = build_tiny_flux_controlnet(root / "flux-canny", TinyFluxControlNetSpec(flux, seed=1))
+    cfg = dict(true_cfg_scale=2.0, negative_prompt="blurry", guidance_scale=3.5, max_sequence_length=16)
+    return ControlNetCase(folder, canny, cfg)
+
+
+def qwen_image_case(root: Path) -> ControlNetCase:
+    """Qwen-Image with true CFG; its VAE's posterior sharpened so that the control image matters."""
+    qwen = TinyQwenImageSpec(seed=0)
+    folder = build_tiny_qwen_image(root / "qwen", qwen)
+    sharpen_vae_posterior(folder)
+    canny = build_tiny_qwen_image_controlnet(root / "qwen-canny", TinyQwenImageControlNetSpec(qwen, seed=1))
+    return ControlNetCase(
+        folder, canny, dict(true_cfg_scale=2.5, negative_prompt="blurry", max_sequence_length=64)
+    )
+
+
+def sd3_case(root: Path) -> ControlNetCase:
+    """SD3 with CFG (its ControlNet runs on each branch's own text)."""
+    sd3 = TinySD3Spec(seed=0)
+    folder = build_tiny_sd3(root / "sd3", sd3)
+    canny = build_tiny_sd3_controlnet(root / "sd3-canny", TinySD3ControlNetSpec(sd3, seed=1))
+    return ControlNetCase(folder, canny, dict(guidance_scale=3.0, negative_prompt="blurry"))
+
+
+#: family -> the builder of its case under a root folder.
+CASE_BUILDERS: dict[str, Callable[[Path], ControlNetCase]] = {
+    "flux": flux_case,
+    "qwen-image": qwen_image_case,
+    "sd3": sd3_case,
+}
+
+
+def one_rank_images(case: ControlNetCase) -> tuple[np.ndarray, np.ndarray]:
+    """The one-rank engine's image with `EDGES`, and with `OTHER` (the control run)."""
+    with case.generator() as gen:
+        return case.generate(gen, EDGES), case.generate(gen, OTHER)
+
+
+def max_difference_on_two_ranks(case: ControlNetCase, alone: np.ndarray, **options: object) -> int:
+    """The max uint8 difference between a 2-rank engine's image (with `EDGES`, under `options`: e.g.
+    `enable_cfg_parallel=True`) and `alone`, the one-rank one."""
+    with case.generator(num_gpus=2, **options) as gen:
+        if gen.ranks is None or gen.ranks.state is None:
+            raise AssertionError(f"the engine with {options} did not start 2 ranks")
+        split = case.generate(gen, EDGES)
+    return int(np.abs(split - alone).max())

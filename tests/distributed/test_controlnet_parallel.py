@@ -1,0 +1,74 @@
+"""ControlNets on 2-rank engines (gloo ranks on the CPU) give the one-rank image, same seed, within one
+uint8 level (cases: `controlnet_cases.py` next to this file, requests with CFG and a negative prompt):
+
+- CFG-parallel 2 (`enable_cfg_parallel=True`) for FLUX.1, Qwen-Image and SD3: each cfg rank runs the
+  ControlNet over its branch's rows, FLUX.1's and Qwen-Image's on the prompt's text (Diffusers adds the
+  prompt's residuals to both branches), SD3's on its branch's own text and control rows;
+- Ulysses 2 (`ulysses_degree=2`) for FLUX.1: every rank runs the ControlNet over the whole sequence and
+  adds the slice of its residuals that matches its image shard (15 image tokens: the shards are padded).
+
+A control run (another control image, one rank) must move the image by at least `CONTROL_MIN_LEVELS`, so
+that the parity is not the ControlNet doing nothing. Qwen-Image and SD3 under Ulysses, and FLUX.1 under
+tensor parallelism: test_controlnet_parallel_more.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+import torch
+from controlnet_cases import (
+    CASE_BUILDERS,
+    ControlNetCase,
+    max_difference_on_two_ranks,
+    one_rank_images,
+)
+
+OneRank = Callable[[str], tuple[ControlNetCase, np.ndarray, np.ndarray]]
+
+#: A control image must move the image at least this far (max uint8 difference).
+CONTROL_MIN_LEVELS = 20
+MODES: dict[str, dict[str, object]] = {
+    "cfg2": dict(enable_cfg_parallel=True),
+    "ulysses2": dict(ulysses_degree=2),
+}
+CASES = [("flux", "cfg2"), ("flux", "ulysses2"), ("qwen-image", "cfg2"), ("sd3", "cfg2")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the rank processes take the parent's thread count
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> OneRank:
+    """family -> (its case, its one-rank image, its image with the other control image); built once."""
+    root = tmp_path_factory.mktemp("controlnet-parallel")
+    cache: dict[str, tuple[ControlNetCase, np.ndarray, np.ndarray]] = {}
+
+    def get(family: str) -> tuple[ControlNetCase, np.ndarray, np.ndarray]:
+        if family not in cache:
+            case = CASE_BUILDERS[family](root)
+            cache[family] = (case, *one_rank_images(case))
+        return cache[family]
+
+    return get
+
+
+@pytest.mark.parametrize(("family", "mode"), CASES, ids=[f"{f}-{m}" for f, m in CASES])
+def test_two_ranks_match_one_rank(one_rank: OneRank, family: str, mode: str) -> None:
+    """The 2-rank engine's image equals the one-rank one within one uint8 level; the other control image
+    moves the one-rank image by at least `CONTROL_MIN_LEVELS`."""
+    case, alone, other = one_rank(family)
+    moved = int(np.abs(other - alone).max())
+    error = max_difference_on_two_ranks(case, alone, **MODES[mode])
+    print(
+        f"{family} ControlNet, {mode} vs one rank: max uint8 difference {error}; other control image: {moved}"
+    )
+    assert moved >= CONTROL_MIN_LEVELS
+    assert error <= 1
