@@ -262,6 +262,11 @@ class Req:
     #: family that makes several per output says how many, e.g. Qwen-Image-Layered's layers and composite):
     #: the memory model and `--max-batch-tokens` count them.
     latent_images: int = 1
+    #: (height, width) the family generates the request at, when its rule changes the size after `resolve`
+    #: (SANA's and SANA-Video's resolution bins: the output is resized back to the size asked); the memory
+    #: model costs this size. Input validation sets it; None (a pipeline without that stage, e.g.
+    #: `--backend diffusers`): the params' own height x width.
+    generated_size: tuple[int, int] | None = None
     cfg_scale: float = 1.0  # prediction = negative + cfg_scale * (positive - negative)
 
     # Set by text encoding: (batch, seq, dim) sequence embeddings and (batch, dim) pooled ones. For

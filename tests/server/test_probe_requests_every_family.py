@@ -38,7 +38,8 @@ from diffserve.runtime.step_curve_probe import curve_probe_params
 from diffserve.server.health_probe import health_check_params
 
 #: Families that generate every request at one area, whatever size it asks (so both calibration probes
-#: at the same size: their memory line cannot be fitted, and the estimate is used) -> why.
+#: at the same size: the memory model is a one-point fit with the estimate's slopes,
+#: `runtime.memory.fit_line`) -> why.
 ONE_AREA = {"hidream-i1": "Diffusers' area rule rescales every request to the default size's area"}
 #: Running requests the batch policy's warm-up measurement steps at most (1, 2, 4).
 CURVE_MOST = 4

@@ -95,6 +95,10 @@ class RequestCost:
     #: With a step cache: the hidden states per token it keeps (`RequestCache.kept_states`; the tiers' 2).
     cache_states: int = 2
     steps: int = 0  # denoising steps: the schedule and per-step records grow with them
+    #: The (height, width) asked, where the family generates at another size (`height` x `width`: SANA's
+    #: resolution bins); None: generated as asked. Lowering the size asked need not lower the bin, so the
+    #: memory message's advice names no size for such a request.
+    asked_size: tuple[int, int] | None = None
 
     @property
     def latent_frames(self) -> int:
@@ -136,12 +140,15 @@ def request_cost(facts: PipelineFacts, req: Req) -> RequestCost:
     params = req.params
     if params.height is None or params.width is None:
         raise ValueError("request_cost needs a validated request (height and width resolved)")
+    # The size the family generates at (SANA's resolution bins), which its tokens and decode scale with,
+    # not the size asked for (the output is resized back to it after decoding).
+    height, width = req.generated_size or (params.height, params.width)
     video = facts.makes_video and params.num_frames is not None
     # Several latent images per output (an image family's `Req.latent_images`) cost as frames of a video
     # without temporal compression: each its own tokens, each decoded.
     return RequestCost(
-        height=int(params.height),
-        width=int(params.width),
+        height=int(height),
+        width=int(width),
         pixel_multiple=facts.pixel_multiple,
         branches=2 if req.do_cfg else 1,
         outputs=int(params.num_outputs_per_prompt),
@@ -152,6 +159,9 @@ def request_cost(facts: PipelineFacts, req: Req) -> RequestCost:
         step_cache=req.step_cache is not None,
         cache_states=2 if req.step_cache is None else req.step_cache.kept_states,
         steps=int(params.num_inference_steps or 0),
+        asked_size=None
+        if (height, width) == (params.height, params.width)
+        else (params.height, params.width),
     )
 
 
@@ -304,8 +314,14 @@ class MemoryModel:
             else "; even the smallest such request does not fit: give the engine a larger --mem-fraction "
             "or on a machine with more free memory"
         )
+        generated = ""
+        if cost.asked_size is not None:
+            generated = (
+                f"{cost.asked_size[1]}x{cost.asked_size[0]} asked, generated at {cost.width}x{cost.height} "
+                "(the family's resolution bin): "
+            )
         raise RequestTooLargeError(
-            f"this request needs an estimated {need / MB:.0f} MB ({cost.tokens} latent tokens x {cost.branches} "
+            f"this request needs an estimated {need / MB:.0f} MB ({generated}{cost.tokens} latent tokens x {cost.branches} "
             f"CFG branch(es) x {cost.outputs} output(s) -> {self.denoise_bytes(cost) / MB:.0f} MB denoising, "
             f"{decode}) but the engine's memory budget is {self.budget_bytes / MB:.0f} MB (free memory after "
             f"warm-up x --mem-fraction){advice}"
@@ -358,12 +374,16 @@ def fitting_changes(model: MemoryModel, cost: RequestCost) -> list[str]:
     temporal steps below) and `n` that fit, and CFG off. Candidate k of each is the k-th smallest."""
     m, longer = cost.pixel_multiple, max(cost.height, cost.width)
     tf = cost.temporal_factor
-    options: list[tuple[Callable[[RequestCost], str], int, Callable[[int], RequestCost]]] = [
-        (
-            lambda c: f"reduce size (width x height) to at most {c.width}x{c.height}",
-            (longer - 1) // m,
-            lambda k: _scaled_size(cost, (longer - ((longer - 1) // m - k + 1) * m) / longer),
-        ),
+    options: list[tuple[Callable[[RequestCost], str], int, Callable[[int], RequestCost]]] = []
+    if cost.asked_size is None:  # a binned size does not follow the size asked
+        options.append(
+            (
+                lambda c: f"reduce size (width x height) to at most {c.width}x{c.height}",
+                (longer - 1) // m,
+                lambda k: _scaled_size(cost, (longer - ((longer - 1) // m - k + 1) * m) / longer),
+            )
+        )
+    options += [
         (
             lambda c: f"num_frames / seconds to at most {c.frames} frames",
             (cost.frames - 1) // tf,
@@ -423,20 +443,33 @@ def estimated_memory_model(
     )
 
 
-def fit_line(xs: tuple[float, float], ys: tuple[float, float]) -> tuple[float, float]:
-    """Slope and intercept through two points, both clamped at 0 (noise must not make them negative)."""
-    slope = max((ys[1] - ys[0]) / (xs[1] - xs[0]) if xs[1] != xs[0] else 0.0, 0.0)
+def fit_line(
+    xs: tuple[float, float], ys: tuple[float, float], one_point_slope: float | None = None
+) -> tuple[float, float]:
+    """Slope and intercept through two points, both clamped at 0 (noise must not make them negative).
+    Two points at the same x (a family that generates both calibration probes at one size: HiDream-I1's
+    area rule) measure no slope: `one_point_slope` (the estimate's) is taken, through the higher point;
+    without it they are refused (ValueError), not fitted with a zero slope that would cost every request
+    the same."""
+    if xs[1] == xs[0]:
+        if one_point_slope is None:
+            raise ValueError(f"two points at the same x ({xs[0]}) fit no line: pass one_point_slope")
+        slope = max(one_point_slope, 0.0)
+        return slope, max(max(ys) - slope * xs[0], 0.0)
+    slope = max((ys[1] - ys[0]) / (xs[1] - xs[0]), 0.0)
     return slope, max(ys[0] - slope * xs[0], 0.0)
 
 
-def fit_bounding_line(xs: tuple[float, float], ys: tuple[float, float], noisy: bool) -> tuple[float, float]:
+def fit_bounding_line(
+    xs: tuple[float, float], ys: tuple[float, float], noisy: bool, one_point_slope: float | None = None
+) -> tuple[float, float]:
     """`fit_line`, with a `noisy` counter's slope raised to at least the larger point's `y / x` (the line
     through zero and that point). A small probe that reads high (allocator pages counted) tilts the
     two-point line under the larger requests it must bound; with a non-negative fixed term, the line
     through zero and the larger probe is above the true line for every larger request."""
-    slope, intercept = fit_line(xs, ys)
+    slope, intercept = fit_line(xs, ys, one_point_slope)
     if noisy and xs[1] > 0:
-        slope = max(slope, ys[1] / xs[1])
+        slope = max(slope, max(ys[1], ys[0] if xs[0] == xs[1] else 0.0) / xs[1])
     return slope, intercept
 
 
@@ -471,8 +504,21 @@ def measured_memory_model(
         )
         return estimated_memory_model(facts, platform, mem_fraction, weights)
     first, last = points[0], points[-1]
+    # Where the family generates both probes at one size (HiDream-I1's area rule renders every request at
+    # the default area), the points give the cost at that size only: the per-token and per-pixel slopes
+    # (what `n` and CFG scale with) are the estimate's, and the fixed terms what the point measured beyond.
+    estimate = estimated_memory_model(facts, platform, mem_fraction, weights)
+    one_point = first.cost.batch_tokens == last.cost.batch_tokens
+    if one_point:
+        logger.info(
+            "Memory calibration: both probes ran at %d tokens (the family generates them at one size): "
+            "one-point fit, with the estimate's per-token and per-pixel slopes",
+            first.cost.batch_tokens,
+        )
     per_token, fixed = fit_line(
-        (first.cost.batch_tokens, last.cost.batch_tokens), (first.denoise_bytes, last.denoise_bytes)
+        (first.cost.batch_tokens, last.cost.batch_tokens),
+        (first.denoise_bytes, last.denoise_bytes),
+        estimate.bytes_per_token,
     )
     per_output_pixel = _output_buffer_bytes_per_pixel(facts, platform)
 
@@ -486,6 +532,7 @@ def measured_memory_model(
         (first.cost.chunk_pixels * first.cost.outputs, last.cost.chunk_pixels * last.cost.outputs),
         (activations(first), activations(last)),
         platform.peak_counter_is_noisy(),
+        estimate.bytes_per_pixel,
     )
     model = MemoryModel(
         bytes_per_token=per_token * MEASURED_HEADROOM,
@@ -493,7 +540,7 @@ def measured_memory_model(
         fixed_bytes=fixed * MEASURED_HEADROOM,
         decode_fixed_bytes=decode_fixed * MEASURED_HEADROOM,
         budget_bytes=memory_budget(platform, mem_fraction, weights),
-        source="measured",
+        source="measured (one size)" if one_point else "measured",
         step_cache_bytes_per_token=_step_cache_bytes_per_token(facts),
         bytes_per_output_pixel=per_output_pixel,
         weights=weights,

@@ -213,7 +213,8 @@ class SkipLayerGuidanceRule:
 
 
 class InputValidationStage(Stage):
-    sets = ("generator", "do_cfg")  # and step_cache, for an approximate quality tier or a cache method
+    # and step_cache, for an approximate quality tier or a cache method
+    sets = ("generator", "do_cfg", "generated_size")
 
     #: Whether the family reads its own settings from `SamplingParams.extra` (it checks them in its
     #: `resolve`); a family that does not refuses a request that sends any, naming them.
@@ -236,9 +237,11 @@ class InputValidationStage(Stage):
         video: VideoRule | None = None,
         skip_layer_guidance: SkipLayerGuidanceRule | None = None,
         expert_guidance: bool = False,
+        generation_size: Callable[[SamplingParams], tuple[int, int]] | None = None,
     ) -> None:
         """`unsupported_params`: fields this family lacks -> why (a request setting one gets a 400).
-        `default_size(params)`: (height, width) when unset. `video`: None refuses the video fields.
+        `default_size(params)`: (height, width) when unset. `generation_size(params)`: the (height, width)
+        the family generates resolved `params` at, where that is not their own size (`generated_size`). `video`: None refuses the video fields.
         `skip_layer_guidance`: None refuses the skip-layer guidance fields. `expert_guidance`: the family
         reads `guidance_scale_2` (Wan 2.2 A14B's second expert); otherwise a request setting it gets a 400."""
 
@@ -253,6 +256,7 @@ class InputValidationStage(Stage):
         self.video = video
         self.skip_layer_guidance = skip_layer_guidance
         self.expert_guidance = expert_guidance
+        self.generation_size = generation_size
         self.quality = QualityRule(family=self.image_inputs.pipeline_name)
         #: The `cache` methods its DiT runs, and the engine's `--cache-default` (the pipeline sets both).
         self.cache_rule = CacheRule(family=self.image_inputs.pipeline_name)
@@ -282,6 +286,14 @@ class InputValidationStage(Stage):
         this family accepts it and generates it at the size it asks for, as its memory cost counts it. None
         unless a family's setting changes the generated size (SANA-Video's resolution binning)."""
         return ()
+
+    def generated_size(self, params: SamplingParams) -> tuple[int, int]:
+        """(height, width) the family generates resolved `params` at: their own size unless a size rule
+        applied after `resolve` changes it (SANA's resolution bins). What the memory model costs
+        (`Req.generated_size`); a rule that `resolve` applies itself (HiDream's area) is already in it."""
+        if self.generation_size is not None:
+            return self.generation_size(params)
+        return int(params.height), int(params.width)
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         """Family defaults applied and validated; raises InvalidRequestError on bad input."""
@@ -355,6 +367,7 @@ class InputValidationStage(Stage):
 
     def forward(self, req: Req) -> Req:
         req.params = self.resolve(req.params)
+        req.generated_size = self.generated_size(req.params)
         # A CPU generator: a seed gives the same image on every device, and Diffusers' with a CPU generator.
         req.generator = torch.Generator("cpu").manual_seed(req.params.seed)
         p, rule = req.params, self.cache_rule

@@ -157,17 +157,18 @@ class SanaPipeline(Pipeline):
                 "scheduler with use_dynamic_shifting=True is not supported"
             )
         text_stage = self.text_stage(context)
+        binning = self.binning(dit.sample_size)
         self.input_validation = self.validation(
             context,
             sana_default_sampling_params(),
             text_stage,
             "SanaPipeline",
+            binning,
             unsupported_params={
                 "true_cfg_scale": "SANA runs classic CFG, set by guidance_scale (with negative_prompt)",
             },
             cfg_mode="classic",
         )
-        binning = self.binning(dit.sample_size)
         return [
             self.input_validation,
             text_stage,
@@ -183,11 +184,14 @@ class SanaPipeline(Pipeline):
         defaults: SamplingParams,
         text_stage: SanaTextEncodingStage,
         pipeline_name: str,
+        binning: ResolutionBinning,
         **options: Any,
     ) -> InputValidationStage:
-        """The input validation both SANA pipelines share: text only, the configured default size, and
-        the sequence limit of their text stage; `options`, the rest of `InputValidationStage`'s keywords."""
+        """The input validation both SANA pipelines share: text only, the configured default size, the
+        sequence limit of their text stage, and `binning`'s generation size (what the memory model costs);
+        `options`, the rest of `InputValidationStage`'s keywords."""
         return InputValidationStage(
+            generation_size=lambda params: binning.generation_size(params.height, params.width),
             defaults=apply_overrides(defaults, context.folder_sampling_defaults),
             pixel_multiple=self.pixel_multiple,
             default_pixels=self.config.default_size,
@@ -261,18 +265,19 @@ class SanaSprintPipeline(SanaPipeline):
                 f"only (Diffusers refuses others), got {dit.sample_size}"
             )
         text_stage = self.text_stage(context)
+        binning = self.binning(dit.sample_size)
         self.input_validation = self.validation(
             context,
             sana_sprint_default_sampling_params(),
             text_stage,
             "SanaSprintPipeline",
+            binning,
             cfg_mode="none",
             unsupported_params={
                 "true_cfg_scale": "SANA-Sprint embeds guidance_scale in the DiT and runs no CFG",
                 "negative_prompt": "SANA-Sprint embeds guidance_scale in the DiT and reads no negative prompt",
             },
         )
-        binning = self.binning(dit.sample_size)
         return [
             self.input_validation,
             text_stage,

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffserve import vae_tiling
+from diffserve.configs.sampling_params import SamplingParams
 from diffserve.distributed.parallel_vae import decode_split
 from diffserve.errors import InvalidRequestError
 from diffserve.families.sana_video.config import (
@@ -109,6 +110,11 @@ class SanaVideoInputValidationStage(InputValidationStage):
         would be fitted to two equal points and charged to the sizes asked for. Off, a probe runs at its
         own size, which is what a request's memory cost counts."""
         return (("use_resolution_binning", False),)
+
+    def generated_size(self, params: SamplingParams) -> tuple[int, int]:
+        """The bin `use_resolution_binning` (on by default) generates at, else the size asked: what the
+        latents, the DiT and the VAE's decode run at, and the memory model costs."""
+        return self.bins.generation_size(params)
 
     def resolve(self, params):
         resolved = super().resolve(params)
