@@ -15,8 +15,10 @@ from typing import ClassVar
 import torch
 from PIL import Image
 
+from diffserve.configs.cache_settings import EasyCacheSettings, TeaCacheSettings
 from diffserve.configs.quality import TierPreset
 from diffserve.configs.sampling_params import SamplingParams
+from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.families.flux2.conditioning import Flux2Conditioning
 from diffserve.families.flux2.config import (
     Flux2KleinPipelineConfig,
@@ -132,8 +134,20 @@ class Flux2Pipeline(Pipeline):
     config: ClassVar[Flux2PipelineConfig] = Flux2PipelineConfig()
     pipeline_name: ClassVar[str] = "Flux2Pipeline"
     conditioning_type = Flux2Conditioning
-    #: Exact path only: no step-cache tier has been calibrated on a FLUX.2 checkpoint.
-    step_cache_policies: ClassVar[dict[str, TierPreset]] = {}
+    #: Measured on the tiny random-weight test model (`build_tiny_flux2`, dev, 20 steps, 32x32, guidance
+    #: 4, the four built-in prompts of `diffserve calibrate-cache --also-steps 8`, 1 dB margin): medium
+    #: EasyCache at 0.8, 54 DiT blocks of 60 at 47.2 dB (18 of 20 steps in full; `calibrate-cache` chose
+    #: MagCache at 0.25 with ratios measured on the random weights, 51 blocks at 38.3 dB: ratios of random
+    #: weights say nothing about a trained DiT, so the next fewest without them is kept); low TeaCache at
+    #: 0.6, 45 at 34.4 dB (15 steps; 32.2 dB at 8 steps); draft the step cache at 1.0, 36 at 30.1 dB (12
+    #: steps; 32.2 dB at 8 steps), both as `calibrate-cache` chose them. The step cache at 0.45 or below
+    #: reuses nothing here, at 1.6 it falls to 21-25 dB. Real checkpoints move differently: calibrate them
+    #: (`diffserve calibrate-cache`).
+    step_cache_policies: ClassVar[dict[str, TierPreset]] = {
+        "medium": EasyCacheSettings(reuse_threshold=0.8),
+        "low": TeaCacheSettings(rel_l1_thresh=0.6),
+        "draft": StepCachePolicy(threshold=1.0, max_reuse_in_a_row=5),
+    }
 
     def cfg_mode(self, context: PipelineContext) -> CfgMode:
         return "none"
@@ -207,6 +221,27 @@ class Flux2KleinPipeline(Flux2Pipeline):
 
     config: ClassVar[Flux2PipelineConfig] = Flux2KleinPipelineConfig()
     pipeline_name: ClassVar[str] = "Flux2KleinPipeline"
+    #: Picked by hand on the tiny random-weight test model (`build_tiny_flux2` klein, 20 steps, 32x32, CFG 4,
+    #: four prompts: the quality-tier test's two and two short ones), where reusing a single step can drop
+    #: a prompt to 26.6 dB: medium the step cache at 0.2, which reuses nothing there (20 of
+    #: 20 steps in full, as `calibrate-cache` chose it); low the step cache at 0.5, 38.6 dB on the one
+    #: prompt it reuses a step on, the exact output on the others (19-20 steps); draft TeaCache at 0.6,
+    #: 28.1-36.0 dB (16-18 steps). `calibrate-cache`'s low and draft (EasyCache at 0.5 and 0.8, 33.4 and
+    #: 28.6 dB mean) fall to 28.9 and 21.9 dB on one of its prompts. Real checkpoints move differently:
+    #: calibrate them (`diffserve calibrate-cache`). Step-distilled folders serve "high" only.
+    step_cache_policies: ClassVar[dict[str, TierPreset]] = {
+        "medium": StepCachePolicy(threshold=0.2, max_reuse_in_a_row=3),
+        "low": StepCachePolicy(threshold=0.5, max_reuse_in_a_row=3),
+        "draft": TeaCacheSettings(rel_l1_thresh=0.6),
+    }
+
+    def build_stages(self, context: PipelineContext) -> list[Stage]:
+        """FLUX.2's stages; a step-distilled checkpoint serves "high" only (see `step_cache_policies`)."""
+        if self.is_distilled(context):
+            # It samples in about 4 steps: with the first two and the last always computed, a tier would
+            # reuse at most one step, and no tier was measured at that count.
+            self.step_cache_policies = {}
+        return super().build_stages(context)
 
     @staticmethod
     def is_distilled(context: PipelineContext) -> bool:
