@@ -13,7 +13,6 @@ comment above the family's `step_cache_policies`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from diffserve import DiffGenerator, SamplingParams
-from diffserve.configs.quality import APPROXIMATE_TIERS, EXACT, PSNR_BARS, TIERS
+from diffserve import DiffGenerator
 from diffserve.families.chroma.tiny import build_tiny_chroma
 from diffserve.families.cogvideox.tiny import TinyCogVideoXSpec, build_tiny_cogvideox
 from diffserve.families.hidream.tiny import build_tiny_hidream
@@ -31,8 +29,7 @@ from diffserve.families.hunyuan_video.image_to_video_tiny import build_tiny_huny
 from diffserve.families.hunyuan_video.tiny import build_tiny_hunyuan_video
 from diffserve.families.mochi.tiny import build_tiny_mochi
 from diffserve.families.qwen_image21.tiny import build_tiny_qwen_image21
-from diffserve.testing.cache_parity import assert_batched_as_alone, first_output_pixels
-from diffserve.testing.image_metrics import psnr_uint8 as psnr
+from diffserve.testing.cache_parity import TierCase, assert_mixed_tiers_as_alone, assert_tier_ladder
 
 STEPS = 20
 PROMPT, SEED = "a red fox in the snow", 7
@@ -63,57 +60,18 @@ CASES: dict[str, tuple[Callable[[Path], Path], dict[str, Any]]] = {
 }
 
 
-@dataclass
-class Family:
-    name: str
-    gen: DiffGenerator
-    kwargs: dict[str, Any]
-    #: Each tier's output for PROMPT / SEED, generated alone.
-    outputs: dict[str, Any] = field(default_factory=dict)
-
-    def params(self, quality: str, prompt: str = PROMPT, seed: int = SEED) -> SamplingParams:
-        return SamplingParams(
-            prompt=prompt, seed=seed, num_inference_steps=STEPS, quality=quality, **self.kwargs
-        )
-
-
 @pytest.fixture(scope="module", params=list(CASES))
-def family(request, tmp_path_factory) -> Family:
+def family(request, tmp_path_factory) -> TierCase:
     builder, kwargs = CASES[request.param]
     gen = DiffGenerator.from_pretrained(
         builder(tmp_path_factory.mktemp(request.param)), device="cpu", show_progress=False
     )
-    fam = Family(request.param, gen, kwargs)
-    fam.outputs = {tier: gen.generate_from_params(fam.params(tier)) for tier in TIERS}
-    return fam
+    return TierCase(request.param, gen, kwargs, STEPS, PROMPT, SEED).generate_tiers()
 
 
-def test_each_tier_keeps_its_bar_and_computes_fewer_steps_than_the_one_above(family: Family) -> None:
-    exact = family.outputs[EXACT]
-    reference = first_output_pixels(exact)
-    assert reference.std() > 5, "the exact output is flat; PSNR against it would prove nothing"
-    assert exact.cache is None and exact.steps_computed_in_full == STEPS
-    above = STEPS
-    for tier, bar in PSNR_BARS.items():
-        out = family.outputs[tier]
-        score = psnr(first_output_pixels(out), reference)
-        steps = out.steps_computed_in_full
-        print(
-            f"{family.name} {tier}: {score:.1f} dB, {steps} of {STEPS} steps in full ({out.cache['method']})"
-        )
-        assert out.params.quality == tier and out.cache["quality"] == tier
-        assert score >= bar, f"{family.name} {tier}: {score:.1f} dB is under its {bar} dB bar"
-        if tier == "medium":
-            assert steps <= above, (family.name, tier, steps)
-        else:
-            assert steps < above, f"{family.name} {tier}: {steps} steps in full, the tier above {above}"
-        above = steps
+def test_each_tier_keeps_its_bar_and_computes_fewer_steps_than_the_one_above(family: TierCase) -> None:
+    assert_tier_ladder(family)
 
 
-def test_a_batch_mixing_the_tiers_gives_each_request_its_alone_output(family: Family) -> None:
-    requests = [
-        family.params(EXACT, OTHER_PROMPT, OTHER_SEED),
-        *(family.params(tier) for tier in APPROXIMATE_TIERS),
-    ]
-    alone = [None, *(family.outputs[tier] for tier in APPROXIMATE_TIERS)]
-    assert_batched_as_alone(family.name, family.gen, requests, alone)
+def test_a_batch_mixing_the_tiers_gives_each_request_its_alone_output(family: TierCase) -> None:
+    assert_mixed_tiers_as_alone(family, OTHER_PROMPT, OTHER_SEED)

@@ -6,13 +6,16 @@ round a pixel the other way), the same cache report and the same steps computed 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
+from diffserve.configs.quality import APPROXIMATE_TIERS, EXACT, PSNR_BARS, TIERS
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.pipelines.base import Pipeline
 from diffserve.request import Req
+from diffserve.testing.image_metrics import psnr_uint8
 
 
 class CachingGenerator(Protocol):
@@ -67,3 +70,65 @@ def assert_batched_as_alone(
         assert np.abs(got - first_output_pixels(single).astype(int)).max() <= 1, label
         assert batched.cache_report == single.cache, label
         assert batched.steps_computed_in_full == single.steps_computed_in_full, label
+
+
+@dataclass
+class TierCase:
+    """One family's quality-tier case: its generator, the request's keywords (size, frames, inputs), and
+    each tier's output for `prompt` / `seed`, generated alone (`generate_tiers`)."""
+
+    name: str
+    generator: CachingGenerator
+    kwargs: dict[str, Any]
+    steps: int
+    prompt: str
+    seed: int
+    outputs: dict[str, Any] = field(default_factory=dict)
+
+    def params(self, quality: str, prompt: str | None = None, seed: int | None = None) -> SamplingParams:
+        return SamplingParams(
+            prompt=self.prompt if prompt is None else prompt,
+            seed=self.seed if seed is None else seed,
+            num_inference_steps=self.steps,
+            quality=quality,
+            **self.kwargs,
+        )
+
+    def generate_tiers(self) -> TierCase:
+        self.outputs = {tier: self.generator.generate_from_params(self.params(tier)) for tier in TIERS}
+        return self
+
+
+def assert_tier_ladder(case: TierCase) -> None:
+    """Every approximate tier keeps its PSNR bar against the exact output and reports its tier; medium
+    computes no more steps in full than `high`, and low and draft each fewer than the tier above."""
+    exact = case.outputs[EXACT]
+    reference = first_output_pixels(exact)
+    assert reference.std() > 5, "the exact output is flat; PSNR against it would prove nothing"
+    assert exact.cache is None and exact.steps_computed_in_full == case.steps
+    above = case.steps
+    for tier, bar in PSNR_BARS.items():
+        out = case.outputs[tier]
+        score = psnr_uint8(first_output_pixels(out), reference)
+        steps = out.steps_computed_in_full
+        print(
+            f"{case.name} {tier}: {score:.1f} dB, {steps} of {case.steps} steps in full ({out.cache['method']})"
+        )
+        assert out.params.quality == tier and out.cache["quality"] == tier
+        assert score >= bar, f"{case.name} {tier}: {score:.1f} dB is under its {bar} dB bar"
+        if tier == "medium":
+            assert steps <= above, (case.name, tier, steps)
+        else:
+            assert steps < above, f"{case.name} {tier}: {steps} steps in full, the tier above {above}"
+        above = steps
+
+
+def assert_mixed_tiers_as_alone(case: TierCase, other_prompt: str, other_seed: int) -> None:
+    """One DiT batch of the exact tier (on another prompt and seed) and every approximate tier gives each
+    request its alone output (`assert_batched_as_alone`)."""
+    requests = [
+        case.params(EXACT, other_prompt, other_seed),
+        *(case.params(tier) for tier in APPROXIMATE_TIERS),
+    ]
+    alone = [None, *(case.outputs[tier] for tier in APPROXIMATE_TIERS)]
+    assert_batched_as_alone(case.name, case.generator, requests, alone)
