@@ -8,11 +8,13 @@ which 2 sequence-parallel ranks cannot split evenly (their shards are padded).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
 
 from diffserve.api import DiffGenerator
@@ -109,3 +111,46 @@ def max_difference_on_two_ranks(case: ControlNetCase, alone: np.ndarray, **optio
             raise AssertionError(f"the engine with {options} did not start 2 ranks")
         split = case.generate(gen, EDGES)
     return int(np.abs(split - alone).max())
+
+
+#: family -> (its case, its one-rank image, its image with the other control image).
+OneRank = Callable[[str], tuple[ControlNetCase, np.ndarray, np.ndarray]]
+#: A control image must move the image at least this far (max uint8 difference).
+CONTROL_MIN_LEVELS = 20
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread in this process while the block runs: the rank processes take the parent's count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def one_rank_cache(root: Path) -> OneRank:
+    """A family's case and one-rank images, built in `root` on first use and kept."""
+    cache: dict[str, tuple[ControlNetCase, np.ndarray, np.ndarray]] = {}
+
+    def get(family: str) -> tuple[ControlNetCase, np.ndarray, np.ndarray]:
+        if family not in cache:
+            case = CASE_BUILDERS[family](root)
+            cache[family] = (case, *one_rank_images(case))
+        return cache[family]
+
+    return get
+
+
+def assert_two_ranks_match_one_rank(one_rank: OneRank, family: str, mode: str, **engine: object) -> None:
+    """The 2-rank engine (`engine` keywords) gives the one-rank image within one uint8 level, and the other
+    control image moves the one-rank image by at least `CONTROL_MIN_LEVELS`."""
+    case, alone, other = one_rank(family)
+    moved = int(np.abs(other - alone).max())
+    error = max_difference_on_two_ranks(case, alone, **engine)
+    print(
+        f"{family} ControlNet, {mode} vs one rank: max uint8 difference {error}; other control image: {moved}"
+    )
+    assert moved >= CONTROL_MIN_LEVELS
+    assert error <= 1

@@ -8,58 +8,27 @@ image by at least `CONTROL_MIN_LEVELS`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
-import numpy as np
 import pytest
-import torch
-from controlnet_cases import (
-    CASE_BUILDERS,
-    ControlNetCase,
-    max_difference_on_two_ranks,
-    one_rank_images,
-)
+from controlnet_cases import OneRank, assert_two_ranks_match_one_rank, one_rank_cache, one_torch_thread
 
-OneRank = Callable[[str], tuple[ControlNetCase, np.ndarray, np.ndarray]]
-
-#: A control image must move the image at least this far (max uint8 difference).
-CONTROL_MIN_LEVELS = 20
 MODES: dict[str, dict[str, object]] = {"ulysses2": dict(ulysses_degree=2), "tp2": dict(tp_size=2)}
 CASES = [("flux", "tp2"), ("qwen-image", "ulysses2"), ("sd3", "ulysses2")]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the rank processes take the parent's thread count
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory: pytest.TempPathFactory) -> OneRank:
-    """family -> (its case, its one-rank image, its image with the other control image); built once."""
-    root = tmp_path_factory.mktemp("controlnet-parallel-more")
-    cache: dict[str, tuple[ControlNetCase, np.ndarray, np.ndarray]] = {}
-
-    def get(family: str) -> tuple[ControlNetCase, np.ndarray, np.ndarray]:
-        if family not in cache:
-            case = CASE_BUILDERS[family](root)
-            cache[family] = (case, *one_rank_images(case))
-        return cache[family]
-
-    return get
+    return one_rank_cache(tmp_path_factory.mktemp("controlnet-parallel-more"))
 
 
 @pytest.mark.parametrize(("family", "mode"), CASES, ids=[f"{f}-{m}" for f, m in CASES])
 def test_two_ranks_match_one_rank(one_rank: OneRank, family: str, mode: str) -> None:
-    """The 2-rank engine's image equals the one-rank one within one uint8 level; the other control image
-    moves the one-rank image by at least `CONTROL_MIN_LEVELS`."""
-    case, alone, other = one_rank(family)
-    moved = int(np.abs(other - alone).max())
-    error = max_difference_on_two_ranks(case, alone, **MODES[mode])
-    print(
-        f"{family} ControlNet, {mode} vs one rank: max uint8 difference {error}; other control image: {moved}"
-    )
-    assert moved >= CONTROL_MIN_LEVELS
-    assert error <= 1
+    """The 2-rank engine's image equals the one-rank one within one uint8 level (`controlnet_cases`)."""
+    assert_two_ranks_match_one_rank(one_rank, family, mode, **MODES[mode])
