@@ -1,6 +1,6 @@
 """diffserve vs diffusers per model family: SD3, Qwen-Image, Qwen-Image-Edit, Z-Image, Wan 2.1 T2V and I2V, Wan 2.2 A14B and TI2V-5B, HunyuanVideo 1.5, LTX-2,
 FLUX.2-dev, FLUX.2 [klein], FLUX.1 Kontext, SANA, CogVideoX 1.5, Mochi 1, SkyReels-V2 T2V, HunyuanVideo 1.0 T2V,
-HiDream-I1, Qwen-Image 2.1 and HunyuanImage 2.1.
+HiDream-I1, Qwen-Image 2.1, HunyuanImage 2.1, Chroma, LongCat-Image and -Edit, Qwen-Image-Layered and SANA-Video.
 
 The method of `bench_flux_vs_diffusers.py` (shared through `harness.py`), one family after the other:
 build (or reuse) a random-weight checkpoint of realistic block shape (64-dim heads, 8 of them or 12
@@ -55,6 +55,15 @@ VAE, so it is measured at 128x128 (any `--resolutions` is generated at 128x128 b
 32x VAE runs at 512x512 by default (16x16 latents, 256 tokens). Qwen-Image 2.1's diffusers pipeline gets
 the Qwen3-VL processor diffserve loads (transformers builds one only with torchvision).
 
+Issues 35/36's last five (8x64 heads, width 512): Chroma (guidance 5, real CFG against the empty prompt),
+LongCat-Image (guidance 4.5 with CFG renormalisation; diffusers' default prompt rewriting, a text generation
+diffserve refuses, off), LongCat-Image-Edit and Qwen-Image-Layered (both size their output from the input
+image at about 1 MP, or Layered's 640 bucket: both engines get the area size x size instead, diffusers'
+`calculate_dimensions` wrapped and diffserve's config set, as Qwen-Image-Edit's condition area; Layered
+decomposes an opaque RGBA size x size picture into 2 RGBA layers with true_cfg_scale 4, compared as one
+strip of every layer's RGB and alpha) and SANA-Video (guidance 6, resolution binning off on both: its 480p
+bins would generate 624x624; diffusers' `frames` is the other engines' `num_frames`), 128x128 x 17 frames.
+
 `--compile` adds two engines, so four per family and size: `diffserve`, `diffserve-compiled`
 (`DiffGenerator.from_pretrained(path, compile=True)`: regional inductor compile of the DiT's block lists,
 compiled and warmed up inside from_pretrained, so in "load s"), `diffusers`, `diffusers-compiled`
@@ -76,13 +85,14 @@ diffusers compiled / diffserve compiled and diffusers compiled whole / diffserve
 unless `--family` says otherwise the three families of issue 37's bar (qwen-image, wan-t2v,
 flux-kontext): a smoke run of every engine in some minutes, not a measurement.
 
-    .venv/bin/python benchmarks/bench_families.py                                  # all twenty-one; 4 steps
+    .venv/bin/python benchmarks/bench_families.py                                  # all twenty-six; 4 steps
     .venv/bin/python benchmarks/bench_families.py --family flux2,flux2-klein,flux-kontext,sana
     .venv/bin/python benchmarks/bench_families.py --family wan-t2v,wan-i2v --num-frames 17
     .venv/bin/python benchmarks/bench_families.py --family wan22-a14b,wan22-ti2v --num-frames 17
     .venv/bin/python benchmarks/bench_families.py --family hunyuan-video15,ltx2 --num-frames 17
     .venv/bin/python benchmarks/bench_families.py --family cogvideox,mochi,skyreels-v2,hunyuan-video
     .venv/bin/python benchmarks/bench_families.py --family hidream,qwen-image21,hunyuan-image
+    .venv/bin/python benchmarks/bench_families.py --family chroma,longcat-image,longcat-image-edit,qwen-image-layered,sana-video
     .venv/bin/python benchmarks/bench_families.py --family qwen-image --resolutions 256,512 --json out.json
     .venv/bin/python benchmarks/bench_families.py --model-dir /tmp/bench_families   # build once, reuse later
     .venv/bin/python benchmarks/bench_families.py --compile --model-dir /tmp/bench_families --json compiled.json
@@ -174,6 +184,14 @@ class Family:
     #: diffusers keyword, diffserve's `extra`).
     diffserve_only: dict[str, Any] = field(default_factory=dict)
     diffusers_only: dict[str, Any] = field(default_factory=dict)
+    #: The pipelines size the output from the input image (diffusers' takes no height/width): neither engine
+    #: gets height/width; both resize the input image to size * size pixels instead (`_size_rule_area`).
+    sized_by_input: bool = False
+    #: The output is this many RGBA layers per generation (Qwen-Image-Layered), compared as one strip
+    #: (`layer_strip`); 0: one image or video.
+    layers: int = 0
+    #: The input image's PIL mode (Qwen-Image-Layered decomposes an RGBA picture).
+    image_mode: str = "RGB"
 
 
 def _sd3_build(path: Path) -> None:
@@ -613,6 +631,90 @@ def _hunyuan_image_build(path: Path) -> None:
 #: HunyuanImage 2.1's 32x VAE: 512x512 is 16x16 latents, 256 tokens, the other image families' count at 256.
 HUNYUAN_IMAGE_SIZE = 512
 
+
+def _chroma_build(path: Path) -> None:
+    from diffserve.families.chroma.tiny import TinyChromaSpec, build_tiny_chroma
+
+    build_tiny_chroma(
+        path,
+        TinyChromaSpec(
+            num_layers=2,
+            num_single_layers=4,
+            num_attention_heads=8,
+            attention_head_dim=64,  # width 512 (Chroma1-HD: 24 x 128, 19 double + 38 single blocks)
+            axes_dims_rope=(16, 24, 24),  # FLUX.1's (16, 56, 56) at half the head dim
+            approximator_num_channels=64,  # as released
+            approximator_hidden_dim=512,  # released 5120
+            approximator_layers=5,  # as released
+            latent_channels=16,
+            vae_block_out_channels=(32, 64, 128, 128),
+            vae_norm_num_groups=32,
+            text_hidden_size=256,  # = joint_attention_dim (a 2-layer T5)
+            text_layers=2,
+            t5_max_length=512,
+            seed=0,
+        ),
+    )
+
+
+def _longcat_image_build(path: Path, variant: str) -> None:
+    from diffserve.families.longcat_image.tiny import TinyLongCatImageSpec, build_tiny_longcat_image
+
+    build_tiny_longcat_image(
+        path,
+        TinyLongCatImageSpec(
+            variant=variant,
+            num_layers=2,
+            num_single_layers=4,
+            num_attention_heads=8,
+            attention_head_dim=64,  # width 512 (LongCat-Image: 24 x 128, 10 double + 20 single blocks)
+            axes_dims_rope=(16, 24, 24),  # the released (16, 56, 56) at half the head dim
+            latent_channels=16,
+            vae_block_out_channels=(32, 64, 128, 128),
+            vae_norm_num_groups=32,
+            text_hidden_size=256,  # = joint_attention_dim
+            text_layers=2,
+            text_heads=4,
+            text_kv_heads=2,
+            vision_hidden_size=32,
+            vision_depth=1,
+            seed=0,
+        ),
+    )
+
+
+def _qwen_layered_build(path: Path) -> None:
+    from diffserve.families.qwen_image.tiny import build_tiny_qwen_image_layered
+
+    build_tiny_qwen_image_layered(path, _qwen_spec("layered"))
+
+
+#: Qwen-Image-Layered decomposes its input into this many RGBA layers (the pipelines' default is 4): with the
+#: composite and the input image the DiT sees 4 images' tokens, 1024 at 256x256, per branch.
+QWEN_LAYERED_LAYERS = 2
+
+
+def _sana_video_build(path: Path) -> None:
+    from diffserve.families.sana_video.tiny import TinySanaVideoSpec, build_tiny_sana_video
+
+    build_tiny_sana_video(
+        path,
+        TinySanaVideoSpec(
+            num_layers=4,
+            num_attention_heads=8,
+            attention_head_dim=64,  # width 512 (SANA-Video 2B: 20 x 112, 20 blocks); Wan's RoPE split
+            cross_attention_head_dim=64,  # 8 cross-attention heads
+            vae_base_dim=32,  # Wan 2.1's VAE at a third of the width (released 96)
+            text_hidden_size=256,  # = caption_channels (a 2-layer Gemma-2)
+            text_layers=2,
+            text_heads=4,
+            text_kv_heads=2,
+            dit_weight_noise=VIDEO_DIT_WEIGHT_NOISE,
+            seed=0,
+        ),
+    )
+
+
 _WAN_CHECKPOINT = (
     "Wan 2.1 layout, 3 blocks, 12x64 heads (width 768; 1.3B: 12x128, 30 blocks), ffn 4480, freq dim 256, "
     "text dim 256 (a 2-layer UMT5 encoder, 512 tokens), causal-3D VAE base dim 32, mults (1, 2, 4, 4), "
@@ -946,6 +1048,95 @@ FAMILIES: dict[str, Family] = {
             sampling={},
             default_size=HUNYUAN_IMAGE_SIZE,
         ),
+        Family(
+            name="chroma",
+            pipeline="ChromaPipeline",
+            checkpoint=(
+                "Chroma layout (FLUX.1 without guidance or pooled text, the distilled-guidance approximator "
+                "of 5 layers, 64 channels, width 512), 2 double + 4 single blocks, 8x64 heads (width 512), "
+                "RoPE axes (16, 24, 24), joint attention dim 256 (a 2-layer T5 of width 256, 512 tokens "
+                "with the attention mask), VAE (32, 64, 128, 128)"
+            ),
+            cfg="guidance_scale 5 (real CFG: two branches), default (empty) negative prompt, as both "
+            "pipelines default",
+            build=_chroma_build,
+            sampling={"guidance_scale": 5.0, "max_sequence_length": 512},
+        ),
+        Family(
+            name="longcat-image",
+            pipeline="LongCatImagePipeline",
+            checkpoint=(
+                "LongCat-Image layout (FLUX.1-style, no guidance embedding), 2 double + 4 single blocks, 8x64 "
+                "heads (width 512), RoPE axes (16, 24, 24), joint attention dim 256 (a 2-layer Qwen2.5-VL text "
+                "encoder of width 256, 512 tokens), VAE (32, 64, 128, 128)"
+            ),
+            cfg="guidance_scale 4.5 with CFG renormalisation (cfg_renorm_min 0), default (empty) negative "
+            "prompt, as both pipelines default; prompt rewriting off (diffusers' default is on, a generation by "
+            "the text model; diffserve refuses it)",
+            build=lambda path: _longcat_image_build(path, "t2i"),
+            sampling={"guidance_scale": 4.5},
+            diffusers_only={"enable_prompt_rewrite": False},
+        ),
+        Family(
+            name="longcat-image-edit",
+            pipeline="LongCatImageEditPipeline",
+            checkpoint="the longcat-image checkpoint's shapes in the LongCatImageEditPipeline folder",
+            cfg=(
+                "guidance_scale 4.5, default (empty) negative prompt; input image size x size (a synthetic "
+                "picture); both pipelines size the output (and the VAE's condition image) at about 1 MP from "
+                "the input's aspect ratio: here at size x size pixels on both (diffusers' "
+                "`calculate_dimensions` wrapped, diffserve's config `output_area`), the output's token count"
+            ),
+            build=lambda path: _longcat_image_build(path, "edit"),
+            sampling={"guidance_scale": 4.5},
+            image_input=True,
+            sized_by_input=True,
+        ),
+        Family(
+            name="qwen-image-layered",
+            pipeline="QwenImageLayeredPipeline",
+            checkpoint=_QWEN_CHECKPOINT.replace(
+                "Qwen-Image layout",
+                "Qwen-Image-Layered layout (layer-3D RoPE, additional timestep condition)",
+            ).replace("causal-3D VAE", "RGBA causal-3D VAE")
+            + ", Qwen2-VL processor",
+            cfg=(
+                f"true_cfg_scale 4, negative prompt ' '; {QWEN_LAYERED_LAYERS} layers (pipeline default 4); "
+                "input image size x size RGBA (a synthetic opaque picture); the 640 bucket's area (its "
+                "default) set to size x size on both (diffusers' `calculate_dimensions` wrapped, diffserve's "
+                "config `resolution_areas`): the composite, the layers and the condition image each at "
+                "size x size"
+            ),
+            build=_qwen_layered_build,
+            sampling={"true_cfg_scale": 4.0, "negative_prompt": " ", "max_sequence_length": 512},
+            image_input=True,
+            sized_by_input=True,
+            layers=QWEN_LAYERED_LAYERS,
+            image_mode="RGBA",
+            diffserve_only={"extra": {"layers": QWEN_LAYERED_LAYERS}},
+            diffusers_only={"layers": QWEN_LAYERED_LAYERS},
+        ),
+        Family(
+            name="sana-video",
+            pipeline="SanaVideoPipeline",
+            checkpoint=(
+                "SANA-Video layout (linear attention with Wan's 3-axis RoPE, cross-attention, GLUMBConv mlp "
+                "ratio 2.5), 4 blocks, 8x64 heads (width 512), cross-attention 8x64, caption channels 256 (a "
+                "2-layer Gemma-2 of width 256, 300 tokens after the complex human instruction), weight noise "
+                f"{VIDEO_DIT_WEIGHT_NOISE}, Wan 2.1 VAE base dim 32 (8x spatial, 4x temporal), flow "
+                "DPM-Solver++ (flow_shift 8)"
+            ),
+            cfg=(
+                "guidance_scale 6, default (empty) negative prompt, default complex human instruction, as both "
+                "pipelines default; resolution binning off on both (the 480p bins would generate 624x624)"
+            ),
+            build=_sana_video_build,
+            sampling={"guidance_scale": 6.0, "max_sequence_length": 300},
+            video=True,
+            default_size=128,
+            diffserve_only={"extra": {"use_resolution_binning": False}},
+            diffusers_only={"use_resolution_binning": False},
+        ),
     )
 }
 
@@ -981,11 +1172,11 @@ def video_strip(frames):
 
 
 def _generation_kwargs(args: argparse.Namespace, family: Family, size: int) -> dict:
-    kwargs = dict(
-        family.sampling, prompt=args.prompt, height=size, width=size, num_inference_steps=args.steps
-    )
+    kwargs = dict(family.sampling, prompt=args.prompt, num_inference_steps=args.steps)
+    if not family.sized_by_input:
+        kwargs.update(height=size, width=size)
     if family.image_input:
-        kwargs["image"] = edit_input_image(size)
+        kwargs["image"] = edit_input_image(size).convert(family.image_mode)
     if family.video:
         kwargs["num_frames"] = family_frames(args, family)
     return kwargs
@@ -994,6 +1185,27 @@ def _generation_kwargs(args: argparse.Namespace, family: Family, size: int) -> d
 def family_frames(args: argparse.Namespace, family: Family) -> int:
     """`--num-frames` rounded down to the family's k * frame_step + 1 (the same for the 4x-temporal VAEs)."""
     return (args.num_frames - 1) // family.frame_step * family.frame_step + 1
+
+
+def layer_strip(layers):
+    """One decomposition, `layers` RGBA PIL images, as one RGB PIL image: per layer its RGB, then its alpha
+    as grey, stacked top to bottom (the harness compares RGB images: this keeps every channel in the PSNR)."""
+    import numpy as np
+    from PIL import Image
+
+    rows = []
+    for layer in layers:
+        rgba = np.asarray(layer.convert("RGBA"))
+        rows += [rgba[..., :3], np.repeat(rgba[..., 3:], 3, axis=-1)]
+    return Image.fromarray(np.concatenate(rows, axis=0))
+
+
+def _size_rule_area(family: Family, size: int) -> int:
+    """The pixel area a `sized_by_input` family's size rule resizes the input image to, on both engines:
+    size * size (the real rules' ~1 MP areas would make each generation 16x the tokens at 256)."""
+    if not family.sized_by_input:
+        raise ValueError(f"{family.name}: the pipelines take height and width; no size rule to set")
+    return size * size
 
 
 def _diffserve_kwargs(args: argparse.Namespace, family: Family, size: int) -> dict:
@@ -1017,6 +1229,20 @@ def _run_diffserve(args: argparse.Namespace, family: Family, size: int, compiled
         from diffserve.families.flux.config import FluxKontextPipelineConfig
 
         flux_kontext.FluxKontextPipeline.config = FluxKontextPipelineConfig(auto_resize=False)
+    if family.name == "longcat-image-edit":
+        from dataclasses import replace
+
+        from diffserve.families.longcat_image import pipeline as longcat_image
+
+        edit = longcat_image.LongCatImageEditPipeline
+        edit.config = replace(edit.config, output_area=_size_rule_area(family, size))
+    if family.name == "qwen-image-layered":
+        from diffserve.families.qwen_image import layered
+
+        area = _size_rule_area(family, size)
+        layered.QwenImageLayeredPipeline.config = layered.QwenImageLayeredPipelineConfig(
+            resolution_areas=((640, area), (1024, area))
+        )
     # compile=True compiles the DiT's blocks and warms up (two short generations) in here: timed as load.
     generator = DiffGenerator.from_pretrained(
         args.model_dir / family.name, device="cpu", dtype="float32", show_progress=False, compile=compiled
@@ -1027,7 +1253,12 @@ def _run_diffserve(args: argparse.Namespace, family: Family, size: int, compiled
 
     def generate():
         out = generator.generate(seed=args.seed, **kwargs)
-        image = video_strip(out.frames[0]) if family.video else out.images[0]
+        if family.video:
+            image = video_strip(out.frames[0])
+        elif family.layers:  # a flat list: `layers` images per output
+            image = layer_strip(out.images[: family.layers])
+        else:
+            image = out.images[0]
         return image, list(out.step_times)
 
     return load, generate, counter
@@ -1045,7 +1276,7 @@ def diffusers_compile_form(folder: Path) -> tuple[str, tuple[str, ...]]:
     return ("regional", blocks) if blocks else ("full", ())
 
 
-def _load_diffusers(args: argparse.Namespace, family: Family, compiled: str | None = None):
+def _load_diffusers(args: argparse.Namespace, family: Family, size: int, compiled: str | None = None):
     """diffusers' pipeline for the family, and its load times (imports, from_pretrained, compile setup).
 
     `compiled` "default" applies `diffusers_compile_form`, "full" `torch.compile(pipe.transformer)` (the
@@ -1074,6 +1305,23 @@ def _load_diffusers(args: argparse.Namespace, family: Family, compiled: str | No
             full_area = diffusers_edit.calculate_dimensions
             area = args.edit_condition_area
             diffusers_edit.calculate_dimensions = lambda target_area, ratio: full_area(area, ratio)
+    if family.name in ("longcat-image", "longcat-image-edit"):
+        from diffserve.testing.qwen_processors import load_qwen_vl_processor
+
+        # As tests/e2e/test_longcat_image_pipeline_parity.py: the image-only processor (transformers builds
+        # the video half only with torchvision).
+        extra["text_processor"] = load_qwen_vl_processor(folder / "text_processor")
+    if family.name == "longcat-image-edit":
+        import diffusers.pipelines.longcat_image.pipeline_longcat_image_edit as diffusers_longcat_edit
+
+        _wrap_size_rule(diffusers_longcat_edit, _size_rule_area(family, size))
+    if family.name == "qwen-image-layered":
+        import diffusers.pipelines.qwenimage.pipeline_qwenimage_layered as diffusers_layered
+
+        from diffserve.families.qwen_image.tiny import load_qwen_vl_processor
+
+        extra["processor"] = load_qwen_vl_processor(folder / "processor")
+        _wrap_size_rule(diffusers_layered, _size_rule_area(family, size))
     if family.name == "qwen-image21":
         from diffserve.loader.processors import load_image_text_processor
 
@@ -1097,6 +1345,13 @@ def _load_diffusers(args: argparse.Namespace, family: Family, compiled: str | No
     load = {"import_s": imported - start, "from_pretrained_s": time.perf_counter() - imported}
     pipe.set_progress_bar_config(disable=True)  # diffserve runs with its progress bar off too
     return pipe, load
+
+
+def _wrap_size_rule(module, area: int) -> None:
+    """Make a diffusers pipeline module's `calculate_dimensions(target_area, ratio)` use `area` whatever
+    area the pipeline asks for (its aspect rule and rounding unchanged), as diffserve's config is set."""
+    full_area = module.calculate_dimensions
+    module.calculate_dimensions = lambda target_area, ratio: full_area(area, ratio)
 
 
 def _diffusers_flux2_dev(folder: Path):
@@ -1135,13 +1390,15 @@ def _diffusers_kwargs(args: argparse.Namespace, family: Family, size: int) -> di
     kwargs = {**_generation_kwargs(args, family, size), **family.diffusers_only}
     if family.name == "flux-kontext":
         kwargs.update(max_area=size * size, _auto_resize=args.kontext_auto_resize)
+    if family.name == "sana-video":  # diffusers' SanaVideoPipeline calls the frame count `frames`
+        kwargs["frames"] = kwargs.pop("num_frames")
     return kwargs
 
 
 def _run_diffusers(args: argparse.Namespace, family: Family, size: int, compiled: str | None = None):
     import torch
 
-    pipe, load = _load_diffusers(args, family, compiled)
+    pipe, load = _load_diffusers(args, family, size, compiled)
     counter = harness.ForwardCounter(pipe.transformer)
     second = getattr(pipe, "transformer_2", None)  # Wan 2.2 A14B's low-noise expert
     timer = harness.DiffusersStepTimer(pipe.transformer, *([second] if second is not None else []))
@@ -1176,6 +1433,8 @@ def _run_diffusers(args: argparse.Namespace, family: Family, size: int, compiled
             )
         if family.video:  # floats in [0, 1], (batch, frames, height, width, 3)
             image = video_strip((output.frames[0] * 255).round().astype("uint8"))
+        elif family.layers:  # one list of RGBA layers per image
+            image = layer_strip(output.images[0])
         else:
             image = output.images[0]
         return image, timer.step_times(args.steps)
@@ -1264,15 +1523,19 @@ def count_step_flops(args: argparse.Namespace, family: Family, size: int) -> Non
     schedulers runs the same DiT shapes, so one step is the work of each."""
     import torch
 
-    pipe, _load = _load_diffusers(args, family)
+    pipe, _load = _load_diffusers(args, family, size)
     # FlopCounterMode's module tracker puts grad hooks on module inputs that require grad; SANA's DiT passes
     # its `scale_shift_table` parameter to a sub-module, which under inference_mode has no grad_fn to hook.
     pipe.transformer.requires_grad_(False)
     meter = DitFlopMeter(pipe.transformer)
     steps = family.min_steps
     kwargs = dict(_diffusers_kwargs(args, family, size), num_inference_steps=steps)
+    # The meter counts the DiT's calls only, so decoding costs time but no counted work: "latent" skips it,
+    # except for Qwen-Image-Layered, whose diffusers pipeline fills its output only when it decodes
+    # (diffusers 0.42.1: output_type "latent" ends in an UnboundLocalError).
+    output_type = "np" if family.layers else "latent"
     with torch.inference_mode():
-        pipe(generator=torch.Generator("cpu").manual_seed(args.seed), output_type="latent", **kwargs)
+        pipe(generator=torch.Generator("cpu").manual_seed(args.seed), output_type=output_type, **kwargs)
     result = {"engine": FLOP_COUNT, "resolution": size, **meter.summary(steps=steps)}
     print(harness.RESULT_MARKER + json.dumps(result), flush=True)
 
