@@ -244,6 +244,20 @@ class Timings:
 
 
 @dataclass
+class GeneratedShape:
+    """What a family generates a request as, set by its input validation where it differs from the
+    params: the memory model and `--max-batch-tokens` cost this."""
+
+    #: (height, width) the request is generated at when the family's rule changes the size after `resolve`
+    #: (SANA's and SANA-Video's resolution bins: the output is resized back to the size asked); None (also a
+    #: pipeline without that stage, e.g. `--backend diffusers`): the params' own height x width.
+    size: tuple[int, int] | None = None
+    #: Images one output's DiT sequence generates, each a full image of tokens decoded on its own (1; a
+    #: family that makes several per output says how many, e.g. Qwen-Image-Layered's layers and composite).
+    images: int = 1
+
+
+@dataclass
 class Req:
     """One generation request as the stages fill it in: what every family's request has, plus its
     family's `conditioning` (see the module docstring)."""
@@ -258,15 +272,9 @@ class Req:
     # Set by input validation.
     generator: torch.Generator | None = None
     do_cfg: bool | None = None  # run a negative branch: FLUX's true CFG, SD3's classic CFG
-    #: Images one output's DiT sequence generates, each a full image of tokens decoded on its own (1; a
-    #: family that makes several per output says how many, e.g. Qwen-Image-Layered's layers and composite):
-    #: the memory model and `--max-batch-tokens` count them.
-    latent_images: int = 1
-    #: (height, width) the family generates the request at, when its rule changes the size after `resolve`
-    #: (SANA's and SANA-Video's resolution bins: the output is resized back to the size asked); the memory
-    #: model costs this size. Input validation sets it; None (a pipeline without that stage, e.g.
-    #: `--backend diffusers`): the params' own height x width.
-    generated_size: tuple[int, int] | None = None
+    #: What the family generates the request as, where that differs from its params (the memory model
+    #: costs it).
+    generated: GeneratedShape = field(default_factory=GeneratedShape)
     cfg_scale: float = 1.0  # prediction = negative + cfg_scale * (positive - negative)
 
     # Set by text encoding: (batch, seq, dim) sequence embeddings and (batch, dim) pooled ones. For

@@ -226,7 +226,7 @@ def test_requests_batched_in_one_step_equal_each_alone(pipelines) -> None:
 
 def test_admission_counts_every_layer(pipelines) -> None:
     """The memory model and --max-batch-tokens count the composite and every layer: a full image of tokens
-    each in every DiT step, each decoded (`Req.latent_images`)."""
+    each in every DiT step, each decoded (`Req.generated.images`)."""
     ours = pipelines[1]
     costs = {}
     for layers in (1, 4):

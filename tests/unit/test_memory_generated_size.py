@@ -59,7 +59,7 @@ def test_sana_video_binned_request_is_costed_at_its_bin(tmp_path: Path) -> None:
         64,
         128,
     )  # the size asked (the output is resized back)
-    assert binned.generated_size == (448, 896)
+    assert binned.generated.size == (448, 896)
     cost, own_cost = request_cost(facts, binned), request_cost(facts, own)
     print("binned cost", cost.height, cost.width, cost.tokens, "own", own_cost.tokens)
     assert (cost.height, cost.width) == (448, 896) and (own_cost.height, own_cost.width) == (64, 128)

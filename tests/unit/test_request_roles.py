@@ -52,7 +52,7 @@ def _all_conditioning_classes() -> list[type[Conditioning]]:
 def test_req_stays_small() -> None:
     """`Req` holds what every request has: family-specific state lives in the families' conditioning
     classes, and what belongs together (the schedule, the outputs, the timings) in one typed object."""
-    assert len(fields(Req)) <= 26  # 26: `latent_images`, read by the memory model for every request
+    assert len(fields(Req)) <= 26  # 26: `generated`, read by the memory model for every request
     hints = get_type_hints(Req)
     assert hints["schedule"] == Schedule | None
     assert (hints["outputs"], hints["timings"]) == (RequestOutputs, Timings)

@@ -142,9 +142,9 @@ def request_cost(facts: PipelineFacts, req: Req) -> RequestCost:
         raise ValueError("request_cost needs a validated request (height and width resolved)")
     # The size the family generates at (SANA's resolution bins), which its tokens and decode scale with,
     # not the size asked for (the output is resized back to it after decoding).
-    height, width = req.generated_size or (params.height, params.width)
+    height, width = req.generated.size or (params.height, params.width)
     video = facts.makes_video and params.num_frames is not None
-    # Several latent images per output (an image family's `Req.latent_images`) cost as frames of a video
+    # Several latent images per output (an image family's `Req.generated.images`) cost as frames of a video
     # without temporal compression: each its own tokens, each decoded.
     return RequestCost(
         height=int(height),
@@ -152,7 +152,7 @@ def request_cost(facts: PipelineFacts, req: Req) -> RequestCost:
         pixel_multiple=facts.pixel_multiple,
         branches=2 if req.do_cfg else 1,
         outputs=int(params.num_outputs_per_prompt),
-        frames=int(params.num_frames) if video else max(int(req.latent_images), 1),
+        frames=int(params.num_frames) if video else max(int(req.generated.images), 1),
         temporal_factor=facts.temporal_factor if video else 1,
         # Edit models append each input image's tokens, resized to about the output's area.
         condition_images=len(params.input_images or ()),

@@ -214,7 +214,7 @@ class SkipLayerGuidanceRule:
 
 class InputValidationStage(Stage):
     # and step_cache, for an approximate quality tier or a cache method
-    sets = ("generator", "do_cfg", "generated_size")
+    sets = ("generator", "do_cfg", "generated.size")
 
     #: Whether the family reads its own settings from `SamplingParams.extra` (it checks them in its
     #: `resolve`); a family that does not refuses a request that sends any, naming them.
@@ -290,7 +290,7 @@ class InputValidationStage(Stage):
     def generated_size(self, params: SamplingParams) -> tuple[int, int]:
         """(height, width) the family generates resolved `params` at: their own size unless a size rule
         applied after `resolve` changes it (SANA's resolution bins). What the memory model costs
-        (`Req.generated_size`); a rule that `resolve` applies itself (HiDream's area) is already in it."""
+        (`Req.generated.size`); a rule that `resolve` applies itself (HiDream's area) is already in it."""
         if self.generation_size is not None:
             return self.generation_size(params)
         return int(params.height), int(params.width)
@@ -367,7 +367,7 @@ class InputValidationStage(Stage):
 
     def forward(self, req: Req) -> Req:
         req.params = self.resolve(req.params)
-        req.generated_size = self.generated_size(req.params)
+        req.generated.size = self.generated_size(req.params)
         # A CPU generator: a seed gives the same image on every device, and Diffusers' with a CPU generator.
         req.generator = torch.Generator("cpu").manual_seed(req.params.seed)
         p, rule = req.params, self.cache_rule

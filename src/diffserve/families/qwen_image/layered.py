@@ -139,7 +139,7 @@ class QwenImageLayeredInputValidationStage(InputValidationStage):
     """The shared validation plus the layered settings in `extra` and the refusals of the module docstring."""
 
     takes_family_settings = True
-    sets = (*InputValidationStage.sets, "latent_images")
+    sets = (*InputValidationStage.sets, "generated.images")
 
     def __init__(self, config: QwenImageLayeredPipelineConfig, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -164,7 +164,7 @@ class QwenImageLayeredInputValidationStage(InputValidationStage):
     def forward(self, req: Req) -> Req:
         req = super().forward(req)
         # The composite and every layer are full images of tokens in each step, and each layer is decoded.
-        req.latent_images = layered_settings(req.params, self.layered_config).layers + 1
+        req.generated.images = layered_settings(req.params, self.layered_config).layers + 1
         return req
 
     def size_of(self, params: SamplingParams) -> tuple[int, int]:
