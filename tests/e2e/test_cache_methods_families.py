@@ -32,6 +32,7 @@ from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
 from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
 from diffserve.families.z_image.tiny import TinyZImageSpec, build_tiny_zimage
 from diffserve.testing.cache_parity import assert_mixed_caches_as_alone
+from diffserve.testing.cache_parity import first_output_pixels as pixels
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 
 STEPS = 20
@@ -100,10 +101,6 @@ SETTINGS = {
     "teacache": TEACACHE,
     "seacache": SEACACHE,
 }
-
-
-def pixels(out) -> np.ndarray:
-    return np.asarray(out.images[0].convert("RGB")) if out.images else out.frames[0]
 
 
 @pytest.fixture(scope="module", params=list(CASES))

@@ -18,6 +18,7 @@ from diffserve.errors import InvalidRequestError, UserError
 from diffserve.families.flux.tiny import TinyFluxSpec, build_tiny_flux
 from diffserve.models.cache_methods.batch import BatchStepCache
 from diffserve.request import Req
+from diffserve.testing.cache_parity import first_output_pixels as pixels
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 
 STEPS = 28
@@ -62,10 +63,6 @@ def flux_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def generator(flux_dir):
     return DiffGenerator.from_pretrained(flux_dir, device="cpu", show_progress=False)
-
-
-def pixels(out) -> np.ndarray:
-    return np.asarray(out.images[0].convert("RGB"))
 
 
 @pytest.fixture(scope="module")

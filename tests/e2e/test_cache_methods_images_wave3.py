@@ -26,6 +26,7 @@ from diffserve.families.hidream.tiny import TinyHiDreamSpec, build_tiny_hidream
 from diffserve.families.hunyuan_image.tiny import TinyHunyuanImageSpec, build_tiny_hunyuan_image
 from diffserve.families.qwen_image21.tiny import TinyQwenImage21Spec, build_tiny_qwen_image21
 from diffserve.testing.cache_parity import assert_mixed_caches_as_alone
+from diffserve.testing.cache_parity import first_output_pixels as pixels
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 
 STEPS = 10
@@ -64,10 +65,6 @@ CASES: dict[str, tuple[Callable[[Path], Path], dict[str, Any], dict[str, float]]
         {"dbcache": 15.6, "dbcache+taylorseer": 18.3, "taylorseer": 13.7, "teacache": 15.1},
     ),
 }
-
-
-def pixels(out) -> np.ndarray:
-    return np.asarray(out.images[0].convert("RGB"))
 
 
 @pytest.fixture(scope="module", params=list(CASES))
