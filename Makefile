@@ -1,10 +1,14 @@
 # `make demo` and `make test` set themselves up: they create .venv when missing, install torch
 # (the CPU wheel pinned below when no torch is installed, so pip never pulls a multi-GB CUDA
 # build), then diffserve. `make demo` needs only the runtime; `make test` adds the test extras.
+# pip installs with --no-compile: byte-compiling all of the ~19,500 modules it installs costs ~35 s of
+# one core, while a run imports a fifth of them; Python compiles those on first import and caches them
+# (__pycache__), which is why the demo and the tests run with PYTHONDONTWRITEBYTECODE cleared.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
+PIP_INSTALL = $(PY) -m pip install -q --no-compile
 RUNTIME_STAMP := $(VENV)/.diffserve-runtime
 TEST_STAMP := $(VENV)/.diffserve-test
 LINT_PATHS := $(wildcard src tests benchmarks tools integrations)
@@ -17,18 +21,18 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 $(RUNTIME_STAMP): pyproject.toml | $(PY)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e .
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP_INSTALL) torch==$(TORCH_VERSION)
+	$(PIP_INSTALL) -e .
 	@touch $(RUNTIME_STAMP)
 
 $(TEST_STAMP): $(RUNTIME_STAMP)
-	$(PY) -m pip install -q -e ".[test]"
+	$(PIP_INSTALL) -e ".[test]"
 	@touch $(TEST_STAMP)
 
 install: $(RUNTIME_STAMP)
 
 demo: $(RUNTIME_STAMP)
-	$(VENV)/bin/diffserve generate --prompt "$(DEMO_PROMPT)" --seed 0 --output-path outputs
+	PYTHONDONTWRITEBYTECODE= $(VENV)/bin/diffserve generate --prompt "$(DEMO_PROMPT)" --seed 0 --output-path outputs
 
 # The tests cache byte code (git-ignored __pycache__/) even where PYTHONDONTWRITEBYTECODE is set: the suite
 # starts hundreds of Python processes, and tests/conftest.py re-enables it for them; the empty value here also
@@ -37,12 +41,18 @@ demo: $(RUNTIME_STAMP)
 # cold compiles and the README's CLI runs are CPU-bound, and it made the Ray tests 2.5x slower.
 # tests/conftest.py orders the files so that the longest start first.
 # tests/browser drives the web UI in a headless Chromium: as root with apt-get, Debian's is installed when
-# missing (quietly); otherwise those tests skip, saying why.
-test: $(TEST_STAMP)
-	@command -v chromium >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1 || \
-		(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -qq chromium >/dev/null 2>&1 || \
-		 (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1)) || \
-		echo "make test: could not install chromium with apt-get; tests/browser will be skipped"
+# missing (quietly), in the background while pip sets up .venv (pip keeps one core busy, apt-get mostly waits
+# on the network and the disk); otherwise those tests skip, saying why.
+CHROMIUM_INSTALL = command -v chromium >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+	! command -v apt-get >/dev/null 2>&1 || (export DEBIAN_FRONTEND=noninteractive; \
+	apt-get install -y -qq chromium >/dev/null 2>&1 || \
+	(apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1))
+
+test:
+	@($(CHROMIUM_INSTALL)) & chromium=$$!; \
+	$(MAKE) --no-print-directory $(TEST_STAMP); built=$$?; \
+	wait $$chromium || echo "make test: could not install chromium with apt-get; tests/browser will be skipped"; \
+	exit $$built
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m ruff format --check $(LINT_PATHS)
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n 2 --dist loadfile tests

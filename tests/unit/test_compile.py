@@ -1,7 +1,8 @@
 """`--compile` (regional torch.compile of the DiT blocks) and `--warmup-resolutions`.
 
 The compiled tests share one tiny FLUX (1 double + 1 single block) compiled once with inductor, so
-the whole file costs about one compilation of two block graphs for two batch kinds.
+the whole file costs about one compilation of two block graphs for two batch kinds; the int8 test compiles
+a FLUX of one single-stream block only (its graphs are new ones: half as many to build, cold, in a run).
 """
 
 from __future__ import annotations
@@ -315,13 +316,28 @@ def test_a_mixed_lora_batch_compiles_at_warm_up_and_matches_eager(tiny_flux_1x1,
     assert np.abs(_pixels(got[0]).astype(int) - _pixels(plain).astype(int)).max() > 5  # LoRA applied
 
 
+@pytest.fixture(scope="module")
+def tiny_flux_single_stream(tmp_path_factory: pytest.TempPathFactory):
+    """No double-stream block: one block list, one block class."""
+    from diffserve.families.flux.tiny import TinyFluxSpec, build_tiny_flux
+
+    return build_tiny_flux(
+        tmp_path_factory.mktemp("tiny-flux-0x1"), TinyFluxSpec(num_layers=0, num_single_layers=1)
+    )
+
+
 @needs_cxx
-def test_int8_quantized_layers_compile_and_match_eager(tiny_flux_1x1) -> None:
+def test_int8_quantized_layers_compile_and_match_eager(tiny_flux_single_stream) -> None:
+    """int8 Linears (the fused QKV + MLP input projection and the output projection of a single-stream
+    block) compile, and the compiled pixels match eager's."""
     from diffserve.api import DiffGenerator
 
     kwargs = {"device": "cpu", "show_progress": False, "quantization": "int8"}
-    compiled = DiffGenerator.from_pretrained(tiny_flux_1x1, compile=True, **kwargs)
-    eager = DiffGenerator.from_pretrained(tiny_flux_1x1, **kwargs)
+    compiled = DiffGenerator.from_pretrained(tiny_flux_single_stream, compile=True, **kwargs)
+    assert [(r.path, r.blocks) for r in compiled.compiled_regions] == [
+        ("transformer.single_transformer_blocks", 1)
+    ]
+    eager = DiffGenerator.from_pretrained(tiny_flux_single_stream, **kwargs)
     params = {"height": 64, "width": 64, "num_inference_steps": 2, "seed": 5}
     psnr = psnr_uint8(_pixels(compiled.generate(PROMPT, **params)), _pixels(eager.generate(PROMPT, **params)))
     print(f"int8, compiled vs eager: PSNR {psnr:.1f} dB")
