@@ -143,12 +143,20 @@ def one_rank_cache(root: Path) -> OneRank:
     return get
 
 
-def assert_two_ranks_match_one_rank(one_rank: OneRank, family: str, mode: str, **engine: object) -> None:
-    """The 2-rank engine (`engine` keywords) gives the one-rank image within one uint8 level, and the other
-    control image moves the one-rank image by at least `CONTROL_MIN_LEVELS`."""
+#: The 2-rank parallel modes the cases run, by name: their engine keywords.
+PARALLEL_MODES: dict[str, dict[str, object]] = {
+    "cfg2": dict(enable_cfg_parallel=True),
+    "ulysses2": dict(ulysses_degree=2),
+    "tp2": dict(tp_size=2),
+}
+
+
+def assert_two_ranks_match_one_rank(one_rank: OneRank, family: str, mode: str) -> None:
+    """The 2-rank engine of `PARALLEL_MODES[mode]` gives the one-rank image within one uint8 level, and the
+    other control image moves the one-rank image by at least `CONTROL_MIN_LEVELS`."""
     case, alone, other = one_rank(family)
     moved = int(np.abs(other - alone).max())
-    error = max_difference_on_two_ranks(case, alone, **engine)
+    error = max_difference_on_two_ranks(case, alone, **PARALLEL_MODES[mode])
     print(
         f"{family} ControlNet, {mode} vs one rank: max uint8 difference {error}; other control image: {moved}"
     )

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 from controlnet_cases import OneRank, assert_two_ranks_match_one_rank, one_rank_cache, one_torch_thread
 
-MODES: dict[str, dict[str, object]] = {"ulysses2": dict(ulysses_degree=2), "tp2": dict(tp_size=2)}
+#: (family, `controlnet_cases.PARALLEL_MODES` name)
 CASES = [("flux", "tp2"), ("qwen-image", "ulysses2"), ("sd3", "ulysses2")]
 
 
@@ -31,4 +31,4 @@ def one_rank(tmp_path_factory: pytest.TempPathFactory) -> OneRank:
 @pytest.mark.parametrize(("family", "mode"), CASES, ids=[f"{f}-{m}" for f, m in CASES])
 def test_two_ranks_match_one_rank(one_rank: OneRank, family: str, mode: str) -> None:
     """The 2-rank engine's image equals the one-rank one within one uint8 level (`controlnet_cases`)."""
-    assert_two_ranks_match_one_rank(one_rank, family, mode, **MODES[mode])
+    assert_two_ranks_match_one_rank(one_rank, family, mode)
