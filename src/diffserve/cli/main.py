@@ -11,6 +11,7 @@ import sys
 from diffserve import __version__
 from diffserve.cli import calibrate_cache, generate, make_lora, make_tiny, serve
 from diffserve.logging_setup import configure_logging
+from diffserve.process_start import start_method
 
 EXIT_USER_ERROR = 2
 
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     from diffserve.errors import UserError
 
     try:
+        start_method()  # a bad DIFFSERVE_START_METHOD is refused before anything starts
         return args.handler(args)
     except UserError as exc:
         if level == "debug":

@@ -1,8 +1,8 @@
 """Starting the ranks of a multi-device engine, and stopping them.
 
 The process that creates the `DiffGenerator` (the CLI, a script, the server's engine process) is rank 0:
-its engine schedules. `start_ranks` spawns the other ranks of its node as worker processes ('spawn'
-context), each on its own device (platform device index = local rank; on the CPU every rank uses the
+its engine schedules. `start_ranks` spawns the other ranks of its node as worker processes ('spawn', or
+'fork' where `DIFFSERVE_START_METHOD` says so: `process_start.py`), each on its own device (platform device index = local rank; on the CPU every rank uses the
 CPU: each "gpu" is one rank process over gloo), and joins them in a process group on the platform's
 backend through a store rank 0 opens on a loopback port the OS assigns (`rendezvous.py`), or through
 torch's TCP rendezvous at `--dist-init-addr` on several nodes. Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT set) nothing is spawned:
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import multiprocessing as mp
 import os
 from dataclasses import replace
 from datetime import timedelta
@@ -37,6 +36,7 @@ from diffserve.distributed.rendezvous import join_process_group, open_local_stor
 from diffserve.distributed.state import ParallelState, build_parallel_state
 from diffserve.distributed.worker import STOP, RankArgs, RankSpec, ServeRank, run_rank, worker_main
 from diffserve.platforms.base import Platform
+from diffserve.process_start import process_context
 
 logger = logging.getLogger("diffserve.distributed")
 
@@ -219,7 +219,7 @@ def _spawn_local(
     """Worker processes for local ranks 1..ranks_per_node-1 of the node whose first rank is `first_rank`
     (`spec` with their ranks); each gets the read end of a pipe whose write end only this process holds
     (its watchdog)."""
-    context = mp.get_context("spawn")
+    context = process_context()
     started = []
     for local_rank in range(1, config.ranks_per_node):
         rank = first_rank + local_rank

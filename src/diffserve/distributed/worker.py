@@ -28,6 +28,7 @@ from diffserve.distributed.config import ParallelConfig
 from diffserve.distributed.rendezvous import join_process_group
 from diffserve.distributed.state import ParallelState, build_parallel_state
 from diffserve.platforms import Platform, resolve_platform
+from diffserve.process_start import forget_parent_signals
 
 #: The message that ends a worker's loop.
 STOP = "stop"
@@ -124,7 +125,7 @@ def exit_if_rank0_gone(wait_s: float = RANK0_EXIT_WAIT_S) -> None:
 
 
 def worker_main(spec: RankSpec, connection: Connection | None, parent_pid: int) -> None:
-    """Target of a spawned worker process. After rank 0's STOP it has left the process group and exits at
+    """Target of a worker process (spawned, or forked: `process_start.py`). After rank 0's STOP it has left the process group and exits at
     once: the interpreter's teardown (seconds with torch loaded) outlasted rank 0's wait on a loaded
     machine, so a clean Ctrl-C ended in terminated ranks and gloo's "Connection closed by peer". SIGINT
     is ignored: a terminal's Ctrl-C reaches every rank, and rank 0 alone decides how they stop
@@ -133,6 +134,7 @@ def worker_main(spec: RankSpec, connection: Connection | None, parent_pid: int) 
     raises (its traceback, exit code 1), unless rank 0 is gone (`exit_if_rank0_gone`)."""
     import tqdm
 
+    forget_parent_signals()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     tqdm.tqdm.set_lock(threading.RLock())
     if connection is not None:

@@ -31,6 +31,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from diffserve.process_start import process_context
 from diffserve.server import protocol as msg
 from diffserve.server.args import ServerArgs
 from diffserve.server.engine_liveness import HEARTBEAT_INTERVAL_S
@@ -209,9 +210,7 @@ class EngineClient:
             replica=self.replica, device_indices=self.device_indices,
         )  # fmt: skip
         name = f"diffserve-engine-{self.replica}-{self.incarnation}"
-        process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_process, args=(cfg,), name=name
-        )
+        process = process_context().Process(target=run_engine_process, args=(cfg,), name=name)
         await asyncio.to_thread(process.start)
         self._process, self.engine_pid = process, process.pid
         logger.info("%s process started (pid %d)", self.name, process.pid)

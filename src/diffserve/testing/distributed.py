@@ -11,8 +11,8 @@ outlives the caller.
 (standard pickle), so keep them small: scalars, or small tensors.
 
 The ranks are forked from multiprocessing's fork server, a fresh interpreter started once per calling
-process that has imported torch, transformers and diffusers (`RANK_PRELOAD`): no state leaks from the
-caller, as with 'spawn', but a rank starts in a fraction of a second instead of importing them again
+process that has imported torch, transformers and diffusers (`diffserve.testing.preloaded`): no state leaks
+from the caller, as with 'spawn', but a rank starts in a fraction of a second instead of importing them again
 (seconds of CPU per rank, the most of a tiny test's run). A rank sees the environment the fork server started with, not later changes to the caller's `os.environ`.
 
 Many tests can share one run per mesh (starting rank processes costs more than tiny forwards): on the
@@ -40,11 +40,10 @@ import torch
 import torch.distributed as dist
 
 from diffserve.distributed.rendezvous import join_process_group, open_local_store
+from diffserve.testing.preloaded import preloaded_context
 
 T = TypeVar("T")
 
-#: Modules the fork server imports once, before it forks the ranks (the rank code's heavy imports).
-RANK_PRELOAD = ("torch", "torch.distributed", "transformers", "diffusers", "diffserve.testing.distributed")
 #: Seconds the parent waits between checks that a rank process is still alive.
 _POLL_S = 0.2
 #: Seconds the other ranks get to report their errors after a first one.
@@ -168,8 +167,7 @@ def run_distributed(
     ranks do not all finish within `timeout_s`; all rank processes are stopped before returning."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(list(RANK_PRELOAD))
+    context = preloaded_context()
     results: mp.Queue = context.Queue()
     # The ranks join a store this process opens on a port the OS assigns now (no free-port race with
     # the other test workers' groups); it lives until the ranks are done.

@@ -1,0 +1,59 @@
+"""How diffserve starts its own processes: the server's engine processes and the local rank workers of a
+multi-device engine.
+
+The default is multiprocessing's 'spawn': each process is a fresh interpreter that imports torch and
+transformers again (about 4.5 s of one core on a small machine), whatever the starting process has done,
+an accelerator runtime it initialised or threads it runs included. `DIFFSERVE_START_METHOD=fork` forks
+the starting process instead, so the child starts with every module that process had imported. That pays
+only where the starting process has imported torch and transformers and initialised no accelerator
+runtime, and has run no torch op on several threads (GNU OpenMP's pool does not survive a fork): a server
+launched from a preloaded process, as the test suite does (`diffserve.testing.preloaded`), where it cuts
+an engine's start from seconds to a fraction of one. Any other value is an error.
+
+A forked child first drops what it must not share with its parent (`forget_parent_signals`); under
+'spawn' that call changes nothing.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from multiprocessing.context import BaseContext
+
+from diffserve.errors import UserError
+
+START_METHOD_ENV = "DIFFSERVE_START_METHOD"
+START_METHODS = ("spawn", "fork")
+
+
+def start_method() -> str:
+    """The start method `DIFFSERVE_START_METHOD` names ('spawn' when unset or empty)."""
+    method = os.environ.get(START_METHOD_ENV) or "spawn"
+    if method not in START_METHODS:
+        allowed = " or ".join(repr(m) for m in START_METHODS)
+        raise UserError(f"{START_METHOD_ENV} must be {allowed}, got {method!r}")
+    return method
+
+
+def process_context() -> BaseContext:
+    """The multiprocessing context diffserve starts its processes with (`start_method`)."""
+    return multiprocessing.get_context(start_method())
+
+
+def forget_parent_signals() -> None:
+    """In a forked child's main thread, before anything else: the signal handlers and the wake-up
+    descriptor its parent installed (the server's event loop, uvicorn's SIGTERM) would act on the parent's
+    objects, and a signal sent to the child would wake the parent's event loop. Handlers that are Python
+    functions go back to what a new interpreter has (SIGINT: KeyboardInterrupt, the rest: the default),
+    ignored signals stay ignored (as across 'spawn'), and the wake-up descriptor is cleared. A process
+    started by 'spawn' has nothing to forget: nothing changes."""
+    signal.set_wakeup_fd(-1)
+    for number in signal.valid_signals():
+        try:
+            handler = signal.getsignal(number)
+        except ValueError:  # not a signal this platform lets Python see
+            continue
+        if callable(handler) and handler is not signal.default_int_handler:
+            default = signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL
+            signal.signal(number, default)

@@ -1,0 +1,95 @@
+"""How diffserve starts its engine and rank processes (`diffserve.process_start`), and the suite's preloaded
+launcher (`diffserve.testing.preloaded`): the start method is 'spawn' unless DIFFSERVE_START_METHOD says
+'fork', a bad value is a clear error, a forked child drops its parent's signal handlers, and a command
+forked from the preloaded server reports its exit code and output as a subprocess would."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+
+import pytest
+
+from diffserve.cli.main import main
+from diffserve.errors import UserError
+from diffserve.process_start import START_METHOD_ENV, forget_parent_signals, process_context, start_method
+from diffserve.testing.ports import unassigned_port
+from diffserve.testing.preloaded import PRELOAD, start_command
+
+
+def test_spawn_is_the_default_and_fork_is_taken_when_named(monkeypatch) -> None:
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    assert start_method() == "spawn" and process_context().get_start_method() == "spawn"
+    monkeypatch.setenv(START_METHOD_ENV, "fork")
+    assert process_context().get_start_method() == "fork"
+
+
+def test_an_unknown_start_method_is_a_user_error_naming_the_variable(monkeypatch) -> None:
+    monkeypatch.setenv(START_METHOD_ENV, "forkserver")
+    with pytest.raises(
+        UserError, match=r"DIFFSERVE_START_METHOD must be 'spawn' or 'fork', got 'forkserver'"
+    ):
+        process_context()
+
+
+def test_the_cli_refuses_an_unknown_start_method_in_one_error_line(monkeypatch, capsys) -> None:
+    monkeypatch.setenv(START_METHOD_ENV, "threads")
+    assert main(["make-tiny", "flux", "/nonexistent/never-written"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "error: DIFFSERVE_START_METHOD must be 'spawn' or 'fork', got 'threads'"
+
+
+def test_a_forked_child_drops_its_parents_handlers_and_keeps_what_is_ignored() -> None:
+    """In a fork of a process with a Python SIGTERM handler and SIGUSR1 ignored: after
+    `forget_parent_signals`, SIGTERM is back to the default and SIGUSR1 still ignored."""
+    previous = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGUSR1)}
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            ok = False
+            try:
+                forget_parent_signals()
+                ok = (
+                    signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+                    and signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+                    and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+                )
+            finally:
+                os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def test_every_preloaded_module_exists() -> None:
+    """multiprocessing's fork server skips a preload module it cannot import, without a word."""
+    assert [name for name in PRELOAD if importlib.util.find_spec(name) is None] == []
+
+
+def test_a_preloaded_command_exits_as_a_subprocess_would(tmp_path) -> None:
+    """A bad flag: exit code 2 and one `error:` line in the log; `wait` with a timeout on a finished command
+    returns its code."""
+    log = tmp_path / "log"
+    command = start_command(main, ["generate", "--no-such-flag"], env=dict(os.environ), log_path=log)
+    assert command.wait(60) == 2 and command.returncode == 2 and command.poll() == 2
+    assert "error:" in log.read_text()
+
+
+def test_waiting_on_a_running_command_times_out_and_a_signal_ends_it(tiny_flux_dir, tmp_path) -> None:
+    """A server (it runs until stopped): `wait(0.01)` raises TimeoutExpired, and SIGKILL ends it with -9, as
+    `subprocess.Popen` reports it."""
+    argv = ["serve", "--model-path", str(tiny_flux_dir), "--port", str(unassigned_port()), "--no-warmup"]
+    command = start_command(main, argv, env=dict(os.environ), log_path=tmp_path / "log")
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            command.wait(0.01)
+        assert command.poll() is None
+    finally:
+        command.kill()
+    assert command.wait(60) == -signal.SIGKILL
