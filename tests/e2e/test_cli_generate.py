@@ -16,7 +16,9 @@ from PIL import Image
 from diffserve.cli.main import main
 from diffserve.outputs import output_file_name, prompt_slug, unique_path
 
-CLI = [sys.executable, "-m", "diffserve.cli.main"]
+#: The installed console entry point (`diffserve` next to this interpreter), as a shell runs it; the
+#: documents' test runs its commands through a launcher instead (tests/e2e/test_docs_examples.py).
+CLI = [str(Path(sys.executable).parent / "diffserve")]
 
 
 @dataclass

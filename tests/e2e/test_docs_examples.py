@@ -2,7 +2,9 @@
 
 A reader pastes a document's commands into a shell started at the repository root and its snippets into one
 Python session; this test does the same in a temporary directory that looks like a fresh clone (the repo's
-top-level entries and `.venv` symlinked, `.venv/bin` first on PATH), so nothing is written into the repo.
+top-level entries and `.venv`'s symlinked, `.venv/bin` first on PATH), so nothing is written into the repo.
+Its `.venv/bin/diffserve` runs each command forked from this test process's preloaded interpreter
+(`diffserve.testing.command_launcher`): to the shell it is the command, started in a fraction of a second.
 Two rewrites keep parallel runs apart, applied to every block and marker of a document alike: the port 30000
 becomes a free port, and `/tmp/` becomes a folder inside the temporary directory.
 
@@ -45,6 +47,8 @@ import httpx
 import pytest
 from markdown_it import MarkdownIt
 
+from diffserve.cli.main import main as cli_main
+from diffserve.testing.command_launcher import CommandLauncher
 from diffserve.testing.ports import unassigned_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -330,17 +334,19 @@ class ServerPool:
 
     logs: Path
     uses: Counter[str]
+    #: What every clone's `diffserve` runs its commands with (`_make_clone_like`).
+    launcher: CommandLauncher
     servers: list[Server] = field(default_factory=list)
 
     @classmethod
-    def for_documents(cls, documents: tuple[Path, ...], logs: Path) -> ServerPool:
+    def for_documents(cls, documents: tuple[Path, ...], logs: Path, launcher: CommandLauncher) -> ServerPool:
         uses: Counter[str] = Counter()
         for document in documents:
             for block in parse_blocks(document.read_text(), document.name):
                 for code in _server_codes(block):
                     if (canonical := canonical_serve_command(code)) is not None:
                         uses[canonical] += 1
-        return cls(logs, uses)
+        return cls(logs, uses, launcher)
 
     def find(self, key: tuple[object, ...]) -> Server | None:
         return next((s for s in self.servers if s.key == key and s.alive()), None)
@@ -355,8 +361,8 @@ class ServerPool:
         if key is not None:
             cwd = self.logs / f"server-{port}"
             cwd.mkdir()
-            _make_clone_like(cwd)
-            env = _reader_env(cwd)
+            _make_clone_like(cwd, self.launcher)
+            env = _reader_env(cwd, self.launcher)
         print(f"SERVE {where}: {code.strip()}")
         with log.open("ab") as out:
             process = subprocess.Popen(
@@ -412,8 +418,8 @@ class Reader:
         self.namespace: dict[str, object] = {"__name__": "__main__"}
         self.servers = servers
         self.server: Server | None = None
-        self.env = _reader_env(workdir)
-        _make_clone_like(workdir)
+        self.env = _reader_env(workdir, servers.launcher)
+        _make_clone_like(workdir, servers.launcher)
 
     def run(self, block: Block) -> None:
         if block.skip is not None:
@@ -479,9 +485,9 @@ class Reader:
         self.forward.retarget(self.server.port)
 
     def _server_key(self, line: str) -> tuple[object, ...] | None:
-        """The serve line's words with this reader's temporary folder back at `/tmp/`, the program they
-        run, and the bytes of the files and folders they name that this reader wrote (the repo's own files
-        are the same for every reader). None when a relative path names one of those: the server must run
+        """The serve line's words with this reader's temporary folder back at `/tmp/`, the bytes of the
+        program they run, and the bytes of the files and folders they name that this reader wrote (the
+        repo's own files are the same for every reader). None when a relative path names one of those: the server must run
         in this reader's directory, and is not shared."""
         argv = serve_argv(line) or []
         words, files = [], []
@@ -496,7 +502,8 @@ class Reader:
                     files.append((part.replace(f"{self.tmp_root}/", "/tmp/"), _fingerprint(path)))
         program = next((word for word in argv if "=" not in word), "")
         found = shutil.which(program, path=self.env["PATH"]) if program else None
-        return (tuple(words), os.path.realpath(found) if found else program, tuple(sorted(files)))
+        # The program by its bytes: every clone's `.venv/bin/diffserve` is a launcher script of its own.
+        return (tuple(words), _fingerprint(Path(found)) if found else program, tuple(sorted(files)))
 
     def release_server(self) -> None:
         self.forward.retarget(None)
@@ -519,20 +526,33 @@ def _healthy(port: int) -> bool:
         return False
 
 
-def _reader_env(workdir: Path) -> dict[str, str]:
-    """The environment of a reader's shell at the clone's root: `.venv/bin` first, no API key set, offline."""
+def _reader_env(workdir: Path, launcher: CommandLauncher) -> dict[str, str]:
+    """The environment of a reader's shell at the clone's root: `.venv/bin` first, no API key set, offline,
+    and the launcher the clone's `diffserve` runs its commands with."""
     env = {k: v for k, v in os.environ.items() if k not in ("DIFFSERVE_API_KEY", "OPENAI_BASE_URL")}
     env["PATH"] = f"{workdir / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     env["HF_HUB_OFFLINE"] = "1"
-    return env
+    return {**env, **launcher.environment()}
 
 
-def _make_clone_like(workdir: Path) -> None:
-    """Symlink the repo's top-level entries (and .venv) into `workdir`; what the blocks write stays there."""
+def _make_clone_like(workdir: Path, launcher: CommandLauncher) -> None:
+    """Symlink the repo's top-level entries into `workdir`; what the blocks write stays there. `.venv` is a
+    folder of links to the repo's, but for `.venv/bin/diffserve`: the launcher's script, which runs each
+    command forked from this test process's preloaded interpreter (`diffserve.testing.command_launcher`;
+    the installed entry point itself is run by tests/e2e/test_cli_generate.py)."""
     for entry in REPO.iterdir():
-        if (entry.name.startswith(".") and entry.name != ".venv") or entry.name == "outputs":
+        if entry.name.startswith(".") or entry.name == "outputs":
             continue
         (workdir / entry.name).symlink_to(entry)
+    venv, real_venv = workdir / ".venv", REPO / ".venv"
+    (venv / "bin").mkdir(parents=True)
+    for entry in real_venv.iterdir():
+        if entry.name != "bin":
+            (venv / entry.name).symlink_to(entry)
+    for entry in (real_venv / "bin").iterdir():
+        if entry.name != "diffserve":
+            (venv / "bin" / entry.name).symlink_to(entry)
+    launcher.install(venv / "bin")
 
 
 def _refuse_stale_install(code: str, workdir: Path, env: dict[str, str]) -> None:
@@ -546,11 +566,12 @@ def _refuse_stale_install(code: str, workdir: Path, env: dict[str, str]) -> None
 
 @pytest.fixture(scope="session")
 def docs_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPool]:
-    pool = ServerPool.for_documents(DOCUMENTS, tmp_path_factory.mktemp("docs-servers"))
-    try:
-        yield pool
-    finally:
-        pool.stop_all()
+    with CommandLauncher(cli_main) as launcher:
+        pool = ServerPool.for_documents(DOCUMENTS, tmp_path_factory.mktemp("docs-servers"), launcher)
+        try:
+            yield pool
+        finally:
+            pool.stop_all()
 
 
 @pytest.fixture
@@ -671,15 +692,18 @@ def test_the_same_documented_server_is_the_same_command() -> None:
 
 def test_a_reused_server_needs_the_same_files(tmp_path: Path) -> None:
     """Two readers' servers of one documented command share a key when the files it names are the same."""
-    pool = ServerPool(tmp_path, Counter())
-    readers = []
-    for name, weights in (("a", b"1"), ("b", b"1"), ("c", b"2")):
-        (tmp_path / name).mkdir()
-        reader = Reader(tmp_path / name, pool)
-        (reader.tmp_root / "tiny").mkdir()
-        (reader.tmp_root / "tiny" / "weights").write_bytes(weights)
-        readers.append(reader)
-    keys = [r._server_key(rewrite("diffserve serve --model-path /tmp/tiny", 1, r.tmp_root)) for r in readers]
-    assert keys[0] == keys[1] != keys[2]
-    # A relative path to what the reader wrote resolves in the reader's directory only: never shared.
-    assert readers[0]._server_key("diffserve serve --model-path tmp/tiny") is None
+    with CommandLauncher(cli_main) as launcher:
+        pool = ServerPool(tmp_path, Counter(), launcher)
+        readers = []
+        for name, weights in (("a", b"1"), ("b", b"1"), ("c", b"2")):
+            (tmp_path / name).mkdir()
+            reader = Reader(tmp_path / name, pool)
+            (reader.tmp_root / "tiny").mkdir()
+            (reader.tmp_root / "tiny" / "weights").write_bytes(weights)
+            readers.append(reader)
+        keys = [
+            r._server_key(rewrite("diffserve serve --model-path /tmp/tiny", 1, r.tmp_root)) for r in readers
+        ]
+        assert keys[0] == keys[1] != keys[2]
+        # A relative path to what the reader wrote resolves in the reader's directory only: never shared.
+        assert readers[0]._server_key("diffserve serve --model-path tmp/tiny") is None

@@ -19,7 +19,7 @@ import httpx
 
 from diffserve.cli.main import main as cli_main
 from diffserve.testing.ports import unassigned_port
-from diffserve.testing.preloaded import PreloadedCommand, start_command
+from diffserve.testing.preloaded import PreloadedCommand, start_logged_command
 
 if TYPE_CHECKING:
     import openai
@@ -118,7 +118,7 @@ def start_server(
     # One torch thread: the test machine is small and shared; results do not depend on the thread count.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     log_path.write_text("")
-    process = start_command(cli_main, argv, env=env, log_path=log_path)
+    process = start_logged_command(cli_main, argv, env=env, log_path=log_path)
     return ServerProcess(process, f"http://127.0.0.1:{port}", port, output_dir, log_path, api_key=api_key)
 
 

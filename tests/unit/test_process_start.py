@@ -16,7 +16,7 @@ from diffserve.cli.main import main
 from diffserve.errors import UserError
 from diffserve.process_start import START_METHOD_ENV, forget_parent_signals, process_context, start_method
 from diffserve.testing.ports import unassigned_port
-from diffserve.testing.preloaded import PRELOAD, start_command
+from diffserve.testing.preloaded import PRELOAD, start_logged_command
 
 
 def test_spawn_is_the_default_and_fork_is_taken_when_named(monkeypatch) -> None:
@@ -76,7 +76,7 @@ def test_a_preloaded_command_exits_as_a_subprocess_would(tmp_path) -> None:
     """A bad flag: exit code 2 and one `error:` line in the log; `wait` with a timeout on a finished command
     returns its code."""
     log = tmp_path / "log"
-    command = start_command(main, ["generate", "--no-such-flag"], env=dict(os.environ), log_path=log)
+    command = start_logged_command(main, ["generate", "--no-such-flag"], env=dict(os.environ), log_path=log)
     assert command.wait(60) == 2 and command.returncode == 2 and command.poll() == 2
     assert "error:" in log.read_text()
 
@@ -85,7 +85,7 @@ def test_waiting_on_a_running_command_times_out_and_a_signal_ends_it(tiny_flux_d
     """A server (it runs until stopped): `wait(0.01)` raises TimeoutExpired, and SIGKILL ends it with -9, as
     `subprocess.Popen` reports it."""
     argv = ["serve", "--model-path", str(tiny_flux_dir), "--port", str(unassigned_port()), "--no-warmup"]
-    command = start_command(main, argv, env=dict(os.environ), log_path=tmp_path / "log")
+    command = start_logged_command(main, argv, env=dict(os.environ), log_path=tmp_path / "log")
     try:
         with pytest.raises(subprocess.TimeoutExpired):
             command.wait(0.01)

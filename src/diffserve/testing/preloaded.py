@@ -8,9 +8,10 @@ multiprocessing's fork server is a fresh interpreter, started once per calling p
 and a child starts in a fraction of a second. A child sees the environment the fork server started with;
 `start_command` hands it the caller's.
 
-`start_command(main, argv, env=..., log_path=...)` runs `diffserve <argv>` (`main`: the CLI's) in such a child, its output written to
-`log_path`, with `DIFFSERVE_START_METHOD=fork` (`diffserve.process_start`) so that the engine and rank
-processes the command starts are forks of it too, and returns a `PreloadedCommand`: the part of
+`start_command(main, argv, env=..., stdio=...)` runs `diffserve <argv>` (`main`: the CLI's) in such a
+child, on the caller's standard streams (`start_logged_command`: its output appended to a log file), with
+`DIFFSERVE_START_METHOD=fork` (`diffserve.process_start`) so that the engine and rank processes the
+command starts are forks of it too, and returns a `PreloadedCommand`: the part of
 `subprocess.Popen`'s interface the tests use (`pid`, `poll`, `wait`, `returncode`, `send_signal`,
 `terminate`, `kill`). A command still running when the calling process exits is terminated, then killed.
 """
@@ -26,9 +27,11 @@ import sys
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from multiprocessing import reduction
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import Protocol
 
 from diffserve.process_start import START_METHOD_ENV
 
@@ -50,6 +53,14 @@ PRELOAD = (
 )
 #: A command's entry point: its arguments in, its exit code out.
 CommandMain = Callable[[list[str]], int]
+
+
+class DupFdHandle(Protocol):
+    """What multiprocessing's `reduction.DupFd` gives a child: the descriptor, once detached."""
+
+    def detach(self) -> int: ...
+
+
 #: Seconds a command still running at exit gets to stop after SIGTERM, before SIGKILL.
 EXIT_TERMINATE_S = 10.0
 
@@ -82,6 +93,11 @@ class PreloadedCommand:
 
     def poll(self) -> int | None:
         return self._process.exitcode
+
+    @property
+    def sentinel(self) -> int:
+        """A descriptor that becomes readable when the command exits (`multiprocessing.connection.wait`)."""
+        return self._process.sentinel
 
     def wait(self, timeout: float | None = None) -> int:
         """The exit code, once the command has exited; `subprocess.TimeoutExpired` after `timeout` s."""
@@ -121,17 +137,38 @@ def _stop_running_commands() -> None:
 atexit.register(_stop_running_commands)
 
 
+class _PassedFd:
+    """A file descriptor given to a child of the fork server: pickled, it travels as the child's own
+    duplicate (how multiprocessing passes sockets and connections), and unpickles to its number there."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Callable[[DupFdHandle], int], tuple[DupFdHandle]]:
+        return _received_fd, (reduction.DupFd(self.fd),)
+
+
+def _received_fd(handle: DupFdHandle) -> int:
+    return handle.detach()
+
+
 def start_command(
-    main: CommandMain, argv: Sequence[str], *, env: Mapping[str, str], log_path: Path, cwd: Path | None = None
+    main: CommandMain,
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    stdio: tuple[int, int, int],
+    cwd: Path | str | None = None,
 ) -> PreloadedCommand:
     """`main(argv)` (`diffserve.cli.main.main`: `diffserve <argv>`; a module-level function, which travels
-    by name) in a fork of the preloaded fork server, with `env` as its whole environment
-    (plus `DIFFSERVE_START_METHOD=fork`), its standard output and error appended to `log_path`, its
-    standard input empty, and `cwd` (default: the caller's) as its working directory."""
+    by name) in a fork of the preloaded fork server, with `env` as its whole environment (plus
+    `DIFFSERVE_START_METHOD=fork`), `stdio` (file descriptors of this process) as its standard input,
+    output and error, and `cwd` (default: the caller's) as its working directory. The caller keeps its
+    descriptors: the child has its own copies once this returns."""
     child_env = {**env, START_METHOD_ENV: "fork"}
     process = preloaded_context().Process(
         target=run_command,
-        args=(main, list(argv), child_env, str(log_path), str(cwd or Path.cwd())),
+        args=(main, list(argv), child_env, str(cwd or Path.cwd()), tuple(_PassedFd(fd) for fd in stdio)),
         name=f"diffserve-{argv[0] if argv else 'command'}",
     )
     process.start()
@@ -140,19 +177,28 @@ def start_command(
     return command
 
 
-def run_command(main: CommandMain, argv: list[str], env: dict[str, str], log_path: str, cwd: str) -> None:
+def start_logged_command(
+    main: CommandMain, argv: Sequence[str], *, env: Mapping[str, str], log_path: Path
+) -> PreloadedCommand:
+    """`start_command` with no standard input and the output and errors appended to `log_path`."""
+    with open(os.devnull, "rb") as empty, open(log_path, "ab") as log:
+        return start_command(main, argv, env=env, stdio=(empty.fileno(), log.fileno(), log.fileno()))
+
+
+def run_command(
+    main: CommandMain, argv: list[str], env: dict[str, str], cwd: str, stdio: tuple[int, int, int]
+) -> None:
     """In the forked child: become the process a shell would have started for `diffserve <argv>` (its
     environment, working directory, standard streams, torch threads from OMP_NUM_THREADS, warning filters
     from PYTHONWARNINGS), then run the command; its exit code is this process's."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    empty = os.open(os.devnull, os.O_RDONLY)
-    for source, target in ((empty, 0), (log, 1), (log, 2)):
-        os.dup2(source, target)
-    os.close(log)
-    os.close(empty)
+    for target, fd in enumerate(stdio):
+        os.dup2(fd, target)
+    for fd in set(stdio) - {0, 1, 2}:
+        os.close(fd)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 (multiprocessing left sys.stdin on /dev/null)
     if threads := env.get("OMP_NUM_THREADS"):
         import torch
 
