@@ -37,8 +37,11 @@ def wan(tmp_path_factory) -> DiffGenerator:
 @pytest.fixture(scope="module")
 def calibrated(wan: DiffGenerator) -> MemoryModel:
     probes = [SamplingParams("calibration", height=s, width=s, num_inference_steps=1) for s in PROBE_SIDES]
-    model = calibrate_memory_model(wan.engine, probes, mem_fraction=0.9)
-    print("calibrated:", model.describe())
+    # The smaller of two calibrations, as with the peaks below: VmHWM readings only ever err high, and a
+    # loaded machine once measured a slope 1.6x an idle one's (an estimate 3.06x the peak; idle: 1.9x).
+    models = [calibrate_memory_model(wan.engine, probes, mem_fraction=0.9) for _ in range(2)]
+    model = min(models, key=lambda m: m.bytes_per_pixel)
+    print("calibrated:", model.describe(), "slopes:", [m.bytes_per_pixel for m in models])
     assert model.source == "measured"
     return model
 
