@@ -39,7 +39,7 @@ demo: $(RUNTIME_STAMP)
 # covers pytest's own start-up (its plugins' rewritten modules). Two workers, one per core: a third one
 # (tried: 687 s in a warm tree) gained nothing from a fresh clone (874 s against 832 s with two), where the
 # cold compiles and the README's CLI runs are CPU-bound, and it made the Ray tests 2.5x slower.
-# tests/conftest.py orders the files so that the longest start first.
+# tests/conftest.py orders the files so that the longest start first; --durations=30 lists where the time went.
 # tests/browser drives the web UI in a headless Chromium: as root with apt-get, Debian's is installed when
 # missing (quietly), in the background while pip sets up .venv (pip keeps one core busy, apt-get mostly waits
 # on the network and the disk); otherwise those tests skip, saying why.
@@ -55,7 +55,7 @@ test:
 	exit $$built
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m ruff format --check $(LINT_PATHS)
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n 2 --dist loadfile tests
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n 2 --dist loadfile --durations=30 tests
 
 lint: $(TEST_STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)

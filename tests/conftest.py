@@ -58,31 +58,29 @@ _share_httpx_default_ssl_context()
 #: to its workers in collection order: these first, longest first, then the others in their order, so the
 #: last files to start are short ones and the workers finish together. A new long file belongs here.
 FILE_SECONDS = {
-    # From `--durations` of a fresh clone's `make test` (2026-12-05, a loaded machine: its figures halved;
-    # the documents' and the cold compiles' as on an idle one).
-    "tests/e2e/test_docs_examples.py": 345,  # every document; its servers are shared between them
-    "tests/unit/test_compile.py": 129,  # four cold inductor compiles (plain, Z-Image, LoRA batches, int8)
+    # From `--durations=0` of `make test`'s pytest in a warm tree (2026-12-05, an idle machine; test_compile's
+    # cold figure, as in a fresh clone).
+    "tests/unit/test_compile.py": 130,  # four cold inductor compiles (plain, Z-Image, LoRA batches, int8)
     # A unit of two files (`SHARED_UNITS`): one two-node Ray cluster, three applications, a fault, autoscaling.
-    "tests/deploy/test_ray_serve.py": 100,
-    "tests/server/test_video_family_servers.py": 68,
-    "tests/tools/test_gpu_check.py": 60,  # tools/gpu/check.sh --dry-run: GPU tests on the CPU, the bench
-    "tests/distributed/test_dit_sequence_parallel_images_wave3.py": 45,
-    "tests/server/test_shutdown.py": 44,
-    "tests/server/test_family_servers.py": 44,
-    "tests/integrations/test_comfyui_nodes.py": 39,
-    "tests/distributed/test_multi_rank_engine.py": 39,
-    "tests/server/test_load_with_faults.py": 38,
-    "tests/server/test_videos.py": 37,
-    "tests/e2e/test_flux_kontext_pipeline_parity.py": 34,
-    "tests/server/test_schema_fuzz.py": 30,
-    "tests/distributed/test_dit_sequence_parallel_videos_wave3.py": 26,
-    "tests/server/test_images_edits_qwen.py": 25,
-    "tests/e2e/test_component_offload.py": 24,
-    "tests/server/test_multi_rank_server.py": 23,
-    "tests/e2e/test_diffusers_backend.py": 23,
-    "tests/browser/test_webui.py": 21,  # with Chromium installed (`make test` as root)
-    "tests/benchmarks/test_bench_cache_vs_cachedit.py": 20,  # benchmarks/bench_cache_vs_cachedit.py --quick
-    "tests/distributed/test_tensor_parallel.py": 20,  # three whole generations under TP
+    "tests/deploy/test_ray_serve.py": 130,
+    "tests/e2e/test_docs_examples.py": 73,  # every document; its servers are shared between them
+    "tests/distributed/test_multi_rank_engine.py": 35,
+    "tests/tools/test_gpu_check.py": 34,  # tools/gpu/check.sh --dry-run: GPU tests on the CPU, the bench
+    "tests/e2e/test_cache_methods_families.py": 33,
+    "tests/integrations/test_comfyui_nodes.py": 27,
+    "tests/e2e/test_flux_kontext_pipeline_parity.py": 25,
+    "tests/e2e/test_quality_tiers_wave3.py": 25,
+    "tests/server/test_images_edits_qwen.py": 24,
+    "tests/deploy/test_ray_cli.py": 23,
+    "tests/benchmarks/test_bench_cache_vs_cachedit.py": 22,  # benchmarks/bench_cache_vs_cachedit.py --quick
+    "tests/distributed/test_rank_interrupts.py": 22,
+    "tests/server/test_security_matrix.py": 22,
+    "tests/server/test_video_family_servers.py": 20,
+    "tests/distributed/test_dit_sequence_parallel_images_wave3.py": 19,
+    "tests/e2e/test_quantization.py": 19,
+    "tests/server/test_load_with_faults.py": 19,
+    "tests/distributed/test_controlnet_parallel.py": 18,
+    "tests/distributed/test_tensor_parallel.py": 17,  # three whole generations under TP
 }
 
 
