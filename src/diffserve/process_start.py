@@ -10,8 +10,8 @@ runtime, and has run no torch op on several threads (GNU OpenMP's pool does not 
 launched from a preloaded process, as the test suite does (`diffserve.testing.preloaded`), where it cuts
 an engine's start from seconds to a fraction of one. Any other value is an error.
 
-A forked child first drops what it must not share with its parent (`forget_parent_signals`); under
-'spawn' that call changes nothing.
+A forked child first drops what it must not share with its parent (`forget_parent`: signal handlers,
+sockets); under 'spawn' that call changes nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import stat
 from multiprocessing.context import BaseContext
 
 from diffserve.errors import UserError
@@ -41,13 +42,19 @@ def process_context() -> BaseContext:
     return multiprocessing.get_context(start_method())
 
 
-def forget_parent_signals() -> None:
-    """In a forked child's main thread, before anything else: the signal handlers and the wake-up
-    descriptor its parent installed (the server's event loop, uvicorn's SIGTERM) would act on the parent's
-    objects, and a signal sent to the child would wake the parent's event loop. Handlers that are Python
-    functions go back to what a new interpreter has (SIGINT: KeyboardInterrupt, the rest: the default),
-    ignored signals stay ignored (as across 'spawn'), and the wake-up descriptor is cleared. A process
-    started by 'spawn' has nothing to forget: nothing changes."""
+def forget_parent() -> None:
+    """In a started child's main thread, before anything else: drop what a forked child must not share
+    with its parent (a spawned one has none of it, and nothing changes).
+
+    - Signal handlers that are Python functions (the server's event loop, uvicorn's SIGTERM) would act on
+      the parent's objects: they go back to what a new interpreter has (SIGINT: KeyboardInterrupt, the
+      rest: the default); ignored signals stay ignored (as across 'spawn'). The signal wake-up descriptor
+      is cleared: a signal sent to the child would wake the parent's event loop.
+    - Sockets: the parent's listening socket, its clients' connections (a client would wait for an end of
+      its response that never comes while the child held a copy) and its ZeroMQ sockets. Each inherited
+      socket descriptor (standard streams excepted) is pointed at /dev/null: its number stays taken, so a
+      stale object of the parent that closes it later closes nothing of the child's. Pipes stay: they
+      are multiprocessing's own (the parent's sentinel, a rank's watchdog link)."""
     signal.set_wakeup_fd(-1)
     for number in signal.valid_signals():
         try:
@@ -57,3 +64,22 @@ def forget_parent_signals() -> None:
         if callable(handler) and handler is not signal.default_int_handler:
             default = signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL
             signal.signal(number, default)
+    _drop_inherited_sockets()
+
+
+def _drop_inherited_sockets() -> None:
+    listing = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for name in os.listdir(listing):
+            fd = int(name)
+            if fd <= 2 or fd == null:
+                continue
+            try:
+                mode = os.fstat(fd).st_mode
+            except OSError:  # the listing's own descriptor, closed since
+                continue
+            if stat.S_ISSOCK(mode):
+                os.dup2(null, fd, inheritable=False)
+    finally:
+        os.close(null)

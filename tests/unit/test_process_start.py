@@ -8,13 +8,15 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import socket
+import stat
 import subprocess
 
 import pytest
 
 from diffserve.cli.main import main
 from diffserve.errors import UserError
-from diffserve.process_start import START_METHOD_ENV, forget_parent_signals, process_context, start_method
+from diffserve.process_start import START_METHOD_ENV, forget_parent, process_context, start_method
 from diffserve.testing.ports import unassigned_port
 from diffserve.testing.preloaded import PRELOAD, start_logged_command
 
@@ -41,22 +43,28 @@ def test_the_cli_refuses_an_unknown_start_method_in_one_error_line(monkeypatch, 
     assert err.strip() == "error: DIFFSERVE_START_METHOD must be 'spawn' or 'fork', got 'threads'"
 
 
-def test_a_forked_child_drops_its_parents_handlers_and_keeps_what_is_ignored() -> None:
-    """In a fork of a process with a Python SIGTERM handler and SIGUSR1 ignored: after
-    `forget_parent_signals`, SIGTERM is back to the default and SIGUSR1 still ignored."""
+def test_a_forked_child_drops_its_parents_handlers_and_sockets() -> None:
+    """In a fork of a process with a Python SIGTERM handler, SIGUSR1 ignored, a socket and a pipe open:
+    after `forget_parent`, SIGTERM is back to the default, SIGUSR1 still ignored, the socket's number
+    points at /dev/null (a client of the parent's would otherwise never see its connection end) and the
+    pipe is still the pipe."""
     previous = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGUSR1)}
     signal.signal(signal.SIGTERM, lambda *_: None)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    inherited, peer = socket.socketpair()
+    read_end, write_end = os.pipe()
     try:
         pid = os.fork()
         if pid == 0:
             ok = False
             try:
-                forget_parent_signals()
+                forget_parent()
                 ok = (
                     signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
                     and signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
                     and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+                    and stat.S_ISCHR(os.fstat(inherited.fileno()).st_mode)
+                    and stat.S_ISFIFO(os.fstat(write_end).st_mode)
                 )
             finally:
                 os._exit(0 if ok else 1)
@@ -65,6 +73,10 @@ def test_a_forked_child_drops_its_parents_handlers_and_keeps_what_is_ignored() -
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
+        for end in (inherited, peer):
+            end.close()
+        for fd in (read_end, write_end):
+            os.close(fd)
 
 
 def test_every_preloaded_module_exists() -> None:

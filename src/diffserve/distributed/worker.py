@@ -28,7 +28,7 @@ from diffserve.distributed.config import ParallelConfig
 from diffserve.distributed.rendezvous import join_process_group
 from diffserve.distributed.state import ParallelState, build_parallel_state
 from diffserve.platforms import Platform, resolve_platform
-from diffserve.process_start import forget_parent_signals
+from diffserve.process_start import forget_parent
 
 #: The message that ends a worker's loop.
 STOP = "stop"
@@ -134,7 +134,7 @@ def worker_main(spec: RankSpec, connection: Connection | None, parent_pid: int) 
     raises (its traceback, exit code 1), unless rank 0 is gone (`exit_if_rank0_gone`)."""
     import tqdm
 
-    forget_parent_signals()
+    forget_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     tqdm.tqdm.set_lock(threading.RLock())
     if connection is not None:

@@ -39,7 +39,7 @@ from diffserve.outputs.audio_track import save_video_with_audio
 from diffserve.outputs.fmp4 import StreamedMp4File
 from diffserve.outputs.images import bounded_metadata
 from diffserve.phases import WHOLE, PhaseSpan
-from diffserve.process_start import forget_parent_signals
+from diffserve.process_start import forget_parent
 from diffserve.server import protocol as msg
 from diffserve.server.engine_admission import Admissions
 from diffserve.server.engine_liveness import HEARTBEAT_INTERVAL_S, Liveness
@@ -729,7 +729,7 @@ def exit_now(code: int) -> None:
 def run_engine_process(config: EngineProcessConfig) -> None:
     """Target of the engine process (started by `process_start.process_context`: spawn, or a fork of the
     front end)."""
-    forget_parent_signals()
+    forget_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front end, which shuts us down
     no_shared_semaphores()
     configure_logging(config.log_level)
