@@ -14,8 +14,6 @@ import numpy as np
 import pytest
 from server_process import generate_pixels, serving
 
-from diffserve.platforms.cpu import vm_hwm_resets
-
 #: Six requests that differ in steps, guidance, seed, CFG on/off, n and size (two shape groups).
 REQUESTS = [
     {"prompt": "a red fox", "num_inference_steps": 12, "guidance_scale": 3.5, "seed": 1},
@@ -95,9 +93,12 @@ def test_server_info_reports_the_scheduler(batching_server) -> None:
     info = batching_server.info()
     scheduler = info["engine"]["scheduler"]
     assert scheduler["max_running_requests"] == 8 and scheduler["max_batch_tokens"] == 16384  # CPU default
-    # Calibrated at warm-up where the CPU's peak counter (VmHWM) resets, as on Linux.
-    source = "measured" if vm_hwm_resets() else "estimated"
-    why = [line for line in batching_server.log().splitlines() if "peak memory" in line or "alibrat" in line]
+    # Calibrated at warm-up where the engine found that the CPU's peak counter (VmHWM) resets, as on Linux
+    # (its own finding, logged: a check in this process can differ, its other threads freeing memory
+    # between a reset and the reading on a loaded machine).
+    log = batching_server.log()
+    source = "measured" if "CPU peak memory: VmHWM, reset through" in log else "estimated"
+    why = [line for line in log.splitlines() if "peak memory" in line or "alibrat" in line]
     assert scheduler["mem_fraction"] == 0.9 and scheduler["memory_model"]["source"] == source, why
     assert scheduler["memory_model"]["budget_mb"] > 0
     assert info["server_args"]["engine_args"]["max_running_requests"] == 8
