@@ -3,15 +3,21 @@ multi-device engine.
 
 The default is multiprocessing's 'spawn': each process is a fresh interpreter that imports torch and
 transformers again (about 4.5 s of one core on a small machine), whatever the starting process has done,
-an accelerator runtime it initialised or threads it runs included. `DIFFSERVE_START_METHOD=fork` forks
-the starting process instead, so the child starts with every module that process had imported. That pays
-only where the starting process has imported torch and transformers and initialised no accelerator
-runtime, and has run no torch op on several threads (GNU OpenMP's pool does not survive a fork): a server
-launched from a preloaded process, as the test suite does (`diffserve.testing.preloaded`), where it cuts
-an engine's start from seconds to a fraction of one. Any other value is an error.
+an accelerator runtime it initialised or threads it runs included. `DIFFSERVE_START_METHOD` names another:
 
-A forked child first drops what it must not share with its parent (`forget_parent`: signal handlers,
-sockets); under 'spawn' that call changes nothing.
+- 'forkserver': multiprocessing's fork server, a fresh interpreter started once per starting process that
+  imports `FORKSERVER_PRELOAD` once and forks every process asked of it. As safe as 'spawn' (nothing of
+  the starting process is inherited), and the ranks of an 8-device engine, or a restarted engine, cost
+  one import of torch instead of one each. A process that already runs a fork server (the test suite's,
+  `diffserve.testing.preloaded`) forks from that one. Its children start with the fork server's
+  environment: a rank worker then takes rank 0's (`worker_main`).
+- 'fork': forks the starting process itself, with every module it had imported. That pays only where the
+  starting process has imported torch and transformers and initialised no accelerator runtime, and has
+  run no torch op on several threads (GNU OpenMP's pool does not survive a fork): a server forked from
+  the test suite's preloaded interpreter, whose engine then starts in a fraction of a second.
+
+Any other value is an error. A started child first drops what it must not share with its parent
+(`forget_parent`: signal handlers, sockets); under 'spawn' and 'forkserver' that call changes nothing.
 """
 
 from __future__ import annotations
@@ -25,21 +31,34 @@ from multiprocessing.context import BaseContext
 from diffserve.errors import UserError
 
 START_METHOD_ENV = "DIFFSERVE_START_METHOD"
-START_METHODS = ("spawn", "fork")
+START_METHODS = ("spawn", "forkserver", "fork")
+#: What the 'forkserver' start method's server imports before it forks: the engine's and the ranks' heavy
+#: imports (the OpenMP wait policy first: it must be set before torch loads).
+FORKSERVER_PRELOAD = (
+    "diffserve.openmp_env",
+    "torch",
+    "transformers.modeling_utils",
+    "diffserve.distributed.worker",
+    "diffserve.server.engine_process",
+)
 
 
 def start_method() -> str:
     """The start method `DIFFSERVE_START_METHOD` names ('spawn' when unset or empty)."""
     method = os.environ.get(START_METHOD_ENV) or "spawn"
     if method not in START_METHODS:
-        allowed = " or ".join(repr(m) for m in START_METHODS)
+        names = [repr(m) for m in START_METHODS]
+        allowed = f"{', '.join(names[:-1])} or {names[-1]}"
         raise UserError(f"{START_METHOD_ENV} must be {allowed}, got {method!r}")
     return method
 
 
 def process_context() -> BaseContext:
     """The multiprocessing context diffserve starts its processes with (`start_method`)."""
-    return multiprocessing.get_context(start_method())
+    context = multiprocessing.get_context(start_method())
+    if context.get_start_method() == "forkserver":
+        context.set_forkserver_preload(list(FORKSERVER_PRELOAD))  # no effect once its server runs
+    return context
 
 
 def forget_parent() -> None:

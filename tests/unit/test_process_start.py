@@ -26,12 +26,14 @@ def test_spawn_is_the_default_and_fork_is_taken_when_named(monkeypatch) -> None:
     assert start_method() == "spawn" and process_context().get_start_method() == "spawn"
     monkeypatch.setenv(START_METHOD_ENV, "fork")
     assert process_context().get_start_method() == "fork"
+    monkeypatch.setenv(START_METHOD_ENV, "forkserver")
+    assert process_context().get_start_method() == "forkserver"
 
 
 def test_an_unknown_start_method_is_a_user_error_naming_the_variable(monkeypatch) -> None:
-    monkeypatch.setenv(START_METHOD_ENV, "forkserver")
+    monkeypatch.setenv(START_METHOD_ENV, "fork-server")
     with pytest.raises(
-        UserError, match=r"DIFFSERVE_START_METHOD must be 'spawn' or 'fork', got 'forkserver'"
+        UserError, match=r"DIFFSERVE_START_METHOD must be 'spawn', 'forkserver' or 'fork', got 'fork-server'"
     ):
         process_context()
 
@@ -40,7 +42,9 @@ def test_the_cli_refuses_an_unknown_start_method_in_one_error_line(monkeypatch, 
     monkeypatch.setenv(START_METHOD_ENV, "threads")
     assert main(["make-tiny", "flux", "/nonexistent/never-written"]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == "error: DIFFSERVE_START_METHOD must be 'spawn' or 'fork', got 'threads'"
+    assert (
+        err.strip() == "error: DIFFSERVE_START_METHOD must be 'spawn', 'forkserver' or 'fork', got 'threads'"
+    )
 
 
 def test_a_forked_child_drops_its_parents_handlers_and_sockets() -> None:

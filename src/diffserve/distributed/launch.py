@@ -2,7 +2,7 @@
 
 The process that creates the `DiffGenerator` (the CLI, a script, the server's engine process) is rank 0:
 its engine schedules. `start_ranks` spawns the other ranks of its node as worker processes ('spawn', or
-'fork' where `DIFFSERVE_START_METHOD` says so: `process_start.py`), each on its own device (platform device index = local rank; on the CPU every rank uses the
+the method `DIFFSERVE_START_METHOD` names: `process_start.py`), each on its own device (platform device index = local rank; on the CPU every rank uses the
 CPU: each "gpu" is one rank process over gloo), and joins them in a process group on the platform's
 backend through a store rank 0 opens on a loopback port the OS assigns (`rendezvous.py`), or through
 torch's TCP rendezvous at `--dist-init-addr` on several nodes. Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT set) nothing is spawned:
@@ -226,7 +226,7 @@ def _spawn_local(
         watched, kept = context.Pipe(duplex=False)
         process = context.Process(
             target=worker_main,
-            args=(replace(spec, rank=rank, local_rank=local_rank), watched, os.getpid()),
+            args=(replace(spec, rank=rank, local_rank=local_rank), watched, dict(os.environ)),
             name=f"diffserve-rank-{rank}",
             daemon=True,
         )

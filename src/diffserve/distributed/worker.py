@@ -88,11 +88,13 @@ def send_status(state: ParallelState, status: str | None) -> None:
     dist.gather_object(status, None, dst=0, group=state.cpu_group)
 
 
-def watch_parent(connection: Connection, parent_pid: int) -> None:
-    """Exit this process at once when the parent is gone: its end of `connection` closes (EOF) or this
-    process is re-parented (`os.getppid()` changes). A daemon thread: it never blocks an exit."""
+def watch_parent(connection: Connection) -> None:
+    """Exit this process at once when rank 0 is gone: its end of `connection` closes (EOF), or this
+    process is re-parented (`os.getppid()` changes from what it is now: rank 0, or with the 'forkserver'
+    start method the fork server, which exits with rank 0). A daemon thread: it never blocks an exit."""
     global _parent_link
     _parent_link = connection
+    parent_pid = os.getppid()
 
     def watch() -> None:
         while True:
@@ -124,9 +126,9 @@ def exit_if_rank0_gone(wait_s: float = RANK0_EXIT_WAIT_S) -> None:
         os._exit(1)
 
 
-def worker_main(spec: RankSpec, connection: Connection | None, parent_pid: int) -> None:
-    """Target of a worker process (spawned, or forked: `process_start.py`). After rank 0's STOP it has left the process group and exits at
-    once: the interpreter's teardown (seconds with torch loaded) outlasted rank 0's wait on a loaded
+def worker_main(spec: RankSpec, connection: Connection | None, environ: dict[str, str]) -> None:
+    """Target of a worker process (spawned, or forked: `process_start.py`), in rank 0's environment
+    (`environ`). After rank 0's STOP it has left the process group and exits at once: the interpreter's teardown (seconds with torch loaded) outlasted rank 0's wait on a loaded
     machine, so a clean Ctrl-C ended in terminated ranks and gloo's "Connection closed by peer". SIGINT
     is ignored: a terminal's Ctrl-C reaches every rank, and rank 0 alone decides how they stop
     (`interrupts.hold_interrupts`). tqdm gets a thread lock: its default is a named semaphore that
@@ -135,10 +137,12 @@ def worker_main(spec: RankSpec, connection: Connection | None, parent_pid: int) 
     import tqdm
 
     forget_parent()
+    os.environ.clear()  # rank 0's, as when it started this worker (a fork server's children have its own)
+    os.environ.update(environ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     tqdm.tqdm.set_lock(threading.RLock())
     if connection is not None:
-        watch_parent(connection, parent_pid)
+        watch_parent(connection)
     try:
         run_rank(spec)
     except Exception:

@@ -33,22 +33,19 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Protocol
 
-from diffserve.process_start import START_METHOD_ENV
+from diffserve.process_start import FORKSERVER_PRELOAD, START_METHOD_ENV
 
 #: Modules the fork server imports once, before it forks: the heavy imports of the rank code, of the
 #: `diffserve` commands (CLI, server front end) and of the engine. The OpenMP wait policy goes first
 #: (`diffserve.openmp_env`: it must be set before torch loads).
 PRELOAD = (
-    "diffserve.openmp_env",
-    "torch",
+    *FORKSERVER_PRELOAD,  # the same fork server serves DIFFSERVE_START_METHOD=forkserver in this process
     "torch.distributed",
     "transformers",
-    "transformers.modeling_utils",
     "diffusers",
     "diffserve.testing.distributed",
     "diffserve.cli.main",
     "diffserve.server.runner",
-    "diffserve.server.engine_process",
     "diffserve.api",
 )
 #: A command's entry point: its arguments in, its exit code out.

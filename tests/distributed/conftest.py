@@ -1,0 +1,25 @@
+"""The rank processes a test's multi-device engine starts (`DiffGenerator(num_gpus=...)` here, or a command
+run from here) come from multiprocessing's fork server (`DIFFSERVE_START_METHOD=forkserver`): in a test
+worker that is the preloaded one the gloo tests already use (`diffserve.testing.preloaded`), so a rank
+starts in a fraction of a second instead of importing torch and transformers again. The server tests
+fork theirs (tests/server/server_process.py); the default, 'spawn', is what the CLI tests, the documents'
+Python blocks and the Ray replicas run."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from multiprocessing import forkserver
+
+import pytest
+
+from diffserve.process_start import START_METHOD_ENV
+from diffserve.testing.preloaded import preloaded_context
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ranks_from_the_fork_server() -> Iterator[None]:
+    preloaded_context()
+    forkserver.ensure_running()  # with `PRELOAD`: the list of the first start is the one that holds
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(START_METHOD_ENV, "forkserver")
+        yield
