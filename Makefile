@@ -36,9 +36,8 @@ demo: $(RUNTIME_STAMP)
 
 # The tests cache byte code (git-ignored __pycache__/) even where PYTHONDONTWRITEBYTECODE is set: the suite
 # starts hundreds of Python processes, and tests/conftest.py re-enables it for them; the empty value here also
-# covers pytest's own start-up (its plugins' rewritten modules). Two workers, one per core: a third one
-# (tried: 687 s in a warm tree) gained nothing from a fresh clone (874 s against 832 s with two), where the
-# cold compiles and the README's CLI runs are CPU-bound, and it made the Ray tests 2.5x slower.
+# covers pytest's own start-up (its plugins' rewritten modules). Two workers, one per core: a third one was
+# slower (warm tree, 2026-12-05: 705 s against 643 s with two) and made the timing-bound tests flakier.
 # tests/conftest.py orders the files so that the longest start first; --durations=30 lists where the time went.
 # tests/browser drives the web UI in a headless Chromium: as root with apt-get, Debian's is installed when
 # missing (quietly), in the background while pip sets up .venv (pip keeps one core busy, apt-get mostly waits

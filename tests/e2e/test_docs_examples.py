@@ -487,8 +487,8 @@ class Reader:
     def _server_key(self, line: str) -> tuple[object, ...] | None:
         """The serve line's words with this reader's temporary folder back at `/tmp/`, the bytes of the
         program they run, and the bytes of the files and folders they name that this reader wrote (the
-        repo's own files are the same for every reader). None when a relative path names one of those: the server must run
-        in this reader's directory, and is not shared."""
+        repo's own files are the same for every reader). None when a relative path names one of those: the
+        server must run in this reader's directory, and is not shared."""
         argv = serve_argv(line) or []
         words, files = [], []
         home = self.workdir.resolve()

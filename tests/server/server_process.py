@@ -7,7 +7,6 @@ A plain module (not conftest.py) so test files can import `start_server` by name
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -75,11 +74,7 @@ class ServerProcess:
     def stop(self, timeout: float = 30) -> None:
         """Terminate the server (it drains and exits), killing it if it has not exited after `timeout`."""
         if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+            self.process.stop(timeout)
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
         def ready() -> bool:

@@ -2,8 +2,8 @@
 
 The process that creates the `DiffGenerator` (the CLI, a script, the server's engine process) is rank 0:
 its engine schedules. `start_ranks` spawns the other ranks of its node as worker processes ('spawn', or
-the method `DIFFSERVE_START_METHOD` names: `process_start.py`), each on its own device (platform device index = local rank; on the CPU every rank uses the
-CPU: each "gpu" is one rank process over gloo), and joins them in a process group on the platform's
+the method `DIFFSERVE_START_METHOD` names: `process_start.py`), each on its own device (platform device
+index = local rank; on the CPU every rank uses the CPU: each "gpu" is one rank process over gloo), and joins them in a process group on the platform's
 backend through a store rank 0 opens on a loopback port the OS assigns (`rendezvous.py`), or through
 torch's TCP rendezvous at `--dist-init-addr` on several nodes. Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT set) nothing is spawned:
 each torchrun process is its rank (`is_follower` tells the others apart from rank 0).

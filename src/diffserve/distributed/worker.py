@@ -128,8 +128,8 @@ def exit_if_rank0_gone(wait_s: float = RANK0_EXIT_WAIT_S) -> None:
 
 def worker_main(spec: RankSpec, connection: Connection | None, environ: dict[str, str]) -> None:
     """Target of a worker process (spawned, or forked: `process_start.py`), in rank 0's environment
-    (`environ`). After rank 0's STOP it has left the process group and exits at once: the interpreter's teardown (seconds with torch loaded) outlasted rank 0's wait on a loaded
-    machine, so a clean Ctrl-C ended in terminated ranks and gloo's "Connection closed by peer". SIGINT
+    (`environ`). After rank 0's STOP it has left the process group and exits at once: the interpreter's
+    teardown (seconds with torch loaded) outlasted rank 0's wait on a loaded machine, so a clean Ctrl-C ended in terminated ranks and gloo's "Connection closed by peer". SIGINT
     is ignored: a terminal's Ctrl-C reaches every rank, and rank 0 alone decides how they stop
     (`interrupts.hold_interrupts`). tqdm gets a thread lock: its default is a named semaphore that
     `os._exit` would leave behind (the resource tracker's "leaked semaphore" warning). A failure still

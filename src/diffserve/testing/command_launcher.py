@@ -19,16 +19,14 @@ import json
 import multiprocessing.connection
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
 from pathlib import Path
 from types import TracebackType
 
-from diffserve.testing.preloaded import CommandMain, PreloadedCommand, start_command
+from diffserve.testing.preloaded import CommandMain, start_command
 
 #: The variable that tells the script where the launcher listens.
 ADDRESS_ENV = "DIFFSERVE_TEST_LAUNCHER"
@@ -120,14 +118,6 @@ class CommandLauncher:
             sentinel = command.sentinel
             ready = multiprocessing.connection.wait([sentinel, link])
             if sentinel not in ready:  # the script ended (it never sends again): its command follows
-                _stop(command)
+                command.stop(ORPHAN_TERMINATE_S)
             with contextlib.suppress(OSError):  # the script is gone
                 link.sendall(json.dumps({"exit": command.wait()}).encode())
-
-
-def _stop(command: PreloadedCommand) -> None:
-    command.terminate()
-    try:
-        command.wait(ORPHAN_TERMINATE_S)
-    except subprocess.TimeoutExpired:
-        command.send_signal(signal.SIGKILL)

@@ -11,9 +11,10 @@ outlives the caller.
 (standard pickle), so keep them small: scalars, or small tensors.
 
 The ranks are forked from multiprocessing's fork server, a fresh interpreter started once per calling
-process that has imported torch, transformers and diffusers (`diffserve.testing.preloaded`): no state leaks
-from the caller, as with 'spawn', but a rank starts in a fraction of a second instead of importing them again
-(seconds of CPU per rank, the most of a tiny test's run). A rank sees the environment the fork server started with, not later changes to the caller's `os.environ`.
+process that has imported torch, transformers and diffusers (`diffserve.testing.preloaded`): no state
+leaks from the caller, as with 'spawn', but a rank starts in a fraction of a second instead of importing
+them again (seconds of CPU per rank, the most of a tiny test's run). A rank sees the environment the fork
+server started with, not later changes to the caller's `os.environ`.
 
 Many tests can share one run per mesh (starting rank processes costs more than tiny forwards): on the
 ranks, `case_results` runs every case and keeps what each raised; in the parent, `MeshRuns` starts each

@@ -114,21 +114,28 @@ class PreloadedCommand:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
+    def stop(self, timeout: float) -> int:
+        """SIGTERM (a server drains and exits), SIGKILL if the command has not exited `timeout` s later;
+        its exit code."""
+        self.terminate()
+        try:
+            return self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return self.wait()
+
 
 _running: weakref.WeakSet[PreloadedCommand] = weakref.WeakSet()
 
 
 def _stop_running_commands() -> None:
-    """At exit: multiprocessing would wait for every child still running; stop them instead."""
+    """At exit: multiprocessing would wait for every child still running; stop them instead (all signalled
+    first, so their drains overlap)."""
     left = [command for command in _running if command.poll() is None]
     for command in left:
         command.terminate()
     for command in left:
-        try:
-            command.wait(EXIT_TERMINATE_S)
-        except subprocess.TimeoutExpired:
-            command.kill()
-            command.wait()
+        command.stop(EXIT_TERMINATE_S)
 
 
 atexit.register(_stop_running_commands)
