@@ -23,6 +23,14 @@ sys.dont_write_bytecode = False
 # (two runs of tests/e2e/test_calibrate_cache.py side by side: 47.6 s spinning, 10.9 s passive).
 import diffserve.openmp_env  # noqa: E402, F401  (before any test module imports torch)
 
+# One compute thread per test process unless the environment says otherwise: `make test` runs one worker
+# per core, and every server, engine and rank it starts shares those cores. The suite's models are tiny, so
+# a second OpenMP thread mostly pays for waking and parking itself around each small op (passive waiting
+# makes that a futex round trip): a set of parity, cache and tier files ran in 73-74 s on one thread
+# against 81-85 s on two (`-n 2`, same machine, alternating). Set before torch loads, which reads it once;
+# the CPU platform keeps the count OMP_NUM_THREADS gives (platforms/cpu.py), and the subprocesses inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def _share_httpx_default_ssl_context() -> None:
     """httpx builds a new SSL context for every `httpx.get(...)` / `httpx.Client()` (a CA bundle parsed

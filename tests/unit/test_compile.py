@@ -1,8 +1,9 @@
 """`--compile` (regional torch.compile of the DiT blocks) and `--warmup-resolutions`.
 
 The compiled tests share one tiny FLUX (1 double + 1 single block) compiled once with inductor, so
-the whole file costs about one compilation of two block graphs for two batch kinds; the int8 test compiles
-a FLUX of one single-stream block only (its graphs are new ones: half as many to build, cold, in a run).
+the whole file costs about one compilation of two block graphs for two batch kinds; the LoRA and int8 tests
+compile a FLUX of one single-stream block only (their graphs are new ones: half as many to build, cold, in
+a run; the plain single-stream graphs are the shared FLUX's, found in inductor's cache).
 """
 
 from __future__ import annotations
@@ -272,11 +273,21 @@ def test_zimage_texts_of_any_lengths_reuse_the_warmup_graphs(compiled_zimage) ->
 
 
 @pytest.fixture(scope="module")
-def style_lora(tiny_flux_1x1, tmp_path_factory: pytest.TempPathFactory):
+def tiny_flux_single_stream(tmp_path_factory: pytest.TempPathFactory):
+    """No double-stream block: one block list, one block class."""
+    from diffserve.families.flux.tiny import TinyFluxSpec, build_tiny_flux
+
+    return build_tiny_flux(
+        tmp_path_factory.mktemp("tiny-flux-0x1"), TinyFluxSpec(num_layers=0, num_single_layers=1)
+    )
+
+
+@pytest.fixture(scope="module")
+def style_lora(tiny_flux_single_stream, tmp_path_factory: pytest.TempPathFactory):
     from diffserve.testing.tiny_lora import write_random_lora
 
     path = tmp_path_factory.mktemp("compile-lora") / "style.safetensors"
-    return write_random_lora(tiny_flux_1x1, path, rank=4, alpha=8.0, seed=1, std=0.08)
+    return write_random_lora(tiny_flux_single_stream, path, rank=4, alpha=8.0, seed=1, std=0.08)
 
 
 def _pixels(output) -> np.ndarray:  # noqa: ANN001 - a GenerationOutput
@@ -284,18 +295,23 @@ def _pixels(output) -> np.ndarray:  # noqa: ANN001 - a GenerationOutput
 
 
 @needs_cxx
-def test_a_mixed_lora_batch_compiles_at_warm_up_and_matches_eager(tiny_flux_1x1, style_lora) -> None:
+def test_a_mixed_lora_batch_compiles_at_warm_up_and_matches_eager(
+    tiny_flux_single_stream, style_lora
+) -> None:
     """With an adapter loaded at start-up the warm-up also traces the LoRA batches' graphs (they resolve
     "some row has LoRA" at trace time); a batch of a LoRA row and a plain row then compiles nothing and
-    each row matches eager's."""
+    each row matches eager's. On the single-stream FLUX: LoRA wraps every Linear the same way in both block
+    classes, and one class's LoRA graphs are half the cold compile of two."""
     from diffserve.api import DiffGenerator
     from diffserve.configs.sampling_params import LoraChoice
 
     loras = {"style": style_lora}
     compiled = DiffGenerator.from_pretrained(
-        tiny_flux_1x1, device="cpu", show_progress=False, compile=True, loras=loras
+        tiny_flux_single_stream, device="cpu", show_progress=False, compile=True, loras=loras
     )
-    eager = DiffGenerator.from_pretrained(tiny_flux_1x1, device="cpu", show_progress=False, loras=loras)
+    eager = DiffGenerator.from_pretrained(
+        tiny_flux_single_stream, device="cpu", show_progress=False, loras=loras
+    )
     assert [r.kind for r in compiled.warmup_runs] == [
         "no-cfg", "cfg", "cfg-uneven-text", "no-cfg+lora", "cfg+lora", "cfg-uneven-text+lora",
     ]  # fmt: skip
@@ -314,16 +330,6 @@ def test_a_mixed_lora_batch_compiles_at_warm_up_and_matches_eager(tiny_flux_1x1,
         assert psnr >= 40.0
     plain = eager.generate(PROMPT, height=64, width=64, num_inference_steps=2, seed=3)
     assert np.abs(_pixels(got[0]).astype(int) - _pixels(plain).astype(int)).max() > 5  # LoRA applied
-
-
-@pytest.fixture(scope="module")
-def tiny_flux_single_stream(tmp_path_factory: pytest.TempPathFactory):
-    """No double-stream block: one block list, one block class."""
-    from diffserve.families.flux.tiny import TinyFluxSpec, build_tiny_flux
-
-    return build_tiny_flux(
-        tmp_path_factory.mktemp("tiny-flux-0x1"), TinyFluxSpec(num_layers=0, num_single_layers=1)
-    )
 
 
 @needs_cxx
