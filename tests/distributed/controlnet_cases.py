@@ -103,12 +103,12 @@ def one_rank_images(case: ControlNetCase) -> tuple[np.ndarray, np.ndarray]:
         return case.generate(gen, EDGES), case.generate(gen, OTHER)
 
 
-def max_difference_on_two_ranks(case: ControlNetCase, alone: np.ndarray, **options: object) -> int:
-    """The max uint8 difference between a 2-rank engine's image (with `EDGES`, under `options`: e.g.
-    `enable_cfg_parallel=True`) and `alone`, the one-rank one."""
-    with case.generator(num_gpus=2, **options) as gen:
+def max_difference_on_ranks(case: ControlNetCase, alone: np.ndarray, ranks: int, **options: object) -> int:
+    """The max uint8 difference between an engine's image on `ranks` ranks (with `EDGES`, under `options`:
+    e.g. `enable_cfg_parallel=True`) and `alone`, the one-rank one."""
+    with case.generator(num_gpus=ranks, **options) as gen:
         if gen.ranks is None or gen.ranks.state is None:
-            raise AssertionError(f"the engine with {options} did not start 2 ranks")
+            raise AssertionError(f"the engine with {options} did not start {ranks} ranks")
         split = case.generate(gen, EDGES)
     return int(np.abs(split - alone).max())
 
@@ -143,20 +143,23 @@ def one_rank_cache(root: Path) -> OneRank:
     return get
 
 
-#: The 2-rank parallel modes the cases run, by name: their engine keywords.
-PARALLEL_MODES: dict[str, dict[str, object]] = {
-    "cfg2": dict(enable_cfg_parallel=True),
-    "ulysses2": dict(ulysses_degree=2),
-    "tp2": dict(tp_size=2),
+#: The multi-rank parallel modes the cases run, by name: (ranks, their engine keywords).
+PARALLEL_MODES: dict[str, tuple[int, dict[str, object]]] = {
+    "cfg2": (2, dict(enable_cfg_parallel=True)),
+    "ulysses2": (2, dict(ulysses_degree=2)),
+    "ring2": (2, dict(ring_degree=2)),
+    "tp2": (2, dict(tp_size=2)),
+    "cfg2-ulysses2": (4, dict(enable_cfg_parallel=True, ulysses_degree=2)),
 }
 
 
-def assert_two_ranks_match_one_rank(one_rank: OneRank, family: str, mode: str) -> None:
-    """The 2-rank engine of `PARALLEL_MODES[mode]` gives the one-rank image within one uint8 level, and the
-    other control image moves the one-rank image by at least `CONTROL_MIN_LEVELS`."""
+def assert_ranks_match_one_rank(one_rank: OneRank, family: str, mode: str) -> None:
+    """The engine of `PARALLEL_MODES[mode]` gives the one-rank image within one uint8 level, and the other
+    control image moves the one-rank image by at least `CONTROL_MIN_LEVELS`."""
     case, alone, other = one_rank(family)
     moved = int(np.abs(other - alone).max())
-    error = max_difference_on_two_ranks(case, alone, **PARALLEL_MODES[mode])
+    ranks, options = PARALLEL_MODES[mode]
+    error = max_difference_on_ranks(case, alone, ranks, **options)
     print(
         f"{family} ControlNet, {mode} vs one rank: max uint8 difference {error}; other control image: {moved}"
     )

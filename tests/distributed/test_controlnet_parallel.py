@@ -9,7 +9,8 @@ uint8 level (cases: `controlnet_cases.py` next to this file, requests with CFG a
 
 A control run (another control image, one rank) must move the image by at least `CONTROL_MIN_LEVELS`, so
 that the parity is not the ControlNet doing nothing. Qwen-Image and SD3 under Ulysses, and FLUX.1 under
-tensor parallelism: test_controlnet_parallel_more.py.
+tensor parallelism: test_controlnet_parallel_more.py; ring attention and CFG-parallel x Ulysses:
+test_controlnet_parallel_ring.py.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from controlnet_cases import OneRank, assert_two_ranks_match_one_rank, one_rank_cache, one_torch_thread
+from controlnet_cases import OneRank, assert_ranks_match_one_rank, one_rank_cache, one_torch_thread
 
 #: (family, `controlnet_cases.PARALLEL_MODES` name)
 CASES = [("flux", "cfg2"), ("flux", "ulysses2"), ("qwen-image", "cfg2"), ("sd3", "cfg2")]
@@ -37,4 +38,4 @@ def one_rank(tmp_path_factory: pytest.TempPathFactory) -> OneRank:
 @pytest.mark.parametrize(("family", "mode"), CASES, ids=[f"{f}-{m}" for f, m in CASES])
 def test_two_ranks_match_one_rank(one_rank: OneRank, family: str, mode: str) -> None:
     """The 2-rank engine's image equals the one-rank one within one uint8 level (`controlnet_cases`)."""
-    assert_two_ranks_match_one_rank(one_rank, family, mode)
+    assert_ranks_match_one_rank(one_rank, family, mode)
