@@ -9,43 +9,52 @@ after all that, a request without LoRA equals diffserve's own output from before
 bit for bit. Every generation uses CFG, so the adapters run on two-row batches.
 
 HunyuanImage 2.1 has no LoRA here: Diffusers' `HunyuanImagePipeline` has no LoRA loader; its refusal is
-tested, as are the files HunyuanVideo (original checkpoint names) and HiDream (routed MoE experts)
-refuse.
+tested, as are the files HunyuanVideo refuses (original checkpoint names). HiDream's routed MoE experts
+take adapters too (their tokens gathered from the whole batch): against Diffusers, and batched with a plain
+request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from diffusers import HiDreamImagePipeline, HunyuanVideoImageToVideoPipeline, HunyuanVideoPipeline
 from safetensors.torch import load_file, save_file
 
 from diffserve import DiffGenerator
+from diffserve.configs.sampling_params import LoraChoice, SamplingParams
 from diffserve.errors import LoraError
 from diffserve.families.hidream.tiny import build_tiny_hidream
 from diffserve.families.hunyuan_image.tiny import build_tiny_hunyuan_image
 from diffserve.families.hunyuan_video.image_to_video_tiny import build_tiny_hunyuan_video_i2v
 from diffserve.families.hunyuan_video.tiny import build_tiny_hunyuan_video
 from diffserve.testing import tiny_lora
+from diffserve.testing.image_metrics import psnr_uint8 as psnr
 from diffserve.testing.lora_parity import (
+    CHANGED_BAR_DB,
+    PROMPT,
     RANK,
+    SEED,
     STD,
     Engines,
     Family,
     Loras,
     Suite,
+    check_adapter_matches,
     check_generation_matches_diffusers,
     check_no_lora_after_loras,
     float32_pipeline,
 )
-from diffserve.testing.parity import smooth_random_image
+from diffserve.testing.parity import smooth_random_image, stack_uint8
 
 #: Every Linear of the repeated blocks: HunyuanVideo's double- and single-stream blocks; HiDream's
-#: (`double_stream_blocks.0.block.…`) but its routed MoE experts, on which adapters are refused.
+#: (`double_stream_blocks.0.block.…`) but its routed MoE experts, which the tests below take on their own.
 BLOCKS = re.compile(
     r"(^|\.)(transformer_blocks|single_transformer_blocks|\w+_stream_blocks)\.\d+\.(?!block\.ff_i\.experts\.)"
 )
@@ -148,21 +157,57 @@ def test_hunyuan_image_refuses_lora(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("layout", ["diffusers", "diffusion_model"])
-def test_hidream_lora_on_routed_experts_is_refused(
+def test_hidream_lora_on_routed_experts_matches_diffusers(
     engines_of: Callable[[str], Engines], tmp_path: Path, layout: str
 ) -> None:
-    """Diffusers applies these; diffserve refuses them at load, naming the keys (the routed experts run
-    on tokens gathered across the batch, which per-request adapters cannot tell apart by row)."""
+    """An adapter on the routed MoE experts only (`ff_i.experts.<n>.w1|w2|w3`), each of its tokens' expert
+    runs gathered from the whole batch: diffserve's output matches Diffusers' and differs from the base."""
     engines = engines_of("hidream")
-    root = engines.root
-    out = tmp_path / f"{layout}.safetensors"
-    path = (
-        _write_lora(root, out, ROUTED_EXPERTS, rank=RANK, seed=5)
-        if layout == "diffusers"
-        else _diffusion_model_file(root, out, ROUTED_EXPERTS)
-    )
-    with pytest.raises(LoraError, match=r"routed MoE experts .*ff_i\.experts\.0\.w1"):
-        engines.ours.load_lora("experts", path)
+    name = f"experts-{layout}"
+    path = _routed_experts_lora(engines.root, tmp_path / f"{layout}.safetensors", layout)
+    engines.ours.load_lora(name, path)
+    engines.reference.load_lora_weights(str(path), adapter_name=name)
+    try:
+        ours = engines.family.generate(engines.ours, ((name, 0.9),))
+        reference = engines.run_reference(((name, 0.9),))
+        check_adapter_matches(engines, ours, reference, f"routed experts ({layout}) against Diffusers")
+    finally:
+        engines.ours.unload_lora(name)
+        engines.reference.delete_adapters(name)
+
+
+def test_hidream_routed_expert_lora_rows_share_a_batch_with_plain_rows(
+    engines_of: Callable[[str], Engines], tmp_path: Path
+) -> None:
+    """A request with a routed-expert adapter and one without, in one DiT batch (their tokens routed to
+    the same experts together): each equals its own run alone within one uint8 level, so the adapter
+    reaches its own request's tokens only."""
+    engines = engines_of("hidream")
+    path = _routed_experts_lora(engines.root, tmp_path / "experts.safetensors", "diffusers")
+    engines.ours.load_lora("experts-mixed", path)
+    try:
+        request = {**engines.family.request, "prompt": PROMPT, "seed": SEED}
+        params = [
+            SamplingParams(**request, loras=[LoraChoice("experts-mixed", 0.9)]),
+            SamplingParams(**request),
+        ]
+        together = engines.ours.generate_many([dataclasses.replace(p) for p in params])
+        alone = [engines.ours.generate_many([p])[0] for p in params]
+    finally:
+        engines.ours.unload_lora("experts-mixed")
+    for label, got, expected in zip(("with the adapter", "plain"), together, alone, strict=True):
+        difference = int(np.abs(stack_uint8(got.images).astype(int) - stack_uint8(expected.images)).max())
+        print(f"{label}: batched vs alone, max uint8 difference {difference}")
+        assert difference <= 1
+    assert np.array_equal(stack_uint8(alone[1].images), engines.ours_base)
+    assert psnr(stack_uint8(alone[0].images), engines.ours_base) < CHANGED_BAR_DB
+
+
+def _routed_experts_lora(root: Path, out: Path, layout: str) -> Path:
+    """A random LoRA on the routed experts only, in Diffusers' layout or as a `diffusion_model.` file."""
+    if layout == "diffusers":
+        return _write_lora(root, out, ROUTED_EXPERTS, rank=RANK, seed=5, std=1.5 * STD)
+    return _diffusion_model_file(root, out, ROUTED_EXPERTS)
 
 
 @pytest.mark.parametrize("prefix", ["diffusion_model.", "transformer.", ""])

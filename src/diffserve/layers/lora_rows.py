@@ -97,16 +97,28 @@ class LoraRows:
         cache recomputes when some requests reuse their residual)."""
         if self.num_rows is None:
             return self
-        kept = [row for lo, hi in bounds for row in range(lo, hi)]
-        position = {row: i for i, row in enumerate(kept)}
-        row_loras: list[list[AppliedLora]] = [[] for _ in kept]
+        return self.picked([row for lo, hi in bounds for row in range(lo, hi)])
+
+    def picked(self, rows: Sequence[int]) -> LoraRows:
+        """The assignment for a batch whose row i is row `rows[i]` of this one (a row may come back many
+        times): a mixture-of-experts layer's tokens gathered for one expert, each one row of the expert's
+        batch, carry the adapters of the batch row they came from."""
+        if self.num_rows is None:
+            return self
+        row_loras = self.row_adapters()
+        return LoraRows.for_rows([row_loras[row] for row in rows])
+
+    def row_adapters(self) -> list[list[AppliedLora]]:
+        """Per batch row, the adapters it applies (adapter-id order); a batch of `num_rows` rows."""
+        if self.num_rows is None:
+            raise ValueError("a LoRA assignment for any batch has no rows to list")
+        row_loras: list[list[AppliedLora]] = [[] for _ in range(self.num_rows)]
         for use in self.uses:
             rows = range(self.num_rows) if use.rows is None else use.rows
             scales = use.scales * self.num_rows if use.rows is None else use.scales
             for row, scale in zip(rows, scales, strict=True):
-                if row in position:
-                    row_loras[position[row]].append(AppliedLora(use.adapter_id, "", scale))
-        return LoraRows.for_rows(row_loras)
+                row_loras[row].append(AppliedLora(use.adapter_id, "", scale))
+        return row_loras
 
     def gathered_rows(
         self, use: AdapterRows, device: torch.device

@@ -4,7 +4,6 @@ flow-matching Euler or UniPC steps."""
 
 from __future__ import annotations
 
-from diffserve.families.hidream.lora_rules import refuse_routed_experts
 from diffserve.families.hidream.pipeline import HiDreamPipeline
 from diffserve.families.record import ModelFamily, lazy_tiny_builder
 from diffserve.loader.dit_facts import DitFacts, LoraFacts
@@ -38,8 +37,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
             ),
             # LoRA: Diffusers/PEFT-format files, and `diffusion_model.` ones, whose module names are
             # Diffusers' own (`_convert_non_diffusers_hidream_lora_to_diffusers` only strips the prefix);
-            # adapters on the routed MoE experts are refused (lora_rules.py).
-            lora=LoraFacts(components=("transformer",), rules=(), community=refuse_routed_experts),
+            # adapters on the routed MoE experts apply to their own requests' routed tokens (MoEFeedForward).
+            lora=LoraFacts(components=("transformer",), rules=()),
         ),
         # No single-file support yet: the loader refuses it naming the DiT.
         aliases=("hidream", "hidream-i1-full", "hidream-i1-dev", "hidream-i1-fast"),

@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +57,7 @@ from torch import nn
 from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.layers.embeddings import TimestepEmbedding, timestep_sinusoids
+from diffserve.layers.lora_rows import LoraRows, current_lora_rows, lora_rows_scope
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding, multi_axis_rope_tables
 from diffserve.layers.shape_cache import BoundedCache
@@ -174,7 +175,12 @@ class MoEGate(nn.Module):
 
 
 class MoEFeedForward(nn.Module):
-    """Routed SwiGLU experts plus a shared one (Diffusers' `MOEFeedForwardSwiGLU`, inference path)."""
+    """Routed SwiGLU experts plus a shared one (Diffusers' `MOEFeedForwardSwiGLU`, inference path).
+
+    Each expert runs on the tokens routed to it, gathered from the whole batch. Under per-request LoRA
+    (a scope over the batch's rows, layers/lora_rows.py) the expert's batch is those tokens, each one
+    row carrying the adapters of the batch row it came from, so adapters on the routed experts apply to
+    their own requests' tokens only."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int) -> None:
         super().__init__()
@@ -189,16 +195,30 @@ class MoEFeedForward(nn.Module):
         flat_experts, flat_weights = experts.reshape(-1), weights.reshape(-1, 1)
         order = flat_experts.argsort()
         counts = flat_experts.bincount(minlength=len(self.experts)).tolist()  # one host read per layer
+        lora = current_lora_rows()
+        # Per-request adapters: the batch row of each routed token, in routing order (a second host read,
+        # only for batches with LoRA rows).
+        batch_rows = (order // k // (tokens.shape[0] // x.shape[0])).tolist() if _per_row(lora) else None
         routed = torch.zeros_like(tokens)
         start = 0
         for expert, count in zip(self.experts, counts, strict=True):
             if count:
                 picks = order[start : start + count]
                 rows = picks // k
-                out = expert(tokens[rows]) * flat_weights[picks]
+                if batch_rows is None:
+                    out = expert(tokens[rows])
+                else:
+                    with lora_rows_scope(lora.picked(batch_rows[start : start + count])):
+                        out = expert(tokens[rows])
+                out = out * flat_weights[picks]
                 routed = routed.to(out.dtype).index_add_(0, rows, out)
             start += count
         return routed.view(x.shape) + self.shared_experts(x)
+
+
+def _per_row(lora: LoraRows | None) -> TypeGuard[LoraRows]:
+    """Whether `lora` assigns adapters to some rows of a batch (not to every row of any batch)."""
+    return lora is not None and lora.active and lora.num_rows is not None
 
 
 def feed_forward(config: HiDreamImageTransformerConfig) -> nn.Module:
