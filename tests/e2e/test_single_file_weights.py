@@ -1,8 +1,8 @@
 """`transformer_weights=` / `--transformer-weights`: the DiT from one single-file checkpoint, the rest of
 the pipeline from the folder (issue 20).
 
-- Original-name `.safetensors` (BFL FLUX, SD3 MMDiT, Wan, Z-Image; Qwen-Image's originals are Diffusers'
-  names), with ComfyUI's `model.diffusion_model.` prefix, and Diffusers-name files: the same pixels as
+- Original-name `.safetensors` (BFL FLUX, SD3 MMDiT, Wan, Z-Image; Qwen-Image's and HiDream-I1's originals
+  are Diffusers' names), with ComfyUI's `model.diffusion_model.` prefix, and Diffusers-name files: the same pixels as
   the folder, for every native family. The test writer (`testing/tiny_single_file.py`) is checked
   against Diffusers' own single-file converters, so the loader is checked against them too.
 - Pre-quantized FP8 (plain, ComfyUI scaled, comfy_quant): weights exactly the dequantized FP8 values.
@@ -30,6 +30,7 @@ from diffserve import DiffGenerator
 from diffserve.cli.main import main
 from diffserve.errors import ModelLoadError, UserError
 from diffserve.families.flux.tiny import TinyFluxSpec, build_tiny_flux
+from diffserve.families.hidream.tiny import build_tiny_hidream
 from diffserve.families.qwen_image.tiny import build_tiny_qwen_image
 from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
 from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
@@ -38,6 +39,7 @@ from diffserve.layers.gguf_linear import GGUF_BLOCKS, GGUFLinear
 from diffserve.layers.quantized_linear import QuantizedLinear
 from diffserve.loader.single_file import load_transformer_weights_file
 from diffserve.models.dits.flux import FluxTransformer2DModel
+from diffserve.models.dits.hidream_image import HiDreamImageTransformer2DModel
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
 from diffserve.models.dits.sd3 import SD3Transformer2DModel
 from diffserve.models.dits.wan import WanTransformer3DModel
@@ -104,6 +106,13 @@ FAMILIES = {
         dict(height=64, width=64, num_inference_steps=2, max_sequence_length=32, true_cfg_scale=1.0),
         "qwen_image",
         "Qwen-Image",
+    ),
+    "hidream": Family(
+        HiDreamImageTransformer2DModel,
+        build_tiny_hidream,
+        dict(height=32, width=32, num_inference_steps=2, max_sequence_length=24, guidance_scale=5.0),
+        "hidream",
+        "HiDream-I1",
     ),
 }
 
@@ -182,8 +191,8 @@ def test_original_names_give_the_folder_image(ckpt, tmp_path, caplog, name) -> N
     folder = ckpt.image(name)
     print(f"{name} original-name single file vs folder: PSNR {psnr(ours, folder):.2f} dB")
     assert np.array_equal(ours, folder)
-    # Qwen-Image's original names are Diffusers' names.
-    naming = "Diffusers names" if name == "qwen" else f"original {FAMILIES[name].label} names"
+    # Qwen-Image's and HiDream's original names are Diffusers' names.
+    naming = "Diffusers names" if name in ("qwen", "hidream") else f"original {FAMILIES[name].label} names"
     assert f"read in {naming}, as stored" in caplog.text
     if name == "flux":
         assert "1 tensors outside model.diffusion_model. (other components) were not loaded" in caplog.text
@@ -220,6 +229,7 @@ def test_a_wrong_weight_changes_the_image(ckpt, tmp_path) -> None:
         ("sd3", "convert_sd3_transformer_checkpoint_to_diffusers"),
         ("wan", "convert_wan_transformer_to_diffusers"),
         ("zimage", "convert_z_image_transformer_checkpoint_to_diffusers"),
+        ("hidream", "convert_hidream_transformer_to_diffusers"),
     ],
 )
 def test_test_writer_inverts_diffusers_converter(ckpt, name, converter) -> None:
@@ -334,7 +344,7 @@ def test_flux_gguf_against_the_original_weights(ckpt, tmp_path, caplog, qtype, b
     assert value >= bar_db
 
 
-@pytest.mark.parametrize("name", ["sd3", "wan", "zimage", "qwen"])
+@pytest.mark.parametrize("name", ["sd3", "wan", "zimage", "qwen", "hidream"])
 def test_gguf_q8_0_against_the_original_weights(ckpt, tmp_path, name) -> None:
     path = tmp_path / f"{name}-Q8_0.gguf"
     types = write_gguf(path, ckpt.original(name), "Q8_0", FAMILIES[name].gguf_arch)

@@ -251,6 +251,7 @@ _INVERSES: dict[str, Callable[[dict], dict[str, torch.Tensor]]] = {
     "WanTransformer3DModel": _wan,
     "ZImageTransformer2DModel": _z_image,
     "QwenImageTransformer2DModel": _identity,
+    "HiDreamImageTransformer2DModel": _identity,
 }
 
 # --------------------------------------------------------------------------- FP8

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from diffserve.families.hidream.pipeline import HiDreamPipeline
 from diffserve.families.record import ModelFamily, lazy_tiny_builder
-from diffserve.loader.dit_facts import DitFacts, LoraFacts
+from diffserve.loader.dit_facts import DitFacts, LoraFacts, SingleFileKeys
 from diffserve.loader.native_classes import NativeClasses
+from diffserve.loader.single_file_keys import identity_keys_plan
 from diffserve.models.dits.hidream_image import HiDreamImageTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.schedulers.unipc_flow import UniPCFlowScheduler
@@ -39,8 +40,16 @@ FAMILIES: tuple[ModelFamily, ...] = (
             # Diffusers' own (`_convert_non_diffusers_hidream_lora_to_diffusers` only strips the prefix);
             # adapters on the routed MoE experts apply to their own requests' routed tokens (MoEFeedForward).
             lora=LoraFacts(components=("transformer",), rules=()),
+            # Single files (ComfyUI's, under `model.diffusion_model.`) use Diffusers' names: Diffusers'
+            # `convert_hidream_transformer_to_diffusers` only strips the prefix. city96's GGUF files say
+            # "hidream".
+            single_file=SingleFileKeys(
+                "HiDream-I1",
+                identity_keys_plan,
+                gguf_arches=("hidream",),
+                markers=("double_stream_blocks.", "ff_i.gate."),
+            ),
         ),
-        # No single-file support yet: the loader refuses it naming the DiT.
         aliases=("hidream", "hidream-i1-full", "hidream-i1-dev", "hidream-i1-fast"),
     ),
 )
