@@ -1,8 +1,8 @@
 """`transformer_weights=` / `--transformer-weights`: the DiT from one single-file checkpoint, the rest of
 the pipeline from the folder (issue 20).
 
-- Original-name `.safetensors` (BFL FLUX, SD3 MMDiT, Wan, Z-Image; Qwen-Image's and HiDream-I1's originals
-  are Diffusers' names), with ComfyUI's `model.diffusion_model.` prefix, and Diffusers-name files: the same pixels as
+- Original-name `.safetensors` (BFL FLUX, SD3 MMDiT, Wan, Z-Image, Qwen-Image 2.1's fused SwiGLU;
+  Qwen-Image's and HiDream-I1's originals are Diffusers' names), with ComfyUI's `model.diffusion_model.` prefix, and Diffusers-name files: the same pixels as
   the folder, for every native family. The test writer (`testing/tiny_single_file.py`) is checked
   against Diffusers' own single-file converters, so the loader is checked against them too.
 - Pre-quantized FP8 (plain, ComfyUI scaled, comfy_quant): weights exactly the dequantized FP8 values.
@@ -32,6 +32,7 @@ from diffserve.errors import ModelLoadError, UserError
 from diffserve.families.flux.tiny import TinyFluxSpec, build_tiny_flux
 from diffserve.families.hidream.tiny import build_tiny_hidream
 from diffserve.families.qwen_image.tiny import build_tiny_qwen_image
+from diffserve.families.qwen_image21.tiny import build_tiny_qwen_image21
 from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
 from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
 from diffserve.families.z_image.tiny import build_tiny_zimage
@@ -41,6 +42,7 @@ from diffserve.loader.single_file import load_transformer_weights_file
 from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.models.dits.hidream_image import HiDreamImageTransformer2DModel
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
+from diffserve.models.dits.qwen_image21 import QwenImage21Transformer2DModel
 from diffserve.models.dits.sd3 import SD3Transformer2DModel
 from diffserve.models.dits.wan import WanTransformer3DModel
 from diffserve.models.dits.z_image import ZImageTransformer2DModel
@@ -113,6 +115,13 @@ FAMILIES = {
         dict(height=32, width=32, num_inference_steps=2, max_sequence_length=24, guidance_scale=5.0),
         "hidream",
         "HiDream-I1",
+    ),
+    "qwen21": Family(
+        QwenImage21Transformer2DModel,
+        build_tiny_qwen_image21,
+        dict(height=64, width=32, num_inference_steps=2),
+        "",  # no GGUF files of it are published
+        "Qwen-Image 2.1",
     ),
 }
 
@@ -230,6 +239,7 @@ def test_a_wrong_weight_changes_the_image(ckpt, tmp_path) -> None:
         ("wan", "convert_wan_transformer_to_diffusers"),
         ("zimage", "convert_z_image_transformer_checkpoint_to_diffusers"),
         ("hidream", "convert_hidream_transformer_to_diffusers"),
+        ("qwen21", "convert_qwen_image21_transformer_checkpoint_to_diffusers"),
     ],
 )
 def test_test_writer_inverts_diffusers_converter(ckpt, name, converter) -> None:

@@ -245,6 +245,18 @@ def _identity(sd: dict) -> dict[str, torch.Tensor]:
     return {name: sd[name] for name in list(sd)}
 
 
+def _qwen_image21(sd: dict) -> dict[str, torch.Tensor]:
+    """ComfyUI's Qwen-Image 2.1 files: each block's SwiGLU gate and up projections fused, gate first."""
+    out: dict[str, torch.Tensor] = {}
+    for name in list(sd):
+        if name.endswith(".img_mlp.gate_layer.weight"):
+            module = name[: -len(".gate_layer.weight")]
+            _fused(out, sd, f"{module}.gate_up", [f"{module}.gate_layer", f"{module}.proj"])
+        elif not name.endswith(".img_mlp.proj.weight"):
+            out[name] = sd[name]
+    return out
+
+
 _INVERSES: dict[str, Callable[[dict], dict[str, torch.Tensor]]] = {
     "FluxTransformer2DModel": _flux,
     "SD3Transformer2DModel": _sd3,
@@ -252,6 +264,7 @@ _INVERSES: dict[str, Callable[[dict], dict[str, torch.Tensor]]] = {
     "ZImageTransformer2DModel": _z_image,
     "QwenImageTransformer2DModel": _identity,
     "HiDreamImageTransformer2DModel": _identity,
+    "QwenImage21Transformer2DModel": _qwen_image21,
 }
 
 # --------------------------------------------------------------------------- FP8

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from diffserve.families.qwen_image21.lora_rules import QWEN_IMAGE21_RULES
 from diffserve.families.qwen_image21.pipeline import QwenImage21Pipeline
+from diffserve.families.qwen_image21.single_file_keys import qwen_image21_plan
 from diffserve.families.record import ModelFamily, lazy_tiny_builder
-from diffserve.loader.dit_facts import DitFacts, LoraFacts
+from diffserve.loader.dit_facts import DitFacts, LoraFacts, SingleFileKeys
 from diffserve.loader.native_classes import NativeClasses
 from diffserve.models.dits.qwen_image21 import QwenImage21Transformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
@@ -36,7 +37,10 @@ FAMILIES: tuple[ModelFamily, ...] = (
             ),
             # Diffusers' `QwenImage21Pipeline` loads LoRAs with Qwen-Image's `QwenImageLoraLoaderMixin`.
             lora=LoraFacts(rules=tuple(QWEN_IMAGE21_RULES)),
-            # No single-file support yet: the loader refuses it naming the DiT.
+            # ComfyUI's files: Diffusers' names with each block's SwiGLU gate and up fused (single_file_keys.py).
+            single_file=SingleFileKeys(
+                "Qwen-Image 2.1", qwen_image21_plan, markers=("img_mlp.gate_up.", "img_mlp.gate_layer.")
+            ),
         ),
         aliases=("qwenimage21", "qwen_image21", "qwen-image21", "qwen-image-21"),
     ),
