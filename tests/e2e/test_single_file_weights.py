@@ -1,7 +1,7 @@
 """`transformer_weights=` / `--transformer-weights`: the DiT from one single-file checkpoint, the rest of
 the pipeline from the folder (issue 20).
 
-- Original-name `.safetensors` (BFL FLUX, SD3 MMDiT, Wan, Z-Image, Qwen-Image 2.1's fused SwiGLU;
+- Original-name `.safetensors` (BFL FLUX, Chroma, SD3 MMDiT, Wan, Z-Image, Qwen-Image 2.1's fused SwiGLU;
   Qwen-Image's and HiDream-I1's originals are Diffusers' names), with ComfyUI's `model.diffusion_model.` prefix, and Diffusers-name files: the same pixels as
   the folder, for every native family. The test writer (`testing/tiny_single_file.py`) is checked
   against Diffusers' own single-file converters, so the loader is checked against them too.
@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from diffserve import DiffGenerator
 from diffserve.cli.main import main
 from diffserve.errors import ModelLoadError, UserError
+from diffserve.families.chroma.tiny import build_tiny_chroma
 from diffserve.families.flux.tiny import TinyFluxSpec, build_tiny_flux
 from diffserve.families.hidream.tiny import build_tiny_hidream
 from diffserve.families.qwen_image.tiny import build_tiny_qwen_image
@@ -39,6 +40,7 @@ from diffserve.families.z_image.tiny import build_tiny_zimage
 from diffserve.layers.gguf_linear import GGUF_BLOCKS, GGUFLinear
 from diffserve.layers.quantized_linear import QuantizedLinear
 from diffserve.loader.single_file import load_transformer_weights_file
+from diffserve.models.dits.chroma import ChromaTransformer2DModel
 from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.models.dits.hidream_image import HiDreamImageTransformer2DModel
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
@@ -122,6 +124,13 @@ FAMILIES = {
         dict(height=64, width=32, num_inference_steps=2),
         "",  # no GGUF files of it are published
         "Qwen-Image 2.1",
+    ),
+    "chroma": Family(
+        ChromaTransformer2DModel,
+        build_tiny_chroma,
+        dict(height=64, width=48, num_inference_steps=2, max_sequence_length=24, guidance_scale=3.0),
+        "chroma",
+        "Chroma",
     ),
 }
 
@@ -253,28 +262,37 @@ def test_test_writer_inverts_diffusers_converter(ckpt, name, converter) -> None:
         assert torch.equal(converted[key], value), key
 
 
-def test_flux_names_match_diffusers_converter_at_full_size() -> None:
-    """FLUX.1-dev's real widths (on meta: no memory), since Diffusers' FLUX converter hardcodes 3072:
-    the original names convert, by Diffusers and by diffserve, to exactly the model's names and shapes."""
-    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
+@pytest.mark.parametrize(
+    ("dit_class", "config", "converter", "label"),
+    [
+        (FluxTransformer2DModel, {"num_layers": 2, "num_single_layers": 2, "guidance_embeds": True},
+         "convert_flux_transformer_checkpoint_to_diffusers", "FLUX.1"),
+        (ChromaTransformer2DModel, {"num_layers": 2, "num_single_layers": 2, "approximator_layers": 2},
+         "convert_chroma_transformer_checkpoint_to_diffusers", "Chroma"),
+    ],
+    ids=["flux", "chroma"],
+)  # fmt: skip
+def test_original_names_match_diffusers_converter_at_full_size(dit_class, config, converter, label) -> None:
+    """FLUX.1-dev's and Chroma's real widths (on meta: no memory, fewer blocks), since Diffusers' FLUX and
+    Chroma converters hardcode 3072: the original names convert, by Diffusers and by diffserve, to exactly
+    the model's names and shapes."""
+    from diffusers.loaders import single_file_utils
 
     with torch.device("meta"):
-        model = FluxTransformer2DModel.from_config(
-            {"num_layers": 2, "num_single_layers": 2, "guidance_embeds": True}
-        )  # FLUX.1-dev widths, fewer blocks
+        model = dit_class.from_config(config)
     state = model.state_dict()
-    original = original_state_dict("FluxTransformer2DModel", state)
-    converted = convert_flux_transformer_checkpoint_to_diffusers(dict(original))
+    original = original_state_dict(dit_class.__name__, state)
+    converted = getattr(single_file_utils, converter)(dict(original))
     assert {k: tuple(v.shape) for k, v in converted.items()} == {k: tuple(v.shape) for k, v in state.items()}
 
     from diffserve.loader.single_file_keys.validate import choose_plan, plan_problems
 
-    keys = DIT_FACTS.single_file("FluxTransformer2DModel")
+    keys = DIT_FACTS.single_file(dit_class.__name__)
     assert keys is not None
     shapes = {k: tuple(v.shape) for k, v in original.items()}
     model_shapes = {k: tuple(v.shape) for k, v in state.items()}
     chosen = choose_plan(keys, shapes, frozenset(model_shapes))
-    assert chosen.naming == "original FLUX.1 names"
+    assert chosen.naming == f"original {label} names"
     assert plan_problems(chosen, shapes, model_shapes, keys, DIT_FACTS) is None
 
 
@@ -354,7 +372,7 @@ def test_flux_gguf_against_the_original_weights(ckpt, tmp_path, caplog, qtype, b
     assert value >= bar_db
 
 
-@pytest.mark.parametrize("name", ["sd3", "wan", "zimage", "qwen", "hidream"])
+@pytest.mark.parametrize("name", ["sd3", "wan", "zimage", "qwen", "hidream", "chroma"])
 def test_gguf_q8_0_against_the_original_weights(ckpt, tmp_path, name) -> None:
     path = tmp_path / f"{name}-Q8_0.gguf"
     types = write_gguf(path, ckpt.original(name), "Q8_0", FAMILIES[name].gguf_arch)

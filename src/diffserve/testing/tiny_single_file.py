@@ -123,6 +123,19 @@ def _flux(sd: dict) -> dict[str, torch.Tensor]:
     return out
 
 
+def _chroma(sd: dict) -> dict[str, torch.Tensor]:
+    """FLUX.1's BFL names for the blocks; the guidance approximator's layers and norms as lodestones'."""
+    approximator = "distilled_guidance_layer."
+    blocks = {k: v for k, v in sd.items() if not k.startswith(approximator)}
+    out = _flux(_Tracking(blocks, sd.used) if isinstance(sd, _Tracking) else blocks)
+    for name in [k for k in sd if k.startswith(approximator)]:
+        original = name.replace(".linear_1.", ".in_layer.").replace(".linear_2.", ".out_layer.")
+        if ".norms." in name:
+            original = name.removesuffix(".weight") + ".scale"
+        out[original] = sd[name]
+    return out
+
+
 def _sd3(sd: dict) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {"pos_embed": sd["pos_embed.pos_embed"]}
     for original, diffusers in (
@@ -265,6 +278,7 @@ _INVERSES: dict[str, Callable[[dict], dict[str, torch.Tensor]]] = {
     "QwenImageTransformer2DModel": _identity,
     "HiDreamImageTransformer2DModel": _identity,
     "QwenImage21Transformer2DModel": _qwen_image21,
+    "ChromaTransformer2DModel": _chroma,
 }
 
 # --------------------------------------------------------------------------- FP8

@@ -4,8 +4,9 @@ scheduler, and T5."""
 from __future__ import annotations
 
 from diffserve.families.chroma.pipeline import ChromaPipeline
+from diffserve.families.chroma.single_file_keys import chroma_plan
 from diffserve.families.record import ModelFamily, lazy_tiny_builder
-from diffserve.loader.dit_facts import DitFacts, LoraFacts
+from diffserve.loader.dit_facts import DitFacts, LoraFacts, SingleFileKeys
 from diffserve.loader.native_classes import NativeClasses
 from diffserve.models.dits.chroma import ChromaTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
@@ -25,7 +26,6 @@ FAMILIES: tuple[ModelFamily, ...] = (
         tiny_builder=lazy_tiny_builder(
             "diffserve.families.chroma.tiny", "build_tiny_chroma", "TinyChromaSpec"
         ),
-        # LoRA adapters and single files are not supported yet (refused by name).
         dit_facts=DitFacts(
             class_name=ChromaTransformer2DModel.diffusers_class_name,
             full_precision_modules=frozenset(
@@ -33,6 +33,11 @@ FAMILIES: tuple[ModelFamily, ...] = (
             ),
             # Diffusers/PEFT-format files (ChromaPipeline's loader passes their alphas as FLUX's does).
             lora=LoraFacts(components=("transformer",), first_alpha_fill=True),
+            # Original-name files (FLUX.1's BFL names and the guidance approximator); city96's GGUF files of
+            # Chroma say "chroma".
+            single_file=SingleFileKeys(
+                "Chroma", chroma_plan, gguf_arches=("chroma",), markers=("distilled_guidance_layer.",)
+            ),
         ),
     ),
 )
