@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from diffserve.errors import LoraError
 from diffserve.families.flux.lora_formats import convert_flux_lora
-from diffserve.families.flux.lora_names import (
+from diffserve.loader.bfl_names import (
     DIFFUSERS_DOUBLE_LINEARS,
     DIFFUSERS_GLOBAL_LINEARS,
     DIFFUSERS_SINGLE_LINEARS,

@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from diffserve.errors import LoraError
-from diffserve.families.flux.lora_names import (
+from diffserve.loader.bfl_names import (
     BFL_ROOTS,
     FluxTarget,
     Split,

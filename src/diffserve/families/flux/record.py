@@ -9,10 +9,10 @@ from diffserve.families.flux.fill_pipeline import FluxFillPipeline
 from diffserve.families.flux.kontext_pipeline import FluxKontextPipeline
 from diffserve.families.flux.lora_formats import convert_flux_lora
 from diffserve.families.flux.pipeline import FluxPipeline
-from diffserve.families.flux.single_file_keys import flux_plan
 from diffserve.families.record import ModelFamily, lazy_tiny_builder
 from diffserve.loader.dit_facts import DitFacts, LoraFacts, SingleFileKeys
 from diffserve.loader.native_classes import NativeClasses
+from diffserve.loader.single_file_keys.bfl import bfl_plan
 from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
@@ -36,7 +36,7 @@ _DIT_FACTS = DitFacts(
         components=("transformer", "text_encoder"), first_alpha_fill=True, community=convert_flux_lora
     ),
     single_file=SingleFileKeys(
-        "FLUX.1", flux_plan, gguf_arches=("flux",), markers=("double_blocks.", "single_transformer_blocks.")
+        "FLUX.1", bfl_plan, gguf_arches=("flux",), markers=("double_blocks.", "single_transformer_blocks.")
     ),
 )
 

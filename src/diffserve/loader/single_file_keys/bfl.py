@@ -1,15 +1,16 @@
-"""FLUX.1 DiT: Black Forest Labs' original names (as BFL, ComfyUI, Kijai and city96's GGUF files use
-them) to Diffusers' `FluxTransformer2DModel` names.
+"""Black Forest Labs' original DiT names (as BFL, ComfyUI, Kijai and city96's GGUF files use them) to
+Diffusers' names, for the DiTs built on FLUX.1's blocks: FLUX.1's `FluxTransformer2DModel` and Chroma's
+(whose family adds its guidance approximator's names, `families/chroma/single_file_keys.py`).
 
-The Linear modules map as in `lora_formats/flux_names.py` (shared with FLUX LoRAs): `qkv` splits into
-equal thirds, a single block's `linear1` into q, k, v (hidden-size rows each) and the MLP (the rest),
-and the final AdaLN's (shift, scale) rows swap to (scale, shift). The sizes come from the file's shapes,
-so any width loads (Diffusers' converter assumes FLUX.1's 3072). The QK RMSNorms are named `.scale`.
+The Linear modules map as in `loader/bfl_names.py` (shared with FLUX LoRAs): `qkv` splits into equal
+thirds, a single block's `linear1` into q, k, v (hidden-size rows each) and the MLP (the rest), and the
+final AdaLN's (shift, scale) rows swap to (scale, shift). The sizes come from the file's shapes, so any
+width loads (Diffusers' converters assume FLUX.1's 3072). The QK RMSNorms are named `.scale`.
 """
 
 from __future__ import annotations
 
-from diffserve.families.flux.lora_names import Split, bfl_target
+from diffserve.loader.bfl_names import Split, bfl_target
 from diffserve.loader.single_file_keys.plan import KeyPlan, Piece, Shapes, add_row_split
 
 _NORMS = {
@@ -22,8 +23,8 @@ _NORMS = {
 }
 
 
-def flux_plan(shapes: Shapes, model_keys: frozenset[str]) -> KeyPlan:
-    """The plan of a BFL-named FLUX file with tensors `shapes`."""
+def bfl_plan(shapes: Shapes, model_keys: frozenset[str]) -> KeyPlan:
+    """The plan of a BFL-named file with tensors `shapes` (modules a DiT lacks are not in the file)."""
     del model_keys  # the file's shapes say everything
     plan: KeyPlan = {}
     modules = sorted({name.rsplit(".", 1)[0] for name in shapes})

@@ -1,4 +1,5 @@
-"""FLUX module names as the community LoRA formats write them, mapped to Diffusers' module paths.
+"""FLUX.1's module names as its community LoRA formats and original single files write them, mapped to
+Diffusers' module paths (outside the FLUX family's package: Chroma's single files use the BFL names too).
 
 FLUX files name the transformer's Linears three ways: Black Forest Labs' original names
 (`double_blocks.0.img_attn.qkv`, written with dots by BFL / ComfyUI files and with underscores by kohya
