@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -89,11 +89,24 @@ def sd3_case(root: Path) -> ControlNetCase:
     return ControlNetCase(folder, canny, dict(guidance_scale=3.0, negative_prompt="blurry"))
 
 
+def sd3_large_controlnet_case(root: Path) -> ControlNetCase:
+    """SD3 with CFG and an SD3.5-Large-kind ControlNet (single-stream blocks on the DiT's positions, the
+    pooled projection read)."""
+    sd3 = TinySD3Spec(seed=0)
+    folder = build_tiny_sd3(root / "sd3-large", sd3)
+    spec = TinySD3ControlNetSpec(
+        sd3, num_layers=2, force_zeros_for_pooled_projection=False, single_stream=True
+    )
+    canny = build_tiny_sd3_controlnet(root / "sd3-large-canny", replace(spec, seed=1))
+    return ControlNetCase(folder, canny, dict(guidance_scale=3.0, negative_prompt="blurry"))
+
+
 #: family -> the builder of its case under a root folder.
 CASE_BUILDERS: dict[str, Callable[[Path], ControlNetCase]] = {
     "flux": flux_case,
     "qwen-image": qwen_image_case,
     "sd3": sd3_case,
+    "sd3-large-controlnet": sd3_large_controlnet_case,
 }
 
 

@@ -8,7 +8,9 @@ cases, same bars):
 - CFG-parallel 2 x Ulysses 2 on 4 ranks (`enable_cfg_parallel=True, ulysses_degree=2`): each cfg group
   runs the ControlNet over its branch's rows, and within the group each rank adds its shard's slice.
 
-Each with a control run (another control image) that must move the image by at least `CONTROL_MIN_LEVELS`.
+And SD3.5-Large's kind of SD3 ControlNet (single-stream blocks on the DiT's positions) under CFG-parallel 2
+and Ulysses 2. Each with a control run (another control image) that must move the image by at least
+`CONTROL_MIN_LEVELS`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ CASES = [
     ("flux", "cfg2-ulysses2"),
     ("qwen-image", "cfg2-ulysses2"),
     ("sd3", "cfg2-ulysses2"),
+    ("sd3-large-controlnet", "cfg2"),
+    ("sd3-large-controlnet", "ulysses2"),
 ]
 
 

@@ -2,7 +2,8 @@
 SD3 folder and tiny random ControlNets (Diffusers layout), same seed, fp32, PSNR >= 40 dB: one ControlNet
 (non-square), CFG (the ControlNet runs on each branch with its own text and control latents), two
 ControlNets as Diffusers' `SD3MultiControlNetModel` with a start fraction, and a ControlNet that takes the
-pooled projection (no `force_zeros_for_pooled_projection`: the VAE shift applies); each with a control run
+pooled projection (no `force_zeros_for_pooled_projection`: the VAE shift applies), and SD3.5-Large's kind
+(single-stream blocks on the DiT's patch embedding and positions); each with a control run
 (another control image) that must score well below the bar. Diffusers draws the control posterior from
 torch's global RNG: the tests seed it with the request's seed. Then step batching and the refusals.
 """
@@ -58,6 +59,13 @@ def setup(tmp_path_factory):
         "pooled": build_tiny_sd3_controlnet(
             root / "pooled", TinySD3ControlNetSpec(sd3, force_zeros_for_pooled_projection=False, seed=3)
         ),
+        # SD3.5-Large's kind: single-stream blocks on the DiT's patch embedding and positions.
+        "large": build_tiny_sd3_controlnet(
+            root / "large",
+            TinySD3ControlNetSpec(
+                sd3, num_layers=2, force_zeros_for_pooled_projection=False, single_stream=True, seed=4
+            ),
+        ),
     }
     ours = DiffGenerator.from_pretrained(folder, device="cpu", show_progress=False, controlnets=paths)
     base = DiffusersSD3Pipeline.from_pretrained(folder, dtype=torch.float32)
@@ -78,7 +86,9 @@ def generate(ours, seed: int, **kwargs) -> np.ndarray:
     )
 
 
-@pytest.mark.parametrize(("name", "cfg"), [("canny", NO_CFG), ("canny", CFG), ("pooled", CFG)])
+@pytest.mark.parametrize(
+    ("name", "cfg"), [("canny", NO_CFG), ("canny", CFG), ("pooled", CFG), ("large", NO_CFG), ("large", CFG)]
+)
 def test_one_controlnet_matches_diffusers(setup, name, cfg) -> None:
     ours, nets, reference = setup
     entry = {"name": name, "image": EDGES, "scale": 0.8}
@@ -136,9 +146,10 @@ def test_a_controlnet_row_and_a_plain_row_batch_as_alone(setup) -> None:
     params = [
         _params("canny", 1, [ControlNetChoice("canny", EDGES, scale=1.2)]),
         _params("depth with cfg", 2, [ControlNetChoice("depth", DEPTH, scale=0.5, end=0.67)], **CFG),
+        _params("sd3.5-large kind", 3, [ControlNetChoice("large", EDGES, scale=0.9)]),
         _params("no controlnet", 4),
     ]
-    assert assert_batched_as_alone(ours, params, "SD3 ControlNet batch")[0] == 3
+    assert assert_batched_as_alone(ours, params, "SD3 ControlNet batch")[0] == 4
 
 
 def test_rows_without_a_controlnet_are_bit_identical(setup) -> None:

@@ -2,7 +2,7 @@
 against Diffusers' transformer (`block_controlnet_hidden_states`: sample `int(i / (n_blocks / n_samples))`
 after every block but the last, skipped blocks included), on tiny random weights (fp32). Residuals for some
 batch rows: those rows as if run alone with them, the other rows bit-identical to a batch without residuals.
-(No pipeline serves SD3 ControlNets yet.)"""
+SD3.5-Large's kind of ControlNet (single-stream blocks on the DiT's positions) too."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from diffusers import SD3Transformer2DModel as DiffusersSD3
 
 from diffserve.models.controlnets.residuals import BlockResiduals
 from diffserve.models.controlnets.sd3 import SD3ControlNetModel
+from diffserve.models.controlnets.sd3_single_stream import SD3SingleStreamControlNetModel
 from diffserve.models.dits.sd3 import SD3Transformer2DModel
 from diffserve.testing.parity import assert_parity, parity_pair
 
@@ -89,9 +90,35 @@ def test_controlnet_samples_match_diffusers() -> None:
         assert_parity(g, w, f"SD3 ControlNet sample {i}", min_db=100)
 
 
+def test_sd35_large_controlnet_samples_match_diffusers() -> None:
+    """SD3.5-Large's kind (no `joint_attention_dim`: single-stream blocks; `use_pos_embed` false: a copy of
+    the DiT's patch embedding and positions, which Diffusers' pipeline gives it): built as
+    `SD3SingleStreamControlNetModel`, its samples equal Diffusers' `SD3ControlNetModel`'s."""
+    ref_dit, our_dit = parity_pair(DiffusersSD3, SD3Transformer2DModel, CONFIG)
+    config = {**CONFIG, "num_layers": 2, "joint_attention_dim": None, "use_pos_embed": False,
+              "pos_embed_type": None, "force_zeros_for_pooled_projection": False}  # fmt: skip
+    ref, ours = parity_pair(DiffusersControlNet, SD3ControlNetModel, config)
+    assert isinstance(ours, SD3SingleStreamControlNetModel)
+    ref.pos_embed = ref._get_pos_embed_from_transformer(ref_dit)
+    ours.use_transformer_pos_embed(our_dit.pos_embed)
+    inputs = {k: v for k, v in _inputs(2).items() if k != "encoder_hidden_states"}
+    control = torch.randn(2, 16, H, W, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        want = ref(**inputs, controlnet_cond=control, conditioning_scale=0.7, return_dict=False)[0]
+        got = ours(
+            **inputs, controlnet_cond=control, encoder_hidden_states=None, scales=torch.full((2,), 0.7)
+        )
+    assert len(got) == len(want) == 2
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert_parity(g, w, f"SD3.5-Large ControlNet sample {i}", min_db=100)
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
-    [({"use_pos_embed": False}, "SD3.5-Large"), ({"extra_conditioning_channels": 1}, "inpainting")],
+    [
+        ({"use_pos_embed": False}, "joint blocks without positions"),
+        ({"extra_conditioning_channels": 1}, "inpainting"),
+    ],
 )
 def test_unsupported_controlnets_are_refused(extra, message) -> None:
     with pytest.raises(ValueError, match=message):

@@ -13,7 +13,9 @@ The engine holds named ControlNets (`loader/controlnets.py`); a request lists th
 2. at step `i` of `n`, an entry acts unless `i / n < start` or `(i + 1) / n > end`; an acting entry's
    ControlNet runs on every branch with that branch's latents, control latents, text and pooled embedding
    (zeros with `force_zeros_for_pooled_projection`) and timestep, and returns per-block residuals times its
-   scale; a request's entries' residuals are summed in order, each branch its own.
+   scale; a request's entries' residuals are summed in order, each branch its own. SD3.5-Large's
+   ControlNets (`SD3SingleStreamControlNetModel`) read no text and patch the latents with a copy of the
+   DiT's `pos_embed`, handed to them by the pipeline's `use_controlnets`.
 
 In a step batch, each ControlNet runs once over the rows of every request that applies it at that step;
 the DiT adds each request's sums to its own rows only.

@@ -22,6 +22,7 @@ from diffserve.families.sd3.text_encoding import SD3TextEncodingStage
 from diffserve.layers.lora_rows import LoraRows, lora_rows_scope
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.controlnets.sd3 import SD3ControlNetModel
+from diffserve.models.controlnets.sd3_single_stream import SD3SingleStreamControlNetModel
 from diffserve.models.dits.sd3 import SD3Transformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.pipelines.base import Pipeline, PipelineContext
@@ -171,8 +172,12 @@ class SD3Pipeline(Pipeline):
         "draft": StepCachePolicy(threshold=0.5, max_reuse_in_a_row=5),
     }
 
-    def use_controlnets(self, nets: dict[str, SD3ControlNetModel]) -> None:
-        """Serve `nets` by name from now on (requests name them in `controlnets`)."""
+    def use_controlnets(self, nets: dict[str, SD3ControlNetModel | SD3SingleStreamControlNetModel]) -> None:
+        """Serve `nets` by name from now on (requests name them in `controlnets`). SD3.5-Large's take a copy
+        of the DiT's patch embedding and position table, as Diffusers' pipeline gives them."""
+        for net in nets.values():
+            if isinstance(net, SD3SingleStreamControlNetModel) and net.needs_transformer_pos_embed:
+                net.use_transformer_pos_embed(self.transformer_pos_embed)
         self.controlnets.update(nets)
 
     def _check_controlnets(self, params) -> None:
@@ -207,7 +212,9 @@ class SD3Pipeline(Pipeline):
             skip_layer_guidance=SkipLayerGuidanceRule(num_layers=transformer.config.num_layers),
         )
         #: The engine's ControlNets by name (`use_controlnets`), shared with the denoiser.
-        self.controlnets: dict[str, SD3ControlNetModel] = {}
+        self.controlnets: dict[str, SD3ControlNetModel | SD3SingleStreamControlNetModel] = {}
+        #: What SD3.5-Large's ControlNets copy (`use_controlnets`).
+        self.transformer_pos_embed = transformer.pos_embed
         self.input_validation.controlnet_check = self._check_controlnets
         clip_tokenizer = context.get("tokenizer")
         clip_max_length = clip_context_length(clip_tokenizer, self.config.clip_max_length)

@@ -27,6 +27,8 @@ class TinySD3ControlNetSpec:
     sd3: TinySD3Spec = field(default_factory=TinySD3Spec)
     num_layers: int = 1
     force_zeros_for_pooled_projection: bool = True
+    #: SD3.5-Large's kind: single-stream blocks (no `joint_attention_dim`) on the DiT's positions.
+    single_stream: bool = False
     seed: int = 0
 
 
@@ -52,6 +54,9 @@ def build_tiny_sd3_controlnet(out_dir: str | Path, spec: TinySD3ControlNetSpec) 
         "use_pos_embed": True,
         "force_zeros_for_pooled_projection": spec.force_zeros_for_pooled_projection,
     }
+    if spec.single_stream:  # as Stability's SD3.5-Large ControlNets' configs
+        config.update(joint_attention_dim=None, pos_embed_type=None, use_pos_embed=False, qk_norm=None)
+        config["dual_attention_layers"] = []
     torch.manual_seed(spec.seed)
     model = SD3ControlNetModel.from_config(config)
     with torch.no_grad():  # a stronger control embedding, so that the control image clearly matters

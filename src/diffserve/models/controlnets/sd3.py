@@ -8,15 +8,17 @@ zero-initialised Linear (`controlnet_blocks`) maps the image stream to a residua
 conditioning scale, those are what the SD3 DiT takes as `block_controlnet_hidden_states`
 (`models/dits/sd3.py`, `BlockResiduals(truncating=True)`).
 
-Refused when the config is read: SD3.5-Large's ControlNets (`use_pos_embed` false, no
-`joint_attention_dim`: single-stream blocks on pre-patched tokens) and the inpainting one
-(`extra_conditioning_channels`). Not wired to a pipeline yet.
+SD3.5-Large's ControlNets (no `joint_attention_dim`: single-stream blocks, and `use_pos_embed` false: the
+DiT's position table) are the same Diffusers class with another config: `SD3ControlNetModel.from_config`
+builds them as `SD3SingleStreamControlNetModel` (sd3_single_stream.py). Refused when the config is read:
+the inpainting ControlNet (`extra_conditioning_channels`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -29,17 +31,30 @@ from diffserve.models.dits.sd3 import JointTransformerBlock, SD3Transformer2DMod
 class SD3ControlNetConfig(SD3TransformerConfig):
     """`controlnet/config.json` of an `SD3ControlNetModel`: the DiT's keys and the ControlNet's own."""
 
+    #: None: single-stream blocks that read no text (SD3.5-Large's ControlNets).
+    joint_attention_dim: int | None = 4096
     extra_conditioning_channels: int = 0
     pos_embed_type: str | None = "sincos"
+    #: False: the latents take the DiT's patch embedding and position table (SD3.5-Large's ControlNets).
     use_pos_embed: bool = True
     #: The pipeline hands the ControlNet zeros for the pooled projection (read by the pipeline).
     force_zeros_for_pooled_projection: bool = True
 
+    @property
+    def single_stream(self) -> bool:
+        return self.joint_attention_dim is None
+
     def __post_init__(self) -> None:
-        if not self.use_pos_embed or self.joint_attention_dim is None or self.pos_embed_type != "sincos":
+        if self.use_pos_embed and self.pos_embed_type != "sincos":
             raise ValueError(
-                "SD3ControlNetModel: SD3.5-Large style ControlNets (use_pos_embed false, single-stream blocks "
-                "without joint_attention_dim) are not supported; use one with joint blocks"
+                f"SD3ControlNetModel: pos_embed_type {self.pos_embed_type!r} with use_pos_embed true is not "
+                "supported (Diffusers' SD3 ControlNets use 'sincos', or the DiT's positions with use_pos_embed "
+                "false)"
+            )
+        if not self.use_pos_embed and not self.single_stream:
+            raise ValueError(
+                "SD3ControlNetModel: joint blocks without positions of their own (use_pos_embed false with a "
+                "joint_attention_dim) are not supported; SD3.5-Large's ControlNets have neither"
             )
         if self.extra_conditioning_channels:
             raise ValueError(
@@ -68,6 +83,16 @@ class SD3ControlNetModel(SD3Transformer2DModel):
     config_class = SD3ControlNetConfig
     cache_methods: ClassVar[frozenset[str]] = frozenset()
     cache_block_lists: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> nn.Module:  # type: ignore[override]
+        """The native module of a Diffusers `SD3ControlNetModel` config: this class for joint blocks,
+        `SD3SingleStreamControlNetModel` for SD3.5-Large's single-stream ones (no `joint_attention_dim`)."""
+        if config.get("joint_attention_dim", 4096) is None:
+            from diffserve.models.controlnets.sd3_single_stream import SD3SingleStreamControlNetModel
+
+            return SD3SingleStreamControlNetModel.from_config(config)
+        return super().from_config(config)
 
     def __init__(self, config: SD3ControlNetConfig) -> None:
         super().__init__(config)
