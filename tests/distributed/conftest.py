@@ -7,7 +7,7 @@ Python blocks and the Ray replicas run."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing import forkserver
 
 import pytest
@@ -23,3 +23,22 @@ def ranks_from_the_fork_server() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(START_METHOD_ENV, "forkserver")
         yield
+
+
+@pytest.fixture(scope="module")
+def controlnet_one_thread() -> Iterator[None]:
+    """One torch thread in the test process for a ControlNet case module (controlnet_cases.py): the rank
+    processes take the parent's count."""
+    from controlnet_cases import one_torch_thread
+
+    with one_torch_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def controlnet_one_rank(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple]:
+    """A ControlNet case module's cases and one-rank images by family, built on first use
+    (`controlnet_cases.one_rank_cache`, a `OneRank`)."""
+    from controlnet_cases import one_rank_cache
+
+    return one_rank_cache(tmp_path_factory.mktemp("controlnet-cases"))

@@ -15,27 +15,16 @@ test_controlnet_parallel_ring.py.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-from controlnet_cases import OneRank, assert_ranks_match_one_rank, one_rank_cache, one_torch_thread
+from controlnet_cases import OneRank, assert_ranks_match_one_rank
+
+pytestmark = pytest.mark.usefixtures("controlnet_one_thread")
 
 #: (family, `controlnet_cases.PARALLEL_MODES` name)
 CASES = [("flux", "cfg2"), ("flux", "ulysses2"), ("qwen-image", "cfg2"), ("sd3", "cfg2")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    with one_torch_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory: pytest.TempPathFactory) -> OneRank:
-    return one_rank_cache(tmp_path_factory.mktemp("controlnet-parallel"))
-
-
 @pytest.mark.parametrize(("family", "mode"), CASES, ids=[f"{f}-{m}" for f, m in CASES])
-def test_two_ranks_match_one_rank(one_rank: OneRank, family: str, mode: str) -> None:
+def test_two_ranks_match_one_rank(controlnet_one_rank: OneRank, family: str, mode: str) -> None:
     """The 2-rank engine's image equals the one-rank one within one uint8 level (`controlnet_cases`)."""
-    assert_ranks_match_one_rank(one_rank, family, mode)
+    assert_ranks_match_one_rank(controlnet_one_rank, family, mode)
