@@ -118,6 +118,11 @@ class PreloadedCommand:
         """SIGTERM (a server drains and exits), SIGKILL if the command has not exited `timeout` s later;
         its exit code."""
         self.terminate()
+        return self.wait_or_kill(timeout)
+
+    def wait_or_kill(self, timeout: float) -> int:
+        """Its exit code, within `timeout` s, else after SIGKILL. For a command already signalled: a second
+        SIGTERM would make a server abort instead of draining."""
         try:
             return self.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -135,7 +140,7 @@ def _stop_running_commands() -> None:
     for command in left:
         command.terminate()
     for command in left:
-        command.stop(EXIT_TERMINATE_S)
+        command.wait_or_kill(EXIT_TERMINATE_S)
 
 
 atexit.register(_stop_running_commands)
