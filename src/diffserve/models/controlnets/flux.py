@@ -15,7 +15,6 @@ space `input_hint_block`) is refused when the config is read.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.models.controlnets.residuals import scaled_samples
 from diffserve.models.dits.flux import FluxTransformer2DModel, FluxTransformerConfig
 
 
@@ -141,11 +141,4 @@ class FluxControlNetModel(FluxTransformer2DModel):
                 h = block(h, next(mods_iter), rope)
                 image = h[:, text_len:]
             single_samples.append(head(image))
-        return _scaled(double_samples, batch.scales), _scaled(single_samples, batch.scales)
-
-
-def _scaled(samples: Sequence[torch.Tensor], scales: torch.Tensor) -> list[torch.Tensor]:
-    """Each sample times its row's scale, as Diffusers' `sample * conditioning_scale` (a Python float: the
-    product is computed in float32 for a reduced-precision sample, then rounded once)."""
-    per_row = scales.to(device=samples[0].device, dtype=torch.float32)[:, None, None] if samples else None
-    return [(s.float() * per_row).to(s.dtype) for s in samples]
+        return scaled_samples(double_samples, batch.scales), scaled_samples(single_samples, batch.scales)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.models.controlnets.residuals import scaled_samples
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel, QwenImageTransformerConfig
 
 
@@ -95,6 +96,4 @@ class QwenImageControlNetModel(QwenImageTransformer2DModel):
         for i, (block, head) in enumerate(zip(self.transformer_blocks, self.controlnet_blocks, strict=True)):
             ctx, x = block(x, ctx, temb_act, rope, attn_mask, None, text_out=i < last)
             samples.append(head(x))
-        scales = batch.scales.to(device=x.device, dtype=torch.float32)[:, None, None]
-        # Diffusers' `sample * conditioning_scale` with a Python float: computed in float32, rounded once.
-        return [(s.float() * scales).to(s.dtype) for s in samples]
+        return scaled_samples(samples, batch.scales)

@@ -18,6 +18,16 @@ from dataclasses import dataclass
 import torch
 
 
+def scaled_samples(samples: Sequence[torch.Tensor], scales: torch.Tensor) -> list[torch.Tensor]:
+    """Each ControlNet sample (rows, tokens, inner) times its row's conditioning scale (`scales`, (rows,)),
+    as Diffusers' `sample * conditioning_scale` with a Python float: the product is computed in float32
+    for a reduced-precision sample, then rounded once."""
+    if not samples:
+        return []
+    per_row = scales.to(device=samples[0].device, dtype=torch.float32)[:, None, None]
+    return [(s.float() * per_row).to(s.dtype) for s in samples]
+
+
 @dataclass(frozen=True)
 class BlockResiduals:
     """Samples of shape (len(rows), image tokens, inner) each, for the batch rows `rows` (None: every row,

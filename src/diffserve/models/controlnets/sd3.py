@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.models.controlnets.residuals import scaled_samples
 from diffserve.models.dits.sd3 import JointTransformerBlock, SD3Transformer2DModel, SD3TransformerConfig
 
 
@@ -88,7 +89,7 @@ class SD3ControlNetModel(SD3Transformer2DModel):
     def from_config(cls, config: Mapping[str, Any]) -> nn.Module:  # type: ignore[override]
         """The native module of a Diffusers `SD3ControlNetModel` config: this class for joint blocks,
         `SD3SingleStreamControlNetModel` for SD3.5-Large's single-stream ones (no `joint_attention_dim`)."""
-        if config.get("joint_attention_dim", 4096) is None:
+        if config.get("joint_attention_dim", SD3ControlNetConfig.joint_attention_dim) is None:
             from diffserve.models.controlnets.sd3_single_stream import SD3SingleStreamControlNetModel
 
             return SD3SingleStreamControlNetModel.from_config(config)
@@ -139,6 +140,4 @@ class SD3ControlNetModel(SD3Transformer2DModel):
         for block, head in zip(self.transformer_blocks, self.controlnet_blocks, strict=True):
             ctx, x = block(x, ctx, temb_act)
             samples.append(head(x))
-        per_row = scales.to(device=x.device, dtype=torch.float32)[:, None, None]
-        # Diffusers' `sample * conditioning_scale` with a Python float: computed in float32, rounded once.
-        return [(s.float() * per_row).to(s.dtype) for s in samples]
+        return scaled_samples(samples, scales)

@@ -24,6 +24,7 @@ from diffserve.layers.embeddings import CombinedTimestepTextEmbedding
 from diffserve.layers.feedforward import FeedForward
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm
+from diffserve.models.controlnets.residuals import scaled_samples
 from diffserve.models.controlnets.sd3 import ControlPatchEmbed, SD3ControlNetConfig
 from diffserve.models.dits.base import DiffusersDiT
 from diffserve.models.dits.sd3 import NORM_EPS, PatchEmbed, SD3SelfAttention
@@ -89,9 +90,8 @@ class SD3SingleStreamControlNetModel(DiffusersDiT):
                 f"this SD3 ControlNet is {self.inner_dim} wide and the DiT {pos_embed.dim}: it was trained for "
                 "another SD3 model"
             )
-        weight = self.controlnet_blocks[0].weight if len(self.controlnet_blocks) else None
-        own = copy.deepcopy(pos_embed)
-        self.pos_embed = own if weight is None else own.to(device=weight.device, dtype=weight.dtype)
+        reference = next(self.time_text_embed.parameters())
+        self.pos_embed = copy.deepcopy(pos_embed).to(device=reference.device, dtype=reference.dtype)
 
     def shard_for_tensor_parallel(self, tp: object) -> None:
         raise ValueError("SD3 ControlNets run whole on every rank; they are not tensor-parallel")
@@ -120,5 +120,4 @@ class SD3SingleStreamControlNetModel(DiffusersDiT):
         for block, head in zip(self.transformer_blocks, self.controlnet_blocks, strict=True):
             x = block(x, temb_act)
             samples.append(head(x))
-        per_row = scales.to(device=x.device, dtype=torch.float32)[:, None, None]
-        return [(s.float() * per_row).to(s.dtype) for s in samples]
+        return scaled_samples(samples, scales)
