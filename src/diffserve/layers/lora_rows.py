@@ -67,6 +67,7 @@ class LoraRows:
     _gathered: dict[tuple[int, torch.device], tuple[torch.Tensor, tuple[tuple[int, int, float], ...]]] = (
         field(default_factory=dict, repr=False)
     )
+    _row_adapters: tuple[tuple[AppliedLora, ...], ...] | None = field(default=None, repr=False)
 
     @classmethod
     def uniform(cls, loras: Sequence[AppliedLora]) -> LoraRows:
@@ -108,17 +109,20 @@ class LoraRows:
         row_loras = self.row_adapters()
         return LoraRows.for_rows([row_loras[row] for row in rows])
 
-    def row_adapters(self) -> list[list[AppliedLora]]:
-        """Per batch row, the adapters it applies (adapter-id order); a batch of `num_rows` rows."""
+    def row_adapters(self) -> tuple[tuple[AppliedLora, ...], ...]:
+        """Per batch row, the adapters it applies (adapter-id order); a batch of `num_rows` rows. Made once
+        per scope: a mixture-of-experts layer picks rows from it once per expert."""
         if self.num_rows is None:
             raise ValueError("a LoRA assignment for any batch has no rows to list")
-        row_loras: list[list[AppliedLora]] = [[] for _ in range(self.num_rows)]
-        for use in self.uses:
-            rows = range(self.num_rows) if use.rows is None else use.rows
-            scales = use.scales * self.num_rows if use.rows is None else use.scales
-            for row, scale in zip(rows, scales, strict=True):
-                row_loras[row].append(AppliedLora(use.adapter_id, "", scale))
-        return row_loras
+        if self._row_adapters is None:
+            row_loras: list[list[AppliedLora]] = [[] for _ in range(self.num_rows)]
+            for use in self.uses:
+                rows = range(self.num_rows) if use.rows is None else use.rows
+                scales = use.scales * self.num_rows if use.rows is None else use.scales
+                for row, scale in zip(rows, scales, strict=True):
+                    row_loras[row].append(AppliedLora(use.adapter_id, "", scale))
+            self._row_adapters = tuple(tuple(loras) for loras in row_loras)
+        return self._row_adapters
 
     def gathered_rows(
         self, use: AdapterRows, device: torch.device
