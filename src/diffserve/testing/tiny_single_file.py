@@ -123,11 +123,10 @@ def _flux(sd: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def _chroma(sd: dict) -> dict[str, torch.Tensor]:
+def _chroma(sd: _Tracking) -> dict[str, torch.Tensor]:
     """FLUX.1's BFL names for the blocks; the guidance approximator's layers and norms as lodestones'."""
     approximator = "distilled_guidance_layer."
-    blocks = {k: v for k, v in sd.items() if not k.startswith(approximator)}
-    out = _flux(_Tracking(blocks, sd.used) if isinstance(sd, _Tracking) else blocks)
+    out = _flux(_Tracking({k: v for k, v in sd.items() if not k.startswith(approximator)}, sd.used))
     for name in [k for k in sd if k.startswith(approximator)]:
         original = name.replace(".linear_1.", ".in_layer.").replace(".linear_2.", ".out_layer.")
         if ".norms." in name:
