@@ -55,6 +55,12 @@ def mask_png(mask: torch.Tensor) -> bytes:
     return png_bytes(rgba, mode="RGBA")
 
 
+def mask_data_url(mask: torch.Tensor) -> str:
+    """One ComfyUI mask (H x W, 1 = edit) as a `data:image/png;base64,...` URL of `mask_png`'s PNG (how
+    JSON bodies carry masks: a ControlNet entry's `mask`)."""
+    return "data:image/png;base64," + base64.b64encode(mask_png(mask)).decode("ascii")
+
+
 def decode_image(data: bytes) -> torch.Tensor:
     """An image file's bytes as H x W x 3 float32 in 0..1 (the uint8 levels / 255)."""
     with Image.open(io.BytesIO(data)) as image:

@@ -14,7 +14,7 @@ import torch
 
 from .client import DiffserveClient, UploadFile
 from .comfy_hooks import interrupt_check, progress_reporter
-from .images import decode_b64_images, image_data_url, image_png, mask_png, masks_for, stack
+from .images import decode_b64_images, image_data_url, image_png, mask_data_url, mask_png, masks_for, stack
 from .loras import LoraList, check_served, parse_selection, served_loras
 from .video import decode_mp4, load_av, run_video_job
 
@@ -23,7 +23,7 @@ DEFAULT_SERVER_URL = "http://127.0.0.1:30000"
 #: The type of the LoRA selection passed from DiffserveLoras to the other nodes.
 LORAS_TYPE = "DIFFSERVE_LORAS"
 #: The type of the ControlNet list passed from DiffserveControlNet to the image nodes (the `controlnets`
-#: request field: {name, image (a PNG data URL), scale, start, end, mode?} entries).
+#: request field: {name, image (a PNG data URL), scale, start, end, mode?, mask?} entries).
 CONTROLNETS_TYPE = "DIFFSERVE_CONTROLNETS"
 MAX_CONTROLNET_SCALE = 10.0  # the server's bound
 QUALITIES = ["auto", "high", "medium", "low", "draft"]
@@ -330,8 +330,10 @@ class DiffserveLoras:
 
 class DiffserveControlNet:
     """A ControlNet to apply: one the server loaded (`--controlnet NAME=PATH`, listed in
-    `/server_info`), its control image (the batch's first) and Diffusers' settings, added to an optional
-    upstream list (chained nodes: several ControlNets in one request). Also lists what the server serves."""
+    `/server_info`), its control image (the batch's first), Diffusers' settings and, for an inpainting
+    ControlNet, the mask of the area to repaint (the batch's first, of the image's size), added to an
+    optional upstream list (chained nodes: several ControlNets in one request). Also lists what the server
+    serves."""
 
     CATEGORY = CATEGORY
     FUNCTION = "select"
@@ -373,12 +375,13 @@ class DiffserveControlNet:
                     {"default": "", "tooltip": "empty: $DIFFSERVE_API_KEY if set, else none"},
                 ),
                 "controlnets": (CONTROLNETS_TYPE, {"tooltip": "a list to extend (chained ControlNet nodes)"}),
+                "mask": ("MASK", {"tooltip": "an inpainting ControlNet's mask: 1 = repaint, 0 = keep"}),
             },
         }
 
     def select(
         self, server_url: str, image: torch.Tensor, controlnet: str, scale: float, start: float, end: float,
-        mode: int = -1, api_key: str = "", controlnets: list[dict] | None = None,
+        mode: int = -1, api_key: str = "", controlnets: list[dict] | None = None, mask: torch.Tensor | None = None,
     ) -> tuple[list[dict], str]:  # fmt: skip
         if not start < end:
             raise ValueError(f"start ({start:g}) must be below end ({end:g})")
@@ -407,4 +410,8 @@ class DiffserveControlNet:
         }
         if mode >= 0:
             entry["mode"] = mode
+        if mask is not None:  # sent as the Edit node's masks are (transparent and white = repaint)
+            first = mask[:1] if mask.ndim == 3 else mask
+            height, width = images.shape[1:3]
+            entry["mask"] = mask_data_url(masks_for(first, 1, height, width)[0])
         return ([*(controlnets or []), entry], "\n".join(names))

@@ -49,6 +49,7 @@ from diffserve.loader.folder_defaults import read_folder_sampling_defaults
 from diffserve.loader.model_index import ModelIndex, read_model_index
 from diffserve.loader.quantize import check_quantization_device
 from diffserve.logging_setup import shown_text
+from diffserve.masks import edit_mask
 from diffserve.offload import install_memory_plan, log_plan, plan_memory, weight_residency
 from diffserve.outputs import output_metadata, write_outputs
 from diffserve.pipelines.base import Pipeline, PipelineContext
@@ -636,13 +637,15 @@ class DiffGenerator:
 
 
 #: `DiffGenerator.generate`'s own keyword arguments, besides the SamplingParams fields.
-#: Diffusers' `FluxControlNetPipeline` keywords `generate` takes, turned into `controlnets` entries.
+#: Diffusers' `FluxControlNetPipeline` keywords `generate` takes, turned into `controlnets` entries
+#: (`control_mask`: that of Diffusers' ControlNet inpainting pipelines, for an inpainting ControlNet).
 CONTROLNET_KEYWORDS = (
     "control_image",
     "controlnet_conditioning_scale",
     "control_guidance_start",
     "control_guidance_end",
     "control_mode",
+    "control_mask",
 )
 _GENERATE_KEYWORDS = (
     "image", "mask", "video", "save_output", "output_path", "output_file_name", "save_frames", *CONTROLNET_KEYWORDS,
@@ -668,8 +671,10 @@ def controlnet_entries(
     """`generate`'s ControlNet arguments as `controlnets` entries, their images decoded: `controlnets=[...]`
     (dicts or `ControlNetChoice`s, each image a path, bytes, PIL image or data URL), or Diffusers' keywords
     (`control_image`, one image or a list, with `controlnet_conditioning_scale`, `control_guidance_start`,
-    `control_guidance_end` and `control_mode`, each one value or one per image), which apply the one loaded
-    ControlNet (with several loaded, name them in `controlnets`)."""
+    `control_guidance_end`, `control_mode` and an inpainting ControlNet's `control_mask`, each one value or
+    one per image), which apply the one loaded ControlNet (with several loaded, name them in `controlnets`).
+    A mask (white or, with alpha, transparent = repaint) is decoded like an image, then made `edit_mask`'s
+    "L" image (255 = repaint), as the server's `controlnets[i].mask` is."""
     if keywords:
         if entries:
             raise InvalidRequestError(
@@ -696,15 +701,18 @@ def controlnet_entries(
             "start": _per_entry("control_guidance_start", keywords.get("control_guidance_start", 0.0), n),
             "end": _per_entry("control_guidance_end", keywords.get("control_guidance_end", 1.0), n),
             "mode": _per_entry("control_mode", keywords.get("control_mode"), n),
+            "mask": _per_entry("control_mask", keywords.get("control_mask"), n),
         }  # fmt: skip
         entries = [{"name": loaded[0], **{k: v[i] for k, v in columns.items()}} for i in range(n)]
     choices = controlnet_choices(entries)
     decoded = []
     for i, choice in enumerate(choices):
-        image = choice.image
+        image, mask = choice.image, choice.mask
         if image is not None:
             image = load_images(image, param=f"controlnets[{i}].image")[0]
-        decoded.append(replace(choice, image=image))
+        if mask is not None:
+            mask = edit_mask(load_images(mask, param=f"controlnets[{i}].mask", keep_alpha=True)[0])
+        decoded.append(replace(choice, image=image, mask=mask))
     return decoded
 
 

@@ -1,8 +1,9 @@
 """The playground's ControlNet section (issue 35), in headless Chromium against a real `diffserve serve` on
 a tiny FLUX folder with a tiny ControlNet loaded (`--controlnet canny=...`): /server_info lists it, the
 generate tab shows the section, and an uploaded control image is sent as the `controlnets` field and gives
-an image other than the plain one of the same seed. Skipped, with the reason printed, when Playwright or a
-Chromium cannot be found."""
+an image other than the plain one of the same seed. An inpainting ControlNet (the page told so by a rewritten
+/server_info) shows a mask input whose file goes as the entry's `mask`, which the server, whose ControlNet is
+not one, refuses. Skipped, with the reason printed, when Playwright or a Chromium cannot be found."""
 
 from __future__ import annotations
 
@@ -87,13 +88,14 @@ def _generate(page) -> np.ndarray:
 
 
 def test_server_info_lists_the_controlnets(server) -> None:
-    assert server.info()["engine"]["controlnets"] == [{"name": "canny", "modes": None}]
+    assert server.info()["engine"]["controlnets"] == [{"name": "canny", "modes": None, "inpainting": False}]
 
 
 def test_a_control_image_is_sent_and_changes_the_image(page, tmp_path) -> None:
     page.wait_for_selector("#controlnet-box:not([hidden])")
     assert page.eval_on_selector_all("#controlnet-name option", "os => os.map(o => o.value)") == ["", "canny"]
     assert page.is_hidden("#control-mode-label")  # not a Union ControlNet
+    assert page.is_hidden("#control-mask-label")  # nor an inpainting one
     page.fill("#prompt", "a red fox")
     page.select_option("#size", "custom")
     page.fill("#width", str(SIZE))
@@ -126,3 +128,35 @@ def test_a_control_image_is_sent_and_changes_the_image(page, tmp_path) -> None:
     # The gallery keeps the parameters, not the control image.
     stored = page.evaluate("JSON.parse(localStorage.getItem('diffserve-gallery'))")
     assert all("controlnets" not in item["params"] for item in stored)
+
+
+def test_an_inpainting_controlnet_takes_a_mask(page, tmp_path) -> None:
+    def as_inpainting(route) -> None:  # /server_info as a server with an inpainting ControlNet answers
+        info = route.fetch().json()
+        for net in info["engine"]["controlnets"]:
+            net["inpainting"] = True
+        route.fulfill(json=info)
+
+    page.route("**/server_info", as_inpainting)
+    page.reload()
+    page.wait_for_selector("#controlnet-box:not([hidden])")
+    page.evaluate("document.querySelector('#controlnet-box').open = true")
+    page.select_option("#controlnet-name", "canny")
+    assert page.is_visible("#control-mask-label")
+    control, mask = tmp_path / "edges.png", tmp_path / "mask.png"
+    Image.new("RGB", (SIZE, SIZE), "gray").save(control)
+    Image.new("L", (SIZE, SIZE), 255).save(mask)
+    page.fill("#prompt", "a red fox")
+    page.set_input_files("#control-file", str(control))
+    page.click("#run")
+    page.wait_for_selector("#alert:not([hidden])")  # no mask yet: refused in the page
+    assert "mask" in page.inner_text("#alert-text")
+    page.click("#alert-close")
+    page.set_input_files("#control-mask-file", str(mask))
+    with page.expect_response("**/v1/images/generations") as response:
+        page.click("#run")
+    body = json.loads(response.value.request.post_data)
+    assert body["controlnets"][0]["mask"].startswith("data:image/png;base64,")
+    assert response.value.status == 400  # the server's ControlNet is not an inpainting one
+    page.wait_for_selector("#alert:not([hidden])")
+    assert "controlnets[0].mask" in page.inner_text("#alert-text")

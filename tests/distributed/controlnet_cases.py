@@ -45,6 +45,8 @@ class ControlNetCase:
     folder: Path
     controlnet: Path
     request: dict[str, object] = field(default_factory=dict)
+    #: An inpainting ControlNet's mask (white = repaint), sent with each control image; else None.
+    mask: Image.Image | None = None
 
     def generator(self, **options: object) -> DiffGenerator:
         """An engine on the CPU with the ControlNet loaded as `NAME` (`options`: the parallel flags)."""
@@ -54,9 +56,12 @@ class ControlNetCase:
 
     def generate(self, gen: DiffGenerator, image: Image.Image) -> np.ndarray:
         """The request's image (uint8 values as int16), the ControlNet applied with `image`, seed 5."""
+        entry = {"name": NAME, "image": image, "scale": 1.0}
+        if self.mask is not None:
+            entry["mask"] = self.mask
         result = gen.generate(
             prompt="a fox in the snow", height=HEIGHT, width=WIDTH, num_inference_steps=2, seed=5,
-            controlnets=[{"name": NAME, "image": image, "scale": 1.0}], **self.request,
+            controlnets=[entry], **self.request,
         )  # fmt: skip
         return np.asarray(result.images[0], dtype=np.int16)
 
@@ -101,12 +106,25 @@ def sd3_large_controlnet_case(root: Path) -> ControlNetCase:
     return ControlNetCase(folder, canny, dict(guidance_scale=3.0, negative_prompt="blurry"))
 
 
+def sd3_inpainting_case(root: Path) -> ControlNetCase:
+    """SD3 with CFG and an inpainting ControlNet (the mask as a 17th control channel; one draw of the
+    masked image's latents for both CFG branches, which CFG-parallel ranks each take their rows of)."""
+    sd3 = TinySD3Spec(seed=0)
+    folder = build_tiny_sd3(root / "sd3-inpainting", sd3)
+    spec = TinySD3ControlNetSpec(sd3, inpainting=True, seed=1)
+    inpaint = build_tiny_sd3_controlnet(root / "sd3-inpainting-net", spec)
+    mask = Image.new("L", (WIDTH, HEIGHT), 0)
+    mask.paste(255, (16, 8, 64, 40))  # white: the area to repaint
+    return ControlNetCase(folder, inpaint, dict(guidance_scale=3.0, negative_prompt="blurry"), mask)
+
+
 #: family -> the builder of its case under a root folder.
 CASE_BUILDERS: dict[str, Callable[[Path], ControlNetCase]] = {
     "flux": flux_case,
     "qwen-image": qwen_image_case,
     "sd3": sd3_case,
     "sd3-large-controlnet": sd3_large_controlnet_case,
+    "sd3-inpainting-controlnet": sd3_inpainting_case,
 }
 
 

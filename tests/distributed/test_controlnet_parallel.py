@@ -3,7 +3,8 @@ uint8 level (cases: `controlnet_cases.py` next to this file, requests with CFG a
 
 - CFG-parallel 2 (`enable_cfg_parallel=True`) for FLUX.1, Qwen-Image and SD3: each cfg rank runs the
   ControlNet over its branch's rows, FLUX.1's and Qwen-Image's on the prompt's text (Diffusers adds the
-  prompt's residuals to both branches), SD3's on its branch's own text and control rows;
+  prompt's residuals to both branches), SD3's on its branch's own text and control rows (an inpainting
+  ControlNet's too: one draw of the masked image's latents, both branches' rows);
 - Ulysses 2 (`ulysses_degree=2`) for FLUX.1: every rank runs the ControlNet over the whole sequence and
   adds the slice of its residuals that matches its image shard (15 image tokens: the shards are padded).
 
@@ -21,7 +22,10 @@ from controlnet_cases import OneRank, assert_ranks_match_one_rank
 pytestmark = pytest.mark.usefixtures("controlnet_one_thread")
 
 #: (family, `controlnet_cases.PARALLEL_MODES` name)
-CASES = [("flux", "cfg2"), ("flux", "ulysses2"), ("qwen-image", "cfg2"), ("sd3", "cfg2")]
+CASES = [
+    ("flux", "cfg2"), ("flux", "ulysses2"), ("qwen-image", "cfg2"), ("sd3", "cfg2"),
+    ("sd3-inpainting-controlnet", "cfg2"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("family", "mode"), CASES, ids=[f"{f}-{m}" for f, m in CASES])

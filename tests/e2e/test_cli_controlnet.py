@@ -1,16 +1,22 @@
 """FLUX.1 ControlNet from the command line (issue 35): `diffserve make-tiny flux-controlnet DIR` writes a
 ControlNet matching `make-tiny flux`'s DiT (refusing a non-empty DIR without --force), and `diffserve generate
 --controlnet NAME=PATH --control-image PATH` with Diffusers' keyword flags writes the image the Python API
-makes with the same settings; bad values are one `error:` line and exit code 2, before the model loads."""
+makes with the same settings; bad values are one `error:` line and exit code 2, before the model loads.
+`--control-mask PATH` is read as an "L" mask (white or transparent = repaint); this ControlNet, not an
+inpainting one, refuses it once loaded, naming `controlnets[0].mask`."""
 
 from __future__ import annotations
+
+import argparse
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from diffserve import DiffGenerator
+from diffserve.cli.controlnet_flags import with_control_inputs
 from diffserve.cli.main import main
+from diffserve.configs.sampling_params import ControlNetChoice
 from diffserve.testing.parity import smooth_random_image
 
 HEIGHT, WIDTH = 48, 64
@@ -24,6 +30,12 @@ def folders(tmp_path_factory):
     assert main(["make-tiny", "flux", str(root / "flux")]) == 0
     assert main(["make-tiny", "flux-controlnet", str(root / "canny"), "--seed", "3"]) == 0
     smooth_random_image(WIDTH, HEIGHT, seed=5).save(root / "edges.png")
+    repaint = np.zeros((HEIGHT, WIDTH), dtype=bool)
+    repaint[8:40, 16:48] = True
+    Image.fromarray(np.where(repaint, 255, 0).astype(np.uint8), mode="L").save(root / "mask-white.png")
+    rgba = np.dstack([np.zeros((HEIGHT, WIDTH, 3), np.uint8), np.where(repaint, 0, 255).astype(np.uint8)])
+    Image.fromarray(rgba, mode="RGBA").save(root / "mask-alpha.png")  # OpenAI's: transparent = repaint
+    (root / "notes.txt").write_text("not an image")
     return root
 
 
@@ -78,6 +90,9 @@ def test_generate_with_a_controlnet_equals_the_python_api(folders, tmp_path) -> 
         (["--control-mode", "-1", "--control-image", "{img}"], "--control-mode"),
         (["--controlnet-conditioning-scale", "0.5"], "needs --control-image"),
         (["--control-image", "{folders}/missing.png"], "--control-image"),
+        (["--control-mask", "{folders}/mask-white.png"], "--control-mask needs --control-image"),
+        (["--control-image", "{img}", "--control-mask", "{folders}/missing.png"], "--control-mask"),
+        (["--control-image", "{img}", "--control-mask", "{folders}/notes.txt"], "--control-mask"),
     ],
 )
 def test_bad_values_are_one_error_line(folders, capfd, flags, part) -> None:
@@ -96,3 +111,30 @@ def test_control_image_needs_a_controlnet(folders, capfd) -> None:
                  str(folders / "edges.png"), "--no-save-output"])  # fmt: skip
     err = capfd.readouterr().err
     assert code == 2 and err.startswith("error: ") and "--controlnet NAME=PATH" in err, err
+
+
+@pytest.mark.parametrize("mask", ["mask-white.png", "mask-alpha.png"])
+def test_control_mask_is_read_as_an_l_mask(folders, mask) -> None:
+    args = argparse.Namespace(control_image=str(folders / "edges.png"), control_mask=str(folders / mask))
+    choice = with_control_inputs(ControlNetChoice("canny", scale=0.5), args)
+    assert (choice.name, choice.scale, choice.image.mode, choice.image.size) == (
+        "canny",
+        0.5,
+        "RGB",
+        (WIDTH, HEIGHT),
+    )
+    white = np.asarray(Image.open(folders / "mask-white.png"))
+    assert choice.mask.mode == "L" and np.array_equal(np.asarray(choice.mask), white)
+    args.control_mask = None
+    assert with_control_inputs(choice, args).mask is None
+
+
+def test_a_mask_for_a_controlnet_that_is_not_an_inpainting_one_is_refused(folders, capfd) -> None:
+    capfd.readouterr()
+    code = main(["generate", "--model-path", str(folders / "flux"), *COMMON, "--controlnet",
+                 f"canny={folders / 'canny'}", "--control-image", str(folders / "edges.png"), "--control-mask",
+                 str(folders / "mask-white.png"), "--no-save-output"])  # fmt: skip
+    err = capfd.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1, err
+    assert "controlnets[0].mask" in errors[0] and "not an inpainting ControlNet" in errors[0], err

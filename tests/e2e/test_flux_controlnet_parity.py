@@ -4,7 +4,9 @@ folder and tiny random ControlNets (Diffusers layout), same seed, fp32, PSNR >= 
 `FluxMultiControlNetModel`, with a start fraction) and true CFG; each with a control run (another control
 image, another mode, one ControlNet left out) that must score well below the bar. Then step batching:
 requests with other ControlNets, images and scales, and requests without any, share one DiT batch, each
-as it is alone; the rows without a ControlNet bit for bit. Then the refusals of bad entries.
+as it is alone; the rows without a ControlNet bit for bit. Then the refusals of bad entries, and the
+Python API's masks (`control_mask` and an entry's `mask`, either convention decoded as an "L" mask; a bad
+one refused naming its entry, one on these non-inpainting ControlNets refused by the pipeline).
 """
 
 from __future__ import annotations
@@ -160,6 +162,54 @@ def test_diffusers_keywords_become_entries() -> None:
         )
 
 
+def _repaint_masks() -> tuple[np.ndarray, Image.Image, Image.Image]:
+    """The area to repaint as a bool array, as a white-on-black mask (Diffusers') and as OpenAI's mask
+    (alpha 0 there, its colours meaningless)."""
+    repaint = np.zeros((HEIGHT, WIDTH), dtype=bool)
+    repaint[8:40, 16:56] = True
+    white = Image.fromarray(np.where(repaint, 255, 0).astype(np.uint8), mode="L")
+    rgb = np.full((HEIGHT, WIDTH, 3), 200, np.uint8)
+    alpha = Image.fromarray(np.dstack([rgb, np.where(repaint, 0, 255).astype(np.uint8)]), mode="RGBA")
+    return repaint, white, alpha
+
+
+def test_control_mask_becomes_each_entrys_mask(tmp_path) -> None:
+    """`control_mask` (Diffusers' ControlNet inpainting keyword): one mask for every control image, or one
+    per image; `controlnets=[{..., "mask": ...}]` too. Either convention becomes an "L" mask, 255 = repaint."""
+    repaint, white, alpha = _repaint_masks()
+    want = np.where(repaint, 255, 0)
+    alpha.save(tmp_path / "mask.png")
+    one = controlnet_entries(
+        None, {"control_image": [EDGES, DEPTH], "control_mask": tmp_path / "mask.png"}, ["i"]
+    )
+    per_image = controlnet_entries(
+        None, {"control_image": [EDGES, DEPTH], "control_mask": [white, alpha]}, ["i"]
+    )
+    as_dicts = controlnet_entries(
+        [{"name": "i", "image": EDGES, "mask": alpha}, {"name": "i", "image": DEPTH}], {}, []
+    )
+    for entry in (*one, *per_image, as_dicts[0]):
+        assert entry.mask.mode == "L" and entry.mask.size == (WIDTH, HEIGHT)
+        assert np.array_equal(np.asarray(entry.mask), want)
+    assert as_dicts[1].mask is None
+    assert controlnet_entries(None, {"control_image": EDGES}, ["i"])[0].mask is None
+    with pytest.raises(InvalidRequestError, match="control_mask lists 3 values") as caught:
+        controlnet_entries(None, {"control_image": [EDGES], "control_mask": [white] * 3}, ["i"])
+    assert caught.value.param == "control_mask"
+    with pytest.raises(InvalidRequestError, match="without control_image"):
+        controlnet_entries(None, {"control_mask": white}, ["i"])
+
+
+@pytest.mark.parametrize("mask", [b"not an image", "/nonexistent/mask.png", 42])
+def test_a_bad_control_mask_names_its_entry(mask) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        controlnet_entries(None, {"control_image": [EDGES, DEPTH], "control_mask": [None, mask]}, ["i"])
+    assert caught.value.param == "controlnets[1].mask", caught.value
+    with pytest.raises(InvalidRequestError) as caught:
+        controlnet_entries([{"name": "i", "image": EDGES, "mask": mask}], {}, [])
+    assert caught.value.param == "controlnets[0].mask", caught.value
+
+
 @pytest.mark.parametrize("inpaint", [False, True])
 def test_with_an_input_image_matches_diffusers_img2img_and_inpaint(setup, inpaint) -> None:
     """Diffusers' `FluxControlNetImg2ImgPipeline` / `FluxControlNetInpaintPipeline`: the control image's
@@ -184,6 +234,16 @@ def test_diffusers_keywords_need_one_loaded_controlnet(setup) -> None:
     ours, _, _ = setup
     with pytest.raises(InvalidRequestError, match="2 are loaded"):
         generate(ours, 1, control_image=EDGES)
+
+
+def test_a_mask_for_a_controlnet_that_is_not_an_inpainting_one_is_refused(setup) -> None:
+    ours, _, _ = setup
+    _, white, _ = _repaint_masks()
+    with pytest.raises(
+        InvalidRequestError, match=r"controlnets\[0\]\.mask.*'canny' is not an inpainting"
+    ) as caught:
+        generate(ours, 1, controlnets=[{"name": "canny", "image": EDGES, "mask": white}])
+    assert caught.value.param == "controlnets"
 
 
 def _params(prompt: str, seed: int, controlnets=()) -> SamplingParams:
@@ -247,6 +307,10 @@ def test_rows_without_a_controlnet_are_bit_identical(setup) -> None:
         (ControlNetChoice("canny", EDGES, mode=1), r"controlnets\[0\].mode.*not a Union"),
         (ControlNetChoice("union", EDGES), r"controlnets\[0\].mode.*Union ControlNet; give a mode in 0..3"),
         (ControlNetChoice("union", EDGES, mode=UNION_MODES), r"controlnets\[0\].mode"),
+        (
+            ControlNetChoice("canny", EDGES, mask=EDGES.convert("L")),
+            r"controlnets\[0\].mask.*not an inpainting",
+        ),
     ],
 )
 def test_bad_entries_are_refused_naming_the_field(setup, entry, message) -> None:

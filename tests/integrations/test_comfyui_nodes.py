@@ -119,7 +119,8 @@ def run_node(pack, name: str, **inputs) -> tuple:
             assert isinstance(value, list) and all(set(entry) == {"name", "scale"} for entry in value)
         elif kind == "DIFFSERVE_CONTROLNETS":
             keys = {"name", "image", "scale", "start", "end"}
-            assert isinstance(value, list) and all(keys <= set(entry) <= keys | {"mode"} for entry in value)
+            optional = {"mode", "mask"}
+            assert isinstance(value, list) and all(keys <= set(entry) <= keys | optional for entry in value)
     return outputs
 
 
@@ -310,6 +311,28 @@ def test_controlnet_node_feeds_generate_as_the_server_answers(pack, flux) -> Non
     with pytest.raises(ValueError, match="no ControlNet named 'depth'.*serves: canny"):
         run_node(pack, "DiffserveControlNet", **server, image=control_tensor, controlnet="depth", scale=1.0,
                  start=0.0, end=1.0)  # fmt: skip
+
+
+def test_controlnet_node_sends_a_mask_the_server_reads(pack, flux) -> None:
+    """An inpainting ControlNet's mask (ComfyUI: 1 = repaint) goes as the Edit node's masks do; the server
+    decodes it, and this plain ControlNet refuses it naming the entry's mask."""
+    control = torch.rand(1, SIZE, SIZE, 3, generator=torch.Generator().manual_seed(5))
+    mask = torch.zeros(2, SIZE, SIZE)
+    mask[0, 4:20, 8:24] = 1.0  # the batch's first is sent
+    server = {"server_url": f"{flux.base_url}/v1", "api_key": API_KEY}
+    inputs = dict(**server, image=control, controlnet="canny", scale=1.0, start=0.0, end=1.0)
+    (controlnets, _) = run_node(pack, "DiffserveControlNet", **inputs, mask=mask)
+    (entry,) = controlnets
+    assert entry["mask"].startswith("data:image/png;base64,")
+    with Image.open(io.BytesIO(base64.b64decode(entry["mask"].split(",", 1)[1]))) as image:
+        assert np.array_equal(np.asarray(edit_mask(image)), np.where(mask[0].numpy() >= 0.5, 255, 0))
+    with pytest.raises(
+        pack.client.DiffserveError, match=r"controlnets\[0\]\.mask.*not an inpainting"
+    ) as caught:
+        run_node(pack, "DiffserveGenerate", **server, **sampling(), controlnets=controlnets)
+    assert caught.value.status == 400
+    with pytest.raises(ValueError, match="mask is 8x8 but the image is"):
+        run_node(pack, "DiffserveControlNet", **inputs, mask=torch.ones(8, 8))
 
 
 def test_api_key_from_the_environment(pack, flux, monkeypatch) -> None:

@@ -130,3 +130,39 @@ def test_residuals_for_some_rows() -> None:
     assert torch.equal(got[0], plain[0]) and torch.equal(got[2], plain[2])
     assert_parity(got[1:2], row_alone, "row 1 with residuals", max_abs=1e-5, min_cos=0.99999)
     assert (got[1] - plain[1]).abs().max() > 1e-2
+
+
+def test_xlabs_controlnet_reads_the_control_image_as_diffusers() -> None:
+    """XLabs' layout (`conditioning_embedding_channels`, patch 2): the control image itself, through the
+    pixel-space `input_hint_block` (16x smaller after it and the patching), gives Diffusers' samples."""
+    config = {
+        **CONFIG,
+        "patch_size": 2,
+        "num_layers": 2,
+        "num_single_layers": 0,
+        "conditioning_embedding_channels": 4,
+    }
+    ref, ours = parity_pair(DiffusersControlNet, FluxControlNetModel, config)
+    assert_same_state_dict_layout(ours, ref)
+    assert ours.config.reads_pixels
+    ours.fuse_for_inference()
+    inputs = _inputs(2)
+    image = torch.rand(2, 3, H * 16, W * 16, generator=torch.Generator().manual_seed(4)) * 2 - 1
+    with torch.no_grad():
+        ref_double, ref_single = ref(
+            controlnet_cond=image, conditioning_scale=0.6, return_dict=False, **inputs
+        )
+        batch = ControlNetBatch(
+            latents=inputs["hidden_states"], control=image, context=ours.embed_context(inputs["encoder_hidden_states"]),
+            pooled=inputs["pooled_projections"], timestep=inputs["timestep"], guidance=inputs["guidance"],
+            modes=None, scales=torch.tensor([0.6, 0.6]),
+        )  # fmt: skip
+        double, single = ours(batch, inputs["img_ids"], inputs["txt_ids"])
+    assert len(double) == 2 and not single and not ref_single
+    for i, (got, want) in enumerate(zip(double, ref_double, strict=True)):
+        assert_parity(got, want, f"XLabs controlnet sample {i}", max_abs=1e-4, min_cos=0.9999)
+
+
+def test_an_xlabs_hint_that_does_not_fill_a_token_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"conditioning_embedding_channels x patch_size\^2"):
+        FluxControlNetModel.from_config({**CONFIG, "patch_size": 2, "conditioning_embedding_channels": 3})

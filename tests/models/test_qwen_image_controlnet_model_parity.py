@@ -38,12 +38,17 @@ def _inputs(batch: int, seed: int = 1) -> dict[str, torch.Tensor]:
     }
 
 
-def test_controlnet_samples_match_diffusers() -> None:
-    config = {**CONFIG, "num_layers": 2, "extra_condition_channels": 0}
+@pytest.mark.parametrize("extra_channels", [0, 4], ids=["plain", "inpainting"])
+def test_controlnet_samples_match_diffusers(extra_channels) -> None:
+    """Plain, and the inpainting kind (`extra_condition_channels`: the packed mask's 4 channels)."""
+    config = {**CONFIG, "num_layers": 2, "extra_condition_channels": extra_channels}
     ref, ours = parity_pair(DiffusersControlNet, QwenImageControlNetModel, config)
     assert_same_state_dict_layout(ours, ref)
+    assert ours.config.inpainting == bool(extra_channels)
     inputs = _inputs(2)
-    control = torch.randn(2, H * W, CONFIG["in_channels"], generator=torch.Generator().manual_seed(7))
+    control = torch.randn(
+        2, H * W, CONFIG["in_channels"] + extra_channels, generator=torch.Generator().manual_seed(7)
+    )
     with torch.no_grad():
         want = ref(
             **inputs, controlnet_cond=control, conditioning_scale=0.7, encoder_hidden_states_mask=None,
@@ -61,9 +66,9 @@ def test_controlnet_samples_match_diffusers() -> None:
         assert_parity(g, w, f"ControlNet sample {i}", min_db=100)
 
 
-def test_inpainting_controlnets_are_refused() -> None:
-    with pytest.raises(ValueError, match="extra_condition_channels"):
-        QwenImageControlNetModel.from_config({**CONFIG, "extra_condition_channels": 17})
+def test_a_negative_channel_count_is_refused() -> None:
+    with pytest.raises(ValueError, match="extra_condition_channels must be >= 0"):
+        QwenImageControlNetModel.from_config({**CONFIG, "extra_condition_channels": -4})
 
 
 @pytest.mark.parametrize("n_samples", [1, 2, 3])

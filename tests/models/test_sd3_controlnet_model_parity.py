@@ -77,11 +77,14 @@ def test_residuals_on_some_rows() -> None:
     assert not torch.allclose(mixed[1], plain[1])
 
 
-def test_controlnet_samples_match_diffusers() -> None:
-    config = {**CONFIG, "num_layers": 2}
+@pytest.mark.parametrize("extra_channels", [0, 1], ids=["plain", "inpainting"])
+def test_controlnet_samples_match_diffusers(extra_channels) -> None:
+    """Plain, and the inpainting kind (`extra_conditioning_channels`: the mask as a 17th control channel)."""
+    config = {**CONFIG, "num_layers": 2, "extra_conditioning_channels": extra_channels}
     ref, ours = parity_pair(DiffusersControlNet, SD3ControlNetModel, config)
+    assert ours.config.inpainting == bool(extra_channels)
     inputs = _inputs(2)
-    control = torch.randn(2, 16, H, W, generator=torch.Generator().manual_seed(9))
+    control = torch.randn(2, 16 + extra_channels, H, W, generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         want = ref(**inputs, controlnet_cond=control, conditioning_scale=0.7, return_dict=False)[0]
         got = ours(**inputs, controlnet_cond=control, scales=torch.full((2,), 0.7))
@@ -117,7 +120,7 @@ def test_sd35_large_controlnet_samples_match_diffusers() -> None:
     ("extra", "message"),
     [
         ({"use_pos_embed": False}, "joint blocks without positions"),
-        ({"extra_conditioning_channels": 1}, "inpainting"),
+        ({"extra_conditioning_channels": -1}, "extra_conditioning_channels must be >= 0"),
     ],
 )
 def test_unsupported_controlnets_are_refused(extra, message) -> None:

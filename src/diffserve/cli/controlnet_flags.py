@@ -1,5 +1,6 @@
 """`diffserve generate`'s ControlNet flags: `--control-image PATH` with Diffusers' keyword names
-(`--controlnet-conditioning-scale`, `--control-guidance-start` / `--control-guidance-end`, `--control-mode`),
+(`--controlnet-conditioning-scale`, `--control-guidance-start` / `--control-guidance-end`, `--control-mode`,
+an inpainting ControlNet's `--control-mask`),
 applied to the one ControlNet the run loads (`--controlnet NAME=PATH`, an engine flag, or a pipeline folder's
 own `controlnet` component, named "default"). They make `SamplingParams.controlnets` (one entry); the
 values are checked here, before the model loads, each error naming its flag."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 from diffserve.configs.sampling_params import MAX_CONTROLNET_SCALE, ControlNetChoice
@@ -20,6 +22,7 @@ _NEEDS_IMAGE = {
     "control_guidance_start": "--control-guidance-start",
     "control_guidance_end": "--control-guidance-end",
     "control_mode": "--control-mode",
+    "control_mask": "--control-mask",
 }
 
 
@@ -36,6 +39,9 @@ def add_controlnet_flags(parser: argparse.ArgumentParser) -> None:
         help="fraction of the schedule where it stops, 0..1, above the start (default 1)")  # fmt: skip
     add("--control-mode", type=int, default=None, metavar="MODE",
         help="a Union ControlNet's control mode, an integer >= 0 (other ControlNets take none)")  # fmt: skip
+    add("--control-mask", default=None, metavar="PATH",
+        help="the mask of an inpainting ControlNet (other ControlNets take none): white = repaint, black = "
+        "keep (or, with alpha, transparent = repaint); resized to the output size")  # fmt: skip
 
 
 def _folder_controlnet(model_path: str | None) -> bool:
@@ -67,8 +73,9 @@ def controlnet_name(args: argparse.Namespace) -> str:
 
 
 def controlnet_choices_from(args: argparse.Namespace) -> list[ControlNetChoice]:
-    """The run's `controlnets` (empty without --control-image), its image not yet read (`image` None: the
-    caller loads `args.control_image` after the checks). UserError naming the flag for a bad value."""
+    """The run's `controlnets` (empty without --control-image), its image and mask not yet read (`image`
+    and `mask` None: the caller loads `args.control_image` and `args.control_mask` after the checks:
+    `with_control_inputs`). UserError naming the flag for a bad value."""
     if args.control_image is None:
         stray = [flag for dest, flag in _NEEDS_IMAGE.items() if getattr(args, dest) is not None]
         if stray:
@@ -93,3 +100,16 @@ def controlnet_choices_from(args: argparse.Namespace) -> list[ControlNetChoice]:
     if args.control_mode is not None and args.control_mode < 0:
         raise UserError(f"--control-mode must be an integer >= 0, got {args.control_mode}")
     return [ControlNetChoice(controlnet_name(args), None, scale, start, end, args.control_mode)]
+
+
+def with_control_inputs(choice: ControlNetChoice, args: argparse.Namespace) -> ControlNetChoice:
+    """`choice` with `--control-image` read and `--control-mask`, if given, read as `edit_mask`'s "L" image
+    (255 = repaint, from white or transparent pixels); paths only, errors naming the flag."""
+    from diffserve.image_inputs import load_images
+    from diffserve.masks import edit_mask
+
+    image = load_images(Path(args.control_image), param="--control-image")[0]
+    mask = None
+    if args.control_mask is not None:
+        mask = edit_mask(load_images(Path(args.control_mask), param="--control-mask", keep_alpha=True)[0])
+    return replace(choice, image=image, mask=mask)

@@ -9,10 +9,10 @@ import os
 import secrets
 import tempfile
 import time
-from dataclasses import fields, replace
+from dataclasses import fields
 from pathlib import Path
 
-from diffserve.cli.controlnet_flags import add_controlnet_flags, controlnet_choices_from
+from diffserve.cli.controlnet_flags import add_controlnet_flags, controlnet_choices_from, with_control_inputs
 from diffserve.cli.engine_flags import add_engine_flags, engine_args_from
 from diffserve.cli.lora_flags import lora_choices_from
 from diffserve.configs.cache_settings import cache_from_flag
@@ -158,8 +158,7 @@ def run(args: argparse.Namespace) -> int:
     # --controlnet is loaded at start (engine_args); --control-image and its flags apply it here.
     flags["controlnets"] = controlnet_choices_from(args)
     if flags["controlnets"]:
-        control = load_images(Path(args.control_image), param="--control-image")[0]
-        flags["controlnets"] = [replace(flags["controlnets"][0], image=control)]
+        flags["controlnets"] = [with_control_inputs(flags["controlnets"][0], args)]
     if flags.get("cache") is not None:  # its errors name the flag
         flags["cache"] = cache_from_flag(flags["cache"], "--cache")
     extra = flags.pop("extra", None)  # unset: no family settings

@@ -140,8 +140,10 @@ class ControlNetChoice:
     """One ControlNet a request applies (Diffusers' `FluxControlNetPipeline` keywords in brackets): a loaded
     ControlNet by `name` (`--controlnet NAME=PATH`; "default" for a pipeline folder's own), its control
     `image` (an RGB PIL image, resized to the output size), `scale` (`controlnet_conditioning_scale`), the
-    fractions of the schedule it acts between, `start` and `end` (`control_guidance_start` / `_end`), and a
-    Union ControlNet's control `mode` (`control_mode`)."""
+    fractions of the schedule it acts between, `start` and `end` (`control_guidance_start` / `_end`), a
+    Union ControlNet's control `mode` (`control_mode`), and an inpainting ControlNet's `mask` (`control_mask`
+    of Diffusers' ControlNet inpainting pipelines: a PIL image, white = repaint, black = keep, or OpenAI's
+    convention, transparent = repaint; resized to the output size)."""
 
     name: str
     image: Any = None
@@ -149,6 +151,7 @@ class ControlNetChoice:
     start: float = 0.0
     end: float = 1.0
     mode: int | None = None
+    mask: Any = None
 
 
 _CONTROLNET_KEYS = frozenset(f.name for f in fields(ControlNetChoice))
@@ -186,8 +189,9 @@ def _is_number(value: object) -> bool:
 def check_controlnets(entries: object) -> None:
     """The model-free checks of `controlnets` (InvalidRequestError naming the entry's field): a list of at
     most MAX_CONTROLNETS_PER_REQUEST `ControlNetChoice`s, each with a name, a PIL image, a finite scale in
-    [0, MAX_CONTROLNET_SCALE], 0 <= start < end <= 1 and a mode that is None or an integer >= 0. Whether
-    the name is loaded and takes a mode is the pipeline's check."""
+    [0, MAX_CONTROLNET_SCALE], 0 <= start < end <= 1, a mode that is None or an integer >= 0 and a mask
+    that is None or a PIL image. Whether the name is loaded and takes a mode or a mask is the pipeline's
+    check."""
     param = "controlnets"
     if not isinstance(entries, (list, tuple)) or not all(isinstance(c, ControlNetChoice) for c in entries):
         raise InvalidRequestError(
@@ -231,6 +235,11 @@ def check_controlnets(entries: object) -> None:
         if mode is not None and (isinstance(mode, bool) or not isinstance(mode, int) or mode < 0):
             raise InvalidRequestError(
                 f"{where}.mode (control_mode) must be an integer >= 0 or null, got {mode!r}", param=param
+            )
+        if entry.mask is not None and not (hasattr(entry.mask, "size") and hasattr(entry.mask, "convert")):
+            raise InvalidRequestError(
+                f"{where}.mask (control_mask) must be a decoded image (PIL), got {type(entry.mask).__name__}",
+                param=param,
             )
 
 
@@ -558,7 +567,7 @@ class SamplingParams:
         out["input_video"] = None if self.input_video is None else {"frames": len(self.input_video)}
         out["controlnets"] = [
             {"name": c.name, "image": None if c.image is None else list(c.image.size), "scale": c.scale,
-             "start": c.start, "end": c.end, "mode": c.mode}
+             "start": c.start, "end": c.end, "mode": c.mode, "mask": None if c.mask is None else list(c.mask.size)}
             for c in self.controlnets
         ]  # fmt: skip
         return out

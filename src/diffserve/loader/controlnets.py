@@ -25,20 +25,23 @@ from diffserve.platforms import Platform
 
 logger = logging.getLogger(__name__)
 
-#: A Diffusers pipeline class named `<Base>ControlNetPipeline` is `<Base>Pipeline` plus a `controlnet`.
-_CONTROLNET_SUFFIX = "ControlNetPipeline"
+#: A Diffusers pipeline class named `<Base>ControlNetPipeline` is `<Base>Pipeline` plus a `controlnet`; so
+#: are the ControlNet inpainting pipelines' (`<Base>ControlNetInpaintingPipeline`, `...InpaintPipeline`),
+#: whose inpainting is the ControlNet's (a request's entry with a `mask`).
+_CONTROLNET_SUFFIXES = ("ControlNetPipeline", "ControlNetInpaintingPipeline", "ControlNetInpaintPipeline")
 #: The name a pipeline folder's own ControlNet is served under.
 FOLDER_CONTROLNET = "default"
 
 
 def without_folder_controlnet(index: ModelIndex) -> tuple[ModelIndex, ComponentSpec | None]:
-    """A `<Base>ControlNetPipeline` folder's index as its base pipeline's (the `controlnet` component taken
+    """A `<Base>ControlNet[Inpaint[ing]]Pipeline` folder's index as its base pipeline's (the `controlnet` component taken
     out, to load as a named ControlNet), and that component; other folders unchanged, None."""
     name = index.pipeline_class_name
     component = index.components.get("controlnet")
-    if not name.endswith(_CONTROLNET_SUFFIX) or component is None:
+    suffix = next((suffix for suffix in _CONTROLNET_SUFFIXES if name.endswith(suffix)), None)
+    if suffix is None or component is None:
         return index, None
-    base = name.removesuffix(_CONTROLNET_SUFFIX) + "Pipeline"
+    base = name.removesuffix(suffix) + "Pipeline"
     components = {name: spec for name, spec in index.components.items() if name != "controlnet"}
     return replace(index, pipeline_class_name=base, components=components), component
 

@@ -10,13 +10,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from PIL import Image
 from torch import nn
 
-from diffserve.configs.sampling_params import SamplingParams
+from diffserve.configs.sampling_params import ControlNetChoice, SamplingParams
 from diffserve.errors import InvalidRequestError
+from diffserve.masks import edit_mask
 from diffserve.models.controlnets.residuals import BlockResiduals
 from diffserve.request import Req
 from diffserve.runtime.runner import CfgBranchView
+from diffserve.stages.image_tensor import image_to_tensor
+from diffserve.stages.mask_preparation import mask_pixels
 
 
 @dataclass
@@ -39,8 +44,9 @@ class EncodedControl:
 def check_controlnet_entries(
     params: SamplingParams, nets: Mapping[str, nn.Module], pipeline_name: str
 ) -> None:
-    """The model checks of a request's `controlnets`: each name loaded, and a mode exactly when the
-    ControlNet's config has `num_mode` (a Union ControlNet with a mode token), within its modes."""
+    """The model checks of a request's `controlnets`: each name loaded, a mode exactly when the
+    ControlNet's config has `num_mode` (a Union ControlNet with a mode token), within its modes, and a mask
+    exactly when its config is `inpainting` (extra control channels for the masked image's mask)."""
     param = "controlnets"
     for i, entry in enumerate(params.controlnets):
         where = f"controlnets[{i}]"
@@ -65,6 +71,41 @@ def check_controlnet_entries(
                 f"0..{modes - 1}, got {got}",
                 param=param,
             )
+        inpainting = bool(getattr(net.config, "inpainting", False))
+        if inpainting and entry.mask is None:
+            raise InvalidRequestError(
+                f"{where}.mask (control_mask): {entry.name!r} is an inpainting ControlNet; send the mask of the "
+                "area to repaint (white) with its image",
+                param=param,
+            )
+        if not inpainting and entry.mask is not None:
+            raise InvalidRequestError(
+                f"{where}.mask (control_mask): {entry.name!r} is not an inpainting ControlNet; leave mask unset",
+                param=param,
+            )
+
+
+@dataclass(frozen=True)
+class InpaintingControl:
+    """An inpainting ControlNet entry's inputs as Diffusers' ControlNet inpainting pipelines make them
+    (`prepare_image_with_mask`): `masked` (1, 3, H, W) the control image resized to the output size
+    (Lanczos) in [-1, 1], -1 where the mask repaints; `mask` (1, 1, H, W) the binarized mask, 1 = repaint."""
+
+    masked: torch.Tensor
+    mask: torch.Tensor
+
+    @classmethod
+    def of(cls, entry: ControlNetChoice, height: int, width: int) -> InpaintingControl:
+        image = entry.image.convert("RGB").resize((width, height), Image.Resampling.LANCZOS)
+        pixels = image_to_tensor(image)
+        mask = mask_pixels(edit_mask(entry.mask), height, width)
+        return cls(pixels.masked_fill(mask > 0.5, -1.0), mask)
+
+    def kept_on(self, size: tuple[int, ...]) -> torch.Tensor:
+        """1 - the mask, resized to the latent grid `size` by nearest-neighbour interpolation: the channel
+        Diffusers appends to the masked image's latents (1 = keep)."""
+        mask = self.mask if len(size) == 2 else self.mask.unsqueeze(2)
+        return 1.0 - F.interpolate(mask, size=size)
 
 
 def prompt_request(req: Req) -> Req:

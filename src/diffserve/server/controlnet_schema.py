@@ -1,6 +1,6 @@
-"""The image routes' `controlnets` field: ControlNets a request applies (FLUX.1; `SamplingParams.controlnets`),
-each with its control image as base64 or a data URL, decoded by the route within the server's image limits
-(never read from a path or, unless the operator allows URLs, fetched)."""
+"""The image routes' `controlnets` field: ControlNets a request applies (`SamplingParams.controlnets`), each
+with its control image (and an inpainting ControlNet's mask) as base64 or a data URL, decoded by the route
+within the server's image limits (never read from a path or, unless the operator allows URLs, fetched)."""
 
 from __future__ import annotations
 
@@ -14,16 +14,19 @@ from pydantic import BaseModel, ConfigDict, Field
 from diffserve.configs.sampling_params import MAX_CONTROLNET_SCALE, ControlNetChoice
 from diffserve.errors import InvalidRequestError
 from diffserve.image_inputs import ImageInputLimits, decode_image, read_image_source
+from diffserve.masks import edit_mask
 
 _EXAMPLE = '[{"name": "canny", "image": "data:image/png;base64,...", "scale": 0.7}]'
 CONTROLNETS_NOTE = (
     f"for example {_EXAMPLE} (in a multipart form: that JSON as text); a Union ControlNet also takes "
-    '"mode", and "start" / "end" limit it to a part of the schedule'
+    '"mode", an inpainting ControlNet a "mask" of the area to repaint (white, or transparent as OpenAI\'s masks; '
+    'same forms as "image"), and "start" / "end" limit it to a part of the schedule'
 )
 
 
 class ControlNetEntry(BaseModel):
-    """One ControlNet a request applies: a name the server loaded and its control image."""
+    """One ControlNet a request applies: a name the server loaded, its control image and, for an inpainting
+    ControlNet, its mask."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -35,6 +38,12 @@ class ControlNetEntry(BaseModel):
     start: float = Field(0.0, allow_inf_nan=False, description="control_guidance_start, 0..1")
     end: float = Field(1.0, allow_inf_nan=False, description="control_guidance_end, 0..1, above start")
     mode: int | None = Field(None, ge=0, description="control_mode of a Union ControlNet (else unset)")
+    mask: str | None = Field(
+        None,
+        min_length=1,
+        description="control_mask of an inpainting ControlNet (else unset), as `image` takes it: white (or, "
+        "with alpha, transparent) = repaint, black (opaque) = keep",
+    )
 
 
 def controlnet_entries(value: Any) -> Any:
@@ -65,11 +74,19 @@ def _image_bytes(source: str, param: str, allow_urls: bool, limits: ImageInputLi
 def decode_controlnets(
     entries: list[ControlNetEntry] | None, allow_urls: bool, limits: ImageInputLimits
 ) -> list[ControlNetChoice]:
-    """The entries as the engine's `ControlNetChoice`s, their images decoded (InvalidRequestError naming
-    `controlnets[i].image` for one that is not an image or is too large)."""
+    """The entries as the engine's `ControlNetChoice`s, their images and masks decoded (InvalidRequestError
+    naming `controlnets[i].image` or `controlnets[i].mask` for one that is not an image or is too large).
+    A mask becomes `edit_mask`'s "L" image (255 = repaint) whichever convention it was sent in."""
     choices = []
     for i, entry in enumerate(entries or []):
         param = f"controlnets[{i}].image"
         image = decode_image(_image_bytes(entry.image, param, allow_urls, limits), param=param, limits=limits)
-        choices.append(ControlNetChoice(entry.name, image, entry.scale, entry.start, entry.end, entry.mode))
+        mask = None
+        if entry.mask is not None:
+            param = f"controlnets[{i}].mask"
+            data = _image_bytes(entry.mask, param, allow_urls, limits)
+            mask = edit_mask(decode_image(data, param=param, limits=limits, keep_alpha=True))
+        choices.append(
+            ControlNetChoice(entry.name, image, entry.scale, entry.start, entry.end, entry.mode, mask)
+        )
     return choices

@@ -63,8 +63,9 @@ def preview_steps(total_steps: int, partial_images: int) -> list[int]:
 
 
 def _without_inputs(params: SamplingParams) -> SamplingParams:
-    """Resolved parameters as sent back, without the (possibly large) input images the front end has."""
-    controlnets = [dataclasses.replace(c, image=None) for c in params.controlnets]
+    """Resolved parameters as sent back, without the (possibly large) input images the front end has (a
+    ControlNet's control image and mask included)."""
+    controlnets = [dataclasses.replace(c, image=None, mask=None) for c in params.controlnets]
     return dataclasses.replace(
         params, input_images=None, mask_image=None, input_video=None, controlnets=controlnets
     )
@@ -337,9 +338,14 @@ class EngineProcess:
             "warmup_seconds": None if warmup_seconds is None else round(warmup_seconds, 3),
             "loras": self.loras.summary(),
             # The ControlNets requests may name (--controlnet; "default": the folder's own), each with a
-            # Union ControlNet's number of control modes (None: no mode); the playground lists them.
+            # Union ControlNet's number of control modes (None: no mode) and whether it is an inpainting one
+            # (its entries need a mask); the playground lists them.
             "controlnets": [
-                {"name": name, "modes": getattr(getattr(net, "config", None), "num_mode", None)}
+                {
+                    "name": name,
+                    "modes": getattr(getattr(net, "config", None), "num_mode", None),
+                    "inpainting": bool(getattr(getattr(net, "config", None), "inpainting", False)),
+                }
                 for name, net in getattr(g.pipeline, "controlnets", {}).items()
             ],
             "replica": self.config.replica,

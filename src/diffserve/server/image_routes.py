@@ -151,7 +151,8 @@ async def serve_images(
 
 
 async def _controlnets(body: ImageGenerationRequest, state: ServerState) -> list[ControlNetChoice]:
-    """The request's `controlnets` with their control images decoded (off the event loop when any)."""
+    """The request's `controlnets` with their control images and masks decoded (off the event loop when
+    any)."""
     if not body.controlnets:
         return []
     args = state.args

@@ -6,7 +6,9 @@ The engine holds named ControlNets (`loader/controlnets.py`); a request lists th
 
 1. each control image, resized to the output size (Lanczos) and repeated once per output, is VAE-encoded
    with a *sampled* posterior, in the order listed, before the initial noise is drawn (each draw comes
-   from the request's generator), then packed into 2x2 tokens;
+   from the request's generator), then packed into 2x2 tokens; an XLabs ControlNet
+   (`conditioning_embedding_channels`) takes the resized image itself (its `input_hint_block` encodes it;
+   no draw), and the DiT cycles its double-stream samples over its blocks (`controlnet_blocks_repeat`);
 2. at step `i` of `n`, a ControlNet entry acts unless `i / n < start` or `(i + 1) / n > end`; an acting
    entry's ControlNet reads the noisy latents, its control latents, the prompt's text states and pooled
    embedding, the timestep and (if it embeds guidance) the guidance scale, and returns per-block residuals
@@ -35,6 +37,7 @@ from PIL import Image
 from torch import nn
 
 from diffserve.configs.sampling_params import SamplingParams
+from diffserve.errors import InvalidRequestError
 from diffserve.families.flux.conditioning import FluxConditioning
 from diffserve.models.controlnets.flux import ControlNetBatch, FluxControlNetModel
 from diffserve.models.controlnets.residuals import BlockResiduals
@@ -74,8 +77,21 @@ class FluxControls:
 
 def check_controlnets(params: SamplingParams, nets: Mapping[str, nn.Module], pipeline_name: str) -> None:
     """The model checks of a request's `controlnets` (the model-free ones are `SamplingParams`'): each name
-    loaded, and a mode exactly when the ControlNet is a Union one, within its modes."""
+    loaded, a mode exactly when the ControlNet is a Union one, within its modes, and no mix of XLabs' and
+    InstantX-style ControlNets (the DiT adds their double-stream samples by different rules, and Diffusers'
+    Multi ControlNet applies its first net's rule to their sum)."""
     check_controlnet_entries(params, nets, pipeline_name)
+    kinds = {_reads_pixels(nets[entry.name]) for entry in params.controlnets}
+    if len(kinds) > 1:
+        raise InvalidRequestError(
+            "controlnets mixes XLabs ControlNets (which read the control image) with ones that read its "
+            "latents (InstantX / Shakker-Labs); apply one kind per request",
+            param="controlnets",
+        )
+
+
+def _reads_pixels(net: nn.Module) -> bool:
+    return isinstance(net, FluxControlNetModel) and net.config.reads_pixels
 
 
 class ControlImageEncodingStage(Stage):
@@ -84,8 +100,11 @@ class ControlImageEncodingStage(Stage):
 
     needs = ("generator",)
 
-    def __init__(self, vae: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, vae: nn.Module, nets: Mapping[str, nn.Module], device: torch.device, dtype: torch.dtype
+    ) -> None:
         self.vae = vae
+        self.nets = nets
         self.device = device
         self.dtype = dtype
 
@@ -98,9 +117,12 @@ class ControlImageEncodingStage(Stage):
         for entry in p.controlnets:
             image = entry.image.convert("RGB").resize((p.width, p.height), Image.Resampling.LANCZOS)
             pixels = image_to_tensor(image).repeat(req.batch_size, 1, 1, 1)
-            latents = encode_sampled(self.vae, pixels, req.generator)
-            packed = pack_latents(latents.to(device=self.device, dtype=self.dtype))
-            inputs.append(ControlInput(entry.name, packed, entry.scale, entry.start, entry.end, entry.mode))
+            if _reads_pixels(self.nets[entry.name]):  # XLabs': the image itself, no VAE draw
+                control = pixels.to(device=self.device, dtype=self.dtype)
+            else:
+                latents = encode_sampled(self.vae, pixels, req.generator)
+                control = pack_latents(latents.to(device=self.device, dtype=self.dtype))
+            inputs.append(ControlInput(entry.name, control, entry.scale, entry.start, entry.end, entry.mode))
         FluxConditioning.of(req).controls = FluxControls(inputs)
         return req
 
@@ -149,19 +171,26 @@ class ControlNetRunner:
             if branches == 2:
                 double = [torch.cat([s, s]) for s in double]
                 single = [torch.cat([s, s]) for s in single]
-            groups.setdefault((len(double), len(single)), []).append((rows, double, single))
+            repeat = self._repeats(acting, r)
+            groups.setdefault((len(double), len(single), repeat), []).append((rows, double, single))
         out = []
-        for members in groups.values():
+        for (n_double, n_single, repeat), members in groups.items():
             rows = [row for member in members for row in member[0]]
-            n_double, n_single = len(members[0][1]), len(members[0][2])
             out.append(
                 BlockResiduals(
                     double=[torch.cat([m[1][j] for m in members]) for j in range(n_double)],
                     single=[torch.cat([m[2][j] for m in members]) for j in range(n_single)],
                     rows=None if rows == list(range(total_rows)) else tuple(rows),
+                    repeat=repeat,
                 )
             )
         return out
+
+    def _repeats(self, acting: list[tuple[int, int, ControlInput]], request: int) -> bool:
+        """Whether request `request`'s samples cycle over the DiT's double-stream blocks (Diffusers'
+        `controlnet_blocks_repeat`): its ControlNets are XLabs' (one kind per request: `check_controlnets`)."""
+        name = next(entry.name for r, _, entry in acting if r == request)
+        return _reads_pixels(self.nets[name])
 
     def _run_nets(
         self,

@@ -192,7 +192,7 @@ class FluxPipeline(Pipeline):
         the generator first, as Diffusers does), then the initial noise."""
         device, dtype = context.platform.device(), context.dtype
         return [
-            ControlImageEncodingStage(context.get("vae"), device=device, dtype=dtype),
+            ControlImageEncodingStage(context.get("vae"), self.controlnets, device=device, dtype=dtype),
             InputImageEncodingStage(context.get("vae"), pack_latents, device=device, dtype=dtype),
             self.latent_preparation_stage(context),
         ]

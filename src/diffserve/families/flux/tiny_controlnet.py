@@ -18,16 +18,21 @@ from diffserve.testing.tiny_writing import save_diffusers_model, write_json
 
 #: Factor on the control embedder's random weights.
 CONTROL_GAIN = 4.0
+#: Factor on an XLabs hint encoder's convolutions (all but the last).
+HINT_GAIN = 3.0
 
 
 @dataclass
 class TinyFluxControlNetSpec:
-    """A tiny ControlNet for the tiny FLUX DiT of `flux`: its own block counts, and `num_mode` for Union."""
+    """A tiny ControlNet for the tiny FLUX DiT of `flux`: its own block counts, `num_mode` for Union, and
+    `xlabs` for XLabs' layout."""
 
     flux: TinyFluxSpec
     num_layers: int = 1
     num_single_layers: int = 1
     num_mode: int | None = None
+    #: XLabs' layout: a pixel-space hint encoder (`conditioning_embedding_channels`) and 2x2 patches.
+    xlabs: bool = False
     seed: int = 0
 
 
@@ -48,10 +53,15 @@ def build_tiny_flux_controlnet(out_dir: str | Path, spec: TinyFluxControlNetSpec
         "num_mode": spec.num_mode,
         "conditioning_embedding_channels": None,
     }
+    if spec.xlabs:  # the hint's channels x 2x2 patches fill a token, as the latents' do
+        config.update(patch_size=2, conditioning_embedding_channels=flux.latent_channels)
     torch.manual_seed(spec.seed)
     model = FluxControlNetModel.from_config(config)
     with torch.no_grad():  # a stronger control embedding, so that the control image clearly matters
         model.controlnet_x_embedder.weight.mul_(CONTROL_GAIN)
+        if model.input_hint_block is not None:  # its default init all but erases the image
+            for conv in (model.input_hint_block.conv_in, *model.input_hint_block.blocks):
+                conv.weight.mul_(HINT_GAIN)
     root = Path(out_dir)
     save_diffusers_model(model, root, "FluxControlNetModel", config)
     return root

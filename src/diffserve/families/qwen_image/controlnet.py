@@ -14,6 +14,11 @@ The engine holds named ControlNets (`loader/controlnets.py`); a request lists th
    order, and added to the DiT's image stream for the prompt's rows and, with true CFG, the same ones for
    the negative prompt's rows.
 
+An inpainting ControlNet (`extra_condition_channels`, Diffusers' `QwenImageControlNetInpaintPipeline`)
+takes an entry's image with its `mask`: the image with its repainted area set to black (-1), encoded as in
+step 1 but with the posterior drawn apart from the request's generator (Diffusers draws it from torch's
+global RNG), with `1 - mask` on the latent grid appended as a 17th channel before packing.
+
 In a step batch, each ControlNet runs once over the rows of every request that applies it at that step;
 the DiT adds each request's sum to its own rows only: requests without a ControlNet keep their values.
 """
@@ -27,11 +32,13 @@ import torch
 from PIL import Image
 from torch import nn
 
+from diffserve.configs.sampling_params import ControlNetChoice
 from diffserve.models.controlnets.qwen_image import QwenControlNetBatch, QwenImageControlNetModel
 from diffserve.models.controlnets.residuals import BlockResiduals
 from diffserve.pipelines.cfg_batch import pad_text
 from diffserve.pipelines.controlnet_steps import (
     EncodedControl,
+    InpaintingControl,
     double_stream_groups,
     prompt_request,
     samples_per_request,
@@ -75,13 +82,36 @@ class QwenControlImageEncodingStage(Stage):
             return req
         inputs = []
         for entry in p.controlnets:
-            image = entry.image.convert("RGB").resize((p.width, p.height), Image.Resampling.LANCZOS)
-            pixels = image_to_tensor(image).repeat(req.batch_size, 1, 1, 1)
-            latents = encode_sampled_video_vae(self.vae, pixels, req.generator)
+            if entry.mask is not None:  # an inpainting ControlNet (`check_controlnet_entries`)
+                latents = self._inpainting_latents(entry, req)
+            else:
+                image = entry.image.convert("RGB").resize((p.width, p.height), Image.Resampling.LANCZOS)
+                pixels = image_to_tensor(image).repeat(req.batch_size, 1, 1, 1)
+                latents = encode_sampled_video_vae(self.vae, pixels, req.generator)
             packed = pack_latents(latents.to(device=self.device, dtype=self.dtype))
             inputs.append(EncodedControl(entry.name, packed, entry.scale, entry.start, entry.end, entry.mode))
         QwenImageConditioning.of(req).controls = inputs
         return req
+
+    def _inpainting_latents(self, entry: ControlNetChoice, req: Req) -> torch.Tensor:
+        """Step 1 for an inpainting ControlNet (`QwenImageControlNetInpaintPipeline`): the masked image, one
+        row per output, encoded as one frame with a sampled posterior and normalised, with `1 - mask` on
+        the latent grid appended as a 17th channel (packed: 68). Diffusers draws that posterior from
+        torch's global RNG, not from the request's generator: here it comes from a generator of its own
+        seeded with the request's seed (the two agree when the global RNG is seeded with it too), and the
+        request's generator, which draws the initial noise, is left alone."""
+        p = req.params
+        generator = torch.Generator(next(self.vae.parameters()).device)
+        if p.seed is not None:
+            generator.manual_seed(int(p.seed))
+        else:
+            generator.seed()
+        control = InpaintingControl.of(entry, p.height, p.width)
+        latents = encode_sampled_video_vae(
+            self.vae, control.masked.repeat(req.batch_size, 1, 1, 1), generator
+        )
+        kept = control.kept_on((1, *latents.shape[-2:]))[:, :, 0].to(latents)
+        return torch.cat([latents, kept.expand(latents.shape[0], -1, -1, -1)], dim=1)
 
 
 class QwenControlNetRunner:

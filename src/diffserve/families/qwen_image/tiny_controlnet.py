@@ -26,10 +26,12 @@ LATENT_CHANNELS = 16
 
 @dataclass
 class TinyQwenImageControlNetSpec:
-    """A tiny ControlNet for the tiny Qwen-Image DiT of `qwen`: its own block count."""
+    """A tiny ControlNet for the tiny Qwen-Image DiT of `qwen`: its own block count, and whether it is the
+    inpainting kind (the packed mask's 4 extra control channels, as InstantX's inpainting ControlNet)."""
 
     qwen: TinyQwenImageSpec = field(default_factory=TinyQwenImageSpec)
     num_layers: int = 1
+    inpainting: bool = False
     seed: int = 0
 
 
@@ -45,7 +47,7 @@ def build_tiny_qwen_image_controlnet(out_dir: str | Path, spec: TinyQwenImageCon
         "num_attention_heads": qwen.num_attention_heads,
         "joint_attention_dim": qwen.text_hidden_size,
         "axes_dims_rope": list(qwen.axes_dims_rope),
-        "extra_condition_channels": 0,
+        "extra_condition_channels": 4 if spec.inpainting else 0,
     }
     model = random_native_module(QwenImageControlNetModel, config, spec.seed + 30, weight_noise=0.2)
     with torch.no_grad():  # a stronger control embedding, so that the control image clearly matters

@@ -17,6 +17,11 @@ The engine holds named ControlNets (`loader/controlnets.py`); a request lists th
    ControlNets (`SD3SingleStreamControlNetModel`) read no text and patch the latents with a copy of the
    DiT's `pos_embed`, handed to them by the pipeline's `use_controlnets`.
 
+An inpainting ControlNet (`extra_conditioning_channels`, Diffusers' `StableDiffusion3ControlNetInpainting
+Pipeline`) takes an entry's image with its `mask` instead: the image with its repainted area set to black
+(-1) is encoded once per output (`(z - shift) * scale`, the shift always), `1 - mask` on the latent grid is
+appended as a 17th channel, both CFG branches take those same rows, and its pooled projection is zeros.
+
 In a step batch, each ControlNet runs once over the rows of every request that applies it at that step;
 the DiT adds each request's sums to its own rows only.
 """
@@ -30,10 +35,12 @@ import torch
 from PIL import Image
 from torch import nn
 
+from diffserve.configs.sampling_params import ControlNetChoice
 from diffserve.models.controlnets.residuals import BlockResiduals
 from diffserve.models.controlnets.sd3 import SD3ControlNetModel
 from diffserve.pipelines.controlnet_steps import (
     EncodedControl,
+    InpaintingControl,
     double_stream_groups,
     samples_per_request,
 )
@@ -83,22 +90,43 @@ class SD3ControlImageEncodingStage(Stage):
         inputs = []
         for entry in p.controlnets:
             net = self.nets[entry.name]
-            shift = (
-                0.0 if net.config.force_zeros_for_pooled_projection else self.vae.config.get("shift_factor")
-            )
-            image = entry.image.convert("RGB").resize((p.width, p.height), Image.Resampling.LANCZOS)
-            pixels = image_to_tensor(image).repeat(req.batch_size * branches, 1, 1, 1)
-            latents = self.vae.encode(to_module(self.vae, pixels)).sample(generator)
-            latents = (latents - float(shift or 0.0)) * scaling
-            if branches == 2:  # Diffusers' rows are [negative; prompt]; the DiT batch's [prompt; negative]
-                n = req.batch_size
-                latents = torch.cat([latents[n:], latents[:n]])
+            if net.config.inpainting:
+                latents = self._inpainting_latents(entry, req, generator).repeat(branches, 1, 1, 1)
+            else:
+                shift = 0.0 if net.config.force_zeros_for_pooled_projection else self._shift()
+                image = entry.image.convert("RGB").resize((p.width, p.height), Image.Resampling.LANCZOS)
+                pixels = image_to_tensor(image).repeat(req.batch_size * branches, 1, 1, 1)
+                latents = self.vae.encode(to_module(self.vae, pixels)).sample(generator)
+                latents = (latents - shift) * scaling
+                if (
+                    branches == 2
+                ):  # Diffusers' rows are [negative; prompt]; the DiT batch's [prompt; negative]
+                    n = req.batch_size
+                    latents = torch.cat([latents[n:], latents[:n]])
             latents = latents.to(device=self.device, dtype=self.dtype)
             inputs.append(
                 EncodedControl(entry.name, latents, entry.scale, entry.start, entry.end, entry.mode)
             )
         SD3Conditioning.of(req).controls = inputs
         return req
+
+    def _shift(self) -> float:
+        return float(self.vae.config.get("shift_factor") or 0.0)
+
+    def _inpainting_latents(
+        self, entry: ControlNetChoice, req: Req, generator: torch.Generator
+    ) -> torch.Tensor:
+        """Step 1 for an inpainting ControlNet (`StableDiffusion3ControlNetInpaintingPipeline`): the masked
+        image, one row per output, VAE-encoded with a sampled posterior, `(z - shift) * scale` (the shift
+        always), and `1 - mask` on the latent grid appended as a channel; both CFG branches take the same
+        rows (one draw, not one per branch)."""
+        p = req.params
+        control = InpaintingControl.of(entry, p.height, p.width)
+        pixels = control.masked.repeat(req.batch_size, 1, 1, 1)
+        latents = self.vae.encode(to_module(self.vae, pixels)).sample(generator)
+        latents = (latents - self._shift()) * float(self.vae.config["scaling_factor"])
+        kept = control.kept_on(tuple(latents.shape[-2:])).to(latents)
+        return torch.cat([latents, kept.expand(latents.shape[0], -1, -1, -1)], dim=1)
 
 
 class SD3ControlNetRunner:
@@ -122,7 +150,8 @@ class SD3ControlNetRunner:
     ) -> dict[tuple[int, int], list[torch.Tensor]]:
         """One forward of `net` over every branch row of `items`; (request, entry) -> its samples."""
         latents, control, texts, pooled, timesteps, scales = [], [], [], [], [], []
-        zero_pooled = net.config.force_zeros_for_pooled_projection
+        # The inpainting pipeline hands every ControlNet zeros (its `controlnet_pooled_projections`).
+        zero_pooled = net.config.force_zeros_for_pooled_projection or net.config.inpainting
         for r, _, entry in items:
             req = reqs[r]
             cond = entry.latents

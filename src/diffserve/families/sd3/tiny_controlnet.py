@@ -29,6 +29,8 @@ class TinySD3ControlNetSpec:
     force_zeros_for_pooled_projection: bool = True
     #: SD3.5-Large's kind: single-stream blocks (no `joint_attention_dim`) on the DiT's positions.
     single_stream: bool = False
+    #: The inpainting kind (alimama's): the mask as a 17th control channel (`extra_conditioning_channels`).
+    inpainting: bool = False
     seed: int = 0
 
 
@@ -47,7 +49,7 @@ def build_tiny_sd3_controlnet(out_dir: str | Path, spec: TinySD3ControlNetSpec) 
         "pooled_projection_dim": 2 * sd3.clip_hidden_size + 8,
         "out_channels": 16,
         "pos_embed_max_size": sd3.pos_embed_max_size,
-        "extra_conditioning_channels": 0,
+        "extra_conditioning_channels": 1 if spec.inpainting else 0,
         "dual_attention_layers": list(sd3.dual_attention_layers),
         "qk_norm": sd3.qk_norm,
         "pos_embed_type": "sincos",

@@ -9,8 +9,9 @@ the image stream of the DiT's blocks (`models/controlnets/residuals.py`). A Unio
 set) prepends one embedded token, the control mode (canny, depth, ...), to its text stream.
 
 The blocks, embedders and projection fusion are the DiT's (`models/dits/flux.py`); the DiT's output head
-(`norm_out`, `proj_out`) does not exist here. XLabs' layout (`conditioning_embedding_channels`, a pixel
-space `input_hint_block`) is refused when the config is read.
+(`norm_out`, `proj_out`) does not exist here. XLabs' layout (`conditioning_embedding_channels`) reads the
+control image itself through a pixel-space `input_hint_block` (`hint_encoder.py`), packed into patches of
+`patch_size`, instead of the control image's latents.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffserve.models.controlnets.hint_encoder import ControlHintEncoder
 from diffserve.models.controlnets.residuals import scaled_samples
 from diffserve.models.dits.flux import FluxTransformer2DModel, FluxTransformerConfig
 
@@ -32,16 +34,26 @@ class FluxControlNetConfig(FluxTransformerConfig):
 
     #: Union ControlNets: how many control modes the mode embedding holds (None: a single-mode model).
     num_mode: int | None = None
-    #: XLabs' pixel-space hint encoder's width; not supported (None).
+    #: XLabs' ControlNets: the pixel-space hint encoder's output channels (None: InstantX's, which read the
+    #: control image's VAE latents).
     conditioning_embedding_channels: int | None = None
+
+    @property
+    def reads_pixels(self) -> bool:
+        """Whether the ControlNet reads the control image itself (XLabs' `input_hint_block`), not its
+        latents; its double-stream samples then cycle over the DiT's blocks (`controlnet_blocks_repeat`)."""
+        return self.conditioning_embedding_channels is not None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.conditioning_embedding_channels is not None:
-            raise ValueError(
-                "FluxControlNetModel: XLabs-style ControlNets (conditioning_embedding_channels, a pixel "
-                "input_hint_block) are not supported; use an InstantX / Shakker-Labs style one"
-            )
+        if self.reads_pixels:
+            hint = self.conditioning_embedding_channels * self.patch_size**2
+            if hint != self.in_channels:
+                raise ValueError(
+                    "FluxControlNetModel: conditioning_embedding_channels x patch_size^2 "
+                    f"({self.conditioning_embedding_channels} x {self.patch_size}^2) must equal in_channels "
+                    f"({self.in_channels})"
+                )
         if self.num_mode is not None and (isinstance(self.num_mode, bool) or self.num_mode < 1):
             raise ValueError(f"FluxControlNetModel: num_mode must be a positive integer, got {self.num_mode}")
 
@@ -50,8 +62,8 @@ class FluxControlNetConfig(FluxTransformerConfig):
 class ControlNetBatch:
     """One ControlNet forward's rows: each row a (request, control entry) at its own timestep.
 
-    `latents`, `control` (packed control latents) and `context` (the ControlNet's embedded text) are
-    (rows, tokens, width); `pooled` (rows, pooled dim); `timestep` and `guidance` (rows,) sigma and
+    `latents`, `control` (packed control latents; an XLabs ControlNet's: the control images, (rows, 3, H, W)
+    in [-1, 1]) and `context` (the ControlNet's embedded text) are (rows, tokens, width); `pooled` (rows, pooled dim); `timestep` and `guidance` (rows,) sigma and
     embedded-guidance values (guidance None when the ControlNet has no guidance embedding); `modes` (rows,)
     Union control modes or None; `scales` (rows,) conditioning scales."""
 
@@ -63,6 +75,14 @@ class ControlNetBatch:
     guidance: torch.Tensor | None
     modes: torch.Tensor | None
     scales: torch.Tensor
+
+
+def patchify(features: torch.Tensor, patch: int) -> torch.Tensor:
+    """(rows, C, H, W) -> (rows, H/patch * W/patch, C * patch^2): Diffusers' packing of the hint encoder's
+    output (channel-major within a token, as the latents' 2x2 packing)."""
+    rows, channels, height, width = features.shape
+    grid = features.reshape(rows, channels, height // patch, patch, width // patch, patch)
+    return grid.permute(0, 2, 4, 1, 3, 5).reshape(rows, (height // patch) * (width // patch), -1)
 
 
 class FluxControlNetModel(FluxTransformer2DModel):
@@ -86,6 +106,9 @@ class FluxControlNetModel(FluxTransformer2DModel):
             nn.Embedding(config.num_mode, inner) if config.num_mode is not None else None
         )
         self.controlnet_x_embedder = nn.Linear(config.in_channels, inner)
+        self.input_hint_block = (
+            ControlHintEncoder(config.conditioning_embedding_channels) if config.reads_pixels else None
+        )
 
     @property
     def is_union(self) -> bool:
@@ -109,7 +132,10 @@ class FluxControlNetModel(FluxTransformer2DModel):
 
         `img_ids` / `txt_ids`: the request shape's position ids, as for the DiT (a Union ControlNet's mode
         token takes the first text id, as Diffusers does)."""
-        x = self.x_embedder(batch.latents) + self.controlnet_x_embedder(batch.control)
+        control = batch.control
+        if self.input_hint_block is not None:  # XLabs': the control image, encoded and packed here
+            control = patchify(self.input_hint_block(control), self.config.patch_size)
+        x = self.x_embedder(batch.latents) + self.controlnet_x_embedder(control)
         # Rounded to the activation dtype before scaling, as Diffusers does.
         timestep = batch.timestep.to(x.dtype) * 1000
         guidance = None if batch.guidance is None else batch.guidance.to(x.dtype) * 1000

@@ -10,8 +10,9 @@ such (Union) ControlNet applied to several control images, the samples summed: r
 ControlNet several times.
 
 The blocks, embedders and RoPE are the DiT's (`models/dits/qwen_image.py`); the DiT's output head does not
-exist here. The inpainting variant (`extra_condition_channels`, a masked image's channels appended to the
-control latents) is refused when the config is read.
+exist here. The inpainting variant (`extra_condition_channels`: the masked image's latents and the mask,
+packed, as control latents) is the same model with a wider `controlnet_x_embedder`;
+`families/qwen_image/controlnet.py` prepares its control latents.
 """
 
 from __future__ import annotations
@@ -31,16 +32,22 @@ from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel, QwenIm
 class QwenImageControlNetConfig(QwenImageTransformerConfig):
     """`controlnet/config.json` of a `QwenImageControlNetModel`: the DiT's keys and the inpainting width."""
 
-    #: The inpainting ControlNet's extra control channels; only 0 is supported.
+    #: The inpainting ControlNet's extra control channels (packed: the mask's 1 channel x 2x2 patch = 4).
     extra_condition_channels: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.extra_condition_channels:
+        if self.extra_condition_channels < 0:
             raise ValueError(
-                "QwenImageControlNetModel: inpainting ControlNets (extra_condition_channels="
-                f"{self.extra_condition_channels}) are not supported; use a plain or Union one"
+                "QwenImageControlNetModel: extra_condition_channels must be >= 0, got "
+                f"{self.extra_condition_channels}"
             )
+
+    @property
+    def inpainting(self) -> bool:
+        """An inpainting ControlNet (InstantX's): its packed control latents carry the mask as extra
+        channels, and a request's entry needs a `mask` (Diffusers' `QwenImageControlNetInpaintPipeline`)."""
+        return self.extra_condition_channels > 0
 
 
 @dataclass(frozen=True)
@@ -73,7 +80,7 @@ class QwenImageControlNetModel(QwenImageTransformer2DModel):
         del self.norm_out, self.proj_out  # a ControlNet has no output head
         inner = config.inner_dim
         self.controlnet_blocks = nn.ModuleList([nn.Linear(inner, inner) for _ in range(config.num_layers)])
-        self.controlnet_x_embedder = nn.Linear(config.in_channels, inner)
+        self.controlnet_x_embedder = nn.Linear(config.in_channels + config.extra_condition_channels, inner)
 
     def shard_for_tensor_parallel(self, tp: object) -> None:  # type: ignore[override]
         raise ValueError("Qwen-Image ControlNets run whole on every rank; they are not tensor-parallel")

@@ -10,8 +10,9 @@ conditioning scale, those are what the SD3 DiT takes as `block_controlnet_hidden
 
 SD3.5-Large's ControlNets (no `joint_attention_dim`: single-stream blocks, and `use_pos_embed` false: the
 DiT's position table) are the same Diffusers class with another config: `SD3ControlNetModel.from_config`
-builds them as `SD3SingleStreamControlNetModel` (sd3_single_stream.py). Refused when the config is read:
-the inpainting ControlNet (`extra_conditioning_channels`).
+builds them as `SD3SingleStreamControlNetModel` (sd3_single_stream.py). An inpainting ControlNet
+(`extra_conditioning_channels`: the masked image's latents plus the mask as control latents) is the same
+model with a wider `pos_embed_input`; `families/sd3/controlnet.py` prepares its control latents.
 """
 
 from __future__ import annotations
@@ -45,6 +46,17 @@ class SD3ControlNetConfig(SD3TransformerConfig):
     def single_stream(self) -> bool:
         return self.joint_attention_dim is None
 
+    @property
+    def inpainting(self) -> bool:
+        """An inpainting ControlNet (alimama's): its control latents carry the mask as extra channels, and a
+        request's entry needs a `mask` (Diffusers' `StableDiffusion3ControlNetInpaintingPipeline`)."""
+        return self.extra_conditioning_channels > 0
+
+    @property
+    def control_channels(self) -> int:
+        """Channels of the control latents `pos_embed_input` reads: the latents', plus the mask's."""
+        return self.in_channels + self.extra_conditioning_channels
+
     def __post_init__(self) -> None:
         if self.use_pos_embed and self.pos_embed_type != "sincos":
             raise ValueError(
@@ -57,10 +69,9 @@ class SD3ControlNetConfig(SD3TransformerConfig):
                 "SD3ControlNetModel: joint blocks without positions of their own (use_pos_embed false with a "
                 "joint_attention_dim) are not supported; SD3.5-Large's ControlNets have neither"
             )
-        if self.extra_conditioning_channels:
+        if self.extra_conditioning_channels < 0:
             raise ValueError(
-                "SD3ControlNetModel: inpainting ControlNets (extra_conditioning_channels="
-                f"{self.extra_conditioning_channels}) are not supported"
+                f"SD3ControlNetModel: extra_conditioning_channels must be >= 0, got {self.extra_conditioning_channels}"
             )
         super().__post_init__()
 
@@ -114,7 +125,7 @@ class SD3ControlNetModel(SD3Transformer2DModel):
             ]
         )
         self.controlnet_blocks = nn.ModuleList([nn.Linear(inner, inner) for _ in range(config.num_layers)])
-        self.pos_embed_input = ControlPatchEmbed(config.in_channels, inner, config.patch_size)
+        self.pos_embed_input = ControlPatchEmbed(config.control_channels, inner, config.patch_size)
 
     def shard_for_tensor_parallel(self, tp: object) -> None:  # type: ignore[override]
         raise ValueError("SD3 ControlNets run whole on every rank; they are not tensor-parallel")

@@ -76,7 +76,7 @@ class SD3SingleStreamControlNetModel(DiffusersDiT):
             ]
         )
         self.controlnet_blocks = nn.ModuleList([nn.Linear(inner, inner) for _ in range(config.num_layers)])
-        self.pos_embed_input = ControlPatchEmbed(config.in_channels, inner, patch)
+        self.pos_embed_input = ControlPatchEmbed(config.control_channels, inner, patch)
 
     @property
     def needs_transformer_pos_embed(self) -> bool:

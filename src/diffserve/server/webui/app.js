@@ -19,6 +19,7 @@ const state = {
   current: [], // the images shown in the viewer: {blob, url, entry}
   editImage: null, // {blob, width, height} of the edit tab's input
   controlImage: null, // the generate tab's ControlNet control image (a File)
+  controlMask: null, // its mask (a File), for an inpainting ControlNet
   maskPainted: false,
   erasing: false,
   videoUrls: new Map(), // video id -> blob URL of its MP4
@@ -434,7 +435,7 @@ function selectTab(tab) {
   if (tab === "video") refreshJobs();
 }
 
-// The ControlNets the server loaded (/server_info's engine.controlnets: [{name, modes}]), if any.
+// The ControlNets the server loaded (/server_info's engine.controlnets: [{name, modes, inpainting}]), if any.
 function controlNets() {
   return (state.info && state.info.engine && state.info.engine.controlnets) || [];
 }
@@ -449,18 +450,20 @@ function configureControlNets(nets) {
   showControlMode();
 }
 
+// The chosen ControlNet's own inputs: a Union one's mode, an inpainting one's mask.
 function showControlMode() {
   const net = controlNets().find((n) => n.name === $("controlnet-name").value);
   const modes = net ? net.modes : null;
   $("control-mode-label").hidden = !modes;
   if (modes) $("control-mode").max = modes - 1;
+  $("control-mask-label").hidden = !(net && net.inpainting);
 }
 
 function fileToDataUrl(file) {
   return new Promise((resolve, reject) => {
     const reader = new FileReader();
     reader.onload = () => resolve(reader.result);
-    reader.onerror = () => reject(new Error("the control image could not be read"));
+    reader.onerror = () => reject(new Error(`${file.name} could not be read`));
     reader.readAsDataURL(file);
   });
 }
@@ -478,6 +481,10 @@ async function chosenControlNets() {
     end: numberOrNull("control-end") ?? 1,
   };
   if (!$("control-mode-label").hidden) entry.mode = numberOrNull("control-mode") ?? 0;
+  if (!$("control-mask-label").hidden) {
+    if (!state.controlMask) throw new Error(`choose a mask (white = repaint) for the inpainting ControlNet ${name}`);
+    entry.mask = await fileToDataUrl(state.controlMask);
+  }
   return [entry];
 }
 
@@ -1009,6 +1016,9 @@ function wire() {
   });
   $("control-file").addEventListener("change", () => {
     state.controlImage = $("control-file").files[0] || null;
+  });
+  $("control-mask-file").addEventListener("change", () => {
+    state.controlMask = $("control-mask-file").files[0] || null;
   });
   $("controlnet-name").addEventListener("change", showControlMode);
   $("gallery-clear").addEventListener("click", () => {
