@@ -12,11 +12,16 @@ their masks, and for image-to-video the image's SigLIP states. MeanFlow-distille
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 import torch
 from PIL import Image
 
+from diffserve.configs.cache_settings import EasyCacheSettings, TeaCacheSettings
+from diffserve.configs.quality import TierPreset
 from diffserve.configs.sampling_params import SamplingParams
+from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.errors import InvalidRequestError, ModelLoadError
 from diffserve.families.hunyuan_video15.conditioning import (
     HunyuanVideo15Conditioning,
@@ -154,6 +159,18 @@ class HunyuanVideo15Pipeline(Pipeline):
     config = HunyuanVideo15PipelineConfig()
     pipeline_name = "HunyuanVideo15Pipeline"
     conditioning_type = HunyuanVideo15Conditioning
+    #: Measured on the tiny random-weight T2V test model (`build_tiny_hunyuan_video15`, 2 blocks, 20 steps,
+    #: 32x32, 5 frames, the family's default guidance, the four built-in prompts of `diffserve
+    #: calibrate-cache`, 1 dB margin, every preset also holding its bar at 4 and 8 steps): the original step
+    #: cache at 0.6 (2 reuses in a row), EasyCache at 1.2 and TeaCache at 6.4, 28, 24 and 6 DiT blocks of 40
+    #: at 37.2, 33.4 and 26.9 dB (14, 12 and 3 of 20 steps in full; at 8 steps 37.6, 38.1 and 31.7 dB); the
+    #: image-to-video pipeline inherits them (tests/e2e/test_quality_tiers_video15_ltx2.py holds both). Real
+    #: checkpoints move differently: calibrate them (`diffserve calibrate-cache`).
+    step_cache_policies: ClassVar[dict[str, TierPreset]] = {
+        "medium": StepCachePolicy(threshold=0.6, full_first_steps=2, full_last_steps=1, max_reuse_in_a_row=2),
+        "low": EasyCacheSettings(reuse_threshold=1.2),
+        "draft": TeaCacheSettings(rel_l1_thresh=6.4),
+    }
 
     def build_stages(self, context: PipelineContext) -> list[Stage]:
         transformer = context.get("transformer")

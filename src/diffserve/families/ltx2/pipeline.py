@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from diffserve.configs.cache_settings import TeaCacheSettings
+from diffserve.configs.quality import TierPreset
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError, ModelLoadError
 from diffserve.families.ltx2.conditioning import LTX2Conditioning
@@ -327,6 +330,18 @@ class LTX2Pipeline(Pipeline):
     pipeline_name = "LTX2Pipeline"
     conditioning_type = LTX2Conditioning
     image_to_video = False
+    #: Measured on the tiny random-weight T2V test model (`build_tiny_ltx2`, 2 blocks, 20 steps, 64x64, 9
+    #: frames, the family's default guidance, the four built-in prompts of `diffserve calibrate-cache`, 1 dB
+    #: margin, every preset also holding its bar at 4 and 8 steps): TeaCache at 0.2, 0.3 and 0.45, 16, 12
+    #: and 10 DiT blocks of 40 at 38.1, 38.2 and 37.2 dB (8, 6 and 5 of 20 steps in full; at 8 steps 35.5,
+    #: 32.4 and 25.3 dB). The best original step cache computed 20, 12 and 10 blocks (47.0, 32.5 and 31.7
+    #: dB), DBCache F1B0 25-26. Real checkpoints move differently: calibrate them (`diffserve
+    #: calibrate-cache`).
+    step_cache_policies: ClassVar[dict[str, TierPreset]] = {
+        "medium": TeaCacheSettings(rel_l1_thresh=0.2),
+        "low": TeaCacheSettings(rel_l1_thresh=0.3),
+        "draft": TeaCacheSettings(rel_l1_thresh=0.45),
+    }
 
     def build_stages(self, context: PipelineContext) -> list[Stage]:
         transformer = context.get("transformer")
