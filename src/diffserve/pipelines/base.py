@@ -63,8 +63,9 @@ class Pipeline:
     #: Height and width must be multiples of this (set by `build_stages` from the loaded VAE).
     pixel_multiple: int
     #: The approximate quality tiers this family has, each with its measured preset: a cache method and its
-    #: settings, or the original step cache (`configs/quality.py`); empty: its DiT does not take a step
-    #: cache, and only "high", the exact path, is served.
+    #: settings, or the original step cache (`configs/quality.py`); empty: only "high", the exact path, is
+    #: served (a DiT without a step cache, or few steps, an expert switch or diffusion forcing that leave
+    #: nothing a tier could keep), and `diffserve calibrate-cache` refuses the family.
     step_cache_policies: ClassVar[dict[str, TierPreset]] = {}
     #: The family's TeaCache coefficients and MagCache ratios, the defaults of those settings (None: the
     #: family records none; a magcache request must then bring its ratios).
