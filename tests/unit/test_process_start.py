@@ -48,32 +48,46 @@ def test_the_cli_refuses_an_unknown_start_method_in_one_error_line(monkeypatch, 
 
 
 def test_a_forked_child_drops_its_parents_handlers_and_sockets() -> None:
-    """In a fork of a process with a Python SIGTERM handler, SIGUSR1 ignored, a socket and a pipe open:
-    after `forget_parent`, SIGTERM is back to the default, SIGUSR1 still ignored, the socket's number
-    points at /dev/null (a client of the parent's would otherwise never see its connection end) and the
-    pipe is still the pipe."""
-    previous = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGUSR1)}
+    """In a fork of a process with Python SIGTERM and SIGINT handlers, SIGUSR1 ignored, a socket and a pipe
+    open: after `forget_parent`, SIGTERM is back to the default, SIGINT to Python's KeyboardInterrupt,
+    SIGUSR1 still ignored, the socket's number points at /dev/null (a client of the parent's would otherwise
+    never see its connection end) and the pipe is still the pipe. The test sets every handler it checks:
+    what earlier tests of this worker left (Ray's driver installs its own) must not decide it."""
+    checked = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+    previous = {number: signal.getsignal(number) for number in checked}
     signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.signal(signal.SIGINT, lambda *_: None)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     inherited, peer = socket.socketpair()
     read_end, write_end = os.pipe()
     try:
         pid = os.fork()
         if pid == 0:
-            ok = False
+            failed = 0b11111  # a bit per check below, cleared as each passes
             try:
                 forget_parent()
-                ok = (
-                    signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-                    and signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
-                    and signal.getsignal(signal.SIGINT) is signal.default_int_handler
-                    and stat.S_ISCHR(os.fstat(inherited.fileno()).st_mode)
-                    and stat.S_ISFIFO(os.fstat(write_end).st_mode)
+                checks = (
+                    signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+                    signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN,
+                    signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+                    stat.S_ISCHR(os.fstat(inherited.fileno()).st_mode),
+                    stat.S_ISFIFO(os.fstat(write_end).st_mode),
                 )
+                failed = sum(1 << i for i, ok in enumerate(checks) if not ok)
             finally:
-                os._exit(0 if ok else 1)
+                os._exit(failed)
         _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+        failed = os.waitstatus_to_exitcode(status)
+        names = (
+            "SIGTERM default",
+            "SIGUSR1 ignored",
+            "SIGINT KeyboardInterrupt",
+            "socket -> /dev/null",
+            "pipe kept",
+        )
+        assert failed == 0, (
+            f"the child's failed checks: {[n for i, n in enumerate(names) if failed >> i & 1]} ({failed})"
+        )
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
