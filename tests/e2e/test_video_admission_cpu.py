@@ -37,9 +37,10 @@ def wan(tmp_path_factory) -> DiffGenerator:
 @pytest.fixture(scope="module")
 def calibrated(wan: DiffGenerator) -> MemoryModel:
     probes = [SamplingParams("calibration", height=s, width=s, num_inference_steps=1) for s in PROBE_SIDES]
-    # The smaller of two calibrations, as with the peaks below: VmHWM readings only ever err high, and a
-    # loaded machine once measured a slope 1.6x an idle one's (an estimate 3.06x the peak; idle: 1.9x).
-    models = [calibrate_memory_model(wan.engine, probes, mem_fraction=0.9) for _ in range(2)]
+    # The smallest of three calibrations, as with the peaks below: VmHWM readings only ever err high, and a
+    # loaded machine once measured a slope 1.6x an idle one's (an estimate 3.06x the peak; idle: 1.9x); two
+    # calibrations of one idle run differ by up to 1.5x.
+    models = [calibrate_memory_model(wan.engine, probes, mem_fraction=0.9) for _ in range(3)]
     model = min(models, key=lambda m: m.bytes_per_pixel)
     print("calibrated:", model.describe(), "slopes:", [m.bytes_per_pixel for m in models])
     assert model.source == "measured"
@@ -69,14 +70,18 @@ def test_the_issue_requests_are_admitted_under_20_gb(wan: DiffGenerator, calibra
 
 
 def test_the_estimate_is_close_above_the_measured_peak(wan: DiffGenerator, calibrated: MemoryModel) -> None:
-    # The smaller of two runs' peaks: VmHWM also counts pages another thread touched meanwhile or glibc
-    # kept, which only ever raise a reading (a loaded machine once read this request's peak above the bar).
-    (cost, first), (_, second) = (measured_peak(wan, video(240, 416, 9)) for _ in range(2))
-    peak = min(first, second)
-    print(f"416x240x9 peaks: {first / MB:.0f} and {second / MB:.0f} MB")
+    # The smallest of three runs' peaks: VmHWM also counts pages another thread touched meanwhile or glibc
+    # kept, which only ever raise a reading (a loaded machine once read this request's peak above the bar,
+    # with two runs; a full fresh-clone suite did again).
+    runs = [measured_peak(wan, video(240, 416, 9)) for _ in range(3)]
+    cost, peak = runs[0][0], min(p for _, p in runs)
     estimate = calibrated.estimate(cost)
-    print(f"416x240x9: measured {peak / MB:.0f} MB, estimated {estimate / MB:.0f} MB")
-    assert 0.9 * peak <= estimate <= 3 * peak
+    report = (
+        f"416x240x9: peaks {[round(p / MB) for _, p in runs]} MB, estimated {estimate / MB:.0f} MB "
+        f"({calibrated.describe()})"
+    )
+    print(report)
+    assert 0.9 * peak <= estimate <= 3 * peak, report
 
 
 @pytest.mark.skipif(
