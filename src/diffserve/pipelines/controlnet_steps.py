@@ -85,6 +85,19 @@ def check_controlnet_entries(
             )
 
 
+def global_rng_stand_in(device: torch.device, seed: int | None) -> torch.Generator:
+    """A generator for the control-image posterior draws Diffusers' SD3 ControlNet pipelines and Qwen-Image's
+    inpainting one take from torch's global RNG: seeded with the request's seed (the draws then agree with
+    Diffusers' when its global RNG is seeded with it too), a random seed without one. The request's own
+    generator, which draws the initial noise, is left alone."""
+    generator = torch.Generator(device)
+    if seed is not None:
+        generator.manual_seed(int(seed))
+    else:
+        generator.seed()
+    return generator
+
+
 @dataclass(frozen=True)
 class InpaintingControl:
     """An inpainting ControlNet entry's inputs as Diffusers' ControlNet inpainting pipelines make them
@@ -101,11 +114,11 @@ class InpaintingControl:
         mask = mask_pixels(edit_mask(entry.mask), height, width)
         return cls(pixels.masked_fill(mask > 0.5, -1.0), mask)
 
-    def kept_on(self, size: tuple[int, ...]) -> torch.Tensor:
-        """1 - the mask, resized to the latent grid `size` by nearest-neighbour interpolation: the channel
-        Diffusers appends to the masked image's latents (1 = keep)."""
-        mask = self.mask if len(size) == 2 else self.mask.unsqueeze(2)
-        return 1.0 - F.interpolate(mask, size=size)
+    def kept_on(self, size: tuple[int, int]) -> torch.Tensor:
+        """1 - the mask, (1, 1, *size), resized to the latent grid `size` by nearest-neighbour interpolation:
+        the channel Diffusers appends to the masked image's latents (1 = keep). Qwen-Image's pipeline
+        resizes with a frame axis of one, which nearest-neighbour leaves as it is."""
+        return 1.0 - F.interpolate(self.mask, size=size)
 
 
 def prompt_request(req: Req) -> Req:

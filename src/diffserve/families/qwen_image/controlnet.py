@@ -40,6 +40,7 @@ from diffserve.pipelines.controlnet_steps import (
     EncodedControl,
     InpaintingControl,
     double_stream_groups,
+    global_rng_stand_in,
     prompt_request,
     samples_per_request,
 )
@@ -101,16 +102,12 @@ class QwenControlImageEncodingStage(Stage):
         seeded with the request's seed (the two agree when the global RNG is seeded with it too), and the
         request's generator, which draws the initial noise, is left alone."""
         p = req.params
-        generator = torch.Generator(next(self.vae.parameters()).device)
-        if p.seed is not None:
-            generator.manual_seed(int(p.seed))
-        else:
-            generator.seed()
+        generator = global_rng_stand_in(next(self.vae.parameters()).device, p.seed)
         control = InpaintingControl.of(entry, p.height, p.width)
         latents = encode_sampled_video_vae(
             self.vae, control.masked.repeat(req.batch_size, 1, 1, 1), generator
         )
-        kept = control.kept_on((1, *latents.shape[-2:]))[:, :, 0].to(latents)
+        kept = control.kept_on(latents.shape[-2:]).to(latents)
         return torch.cat([latents, kept.expand(latents.shape[0], -1, -1, -1)], dim=1)
 
 

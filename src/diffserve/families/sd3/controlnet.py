@@ -42,6 +42,7 @@ from diffserve.pipelines.controlnet_steps import (
     EncodedControl,
     InpaintingControl,
     double_stream_groups,
+    global_rng_stand_in,
     samples_per_request,
 )
 from diffserve.request import Conditioning, Req
@@ -79,12 +80,7 @@ class SD3ControlImageEncodingStage(Stage):
         p = req.params
         if not p.controlnets:
             return req
-        vae_device = next(self.vae.parameters()).device
-        generator = torch.Generator(vae_device)
-        if p.seed is not None:
-            generator.manual_seed(int(p.seed))
-        else:
-            generator.seed()
+        generator = global_rng_stand_in(next(self.vae.parameters()).device, p.seed)
         branches = 2 if req.do_cfg else 1
         scaling = float(self.vae.config["scaling_factor"])
         inputs = []
@@ -98,9 +94,8 @@ class SD3ControlImageEncodingStage(Stage):
                 pixels = image_to_tensor(image).repeat(req.batch_size * branches, 1, 1, 1)
                 latents = self.vae.encode(to_module(self.vae, pixels)).sample(generator)
                 latents = (latents - shift) * scaling
-                if (
-                    branches == 2
-                ):  # Diffusers' rows are [negative; prompt]; the DiT batch's [prompt; negative]
+                # Diffusers' rows are [negative; prompt]; the DiT batch's [prompt; negative].
+                if branches == 2:
                     n = req.batch_size
                     latents = torch.cat([latents[n:], latents[:n]])
             latents = latents.to(device=self.device, dtype=self.dtype)
