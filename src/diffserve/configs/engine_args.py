@@ -56,7 +56,8 @@ class LoraSpec:
 @dataclass(frozen=True)
 class ControlNetSpec:
     """A ControlNet loaded when the engine starts (`--controlnet [NAME=]PATH`): the name requests give it
-    (default: the folder's name) and its Diffusers model folder (config.json and safetensors)."""
+    (default: the folder's name, a file's without its suffix) and its Diffusers model folder (config.json
+    and safetensors) or single `.safetensors` file (XLabs' original FLUX.1 layout)."""
 
     name: str
     path: str
@@ -74,15 +75,18 @@ def controlnet_specs(value: object) -> list[ControlNetSpec]:
         elif isinstance(item, (str, Path)):
             name, sep, path = str(item).partition("=")
             if not sep:
-                name, path = Path(str(item)).name, str(item)
+                given = Path(str(item))
+                name, path = (given.stem if given.suffix == ".safetensors" else given.name), str(item)
             spec = ControlNetSpec(name.strip(), path)
         else:
             raise UserError(f"--controlnet: expected NAME=PATH, got {item!r}")
         if not spec.name:
             raise UserError(f"--controlnet {spec.path!r}: the ControlNet's NAME is empty (NAME=PATH)")
-        if not Path(spec.path).expanduser().is_dir():
+        given = Path(spec.path).expanduser()
+        if not (given.is_dir() or (given.is_file() and given.suffix == ".safetensors")):
             raise UserError(
-                f"--controlnet {spec.name}={spec.path}: not a directory (a Diffusers ControlNet folder)"
+                f"--controlnet {spec.name}={spec.path}: neither a directory (a Diffusers ControlNet folder) nor a "
+                ".safetensors file (a single-file ControlNet: XLabs' FLUX.1 ones)"
             )
         if any(known.name == spec.name for known in specs):
             raise UserError(f"--controlnet: two ControlNets are named {spec.name!r}; give each its own NAME")
@@ -304,7 +308,7 @@ class EngineArgs:
     controlnets: list[ControlNetSpec] = option(
         default_factory=list, cli="--controlnet", repeat=True, parse=str, metavar="[NAME=]PATH",
         commands=("serve", "generate"),
-        help="a Diffusers FluxControlNetModel, QwenImageControlNetModel or SD3ControlNetModel folder loaded at start as NAME (default: the folder's name); "
+        help="a Diffusers FluxControlNetModel, QwenImageControlNetModel or SD3ControlNetModel folder, or an XLabs FLUX.1 ControlNet's original single .safetensors file, loaded at start as NAME (default: the folder's or file's name); "
         'repeatable. Requests apply it with "controlnets": [{"name": NAME, "image": ..., "scale": 0.7}]; '
         "generate applies it with --control-image (FLUX.1, Qwen-Image and SD3 text-to-image only)",
     )  # fmt: skip

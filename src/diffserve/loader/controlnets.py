@@ -2,9 +2,11 @@
 NAME=PATH`, and a `<Base>ControlNetPipeline` folder's own `controlnet` component as "default").
 
 Each is a Diffusers model folder (config.json and safetensors) of a class the pipeline declares
-(`Pipeline.controlnet_classes`), loaded natively onto the DiT's device in its dtype and handed to the
-pipeline (`use_controlnets`). A family without ControlNet support refuses them, naming itself and the
-option.
+(`Pipeline.controlnet_classes`), or a single `.safetensors` file in a layout the pipeline lists
+(`Pipeline.controlnet_file_layouts`: XLabs' original FLUX.1 files, `loader/controlnet_single_file.py`),
+loaded natively onto the DiT's device in its dtype and handed to the pipeline (`use_controlnets`). A
+family without ControlNet support refuses them, naming itself and the option; one without single-file
+layouts refuses a file, naming itself.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 from diffserve.configs.engine_args import ControlNetSpec
 from diffserve.errors import ModelLoadError, UserError
 from diffserve.loader.component_loader import load_native_model
+from diffserve.loader.controlnet_single_file import load_controlnet_file
 from diffserve.loader.model_index import ComponentSpec, ModelIndex, read_json
 from diffserve.platforms import Platform
 
@@ -74,6 +77,9 @@ def load_controlnets(
         )
     nets = {}
     for name, path in wanted:
+        if path.is_file():  # a single-file checkpoint: its layout says its class and config
+            nets[name] = load_controlnet_file(name, path, pipeline, family_name, platform, dtype)
+            continue
         config = read_json(path / "config.json")
         class_name = config.get("_class_name")
         cls = classes.get(class_name)

@@ -12,9 +12,11 @@ from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.families.flux.conditioning import FluxConditioning
 from diffserve.families.flux.config import FluxPipelineConfig, flux_default_sampling_params
 from diffserve.families.flux.controlnet import ControlImageEncodingStage, ControlNetRunner, check_controlnets
+from diffserve.families.flux.controlnet_single_file import XLABS_FLUX_CONTROLNET
 from diffserve.families.flux.text_encoding import FluxTextEncodingStage
 from diffserve.layers.rotary import RopeTables
 from diffserve.layers.shape_cache import BoundedCache
+from diffserve.loader.controlnet_single_file import ControlNetFileLayout
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.controlnets.flux import FluxControlNetModel
 from diffserve.models.dits.flux import FluxTransformer2DModel
@@ -147,6 +149,8 @@ class FluxPipeline(Pipeline):
     #: The ControlNet classes the engine may load for this pipeline by config `_class_name`
     #: (`loader/controlnets.py`); the variants (Kontext, Fill) take none.
     controlnet_classes: ClassVar[dict[str, type]] = {"FluxControlNetModel": FluxControlNetModel}
+    #: The single-file ControlNets `--controlnet NAME=FILE.safetensors` loads (`loader/controlnet_single_file.py`).
+    controlnet_file_layouts: ClassVar[tuple[ControlNetFileLayout, ...]] = (XLABS_FLUX_CONTROLNET,)
     #: Thresholds from `diffserve calibrate-cache` on the trained demo model (benchmarks/README.md,
     #: "Quality tiers against the exact output").
     #: Calibrate a real checkpoint before trusting them there: a folder's own calibration file wins.
