@@ -13,7 +13,9 @@ pipelines (the video extension in `skyreels_v2_v2v.py`; not image-to-video's `la
 Each row of Diffusers' step matrix is one engine step (`skyreels_v2_forcing_plan.py`): the DiT sees the
 window with each frame at its row's timestep, and the frames the row updates are stepped with their own
 scheduler state (`skyreels_v2_forcing_step.py`); a window's end starts the next one inside the denoiser. An
-input image's latents start the first window as a long video's prefix starts the next ones.
+input image's latents start the first window as a long video's prefix starts the next ones. A streamed job's
+finished windows are decoded and published while its next windows denoise (`skyreels_v2_forcing_decode.py`),
+a video extension's after its input frames, which it publishes first.
 """
 
 from __future__ import annotations
@@ -165,9 +167,10 @@ class SkyReelsV2DiffusionForcingPipeline(SkyReelsV2Pipeline):
 
     def _stream_windows(self) -> None:
         """Streamed jobs' finished windows decoded while they denoise (`skyreels_v2_forcing_decode.py`),
-        where the decode is Wan's plain one (exactly `VideoVaeDecodingStage`, whose output is the decoded
-        latents alone); done once every subclass has built its stages, so a subclass that decodes otherwise
-        (video-to-video prepends the input frames) keeps its own decode and streams at the final decode."""
+        where the decode is Wan's plain one (exactly `VideoVaeDecodingStage`; the output's leading frames,
+        video-to-video's input video, are the forcing decode's too: `with_leading`); done once every
+        subclass has built its stages, so a subclass that decodes otherwise keeps its own decode and
+        streams at the final decode."""
         index = self._denoising_index + 1
         stage = self.stages[index]
         if type(stage) is VideoVaeDecodingStage:

@@ -11,6 +11,14 @@ in order, with one cache kept for the whole clip, gives the final decode's pixel
 continues that cache over the frames left and joins the pixels already made, so the file is the streamed
 chunks followed by the rest.
 
+Video-to-video (Diffusers' `SkyReelsV2DiffusionForcingVideoToVideoPipeline`, `skyreels_v2_v2v.py`) outputs
+the input video's frames, resized to the output size, followed by the decoded latents (the re-encoded
+overlap first). Those leading frames (`SkyReelsV2ForcingConditioning.leading_pixels`) are output pixels from
+the start: a streamed request publishes them as its first chunk as soon as they are resized, before its
+first step (else, where the request was prepared on another engine, just before its first decoded frame),
+then its windows' frames as they are decoded; the final decode joins the same leading frames to the
+decoded ones, streamed or not.
+
 Only a streamed request (`Req.on_decoded`) of one video on one rank, with the VAE's tiling off, is decoded
 early: a tiled decode blends overlapping spatial tiles of the whole clip, a batch of videos cannot be
 streamed (the engine streams one video), and with several ranks the decode is split by rows over them.
@@ -54,21 +62,47 @@ logger = logging.getLogger(__name__)
 PixelSink = Callable[[torch.Tensor], None]
 
 
-def streams_windows(vae: nn.Module, req: Req) -> bool:
-    """Whether `req`'s finished windows are decoded while it denoises (see the module docstring): a
-    streamed request of one video, on one rank, through an untiled causal video VAE."""
+def streams_output(req: Req) -> bool:
+    """Whether `req` hands its output's frames out as they are made (`Req.on_decoded`): a streamed request
+    of one video, on one rank (split over ranks, a rank decodes a band of rows, not the frames)."""
     if req.on_decoded is None or req.batch_size != 1:
-        return False
-    if not isinstance(vae, CausalVideoVAE) or vae.use_tiling:
         return False
     state = current_parallel_state()
     return state is None or state.world_size == 1
 
 
+def streams_windows(vae: nn.Module, req: Req) -> bool:
+    """Whether `req`'s finished windows are decoded while it denoises (see the module docstring): a
+    streamed request of one video, on one rank, through an untiled causal video VAE."""
+    return streams_output(req) and isinstance(vae, CausalVideoVAE) and not vae.use_tiling
+
+
+def publish_leading(req: Req, publish: PixelSink) -> None:
+    """Hand the request's leading frames (`SkyReelsV2ForcingConditioning.leading_pixels`: video-to-video's
+    resized input video) to `publish`, once: the first chunk of its output, before any decoded frame."""
+    conditioning = SkyReelsV2ForcingConditioning.of(req)
+    if conditioning.leading_pixels is None or conditioning.leading_published:
+        return
+    conditioning.leading_published = True
+    publish(conditioning.leading_pixels)
+
+
+def with_leading(req: Req, videos: list[np.ndarray]) -> list[np.ndarray]:
+    """Each decoded video (uint8 frames) after the request's leading frames, if it has any (Diffusers joins
+    them in [-1, 1] before converting; the conversion is per element, so converting each part alone is
+    the same)."""
+    pixels = SkyReelsV2ForcingConditioning.of(req).leading_pixels
+    if pixels is None:
+        return videos
+    leading = video_to_uint8(pixels)[0]
+    return [np.concatenate([leading, frames]) for frames in videos]
+
+
 def decode_frames(vae: CausalVideoVAE, req: Req, limit: int | None, publish: PixelSink) -> int:
     """Decode up to `limit` (None: all) of the request's finished latent frames not decoded yet, in order,
     continuing its clip's causal cache (`CausalVideoVAE.decode_frames`, the loop of the VAE's own
-    whole-clip decode); each frame's pixels are handed to `publish` and kept as the output's uint8 frames
+    whole-clip decode); each frame's pixels are handed to `publish` (after the request's leading frames,
+    if not handed out yet: `publish_leading`) and kept as the output's uint8 frames
     (`WindowDecode.pixels`). Returns how many were decoded."""
     progress = SkyReelsV2ForcingConditioning.of(req).progress
     assert progress is not None, "diffusion-forcing timestep preparation has not run"
@@ -85,6 +119,7 @@ def decode_frames(vae: CausalVideoVAE, req: Req, limit: int | None, publish: Pix
     if stop <= start:
         return 0
     assert isinstance(done.cache, CausalCache)
+    publish_leading(req, publish)
 
     def keep(pixels: torch.Tensor) -> None:
         done.pixels.append(video_to_uint8(pixels)[0])
@@ -135,20 +170,26 @@ class SkyReelsV2ForcingDecodingStage(VideoVaeDecodingStage):
     (`ForcingWindowDecoder`): its frames left are decoded with the same causal cache, a chunk at a time as
     the VAE's own decode goes (`decode_chunk_boundary` before each, its pixels handed out with
     `decode_chunk_output`), and joined to the pixels already made. Such a request's decode stays untiled
-    even if the engine asked for a tiled one, so that the file is exactly the chunks streamed before."""
+    even if the engine asked for a tiled one, so that the file is exactly the chunks streamed before. The
+    request's leading frames (video-to-video's input video, `with_leading`) come first in its output, and
+    are handed out before its first decoded chunk if they were not yet."""
 
     @torch.inference_mode()
     def forward(self, req: Req) -> Req:
         progress = SkyReelsV2ForcingConditioning.of(req).progress
         if progress is None or progress.decoded is None:
-            return super().forward(req)
-        if progress.decoded.failed:  # the whole clip, as unstreamed; the job writes the frames not streamed
+            publish_leading(req, decode_chunk_output)  # to the job, if it streams the decode's chunks
+            super().forward(req)
+        elif progress.decoded.failed:  # the whole clip, as unstreamed; the job writes the frames not streamed
             progress.decoded = None
             with decode_output_scope(None):
-                return super().forward(req)
-        assert isinstance(self.vae, CausalVideoVAE)
-        assert progress.video is not None and progress.video.shape == req.latents.shape
-        decode_frames(self.vae, req, None, decode_chunk_output)
-        req.outputs.frames = [np.concatenate(progress.decoded.pixels)]
-        progress.decoded = None  # the cache and pixels are no longer needed
+                super().forward(req)
+        else:
+            assert isinstance(self.vae, CausalVideoVAE)
+            assert progress.video is not None and progress.video.shape == req.latents.shape
+            decode_frames(self.vae, req, None, decode_chunk_output)
+            req.outputs.frames = [np.concatenate(progress.decoded.pixels)]
+            progress.decoded = None  # the cache and pixels are no longer needed
+        assert req.outputs.frames is not None
+        req.outputs.frames = with_leading(req, req.outputs.frames)
         return req

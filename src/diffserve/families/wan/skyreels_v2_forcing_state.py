@@ -85,3 +85,9 @@ class SkyReelsV2ForcingConditioning(WanConditioning):
     #: image): the noise given to a window's prefix at every step.
     addnoise_generator: torch.Generator | None = None
     progress: ForcingProgress | None = field(default=None, metadata=role(stepped=True))
+    #: The output video's frames before its decoded latents, (1, 3, frames, H, W) float32 in [-1, 1]
+    #: (video-to-video: every input frame at the output size, `skyreels_v2_v2v.py`); None: the output is
+    #: the decoded latents alone. Final pixels from the start: a streamed request publishes them first.
+    leading_pixels: torch.Tensor | None = None
+    #: Whether a streamed request's `leading_pixels` were handed out (once, before any decoded frame).
+    leading_published: bool = False

@@ -6,7 +6,12 @@ video's prefix starts the next ones (never stepped; noised anew at every step wi
 `num_frames` counts the frames of the latents generated from there, the re-encoded overlap included: the
 windows are those of a text-to-video request of `num_frames` (one unless it exceeds `base_num_frames`).
 The output is every input frame (resized, as Diffusers' video processor gives them) followed by the decoded
-latents, so the overlap's frames appear twice, as in Diffusers.
+latents, so the overlap's frames appear twice, as in Diffusers: the input frames are the request's leading
+frames (`SkyReelsV2ForcingConditioning.leading_pixels`), which the diffusion-forcing decode puts first.
+
+A streamed job (`Req.on_decoded`) publishes the resized input frames as its first chunk as soon as they are
+made, before its first step, then each window's frames while the next windows denoise, as a text-to-video
+one does (`skyreels_v2_forcing_decode.py`): the chunks, in order, are the output's frames exactly.
 
 The input video comes as `SamplingParams.input_video`, decoded frames: `DiffGenerator.generate(video=...)`,
 `diffserve generate --video PATH` and POST /v1/videos' `video` (a file upload or a data URL) give it. The
@@ -18,7 +23,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from PIL import Image
 from torch import nn
@@ -31,6 +35,7 @@ from diffserve.families.wan.skyreels_v2 import (
     SkyReelsV2DiffusionForcingValidationStage,
     skyreels_v2_default_sampling_params,
 )
+from diffserve.families.wan.skyreels_v2_forcing_decode import publish_leading, streams_output
 from diffserve.families.wan.skyreels_v2_forcing_settings import causal_block, skyreels_v2_df_settings
 from diffserve.families.wan.skyreels_v2_forcing_state import SkyReelsV2ForcingConditioning
 from diffserve.image_inputs import without_alpha
@@ -38,7 +43,6 @@ from diffserve.pipelines.base import PipelineContext
 from diffserve.request import Req
 from diffserve.runtime.contract import VideoProbe
 from diffserve.stages.base import Stage
-from diffserve.stages.video_vae_decoding import VideoVaeDecodingStage, video_to_uint8
 
 #: Diffusers' V2V default `num_frames` is 120, which its `__call__` rounds down to 4k+1 (117) before running.
 DEFAULT_NUM_FRAMES = 117
@@ -46,11 +50,8 @@ DEFAULT_NUM_FRAMES = 117
 
 @dataclass
 class SkyReelsV2VideoToVideoConditioning(SkyReelsV2ForcingConditioning):
-    """Diffusion forcing's conditioning (`condition_latents`: the input video's prefix latents, batch, channels,
-    frames, h, w) and the input video's resized frames, which lead the output."""
-
-    #: (1, 3, frames, height, width) float32 in [-1, 1]: every input frame at the output size.
-    input_pixels: torch.Tensor | None = None
+    """Diffusion forcing's conditioning: `condition_latents` the input video's prefix latents (batch,
+    channels, frames, h, w), `leading_pixels` its frames at the output size, which lead the output."""
 
 
 def video_pixels(frames: list[Image.Image], height: int, width: int) -> torch.Tensor:
@@ -128,8 +129,9 @@ class SkyReelsV2VideoToVideoValidationStage(SkyReelsV2DiffusionForcingValidation
 
 
 class SkyReelsV2VideoPrefixStage(Stage):
-    """The input video at the output size (kept for the output) and its last `overlap_history` frames' latents,
-    cut to whole causal blocks, as the first window's prefix (`condition_latents`, one copy per output)."""
+    """The input video at the output size (the output's leading frames, published at once by a streamed
+    request: `publish_leading`) and its last `overlap_history` frames' latents, cut to whole causal blocks,
+    as the first window's prefix (`condition_latents`, one copy per output)."""
 
     sets = ()
 
@@ -151,27 +153,18 @@ class SkyReelsV2VideoPrefixStage(Stage):
         assert latents.shape[2] - latents.shape[2] % block == kept
         conditioning = SkyReelsV2VideoToVideoConditioning.of(req)
         conditioning.condition_latents = latents[:, :, :kept].repeat(req.batch_size, 1, 1, 1, 1)
-        conditioning.input_pixels = pixels
-        return req
-
-
-class SkyReelsV2VideoExtensionDecodingStage(VideoVaeDecodingStage):
-    """The video's latents decoded, after the input video's resized frames (Diffusers concatenates them in
-    [-1, 1] before converting; the conversion is per element, so converting each part alone is the same)."""
-
-    @torch.inference_mode()
-    def forward(self, req: Req) -> Req:
-        super().forward(req)
-        pixels = SkyReelsV2VideoToVideoConditioning.of(req).input_pixels
-        assert pixels is not None and req.outputs.frames is not None
-        given = video_to_uint8(pixels)[0]
-        req.outputs.frames = [np.concatenate([given, frames]) for frames in req.outputs.frames]
+        conditioning.leading_pixels = pixels
+        if streams_output(req):  # final output pixels: the job's first chunk, long before its windows'
+            assert req.on_decoded is not None
+            publish_leading(req, req.on_decoded)
         return req
 
 
 class SkyReelsV2DiffusionForcingVideoToVideoPipeline(SkyReelsV2DiffusionForcingPipeline):
     """Extends an input video (`input_video`) by diffusion forcing, in every mode of the text-to-video one
-    (synchronous or asynchronous, one window or several); see the module's docstring for the frames."""
+    (synchronous or asynchronous, one window or several); see the module's docstring for the frames. Its
+    decode is the diffusion-forcing one (`SkyReelsV2ForcingDecodingStage`), which puts the input frames
+    first and streams a streamed job's windows as they finish."""
 
     pipeline_name = "SkyReelsV2DiffusionForcingVideoToVideoPipeline"
     conditioning_type = SkyReelsV2VideoToVideoConditioning
@@ -182,14 +175,6 @@ class SkyReelsV2DiffusionForcingVideoToVideoPipeline(SkyReelsV2DiffusionForcingP
         params = skyreels_v2_default_sampling_params()
         params.num_frames = DEFAULT_NUM_FRAMES
         return params
-
-    def build_stages(self, context: PipelineContext) -> list[Stage]:
-        stages = super().build_stages(context)
-        vae = context.get("vae")
-        return [
-            SkyReelsV2VideoExtensionDecodingStage(vae) if type(stage) is VideoVaeDecodingStage else stage
-            for stage in stages
-        ]
 
     def before_denoising_stages(self, context: PipelineContext) -> list[Stage]:
         frames_per_block = int(context.get("transformer").config.num_frame_per_block)
