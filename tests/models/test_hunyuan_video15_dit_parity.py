@@ -57,6 +57,8 @@ TINY: dict[str, Any] = {
 #: Spatial patches (2x2) and MeanFlow's second timestep embedder.
 PATCH2_MEANFLOW: dict[str, Any] = {**TINY, "patch_size": 2, "mlp_ratio": 4.0, "use_meanflow": True}
 MIN_PSNR_DB = 80.0
+#: bf16 runs (a few bf16 rounding steps apart from Diffusers where CPU kernels differ).
+BF16_MIN_PSNR_DB = 60.0
 
 
 def _pair(config: dict[str, Any]) -> tuple[torch.nn.Module, HunyuanVideo15Transformer3DModel]:
@@ -105,13 +107,17 @@ def _reference(ref: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.T
 
 
 def _compare(
-    ours: HunyuanVideo15Transformer3DModel, expected: torch.Tensor, label: str, **inputs: Any
+    ours: HunyuanVideo15Transformer3DModel,
+    expected: torch.Tensor,
+    label: str,
+    min_db: float = MIN_PSNR_DB,
+    **inputs: Any,
 ) -> torch.Tensor:
     with torch.no_grad():
         out = ours(**inputs).float()
     assert out.shape == expected.shape == (2, LATENT_CHANNELS, *inputs["hidden_states"].shape[2:])
     assert torch.isfinite(out).all()
-    assert_parity(out, expected, f"hunyuan_video15 parity {label}", min_db=MIN_PSNR_DB, metric=psnr_db)
+    assert_parity(out, expected, f"hunyuan_video15 parity {label}", min_db=min_db, metric=psnr_db)
     return out
 
 
@@ -179,12 +185,13 @@ def test_patch2_meanflow_parity_and_unpadded_rows(patch2_pair: Pair) -> None:
 
 def test_bf16_parity(tiny_pair: Pair) -> None:
     """bf16 weights and activations, padded and unpadded context: same op order and rounding points as
-    Diffusers (bit-identical on CPU today; the bar is the fp32 one)."""
+    Diffusers. Bit-identical on CPUs with AVX-512; on an AVX2-only CPU torch's bf16 kernels round the
+    attentions one bf16 step apart (75 dB from the first block on), so the bar is bf16's."""
     ref, ours = (copy.deepcopy(m).to(torch.bfloat16) for m in tiny_pair)
     inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in _inputs(TINY, True).items()}
-    _compare(ours, _reference(ref, inputs).float(), "i2v bf16", **inputs)
+    _compare(ours, _reference(ref, inputs).float(), "i2v bf16", BF16_MIN_PSNR_DB, **inputs)
     inputs["encoder_attention_mask"] = torch.ones_like(inputs["encoder_attention_mask"])
-    _compare(ours, _reference(ref, inputs).float(), "i2v bf16 unpadded text", **inputs)
+    _compare(ours, _reference(ref, inputs).float(), "i2v bf16 unpadded text", BF16_MIN_PSNR_DB, **inputs)
 
 
 def test_rows_are_independent_mixed_t2v_i2v_batch(tiny_pair: Pair) -> None:
