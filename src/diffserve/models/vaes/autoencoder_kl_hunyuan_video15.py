@@ -4,10 +4,18 @@ and 4x temporal compression).
     encode: video (B, 3, 1 + 4k, 16H, 16W) in [-1, 1] -> DiagonalGaussian over (B, 32, 1 + k, H, W)
     decode: latents (B, 32, 1 + k, H, W) -> video (B, 3, 1 + 4k, 16H, 16W), roughly in [-1, 1]
 
-As in Diffusers, the whole clip goes through the network at once (no temporal chunking), there are no
-quant / post-quant convs, the decoded video is not clamped (the pipeline's post-processing clamps), and the
-latent scaling (`latents * scaling_factor` after encoding, `/ scaling_factor` before decoding) is the
-pipeline's job: `scaling_factor` is kept in `config`. There are no latent mean / std statistics.
+As in Diffusers, the encoder takes the whole clip at once, there are no quant / post-quant convs, the
+decoded video is not clamped (the pipeline's post-processing clamps), and the latent scaling
+(`latents * scaling_factor` after encoding, `/ scaling_factor` before decoding) is the pipeline's job:
+`scaling_factor` is kept in `config`. There are no latent mean / std statistics.
+
+The untiled decode runs the clip a latent frame at a time (`_decode_frames`: the first latent frame alone,
+then `DECODE_CHUNK_LATENT_FRAMES` at a time) with a causal cache, which gives Diffusers' one-pass frames
+(the decoder is causal in time: `hunyuan_video15_blocks.py`; equal up to fp32 rounding, as the convs run
+on fewer frames at once) while only one chunk's activations are alive. Each chunk is a decode chunk
+(`decode_chunk_boundary` before it) and, for a streamed job (`decode_output_wanted`), its pixels are
+handed out as soon as they exist (`decode_chunk_output`). `decode_whole_clip` is Diffusers' one-pass
+decode, kept as the reference of the tests and timings.
 
 Tiling (`enable_tiling`, Diffusers' parameters and defaults) cuts the frame into spatial tiles (all frames
 of a tile at once, no temporal tiling) and blends them with `tiling.stitch_tiles`, exactly as Diffusers'
@@ -27,8 +35,17 @@ from torch import nn
 
 from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.vaes.autoencoder_kl import DiagonalGaussian
+from diffserve.models.vaes.causal3d_blocks import CausalCache
 from diffserve.models.vaes.hunyuan_video15_blocks import Decoder3D, Encoder3D
 from diffserve.models.vaes.tiling import TilingMixin, decode_chunk_boundary, per_sample, run_overlapping_tiles
+from diffserve.vae_tiling import decode_chunk_output, decode_output_wanted
+
+#: Latent frames per chunk of the untiled decode after the first latent frame (decoded alone, so a streamed
+#: job's first frame comes out first). One latent frame (4 video frames) keeps the decoder's activations at
+#: one latent frame's, what the engine's memory model counts for a video VAE (`runtime/memory.py`); measured
+#: on the CPU, it decodes about as fast as one pass where the convs are wide enough for oneDNN (the
+#: released widths) and holds a fraction of its memory.
+DECODE_CHUNK_LATENT_FRAMES = 1
 
 #: Diffusers' `AutoencoderKLHunyuanVideo15` config keys and defaults (those of the released VAE).
 HUNYUAN_VIDEO15_VAE_CONFIG_DEFAULTS: dict[str, Any] = {
@@ -169,10 +186,51 @@ class AutoencoderKLHunyuanVideo15(HunyuanVideoVaeShapes, DiffusersConfigured, Ti
         return DiagonalGaussian.from_moments(per_sample(run, x, self.use_slicing))
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
-        """Unscaled latents (B, latent, t, h, w) -> video (B, C, 1 + r_t*(t - 1), r_s*h, r_s*w), not clamped."""
+        """Unscaled latents (B, latent, t, h, w) -> video (B, C, 1 + r_t*(t - 1), r_s*h, r_s*w), not clamped.
+
+        Untiled, the clip is decoded in chunks of latent frames (`_decode_frames`), one pass's frames up to
+        fp32 rounding; tiled, each tile in one pass, as Diffusers does.
+        """
+        self.check_latents(z)
+        return per_sample(self._decode_clip, z, self.use_slicing)
+
+    def decode_whole_clip(self, z: torch.Tensor) -> torch.Tensor:
+        """`decode` with every untiled clip (or batch element, sliced) through the decoder in one pass, as
+        Diffusers runs it: the reference the frame-chunked decode is held to, and its timings."""
         self.check_latents(z)
         sample, latent = self._tile_sizes()
         return per_sample(partial(self._run, self.decoder, tile=latent, out_tile=sample), z, self.use_slicing)
+
+    def _decode_clip(self, z: torch.Tensor) -> torch.Tensor:
+        """One clip (or a batch decoded together): spatial tiles in one pass each when tiling applies,
+        else frame-chunked, each chunk handed out for a streamed job."""
+        sample, latent = self._tile_sizes()
+        if self.tiles_needed(z, *latent):
+            return self._run(self.decoder, z, latent, sample)
+        return self._decode_frames(z)
+
+    def _decode_frames(self, z: torch.Tensor) -> torch.Tensor:
+        """The decoder over `z`'s latent frames chunk by chunk (`latent_chunks`) with one causal cache: the
+        one-pass decode's frames (to fp32 rounding). Each chunk is a decode chunk (`decode_chunk_boundary` before it);
+        for a streamed job its pixels, clamped to [-1, 1], are handed out (`decode_chunk_output`) before
+        the next chunk decodes. The chunks are written into one preallocated video (no final concat)."""
+        cache = CausalCache()
+        publish = decode_output_wanted()
+        video: torch.Tensor | None = None
+        start = 0
+        for chunk in latent_chunks(z.shape[2], DECODE_CHUNK_LATENT_FRAMES):
+            decode_chunk_boundary()
+            pixels = self.decoder(z[:, :, chunk], cache)
+            if video is None:
+                frames = 1 + self.temporal_compression_ratio * (z.shape[2] - 1)
+                video = pixels.new_empty((*pixels.shape[:2], frames, *pixels.shape[3:]))
+            video[:, :, start : start + pixels.shape[2]] = pixels
+            start += pixels.shape[2]
+            if publish:
+                decode_chunk_output(pixels.clamp(-1.0, 1.0))
+            del pixels
+        assert video is not None and start == video.shape[2]
+        return video
 
     def _tile_sizes(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """(height, width) of a tile in pixels and in latents."""
@@ -192,6 +250,14 @@ class AutoencoderKLHunyuanVideo15(HunyuanVideoVaeShapes, DiffusersConfigured, Ti
         return run_overlapping_tiles(
             partial(decode_tile, network), x, tile, out_tile, self.tile_overlap_factor
         )
+
+
+def latent_chunks(frames: int, per_chunk: int) -> list[slice]:
+    """The chunks of a frame-chunked decode of `frames` latent frames: the first frame alone (one video
+    frame, out as early as possible), then `per_chunk` frames at a time (the last may be shorter)."""
+    if frames < 1 or per_chunk < 1:
+        raise ValueError(f"cannot chunk {frames} latent frames {per_chunk} at a time")
+    return [slice(0, 1)] + [slice(i, min(i + per_chunk, frames)) for i in range(1, frames, per_chunk)]
 
 
 def decode_tile(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,12 @@ pixels on all four sides). The mid-block attention is single-head over every pix
 causal in time (a pixel sees the pixels of its own and earlier frames); it is computed one query frame
 at a time against the keys of the frames so far, which needs no (frames*pixels)^2 mask.
 
+Everything is causal in time, so the decoder also runs on a clip a few latent frames at a time with a
+`CausalCache` (`Decoder3D.forward(z, cache)`) and gives the very same frames: each causal conv carries
+the last `k - 1` (padded) input frames of the previous chunk in place of its front padding, the attention
+carries the keys and values of the earlier frames, the RMS norms are per position (nothing to carry),
+and a temporal upsampler treats the first frame apart in the clip's first chunk only.
+
 Module and parameter names follow Diffusers (`down_blocks.0.resnets.0.conv1.conv.weight`,
 `mid_block.attentions.0.to_q.weight`, `norm_out.gamma`) so checkpoints load with `strict=True` into a
 model built on the meta device. Inference only: no gradient checkpointing.
@@ -28,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffserve.models.vaes.blocks import ResnetStage, resnet_chain
-from diffserve.models.vaes.causal3d_blocks import ChannelRMSNorm
+from diffserve.models.vaes.causal3d_blocks import CausalCache, ChannelRMSNorm
 from diffserve.models.vaes.tiling import decode_chunk_boundary
 
 
@@ -56,7 +62,12 @@ def _group_mean(x: torch.Tensor, channels: int) -> torch.Tensor:
 class CausalConv3d(nn.Module):
     """3x3x3 (by default) conv, causal in time; all padding replicates edge values (`k - 1` frames in front,
     `k // 2` pixels per side), then the conv (unpadded) with `stride`. The conv is the child `conv` for
-    Diffusers' key names. HunyuanVideo 1.0's VAE uses it too (with strides, and 1x1x1 shortcuts)."""
+    Diffusers' key names. HunyuanVideo 1.0's VAE uses it too (with strides, and 1x1x1 shortcuts).
+
+    With a `CausalCache` (a frame-chunked decode; temporal stride 1 only), the first chunk pads as the
+    whole clip does and every later one is preceded by the last `k - 1` padded frames of the input so
+    far, so each output frame sees exactly the frames it sees in one pass.
+    """
 
     def __init__(
         self,
@@ -69,29 +80,60 @@ class CausalConv3d(nn.Module):
         self.conv = nn.Conv3d(in_channels, out_channels, kernel_size, stride)
         half = kernel_size // 2
         self.padding = (half, half, half, half, kernel_size - 1, 0)
+        self.time_pad = kernel_size - 1
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: CausalCache | None = None) -> torch.Tensor:
+        if cache is not None and self.time_pad:
+            return self.conv(self._pad_continuing(x, cache))
         if any(self.padding):  # a 1x1x1 kernel pads nothing
             x = F.pad(x, self.padding, mode="replicate")
         return self.conv(x)
+
+    def _pad_continuing(self, x: torch.Tensor, cache: CausalCache) -> torch.Tensor:
+        """`x` padded for the conv as a chunk of the clip `cache` has seen: the clip's first chunk as a
+        whole clip, a later one spatially only, behind the last `time_pad` padded frames of the one before
+        (kept for the next chunk; a copy, so the chunk's activations can be freed)."""
+        previous = cache.get(self)
+        if previous is None:
+            padded = F.pad(x, self.padding, mode="replicate")
+        else:
+            padded = torch.cat([previous, F.pad(x, (*self.padding[:4], 0, 0), mode="replicate")], dim=2)
+        cache.put(self, padded[:, :, -self.time_pad :].clone())
+        return padded
 
 
 def frame_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pixels: int) -> torch.Tensor:
     """Single-head attention over frame-major tokens (B, 1, frames * pixels, C), block-causal in time: the
     queries of frame t attend the keys of frames 0..t. One query frame at a time over the frames so far,
-    which gives Diffusers' masked softmax without its (frames*pixels)^2 mask."""
+    which gives Diffusers' masked softmax without its (frames*pixels)^2 mask.
+
+    The keys and values may start earlier than the queries (a chunk of a clip after its first: the earlier
+    frames' keys and values in front): the queries are then the last frames, each attending the keys up
+    to its own frame."""
     frames = q.shape[2] // pixels
+    past = k.shape[2] // pixels - frames
     return torch.cat(
         [
             F.scaled_dot_product_attention(
                 q[:, :, i * pixels : (i + 1) * pixels],
-                k[:, :, : (i + 1) * pixels],
-                v[:, :, : (i + 1) * pixels],
+                k[:, :, : (past + i + 1) * pixels],
+                v[:, :, : (past + i + 1) * pixels],
             )
             for i in range(frames)
         ],
         dim=2,
     )
+
+
+def _continued(cache: CausalCache | None, layer: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """`tokens` (B, 1, n, C) behind those `cache` kept for `layer` from the clip's earlier chunks, all of
+    them kept for the next chunk; `tokens` alone without a cache."""
+    if cache is None:
+        return tokens
+    previous = cache.get(layer)
+    tokens = tokens if previous is None else torch.cat([previous, tokens], dim=2)
+    cache.put(layer, tokens)
+    return tokens
 
 
 class ResnetBlock(nn.Module):
@@ -105,10 +147,10 @@ class ResnetBlock(nn.Module):
         self.conv2 = CausalConv3d(out_channels, out_channels)
         self.conv_shortcut = nn.Conv3d(in_channels, out_channels, 1) if in_channels != out_channels else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The norms return fresh tensors, so SiLU may overwrite them.
-        h = self.conv1(F.silu(self.norm1(x), inplace=True))
-        h = self.conv2(F.silu(self.norm2(h), inplace=True))
+    def forward(self, x: torch.Tensor, cache: CausalCache | None = None) -> torch.Tensor:
+        # The norms return fresh tensors, so SiLU may overwrite them (the convs cache copies, not views).
+        h = self.conv1(F.silu(self.norm1(x), inplace=True), cache)
+        h = self.conv2(F.silu(self.norm2(h), inplace=True), cache)
         shortcut = x if self.conv_shortcut is None else self.conv_shortcut(x)
         return h + shortcut
 
@@ -118,7 +160,8 @@ class AttentionBlock(nn.Module):
 
     Query frame t attends the keys of frames 0..t (softmax scale 1/sqrt(channels)). Diffusers builds the
     full (frames*pixels)^2 additive mask; running one query frame at a time over the frames so far gives
-    the same result without it.
+    the same result without it. With a `CausalCache`, `x` is a chunk of the clip: the keys and values of
+    the clip's earlier chunks are kept in the cache (under `to_k` and `to_v`) and attended too.
     """
 
     def __init__(self, channels: int) -> None:
@@ -129,7 +172,7 @@ class AttentionBlock(nn.Module):
         self.to_v = nn.Conv3d(channels, channels, 1)
         self.proj_out = nn.Conv3d(channels, channels, 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: CausalCache | None = None) -> torch.Tensor:
         b, c, t, h, w = x.shape
         y = self.norm(x)
         # (B, C, T, H, W) -> (B, 1, T*H*W, C): one head, frame-major tokens, contiguous for the fused kernels.
@@ -137,6 +180,7 @@ class AttentionBlock(nn.Module):
             proj(y).flatten(2).transpose(1, 2).unsqueeze(1).contiguous()
             for proj in (self.to_q, self.to_k, self.to_v)
         )
+        k, v = _continued(cache, self.to_k, k), _continued(cache, self.to_v, v)
         out = frame_causal_attention(q, k, v, h * w).squeeze(1).transpose(1, 2).reshape(b, c, t, h, w)
         return self.proj_out(out) + x
 
@@ -149,10 +193,10 @@ class MidBlock(nn.Module):
         self.resnets = nn.ModuleList([ResnetBlock(channels, channels), ResnetBlock(channels, channels)])
         self.attentions = nn.ModuleList([AttentionBlock(channels)])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.resnets[0](x)
-        x = self.attentions[0](x)
-        return self.resnets[1](x)
+    def forward(self, x: torch.Tensor, cache: CausalCache | None = None) -> torch.Tensor:
+        x = self.resnets[0](x, cache)
+        x = self.attentions[0](x, cache)
+        return self.resnets[1](x, cache)
 
 
 class Downsample(nn.Module):
@@ -195,7 +239,8 @@ class Upsample(nn.Module):
 
     A causal conv to `out_channels * cell` channels is unfolded into cells (the first frame, unfolded
     spatially only, keeps the first half of its channels), plus the input with each channel repeated
-    and unfolded the same way.
+    and unfolded the same way. With a `CausalCache` only the clip's first chunk has that first frame:
+    the frames of later chunks are all doubled.
     """
 
     def __init__(self, in_channels: int, out_channels: int, temporal: bool) -> None:
@@ -211,10 +256,12 @@ class Upsample(nn.Module):
         self.temporal = temporal
         self.out_channels = out_channels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.conv(x)
+    def forward(self, x: torch.Tensor, cache: CausalCache | None = None) -> torch.Tensor:
+        h = self.conv(x, cache)
         if not self.temporal:
             return _unfold_cells(h, 1) + _unfold_cells(x.repeat_interleave(self.repeats, dim=1), 1)
+        if not self._first_chunk(cache):
+            return _unfold_cells(h, 2) + _unfold_cells(x, 2).repeat_interleave(self.repeats, dim=1)
         h_first = _unfold_cells(h[:, :, :1], 1)[:, : self.out_channels]
         h = torch.cat([h_first, _unfold_cells(h[:, :, 1:], 2)], dim=2)
         shortcut = torch.cat(
@@ -225,6 +272,14 @@ class Upsample(nn.Module):
             dim=2,
         )
         return h + shortcut
+
+    def _first_chunk(self, cache: CausalCache | None) -> bool:
+        """Whether `x` starts the clip (no cache: the whole clip), marking the cache's clip as started."""
+        if cache is None:
+            return True
+        first = self not in cache
+        cache.put(self, None)
+        return first
 
 
 class DownBlock(ResnetStage):
@@ -333,6 +388,10 @@ class Decoder3D(nn.Module):
     `block_out_channels` is the encoder's reversed. Level i upsamples (always 2x spatially) when
     i < log2(r_s) or i < log2(r_t), temporally too when i < log2(r_t). `conv_in` adds the latents with
     each channel repeated up to the first width.
+
+    Without a cache `z` is the whole clip, each up block a decode chunk (`decode_chunk_boundary` before
+    it). With a `CausalCache`, `z` is the next latent frames of the clip the cache has seen (a new cache:
+    its first ones) and the output is exactly those frames of the whole clip's; the caller marks chunks.
     """
 
     def __init__(
@@ -372,10 +431,11 @@ class Decoder3D(nn.Module):
         self.norm_out = ChannelRMSNorm(block_out_channels[-1], spatial_dims=3)
         self.conv_out = CausalConv3d(block_out_channels[-1], out_channels)
 
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        x = self.conv_in(z) + z.repeat_interleave(self.repeats, dim=1)
-        x = self.mid_block(x)
-        for block in self.up_blocks:  # the whole clip at once: each up block is a decode chunk
-            decode_chunk_boundary()
-            x = block(x)
-        return self.conv_out(F.silu(self.norm_out(x), inplace=True))
+    def forward(self, z: torch.Tensor, cache: CausalCache | None = None) -> torch.Tensor:
+        x = self.conv_in(z, cache) + z.repeat_interleave(self.repeats, dim=1)
+        x = self.mid_block(x, cache)
+        for block in self.up_blocks:
+            if cache is None:  # the whole clip at once: each up block is a decode chunk
+                decode_chunk_boundary()
+            x = block(x, cache)
+        return self.conv_out(F.silu(self.norm_out(x), inplace=True), cache)
