@@ -20,6 +20,9 @@ import numpy as np
 import pytest
 import torch
 
+# The parity test's tiny layout and tiles (the released layout at a tiny width; tiles of 3 latents).
+from test_hunyuan_video15_vae_parity import TILES, TINY
+
 from diffserve.families.hunyuan_video15.decoding import HunyuanVideo15DecodingStage
 from diffserve.models.vaes import autoencoder_kl_hunyuan_video15 as hv15
 from diffserve.models.vaes.autoencoder_kl_hunyuan_video15 import AutoencoderKLHunyuanVideo15, latent_chunks
@@ -32,23 +35,6 @@ diffusers = pytest.importorskip("diffusers")
 MIN_DB = 80.0
 #: Chunked against one-pass decode (fp32 rounding only).
 MIN_CHUNKED_DB, MAX_CHUNKED_ABS = 100.0, 1e-5
-#: The released layout (16x spatial, 4x temporal, channel-matched resamplers) at a tiny width.
-TINY: dict[str, Any] = {
-    "latent_channels": 4,
-    "block_out_channels": [4, 8, 16, 16, 16],
-    "layers_per_block": 1,
-    "spatial_compression_ratio": 16,
-    "temporal_compression_ratio": 4,
-    "scaling_factor": 0.7,
-}
-#: Tiles of 3 latents (48 pixels), one latent blended.
-TILES: dict[str, Any] = {
-    "tile_sample_min_height": 48,
-    "tile_sample_min_width": 48,
-    "tile_latent_min_height": 3,
-    "tile_latent_min_width": 3,
-    "tile_overlap_factor": 1 / 3,
-}
 #: (latent frames, latent rows, latent columns): 1, 5 and 9 video frames; non-square both ways.
 SHAPES = [(1, 2, 3), (2, 3, 2), (3, 2, 3), (5, 2, 2)]
 

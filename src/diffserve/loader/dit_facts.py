@@ -126,10 +126,16 @@ class DitFactsTable:
         return tuple(self._supported(lambda f: f.single_file))
 
     def guess_single_file_family(self, names: Iterable[str]) -> str | None:
-        """Which family a file with tensor `names` looks like, from its names alone (None: unknown)."""
+        """Which family a file with tensor `names` looks like, from its names alone (None: unknown): the
+        one with the most of its markers in the names (families built on FLUX.1's blocks share some of
+        FLUX.1's), the first in registry order on a tie."""
         names = list(names)
+        best, best_count = None, 0
         for fact in self._by_class.values():
             keys = fact.single_file
-            if keys is not None and any(m in name for name in names for m in keys.markers):
-                return keys.label
-        return None
+            if keys is None:
+                continue
+            count = sum(1 for m in keys.markers if any(m in name for name in names))
+            if count > best_count:
+                best, best_count = keys.label, count
+        return best

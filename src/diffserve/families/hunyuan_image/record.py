@@ -8,8 +8,9 @@ from pathlib import Path
 
 from diffserve.families.hunyuan_image.guider import AdaptiveProjectedMixGuidance
 from diffserve.families.hunyuan_image.pipeline import HunyuanImagePipeline
+from diffserve.families.hunyuan_image.single_file_keys import hunyuan_image_plan
 from diffserve.families.record import ModelFamily, TinyCheckpointOptions
-from diffserve.loader.dit_facts import DitFacts
+from diffserve.loader.dit_facts import DitFacts, SingleFileKeys
 from diffserve.loader.native_classes import NativeClasses
 from diffserve.models.dits.hunyuan_image import HunyuanImageTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
@@ -51,7 +52,21 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 }
             ),
             # No LoRA: Diffusers' `HunyuanImagePipeline` has no LoRA loader (no `load_lora_weights`).
-            # No single-file support yet: the loader refuses both naming the DiT.
+            # Single files: Tencent's originals (`dit/hunyuanimage2.1*.safetensors`, which ComfyUI loads
+            # and Comfy-Org repackages) in their names, split or fused projections
+            # (`single_file_keys.py`), or Diffusers' names. GGUFs made with city96's tool say "hyvid".
+            single_file=SingleFileKeys(
+                "HunyuanImage 2.1",
+                hunyuan_image_plan,
+                gguf_arches=("hyvid",),
+                markers=(
+                    "byt5_in.",
+                    "txt_in.individual_token_refiner.",
+                    "img_attn_q_norm.",
+                    "context_embedder_2.",
+                    "time_guidance_embed.",
+                ),
+            ),
         ),
         aliases=("hunyuanimage", "hunyuan-image", "hunyuanimage-2.1", "hunyuan_image"),
     ),

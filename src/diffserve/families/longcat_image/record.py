@@ -8,8 +8,9 @@ from dataclasses import replace
 from functools import partial
 
 from diffserve.families.longcat_image.pipeline import LongCatImageEditPipeline, LongCatImagePipeline
+from diffserve.families.longcat_image.single_file_keys import longcat_image_plan
 from diffserve.families.record import ModelFamily, lazy_tiny_builder
-from diffserve.loader.dit_facts import DitFacts
+from diffserve.loader.dit_facts import DitFacts, SingleFileKeys
 from diffserve.loader.native_classes import NativeClasses
 from diffserve.models.dits.longcat_image import LongCatImageTransformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
@@ -44,6 +45,16 @@ _LONGCAT_IMAGE = ModelFamily(
         class_name=LongCatImageTransformer2DModel.diffusers_class_name,
         full_precision_modules=frozenset(
             {"time_embed", "context_embedder", "x_embedder", "norm_out", "proj_out"}
+        ),
+        # Single files: Meituan's release is in Diffusers' names; ComfyUI's (Comfy-Org's repackaged files)
+        # and the community GGUFs (stduhpf's, for stable-diffusion.cpp) use FLUX.1's BFL names
+        # (`single_file_keys.py`). No city96 GGUF of it was found, so no architecture string is stated. The
+        # markers are the timestep MLP's Diffusers names, which FLUX.1's files do not have (its BFL names
+        # have no marker of their own).
+        single_file=SingleFileKeys(
+            "LongCat-Image",
+            longcat_image_plan,
+            markers=("time_embed.timestep_embedder.linear_1.", "time_embed.timestep_embedder.linear_2."),
         ),
     ),
     aliases=("longcat", "longcat_image"),
