@@ -2,8 +2,9 @@
 folder's `transformer/` safetensors (the rest of the pipeline still comes from the folder).
 
 Accepted files (docs/memory.md):
-- `.safetensors` in the family's original names, as Diffusers' single-file loader converts them (BFL's
-  FLUX, Stability's SD3, Wan's, Z-Image's; Qwen-Image's originals already use Diffusers' names) or in
+- `.safetensors` in the family's original names, as Diffusers' single-file loader or conversion scripts
+  convert them (BFL's FLUX, Stability's SD3, Wan's, Z-Image's, Tencent's HunyuanImage 2.1, ComfyUI's
+  LongCat-Image in BFL's names; Qwen-Image's originals already use Diffusers' names) or in
   Diffusers' names, optionally inside ComfyUI's `model.diffusion_model.` prefix; full precision, or
   pre-quantized FP8 as ComfyUI / Kijai publish it (plain e4m3fn / e5m2 casts, or with per-tensor or
   per-row `scale_weight` / `weight_scale` scales): the e4m3 weights of the Linears `--quantization`
