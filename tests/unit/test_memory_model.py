@@ -8,6 +8,7 @@ import re
 from dataclasses import replace
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -60,8 +61,11 @@ def test_vm_hwm_resets_to_the_current_rss() -> None:
     assert high is not None and after is not None and after < high - 200 * MB
     platform = CpuPlatform()
     assert platform.has_peak_counter()
+    # From the resident size just before the block: the process may have handed pages back since the reset
+    # (a loaded AVX2 host measured 96 MB above the reset's reading for this 128 MB block).
+    before = psutil.Process().memory_info().rss
     block = np.ones(128 * MB // 8)
-    assert platform.memory_info().peak_bytes >= after + 120 * MB
+    assert platform.memory_info().peak_bytes >= before + 120 * MB
     del block
 
 
