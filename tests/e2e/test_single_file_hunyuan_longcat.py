@@ -30,7 +30,7 @@ from diffserve.loader.single_file import dequantized_at_load, load_transformer_w
 from diffserve.models.dits.hunyuan_image import HunyuanImageTransformer2DModel
 from diffserve.models.dits.longcat_image import LongCatImageTransformer2DModel
 from diffserve.registry import DIT_FACTS
-from diffserve.testing.tiny_single_file import write_gguf
+from diffserve.testing.tiny_single_file import original_state_dict, write_gguf
 
 COMFY = "model.diffusion_model."
 REQUEST = dict(prompt="a red fox in the snow", seed=7, height=64, width=64, num_inference_steps=2)
@@ -162,53 +162,6 @@ def hunyuan_original(state: dict[str, torch.Tensor], fused: bool = False) -> dic
     return out
 
 
-def longcat_bfl(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Diffusers' `LongCatImageTransformer2DModel` names -> FLUX.1's BFL names, as ComfyUI's LongCat-Image
-    files carry them (fused qkv / linear1, `.scale` norms, (shift, scale) final AdaLN)."""
-    sd, out = _Used(state), {}
-    for diffusers, original in [
-        ("x_embedder", "img_in"),
-        ("context_embedder", "txt_in"),
-        ("time_embed.timestep_embedder.linear_1", "time_in.in_layer"),
-        ("time_embed.timestep_embedder.linear_2", "time_in.out_layer"),
-        ("proj_out", "final_layer.linear"),
-    ]:
-        _params(out, sd, diffusers, original)
-    for param in ("weight", "bias"):
-        out[f"final_layer.adaLN_modulation.1.{param}"] = _swapped(sd[f"norm_out.linear.{param}"])
-    for i in _indices(sd, "transformer_blocks."):
-        d, o = f"transformer_blocks.{i}.", f"double_blocks.{i}."
-        for diffusers, original in [
-            ("norm1.linear", "img_mod.lin"),
-            ("norm1_context.linear", "txt_mod.lin"),
-            ("attn.to_out.0", "img_attn.proj"),
-            ("attn.to_add_out", "txt_attn.proj"),
-            ("ff.net.0.proj", "img_mlp.0"),
-            ("ff.net.2", "img_mlp.2"),
-            ("ff_context.net.0.proj", "txt_mlp.0"),
-            ("ff_context.net.2", "txt_mlp.2"),
-        ]:
-            _params(out, sd, d + diffusers, o + original)
-        _cat(out, sd, [f"{d}attn.to_{x}" for x in "qkv"], f"{o}img_attn.qkv")
-        _cat(out, sd, [f"{d}attn.add_{x}_proj" for x in "qkv"], f"{o}txt_attn.qkv")
-        for diffusers, original in [
-            ("norm_q", "img_attn.norm.query_norm"),
-            ("norm_k", "img_attn.norm.key_norm"),
-            ("norm_added_q", "txt_attn.norm.query_norm"),
-            ("norm_added_k", "txt_attn.norm.key_norm"),
-        ]:
-            out[f"{o}{original}.scale"] = sd[f"{d}attn.{diffusers}.weight"]
-    for i in _indices(sd, "single_transformer_blocks."):
-        d, o = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
-        _cat(out, sd, [f"{d}attn.to_{x}" for x in "qkv"] + [f"{d}proj_mlp"], f"{o}linear1")
-        _params(out, sd, f"{d}proj_out", f"{o}linear2")
-        _params(out, sd, f"{d}norm.linear", f"{o}modulation.lin")
-        out[f"{o}norm.query_norm.scale"] = sd[f"{d}attn.norm_q.weight"]
-        out[f"{o}norm.key_norm.scale"] = sd[f"{d}attn.norm_k.weight"]
-    sd.check_all_used()
-    return out
-
-
 # --------------------------------------------------------------------------- folders and loading
 
 BUILDERS = {
@@ -269,7 +222,7 @@ LAYOUTS = {
     ("hunyuan", "tencent"): lambda sd: hunyuan_original(sd),
     ("hunyuan", "tencent-fused"): lambda sd: hunyuan_original(sd, fused=True),
     ("hunyuan", "diffusers"): dict,
-    ("longcat", "bfl"): longcat_bfl,
+    ("longcat", "bfl"): lambda sd: original_state_dict("LongCatImageTransformer2DModel", sd),
     ("longcat", "diffusers"): dict,
 }
 

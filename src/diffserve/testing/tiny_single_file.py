@@ -123,6 +123,18 @@ def _flux(sd: dict) -> dict[str, torch.Tensor]:
     return out
 
 
+def _longcat(sd: dict) -> dict[str, torch.Tensor]:
+    """ComfyUI's LongCat-Image files: FLUX.1's BFL names, the timestep embedder (LongCat's only one) as
+    `time_in`."""
+    out = _flux(sd)
+    for original, diffusers in (
+        ("time_in.in_layer", "time_embed.timestep_embedder.linear_1"),
+        ("time_in.out_layer", "time_embed.timestep_embedder.linear_2"),
+    ):
+        _module(out, sd, original, diffusers)
+    return out
+
+
 def _chroma(sd: _Tracking) -> dict[str, torch.Tensor]:
     """FLUX.1's BFL names for the blocks; the guidance approximator's layers and norms as lodestones'."""
     approximator = "distilled_guidance_layer."
@@ -278,6 +290,7 @@ _INVERSES: dict[str, Callable[[dict], dict[str, torch.Tensor]]] = {
     "HiDreamImageTransformer2DModel": _identity,
     "QwenImage21Transformer2DModel": _qwen_image21,
     "ChromaTransformer2DModel": _chroma,
+    "LongCatImageTransformer2DModel": _longcat,
 }
 
 # --------------------------------------------------------------------------- FP8
