@@ -1,7 +1,8 @@
 """Cache methods by name on the other families (issue 33): FLUX.2, SD3, Qwen-Image, Z-Image, Wan, SANA,
 HunyuanVideo 1.5 and LongCat-Image run DBCache through their blocks in ranges (Z-Image: its noise refiner always runs and Fn/Bn
 count its main layers, as cache-dit counts them), and SeaCache, whose probe is each family's latents on
-their grid (a latent image or video, 2x2-packed tokens unpacked).
+their grid (a latent image or video, 2x2-packed tokens unpacked), and PAB, which reuses attention
+outputs (every block runs) at diffusers' defaults.
 
 Tiny random checkpoints with 4 (DBCache-counted) blocks, 20 steps, 64x64 (Wan: 9 frames; HunyuanVideo 1.5:
 48x48, 5), CFG as each family's tier test runs it. DBCache that never reuses is the exact output pixel for pixel (the range path computes what the
@@ -46,53 +47,54 @@ DBCACHE = {
 DBCACHE_TAYLORSEER = {**DBCACHE, "Fn_compute_blocks": 2, "Bn_compute_blocks": 0, "enable_taylorseer": True}
 TEACACHE = {"method": "teacache", "rel_l1_thresh": 2.0, "coefficients": [1.0, 0.0]}  # the raw change
 SEACACHE = {"method": "seacache"}  # diffusers' defaults: its probe is the latents, in each family's layout
+PAB = {"method": "pab"}  # diffusers' defaults (every 2nd step within timesteps (100, 800)): attention reuse
 
 #: name -> (builder, generation kwargs, {setting name: measured PSNR in dB}); measured with seed 7.
 CASES: dict[str, tuple[Callable[[Path], Path], dict[str, Any], dict[str, float]]] = {
     "z-image": (
         lambda root: build_tiny_zimage(root, TinyZImageSpec(n_layers=4)),
         SQUARE,
-        {"dbcache": 34.3, "dbcache+taylorseer": 35.9, "teacache": 20.8, "seacache": 31.6},
+        {"dbcache": 34.3, "dbcache+taylorseer": 35.9, "teacache": 20.8, "seacache": 31.6, "pab": 36.0},
     ),
     "flux2": (
         lambda root: build_tiny_flux2(root, TinyFlux2Spec(num_layers=2, num_single_layers=2)),
         SQUARE,
-        {"dbcache": 19.9, "dbcache+taylorseer": 22.9, "teacache": 22.0, "seacache": 25.5},
+        {"dbcache": 19.9, "dbcache+taylorseer": 22.9, "teacache": 22.0, "seacache": 25.5, "pab": 20.5},
     ),
     "sd3": (
         lambda root: build_tiny_sd3(root, TinySD3Spec(num_layers=4)),
         SQUARE,
-        {"dbcache": 54.8, "dbcache+taylorseer": 53.1, "teacache": 43.4, "seacache": 53.1},
+        {"dbcache": 54.8, "dbcache+taylorseer": 53.1, "teacache": 43.4, "seacache": 53.1, "pab": 60.4},
     ),
     "qwen-image": (
         lambda root: build_tiny_qwen_image(root, TinyQwenImageSpec(num_layers=4)),
         {**SQUARE, "true_cfg_scale": 4.0, "negative_prompt": "ugly"},
-        {"dbcache": 34.1, "dbcache+taylorseer": 37.0, "teacache": 35.0, "seacache": 35.3},
+        {"dbcache": 34.1, "dbcache+taylorseer": 37.0, "teacache": 35.0, "seacache": 35.3, "pab": 38.2},
     ),
     "wan": (
         lambda root: build_tiny_wan(root, TinyWanSpec(num_layers=4)),
         {**SQUARE, "num_frames": 9},
-        {"dbcache": 29.6, "dbcache+taylorseer": 27.2, "teacache": 24.1, "seacache": 25.3},
+        {"dbcache": 29.6, "dbcache+taylorseer": 27.2, "teacache": 24.1, "seacache": 25.3, "pab": 30.8},
     ),
     "sana": (
         lambda root: build_tiny_sana(root, TinySanaSpec(num_layers=4)),
         SQUARE,
-        {"dbcache": 57.5, "dbcache+taylorseer": 59.6, "teacache": 45.3, "seacache": 54.0},
+        {"dbcache": 57.5, "dbcache+taylorseer": 59.6, "teacache": 45.3, "seacache": 54.0, "pab": 61.9},
     ),
     "sana-video": (
         lambda root: build_tiny_sana_video(root, TinySanaVideoSpec(num_layers=4)),
         {**SQUARE, "num_frames": 5, "extra": {"use_resolution_binning": False}},
-        {"dbcache": 19.6, "dbcache+taylorseer": 17.7, "teacache": 19.0, "seacache": 28.7},
+        {"dbcache": 19.6, "dbcache+taylorseer": 17.7, "teacache": 19.0, "seacache": 28.7, "pab": 19.3},
     ),
     "hunyuan-video-1.5": (
         lambda root: build_tiny_hunyuan_video15(root, TinyHunyuanVideo15Spec(num_layers=4)),
         {"height": 48, "width": 48, "num_frames": 5},
-        {"dbcache": 26.9, "dbcache+taylorseer": 28.3, "teacache": 29.2, "seacache": 34.8},
+        {"dbcache": 26.9, "dbcache+taylorseer": 28.3, "teacache": 29.2, "seacache": 34.8, "pab": 32.3},
     ),
     "longcat-image": (
         lambda root: build_tiny_longcat_image(root, TinyLongCatImageSpec(num_layers=2, num_single_layers=2)),
         {**SQUARE, "guidance_scale": 4.5},
-        {"dbcache": 44.0, "dbcache+taylorseer": 42.6, "teacache": 32.3, "seacache": 36.5},
+        {"dbcache": 44.0, "dbcache+taylorseer": 42.6, "teacache": 32.3, "seacache": 36.5, "pab": 48.8},
     ),
 }
 SETTINGS = {
@@ -100,6 +102,7 @@ SETTINGS = {
     "dbcache+taylorseer": DBCACHE_TAYLORSEER,
     "teacache": TEACACHE,
     "seacache": SEACACHE,
+    "pab": PAB,
 }
 
 
@@ -134,7 +137,7 @@ def test_each_method_reuses_within_its_measured_psnr(family) -> None:
 
 def test_a_mixed_batch_gives_each_request_its_own_output(family) -> None:
     name, generator, kwargs, _, _ = family
-    caches = [None, DBCACHE, TEACACHE]
+    caches = [None, DBCACHE, TEACACHE, PAB]
     params = {k: v for k, v in kwargs.items() if k != "seed"}
     assert_mixed_caches_as_alone(name, generator, params, caches, [PROMPT] * len(caches))
 

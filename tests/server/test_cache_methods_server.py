@@ -53,7 +53,8 @@ def test_default_request_and_off(cache_server) -> None:
     [
         (
             {"method": "fbcache"},
-            "set method to one of none, dbcache, taylorseer, teacache, magcache, scm, easycache, seacache",
+            "set method to one of none, dbcache, taylorseer, teacache, magcache, scm, easycache, seacache, pab, "
+            "fastercache",
         ),
         (
             {"method": "dbcache", "threshold": 0.1},

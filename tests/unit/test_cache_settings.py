@@ -63,12 +63,13 @@ def test_an_unknown_method_names_the_methods() -> None:
     assert info.value.param == "cache"
     assert str(info.value) == (
         "cache: method 'fbcache'; set method to one of none, dbcache, taylorseer, teacache, magcache, scm, "
-        "easycache, seacache"
+        "easycache, seacache, pab, fastercache"
     )
     with pytest.raises(InvalidRequestError, match="no method; set method to one of"):
         parse_cache({"Fn_compute_blocks": 1})
     assert METHOD_NAMES == (
-        "none", "dbcache", "taylorseer", "teacache", "magcache", "scm", "easycache", "seacache",
+        "none", "dbcache", "taylorseer", "teacache", "magcache", "scm", "easycache", "seacache", "pab",
+        "fastercache",
     )  # fmt: skip
 
 

@@ -90,7 +90,7 @@ def test_sdpa_is_traced_as_sdpa_and_another_backend_gets_its_own_graph(graphs) -
     """One graph per backend: SDPA lowered as itself (no opaque op), flash_attn through the op with its
     name; each call runs its own backend, and calling again under either compiles nothing."""
     q, k, v = qkv()
-    compiled = ScopedCompiledCall(torch.compile(block, backend=recording(graphs), fullgraph=True))
+    compiled = ScopedCompiledCall(torch.compile(block, backend=recording(graphs), fullgraph=True), block)
     expected = attention(q, k, v)
     with attention_backend_scope(AttentionBackend.SDPA):
         torch.testing.assert_close(compiled(q, k, v), expected)
@@ -109,7 +109,7 @@ def test_sdpa_is_traced_as_sdpa_and_another_backend_gets_its_own_graph(graphs) -
 
 def test_two_threads_with_different_backends_run_their_own_graphs(graphs) -> None:
     q, k, v = qkv()
-    compiled = ScopedCompiledCall(torch.compile(block, backend=recording(graphs), fullgraph=True))
+    compiled = ScopedCompiledCall(torch.compile(block, backend=recording(graphs), fullgraph=True), block)
     both_inside = threading.Barrier(2, timeout=30)
     seen: dict[AttentionBackend, list[bool]] = {}
     errors: list[BaseException] = []
@@ -143,7 +143,7 @@ def test_an_attention_hook_keeps_the_opaque_op_and_runs(graphs) -> None:
         calls.append(backend)
         return torch.zeros_like(q)
 
-    compiled = ScopedCompiledCall(torch.compile(block, backend=recording(graphs), fullgraph=True))
+    compiled = ScopedCompiledCall(torch.compile(block, backend=recording(graphs), fullgraph=True), block)
     with attention_hook_scope(hook):
         assert torch.all(compiled(q, k, v) == 0)
     assert calls == [AttentionBackend.SDPA]
@@ -170,7 +170,7 @@ def test_a_batch_without_lora_rows_traces_the_base_linear_and_a_lora_batch_the_o
     each equal to eager."""
     layer = lora_layer()
     x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(2))
-    compiled = ScopedCompiledCall(torch.compile(layer, backend=recording(graphs), fullgraph=True))
+    compiled = ScopedCompiledCall(torch.compile(layer, backend=recording(graphs), fullgraph=True), layer)
     mixed = LoraRows.for_rows([[AppliedLora(1, "a", 1.0)], []])
     with torch.inference_mode():
         for rows in (None, mixed):

@@ -27,6 +27,9 @@ from diffserve.errors import InvalidRequestError
 WHOLE_SPAN_METHODS = frozenset({"teacache", "magcache", "taylorseer", "scm", "easycache", "seacache"})
 #: The methods that also need the DiT's blocks run in ranges (`models/cache_methods/blocks.py`).
 BLOCK_RANGE_METHODS = frozenset({"dbcache"})
+#: The methods that reuse attention modules' outputs (`layers/attention_reuse.py`): a DiT runs them when
+#: its attention modules are `ReusableAttention`s.
+ATTENTION_METHODS = frozenset({"pab", "fastercache"})
 
 
 @dataclass(frozen=True)

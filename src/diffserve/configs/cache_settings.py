@@ -25,6 +25,14 @@ hooks spell them, with cache-dit's defaults, so that a user's settings carry ove
     seacache    SeaCache (diffusers' `SeaCacheConfig`): the residual is reused (or extrapolated) while the
                 accumulated relative L1 change of a spectrally filtered view of the input latents stays
                 below `threshold`, between `retention_steps` and `cache_end_steps`.
+    pab         Pyramid Attention Broadcast (diffusers' `PyramidAttentionBroadcastConfig`): inside the
+                timestep range, each attention module's output is computed every
+                `spatial_attention_block_skip_range`-th step (cross-attention's every
+                `cross_attention_block_skip_range`-th) and reused in between; every block still runs.
+    fastercache FasterCache's attention reuse (diffusers' `FasterCacheConfig`, guidance-distilled form):
+                inside the timestep range, each self-attention's output is computed every
+                `spatial_attention_block_skip_range`-th step and, in between, extrapolated from its last
+                two outputs (`t + (t - t_prev) * attention_weight`).
     none        No cache: the exact path, also when the server has a `--cache-default`.
 
 The accepted spellings (`parse_cache`): a mapping {"method": name, setting: value, ...}, a settings
@@ -314,6 +322,84 @@ class SeaCacheSettings(CacheSettings):
             raise _fail(f"seacache.power_exp must be > 0, got {self.power_exp!r}")
 
 
+def _timestep_range(default: tuple[float, float], what: str) -> Any:
+    return setting(
+        default,
+        help=f"(low, high): {what} only while low < timestep < high (the scheduler's timesteps, 0-1000)",
+    )
+
+
+def _check_timestep_range(method: str, name: str, value: tuple[float, ...]) -> None:
+    if len(value) != 2 or value[0] >= value[1]:
+        raise _fail(f"{method}.{name} must be two timesteps (low, high) with low < high, got {list(value)}")
+
+
+@dataclass(frozen=True)
+class PabSettings(CacheSettings):
+    """Pyramid Attention Broadcast (arXiv 2408.12588), as diffusers' `PyramidAttentionBroadcastConfig`
+    (names and defaults; a skip range left null reuses nothing of that kind). Attention outputs are
+    reused, not blocks: the blocks' other layers run every step."""
+
+    method: ClassVar[str] = "pab"
+    summary: ClassVar[str] = (
+        "Pyramid Attention Broadcast: inside the timestep range, compute each attention's output every "
+        "N-th step and reuse it in between"
+    )
+
+    spatial_attention_block_skip_range: int | None = setting(
+        2, min=1, help="self-attention runs every this many steps inside its timestep range (null: always)"
+    )
+    spatial_attention_timestep_skip_range: tuple[float, ...] = _timestep_range(
+        (100.0, 800.0), "self-attention may be reused"
+    )
+    cross_attention_block_skip_range: int | None = setting(
+        None,
+        min=1,
+        help="cross-attention runs every this many steps inside its timestep range (null: always)",
+    )
+    cross_attention_timestep_skip_range: tuple[float, ...] = _timestep_range(
+        (100.0, 800.0), "cross-attention may be reused"
+    )
+
+    def check_method(self) -> None:
+        for name in ("spatial_attention_timestep_skip_range", "cross_attention_timestep_skip_range"):
+            _check_timestep_range(self.method, name, getattr(self, name))
+        if self.spatial_attention_block_skip_range is None and self.cross_attention_block_skip_range is None:
+            raise _fail(
+                "pab needs spatial_attention_block_skip_range or cross_attention_block_skip_range "
+                "(both null reuse nothing)"
+            )
+
+
+@dataclass(frozen=True)
+class FasterCacheSettings(CacheSettings):
+    """FasterCache (arXiv 2410.19355)'s attention reuse, as diffusers' `FasterCacheConfig` with
+    `is_guidance_distilled=True` (names and defaults; `attention_weight` is the constant its default
+    `attention_weight_callback` returns). Requests with classifier-free guidance are refused: its
+    unconditional-branch approximation is not implemented."""
+
+    method: ClassVar[str] = "fastercache"
+    summary: ClassVar[str] = (
+        "FasterCache's attention reuse: inside the timestep range, compute each self-attention every N-th "
+        "step and extrapolate it from its last two outputs in between (requests without CFG)"
+    )
+
+    spatial_attention_block_skip_range: int = setting(
+        2, min=1, help="self-attention runs every this many steps inside its timestep range"
+    )
+    spatial_attention_timestep_skip_range: tuple[float, ...] = _timestep_range(
+        (-1.0, 681.0), "self-attention may be extrapolated"
+    )
+    attention_weight: float = setting(
+        0.5, help="an extrapolated output is t + (t - t_prev) * attention_weight (diffusers' default 0.5)"
+    )
+
+    def check_method(self) -> None:
+        _check_timestep_range(
+            self.method, "spatial_attention_timestep_skip_range", self.spatial_attention_timestep_skip_range
+        )
+
+
 #: Every method by name.
 CACHE_METHODS: dict[str, type[CacheSettings]] = {
     cls.method: cls
@@ -326,6 +412,8 @@ CACHE_METHODS: dict[str, type[CacheSettings]] = {
         ScmSettings,
         EasyCacheSettings,
         SeaCacheSettings,
+        PabSettings,
+        FasterCacheSettings,
     )
 }
 METHOD_NAMES = tuple(CACHE_METHODS)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from diffserve.layers.attention_reuse import ReusableAttention
 from diffserve.layers.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -20,9 +21,10 @@ from diffserve.layers.tensor_parallel import (
 QKNormFactory = Callable[[], nn.Module]
 
 
-class AttentionWeights(nn.Module):
+class AttentionWeights(ReusableAttention):
     """q/k/v projections from `dim` (keys and values from `kv_dim` when given: cross-attention), QK-norms
-    built by `qk_norm` (None: none) and `to_out.0` back to `dim`; `head_dim` is kept for the forward."""
+    built by `qk_norm` (None: none) and `to_out.0` back to `dim`; `head_dim` is kept for the forward. An
+    attention-level cache method may stand in for its output (`ReusableAttention`)."""
 
     def __init__(
         self,
@@ -37,6 +39,7 @@ class AttentionWeights(nn.Module):
     ) -> None:
         super().__init__()
         inner = num_heads * head_dim
+        self.is_cross_attention = kv_dim is not None
         kv_dim = dim if kv_dim is None else kv_dim
         self.head_dim = head_dim
         self.to_q = nn.Linear(dim, inner, bias=bias)

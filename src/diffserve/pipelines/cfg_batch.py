@@ -200,13 +200,24 @@ def request_cache_rows(req: Req, rows_per_branch: int, branches: int) -> list[Ca
     rows with its cache and the rest with the CFG branch's."""
     state = req.step_cache
     latent = partial(latent_probe, req)
+    timestep = step_timestep(req)
     if state is not None and state.cfg_branch is not None and branches > 1:
         rest = rows_per_branch * (branches - 1)
         return [
-            CacheRows(state, rows_per_branch, req.step_index, req.num_steps, latent),
-            CacheRows(state.cfg_branch, rest, req.step_index, req.num_steps, latent),
+            CacheRows(state, rows_per_branch, req.step_index, req.num_steps, latent, timestep),
+            CacheRows(state.cfg_branch, rest, req.step_index, req.num_steps, latent, timestep),
         ]
-    return [CacheRows(state, rows_per_branch * branches, req.step_index, req.num_steps, latent)]
+    return [CacheRows(state, rows_per_branch * branches, req.step_index, req.num_steps, latent, timestep)]
+
+
+def step_timestep(req: Req) -> float | None:
+    """The request's timestep at this step, from the schedule's CPU copy (no host sync); None where the
+    schedule keeps none."""
+    schedule = req.schedule
+    if schedule is None or schedule.host_timesteps is None or req.step_index >= len(schedule.host_timesteps):
+        return None
+    value = schedule.host_timesteps[req.step_index]
+    return float(value) if value.numel() == 1 else None
 
 
 def step_cache_for(reqs: list[Req]) -> BatchStepCache | None:

@@ -28,6 +28,7 @@ from diffserve.configs.cache_settings import NoCache
 from diffserve.configs.sampling_params import LoraChoice, SamplingParams
 from diffserve.errors import InvalidRequestError, UserError
 from diffserve.layers.attention import active_attention_backend, attention_hook_active
+from diffserve.layers.attention_reuse import attention_reuse_active
 from diffserve.layers.lora_rows import current_lora_rows
 from diffserve.layers.trace_scope import TraceScope, resolved_for_trace
 from diffserve.runtime.compile_gemm import GemmChoice, OneDnnLinearPass, choose_cpu_gemm
@@ -86,12 +87,17 @@ def current_trace_scope() -> TraceScope:
 class ScopedCompiledCall:
     """A block's compiled call (`torch.compile(block._call_impl)`), entered with the caller's scope
     mirrored for tracing, so that its graphs resolve the attention backend and LoRA rows at trace time
-    (guarded: one graph per backend and wrapper set)."""
+    (guarded: one graph per backend and wrapper set). During a forward in which an attention-level cache
+    method may stand in for attention modules (PAB, FasterCache), the block runs eagerly (`eager`): a
+    graph cannot skip a module inside it."""
 
-    def __init__(self, compiled: Callable[..., Any]) -> None:
+    def __init__(self, compiled: Callable[..., Any], eager: Callable[..., Any]) -> None:
         self.compiled = compiled
+        self.eager = eager
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if attention_reuse_active():
+            return self.eager(*args, **kwargs)
         with resolved_for_trace(current_trace_scope()):
             return self.compiled(*args, **kwargs)
 
@@ -134,7 +140,8 @@ def compile_pipeline(components: Mapping[str, object]) -> list[CompiledRegion]:
         for list_name, blocks in found:
             for block in blocks:
                 compiled = torch.compile(block._call_impl, backend=BACKEND, dynamic=True, options=options)
-                block._compiled_call_impl = ScopedCompiledCall(compiled)  # what `Module.compile` sets
+                # what `Module.compile` sets
+                block._compiled_call_impl = ScopedCompiledCall(compiled, block._call_impl)
             regions.append(
                 CompiledRegion(f"{name}.{list_name}", type(blocks[0]).__name__, len(blocks), kernel)
             )

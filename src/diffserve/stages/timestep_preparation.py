@@ -19,6 +19,7 @@ def set_schedule(req: Req, schedule: SigmaSchedule, guidance: torch.Tensor | Non
         sigmas=schedule.sigmas.to(device),
         timesteps=schedule.timesteps.to(device),
         host_sigmas=schedule.sigmas,
+        host_timesteps=schedule.timesteps,
         guidance=guidance,
     )
     req.step_index = 0

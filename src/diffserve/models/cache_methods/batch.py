@@ -18,12 +18,15 @@ Two ways to run, chosen per forward:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
+from diffserve.layers.attention_reuse import attention_reuse_scope
 from diffserve.layers.lora_rows import narrowed_lora_rows
+from diffserve.models.cache_methods.attention_level import AttentionCacheState, AttentionReuseScope, ReuseRows
 from diffserve.models.cache_methods.base import Plan, RequestCache
 from diffserve.models.cache_methods.blocks import BlockRange, Streams
 
@@ -38,13 +41,15 @@ class CacheRows:
     """A request's consecutive rows in the DiT batch, with its cache (None: always run the blocks); or,
     for a request whose cache keeps the CFG branch apart (`enable_separate_cfg`), one branch's rows with
     that branch's cache. `latent`: the request's latent probe (`LatentProbe`), called only when its cache
-    probes the latents (SeaCache)."""
+    probes the latents (SeaCache); `timestep`: the step's timestep, which attention-level methods (PAB,
+    FasterCache) compare with their ranges (None: not known)."""
 
     state: RequestCache | None
     rows: int
     step_index: int
     num_steps: int
     latent: LatentProbe | None = None
+    timestep: float | None = None
 
 
 @dataclass
@@ -79,6 +84,8 @@ class BatchStepCache:
 
     def __init__(self, groups: Sequence[CacheRows]) -> None:
         self.groups = list(groups)
+        #: This forward's attention reuse, when a request runs an attention-level method.
+        self._reuse: AttentionReuseScope | None = None
 
     @property
     def total_rows(self) -> int:
@@ -100,6 +107,18 @@ class BatchStepCache:
         for cache in self.groups:
             groups.append(_Group(cache, start, start + cache.rows))
             start += cache.rows
+        self._reuse = self._attention_reuse(groups)
+        with attention_reuse_scope(self._reuse):
+            return self._run(x, groups, signal, run_blocks, blocks)
+
+    def _run(
+        self,
+        x: torch.Tensor,
+        groups: list[_Group],
+        signal: Signal,
+        run_blocks: RunBlocks,
+        blocks: Callable[[], BlockRange] | None,
+    ) -> torch.Tensor:
         for g in groups:
             if g.state is not None:
                 g.plan = g.state.plan(g.step, g.cache.num_steps)
@@ -113,6 +132,30 @@ class BatchStepCache:
                 f"cache method {method!r} needs the DiT's blocks in ranges; this DiT runs them whole"
             )
         return self._run_ranges(groups, blocks())
+
+    @staticmethod
+    def _attention_reuse(groups: list[_Group]) -> AttentionReuseScope | None:
+        """The scope through which attention modules run when some request reuses attention outputs
+        (each such request decides this forward's reuse at its timestep first); None otherwise."""
+        attention = [g for g in groups if isinstance(g.state, AttentionCacheState)]
+        if not attention:
+            return None
+        for g in attention:
+            if g.cache.timestep is None:
+                raise RuntimeError(f"cache method {g.state.method!r} needs the step's timestep")
+            g.state.begin_forward(g.cache.timestep)
+        return AttentionReuseScope(
+            [
+                ReuseRows(g.state if isinstance(g.state, AttentionCacheState) else None, g.lo, g.hi)
+                for g in groups
+            ]
+        )
+
+    @contextmanager
+    def _running(self, bounds: list[tuple[int, int]] | None) -> Iterator[None]:
+        """Tell this forward's attention reuse which requests' rows the blocks now run on."""
+        with nullcontext() if self._reuse is None else self._reuse.running(bounds):
+            yield
 
     # -- decisions ------------------------------------------------------------------------------------------
 
@@ -177,14 +220,16 @@ class BatchStepCache:
 
     def _run_whole(self, x: torch.Tensor, groups: list[_Group], run_blocks: RunBlocks) -> torch.Tensor:
         if not any(g.reused for g in groups):
-            out = run_blocks(None)
+            with self._running(None):
+                out = run_blocks(None)
             self._finish_whole(out, x, groups)
             return out
         compute_bounds = [(g.lo, g.hi) for g in groups if not g.reused]
         computed = None
         if compute_bounds:
             rows = torch.cat([torch.arange(lo, hi, device=x.device) for lo, hi in compute_bounds])
-            with narrowed_lora_rows(compute_bounds):  # the LoRA rows of the batch the blocks now run
+            # the LoRA rows of the batch the blocks now run
+            with narrowed_lora_rows(compute_bounds), self._running(compute_bounds):
                 computed = run_blocks(rows)
         pieces, offset = [], 0
         for g in groups:
@@ -260,17 +305,18 @@ class BatchStepCache:
                 probes.append(cur.image.index_select(0, g.rows) - g.probe_input)
             self._decide(probing, probes)
 
-    @staticmethod
     def _run_segment(
-        blocks: BlockRange, cur: Streams, active: list[_Group], total: int, a: int, b: int
+        self, blocks: BlockRange, cur: Streams, active: list[_Group], total: int, a: int, b: int
     ) -> Streams:
         """Blocks `[a, b)` on the `active` requests' rows (all `total` of them: one call over the batch)."""
         if not active:
             return cur
         if len(active) == total:
-            return blocks.run(cur, None, a, b)
+            with self._running(None):
+                return blocks.run(cur, None, a, b)
         rows = torch.cat([g.rows for g in active])
-        with narrowed_lora_rows([(g.lo, g.hi) for g in active]):
+        bounds = [(g.lo, g.hi) for g in active]
+        with narrowed_lora_rows(bounds), self._running(bounds):
             part = blocks.run(cur.take(rows), rows, a, b)
         return cur.put(rows, part)
 

@@ -9,8 +9,10 @@ from diffserve.configs.cache_settings import (
     CacheSettings,
     DBCacheSettings,
     EasyCacheSettings,
+    FasterCacheSettings,
     MagCacheSettings,
     NoCache,
+    PabSettings,
     ScmSettings,
     SeaCacheSettings,
     TaylorSeerSettings,
@@ -18,6 +20,7 @@ from diffserve.configs.cache_settings import (
 )
 from diffserve.configs.quality import TierPreset
 from diffserve.configs.step_cache_policy import StepCachePolicy
+from diffserve.models.cache_methods.attention_level import FasterCacheState, PabState
 from diffserve.models.cache_methods.base import RequestCache
 from diffserve.models.cache_methods.dbcache import DBCacheState
 from diffserve.models.cache_methods.easycache import EasyCacheState
@@ -37,6 +40,8 @@ STATES: dict[type[CacheSettings], Callable[..., RequestCache]] = {
     ScmSettings: ScmState,
     EasyCacheSettings: EasyCacheState,
     SeaCacheSettings: SeaCacheState,
+    PabSettings: PabState,
+    FasterCacheSettings: FasterCacheState,
 }
 
 

@@ -42,9 +42,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
+from diffserve.configs.cache_rule import ATTENTION_METHODS, BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.layers.adaln import AdaLayerNormContinuous, AdaLayerNormZero
+from diffserve.layers.attention_reuse import ReusableAttention, reused_attention_output
 from diffserve.layers.embeddings import CombinedTimestepTextEmbedding
 from diffserve.layers.feedforward import FeedForward
 from diffserve.layers.fused_linear import FusedLinear
@@ -261,7 +262,7 @@ class FluxJointAttention(RotaryJointAttention):
         return q, k, v
 
 
-class FluxSelfAttention(nn.Module):
+class FluxSelfAttention(ReusableAttention):
     """Single-stream attention's weights and its QK-norm + RoPE + attention; the block projects.
 
     The block owns the projections' use because it fuses them with its MLP input projection (all
@@ -386,6 +387,17 @@ class FluxSingleTransformerBlock(nn.Module):
         q, k, v = (p(h).unflatten(-1, (-1, self.head_dim)) for p in (attn.to_q, attn.to_k, attn.to_v))
         return q, k, v, self.proj_mlp(h)
 
+    def _project_mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """The MLP's pre-activation alone (the fused layer's MLP rows only), for a step whose attention
+        output is stood in for."""
+        layer = self.to_qkv_mlp
+        if layer is None:
+            return self.proj_mlp(h)
+        mlp_rows = slice(3 * self.inner_dim, 3 * self.inner_dim + self.mlp_dim)
+        if isinstance(layer, LoraLinear):
+            return layer.forward_rows(h, mlp_rows)
+        return linear_rows(layer, h, mlp_rows)
+
     def _project_keys_values(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) alone, heads split: only the fused layer's k/v rows are computed (a contiguous slice of
         its weight, so no copy; an 8-bit layer or one with LoRA adapters computes those rows alone too)."""
@@ -424,6 +436,12 @@ class FluxSingleTransformerBlock(nn.Module):
         Each image row's value is the same sums as in the full block.
         """
         norm_h, gate = self.norm.modulate_projected(h, emb)
+        attn = reused_attention_output(self.attn)  # an attention-level cache stands in for it this step
+        if attn is not None:
+            assert isinstance(attn, torch.Tensor)
+            residual = h if text_len is None else h[:, text_len:]
+            mlp = self._project_mlp(norm_h if text_len is None else norm_h[:, text_len:].contiguous())
+            return self._finish(residual, gate, attn, mlp)
         if text_len is None:
             q, k, v, mlp = self._project(norm_h)
             residual = h
@@ -437,6 +455,12 @@ class FluxSingleTransformerBlock(nn.Module):
             if attn_mask is not None and attn_mask.ndim == 4 and attn_mask.shape[-2] > 1:
                 attn_mask = attn_mask[:, :, text_len:]  # the image rows' queries only
         attn = self.attn(q, k, v, rope, attn_mask)
+        return self._finish(residual, gate, attn, mlp)
+
+    def _finish(
+        self, residual: torch.Tensor, gate: torch.Tensor, attn: torch.Tensor, mlp: torch.Tensor
+    ) -> torch.Tensor:
+        """The block's output from its attention output and the MLP's pre-activation."""
         if torch.compiler.is_compiling():
             # An out= write into a strided slice breaks the graph in two; inductor fuses the GELU into
             # the concatenation itself.
@@ -460,7 +484,7 @@ class FluxTransformer2DModel(FluxStreamsDiT):
 
     diffusers_class_name: ClassVar[str] = "FluxTransformer2DModel"
     config_class = FluxTransformerConfig
-    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS | ATTENTION_METHODS
     cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks", "single_transformer_blocks")
 
     def __init__(self, config: FluxTransformerConfig) -> None:

@@ -37,8 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
+from diffserve.configs.cache_rule import ATTENTION_METHODS, BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.layers.attention import attention
+from diffserve.layers.attention_reuse import ReusableAttention
 from diffserve.layers.embeddings import timestep_sinusoids
 from diffserve.layers.joint_attention import RotaryJointAttention
 from diffserve.layers.modulation import Modulate
@@ -206,9 +207,10 @@ class Flux2Attention(RotaryJointAttention):
         super().__init__(dim, num_heads, head_dim, partial(_qk_norm, head_dim, eps), bias=False)
 
 
-class Flux2ParallelSelfAttention(nn.Module):
+class Flux2ParallelSelfAttention(ReusableAttention):
     """The single-stream block's attention + SwiGLU MLP, in parallel (ViT-22B style), Diffusers' names:
-    `to_qkv_mlp_proj` gives [q; k; v; gate; up] and `to_out` reads [attention; SwiGLU]."""
+    `to_qkv_mlp_proj` gives [q; k; v; gate; up] and `to_out` reads [attention; SwiGLU]. An attention-level
+    cache stands in for its whole output, MLP included, as diffusers' hooks do for this module."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, mlp_hidden_dim: int, eps: float) -> None:
         super().__init__()
@@ -319,7 +321,7 @@ class Flux2Transformer2DModel(DiffusersDiT):
 
     diffusers_class_name: ClassVar[str] = "Flux2Transformer2DModel"
     config_class = Flux2TransformerConfig
-    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS | ATTENTION_METHODS
     cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks", "single_transformer_blocks")
 
     def __init__(self, config: Flux2TransformerConfig) -> None:

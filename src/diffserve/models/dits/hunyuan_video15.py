@@ -49,7 +49,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import nn
 
-from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
+from diffserve.configs.cache_rule import ATTENTION_METHODS, BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import sequence_attention
 from diffserve.layers.adaln import AdaLayerNormContinuous, AdaLayerNormZero
 from diffserve.layers.feedforward import FeedForward
@@ -290,7 +290,7 @@ class HunyuanVideo15Transformer3DModel(HunyuanVideoGridDiT):
 
     diffusers_class_name: ClassVar[str] = "HunyuanVideo15Transformer3DModel"
     config_class = HunyuanVideo15TransformerConfig
-    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS | ATTENTION_METHODS
     cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
 
     def __init__(self, config: HunyuanVideo15TransformerConfig) -> None:

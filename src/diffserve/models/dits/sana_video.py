@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
+from diffserve.configs.cache_rule import ATTENTION_METHODS, BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_parallel import SequenceShard
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_split
 from diffserve.layers.attention_weights import AttentionWeights
@@ -325,7 +325,7 @@ class SanaVideoTransformer3DModel(DiffusersDiT):
 
     diffusers_class_name: ClassVar[str] = "SanaVideoTransformer3DModel"
     config_class = SanaVideoTransformerConfig
-    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS | ATTENTION_METHODS
     cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
 
     def __init__(self, config: SanaVideoTransformerConfig) -> None:

@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
+from diffserve.configs.cache_rule import ATTENTION_METHODS, BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.layers.adaln import AdaLayerNormContinuous, AdaLayerNormZero
 from diffserve.layers.attention_weights import AttentionWeights, QKNormFactory
@@ -390,7 +390,7 @@ class SD3Transformer2DModel(DiffusersDiT):
 
     diffusers_class_name: ClassVar[str] = "SD3Transformer2DModel"
     config_class = SD3TransformerConfig
-    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS | ATTENTION_METHODS
     cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
 
     def __init__(self, config: SD3TransformerConfig) -> None:

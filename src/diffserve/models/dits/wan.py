@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
+from diffserve.configs.cache_rule import ATTENTION_METHODS, BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.layers.attention import attention
 from diffserve.layers.attention_weights import AttentionWeights
@@ -280,6 +280,7 @@ class WanCrossAttention(_WanAttention):
 
     def __init__(self, dim: int, num_heads: int, eps: float, added_kv_proj_dim: int | None) -> None:
         super().__init__(dim, num_heads, eps)
+        self.is_cross_attention = True
         if added_kv_proj_dim is not None:
             self.add_k_proj = nn.Linear(added_kv_proj_dim, dim)
             self.add_v_proj = nn.Linear(added_kv_proj_dim, dim)
@@ -382,7 +383,7 @@ class WanTransformer3DModel(DiffusersDiT):
 
     diffusers_class_name: ClassVar[str] = "WanTransformer3DModel"
     config_class = WanTransformerConfig
-    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS | ATTENTION_METHODS
     cache_block_lists: ClassVar[tuple[str, ...]] = ("blocks",)
 
     def __init__(self, config: WanTransformerConfig) -> None:

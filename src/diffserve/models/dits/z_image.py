@@ -74,7 +74,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
+from diffserve.configs.cache_rule import ATTENTION_METHODS, BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.layers.attention_weights import AttentionWeights
 from diffserve.layers.embeddings import timestep_sinusoids
@@ -477,7 +477,7 @@ class ZImageTransformer2DModel(DiffusersDiT):
 
     diffusers_class_name: ClassVar[str] = "ZImageTransformer2DModel"
     config_class = ZImageTransformerConfig
-    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS | ATTENTION_METHODS
     cache_block_lists: ClassVar[tuple[str, ...]] = ("noise_refiner", "layers")
     cache_leading_lists: ClassVar[int] = 1  # DBCache's Fn/Bn count the main layers (cache-dit's adapter)
 
