@@ -207,11 +207,11 @@ class Schedule:
     #: `sigmas` on the CPU, for host-side reads: previews, and UniPC's data prediction, which multiplies by
     #: a CPU scalar as Diffusers does (a kernel argument, neither a copy nor a sync).
     host_sigmas: torch.Tensor = field(metadata=role(per_step=True))
+    #: (batch,) guidance scale the DiT embeds (FLUX, FLUX.2-dev, SANA-Sprint, ...); None for the others.
+    guidance: torch.Tensor | None = None
     #: `timesteps` on the CPU, for host-side reads: the timestep ranges of attention-reuse cache methods
     #: (PAB, FasterCache), compared as diffusers compares its pipeline's current timestep. None: not kept.
     host_timesteps: torch.Tensor | None = field(default=None, metadata=role(per_step=True))
-    #: (batch,) guidance scale the DiT embeds (FLUX, FLUX.2-dev, SANA-Sprint, ...); None for the others.
-    guidance: torch.Tensor | None = None
 
     @classmethod
     def of_length(cls, num_steps: int) -> Schedule:

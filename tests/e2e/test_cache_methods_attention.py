@@ -16,12 +16,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from diffusers import FluxPipeline as DiffusersFluxPipeline
 from diffusers.hooks import FasterCacheConfig, PyramidAttentionBroadcastConfig
 
-from diffserve import DiffGenerator
 from diffserve.errors import InvalidRequestError
-from diffserve.families.flux.tiny import TinyFluxSpec, build_tiny_flux
 from diffserve.testing.cache_parity import assert_mixed_caches_as_alone
 from diffserve.testing.cache_parity import first_output_pixels as pixels
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
@@ -67,39 +64,25 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def flux_dir(tmp_path_factory):
-    return build_tiny_flux(
-        tmp_path_factory.mktemp("flux-attention-cache"), TinyFluxSpec(num_layers=2, num_single_layers=4)
-    )
-
-
-@pytest.fixture(scope="module")
-def generator(flux_dir):
-    return DiffGenerator.from_pretrained(flux_dir, device="cpu", show_progress=False)
-
-
-@pytest.fixture(scope="module")
-def reference(flux_dir):
+def reference(cache_flux_reference):
     """diffusers' FluxPipeline, and a list counting its attention calls (each one projects q)."""
-    pipe = DiffusersFluxPipeline.from_pretrained(flux_dir, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
     calls: list[int] = []
-    transformer = pipe.transformer
+    transformer = cache_flux_reference.transformer
     for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
         block.attn.to_q.register_forward_hook(lambda module, args, out: calls.append(1))
-    return pipe, calls
+    return cache_flux_reference, calls
 
 
 @pytest.fixture(scope="module")
-def exact(generator):
-    return pixels(generator.generate(PROMPT, num_inference_steps=STEPS, seed=4, **SIZE))
+def exact(cache_flux):
+    return pixels(cache_flux.generate(PROMPT, num_inference_steps=STEPS, seed=4, **SIZE))
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_decides_and_outputs_as_diffusers_hook(generator, reference, exact, name) -> None:
+def test_decides_and_outputs_as_diffusers_hook(cache_flux, reference, exact, name) -> None:
     cache, hook_config, floor = CASES[name]
     pipe, calls = reference
-    out = generator.generate(PROMPT, num_inference_steps=STEPS, seed=4, cache=cache, **SIZE)
+    out = cache_flux.generate(PROMPT, num_inference_steps=STEPS, seed=4, cache=cache, **SIZE)
     report = out.cache
     calls.clear()
     pipe.transformer.enable_cache(hook_config(pipe))
@@ -124,7 +107,7 @@ def test_decides_and_outputs_as_diffusers_hook(generator, reference, exact, name
     assert score >= floor, (name, score)
 
 
-def test_each_cfg_branch_keeps_its_own_attention_outputs(generator) -> None:
+def test_each_cfg_branch_keeps_its_own_attention_outputs(cache_flux) -> None:
     """True CFG: the negative prompt's rows reuse their own outputs, never the positive rows' (diffusers'
     hook counts FluxPipeline's second call as another iteration of one shared cache: a different method)."""
     kwargs = {
@@ -134,15 +117,15 @@ def test_each_cfg_branch_keeps_its_own_attention_outputs(generator) -> None:
         "negative_prompt": "blurry",
         **SIZE,
     }
-    exact = pixels(generator.generate(PROMPT, **kwargs))
-    out = generator.generate(PROMPT, cache={"method": "pab"}, **kwargs)
+    exact = pixels(cache_flux.generate(PROMPT, **kwargs))
+    out = cache_flux.generate(PROMPT, cache={"method": "pab"}, **kwargs)
     assert out.cache["attention_reused"] == 54  # the same steps as without CFG, both branches' rows at once
     score = psnr(pixels(out), exact)
     print(f"pab with true CFG: {score:.1f} dB")
     assert score >= 57.0, score  # measured 62.6 dB
 
 
-def test_requests_with_attention_and_block_methods_share_a_batch(generator) -> None:
+def test_requests_with_attention_and_block_methods_share_a_batch(cache_flux) -> None:
     caches = [
         None,
         {"method": "pab"},
@@ -151,19 +134,19 @@ def test_requests_with_attention_and_block_methods_share_a_batch(generator) -> N
         {"method": "dbcache", "Fn_compute_blocks": 1, "residual_diff_threshold": 0.3, "max_warmup_steps": 4},
     ]
     prompts = [PROMPT, "a blue house on a hill", PROMPT, "a green car", PROMPT]
-    assert_mixed_caches_as_alone("flux", generator, {"num_inference_steps": 12, **SIZE}, caches, prompts)
+    assert_mixed_caches_as_alone("flux", cache_flux, {"num_inference_steps": 12, **SIZE}, caches, prompts)
 
 
-def test_bad_settings_and_fastercache_with_cfg_are_refused(generator) -> None:
+def test_bad_settings_and_fastercache_with_cfg_are_refused(cache_flux) -> None:
     with pytest.raises(InvalidRequestError, match="fastercache runs its attention reuse on requests without"):
-        generator.generate(PROMPT, num_inference_steps=2, cache="fastercache", true_cfg_scale=2.0,
+        cache_flux.generate(PROMPT, num_inference_steps=2, cache="fastercache", true_cfg_scale=2.0,
                            negative_prompt="blurry", **SIZE)  # fmt: skip
     with pytest.raises(InvalidRequestError, match=r"spatial_attention_timestep_skip_range must be two"):
-        generator.generate(
+        cache_flux.generate(
             PROMPT, num_inference_steps=2, cache={"method": "pab", "spatial_attention_timestep_skip_range": [800, 100]},
             **SIZE,
         )  # fmt: skip
     with pytest.raises(InvalidRequestError, match="pab needs spatial_attention_block_skip_range or cross"):
-        generator.generate(
+        cache_flux.generate(
             PROMPT, num_inference_steps=2, cache="pab:spatial_attention_block_skip_range=null", **SIZE
         )

@@ -15,7 +15,6 @@ import pytest
 
 from diffserve import DiffGenerator, SamplingParams
 from diffserve.errors import InvalidRequestError, UserError
-from diffserve.families.flux.tiny import TinyFluxSpec, build_tiny_flux
 from diffserve.models.cache_methods.batch import BatchStepCache
 from diffserve.request import Req
 from diffserve.testing.cache_parity import first_output_pixels as pixels
@@ -54,51 +53,39 @@ METHODS = {
 
 
 @pytest.fixture(scope="module")
-def flux_dir(tmp_path_factory):
-    return build_tiny_flux(
-        tmp_path_factory.mktemp("flux-cache"), TinyFluxSpec(num_layers=2, num_single_layers=4)
-    )
+def exact(cache_flux):
+    return {p: pixels(cache_flux.generate(p, num_inference_steps=STEPS, seed=4, **SIZE)) for p in PROMPTS}
 
 
-@pytest.fixture(scope="module")
-def generator(flux_dir):
-    return DiffGenerator.from_pretrained(flux_dir, device="cpu", show_progress=False)
-
-
-@pytest.fixture(scope="module")
-def exact(generator):
-    return {p: pixels(generator.generate(p, num_inference_steps=STEPS, seed=4, **SIZE)) for p in PROMPTS}
-
-
-def test_no_cache_is_the_exact_path_and_runs_no_cache_code(generator, exact, monkeypatch) -> None:
+def test_no_cache_is_the_exact_path_and_runs_no_cache_code(cache_flux, exact, monkeypatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("the exact path must not build or run a step cache")
 
     monkeypatch.setattr(BatchStepCache, "run", refuse)
     for cache in (None, "none", {"method": "none"}):
-        out = generator.generate(PROMPTS[0], num_inference_steps=STEPS, seed=4, cache=cache, **SIZE)
+        out = cache_flux.generate(PROMPTS[0], num_inference_steps=STEPS, seed=4, cache=cache, **SIZE)
         np.testing.assert_array_equal(pixels(out), exact[PROMPTS[0]])
         assert out.cache is None and out.steps_computed_in_full == STEPS
 
 
-def test_dbcache_that_never_reuses_gives_the_exact_pixels_through_block_ranges(generator, exact) -> None:
+def test_dbcache_that_never_reuses_gives_the_exact_pixels_through_block_ranges(cache_flux, exact) -> None:
     cache = {
         "method": "dbcache",
         "Fn_compute_blocks": 2,
         "Bn_compute_blocks": 1,
         "residual_diff_threshold": 0,
     }
-    out = generator.generate(PROMPTS[1], num_inference_steps=STEPS, seed=4, cache=cache, **SIZE)
+    out = cache_flux.generate(PROMPTS[1], num_inference_steps=STEPS, seed=4, cache=cache, **SIZE)
     np.testing.assert_array_equal(pixels(out), exact[PROMPTS[1]])
     assert out.cache["steps_reused"] == 0 and out.cache["blocks_computed"] == STEPS * BLOCKS
 
 
 @pytest.mark.parametrize("name", list(METHODS))
-def test_each_method_reuses_work_within_its_measured_psnr(generator, exact, name) -> None:
+def test_each_method_reuses_work_within_its_measured_psnr(cache_flux, exact, name) -> None:
     cache, floor = METHODS[name]
     scores = []
     for prompt in PROMPTS:
-        out = generator.generate(prompt, num_inference_steps=STEPS, seed=4, cache=cache, **SIZE)
+        out = cache_flux.generate(prompt, num_inference_steps=STEPS, seed=4, cache=cache, **SIZE)
         report = out.cache
         assert report["method"] == name.split("+")[0]
         assert report["steps_computed"] + report["steps_reused"] == STEPS and report["steps_reused"] > 0
@@ -109,12 +96,12 @@ def test_each_method_reuses_work_within_its_measured_psnr(generator, exact, name
     assert np.mean(scores) >= floor, (name, scores)
 
 
-def test_the_response_reports_the_settings_that_ran(generator) -> None:
-    out = generator.generate(PROMPTS[0], num_inference_steps=4, seed=4, cache="teacache", **SIZE)
+def test_the_response_reports_the_settings_that_ran(cache_flux) -> None:
+    out = cache_flux.generate(PROMPTS[0], num_inference_steps=4, seed=4, cache="teacache", **SIZE)
     settings = out.cache["settings"]
     assert settings["coefficients"][0] == pytest.approx(498.651651)  # FLUX.1's TeaCache polynomial, filled in
     assert out.params.cache.method == "teacache" and out.params.quality == "high"
-    calibrated = generator.generate(
+    calibrated = cache_flux.generate(
         PROMPTS[0],
         num_inference_steps=6,
         seed=4,
@@ -125,8 +112,8 @@ def test_the_response_reports_the_settings_that_ran(generator) -> None:
     assert len(ratios) == 6 and ratios[0] == 1.0 and calibrated.cache["steps_reused"] == 0
 
 
-def test_requests_with_different_methods_share_a_batch_and_get_their_own_output(generator) -> None:
-    pipeline = generator.pipeline
+def test_requests_with_different_methods_share_a_batch_and_get_their_own_output(cache_flux) -> None:
+    pipeline = cache_flux.pipeline
     caches = [
         None,
         METHODS["dbcache"][0],
@@ -147,28 +134,30 @@ def test_requests_with_different_methods_share_a_batch_and_get_their_own_output(
         pipeline.denoise_step(reqs)  # one DiT batch for every request, every step
     together = [pipeline.run_post_denoise(r) for r in reqs]
     for i, (cache, batched) in enumerate(zip(caches, together, strict=True)):
-        alone = generator.generate(PROMPTS[i % 2], num_inference_steps=12, seed=i, cache=cache, **SIZE)
+        alone = cache_flux.generate(PROMPTS[i % 2], num_inference_steps=12, seed=i, cache=cache, **SIZE)
         got = np.asarray(batched.outputs.images[0].convert("RGB")).astype(int)
         assert np.abs(got - pixels(alone).astype(int)).max() <= 1, cache  # CPU GEMM rounding over other rows
         assert batched.cache_report == alone.cache, cache
 
 
-def test_bad_or_unsupported_settings_are_refused_before_any_work(generator, flux_dir) -> None:
+def test_bad_or_unsupported_settings_are_refused_before_any_work(cache_flux, cache_flux_dir) -> None:
     with pytest.raises(
         InvalidRequestError, match=r"Fn_compute_blocks \(8\) \+ Bn_compute_blocks \(0\) exceed"
     ):
-        generator.generate(PROMPTS[0], num_inference_steps=2, cache="dbcache", **SIZE)
+        cache_flux.generate(PROMPTS[0], num_inference_steps=2, cache="dbcache", **SIZE)
     with pytest.raises(InvalidRequestError, match="pass either cache or quality='low'"):
-        generator.generate(PROMPTS[0], num_inference_steps=2, cache="scm", quality="low", **SIZE)
+        cache_flux.generate(PROMPTS[0], num_inference_steps=2, cache="scm", quality="low", **SIZE)
     with pytest.raises(InvalidRequestError, match="set method to one of none, dbcache"):
-        generator.generate(PROMPTS[0], num_inference_steps=2, cache={"method": "fastcache"}, **SIZE)
+        cache_flux.generate(PROMPTS[0], num_inference_steps=2, cache={"method": "fastcache"}, **SIZE)
     with pytest.raises(UserError, match="--cache-default: cache: dbcache's Fn_compute_blocks"):
-        DiffGenerator.from_pretrained(flux_dir, device="cpu", show_progress=False, cache_default="dbcache")
+        DiffGenerator.from_pretrained(
+            cache_flux_dir, device="cpu", show_progress=False, cache_default="dbcache"
+        )
 
 
-def test_the_engine_default_applies_unless_the_request_chooses(flux_dir) -> None:
+def test_the_engine_default_applies_unless_the_request_chooses(cache_flux_dir) -> None:
     generator = DiffGenerator.from_pretrained(
-        flux_dir,
+        cache_flux_dir,
         device="cpu",
         show_progress=False,
         cache_default='{"method": "scm", "steps_computation_mask": "fast"}',
@@ -184,5 +173,5 @@ def test_the_engine_default_applies_unless_the_request_chooses(flux_dir) -> None
     )
     with pytest.raises(UserError, match="--cache-default and --default-quality medium"):
         DiffGenerator.from_pretrained(
-            flux_dir, device="cpu", show_progress=False, cache_default="scm", default_quality="medium"
+            cache_flux_dir, device="cpu", show_progress=False, cache_default="scm", default_quality="medium"
         )

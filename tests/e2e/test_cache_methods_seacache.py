@@ -17,12 +17,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from diffusers import FluxPipeline as DiffusersFluxPipeline
 from diffusers.hooks import SeaCacheConfig
 
-from diffserve import DiffGenerator, SamplingParams
+from diffserve import SamplingParams
 from diffserve.errors import InvalidRequestError
-from diffserve.families.flux.tiny import TinyFluxSpec, build_tiny_flux
 from diffserve.request import Req
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 from diffserve.testing.sea_cache_reference import flux_sea_cache
@@ -40,32 +38,13 @@ SETTINGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def flux_dir(tmp_path_factory):
-    return build_tiny_flux(
-        tmp_path_factory.mktemp("flux-sea"), TinyFluxSpec(num_layers=2, num_single_layers=4)
-    )
-
-
-@pytest.fixture(scope="module")
-def generator(flux_dir):
-    return DiffGenerator.from_pretrained(flux_dir, device="cpu", show_progress=False)
-
-
-@pytest.fixture(scope="module")
-def reference(flux_dir):
-    pipe = DiffusersFluxPipeline.from_pretrained(flux_dir, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
 def pixels(image) -> np.ndarray:
     return np.asarray(image.convert("RGB"))
 
 
-def diffserve_run(generator, cache: dict, **kwargs) -> tuple[np.ndarray, list[bool], dict]:
+def diffserve_run(cache_flux, cache: dict, **kwargs) -> tuple[np.ndarray, list[bool], dict]:
     """diffserve's image, its computed steps (True: the blocks ran) and its cache report."""
-    pipeline = generator.pipeline
+    pipeline = cache_flux.pipeline
     params = SamplingParams(prompt=PROMPT, num_inference_steps=STEPS, seed=4, cache=cache, **SIZE, **kwargs)
     req = pipeline.run_pre_denoise(pipeline.validate(Req(params)))
     while not req.is_denoised:
@@ -76,14 +55,14 @@ def diffserve_run(generator, cache: dict, **kwargs) -> tuple[np.ndarray, list[bo
 
 
 @pytest.fixture(scope="module")
-def exact(generator):
-    return pixels(generator.generate(PROMPT, num_inference_steps=STEPS, seed=4, **SIZE).images[0])
+def exact(cache_flux):
+    return pixels(cache_flux.generate(PROMPT, num_inference_steps=STEPS, seed=4, **SIZE).images[0])
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
-def test_seacache_reuses_work_within_its_measured_psnr(generator, exact, name) -> None:
+def test_seacache_reuses_work_within_its_measured_psnr(cache_flux, exact, name) -> None:
     cache, floor = SETTINGS[name]
-    out = generator.generate(PROMPT, num_inference_steps=STEPS, seed=4, cache=cache, **SIZE)
+    out = cache_flux.generate(PROMPT, num_inference_steps=STEPS, seed=4, cache=cache, **SIZE)
     report = out.cache
     assert report["method"] == "seacache" and report["settings"]["threshold"] == 0.25
     assert report["steps_computed"] + report["steps_reused"] == STEPS and report["steps_reused"] > 0
@@ -94,17 +73,17 @@ def test_seacache_reuses_work_within_its_measured_psnr(generator, exact, name) -
     assert score >= floor, (name, score)
 
 
-def test_seacache_keeps_its_limits(generator) -> None:
+def test_seacache_keeps_its_limits(cache_flux) -> None:
     _, history, _ = diffserve_run(
-        generator, {"method": "seacache", "threshold": 100.0, "max_consecutive_cached": 2}
+        cache_flux, {"method": "seacache", "threshold": 100.0, "max_consecutive_cached": 2}
     )
     assert history[0] and history[-1], "the retention step and the last step compute"
     runs = "".join("c" if c else "r" for c in history).split("c")
     assert max(len(r) for r in runs) == 2, history  # never more than 2 reused in a row
-    _, never, _ = diffserve_run(generator, {"method": "seacache", "threshold": 0.0})
+    _, never, _ = diffserve_run(cache_flux, {"method": "seacache", "threshold": 0.0})
     assert all(never)
     with pytest.raises(InvalidRequestError, match="seacache.power_exp must be > 0"):
-        generator.generate(
+        cache_flux.generate(
             PROMPT, num_inference_steps=2, cache={"method": "seacache", "power_exp": 0}, **SIZE
         )
 
@@ -118,11 +97,13 @@ def test_seacache_keeps_its_limits(generator) -> None:
         ("true CFG", {"method": "seacache"}, {"true_cfg_scale": 3.0, "negative_prompt": "blurry"}),
     ],
 )  # fmt: skip
-def test_seacache_decides_and_outputs_as_diffusers_hook(generator, reference, label, cache, extra) -> None:
-    ours, history, _ = diffserve_run(generator, cache, **extra)
+def test_seacache_decides_and_outputs_as_diffusers_hook(
+    cache_flux, cache_flux_reference, label, cache, extra
+) -> None:
+    ours, history, _ = diffserve_run(cache_flux, cache, **extra)
     settings = {k: v for k, v in cache.items() if k != "method"}
-    with flux_sea_cache(reference, SeaCacheConfig(**settings)) as ran:
-        image = reference(
+    with flux_sea_cache(cache_flux_reference, SeaCacheConfig(**settings)) as ran:
+        image = cache_flux_reference(
             PROMPT,
             num_inference_steps=STEPS,
             generator=torch.Generator("cpu").manual_seed(4),

@@ -147,7 +147,7 @@ def test_batch_signature_compares_declared_shapes_and_values() -> None:
 
 def test_image_to_image_cuts_declared_per_step_tables() -> None:
     """What the schedule and the conditioning declare `per_step` is cut; the rest is shared, not copied."""
-    assert per_step_fields(Schedule.of_length(1)) == ["sigmas", "timesteps", "host_sigmas"]
+    assert per_step_fields(Schedule.of_length(1)) == ["sigmas", "timesteps", "host_sigmas", "host_timesteps"]
     sigmas, guidance = torch.arange(5.0), torch.ones(1)
     req = _req(schedule=Schedule(sigmas, sigmas[:4], sigmas.clone(), guidance))
     ZImageConditioning.of(req).dit_timesteps = sigmas[:4] * 10

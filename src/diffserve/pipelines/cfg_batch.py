@@ -200,7 +200,7 @@ def request_cache_rows(req: Req, rows_per_branch: int, branches: int) -> list[Ca
     rows with its cache and the rest with the CFG branch's."""
     state = req.step_cache
     latent = partial(latent_probe, req)
-    timestep = step_timestep(req)
+    timestep = partial(step_timestep, req)
     if state is not None and state.cfg_branch is not None and branches > 1:
         rest = rows_per_branch * (branches - 1)
         return [
@@ -211,8 +211,8 @@ def request_cache_rows(req: Req, rows_per_branch: int, branches: int) -> list[Ca
 
 
 def step_timestep(req: Req) -> float | None:
-    """The request's timestep at this step, from the schedule's CPU copy (no host sync); None where the
-    schedule keeps none."""
+    """The request's timestep at this step, from the schedule's CPU copy (no device sync); None where the
+    schedule keeps none. Read only for a request whose cache compares timesteps (`CacheRows.timestep`)."""
     schedule = req.schedule
     if schedule is None or schedule.host_timesteps is None or req.step_index >= len(schedule.host_timesteps):
         return None

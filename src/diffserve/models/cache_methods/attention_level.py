@@ -76,8 +76,9 @@ class AttentionCacheState(RequestCache):
     #: Outputs kept per attention call (FasterCache extrapolates from two).
     keeps: int = 1
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, settings: PabSettings | FasterCacheSettings, num_blocks: int) -> None:
         super().__init__(num_blocks)
+        self.settings = settings
         self._kept: dict[CallKey, _Kept] = {}
         self._forwards = 0
         self._reuse: dict[Kind, bool] = {"spatial": False, "cross": False}
@@ -116,6 +117,9 @@ class AttentionCacheState(RequestCache):
         self.attention_reused += self._calls_reused
         self._calls_computed = self._calls_reused = 0
 
+    def settings_report(self) -> dict[str, Any]:
+        return self.settings.to_dict()
+
     def extra_report(self) -> dict[str, Any]:
         return {"attention_computed": self.attention_computed, "attention_reused": self.attention_reused}
 
@@ -131,6 +135,14 @@ class AttentionCacheState(RequestCache):
     def decide_kind(self, kind: Kind, iteration: int, timestep: float) -> bool:
         """Whether this forward's attention of `kind` may be stood in for (`iteration`: forwards before)."""
         raise NotImplementedError
+
+    def reusable(self, kind: Kind) -> bool:
+        """Whether attention of `kind` is ever stood in for (if not, nothing of it is kept)."""
+        raise NotImplementedError
+
+    def count_computed(self) -> None:
+        """Count a call that ran and whose output is not kept (its kind is never reused)."""
+        self._calls_computed += 1
 
     def can_reuse(self, kind: Kind, key: CallKey, signature: tuple, rows: int) -> bool:
         kept = self._kept.get(key)
@@ -172,12 +184,7 @@ def _within(timestep: float, bounds: tuple[float, ...]) -> bool:
 class PabState(AttentionCacheState):
     method = "pab"
 
-    def __init__(self, settings: PabSettings, num_blocks: int) -> None:
-        super().__init__(num_blocks)
-        self.settings = settings
-
-    def settings_report(self) -> dict[str, Any]:
-        return self.settings.to_dict()
+    settings: PabSettings
 
     def decide_kind(self, kind: Kind, iteration: int, timestep: float) -> bool:
         s = self.settings
@@ -190,23 +197,28 @@ class PabState(AttentionCacheState):
             return False
         return iteration % skip_range != 0
 
+    def reusable(self, kind: Kind) -> bool:
+        s = self.settings
+        skip_range = (
+            s.spatial_attention_block_skip_range if kind == "spatial" else s.cross_attention_block_skip_range
+        )
+        return skip_range is not None
+
 
 class FasterCacheState(AttentionCacheState):
     method = "fastercache"
     keeps = 2
 
-    def __init__(self, settings: FasterCacheSettings, num_blocks: int) -> None:
-        super().__init__(num_blocks)
-        self.settings = settings
-
-    def settings_report(self) -> dict[str, Any]:
-        return self.settings.to_dict()
+    settings: FasterCacheSettings
 
     def decide_kind(self, kind: Kind, iteration: int, timestep: float) -> bool:
         s = self.settings
         if kind != "spatial" or not _within(timestep, s.spatial_attention_timestep_skip_range):
             return False
         return not (iteration > 0 and iteration % s.spatial_attention_block_skip_range == 0)
+
+    def reusable(self, kind: Kind) -> bool:
+        return kind == "spatial"
 
     def stand_in(self, key: CallKey) -> AttentionOutput:
         previous, last = self._kept[key].outputs[-2:]
@@ -295,6 +307,10 @@ class AttentionReuseScope:
             value = _rows(output, offset, offset + rows)
             offset += rows
             if g.state is None:
+                parts.append(value)
+                continue
+            if not g.state.reusable(kind):
+                g.state.count_computed()
                 parts.append(value)
                 continue
             reused = g.state.can_reuse(kind, key, signature, rows)

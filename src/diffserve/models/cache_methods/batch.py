@@ -41,15 +41,16 @@ class CacheRows:
     """A request's consecutive rows in the DiT batch, with its cache (None: always run the blocks); or,
     for a request whose cache keeps the CFG branch apart (`enable_separate_cfg`), one branch's rows with
     that branch's cache. `latent`: the request's latent probe (`LatentProbe`), called only when its cache
-    probes the latents (SeaCache); `timestep`: the step's timestep, which attention-level methods (PAB,
-    FasterCache) compare with their ranges (None: not known)."""
+    probes the latents (SeaCache); `timestep`: gives the step's timestep (None where not known), called
+    only when its cache compares timesteps with its ranges (the attention-level methods, PAB and
+    FasterCache)."""
 
     state: RequestCache | None
     rows: int
     step_index: int
     num_steps: int
     latent: LatentProbe | None = None
-    timestep: float | None = None
+    timestep: Callable[[], float | None] | None = None
 
 
 @dataclass
@@ -141,9 +142,10 @@ class BatchStepCache:
         if not attention:
             return None
         for g in attention:
-            if g.cache.timestep is None:
+            timestep = None if g.cache.timestep is None else g.cache.timestep()
+            if timestep is None:
                 raise RuntimeError(f"cache method {g.state.method!r} needs the step's timestep")
-            g.state.begin_forward(g.cache.timestep)
+            g.state.begin_forward(timestep)
         return AttentionReuseScope(
             [
                 ReuseRows(g.state if isinstance(g.state, AttentionCacheState) else None, g.lo, g.hi)
