@@ -88,7 +88,9 @@ def test_references_ran_and_exact_rows_agree(quick_run: tuple[str, dict]) -> Non
                 # The hook really caches (not its fail-open mode), and diffserve's seacache decides alike.
                 assert 0 < row["reference_result"]["steps_reused"] == ours["steps_reused"], row
             hook = row["method"].removeprefix("diffusers hook: ")
-            if hook in HOOKS[-2:] and checkpoint["checkpoint"] == "flux":  # FasterCache, PAB: the same decisions
+            if (
+                hook in HOOKS[-2:] and checkpoint["checkpoint"] == "flux"
+            ):  # FasterCache, PAB: the same decisions
                 assert "error" not in row["reference_result"] and "error" not in ours, row
                 assert ours["steps_reused"] == row["reference_result"]["steps_reused"] > 0, row
                 assert ours["block_work"] == pytest.approx(row["reference_result"]["block_work"]), row
