@@ -29,14 +29,19 @@ Methods (`--methods`, default all):
     seacache            diffusers' `SeaCacheConfig` (defaults; FluxPipeline given its latents' grid and the
                         step and sigma, `testing/sea_cache_reference`) <-> diffserve seacache, same settings
                         (same decisions: tests/e2e/test_cache_methods_seacache.py)
-    fastercache, pab    diffusers' `FasterCacheConfig`, `PyramidAttentionBroadcastConfig` (attention-level reuse):
-                        diffserve has no such method, its row says so
+    fastercache, pab    diffusers' `FasterCacheConfig` (`is_guidance_distilled`, attention reuse only),
+                        `PyramidAttentionBroadcastConfig` (attention-level reuse; FLUX's attention module
+                        names given as identifiers) <-> diffserve fastercache, pab, same settings (same
+                        decisions on a guidance-distilled FLUX: tests/e2e/test_cache_methods_attention.py;
+                        on the true-CFG demo model diffusers' hooks count the negative-prompt call as another
+                        iteration of the same cache while diffserve keeps each branch's outputs, and diffserve
+                        refuses fastercache with CFG)
     teacache            diffserve only (neither diffusers 0.42 nor cache-dit 1.5.3 ships TeaCache):
                         `rel_l1_thresh` at each `--teacache-thresholds`
 
 On the diffserve side a method this build does not run (an error from `generate`) is reported in the
-table as "not supported by this build (<error>)", and a reference method diffserve does not have (FasterCache,
-PAB) as "diffserve has no <method> method"; the reference side still runs.
+table as "not supported by this build (<error>)", and a reference method diffserve does not have as
+"diffserve has no <method> method"; the reference side still runs.
 
 Checkpoints (`--checkpoints`, default both):
 

@@ -1,7 +1,8 @@
 """Cache methods by name (issue 33) on HiDream-I1, HunyuanImage 2.1 and Qwen-Image 2.1: DBCache runs their
 blocks in ranges (HiDream and HunyuanImage: the double-stream blocks, then the single-stream ones, as
-cache-dit counts them; Qwen-Image 2.1: its single-stream blocks over the prefix and the image), and the
-whole-span methods (TaylorSeer, TeaCache) reuse the residual of every block.
+cache-dit counts them; Qwen-Image 2.1: its single-stream blocks over the prefix and the image), the
+whole-span methods (TaylorSeer, TeaCache) reuse the residual of every block, and PAB reuses attention
+outputs (every block runs).
 
 Tiny random checkpoints with 4 blocks, 10 steps, each family's default guidance (Qwen-Image 2.1 with a
 negative prompt and true CFG). DBCache that never reuses is the exact output pixel for pixel (the range
@@ -40,11 +41,13 @@ DBCACHE = {
 DBCACHE_TAYLORSEER = {**DBCACHE, "Fn_compute_blocks": 2, "Bn_compute_blocks": 0, "enable_taylorseer": True}
 TAYLORSEER = {"method": "taylorseer"}  # cache-dit's defaults: reuse after step 3, every 5th step computed
 TEACACHE = {"method": "teacache", "rel_l1_thresh": 2.0, "coefficients": [1.0, 0.0]}  # the raw change
+PAB = {"method": "pab"}  # diffusers' defaults (every 2nd step within timesteps (100, 800)): attention reuse
 SETTINGS = {
     "dbcache": DBCACHE,
     "dbcache+taylorseer": DBCACHE_TAYLORSEER,
     "taylorseer": TAYLORSEER,
     "teacache": TEACACHE,
+    "pab": PAB,
 }
 
 #: name -> (builder, generation kwargs, {setting name: measured PSNR in dB}).
@@ -52,17 +55,17 @@ CASES: dict[str, tuple[Callable[[Path], Path], dict[str, Any], dict[str, float]]
     "hidream": (
         lambda root: build_tiny_hidream(root, TinyHiDreamSpec(num_layers=2, num_single_layers=2)),
         {"height": 32, "width": 32},  # HiDream's area rule makes it 128x128
-        {"dbcache": 41.2, "dbcache+taylorseer": 39.0, "taylorseer": 23.8, "teacache": 30.1},
+        {"dbcache": 41.2, "dbcache+taylorseer": 39.0, "taylorseer": 23.8, "teacache": 30.1, "pab": 44.0},
     ),
     "hunyuan-image": (
         lambda root: build_tiny_hunyuan_image(root, TinyHunyuanImageSpec(num_layers=2, num_single_layers=2)),
         {"height": 64, "width": 64},
-        {"dbcache": 20.9, "dbcache+taylorseer": 20.9, "taylorseer": 21.4, "teacache": 21.0},
+        {"dbcache": 20.9, "dbcache+taylorseer": 20.9, "taylorseer": 21.4, "teacache": 21.0, "pab": 15.2},
     ),
     "qwen-image-2.1": (
         lambda root: build_tiny_qwen_image21(root, TinyQwenImage21Spec(num_layers=4)),
         {"height": 32, "width": 32, "true_cfg_scale": 4.0, "negative_prompt": "ugly"},
-        {"dbcache": 15.6, "dbcache+taylorseer": 18.3, "taylorseer": 13.7, "teacache": 15.1},
+        {"dbcache": 15.6, "dbcache+taylorseer": 18.3, "taylorseer": 13.7, "teacache": 15.1, "pab": 16.5},
     ),
 }
 
@@ -97,7 +100,7 @@ def test_each_method_reuses_within_its_measured_psnr(family) -> None:
 
 def test_a_mixed_batch_gives_each_request_its_own_output(family) -> None:
     name, generator, kwargs, _, _ = family
-    caches = [DBCACHE, TEACACHE]
+    caches = [DBCACHE, TEACACHE, PAB]
     params = {k: v for k, v in kwargs.items() if k != "seed"}
     assert_mixed_caches_as_alone(name, generator, params, caches, [PROMPT] * len(caches))
 

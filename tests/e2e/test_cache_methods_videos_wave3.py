@@ -1,6 +1,7 @@
 """Cache methods by name on HunyuanVideo 1.0, CogVideoX and Mochi 1 (issue 33): DBCache through their blocks
 in ranges (HunyuanVideo 1.0: the double-stream blocks, then the single-stream ones, as cache-dit's adapter
-counts them), the whole-span methods (TaylorSeer, TeaCache, SeaCache) over every block.
+counts them), the whole-span methods (TaylorSeer, TeaCache, SeaCache) over every block, and PAB, which
+reuses attention outputs (every block runs).
 
 Tiny random checkpoints with 4 (DBCache-counted) blocks, 10 steps, 32x32 (5 frames; Mochi 7), CFG as each
 family runs it (HunyuanVideo 1.0: true CFG with a negative prompt, so each request has two branches).
@@ -51,6 +52,7 @@ SETTINGS = {
     "taylorseer": {"method": "taylorseer"},  # cache-dit's defaults: reuse from step 3, every 5th computed
     "teacache": {"method": "teacache", "rel_l1_thresh": 2.0, "coefficients": [1.0, 0.0]},  # the raw change
     "seacache": {"method": "seacache"},  # diffusers' defaults: its probe is the latent video
+    "pab": {"method": "pab"},  # diffusers' defaults: attention reuse, every block runs
 }
 
 #: name -> (builder, generation kwargs, {setting name: measured PSNR in dB}); measured with seed 7. SeaCache
@@ -60,17 +62,24 @@ CASES: dict[str, tuple[Callable[[Path], Path], dict[str, Any], dict[str, float]]
     "hunyuan-video": (
         lambda root: build_tiny_hunyuan_video(root, TinyHunyuanVideoSpec(num_layers=2, num_single_layers=2)),
         {**CLIP, "true_cfg_scale": 4.0, "negative_prompt": "blurry"},
-        {"dbcache": 19.6, "dbcache+taylorseer": 17.9, "taylorseer": 19.6, "teacache": 26.0},
+        {"dbcache": 19.6, "dbcache+taylorseer": 17.9, "taylorseer": 19.6, "teacache": 26.0, "pab": 21.1},
     ),
     "cogvideox": (
         lambda root: build_tiny_cogvideox(root, TinyCogVideoXSpec(variant="1.0-rope", num_layers=4)),
         {**CLIP, "guidance_scale": 6.0, "max_sequence_length": 40},
-        {"dbcache": 18.5, "dbcache+taylorseer": 17.1, "taylorseer": 9.3, "teacache": 13.6},
+        {"dbcache": 18.5, "dbcache+taylorseer": 17.1, "taylorseer": 9.3, "teacache": 13.6, "pab": 21.3},
     ),
     "mochi": (
         lambda root: build_tiny_mochi(root, TinyMochiSpec(num_layers=4)),
         {**CLIP, "num_frames": 7, "guidance_scale": 4.5},
-        {"dbcache": 33.9, "dbcache+taylorseer": 31.6, "taylorseer": 18.6, "teacache": 26.9, "seacache": 34.7},
+        {
+            "dbcache": 33.9,
+            "dbcache+taylorseer": 31.6,
+            "taylorseer": 18.6,
+            "teacache": 26.9,
+            "seacache": 34.7,
+            "pab": 35.9,
+        },
     ),
 }
 
@@ -111,9 +120,14 @@ def test_each_method_reuses_within_its_measured_psnr(family) -> None:
 
 def test_a_mixed_batch_gives_each_request_its_own_output(family) -> None:
     name, generator, kwargs, _, _ = family
-    caches = [None, DBCACHE, SETTINGS["teacache"]]
+    caches = [None, DBCACHE, SETTINGS["teacache"], SETTINGS["pab"]]
     params = {k: v for k, v in kwargs.items() if k != "seed"}
-    prompts = [PROMPT, "a cat", "a blue car on a long empty road at night"]  # text masks of their own
+    prompts = [
+        PROMPT,
+        "a cat",
+        "a blue car on a long empty road at night",
+        "a cat",
+    ]  # text masks of their own
     assert_mixed_caches_as_alone(name, generator, params, caches, prompts)
 
 

@@ -46,7 +46,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from diffserve.configs.cache_rule import WHOLE_SPAN_METHODS
+from diffserve.configs.cache_rule import ATTENTION_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.layers.adaln import ADALN_EPS, AdaLayerNormZero
 from diffserve.layers.embeddings import TextProjection, timestep_sinusoids
@@ -231,7 +231,7 @@ class ChromaTransformer2DModel(FluxStreamsDiT):
 
     diffusers_class_name: ClassVar[str] = "ChromaTransformer2DModel"
     config_class = ChromaTransformerConfig
-    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | ATTENTION_METHODS
     cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks", "single_transformer_blocks")
 
     def __init__(self, config: ChromaTransformerConfig) -> None:

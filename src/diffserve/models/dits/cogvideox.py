@@ -51,8 +51,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
+from diffserve.configs.cache_rule import ATTENTION_METHODS, BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
+from diffserve.layers.attention_reuse import ReusableAttention
 from diffserve.layers.embeddings import TimestepEmbedding, timestep_sinusoids
 from diffserve.layers.feedforward import FeedForward
 from diffserve.layers.shape_cache import BoundedCache
@@ -229,7 +230,7 @@ class LayerNormZero(nn.Module):
         return x, text, gate[:, None], t_gate[:, None]
 
 
-class JointAttention(nn.Module):
+class JointAttention(ReusableAttention):
     """Self-attention over [text; video] with per-head q/k LayerNorms and RoPE on the video tokens."""
 
     def __init__(self, dim: int, heads: int, head_dim: int, bias: bool) -> None:
@@ -321,7 +322,7 @@ class PatchEmbed(nn.Module):
 class CogVideoXTransformer3DModel(DiffusersDiT):
     diffusers_class_name: ClassVar[str] = "CogVideoXTransformer3DModel"
     config_class = CogVideoXTransformerConfig
-    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS | ATTENTION_METHODS
     cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
 
     def __init__(self, config: CogVideoXTransformerConfig) -> None:

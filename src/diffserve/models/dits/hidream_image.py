@@ -54,8 +54,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
+from diffserve.configs.cache_rule import ATTENTION_METHODS, BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
+from diffserve.layers.attention_reuse import ReusableAttention
 from diffserve.layers.embeddings import TimestepEmbedding, timestep_sinusoids
 from diffserve.layers.lora_rows import LoraRows, current_lora_rows, lora_rows_scope
 from diffserve.layers.norms import LayerNorm, RMSNorm
@@ -239,7 +240,7 @@ class Positions:
     image_mask: torch.Tensor | None
 
 
-class HiDreamAttention(nn.Module):
+class HiDreamAttention(ReusableAttention):
     """Self-attention (single stream) or joint image/text attention (double stream, the text with its
     own `_t` projections), Diffusers' `HiDreamAttention` weights."""
 
@@ -500,7 +501,7 @@ class HiDreamBlockRange:
 class HiDreamImageTransformer2DModel(DiffusersDiT):
     diffusers_class_name: ClassVar[str] = "HiDreamImageTransformer2DModel"
     config_class = HiDreamImageTransformerConfig
-    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS | ATTENTION_METHODS
     cache_block_lists: ClassVar[tuple[str, ...]] = ("double_stream_blocks", "single_stream_blocks")
 
     def __init__(self, config: HiDreamImageTransformerConfig) -> None:

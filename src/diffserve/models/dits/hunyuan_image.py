@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
+from diffserve.configs.cache_rule import ATTENTION_METHODS, BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_split
 from diffserve.layers.adaln import AdaLayerNormContinuous
 from diffserve.layers.embeddings import TimestepEmbedding
@@ -188,7 +188,7 @@ class HunyuanImageTransformer2DModel(DiffusersDiT):
 
     diffusers_class_name: ClassVar[str] = "HunyuanImageTransformer2DModel"
     config_class = HunyuanImageTransformerConfig
-    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS | ATTENTION_METHODS
     cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks", "single_transformer_blocks")
 
     def __init__(self, config: HunyuanImageTransformerConfig) -> None:

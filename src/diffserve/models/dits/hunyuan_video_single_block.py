@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffserve.distributed.sequence_split import sequence_attention
+from diffserve.layers.attention_reuse import ReusableAttention
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.residual import gated_residual
@@ -21,7 +22,7 @@ from diffserve.layers.rotary import RopeTables, RotaryEmbedding
 NORM_EPS = 1e-6
 
 
-class HunyuanVideoSelfAttention(nn.Module):
+class HunyuanVideoSelfAttention(ReusableAttention):
     """The single-stream block's attention weights (Diffusers' `Attention(pre_only=True)`: no output
     projection) and its per-head RMSNorms; RoPE on the leading video tokens only."""
 

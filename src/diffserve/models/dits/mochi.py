@@ -42,10 +42,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
+from diffserve.configs.cache_rule import ATTENTION_METHODS, BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.layers.adaln import AdaLayerNormContinuous
 from diffserve.layers.attention import attention
+from diffserve.layers.attention_reuse import ReusableAttention
 from diffserve.layers.embeddings import TimestepEmbedding, timestep_sinusoids
 from diffserve.layers.shape_cache import BoundedCache
 from diffserve.models.cache_methods.blocks import SequentialBlocks, refuse_sequence_parallel
@@ -162,7 +163,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return out.flatten(-2)
 
 
-class MochiAttention(nn.Module):
+class MochiAttention(ReusableAttention):
     """Joint attention of the video tokens and the valid text tokens, Diffusers' `MochiAttention` weights."""
 
     def __init__(self, dim: int, text_dim: int, heads: int, head_dim: int, context_pre_only: bool) -> None:
@@ -363,7 +364,7 @@ def rope_positions(frames: int, height: int, width: int, device) -> torch.Tensor
 class MochiTransformer3DModel(DiffusersDiT):
     diffusers_class_name: ClassVar[str] = "MochiTransformer3DModel"
     config_class = MochiTransformerConfig
-    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS | ATTENTION_METHODS
     cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
 
     def __init__(self, config: MochiTransformerConfig) -> None:

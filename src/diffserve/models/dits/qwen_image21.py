@@ -52,9 +52,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
+from diffserve.configs.cache_rule import ATTENTION_METHODS, BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_attention, sequence_split
 from diffserve.layers.attention import attention
+from diffserve.layers.attention_reuse import ReusableAttention
 from diffserve.layers.embeddings import timestep_sinusoids
 from diffserve.layers.lora_rows import current_lora_rows
 from diffserve.layers.norms import RMSNorm
@@ -195,7 +196,7 @@ class Rope:
         return Rope(take_rows(self.text, rows), take_rows(self.image, rows))
 
 
-class Attention(nn.Module):
+class Attention(ReusableAttention):
     """Block-causal attention with Diffusers' `QwenImage21Attention` weights (bias-free, q/k RMSNorm)."""
 
     def __init__(self, dim: int, heads: int, head_dim: int, eps: float) -> None:
@@ -327,7 +328,7 @@ class OutputNorm(nn.Module):
 class QwenImage21Transformer2DModel(DiffusersDiT):
     diffusers_class_name: ClassVar[str] = "QwenImage21Transformer2DModel"
     config_class = QwenImage21TransformerConfig
-    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS | ATTENTION_METHODS
     cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
 
     def __init__(self, config: QwenImage21TransformerConfig) -> None:
