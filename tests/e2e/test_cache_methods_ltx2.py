@@ -1,5 +1,5 @@
 """Cache methods on LTX-2 (`models/dits/ltx2_cache.py`): the residual of both streams, video and audio, is
-what a method caches and reuses, with Diffusers' default guidance (CFG, STG on a block the tiny DiT has,
+what a block method caches and reuses (PAB: the attention modules' outputs, every block running), with Diffusers' default guidance (CFG, STG on a block the tiny DiT has,
 modality guidance and rescale all on): the positive, negative and STG rows of a request decide together,
 the modality-isolation rows run exact in their own forward, and the request counts one step per step.
 
@@ -44,6 +44,7 @@ MEASURED = {
     "taylorseer": ({"method": "taylorseer"}, 32.6, 63.0),
     "scm": ({"method": "scm"}, 36.9, 70.4),
     "seacache": ({"method": "seacache"}, 37.1, 70.5),  # its probe: the video latents on their grid
+    "pab": ({"method": "pab"}, 54.5, 85.1),  # attention outputs reused, every block runs
 }
 
 
@@ -79,6 +80,8 @@ def test_every_method_is_offered_and_dbcache_that_never_reuses_is_exact(ltx2) ->
         "scm",
         "easycache",
         "seacache",
+        "pab",
+        "fastercache",
     }
     out = generator.generate(PROMPT, seed=7, cache=NEVER, **KWARGS)
     np.testing.assert_array_equal(_frames(out), _frames(exact))
@@ -116,7 +119,7 @@ def test_a_mixed_batch_gives_each_request_its_own_output(ltx2) -> None:
     generator, _ = ltx2
     params = [
         SamplingParams(prompt=PROMPT, seed=i, cache=c, **KWARGS)
-        for i, c in enumerate((None, DBCACHE, TEACACHE))
+        for i, c in enumerate((None, DBCACHE, TEACACHE, {"method": "pab"}))
     ]
     alone = [generator.generate_from_params(p) for p in params]
     counts = generator.engine.scheduler.batch_size_counts

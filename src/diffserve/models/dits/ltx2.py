@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from diffserve.configs.cache_rule import BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
+from diffserve.configs.cache_rule import ATTENTION_METHODS, BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.layers.embeddings import GeluTanhTextProjection
 from diffserve.layers.norms import LayerNorm
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig
@@ -194,7 +194,7 @@ class LTX2VideoTransformer3DModel(DiffusersDiT):
 
     diffusers_class_name: ClassVar[str] = "LTX2VideoTransformer3DModel"
     config_class = LTX2VideoTransformerConfig
-    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS
+    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS | ATTENTION_METHODS
     cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
 
     def __init__(self, config: LTX2VideoTransformerConfig) -> None:
