@@ -37,11 +37,16 @@ def wan(tmp_path_factory) -> DiffGenerator:
 @pytest.fixture(scope="module")
 def calibrated(wan: DiffGenerator) -> MemoryModel:
     probes = [SamplingParams("calibration", height=s, width=s, num_inference_steps=1) for s in PROBE_SIDES]
-    # The smallest of three calibrations, as with the peaks below: VmHWM readings only ever err high, and a
-    # loaded machine once measured a slope 1.6x an idle one's (an estimate 3.06x the peak; idle: 1.9x); two
-    # calibrations of one idle run differ by up to 1.5x.
-    models = [calibrate_memory_model(wan.engine, probes, mem_fraction=0.9) for _ in range(3)]
-    model = min(models, key=lambda m: m.bytes_per_pixel)
+    # The median of three calibrations, as with the peaks below. VmHWM readings err both ways: pages another
+    # thread touches meanwhile raise one (a loaded machine once measured a slope 1.6x an idle one's), and in
+    # a process that ran other tests first the allocator hands back pages it kept, which do not raise it
+    # (slopes [1623, 1251, 1932] there, the smallest under the peak: the fresh-clone suite failed on it);
+    # two calibrations of one idle run differ by up to 1.5x.
+    models = sorted(
+        (calibrate_memory_model(wan.engine, probes, mem_fraction=0.9) for _ in range(3)),
+        key=lambda m: m.bytes_per_pixel,
+    )
+    model = models[1]
     print("calibrated:", model.describe(), "slopes:", [m.bytes_per_pixel for m in models])
     assert model.source == "measured"
     return model
@@ -70,15 +75,10 @@ def test_the_issue_requests_are_admitted_under_20_gb(wan: DiffGenerator, calibra
 
 
 def test_the_estimate_is_close_above_the_measured_peak(wan: DiffGenerator, calibrated: MemoryModel) -> None:
-    # The smallest of the runs' peaks: VmHWM also counts pages another thread touched meanwhile or glibc
-    # kept, which only ever raise a reading (a loaded machine once read this request's peak above the bar
-    # with two runs, and full fresh-clone suites with three): three runs, and up to three more while the
-    # smallest reading is still above what the estimate covers.
+    # The median of three runs' peaks: VmHWM readings err both ways (see `calibrated`).
     runs = [measured_peak(wan, video(240, 416, 9)) for _ in range(3)]
     estimate = calibrated.estimate(runs[0][0])
-    while len(runs) < 6 and estimate < 0.9 * min(p for _, p in runs):
-        runs.append(measured_peak(wan, video(240, 416, 9)))
-    peak = min(p for _, p in runs)
+    peak = sorted(p for _, p in runs)[1]
     report = (
         f"416x240x9: peaks {[round(p / MB) for _, p in runs]} MB, estimated {estimate / MB:.0f} MB "
         f"({calibrated.describe()})"
