@@ -32,7 +32,7 @@ from diffserve.families.sana_video.tiny import TinySanaVideoSpec, build_tiny_san
 from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
 from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
 from diffserve.families.z_image.tiny import TinyZImageSpec, build_tiny_zimage
-from diffserve.testing.cache_parity import assert_mixed_caches_as_alone
+from diffserve.testing.cache_parity import assert_fastercache_without_cfg, assert_mixed_caches_as_alone
 from diffserve.testing.cache_parity import first_output_pixels as pixels
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 
@@ -97,6 +97,18 @@ CASES: dict[str, tuple[Callable[[Path], Path], dict[str, Any], dict[str, float]]
         {"dbcache": 44.0, "dbcache+taylorseer": 42.6, "teacache": 32.3, "seacache": 36.5, "pab": 48.8},
     ),
 }
+#: Each family's request without classifier-free guidance, for FasterCache (besides dropping a negative
+#: prompt): classic CFG is off at guidance 1, Z-Image's at 0, Qwen-Image's true CFG at 1; FLUX.2 dev embeds its guidance.
+NO_CFG: dict[str, dict[str, Any]] = {
+    "z-image": {"guidance_scale": 0.0},
+    "flux2": {},
+    "qwen-image": {"true_cfg_scale": 1.0},
+}
+#: FasterCache's PSNR against the exact output without CFG, measured with seed 7.
+FASTERCACHE_DB = {
+    "z-image": 45.1, "flux2": 20.2, "sd3": 63.9, "qwen-image": 43.7, "wan": 27.8, "sana": 58.7,
+    "sana-video": 22.5, "hunyuan-video-1.5": 32.3, "longcat-image": 49.6,
+}  # fmt: skip
 SETTINGS = {
     "dbcache": DBCACHE,
     "dbcache+taylorseer": DBCACHE_TAYLORSEER,
@@ -133,6 +145,12 @@ def test_each_method_reuses_within_its_measured_psnr(family) -> None:
         print(f"{name} {setting}: {score:.1f} dB, {out.cache['steps_reused']} of {STEPS} steps reused")
         assert out.cache["steps_reused"] > 0 and out.cache["blocks_reused"] > 0, (name, setting)
         assert score >= db - 4.0, (name, setting, score)
+
+
+def test_fastercache_without_cfg_reuses_within_its_measured_psnr(family) -> None:
+    name, generator, kwargs, _, _ = family
+    no_cfg = NO_CFG.get(name, {"guidance_scale": 1.0})
+    assert_fastercache_without_cfg(name, generator, PROMPT, kwargs, no_cfg, FASTERCACHE_DB[name] - 4.0)
 
 
 def test_a_mixed_batch_gives_each_request_its_own_output(family) -> None:

@@ -26,7 +26,7 @@ from diffserve import DiffGenerator
 from diffserve.families.hidream.tiny import TinyHiDreamSpec, build_tiny_hidream
 from diffserve.families.hunyuan_image.tiny import TinyHunyuanImageSpec, build_tiny_hunyuan_image
 from diffserve.families.qwen_image21.tiny import TinyQwenImage21Spec, build_tiny_qwen_image21
-from diffserve.testing.cache_parity import assert_mixed_caches_as_alone
+from diffserve.testing.cache_parity import assert_fastercache_without_cfg, assert_mixed_caches_as_alone
 from diffserve.testing.cache_parity import first_output_pixels as pixels
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 
@@ -96,6 +96,18 @@ def test_each_method_reuses_within_its_measured_psnr(family) -> None:
         print(f"{name} {setting}: {score:.1f} dB, {out.cache['steps_reused']} of {STEPS} steps reused")
         assert out.cache["steps_reused"] > 0 and out.cache["blocks_reused"] > 0, (name, setting)
         assert db - 4.0 <= score < float("inf"), (name, setting, score)
+
+
+#: What turns each family's CFG off for FasterCache, besides dropping a negative prompt and true CFG
+#: (classic CFG: guidance 1); measured PSNRs against the exact output without CFG, seed 7.
+NO_CFG: dict[str, dict[str, Any]] = {"qwen-image-2.1": {"true_cfg_scale": 1.0}}
+FASTERCACHE_DB: dict[str, float] = {"hidream": 53.7, "hunyuan-image": 25.8, "qwen-image-2.1": 23.9}
+
+
+def test_fastercache_without_cfg_reuses_within_its_measured_psnr(family) -> None:
+    name, generator, kwargs, _, _ = family
+    no_cfg = NO_CFG.get(name, {"guidance_scale": 1.0})
+    assert_fastercache_without_cfg(name, generator, PROMPT, kwargs, no_cfg, FASTERCACHE_DB[name] - 4.0)
 
 
 def test_a_mixed_batch_gives_each_request_its_own_output(family) -> None:

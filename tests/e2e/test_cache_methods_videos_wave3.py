@@ -30,7 +30,7 @@ from diffserve.families.hunyuan_video.image_to_video_tiny import (
 )
 from diffserve.families.hunyuan_video.tiny import TinyHunyuanVideoSpec, build_tiny_hunyuan_video
 from diffserve.families.mochi.tiny import TinyMochiSpec, build_tiny_mochi
-from diffserve.testing.cache_parity import assert_mixed_caches_as_alone
+from diffserve.testing.cache_parity import assert_fastercache_without_cfg, assert_mixed_caches_as_alone
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 
 STEPS = 10
@@ -116,6 +116,18 @@ def test_each_method_reuses_within_its_measured_psnr(family) -> None:
         assert out.cache["steps_reused"] > 0 and out.cache["blocks_reused"] > 0, (name, setting)
         assert not np.array_equal(got, exact), (name, setting)
         assert score >= db - 4.0, (name, setting, score)
+
+
+#: What turns each family's CFG off for FasterCache, besides dropping a negative prompt and true CFG
+#: (classic CFG: guidance 1); measured PSNRs against the exact output without CFG, seed 7.
+NO_CFG: dict[str, dict[str, Any]] = {"hunyuan-video": {}}
+FASTERCACHE_DB: dict[str, float] = {"hunyuan-video": 25.4, "cogvideox": 24.2, "mochi": 35.6}
+
+
+def test_fastercache_without_cfg_reuses_within_its_measured_psnr(family) -> None:
+    name, generator, kwargs, _, _ = family
+    no_cfg = NO_CFG.get(name, {"guidance_scale": 1.0})
+    assert_fastercache_without_cfg(name, generator, PROMPT, kwargs, no_cfg, FASTERCACHE_DB[name] - 4.0)
 
 
 def test_a_mixed_batch_gives_each_request_its_own_output(family) -> None:

@@ -11,9 +11,10 @@ import torch
 from PIL import Image
 
 from diffserve.configs.cache_rule import CacheRule
-from diffserve.configs.cache_settings import CacheSettings, NoCache
+from diffserve.configs.cache_settings import CacheSettings, FasterCacheSettings, NoCache
 from diffserve.configs.quality import EXACT, QualityRule, TierPreset, check_default_quality, describe_preset
 from diffserve.configs.sampling_params import SamplingParams
+from diffserve.errors import InvalidRequestError
 from diffserve.loader.component_loader import LoadedComponent
 from diffserve.platforms import Platform
 from diffserve.request import Conditioning, Req, batch_signature
@@ -200,7 +201,9 @@ class Pipeline:
 
     def validate(self, req: Req) -> Req:
         """Defaults, validation, generator, CFG decision and quality tier: once, at submission."""
-        return self.run_stage(self.input_validation_stage, req)
+        req = self.run_stage(self.input_validation_stage, req)
+        refuse_fastercache_with_cfg(req)
+        return req
 
     def run_stage(self, stage: Stage, req: Req) -> Req:
         return stage(req, self.context.platform)
@@ -247,4 +250,16 @@ class Pipeline:
             req.latent_size,
             tuple(req.prompt_embeds.shape[1:]),
             *batch_signature(req.conditioning),
+        )
+
+
+def refuse_fastercache_with_cfg(req: Req) -> None:
+    """A 400 naming `cache` for a `fastercache` request that runs classifier-free guidance (whatever decided
+    it: the family's CFG rule or its guider): its unconditional-branch approximation is not implemented."""
+    if req.do_cfg and isinstance(req.params.cache, FasterCacheSettings):
+        raise InvalidRequestError(
+            "cache: fastercache runs its attention reuse on requests without classifier-free guidance "
+            "(diffusers' is_guidance_distilled form; its unconditional-branch approximation is not "
+            "implemented): turn guidance off for this request, or pass another method",
+            param="cache",
         )

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from diffserve.configs.cache_rule import CacheRule, check_cache_steps, check_tier_steps, choose_cache
-from diffserve.configs.cache_settings import CacheSettings, FasterCacheSettings
+from diffserve.configs.cache_settings import CacheSettings
 from diffserve.configs.quality import EXACT, QualityRule
 from diffserve.configs.sampling_params import (
     SKIP_LAYER_GUIDANCE_FIELDS,
@@ -340,13 +340,6 @@ class InputValidationStage(Stage):
         resolved.cache, resolved.quality = choose_cache(
             params.cache, params.quality, resolved.quality, self.cache_rule, self.default_cache
         )
-        if isinstance(resolved.cache, FasterCacheSettings) and self.guidance(resolved)[0]:
-            raise InvalidRequestError(
-                "cache: fastercache runs its attention reuse on requests without classifier-free guidance "
-                "(diffusers' is_guidance_distilled form; its unconditional-branch approximation is not "
-                "implemented): turn guidance off for this request, or pass another method",
-                param="cache",
-            )
         self.image_inputs.check(resolved)
         if self.video is not None:
             self.video.check(resolved)

@@ -13,6 +13,7 @@ import numpy as np
 
 from diffserve.configs.quality import APPROXIMATE_TIERS, EXACT, PSNR_BARS, TIERS
 from diffserve.configs.sampling_params import SamplingParams
+from diffserve.errors import InvalidRequestError
 from diffserve.pipelines.base import Pipeline
 from diffserve.request import Req
 from diffserve.testing.image_metrics import psnr_uint8
@@ -70,6 +71,44 @@ def assert_batched_as_alone(
         assert np.abs(got - first_output_pixels(single).astype(int)).max() <= 1, label
         assert batched.cache_report == single.cache, label
         assert batched.steps_computed_in_full == single.steps_computed_in_full, label
+
+
+#: The request keywords that can turn classifier-free guidance on (`assert_fastercache_without_cfg`).
+CFG_KEYWORDS = ("true_cfg_scale", "negative_prompt", "guidance_scale")
+
+
+def assert_fastercache_without_cfg(
+    name: str,
+    generator: CachingGenerator,
+    prompt: str,
+    kwargs: dict[str, Any],
+    no_cfg: dict[str, Any],
+    floor_db: float,
+) -> float:
+    """FasterCache at diffusers' defaults runs on requests without CFG: `prompt` with `kwargs` less their
+    `CFG_KEYWORDS`, plus `no_cfg` (what turns the family's CFG off), runs no CFG, reuses attention, and
+    stays at `floor_db` or more against the same request's exact output; returns that PSNR. With `kwargs`
+    as given it is refused exactly when that request runs CFG (whatever decides it: a rule or a guider)."""
+    fastercache = {"method": "fastercache"}
+    with_cfg = generator.pipeline.validate(Req(SamplingParams(prompt=prompt, **kwargs))).do_cfg
+    try:
+        generator.pipeline.validate(Req(SamplingParams(prompt=prompt, cache=fastercache, **kwargs)))
+        refused = False
+    except InvalidRequestError as exc:
+        refused = "fastercache runs its attention reuse on requests without" in str(exc)
+    assert refused == with_cfg, (name, "CFG" if with_cfg else "no CFG", "refused" if refused else "accepted")
+    plain = {k: v for k, v in kwargs.items() if k not in CFG_KEYWORDS} | no_cfg
+    params = SamplingParams(prompt=prompt, **plain)
+    assert not generator.pipeline.validate(Req(params)).do_cfg, (name, "still runs CFG")
+    exact = first_output_pixels(generator.generate_from_params(params))
+    out = generator.generate_from_params(
+        SamplingParams(prompt=prompt, cache={"method": "fastercache"}, **plain)
+    )
+    score = psnr_uint8(first_output_pixels(out), exact)
+    print(f"{name} fastercache: {score:.1f} dB, {out.cache['attention_reused']} attention calls reused")
+    assert out.cache["attention_reused"] > 0 and out.cache["steps_reused"] > 0, (name, out.cache)
+    assert score >= floor_db, (name, score)
+    return score
 
 
 @dataclass
