@@ -365,18 +365,6 @@ class InputValidationStage(Stage):
             )
         return resolved
 
-    def guidance(self, p: SamplingParams) -> tuple[bool, float]:
-        """(whether the request runs classifier-free guidance, its scale), from its resolved parameters."""
-        if self.cfg_mode == "none":
-            return False, 1.0
-        if self.cfg_mode == "true_cfg":
-            on = bool(p.true_cfg_scale and p.true_cfg_scale > 1 and p.negative_prompt is not None)
-            return on, float(p.true_cfg_scale or 1.0)
-        threshold = 1.0 if self.cfg_mode == "classic" else 0.0
-        return bool(p.guidance_scale is not None and p.guidance_scale > threshold), float(
-            p.guidance_scale or 0.0
-        )
-
     def forward(self, req: Req) -> Req:
         req.params = self.resolve(req.params)
         req.generated.size = self.generated_size(req.params)
@@ -388,9 +376,17 @@ class InputValidationStage(Stage):
             req.step_cache = new_tier_cache(p.quality, preset, rule.num_blocks, rule.range_offset)
         else:
             req.step_cache = new_request_cache(p.cache, rule.num_blocks, rule.range_offset)
-        req.do_cfg, req.cfg_scale = self.guidance(p)
-        if req.do_cfg and self.cfg_mode not in ("none", "true_cfg") and p.negative_prompt is None:
-            p.negative_prompt = ""
+        if self.cfg_mode == "none":
+            req.do_cfg, req.cfg_scale = False, 1.0
+        elif self.cfg_mode == "true_cfg":
+            req.do_cfg = bool(p.true_cfg_scale and p.true_cfg_scale > 1 and p.negative_prompt is not None)
+            req.cfg_scale = float(p.true_cfg_scale or 1.0)
+        else:
+            threshold = 1.0 if self.cfg_mode == "classic" else 0.0
+            req.do_cfg = bool(p.guidance_scale is not None and p.guidance_scale > threshold)
+            req.cfg_scale = float(p.guidance_scale or 0.0)
+            if req.do_cfg and p.negative_prompt is None:
+                p.negative_prompt = ""
         if req.step_cache is not None and req.do_cfg:  # a method keeping the CFG branch apart: its own state
             settings = self.quality.policies[p.quality] if p.quality != EXACT else p.cache
             add_cfg_branch(req.step_cache, settings, rule.num_blocks, rule.range_offset)

@@ -84,8 +84,6 @@ class AttentionCacheState(RequestCache):
         self._reuse: dict[Kind, bool] = {"spatial": False, "cross": False}
         self._calls_computed = 0
         self._calls_reused = 0
-        self.attention_computed = 0
-        self.attention_reused = 0
 
     # -- the batch's side (a block method's questions, answered: the blocks always run) ----------------
 
@@ -113,15 +111,13 @@ class AttentionCacheState(RequestCache):
         self.history.append(self._calls_reused == 0)
         self.blocks_computed += self._calls_computed
         self.blocks_reused += self._calls_reused
-        self.attention_computed += self._calls_computed
-        self.attention_reused += self._calls_reused
         self._calls_computed = self._calls_reused = 0
 
     def settings_report(self) -> dict[str, Any]:
         return self.settings.to_dict()
 
     def extra_report(self) -> dict[str, Any]:
-        return {"attention_computed": self.attention_computed, "attention_reused": self.attention_reused}
+        return {"attention_computed": self.blocks_computed, "attention_reused": self.blocks_reused}
 
     # -- per forward -----------------------------------------------------------------------------------
 
@@ -186,23 +182,21 @@ class PabState(AttentionCacheState):
 
     settings: PabSettings
 
-    def decide_kind(self, kind: Kind, iteration: int, timestep: float) -> bool:
+    def _schedule(self, kind: Kind) -> tuple[int | None, tuple[float, ...]]:
+        """(skip range, timestep range) of attention of `kind`."""
         s = self.settings
-        skip_range, bounds = (
-            (s.spatial_attention_block_skip_range, s.spatial_attention_timestep_skip_range)
-            if kind == "spatial"
-            else (s.cross_attention_block_skip_range, s.cross_attention_timestep_skip_range)
-        )
+        if kind == "spatial":
+            return s.spatial_attention_block_skip_range, s.spatial_attention_timestep_skip_range
+        return s.cross_attention_block_skip_range, s.cross_attention_timestep_skip_range
+
+    def decide_kind(self, kind: Kind, iteration: int, timestep: float) -> bool:
+        skip_range, bounds = self._schedule(kind)
         if skip_range is None or iteration == 0 or not _within(timestep, bounds):
             return False
         return iteration % skip_range != 0
 
     def reusable(self, kind: Kind) -> bool:
-        s = self.settings
-        skip_range = (
-            s.spatial_attention_block_skip_range if kind == "spatial" else s.cross_attention_block_skip_range
-        )
-        return skip_range is not None
+        return self._schedule(kind)[0] is not None
 
 
 class FasterCacheState(AttentionCacheState):
@@ -259,10 +253,15 @@ class AttentionReuseScope:
         finally:
             self._present = saved
 
+    def _next_key(self, module: ReusableAttention) -> CallKey:
+        """The key of the module's next call in this forward, not yet counted as made."""
+        return module, self._calls.get(module, 0)
+
     def _key(self, module: ReusableAttention) -> CallKey:
-        ordinal = self._calls.get(module, 0)
-        self._calls[module] = ordinal + 1
-        return module, ordinal
+        """The key of the module's call being made now (counted)."""
+        key = self._next_key(module)
+        self._calls[module] = key[1] + 1
+        return key
 
     @staticmethod
     def _kind(module: ReusableAttention) -> Kind:
@@ -270,7 +269,7 @@ class AttentionReuseScope:
 
     def _all_reuse(self, module: ReusableAttention, signature: tuple) -> CallKey | None:
         """The call's key when every running row reuses this call (None: it must run)."""
-        key = (module, self._calls.get(module, 0))
+        key = self._next_key(module)
         kind = self._kind(module)
         for g in self._present:
             if g.state is None or not g.state.can_reuse(kind, key, signature, g.hi - g.lo):
@@ -296,10 +295,11 @@ class AttentionReuseScope:
         key = self._key(module)
         kind = self._kind(module)
         output = compute()
-        if _rows_of(output) != sum(g.hi - g.lo for g in self._present):
+        batch = sum(g.hi - g.lo for g in self._present)
+        if _rows_of(output) != batch:
             raise RuntimeError(
-                f"{type(module).__name__} returned {_rows_of(output)} rows for a batch of "
-                f"{sum(g.hi - g.lo for g in self._present)}: attention reuse needs batch rows first"
+                f"{type(module).__name__} returned {_rows_of(output)} rows for a batch of {batch}: "
+                "attention reuse needs batch rows first"
             )
         parts, offset, replaced = [], 0, False
         for g in self._present:
@@ -323,7 +323,7 @@ class AttentionReuseScope:
     def reused_output(self, module: ReusableAttention) -> AttentionOutput | None:
         # The block asks before it projects the inputs, so the shapes are not known: the signature kept
         # with the outputs stands for them (the same module, call and rows).
-        key = (module, self._calls.get(module, 0))
+        key = self._next_key(module)
         signatures = set()
         for g in self._present:
             kept = None if g.state is None else g.state.kept_signature(key)

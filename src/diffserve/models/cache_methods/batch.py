@@ -18,8 +18,8 @@ Two ways to run, chosen per forward:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -153,11 +153,9 @@ class BatchStepCache:
             ]
         )
 
-    @contextmanager
-    def _running(self, bounds: list[tuple[int, int]] | None) -> Iterator[None]:
+    def _running(self, bounds: list[tuple[int, int]] | None) -> AbstractContextManager[None]:
         """Tell this forward's attention reuse which requests' rows the blocks now run on."""
-        with nullcontext() if self._reuse is None else self._reuse.running(bounds):
-            yield
+        return nullcontext() if self._reuse is None else self._reuse.running(bounds)
 
     # -- decisions ------------------------------------------------------------------------------------------
 

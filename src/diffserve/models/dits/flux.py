@@ -339,6 +339,14 @@ class FluxTransformerBlock(nn.Module):
         return fp16_clip(ctx), x
 
 
+def _fused_rows(layer: nn.Module, h: torch.Tensor, rows: slice) -> torch.Tensor:
+    """`layer(h)[..., rows]` computing only those output rows (a LoRA layer's adapters included; eager
+    only): a part of the single-stream block's fused projection."""
+    if isinstance(layer, LoraLinear):
+        return layer.forward_rows(h, rows)
+    return linear_rows(layer, h, rows)
+
+
 class FluxSingleTransformerBlock(nn.Module):
     """Single-stream block on [text; image]: attention and MLP run in parallel from one adaLN input.
 
@@ -393,24 +401,17 @@ class FluxSingleTransformerBlock(nn.Module):
         layer = self.to_qkv_mlp
         if layer is None:
             return self.proj_mlp(h)
-        mlp_rows = slice(3 * self.inner_dim, 3 * self.inner_dim + self.mlp_dim)
-        if isinstance(layer, LoraLinear):
-            return layer.forward_rows(h, mlp_rows)
-        return linear_rows(layer, h, mlp_rows)
+        return _fused_rows(layer, h, slice(3 * self.inner_dim, 3 * self.inner_dim + self.mlp_dim))
 
     def _project_keys_values(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) alone, heads split: only the fused layer's k/v rows are computed (a contiguous slice of
         its weight, so no copy; an 8-bit layer or one with LoRA adapters computes those rows alone too)."""
         layer = self.to_qkv_mlp
         if layer is not None:
-            kv_rows = slice(self.inner_dim, 3 * self.inner_dim)
-            if isinstance(layer, LoraLinear):
-                if torch.compiler.is_compiling():  # the compiled graph sees LoRA layers as one whole op
-                    _, k, v, _ = self._project(h)
-                    return k, v
-                kv = layer.forward_rows(h, kv_rows)
-            else:
-                kv = linear_rows(layer, h, kv_rows)
+            if isinstance(layer, LoraLinear) and torch.compiler.is_compiling():
+                _, k, v, _ = self._project(h)  # the compiled graph sees LoRA layers as one whole op
+                return k, v
+            kv = _fused_rows(layer, h, slice(self.inner_dim, 3 * self.inner_dim))
             k, v = _split_heads(kv, 2, self.head_dim)
             return k, v
         attn = self.attn
