@@ -34,8 +34,10 @@ Methods (`--methods`, default all):
                         names given as identifiers) <-> diffserve fastercache, pab, same settings (same
                         decisions on a guidance-distilled FLUX: tests/e2e/test_cache_methods_attention.py;
                         on the true-CFG demo model diffusers' hooks count the negative-prompt call as another
-                        iteration of the same cache while diffserve keeps each branch's outputs, and diffserve
-                        refuses fastercache with CFG)
+                        iteration of the same cache while diffserve keeps each branch's outputs; diffserve's
+                        fastercache is given `is_guidance_distilled` too: its negative-branch approximation,
+                        which the hook cannot run on FluxPipeline, is measured against the hook on SD3 and
+                        CogVideoX by tests/e2e/test_fastercache_cfg.py)
     teacache            diffserve only (neither diffusers 0.42 nor cache-dit 1.5.3 ships TeaCache):
                         `rel_l1_thresh` at each `--teacache-thresholds`
 
@@ -335,7 +337,8 @@ def build_rows(args: argparse.Namespace, ck: Checkpoint, ctx: dict[str, Any]) ->
         )  # fmt: skip
         rows.append(
             Row("diffusers hook: faster_cache", "spatial_attention_block_skip_range 2, attention reuse only",
-                "diffusers hook", on, off, {"method": "fastercache", "spatial_attention_block_skip_range": 2})
+                "diffusers hook", on, off,
+                {"method": "fastercache", "spatial_attention_block_skip_range": 2, "is_guidance_distilled": True})
         )  # fmt: skip
     if "pab" in wanted:
         on, off = hook(

@@ -362,5 +362,19 @@ class Req:
         return None if self.step_cache is None else self.step_cache.report()
 
     @property
+    def host_timestep(self) -> float | None:
+        """The timestep of the current step, from the schedule's CPU copy (no device sync); None where the
+        schedule keeps none. Read only where a cache method compares timesteps with its ranges."""
+        schedule = self.schedule
+        if (
+            schedule is None
+            or schedule.host_timesteps is None
+            or self.step_index >= len(schedule.host_timesteps)
+        ):
+            return None
+        value = schedule.host_timesteps[self.step_index]
+        return float(value) if value.numel() == 1 else None
+
+    @property
     def is_denoised(self) -> bool:
         return self.schedule is not None and self.step_index >= self.num_steps

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from diffserve import DiffGenerator
+from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError
 from diffserve.families.flux2.tiny import TinyFlux2Spec, build_tiny_flux2
 from diffserve.families.hunyuan_video15.tiny import TinyHunyuanVideo15Spec, build_tiny_hunyuan_video15
@@ -32,7 +33,12 @@ from diffserve.families.sana_video.tiny import TinySanaVideoSpec, build_tiny_san
 from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
 from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
 from diffserve.families.z_image.tiny import TinyZImageSpec, build_tiny_zimage
-from diffserve.testing.cache_parity import assert_fastercache_without_cfg, assert_mixed_caches_as_alone
+from diffserve.request import Req
+from diffserve.testing.cache_parity import (
+    assert_fastercache_with_cfg,
+    assert_fastercache_without_cfg,
+    assert_mixed_caches_as_alone,
+)
 from diffserve.testing.cache_parity import first_output_pixels as pixels
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 
@@ -109,6 +115,13 @@ FASTERCACHE_DB = {
     "z-image": 45.1, "flux2": 20.2, "sd3": 63.9, "qwen-image": 43.7, "wan": 27.8, "sana": 58.7,
     "sana-video": 22.5, "hunyuan-video-1.5": 32.3, "longcat-image": 49.6,
 }  # fmt: skip
+#: FasterCache's PSNR against the exact output with each family's CFG as its case runs it, measured with
+#: seed 7 (FLUX.2 dev's request runs none: it embeds its guidance).
+FASTERCACHE_CFG_DB = {
+    "z-image": 28.0, "sd3": 47.8, "qwen-image": 33.2, "wan": 25.8, "sana": 39.6, "sana-video": 15.9,
+    "hunyuan-video-1.5": 32.8, "longcat-image": 41.6,
+}  # fmt: skip
+FASTERCACHE = {"method": "fastercache"}  # diffusers' defaults: with CFG, the negative branch approximated
 SETTINGS = {
     "dbcache": DBCACHE,
     "dbcache+taylorseer": DBCACHE_TAYLORSEER,
@@ -153,9 +166,18 @@ def test_fastercache_without_cfg_reuses_within_its_measured_psnr(family) -> None
     assert_fastercache_without_cfg(name, generator, PROMPT, kwargs, no_cfg, FASTERCACHE_DB[name] - 4.0)
 
 
+def test_fastercache_with_cfg_approximates_the_negative_branch(family) -> None:
+    name, generator, kwargs, _, exact = family
+    params = SamplingParams(prompt=PROMPT, **kwargs)
+    if name in FASTERCACHE_CFG_DB:
+        assert_fastercache_with_cfg(name, generator, params, exact, FASTERCACHE_CFG_DB[name] - 4.0)
+    else:  # nothing to approximate
+        assert not generator.pipeline.validate(Req(params)).do_cfg, name
+
+
 def test_a_mixed_batch_gives_each_request_its_own_output(family) -> None:
     name, generator, kwargs, _, _ = family
-    caches = [None, DBCACHE, TEACACHE, PAB]
+    caches = [None, DBCACHE, TEACACHE, PAB, FASTERCACHE]
     params = {k: v for k, v in kwargs.items() if k != "seed"}
     assert_mixed_caches_as_alone(name, generator, params, caches, [PROMPT] * len(caches))
 

@@ -23,10 +23,16 @@ import numpy as np
 import pytest
 
 from diffserve import DiffGenerator
+from diffserve.configs.sampling_params import SamplingParams
 from diffserve.families.hidream.tiny import TinyHiDreamSpec, build_tiny_hidream
 from diffserve.families.hunyuan_image.tiny import TinyHunyuanImageSpec, build_tiny_hunyuan_image
 from diffserve.families.qwen_image21.tiny import TinyQwenImage21Spec, build_tiny_qwen_image21
-from diffserve.testing.cache_parity import assert_fastercache_without_cfg, assert_mixed_caches_as_alone
+from diffserve.request import Req
+from diffserve.testing.cache_parity import (
+    assert_fastercache_with_cfg,
+    assert_fastercache_without_cfg,
+    assert_mixed_caches_as_alone,
+)
 from diffserve.testing.cache_parity import first_output_pixels as pixels
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 
@@ -110,9 +116,22 @@ def test_fastercache_without_cfg_reuses_within_its_measured_psnr(family) -> None
     assert_fastercache_without_cfg(name, generator, PROMPT, kwargs, no_cfg, FASTERCACHE_DB[name] - 4.0)
 
 
+#: FasterCache's PSNR against the exact output with each family's CFG as its case runs it, seed 7.
+FASTERCACHE_CFG_DB: dict[str, float] = {"hidream": 26.6, "hunyuan-image": 17.6, "qwen-image-2.1": 15.7}
+
+
+def test_fastercache_with_cfg_approximates_the_negative_branch(family) -> None:
+    name, generator, kwargs, _, exact = family
+    params = SamplingParams(prompt=PROMPT, **kwargs)
+    if name in FASTERCACHE_CFG_DB:
+        assert_fastercache_with_cfg(name, generator, params, exact, FASTERCACHE_CFG_DB[name] - 4.0)
+    else:  # nothing to approximate
+        assert not generator.pipeline.validate(Req(params)).do_cfg, name
+
+
 def test_a_mixed_batch_gives_each_request_its_own_output(family) -> None:
     name, generator, kwargs, _, _ = family
-    caches = [DBCACHE, TEACACHE, PAB]
+    caches = [DBCACHE, TEACACHE, PAB, {"method": "fastercache"}]
     params = {k: v for k, v in kwargs.items() if k != "seed"}
     assert_mixed_caches_as_alone(name, generator, params, caches, [PROMPT] * len(caches))
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from diffserve import DiffGenerator, SamplingParams
+from diffserve.errors import InvalidRequestError
 from diffserve.families.ltx2.tiny import TinyLTX2Spec, build_tiny_ltx2
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 from diffserve.testing.parity import snr_db
@@ -45,6 +46,8 @@ MEASURED = {
     "scm": ({"method": "scm"}, 36.9, 70.4),
     "seacache": ({"method": "seacache"}, 37.1, 70.5),  # its probe: the video latents on their grid
     "pab": ({"method": "pab"}, 54.5, 85.1),  # attention outputs reused, every block runs
+    # on every branch: LTX-2 runs its guidance's branches in one forward, none can be skipped
+    "fastercache": ({"method": "fastercache", "is_guidance_distilled": True}, 56.2, 87.7),
 }
 
 
@@ -100,6 +103,15 @@ def test_each_method_reuses_both_streams_within_its_measured_psnr(ltx2, name) ->
     assert out.cache["steps_reused"] > 0 and out.cache["blocks_reused"] > 0
     assert out.cache["steps_computed"] + out.cache["steps_reused"] == STEPS  # one count per step
     assert video >= video_db - 4.0 and audio >= audio_db - 4.0
+
+
+def test_fastercache_cannot_skip_the_negative_branch(ltx2) -> None:
+    """LTX-2's guidance (CFG, STG, modality isolation) reads every branch's rows in one step: the
+    negative branch cannot be left out, so FasterCache's approximation of it is a 400 naming `cache`."""
+    generator, _ = ltx2
+    with pytest.raises(InvalidRequestError, match="every branch in one forward") as refused:
+        generator.generate(PROMPT, seed=7, cache="fastercache", **KWARGS)
+    assert refused.value.param == "cache"
 
 
 def test_magcache_measures_ratios_then_reuses_with_them(ltx2) -> None:

@@ -23,6 +23,7 @@ import pytest
 from PIL import Image
 
 from diffserve import DiffGenerator
+from diffserve.configs.sampling_params import SamplingParams
 from diffserve.families.cogvideox.tiny import TinyCogVideoXSpec, build_tiny_cogvideox
 from diffserve.families.hunyuan_video.image_to_video_tiny import (
     TinyHunyuanVideoI2VSpec,
@@ -30,7 +31,12 @@ from diffserve.families.hunyuan_video.image_to_video_tiny import (
 )
 from diffserve.families.hunyuan_video.tiny import TinyHunyuanVideoSpec, build_tiny_hunyuan_video
 from diffserve.families.mochi.tiny import TinyMochiSpec, build_tiny_mochi
-from diffserve.testing.cache_parity import assert_fastercache_without_cfg, assert_mixed_caches_as_alone
+from diffserve.request import Req
+from diffserve.testing.cache_parity import (
+    assert_fastercache_with_cfg,
+    assert_fastercache_without_cfg,
+    assert_mixed_caches_as_alone,
+)
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 
 STEPS = 10
@@ -130,15 +136,29 @@ def test_fastercache_without_cfg_reuses_within_its_measured_psnr(family) -> None
     assert_fastercache_without_cfg(name, generator, PROMPT, kwargs, no_cfg, FASTERCACHE_DB[name] - 4.0)
 
 
+#: FasterCache's PSNR against the exact output with each family's CFG as its case runs it, seed 7.
+FASTERCACHE_CFG_DB: dict[str, float] = {"hunyuan-video": 20.3, "cogvideox": 12.4, "mochi": 18.8}
+
+
+def test_fastercache_with_cfg_approximates_the_negative_branch(family) -> None:
+    name, generator, kwargs, _, exact = family
+    params = SamplingParams(prompt=PROMPT, **kwargs)
+    if name in FASTERCACHE_CFG_DB:
+        assert_fastercache_with_cfg(name, generator, params, exact, FASTERCACHE_CFG_DB[name] - 4.0)
+    else:  # nothing to approximate
+        assert not generator.pipeline.validate(Req(params)).do_cfg, name
+
+
 def test_a_mixed_batch_gives_each_request_its_own_output(family) -> None:
     name, generator, kwargs, _, _ = family
-    caches = [None, DBCACHE, SETTINGS["teacache"], SETTINGS["pab"]]
+    caches = [None, DBCACHE, SETTINGS["teacache"], SETTINGS["pab"], {"method": "fastercache"}]
     params = {k: v for k, v in kwargs.items() if k != "seed"}
     prompts = [
         PROMPT,
         "a cat",
         "a blue car on a long empty road at night",
         "a cat",
+        "a dog running on the beach",
     ]  # text masks of their own
     assert_mixed_caches_as_alone(name, generator, params, caches, prompts)
 

@@ -74,15 +74,21 @@ def test_bad_settings_are_400s_naming_cache(cache_server, cache, message) -> Non
     assert error["param"] == "cache" and message in error["message"], error
 
 
-def test_attention_reuse_runs_and_fastercache_with_cfg_is_a_400(cache_server) -> None:
-    """The engine decides CFG (a family's guider may): its refusal reaches the client as the front end's do."""
+def test_attention_reuse_runs_and_a_refusal_of_the_engine_is_a_400(cache_server) -> None:
+    """The engine decides CFG (a family's guider may): fastercache skips the negative branch of a request
+    with CFG, and its refusal of `is_guidance_distilled` false without CFG reaches the client as the front
+    end's refusals do."""
     pab = post(cache_server, {"cache": "pab"})
     assert pab.status_code == 200, pab.text
     assert pab.json()["cache"]["attention_reused"] > 0
-    refused = post(cache_server, {"cache": "fastercache", "negative_prompt": "blurry", "true_cfg_scale": 2.0})
+    cfg = {"negative_prompt": "blurry", "true_cfg_scale": 2.0}
+    approximated = post(cache_server, {"cache": "fastercache", **cfg})
+    assert approximated.status_code == 200, approximated.text
+    assert approximated.json()["cache"]["unconditional_skipped"] > 0
+    refused = post(cache_server, {"cache": {"method": "fastercache", "is_guidance_distilled": False}})
     assert refused.status_code == 400, refused.text
     error = refused.json()["error"]
-    assert error["param"] == "cache" and "without classifier-free guidance" in error["message"], error
+    assert error["param"] == "cache" and "runs no classifier-free guidance" in error["message"], error
 
 
 def test_a_named_schedule_needs_a_step_count_it_has(cache_server) -> None:

@@ -373,15 +373,19 @@ class PabSettings(CacheSettings):
 
 @dataclass(frozen=True)
 class FasterCacheSettings(CacheSettings):
-    """FasterCache (arXiv 2410.19355)'s attention reuse, as diffusers' `FasterCacheConfig` with
-    `is_guidance_distilled=True` (names and defaults; `attention_weight` is the constant its default
-    `attention_weight_callback` returns). Requests with classifier-free guidance are refused: its
-    unconditional-branch approximation is not implemented."""
+    """FasterCache (arXiv 2410.19355), as diffusers' `FasterCacheConfig` (names and defaults;
+    `attention_weight` is the constant its default `attention_weight_callback` returns). On a request
+    without classifier-free guidance it reuses self-attention alone (diffusers' `is_guidance_distilled`
+    form). On a request with CFG it also skips the unconditional (negative-prompt) branch on some steps and
+    stands in for that branch's prediction from the prompt branch's, with the frequency-split difference
+    of the two kept from the last step that ran both; self-attention is then reused only on those steps."""
 
     method: ClassVar[str] = "fastercache"
     summary: ClassVar[str] = (
-        "FasterCache's attention reuse: inside the timestep range, compute each self-attention every N-th "
-        "step and extrapolate it from its last two outputs in between (requests without CFG)"
+        "FasterCache: inside the timestep range, compute each self-attention every N-th step and "
+        "extrapolate it from its last two outputs in between; with CFG, also run the negative-prompt "
+        "branch every unconditional_batch_skip_range-th step and approximate it from the prompt branch "
+        "in between"
     )
 
     spatial_attention_block_skip_range: int = setting(
@@ -393,11 +397,39 @@ class FasterCacheSettings(CacheSettings):
     attention_weight: float = setting(
         0.5, help="an extrapolated output is t + (t - t_prev) * attention_weight (diffusers' default 0.5)"
     )
+    unconditional_batch_skip_range: int = setting(
+        5, min=1, help="with CFG: the negative-prompt branch runs every this many steps inside its range"
+    )
+    unconditional_batch_timestep_skip_range: tuple[float, ...] = _timestep_range(
+        (-1.0, 641.0), "with CFG, the negative-prompt branch may be approximated"
+    )
+    low_frequency_weight_update_timestep_range: tuple[float, ...] = _timestep_range(
+        (99.0, 901.0), "the low-frequency difference is scaled by alpha_low_frequency at each skipped step"
+    )
+    high_frequency_weight_update_timestep_range: tuple[float, ...] = _timestep_range(
+        (-1.0, 301.0), "the high-frequency difference is scaled by alpha_high_frequency at each skipped step"
+    )
+    alpha_low_frequency: float = setting(
+        1.1, help="scale of the low-frequency branch difference per skipped step, inside its range"
+    )
+    alpha_high_frequency: float = setting(
+        1.1, help="scale of the high-frequency branch difference per skipped step, inside its range"
+    )
+    is_guidance_distilled: bool | None = setting(
+        None,
+        help="true: never approximate the negative-prompt branch (attention reuse on both CFG branches); "
+        "false: approximate it (needs a request with CFG); null: approximate it exactly when the request "
+        "runs CFG",
+    )
 
     def check_method(self) -> None:
-        _check_timestep_range(
-            self.method, "spatial_attention_timestep_skip_range", self.spatial_attention_timestep_skip_range
-        )
+        for name in (
+            "spatial_attention_timestep_skip_range",
+            "unconditional_batch_timestep_skip_range",
+            "low_frequency_weight_update_timestep_range",
+            "high_frequency_weight_update_timestep_range",
+        ):
+            _check_timestep_range(self.method, name, getattr(self, name))
 
 
 #: Every method by name.

@@ -49,9 +49,13 @@ _active: ContextVar[AttentionReuse | None] = ContextVar("diffserve_attention_reu
 
 
 def input_signature(args: tuple, kwargs: dict) -> tuple:
-    """The shapes of a call's tensor arguments past their first (batch) dimension, in order."""
+    """The shapes of a call's tensor arguments past their first (batch) dimension, in order; a boolean
+    tensor (a key-padding mask) counts as absent: whether the batch pads a request's text is the batch's
+    business, and its shape follows from the streams' own."""
     values = [*args, *kwargs.values()]
-    return tuple(tuple(v.shape[1:]) if isinstance(v, torch.Tensor) else None for v in values)
+    return tuple(
+        tuple(v.shape[1:]) if isinstance(v, torch.Tensor) and v.dtype != torch.bool else None for v in values
+    )
 
 
 class ReusableAttention(nn.Module):

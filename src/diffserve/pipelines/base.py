@@ -77,6 +77,9 @@ class Pipeline:
     #: branch a cache state of its own (`pipelines/cfg_batch.step_cache_for`).
     cache_separate_cfg: ClassVar[bool] = False
     cache_separate_cfg_supported: ClassVar[bool] = True
+    #: Whether the denoiser takes a CFG request as one branch's view (`runtime.runner.CfgBranchView`, guided
+    #: through `split_guided`): CFG-parallel, and FasterCache's steps that skip the negative branch.
+    runs_branch_views: ClassVar[bool] = True
     #: The family's typed conditioning (`Req.conditioning`): every request gets an empty one before its
     #: pre-denoise stages, so all requests of the pipeline carry the same class (None: the family needs none).
     conditioning_type: ClassVar[type[Conditioning] | None] = None
@@ -201,8 +204,10 @@ class Pipeline:
 
     def validate(self, req: Req) -> Req:
         """Defaults, validation, generator, CFG decision and quality tier: once, at submission."""
-        req = self.run_stage(self.input_validation_stage, req)
-        refuse_fastercache_with_cfg(req)
+        stage = self.input_validation_stage
+        req = self.run_stage(stage, req)
+        check_fastercache_branches(req, self.runs_branch_views)
+        stage.add_cfg_branch_cache(req)
         return req
 
     def run_stage(self, stage: Stage, req: Req) -> Req:
@@ -253,13 +258,32 @@ class Pipeline:
         )
 
 
-def refuse_fastercache_with_cfg(req: Req) -> None:
-    """A 400 naming `cache` for a `fastercache` request that runs classifier-free guidance (whatever decided
-    it: the family's CFG rule or its guider): its unconditional-branch approximation is not implemented."""
-    if req.do_cfg and isinstance(req.params.cache, FasterCacheSettings):
+def check_fastercache_branches(req: Req, runs_branch_views: bool) -> None:
+    """A 400 naming `cache` for a `fastercache` request whose `is_guidance_distilled` does not fit its CFG
+    (whatever decided it: the family's CFG rule or its guider): false without CFG (there is no negative
+    branch to approximate); approximating the negative branch where the family runs every branch together
+    (`runs_branch_views` false) or with skip-layer guidance (its extra forward reads both branches)."""
+    settings = req.params.cache
+    if not isinstance(settings, FasterCacheSettings):
+        return
+    if not req.do_cfg:
+        if settings.is_guidance_distilled is False:
+            raise InvalidRequestError(
+                "cache: fastercache.is_guidance_distilled false approximates the negative-prompt branch, and "
+                "this request runs no classifier-free guidance: leave it null (or true)",
+                param="cache",
+            )
+        return
+    if settings.is_guidance_distilled is True:
+        return
+    why = None
+    if not runs_branch_views:
+        why = "this model's guidance runs every branch in one forward"
+    elif req.params.skip_guidance_layers:
+        why = "skip-layer guidance reads both branches at every guided step"
+    if why is not None:
         raise InvalidRequestError(
-            "cache: fastercache runs its attention reuse on requests without classifier-free guidance "
-            "(diffusers' is_guidance_distilled form; its unconditional-branch approximation is not "
-            "implemented): turn guidance off for this request, or pass another method",
+            f"cache: fastercache cannot skip this request's negative-prompt branch ({why}): set "
+            "is_guidance_distilled true to reuse attention on every branch, or pass another method",
             param="cache",
         )

@@ -16,9 +16,9 @@ import torch
 from diffserve.distributed.cfg_parallel import gather_branch_rows
 from diffserve.layers.lora_rows import request_lora_scope
 from diffserve.models.step_cache import BatchStepCache, CacheRows, batch_step_cache
-from diffserve.request import Req
+from diffserve.request import LatentSize, Req
 from diffserve.runtime.runner import CfgBranchView
-from diffserve.stages.latent_preparation import unpack_latents
+from diffserve.stages.latent_preparation import pack_latents, unpack_latents
 from diffserve.stages.mask_preparation import keep_unmasked
 
 
@@ -99,7 +99,8 @@ def split_guided(
 ) -> list[torch.Tensor]:
     """Each request's prediction, with CFG applied by `combine(positive, negative, scale)`
     (default `negative + scale * (positive - negative)`). Under CFG-parallel a request may be one
-    branch's `CfgBranchView`: its rows are this rank's branch, joined with the other cfg rank's here."""
+    branch's `CfgBranchView`: its rows are this rank's branch, joined with the other cfg rank's here. A
+    view whose negative branch is approximated (FasterCache's skipped steps) gets it from its cache."""
     out, offset, views = [], 0, []
     for req in reqs:
         n = req.batch_size
@@ -108,13 +109,67 @@ def split_guided(
         if req.do_cfg:
             negative = prediction[offset : offset + n]
             offset += n
+            keep_branch_difference(req, positive, negative)
             positive = combine(positive, negative, req.cfg_scale)
+        elif isinstance(req, CfgBranchView) and req.negative_approximated:
+            positive = combine(positive, approximated_negative(req, positive), req.cfg_scale)
         elif isinstance(req, CfgBranchView):
             views.append((len(out), positive))
         out.append(positive)
     if views:
         _combine_branch_views(out, views, reqs, combine)
     return out
+
+
+Regrid = Callable[[torch.Tensor], torch.Tensor]
+
+
+def token_grid(tokens: torch.Tensor, size: LatentSize | None) -> tuple[torch.Tensor, Regrid] | None:
+    """(batch, tokens, channels) latent tokens on their grid of `size`, and the map back: 2x2-packed tokens
+    (FLUX.1, FLUX.2, Qwen-Image) unpacked to (batch, channels, height, width), frame-major 1x1x1 tokens
+    (LTX-2) unflattened to (batch, channels, frames, height, width); None for other tokens."""
+    if tokens.ndim != 3 or size is None:
+        return None
+    height, width = size.height, size.width
+    count, channels = tokens.shape[1:]
+    if count == (height // 2) * (width // 2) and channels % 4 == 0:
+        return unpack_latents(tokens, height, width), pack_latents
+    if height * width and count % (height * width) == 0:
+        grid = tokens.transpose(1, 2).unflatten(2, (count // (height * width), height, width))
+        return grid, lambda g: g.flatten(2).transpose(1, 2)
+    return None
+
+
+def spatial_rows(rows: torch.Tensor, req: Req) -> tuple[torch.Tensor, Regrid]:
+    """`rows` of a request's prediction (its latents' layout) on their spatial grid, (..., height, width),
+    and the map back: a latent image or video as it is (its last two dimensions are the grid's), tokens
+    as `token_grid` puts them."""
+    if rows.ndim in (4, 5):
+        return rows, lambda grid: grid
+    gridded = token_grid(rows, req.latent_size)
+    if gridded is None:
+        raise RuntimeError(
+            f"no spatial grid for a prediction of shape {tuple(rows.shape)} ({req.latent_size})"
+        )
+    return gridded
+
+
+def keep_branch_difference(req: Req, positive: torch.Tensor, negative: torch.Tensor) -> None:
+    """A request that approximates its negative branch on some steps (`RequestCache.unconditional`) keeps
+    the two branches' difference from a step that ran both."""
+    branch = None if req.step_cache is None else req.step_cache.unconditional
+    if branch is not None:
+        branch.keep_difference(spatial_rows(positive, req)[0], spatial_rows(negative, req)[0])
+
+
+def approximated_negative(req: Req, positive: torch.Tensor) -> torch.Tensor:
+    """The negative branch's prediction standing in for it at a step that ran `positive` alone."""
+    branch = None if req.step_cache is None else req.step_cache.unconditional
+    timestep = req.host_timestep
+    if branch is None or timestep is None:
+        raise RuntimeError("a request whose negative branch is approximated needs its cache and timestep")
+    grid, back = spatial_rows(positive, req)
+    return back(branch.approximate(grid, timestep))
 
 
 def _combine_branch_views(
@@ -166,7 +221,7 @@ def next_timesteps(req: Req) -> torch.Tensor:
     return torch.zeros((), device=req.schedule.timesteps.device, dtype=req.schedule.timesteps.dtype)
 
 
-def latent_grid(latents: torch.Tensor, size: tuple[int, int] | None) -> torch.Tensor:
+def latent_grid(latents: torch.Tensor, size: LatentSize | None) -> torch.Tensor:
     """A request's latents on their grid, (outputs, channels, frames, height, width), whatever the family's
     layout: a latent video as it is, a latent image as one frame, 2x2-packed tokens (FLUX.1, FLUX.2,
     Qwen-Image) unpacked, frame-major 1x1x1 tokens (LTX-2) unflattened, other tokens as one row."""
@@ -174,13 +229,10 @@ def latent_grid(latents: torch.Tensor, size: tuple[int, int] | None) -> torch.Te
         return latents
     if latents.ndim == 4:
         return latents.unsqueeze(2)
-    if latents.ndim == 3 and size is not None:
-        height, width = size
-        tokens, channels = latents.shape[1:]
-        if tokens == (height // 2) * (width // 2) and channels % 4 == 0:
-            return unpack_latents(latents, height, width).unsqueeze(2)
-        if height * width and tokens % (height * width) == 0:
-            return latents.transpose(1, 2).unflatten(2, (tokens // (height * width), height, width))
+    gridded = token_grid(latents, size)
+    if gridded is not None:
+        grid = gridded[0]
+        return grid if grid.ndim == 5 else grid.unsqueeze(2)
     if latents.ndim == 3:
         return latents.transpose(1, 2)[:, :, None, None, :]
     return latents.reshape(latents.shape[0], 1, 1, 1, -1)
@@ -200,7 +252,10 @@ def request_cache_rows(req: Req, rows_per_branch: int, branches: int) -> list[Ca
     rows with its cache and the rest with the CFG branch's."""
     state = req.step_cache
     latent = partial(latent_probe, req)
-    timestep = partial(step_timestep, req)
+
+    def timestep() -> float | None:
+        return req.host_timestep
+
     if state is not None and state.cfg_branch is not None and branches > 1:
         rest = rows_per_branch * (branches - 1)
         return [
@@ -208,16 +263,6 @@ def request_cache_rows(req: Req, rows_per_branch: int, branches: int) -> list[Ca
             CacheRows(state.cfg_branch, rest, req.step_index, req.num_steps, latent, timestep),
         ]
     return [CacheRows(state, rows_per_branch * branches, req.step_index, req.num_steps, latent, timestep)]
-
-
-def step_timestep(req: Req) -> float | None:
-    """The request's timestep at this step, from the schedule's CPU copy (no device sync); None where the
-    schedule keeps none. Read only for a request whose cache compares timesteps (`CacheRows.timestep`)."""
-    schedule = req.schedule
-    if schedule is None or schedule.host_timesteps is None or req.step_index >= len(schedule.host_timesteps):
-        return None
-    value = schedule.host_timesteps[req.step_index]
-    return float(value) if value.numel() == 1 else None
 
 
 def step_cache_for(reqs: list[Req]) -> BatchStepCache | None:

@@ -27,10 +27,13 @@ from diffserve.runtime.lora_registry import LoraInfo, LoraRegistry
 
 @dataclass(eq=False)
 class CfgBranchView(Req):
-    """One CFG branch of `source` (0: positive, 1: negative), presented as a request without CFG."""
+    """One CFG branch of `source` (0: positive, 1: negative), presented as a request without CFG: the other
+    branch runs on the other cfg rank (CFG-parallel), or, with `negative_approximated`, not at all this step
+    (its cache approximates the negative branch from the view's prediction: FasterCache)."""
 
     source: Req | None = None
     branch: int = 0  # its `cfg_scale` is the request's
+    negative_approximated: bool = False
 
 
 def splits_branches(req: Req, state: ParallelState | None) -> bool:
@@ -45,7 +48,18 @@ def splits_branches(req: Req, state: ParallelState | None) -> bool:
     )
 
 
-def branch_view(req: Req, branch: int) -> CfgBranchView:
+def skips_negative_branch(req: Req) -> bool:
+    """Whether this step of `req` runs its prompt branch alone, its cache approximating the negative one
+    (decided now, once per step: `UnconditionalBranch.decide`)."""
+    if not req.do_cfg or req.step_cache is None or req.step_cache.unconditional is None:
+        return False
+    timestep = req.host_timestep
+    if timestep is None:
+        raise RuntimeError(f"cache method {req.step_cache.method!r} needs the step's timestep")
+    return req.step_cache.unconditional.decide(timestep)
+
+
+def branch_view(req: Req, branch: int, negative_approximated: bool = False) -> CfgBranchView:
     """A view of `req` that carries only `branch`'s text states (0: the prompt's, 1: the negative one's).
 
     Which fields those are is declared, not listed here: every field with a `negative_of` role, on `Req`
@@ -61,7 +75,7 @@ def branch_view(req: Req, branch: int) -> CfgBranchView:
         dit_context=None,  # the view embeds its own branch once, and keeps it
         on_step=None,
     )
-    return CfgBranchView(**values, source=req, branch=branch)
+    return CfgBranchView(**values, source=req, branch=branch, negative_approximated=negative_approximated)
 
 
 def copy_step_state(source: Req, target: Req) -> None:
@@ -75,7 +89,8 @@ def copy_step_state(source: Req, target: Req) -> None:
 
 
 class CfgBranchViews:
-    """One rank's views of the CFG requests it is running, by request id (dropped by `release`)."""
+    """One rank's views of the CFG requests it is running, by request id (dropped by `release`): the
+    CFG-parallel ones, and the prompt-branch views of requests skipping their negative branch this step."""
 
     def __init__(self) -> None:
         self._views: dict[str, CfgBranchView] = {}
@@ -89,16 +104,22 @@ class CfgBranchViews:
         state = current_parallel_state()
         batch: list[Req] = []
         for req in reqs:
-            if not splits_branches(req, state):
+            if skips_negative_branch(req):
+                batch.append(self._view(req, 0, negative_approximated=True))
+            elif splits_branches(req, state):
+                assert state is not None
+                batch.append(self._view(req, state.cfg_rank))
+            else:
                 batch.append(req)
-                continue
-            assert state is not None
-            view = self._views.get(req.request_id)
-            if view is None or view.source is not req:
-                view = self._views[req.request_id] = branch_view(req, state.cfg_rank)
-            copy_step_state(req, view)
-            batch.append(view)
         return batch
+
+    def _view(self, req: Req, branch: int, negative_approximated: bool = False) -> CfgBranchView:
+        """The request's kept view of `branch` (made at its first use), synced for this step."""
+        view = self._views.get(req.request_id)
+        if view is None or view.source is not req:
+            view = self._views[req.request_id] = branch_view(req, branch, negative_approximated)
+        copy_step_state(req, view)
+        return view
 
     @staticmethod
     def leave(batch: list[Req]) -> None:

@@ -387,10 +387,16 @@ class InputValidationStage(Stage):
             req.cfg_scale = float(p.guidance_scale or 0.0)
             if req.do_cfg and p.negative_prompt is None:
                 p.negative_prompt = ""
-        if req.step_cache is not None and req.do_cfg:  # a method keeping the CFG branch apart: its own state
-            settings = self.quality.policies[p.quality] if p.quality != EXACT else p.cache
-            add_cfg_branch(req.step_cache, settings, rule.num_blocks, rule.range_offset)
         return req
+
+    def add_cfg_branch_cache(self, req: Req) -> None:
+        """What the request's cache does with its CFG branch (`registry.add_cfg_branch`): called once its
+        CFG decision is final (a family's stage or guider may take it after this stage's `forward`)."""
+        if req.step_cache is None or not req.do_cfg:
+            return
+        p, rule = req.params, self.cache_rule
+        settings = self.quality.policies[p.quality] if p.quality != EXACT else p.cache
+        add_cfg_branch(req.step_cache, settings, rule.num_blocks, rule.range_offset)
 
 
 def one_image_input_validation(

@@ -5,6 +5,7 @@ round a pixel the other way), the same cache report and the same steps computed 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -16,6 +17,7 @@ from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError
 from diffserve.pipelines.base import Pipeline
 from diffserve.request import Req
+from diffserve.runtime.runner import CfgBranchViews
 from diffserve.testing.image_metrics import psnr_uint8
 
 
@@ -60,8 +62,11 @@ def assert_batched_as_alone(
     pipeline = generator.pipeline
     reqs = [pipeline.run_pre_denoise(pipeline.validate(Req(params))) for params in requests]
     assert len({pipeline.batch_key(r) for r in reqs}) == 1, name
+    views = CfgBranchViews()  # as the runner presents a request skipping its negative branch (FasterCache)
     while not all(r.is_denoised for r in reqs):
-        pipeline.denoise_step(reqs)
+        batch = views.enter(reqs)
+        pipeline.denoise_step(batch)
+        views.leave(batch)
     known = list(alone) if alone is not None else [None] * len(requests)
     for params, req, given in zip(requests, reqs, known, strict=True):
         label = (name, params.quality, params.cache)
@@ -77,6 +82,16 @@ def assert_batched_as_alone(
 CFG_KEYWORDS = ("true_cfg_scale", "negative_prompt", "guidance_scale")
 
 
+def assert_refused(generator: CachingGenerator, params: SamplingParams, message: str, name: str) -> None:
+    """Validating `params` is an InvalidRequestError on `cache` whose message contains `message`."""
+    try:
+        generator.pipeline.validate(Req(params))
+    except InvalidRequestError as exc:
+        assert exc.param == "cache" and message in str(exc), (name, str(exc))
+        return
+    raise AssertionError(f"{name}: {params.cache} was accepted; expected a refusal saying {message!r}")
+
+
 def assert_fastercache_without_cfg(
     name: str,
     generator: CachingGenerator,
@@ -85,21 +100,17 @@ def assert_fastercache_without_cfg(
     no_cfg: dict[str, Any],
     floor_db: float,
 ) -> float:
-    """FasterCache at diffusers' defaults runs on requests without CFG: `prompt` with `kwargs` less their
-    `CFG_KEYWORDS`, plus `no_cfg` (what turns the family's CFG off), runs no CFG, reuses attention, and
-    stays at `floor_db` or more against the same request's exact output; returns that PSNR. With `kwargs`
-    as given it is refused exactly when that request runs CFG (whatever decides it: a rule or a guider)."""
-    fastercache = {"method": "fastercache"}
-    with_cfg = generator.pipeline.validate(Req(SamplingParams(prompt=prompt, **kwargs))).do_cfg
-    try:
-        generator.pipeline.validate(Req(SamplingParams(prompt=prompt, cache=fastercache, **kwargs)))
-        refused = False
-    except InvalidRequestError as exc:
-        refused = "fastercache runs its attention reuse on requests without" in str(exc)
-    assert refused == with_cfg, (name, "CFG" if with_cfg else "no CFG", "refused" if refused else "accepted")
+    """FasterCache at diffusers' defaults on a request without CFG (`prompt` with `kwargs` less their
+    `CFG_KEYWORDS`, plus `no_cfg`, what turns the family's CFG off) reuses attention and stays at
+    `floor_db` or more against the same request's exact output; returns that PSNR. Its
+    `is_guidance_distilled` false is refused there (no negative branch to approximate)."""
     plain = {k: v for k, v in kwargs.items() if k not in CFG_KEYWORDS} | no_cfg
     params = SamplingParams(prompt=prompt, **plain)
     assert not generator.pipeline.validate(Req(params)).do_cfg, (name, "still runs CFG")
+    forced = SamplingParams(
+        prompt=prompt, cache={"method": "fastercache", "is_guidance_distilled": False}, **plain
+    )
+    assert_refused(generator, forced, "is_guidance_distilled false approximates", name)
     exact = first_output_pixels(generator.generate_from_params(params))
     out = generator.generate_from_params(
         SamplingParams(prompt=prompt, cache={"method": "fastercache"}, **plain)
@@ -107,6 +118,35 @@ def assert_fastercache_without_cfg(
     score = psnr_uint8(first_output_pixels(out), exact)
     print(f"{name} fastercache: {score:.1f} dB, {out.cache['attention_reused']} attention calls reused")
     assert out.cache["attention_reused"] > 0 and out.cache["steps_reused"] > 0, (name, out.cache)
+    assert "unconditional_skipped" not in out.cache, (name, out.cache)
+    assert score >= floor_db, (name, score)
+    return score
+
+
+def assert_fastercache_with_cfg(
+    name: str,
+    generator: CachingGenerator,
+    params: SamplingParams,
+    exact: np.ndarray,
+    floor_db: float,
+) -> float | None:
+    """FasterCache at diffusers' defaults on a request that runs CFG (`params`, whose exact output is
+    `exact`): it skips the negative-prompt branch on some steps (diffusers' default: four of every five
+    inside its timestep range), reuses self-attention on some of those, and stays at `floor_db` or more
+    against `exact`; returns that PSNR. A family whose denoiser does not take one branch's view
+    (`Pipeline.runs_branch_views`) refuses it naming `cache` instead (returns None)."""
+    with_cache = dataclasses.replace(params, cache={"method": "fastercache"})
+    assert generator.pipeline.validate(Req(dataclasses.replace(params))).do_cfg, (name, "runs no CFG")
+    if not generator.pipeline.runs_branch_views:
+        assert_refused(generator, with_cache, "cannot skip this request's negative-prompt branch", name)
+        return None
+    out = generator.generate_from_params(with_cache)
+    score = psnr_uint8(first_output_pixels(out), exact)
+    report = out.cache
+    print(f"{name} fastercache with CFG: {score:.1f} dB, {report['unconditional_skipped']} negative branches "
+          f"skipped, {report['attention_reused']} attention calls reused")  # fmt: skip
+    assert report["unconditional_skipped"] > 0 and report["attention_reused"] > 0, (name, report)
+    assert report["steps_reused"] == report["unconditional_skipped"], (name, report)
     assert score >= floor_db, (name, score)
     return score
 

@@ -323,6 +323,7 @@ class LTX2Denoiser:
 class LTX2Pipeline(Pipeline):
     #: Its guidance branches (CFG, STG, modality) share one cache state per request.
     cache_separate_cfg_supported = False
+    runs_branch_views = False
     required_components = (
         "text_encoder", "tokenizer", "connectors", "transformer", "vae", "audio_vae", "vocoder", "scheduler",
     )  # fmt: skip

@@ -36,6 +36,7 @@ from diffserve.configs.cache_settings import FasterCacheSettings, PabSettings
 from diffserve.layers.attention_reuse import AttentionOutput, ReusableAttention
 from diffserve.models.cache_methods.base import Plan, RequestCache
 from diffserve.models.cache_methods.blocks import Streams
+from diffserve.models.cache_methods.unconditional_branch import UnconditionalBranch
 
 Kind = Literal["spatial", "cross"]
 #: An attention call within one forward: the module and how many times it was called before in it.
@@ -200,19 +201,39 @@ class PabState(AttentionCacheState):
 
 
 class FasterCacheState(AttentionCacheState):
+    """FasterCache. On a request with CFG (unless `is_guidance_distilled` is true) it also skips the
+    unconditional branch on some steps (`unconditional`, `unconditional_branch.py`); self-attention is
+    then stood in for only on those steps, and only the prompt branch's outputs are kept, as diffusers'
+    `FasterCacheBlockHook` does once the denoiser runs half the batch."""
+
     method = "fastercache"
     keeps = 2
 
     settings: FasterCacheSettings
 
+    def approximate_unconditional(self) -> None:
+        """Run this request's CFG with the unconditional-branch approximation (a request with CFG whose
+        settings do not say `is_guidance_distilled`)."""
+        self.unconditional = UnconditionalBranch(self.settings)
+
+    def _both_branches_run(self) -> bool:
+        return self.unconditional is not None and not self.unconditional.skipping
+
     def decide_kind(self, kind: Kind, iteration: int, timestep: float) -> bool:
         s = self.settings
         if kind != "spatial" or not _within(timestep, s.spatial_attention_timestep_skip_range):
+            return False
+        if self._both_branches_run():
             return False
         return not (iteration > 0 and iteration % s.spatial_attention_block_skip_range == 0)
 
     def reusable(self, kind: Kind) -> bool:
         return kind == "spatial"
+
+    def keep(self, key: CallKey, signature: tuple, output: AttentionOutput, reused: bool) -> None:
+        if self._both_branches_run():  # rows: the prompt branch's, then the negative one's
+            output = _rows(output, 0, _rows_of(output) // 2)
+        super().keep(key, signature, output, reused)
 
     def stand_in(self, key: CallKey) -> AttentionOutput:
         previous, last = self._kept[key].outputs[-2:]
@@ -221,6 +242,19 @@ class FasterCacheState(AttentionCacheState):
             assert isinstance(previous, torch.Tensor)
             return last + (last - previous) * weight
         return tuple(None if t is None else t + (t - p) * weight for p, t in zip(previous, last, strict=True))
+
+    def record(self, reused: bool) -> None:
+        """As every attention method, and a step that skipped the unconditional branch counts as reused."""
+        skipped = self.unconditional is not None and self.unconditional.skipping
+        super().record(reused)
+        if skipped:
+            self.history[-1] = False
+
+    def extra_report(self) -> dict[str, Any]:
+        report = super().extra_report()
+        if self.unconditional is not None:
+            report["unconditional_skipped"] = self.unconditional.skipped
+        return report
 
 
 @dataclass(frozen=True)

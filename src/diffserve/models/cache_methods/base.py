@@ -30,6 +30,7 @@ import torch
 
 from diffserve.models.cache_methods.blocks import Streams
 from diffserve.models.cache_methods.taylor import TaylorSeries
+from diffserve.models.cache_methods.unconditional_branch import UnconditionalBranch
 
 Probe = Literal["none", "signal", "input", "residual", "latent"]
 
@@ -66,6 +67,9 @@ class RequestCache(ABC):
         #: The CFG (negative prompt) branch's own cache, for a method that keeps it apart
         #: (`enable_separate_cfg`); None: the branches decide together, with this state.
         self.cfg_branch: RequestCache | None = None
+        #: A method that skips the CFG request's negative branch on some steps and approximates its
+        #: prediction (FasterCache's, `unconditional_branch.py`); None: both branches run every step.
+        self.unconditional: UnconditionalBranch | None = None
 
     # -- what the batch asks ----------------------------------------------------------------------------
 

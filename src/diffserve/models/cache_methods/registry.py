@@ -58,10 +58,17 @@ def new_request_cache(
 
 
 def add_cfg_branch(state: RequestCache, settings: object, num_blocks: int, range_offset: int = 0) -> None:
-    """Give a CFG request's cache a state of its own for the CFG branch when its settings keep that branch
-    apart (DBCache's `enable_separate_cfg`, resolved by the family's `CacheRule`); else nothing."""
+    """Give a CFG request's cache what its settings do with the CFG branch: a state of its own when they
+    keep that branch apart (DBCache's `enable_separate_cfg`, resolved by the family's `CacheRule`);
+    FasterCache's approximation of it unless they say `is_guidance_distilled`; else nothing."""
     if isinstance(settings, DBCacheSettings) and settings.enable_separate_cfg:
         state.cfg_branch = DBCacheState(settings, num_blocks, range_offset)
+    elif (
+        isinstance(state, FasterCacheState)
+        and isinstance(settings, FasterCacheSettings)
+        and settings.is_guidance_distilled is not True
+    ):
+        state.approximate_unconditional()
 
 
 def new_tier_cache(tier: str, preset: TierPreset, num_blocks: int, range_offset: int = 0) -> RequestCache:
