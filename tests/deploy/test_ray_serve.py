@@ -117,7 +117,7 @@ def app(cluster, wan_dir, lora_dir, tmp_path_factory):
             demo_ready = sum(r["state"] == "ready" for r in info["models"][DEMO]["replicas"]) == 2
             if health.status_code == 200 and demo_ready:
                 break
-            time.sleep(0.5)
+            time.sleep(0.2)
         else:
             raise AssertionError(f"not ready after {READY_TIMEOUT_S} s: {health.text}")
         print(f"application ready in {time.monotonic() - started:.1f} s")
@@ -345,7 +345,7 @@ def test_a_killed_replica_loses_no_request_and_is_replaced(app, client) -> None:
         fresh = [r for r in replicas if r["replica"] != victim["replica"] and r["state"] == "ready"]
         if len(fresh) == 2:
             break
-        time.sleep(0.5)
+        time.sleep(0.2)
     else:
         raise AssertionError(f"no replacement within 60 s: {replicas}")
     # Both serve, the replacement with the adapter loaded through /v1/loras before it started.
@@ -388,14 +388,14 @@ def test_autoscaling_goes_to_two_replicas_under_a_queue_and_back_to_one(app, cli
 
     deadline = time.monotonic() + READY_TIMEOUT_S
     while httpx.get(f"{app.base_url}/health", timeout=10).status_code != 200 and time.monotonic() < deadline:
-        time.sleep(0.5)
+        time.sleep(0.2)
     seen = [ready_replicas()]
     assert seen == [1]
     with ThreadPoolExecutor(8) as pool:
         load = [pool.submit(keep_busy, seed) for seed in range(8)]
         deadline = time.monotonic() + 90
         while seen[-1] < 2 and time.monotonic() < deadline:
-            time.sleep(0.5)
+            time.sleep(0.2)
             seen.append(ready_replicas())
         stop.set()
         for future in load:
@@ -403,6 +403,6 @@ def test_autoscaling_goes_to_two_replicas_under_a_queue_and_back_to_one(app, cli
     assert seen[-1] == 2, f"no second replica under a queue of 8: {seen}"
     deadline = time.monotonic() + 90
     while seen[-1] > 1 and time.monotonic() < deadline:
-        time.sleep(0.5)
+        time.sleep(0.2)
         seen.append(ready_replicas())
     assert seen[-1] == 1, f"not back to one replica once idle: {seen}"

@@ -377,7 +377,7 @@ class ServerPool:
                 pytest.fail(f"{where}: the server exited {process.returncode}{server.tail()}", pytrace=False)
             if _healthy(port):
                 return server
-            time.sleep(0.5)
+            time.sleep(0.1)
         pytest.fail(f"{where}: the server was not ready in {SERVER_READY_TIMEOUT_S:.0f} s{server.tail()}")
 
     def used(self, canonical: str | None) -> None:
