@@ -104,18 +104,24 @@ def test_cfg_parallel_matches_one_rank_and_stops_its_ranks(tiny_flux_dir, refere
 
 
 def test_ulysses_two_ranks_matches_one_rank(tiny_flux_dir, reference) -> None:
-    """Also with attention reuse (PAB): every rank stands in for the same attention calls (each its
-    shard of the outputs), so the image and the counts are one rank's."""
-    pab = SamplingParams(prompt="a red square", cache={"method": "pab"}, **{**BASE, "num_inference_steps": 8})
-    one = DiffGenerator.from_pretrained(tiny_flux_dir, show_progress=False).generate_from_params(pab)
+    """Also with attention reuse (PAB), and FasterCache skipping a CFG request's negative branch: every
+    rank stands in for the same attention calls (each its shard of the outputs) and skips the same
+    steps' negative branch, so the images and the counts are one rank's."""
+    steps = {**BASE, "num_inference_steps": 8}
+    pab = SamplingParams(prompt="a red square", cache={"method": "pab"}, **steps)
+    faster = SamplingParams(prompt="a red square", cache={"method": "fastercache"}, **CFG, **steps)
+    single = DiffGenerator.from_pretrained(tiny_flux_dir, show_progress=False)
+    one, one_faster = single.generate_from_params(pab), single.generate_from_params(faster)
     gen = DiffGenerator.from_pretrained(tiny_flux_dir, show_progress=False, num_gpus=2)
     try:
         assert gen.ranks is not None and gen.ranks.state is not None
         assert gen.ranks.state.ulysses_degree == 2 and gen.ranks.state.cfg_degree == 1
         mixed = [pixels(out) for out in gen.generate_many(mixed_batch())]
-        two = gen.generate_from_params(pab)
+        two, two_faster = gen.generate_from_params(pab), gen.generate_from_params(faster)
     finally:
         gen.close()
+    assert two_faster.cache == one_faster.cache and one_faster.cache["unconditional_skipped"] > 0
+    assert np.abs(pixels(two_faster) - pixels(one_faster)).max() <= 1
     assert np.abs(mixed[0] - reference["mixed_cfg"]).max() <= 1
     assert np.abs(mixed[1] - reference["mixed_plain"]).max() <= 1
     assert two.cache == one.cache and one.cache["attention_reused"] > 0
