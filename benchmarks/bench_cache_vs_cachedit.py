@@ -459,7 +459,9 @@ class BlockWork:
 class Engines:
     """diffusers' FluxPipeline and diffserve's DiffGenerator on one checkpoint, one process."""
 
-    def __init__(self, ck: Checkpoint, threads: int, seed: int, row_baseline: bool) -> None:
+    def __init__(
+        self, ck: Checkpoint, threads: int, seed: int, row_baseline: bool, compile_dit: bool = False
+    ) -> None:
         import torch
         from diffusers import FluxPipeline
         from diffusers.utils import logging as diffusers_logging
@@ -478,7 +480,12 @@ class Engines:
             self.exact_pipe = FluxPipeline.from_pretrained(ck.path, torch_dtype=torch.float32).to("cpu")
             self.exact_pipe.set_progress_bar_config(disable=True)
         self.generator = DiffGenerator.from_pretrained(
-            ck.path, device="cpu", dtype="float32", show_progress=False, cpu_threads=threads
+            ck.path,
+            device="cpu",
+            dtype="float32",
+            show_progress=False,
+            cpu_threads=threads,
+            compile=compile_dit,
         )
         torch.set_num_threads(threads)
 
@@ -685,7 +692,7 @@ def paired_ratio(ref: Side, ours: Side) -> list[float]:
 
 def run_checkpoint(args: argparse.Namespace, ck: Checkpoint) -> dict[str, Any]:
     log(f"{ck.name}: loading both engines ({ck.path}) ...")
-    engines = Engines(ck, args.threads, args.seed, args.row_baseline)
+    engines = Engines(ck, args.threads, args.seed, args.row_baseline, args.diffserve_compile)
     ctx: dict[str, Any] = {}
     try:
         # Warm-up, untimed: first calls allocate; every prompt's text embeddings enter diffserve's prompt
@@ -809,7 +816,8 @@ def render(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
         f"### {result['checkpoint']}: {result['description']}",
         "",
         f"{result['dit_parameters'] / 1e6:.1f}M-parameter DiT, {steps} steps, {len(result['prompts'])} prompt(s) x "
-        f"{args.repeats} repeat(s), seed {args.seed}, fp32, {args.threads} torch thread(s)",
+        f"{args.repeats} repeat(s), seed {args.seed}, fp32, {args.threads} torch thread(s)"
+        + (", diffserve compiled (--compile), the reference eager" if args.diffserve_compile else ""),
         "",
         "| method | settings | implementation | end-to-end s | speed-up vs own exact | steps reused | DiT blocks run "
         "| PSNR vs own exact | PSNR vs diffusers exact |",
@@ -825,7 +833,8 @@ def render(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
                 f"{head} {name} | " + " | ".join(side_cells(entry["reference_result"], steps)) + " |"
             )
             head = "| | |"
-        lines.append(f"{head} diffserve | " + " | ".join(side_cells(entry["diffserve_result"], steps)) + " |")
+        ours = "diffserve (--compile)" if args.diffserve_compile else "diffserve"
+        lines.append(f"{head} {ours} | " + " | ".join(side_cells(entry["diffserve_result"], steps)) + " |")
         if "reference_result" in entry:
             time_cell, gap_cell, verdict = ratio_cells(entry)
             if time_cell != "-":
@@ -919,6 +928,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quick", action="store_true",
         help="smoke run: 12 steps, 1 prompt, 1 repeat, no per-row baseline, a tiny 8-block FLUX at 64x64; "
         "no figures to quote",
+    )  # fmt: skip
+    p.add_argument(
+        "--diffserve-compile", action="store_true",
+        help="diffserve with --compile (its regional torch.compile of the DiT's blocks, compiled at start-up, "
+        "untimed); the reference side stays eager",
     )  # fmt: skip
     p.add_argument(
         "--json", "--out", dest="json", type=Path, default=None, help="also write the results as JSON"
