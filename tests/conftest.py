@@ -68,7 +68,8 @@ _share_httpx_default_ssl_context()
 FILE_SECONDS = {
     # From `--durations=0` of `make test`'s pytest in a warm tree (2026-12-05, an idle machine; test_compile's
     # cold figure, as in a fresh clone).
-    "tests/unit/test_compile.py": 130,  # four cold inductor compiles (plain, Z-Image, LoRA batches, int8)
+    # test_compile: 130 s scaled by a cold run without the FLUX graph break (158 s -> 126 s, empty inductor cache).
+    "tests/unit/test_compile.py": 105,  # four cold inductor compiles (plain, Z-Image, LoRA batches, int8)
     # A unit of two files (`SHARED_UNITS`): one two-node Ray cluster, three applications, a fault, autoscaling.
     "tests/deploy/test_ray_serve.py": 130,
     "tests/e2e/test_docs_examples.py": 73,  # every document; its servers are shared between them
