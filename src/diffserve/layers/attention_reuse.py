@@ -79,8 +79,10 @@ def attention_reuse_active() -> bool:
 
 
 def reused_attention_output(module: ReusableAttention) -> AttentionOutput | None:
-    """`AttentionReuse.reused_output` of the active scope (None outside one)."""
-    reuse = _active.get()
+    """`AttentionReuse.reused_output` of the active scope (None outside one, and while compiled code is
+    being traced: a graph cannot read the scope's context variable without breaking, and compiled blocks
+    run eagerly whenever a scope is active)."""
+    reuse = None if torch.compiler.is_compiling() else _active.get()
     return None if reuse is None else reuse.reused_output(module)
 
 

@@ -437,9 +437,7 @@ class FluxSingleTransformerBlock(nn.Module):
         Each image row's value is the same sums as in the full block.
         """
         norm_h, gate = self.norm.modulate_projected(h, emb)
-        # An attention-level cache stands in for it this step; never in a compiled graph (compiled blocks run
-        # eagerly while attention may be reused), and reading the scope's ContextVar would break the graph.
-        attn = None if torch.compiler.is_compiling() else reused_attention_output(self.attn)
+        attn = reused_attention_output(self.attn)  # an attention-level cache stands in for it this step
         if attn is not None:
             assert isinstance(attn, torch.Tensor)
             residual = h if text_len is None else h[:, text_len:]
