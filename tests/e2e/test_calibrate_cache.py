@@ -100,6 +100,7 @@ def test_calibration_is_written_next_to_the_model_and_used(tmp_path, capsys, cal
         "scm",
         "magcache",
         "easycache",
+        "seacache",
     }  # every method the FLUX DiT runs, magcache with ratios measured on the prompts and FLUX.1's
     generator = DiffGenerator.from_pretrained(folder, device="cpu", show_progress=False)
     for tier, preset in data["tiers"].items():

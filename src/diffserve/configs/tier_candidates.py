@@ -23,6 +23,8 @@ at the settings its authors recommend:
                 threshold), with the model's magnitude ratios measured by the calibration on its own
                 prompts (`magcache_calibrate`), and with the family's recorded ratios where it has them.
     easycache   rising `reuse_threshold`, its warm-up and cool-down at ComfyUI's defaults.
+    seacache    rising `threshold`, at most 2 steps reused in a row (then 3 and 5 at the top threshold),
+                order 1 (the residual extrapolated), diffusers' other defaults.
 
 No torch here: the grid is configuration.
 """
@@ -37,6 +39,7 @@ from diffserve.configs.cache_settings import (
     EasyCacheSettings,
     MagCacheSettings,
     ScmSettings,
+    SeaCacheSettings,
     TaylorSeerSettings,
     TeaCacheSettings,
 )
@@ -56,8 +59,13 @@ MAGCACHE_THRESHOLDS = (0.02, 0.04, 0.06, 0.1, 0.15, 0.25, 0.4, 0.6, 1.0)
 #: Steps reused in a row at most: the first along the thresholds, the others past the top one.
 MAGCACHE_K = (4, 6, 10)
 #: What `--methods` accepts: the original step cache and every cache method that reuses work.
-CANDIDATE_METHODS = ("stepcache", "dbcache", "teacache", "taylorseer", "scm", "magcache", "easycache")
+CANDIDATE_METHODS = (
+    "stepcache", "dbcache", "teacache", "taylorseer", "scm", "magcache", "easycache", "seacache",
+)  # fmt: skip
 EASYCACHE_THRESHOLDS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.2)
+SEACACHE_THRESHOLDS = (0.1, 0.15, 0.25, 0.4, 0.6, 1.0, 1.6)
+#: Steps reused in a row at most: the first along the thresholds, the others past the top one.
+SEACACHE_MAX_CONSECUTIVE = (2, 3, 5)
 
 
 @dataclass(frozen=True)
@@ -127,6 +135,11 @@ def method_ladders(methods: Collection[str]) -> list[Ladder]:
         ladders.append(
             Ladder("easycache", tuple(EasyCacheSettings(reuse_threshold=t) for t in EASYCACHE_THRESHOLDS))
         )
+    if "seacache" in methods:
+        first, *longer = SEACACHE_MAX_CONSECUTIVE
+        rungs = [SeaCacheSettings(threshold=t, max_consecutive_cached=first) for t in SEACACHE_THRESHOLDS]
+        rungs += [replace(rungs[-1], max_consecutive_cached=m) for m in longer]
+        ladders.append(Ladder("seacache", tuple(rungs)))
     return ladders
 
 
