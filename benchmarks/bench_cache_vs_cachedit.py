@@ -501,6 +501,7 @@ class Engines:
             self.exact_pipe.set_progress_bar_config(disable=True)
         #: With compiled code, each row runs once untimed first (a cache's call pattern is traced once).
         self.warm_each_row = compile_dit or compile_reference
+        self.reference_compiled = compile_reference
         if compile_reference:  # diffusers' regional compilation: each repeated block class compiled
             for pipe in (self.pipe, self.exact_pipe):
                 if pipe is not None:
@@ -528,11 +529,13 @@ class Engines:
             **self.ck.request,
         ).images[0]  # fmt: skip
         seconds = time.perf_counter() - start
-        return (
-            seconds,
-            np.asarray(image.convert("RGB")),
-            self.work.counts(self.ck.request["num_inference_steps"]),
+        # Compiled blocks trace the counting hooks inside them once and do not count: no counts then.
+        counts = (
+            {"steps_reused": None, "block_work": None}
+            if self.reference_compiled
+            else self.work.counts(self.ck.request["num_inference_steps"])
         )
+        return seconds, np.asarray(image.convert("RGB")), counts
 
     def run_diffserve(self, prompt: str, cache: dict | None) -> tuple[float, np.ndarray, dict[str, Any]]:
         kwargs = {} if cache is None else {"cache": cache}
@@ -678,6 +681,12 @@ def run_row(engines: Engines, row: Row, repeats: int) -> dict[str, Side]:
     return sides
 
 
+def _mean_count(counts: list[dict[str, Any] | None], key: str) -> float | None:
+    """The mean of one count over the prompts; None where it was not counted (a compiled reference)."""
+    values = [c[key] for c in counts if c is not None]
+    return None if not values or None in values else statistics.fmean(values)
+
+
 def summarize(side: Side, exact: Side | None, diffusers_exact: Side | None) -> dict[str, Any]:
     """Per implementation and row: seconds, speed-up against its exact run, counts, PSNRs."""
     if side.error is not None:
@@ -687,8 +696,8 @@ def summarize(side: Side, exact: Side | None, diffusers_exact: Side | None) -> d
         "implementation": side.name,
         "seconds": statistics.fmean(medians),
         "seconds_per_prompt": side.seconds,
-        "steps_reused": statistics.fmean(c["steps_reused"] for c in side.counts),
-        "block_work": statistics.fmean(c["block_work"] for c in side.counts),
+        "steps_reused": _mean_count(side.counts, "steps_reused"),
+        "block_work": _mean_count(side.counts, "block_work"),
     }
     reports = [c.get("report") for c in side.counts if c.get("report")]
     if reports:
@@ -814,8 +823,8 @@ def side_cells(result: dict[str, Any], steps: int) -> list[str]:
     return [
         f"{result['seconds']:.2f}",
         "-" if speedup is None else f"{speedup:.2f}x",
-        f"{result['steps_reused']:.1f} / {steps}",
-        f"{100 * result['block_work']:.0f}%",
+        "not counted" if result["steps_reused"] is None else f"{result['steps_reused']:.1f} / {steps}",
+        "not counted" if result["block_work"] is None else f"{100 * result['block_work']:.0f}%",
         db(result.get("psnr_vs_own_exact")),
         db(result.get("psnr_vs_diffusers_exact")),
     ]

@@ -67,7 +67,7 @@ def count_rows(transformer: torch.nn.Module) -> list[int]:
 
 def diffusers_engine(root: Path, kwargs: dict, hooked: bool) -> Engine:
     from diffusers import StableDiffusion3Pipeline
-    from diffusers.hooks import FasterCacheConfig, apply_faster_cache
+    from diffusers.hooks import FasterCacheConfig, HookRegistry, apply_faster_cache
 
     pipe = StableDiffusion3Pipeline.from_pretrained(root, torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
@@ -94,6 +94,10 @@ def diffusers_engine(root: Path, kwargs: dict, hooked: bool) -> Engine:
     def generate() -> np.ndarray:
         rows.clear()
         one_row.clear()
+        if (
+            hooked
+        ):  # SD3's transformer is no CacheMixin: the pipeline does not reset the hook's state after a call
+            HookRegistry.check_if_exists_or_initialize(pipe.transformer).reset_stateful_hooks()
         generator = torch.Generator("cpu").manual_seed(SEED)
         image = pipe(PROMPT, generator=generator, output_type="np", **kwargs).images[0]
         engine.skipped = len(one_row)
