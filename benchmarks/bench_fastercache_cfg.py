@@ -38,11 +38,11 @@ import numpy as np
 import diffserve  # noqa: F401  (before torch: OpenMP's passive wait policy is read when torch loads)
 from diffserve import DiffGenerator
 from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
+from diffserve.testing.faster_cache_reference import apply_sd3_faster_cache, reset_faster_cache
 from diffserve.testing.image_metrics import psnr_uint8
 
 PROMPT = "a lighthouse on a cliff at dusk, oil painting"
 SEED = 11
-BRANCH_INPUTS = ["hidden_states", "encoder_hidden_states", "timestep", "pooled_projections"]
 
 import torch  # noqa: E402  (after diffserve, see above)
 
@@ -67,7 +67,6 @@ def count_rows(transformer: torch.nn.Module) -> list[int]:
 
 def diffusers_engine(root: Path, kwargs: dict, hooked: bool) -> Engine:
     from diffusers import StableDiffusion3Pipeline
-    from diffusers.hooks import FasterCacheConfig, HookRegistry, apply_faster_cache
 
     pipe = StableDiffusion3Pipeline.from_pretrained(root, torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
@@ -77,27 +76,15 @@ def diffusers_engine(root: Path, kwargs: dict, hooked: bool) -> Engine:
         lambda m, a, out: one_row.append(1) if out.shape[0] == 1 else None
     )
     if hooked:
-        current: dict[str, float] = {}
-        pipe.transformer.register_forward_pre_hook(
-            lambda m, args, kw: current.update(t=float(kw["timestep"][0])), with_kwargs=True
-        )
-        config = FasterCacheConfig(
-            spatial_attention_block_identifiers=("transformer_blocks.*attn",),
-            current_timestep_callback=lambda: current["t"],
-            tensor_format="BCHW",
-            _unconditional_conditional_input_kwargs_identifiers=BRANCH_INPUTS,
-        )
-        apply_faster_cache(pipe.transformer, config)
+        apply_sd3_faster_cache(pipe.transformer)
 
     engine = Engine(lambda: np.zeros(0), rows)
 
     def generate() -> np.ndarray:
         rows.clear()
         one_row.clear()
-        if (
-            hooked
-        ):  # SD3's transformer is no CacheMixin: the pipeline does not reset the hook's state after a call
-            HookRegistry.check_if_exists_or_initialize(pipe.transformer).reset_stateful_hooks()
+        if hooked:  # the pipeline does not reset the hook after a call (`testing/faster_cache_reference.py`)
+            reset_faster_cache(pipe.transformer)
         generator = torch.Generator("cpu").manual_seed(SEED)
         image = pipe(PROMPT, generator=generator, output_type="np", **kwargs).images[0]
         engine.skipped = len(one_row)

@@ -27,6 +27,7 @@ from diffserve.errors import InvalidRequestError
 from diffserve.families.cogvideox.tiny import TinyCogVideoXSpec, build_tiny_cogvideox
 from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
 from diffserve.testing.cache_parity import first_output_pixels as pixels
+from diffserve.testing.faster_cache_reference import apply_sd3_faster_cache
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 from diffserve.testing.parity import to_uint8
 
@@ -34,7 +35,6 @@ STEPS = 20
 PROMPT = "a red fox in the snow"
 SD3_KWARGS = {"height": 64, "width": 64, "num_inference_steps": STEPS, "guidance_scale": 5.0}
 COG_KWARGS = {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": STEPS, "guidance_scale": 6.0}
-SD3_BRANCH_INPUTS = ["hidden_states", "encoder_hidden_states", "timestep", "pooled_projections"]
 
 
 def attention_rows(transformer: torch.nn.Module, attention: str) -> list[int]:
@@ -57,18 +57,7 @@ def sd3_reference(root, distilled: bool) -> tuple[np.ndarray, list[int]]:
     pipe = StableDiffusion3Pipeline.from_pretrained(root, torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     rows = attention_rows(pipe.transformer, "attn")
-    current: dict[str, float] = {}
-    pipe.transformer.register_forward_pre_hook(
-        lambda m, args, kwargs: current.update(t=float(kwargs["timestep"][0])), with_kwargs=True
-    )
-    config = FasterCacheConfig(
-        spatial_attention_block_identifiers=("transformer_blocks.*attn",),
-        current_timestep_callback=lambda: current["t"],
-        tensor_format="BCHW",
-        is_guidance_distilled=distilled,
-        _unconditional_conditional_input_kwargs_identifiers=SD3_BRANCH_INPUTS,
-    )
-    apply_faster_cache(pipe.transformer, config)
+    apply_sd3_faster_cache(pipe.transformer, distilled)
     generator = torch.Generator("cpu").manual_seed(7)
     image = pipe(PROMPT, generator=generator, output_type="np", **SD3_KWARGS).images[0]
     return (image * 255).round().astype(np.uint8), rows

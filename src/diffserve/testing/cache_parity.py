@@ -151,6 +151,22 @@ def assert_fastercache_with_cfg(
     return score
 
 
+def assert_fastercache_for_case(
+    name: str,
+    generator: CachingGenerator,
+    params: SamplingParams,
+    exact: np.ndarray,
+    measured: dict[str, float],
+) -> None:
+    """A family case's FasterCache check: where its request runs CFG (`name` in `measured`, its PSNR in dB)
+    `assert_fastercache_with_cfg` 4 dB below the measured PSNR; elsewhere the request runs no CFG (there
+    is no negative branch to approximate)."""
+    if name in measured:
+        assert_fastercache_with_cfg(name, generator, params, exact, measured[name] - 4.0)
+    else:
+        assert not generator.pipeline.validate(Req(dataclasses.replace(params))).do_cfg, name
+
+
 @dataclass
 class TierCase:
     """One family's quality-tier case: its generator, the request's keywords (size, frames, inputs), and
