@@ -244,12 +244,16 @@ def test_compiled_generation_matches_eager_and_does_not_recompile(compiled, eage
 @needs_cxx
 def test_attention_reuse_runs_its_forwards_eagerly_on_a_compiled_engine(compiled, eager) -> None:
     """A PAB request on a compiled engine reuses attention as on an eager one (its forwards run the blocks
-    eagerly: a graph cannot skip a module inside it), with the same pixels and counts."""
+    eagerly: a graph cannot skip a module inside it), with the same pixels and counts; so does FasterCache
+    on a true-CFG request, whose skipped steps run its prompt branch alone (a one-row view)."""
     generator, _ = compiled
-    kwargs = {"num_inference_steps": 8, "seed": 7, "height": 64, "width": 64, "cache": {"method": "pab"}}
-    out, ref = generator.generate(PROMPT, **kwargs), eager.generate(PROMPT, **kwargs)
-    assert out.cache == ref.cache and out.cache["attention_reused"] > 0
-    np.testing.assert_array_equal(np.asarray(out.images[0]), np.asarray(ref.images[0]))
+    base = {"num_inference_steps": 8, "seed": 7, "height": 64, "width": 64}
+    faster = {"cache": {"method": "fastercache"}, "negative_prompt": "blurry", "true_cfg_scale": 3.0}
+    for kwargs in ({**base, "cache": {"method": "pab"}}, {**base, **faster}):
+        out, ref = generator.generate(PROMPT, **kwargs), eager.generate(PROMPT, **kwargs)
+        assert out.cache == ref.cache and out.cache["attention_reused"] > 0
+        np.testing.assert_array_equal(np.asarray(out.images[0]), np.asarray(ref.images[0]))
+    assert out.cache["unconditional_skipped"] > 0
 
 
 @pytest.fixture(scope="module")
