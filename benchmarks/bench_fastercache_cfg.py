@@ -38,7 +38,11 @@ import numpy as np
 import diffserve  # noqa: F401  (before torch: OpenMP's passive wait policy is read when torch loads)
 from diffserve import DiffGenerator
 from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
-from diffserve.testing.faster_cache_reference import apply_sd3_faster_cache, reset_faster_cache
+from diffserve.testing.faster_cache_reference import (
+    apply_sd3_faster_cache,
+    attention_rows,
+    reset_faster_cache,
+)
 from diffserve.testing.image_metrics import psnr_uint8
 
 PROMPT = "a lighthouse on a cliff at dusk, oil painting"
@@ -58,19 +62,12 @@ class Engine:
     skipped: int = 0
 
 
-def count_rows(transformer: torch.nn.Module) -> list[int]:
-    rows: list[int] = []
-    for block in transformer.transformer_blocks:
-        block.attn.to_q.register_forward_hook(lambda m, a, out: rows.append(out.shape[0]))
-    return rows
-
-
 def diffusers_engine(root: Path, kwargs: dict, hooked: bool) -> Engine:
     from diffusers import StableDiffusion3Pipeline
 
     pipe = StableDiffusion3Pipeline.from_pretrained(root, torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
-    rows = count_rows(pipe.transformer)
+    rows = attention_rows(pipe.transformer)
     one_row: list[int] = []  # transformer calls on one row: the hook skipped the negative branch
     pipe.transformer.pos_embed.register_forward_hook(
         lambda m, a, out: one_row.append(1) if out.shape[0] == 1 else None
@@ -96,7 +93,7 @@ def diffusers_engine(root: Path, kwargs: dict, hooked: bool) -> Engine:
 
 def diffserve_engine(root: Path, kwargs: dict, cache: dict | None) -> Engine:
     gen = DiffGenerator.from_pretrained(root, device="cpu", show_progress=False)
-    rows = count_rows(gen.pipeline.context.get("transformer"))
+    rows = attention_rows(gen.pipeline.context.get("transformer"))
     engine = Engine(lambda: np.zeros(0), rows)
 
     def generate() -> np.ndarray:

@@ -27,7 +27,7 @@ from diffserve.errors import InvalidRequestError
 from diffserve.families.cogvideox.tiny import TinyCogVideoXSpec, build_tiny_cogvideox
 from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
 from diffserve.testing.cache_parity import first_output_pixels as pixels
-from diffserve.testing.faster_cache_reference import apply_sd3_faster_cache
+from diffserve.testing.faster_cache_reference import apply_sd3_faster_cache, attention_rows
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 from diffserve.testing.parity import to_uint8
 
@@ -35,14 +35,6 @@ STEPS = 20
 PROMPT = "a red fox in the snow"
 SD3_KWARGS = {"height": 64, "width": 64, "num_inference_steps": STEPS, "guidance_scale": 5.0}
 COG_KWARGS = {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": STEPS, "guidance_scale": 6.0}
-
-
-def attention_rows(transformer: torch.nn.Module, attention: str) -> list[int]:
-    """A list that gets the batch rows of each call of the blocks' `attention` modules (their q)."""
-    rows: list[int] = []
-    for block in transformer.transformer_blocks:
-        getattr(block, attention).to_q.register_forward_hook(lambda m, a, out: rows.append(out.shape[0]))
-    return rows
 
 
 @pytest.fixture(scope="module")

@@ -329,6 +329,12 @@ def _timestep_range(default: tuple[float, float], what: str) -> Any:
     )
 
 
+def within_timesteps(timestep: float, bounds: tuple[float, ...]) -> bool:
+    """Whether `timestep` lies strictly inside a `(low, high)` timestep range setting, as diffusers' hooks
+    compare their pipeline's current timestep."""
+    return bounds[0] < timestep < bounds[1]
+
+
 def _check_timestep_range(method: str, name: str, value: tuple[float, ...]) -> None:
     if len(value) != 2 or value[0] >= value[1]:
         raise _fail(f"{method}.{name} must be two timesteps (low, high) with low < high, got {list(value)}")

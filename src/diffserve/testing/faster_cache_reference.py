@@ -36,3 +36,12 @@ def apply_sd3_faster_cache(transformer: torch.nn.Module, is_guidance_distilled: 
 def reset_faster_cache(transformer: torch.nn.Module) -> None:
     """Start the hook's step counts and kept outputs afresh (before a generation)."""
     HookRegistry.check_if_exists_or_initialize(transformer).reset_stateful_hooks()
+
+
+def attention_rows(transformer: torch.nn.Module, attention: str = "attn") -> list[int]:
+    """A list that gets the batch rows of each call of the joint blocks' `attention` modules (counted at
+    their `to_q`, which a stood-in call does not run): diffusers' SD3 / CogVideoX and diffserve's alike."""
+    rows: list[int] = []
+    for block in transformer.transformer_blocks:
+        getattr(block, attention).to_q.register_forward_hook(lambda m, a, out: rows.append(out.shape[0]))
+    return rows

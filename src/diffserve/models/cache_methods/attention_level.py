@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import torch
 
-from diffserve.configs.cache_settings import FasterCacheSettings, PabSettings
+from diffserve.configs.cache_settings import FasterCacheSettings, PabSettings, within_timesteps
 from diffserve.layers.attention_reuse import AttentionOutput, ReusableAttention
 from diffserve.models.cache_methods.base import Plan, RequestCache
 from diffserve.models.cache_methods.blocks import Streams
@@ -107,9 +107,11 @@ class AttentionCacheState(RequestCache):
         return None  # the blocks always run: nothing of theirs is kept
 
     def record(self, reused: bool) -> None:
-        """Count this forward: a step "reused" when any attention call of it was stood in for; the
-        blocks' counts are the attention calls' (computed, reused)."""
-        self.history.append(self._calls_reused == 0)
+        """Count this forward: a step "reused" when any attention call of it was stood in for, or its
+        negative branch skipped (`unconditional`); the blocks' counts are the attention calls' (computed,
+        reused)."""
+        skipped_branch = self.unconditional is not None and self.unconditional.skipping
+        self.history.append(self._calls_reused == 0 and not skipped_branch)
         self.blocks_computed += self._calls_computed
         self.blocks_reused += self._calls_reused
         self._calls_computed = self._calls_reused = 0
@@ -174,10 +176,6 @@ class AttentionCacheState(RequestCache):
             self._calls_computed += 1
 
 
-def _within(timestep: float, bounds: tuple[float, ...]) -> bool:
-    return bounds[0] < timestep < bounds[1]
-
-
 class PabState(AttentionCacheState):
     method = "pab"
 
@@ -192,7 +190,7 @@ class PabState(AttentionCacheState):
 
     def decide_kind(self, kind: Kind, iteration: int, timestep: float) -> bool:
         skip_range, bounds = self._schedule(kind)
-        if skip_range is None or iteration == 0 or not _within(timestep, bounds):
+        if skip_range is None or iteration == 0 or not within_timesteps(timestep, bounds):
             return False
         return iteration % skip_range != 0
 
@@ -221,7 +219,7 @@ class FasterCacheState(AttentionCacheState):
 
     def decide_kind(self, kind: Kind, iteration: int, timestep: float) -> bool:
         s = self.settings
-        if kind != "spatial" or not _within(timestep, s.spatial_attention_timestep_skip_range):
+        if kind != "spatial" or not within_timesteps(timestep, s.spatial_attention_timestep_skip_range):
             return False
         if self._both_branches_run():
             return False
@@ -242,13 +240,6 @@ class FasterCacheState(AttentionCacheState):
             assert isinstance(previous, torch.Tensor)
             return last + (last - previous) * weight
         return tuple(None if t is None else t + (t - p) * weight for p, t in zip(previous, last, strict=True))
-
-    def record(self, reused: bool) -> None:
-        """As every attention method, and a step that skipped the unconditional branch counts as reused."""
-        skipped = self.unconditional is not None and self.unconditional.skipping
-        super().record(reused)
-        if skipped:
-            self.history[-1] = False
 
     def extra_report(self) -> dict[str, Any]:
         report = super().extra_report()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from diffserve.configs.cache_settings import FasterCacheSettings
+from diffserve.configs.cache_settings import FasterCacheSettings, within_timesteps
 
 
 def split_frequencies(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,10 +36,6 @@ def split_frequencies(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def join_frequencies(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
     """The real signal whose centred spectrum is `low + high` (inverse of `split_frequencies`)."""
     return torch.fft.ifft2(torch.fft.ifftshift(low + high, dim=(-2, -1))).real
-
-
-def _within(timestep: float, bounds: tuple[float, ...]) -> bool:
-    return bounds[0] < timestep < bounds[1]
 
 
 class UnconditionalBranch:
@@ -63,7 +59,7 @@ class UnconditionalBranch:
         s = self.settings
         self.skipping = (
             self.forwards > 0
-            and _within(timestep, s.unconditional_batch_timestep_skip_range)
+            and within_timesteps(timestep, s.unconditional_batch_timestep_skip_range)
             and self.forwards % s.unconditional_batch_skip_range != 0
         )
         self.forwards += 1
@@ -84,11 +80,13 @@ class UnconditionalBranch:
             raise RuntimeError("fastercache: no branch difference kept before a skipped step")
         s = self.settings
         self._low = self._low * (
-            s.alpha_low_frequency if _within(timestep, s.low_frequency_weight_update_timestep_range) else 1.0
+            s.alpha_low_frequency
+            if within_timesteps(timestep, s.low_frequency_weight_update_timestep_range)
+            else 1.0
         )
         self._high = self._high * (
             s.alpha_high_frequency
-            if _within(timestep, s.high_frequency_weight_update_timestep_range)
+            if within_timesteps(timestep, s.high_frequency_weight_update_timestep_range)
             else 1.0
         )
         low_positive, high_positive = split_frequencies(positive)
