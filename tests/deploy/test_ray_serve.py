@@ -317,7 +317,7 @@ def test_a_killed_replica_loses_no_request_and_is_replaced(app, client) -> None:
 
     def one(seed: int) -> int | str:
         try:
-            client.images.generate(model=DEMO, prompt=PROMPT, size=f"{SIZE}x{SIZE}", extra_body={"seed": seed, "num_inference_steps": 40})  # fmt: skip
+            client.images.generate(model=DEMO, prompt=PROMPT, size=f"{SIZE}x{SIZE}", extra_body={"seed": seed, "num_inference_steps": 30})  # fmt: skip
             return 200
         except openai.APIStatusError as exc:
             return f"{exc.status_code} {exc.body}"
@@ -327,7 +327,7 @@ def test_a_killed_replica_loses_no_request_and_is_replaced(app, client) -> None:
         return any(r["replica"] == replica and r["running"] > 0 for r in replicas)
 
     with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(one, seed) for seed in range(24)]
+        futures = [pool.submit(one, seed) for seed in range(16)]
         deadline = time.monotonic() + 30
         while not running(victim["replica"]) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -337,7 +337,7 @@ def test_a_killed_replica_loses_no_request_and_is_replaced(app, client) -> None:
     print(f"outcomes: {outcomes}")
     others = [o for o in outcomes if o != 200]
     assert all(isinstance(o, str) and o.startswith("503") and "engine_died" in o for o in others), others
-    assert outcomes.count(200) >= 12, outcomes  # the other replica kept serving (and took the unstarted ones)
+    assert outcomes.count(200) >= 8, outcomes  # the other replica kept serving (and took the unstarted ones)
 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -367,8 +367,11 @@ def test_autoscaling_goes_to_two_replicas_under_a_queue_and_back_to_one(app, cli
     from diffserve.deploy.app import build_app
 
     serve.delete("diffserve")  # both nodes' CPUs for the autoscaled model
+    # No delays and a 1 s look-back: the load goes from 8 to none at once (the clients stop when the second
+    # replica is up), so nothing here can flap; with Ray's 1 s downscale delay, going back to one replica
+    # took 12 s instead of 3.
     model = {"model_path": str(demo_model_path()), "min_replicas": 1, "max_replicas": 2,
-             "target_ongoing_requests": 1, "upscale_delay_s": 0, "downscale_delay_s": 1, "look_back_period_s": 2}  # fmt: skip
+             "target_ongoing_requests": 1, "upscale_delay_s": 0, "downscale_delay_s": 0, "look_back_period_s": 1}  # fmt: skip
     serve.run(
         build_app({"models": [model], "server": {"log_level": "warning"}}), name="autoscale", route_prefix="/"
     )
@@ -383,7 +386,7 @@ def test_autoscaling_goes_to_two_replicas_under_a_queue_and_back_to_one(app, cli
         """One client that sends a request after each answer until the second replica is up: the queue
         stays at 8 for as long as the scale-up takes, and no more work than that is left to finish."""
         while not stop.is_set():
-            client.images.generate(model=DEMO, prompt=PROMPT, size=f"{SIZE}x{SIZE}", extra_body={"seed": seed, "num_inference_steps": 60})  # fmt: skip
+            client.images.generate(model=DEMO, prompt=PROMPT, size=f"{SIZE}x{SIZE}", extra_body={"seed": seed, "num_inference_steps": 30})  # fmt: skip
             seed += 8
 
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -391,18 +394,23 @@ def test_autoscaling_goes_to_two_replicas_under_a_queue_and_back_to_one(app, cli
         time.sleep(0.2)
     seen = [ready_replicas()]
     assert seen == [1]
+    started = time.monotonic()
     with ThreadPoolExecutor(8) as pool:
         load = [pool.submit(keep_busy, seed) for seed in range(8)]
         deadline = time.monotonic() + 90
         while seen[-1] < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
             seen.append(ready_replicas())
+        scaled_up = time.monotonic()
         stop.set()
         for future in load:
             future.result(timeout=300)
+    drained = time.monotonic()
     assert seen[-1] == 2, f"no second replica under a queue of 8: {seen}"
     deadline = time.monotonic() + 90
     while seen[-1] > 1 and time.monotonic() < deadline:
         time.sleep(0.2)
         seen.append(ready_replicas())
+    print(f"two replicas after {scaled_up - started:.1f} s of load, the load drained {drained - scaled_up:.1f} s "
+          f"later, one replica {time.monotonic() - drained:.1f} s after that")  # fmt: skip
     assert seen[-1] == 1, f"not back to one replica once idle: {seen}"

@@ -20,10 +20,11 @@ def server(tiny_flux_dir, tmp_path_factory):
         "8",
         "--max-body-bytes",
         "65536",
-        # test_server.py's SIGTERM test lets its 150-step request finish within this (about 1 s on an idle
-        # machine, far more on a loaded one); the waiting requests are cancelled at once whatever it is.
+        # test_server.py's SIGTERM test lets its 150-step request finish within this (about 0.6 s on an idle
+        # machine, far more on a loaded one); the request waiting behind it gets the rest of the window (a
+        # drain runs accepted requests while it lasts) and is then cancelled, so the test lasts this long.
         "--shutdown-timeout",
-        "20",
+        "10",
         # One request at a time: test_server.py's queue, cancel and drain tests count 1 running + N waiting.
         # Step-level batching has its own server in test_batching.py.
         "--max-running-requests",
