@@ -36,7 +36,7 @@ HOOKS = (
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     out = tmp_path_factory.mktemp("bench_cache")
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--threads", "2", "--json", str(out / "result.json"),
+        [sys.executable, str(SCRIPT), "--quick", "--threads", "1", "--json", str(out / "result.json"),
          "--model-dir", str(out / "flux-8blocks")],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
