@@ -88,7 +88,7 @@ def run_child(folder: Path, *sizes: tuple[int, int, int]) -> dict:
 def report(tmp_path_factory) -> dict:
     if not vm_hwm_resets():
         pytest.skip("VmHWM cannot be reset here (not Linux, or /proc/self/clear_refs refused)")
-    return run_child(tmp_path_factory.mktemp("tiny-wan") / "wan", (240, 416, 9))
+    return run_child(tmp_path_factory.mktemp("tiny-wan") / "wan", (160, 288, 9))
 
 
 def test_the_issue_requests_are_admitted_under_20_gb(report: dict) -> None:
