@@ -10,6 +10,7 @@ dynamo's caches never mix, and all share the model's weights):
 | `regional-op-mkl` | the blocks compiled per class (dynamic shapes), entered without the request scope mirrored: attention is the opaque `diffserve::attention` op, matmuls MKL's `addmm` (the path before issue 37) |
 | `regional-sdpa-mkl` | entered through `ScopedCompiledCall`: SDPA traced as itself (and plain Linears), matmuls MKL's |
 | `regional-sdpa-onednn` | the same with `OneDnnLinearPass` (what `--compile` runs on a CPU where oneDNN wins) |
+| `static-sdpa-onednn` | the same compiled for the shapes it is called with (`dynamic=False`), not for any size |
 | `stack-sdpa-onednn` | all blocks in one graph (the block loop of `FluxTransformer2DModel._run_blocks`) |
 | `whole-sdpa-onednn` | the whole DiT forward in one graph (`fullgraph=True`) |
 
@@ -38,6 +39,7 @@ VARIANTS = (
     "regional-op-mkl",
     "regional-sdpa-mkl",
     "regional-sdpa-onednn",
+    "static-sdpa-onednn",
     "stack-sdpa-onednn",
     "whole-sdpa-onednn",
 )
@@ -89,13 +91,11 @@ def build_variants(dit, inputs: dict, names: list[str]) -> dict[str, Callable[[]
         kind, attention, gemm = name.split("-")
         options = {"post_grad_custom_pre_pass": OneDnnLinearPass()} if gemm == "onednn" else None
         tag = name.replace("-", "_")
-        if kind == "regional":
-            call = torch.compile(
-                unique_function(tag, "block, *a, **kw", "return block(*a, **kw)", {}),
-                dynamic=True, options=options,
-            )  # fmt: skip
+        if kind in ("regional", "static"):
+            plain = unique_function(tag, "block, *a, **kw", "return block(*a, **kw)", {})
+            call = torch.compile(plain, dynamic=kind == "regional", options=options)
             if attention == "sdpa":
-                call = ScopedCompiledCall(call)
+                call = ScopedCompiledCall(call, eager=plain)
             model = shallow()
             model.transformer_blocks = nn.ModuleList([Region(b, call) for b in dit.transformer_blocks])
             model.single_transformer_blocks = nn.ModuleList(
@@ -103,22 +103,16 @@ def build_variants(dit, inputs: dict, names: list[str]) -> dict[str, Callable[[]
             )
             runners[name] = lambda model=model: model(**inputs)
         elif kind == "stack":
-            stack = torch.compile(
-                unique_function(tag, "model, x, ctx, mods, rope", STACK, {"torch": torch}),
-                dynamic=True, fullgraph=True, options=options,
-            )  # fmt: skip
-            scoped = ScopedCompiledCall(stack)
+            plain = unique_function(tag, "model, x, ctx, mods, rope", STACK, {"torch": torch})
+            stack = torch.compile(plain, dynamic=True, fullgraph=True, options=options)
+            scoped = ScopedCompiledCall(stack, eager=plain)
             model = shallow()
             model._run_blocks = lambda x, ctx, mods, rope, scoped=scoped: scoped(dit, x, ctx, mods, rope)
             runners[name] = lambda model=model: model(**inputs)
         elif kind == "whole":
+            plain = unique_function(tag, "model, kw", "return model(**kw)", {})
             whole = ScopedCompiledCall(
-                torch.compile(
-                    unique_function(tag, "model, kw", "return model(**kw)", {}),
-                    dynamic=True,
-                    fullgraph=True,
-                    options=options,
-                )  # fmt: skip
+                torch.compile(plain, dynamic=True, fullgraph=True, options=options), eager=plain
             )
             runners[name] = lambda whole=whole: whole(dit, inputs)
             flux_module.sequence_split = lambda lengths: None  # see the module docstring
