@@ -69,10 +69,13 @@ def test_vm_hwm_resets_to_the_current_rss() -> None:
     del block
 
 
-def test_a_reset_hidden_by_another_threads_free_is_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_reset_hidden_by_another_threads_free_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """A thread freeing memory right after the reset leaves VmRSS under the VmHWM just set: the check
     reads again instead of calling the counter broken (the cause of a server calibrated as "estimated"
-    under load); a counter that never shows the reset is still refused."""
+    under load); a counter that never shows the reset is still refused, and the warning says which of the
+    two failed (the write, or the reset showing)."""
     from diffserve.platforms import cpu
 
     readings = iter([{"VmHWM": 900, "VmRSS": 880}, {"VmHWM": 880, "VmRSS": 880}])
@@ -83,7 +86,15 @@ def test_a_reset_hidden_by_another_threads_free_is_tried_again(monkeypatch: pyte
         assert cpu.vm_hwm_resets()
         monkeypatch.setattr(cpu, "_status_kib", lambda *keys: {"VmHWM": 900, "VmRSS": 880})
         cpu.vm_hwm_resets.cache_clear()
-        assert not cpu.vm_hwm_resets()
+        with caplog.at_level("WARNING", logger=cpu.logger.name):
+            assert not cpu.vm_hwm_resets()
+        assert "did not show in /proc/self/status on 5 tries" in caplog.text
+        monkeypatch.setattr(cpu, "reset_vm_hwm", lambda: False)
+        cpu.vm_hwm_resets.cache_clear()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger=cpu.logger.name):
+            assert not cpu.vm_hwm_resets()
+        assert "cannot write /proc/self/clear_refs" in caplog.text
     finally:
         cpu.vm_hwm_resets.cache_clear()
 

@@ -257,16 +257,22 @@ def vm_hwm_resets() -> bool:
     can only have grown with it). Another thread freeing memory between the reset and the reading leaves
     the RSS below the peak just set (a loaded machine widens that window), so a reset that works shows it
     on one of `VM_HWM_RESET_TRIES` tries. Checked once per process; the answer is logged."""
-    works = any(_reset_shows_in_status() for _ in range(VM_HWM_RESET_TRIES))
-    if works:
+    if not reset_vm_hwm():
+        why = f"cannot write {CLEAR_REFS} (not Linux, or a kernel without it)"
+    elif any(_reset_shows_in_status() for _ in range(VM_HWM_RESET_TRIES)):
         logger.info("CPU peak memory: VmHWM, reset through %s", CLEAR_REFS)
+        return True
     else:
-        logger.warning(
-            "CPU peak memory: cannot reset VmHWM through %s (not Linux, or a kernel without it); the memory "
-            "model stays estimated and the peak reported is the process's lifetime peak RSS",
-            CLEAR_REFS,
+        why = (
+            f"a reset through {CLEAR_REFS} did not show in /proc/self/status on {VM_HWM_RESET_TRIES} tries "
+            "(VmHWM stayed above VmRSS: another thread freeing memory meanwhile)"
         )
-    return works
+    logger.warning(
+        "CPU peak memory: %s; the memory model stays estimated and the peak reported is the process's "
+        "lifetime peak RSS",
+        why,
+    )
+    return False
 
 
 def _process_peak_rss_bytes() -> int | None:
