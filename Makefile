@@ -10,6 +10,8 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 PIP_INSTALL = $(PY) -m pip install -q --no-compile
 RUNTIME_STAMP := $(VENV)/.diffserve-runtime
+# The CPU wheel pinned above, where no torch is installed yet.
+INSTALL_TORCH = $(PY) -c "import torch" 2>/dev/null || $(PIP_INSTALL) torch==$(TORCH_VERSION)
 TEST_STAMP := $(VENV)/.diffserve-test
 LINT_PATHS := $(wildcard src tests benchmarks tools integrations)
 DEMO_PROMPT ?= a large red circle in the center on a black background
@@ -21,7 +23,7 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 $(RUNTIME_STAMP): pyproject.toml | $(PY)
-	@$(PY) -c "import torch" 2>/dev/null || $(PIP_INSTALL) torch==$(TORCH_VERSION)
+	@$(INSTALL_TORCH)
 	$(PIP_INSTALL) -e .
 	@touch $(RUNTIME_STAMP)
 
@@ -30,7 +32,7 @@ $(RUNTIME_STAMP): pyproject.toml | $(PY)
 # two test workers import torch first thing, and each would otherwise compile the same modules (about 9 s).
 TORCH_DIR = $$($(PY) -c 'import importlib.util as u; print(u.find_spec("torch").submodule_search_locations[0])')
 $(TEST_STAMP): pyproject.toml | $(PY)
-	@$(PY) -c "import torch" 2>/dev/null || $(PIP_INSTALL) torch==$(TORCH_VERSION)
+	@$(INSTALL_TORCH)
 	@$(PY) -m compileall -q -j 1 "$(TORCH_DIR)" >/dev/null 2>&1 & compiling=$$!; \
 	$(PIP_INSTALL) -e ".[test]"; built=$$?; wait $$compiling; exit $$built
 	@touch $(RUNTIME_STAMP) $(TEST_STAMP)

@@ -368,8 +368,8 @@ def test_autoscaling_goes_to_two_replicas_under_a_queue_and_back_to_one(app, cli
 
     serve.delete("diffserve")  # both nodes' CPUs for the autoscaled model
     # No delays and a 1 s look-back: the load goes from 8 to none at once (the clients stop when the second
-    # replica is up), so nothing here can flap; with Ray's 1 s downscale delay, going back to one replica
-    # took 12 s instead of 3.
+    # replica is up), so nothing here can flap; with a 1 s downscale delay and a 2 s look-back, going back
+    # to one replica took 12 s instead of 3.
     model = {"model_path": str(demo_model_path()), "min_replicas": 1, "max_replicas": 2,
              "target_ongoing_requests": 1, "upscale_delay_s": 0, "downscale_delay_s": 0, "look_back_period_s": 1}  # fmt: skip
     serve.run(

@@ -11,11 +11,8 @@ that the measurement sees the model when it is loaded normally.
 
 from __future__ import annotations
 
-import json
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +21,7 @@ from safetensors import safe_open
 
 from diffserve.families.flux.tiny import TinyFluxSpec, build_tiny_flux
 from diffserve.testing.image_metrics import psnr_uint8
+from diffserve.testing.json_child import run_json_child
 
 CAP_BYTES = 64 * 2**20
 #: What a run grows by besides the DiT's weights: the encoders, the VAE, the modules imported while loading
@@ -46,7 +44,8 @@ import numpy as np
 from diffserve import DiffGenerator
 from diffserve.platforms.cpu import read_vm_hwm_bytes
 # The text encoders' modules, imported (and, in a fresh clone, byte-compiled) before the base is read:
-# about 30 MiB that is neither the DiT's weights nor the run's activations.
+# about 20 MiB (the capped run's growth fell from 120 to 101 MiB) that is neither the DiT's weights nor
+# the run's activations.
 from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
 PAGE = 4096
@@ -76,14 +75,10 @@ print(json.dumps({"base": base, "peak": peak[0], "vm_hwm": read_vm_hwm_bytes()})
 
 
 def _run(folder: Path, cap: int | None, out: Path) -> dict:
-    result = subprocess.run(
-        [sys.executable, "-c", CHILD, str(folder), "none" if cap is None else str(cap), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    report, log = run_json_child(
+        CHILD, str(folder), "none" if cap is None else str(cap), str(out), timeout=300
     )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return {**json.loads(result.stdout.strip().splitlines()[-1]), "log": result.stderr}
+    return {**report, "log": log}
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="RSS is read from /proc (Linux only)")

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from diffserve.platforms.cpu import vm_hwm_resets
 from diffserve.runtime.memory import MB
+from diffserve.testing.json_child import run_json_child
 
 GB = 2**30
 
@@ -74,12 +73,7 @@ print(json.dumps({"model": {k: str(v) for k, v in model.describe().items()}, "so
 
 
 def run_child(folder: Path, *sizes: tuple[int, int, int]) -> dict:
-    result = subprocess.run(
-        [sys.executable, "-c", CHILD, str(folder), *(json.dumps(size) for size in sizes)],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report, _ = run_json_child(CHILD, str(folder), *(json.dumps(size) for size in sizes), timeout=900)
     print("calibrated:", report["model"], "slopes:", report["slopes"])
     return report
 

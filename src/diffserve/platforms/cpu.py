@@ -243,12 +243,15 @@ def reset_vm_hwm() -> bool:
 VM_HWM_RESET_TRIES = 5
 
 
-def _reset_shows_in_status() -> bool:
-    """One reset of VmHWM, then whether /proc/self/status shows it: VmHWM at most VmRSS."""
-    if not reset_vm_hwm():
-        return False
+def _status_shows_reset() -> bool:
+    """Whether /proc/self/status shows the reset just made: VmHWM at most VmRSS."""
     status = _status_kib("VmHWM", "VmRSS")
     return status is not None and status["VmHWM"] <= status["VmRSS"]
+
+
+def _reset_shows_in_status() -> bool:
+    """One more reset of VmHWM, then whether /proc/self/status shows it."""
+    return reset_vm_hwm() and _status_shows_reset()
 
 
 @functools.cache
@@ -259,7 +262,7 @@ def vm_hwm_resets() -> bool:
     on one of `VM_HWM_RESET_TRIES` tries. Checked once per process; the answer is logged."""
     if not reset_vm_hwm():
         why = f"cannot write {CLEAR_REFS} (not Linux, or a kernel without it)"
-    elif any(_reset_shows_in_status() for _ in range(VM_HWM_RESET_TRIES)):
+    elif _status_shows_reset() or any(_reset_shows_in_status() for _ in range(VM_HWM_RESET_TRIES - 1)):
         logger.info("CPU peak memory: VmHWM, reset through %s", CLEAR_REFS)
         return True
     else:
