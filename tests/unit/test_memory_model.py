@@ -69,26 +69,32 @@ def test_vm_hwm_resets_to_the_current_rss() -> None:
     del block
 
 
-def test_a_reset_hidden_by_another_threads_free_is_tried_again(
+def test_a_reset_hidden_by_another_threads_allocation_is_tried_again(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A thread freeing memory right after the reset leaves VmRSS under the VmHWM just set: the check
-    reads again instead of calling the counter broken (the cause of a server calibrated as "estimated"
-    under load); a counter that never shows the reset is still refused, and the warning says which of the
-    two failed (the write, or the reset showing)."""
+    """The check touches and frees a probe block, resets, and wants VmHWM lowered by half the block: a
+    thread allocating right after the reset hides that once, and the check tries again instead of calling
+    the counter broken (the cause of a memory model "estimated" in a child process); a reset that never
+    lowers the peak is refused, and the warning says which of the two failed (the write, or the lowering).
+    Readings in KiB; the probe is 64 MiB."""
     from diffserve.platforms import cpu
 
-    readings = iter([{"VmHWM": 900, "VmRSS": 880}, {"VmHWM": 880, "VmRSS": 880}])
+    probe_kib = cpu.VM_HWM_PROBE_BYTES // 1024
+    peaks = iter([900_000, 900_000])  # VmHWM with the probe block, on each try
+    after_reset = iter([{"VmHWM": 900_000}, {"VmHWM": 900_000 - probe_kib}])  # hidden once, then shown
     monkeypatch.setattr(cpu, "reset_vm_hwm", lambda: True)
-    monkeypatch.setattr(cpu, "_status_kib", lambda *keys: next(readings))
+    monkeypatch.setattr(cpu, "_peak_after_touching_probe_kib", lambda: next(peaks))
+    monkeypatch.setattr(cpu, "_status_kib", lambda *keys: next(after_reset))
     cpu.vm_hwm_resets.cache_clear()
     try:
         assert cpu.vm_hwm_resets()
-        monkeypatch.setattr(cpu, "_status_kib", lambda *keys: {"VmHWM": 900, "VmRSS": 880})
+        monkeypatch.setattr(cpu, "_peak_after_touching_probe_kib", lambda: 900_000)
+        # Lowered by less than half the probe on every try: not a reset.
+        monkeypatch.setattr(cpu, "_status_kib", lambda *keys: {"VmHWM": 900_000 - probe_kib // 2 + 1})
         cpu.vm_hwm_resets.cache_clear()
         with caplog.at_level("WARNING", logger=cpu.logger.name):
             assert not cpu.vm_hwm_resets()
-        assert "did not show in /proc/self/status on 5 tries" in caplog.text
+        assert "did not lower VmHWM after 64 MiB were touched and freed, on 5 tries" in caplog.text
         monkeypatch.setattr(cpu, "reset_vm_hwm", lambda: False)
         cpu.vm_hwm_resets.cache_clear()
         caplog.clear()
@@ -97,6 +103,19 @@ def test_a_reset_hidden_by_another_threads_free_is_tried_again(
         assert "cannot write /proc/self/clear_refs" in caplog.text
     finally:
         cpu.vm_hwm_resets.cache_clear()
+
+
+def test_the_probe_block_raises_the_peak_above_the_rss() -> None:
+    """The probe really leaves VmHWM a block above VmRSS before the reset (else the check could not fail)."""
+    from diffserve.platforms import cpu
+
+    if cpu.read_vm_hwm_bytes() is None:
+        pytest.skip("no /proc/self/status VmHWM here (not Linux)")
+    high = cpu._peak_after_touching_probe_kib()
+    rss = cpu._status_kib("VmRSS")
+    assert high is not None and rss is not None
+    print(f"VmHWM {high >> 10} MiB after the probe, VmRSS {rss['VmRSS'] >> 10} MiB")
+    assert high >= rss["VmRSS"] + cpu.VM_HWM_PROBE_BYTES // 1024 * 3 // 4
 
 
 def test_the_issue_requests_fit_a_24_gb_machine() -> None:

@@ -7,6 +7,7 @@ import ctypes.util
 import functools
 import logging
 import math
+import mmap
 import os
 import sys
 from collections.abc import Callable
@@ -241,34 +242,49 @@ def reset_vm_hwm() -> bool:
 
 
 VM_HWM_RESET_TRIES = 5
+#: What the reset check touches and frees, so that VmHWM stands this far above the RSS before its reset.
+VM_HWM_PROBE_BYTES = 64 * 2**20
 
 
-def _status_shows_reset() -> bool:
-    """Whether /proc/self/status shows the reset just made: VmHWM at most VmRSS."""
-    status = _status_kib("VmHWM", "VmRSS")
-    return status is not None and status["VmHWM"] <= status["VmRSS"]
+def _peak_after_touching_probe_kib() -> int | None:
+    """VmHWM (KiB) after `VM_HWM_PROBE_BYTES` of fresh pages were touched and unmapped: at least that much
+    above the RSS now, so that a reset has a gap to close. None off Linux."""
+    block = mmap.mmap(-1, VM_HWM_PROBE_BYTES)
+    try:
+        block[:: mmap.PAGESIZE] = b"\x01" * (VM_HWM_PROBE_BYTES // mmap.PAGESIZE)
+    finally:
+        block.close()
+    status = _status_kib("VmHWM")
+    return None if status is None else status["VmHWM"]
 
 
-def _reset_shows_in_status() -> bool:
-    """One more reset of VmHWM, then whether /proc/self/status shows it."""
-    return reset_vm_hwm() and _status_shows_reset()
+def _reset_lowers_the_peak() -> bool:
+    """Whether a reset takes back at least half of the probe's peak. Not `VmHWM <= VmRSS` after the reset:
+    that holds with no working reset in a process at its peak, and fails with one that works when the RSS
+    moves between the reset and the reading (a child process's check failed on all its tries that way while
+    its parent's passed, and the child's memory model fell back to the estimate)."""
+    high = _peak_after_touching_probe_kib()
+    if high is None or not reset_vm_hwm():
+        return False
+    low = _status_kib("VmHWM")
+    return low is not None and low["VmHWM"] <= high - VM_HWM_PROBE_BYTES // 2048
 
 
 @functools.cache
 def vm_hwm_resets() -> bool:
-    """Whether VmHWM can be read and reset here: after a reset it equals the RSS of the same reading (it
-    can only have grown with it). Another thread freeing memory between the reset and the reading leaves
-    the RSS below the peak just set (a loaded machine widens that window), so a reset that works shows it
-    on one of `VM_HWM_RESET_TRIES` tries. Checked once per process; the answer is logged."""
+    """Whether VmHWM can be read and reset here: a reset made after touching and freeing a probe block
+    lowers it by at least half the block. Another thread allocating between the reset and the reading can
+    hide it (a loaded machine widens that window), so a reset that works shows on one of
+    `VM_HWM_RESET_TRIES` tries. Checked once per process; the answer is logged."""
     if not reset_vm_hwm():
         why = f"cannot write {CLEAR_REFS} (not Linux, or a kernel without it)"
-    elif _status_shows_reset() or any(_reset_shows_in_status() for _ in range(VM_HWM_RESET_TRIES - 1)):
+    elif any(_reset_lowers_the_peak() for _ in range(VM_HWM_RESET_TRIES)):
         logger.info("CPU peak memory: VmHWM, reset through %s", CLEAR_REFS)
         return True
     else:
         why = (
-            f"a reset through {CLEAR_REFS} did not show in /proc/self/status on {VM_HWM_RESET_TRIES} tries "
-            "(VmHWM stayed above VmRSS: another thread freeing memory meanwhile)"
+            f"a reset through {CLEAR_REFS} did not lower VmHWM after {VM_HWM_PROBE_BYTES >> 20} MiB were "
+            f"touched and freed, on {VM_HWM_RESET_TRIES} tries"
         )
     logger.warning(
         "CPU peak memory: %s; the memory model stays estimated and the peak reported is the process's "
