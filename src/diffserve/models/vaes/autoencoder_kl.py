@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from diffserve.models.config_keys import DiffusersConfigured
-from diffserve.models.vaes.blocks import Decoder, Encoder
+from diffserve.models.vaes.blocks import Decoder, Encoder, KLCoderLayout
 from diffserve.models.vaes.tiling import TilingMixin, decode_chunk_boundary, per_sample, run_overlapping_tiles
 
 GeneratorArg = torch.Generator | Sequence[torch.Generator] | None
@@ -90,14 +90,16 @@ def kl_decoder(config: Mapping[str, Any], block_out_channels: Sequence[int]) -> 
     """The decoder of a KL autoencoder with `config` (`AutoencoderKL`'s keys) at widths `block_out_channels`:
     the config's own, or FLUX.2's `decoder_block_out_channels` where they differ from the encoder's."""
     return Decoder(
-        latent_channels=config["latent_channels"],
-        out_channels=config["out_channels"],
-        up_block_types=config["up_block_types"],
-        block_out_channels=block_out_channels,
-        layers_per_block=config["layers_per_block"],
-        norm_num_groups=config["norm_num_groups"],
-        act_fn=config["act_fn"],
-        mid_block_add_attention=config["mid_block_add_attention"],
+        KLCoderLayout(
+            in_channels=config["latent_channels"],
+            out_channels=config["out_channels"],
+            block_out_channels=block_out_channels,
+            layers_per_block=config["layers_per_block"],
+            block_types=config["up_block_types"],
+            norm_num_groups=config["norm_num_groups"],
+            act_fn=config["act_fn"],
+            mid_block_add_attention=config["mid_block_add_attention"],
+        )
     )
 
 
@@ -153,14 +155,16 @@ class AutoencoderKL(DiffusersConfigured, TilingMixin, nn.Module):
             "mid_block_add_attention": mid_block_add_attention,
         }
         self.encoder = Encoder(
-            in_channels=in_channels,
-            latent_channels=latent_channels,
-            down_block_types=down_block_types,
-            block_out_channels=block_out_channels,
-            layers_per_block=layers_per_block,
-            norm_num_groups=norm_num_groups,
-            act_fn=act_fn,
-            mid_block_add_attention=mid_block_add_attention,
+            KLCoderLayout(
+                in_channels=in_channels,
+                out_channels=2 * latent_channels,
+                block_out_channels=block_out_channels,
+                layers_per_block=layers_per_block,
+                block_types=down_block_types,
+                norm_num_groups=norm_num_groups,
+                act_fn=act_fn,
+                mid_block_add_attention=mid_block_add_attention,
+            )
         )
         self.decoder = kl_decoder(self.config, block_out_channels)
         # 1x1 convs on the moments / latents; SD-era VAEs have them, FLUX and SD3 drop them.

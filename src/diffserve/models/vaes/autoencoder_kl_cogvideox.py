@@ -21,7 +21,8 @@ frame chunks, and stitches them with `tiling.stitch_tiles`. State-dict keys matc
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -30,6 +31,7 @@ from torch import nn
 
 from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.vaes.autoencoder_kl import DiagonalGaussian
+from diffserve.models.vaes.coder_layout import CoderLayout
 from diffserve.models.vaes.tiling import TilingMixin, decode_chunk_boundary, per_sample, run_tiles
 from diffserve.vae_tiling import decode_chunk_output, decode_output_wanted
 
@@ -245,34 +247,37 @@ class _MidBlock(nn.Module):
         return x
 
 
+@dataclass(frozen=True)
+class CogVideoXCoderLayout(CoderLayout):
+    """A CogVideoX VAE half's layout (`block_out_channels` in the encoder's order for both halves; the
+    encoder's `out_channels` is the latent width, its `conv_out` gives twice that), its GroupNorm `eps`
+    and `groups`, and how many levels (the first ones) also resample time."""
+
+    eps: float
+    groups: int
+    temporal_levels: int
+
+
 class Encoder3D(nn.Module):
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        block_out_channels: Sequence[int],
-        layers_per_block: int,
-        eps: float,
-        groups: int,
-        temporal_levels: int,
-    ) -> None:
+    def __init__(self, layout: CogVideoXCoderLayout) -> None:
         super().__init__()
-        self.conv_in = CausalConv3d(in_channels, block_out_channels[0], 3)
+        block_out_channels, eps, groups = layout.block_out_channels, layout.eps, layout.groups
+        self.conv_in = CausalConv3d(layout.in_channels, block_out_channels[0], 3)
         levels, width = [], block_out_channels[0]
         for i, out in enumerate(block_out_channels):
             resnets = [
                 ResnetBlock3D(width if j == 0 else out, out, groups, eps, None)
-                for j in range(layers_per_block)
+                for j in range(layout.layers_per_block)
             ]
             last = i == len(block_out_channels) - 1
-            down = None if last else Downsample3D(out, compress_time=i < temporal_levels)
+            down = None if last else Downsample3D(out, compress_time=i < layout.temporal_levels)
             levels.append(_Level(resnets, "downsamplers", down))
             width = out
         self.down_blocks = nn.ModuleList(levels)
         top = block_out_channels[-1]
         self.mid_block = _MidBlock([ResnetBlock3D(top, top, groups, eps, None) for _ in range(2)])
         self.norm_out = nn.GroupNorm(groups, top, eps=1e-6)
-        self.conv_out = CausalConv3d(top, 2 * out_channels, 3)
+        self.conv_out = CausalConv3d(top, 2 * layout.out_channels, 3)
 
     def forward(self, x: torch.Tensor, cache: FrameCache) -> torch.Tensor:
         x = self.conv_in(x, cache)
@@ -283,18 +288,10 @@ class Encoder3D(nn.Module):
 
 
 class Decoder3D(nn.Module):
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        block_out_channels: Sequence[int],
-        layers_per_block: int,
-        eps: float,
-        groups: int,
-        temporal_levels: int,
-    ) -> None:
+    def __init__(self, layout: CogVideoXCoderLayout) -> None:
         super().__init__()
-        widths = list(reversed(block_out_channels))
+        in_channels, eps, groups = layout.in_channels, layout.eps, layout.groups
+        widths = list(reversed(layout.block_out_channels))
         self.conv_in = CausalConv3d(in_channels, widths[0], 3)
         self.mid_block = _MidBlock(
             [ResnetBlock3D(widths[0], widths[0], groups, eps, in_channels) for _ in range(2)]
@@ -303,15 +300,15 @@ class Decoder3D(nn.Module):
         for i, out in enumerate(widths):
             resnets = [
                 ResnetBlock3D(width if j == 0 else out, out, groups, eps, in_channels)
-                for j in range(layers_per_block + 1)
+                for j in range(layout.layers_per_block + 1)
             ]
             last = i == len(widths) - 1
-            up = None if last else Upsample3D(out, compress_time=i < temporal_levels)
+            up = None if last else Upsample3D(out, compress_time=i < layout.temporal_levels)
             levels.append(_Level(resnets, "upsamplers", up))
             width = out
         self.up_blocks = nn.ModuleList(levels)
         self.norm_out = SpatialNorm3D(widths[-1], in_channels, groups)
-        self.conv_out = CausalConv3d(widths[-1], out_channels, 3)
+        self.conv_out = CausalConv3d(widths[-1], layout.out_channels, 3)
 
     def forward(self, z: torch.Tensor, cache: FrameCache) -> torch.Tensor:
         x = self.conv_in(z, cache)
@@ -360,8 +357,8 @@ class AutoencoderKLCogVideoX(DiffusersConfigured, TilingMixin, nn.Module):
             "groups": cfg["norm_num_groups"],
             "temporal_levels": temporal_levels,
         }
-        self.encoder = Encoder3D(cfg["in_channels"], cfg["latent_channels"], **common)
-        self.decoder = Decoder3D(cfg["latent_channels"], cfg["out_channels"], **common)
+        self.encoder = Encoder3D(CogVideoXCoderLayout(cfg["in_channels"], cfg["latent_channels"], **common))
+        self.decoder = Decoder3D(CogVideoXCoderLayout(cfg["latent_channels"], cfg["out_channels"], **common))
         out = cfg["out_channels"]  # Diffusers sizes both optional convs by out_channels
         self.quant_conv = SafeConv3d(2 * out, 2 * out, 1) if cfg["use_quant_conv"] else None
         self.post_quant_conv = SafeConv3d(out, out, 1) if cfg["use_post_quant_conv"] else None

@@ -24,7 +24,8 @@ resamplers of a stage are one flat `down_blocks` / `up_blocks` list), so checkpo
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar
 
@@ -35,6 +36,7 @@ from torch import nn
 from diffserve.layers.attention import attention
 from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.vaes.autoencoder_kl import DiagonalGaussian
+from diffserve.models.vaes.coder_layout import CoderLayout
 from diffserve.models.vaes.tiling import TilingMixin, decode_chunk_boundary, per_sample, run_overlapping_tiles
 
 NORM_EPS = 1e-6
@@ -174,38 +176,51 @@ def _resampling_levels(block_out_channels: Sequence[int], spatial_compression_ra
     return min(len(block_out_channels) - 1, math.ceil(math.log2(spatial_compression_ratio)))
 
 
+@dataclass(frozen=True)
+class HunyuanImageCoderLayout(CoderLayout):
+    """A HunyuanImage VAE half's layout (`block_out_channels` in the half's own order: the decoder's is the
+    encoder's reversed; the encoder's `out_channels` is its moments, twice the latent width), the spatial
+    compression ratio that sets how many stages resample and whether a resampler changes the width to the
+    next stage's (`downsample_match_channel` / `upsample_match_channel`)."""
+
+    spatial_compression_ratio: int
+    match_channel: bool
+
+
+def _stage_blocks(
+    layout: HunyuanImageCoderLayout, resnets: int, resampler: Callable[[int, int], nn.Module]
+) -> list[nn.Module]:
+    """A half's flat `down_blocks` / `up_blocks`: every stage's `resnets` resnets in order, the first
+    `_resampling_levels` stages each followed by `resampler(width, next width)` (the stage's own width
+    unless `match_channel`)."""
+    widths = tuple(layout.block_out_channels)
+    blocks: list[nn.Module] = []
+    width = widths[0]
+    levels = _resampling_levels(widths, layout.spatial_compression_ratio)
+    for i, stage_width in enumerate(widths):
+        for _ in range(resnets):
+            blocks.append(ResnetBlock(width, stage_width))
+            width = stage_width
+        if i < levels:
+            out = widths[i + 1] if layout.match_channel else width
+            blocks.append(resampler(width, out))
+            width = out
+    return blocks
+
+
 class Encoder2D(nn.Module):
     """Image -> moments (B, 2 * latent, H / r, W / r)."""
 
-    def __init__(
-        self,
-        in_channels: int,
-        latent_channels: int,
-        block_out_channels: Sequence[int],
-        layers_per_block: int,
-        spatial_compression_ratio: int,
-        match_channel: bool,
-    ) -> None:
+    def __init__(self, layout: HunyuanImageCoderLayout) -> None:
         super().__init__()
-        widths = tuple(block_out_channels)
-        if widths[-1] % (2 * latent_channels):
+        widths = tuple(layout.block_out_channels)
+        self.moments = layout.out_channels
+        if widths[-1] % self.moments:
             raise ValueError(
-                f"block_out_channels[-1] ({widths[-1]}) must be divisible by 2 * latent_channels ({2 * latent_channels})"
+                f"block_out_channels[-1] ({widths[-1]}) must be divisible by 2 * latent_channels ({self.moments})"
             )
-        self.moments = 2 * latent_channels
-        self.conv_in = nn.Conv2d(in_channels, widths[0], 3, padding=1)
-        blocks: list[nn.Module] = []
-        width = widths[0]
-        levels = _resampling_levels(widths, spatial_compression_ratio)
-        for i, stage_width in enumerate(widths):
-            for _ in range(layers_per_block):
-                blocks.append(ResnetBlock(width, stage_width))
-                width = stage_width
-            if i < levels:
-                out = widths[i + 1] if match_channel else width
-                blocks.append(Downsample(width, out))
-                width = out
-        self.down_blocks = nn.ModuleList(blocks)
+        self.conv_in = nn.Conv2d(layout.in_channels, widths[0], 3, padding=1)
+        self.down_blocks = nn.ModuleList(_stage_blocks(layout, layout.layers_per_block, Downsample))
         self.mid_block = MidBlock(widths[-1])
         self.norm_out = _group_norm(widths[-1])
         self.conv_out = nn.Conv2d(widths[-1], self.moments, 3, padding=1)
@@ -222,17 +237,10 @@ class Encoder2D(nn.Module):
 class Decoder2D(nn.Module):
     """Latents (B, latent, h, w) -> image (B, out, r * h, r * w)."""
 
-    def __init__(
-        self,
-        latent_channels: int,
-        out_channels: int,
-        block_out_channels: Sequence[int],
-        layers_per_block: int,
-        spatial_compression_ratio: int,
-        match_channel: bool,
-    ) -> None:
+    def __init__(self, layout: HunyuanImageCoderLayout) -> None:
         super().__init__()
-        widths = tuple(block_out_channels)
+        widths = tuple(layout.block_out_channels)
+        latent_channels = layout.in_channels
         if widths[0] % latent_channels:
             raise ValueError(
                 f"the decoder's first width ({widths[0]}) must be divisible by latent_channels ({latent_channels})"
@@ -240,20 +248,9 @@ class Decoder2D(nn.Module):
         self.repeats = widths[0] // latent_channels
         self.conv_in = nn.Conv2d(latent_channels, widths[0], 3, padding=1)
         self.mid_block = MidBlock(widths[0])
-        blocks: list[nn.Module] = []
-        width = widths[0]
-        levels = _resampling_levels(widths, spatial_compression_ratio)
-        for i, stage_width in enumerate(widths):
-            for _ in range(layers_per_block + 1):
-                blocks.append(ResnetBlock(width, stage_width))
-                width = stage_width
-            if i < levels:
-                out = widths[i + 1] if match_channel else width
-                blocks.append(Upsample(width, out))
-                width = out
-        self.up_blocks = nn.ModuleList(blocks)
+        self.up_blocks = nn.ModuleList(_stage_blocks(layout, layout.layers_per_block + 1, Upsample))
         self.norm_out = _group_norm(widths[-1])
-        self.conv_out = nn.Conv2d(widths[-1], out_channels, 3, padding=1)
+        self.conv_out = nn.Conv2d(widths[-1], layout.out_channels, 3, padding=1)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         h = self.conv_in(z) + z.repeat_interleave(self.repeats, dim=1)
@@ -296,20 +293,24 @@ class AutoencoderKLHunyuanImage(DiffusersConfigured, TilingMixin, nn.Module):
             "upsample_match_channel": upsample_match_channel,
         }
         self.encoder = Encoder2D(
-            in_channels,
-            latent_channels,
-            block_out_channels,
-            layers_per_block,
-            spatial_compression_ratio,
-            downsample_match_channel,
+            HunyuanImageCoderLayout(
+                in_channels,
+                2 * latent_channels,
+                block_out_channels,
+                layers_per_block,
+                spatial_compression_ratio,
+                downsample_match_channel,
+            )
         )
         self.decoder = Decoder2D(
-            latent_channels,
-            out_channels,
-            tuple(reversed(block_out_channels)),
-            layers_per_block,
-            spatial_compression_ratio,
-            upsample_match_channel,
+            HunyuanImageCoderLayout(
+                latent_channels,
+                out_channels,
+                tuple(reversed(block_out_channels)),
+                layers_per_block,
+                spatial_compression_ratio,
+                upsample_match_channel,
+            )
         )
         # Diffusers' tile defaults: `sample_size`-pixel tiles, a quarter of each overlapping.
         self.tile_sample_min_size = sample_size

@@ -32,7 +32,7 @@ from torch import nn
 from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.vaes.autoencoder_kl import DiagonalGaussian
 from diffserve.models.vaes.autoencoder_kl_hunyuan_video15 import HunyuanVideoVaeShapes, decode_tile
-from diffserve.models.vaes.hunyuan_video_blocks import Decoder3D, Encoder3D
+from diffserve.models.vaes.hunyuan_video_blocks import Decoder3D, Encoder3D, HunyuanVideoCoderLayout
 from diffserve.models.vaes.tiling import StridedTilingMixin, blend_t, per_sample
 
 DOWN_BLOCK = "HunyuanVideoDownBlock3D"
@@ -106,10 +106,14 @@ class AutoencoderKLHunyuanVideo(HunyuanVideoVaeShapes, DiffusersConfigured, Stri
         }
         shape = (layers_per_block, norm_num_groups, spatial_compression_ratio, temporal_compression_ratio)
         self.encoder = Encoder3D(
-            in_channels, 2 * latent_channels, block_out_channels, *shape, mid_block_add_attention
+            HunyuanVideoCoderLayout(
+                in_channels, 2 * latent_channels, block_out_channels, *shape, mid_block_add_attention
+            )
         )
         self.decoder = Decoder3D(
-            latent_channels, out_channels, block_out_channels, *shape, mid_block_add_attention
+            HunyuanVideoCoderLayout(
+                latent_channels, out_channels, block_out_channels, *shape, mid_block_add_attention
+            )
         )
         self.quant_conv = nn.Conv3d(2 * latent_channels, 2 * latent_channels, 1)
         self.post_quant_conv = nn.Conv3d(latent_channels, latent_channels, 1)

@@ -36,7 +36,7 @@ from torch import nn
 from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.vaes.autoencoder_kl import DiagonalGaussian
 from diffserve.models.vaes.causal3d_blocks import CausalCache
-from diffserve.models.vaes.hunyuan_video15_blocks import Decoder3D, Encoder3D
+from diffserve.models.vaes.hunyuan_video15_blocks import Decoder3D, Encoder3D, HunyuanVideo15CoderLayout
 from diffserve.models.vaes.tiling import TilingMixin, decode_chunk_boundary, per_sample, run_overlapping_tiles
 from diffserve.vae_tiling import decode_chunk_output, decode_output_wanted
 
@@ -121,23 +121,26 @@ class AutoencoderKLHunyuanVideo15(HunyuanVideoVaeShapes, DiffusersConfigured, Ti
             "upsample_match_channel": upsample_match_channel,
             "scaling_factor": scaling_factor,
         }
+        ratios = (spatial_compression_ratio, temporal_compression_ratio)
         self.encoder = Encoder3D(
-            in_channels,
-            2 * latent_channels,
-            block_out_channels,
-            layers_per_block,
-            spatial_compression_ratio,
-            temporal_compression_ratio,
-            downsample_match_channel,
+            HunyuanVideo15CoderLayout(
+                in_channels,
+                2 * latent_channels,
+                block_out_channels,
+                layers_per_block,
+                *ratios,
+                downsample_match_channel,
+            )
         )
         self.decoder = Decoder3D(
-            latent_channels,
-            out_channels,
-            tuple(reversed(block_out_channels)),
-            layers_per_block,
-            spatial_compression_ratio,
-            temporal_compression_ratio,
-            upsample_match_channel,
+            HunyuanVideo15CoderLayout(
+                latent_channels,
+                out_channels,
+                tuple(reversed(block_out_channels)),
+                layers_per_block,
+                *ratios,
+                upsample_match_channel,
+            )
         )
         # Diffusers' tile defaults: 256-pixel tiles (16 latents at 16x), a quarter of each tile overlapping.
         # The latent sizes are not derived from the pixel ones again when `enable_tiling` changes them.

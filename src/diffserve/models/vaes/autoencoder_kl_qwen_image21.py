@@ -12,6 +12,7 @@ State-dict keys match Diffusers', so checkpoints load with `strict=True` into a 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -21,7 +22,13 @@ from torch import nn
 from diffserve.layers.attention import attention
 from diffserve.models.config_keys import DiffusersConfigured
 from diffserve.models.vaes.autoencoder_kl import DiagonalGaussian
-from diffserve.models.vaes.causal3d_blocks import ChannelRMSNorm, ChannelsToSpaceTime, SpaceTimeToChannels
+from diffserve.models.vaes.causal3d_blocks import (
+    ChannelRMSNorm,
+    ChannelsToSpaceTime,
+    RMSResidualLayers,
+    SpaceTimeToChannels,
+)
+from diffserve.models.vaes.coder_layout import CoderLayout
 
 #: The released per-channel latent statistics (Diffusers' defaults of `AutoencoderKLQwenImage21`).
 LATENTS_MEAN: tuple[float, ...] = (
@@ -191,16 +198,10 @@ def frames_2d(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x.squeeze(2)).unsqueeze(2)
 
 
-class ResidualBlock(nn.Module):
+class ResidualBlock(RMSResidualLayers):
     """(RMSNorm, SiLU, 3x3 conv) twice, plus a 1x1 shortcut when the width changes."""
 
-    def __init__(self, in_dim: int, out_dim: int) -> None:
-        super().__init__()
-        self.norm1 = ChannelRMSNorm(in_dim, spatial_dims=3)
-        self.conv1 = FrameConv(in_dim, out_dim, 3, padding=1)
-        self.norm2 = ChannelRMSNorm(out_dim, spatial_dims=3)
-        self.conv2 = FrameConv(out_dim, out_dim, 3, padding=1)
-        self.conv_shortcut = FrameConv(in_dim, out_dim, 1) if in_dim != out_dim else None
+    conv_cls = FrameConv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shortcut = x if self.conv_shortcut is None else self.conv_shortcut(x)
@@ -304,27 +305,37 @@ class ResidualUpBlock(nn.Module):
         return x
 
 
+@dataclass(frozen=True)
+class QwenImage21CoderLayout(CoderLayout):
+    """A Qwen-Image 2.1 VAE half's layout: `block_out_channels` is `conv_in`'s width followed by each
+    level's (the decoder's from the lowest resolution up), the encoder's `out_channels` its moments (twice
+    the latent width), and `temporal` whether each resampling level's checkpoint holds a time convolution
+    (the decoder's reversed)."""
+
+    temporal: Sequence[bool]
+
+
+def _levels(layout: QwenImage21CoderLayout) -> list[tuple[int, int, bool, bool]]:
+    """(in width, out width, temporal, resamples) of each level: every level but the last resamples."""
+    dims, temporal = layout.block_out_channels, layout.temporal
+    last = len(dims) - 2
+    return [
+        (a, b, bool(temporal[i]) if i != last else False, i != last)
+        for i, (a, b) in enumerate(zip(dims[:-1], dims[1:], strict=True))
+    ]
+
+
 class Encoder(nn.Module):
-    def __init__(
-        self,
-        in_channels: int,
-        z2: int,
-        dim: int,
-        dim_mult: Sequence[int],
-        blocks: int,
-        temporal: Sequence[bool],
-    ) -> None:
+    def __init__(self, layout: QwenImage21CoderLayout) -> None:
         super().__init__()
-        dims = [dim * m for m in (1, *dim_mult)]
-        last = len(dim_mult) - 1
-        self.conv_in = FrameConv(in_channels, dims[0], 3, padding=1)
+        dims, blocks = layout.block_out_channels, layout.layers_per_block
+        self.conv_in = FrameConv(layout.in_channels, dims[0], 3, padding=1)
         self.down_blocks = nn.ModuleList(
-            ResidualDownBlock(a, b, blocks, bool(temporal[i]) if i != last else False, i != last)
-            for i, (a, b) in enumerate(zip(dims[:-1], dims[1:], strict=True))
+            ResidualDownBlock(a, b, blocks, temporal, down) for a, b, temporal, down in _levels(layout)
         )
         self.mid_block = MidBlock(dims[-1])
         self.norm_out = ChannelRMSNorm(dims[-1], spatial_dims=3)
-        self.conv_out = FrameConv(dims[-1], z2, 3, padding=1)
+        self.conv_out = FrameConv(dims[-1], layout.out_channels, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.conv_in(x)
@@ -334,26 +345,16 @@ class Encoder(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(
-        self,
-        z_dim: int,
-        out_channels: int,
-        dim: int,
-        dim_mult: Sequence[int],
-        blocks: int,
-        temporal: Sequence[bool],
-    ) -> None:
+    def __init__(self, layout: QwenImage21CoderLayout) -> None:
         super().__init__()
-        dims = [dim * m for m in (dim_mult[-1], *reversed(dim_mult))]
-        last = len(dim_mult) - 1
-        self.conv_in = FrameConv(z_dim, dims[0], 3, padding=1)
+        dims, blocks = layout.block_out_channels, layout.layers_per_block
+        self.conv_in = FrameConv(layout.in_channels, dims[0], 3, padding=1)
         self.mid_block = MidBlock(dims[0])
         self.up_blocks = nn.ModuleList(
-            ResidualUpBlock(a, b, blocks, bool(temporal[i]) if i != last else False, i != last)
-            for i, (a, b) in enumerate(zip(dims[:-1], dims[1:], strict=True))
+            ResidualUpBlock(a, b, blocks, temporal, up) for a, b, temporal, up in _levels(layout)
         )
         self.norm_out = ChannelRMSNorm(dims[-1], spatial_dims=3)
-        self.conv_out = FrameConv(dims[-1], out_channels, 3, padding=1)
+        self.conv_out = FrameConv(dims[-1], layout.out_channels, 3, padding=1)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         x = self.mid_block(self.conv_in(z))
@@ -402,18 +403,20 @@ class AutoencoderKLQwenImage21(DiffusersConfigured, nn.Module):
             )
         if len(latents_mean) != z_dim or len(latents_std) != z_dim:
             raise ValueError(f"{name}: latents_mean and latents_std need {z_dim} entries (z_dim)")
+        encoder_dims = [base_dim * m for m in (1, *dim_mult)]
         self.encoder = Encoder(
-            in_channels, 2 * z_dim, base_dim, dim_mult, num_res_blocks, temperal_downsample
+            QwenImage21CoderLayout(
+                in_channels, 2 * z_dim, encoder_dims, num_res_blocks, tuple(temperal_downsample)
+            )
         )
         self.quant_conv = FrameConv(2 * z_dim, 2 * z_dim, 1)
         self.post_quant_conv = FrameConv(z_dim, z_dim, 1)
+        decoder_dim = base_dim if decoder_base_dim is None else decoder_base_dim
+        decoder_dims = [decoder_dim * m for m in (dim_mult[-1], *reversed(dim_mult))]
         self.decoder = Decoder(
-            z_dim,
-            out_channels,
-            base_dim if decoder_base_dim is None else decoder_base_dim,
-            dim_mult,
-            num_res_blocks,
-            tuple(reversed(temperal_downsample)),
+            QwenImage21CoderLayout(
+                z_dim, out_channels, decoder_dims, num_res_blocks, tuple(reversed(temperal_downsample))
+            )
         )
         self._downsamplings = len(temperal_downsample)
         self.config = {

@@ -17,6 +17,7 @@ row-split decode), so the decoder also runs split by rows over several ranks wit
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar
 
@@ -26,6 +27,7 @@ from torch import nn
 
 from diffserve.distributed.parallel_vae import HaloConv2d, SplitGroupNorm, gather_tokens
 from diffserve.layers.attention import attention
+from diffserve.models.vaes.coder_layout import CoderLayout
 
 
 def _silu_(x: torch.Tensor) -> torch.Tensor:
@@ -229,6 +231,19 @@ def _check_block_types(kind: str, types: Sequence[str], supported: tuple[str, ..
         raise ValueError(f"{kind} has {len(types)} entries but block_out_channels has {n}; they must match")
 
 
+@dataclass(frozen=True)
+class KLCoderLayout(CoderLayout):
+    """An `AutoencoderKL` half's layout (`block_out_channels` in the encoder's order for both halves; the
+    encoder's `out_channels` is its moments, twice the latent width), the half's Diffusers block types
+    (`down_block_types` / `up_block_types`), its GroupNorm groups, the resnets' activation and whether the
+    mid block attends."""
+
+    block_types: Sequence[str]
+    norm_num_groups: int
+    act_fn: str
+    mid_block_add_attention: bool
+
+
 class Encoder(nn.Module):
     """Image (B, in_channels, H, W) -> moments (B, 2 * latent_channels, H / f, W / f), f = 2 ** (levels - 1).
 
@@ -236,34 +251,25 @@ class Encoder(nn.Module):
     `ACTIVATION_MEMORY_FORMAT`; call `.contiguous()` where NCHW-contiguous memory matters.
     """
 
-    def __init__(
-        self,
-        in_channels: int,
-        latent_channels: int,
-        down_block_types: Sequence[str],
-        block_out_channels: Sequence[int],
-        layers_per_block: int,
-        norm_num_groups: int,
-        act_fn: str,
-        mid_block_add_attention: bool,
-    ) -> None:
+    def __init__(self, layout: KLCoderLayout) -> None:
         super().__init__()
+        block_out_channels, groups = layout.block_out_channels, layout.norm_num_groups
         _check_block_types(
-            "down_block_types", down_block_types, SUPPORTED_DOWN_BLOCKS, len(block_out_channels)
+            "down_block_types", layout.block_types, SUPPORTED_DOWN_BLOCKS, len(block_out_channels)
         )
         widths = list(block_out_channels)
-        self.conv_in = HaloConv2d(in_channels, widths[0], kernel_size=3, padding=1)
-        resnet = partial(ResnetBlock2D, groups=norm_num_groups, act_fn=act_fn)
+        self.conv_in = HaloConv2d(layout.in_channels, widths[0], kernel_size=3, padding=1)
+        resnet = partial(ResnetBlock2D, groups=groups, act_fn=layout.act_fn)
         self.down_blocks = nn.ModuleList(
             DownEncoderBlock2D(
-                resnet_chain(resnet, widths[max(i - 1, 0)], width, layers_per_block),
+                resnet_chain(resnet, widths[max(i - 1, 0)], width, layout.layers_per_block),
                 Downsample2D(width) if i < len(widths) - 1 else None,
             )
             for i, width in enumerate(widths)
         )
-        self.mid_block = MidBlock2D(widths[-1], norm_num_groups, act_fn, mid_block_add_attention)
-        self.conv_norm_out = _group_norm(widths[-1], norm_num_groups)
-        self.conv_out = HaloConv2d(widths[-1], 2 * latent_channels, kernel_size=3, padding=1)
+        self.mid_block = MidBlock2D(widths[-1], groups, layout.act_fn, layout.mid_block_add_attention)
+        self.conv_norm_out = _group_norm(widths[-1], groups)
+        self.conv_out = HaloConv2d(widths[-1], layout.out_channels, kernel_size=3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.conv_in(x.contiguous(memory_format=ACTIVATION_MEMORY_FORMAT))
@@ -282,32 +288,23 @@ class Decoder(nn.Module):
     writers do; call `.contiguous()` where NCHW-contiguous memory matters.
     """
 
-    def __init__(
-        self,
-        latent_channels: int,
-        out_channels: int,
-        up_block_types: Sequence[str],
-        block_out_channels: Sequence[int],
-        layers_per_block: int,
-        norm_num_groups: int,
-        act_fn: str,
-        mid_block_add_attention: bool,
-    ) -> None:
+    def __init__(self, layout: KLCoderLayout) -> None:
         super().__init__()
-        _check_block_types("up_block_types", up_block_types, SUPPORTED_UP_BLOCKS, len(block_out_channels))
+        block_out_channels, groups = layout.block_out_channels, layout.norm_num_groups
+        _check_block_types("up_block_types", layout.block_types, SUPPORTED_UP_BLOCKS, len(block_out_channels))
         widths = list(reversed(block_out_channels))
-        self.conv_in = HaloConv2d(latent_channels, widths[0], kernel_size=3, padding=1)
-        self.mid_block = MidBlock2D(widths[0], norm_num_groups, act_fn, mid_block_add_attention)
-        resnet = partial(ResnetBlock2D, groups=norm_num_groups, act_fn=act_fn)
+        self.conv_in = HaloConv2d(layout.in_channels, widths[0], kernel_size=3, padding=1)
+        self.mid_block = MidBlock2D(widths[0], groups, layout.act_fn, layout.mid_block_add_attention)
+        resnet = partial(ResnetBlock2D, groups=groups, act_fn=layout.act_fn)
         self.up_blocks = nn.ModuleList(
             UpDecoderBlock2D(
-                resnet_chain(resnet, widths[max(i - 1, 0)], width, layers_per_block + 1),
+                resnet_chain(resnet, widths[max(i - 1, 0)], width, layout.layers_per_block + 1),
                 Upsample2D(width) if i < len(widths) - 1 else None,
             )
             for i, width in enumerate(widths)
         )
-        self.conv_norm_out = _group_norm(widths[-1], norm_num_groups)
-        self.conv_out = HaloConv2d(widths[-1], out_channels, kernel_size=3, padding=1)
+        self.conv_norm_out = _group_norm(widths[-1], groups)
+        self.conv_out = HaloConv2d(widths[-1], layout.out_channels, kernel_size=3, padding=1)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         x = self.conv_in(z.contiguous(memory_format=ACTIVATION_MEMORY_FORMAT))

@@ -200,16 +200,27 @@ def normalize_channels(x: torch.Tensor) -> torch.Tensor:
     return x / squared.sqrt_().clamp_min_(1e-12).unsqueeze(1)
 
 
-class ResidualBlock(nn.Module):
-    """(RMSNorm, SiLU, causal 3x3x3 conv) twice, plus a 1x1x1 shortcut when the width changes."""
+class RMSResidualLayers(nn.Module):
+    """The layers of Wan's residual block over (B, C, T, H, W) tensors: an RMSNorm and a 3-wide conv twice,
+    plus a 1-wide shortcut conv when the width changes. A subclass names its convolution (`conv_cls`, whose
+    weights set the checkpoint's shapes) and runs the layers in `forward`."""
+
+    conv_cls: ClassVar[type[nn.Conv2d] | type[nn.Conv3d]]
 
     def __init__(self, in_dim: int, out_dim: int) -> None:
         super().__init__()
+        conv = self.conv_cls
         self.norm1 = ChannelRMSNorm(in_dim, spatial_dims=3)
-        self.conv1 = CausalConv3d(in_dim, out_dim, 3, padding=1)
+        self.conv1 = conv(in_dim, out_dim, 3, padding=1)
         self.norm2 = ChannelRMSNorm(out_dim, spatial_dims=3)
-        self.conv2 = CausalConv3d(out_dim, out_dim, 3, padding=1)
-        self.conv_shortcut = CausalConv3d(in_dim, out_dim, 1) if in_dim != out_dim else None
+        self.conv2 = conv(out_dim, out_dim, 3, padding=1)
+        self.conv_shortcut = conv(in_dim, out_dim, 1) if in_dim != out_dim else None
+
+
+class ResidualBlock(RMSResidualLayers):
+    """(RMSNorm, SiLU, causal 3x3x3 conv) twice, plus a 1x1x1 shortcut when the width changes."""
+
+    conv_cls = CausalConv3d
 
     def forward(self, x: torch.Tensor, cache: CausalCache) -> torch.Tensor:
         shortcut = x if self.conv_shortcut is None else self.conv_shortcut(x)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,7 @@ from torch import nn
 
 from diffserve.models.vaes.blocks import ResnetStage, resnet_chain
 from diffserve.models.vaes.causal3d_blocks import CausalCache, ChannelRMSNorm
+from diffserve.models.vaes.coder_layout import CoderLayout
 from diffserve.models.vaes.tiling import decode_chunk_boundary
 
 
@@ -318,6 +320,24 @@ def _check_levels(block_out_channels: Sequence[int], spatial_levels: int, match_
         )
 
 
+@dataclass(frozen=True)
+class HunyuanVideo15CoderLayout(CoderLayout):
+    """A HunyuanVideo-1.5 VAE half's layout (`block_out_channels` in the half's own order: the decoder's is
+    the encoder's reversed), the compression ratios that pick the resampling levels and whether a
+    resampler changes the width to the next level's (`downsample_match_channel` for the encoder,
+    `upsample_match_channel` for the decoder)."""
+
+    spatial_compression_ratio: int
+    temporal_compression_ratio: int
+    match_channel: bool
+
+    def resampling_levels(self) -> tuple[int, int]:
+        """(spatial, temporal) resampling levels of the ratios, checked against `block_out_channels`."""
+        levels = resampling_levels(self.spatial_compression_ratio, self.temporal_compression_ratio)
+        _check_levels(self.block_out_channels, levels[0], self.match_channel)
+        return levels
+
+
 class Encoder3D(nn.Module):
     """Video (B, in_channels, 1 + r_t*k, r_s*H, r_s*W) -> moments (B, out_channels, 1 + k, H, W).
 
@@ -325,28 +345,18 @@ class Encoder3D(nn.Module):
     output adds to `conv_out` the mid-block features averaged in channel groups down to `out_channels`.
     """
 
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        block_out_channels: Sequence[int],
-        layers_per_block: int,
-        spatial_compression_ratio: int,
-        temporal_compression_ratio: int,
-        downsample_match_channel: bool,
-    ) -> None:
+    def __init__(self, layout: HunyuanVideo15CoderLayout) -> None:
         super().__init__()
-        spatial_levels, temporal_levels = resampling_levels(
-            spatial_compression_ratio, temporal_compression_ratio
-        )
-        _check_levels(block_out_channels, spatial_levels, downsample_match_channel)
+        spatial_levels, temporal_levels = layout.resampling_levels()
+        in_channels, out_channels = layout.in_channels, layout.out_channels
+        block_out_channels = layout.block_out_channels
         if block_out_channels[-1] % out_channels:
             raise ValueError(
                 f"HunyuanVideo-1.5 VAE: the encoder's last width {block_out_channels[-1]} must be a multiple of "
                 f"2 * latent_channels ({out_channels})"
             )
-        self.spatial_compression_ratio = spatial_compression_ratio
-        self.temporal_compression_ratio = temporal_compression_ratio
+        self.spatial_compression_ratio = layout.spatial_compression_ratio
+        self.temporal_compression_ratio = layout.temporal_compression_ratio
         self.out_channels = out_channels
         self.conv_in = CausalConv3d(in_channels, block_out_channels[0])
         blocks: list[DownBlock] = []
@@ -354,9 +364,9 @@ class Encoder3D(nn.Module):
         for i, width in enumerate(block_out_channels):
             down_to = None
             if i < spatial_levels:
-                down_to = block_out_channels[i + 1] if downsample_match_channel else width
+                down_to = block_out_channels[i + 1] if layout.match_channel else width
             temporal = spatial_levels - temporal_levels <= i < spatial_levels
-            resnets = resnet_chain(ResnetBlock, channels, width, layers_per_block)
+            resnets = resnet_chain(ResnetBlock, channels, width, layout.layers_per_block)
             blocks.append(
                 DownBlock(resnets, None if down_to is None else Downsample(width, down_to, temporal))
             )
@@ -394,21 +404,10 @@ class Decoder3D(nn.Module):
     its first ones) and the output is exactly those frames of the whole clip's; the caller marks chunks.
     """
 
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        block_out_channels: Sequence[int],
-        layers_per_block: int,
-        spatial_compression_ratio: int,
-        temporal_compression_ratio: int,
-        upsample_match_channel: bool,
-    ) -> None:
+    def __init__(self, layout: HunyuanVideo15CoderLayout) -> None:
         super().__init__()
-        spatial_levels, temporal_levels = resampling_levels(
-            spatial_compression_ratio, temporal_compression_ratio
-        )
-        _check_levels(block_out_channels, spatial_levels, upsample_match_channel)
+        spatial_levels, temporal_levels = layout.resampling_levels()
+        in_channels, block_out_channels = layout.in_channels, layout.block_out_channels
         if block_out_channels[0] % in_channels:
             raise ValueError(
                 f"HunyuanVideo-1.5 VAE: the decoder's first width {block_out_channels[0]} must be a multiple of "
@@ -422,14 +421,14 @@ class Decoder3D(nn.Module):
         for i, width in enumerate(block_out_channels):
             up_to = None
             if i < spatial_levels:  # temporal levels are a subset (temporal <= spatial ratio)
-                up_to = block_out_channels[i + 1] if upsample_match_channel else width
-            resnets = resnet_chain(ResnetBlock, channels, width, layers_per_block + 1)
+                up_to = block_out_channels[i + 1] if layout.match_channel else width
+            resnets = resnet_chain(ResnetBlock, channels, width, layout.layers_per_block + 1)
             upsampler = None if up_to is None else Upsample(width, up_to, i < temporal_levels)
             blocks.append(UpBlock(resnets, upsampler))
             channels = width if up_to is None else up_to
         self.up_blocks = nn.ModuleList(blocks)
         self.norm_out = ChannelRMSNorm(block_out_channels[-1], spatial_dims=3)
-        self.conv_out = CausalConv3d(block_out_channels[-1], out_channels)
+        self.conv_out = CausalConv3d(block_out_channels[-1], layout.out_channels)
 
     def forward(self, z: torch.Tensor, cache: CausalCache | None = None) -> torch.Tensor:
         x = self.conv_in(z, cache) + z.repeat_interleave(self.repeats, dim=1)

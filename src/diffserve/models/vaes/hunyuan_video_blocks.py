@@ -24,7 +24,7 @@ HunyuanVideo 1.5's (`hunyuan_video15_blocks.py`); the GroupNorm resnets and the 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffserve.models.vaes.blocks import resnet_chain
+from diffserve.models.vaes.coder_layout import CoderLayout
 from diffserve.models.vaes.hunyuan_video15_blocks import (
     CausalConv3d,
     DownBlock,
@@ -146,33 +147,38 @@ def resampling(levels: int, spatial_ratio: int, temporal_ratio: int) -> list[tup
     return factors
 
 
+@dataclass(frozen=True)
+class HunyuanVideoCoderLayout(CoderLayout):
+    """A HunyuanVideo VAE half's layout (`block_out_channels` in the encoder's order for both halves), its
+    GroupNorm `groups`, the compression ratios that pick the resampling levels and whether the mid block
+    attends."""
+
+    groups: int
+    spatial_ratio: int
+    temporal_ratio: int
+    mid_attention: bool
+
+
 class Encoder3D(nn.Module):
     """Video (B, in, T, H, W) -> moments (B, 2 * latent, 1 + (T - 1) / 4, H / 8, W / 8)."""
 
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        block_out_channels: Sequence[int],
-        layers_per_block: int,
-        groups: int,
-        spatial_ratio: int,
-        temporal_ratio: int,
-        mid_attention: bool,
-    ) -> None:
+    def __init__(self, layout: HunyuanVideoCoderLayout) -> None:
         super().__init__()
-        self.conv_in = CausalConv3d(in_channels, block_out_channels[0])
-        factors = resampling(len(block_out_channels), spatial_ratio, temporal_ratio)
+        block_out_channels, groups = layout.block_out_channels, layout.groups
+        self.conv_in = CausalConv3d(layout.in_channels, block_out_channels[0])
+        factors = resampling(len(block_out_channels), layout.spatial_ratio, layout.temporal_ratio)
         previous = block_out_channels[0]
         blocks = []
         for channels, factor in zip(block_out_channels, factors, strict=True):
-            resnets = resnet_chain(partial(ResnetBlock, groups=groups), previous, channels, layers_per_block)
+            resnets = resnet_chain(
+                partial(ResnetBlock, groups=groups), previous, channels, layout.layers_per_block
+            )
             blocks.append(DownBlock(resnets, None if factor is None else Downsample(channels, factor)))
             previous = channels
         self.down_blocks = nn.ModuleList(blocks)
-        self.mid_block = MidBlock(block_out_channels[-1], groups, mid_attention)
+        self.mid_block = MidBlock(block_out_channels[-1], groups, layout.mid_attention)
         self.conv_norm_out = nn.GroupNorm(groups, block_out_channels[-1], eps=NORM_EPS)
-        self.conv_out = CausalConv3d(block_out_channels[-1], out_channels)
+        self.conv_out = CausalConv3d(block_out_channels[-1], layout.out_channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.conv_in(x)
@@ -185,33 +191,24 @@ class Encoder3D(nn.Module):
 class Decoder3D(nn.Module):
     """Latents (B, latent, t, h, w) -> video (B, out, 1 + 4 (t - 1), 8h, 8w), not clamped."""
 
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        block_out_channels: Sequence[int],
-        layers_per_block: int,
-        groups: int,
-        spatial_ratio: int,
-        temporal_ratio: int,
-        mid_attention: bool,
-    ) -> None:
+    def __init__(self, layout: HunyuanVideoCoderLayout) -> None:
         super().__init__()
+        block_out_channels, groups = layout.block_out_channels, layout.groups
         reversed_channels = list(reversed(block_out_channels))
-        self.conv_in = CausalConv3d(in_channels, reversed_channels[0])
-        self.mid_block = MidBlock(reversed_channels[0], groups, mid_attention)
-        factors = resampling(len(block_out_channels), spatial_ratio, temporal_ratio)
+        self.conv_in = CausalConv3d(layout.in_channels, reversed_channels[0])
+        self.mid_block = MidBlock(reversed_channels[0], groups, layout.mid_attention)
+        factors = resampling(len(block_out_channels), layout.spatial_ratio, layout.temporal_ratio)
         previous = reversed_channels[0]
         blocks = []
         for channels, factor in zip(reversed_channels, factors, strict=True):
             resnets = resnet_chain(
-                partial(ResnetBlock, groups=groups), previous, channels, layers_per_block + 1
+                partial(ResnetBlock, groups=groups), previous, channels, layout.layers_per_block + 1
             )
             blocks.append(UpBlock(resnets, None if factor is None else Upsample(channels, factor)))
             previous = channels
         self.up_blocks = nn.ModuleList(blocks)
         self.conv_norm_out = nn.GroupNorm(groups, block_out_channels[0], eps=NORM_EPS)
-        self.conv_out = CausalConv3d(block_out_channels[0], out_channels)
+        self.conv_out = CausalConv3d(block_out_channels[0], layout.out_channels)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         x = self.mid_block(self.conv_in(z))
