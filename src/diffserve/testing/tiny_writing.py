@@ -8,7 +8,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import save_file
@@ -119,11 +119,20 @@ def autoencoder_kl_config(
     }
 
 
-def write_autoencoder_kl(
-    directory: Path, block_out_channels: tuple[int, ...], latent_channels: int, norm_groups: int
-) -> None:
-    """A random `AutoencoderKL` with FLUX.1's scaling and shift (the VAE FLUX.1 and Z-Image folders ship)."""
-    vae_config = autoencoder_kl_config(block_out_channels, latent_channels, norm_groups, 0.3611, 0.1159)
+class AutoencoderKLSpec(Protocol):
+    """The fields of a tiny spec that shape its FLUX.1-kind `AutoencoderKL`."""
+
+    latent_channels: int
+    vae_block_out_channels: tuple[int, ...]
+    vae_norm_num_groups: int
+
+
+def write_autoencoder_kl(directory: Path, spec: AutoencoderKLSpec) -> None:
+    """A random `AutoencoderKL` of `spec`'s shape with FLUX.1's scaling and shift (the VAE FLUX.1, Chroma,
+    LongCat-Image and Z-Image folders ship)."""
+    vae_config = autoencoder_kl_config(
+        spec.vae_block_out_channels, spec.latent_channels, spec.vae_norm_num_groups, 0.3611, 0.1159
+    )
     vae_config["force_upcast"] = True
     save_diffusers_model(AutoencoderKL.from_config(vae_config), directory, "AutoencoderKL", vae_config)
 
@@ -147,6 +156,15 @@ def random_native_module(
             if weight_noise:
                 param.add_(torch.randn(param.shape, generator=gen) * weight_noise)
     return module
+
+
+def write_random_module(
+    directory: Path, cls: NativeModelClass, config: dict, seed: int, weight_noise: float = 0.0
+) -> None:
+    """A `random_native_module` of `cls` saved to `directory` as the Diffusers class it implements (a
+    builder's DiT or VAE that needs no weights of its own after the random ones)."""
+    module = random_native_module(cls, config, seed, weight_noise)
+    save_diffusers_model(module, directory, cls.diffusers_class_name, config)
 
 
 # The tiny transformers encoders: the shape several families' builders share; each adds what is its own.
@@ -282,7 +300,6 @@ def qwen2_5_vl_encoder(spec: Any, tokenizer: Any, **vision_config: Any) -> Qwen2
         32768,
         mrope=True,
     )
-    ids = tokenizer.convert_tokens_to_ids
     config = Qwen2_5_VLConfig(
         text_config=text,
         vision_config={
@@ -294,13 +311,22 @@ def qwen2_5_vl_encoder(spec: Any, tokenizer: Any, **vision_config: Any) -> Qwen2
             **vision_config,
             "fullatt_block_indexes": [spec.vision_depth - 1],
         },
-        image_token_id=ids("<|image_pad|>"),
-        video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"),
-        vision_end_token_id=ids("<|vision_end|>"),
+        **qwen_vl_token_ids(tokenizer),
         tie_word_embeddings=False,
     )
     return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def qwen_vl_token_ids(tokenizer: Any) -> dict[str, int]:
+    """The Qwen vision-language config keywords naming the byte-level Qwen tokenizer's image, video and
+    vision-span tokens (Qwen2.5-VL's and Qwen3-VL's configs alike)."""
+    ids = tokenizer.convert_tokens_to_ids
+    return {
+        "image_token_id": ids("<|image_pad|>"),
+        "video_token_id": ids("<|video_pad|>"),
+        "vision_start_token_id": ids("<|vision_start|>"),
+        "vision_end_token_id": ids("<|vision_end|>"),
+    }
 
 
 def vision_tower_shape(

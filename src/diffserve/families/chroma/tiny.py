@@ -86,8 +86,6 @@ def build_tiny_chroma(out_dir: str | Path, spec: TinyChromaSpec | None = None) -
     dit = ChromaTransformer2DModel.from_config(dit_config)
     save_diffusers_model(dit, root / "transformer", "ChromaTransformer2DModel", dit_config)
 
-    write_autoencoder_kl(
-        root / "vae", spec.vae_block_out_channels, spec.latent_channels, spec.vae_norm_num_groups
-    )
+    write_autoencoder_kl(root / "vae", spec)
     write_scheduler_config(root, "FlowMatchEulerDiscreteScheduler", CHROMA_SCHEDULER_CONFIG)
     return finish_tiny_folder(root, chroma_model_index(), spec)

@@ -35,6 +35,7 @@ from diffserve.testing.tiny_writing import (
     save_text_encoder,
     t5_encoder_config,
     tiny_folder,
+    write_random_module,
     write_scheduler_config,
 )
 from diffserve.testing.tokenizers import build_t5_tokenizer
@@ -154,9 +155,7 @@ def build_tiny_cogvideox(out_dir: str | Path, spec: TinyCogVideoXSpec | None = N
         table = dit.patch_embed.pos_embedding
         table.copy_(torch.randn(table.shape, generator=generator) * 0.5)
     save_diffusers_model(dit, root / "transformer", "CogVideoXTransformer3DModel", dit_config)
-    vae_config = _vae_config(spec)
-    vae = random_native_module(AutoencoderKLCogVideoX, vae_config, spec.seed + 20, 0.02)
-    save_diffusers_model(vae, root / "vae", "AutoencoderKLCogVideoX", vae_config)
+    write_random_module(root / "vae", AutoencoderKLCogVideoX, _vae_config(spec), spec.seed + 20, 0.02)
     snr_shift = 3.0 if _sampler(spec) == "ddim" else 1.0
     write_scheduler_config(
         root, SCHEDULERS[_sampler(spec)], {**SCHEDULER_CONFIG, "snr_shift_scale": snr_shift}

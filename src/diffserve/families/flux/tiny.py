@@ -92,9 +92,7 @@ def build_tiny_flux(out_dir: str | Path, spec: TinyFluxSpec | None = None) -> Pa
     dit = FluxTransformer2DModel.from_config(dit_config)
     save_diffusers_model(dit, root / "transformer", "FluxTransformer2DModel", dit_config)
 
-    write_autoencoder_kl(
-        root / "vae", spec.vae_block_out_channels, spec.latent_channels, spec.vae_norm_num_groups
-    )
+    write_autoencoder_kl(root / "vae", spec)
     write_scheduler_config(root, "FlowMatchEulerDiscreteScheduler", FLUX_SCHEDULER_CONFIG)
     return finish_tiny_folder(root, flux_model_index(), spec)
 

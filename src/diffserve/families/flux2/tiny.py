@@ -51,6 +51,7 @@ from diffserve.testing.tiny_writing import (
     vision_tower_shape,
     write_json,
     write_qwen3_text_encoder,
+    write_random_module,
     write_scheduler_config,
 )
 from diffserve.testing.tokenizers import _bytes_to_unicode
@@ -315,8 +316,9 @@ def build_tiny_flux2(out_dir: str | Path, spec: TinyFlux2Spec | None = None) -> 
         "eps": 1e-6,
         "guidance_embeds": spec.variant == "dev",
     }
-    dit = random_native_module(Flux2Transformer2DModel, dit_config, spec.seed + 10, spec.dit_weight_noise)
-    save_diffusers_model(dit, root / "transformer", "Flux2Transformer2DModel", dit_config)
+    write_random_module(
+        root / "transformer", Flux2Transformer2DModel, dit_config, spec.seed + 10, spec.dit_weight_noise
+    )
     write_flux2_vae(root / "vae", spec)
     write_scheduler_config(root, "FlowMatchEulerDiscreteScheduler", FLUX2_SCHEDULER_CONFIG)
     return finish_tiny_folder(root, flux2_model_index(spec.variant, spec.is_distilled), spec)

@@ -24,17 +24,18 @@ from transformers import (
 
 from diffserve.models.dits.hidream_image import HiDreamImageTransformer2DModel
 from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
+from diffserve.testing.tiny_parts import llama_text_shape
 from diffserve.testing.tiny_writing import (
     DIFFUSERS_FORMAT_VERSION,
     autoencoder_kl_config,
     check_variant,
     clip_text_config,
     finish_tiny_folder,
-    random_native_module,
     save_diffusers_model,
     save_text_encoder,
     t5_encoder_config,
     tiny_folder,
+    write_random_module,
     write_scheduler_config,
 )
 from diffserve.testing.tokenizers import _bytes_to_unicode, build_clip_tokenizer, build_t5_tokenizer
@@ -158,24 +159,17 @@ def build_tiny_hidream(out_dir: str | Path, spec: TinyHiDreamSpec | None = None)
     t5 = T5EncoderModel(t5_encoder_config(t5_tokenizer, spec.t5_hidden_size))
     save_text_encoder(root, t5, t5_tokenizer, "_3")
     llama_tokenizer = build_llama_tokenizer()
-    llama_config = LlamaConfig(
-        vocab_size=len(llama_tokenizer),
-        hidden_size=spec.llama_hidden_size,
-        intermediate_size=2 * spec.llama_hidden_size,
-        num_hidden_layers=spec.llama_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=llama_tokenizer.bos_token_id,
-        eos_token_id=llama_tokenizer.eos_token_id,
-        tie_word_embeddings=False,
-    )
+    llama_shape = llama_text_shape(llama_tokenizer, spec.llama_hidden_size, spec.llama_layers, 4, 2, 512)
+    llama_config = LlamaConfig(**llama_shape, tie_word_embeddings=False)
     save_text_encoder(root, LlamaForCausalLM(llama_config), llama_tokenizer, "_4")
     dit_config = _dit_config(spec)
-    dit = random_native_module(
-        HiDreamImageTransformer2DModel, dit_config, spec.seed + 10, spec.dit_weight_noise
+    write_random_module(
+        root / "transformer",
+        HiDreamImageTransformer2DModel,
+        dit_config,
+        spec.seed + 10,
+        spec.dit_weight_noise,
     )
-    save_diffusers_model(dit, root / "transformer", "HiDreamImageTransformer2DModel", dit_config)
     vae_config = autoencoder_kl_config(
         (16,), spec.latent_channels, 8, scaling_factor=0.3611, shift_factor=0.1159
     )

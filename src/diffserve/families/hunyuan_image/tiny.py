@@ -31,6 +31,7 @@ from diffserve.testing.tiny_writing import (
     t5_shape,
     tiny_folder,
     write_json,
+    write_random_module,
     write_scheduler_config,
 )
 
@@ -165,9 +166,7 @@ def build_tiny_hunyuan_image(out_dir: str | Path, spec: TinyHunyuanImageSpec | N
         dit.proj_out.weight.mul_(spec.dit_output_scale)
         dit.proj_out.bias.mul_(spec.dit_output_scale)
     save_diffusers_model(dit, root / "transformer", "HunyuanImageTransformer2DModel", dit_config)
-    vae_config = _vae_config(spec)
-    vae = random_native_module(AutoencoderKLHunyuanImage, vae_config, spec.seed + 20, 0.02)
-    save_diffusers_model(vae, root / "vae", "AutoencoderKLHunyuanImage", vae_config)
+    write_random_module(root / "vae", AutoencoderKLHunyuanImage, _vae_config(spec), spec.seed + 20, 0.02)
     scheduler = {"num_train_timesteps": 1000, "shift": spec.shift, "use_dynamic_shifting": False}
     write_scheduler_config(root, "FlowMatchEulerDiscreteScheduler", scheduler)
     if not spec.distilled:

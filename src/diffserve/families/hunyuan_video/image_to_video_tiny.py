@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import (
-    CLIPImageProcessor,
     CLIPVisionConfig,
     LlamaConfig,
     LlamaTokenizer,
@@ -33,6 +32,7 @@ from diffserve.families.hunyuan_video.tiny import (
     tiny_dit_config,
     write_clip_dit_vae_scheduler,
 )
+from diffserve.testing.tiny_parts import llama_text_shape, write_clip_image_processor
 from diffserve.testing.tiny_writing import (
     finish_tiny_folder,
     save_text_encoder,
@@ -75,16 +75,7 @@ def _llava(tokenizer: LlamaTokenizer, spec: TinyHunyuanVideoI2VSpec) -> LlavaFor
         projection_dim=spec.vision_dim,
     )
     text = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.text_dim,
-        intermediate_size=2 * spec.text_dim,
-        num_hidden_layers=spec.text_layers,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=spec.text_positions,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **llama_text_shape(tokenizer, spec.text_dim, spec.text_layers, 2, 2, spec.text_positions)
     )
     config = LlavaConfig(
         vision_config=vision,
@@ -102,10 +93,7 @@ def build_tiny_hunyuan_video_i2v(out_dir: str | Path, spec: TinyHunyuanVideoI2VS
     root = tiny_folder(out_dir, spec.seed)
     tokenizer = llava_template_tokenizer()
     save_text_encoder(root, _llava(tokenizer, spec), tokenizer)
-    size = spec.vision_image_size
-    CLIPImageProcessor(
-        size={"shortest_edge": size}, crop_size={"height": size, "width": size}
-    ).save_pretrained(root / "image_processor")
+    write_clip_image_processor(root / "image_processor", spec.vision_image_size)
     channels = spec.latent_channels
     dit_config = {
         **tiny_dit_config(spec),

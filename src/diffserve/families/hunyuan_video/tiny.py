@@ -20,14 +20,14 @@ from transformers import CLIPTextModel, LlamaConfig, LlamaModel, LlamaTokenizer
 from diffserve.families.hunyuan_video.config import PROMPT_TEMPLATE
 from diffserve.models.dits.hunyuan_video import HunyuanVideoTransformer3DModel
 from diffserve.models.vaes.autoencoder_kl_hunyuan_video import AutoencoderKLHunyuanVideo
+from diffserve.testing.tiny_parts import llama_text_shape
 from diffserve.testing.tiny_writing import (
     DIFFUSERS_FORMAT_VERSION,
     clip_text_config,
     finish_tiny_folder,
-    random_native_module,
-    save_diffusers_model,
     save_text_encoder,
     tiny_folder,
+    write_random_module,
     write_scheduler_config,
 )
 from diffserve.testing.tokenizers import build_clip_tokenizer
@@ -135,19 +135,7 @@ def tiny_vae_config(spec: TinyHunyuanVideoSpec) -> dict:
 
 
 def _llama(tokenizer: LlamaTokenizer, spec: TinyHunyuanVideoSpec) -> LlamaModel:
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.text_dim,
-        intermediate_size=2 * spec.text_dim,
-        num_hidden_layers=spec.text_layers,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return LlamaModel(config)
+    return LlamaModel(LlamaConfig(**llama_text_shape(tokenizer, spec.text_dim, spec.text_layers, 2, 2, 512)))
 
 
 def hunyuan_video_model_index() -> dict:
@@ -172,13 +160,14 @@ def write_clip_dit_vae_scheduler(root: Path, spec: TinyHunyuanVideoSpec, dit_con
     save_text_encoder(
         root, CLIPTextModel(clip_text_config(clip_tokenizer, spec.pooled_dim)), clip_tokenizer, suffix="_2"
     )
-    dit = random_native_module(
-        HunyuanVideoTransformer3DModel, dit_config, spec.seed + 10, spec.dit_weight_noise
+    write_random_module(
+        root / "transformer",
+        HunyuanVideoTransformer3DModel,
+        dit_config,
+        spec.seed + 10,
+        spec.dit_weight_noise,
     )
-    save_diffusers_model(dit, root / "transformer", "HunyuanVideoTransformer3DModel", dit_config)
-    vae_config = tiny_vae_config(spec)
-    vae = random_native_module(AutoencoderKLHunyuanVideo, vae_config, spec.seed + 20, 0.02)
-    save_diffusers_model(vae, root / "vae", "AutoencoderKLHunyuanVideo", vae_config)
+    write_random_module(root / "vae", AutoencoderKLHunyuanVideo, tiny_vae_config(spec), spec.seed + 20, 0.02)
     write_scheduler_config(root, "FlowMatchEulerDiscreteScheduler", SCHEDULER_CONFIG)
 
 

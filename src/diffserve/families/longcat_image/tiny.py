@@ -23,11 +23,10 @@ from diffserve.testing.tiny_writing import (
     double_single_stream_dit_config,
     finish_tiny_folder,
     qwen2_5_vl_encoder,
-    random_native_module,
-    save_diffusers_model,
     save_text_encoder,
     tiny_folder,
     write_autoencoder_kl,
+    write_random_module,
     write_scheduler_config,
 )
 
@@ -93,11 +92,7 @@ def build_tiny_longcat_image(out_dir: str | Path, spec: TinyLongCatImageSpec | N
         "pooled_projection_dim": spec.text_hidden_size,
         "axes_dims_rope": list(spec.axes_dims_rope),
     }
-    dit = random_native_module(LongCatImageTransformer2DModel, dit_config, spec.seed + 10, weight_noise=0.1)
-    save_diffusers_model(dit, root / "transformer", "LongCatImageTransformer2DModel", dit_config)
-
-    write_autoencoder_kl(
-        root / "vae", spec.vae_block_out_channels, spec.latent_channels, spec.vae_norm_num_groups
-    )
+    write_random_module(root / "transformer", LongCatImageTransformer2DModel, dit_config, spec.seed + 10, 0.1)
+    write_autoencoder_kl(root / "vae", spec)
     write_scheduler_config(root, "FlowMatchEulerDiscreteScheduler", LONGCAT_IMAGE_SCHEDULER_CONFIG)
     return finish_tiny_folder(root, longcat_image_model_index(spec.variant), spec)

@@ -19,11 +19,10 @@ from diffserve.models.vaes.autoencoder_kl_mochi import MOCHI_VAE_CONFIG_DEFAULTS
 from diffserve.testing.tiny_writing import (
     DIFFUSERS_FORMAT_VERSION,
     finish_tiny_folder,
-    random_native_module,
-    save_diffusers_model,
     save_text_encoder,
     t5_encoder_config,
     tiny_folder,
+    write_random_module,
     write_scheduler_config,
 )
 from diffserve.testing.tokenizers import build_t5_tokenizer
@@ -111,11 +110,13 @@ def build_tiny_mochi(out_dir: str | Path, spec: TinyMochiSpec | None = None) -> 
     save_text_encoder(
         root, T5EncoderModel(t5_encoder_config(tokenizer, spec.text_dim, spec.text_layers)), tokenizer
     )
-    dit_config = _dit_config(spec)
-    dit = random_native_module(MochiTransformer3DModel, dit_config, spec.seed + 10, spec.dit_weight_noise)
-    save_diffusers_model(dit, root / "transformer", "MochiTransformer3DModel", dit_config)
-    vae_config = _vae_config(spec)
-    vae = random_native_module(AutoencoderKLMochi, vae_config, spec.seed + 20, 0.02)
-    save_diffusers_model(vae, root / "vae", "AutoencoderKLMochi", vae_config)
+    write_random_module(
+        root / "transformer",
+        MochiTransformer3DModel,
+        _dit_config(spec),
+        spec.seed + 10,
+        spec.dit_weight_noise,
+    )
+    write_random_module(root / "vae", AutoencoderKLMochi, _vae_config(spec), spec.seed + 20, 0.02)
     write_scheduler_config(root, "FlowMatchEulerDiscreteScheduler", SCHEDULER_CONFIG)
     return finish_tiny_folder(root, mochi_model_index(spec), spec)

@@ -34,10 +34,9 @@ from diffserve.testing.tiny_writing import (
     check_variant,
     finish_tiny_folder,
     qwen2_5_vl_encoder,
-    random_native_module,
-    save_diffusers_model,
     save_text_encoder,
     tiny_folder,
+    write_random_module,
     write_scheduler_config,
 )
 
@@ -142,8 +141,7 @@ def build_tiny_qwen_image(out_dir: str | Path, spec: TinyQwenImageSpec | None = 
         "use_additional_t_cond": layered,
         "use_layer3d_rope": layered,
     }
-    dit = random_native_module(QwenImageTransformer2DModel, dit_config, spec.seed + 10, weight_noise=0.2)
-    save_diffusers_model(dit, root / "transformer", "QwenImageTransformer2DModel", dit_config)
+    write_random_module(root / "transformer", QwenImageTransformer2DModel, dit_config, spec.seed + 10, 0.2)
 
     vae_config = {
         "base_dim": spec.vae_base_dim,
@@ -157,8 +155,7 @@ def build_tiny_qwen_image(out_dir: str | Path, spec: TinyQwenImageSpec | None = 
         "latents_mean": list(LATENTS_MEAN),
         "latents_std": list(LATENTS_STD),
     }
-    vae = random_native_module(AutoencoderKLQwenImage, vae_config, spec.seed + 20)
-    save_diffusers_model(vae, root / "vae", "AutoencoderKLQwenImage", vae_config)
+    write_random_module(root / "vae", AutoencoderKLQwenImage, vae_config, spec.seed + 20)
 
     write_scheduler_config(root, "FlowMatchEulerDiscreteScheduler", QWEN_IMAGE_SCHEDULER_CONFIG)
     return finish_tiny_folder(root, qwen_image_model_index(spec.variant), spec)

@@ -30,9 +30,9 @@ from diffserve.testing.tiny_writing import (
     RESOLUTION_SHIFT_SCHEDULER_CONFIG,
     finish_tiny_folder,
     qwen_text_shape,
-    random_native_module,
-    save_diffusers_model,
+    qwen_vl_token_ids,
     tiny_folder,
+    write_random_module,
     write_scheduler_config,
 )
 
@@ -71,7 +71,6 @@ def qwen3_vl_encoder(spec: TinyQwenImage21Spec, tokenizer) -> Qwen3VLForConditio
         "mrope_section": [half - 2 * (half // 4), half // 4, half // 4],
         "mrope_interleaved": True,
     }
-    ids = tokenizer.convert_tokens_to_ids
     config = Qwen3VLConfig(
         text_config=text,
         vision_config={
@@ -86,10 +85,7 @@ def qwen3_vl_encoder(spec: TinyQwenImage21Spec, tokenizer) -> Qwen3VLForConditio
             "num_position_embeddings": 64,
             "deepstack_visual_indexes": [0],
         },
-        image_token_id=ids("<|image_pad|>"),
-        video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"),
-        vision_end_token_id=ids("<|vision_end|>"),
+        **qwen_vl_token_ids(tokenizer),
         tie_word_embeddings=False,
     )
     return Qwen3VLForConditionalGeneration(config).eval()
@@ -151,10 +147,9 @@ def build_tiny_qwen_image21(out_dir: str | Path, spec: TinyQwenImage21Spec | Non
         "eps": 1e-6,
         "causal_condition": True,
     }
-    dit = random_native_module(
-        QwenImage21Transformer2DModel, dit_config, spec.seed + 10, spec.dit_weight_noise
+    write_random_module(
+        root / "transformer", QwenImage21Transformer2DModel, dit_config, spec.seed + 10, spec.dit_weight_noise
     )
-    save_diffusers_model(dit, root / "transformer", "QwenImage21Transformer2DModel", dit_config)
     levels = len(spec.vae_dim_mult)
     vae_config = {
         "base_dim": spec.vae_base_dim,
@@ -171,7 +166,6 @@ def build_tiny_qwen_image21(out_dir: str | Path, spec: TinyQwenImage21Spec | Non
         "in_channels": 4,
         "out_channels": 4,
     }
-    vae = random_native_module(AutoencoderKLQwenImage21, vae_config, spec.seed + 20)
-    save_diffusers_model(vae, root / "vae", "AutoencoderKLQwenImage21", vae_config)
+    write_random_module(root / "vae", AutoencoderKLQwenImage21, vae_config, spec.seed + 20)
     write_scheduler_config(root, "FlowMatchEulerDiscreteScheduler", SCHEDULER_CONFIG)
     return finish_tiny_folder(root, qwen_image21_model_index(spec), spec)

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diffusers import AutoencoderDC, SanaTransformer2DModel
-from transformers import Gemma2Config, Gemma2Model, GemmaTokenizer
 
 from diffserve.families.sana.config import SANA_COMPLEX_HUMAN_INSTRUCTION
+from diffserve.testing.tiny_parts import gemma2_text_encoder
 from diffserve.testing.tiny_writing import (
     DIFFUSERS_FORMAT_VERSION,
     finish_tiny_folder,
@@ -76,29 +76,6 @@ class TinySanaSpec:
     #: it needs sample_size 32, the only one SanaSprintPipeline bins sizes for.
     sprint: bool = False
     seed: int = 0
-
-
-def _gemma(tokenizer: GemmaTokenizer, spec: TinySanaSpec) -> Gemma2Model:
-    head_dim = spec.text_hidden_size // spec.text_heads
-    layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.text_layers)]
-    return Gemma2Model(
-        Gemma2Config(
-            vocab_size=len(tokenizer),
-            hidden_size=spec.text_hidden_size,
-            intermediate_size=spec.text_hidden_size * 2,
-            num_hidden_layers=spec.text_layers,
-            num_attention_heads=spec.text_heads,
-            num_key_value_heads=spec.text_kv_heads,
-            head_dim=head_dim,
-            query_pre_attn_scalar=head_dim,
-            max_position_embeddings=spec.text_max_positions,
-            sliding_window=spec.text_sliding_window,
-            layer_types=layer_types,
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-    ).eval()
 
 
 def _dit_config(spec: TinySanaSpec) -> dict:
@@ -179,7 +156,7 @@ def build_tiny_sana(out_dir: str | Path, spec: TinySanaSpec | None = None) -> Pa
     root = tiny_folder(out_dir, spec.seed)
 
     tokenizer = build_gemma_tokenizer(SANA_COMPLEX_HUMAN_INSTRUCTION)
-    save_text_encoder(root, _gemma(tokenizer, spec), tokenizer)
+    save_text_encoder(root, gemma2_text_encoder(tokenizer, spec), tokenizer)
 
     dit_config = _dit_config(spec)
     dit = SanaTransformer2DModel.from_config(dit_config)

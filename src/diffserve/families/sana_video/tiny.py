@@ -15,13 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import Gemma2Config, Gemma2Model, GemmaTokenizer
 
 from diffserve.families.sana_video.config import SANA_VIDEO_COMPLEX_HUMAN_INSTRUCTION
 from diffserve.models.dits.sana_video import SanaVideoTransformer3DModel
 from diffserve.models.vaes.autoencoder_kl_ltx2 import AutoencoderKLLTX2Video
 from diffserve.models.vaes.autoencoder_kl_wan import AutoencoderKLWan
-from diffserve.models.vaes.causal3d_blocks import LATENTS_MEAN, LATENTS_STD
+from diffserve.testing.tiny_parts import gemma2_text_encoder, wan21_vae_config
 from diffserve.testing.tiny_writing import (
     DIFFUSERS_FORMAT_VERSION,
     check_variant,
@@ -30,6 +29,7 @@ from diffserve.testing.tiny_writing import (
     save_diffusers_model,
     save_text_encoder,
     tiny_folder,
+    write_random_module,
     write_scheduler_config,
 )
 from diffserve.testing.tokenizers import build_gemma_tokenizer
@@ -65,29 +65,6 @@ class TinySanaVideoSpec:
     seed: int = 0
 
 
-def _gemma(tokenizer: GemmaTokenizer, spec: TinySanaVideoSpec) -> Gemma2Model:
-    head_dim = spec.text_hidden_size // spec.text_heads
-    layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.text_layers)]
-    return Gemma2Model(
-        Gemma2Config(
-            vocab_size=len(tokenizer),
-            hidden_size=spec.text_hidden_size,
-            intermediate_size=spec.text_hidden_size * 2,
-            num_hidden_layers=spec.text_layers,
-            num_attention_heads=spec.text_heads,
-            num_key_value_heads=spec.text_kv_heads,
-            head_dim=head_dim,
-            query_pre_attn_scalar=head_dim,
-            max_position_embeddings=spec.text_max_positions,
-            sliding_window=spec.text_sliding_window,
-            layer_types=layer_types,
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-    ).eval()
-
-
 def _dit_config(spec: TinySanaVideoSpec) -> dict:
     inner = spec.num_attention_heads * spec.attention_head_dim
     return {
@@ -112,20 +89,6 @@ def _dit_config(spec: TinySanaVideoSpec) -> dict:
         "guidance_embeds_scale": 0.1,
         "qk_norm": "rms_norm_across_heads",
         "rope_max_seq_len": 1024,
-    }
-
-
-def _vae_config(spec: TinySanaVideoSpec) -> dict:
-    return {
-        "base_dim": spec.vae_base_dim,
-        "z_dim": 16,
-        "dim_mult": [1, 2, 4, 4],
-        "num_res_blocks": 1,
-        "attn_scales": [],
-        "temperal_downsample": [False, True, True],
-        "dropout": 0.0,
-        "latents_mean": list(LATENTS_MEAN),  # the released Wan 2.1 VAE's
-        "latents_std": list(LATENTS_STD),
     }
 
 
@@ -175,15 +138,19 @@ def build_tiny_sana_video(out_dir: str | Path, spec: TinySanaVideoSpec | None = 
     check_variant("SANA-Video VAE", spec.vae, ("wan", "ltx2-video"))
     root = tiny_folder(out_dir, spec.seed)
     tokenizer = build_gemma_tokenizer(SANA_VIDEO_COMPLEX_HUMAN_INSTRUCTION)
-    save_text_encoder(root, _gemma(tokenizer, spec), tokenizer)
-    dit_config = _dit_config(spec)
-    dit = random_native_module(SanaVideoTransformer3DModel, dit_config, spec.seed + 10, spec.dit_weight_noise)
-    save_diffusers_model(dit, root / "transformer", "SanaVideoTransformer3DModel", dit_config)
+    save_text_encoder(root, gemma2_text_encoder(tokenizer, spec), tokenizer)
+    write_random_module(
+        root / "transformer",
+        SanaVideoTransformer3DModel,
+        _dit_config(spec),
+        spec.seed + 10,
+        spec.dit_weight_noise,
+    )
     if spec.vae == "ltx2-video":
         _write_ltx2_vae(root, spec)
     else:
-        vae_config = _vae_config(spec)
-        vae = random_native_module(AutoencoderKLWan, vae_config, spec.seed + 20)
-        save_diffusers_model(vae, root / "vae", "AutoencoderKLWan", vae_config)
+        write_random_module(
+            root / "vae", AutoencoderKLWan, wan21_vae_config(spec.vae_base_dim), spec.seed + 20
+        )
     write_scheduler_config(root, "DPMSolverMultistepScheduler", SANA_VIDEO_SCHEDULER_CONFIG)
     return finish_tiny_folder(root, sana_video_model_index(spec.vae), spec)

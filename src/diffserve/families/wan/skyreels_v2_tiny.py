@@ -16,12 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+from transformers import CLIPVisionModelWithProjection
 
 from diffserve.families.wan.tiny import (
     TinyWanSpec,
     _dit_config,
     _vae_config,
+    _write_image_encoder,
     _write_text_encoder,
     unipc_scheduler_config,
 )
@@ -29,11 +30,9 @@ from diffserve.models.dits.skyreels_v2 import SkyReelsV2Transformer3DModel
 from diffserve.models.vaes.autoencoder_kl_wan import AutoencoderKLWan
 from diffserve.testing.tiny_writing import (
     DIFFUSERS_FORMAT_VERSION,
-    random_native_module,
-    save_diffusers_model,
     tiny_folder,
-    vision_tower_shape,
     write_json,
+    write_random_module,
     write_scheduler_config,
 )
 
@@ -53,16 +52,6 @@ class TinySkyReelsV2Spec:
     seed: int = 0
     #: The released T2V folders' UniPC shift is 8.0, I2V's 5.0; None picks it by task.
     flow_shift: float | None = None
-
-
-def _write_image_encoder(root: Path, wan: TinyWanSpec) -> None:
-    shape = vision_tower_shape(wan.clip_hidden_size, wan.clip_image_size, wan.clip_patch_size)
-    encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(**shape, projection_dim=wan.clip_hidden_size))
-    encoder.save_pretrained(root / "image_encoder")
-    size = wan.clip_image_size
-    CLIPImageProcessor(
-        size={"shortest_edge": size}, crop_size={"height": size, "width": size}
-    ).save_pretrained(root / "image_processor")
 
 
 def _pipeline_name(spec: TinySkyReelsV2Spec) -> str:
@@ -93,11 +82,10 @@ def build_tiny_skyreels_v2(out_dir: str | Path, spec: TinySkyReelsV2Spec | None 
         "inject_sample_info": spec.diffusion_forcing,
         "num_frame_per_block": spec.num_frame_per_block,
     }
-    dit = random_native_module(SkyReelsV2Transformer3DModel, dit_config, spec.seed + 10, wan.dit_weight_noise)
-    save_diffusers_model(dit, root / "transformer", "SkyReelsV2Transformer3DModel", dit_config)
-    vae_config = _vae_config(wan)
-    vae = random_native_module(AutoencoderKLWan, vae_config, spec.seed + 20)
-    save_diffusers_model(vae, root / "vae", "AutoencoderKLWan", vae_config)
+    write_random_module(
+        root / "transformer", SkyReelsV2Transformer3DModel, dit_config, spec.seed + 10, wan.dit_weight_noise
+    )
+    write_random_module(root / "vae", AutoencoderKLWan, _vae_config(wan), spec.seed + 20)
     index: dict = {
         "_class_name": _pipeline_name(spec),
         "_diffusers_version": DIFFUSERS_FORMAT_VERSION,
@@ -108,7 +96,7 @@ def build_tiny_skyreels_v2(out_dir: str | Path, spec: TinySkyReelsV2Spec | None 
         "vae": ["diffusers", "AutoencoderKLWan"],
     }
     if clip:
-        _write_image_encoder(root, wan)
+        _write_image_encoder(root, wan, CLIPVisionModelWithProjection)
         index["image_encoder"] = ["transformers", "CLIPVisionModelWithProjection"]
         index["image_processor"] = ["transformers", "CLIPImageProcessor"]
     flow_shift = spec.flow_shift if spec.flow_shift is not None else (5.0 if spec.image_to_video else 8.0)

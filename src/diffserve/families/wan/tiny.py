@@ -18,20 +18,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
+from transformers import (
+    CLIPVisionConfig,
+    CLIPVisionModel,
+    CLIPVisionModelWithProjection,
+    UMT5Config,
+    UMT5EncoderModel,
+)
 
 from diffserve.models.dits.wan import WanTransformer3DModel
 from diffserve.models.vaes.autoencoder_kl_wan import AutoencoderKLWan
-from diffserve.models.vaes.causal3d_blocks import LATENTS_MEAN, LATENTS_STD
+from diffserve.testing.tiny_parts import wan21_vae_config, write_clip_image_processor
 from diffserve.testing.tiny_writing import (
     DIFFUSERS_FORMAT_VERSION,
-    random_native_module,
-    save_diffusers_model,
     save_text_encoder,
     t5_shape,
     tiny_folder,
     vision_tower_shape,
     write_json,
+    write_random_module,
     write_scheduler_config,
 )
 from diffserve.testing.tokenizers import build_t5_tokenizer
@@ -123,14 +128,17 @@ def _write_text_encoder(root: Path, spec: TinyWanSpec) -> None:
     save_text_encoder(root, UMT5EncoderModel(config), tokenizer)
 
 
-def _write_image_encoder(root: Path, spec: TinyWanSpec) -> None:
+def _write_image_encoder(
+    root: Path,
+    spec: TinyWanSpec,
+    encoder_cls: type[CLIPVisionModel] | type[CLIPVisionModelWithProjection] = CLIPVisionModel,
+) -> None:
+    """`image_encoder/`, a tiny CLIP vision tower of `encoder_cls` (Wan 2.1's `CLIPVisionModel`, SkyReels-V2's
+    with projection), and its `image_processor/`."""
     shape = vision_tower_shape(spec.clip_hidden_size, spec.clip_image_size, spec.clip_patch_size)
-    encoder = CLIPVisionModel(CLIPVisionConfig(**shape, projection_dim=spec.clip_hidden_size))
+    encoder = encoder_cls(CLIPVisionConfig(**shape, projection_dim=spec.clip_hidden_size))
     encoder.save_pretrained(root / "image_encoder")
-    size = spec.clip_image_size
-    CLIPImageProcessor(
-        size={"shortest_edge": size}, crop_size={"height": size, "width": size}
-    ).save_pretrained(root / "image_processor")
+    write_clip_image_processor(root / "image_processor", spec.clip_image_size)
 
 
 def _dit_config(spec: TinyWanSpec) -> dict:
@@ -160,17 +168,7 @@ def _dit_config(spec: TinyWanSpec) -> dict:
 
 
 def _vae_config(spec: TinyWanSpec) -> dict:
-    config = {
-        "base_dim": spec.vae_base_dim,
-        "z_dim": 16,
-        "dim_mult": [1, 2, 4, 4],
-        "num_res_blocks": 1,
-        "attn_scales": [],
-        "temperal_downsample": [False, True, True],
-        "dropout": 0.0,
-        "latents_mean": list(LATENTS_MEAN),  # the released Wan 2.1 VAE's
-        "latents_std": list(LATENTS_STD),
-    }
+    config = wan21_vae_config(spec.vae_base_dim)
     if spec.variant == "2.2-ti2v":  # Wan 2.2's layout: 2x2 patches of RGB into 12 channels, 16x in all
         config.update(
             decoder_base_dim=spec.vae_base_dim * 3 // 2,
@@ -200,14 +198,14 @@ def build_tiny_wan(out_dir: str | Path, spec: TinyWanSpec | None = None) -> Path
     root = tiny_folder(out_dir, spec.seed)
     _write_text_encoder(root, spec)
     dit_config = _dit_config(spec)
-    dit = random_native_module(WanTransformer3DModel, dit_config, spec.seed + 10, spec.dit_weight_noise)
-    save_diffusers_model(dit, root / "transformer", "WanTransformer3DModel", dit_config)
+    write_random_module(
+        root / "transformer", WanTransformer3DModel, dit_config, spec.seed + 10, spec.dit_weight_noise
+    )
     if spec.variant == "2.2-a14b":  # the low-noise expert: same shape, its own weights
-        dit_2 = random_native_module(WanTransformer3DModel, dit_config, spec.seed + 30, spec.dit_weight_noise)
-        save_diffusers_model(dit_2, root / "transformer_2", "WanTransformer3DModel", dit_config)
-    vae_config = _vae_config(spec)
-    vae = random_native_module(AutoencoderKLWan, vae_config, spec.seed + 20)
-    save_diffusers_model(vae, root / "vae", "AutoencoderKLWan", vae_config)
+        write_random_module(
+            root / "transformer_2", WanTransformer3DModel, dit_config, spec.seed + 30, spec.dit_weight_noise
+        )
+    write_random_module(root / "vae", AutoencoderKLWan, _vae_config(spec), spec.seed + 20)
     if spec.image_to_video and spec.variant == "2.1":
         _write_image_encoder(root, spec)
     if spec.scheduler == "unipc":

@@ -20,11 +20,10 @@ from diffserve.models.dits.z_image import ZImageTransformer2DModel
 from diffserve.testing.tiny_writing import (
     DIFFUSERS_FORMAT_VERSION,
     finish_tiny_folder,
-    random_native_module,
-    save_diffusers_model,
     tiny_folder,
     write_autoencoder_kl,
     write_qwen3_text_encoder,
+    write_random_module,
     write_scheduler_config,
 )
 
@@ -92,11 +91,7 @@ def build_tiny_zimage(out_dir: str | Path, spec: TinyZImageSpec | None = None) -
         "axes_dims": list(spec.axes_dims),
         "axes_lens": list(spec.axes_lens),
     }
-    dit = random_native_module(ZImageTransformer2DModel, dit_config, spec.seed + 10)
-    save_diffusers_model(dit, root / "transformer", "ZImageTransformer2DModel", dit_config)
-
-    write_autoencoder_kl(
-        root / "vae", spec.vae_block_out_channels, spec.latent_channels, spec.vae_norm_num_groups
-    )
+    write_random_module(root / "transformer", ZImageTransformer2DModel, dit_config, spec.seed + 10)
+    write_autoencoder_kl(root / "vae", spec)
     write_scheduler_config(root, "FlowMatchEulerDiscreteScheduler", ZIMAGE_SCHEDULER_CONFIG)
     return finish_tiny_folder(root, zimage_model_index(), spec)
