@@ -35,12 +35,13 @@ from diffserve.families.hunyuan_image.text_encoding import HunyuanImageTextEncod
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.hunyuan_image import HunyuanImageTransformer2DModel
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.pipelines.cfg_batch import advance_requests, next_timesteps, split_guided, step_cache_for
+from diffserve.pipelines.cfg_batch import advance_requests, split_guided, step_cache_for
 from diffserve.request import Req
 from diffserve.runtime.runner import CfgBranchView
 from diffserve.stages.base import Stage
 from diffserve.stages.decoding import DecodingStage
 from diffserve.stages.denoising import DenoisingStage
+from diffserve.stages.glyph_text_batch import GLYPH_TEXT_COMPONENTS, GlyphTextBatch
 from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
 from diffserve.stages.latent_preparation import SpatialLatentPreparationStage
 from diffserve.stages.timestep_preparation import set_schedule
@@ -160,29 +161,14 @@ class HunyuanImageDenoiser:
 
     @torch.inference_mode()
     def __call__(self, reqs: list[Req]) -> None:
-        latents, timesteps, timesteps_r, guidance = [], [], [], []
-        text, text_mask, glyph, glyph_mask = [], [], [], []
+        batch, guidance = GlyphTextBatch(self.meanflow, self.dtype), []
         for req in reqs:
-            t = req.schedule.timesteps[req.step_index].expand(req.batch_size).to(self.dtype)
-            for states, mask, states_2, mask_2 in HunyuanImageConditioning.of(req).text_branches(req):
-                latents.append(req.latents.to(self.dtype))
-                timesteps.append(t)
-                if self.meanflow:
-                    timesteps_r.append(next_timesteps(req).expand(req.batch_size).to(self.dtype))
+            for branch in HunyuanImageConditioning.of(req).text_branches(req):
+                batch.add(req, req.latents.to(self.dtype), branch)
                 if req.schedule.guidance is not None:
                     guidance.append(req.schedule.guidance)
-                text.append(states)
-                text_mask.append(mask)
-                glyph.append(states_2)
-                glyph_mask.append(mask_2)
         prediction = self.transformer(
-            hidden_states=torch.cat(latents),
-            timestep=torch.cat(timesteps),
-            encoder_hidden_states=torch.cat(text),
-            encoder_attention_mask=torch.cat(text_mask),
-            timestep_r=torch.cat(timesteps_r) if timesteps_r else None,
-            encoder_hidden_states_2=torch.cat(glyph),
-            encoder_attention_mask_2=torch.cat(glyph_mask),
+            **batch.dit_kwargs(),
             guidance=torch.cat(guidance) if guidance else None,
             step_cache=step_cache_for(reqs),  # rows: each request's branches in turn, as it expects
         )
@@ -205,15 +191,7 @@ class HunyuanImageDenoiser:
 
 
 class HunyuanImagePipeline(Pipeline):
-    required_components = (
-        "text_encoder",
-        "tokenizer",
-        "text_encoder_2",
-        "tokenizer_2",
-        "transformer",
-        "vae",
-        "scheduler",
-    )
+    required_components = GLYPH_TEXT_COMPONENTS
     optional_components = ("guider", "ocr_guider")
     config = HunyuanImagePipelineConfig()
     pipeline_name = "HunyuanImagePipeline"

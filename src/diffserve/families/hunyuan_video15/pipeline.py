@@ -40,11 +40,12 @@ from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.hunyuan_video15 import HunyuanVideo15Transformer3DModel
 from diffserve.models.guiders.classifier_free_guidance import ClassifierFreeGuidance
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.pipelines.cfg_batch import advance_requests, next_timesteps, split_guided, step_cache_for
+from diffserve.pipelines.cfg_batch import advance_requests, split_guided, step_cache_for
 from diffserve.request import Req
 from diffserve.runtime.runner import CfgBranchView
 from diffserve.stages.base import Stage
 from diffserve.stages.denoising import DenoisingStage
+from diffserve.stages.glyph_text_batch import GLYPH_TEXT_COMPONENTS, GlyphTextBatch
 from diffserve.stages.input_validation import ImageInputRule, InputValidationStage, VideoRule
 from diffserve.stages.timestep_preparation import set_schedule
 
@@ -106,33 +107,18 @@ class HunyuanVideo15Denoiser:
 
     @torch.inference_mode()
     def __call__(self, reqs: list[Req]) -> None:
-        latents, timesteps, timesteps_r, images = [], [], [], []
-        text, text_mask, glyph, glyph_mask = [], [], [], []
+        batch, images = GlyphTextBatch(self.meanflow, self.dtype), []
         for req in reqs:
             conditioning = HunyuanVideo15Conditioning.of(req)
             model_input = torch.cat([req.latents, conditioning.condition_latents], dim=1).to(self.dtype)
-            t = req.schedule.timesteps[req.step_index].expand(req.batch_size).to(self.dtype)
-            for states, mask, states_2, mask_2 in conditioning.text_branches(req):
-                latents.append(model_input)
-                timesteps.append(t)
-                if self.meanflow:
-                    timesteps_r.append(next_timesteps(req).expand(req.batch_size).to(self.dtype))
+            for branch in conditioning.text_branches(req):
+                batch.add(req, model_input, branch)
                 if conditioning.image_embeds is not None:
                     images.append(conditioning.image_embeds)
-                text.append(states)
-                text_mask.append(mask)
-                glyph.append(states_2)
-                glyph_mask.append(mask_2)
-        if images and len(images) != len(latents):
+        if images and len(images) != len(batch.latents):
             raise ValueError("a HunyuanVideo 1.5 batch mixes requests with and without an input image")
         prediction = self.transformer(
-            hidden_states=torch.cat(latents),
-            timestep=torch.cat(timesteps),
-            encoder_hidden_states=torch.cat(text),
-            encoder_attention_mask=torch.cat(text_mask),
-            timestep_r=torch.cat(timesteps_r) if timesteps_r else None,
-            encoder_hidden_states_2=torch.cat(glyph),
-            encoder_attention_mask_2=torch.cat(glyph_mask),
+            **batch.dit_kwargs(),
             image_embeds=torch.cat(images) if images else None,
             step_cache=step_cache_for(reqs),  # rows: each request's branches in turn, as it expects
         )
@@ -146,16 +132,7 @@ class HunyuanVideo15Denoiser:
 class HunyuanVideo15Pipeline(Pipeline):
     #: cache-dit runs its DBCache with the CFG branch apart for this pipeline (`enable_separate_cfg`).
     cache_separate_cfg = True
-    required_components = (
-        "text_encoder",
-        "tokenizer",
-        "text_encoder_2",
-        "tokenizer_2",
-        "transformer",
-        "vae",
-        "scheduler",
-        "guider",
-    )
+    required_components = (*GLYPH_TEXT_COMPONENTS, "guider")
     config = HunyuanVideo15PipelineConfig()
     pipeline_name = "HunyuanVideo15Pipeline"
     conditioning_type = HunyuanVideo15Conditioning

@@ -61,13 +61,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffserve.configs.cache_rule import ATTENTION_METHODS, BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
-from diffserve.distributed.sequence_split import SequenceSplit, sequence_split
+from diffserve.distributed.sequence_split import sequence_split
 from diffserve.layers.adaln import AdaLayerNormContinuous
 from diffserve.layers.embeddings import TimestepEmbedding
 from diffserve.layers.rotary import RopeTables, checked_rope_axes, grid_rope_tables
 from diffserve.layers.shape_cache import BoundedCache
 from diffserve.models.cache_methods.blocks import SequentialBlocks, refuse_sequence_parallel
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig
+from diffserve.models.dits.hunyuan_shared import (
+    JointBlockInputs,
+    block_range,
+    joint_key_mask,
+    run_blocks_split,
+)
 from diffserve.models.dits.hunyuan_video import HunyuanVideoSingleTransformerBlock, HunyuanVideoTokenRefiner
 from diffserve.models.dits.hunyuan_video15 import (
     HunyuanVideo15TransformerBlock,
@@ -296,49 +302,28 @@ class HunyuanImageTransformer2DModel(DiffusersDiT):
             segments.insert(0, (glyphs, encoder_attention_mask_2.bool()))
         context = pack_context(segments)
         ctx = context.states
-        key_mask = None
-        if context.mask is not None:
-            image_keys = context.mask.new_ones(batch, x.shape[1])
-            key_mask = torch.cat([image_keys, context.mask], dim=1)[:, None, None, :]
-
         temb_act = F.silu(temb)
-        split = sequence_split([x.shape[1], ctx.shape[1]])
+        inputs = JointBlockInputs(temb_act, rope, joint_key_mask(context.mask, x.shape[1]))
+        blocks = self._block_list()
 
-        def run_blocks(rows: torch.Tensor | None) -> torch.Tensor:
-            row_x, row_ctx, row_temb = take_rows(x, rows), take_rows(ctx, rows), take_rows(temb_act, rows)
-            if split is None:
-                row_mask = None if key_mask is None else take_rows(key_mask, rows)
-                return self._run_blocks(row_x, row_ctx, row_temb, rope, row_mask)
-            row_context_mask = None if context.mask is None else take_rows(context.mask, rows)
-            return self._run_blocks_split(split, row_x, row_ctx, row_temb, rope, row_context_mask)
-
-        def block_range() -> SequentialBlocks:
-            refuse_sequence_parallel(split, "HunyuanImage 2.1")
-            return self._block_range(x, ctx, temb_act, rope, key_mask)
+        def block_ranges() -> SequentialBlocks:
+            refuse_sequence_parallel(sequence_split([x.shape[1], ctx.shape[1]]), "HunyuanImage 2.1")
+            return block_range(blocks, x, ctx, inputs)
 
         x = run_with_step_cache(
-            step_cache, x, lambda: self._first_block(x, temb_act), run_blocks, block_range
+            step_cache,
+            x,
+            lambda: self._first_block(x, temb_act),
+            lambda rows: run_blocks_split(
+                blocks, take_rows(x, rows), take_rows(ctx, rows), inputs.take(rows)
+            ),
+            block_ranges,
         )
 
         x = self.proj_out(self.norm_out(x, temb_act))
         # (batch, H', W', C, p_h, p_w) -> (batch, C, H'*p_h, W'*p_w)
         x = x.reshape(batch, *grid, -1, p_h, p_w).permute(0, 3, 1, 4, 2, 5)
         return x.reshape(batch, -1, height, width)
-
-    def _run_blocks(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        temb_act: torch.Tensor,
-        rope: RopeTables,
-        key_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Every double- then single-stream block; the image tokens the output head reads."""
-        for block in self.transformer_blocks:
-            x, ctx = block(x, ctx, temb_act, rope, key_mask)
-        for block in self.single_transformer_blocks:
-            x, ctx = block(x, ctx, temb_act, rope, key_mask)
-        return x
 
     def _block_list(self) -> list[nn.Module]:
         """The blocks in the order they run (and the cache methods count them)."""
@@ -349,44 +334,3 @@ class HunyuanImageTransformer2DModel(DiffusersDiT):
         first = self._block_list()[0]
         norm = first.norm1 if isinstance(first, HunyuanVideo15TransformerBlock) else first.norm
         return norm(x, temb_act)[0]
-
-    def _block_range(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        temb_act: torch.Tensor,
-        rope: RopeTables,
-        key_mask: torch.Tensor | None,
-    ) -> SequentialBlocks:
-        """The blocks as a `BlockRange` for DBCache: image and context streams, both updated by every block."""
-        blocks = self._block_list()
-
-        def row_inputs(rows: torch.Tensor | None) -> tuple:
-            return take_rows(temb_act, rows), None if key_mask is None else take_rows(key_mask, rows)
-
-        def call(i: int, x: torch.Tensor, ctx: torch.Tensor | None, inputs: tuple) -> tuple:
-            rows_temb, rows_mask = inputs
-            return blocks[i](x, ctx, rows_temb, rope, rows_mask)
-
-        return SequentialBlocks(len(blocks), x, ctx, row_inputs, call)
-
-    def _run_blocks_split(
-        self,
-        split: SequenceSplit,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        temb_act: torch.Tensor,
-        rope: RopeTables,
-        context_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """`_run_blocks` with the image (stream 0) and context (stream 1) tokens split over the
-        sequence-parallel ranks (module docstring). The blocks concatenate [image; context] locally in the
-        streams' order, so the scope's joint key mask (the shards' padding, `context_mask` (batch, ctx))
-        lines up with their keys; they get no key mask of their own. The RoPE tables cover the image tokens
-        only and are cut like them."""
-        image, context = 0, 1
-        rope = tuple(split.split(image, table, dim=0) for table in rope)
-        x, ctx = split.split(image, x), split.split(context, ctx)
-        with split.attention_scope(x.shape[0], x.device, [None, context_mask]):
-            x = self._run_blocks(x, ctx, temb_act, rope, None)
-        return split.gather(image, x)

@@ -39,8 +39,8 @@ block's joint attention runs over the local [video; context] shards with `sequen
 mask (the counts' key mask) and the shards' padding masked, and the video tokens are gathered before the
 output head. The token refiner runs whole on every rank (its (txt, txt) mask masks queries too, and the
 text is short). "token_replace" splits too: the first frame is the leading video tokens, so each rank
-modulates the first-frame tokens its shard holds (`_local_first_frame`). With one sequence-parallel rank
-nothing changes.
+modulates the first-frame tokens its shard holds (`hunyuan_shared.run_blocks_split`). With one
+sequence-parallel rank nothing changes.
 
 Cache methods (`models/step_cache.py`, issue 33): the cached span is every block, from the patch
 embedding's tokens to the video tokens `norm_out` reads; the watched signal is the first double-stream
@@ -63,13 +63,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffserve.configs.cache_rule import ATTENTION_METHODS, BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
-from diffserve.distributed.sequence_split import SequenceSplit, sequence_split
+from diffserve.distributed.sequence_split import sequence_split
 from diffserve.layers.adaln import AdaLayerNormContinuous
 from diffserve.layers.embeddings import CombinedTimestepTextEmbedding
 from diffserve.layers.patches import video_patch_grid
-from diffserve.layers.rotary import RopeTables
 from diffserve.models.cache_methods.blocks import SequentialBlocks, refuse_sequence_parallel
 from diffserve.models.dits.base import DiTConfig
+from diffserve.models.dits.hunyuan_shared import (
+    FirstFrame,
+    JointBlockInputs,
+    block_range,
+    joint_key_mask,
+    run_blocks_split,
+)
 from diffserve.models.dits.hunyuan_video15 import (
     HunyuanVideo15PatchEmbed,
     HunyuanVideo15TransformerBlock,
@@ -88,7 +94,6 @@ from diffserve.models.dits.hunyuan_video_single_block import (
     HunyuanVideoSingleTransformerBlock,
 )
 from diffserve.models.dits.hunyuan_video_token_replace import (
-    FirstFrame,
     HunyuanVideoTokenReplaceSingleTransformerBlock,
     HunyuanVideoTokenReplaceTransformerBlock,
     first_frame_temb,
@@ -252,107 +257,27 @@ class HunyuanVideoTransformer3DModel(HunyuanVideoGridDiT):
 
         temb_act = F.silu(temb)
         # token_replace: the first latent frame's tokens are modulated by their own (timestep 0) temb.
-        first: tuple[FirstFrame, ...] = ()
+        first = None
         if self.config.token_replace:
             first_act = F.silu(first_frame_temb(self.time_text_embed, timestep, pooled_projections))
-            first = (FirstFrame(grid[1] * grid[2], first_act),)
+            first = FirstFrame(grid[1] * grid[2], first_act)
+        inputs = JointBlockInputs(temb_act, rope, key_mask, first)
+        blocks = [*self.transformer_blocks, *self.single_transformer_blocks]
+
+        def block_ranges() -> SequentialBlocks:
+            refuse_sequence_parallel(sequence_split([x.shape[1], ctx.shape[1]]), "HunyuanVideo")
+            return block_range(blocks, x, ctx, inputs)
+
         x = run_with_step_cache(
             step_cache,
             x,
             lambda: self.transformer_blocks[0].norm1(x, temb_act)[0],
-            lambda rows: self._blocks(
-                take_rows(x, rows), take_rows(ctx, rows), rope, *_row_inputs(rows, temb_act, key_mask, first)
+            lambda rows: run_blocks_split(
+                blocks, take_rows(x, rows), take_rows(ctx, rows), inputs.take(rows)
             ),
-            blocks=lambda: self._block_range(x, ctx, temb_act, rope, key_mask, first),
-        )  # fmt: skip
+            blocks=block_ranges,
+        )
         return self.unpatchify(self.proj_out(self.norm_out(x, temb_act)), grid, hidden_states.shape)
-
-    def _blocks(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        rope: RopeTables,
-        temb_act: torch.Tensor,
-        key_mask: torch.Tensor | None,
-        first: tuple[FirstFrame, ...],
-    ) -> torch.Tensor:
-        """Every block over these rows, on one device or over the sequence-parallel ranks."""
-        split = sequence_split([x.shape[1], ctx.shape[1]])
-        if split is None:
-            return self._run_blocks(x, ctx, temb_act, rope, key_mask, first)
-        return self._run_blocks_split(split, x, ctx, temb_act, rope, key_mask, first)
-
-    def _block_range(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        temb_act: torch.Tensor,
-        rope: RopeTables,
-        key_mask: torch.Tensor | None,
-        first: tuple[FirstFrame, ...],
-    ) -> SequentialBlocks:
-        """The double- then single-stream blocks as one `BlockRange` for DBCache (cache-dit's order), on
-        (video, context) streams that every block updates; per-row inputs taken as `_blocks` takes them."""
-        refuse_sequence_parallel(sequence_split([x.shape[1], ctx.shape[1]]), "HunyuanVideo")
-        blocks = [*self.transformer_blocks, *self.single_transformer_blocks]
-
-        def row_inputs(rows: torch.Tensor | None) -> tuple:
-            return _row_inputs(rows, temb_act, key_mask, first)
-
-        def call(i: int, x: torch.Tensor, ctx: torch.Tensor | None, inputs: tuple) -> tuple:
-            rows_temb, rows_mask, rows_first = inputs
-            return blocks[i](x, ctx, rows_temb, rope, rows_mask, *rows_first)
-
-        return SequentialBlocks(len(blocks), x, ctx, row_inputs, call)
-
-    def _run_blocks(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        temb_act: torch.Tensor,
-        rope: RopeTables,
-        key_mask: torch.Tensor | None,
-        first: tuple[FirstFrame, ...],
-    ) -> torch.Tensor:
-        """Every double- then single-stream block; the video tokens the output head reads."""
-        for block in self.transformer_blocks:
-            x, ctx = block(x, ctx, temb_act, rope, key_mask, *first)
-        for block in self.single_transformer_blocks:
-            x, ctx = block(x, ctx, temb_act, rope, key_mask, *first)
-        return x
-
-    def _run_blocks_split(
-        self,
-        split: SequenceSplit,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        temb_act: torch.Tensor,
-        rope: RopeTables,
-        key_mask: torch.Tensor | None,
-        first: tuple[FirstFrame, ...],
-    ) -> torch.Tensor:
-        """`_run_blocks` with the video (stream 0) and context (stream 1) tokens split over the
-        sequence-parallel ranks (module docstring).
-
-        The blocks concatenate [video; context] locally in the order of the split's streams, so the
-        scope's joint key mask (the shards' padding, the context's text mask) lines up with their keys;
-        they get no `key_mask` of their own. The RoPE tables cover the video tokens only and are cut
-        like them. The video tokens are gathered back at the end."""
-        video, context = 0, 1
-        text_mask = None if key_mask is None else key_mask[:, 0, 0, x.shape[1] :]
-        rope = tuple(split.split(video, table, dim=0) for table in rope)
-        first = tuple(_local_first_frame(split, f) for f in first)
-        x, ctx = split.split(video, x), split.split(context, ctx)
-        with split.attention_scope(x.shape[0], x.device, [None, text_mask]):
-            x = self._run_blocks(x, ctx, temb_act, rope, None, first)
-        return split.gather(video, x)
-
-
-def _local_first_frame(split: SequenceSplit, first: FirstFrame) -> FirstFrame:
-    """`first` on this rank's video shard: the first frame is the leading `first.tokens` video tokens, so
-    the shard's own first-frame tokens lead it too; their count is its overlap with them (0 past them)."""
-    shard = split.shards[0]
-    return first._replace(tokens=max(0, min(shard.shard_len, first.tokens - shard.start)))
 
 
 def _cut_context(
@@ -366,20 +291,4 @@ def _cut_context(
     if shortest == longest:
         return ctx, None
     text_keys = torch.arange(longest, device=ctx.device)[None, :] < counts[:, None]
-    video_keys = text_keys.new_ones(ctx.shape[0], video_len)
-    return ctx, torch.cat([video_keys, text_keys], dim=1)[:, None, None, :]
-
-
-def _row_inputs(
-    rows: torch.Tensor | None,
-    temb_act: torch.Tensor,
-    key_mask: torch.Tensor | None,
-    first: tuple[FirstFrame, ...],
-) -> tuple[torch.Tensor, torch.Tensor | None, tuple[FirstFrame, ...]]:
-    """The per-row block inputs of the batch rows `rows` (None: all): the timestep activation, the key mask
-    and token_replace's first-frame activation, as the whole-span cache methods and DBCache's ranges take them."""
-    return (
-        take_rows(temb_act, rows),
-        None if key_mask is None else take_rows(key_mask, rows),
-        tuple(f._replace(temb_act=take_rows(f.temb_act, rows)) for f in first),
-    )
+    return ctx, joint_key_mask(text_keys, video_len)

@@ -60,8 +60,8 @@ from diffserve.layers.patches import video_patch_grid
 from diffserve.layers.residual import attention_mlp_residuals
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding, checked_rope_axes, grid_rope_tables
 from diffserve.layers.shape_cache import BoundedCache
-from diffserve.models.cache_methods.blocks import SequentialBlocks
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig
+from diffserve.models.dits.hunyuan_shared import JointBlockInputs, block_range, joint_key_mask, run_blocks
 from diffserve.models.dits.hunyuan_video15_embedders import (
     BYT5_PROJECTION_HIDDEN,
     HunyuanVideo15ByT5TextProjection,
@@ -197,18 +197,13 @@ class HunyuanVideo15TransformerBlock(nn.Module):
         self.modulate = Modulate()
 
     def forward(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        temb_act: torch.Tensor,
-        rope: RopeTables,
-        key_mask: torch.Tensor | None,
+        self, x: torch.Tensor, ctx: torch.Tensor, inputs: JointBlockInputs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(video, context) after the block; `temb_act` = SiLU(temb), (batch, inner)."""
+        """(video, context) after the block."""
         # Each stream's adaLN gives its normalised input and (gate_msa, shift_mlp, scale_mlp, gate_mlp).
-        norm_x, *x_mods = self.norm1(x, temb_act)
-        norm_c, *ctx_mods = self.norm1_context(ctx, temb_act)
-        attn_x, attn_c = self.attn(norm_x, norm_c, rope, key_mask)
+        norm_x, *x_mods = self.norm1(x, inputs.temb_act)
+        norm_c, *ctx_mods = self.norm1_context(ctx, inputs.temb_act)
+        attn_x, attn_c = self.attn(norm_x, norm_c, inputs.rope, inputs.key_mask)
         x = attention_mlp_residuals(x, attn_x, x_mods, self.norm2, self.ff, self.modulate)
         ctx = attention_mlp_residuals(
             ctx, attn_c, ctx_mods, self.norm2_context, self.ff_context, self.modulate
@@ -409,56 +404,19 @@ class HunyuanVideo15Transformer3DModel(HunyuanVideoGridDiT):
         rope = self.rope_tables(*grid, hidden_states.device)
         x = self.x_embedder(hidden_states)
         ctx = context.states
-        key_mask = None
-        if context.mask is not None:
-            video_keys = context.mask.new_ones(batch, x.shape[1])
-            key_mask = torch.cat([video_keys, context.mask], dim=1)[:, None, None, :]
-
         temb_act = torch.nn.functional.silu(temb)
+        inputs = JointBlockInputs(temb_act, rope, joint_key_mask(context.mask, x.shape[1]))
+        blocks = self.transformer_blocks
+        # One device only: the blocks run whole inside a sequence-split scope too (module docstring).
         x = run_with_step_cache(
             step_cache,
             x,
-            lambda: self.transformer_blocks[0].norm1(x, temb_act)[0],
-            lambda rows: self._run_blocks(
-                take_rows(x, rows), take_rows(ctx, rows), take_rows(temb_act, rows), rope,
-                None if key_mask is None else take_rows(key_mask, rows),
-            ),
-            blocks=lambda: self._block_range(x, ctx, temb_act, rope, key_mask),
-        )  # fmt: skip
+            lambda: blocks[0].norm1(x, temb_act)[0],
+            lambda rows: run_blocks(blocks, take_rows(x, rows), take_rows(ctx, rows), inputs.take(rows)),
+            blocks=lambda: block_range(blocks, x, ctx, inputs),
+        )
 
         return self.unpatchify(self.proj_out(self.norm_out(x, temb_act)), grid, hidden_states.shape)
-
-    def _run_blocks(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        temb_act: torch.Tensor,
-        rope: RopeTables,
-        key_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Every dual-stream block; the video tokens the output head reads."""
-        for block in self.transformer_blocks:
-            x, ctx = block(x, ctx, temb_act, rope, key_mask)
-        return x
-
-    def _block_range(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        temb_act: torch.Tensor,
-        rope: RopeTables,
-        key_mask: torch.Tensor | None,
-    ) -> SequentialBlocks:
-        """The blocks as a `BlockRange` for DBCache: video and context streams, both updated by every block."""
-
-        def row_inputs(rows: torch.Tensor | None) -> tuple:
-            return take_rows(temb_act, rows), None if key_mask is None else take_rows(key_mask, rows)
-
-        def call(i: int, x: torch.Tensor, ctx: torch.Tensor | None, inputs: tuple) -> tuple:
-            rows_temb, rows_mask = inputs
-            return self.transformer_blocks[i](x, ctx, rows_temb, rope, rows_mask)
-
-        return SequentialBlocks(len(self.transformer_blocks), x, ctx, row_inputs, call)
 
 
 def check_tokens(name: str, states: torch.Tensor, mask: torch.Tensor | None, batch: int) -> None:

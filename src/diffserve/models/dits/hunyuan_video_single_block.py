@@ -18,6 +18,7 @@ from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm, RMSNorm
 from diffserve.layers.residual import gated_residual
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding
+from diffserve.models.dits.hunyuan_shared import JointBlockInputs
 
 NORM_EPS = 1e-6
 
@@ -65,19 +66,14 @@ class HunyuanVideoSingleTransformerBlock(nn.Module):
         self.proj_out = nn.Linear(dim + mlp_dim, dim)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        temb_act: torch.Tensor,
-        rope: RopeTables,
-        key_mask: torch.Tensor | None,
+        self, x: torch.Tensor, ctx: torch.Tensor, inputs: JointBlockInputs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(video, context) after the block; `temb_act` = SiLU(temb), (batch, inner)."""
+        """(video, context) after the block."""
         video_len = x.shape[1]
         h = torch.cat([x, ctx], dim=1)
-        norm_h, gate = self.norm(h, temb_act)
+        norm_h, gate = self.norm(h, inputs.temb_act)
         mlp = F.gelu(self.proj_mlp(norm_h), approximate="tanh")
-        attn = self.attn(norm_h, video_len, rope, key_mask)
+        attn = self.attn(norm_h, video_len, inputs.rope, inputs.key_mask)
         h = gated_residual(h, gate.unsqueeze(1), self.proj_out(torch.cat([attn, mlp], dim=2)))
         return h[:, :video_len], h[:, video_len:]
 

@@ -12,24 +12,22 @@ The split is Diffusers' own (modulate / gate each part, concatenate), so the num
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
 from diffserve.layers.embeddings import CombinedTimestepTextEmbedding, timestep_sinusoids
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.residual import attention_mlp_residuals, gated_residual
-from diffserve.layers.rotary import RopeTables
+from diffserve.models.dits.hunyuan_shared import FirstFrame, JointBlockInputs
 from diffserve.models.dits.hunyuan_video15 import HunyuanVideo15TransformerBlock
 from diffserve.models.dits.hunyuan_video_single_block import HunyuanVideoSingleTransformerBlock
 
 
-class FirstFrame(NamedTuple):
-    """The first frame's share of the video tokens and its own SiLU(temb)."""
-
-    tokens: int  # the leading video tokens that form the first latent frame (height' * width')
-    temb_act: torch.Tensor  # (batch, inner): SiLU of the timestep-0 temb
+def first_frame(inputs: JointBlockInputs) -> FirstFrame:
+    """The first frame a token_replace block modulates apart; refused when the DiT passes none."""
+    if inputs.first is None:
+        raise ValueError("a token_replace block needs the first frame's temb (JointBlockInputs.first)")
+    return inputs.first
 
 
 def first_frame_temb(
@@ -76,15 +74,10 @@ class HunyuanVideoTokenReplaceTransformerBlock(HunyuanVideo15TransformerBlock):
     `HunyuanVideoTokenReplaceTransformerBlock`); the context stream is the plain block's."""
 
     def forward(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        temb_act: torch.Tensor,
-        rope: RopeTables,
-        key_mask: torch.Tensor | None,
-        first: FirstFrame,
+        self, x: torch.Tensor, ctx: torch.Tensor, inputs: JointBlockInputs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(video, context) after the block; `temb_act` = SiLU(temb), (batch, inner)."""
+        """(video, context) after the block; `inputs.first` is required."""
+        temb_act, first = inputs.temb_act, first_frame(inputs)
         n = first.tokens
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1.linear(temb_act).chunk(
             6, 1
@@ -96,7 +89,7 @@ class HunyuanVideoTokenReplaceTransformerBlock(HunyuanVideo15TransformerBlock):
             self.modulate, self.norm1.norm(x), n, (f_scale_msa, f_shift_msa), (scale_msa, shift_msa)
         )
         norm_c, *ctx_mods = self.norm1_context(ctx, temb_act)
-        attn_x, attn_c = self.attn(norm_x, norm_c, rope, key_mask)
+        attn_x, attn_c = self.attn(norm_x, norm_c, inputs.rope, inputs.key_mask)
         x = gated_residual_split(x, attn_x, n, f_gate_msa, gate_msa)
         ff_in = modulate_split(
             self.modulate, self.norm2(x), n, (f_scale_mlp, f_shift_mlp), (scale_mlp, shift_mlp)
@@ -113,21 +106,16 @@ class HunyuanVideoTokenReplaceSingleTransformerBlock(HunyuanVideoSingleTransform
     `HunyuanVideoTokenReplaceSingleTransformerBlock`)."""
 
     def forward(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        temb_act: torch.Tensor,
-        rope: RopeTables,
-        key_mask: torch.Tensor | None,
-        first: FirstFrame,
+        self, x: torch.Tensor, ctx: torch.Tensor, inputs: JointBlockInputs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(video, context) after the block; `temb_act` = SiLU(temb), (batch, inner)."""
+        """(video, context) after the block; `inputs.first` is required."""
+        temb_act, first = inputs.temb_act, first_frame(inputs)
         n, video_len = first.tokens, x.shape[1]
         h = torch.cat([x, ctx], dim=1)
         shift, scale, gate = self.norm.linear(temb_act).chunk(3, dim=1)
         f_shift, f_scale, f_gate = self.norm.linear(first.temb_act).chunk(3, dim=1)
         norm_h = modulate_split(self.norm.modulate, self.norm.norm(h), n, (f_scale, f_shift), (scale, shift))
         mlp = F.gelu(self.proj_mlp(norm_h), approximate="tanh")
-        attn = self.attn(norm_h, video_len, rope, key_mask)
+        attn = self.attn(norm_h, video_len, inputs.rope, inputs.key_mask)
         h = gated_residual_split(h, self.proj_out(torch.cat([attn, mlp], dim=2)), n, f_gate, gate)
         return h[:, :video_len], h[:, video_len:]
