@@ -34,7 +34,6 @@ from diffserve.families.sana.resolution import (
 )
 from diffserve.families.sana.sprint import SCMTimestepPreparationStage
 from diffserve.families.sana.text_encoding import SanaTextEncodingStage
-from diffserve.layers.lora_rows import request_lora_scope
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.sana import SanaTransformer2DModel
 from diffserve.models.schedulers.dpm_solver_flow import DPMSolverFlowScheduler
@@ -43,7 +42,6 @@ from diffserve.models.schedulers.scm import SCMScheduler
 from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.pipelines.cfg_batch import (
     advance_requests,
-    branch_texts,
     gather_branches,
     pad_text,
     split_guided,
@@ -53,11 +51,15 @@ from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.denoising import DenoisingStage
 from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
+from diffserve.stages.padded_text_denoiser import PaddedTextDenoiser
 from diffserve.stages.timestep_preparation import DefaultTimestepPreparationStage
 
 
-class SanaDenoiser:
-    """One step over a list of SANA requests (same latent grid), each at its own timestep."""
+class SanaDenoiser(PaddedTextDenoiser):
+    """One step over a list of SANA requests (same latent grid), each at its own timestep; the DiT reads
+    the scheduler's timesteps times `config.timestep_scale`."""
+
+    transformer: SanaTransformer2DModel
 
     def __init__(
         self,
@@ -65,38 +67,11 @@ class SanaDenoiser:
         scheduler: DPMSolverFlowScheduler | FlowMatchEulerScheduler | SCMScheduler,
         dtype: torch.dtype,
     ) -> None:
-        self.transformer = transformer
-        self.scheduler = scheduler
-        self.dtype = dtype
-        config = transformer.config
-        self.timestep_scale = float(config.timestep_scale)
-        # A DiT predicting a learned variance too: Diffusers keeps the first half of its channels.
-        self.learned_sigma = int(config.out_channels) // 2 == int(config.in_channels)
+        super().__init__(transformer, scheduler, dtype)
+        self.timestep_scale = float(transformer.config.timestep_scale)
 
-    def context_for(self, req: Req) -> list[torch.Tensor]:
-        """The request's text branches through the DiT's caption embedder, once per request (each branch
-        keeps its own length; the batch pads them)."""
-        if req.dit_context is None:
-            with request_lora_scope(req.loras):
-                req.dit_context = [self.transformer.embed_context(text) for text in branch_texts(req)]
-        return req.dit_context
-
-    @torch.inference_mode()
-    def __call__(self, reqs: list[Req]) -> None:
-        batch = gather_branches(reqs)
-        context, mask = pad_text([branch for req in reqs for branch in self.context_for(req)])
-        # float32 latents and timesteps, on the latents' device since timestep preparation.
-        prediction = self.transformer(
-            hidden_states=torch.cat(batch.latents).to(self.dtype),
-            encoder_hidden_states=None,
-            encoder_attention_mask=mask,
-            timestep=torch.cat(batch.timesteps) * self.timestep_scale,
-            context=context,
-            step_cache=step_cache_for(reqs),  # rows in `gather_branches` order, as it expects
-        ).float()
-        if self.learned_sigma:
-            prediction = prediction.chunk(2, dim=1)[0]
-        advance_requests(self.scheduler, reqs, split_guided(prediction, reqs))
+    def dit_timestep(self, timesteps: torch.Tensor) -> torch.Tensor:
+        return timesteps * self.timestep_scale
 
 
 class SanaSprintDenoiser(SanaDenoiser):

@@ -30,64 +30,25 @@ from diffserve.families.sana_video.stages import (
     SanaVideoLatentPreparationStage,
     SanaVideoTextEncodingStage,
 )
-from diffserve.layers.lora_rows import request_lora_scope
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.sana_video import SanaVideoTransformer3DModel
-from diffserve.models.schedulers.dpm_solver_flow import DPMSolverFlowScheduler
 from diffserve.models.vaes.autoencoder_kl_ltx2 import AutoencoderKLLTX2Video
 from diffserve.pipelines.base import Pipeline, PipelineContext
-from diffserve.pipelines.cfg_batch import (
-    advance_requests,
-    branch_texts,
-    gather_branches,
-    pad_text,
-    split_guided,
-    step_cache_for,
-)
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.denoising import DenoisingStage
 from diffserve.stages.input_validation import ImageInputRule, VideoRule
+from diffserve.stages.padded_text_denoiser import PaddedTextDenoiser
 from diffserve.stages.timestep_preparation import DefaultTimestepPreparationStage
 
 PIPELINE_NAME = "SanaVideoPipeline"
 
 
-class SanaVideoDenoiser:
-    """One step over a list of SANA-Video requests (same latent grid), each at its own timestep."""
+class SanaVideoDenoiser(PaddedTextDenoiser):
+    """One step over a list of SANA-Video requests (same latent grid), each at its own timestep; the DiT
+    reads the scheduler's timesteps as they are."""
 
-    def __init__(
-        self, transformer: SanaVideoTransformer3DModel, scheduler: DPMSolverFlowScheduler, dtype: torch.dtype
-    ) -> None:
-        self.transformer = transformer
-        self.scheduler = scheduler
-        self.dtype = dtype
-        config = transformer.config
-        # A DiT predicting a learned variance too: Diffusers keeps the first half of its channels.
-        self.learned_sigma = int(config.out_channels) // 2 == int(config.in_channels)
-
-    def context_for(self, req: Req) -> list[torch.Tensor]:
-        """The request's text branches through the DiT's caption embedder, once per request."""
-        if req.dit_context is None:
-            with request_lora_scope(req.loras):
-                req.dit_context = [self.transformer.embed_context(text) for text in branch_texts(req)]
-        return req.dit_context
-
-    @torch.inference_mode()
-    def __call__(self, reqs: list[Req]) -> None:
-        batch = gather_branches(reqs)
-        context, mask = pad_text([branch for req in reqs for branch in self.context_for(req)])
-        prediction = self.transformer(
-            hidden_states=torch.cat(batch.latents).to(self.dtype),
-            encoder_hidden_states=None,
-            encoder_attention_mask=mask,
-            timestep=torch.cat(batch.timesteps),
-            context=context,
-            step_cache=step_cache_for(reqs),  # rows in `gather_branches` order, as it expects
-        ).float()
-        if self.learned_sigma:
-            prediction = prediction.chunk(2, dim=1)[0]
-        advance_requests(self.scheduler, reqs, split_guided(prediction, reqs))
+    transformer: SanaVideoTransformer3DModel
 
 
 class SanaVideoPipeline(Pipeline):

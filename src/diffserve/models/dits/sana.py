@@ -25,42 +25,35 @@ these scales; this module applies none.
 Differences from Diffusers that do not change the numbers: the blocks and the output head share
 the timestep embedding computed once per forward; text can be embedded once per request
 (`embed_context`) instead of at every step.
+
+What SANA-Video's DiT shares with this one (adaLN-single, the cross-attention, the block's modulated
+residuals, the text conditioning, block loop and output head) is in `sana_blocks.py`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffserve.configs.cache_rule import ATTENTION_METHODS, BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
-from diffserve.layers.attention import attention
-from diffserve.layers.attention_weights import AttentionWeights
-from diffserve.layers.embeddings import GeluTanhTextProjection, TimestepEmbedding, timestep_sinusoids
 from diffserve.layers.glumbconv import GLUMBConv
-from diffserve.layers.norms import LayerNorm, RMSNorm
-from diffserve.layers.residual import fp16_clip, gated_residual
+from diffserve.layers.norms import LayerNorm
+from diffserve.layers.residual import fp16_clip
 from diffserve.layers.shape_cache import BoundedCache
-from diffserve.models.cache_methods.blocks import SequentialBlocks
-from diffserve.models.dits.base import DiffusersDiT, DiTConfig
+from diffserve.models.dits.base import DiTConfig
 from diffserve.models.dits.input_checks import check_one_text_input, check_per_sample
-from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
-
-#: Sinusoid width of the timestep and guidance embeddings (Diffusers' `Timesteps(256, ...)`).
-TIMESTEP_CHANNELS = 256
-#: The caption norm's and the QK-norms' epsilon (Diffusers' RMSNorm / Attention default).
-RMS_EPS = 1e-5
-#: Linear attention's denominator guard, as Diffusers'.
-LINEAR_ATTENTION_EPS = 1e-15
-#: Diffusers turns the 0/1 text mask into an additive bias of -10000 (not -inf); kept for parity, so a
-#: fully masked row attends uniformly instead of producing NaN.
-MASK_BIAS = -10000.0
-#: The only QK-norm any released SANA checkpoint uses (SANA 1.5, SANA-Sprint).
-SUPPORTED_QK_NORMS = (None, "rms_norm_across_heads")
+from diffserve.models.dits.sana_blocks import (
+    LINEAR_ATTENTION_EPS,
+    SUPPORTED_QK_NORMS,
+    LinearAttentionWeights,
+    SanaBlockBase,
+    SanaDiTBase,
+    check_text_cross_attention,
+)
+from diffserve.models.step_cache import BatchStepCache
 
 
 @dataclass(frozen=True)
@@ -101,17 +94,7 @@ class SanaTransformerConfig(DiTConfig):
                 f"SanaTransformer2DModel: qk_norm={self.qk_norm!r} is not supported; "
                 f"released SANA checkpoints use one of {SUPPORTED_QK_NORMS}"
             )
-        if self.cross_attention_dim is None or not self.num_cross_attention_heads:
-            raise ValueError(
-                "SanaTransformer2DModel: cross_attention_dim / num_cross_attention_heads None (no text "
-                "cross-attention) is not supported (Diffusers' block cannot run without it either)"
-            )
-        if self.cross_attention_dim != self.inner_dim:
-            raise ValueError(
-                f"SanaTransformer2DModel: cross_attention_dim ({self.cross_attention_dim}) must equal "
-                f"num_attention_heads * attention_head_dim ({self.inner_dim}): the caption projection "
-                "outputs the inner width"
-            )
+        check_text_cross_attention(self, "SanaTransformer2DModel")
         if self.interpolation_scale is not None and self.inner_dim % 4:
             raise ValueError(f"sincos positions need inner_dim divisible by 4, got {self.inner_dim}")
 
@@ -191,67 +174,10 @@ class SanaPatchEmbed(nn.Module):
         return (tokens + pos).to(tokens.dtype)
 
 
-class _TimestepOnlyEmbedding(nn.Module):
-    """Holds `timestep_embedder` under the name Diffusers gives it (`time_embed.emb.timestep_embedder`)."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.timestep_embedder = TimestepEmbedding(TIMESTEP_CHANNELS, dim)
-
-
-class AdaLayerNormSingle(nn.Module):
-    """adaLN-single (PixArt): emb = MLP(sinusoids(t)); the blocks' six modulation vectors = Linear(SiLU(emb)).
-
-    `forward` returns (modulations (batch, 6 * dim), emb (batch, dim)); the output head reads `emb`.
-    """
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.emb = _TimestepOnlyEmbedding(dim)
-        self.linear = nn.Linear(dim, 6 * dim)
-
-    def forward(
-        self, timestep: torch.Tensor, guidance: torch.Tensor | None, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if guidance is not None:
-            raise ValueError(
-                "this SANA model has no guidance embedding (guidance_embeds=False): pass guidance=None"
-            )
-        emb = self.emb.timestep_embedder(timestep_sinusoids(timestep, TIMESTEP_CHANNELS).to(dtype))
-        return self.linear(F.silu(emb)), emb
-
-
-class TimestepGuidanceEmbedding(nn.Module):
-    """SANA-Sprint's adaLN-single: emb = MLP(sinusoids(t)) + MLP(sinusoids(guidance)), then as `AdaLayerNormSingle`."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.timestep_embedder = TimestepEmbedding(TIMESTEP_CHANNELS, dim)
-        self.guidance_embedder = TimestepEmbedding(TIMESTEP_CHANNELS, dim)
-        self.linear = nn.Linear(dim, 6 * dim)
-
-    def forward(
-        self, timestep: torch.Tensor, guidance: torch.Tensor | None, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if guidance is None:
-            raise ValueError(
-                "this SANA model embeds the guidance scale (guidance_embeds=True): pass `guidance`, "
-                "already multiplied by config.guidance_embeds_scale"
-            )
-        emb = self.timestep_embedder(timestep_sinusoids(timestep, TIMESTEP_CHANNELS).to(dtype))
-        emb = emb + self.guidance_embedder(timestep_sinusoids(guidance, TIMESTEP_CHANNELS).to(dtype))
-        return self.linear(F.silu(emb)), emb
-
-
 # ------------------------------------------------------------------------------------- attention
 
 
-def _across_heads_norm(width: int) -> RMSNorm:
-    """`qk_norm="rms_norm_across_heads"`: Diffusers' RMSNorm over all heads at once, eps 1e-5."""
-    return RMSNorm(width, eps=RMS_EPS)
-
-
-class SanaLinearAttention(AttentionWeights):
+class SanaLinearAttention(LinearAttentionWeights):
     """Self-attention with a ReLU kernel: out_i = sum_j (q_i . k_j) v_j / sum_j (q_i . k_j), q, k = ReLU(.).
 
     Per head it forms [V; 1] K^T ((head_dim + 1) x head_dim), then that times Q, so the cost is linear in
@@ -260,11 +186,6 @@ class SanaLinearAttention(AttentionWeights):
     the result as a transposed view: that is Diffusers' layout, and a bf16 CPU matmul rounds a strided
     input differently from a contiguous one.
     """
-
-    def __init__(self, dim: int, num_heads: int, head_dim: int, bias: bool, qk_norm: bool) -> None:
-        norm = partial(_across_heads_norm, num_heads * head_dim) if qk_norm else None
-        super().__init__(dim, num_heads, head_dim, norm, bias=bias)
-        self.num_heads = num_heads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(batch, tokens, dim) -> (batch, tokens, dim)."""
@@ -281,53 +202,16 @@ class SanaLinearAttention(AttentionWeights):
         return fp16_clip(self.to_out[0](out))
 
 
-class SanaCrossAttention(AttentionWeights):
-    """Softmax attention from the image tokens to the text, with the text padding masked by a bias."""
-
-    def __init__(
-        self, dim: int, context_dim: int, num_heads: int, head_dim: int, out_bias: bool, qk_norm: bool
-    ) -> None:
-        norm = partial(_across_heads_norm, num_heads * head_dim) if qk_norm else None
-        super().__init__(dim, num_heads, head_dim, norm, kv_dim=context_dim, out_bias=out_bias)
-        self.num_heads = num_heads
-
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, mask_bias: torch.Tensor | None) -> torch.Tensor:
-        """x (batch, tokens, dim), ctx (batch, L, context_dim), mask_bias (batch, 1, 1, L) or None."""
-        q, k, v = self.to_q(x), self.to_k(ctx), self.to_v(ctx)
-        if self.norm_q is not None:
-            q, k = self.norm_q(q), self.norm_k(k)
-        q, k, v = (t.unflatten(-1, (self.num_heads, self.head_dim)) for t in (q, k, v))
-        out = attention(q, k, v, attn_mask=mask_bias).flatten(2).to(q.dtype)
-        return self.to_out[0](out)
-
-
 # ---------------------------------------------------------------------------------------- blocks
 
 
-class SanaTransformerBlock(nn.Module):
+class SanaTransformerBlock(SanaBlockBase):
     """Linear self-attention, cross-attention to the text, GLUMBConv; adaLN-single modulated."""
 
     def __init__(self, config: SanaTransformerConfig) -> None:
-        super().__init__()
-        dim = config.inner_dim
-        qk_norm = config.qk_norm is not None
-        self.dim = dim
-        self.norm1 = LayerNorm(dim, eps=config.norm_eps, elementwise_affine=False)
-        self.attn1 = SanaLinearAttention(
-            dim, config.num_attention_heads, config.attention_head_dim, config.attention_bias, qk_norm
-        )
-        self.norm2 = LayerNorm(dim, eps=config.norm_eps, elementwise_affine=config.norm_elementwise_affine)
-        self.attn2 = SanaCrossAttention(
-            dim,
-            int(config.cross_attention_dim),
-            int(config.num_cross_attention_heads),
-            int(config.cross_attention_head_dim),
-            out_bias=True,
-            qk_norm=qk_norm,
-        )
-        self.ff = GLUMBConv(dim, dim, config.mlp_ratio)
+        super().__init__(config, SanaLinearAttention, lambda dim, mlp_ratio: GLUMBConv(dim, dim, mlp_ratio))
         # Learned per-block offsets of the six shared modulation vectors (filled by the checkpoint).
-        self.scale_shift_table = nn.Parameter(torch.empty(6, dim))
+        self.scale_shift_table = nn.Parameter(torch.empty(6, self.dim))
 
     def forward(
         self,
@@ -339,23 +223,15 @@ class SanaTransformerBlock(nn.Module):
         width: int,
     ) -> torch.Tensor:
         """x (batch, height * width, dim); modulation (batch, 6 * dim), the shared adaLN-single projection."""
-        mods = self.scale_shift_table[None] + modulation.unflatten(1, (6, self.dim))
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods.unsqueeze(2).unbind(1)
 
-        h = (self.norm1(x) * (1 + scale_msa) + shift_msa).to(x.dtype)
-        x = gated_residual(x, gate_msa, self.attn1(h))
-        x = x + self.attn2(x, ctx, mask_bias)
+        def mix_ffn(h: torch.Tensor) -> torch.Tensor:  # on the tokens as a (batch, dim, height, width) map
+            h = self.ff(h.unflatten(1, (height, width)).permute(0, 3, 1, 2))
+            return h.flatten(2).transpose(1, 2)
 
-        h = self.norm2(x) * (1 + scale_mlp) + shift_mlp
-        h = self.ff(h.unflatten(1, (height, width)).permute(0, 3, 1, 2))
-        return gated_residual(x, gate_mlp, h.flatten(2).transpose(1, 2))
+        return self.modulated(self.attn1, mix_ffn, x, ctx, mask_bias, modulation)
 
 
-def _optional_rows(t: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else take_rows(t, rows)
-
-
-class SanaTransformer2DModel(DiffusersDiT):
+class SanaTransformer2DModel(SanaDiTBase):
     """SANA DiT with Diffusers' config keys and state-dict names.
 
     Built from a `SanaTransformerConfig` (`DiffusersDiT`); no buffers: the optional sincos positions are
@@ -372,8 +248,6 @@ class SanaTransformer2DModel(DiffusersDiT):
 
     diffusers_class_name: ClassVar[str] = "SanaTransformer2DModel"
     config_class = SanaTransformerConfig
-    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS | ATTENTION_METHODS
-    cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
 
     def __init__(self, config: SanaTransformerConfig) -> None:
         super().__init__(config)
@@ -381,37 +255,10 @@ class SanaTransformer2DModel(DiffusersDiT):
         self.patch_embed = SanaPatchEmbed(
             config.in_channels, inner, config.patch_size, config.sample_size, config.interpolation_scale
         )
-        self.time_embed: AdaLayerNormSingle | TimestepGuidanceEmbedding = (
-            TimestepGuidanceEmbedding(inner) if config.guidance_embeds else AdaLayerNormSingle(inner)
-        )
-        self.caption_projection = GeluTanhTextProjection(config.caption_channels, inner)
-        self.caption_norm = RMSNorm(inner, eps=RMS_EPS)
-        self.transformer_blocks = nn.ModuleList(
-            [SanaTransformerBlock(config) for _ in range(config.num_layers)]
-        )
+        self._build_shared_layers(config, SanaTransformerBlock)
         self.scale_shift_table = nn.Parameter(torch.empty(2, inner))
         self.norm_out = LayerNorm(inner, eps=1e-6, elementwise_affine=False)
         self.proj_out = nn.Linear(inner, config.patch_size * config.patch_size * int(config.out_channels))
-
-    def embed_context(self, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
-        """Gemma-2 states (batch, L, caption_channels) -> the cross-attention context (batch, L, inner).
-
-        The same at every denoising step of a request: a caller running many steps embeds it once and
-        passes it to `forward(context=...)`.
-        """
-        return self.caption_norm(self.caption_projection(encoder_hidden_states))
-
-    @staticmethod
-    def mask_bias(encoder_attention_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-        """(batch, L) 0/1 mask -> (batch, 1, 1, L) additive bias in `dtype` (0 keep, -10000 drop), as Diffusers."""
-        if encoder_attention_mask is None:
-            return None
-        if encoder_attention_mask.ndim != 2:
-            raise ValueError(
-                f"encoder_attention_mask must be (batch, text_len), got {tuple(encoder_attention_mask.shape)}"
-            )
-        bias = (1 - encoder_attention_mask.to(dtype)) * MASK_BIAS
-        return bias[:, None, None, :]
 
     def forward(
         self,
@@ -449,70 +296,18 @@ class SanaTransformer2DModel(DiffusersDiT):
         check_per_sample(batch, timestep=timestep, guidance=guidance)
         check_one_text_input(encoder_hidden_states, context, "Gemma-2 states")
 
-        dtype = hidden_states.dtype
-        x = self.patch_embed(hidden_states)
-        timestep = timestep.expand(batch)
-        guidance = None if guidance is None else guidance.expand(batch)
-        modulation, emb = self.time_embed(timestep, guidance, x.dtype)
-        ctx = self.embed_context(encoder_hidden_states) if context is None else context
-        mask_bias = self.mask_bias(encoder_attention_mask, dtype)
-
         h, w = height // p, width // p
-        x = run_with_step_cache(
+        tokens = self.patch_embed(hidden_states)
+        x = self._predict_tokens(
+            tokens,
+            (h, w),
             step_cache,
-            x,
-            lambda: self._cache_signal(x, modulation),
-            lambda rows: self._run_blocks(
-                take_rows(x, rows), take_rows(ctx, rows), _optional_rows(mask_bias, rows),
-                take_rows(modulation, rows), h, w,
-            ),
-            blocks=lambda: self._block_range(x, ctx, mask_bias, modulation, h, w),
-        )  # fmt: skip
-
-        shift, scale = (self.scale_shift_table[None] + emb[:, None]).unbind(1)
-        x = self.norm_out(x) * (1 + scale[:, None]) + shift[:, None]
-        x = self.proj_out(x)
+            timestep,
+            guidance,
+            encoder_hidden_states,
+            encoder_attention_mask,
+            context,
+        )
         # (batch, h*w, p*p*C) -> (batch, C, h*p, w*p)
         x = x.reshape(batch, h, w, p, p, -1).permute(0, 5, 1, 3, 2, 4)
         return x.reshape(batch, -1, h * p, w * p)
-
-    def _run_blocks(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        mask_bias: torch.Tensor | None,
-        modulation: torch.Tensor,
-        height: int,
-        width: int,
-    ) -> torch.Tensor:
-        """Every block, in order: the image tokens the output head reads."""
-        for block in self.transformer_blocks:
-            x = block(x, ctx, mask_bias, modulation, height, width)
-        return x
-
-    def _block_range(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        mask_bias: torch.Tensor | None,
-        modulation: torch.Tensor,
-        height: int,
-        width: int,
-    ) -> SequentialBlocks:
-        """The blocks as a `BlockRange` for DBCache: one image stream (the caption is cross-attention
-        context, which no block changes)."""
-
-        def row_inputs(rows: torch.Tensor | None) -> tuple:
-            return take_rows(ctx, rows), _optional_rows(mask_bias, rows), take_rows(modulation, rows)
-
-        def call(i: int, x: torch.Tensor, text: torch.Tensor | None, inputs: tuple) -> tuple:
-            return self.transformer_blocks[i](x, *inputs, height, width), None
-
-        return SequentialBlocks(len(self.transformer_blocks), x, None, row_inputs, call)
-
-    def _cache_signal(self, x: torch.Tensor, modulation: torch.Tensor) -> torch.Tensor:
-        """The first block's timestep-modulated input: what TeaCache-like methods watch change."""
-        block = self.transformer_blocks[0]
-        mods = block.scale_shift_table[None] + modulation.unflatten(1, (6, block.dim))
-        shift, scale = mods[:, 0:1], mods[:, 1:2]
-        return (block.norm1(x) * (1 + scale) + shift).to(x.dtype)

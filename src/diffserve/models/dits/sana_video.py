@@ -18,9 +18,10 @@ The linear attention per head: out_i = sum_j (q~_i . k~_j) v_j / sum_j (q_i . k_
 and q~, k~ their RoPE rotations. The products run in float32, the normaliser in the activation dtype
 (as in Diffusers).
 
-What SANA-Video shares with SANA's image DiT comes from `models/dits/sana.py` (adaLN-single, the
-guidance embedding, the masked cross-attention, the mask bias) and `layers/` (GLUMBConv, the RoPE
-rotation and tables, Wan's split of a head over the three axes).
+What SANA-Video shares with SANA's image DiT comes from `models/dits/sana_blocks.py` (adaLN-single, the
+guidance embedding, the masked cross-attention, the block's modulated residuals, the text conditioning,
+block loop and output head) and `layers/` (GLUMBConv, the RoPE rotation and tables, Wan's split of a
+head over the three axes).
 
 Timestep convention: `forward(timestep=...)` embeds the values as given (Diffusers' pipeline passes the
 scheduler's t in [0, 1000]).
@@ -45,7 +46,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
 from typing import ClassVar
 
 import torch
@@ -54,34 +54,29 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from diffserve.configs.cache_rule import ATTENTION_METHODS, BLOCK_RANGE_METHODS, WHOLE_SPAN_METHODS
 from diffserve.distributed.sequence_parallel import SequenceShard
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_split
-from diffserve.layers.attention_weights import AttentionWeights
-from diffserve.layers.embeddings import GeluTanhTextProjection
 from diffserve.layers.glumbconv import GLUMBConv
-from diffserve.layers.norms import LayerNorm, RMSNorm
-from diffserve.layers.residual import gated_residual
+from diffserve.layers.norms import LayerNorm
 from diffserve.layers.rotary import RopeTables, RotaryEmbedding, multi_axis_rope_tables
 from diffserve.layers.shape_cache import BoundedCache
 from diffserve.models.cache_methods.blocks import SequentialBlocks, refuse_sequence_parallel
-from diffserve.models.dits.base import DiffusersDiT, DiTConfig
+from diffserve.models.dits.base import DiTConfig
 from diffserve.models.dits.input_checks import check_one_text_input, check_per_sample
-from diffserve.models.dits.sana import (
+from diffserve.models.dits.sana_blocks import (
     LINEAR_ATTENTION_EPS,
-    RMS_EPS,
-    AdaLayerNormSingle,
-    SanaCrossAttention,
-    SanaTransformer2DModel,
-    TimestepGuidanceEmbedding,
+    SUPPORTED_QK_NORMS,
+    BlockInputs,
+    LinearAttentionWeights,
+    SanaBlockBase,
+    SanaDiTBase,
+    check_text_cross_attention,
 )
 from diffserve.models.dits.wan import wan_rope_axes_dims
-from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
+from diffserve.models.step_cache import BatchStepCache
 
 #: Wan's RoPE base, which SANA-Video's position embedding keeps.
 ROPE_THETA = 10000.0
-#: QK-norms Diffusers' Attention builds for this DiT (None or RMSNorm over all heads).
-SUPPORTED_QK_NORMS = (None, "rms_norm_across_heads")
 #: Tables kept per (grid, device).
 ROPE_CACHE_SIZE = 8
 
@@ -126,17 +121,7 @@ class SanaVideoTransformerConfig(DiTConfig):
                 f"SanaVideoTransformer3DModel: qk_norm={self.qk_norm!r} is not supported; one of "
                 f"{SUPPORTED_QK_NORMS}"
             )
-        if self.cross_attention_dim is None or not self.num_cross_attention_heads:
-            raise ValueError(
-                "SanaVideoTransformer3DModel: cross_attention_dim / num_cross_attention_heads None (no text "
-                "cross-attention) is not supported (Diffusers' block cannot run without it either)"
-            )
-        if self.cross_attention_dim != self.inner_dim:
-            raise ValueError(
-                f"SanaVideoTransformer3DModel: cross_attention_dim ({self.cross_attention_dim}) must equal "
-                f"num_attention_heads * attention_head_dim ({self.inner_dim}): the caption projection "
-                "outputs the inner width"
-            )
+        check_text_cross_attention(self, "SanaVideoTransformer3DModel")
         if any(d % 2 for d in wan_rope_axes_dims(self.attention_head_dim)):
             raise ValueError(
                 f"SanaVideoTransformer3DModel: attention_head_dim {self.attention_head_dim} splits into odd "
@@ -182,17 +167,11 @@ class FrameShard:
         return torch.cat([before, temporal, after], dim=2)
 
 
-def _across_heads_norm(width: int) -> RMSNorm:
-    return RMSNorm(width, eps=RMS_EPS)
-
-
-class SanaVideoLinearAttention(AttentionWeights):
+class SanaVideoLinearAttention(LinearAttentionWeights):
     """ReLU linear self-attention with RoPE on its numerator (see the module docstring)."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, bias: bool, qk_norm: bool) -> None:
-        norm = partial(_across_heads_norm, num_heads * head_dim) if qk_norm else None
-        super().__init__(dim, num_heads, head_dim, norm, bias=bias)
-        self.num_heads = num_heads
+        super().__init__(dim, num_heads, head_dim, bias, qk_norm)
         self.rope = RotaryEmbedding()
 
     def forward(self, x: torch.Tensor, rope: RopeTables, frames: FrameShard | None = None) -> torch.Tensor:
@@ -260,29 +239,12 @@ class GLUMBTempConv(GLUMBConv):
         return temporal.permute(0, 2, 3, 1).reshape(batch, frames * height * width, dim)
 
 
-class SanaVideoTransformerBlock(nn.Module):
+class SanaVideoTransformerBlock(SanaBlockBase):
     """Linear self-attention with RoPE, cross-attention to the text, GLUMBTempConv; adaLN-single modulated."""
 
     def __init__(self, config: SanaVideoTransformerConfig) -> None:
-        super().__init__()
-        dim = config.inner_dim
-        qk_norm = config.qk_norm is not None
-        self.dim = dim
-        self.norm1 = LayerNorm(dim, eps=config.norm_eps, elementwise_affine=False)
-        self.attn1 = SanaVideoLinearAttention(
-            dim, config.num_attention_heads, config.attention_head_dim, config.attention_bias, qk_norm
-        )
-        self.norm2 = LayerNorm(dim, eps=config.norm_eps, elementwise_affine=config.norm_elementwise_affine)
-        self.attn2 = SanaCrossAttention(
-            dim,
-            int(config.cross_attention_dim),
-            int(config.num_cross_attention_heads),
-            int(config.cross_attention_head_dim),
-            out_bias=True,
-            qk_norm=qk_norm,
-        )
-        self.ff = GLUMBTempConv(dim, config.mlp_ratio)
-        self.scale_shift_table = nn.Parameter(torch.randn(6, dim) / dim**0.5)
+        super().__init__(config, SanaVideoLinearAttention, GLUMBTempConv)
+        self.scale_shift_table = nn.Parameter(torch.randn(6, self.dim) / self.dim**0.5)
 
     def forward(
         self,
@@ -296,22 +258,17 @@ class SanaVideoTransformerBlock(nn.Module):
     ) -> torch.Tensor:
         """x (batch, F*H*W, dim); modulation (batch, 6 * dim); grid the (F, H, W) token grid (this rank's
         frames under a sequence split, `frames` then telling which they are)."""
-        mods = self.scale_shift_table[None] + modulation.unflatten(1, (6, self.dim))
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods.unsqueeze(2).unbind(1)
-
-        h = (self.norm1(x) * (1 + scale_msa) + shift_msa).to(x.dtype)
-        x = gated_residual(x, gate_msa, self.attn1(h, rope, frames))
-        x = x + self.attn2(x, ctx, mask_bias)
-
-        h = self.norm2(x) * (1 + scale_mlp) + shift_mlp
-        return gated_residual(x, gate_mlp, self.ff.forward_video(h, *grid, frames))
-
-
-def _optional_rows(t: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else take_rows(t, rows)
+        return self.modulated(
+            lambda h: self.attn1(h, rope, frames),
+            lambda h: self.ff.forward_video(h, *grid, frames),
+            x,
+            ctx,
+            mask_bias,
+            modulation,
+        )
 
 
-class SanaVideoTransformer3DModel(DiffusersDiT):
+class SanaVideoTransformer3DModel(SanaDiTBase):
     """SANA-Video DiT with Diffusers' config keys and state-dict names.
 
     forward(hidden_states (B, in_channels, F, H, W) latents,
@@ -325,22 +282,13 @@ class SanaVideoTransformer3DModel(DiffusersDiT):
 
     diffusers_class_name: ClassVar[str] = "SanaVideoTransformer3DModel"
     config_class = SanaVideoTransformerConfig
-    cache_methods: ClassVar[frozenset[str]] = WHOLE_SPAN_METHODS | BLOCK_RANGE_METHODS | ATTENTION_METHODS
-    cache_block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
 
     def __init__(self, config: SanaVideoTransformerConfig) -> None:
         super().__init__(config)
         inner = config.inner_dim
         patch = config.patch_size
         self.patch_embedding = nn.Conv3d(config.in_channels, inner, kernel_size=patch, stride=patch)
-        self.time_embed: AdaLayerNormSingle | TimestepGuidanceEmbedding = (
-            TimestepGuidanceEmbedding(inner) if config.guidance_embeds else AdaLayerNormSingle(inner)
-        )
-        self.caption_projection = GeluTanhTextProjection(config.caption_channels, inner)
-        self.caption_norm = RMSNorm(inner, eps=RMS_EPS)
-        self.transformer_blocks = nn.ModuleList(
-            [SanaVideoTransformerBlock(config) for _ in range(config.num_layers)]
-        )
+        self._build_shared_layers(config, SanaVideoTransformerBlock)
         self.scale_shift_table = nn.Parameter(torch.randn(2, inner) / inner**0.5)
         self.norm_out = LayerNorm(inner, eps=1e-6, elementwise_affine=False)
         self.proj_out = nn.Linear(inner, math.prod(patch) * int(config.out_channels))
@@ -362,12 +310,6 @@ class SanaVideoTransformer3DModel(DiffusersDiT):
             return multi_axis_rope_tables(ids, self.rope_axes_dims, ROPE_THETA)
 
         return self._rope_cache.get_or_build((frames, height, width), device, build)
-
-    def embed_context(self, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
-        """Gemma-2 states (batch, L, caption_channels) -> the cross-attention context (batch, L, inner)."""
-        return self.caption_norm(self.caption_projection(encoder_hidden_states))
-
-    mask_bias = staticmethod(SanaTransformer2DModel.mask_bias)
 
     def forward(
         self,
@@ -396,53 +338,35 @@ class SanaVideoTransformer3DModel(DiffusersDiT):
 
         grid = (frames // p_t, height // p_h, width // p_w)
         rope = self.rope_tables(*grid, hidden_states.device)
-        x = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2)
-        guidance = None if guidance is None else guidance.expand(batch)
-        modulation, emb = self.time_embed(timestep.expand(batch), guidance, x.dtype)
-        ctx = self.embed_context(encoder_hidden_states) if context is None else context
-        mask_bias = self.mask_bias(encoder_attention_mask, hidden_states.dtype)
-
-        x = run_with_step_cache(
+        tokens = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2)
+        x = self._predict_tokens(
+            tokens,
+            (rope, grid),
             step_cache,
-            x,
-            lambda: self._cache_signal(x, modulation),
-            lambda rows: self._run_blocks(
-                take_rows(x, rows), take_rows(ctx, rows), _optional_rows(mask_bias, rows),
-                take_rows(modulation, rows), rope, grid,
-            ),
-            blocks=lambda: self._block_range(x, ctx, mask_bias, modulation, rope, grid),
-        )  # fmt: skip
-
-        shift, scale = (self.scale_shift_table[None] + emb[:, None]).unbind(1)
-        x = self.norm_out(x) * (1 + scale[:, None]) + shift[:, None]
-        x = self.proj_out(x)
+            timestep,
+            guidance,
+            encoder_hidden_states,
+            encoder_attention_mask,
+            context,
+        )
         f, h, w = grid
         x = x.reshape(batch, f, h, w, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
         return x.reshape(batch, -1, f * p_t, h * p_h, w * p_w)
 
-    def _run_blocks(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        mask_bias: torch.Tensor | None,
-        modulation: torch.Tensor,
-        rope: RopeTables,
-        grid: tuple[int, int, int],
-    ) -> torch.Tensor:
+    def _run_blocks(self, x: torch.Tensor, inputs: BlockInputs, layout: tuple[object, ...]) -> torch.Tensor:
+        """Every block, in order, on `layout` (the RoPE tables and the grid); under sequence parallelism
+        split by whole frames (`_run_blocks_split`)."""
+        rope, grid = layout
         split = sequence_split([grid[0]])  # by whole frames
         if split is not None:
-            return self._run_blocks_split(split, x, ctx, mask_bias, modulation, rope, grid)
-        for block in self.transformer_blocks:
-            x = block(x, ctx, mask_bias, modulation, rope, grid)
-        return x
+            return self._run_blocks_split(split, x, inputs, rope, grid)
+        return super()._run_blocks(x, inputs, layout)
 
     def _run_blocks_split(
         self,
         split: SequenceSplit,
         x: torch.Tensor,
-        ctx: torch.Tensor,
-        mask_bias: torch.Tensor | None,
-        modulation: torch.Tensor,
+        inputs: BlockInputs,
         rope: RopeTables,
         grid: tuple[int, int, int],
     ) -> torch.Tensor:
@@ -459,32 +383,13 @@ class SanaVideoTransformer3DModel(DiffusersDiT):
         x, rope = by_frame(x, 1), (by_frame(rope[0], 0), by_frame(rope[1], 0))
         local_grid = (shard.shard.shard_len, height, width)
         for block in self.transformer_blocks:
-            x = block(x, ctx, mask_bias, modulation, rope, local_grid, shard)
+            x = block(x, *inputs, rope, local_grid, shard)
         return split.gather(0, x.unflatten(1, (local_grid[0], height * width)), dim=1).flatten(1, 2)
 
     def _block_range(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        mask_bias: torch.Tensor | None,
-        modulation: torch.Tensor,
-        rope: RopeTables,
-        grid: tuple[int, int, int],
+        self, x: torch.Tensor, inputs: BlockInputs, layout: tuple[object, ...]
     ) -> SequentialBlocks:
-        """The blocks as a `BlockRange` for DBCache: one video stream (the text is context no block changes)."""
+        """The blocks as a `BlockRange` for DBCache: one video stream (the text is context no block changes);
+        refused under a sequence split."""
         refuse_sequence_parallel(sequence_split([x.shape[1]]), "SANA-Video")
-
-        def row_inputs(rows: torch.Tensor | None) -> tuple:
-            return take_rows(ctx, rows), _optional_rows(mask_bias, rows), take_rows(modulation, rows)
-
-        def call(i: int, x: torch.Tensor, text: torch.Tensor | None, inputs: tuple) -> tuple:
-            return self.transformer_blocks[i](x, *inputs, rope, grid), None
-
-        return SequentialBlocks(len(self.transformer_blocks), x, None, row_inputs, call)
-
-    def _cache_signal(self, x: torch.Tensor, modulation: torch.Tensor) -> torch.Tensor:
-        """The first block's timestep-modulated input: what TeaCache-like methods watch change."""
-        block = self.transformer_blocks[0]
-        mods = block.scale_shift_table[None] + modulation.unflatten(1, (6, block.dim))
-        shift, scale = mods[:, 0:1], mods[:, 1:2]
-        return (block.norm1(x) * (1 + scale) + shift).to(x.dtype)
+        return super()._block_range(x, inputs, layout)
