@@ -39,6 +39,7 @@ from diffserve.stages.image_to_image import ImageToImageNoisingStage, InputImage
 from diffserve.stages.input_validation import one_image_input_validation
 from diffserve.stages.latent_preparation import PackedLatentIdsPreparationStage, pack_latents
 from diffserve.stages.mask_preparation import InpaintMaskStage
+from diffserve.stages.packed_ids_rope import packed_ids_rope
 from diffserve.stages.timestep_preparation import TimestepPreparationStage
 
 
@@ -59,13 +60,8 @@ class ChromaDenoiser:
 
     def rope_for(self, req: Req) -> RopeTables:
         """RoPE tables for the request's shape (text ids are zeros, image ids the packed grid), once per shape."""
-        conditioning = ChromaConditioning.of(req)
-        text_ids, image_ids = conditioning.text_ids, conditioning.image_ids
-        assert text_ids is not None and image_ids is not None
-        key = (text_ids.shape[0], req.latent_size, image_ids.dtype)
-        return self._rope_cache.get_or_build(
-            key, image_ids.device, lambda: self.transformer.rope_tables(text_ids, image_ids)
-        )
+        ids = ChromaConditioning.of(req)
+        return packed_ids_rope(self._rope_cache, self.transformer, req, ids.text_ids, ids.image_ids)
 
     def context_for(self, req: Req) -> torch.Tensor:
         """The request's text branches through the DiT's context embedder, once per request."""

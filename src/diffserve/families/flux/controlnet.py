@@ -33,7 +33,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
-from PIL import Image
 from torch import nn
 
 from diffserve.configs.sampling_params import SamplingParams
@@ -43,8 +42,7 @@ from diffserve.models.controlnets.flux import ControlNetBatch, FluxControlNetMod
 from diffserve.models.controlnets.residuals import BlockResiduals
 from diffserve.pipelines.controlnet_steps import check_controlnet_entries, merge_samples, prompt_request
 from diffserve.request import Req
-from diffserve.stages.base import Stage
-from diffserve.stages.image_tensor import image_to_tensor
+from diffserve.stages.controlnet_conditioning import ControlImageStage
 from diffserve.stages.image_to_image import encode_sampled
 from diffserve.stages.latent_preparation import pack_latents
 
@@ -94,29 +92,17 @@ def _reads_pixels(net: nn.Module) -> bool:
     return isinstance(net, FluxControlNetModel) and net.config.reads_pixels
 
 
-class ControlImageEncodingStage(Stage):
+class ControlImageEncodingStage(ControlImageStage):
     """Step 1 above: every control image's packed latents into `conditioning.controls`. Runs before the
     input image's encoding and the initial noise: its posterior draws come first from the generator."""
 
     needs = ("generator",)
 
-    def __init__(
-        self, vae: nn.Module, nets: Mapping[str, nn.Module], device: torch.device, dtype: torch.dtype
-    ) -> None:
-        self.vae = vae
-        self.nets = nets
-        self.device = device
-        self.dtype = dtype
-
-    @torch.inference_mode()
-    def forward(self, req: Req) -> Req:
+    def encode_controls(self, req: Req) -> None:
         p = req.params
-        if not p.controlnets:
-            return req
         inputs = []
         for entry in p.controlnets:
-            image = entry.image.convert("RGB").resize((p.width, p.height), Image.Resampling.LANCZOS)
-            pixels = image_to_tensor(image).repeat(req.batch_size, 1, 1, 1)
+            pixels = self.control_pixels(entry, req, req.batch_size)
             if _reads_pixels(self.nets[entry.name]):  # XLabs': the image itself, no VAE draw
                 control = pixels.to(device=self.device, dtype=self.dtype)
             else:
@@ -124,7 +110,6 @@ class ControlImageEncodingStage(Stage):
                 control = pack_latents(latents.to(device=self.device, dtype=self.dtype))
             inputs.append(ControlInput(entry.name, control, entry.scale, entry.start, entry.end, entry.mode))
         FluxConditioning.of(req).controls = FluxControls(inputs)
-        return req
 
 
 class ControlNetRunner:

@@ -42,6 +42,7 @@ from diffserve.stages.image_to_image import (
 from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
 from diffserve.stages.latent_preparation import PackedLatentIdsPreparationStage, pack_latents
 from diffserve.stages.mask_preparation import InpaintMaskStage
+from diffserve.stages.packed_ids_rope import packed_ids_rope
 from diffserve.stages.text_encoding import clip_context_length
 from diffserve.stages.timestep_preparation import TimestepPreparationStage
 
@@ -72,18 +73,10 @@ class FluxDenoiser:
         self._rope_cache: BoundedCache[RopeTables] = BoundedCache()
 
     def rope_for(self, req: Req) -> RopeTables:
-        """RoPE tables for the request's shape, computed once per shape rather than once per step.
-
-        FLUX's ids are a pure function of the shape (text ids are zeros, image ids the packed grid),
-        so (text length, latent grid, dtype) on the ids' device identifies them.
-        """
+        """RoPE tables for the request's shape, computed once per shape rather than once per step (FLUX's
+        ids are a pure function of the shape: `packed_ids_rope`)."""
         ids = FluxConditioning.of(req)
-        text_ids, image_ids = ids.text_ids, ids.image_ids
-        assert text_ids is not None and image_ids is not None
-        key = (text_ids.shape[0], req.latent_size, image_ids.dtype)
-        return self._rope_cache.get_or_build(
-            key, image_ids.device, lambda: self.transformer.rope_tables(text_ids, image_ids)
-        )
+        return packed_ids_rope(self._rope_cache, self.transformer, req, ids.text_ids, ids.image_ids)
 
     def context_for(self, req: Req) -> torch.Tensor:
         """The request's text branches through the DiT's context embedder, once per request.

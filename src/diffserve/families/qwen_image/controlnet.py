@@ -25,28 +25,22 @@ the DiT adds each request's sum to its own rows only: requests without a Control
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
-from PIL import Image
 from torch import nn
 
 from diffserve.configs.sampling_params import ControlNetChoice
 from diffserve.models.controlnets.qwen_image import QwenControlNetBatch, QwenImageControlNetModel
-from diffserve.models.controlnets.residuals import BlockResiduals
 from diffserve.pipelines.cfg_batch import pad_text
 from diffserve.pipelines.controlnet_steps import (
     EncodedControl,
     InpaintingControl,
-    double_stream_groups,
     global_rng_stand_in,
     prompt_request,
-    samples_per_request,
 )
 from diffserve.request import Req
-from diffserve.stages.base import Stage
-from diffserve.stages.image_tensor import image_to_tensor
+from diffserve.stages.controlnet_conditioning import ControlImageStage, EncodedControlRunner
 from diffserve.stages.image_to_image import encode_sampled_video_vae
 from diffserve.stages.latent_preparation import pack_latents
 from diffserve.stages.reference_images import ReferenceImages
@@ -60,39 +54,28 @@ class QwenImageConditioning(ReferenceImages):
     controls: list[EncodedControl] = field(default_factory=list)
 
 
-def controls_of(req: Req) -> list[EncodedControl]:
-    conditioning = req.conditioning
-    return conditioning.controls if isinstance(conditioning, QwenImageConditioning) else []
-
-
-class QwenControlImageEncodingStage(Stage):
+class QwenControlImageEncodingStage(ControlImageStage):
     """Step 1 above: every control image's packed latents into the conditioning's `controls`. Runs before
-    the input image's encoding and the initial noise: its posterior draws come first from the generator."""
+    the input image's encoding and the initial noise: its posterior draws come first from the generator.
+    It reads no ControlNet: an inpainting entry is the one with a mask (`check_controlnet_entries`)."""
 
     needs = ("generator",)
 
     def __init__(self, vae: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-        self.vae = vae
-        self.device = device
-        self.dtype = dtype
+        super().__init__(vae, {}, device, dtype)
 
-    @torch.inference_mode()
-    def forward(self, req: Req) -> Req:
+    def encode_controls(self, req: Req) -> None:
         p = req.params
-        if not p.controlnets:
-            return req
         inputs = []
         for entry in p.controlnets:
             if entry.mask is not None:  # an inpainting ControlNet (`check_controlnet_entries`)
                 latents = self._inpainting_latents(entry, req)
             else:
-                image = entry.image.convert("RGB").resize((p.width, p.height), Image.Resampling.LANCZOS)
-                pixels = image_to_tensor(image).repeat(req.batch_size, 1, 1, 1)
+                pixels = self.control_pixels(entry, req, req.batch_size)
                 latents = encode_sampled_video_vae(self.vae, pixels, req.generator)
             packed = pack_latents(latents.to(device=self.device, dtype=self.dtype))
             inputs.append(EncodedControl(entry.name, packed, entry.scale, entry.start, entry.end, entry.mode))
         QwenImageConditioning.of(req).controls = inputs
-        return req
 
     def _inpainting_latents(self, entry: ControlNetChoice, req: Req) -> torch.Tensor:
         """Step 1 for an inpainting ControlNet (`QwenImageControlNetInpaintPipeline`): the masked image, one
@@ -107,30 +90,18 @@ class QwenControlImageEncodingStage(Stage):
         latents = encode_sampled_video_vae(
             self.vae, control.masked.repeat(req.batch_size, 1, 1, 1), generator
         )
-        kept = control.kept_on(latents.shape[-2:]).to(latents)
-        return torch.cat([latents, kept.expand(latents.shape[0], -1, -1, -1)], dim=1)
+        return self.with_kept_channel(latents, control)
 
 
-class QwenControlNetRunner:
+class QwenControlNetRunner(EncodedControlRunner[QwenImageControlNetModel]):
     """Runs the ControlNets of one step batch and hands the DiT each request's residuals."""
 
-    def __init__(self, nets: Mapping[str, QwenImageControlNetModel]) -> None:
-        self.nets = nets
+    conditioning_type = QwenImageConditioning
 
-    def residuals(self, reqs: list[Req]) -> list[BlockResiduals]:
-        """The DiT's residual groups for this step (empty when no entry acts)."""
-        per_request = samples_per_request(
-            reqs, controls_of, lambda name, items: self._run(self.nets[name], reqs, items)
-        )
-        if not per_request:
-            return []
-        return double_stream_groups(reqs, per_request)
-
-    @staticmethod
-    def _run(
-        net: QwenImageControlNetModel, reqs: list[Req], items: list[tuple[int, int, EncodedControl]]
-    ) -> dict[tuple[int, int], list[torch.Tensor]]:
-        """One forward of `net` over the rows of `items`; (request, entry) -> its samples."""
+    def run_net(
+        self, net: QwenImageControlNetModel, reqs: list[Req], items: list[tuple[int, int, EncodedControl]]
+    ) -> list[torch.Tensor]:
+        """One forward of `net` over the rows of `items`: its per-block samples."""
         latents, control, texts, timesteps, scales, shapes = [], [], [], [], [], []
         for r, _, entry in items:
             req = reqs[r]
@@ -152,10 +123,4 @@ class QwenControlNetRunner:
             scales=torch.cat(scales),
             img_shapes=shapes,
         )
-        out = net(batch)
-        result, start = {}, 0
-        for r, k, _ in items:
-            stop = start + reqs[r].batch_size
-            result[(r, k)] = [s[start:stop] for s in out]
-            start = stop
-        return result
+        return net(batch)

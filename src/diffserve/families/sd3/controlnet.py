@@ -28,27 +28,17 @@ the DiT adds each request's sums to its own rows only.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
-from PIL import Image
-from torch import nn
 
 from diffserve.configs.sampling_params import ControlNetChoice
-from diffserve.models.controlnets.residuals import BlockResiduals
 from diffserve.models.controlnets.sd3 import SD3ControlNetModel
-from diffserve.pipelines.controlnet_steps import (
-    EncodedControl,
-    InpaintingControl,
-    double_stream_groups,
-    global_rng_stand_in,
-    samples_per_request,
-)
+from diffserve.pipelines.controlnet_steps import EncodedControl, InpaintingControl, global_rng_stand_in
 from diffserve.request import Conditioning, Req
 from diffserve.runtime.runner import CfgBranchView
-from diffserve.stages.base import Stage, to_module
-from diffserve.stages.image_tensor import image_to_tensor
+from diffserve.stages.base import to_module
+from diffserve.stages.controlnet_conditioning import ControlImageStage, EncodedControlRunner
 
 
 @dataclass
@@ -58,28 +48,12 @@ class SD3Conditioning(Conditioning):
     controls: list[EncodedControl] = field(default_factory=list)
 
 
-def controls_of(req: Req) -> list[EncodedControl]:
-    conditioning = req.conditioning
-    return conditioning.controls if isinstance(conditioning, SD3Conditioning) else []
-
-
-class SD3ControlImageEncodingStage(Stage):
+class SD3ControlImageEncodingStage(ControlImageStage):
     """Step 1 above: every control image's latents, one row per output and branch in the DiT batch's row
     order (prompt rows, then the negative prompt's), into the conditioning's `controls`."""
 
-    def __init__(
-        self, vae: nn.Module, nets: Mapping[str, nn.Module], device: torch.device, dtype: torch.dtype
-    ) -> None:
-        self.vae = vae
-        self.nets = nets
-        self.device = device
-        self.dtype = dtype
-
-    @torch.inference_mode()
-    def forward(self, req: Req) -> Req:
+    def encode_controls(self, req: Req) -> None:
         p = req.params
-        if not p.controlnets:
-            return req
         generator = global_rng_stand_in(next(self.vae.parameters()).device, p.seed)
         branches = 2 if req.do_cfg else 1
         scaling = float(self.vae.config["scaling_factor"])
@@ -90,8 +64,7 @@ class SD3ControlImageEncodingStage(Stage):
                 latents = self._inpainting_latents(entry, req, generator).repeat(branches, 1, 1, 1)
             else:
                 shift = 0.0 if net.config.force_zeros_for_pooled_projection else self._shift()
-                image = entry.image.convert("RGB").resize((p.width, p.height), Image.Resampling.LANCZOS)
-                pixels = image_to_tensor(image).repeat(req.batch_size * branches, 1, 1, 1)
+                pixels = self.control_pixels(entry, req, req.batch_size * branches)
                 latents = self.vae.encode(to_module(self.vae, pixels)).sample(generator)
                 latents = (latents - shift) * scaling
                 # Diffusers' rows are [negative; prompt]; the DiT batch's [prompt; negative].
@@ -103,7 +76,6 @@ class SD3ControlImageEncodingStage(Stage):
                 EncodedControl(entry.name, latents, entry.scale, entry.start, entry.end, entry.mode)
             )
         SD3Conditioning.of(req).controls = inputs
-        return req
 
     def _shift(self) -> float:
         return float(self.vae.config.get("shift_factor") or 0.0)
@@ -120,30 +92,20 @@ class SD3ControlImageEncodingStage(Stage):
         pixels = control.masked.repeat(req.batch_size, 1, 1, 1)
         latents = self.vae.encode(to_module(self.vae, pixels)).sample(generator)
         latents = (latents - self._shift()) * float(self.vae.config["scaling_factor"])
-        kept = control.kept_on(tuple(latents.shape[-2:])).to(latents)
-        return torch.cat([latents, kept.expand(latents.shape[0], -1, -1, -1)], dim=1)
+        return self.with_kept_channel(latents, control)
 
 
-class SD3ControlNetRunner:
+class SD3ControlNetRunner(EncodedControlRunner[SD3ControlNetModel]):
     """Runs the ControlNets of one step batch and hands the DiT each request's residuals."""
 
-    def __init__(self, nets: Mapping[str, SD3ControlNetModel]) -> None:
-        self.nets = nets
+    conditioning_type = SD3Conditioning
+    per_branch = True
+    truncating = True
 
-    def residuals(self, reqs: list[Req]) -> list[BlockResiduals]:
-        """The DiT's residual groups for this step (empty when no entry acts)."""
-        per_request = samples_per_request(
-            reqs, controls_of, lambda name, items: self._run(self.nets[name], reqs, items)
-        )
-        if not per_request:
-            return []
-        return double_stream_groups(reqs, per_request, per_branch=True, truncating=True)
-
-    @staticmethod
-    def _run(
-        net: SD3ControlNetModel, reqs: list[Req], items: list[tuple[int, int, EncodedControl]]
-    ) -> dict[tuple[int, int], list[torch.Tensor]]:
-        """One forward of `net` over every branch row of `items`; (request, entry) -> its samples."""
+    def run_net(
+        self, net: SD3ControlNetModel, reqs: list[Req], items: list[tuple[int, int, EncodedControl]]
+    ) -> list[torch.Tensor]:
+        """One forward of `net` over every branch row of `items`: its per-block samples."""
         latents, control, texts, pooled, timesteps, scales = [], [], [], [], [], []
         # The inpainting pipeline hands every ControlNet zeros (its `controlnet_pooled_projections`).
         zero_pooled = net.config.force_zeros_for_pooled_projection or net.config.inpainting
@@ -169,7 +131,7 @@ class SD3ControlNetRunner:
             scales.append(
                 torch.full((rows,), float(entry.scale), dtype=torch.float32, device=req.latents.device)
             )
-        out = net(
+        return net(
             hidden_states=torch.cat(latents),
             controlnet_cond=torch.cat(control),
             encoder_hidden_states=torch.cat(texts),
@@ -177,10 +139,3 @@ class SD3ControlNetRunner:
             timestep=torch.cat(timesteps).to(latents[0].dtype),
             scales=torch.cat(scales),
         )
-        result, start = {}, 0
-        for r, k, _ in items:
-            req = reqs[r]
-            stop = start + req.batch_size * (2 if req.do_cfg else 1)
-            result[(r, k)] = [s[start:stop] for s in out]
-            start = stop
-        return result
