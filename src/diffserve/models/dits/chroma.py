@@ -41,7 +41,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -55,6 +55,7 @@ from diffserve.layers.norms import LayerNorm
 from diffserve.layers.rotary import RopeTables, checked_rope_axes
 from diffserve.layers.tensor_parallel import TensorParallelRank
 from diffserve.models.dits.base import DiTConfig, check_tp_divides, shard_blocks
+from diffserve.models.dits.block_inputs import run_streams_with_step_cache
 from diffserve.models.dits.flux import (
     AdaLayerNormZeroSingle,
     FluxSingleTransformerBlock,
@@ -62,7 +63,7 @@ from diffserve.models.dits.flux import (
 )
 from diffserve.models.dits.flux_streams import FluxStreamsDiT
 from diffserve.models.dits.input_checks import check_one_text_input, check_per_sample
-from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
+from diffserve.models.step_cache import BatchStepCache, take_rows
 
 logger = logging.getLogger(__name__)
 
@@ -98,36 +99,31 @@ class ChromaTransformerConfig(DiTConfig):
 # ---------------------------------------------------------------------------------------- layers
 
 
-class PrunedAdaLayerNormZero(nn.Module):
+class PrunedAdaLayerNorm(nn.Module):
+    """An adaLN without its projection (the vectors come from the approximator): the affine-free
+    LayerNorm and the modulation that every pruned adaLN below applies to them."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = LayerNorm(dim, eps=ADALN_EPS, elementwise_affine=False)
+        self.modulate = Modulate()
+
+
+class PrunedAdaLayerNormZero(PrunedAdaLayerNorm):
     """A double-stream block's adaLN-Zero without its projection: the vectors come from the approximator.
     (modulated x, gate_msa, shift_mlp, scale_mlp, gate_mlp) from (batch, 6 * dim), as FLUX's."""
 
     modulate_projected = AdaLayerNormZero.modulate_projected
 
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.norm = LayerNorm(dim, eps=ADALN_EPS, elementwise_affine=False)
-        self.modulate = Modulate()
 
-
-class PrunedAdaLayerNormZeroSingle(nn.Module):
+class PrunedAdaLayerNormZeroSingle(PrunedAdaLayerNorm):
     """A single-stream block's adaLN-Zero without its projection: (modulated x, gate) from (batch, 3 * dim)."""
 
     modulate_projected = AdaLayerNormZeroSingle.modulate_projected
 
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.norm = LayerNorm(dim, eps=ADALN_EPS, elementwise_affine=False)
-        self.modulate = Modulate()
 
-
-class PrunedAdaLayerNormContinuous(nn.Module):
+class PrunedAdaLayerNormContinuous(PrunedAdaLayerNorm):
     """The output head's adaLN from (batch, 2 * dim) given as (shift, scale): FLUX's order reversed."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.norm = LayerNorm(dim, eps=ADALN_EPS, elementwise_affine=False)
-        self.modulate = Modulate()
 
     def modulate_projected(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         shift, scale = emb.to(x.dtype).chunk(2, dim=1)
@@ -221,6 +217,21 @@ def attention_bias(text_mask: torch.Tensor, image_len: int, dtype: torch.dtype) 
 
 
 # ---------------------------------------------------------------------------------------- model
+
+
+class ChromaBlockInputs(NamedTuple):
+    """What the blocks read besides the image and text streams, per forward: the blocks' adaLN vectors of
+    these rows (`modulations` order), the RoPE tables (shared by every row) and the rows' text mask
+    (`forward`'s `text_mask`; None: no padding bias)."""
+
+    mods: Sequence[torch.Tensor]
+    rope: RopeTables
+    text_mask: torch.Tensor | None
+
+    def take(self, rows: torch.Tensor | None) -> ChromaBlockInputs:
+        """These inputs for batch rows `rows` (None: all)."""
+        text_mask = None if self.text_mask is None else take_rows(self.text_mask, rows)
+        return ChromaBlockInputs([take_rows(m, rows) for m in self.mods], self.rope, text_mask)
 
 
 class ChromaTransformer2DModel(FluxStreamsDiT):
@@ -326,33 +337,21 @@ class ChromaTransformer2DModel(FluxStreamsDiT):
         timestep = timestep.to(x.dtype).expand(batch) * 1000
         block_mods, out_mod = self.modulations(timestep)
         ctx = self.embed_context(encoder_hidden_states) if context is None else context
-        x = run_with_step_cache(
-            step_cache,
-            x,
-            lambda: self.transformer_blocks[0].norm1.modulate_projected(x, block_mods[0])[0],
-            lambda rows: self._run_blocks(
-                take_rows(x, rows),
-                take_rows(ctx, rows),
-                [take_rows(m, rows) for m in block_mods],
-                rope,
-                None if text_mask is None else take_rows(text_mask, rows),
-            ),
-        )
+        inputs = ChromaBlockInputs(block_mods, rope, text_mask)
+
+        def signal() -> torch.Tensor:
+            return self.transformer_blocks[0].norm1.modulate_projected(x, block_mods[0])[0]
+
+        x = run_streams_with_step_cache(step_cache, x, ctx, inputs, signal, self._run_blocks)
         return self.proj_out(self.norm_out.modulate_projected(x, out_mod))
 
-    def _run_blocks(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        mods: Sequence[torch.Tensor],
-        rope: RopeTables,
-        text_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def _run_blocks(self, x: torch.Tensor, ctx: torch.Tensor, inputs: ChromaBlockInputs) -> torch.Tensor:
         """Every block; returns the image tokens the output head reads (the last single-stream block
-        computes only those, as FLUX.1's). `text_mask`: `forward`'s, of these rows."""
+        computes only those, as FLUX.1's)."""
         split = sequence_split([ctx.shape[1], x.shape[1]])
         if split is not None:
-            return self._run_blocks_split(split, x, ctx, mods, rope, text_mask)
+            return self._run_blocks_split(split, x, ctx, inputs)
+        mods, rope, text_mask = inputs
         bias = None if text_mask is None else attention_bias(text_mask, x.shape[1], x.dtype)
         mods_iter = iter(mods)
         for block in self.transformer_blocks:
@@ -367,19 +366,14 @@ class ChromaTransformer2DModel(FluxStreamsDiT):
         return last(h, next(mods_iter), rope, text_len=text_len, attn_mask=bias)
 
     def _run_blocks_split(
-        self,
-        split: SequenceSplit,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        mods: Sequence[torch.Tensor],
-        rope: RopeTables,
-        text_mask: torch.Tensor | None,
+        self, split: SequenceSplit, x: torch.Tensor, ctx: torch.Tensor, inputs: ChromaBlockInputs
     ) -> torch.Tensor:
         """`_run_blocks` with the text (stream 0) and image (stream 1) tokens split over the sequence-parallel
         ranks (module docstring): the blocks get the local [text; image] token mask in place of the dense
         bias (`chroma_attention`), the last single-stream block runs whole (its image-rows shortcut would give
         queries and keys different lengths), and the image stream is gathered back at the end."""
         text, image = 0, 1
+        mods, rope, text_mask = inputs
         token_mask = None
         if text_mask is not None:
             local_text = split.split(text, text_mask.to(x.dtype))

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +59,8 @@ from diffserve.layers.feedforward import FeedForward
 from diffserve.layers.shape_cache import BoundedCache
 from diffserve.models.cache_methods.blocks import SequentialBlocks, refuse_sequence_parallel
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig
-from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
+from diffserve.models.dits.block_inputs import run_streams_with_step_cache
+from diffserve.models.step_cache import BatchStepCache, take_rows
 
 ROPE_THETA = 10000.0
 #: Position tables kept per (grid, device).
@@ -319,6 +320,18 @@ class PatchEmbed(nn.Module):
         return self.proj(x)
 
 
+class BlockInputs(NamedTuple):
+    """What every block reads besides the video and text streams: the time embedding of these rows and the
+    RoPE tables (shared by every row; None without rotary embeddings)."""
+
+    emb: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor] | None
+
+    def take(self, rows: torch.Tensor | None) -> BlockInputs:
+        """These inputs for batch rows `rows` (None: all)."""
+        return BlockInputs(take_rows(self.emb, rows), self.rope)
+
+
 class CogVideoXTransformer3DModel(DiffusersDiT):
     diffusers_class_name: ClassVar[str] = "CogVideoXTransformer3DModel"
     config_class = CogVideoXTransformerConfig
@@ -422,14 +435,12 @@ class CogVideoXTransformer3DModel(DiffusersDiT):
         if c.sincos_positions:
             tokens = tokens + self.positions(f, h, w, n, tokens.device, tokens.dtype)
         text, x = tokens[:, :n], tokens[:, n:]
-        rope = self.rope(f, h, w, hidden_states.device)
-        x = run_with_step_cache(
-            step_cache,
-            x,
-            lambda: self.transformer_blocks[0].norm1(x, text, emb)[0],
-            lambda rows: self._blocks(take_rows(x, rows), take_rows(text, rows), take_rows(emb, rows), rope),
-            blocks=lambda: self._block_range(x, text, emb, rope),
-        )
+        inputs = BlockInputs(emb, self.rope(f, h, w, hidden_states.device))
+
+        def signal() -> torch.Tensor:
+            return self.transformer_blocks[0].norm1(x, text, emb)[0]
+
+        x = run_streams_with_step_cache(step_cache, x, text, inputs, signal, self._blocks, self._block_range)
         x = self.proj_out(self.norm_out(self.norm_final(x), emb))
         p = c.patch_size
         if c.patch_size_t is None:
@@ -439,66 +450,42 @@ class CogVideoXTransformer3DModel(DiffusersDiT):
         out = x.reshape(b, (f + pt - 1) // pt, h // p, w // p, -1, pt, p, p)
         return out.permute(0, 1, 5, 4, 2, 6, 3, 7).flatten(6, 7).flatten(4, 5).flatten(1, 2)
 
-    def _blocks(
-        self,
-        x: torch.Tensor,
-        text: torch.Tensor,
-        emb: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> torch.Tensor:
+    def _blocks(self, x: torch.Tensor, text: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
         """Every block over these rows, on one device or over the sequence-parallel ranks."""
         split = sequence_split([text.shape[1], x.shape[1]])
         if split is None:
-            return self._run_blocks(x, text, emb, rope)
-        return self._run_blocks_split(split, x, text, emb, rope)
+            return self._run_blocks(x, text, inputs)
+        return self._run_blocks_split(split, x, text, inputs)
 
-    def _block_range(
-        self,
-        x: torch.Tensor,
-        text: torch.Tensor,
-        emb: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> SequentialBlocks:
+    def _block_range(self, x: torch.Tensor, text: torch.Tensor, inputs: BlockInputs) -> SequentialBlocks:
         """The blocks as a `BlockRange` for DBCache: video and text streams, both updated by every block."""
         refuse_sequence_parallel(sequence_split([text.shape[1], x.shape[1]]), "CogVideoX")
 
-        def call(i: int, x: torch.Tensor, text: torch.Tensor | None, rows_emb: torch.Tensor) -> tuple:
-            return self.transformer_blocks[i](x, text, rows_emb, rope)
+        def call(i: int, x: torch.Tensor, text: torch.Tensor | None, rows: BlockInputs) -> tuple:
+            return self.transformer_blocks[i](x, text, rows.emb, rows.rope)
 
-        return SequentialBlocks(
-            len(self.transformer_blocks), x, text, lambda rows: take_rows(emb, rows), call
-        )
+        return SequentialBlocks(len(self.transformer_blocks), x, text, inputs.take, call)
 
-    def _run_blocks(
-        self,
-        x: torch.Tensor,
-        text: torch.Tensor,
-        emb: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> torch.Tensor:
+    def _run_blocks(self, x: torch.Tensor, text: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
         """Every block over the video and text tokens; the video tokens the output head reads."""
         for block in self.transformer_blocks:
-            x, text = block(x, text, emb, rope)
+            x, text = block(x, text, inputs.emb, inputs.rope)
         return x
 
     def _run_blocks_split(
-        self,
-        split: SequenceSplit,
-        x: torch.Tensor,
-        text: torch.Tensor,
-        emb: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        self, split: SequenceSplit, x: torch.Tensor, text: torch.Tensor, inputs: BlockInputs
     ) -> torch.Tensor:
         """`_run_blocks` with the text (stream 0) and video (stream 1) tokens split over the
         sequence-parallel ranks: the blocks concatenate the local [text; video] shards in the split's
         stream order, the scope masks the shards' padding, and the RoPE rows (video only) are cut with the
         video tokens. The video tokens are gathered back at the end."""
         text_stream, video = 0, 1
+        rope = inputs.rope
         if rope is not None:
             rope = (split.split(video, rope[0], dim=0), split.split(video, rope[1], dim=0))
         x, text = split.split(video, x), split.split(text_stream, text)
         with split.attention_scope(x.shape[0], x.device):
-            x = self._run_blocks(x, text, emb, rope)
+            x = self._run_blocks(x, text, inputs._replace(rope=rope))
         return split.gather(video, x)
 
 

@@ -36,7 +36,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from functools import partial
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -65,10 +66,11 @@ from diffserve.layers.tensor_parallel import (
 )
 from diffserve.models.controlnets.residuals import BlockResiduals, ResidualGroups
 from diffserve.models.dits.base import DiTConfig, check_tp_divides, shard_blocks
+from diffserve.models.dits.block_inputs import run_streams_with_step_cache
 from diffserve.models.dits.flux_block_range import FluxBlockRange
 from diffserve.models.dits.flux_streams import FluxStreamsDiT
 from diffserve.models.dits.input_checks import check_one_text_input, check_per_sample
-from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
+from diffserve.models.step_cache import BatchStepCache, take_rows
 
 logger = logging.getLogger(__name__)
 
@@ -475,6 +477,21 @@ class FluxSingleTransformerBlock(nn.Module):
         return fp16_clip(gated_residual(residual, gate.unsqueeze(1), self.proj_out(joined)))
 
 
+class FluxBlockInputs(NamedTuple):
+    """What the blocks read besides the image and text streams, per forward: the blocks' adaLN vectors of
+    these rows (`_modulations` order, without the output head's), the RoPE tables (shared by every row)
+    and the ControlNet residuals of these rows (None: no ControlNet)."""
+
+    mods: Sequence[torch.Tensor]
+    rope: RopeTables
+    controls: ResidualGroups | None = None
+
+    def take(self, rows: torch.Tensor | None) -> FluxBlockInputs:
+        """These inputs for batch rows `rows` (None: all)."""
+        controls = None if self.controls is None else self.controls.take(rows)
+        return FluxBlockInputs([take_rows(m, rows) for m in self.mods], self.rope, controls)
+
+
 class FluxTransformer2DModel(FluxStreamsDiT):
     """FLUX.1 DiT (`DiffusersDiT`, from a `FluxTransformerConfig`).
 
@@ -629,40 +646,25 @@ class FluxTransformer2DModel(FluxStreamsDiT):
                     repeat=controlnet_blocks_repeat,
                 )
             )
-        controls = ResidualGroups(tuple(groups)) if groups else None
+        inputs = FluxBlockInputs(block_mods, rope, ResidualGroups(tuple(groups)) if groups else None)
 
-        x = run_with_step_cache(
-            step_cache,
-            x,
-            lambda: self._cache_signal(x, block_mods),
-            lambda rows: self._run_blocks(
-                take_rows(x, rows),
-                take_rows(ctx, rows),
-                [take_rows(m, rows) for m in block_mods],
-                rope,
-                None if controls is None else controls.take(rows),
-            ),
-            blocks=lambda: self._block_range(x, ctx, block_mods, rope, controls),
+        signal = partial(self._cache_signal, x, block_mods)
+        x = run_streams_with_step_cache(
+            step_cache, x, ctx, inputs, signal, self._run_blocks, self._block_range
         )
         x = self.norm_out.modulate_projected(x, out_mod)
         return self.proj_out(x)
 
-    def _run_blocks(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        mods: Sequence[torch.Tensor],
-        rope: RopeTables,
-        controls: ResidualGroups | None = None,
-    ) -> torch.Tensor:
+    def _run_blocks(self, x: torch.Tensor, ctx: torch.Tensor, inputs: FluxBlockInputs) -> torch.Tensor:
         """Every double- and single-stream block; returns the image tokens the output head reads.
 
-        `mods` are the blocks' adaLN vectors (`_modulations` without the output head's); `controls`: the
-        ControlNet residuals of some rows, added after each block.
+        `inputs.mods` are the blocks' adaLN vectors (`_modulations` without the output head's);
+        `inputs.controls`: the ControlNet residuals of some rows, added after each block.
         """
         split = sequence_split([ctx.shape[1], x.shape[1]])
         if split is not None:
-            return self._run_blocks_split(split, x, ctx, mods, rope, controls)
+            return self._run_blocks_split(split, x, ctx, inputs)
+        mods, rope, controls = inputs
         mods_iter = iter(mods)
         n_double, n_single = len(self.transformer_blocks), len(self.single_transformer_blocks)
         for i, block in enumerate(self.transformer_blocks):
@@ -684,23 +686,18 @@ class FluxTransformer2DModel(FluxStreamsDiT):
         return x
 
     def _run_blocks_split(
-        self,
-        split: SequenceSplit,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        mods: Sequence[torch.Tensor],
-        rope: RopeTables,
-        controls: ResidualGroups | None = None,
+        self, split: SequenceSplit, x: torch.Tensor, ctx: torch.Tensor, inputs: FluxBlockInputs
     ) -> torch.Tensor:
         """`_run_blocks` with the text and image streams split over the sequence-parallel ranks: every
         block runs on this rank's shards, attention gathers the keys (`sequence_attention`), and the image
         stream is gathered back at the end. The last block runs whole (its image-rows-only shortcut would
         give queries and keys different lengths, which the all-to-all cannot take).
 
-        `controls` (computed over the whole sequence, on every rank): each sample is cut to this rank's
-        image shard, so the rank adds the slice matching the tokens it holds (zeros on the shard's
+        `inputs.controls` (computed over the whole sequence, on every rank): each sample is cut to this
+        rank's image shard, so the rank adds the slice matching the tokens it holds (zeros on the shard's
         padding, which the gather drops)."""
         text, image = 0, 1
+        mods, rope, controls = inputs
         x, ctx = split.split(image, x), split.split(text, ctx)
         rope = split.split_rope(rope)
         if controls is not None:
@@ -722,16 +719,10 @@ class FluxTransformer2DModel(FluxStreamsDiT):
                 x = h[:, txt_len:]
         return split.gather(image, x)
 
-    def _block_range(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        mods: Sequence[torch.Tensor],
-        rope: RopeTables,
-        controls: ResidualGroups | None = None,
-    ) -> FluxBlockRange:
+    def _block_range(self, x: torch.Tensor, ctx: torch.Tensor, inputs: FluxBlockInputs) -> FluxBlockRange:
         """The blocks as one sequence for block-range cache methods (DBCache): two adaLN vectors per
         double-stream block, one per single-stream block, in `_modulations` order."""
+        mods, rope, controls = inputs
         n_double = len(self.transformer_blocks)
         per_block = [list(mods[2 * i : 2 * i + 2]) for i in range(n_double)]
         per_block += [[m] for m in mods[2 * n_double :]]

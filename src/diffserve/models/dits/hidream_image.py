@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar, TypeGuard
 
 import torch
@@ -64,7 +65,8 @@ from diffserve.layers.rotary import RopeTables, RotaryEmbedding, multi_axis_rope
 from diffserve.layers.shape_cache import BoundedCache
 from diffserve.models.cache_methods.blocks import Streams, refuse_sequence_parallel
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig
-from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
+from diffserve.models.dits.block_inputs import run_streams_with_step_cache
+from diffserve.models.step_cache import BatchStepCache, take_rows
 
 #: Diffusers' fixed constants: the blocks' LayerNorm eps, the q/k RMSNorms' eps, the sinusoid width of
 #: the timestep embedding, the SwiGLU hidden rounding and the RoPE base.
@@ -600,25 +602,24 @@ class HiDreamImageTransformer2DModel(DiffusersDiT):
         positions = self.positions(
             grid, image_mask is not None, text_len + llama[0].shape[1], image_mask, x.device
         )
-        split = sequence_split([x.shape[1], text_len, llama[0].shape[1]])
         inputs = BlockInputs(temb, llama, positions)
-
-        def run_blocks(rows: torch.Tensor | None) -> torch.Tensor:
-            part = inputs.take(rows)
-            if split is None:
-                return self._run_blocks(
-                    take_rows(x, rows), take_rows(text, rows), part.llama, part.temb, part.positions
-                )
-            return self._run_blocks_split(
-                split, take_rows(x, rows), take_rows(text, rows), part.llama, part.temb, part.positions
-            )
-
-        def block_range() -> HiDreamBlockRange:
-            refuse_sequence_parallel(split, "HiDream-I1")
-            return HiDreamBlockRange(self.double_stream_blocks, self.single_stream_blocks, x, text, inputs)
-
-        x = run_with_step_cache(step_cache, x, lambda: self._cache_signal(x, temb), run_blocks, block_range)
+        signal = partial(self._cache_signal, x, temb)
+        x = run_streams_with_step_cache(step_cache, x, text, inputs, signal, self._blocks, self._block_range)
         return self.unpatchify(self.final_layer(x, temb), grid)
+
+    def _blocks(self, x: torch.Tensor, text: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
+        """Every block over these rows, on one device or over the sequence-parallel ranks."""
+        split = sequence_split([x.shape[1], text.shape[1], inputs.llama[0].shape[1]])
+        if split is None:
+            return self._run_blocks(x, text, inputs)
+        return self._run_blocks_split(split, x, text, inputs)
+
+    def _block_range(self, x: torch.Tensor, text: torch.Tensor, inputs: BlockInputs) -> HiDreamBlockRange:
+        """The blocks as a `BlockRange` for DBCache (refused under sequence parallelism)."""
+        refuse_sequence_parallel(
+            sequence_split([x.shape[1], text.shape[1], inputs.llama[0].shape[1]]), "HiDream-I1"
+        )
+        return HiDreamBlockRange(self.double_stream_blocks, self.single_stream_blocks, x, text, inputs)
 
     def _cache_signal(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         """The first block's timestep-modulated image input: what the step cache watches change."""
@@ -627,17 +628,11 @@ class HiDreamImageTransformer2DModel(DiffusersDiT):
         shift, scale = block.adaLN_modulation(temb)[:, None].chunk(chunks, dim=-1)[:2]
         return modulate(x, block.norm1_i, shift, scale)
 
-    def _run_blocks(
-        self,
-        x: torch.Tensor,
-        text: torch.Tensor,
-        llama: Sequence[torch.Tensor],
-        temb: torch.Tensor,
-        positions: Positions,
-    ) -> torch.Tensor:
+    def _run_blocks(self, x: torch.Tensor, text: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
         """Every double- then single-stream block over the image tokens `x`, the text stream and each
         block's Llama tokens; returns the image tokens the output head reads."""
         config = self.config
+        temb, llama, positions = inputs.temb, inputs.llama, inputs.positions
         image_mask = positions.image_mask
         text_len = text.shape[1]
         for i, wrapper in enumerate(self.double_stream_blocks):
@@ -653,24 +648,19 @@ class HiDreamImageTransformer2DModel(DiffusersDiT):
         return x[:, :image_len]
 
     def _run_blocks_split(
-        self,
-        split: SequenceSplit,
-        x: torch.Tensor,
-        text: torch.Tensor,
-        llama: Sequence[torch.Tensor],
-        temb: torch.Tensor,
-        positions: Positions,
+        self, split: SequenceSplit, x: torch.Tensor, text: torch.Tensor, inputs: BlockInputs
     ) -> torch.Tensor:
         """`_run_blocks` with the image (stream 0), text (1) and Llama (2) tokens split over the
         sequence-parallel ranks (module docstring): the blocks run on this rank's shards in the joint order,
         the RoPE tables and the padded grid's key mask are cut like the tokens, and the image tokens are
         gathered back at the end."""
         image, text_stream, llama_stream = 0, 1, 2
+        positions = inputs.positions
         image_mask = positions.image_mask
         local_mask = None if image_mask is None else split.split(image, image_mask)
         local = Positions(split.split_rope(positions.rope), positions.half_head, local_mask)
         x, text = split.split(image, x), split.split(text_stream, text)
-        llama = [split.split(llama_stream, states) for states in llama]
+        llama = [split.split(llama_stream, states) for states in inputs.llama]
         with split.attention_scope(x.shape[0], x.device):
-            x = self._run_blocks(x, text, llama, temb, local)
+            x = self._run_blocks(x, text, BlockInputs(inputs.temb, llama, local))
         return split.gather(image, x)

@@ -17,6 +17,7 @@ FLUX DiT with its own timestep embedding: it inherits the blocks, the projection
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 import torch
@@ -28,13 +29,15 @@ from diffserve.layers.embeddings import TimestepEmbedding, timestep_sinusoids
 from diffserve.layers.rotary import RopeTables, checked_rope_axes
 from diffserve.layers.tensor_parallel import TensorParallelRank
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig, check_tp_divides
+from diffserve.models.dits.block_inputs import run_streams_with_step_cache
 from diffserve.models.dits.flux import (
+    FluxBlockInputs,
     FluxSingleTransformerBlock,
     FluxTransformer2DModel,
     FluxTransformerBlock,
 )
 from diffserve.models.dits.input_checks import check_one_text_input, check_per_sample
-from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
+from diffserve.models.step_cache import BatchStepCache
 
 #: Channels of the timestep sinusoids (Diffusers' `Timesteps(num_channels=256)`).
 TIMESTEP_CHANNELS = 256
@@ -140,15 +143,11 @@ class LongCatImageTransformer2DModel(FluxTransformer2DModel):
         temb = self.time_embed(timestep.to(x.dtype) * 1000, x.dtype)
         *block_mods, out_mod = self._modulations(F.silu(temb))
         ctx = self.embed_context(encoder_hidden_states) if context is None else context
+        inputs = FluxBlockInputs(block_mods, rope)
 
-        x = run_with_step_cache(
-            step_cache,
-            x,
-            lambda: self._cache_signal(x, block_mods),
-            lambda rows: self._run_blocks(
-                take_rows(x, rows), take_rows(ctx, rows), [take_rows(m, rows) for m in block_mods], rope
-            ),
-            blocks=lambda: self._block_range(x, ctx, block_mods, rope),
+        signal = partial(self._cache_signal, x, block_mods)
+        x = run_streams_with_step_cache(
+            step_cache, x, ctx, inputs, signal, self._run_blocks, self._block_range
         )
         x = self.norm_out.modulate_projected(x, out_mod)
         return self.proj_out(x)

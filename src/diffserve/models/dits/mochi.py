@@ -36,7 +36,7 @@ text layout found again for the rows a range runs); it is refused under a sequen
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +51,8 @@ from diffserve.layers.embeddings import TimestepEmbedding, timestep_sinusoids
 from diffserve.layers.shape_cache import BoundedCache
 from diffserve.models.cache_methods.blocks import SequentialBlocks, refuse_sequence_parallel
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig
-from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
+from diffserve.models.dits.block_inputs import run_streams_with_step_cache
+from diffserve.models.step_cache import BatchStepCache, take_rows
 
 #: Diffusers' eps of the modulated RMSNorms and of the per-head q/k norms.
 BLOCK_EPS = 1e-6
@@ -361,6 +362,24 @@ def rope_positions(frames: int, height: int, width: int, device) -> torch.Tensor
     return torch.stack(grid, dim=-1).view(-1, 3)
 
 
+class BlockInputs(NamedTuple):
+    """What the blocks read besides the video and text streams, per forward: the timestep embedding, the
+    text layout and mask of these rows, and the RoPE tables (shared by every row)."""
+
+    temb: torch.Tensor
+    layout: TextLayout
+    mask: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor]
+
+    def take(self, rows: torch.Tensor | None) -> BlockInputs:
+        """These inputs for batch rows `rows` (None: all); a subset finds its text layout again (one host
+        read of its mask)."""
+        if rows is None:
+            return self
+        mask = take_rows(self.mask, rows)
+        return BlockInputs(take_rows(self.temb, rows), TextLayout.of(mask), mask, self.rope)
+
+
 class MochiTransformer3DModel(DiffusersDiT):
     diffusers_class_name: ClassVar[str] = "MochiTransformer3DModel"
     config_class = MochiTransformerConfig
@@ -407,99 +426,59 @@ class MochiTransformer3DModel(DiffusersDiT):
         x = self.patch_embed.proj(hidden_states.transpose(1, 2).flatten(0, 1))
         x = x.flatten(2).transpose(1, 2).unflatten(0, (b, f)).flatten(1, 2)
         rope = self.rope(f, h // p, w // p, x.device)
-        layout = TextLayout.of(mask)
-        x = run_with_step_cache(
-            step_cache,
-            x,
-            lambda: self.transformer_blocks[0].norm1(x, temb)[0],
-            lambda rows: self._blocks(
-                take_rows(x, rows), take_rows(text, rows), take_rows(temb, rows),
-                layout if rows is None else TextLayout.of(take_rows(mask, rows)), take_rows(mask, rows), rope,
-            ),
-            blocks=lambda: self._block_range(x, text, temb, layout, mask, rope),
-        )  # fmt: skip
+        inputs = BlockInputs(temb, TextLayout.of(mask), mask, rope)
+
+        def signal() -> torch.Tensor:
+            return self.transformer_blocks[0].norm1(x, temb)[0]
+
+        x = run_streams_with_step_cache(step_cache, x, text, inputs, signal, self._blocks, self._block_range)
         x = self.proj_out(self.norm_out(x, F.silu(temb)))
         out = x.reshape(b, f, h // p, w // p, p, p, -1).permute(0, 6, 1, 2, 4, 3, 5)
         return out.reshape(b, -1, f, h, w)
 
-    def _blocks(
-        self,
-        x: torch.Tensor,
-        text: torch.Tensor,
-        temb: torch.Tensor,
-        layout: TextLayout,
-        mask: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        """Every block over these rows (`layout` and `mask` theirs), on one device or over the
-        sequence-parallel ranks."""
+    def _blocks(self, x: torch.Tensor, text: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
+        """Every block over these rows (`inputs` theirs), on one device or over the sequence-parallel
+        ranks."""
         split = sequence_split([x.shape[1], text.shape[1]])
         if split is None:
-            return self._run_blocks(x, text, temb, layout, rope)
-        return self._run_blocks_split(split, x, text, temb, layout, mask, rope)
+            return self._run_blocks(x, text, inputs)
+        return self._run_blocks_split(split, x, text, inputs)
 
-    def _block_range(
-        self,
-        x: torch.Tensor,
-        text: torch.Tensor,
-        temb: torch.Tensor,
-        layout: TextLayout,
-        mask: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-    ) -> SequentialBlocks:
+    def _block_range(self, x: torch.Tensor, text: torch.Tensor, inputs: BlockInputs) -> SequentialBlocks:
         """The blocks as a `BlockRange` for DBCache: video and text streams (the last block leaves the text
         as it is). A range on some rows finds their text layout again (one host read of their mask)."""
         refuse_sequence_parallel(sequence_split([x.shape[1], text.shape[1]]), "Mochi")
 
-        def row_inputs(rows: torch.Tensor | None) -> tuple[torch.Tensor, TextLayout]:
-            if rows is None:
-                return temb, layout
-            return take_rows(temb, rows), TextLayout.of(take_rows(mask, rows))
+        def call(i: int, x: torch.Tensor, text: torch.Tensor | None, rows: BlockInputs) -> tuple:
+            return self.transformer_blocks[i](x, text, rows.temb, rows.layout, rows.rope)
 
-        def call(i: int, x: torch.Tensor, text: torch.Tensor | None, inputs: tuple) -> tuple:
-            rows_temb, rows_layout = inputs
-            return self.transformer_blocks[i](x, text, rows_temb, rows_layout, rope)
+        return SequentialBlocks(len(self.transformer_blocks), x, text, inputs.take, call)
 
-        return SequentialBlocks(len(self.transformer_blocks), x, text, row_inputs, call)
-
-    def _run_blocks(
-        self,
-        x: torch.Tensor,
-        text: torch.Tensor,
-        temb: torch.Tensor,
-        layout: TextLayout,
-        rope: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
+    def _run_blocks(self, x: torch.Tensor, text: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
         """Every block over the video and text tokens; the video tokens the output head reads."""
         for block in self.transformer_blocks:
-            x, text = block(x, text, temb, layout, rope)
+            x, text = block(x, text, inputs.temb, inputs.layout, inputs.rope)
         return x
 
     def _run_blocks_split(
-        self,
-        split: SequenceSplit,
-        x: torch.Tensor,
-        text: torch.Tensor,
-        temb: torch.Tensor,
-        layout: TextLayout,
-        mask: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        self, split: SequenceSplit, x: torch.Tensor, text: torch.Tensor, inputs: BlockInputs
     ) -> torch.Tensor:
         """`_run_blocks` with the video (stream 0) and text (stream 1) tokens split over the
         sequence-parallel ranks (module docstring): one attention per block over the local [video; text]
         shards, the text mask as the scope's key mask (None when every token is valid). The video tokens
         are gathered back at the end. ValueError for a text mask that is not a prefix of valid tokens."""
-        if layout.order is not None:
+        if inputs.layout.order is not None:
             raise ValueError(
                 "Mochi's sequence split (--ulysses-degree / --ring-degree) needs each sample's valid text "
                 "tokens first (a prefix mask, as T5's padding): this mask has padding between valid tokens"
             )
         video, text_stream = 0, 1
-        all_valid = len(layout.groups) == 1 and layout.groups[0][0] == text.shape[1]
-        text_mask = None if all_valid else mask
-        rope = (split.split(video, rope[0], dim=0), split.split(video, rope[1], dim=0))
+        groups = inputs.layout.groups
+        all_valid = len(groups) == 1 and groups[0][0] == text.shape[1]
+        text_mask = None if all_valid else inputs.mask
+        rope = (split.split(video, inputs.rope[0], dim=0), split.split(video, inputs.rope[1], dim=0))
         x, text = split.split(video, x), split.split(text_stream, text)
         whole = TextLayout.whole(x.shape[0], text.shape[1], x.device)
         with split.attention_scope(x.shape[0], x.device, [None, text_mask]):
-            x = self._run_blocks(x, text, temb, whole, rope)
+            x = self._run_blocks(x, text, inputs._replace(layout=whole, rope=rope))
         return split.gather(video, x)

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -273,6 +273,25 @@ class AttentionMasks:
         )
 
 
+class BlockInputs(NamedTuple):
+    """What every block reads besides its two streams: the modulation rows of the text and of the image
+    tokens, the RoPE factors and the attention masks."""
+
+    text_mod: torch.Tensor
+    image_mod: torch.Tensor
+    rope: Rope
+    masks: AttentionMasks
+
+    def take(self, rows: torch.Tensor | None) -> BlockInputs:
+        """These inputs for batch rows `rows` (None: all)."""
+        return BlockInputs(
+            take_rows(self.text_mod, rows),
+            take_rows(self.image_mod, rows),
+            self.rope.take(rows),
+            self.masks.take(rows),
+        )
+
+
 class Block(nn.Module):
     """Single-stream block; its scales and gates come from the model's shared modulation."""
 
@@ -287,21 +306,18 @@ class Block(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), eps=self.eps)
 
     def forward(
-        self,
-        text: torch.Tensor,
-        image: torch.Tensor,
-        text_mod: torch.Tensor,
-        image_mod: torch.Tensor,
-        rope: Rope,
-        masks: AttentionMasks,
-        split: SequenceSplit | None = None,
+        self, text: torch.Tensor, image: torch.Tensor, inputs: BlockInputs, split: SequenceSplit | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`text_mod` / `image_mod`: (B or 1, 1, 4 * dim) modulation rows of the text / image tokens;
-        `split`: `Attention.forward`'s."""
-        t_scale1, t_gate1, t_scale2, t_gate2 = text_mod.chunk(4, dim=-1)
-        i_scale1, i_gate1, i_scale2, i_gate2 = image_mod.chunk(4, dim=-1)
+        """`inputs.text_mod` / `inputs.image_mod`: (B or 1, 1, 4 * dim) modulation rows of the text / image
+        tokens; `split`: `Attention.forward`'s."""
+        t_scale1, t_gate1, t_scale2, t_gate2 = inputs.text_mod.chunk(4, dim=-1)
+        i_scale1, i_gate1, i_scale2, i_gate2 = inputs.image_mod.chunk(4, dim=-1)
         text_attn, image_attn = self.attn(
-            self.norm(text) * (1 + t_scale1), self.norm(image) * (1 + i_scale1), rope, masks, split
+            self.norm(text) * (1 + t_scale1),
+            self.norm(image) * (1 + i_scale1),
+            inputs.rope,
+            inputs.masks,
+            split,
         )
         text = text + t_gate1.tanh() * text_attn
         image = image + i_gate1.tanh() * image_attn
@@ -461,36 +477,28 @@ class QwenImage21Transformer2DModel(DiffusersDiT):
             image_mod = modulation[:batch]
         rope = self.rope(positions, frames, grid)
         masks = AttentionMasks.of(lengths, block_ids, tokens, image.device)
+        inputs = BlockInputs(text_mod, image_mod, rope, masks)
         split = sequence_split([text.shape[1], tokens])
 
         def run_blocks(rows: torch.Tensor | None) -> torch.Tensor:
-            args = (take_rows(text, rows), take_rows(image, rows), take_rows(text_mod, rows))
-            args += (take_rows(image_mod, rows), rope.take(rows), masks.take(rows))
+            args = (take_rows(text, rows), take_rows(image, rows), inputs.take(rows))
             if split is None:
                 return self._run_blocks(*args)
             return self._run_blocks_split(split, *args)
 
         def block_range() -> SequentialBlocks:
             refuse_sequence_parallel(split, "Qwen-Image 2.1")
-            return self._block_range(text, image, text_mod, image_mod, rope, masks)
+            return self._block_range(text, image, inputs)
 
         image = run_with_step_cache(
             step_cache, image, lambda: self._cache_signal(image, image_mod), run_blocks, block_range
         )
         return self.proj_out(self.norm_out(image, temb[:batch]))
 
-    def _run_blocks(
-        self,
-        text: torch.Tensor,
-        image: torch.Tensor,
-        text_mod: torch.Tensor,
-        image_mod: torch.Tensor,
-        rope: Rope,
-        masks: AttentionMasks,
-    ) -> torch.Tensor:
+    def _run_blocks(self, text: torch.Tensor, image: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
         """Every block over the prefix and the image tokens; the image tokens the output head reads."""
         for block in self.transformer_blocks:
-            text, image = block(text, image, text_mod, image_mod, rope, masks)
+            text, image = block(text, image, inputs)
         return image
 
     def _cache_signal(self, image: torch.Tensor, image_mod: torch.Tensor) -> torch.Tensor:
@@ -498,46 +506,30 @@ class QwenImage21Transformer2DModel(DiffusersDiT):
         scale = image_mod.chunk(4, dim=-1)[0]
         return self.transformer_blocks[0].norm(image) * (1 + scale)
 
-    def _block_range(
-        self,
-        text: torch.Tensor,
-        image: torch.Tensor,
-        text_mod: torch.Tensor,
-        image_mod: torch.Tensor,
-        rope: Rope,
-        masks: AttentionMasks,
-    ) -> SequentialBlocks:
+    def _block_range(self, text: torch.Tensor, image: torch.Tensor, inputs: BlockInputs) -> SequentialBlocks:
         """The blocks as a `BlockRange` for DBCache: the image stream and the prefix (its text stream)."""
 
-        def row_inputs(rows: torch.Tensor | None) -> tuple:
-            return take_rows(text_mod, rows), take_rows(image_mod, rows), rope.take(rows), masks.take(rows)
-
-        def call(i: int, x: torch.Tensor, prefix: torch.Tensor | None, inputs: tuple) -> tuple:
+        def call(i: int, x: torch.Tensor, prefix: torch.Tensor | None, row_inputs: BlockInputs) -> tuple:
             if prefix is None:
                 raise RuntimeError("Qwen-Image 2.1's blocks need the prefix stream")
-            prefix, x = self.transformer_blocks[i](prefix, x, *inputs)
+            prefix, x = self.transformer_blocks[i](prefix, x, row_inputs)
             return x, prefix
 
-        return SequentialBlocks(len(self.transformer_blocks), image, text, row_inputs, call)
+        return SequentialBlocks(len(self.transformer_blocks), image, text, inputs.take, call)
 
     def _run_blocks_split(
-        self,
-        split: SequenceSplit,
-        text: torch.Tensor,
-        image: torch.Tensor,
-        text_mod: torch.Tensor,
-        image_mod: torch.Tensor,
-        rope: Rope,
-        masks: AttentionMasks,
+        self, split: SequenceSplit, text: torch.Tensor, image: torch.Tensor, inputs: BlockInputs
     ) -> torch.Tensor:
         """The blocks with the image tokens (stream 1) split over the sequence-parallel ranks and the prefix
         (stream 0) whole on every rank (module docstring); the image tokens gathered back at the end. The
         prefix's padding (`masks.image`'s prefix keys) is the image attention's key mask."""
         target = 1
         image = split.split(target, image)
-        rope = Rope(rope.text, split.split(target, rope.image))
+        rope = Rope(inputs.rope.text, split.split(target, inputs.rope.image))
+        inputs = inputs._replace(rope=rope)
+        masks = inputs.masks
         prefix_keys = None if masks.image is None else masks.image[:, 0, 0, : text.shape[1]]
         with split.attention_scope(image.shape[0], image.device, [prefix_keys, None]):
             for block in self.transformer_blocks:
-                text, image = block(text, image, text_mod, image_mod, rope, masks, split)
+                text, image = block(text, image, inputs, split)
         return split.gather(target, image)

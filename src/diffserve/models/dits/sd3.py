@@ -51,7 +51,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -73,8 +73,9 @@ from diffserve.layers.tensor_parallel import (
 from diffserve.models.cache_methods.blocks import SequentialBlocks, refuse_sequence_parallel
 from diffserve.models.controlnets.residuals import BlockResiduals, ResidualGroups
 from diffserve.models.dits.base import DiffusersDiT, DiTConfig, check_tp_divides, shard_blocks
+from diffserve.models.dits.block_inputs import run_streams_with_step_cache
 from diffserve.models.dits.input_checks import check_per_sample
-from diffserve.models.step_cache import BatchStepCache, run_with_step_cache, take_rows
+from diffserve.models.step_cache import BatchStepCache, take_rows
 
 NORM_EPS = 1e-6
 QK_NORMS = (None, "rms_norm", "layer_norm")
@@ -381,6 +382,21 @@ class JointTransformerBlock(nn.Module):
         return ctx, x
 
 
+class BlockInputs(NamedTuple):
+    """What the joint blocks read besides the image and text streams, per forward: SiLU(temb) of these
+    rows, the block indices every row skips (`forward`'s `skip_layers`) and the ControlNet residuals of
+    these rows (None: no ControlNet)."""
+
+    temb_act: torch.Tensor
+    skip_layers: frozenset[int]
+    controls: ResidualGroups | None
+
+    def take(self, rows: torch.Tensor | None) -> BlockInputs:
+        """These inputs for batch rows `rows` (None: all)."""
+        controls = None if self.controls is None else self.controls.take(rows)
+        return BlockInputs(take_rows(self.temb_act, rows), self.skip_layers, controls)
+
+
 class SD3Transformer2DModel(DiffusersDiT):
     """SD3 / SD3.5 MMDiT with Diffusers' config keys and state-dict names.
 
@@ -485,19 +501,10 @@ class SD3Transformer2DModel(DiffusersDiT):
         if block_controlnet_hidden_states:
             samples = list(block_controlnet_hidden_states)
             groups.append(BlockResiduals(double=samples, single=(), truncating=True))
-        controls = ResidualGroups(tuple(groups)) if groups else None
-        x = run_with_step_cache(
-            step_cache,
-            x,
-            lambda: self._cache_signal(x, temb_act),
-            lambda rows: self._run_blocks(
-                take_rows(x, rows),
-                take_rows(ctx, rows),
-                take_rows(temb_act, rows),
-                skip_layers,
-                None if controls is None else controls.take(rows),
-            ),
-            blocks=lambda: self._block_range(x, ctx, temb_act, skip_layers, controls),
+        inputs = BlockInputs(temb_act, skip_layers, ResidualGroups(tuple(groups)) if groups else None)
+        signal = partial(self._cache_signal, x, temb_act)
+        x = run_streams_with_step_cache(
+            step_cache, x, ctx, inputs, signal, self._run_blocks, self._block_range
         )
 
         x = self.proj_out(self.norm_out(x, temb_act))  # (batch, h * w, p * p * out_channels)
@@ -505,20 +512,14 @@ class SD3Transformer2DModel(DiffusersDiT):
         x = x.reshape(batch, h, w, p, p, out_channels).permute(0, 5, 1, 3, 2, 4)
         return x.reshape(batch, out_channels, height, width)
 
-    def _run_blocks(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        temb_act: torch.Tensor,
-        skip_layers: frozenset[int],
-        controls: ResidualGroups | None = None,
-    ) -> torch.Tensor:
-        """Every joint block but `skip_layers`; returns the image tokens the output head reads (the last
-        block drops the text). `controls`: ControlNet residuals of some rows, added after each block but
-        the last."""
+    def _run_blocks(self, x: torch.Tensor, ctx: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
+        """Every joint block but `inputs.skip_layers`; returns the image tokens the output head reads (the
+        last block drops the text). `inputs.controls`: ControlNet residuals of some rows, added after each
+        block but the last."""
         split = sequence_split([x.shape[1], ctx.shape[1]])
         if split is not None:
-            return self._run_blocks_split(split, x, ctx, temb_act, skip_layers, controls)
+            return self._run_blocks_split(split, x, ctx, inputs)
+        temb_act, skip_layers, controls = inputs
         n = len(self.transformer_blocks)
         for index, block in enumerate(self.transformer_blocks):
             if index not in skip_layers:
@@ -528,20 +529,15 @@ class SD3Transformer2DModel(DiffusersDiT):
         return x
 
     def _run_blocks_split(
-        self,
-        split: SequenceSplit,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        temb_act: torch.Tensor,
-        skip_layers: frozenset[int],
-        controls: ResidualGroups | None = None,
+        self, split: SequenceSplit, x: torch.Tensor, ctx: torch.Tensor, inputs: BlockInputs
     ) -> torch.Tensor:
         """`_run_blocks` with the image and text streams split over the sequence-parallel ranks (joint
         order [image; text]): every block runs on this rank's shards, the joint attention and `attn2`
         gather their keys (`sequence_attention`), and the image stream is gathered back at the end.
-        `controls` (whole-sequence ControlNet residuals): each rank adds the slice of every sample that
-        matches its image shard."""
+        `inputs.controls` (whole-sequence ControlNet residuals): each rank adds the slice of every sample
+        that matches its image shard."""
         image, text = 0, 1
+        temb_act, skip_layers, controls = inputs
         x, ctx = split.split(image, x), split.split(text, ctx)
         if controls is not None:
             controls = controls.map_tokens(lambda sample: split.split(image, sample))
@@ -555,31 +551,21 @@ class SD3Transformer2DModel(DiffusersDiT):
                     x = controls.add("double", index, n, x)
         return split.gather(image, x)
 
-    def _block_range(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        temb_act: torch.Tensor,
-        skip_layers: frozenset[int],
-        controls: ResidualGroups | None = None,
-    ) -> SequentialBlocks:
-        """The joint blocks as a `BlockRange` for DBCache, skipping `skip_layers` and adding `controls` as
-        `_run_blocks` does."""
+    def _block_range(self, x: torch.Tensor, ctx: torch.Tensor, inputs: BlockInputs) -> SequentialBlocks:
+        """The joint blocks as a `BlockRange` for DBCache, skipping `inputs.skip_layers` and adding
+        `inputs.controls` as `_run_blocks` does."""
         refuse_sequence_parallel(sequence_split([x.shape[1], ctx.shape[1]]), "SD3")
         blocks = self.transformer_blocks
 
-        def row_inputs(rows: torch.Tensor | None) -> tuple:
-            return take_rows(temb_act, rows), None if controls is None else controls.take(rows)
-
-        def call(i: int, x: torch.Tensor, ctx: torch.Tensor | None, inputs: tuple) -> tuple:
-            temb, row_controls = inputs
+        def call(i: int, x: torch.Tensor, ctx: torch.Tensor | None, rows: BlockInputs) -> tuple:
+            temb, skip_layers, row_controls = rows
             if i not in skip_layers:
                 ctx, x = blocks[i](x, ctx, temb)
             if row_controls is not None and not blocks[i].context_pre_only:
                 x = row_controls.add("double", i, len(blocks), x)
             return x, ctx
 
-        return SequentialBlocks(len(blocks), x, ctx, row_inputs, call)
+        return SequentialBlocks(len(blocks), x, ctx, inputs.take, call)
 
     def _cache_signal(self, x: torch.Tensor, temb_act: torch.Tensor) -> torch.Tensor:
         """The first block's timestep-modulated image input: what the step cache watches change."""

@@ -53,7 +53,7 @@ other than "rms_norm_across_heads" is rejected (Diffusers ignores the key and al
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar, NamedTuple
@@ -148,6 +148,22 @@ def wan_rope_axes_dims(head_dim: int) -> tuple[int, int, int]:
     """(frame, row, column) channel split of a head: rows and columns get 2*(head_dim//6) each, frames the rest."""
     hw = 2 * (head_dim // 6)
     return head_dim - 2 * hw, hw, hw
+
+
+def wan_grid_rope_tables(
+    frames: int, height: int, width: int, axes_dims: Sequence[int], max_seq_len: int, device: torch.device
+) -> RopeTables:
+    """Half-width (cos, sin) float32 tables (frames*height*width, head_dim // 2) for a post-patch grid,
+    tokens in (frame, row, column) row-major order (the flattened patch embedding's); ValueError when an
+    axis is longer than `max_seq_len` (the config's `rope_max_seq_len`)."""
+    if max(frames, height, width) > max_seq_len:
+        raise ValueError(
+            f"latent grid {(frames, height, width)} (after patching) exceeds rope_max_seq_len "
+            f"({max_seq_len}) along one axis"
+        )
+    axes = [torch.arange(n, device=device) for n in (frames, height, width)]
+    ids = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
+    return multi_axis_rope_tables(ids, axes_dims, ROPE_THETA)
 
 
 class FP32LayerNorm(LayerNorm):
@@ -429,21 +445,17 @@ class WanTransformer3DModel(DiffusersDiT):
     def rope_tables(self, frames: int, height: int, width: int, device: torch.device) -> RopeTables:
         """Half-width (cos, sin) float32 tables (frames*height*width, head_dim // 2) for a post-patch grid.
 
-        Tokens are in (frame, row, column) row-major order, the order of the flattened patch embedding.
-        Cached per grid and device: every step of a request, and every same-size request, reuses them.
+        Tokens are in (frame, row, column) row-major order, the order of the flattened patch embedding
+        (`wan_grid_rope_tables`). Cached per grid and device: every step of a request, and every same-size
+        request, reuses them.
         """
-
-        def build() -> RopeTables:
-            if max(frames, height, width) > self.config.rope_max_seq_len:
-                raise ValueError(
-                    f"latent grid {(frames, height, width)} (after patching) exceeds rope_max_seq_len "
-                    f"({self.config.rope_max_seq_len}) along one axis"
-                )
-            axes = [torch.arange(n, device=device) for n in (frames, height, width)]
-            ids = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
-            return multi_axis_rope_tables(ids, self.rope_axes_dims, ROPE_THETA)
-
-        return self._rope_cache.get_or_build((frames, height, width), device, build)
+        return self._rope_cache.get_or_build(
+            (frames, height, width),
+            device,
+            lambda: wan_grid_rope_tables(
+                frames, height, width, self.rope_axes_dims, self.config.rope_max_seq_len, device
+            ),
+        )
 
     def embed_context(
         self, encoder_hidden_states: torch.Tensor, encoder_hidden_states_image: torch.Tensor | None = None
