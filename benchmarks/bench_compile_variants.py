@@ -107,7 +107,9 @@ def build_variants(dit, inputs: dict, names: list[str]) -> dict[str, Callable[[]
             stack = torch.compile(plain, dynamic=True, fullgraph=True, options=options)
             scoped = ScopedCompiledCall(stack, eager=plain)
             model = shallow()
-            model._run_blocks = lambda x, ctx, mods, rope, scoped=scoped: scoped(dit, x, ctx, mods, rope)
+            model._run_blocks = lambda x, ctx, inputs, scoped=scoped: scoped(
+                dit, x, ctx, inputs.mods, inputs.rope
+            )
             runners[name] = lambda model=model: model(**inputs)
         elif kind == "whole":
             plain = unique_function(tag, "model, kw", "return model(**kw)", {})
@@ -119,6 +121,30 @@ def build_variants(dit, inputs: dict, names: list[str]) -> dict[str, Callable[[]
         else:
             raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
     return runners
+
+
+def dit_inputs(dit, size: int, batch: int) -> dict:  # noqa: ANN001 - a FluxTransformer2DModel
+    """One forward's keyword arguments for `dit` at `size` x `size` pixels: random latents, 512 text tokens
+    already embedded (`context`), the RoPE tables."""
+    import torch
+
+    config = dit.config
+    g = torch.Generator().manual_seed(0)
+    side, text = size // 16, 512
+    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
+    txt_ids = torch.zeros(text, 3)
+    return {
+        "hidden_states": torch.randn(batch, side * side, config.in_channels, generator=g),
+        "encoder_hidden_states": None,
+        "context": torch.randn(batch, text, dit.inner_dim, generator=g),
+        "pooled_projections": torch.randn(batch, config.pooled_projection_dim, generator=g),
+        "timestep": torch.full((batch,), 0.7),
+        "img_ids": img_ids,
+        "txt_ids": txt_ids,
+        "guidance": torch.zeros(batch) if config.guidance_embeds else None,
+        "rope": dit.rope_tables(txt_ids, img_ids),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -142,23 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         args.model_dir, device="cpu", dtype="float32", show_progress=False
     )
     dit = generator.pipeline.context.get("transformer")
-    config = dit.config
-    g = torch.Generator().manual_seed(0)
-    side, text = args.size // 16, 512
-    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
-    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
-    txt_ids = torch.zeros(text, 3)
-    inputs = {
-        "hidden_states": torch.randn(args.batch, side * side, config.in_channels, generator=g),
-        "encoder_hidden_states": None,
-        "context": torch.randn(args.batch, text, dit.inner_dim, generator=g),
-        "pooled_projections": torch.randn(args.batch, config.pooled_projection_dim, generator=g),
-        "timestep": torch.full((args.batch,), 0.7),
-        "img_ids": img_ids,
-        "txt_ids": txt_ids,
-        "guidance": torch.zeros(args.batch) if config.guidance_embeds else None,
-        "rope": dit.rope_tables(txt_ids, img_ids),
-    }
+    inputs = dit_inputs(dit, args.size, args.batch)
     runners = build_variants(dit, inputs, names)
     with torch.inference_mode():
         reference = dit(**inputs)
