@@ -14,6 +14,7 @@ import pytest
 
 from diffserve.process_start import START_METHOD_ENV
 from diffserve.testing.preloaded import preloaded_context
+from diffserve.testing.threads import one_torch_thread
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,8 +30,6 @@ def ranks_from_the_fork_server() -> Iterator[None]:
 def controlnet_one_thread() -> Iterator[None]:
     """One torch thread in the test process for a ControlNet case module (controlnet_cases.py): the rank
     processes take the parent's count."""
-    from controlnet_cases import one_torch_thread
-
     with one_torch_thread():
         yield
 

@@ -8,13 +8,11 @@ which 2 sequence-parallel ranks cannot split evenly (their shards are padded).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-import torch
 from PIL import Image
 
 from diffserve.api import DiffGenerator
@@ -148,17 +146,6 @@ def max_difference_on_ranks(case: ControlNetCase, alone: np.ndarray, ranks: int,
 OneRank = Callable[[str], tuple[ControlNetCase, np.ndarray, np.ndarray]]
 #: A control image must move the image at least this far (max uint8 difference).
 CONTROL_MIN_LEVELS = 20
-
-
-@contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """One torch thread in this process while the block runs: the rank processes take the parent's count."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def one_rank_cache(root: Path) -> OneRank:

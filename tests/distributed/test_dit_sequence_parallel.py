@@ -35,6 +35,7 @@ costs more than the tiny forwards); a family that raises on the ranks fails its 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -423,14 +424,7 @@ def forward_on_rank(
 @pytest.fixture(scope="module")
 def expected() -> Callable[[str], object]:
     """A family's one-device outputs (computed once)."""
-    cache: dict[str, object] = {}
-
-    def get(family: str) -> object:
-        if family not in cache:
-            cache[family] = FAMILIES[family].one_device()
-        return cache[family]
-
-    return get
+    return functools.cache(lambda family: FAMILIES[family].one_device())
 
 
 @pytest.fixture(scope="module")

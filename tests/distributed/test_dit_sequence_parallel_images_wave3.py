@@ -27,6 +27,7 @@ test_dit_sequence_parallel.py rather than imported: importing that module would 
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from diffserve.models.dits.qwen_image21 import (
     QwenImage21TransformerConfig,
 )
 from diffserve.testing.distributed import CaseResult, MeshRuns, case_results, run_distributed
+from diffserve.testing.threads import one_torch_thread
 
 #: (world size, Ulysses degree, Ring degree) by test id.
 MESHES = {"ulysses2": (2, 2, 1), "ulysses2xring2": (4, 2, 2)}
@@ -265,14 +267,7 @@ def forward_on_rank(
 @pytest.fixture(scope="module")
 def expected() -> Callable[[str], dict[str, torch.Tensor]]:
     """A family's one-device outputs (computed once)."""
-    cache: dict[str, dict[str, torch.Tensor]] = {}
-
-    def get(family: str) -> dict[str, torch.Tensor]:
-        if family not in cache:
-            cache[family] = FAMILIES[family].forward()
-        return cache[family]
-
-    return get
+    return functools.cache(lambda family: FAMILIES[family].forward())
 
 
 @pytest.fixture(scope="module")
@@ -300,10 +295,8 @@ def test_split_forward_equals_one_device(expected, split_outputs, family: str, m
 
 @pytest.fixture
 def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the workers take the parent's thread count
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():  # the workers take the parent's thread count
+        yield
 
 
 #: family -> the builder of its tiny checkpoint ("module:function").

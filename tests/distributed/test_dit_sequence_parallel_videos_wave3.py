@@ -24,6 +24,7 @@ level): HunyuanVideo 1.0 and Mochi only, to keep the file under 30 s.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -41,6 +42,7 @@ from diffserve.models.dits.hunyuan_video import HunyuanVideoTransformer3DModel, 
 from diffserve.models.dits.mochi import MochiTransformer3DModel, MochiTransformerConfig
 from diffserve.models.dits.sana_video import SanaVideoTransformer3DModel, SanaVideoTransformerConfig
 from diffserve.testing.distributed import CaseResult, MeshRuns, case_results, run_distributed
+from diffserve.testing.threads import one_torch_thread
 
 #: (world size, Ulysses degree, Ring degree) by test id.
 MESHES = {"ulysses2": (2, 2, 1), "ulysses2xring2": (4, 2, 2)}
@@ -260,14 +262,7 @@ def forward_on_rank(rank: int, world_size: int, ulysses: int, ring: int) -> dict
 @pytest.fixture(scope="module")
 def expected() -> Callable[[str], object]:
     """A family's one-device outputs (computed once)."""
-    cache: dict[str, object] = {}
-
-    def get(family: str) -> object:
-        if family not in cache:
-            cache[family] = FAMILIES[family].one_device()
-        return cache[family]
-
-    return get
+    return functools.cache(lambda family: FAMILIES[family].one_device())
 
 
 @pytest.fixture(scope="module")
@@ -305,10 +300,8 @@ def test_inputs_exercise_masks_and_rows(expected) -> None:
 
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the rank workers take the parent's thread count
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():  # the rank workers take the parent's thread count
+        yield
 
 
 def frames_of(output) -> np.ndarray:

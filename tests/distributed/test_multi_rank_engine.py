@@ -17,12 +17,12 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-import torch
 
 from diffserve.api import DiffGenerator
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.distributed.launch import RankFailedError
 from diffserve.runtime.distributed_runner import FAILURE_HOOK_ENV
+from diffserve.testing.threads import one_torch_thread
 
 CFG = dict(negative_prompt="blurry", true_cfg_scale=3.0)
 BASE = dict(height=64, width=64, num_inference_steps=3, seed=7)
@@ -30,10 +30,8 @@ BASE = dict(height=64, width=64, num_inference_steps=3, seed=7)
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the workers take the parent's thread count
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():  # the workers take the parent's thread count
+        yield
 
 
 def pixels(output) -> np.ndarray:

@@ -34,6 +34,7 @@ from diffserve.distributed.state import build_parallel_state, parallel_scope
 from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
 from diffserve.models.vaes.autoencoder_kl_wan import AutoencoderKLWan
 from diffserve.testing.distributed import run_distributed
+from diffserve.testing.threads import one_torch_thread
 
 #: fp32 tolerance, relative to the output's scale: 64 ulps (float32 eps is 1.19e-7). The split decode
 #: runs the same ops on the same numbers except for the GroupNorm statistics' summation order and the
@@ -235,10 +236,8 @@ E2E = dict(height=80, width=48, num_inference_steps=2, seed=3)
 
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the rank processes take the parent's thread count
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():  # the rank processes take the parent's thread count
+        yield
 
 
 def test_two_ranks_decode_split_and_match_one_rank(tiny_flux_dir: Path, one_thread: None) -> None:

@@ -25,6 +25,7 @@ from diffserve.layers.tensor_parallel import (
     shard_ranges,
 )
 from diffserve.testing.distributed import LoadOnlyRank
+from diffserve.testing.threads import one_torch_thread
 
 
 def test_shard_ranges_take_each_segments_piece() -> None:
@@ -48,10 +49,8 @@ def test_only_plain_linears_are_sharded() -> None:
 
 @pytest.fixture
 def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the workers take the parent's thread count
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():  # the workers take the parent's thread count
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import cache_method_checks as checks
 import pytest
 
 from diffserve import DiffGenerator
-from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError
 from diffserve.families.flux2.tiny import TinyFlux2Spec, build_tiny_flux2
 from diffserve.families.hunyuan_video15.tiny import TinyHunyuanVideo15Spec, build_tiny_hunyuan_video15
@@ -33,24 +32,12 @@ from diffserve.families.sana_video.tiny import TinySanaVideoSpec, build_tiny_san
 from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
 from diffserve.families.wan.tiny import TinyWanSpec, build_tiny_wan
 from diffserve.families.z_image.tiny import TinyZImageSpec, build_tiny_zimage
-from diffserve.testing.cache_parity import (
-    assert_fastercache_for_case,
-    assert_fastercache_without_cfg,
-    assert_mixed_caches_as_alone,
-)
+from diffserve.testing.cache_parity import assert_mixed_caches_as_alone
 from diffserve.testing.cache_parity import first_output_pixels as pixels
-from diffserve.testing.image_metrics import psnr_uint8 as psnr
 
 STEPS = 20
 PROMPT = "a red fox in the snow"
 SQUARE = {"height": 64, "width": 64}
-NEVER = {"method": "dbcache", "Fn_compute_blocks": 1, "Bn_compute_blocks": 1, "residual_diff_threshold": 0}
-DBCACHE = {
-    "method": "dbcache", "Fn_compute_blocks": 1, "Bn_compute_blocks": 1, "residual_diff_threshold": 1.0,
-    "max_warmup_steps": 3, "max_continuous_cached_steps": 1,
-}  # fmt: skip
-DBCACHE_TAYLORSEER = {**DBCACHE, "Fn_compute_blocks": 2, "Bn_compute_blocks": 0, "enable_taylorseer": True}
-TEACACHE = {"method": "teacache", "rel_l1_thresh": 2.0, "coefficients": [1.0, 0.0]}  # the raw change
 SEACACHE = {"method": "seacache"}  # diffusers' defaults: its probe is the latents, in each family's layout
 PAB = {"method": "pab"}  # diffusers' defaults (every 2nd step within timesteps (100, 800)): attention reuse
 
@@ -122,9 +109,9 @@ FASTERCACHE_CFG_DB = {
 }  # fmt: skip
 FASTERCACHE = {"method": "fastercache"}  # diffusers' defaults: with CFG, the negative branch approximated
 SETTINGS = {
-    "dbcache": DBCACHE,
-    "dbcache+taylorseer": DBCACHE_TAYLORSEER,
-    "teacache": TEACACHE,
+    "dbcache": checks.DBCACHE,
+    "dbcache+taylorseer": checks.DBCACHE_TAYLORSEER,
+    "teacache": checks.TEACACHE,
     "seacache": SEACACHE,
     "pab": PAB,
 }
@@ -132,49 +119,31 @@ SETTINGS = {
 
 @pytest.fixture(scope="module", params=list(CASES))
 def family(request, tmp_path_factory):
-    build, kwargs, measured = CASES[request.param]
-    generator = DiffGenerator.from_pretrained(
-        build(tmp_path_factory.mktemp(request.param)), device="cpu", show_progress=False
-    )
-    kwargs = {**kwargs, "num_inference_steps": STEPS, "seed": 7}
-    exact = pixels(generator.generate(PROMPT, **kwargs))
-    return request.param, generator, kwargs, measured, exact
+    return checks.build_case(request, tmp_path_factory, CASES, PROMPT, STEPS, pixels)
 
 
 def test_dbcache_that_never_reuses_is_the_exact_output(family) -> None:
-    name, generator, kwargs, _, exact = family
-    out = generator.generate(PROMPT, cache=NEVER, **kwargs)
-    np.testing.assert_array_equal(pixels(out), exact, err_msg=name)
-    blocks = 5 if name == "z-image" else 4  # Z-Image: its noise refiner block too, which always runs
-    assert out.cache["steps_reused"] == 0 and out.cache["blocks_computed"] == STEPS * blocks
+    blocks = 5 if family[0] == "z-image" else 4  # Z-Image: its noise refiner block too, which always runs
+    checks.assert_never_reusing_is_exact(family, PROMPT, checks.NEVER, pixels, STEPS * blocks)
 
 
 def test_each_method_reuses_within_its_measured_psnr(family) -> None:
-    name, generator, kwargs, measured, exact = family
-    for setting, db in measured.items():
-        out = generator.generate(PROMPT, cache=SETTINGS[setting], **kwargs)
-        score = psnr(pixels(out), exact)
-        print(f"{name} {setting}: {score:.1f} dB, {out.cache['steps_reused']} of {STEPS} steps reused")
-        assert out.cache["steps_reused"] > 0 and out.cache["blocks_reused"] > 0, (name, setting)
-        assert score >= db - 4.0, (name, setting, score)
+    for setting, db, _, score in checks.reusing_outputs(family, PROMPT, SETTINGS, STEPS, pixels):
+        assert score >= db - 4.0, (family[0], setting, score)
 
 
 def test_fastercache_without_cfg_reuses_within_its_measured_psnr(family) -> None:
-    name, generator, kwargs, _, _ = family
-    no_cfg = NO_CFG.get(name, {"guidance_scale": 1.0})
-    assert_fastercache_without_cfg(name, generator, PROMPT, kwargs, no_cfg, FASTERCACHE_DB[name] - 4.0)
+    checks.assert_fastercache_without_cfg_case(family, PROMPT, NO_CFG, FASTERCACHE_DB)
 
 
 def test_fastercache_with_cfg_approximates_the_negative_branch(family) -> None:
-    name, generator, kwargs, _, exact = family
-    params = SamplingParams(prompt=PROMPT, **kwargs)
-    assert_fastercache_for_case(name, generator, params, exact, FASTERCACHE_CFG_DB)
+    checks.assert_fastercache_with_cfg_case(family, PROMPT, FASTERCACHE_CFG_DB)
 
 
 def test_a_mixed_batch_gives_each_request_its_own_output(family) -> None:
     name, generator, kwargs, _, _ = family
-    caches = [None, DBCACHE, TEACACHE, PAB, FASTERCACHE]
-    params = {k: v for k, v in kwargs.items() if k != "seed"}
+    caches = [None, checks.DBCACHE, checks.TEACACHE, PAB, FASTERCACHE]
+    params = checks.without_seed(kwargs)
     assert_mixed_caches_as_alone(name, generator, params, caches, [PROMPT] * len(caches))
 
 
@@ -186,16 +155,16 @@ def test_z_image_dbcache_counts_the_main_layers_and_always_runs_the_refiner(tmp_
     )
     kwargs = {**SQUARE, "num_inference_steps": STEPS, "seed": 7}
     out = generator.generate(
-        PROMPT, cache={**DBCACHE, "Fn_compute_blocks": 2, "Bn_compute_blocks": 1}, **kwargs
+        PROMPT, cache={**checks.DBCACHE, "Fn_compute_blocks": 2, "Bn_compute_blocks": 1}, **kwargs
     )
     reused = out.cache["steps_reused"]
     assert reused > 0 and out.cache["blocks_reused"] == reused  # one middle layer: main layer 2 of 4
     assert out.cache["blocks_computed"] == STEPS * 5 - reused
     full = generator.generate(
-        PROMPT, cache={**DBCACHE, "Fn_compute_blocks": 2, "Bn_compute_blocks": 2}, **kwargs
+        PROMPT, cache={**checks.DBCACHE, "Fn_compute_blocks": 2, "Bn_compute_blocks": 2}, **kwargs
     )
     assert full.cache["blocks_reused"] == 0
     with pytest.raises(InvalidRequestError, match=r"exceed ZImagePipeline's 4 DiT blocks"):
         generator.generate(
-            PROMPT, cache={**DBCACHE, "Fn_compute_blocks": 4, "Bn_compute_blocks": 1}, **kwargs
+            PROMPT, cache={**checks.DBCACHE, "Fn_compute_blocks": 4, "Bn_compute_blocks": 1}, **kwargs
         )

@@ -19,39 +19,27 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import cache_method_checks as checks
 import numpy as np
 import pytest
 
 from diffserve import DiffGenerator
-from diffserve.configs.sampling_params import SamplingParams
 from diffserve.families.hidream.tiny import TinyHiDreamSpec, build_tiny_hidream
 from diffserve.families.hunyuan_image.tiny import TinyHunyuanImageSpec, build_tiny_hunyuan_image
 from diffserve.families.qwen_image21.tiny import TinyQwenImage21Spec, build_tiny_qwen_image21
-from diffserve.testing.cache_parity import (
-    assert_fastercache_for_case,
-    assert_fastercache_without_cfg,
-    assert_mixed_caches_as_alone,
-)
+from diffserve.testing.cache_parity import assert_mixed_caches_as_alone
 from diffserve.testing.cache_parity import first_output_pixels as pixels
-from diffserve.testing.image_metrics import psnr_uint8 as psnr
 
 STEPS = 10
 BLOCKS = 4
 PROMPT = "a red fox in the snow"
-NEVER = {"method": "dbcache", "Fn_compute_blocks": 1, "Bn_compute_blocks": 1, "residual_diff_threshold": 0}
-DBCACHE = {
-    "method": "dbcache", "Fn_compute_blocks": 1, "Bn_compute_blocks": 1, "residual_diff_threshold": 1.0,
-    "max_warmup_steps": 3, "max_continuous_cached_steps": 1,
-}  # fmt: skip
-DBCACHE_TAYLORSEER = {**DBCACHE, "Fn_compute_blocks": 2, "Bn_compute_blocks": 0, "enable_taylorseer": True}
 TAYLORSEER = {"method": "taylorseer"}  # cache-dit's defaults: reuse after step 3, every 5th step computed
-TEACACHE = {"method": "teacache", "rel_l1_thresh": 2.0, "coefficients": [1.0, 0.0]}  # the raw change
 PAB = {"method": "pab"}  # diffusers' defaults (every 2nd step within timesteps (100, 800)): attention reuse
 SETTINGS = {
-    "dbcache": DBCACHE,
-    "dbcache+taylorseer": DBCACHE_TAYLORSEER,
+    "dbcache": checks.DBCACHE,
+    "dbcache+taylorseer": checks.DBCACHE_TAYLORSEER,
     "taylorseer": TAYLORSEER,
-    "teacache": TEACACHE,
+    "teacache": checks.TEACACHE,
     "pab": PAB,
 }
 
@@ -77,30 +65,16 @@ CASES: dict[str, tuple[Callable[[Path], Path], dict[str, Any], dict[str, float]]
 
 @pytest.fixture(scope="module", params=list(CASES))
 def family(request, tmp_path_factory):
-    build, kwargs, measured = CASES[request.param]
-    generator = DiffGenerator.from_pretrained(
-        build(tmp_path_factory.mktemp(request.param)), device="cpu", show_progress=False
-    )
-    kwargs = {**kwargs, "num_inference_steps": STEPS, "seed": 7}
-    exact = pixels(generator.generate(PROMPT, **kwargs))
-    return request.param, generator, kwargs, measured, exact
+    return checks.build_case(request, tmp_path_factory, CASES, PROMPT, STEPS, pixels)
 
 
 def test_dbcache_that_never_reuses_is_the_exact_output(family) -> None:
-    name, generator, kwargs, _, exact = family
-    out = generator.generate(PROMPT, cache=NEVER, **kwargs)
-    np.testing.assert_array_equal(pixels(out), exact, err_msg=name)
-    assert out.cache["steps_reused"] == 0 and out.cache["blocks_computed"] == STEPS * BLOCKS
+    checks.assert_never_reusing_is_exact(family, PROMPT, checks.NEVER, pixels, STEPS * BLOCKS)
 
 
 def test_each_method_reuses_within_its_measured_psnr(family) -> None:
-    name, generator, kwargs, measured, exact = family
-    for setting, db in measured.items():
-        out = generator.generate(PROMPT, cache=SETTINGS[setting], **kwargs)
-        score = psnr(pixels(out), exact)
-        print(f"{name} {setting}: {score:.1f} dB, {out.cache['steps_reused']} of {STEPS} steps reused")
-        assert out.cache["steps_reused"] > 0 and out.cache["blocks_reused"] > 0, (name, setting)
-        assert db - 4.0 <= score < float("inf"), (name, setting, score)
+    for setting, db, _, score in checks.reusing_outputs(family, PROMPT, SETTINGS, STEPS, pixels):
+        assert db - 4.0 <= score < float("inf"), (family[0], setting, score)
 
 
 #: What turns each family's CFG off for FasterCache, besides dropping a negative prompt and true CFG
@@ -110,9 +84,7 @@ FASTERCACHE_DB: dict[str, float] = {"hidream": 53.7, "hunyuan-image": 25.8, "qwe
 
 
 def test_fastercache_without_cfg_reuses_within_its_measured_psnr(family) -> None:
-    name, generator, kwargs, _, _ = family
-    no_cfg = NO_CFG.get(name, {"guidance_scale": 1.0})
-    assert_fastercache_without_cfg(name, generator, PROMPT, kwargs, no_cfg, FASTERCACHE_DB[name] - 4.0)
+    checks.assert_fastercache_without_cfg_case(family, PROMPT, NO_CFG, FASTERCACHE_DB)
 
 
 #: FasterCache's PSNR against the exact output with each family's CFG as its case runs it, seed 7.
@@ -120,15 +92,13 @@ FASTERCACHE_CFG_DB: dict[str, float] = {"hidream": 26.6, "hunyuan-image": 17.6, 
 
 
 def test_fastercache_with_cfg_approximates_the_negative_branch(family) -> None:
-    name, generator, kwargs, _, exact = family
-    params = SamplingParams(prompt=PROMPT, **kwargs)
-    assert_fastercache_for_case(name, generator, params, exact, FASTERCACHE_CFG_DB)
+    checks.assert_fastercache_with_cfg_case(family, PROMPT, FASTERCACHE_CFG_DB)
 
 
 def test_a_mixed_batch_gives_each_request_its_own_output(family) -> None:
     name, generator, kwargs, _, _ = family
-    caches = [DBCACHE, TEACACHE, PAB, {"method": "fastercache"}]
-    params = {k: v for k, v in kwargs.items() if k != "seed"}
+    caches = [checks.DBCACHE, checks.TEACACHE, PAB, {"method": "fastercache"}]
+    params = checks.without_seed(kwargs)
     assert_mixed_caches_as_alone(name, generator, params, caches, [PROMPT] * len(caches))
 
 
@@ -141,5 +111,5 @@ def test_hidream_dbcache_on_a_padded_grid(tmp_path) -> None:
     kwargs = {"height": 32, "width": 56, "num_inference_steps": STEPS, "seed": 7}  # 96x168 (area rule)
     exact = pixels(generator.generate(PROMPT, **kwargs))
     assert exact.shape == (96, 168, 3)
-    np.testing.assert_array_equal(pixels(generator.generate(PROMPT, cache=NEVER, **kwargs)), exact)
-    assert generator.generate(PROMPT, cache=DBCACHE, **kwargs).cache["steps_reused"] > 0
+    np.testing.assert_array_equal(pixels(generator.generate(PROMPT, cache=checks.NEVER, **kwargs)), exact)
+    assert generator.generate(PROMPT, cache=checks.DBCACHE, **kwargs).cache["steps_reused"] > 0

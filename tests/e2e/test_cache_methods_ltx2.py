@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from diffserve import DiffGenerator, SamplingParams
 from diffserve.errors import InvalidRequestError
 from diffserve.families.ltx2.tiny import TinyLTX2Spec, build_tiny_ltx2
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 from diffserve.testing.parity import snr_db
+from diffserve.testing.threads import one_torch_thread
 
 STEPS = 20
 PROMPT = "a robot dancing in the rain"
@@ -54,10 +54,8 @@ MEASURED = {
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """The tiny models' ops take microseconds: threads only add contention on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import cache_method_checks as checks
 import numpy as np
 import pytest
 from PIL import Image
 
 from diffserve import DiffGenerator
-from diffserve.configs.sampling_params import SamplingParams
 from diffserve.families.cogvideox.tiny import TinyCogVideoXSpec, build_tiny_cogvideox
 from diffserve.families.hunyuan_video.image_to_video_tiny import (
     TinyHunyuanVideoI2VSpec,
@@ -31,31 +31,17 @@ from diffserve.families.hunyuan_video.image_to_video_tiny import (
 )
 from diffserve.families.hunyuan_video.tiny import TinyHunyuanVideoSpec, build_tiny_hunyuan_video
 from diffserve.families.mochi.tiny import TinyMochiSpec, build_tiny_mochi
-from diffserve.testing.cache_parity import (
-    assert_fastercache_for_case,
-    assert_fastercache_without_cfg,
-    assert_mixed_caches_as_alone,
-)
+from diffserve.testing.cache_parity import assert_mixed_caches_as_alone
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 
 STEPS = 10
 PROMPT = "a red fox in the snow"
 CLIP = {"height": 32, "width": 32, "num_frames": 5}
-NEVER = {"method": "dbcache", "Fn_compute_blocks": 1, "Bn_compute_blocks": 1, "residual_diff_threshold": 0}
-DBCACHE = {
-    "method": "dbcache", "Fn_compute_blocks": 1, "Bn_compute_blocks": 1, "residual_diff_threshold": 1.0,
-    "max_warmup_steps": 3, "max_continuous_cached_steps": 1,
-}  # fmt: skip
 SETTINGS = {
-    "dbcache": DBCACHE,
-    "dbcache+taylorseer": {
-        **DBCACHE,
-        "Fn_compute_blocks": 2,
-        "Bn_compute_blocks": 0,
-        "enable_taylorseer": True,
-    },
+    "dbcache": checks.DBCACHE,
+    "dbcache+taylorseer": checks.DBCACHE_TAYLORSEER,
     "taylorseer": {"method": "taylorseer"},  # cache-dit's defaults: reuse from step 3, every 5th computed
-    "teacache": {"method": "teacache", "rel_l1_thresh": 2.0, "coefficients": [1.0, 0.0]},  # the raw change
+    "teacache": checks.TEACACHE,
     "seacache": {"method": "seacache"},  # diffusers' defaults: its probe is the latent video
     "pab": {"method": "pab"},  # diffusers' defaults: attention reuse, every block runs
 }
@@ -95,30 +81,16 @@ def frames(out) -> np.ndarray:
 
 @pytest.fixture(scope="module", params=list(CASES))
 def family(request, tmp_path_factory):
-    build, kwargs, measured = CASES[request.param]
-    generator = DiffGenerator.from_pretrained(
-        build(tmp_path_factory.mktemp(request.param)), device="cpu", show_progress=False
-    )
-    kwargs = {**kwargs, "num_inference_steps": STEPS, "seed": 7}
-    exact = frames(generator.generate(PROMPT, **kwargs))
-    return request.param, generator, kwargs, measured, exact
+    return checks.build_case(request, tmp_path_factory, CASES, PROMPT, STEPS, frames)
 
 
 def test_dbcache_that_never_reuses_is_the_exact_output(family) -> None:
-    name, generator, kwargs, _, exact = family
-    out = generator.generate(PROMPT, cache=NEVER, **kwargs)
-    np.testing.assert_array_equal(frames(out), exact, err_msg=name)
-    assert out.cache["steps_reused"] == 0 and out.cache["blocks_computed"] == STEPS * 4
+    checks.assert_never_reusing_is_exact(family, PROMPT, checks.NEVER, frames, STEPS * 4)
 
 
 def test_each_method_reuses_within_its_measured_psnr(family) -> None:
-    name, generator, kwargs, measured, exact = family
-    for setting, db in measured.items():
-        out = generator.generate(PROMPT, cache=SETTINGS[setting], **kwargs)
-        got = frames(out)
-        score = psnr(got, exact)
-        print(f"{name} {setting}: {score:.1f} dB, {out.cache['steps_reused']} of {STEPS} steps reused")
-        assert out.cache["steps_reused"] > 0 and out.cache["blocks_reused"] > 0, (name, setting)
+    name, _, _, _, exact = family
+    for setting, db, got, score in checks.reusing_outputs(family, PROMPT, SETTINGS, STEPS, frames):
         assert not np.array_equal(got, exact), (name, setting)
         assert score >= db - 4.0, (name, setting, score)
 
@@ -130,9 +102,7 @@ FASTERCACHE_DB: dict[str, float] = {"hunyuan-video": 25.4, "cogvideox": 24.2, "m
 
 
 def test_fastercache_without_cfg_reuses_within_its_measured_psnr(family) -> None:
-    name, generator, kwargs, _, _ = family
-    no_cfg = NO_CFG.get(name, {"guidance_scale": 1.0})
-    assert_fastercache_without_cfg(name, generator, PROMPT, kwargs, no_cfg, FASTERCACHE_DB[name] - 4.0)
+    checks.assert_fastercache_without_cfg_case(family, PROMPT, NO_CFG, FASTERCACHE_DB)
 
 
 #: FasterCache's PSNR against the exact output with each family's CFG as its case runs it, seed 7.
@@ -140,15 +110,13 @@ FASTERCACHE_CFG_DB: dict[str, float] = {"hunyuan-video": 20.3, "cogvideox": 12.4
 
 
 def test_fastercache_with_cfg_approximates_the_negative_branch(family) -> None:
-    name, generator, kwargs, _, exact = family
-    params = SamplingParams(prompt=PROMPT, **kwargs)
-    assert_fastercache_for_case(name, generator, params, exact, FASTERCACHE_CFG_DB)
+    checks.assert_fastercache_with_cfg_case(family, PROMPT, FASTERCACHE_CFG_DB)
 
 
 def test_a_mixed_batch_gives_each_request_its_own_output(family) -> None:
     name, generator, kwargs, _, _ = family
-    caches = [None, DBCACHE, SETTINGS["teacache"], SETTINGS["pab"], {"method": "fastercache"}]
-    params = {k: v for k, v in kwargs.items() if k != "seed"}
+    caches = [None, checks.DBCACHE, SETTINGS["teacache"], SETTINGS["pab"], {"method": "fastercache"}]
+    params = checks.without_seed(kwargs)
     prompts = [
         PROMPT,
         "a cat",
@@ -174,7 +142,7 @@ def test_hunyuan_video_token_replace_i2v_runs_dbcache(tmp_path) -> None:
         "true_cfg_scale": 2.0, "negative_prompt": "blurry", "input_images": [image],
     }  # fmt: skip
     exact = frames(generator.generate(PROMPT, **kwargs))
-    np.testing.assert_array_equal(frames(generator.generate(PROMPT, cache=NEVER, **kwargs)), exact)
-    out = generator.generate(PROMPT, cache=DBCACHE, **kwargs)
+    np.testing.assert_array_equal(frames(generator.generate(PROMPT, cache=checks.NEVER, **kwargs)), exact)
+    out = generator.generate(PROMPT, cache=checks.DBCACHE, **kwargs)
     assert out.cache["steps_reused"] > 0
     assert psnr(frames(out), exact) >= 19.8 - 4.0

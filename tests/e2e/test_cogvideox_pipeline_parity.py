@@ -31,6 +31,7 @@ from diffserve.testing.parity import (
     smooth_random_image,
     to_uint8,
 )
+from diffserve.testing.video_parity import diffusers_latents_and_frames, final_latents_and_frames
 
 LATENT_MIN_DB = 70.0
 PSNR_BAR_DB = 40.0
@@ -64,21 +65,11 @@ def folders(tmp_path_factory):
 
 def _ours(gen: DiffGenerator, params: SamplingParams) -> tuple[torch.Tensor, np.ndarray]:
     """diffserve's final latents in Diffusers' layout (batch, frames, channels, h, w) and its uint8 frames."""
-    pipeline = gen.pipeline
-    req = pipeline.run_pre_denoise(pipeline.validate(Req(params=params)))
-    while not req.is_denoised:
-        pipeline.denoise_step([req])
-    latents = req.latents.transpose(1, 2).clone()
-    return latents, np.stack(pipeline.run_post_denoise(req).outputs.frames)
+    latents, frames = final_latents_and_frames(gen, params)
+    return latents.transpose(1, 2), frames
 
 
-def _reference(reference, seed: int, **kwargs) -> tuple[torch.Tensor, np.ndarray]:
-    def run(output_type: str):
-        return reference(
-            generator=torch.Generator("cpu").manual_seed(seed), output_type=output_type, **kwargs
-        )
-
-    return run("latent").frames, to_uint8(run("np").frames)
+_reference = diffusers_latents_and_frames
 
 
 CASES = [

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from controlnet_checks import ControlNetRequests, assert_controlnets_refused, load_controlnet_folder
 from diffusers import QwenImageControlNetInpaintPipeline, StableDiffusion3ControlNetInpaintingPipeline
 from diffusers import QwenImageControlNetModel as DiffusersQwenControlNet
 from diffusers import QwenImagePipeline as DiffusersQwenImagePipeline
@@ -21,7 +22,6 @@ from PIL import Image, ImageDraw
 
 from diffserve import DiffGenerator, SamplingParams
 from diffserve.configs.sampling_params import ControlNetChoice
-from diffserve.errors import InvalidRequestError
 from diffserve.families.qwen_image.tiny import TinyQwenImageSpec, build_tiny_qwen_image
 from diffserve.families.qwen_image.tiny_controlnet import (
     TinyQwenImageControlNetSpec,
@@ -35,14 +35,7 @@ from diffserve.families.sd3.tiny_controlnet import (
     build_tiny_sd3_controlnet_pipeline,
 )
 from diffserve.loader.model_index import read_json
-from diffserve.request import Req
-from diffserve.testing.parity import (
-    assert_batched_as_alone,
-    assert_images_match,
-    diffusers_uint8,
-    smooth_random_image,
-    stack_uint8,
-)
+from diffserve.testing.parity import assert_batched_as_alone, assert_images_match, smooth_random_image
 from diffserve.testing.tiny_writing import write_json
 
 PSNR_BAR_DB = 40.0
@@ -67,6 +60,7 @@ OTHER_MASK = _mask((0, 0, 30, 47))
 
 SD3_KW = dict(num_inference_steps=3)
 SD3_CFG = dict(guidance_scale=3.0, negative_prompt="blurry")
+SD3_REQUESTS = ControlNetRequests(PROMPT, HEIGHT, WIDTH, SD3_KW)
 
 
 @pytest.fixture(scope="module")
@@ -89,14 +83,12 @@ def sd3(tmp_path_factory):
 
     def reference(seed: int, **kwargs) -> np.ndarray:
         torch.manual_seed(seed)  # Diffusers' masked-image posterior draws from the global RNG
-        return diffusers_uint8(pipe, seed=seed, prompt=PROMPT, height=HEIGHT, width=WIDTH, **SD3_KW, **kwargs)
+        return SD3_REQUESTS.reference(pipe, seed, **kwargs)
 
     return ours, reference
 
 
-def _sd3_generate(ours, seed: int, **kwargs) -> np.ndarray:
-    out = ours.generate(prompt=PROMPT, seed=seed, height=HEIGHT, width=WIDTH, **SD3_KW, **kwargs)
-    return stack_uint8(out.images)
+_sd3_generate = SD3_REQUESTS.generate
 
 
 @pytest.mark.parametrize(
@@ -127,25 +119,17 @@ def test_sd3_inpainting_controlnet_pipeline_folder_with_diffusers_keywords(tmp_p
     write_json(
         folder / "model_index.json", {**index, "_class_name": "StableDiffusion3ControlNetInpaintingPipeline"}
     )
-    ours = DiffGenerator.from_pretrained(folder, device="cpu", show_progress=False)
-    assert list(ours.pipeline.controlnets) == ["default"]
-    pipe = StableDiffusion3ControlNetInpaintingPipeline.from_pretrained(folder, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
+    ours, pipe = load_controlnet_folder(folder, StableDiffusion3ControlNetInpaintingPipeline)
     control = dict(control_image=IMAGE, control_mask=MASK, controlnet_conditioning_scale=1.1)
     got = _sd3_generate(ours, 3, **control, **SD3_CFG)
     torch.manual_seed(3)
-    ref = diffusers_uint8(
-        pipe, seed=3, prompt=PROMPT, height=HEIGHT, width=WIDTH, **SD3_KW, **SD3_CFG, **control
-    )
+    ref = SD3_REQUESTS.reference(pipe, 3, **SD3_CFG, **control)
     other = _sd3_generate(ours, 3, **{**control, "control_mask": OTHER_MASK}, **SD3_CFG)
     assert_images_match(got, ref, "SD3 ControlNet inpainting folder", min_db=PSNR_BAR_DB, control=other)
 
 
 def _sd3_params(prompt: str, seed: int, controlnets=(), **extra) -> SamplingParams:
-    return SamplingParams(
-        prompt=prompt, seed=seed, height=HEIGHT, width=WIDTH, controlnets=list(controlnets),
-        **{**SD3_KW, "guidance_scale": 1.0, **extra},
-    )  # fmt: skip
+    return SD3_REQUESTS.params(prompt, seed, controlnets, **{"guidance_scale": 1.0, **extra})
 
 
 def test_sd3_inpainting_plain_and_uncontrolled_rows_batch_as_alone(sd3) -> None:
@@ -179,14 +163,13 @@ def test_sd3_inpainting_plain_and_uncontrolled_rows_batch_as_alone(sd3) -> None:
 )
 def test_sd3_mask_refusals_name_the_field(sd3, entry, message) -> None:
     ours, _ = sd3
-    with pytest.raises(InvalidRequestError, match=message) as caught:
-        ours.pipeline.validate(Req(params=_sd3_params("bad", 1, [entry])))
-    assert caught.value.param == "controlnets"
+    assert_controlnets_refused(ours, _sd3_params("bad", 1, [entry]), message)
 
 
 # -- Qwen-Image --------------------------------------------------------------------------------------
 
 QWEN_KW = dict(num_inference_steps=3, max_sequence_length=64)
+QWEN_REQUESTS = ControlNetRequests(PROMPT, HEIGHT, WIDTH, QWEN_KW)
 
 
 @pytest.fixture(scope="module")
@@ -209,16 +192,12 @@ def qwen(tmp_path_factory):
 
     def reference(seed: int, **kwargs) -> np.ndarray:
         torch.manual_seed(seed)  # Diffusers' masked-image posterior draws from the global RNG
-        return diffusers_uint8(
-            pipe, seed=seed, prompt=PROMPT, height=HEIGHT, width=WIDTH, **QWEN_KW, **kwargs
-        )
+        return QWEN_REQUESTS.reference(pipe, seed, **kwargs)
 
     return ours, reference
 
 
-def _qwen_generate(ours, seed: int, **kwargs) -> np.ndarray:
-    out = ours.generate(prompt=PROMPT, seed=seed, height=HEIGHT, width=WIDTH, **QWEN_KW, **kwargs)
-    return stack_uint8(out.images)
+_qwen_generate = QWEN_REQUESTS.generate
 
 
 @pytest.mark.parametrize(

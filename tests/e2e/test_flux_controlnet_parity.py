@@ -16,6 +16,12 @@ import inspect
 import numpy as np
 import pytest
 import torch
+from controlnet_checks import (
+    ControlNetRequests,
+    assert_controlnets_refused,
+    assert_plain_row_unaffected,
+    load_controlnet_folder,
+)
 from diffusers import FluxControlNetImg2ImgPipeline, FluxControlNetInpaintPipeline, FluxControlNetPipeline
 from diffusers import FluxControlNetModel as DiffusersControlNet
 from diffusers import FluxPipeline as DiffusersFluxPipeline
@@ -34,16 +40,8 @@ from diffserve.families.flux.tiny_controlnet import (
     build_tiny_flux_controlnet_pipeline,
 )
 from diffserve.loader.controlnets import load_controlnets
-from diffserve.request import Req
 from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
-from diffserve.testing.parity import (
-    assert_batched_as_alone,
-    assert_images_match,
-    denoise_together,
-    diffusers_uint8,
-    smooth_random_image,
-    stack_uint8,
-)
+from diffserve.testing.parity import assert_batched_as_alone, assert_images_match, smooth_random_image
 
 PSNR_BAR_DB = 40.0
 PROMPT = "a fox in the snow"
@@ -53,6 +51,7 @@ EDGES = smooth_random_image(WIDTH, HEIGHT, seed=11)
 DEPTH = smooth_random_image(WIDTH, HEIGHT, seed=12)
 OTHER = smooth_random_image(WIDTH, HEIGHT, seed=13)
 UNION_MODES = 4
+REQUESTS = ControlNetRequests(PROMPT, HEIGHT, WIDTH, KW)
 
 
 @pytest.fixture(scope="module")
@@ -77,15 +76,12 @@ def setup(tmp_path_factory):
         accepted = inspect.signature(cls.__init__).parameters
         pipe = cls(**{k: v for k, v in base.components.items() if k in accepted}, controlnet=controlnet)
         pipe.set_progress_bar_config(disable=True)
-        return diffusers_uint8(pipe, seed=seed, prompt=PROMPT, height=HEIGHT, width=WIDTH, **KW, **kwargs)
+        return REQUESTS.reference(pipe, seed, **kwargs)
 
     return ours, nets, reference
 
 
-def generate(ours, seed: int, **kwargs) -> np.ndarray:
-    return stack_uint8(
-        ours.generate(prompt=PROMPT, seed=seed, height=HEIGHT, width=WIDTH, **KW, **kwargs).images
-    )
+generate = REQUESTS.generate
 
 
 def test_one_controlnet_matches_diffusers(setup) -> None:
@@ -133,15 +129,12 @@ def test_a_controlnet_pipeline_folder_serves_its_controlnet_with_diffusers_keywo
     folder = build_tiny_flux_controlnet_pipeline(
         tmp_path / "pipe", TinyFluxControlNetSpec(TinyFluxSpec(seed=3), num_mode=2, seed=4)
     )
-    ours = DiffGenerator.from_pretrained(folder, device="cpu", show_progress=False)
-    assert list(ours.pipeline.controlnets) == ["default"]
-    pipe = FluxControlNetPipeline.from_pretrained(folder, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
+    ours, pipe = load_controlnet_folder(folder, FluxControlNetPipeline)
     control = dict(
         control_image=EDGES, controlnet_conditioning_scale=1.1, control_guidance_end=0.67, control_mode=1
     )
     got = generate(ours, 3, **control)
-    ref = diffusers_uint8(pipe, seed=3, prompt=PROMPT, height=HEIGHT, width=WIDTH, **KW, **control)
+    ref = REQUESTS.reference(pipe, 3, **control)
     other = generate(ours, 3, **{**control, "control_image": OTHER})
     assert_images_match(got, ref, "FluxControlNetPipeline folder", min_db=PSNR_BAR_DB, control=other)
 
@@ -246,10 +239,7 @@ def test_a_mask_for_a_controlnet_that_is_not_an_inpainting_one_is_refused(setup)
     assert caught.value.param == "controlnets"
 
 
-def _params(prompt: str, seed: int, controlnets=()) -> SamplingParams:
-    return SamplingParams(
-        prompt=prompt, seed=seed, height=HEIGHT, width=WIDTH, controlnets=list(controlnets), **KW
-    )
+_params = REQUESTS.params
 
 
 def test_requests_with_other_controlnets_batch_as_alone(setup) -> None:
@@ -283,17 +273,8 @@ def test_rows_without_a_controlnet_are_bit_identical(setup) -> None:
     """The same request without a ControlNet, batched next to a controlled request and next to the same
     request without its ControlNet: bit-identical images."""
     ours, _, _ = setup
-    pipeline = ours.pipeline
-    plain = _params("plain", 4)
-
-    def batch_with(neighbour: SamplingParams) -> np.ndarray:
-        running = [pipeline.run_pre_denoise(pipeline.validate(Req(params=p))) for p in (neighbour, plain)]
-        done, _ = denoise_together(pipeline, running)
-        return stack_uint8(done["plain"].outputs.images)
-
-    controlled = batch_with(_params("neighbour", 1, [ControlNetChoice("canny", EDGES, scale=1.5)]))
-    uncontrolled = batch_with(_params("neighbour", 1))
-    assert np.array_equal(controlled, uncontrolled)
+    controlled = _params("neighbour", 1, [ControlNetChoice("canny", EDGES, scale=1.5)])
+    assert_plain_row_unaffected(ours, _params("plain", 4), controlled, _params("neighbour", 1))
 
 
 @pytest.mark.parametrize(
@@ -315,9 +296,7 @@ def test_rows_without_a_controlnet_are_bit_identical(setup) -> None:
 )
 def test_bad_entries_are_refused_naming_the_field(setup, entry, message) -> None:
     ours, _, _ = setup
-    with pytest.raises(InvalidRequestError, match=message) as caught:
-        ours.pipeline.validate(Req(params=_params("bad", 1, [entry])))
-    assert caught.value.param == "controlnets"
+    assert_controlnets_refused(ours, _params("bad", 1, [entry]), message)
 
 
 def test_a_family_without_controlnets_refuses_the_field() -> None:

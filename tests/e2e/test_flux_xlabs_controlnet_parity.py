@@ -11,23 +11,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from controlnet_checks import ControlNetRequests, assert_controlnets_refused
 from diffusers import FluxControlNetModel as DiffusersControlNet
 from diffusers import FluxControlNetPipeline
 from diffusers import FluxPipeline as DiffusersFluxPipeline
 
-from diffserve import DiffGenerator, SamplingParams
+from diffserve import DiffGenerator
 from diffserve.configs.sampling_params import ControlNetChoice
-from diffserve.errors import InvalidRequestError
 from diffserve.families.flux.tiny import TinyFluxSpec, build_tiny_flux
 from diffserve.families.flux.tiny_controlnet import TinyFluxControlNetSpec, build_tiny_flux_controlnet
-from diffserve.request import Req
-from diffserve.testing.parity import (
-    assert_batched_as_alone,
-    assert_images_match,
-    diffusers_uint8,
-    smooth_random_image,
-    stack_uint8,
-)
+from diffserve.testing.parity import assert_batched_as_alone, assert_images_match, smooth_random_image
 
 PSNR_BAR_DB = 40.0
 PROMPT = "a fox in the snow"
@@ -35,6 +28,7 @@ HEIGHT, WIDTH = 48, 80  # non-square
 KW = dict(num_inference_steps=3, max_sequence_length=16, guidance_scale=3.5)
 EDGES = smooth_random_image(WIDTH, HEIGHT, seed=11)
 OTHER = smooth_random_image(WIDTH, HEIGHT, seed=13)
+REQUESTS = ControlNetRequests(PROMPT, HEIGHT, WIDTH, KW)
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +50,12 @@ def setup(tmp_path_factory):
     pipe.set_progress_bar_config(disable=True)
 
     def reference(seed: int, **kwargs) -> np.ndarray:
-        return diffusers_uint8(pipe, seed=seed, prompt=PROMPT, height=HEIGHT, width=WIDTH, **KW, **kwargs)
+        return REQUESTS.reference(pipe, seed, **kwargs)
 
     return ours, reference
 
 
-def generate(ours, seed: int, **kwargs) -> np.ndarray:
-    out = ours.generate(prompt=PROMPT, seed=seed, height=HEIGHT, width=WIDTH, **KW, **kwargs)
-    return stack_uint8(out.images)
+generate = REQUESTS.generate
 
 
 @pytest.mark.parametrize(
@@ -81,10 +73,7 @@ def test_xlabs_controlnet_matches_diffusers(setup, extra) -> None:
     assert_images_match(got, ref, f"XLabs ControlNet ({extra})", min_db=PSNR_BAR_DB, control=other)
 
 
-def _params(prompt: str, seed: int, controlnets=()) -> SamplingParams:
-    return SamplingParams(
-        prompt=prompt, seed=seed, height=HEIGHT, width=WIDTH, controlnets=list(controlnets), **KW
-    )
+_params = REQUESTS.params
 
 
 def test_xlabs_instantx_and_plain_rows_batch_as_alone(setup) -> None:
@@ -100,6 +89,4 @@ def test_xlabs_instantx_and_plain_rows_batch_as_alone(setup) -> None:
 def test_a_request_mixing_xlabs_and_instantx_is_refused(setup) -> None:
     ours, _ = setup
     entries = [ControlNetChoice("xlabs", EDGES), ControlNetChoice("canny", EDGES)]
-    with pytest.raises(InvalidRequestError, match="mixes XLabs ControlNets") as caught:
-        ours.pipeline.validate(Req(params=_params("mixed", 1, entries)))
-    assert caught.value.param == "controlnets"
+    assert_controlnets_refused(ours, _params("mixed", 1, entries), "mixes XLabs ControlNets")

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from diffusers import HiDreamImagePipeline, HunyuanVideoImageToVideoPipeline, HunyuanVideoPipeline
+from lora_suite_tests import engines_fixture, generation_test, no_lora_after_loras_test
 from safetensors.torch import load_file, save_file
 
 from diffserve import DiffGenerator
@@ -44,11 +45,8 @@ from diffserve.testing.lora_parity import (
     STD,
     Engines,
     Family,
-    Loras,
     Suite,
     check_adapter_matches,
-    check_generation_matches_diffusers,
-    check_no_lora_after_loras,
     float32_pipeline,
 )
 from diffserve.testing.parity import smooth_random_image, stack_uint8
@@ -122,25 +120,9 @@ FAMILIES: dict[str, Family] = {
 SUITE = Suite(DiffGenerator, FAMILIES, a_pattern=BLOCKS, b_pattern=BLOCKS, reference_base=False)
 
 
-@pytest.fixture(scope="module")
-def engines_of(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Engines]]:
-    """A family's `Engines`, started on first use and kept for the module."""
-    with SUITE.engines(tmp_path_factory.mktemp) as get:
-        yield get
-
-
-@pytest.mark.parametrize(("family", "loras"), [pytest.param(f, loras, id=i) for f, loras, i in SUITE.cases()])
-def test_lora_generation_matches_diffusers(
-    engines_of: Callable[[str], Engines], family: str, loras: Loras
-) -> None:
-    check_generation_matches_diffusers(engines_of(family), family, loras)
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_no_lora_after_loras_is_the_base_bit_for_bit(
-    engines_of: Callable[[str], Engines], family: str
-) -> None:
-    check_no_lora_after_loras(engines_of(family))
+engines_of = engines_fixture(SUITE)
+test_lora_generation_matches_diffusers = generation_test(SUITE)
+test_no_lora_after_loras_is_the_base_bit_for_bit = no_lora_after_loras_test(SUITE)
 
 
 def test_hunyuan_image_refuses_lora(tmp_path: Path) -> None:

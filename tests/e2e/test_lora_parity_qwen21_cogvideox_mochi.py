@@ -17,7 +17,7 @@ no other layout: such files are refused, as `test_non_diffusers_layouts_are_refu
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +26,7 @@ import torch
 from diffusers import CogVideoXImageToVideoPipeline, CogVideoXPipeline, MochiPipeline
 from diffusers import QwenImage21Pipeline as DiffusersQwenImage21
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+from lora_suite_tests import engines_fixture, generation_test, no_lora_after_loras_test
 
 from diffserve import DiffGenerator, SamplingParams
 from diffserve.configs.sampling_params import LoraChoice
@@ -39,11 +40,8 @@ from diffserve.testing.lora_parity import (
     SEED,
     Engines,
     Family,
-    Loras,
     Suite,
     check_adapter_matches,
-    check_generation_matches_diffusers,
-    check_no_lora_after_loras,
     write_original,
 )
 from diffserve.testing.parity import gradient_image, stack_uint8
@@ -124,25 +122,9 @@ SUITE = Suite(
 )
 
 
-@pytest.fixture(scope="module")
-def engines_of(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Engines]]:
-    """A family's `Engines`, started on first use and kept for the module."""
-    with SUITE.engines(tmp_path_factory.mktemp) as get:
-        yield get
-
-
-@pytest.mark.parametrize(("family", "loras"), [pytest.param(f, loras, id=i) for f, loras, i in SUITE.cases()])
-def test_lora_generation_matches_diffusers(
-    engines_of: Callable[[str], Engines], family: str, loras: Loras
-) -> None:
-    check_generation_matches_diffusers(engines_of(family), family, loras)
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_no_lora_after_loras_is_the_base_bit_for_bit(
-    engines_of: Callable[[str], Engines], family: str
-) -> None:
-    check_no_lora_after_loras(engines_of(family))
+engines_of = engines_fixture(SUITE)
+test_lora_generation_matches_diffusers = generation_test(SUITE)
+test_no_lora_after_loras_is_the_base_bit_for_bit = no_lora_after_loras_test(SUITE)
 
 
 @pytest.mark.parametrize("family", ["cogvideox-t2v", "mochi"])

@@ -14,7 +14,7 @@ its own test.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,6 +25,7 @@ from diffusers import (
     WanPipeline,
     ZImagePipeline,
 )
+from lora_suite_tests import engines_fixture, generation_test
 
 from diffserve import DiffGenerator
 from diffserve.families.qwen_image.tiny import build_tiny_qwen_image
@@ -35,10 +36,8 @@ from diffserve.testing.lora_parity import (
     TWO,
     Engines,
     Family,
-    Loras,
     Suite,
     check_adapter_matches,
-    check_generation_matches_diffusers,
     check_no_lora_after_loras,
     float32_pipeline,
     write_original,
@@ -167,19 +166,8 @@ FAMILIES: dict[str, Family] = {
 SUITE = Suite(DiffGenerator, FAMILIES)
 
 
-@pytest.fixture(scope="module")
-def engines_of(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Engines]]:
-    """A family's `Engines`, started on first use and kept for the module: one fixture for every
-    family (a parametrized module fixture would be rebuilt for each differently parametrized test)."""
-    with SUITE.engines(tmp_path_factory.mktemp) as get:
-        yield get
-
-
-@pytest.mark.parametrize(("family", "loras"), [pytest.param(f, loras, id=i) for f, loras, i in SUITE.cases()])
-def test_lora_generation_matches_diffusers(
-    engines_of: Callable[[str], Engines], family: str, loras: Loras
-) -> None:
-    check_generation_matches_diffusers(engines_of(family), family, loras)
+engines_of = engines_fixture(SUITE)
+test_lora_generation_matches_diffusers = generation_test(SUITE)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -29,6 +29,7 @@ from diffserve.testing.parity import (
     stack_uint8,
     to_uint8,
 )
+from diffserve.testing.threads import one_torch_thread
 
 PSNR_BAR_DB = 40.0
 SNR_BAR_DB = 40.0
@@ -40,10 +41,8 @@ STG = {"spatio_temporal_guidance_blocks": [1]}  # Diffusers' default block 28 is
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """The tiny models' ops take microseconds: threads only add contention on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,11 @@ from diffserve.errors import InvalidRequestError
 from diffserve.families.mochi.stages import linear_quadratic_sigmas
 from diffserve.families.mochi.tiny import TinyMochiSpec, build_tiny_mochi
 from diffserve.request import Req
-from diffserve.testing.parity import (
-    assert_batched_as_alone,
-    assert_images_match,
-    assert_parity,
-    generator_and_reference,
-    to_uint8,
+from diffserve.testing.parity import assert_batched_as_alone, assert_images_match, assert_parity
+from diffserve.testing.video_parity import (
+    diffusers_latents_and_frames,
+    final_latents_and_frames,
+    folder_pairs,
 )
 
 LATENT_MIN_DB = 70.0
@@ -40,34 +39,12 @@ FOLDERS = {
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    cache: dict[str, tuple[DiffGenerator, object]] = {}
-
-    def get(name: str):
-        if name not in cache:
-            root = build_tiny_mochi(tmp_path_factory.mktemp(f"mochi-{name}"), FOLDERS[name])
-            cache[name] = generator_and_reference(DiffGenerator, root, DiffusersMochi)
-        return cache[name]
-
-    return get
-
-
-def _ours(gen: DiffGenerator, params: SamplingParams) -> tuple[torch.Tensor, np.ndarray]:
-    """diffserve's final latents (batch, channels, frames, h, w) and its uint8 frames."""
-    pipeline = gen.pipeline
-    req = pipeline.run_pre_denoise(pipeline.validate(Req(params=params)))
-    while not req.is_denoised:
-        pipeline.denoise_step([req])
-    latents = req.latents.clone()
-    return latents, np.stack(pipeline.run_post_denoise(req).outputs.frames)
-
-
-def _reference(reference, seed: int, **kwargs) -> tuple[torch.Tensor, np.ndarray]:
-    def run(output_type: str):
-        return reference(
-            generator=torch.Generator("cpu").manual_seed(seed), output_type=output_type, **kwargs
-        )
-
-    return run("latent").frames, to_uint8(run("np").frames)
+    return folder_pairs(
+        lambda name: tmp_path_factory.mktemp(f"mochi-{name}"),
+        lambda name, root: build_tiny_mochi(root, FOLDERS[name]),
+        DiffGenerator,
+        DiffusersMochi,
+    )
 
 
 CASES = [
@@ -86,8 +63,8 @@ def test_mochi_matches_diffusers(folders, folder, height, width, frames, steps, 
     seed = 3
     common = dict(height=height, width=width, num_inference_steps=steps, num_frames=frames, **options)
     params = SamplingParams(prompt=PROMPT, seed=seed, **common)
-    got_latents, got = _ours(ours, params)
-    want_latents, want = _reference(reference, seed, prompt=PROMPT, **common)
+    got_latents, got = final_latents_and_frames(ours, params)
+    want_latents, want = diffusers_latents_and_frames(reference, seed, prompt=PROMPT, **common)
     label = f"Mochi {folder} {frames}x{height}x{width} {steps} steps {options}"
     db = assert_parity(got_latents, want_latents, f"{label} latents", min_db=LATENT_MIN_DB)
     control_params = SamplingParams(**{**params.__dict__, "prompt": OTHER_PROMPT})
@@ -102,8 +79,8 @@ def test_two_outputs_per_prompt_match(folders) -> None:
     ours, reference = folders("default")
     common = dict(height=48, width=48, num_inference_steps=3, num_frames=7, guidance_scale=3.0)
     params = SamplingParams(prompt=PROMPT, negative_prompt="ugly", num_outputs_per_prompt=2, seed=2, **common)
-    got_latents, got = _ours(ours, params)
-    want_latents, want = _reference(
+    got_latents, got = final_latents_and_frames(ours, params)
+    want_latents, want = diffusers_latents_and_frames(
         reference, 2, prompt=PROMPT, negative_prompt="ugly", num_videos_per_prompt=2, **common
     )
     assert got.shape[0] == 2
@@ -167,7 +144,7 @@ def test_bfloat16_matches_diffusers(tmp_path) -> None:
     while not req.is_denoised:
         pipeline.denoise_step([req])
     assert req.latents.dtype == torch.bfloat16
-    want_latents, want = _reference(reference, 3, prompt=PROMPT, **common)
+    want_latents, want = diffusers_latents_and_frames(reference, 3, prompt=PROMPT, **common)
     assert_parity(req.latents.float(), want_latents.float(), "Mochi bfloat16 latents", min_db=LATENT_MIN_DB)
     got = np.stack(pipeline.run_post_denoise(req).outputs.frames)
     assert_images_match(got, want, "Mochi bfloat16 frames", min_db=PSNR_BAR_DB)

@@ -11,6 +11,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from controlnet_checks import (
+    ControlNetRequests,
+    assert_controlnets_refused,
+    assert_plain_row_unaffected,
+    load_controlnet_folder,
+)
 from diffusers import QwenImageControlNetModel as DiffusersControlNet
 from diffusers import QwenImageControlNetPipeline
 from diffusers import QwenImagePipeline as DiffusersQwenImagePipeline
@@ -19,7 +25,7 @@ from diffusers.models.controlnets.controlnet_qwenimage import QwenImageMultiCont
 from diffserve import DiffGenerator, SamplingParams
 from diffserve.configs.engine_args import ControlNetSpec
 from diffserve.configs.sampling_params import ControlNetChoice
-from diffserve.errors import InvalidRequestError, UserError
+from diffserve.errors import UserError
 from diffserve.families.qwen_image.pipeline import QwenImageEditPipeline, QwenImageEditPlusPipeline
 from diffserve.families.qwen_image.tiny import TinyQwenImageSpec, build_tiny_qwen_image
 from diffserve.families.qwen_image.tiny_controlnet import (
@@ -29,15 +35,7 @@ from diffserve.families.qwen_image.tiny_controlnet import (
     sharpen_vae_posterior,
 )
 from diffserve.loader.controlnets import load_controlnets
-from diffserve.request import Req
-from diffserve.testing.parity import (
-    assert_batched_as_alone,
-    assert_images_match,
-    denoise_together,
-    diffusers_uint8,
-    smooth_random_image,
-    stack_uint8,
-)
+from diffserve.testing.parity import assert_batched_as_alone, assert_images_match, smooth_random_image
 
 PSNR_BAR_DB = 40.0
 PROMPT = "a fox in the snow"
@@ -47,6 +45,7 @@ NO_CFG = dict(true_cfg_scale=1.0)
 EDGES = smooth_random_image(WIDTH, HEIGHT, seed=11)
 DEPTH = smooth_random_image(WIDTH, HEIGHT, seed=12)
 OTHER = smooth_random_image(WIDTH, HEIGHT, seed=13)
+REQUESTS = ControlNetRequests(PROMPT, HEIGHT, WIDTH, KW)
 
 
 @pytest.fixture(scope="module")
@@ -71,16 +70,13 @@ def setup(tmp_path_factory):
     def reference(controlnet, seed: int, **kwargs) -> np.ndarray:
         pipe = QwenImageControlNetPipeline(**base.components, controlnet=controlnet)
         pipe.set_progress_bar_config(disable=True)
-        return diffusers_uint8(pipe, seed=seed, prompt=PROMPT, height=HEIGHT, width=WIDTH, **KW, **kwargs)
+        return REQUESTS.reference(pipe, seed, **kwargs)
 
     return ours, nets, reference
 
 
 def generate(ours, seed: int, **kwargs) -> np.ndarray:
-    kwargs = {**NO_CFG, **kwargs}
-    return stack_uint8(
-        ours.generate(prompt=PROMPT, seed=seed, height=HEIGHT, width=WIDTH, **KW, **kwargs).images
-    )
+    return REQUESTS.generate(ours, seed, **{**NO_CFG, **kwargs})
 
 
 def test_one_controlnet_matches_diffusers(setup) -> None:
@@ -117,22 +113,16 @@ def test_a_controlnet_pipeline_folder_serves_its_controlnet_with_diffusers_keywo
     folder = build_tiny_qwen_image_controlnet_pipeline(
         tmp_path / "pipe", TinyQwenImageControlNetSpec(TinyQwenImageSpec(seed=3), seed=4)
     )
-    ours = DiffGenerator.from_pretrained(folder, device="cpu", show_progress=False)
-    assert list(ours.pipeline.controlnets) == ["default"]
-    pipe = QwenImageControlNetPipeline.from_pretrained(folder, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
+    ours, pipe = load_controlnet_folder(folder, QwenImageControlNetPipeline)
     control = dict(control_image=EDGES, controlnet_conditioning_scale=1.1, control_guidance_end=0.67)
     got = generate(ours, 3, **control)
-    ref = diffusers_uint8(pipe, seed=3, prompt=PROMPT, height=HEIGHT, width=WIDTH, **KW, **NO_CFG, **control)
+    ref = REQUESTS.reference(pipe, 3, **NO_CFG, **control)
     other = generate(ours, 3, **{**control, "control_image": OTHER})
     assert_images_match(got, ref, "QwenImageControlNetPipeline folder", min_db=PSNR_BAR_DB, control=other)
 
 
 def _params(prompt: str, seed: int, controlnets=(), **extra) -> SamplingParams:
-    return SamplingParams(
-        prompt=prompt, seed=seed, height=HEIGHT, width=WIDTH, controlnets=list(controlnets),
-        **{**KW, **NO_CFG, **extra},
-    )  # fmt: skip
+    return REQUESTS.params(prompt, seed, controlnets, **{**NO_CFG, **extra})
 
 
 def test_a_controlnet_row_and_a_plain_row_batch_as_alone(setup) -> None:
@@ -161,17 +151,8 @@ def test_controlnets_next_to_a_block_range_cache_batch_as_alone(setup) -> None:
 
 def test_rows_without_a_controlnet_are_bit_identical(setup) -> None:
     ours, _, _ = setup
-    pipeline = ours.pipeline
-    plain = _params("plain", 4)
-
-    def batch_with(neighbour: SamplingParams) -> np.ndarray:
-        running = [pipeline.run_pre_denoise(pipeline.validate(Req(params=p))) for p in (neighbour, plain)]
-        done, _ = denoise_together(pipeline, running)
-        return stack_uint8(done["plain"].outputs.images)
-
-    controlled = batch_with(_params("neighbour", 1, [ControlNetChoice("canny", EDGES, scale=1.5)]))
-    uncontrolled = batch_with(_params("neighbour", 1))
-    assert np.array_equal(controlled, uncontrolled)
+    controlled = _params("neighbour", 1, [ControlNetChoice("canny", EDGES, scale=1.5)])
+    assert_plain_row_unaffected(ours, _params("plain", 4), controlled, _params("neighbour", 1))
 
 
 @pytest.mark.parametrize(
@@ -183,9 +164,7 @@ def test_rows_without_a_controlnet_are_bit_identical(setup) -> None:
 )
 def test_bad_entries_are_refused_naming_the_field(setup, entry, message) -> None:
     ours, _, _ = setup
-    with pytest.raises(InvalidRequestError, match=message) as caught:
-        ours.pipeline.validate(Req(params=_params("bad", 1, [entry])))
-    assert caught.value.param == "controlnets"
+    assert_controlnets_refused(ours, _params("bad", 1, [entry]), message)
 
 
 @pytest.mark.parametrize("cls", [QwenImageEditPipeline, QwenImageEditPlusPipeline])

@@ -13,6 +13,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from controlnet_checks import (
+    ControlNetRequests,
+    assert_controlnets_refused,
+    assert_plain_row_unaffected,
+    load_controlnet_folder,
+)
 from diffusers import SD3ControlNetModel as DiffusersControlNet
 from diffusers import StableDiffusion3ControlNetPipeline
 from diffusers import StableDiffusion3Pipeline as DiffusersSD3Pipeline
@@ -20,22 +26,13 @@ from diffusers.models.controlnets.controlnet_sd3 import SD3MultiControlNetModel
 
 from diffserve import DiffGenerator, SamplingParams
 from diffserve.configs.sampling_params import ControlNetChoice
-from diffserve.errors import InvalidRequestError
 from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
 from diffserve.families.sd3.tiny_controlnet import (
     TinySD3ControlNetSpec,
     build_tiny_sd3_controlnet,
     build_tiny_sd3_controlnet_pipeline,
 )
-from diffserve.request import Req
-from diffserve.testing.parity import (
-    assert_batched_as_alone,
-    assert_images_match,
-    denoise_together,
-    diffusers_uint8,
-    smooth_random_image,
-    stack_uint8,
-)
+from diffserve.testing.parity import assert_batched_as_alone, assert_images_match, smooth_random_image
 
 PSNR_BAR_DB = 40.0
 PROMPT = "a fox in the snow"
@@ -46,6 +43,7 @@ CFG = dict(guidance_scale=3.0, negative_prompt="blurry")
 EDGES = smooth_random_image(WIDTH, HEIGHT, seed=11)
 DEPTH = smooth_random_image(WIDTH, HEIGHT, seed=12)
 OTHER = smooth_random_image(WIDTH, HEIGHT, seed=13)
+REQUESTS = ControlNetRequests(PROMPT, HEIGHT, WIDTH, KW)
 
 
 @pytest.fixture(scope="module")
@@ -75,15 +73,12 @@ def setup(tmp_path_factory):
         pipe = StableDiffusion3ControlNetPipeline(**base.components, controlnet=controlnet)
         pipe.set_progress_bar_config(disable=True)
         torch.manual_seed(seed)  # Diffusers' control posterior draws from the global RNG
-        return diffusers_uint8(pipe, seed=seed, prompt=PROMPT, height=HEIGHT, width=WIDTH, **KW, **kwargs)
+        return REQUESTS.reference(pipe, seed, **kwargs)
 
     return ours, nets, reference
 
 
-def generate(ours, seed: int, **kwargs) -> np.ndarray:
-    return stack_uint8(
-        ours.generate(prompt=PROMPT, seed=seed, height=HEIGHT, width=WIDTH, **KW, **kwargs).images
-    )
+generate = REQUESTS.generate
 
 
 @pytest.mark.parametrize(
@@ -120,14 +115,11 @@ def test_a_controlnet_pipeline_folder_serves_its_controlnet_with_diffusers_keywo
     folder = build_tiny_sd3_controlnet_pipeline(
         tmp_path / "pipe", TinySD3ControlNetSpec(TinySD3Spec(seed=3), seed=4)
     )
-    ours = DiffGenerator.from_pretrained(folder, device="cpu", show_progress=False)
-    assert list(ours.pipeline.controlnets) == ["default"]
-    pipe = StableDiffusion3ControlNetPipeline.from_pretrained(folder, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
+    ours, pipe = load_controlnet_folder(folder, StableDiffusion3ControlNetPipeline)
     control = dict(control_image=EDGES, controlnet_conditioning_scale=1.1, control_guidance_end=0.67)
     got = generate(ours, 3, **control, **CFG)
     torch.manual_seed(3)
-    ref = diffusers_uint8(pipe, seed=3, prompt=PROMPT, height=HEIGHT, width=WIDTH, **KW, **CFG, **control)
+    ref = REQUESTS.reference(pipe, 3, **CFG, **control)
     other = generate(ours, 3, **{**control, "control_image": OTHER}, **CFG)
     assert_images_match(
         got, ref, "StableDiffusion3ControlNetPipeline folder", min_db=PSNR_BAR_DB, control=other
@@ -135,10 +127,7 @@ def test_a_controlnet_pipeline_folder_serves_its_controlnet_with_diffusers_keywo
 
 
 def _params(prompt: str, seed: int, controlnets=(), **extra) -> SamplingParams:
-    return SamplingParams(
-        prompt=prompt, seed=seed, height=HEIGHT, width=WIDTH, controlnets=list(controlnets),
-        **{**KW, **NO_CFG, **extra},
-    )  # fmt: skip
+    return REQUESTS.params(prompt, seed, controlnets, **{**NO_CFG, **extra})
 
 
 def test_a_controlnet_row_and_a_plain_row_batch_as_alone(setup) -> None:
@@ -154,17 +143,8 @@ def test_a_controlnet_row_and_a_plain_row_batch_as_alone(setup) -> None:
 
 def test_rows_without_a_controlnet_are_bit_identical(setup) -> None:
     ours, _, _ = setup
-    pipeline = ours.pipeline
-    plain = _params("plain", 4)
-
-    def batch_with(neighbour: SamplingParams) -> np.ndarray:
-        running = [pipeline.run_pre_denoise(pipeline.validate(Req(params=p))) for p in (neighbour, plain)]
-        done, _ = denoise_together(pipeline, running)
-        return stack_uint8(done["plain"].outputs.images)
-
-    controlled = batch_with(_params("neighbour", 1, [ControlNetChoice("canny", EDGES, scale=1.5)]))
-    uncontrolled = batch_with(_params("neighbour", 1))
-    assert np.array_equal(controlled, uncontrolled)
+    controlled = _params("neighbour", 1, [ControlNetChoice("canny", EDGES, scale=1.5)])
+    assert_plain_row_unaffected(ours, _params("plain", 4), controlled, _params("neighbour", 1))
 
 
 @pytest.mark.parametrize(
@@ -177,6 +157,4 @@ def test_rows_without_a_controlnet_are_bit_identical(setup) -> None:
 )
 def test_bad_entries_are_refused_naming_the_field(setup, entry, extra, message) -> None:
     ours, _, _ = setup
-    with pytest.raises(InvalidRequestError, match=message) as caught:
-        ours.pipeline.validate(Req(params=_params("bad", 1, [entry], **extra)))
-    assert caught.value.param == "controlnets"
+    assert_controlnets_refused(ours, _params("bad", 1, [entry], **extra), message)

@@ -14,13 +14,8 @@ from diffserve.models.vaes.autoencoder_kl_cogvideox import (
     COGVIDEOX_VAE_CONFIG_DEFAULTS,
     AutoencoderKLCogVideoX,
 )
-from diffserve.testing.parity import (
-    assert_parity,
-    assert_same_state_dict_layout,
-    diffusers_init_defaults,
-    parity_pair,
-    randomize_norms,
-)
+from diffserve.testing.parity import assert_parity, assert_same_state_dict_layout, parity_pair
+from diffserve.testing.vae_parity import assert_config_defaults_are_diffusers, weight_noise
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -38,22 +33,15 @@ TINY: dict[str, Any] = {
 }
 
 
-def _perturb(model: torch.nn.Module) -> None:
-    for p in model.parameters():
-        p.add_(0.02 * torch.randn_like(p))
-    randomize_norms(model)
-
-
 @pytest.fixture(scope="module")
 def pair() -> tuple[torch.nn.Module, AutoencoderKLCogVideoX]:
-    return parity_pair(diffusers.AutoencoderKLCogVideoX, AutoencoderKLCogVideoX, TINY, perturb=_perturb)
+    return parity_pair(
+        diffusers.AutoencoderKLCogVideoX, AutoencoderKLCogVideoX, TINY, perturb=weight_noise(0.02)
+    )
 
 
 def test_config_defaults_are_diffusers() -> None:
-    defaults = diffusers_init_defaults(diffusers.AutoencoderKLCogVideoX)
-    assert {k: tuple(v) if isinstance(v, list | tuple) else v for k, v in defaults.items()} == {
-        k: tuple(v) if isinstance(v, list | tuple) else v for k, v in COGVIDEOX_VAE_CONFIG_DEFAULTS.items()
-    }
+    assert_config_defaults_are_diffusers(diffusers.AutoencoderKLCogVideoX, COGVIDEOX_VAE_CONFIG_DEFAULTS)
 
 
 def test_state_dict_layout(pair) -> None:

@@ -13,7 +13,8 @@ import torch
 
 from diffserve.models.vaes import autoencoder_kl_mochi as mochi
 from diffserve.models.vaes.autoencoder_kl_mochi import AutoencoderKLMochi
-from diffserve.testing.parity import assert_parity, parity_pair, randomize_norms, snr_db
+from diffserve.testing.parity import assert_parity, parity_pair, snr_db
+from diffserve.testing.vae_parity import weight_noise
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -38,15 +39,9 @@ OTHER_EXPANSIONS: dict[str, Any] = {
 }
 
 
-def _perturb(model: torch.nn.Module) -> None:
-    for p in model.parameters():
-        p.add_(0.02 * torch.randn_like(p))
-    randomize_norms(model)
-
-
 @pytest.fixture(scope="module")
 def pair() -> tuple[torch.nn.Module, AutoencoderKLMochi]:
-    return parity_pair(diffusers.AutoencoderKLMochi, AutoencoderKLMochi, TINY, perturb=_perturb)
+    return parity_pair(diffusers.AutoencoderKLMochi, AutoencoderKLMochi, TINY, perturb=weight_noise(0.02))
 
 
 def _video(batch: int, frames: int, height: int, width: int, seed: int) -> torch.Tensor:
@@ -99,7 +94,7 @@ def test_attention_in_groups_of_pixels_matches(pair, monkeypatch) -> None:
 
 def test_other_expansions_match() -> None:
     ref, ours = parity_pair(
-        diffusers.AutoencoderKLMochi, AutoencoderKLMochi, OTHER_EXPANSIONS, perturb=_perturb
+        diffusers.AutoencoderKLMochi, AutoencoderKLMochi, OTHER_EXPANSIONS, perturb=weight_noise(0.02)
     )
     assert ours.temporal_compression_ratio == 4 and ours.spatial_compression_ratio == 4
     x = _video(1, 9, 12, 8, seed=9)

@@ -10,13 +10,8 @@ import pytest
 import torch
 
 from diffserve.models.vaes.autoencoder_kl_mochi import MOCHI_VAE_CONFIG_DEFAULTS, AutoencoderKLMochi
-from diffserve.testing.parity import (
-    assert_parity,
-    assert_same_state_dict_layout,
-    diffusers_init_defaults,
-    parity_pair,
-    randomize_norms,
-)
+from diffserve.testing.parity import assert_parity, assert_same_state_dict_layout, parity_pair
+from diffserve.testing.vae_parity import assert_config_defaults_are_diffusers, weight_noise
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -33,26 +28,13 @@ TINY: dict[str, Any] = {
 }
 
 
-def _perturb(model: torch.nn.Module) -> None:
-    for p in model.parameters():
-        p.add_(0.02 * torch.randn_like(p))
-    randomize_norms(model)
-
-
 @pytest.fixture(scope="module")
 def pair() -> tuple[torch.nn.Module, AutoencoderKLMochi]:
-    return parity_pair(diffusers.AutoencoderKLMochi, AutoencoderKLMochi, TINY, perturb=_perturb)
-
-
-def _norm(v: Any) -> Any:
-    return tuple(v) if isinstance(v, list | tuple) else v
+    return parity_pair(diffusers.AutoencoderKLMochi, AutoencoderKLMochi, TINY, perturb=weight_noise(0.02))
 
 
 def test_config_defaults_are_diffusers() -> None:
-    defaults = diffusers_init_defaults(diffusers.AutoencoderKLMochi)
-    assert {k: _norm(v) for k, v in defaults.items()} == {
-        k: _norm(v) for k, v in MOCHI_VAE_CONFIG_DEFAULTS.items()
-    }
+    assert_config_defaults_are_diffusers(diffusers.AutoencoderKLMochi, MOCHI_VAE_CONFIG_DEFAULTS)
 
 
 def test_state_dict_layout(pair) -> None:

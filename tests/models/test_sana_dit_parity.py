@@ -11,6 +11,13 @@ from typing import Any
 
 import pytest
 import torch
+from sana_dit_checks import (
+    assert_embedded_context_is_exact,
+    assert_unsupported_options_refused,
+    half_precision_outputs,
+    masked_batch_inputs,
+    second_row_unpadded,
+)
 
 from diffserve.models.dits.sana import SanaTransformer2DModel, SanaTransformerConfig
 from diffserve.testing.parity import assert_parity, assert_same_state_dict_layout, parity_pair
@@ -54,18 +61,8 @@ def _pair(variant: str) -> tuple[torch.nn.Module, SanaTransformer2DModel]:
 
 
 def _inputs(guidance: bool, height: int = 6, width: int = 10, text_len: int = 7) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    mask = torch.ones(2, text_len, dtype=torch.long)
-    mask[1, 4:] = 0  # the second prompt is 4 tokens, padded to 7
-    inputs = {
-        "hidden_states": torch.randn(2, TINY_CONFIG["in_channels"], height, width, generator=g),
-        "encoder_hidden_states": torch.randn(2, text_len, TINY_CONFIG["caption_channels"], generator=g),
-        "encoder_attention_mask": mask,
-        "timestep": torch.tensor([999.0, 250.5]),
-    }
-    if guidance:
-        inputs["guidance"] = torch.tensor([4.5, 3.0]) * 0.1
-    return inputs
+    latent_shape = (TINY_CONFIG["in_channels"], height, width)
+    return masked_batch_inputs(latent_shape, TINY_CONFIG["caption_channels"], guidance, text_len)
 
 
 def _compare(label: str, got: torch.Tensor, want: torch.Tensor) -> None:
@@ -84,9 +81,7 @@ def test_forward_matches_diffusers(variant: str) -> None:
     assert ours.hidden_width == 32
 
     # Text embedded once per request gives the same output.
-    context = ours.embed_context(inputs["encoder_hidden_states"])
-    again = ours(**{**inputs, "encoder_hidden_states": None, "context": context})
-    torch.testing.assert_close(again, got, rtol=0, atol=0)
+    assert_embedded_context_is_exact(ours, inputs, got)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -97,13 +92,7 @@ def test_half_precision_close_to_diffusers(variant: str, dtype: torch.dtype) -> 
     dtype) is Diffusers'. Not bit-exact: Diffusers' residual stream keeps the patch embedding's
     transposed layout, and CPU half-precision matmuls round a strided input differently."""
     ref, ours = _pair(variant)
-    ref, ours = ref.to(dtype), ours.to(dtype)
-    inputs = _inputs(guidance=bool(ours.config.guidance_embeds))
-    for key in ("hidden_states", "encoder_hidden_states"):
-        inputs[key] = inputs[key].to(dtype)
-    want = ref(**inputs, return_dict=False)[0]
-    got = ours(**inputs)
-    assert got.dtype == want.dtype == dtype
+    got, want = half_precision_outputs(ref, ours, _inputs(guidance=bool(ours.config.guidance_embeds)), dtype)
     assert_parity(got, want, f"sana dit parity {variant} {dtype}", max_abs=0.1, min_cos=MIN_COS)
 
 
@@ -138,12 +127,7 @@ def test_mask_changes_only_the_masked_row_and_matches_unpadded() -> None:
     ref, ours = _pair("sana_1.5")
     inputs = _inputs(guidance=False)
     full = ours(**inputs)
-    unpadded = ours(
-        hidden_states=inputs["hidden_states"][1:],
-        encoder_hidden_states=inputs["encoder_hidden_states"][1:, :4],
-        encoder_attention_mask=None,
-        timestep=inputs["timestep"][1:],
-    )
+    unpadded = second_row_unpadded(ours, inputs)
     _compare("masked row vs unpadded", full[1:], unpadded)
     unmasked = ours(**{**inputs, "encoder_attention_mask": None})
     torch.testing.assert_close(unmasked[0], full[0], rtol=0, atol=0)
@@ -169,12 +153,7 @@ def test_guidance_must_match_the_config() -> None:
 
 
 def test_unsupported_options_are_clear_errors() -> None:
-    with pytest.raises(ValueError, match="qk_norm='layer_norm'"):
-        SanaTransformerConfig(qk_norm="layer_norm")
-    with pytest.raises(ValueError, match="cross_attention_dim"):
-        SanaTransformerConfig(cross_attention_dim=None)
-    with pytest.raises(ValueError, match="unknown keys.*not_a_key"):
-        SanaTransformer2DModel.from_config({"not_a_key": 1})
+    assert_unsupported_options_refused(SanaTransformerConfig, SanaTransformer2DModel)
     with torch.device("meta"):
         model = SanaTransformer2DModel.from_config({"_class_name": "SanaTransformer2DModel", "num_layers": 1})
     assert model.hidden_width == 2240

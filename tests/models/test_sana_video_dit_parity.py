@@ -10,6 +10,13 @@ from typing import Any
 
 import pytest
 import torch
+from sana_dit_checks import (
+    assert_embedded_context_is_exact,
+    assert_unsupported_options_refused,
+    half_precision_outputs,
+    masked_batch_inputs,
+    second_row_unpadded,
+)
 
 from diffserve.models.dits.sana_video import SanaVideoTransformer3DModel, SanaVideoTransformerConfig
 from diffserve.testing.parity import assert_parity, assert_same_state_dict_layout, parity_pair
@@ -50,18 +57,8 @@ def _pair(variant: str) -> tuple[torch.nn.Module, SanaVideoTransformer3DModel]:
 
 
 def _inputs(guidance: bool, text_len: int = 7) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    mask = torch.ones(2, text_len, dtype=torch.long)
-    mask[1, 4:] = 0  # the second prompt is 4 tokens, padded to 7
-    inputs = {
-        "hidden_states": torch.randn(2, TINY_CONFIG["in_channels"], 3, 6, 10, generator=g),
-        "encoder_hidden_states": torch.randn(2, text_len, TINY_CONFIG["caption_channels"], generator=g),
-        "encoder_attention_mask": mask,
-        "timestep": torch.tensor([999.0, 250.5]),
-    }
-    if guidance:
-        inputs["guidance"] = torch.tensor([4.5, 3.0]) * 0.1
-    return inputs
+    latent_shape = (TINY_CONFIG["in_channels"], 3, 6, 10)
+    return masked_batch_inputs(latent_shape, TINY_CONFIG["caption_channels"], guidance, text_len)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -77,21 +74,13 @@ def test_forward_matches_diffusers(variant: str) -> None:
     assert ours.hidden_width == 24
 
     # Text embedded once per request gives the same output.
-    context = ours.embed_context(inputs["encoder_hidden_states"])
-    again = ours(**{**inputs, "encoder_hidden_states": None, "context": context})
-    torch.testing.assert_close(again, got, rtol=0, atol=0)
+    assert_embedded_context_is_exact(ours, inputs, got)
 
 
 @torch.no_grad()
 def test_bf16_close_to_diffusers() -> None:
     ref, ours = _pair("released")
-    ref, ours = ref.to(torch.bfloat16), ours.to(torch.bfloat16)
-    inputs = _inputs(guidance=False)
-    for key in ("hidden_states", "encoder_hidden_states"):
-        inputs[key] = inputs[key].to(torch.bfloat16)
-    want = ref(**inputs, return_dict=False)[0]
-    got = ours(**inputs)
-    assert got.dtype == want.dtype == torch.bfloat16
+    got, want = half_precision_outputs(ref, ours, _inputs(guidance=False), torch.bfloat16)
     assert_parity(got, want, "SANA-Video DiT bf16", max_abs=0.25, min_cos=0.999)
 
 
@@ -101,12 +90,7 @@ def test_rows_are_independent_and_the_mask_drops_padding() -> None:
     _, ours = _pair("released")
     inputs = _inputs(guidance=False)
     full = ours(**inputs)
-    alone = ours(
-        hidden_states=inputs["hidden_states"][1:],
-        encoder_hidden_states=inputs["encoder_hidden_states"][1:, :4],
-        encoder_attention_mask=None,
-        timestep=inputs["timestep"][1:],
-    )
+    alone = second_row_unpadded(ours, inputs)
     assert_parity(full[1:], alone, "masked row vs unpadded", max_abs=MAX_ABS, min_cos=MIN_COS)
 
 
@@ -122,9 +106,4 @@ def test_released_configs_have_diffusers_keys(name: str) -> None:
 
 
 def test_unsupported_options_are_clear_errors() -> None:
-    with pytest.raises(ValueError, match="qk_norm='layer_norm'"):
-        SanaVideoTransformerConfig(qk_norm="layer_norm")
-    with pytest.raises(ValueError, match="cross_attention_dim"):
-        SanaVideoTransformerConfig(cross_attention_dim=None)
-    with pytest.raises(ValueError, match="unknown keys.*not_a_key"):
-        SanaVideoTransformer3DModel.from_config({"not_a_key": 1})
+    assert_unsupported_options_refused(SanaVideoTransformerConfig, SanaVideoTransformer3DModel)

@@ -14,6 +14,7 @@ import numpy as np
 import openai
 import pytest
 from api_checks import b64_pixels
+from edit_inputs import cli_generate_with_image, random_png
 from PIL import Image
 from server_process import serving
 
@@ -25,10 +26,7 @@ FAST = {"num_inference_steps": 2, "true_cfg_scale": 1.0}
 
 
 def input_png(size: tuple[int, int] = INPUT_SIZE, seed: int = 0) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
+    return random_png(size, seed)
 
 
 @pytest.fixture(scope="module")
@@ -140,36 +138,8 @@ def test_mask_and_second_image_are_refused(server, client) -> None:
 
 
 def test_cli_generate_with_image(tiny_qwen_edit_dir, tmp_path) -> None:
-    from diffserve.cli.main import main
-
-    path = tmp_path / "in.png"
-    path.write_bytes(input_png())
-    out_dir = tmp_path / "out"
-    rc = main(
-        [
-            "generate",
-            "--model-path",
-            str(tiny_qwen_edit_dir),
-            "--prompt",
-            "make it blue",
-            "--image",
-            str(path),
-            "--num-inference-steps",
-            "2",
-            "--true-cfg-scale",
-            "1",
-            "--width",
-            "64",
-            "--height",
-            "32",
-            "--output-path",
-            str(out_dir),
-            "--output-file-name",
-            "edited.png",
-            "--log-level",
-            "warning",
-        ]
+    out_dir = cli_generate_with_image(
+        tiny_qwen_edit_dir, tmp_path, input_png(), "make it blue", (64, 32), "edited.png"
     )
-    assert rc == 0
     with Image.open(out_dir / "edited.png") as image:
         assert image.size == (64, 32) and np.asarray(image).std() > 0

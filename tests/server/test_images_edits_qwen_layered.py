@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
+from edit_inputs import cli_generate_with_image, random_png
 from PIL import Image
 from server_process import serving
 
@@ -22,10 +23,7 @@ FAST = {"num_inference_steps": 2, "true_cfg_scale": 1.0}
 
 
 def input_png(size: tuple[int, int] = (48, 32), seed: int = 0) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
+    return random_png(size, seed)
 
 
 def rgba(b64: str) -> Image.Image:
@@ -99,37 +97,9 @@ def test_a_missing_image_is_a_400(server, client) -> None:
 
 
 def test_cli_generate_writes_one_png_per_layer(tiny_layered_dir, tmp_path) -> None:
-    from diffserve.cli.main import main
-
-    path = tmp_path / "in.png"
-    path.write_bytes(input_png())
-    out_dir = tmp_path / "out"
-    rc = main(
-        [
-            "generate",
-            "--model-path",
-            str(tiny_layered_dir),
-            "--prompt",
-            "a red fox",
-            "--image",
-            str(path),
-            "--num-inference-steps",
-            "2",
-            "--true-cfg-scale",
-            "1",
-            "--width",
-            "48",
-            "--height",
-            "32",
-            "--output-path",
-            str(out_dir),
-            "--output-file-name",
-            "layers.png",
-            "--log-level",
-            "warning",
-        ]
+    out_dir = cli_generate_with_image(
+        tiny_layered_dir, tmp_path, input_png(), "a red fox", (48, 32), "layers.png"
     )
-    assert rc == 0
     # The CLI has no flag for `extra`: Diffusers' default of 4 layers.
     names = [f"layers_{i}.png" for i in range(4)]
     assert sorted(p.name for p in out_dir.iterdir()) == names
