@@ -19,8 +19,7 @@ import torch
 from torch import nn
 
 from diffserve.request import Req
-from diffserve.stages.base import Stage
-from diffserve.stages.prompt_cache import PromptEmbeddingCache
+from diffserve.stages.text_encoding import CachedTextEncodingStage
 
 
 def preprocess(text: str) -> str:
@@ -28,11 +27,8 @@ def preprocess(text: str) -> str:
     return text.lower().strip()
 
 
-class InstructedGemmaTextEncodingStage(Stage):
+class InstructedGemmaTextEncodingStage(CachedTextEncodingStage):
     """Base of the SANA families' text stages (each subclass is its stage's name in logs and metrics)."""
-
-    needs = ("do_cfg",)
-    sets = ("prompt_embeds",)
 
     def __init__(
         self,
@@ -43,13 +39,10 @@ class InstructedGemmaTextEncodingStage(Stage):
     ) -> None:
         """`complex_human_instruction`: its lines, joined by newlines, go before every prompt (not the
         negative prompt); empty: prompts are read bare, as Diffusers with `complex_human_instruction=None`."""
-        self.tokenizer = tokenizer
-        self.text_encoder = text_encoder
+        super().__init__(tokenizer, text_encoder, output_dtype)
         self.instruction = "\n".join(complex_human_instruction) if complex_human_instruction else None
         # Diffusers counts the instruction's tokens with its `<bos>`.
         self.instruction_tokens = len(tokenizer.encode(self.instruction)) if self.instruction else 0
-        self.output_dtype = output_dtype
-        self.cache = PromptEmbeddingCache()
 
     def longest_sequence(self, max_sequence_length: int) -> int:
         """Tokens Gemma-2 reads for a prompt at this max_sequence_length."""

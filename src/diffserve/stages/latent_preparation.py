@@ -119,6 +119,10 @@ class VideoLatentPreparationStage(Stage):
         frames = (p.num_frames - 1) // self.temporal + 1
         h, w = p.height // self.spatial, p.width // self.spatial
         shape = (p.num_outputs_per_prompt, self.channels, frames, h, w)
-        req.latents = initial_noise(req, shape, self.dtype).to(self.device)
+        req.latents = self.noise(req, shape)
         req.latent_size = LatentSize(h, w)
         return req
+
+    def noise(self, req: Req, shape: tuple[int, ...]) -> torch.Tensor:
+        """The initial latents of `shape` on the device: the request's noise drawn in `dtype`."""
+        return initial_noise(req, shape, self.dtype).to(self.device)

@@ -30,6 +30,25 @@ class CachedTextEncodingStage(Stage):
         self.cache = PromptEmbeddingCache()
 
 
+class SequenceTextEncodingStage(CachedTextEncodingStage):
+    """A cached text-encoding stage whose `encode(prompts, max_sequence_length)` gives one
+    (len(prompts), max_sequence_length, dim) tensor: each prompt's row is cached, and the request's
+    sequence embeddings are set from them (no mask, no pooled text)."""
+
+    def encode(self, prompts: list[str], max_sequence_length: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, req: Req) -> Req:
+        msl = req.params.max_sequence_length
+        embeds = self.cache.lookup(
+            request_prompts(req),
+            (msl,),
+            lambda batch: [row.clone() for row in self.encode(batch, msl).split(1)],
+        )
+        set_sequence_embeds(req, embeds)
+        return req
+
+
 def tokenize(tokenizer, prompts: list[str], max_length: int, device: torch.device) -> torch.Tensor:
     """`prompts`' token ids padded and truncated to `max_length`, with a warning when one was truncated.
     The check tokenizes to `max_length + 1` (truncated too): untruncated, a long prompt would make

@@ -27,12 +27,7 @@ from diffserve.stages.base import Stage, to_module
 from diffserve.stages.decoding import DecodeLayout
 from diffserve.stages.image_tensor import image_to_tensor
 from diffserve.stages.input_validation import InputValidationStage
-from diffserve.stages.text_encoding import (
-    CachedTextEncodingStage,
-    request_prompts,
-    set_sequence_embeds,
-    tokenize,
-)
+from diffserve.stages.text_encoding import SequenceTextEncodingStage, tokenize
 from diffserve.stages.timestep_preparation import set_schedule
 from diffserve.stages.video_vae_decoding import video_to_uint8
 
@@ -61,23 +56,13 @@ class CogVideoXInputValidationStage(InputValidationStage):
         return resolved
 
 
-class CogVideoXTextEncodingStage(CachedTextEncodingStage):
+class CogVideoXTextEncodingStage(SequenceTextEncodingStage):
     @torch.inference_mode()
     def encode(self, prompts: list[str], max_sequence_length: int) -> torch.Tensor:
         """(len(prompts), max_sequence_length, dim): T5's states of the padded tokens, no attention mask."""
         device = next(self.text_encoder.parameters()).device
         ids = tokenize(self.tokenizer, prompts, max_sequence_length, device)
         return self.text_encoder(ids)[0].to(self.output_dtype)
-
-    def forward(self, req: Req) -> Req:
-        msl = req.params.max_sequence_length
-        embeds = self.cache.lookup(
-            request_prompts(req),
-            (msl,),
-            lambda batch: [row.clone() for row in self.encode(batch, msl).split(1)],
-        )
-        set_sequence_embeds(req, embeds)
-        return req
 
 
 def to_diffusers_layout(latents: torch.Tensor) -> torch.Tensor:

@@ -20,10 +20,11 @@ from torch import nn
 from diffserve.distributed.parallel_vae import decode_split
 from diffserve.errors import InvalidRequestError
 from diffserve.families.mochi.conditioning import MochiConditioning
-from diffserve.request import LatentSize, Req
+from diffserve.request import Req
 from diffserve.stages.base import Stage, to_module
 from diffserve.stages.decoding import DecodeLayout
 from diffserve.stages.input_validation import InputValidationStage
+from diffserve.stages.latent_preparation import VideoLatentPreparationStage, initial_noise
 from diffserve.stages.text_encoding import CachedTextEncodingStage, request_prompts
 from diffserve.stages.timestep_preparation import set_schedule
 from diffserve.stages.video_vae_decoding import video_to_uint8
@@ -110,23 +111,12 @@ class MochiTextEncodingStage(CachedTextEncodingStage):
         return req
 
 
-class MochiLatentPreparationStage(Stage):
-    needs = ("generator", "prompt_embeds")
-    sets = ("latents", "latent_size")
+class MochiLatentPreparationStage(VideoLatentPreparationStage):
+    """The shared video noise, drawn in float32 and rounded to `dtype` (the DiT's) before it moves to the
+    device, as Diffusers' Mochi draws it."""
 
-    def __init__(self, channels: int, spatial: int, temporal: int, device: torch.device, dtype: torch.dtype):
-        self.channels, self.spatial, self.temporal = channels, spatial, temporal
-        self.device, self.dtype = device, dtype
-
-    def forward(self, req: Req) -> Req:
-        p = req.params
-        frames = (p.num_frames - 1) // self.temporal + 1
-        h, w = p.height // self.spatial, p.width // self.spatial
-        shape = (p.num_outputs_per_prompt, self.channels, frames, h, w)
-        noise = torch.randn(shape, generator=req.generator, device="cpu", dtype=torch.float32)
-        req.latents = noise.to(self.dtype).to(self.device)
-        req.latent_size = LatentSize(h, w)
-        return req
+    def noise(self, req: Req, shape: tuple[int, ...]) -> torch.Tensor:
+        return initial_noise(req, shape, torch.float32).to(self.dtype).to(self.device)
 
 
 class MochiTimestepPreparationStage(Stage):

@@ -8,8 +8,7 @@ import re
 
 import torch
 
-from diffserve.request import Req
-from diffserve.stages.text_encoding import CachedTextEncodingStage, request_prompts, set_sequence_embeds
+from diffserve.stages.text_encoding import SequenceTextEncodingStage
 
 try:  # Diffusers fixes mojibake with ftfy when it is installed; do the same so prompts match.
     import ftfy
@@ -25,7 +24,7 @@ def clean_prompt(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
-class WanTextEncodingStage(CachedTextEncodingStage):
+class WanTextEncodingStage(SequenceTextEncodingStage):
     @torch.inference_mode()
     def encode(self, prompts: list[str], max_sequence_length: int) -> torch.Tensor:
         """(len(prompts), max_sequence_length, dim): real tokens' states, then zeros."""
@@ -45,13 +44,3 @@ class WanTextEncodingStage(CachedTextEncodingStage):
         for i, length in enumerate(mask.sum(dim=1).tolist()):
             out[i, :length] = states[i, :length]
         return out
-
-    def forward(self, req: Req) -> Req:
-        msl = req.params.max_sequence_length
-        embeds = self.cache.lookup(
-            request_prompts(req),
-            (msl,),
-            lambda batch: [row.clone() for row in self.encode(batch, msl).split(1)],
-        )
-        set_sequence_embeds(req, embeds)
-        return req

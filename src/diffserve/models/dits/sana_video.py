@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 import torch
@@ -58,7 +59,7 @@ from diffserve.distributed.sequence_parallel import SequenceShard
 from diffserve.distributed.sequence_split import SequenceSplit, sequence_split
 from diffserve.layers.glumbconv import GLUMBConv
 from diffserve.layers.norms import LayerNorm
-from diffserve.layers.rotary import RopeTables, RotaryEmbedding, multi_axis_rope_tables
+from diffserve.layers.rotary import RopeTables, RotaryEmbedding
 from diffserve.layers.shape_cache import BoundedCache
 from diffserve.models.cache_methods.blocks import SequentialBlocks, refuse_sequence_parallel
 from diffserve.models.dits.base import DiTConfig
@@ -72,11 +73,9 @@ from diffserve.models.dits.sana_blocks import (
     SanaDiTBase,
     check_text_cross_attention,
 )
-from diffserve.models.dits.wan import wan_rope_axes_dims
+from diffserve.models.dits.wan import wan_grid_rope_tables, wan_rope_axes_dims
 from diffserve.models.step_cache import BatchStepCache
 
-#: Wan's RoPE base, which SANA-Video's position embedding keeps.
-ROPE_THETA = 10000.0
 #: Tables kept per (grid, device).
 ROPE_CACHE_SIZE = 8
 
@@ -296,20 +295,13 @@ class SanaVideoTransformer3DModel(SanaDiTBase):
         self._rope_cache: BoundedCache[RopeTables] = BoundedCache(ROPE_CACHE_SIZE)
 
     def rope_tables(self, frames: int, height: int, width: int, device: torch.device) -> RopeTables:
-        """Half-width (cos, sin) float32 tables (frames*height*width, head_dim // 2) for a post-patch grid,
-        cached per grid and device."""
-
-        def build() -> RopeTables:
-            if max(frames, height, width) > self.config.rope_max_seq_len:
-                raise ValueError(
-                    f"latent grid {(frames, height, width)} (after patching) exceeds rope_max_seq_len "
-                    f"({self.config.rope_max_seq_len}) along one axis"
-                )
-            axes = [torch.arange(n, device=device) for n in (frames, height, width)]
-            ids = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
-            return multi_axis_rope_tables(ids, self.rope_axes_dims, ROPE_THETA)
-
-        return self._rope_cache.get_or_build((frames, height, width), device, build)
+        """Wan's half-width (cos, sin) float32 tables (frames*height*width, head_dim // 2) for a post-patch
+        grid (`wan_grid_rope_tables`), cached per grid and device."""
+        grid = (frames, height, width)
+        build = partial(
+            wan_grid_rope_tables, *grid, self.rope_axes_dims, self.config.rope_max_seq_len, device
+        )
+        return self._rope_cache.get_or_build(grid, device, build)
 
     def forward(
         self,

@@ -177,6 +177,9 @@ class _CallState:
     break_cursor: int = 0
 
 
+#: One attention call's (q, k, v, mask), as an attention hook receives them.
+_AttentionInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+
 _STATE: ContextVar[_CallState | None] = ContextVar("diffserve_cuda_graph_call", default=None)
 _TENSOR = "<tensor>"
 
@@ -446,7 +449,7 @@ class GraphRunner:
         record = BlockCall(block, spec, statics, tuple(constants), values)
         state.block = record
         static_args, static_kwargs = tree_unflatten(call_leaves, spec)
-        hook = self._capture_break if self.padder.breaks_at_attention else None
+        hook = self._attention_break if self.padder.breaks_at_attention else None
         self.backend.begin_segment()
         ended = False
         try:
@@ -463,7 +466,7 @@ class GraphRunner:
         state.record.blocks.append(record)
         return output
 
-    def _capture_break(
+    def _attention_break(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -471,10 +474,20 @@ class GraphRunner:
         mask: torch.Tensor | None,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        """At capture: end the segment after copying the attention inputs into static buffers, record
-        a break point, start the next segment, and hand the blocks the break's output buffer."""
+        """The attention hook inside a block (an `AttentionHook`): at capture a break point recorded, at
+        a dry-run replay the captured one run."""
         state = _STATE.get()
         assert state is not None and state.block is not None
+        if state.mode == "capture":
+            return self._capture_break(state, state.block, (q, k, v, mask), backend)
+        return self._replay_break(state, state.block, (q, k, v, mask), backend)
+
+    def _capture_break(
+        self, state: _CallState, block: BlockCall, inputs: _AttentionInputs, backend: AttentionBackend
+    ) -> torch.Tensor:
+        """At capture: end the segment after copying the attention inputs into static buffers, record
+        a break point, start the next segment, and hand the blocks the break's output buffer."""
+        q, k, v, mask = inputs
         buffers = []
         for role, t in (("q", q), ("k", k), ("v", v), ("mask", mask)):
             if t is None:
@@ -484,10 +497,10 @@ class GraphRunner:
             buffer = self._buffer(("break", role), tuple(t.shape), t.dtype, t.device, tuple(t.stride()))
             buffer.copy_(t)
             buffers.append(buffer)
-        state.block.items.append(self.backend.end_segment())
+        block.items.append(self.backend.end_segment())
         out = self._buffer(("break", "out"), (*q.shape[:-1], v.shape[-1]), q.dtype, q.device)
         point = BreakPoint(buffers[0], buffers[1], buffers[2], buffers[3], out, backend)
-        state.block.items.append(point)
+        block.items.append(point)
         if self.backend.records_only:  # the dry run executes as it records
             point.run(state.padded.span)
         self.backend.begin_segment()
@@ -573,7 +586,7 @@ class GraphRunner:
             record.spec,
         )
         state.block, state.break_cursor = record, 0
-        hook = self._replay_break if record.breaks else None
+        hook = self._attention_break if record.breaks else None
         with attention_hook_scope(hook):
             output = inner(*static_args, **static_kwargs)
         if state.break_cursor != len(record.breaks):
@@ -590,16 +603,12 @@ class GraphRunner:
         return record.outputs
 
     def _replay_break(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: torch.Tensor | None,
-        backend: AttentionBackend,
+        self, state: _CallState, block: BlockCall, inputs: _AttentionInputs, backend: AttentionBackend
     ) -> torch.Tensor:
-        state = _STATE.get()
-        assert state is not None and state.block is not None
-        breaks = state.block.breaks
+        """At a dry-run replay: the block's next break point, checked against these inputs, run from its
+        buffers after copying them in."""
+        q, k, v, mask = inputs
+        breaks = block.breaks
         if state.break_cursor >= len(breaks):
             raise CaptureMismatchError(f"{self.name}: a block made more attention calls than at capture")
         point = breaks[state.break_cursor]
