@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,16 +20,9 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 from server_process import ServerProcess, start_server  # noqa: E402
+from webui_chromium import playwright_and_chromium  # noqa: E402
 
-playwright_api = pytest.importorskip(
-    "playwright.sync_api", reason="Playwright for Python is not installed (pip install -e '.[test]')"
-)
-CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
-if CHROMIUM is None:
-    pytest.skip(
-        "no Chromium found on PATH (apt-get install chromium; `make test` does it as root)",
-        allow_module_level=True,
-    )
+playwright_api, CHROMIUM = playwright_and_chromium()
 
 SIZE = 64
 TIMEOUT_MS = 30_000

@@ -6,7 +6,8 @@ own). Each file deploys its application(s) on it and deletes them when it is don
 
 The nodes: a head and a worker of 1 CPU each, Serve's proxy on the head. The head carries the custom
 resource "small" (2), the worker "big" (1): test_ray_disaggregated.py places its stages with them, and
-test_ray_serve.py's replicas (1 CPU each) land one per node whatever the custom resources say."""
+test_ray_serve.py's replicas (1 CPU each) land one per node whatever the custom resources say. Both files
+also load the demo model's LoRA folder (`lora_dir`, one per module)."""
 
 from __future__ import annotations
 
@@ -102,6 +103,21 @@ def cluster():
         "ray.serve", reason='the Ray Serve tests need the extra: pip install "diffserve[ray]"'
     )
     return SHARED.get()
+
+
+@pytest.fixture(scope="module")
+def lora_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with one LoRA for the demo model (`diffserve make-lora`), one per test module (the Ray Serve
+    files load it through /v1/loras)."""
+    from diffserve.cli.main import main
+    from diffserve.configs.demo_model import demo_model_path
+
+    folder = tmp_path_factory.mktemp("loras")
+    code = main(
+        ["make-lora", str(folder / "ink.safetensors"), "--model-path", str(demo_model_path()), "--rank", "2"]
+    )
+    assert code == 0
+    return folder
 
 
 @pytest.hookimpl(hookwrapper=True)

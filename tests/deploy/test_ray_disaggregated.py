@@ -54,20 +54,6 @@ def metric(text: str, sample: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def lora_dir(tmp_path_factory):
-    """A folder with one LoRA for the demo model (`diffserve make-lora`)."""
-    from diffserve.cli.main import main
-    from diffserve.configs.demo_model import demo_model_path
-
-    folder = tmp_path_factory.mktemp("loras")
-    code = main(
-        ["make-lora", str(folder / "ink.safetensors"), "--model-path", str(demo_model_path()), "--rank", "2"]
-    )
-    assert code == 0
-    return folder
-
-
-@pytest.fixture(scope="module")
 def app(cluster, tmp_path_factory, lora_dir):
     """The demo model disaggregated on the shared cluster (tests/deploy/conftest.py): the encoder and decoder
     on the head node ("small"), the denoiser on the worker ("big"); deleted after the module."""

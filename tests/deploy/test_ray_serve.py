@@ -68,20 +68,6 @@ def wan_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def lora_dir(tmp_path_factory):
-    """A folder with one LoRA for the demo model (`diffserve make-lora`)."""
-    from diffserve.cli.main import main
-    from diffserve.configs.demo_model import demo_model_path
-
-    folder = tmp_path_factory.mktemp("loras")
-    code = main(
-        ["make-lora", str(folder / "ink.safetensors"), "--model-path", str(demo_model_path()), "--rank", "2"]
-    )
-    assert code == 0
-    return folder
-
-
-@pytest.fixture(scope="module")
 def app(cluster, wan_dir, lora_dir, tmp_path_factory):
     """The application: the demo model on 2 replicas (1 CPU each: one per node) and the tiny Wan on one;
     deleted after the module (the autoscaling test's, once it has replaced it)."""

@@ -35,13 +35,13 @@ costs more than the tiny forwards); a family that raises on the ranks fails its 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import pytest
 import torch
+from dit_split_fixtures import one_device_outputs_fixture
 
 from diffserve.distributed.config import ParallelConfig
 from diffserve.distributed.state import ParallelState, build_parallel_state, parallel_scope
@@ -421,10 +421,7 @@ def forward_on_rank(
     return case_results(lambda family: FAMILIES[family].on_rank(state, inputs[family]), inputs)
 
 
-@pytest.fixture(scope="module")
-def expected() -> Callable[[str], object]:
-    """A family's one-device outputs (computed once)."""
-    return functools.cache(lambda family: FAMILIES[family].one_device())
+expected = one_device_outputs_fixture(FAMILIES)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ level): HunyuanVideo 1.0 and Mochi only, to keep the file under 30 s.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from dit_split_fixtures import one_device_outputs_fixture
 
 from diffserve.api import DiffGenerator
 from diffserve.distributed.config import ParallelConfig
@@ -259,10 +259,7 @@ def forward_on_rank(rank: int, world_size: int, ulysses: int, ring: int) -> dict
     return case_results(run, FAMILIES)
 
 
-@pytest.fixture(scope="module")
-def expected() -> Callable[[str], object]:
-    """A family's one-device outputs (computed once)."""
-    return functools.cache(lambda family: FAMILIES[family].one_device())
+expected = one_device_outputs_fixture(FAMILIES)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import logging
 import re
 
 import pytest
+from cli_request_args import request_args
 
 from diffserve import DiffGenerator
 from diffserve.cli.calibrate_cache import Progress, candidate_methods, interleaved_speedups, spread
@@ -46,14 +47,7 @@ def test_calibration_is_written_next_to_the_model_and_used(tmp_path, capsys, cal
             "calibrate-cache",
             "--model-path",
             str(folder),
-            "--prompt",
-            "a red fox",
-            "--height",
-            "32",
-            "--width",
-            "32",
-            "--num-inference-steps",
-            "8",
+            *request_args("a red fox", steps=8),
             "--timing-rounds",
             "2",
             "--log-level",
@@ -114,17 +108,7 @@ def test_calibration_is_written_next_to_the_model_and_used(tmp_path, capsys, cal
 
 def test_methods_narrow_the_candidates(tmp_path, capsys) -> None:
     folder = build_tiny_flux(tmp_path / "flux")
-    args = [
-        "calibrate-cache",
-        "--model-path",
-        str(folder),
-        "--prompt",
-        "a fox",
-        "--height",
-        "32",
-        "--width",
-        "32",
-    ]
+    args = ["calibrate-cache", "--model-path", str(folder), *request_args("a fox")]
     more = [
         "--num-inference-steps",
         "8",
@@ -177,14 +161,7 @@ def test_dry_run_writes_nothing(tmp_path) -> None:
                 "calibrate-cache",
                 "--model-path",
                 str(folder),
-                "--prompt",
-                "a fox",
-                "--height",
-                "32",
-                "--width",
-                "32",
-                "--num-inference-steps",
-                "4",
+                *request_args("a fox", steps=4),
                 "--timing-rounds",
                 "1",
                 "--dry-run",

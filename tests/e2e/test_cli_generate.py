@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from cli_request_args import request_args
 from PIL import Image
 
 from diffserve.cli.main import main
@@ -48,14 +49,7 @@ def test_generate_writes_png_with_parameters(tiny_flux_dir, tmp_path) -> None:
         "generate",
         "--model-path",
         str(tiny_flux_dir),
-        "--prompt",
-        "a red fox",
-        "--height",
-        "64",
-        "--width",
-        "48",
-        "--num-inference-steps",
-        "3",
+        *request_args("a red fox", height=64, width=48, steps=3),
         "--seed",
         "42",
         "--save-output",
@@ -95,12 +89,7 @@ def test_prompt_file_and_multiple_outputs(tiny_flux_dir, tmp_path, run_cli) -> N
         str(tiny_flux_dir),
         "--prompt-file",
         str(prompts),
-        "--height",
-        "32",
-        "--width",
-        "32",
-        "--num-inference-steps",
-        "1",
+        *request_args(steps=1),
         "--num-outputs-per-prompt",
         "2",
         "--output-path",
@@ -138,14 +127,7 @@ def test_no_save_output_writes_nothing(tiny_flux_dir, tmp_path, run_cli) -> None
         "generate",
         "--model-path",
         str(tiny_flux_dir),
-        "--prompt",
-        "x",
-        "--height",
-        "32",
-        "--width",
-        "32",
-        "--num-inference-steps",
-        "1",
+        *request_args("x", steps=1),
         "--no-save-output",
         "--output-path",
         str(tmp_path / "o"),
@@ -169,12 +151,7 @@ def test_bad_inputs_give_one_clear_line_and_exit_2(tiny_flux_dir, tmp_path, args
         "generate",
         "--model-path",
         str(tiny_flux_dir),
-        "--height",
-        "32",
-        "--width",
-        "32",
-        "--num-inference-steps",
-        "1",
+        *request_args(steps=1),
         "--output-path",
         str(tmp_path),
     ]

@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from cli_request_args import request_args
 from PIL import Image
 
 from diffserve.cli.engine_flags import engine_args_from
@@ -15,18 +16,7 @@ from diffserve.cli.lora_flags import parse_lora_spec, parse_size
 from diffserve.cli.main import build_parser, main
 from diffserve.errors import UserError
 
-GENERATE = [
-    "--prompt",
-    "a red fox",
-    "--height",
-    "32",
-    "--width",
-    "32",
-    "--num-inference-steps",
-    "3",
-    "--seed",
-    "5",
-]
+GENERATE = [*request_args("a red fox", steps=3), "--seed", "5"]
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 import torch
+from cli_request_args import request_args
 from PIL import Image
 from torch import nn
 
@@ -288,20 +289,8 @@ def test_offload_auto_on_a_small_device_offloads_the_vae_and_the_dit(
 def test_cli_logs_the_plan_and_the_components_that_can_stay_resident(tiny_flux_dir, tmp_path, caplog) -> None:
     from diffserve.cli.main import main
 
-    args = [
-        "generate",
-        "--model-path",
-        str(tiny_flux_dir),
-        "--prompt",
-        "a fox",
-        "--height",
-        "32",
-        "--width",
-        "32",
-    ]
+    args = ["generate", "--model-path", str(tiny_flux_dir), *request_args("a fox", steps=1)]
     args += [
-        "--num-inference-steps",
-        "1",
         "--text-encoder-cpu-offload",
         "--no-save-output",
         "--device",

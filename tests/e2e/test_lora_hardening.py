@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from diffserve import DiffGenerator, SamplingParams
 from diffserve.configs.sampling_params import LoraChoice
 from diffserve.errors import InvalidRequestError, LoraError
+from diffserve.layers.lora_rows import AppliedLora
 from diffserve.request import Req
 from diffserve.runtime import lora_registry
 from diffserve.server import protocol as msg
@@ -158,31 +159,55 @@ def generate_in_thread(gen: DiffGenerator, **params) -> tuple[threading.Thread, 
     return thread, outcome
 
 
+def stall_lora_file_reads(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Every LoRA file read from now on sets `reading`, then waits for `release` (up to the answer timeout)
+    before it reads: (reading, release)."""
+    reading, release = threading.Event(), threading.Event()
+    real_read = lora_registry.read_lora_file
+
+    def slow_read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        reading.set()
+        assert release.wait(ANSWER_TIMEOUT_S)
+        return real_read(path)
+
+    monkeypatch.setattr(lora_registry, "read_lora_file", slow_read)
+    return reading, release
+
+
+def assert_a_generation_finishes(gen: DiffGenerator, failure: str) -> None:
+    """A plain generation, in a thread, ends with its output within the answer timeout; else the test fails
+    with `failure` and what the thread left."""
+    thread, outcome = generate_in_thread(gen)
+    thread.join(ANSWER_TIMEOUT_S)
+    assert outcome and not isinstance(outcome[0], Exception), f"{failure}: {outcome}"
+
+
+def pin_one_adapter_in_a_full_lora_memory(
+    gen: DiffGenerator, admin: tuple[EngineLoras, Answers]
+) -> tuple[lora_registry.LoraRegistry, tuple[AppliedLora, ...], int]:
+    """Load style.safetensors as "pinned", pin it as a running request does and cap the LoRA memory one
+    byte above its size: (the registry, the pin to release, the budget to restore)."""
+    registry = gen.engine.runner.loras
+    assert isinstance(load(admin, "pinned", "style.safetensors"), msg.LoraOpDone)
+    pinned = registry.acquire([LoraChoice("pinned")])  # as a running request pins it
+    budget = registry.max_bytes
+    registry.max_bytes = registry.infos()[registry.names().index("pinned")].num_bytes + 1
+    return registry, pinned, budget
+
+
 # -- item 14: reads off the denoising loop, remembered failures, capped headers ----------------------------
 
 
 def test_a_load_reads_its_file_off_the_denoising_loop(gen, admin, monkeypatch) -> None:
     """While a load's file read is stuck, a generation still runs to the end (the old engine read files
     between two steps, so every request waited for the read: 46 s for the issue's file)."""
-    reading, release = threading.Event(), threading.Event()
-    real_read = lora_registry.read_lora_file
-
-    def slow_read(path: Path):
-        reading.set()
-        assert release.wait(ANSWER_TIMEOUT_S)
-        return real_read(path)
-
-    monkeypatch.setattr(lora_registry, "read_lora_file", slow_read)
+    reading, release = stall_lora_file_reads(monkeypatch)
     loras, answers = admin
     op = msg.LoadLora(op_id="slow-load", name="slow", path="style.safetensors")
     loras.handle(op)
     try:
         assert reading.wait(ANSWER_TIMEOUT_S)
-        thread, outcome = generate_in_thread(gen)
-        thread.join(ANSWER_TIMEOUT_S)
-        assert outcome and not isinstance(outcome[0], Exception), (
-            f"a generation did not finish while a LoRA file was being read: {outcome}"
-        )
+        assert_a_generation_finishes(gen, "a generation did not finish while a LoRA file was being read")
         assert "slow-load" not in answers.got  # the load waits for its read, not the other way round
     finally:
         release.set()
@@ -195,22 +220,12 @@ def test_a_requests_adapter_is_read_off_the_denoising_loop(gen, lora_dir, tiny_f
     """A request naming a --lora-dir file not read yet waits for its read in the queue; the others run on
     meanwhile (the old engine read it when the request started, between two steps: everyone waited)."""
     write_pair(tiny_flux_dir, lora_dir / "ondemand.safetensors")
-    reading, release = threading.Event(), threading.Event()
-    real_read = lora_registry.read_lora_file
-
-    def slow_read(path: Path):
-        reading.set()
-        assert release.wait(ANSWER_TIMEOUT_S)
-        return real_read(path)
-
-    monkeypatch.setattr(lora_registry, "read_lora_file", slow_read)
+    reading, release = stall_lora_file_reads(monkeypatch)
     named, named_outcome = generate_in_thread(gen, loras=[{"name": "ondemand"}])
     try:
         assert reading.wait(ANSWER_TIMEOUT_S)
-        plain, plain_outcome = generate_in_thread(gen)
-        plain.join(ANSWER_TIMEOUT_S)
-        assert plain_outcome and not isinstance(plain_outcome[0], Exception), (
-            f"a plain generation did not finish while another request's adapter was being read: {plain_outcome}"
+        assert_a_generation_finishes(
+            gen, "a plain generation did not finish while another request's adapter was being read"
         )
         assert not named_outcome  # still waiting for its adapter
     finally:
@@ -407,11 +422,7 @@ def test_names_are_matched_whole() -> None:
 
 
 def test_lora_memory_full_is_a_503_with_retry_after(gen, admin) -> None:
-    registry = gen.engine.runner.loras
-    assert isinstance(load(admin, "pinned", "style.safetensors"), msg.LoraOpDone)
-    pinned = registry.acquire([LoraChoice("pinned")])  # as a running request pins it
-    budget = registry.max_bytes
-    registry.max_bytes = registry.infos()[registry.names().index("pinned")].num_bytes + 1
+    registry, pinned, budget = pin_one_adapter_in_a_full_lora_memory(gen, admin)
     try:
         answer = refused(load(admin, "late", "other.safetensors"), 503, "retry when they finish")
         assert answer.code == "lora_memory_full"
@@ -427,11 +438,7 @@ def test_lora_memory_full_is_a_503_with_retry_after(gen, admin) -> None:
 def test_a_request_waits_while_pinned_adapters_fill_the_lora_memory(gen, admin) -> None:
     """A request whose adapter does not fit beside the ones running requests pin waits in the queue and
     runs once they are released (it failed with a 400 "retry later" before)."""
-    registry = gen.engine.runner.loras
-    assert isinstance(load(admin, "pinned", "style.safetensors"), msg.LoraOpDone)
-    pinned = registry.acquire([LoraChoice("pinned")])  # as a running request pins it
-    budget = registry.max_bytes
-    registry.max_bytes = registry.infos()[registry.names().index("pinned")].num_bytes + 1
+    registry, pinned, budget = pin_one_adapter_in_a_full_lora_memory(gen, admin)
     try:
         thread, outcome = generate_in_thread(gen, loras=[{"name": "other"}])
         time.sleep(1.0)

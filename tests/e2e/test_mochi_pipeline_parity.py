@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import MochiPipeline as DiffusersMochi
+from video_case_checks import VideoBars
 
 from diffserve import SamplingParams
 from diffserve.api import DiffGenerator
@@ -22,12 +23,12 @@ from diffserve.request import Req
 from diffserve.testing.parity import assert_batched_as_alone, assert_images_match, assert_parity
 from diffserve.testing.video_parity import (
     diffusers_latents_and_frames,
-    final_latents_and_frames,
     folder_pairs,
 )
 
 LATENT_MIN_DB = 70.0
 PSNR_BAR_DB = 40.0
+BARS = VideoBars(LATENT_MIN_DB, PSNR_BAR_DB)
 PROMPT = "A red Fox running in the snow"
 OTHER_PROMPT = "a blue bird on a branch"
 
@@ -60,16 +61,9 @@ CASES = [
 @pytest.mark.parametrize(("folder", "height", "width", "frames", "steps", "options"), CASES)
 def test_mochi_matches_diffusers(folders, folder, height, width, frames, steps, options) -> None:
     ours, reference = folders(folder)
-    seed = 3
     common = dict(height=height, width=width, num_inference_steps=steps, num_frames=frames, **options)
-    params = SamplingParams(prompt=PROMPT, seed=seed, **common)
-    got_latents, got = final_latents_and_frames(ours, params)
-    want_latents, want = diffusers_latents_and_frames(reference, seed, prompt=PROMPT, **common)
     label = f"Mochi {folder} {frames}x{height}x{width} {steps} steps {options}"
-    db = assert_parity(got_latents, want_latents, f"{label} latents", min_db=LATENT_MIN_DB)
-    control_params = SamplingParams(**{**params.__dict__, "prompt": OTHER_PROMPT})
-    control = np.stack(ours.generate_from_params(control_params).frames)
-    pixels = assert_images_match(got, want, label, min_db=PSNR_BAR_DB, control=control)
+    db, pixels = BARS.assert_video_matches(ours, reference, label, PROMPT, OTHER_PROMPT, 3, **common)
     print(f"{label}: latents {db} , frames {pixels:.1f} dB PSNR against Diffusers")
 
 
@@ -78,14 +72,7 @@ def test_two_outputs_per_prompt_match(folders) -> None:
     Diffusers' num_videos_per_prompt does."""
     ours, reference = folders("default")
     common = dict(height=48, width=48, num_inference_steps=3, num_frames=7, guidance_scale=3.0)
-    params = SamplingParams(prompt=PROMPT, negative_prompt="ugly", num_outputs_per_prompt=2, seed=2, **common)
-    got_latents, got = final_latents_and_frames(ours, params)
-    want_latents, want = diffusers_latents_and_frames(
-        reference, 2, prompt=PROMPT, negative_prompt="ugly", num_videos_per_prompt=2, **common
-    )
-    assert got.shape[0] == 2
-    assert_parity(got_latents, want_latents, "Mochi 2 per prompt latents", min_db=LATENT_MIN_DB)
-    assert_images_match(got, want, "Mochi 2 per prompt", min_db=PSNR_BAR_DB)
+    BARS.assert_two_outputs_match(ours, reference, "Mochi", PROMPT, "ugly", 2, **common)
 
 
 def test_schedule_is_diffusers(folders) -> None:

@@ -22,6 +22,16 @@ from PIL import Image
 
 PINNED_DIR = Path(__file__).resolve().parents[1] / "data" / "pinned"
 
+#: The Qwen-Image edit case's request, which the layered case decomposes into layers.
+QWEN_IMAGE_EDIT_REQUEST = {
+    "height": 32,
+    "width": 48,
+    "num_inference_steps": 2,
+    "true_cfg_scale": 2.0,
+    "negative_prompt": "dark",
+    "input_images": "gradient",
+}
+
 #: family -> (builder "module:function", builder spec kwargs or None, request params)
 CASES: dict[str, tuple[str, dict, dict]] = {
     "flux": (
@@ -59,27 +69,12 @@ CASES: dict[str, tuple[str, dict, dict]] = {
     "qwen-image-edit": (
         "diffserve.families.qwen_image.tiny:build_tiny_qwen_image_edit",
         {},
-        {
-            "height": 32,
-            "width": 48,
-            "num_inference_steps": 2,
-            "true_cfg_scale": 2.0,
-            "negative_prompt": "dark",
-            "input_images": "gradient",
-        },
+        QWEN_IMAGE_EDIT_REQUEST,
     ),
-    "qwen-image-layered": (
+    "qwen-image-layered": (  # the edit request, decomposed into 2 layers
         "diffserve.families.qwen_image.tiny:build_tiny_qwen_image_layered",
         {},
-        {
-            "height": 32,
-            "width": 48,
-            "num_inference_steps": 2,
-            "true_cfg_scale": 2.0,
-            "negative_prompt": "dark",
-            "input_images": "gradient",
-            "extra": {"layers": 2},
-        },
+        {**QWEN_IMAGE_EDIT_REQUEST, "extra": {"layers": 2}},
     ),
     "z-image": (
         "diffserve.families.z_image.tiny:build_tiny_zimage",

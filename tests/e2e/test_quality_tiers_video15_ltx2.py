@@ -11,18 +11,10 @@ was chosen by are in the comment above the family's `step_cache_policies`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from quality_tier_tests import TierCases, input_image, mixed_tiers_test, tier_case_fixture, tier_ladder_test
 
-import numpy as np
-import pytest
-from PIL import Image
-
-from diffserve import DiffGenerator
 from diffserve.families.hunyuan_video15.tiny import TinyHunyuanVideo15Spec, build_tiny_hunyuan_video15
 from diffserve.families.ltx2.tiny import TinyLTX2Spec, build_tiny_ltx2
-from diffserve.testing.cache_parity import TierCase, assert_mixed_tiers_as_alone, assert_tier_ladder
 
 STEPS = 20
 PROMPT, SEED = "a red fox in the snow", 7
@@ -31,39 +23,21 @@ HV15_CLIP = {"height": 32, "width": 32, "num_frames": 5}
 LTX2_CLIP = {"height": 64, "width": 64, "num_frames": 9}
 
 
-def _input_image() -> Image.Image:
-    y, x = np.mgrid[0:32, 0:32]
-    rgb = np.stack([x / 32, y / 32, 0.5 + 0.5 * np.sin(x / 5.0)], axis=-1) * 255
-    return Image.fromarray(rgb.astype(np.uint8))
-
-
 #: name -> (builder of the model folder, generation kwargs; each family at its default guidance).
-CASES: dict[str, tuple[Callable[[Path], Path], dict[str, Any]]] = {
+CASES: TierCases = {
     "hunyuan-video-1.5": (build_tiny_hunyuan_video15, HV15_CLIP),
     "hunyuan-video-1.5-i2v": (
         lambda root: build_tiny_hunyuan_video15(root, TinyHunyuanVideo15Spec(image_to_video=True)),
-        {**HV15_CLIP, "input_images": [_input_image()]},
+        {**HV15_CLIP, "input_images": [input_image()]},
     ),
     "ltx2": (build_tiny_ltx2, LTX2_CLIP),
     "ltx2-i2v": (  # the T2V presets, inherited
         lambda root: build_tiny_ltx2(root, TinyLTX2Spec(image_to_video=True)),
-        {**LTX2_CLIP, "input_images": [_input_image()]},
+        {**LTX2_CLIP, "input_images": [input_image()]},
     ),
 }
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def family(request, tmp_path_factory) -> TierCase:
-    builder, kwargs = CASES[request.param]
-    gen = DiffGenerator.from_pretrained(
-        builder(tmp_path_factory.mktemp(request.param)), device="cpu", show_progress=False
-    )
-    return TierCase(request.param, gen, kwargs, STEPS, PROMPT, SEED).generate_tiers()
-
-
-def test_each_tier_keeps_its_bar_and_computes_fewer_steps_than_the_one_above(family: TierCase) -> None:
-    assert_tier_ladder(family)
-
-
-def test_a_batch_mixing_the_tiers_gives_each_request_its_alone_output(family: TierCase) -> None:
-    assert_mixed_tiers_as_alone(family, OTHER_PROMPT, OTHER_SEED)
+family = tier_case_fixture(CASES, STEPS, PROMPT, SEED)
+test_each_tier_keeps_its_bar_and_computes_fewer_steps_than_the_one_above = tier_ladder_test()
+test_a_batch_mixing_the_tiers_gives_each_request_its_alone_output = mixed_tiers_test(OTHER_PROMPT, OTHER_SEED)

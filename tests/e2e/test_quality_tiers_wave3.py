@@ -12,15 +12,8 @@ comment above the family's `step_cache_policies`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from quality_tier_tests import TierCases, input_image, mixed_tiers_test, tier_case_fixture, tier_ladder_test
 
-import numpy as np
-import pytest
-from PIL import Image
-
-from diffserve import DiffGenerator
 from diffserve.families.chroma.tiny import build_tiny_chroma
 from diffserve.families.cogvideox.tiny import TinyCogVideoXSpec, build_tiny_cogvideox
 from diffserve.families.hidream.tiny import build_tiny_hidream
@@ -29,7 +22,6 @@ from diffserve.families.hunyuan_video.image_to_video_tiny import build_tiny_huny
 from diffserve.families.hunyuan_video.tiny import build_tiny_hunyuan_video
 from diffserve.families.mochi.tiny import build_tiny_mochi
 from diffserve.families.qwen_image21.tiny import build_tiny_qwen_image21
-from diffserve.testing.cache_parity import TierCase, assert_mixed_tiers_as_alone, assert_tier_ladder
 
 STEPS = 20
 PROMPT, SEED = "a red fox in the snow", 7
@@ -37,41 +29,23 @@ OTHER_PROMPT, OTHER_SEED = "a lighthouse on a rocky coast at dusk, oil painting"
 CLIP = {"height": 32, "width": 32, "num_frames": 5}
 
 
-def _input_image() -> Image.Image:
-    y, x = np.mgrid[0:32, 0:32]
-    rgb = np.stack([x / 32, y / 32, 0.5 + 0.5 * np.sin(x / 5.0)], axis=-1) * 255
-    return Image.fromarray(rgb.astype(np.uint8))
-
-
 #: name -> (builder of the model folder, generation kwargs; each family at its default guidance).
-CASES: dict[str, tuple[Callable[[Path], Path], dict[str, Any]]] = {
+CASES: TierCases = {
     "hidream": (build_tiny_hidream, {"height": 32, "width": 32}),  # its area rule makes it 128x128
     "hunyuan-image-2.1": (build_tiny_hunyuan_image, {"height": 32, "width": 32}),
     "qwen-image-2.1": (build_tiny_qwen_image21, {"height": 64, "width": 64}),
     "hunyuan-video": (build_tiny_hunyuan_video, CLIP),
-    "hunyuan-video-i2v": (build_tiny_hunyuan_video_i2v, {**CLIP, "input_images": [_input_image()]}),
+    "hunyuan-video-i2v": (build_tiny_hunyuan_video_i2v, {**CLIP, "input_images": [input_image()]}),
     "cogvideox": (build_tiny_cogvideox, CLIP),
     "cogvideox-i2v": (  # its DiT's learned positions are for 64x80 only
         lambda root: build_tiny_cogvideox(root, TinyCogVideoXSpec(image_to_video=True)),
-        {**CLIP, "height": 64, "width": 80, "input_images": [_input_image()]},
+        {**CLIP, "height": 64, "width": 80, "input_images": [input_image()]},
     ),
     "mochi": (build_tiny_mochi, {**CLIP, "num_frames": 7}),
     "chroma": (build_tiny_chroma, {"height": 64, "width": 64}),
 }
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def family(request, tmp_path_factory) -> TierCase:
-    builder, kwargs = CASES[request.param]
-    gen = DiffGenerator.from_pretrained(
-        builder(tmp_path_factory.mktemp(request.param)), device="cpu", show_progress=False
-    )
-    return TierCase(request.param, gen, kwargs, STEPS, PROMPT, SEED).generate_tiers()
-
-
-def test_each_tier_keeps_its_bar_and_computes_fewer_steps_than_the_one_above(family: TierCase) -> None:
-    assert_tier_ladder(family)
-
-
-def test_a_batch_mixing_the_tiers_gives_each_request_its_alone_output(family: TierCase) -> None:
-    assert_mixed_tiers_as_alone(family, OTHER_PROMPT, OTHER_SEED)
+family = tier_case_fixture(CASES, STEPS, PROMPT, SEED)
+test_each_tier_keeps_its_bar_and_computes_fewer_steps_than_the_one_above = tier_ladder_test()
+test_a_batch_mixing_the_tiers_gives_each_request_its_alone_output = mixed_tiers_test(OTHER_PROMPT, OTHER_SEED)

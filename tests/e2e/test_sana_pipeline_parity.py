@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers import SanaPipeline
+from sana_text_checks import prompt_and_negative_encodings
 
 from diffserve import SamplingParams
 from diffserve.api import DiffGenerator
@@ -57,19 +58,12 @@ def test_sana_text_encoding_matches_diffusers(engines) -> None:
     stage = ours.pipeline.stages[1]
     instruction = list(ours.pipeline.config.complex_human_instruction)
     for msl in (300, 6):  # 6: the prompt and the negative prompt are both truncated
-        ref, ref_mask, ref_neg, ref_neg_mask = reference.encode_prompt(
-            "A Red fox",
-            True,
-            negative_prompt="ugly and blurry",
-            max_sequence_length=msl,
-            complex_human_instruction=instruction,
-        )
-        (prompt,) = stage.encode(["A Red fox"], msl, instructed=True)
-        (negative,) = stage.encode(["ugly and blurry"], msl, instructed=False)
-        for got, want, mask in ((prompt, ref, ref_mask), (negative, ref_neg, ref_neg_mask)):
+        encodings = prompt_and_negative_encodings(stage, reference, instruction, msl)
+        for got, want, mask in encodings:
             real = int(mask.sum())
             assert bool(mask[0, :real].all()) and got.shape == (1, real, want.shape[-1])
             torch.testing.assert_close(got, want[:, :real], rtol=0, atol=0)
+        (prompt, _, _), (negative, _, _) = encodings
         print(
             f"max_sequence_length {msl}: prompt keeps {prompt.shape[1]} tokens, negative {negative.shape[1]}"
         )

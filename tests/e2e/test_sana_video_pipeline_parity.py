@@ -16,6 +16,7 @@ import pytest
 import torch
 from diffusers import SanaVideoPipeline
 from diffusers.video_processor import VideoProcessor
+from sana_text_checks import prompt_and_negative_encodings
 
 from diffserve import SamplingParams
 from diffserve.api import DiffGenerator
@@ -172,16 +173,7 @@ def test_text_encoding_matches_diffusers(engines) -> None:
     )
     assert tuple(instruction) == ours.pipeline.config.complex_human_instruction
     for msl in (300, 6):  # 6: the prompt and the negative prompt are both truncated
-        ref, ref_mask, ref_neg, ref_neg_mask = reference.encode_prompt(
-            "A Red fox",
-            True,
-            negative_prompt="ugly and blurry",
-            max_sequence_length=msl,
-            complex_human_instruction=instruction,
-        )
-        (prompt,) = stage.encode(["A Red fox"], msl, instructed=True)
-        (negative,) = stage.encode(["ugly and blurry"], msl, instructed=False)
-        for got, want, mask in ((prompt, ref, ref_mask), (negative, ref_neg, ref_neg_mask)):
+        for got, want, mask in prompt_and_negative_encodings(stage, reference, instruction, msl):
             real = int(mask.sum())
             assert got.shape == (1, real, want.shape[-1])
             torch.testing.assert_close(got, want[:, :real], rtol=0, atol=0)

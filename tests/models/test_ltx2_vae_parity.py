@@ -241,6 +241,24 @@ def _localized(model: AutoencoderKLLTX2Video) -> AutoencoderKLLTX2Video:
     return local.eval()
 
 
+def _local_untiled_then_tiling(
+    ref: torch.nn.Module,
+    ours: AutoencoderKLLTX2Video,
+    tiles: dict[str, int],
+    x: torch.Tensor,
+    z: torch.Tensor,
+    temb: torch.Tensor,
+) -> tuple[AutoencoderKLLTX2Video, torch.Tensor, torch.Tensor]:
+    """`_localized(ours)` and its untiled encode (mean) of `x` and decode of `z`, then tiling `tiles`
+    enabled on the reference, ours and the local copy: (local copy, untiled encode, untiled decode)."""
+    local = _localized(ours)
+    with torch.no_grad():
+        whole_enc, whole_dec = local.encode(x).mean, local.decode(z, temb)
+    for model in (ref, ours, local):
+        model.enable_tiling(**tiles)
+    return local, whole_enc, whole_dec
+
+
 def test_spatial_tiling(pair: tuple[torch.nn.Module, AutoencoderKLLTX2Video]) -> None:
     """Non-square 128x160 (latent 4x5) in 96x128-pixel tiles every 64x96: 2x2 blended tiles. An image
     and one latent frame each way (spatial tiling is per frame; the temporal test tiles multi-frame clips
@@ -256,11 +274,8 @@ def test_spatial_tiling(pair: tuple[torch.nn.Module, AutoencoderKLLTX2Video]) ->
     x = _video(1, 128, 160, seed=8)
     z = _latents(1, 4, 5, seed=9)
     temb = torch.tensor([0.05])
-    local = _localized(ours)
+    local, whole_enc, whole_dec = _local_untiled_then_tiling(ref, ours, tiles, x, z, temb)
     with torch.no_grad():
-        whole_enc, whole_dec = local.encode(x).mean, local.decode(z, temb)
-        for model in (ref, ours, local):
-            model.enable_tiling(**tiles)
         _compare("tiled encode vs diffusers", ours.encode(x).mean, ref.encode(x).latent_dist.mean)
         _compare("tiled decode vs diffusers", ours.decode(z, temb), ref.decode(z, temb).sample)
         _compare("tiled vs untiled encode (local)", local.encode(x).mean, whole_enc)
@@ -290,13 +305,11 @@ def test_temporal_tiling(pair: tuple[torch.nn.Module, AutoencoderKLLTX2Video]) -
     x = _video(17, 32, 64, seed=10)
     z = _latents(3, 2, 2, seed=11)
     temb = torch.tensor([0.05])
-    local = _localized(ours)
+    local, whole_enc, whole_dec = _local_untiled_then_tiling(ref, ours, tiles, x, z, temb)
+    for model in (ref, ours, local):
+        model.use_tiling = False
+        model.use_framewise_decoding = True
     with torch.no_grad():
-        whole_enc, whole_dec = local.encode(x).mean, local.decode(z, temb)
-        for model in (ref, ours, local):
-            model.enable_tiling(**tiles)
-            model.use_tiling = False
-            model.use_framewise_decoding = True
         _compare("temporal tiled encode vs diffusers", ours.encode(x).mean, ref.encode(x).latent_dist.mean)
         _compare("temporal tiled decode vs diffusers", ours.decode(z, temb), ref.decode(z, temb).sample)
         enc, dec = local.encode(x).mean, local.decode(z, temb)

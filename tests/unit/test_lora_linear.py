@@ -49,16 +49,27 @@ def _expected(reference: nn.Linear, x: torch.Tensor, pairs: dict, loras: list[Ap
     return y
 
 
-def test_mixed_rows_equal_each_row_alone(layer) -> None:
+def _assert_batched_rows_equal_each_alone(
+    layer: tuple[LoraLinear, nn.Linear, dict[int, tuple[torch.Tensor, torch.Tensor, float]]],
+    row_loras: list[list[AppliedLora]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch of random inputs, row `i` with the adapters `row_loras[i]`, through the wrapped layer: each
+    row must equal `_expected` for that row alone. Returns the inputs and the batched outputs."""
     wrapped, reference, pairs = layer
-    a, b = AppliedLora(0, "a", 0.8), AppliedLora(1, "b", -0.5)
-    row_loras = [[a], [a, b], [], [AppliedLora(0, "a", 1.5)]]
     x = torch.randn(len(row_loras), TOKENS, IN)
     with torch.no_grad(), lora_rows_scope(LoraRows.for_rows(row_loras)):
         batched = wrapped(x)
     for row, loras in enumerate(row_loras):
         expected = _expected(reference, x[row : row + 1], pairs, loras)
         torch.testing.assert_close(batched[row : row + 1], expected, rtol=1e-5, atol=1e-5)
+    return x, batched
+
+
+def test_mixed_rows_equal_each_row_alone(layer) -> None:
+    _, reference, _ = layer
+    a, b = AppliedLora(0, "a", 0.8), AppliedLora(1, "b", -0.5)
+    row_loras = [[a], [a, b], [], [AppliedLora(0, "a", 1.5)]]
+    x, batched = _assert_batched_rows_equal_each_alone(layer, row_loras)
     # The row without adapters is the base Linear, bit for bit.
     assert torch.equal(batched[2], reference(x[2:3])[0])
 
@@ -91,17 +102,13 @@ def test_wrong_batch_for_the_scope_is_an_error(layer) -> None:
 def test_scattered_rows_are_gathered_by_scale_and_equal_each_row_alone(layer) -> None:
     """Rows alternating with and without an adapter, at two scales, form more runs than are updated
     slice by slice: the gathered path gives each row its own adapters and scale."""
-    wrapped, reference, pairs = layer
+    _, reference, _ = layer
     scales = [0.5, 2.0]
     row_loras = [[AppliedLora(0, "a", scales[(row // 2) % 2])] if row % 2 == 0 else [] for row in range(12)]
     row_loras[3] = [AppliedLora(1, "b", 1.0)]
     assert len(LoraRows.for_rows(row_loras).uses[0].runs()) > 4
-    x = torch.randn(len(row_loras), TOKENS, IN)
-    with torch.no_grad(), lora_rows_scope(LoraRows.for_rows(row_loras)):
-        batched = wrapped(x)
+    x, batched = _assert_batched_rows_equal_each_alone(layer, row_loras)
     for row, loras in enumerate(row_loras):
-        expected = _expected(reference, x[row : row + 1], pairs, loras)
-        torch.testing.assert_close(batched[row : row + 1], expected, rtol=1e-5, atol=1e-5)
         if not loras:
             assert torch.equal(batched[row], reference(x[row : row + 1])[0])
 
