@@ -40,9 +40,9 @@ from diffserve.errors import InvalidRequestError
 from diffserve.families.flux.conditioning import FluxConditioning
 from diffserve.models.controlnets.flux import ControlNetBatch, FluxControlNetModel
 from diffserve.models.controlnets.residuals import BlockResiduals
+from diffserve.pipelines.controlnet_conditioning import ControlImageStage
 from diffserve.pipelines.controlnet_steps import check_controlnet_entries, merge_samples, prompt_request
 from diffserve.request import Req
-from diffserve.stages.controlnet_conditioning import ControlImageStage
 from diffserve.stages.image_to_image import encode_sampled
 from diffserve.stages.latent_preparation import pack_latents
 

@@ -36,12 +36,12 @@ from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.hunyuan_image import HunyuanImageTransformer2DModel
 from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.pipelines.cfg_batch import advance_requests, split_guided, step_cache_for
+from diffserve.pipelines.glyph_text_batch import GLYPH_TEXT_COMPONENTS, GlyphTextBatch
 from diffserve.request import Req
 from diffserve.runtime.runner import CfgBranchView
 from diffserve.stages.base import Stage
 from diffserve.stages.decoding import DecodingStage
 from diffserve.stages.denoising import DenoisingStage
-from diffserve.stages.glyph_text_batch import GLYPH_TEXT_COMPONENTS, GlyphTextBatch
 from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
 from diffserve.stages.latent_preparation import SpatialLatentPreparationStage
 from diffserve.stages.timestep_preparation import set_schedule

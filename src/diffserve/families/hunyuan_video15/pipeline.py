@@ -41,11 +41,11 @@ from diffserve.models.dits.hunyuan_video15 import HunyuanVideo15Transformer3DMod
 from diffserve.models.guiders.classifier_free_guidance import ClassifierFreeGuidance
 from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.pipelines.cfg_batch import advance_requests, split_guided, step_cache_for
+from diffserve.pipelines.glyph_text_batch import GLYPH_TEXT_COMPONENTS, GlyphTextBatch
 from diffserve.request import Req
 from diffserve.runtime.runner import CfgBranchView
 from diffserve.stages.base import Stage
 from diffserve.stages.denoising import DenoisingStage
-from diffserve.stages.glyph_text_batch import GLYPH_TEXT_COMPONENTS, GlyphTextBatch
 from diffserve.stages.input_validation import ImageInputRule, InputValidationStage, VideoRule
 from diffserve.stages.timestep_preparation import set_schedule
 

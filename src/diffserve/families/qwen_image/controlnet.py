@@ -33,6 +33,7 @@ from torch import nn
 from diffserve.configs.sampling_params import ControlNetChoice
 from diffserve.models.controlnets.qwen_image import QwenControlNetBatch, QwenImageControlNetModel
 from diffserve.pipelines.cfg_batch import pad_text
+from diffserve.pipelines.controlnet_conditioning import ControlImageStage, EncodedControlRunner
 from diffserve.pipelines.controlnet_steps import (
     EncodedControl,
     InpaintingControl,
@@ -40,7 +41,6 @@ from diffserve.pipelines.controlnet_steps import (
     prompt_request,
 )
 from diffserve.request import Req
-from diffserve.stages.controlnet_conditioning import ControlImageStage, EncodedControlRunner
 from diffserve.stages.image_to_image import encode_sampled_video_vae
 from diffserve.stages.latent_preparation import pack_latents
 from diffserve.stages.reference_images import ReferenceImages

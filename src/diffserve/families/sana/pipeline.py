@@ -47,11 +47,11 @@ from diffserve.pipelines.cfg_batch import (
     split_guided,
     step_cache_for,
 )
+from diffserve.pipelines.padded_text_denoiser import PaddedTextDenoiser
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.denoising import DenoisingStage
 from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
-from diffserve.stages.padded_text_denoiser import PaddedTextDenoiser
 from diffserve.stages.timestep_preparation import DefaultTimestepPreparationStage
 
 

@@ -34,11 +34,11 @@ from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.sana_video import SanaVideoTransformer3DModel
 from diffserve.models.vaes.autoencoder_kl_ltx2 import AutoencoderKLLTX2Video
 from diffserve.pipelines.base import Pipeline, PipelineContext
+from diffserve.pipelines.padded_text_denoiser import PaddedTextDenoiser
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.denoising import DenoisingStage
 from diffserve.stages.input_validation import ImageInputRule, VideoRule
-from diffserve.stages.padded_text_denoiser import PaddedTextDenoiser
 from diffserve.stages.timestep_preparation import DefaultTimestepPreparationStage
 
 PIPELINE_NAME = "SanaVideoPipeline"

@@ -34,11 +34,11 @@ import torch
 
 from diffserve.configs.sampling_params import ControlNetChoice
 from diffserve.models.controlnets.sd3 import SD3ControlNetModel
+from diffserve.pipelines.controlnet_conditioning import ControlImageStage, EncodedControlRunner
 from diffserve.pipelines.controlnet_steps import EncodedControl, InpaintingControl, global_rng_stand_in
 from diffserve.request import Conditioning, Req
 from diffserve.runtime.runner import CfgBranchView
 from diffserve.stages.base import to_module
-from diffserve.stages.controlnet_conditioning import ControlImageStage, EncodedControlRunner
 
 
 @dataclass
