@@ -76,7 +76,7 @@ def test_a_reset_hidden_by_another_threads_allocation_is_tried_again(
     thread allocating right after the reset hides that once, and the check tries again instead of calling
     the counter broken (the cause of a memory model "estimated" in a child process); a reset that never
     lowers the peak is refused, and the warning says which of the two failed (the write, or the lowering).
-    Readings in KiB; the probe is 64 MiB."""
+    Readings in KiB; the probe is 16 MiB."""
     from diffserve.platforms import cpu
 
     probe_kib = cpu.VM_HWM_PROBE_BYTES // 1024
@@ -94,7 +94,7 @@ def test_a_reset_hidden_by_another_threads_allocation_is_tried_again(
         cpu.vm_hwm_resets.cache_clear()
         with caplog.at_level("WARNING", logger=cpu.logger.name):
             assert not cpu.vm_hwm_resets()
-        assert "did not lower VmHWM after 64 MiB were touched and freed, on 5 tries" in caplog.text
+        assert "did not lower VmHWM after 16 MiB were touched and freed, on 5 tries" in caplog.text
         monkeypatch.setattr(cpu, "reset_vm_hwm", lambda: False)
         cpu.vm_hwm_resets.cache_clear()
         caplog.clear()

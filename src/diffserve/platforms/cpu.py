@@ -243,7 +243,7 @@ def reset_vm_hwm() -> bool:
 
 VM_HWM_RESET_TRIES = 5
 #: What the reset check touches and frees, so that VmHWM stands this far above the RSS before its reset.
-VM_HWM_PROBE_BYTES = 64 * 2**20
+VM_HWM_PROBE_BYTES = 16 * 2**20
 
 
 def _peak_after_touching_probe_kib() -> int | None:
