@@ -24,13 +24,13 @@ from transformers import (
 
 from diffserve.models.dits.hidream_image import HiDreamImageTransformer2DModel
 from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
-from diffserve.testing.tiny_parts import llama_text_shape
 from diffserve.testing.tiny_writing import (
     DIFFUSERS_FORMAT_VERSION,
     autoencoder_kl_config,
     check_variant,
     clip_text_config,
     finish_tiny_folder,
+    llama_text_shape,
     save_diffusers_model,
     save_text_encoder,
     t5_encoder_config,

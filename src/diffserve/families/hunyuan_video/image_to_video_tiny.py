@@ -32,12 +32,13 @@ from diffserve.families.hunyuan_video.tiny import (
     tiny_dit_config,
     write_clip_dit_vae_scheduler,
 )
-from diffserve.testing.tiny_parts import llama_text_shape, write_clip_image_processor
 from diffserve.testing.tiny_writing import (
     finish_tiny_folder,
+    llama_text_shape,
     save_text_encoder,
     tiny_folder,
     vision_tower_shape,
+    write_clip_image_processor,
 )
 
 IMAGE_TOKEN, PAD_TOKEN = "<image>", "<pad>"

@@ -20,11 +20,11 @@ from transformers import CLIPTextModel, LlamaConfig, LlamaModel, LlamaTokenizer
 from diffserve.families.hunyuan_video.config import PROMPT_TEMPLATE
 from diffserve.models.dits.hunyuan_video import HunyuanVideoTransformer3DModel
 from diffserve.models.vaes.autoencoder_kl_hunyuan_video import AutoencoderKLHunyuanVideo
-from diffserve.testing.tiny_parts import llama_text_shape
 from diffserve.testing.tiny_writing import (
     DIFFUSERS_FORMAT_VERSION,
     clip_text_config,
     finish_tiny_folder,
+    llama_text_shape,
     save_text_encoder,
     tiny_folder,
     write_random_module,

@@ -24,10 +24,10 @@ from pathlib import Path
 from diffusers import AutoencoderDC, SanaTransformer2DModel
 
 from diffserve.families.sana.config import SANA_COMPLEX_HUMAN_INSTRUCTION
-from diffserve.testing.tiny_parts import gemma2_text_encoder
 from diffserve.testing.tiny_writing import (
     DIFFUSERS_FORMAT_VERSION,
     finish_tiny_folder,
+    gemma2_text_encoder,
     save_diffusers_model,
     save_text_encoder,
     tiny_folder,

@@ -20,15 +20,16 @@ from diffserve.families.sana_video.config import SANA_VIDEO_COMPLEX_HUMAN_INSTRU
 from diffserve.models.dits.sana_video import SanaVideoTransformer3DModel
 from diffserve.models.vaes.autoencoder_kl_ltx2 import AutoencoderKLLTX2Video
 from diffserve.models.vaes.autoencoder_kl_wan import AutoencoderKLWan
-from diffserve.testing.tiny_parts import gemma2_text_encoder, wan21_vae_config
 from diffserve.testing.tiny_writing import (
     DIFFUSERS_FORMAT_VERSION,
     check_variant,
     finish_tiny_folder,
+    gemma2_text_encoder,
     random_native_module,
     save_diffusers_model,
     save_text_encoder,
     tiny_folder,
+    wan21_vae_config,
     write_random_module,
     write_scheduler_config,
 )

@@ -28,13 +28,14 @@ from transformers import (
 
 from diffserve.models.dits.wan import WanTransformer3DModel
 from diffserve.models.vaes.autoencoder_kl_wan import AutoencoderKLWan
-from diffserve.testing.tiny_parts import wan21_vae_config, write_clip_image_processor
 from diffserve.testing.tiny_writing import (
     DIFFUSERS_FORMAT_VERSION,
     save_text_encoder,
     t5_shape,
     tiny_folder,
     vision_tower_shape,
+    wan21_vae_config,
+    write_clip_image_processor,
     write_json,
     write_random_module,
     write_scheduler_config,
