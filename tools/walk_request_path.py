@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -192,12 +191,6 @@ def _watch(recorder: Recorder, folder: Path) -> None:
 # --- the server path --------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _wait_until(check: Callable[[], bool], timeout_s: float, what: str, server: subprocess.Popen) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
@@ -261,7 +254,9 @@ def walk_server(work: Path, folder: Path, src: Path, timeout_s: float = 300.0) -
     (hook_dir / "sitecustomize.py").write_text(
         SITECUSTOMIZE.format(dir_env=DIR_ENV, tool=str(Path(__file__)))
     )
-    port = _free_port()
+    from diffserve.testing.ports import unassigned_port  # not at module level: see the module docstring
+
+    port = unassigned_port()  # below the ephemeral range the suite's other listeners draw from
     env = dict(os.environ)
     env.update({DIR_ENV: str(marks), SRC_ENV: str(src), "DIFFSERVE_START_METHOD": "spawn"})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hook_dir), env.get("PYTHONPATH")]))
