@@ -267,7 +267,8 @@ def _reset_lowers_the_peak() -> bool:
     if high is None or not reset_vm_hwm():
         return False
     low = _status_kib("VmHWM")
-    return low is not None and low["VmHWM"] <= high - VM_HWM_PROBE_BYTES // 2048
+    half_probe_kib = VM_HWM_PROBE_BYTES // 1024 // 2
+    return low is not None and low["VmHWM"] <= high - half_probe_kib
 
 
 @functools.cache
