@@ -51,6 +51,48 @@ def test_static_shift_schedule_equals_diffusers(steps: int) -> None:
     assert torch.equal(schedule.timesteps, ref.timesteps)
 
 
+QWEN_LIKE_CONFIG = {
+    **FLUX_CONFIG, "base_shift": 0.5, "max_shift": 0.9, "shift_terminal": 0.02, "time_shift_type": "exponential",
+}  # fmt: skip
+MOCHI_LIKE_CONFIG = {"num_train_timesteps": 1000, "shift": 1.0, "invert_sigmas": True}
+
+
+@pytest.mark.parametrize("spacing", ["use_karras_sigmas", "use_exponential_sigmas"])
+@pytest.mark.parametrize(
+    ("config", "custom_sigmas"),
+    [(FLUX_CONFIG, True), (QWEN_LIKE_CONFIG, True), (SD3_CONFIG, False), (SD3_CONFIG, True), (MOCHI_LIKE_CONFIG, False)],
+    ids=["flux", "qwen-like", "sd3", "sd3-custom-sigmas", "mochi-like"],
+)  # fmt: skip
+@pytest.mark.parametrize("steps", [1, 3, 28])
+def test_karras_and_exponential_spacing_equals_diffusers(spacing, config, custom_sigmas, steps) -> None:
+    """The re-spaced schedules (after the shift and the terminal stretch, before inversion), bit for bit."""
+    config = {**config, spacing: True}
+    ref = FlowMatchEulerDiscreteScheduler(**config)
+    mine = FlowMatchEulerScheduler.from_config(config)
+    mu = 0.7 if config.get("use_dynamic_shifting") else None
+    base = np.linspace(1.0, 1 / steps, steps) if custom_sigmas else None
+    if base is None:
+        ref.set_timesteps(steps, mu=mu)
+    else:
+        ref.set_timesteps(sigmas=base, mu=mu)
+    schedule = mine.schedule(steps, mu=mu, sigmas=base)
+    if steps > 1:
+        assert not torch.equal(schedule.sigmas, FlowMatchEulerScheduler.from_config({**config, spacing: False}).schedule(steps, mu=mu, sigmas=base).sigmas)  # fmt: skip
+    if config.get("shift_terminal") and steps == 1:
+        return  # diffusers' one-step stretch divides 0 by 0 (test_one_step_with_shift_terminal_is_finite)
+    assert torch.equal(schedule.sigmas, ref.sigmas)
+    assert torch.equal(schedule.timesteps, ref.timesteps)
+
+
+def test_two_sigma_spacings_are_refused_as_diffusers_refuses_them() -> None:
+    with pytest.raises(ValueError, match="only one of"):
+        FlowMatchEulerScheduler.from_config(
+            {**SD3_CONFIG, "use_karras_sigmas": True, "use_exponential_sigmas": True}
+        )
+    with pytest.raises(ValueError, match="use_beta_sigmas"):
+        FlowMatchEulerScheduler.from_config({**SD3_CONFIG, "use_beta_sigmas": True})
+
+
 def test_euler_step_equals_diffusers_per_sample() -> None:
     ref = FlowMatchEulerDiscreteScheduler(**FLUX_CONFIG)
     base = np.linspace(1.0, 1 / 6, 6)
@@ -73,8 +115,8 @@ def test_euler_step_equals_diffusers_per_sample() -> None:
 def test_unknown_and_unsupported_options_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown"):
         FlowMatchEulerScheduler.from_config({"not_an_option": 1})
-    with pytest.raises(ValueError, match="use_karras_sigmas"):
-        FlowMatchEulerScheduler.from_config({"use_karras_sigmas": True})
+    with pytest.raises(ValueError, match="stochastic_sampling"):
+        FlowMatchEulerScheduler.from_config({"stochastic_sampling": True})
     with pytest.raises(ValueError, match="mu"):
         FlowMatchEulerScheduler.from_config(FLUX_CONFIG).schedule(4)
 

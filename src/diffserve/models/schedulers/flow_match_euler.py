@@ -34,12 +34,13 @@ _SUPPORTED_KEYS = {
     "use_beta_sigmas",
     "stochastic_sampling",
 }
-_UNSUPPORTED_WHEN_TRUE = (
-    "use_karras_sigmas",
-    "use_exponential_sigmas",
-    "use_beta_sigmas",
-    "stochastic_sampling",
-)
+#: Refused when set: beta sigmas need scipy's beta distribution (diffusers imports scipy for them), and
+#: stochastic sampling draws fresh noise inside each step, which this stateless Euler step does not take.
+_UNSUPPORTED_WHEN_TRUE = ("use_beta_sigmas", "stochastic_sampling")
+#: Diffusers' sigma-spacing options, of which a config may set one.
+_SPACING_OPTIONS = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas")
+#: Karras et al.'s rho (the value diffusers' conversion uses).
+KARRAS_RHO = 7.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,20 @@ def shift_sigmas(sigmas: np.ndarray, shift: float, mu: float | None, time_shift_
     if time_shift_type == "exponential":
         return math.exp(mu) / (math.exp(mu) + (1 / sigmas - 1) ** 1.0)
     return mu / (mu + (1 / sigmas - 1) ** 1.0)
+
+
+def respace_sigmas(sigmas: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+    """Diffusers' optional re-spacing of a shifted schedule between its first and last sigma, as the
+    config asks: Karras et al.'s (`use_karras_sigmas`: uniform in sigma ** (1 / rho)) or log-uniform
+    (`use_exponential_sigmas`); else `sigmas` unchanged. The same number of sigmas."""
+    if not (config["use_karras_sigmas"] or config["use_exponential_sigmas"]):
+        return sigmas
+    sigma_max, sigma_min = sigmas[0].item(), sigmas[-1].item()
+    if config["use_karras_sigmas"]:
+        ramp = np.linspace(0, 1, len(sigmas))
+        max_inv_rho, min_inv_rho = sigma_max ** (1 / KARRAS_RHO), sigma_min ** (1 / KARRAS_RHO)
+        return (max_inv_rho + ramp * (min_inv_rho - max_inv_rho)) ** KARRAS_RHO
+    return np.exp(np.linspace(math.log(sigma_max), math.log(sigma_min), len(sigmas)))
 
 
 class FlowMatchEulerScheduler:
@@ -105,6 +120,8 @@ class FlowMatchEulerScheduler:
             "use_beta_sigmas": use_beta_sigmas,
             "stochastic_sampling": stochastic_sampling,
         }
+        if sum(bool(self.config[key]) for key in _SPACING_OPTIONS) > 1:
+            raise ValueError(f"only one of {', '.join(_SPACING_OPTIONS)} can be True")
         for key in _UNSUPPORTED_WHEN_TRUE:
             if self.config[key]:
                 raise ValueError(f"scheduler option {key}=True is not supported by diffserve yet")
@@ -150,6 +167,7 @@ class FlowMatchEulerScheduler:
             # where Diffusers divides 0 by 0 and returns NaN; it is left unstretched instead.
             one_minus = 1 - shifted
             shifted = 1 - one_minus / (one_minus[-1] / (1 - self.config["shift_terminal"]))
+        shifted = respace_sigmas(np.asarray(shifted), self.config)
         sig = torch.from_numpy(np.asarray(shifted)).to(dtype=torch.float32)
         if self.config["invert_sigmas"]:
             sig = 1.0 - sig
