@@ -36,6 +36,7 @@ SNR_BAR_DB = 40.0
 PROMPT = "a robot dancing in the rain"
 MSL = 32  # a multiple of the tiny connectors' 8 registers
 STG = {"spatio_temporal_guidance_blocks": [1]}  # Diffusers' default block 28 is beyond the tiny DiT's 2
+NO_STG = {"spatio_temporal_guidance_blocks": None, "stg_scale": 0.0, "audio_stg_scale": 0.0}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -84,6 +85,7 @@ def test_ltx2_text_states_match_diffusers(t2v) -> None:
     [
         (64, 96, 17, 1, STG, {"guidance_scale": 3.0, "negative_prompt": "blurry"}),  # every guidance term
         (96, 64, 9, 2, {**STG, "audio_guidance_scale": 1.0}, {"guidance_scale": 1.0}),  # CFG off, 2 videos
+        (64, 64, 1, 1, NO_STG, {"guidance_scale": 3.0}),  # STG off with no blocks (null), one frame
     ],
 )
 def test_ltx2_t2v_matches_diffusers(t2v, height, width, frames, outputs, extra, guidance) -> None:
@@ -165,6 +167,17 @@ def test_ltx2_rejects_bad_requests(t2v) -> None:
         ours.generate(prompt=PROMPT, num_frames=9, **{**base, "max_sequence_length": 20})
     with pytest.raises(InvalidRequestError, match="stg_scal.*allowed"):
         ours.generate(prompt=PROMPT, num_frames=9, extra={"stg_scal": 1.0}, **base)
+    # STG on without blocks: Diffusers' check_inputs refuses it (diffserve ran it without STG).
+    with pytest.raises(
+        InvalidRequestError, match=r"guidance_blocks'\] is empty while spatio-temporal guidance"
+    ):
+        ours.generate(prompt=PROMPT, num_frames=9, extra={"spatio_temporal_guidance_blocks": []}, **base)
+    # No audio latent in the clip (round(1 / 50 * 25) = 0): Diffusers and the audio VAE fail deep inside.
+    with pytest.raises(
+        InvalidRequestError, match="too short for LTX-2's soundtrack.*fps of at most 49"
+    ) as info:
+        ours.generate(prompt=PROMPT, num_frames=1, fps=50, **base)
+    assert info.value.param == "fps"
 
 
 def test_ltx2_timestep_conditioned_vae_decodes_as_diffusers(tmp_path) -> None:
@@ -211,3 +224,16 @@ def test_ltx2_i2v_matches_diffusers(i2v) -> None:
         **kwargs,
     )
     _compare(out, ref, 9, 64, 96, "I2V")
+
+
+def test_ltx2_i2v_refuses_an_image_too_small_to_recompress(i2v) -> None:
+    """H.264 re-compression crops to even sides: a 1-pixel side leaves no frame (Diffusers fails in PyAV)."""
+    ours, _ = i2v
+    kwargs = dict(height=64, width=64, num_frames=9, num_inference_steps=1, max_sequence_length=MSL)
+    with pytest.raises(InvalidRequestError, match=r"input image is 1x40.*image_crf 33") as info:
+        ours.generate(prompt=PROMPT, image=gradient_image(width=1, height=40), **kwargs)
+    assert info.value.param == "image"
+    out = ours.generate(
+        prompt=PROMPT, image=gradient_image(width=1, height=40), extra={"image_crf": 0}, **kwargs
+    )
+    assert len(out.frames) == 1

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields, replace
 
 from diffserve.configs.option import option, settings_from
 from diffserve.configs.sampling_params import SamplingParams
+from diffserve.errors import InvalidRequestError
 
 #: H.264 CRF Diffusers re-compresses an image-to-video input image with (the compression the model was
 #: trained against): 33 with a Gemma-3 text encoder (LTX-2.0 .. 2.3), 18 with Gemma-4 (LTX-2.5); 0 skips it.
@@ -68,10 +69,11 @@ class LTX2Guidance:
     audio_guidance_rescale: float | None = option(
         0.7, min=0, max=1, help="audio CFG rescale (unset: the video's)"
     )
-    spatio_temporal_guidance_blocks: tuple[int, ...] = option(
+    spatio_temporal_guidance_blocks: tuple[int, ...] | None = option(
         (28,),
         min=0,
-        help="DiT blocks whose self-attention STG perturbs (Diffusers' default, for LTX-2.3's 48)",
+        help="DiT blocks whose self-attention STG perturbs (Diffusers' default, for LTX-2.3's 48); null or [] "
+        "only with STG off (stg_scale and audio_stg_scale 0)",
     )
     use_cross_timestep: bool = option(
         True, help="modulate audio<->video attention by the other modality's sigma (False: LTX-2.0's way)"
@@ -104,8 +106,18 @@ LTX2_EXTRA_KEYS: tuple[str, ...] = tuple(f.name for f in fields(LTX2Guidance))
 def ltx2_guidance(params: SamplingParams, image_to_video: bool = False) -> LTX2Guidance:
     """The request's LTX-2 settings: Diffusers' defaults, overridden by `params.extra` (checked against the
     declarations; an unknown key or a bad value is an InvalidRequestError naming it and what it accepts).
-    `image_crf` applies to image-to-video only."""
+    `image_crf` applies to image-to-video only. The STG blocks come back sorted, distinct and never None
+    (null is no block, as Diffusers takes it); STG on (either STG scale above 0 after Diffusers' `audio_x or
+    x`) with no block is refused, as Diffusers' `check_inputs` refuses it."""
     allowed = [k for k in LTX2_EXTRA_KEYS if image_to_video or k != "image_crf"]
     settings = settings_from(LTX2Guidance, params.extra, "extra", allowed)
-    blocks = tuple(sorted(set(settings.spatio_temporal_guidance_blocks)))
+    blocks = tuple(sorted(set(settings.spatio_temporal_guidance_blocks or ())))
+    audio_stg = settings.audio_stg_scale or settings.stg_scale
+    if not blocks and (settings.stg_scale > 0 or audio_stg > 0):
+        raise InvalidRequestError(
+            "extra['spatio_temporal_guidance_blocks'] is empty while spatio-temporal guidance is on "
+            f"(stg_scale {settings.stg_scale:g}, audio_stg_scale {audio_stg:g}): list the DiT "
+            "blocks STG perturbs (Diffusers' default: [28]), or set stg_scale and audio_stg_scale to 0",
+            param="extra",
+        )
     return replace(settings, spatio_temporal_guidance_blocks=blocks)

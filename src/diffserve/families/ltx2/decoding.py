@@ -71,6 +71,8 @@ class LTX2DecodingStage(Stage):
                 if settings.decode_noise_scale is None
                 else settings.decode_noise_scale
             )
+            # One decode timestep per video. Diffusers makes one per prompt, which its decoder cannot take
+            # with num_videos_per_prompt > 1 (a shape error); per video, each clip decodes as it would alone.
             temb = torch.full(
                 (latents.shape[0],), settings.decode_timestep, device=latents.device, dtype=latents.dtype
             )

@@ -25,6 +25,7 @@ forward; here those rows are not run and the term is 0.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -44,7 +45,11 @@ from diffserve.families.ltx2.config import (
     ltx2_guidance,
 )
 from diffserve.families.ltx2.decoding import LTX2DecodingStage
-from diffserve.families.ltx2.latent_preparation import FirstFrameCondition, LTX2LatentPreparationStage
+from diffserve.families.ltx2.latent_preparation import (
+    FirstFrameCondition,
+    LTX2LatentPreparationStage,
+    audio_latent_steps,
+)
 from diffserve.families.ltx2.text_encoding import LTX2TextEncodingStage
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.ltx2 import LTX2VideoTransformer3DModel
@@ -92,17 +97,31 @@ class RequestGuidance:
 
 class LTX2InputValidationStage(InputValidationStage):
     """The shared validation, plus LTX-2's: its `extra` settings, the text length the connectors' registers
-    need, and CFG on when either modality's scale is above 1 (Diffusers' rule)."""
+    need, a clip long enough for one audio latent, an image-to-video input image H.264 can re-compress, and
+    CFG on when either modality's scale is above 1 (Diffusers' rule)."""
 
     takes_family_settings = True
 
-    def __init__(self, *args, image_to_video: bool, registers: int | None, min_side: int, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        image_to_video: bool,
+        registers: int | None,
+        min_side: int,
+        audio_latents_per_second: float,
+        default_image_crf: int | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.image_to_video = image_to_video
         self.registers = registers
         #: The smallest height and width the VAE decodes: its decoder's reflect padding needs latents at
         #: least two wide (one latent row cannot be reflected).
         self.min_side = min_side
+        #: The soundtrack's latent steps a second: a clip must be long enough for one of them.
+        self.audio_latents_per_second = audio_latents_per_second
+        #: Image-to-video: the CRF the input image is re-compressed at when the request sets none.
+        self.default_image_crf = default_image_crf
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         resolved = super().resolve(params)
@@ -115,6 +134,9 @@ class LTX2InputValidationStage(InputValidationStage):
                     f"pads by reflection), got {value}",
                     param=name,
                 )
+        self._check_audio_length(resolved)
+        if self.image_to_video:
+            self._check_recompressible(resolved)
         msl = resolved.max_sequence_length
         if self.registers and msl % self.registers:
             lower = max(self.registers, msl - msl % self.registers)
@@ -124,6 +146,33 @@ class LTX2InputValidationStage(InputValidationStage):
                 param="max_sequence_length",
             )
         return resolved
+
+    def _check_audio_length(self, params: SamplingParams) -> None:
+        """The clip must hold at least one audio latent step (round(num_frames / fps * steps a second)):
+        Diffusers fails on an empty soundtrack deep inside its audio unpacking, and so would the audio VAE."""
+        frames, fps = params.num_frames, params.fps
+        if audio_latent_steps(frames, float(fps), self.audio_latents_per_second) >= 1:
+            return
+        max_fps = math.ceil(2 * frames * self.audio_latents_per_second) - 1
+        raise InvalidRequestError(
+            f"a clip of {frames} frame(s) at {fps} fps ({frames / fps:.3f} s) is too short for LTX-2's soundtrack "
+            f"({self.audio_latents_per_second:g} audio latents a second, at least one needed): use more frames "
+            f"or an fps of at most {max_fps}",
+            param="fps",
+        )
+
+    def _check_recompressible(self, params: SamplingParams) -> None:
+        """H.264 re-compression (a CRF other than 0) crops the input image to even sides: a side of 1 pixel
+        leaves nothing to encode (Diffusers fails inside PyAV)."""
+        crf = ltx2_guidance(params, image_to_video=True).image_crf
+        crf = self.default_image_crf if crf is None else crf
+        width, height = params.input_images[0].size
+        if crf and min(width, height) < 2:
+            raise InvalidRequestError(
+                f"the input image is {width}x{height}: re-compressing it as an H.264 frame (image_crf {crf}) "
+                "needs both sides at least 2 pixels; send a larger image, or set extra's image_crf to 0",
+                param="image",
+            )
 
     def forward(self, req: Req) -> Req:
         req = super().forward(req)
@@ -376,6 +425,8 @@ class LTX2Pipeline(Pipeline):
             image_to_video=self.image_to_video,
             registers=registers,
             min_side=(2 if vae.config["decoder_spatial_padding_mode"] == "reflect" else 1) * self.spatial,
+            audio_latents_per_second=float(audio_vae.latents_per_second),
+            default_image_crf=self.default_image_crf(context) if self.image_to_video else None,
         )
         first_frame = None
         if self.image_to_video:
