@@ -152,6 +152,40 @@ def test_positions_need_the_full_text_length(folders) -> None:
     assert_images_match(got, want, "CogVideoX RoPE, 40 text tokens", min_db=PSNR_BAR_DB)
 
 
+@pytest.mark.parametrize(
+    ("folder", "height", "width", "param"),
+    [("1.5", 80, 64, "height"), ("1.5", 64, 96, "width"), ("1.0-i2v", 48, 80, "height")],
+)
+def test_sizes_the_positions_do_not_cover_are_refused(folders, folder, height, width, param) -> None:
+    """CogVideoX 1.5's rotary positions cover the sample size's patch grid (64 x 80 here), and 1.0-I2V's
+    learned ones that size only: another size is a clear request error, not a failure inside the denoising
+    step (Diffusers fails in its DiT or refuses it in its forward)."""
+    ours, _ = folders(folder)
+    image = [smooth_random_image(32, 32, seed=1)] if folder.endswith("i2v") else None
+    params = SamplingParams(prompt=PROMPT, height=height, width=width, num_frames=5, input_images=image)
+    with pytest.raises(InvalidRequestError, match="positions") as info:
+        ours.pipeline.resolve_params(params)
+    assert info.value.param == param
+    ours.pipeline.resolve_params(SamplingParams(prompt=PROMPT, num_frames=5, input_images=image))  # default
+
+
+def test_several_videos_per_prompt(folders) -> None:
+    """Diffusers' CogVideoX pipelines set num_videos_per_prompt to 1 whatever is passed; diffserve makes the
+    videos asked for, their noise drawn together, so that with DDIM (deterministic after the first draw) the
+    first is Diffusers' one video."""
+    ours, reference = folders("1.0")
+    kwargs = dict(height=32, width=48, num_frames=9, num_inference_steps=2, guidance_scale=6.0)
+    got = np.stack(ours.generate(prompt=PROMPT, seed=2, num_outputs_per_prompt=2, **kwargs).frames)
+    want = to_uint8(
+        reference(
+            prompt=PROMPT, generator=torch.Generator().manual_seed(2), output_type="np", **kwargs
+        ).frames
+    )
+    assert got.shape == (2, 9, 32, 48, 3)
+    assert_images_match(got[:1], want, "CogVideoX 1.0 first of two videos", min_db=PSNR_BAR_DB)
+    assert psnr_uint8(got[1:], want) < PSNR_BAR_DB, "the second video repeats the first"
+
+
 def test_requests_share_steps_and_match_each_alone(folders) -> None:
     """A CFG request and a no-CFG one at different step counts share their DiT steps (the DPM sampler keeps
     each request's generator); each video is within 1 level of the one it gets alone."""

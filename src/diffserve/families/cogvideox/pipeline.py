@@ -10,6 +10,13 @@ step at timestep t of n steps is `1 + guidance_scale * (1 - cos(pi * ((n - t) / 
 computes it. The latents stay in the model's dtype between steps, as in Diffusers; the DPM sampler draws its
 noise from the request's generator. Image-to-video concatenates the input image's latents (then zero
 frames) to the noisy latents on channels, and the 1.5 I2V DiT embeds Diffusers' `ofs` of 2.
+
+Deliberately unlike Diffusers: its CogVideoX pipelines set `num_videos_per_prompt` to 1 whatever the caller
+passes; here `num_outputs_per_prompt` makes that many videos, their noise drawn together from the request's
+generator (as Diffusers draws a batch), so the first is Diffusers' one video with DDIM but not with the DPM
+sampler, whose per-step noise is drawn for the whole batch. Sizes the DiT's positions do not cover (1.5: above
+the sample size; 1.0-5B-I2V: other than it) and a text length other than the one its added positions need are
+refused when the request is validated (`CogVideoXInputValidationStage`), where Diffusers fails in its DiT.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from diffserve.families.cogvideox.stages import (
     to_diffusers_layout,
 )
 from diffserve.loader.folder_defaults import apply_overrides
-from diffserve.models.dits.cogvideox import CogVideoXTransformer3DModel
+from diffserve.models.dits.cogvideox import CogVideoXTransformer3DModel, CogVideoXTransformerConfig
 from diffserve.models.schedulers.cogvideox_ddim import CogVideoXDPMScheduler
 from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.pipelines.cfg_batch import branch_texts, classic_cfg, split_guided, step_cache_for
@@ -206,6 +213,12 @@ class CogVideoXPipeline(Pipeline):
             },
             video=VideoRule(temporal_factor=self.temporal),
             exact_text_length=dit.max_text_seq_length if dit.sincos_positions else None,
+            exact_size=(self.default_height, self.default_width)
+            if dit.use_learned_positional_embeddings
+            else None,
+            max_size=self.rope_grid_size(dit)
+            if dit.use_rotary_positional_embeddings and dit.patch_size_t is not None
+            else None,
         )
         return [
             self.input_validation,
@@ -228,6 +241,15 @@ class CogVideoXPipeline(Pipeline):
 
     def image_input_rule(self) -> ImageInputRule:
         return ImageInputRule(pipeline_name=self.pipeline_name, task="text-to-video")
+
+    def rope_grid_size(self, dit: CogVideoXTransformerConfig) -> tuple[int, int]:
+        """CogVideoX 1.5: the largest (height, width) in pixels its rotary positions cover, the sample size's
+        whole patches (`rope_tables` refuses a larger patch grid, as Diffusers' DiT fails on one)."""
+        step = dit.patch_size * self.spatial
+        return (
+            dit.sample_height // dit.patch_size * step,
+            dit.sample_width // dit.patch_size * step,
+        )
 
     @torch.inference_mode()
     def preview_images(self, req: Req) -> list[Image.Image]:

@@ -33,15 +33,32 @@ from diffserve.stages.video_vae_decoding import video_to_uint8
 
 
 class CogVideoXInputValidationStage(InputValidationStage):
-    """The shared validation, plus CogVideoX's `extra` settings and, for a DiT that adds positions over its
-    text slots (sin-cos or learned), a text length of exactly `max_text_seq_length` (Diffusers' DiT cannot
-    run another either)."""
+    """The shared validation, plus CogVideoX's `extra` settings and the sizes the DiT's positions allow, each
+    refused here with a clear message where Diffusers' DiT fails deep in its forward (and the native DiT
+    would too, after the request had been queued):
+
+    - `exact_text_length`: a DiT that adds positions over its text slots (sin-cos or learned) takes a text
+      length of exactly `max_text_seq_length`.
+    - `exact_size`: a DiT with learned positions (CogVideoX 1.0-5B-I2V) has them for its sample size only,
+      (height, width) in pixels.
+    - `max_size`: CogVideoX 1.5's rotary positions cover the sample size's patch grid (no crop or resize of
+      the grid, as 1.0's), so height and width are at most these pixels.
+    """
 
     takes_family_settings = True
 
-    def __init__(self, *args, exact_text_length: int | None, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        exact_text_length: int | None,
+        exact_size: tuple[int, int] | None = None,
+        max_size: tuple[int, int] | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.exact_text_length = exact_text_length
+        self.exact_size = exact_size
+        self.max_size = max_size
 
     def resolve(self, params):
         resolved = super().resolve(params)
@@ -53,7 +70,26 @@ class CogVideoXInputValidationStage(InputValidationStage):
                 f"tokens; got {resolved.max_sequence_length}",
                 param="max_sequence_length",
             )
+        self.check_size(resolved.height, resolved.width)
         return resolved
+
+    def check_size(self, height: int, width: int) -> None:
+        """InvalidRequestError (naming height or width) for a size the DiT's positions do not cover."""
+        if self.exact_size is not None and (height, width) != self.exact_size:
+            want_h, want_w = self.exact_size
+            raise InvalidRequestError(
+                f"this model makes {want_h}x{want_w} (height x width) videos only: its DiT has learned "
+                f"positions for that size; got {height}x{width} (leave height and width unset)",
+                param="height" if height != want_h else "width",
+            )
+        if self.max_size is not None:
+            for name, value, most in zip(("height", "width"), (height, width), self.max_size, strict=True):
+                if value > most:
+                    raise InvalidRequestError(
+                        f"{name} must be at most {most} for this model: its DiT's rotary positions cover "
+                        f"{self.max_size[0]}x{self.max_size[1]} (height x width) pixels; got {value}",
+                        param=name,
+                    )
 
 
 class CogVideoXTextEncodingStage(SequenceTextEncodingStage):

@@ -49,7 +49,9 @@ def encode_condition(vae: nn.Module, video: torch.Tensor) -> torch.Tensor:
 
 class WanImageToVideoPreparationStage(Stage):
     """Sets `image_embeds` too, but only with an `image_encoder`: None (Wan 2.2 A14B, whose DiT has no
-    image cross-attention) leaves it unset."""
+    image cross-attention) leaves it unset. Both are repeated for every output video: Diffusers repeats the
+    CLIP states once per prompt only, so its Wan 2.1 I2V (and SkyReels-V2 I2V) fails with
+    `num_videos_per_prompt` > 1, which this serves."""
 
     needs = ("generator",)
     sets = ("conditioning.condition_latents",)

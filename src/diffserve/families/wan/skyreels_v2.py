@@ -100,7 +100,7 @@ class SkyReelsV2ImageToVideoPipeline(WanImageToVideoPipeline):
 class SkyReelsV2DiffusionForcingValidationStage(InputValidationStage):
     """The shared validation plus the diffusion-forcing settings (`SkyReelsV2DiffusionForcingSettings`): a
     long video needs `overlap_history` shorter than a window, and every window's latent frames must be whole
-    causal blocks (Diffusers' DiT fails on a partial block)."""
+    causal blocks (Diffusers' schedule leaves a partial block's frames pure noise, and its DiT fails on one)."""
 
     takes_family_settings = True
     #: The DiT's frames per causal block and the VAE's temporal factor, set by the pipeline.

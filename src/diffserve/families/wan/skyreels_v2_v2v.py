@@ -13,6 +13,10 @@ A streamed job (`Req.on_decoded`) publishes the resized input frames as its firs
 made, before its first step, then each window's frames while the next windows denoise, as a text-to-video
 one does (`skyreels_v2_forcing_decode.py`): the chunks, in order, are the output's frames exactly.
 
+Deliberately unlike Diffusers: its video extension sets `num_videos_per_prompt` to 1 whatever the caller
+passes; here `num_outputs_per_prompt` makes that many videos, each window's noise drawn for all of them at
+once from the request's generator, so the first video is Diffusers' one video for a one-window request only.
+
 The input video comes as `SamplingParams.input_video`, decoded frames: `DiffGenerator.generate(video=...)`,
 `diffserve generate --video PATH` and POST /v1/videos' `video` (a file upload or a data URL) give it. The
 server's warm-up, calibration and /health_generate probes send a grey one-frame clip continued from its one
