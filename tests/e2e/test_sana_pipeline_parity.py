@@ -14,6 +14,7 @@ from sana_text_checks import prompt_and_negative_encodings
 
 from diffserve import SamplingParams
 from diffserve.api import DiffGenerator
+from diffserve.errors import InvalidRequestError
 from diffserve.families.sana.tiny import build_tiny_sana
 from diffserve.testing.parity import (
     assert_generation_matches,
@@ -102,3 +103,30 @@ def test_requests_with_different_text_lengths_share_a_step_and_match_diffusers(e
         ref = diffusers_uint8(reference, seed=p.seed, prompt=p.prompt, num_images_per_prompt=1, **kwargs)
         label = f"SANA batched {p.prompt[:12]!r}"
         assert_images_match(stack_uint8(out.images), ref, label, min_db=PSNR_BAR_DB, shape=(1, 64, 96, 3))
+
+
+def test_sana_any_size_with_binning_and_multiples_without_match_diffusers(engines) -> None:
+    """With resolution binning (the default) Diffusers takes any size: 100x150 is generated at the 416x608
+    bin and resized back. `extra={"use_resolution_binning": False}` (Diffusers' keyword) generates at the
+    size asked, which must then be a multiple of 32 (refused otherwise, as Diffusers does)."""
+    ours, reference = engines
+    kwargs = dict(num_inference_steps=2, guidance_scale=4.5)
+    prompt = "A red Fox in the snow"
+    assert_generation_matches(
+        ours, reference, "SANA binned 100x150", min_db=PSNR_BAR_DB, prompt=prompt, seed=4, height=100, width=150,
+        **kwargs,
+    )  # fmt: skip
+    got = stack_uint8(
+        ours.generate(
+            prompt=prompt, seed=4, height=64, width=32, extra={"use_resolution_binning": False}, **kwargs
+        ).images
+    )
+    want = diffusers_uint8(
+        reference, seed=4, prompt=prompt, height=64, width=32, use_resolution_binning=False, **kwargs
+    )
+    assert_images_match(got, want, "SANA unbinned 64x32", min_db=PSNR_BAR_DB, shape=(1, 64, 32, 3))
+    with pytest.raises(
+        InvalidRequestError, match=r"width=150 is not a multiple of 32.*use_resolution_binning"
+    ) as info:
+        ours.generate(prompt=prompt, height=96, width=150, extra={"use_resolution_binning": False}, **kwargs)
+    assert info.value.param == "width"

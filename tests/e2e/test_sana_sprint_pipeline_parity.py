@@ -49,3 +49,18 @@ def test_sana_sprint_refuses_a_negative_prompt(engines) -> None:
     ours, _ = engines
     with pytest.raises(InvalidRequestError, match="negative_prompt"):
         ours.generate(prompt="a cat", negative_prompt="blurry", height=64, width=96, num_inference_steps=2)
+
+
+def test_sana_sprint_binned_size_that_is_no_multiple_of_32_matches_diffusers(engines) -> None:
+    """Binning (the default) takes any size: 70x100 is generated at a 1024 px bin and resized back."""
+    ours, reference = engines
+    kwargs = dict(height=70, width=100, num_inference_steps=2, guidance_scale=4.5)
+    assert_generation_matches(
+        ours,
+        reference,
+        "SANA-Sprint binned 70x100",
+        min_db=PSNR_BAR_DB,
+        prompt="A cat in the Rain",
+        seed=2,
+        **kwargs,
+    )

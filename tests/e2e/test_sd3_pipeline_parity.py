@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
-from diffusers import StableDiffusion3Pipeline
+from diffusers import (
+    StableDiffusion3Img2ImgPipeline,
+    StableDiffusion3InpaintPipeline,
+    StableDiffusion3Pipeline,
+)
 
-from diffserve import DiffGenerator
+from diffserve import DiffGenerator, SamplingParams
+from diffserve.errors import InvalidRequestError
 from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
+from diffserve.request import Req
 from diffserve.testing.parity import (
     assert_generation_matches,
     generator_and_reference,
+    smooth_random_image,
 )
 
 PSNR_BAR_DB = 40.0
@@ -93,3 +102,45 @@ def test_sd3_without_t5_matches_diffusers(tmp_path) -> None:
     assert_generation_matches(
         ours, reference, "SD3 without T5", min_db=PSNR_BAR_DB, prompt="a fox", seed=9, **kwargs
     )
+
+
+def test_sd3_size_beyond_the_position_table_is_refused_at_submission(engines) -> None:
+    """Diffusers' patch embedding raises on a latent grid wider than `pos_embed_max_size` patches (16 here:
+    256 pixels); diffserve refuses the request before any model work, naming the side and the bound."""
+    ours, reference = engines
+    kwargs = dict(height=64, width=272, num_inference_steps=1, max_sequence_length=8)
+    with pytest.raises(ValueError, match="pos_embed_max_size"):
+        reference(prompt="a fox", output_type="latent", **kwargs)
+    with pytest.raises(
+        InvalidRequestError, match=r"width=272 is larger than this model's largest side, 256"
+    ) as info:
+        ours.generate(prompt="a fox", **kwargs)
+    assert info.value.param == "width"
+    assert ours.generate(prompt="a fox", **{**kwargs, "width": 256}).images[0].size == (256, 64)
+
+
+def test_sd3_image_requests_default_to_the_img2img_pipelines_steps(engines) -> None:
+    """Diffusers' SD3 img2img and inpaint pipelines default to 50 steps (text-to-image: 28); a request with
+    an input image that leaves them unset runs as many."""
+    ours, _ = engines
+    defaults = [
+        inspect.signature(cls.__call__).parameters["num_inference_steps"].default
+        for cls in (
+            StableDiffusion3Pipeline,
+            StableDiffusion3Img2ImgPipeline,
+            StableDiffusion3InpaintPipeline,
+        )
+    ]
+    image = smooth_random_image(48, 32, seed=1)
+
+    def steps(**params) -> int:
+        return ours.pipeline.validate(
+            Req(params=SamplingParams(prompt="x", **params))
+        ).params.num_inference_steps
+
+    assert [
+        steps(),
+        steps(input_images=[image]),
+        steps(input_images=[image], mask_image=image.convert("L")),
+    ] == defaults
+    assert steps(input_images=[image], num_inference_steps=3) == 3

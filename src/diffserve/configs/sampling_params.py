@@ -444,7 +444,7 @@ class SamplingParams:
         default_factory=dict, front_end_default=None, http=True, cli="--extra", convert=extra_from_flag,
         commands=("generate",), metavar="JSON",
         help="the model family's own settings by name, checked by the family (LTX-2: audio_guidance_scale, "
-        "stg_scale, modality_scale, guidance_rescale, motion_speed, ...; SANA-Video: use_resolution_binning; "
+        "stg_scale, modality_scale, guidance_rescale, motion_speed, ...; SANA, SANA-Sprint, SANA-Video: use_resolution_binning; "
         "LongCat-Image: enable_cfg_renorm, cfg_renorm_min; Qwen-Image-Layered: layers, resolution, cfg_normalize; "
         "SkyReels-V2 diffusion forcing: ar_step, causal_block_size, base_num_frames, overlap_history, addnoise_condition; "
         "other families take none)",

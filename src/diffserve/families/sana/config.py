@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from diffserve.configs.option import option, settings_from
 from diffserve.configs.sampling_params import SamplingParams
 
 #: The instruction Diffusers' SanaPipeline puts before every prompt by default (its
@@ -34,11 +35,27 @@ class SanaPipelineConfig:
 
     #: Wrapped around the prompt (not the negative prompt) before Gemma-2 reads it; empty: the bare prompt.
     complex_human_instruction: tuple[str, ...] = SANA_COMPLEX_HUMAN_INSTRUCTION
-    #: Diffusers' `use_resolution_binning=True`: generate at the aspect-ratio bin nearest the requested
-    #: size (the bins of the DiT's `sample_size`), then resize and centre-crop the images back to it.
-    use_resolution_binning: bool = True
     #: Height and width when a request leaves them unset (Diffusers' SanaPipeline: 1024 for every model).
     default_size: int = 1024
+
+
+@dataclass(frozen=True)
+class SanaSettings:
+    """One request's SANA / SANA-Sprint settings beyond SamplingParams (Diffusers' `__call__` arguments, its
+    defaults), set in `SamplingParams.extra` and checked by `sana_settings`."""
+
+    use_resolution_binning: bool = option(
+        True,
+        help="generate at the aspect-ratio bin nearest the requested size (the bins of the DiT's sample_size), "
+        "then resize and centre-crop the images back to it; any height and width is accepted then, otherwise "
+        "they must be multiples of the model's pixel granularity (32)",
+    )
+
+
+def sana_settings(params: SamplingParams) -> SanaSettings:
+    """The request's settings: Diffusers' defaults overridden by `params.extra` (an unknown key or a bad value
+    is an InvalidRequestError naming it)."""
+    return settings_from(SanaSettings, params.extra, "extra")
 
 
 def sana_default_sampling_params() -> SamplingParams:
@@ -49,7 +66,8 @@ def sana_default_sampling_params() -> SamplingParams:
 @dataclass(frozen=True)
 class SanaSprintPipelineConfig(SanaPipelineConfig):
     """SANA-Sprint (Diffusers' SanaSprintPipeline): SANA's text and VAE, a guidance-embedding consistency DiT
-    sampled by SCM in a few steps, no negative prompt. Resolution binning takes the 1024 px bins only."""
+    sampled by SCM in a few steps, no negative prompt. Resolution binning takes the 1024 px bins only (a DiT
+    of sample_size 32)."""
 
     #: The first SCM angle (pi/2: pure noise) and, for two steps, the one in between (Diffusers' defaults).
     #: Other step counts take evenly spaced angles, as Diffusers called with `intermediate_timesteps=None`.

@@ -8,7 +8,7 @@ requests may differ in text length: the denoiser embeds each branch once per req
 embedded texts to the longest in the batch and masks the padding, which the DiT's cross-attention then
 weighs exactly 0, as Diffusers weighs its own padding. Latents and the scheduler stay float32 whatever
 the DiT's dtype, as in Diffusers; sizes are snapped to SANA's aspect-ratio bins and the images resized
-back (`families/sana/resolution.py`).
+back (`families/sana/resolution.py`) unless a request sets `use_resolution_binning` false in `extra`.
 """
 
 from __future__ import annotations
@@ -27,13 +27,15 @@ from diffserve.families.sana.config import (
     sana_sprint_default_sampling_params,
 )
 from diffserve.families.sana.resolution import (
+    ASPECT_RATIO_1024_BIN,
+    BINS_BY_SAMPLE_SIZE,
     ResolutionBinning,
     SanaDecodingStage,
     SanaLatentPreparationStage,
-    bins_for_sample_size,
 )
 from diffserve.families.sana.sprint import SCMTimestepPreparationStage
 from diffserve.families.sana.text_encoding import SanaTextEncodingStage
+from diffserve.families.sana.validation import SanaInputValidationStage
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.sana import SanaTransformer2DModel
 from diffserve.models.schedulers.dpm_solver_flow import DPMSolverFlowScheduler
@@ -51,7 +53,7 @@ from diffserve.pipelines.padded_text_denoiser import PaddedTextDenoiser
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.denoising import DenoisingStage
-from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
+from diffserve.stages.input_validation import ImageInputRule
 from diffserve.stages.timestep_preparation import DefaultTimestepPreparationStage
 
 
@@ -143,7 +145,7 @@ class SanaPipeline(Pipeline):
                 "scheduler with use_dynamic_shifting=True is not supported"
             )
         text_stage = self.text_stage(context)
-        binning = self.binning(dit.sample_size)
+        binning = ResolutionBinning(BINS_BY_SAMPLE_SIZE.get(dit.sample_size), dit.sample_size, "SanaPipeline")
         self.input_validation = self.validation(
             context,
             sana_default_sampling_params(),
@@ -172,24 +174,19 @@ class SanaPipeline(Pipeline):
         pipeline_name: str,
         binning: ResolutionBinning,
         **options: Any,
-    ) -> InputValidationStage:
+    ) -> SanaInputValidationStage:
         """The input validation both SANA pipelines share: text only, the configured default size, the
-        sequence limit of their text stage, and `binning`'s generation size (what the memory model costs);
-        `options`, the rest of `InputValidationStage`'s keywords."""
-        return InputValidationStage(
-            generation_size=lambda params: binning.generation_size(params.height, params.width),
+        sequence limit of their text stage, the `use_resolution_binning` setting and the size rule that
+        follows from it (`families/sana/validation.py`); `options`, the rest of `InputValidationStage`'s
+        keywords."""
+        return SanaInputValidationStage(
+            binning=binning,
+            generation_multiple=self.pixel_multiple,
             defaults=apply_overrides(defaults, context.folder_sampling_defaults),
-            pixel_multiple=self.pixel_multiple,
             default_pixels=self.config.default_size,
             max_sequence_length_limit=self.sequence_limit(text_stage, context),
             image_inputs=ImageInputRule(pipeline_name=pipeline_name),
             **options,
-        )
-
-    def binning(self, sample_size: int) -> ResolutionBinning:
-        """The sizes requests are binned to for a DiT of `sample_size`, or none when binning is off."""
-        return ResolutionBinning(
-            bins_for_sample_size(sample_size) if self.config.use_resolution_binning else None
         )
 
     def text_stage(self, context: PipelineContext) -> SanaTextEncodingStage:
@@ -248,13 +245,10 @@ class SanaSprintPipeline(SanaPipeline):
             )
         if not isinstance(scheduler, SCMScheduler):
             raise ValueError(f"SanaSprintPipeline samples with SCMScheduler, not {type(scheduler).__name__}")
-        if self.config.use_resolution_binning and dit.sample_size != SPRINT_BINNED_SAMPLE_SIZE:
-            raise ValueError(
-                f"SanaSprintPipeline bins sizes for a transformer sample_size of {SPRINT_BINNED_SAMPLE_SIZE} "
-                f"only (Diffusers refuses others), got {dit.sample_size}"
-            )
         text_stage = self.text_stage(context)
-        binning = self.binning(dit.sample_size)
+        # Diffusers' SanaSprintPipeline bins for one sample_size only (the 1024 px bins).
+        bins = ASPECT_RATIO_1024_BIN if dit.sample_size == SPRINT_BINNED_SAMPLE_SIZE else None
+        binning = ResolutionBinning(bins, dit.sample_size, "SanaSprintPipeline")
         self.input_validation = self.validation(
             context,
             sana_sprint_default_sampling_params(),

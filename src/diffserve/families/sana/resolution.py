@@ -1,6 +1,7 @@
-"""SANA's resolution binning (Diffusers' `use_resolution_binning=True`): a request is generated at the
-aspect-ratio bin nearest its size, then its decoded images are resized and centre-cropped back to the
-size it asked for.
+"""SANA's resolution binning (Diffusers' `use_resolution_binning=True`, a request setting in `extra`, on by
+default): a request is generated at the aspect-ratio bin nearest its size, then its decoded images are
+resized and centre-cropped back to the size it asked for, which may then be any size (the bins are
+multiples of 32 pixels). Turned off, a request is generated at its own size.
 
 The bins are PixArt's / SANA's tables of (height, width) around one base resolution, chosen by the DiT's
 `sample_size` in latent pixels (16, 32, 64, 128: the 512, 1024, 2048, 4096 px bins). The nearest bin is
@@ -8,7 +9,7 @@ the first whose ratio key (height / width, as written in the table) is closest t
 the resize is bilinear (no antialiasing) to cover the requested size, then a centre crop, on the decoded
 images in [-1, 1] before they are quantised, as Diffusers' `PixArtImageProcessor` does.
 
-Binning is a pure function of the requested size, so the request keeps its `params.height/width` (the
+Binning is a pure function of the request (its size and setting), so it keeps its `params.height/width` (the
 output size): latent preparation generates at the bin, decoding resizes back.
 """
 
@@ -20,7 +21,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from diffserve.configs.sampling_params import SamplingParams
 from diffserve.distributed.parallel_vae import decode_split
+from diffserve.errors import InvalidRequestError
+from diffserve.families.sana.config import sana_settings
 from diffserve.request import LatentSize, Req
 from diffserve.stages.base import to_module
 from diffserve.stages.decoding import DecodeLayout, DecodingStage, tensor_to_pil
@@ -229,12 +233,32 @@ def resize_and_crop(images: torch.Tensor, height: int, width: int) -> torch.Tens
 
 @dataclass(frozen=True)
 class ResolutionBinning:
-    """Where a request of a given size is generated: its nearest bin, or (binning off) its own size."""
+    """Where a request of a given size is generated: with its `use_resolution_binning` setting (on by
+    default, `SanaSettings`) the nearest of `bins`, else its own size. `bins` is None for a DiT whose
+    `sample_size` has no bins (Diffusers raises "Invalid sample size" for a binned call): such a request is
+    refused, naming the setting to turn off; `pipeline_name` names the pipeline in that message."""
 
     bins: tuple[AspectRatioBin, ...] | None
+    sample_size: int
+    pipeline_name: str
 
-    def generation_size(self, height: int, width: int) -> tuple[int, int]:
-        return (height, width) if self.bins is None else nearest_bin(height, width, self.bins)
+    def binned(self, params: SamplingParams) -> bool:
+        """Whether `params` (a request's) asks for resolution binning."""
+        return sana_settings(params).use_resolution_binning
+
+    def generation_size(self, params: SamplingParams) -> tuple[int, int]:
+        """(height, width) the request is generated at (InvalidRequestError for a binned request on a DiT
+        without bins)."""
+        height, width = int(params.height), int(params.width)
+        if not self.binned(params):
+            return height, width
+        if self.bins is None:
+            raise InvalidRequestError(
+                f"extra['use_resolution_binning'] has no aspect-ratio bins in {self.pipeline_name} for this "
+                f"transformer's sample_size ({self.sample_size}; Diffusers refuses it too): set it to false",
+                param="extra",
+            )
+        return nearest_bin(height, width, self.bins)
 
 
 class SanaLatentPreparationStage(SpatialLatentPreparationStage):
@@ -249,7 +273,7 @@ class SanaLatentPreparationStage(SpatialLatentPreparationStage):
 
     def forward(self, req: Req) -> Req:
         p = req.params
-        height, width = self.binning.generation_size(p.height, p.width)
+        height, width = self.binning.generation_size(p)
         h, w = height // self.vae_scale_factor, width // self.vae_scale_factor
         noise = initial_noise(req, (p.num_outputs_per_prompt, self.latent_channels, h, w), self.dtype)
         req.latents = noise.to(self.device)
@@ -282,7 +306,7 @@ class SanaDecodingStage(DecodingStage):
         latents = req.latents if self.sigma_data is None else req.latents / self.sigma_data
         latents = to_module(self.vae, latents) / self.scaling_factor
         images = decode_split(self.vae, latents)
-        if self.binning.bins is not None:
+        if self.binning.binned(req.params):
             images = resize_and_crop(images, req.params.height, req.params.width)
         req.outputs.images = tensor_to_pil(images)
         return req

@@ -103,7 +103,6 @@ class SanaVideoPipeline(Pipeline):
         bins = ResolutionBins(int(dit.sample_size))
         self.input_validation = SanaVideoInputValidationStage(
             defaults=apply_overrides(sana_video_default_sampling_params(), context.folder_sampling_defaults),
-            pixel_multiple=self.pixel_multiple,
             default_pixels=self.config.default_height,
             max_sequence_length_limit=positions - text_stage.longest_sequence(0),
             cfg_mode="classic",
@@ -114,7 +113,7 @@ class SanaVideoPipeline(Pipeline):
             },
             video=VideoRule(temporal_factor=temporal),
             bins=bins,
-            generation_multiple=self.config.pixel_multiple,
+            generation_multiple=self.pixel_multiple,
             min_side=2 * spatial if self.reflect_padded(vae) else 0,
         )
         return [

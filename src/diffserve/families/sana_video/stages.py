@@ -90,16 +90,20 @@ def resize_and_crop_video(video: torch.Tensor, height: int, width: int) -> torch
 
 class SanaVideoInputValidationStage(InputValidationStage):
     """The shared validation, plus SANA-Video's `extra` settings and Diffusers' rule that the generated
-    size (after binning) is a multiple of 32."""
+    size (after binning) is a multiple of 32. With binning (the default) any requested size is accepted, as
+    in Diffusers: the video is generated at its bin and resized and cropped back to it; without it, the
+    requested size is the generated one."""
 
     takes_family_settings = True
 
     def __init__(
         self, *args, bins: ResolutionBins, generation_multiple: int, min_side: int = 0, **kwargs
     ) -> None:
-        """`min_side`: the smallest generated height and width the VAE decodes (LTX-2's reflect-padded
-        decoder needs two latents a side)."""
-        super().__init__(*args, **kwargs)
+        """`generation_multiple`: what the generated height and width must be multiples of (Diffusers' 32,
+        and whole DiT patches of latents). `min_side`: the smallest generated height and width the VAE
+        decodes (LTX-2's reflect-padded decoder needs two latents a side). The shared size check takes any
+        positive size (`pixel_multiple` 1): this stage checks the generated size instead."""
+        super().__init__(*args, pixel_multiple=1, **kwargs)
         self.bins = bins
         self.generation_multiple = generation_multiple
         self.min_side = min_side
@@ -121,13 +125,22 @@ class SanaVideoInputValidationStage(InputValidationStage):
         sana_video_settings(resolved)  # raises on unknown keys or bad values
         height, width = self.bins.generation_size(resolved)
         m = self.generation_multiple
-        if height % m or width % m:
+        binned = sana_video_settings(resolved).use_resolution_binning
+        if binned and (height % m or width % m):
             raise InvalidRequestError(
                 f"extra['use_resolution_binning'] maps {resolved.height}x{resolved.width} to the bin "
                 f"{height}x{width}, which is not a multiple of {m} (SanaVideoPipeline refuses it too): ask "
                 "for another aspect ratio, or set it to false",
                 param="extra",
             )
+        for name, value in (("height", height), ("width", width)):
+            if not binned and value % m:
+                lower = max(m, value - value % m)
+                raise InvalidRequestError(
+                    f"{name}={value} is not a multiple of {m} (this model's pixel granularity); try {lower} or "
+                    f"{lower + m}, or leave extra['use_resolution_binning'] on (the default): it takes any size",
+                    param=name,
+                )
         if min(height, width) < self.min_side:
             raise InvalidRequestError(
                 f"height and width must be at least {self.min_side} for this model (two latents: its VAE "

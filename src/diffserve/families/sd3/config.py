@@ -15,6 +15,9 @@ class SD3PipelineConfig:
     #: Image-to-image / inpainting strength when a request with an input image leaves it unset (Diffusers'
     #: `StableDiffusion3Img2ImgPipeline` and `StableDiffusion3InpaintPipeline`: 0.6).
     default_strength: float = 0.6
+    #: Denoising steps when a request with an input image leaves them unset (those two pipelines' default: 50;
+    #: text-to-image's is 28), unless the folder's `diffserve.json` sets its own default.
+    image_to_image_steps: int = 50
 
 
 def sd3_default_sampling_params() -> SamplingParams:

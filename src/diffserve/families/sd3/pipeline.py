@@ -2,7 +2,7 @@
 
 The same folder serves image-to-image and inpainting (Diffusers' `StableDiffusion3Img2ImgPipeline` and
 `StableDiffusion3InpaintPipeline` with a 16-channel DiT): an optional input image noised by `strength`
-(0.6 by default) and an optional mask of the area to repaint."""
+(0.6 by default; 50 steps by default, as those pipelines) and an optional mask of the area to repaint."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from diffserve.families.sd3.controlnet import (
     SD3ControlNetRunner,
 )
 from diffserve.families.sd3.text_encoding import SD3TextEncodingStage
+from diffserve.families.sd3.validation import sd3_input_validation
 from diffserve.layers.lora_rows import LoraRows, lora_rows_scope
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.controlnets.sd3 import SD3ControlNetModel
@@ -34,10 +35,7 @@ from diffserve.stages.base import Stage
 from diffserve.stages.decoding import DecodingStage
 from diffserve.stages.denoising import DenoisingStage
 from diffserve.stages.image_to_image import ImageToImageNoisingStage, InputImageEncodingStage, spatial_latents
-from diffserve.stages.input_validation import (
-    SkipLayerGuidanceRule,
-    one_image_input_validation,
-)
+from diffserve.stages.input_validation import SkipLayerGuidanceRule
 from diffserve.stages.latent_preparation import SpatialLatentPreparationStage
 from diffserve.stages.mask_preparation import InpaintMaskStage
 from diffserve.stages.text_encoding import clip_context_length
@@ -198,11 +196,18 @@ class SD3Pipeline(Pipeline):
         self.pixel_multiple = self.vae_scale_factor * patch
         default = transformer.config.sample_size * self.vae_scale_factor
         device, dtype = context.platform.device(), context.dtype
-        self.input_validation = one_image_input_validation(
+        table = transformer.config.pos_embed_max_size
+        self.input_validation = sd3_input_validation(
             "StableDiffusion3Pipeline",
             defaults=apply_overrides(sd3_default_sampling_params(), context.folder_sampling_defaults),
             pixel_multiple=self.pixel_multiple,
             default_pixels=default,
+            max_side=table * self.pixel_multiple if table else None,
+            image_steps=(
+                None
+                if "num_inference_steps" in context.folder_sampling_defaults
+                else self.config.image_to_image_steps
+            ),
             max_sequence_length_limit=self.config.max_t5_sequence_length,
             default_strength=self.config.default_strength,
             unsupported_params={

@@ -13,17 +13,26 @@ from diffserve.models.dits.sd3 import SD3Transformer2DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.vaes.autoencoder_kl import AutoencoderKL
 
+#: The tiny DiT's position table of `make-tiny sd3`, in patches a side: 32 patches of 16 pixels take up to
+#: 512 x 512 pixels, the server's largest memory-calibration probe (`runtime/memory.py`), which a smaller
+#: table refuses (SD3's largest side, `families/sd3/validation.py`). The tests' `TinySD3Spec` keeps 16.
+MAKE_TINY_POS_EMBED_MAX_SIZE = 32
+
 
 def _tiny_sd3(out_dir: Path, options: TinyCheckpointOptions) -> Path:
     """SD3, or with `options.sd35` the SD3.5 layout (qk RMSNorm, dual attention in block 0). Imports its
     module when called (transformers model classes the registry does not need)."""
     from diffserve.families.sd3.tiny import TinySD3Spec, build_tiny_sd3
 
+    table = MAKE_TINY_POS_EMBED_MAX_SIZE
     if options.sd35:
         return build_tiny_sd3(
-            out_dir, TinySD3Spec(seed=options.seed, qk_norm="rms_norm", dual_attention_layers=(0,))
+            out_dir,
+            TinySD3Spec(
+                seed=options.seed, qk_norm="rms_norm", dual_attention_layers=(0,), pos_embed_max_size=table
+            ),
         )
-    return build_tiny_sd3(out_dir, TinySD3Spec(seed=options.seed))
+    return build_tiny_sd3(out_dir, TinySD3Spec(seed=options.seed, pos_embed_max_size=table))
 
 
 FAMILIES: tuple[ModelFamily, ...] = (
