@@ -386,7 +386,8 @@ class DiffGenerator:
         self.cuda_graphs = model.cuda_graphs
         sizes = list(engine_args.warmup_resolutions)
         if engine_args.compile and not sizes:  # the graphs are size-generic: one small warm-up builds them
-            sizes = [compile_warmup_size(self.pipeline.facts.pixel_multiple)]
+            facts = self.pipeline.facts
+            sizes = [facts.probe_size or compile_warmup_size(facts.pixel_multiple)]
         with warmup_capture(self.cuda_graphs, sizes_given=bool(engine_args.warmup_resolutions)):
             self.warmup_runs: list[WarmupRun] = self.warm_up(sizes) if sizes else []
         if memory_model:

@@ -40,7 +40,10 @@ from diffserve.server.health_probe import health_check_params
 #: Families that generate every request at one area, whatever size it asks (so both calibration probes
 #: at the same size: the memory model is a one-point fit with the estimate's slopes,
 #: `runtime.memory.fit_line`) -> why.
-ONE_AREA = {"hidream-i1": "Diffusers' area rule rescales every request to the default size's area"}
+ONE_AREA = {
+    "hidream-i1": "Diffusers' area rule rescales every request to the default size's area",
+    "cogvideox-i2v": "CogVideoX 1.0-5B-I2V's learned positions take its sample size only (its probe_size)",
+}
 #: Running requests the batch policy's warm-up measurement steps at most (1, 2, 4).
 CURVE_MOST = 4
 
@@ -57,7 +60,7 @@ def server_probe_requests(facts: PipelineFacts) -> list[tuple[str, SamplingParam
     probes += [
         (f"batch curve #{seed}", curve_probe_params(facts, curve, CURVE_MOST, seed)) for seed in (0, 1)
     ]
-    for height, width, kind in warmup_plan([(size, size)], facts.cfg_mode):
+    for height, width, kind in warmup_plan([facts.probe_side_size(size)], facts.cfg_mode):
         probes.append((f"compile warm-up {kind}", warmup_request(facts, height, width, kind)))
     return probes
 

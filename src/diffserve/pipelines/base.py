@@ -182,6 +182,7 @@ class Pipeline:
             probe_frames=validation.probe_frames(),
             probe_steps=validation.probe_steps(),
             probe_extra=validation.probe_extra(),
+            probe_size=validation.probe_size(),
         )
 
     @property

@@ -49,37 +49,41 @@ def round_up(pixels: int, multiple: int) -> int:
 
 def probe_params(facts: PipelineFacts, prompt: str, side: int | None = None) -> SamplingParams:
     """A short request every pipeline accepts: `side` pixels square (default `PROBE_PIXELS`, rounded up
-    to the pixel multiple), the family's `probe_steps` (one for most) and `probe_extra` settings, with the
+    to the pixel multiple; the family's `probe_size` where it generates one size only), the family's `probe_steps` (one for most) and `probe_extra` settings, with the
     input images and mask the family requires (at the default side) and, for a video family, its
     `probe_frames` (the fewest frames that leave a step to denoise); a family that extends a video gets a
     grey clip of its probe's frames at `side` and one chunk to generate (`PipelineFacts.with_probe_video`).
     The server's warm-up and batch-policy measurement, and calibration, run these."""
-    small = round_up(PROBE_PIXELS, facts.pixel_multiple)
-    side = side or small
+    small_height, small_width = facts.probe_side_size(round_up(PROBE_PIXELS, facts.pixel_multiple))
+    height, width = facts.probe_side_size(side) if side else (small_height, small_width)
     params = SamplingParams(
         prompt,
-        height=side,
-        width=side,
+        height=height,
+        width=width,
         num_inference_steps=facts.probe_steps,
-        input_images=facts.probe_images(small, small),
-        mask_image=facts.probe_mask(small, small),
+        input_images=facts.probe_images(small_width, small_height),
+        mask_image=facts.probe_mask(small_width, small_height),
         num_frames=facts.probe_frames if facts.makes_video else None,
         cache=NoCache(),  # a probe measures the exact path, whatever the engine's --cache-default
     )
     facts.with_probe_settings(params)
-    return facts.with_probe_video(params, side, side)
+    return facts.with_probe_video(params, width, height)
 
 
 def health_probe_params(facts: PipelineFacts, params: SamplingParams, side: int) -> SamplingParams:
     """/health_generate's request as the front end sends it (`side` pixels square, one step: it knows no
     family), completed in place as every probe of the family: the input images and mask it requires,
     a grey clip where it extends a video, its `probe_frames` where no frame count is set, at least its
-    `probe_steps` and its `probe_extra` settings."""
+    `probe_steps` and its `probe_extra` settings; a family that generates one size only (`probe_size`) gets
+    it instead of the square."""
+    if facts.probe_size is not None:
+        params.height, params.width = facts.probe_size
+    height, width = facts.probe_side_size(side)
     if not params.input_images:
-        params.input_images = facts.probe_images(side, side)
+        params.input_images = facts.probe_images(width, height)
     if params.mask_image is None:
-        params.mask_image = facts.probe_mask(side, side)
-    facts.with_probe_video(params, side, side)  # video-to-video: a clip
+        params.mask_image = facts.probe_mask(width, height)
+    facts.with_probe_video(params, width, height)  # video-to-video: a clip
     if facts.makes_video and params.num_frames is None:
         params.num_frames = facts.probe_frames  # the fewest with a step to denoise
     return facts.with_probe_settings(params)

@@ -57,6 +57,15 @@ class PipelineFacts:
     #: size it asks for, as its memory cost (`runtime.memory.request_cost`) counts it: SANA-Video's
     #: resolution binning off (it would generate any probe at one 480p bin, refused as no multiple of 32).
     probe_extra: tuple[tuple[str, object], ...] = ()
+    #: (height, width) every probe request asks for, where the family generates one size only (CogVideoX
+    #: 1.0-5B-I2V: its DiT's learned positions cover its sample size alone); None: square probes of the side
+    #: each probe chooses (the warm-up's, calibration's two, /health_generate's).
+    probe_size: tuple[int, int] | None = None
+
+    def probe_side_size(self, side: int) -> tuple[int, int]:
+        """(height, width) of a probe that asks for a `side`-pixel square: `probe_size` where the family
+        declares one, else the square."""
+        return self.probe_size or (side, side)
 
     def probe_images(self, width: int, height: int) -> list[Image.Image] | None:
         """Plain grey input images for a warm-up or health probe of a family that requires them (edit,

@@ -281,6 +281,12 @@ class InputValidationStage(Stage):
         schedule accepts. One unless a family's `resolve` refuses a one-step request."""
         return 1
 
+    def probe_size(self) -> tuple[int, int] | None:
+        """(height, width) every probe request asks for (`PipelineFacts.probe_size`) where the family
+        generates one size only; None (square probes of the size each probe chooses) unless a family's DiT
+        has positions for one size (CogVideoX 1.0-5B-I2V's learned ones)."""
+        return None
+
     def probe_extra(self) -> tuple[tuple[str, object], ...]:
         """Family settings (`SamplingParams.extra`) a probe request sets (`PipelineFacts.probe_extra`) so that
         this family accepts it and generates it at the size it asks for, as its memory cost counts it. None

@@ -73,6 +73,10 @@ class CogVideoXInputValidationStage(InputValidationStage):
         self.check_size(resolved.height, resolved.width)
         return resolved
 
+    def probe_size(self) -> tuple[int, int] | None:
+        """The one size a DiT with learned positions makes: the server's probes ask for it."""
+        return self.exact_size
+
     def check_size(self, height: int, width: int) -> None:
         """InvalidRequestError (naming height or width) for a size the DiT's positions do not cover."""
         if self.exact_size is not None and (height, width) != self.exact_size:
