@@ -114,6 +114,8 @@ CASES = [
     ("klein-t2i-no-cfg", "klein", (48, 64), [], 2, {"guidance_scale": 1.0}),
     ("klein-one-reference-cfg", "klein", (64, 64), [(80, 96)], 2, {"guidance_scale": 2.5}),
     ("klein-distilled", "klein-distilled", (64, 80), [(64, 96)], 2, {}),
+    # The model card's guidance_scale=1.0 (no CFG, as Diffusers runs it): accepted, changes nothing
+    ("klein-distilled-guidance-1", "klein-distilled", (32, 48), [], 1, {"guidance_scale": 1.0}),
 ]
 
 
@@ -276,7 +278,8 @@ def test_the_bar_sees_the_reference_images(pipelines) -> None:
         ("dev", dict(input_images=[smooth_random_image(64, 640, seed=1)]), "aspect ratio"),
         ("dev", dict(max_sequence_length=1024), "max_sequence_length"),
         ("klein", dict(true_cfg_scale=3.0), "guidance_scale"),
-        ("klein-distilled", dict(guidance_scale=4.0), "step-distilled"),
+        ("klein-distilled", dict(guidance_scale=4.0), "guidance_scale=4 does nothing.*step-distilled"),
+        ("klein-distilled", dict(negative_prompt="blurry"), "step-distilled"),
     ],
 )
 def test_invalid_requests_are_refused(pipelines, variant, params, message) -> None:

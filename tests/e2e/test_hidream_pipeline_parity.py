@@ -138,3 +138,19 @@ def test_a_size_the_patches_cannot_tile_is_refused(folders) -> None:
     ours, _ = folders("euler")
     with pytest.raises(InvalidRequestError, match="Diffusers' area rule"):
         ours.generate(prompt=PROMPT, height=32, width=48)
+
+
+def test_a_max_sequence_length_below_the_clip_special_tokens_is_refused(folders) -> None:
+    """max_sequence_length=1 is refused with a clear error: the CLIP tokenizers cannot truncate below their
+    two special tokens (Diffusers' CLIP then reads whole prompts of different lengths, and fails past
+    CLIP's positions); 2 is the least accepted, as Diffusers runs it."""
+    ours, reference = folders("euler")
+    with pytest.raises(InvalidRequestError, match="max_sequence_length must be at least 2") as info:
+        ours.generate(prompt=PROMPT, height=32, width=32, max_sequence_length=1, num_inference_steps=1)
+    assert info.value.param == "max_sequence_length"
+    common = {"height": 32, "width": 32, "num_inference_steps": 1, "max_sequence_length": 2}
+    got = stack_uint8(ours.generate(prompt=PROMPT, seed=4, **common).images)
+    want = diffusers_uint8(reference, seed=4, prompt=PROMPT, **common)
+    assert_images_match(
+        got, want, "HiDream max_sequence_length 2", min_db=PSNR_BAR_DB, shape=(1, 128, 128, 3)
+    )

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import ZImagePipeline
+from diffusers import ZImageImg2ImgPipeline, ZImagePipeline
 
 from diffserve.api import DiffGenerator
 from diffserve.errors import InvalidRequestError
 from diffserve.families.z_image.tiny import build_tiny_zimage
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
-from diffserve.testing.parity import assert_generation_matches, generator_and_reference, stack_uint8
+from diffserve.testing.parity import (
+    assert_generation_matches,
+    assert_images_match,
+    diffusers_uint8,
+    generator_and_reference,
+    smooth_random_image,
+    stack_uint8,
+)
 
 PSNR_BAR_DB = 40.0
 PROMPT = "a red fox in the snow"
@@ -64,3 +71,49 @@ def test_z_image_rejects_true_cfg_scale(engines) -> None:
     with pytest.raises(InvalidRequestError, match="true_cfg_scale.*guidance_scale") as info:
         ours.generate(prompt=PROMPT, true_cfg_scale=4.0, height=32, width=32, num_inference_steps=1)
     assert info.value.param == "true_cfg_scale"
+
+
+@pytest.mark.parametrize(
+    ("settings", "img2img"),
+    [
+        # CFG dropped at the last of 4 steps (DiT time 0.5 > 0.3), as Diffusers' ZImagePipeline does
+        ({"cfg_truncation": 0.3}, False),
+        # the guided prediction's norm capped at 0.8x the prompt branch's
+        ({"cfg_normalization": 0.8}, False),
+        # Diffusers' bool spelling (true is 1.0) with a truncation that keeps every step
+        ({"cfg_normalization": True, "cfg_truncation": 0.9}, False),
+        # image-to-image keeps the last 3 of 4 steps: the per-step scales are cut with the schedule
+        ({"cfg_truncation": 0.2}, True),
+    ],
+)
+def test_z_image_cfg_settings_match_diffusers(engines, settings, img2img) -> None:
+    """Diffusers' `cfg_truncation` and `cfg_normalization` keywords, sent in `extra`; the output without
+    them is the control (far below the bar: the settings are really applied)."""
+    ours, reference = engines
+    kwargs = dict(num_inference_steps=4, guidance_scale=6.0, negative_prompt="blurry", max_sequence_length=64)
+    if img2img:
+        image = smooth_random_image(48, 32, seed=1)
+        kwargs.update(image=image, strength=0.6)
+        reference = ZImageImg2ImgPipeline.from_pipe(reference)
+    else:
+        kwargs.update(height=32, width=48)
+    got = stack_uint8(ours.generate(prompt=PROMPT, seed=2, extra=settings, **kwargs).images)
+    want = diffusers_uint8(reference, seed=2, prompt=PROMPT, **kwargs, **settings)
+    control = stack_uint8(ours.generate(prompt=PROMPT, seed=2, **kwargs).images)
+    label = f"Z-Image {settings} img2img={img2img}"
+    assert_images_match(got, want, label, min_db=PSNR_BAR_DB, shape=(1, 32, 48, 3), control=control)
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"cfg_truncation": "late"}, "cfg_truncation"),
+        ({"cfg_normalization": "yes"}, "cfg_normalization"),
+        ({"cfg_renorm_min": 0.5}, "unknown setting.*cfg_renorm_min"),
+    ],
+)
+def test_z_image_refuses_bad_settings(engines, extra, match) -> None:
+    ours, _ = engines
+    with pytest.raises(InvalidRequestError, match=match) as info:
+        ours.generate(prompt=PROMPT, height=32, width=32, num_inference_steps=1, extra=extra)
+    assert info.value.param == "extra"

@@ -78,5 +78,6 @@ def flux2_klein_default_sampling_params() -> SamplingParams:
 
 
 def flux2_klein_distilled_sampling_params() -> SamplingParams:
-    """A step-distilled klein checkpoint: no CFG (guidance_scale is refused), otherwise klein's defaults."""
+    """A step-distilled klein checkpoint: no CFG (a guidance_scale above 1 is refused), otherwise klein's
+    defaults."""
     return SamplingParams(num_inference_steps=50, max_sequence_length=512)

@@ -19,6 +19,7 @@ from diffserve.configs.cache_settings import EasyCacheSettings, TeaCacheSettings
 from diffserve.configs.quality import TierPreset
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.step_cache_policy import StepCachePolicy
+from diffserve.errors import InvalidRequestError
 from diffserve.families.flux2.conditioning import Flux2Conditioning
 from diffserve.families.flux2.config import (
     Flux2KleinPipelineConfig,
@@ -126,6 +127,23 @@ class Flux2Denoiser:
         advance_requests(self.scheduler, reqs, split_guided(prediction, reqs))
 
 
+class Flux2DistilledInputValidationStage(InputValidationStage):
+    """A step-distilled FLUX.2 klein folder's validation: it runs without CFG, so a request's guidance_scale
+    of at most 1 (no CFG in Diffusers' pipeline either, and the model card's 1.0) is accepted and changes
+    nothing; above 1 it is refused, where Diffusers ignores it with a warning."""
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        scale = params.guidance_scale
+        if isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 1:
+            raise InvalidRequestError(
+                f"guidance_scale={scale:g} does nothing on {self.image_inputs.pipeline_name}: this FLUX.2 klein "
+                "checkpoint is step-distilled (model_index.json is_distilled) and runs without CFG; leave "
+                "guidance_scale unset or at most 1",
+                param="guidance_scale",
+            )
+        return super().resolve(params)
+
+
 class Flux2Pipeline(Pipeline):
     """FLUX.2-dev: Mistral Small 3.1 prompt encoding, embedded guidance (`guidance_scale`), optional
     reference images."""
@@ -163,6 +181,10 @@ class Flux2Pipeline(Pipeline):
         """Whether the DiT gets the guidance scale (dev's DiT embeds it)."""
         return bool(transformer.config.guidance_embeds)
 
+    def validation_cls(self, context: PipelineContext) -> type[InputValidationStage]:
+        """The input validation stage's class (a step-distilled klein folder checks its guidance_scale)."""
+        return InputValidationStage
+
     def text_stage(self, context: PipelineContext) -> Stage:
         return Flux2TextEncodingStage(
             context.get("tokenizer"),
@@ -182,7 +204,7 @@ class Flux2Pipeline(Pipeline):
         self.pixel_multiple = self.vae_scale_factor * cfg.latent_patch_size
         default_pixels = cfg.default_sample_size * self.vae_scale_factor
         multiple, area = self.pixel_multiple, cfg.reference_max_area
-        self.input_validation = InputValidationStage(
+        self.input_validation = self.validation_cls(context)(
             defaults=apply_overrides(self.sampling_defaults(context), context.folder_sampling_defaults),
             pixel_multiple=multiple,
             default_pixels=default_pixels,
@@ -259,9 +281,15 @@ class Flux2KleinPipeline(Flux2Pipeline):
     def unsupported_params(self, context: PipelineContext) -> dict[str, str]:
         unsupported = {"true_cfg_scale": "FLUX.2 klein's CFG scale is guidance_scale (> 1 turns CFG on)"}
         if self.is_distilled(context):
+            # guidance_scale <= 1 is accepted (Flux2DistilledInputValidationStage), as Diffusers takes it.
             why = "this FLUX.2 klein checkpoint is step-distilled (model_index.json is_distilled) and runs without CFG"
-            unsupported.update(guidance_scale=why, negative_prompt=why)
+            unsupported.update(negative_prompt=why)
         return unsupported
+
+    def validation_cls(self, context: PipelineContext) -> type[InputValidationStage]:
+        if self.is_distilled(context):
+            return Flux2DistilledInputValidationStage
+        return InputValidationStage
 
     def embeds_guidance(self, transformer: Flux2Transformer2DModel) -> bool:
         """Never: Diffusers' klein pipeline passes no guidance to its DiT (its CFG is real)."""

@@ -19,6 +19,10 @@ class HiDreamPipelineConfig:
     clip_max_length: int = 218
     #: Text tokens by default (every encoder is padded and truncated to this many).
     default_max_sequence_length: int = 128
+    #: The fewest text tokens a request may ask for: the CLIP tokenizers add two special tokens, and asked
+    #: for fewer they do not truncate at all (Diffusers' CLIP then reads the whole prompt, and fails past
+    #: CLIP's positions), so 1 is refused.
+    min_max_sequence_length: int = 2
     #: The schedule shift's line (Diffusers' `calculate_shift` defaults), evaluated at the DiT's `max_seq`.
     shift_base_seq_len: int = 256
     shift_max_seq_len: int = 4096

@@ -100,6 +100,7 @@ class HiDreamPipeline(Pipeline):
         self.input_validation = HiDreamInputValidationStage(
             vae_scale_factor=vae_scale_factor,
             default_sample_size=self.config.default_sample_size,
+            min_max_sequence_length=self.config.min_max_sequence_length,
             defaults=apply_overrides(hidream_default_sampling_params(), context.folder_sampling_defaults),
             pixel_multiple=self.pixel_multiple,
             default_pixels=self.config.default_sample_size * vae_scale_factor,

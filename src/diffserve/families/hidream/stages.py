@@ -1,5 +1,6 @@
 """HiDream-I1's own stages: its size rule at validation and its timestep rule.
 
+- Text length: `max_sequence_length` at least `min_max_sequence_length` (2; see the config).
 - Size: Diffusers rescales every request to the area of its default size (`default_sample_size` latent
   pixels per side times the VAE's factor: 1024 x 1024 with the 8x VAE), keeping the aspect ratio, each side
   floored to a multiple of twice the VAE's factor; the output has that size. Validation applies the rule
@@ -28,12 +29,22 @@ from diffserve.stages.timestep_preparation import set_schedule
 class HiDreamInputValidationStage(InputValidationStage):
     """The shared validation, after Diffusers' size rule (module docstring)."""
 
-    def __init__(self, *, vae_scale_factor: int, default_sample_size: int, **options) -> None:
+    def __init__(
+        self, *, vae_scale_factor: int, default_sample_size: int, min_max_sequence_length: int, **options
+    ) -> None:
         super().__init__(**options)
         self.max_side = default_sample_size * vae_scale_factor
         self.division = vae_scale_factor * 2
+        self.min_max_sequence_length = min_max_sequence_length
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
+        length, least = params.max_sequence_length, self.min_max_sequence_length
+        if isinstance(length, int) and not isinstance(length, bool) and 0 < length < least:
+            raise InvalidRequestError(
+                f"max_sequence_length must be at least {least} for HiDream-I1, got {length}: its CLIP "
+                f"tokenizers add {least} special tokens and cannot truncate a prompt to fewer",
+                param="max_sequence_length",
+            )
         height = self.max_side if params.height is None else params.height
         width = self.max_side if params.width is None else params.width
         if not all(isinstance(side, int) and side > 0 for side in (height, width)):

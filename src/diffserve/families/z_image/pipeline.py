@@ -3,7 +3,8 @@
 The DiT takes per-sample lists (captions of different lengths, latents of different sizes) and pads
 and masks internally, so every request's positive and CFG-negative rows go through one forward, as
 Diffusers does for one request. Z-Image predicts the negated flow velocity at "time" 1 - sigma; the
-step negates it back before the shared Euler update.
+step negates it back before the shared Euler update. Diffusers' `cfg_truncation` and `cfg_normalization`
+are request settings in `extra` (`config.py`), applied per request and step (`guided_predictions`).
 
 The same folder serves image-to-image and inpainting (Diffusers' `ZImageImg2ImgPipeline`, strength 0.6 by
 default, and `ZImageInpaintPipeline`, 1.0 with a mask). Diffusers encodes the input image at its own size
@@ -12,15 +13,21 @@ default, and `ZImageInpaintPipeline`, 1.0 with a mask). Diffusers encodes the in
 
 from __future__ import annotations
 
+from functools import partial
 from typing import ClassVar
 
 import torch
 
 from diffserve.configs.cache_settings import EasyCacheSettings, TeaCacheSettings
 from diffserve.configs.quality import TierPreset
+from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.families.z_image.conditioning import ZImageConditioning
-from diffserve.families.z_image.config import ZImagePipelineConfig, z_image_default_sampling_params
+from diffserve.families.z_image.config import (
+    ZImagePipelineConfig,
+    z_image_default_sampling_params,
+    z_image_settings,
+)
 from diffserve.families.z_image.stages import ZImageTextEncodingStage, ZImageTimestepPreparationStage
 from diffserve.layers.lora_rows import request_lora_scope
 from diffserve.loader.folder_defaults import apply_overrides
@@ -32,8 +39,13 @@ from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.decoding import DecodingStage
 from diffserve.stages.denoising import DenoisingStage
-from diffserve.stages.image_to_image import ImageToImageNoisingStage, InputImageEncodingStage, spatial_latents
-from diffserve.stages.input_validation import one_image_input_validation
+from diffserve.stages.image_to_image import (
+    ImageToImageNoisingStage,
+    InputImageEncodingStage,
+    input_image_size,
+    spatial_latents,
+)
+from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
 from diffserve.stages.latent_preparation import SpatialLatentPreparationStage
 from diffserve.stages.mask_preparation import InpaintMaskStage
 
@@ -42,6 +54,55 @@ def z_image_cfg(positive: torch.Tensor, negative: torch.Tensor, scale: float) ->
     """Z-Image's guidance: `positive + scale * (positive - negative)`, in float32."""
     positive, negative = positive.float(), negative.float()
     return positive + scale * (positive - negative)
+
+
+def z_image_step_cfg(
+    positive: torch.Tensor, negative: torch.Tensor, scale: float, *, step_scale: float, normalization: float
+) -> torch.Tensor:
+    """One step's guidance, as Diffusers' ZImagePipeline: the prompt branch alone where `cfg_truncation` set
+    the step's scale to 0; else `z_image_cfg` at `step_scale`, then, with `normalization` > 0, each
+    output's guided prediction scaled down to at most `normalization` times its prompt branch's norm (over
+    the whole latent). `scale` (the request's scale) is what `split_guided` passes; `step_scale` replaces it."""
+    if step_scale <= 0:
+        return positive.float()
+    guided = z_image_cfg(positive, negative, step_scale)
+    if normalization <= 0:
+        return guided
+    rows = []
+    for pos, pred in zip(positive.float(), guided, strict=True):
+        limit = torch.linalg.vector_norm(pos) * normalization
+        norm = torch.linalg.vector_norm(pred)
+        rows.append(pred * (limit / norm) if norm > limit else pred)
+    return torch.stack(rows)
+
+
+def guided_predictions(prediction: torch.Tensor, reqs: list[Req]) -> list[torch.Tensor]:
+    """Each request's prediction from its rows of `prediction` (`cfg_batch` order), guided at its step's
+    CFG scale with its `cfg_normalization`. A request without either refinement gets `z_image_cfg` as before."""
+    out, offset = [], 0
+    for req in reqs:
+        rows = req.batch_size * (2 if req.do_cfg else 1)
+        conditioning = ZImageConditioning.of(req)
+        step_scale = conditioning.cfg_scales[req.step_index]
+        normalization = conditioning.cfg_normalization or 0.0
+        if step_scale == req.cfg_scale and normalization <= 0:
+            combine = z_image_cfg
+        else:
+            combine = partial(z_image_step_cfg, step_scale=step_scale, normalization=normalization)
+        out.extend(split_guided(prediction[offset : offset + rows], [req], combine=combine))
+        offset += rows
+    return out
+
+
+class ZImageInputValidationStage(InputValidationStage):
+    """The shared validation, plus the family's settings in `extra` (`z_image_settings`)."""
+
+    takes_family_settings = True
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        resolved = super().resolve(params)
+        z_image_settings(resolved)  # raises on unknown keys and bad values
+        return resolved
 
 
 class ZImageDenoiser:
@@ -78,7 +139,7 @@ class ZImageDenoiser:
             latents, torch.cat(times), refined_captions=captions, step_cache=step_cache_for(reqs)
         )
         prediction = torch.stack([o.float() for o in out]).squeeze(2)
-        guided = split_guided(prediction, reqs, combine=z_image_cfg)
+        guided = guided_predictions(prediction, reqs)
         advance_requests(self.scheduler, reqs, [-p for p in guided])
 
 
@@ -106,14 +167,22 @@ class ZImagePipeline(Pipeline):
         self.pixel_multiple = self.vae_scale_factor * 2
         default = self.config.default_pixels
         device = context.platform.device()
-        self.input_validation = one_image_input_validation(
-            "ZImagePipeline",
+        multiple = self.pixel_multiple
+        # Text to image, image-to-image and inpainting from one folder (at most one input image and a
+        # mask); an unset size is the input image's, floored to the pixel multiple.
+        self.input_validation = ZImageInputValidationStage(
             defaults=apply_overrides(z_image_default_sampling_params(), context.folder_sampling_defaults),
-            pixel_multiple=self.pixel_multiple,
+            pixel_multiple=multiple,
             default_pixels=default,
             max_sequence_length_limit=self.config.max_sequence_length_limit,
-            default_strength=self.config.default_strength,
-            default_inpaint_strength=self.config.default_inpaint_strength,
+            image_inputs=ImageInputRule(
+                pipeline_name="ZImagePipeline",
+                max_images=1,
+                inpainting=True,
+                default_strength=self.config.default_strength,
+                default_inpaint_strength=self.config.default_inpaint_strength,
+            ),
+            default_size=lambda params: input_image_size(params, multiple, (default, default)),
             unsupported_params={
                 "true_cfg_scale": "Z-Image's CFG is set by guidance_scale (> 0 turns it on, with negative_prompt)"
             },

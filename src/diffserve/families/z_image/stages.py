@@ -1,12 +1,14 @@
 """Z-Image's own stages. Text conditioning: the prompt as a Qwen3 chat turn, second-to-last layer's states of the real tokens.
 Qwen3 is causal, so padding only to the batch's longest prompt (Diffusers: to 512) changes nothing.
-Timesteps: sigmas from a float32 linspace(1, 1/n) as Diffusers, and the DiT's own time axis 1 - t / 1000."""
+Timesteps: sigmas from a float32 linspace(1, 1/n) as Diffusers, and the DiT's own time axis 1 - t / 1000,
+which also decides the steps `cfg_truncation` drops CFG at (each step's CFG scale, on the host)."""
 
 from __future__ import annotations
 
 import torch
 
 from diffserve.families.z_image.conditioning import ZImageConditioning
+from diffserve.families.z_image.config import cfg_truncated, z_image_settings
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.request import Req
 from diffserve.stages.base import Stage
@@ -46,10 +48,16 @@ class ZImageTextEncodingStage(CachedTextEncodingStage):
 
 
 class ZImageTimestepPreparationStage(Stage):
-    """Z-Image semantics: sigmas from a float32 linspace(1, 1/n) (as Diffusers), and the DiT's 1 - t / 1000."""
+    """Z-Image semantics: sigmas from a float32 linspace(1, 1/n) (as Diffusers), the DiT's 1 - t / 1000, and
+    the request's CFG scale per step with its `cfg_normalization` (`ZImageConditioning`)."""
 
     needs = ("latents", "latent_size")
-    sets = ("schedule", "conditioning.dit_timesteps")
+    sets = (
+        "schedule",
+        "conditioning.dit_timesteps",
+        "conditioning.cfg_scales",
+        "conditioning.cfg_normalization",
+    )
 
     def __init__(self, scheduler: FlowMatchEulerScheduler) -> None:
         self.scheduler = scheduler
@@ -61,6 +69,14 @@ class ZImageTimestepPreparationStage(Stage):
         base_sigmas = torch.linspace(1.0, 1 / steps, steps).tolist()
         schedule = self.scheduler.schedule(steps, mu=mu, sigmas=base_sigmas)
         set_schedule(req, schedule)
-        dit_timesteps = ((1000 - schedule.timesteps) / 1000).to(req.latents.device)
-        ZImageConditioning.of(req).dit_timesteps = dit_timesteps
+        dit_times = (1000 - schedule.timesteps) / 1000
+        conditioning = ZImageConditioning.of(req)
+        conditioning.dit_timesteps = dit_times.to(req.latents.device)
+        settings = z_image_settings(req.params)
+        # Diffusers compares each step's float32 time, as a Python float, with the setting.
+        conditioning.cfg_scales = [
+            0.0 if cfg_truncated(t, settings.cfg_truncation) else req.cfg_scale
+            for t in dit_times.float().tolist()
+        ]
+        conditioning.cfg_normalization = settings.cfg_normalization
         return req
