@@ -112,6 +112,23 @@ def test_t2v_without_cfg_matches_diffusers(t2v) -> None:
     _compare(out.frames, ref.frames, (1, 5, 64, 32, 3), "T2V no CFG 64x32")
 
 
+def test_t2v_two_outputs_per_prompt_match_diffusers(t2v) -> None:
+    """Diffusers' text-to-video pipeline fails on several videos per prompt (its zero image states have one
+    row per prompt); each of diffserve's two is the video Diffusers makes from that output's rows of the
+    noise (drawn together, as diffserve draws them)."""
+    ours, reference = t2v
+    kwargs = dict(height=16, width=32, num_frames=1, num_inference_steps=1, negative_prompt="dark")
+    out = ours.generate(prompt=PROMPT, seed=6, num_outputs_per_prompt=2, **kwargs)
+    noise = torch.randn(2, 8, 1, 1, 2, generator=torch.Generator("cpu").manual_seed(6))
+    ref = np.concatenate(
+        [
+            reference(prompt=PROMPT, latents=noise[i : i + 1], output_type="np", **kwargs).frames
+            for i in range(2)
+        ]
+    )
+    _compare(out.frames, ref, (2, 1, 16, 32, 3), "T2V 2 per prompt")
+
+
 def test_text_encoding_matches_diffusers_encode_prompt(t2v) -> None:
     ours, reference = t2v
     stage = next(s for s in ours.pipeline.stages if isinstance(s, HunyuanVideo15TextEncodingStage))
@@ -197,6 +214,11 @@ def test_bad_frame_counts_and_params_are_refused(t2v) -> None:
     for bad in ({"true_cfg_scale": 3.0}, {"max_sequence_length": 64}):
         with pytest.raises(InvalidRequestError, match=next(iter(bad))):
             ours.generate(prompt=PROMPT, num_frames=5, height=32, width=32, num_inference_steps=1, **bad)
+    # One side alone: Diffusers refuses it too (the default size is a bucket of both sides).
+    for side, missing in (({"height": 32}, "width"), ({"width": 32}, "height")):
+        with pytest.raises(InvalidRequestError, match="height and width together") as info:
+            ours.generate(prompt=PROMPT, num_frames=5, num_inference_steps=1, **side)
+        assert info.value.param == missing
 
 
 def test_t2v_default_size_is_the_16_9_bucket(t2v) -> None:

@@ -30,6 +30,7 @@ from diffserve.testing.parity import (
     assert_batched_as_alone,
     assert_images_match,
     assert_parity,
+    diffusers_uint8,
     gradient_image,
     smooth_random_image,
     snr_db,
@@ -114,6 +115,28 @@ def test_hunyuan_video_i2v_matches_diffusers(folders, condition, height, width, 
     print(
         f"{label}: latents {db}, frames {pixels:.1f} dB PSNR against Diffusers; other image {image_control:.1f} dB"
     )
+
+
+def test_image_embed_interleave_matches_diffusers(folders) -> None:
+    """Diffusers' `image_embed_interleave` as `extra`: every image token (1) for the prompt, while the
+    negative prompt keeps its interleave of 2 under true CFG; bad values are refused naming `extra`."""
+    ours, reference = folders("token_replace")
+    common = dict(
+        height=32, width=32, num_inference_steps=1, num_frames=5, max_sequence_length=16,
+        true_cfg_scale=2.0, negative_prompt="dark",
+    )  # fmt: skip
+    extra = {"image_embed_interleave": 1}
+    got = np.stack(ours.generate(prompt=PROMPT, image=IMAGE, seed=1, extra=extra, **common).frames)
+    want = diffusers_uint8(
+        reference, seed=1, video=True, image=IMAGE, prompt=PROMPT, image_embed_interleave=1, **common
+    )
+    default = np.stack(ours.generate(prompt=PROMPT, image=IMAGE, seed=1, **common).frames)
+    assert_images_match(
+        got, want, "HunyuanVideo I2V image_embed_interleave=1", min_db=PSNR_BAR_DB, control=default
+    )
+    for bad in ({"image_embed_interleave": -1}, {"image_embed_interleave": 2.5}, {"interleave": 2}):
+        with pytest.raises(InvalidRequestError, match="extra"):
+            ours.generate(prompt=PROMPT, image=IMAGE, extra=bad, **common)
 
 
 @pytest.mark.parametrize("interleave", [2, 4])

@@ -11,8 +11,10 @@ does it:
   alike; the image tokens' states (every `interleave`-th) go first, with a mask of ones.
 - CLIP: the pooled output of the prompt, as text-to-video.
 
-The negative prompt (true CFG) is read with a black image of the output size and interleave 2, as Diffusers
-encodes it. One prompt and image per Llava call, as Diffusers' pipeline (its crop is written for one row).
+The prompt's image tokens keep every `image_embed_interleave`-th (the request's `extra` setting, else the
+DiT's default). The negative prompt (true CFG) is read with a black image of the output size and interleave
+2, as Diffusers encodes it. One prompt and image per Llava call, as Diffusers' pipeline (its crop is
+written for one row).
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from PIL import Image
 from torch import nn
 
 from diffserve.families.hunyuan_video.conditioning import HunyuanVideoConditioning
-from diffserve.families.hunyuan_video.image_to_video_config import HunyuanVideoImageToVideoPipelineConfig
+from diffserve.families.hunyuan_video.image_to_video_config import (
+    HunyuanVideoImageToVideoPipelineConfig,
+    hunyuan_video_i2v_settings,
+)
 from diffserve.families.hunyuan_video.text_encoding import HunyuanVideoTextEncodingStage
 from diffserve.request import Req
 
@@ -124,9 +129,8 @@ class HunyuanVideoImageTextEncodingStage(HunyuanVideoTextEncodingStage):
         p = req.params
         msl, n = p.max_sequence_length, p.num_outputs_per_prompt
         conditioning = HunyuanVideoConditioning.of(req)
-        states, mask, pooled = self.encode_with_image(
-            p.prompt, p.input_images[0], msl, self.image_embed_interleave
-        )
+        interleave = hunyuan_video_i2v_settings(p).interleave(self.image_embed_interleave)
+        states, mask, pooled = self.encode_with_image(p.prompt, p.input_images[0], msl, interleave)
         req.prompt_embeds, conditioning.text_mask = states.repeat(n, 1, 1), mask.repeat(n, 1)
         req.pooled_prompt_embeds = pooled.repeat(n, 1)
         if req.do_cfg:

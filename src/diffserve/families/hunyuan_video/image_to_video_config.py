@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from diffserve.configs.option import option, settings_from
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.families.hunyuan_video.config import HunyuanVideoPipelineConfig
 
@@ -51,6 +52,30 @@ class HunyuanVideoImageToVideoPipelineConfig(HunyuanVideoPipelineConfig):
     @property
     def image_emb_end(self) -> int:
         return self.image_emb_start + self.image_emb_len
+
+
+@dataclass(frozen=True)
+class HunyuanVideoImageToVideoSettings:
+    """A request's image-to-video setting beyond SamplingParams (Diffusers' `__call__` argument of that name),
+    set in `SamplingParams.extra` and checked by `hunyuan_video_i2v_settings`."""
+
+    image_embed_interleave: int | None = option(
+        None,
+        min=0,
+        help="keep every k-th of the prompt's 576 image tokens (1 to 5; 0 or 6 and more keep them all, as in "
+        "Diffusers); unset: the DiT's default (token_replace 4, latent_concat 2). The negative prompt's "
+        "black image keeps every 2nd whatever this is, as Diffusers encodes it",
+    )
+
+    def interleave(self, condition_default: int) -> int:
+        """The prompt's interleave: the request's, else the DiT's `condition_default`."""
+        return condition_default if self.image_embed_interleave is None else self.image_embed_interleave
+
+
+def hunyuan_video_i2v_settings(params: SamplingParams) -> HunyuanVideoImageToVideoSettings:
+    """The request's settings: Diffusers' defaults overridden by `params.extra` (an unknown key or a bad value
+    is an InvalidRequestError naming it)."""
+    return settings_from(HunyuanVideoImageToVideoSettings, params.extra, "extra")
 
 
 def hunyuan_video_i2v_default_sampling_params() -> SamplingParams:

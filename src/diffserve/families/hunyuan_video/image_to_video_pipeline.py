@@ -7,7 +7,8 @@ As Diffusers: the output has the requested size (720x1280 by default, whatever t
 the image is resized to it), embedded guidance 1 by default, true CFG with a negative prompt when
 `true_cfg_scale > 1` (the negative read with a black image). "latent_concat" outputs 4 frames fewer than
 `num_frames` (Diffusers drops them); unlike Diffusers, several outputs per prompt are served (each the
-video Diffusers makes from that output's noise).
+video Diffusers makes from that output's noise). Diffusers' `image_embed_interleave` is the request's
+`extra["image_embed_interleave"]`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from diffserve.families.hunyuan_video.image_to_video_config import (
     IMAGE_EMBED_INTERLEAVE,
     HunyuanVideoImageToVideoPipelineConfig,
     hunyuan_video_i2v_default_sampling_params,
+    hunyuan_video_i2v_settings,
 )
 from diffserve.families.hunyuan_video.pipeline import HunyuanVideoDenoiser, HunyuanVideoPipeline
 from diffserve.families.hunyuan_video.stages import HunyuanVideoDecodingStage
@@ -41,12 +43,19 @@ from diffserve.stages.input_validation import ImageInputRule, InputValidationSta
 
 class HunyuanVideoImageInputValidationStage(InputValidationStage):
     """Input validation that refuses a "latent_concat" clip of one frame (Diffusers drops 4 decoded frames,
-    leaving none)."""
+    leaving none) and checks the request's `extra` settings (`image_embed_interleave`)."""
+
+    takes_family_settings = True
 
     def __init__(self, min_frames: int, **kwargs) -> None:
         super().__init__(**kwargs)
         #: The fewest `num_frames` that leave a frame after the dropped ones.
         self.min_frames = min_frames
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        resolved = super().resolve(params)
+        hunyuan_video_i2v_settings(resolved)  # raises on unknown keys or bad values
+        return resolved
 
     def forward(self, req: Req) -> Req:
         req = super().forward(req)

@@ -8,6 +8,10 @@ None). The DiT reads the noisy latents with the condition latents and mask on ch
 text-to-video, the input image's first frame for image-to-video), Qwen2.5-VL and ByT5 text states with
 their masks, and for image-to-video the image's SigLIP states. MeanFlow-distilled image-to-video DiTs
 (`use_meanflow`) also read the next step's timestep, as Diffusers' image-to-video pipeline passes it.
+
+Unlike Diffusers' text-to-video pipeline, which fails on several videos per prompt (its zero image states
+have one row per prompt), several outputs per prompt are served: each is the video Diffusers makes from that
+output's rows of the noise. Height and width are given together or not at all (Diffusers refuses one alone).
 """
 
 from __future__ import annotations
@@ -57,6 +61,19 @@ class HunyuanVideo15InputValidationStage(InputValidationStage):
     def __init__(self, guider: ClassifierFreeGuidance, **kwargs) -> None:
         super().__init__(**kwargs)
         self.guider = guider
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        """Also refuses a request that sets one of height and width: the size is a bucket of the aspect
+        ratio (16:9, or the input image's) unless both sides are given, and Diffusers' text-to-video
+        pipeline refuses one side alone too (`check_inputs`)."""
+        if (params.height is None) != (params.width is None):
+            given, missing = ("height", "width") if params.width is None else ("width", "height")
+            raise InvalidRequestError(
+                f"{self.image_inputs.pipeline_name} takes height and width together: {given} is set, "
+                f"{missing} is not (leave both out for the default size bucket)",
+                param=missing,
+            )
+        return super().resolve(params)
 
     def forward(self, req: Req) -> Req:
         req = super().forward(req)
