@@ -72,11 +72,13 @@ def setup(tmp_path_factory):
         name: DiffusersControlNet.from_pretrained(path) for name, path in (("canny", canny), ("union", union))
     }
 
-    def reference(controlnet, seed: int, cls=FluxControlNetPipeline, **kwargs) -> np.ndarray:
+    def reference(
+        controlnet, seed: int, cls=FluxControlNetPipeline, requests: ControlNetRequests = REQUESTS, **kwargs
+    ) -> np.ndarray:
         accepted = inspect.signature(cls.__init__).parameters
         pipe = cls(**{k: v for k, v in base.components.items() if k in accepted}, controlnet=controlnet)
         pipe.set_progress_bar_config(disable=True)
-        return REQUESTS.reference(pipe, seed, **kwargs)
+        return requests.reference(pipe, seed, **kwargs)
 
     return ours, nets, reference
 
@@ -121,6 +123,18 @@ def test_two_controlnets_with_a_start_and_true_cfg_match_diffusers_multi(setup) 
     )  # fmt: skip
     other = generate(ours, 9, controlnets=entries[:1], **cfg)
     assert_images_match(got, ref, "two ControlNets (Multi), true CFG", min_db=PSNR_BAR_DB, control=other)
+
+
+def test_guidance_left_unset_is_diffusers_controlnet_default(setup) -> None:
+    """`FluxControlNetPipeline` defaults to guidance 7.0 (FluxPipeline: 3.5): a request with a ControlNet
+    that leaves it unset gets 7.0. (A 60 dB bar: guidance 3.5 still scores ~40 dB on the tiny model.)"""
+    ours, nets, reference = setup
+    unset = ControlNetRequests(PROMPT, HEIGHT, WIDTH, {k: v for k, v in KW.items() if k != "guidance_scale"})
+    entry = ControlNetChoice("canny", EDGES, scale=0.8)
+    got = unset.generate(ours, 2, controlnets=[entry])
+    ref = reference(nets["canny"], 2, requests=unset, control_image=EDGES, controlnet_conditioning_scale=0.8)
+    other = unset.generate(ours, 2, controlnets=[entry], guidance_scale=3.5)
+    assert_images_match(got, ref, "ControlNet, guidance unset", min_db=60.0, control=other)
 
 
 def test_a_controlnet_pipeline_folder_serves_its_controlnet_with_diffusers_keywords(tmp_path) -> None:

@@ -145,6 +145,35 @@ def test_fill_at_strength_0_5_matches_diffusers(fill) -> None:
     assert_matches(stack_uint8(out.images), ref, "fill strength 0.5", other)
 
 
+def test_guidance_default_is_the_diffusers_pipeline_of_the_task(flux, fill, tmp_path) -> None:
+    """Left unset, guidance is the default of the Diffusers pipeline the request's inputs select: 7.0 for
+    `FluxImg2ImgPipeline` / `FluxInpaintPipeline` (3.5 for `FluxPipeline`, 30 for `FluxFillPipeline`); a
+    folder's own default (diffserve.json) wins for every task. The tiny model barely reacts to guidance
+    (3.5 instead of 7.0 still scores ~41 dB), hence a 60 dB bar here (diffserve: ~89 dB to identical)."""
+    ours, img2img, _ = flux
+    kw = dict(num_inference_steps=2, max_sequence_length=16, strength=0.9)
+    out = ours.generate(prompt=PROMPT, image=IMAGE, seed=1, height=HEIGHT, width=WIDTH, **kw)
+    ref = run_reference(img2img, 1, image=IMAGE, **kw)
+    at_3_5 = stack_uint8(
+        ours.generate(
+            prompt=PROMPT, image=IMAGE, seed=1, height=HEIGHT, width=WIDTH, guidance_scale=3.5, **kw
+        ).images
+    )
+    assert_images_match(stack_uint8(out.images), ref, "img2img, guidance unset", min_db=60.0, control=at_3_5)
+
+    def guidance(generator: DiffGenerator, **params) -> float:
+        return generator.pipeline.resolve_params(SamplingParams(prompt=PROMPT, **params)).guidance_scale
+
+    assert guidance(ours) == 3.5
+    assert guidance(ours, input_images=[IMAGE], mask_image=MASK) == 7.0
+    assert guidance(ours, input_images=[IMAGE], guidance_scale=2.0) == 2.0
+    assert guidance(fill[0], input_images=[IMAGE], mask_image=MASK) == 30.0
+    folder = build_tiny_flux(tmp_path / "flux", TinyFluxSpec(seed=0))
+    (folder / "diffserve.json").write_text('{"sampling_defaults": {"guidance_scale": 5.0}}')
+    with_default = DiffGenerator.from_pretrained(folder, device="cpu", show_progress=False)
+    assert guidance(with_default) == guidance(with_default, input_images=[IMAGE]) == 5.0
+
+
 def test_mixed_strengths_share_steps_and_match_each_run_alone(flux) -> None:
     """Text-to-image, img2img at two strengths and an inpaint: their schedules start at different steps,
     they share DiT batches, and each one's pixels are what it gives alone."""

@@ -14,7 +14,9 @@ from diffusers import FluxKontextPipeline as DiffusersFluxKontextPipeline
 from PIL import Image
 
 from diffserve import DiffGenerator, SamplingParams
-from diffserve.families.flux.kontext_preparation import FluxKontextPreparationStage
+from diffserve.errors import InvalidRequestError
+from diffserve.families.flux.config import KONTEXT_PREFERRED_RESOLUTIONS
+from diffserve.families.flux.kontext_preparation import FluxKontextPreparationStage, kontext_condition_size
 from diffserve.families.flux.tiny import TinyFluxSpec
 from diffserve.families.flux.tiny_kontext import build_tiny_flux_kontext
 from diffserve.request import Req
@@ -119,6 +121,25 @@ def test_input_image_kept_at_its_own_size_without_auto_resize(pipelines) -> None
     assert references.condition_shapes == [(1, 2, 4)]  # 64x32 pixels / 8 (VAE) / 2 (packing)
     ref_u8 = reference_images(reference, image, 3, 32, 32, _auto_resize=False, **kwargs)
     assert_matches(stack_uint8(out.images), ref_u8, "no auto-resize")
+
+
+def test_an_input_image_under_one_pixel_multiple(pipelines) -> None:
+    """Kontext floors the input image to multiples of 16 before reading its aspect ratio: a width of 0 is
+    an aspect ratio of 0, the tallest preferred size (Diffusers picks it too); a height of 0 leaves no
+    size (Diffusers: ZeroDivisionError), refused at submission naming the image. Guidance stays 3.5
+    (FluxKontextPipeline's default) with the input image."""
+    ours, _ = pipelines
+    narrow = smooth_random_image(12, 40, seed=1)
+    assert kontext_condition_size(narrow, 16, KONTEXT_PREFERRED_RESOLUTIONS, True) == (672, 1568)
+    resolved = ours.pipeline.resolve_params(
+        SamplingParams(prompt=PROMPT, input_images=[narrow], height=32, width=32)
+    )
+    assert resolved.guidance_scale == 3.5
+    with pytest.raises(InvalidRequestError, match="input image is 40x12") as caught:
+        ours.pipeline.resolve_params(
+            SamplingParams(prompt=PROMPT, input_images=[smooth_random_image(40, 12, seed=1)])
+        )
+    assert caught.value.param == "image"
 
 
 def test_default_output_size_is_diffusers_default_whatever_the_input_shape(pipelines) -> None:

@@ -335,7 +335,7 @@ class SamplingParams:
     )  # fmt: skip
     guidance_scale: float | None = option(
         None, cli="--guidance-scale", min=0, http=True,
-        help="guidance scale, a finite number >= 0 (FLUX.1-dev's embedded guidance: 3.5)",
+        help="guidance scale, a finite number >= 0 (FLUX.1-dev's embedded guidance: 3.5; 7.0 with an input image or a ControlNet)",
     )  # fmt: skip
     true_cfg_scale: float | None = option(
         None, cli="--true-cfg-scale", min=0, http=True,

@@ -22,11 +22,17 @@ class FluxPipelineConfig:
     #: Image-to-image / inpainting strength when a request with an input image leaves it unset
     #: (Diffusers' `FluxImg2ImgPipeline` and `FluxInpaintPipeline`: 0.6).
     default_strength: float = 0.6
+    #: Embedded guidance when a request with an input image or a ControlNet leaves it unset (Diffusers'
+    #: `FluxImg2ImgPipeline`, `FluxInpaintPipeline` and its ControlNet pipelines: 7.0; `FluxPipeline`'s is
+    #: 3.5, `flux_default_sampling_params`). None: the family default for every request.
+    conditioned_guidance_scale: float | None = 7.0
 
 
 def flux_default_sampling_params() -> SamplingParams:
     """FLUX.1-dev defaults from Diffusers' FluxPipeline.__call__. Height and width stay unset here:
-    they follow the VAE (default_sample_size x its scale factor, 1024 for the real FLUX VAE)."""
+    they follow the VAE (default_sample_size x its scale factor, 1024 for the real FLUX VAE). A request
+    with an input image or a ControlNet gets `FluxPipelineConfig.conditioned_guidance_scale` instead of
+    3.5 (`families/flux/validation.py`)."""
     return SamplingParams(
         num_inference_steps=28,
         guidance_scale=3.5,
@@ -75,6 +81,8 @@ class FluxKontextPipelineConfig(FluxPipelineConfig):
     preferred_resolutions: tuple[tuple[int, int], ...] = KONTEXT_PREFERRED_RESOLUTIONS
     #: Pixels of the default output size (Diffusers' `max_area`).
     max_area: int = 1024 * 1024
+    #: Every Kontext request has its input image; Diffusers' `FluxKontextPipeline` defaults to 3.5 with it.
+    conditioned_guidance_scale: float | None = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,8 @@ class FluxFillPipelineConfig(FluxPipelineConfig):
     (start from pure noise; the mask and the masked image condition the DiT)."""
 
     default_strength: float = 1.0
+    #: Every Fill request has its input image; Diffusers' `FluxFillPipeline` defaults to 30 with it.
+    conditioned_guidance_scale: float | None = None
 
 
 def flux_fill_default_sampling_params() -> SamplingParams:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import torch
+from PIL import Image
 
 from diffserve.configs.quality import TierPreset
 from diffserve.configs.sampling_params import SamplingParams
@@ -22,6 +23,7 @@ from diffserve.families.flux.kontext_preparation import (
     FluxKontextPreparationStage,
     kontext_area_size,
     kontext_condition_ids,
+    kontext_condition_size,
 )
 from diffserve.families.flux.pipeline import FluxDenoiser, FluxPipeline
 from diffserve.layers.rotary import RopeTables
@@ -79,6 +81,13 @@ class FluxKontextPipeline(FluxPipeline):
     def image_input_rule(self) -> ImageInputRule:
         return ImageInputRule(
             pipeline_name="FluxKontextPipeline", task="image-edit", min_images=1, max_images=1
+        )
+
+    def input_image_check(self) -> Callable[[Image.Image], object] | None:
+        """The input image must leave a size to encode (`kontext_condition_size` refuses it otherwise)."""
+        config, multiple = self.config, self.pixel_multiple
+        return lambda image: kontext_condition_size(
+            image, multiple, config.preferred_resolutions, config.auto_resize
         )
 
     def default_size(self, default_pixels: int) -> Callable[[SamplingParams], tuple[int, int]]:

@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 from torch import nn
 
+from diffserve.errors import InvalidRequestError
 from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.latent_preparation import latent_image_ids
@@ -25,11 +26,19 @@ def kontext_condition_size(
 
     Its sides are first floored to `pixel_multiple`; with `auto_resize` the preferred (width, height)
     whose aspect ratio is nearest that floored size's is taken (ties: the smaller width); the result is
-    floored to `pixel_multiple` again."""
+    floored to `pixel_multiple` again. A width floored to 0 is an aspect ratio of 0 there (the tallest
+    preferred size, as Diffusers picks it); a height floored to 0, or without `auto_resize` either side,
+    leaves no size (Diffusers fails: a division by zero, an empty resize): InvalidRequestError."""
     width = image.width - image.width % pixel_multiple
     height = image.height - image.height % pixel_multiple
-    if width == 0 or height == 0:
-        raise ValueError(f"input image {image.width}x{image.height} is smaller than {pixel_multiple} pixels")
+    if height == 0 or (width == 0 and not auto_resize):
+        sides = "height" if auto_resize else "width and height"
+        raise InvalidRequestError(
+            f"the input image is {image.width}x{image.height}: FLUX.1 Kontext floors its {sides} to multiples "
+            f"of {pixel_multiple} pixels, which leaves nothing of it; send an image at least {pixel_multiple} "
+            f"pixels {'tall' if auto_resize else 'wide and tall'}",
+            param="image",
+        )
     if auto_resize:
         aspect = width / height
         _, width, height = min((abs(aspect - w / h), w, h) for w, h in preferred_resolutions)

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import torch
+from PIL import Image
 
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.step_cache_policy import StepCachePolicy
@@ -14,6 +15,7 @@ from diffserve.families.flux.config import FluxPipelineConfig, flux_default_samp
 from diffserve.families.flux.controlnet import ControlImageEncodingStage, ControlNetRunner, check_controlnets
 from diffserve.families.flux.controlnet_single_file import XLABS_FLUX_CONTROLNET
 from diffserve.families.flux.text_encoding import FluxTextEncodingStage
+from diffserve.families.flux.validation import FluxInputValidationStage
 from diffserve.layers.rotary import RopeTables
 from diffserve.layers.shape_cache import BoundedCache
 from diffserve.loader.controlnet_single_file import ControlNetFileLayout
@@ -39,7 +41,7 @@ from diffserve.stages.image_to_image import (
     InputImageEncodingStage,
     input_image_size,
 )
-from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
+from diffserve.stages.input_validation import ImageInputRule
 from diffserve.stages.latent_preparation import PackedLatentIdsPreparationStage, pack_latents
 from diffserve.stages.mask_preparation import InpaintMaskStage
 from diffserve.stages.packed_ids_rope import packed_ids_rope
@@ -168,7 +170,8 @@ class FluxPipeline(Pipeline):
         self.controlnets.update(nets)
 
     def image_input_rule(self) -> ImageInputRule:
-        """An optional input image (image-to-image, strength 0.6 by default as Diffusers') and mask."""
+        """An optional input image (image-to-image, strength 0.6 by default as Diffusers') and mask. (With
+        an input image or a ControlNet, the guidance default is Diffusers' 7.0: `FluxInputValidationStage`.)"""
         return ImageInputRule(
             pipeline_name="FluxPipeline",
             max_images=1,
@@ -178,6 +181,11 @@ class FluxPipeline(Pipeline):
 
     def default_sampling_params(self) -> SamplingParams:
         return flux_default_sampling_params()
+
+    def input_image_check(self) -> Callable[[Image.Image], object] | None:
+        """What an input image must pass at submission (None: any image; it is resized to the output
+        size); raises InvalidRequestError."""
+        return None
 
     def default_size(self, default_pixels: int) -> Callable[[SamplingParams], tuple[int, int]]:
         """(height, width) when unset: the input image's size (floored), else the square default.
@@ -216,13 +224,19 @@ class FluxPipeline(Pipeline):
         #: Channels of the VAE latents the DiT denoises (its output; Fill's input is wider).
         self.latent_channels = transformer.config.out_channels // 4
         default_pixels = self.config.default_sample_size * self.vae_scale_factor
-        self.input_validation = InputValidationStage(
-            defaults=apply_overrides(self.default_sampling_params(), context.folder_sampling_defaults),
+        folder_defaults = context.folder_sampling_defaults
+        self.input_validation = FluxInputValidationStage(
+            defaults=apply_overrides(self.default_sampling_params(), folder_defaults),
             pixel_multiple=self.pixel_multiple,
             default_pixels=default_pixels,
             max_sequence_length_limit=self.config.max_t5_sequence_length,
             image_inputs=self.image_input_rule(),
             default_size=self.default_size(default_pixels),
+            # A folder's own guidance default applies to every task.
+            conditioned_guidance_scale=None
+            if "guidance_scale" in folder_defaults
+            else self.config.conditioned_guidance_scale,
+            input_image_check=self.input_image_check(),
         )
         #: The engine's ControlNets by name (`use_controlnets`), shared with the denoiser.
         self.controlnets: dict[str, FluxControlNetModel] = {}
