@@ -49,7 +49,7 @@ from diffserve.loader.folder_defaults import read_folder_sampling_defaults
 from diffserve.loader.model_index import ModelIndex, read_model_index
 from diffserve.loader.quantize import check_quantization_device
 from diffserve.logging_setup import shown_text
-from diffserve.masks import edit_mask
+from diffserve.masks import pipeline_mask
 from diffserve.offload import install_memory_plan, log_plan, plan_memory, weight_residency
 from diffserve.outputs import output_metadata, write_outputs
 from diffserve.pipelines.base import Pipeline, PipelineContext
@@ -521,7 +521,7 @@ class DiffGenerator:
         if mask is not None:
             if isinstance(mask, (list, tuple)):
                 raise UserError("mask: pass one mask image, not a list")
-            params["mask_image"] = load_images(mask, param="mask", keep_alpha=True)[0]
+            params["mask_image"] = load_images(mask, param="mask", as_mask=True)[0]
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not prompts or not all(isinstance(p, str) for p in prompts):
             raise UserError("prompt: pass a string or a non-empty list of strings")
@@ -674,8 +674,8 @@ def controlnet_entries(
     (`control_image`, one image or a list, with `controlnet_conditioning_scale`, `control_guidance_start`,
     `control_guidance_end`, `control_mode` and an inpainting ControlNet's `control_mask`, each one value or
     one per image), which apply the one loaded ControlNet (with several loaded, name them in `controlnets`).
-    A mask (white or, with alpha, transparent = repaint) is decoded like an image, then made `edit_mask`'s
-    "L" image (255 = repaint), as the server's `controlnets[i].mask` is."""
+    A mask (white or, with alpha, transparent = repaint) is decoded like an image, then made what the
+    pipelines read (`pipeline_mask`: 255 = repaint), as the server's `controlnets[i].mask` is."""
     if keywords:
         if entries:
             raise InvalidRequestError(
@@ -712,7 +712,7 @@ def controlnet_entries(
         if image is not None:
             image = load_images(image, param=f"controlnets[{i}].image")[0]
         if mask is not None:
-            mask = edit_mask(load_images(mask, param=f"controlnets[{i}].mask", keep_alpha=True)[0])
+            mask = pipeline_mask(load_images(mask, param=f"controlnets[{i}].mask", as_mask=True)[0])
         decoded.append(replace(choice, image=image, mask=mask))
     return decoded
 

@@ -17,8 +17,10 @@ settings.
 
 The result has the EXIF orientation applied and is converted with `.convert("RGB")`: an alpha channel is
 dropped, not composited onto a background, so fully transparent pixels keep whatever colour they store;
-with `keep_alpha`, an image with transparency is RGBA instead (masks; input images, whose alpha the
-family's validation drops unless it reads it).
+with `keep_alpha`, an image with transparency is RGBA instead (input images, whose alpha the family's
+validation drops unless it reads it); with `as_mask` (inpainting masks) an image with transparency is RGBA
+and a bilevel, grey, palette or RGB one keeps its mode, as Diffusers' mask processor resizes it
+(`diffserve.masks.pipeline_mask`).
 
 URL fetching (`http.client`, no proxies, no redirects) refuses hosts for which any resolved address is
 private, loopback, link-local, multicast, reserved, unspecified or otherwise not globally routable, then
@@ -115,16 +117,18 @@ def load_image(
     allow_urls: bool = False,
     limits: ImageInputLimits | None = None,
     keep_alpha: bool = False,
+    as_mask: bool = False,
 ) -> Image.Image:
     """Load `source` (path, raw bytes, base64 data URL, or - with `allow_urls` - an http(s) URL) as RGB
-    (with `keep_alpha`, an image with transparency as RGBA: inpainting masks, `diffserve.masks`).
+    (with `keep_alpha`, an image with transparency as RGBA; with `as_mask`, an inpainting mask in the mode
+    the pipelines read it in: `loaded_mode`).
 
     Raises `InvalidRequestError(param=param)` for anything unusable and `ImageTooLargeError` for inputs
     over `limits` (defaults: `ImageInputLimits()`).
     """
     limits = limits if limits is not None else ImageInputLimits()
     data = read_image_source(source, param=param, allow_urls=allow_urls, limits=limits)
-    return decode_image(data, param=param, limits=limits, keep_alpha=keep_alpha)
+    return decode_image(data, param=param, limits=limits, keep_alpha=keep_alpha, as_mask=as_mask)
 
 
 def read_image_source(
@@ -141,12 +145,32 @@ def read_image_source(
 
 
 def decode_image(
-    data: bytes, *, param: str = "image", limits: ImageInputLimits | None = None, keep_alpha: bool = False
+    data: bytes,
+    *,
+    param: str = "image",
+    limits: ImageInputLimits | None = None,
+    keep_alpha: bool = False,
+    as_mask: bool = False,
 ) -> Image.Image:
-    """Encoded image bytes as RGB (RGBA with `keep_alpha` when it has transparency), the pixel count
-    checked from the header first; the second half of `load_image`."""
+    """Encoded image bytes as RGB (`keep_alpha`, `as_mask`: `loaded_mode`), the pixel count checked from
+    the header first; the second half of `load_image`."""
     limits = limits if limits is not None else ImageInputLimits()
-    return _decode(data, param=param, limits=limits, keep_alpha=keep_alpha)
+    return _decode(data, param=param, limits=limits, keep_alpha=keep_alpha, as_mask=as_mask)
+
+
+#: Modes a mask keeps when loaded `as_mask`: what Diffusers' mask processor resizes as they are.
+MASK_MODES = ("1", "L", "P", "RGB")
+
+
+def loaded_mode(image: Image.Image, keep_alpha: bool = False, as_mask: bool = False) -> Image.Image:
+    """A decoded image as the loaders return it (a new image): RGBA where it has transparency and the
+    caller keeps alpha (`keep_alpha`, or `as_mask`); a mask (`as_mask`) in its own mode where that is one
+    of `MASK_MODES`; else RGB."""
+    if (keep_alpha or as_mask) and has_alpha(image):
+        return image.convert("RGBA")
+    if as_mask and image.mode in MASK_MODES:
+        return image.copy()
+    return image.convert("RGB")
 
 
 # ---------------------------------------------------------------------------------------------- sources
@@ -480,7 +504,9 @@ def _download(target: _Target, deadline: _Deadline, *, param: str, limits: Image
 # --------------------------------------------------------------------------------------------- decoding
 
 
-def _decode(data: bytes, *, param: str, limits: ImageInputLimits, keep_alpha: bool) -> Image.Image:
+def _decode(
+    data: bytes, *, param: str, limits: ImageInputLimits, keep_alpha: bool, as_mask: bool = False
+) -> Image.Image:
     allowed = ", ".join(limits.allowed_formats)
     try:
         with warnings.catch_warnings():
@@ -506,7 +532,7 @@ def _decode(data: bytes, *, param: str, limits: ImageInputLimits, keep_alpha: bo
                 img.seek(0)  # first frame of an animated GIF/WEBP
                 img.load()
                 img = ImageOps.exif_transpose(img)
-                return img.convert("RGBA" if keep_alpha and has_alpha(img) else "RGB")
+                return loaded_mode(img, keep_alpha, as_mask)
     except InvalidRequestError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
@@ -548,9 +574,10 @@ def load_images(
     allow_urls: bool = False,
     limits: ImageInputLimits | None = None,
     keep_alpha: bool = False,
+    as_mask: bool = False,
 ) -> list[Image.Image]:
-    """One source or a list of them (a tuple or list) as RGB images (`keep_alpha`: see `load_image`), in
-    order.
+    """One source or a list of them (a tuple or list) as RGB images (`keep_alpha`, `as_mask`: see
+    `loaded_mode`), in order.
 
     PIL images are passed through after `.convert("RGB")` (the caller already decoded them, so no byte
     or pixel bound applies); everything else goes through `load_image`. With several sources an error
@@ -563,9 +590,16 @@ def load_images(
     for i, source in enumerate(items):
         name = param if len(items) == 1 else f"{param}[{i}]"
         if isinstance(source, Image.Image):
-            out.append(source.convert("RGBA" if keep_alpha and has_alpha(source) else "RGB"))
+            out.append(loaded_mode(source, keep_alpha, as_mask))
         else:
             out.append(
-                load_image(source, param=name, allow_urls=allow_urls, limits=limits, keep_alpha=keep_alpha)
+                load_image(
+                    source,
+                    param=name,
+                    allow_urls=allow_urls,
+                    limits=limits,
+                    keep_alpha=keep_alpha,
+                    as_mask=as_mask,
+                )
             )
     return out

@@ -7,8 +7,9 @@ Two conventions are accepted:
 - Diffusers': a black-and-white (or grey) mask without alpha, white = edit, black = keep.
 
 A mask that has an alpha channel but no fully transparent pixel (an opaque RGBA PNG) is read by its
-luminance, as Diffusers reads it. The result is an "L" image, 255 where the request edits; pipelines
-binarize it at 0.5 after resizing, as Diffusers' mask processor does (`stages/mask_preparation.py`).
+luminance, as Diffusers reads it. `edit_mask` gives an "L" image, 255 where the request edits;
+`pipeline_mask` what the pipelines resize, convert to "L" and binarize at 0.5, in that order, as Diffusers'
+mask processor does (`stages/mask_preparation.py`): a luminance mask in the mode it was sent in.
 """
 
 from __future__ import annotations
@@ -34,6 +35,17 @@ def edit_mask(mask: Image.Image) -> Image.Image:
         if (alpha == 0).any():
             return Image.fromarray(np.where(alpha == 0, 255, 0).astype(np.uint8), mode="L")
     return mask.convert("L")
+
+
+def pipeline_mask(mask: Image.Image) -> Image.Image:
+    """`mask` as the pipelines read it (`stages.mask_preparation.mask_pixels`: resized, then converted to
+    "L" and binarized): in the transparency convention `edit_mask`'s "L" image; otherwise the mask as sent,
+    in its own mode. Diffusers' mask processor resizes a mask in its own mode and converts it to grayscale
+    after: PIL resizes "1" and "P" images nearest-neighbour whatever filter is asked, and an RGB mask's
+    Lanczos rounds differently from its luminance's, so converting first would change the edited area."""
+    if has_alpha(mask) and (np.asarray(mask.convert("RGBA"))[..., 3] == 0).any():
+        return edit_mask(mask)
+    return mask
 
 
 def check_mask_size(mask: Image.Image, image: Image.Image) -> None:

@@ -15,7 +15,7 @@ from PIL import Image
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError
 from diffserve.image_inputs import load_image, load_images
-from diffserve.masks import edit_mask
+from diffserve.masks import edit_mask, pipeline_mask
 from diffserve.stages.image_to_image import first_kept_step, input_image_size, kept_steps
 from diffserve.stages.input_validation import ImageInputRule
 from diffserve.stages.mask_preparation import mask_pixels
@@ -82,6 +82,45 @@ def test_mask_pixels_match_diffusers_mask_processor(height, width) -> None:
     )
     expected = processor.preprocess(mask, height=height, width=width)
     assert torch.equal(mask_pixels(mask, height, width), expected)
+
+
+def _masks_in_every_mode() -> dict[str, Image.Image]:
+    """One random blob mask (white = edit) as users save it: bilevel, palette, grey, RGB and opaque RGBA."""
+    rng = np.random.default_rng(1)
+    grey = Image.fromarray((rng.random((13, 21)) > 0.5).astype(np.uint8) * 255, mode="L")
+    return {
+        "1": grey.convert("1"),
+        "P": grey.convert("P"),
+        "L": grey,
+        "RGB": grey.convert("RGB"),
+        "RGBA-opaque": grey.convert("RGBA"),
+    }
+
+
+@pytest.mark.parametrize("mode", ["1", "P", "L", "RGB", "RGBA-opaque"])
+@pytest.mark.parametrize(("height", "width"), [(64, 96), (16, 32)])
+def test_a_mask_saved_in_any_mode_is_read_as_diffusers_reads_it(mode, height, width) -> None:
+    """Diffusers resizes a mask in its own mode (PIL resizes "1" and "P" nearest-neighbour whatever the
+    filter) and makes it grey after: a mask decoded, checked and prepared as diffserve does it marks the
+    same pixels, through the loaders (bytes, PIL) and the validation's `pipeline_mask`."""
+    mask = _masks_in_every_mode()[mode]
+    processor = VaeImageProcessor(
+        vae_scale_factor=16, vae_latent_channels=16, do_normalize=False, do_binarize=True, do_convert_grayscale=True
+    )  # fmt: skip
+    expected = processor.preprocess(mask, height=height, width=width)
+    for loaded in (load_image(png_bytes(mask), as_mask=True), load_images(mask, as_mask=True)[0]):
+        assert loaded.mode == ("RGBA" if mode == "RGBA-opaque" else mode)
+        assert torch.equal(mask_pixels(pipeline_mask(loaded), height, width), expected), mode
+    if mode in ("1", "P"):  # converted to grey before resizing, as before, the edited area differs
+        assert not torch.equal(mask_pixels(mask.convert("L"), height, width), expected)
+
+
+def test_a_transparent_mask_is_read_by_its_alpha_whatever_its_mode() -> None:
+    rgba = Image.new("RGBA", (8, 4), (255, 255, 255, 255))
+    rgba.putpixel((2, 1), (255, 255, 255, 0))
+    loaded = load_image(png_bytes(rgba), as_mask=True)
+    assert loaded.mode == "RGBA"
+    assert pipeline_mask(loaded).mode == "L" and np.asarray(pipeline_mask(loaded)).sum() == 255
 
 
 @pytest.mark.parametrize(

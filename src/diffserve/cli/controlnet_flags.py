@@ -103,13 +103,13 @@ def controlnet_choices_from(args: argparse.Namespace) -> list[ControlNetChoice]:
 
 
 def with_control_inputs(choice: ControlNetChoice, args: argparse.Namespace) -> ControlNetChoice:
-    """`choice` with `--control-image` read and `--control-mask`, if given, read as `edit_mask`'s "L" image
-    (255 = repaint, from white or transparent pixels); paths only, errors naming the flag."""
+    """`choice` with `--control-image` read and `--control-mask`, if given, read as the pipelines read it
+    (`pipeline_mask`: white or transparent pixels repaint); paths only, errors naming the flag."""
     from diffserve.image_inputs import load_images
-    from diffserve.masks import edit_mask
+    from diffserve.masks import pipeline_mask
 
     image = load_images(Path(args.control_image), param="--control-image")[0]
     mask = None
     if args.control_mask is not None:
-        mask = edit_mask(load_images(Path(args.control_mask), param="--control-mask", keep_alpha=True)[0])
+        mask = pipeline_mask(load_images(Path(args.control_mask), param="--control-mask", as_mask=True)[0])
     return replace(choice, image=image, mask=mask)

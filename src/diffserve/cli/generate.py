@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     images = (
         load_images([Path(p) for p in args.image], param="--image", keep_alpha=True) if args.image else None
     )
-    mask = load_images(Path(args.mask), param="--mask", keep_alpha=True)[0] if args.mask else None
+    mask = load_images(Path(args.mask), param="--mask", as_mask=True)[0] if args.mask else None
     video = load_video(Path(args.video), param="--video", limits=VideoInputLimits()) if args.video else None
     flags["seed"] = seed_or_random(args.seed)
     params_list = [

@@ -16,7 +16,7 @@ from torch import nn
 
 from diffserve.configs.sampling_params import ControlNetChoice, SamplingParams
 from diffserve.errors import InvalidRequestError
-from diffserve.masks import edit_mask
+from diffserve.masks import pipeline_mask
 from diffserve.models.controlnets.residuals import BlockResiduals
 from diffserve.request import Req
 from diffserve.runtime.runner import CfgBranchView
@@ -111,7 +111,7 @@ class InpaintingControl:
     def of(cls, entry: ControlNetChoice, height: int, width: int) -> InpaintingControl:
         image = entry.image.convert("RGB").resize((width, height), Image.Resampling.LANCZOS)
         pixels = image_to_tensor(image)
-        mask = mask_pixels(edit_mask(entry.mask), height, width)
+        mask = mask_pixels(pipeline_mask(entry.mask), height, width)
         return cls(pixels.masked_fill(mask > 0.5, -1.0), mask)
 
     def kept_on(self, size: tuple[int, int]) -> torch.Tensor:

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from diffserve.configs.sampling_params import MAX_CONTROLNET_SCALE, ControlNetChoice
 from diffserve.errors import InvalidRequestError
 from diffserve.image_inputs import ImageInputLimits, decode_image, read_image_source
-from diffserve.masks import edit_mask
+from diffserve.masks import pipeline_mask
 
 _EXAMPLE = '[{"name": "canny", "image": "data:image/png;base64,...", "scale": 0.7}]'
 CONTROLNETS_NOTE = (
@@ -76,7 +76,7 @@ def decode_controlnets(
 ) -> list[ControlNetChoice]:
     """The entries as the engine's `ControlNetChoice`s, their images and masks decoded (InvalidRequestError
     naming `controlnets[i].image` or `controlnets[i].mask` for one that is not an image or is too large).
-    A mask becomes `edit_mask`'s "L" image (255 = repaint) whichever convention it was sent in."""
+    A mask becomes what the pipelines read (`pipeline_mask`) whichever convention it was sent in."""
     choices = []
     for i, entry in enumerate(entries or []):
         param = f"controlnets[{i}].image"
@@ -85,7 +85,7 @@ def decode_controlnets(
         if entry.mask is not None:
             param = f"controlnets[{i}].mask"
             data = _image_bytes(entry.mask, param, allow_urls, limits)
-            mask = edit_mask(decode_image(data, param=param, limits=limits, keep_alpha=True))
+            mask = pipeline_mask(decode_image(data, param=param, limits=limits, as_mask=True))
         choices.append(
             ControlNetChoice(entry.name, image, entry.scale, entry.start, entry.end, entry.mode, mask)
         )

@@ -153,7 +153,7 @@ class EditInputs:
         ]
         mask = None
         if self.mask is not None:  # its alpha is kept: transparent pixels mark the area to edit
-            mask = await load_input_image(self.mask[1], self.mask[0], allow_urls, limits, keep_alpha=True)
+            mask = await load_input_image(self.mask[1], self.mask[0], allow_urls, limits, as_mask=True)
         return images, mask
 
 

@@ -154,9 +154,15 @@ def _is_url(source: RawImage) -> bool:
 
 
 async def load_input_image(
-    source: RawImage, param: str, allow_urls: bool, limits: ImageInputLimits, keep_alpha: bool = False
+    source: RawImage,
+    param: str,
+    allow_urls: bool,
+    limits: ImageInputLimits,
+    keep_alpha: bool = False,
+    as_mask: bool = False,
 ) -> Image.Image:
-    """One input image as RGB (`keep_alpha`: RGBA when it has transparency, for masks), never on the
+    """One input image as RGB (`keep_alpha`: RGBA when it has transparency; `as_mask`: an inpainting mask
+    in the mode the pipelines read it in, `image_inputs.loaded_mode`), never on the
     event loop: a URL (with `allow_urls`) is downloaded in FETCH_POOL within `limits.url_timeout_s`, and
     everything is decoded in DECODE_POOL. Raises InvalidRequestError (ImageTooLargeError: 413) naming
     `param`, and ApiError 429 when a pool is full."""
@@ -167,9 +173,17 @@ async def load_input_image(
         except asyncio.TimeoutError:
             message = f"{param}: fetching the image URL timed out after {limits.url_timeout_s:g} s"
             raise InvalidRequestError(message, param=param) from None
-        decode = functools.partial(decode_image, data, param=param, limits=limits, keep_alpha=keep_alpha)
+        decode = functools.partial(
+            decode_image, data, param=param, limits=limits, keep_alpha=keep_alpha, as_mask=as_mask
+        )
         return await DECODE_POOL.run(decode)
     load = functools.partial(
-        load_image, source, param=param, allow_urls=allow_urls, limits=limits, keep_alpha=keep_alpha
+        load_image,
+        source,
+        param=param,
+        allow_urls=allow_urls,
+        limits=limits,
+        keep_alpha=keep_alpha,
+        as_mask=as_mask,
     )
     return await DECODE_POOL.run(load)

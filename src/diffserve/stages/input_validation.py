@@ -20,7 +20,7 @@ from diffserve.configs.sampling_params import (
 )
 from diffserve.errors import InvalidRequestError
 from diffserve.image_inputs import without_alpha
-from diffserve.masks import check_mask_size, edit_mask
+from diffserve.masks import check_mask_size, pipeline_mask
 from diffserve.models.cache_methods.registry import add_cfg_branch, new_request_cache, new_tier_cache
 from diffserve.request import Req
 from diffserve.runtime.contract import CfgMode, VideoProbe
@@ -36,7 +36,7 @@ class ImageInputRule:
     `default_strength` (not None): the family runs image-to-image from an input image, noised by
     `strength` (this default when unset); with `inpainting` it also takes a mask of the input image's size
     (`mask_required`: it needs one, FLUX.1 Fill). `check` fills in the strength default and puts the mask
-    in its canonical form (`diffserve.masks.edit_mask`), in place."""
+    in the form the pipelines read (`diffserve.masks.pipeline_mask`), in place."""
 
     pipeline_name: str = "this pipeline"
     task: str = "text-to-image"
@@ -123,7 +123,7 @@ class ImageInputRule:
             )
 
     def _check_mask(self, params: SamplingParams, images: list) -> None:
-        """The mask (required or optional) of the input image's size, in `edit_mask`'s canonical form."""
+        """The mask (required or optional) of the input image's size, as the pipelines read it."""
         if not self.inpainting:
             return
         if params.mask_image is None:
@@ -143,7 +143,7 @@ class ImageInputRule:
         if not images:
             raise InvalidRequestError("a mask needs the input image it applies to", param="mask")
         check_mask_size(params.mask_image, images[0])
-        params.mask_image = edit_mask(params.mask_image)
+        params.mask_image = pipeline_mask(params.mask_image)
 
 
 VIDEO_FIELDS = ("num_frames", "fps", "video_format")
