@@ -2,7 +2,8 @@
 same tiny folder and seed, fp32: one condition image with the output size taken from its aspect ratio
 (CFG off), one image with CFG at a size of its own, two images of different aspect ratios (CFG on); a
 conditioned request batched with a text-only one gives what each gives alone; the prompt states with
-images in their vision slots; too many images are refused. Every generation also runs
+images in their vision slots; Diffusers' `output_resolution` as the request's `extra` setting; too many
+images, and images the encoders cannot read at their resized size, are refused. Every generation also runs
 with another condition image (the control), which must fall well below the bar.
 
 Condition images are resized to about `output_resolution`² pixels (1024² by default); both sides use 64 here
@@ -101,6 +102,44 @@ def test_matches_diffusers(pair, label, images, kwargs, size) -> None:
     assert_images_match(
         got, want, f"Qwen-Image 2.1 {label}", min_db=PSNR_BAR_DB, shape=(n, *size, 4), control=control
     )
+
+
+@pytest.mark.parametrize(
+    ("label", "images", "resolution", "size"),
+    [
+        ("one wide image", [WIDE], 96, (64, 160)),  # resized to about 96x96 pixels (at 64: 32x96)
+        ("text only", [], 48, (32, 32)),  # the default square (at 64: 64x64), floored to 32 as Diffusers does
+    ],
+)
+def test_output_resolution_matches_diffusers(pair, label, images, resolution, size) -> None:
+    """Diffusers' `output_resolution` (the condition images' area and the default size) as `extra`; the
+    size differs from the pipeline's resolution's, so a pass shows the setting is used."""
+    ours, reference = pair
+    common = dict(prompt=PROMPT, seed=4, num_inference_steps=2)
+    condition = {"image": images} if images else {}
+    got = stack_uint8(ours.generate(**condition, extra={"output_resolution": resolution}, **common).images)
+    want = diffusers_uint8(reference, **condition, output_resolution=resolution, **common)
+    label = f"Qwen-Image 2.1 output_resolution {resolution}, {label}"
+    assert_images_match(got, want, label, min_db=PSNR_BAR_DB, shape=(1, *size, 4))
+
+
+@pytest.mark.parametrize(
+    ("images", "extra", "message"),
+    [
+        # Resized to about 64x64 pixels with sides rounded to 32, one side would be 0 (Diffusers fails in PIL).
+        ([WIDE, _image(4, 200, 2)], {}, r"input image 2 \(200x4\).* too elongated"),
+        # 288x96 pixels: above the tiny processor's 16384, which would resize it and break its vision slots.
+        ([WIDE], {"output_resolution": 160}, r"input image 1 .*27648 pixels, outside the 1024\.\.16384"),
+        ([WIDE], {"output_resolution": 16}, r"extra\['output_resolution'\] must be"),
+        ([WIDE], {"resolution": 64}, "unknown setting"),
+    ],
+)
+def test_condition_images_the_encoders_cannot_read_are_refused(pair, images, extra, message) -> None:
+    """Refused before any model work (Diffusers fails deep inside PIL, the processor or the DiT)."""
+    ours, _ = pair
+    with pytest.raises(InvalidRequestError, match=message) as info:
+        ours.generate(prompt=PROMPT, image=images, height=32, width=32, num_inference_steps=1, extra=extra)
+    assert info.value.param in ("image", "extra")
 
 
 def test_conditioned_and_text_only_requests_share_steps(pair) -> None:

@@ -162,6 +162,8 @@ def test_a_request_may_set_the_layers_size(pipelines) -> None:
         ({"guidance_scale": 3.0}, "guidance_scale", "guidance_scale is not a parameter"),
         ({"output_format": "jpeg"}, "output_format", "output_format must be png"),
         ({"prompt": " "}, "prompt", "needs a prompt describing the input image"),
+        # Resized to the bucket's area with sides rounded to 32 it would be 0 pixels tall (Diffusers fails in PIL)
+        ({"image": _input_image(8, 200)}, "image", r"input image 1 \(200x8\) is too elongated"),
     ],
 )
 def test_bad_requests_are_refused_naming_the_parameter(pipelines, request_kwargs, param, message) -> None:

@@ -140,12 +140,14 @@ def _input_image(height: int, width: int, seed: int = 0) -> Image.Image:
     [
         ((60, 90), {"true_cfg_scale": 4.0, "negative_prompt": "blurry"}),  # wide input, true CFG
         ((100, 70), {"true_cfg_scale": 1.0}),  # tall input, no CFG
+        # Diffusers' edit pipelines never cut the states to max_sequence_length (vision tokens included)
+        ((60, 90), {"true_cfg_scale": 1.0, "max_sequence_length": 4}),
     ],
 )
 def test_qwen_image_edit_pixels_match_diffusers(edit, size, extra) -> None:
     ours, reference = edit
     image = _input_image(*size)
-    kwargs = dict(num_inference_steps=3, max_sequence_length=64, **extra)
+    kwargs = {"num_inference_steps": 3, "max_sequence_length": 64, **extra}
     out = ours.generate(prompt="make the sky red", image=image, seed=5, **kwargs)
     ref_u8 = diffusers_uint8(reference, seed=5, prompt="make the sky red", image=image, **kwargs)
     ours_u8 = stack_uint8(out.images)
@@ -154,6 +156,17 @@ def test_qwen_image_edit_pixels_match_diffusers(edit, size, extra) -> None:
     assert abs(width / height - size[1] / size[0]) < 0.35
     label = f"Qwen-Image-Edit input {size} -> {height}x{width} {extra}"
     assert_images_match(ours_u8, ref_u8, label, min_db=PSNR_BAR_DB)
+
+
+@pytest.mark.parametrize("size", [(8, 200), (200, 8)])
+def test_qwen_image_edit_refuses_an_image_too_elongated_to_resize(edit, size) -> None:
+    """Resized to the condition area with sides rounded to 32, one side would be 0 pixels (Diffusers fails
+    in PIL's resize): a 400 naming the image, before any model work, whether a size is given or not."""
+    ours, _ = edit
+    for extra in ({}, {"height": 32, "width": 32}):
+        with pytest.raises(InvalidRequestError, match="input image 1 .* is too elongated") as info:
+            ours.generate(prompt="make it red", image=_input_image(*size), num_inference_steps=1, **extra)
+        assert info.value.param == "image"
 
 
 def test_qwen_image_edit_needs_an_image_and_refuses_a_mask(edit) -> None:

@@ -445,7 +445,7 @@ class SamplingParams:
         commands=("generate",), metavar="JSON",
         help="the model family's own settings by name, checked by the family (LTX-2: audio_guidance_scale, "
         "stg_scale, modality_scale, guidance_rescale, motion_speed, ...; SANA, SANA-Sprint, SANA-Video: use_resolution_binning; "
-        "LongCat-Image: enable_cfg_renorm, cfg_renorm_min; Z-Image: cfg_truncation, cfg_normalization; Qwen-Image-Layered: layers, resolution, cfg_normalize; "
+        "LongCat-Image: enable_cfg_renorm, cfg_renorm_min; Z-Image: cfg_truncation, cfg_normalization; Qwen-Image-Layered: layers, resolution, cfg_normalize; Qwen-Image 2.1: output_resolution; "
         "SkyReels-V2 diffusion forcing: ar_step, causal_block_size, base_num_frames, overlap_history, addnoise_condition; "
         "HunyuanImage 2.1 (distilled): distilled_guidance_scale; HunyuanVideo image-to-video: image_embed_interleave; "
         "other families take none)",

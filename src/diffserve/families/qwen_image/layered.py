@@ -39,7 +39,7 @@ from diffserve.configs.sampling_params import SamplingParams
 from diffserve.distributed.parallel_vae import decode_split
 from diffserve.errors import InvalidRequestError
 from diffserve.families.qwen_image.config import QwenImagePipelineConfig, qwen_image_default_sampling_params
-from diffserve.families.qwen_image.edit_preparation import condition_size
+from diffserve.families.qwen_image.edit_preparation import check_condition_sizes, condition_size
 from diffserve.families.qwen_image.pipeline import (
     NOT_GUIDANCE_DISTILLED,
     QwenImagePipeline,
@@ -168,10 +168,13 @@ class QwenImageLayeredInputValidationStage(InputValidationStage):
         return req
 
     def size_of(self, params: SamplingParams) -> tuple[int, int]:
-        """Default (height, width) of the layers: the input image's, resized to the resolution bucket's area."""
-        width, height = layered_size(
-            params.input_images[0], layered_settings(params, self.layered_config), self.layered_config
-        )
+        """Default (height, width) of the layers: the input image's, resized to the resolution bucket's area.
+        An image too elongated for that (a side rounded to 0) is refused here, when the size is unset."""
+        settings = layered_settings(params, self.layered_config)
+        if params.height is None or params.width is None:
+            area = dict(self.layered_config.resolution_areas)[settings.resolution]
+            check_condition_sizes(params.input_images[:1], (area,), PIPELINE_NAME)
+        width, height = layered_size(params.input_images[0], settings, self.layered_config)
         return (
             height // self.pixel_multiple * self.pixel_multiple,
             width // self.pixel_multiple * self.pixel_multiple,

@@ -17,6 +17,7 @@ from typing import ClassVar
 
 import torch
 
+from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.families.qwen_image.config import (
     QwenImageEditPipelineConfig,
@@ -29,7 +30,11 @@ from diffserve.families.qwen_image.controlnet import (
     QwenControlNetRunner,
     QwenImageConditioning,
 )
-from diffserve.families.qwen_image.edit_preparation import QwenImageEditPreparationStage, edit_output_size
+from diffserve.families.qwen_image.edit_preparation import (
+    QwenImageEditPreparationStage,
+    check_condition_sizes,
+    edit_output_size,
+)
 from diffserve.families.qwen_image.text_encoding import QwenEditTextEncodingStage, QwenTextEncodingStage
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.controlnets.qwen_image import QwenImageControlNetModel
@@ -262,7 +267,15 @@ class QwenImageEditPipeline(QwenImagePipeline):
             pipeline_name=self.pipeline_name, min_images=1, max_images=self.config.max_input_images
         )
         area, multiple = self.config.condition_image_area, self.pixel_multiple
-        stage.default_size = lambda params: edit_output_size(params, area, multiple)
+        # The vision-language encoder reads a copy of its own size (Edit-Plus) or the VAE's copy (Edit).
+        vision = area if self.config.vision_image_area is None else self.config.vision_image_area
+
+        def default_size(params: SamplingParams) -> tuple[int, int]:
+            # Called on every request (a size given or not): the input images must survive the resizing.
+            check_condition_sizes(params.input_images, (area, vision), self.pipeline_name, vision)
+            return edit_output_size(params, area, multiple)
+
+        stage.default_size = default_size
         return stage
 
     def text_stage(self, context: PipelineContext) -> Stage:

@@ -4,6 +4,8 @@ processor expands `<|image_pad|>` into the input image's vision tokens."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -17,6 +19,9 @@ from diffserve.stages.text_encoding import request_prompts, set_sequence_embeds
 class QwenTextEncodingStage(Stage):
     needs = ("do_cfg",)
     sets = ("prompt_embeds",)
+    #: Whether the states are cut to the request's `max_sequence_length` (Diffusers' text-to-image,
+    #: image-to-image, inpainting and Layered pipelines cut them; its edit pipelines do not).
+    truncates: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -79,11 +84,17 @@ class QwenTextEncodingStage(Stage):
             embeds = self.cache.lookup(prompts, (p.max_sequence_length,), self.encode)
         else:
             embeds = self.encode(prompts, images)
-        set_sequence_embeds(req, [e[None, : p.max_sequence_length] for e in embeds])
+        limit = p.max_sequence_length if self.truncates else None
+        set_sequence_embeds(req, [e[None, :limit] for e in embeds])
         return req
 
 
 class QwenEditTextEncodingStage(QwenTextEncodingStage):
-    """The edit variant: the prompt is read together with the request's resized input images."""
+    """The edit variant: the prompt is read together with the request's resized input images, and every
+    state is kept. Diffusers' `QwenImageEditPipeline` and `QwenImageEditPlusPipeline` check
+    `max_sequence_length` (at most 1024) but never cut the states to it: the input images' vision tokens
+    come first in the user turn (over 1300 for a 1024x1024 image) and a cut at the default 512 would drop
+    the rest of the image and the whole instruction."""
 
     needs = ("do_cfg", "conditioning.condition_images")
+    truncates = False

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from diffserve.configs.sampling_params import SamplingParams
+from diffserve.configs.option import option, settings_from
+from diffserve.configs.sampling_params import MAX_IMAGE_SIDE, SamplingParams
 
 #: The system turn of every prompt; its tokens' hidden states are dropped (Diffusers' `sys_prompt`).
 SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
@@ -37,3 +38,27 @@ def qwen_image21_default_sampling_params(steps: int = 40) -> SamplingParams:
     """Diffusers' defaults: 40 steps (or the folder's `sample_sigmas` count, `steps`), true_cfg_scale 1
     (the model is meant to be sampled without guidance: CFG needs true_cfg_scale > 1 and a negative prompt)."""
     return SamplingParams(num_inference_steps=steps, true_cfg_scale=1.0)
+
+
+@dataclass(frozen=True)
+class QwenImage21Settings:
+    """A request's own Qwen-Image 2.1 settings (`SamplingParams.extra`), Diffusers' `__call__` arguments."""
+
+    output_resolution: int | None = option(
+        None,
+        min=32,
+        max=MAX_IMAGE_SIDE,
+        help="side length in pixels whose square is the area condition images are resized to, and the default "
+        "size (square without images, else the last image's aspect ratio); unset: the pipeline's (1024)",
+    )
+
+
+def qwen_image21_settings(params: SamplingParams) -> QwenImage21Settings:
+    """The request's settings from `params.extra` (an unknown key or a bad value: InvalidRequestError)."""
+    return settings_from(QwenImage21Settings, params.extra, "extra")
+
+
+def output_resolution(params: SamplingParams, default: int) -> int:
+    """The request's `output_resolution` (Diffusers' argument of that name), else `default`."""
+    chosen = qwen_image21_settings(params).output_resolution
+    return default if chosen is None else chosen

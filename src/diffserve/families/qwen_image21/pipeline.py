@@ -1,9 +1,10 @@
 """Qwen-Image 2.1 (Diffusers `QwenImage21Pipeline`), text to image and, with input images, image-conditioned
 (`conditioning.py`: the images in the prompt's vision slots and, VAE-encoded, in the DiT's prefix; the
-output size defaults to the last image's aspect ratio): Qwen3-VL prompt states, the
-block-causal single-stream DiT (`models/dits/qwen_image21.py`) on unpatched 64-channel latents of its
-16x VAE, flow-matching Euler steps, true CFG (`negative + scale * (positive - negative)`, on when
-true_cfg_scale > 1 and a negative prompt is given; the model is meant to run without it).
+output size defaults to the last image's aspect ratio; Diffusers' `output_resolution`, the side whose
+square is the condition images' area and the default size, is a request's `extra` setting): Qwen3-VL
+prompt states, the block-causal single-stream DiT (`models/dits/qwen_image21.py`) on unpatched 64-channel
+latents of its 16x VAE, flow-matching Euler steps, true CFG (`negative + scale * (positive - negative)`, on
+when true_cfg_scale > 1 and a negative prompt is given; the model is meant to run without it).
 
 Every request's prompt and negative-prompt branches go through one DiT forward; requests at different steps,
 with prompts of different lengths and with or without condition images share it (the DiT keeps each row's
@@ -25,10 +26,12 @@ from diffserve.families.qwen_image21.conditioning import (
     QwenImage21Conditioning,
     QwenImage21ConditionStage,
     default_output_size,
+    vision_pixel_bounds,
 )
 from diffserve.families.qwen_image21.config import (
     SAMPLE_SIGMAS_KEY,
     QwenImage21PipelineConfig,
+    output_resolution,
     qwen_image21_default_sampling_params,
 )
 from diffserve.families.qwen_image21.stages import (
@@ -133,6 +136,7 @@ class QwenImage21Pipeline(Pipeline):
             len(fixed) if fixed is not None else qwen_image21_default_sampling_params().num_inference_steps
         )
         size = self.config.default_resolution
+        vision_pixels = vision_pixel_bounds(context.get("processor"))
         self.input_validation = QwenImage21InputValidationStage(
             sample_sigmas=fixed,
             rgba=int(vae.config["out_channels"]) == 4,
@@ -142,7 +146,9 @@ class QwenImage21Pipeline(Pipeline):
             pixel_multiple=self.pixel_multiple,
             default_pixels=size,
             max_sequence_length_limit=None,
-            default_size=lambda params: default_output_size(params, size, self.pixel_multiple),
+            default_size=lambda params: default_output_size(
+                params, output_resolution(params, size), self.pixel_multiple, vision_pixels
+            ),
             image_inputs=ImageInputRule(
                 pipeline_name=self.pipeline_name,
                 max_images=self.max_input_images,

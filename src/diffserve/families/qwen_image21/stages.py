@@ -1,6 +1,7 @@
 """Qwen-Image 2.1's own stages, as Diffusers' `QwenImage21Pipeline` does each job.
 
-- Validation: sizes default to 1024 and must be multiples of 32; the VAE's RGBA output is written as png;
+- Validation: sizes default to 1024 (the request's `output_resolution` in `extra`, Diffusers' argument)
+  and must be multiples of 32; the VAE's RGBA output is written as png;
   a folder's `sample_sigmas` fix the step count (their length): another count asked for is replaced
   (logged), as Diffusers ignores it.
 - Latents: noise (outputs, 1, channels, h, w) drawn on the request's CPU generator in the model's dtype,
@@ -22,6 +23,7 @@ from torch import nn
 
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError
+from diffserve.families.qwen_image21.config import qwen_image21_settings
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.request import LatentSize, Req
 from diffserve.stages.base import Stage, to_module
@@ -34,7 +36,10 @@ logger = logging.getLogger("diffserve.families")
 
 
 class QwenImage21InputValidationStage(InputValidationStage):
-    """The shared validation, plus the folder's fixed step count and png for RGBA output."""
+    """The shared validation, plus the family's settings in `extra` (`QwenImage21Settings`), the folder's
+    fixed step count and png for RGBA output."""
+
+    takes_family_settings = True
 
     def __init__(self, *, sample_sigmas: Sequence[float] | None, rgba: bool, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -42,6 +47,7 @@ class QwenImage21InputValidationStage(InputValidationStage):
         self.rgba = rgba
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
+        qwen_image21_settings(params)  # a bad setting is named before the size default reads it
         resolved = super().resolve(params)
         fixed = self.sample_sigmas
         if fixed is not None and resolved.num_inference_steps != len(fixed):
