@@ -405,6 +405,23 @@ class InputValidationStage(Stage):
         add_cfg_branch(req.step_cache, settings, rule.num_blocks, rule.range_offset)
 
 
+class FamilySettingsValidationStage(InputValidationStage):
+    """`InputValidationStage` for a family whose one rule beyond the shared ones is its settings in
+    `SamplingParams.extra`: `settings(params)` reads and checks them (an InvalidRequestError naming `extra`
+    for an unknown key or a bad value; the value it returns is not kept)."""
+
+    takes_family_settings = True
+
+    def __init__(self, *args: Any, settings: Callable[[SamplingParams], object], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.settings = settings
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        resolved = super().resolve(params)
+        self.settings(resolved)
+        return resolved
+
+
 def one_image_input_validation(
     pipeline_name: str,
     defaults: SamplingParams,

@@ -54,7 +54,11 @@ from diffserve.request import Req
 from diffserve.stages.base import Stage
 from diffserve.stages.decoding import DecodingStage
 from diffserve.stages.denoising import DenoisingStage
-from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
+from diffserve.stages.input_validation import (
+    FamilySettingsValidationStage,
+    ImageInputRule,
+    InputValidationStage,
+)
 from diffserve.stages.reference_images import ReferenceImages
 from diffserve.stages.timestep_preparation import TimestepPreparationStage
 
@@ -142,17 +146,6 @@ def guided_predictions(prediction: torch.Tensor, reqs: list[Req]) -> list[torch.
     return out
 
 
-class LongCatImageInputValidationStage(InputValidationStage):
-    """The shared validation, plus the family's settings in `extra` (`longcat_image_settings`)."""
-
-    takes_family_settings = True
-
-    def resolve(self, params: SamplingParams) -> SamplingParams:
-        resolved = super().resolve(params)
-        longcat_image_settings(resolved)  # raises on unknown keys, bad values, enable_prompt_rewrite=True
-        return resolved
-
-
 class LongCatImagePipeline(Pipeline):
     """LongCat-Image text-to-image. The folder's `text_processor` serves only Diffusers' prompt rewriting
     (refused here, `config.py`): it is accepted and loaded, and no stage reads it."""
@@ -184,7 +177,9 @@ class LongCatImagePipeline(Pipeline):
             context,
             longcat_image_default_sampling_params(),
             ImageInputRule(pipeline_name="LongCatImagePipeline"),
-            LongCatImageInputValidationStage,
+            FamilySettingsValidationStage,
+            # enable_cfg_renorm, cfg_renorm_min; raises on unknown keys, bad values, enable_prompt_rewrite
+            settings=longcat_image_settings,
         )
 
     def validation(

@@ -20,7 +20,6 @@ import torch
 
 from diffserve.configs.cache_settings import EasyCacheSettings, TeaCacheSettings
 from diffserve.configs.quality import TierPreset
-from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.families.z_image.conditioning import ZImageConditioning
 from diffserve.families.z_image.config import (
@@ -45,7 +44,7 @@ from diffserve.stages.image_to_image import (
     input_image_size,
     spatial_latents,
 )
-from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
+from diffserve.stages.input_validation import FamilySettingsValidationStage, ImageInputRule
 from diffserve.stages.latent_preparation import SpatialLatentPreparationStage
 from diffserve.stages.mask_preparation import InpaintMaskStage
 
@@ -92,17 +91,6 @@ def guided_predictions(prediction: torch.Tensor, reqs: list[Req]) -> list[torch.
         out.extend(split_guided(prediction[offset : offset + rows], [req], combine=combine))
         offset += rows
     return out
-
-
-class ZImageInputValidationStage(InputValidationStage):
-    """The shared validation, plus the family's settings in `extra` (`z_image_settings`)."""
-
-    takes_family_settings = True
-
-    def resolve(self, params: SamplingParams) -> SamplingParams:
-        resolved = super().resolve(params)
-        z_image_settings(resolved)  # raises on unknown keys and bad values
-        return resolved
 
 
 class ZImageDenoiser:
@@ -170,7 +158,7 @@ class ZImagePipeline(Pipeline):
         multiple = self.pixel_multiple
         # Text to image, image-to-image and inpainting from one folder (at most one input image and a
         # mask); an unset size is the input image's, floored to the pixel multiple.
-        self.input_validation = ZImageInputValidationStage(
+        self.input_validation = FamilySettingsValidationStage(
             defaults=apply_overrides(z_image_default_sampling_params(), context.folder_sampling_defaults),
             pixel_multiple=multiple,
             default_pixels=default,
@@ -187,6 +175,7 @@ class ZImagePipeline(Pipeline):
                 "true_cfg_scale": "Z-Image's CFG is set by guidance_scale (> 0 turns it on, with negative_prompt)"
             },
             cfg_mode="positive_gap",
+            settings=z_image_settings,  # cfg_truncation, cfg_normalization
         )
         return [
             self.input_validation,
