@@ -238,12 +238,17 @@ class InputValidationStage(Stage):
         skip_layer_guidance: SkipLayerGuidanceRule | None = None,
         expert_guidance: bool = False,
         generation_size: Callable[[SamplingParams], tuple[int, int]] | None = None,
+        task_defaults: Callable[[SamplingParams], SamplingParams | None] | None = None,
     ) -> None:
         """`unsupported_params`: fields this family lacks -> why (a request setting one gets a 400).
         `default_size(params)`: (height, width) when unset. `generation_size(params)`: the (height, width)
         the family generates resolved `params` at, where that is not their own size (`generated_size`). `video`: None refuses the video fields.
         `skip_layer_guidance`: None refuses the skip-layer guidance fields. `expert_guidance`: the family
-        reads `guidance_scale_2` (Wan 2.2 A14B's second expert); otherwise a request setting it gets a 400."""
+        reads `guidance_scale_2` (Wan 2.2 A14B's second expert); otherwise a request setting it gets a 400.
+        `task_defaults(params)`: the defaults of the Diffusers pipeline a request's inputs select where they
+        differ from `defaults` (FLUX.1's and SD3's image-to-image, inpainting and ControlNet pipelines: the
+        family serves them all from one folder), None for `defaults`; built over the folder's own defaults
+        like `defaults`, so a folder's choice applies to every task."""
 
         self.defaults = defaults
         self.pixel_multiple = pixel_multiple
@@ -257,6 +262,7 @@ class InputValidationStage(Stage):
         self.skip_layer_guidance = skip_layer_guidance
         self.expert_guidance = expert_guidance
         self.generation_size = generation_size
+        self.task_defaults = task_defaults
         self.quality = QualityRule(family=self.image_inputs.pipeline_name)
         #: The `cache` methods its DiT runs, and the engine's `--cache-default` (the pipeline sets both).
         self.cache_rule = CacheRule(family=self.image_inputs.pipeline_name)
@@ -341,7 +347,8 @@ class InputValidationStage(Stage):
             check_controlnets(params.controlnets)
             self.controlnet_check(params)
         self.image_inputs.check_requested_strength(params)
-        resolved = params.with_defaults(self.defaults)
+        task = self.task_defaults(params) if self.task_defaults is not None else None
+        resolved = params.with_defaults(self.defaults if task is None else task)
         resolved.quality = self.quality.resolve(params.quality)
         resolved.cache, resolved.quality = choose_cache(
             params.cache, params.quality, resolved.quality, self.cache_rule, self.default_cache

@@ -32,7 +32,7 @@ def flux_default_sampling_params() -> SamplingParams:
     """FLUX.1-dev defaults from Diffusers' FluxPipeline.__call__. Height and width stay unset here:
     they follow the VAE (default_sample_size x its scale factor, 1024 for the real FLUX VAE). A request
     with an input image or a ControlNet gets `FluxPipelineConfig.conditioned_guidance_scale` instead of
-    3.5 (`families/flux/validation.py`)."""
+    3.5 (`FluxPipeline.task_defaults`)."""
     return SamplingParams(
         num_inference_steps=28,
         guidance_scale=3.5,

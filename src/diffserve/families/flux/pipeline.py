@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import ClassVar
+from dataclasses import replace
+from typing import Any, ClassVar
 
 import torch
 from PIL import Image
@@ -187,6 +188,21 @@ class FluxPipeline(Pipeline):
         size); raises InvalidRequestError."""
         return None
 
+    def task_defaults(
+        self, folder_defaults: dict[str, Any]
+    ) -> Callable[[SamplingParams], SamplingParams | None]:
+        """`InputValidationStage.task_defaults`: a request with an input image or a ControlNet gets the
+        embedded guidance of Diffusers' FLUX.1 img2img, inpainting and ControlNet pipelines
+        (`FluxPipelineConfig.conditioned_guidance_scale`) unless the folder sets its own; others (and
+        Kontext's and Fill's, whose every request has an input image) the family defaults."""
+        guidance = self.config.conditioned_guidance_scale
+        if guidance is None:
+            return lambda params: None
+        conditioned = apply_overrides(
+            replace(self.default_sampling_params(), guidance_scale=guidance), folder_defaults
+        )
+        return lambda params: conditioned if params.input_images or params.controlnets else None
+
     def default_size(self, default_pixels: int) -> Callable[[SamplingParams], tuple[int, int]]:
         """(height, width) when unset: the input image's size (floored), else the square default.
         (Diffusers' img2img defaults to the square size whatever the input; give a size to get it.)"""
@@ -232,10 +248,7 @@ class FluxPipeline(Pipeline):
             max_sequence_length_limit=self.config.max_t5_sequence_length,
             image_inputs=self.image_input_rule(),
             default_size=self.default_size(default_pixels),
-            # A folder's own guidance default applies to every task.
-            conditioned_guidance_scale=None
-            if "guidance_scale" in folder_defaults
-            else self.config.conditioned_guidance_scale,
+            task_defaults=self.task_defaults(folder_defaults),
             input_image_check=self.input_image_check(),
         )
         #: The engine's ControlNets by name (`use_controlnets`), shared with the denoiser.

@@ -6,6 +6,7 @@ The same folder serves image-to-image and inpainting (Diffusers' `StableDiffusio
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import ClassVar
 
 import torch
@@ -197,17 +198,19 @@ class SD3Pipeline(Pipeline):
         default = transformer.config.sample_size * self.vae_scale_factor
         device, dtype = context.platform.device(), context.dtype
         table = transformer.config.pos_embed_max_size
+        folder_defaults = context.folder_sampling_defaults
+        image_defaults = apply_overrides(
+            replace(sd3_default_sampling_params(), num_inference_steps=self.config.image_to_image_steps),
+            folder_defaults,
+        )
         self.input_validation = sd3_input_validation(
             "StableDiffusion3Pipeline",
-            defaults=apply_overrides(sd3_default_sampling_params(), context.folder_sampling_defaults),
+            defaults=apply_overrides(sd3_default_sampling_params(), folder_defaults),
             pixel_multiple=self.pixel_multiple,
             default_pixels=default,
             max_side=table * self.pixel_multiple if table else None,
-            image_steps=(
-                None
-                if "num_inference_steps" in context.folder_sampling_defaults
-                else self.config.image_to_image_steps
-            ),
+            # Diffusers' img2img and inpainting pipelines' step default (the folder's own wins).
+            task_defaults=lambda params: image_defaults if params.input_images else None,
             max_sequence_length_limit=self.config.max_t5_sequence_length,
             default_strength=self.config.default_strength,
             unsupported_params={

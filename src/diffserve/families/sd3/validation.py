@@ -1,9 +1,7 @@
 """SD3's input validation: the shared one-image rules (text-to-image, image-to-image, inpainting), plus the
-largest image its DiT can place and the image-to-image default step count.
-
-Diffusers' `StableDiffusion3Img2ImgPipeline` and `StableDiffusion3InpaintPipeline` default to 50 steps, its
-text-to-image pipeline to 28: a request with an input image that leaves `num_inference_steps` unset runs the
-former (a folder default for the steps, in `diffserve.json`, applies to both).
+largest image its DiT can place. (Diffusers' `StableDiffusion3Img2ImgPipeline` and
+`StableDiffusion3InpaintPipeline` default to 50 steps, its text-to-image pipeline to 28: the pipeline gives
+the former as the shared stage's `task_defaults`.)
 
 SD3's DiT adds a learned-size position table of `pos_embed_max_size` x `pos_embed_max_size` patches, cropped
 to the centre of the latent grid; a grid wider or taller than the table has no positions. Diffusers' patch
@@ -14,7 +12,6 @@ before any model work (and before the memory model costs it).
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from diffserve.configs.sampling_params import SamplingParams
@@ -25,18 +22,13 @@ from diffserve.stages.input_validation import ImageInputRule, InputValidationSta
 
 class SD3InputValidationStage(InputValidationStage):
     """`InputValidationStage` with SD3's bound on height and width (`max_side` pixels; None: no bound, a DiT
-    without a position table computes its positions for any grid) and the step count of a request with an
-    input image that leaves it unset (`image_steps`; None: the text-to-image default)."""
+    without a position table computes its positions for any grid)."""
 
-    def __init__(self, *args: Any, max_side: int | None, image_steps: int | None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, max_side: int | None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.max_side = max_side
-        self.image_steps = image_steps
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
-        if params.input_images and params.num_inference_steps is None and self.image_steps is not None:
-            # Diffusers' img2img and inpaint pipelines default to more steps than its text-to-image one.
-            params = replace(params, num_inference_steps=self.image_steps)
         resolved = super().resolve(params)
         if self.max_side is None:
             return resolved
@@ -72,11 +64,10 @@ def sd3_input_validation(
     max_side: int | None,
     max_sequence_length_limit: int,
     default_strength: float,
-    image_steps: int | None,
     **options: Any,
 ) -> SD3InputValidationStage:
-    """SD3's input validation: at most one input image (and a mask) noised by `default_strength` and
-    denoised in `image_steps` steps unless the request sets them; a request that leaves its size unset gets
+    """SD3's input validation: at most one input image (and a mask) noised by `default_strength` unless
+    the request sets it; a request that leaves its size unset gets
     the input image's, floored to `pixel_multiple` (Diffusers' img2img takes the square default instead),
     else the square `default_pixels`; height and width at most `max_side`. `options`: the rest of
     `InputValidationStage`'s keywords."""
@@ -92,6 +83,5 @@ def sd3_input_validation(
             params, pixel_multiple, (default_pixels, default_pixels)
         ),
         max_side=max_side,
-        image_steps=image_steps,
         **options,
     )
