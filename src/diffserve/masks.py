@@ -28,13 +28,21 @@ def has_alpha(image: Image.Image) -> bool:
     return image.mode in _ALPHA_MODES or "transparency" in image.info
 
 
+def _transparent_area(mask: Image.Image) -> Image.Image | None:
+    """The "L" edit mask of the transparency convention (255 where alpha is 0), or None when `mask` has no
+    fully transparent pixel (it is read by its luminance)."""
+    if not has_alpha(mask):
+        return None
+    alpha = np.asarray(mask.convert("RGBA"))[..., 3]
+    if not (alpha == 0).any():
+        return None
+    return Image.fromarray(np.where(alpha == 0, 255, 0).astype(np.uint8), mode="L")
+
+
 def edit_mask(mask: Image.Image) -> Image.Image:
     """`mask` in either convention as an "L" image, 255 where the request edits (see the module doc)."""
-    if has_alpha(mask):
-        alpha = np.asarray(mask.convert("RGBA"))[..., 3]
-        if (alpha == 0).any():
-            return Image.fromarray(np.where(alpha == 0, 255, 0).astype(np.uint8), mode="L")
-    return mask.convert("L")
+    area = _transparent_area(mask)
+    return mask.convert("L") if area is None else area
 
 
 def pipeline_mask(mask: Image.Image) -> Image.Image:
@@ -43,9 +51,8 @@ def pipeline_mask(mask: Image.Image) -> Image.Image:
     in its own mode. Diffusers' mask processor resizes a mask in its own mode and converts it to grayscale
     after: PIL resizes "1" and "P" images nearest-neighbour whatever filter is asked, and an RGB mask's
     Lanczos rounds differently from its luminance's, so converting first would change the edited area."""
-    if has_alpha(mask) and (np.asarray(mask.convert("RGBA"))[..., 3] == 0).any():
-        return edit_mask(mask)
-    return mask
+    area = _transparent_area(mask)
+    return mask if area is None else area
 
 
 def check_mask_size(mask: Image.Image, image: Image.Image) -> None:
