@@ -437,15 +437,17 @@ def one_image_input_validation(
     max_sequence_length_limit: int | None,
     default_strength: float | None,
     default_inpaint_strength: float | None = None,
+    stage_cls: type[InputValidationStage] = InputValidationStage,
     **options: Any,
 ) -> InputValidationStage:
     """The input validation of a text-to-image pipeline that also runs image-to-image and inpainting from
     the same folder: at most one input image (and a mask), noised by `default_strength` (with a mask,
     `default_inpaint_strength` where that differs) unless the request sets it. A request that leaves its
     size unset gets the input image's, floored to `pixel_multiple` (Diffusers' img2img takes the square
-    default instead), else the square `default_pixels`. `options`: the rest of `InputValidationStage`'s
-    keywords (CFG mode, unsupported parameters, ...)."""
-    return InputValidationStage(
+    default instead), else the square `default_pixels`. `stage_cls`: the validation stage's class (a family's
+    subclass with rules of its own); `options`: the rest of its keywords (CFG mode, unsupported parameters,
+    ...)."""
+    return stage_cls(
         defaults=defaults,
         pixel_multiple=pixel_multiple,
         default_pixels=default_pixels,

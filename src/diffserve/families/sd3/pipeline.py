@@ -20,7 +20,7 @@ from diffserve.families.sd3.controlnet import (
     SD3ControlNetRunner,
 )
 from diffserve.families.sd3.text_encoding import SD3TextEncodingStage
-from diffserve.families.sd3.validation import sd3_input_validation
+from diffserve.families.sd3.validation import SD3InputValidationStage
 from diffserve.layers.lora_rows import LoraRows, lora_rows_scope
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.controlnets.sd3 import SD3ControlNetModel
@@ -36,7 +36,7 @@ from diffserve.stages.base import Stage
 from diffserve.stages.decoding import DecodingStage
 from diffserve.stages.denoising import DenoisingStage
 from diffserve.stages.image_to_image import ImageToImageNoisingStage, InputImageEncodingStage, spatial_latents
-from diffserve.stages.input_validation import SkipLayerGuidanceRule
+from diffserve.stages.input_validation import SkipLayerGuidanceRule, one_image_input_validation
 from diffserve.stages.latent_preparation import SpatialLatentPreparationStage
 from diffserve.stages.mask_preparation import InpaintMaskStage
 from diffserve.stages.text_encoding import clip_context_length
@@ -203,8 +203,9 @@ class SD3Pipeline(Pipeline):
             replace(sd3_default_sampling_params(), num_inference_steps=self.config.image_to_image_steps),
             folder_defaults,
         )
-        self.input_validation = sd3_input_validation(
+        self.input_validation = one_image_input_validation(
             "StableDiffusion3Pipeline",
+            stage_cls=SD3InputValidationStage,
             defaults=apply_overrides(sd3_default_sampling_params(), folder_defaults),
             pixel_multiple=self.pixel_multiple,
             default_pixels=default,

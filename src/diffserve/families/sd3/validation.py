@@ -16,8 +16,7 @@ from typing import Any
 
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError
-from diffserve.stages.image_to_image import input_image_size
-from diffserve.stages.input_validation import ImageInputRule, InputValidationStage
+from diffserve.stages.input_validation import InputValidationStage
 
 
 class SD3InputValidationStage(InputValidationStage):
@@ -54,34 +53,3 @@ class SD3InputValidationStage(InputValidationStage):
                 param=name,
             )
         return resolved
-
-
-def sd3_input_validation(
-    pipeline_name: str,
-    defaults: SamplingParams,
-    pixel_multiple: int,
-    default_pixels: int,
-    max_side: int | None,
-    max_sequence_length_limit: int,
-    default_strength: float,
-    **options: Any,
-) -> SD3InputValidationStage:
-    """SD3's input validation: at most one input image (and a mask) noised by `default_strength` unless
-    the request sets it; a request that leaves its size unset gets
-    the input image's, floored to `pixel_multiple` (Diffusers' img2img takes the square default instead),
-    else the square `default_pixels`; height and width at most `max_side`. `options`: the rest of
-    `InputValidationStage`'s keywords."""
-    return SD3InputValidationStage(
-        defaults=defaults,
-        pixel_multiple=pixel_multiple,
-        default_pixels=default_pixels,
-        max_sequence_length_limit=max_sequence_length_limit,
-        image_inputs=ImageInputRule(
-            pipeline_name=pipeline_name, max_images=1, inpainting=True, default_strength=default_strength
-        ),
-        default_size=lambda params: input_image_size(
-            params, pixel_multiple, (default_pixels, default_pixels)
-        ),
-        max_side=max_side,
-        **options,
-    )

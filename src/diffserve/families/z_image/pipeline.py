@@ -41,10 +41,9 @@ from diffserve.stages.denoising import DenoisingStage
 from diffserve.stages.image_to_image import (
     ImageToImageNoisingStage,
     InputImageEncodingStage,
-    input_image_size,
     spatial_latents,
 )
-from diffserve.stages.input_validation import FamilySettingsValidationStage, ImageInputRule
+from diffserve.stages.input_validation import FamilySettingsValidationStage, one_image_input_validation
 from diffserve.stages.latent_preparation import SpatialLatentPreparationStage
 from diffserve.stages.mask_preparation import InpaintMaskStage
 
@@ -155,26 +154,19 @@ class ZImagePipeline(Pipeline):
         self.pixel_multiple = self.vae_scale_factor * 2
         default = self.config.default_pixels
         device = context.platform.device()
-        multiple = self.pixel_multiple
-        # Text to image, image-to-image and inpainting from one folder (at most one input image and a
-        # mask); an unset size is the input image's, floored to the pixel multiple.
-        self.input_validation = FamilySettingsValidationStage(
+        self.input_validation = one_image_input_validation(
+            "ZImagePipeline",
             defaults=apply_overrides(z_image_default_sampling_params(), context.folder_sampling_defaults),
-            pixel_multiple=multiple,
+            pixel_multiple=self.pixel_multiple,
             default_pixels=default,
             max_sequence_length_limit=self.config.max_sequence_length_limit,
-            image_inputs=ImageInputRule(
-                pipeline_name="ZImagePipeline",
-                max_images=1,
-                inpainting=True,
-                default_strength=self.config.default_strength,
-                default_inpaint_strength=self.config.default_inpaint_strength,
-            ),
-            default_size=lambda params: input_image_size(params, multiple, (default, default)),
+            default_strength=self.config.default_strength,
+            default_inpaint_strength=self.config.default_inpaint_strength,
             unsupported_params={
                 "true_cfg_scale": "Z-Image's CFG is set by guidance_scale (> 0 turns it on, with negative_prompt)"
             },
             cfg_mode="positive_gap",
+            stage_cls=FamilySettingsValidationStage,
             settings=z_image_settings,  # cfg_truncation, cfg_normalization
         )
         return [
