@@ -17,6 +17,10 @@ import transformers
 
 Role = Literal["tokenizer", "processor", "image_processor"]
 
+#: Qwen2-VL image processors (`smart_resize`) refuse an image whose long side is more than this many times
+#: its short side: the families that give their input images to one check them against it at submission.
+QWEN2_VL_MAX_ASPECT_RATIO = 200
+
 #: The module transformers would import a class from (`tokenization_clip`, `processing_pixtral`, ...) -> the
 #: class's role, for the placeholders transformers hands out for classes whose backend (torchvision,
 #: sentencepiece) is not installed. Longest prefix first: `image_processing_` before `processing_`.

@@ -12,6 +12,7 @@ from torch import nn
 
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError
+from diffserve.loader.processors import QWEN2_VL_MAX_ASPECT_RATIO
 from diffserve.request import Req
 from diffserve.stages.base import Stage, to_module
 from diffserve.stages.image_tensor import image_to_tensor
@@ -28,18 +29,13 @@ def condition_size(image: Image.Image, area: int) -> tuple[int, int]:
     return round(width / 32) * 32, round(height / 32) * 32
 
 
-#: Qwen's vision processors (`smart_resize`) refuse an image whose long side is more than this many times its
-#: short side.
-MAX_VISION_ASPECT_RATIO = 200
-
-
 def check_condition_sizes(
     images: list[Image.Image], areas: tuple[int, ...], pipeline_name: str, vision_area: int | None = None
 ) -> None:
     """InvalidRequestError (param "image") for an input image that Diffusers fails on in the middle of the
     request, checked before any model work: one so elongated that `condition_size` gives it a side of 0
     pixels at one of `areas` (PIL's resize fails), or whose copy for the vision-language encoder (resized
-    to `vision_area`; None: the encoder reads no image) is more than `MAX_VISION_ASPECT_RATIO` times longer
+    to `vision_area`; None: the encoder reads no image) is more than `QWEN2_VL_MAX_ASPECT_RATIO` times longer
     than wide (the processor refuses it)."""
     for index, image in enumerate(images):
         what = f"{pipeline_name}: input image {index + 1} ({image.width}x{image.height}) is too elongated"
@@ -53,10 +49,10 @@ def check_condition_sizes(
                 )
         if vision_area is not None:
             width, height = condition_size(image, vision_area)
-            if max(width, height) > MAX_VISION_ASPECT_RATIO * min(width, height):
+            if max(width, height) > QWEN2_VL_MAX_ASPECT_RATIO * min(width, height):
                 raise InvalidRequestError(
                     f"{what}: the vision encoder's copy ({width}x{height}) has an aspect ratio above "
-                    f"{MAX_VISION_ASPECT_RATIO}, which its processor refuses; send an image with a less "
+                    f"{QWEN2_VL_MAX_ASPECT_RATIO}, which its processor refuses; send an image with a less "
                     "extreme aspect ratio",
                     param="image",
                 )

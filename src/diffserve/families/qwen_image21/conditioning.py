@@ -21,6 +21,7 @@ from torch import nn
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.errors import InvalidRequestError
 from diffserve.families.qwen_image21.config import output_resolution
+from diffserve.loader.processors import QWEN2_VL_MAX_ASPECT_RATIO
 from diffserve.models.dits.qwen_image21 import ConditionBlock
 from diffserve.request import Conditioning, Req
 from diffserve.stages.base import Stage, to_module
@@ -33,11 +34,6 @@ def condition_size(image: Image.Image, resolution: int) -> tuple[int, int]:
     width = math.sqrt(resolution * resolution * ratio)
     height = width / ratio
     return round(width / 32) * 32, round(height / 32) * 32
-
-
-#: Qwen's vision processors (`smart_resize`) refuse an image whose long side is more than this many times its
-#: short side.
-MAX_VISION_ASPECT_RATIO = 200
 
 
 def vision_pixel_bounds(processor: Any) -> tuple[int, int]:
@@ -58,7 +54,7 @@ def vision_pixel_bounds(processor: Any) -> tuple[int, int]:
 def check_condition_sizes(images: list[Image.Image], resolution: int, vision_pixels: tuple[int, int]) -> None:
     """InvalidRequestError (param "image") for a condition image Diffusers fails on in the middle of the
     request, checked before any model work: its copy resized by `condition_size` has a side of 0 pixels
-    (PIL's resize fails), an aspect ratio above `MAX_VISION_ASPECT_RATIO` (the processor refuses it), or a
+    (PIL's resize fails), an aspect ratio above `QWEN2_VL_MAX_ASPECT_RATIO` (the processor refuses it), or a
     pixel count outside `vision_pixels` (the processor resizes it, and its vision slots do not match its
     latent tokens)."""
     low, high = vision_pixels
@@ -69,10 +65,10 @@ def check_condition_sizes(images: list[Image.Image], resolution: int, vision_pix
             f"{resolution}x{resolution} pixels at its aspect ratio with sides rounded to 32, would be "
             f"{width}x{height}"
         )
-        if width == 0 or height == 0 or max(width, height) > MAX_VISION_ASPECT_RATIO * min(width, height):
+        if width == 0 or height == 0 or max(width, height) > QWEN2_VL_MAX_ASPECT_RATIO * min(width, height):
             raise InvalidRequestError(
                 f"{what}: too elongated (the vision encoder takes aspect ratios up to "
-                f"{MAX_VISION_ASPECT_RATIO}); send an image with a less extreme aspect ratio",
+                f"{QWEN2_VL_MAX_ASPECT_RATIO}); send an image with a less extreme aspect ratio",
                 param="image",
             )
         if not low <= width * height <= high:
