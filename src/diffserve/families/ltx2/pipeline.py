@@ -125,7 +125,7 @@ class LTX2InputValidationStage(InputValidationStage):
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         resolved = super().resolve(params)
-        ltx2_guidance(resolved, self.image_to_video)  # raises on unknown keys or bad values
+        settings = ltx2_guidance(resolved, self.image_to_video)  # raises on unknown keys or bad values
         for name in ("height", "width"):
             value = getattr(resolved, name)
             if value is not None and value < self.min_side:
@@ -136,7 +136,7 @@ class LTX2InputValidationStage(InputValidationStage):
                 )
         self._check_audio_length(resolved)
         if self.image_to_video:
-            self._check_recompressible(resolved)
+            self._check_recompressible(resolved, settings.image_crf)
         msl = resolved.max_sequence_length
         if self.registers and msl % self.registers:
             lower = max(self.registers, msl - msl % self.registers)
@@ -161,10 +161,10 @@ class LTX2InputValidationStage(InputValidationStage):
             param="fps",
         )
 
-    def _check_recompressible(self, params: SamplingParams) -> None:
+    def _check_recompressible(self, params: SamplingParams, crf: int | None) -> None:
         """H.264 re-compression (a CRF other than 0) crops the input image to even sides: a side of 1 pixel
-        leaves nothing to encode (Diffusers fails inside PyAV)."""
-        crf = ltx2_guidance(params, image_to_video=True).image_crf
+        leaves nothing to encode (Diffusers fails inside PyAV). `crf`: the request's `image_crf` (None: the
+        folder's default)."""
         crf = self.default_image_crf if crf is None else crf
         width, height = params.input_images[0].size
         if crf and min(width, height) < 2:
