@@ -2,7 +2,8 @@
 against Diffusers' transformer (`block_controlnet_hidden_states`: sample `int(i / (n_blocks / n_samples))`
 after every block but the last, skipped blocks included), on tiny random weights (fp32). Residuals for some
 batch rows: those rows as if run alone with them, the other rows bit-identical to a batch without residuals.
-SD3.5-Large's kind of ControlNet (single-stream blocks on the DiT's positions) too."""
+SD3.5-Large's kind of ControlNet (single-stream blocks on the DiT's positions) too, and the other position
+configs Diffusers runs (no positions; joint blocks on the DiT's positions)."""
 
 from __future__ import annotations
 
@@ -77,20 +78,39 @@ def test_residuals_on_some_rows() -> None:
     assert not torch.allclose(mixed[1], plain[1])
 
 
-@pytest.mark.parametrize("extra_channels", [0, 1], ids=["plain", "inpainting"])
-def test_controlnet_samples_match_diffusers(extra_channels) -> None:
-    """Plain, and the inpainting kind (`extra_conditioning_channels`: the mask as a 17th control channel)."""
-    config = {**CONFIG, "num_layers": 2, "extra_conditioning_channels": extra_channels}
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"extra_conditioning_channels": 1},
+        # Latents patched without positions (Diffusers' PatchEmbed with pos_embed_type None).
+        {"pos_embed_type": None},
+        # Joint blocks on a copy of the DiT's patch embedding and positions (use_pos_embed false).
+        {"use_pos_embed": False, "pos_embed_type": None},
+        # Diffusers' `from_transformer(num_layers=2)` of an SD3.5-medium-like DiT keeps its dual-attention
+        # list (0..2): the index past the ControlNet's blocks changes nothing, as in Diffusers.
+        {"qk_norm": "rms_norm", "dual_attention_layers": (0, 1, 2)},
+    ],
+    ids=["plain", "inpainting", "no-positions", "dit-positions", "dual-beyond-blocks"],
+)
+def test_controlnet_samples_match_diffusers(extra) -> None:
+    """Plain, the inpainting kind (`extra_conditioning_channels`: the mask as a 17th control channel), and
+    the other position and block configs Diffusers runs."""
+    config = {**CONFIG, "num_layers": 2, **extra}
     ref, ours = parity_pair(DiffusersControlNet, SD3ControlNetModel, config)
-    assert ours.config.inpainting == bool(extra_channels)
+    assert ours.config.inpainting == bool(extra.get("extra_conditioning_channels"))
+    if not config.get("use_pos_embed", True):  # as the pipelines hand it the DiT's
+        ref_dit, our_dit = parity_pair(DiffusersSD3, SD3Transformer2DModel, CONFIG)
+        ref.pos_embed = ref._get_pos_embed_from_transformer(ref_dit)
+        ours.use_transformer_pos_embed(our_dit.pos_embed)
     inputs = _inputs(2)
-    control = torch.randn(2, 16 + extra_channels, H, W, generator=torch.Generator().manual_seed(9))
+    control = torch.randn(2, ours.config.control_channels, H, W, generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         want = ref(**inputs, controlnet_cond=control, conditioning_scale=0.7, return_dict=False)[0]
         got = ours(**inputs, controlnet_cond=control, scales=torch.full((2,), 0.7))
     assert len(got) == len(want) == 2
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert_parity(g, w, f"SD3 ControlNet sample {i}", min_db=100)
+        assert_parity(g, w, f"SD3 ControlNet {extra} sample {i}", min_db=100)
 
 
 def test_sd35_large_controlnet_samples_match_diffusers() -> None:
@@ -119,7 +139,7 @@ def test_sd35_large_controlnet_samples_match_diffusers() -> None:
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"use_pos_embed": False}, "joint blocks without positions"),
+        ({"pos_embed_type": "rope"}, "pos_embed_type 'rope' is not supported"),
         ({"extra_conditioning_channels": -1}, "extra_conditioning_channels must be >= 0"),
     ],
 )

@@ -24,6 +24,11 @@ appended as a 17th channel, both CFG branches take those same rows, and its pool
 
 In a step batch, each ControlNet runs once over the rows of every request that applies it at that step;
 the DiT adds each request's sums to its own rows only.
+
+A deliberate difference: Diffusers' `SD3MultiControlNetModel` call reads `force_zeros_for_pooled_projection`
+(zeros for the pooled projection, no VAE shift) from its first ControlNet's config for all of them; here
+each entry follows its own ControlNet's config, which is what that ControlNet was trained with. They differ
+only for a request listing ControlNets of both kinds.
 """
 
 from __future__ import annotations

@@ -172,10 +172,11 @@ class SD3Pipeline(Pipeline):
     }
 
     def use_controlnets(self, nets: dict[str, SD3ControlNetModel | SD3SingleStreamControlNetModel]) -> None:
-        """Serve `nets` by name from now on (requests name them in `controlnets`). SD3.5-Large's take a copy
-        of the DiT's patch embedding and position table, as Diffusers' pipeline gives them."""
+        """Serve `nets` by name from now on (requests name them in `controlnets`). Those without positions of
+        their own (`use_pos_embed` false: SD3.5-Large's) take a copy of the DiT's patch embedding and position
+        table, as Diffusers' pipeline gives them."""
         for net in nets.values():
-            if isinstance(net, SD3SingleStreamControlNetModel) and net.needs_transformer_pos_embed:
+            if net.needs_transformer_pos_embed:
                 net.use_transformer_pos_embed(self.transformer_pos_embed)
         self.controlnets.update(nets)
 

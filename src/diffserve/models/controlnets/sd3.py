@@ -10,13 +10,16 @@ conditioning scale, those are what the SD3 DiT takes as `block_controlnet_hidden
 
 SD3.5-Large's ControlNets (no `joint_attention_dim`: single-stream blocks, and `use_pos_embed` false: the
 DiT's position table) are the same Diffusers class with another config: `SD3ControlNetModel.from_config`
-builds them as `SD3SingleStreamControlNetModel` (sd3_single_stream.py). An inpainting ControlNet
+builds them as `SD3SingleStreamControlNetModel` (sd3_single_stream.py). Either kind may take the DiT's
+patch embedding and positions (`use_pos_embed` false, `TransformerPositions`) or patch its latents without
+positions (`pos_embed_type` None), as Diffusers' `PatchEmbed` does. An inpainting ControlNet
 (`extra_conditioning_channels`: the masked image's latents plus the mask as control latents) is the same
 model with a wider `pos_embed_input`; `families/sd3/controlnet.py` prepares its control latents.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -26,7 +29,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffserve.models.controlnets.residuals import scaled_samples
-from diffserve.models.dits.sd3 import JointTransformerBlock, SD3Transformer2DModel, SD3TransformerConfig
+from diffserve.models.dits.sd3 import (
+    JointTransformerBlock,
+    PatchEmbed,
+    SD3Transformer2DModel,
+    SD3TransformerConfig,
+)
+
+#: `pos_embed_type` values of a ControlNet with a patch embedding of its own (`use_pos_embed`): "sincos" adds
+#: the checkpoint's position table, None patches the latents without positions (Diffusers' `PatchEmbed`).
+POS_EMBED_TYPES = ("sincos", None)
 
 
 @dataclass(frozen=True)
@@ -58,16 +70,10 @@ class SD3ControlNetConfig(SD3TransformerConfig):
         return self.in_channels + self.extra_conditioning_channels
 
     def __post_init__(self) -> None:
-        if self.use_pos_embed and self.pos_embed_type != "sincos":
+        if self.use_pos_embed and self.pos_embed_type not in POS_EMBED_TYPES:
             raise ValueError(
-                f"SD3ControlNetModel: pos_embed_type {self.pos_embed_type!r} with use_pos_embed true is not "
-                "supported (Diffusers' SD3 ControlNets use 'sincos', or the DiT's positions with use_pos_embed "
-                "false)"
-            )
-        if not self.use_pos_embed and not self.single_stream:
-            raise ValueError(
-                "SD3ControlNetModel: joint blocks without positions of their own (use_pos_embed false with a "
-                "joint_attention_dim) are not supported; SD3.5-Large's ControlNets have neither"
+                f"SD3ControlNetModel: pos_embed_type {self.pos_embed_type!r} is not supported; one of "
+                f"{list(POS_EMBED_TYPES)} (Diffusers' PatchEmbed refuses any other)"
             )
         if self.extra_conditioning_channels < 0:
             raise ValueError(
@@ -87,7 +93,42 @@ class ControlPatchEmbed(nn.Module):
         return self.proj(latents).flatten(2).transpose(1, 2)
 
 
-class SD3ControlNetModel(SD3Transformer2DModel):
+class TransformerPositions:
+    """What a ControlNet with `use_pos_embed` false needs: it patches its latents with a copy of the DiT's
+    patch embedding and position table, which Diffusers' pipeline hands it when it is built
+    (`_get_pos_embed_from_transformer`) and the SD3 pipeline here when the ControlNet is handed to it
+    (`use_controlnets`). SD3.5-Large's ControlNets are of this kind; a joint-block one may be too."""
+
+    pos_embed: PatchEmbed | ControlPatchEmbed | None
+    inner_dim: int
+    time_text_embed: nn.Module
+
+    @property
+    def needs_transformer_pos_embed(self) -> bool:
+        return self.pos_embed is None
+
+    def use_transformer_pos_embed(self, pos_embed: PatchEmbed) -> None:
+        """Take a copy of the DiT's patch embedding and position table (`pos_embed`), on this ControlNet's
+        device and in its dtype, as Diffusers' pipeline does; the DiT's own stays as loaded."""
+        if pos_embed.dim != self.inner_dim:
+            raise ValueError(
+                f"this SD3 ControlNet is {self.inner_dim} wide and the DiT {pos_embed.dim}: it was trained for "
+                "another SD3 model"
+            )
+        reference = next(self.time_text_embed.parameters())
+        self.pos_embed = copy.deepcopy(pos_embed).to(device=reference.device, dtype=reference.dtype)
+
+    def patched(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`hidden_states` latents as tokens through `pos_embed` (RuntimeError while it waits for the DiT's)."""
+        if self.pos_embed is None:
+            raise RuntimeError(
+                "this SD3 ControlNet takes the DiT's positions: hand it to the SD3 pipeline (use_controlnets) "
+                "before running it"
+            )
+        return self.pos_embed(hidden_states)
+
+
+class SD3ControlNetModel(TransformerPositions, SD3Transformer2DModel):
     """SD3 ControlNet: `forward` returns the scaled residual samples of its blocks, as Diffusers'
     `controlnet_block_samples`."""
 
@@ -110,6 +151,11 @@ class SD3ControlNetModel(SD3Transformer2DModel):
         super().__init__(config)
         del self.norm_out, self.proj_out  # a ControlNet has no output head
         inner = config.inner_dim
+        self.pos_embed: PatchEmbed | ControlPatchEmbed | None
+        if not config.use_pos_embed:  # the DiT's, handed over by the pipeline
+            self.pos_embed = None
+        elif config.pos_embed_type is None:  # its latents are patched without positions
+            self.pos_embed = ControlPatchEmbed(config.in_channels, inner, config.patch_size)
         # Every block updates the text stream (the DiT's last one does not).
         self.transformer_blocks = nn.ModuleList(
             [
@@ -143,7 +189,7 @@ class SD3ControlNetModel(SD3Transformer2DModel):
 
         `hidden_states` / `controlnet_cond`: (rows, channels, H, W) latents and control latents;
         `timestep` in Diffusers' units (sigma * 1000), as for the DiT; `scales` (rows,)."""
-        x = self.pos_embed(hidden_states)
+        x = self.patched(hidden_states)
         temb_act = F.silu(self.time_text_embed(timestep, pooled_projections))
         ctx = self.context_embedder(encoder_hidden_states)
         x = x + self.pos_embed_input(controlnet_cond)

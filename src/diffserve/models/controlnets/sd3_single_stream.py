@@ -12,7 +12,6 @@ ControlNet's (`models/controlnets/sd3.py`).
 
 from __future__ import annotations
 
-import copy
 from typing import ClassVar
 
 import torch
@@ -25,7 +24,7 @@ from diffserve.layers.feedforward import FeedForward
 from diffserve.layers.modulation import Modulate
 from diffserve.layers.norms import LayerNorm
 from diffserve.models.controlnets.residuals import scaled_samples
-from diffserve.models.controlnets.sd3 import ControlPatchEmbed, SD3ControlNetConfig
+from diffserve.models.controlnets.sd3 import ControlPatchEmbed, SD3ControlNetConfig, TransformerPositions
 from diffserve.models.dits.base import DiffusersDiT
 from diffserve.models.dits.sd3 import NORM_EPS, PatchEmbed, SD3SelfAttention
 
@@ -48,7 +47,7 @@ class SD3SingleTransformerBlock(nn.Module):
         return x + gate_mlp.unsqueeze(1) * self.ff(ff_in)
 
 
-class SD3SingleStreamControlNetModel(DiffusersDiT):
+class SD3SingleStreamControlNetModel(TransformerPositions, DiffusersDiT):
     """An SD3.5-Large ControlNet: `forward` returns the scaled residual samples of its blocks, as the joint
     `SD3ControlNetModel`'s (same arguments; the text is not read)."""
 
@@ -61,13 +60,13 @@ class SD3SingleStreamControlNetModel(DiffusersDiT):
         super().__init__(config)
         inner, patch = config.inner_dim, config.patch_size
         #: Its own positions (`use_pos_embed`), else a copy of the DiT's (`use_transformer_pos_embed`).
-        self.pos_embed: PatchEmbed | None = (
-            PatchEmbed(
+        self.pos_embed: PatchEmbed | ControlPatchEmbed | None = None
+        if config.use_pos_embed and config.pos_embed_type is None:  # its own patching, no positions
+            self.pos_embed = ControlPatchEmbed(config.in_channels, inner, patch)
+        elif config.use_pos_embed:
+            self.pos_embed = PatchEmbed(
                 config.in_channels, inner, patch, config.sample_size // patch, config.pos_embed_max_size
             )
-            if config.use_pos_embed
-            else None
-        )
         self.time_text_embed = CombinedTimestepTextEmbedding(inner, config.pooled_projection_dim)
         self.transformer_blocks = nn.ModuleList(
             [
@@ -77,21 +76,6 @@ class SD3SingleStreamControlNetModel(DiffusersDiT):
         )
         self.controlnet_blocks = nn.ModuleList([nn.Linear(inner, inner) for _ in range(config.num_layers)])
         self.pos_embed_input = ControlPatchEmbed(config.control_channels, inner, patch)
-
-    @property
-    def needs_transformer_pos_embed(self) -> bool:
-        return self.pos_embed is None
-
-    def use_transformer_pos_embed(self, pos_embed: PatchEmbed) -> None:
-        """Take a copy of the DiT's patch embedding and position table (`pos_embed`), on this ControlNet's
-        device and in its dtype, as Diffusers' pipeline does; the DiT's own stays as loaded."""
-        if pos_embed.dim != self.inner_dim:
-            raise ValueError(
-                f"this SD3 ControlNet is {self.inner_dim} wide and the DiT {pos_embed.dim}: it was trained for "
-                "another SD3 model"
-            )
-        reference = next(self.time_text_embed.parameters())
-        self.pos_embed = copy.deepcopy(pos_embed).to(device=reference.device, dtype=reference.dtype)
 
     def shard_for_tensor_parallel(self, tp: object) -> None:
         raise ValueError("SD3 ControlNets run whole on every rank; they are not tensor-parallel")
@@ -108,12 +92,7 @@ class SD3SingleStreamControlNetModel(DiffusersDiT):
         """The residual sample of every block, each (rows, image tokens, inner), times its row's scale;
         arguments as `SD3ControlNetModel.forward` (`encoder_hidden_states` is not read)."""
         del encoder_hidden_states  # Diffusers' pipeline passes none to these ControlNets
-        if self.pos_embed is None:
-            raise RuntimeError(
-                "this SD3 ControlNet takes the DiT's positions: hand it to the SD3 pipeline (use_controlnets) "
-                "before running it"
-            )
-        x = self.pos_embed(hidden_states)
+        x = self.patched(hidden_states)
         temb_act = F.silu(self.time_text_embed(timestep, pooled_projections))
         x = x + self.pos_embed_input(controlnet_cond)
         samples = []

@@ -92,6 +92,10 @@ class SD3TransformerConfig(DiTConfig):
     SD3-medium: 24 layers, 24 heads, pos_embed_max_size 192; SD3.5-large: 38 layers, 38 heads,
     qk_norm "rms_norm"; SD3.5-medium adds dual_attention_layers 0..12. `out_channels` None means
     `in_channels` and is resolved when the config is built; sequences become tuples.
+
+    A `dual_attention_layers` index outside 0..num_layers - 1 names no block and changes nothing, as in
+    Diffusers (which asks each block whether its index is listed): a ControlNet made by Diffusers'
+    `SD3ControlNetModel.from_transformer` from SD3.5-medium with 12 layers keeps the DiT's 0..12.
     """
 
     sample_size: int = 128
@@ -117,9 +121,6 @@ class SD3TransformerConfig(DiTConfig):
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"unsupported qk_norm {self.qk_norm!r}; supported: {list(QK_NORMS)}")
         dual = tuple(int(i) for i in self.dual_attention_layers)
-        bad = [i for i in dual if not 0 <= i < self.num_layers]
-        if bad:
-            raise ValueError(f"dual_attention_layers {bad} are outside 0..{self.num_layers - 1}")
         out_channels = self.in_channels if self.out_channels is None else self.out_channels
         self._normalise(dual_attention_layers=dual, out_channels=out_channels)
 
