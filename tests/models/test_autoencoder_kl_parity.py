@@ -40,8 +40,20 @@ SD_STYLE = {
     "scaling_factor": 0.18215,
 }
 NO_ATTENTION = {**FLUX_STYLE, "mid_block_add_attention": False, "act_fn": "mish"}
+#: The released depth (four levels, f = 8) at a tiny width, with one of the two 1x1 convs only and another
+#: activation: config values the fuzz against Diffusers covered, kept here at the real depth.
+FOUR_LEVELS = {
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "block_out_channels": [8, 8, 16, 16],
+    "layers_per_block": 1,
+    "latent_channels": 4,
+    "norm_num_groups": 4,
+    "act_fn": "gelu",
+    "use_post_quant_conv": False,
+}
 
-CONFIGS = {"flux": FLUX_STYLE, "sd": SD_STYLE, "no_attention": NO_ATTENTION}
+CONFIGS = {"flux": FLUX_STYLE, "sd": SD_STYLE, "no_attention": NO_ATTENTION, "four_levels": FOUR_LEVELS}
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

@@ -29,8 +29,12 @@ CONFIGS = [
 ]
 
 
-def _loop(native, reference, steps: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    start = torch.randn(2, 3, 4, 5, 6, generator=torch.Generator().manual_seed(seed))
+def _loop(
+    native, reference, steps: int, seed: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both samplers over `steps` steps on the stand-in model, the samples kept in `dtype` between steps and
+    the model output in float32, as the CogVideoX pipelines do."""
+    start = torch.randn(2, 3, 4, 5, 6, generator=torch.Generator().manual_seed(seed)).to(dtype)
     noise = torch.randn(start.shape, generator=torch.Generator().manual_seed(seed + 1))
     dpm = isinstance(native, CogVideoXDPMScheduler)
     reference.set_timesteps(steps)
@@ -40,8 +44,8 @@ def _loop(native, reference, steps: int, seed: int) -> tuple[torch.Tensor, torch
     g_ours, g_theirs = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
     state, old = native.new_state(), None
     for i, t in enumerate(reference.timesteps):
-        out_theirs = fake_flow_model(theirs, t, noise)
-        out_ours = fake_flow_model(ours, t, noise)
+        out_theirs = fake_flow_model(theirs.float(), t, noise)
+        out_ours = fake_flow_model(ours.float(), t, noise)
         if dpm:
             back = reference.timesteps[i - 1] if i > 0 else None
             theirs, old = reference.step(
@@ -50,6 +54,7 @@ def _loop(native, reference, steps: int, seed: int) -> tuple[torch.Tensor, torch
         else:
             theirs = reference.step(out_theirs, t, theirs, return_dict=False)[0]
         ours = native.step(out_ours, ours, timesteps.tolist(), i, state, generator=g_ours)
+        theirs, ours = theirs.to(dtype), ours.to(dtype)
     return ours, theirs
 
 
@@ -69,6 +74,25 @@ def test_dpm_matches(config, steps: int) -> None:
         CogVideoXDPMScheduler(**config), diffusers.CogVideoXDPMScheduler(**config), steps, steps
     )
     assert_parity(ours, theirs, f"cogvideox dpm {config} {steps} steps", min_db=100.0)
+
+
+@pytest.mark.parametrize("sampler", ["CogVideoXDDIMScheduler", "CogVideoXDPMScheduler"])
+@pytest.mark.parametrize(
+    ("config", "dtype"),
+    [
+        (RELEASED_5B, torch.bfloat16),  # the coefficients times bfloat16 latents: a bfloat16 product
+        ({"prediction_type": "epsilon"}, torch.bfloat16),  # a division by a float64 0-dim coefficient
+        ({"beta_schedule": "linear", "rescale_betas_zero_snr": True}, torch.float32),  # float32 alphas
+    ],
+    ids=["released-5b-bf16", "epsilon-bf16", "linear-float32"],
+)
+def test_samplers_equal_diffusers_bit_for_bit(sampler: str, config: dict, dtype: torch.dtype) -> None:
+    """The coefficients are 0-dim CPU tensors of Diffusers' dtypes, applied as Diffusers applies them: the
+    same rounding whatever the schedule's dtype and the latents'."""
+    native_cls = CogVideoXDPMScheduler if sampler.endswith("DPMScheduler") else CogVideoXDDIMScheduler
+    ours, theirs = _loop(native_cls(**config), getattr(diffusers, sampler)(**config), 4, 3, dtype)
+    assert ours.dtype == theirs.dtype == dtype
+    assert torch.equal(ours, theirs)
 
 
 def test_unknown_config_key_is_refused() -> None:

@@ -112,6 +112,27 @@ def test_euler_step_equals_diffusers_per_sample() -> None:
         assert torch.equal(batched[row : row + 1], expected)
 
 
+@pytest.mark.parametrize(
+    ("sample_dtype", "output_dtype"),
+    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.float16, torch.float16)],
+)
+def test_half_precision_euler_step_equals_diffusers(sample_dtype, output_dtype) -> None:
+    """Diffusers' `dt * model_output` stays in a bfloat16/float16 output's dtype (dt a 0-dim tensor) before
+    it is added to the float32 sample: the native step rounds it the same way, bit for bit."""
+    ref = FlowMatchEulerDiscreteScheduler(**SD3_CONFIG)
+    ref.set_timesteps(3)
+    ref.set_begin_index(0)
+    schedule = FlowMatchEulerScheduler.from_config(SD3_CONFIG).schedule(3)
+    gen = torch.Generator().manual_seed(1)
+    x_ref = x = torch.randn(2, 16, 24, generator=gen).to(sample_dtype)
+    for i, t in enumerate(ref.timesteps):
+        output = torch.randn(2, 16, 24, generator=gen).to(output_dtype)
+        x_ref = ref.step(output, t, x_ref).prev_sample
+        x = FlowMatchEulerScheduler.step(output, x, schedule.sigmas[[i, i]], schedule.sigmas[[i + 1, i + 1]])
+        assert x.dtype == x_ref.dtype == output_dtype
+        assert torch.equal(x, x_ref), f"step {i}"
+
+
 def test_unknown_and_unsupported_options_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown"):
         FlowMatchEulerScheduler.from_config({"not_an_option": 1})

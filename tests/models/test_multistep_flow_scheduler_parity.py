@@ -97,6 +97,10 @@ SOLVERS = {
             {"lower_order_final": False, "solver_order": 3},
             {"euler_at_final": True},
             {"solver_type": "bh2"},
+            # Diffusers' dynamic shift: a mu sets the shift to exp(mu); a variance type is read for epsilon
+            # predictions only; an order above 3 takes third-order updates.
+            {"use_dynamic_shifting": True},
+            {"solver_order": 4, "variance_type": "learned_range"},
         ],
         variant_steps=(4, 16),
     ),
@@ -237,15 +241,19 @@ def test_unknown_and_unsupported_options_are_refused(solver: str) -> None:
 
 
 def test_unsupported_dpm_options_are_refused() -> None:
-    with pytest.raises(ValueError, match="use_dynamic_shifting"):
-        DPMSolverFlowScheduler.from_config({**SANA_CONFIG, "use_dynamic_shifting": True})
+    with pytest.raises(ValueError, match="use_dynamic_shifting"):  # Diffusers asserts it for a mu
+        DPMSolverFlowScheduler.from_config(SANA_CONFIG).schedule(4, mu=0.5)
+    with pytest.raises(ValueError, match="exponential"):
+        DPMSolverFlowScheduler.from_config(
+            {**SANA_CONFIG, "use_dynamic_shifting": True, "time_shift_type": "linear"}
+        ).schedule(4, mu=0.5)
+    with pytest.raises(ValueError, match="sigmas"):
+        DPMSolverFlowScheduler.from_config(SANA_CONFIG).schedule(4, sigmas=[1.0, 0.7, 0.4, 0.1])
     for algorithm in ("sde-dpmsolver++", "dpmsolver", "deis"):  # Diffusers refuses the last two with "zero"
         with pytest.raises(ValueError, match="algorithm_type"):
             DPMSolverFlowScheduler.from_config({**SANA_CONFIG, "algorithm_type": algorithm})
     with pytest.raises(ValueError, match="final_sigmas_type"):
         DPMSolverFlowScheduler.from_config({**SANA_CONFIG, "final_sigmas_type": "sigma_min"})
-    with pytest.raises(ValueError, match="mu"):
-        DPMSolverFlowScheduler.from_config(SANA_CONFIG).schedule(4, mu=0.5)
 
 
 # ------------------------------------------------------------------------------------------ UniPC
@@ -267,6 +275,21 @@ def test_unipc_schedule_variants_equal_diffusers(overrides: dict) -> None:
     schedule = mine.schedule(7, mu=mu)
     assert torch.equal(schedule.sigmas, ref.sigmas)
     assert torch.equal(schedule.timesteps, ref.timesteps.to(torch.float32))
+
+
+def test_unipc_one_step_with_shift_terminal_is_finite() -> None:
+    """Diffusers stretches 1 - sigma so the last sigma lands on shift_terminal; a one-step schedule ends at
+    sigma 1, where that divides 0 by 0 (NaN samples). As FlowMatchEulerScheduler, UniPC leaves it
+    unstretched; longer schedules are Diffusers' (test_unipc_schedule_variants_equal_diffusers)."""
+    ref, mine = _pair("unipc", shift_terminal=0.1)
+    ref.set_timesteps(1)
+    assert torch.isnan(ref.sigmas[0])
+    schedule = mine.schedule(1)
+    unstretched = _pair("unipc")[1].schedule(1)
+    assert torch.equal(schedule.sigmas, unstretched.sigmas)
+    assert torch.equal(schedule.timesteps, unstretched.timesteps)
+    latents, noise = _inputs("unipc")
+    assert torch.isfinite(sample_natively(mine, 1, latents, noise)).all()
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])

@@ -5,19 +5,24 @@ Both share one training schedule: betas (`linear`, `scaled_linear` in float64, o
 cumulative alphas divided by the SNR shift `snr_shift_scale + (1 - snr_shift_scale) * alpha`, optionally
 rescaled to zero terminal SNR. A request's schedule is its integer timesteps (`leading`, `linspace` or
 `trailing` spacing); each step goes from `t` to `t - num_train_timesteps // num_steps` (whatever the
-spacing, as Diffusers does), the last one to `final_alpha_cumprod`. The scalar coefficients are computed in
-float64 on the host and applied to the tensors as Diffusers applies its 0-dim float64 tensors: rounded to
-the dtype of the tensor each one multiplies (bfloat16 latents between steps get bfloat16 coefficients). As in `flow_match_euler.py`, the scheduler holds no request: each request carries its own
-timesteps, step index and last predicted clean sample (`SamplerState`).
+spacing, as Diffusers does), the last one to `final_alpha_cumprod`. As in `flow_match_euler.py`, the scheduler
+holds no request: each request carries its own timesteps, step index and last predicted clean sample
+(`SamplerState`).
 
-The steps take the request's timesteps as host integers (`timesteps(n).tolist()`). `sigmas` of a schedule are a noise level per step for the engine's host-side reads (step caches):
-`sqrt(1 - alpha_cumprod[t])`, the last entry the end of the last step.
+The scalar coefficients are 0-dim CPU tensors of the cumulative alphas' dtype (float64 for `scaled_linear`,
+float32 otherwise; the final alpha of 1 is float32), as Diffusers keeps them, combined in Diffusers' order of
+operations and applied to the samples in the same operand positions. torch's rules for a 0-dim CPU tensor
+meeting a sample of another dtype (a bfloat16 sample gives a bfloat16 product; how the scalar is rounded
+first depends on the operand position and the device) then give Diffusers' results on every device, which
+coefficients precomputed as Python floats cannot. No step syncs the host: the coefficients never leave the
+CPU, and the steps take the request's timesteps as host integers
+(`timesteps(n).tolist()`). `sigmas` of a schedule are a noise level per step for the engine's host-side
+reads (step caches): `sqrt(1 - alpha_cumprod[t])`, the last entry the end of the last step.
 """
 
 from __future__ import annotations
 
 import math
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -66,23 +71,6 @@ def _zero_terminal_snr(alphas_cumprod: torch.Tensor) -> torch.Tensor:
     return root**2
 
 
-def _rounded_to(c: float, dtype: torch.dtype) -> float:
-    """`c` as Diffusers' 0-dim float64 coefficient tensors reach a `dtype` tensor they multiply: cast to the
-    half dtype first (through float32, as torch casts), unchanged for float32 and wider."""
-    if not math.isfinite(c) or dtype not in (torch.bfloat16, torch.float16):
-        return c
-    if dtype == torch.float16:
-        return float(np.float16(np.float32(c)))
-    bits = struct.unpack("<I", struct.pack("<f", c))[0]
-    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16  # round to nearest even, to bfloat16
-    return struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0]
-
-
-def _times(c: float, x: torch.Tensor) -> torch.Tensor:
-    """`c * x` with `c` rounded as Diffusers' coefficient tensor is for x's dtype (`_rounded_to`)."""
-    return _rounded_to(c, x.dtype) * x
-
-
 @dataclass
 class SamplerState:
     """One request's sampler state: its last predicted clean sample (DPM's history; previews read it for
@@ -127,12 +115,10 @@ class _CogVideoXSchedule:
         alphas_cumprod = alphas_cumprod / (shift + (1 - shift) * alphas_cumprod)
         if cfg["rescale_betas_zero_snr"]:
             alphas_cumprod = _zero_terminal_snr(alphas_cumprod)
-        #: Float64 (scaled_linear) or float32, on the CPU, as Diffusers keeps them.
+        #: Float64 (scaled_linear) or float32, on the CPU, as Diffusers keeps them: the steps' coefficients
+        #: are computed from 0-dim entries of these.
         self.alphas_cumprod = alphas_cumprod
         self.final_alpha_cumprod = torch.tensor(1.0) if cfg["set_alpha_to_one"] else alphas_cumprod[0]
-        # Host copies for the steps, which then touch no tensor but the samples.
-        self._alphas = [float(a) for a in alphas_cumprod]
-        self._final_alpha = float(self.final_alpha_cumprod)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> _CogVideoXSchedule:
@@ -161,27 +147,32 @@ class _CogVideoXSchedule:
         """The request's timesteps (float32 copies of the integers) and a noise level per step (`sigmas`)."""
         steps = self.timesteps(num_steps)
         levels = [math.sqrt(max(0.0, 1.0 - float(self.alphas_cumprod[int(t)]))) for t in steps]
-        last = self._alpha_prev(int(steps[-1]), num_steps)
+        last = float(self._alpha_prev(int(steps[-1]), num_steps))
         levels.append(math.sqrt(max(0.0, 1.0 - last)))
         return SigmaSchedule(
             sigmas=torch.tensor(levels, dtype=torch.float32), timesteps=steps.to(torch.float32)
         )
 
-    def _alpha(self, t: int) -> float:
-        return self._alphas[t]
+    def _alpha(self, t: int) -> torch.Tensor:
+        """alpha_cumprod at training timestep `t`: a 0-dim CPU tensor."""
+        return self.alphas_cumprod[t]
 
-    def _alpha_prev(self, t: int, num_steps: int) -> float:
+    def _alpha_prev(self, t: int, num_steps: int) -> torch.Tensor:
+        """alpha_cumprod where the step from `t` of a `num_steps` schedule lands (the final alpha past 0)."""
         prev = t - int(self.config["num_train_timesteps"]) // num_steps
-        return self._alphas[prev] if prev >= 0 else self._final_alpha
+        return self.alphas_cumprod[prev] if prev >= 0 else self.final_alpha_cumprod
 
-    def _pred_original(self, model_output: torch.Tensor, sample: torch.Tensor, alpha: float) -> torch.Tensor:
+    def _pred_original(
+        self, model_output: torch.Tensor, sample: torch.Tensor, alpha: torch.Tensor
+    ) -> torch.Tensor:
+        """The clean sample the model output predicts at cumulative alpha `alpha` (a 0-dim CPU tensor)."""
         beta = 1 - alpha
         kind = self.config["prediction_type"]
         if kind == "epsilon":
-            return (sample - _times(beta**0.5, model_output)) / _rounded_to(alpha**0.5, model_output.dtype)
+            return (sample - beta**0.5 * model_output) / alpha**0.5
         if kind == "sample":
             return model_output
-        return _times(alpha**0.5, sample) - _times(beta**0.5, model_output)
+        return alpha**0.5 * sample - beta**0.5 * model_output
 
 
 class CogVideoXDDIMScheduler(_CogVideoXSchedule):
@@ -210,7 +201,7 @@ class CogVideoXDDIMScheduler(_CogVideoXSchedule):
         a_t = ((1 - alpha_prev) / (1 - alpha)) ** 0.5
         b_t = alpha_prev**0.5 - alpha**0.5 * a_t
         state.pred_original_sample, state.last_step_index = x0, step_index
-        return _times(a_t, sample) + _times(b_t, x0)
+        return a_t * sample + b_t * x0
 
 
 class CogVideoXDPMScheduler(_CogVideoXSchedule):
@@ -224,11 +215,10 @@ class CogVideoXDPMScheduler(_CogVideoXSchedule):
         return SamplerState()
 
     @staticmethod
-    def _lambda(alpha: float) -> np.float64:
-        """Half the log-SNR in float64, infinite where Diffusers' tensor maths is (-inf at zero terminal SNR,
-        +inf at the final alpha of 1)."""
-        a = np.float64(alpha)
-        return np.log((a / (1 - a)) ** 0.5)
+    def _lambda(alpha: torch.Tensor) -> torch.Tensor:
+        """Half the log-SNR of cumulative alpha `alpha` (0-dim, in its dtype): -inf at zero terminal SNR, +inf
+        at the final alpha of 1, as in Diffusers."""
+        return ((alpha / (1 - alpha)) ** 0.5).log()
 
     def step(
         self,
@@ -250,13 +240,11 @@ class CogVideoXDPMScheduler(_CogVideoXSchedule):
         prev_t = t - int(self.config["num_train_timesteps"]) // num_steps
         alpha, alpha_prev = self._alpha(t), self._alpha_prev(t, num_steps)
         x0 = self._pred_original(model_output, sample, alpha)
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            a, a_prev = np.float64(alpha), np.float64(alpha_prev)
-            lamb, lamb_next = self._lambda(alpha), self._lambda(alpha_prev)
-            h = lamb_next - lamb
-            mult1 = float(((1 - a_prev) / (1 - a)) ** 0.5 * np.exp(-h))
-            mult2 = float(np.expm1(-2 * h) * a_prev**0.5)
-            mult_noise = float((1 - a_prev) ** 0.5 * (1 - np.exp(-2 * h)) ** 0.5)
+        lamb = self._lambda(alpha)
+        h = self._lambda(alpha_prev) - lamb
+        mult1 = ((1 - alpha_prev) / (1 - alpha)) ** 0.5 * (-h).exp()
+        mult2 = (-2 * h).expm1() * alpha_prev**0.5
+        mult_noise = (1 - alpha_prev) ** 0.5 * (1 - (-2 * h).exp()) ** 0.5
 
         def noise() -> torch.Tensor:
             shape = noise_shape or tuple(sample.shape)
@@ -265,14 +253,13 @@ class CogVideoXDPMScheduler(_CogVideoXSchedule):
             drawn = to_sample_layout(drawn) if to_sample_layout is not None else drawn
             return drawn.to(sample.device)
 
-        prev_sample = _times(mult1, sample) - _times(mult2, x0) + _times(mult_noise, noise())
+        prev_sample = mult1 * sample - mult2 * x0 + mult_noise * noise()
         old = state.pred_original_sample
         if old is not None and prev_t >= 0:
-            back = int(timesteps[step_index - 1])
-            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-                r = (lamb - self._lambda(self._alpha(back))) / h
-                mult3, mult4 = float(1 + 1 / (2 * r)), float(1 / (2 * r))
-            denoised = _times(mult3, x0) - _times(mult4, old)
-            prev_sample = _times(mult1, sample) - _times(mult2, denoised) + _times(mult_noise, noise())
+            # Second order: the step before this one (its log-SNR step over this one's is r).
+            r = (lamb - self._lambda(self._alpha(int(timesteps[step_index - 1])))) / h
+            mult3, mult4 = 1 + 1 / (2 * r), 1 / (2 * r)
+            denoised = mult3 * x0 - mult4 * old
+            prev_sample = mult1 * sample - mult2 * denoised + mult_noise * noise()
         state.pred_original_sample, state.last_step_index = x0, step_index
         return prev_sample

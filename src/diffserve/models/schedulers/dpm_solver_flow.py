@@ -103,21 +103,18 @@ class DPMSolverFlowScheduler:
             "use_exponential_sigmas",
             "use_beta_sigmas",
             "use_lu_lambdas",
-            "use_dynamic_shifting",
         ):
             if cfg[key]:
                 raise ValueError(f"scheduler option {key}=True is not supported by diffserve yet")
-        if cfg["variance_type"] is not None:
-            raise ValueError(
-                f"variance_type={cfg['variance_type']!r} is not supported (flow models have none)"
-            )
         if cfg["final_sigmas_type"] != "zero":
             # Diffusers' "sigma_min" ends a flow schedule on the VP noise level of its beta schedule.
             raise ValueError(f"final_sigmas_type must be 'zero', got {cfg['final_sigmas_type']!r}")
-        if int(cfg["solver_order"]) not in (1, 2, 3):
-            raise ValueError(f"solver_order must be 1, 2 or 3, got {cfg['solver_order']}")
-        # The beta-schedule keys, timestep_spacing, steps_offset and lambda_min_clipped only feed
-        # Diffusers' non-flow paths: accepted and recorded, not used.
+        if int(cfg["solver_order"]) < 1:
+            raise ValueError(f"solver_order must be >= 1, got {cfg['solver_order']}")
+        # The beta-schedule keys, timestep_spacing, steps_offset, lambda_min_clipped and variance_type (read
+        # for epsilon predictions only) only feed Diffusers' non-flow paths: accepted and recorded, not used.
+        # An order above 3 takes third-order updates, as in Diffusers. use_dynamic_shifting only matters
+        # with a `mu` (`schedule`).
         cfg["solver_order"] = int(cfg["solver_order"])
         self.config: dict[str, Any] = cfg
         self.solver_order: int = cfg["solver_order"]
@@ -133,16 +130,23 @@ class DPMSolverFlowScheduler:
         self, num_steps: int, mu: float | None = None, sigmas: np.ndarray | list[float] | None = None
     ) -> SigmaSchedule:
         """The sigmas (a final 0 appended) and model timesteps for `num_steps` steps, as Diffusers'
-        `set_timesteps(num_steps)`: a linear ramp shifted by `flow_shift`, computed in float64; sigmas
-        are stored as float32, timesteps as `sigma * num_train_timesteps` truncated to integers (Diffusers
-        keeps int64; they are returned as float32 holding those values). Diffusers' `set_timesteps` takes
-        neither `mu` (without dynamic shifting) nor custom sigmas: both are refused."""
-        if mu is not None or sigmas is not None:
-            raise ValueError("DPMSolverMultistepScheduler takes neither mu nor custom sigmas here")
+        `set_timesteps(num_steps, mu=mu)`: a linear ramp shifted by `flow_shift` (by `exp(mu)` when `mu` is
+        given, which Diffusers allows only with use_dynamic_shifting and the exponential time shift), computed
+        in float64; sigmas are stored as float32, timesteps as `sigma * num_train_timesteps` truncated to
+        integers (Diffusers keeps int64; they are returned as float32 holding those values). Diffusers'
+        `set_timesteps` takes no custom sigmas: they are refused."""
+        if sigmas is not None:
+            raise ValueError("DPMSolverMultistepScheduler takes no custom sigmas")
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         n_train = self.config["num_train_timesteps"]
         shift = self.config["flow_shift"]
+        if mu is not None:
+            if not self.config["use_dynamic_shifting"] or self.config["time_shift_type"] != "exponential":
+                raise ValueError(
+                    "a mu needs use_dynamic_shifting=True and time_shift_type='exponential' (Diffusers' rule)"
+                )
+            shift = np.exp(mu)
         base = 1.0 - np.linspace(1, 1 / n_train, num_steps + 1)
         shifted = np.flip(shift * base / (1 + (shift - 1) * base))[:-1].copy()
         timesteps = torch.from_numpy(shifted * n_train).to(torch.int64)

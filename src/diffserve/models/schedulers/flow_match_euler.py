@@ -4,7 +4,8 @@ Diffusers' scheduler keeps the current step index on the scheduler object, which
 scheduler to one request. Here the scheduler only *computes* a request's sigma schedule
 (`schedule`) and performs one Euler update for a batch whose samples may sit at different
 steps (`step`); each request carries its own sigmas and step index. Numerics follow Diffusers:
-sigmas are computed in float32 numpy, the update runs in float32 and is cast back.
+sigmas are computed in float32 numpy, the update is taken in the model output's dtype and added to the
+float32 sample, and the result is cast back to the output's dtype.
 """
 
 from __future__ import annotations
@@ -201,7 +202,11 @@ class FlowMatchEulerScheduler:
         model_output: torch.Tensor, sample: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor
     ) -> torch.Tensor:
         """One Euler step for a batch: `sigma`/`sigma_next` are per-sample (batch,) float32 tensors on the
-        sample's device (a step never copies them there: that would be a host sync per step)."""
+        sample's device (a step never copies them there: that would be a host sync per step).
+
+        As in Diffusers, the update `dt * model_output` is taken in the model output's dtype before it is
+        added to the float32 sample: Diffusers' `dt` is a 0-dim float32 tensor on the sample's device, so
+        with a bfloat16/float16 output torch rounds `dt` to that dtype and the product stays in it."""
         shape = (-1,) + (1,) * (sample.dim() - 1)
-        dt = (sigma_next - sigma).to(torch.float32).view(shape)
+        dt = (sigma_next - sigma).to(torch.float32).view(shape).to(model_output.dtype)
         return (sample.to(torch.float32) + dt * model_output).to(model_output.dtype)

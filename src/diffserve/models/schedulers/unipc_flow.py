@@ -236,7 +236,10 @@ class UniPCFlowScheduler:
                 raise ValueError(f"got {len(base)} sigmas for {num_steps} steps")
         dynamic_mu = mu if self.config["use_dynamic_shifting"] else None
         shifted = shift_sigmas(base, self.config["flow_shift"], dynamic_mu, self.config["time_shift_type"])
-        if self.config["shift_terminal"]:
+        if self.config["shift_terminal"] and 1 - shifted[-1] != 0:
+            # Stretch so the last sigma lands on shift_terminal. A schedule ending at sigma 1 (one step from
+            # the default ramp) would divide 0 by 0, where Diffusers returns NaN samples; it is left
+            # unstretched instead, as FlowMatchEulerScheduler.schedule does.
             one_minus = 1 - shifted
             shifted = 1 - one_minus / (one_minus[-1] / (1 - self.config["shift_terminal"]))
         shifted = np.array(shifted)
