@@ -14,7 +14,7 @@ from sana_text_checks import prompt_and_negative_encodings
 
 from diffserve import SamplingParams
 from diffserve.api import DiffGenerator
-from diffserve.errors import InvalidRequestError
+from diffserve.errors import InvalidRequestError, UserError
 from diffserve.families.sana.tiny import build_tiny_sana
 from diffserve.testing.parity import (
     assert_generation_matches,
@@ -130,3 +130,29 @@ def test_sana_any_size_with_binning_and_multiples_without_match_diffusers(engine
     ) as info:
         ours.generate(prompt=prompt, height=96, width=150, extra={"use_resolution_binning": False}, **kwargs)
     assert info.value.param == "width"
+
+
+def test_a_dpm_solver_with_dynamic_shifting_keeps_its_flow_shift_as_diffusers(tmp_path) -> None:
+    """SanaPipeline passes no mu: DPM-Solver with use_dynamic_shifting=True keeps its static flow_shift (in
+    Diffusers too), so the folder loads and matches; FlowMatchEuler, which needs a mu, is refused at load."""
+    import json
+
+    root = build_tiny_sana(tmp_path / "sana")
+    config_path = root / "scheduler" / "scheduler_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "use_dynamic_shifting": True}))
+    ours, reference = generator_and_reference(DiffGenerator, root, SanaPipeline)
+    assert_generation_matches(
+        ours, reference, "SANA DPM use_dynamic_shifting", min_db=PSNR_BAR_DB, prompt="a fox", seed=1,
+        height=64, width=64, num_inference_steps=2, guidance_scale=1.0,
+    )  # fmt: skip
+    ours.close()
+    euler = {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0, "use_dynamic_shifting": True}
+    config_path.write_text(json.dumps(euler))
+    index_path = root / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index_path.write_text(
+        json.dumps({**index, "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]})
+    )
+    with pytest.raises(UserError, match="use_dynamic_shifting=True is not supported"):
+        DiffGenerator.from_pretrained(root, device="cpu", show_progress=False)

@@ -58,18 +58,24 @@ class TimestepPreparationStage(Stage):
 
 
 class DefaultTimestepPreparationStage(Stage):
-    """SD3 semantics: the scheduler's own schedule (static shift, or resolution shift when dynamic)."""
+    """SD3 semantics: the scheduler's own schedule (static shift, or resolution shift when dynamic).
+
+    `resolution_shift` False: no mu whatever the scheduler's `use_dynamic_shifting`, for pipelines whose
+    Diffusers counterpart passes none (SANA's: its DPM-Solver then keeps its static `flow_shift`)."""
 
     needs = ("latents", "latent_size")
     sets = ("schedule",)
 
-    def __init__(self, scheduler: FlowMatchEulerScheduler, patch_size: int) -> None:
+    def __init__(
+        self, scheduler: FlowMatchEulerScheduler, patch_size: int, *, resolution_shift: bool = True
+    ) -> None:
         self.scheduler = scheduler
         self.patch_size = patch_size
+        self.resolution_shift = resolution_shift
 
     def forward(self, req: Req) -> Req:
         mu = None
-        if self.scheduler.config["use_dynamic_shifting"]:
+        if self.resolution_shift and self.scheduler.config["use_dynamic_shifting"]:
             height, width = req.latent_size
             tokens = (height // self.patch_size) * (width // self.patch_size)
             mu = self.scheduler.resolution_shift_mu(tokens)

@@ -139,10 +139,11 @@ class SanaPipeline(Pipeline):
                 "this SANA transformer embeds a guidance scale (a SANA-Sprint checkpoint); SanaPipeline "
                 "does not pass one: load it as a SanaSprintPipeline folder"
             )
-        if scheduler.config["use_dynamic_shifting"]:
+        if isinstance(scheduler, FlowMatchEulerScheduler) and scheduler.config["use_dynamic_shifting"]:
+            # DPM-Solver keeps its static flow_shift without a mu, as Diffusers' does; FlowMatchEuler needs one.
             raise ValueError(
                 "SanaPipeline sets its schedule without a resolution shift (Diffusers passes no mu): a "
-                "scheduler with use_dynamic_shifting=True is not supported"
+                "FlowMatchEulerDiscreteScheduler with use_dynamic_shifting=True is not supported"
             )
         text_stage = self.text_stage(context)
         binning = ResolutionBinning(BINS_BY_SAMPLE_SIZE.get(dit.sample_size), dit.sample_size, "SanaPipeline")
@@ -161,7 +162,7 @@ class SanaPipeline(Pipeline):
             self.input_validation,
             text_stage,
             self.latent_stage(context, binning),
-            DefaultTimestepPreparationStage(scheduler, patch_size=dit.patch_size),
+            DefaultTimestepPreparationStage(scheduler, patch_size=dit.patch_size, resolution_shift=False),
             DenoisingStage(SanaDenoiser(transformer, scheduler, context.dtype)),
             SanaDecodingStage(vae, binning),
         ]

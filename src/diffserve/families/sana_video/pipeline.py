@@ -32,6 +32,7 @@ from diffserve.families.sana_video.stages import (
 )
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.sana_video import SanaVideoTransformer3DModel
+from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.vaes.autoencoder_kl_ltx2 import AutoencoderKLLTX2Video
 from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.pipelines.padded_text_denoiser import PaddedTextDenoiser
@@ -79,10 +80,11 @@ class SanaVideoPipeline(Pipeline):
                 "this SANA-Video transformer embeds a guidance scale (guidance_embeds=True); "
                 f"{PIPELINE_NAME} passes none (Diffusers' cannot run it either)"
             )
-        if scheduler.config.get("use_dynamic_shifting"):
+        if isinstance(scheduler, FlowMatchEulerScheduler) and scheduler.config.get("use_dynamic_shifting"):
+            # DPM-Solver keeps its static flow_shift without a mu, as Diffusers' does; FlowMatchEuler needs one.
             raise ValueError(
                 f"{PIPELINE_NAME} sets its schedule without a resolution shift (Diffusers passes no mu): a "
-                "scheduler with use_dynamic_shifting=True is not supported"
+                "FlowMatchEulerDiscreteScheduler with use_dynamic_shifting=True is not supported"
             )
         if isinstance(vae, AutoencoderKLLTX2Video) and vae.config["timestep_conditioning"]:
             raise ValueError(
@@ -126,7 +128,7 @@ class SanaVideoPipeline(Pipeline):
                 bins=bins,
                 device=context.platform.device(),
             ),
-            DefaultTimestepPreparationStage(scheduler, patch_size=dit.patch_size[1]),
+            DefaultTimestepPreparationStage(scheduler, patch_size=dit.patch_size[1], resolution_shift=False),
             DenoisingStage(SanaVideoDenoiser(transformer, scheduler, context.dtype)),
             SanaVideoDecodingStage(vae),
         ]
