@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,10 +16,16 @@ from diffusers import QwenImage21Pipeline as DiffusersQwenImage21
 
 from diffserve import SamplingParams
 from diffserve.api import DiffGenerator
-from diffserve.errors import InvalidRequestError
+from diffserve.errors import InvalidRequestError, ModelLoadError
+from diffserve.families.qwen_image21.pipeline import QwenImage21Pipeline
 from diffserve.families.qwen_image21.text_encoding import QwenImage21TextEncodingStage
 from diffserve.families.qwen_image21.tiny import build_tiny_qwen_image21
+from diffserve.loader.component_loader import LoadedComponent
 from diffserve.loader.processors import load_image_text_processor
+from diffserve.models.dits.qwen_image21 import QwenImage21Transformer2DModel
+from diffserve.models.vaes.autoencoder_kl_qwen_image21 import QWEN_IMAGE21_VAE_CONFIG_DEFAULTS
+from diffserve.pipelines.base import PipelineContext
+from diffserve.platforms.cpu import CpuPlatform
 from diffserve.testing.parity import (
     assert_batched_as_alone,
     assert_images_match,
@@ -138,3 +145,38 @@ def test_unsupported_options_are_refused(folders) -> None:
         ours.generate(prompt=PROMPT, height=32, width=32, guidance_scale=3.0)
     with pytest.raises(InvalidRequestError, match="png"):
         ours.generate(prompt=PROMPT, height=32, width=32, num_inference_steps=1, output_format="jpeg")
+
+
+#: A tiny DiT that fits a 32-wide text encoder and the released (64-channel, 16x) VAE config.
+FIT_DIT = {"num_layers": 1, "num_attention_heads": 2, "attention_head_dim": 16, "context_in_dim": 32,
+           "axes_dims_rope": [4, 6, 6]}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("dit", "vae", "text_width", "message"),
+    [
+        # Diffusers hard-codes 16x: an 8x VAE would give images of half the size asked for
+        ({}, {"temperal_downsample": [False, True, True]}, 32, "compresses 8x .* needs 16x"),
+        ({"in_channels": 16, "out_channels": 16}, {}, 32, "in_channels=16 differs from the VAE's z_dim=64"),
+        ({}, {}, 48, "context_in_dim=32 differs from the text encoder's hidden_size=48"),
+    ],
+)
+def test_a_folder_whose_components_do_not_fit_is_refused_at_load(dit, vae, text_width, message) -> None:
+    """Configs Diffusers' pipeline fails on mid-generation (or gives a wrong size with) are refused when the
+    folder loads, naming the keys: the pipeline built from a DiT made on the meta device and config-only VAE
+    and text-encoder stand-ins (the checks read only configs, before any stage is built)."""
+    with torch.device("meta"):
+        transformer = QwenImage21Transformer2DModel.from_config({**FIT_DIT, **dit})
+    vae_config = {**QWEN_IMAGE21_VAE_CONFIG_DEFAULTS, **vae}
+    text_config = SimpleNamespace(text_config=SimpleNamespace(hidden_size=text_width))
+    values = {
+        "transformer": transformer,
+        "vae": SimpleNamespace(
+            config=vae_config, spatial_compression_ratio=2 ** len(vae_config["temperal_downsample"])
+        ),
+        "text_encoder": SimpleNamespace(config=text_config),
+        "scheduler": None,
+    }
+    components = {name: LoadedComponent(name, type(v).__name__, v) for name, v in values.items()}
+    with pytest.raises(ModelLoadError, match=message):
+        QwenImage21Pipeline(PipelineContext(components, CpuPlatform(), torch.float32))

@@ -7,6 +7,8 @@ diffserve's pipeline config set to the same area) so the tiny checkpoint's test 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +16,8 @@ from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImag
 from PIL import Image
 
 from diffserve import DiffGenerator
-from diffserve.errors import InvalidRequestError
+from diffserve.errors import InvalidRequestError, ModelLoadError
+from diffserve.families.qwen_image import layered
 from diffserve.families.qwen_image import pipeline as qwen_pipelines
 from diffserve.families.qwen_image.config import QwenImageEditPipelineConfig, QwenImageEditPlusPipelineConfig
 from diffserve.families.qwen_image.tiny import (
@@ -23,6 +26,11 @@ from diffserve.families.qwen_image.tiny import (
     build_tiny_qwen_image_edit_plus,
     load_qwen_vl_processor,
 )
+from diffserve.loader.component_loader import LoadedComponent
+from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
+from diffserve.models.vaes.autoencoder_kl_qwen_image import QWEN_IMAGE_VAE_CONFIG_DEFAULTS
+from diffserve.pipelines.base import PipelineContext
+from diffserve.platforms.cpu import CpuPlatform
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 from diffserve.testing.parity import (
     assert_generation_matches,
@@ -221,3 +229,72 @@ def test_qwen_image_edit_plus_pixels_match_diffusers(edit_plus, num_images) -> N
     ours_u8 = stack_uint8(out.images)
     label = f"Qwen-Image-Edit-Plus with {num_images} image(s) -> {ours_u8.shape[1:3]}"
     assert_images_match(ours_u8, ref_u8, label, min_db=PSNR_BAR_DB)
+
+
+#: A tiny DiT that fits the tiny text encoder (32 wide) and the released VAE config; each refusal case
+#: changes a config key.
+FIT_DIT = {"num_layers": 1, "num_attention_heads": 2, "attention_head_dim": 16, "joint_attention_dim": 32,
+           "axes_dims_rope": [4, 6, 6]}  # fmt: skip
+
+
+def _build_on_meta(pipeline_cls, dit: dict, vae: dict, text_width: int):
+    """`pipeline_cls` built from a DiT made on the meta device from FIT_DIT updated by `dit`, a VAE stand-in
+    with the released config updated by `vae`, and a text encoder stand-in `text_width` wide: the folder
+    checks read only configs, and run before any stage is built."""
+    with torch.device("meta"):
+        transformer = QwenImageTransformer2DModel.from_config({**FIT_DIT, **dit})
+    text_config = SimpleNamespace(text_config=SimpleNamespace(hidden_size=text_width))
+    values = {
+        "transformer": transformer,
+        "vae": SimpleNamespace(config={**QWEN_IMAGE_VAE_CONFIG_DEFAULTS, **vae}),
+        "text_encoder": SimpleNamespace(config=text_config),
+        "scheduler": None,
+    }
+    components = {name: LoadedComponent(name, type(v).__name__, v) for name, v in values.items()}
+    return pipeline_cls(PipelineContext(components, CpuPlatform(), torch.float32))
+
+
+@pytest.mark.parametrize(
+    ("pipeline_cls", "dit", "vae", "text_width", "message"),
+    [
+        # Diffusers packs 2x2 latent patches whatever the DiT's patch_size: a shape error at the first step
+        (qwen_pipelines.QwenImagePipeline, {"patch_size": 1}, {}, 32, "patch_size=1"),
+        # out_channels null means in_channels (64): a 64-channel prediction of 16-channel latents
+        (
+            qwen_pipelines.QwenImagePipeline,
+            {"out_channels": None},
+            {},
+            32,
+            "in_channels=64 is not 4 x out_channels=64",
+        ),
+        (
+            qwen_pipelines.QwenImagePipeline,
+            {"in_channels": 32, "out_channels": 8},
+            {},
+            32,
+            "the VAE's z_dim=16",
+        ),
+        (qwen_pipelines.QwenImagePipeline, {}, {"latents_std": [1.0] * 8}, 32, "latents_std has 8 entries"),
+        # Diffusers' VAE scale is 2 ** len(temperal_downsample): 4x latents of a VAE with three levels (8x)
+        (qwen_pipelines.QwenImagePipeline, {}, {"temperal_downsample": [False, True]}, 32, "one entry per"),
+        (qwen_pipelines.QwenImagePipeline, {}, {}, 48, "joint_attention_dim=32 differs .* hidden_size=48"),
+        # only Diffusers' Layered pipeline passes additional_t_cond
+        (
+            qwen_pipelines.QwenImageEditPipeline,
+            {"use_additional_t_cond": True},
+            {},
+            32,
+            "use_additional_t_cond",
+        ),
+        # the Edit pipelines encode RGB images, Layered RGBA ones
+        (qwen_pipelines.QwenImageEditPlusPipeline, {}, {"input_channels": 4}, 32, "input_channels=4"),
+        (layered.QwenImageLayeredPipeline, {}, {}, 32, "input_channels=3: QwenImageLayeredPipeline"),
+    ],
+)
+def test_a_folder_whose_components_do_not_fit_is_refused_at_load(
+    pipeline_cls, dit, vae, text_width, message
+) -> None:
+    """Configs Diffusers' pipelines fail on mid-generation (a shape error) are refused when the folder loads,
+    naming the keys (they ran into a torch shape error deep in the first request before)."""
+    with pytest.raises(ModelLoadError, match=message):
+        _build_on_meta(pipeline_cls, dit, vae, text_width)

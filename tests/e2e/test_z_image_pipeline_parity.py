@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from diffusers import ZImageImg2ImgPipeline, ZImagePipeline
 
 from diffserve.api import DiffGenerator
-from diffserve.errors import InvalidRequestError
+from diffserve.errors import InvalidRequestError, ModelLoadError
+from diffserve.families.z_image.pipeline import ZImagePipeline as NativeZImagePipeline
 from diffserve.families.z_image.tiny import build_tiny_zimage
+from diffserve.loader.component_loader import LoadedComponent
+from diffserve.models.dits.z_image import ZImageTransformer2DModel
+from diffserve.pipelines.base import PipelineContext
+from diffserve.platforms.cpu import CpuPlatform
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 from diffserve.testing.parity import (
     assert_generation_matches,
@@ -117,3 +124,36 @@ def test_z_image_refuses_bad_settings(engines, extra, match) -> None:
     with pytest.raises(InvalidRequestError, match=match) as info:
         ours.generate(prompt=PROMPT, height=32, width=32, num_inference_steps=1, extra=extra)
     assert info.value.param == "extra"
+
+
+#: A tiny DiT that fits a 32-wide text encoder and a 16-channel VAE; each refusal case changes config keys.
+FIT_DIT = {"dim": 32, "n_layers": 1, "n_refiner_layers": 1, "n_heads": 2, "n_kv_heads": 2, "cap_feat_dim": 32,
+           "axes_dims": [4, 6, 6], "axes_lens": [64, 32, 32]}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("dit", "latent_channels", "text_width", "message"),
+    [
+        # Diffusers' pipeline runs the DiT at patch 2-1: an assertion in its forward without that pair
+        ({"all_patch_size": [1], "all_f_patch_size": [1]}, 16, 32, "have no 2-1 pair"),
+        ({"in_channels": 8}, 16, 32, "in_channels=8 differs from the VAE's latent_channels=16"),
+        ({}, 16, 48, "cap_feat_dim=32 differs from the text encoder's hidden_size=48"),
+    ],
+)
+def test_z_image_refuses_a_folder_whose_components_do_not_fit(
+    dit, latent_channels, text_width, message
+) -> None:
+    """Configs Diffusers' ZImagePipeline fails on mid-generation are refused when the folder loads, naming the
+    keys: the pipeline built from a DiT made on the meta device and config-only VAE and text-encoder
+    stand-ins (the checks read only configs, before any stage is built)."""
+    with torch.device("meta"):
+        transformer = ZImageTransformer2DModel.from_config({**FIT_DIT, **dit})
+    values = {
+        "transformer": transformer,
+        "vae": SimpleNamespace(config={"latent_channels": latent_channels, "block_out_channels": [16, 32]}),
+        "text_encoder": SimpleNamespace(config=SimpleNamespace(hidden_size=text_width)),
+        "scheduler": None,
+    }
+    components = {name: LoadedComponent(name, type(v).__name__, v) for name, v in values.items()}
+    with pytest.raises(ModelLoadError, match=message):
+        NativeZImagePipeline(PipelineContext(components, CpuPlatform(), torch.float32))

@@ -40,6 +40,7 @@ from diffserve.distributed.parallel_vae import decode_split
 from diffserve.errors import InvalidRequestError
 from diffserve.families.qwen_image.config import QwenImagePipelineConfig, qwen_image_default_sampling_params
 from diffserve.families.qwen_image.edit_preparation import check_condition_sizes, condition_size
+from diffserve.families.qwen_image.folder_checks import check_qwen_image_folder
 from diffserve.families.qwen_image.pipeline import (
     NOT_GUIDANCE_DISTILLED,
     QwenImagePipeline,
@@ -371,6 +372,9 @@ class QwenImageLayeredPipeline(QwenImagePipeline):
         transformer = context.get("transformer")
         vae = context.get("vae")
         scheduler = context.get("scheduler")
+        check_qwen_image_folder(
+            transformer, vae, context.get("text_encoder"), self.pipeline_name, layered=True, pixel_channels=4
+        )
         self.vae_scale_factor = _vae_scale_factor(vae)
         self.pixel_multiple = self.vae_scale_factor * 2
         self.input_validation = self.validation_stage(context)

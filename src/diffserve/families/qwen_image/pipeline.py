@@ -35,6 +35,7 @@ from diffserve.families.qwen_image.edit_preparation import (
     check_condition_sizes,
     edit_output_size,
 )
+from diffserve.families.qwen_image.folder_checks import check_qwen_image_folder
 from diffserve.families.qwen_image.text_encoding import QwenEditTextEncodingStage, QwenTextEncodingStage
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.controlnets.qwen_image import QwenImageControlNetModel
@@ -140,6 +141,9 @@ class QwenImagePipeline(Pipeline):
     #: The ControlNet classes the engine may load for this pipeline by config `_class_name`
     #: (`loader/controlnets.py`); the Edit pipelines take none.
     controlnet_classes: ClassVar[dict[str, type]] = {"QwenImageControlNetModel": QwenImageControlNetModel}
+    #: The VAE `input_channels` the pipeline's input images need (None: any; text-to-image decodes what
+    #: the VAE gives, as Diffusers does).
+    vae_pixel_channels: ClassVar[int | None] = None
     #: Measured on the tiny test model (20 steps, 64x64, text-to-image and edit alike): 14 / 9 / 5 steps in
     #: full for medium / low / draft at about 38 / 32 / 28 dB. Its random weights make the timestep
     #: modulation, hence the signal, jump by ~100% every step, so thresholds above 1 leave the schedule to
@@ -215,6 +219,13 @@ class QwenImagePipeline(Pipeline):
         transformer = context.get("transformer")
         vae = context.get("vae")
         scheduler = context.get("scheduler")
+        check_qwen_image_folder(
+            transformer,
+            vae,
+            context.get("text_encoder"),
+            self.pipeline_name,
+            pixel_channels=self.vae_pixel_channels,
+        )
         self.vae_scale_factor = _vae_scale_factor(vae)
         self.pixel_multiple = self.vae_scale_factor * 2  # latents are packed in 2x2 patches
         self.input_validation = self.validation_stage(context)
@@ -260,6 +271,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
     conditioning_type: ClassVar[type[ReferenceImages]] = ReferenceImages
     controlnet_classes: ClassVar[dict[str, type]] = {}
     pipeline_name = "QwenImageEditPipeline"
+    vae_pixel_channels: ClassVar[int | None] = 3
 
     def validation_stage(self, context: PipelineContext) -> InputValidationStage:
         stage = super().validation_stage(context)

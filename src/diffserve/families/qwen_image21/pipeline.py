@@ -34,6 +34,7 @@ from diffserve.families.qwen_image21.config import (
     output_resolution,
     qwen_image21_default_sampling_params,
 )
+from diffserve.families.qwen_image21.folder_checks import check_qwen_image21_folder
 from diffserve.families.qwen_image21.stages import (
     PIPELINE_NAME,
     QwenImage21DecodingStage,
@@ -128,8 +129,7 @@ class QwenImage21Pipeline(Pipeline):
         vae = context.get("vae")
         scheduler = context.get("scheduler")
         scale = self.config.vae_scale_factor
-        if vae.spatial_compression_ratio != scale:
-            raise ValueError(f"{PIPELINE_NAME} needs a {scale}x VAE, got {vae.spatial_compression_ratio}x")
+        check_qwen_image21_folder(transformer, vae, context.get("text_encoder"), scale)
         self.pixel_multiple = scale * 2
         fixed = sample_sigmas(context)
         steps = (

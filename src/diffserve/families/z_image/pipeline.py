@@ -27,6 +27,7 @@ from diffserve.families.z_image.config import (
     z_image_default_sampling_params,
     z_image_settings,
 )
+from diffserve.families.z_image.folder_checks import check_z_image_folder
 from diffserve.families.z_image.stages import ZImageTextEncodingStage, ZImageTimestepPreparationStage
 from diffserve.layers.lora_rows import request_lora_scope
 from diffserve.loader.folder_defaults import apply_overrides
@@ -150,6 +151,7 @@ class ZImagePipeline(Pipeline):
         transformer = context.get("transformer")
         vae = context.get("vae")
         scheduler = context.get("scheduler")
+        check_z_image_folder(transformer, vae, context.get("text_encoder"))
         self.vae_scale_factor = 2 ** (len(vae.config["block_out_channels"]) - 1)
         self.pixel_multiple = self.vae_scale_factor * 2
         default = self.config.default_pixels
