@@ -14,8 +14,10 @@ from diffusers import HiDreamImagePipeline as DiffusersHiDream
 
 from diffserve import SamplingParams
 from diffserve.api import DiffGenerator
-from diffserve.errors import InvalidRequestError
+from diffserve.errors import InvalidRequestError, ModelLoadError
+from diffserve.families.hidream.stages import check_unipc_shift
 from diffserve.families.hidream.tiny import TinyHiDreamSpec, build_tiny_hidream
+from diffserve.models.schedulers.unipc_flow import UniPCFlowScheduler
 from diffserve.testing.parity import (
     assert_batched_as_alone,
     assert_images_match,
@@ -154,3 +156,21 @@ def test_a_max_sequence_length_below_the_clip_special_tokens_is_refused(folders)
     assert_images_match(
         got, want, "HiDream max_sequence_length 2", min_db=PSNR_BAR_DB, shape=(1, 128, 128, 3)
     )
+
+
+def test_a_non_square_grid_beyond_max_resolution_is_refused(folders, monkeypatch) -> None:
+    """A non-square grid is padded to the DiT's `max_resolution` area in patches (Diffusers fails on one that
+    has more): refused at validation, before any DiT batch; a square one is not padded and runs."""
+    ours, _ = folders("euler")
+    monkeypatch.setattr(ours.pipeline.input_validation, "max_patches", 64)  # max_resolution [64, 64]
+    with pytest.raises(InvalidRequestError, match="252 DiT patches, more than the 64") as info:
+        ours.generate(prompt=PROMPT, height=32, width=56, num_inference_steps=1)
+    assert info.value.param == "height"
+    ours.pipeline.input_validation.resolve(SamplingParams(prompt=PROMPT, height=32, width=32))
+
+
+def test_a_unipc_scheduler_with_dynamic_shifting_is_refused() -> None:
+    """Diffusers' pipeline gives UniPC no `mu`, so UniPC with use_dynamic_shifting fails every call there."""
+    check_unipc_shift(UniPCFlowScheduler(flow_shift=3.0))
+    with pytest.raises(ModelLoadError, match="use_dynamic_shifting=True"):
+        check_unipc_shift(UniPCFlowScheduler(flow_shift=3.0, use_dynamic_shifting=True))

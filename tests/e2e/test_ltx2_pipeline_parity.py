@@ -5,10 +5,15 @@ Every frame of the clip is compared as uint8 (PSNR >= 40 dB) and the waveform as
 Diffusers' default guidance (CFG, STG, modality guidance and rescale all on; STG moved to a block the tiny
 DiT has) and with CFG off, on non-square sizes; image-to-video from a non-square image (re-compressed at the
 default CRF 33). The written MP4 carries the soundtrack as an AAC track of the clip's duration, and two
-requests that share DiT batches get what each gets alone.
+requests that share DiT batches get what each gets alone. Folder configs Diffusers cannot run (shape
+errors mid-generation, NaN schedules) are refused at load, and text lengths against both connectors'
+registers.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,7 +21,9 @@ import torch
 from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline
 
 from diffserve import DiffGenerator, SamplingParams
-from diffserve.errors import InvalidRequestError
+from diffserve.errors import InvalidRequestError, ModelLoadError
+from diffserve.families.ltx2.folder_checks import check_ltx2_folder
+from diffserve.families.ltx2.text_encoding import register_multiple
 from diffserve.families.ltx2.tiny import TinyLTX2Spec, build_tiny_ltx2
 from diffserve.outputs.audio_track import read_audio_track
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
@@ -178,6 +185,52 @@ def test_ltx2_rejects_bad_requests(t2v) -> None:
     ) as info:
         ours.generate(prompt=PROMPT, num_frames=1, fps=50, **base)
     assert info.value.param == "fps"
+
+
+@pytest.mark.parametrize(
+    ("dit_keys", "scheduler_keys", "named"),
+    [
+        ({"patch_size": 2}, {}, "patch_size=2"),
+        ({"audio_patch_size_t": 2}, {}, "audio_patch_size_t=2"),
+        (
+            {"in_channels": 4, "out_channels": 4},
+            {},
+            r"in_channels=4 differs from the video VAE's latent_channels \(8\)",
+        ),
+        ({"audio_out_channels": 4}, {}, r"audio_out_channels=4 differs from the audio VAE's latent_channels"),
+        ({}, {"invert_sigmas": True}, "invert_sigmas=True"),
+    ],
+)
+def test_ltx2_refuses_a_folder_diffusers_cannot_run(t2v, dit_keys, scheduler_keys, named) -> None:
+    """Configs on which Diffusers' pipelines fail mid-generation (shape errors) or return NaN (a schedule
+    from sigma 0) are refused at load, naming the key; `audio_patch_size` (mel) is read by neither."""
+    ours, _ = t2v
+    stage = next(s for s in ours.pipeline.stages if type(s).__name__ == "LTX2DecodingStage")
+    transformer = ours.pipeline.denoiser.transformer
+    folder_scheduler = ours.pipeline.denoiser.scheduler.config
+    check_ltx2_folder(transformer, stage.vae, stage.audio_vae, folder_scheduler)  # the test folder fits
+    check_ltx2_folder(
+        SimpleNamespace(config=replace(transformer.config, audio_patch_size=2)),
+        stage.vae,
+        stage.audio_vae,
+        {},
+    )
+    changed = SimpleNamespace(config=replace(transformer.config, **dit_keys))
+    with pytest.raises(ModelLoadError, match=named):
+        check_ltx2_folder(changed, stage.vae, stage.audio_vae, {**folder_scheduler, **scheduler_keys})
+
+
+@pytest.mark.parametrize(
+    ("video", "audio", "multiple"),
+    [(8, 8, 8), (8, 16, 16), (None, 8, 8), (8, None, 8), (6, 4, 12), (None, None, None)],
+)
+def test_ltx2_text_length_fits_both_connectors_registers(video, audio, multiple) -> None:
+    """Each connector tiles the padding with its registers and fails on a length they do not divide (in
+    Diffusers too): requests are checked against both connectors', not only the video one's."""
+    config = SimpleNamespace(
+        video_connector_num_learnable_registers=video, audio_connector_num_learnable_registers=audio
+    )
+    assert register_multiple(config) == multiple
 
 
 def test_ltx2_timestep_conditioned_vae_decodes_as_diffusers(tmp_path) -> None:

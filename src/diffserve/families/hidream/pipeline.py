@@ -18,7 +18,11 @@ from diffserve.configs.cache_settings import TeaCacheSettings
 from diffserve.configs.quality import TierPreset
 from diffserve.families.hidream.conditioning import HiDreamConditioning
 from diffserve.families.hidream.config import HiDreamPipelineConfig, hidream_default_sampling_params
-from diffserve.families.hidream.stages import HiDreamInputValidationStage, HiDreamTimestepPreparationStage
+from diffserve.families.hidream.stages import (
+    HiDreamInputValidationStage,
+    HiDreamTimestepPreparationStage,
+    check_unipc_shift,
+)
 from diffserve.families.hidream.text_encoding import HiDreamTextEncodingStage
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.hidream_image import HiDreamImageTransformer2DModel
@@ -95,12 +99,14 @@ class HiDreamPipeline(Pipeline):
         vae = context.get("vae")
         scheduler = context.get("scheduler")
         dit = transformer.config
+        check_unipc_shift(scheduler)
         vae_scale_factor = 2 ** (len(vae.config["block_out_channels"]) - 1)
         self.pixel_multiple = vae_scale_factor * dit.patch_size
         self.input_validation = HiDreamInputValidationStage(
             vae_scale_factor=vae_scale_factor,
             default_sample_size=self.config.default_sample_size,
             min_max_sequence_length=self.config.min_max_sequence_length,
+            max_patches=transformer.max_seq,
             defaults=apply_overrides(hidream_default_sampling_params(), context.folder_sampling_defaults),
             pixel_multiple=self.pixel_multiple,
             default_pixels=self.config.default_sample_size * vae_scale_factor,

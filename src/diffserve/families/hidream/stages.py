@@ -5,7 +5,9 @@
   pixels per side times the VAE's factor: 1024 x 1024 with the 8x VAE), keeping the aspect ratio, each side
   floored to a multiple of twice the VAE's factor; the output has that size. Validation applies the rule
   once (a request's height and width become the sizes it generates), with the default size for a side the
-  request leaves unset.
+  request leaves unset. A non-square size whose grid has more DiT patches than the DiT pads to (its
+  `max_resolution` area in patches) is refused: Diffusers fails on it in the DiT (none released: their
+  `max_resolution` covers the default area).
 - Timesteps: the folder's scheduler's own schedule. Flow-matching Euler gets `mu` from Diffusers'
   default shift line at the DiT's `max_seq` (used only when the scheduler shifts dynamically); UniPC gets
   the step count alone, as Diffusers calls it.
@@ -16,7 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.errors import InvalidRequestError
+from diffserve.errors import InvalidRequestError, ModelLoadError
 from diffserve.families.hidream.config import HiDreamPipelineConfig, rescaled_size, schedule_shift_mu
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.schedulers.unipc_flow import UniPCFlowScheduler
@@ -30,12 +32,20 @@ class HiDreamInputValidationStage(InputValidationStage):
     """The shared validation, after Diffusers' size rule (module docstring)."""
 
     def __init__(
-        self, *, vae_scale_factor: int, default_sample_size: int, min_max_sequence_length: int, **options
+        self,
+        *,
+        vae_scale_factor: int,
+        default_sample_size: int,
+        min_max_sequence_length: int,
+        max_patches: int,
+        **options,
     ) -> None:
         super().__init__(**options)
         self.max_side = default_sample_size * vae_scale_factor
         self.division = vae_scale_factor * 2
         self.min_max_sequence_length = min_max_sequence_length
+        #: The patches the DiT pads a non-square grid to (its `max_seq`).
+        self.max_patches = max_patches
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         length, least = params.max_sequence_length, self.min_max_sequence_length
@@ -58,7 +68,30 @@ class HiDreamInputValidationStage(InputValidationStage):
                     "pixels): ask for another aspect ratio",
                     param=name,
                 )
+        self._check_padded_grid(height, width, *rescaled)
         return super().resolve(replace(params, height=rescaled[0], width=rescaled[1]))
+
+    def _check_padded_grid(self, height: int, width: int, out_height: int, out_width: int) -> None:
+        """A non-square grid is padded to `max_patches` DiT patches: it must not have more."""
+        patches = (out_height // self.pixel_multiple) * (out_width // self.pixel_multiple)
+        if out_height != out_width and patches > self.max_patches:
+            raise InvalidRequestError(
+                f"HiDream-I1 generates {out_height}x{out_width} for {height}x{width} (Diffusers' area rule): "
+                f"{patches} DiT patches, more than the {self.max_patches} this DiT pads a non-square image to "
+                "(its max_resolution); ask for a square image",
+                param="height",
+            )
+
+
+def check_unipc_shift(scheduler: FlowMatchEulerScheduler | UniPCFlowScheduler) -> None:
+    """ModelLoadError for a UniPC scheduler with `use_dynamic_shifting`: Diffusers' pipeline sets UniPC's
+    timesteps from the step count alone (no `mu`), which such a scheduler refuses at every request."""
+    if isinstance(scheduler, UniPCFlowScheduler) and scheduler.config["use_dynamic_shifting"]:
+        raise ModelLoadError(
+            "this HiDream-I1 folder's UniPCMultistepScheduler sets use_dynamic_shifting=True, but the pipeline "
+            "(as Diffusers') gives UniPC no resolution shift mu, so no request could run (Diffusers raises "
+            "at every call): set use_dynamic_shifting to false (the static flow_shift applies)"
+        )
 
 
 class HiDreamTimestepPreparationStage(Stage):

@@ -10,7 +10,7 @@ The DiT's 8 x 8 patches keep the 128 x 128 latents at 256 tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -79,6 +79,16 @@ class TinyHiDreamSpec:
     dit_weight_noise: float = 0.1
     scheduler: str = "euler"
     seed: int = 0
+    #: The VAE's levels (their count sets its scale factor: 2 ** (levels - 1); one level keeps images small).
+    vae_block_out_channels: tuple[int, ...] = (16,)
+    #: The T5 and Llama tokenizers' `model_max_length` (Diffusers caps `max_sequence_length` at each).
+    t5_max_length: int = 512
+    llama_max_length: int = 131072
+    #: Diffusers config keys that override (or add to) the builder's, per component: other checkpoints'
+    #: configs (block counts, experts, RoPE axes, VAE factors, scheduler shifts ...).
+    extra_transformer_config: dict = field(default_factory=dict)
+    extra_vae_config: dict = field(default_factory=dict)
+    extra_scheduler_config: dict = field(default_factory=dict)
 
 
 def build_llama_tokenizer(model_max_length: int = 131072) -> PreTrainedTokenizerFast:
@@ -123,6 +133,7 @@ def _dit_config(spec: TinyHiDreamSpec) -> dict:
         "max_resolution": [128, 128],
         "llama_layers": [(i + 1) % spec.llama_layers for i in range(blocks)],
         "force_inference_output": False,
+        **spec.extra_transformer_config,
     }
 
 
@@ -155,10 +166,10 @@ def build_tiny_hidream(out_dir: str | Path, spec: TinyHiDreamSpec | None = None)
         config = clip_text_config(clip_tokenizer, spec.clip_hidden_size + 8 * i)
         config.max_position_embeddings = 248
         save_text_encoder(root, CLIPTextModelWithProjection(config), clip_tokenizer, suffix)
-    t5_tokenizer = build_t5_tokenizer()
+    t5_tokenizer = build_t5_tokenizer(spec.t5_max_length)
     t5 = T5EncoderModel(t5_encoder_config(t5_tokenizer, spec.t5_hidden_size))
     save_text_encoder(root, t5, t5_tokenizer, "_3")
-    llama_tokenizer = build_llama_tokenizer()
+    llama_tokenizer = build_llama_tokenizer(spec.llama_max_length)
     llama_shape = llama_text_shape(llama_tokenizer, spec.llama_hidden_size, spec.llama_layers, 4, 2, 512)
     llama_config = LlamaConfig(**llama_shape, tie_word_embeddings=False)
     save_text_encoder(root, LlamaForCausalLM(llama_config), llama_tokenizer, "_4")
@@ -170,10 +181,13 @@ def build_tiny_hidream(out_dir: str | Path, spec: TinyHiDreamSpec | None = None)
         spec.seed + 10,
         spec.dit_weight_noise,
     )
-    vae_config = autoencoder_kl_config(
-        (16,), spec.latent_channels, 8, scaling_factor=0.3611, shift_factor=0.1159
-    )
+    vae_config = {
+        **autoencoder_kl_config(
+            spec.vae_block_out_channels, spec.latent_channels, 8, scaling_factor=0.3611, shift_factor=0.1159
+        ),
+        **spec.extra_vae_config,
+    }
     save_diffusers_model(AutoencoderKL.from_config(vae_config), root / "vae", "AutoencoderKL", vae_config)
     class_name, scheduler_config = SCHEDULERS[spec.scheduler]
-    write_scheduler_config(root, class_name, scheduler_config)
+    write_scheduler_config(root, class_name, {**scheduler_config, **spec.extra_scheduler_config})
     return finish_tiny_folder(root, hidream_model_index(spec), spec)

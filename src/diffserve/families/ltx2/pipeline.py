@@ -34,7 +34,7 @@ import torch
 from diffserve.configs.cache_settings import TeaCacheSettings
 from diffserve.configs.quality import TierPreset
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.errors import InvalidRequestError, ModelLoadError
+from diffserve.errors import InvalidRequestError
 from diffserve.families.ltx2.conditioning import LTX2Conditioning
 from diffserve.families.ltx2.config import (
     DEFAULT_IMAGE_CRF,
@@ -45,12 +45,13 @@ from diffserve.families.ltx2.config import (
     ltx2_guidance,
 )
 from diffserve.families.ltx2.decoding import LTX2DecodingStage
+from diffserve.families.ltx2.folder_checks import check_ltx2_folder
 from diffserve.families.ltx2.latent_preparation import (
     FirstFrameCondition,
     LTX2LatentPreparationStage,
     audio_latent_steps,
 )
-from diffserve.families.ltx2.text_encoding import LTX2TextEncodingStage
+from diffserve.families.ltx2.text_encoding import LTX2TextEncodingStage, register_multiple
 from diffserve.loader.folder_defaults import apply_overrides
 from diffserve.models.dits.ltx2 import LTX2VideoTransformer3DModel
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
@@ -399,17 +400,13 @@ class LTX2Pipeline(Pipeline):
         audio_vae = context.get("audio_vae")
         connectors = context.get("connectors")
         scheduler = context.get("scheduler")
-        if (transformer.config.patch_size, transformer.config.patch_size_t) != (1, 1):
-            raise ModelLoadError(
-                "LTX-2's pipelines pack latents into 1x1x1 patches; this DiT has patch_size "
-                f"{transformer.config.patch_size} x patch_size_t {transformer.config.patch_size_t}"
-            )
+        check_ltx2_folder(transformer, vae, audio_vae, scheduler.config)
         self.denoiser = LTX2Denoiser(transformer, scheduler, self.image_to_video)
         self.spatial = int(vae.spatial_compression_ratio)
         self.temporal = int(vae.temporal_compression_ratio)
         self.pixel_multiple = max(self.config.pixel_multiple, self.spatial)
         self._warn_idle_stg()
-        registers = connectors.config.video_connector_num_learnable_registers
+        registers = register_multiple(connectors.config)
         self.input_validation = LTX2InputValidationStage(
             defaults=apply_overrides(ltx2_default_sampling_params(), context.folder_sampling_defaults),
             pixel_multiple=self.pixel_multiple,

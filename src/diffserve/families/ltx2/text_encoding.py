@@ -9,12 +9,14 @@ rounding) and cached with its settings."""
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from diffserve.families.ltx2.conditioning import LTX2Conditioning
+from diffserve.models.dits.ltx2_connectors import LTX2TextConnectorsConfig
 from diffserve.request import Req
 from diffserve.stages.base import Stage, to_module
 from diffserve.stages.prompt_cache import PromptEmbeddingCache
@@ -27,6 +29,21 @@ class LTX2Text(NamedTuple):
     video: torch.Tensor
     audio: torch.Tensor
     mask: torch.Tensor
+
+
+def register_multiple(connectors_config: LTX2TextConnectorsConfig) -> int | None:
+    """The text length both connectors take: a multiple of each one's learnable registers (they tile the
+    padding with them), so the least common multiple of the video and audio connectors' counts; None
+    when neither has registers (any length)."""
+    counts = [
+        count
+        for count in (
+            connectors_config.video_connector_num_learnable_registers,
+            connectors_config.audio_connector_num_learnable_registers,
+        )
+        if count
+    ]
+    return math.lcm(*counts) if counts else None
 
 
 def stacked_hidden_states(

@@ -14,7 +14,7 @@ Every weight and the VAEs' latent statistics are random, so no term of the pipel
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -54,6 +54,14 @@ class TinyLTX2Spec:
     seed: int = 0
     #: Every weight gets this much Gaussian noise on top of Diffusers' initialisation (some of which is zero).
     weight_noise: float = 0.05
+    #: Diffusers config keys that override (or add to) what the builder passes each component's class:
+    #: other checkpoints' configs (layouts, RoPE, VAE depths, audio rates, scheduler shifts ...).
+    extra_transformer_config: dict = field(default_factory=dict)
+    extra_connectors_config: dict = field(default_factory=dict)
+    extra_vae_config: dict = field(default_factory=dict)
+    extra_audio_vae_config: dict = field(default_factory=dict)
+    extra_vocoder_config: dict = field(default_factory=dict)
+    extra_scheduler_config: dict = field(default_factory=dict)
 
 
 def _gemma3(
@@ -125,35 +133,41 @@ def build_tiny_ltx2_pipeline(spec: TinyLTX2Spec | None = None):
     )
     audio_in = spec.audio_latent_channels * (spec.mel_bins // 4)
     transformer = LTX2VideoTransformer3DModel(
-        in_channels=spec.latent_channels,
-        out_channels=spec.latent_channels,
-        patch_size=1,
-        patch_size_t=1,
-        num_attention_heads=spec.num_attention_heads,
-        attention_head_dim=spec.attention_head_dim,
-        cross_attention_dim=spec.num_attention_heads * spec.attention_head_dim,
-        audio_in_channels=audio_in,
-        audio_out_channels=audio_in,
-        audio_num_attention_heads=spec.audio_num_attention_heads,
-        audio_attention_head_dim=spec.audio_attention_head_dim,
-        audio_cross_attention_dim=spec.audio_num_attention_heads * spec.audio_attention_head_dim,
-        num_layers=spec.num_layers,
-        caption_channels=spec.text_hidden_size,
-        rope_type="split",
-        perturbed_attn=True,  # LTX-2.3's STG-perturbable self-attention
+        **{
+            "in_channels": spec.latent_channels,
+            "out_channels": spec.latent_channels,
+            "patch_size": 1,
+            "patch_size_t": 1,
+            "num_attention_heads": spec.num_attention_heads,
+            "attention_head_dim": spec.attention_head_dim,
+            "cross_attention_dim": spec.num_attention_heads * spec.attention_head_dim,
+            "audio_in_channels": audio_in,
+            "audio_out_channels": audio_in,
+            "audio_num_attention_heads": spec.audio_num_attention_heads,
+            "audio_attention_head_dim": spec.audio_attention_head_dim,
+            "audio_cross_attention_dim": spec.audio_num_attention_heads * spec.audio_attention_head_dim,
+            "num_layers": spec.num_layers,
+            "caption_channels": spec.text_hidden_size,
+            "rope_type": "split",
+            "perturbed_attn": True,  # LTX-2.3's STG-perturbable self-attention
+            **spec.extra_transformer_config,
+        }
     )
     connectors = LTX2TextConnectors(
-        caption_channels=spec.text_hidden_size,
-        text_proj_in_factor=spec.text_layers + 1,
-        video_connector_num_attention_heads=2,
-        video_connector_attention_head_dim=spec.text_hidden_size // 2,
-        video_connector_num_layers=1,
-        video_connector_num_learnable_registers=spec.connector_registers,
-        audio_connector_num_attention_heads=2,
-        audio_connector_attention_head_dim=spec.text_hidden_size // 2,
-        audio_connector_num_layers=1,
-        audio_connector_num_learnable_registers=spec.connector_registers,
-        rope_type="split",
+        **{
+            "caption_channels": spec.text_hidden_size,
+            "text_proj_in_factor": spec.text_layers + 1,
+            "video_connector_num_attention_heads": 2,
+            "video_connector_attention_head_dim": spec.text_hidden_size // 2,
+            "video_connector_num_layers": 1,
+            "video_connector_num_learnable_registers": spec.connector_registers,
+            "audio_connector_num_attention_heads": 2,
+            "audio_connector_attention_head_dim": spec.text_hidden_size // 2,
+            "audio_connector_num_layers": 1,
+            "audio_connector_num_learnable_registers": spec.connector_registers,
+            "rope_type": "split",
+            **spec.extra_connectors_config,
+        }
     )
     c = spec.vae_channels
     decoder: dict = {"decoder_block_out_channels": (c, 2 * c, 4 * c)}  # the released channel ratios
@@ -164,35 +178,44 @@ def build_tiny_ltx2_pipeline(spec: TinyLTX2Spec | None = None):
             "upsample_residual": (False, False, False),
         }
     vae = AutoencoderKLLTX2Video(
-        latent_channels=spec.latent_channels,
-        block_out_channels=(c, 2 * c, 4 * c, 8 * c),
-        layers_per_block=(1, 1, 1, 1, 1),
-        decoder_layers_per_block=(1, 1, 1, 1),
-        timestep_conditioning=spec.timestep_conditioning,
-        **decoder,
-        decoder_causal=False,
-        # LTX-2's 32x / 8x: one spatial-only and one temporal-only level besides two spatiotemporal ones
-        # (the formula from `spatio_temporal_scaling` would count all four levels in both).
-        spatial_compression_ratio=32,
-        temporal_compression_ratio=8,
+        **{
+            "latent_channels": spec.latent_channels,
+            "block_out_channels": (c, 2 * c, 4 * c, 8 * c),
+            "layers_per_block": (1, 1, 1, 1, 1),
+            "decoder_layers_per_block": (1, 1, 1, 1),
+            "timestep_conditioning": spec.timestep_conditioning,
+            **decoder,
+            "decoder_causal": False,
+            # LTX-2's 32x / 8x: one spatial-only and one temporal-only level besides two spatiotemporal ones
+            # (the formula from `spatio_temporal_scaling` would count all four levels in both).
+            "spatial_compression_ratio": 32,
+            "temporal_compression_ratio": 8,
+            **spec.extra_vae_config,
+        }
     )
     audio_vae = AutoencoderKLLTX2Audio(
-        base_channels=audio_in,
-        ch_mult=(1, 2),
-        num_res_blocks=1,
-        resolution=32,
-        latent_channels=spec.audio_latent_channels,
-        mel_bins=spec.mel_bins,
+        **{
+            "base_channels": audio_in,
+            "ch_mult": (1, 2),
+            "num_res_blocks": 1,
+            "resolution": 32,
+            "latent_channels": spec.audio_latent_channels,
+            "mel_bins": spec.mel_bins,
+            **spec.extra_audio_vae_config,
+        }
     )
     vocoder = LTX2Vocoder(  # the released upsampling (240 samples a mel frame: 24 kHz from hop 160 at 16 kHz)
-        in_channels=audio_vae.config.output_channels * spec.mel_bins,
-        hidden_channels=32,
-        out_channels=2,
-        upsample_kernel_sizes=[16, 15, 8, 4, 4],
-        upsample_factors=[6, 5, 2, 2, 2],
-        resnet_kernel_sizes=[3],
-        resnet_dilations=[[1, 3]],
-        output_sampling_rate=24000,
+        **{
+            "in_channels": audio_vae.config.output_channels * spec.mel_bins,
+            "hidden_channels": 32,
+            "out_channels": 2,
+            "upsample_kernel_sizes": [16, 15, 8, 4, 4],
+            "upsample_factors": [6, 5, 2, 2, 2],
+            "resnet_kernel_sizes": [3],
+            "resnet_dilations": [[1, 3]],
+            "output_sampling_rate": 24000,
+            **spec.extra_vocoder_config,
+        }
     )
     for offset, module in enumerate((transformer, connectors, vae, audio_vae, vocoder)):
         _perturb(module, spec.weight_noise, spec.seed + 10 + offset)
@@ -201,8 +224,10 @@ def build_tiny_ltx2_pipeline(spec: TinyLTX2Spec | None = None):
     cls = LTX2ImageToVideoPipeline if spec.image_to_video else LTX2Pipeline
     # The shift settings LTX2Pipeline falls back to when a scheduler config lacks them, and a terminal sigma.
     scheduler = FlowMatchEulerDiscreteScheduler(
-        use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
-        max_image_seq_len=4096, shift_terminal=0.1,
+        **{
+            "use_dynamic_shifting": True, "base_shift": 0.95, "max_shift": 2.05, "base_image_seq_len": 1024,
+            "max_image_seq_len": 4096, "shift_terminal": 0.1, **spec.extra_scheduler_config,
+        }
     )  # fmt: skip
     return cls(
         scheduler=scheduler,
