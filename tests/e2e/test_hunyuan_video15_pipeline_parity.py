@@ -2,9 +2,10 @@
 HunyuanVideo15ImageToVideoPipeline on the same tiny folder and seed, every frame compared as uint8
 (PSNR >= 40 dB): CFG on (the folder guider's default scale, a negative prompt, quoted text for the glyph
 encoder) and off, non-square sizes, image-to-video (a MeanFlow DiT) from a non-square image at its default
-bucket size. Also: the text encoders' outputs against Diffusers' `encode_prompt`, the guider's arithmetic
-against Diffusers' `ClassifierFreeGuidance`, two requests sharing denoising steps, the preview, the default
-sizes and the 4k+1 frame rule.
+bucket size, its folder of other checkpoint values than the released ones (`I2V_OTHER_CONFIG`). Also: the
+text encoders' outputs against Diffusers' `encode_prompt`, the guider's arithmetic against Diffusers'
+`ClassifierFreeGuidance`, two requests sharing denoising steps, the preview, the default sizes, the 4k+1
+frame rule and a folder whose components disagree refused at load.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from diffusers.guiders import ClassifierFreeGuidance as DiffusersCFG
 
 from diffserve import SamplingParams
 from diffserve.api import DiffGenerator
-from diffserve.errors import InvalidRequestError
+from diffserve.errors import InvalidRequestError, ModelLoadError
+from diffserve.families.hunyuan_video15.folder_checks import check_hunyuan_video15_folder
 from diffserve.families.hunyuan_video15.text_encoding import HunyuanVideo15TextEncodingStage
 from diffserve.families.hunyuan_video15.tiny import TinyHunyuanVideo15Spec, build_tiny_hunyuan_video15
+from diffserve.models.dits.hunyuan_video15 import HunyuanVideo15TransformerConfig
 from diffserve.models.guiders.classifier_free_guidance import ClassifierFreeGuidance
 from diffserve.request import Req
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
@@ -229,12 +232,29 @@ def test_t2v_default_size_is_the_16_9_bucket(t2v) -> None:
     assert (params.num_frames, params.num_inference_steps, params.fps) == (121, 50, 24)
 
 
+#: The image-to-video folder's values besides the released ones, all read by Diffusers: 16 latent channels
+#: (DiT channels 2 * 16 + 1), a DiT of other heads, RoPE axes and MLP ratio, other glyph and image encoder
+#: widths, another scheduler shift with a terminal sigma, a guider that rescales. (The Qwen2.5-VL text
+#: encoder, which reads 1108 tokens per prompt and is most of the test's time, keeps its tiny shape.)
+I2V_OTHER_CONFIG = TinyHunyuanVideo15Spec(
+    image_to_video=True,
+    use_meanflow=True,
+    seed=1,
+    latent_channels=16,
+    num_attention_heads=4,
+    attention_head_dim=8,
+    rope_axes_dim=(2, 2, 4),
+    glyph_hidden_size=24,
+    image_hidden_size=24,
+    extra_dit_config={"mlp_ratio": 2.5},
+    extra_scheduler_config={"shift": 3.0, "shift_terminal": 0.1},
+    extra_guider_config={"guidance_rescale": 0.5},
+)
+
+
 @pytest.fixture(scope="module")
 def i2v(tmp_path_factory):
-    root = build_tiny_hunyuan_video15(
-        tmp_path_factory.mktemp("hv15-i2v"),
-        TinyHunyuanVideo15Spec(image_to_video=True, use_meanflow=True, seed=1),
-    )
+    root = build_tiny_hunyuan_video15(tmp_path_factory.mktemp("hv15-i2v"), I2V_OTHER_CONFIG)
     return generator_and_reference(DiffGenerator, root, HunyuanVideo15ImageToVideoPipeline)
 
 
@@ -274,3 +294,16 @@ def test_i2v_takes_an_explicit_size(i2v) -> None:
     kwargs = dict(height=32, width=64, num_frames=5, num_inference_steps=1, guidance_scale=1.0)
     out = ours.generate(prompt=PROMPT, image=gradient_image(width=60, height=40), seed=1, **kwargs)
     assert np.stack(out.frames).shape == (1, 5, 32, 64, 3)
+
+
+def test_folder_whose_components_disagree_is_refused() -> None:
+    """The load-time check the pipelines run on their DiT, VAE and encoder widths (Diffusers fails
+    mid-generation on a shape): a DiT whose output is not the VAE's latent channels (`out_channels` None:
+    its 17 input channels), encoder widths other than the DiT's."""
+    dit = HunyuanVideo15TransformerConfig(in_channels=17, out_channels=None, text_embed_dim=32)
+    with pytest.raises(ModelLoadError, match="out_channels=17 differs from the VAE's latent_channels=8"):
+        check_hunyuan_video15_folder(dit, {"latent_channels": 8}, 32, 1472, None)
+    dit = HunyuanVideo15TransformerConfig(in_channels=17, out_channels=8, text_embed_dim=32)
+    check_hunyuan_video15_folder(dit, {"latent_channels": 8}, 32, 1472, None)
+    with pytest.raises(ModelLoadError, match="in_channels=17.*33 channels.*image_embed_dim=1152 differs"):
+        check_hunyuan_video15_folder(dit, {"latent_channels": 16}, 32, 1472, 24)

@@ -7,7 +7,8 @@ final latents in dB and the decoded frames as uint8 PSNR, with a control (anothe
 below the bar and another image that must move the latents far from it: embedded guidance alone, true CFG with a negative prompt (read with a black image and more
 image tokens than the prompt under token_replace: the branches' texts are padded to one length),
 non-square sizes and images, truncated prompts; the Llava text encoding alone; 2 outputs per prompt (each
-Diffusers' video from that output's noise); two requests sharing steps equal each alone.
+Diffusers' video from that output's noise); two requests sharing steps equal each alone. The "latent_concat"
+folder holds other checkpoint values than the released ones (`OTHER_CONFIG`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from diffusers import HunyuanVideoImageToVideoPipeline as DiffusersHunyuanVideoI
 
 from diffserve import SamplingParams
 from diffserve.api import DiffGenerator
-from diffserve.errors import InvalidRequestError
+from diffserve.errors import InvalidRequestError, ModelLoadError
+from diffserve.families.hunyuan_video.folder_checks import check_hunyuan_video_folder
 from diffserve.families.hunyuan_video.image_to_video_tiny import (
     TinyHunyuanVideoI2VSpec,
     build_tiny_hunyuan_video_i2v,
 )
+from diffserve.models.dits.hunyuan_video import HunyuanVideoTransformerConfig
 from diffserve.testing.parity import (
     assert_batched_as_alone,
     assert_images_match,
@@ -53,12 +56,38 @@ IMAGE = smooth_random_image(width=40, height=30, seed=1)
 OTHER_IMAGE = gradient_image(width=40, height=30)
 
 
+#: The "latent_concat" folder's other checkpoint values, all read by Diffusers: another latent width (so
+#: DiT channels 2 * 8 + 1), a 3-level VAE of other scaling, groups and no mid-block attention, a DiT of
+#: other heads, RoPE axes, MLP ratio, refiner and block counts, another scheduler shift and terminal sigma.
+OTHER_CONFIG = {
+    "latent_concat": dict(
+        latent_channels=8,
+        extra_dit_config={
+            "num_attention_heads": 4,
+            "attention_head_dim": 8,
+            "rope_axes_dim": (2, 2, 4),
+            "mlp_ratio": 2.5,
+            "num_refiner_layers": 2,
+            "num_layers": 2,
+            "num_single_layers": 0,
+        },
+        extra_vae_config={
+            "block_out_channels": (8, 16, 16),
+            "norm_num_groups": 2,
+            "mid_block_add_attention": False,
+            "scaling_factor": 1.3,
+        },
+        extra_scheduler_config={"shift": 3.0, "shift_terminal": 0.05},
+    ),
+}
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     return folder_pairs(
         lambda condition: tmp_path_factory.mktemp(f"hunyuan-video-i2v-{condition}"),
         lambda condition, root: build_tiny_hunyuan_video_i2v(
-            root, TinyHunyuanVideoI2VSpec(image_condition_type=condition)
+            root, TinyHunyuanVideoI2VSpec(image_condition_type=condition, **OTHER_CONFIG.get(condition, {}))
         ),
         DiffGenerator,
         DiffusersHunyuanVideoI2V,
@@ -207,3 +236,22 @@ def test_requests_without_an_image_or_frames_are_refused(folders) -> None:
         ours.generate(prompt=PROMPT, num_frames=5, height=32, width=32)
     with pytest.raises(InvalidRequestError, match="num_frames"):
         ours.generate(prompt=PROMPT, image=IMAGE, num_frames=1, height=32, width=32)
+
+
+def test_folder_check_reads_the_condition_type() -> None:
+    """The load-time check: "latent_concat" feeds the DiT 2 * latent + 1 channels, "token_replace" the
+    latents' own; a text-to-video pipeline feeds the latents' own to either."""
+    concat = HunyuanVideoTransformerConfig(
+        in_channels=9, out_channels=4, text_embed_dim=32, pooled_projection_dim=16,
+        image_condition_type="latent_concat",
+    )  # fmt: skip
+    check_hunyuan_video_folder(concat, {"latent_channels": 4}, 32, 16, image_to_video=True)
+    with pytest.raises(ModelLoadError, match="in_channels=9.*4 channels"):
+        check_hunyuan_video_folder(concat, {"latent_channels": 4}, 32, 16, image_to_video=False)
+    replace_ = HunyuanVideoTransformerConfig(
+        in_channels=4, out_channels=4, text_embed_dim=32, pooled_projection_dim=16,
+        image_condition_type="token_replace",
+    )  # fmt: skip
+    check_hunyuan_video_folder(replace_, {"latent_channels": 4}, 32, 16, image_to_video=True)
+    with pytest.raises(ModelLoadError, match="text_embed_dim=32 differs.*pooled_projection_dim=16 differs"):
+        check_hunyuan_video_folder(replace_, {"latent_channels": 4}, 48, 24, image_to_video=True)

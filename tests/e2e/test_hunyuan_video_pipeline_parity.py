@@ -5,7 +5,9 @@ Each case compares the final latents (before decoding) in dB and the decoded fra
 control (another prompt) that must fall below the bar: embedded guidance alone (true CFG off, and off
 without a negative prompt even at true_cfg_scale > 1), true CFG with a negative prompt, non-square sizes,
 a shorter text length, a clip long enough for the VAE's frame chunks, 2 outputs per prompt; the text encoding (states, mask, pooled) alone; two requests
-at different steps and CFG sharing steps equal each alone; a folder whose DiT has no guidance embedding.
+at different steps and CFG sharing steps equal each alone; a folder of other checkpoint values (no guidance
+embedding, other DiT, VAE, scheduler and text-encoder shapes); a folder whose components disagree refused
+at load.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from video_case_checks import VideoBars
 
 from diffserve import SamplingParams
 from diffserve.api import DiffGenerator
-from diffserve.errors import InvalidRequestError
+from diffserve.errors import InvalidRequestError, ModelLoadError
 from diffserve.families.hunyuan_video.tiny import TinyHunyuanVideoSpec, build_tiny_hunyuan_video
 from diffserve.testing.parity import assert_batched_as_alone, assert_images_match, assert_parity
 from diffserve.testing.video_parity import (
@@ -32,10 +34,38 @@ BARS = VideoBars(LATENT_MIN_DB, PSNR_BAR_DB)
 PROMPT = "A red Fox running in the snow"
 OTHER_PROMPT = "a blue bird on a branch"
 
-FOLDERS = {
-    "default": TinyHunyuanVideoSpec(),
-    "no-guidance-embeds": TinyHunyuanVideoSpec(guidance_embeds=False, seed=1),
-}
+#: Values a checkpoint may hold besides the released ones, all read by Diffusers: no guidance embedding,
+#: 1x1 patches, other heads, RoPE axes and theta, MLP ratio and refiner depth; a 16x VAE of other latent
+#: width, depth, groups and scaling, without mid-block attention; another scheduler shift with a terminal
+#: sigma; wider text encoders with another layer.
+OTHER_CONFIG = TinyHunyuanVideoSpec(
+    guidance_embeds=False,
+    latent_channels=8,
+    text_dim=48,
+    text_layers=4,
+    pooled_dim=24,
+    seed=1,
+    extra_dit_config={
+        "patch_size": 1,
+        "num_attention_heads": 4,
+        "attention_head_dim": 8,
+        "rope_axes_dim": (2, 2, 4),
+        "rope_theta": 1000.0,
+        "mlp_ratio": 2.5,
+        "num_refiner_layers": 2,
+    },
+    extra_vae_config={
+        "block_out_channels": (8, 16, 16),
+        "spatial_compression_ratio": 16,
+        "layers_per_block": 2,
+        "norm_num_groups": 8,
+        "mid_block_add_attention": False,
+        "scaling_factor": 1.3,
+    },
+    extra_scheduler_config={"shift": 2.0, "shift_terminal": 0.1},
+)
+
+FOLDERS = {"default": TinyHunyuanVideoSpec(), "other-config": OTHER_CONFIG}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +85,7 @@ CASES = [
     ("default", 32, 32, 1, 2, {"true_cfg_scale": 4.0, "max_sequence_length": 24}),
     # 6 latent frames: the VAE decodes in Diffusers' overlapping frame chunks.
     ("default", 32, 32, 21, 2, {"guidance_scale": 6.0}),
-    ("no-guidance-embeds", 32, 48, 5, 2, {"true_cfg_scale": 2.5, "negative_prompt": ""}),
+    ("other-config", 32, 48, 5, 2, {"true_cfg_scale": 2.5, "negative_prompt": ""}),
 ]
 
 
@@ -130,3 +160,10 @@ def test_bfloat16_matches_diffusers(tmp_path) -> None:
     db = assert_parity(got_latents.float(), want_latents.float(), "HunyuanVideo bf16 latents", min_db=30.0)
     pixels = assert_images_match(got, want, "HunyuanVideo bf16 frames", min_db=PSNR_BAR_DB)
     print(f"HunyuanVideo bf16: latents {db}, frames {pixels:.1f} dB")
+
+
+def test_folder_whose_components_disagree_is_refused(tmp_path) -> None:
+    """A DiT whose channels are not the VAE's latent channels (Diffusers fails mid-generation on a shape)."""
+    root = build_tiny_hunyuan_video(tmp_path, TinyHunyuanVideoSpec(extra_vae_config={"latent_channels": 8}))
+    with pytest.raises(ModelLoadError, match="in_channels=4.*latent_channels=8"):
+        DiffGenerator.from_pretrained(root, device="cpu", show_progress=False)

@@ -73,6 +73,7 @@ class HunyuanVideoImageToVideoPipeline(HunyuanVideoPipeline):
     config = HunyuanVideoImageToVideoPipelineConfig()
     pipeline_name = "HunyuanVideoImageToVideoPipeline"
     conditioning_type = HunyuanVideoImageConditioning
+    image_to_video = True
     #: Chosen by `diffserve calibrate-cache` on the tiny random-weight I2V test model
     #: (`build_tiny_hunyuan_video_i2v`, token_replace, 20 steps, 32x32, 5 frames, a 32x32 gradient input
     #: image, embedded guidance 1 and no true CFG as the family's defaults, the four built-in prompts, 1 dB

@@ -100,6 +100,7 @@ def build_tiny_hunyuan_video_i2v(out_dir: str | Path, spec: TinyHunyuanVideoI2VS
         **tiny_dit_config(spec),
         "image_condition_type": spec.image_condition_type,
         "in_channels": channels if spec.image_condition_type == "token_replace" else 2 * channels + 1,
+        **spec.extra_dit_config,
     }
     write_clip_dit_vae_scheduler(root, spec, dit_config)
     model_index = {

@@ -26,6 +26,7 @@ from diffserve.families.hunyuan_video.config import (
     HunyuanVideoPipelineConfig,
     hunyuan_video_default_sampling_params,
 )
+from diffserve.families.hunyuan_video.folder_checks import check_hunyuan_video_folder, text_hidden_size
 from diffserve.families.hunyuan_video.stages import (
     HunyuanVideoDecodingStage,
     HunyuanVideoTimestepPreparationStage,
@@ -129,6 +130,8 @@ class HunyuanVideoPipeline(Pipeline):
     config = HunyuanVideoPipelineConfig()
     pipeline_name = "HunyuanVideoPipeline"
     conditioning_type = HunyuanVideoConditioning
+    #: Whether the pipeline reads an input image (which DiT channels it feeds: `folder_checks.py`).
+    image_to_video: ClassVar[bool] = False
     #: Measured on the tiny random-weight T2V test model (`build_tiny_hunyuan_video`, 20 steps, 32x32, 5
     #: frames, embedded guidance 6 and no true CFG as the family's defaults, the four built-in prompts of
     #: `diffserve calibrate-cache`, 1 dB margin, every preset also holding its bar at 4 and 8 steps): TeaCache
@@ -147,6 +150,13 @@ class HunyuanVideoPipeline(Pipeline):
         transformer = context.get("transformer")
         vae = context.get("vae")
         scheduler = context.get("scheduler")
+        check_hunyuan_video_folder(
+            transformer.config,
+            vae.config,
+            text_hidden_size(context.get("text_encoder")),
+            int(context.get("text_encoder_2").config.hidden_size),
+            self.image_to_video,
+        )
         self.spatial = int(vae.spatial_compression_ratio)
         self.temporal = int(vae.temporal_compression_ratio)
         self.pixel_multiple = self.spatial * transformer.config.patch_size

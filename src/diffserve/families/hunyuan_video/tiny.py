@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenizers import AddedToken
@@ -100,6 +100,11 @@ class TinyHunyuanVideoSpec:
     guidance_embeds: bool = True
     dit_weight_noise: float = 0.2
     seed: int = 0
+    #: Keys over the DiT's, the VAE's and the scheduler's tiny configs (a checkpoint's other values);
+    #: a VAE `block_out_channels` brings as many down / up blocks unless the block types are given too.
+    extra_dit_config: dict = field(default_factory=dict)
+    extra_vae_config: dict = field(default_factory=dict)
+    extra_scheduler_config: dict = field(default_factory=dict)
 
 
 def tiny_dit_config(spec: TinyHunyuanVideoSpec) -> dict:
@@ -121,17 +126,24 @@ def tiny_dit_config(spec: TinyHunyuanVideoSpec) -> dict:
         "rope_theta": 256.0,
         "rope_axes_dim": (4, 6, 6),
         "image_condition_type": None,
+        **spec.extra_dit_config,
     }
 
 
 def tiny_vae_config(spec: TinyHunyuanVideoSpec) -> dict:
-    return {
+    config = {
         "latent_channels": spec.latent_channels,
         "block_out_channels": (8, 16, 16, 16),
         "layers_per_block": 1,
         "norm_num_groups": 4,
         "scaling_factor": 0.476986,
+        **spec.extra_vae_config,
     }
+    if "block_out_channels" in spec.extra_vae_config:
+        levels = len(config["block_out_channels"])
+        config.setdefault("down_block_types", ("HunyuanVideoDownBlock3D",) * levels)
+        config.setdefault("up_block_types", ("HunyuanVideoUpBlock3D",) * levels)
+    return config
 
 
 def _llama(tokenizer: LlamaTokenizer, spec: TinyHunyuanVideoSpec) -> LlamaModel:
@@ -168,7 +180,9 @@ def write_clip_dit_vae_scheduler(root: Path, spec: TinyHunyuanVideoSpec, dit_con
         spec.dit_weight_noise,
     )
     write_random_module(root / "vae", AutoencoderKLHunyuanVideo, tiny_vae_config(spec), spec.seed + 20, 0.02)
-    write_scheduler_config(root, "FlowMatchEulerDiscreteScheduler", SCHEDULER_CONFIG)
+    write_scheduler_config(
+        root, "FlowMatchEulerDiscreteScheduler", {**SCHEDULER_CONFIG, **spec.extra_scheduler_config}
+    )
 
 
 def build_tiny_hunyuan_video(out_dir: str | Path, spec: TinyHunyuanVideoSpec | None = None) -> Path:

@@ -38,6 +38,7 @@ from diffserve.families.hunyuan_video15.config import (
     hunyuan_video15_default_sampling_params,
 )
 from diffserve.families.hunyuan_video15.decoding import HunyuanVideo15DecodingStage
+from diffserve.families.hunyuan_video15.folder_checks import check_hunyuan_video15_folder, text_hidden_size
 from diffserve.families.hunyuan_video15.sizes import closest_bucket, size_buckets
 from diffserve.families.hunyuan_video15.text_encoding import HunyuanVideo15TextEncodingStage
 from diffserve.loader.folder_defaults import apply_overrides
@@ -171,6 +172,13 @@ class HunyuanVideo15Pipeline(Pipeline):
         vae = context.get("vae")
         scheduler = context.get("scheduler")
         guider: ClassifierFreeGuidance = context.get("guider")
+        check_hunyuan_video15_folder(
+            transformer.config,
+            vae.config,
+            text_hidden_size(context.get("text_encoder")),
+            int(context.get("text_encoder_2").config.d_model),
+            self.image_state_width(context),
+        )
         self.spatial = int(vae.spatial_compression_ratio)
         self.temporal = int(vae.temporal_compression_ratio)
         self.pixel_multiple = self.spatial * transformer.config.patch_size
@@ -228,6 +236,11 @@ class HunyuanVideo15Pipeline(Pipeline):
         """Diffusers' text-to-video pipeline never passes MeanFlow's second timestep."""
         return False
 
+    def image_state_width(self, context: PipelineContext) -> int | None:
+        """The width of the image states the DiT reads from an image encoder; None: text-to-video reads none
+        (its zero image states have the DiT's `image_embed_dim`)."""
+        return None
+
     def image_input_rule(self) -> ImageInputRule:
         return ImageInputRule(pipeline_name=self.pipeline_name, task="text-to-video")
 
@@ -258,6 +271,10 @@ class HunyuanVideo15ImageToVideoPipeline(HunyuanVideo15Pipeline):
 
     def uses_meanflow(self, transformer: HunyuanVideo15Transformer3DModel) -> bool:
         return bool(transformer.config.use_meanflow)
+
+    def image_state_width(self, context: PipelineContext) -> int | None:
+        """SigLIP's hidden_size: its last hidden states are the DiT's image tokens."""
+        return int(context.get("image_encoder").config.hidden_size)
 
     def image_input_rule(self) -> ImageInputRule:
         return ImageInputRule(pipeline_name=self.pipeline_name, min_images=1, max_images=1)

@@ -16,7 +16,7 @@ Diffusers and diffserve do the same with it, which is what the parity tests need
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import (
@@ -82,6 +82,12 @@ class TinyHunyuanVideo15Spec:
     #: and the quoted text change the tiny test video by less than the 40 dB parity bar; at 1.0 by 13+ dB).
     dit_weight_noise: float = 1.0
     seed: int = 0
+    #: Keys over the DiT's, the VAE's, the scheduler's and the guider's tiny configs (a checkpoint's other
+    #: values).
+    extra_dit_config: dict = field(default_factory=dict)
+    extra_vae_config: dict = field(default_factory=dict)
+    extra_scheduler_config: dict = field(default_factory=dict)
+    extra_guider_config: dict = field(default_factory=dict)
 
 
 def hunyuan_video15_model_index(image_to_video: bool) -> dict:
@@ -146,6 +152,7 @@ def _dit_config(spec: TinyHunyuanVideo15Spec) -> dict:
         "target_size": spec.target_size,
         "task_type": "i2v" if spec.image_to_video else "t2v",
         "use_meanflow": spec.use_meanflow,
+        **spec.extra_dit_config,
     }
 
 
@@ -165,6 +172,7 @@ def build_tiny_hunyuan_video15(out_dir: str | Path, spec: TinyHunyuanVideo15Spec
         "latent_channels": spec.latent_channels,
         "block_out_channels": list(spec.vae_block_out_channels),
         "layers_per_block": 1,
+        **spec.extra_vae_config,
     }
     random_native_module(AutoencoderKLHunyuanVideo15, vae_config, spec.seed + 20).save_pretrained(
         root / "vae"
@@ -172,8 +180,13 @@ def build_tiny_hunyuan_video15(out_dir: str | Path, spec: TinyHunyuanVideo15Spec
     if spec.image_to_video:
         _write_image_encoder(root, spec)
     shift = spec.shift if spec.shift is not None else (7.0 if spec.image_to_video else 5.0)
-    scheduler = {"num_train_timesteps": 1000, "shift": shift, "use_dynamic_shifting": False}
-    guider = {**GUIDER_CONFIG, "guidance_scale": spec.guidance_scale}
+    scheduler = {
+        "num_train_timesteps": 1000,
+        "shift": shift,
+        "use_dynamic_shifting": False,
+        **spec.extra_scheduler_config,
+    }
+    guider = {**GUIDER_CONFIG, "guidance_scale": spec.guidance_scale, **spec.extra_guider_config}
     write_scheduler_config(root, "FlowMatchEulerDiscreteScheduler", scheduler, newline=True)
     guider_config = diffusers_config("ClassifierFreeGuidance", guider)
     write_json(root / "guider" / "guider_config.json", guider_config, newline=True)
