@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
 from diffusers import FluxPipeline as DiffusersFluxPipeline
 
 from diffserve import DiffGenerator
-from diffserve.testing.parity import (
-    assert_generation_matches,
-)
+from diffserve.testing.parity import assert_generation_matches, generator_and_reference
 
 PSNR_BAR_DB = 40.0
 
@@ -84,3 +85,19 @@ def test_initial_noise_matches_diffusers_seed(generators) -> None:
     )
     assert torch.equal(req.latents, ref_latents)
     assert torch.equal(req.conditioning.image_ids, ref_ids)  # FLUX.1's position ids
+
+
+def test_a_dit_predicting_patches_of_its_own_matches_diffusers(tiny_flux_dir, tmp_path) -> None:
+    """`patch_size` 2 with `out_channels` 16: the DiT still predicts 64 channels per token (2^2 x 16), which
+    Diffusers' FluxPipeline runs like `patch_size` 1 (its latents have the DiT's in_channels / 4 channels, the
+    VAE's 16). The same weights load; diffserve once took out_channels / 4 = 4 latent channels and failed."""
+    folder = tmp_path / "patched"
+    shutil.copytree(tiny_flux_dir, folder)
+    config_path = folder / "transformer" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "patch_size": 2, "out_channels": 16}))
+    ours, reference = generator_and_reference(DiffGenerator, folder, DiffusersFluxPipeline)
+    kwargs = dict(height=32, width=48, num_inference_steps=2, max_sequence_length=16)
+    assert_generation_matches(
+        ours, reference, "patch 2 x 16", min_db=PSNR_BAR_DB, prompt="a fox", seed=3, **kwargs
+    )

@@ -116,3 +116,21 @@ def test_the_mask_changes_the_output() -> None:
     with torch.no_grad():
         a, b = native(**short), native(**long)
     assert (a - b).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("axes_dims_rope", (4, 4, 4, 4), r"axes_dims_rope must have 3 entries"),
+        (
+            "approximator_num_channels",
+            18,
+            r"approximator_num_channels must be a positive multiple of 4, got 18",
+        ),
+    ],
+)
+def test_configs_diffusers_cannot_run_are_refused(key, value, message) -> None:
+    """Diffusers builds these and fails at the first forward (RoPE over three id axes; the approximator's
+    four sinusoid blocks of approximator_num_channels // 4 each); here the config is refused."""
+    with pytest.raises(ValueError, match=message):
+        ChromaTransformerConfig(**{**TINY, key: value})

@@ -166,3 +166,36 @@ def test_xlabs_controlnet_reads_the_control_image_as_diffusers() -> None:
 def test_an_xlabs_hint_that_does_not_fill_a_token_is_refused() -> None:
     with pytest.raises(ValueError, match=r"conditioning_embedding_channels x patch_size\^2"):
         FluxControlNetModel.from_config({**CONFIG, "patch_size": 2, "conditioning_embedding_channels": 3})
+
+
+def test_a_controlnet_that_does_not_fit_the_dit_is_refused_at_load() -> None:
+    """Each of these fails at Diffusers' first step (a shape error deep in torch); `use_controlnets`
+    refuses the ControlNet when it is loaded, naming every key that does not fit. A matching ControlNet,
+    and XLabs' 2x2-patched hint on the 8x VAE's 16-pixel tokens, pass."""
+    from diffserve.errors import ModelLoadError
+    from diffserve.families.flux.controlnet import check_controlnet_fits
+
+    misfit = {
+        "in_channels": 32,
+        "joint_attention_dim": 24,
+        "pooled_projection_dim": 32,
+        "num_attention_heads": 4,
+        "patch_size": 1,
+        "conditioning_embedding_channels": 32,
+    }
+    with torch.device("meta"):
+        dit = FluxTransformer2DModel.from_config(CONFIG)
+        xlabs = FluxControlNetModel.from_config(
+            {**CONFIG, "patch_size": 2, "conditioning_embedding_channels": 4}
+        )
+        wrong = FluxControlNetModel.from_config({**CONFIG, **misfit})
+    check_controlnet_fits("xlabs", xlabs, dit, pixels=16)
+    with pytest.raises(ModelLoadError) as refused:
+        check_controlnet_fits("misfit", wrong, dit, pixels=16)
+    assert str(refused.value) == (
+        "ControlNet 'misfit' does not fit this model's DiT: it has in_channels 32 (the DiT's: 16); "
+        "joint_attention_dim 24 (the DiT's: 32); pooled_projection_dim 32 (the DiT's: 24); "
+        "num_attention_heads x attention_head_dim 4 x 16 (the DiT's: 2 x 16); an XLabs hint token covering "
+        "8x8 pixels (its encoder's downsampling x patch_size 1), where a latent token covers 16x16 (the VAE's "
+        "scale x 2)"
+    )

@@ -116,6 +116,30 @@ def test_from_config_rejects_unknown_keys_and_ignores_metadata() -> None:
             FluxTransformer2DModel.from_config({**TINY_CONFIG, "num_layer": 3})
         with pytest.raises(ValueError, match="axes_dims_rope"):
             FluxTransformer2DModel.from_config({**TINY_CONFIG, "axes_dims_rope": (4, 4, 4)})
+        # One entry per position-id axis (index, row, column): Diffusers builds other counts and then
+        # fails at the first forward.
+        with pytest.raises(ValueError, match=r"axes_dims_rope must have 3 entries, got \(4, 4, 4, 4\)"):
+            FluxTransformer2DModel.from_config({**TINY_CONFIG, "axes_dims_rope": (4, 4, 4, 4)})
+
+
+def test_check_packed_latents_follows_what_the_pipelines_feed() -> None:
+    """The DiT reads 4 x latent channels (+ a pipeline's condition channels) per token and predicts
+    patch_size^2 x out_channels = 4 x latent channels: `patch_size` 2 with `out_channels` 16 fits 16-channel
+    latents as Diffusers runs it; a Fill DiT or a wider prediction is refused, naming the keys."""
+    with torch.device("meta"):
+        plain = FluxTransformer2DModel.from_config({**TINY_CONFIG, "in_channels": 64})
+        patched = FluxTransformer2DModel.from_config(
+            {**TINY_CONFIG, "in_channels": 64, "patch_size": 2, "out_channels": 16}
+        )
+        fill = FluxTransformer2DModel.from_config({**TINY_CONFIG, "in_channels": 384, "out_channels": 64})
+        wide = FluxTransformer2DModel.from_config({**TINY_CONFIG, "in_channels": 64, "out_channels": 128})
+    plain.check_packed_latents(16)
+    patched.check_packed_latents(16)
+    fill.check_packed_latents(16, condition_channels=64 + 4 * 8 * 8)
+    with pytest.raises(ValueError, match="in_channels 384, but its image tokens are 64 channels wide"):
+        fill.check_packed_latents(16)
+    with pytest.raises(ValueError, match=r"patch_size\^2 x out_channels \(1\^2 x 128 = 128\) must be 64"):
+        wide.check_packed_latents(16)
 
 
 def test_guidance_mismatch_is_an_error() -> None:

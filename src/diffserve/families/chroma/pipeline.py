@@ -15,6 +15,7 @@ import torch
 from diffserve.configs.cache_settings import TeaCacheSettings
 from diffserve.configs.quality import TierPreset
 from diffserve.configs.step_cache_policy import StepCachePolicy
+from diffserve.errors import ModelLoadError
 from diffserve.families.chroma.conditioning import ChromaConditioning
 from diffserve.families.chroma.config import ChromaPipelineConfig, chroma_default_sampling_params
 from diffserve.families.chroma.text_encoding import ChromaTextEncodingStage
@@ -139,7 +140,11 @@ class ChromaPipeline(Pipeline):
         self.pixel_multiple = self.vae_scale_factor * self.config.latent_patch_size
         device, dtype = context.platform.device(), context.dtype
         default_pixels = self.config.default_sample_size * self.vae_scale_factor
-        latent_channels = transformer.config.in_channels // 4
+        latent_channels = int(vae.config["latent_channels"])
+        try:
+            transformer.check_packed_latents(latent_channels)
+        except ValueError as exc:
+            raise ModelLoadError(f"ChromaPipeline: {exc}") from exc
         self.input_validation = one_image_input_validation(
             "ChromaPipeline",
             defaults=apply_overrides(chroma_default_sampling_params(), context.folder_sampling_defaults),

@@ -36,10 +36,11 @@ import torch
 from torch import nn
 
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.errors import InvalidRequestError
+from diffserve.errors import InvalidRequestError, ModelLoadError
 from diffserve.families.flux.conditioning import FluxConditioning
 from diffserve.models.controlnets.flux import ControlNetBatch, FluxControlNetModel
 from diffserve.models.controlnets.residuals import BlockResiduals
+from diffserve.models.dits.flux import FluxTransformer2DModel
 from diffserve.pipelines.controlnet_conditioning import ControlImageStage
 from diffserve.pipelines.controlnet_steps import check_controlnet_entries, merge_samples, prompt_request
 from diffserve.request import Req
@@ -85,6 +86,37 @@ def check_controlnets(params: SamplingParams, nets: Mapping[str, nn.Module], pip
             "controlnets mixes XLabs ControlNets (which read the control image) with ones that read its "
             "latents (InstantX / Shakker-Labs); apply one kind per request",
             param="controlnets",
+        )
+
+
+def check_controlnet_fits(
+    name: str, net: FluxControlNetModel, dit: FluxTransformer2DModel, pixels: int
+) -> None:
+    """ModelLoadError unless ControlNet `name` can feed `dit` on this folder's latent grid (`pixels` per
+    token side: the VAE's scale factor x 2): it reads the DiT's image tokens and text states, so their
+    widths (`in_channels`, `joint_attention_dim`, `pooled_projection_dim`) must be the DiT's; its residuals
+    join the DiT's image stream, so its blocks must be as wide; and an XLabs hint must tile the control
+    image into the latents' token grid. Diffusers fails at the first step on any of these."""
+    ours, theirs = net.config, dit.config
+    problems = [
+        f"{key} {getattr(ours, key)} (the DiT's: {getattr(theirs, key)})"
+        for key in ("in_channels", "joint_attention_dim", "pooled_projection_dim")
+        if getattr(ours, key) != getattr(theirs, key)
+    ]
+    if ours.inner_dim != theirs.inner_dim:
+        problems.append(
+            f"num_attention_heads x attention_head_dim {ours.num_attention_heads} x "
+            f"{ours.attention_head_dim} (the DiT's: {theirs.num_attention_heads} x {theirs.attention_head_dim})"
+        )
+    hint = net.hint_pixels_per_token
+    if hint is not None and hint != pixels:
+        problems.append(
+            f"an XLabs hint token covering {hint}x{hint} pixels (its encoder's downsampling x patch_size "
+            f"{ours.patch_size}), where a latent token covers {pixels}x{pixels} (the VAE's scale x 2)"
+        )
+    if problems:
+        raise ModelLoadError(
+            f"ControlNet {name!r} does not fit this model's DiT: it has {'; '.join(problems)}"
         )
 
 

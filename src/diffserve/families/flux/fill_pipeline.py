@@ -67,6 +67,11 @@ class FluxFillPipeline(FluxPipeline):
     def default_sampling_params(self) -> SamplingParams:
         return flux_fill_default_sampling_params()
 
+    def condition_channels(self) -> int:
+        """Per image token, the masked image's packed latents (4 x latent channels) and the mask's s x s
+        pixels per latent pixel, packed 2x2 (4 x s^2; s the VAE's scale factor): `FluxFillPreparationStage`."""
+        return 4 * self.latent_channels + 4 * self.vae_scale_factor**2
+
     def preparation_stages(self, context: PipelineContext) -> list[Stage]:
         """Diffusers' draw order: the input image's latents, the initial noise, then the masked image's."""
         return [

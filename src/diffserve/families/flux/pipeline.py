@@ -11,9 +11,15 @@ from PIL import Image
 
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.step_cache_policy import StepCachePolicy
+from diffserve.errors import ModelLoadError
 from diffserve.families.flux.conditioning import FluxConditioning
 from diffserve.families.flux.config import FluxPipelineConfig, flux_default_sampling_params
-from diffserve.families.flux.controlnet import ControlImageEncodingStage, ControlNetRunner, check_controlnets
+from diffserve.families.flux.controlnet import (
+    ControlImageEncodingStage,
+    ControlNetRunner,
+    check_controlnet_fits,
+    check_controlnets,
+)
 from diffserve.families.flux.controlnet_single_file import XLABS_FLUX_CONTROLNET
 from diffserve.families.flux.text_encoding import FluxTextEncodingStage
 from diffserve.families.flux.validation import FluxInputValidationStage
@@ -167,8 +173,15 @@ class FluxPipeline(Pipeline):
     )  # fmt: skip
 
     def use_controlnets(self, nets: dict[str, FluxControlNetModel]) -> None:
-        """Serve `nets` by name from now on (requests name them in `controlnets`)."""
+        """Serve `nets` by name from now on (requests name them in `controlnets`); ModelLoadError for one
+        that does not fit this folder's DiT and VAE (`check_controlnet_fits`)."""
+        for name, net in nets.items():
+            check_controlnet_fits(name, net, self.denoiser.transformer, self.pixel_multiple)
         self.controlnets.update(nets)
+
+    def condition_channels(self) -> int:
+        """Channels a variant appends to every image token the DiT reads (none here; Fill's condition)."""
+        return 0
 
     def image_input_rule(self) -> ImageInputRule:
         """An optional input image (image-to-image, strength 0.6 by default as Diffusers') and mask. (With
@@ -237,8 +250,13 @@ class FluxPipeline(Pipeline):
         clip_tokenizer = context.get("tokenizer")
         self.vae_scale_factor = 2 ** (len(vae.config["block_out_channels"]) - 1)
         self.pixel_multiple = self.vae_scale_factor * self.config.latent_patch_size
-        #: Channels of the VAE latents the DiT denoises (its output; Fill's input is wider).
-        self.latent_channels = transformer.config.out_channels // 4
+        #: Channels of the VAE latents the DiT denoises (its prediction; Fill's input is wider).
+        self.latent_channels = int(vae.config["latent_channels"])
+        pipeline_name = self.image_input_rule().pipeline_name
+        try:
+            transformer.check_packed_latents(self.latent_channels, self.condition_channels())
+        except ValueError as exc:
+            raise ModelLoadError(f"{pipeline_name}: {exc}") from exc
         default_pixels = self.config.default_sample_size * self.vae_scale_factor
         folder_defaults = context.folder_sampling_defaults
         self.input_validation = FluxInputValidationStage(

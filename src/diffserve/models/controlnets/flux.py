@@ -111,6 +111,16 @@ class FluxControlNetModel(FluxTransformer2DModel):
         )
 
     @property
+    def hint_pixels_per_token(self) -> int | None:
+        """XLabs' layout: the side in pixels of the control image's square that one image token reads, the
+        hint encoder's downsampling times `patch_size` (None for a ControlNet that reads latents). The
+        hint's token grid must be the latents' (the pipeline's pixels per token, VAE scale x 2)."""
+        if self.input_hint_block is None:
+            return None
+        halvings = sum(conv.stride == (2, 2) for conv in self.input_hint_block.blocks)
+        return 2**halvings * self.config.patch_size
+
+    @property
     def is_union(self) -> bool:
         """Whether requests must name a control mode (`num_mode` set)."""
         return self.controlnet_mode_embedder is not None

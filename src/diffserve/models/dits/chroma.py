@@ -57,6 +57,7 @@ from diffserve.layers.tensor_parallel import TensorParallelRank
 from diffserve.models.dits.base import DiTConfig, check_tp_divides, shard_blocks
 from diffserve.models.dits.block_inputs import run_streams_with_step_cache
 from diffserve.models.dits.flux import (
+    ROPE_AXES,
     AdaLayerNormZeroSingle,
     FluxSingleTransformerBlock,
     FluxTransformerBlock,
@@ -71,7 +72,9 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ChromaTransformerConfig(DiTConfig):
     """The Chroma DiT's Diffusers config (`transformer/config.json`), one field per key; the defaults are
-    Chroma1-HD's. `out_channels` None means `in_channels`; sequences become tuples."""
+    Chroma1-HD's. `out_channels` None means `in_channels`; sequences become tuples. Refused at load, as
+    configs Diffusers' class builds but cannot run: `axes_dims_rope` without one entry per position-id
+    axis, and `approximator_num_channels` that four sinusoid blocks cannot fill."""
 
     patch_size: int = 1
     in_channels: int = 64
@@ -87,7 +90,15 @@ class ChromaTransformerConfig(DiTConfig):
     approximator_layers: int = 5
 
     def __post_init__(self) -> None:
-        axes = checked_rope_axes("axes_dims_rope", self.axes_dims_rope, self.attention_head_dim)
+        axes = checked_rope_axes("axes_dims_rope", self.axes_dims_rope, self.attention_head_dim, ROPE_AXES)
+        channels = self.approximator_num_channels
+        if isinstance(channels, bool) or not isinstance(channels, int) or channels < 4 or channels % 4:
+            # The approximator's input is four sinusoid blocks of channels // 4 each (timestep, guidance,
+            # and the index's two halves): any other width cannot meet its in_proj.
+            raise ValueError(
+                f"ChromaTransformer2DModel: approximator_num_channels must be a positive multiple of 4, "
+                f"got {channels!r}"
+            )
         self._normalise(axes_dims_rope=axes, out_channels=self.out_channels or self.in_channels)
 
     @property

@@ -75,6 +75,8 @@ from diffserve.models.step_cache import BatchStepCache, take_rows
 logger = logging.getLogger(__name__)
 
 NORM_EPS = 1e-6
+#: Axes of the FLUX.1 position ids (and of `axes_dims_rope`): (index, row, column).
+ROPE_AXES = 3
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,8 @@ class FluxTransformerConfig(DiTConfig):
 
     The defaults are FLUX.1-dev's and -schnell's (dev sets `guidance_embeds`). `out_channels` None
     means `in_channels` and is resolved when the config is built; sequences become tuples.
+    `axes_dims_rope` needs one entry per position-id axis (ROPE_AXES: the pipelines' ids are
+    (index, row, column)); Diffusers fails at the first forward on any other count.
     """
 
     patch_size: int = 1
@@ -98,7 +102,7 @@ class FluxTransformerConfig(DiTConfig):
     axes_dims_rope: tuple[int, ...] = (16, 56, 56)
 
     def __post_init__(self) -> None:
-        axes = checked_rope_axes("axes_dims_rope", self.axes_dims_rope, self.attention_head_dim)
+        axes = checked_rope_axes("axes_dims_rope", self.axes_dims_rope, self.attention_head_dim, ROPE_AXES)
         self._normalise(axes_dims_rope=axes, out_channels=self.out_channels or self.in_channels)
 
 

@@ -74,6 +74,30 @@ class FluxStreamsDiT(DiffusersDiT):
         self.norm_out = norm_out(inner)
         self.proj_out = nn.Linear(inner, config.patch_size * config.patch_size * out_channels)
 
+    def check_packed_latents(self, latent_channels: int, condition_channels: int = 0) -> None:
+        """ValueError unless this DiT denoises latents of `latent_channels` channels packed in 2x2 patches,
+        as the pipelines on it pack them: each image token it reads is 4 x `latent_channels` wide, plus
+        `condition_channels` a pipeline appends to every token (FLUX.1 Fill's masked image and mask), and
+        it predicts 4 x `latent_channels` per token (its `proj_out`: patch_size^2 x out_channels). A config
+        that breaks this fails at Diffusers' first step; here it is refused at load, naming the keys."""
+        config = self.config
+        packed = 4 * latent_channels
+        reads = packed + condition_channels
+        if config.in_channels != reads:
+            extra = f" + {condition_channels} condition channels" if condition_channels else ""
+            raise ValueError(
+                f"transformer/config.json has in_channels {config.in_channels}, but its image tokens are "
+                f"{reads} channels wide: 4 x the VAE's {latent_channels} latent channels (2x2 patches){extra}"
+            )
+        assert config.out_channels is not None, "the config resolves out_channels"
+        predicted = config.patch_size**2 * config.out_channels
+        if predicted != packed:
+            raise ValueError(
+                f"transformer/config.json's patch_size^2 x out_channels ({config.patch_size}^2 x "
+                f"{config.out_channels} = {predicted}) must be {packed}, the packed latents' channels (4 x "
+                f"the VAE's {latent_channels} latent channels): that is what the DiT predicts per token"
+            )
+
     def rope_tables(self, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> RopeTables:
         """Half-width (cos, sin) tables for the joint sequence [text; image].
 
