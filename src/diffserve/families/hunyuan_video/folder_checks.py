@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from diffserve.errors import ModelLoadError
+from diffserve.loader.folder_fit import refuse_unfit_folder
 from diffserve.models.dits.hunyuan_video import HunyuanVideoTransformerConfig
 
 
@@ -68,7 +68,4 @@ def check_hunyuan_video_folder(
             f"transformer pooled_projection_dim={dit.pooled_projection_dim} differs from the CLIP text "
             f"encoder's (text_encoder_2) hidden_size ({pooled_width})"
         )
-    if problems:
-        raise ModelLoadError(
-            "this HunyuanVideo folder's components do not fit together: " + "; ".join(problems)
-        )
+    refuse_unfit_folder("HunyuanVideo", problems)

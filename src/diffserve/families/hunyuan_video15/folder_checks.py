@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from diffserve.errors import ModelLoadError
+from diffserve.loader.folder_fit import refuse_unfit_folder
 from diffserve.models.dits.hunyuan_video15 import HunyuanVideo15TransformerConfig
 
 
@@ -64,7 +64,4 @@ def check_hunyuan_video15_folder(
     for key, value, what, width in widths:
         if value != width:
             problems.append(f"transformer {key}={value} differs from {what} ({width})")
-    if problems:
-        raise ModelLoadError(
-            "this HunyuanVideo 1.5 folder's components do not fit together: " + "; ".join(problems)
-        )
+    refuse_unfit_folder("HunyuanVideo 1.5", problems)

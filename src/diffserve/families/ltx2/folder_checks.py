@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from diffserve.errors import ModelLoadError
+from diffserve.loader.folder_fit import refuse_unfit_folder
 from diffserve.models.dits.ltx2 import LTX2VideoTransformer3DModel
 from diffserve.models.vaes.autoencoder_kl_ltx2 import AutoencoderKLLTX2Video
 from diffserve.models.vaes.autoencoder_kl_ltx2_audio import AutoencoderKLLTX2Audio
@@ -69,5 +69,4 @@ def check_ltx2_folder(
             "scheduler invert_sigmas=True: the schedule starts at sigma 0, where the guidance's x0 <-> velocity "
             "conversion divides by sigma (Diffusers returns NaN)"
         )
-    if problems:
-        raise ModelLoadError("this LTX-2 folder's components do not fit together: " + "; ".join(problems))
+    refuse_unfit_folder("LTX-2", problems)

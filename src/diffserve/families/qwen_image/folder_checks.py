@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from diffserve.errors import ModelLoadError
+from diffserve.loader.folder_fit import refuse_unfit_folder
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
 
 #: The latent patch the pipelines fold into channels (`_pack_latents`, hard-coded 2x2).
@@ -97,7 +97,4 @@ def check_qwen_image_folder(
         problems.append(
             f"vae {key}={vae_config[key]}: {pipeline_name} encodes {pixel_channels}-channel images"
         )
-    if problems:
-        raise ModelLoadError(
-            f"this {pipeline_name} folder's components do not fit together: " + "; ".join(problems)
-        )
+    refuse_unfit_folder(pipeline_name, problems)

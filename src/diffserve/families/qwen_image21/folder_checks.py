@@ -17,8 +17,8 @@ from typing import Any
 
 from torch import nn
 
-from diffserve.errors import ModelLoadError
 from diffserve.families.qwen_image21.stages import PIPELINE_NAME
+from diffserve.loader.folder_fit import refuse_unfit_folder
 from diffserve.models.dits.qwen_image21 import QwenImage21Transformer2DModel
 
 
@@ -45,7 +45,4 @@ def check_qwen_image21_folder(
         problems.append(
             f"transformer context_in_dim={dit.context_in_dim} differs from the text encoder's hidden_size={width}"
         )
-    if problems:
-        raise ModelLoadError(
-            f"this {PIPELINE_NAME} folder's components do not fit together: " + "; ".join(problems)
-        )
+    refuse_unfit_folder(PIPELINE_NAME, problems)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from diffserve.errors import ModelLoadError
+from diffserve.loader.folder_fit import refuse_unfit_folder
 from diffserve.models.dits.z_image import ZImageTransformer2DModel
 
 #: The (spatial, temporal) patch size the pipelines run the DiT with (its forward's defaults).
@@ -42,7 +42,4 @@ def check_z_image_folder(
         problems.append(
             f"transformer cap_feat_dim={dit.cap_feat_dim} differs from the text encoder's hidden_size={width}"
         )
-    if problems:
-        raise ModelLoadError(
-            "this ZImagePipeline folder's components do not fit together: " + "; ".join(problems)
-        )
+    refuse_unfit_folder("ZImagePipeline", problems)
