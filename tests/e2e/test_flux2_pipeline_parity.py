@@ -10,6 +10,8 @@ PixtralProcessor, which transformers constructs only with torchvision; the pipel
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import shutil
 
@@ -31,12 +33,15 @@ from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 from transformers import Mistral3ForConditionalGeneration
 
 from diffserve import DiffGenerator, SamplingParams
-from diffserve.errors import InvalidRequestError
+from diffserve.errors import InvalidRequestError, ModelLoadError
 from diffserve.families.flux2.config import FLUX2_SYSTEM_MESSAGE
+from diffserve.families.flux2.folder_checks import check_flux2_folder
 from diffserve.families.flux2.reference_images import reference_image
 from diffserve.families.flux2.text_encoding import Flux2TextEncodingStage
 from diffserve.families.flux2.tiny import TinyFlux2Spec, build_tiny_flux2
 from diffserve.loader.processors import load_processor_tokenizer
+from diffserve.models.dits.flux2 import Flux2Transformer2DModel
+from diffserve.models.vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2
 from diffserve.request import Req
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 from diffserve.testing.parity import (
@@ -267,6 +272,60 @@ def test_the_bar_sees_the_reference_images(pipelines) -> None:
         )
         assert psnr(first, second) < PSNR_BAR_DB
         assert psnr(first, none) < PSNR_BAR_DB
+
+
+def test_klein_runs_a_guidance_embedding_dit_on_its_timestep_alone(pipelines) -> None:
+    """Diffusers' Flux2KleinPipeline passes no guidance to its DiT: a klein folder whose DiT has a guidance
+    embedder (`guidance_embeds` true) runs on the timestep embedding alone. diffserve raised instead.
+    (The embedders are put into the loaded klein DiTs for this test, then taken out again.)"""
+    ours, reference = pipelines["klein"]
+    dit, ref_dit = ours.pipeline.denoiser.transformer, reference.transformer
+    native = copy.deepcopy(dit.time_guidance_embed.timestep_embedder)
+    theirs = copy.deepcopy(ref_dit.time_guidance_embed.timestep_embedder)
+    theirs.load_state_dict({k: v + 0.5 for k, v in native.state_dict().items()})
+    native.load_state_dict(theirs.state_dict())
+    dit.time_guidance_embed.guidance_embedder = native
+    ref_dit.time_guidance_embed.guidance_embedder = theirs
+    try:
+        kwargs = dict(height=32, width=48, num_inference_steps=2, guidance_scale=3.0)
+        out = ours.generate(prompt=PROMPT, seed=9, max_sequence_length=MAX_LEN, **kwargs)
+        assert_matches(
+            stack_uint8(out.images), reference_u8(reference, 9, **kwargs), "klein + guidance embedder"
+        )
+    finally:
+        dit.time_guidance_embed.guidance_embedder = None
+        ref_dit.time_guidance_embed.guidance_embedder = None
+
+
+@pytest.mark.parametrize(
+    ("dit_change", "vae_patch", "message"),
+    [
+        ({"patch_size": 2}, None, "transformer patch_size=2"),
+        ({"out_channels": 16}, None, "out_channels=16 differs from in_channels=32"),
+        ({"in_channels": 16, "out_channels": 16}, None, "in_channels=16 differs from the VAE's"),
+        ({"joint_attention_dim": 32}, None, "joint_attention_dim=32 differs from the text states' width"),
+        ({}, (1, 4), r"vae patch_size=\[1, 4\]"),
+    ],
+)
+def test_folders_whose_components_do_not_fit_are_refused(pipelines, dit_change, vae_patch, message) -> None:
+    """Configs that make Diffusers' pipelines fail mid-generation with a shape error (or, for a VAE patch
+    other than 2x2, patchify 2x2 against the VAE's statistics) are refused at load, naming the keys."""
+    ours, _ = pipelines["dev"]
+    dit, vae = ours.pipeline.denoiser.transformer, ours.pipeline.decoder.vae
+    check_flux2_folder(dit, vae, 48)  # the dev folder itself fits
+    with torch.device("meta"):
+        dit = Flux2Transformer2DModel(dataclasses.replace(dit.config, **dit_change))
+        if vae_patch is not None:
+            vae = AutoencoderKLFlux2(
+                down_block_types=("DownEncoderBlock2D",),
+                up_block_types=("UpDecoderBlock2D",),
+                block_out_channels=(16,),
+                latent_channels=8,
+                norm_num_groups=8,
+                patch_size=vae_patch,
+            )
+    with pytest.raises(ModelLoadError, match=message):
+        check_flux2_folder(dit, vae, 48)
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,8 @@ MeanFlow folder (no guiders, extra's distilled_guidance_scale); the text encodin
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -17,7 +19,8 @@ from diffusers.pipelines.hunyuan_image.pipeline_hunyuanimage import extract_glyp
 
 from diffserve import SamplingParams
 from diffserve.api import DiffGenerator
-from diffserve.errors import InvalidRequestError
+from diffserve.errors import InvalidRequestError, ModelLoadError
+from diffserve.families.hunyuan_image.folder_checks import check_hunyuan_image_folder
 from diffserve.families.hunyuan_image.text_encoding import glyph_text
 from diffserve.families.hunyuan_image.tiny import TinyHunyuanImageSpec, build_tiny_hunyuan_image
 from diffserve.testing.parity import (
@@ -146,3 +149,23 @@ def test_family_options_are_checked(base) -> None:
         gen.generate(extra={"distilled_guidance_scale": 3.0}, **common)
     with pytest.raises(InvalidRequestError, match="true_cfg_scale"):
         gen.generate(true_cfg_scale=4.0, **common)
+
+
+@pytest.mark.parametrize(
+    ("dit_change", "message"),
+    [
+        ({"patch_size": (1, 2)}, r"patch_size=\[1, 2\] is not square"),
+        ({"out_channels": 4}, "out_channels=4 differs from in_channels=8"),
+        ({"in_channels": 16, "out_channels": 16}, "in_channels=16 differs from the VAE's latent_channels"),
+        ({"text_embed_dim": 16}, "text_embed_dim=16 differs from the text encoder's hidden_size"),
+        ({"text_embed_2_dim": 16}, "text_embed_2_dim=16 differs from text_encoder_2's d_model"),
+    ],
+)
+def test_folders_whose_components_do_not_fit_are_refused(base, dit_change, message) -> None:
+    """Configs that make Diffusers' pipeline fail mid-generation with a shape error (or, for a patch that is
+    not square, run only some sizes) are refused at load, naming the keys; the tiny folder itself fits."""
+    gen, _ = base
+    dit = gen.pipeline.context.get("transformer").config
+    check_hunyuan_image_folder(dit, 8, 32, 32)
+    with pytest.raises(ModelLoadError, match=message):
+        check_hunyuan_image_folder(dataclasses.replace(dit, **dit_change), 8, 32, 32)

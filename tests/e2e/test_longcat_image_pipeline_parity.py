@@ -4,6 +4,7 @@ and seed."""
 
 from __future__ import annotations
 
+import dataclasses
 from unittest import mock
 
 import pytest
@@ -16,10 +17,12 @@ from PIL import Image
 from diffserve import SamplingParams
 from diffserve.api import DiffGenerator
 from diffserve.configs.quality import PSNR_BARS
-from diffserve.errors import InvalidRequestError
-from diffserve.families.longcat_image.config import edit_output_size
+from diffserve.errors import InvalidRequestError, ModelLoadError
+from diffserve.families.longcat_image.config import edit_default_size, edit_output_size
+from diffserve.families.longcat_image.folder_checks import check_longcat_image_folder
 from diffserve.families.longcat_image.stages import quoted_spans
 from diffserve.families.longcat_image.tiny import TinyLongCatImageSpec, build_tiny_longcat_image
+from diffserve.models.dits.longcat_image import LongCatImageTransformer2DModel
 from diffserve.testing.image_metrics import psnr_uint8 as psnr
 from diffserve.testing.parity import (
     assert_batched_as_alone,
@@ -131,6 +134,31 @@ def test_longcat_image_refuses_what_it_does_not_run(engines, params, match) -> N
         ours.generate(prompt=PROMPT, height=32, width=32, num_inference_steps=1, **params)
 
 
+@pytest.mark.parametrize(
+    ("dit_change", "vae_latents", "message"),
+    [
+        ({"patch_size": 2}, 16, "transformer patch_size=2"),
+        ({"in_channels": 32}, 16, "in_channels=32: the pipeline's tokens are 16-channel latents"),
+        ({}, 8, "vae latent_channels=8"),
+        (
+            {"joint_attention_dim": 16},
+            16,
+            "joint_attention_dim=16 differs from the text encoder's hidden_size",
+        ),
+    ],
+)
+def test_folders_whose_components_do_not_fit_are_refused(engines, dit_change, vae_latents, message) -> None:
+    """Configs that make Diffusers' pipeline fail mid-generation with a shape error are refused at load,
+    naming the keys (the tiny folder itself fits: text width 32)."""
+    ours, _ = engines
+    dit = ours.pipeline.context.get("transformer")
+    check_longcat_image_folder(dit, {"latent_channels": 16}, 16, 32)
+    with torch.device("meta"):
+        changed = LongCatImageTransformer2DModel(dataclasses.replace(dit.config, **dit_change))
+    with pytest.raises(ModelLoadError, match=message):
+        check_longcat_image_folder(changed, {"latent_channels": vae_latents}, 16, 32)
+
+
 def test_quality_tiers_keep_their_bars_and_skip_steps(engines) -> None:
     """The tiers (FLUX.1's presets) on the tiny model, 20 steps at 64x64 with CFG: each keeps its PSNR bar
     against the exact output (measured: medium 52.6 dB, low 39.3, draft 35.2), low and draft skip steps."""
@@ -169,6 +197,18 @@ def test_edit_output_size_is_diffusers_rule() -> None:
             1024 * 1024, width / height
         )
         assert edit_output_size(width, height, 1024 * 1024, 16) == (expected_height, expected_width)
+
+
+def test_edit_default_size_that_the_vae_cannot_make_is_refused_by_name() -> None:
+    """A deeper VAE than the released 8x one (pixel multiple 32): the default size of a 60x44 input image
+    (1200x880, Diffusers' rule) is refused with the sizes to set, where it used to name a height the
+    request never sent; explicit sizes and default sizes the VAE can make pass."""
+    params = SamplingParams(prompt=EDIT_PROMPT, input_images=[smooth_random_image(60, 44, 1)])
+    assert edit_default_size(params, 1024 * 1024, 16, 16) == (880, 1200)
+    with pytest.raises(InvalidRequestError, match="default output size.*880x1200.*for example 864x1184"):
+        edit_default_size(params, 1024 * 1024, 16, 32)
+    params.height, params.width = 64, 96
+    edit_default_size(params, 1024 * 1024, 16, 32)
 
 
 @pytest.mark.parametrize(

@@ -118,6 +118,22 @@ def test_parity_no_guidance_klein_like() -> None:
     _compare(ref, ours, "klein-like b=2 4x3 + 1 ref", inputs)
 
 
+def test_skipped_guidance_embedder_matches_diffusers_without_guidance() -> None:
+    """A `guidance_embeds` DiT run as Diffusers' Flux2KleinPipeline runs it (guidance None: the timestep
+    embedding alone) equals the native model with `skip_guidance_embedder`; a guidance value is refused."""
+    ref, ours = _pair(guidance_embeds=True)
+    inputs = _inputs(2, 3, 2, torch.tensor([0.7, 0.2]), None, refs=((2, 2),))
+    batch = inputs["hidden_states"].shape[0]
+    ref_inputs = {**inputs, "img_ids": inputs["img_ids"].expand(batch, -1, -1)}
+    ref_inputs["txt_ids"] = inputs["txt_ids"].expand(batch, -1, -1)
+    with torch.no_grad():
+        expected = ref(**ref_inputs, return_dict=False)[0]
+        out = ours(**inputs, skip_guidance_embedder=True)
+        assert_parity(out, expected, "guidance embedder skipped", max_abs=1e-4, min_cos=0.9999)
+        with pytest.raises(ValueError, match="guidance embedding is skipped"):
+            ours(**{**inputs, "guidance": torch.tensor([3.0])}, skip_guidance_embedder=True)
+
+
 def test_precomputed_rope_and_context_match() -> None:
     ref, ours = _pair(guidance_embeds=True)
     inputs = _inputs(2, 2, 5, torch.tensor([0.5, 0.7]), torch.tensor([3.0]))

@@ -28,6 +28,7 @@ from diffserve.families.flux2.config import (
     flux2_klein_default_sampling_params,
     flux2_klein_distilled_sampling_params,
 )
+from diffserve.families.flux2.folder_checks import check_flux2_folder
 from diffserve.families.flux2.latent_preparation import (
     Flux2DecodingStage,
     Flux2LatentPreparationStage,
@@ -71,10 +72,14 @@ class Flux2Denoiser:
         transformer: Flux2Transformer2DModel,
         scheduler: FlowMatchEulerScheduler,
         reference_time_offset: int,
+        embeds_guidance: bool,
     ) -> None:
+        """`embeds_guidance`: whether the pipeline gives the DiT the guidance scale (dev with a
+        `guidance_embeds` DiT); otherwise a DiT's guidance embedder is left out, as Diffusers does."""
         self.transformer = transformer
         self.scheduler = scheduler
         self.reference_time_offset = reference_time_offset
+        self.embeds_guidance = embeds_guidance
         #: RoPE tables per request shape (least recently used evicted): a few shapes cover a workload.
         self._rope_cache: BoundedCache[RopeTables] = BoundedCache()
 
@@ -122,6 +127,7 @@ class Flux2Denoiser:
             self.rope_for(first),
             context=torch.cat([self.context_for(r) for r in reqs]),
             step_cache=step_cache_for(reqs),
+            skip_guidance_embedder=not self.embeds_guidance,
         )
         prediction = prediction[:, : first.latents.shape[1]]
         advance_requests(self.scheduler, reqs, split_guided(prediction, reqs))
@@ -185,7 +191,7 @@ class Flux2Pipeline(Pipeline):
         """The input validation stage's class (a step-distilled klein folder checks its guidance_scale)."""
         return InputValidationStage
 
-    def text_stage(self, context: PipelineContext) -> Stage:
+    def text_stage(self, context: PipelineContext) -> Flux2TextEncodingStage:
         return Flux2TextEncodingStage(
             context.get("tokenizer"),
             context.get("text_encoder"),
@@ -219,14 +225,17 @@ class Flux2Pipeline(Pipeline):
             unsupported_params=self.unsupported_params(context),
             default_size=lambda params: reference_default_size(params, multiple, area, default_pixels),
         )
-        self.denoiser = Flux2Denoiser(transformer, scheduler, cfg.reference_time_offset)
+        text_stage = self.text_stage(context)
+        check_flux2_folder(transformer, vae, text_stage.state_width)
+        guidance_embeds = self.embeds_guidance(transformer)
+        self.denoiser = Flux2Denoiser(transformer, scheduler, cfg.reference_time_offset, guidance_embeds)
         self.decoder = Flux2DecodingStage(vae)
         return [
             self.input_validation,
-            self.text_stage(context),
+            text_stage,
             Flux2ReferenceImageStage(vae, multiple, area, device=device, dtype=dtype),
             Flux2LatentPreparationStage(transformer.config.in_channels, self.vae_scale_factor, device, dtype),
-            Flux2TimestepPreparationStage(scheduler, guidance_embeds=self.embeds_guidance(transformer)),
+            Flux2TimestepPreparationStage(scheduler, guidance_embeds=guidance_embeds),
             DenoisingStage(self.denoiser),
             self.decoder,
         ]
@@ -295,7 +304,7 @@ class Flux2KleinPipeline(Flux2Pipeline):
         """Never: Diffusers' klein pipeline passes no guidance to its DiT (its CFG is real)."""
         return False
 
-    def text_stage(self, context: PipelineContext) -> Stage:
+    def text_stage(self, context: PipelineContext) -> Flux2TextEncodingStage:
         return Flux2KleinTextEncodingStage(
             context.get("tokenizer"),
             context.get("text_encoder"),

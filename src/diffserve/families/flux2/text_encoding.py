@@ -65,6 +65,12 @@ class Flux2TextEncodingStage(Stage):
         self.output_dtype = output_dtype
         self.cache = PromptEmbeddingCache()
 
+    @property
+    def state_width(self) -> int:
+        """Channels of the states per token: the encoder's hidden size once per layer read (the DiT's
+        `joint_attention_dim`)."""
+        return len(self.layers) * self.text_encoder.get_decoder().config.hidden_size
+
     def chat_texts(self, prompts: list[str]) -> list[str]:
         """The prompts rendered in the encoder's chat template."""
         conversations = [

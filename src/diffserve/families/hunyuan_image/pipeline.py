@@ -30,6 +30,7 @@ from diffserve.families.hunyuan_image.config import (
     HunyuanImageSettings,
     hunyuan_image_default_sampling_params,
 )
+from diffserve.families.hunyuan_image.folder_checks import check_hunyuan_image_folder
 from diffserve.families.hunyuan_image.guider import AdaptiveProjectedMixGuidance
 from diffserve.families.hunyuan_image.text_encoding import HunyuanImageTextEncodingStage, glyph_text
 from diffserve.loader.folder_defaults import apply_overrides
@@ -229,10 +230,14 @@ class HunyuanImagePipeline(Pipeline):
         vae = context.get("vae")
         scheduler = context.get("scheduler")
         dit = transformer.config
+        check_hunyuan_image_folder(
+            dit,
+            vae.config["latent_channels"],
+            context.get("text_encoder").config.get_text_config().hidden_size,
+            context.get("text_encoder_2").config.d_model,
+        )
         spatial = int(vae.spatial_compression_ratio)
         self.pixel_multiple = spatial * dit.patch_size[0]
-        if dit.patch_size[0] != dit.patch_size[1]:
-            raise ModelLoadError(f"HunyuanImage DiT patch {dit.patch_size} is not square")
         self.denoiser = HunyuanImageDenoiser(transformer, scheduler, bool(dit.use_meanflow))
         default_side = self.config.default_latent_size * spatial
         self.input_validation = HunyuanImageInputValidationStage(

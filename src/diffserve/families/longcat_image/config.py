@@ -81,6 +81,29 @@ def edit_output_size(image_width: int, image_height: int, area: int, multiple: i
     return round_up(height), round_up(width)
 
 
+def edit_default_size(
+    params: SamplingParams, area: int, multiple: int, pixel_multiple: int
+) -> tuple[int, int]:
+    """(height, width) of an edit whose request leaves them unset: `edit_output_size` of its input image.
+
+    With the released VAE (8x) that size is always a multiple of the folder's pixel multiple (16). A deeper
+    VAE needs coarser sides, and Diffusers then makes an image a few pixels smaller than the size it resizes
+    the input to, from a second resize of that input: diffserve refuses such a request, naming the size to
+    set instead, rather than giving another image."""
+    height, width = edit_output_size(*params.input_images[0].size, area, multiple)
+    unset = {"height": (params.height, height), "width": (params.width, width)}
+    if any(value is None and default % pixel_multiple for value, default in unset.values()):
+        floored = f"{height // pixel_multiple * pixel_multiple}x{width // pixel_multiple * pixel_multiple}"
+        raise InvalidRequestError(
+            f"LongCat-Image-Edit's default output size for this input image, {height}x{width} (about "
+            f"{area} pixels at its aspect ratio, sides rounded up to {multiple}), is not a multiple of "
+            f"{pixel_multiple}, this folder's pixel granularity: set height and width (for example "
+            f"{floored})",
+            param="height",
+        )
+    return height, width
+
+
 def longcat_image_default_sampling_params() -> SamplingParams:
     """Defaults of Diffusers' LongCatImagePipeline.__call__: 50 steps, guidance_scale 4.5 (CFG on, with the
     "" negative prompt), 512 prompt tokens."""

@@ -24,7 +24,7 @@ from diffserve.families.longcat_image.conditioning import (
 from diffserve.families.longcat_image.config import (
     LongCatImageEditPipelineConfig,
     LongCatImagePipelineConfig,
-    edit_output_size,
+    edit_default_size,
     longcat_image_default_sampling_params,
     longcat_image_edit_default_sampling_params,
     longcat_image_settings,
@@ -34,6 +34,7 @@ from diffserve.families.longcat_image.edit_stages import (
     LongCatEditPreparationStage,
     LongCatEditTextEncodingStage,
 )
+from diffserve.families.longcat_image.folder_checks import check_longcat_image_folder
 from diffserve.families.longcat_image.stages import LongCatLatentPreparationStage, LongCatTextEncodingStage
 from diffserve.layers.rotary import RopeTables
 from diffserve.layers.shape_cache import BoundedCache
@@ -238,6 +239,8 @@ class LongCatImagePipeline(Pipeline):
         transformer = context.get("transformer")
         vae = context.get("vae")
         scheduler = context.get("scheduler")
+        text_width = context.get("text_encoder").config.get_text_config().hidden_size
+        check_longcat_image_folder(transformer, vae.config, self.config.latent_channels, text_width)
         self.vae_scale_factor = 2 ** (len(vae.config["block_out_channels"]) - 1)
         self.pixel_multiple = self.vae_scale_factor * self.config.latent_patch_size
         self.input_validation = self.validation_for(context)
@@ -283,14 +286,14 @@ class LongCatImageEditPipeline(LongCatImagePipeline):
 
     def validation_for(self, context: PipelineContext) -> InputValidationStage:
         """One input image; the output size follows its aspect ratio (`edit_output_size`) when unset."""
-        area, multiple = self.config.output_area, self.config.size_multiple
+        area, multiple, pixels = self.config.output_area, self.config.size_multiple, self.pixel_multiple
         return self.validation(
             context,
             longcat_image_edit_default_sampling_params(),
             ImageInputRule(
                 pipeline_name="LongCatImageEditPipeline", task="image-edit", min_images=1, max_images=1
             ),
-            default_size=lambda params: edit_output_size(*params.input_images[0].size, area, multiple),
+            default_size=lambda params: edit_default_size(params, area, multiple, pixels),
         )
 
     def encoding_stages(self, context: PipelineContext) -> list[Stage]:

@@ -137,9 +137,11 @@ class Flux2TimestepEmbedding(nn.Module):
 class Flux2TimestepGuidanceEmbedding(nn.Module):
     """temb = MLP(sinusoids(t)) [+ MLP(sinusoids(guidance))], sinusoids rounded to `t`'s dtype first.
 
-    A model without `guidance_embedder` (Klein) must get guidance None and one with it a guidance value:
+    A model without `guidance_embedder` must get guidance None and one with it a guidance value:
     Diffusers silently drops either mismatch; here it is an error, as it means the caller's schedule
-    does not fit the checkpoint.
+    does not fit the checkpoint. The one exception is explicit: `skip_guidance_embedder` leaves a
+    checkpoint's guidance embedder out, as Diffusers' Flux2KleinPipeline does (it passes no guidance to
+    any FLUX.2 DiT, so a klein folder whose DiT has `guidance_embeds` runs on the timestep alone).
     """
 
     def __init__(self, in_channels: int, embedding_dim: int, guidance_embeds: bool) -> None:
@@ -150,14 +152,20 @@ class Flux2TimestepGuidanceEmbedding(nn.Module):
             Flux2TimestepEmbedding(in_channels, embedding_dim) if guidance_embeds else None
         )
 
-    def forward(self, timestep: torch.Tensor, guidance: torch.Tensor | None) -> torch.Tensor:
-        """`timestep`, `guidance`: (batch,) or (1,), already scaled to [0, 1000], in the activation dtype."""
+    def forward(
+        self, timestep: torch.Tensor, guidance: torch.Tensor | None, skip_guidance_embedder: bool = False
+    ) -> torch.Tensor:
+        """`timestep`, `guidance`: (batch,) or (1,), already scaled to [0, 1000], in the activation dtype.
+        `skip_guidance_embedder`: the timestep's embedding only (guidance must then be None)."""
         emb = self.timestep_embedder(timestep_sinusoids(timestep, self.in_channels).to(timestep.dtype))
-        if self.guidance_embedder is None:
+        if self.guidance_embedder is None or skip_guidance_embedder:
             if guidance is not None:
-                raise ValueError(
-                    "this model has no guidance embedding (guidance_embeds=False): pass guidance=None"
+                why = (
+                    "is skipped"
+                    if self.guidance_embedder is not None
+                    else "is absent (guidance_embeds=False)"
                 )
+                raise ValueError(f"this model's guidance embedding {why}: pass guidance=None")
             return emb
         if guidance is None:
             raise ValueError("this model embeds the guidance scale: pass `guidance` (one value per sample)")
@@ -381,6 +389,7 @@ class Flux2Transformer2DModel(DiffusersDiT):
         img_ids: torch.Tensor | None = None,
         txt_ids: torch.Tensor | None = None,
         step_cache: BatchStepCache | None = None,
+        skip_guidance_embedder: bool = False,
     ) -> torch.Tensor:
         """Predict the flow-matching velocity for packed latents (and any appended reference tokens).
 
@@ -399,6 +408,8 @@ class Flux2Transformer2DModel(DiffusersDiT):
                 needed only when `rope` is None.
             step_cache: rows of approximate-quality requests, which may reuse the blocks' residual from
                 an earlier step (`models/step_cache.py`); None runs every block for every row (exact).
+            skip_guidance_embedder: run a `guidance_embeds` checkpoint without its guidance embedding
+                (guidance None), as Diffusers' Flux2KleinPipeline runs every FLUX.2 DiT.
 
         Returns:
             (batch, img_seq, patch_size**2 * out_channels), one prediction per image token passed.
@@ -416,7 +427,7 @@ class Flux2Transformer2DModel(DiffusersDiT):
         timestep = timestep.to(dtype) * 1000
         if guidance is not None:
             guidance = guidance.to(dtype) * 1000
-        temb = self.time_guidance_embed(timestep, guidance)
+        temb = self.time_guidance_embed(timestep, guidance, skip_guidance_embedder)
         temb_act = F.silu(temb)  # every modulation projects SiLU(temb): computed once
         mods = (
             self.double_stream_modulation_img(temb_act),
