@@ -268,3 +268,17 @@ def test_previews_decode_the_predicted_first_frame(folders, folder) -> None:
     value = psnr_uint8(np.asarray(previews[-1][0]), final)
     print(f"CogVideoX {folder}: last preview vs the video's first frame {value:.1f} dB")
     assert value > 10.0
+
+
+def test_text_to_video_with_an_ofs_dit_is_refused(tmp_path) -> None:
+    """A DiT with an ofs embedding (CogVideoX 1.5 I2V's) under the text-to-video pipeline: Diffusers' passes it
+    no ofs and fails; refused at load."""
+    import json
+
+    from diffserve.errors import ModelLoadError
+
+    root = build_tiny_cogvideox(tmp_path, TinyCogVideoXSpec(variant="1.5", image_to_video=True))
+    index = root / "model_index.json"
+    index.write_text(json.dumps({**json.loads(index.read_text()), "_class_name": "CogVideoXPipeline"}))
+    with pytest.raises(ModelLoadError, match="ofs_embed_dim is set"):
+        DiffGenerator.from_pretrained(root, device="cpu")

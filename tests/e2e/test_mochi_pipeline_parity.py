@@ -135,3 +135,44 @@ def test_bfloat16_matches_diffusers(tmp_path) -> None:
     assert_parity(req.latents.float(), want_latents.float(), "Mochi bfloat16 latents", min_db=LATENT_MIN_DB)
     got = np.stack(pipeline.run_post_denoise(req).outputs.frames)
     assert_images_match(got, want, "Mochi bfloat16 frames", min_db=PSNR_BAR_DB)
+
+
+@pytest.mark.parametrize(
+    ("updates", "match"),
+    [
+        ({"temporal_expansions": (1, 2, 2)}, "temporal_expansions .1, 2, 2. compress 4x"),
+        ({"spatial_expansions": (2, 2, 1)}, "spatial_expansions .2, 2, 1. compress 4x"),
+        (
+            {"latent_channels": 8, "latents_mean": (0.0,) * 8, "latents_std": (1.0,) * 8},
+            "latent_channels has 8",
+        ),
+    ],
+)
+def test_vae_layouts_diffusers_assumes_otherwise_are_refused(updates, match) -> None:
+    """Diffusers' MochiPipeline sizes the latents for 8x / 6x compression whatever the VAE's expansions, and
+    un-normalises exactly 12 channels: a VAE built otherwise is refused at load (Diffusers would make videos
+    of another size, or fail). Without latents_mean / latents_std any channel count is Diffusers' too."""
+    from diffserve.errors import ModelLoadError
+    from diffserve.families.mochi.folder_checks import check_vae_layout
+    from diffserve.families.mochi.tiny import _vae_config
+    from diffserve.models.vaes.autoencoder_kl_mochi import AutoencoderKLMochi
+
+    config = _vae_config(TinyMochiSpec())
+    with torch.device("meta"):
+        vae = AutoencoderKLMochi(**{**config, **updates})
+        unnormalised = AutoencoderKLMochi(**{**config, **updates, "latents_mean": None, "latents_std": None})
+    with pytest.raises(ModelLoadError, match=match):
+        check_vae_layout(vae)
+    if "latent_channels" in updates:
+        check_vae_layout(unnormalised)
+
+
+def test_dynamic_shifting_is_refused() -> None:
+    """Diffusers' MochiPipeline passes its scheduler no mu: dynamic shifting fails there, refused at load here."""
+    from types import SimpleNamespace
+
+    from diffserve.errors import ModelLoadError
+    from diffserve.families.mochi.folder_checks import refuse_dynamic_shifting
+
+    with pytest.raises(ModelLoadError, match="use_dynamic_shifting"):
+        refuse_dynamic_shifting(SimpleNamespace(config={"use_dynamic_shifting": True}))

@@ -178,3 +178,35 @@ def test_guidance_scale_2_needs_two_experts(ti2v) -> None:
         ours.generate(
             prompt=PROMPT, guidance_scale_2=2.0, height=32, width=32, num_frames=5, num_inference_steps=1
         )
+
+
+def test_a14b_i2v_last_frame_matches_diffusers(a14b_i2v) -> None:
+    """Without CLIP (Wan 2.2 A14B), a second input image is Diffusers' optional `last_image`: the last frame
+    of the conditioning video and of its mask."""
+    ours, reference = a14b_i2v
+    first, last = gradient_image(width=60, height=40), gradient_image(width=40, height=60)
+    # Two steps at boundary 0.9 (timesteps 1000 and 500): one on each expert.
+    kwargs = dict(height=32, width=48, num_frames=5, num_inference_steps=2, guidance_scale=1.0)
+    out = ours.generate(prompt=PROMPT, image=[first, last], seed=4, **kwargs)
+    ref = diffusers_uint8(
+        reference, seed=4, video=True, image=first, last_image=last, prompt=PROMPT, **kwargs
+    )
+    _check("A14B I2V first and last frames", np.stack(out.frames), ref, (1, 5, 32, 48, 3))
+
+
+def test_any_boundary_ratio_runs_as_in_diffusers(a14b) -> None:
+    """Diffusers compares each timestep with boundary_ratio * num_train_timesteps whatever the ratio: at 0
+    every step is the high-noise expert's, above 1 every step the low-noise one's."""
+    from types import SimpleNamespace
+
+    from diffserve.families.wan.pipeline import WanPipeline
+
+    scheduler = a14b[0].pipeline.denoiser.scheduler
+    for ratio, expert in ((0.0, 0), (1.5, 1)):
+        context = SimpleNamespace(
+            pipeline_options={"boundary_ratio": ratio},
+            get_optional=lambda _name: object(),
+            get=lambda _name: scheduler,
+        )
+        switch = WanPipeline.expert_switch(context, 2)
+        assert switch.experts(3, 4, 6) == (expert,) * 3

@@ -120,3 +120,57 @@ def test_half_a14b_folders_are_refused(tmp_path) -> None:
     index_path.write_text(json.dumps({**index, "transformer_2": [None, None], "boundary_ratio": 0.9}))
     with pytest.raises(ModelLoadError, match="boundary_ratio"):
         DiffGenerator.from_pretrained(root, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def flf2v(tmp_path_factory):
+    spec = TinyWanSpec(image_to_video=True, first_last_frame=True)
+    root = build_tiny_wan(tmp_path_factory.mktemp("wan-flf2v"), spec)
+    return (
+        DiffGenerator.from_pretrained(root, device="cpu", show_progress=False),
+        WanImageToVideoPipeline.from_pretrained(root, torch_dtype=torch.float32),
+    )
+
+
+def test_wan_flf2v_first_and_last_frames_match_diffusers(flf2v) -> None:
+    """FLF2V (the DiT's `pos_embed_seq_len`): the second input image is Diffusers' `last_image` (its CLIP
+    states after the first's, the last conditioning frame); one image alone is refused (Diffusers fails)."""
+    ours, reference = flf2v
+    first, last = gradient_image(width=60, height=40), gradient_image(width=40, height=60)
+    kwargs = dict(height=32, width=48, num_frames=5, num_inference_steps=2, guidance_scale=1.0)
+    out = ours.generate(prompt=PROMPT, image=[first, last], seed=4, **kwargs)
+    ref_u8 = diffusers_uint8(
+        reference, seed=4, video=True, image=first, last_image=last, prompt=PROMPT, **kwargs
+    )
+    assert_images_match(
+        np.stack(out.frames), ref_u8, "Wan FLF2V", min_db=PSNR_BAR_DB, shape=(1, 5, 32, 48, 3)
+    )
+    with pytest.raises(InvalidRequestError, match="two input images"):
+        ours.generate(prompt=PROMPT, image=first, seed=4, **kwargs)
+    with pytest.raises(InvalidRequestError, match="num_frames must be at least 2"):
+        ours.generate(prompt=PROMPT, image=[first, last], seed=4, **{**kwargs, "num_frames": 1})
+
+
+def test_folders_diffusers_runs_otherwise_are_refused(tmp_path) -> None:
+    """Configs Diffusers' Wan pipelines size or schedule differently from their network, or fail on, are
+    refused at load naming the key: a VAE `scale_factor_spatial` other than its network's compression
+    (Diffusers sizes the latents by it), `use_dynamic_shifting` (Diffusers passes no mu), and a VAE without
+    temporal compression (Diffusers adds a frame to every request)."""
+    import json
+    from types import SimpleNamespace
+
+    from diffserve.errors import ModelLoadError
+    from diffserve.families.wan.folder_checks import refuse_dynamic_shifting, refuse_no_temporal_compression
+    from diffserve.models.vaes.autoencoder_kl_wan import AutoencoderKLWan
+
+    root = build_tiny_wan(tmp_path / "wan")
+    path = root / "vae" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "scale_factor_spatial": 16}))
+    with pytest.raises(ModelLoadError, match="scale_factor_spatial is 16"):
+        DiffGenerator.from_pretrained(root, device="cpu")
+    with pytest.raises(ModelLoadError, match="use_dynamic_shifting"):
+        refuse_dynamic_shifting(SimpleNamespace(config={"use_dynamic_shifting": True}), "WanPipeline")
+    with torch.device("meta"):
+        vae = AutoencoderKLWan(base_dim=8, temperal_downsample=(False, False, False))
+    with pytest.raises(ModelLoadError, match="no temporal compression"):
+        refuse_no_temporal_compression(vae)

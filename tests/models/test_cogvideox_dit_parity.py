@@ -125,3 +125,20 @@ def test_a_15_grid_past_the_sample_size_is_refused() -> None:
     x = torch.randn(1, 2, 4, 8, 12)
     with pytest.raises(ValueError, match="larger than the model's"), torch.no_grad():
         native(x, torch.randn(1, TEXT_LEN, 20), torch.tensor([10]))
+
+
+@pytest.mark.parametrize(
+    ("updates", "match"),
+    [
+        # RoPE: a quarter of the head over frames and 3/8 over rows and over columns, each in pairs.
+        ({"attention_head_dim": 24, "use_rotary_positional_embeddings": True}, "multiple of 16 with rotary"),
+        # Sin-cos: 3/8 of the width over rows and over columns, 1/4 over frames, each in pairs.
+        ({"num_attention_heads": 3, "attention_head_dim": 24}, "multiple of 16 with added positions"),
+        ({"ofs_embed_dim": 16, "use_rotary_positional_embeddings": True}, "ofs_embed_dim .16. must equal"),
+    ],
+)
+def test_configs_diffusers_cannot_build_are_refused(updates, match) -> None:
+    """Widths Diffusers' position tables fail on, and an ofs embedding of another width than the timestep's
+    (Diffusers fails adding them), are refused when the config is read, not inside a request."""
+    with pytest.raises(ValueError, match=match):
+        CogVideoXTransformerConfig(**{**BASE, **updates})

@@ -110,3 +110,10 @@ def test_a_whole_clip_decode_hands_out_its_chunks_in_order(pair) -> None:
         whole = ours.decode(z)
     assert [c.shape[2] for c in chunks] == [9, 8, 8]  # latent chunks of 3, 2, 2 frames
     torch.testing.assert_close(torch.cat(chunks, dim=2), whole.clamp(-1, 1), rtol=0, atol=0)
+
+
+def test_quant_convs_over_other_channels_are_refused() -> None:
+    """Diffusers builds `quant_conv` / `post_quant_conv` over `out_channels`, so with other latent channels
+    both fail when they encode or decode: refused when the VAE is built."""
+    with pytest.raises(ValueError, match="use_post_quant_conv with latent_channels 4"):
+        AutoencoderKLCogVideoX(**{**TINY, "use_post_quant_conv": True})

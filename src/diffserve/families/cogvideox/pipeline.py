@@ -188,6 +188,12 @@ class CogVideoXPipeline(Pipeline):
         self.spatial = int(vae.spatial_compression_ratio)
         self.temporal = int(vae.temporal_compression_ratio)
         self.pixel_multiple = self.spatial * dit.patch_size
+        if dit.ofs_embed_dim and not self.image_to_video:
+            raise ModelLoadError(
+                f"{self.pipeline_name}: the DiT embeds an ofs value (ofs_embed_dim is set, as in CogVideoX 1.5 "
+                "image-to-video), which only Diffusers' image-to-video pipeline passes (its text-to-video one "
+                "fails); serve this folder as CogVideoXImageToVideoPipeline"
+            )
         latent_channels = dit.in_channels // 2 if self.image_to_video else dit.in_channels
         if self.image_to_video and dit.in_channels % 2:
             raise ModelLoadError(

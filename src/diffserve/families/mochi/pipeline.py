@@ -19,6 +19,7 @@ from diffserve.configs.quality import TierPreset
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.families.mochi.conditioning import MochiConditioning
 from diffserve.families.mochi.config import MochiPipelineConfig, mochi_default_sampling_params
+from diffserve.families.mochi.folder_checks import check_vae_layout, refuse_dynamic_shifting
 from diffserve.families.mochi.stages import (
     MochiDecodingStage,
     MochiInputValidationStage,
@@ -98,6 +99,8 @@ class MochiPipeline(Pipeline):
         vae = context.get("vae")
         scheduler = context.get("scheduler")
         dit = transformer.config
+        check_vae_layout(vae)
+        refuse_dynamic_shifting(scheduler)
         self.spatial = int(vae.spatial_compression_ratio)
         self.temporal = int(vae.temporal_compression_ratio)
         self.pixel_multiple = self.spatial * dit.patch_size

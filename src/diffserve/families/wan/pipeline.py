@@ -16,6 +16,7 @@ Wan 2.2 folders keep these class names and say what they are in model_index.json
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -28,9 +29,20 @@ from diffserve.errors import ModelLoadError
 from diffserve.families.wan.conditioning import WanConditioning
 from diffserve.families.wan.config import WanPipelineConfig, wan_default_sampling_params
 from diffserve.families.wan.experts import HIGH_NOISE, ExpertSwitch, guidance_scale_of
+from diffserve.families.wan.folder_checks import (
+    check_image_encoder,
+    check_vae_scale_factors,
+    refuse_dynamic_shifting,
+    refuse_no_temporal_compression,
+)
 from diffserve.families.wan.image_to_video_preparation import (
     WanImageToVideoPreparationStage,
     image_to_video_size,
+)
+from diffserve.families.wan.last_image import (
+    WanImageToVideoValidationStage,
+    image_input_rule,
+    last_image_use,
 )
 from diffserve.families.wan.text_encoding import WanTextEncodingStage
 from diffserve.families.wan.ti2v_preparation import WanFirstFrameLatentStage
@@ -194,6 +206,9 @@ class WanPipeline(Pipeline):
     required_components = ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
     #: Wan 2.2 A14B's low-noise expert (with `boundary_ratio` in model_index.json).
     optional_components: tuple[str, ...] = ("transformer_2",)
+    #: Diffusers' Wan pipelines size the latents by the VAE config's `scale_factor_spatial` /
+    #: `scale_factor_temporal` (`check_vae_scale_factors`); SkyReels-V2's derive them from the network.
+    latent_size_from_vae_config: ClassVar[bool] = True
     config = WanPipelineConfig()
     pipeline_name = "WanPipeline"
     conditioning_type = WanConditioning
@@ -219,6 +234,11 @@ class WanPipeline(Pipeline):
         transformer = context.get("transformer")
         vae = context.get("vae")
         scheduler = context.get("scheduler")
+        self.dit_config = transformer.config
+        refuse_dynamic_shifting(scheduler, self.pipeline_name)
+        refuse_no_temporal_compression(vae)
+        if self.latent_size_from_vae_config:
+            check_vae_scale_factors(vae)
         switch = self.expert_switch(context, transformer.config.patch_size[1])
         transformers = (transformer,) if switch is None else (transformer, context.get("transformer_2"))
         if switch is not None:
@@ -277,10 +297,11 @@ class WanPipeline(Pipeline):
                 "model_index.json sets boundary_ratio without transformer_2, or transformer_2 without "
                 "boundary_ratio: Wan 2.2 A14B folders need both (the low-noise expert and where it takes over)"
             )
-        if not 0 < float(boundary_ratio) <= 1:
-            raise ModelLoadError(
-                f"model_index.json: boundary_ratio must be in (0, 1], got {boundary_ratio!r}"
-            )
+        if isinstance(boundary_ratio, bool) or not isinstance(boundary_ratio, int | float):
+            raise ModelLoadError(f"model_index.json: boundary_ratio must be a number, got {boundary_ratio!r}")
+        if not math.isfinite(boundary_ratio):
+            raise ModelLoadError(f"model_index.json: boundary_ratio must be finite, got {boundary_ratio!r}")
+        # Any value runs as in Diffusers: at or below 0 every step is the high-noise expert's, above 1 none is.
         return ExpertSwitch(context.get("scheduler"), patch_size, float(boundary_ratio))
 
     def batch_key(self, req: Req) -> tuple:
@@ -307,13 +328,16 @@ class WanPipeline(Pipeline):
 
 
 class WanImageToVideoPipeline(WanPipeline):
-    """Animates one input image; the output keeps its aspect ratio unless height/width are given.
+    """Animates one input image; the output keeps its aspect ratio unless height/width are given. A second
+    input image is the last frame (Diffusers' `last_image`) where the DiT takes one (`last_image.py`):
+    required by FLF2V, optional without image cross-attention (Wan 2.2 A14B).
 
     The CLIP image encoder is used (and needed) only by DiTs with image cross-attention (Wan 2.1's
     `image_dim`); Wan 2.2 A14B's folders set it to null, as Diffusers allows."""
 
     optional_components = (*WanPipeline.optional_components, "image_encoder", "image_processor")
     pipeline_name = "WanImageToVideoPipeline"
+    input_validation_cls: ClassVar[type[InputValidationStage]] = WanImageToVideoValidationStage
     #: Chosen like WanPipeline's on the tiny I2V test model (64x64 input image): medium and low the step
     #: cache (38 / 35 blocks of 40 at 46.4 / 36.4 dB; no candidate computes fewer at those bars), draft
     #: EasyCache 24 blocks at 29.1 dB (the step cache at 0.55: 30 at 28.4 dB). Reuse costs more here than in
@@ -324,8 +348,16 @@ class WanImageToVideoPipeline(WanPipeline):
         "draft": EasyCacheSettings(reuse_threshold=1.2),
     }
 
+    def build_stages(self, context: PipelineContext) -> list[Stage]:
+        stages = super().build_stages(context)
+        validation = self.input_validation
+        assert isinstance(validation, WanImageToVideoValidationStage)
+        validation.last_image = last_image_use(self.dit_config, self.expand_timesteps)
+        return stages
+
     def image_input_rule(self) -> ImageInputRule:
-        return ImageInputRule(pipeline_name=self.pipeline_name, min_images=1, max_images=1)
+        use = last_image_use(self.dit_config, self.expand_timesteps)
+        return image_input_rule(self.pipeline_name, use)
 
     def default_size(self, params: SamplingParams) -> tuple[int, int]:
         return image_to_video_size(params, self.config.image_to_video_area, self.pixel_multiple)
@@ -334,7 +366,8 @@ class WanImageToVideoPipeline(WanPipeline):
         if self.expand_timesteps:
             return [WanFirstFrameLatentStage(context.get("vae"))]
         image_encoder = None
-        if context.get("transformer").config.image_dim is not None:
+        dit = context.get("transformer").config
+        if dit.image_dim is not None:
             missing = [n for n in ("image_encoder", "image_processor") if context.get_optional(n) is None]
             if missing:
                 raise ModelLoadError(
@@ -342,6 +375,7 @@ class WanImageToVideoPipeline(WanPipeline):
                     f"model_index.json has no {' or '.join(missing)}"
                 )
             image_encoder = context.get("image_encoder")
+            check_image_encoder(image_encoder, dit.image_dim, dit.pos_embed_seq_len)
         elif context.get_optional("image_encoder") is not None:
             raise ModelLoadError(
                 "model_index.json names an image_encoder, but the DiT takes no image states (image_dim is "

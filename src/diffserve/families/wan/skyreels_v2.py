@@ -77,6 +77,8 @@ class SkyReelsV2Pipeline(WanPipeline):
 
     config = SkyReelsV2PipelineConfig()
     pipeline_name = "SkyReelsV2Pipeline"
+    #: Diffusers' SkyReels-V2 pipelines size the latents by the VAE's network, not its scale_factor_* keys.
+    latent_size_from_vae_config = False
 
     @staticmethod
     def default_sampling_params() -> SamplingParams:
@@ -84,10 +86,12 @@ class SkyReelsV2Pipeline(WanPipeline):
 
 
 class SkyReelsV2ImageToVideoPipeline(WanImageToVideoPipeline):
-    """Animates one input image (Diffusers' optional `last_image` is not served, as for Wan)."""
+    """Animates one input image; a last frame (Diffusers' `last_image`) only where the DiT takes one, as for
+    Wan (`last_image.py`: an FLF2V-style DiT with `pos_embed_seq_len`; the released ones take none)."""
 
     config = SkyReelsV2PipelineConfig()
     pipeline_name = "SkyReelsV2ImageToVideoPipeline"
+    latent_size_from_vae_config = False
 
     @staticmethod
     def default_sampling_params() -> SamplingParams:

@@ -6,7 +6,7 @@ text encoder and, for Wan 2.1 image-to-video, the CLIP vision encoder and its im
 transformers objects. Both diffserve and Diffusers load the folders unchanged.
 
 Variants (`TinyWanSpec.variant`), laid out as the released Diffusers folders:
-- "2.1": one DiT; I2V adds CLIP.
+- "2.1": one DiT; I2V adds CLIP, and with `first_last_frame` the FLF2V DiT's positions over two images.
 - "2.2-a14b": two experts (`transformer`, `transformer_2`) and `boundary_ratio` in model_index.json;
   I2V has no image encoder (null in model_index.json) and no image cross-attention.
 - "2.2-ti2v": one DiT over Wan 2.2's VAE (z_dim 48, residual levels, 2x2 patches), `expand_timesteps`;
@@ -68,6 +68,9 @@ class TinyWanSpec:
     variant: str = "2.1"  # or "2.2-a14b", "2.2-ti2v" (see the module docstring)
     #: Wan 2.2 A14B: where the low-noise expert takes over (the released T2V folder: 0.875, I2V: 0.9).
     boundary_ratio: float = 0.875
+    #: Wan 2.1 image-to-video as FLF2V (Wan2.1-FLF2V-14B): the DiT's `pos_embed_seq_len` covers the CLIP
+    #: states of a first and a last frame, so requests send both.
+    first_last_frame: bool = False
     dit_weight_noise: float = 0.2
     seed: int = 0
 
@@ -149,7 +152,7 @@ def _dit_config(spec: TinyWanSpec) -> dict:
         in_channels = out_channels = WAN22_Z_DIM
     else:  # I2V: noise 16 + mask 4 + image latents 16
         in_channels, out_channels = (36 if spec.image_to_video else 16), 16
-    return {
+    config = {
         "patch_size": [1, 2, 2],
         "num_attention_heads": spec.num_attention_heads,
         "attention_head_dim": spec.attention_head_dim,
@@ -166,6 +169,14 @@ def _dit_config(spec: TinyWanSpec) -> dict:
         "added_kv_proj_dim": inner if clip else None,
         "rope_max_seq_len": 1024,
     }
+    if clip and spec.first_last_frame:
+        config["pos_embed_seq_len"] = 2 * clip_tokens(spec)
+    return config
+
+
+def clip_tokens(spec: TinyWanSpec) -> int:
+    """The tiny CLIP vision tower's states per image: its patches and the class token."""
+    return (spec.clip_image_size // spec.clip_patch_size) ** 2 + 1
 
 
 def _vae_config(spec: TinyWanSpec) -> dict:
@@ -192,6 +203,8 @@ def build_tiny_wan(out_dir: str | Path, spec: TinyWanSpec | None = None) -> Path
     spec = spec or TinyWanSpec()
     if spec.variant not in WAN_VARIANTS:
         raise ValueError(f"unknown Wan variant {spec.variant!r}; one of {', '.join(WAN_VARIANTS)}")
+    if spec.first_last_frame and not (spec.image_to_video and spec.variant == "2.1"):
+        raise ValueError("first_last_frame is a Wan 2.1 image-to-video folder (FLF2V): set image_to_video")
     if spec.variant == "2.2-ti2v" and spec.image_to_video:
         raise ValueError(
             "Wan 2.2 TI2V is one WanPipeline folder for both tasks: build it without image_to_video"

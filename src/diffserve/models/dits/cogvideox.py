@@ -116,6 +116,23 @@ class CogVideoXTransformerConfig(DiTConfig):
             raise ValueError(
                 f"{name}: timestep_activation_fn must be silu, got {self.timestep_activation_fn!r}"
             )
+        if self.use_rotary_positional_embeddings and self.attention_head_dim % 16:
+            raise ValueError(
+                f"{name}: attention_head_dim must be a multiple of 16 with rotary positions (a quarter of it "
+                f"over frames and 3/8 over rows and over columns, each split in pairs), got "
+                f"{self.attention_head_dim}"
+            )
+        if self.sincos_positions and self.inner_dim % 16:
+            raise ValueError(
+                f"{name}: num_attention_heads * attention_head_dim must be a multiple of 16 with added "
+                f"positions (3/8 of it over rows and over columns, 1/4 over frames, each in sin-cos pairs), "
+                f"got {self.inner_dim}"
+            )
+        if self.ofs_embed_dim and self.ofs_embed_dim != self.time_embed_dim:
+            raise ValueError(
+                f"{name}: ofs_embed_dim ({self.ofs_embed_dim}) must equal time_embed_dim "
+                f"({self.time_embed_dim}): the ofs embedding is added to the timestep embedding"
+            )
         if self.out_channels is None:
             self._normalise(out_channels=self.in_channels)
 

@@ -139,8 +139,7 @@ class WanTransformerConfig(DiTConfig):
                 f"num_attention_heads * attention_head_dim ({self.inner_dim}): it projects embedded image "
                 "tokens"
             )
-        if self.pos_embed_seq_len is not None and self.image_dim is None:
-            raise ValueError("pos_embed_seq_len (FLF2V) needs image_dim")
+        # pos_embed_seq_len without image_dim is unused, as in Diffusers (the image embedder holds the table).
         self._normalise(patch_size=patch_size, out_channels=self.out_channels or self.in_channels)
 
 

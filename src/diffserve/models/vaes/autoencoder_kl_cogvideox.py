@@ -348,6 +348,14 @@ class AutoencoderKLCogVideoX(DiffusersConfigured, TilingMixin, nn.Module):
                 )
         if cfg["act_fn"] not in ("silu", "swish"):
             raise ValueError(f"AutoencoderKLCogVideoX: act_fn must be silu, got {cfg['act_fn']!r}")
+        quant = [key for key in ("use_quant_conv", "use_post_quant_conv") if cfg[key]]
+        if quant and cfg["latent_channels"] != cfg["out_channels"]:
+            raise ValueError(
+                f"AutoencoderKLCogVideoX: {' and '.join(quant)} with latent_channels {cfg['latent_channels']} "
+                f"!= out_channels {cfg['out_channels']}: Diffusers builds these convs over out_channels, so "
+                "they cannot take the latents (it fails when it encodes or decodes); set them to false, as "
+                "released"
+            )
         self.config = cfg
         temporal_levels = int(math.log2(cfg["temporal_compression_ratio"]))
         common = {
