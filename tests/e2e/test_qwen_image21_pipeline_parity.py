@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from diffusers import QwenImage21Pipeline as DiffusersQwenImage21
+from transformers import Qwen2_5_VLConfig
 
 from diffserve import SamplingParams
 from diffserve.api import DiffGenerator
@@ -168,7 +169,7 @@ def test_a_folder_whose_components_do_not_fit_is_refused_at_load(dit, vae, text_
     with torch.device("meta"):
         transformer = QwenImage21Transformer2DModel.from_config({**FIT_DIT, **dit})
     vae_config = {**QWEN_IMAGE21_VAE_CONFIG_DEFAULTS, **vae}
-    text_config = SimpleNamespace(text_config=SimpleNamespace(hidden_size=text_width))
+    text_config = Qwen2_5_VLConfig(text_config={"hidden_size": text_width})
     values = {
         "transformer": transformer,
         "vae": SimpleNamespace(

@@ -14,6 +14,7 @@ import pytest
 import torch
 from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline
 from PIL import Image
+from transformers import Qwen2_5_VLConfig
 
 from diffserve import DiffGenerator
 from diffserve.errors import InvalidRequestError, ModelLoadError
@@ -243,7 +244,7 @@ def _build_on_meta(pipeline_cls, dit: dict, vae: dict, text_width: int):
     checks read only configs, and run before any stage is built."""
     with torch.device("meta"):
         transformer = QwenImageTransformer2DModel.from_config({**FIT_DIT, **dit})
-    text_config = SimpleNamespace(text_config=SimpleNamespace(hidden_size=text_width))
+    text_config = Qwen2_5_VLConfig(text_config={"hidden_size": text_width})
     values = {
         "transformer": transformer,
         "vae": SimpleNamespace(config={**QWEN_IMAGE_VAE_CONFIG_DEFAULTS, **vae}),

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from diffusers import ZImageImg2ImgPipeline, ZImagePipeline
+from transformers import PretrainedConfig
 
 from diffserve.api import DiffGenerator
 from diffserve.errors import InvalidRequestError, ModelLoadError
@@ -151,7 +152,7 @@ def test_z_image_refuses_a_folder_whose_components_do_not_fit(
     values = {
         "transformer": transformer,
         "vae": SimpleNamespace(config={"latent_channels": latent_channels, "block_out_channels": [16, 32]}),
-        "text_encoder": SimpleNamespace(config=SimpleNamespace(hidden_size=text_width)),
+        "text_encoder": SimpleNamespace(config=PretrainedConfig(hidden_size=text_width)),
         "scheduler": None,
     }
     components = {name: LoadedComponent(name, type(v).__name__, v) for name, v in values.items()}

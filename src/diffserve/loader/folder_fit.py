@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from torch import nn
+
 from diffserve.errors import ModelLoadError
 
 
@@ -19,3 +21,9 @@ def refuse_unfit_folder(pipeline: str, problems: Sequence[str]) -> None:
         raise ModelLoadError(
             f"this {pipeline} folder's components do not fit together: " + "; ".join(problems)
         )
+
+
+def encoder_hidden_size(encoder: nn.Module) -> int:
+    """The width of a transformers encoder's hidden states, which a DiT's text projection must take: a
+    vision-language model's is its language model's (`PretrainedConfig.get_text_config()`)."""
+    return int(encoder.config.get_text_config().hidden_size)

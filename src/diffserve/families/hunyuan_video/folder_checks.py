@@ -27,12 +27,6 @@ def dit_in_channels(latent_channels: int, image_condition_type: str | None, imag
     return latent_channels
 
 
-def text_hidden_size(text_encoder: Any) -> int:
-    """The width of the Llama states the DiT reads (a Llava's is its language model's)."""
-    config = text_encoder.config
-    return int(getattr(config, "text_config", config).hidden_size)
-
-
 def check_hunyuan_video_folder(
     dit: HunyuanVideoTransformerConfig,
     vae_config: Mapping[str, Any],

@@ -26,13 +26,14 @@ from diffserve.families.hunyuan_video.config import (
     HunyuanVideoPipelineConfig,
     hunyuan_video_default_sampling_params,
 )
-from diffserve.families.hunyuan_video.folder_checks import check_hunyuan_video_folder, text_hidden_size
+from diffserve.families.hunyuan_video.folder_checks import check_hunyuan_video_folder
 from diffserve.families.hunyuan_video.stages import (
     HunyuanVideoDecodingStage,
     HunyuanVideoTimestepPreparationStage,
 )
 from diffserve.families.hunyuan_video.text_encoding import HunyuanVideoTextEncodingStage
 from diffserve.loader.folder_defaults import apply_overrides
+from diffserve.loader.folder_fit import encoder_hidden_size
 from diffserve.models.dits.hunyuan_video import HunyuanVideoTransformer3DModel
 from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.pipelines.cfg_batch import advance_requests, split_guided, step_cache_for
@@ -153,7 +154,7 @@ class HunyuanVideoPipeline(Pipeline):
         check_hunyuan_video_folder(
             transformer.config,
             vae.config,
-            text_hidden_size(context.get("text_encoder")),
+            encoder_hidden_size(context.get("text_encoder")),
             int(context.get("text_encoder_2").config.hidden_size),
             self.image_to_video,
         )

@@ -18,13 +18,6 @@ from diffserve.loader.folder_fit import refuse_unfit_folder
 from diffserve.models.dits.hunyuan_video15 import HunyuanVideo15TransformerConfig
 
 
-def text_hidden_size(text_encoder: Any) -> int:
-    """The width of the Qwen2.5-VL states the DiT reads (a whole vision-language model's is its language
-    model's, `text_config`)."""
-    config = text_encoder.config
-    return int(getattr(config, "text_config", config).hidden_size)
-
-
 def check_hunyuan_video15_folder(
     dit: HunyuanVideo15TransformerConfig,
     vae_config: Mapping[str, Any],

@@ -38,10 +38,11 @@ from diffserve.families.hunyuan_video15.config import (
     hunyuan_video15_default_sampling_params,
 )
 from diffserve.families.hunyuan_video15.decoding import HunyuanVideo15DecodingStage
-from diffserve.families.hunyuan_video15.folder_checks import check_hunyuan_video15_folder, text_hidden_size
+from diffserve.families.hunyuan_video15.folder_checks import check_hunyuan_video15_folder
 from diffserve.families.hunyuan_video15.sizes import closest_bucket, size_buckets
 from diffserve.families.hunyuan_video15.text_encoding import HunyuanVideo15TextEncodingStage
 from diffserve.loader.folder_defaults import apply_overrides
+from diffserve.loader.folder_fit import encoder_hidden_size
 from diffserve.models.dits.hunyuan_video15 import HunyuanVideo15Transformer3DModel
 from diffserve.models.guiders.classifier_free_guidance import ClassifierFreeGuidance
 from diffserve.pipelines.base import Pipeline, PipelineContext
@@ -175,7 +176,7 @@ class HunyuanVideo15Pipeline(Pipeline):
         check_hunyuan_video15_folder(
             transformer.config,
             vae.config,
-            text_hidden_size(context.get("text_encoder")),
+            encoder_hidden_size(context.get("text_encoder")),
             int(context.get("text_encoder_2").config.d_model),
             self.image_state_width(context),
         )

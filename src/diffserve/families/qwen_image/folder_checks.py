@@ -21,17 +21,11 @@ from typing import Any
 
 from torch import nn
 
-from diffserve.loader.folder_fit import refuse_unfit_folder
+from diffserve.loader.folder_fit import encoder_hidden_size, refuse_unfit_folder
 from diffserve.models.dits.qwen_image import QwenImageTransformer2DModel
 
 #: The latent patch the pipelines fold into channels (`_pack_latents`, hard-coded 2x2).
 PIPELINE_LATENT_PATCH = 2
-
-
-def text_hidden_size(text_encoder: nn.Module) -> int:
-    """The width of the text encoder's hidden states (Qwen2.5-VL keeps it in its `text_config`)."""
-    config: Any = text_encoder.config
-    return int(getattr(config, "text_config", config).hidden_size)
 
 
 def pixel_channels_key(vae_config: dict[str, Any]) -> str:
@@ -81,7 +75,7 @@ def check_qwen_image_folder(
     for key in ("latents_mean", "latents_std"):
         if len(vae_config[key]) != z_dim:
             problems.append(f"vae {key} has {len(vae_config[key])} entries, not z_dim={z_dim}")
-    width = text_hidden_size(text_encoder)
+    width = encoder_hidden_size(text_encoder)
     if dit.joint_attention_dim != width:
         problems.append(
             f"transformer joint_attention_dim={dit.joint_attention_dim} differs from the text encoder's "

@@ -13,12 +13,10 @@ naming the keys.
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
 from diffserve.families.qwen_image21.stages import PIPELINE_NAME
-from diffserve.loader.folder_fit import refuse_unfit_folder
+from diffserve.loader.folder_fit import encoder_hidden_size, refuse_unfit_folder
 from diffserve.models.dits.qwen_image21 import QwenImage21Transformer2DModel
 
 
@@ -39,8 +37,7 @@ def check_qwen_image21_folder(
     for key in ("in_channels", "out_channels"):
         if getattr(dit, key) != z_dim:
             problems.append(f"transformer {key}={getattr(dit, key)} differs from the VAE's z_dim={z_dim}")
-    config: Any = text_encoder.config
-    width = int(getattr(config, "text_config", config).hidden_size)
+    width = encoder_hidden_size(text_encoder)
     if dit.context_in_dim != width:
         problems.append(
             f"transformer context_in_dim={dit.context_in_dim} differs from the text encoder's hidden_size={width}"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from diffserve.loader.folder_fit import refuse_unfit_folder
+from diffserve.loader.folder_fit import encoder_hidden_size, refuse_unfit_folder
 from diffserve.models.dits.z_image import ZImageTransformer2DModel
 
 #: The (spatial, temporal) patch size the pipelines run the DiT with (its forward's defaults).
@@ -37,7 +37,7 @@ def check_z_image_folder(
         problems.append(
             f"transformer in_channels={dit.in_channels} differs from the VAE's latent_channels={latent_channels}"
         )
-    width = int(getattr(text_encoder.config, "text_config", text_encoder.config).hidden_size)
+    width = encoder_hidden_size(text_encoder)
     if dit.cap_feat_dim != width:
         problems.append(
             f"transformer cap_feat_dim={dit.cap_feat_dim} differs from the text encoder's hidden_size={width}"
