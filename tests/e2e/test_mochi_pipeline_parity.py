@@ -172,7 +172,9 @@ def test_dynamic_shifting_is_refused() -> None:
     from types import SimpleNamespace
 
     from diffserve.errors import ModelLoadError
-    from diffserve.families.mochi.folder_checks import refuse_dynamic_shifting
+    from diffserve.loader.folder_fit import refuse_dynamic_shifting_without_mu
 
     with pytest.raises(ModelLoadError, match="use_dynamic_shifting"):
-        refuse_dynamic_shifting(SimpleNamespace(config={"use_dynamic_shifting": True}))
+        refuse_dynamic_shifting_without_mu(
+            SimpleNamespace(config={"use_dynamic_shifting": True}), "MochiPipeline"
+        )

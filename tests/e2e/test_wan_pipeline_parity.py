@@ -160,7 +160,8 @@ def test_folders_diffusers_runs_otherwise_are_refused(tmp_path) -> None:
     from types import SimpleNamespace
 
     from diffserve.errors import ModelLoadError
-    from diffserve.families.wan.folder_checks import refuse_dynamic_shifting, refuse_no_temporal_compression
+    from diffserve.families.wan.folder_checks import refuse_no_temporal_compression
+    from diffserve.loader.folder_fit import refuse_dynamic_shifting_without_mu
     from diffserve.models.vaes.autoencoder_kl_wan import AutoencoderKLWan
 
     root = build_tiny_wan(tmp_path / "wan")
@@ -169,7 +170,9 @@ def test_folders_diffusers_runs_otherwise_are_refused(tmp_path) -> None:
     with pytest.raises(ModelLoadError, match="scale_factor_spatial is 16"):
         DiffGenerator.from_pretrained(root, device="cpu")
     with pytest.raises(ModelLoadError, match="use_dynamic_shifting"):
-        refuse_dynamic_shifting(SimpleNamespace(config={"use_dynamic_shifting": True}), "WanPipeline")
+        refuse_dynamic_shifting_without_mu(
+            SimpleNamespace(config={"use_dynamic_shifting": True}), "WanPipeline"
+        )
     with torch.device("meta"):
         vae = AutoencoderKLWan(base_dim=8, temperal_downsample=(False, False, False))
     with pytest.raises(ModelLoadError, match="no temporal compression"):

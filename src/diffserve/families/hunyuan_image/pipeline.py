@@ -23,7 +23,7 @@ from diffserve.configs.cache_settings import DBCacheSettings
 from diffserve.configs.option import settings_from
 from diffserve.configs.quality import TierPreset
 from diffserve.configs.sampling_params import SamplingParams
-from diffserve.errors import InvalidRequestError, ModelLoadError
+from diffserve.errors import InvalidRequestError
 from diffserve.families.hunyuan_image.conditioning import HunyuanImageConditioning
 from diffserve.families.hunyuan_image.config import (
     HunyuanImagePipelineConfig,
@@ -34,6 +34,7 @@ from diffserve.families.hunyuan_image.folder_checks import check_hunyuan_image_f
 from diffserve.families.hunyuan_image.guider import AdaptiveProjectedMixGuidance
 from diffserve.families.hunyuan_image.text_encoding import HunyuanImageTextEncodingStage, glyph_text
 from diffserve.loader.folder_defaults import apply_overrides
+from diffserve.loader.folder_fit import refuse_dynamic_shifting_without_mu
 from diffserve.models.dits.hunyuan_image import HunyuanImageTransformer2DModel
 from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.pipelines.cfg_batch import advance_requests, split_guided, step_cache_for
@@ -123,11 +124,7 @@ class HunyuanImageTimestepPreparationStage(Stage):
         multiplier: float,
         dtype: torch.dtype,
     ) -> None:
-        if scheduler.config["use_dynamic_shifting"]:
-            raise ModelLoadError(
-                "scheduler_config.json sets use_dynamic_shifting, but HunyuanImage's pipeline passes no "
-                "resolution shift (Diffusers refuses such a folder too): set it to false"
-            )
+        refuse_dynamic_shifting_without_mu(scheduler, "HunyuanImage's pipeline")
         self.scheduler = scheduler
         self.settings = settings
         self.guidance_embeds = guidance_embeds

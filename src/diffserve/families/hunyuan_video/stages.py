@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from diffserve.distributed.parallel_vae import decode_split
-from diffserve.errors import ModelLoadError
+from diffserve.loader.folder_fit import refuse_dynamic_shifting_without_mu
 from diffserve.request import Req
 from diffserve.stages.base import Stage, to_module
 from diffserve.stages.decoding import DecodeLayout
@@ -27,11 +27,7 @@ class HunyuanVideoTimestepPreparationStage(Stage):
     sets = ("schedule",)
 
     def __init__(self, scheduler, guidance_embeds: bool) -> None:
-        if scheduler.config["use_dynamic_shifting"]:
-            raise ModelLoadError(
-                "scheduler_config.json sets use_dynamic_shifting, but HunyuanVideo's pipeline passes no "
-                "resolution shift (Diffusers refuses such a folder too): set it to false"
-            )
+        refuse_dynamic_shifting_without_mu(scheduler, "HunyuanVideo's pipeline")
         self.scheduler = scheduler
         self.guidance_embeds = guidance_embeds
 

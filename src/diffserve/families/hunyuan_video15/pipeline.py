@@ -26,7 +26,7 @@ from diffserve.configs.cache_settings import EasyCacheSettings, TeaCacheSettings
 from diffserve.configs.quality import TierPreset
 from diffserve.configs.sampling_params import SamplingParams
 from diffserve.configs.step_cache_policy import StepCachePolicy
-from diffserve.errors import InvalidRequestError, ModelLoadError
+from diffserve.errors import InvalidRequestError
 from diffserve.families.hunyuan_video15.conditioning import (
     HunyuanVideo15Conditioning,
     HunyuanVideo15EmptyConditionStage,
@@ -42,7 +42,7 @@ from diffserve.families.hunyuan_video15.folder_checks import check_hunyuan_video
 from diffserve.families.hunyuan_video15.sizes import closest_bucket, size_buckets
 from diffserve.families.hunyuan_video15.text_encoding import HunyuanVideo15TextEncodingStage
 from diffserve.loader.folder_defaults import apply_overrides
-from diffserve.loader.folder_fit import encoder_hidden_size
+from diffserve.loader.folder_fit import encoder_hidden_size, refuse_dynamic_shifting_without_mu
 from diffserve.models.dits.hunyuan_video15 import HunyuanVideo15Transformer3DModel
 from diffserve.models.guiders.classifier_free_guidance import ClassifierFreeGuidance
 from diffserve.pipelines.base import Pipeline, PipelineContext
@@ -94,11 +94,7 @@ class HunyuanVideo15TimestepPreparationStage(Stage):
     sets = ("schedule",)
 
     def __init__(self, scheduler) -> None:
-        if scheduler.config["use_dynamic_shifting"]:
-            raise ModelLoadError(
-                "scheduler_config.json sets use_dynamic_shifting, but HunyuanVideo 1.5's pipelines pass no "
-                "resolution shift (Diffusers refuses such a folder too): set it to false"
-            )
+        refuse_dynamic_shifting_without_mu(scheduler, "HunyuanVideo 1.5's pipelines")
         self.scheduler = scheduler
 
     def forward(self, req: Req) -> Req:

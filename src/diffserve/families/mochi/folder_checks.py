@@ -45,14 +45,3 @@ def check_vae_layout(vae: Any) -> None:
             f"MochiPipeline un-normalises exactly {LATENT_CHANNELS} channels (it fails on others); set "
             "latents_mean and latents_std to null for another channel count"
         )
-
-
-def refuse_dynamic_shifting(scheduler: Any) -> None:
-    """Refuse a scheduler config with `use_dynamic_shifting`: Diffusers' MochiPipeline sets its
-    linear-quadratic sigmas without the `mu` such a schedule needs, so it fails on every request."""
-    if scheduler.config.get("use_dynamic_shifting"):
-        raise ModelLoadError(
-            "scheduler/scheduler_config.json: use_dynamic_shifting=true is not supported by MochiPipeline: "
-            "Diffusers' pipeline sets the sigmas without the mu a dynamically shifted schedule needs (and "
-            "fails); set use_dynamic_shifting to false, as released"
-        )

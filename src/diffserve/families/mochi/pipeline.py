@@ -19,7 +19,7 @@ from diffserve.configs.quality import TierPreset
 from diffserve.configs.step_cache_policy import StepCachePolicy
 from diffserve.families.mochi.conditioning import MochiConditioning
 from diffserve.families.mochi.config import MochiPipelineConfig, mochi_default_sampling_params
-from diffserve.families.mochi.folder_checks import check_vae_layout, refuse_dynamic_shifting
+from diffserve.families.mochi.folder_checks import check_vae_layout
 from diffserve.families.mochi.stages import (
     MochiDecodingStage,
     MochiInputValidationStage,
@@ -28,6 +28,7 @@ from diffserve.families.mochi.stages import (
     MochiTimestepPreparationStage,
 )
 from diffserve.loader.folder_defaults import apply_overrides
+from diffserve.loader.folder_fit import refuse_dynamic_shifting_without_mu
 from diffserve.models.dits.mochi import MochiTransformer3DModel
 from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.pipelines.cfg_batch import advance_requests, branch_texts, split_guided, step_cache_for
@@ -100,7 +101,7 @@ class MochiPipeline(Pipeline):
         scheduler = context.get("scheduler")
         dit = transformer.config
         check_vae_layout(vae)
-        refuse_dynamic_shifting(scheduler)
+        refuse_dynamic_shifting_without_mu(scheduler, "MochiPipeline")
         self.spatial = int(vae.spatial_compression_ratio)
         self.temporal = int(vae.temporal_compression_ratio)
         self.pixel_multiple = self.spatial * dit.patch_size

@@ -37,6 +37,7 @@ from diffserve.families.sana.sprint import SCMTimestepPreparationStage
 from diffserve.families.sana.text_encoding import SanaTextEncodingStage
 from diffserve.families.sana.validation import SanaInputValidationStage
 from diffserve.loader.folder_defaults import apply_overrides
+from diffserve.loader.folder_fit import refuse_dynamic_shifting_without_mu
 from diffserve.models.dits.sana import SanaTransformer2DModel
 from diffserve.models.schedulers.dpm_solver_flow import DPMSolverFlowScheduler
 from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
@@ -139,12 +140,7 @@ class SanaPipeline(Pipeline):
                 "this SANA transformer embeds a guidance scale (a SANA-Sprint checkpoint); SanaPipeline "
                 "does not pass one: load it as a SanaSprintPipeline folder"
             )
-        if isinstance(scheduler, FlowMatchEulerScheduler) and scheduler.config["use_dynamic_shifting"]:
-            # DPM-Solver keeps its static flow_shift without a mu, as Diffusers' does; FlowMatchEuler needs one.
-            raise ValueError(
-                "SanaPipeline sets its schedule without a resolution shift (Diffusers passes no mu): a "
-                "FlowMatchEulerDiscreteScheduler with use_dynamic_shifting=True is not supported"
-            )
+        refuse_dynamic_shifting_without_mu(scheduler, "SanaPipeline")
         text_stage = self.text_stage(context)
         binning = ResolutionBinning(BINS_BY_SAMPLE_SIZE.get(dit.sample_size), dit.sample_size, "SanaPipeline")
         self.input_validation = self.validation(

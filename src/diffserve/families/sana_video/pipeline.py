@@ -31,8 +31,8 @@ from diffserve.families.sana_video.stages import (
     SanaVideoTextEncodingStage,
 )
 from diffserve.loader.folder_defaults import apply_overrides
+from diffserve.loader.folder_fit import refuse_dynamic_shifting_without_mu
 from diffserve.models.dits.sana_video import SanaVideoTransformer3DModel
-from diffserve.models.schedulers.flow_match_euler import FlowMatchEulerScheduler
 from diffserve.models.vaes.autoencoder_kl_ltx2 import AutoencoderKLLTX2Video
 from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.pipelines.padded_text_denoiser import PaddedTextDenoiser
@@ -80,12 +80,7 @@ class SanaVideoPipeline(Pipeline):
                 "this SANA-Video transformer embeds a guidance scale (guidance_embeds=True); "
                 f"{PIPELINE_NAME} passes none (Diffusers' cannot run it either)"
             )
-        if isinstance(scheduler, FlowMatchEulerScheduler) and scheduler.config.get("use_dynamic_shifting"):
-            # DPM-Solver keeps its static flow_shift without a mu, as Diffusers' does; FlowMatchEuler needs one.
-            raise ValueError(
-                f"{PIPELINE_NAME} sets its schedule without a resolution shift (Diffusers passes no mu): a "
-                "FlowMatchEulerDiscreteScheduler with use_dynamic_shifting=True is not supported"
-            )
+        refuse_dynamic_shifting_without_mu(scheduler, PIPELINE_NAME)
         if isinstance(vae, AutoencoderKLLTX2Video) and vae.config["timestep_conditioning"]:
             raise ValueError(
                 f"this LTX-2 VAE's decoder takes a decode timestep (timestep_conditioning=True); {PIPELINE_NAME} "

@@ -9,18 +9,6 @@ from typing import Any
 from diffserve.errors import ModelLoadError
 
 
-def refuse_dynamic_shifting(scheduler: Any, pipeline_name: str) -> None:
-    """Refuse a scheduler config with `use_dynamic_shifting`: Diffusers' Wan and SkyReels-V2 pipelines call
-    `set_timesteps(num_inference_steps)` without the `mu` such a schedule needs, so they fail on it; there
-    is no resolution shift of theirs to follow."""
-    if scheduler.config.get("use_dynamic_shifting"):
-        raise ModelLoadError(
-            f"scheduler/scheduler_config.json: use_dynamic_shifting=true is not supported by {pipeline_name}: "
-            "Diffusers' pipeline sets the timesteps without the mu a dynamically shifted schedule needs (and "
-            "fails); set use_dynamic_shifting to false (the shift is then the config's flow_shift / shift)"
-        )
-
-
 def check_vae_scale_factors(vae: Any) -> None:
     """Refuse an `AutoencoderKLWan` whose `scale_factor_spatial` / `scale_factor_temporal` differ from its
     network's compression (`dim_mult`, `temperal_downsample`, `patch_size`): Diffusers' Wan pipelines size

@@ -32,7 +32,6 @@ from diffserve.families.wan.experts import HIGH_NOISE, ExpertSwitch, guidance_sc
 from diffserve.families.wan.folder_checks import (
     check_image_encoder,
     check_vae_scale_factors,
-    refuse_dynamic_shifting,
     refuse_no_temporal_compression,
 )
 from diffserve.families.wan.image_to_video_preparation import (
@@ -48,6 +47,7 @@ from diffserve.families.wan.text_encoding import WanTextEncodingStage
 from diffserve.families.wan.ti2v_preparation import WanFirstFrameLatentStage
 from diffserve.layers.lora_rows import request_lora_scope
 from diffserve.loader.folder_defaults import apply_overrides
+from diffserve.loader.folder_fit import refuse_dynamic_shifting_without_mu
 from diffserve.models.dits.wan import EmbeddedContext, WanTransformer3DModel
 from diffserve.pipelines.base import Pipeline, PipelineContext
 from diffserve.pipelines.cfg_batch import (
@@ -235,7 +235,7 @@ class WanPipeline(Pipeline):
         vae = context.get("vae")
         scheduler = context.get("scheduler")
         self.dit_config = transformer.config
-        refuse_dynamic_shifting(scheduler, self.pipeline_name)
+        refuse_dynamic_shifting_without_mu(scheduler, self.pipeline_name)
         refuse_no_temporal_compression(vae)
         if self.latent_size_from_vae_config:
             check_vae_scale_factors(vae)
